@@ -1,4 +1,29 @@
-//! cp-hicache: a context-parallel aware hierarchical KV cache whose data paths are
+//! cp-hicache: a context-parallel (CP) aware hierarchical KV cache whose data paths are
 //! template-rendered CUDA kernels, JIT-compiled with NVRTC, and run on the CPU through an
 //! emulation executor when no GPU is present.
+//!
+//! With CP degree C each KV page is owned by one rank and attention reads every page from its
+//! owner. A cache hit must therefore load pages back into pages with *the same owners* they
+//! were written from; otherwise decoding silently reads pages nobody loaded. This crate makes
+//! that the only possible way to load, and verifies every hit byte for byte.
+//!
+//! ```
+//! use cp_hicache::{allocator::OwnerLaneAllocator, layout::{CpLayout, zigzag_owners}};
+//!
+//! let layout = CpLayout::new(2, 64, 1024)?;
+//! let mut alloc = OwnerLaneAllocator::new(layout);
+//! let owners = zigzag_owners(2, 5); // 0,0,1,1,0
+//! let run = alloc.alloc_pages_with_owners(&owners)?;
+//! let got: Vec<u8> = run.pages().iter().map(|&p| layout.owner(p).0).collect();
+//! assert_eq!(got, owners);
+//! # Ok::<(), cp_hicache::Error>(())
+//! ```
 #![deny(missing_docs)]
+
+pub mod allocator;
+pub mod cli;
+mod error;
+pub mod layout;
+pub mod metadata;
+
+pub use error::Error;

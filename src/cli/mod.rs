@@ -1,0 +1,41 @@
+//! The `cp-hicache` command line: argument types (parsed without side effects) and the
+//! dispatch to each command. `main` only maps the result to an exit status.
+
+mod info;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+/// Context-parallel aware hierarchical KV cache: replay, render, compile, bench, tune, info.
+#[derive(Debug, Parser)]
+#[command(name = "cp-hicache", version, about, long_about = LONG_ABOUT)]
+pub struct Cli {
+    /// The command to run.
+    #[command(subcommand)]
+    pub command: Option<Command>,
+}
+
+const LONG_ABOUT: &str = "\
+cp-hicache is the KV-cache layer for context-parallel (CP) serving: a hierarchical cache \
+(device pages backed up to host memory, loaded back on a prefix hit) in which every page keeps \
+the CP rank that owns it. Its data paths are CUDA kernels rendered from templates, compiled \
+with NVRTC, and run on the CPU through an emulation executor when no GPU is present.
+
+Set RUST_LOG=cp_hicache=info to see every JIT event.";
+
+/// The commands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Show the version, the default layout, and what was found on this machine (C++
+    /// compiler, NVRTC, CUDA driver, cache directory).
+    Info(info::InfoArgs),
+}
+
+/// Runs a parsed command line. Errors are returned, not printed, so `main` owns the exit
+/// status.
+pub fn run(cli: Cli) -> Result<ExitCode, crate::Error> {
+    match cli.command {
+        Some(Command::Info(args)) => info::run(&args),
+        None => info::run(&info::InfoArgs::default()),
+    }
+}

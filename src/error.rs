@@ -1,0 +1,36 @@
+//! The crate-level error: one variant per module error, so callers can match on the concern
+//! that failed while `?` works across modules.
+
+use crate::{allocator::AllocError, layout::LayoutError, metadata::MetadataError};
+
+/// Any error cp-hicache reports.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// An invalid layout or a value outside it.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    /// Invalid node metadata or a malformed encoding.
+    #[error(transparent)]
+    Metadata(#[from] MetadataError),
+    /// An allocator shortage or misuse.
+    #[error(transparent)]
+    Alloc(#[from] AllocError),
+    /// Invalid command-line input that clap could not catch.
+    #[error("{0}")]
+    Usage(String),
+    /// An I/O error, with what was being done.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+}
+
+impl Error {
+    /// Whether the error is the user's input (exit status 2) rather than a failure (1).
+    pub fn is_usage(&self) -> bool {
+        matches!(self, Error::Usage(_) | Error::Layout(_))
+    }
+}

@@ -1,0 +1,389 @@
+//! The CP page layout: which rank owns each logical page, where it lives in that rank's pool,
+//! and the owner patterns that freshly computed pages follow.
+//!
+//! Everything here is pure arithmetic. The newtypes exist because mixing a logical page with
+//! a local page, or a rank with an owner index, is exactly the class of bug this crate was
+//! written to make impossible (see the seed: bytes loaded into a page another rank owns).
+
+use std::fmt;
+
+/// Largest supported CP degree (owners are stored as 4-bit values on disk).
+pub const MAX_CP: u8 = 16;
+/// Largest supported page size in tokens.
+pub const MAX_PAGE_SIZE: u32 = 1024;
+
+/// A logical page id, global across the CP group. Page 0 is the null (padding) page.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PageId(pub u32);
+
+/// A page index inside one rank's own device pool (`PageId / cp`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct LocalPage(pub u32);
+
+/// A CP rank, `0..cp`. Also used as the owner of a page.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Rank(pub u8);
+
+/// A token location in the logical KV index space: `page * page_size + offset`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct TokenLoc(pub u64);
+
+impl PageId {
+    /// The null page: padding, never allocated, never freed.
+    pub const NULL: PageId = PageId(0);
+}
+
+impl fmt::Display for PageId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "page {}", self.0)
+    }
+}
+
+impl fmt::Display for Rank {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "rank {}", self.0)
+    }
+}
+
+/// Why a layout (or a value checked against one) was rejected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LayoutError {
+    /// CP degree outside `1..=16`.
+    #[error("CP degree {cp} is out of range: it must be between 1 and {MAX_CP}")]
+    CpOutOfRange {
+        /// The rejected degree.
+        cp: u32,
+    },
+    /// Page size that is zero, not a power of two, or above the maximum.
+    #[error(
+        "page size {page_size} is invalid: it must be a power of two between 1 and {MAX_PAGE_SIZE}"
+    )]
+    BadPageSize {
+        /// The rejected page size.
+        page_size: u32,
+    },
+    /// Too few pages for every lane to hold at least one allocatable page.
+    #[error("{pages} pages are too few for CP {cp}: need at least {min} (page 0 is the null page and every rank needs one page)")]
+    TooFewPages {
+        /// Requested page count.
+        pages: u32,
+        /// CP degree.
+        cp: u8,
+        /// The minimum that would work.
+        min: u32,
+    },
+    /// The token space `pages * page_size` does not fit the 63-bit token locations kernels use.
+    #[error("{pages} pages of {page_size} tokens overflow the token location space")]
+    TooManyTokens {
+        /// Requested page count.
+        pages: u32,
+        /// Page size.
+        page_size: u32,
+    },
+    /// A page id at or beyond the layout's page count.
+    #[error("{page} is out of range: the layout has {pages} pages")]
+    PageOutOfRange {
+        /// The rejected page.
+        page: PageId,
+        /// The layout's page count.
+        pages: u32,
+    },
+    /// A rank at or beyond the CP degree.
+    #[error("{rank} is out of range for CP {cp}")]
+    RankOutOfRange {
+        /// The rejected rank.
+        rank: Rank,
+        /// The CP degree.
+        cp: u8,
+    },
+}
+
+/// The pattern freshly computed pages of one sequence follow across owners.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum OwnerPattern {
+    /// `2C` near-equal chunks, chunk `k` owned by `k` for `k < C`, else `2C-1-k`; balances
+    /// causal-attention work across ranks.
+    #[default]
+    Zigzag,
+    /// Page `i` owned by `i % C`.
+    RoundRobin,
+}
+
+impl OwnerPattern {
+    /// Owners of `n` consecutive pages of one sequence under this pattern.
+    pub fn owners(self, cp: u8, n: usize) -> Vec<u8> {
+        match self {
+            OwnerPattern::Zigzag => zigzag_owners(cp, n),
+            OwnerPattern::RoundRobin => round_robin_owners(cp, n),
+        }
+    }
+}
+
+impl fmt::Display for OwnerPattern {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            OwnerPattern::Zigzag => "zigzag",
+            OwnerPattern::RoundRobin => "round-robin",
+        })
+    }
+}
+
+/// Zigzag owners for `n` pages (DESIGN.md §2): `2C` chunks as equal as possible, the first
+/// `n % 2C` chunks one page longer; chunk `k` belongs to rank `k` for `k < C`, else `2C-1-k`.
+/// A `cp` of 0 is treated as 1.
+pub fn zigzag_owners(cp: u8, n: usize) -> Vec<u8> {
+    let cp = usize::from(cp.max(1));
+    let chunks = 2 * cp;
+    let (base, extra) = (n / chunks, n % chunks);
+    let mut owners = Vec::with_capacity(n);
+    for k in 0..chunks {
+        let len = base + usize::from(k < extra);
+        let rank = if k < cp { k } else { chunks - 1 - k };
+        // `rank < cp <= 16`, so the cast is lossless.
+        owners.extend(std::iter::repeat_n(rank as u8, len));
+    }
+    owners
+}
+
+/// Round-robin owners for `n` pages: page `i` belongs to rank `i % C`. A `cp` of 0 is
+/// treated as 1.
+pub fn round_robin_owners(cp: u8, n: usize) -> Vec<u8> {
+    let cp = cp.max(1);
+    (0..n).map(|i| (i % usize::from(cp)) as u8).collect()
+}
+
+/// The CP page layout of one deployment: CP degree, page size and logical page count.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct CpLayout {
+    cp: u8,
+    page_size: u32,
+    pages: u32,
+}
+
+impl CpLayout {
+    /// Validated construction. Takes wide integers so hostile values (a CP of 300, say) are
+    /// rejected with a clear error rather than truncated.
+    pub fn new(cp: u32, page_size: u32, pages: u32) -> Result<Self, LayoutError> {
+        if !(1..=u32::from(MAX_CP)).contains(&cp) {
+            return Err(LayoutError::CpOutOfRange { cp });
+        }
+        let cp = cp as u8;
+        if page_size == 0 || !page_size.is_power_of_two() || page_size > MAX_PAGE_SIZE {
+            return Err(LayoutError::BadPageSize { page_size });
+        }
+        let min = Self::min_pages(cp);
+        if pages < min {
+            return Err(LayoutError::TooFewPages { pages, cp, min });
+        }
+        if u64::from(pages) * u64::from(page_size) > i64::MAX as u64 {
+            return Err(LayoutError::TooManyTokens { pages, page_size });
+        }
+        Ok(CpLayout {
+            cp,
+            page_size,
+            pages,
+        })
+    }
+
+    /// The smallest page count for which every lane has an allocatable page: the null page
+    /// plus one page per rank.
+    pub fn min_pages(cp: u8) -> u32 {
+        u32::from(cp) + 1
+    }
+
+    /// CP degree.
+    pub fn cp(&self) -> u8 {
+        self.cp
+    }
+
+    /// Tokens per page.
+    pub fn page_size(&self) -> u32 {
+        self.page_size
+    }
+
+    /// Logical page count, including the null page.
+    pub fn pages(&self) -> u32 {
+        self.pages
+    }
+
+    /// `log2(page_size)`; kernels shift instead of dividing.
+    pub fn page_shift(&self) -> u32 {
+        self.page_size.trailing_zeros()
+    }
+
+    /// Owner rank of a logical page: `p % cp`.
+    pub fn owner(&self, page: PageId) -> Rank {
+        Rank((page.0 % u32::from(self.cp)) as u8)
+    }
+
+    /// Slot of a logical page inside its owner's pool: `p / cp`.
+    pub fn local(&self, page: PageId) -> LocalPage {
+        LocalPage(page.0 / u32::from(self.cp))
+    }
+
+    /// Inverse of (`owner`, `local`).
+    pub fn global(&self, rank: Rank, local: LocalPage) -> PageId {
+        PageId(local.0 * u32::from(self.cp) + u32::from(rank.0))
+    }
+
+    /// Local pages in each rank's device pool: `ceil(pages / cp)`. KV is sharded, not
+    /// replicated.
+    pub fn local_pages_per_rank(&self) -> u32 {
+        self.pages.div_ceil(u32::from(self.cp))
+    }
+
+    /// Checks that a page id is a real page of this layout (the null page included).
+    pub fn check_page(&self, page: PageId) -> Result<(), LayoutError> {
+        if page.0 >= self.pages {
+            return Err(LayoutError::PageOutOfRange {
+                page,
+                pages: self.pages,
+            });
+        }
+        Ok(())
+    }
+
+    /// Checks that a rank exists in this layout.
+    pub fn check_rank(&self, rank: Rank) -> Result<(), LayoutError> {
+        if rank.0 >= self.cp {
+            return Err(LayoutError::RankOutOfRange { rank, cp: self.cp });
+        }
+        Ok(())
+    }
+
+    /// Whether `page` belongs to the lane of `rank`: allocatable (not null), in range and
+    /// owned by `rank`.
+    pub fn in_lane(&self, page: PageId, rank: Rank) -> bool {
+        page != PageId::NULL && page.0 < self.pages && self.owner(page) == rank
+    }
+
+    /// All allocatable pages of a lane, ascending.
+    pub fn lane_pages(&self, rank: Rank) -> impl DoubleEndedIterator<Item = PageId> + '_ {
+        let start = if rank.0 == 0 {
+            u32::from(self.cp)
+        } else {
+            u32::from(rank.0)
+        };
+        (start..self.pages)
+            .step_by(usize::from(self.cp))
+            .map(PageId)
+    }
+
+    /// Number of allocatable pages in a lane.
+    pub fn lane_capacity(&self, rank: Rank) -> u32 {
+        let cp = u32::from(self.cp);
+        let first = if rank.0 == 0 { cp } else { u32::from(rank.0) };
+        if first >= self.pages {
+            0
+        } else {
+            (self.pages - first).div_ceil(cp)
+        }
+    }
+
+    /// The page holding a token location.
+    pub fn page_of(&self, loc: TokenLoc) -> PageId {
+        PageId((loc.0 >> self.page_shift()) as u32)
+    }
+
+    /// The token location at `offset` inside `page`.
+    pub fn loc(&self, page: PageId, offset: u32) -> TokenLoc {
+        debug_assert!(offset < self.page_size);
+        TokenLoc((u64::from(page.0) << self.page_shift()) | u64::from(offset))
+    }
+
+    /// Owners of a run of token locations, one per page: the owner of each page's first slot.
+    /// This is how `write_cp` derives `page_owners` from a node's device locations.
+    pub fn owners_of_locs(&self, locs: &[TokenLoc]) -> Vec<u8> {
+        locs.iter()
+            .step_by(self.page_size as usize)
+            .map(|&loc| self.owner(self.page_of(loc)).0)
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zigzag_pins_small_cases() {
+        // See issue 2: C=2, 5 pages: chunks sized 2,1,1,1.
+        assert_eq!(zigzag_owners(2, 5), vec![0, 0, 1, 1, 0]);
+        assert_eq!(zigzag_owners(2, 4), vec![0, 1, 1, 0]);
+        assert_eq!(zigzag_owners(2, 8), vec![0, 0, 1, 1, 1, 1, 0, 0]);
+        assert_eq!(zigzag_owners(4, 8), vec![0, 1, 2, 3, 3, 2, 1, 0]);
+        assert_eq!(zigzag_owners(4, 3), vec![0, 1, 2]);
+        assert_eq!(zigzag_owners(1, 3), vec![0, 0, 0]);
+        assert_eq!(zigzag_owners(3, 0), Vec::<u8>::new());
+        assert_eq!(zigzag_owners(3, 7), vec![0, 0, 1, 2, 2, 1, 0]);
+    }
+
+    #[test]
+    fn round_robin_cycles() {
+        assert_eq!(round_robin_owners(3, 7), vec![0, 1, 2, 0, 1, 2, 0]);
+        assert_eq!(OwnerPattern::RoundRobin.owners(2, 3), vec![0, 1, 0]);
+    }
+
+    #[test]
+    fn layout_rejects_hostile_values() {
+        assert!(matches!(
+            CpLayout::new(0, 64, 100),
+            Err(LayoutError::CpOutOfRange { cp: 0 })
+        ));
+        assert!(CpLayout::new(17, 64, 100).is_err());
+        assert!(CpLayout::new(u32::MAX, 64, 100).is_err());
+        assert!(CpLayout::new(2, 0, 100).is_err());
+        assert!(CpLayout::new(2, 48, 100).is_err());
+        assert!(CpLayout::new(2, 2048, 100).is_err());
+        assert!(matches!(
+            CpLayout::new(8, 64, 8),
+            Err(LayoutError::TooFewPages { min: 9, .. })
+        ));
+        assert!(CpLayout::new(8, 64, 9).is_ok());
+        assert!(CpLayout::new(16, 1024, u32::MAX).is_ok());
+    }
+
+    #[test]
+    fn owner_local_global_round_trip() {
+        let l = CpLayout::new(3, 16, 20).unwrap();
+        for p in 0..20 {
+            let page = PageId(p);
+            assert_eq!(l.global(l.owner(page), l.local(page)), page);
+            assert!(l.local(page).0 < l.local_pages_per_rank());
+        }
+        assert_eq!(l.local_pages_per_rank(), 7);
+    }
+
+    #[test]
+    fn lanes_partition_the_non_null_pages() {
+        for cp in 1..=5u32 {
+            for pages in (cp + 1)..(cp + 12) {
+                let l = CpLayout::new(cp, 4, pages).unwrap();
+                let mut seen = vec![false; pages as usize];
+                for r in 0..cp as u8 {
+                    let lane: Vec<_> = l.lane_pages(Rank(r)).collect();
+                    assert_eq!(lane.len() as u32, l.lane_capacity(Rank(r)));
+                    for p in lane {
+                        assert!(l.in_lane(p, Rank(r)));
+                        assert!(!seen[p.0 as usize]);
+                        seen[p.0 as usize] = true;
+                    }
+                }
+                assert!(!seen[0]);
+                assert!(seen[1..].iter().all(|&s| s));
+            }
+        }
+    }
+
+    #[test]
+    fn locs_and_owners() {
+        let l = CpLayout::new(4, 4, 32).unwrap();
+        let locs: Vec<_> = [5u32, 6, 8]
+            .iter()
+            .flat_map(|&p| (0..4).map(move |o| (p, o)))
+            .map(|(p, o)| l.loc(PageId(p), o))
+            .collect();
+        assert_eq!(l.page_of(locs[5]), PageId(6));
+        assert_eq!(l.owners_of_locs(&locs), vec![1, 2, 0]);
+    }
+}

@@ -1,0 +1,98 @@
+//! Property tests of node metadata: split/concat and encode/decode round trips, and hostile
+//! bytes never panic the decoder.
+
+use cp_hicache::layout::{CpLayout, Rank};
+use cp_hicache::metadata::{HostPage, NodeMetadata};
+use proptest::prelude::*;
+
+/// A valid metadata value: random layout, owners, rank, and distinct host pages.
+fn metadata() -> impl Strategy<Value = NodeMetadata> {
+    (1u32..=16, 0u32..=10, 1usize..48)
+        .prop_flat_map(|(cp, shift, n)| {
+            (
+                Just(cp),
+                Just(shift),
+                prop::collection::vec(0..cp as u8, n),
+                0..cp as u8,
+                prop::collection::hash_set(any::<u32>(), n),
+            )
+        })
+        .prop_map(|(cp, shift, owners, rank, pool)| {
+            let layout = CpLayout::new(cp, 1 << shift, cp + 1).unwrap();
+            let owned = owners.iter().filter(|&&o| o == rank).count();
+            let host: Vec<HostPage> = pool.into_iter().take(owned).map(HostPage).collect();
+            NodeMetadata::new(&layout, Rank(rank), owners, host).unwrap()
+        })
+}
+
+proptest! {
+    #[test]
+    fn split_then_concat_is_identity(m in metadata(), at in any::<prop::sample::Index>()) {
+        let pages = m.num_pages();
+        prop_assume!(pages >= 2);
+        let at_page = 1 + at.index(pages - 1);
+        let at_token = at_page as u64 * u64::from(m.page_size());
+        let (l, r) = m.split(at_token).unwrap();
+        prop_assert_eq!(l.num_pages(), at_page);
+        prop_assert_eq!(l.owned_page_indices().count() + r.owned_page_indices().count(),
+                        m.owned_page_indices().count());
+        prop_assert_eq!(NodeMetadata::concat([&l, &r]).unwrap(), m.clone());
+        // Off-boundary splits are rejected, never panic.
+        if m.page_size() > 1 {
+            prop_assert!(m.split(at_token + 1).is_err());
+        }
+    }
+
+    #[test]
+    fn encode_decode_round_trips(m in metadata()) {
+        let bytes = m.encode();
+        prop_assert_eq!(NodeMetadata::decode(&bytes).unwrap(), m);
+    }
+
+    #[test]
+    fn corrupted_encodings_never_panic(m in metadata(), flips in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..4), cut in any::<prop::sample::Index>()) {
+        let mut bytes = m.encode();
+        for (i, v) in flips {
+            let at = i.index(bytes.len());
+            bytes[at] ^= v;
+        }
+        // Whatever comes back is either an error or a fully valid value that re-encodes
+        // to the same bytes.
+        if let Ok(d) = NodeMetadata::decode(&bytes) {
+            prop_assert_eq!(d.encode(), bytes.clone());
+        }
+        let keep = cut.index(bytes.len());
+        prop_assert!(NodeMetadata::decode(&bytes[..keep]).is_err());
+    }
+
+    #[test]
+    fn random_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
+        let _ = NodeMetadata::decode(&bytes);
+        let mut prefixed = b"CPHM\x01".to_vec();
+        prefixed.extend_from_slice(&bytes);
+        let _ = NodeMetadata::decode(&prefixed);
+    }
+}
+
+#[test]
+fn hostile_constructions_are_errors() {
+    for cp in [0u8, 17, 255] {
+        assert!(NodeMetadata::from_parts(cp, 64, Rank(0), vec![], vec![]).is_err());
+    }
+    for ps in [0u32, 3, 2048, u32::MAX] {
+        assert!(NodeMetadata::from_parts(2, ps, Rank(0), vec![], vec![]).is_err());
+    }
+    assert!(NodeMetadata::from_parts(2, 64, Rank(2), vec![], vec![]).is_err());
+    assert!(NodeMetadata::from_parts(2, 64, Rank(0), vec![0, 255], vec![HostPage(1)]).is_err());
+    let layout = CpLayout::new(4, 64, 100).unwrap();
+    let m = NodeMetadata::new(
+        &layout,
+        Rank(0),
+        vec![0; 3],
+        vec![HostPage(1), HostPage(2), HostPage(3)],
+    )
+    .unwrap();
+    let other = CpLayout::new(4, 16, 100).unwrap();
+    assert!(m.check_layout(&other).is_err());
+    assert!(m.check_layout(&layout).is_ok());
+}
