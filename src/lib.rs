@@ -25,5 +25,6 @@ pub mod cli;
 mod error;
 pub mod layout;
 pub mod metadata;
+pub mod workload;
 
 pub use error::Error;

@@ -1,0 +1,69 @@
+//! Request streams for replay: real Mooncake-format traces read by path, and a built-in,
+//! seeded generator of multi-turn conversations with shared system prompts.
+//!
+//! Both yield [`Request`]s one at a time, so a long trace is never expanded into memory at
+//! once. Token ids are deterministic functions of the input, so every replica and every run
+//! sees the same tokens, and the synthesised KV (a function of the token prefix) is
+//! reproducible.
+
+mod synthetic;
+mod trace;
+
+pub use synthetic::{Conversations, ConversationsConfig};
+pub use trace::{MooncakeTrace, TraceConfig, MOONCAKE_BLOCK_TOKENS};
+
+use std::path::PathBuf;
+
+/// One prompt to prefill, then (notionally) decode.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Request {
+    /// Position of the request in its workload (0-based).
+    pub id: usize,
+    /// Prompt token ids.
+    pub tokens: Vec<u32>,
+    /// Tokens the request would generate; conversations append them to the next turn.
+    pub output_tokens: u32,
+}
+
+/// Why a workload could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkloadError {
+    /// The trace file could not be opened or read.
+    #[error("cannot read trace {path}: {source}")]
+    Io {
+        /// The trace path.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// A trace line is not a valid record; `line` is 1-based.
+    #[error("{path}:{line}: {message}")]
+    BadLine {
+        /// The trace path.
+        path: PathBuf,
+        /// 1-based line number.
+        line: usize,
+        /// What is wrong with it.
+        message: String,
+    },
+    /// A configuration value is out of range.
+    #[error("invalid workload setting: {0}")]
+    Config(String),
+}
+
+/// A deterministic 64-bit mixer (the splitmix64 finaliser); token ids and generator choices
+/// derive from it so runs are reproducible across platforms and crate versions.
+pub(crate) fn mix64(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// Token id of position `j` inside a block whose content is named by `block`.
+pub(crate) fn block_token(block: u64, j: u64, vocab: u32) -> u32 {
+    (mix64(block.wrapping_mul(0x1_0000_0001) ^ j) % u64::from(vocab)) as u32
+}
+
+/// Vocabulary size tokens are drawn from (DeepSeek-V3's is 129,280).
+pub const VOCAB: u32 = 129_280;

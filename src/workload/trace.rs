@@ -1,0 +1,247 @@
+//! Mooncake-format traces: one JSON object per line with `timestamp`, `input_length`,
+//! `output_length` and `hash_ids`, where each hash id names one 512-token block of the
+//! prompt (equal ids mean equal prefixes).
+
+use super::{block_token, Request, WorkloadError, VOCAB};
+use serde::Deserialize;
+use std::fs::File;
+use std::io::{BufRead, BufReader, Lines};
+use std::path::{Path, PathBuf};
+
+/// Tokens per hash id in the published Mooncake traces.
+pub const MOONCAKE_BLOCK_TOKENS: u64 = 512;
+
+/// Longest prompt accepted, in trace tokens; anything longer is a corrupt record.
+const MAX_INPUT_LENGTH: u64 = 16 * 1024 * 1024;
+
+/// How a trace is replayed.
+#[derive(Clone, Debug)]
+pub struct TraceConfig {
+    /// Tokens one hash id stands for in the replay (the trace's 512 scaled down to keep CPU
+    /// replays fast; lengths scale the same way).
+    pub block_tokens: u32,
+    /// Take at most this many requests.
+    pub max_requests: Option<usize>,
+}
+
+#[derive(Deserialize)]
+struct Record {
+    timestamp: Option<f64>,
+    input_length: i64,
+    output_length: i64,
+    hash_ids: Vec<i64>,
+}
+
+/// A streaming reader of a Mooncake trace; yields one [`Request`] per non-blank line.
+pub struct MooncakeTrace {
+    path: PathBuf,
+    lines: Lines<BufReader<File>>,
+    line_no: usize,
+    next_id: usize,
+    config: TraceConfig,
+}
+
+impl MooncakeTrace {
+    /// Opens a trace file.
+    pub fn open(path: &Path, config: TraceConfig) -> Result<Self, WorkloadError> {
+        if config.block_tokens == 0 {
+            return Err(WorkloadError::Config(
+                "--block-tokens must be at least 1".into(),
+            ));
+        }
+        let file = File::open(path).map_err(|source| WorkloadError::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+        Ok(MooncakeTrace {
+            path: path.to_owned(),
+            lines: BufReader::new(file).lines(),
+            line_no: 0,
+            next_id: 0,
+            config,
+        })
+    }
+
+    fn bad(&self, message: impl Into<String>) -> WorkloadError {
+        WorkloadError::BadLine {
+            path: self.path.clone(),
+            line: self.line_no,
+            message: message.into(),
+        }
+    }
+
+    fn parse(&self, line: &str) -> Result<Request, WorkloadError> {
+        let rec: Record = serde_json::from_str(line)
+            .map_err(|e| self.bad(format!("not a Mooncake trace record: {e}")))?;
+        if rec.timestamp.is_some_and(|t| !t.is_finite() || t < 0.0) {
+            return Err(self.bad("timestamp must be a non-negative number"));
+        }
+        if rec.input_length <= 0 || rec.input_length as u64 > MAX_INPUT_LENGTH {
+            return Err(self.bad(format!(
+                "input_length {} is out of range 1..={MAX_INPUT_LENGTH}",
+                rec.input_length
+            )));
+        }
+        if rec.output_length < 0 || rec.output_length as u64 > MAX_INPUT_LENGTH {
+            return Err(self.bad(format!(
+                "output_length {} is out of range 0..={MAX_INPUT_LENGTH}",
+                rec.output_length
+            )));
+        }
+        if let Some(h) = rec.hash_ids.iter().find(|&&h| h < 0) {
+            return Err(self.bad(format!("hash id {h} is negative")));
+        }
+        let input = rec.input_length as u64;
+        let blocks = rec.hash_ids.len() as u64;
+        if blocks == 0
+            || input > blocks * MOONCAKE_BLOCK_TOKENS
+            || input <= (blocks - 1) * MOONCAKE_BLOCK_TOKENS
+        {
+            return Err(self.bad(format!(
+                "{blocks} hash_ids of {MOONCAKE_BLOCK_TOKENS} tokens cannot hold input_length {input}"
+            )));
+        }
+        let bt = u64::from(self.config.block_tokens);
+        // Scale the prompt length like the blocks; the tail of the last block is cut, but at
+        // least one token of it is kept.
+        let scaled = (input * bt)
+            .div_ceil(MOONCAKE_BLOCK_TOKENS)
+            .clamp((blocks - 1) * bt + 1, blocks * bt);
+        let tokens = rec
+            .hash_ids
+            .iter()
+            .flat_map(|&h| (0..bt).map(move |j| block_token(h as u64, j, VOCAB)))
+            .take(scaled as usize)
+            .collect();
+        let output = (rec.output_length as u64 * bt).div_ceil(MOONCAKE_BLOCK_TOKENS);
+        Ok(Request {
+            id: self.next_id,
+            tokens,
+            output_tokens: output as u32,
+        })
+    }
+}
+
+impl Iterator for MooncakeTrace {
+    type Item = Result<Request, WorkloadError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.config.max_requests.is_some_and(|m| self.next_id >= m) {
+            return None;
+        }
+        loop {
+            let line = match self.lines.next()? {
+                Ok(line) => line,
+                Err(source) => {
+                    return Some(Err(WorkloadError::Io {
+                        path: self.path.clone(),
+                        source,
+                    }))
+                }
+            };
+            self.line_no += 1;
+            if line.trim().is_empty() {
+                continue;
+            }
+            let req = self.parse(&line);
+            if req.is_ok() {
+                self.next_id += 1;
+            }
+            return Some(req);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn trace(lines: &str, block_tokens: u32) -> Vec<Result<Request, WorkloadError>> {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(lines.as_bytes()).unwrap();
+        MooncakeTrace::open(
+            f.path(),
+            TraceConfig {
+                block_tokens,
+                max_requests: None,
+            },
+        )
+        .unwrap()
+        .collect()
+    }
+
+    #[test]
+    fn expands_blocks_and_scales_lengths() {
+        let reqs = trace(
+            "{\"timestamp\": 0, \"input_length\": 700, \"output_length\": 10, \"hash_ids\": [0, 1]}\n\n\
+             {\"timestamp\": 1, \"input_length\": 1024, \"output_length\": 0, \"hash_ids\": [0, 2]}\n",
+            64,
+        );
+        let a = reqs[0].as_ref().unwrap();
+        let b = reqs[1].as_ref().unwrap();
+        assert_eq!(a.tokens.len(), 88); // ceil(700 * 64 / 512)
+        assert_eq!(b.tokens.len(), 128);
+        assert_eq!(
+            a.tokens[..64],
+            b.tokens[..64],
+            "equal hash ids, equal blocks"
+        );
+        assert_ne!(a.tokens[64..88], b.tokens[64..88]);
+        assert_eq!((a.id, b.id), (0, 1));
+    }
+
+    #[test]
+    fn bad_lines_name_the_line() {
+        let cases = [
+            ("not json", "not a Mooncake trace record"),
+            (
+                "{\"input_length\": -5, \"output_length\": 1, \"hash_ids\": [1]}",
+                "input_length -5",
+            ),
+            (
+                "{\"input_length\": 99999999999, \"output_length\": 1, \"hash_ids\": [1]}",
+                "out of range",
+            ),
+            (
+                "{\"input_length\": 100, \"output_length\": 1, \"hash_ids\": [1, 2]}",
+                "cannot hold",
+            ),
+            (
+                "{\"input_length\": 600, \"output_length\": 1, \"hash_ids\": [1]}",
+                "cannot hold",
+            ),
+            (
+                "{\"input_length\": 10, \"output_length\": 1, \"hash_ids\": []}",
+                "cannot hold",
+            ),
+            (
+                "{\"input_length\": 10, \"output_length\": -1, \"hash_ids\": [3]}",
+                "output_length",
+            ),
+        ];
+        for (line, want) in cases {
+            let text = format!(
+                "{{\"input_length\": 5, \"output_length\": 1, \"hash_ids\": [0]}}\n{line}\n"
+            );
+            let got = trace(&text, 16);
+            let err = got[1].as_ref().unwrap_err().to_string();
+            assert!(err.contains(":2: "), "{err}");
+            assert!(err.contains(want), "{err} should mention {want}");
+        }
+    }
+
+    #[test]
+    fn missing_file_is_a_clear_error() {
+        let err = MooncakeTrace::open(
+            Path::new("/nonexistent/trace.jsonl"),
+            TraceConfig {
+                block_tokens: 64,
+                max_requests: None,
+            },
+        )
+        .err()
+        .unwrap();
+        assert!(err.to_string().contains("/nonexistent/trace.jsonl"));
+    }
+}
