@@ -127,7 +127,7 @@ impl Conversations {
 
     fn start_conversation(&mut self) -> Conversation {
         let c = &self.config;
-        let system = (self.rng.next() % c.system_prompts as u64) as u64;
+        let system = self.rng.next() % c.system_prompts as u64;
         let prompt = (0..c.system_tokens as u64)
             .map(|j| block_token(system, j, VOCAB))
             .collect();
