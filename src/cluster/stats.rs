@@ -1,0 +1,211 @@
+//! Per-request statistics of the cluster and the replay report built from them.
+
+use serde::Serialize;
+use std::fmt::Write as _;
+
+/// What one request did, summed over its lockstep steps. Token counts are per prompt (not
+/// per rank); byte counts sum over all ranks.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct RequestStats {
+    /// Prompt tokens.
+    pub prompt_tokens: u64,
+    /// Tokens served from device-resident cache.
+    pub device_hit_tokens: u64,
+    /// Tokens served by loading host copies back to the device.
+    pub host_hit_tokens: u64,
+    /// Tokens computed (synthesised) this request.
+    pub computed_tokens: u64,
+    /// Pages loaded host→device (logical pages, whatever their owners).
+    pub pages_loaded: u64,
+    /// Pages backed up device→host (logical pages).
+    pub pages_written: u64,
+    /// Tree nodes evicted by device or host LRU.
+    pub evictions_lru: u64,
+    /// Tree nodes evicted to cover an owner-lane deficit.
+    pub evictions_lane: u64,
+    /// Load-backs that could not get owner-matching pages and became misses.
+    pub load_degraded_to_miss: u64,
+    /// Backups skipped because the host pool was full.
+    pub backups_skipped: u64,
+    /// Bytes copied host→device over all ranks.
+    pub bytes_h2d: u64,
+    /// Bytes copied device→host over all ranks.
+    pub bytes_d2h: u64,
+    /// Materialised tokens whose bytes differ from the synthesised KV.
+    pub mismatched_tokens: u64,
+    /// Device→host reads plus synchronisations the executor counted on load paths.
+    pub load_path_syncs: u64,
+}
+
+impl RequestStats {
+    /// Adds another request's counts.
+    pub fn add(&mut self, o: &RequestStats) {
+        self.prompt_tokens += o.prompt_tokens;
+        self.device_hit_tokens += o.device_hit_tokens;
+        self.host_hit_tokens += o.host_hit_tokens;
+        self.computed_tokens += o.computed_tokens;
+        self.pages_loaded += o.pages_loaded;
+        self.pages_written += o.pages_written;
+        self.evictions_lru += o.evictions_lru;
+        self.evictions_lane += o.evictions_lane;
+        self.load_degraded_to_miss += o.load_degraded_to_miss;
+        self.backups_skipped += o.backups_skipped;
+        self.bytes_h2d += o.bytes_h2d;
+        self.bytes_d2h += o.bytes_d2h;
+        self.mismatched_tokens += o.mismatched_tokens;
+        self.load_path_syncs += o.load_path_syncs;
+    }
+}
+
+/// The replay report: totals plus the run's setting and outcome. Field names are the JSON
+/// contract scripts rely on.
+#[derive(Clone, Debug, Serialize)]
+pub struct ReplayReport {
+    /// Requests replayed.
+    pub requests: u64,
+    /// Totals over all requests.
+    #[serde(flatten)]
+    pub totals: RequestStats,
+    /// Whether every rank's allocator and tree digests agreed after every request.
+    pub replicas_agree: bool,
+    /// Wall time of the replay loop.
+    pub wall_seconds: f64,
+    /// Prompt tokens per second of wall time.
+    pub tokens_per_second: f64,
+    /// Executor backend that ran the kernels.
+    pub backend: String,
+    /// CP degree.
+    pub cp: u8,
+    /// Page size in tokens.
+    pub page_size: u32,
+    /// Model buffer shape.
+    pub model: String,
+    /// Layers per buffer.
+    pub layers: u32,
+    /// Write policy.
+    pub policy: String,
+    /// Workload description.
+    pub workload: String,
+}
+
+impl ReplayReport {
+    /// Whether the run is correct: no mismatched token and replicas in agreement.
+    pub fn ok(&self) -> bool {
+        self.totals.mismatched_tokens == 0 && self.replicas_agree
+    }
+
+    /// The human-readable summary table.
+    pub fn to_table(&self) -> String {
+        let t = &self.totals;
+        let pct = |n: u64| {
+            if t.prompt_tokens == 0 {
+                0.0
+            } else {
+                100.0 * n as f64 / t.prompt_tokens as f64
+            }
+        };
+        let mut s = String::new();
+        let mut row = |k: &str, v: String| {
+            let _ = writeln!(s, "  {k:<28} {v}");
+        };
+        row("workload", self.workload.clone());
+        row(
+            "deployment",
+            format!(
+                "{} · CP {} · page {} · {} layers · {} · {}",
+                self.model, self.cp, self.page_size, self.layers, self.policy, self.backend
+            ),
+        );
+        row("requests", self.requests.to_string());
+        row("prompt tokens", t.prompt_tokens.to_string());
+        row(
+            "device hit tokens",
+            format!("{} ({:.1}%)", t.device_hit_tokens, pct(t.device_hit_tokens)),
+        );
+        row(
+            "host hit tokens (loaded)",
+            format!("{} ({:.1}%)", t.host_hit_tokens, pct(t.host_hit_tokens)),
+        );
+        row(
+            "computed tokens",
+            format!("{} ({:.1}%)", t.computed_tokens, pct(t.computed_tokens)),
+        );
+        row("pages loaded / written", format!("{} / {}", t.pages_loaded, t.pages_written));
+        row(
+            "evictions lru / lane",
+            format!("{} / {}", t.evictions_lru, t.evictions_lane),
+        );
+        row("load-backs degraded to miss", t.load_degraded_to_miss.to_string());
+        row("backups skipped (host full)", t.backups_skipped.to_string());
+        row(
+            "bytes h2d / d2h",
+            format!("{} / {}", human_bytes(t.bytes_h2d), human_bytes(t.bytes_d2h)),
+        );
+        row("load-path syncs", t.load_path_syncs.to_string());
+        row(
+            "throughput",
+            format!(
+                "{:.0} tokens/s ({:.2} s)",
+                self.tokens_per_second, self.wall_seconds
+            ),
+        );
+        row(
+            "replicas agree",
+            if self.replicas_agree { "yes" } else { "NO" }.into(),
+        );
+        row("mismatched tokens", t.mismatched_tokens.to_string());
+        s
+    }
+}
+
+/// Bytes with a binary unit, for tables.
+pub fn human_bytes(b: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_has_the_contract_fields() {
+        let r = ReplayReport {
+            requests: 1,
+            totals: RequestStats::default(),
+            replicas_agree: true,
+            wall_seconds: 1.0,
+            tokens_per_second: 0.0,
+            backend: "host".into(),
+            cp: 8,
+            page_size: 64,
+            model: "nsa".into(),
+            layers: 4,
+            policy: "write_through".into(),
+            workload: "built-in".into(),
+        };
+        let v = serde_json::to_value(&r).unwrap();
+        for k in [
+            "requests", "prompt_tokens", "device_hit_tokens", "host_hit_tokens",
+            "computed_tokens", "pages_loaded", "pages_written", "evictions_lru",
+            "evictions_lane", "load_degraded_to_miss", "bytes_h2d", "bytes_d2h",
+            "mismatched_tokens", "replicas_agree", "load_path_syncs", "wall_seconds",
+            "tokens_per_second", "backend", "cp", "page_size",
+        ] {
+            assert!(v.get(k).is_some(), "missing {k}");
+        }
+        assert!(r.ok());
+        assert!(r.to_table().contains("mismatched tokens"));
+        assert_eq!(human_bytes(3 << 20), "3.0 MiB");
+    }
+}
