@@ -458,7 +458,9 @@ fn nvrtc_req(arch: Arch) -> JitRequest {
 
 #[test]
 fn nvrtc_compiles_sm90_with_resource_report_and_caches() {
+    let t = std::time::Instant::now();
     let Some(nv) = nvrtc_or_skip() else { return };
+    let load_ms = t.elapsed().as_secs_f64() * 1e3;
     assert!(nv.version().0 >= 11, "{:?}", nv.version());
     let dir = tempfile::tempdir().unwrap();
     let jit = jit_in(dir.path());
@@ -487,7 +489,7 @@ fn nvrtc_compiles_sm90_with_resource_report_and_caches() {
         manifest["extra"]["log"].as_str().unwrap_or("")
     );
     println!(
-        "nvrtc {}.{}: cold compile {:.1} ms, warm disk hit {:.2} ms, {report:?}",
+        "nvrtc {}.{}: library load {load_ms:.1} ms, cold compile {:.1} ms, warm disk hit {:.2} ms, {report:?}",
         nv.version().0,
         nv.version().1,
         cold.compile_ms,

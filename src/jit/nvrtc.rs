@@ -241,11 +241,13 @@ fn load() -> &'static Result<Loaded, Vec<String>> {
                 _lib: None,
             });
         }
-        let py: Vec<PathBuf> = python_site_dirs()
-            .into_iter()
-            .map(|s| s.join(WHEEL_SUBDIR).join(SONAMES[0]))
-            .filter(|p| !searched.contains(&p.display().to_string()))
-            .collect();
+        let mut py: Vec<PathBuf> = Vec::new();
+        for p in python_site_dirs() {
+            let p = p.join(WHEEL_SUBDIR).join(SONAMES[0]);
+            if !py.contains(&p) && !searched.contains(&p.display().to_string()) {
+                py.push(p);
+            }
+        }
         if let Some(l) = try_paths(py, &mut searched) {
             return Ok(l);
         }
