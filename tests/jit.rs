@@ -538,3 +538,20 @@ fn nvrtc_compile_error_has_uri_and_log() {
     }
     assert!(err.to_string().contains("broken_nvrtc_kernel"));
 }
+
+#[test]
+fn host_asan_build_goes_to_its_own_entry() {
+    let dir = tempfile::tempdir().unwrap();
+    let jit = jit_in(dir.path());
+    let plain = jit.get(&host_req("add", ADD_SRC)).unwrap();
+    let asan = jit
+        .get(&JitRequest {
+            target: Target::Host {
+                sanitize: Sanitize::Address,
+            },
+            ..host_req("add", ADD_SRC)
+        })
+        .unwrap();
+    assert_ne!(plain.key, asan.key);
+    assert!(so_path(&asan).starts_with(dir.path().join("host-asan")));
+}
