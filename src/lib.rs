@@ -23,6 +23,7 @@
 pub mod allocator;
 pub mod cli;
 mod error;
+pub mod jit;
 pub mod layout;
 pub mod metadata;
 pub mod workload;

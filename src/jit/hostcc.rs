@@ -1,0 +1,180 @@
+//! Source → shared library with the system C++ compiler, for the CPU-emulation executor.
+//!
+//! The emulation header's text is an input: it is written next to the source in a private
+//! temporary build directory, which is the compiler's working directory, so `-include
+//! cuda_emu.h` finds it and no absolute path leaks into the flags or the cache key. The
+//! produced `.so` is returned as bytes; storing it is the cache's job.
+
+use super::options::HostCcOptions;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Errors of the host compiler.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum HostCcError {
+    /// The compiler could not be started or asked for its version.
+    #[error("host C++ compiler `{program}` is not usable: {reason}")]
+    Unavailable {
+        /// The program (`$CXX` or `c++`).
+        program: String,
+        /// Why.
+        reason: String,
+    },
+    /// The source does not compile.
+    #[error("host compile of `{uri}` failed ({status}): {cmd}\n{stderr}")]
+    Compile {
+        /// Readable kernel name.
+        uri: String,
+        /// The full command line.
+        cmd: String,
+        /// Exit status description.
+        status: String,
+        /// Compiler diagnostics.
+        stderr: String,
+    },
+    /// Preparing the build directory or reading the result failed.
+    #[error("host compile of `{uri}`: I/O error on {path}: {reason}")]
+    Io {
+        /// Readable kernel name.
+        uri: String,
+        /// The file or directory concerned.
+        path: PathBuf,
+        /// The underlying error.
+        reason: String,
+    },
+}
+
+/// A located host C++ compiler and its identity.
+#[derive(Debug, Clone)]
+pub struct HostCompiler {
+    program: String,
+    identity: String,
+}
+
+/// A temporary build directory removed on drop.
+struct BuildDir(PathBuf);
+
+impl Drop for BuildDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn build_dir(uri: &str) -> Result<BuildDir, HostCcError> {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    let dir = std::env::temp_dir().join(format!(
+        "cp-hicache-build-{}-{}-{:08x}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed),
+        nanos
+    ));
+    std::fs::create_dir_all(&dir).map_err(|e| HostCcError::Io {
+        uri: uri.to_string(),
+        path: dir.clone(),
+        reason: e.to_string(),
+    })?;
+    Ok(BuildDir(dir))
+}
+
+impl HostCompiler {
+    /// The compiler to use: `program`, else `$CXX`, else `c++`; its identity is the first line
+    /// of `<program> --version`.
+    pub fn detect(program: Option<&str>) -> Result<HostCompiler, HostCcError> {
+        let program = program
+            .map(str::to_string)
+            .or_else(|| std::env::var("CXX").ok().filter(|s| !s.trim().is_empty()))
+            .unwrap_or_else(|| "c++".to_string());
+        let out = Command::new(&program)
+            .arg("--version")
+            .output()
+            .map_err(|e| HostCcError::Unavailable {
+                program: program.clone(),
+                reason: e.to_string(),
+            })?;
+        if !out.status.success() {
+            return Err(HostCcError::Unavailable {
+                program: program.clone(),
+                reason: format!("`--version` exited with {}", out.status),
+            });
+        }
+        let identity = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .next()
+            .unwrap_or("")
+            .trim()
+            .to_string();
+        Ok(HostCompiler { program, identity })
+    }
+
+    /// The program run.
+    pub fn program(&self) -> &str {
+        &self.program
+    }
+
+    /// The first line of `--version` (e.g. `c++ (Debian 12.2.0-14) 12.2.0`).
+    pub fn identity(&self) -> &str {
+        &self.identity
+    }
+
+    /// The full argument vector for one build (without the program).
+    pub fn command_args(options: &HostCcOptions, source: &Path, output: &Path) -> Vec<String> {
+        let mut args = options.to_args();
+        args.extend([
+            "-x".to_string(),
+            "c++".to_string(),
+            source.display().to_string(),
+            "-o".to_string(),
+            output.display().to_string(),
+        ]);
+        args
+    }
+
+    /// Compiles `source` (with `header` force-included) into a shared library; returns its bytes.
+    pub fn compile(
+        &self,
+        uri: &str,
+        source: &str,
+        header: &str,
+        options: &HostCcOptions,
+    ) -> Result<Vec<u8>, HostCcError> {
+        let dir = build_dir(uri)?;
+        let io = |path: &Path, e: std::io::Error| HostCcError::Io {
+            uri: uri.to_string(),
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        };
+        let header_path = dir.0.join(&options.header_name);
+        std::fs::write(&header_path, header).map_err(|e| io(&header_path, e))?;
+        let src_name = PathBuf::from(format!("{uri}.cu"));
+        let so_name = PathBuf::from(format!("{uri}.so"));
+        let src_path = dir.0.join(&src_name);
+        std::fs::write(&src_path, source).map_err(|e| io(&src_path, e))?;
+        let args = Self::command_args(options, &src_name, &so_name);
+        let cmd = format!("{} {}", self.program, args.join(" "));
+        let out = Command::new(&self.program)
+            .args(&args)
+            .current_dir(&dir.0)
+            .output()
+            .map_err(|e| HostCcError::Compile {
+                uri: uri.to_string(),
+                cmd: cmd.clone(),
+                status: "not started".to_string(),
+                stderr: e.to_string(),
+            })?;
+        if !out.status.success() {
+            return Err(HostCcError::Compile {
+                uri: uri.to_string(),
+                cmd,
+                status: out.status.to_string(),
+                stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+            });
+        }
+        let so_path = dir.0.join(&so_name);
+        std::fs::read(&so_path).map_err(|e| io(&so_path, e))
+    }
+}

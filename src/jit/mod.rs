@@ -1,0 +1,720 @@
+//! The JIT: decides what to compile and where it comes from. A request (readable `uri`, rendered
+//! source, target) is answered from the in-memory map, else from the on-disk cache, else by
+//! compiling it (NVRTC → CUBIN, or the host C++ compiler → `.so`) and committing the result.
+//!
+//! Every event is logged with `tracing` (target `cp_hicache::jit`): uri, target, key prefix,
+//! outcome (memory / disk hit, miss, corrupt), milliseconds and cache path.
+//! `CP_HICACHE_JIT=off` ([`JitMode::Off`]) turns a cache miss into [`JitError::JitOff`], for
+//! prebuilt-only deployments.
+//!
+//! Thread-safety: [`Jit`] is `Send + Sync`; share it by reference or `Arc`. Concurrent requests
+//! for the same entry, from threads or processes, compile it once (per-entry `flock`).
+
+pub mod cache;
+pub mod hostcc;
+pub mod key;
+pub mod nvrtc;
+pub mod options;
+
+pub use cache::{CacheError, DiskCache};
+pub use hostcc::{HostCcError, HostCompiler};
+pub use key::CacheKey;
+pub use nvrtc::{NvrtcCompiler, NvrtcError, ResourceReport};
+pub use options::{Arch, HostCcOptions, NvrtcOptions, Sanitize};
+
+use cache::{Lookup, Manifest, NewEntry};
+use key::KeyInputs;
+use rayon::prelude::*;
+use std::collections::HashMap;
+use std::fmt;
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock, RwLock};
+use std::time::Instant;
+
+/// What to compile for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Target {
+    /// A CUBIN through NVRTC.
+    Nvrtc {
+        /// GPU architecture.
+        arch: Arch,
+    },
+    /// A shared library through the host C++ compiler, for the CPU-emulation executor.
+    Host {
+        /// Sanitizer mode.
+        sanitize: Sanitize,
+    },
+}
+
+impl Default for Target {
+    fn default() -> Self {
+        Target::Nvrtc {
+            arch: Arch::default(),
+        }
+    }
+}
+
+impl fmt::Display for Target {
+    /// The cache sub-directory name: `sm_90`, `host`, `host-asan`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Target::Nvrtc { arch } => write!(f, "{arch}"),
+            Target::Host {
+                sanitize: Sanitize::None,
+            } => f.write_str("host"),
+            Target::Host {
+                sanitize: Sanitize::Address,
+            } => f.write_str("host-asan"),
+        }
+    }
+}
+
+/// One kernel to compile: a readable name (the entry point), its rendered source and a target.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct JitRequest {
+    /// Readable kernel name (the spec's `uri()`); a C identifier, used in paths and logs.
+    pub uri: String,
+    /// The rendered, self-contained source.
+    pub source: String,
+    /// What to compile it for.
+    pub target: Target,
+}
+
+/// A compiled kernel binary.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Artifact {
+    /// CUBIN bytes, ready for `cuModuleLoadData`.
+    Cubin(Arc<[u8]>),
+    /// Path of a shared library inside the cache, ready to `dlopen`. It stays a file because
+    /// the loader needs one.
+    SharedObject(PathBuf),
+}
+
+/// Where a result came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CacheHit {
+    /// Compiled by this call.
+    Miss,
+    /// Loaded from the on-disk cache.
+    Disk,
+    /// Served from this process's in-memory map.
+    Memory,
+}
+
+impl CacheHit {
+    /// True for disk and memory hits.
+    pub fn is_hit(self) -> bool {
+        self != CacheHit::Miss
+    }
+}
+
+impl fmt::Display for CacheHit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            CacheHit::Miss => "miss",
+            CacheHit::Disk => "disk-hit",
+            CacheHit::Memory => "memory-hit",
+        })
+    }
+}
+
+/// The answer to a [`JitRequest`].
+#[derive(Debug, Clone)]
+pub struct CompiledKernel {
+    /// Readable kernel name.
+    pub uri: String,
+    /// What it was compiled for.
+    pub target: Target,
+    /// The binary.
+    pub artifact: Artifact,
+    /// ptxas resources (NVRTC targets only).
+    pub report: Option<ResourceReport>,
+    /// Milliseconds this request spent producing the artifact (compile on a miss, load and
+    /// verify on a hit).
+    pub compile_ms: f64,
+    /// Where it came from.
+    pub cache_hit: CacheHit,
+    /// The content key.
+    pub key: CacheKey,
+    /// The cache entry directory.
+    pub entry_dir: PathBuf,
+}
+
+/// Whether cache misses may compile.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum JitMode {
+    /// Compile on a miss.
+    #[default]
+    On,
+    /// A miss is an error (prebuilt-only deployments).
+    Off,
+}
+
+impl JitMode {
+    /// `CP_HICACHE_JIT=off` (or `0`, `false`, `no`) → `Off`; anything else → `On`.
+    pub fn from_env() -> JitMode {
+        match std::env::var("CP_HICACHE_JIT") {
+            Ok(v)
+                if matches!(
+                    v.trim().to_ascii_lowercase().as_str(),
+                    "off" | "0" | "false" | "no"
+                ) =>
+            {
+                JitMode::Off
+            }
+            _ => JitMode::On,
+        }
+    }
+}
+
+/// Everything a [`Jit`] needs; built once, not re-read afterwards.
+#[derive(Debug, Clone)]
+pub struct JitConfig {
+    /// Root of the on-disk cache.
+    pub cache_dir: PathBuf,
+    /// Whether misses may compile.
+    pub mode: JitMode,
+    /// NVRTC options (the arch comes from each request).
+    pub nvrtc: NvrtcOptions,
+    /// Host compiler options (the sanitizer mode comes from each request).
+    pub host: HostCcOptions,
+    /// Host compiler program; `None` → `$CXX`, else `c++`.
+    pub cxx: Option<String>,
+    /// The CUDA-emulation header text force-included in host builds.
+    pub emu_header: String,
+    /// Allow-listed environment snapshot that goes into every key.
+    pub env: Vec<(String, Option<String>)>,
+}
+
+impl JitConfig {
+    /// A config with default options, JIT on, and the current allow-listed environment.
+    pub fn new(cache_dir: impl Into<PathBuf>, emu_header: impl Into<String>) -> JitConfig {
+        JitConfig {
+            cache_dir: cache_dir.into(),
+            mode: JitMode::On,
+            nvrtc: NvrtcOptions::default(),
+            host: HostCcOptions::default(),
+            cxx: None,
+            emu_header: emu_header.into(),
+            env: key::capture_env(key::KEY_ENV_ALLOWLIST),
+        }
+    }
+
+    /// A config from the process environment: `CP_HICACHE_CACHE_DIR`, `CP_HICACHE_JIT`.
+    pub fn from_env(emu_header: impl Into<String>) -> JitConfig {
+        let mut c = JitConfig::new(DiskCache::default_root(), emu_header);
+        c.mode = JitMode::from_env();
+        c
+    }
+}
+
+/// Errors of the JIT, each naming the kernel's readable uri where there is one.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum JitError {
+    /// The uri is not a C identifier of reasonable length.
+    #[error("invalid kernel uri {uri:?}: {reason}")]
+    InvalidUri {
+        /// The offending uri.
+        uri: String,
+        /// Why.
+        reason: String,
+    },
+    /// NVRTC could not be found or loaded.
+    #[error("{} (searched: {})", nvrtc::NOT_FOUND_HINT, searched.join(", "))]
+    NvrtcUnavailable {
+        /// Every place looked at.
+        searched: Vec<String>,
+    },
+    /// NVRTC rejected the source.
+    #[error("NVRTC failed to compile `{uri}` with {options:?}:\n{log}")]
+    Nvrtc {
+        /// Readable kernel name.
+        uri: String,
+        /// Options used.
+        options: Vec<String>,
+        /// Full compiler log.
+        log: String,
+    },
+    /// An NVRTC API call failed, or the input could not be passed to NVRTC.
+    #[error("NVRTC error for `{uri}`: {detail}")]
+    NvrtcCall {
+        /// Readable kernel name.
+        uri: String,
+        /// What failed.
+        detail: String,
+    },
+    /// The host compiler could not be run.
+    #[error("host C++ compiler `{program}` is not usable: {reason}")]
+    HostCcUnavailable {
+        /// The program.
+        program: String,
+        /// Why.
+        reason: String,
+    },
+    /// The host compiler rejected the source.
+    #[error("host compile of `{uri}` failed ({status}): {cmd}\n{stderr}")]
+    HostCc {
+        /// Readable kernel name.
+        uri: String,
+        /// Full command line.
+        cmd: String,
+        /// Exit status.
+        status: String,
+        /// Compiler diagnostics.
+        stderr: String,
+    },
+    /// The on-disk cache failed.
+    #[error("JIT cache error for `{uri}`: {source}")]
+    Cache {
+        /// Readable kernel name.
+        uri: String,
+        /// The cache error.
+        source: Arc<CacheError>,
+    },
+    /// A cache miss while JIT compilation is off.
+    #[error("kernel `{uri}` ({key}) is not in the cache at {path} and CP_HICACHE_JIT=off forbids compiling it")]
+    JitOff {
+        /// Readable kernel name.
+        uri: String,
+        /// Readable key.
+        key: String,
+        /// The entry directory that was expected.
+        path: PathBuf,
+    },
+}
+
+impl JitError {
+    /// True when a compiler is missing (not a bug in the source).
+    pub fn is_unavailable(&self) -> bool {
+        matches!(
+            self,
+            JitError::NvrtcUnavailable { .. } | JitError::HostCcUnavailable { .. }
+        )
+    }
+
+    /// True for a miss refused by [`JitMode::Off`].
+    pub fn is_jit_off(&self) -> bool {
+        matches!(self, JitError::JitOff { .. })
+    }
+
+    /// True when the source failed to compile.
+    pub fn is_compile_error(&self) -> bool {
+        matches!(self, JitError::Nvrtc { .. } | JitError::HostCc { .. })
+    }
+}
+
+impl From<NvrtcError> for JitError {
+    fn from(e: NvrtcError) -> Self {
+        match e {
+            NvrtcError::Unavailable { searched } => JitError::NvrtcUnavailable { searched },
+            NvrtcError::Compile { uri, options, log } => JitError::Nvrtc { uri, options, log },
+            NvrtcError::Api { uri, call, code } => JitError::NvrtcCall {
+                uri,
+                detail: format!("{call} returned {code}"),
+            },
+            NvrtcError::Nul { uri } => JitError::NvrtcCall {
+                uri,
+                detail: "source or option contains a NUL byte".to_string(),
+            },
+        }
+    }
+}
+
+impl From<HostCcError> for JitError {
+    fn from(e: HostCcError) -> Self {
+        match e {
+            HostCcError::Unavailable { program, reason } => {
+                JitError::HostCcUnavailable { program, reason }
+            }
+            HostCcError::Compile {
+                uri,
+                cmd,
+                status,
+                stderr,
+            } => JitError::HostCc {
+                uri,
+                cmd,
+                status,
+                stderr,
+            },
+            HostCcError::Io { uri, path, reason } => JitError::HostCc {
+                uri,
+                cmd: String::new(),
+                status: "I/O error".to_string(),
+                stderr: format!("{}: {reason}", path.display()),
+            },
+        }
+    }
+}
+
+/// Checks that a uri is a C identifier (it is the kernel's entry name and a path component).
+pub fn validate_uri(uri: &str) -> Result<(), JitError> {
+    let bad = |reason: &str| {
+        Err(JitError::InvalidUri {
+            uri: uri.to_string(),
+            reason: reason.to_string(),
+        })
+    };
+    if uri.is_empty() {
+        return bad("empty");
+    }
+    if uri.len() > 160 {
+        return bad("longer than 160 characters");
+    }
+    if uri.starts_with(|c: char| c.is_ascii_digit()) {
+        return bad("starts with a digit");
+    }
+    if !uri.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+        return bad("only ASCII letters, digits and '_' are allowed");
+    }
+    Ok(())
+}
+
+enum Compiler {
+    Nvrtc(NvrtcCompiler, NvrtcOptions),
+    Host(HostCompiler, HostCcOptions),
+}
+
+struct Plan {
+    compiler: Compiler,
+    compiler_id: String,
+    args: Vec<String>,
+    key: CacheKey,
+    target_dir: String,
+}
+
+/// The JIT front end: compilers (loaded lazily), the disk cache and the in-memory map.
+pub struct Jit {
+    config: JitConfig,
+    cache: DiskCache,
+    nvrtc: OnceLock<Result<NvrtcCompiler, NvrtcError>>,
+    host: OnceLock<Result<HostCompiler, HostCcError>>,
+    memory: RwLock<HashMap<String, CompiledKernel>>,
+}
+
+impl fmt::Debug for Jit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Jit")
+            .field("cache_dir", &self.config.cache_dir)
+            .field("mode", &self.config.mode)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Jit {
+    /// A JIT with this configuration. Nothing is loaded until the first request.
+    pub fn new(config: JitConfig) -> Jit {
+        Jit {
+            cache: DiskCache::new(config.cache_dir.clone()),
+            config,
+            nvrtc: OnceLock::new(),
+            host: OnceLock::new(),
+            memory: RwLock::new(HashMap::new()),
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &JitConfig {
+        &self.config
+    }
+
+    /// The disk cache.
+    pub fn cache(&self) -> &DiskCache {
+        &self.cache
+    }
+
+    /// The NVRTC compiler, loading it on first use.
+    pub fn nvrtc(&self) -> Result<&NvrtcCompiler, JitError> {
+        self.nvrtc
+            .get_or_init(NvrtcCompiler::load)
+            .as_ref()
+            .map_err(|e| e.clone().into())
+    }
+
+    /// The host compiler, detecting it on first use.
+    pub fn host_compiler(&self) -> Result<&HostCompiler, JitError> {
+        self.host
+            .get_or_init(|| HostCompiler::detect(self.config.cxx.as_deref()))
+            .as_ref()
+            .map_err(|e| e.clone().into())
+    }
+
+    /// Forgets the in-memory map (the disk cache is untouched).
+    pub fn clear_memory(&self) {
+        self.memory
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+    }
+
+    fn plan(&self, req: &JitRequest) -> Result<Plan, JitError> {
+        let (compiler, compiler_id, args, digest, header) = match req.target {
+            Target::Nvrtc { arch } => {
+                let nv = self.nvrtc()?.clone();
+                let opts = self.config.nvrtc.clone().with_arch(arch);
+                let id = nv.identity();
+                let args = opts.to_args();
+                let digest = key::stable_digest(&opts);
+                (Compiler::Nvrtc(nv, opts), id, args, digest, None)
+            }
+            Target::Host { sanitize } => {
+                let cc = self.host_compiler()?.clone();
+                let opts = self.config.host.clone().with_sanitize(sanitize);
+                let id = format!("{} [{}]", cc.identity(), cc.program());
+                let args = opts.to_args();
+                let digest = key::stable_digest(&opts);
+                let header = Some(self.config.emu_header.as_str());
+                (Compiler::Host(cc, opts), id, args, digest, header)
+            }
+        };
+        let target_dir = req.target.to_string();
+        let key = CacheKey::compute(&KeyInputs {
+            crate_version: env!("CARGO_PKG_VERSION"),
+            uri: &req.uri,
+            source: &req.source,
+            compiler: &compiler_id,
+            options_args: &args,
+            options_digest: digest,
+            target: &target_dir,
+            emu_header: header,
+            env: &self.config.env,
+        });
+        Ok(Plan {
+            compiler,
+            compiler_id,
+            args,
+            key,
+            target_dir,
+        })
+    }
+
+    /// The cache key a request would use (loads the compiler to learn its version).
+    pub fn key_for(&self, req: &JitRequest) -> Result<CacheKey, JitError> {
+        validate_uri(&req.uri)?;
+        Ok(self.plan(req)?.key)
+    }
+
+    /// Returns the compiled kernel for a request: from memory, from disk, or by compiling it.
+    ///
+    /// Errors: an invalid uri, a missing compiler, a compile error (with the full log), a cache
+    /// I/O error, or [`JitError::JitOff`] on a miss when compiling is off. A corrupt disk entry
+    /// is never loaded: it is logged, discarded and recompiled.
+    pub fn get(&self, req: &JitRequest) -> Result<CompiledKernel, JitError> {
+        let start = Instant::now();
+        validate_uri(&req.uri)?;
+        let plan = self.plan(req)?;
+        let ms = |s: Instant| s.elapsed().as_secs_f64() * 1e3;
+
+        let cached = self
+            .memory
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&plan.key.hash)
+            .cloned();
+        if let Some(mut k) = cached {
+            k.cache_hit = CacheHit::Memory;
+            k.compile_ms = ms(start);
+            self.log(&k);
+            return Ok(k);
+        }
+
+        let cache_err = |source: CacheError| JitError::Cache {
+            uri: req.uri.clone(),
+            source: Arc::new(source),
+        };
+        let (td, name) = (plan.target_dir.as_str(), plan.key.readable.as_str());
+        // Fast path without the lock: committed entries only appear by rename, manifest last.
+        if let Lookup::Hit(entry) = self.cache.lookup(td, name).map_err(cache_err)? {
+            return Ok(self.finish(req, &plan, *entry, CacheHit::Disk, ms(start)));
+        }
+        let _lock = self.cache.lock(td, name).map_err(cache_err)?;
+        match self.cache.lookup(td, name).map_err(cache_err)? {
+            Lookup::Hit(entry) => {
+                return Ok(self.finish(req, &plan, *entry, CacheHit::Disk, ms(start)))
+            }
+            Lookup::Corrupt { dir, reason } => {
+                tracing::warn!(
+                    target: "cp_hicache::jit",
+                    uri = %req.uri,
+                    target_name = %req.target,
+                    key = %plan.key.readable,
+                    path = %dir.display(),
+                    reason = %reason,
+                    "corrupt JIT cache entry discarded"
+                );
+                self.cache.discard(td, name).map_err(cache_err)?;
+            }
+            Lookup::Miss => {}
+        }
+        if self.config.mode == JitMode::Off {
+            let path = self.cache.entry_dir(td, name).map_err(cache_err)?;
+            tracing::error!(
+                target: "cp_hicache::jit",
+                uri = %req.uri,
+                target_name = %req.target,
+                key = %plan.key.readable,
+                path = %path.display(),
+                "JIT miss with CP_HICACHE_JIT=off"
+            );
+            return Err(JitError::JitOff {
+                uri: req.uri.clone(),
+                key: plan.key.readable.clone(),
+                path,
+            });
+        }
+
+        let compile_start = Instant::now();
+        let (bytes, artifact_file, extra) = match &plan.compiler {
+            Compiler::Nvrtc(nv, opts) => {
+                let out = nv.compile(&req.uri, &req.source, opts)?;
+                let extra = serde_json::json!({ "report": out.report, "log": out.log });
+                (out.cubin, format!("{}.cubin", req.uri), extra)
+            }
+            Compiler::Host(cc, opts) => {
+                let so = cc.compile(&req.uri, &req.source, &self.config.emu_header, opts)?;
+                (so, format!("{}.so", req.uri), serde_json::Value::Null)
+            }
+        };
+        let compile_ms = ms(compile_start);
+        let source_file = format!("{}.cu", req.uri);
+        let manifest = Manifest::describe(
+            &req.uri,
+            &plan.key.hash,
+            td,
+            &plan.compiler_id,
+            plan.args.clone(),
+            compile_ms,
+            extra,
+        );
+        let entry = self
+            .cache
+            .commit(
+                td,
+                name,
+                NewEntry {
+                    artifact_file: &artifact_file,
+                    artifact: &bytes,
+                    source_file: &source_file,
+                    source: &req.source,
+                    manifest,
+                },
+            )
+            .map_err(cache_err)?;
+        Ok(self.finish(req, &plan, entry, CacheHit::Miss, ms(start)))
+    }
+
+    fn finish(
+        &self,
+        req: &JitRequest,
+        plan: &Plan,
+        entry: cache::CacheEntry,
+        hit: CacheHit,
+        elapsed_ms: f64,
+    ) -> CompiledKernel {
+        let (artifact, report) = match req.target {
+            Target::Nvrtc { .. } => {
+                let report = entry
+                    .manifest
+                    .extra
+                    .get("report")
+                    .and_then(|r| serde_json::from_value(r.clone()).ok());
+                (Artifact::Cubin(Arc::from(entry.artifact)), report)
+            }
+            Target::Host { .. } => (Artifact::SharedObject(entry.artifact_path), None),
+        };
+        let k = CompiledKernel {
+            uri: req.uri.clone(),
+            target: req.target,
+            artifact,
+            report,
+            compile_ms: elapsed_ms,
+            cache_hit: hit,
+            key: plan.key.clone(),
+            entry_dir: entry.dir,
+        };
+        self.memory
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(plan.key.hash.clone(), k.clone());
+        self.log(&k);
+        k
+    }
+
+    fn log(&self, k: &CompiledKernel) {
+        tracing::info!(
+            target: "cp_hicache::jit",
+            uri = %k.uri,
+            target_name = %k.target,
+            key = %k.key.readable,
+            cache = %k.cache_hit,
+            ms = k.compile_ms,
+            path = %k.entry_dir.display(),
+            "jit"
+        );
+    }
+
+    /// Compiles (or loads) every request in parallel; one result per request, in order.
+    pub fn warm_up(&self, requests: &[JitRequest]) -> Vec<Result<CompiledKernel, JitError>> {
+        let start = Instant::now();
+        let results: Vec<Result<CompiledKernel, JitError>> =
+            requests.par_iter().map(|r| self.get(r)).collect();
+        let count = |h: CacheHit| {
+            results
+                .iter()
+                .filter(|r| matches!(r, Ok(k) if k.cache_hit == h))
+                .count()
+        };
+        tracing::info!(
+            target: "cp_hicache::jit",
+            kernels = requests.len(),
+            compiled = count(CacheHit::Miss),
+            disk_hits = count(CacheHit::Disk),
+            memory_hits = count(CacheHit::Memory),
+            failed = results.iter().filter(|r| r.is_err()).count(),
+            ms = start.elapsed().as_secs_f64() * 1e3,
+            "jit warm-up"
+        );
+        results
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn target_dir_names() {
+        assert_eq!(Target::default().to_string(), "sm_90");
+        assert_eq!(Target::Nvrtc { arch: Arch::Sm100 }.to_string(), "sm_100");
+        assert_eq!(
+            Target::Host {
+                sanitize: Sanitize::None
+            }
+            .to_string(),
+            "host"
+        );
+        assert_eq!(
+            Target::Host {
+                sanitize: Sanitize::Address
+            }
+            .to_string(),
+            "host-asan"
+        );
+    }
+
+    #[test]
+    fn uri_validation() {
+        assert!(validate_uri("transfer_pages_ps64_b41984").is_ok());
+        assert!(validate_uri("").is_err());
+        assert!(validate_uri("9abc").is_err());
+        assert!(validate_uri("a/b").is_err());
+        assert!(validate_uri("a-b").is_err());
+        assert!(validate_uri(&"a".repeat(161)).is_err());
+    }
+
+    #[test]
+    fn jit_is_send_sync() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<Jit>();
+    }
+}

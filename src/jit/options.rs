@@ -1,0 +1,272 @@
+//! Compiler options as data: each options struct derives `Default + Hash + Eq` so it can be part
+//! of the cache key, and turns into flags through exactly one `to_args()`.
+
+use std::fmt;
+
+/// A CUDA GPU architecture the NVRTC path can emit a CUBIN for.
+///
+/// The default is `sm_90` (Hopper), the architecture the kernels are tuned for.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Arch {
+    /// Ampere (A100), compute capability 8.0.
+    Sm80,
+    /// Hopper (H100/H200), compute capability 9.0.
+    #[default]
+    Sm90,
+    /// Blackwell (B200), compute capability 10.0.
+    Sm100,
+}
+
+impl Arch {
+    /// Every supported architecture, in ascending order (for compile matrices).
+    pub const ALL: [Arch; 3] = [Arch::Sm80, Arch::Sm90, Arch::Sm100];
+
+    /// The `(major, minor)` compute capability, as the driver reports it.
+    pub fn compute_capability(self) -> (u32, u32) {
+        match self {
+            Arch::Sm80 => (8, 0),
+            Arch::Sm90 => (9, 0),
+            Arch::Sm100 => (10, 0),
+        }
+    }
+
+    /// The architecture matching a driver-reported compute capability, if supported.
+    pub fn from_compute_capability(major: u32, minor: u32) -> Option<Arch> {
+        Arch::ALL
+            .into_iter()
+            .find(|a| a.compute_capability() == (major, minor))
+    }
+}
+
+impl fmt::Display for Arch {
+    /// The spelling NVRTC and cache directories use (`sm_90`).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (major, minor) = self.compute_capability();
+        write!(f, "sm_{major}{minor}")
+    }
+}
+
+/// Sanitizer mode of a host (CPU emulation) build.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Sanitize {
+    /// A plain optimised build.
+    #[default]
+    None,
+    /// AddressSanitizer: kernel memory checks without a GPU.
+    Address,
+}
+
+impl fmt::Display for Sanitize {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Sanitize::None => "none",
+            Sanitize::Address => "address",
+        })
+    }
+}
+
+/// NVRTC options. The architecture here is overridden by the request's target at compile time.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct NvrtcOptions {
+    /// Real architecture to emit a CUBIN for.
+    pub arch: Arch,
+    /// Ask ptxas for its `-v` resource report (registers, spills, shared memory).
+    pub resource_usage: bool,
+    /// `--use_fast_math`; off by default because the kernels are integer-only anyway.
+    pub fast_math: bool,
+    /// `--generate-line-info`, for profilers.
+    pub line_info: bool,
+    /// `--maxrregcount=N`, a register cap per thread.
+    pub max_registers: Option<u32>,
+    /// Extra flags appended verbatim (they are part of the cache key like everything else).
+    pub extra: Vec<String>,
+}
+
+impl Default for NvrtcOptions {
+    fn default() -> Self {
+        NvrtcOptions {
+            arch: Arch::default(),
+            resource_usage: true,
+            fast_math: false,
+            line_info: false,
+            max_registers: None,
+            extra: Vec::new(),
+        }
+    }
+}
+
+impl NvrtcOptions {
+    /// The same options for another architecture.
+    pub fn with_arch(mut self, arch: Arch) -> Self {
+        self.arch = arch;
+        self
+    }
+
+    /// The NVRTC option vector, in a fixed order.
+    pub fn to_args(&self) -> Vec<String> {
+        let mut args = vec![
+            format!("--gpu-architecture={}", self.arch),
+            "--std=c++17".to_string(),
+        ];
+        if self.resource_usage {
+            args.push("--ptxas-options=-v".to_string());
+        }
+        if self.fast_math {
+            args.push("--use_fast_math".to_string());
+        }
+        if self.line_info {
+            args.push("--generate-line-info".to_string());
+        }
+        if let Some(n) = self.max_registers {
+            args.push(format!("--maxrregcount={n}"));
+        }
+        args.extend(self.extra.iter().cloned());
+        args
+    }
+}
+
+/// Options of the host C++ compiler that builds the CPU-emulation shared library.
+///
+/// The compiler program itself is not an option (it is `$CXX` or `c++`, and its identity goes
+/// into the cache key separately); the emulation header is passed by file name and found in the
+/// build directory, which is the compiler's working directory.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct HostCcOptions {
+    /// Optimisation level digit or letter (`2` → `-O2`).
+    pub opt_level: String,
+    /// Sanitizer mode; overridden by the request's target at compile time.
+    pub sanitize: Sanitize,
+    /// File name of the emulation header force-included before the source.
+    pub header_name: String,
+    /// Extra flags appended verbatim.
+    pub extra: Vec<String>,
+}
+
+impl Default for HostCcOptions {
+    fn default() -> Self {
+        HostCcOptions {
+            opt_level: "2".to_string(),
+            sanitize: Sanitize::None,
+            header_name: "cuda_emu.h".to_string(),
+            extra: Vec::new(),
+        }
+    }
+}
+
+impl HostCcOptions {
+    /// The same options with another sanitizer mode.
+    pub fn with_sanitize(mut self, sanitize: Sanitize) -> Self {
+        self.sanitize = sanitize;
+        self
+    }
+
+    /// The compiler flags (without the program, the input and the output), in a fixed order.
+    pub fn to_args(&self) -> Vec<String> {
+        let mut args: Vec<String> = [
+            "-std=c++17".to_string(),
+            format!("-O{}", self.opt_level),
+            "-fPIC".to_string(),
+            "-shared".to_string(),
+            "-DCP_HICACHE_EMU".to_string(),
+            "-include".to_string(),
+            self.header_name.clone(),
+        ]
+        .into();
+        if self.sanitize == Sanitize::Address {
+            args.extend(
+                ["-fsanitize=address", "-fno-omit-frame-pointer", "-g"]
+                    .iter()
+                    .map(|s| s.to_string()),
+            );
+        }
+        args.extend(self.extra.iter().cloned());
+        args
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nvrtc_default_args() {
+        assert_eq!(
+            NvrtcOptions::default().to_args(),
+            [
+                "--gpu-architecture=sm_90",
+                "--std=c++17",
+                "--ptxas-options=-v"
+            ]
+        );
+    }
+
+    #[test]
+    fn nvrtc_all_args() {
+        let o = NvrtcOptions {
+            arch: Arch::Sm80,
+            resource_usage: false,
+            fast_math: true,
+            line_info: true,
+            max_registers: Some(64),
+            extra: vec!["-DFOO=1".into()],
+        };
+        assert_eq!(
+            o.to_args(),
+            [
+                "--gpu-architecture=sm_80",
+                "--std=c++17",
+                "--use_fast_math",
+                "--generate-line-info",
+                "--maxrregcount=64",
+                "-DFOO=1"
+            ]
+        );
+        assert_eq!(
+            NvrtcOptions::default().with_arch(Arch::Sm100).to_args()[0],
+            "--gpu-architecture=sm_100"
+        );
+    }
+
+    #[test]
+    fn host_default_args() {
+        assert_eq!(
+            HostCcOptions::default().to_args(),
+            [
+                "-std=c++17",
+                "-O2",
+                "-fPIC",
+                "-shared",
+                "-DCP_HICACHE_EMU",
+                "-include",
+                "cuda_emu.h"
+            ]
+        );
+    }
+
+    #[test]
+    fn host_asan_args() {
+        let o = HostCcOptions::default().with_sanitize(Sanitize::Address);
+        assert_eq!(
+            o.to_args(),
+            [
+                "-std=c++17",
+                "-O2",
+                "-fPIC",
+                "-shared",
+                "-DCP_HICACHE_EMU",
+                "-include",
+                "cuda_emu.h",
+                "-fsanitize=address",
+                "-fno-omit-frame-pointer",
+                "-g"
+            ]
+        );
+    }
+
+    #[test]
+    fn arch_spelling() {
+        assert_eq!(Arch::default().to_string(), "sm_90");
+        assert_eq!(Arch::from_compute_capability(8, 0), Some(Arch::Sm80));
+        assert_eq!(Arch::from_compute_capability(7, 5), None);
+    }
+}
