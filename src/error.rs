@@ -1,7 +1,7 @@
 //! The crate-level error: one variant per module error, so callers can match on the concern
 //! that failed while `?` works across modules.
 
-use crate::{allocator::AllocError, layout::LayoutError, metadata::MetadataError};
+use crate::{allocator::AllocError, jit::JitError, layout::LayoutError, metadata::MetadataError};
 
 /// Any error cp-hicache reports.
 #[derive(Debug, thiserror::Error)]
@@ -15,6 +15,9 @@ pub enum Error {
     /// An allocator shortage or misuse.
     #[error(transparent)]
     Alloc(#[from] AllocError),
+    /// A kernel could not be compiled or loaded from the JIT cache.
+    #[error(transparent)]
+    Jit(#[from] JitError),
     /// Invalid command-line input that clap could not catch.
     #[error("{0}")]
     Usage(String),
