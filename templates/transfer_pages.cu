@@ -2,13 +2,13 @@
 {% include "copy_page.cu" %}
 
 // Byte offset of (page, layer) in the device pool: [layer][local_page][PAGE_BYTES].
-static __device__ u64 chc_device_off(u32 page, u32 layer, u32 layers, u32 device_pages, u32 host_pages)
+static __device__ inline u64 chc_device_off(u32 page, u32 layer, u32 layers, u32 device_pages, u32 host_pages)
 {
     return ((u64)layer * device_pages + page) * PAGE_BYTES;
 }
 
 // Byte offset of (page, layer) in the host pool: {{ host_layout_doc }}.
-static __device__ u64 chc_host_off(u32 page, u32 layer, u32 layers, u32 device_pages, u32 host_pages)
+static __device__ inline u64 chc_host_off(u32 page, u32 layer, u32 layers, u32 device_pages, u32 host_pages)
 {
     return {{ host_off_expr }};
 }

@@ -20,7 +20,7 @@ typedef long long i64;
 
 // Copies one PAGE_BYTES page with VEC_T accesses: the block's THREADS threads stride over the
 // page, UNROLL vectors in flight per thread. With THREADS == 1 one thread walks it in order.
-static __device__ void chc_copy_page(u8* dst, const u8* src)
+static __device__ inline void chc_copy_page(u8* dst, const u8* src)
 {
     VEC_T* d = (VEC_T*)dst;
     const VEC_T* s = (const VEC_T*)src;
@@ -44,13 +44,13 @@ static __device__ void chc_copy_page(u8* dst, const u8* src)
 }
 
 // Byte offset of (page, layer) in the device pool: [layer][local_page][PAGE_BYTES].
-static __device__ u64 chc_device_off(u32 page, u32 layer, u32 layers, u32 device_pages, u32 host_pages)
+static __device__ inline u64 chc_device_off(u32 page, u32 layer, u32 layers, u32 device_pages, u32 host_pages)
 {
     return ((u64)layer * device_pages + page) * PAGE_BYTES;
 }
 
 // Byte offset of (page, layer) in the host pool: layer-first [layer][host_page][PAGE_BYTES].
-static __device__ u64 chc_host_off(u32 page, u32 layer, u32 layers, u32 device_pages, u32 host_pages)
+static __device__ inline u64 chc_host_off(u32 page, u32 layer, u32 layers, u32 device_pages, u32 host_pages)
 {
     return ((u64)layer * host_pages + page) * PAGE_BYTES;
 }

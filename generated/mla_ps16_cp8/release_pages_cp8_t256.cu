@@ -16,7 +16,7 @@ typedef long long i64;
 // counting the earlier tiles through s_base. Every thread of the block must call it once per
 // tile (it synchronises). `o == CP` marks "no item" (past the end, or invalid input).
 // s_warp_cnt: [WARPS][CP] per-warp owner counts; s_base: [CP] running per-owner counts.
-static __device__ u32 chc_tile_rank(u32 o, u32* s_warp_cnt, u32* s_base)
+static __device__ inline u32 chc_tile_rank(u32 o, u32* s_warp_cnt, u32* s_base)
 {
     const u32 lane = threadIdx.x & 31u;
     const u32 warp = threadIdx.x >> 5;

@@ -21,7 +21,7 @@ typedef long long i64;
 
 // Copies one PAGE_BYTES page with VEC_T accesses: the block's THREADS threads stride over the
 // page, UNROLL vectors in flight per thread. With THREADS == 1 one thread walks it in order.
-static __device__ void chc_copy_page(u8* dst, const u8* src)
+static __device__ inline void chc_copy_page(u8* dst, const u8* src)
 {
     VEC_T* d = (VEC_T*)dst;
     const VEC_T* s = (const VEC_T*)src;
