@@ -24,6 +24,7 @@ pub mod allocator;
 pub mod cli;
 mod error;
 pub mod jit;
+pub mod kernels;
 pub mod layout;
 pub mod metadata;
 pub mod workload;

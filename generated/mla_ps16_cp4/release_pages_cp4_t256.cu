@@ -1,0 +1,92 @@
+// release_pages_cp4_t256
+// Rendered by cp-hicache from templates/release_pages.cu; do not edit: regenerate instead.
+// Self-contained CUDA C: no headers; the integer names below are the only typedefs.
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef int i32;
+typedef long long i64;
+
+#define CP 4
+#define THREADS 256
+#define WARPS 8
+
+// Exclusive rank of this thread's item among the items of the same owner, in input order,
+// counting the earlier tiles through s_base. Every thread of the block must call it once per
+// tile (it synchronises). `o == CP` marks "no item" (past the end, or invalid input).
+// s_warp_cnt: [WARPS][CP] per-warp owner counts; s_base: [CP] running per-owner counts.
+static __device__ inline u32 chc_tile_rank(u32 o, u32* s_warp_cnt, u32* s_base)
+{
+    const u32 lane = threadIdx.x & 31u;
+    const u32 warp = threadIdx.x >> 5;
+    for (u32 i = threadIdx.x; i < WARPS * CP; i += THREADS) {
+        s_warp_cnt[i] = 0u;
+    }
+    __syncthreads();
+    const u32 peers = __match_any_sync(0xffffffffu, o);
+    const u32 below = peers & ((1u << lane) - 1u);
+    if (o < CP && below == 0u) {
+        s_warp_cnt[warp * CP + o] = __popc(peers);
+    }
+    __syncthreads();
+    u32 rank = 0u;
+    if (o < CP) {
+        rank = s_base[o] + __popc(below);
+        for (u32 w = 0; w < warp; ++w) {
+            rank += s_warp_cnt[w * CP + o];
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < CP) {
+        u32 total = 0u;
+        for (u32 w = 0; w < WARPS; ++w) {
+            total += s_warp_cnt[w * CP + threadIdx.x];
+        }
+        s_base[threadIdx.x] += total;
+    }
+    __syncthreads();
+    return rank;
+}
+
+// Pushes pages back onto their owner's lane free stack (owner = page % CP) in input order
+// (docs/KERNELS.md). Launch: 1 block of THREADS. Page 0 and pushes past lane_cap are skipped;
+// the host rejects both before launching.
+extern "C" __global__ void __launch_bounds__(THREADS) release_pages_cp4_t256(
+    const u32* pages, u32 n, u32* lane_stacks, u32* lane_tops, u32 lane_cap)
+{
+    __shared__ u32 s_warp_cnt[WARPS * CP];
+    __shared__ u32 s_base[CP];
+    __shared__ u32 s_top[CP];
+    if (threadIdx.x < CP) {
+        s_base[threadIdx.x] = 0u;
+        const u32 top = lane_tops[threadIdx.x];
+        s_top[threadIdx.x] = top < lane_cap ? top : lane_cap;
+    }
+    __syncthreads();
+    for (u32 base = 0; base < n; base += THREADS) {
+        const u32 i = base + threadIdx.x;
+        u32 o = CP;
+        u32 page = 0u;
+        if (i < n) {
+            page = pages[i];
+            o = page != 0u ? page % CP : CP;
+        }
+        const u32 k = chc_tile_rank(o, s_warp_cnt, s_base);
+        if (o < CP) {
+            const u32 slot = s_top[o] + k;
+            if (slot < lane_cap) {
+                lane_stacks[(u64)o * lane_cap + slot] = page;
+            }
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < CP) {
+        const u32 pushed = s_top[threadIdx.x] + s_base[threadIdx.x];
+        lane_tops[threadIdx.x] = pushed < lane_cap ? pushed : lane_cap;
+    }
+}
+
+#ifdef CP_HICACHE_EMU
+CP_HICACHE_EMU_EXPORT(release_pages_cp4_t256)
+#endif

@@ -1,0 +1,292 @@
+//! Deployments: a model's buffer shapes at one page size and CP degree, with the launch
+//! shapes to use, and the list of every kernel the deployment needs.
+
+use std::fmt;
+
+use super::spec::{
+    AllocSpec, BufferKind, CopyLaunch, Direction, HostLayout, KernelSpec, MaterialiseSpec,
+    ReleaseSpec, SynthSpec, TransferSpec, VecWidth, VerifySpec,
+};
+use super::KernelError;
+
+/// The model whose KV buffers a deployment caches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ModelShape {
+    /// DeepSeek-V3.2 NSA: `kv` (656 B/token, token-major) and `index_k` (132 B/token,
+    /// page-organised). Requires page size 64.
+    Nsa,
+    /// Plain MLA with a bf16 cache: `kv` (1152 B/token, token-major).
+    MlaBf16,
+}
+
+impl fmt::Display for ModelShape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ModelShape::Nsa => "nsa",
+            ModelShape::MlaBf16 => "mla",
+        })
+    }
+}
+
+impl ModelShape {
+    /// The buffer kinds, in the order the cache keeps them.
+    pub fn buffers(self) -> &'static [BufferKind] {
+        match self {
+            ModelShape::Nsa => &[BufferKind::NsaKv, BufferKind::NsaIndexK],
+            ModelShape::MlaBf16 => &[BufferKind::MlaKv],
+        }
+    }
+}
+
+/// Target GPU architecture of the NVRTC build (the render itself is arch-independent).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub enum Arch {
+    /// Ampere.
+    Sm80,
+    /// Hopper (the default).
+    #[default]
+    Sm90,
+    /// Blackwell.
+    Sm100,
+}
+
+impl fmt::Display for Arch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Arch::Sm80 => "sm_80",
+            Arch::Sm90 => "sm_90",
+            Arch::Sm100 => "sm_100",
+        })
+    }
+}
+
+/// One serving configuration: model, page size, CP degree, target and launch shapes. It
+/// decides every `KernelSpec` the cache uses.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Deployment {
+    /// Readable name, e.g. `nsa_ps64_cp8` (also the render-tree directory).
+    pub name: String,
+    /// Model buffer shapes.
+    pub model: ModelShape,
+    /// Tokens per page.
+    pub page_size: u32,
+    /// CP degree.
+    pub cp: u8,
+    /// NVRTC target.
+    pub arch: Arch,
+    /// Host pool arrangement.
+    pub host_layout: HostLayout,
+    /// Threads of the allocator kernels (multiple of 32).
+    pub alloc_threads: u32,
+    /// Launch shape of transfer and materialise (its vector width is narrowed per buffer
+    /// when a page is not a multiple of it).
+    pub copy: CopyLaunch,
+    /// Threads of synthesise and verify.
+    pub synth_threads: u32,
+}
+
+/// The reference deployments: (model, page size, CP degrees).
+const REFERENCE: &[(ModelShape, u32, &[u8])] = &[
+    (ModelShape::Nsa, 64, &[1, 2, 4, 8, 16]),
+    (ModelShape::MlaBf16, 16, &[4, 8]),
+    (ModelShape::MlaBf16, 64, &[4, 8]),
+];
+
+impl Deployment {
+    /// A deployment with the default launch shapes, named `<model>_ps<page>_cp<cp>`. NSA
+    /// uses the page-first host layout, MLA the layer-first one, so the reference render
+    /// covers both. Validates every kernel spec it implies.
+    pub fn new(model: ModelShape, page_size: u32, cp: u8) -> Result<Deployment, KernelError> {
+        let name = format!("{model}_ps{page_size}_cp{cp}");
+        if model == ModelShape::Nsa && page_size != 64 {
+            return Err(KernelError::InvalidDeployment {
+                name,
+                reason: format!("NSA requires page size 64, got {page_size}"),
+            });
+        }
+        let dep = Deployment {
+            name,
+            model,
+            page_size,
+            cp,
+            arch: Arch::default(),
+            host_layout: match model {
+                ModelShape::Nsa => HostLayout::PageFirst,
+                ModelShape::MlaBf16 => HostLayout::LayerFirst,
+            },
+            alloc_threads: 256,
+            copy: CopyLaunch::default(),
+            synth_threads: 128,
+        };
+        dep.validate()?;
+        Ok(dep)
+    }
+
+    /// Checks every spec of the deployment.
+    pub fn validate(&self) -> Result<(), KernelError> {
+        self.specs().iter().try_for_each(KernelSpec::validate)
+    }
+
+    /// Every reference deployment: NSA page 64 at CP 1, 2, 4, 8, 16; MLA bf16 at page 16
+    /// and 64, CP 4 and 8.
+    pub fn reference() -> Vec<Deployment> {
+        REFERENCE
+            .iter()
+            .flat_map(|&(model, ps, cps)| {
+                cps.iter()
+                    .filter_map(move |&cp| Deployment::new(model, ps, cp).ok())
+            })
+            .collect()
+    }
+
+    /// The reference deployment called `name`; the error lists the valid names.
+    pub fn by_name(name: &str) -> Result<Deployment, KernelError> {
+        let all = Deployment::reference();
+        match all.iter().find(|d| d.name == name) {
+            Some(d) => Ok(d.clone()),
+            None => Err(KernelError::UnknownDeployment {
+                name: name.to_string(),
+                valid: all.into_iter().map(|d| d.name).collect(),
+            }),
+        }
+    }
+
+    fn copy_for(&self, buffer: BufferKind) -> CopyLaunch {
+        let page_bytes = buffer.page_bytes(self.page_size);
+        let mut l = self.copy;
+        if page_bytes % u64::from(l.vec.bytes()) != 0 {
+            l.vec = VecWidth::widest_for(page_bytes);
+        }
+        l
+    }
+
+    /// The owner-page selection kernel.
+    pub fn select_spec(&self) -> KernelSpec {
+        KernelSpec::SelectOwnerPages(AllocSpec {
+            cp: self.cp,
+            page_size: self.page_size,
+            threads: self.alloc_threads,
+        })
+    }
+
+    /// The lane release kernel.
+    pub fn release_spec(&self) -> KernelSpec {
+        KernelSpec::ReleasePages(ReleaseSpec {
+            cp: self.cp,
+            threads: self.alloc_threads,
+        })
+    }
+
+    /// The transfer kernel of `buffer` in `direction`, with the deployment's host layout.
+    pub fn transfer_spec(&self, buffer: BufferKind, direction: Direction) -> KernelSpec {
+        KernelSpec::TransferPages(TransferSpec {
+            direction,
+            layout: self.host_layout,
+            page_size: self.page_size,
+            bytes_per_token: buffer.bytes_per_token(),
+            launch: self.copy_for(buffer),
+        })
+    }
+
+    /// The materialise kernel of `buffer`.
+    pub fn materialise_spec(&self, buffer: BufferKind) -> KernelSpec {
+        KernelSpec::Materialise(MaterialiseSpec {
+            cp: self.cp,
+            page_size: self.page_size,
+            bytes_per_token: buffer.bytes_per_token(),
+            launch: self.copy_for(buffer),
+        })
+    }
+
+    /// The synthesise kernel of `buffer`.
+    pub fn synth_spec(&self, buffer: BufferKind) -> KernelSpec {
+        KernelSpec::Synthesise(SynthSpec {
+            buffer,
+            cp: self.cp,
+            page_size: self.page_size,
+            threads: self.synth_threads,
+        })
+    }
+
+    /// The verify kernel of `buffer`.
+    pub fn verify_spec(&self, buffer: BufferKind) -> KernelSpec {
+        KernelSpec::Verify(VerifySpec {
+            buffer,
+            page_size: self.page_size,
+            threads: self.synth_threads,
+        })
+    }
+
+    /// Every kernel the deployment needs, without duplicates, in a stable order: select,
+    /// release, then per buffer transfer d2h, transfer h2d, materialise, synthesise, verify.
+    pub fn specs(&self) -> Vec<KernelSpec> {
+        let mut out = vec![self.select_spec(), self.release_spec()];
+        for &b in self.model.buffers() {
+            for s in [
+                self.transfer_spec(b, Direction::DeviceToHost),
+                self.transfer_spec(b, Direction::HostToDevice),
+                self.materialise_spec(b),
+                self.synth_spec(b),
+                self.verify_spec(b),
+            ] {
+                if !out.contains(&s) {
+                    out.push(s);
+                }
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reference_names() {
+        let names: Vec<String> = Deployment::reference()
+            .into_iter()
+            .map(|d| d.name)
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "nsa_ps64_cp1",
+                "nsa_ps64_cp2",
+                "nsa_ps64_cp4",
+                "nsa_ps64_cp8",
+                "nsa_ps64_cp16",
+                "mla_ps16_cp4",
+                "mla_ps16_cp8",
+                "mla_ps64_cp4",
+                "mla_ps64_cp8"
+            ]
+        );
+    }
+
+    #[test]
+    fn by_name_lists_valid_names() {
+        assert_eq!(Deployment::by_name("mla_ps16_cp4").unwrap().cp, 4);
+        let err = Deployment::by_name("nsa_ps32_cp8").unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("nsa_ps64_cp8") && msg.contains("mla_ps64_cp4"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn nsa_needs_page_64_and_cp_is_checked() {
+        assert!(Deployment::new(ModelShape::Nsa, 16, 4).is_err());
+        assert!(Deployment::new(ModelShape::MlaBf16, 16, 0).is_err());
+        assert!(Deployment::new(ModelShape::MlaBf16, 1, 17).is_err());
+    }
+
+    #[test]
+    fn specs_cover_every_family_per_buffer() {
+        let nsa = Deployment::by_name("nsa_ps64_cp8").unwrap();
+        assert_eq!(nsa.specs().len(), 2 + 2 * 5);
+        let mla = Deployment::by_name("mla_ps16_cp4").unwrap();
+        assert_eq!(mla.specs().len(), 2 + 5);
+    }
+}

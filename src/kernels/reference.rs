@@ -1,0 +1,698 @@
+//! Plain Rust references with exactly the semantics of each kernel family, over byte and
+//! `u32` slices: the oracle for the executors' tests and the HiCache verifier.
+//!
+//! Each function takes the kernel's parameters in the kernel's order (docs/KERNELS.md),
+//! with pointers replaced by slices. Out-of-range pages are skipped exactly as the kernels
+//! skip them; slices too short for the declared geometry are a [`ReferenceError`], never a
+//! panic.
+
+use super::spec::{BufferKind, Direction, HostLayout};
+
+/// Slices that do not fit the geometry the call declares.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ReferenceError {
+    /// A slice shorter than the geometry requires.
+    #[error("{what}: need {need} elements, have {have}")]
+    TooShort {
+        /// Which argument.
+        what: &'static str,
+        /// Elements required.
+        need: u64,
+        /// Elements given.
+        have: usize,
+    },
+    /// A parameter outside the kernel's domain (for example CP 0 or a page size that is
+    /// not a power of two).
+    #[error("{what} = {value} is invalid")]
+    Invalid {
+        /// Which parameter.
+        what: &'static str,
+        /// The rejected value.
+        value: u64,
+    },
+}
+
+fn need<T>(what: &'static str, s: &[T], need: u64) -> Result<(), ReferenceError> {
+    if (s.len() as u64) < need {
+        Err(ReferenceError::TooShort {
+            what,
+            need,
+            have: s.len(),
+        })
+    } else {
+        Ok(())
+    }
+}
+
+fn check_cp(cp: u8) -> Result<u32, ReferenceError> {
+    if (1..=16).contains(&cp) {
+        Ok(u32::from(cp))
+    } else {
+        Err(ReferenceError::Invalid {
+            what: "cp",
+            value: u64::from(cp),
+        })
+    }
+}
+
+fn check_ps(page_size: u32) -> Result<(), ReferenceError> {
+    if page_size.is_power_of_two() && page_size <= 1024 {
+        Ok(())
+    } else {
+        Err(ReferenceError::Invalid {
+            what: "page_size",
+            value: u64::from(page_size),
+        })
+    }
+}
+
+/// The splitmix64 finaliser.
+pub fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Seed of the prefix-hash chain (`h[-1]`).
+pub const PREFIX_HASH_SEED: u64 = 0x6a09_e667_f3bc_c908;
+
+/// `prefix_hash[t]` for every position: a hash of `tokens[0..=t]` (docs/KERNELS.md).
+pub fn prefix_hashes(tokens: &[u32]) -> Vec<u64> {
+    let mut h = PREFIX_HASH_SEED;
+    tokens
+        .iter()
+        .map(|&t| {
+            h = mix64(h ^ u64::from(t).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            h
+        })
+        .collect()
+}
+
+/// The random word of element `e` of field `field` of buffer `buffer_id`, for a token with
+/// prefix hash `h` in `layer`.
+pub fn draw(h: u64, layer: u32, buffer_id: u32, field: u32, e: u32) -> u64 {
+    let key = (u64::from(layer) << 40)
+        ^ (u64::from(buffer_id) << 32)
+        ^ (u64::from(field) << 24)
+        ^ u64::from(e);
+    mix64(h ^ mix64(key))
+}
+
+/// Finite fp8-e4m3 byte (never one of the NaN encodings `0x7f` / `0xff`).
+pub fn enc_fp8(r: u64) -> u8 {
+    let mut c = (r & 0xff) as u8;
+    if c & 0x7f == 0x7f {
+        c ^= 0x01;
+    }
+    c
+}
+
+/// f32 scale bits, positive in [2^-8, 2^-7).
+pub fn enc_f32(r: u64) -> u32 {
+    ((127 - 8) << 23) | (r & 0x7f_ffff) as u32
+}
+
+/// Finite bf16 bits.
+pub fn enc_bf16(r: u64) -> u16 {
+    ((r & 0x8000) as u32 | ((120 + ((r >> 8) & 15) as u32) << 7) | (r & 0x7f) as u32) as u16
+}
+
+/// Writes the synthesised bytes of one token (prefix hash `h`, page slot `slot`, `layer`)
+/// into `page`, one page of `buffer` with `page_size` tokens.
+pub fn synth_token(
+    buffer: BufferKind,
+    page_size: u32,
+    h: u64,
+    layer: u32,
+    slot: u32,
+    page: &mut [u8],
+) -> Result<(), ReferenceError> {
+    need("page", page, buffer.page_bytes(page_size))?;
+    if slot >= page_size {
+        return Err(ReferenceError::Invalid {
+            what: "slot",
+            value: u64::from(slot),
+        });
+    }
+    for f in buffer.field_layouts(page_size) {
+        for e in 0..f.count {
+            let r = draw(h, layer, buffer.id(), f.id, e);
+            let at = f.offset(slot, e);
+            match f.dtype {
+                super::Dtype::Fp8E4m3 => page[at] = enc_fp8(r),
+                super::Dtype::F32 => page[at..at + 4].copy_from_slice(&enc_f32(r).to_le_bytes()),
+                super::Dtype::Bf16 => page[at..at + 2].copy_from_slice(&enc_bf16(r).to_le_bytes()),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `select_owner_pages`: pops one page per requested owner (LIFO) and returns
+/// `(out_pages, out_locs)`; updates `lane_tops`. A request whose owner is `>= cp` or whose
+/// lane is short gets page 0; tops are first clamped to `lane_cap` and never underflow.
+pub fn select_owner_pages(
+    cp: u8,
+    page_size: u32,
+    owners: &[u8],
+    lane_stacks: &[u32],
+    lane_tops: &mut [u32],
+    lane_cap: u32,
+) -> Result<(Vec<u32>, Vec<i64>), ReferenceError> {
+    let cpn = check_cp(cp)?;
+    check_ps(page_size)?;
+    need("lane_tops", lane_tops, u64::from(cpn))?;
+    need(
+        "lane_stacks",
+        lane_stacks,
+        u64::from(cpn) * u64::from(lane_cap),
+    )?;
+    let tops: Vec<u32> = lane_tops[..cpn as usize]
+        .iter()
+        .map(|&t| t.min(lane_cap))
+        .collect();
+    let mut used = vec![0u32; cpn as usize];
+    let mut pages = Vec::with_capacity(owners.len());
+    for &o in owners {
+        let o = u32::from(o);
+        let mut page = 0;
+        if o < cpn {
+            let k = used[o as usize];
+            let top = tops[o as usize];
+            if k < top {
+                page = lane_stacks[(o * lane_cap + top - 1 - k) as usize];
+            }
+            used[o as usize] += 1;
+        }
+        pages.push(page);
+    }
+    let locs = pages
+        .iter()
+        .flat_map(|&p| {
+            (0..page_size).map(move |j| (i64::from(p) * i64::from(page_size)) + i64::from(j))
+        })
+        .collect();
+    for o in 0..cpn as usize {
+        lane_tops[o] = tops[o] - used[o].min(tops[o]);
+    }
+    Ok((pages, locs))
+}
+
+/// `release_pages`: pushes each page onto lane `page % cp` in input order; page 0 and
+/// pushes past `lane_cap` are skipped; tops are clamped to `lane_cap`.
+pub fn release_pages(
+    cp: u8,
+    pages: &[u32],
+    lane_stacks: &mut [u32],
+    lane_tops: &mut [u32],
+    lane_cap: u32,
+) -> Result<(), ReferenceError> {
+    let cpn = check_cp(cp)?;
+    need("lane_tops", lane_tops, u64::from(cpn))?;
+    need(
+        "lane_stacks",
+        lane_stacks,
+        u64::from(cpn) * u64::from(lane_cap),
+    )?;
+    let tops: Vec<u32> = lane_tops[..cpn as usize]
+        .iter()
+        .map(|&t| t.min(lane_cap))
+        .collect();
+    let mut pushed = vec![0u32; cpn as usize];
+    for &p in pages {
+        if p == 0 {
+            continue;
+        }
+        let o = (p % cpn) as usize;
+        let slot = u64::from(tops[o]) + u64::from(pushed[o]);
+        if slot < u64::from(lane_cap) {
+            lane_stacks[o * lane_cap as usize + slot as usize] = p;
+        }
+        pushed[o] += 1;
+    }
+    for o in 0..cpn as usize {
+        lane_tops[o] = (u64::from(tops[o]) + u64::from(pushed[o])).min(u64::from(lane_cap)) as u32;
+    }
+    Ok(())
+}
+
+/// Byte offset of `(page, layer)` in a device pool `[layer][page][page_bytes]`.
+pub fn device_offset(page: u32, layer: u32, device_pages: u32, page_bytes: u64) -> u64 {
+    (u64::from(layer) * u64::from(device_pages) + u64::from(page)) * page_bytes
+}
+
+/// Byte offset of `(page, layer)` in a host pool of `layout`.
+pub fn host_offset(
+    layout: HostLayout,
+    page: u32,
+    layer: u32,
+    layers: u32,
+    host_pages: u32,
+    page_bytes: u64,
+) -> u64 {
+    match layout {
+        HostLayout::PageFirst => {
+            (u64::from(page) * u64::from(layers) + u64::from(layer)) * page_bytes
+        }
+        HostLayout::LayerFirst => {
+            (u64::from(layer) * u64::from(host_pages) + u64::from(page)) * page_bytes
+        }
+    }
+}
+
+/// `transfer_pages`: for every pair `i < n` and layer, copies page `src_pages[i]` of `src`
+/// to page `dst_pages[i]` of `dst`. The device side is `src` for d2h and `dst` for h2d.
+/// Pairs with a page outside its pool are skipped. Destination pages should be distinct
+/// (the kernel gives no order between pairs).
+#[allow(clippy::too_many_arguments)]
+pub fn transfer_pages(
+    direction: Direction,
+    layout: HostLayout,
+    page_bytes: u64,
+    src: &[u8],
+    dst: &mut [u8],
+    src_pages: &[u32],
+    dst_pages: &[u32],
+    n: u32,
+    layers: u32,
+    device_pages: u32,
+    host_pages: u32,
+) -> Result<(), ReferenceError> {
+    need("src_pages", src_pages, u64::from(n))?;
+    need("dst_pages", dst_pages, u64::from(n))?;
+    let dev_bytes = u64::from(layers) * u64::from(device_pages) * page_bytes;
+    let host_bytes = u64::from(layers) * u64::from(host_pages) * page_bytes;
+    let (src_cap, dst_cap) = match direction {
+        Direction::DeviceToHost => {
+            need("src (device pool)", src, dev_bytes)?;
+            need("dst (host pool)", dst, host_bytes)?;
+            (device_pages, host_pages)
+        }
+        Direction::HostToDevice => {
+            need("src (host pool)", src, host_bytes)?;
+            need("dst (device pool)", dst, dev_bytes)?;
+            (host_pages, device_pages)
+        }
+    };
+    let dev = |p, l| device_offset(p, l, device_pages, page_bytes);
+    let host = |p, l| host_offset(layout, p, l, layers, host_pages, page_bytes);
+    let pb = page_bytes as usize;
+    for i in 0..n as usize {
+        let (sp, dp) = (src_pages[i], dst_pages[i]);
+        if sp >= src_cap || dp >= dst_cap {
+            continue;
+        }
+        for l in 0..layers {
+            let (so, d) = match direction {
+                Direction::DeviceToHost => (dev(sp, l), host(dp, l)),
+                Direction::HostToDevice => (host(sp, l), dev(dp, l)),
+            };
+            let (so, d) = (so as usize, d as usize);
+            dst[d..d + pb].copy_from_slice(&src[so..so + pb]);
+        }
+    }
+    Ok(())
+}
+
+/// `materialise`: gathers sequence page `i` (global page `p = seq_pages[i]`) from pool
+/// `p % cp`, local page `p / cp`, into `dense[layer][i][page_bytes]`, for every layer.
+/// Pages with `p / cp >= local_pages` are skipped (their dense slots are left untouched).
+#[allow(clippy::too_many_arguments)]
+pub fn materialise(
+    cp: u8,
+    page_bytes: u64,
+    pools: &[&[u8]],
+    seq_pages: &[u32],
+    n: u32,
+    layers: u32,
+    local_pages: u32,
+    dense: &mut [u8],
+) -> Result<(), ReferenceError> {
+    let cpn = check_cp(cp)?;
+    need("pools", pools, u64::from(cpn))?;
+    need("seq_pages", seq_pages, u64::from(n))?;
+    let pool_bytes = u64::from(layers) * u64::from(local_pages) * page_bytes;
+    for pool in &pools[..cpn as usize] {
+        need("pool", pool, pool_bytes)?;
+    }
+    need(
+        "dense",
+        dense,
+        u64::from(layers) * u64::from(n) * page_bytes,
+    )?;
+    let pb = page_bytes as usize;
+    for (i, &p) in seq_pages[..n as usize].iter().enumerate() {
+        let (owner, local) = (p % cpn, p / cpn);
+        if local >= local_pages {
+            continue;
+        }
+        for l in 0..layers {
+            let s = device_offset(local, l, local_pages, page_bytes) as usize;
+            let d = ((u64::from(l) * u64::from(n) + i as u64) * page_bytes) as usize;
+            dense[d..d + pb].copy_from_slice(&pools[owner as usize][s..s + pb]);
+        }
+    }
+    Ok(())
+}
+
+fn page_count(n_tokens: u32, page_size: u32) -> u32 {
+    n_tokens.div_ceil(page_size)
+}
+
+/// `synthesise`: writes the synthesised bytes of the real tokens of sequence pages
+/// `[start_page, ceil(n_tokens / page_size))` that `rank` owns into `pool`
+/// (`[layer][local_page][page_bytes]`); other pages and padding slots stay untouched.
+#[allow(clippy::too_many_arguments)]
+pub fn synthesise(
+    buffer: BufferKind,
+    cp: u8,
+    page_size: u32,
+    pool: &mut [u8],
+    prefix_hash: &[u64],
+    seq_pages: &[u32],
+    n_tokens: u32,
+    start_page: u32,
+    rank: u32,
+    layers: u32,
+    local_pages: u32,
+) -> Result<(), ReferenceError> {
+    let cpn = check_cp(cp)?;
+    check_ps(page_size)?;
+    let n_pages = page_count(n_tokens, page_size);
+    need("prefix_hash", prefix_hash, u64::from(n_tokens))?;
+    need("seq_pages", seq_pages, u64::from(n_pages))?;
+    let page_bytes = buffer.page_bytes(page_size);
+    need(
+        "pool",
+        pool,
+        u64::from(layers) * u64::from(local_pages) * page_bytes,
+    )?;
+    let pb = page_bytes as usize;
+    for i in start_page..n_pages {
+        let p = seq_pages[i as usize];
+        let local = p / cpn;
+        if p % cpn != rank || local >= local_pages {
+            continue;
+        }
+        let t0 = i * page_size;
+        let real = (n_tokens - t0).min(page_size);
+        for l in 0..layers {
+            let at = device_offset(local, l, local_pages, page_bytes) as usize;
+            let page = &mut pool[at..at + pb];
+            for j in 0..real {
+                synth_token(
+                    buffer,
+                    page_size,
+                    prefix_hash[(t0 + j) as usize],
+                    l,
+                    j,
+                    page,
+                )?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `verify`: the number of tokens in `[start_page * page_size, n_tokens)` whose bytes in
+/// `dense` (`[layer][seq_page][page_bytes]`) differ from the synthesised ones in any layer.
+pub fn verify(
+    buffer: BufferKind,
+    page_size: u32,
+    dense: &[u8],
+    prefix_hash: &[u64],
+    n_tokens: u32,
+    start_page: u32,
+    layers: u32,
+) -> Result<u32, ReferenceError> {
+    check_ps(page_size)?;
+    let n_pages = page_count(n_tokens, page_size);
+    need("prefix_hash", prefix_hash, u64::from(n_tokens))?;
+    let page_bytes = buffer.page_bytes(page_size);
+    need(
+        "dense",
+        dense,
+        u64::from(layers) * u64::from(n_pages) * page_bytes,
+    )?;
+    let pb = page_bytes as usize;
+    let mut expect = vec![0u8; pb];
+    let mut bad = 0u32;
+    let start = u64::from(start_page) * u64::from(page_size);
+    for t in start..u64::from(n_tokens) {
+        let (i, j) = (
+            (t / u64::from(page_size)) as u32,
+            (t % u64::from(page_size)) as u32,
+        );
+        let mut mismatch = false;
+        for l in 0..layers {
+            synth_token(
+                buffer,
+                page_size,
+                prefix_hash[t as usize],
+                l,
+                j,
+                &mut expect,
+            )?;
+            let at = ((u64::from(l) * u64::from(n_pages) + u64::from(i)) * page_bytes) as usize;
+            let got = &dense[at..at + pb];
+            mismatch |= buffer.field_layouts(page_size).iter().any(|f| {
+                (0..f.count).any(|e| {
+                    let o = f.offset(j, e);
+                    let w = f.dtype.size() as usize;
+                    got[o..o + w] != expect[o..o + w]
+                })
+            });
+            if mismatch {
+                break;
+            }
+        }
+        bad += u32::from(mismatch);
+    }
+    Ok(bad)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::bf16;
+
+    const ALL: [BufferKind; 3] = [BufferKind::NsaKv, BufferKind::NsaIndexK, BufferKind::MlaKv];
+
+    /// e4m3 decoding (no infinities; NaN is S.1111.111).
+    fn fp8_e4m3(c: u8) -> f32 {
+        let (s, e, m) = ((c >> 7) & 1, (c >> 3) & 15, c & 7);
+        assert!(!(e == 15 && m == 7), "NaN {c:#x}");
+        let v = if e == 0 {
+            f32::from(m) / 8.0 * 2f32.powi(-6)
+        } else {
+            (1.0 + f32::from(m) / 8.0) * 2f32.powi(i32::from(e) - 7)
+        };
+        if s == 1 {
+            -v
+        } else {
+            v
+        }
+    }
+
+    #[test]
+    fn encoders_yield_finite_values() {
+        for i in 0..200_000u64 {
+            let r = mix64(i);
+            assert!(fp8_e4m3(enc_fp8(r)).is_finite());
+            let f = f32::from_bits(enc_f32(r));
+            assert!(
+                f.is_finite() && (2f32.powi(-8)..2f32.powi(-7)).contains(&f),
+                "{f}"
+            );
+            assert!(bf16::from_bits(enc_bf16(r)).to_f32().is_finite());
+        }
+        for c in 0..=255u8 {
+            let r = u64::from(c);
+            assert_ne!(enc_fp8(r) & 0x7f, 0x7f);
+        }
+    }
+
+    #[test]
+    fn prefix_hash_depends_on_the_whole_prefix() {
+        let a = prefix_hashes(&[1, 2, 3]);
+        let b = prefix_hashes(&[9, 2, 3]);
+        assert_eq!(a.len(), 3);
+        assert!(a.iter().zip(&b).all(|(x, y)| x != y));
+        assert_eq!(prefix_hashes(&[1, 2]), a[..2]);
+    }
+
+    #[test]
+    fn synth_depends_only_on_hash_layer_and_slot_position() {
+        for b in ALL {
+            let ps = 16;
+            let pb = b.page_bytes(ps) as usize;
+            let (mut p1, mut p2) = (vec![0xA5u8; pb], vec![0x00u8; pb]);
+            synth_token(b, ps, 42, 3, 5, &mut p1).unwrap();
+            synth_token(b, ps, 42, 3, 5, &mut p2).unwrap();
+            let fields = b.field_layouts(ps);
+            let token_bytes = |p: &[u8]| -> Vec<u8> {
+                fields
+                    .iter()
+                    .flat_map(|f| {
+                        (0..f.count).flat_map(|e| {
+                            let o = f.offset(5, e);
+                            p[o..o + f.dtype.size() as usize].to_vec()
+                        })
+                    })
+                    .collect()
+            };
+            assert_eq!(token_bytes(&p1), token_bytes(&p2), "{b}");
+            let mut p3 = vec![0u8; pb];
+            synth_token(b, ps, 42, 4, 5, &mut p3).unwrap();
+            assert_ne!(token_bytes(&p1), token_bytes(&p3), "{b}: layer must matter");
+            let mut p4 = vec![0u8; pb];
+            synth_token(b, ps, 43, 3, 5, &mut p4).unwrap();
+            assert_ne!(token_bytes(&p1), token_bytes(&p4), "{b}: hash must matter");
+            // Only the token's own bytes were written.
+            let written = p1.iter().filter(|&&x| x != 0xA5).count();
+            assert!(written <= b.bytes_per_token() as usize);
+        }
+    }
+
+    #[test]
+    fn select_then_release_round_trips() {
+        let (cp, cap) = (4u8, 8u32);
+        // Fresh lanes: pages of owner o in descending order, page 0 excluded.
+        let mut stacks = vec![0u32; 4 * cap as usize];
+        let mut tops = vec![0u32; 4];
+        for o in 0..4u32 {
+            let mut pages: Vec<u32> = (0..cap * 4).filter(|p| p % 4 == o && *p != 0).collect();
+            pages.reverse();
+            for (k, p) in pages.iter().enumerate() {
+                stacks[(o * cap) as usize + k] = *p;
+            }
+            tops[o as usize] = pages.len() as u32;
+        }
+        let (stacks0, tops0) = (stacks.clone(), tops.clone());
+        let owners = [0u8, 1, 1, 3, 0, 2, 1];
+        let (pages, locs) = select_owner_pages(cp, 4, &owners, &stacks, &mut tops, cap).unwrap();
+        assert_eq!(pages, [4, 1, 5, 3, 8, 2, 9]);
+        assert!(pages.iter().zip(owners).all(|(p, o)| p % 4 == u32::from(o)));
+        assert_eq!(&locs[..5], &[16, 17, 18, 19, 4]);
+        assert_eq!(tops, [5, 5, 7, 7]);
+        // Releasing in reverse order restores the stacks exactly.
+        let rev: Vec<u32> = pages.iter().rev().copied().collect();
+        release_pages(cp, &rev, &mut stacks, &mut tops, cap).unwrap();
+        assert_eq!((stacks, tops), (stacks0, tops0));
+    }
+
+    #[test]
+    fn short_lanes_and_bad_owners_yield_page_zero() {
+        let mut tops = vec![1u32, 0];
+        let stacks = vec![2u32, 0, 0, 0];
+        let (pages, _) = select_owner_pages(2, 1, &[0, 0, 1, 7], &stacks, &mut tops, 2).unwrap();
+        assert_eq!(pages, [2, 0, 0, 0]);
+        assert_eq!(tops, [0, 0]);
+        assert!(select_owner_pages(2, 1, &[0], &stacks[..3], &mut tops, 2).is_err());
+        assert!(select_owner_pages(0, 1, &[0], &stacks, &mut tops, 2).is_err());
+    }
+
+    #[test]
+    fn transfer_round_trips_in_both_layouts() {
+        let (pb, layers, dev_pages, host_pages) = (32u64, 3u32, 5u32, 4u32);
+        let dev: Vec<u8> = (0..(pb * 3 * 5)).map(|i| (i * 7 % 251) as u8).collect();
+        for layout in [HostLayout::PageFirst, HostLayout::LayerFirst] {
+            let mut host = vec![0xA5u8; (pb * 3 * 4) as usize];
+            let (d, h) = ([1u32, 4, 2, 9], [3u32, 0, 1, 2]);
+            transfer_pages(
+                Direction::DeviceToHost,
+                layout,
+                pb,
+                &dev,
+                &mut host,
+                &d,
+                &h,
+                4,
+                layers,
+                dev_pages,
+                host_pages,
+            )
+            .unwrap();
+            let mut back = vec![0xA5u8; dev.len()];
+            transfer_pages(
+                Direction::HostToDevice,
+                layout,
+                pb,
+                &host,
+                &mut back,
+                &h,
+                &d,
+                4,
+                layers,
+                dev_pages,
+                host_pages,
+            )
+            .unwrap();
+            for l in 0..layers {
+                for p in 0..dev_pages {
+                    let o = device_offset(p, l, dev_pages, pb) as usize;
+                    let moved = [1, 4, 2].contains(&p);
+                    let want = if moved {
+                        &dev[o..o + 32]
+                    } else {
+                        &[0xA5u8; 32][..]
+                    };
+                    assert_eq!(&back[o..o + 32], want, "{layout} l{l} p{p}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn synthesise_materialise_verify_agree() {
+        for b in ALL {
+            let (cp, ps, layers, local) = (4u8, 16u32, 2u32, 6u32);
+            let pb = b.page_bytes(ps);
+            let tokens: Vec<u32> = (0..70).map(|i| i * 31 + 7).collect();
+            let hashes = prefix_hashes(&tokens);
+            let seq_pages = [5u32, 2, 11, 8, 3];
+            let mut pools: Vec<Vec<u8>> = (0..cp)
+                .map(|_| vec![0xA5u8; (u64::from(layers * local) * pb) as usize])
+                .collect();
+            for (rank, pool) in pools.iter_mut().enumerate() {
+                synthesise(
+                    b,
+                    cp,
+                    ps,
+                    pool,
+                    &hashes,
+                    &seq_pages,
+                    70,
+                    0,
+                    rank as u32,
+                    layers,
+                    local,
+                )
+                .unwrap();
+            }
+            let views: Vec<&[u8]> = pools.iter().map(|p| p.as_slice()).collect();
+            let mut dense = vec![0u8; (u64::from(layers) * 5 * pb) as usize];
+            materialise(cp, pb, &views, &seq_pages, 5, layers, local, &mut dense).unwrap();
+            assert_eq!(
+                verify(b, ps, &dense, &hashes, 70, 0, layers).unwrap(),
+                0,
+                "{b}"
+            );
+            // Poison rank 3: its pages 11 (tokens 32..48) and 3 (tokens 64..70) mismatch.
+            let mut broken = pools.clone();
+            broken[3] = vec![0xA5u8; broken[3].len()];
+            let views: Vec<&[u8]> = broken.iter().map(|p| p.as_slice()).collect();
+            materialise(cp, pb, &views, &seq_pages, 5, layers, local, &mut dense).unwrap();
+            assert_eq!(
+                verify(b, ps, &dense, &hashes, 70, 0, layers).unwrap(),
+                22,
+                "{b}"
+            );
+            assert_eq!(
+                verify(b, ps, &dense, &hashes, 70, 3, layers).unwrap(),
+                6,
+                "{b}"
+            );
+        }
+    }
+}

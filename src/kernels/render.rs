@@ -1,0 +1,405 @@
+//! Rendering: `KernelSpec` → CUDA C through the askama templates in `templates/`, and the
+//! `generated/` tree of the reference deployments (write-if-different, atomic writes, diff).
+//! Rust computes every constant and expression; the templates only substitute.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use askama::Template;
+
+use super::spec::{Direction, KernelSpec};
+use super::{Deployment, KernelError};
+
+/// The command that regenerates `generated/` (named in test failures).
+pub const REGENERATE_COMMAND: &str = "cargo run --release -- render --out generated";
+
+/// Name of the per-deployment index file in the render tree.
+const INDEX_FILE: &str = "index.json";
+
+/// One `#define` of the render prelude.
+struct Const {
+    name: &'static str,
+    value: String,
+}
+
+fn c(name: &'static str, value: impl ToString) -> Const {
+    Const {
+        name,
+        value: value.to_string(),
+    }
+}
+
+/// One synthesised field as the synthesise/verify templates consume it.
+struct FieldTpl {
+    id: u32,
+    count: u32,
+    dtype: String,
+    ctype: &'static str,
+    base: u32,
+    tok_stride: u32,
+    size: u32,
+    enc: &'static str,
+}
+
+#[derive(Template)]
+#[template(path = "select_owner_pages.cu", escape = "none")]
+struct SelectTpl<'a> {
+    uri: &'a str,
+    template: &'a str,
+    consts: Vec<Const>,
+}
+
+#[derive(Template)]
+#[template(path = "release_pages.cu", escape = "none")]
+struct ReleaseTpl<'a> {
+    uri: &'a str,
+    template: &'a str,
+    consts: Vec<Const>,
+}
+
+#[derive(Template)]
+#[template(path = "transfer_pages.cu", escape = "none")]
+struct TransferTpl<'a> {
+    uri: &'a str,
+    template: &'a str,
+    consts: Vec<Const>,
+    host_layout_doc: &'a str,
+    host_off_expr: &'a str,
+    direction_doc: &'a str,
+    src_off: &'a str,
+    dst_off: &'a str,
+    src_cap: &'a str,
+    dst_cap: &'a str,
+}
+
+#[derive(Template)]
+#[template(path = "materialise.cu", escape = "none")]
+struct MaterialiseTpl<'a> {
+    uri: &'a str,
+    template: &'a str,
+    consts: Vec<Const>,
+}
+
+#[derive(Template)]
+#[template(path = "synthesise.cu", escape = "none")]
+struct SynthTpl<'a> {
+    uri: &'a str,
+    template: &'a str,
+    consts: Vec<Const>,
+    buffer: String,
+    fields: Vec<FieldTpl>,
+}
+
+#[derive(Template)]
+#[template(path = "verify.cu", escape = "none")]
+struct VerifyTpl<'a> {
+    uri: &'a str,
+    template: &'a str,
+    consts: Vec<Const>,
+    buffer: String,
+    fields: Vec<FieldTpl>,
+}
+
+fn copy_consts(cp: Option<u8>, page_size: u32, bpt: u32, l: &super::CopyLaunch) -> Vec<Const> {
+    let page_bytes = u64::from(page_size) * u64::from(bpt);
+    let mut v = Vec::new();
+    if let Some(cp) = cp {
+        v.push(c("CP", cp));
+    }
+    v.extend([
+        c("PAGE_SIZE", page_size),
+        c("BYTES_PER_TOKEN", bpt),
+        c("PAGE_BYTES", page_bytes),
+        c("VEC_T", l.vec.c_type()),
+        c("VEC_BYTES", l.vec.bytes()),
+        c("PAGE_VECS", page_bytes / u64::from(l.vec.bytes())),
+        c("THREADS", l.threads),
+        c("PAGES_PER_BLOCK", l.pages_per_block),
+        c("UNROLL", l.unroll),
+    ]);
+    v
+}
+
+fn synth_consts(
+    cp: Option<u8>,
+    buffer: super::BufferKind,
+    page_size: u32,
+    threads: u32,
+) -> Vec<Const> {
+    let mut v = Vec::new();
+    if let Some(cp) = cp {
+        v.push(c("CP", cp));
+    }
+    v.extend([
+        c("PAGE_SIZE", page_size),
+        c("LOG2_PAGE_SIZE", page_size.trailing_zeros()),
+        c("PAGE_BYTES", buffer.page_bytes(page_size)),
+        c("BUFFER_ID", buffer.id()),
+        c("THREADS", threads),
+    ]);
+    v
+}
+
+fn fields(buffer: super::BufferKind, page_size: u32) -> Vec<FieldTpl> {
+    buffer
+        .field_layouts(page_size)
+        .into_iter()
+        .map(|f| FieldTpl {
+            id: f.id,
+            count: f.count,
+            dtype: f.dtype.to_string(),
+            ctype: f.dtype.c_type(),
+            base: f.base,
+            tok_stride: f.tok_stride,
+            size: f.dtype.size(),
+            enc: f.dtype.encoder(),
+        })
+        .collect()
+}
+
+/// Renders one spec (see [`KernelSpec::render`]).
+pub(crate) fn render_spec(spec: &KernelSpec) -> Result<String, KernelError> {
+    spec.validate()?;
+    let uri = spec.uri();
+    let template = spec.template();
+    let wrap = |source| KernelError::Template {
+        uri: uri.clone(),
+        source,
+    };
+    let out = match spec {
+        KernelSpec::SelectOwnerPages(s) => SelectTpl {
+            uri: &uri,
+            template,
+            consts: vec![
+                c("CP", s.cp),
+                c("PAGE_SIZE", s.page_size),
+                c("LOG2_PAGE_SIZE", s.page_size.trailing_zeros()),
+                c("THREADS", s.threads),
+                c("WARPS", s.threads / 32),
+            ],
+        }
+        .render(),
+        KernelSpec::ReleasePages(s) => ReleaseTpl {
+            uri: &uri,
+            template,
+            consts: vec![
+                c("CP", s.cp),
+                c("THREADS", s.threads),
+                c("WARPS", s.threads / 32),
+            ],
+        }
+        .render(),
+        KernelSpec::TransferPages(s) => {
+            let (src_off, dst_off, src_cap, dst_cap, direction_doc) = match s.direction {
+                Direction::DeviceToHost => (
+                    "chc_device_off",
+                    "chc_host_off",
+                    "device_pages",
+                    "host_pages",
+                    "device → host",
+                ),
+                Direction::HostToDevice => (
+                    "chc_host_off",
+                    "chc_device_off",
+                    "host_pages",
+                    "device_pages",
+                    "host → device",
+                ),
+            };
+            TransferTpl {
+                uri: &uri,
+                template,
+                consts: copy_consts(None, s.page_size, s.bytes_per_token, &s.launch),
+                host_layout_doc: s.layout.describe(),
+                host_off_expr: s.layout.offset_expr(),
+                direction_doc,
+                src_off,
+                dst_off,
+                src_cap,
+                dst_cap,
+            }
+            .render()
+        }
+        KernelSpec::Materialise(s) => MaterialiseTpl {
+            uri: &uri,
+            template,
+            consts: copy_consts(Some(s.cp), s.page_size, s.bytes_per_token, &s.launch),
+        }
+        .render(),
+        KernelSpec::Synthesise(s) => SynthTpl {
+            uri: &uri,
+            template,
+            consts: synth_consts(Some(s.cp), s.buffer, s.page_size, s.threads),
+            buffer: s.buffer.to_string(),
+            fields: fields(s.buffer, s.page_size),
+        }
+        .render(),
+        KernelSpec::Verify(s) => VerifyTpl {
+            uri: &uri,
+            template,
+            consts: synth_consts(None, s.buffer, s.page_size, s.threads),
+            buffer: s.buffer.to_string(),
+            fields: fields(s.buffer, s.page_size),
+        }
+        .render(),
+    };
+    out.map_err(wrap)
+}
+
+/// The index file of one deployment: its parameters and its kernels, for humans and tools.
+fn index_json(dep: &Deployment, specs: &[KernelSpec]) -> String {
+    let kernels: Vec<serde_json::Value> = specs
+        .iter()
+        .map(|s| {
+            serde_json::json!({
+                "uri": s.uri(),
+                "family": s.family().to_string(),
+                "file": format!("{}.cu", s.uri()),
+            })
+        })
+        .collect();
+    let doc = serde_json::json!({
+        "deployment": dep.name,
+        "model": dep.model.to_string(),
+        "page_size": dep.page_size,
+        "cp": dep.cp,
+        "arch": dep.arch.to_string(),
+        "host_layout": dep.host_layout.to_string(),
+        "kernels": kernels,
+    });
+    // serde_json's pretty printer over a `json!` value cannot fail.
+    let mut s = serde_json::to_string_pretty(&doc).unwrap_or_default();
+    s.push('\n');
+    s
+}
+
+/// Every file of the render tree of `deployments`: relative path
+/// (`<deployment>/<uri>.cu`, `<deployment>/index.json`) → content.
+pub fn plan_tree(deployments: &[Deployment]) -> Result<BTreeMap<PathBuf, String>, KernelError> {
+    let mut files = BTreeMap::new();
+    for dep in deployments {
+        let dir = PathBuf::from(&dep.name);
+        let specs = dep.specs();
+        for spec in &specs {
+            files.insert(dir.join(format!("{}.cu", spec.uri())), spec.render()?);
+        }
+        files.insert(dir.join(INDEX_FILE), index_json(dep, &specs));
+    }
+    Ok(files)
+}
+
+fn io(op: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> KernelError {
+    let path = path.to_path_buf();
+    move |source| KernelError::Io { op, path, source }
+}
+
+/// Writes `content` to `path` through a temporary file in the same directory and a rename, so
+/// readers never see a partial file.
+fn write_atomic(path: &Path, content: &str) -> Result<(), KernelError> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    let tmp = dir.join(format!(".{name}.{}.{nanos}.tmp", std::process::id()));
+    fs::write(&tmp, content).map_err(io("write", &tmp))?;
+    fs::rename(&tmp, path).map_err(|e| {
+        let _ = fs::remove_file(&tmp);
+        io("rename", path)(e)
+    })
+}
+
+/// Renders every kernel of `deployments` into `out_dir/<deployment>/<uri>.cu` (plus an
+/// `index.json` per deployment), rewriting only files whose content changed. Returns the
+/// paths written. Stale files are reported by [`diff_tree`], never deleted here.
+pub fn render_tree(
+    out_dir: &Path,
+    deployments: &[Deployment],
+) -> Result<Vec<PathBuf>, KernelError> {
+    let mut written = Vec::new();
+    for (rel, content) in plan_tree(deployments)? {
+        let path = out_dir.join(&rel);
+        if fs::read_to_string(&path).is_ok_and(|old| old == content) {
+            continue;
+        }
+        if let Some(parent) = path.parent() {
+            fs::create_dir_all(parent).map_err(io("create dir", parent))?;
+        }
+        write_atomic(&path, &content)?;
+        written.push(path);
+    }
+    Ok(written)
+}
+
+/// How a directory differs from the render of some deployments (relative paths).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TreeDiff {
+    /// Files the render has and the directory lacks.
+    pub missing: Vec<PathBuf>,
+    /// Files whose content differs.
+    pub changed: Vec<PathBuf>,
+    /// Files in the deployments' directories (or unknown deployment directories) that the
+    /// render does not produce.
+    pub extra: Vec<PathBuf>,
+}
+
+impl TreeDiff {
+    /// True when the directory equals the render.
+    pub fn is_clean(&self) -> bool {
+        self.missing.is_empty() && self.changed.is_empty() && self.extra.is_empty()
+    }
+}
+
+fn list_files(root: &Path, rel: &Path, out: &mut Vec<PathBuf>) -> Result<(), KernelError> {
+    let dir = root.join(rel);
+    for entry in fs::read_dir(&dir).map_err(io("read dir", &dir))? {
+        let entry = entry.map_err(io("read dir", &dir))?;
+        let rel = rel.join(entry.file_name());
+        if entry
+            .file_type()
+            .map_err(io("stat", &entry.path()))?
+            .is_dir()
+        {
+            list_files(root, &rel, out)?;
+        } else {
+            out.push(rel);
+        }
+    }
+    Ok(())
+}
+
+/// Compares `dir` with the render of `deployments`: every file under `dir` must be one the
+/// render produces, with the same content. A missing `dir` counts as every file missing.
+pub fn diff_tree(dir: &Path, deployments: &[Deployment]) -> Result<TreeDiff, KernelError> {
+    let plan = plan_tree(deployments)?;
+    let mut present = Vec::new();
+    if dir.exists() {
+        list_files(dir, Path::new(""), &mut present)?;
+    }
+    let mut diff = TreeDiff::default();
+    for rel in &present {
+        match plan.get(rel) {
+            None => diff.extra.push(rel.clone()),
+            Some(content) => {
+                let path = dir.join(rel);
+                let old = fs::read(&path).map_err(io("read", &path))?;
+                if old != content.as_bytes() {
+                    diff.changed.push(rel.clone());
+                }
+            }
+        }
+    }
+    diff.missing = plan
+        .keys()
+        .filter(|k| !present.contains(k))
+        .cloned()
+        .collect();
+    diff.extra.sort();
+    diff.changed.sort();
+    Ok(diff)
+}

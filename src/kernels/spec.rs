@@ -1,0 +1,836 @@
+//! `KernelSpec`: one kernel family plus every compile-time constant and launch-shape choice
+//! that changes its source. The spec names itself (`uri()`), validates itself, and lists its
+//! tuning candidates; rendering lives in `render.rs`.
+
+use std::fmt;
+
+use super::KernelError;
+
+/// The kernel families of DESIGN.md §3.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Family {
+    /// Owner-page selection (alloc): pops pages from the lane free stacks.
+    SelectOwnerPages,
+    /// Lane release (free): pushes pages back to their lanes.
+    ReleasePages,
+    /// Page transfer between a device pool and a host pool.
+    TransferPages,
+    /// Gather of a sequence's pages from the CP owner pools into one dense buffer.
+    Materialise,
+    /// Deterministic KV synthesis into a rank's pool.
+    Synthesise,
+    /// Comparison of a dense buffer against the synthesised bytes.
+    Verify,
+}
+
+impl fmt::Display for Family {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Family::SelectOwnerPages => "select_owner_pages",
+            Family::ReleasePages => "release_pages",
+            Family::TransferPages => "transfer_pages",
+            Family::Materialise => "materialise",
+            Family::Synthesise => "synthesise",
+            Family::Verify => "verify",
+        })
+    }
+}
+
+/// Direction of a page transfer; the device side always has the device layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub enum Direction {
+    /// Write-back: device pool → host pool.
+    #[default]
+    DeviceToHost,
+    /// Load-back: host pool → device pool.
+    HostToDevice,
+}
+
+impl fmt::Display for Direction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Direction::DeviceToHost => "d2h",
+            Direction::HostToDevice => "h2d",
+        })
+    }
+}
+
+/// Arrangement of a host pool (docs/KERNELS.md "Memory layouts").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub enum HostLayout {
+    /// `[host_page][layer][PAGE_BYTES]`: one contiguous blob per page.
+    #[default]
+    PageFirst,
+    /// `[layer][host_page][PAGE_BYTES]`: like the device pool.
+    LayerFirst,
+}
+
+impl fmt::Display for HostLayout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            HostLayout::PageFirst => "pf",
+            HostLayout::LayerFirst => "lf",
+        })
+    }
+}
+
+impl HostLayout {
+    /// The C expression of the byte offset of `(page, layer)` in a host pool; the names are
+    /// the parameters of the rendered `chc_host_off`.
+    pub(crate) fn offset_expr(self) -> &'static str {
+        match self {
+            HostLayout::PageFirst => "((u64)page * layers + layer) * PAGE_BYTES",
+            HostLayout::LayerFirst => "((u64)layer * host_pages + page) * PAGE_BYTES",
+        }
+    }
+
+    /// Human description for the rendered comment.
+    pub(crate) fn describe(self) -> &'static str {
+        match self {
+            HostLayout::PageFirst => "page-first [host_page][layer][PAGE_BYTES]",
+            HostLayout::LayerFirst => "layer-first [layer][host_page][PAGE_BYTES]",
+        }
+    }
+}
+
+/// Width of one global-memory access in the copy loops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub enum VecWidth {
+    /// Byte accesses (`u8`): any page size.
+    V1,
+    /// Word accesses (`u32`).
+    V4,
+    /// 16-byte accesses (`uint4`): the GPU default.
+    #[default]
+    V16,
+}
+
+impl fmt::Display for VecWidth {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "v{}", self.bytes())
+    }
+}
+
+impl VecWidth {
+    /// Bytes per access.
+    pub fn bytes(self) -> u32 {
+        match self {
+            VecWidth::V1 => 1,
+            VecWidth::V4 => 4,
+            VecWidth::V16 => 16,
+        }
+    }
+
+    /// The CUDA type of one access.
+    pub(crate) fn c_type(self) -> &'static str {
+        match self {
+            VecWidth::V1 => "u8",
+            VecWidth::V4 => "u32",
+            VecWidth::V16 => "uint4",
+        }
+    }
+
+    /// The widest access that divides `page_bytes`, so every deployment gets a valid default.
+    pub fn widest_for(page_bytes: u64) -> VecWidth {
+        [VecWidth::V16, VecWidth::V4]
+            .into_iter()
+            .find(|v| page_bytes % u64::from(v.bytes()) == 0)
+            .unwrap_or(VecWidth::V1)
+    }
+}
+
+/// Element type of a synthesised field.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Dtype {
+    /// fp8 e4m3 (1 byte).
+    Fp8E4m3,
+    /// IEEE f32 (4 bytes), used for scales.
+    F32,
+    /// bfloat16 (2 bytes).
+    Bf16,
+}
+
+impl fmt::Display for Dtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Dtype::Fp8E4m3 => "fp8_e4m3",
+            Dtype::F32 => "f32",
+            Dtype::Bf16 => "bf16",
+        })
+    }
+}
+
+impl Dtype {
+    /// Bytes per element.
+    pub fn size(self) -> u32 {
+        match self {
+            Dtype::Fp8E4m3 => 1,
+            Dtype::F32 => 4,
+            Dtype::Bf16 => 2,
+        }
+    }
+
+    /// The CUDA integer type an element is stored as.
+    pub(crate) fn c_type(self) -> &'static str {
+        match self {
+            Dtype::Fp8E4m3 => "u8",
+            Dtype::F32 => "u32",
+            Dtype::Bf16 => "u16",
+        }
+    }
+
+    /// The rendered encoder function (templates/synth_common.cu).
+    pub(crate) fn encoder(self) -> &'static str {
+        match self {
+            Dtype::Fp8E4m3 => "chc_enc_fp8",
+            Dtype::F32 => "chc_enc_f32",
+            Dtype::Bf16 => "chc_enc_bf16",
+        }
+    }
+}
+
+/// How a buffer's per-token fields are arranged inside one page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Arrangement {
+    /// All fields of token 0, then of token 1, ….
+    TokenMajor,
+    /// Field 0 of every token, then field 1 of every token, ….
+    PageOrganised,
+}
+
+/// A KV buffer kind of a model (docs/KERNELS.md "Buffer kinds").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum BufferKind {
+    /// NSA latent KV: 512 fp8 + 4 f32 scales + 64 bf16 RoPE per token, token-major.
+    NsaKv,
+    /// NSA indexer keys: 128 fp8 per token then 1 f32 scale per token, page-organised.
+    NsaIndexK,
+    /// Plain MLA KV: 576 bf16 per token, token-major.
+    MlaKv,
+}
+
+impl fmt::Display for BufferKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            BufferKind::NsaKv => "nsa_kv",
+            BufferKind::NsaIndexK => "nsa_idx",
+            BufferKind::MlaKv => "mla_kv",
+        })
+    }
+}
+
+/// Where the elements of one field live inside a page: element `e` of the token in slot
+/// `j` starts at byte `base + j * tok_stride + e * dtype.size()`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct FieldLayout {
+    /// Field index `f` in the synthesis hash.
+    pub id: u32,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Elements per token.
+    pub count: u32,
+    /// Byte offset of slot 0, element 0.
+    pub base: u32,
+    /// Bytes between consecutive token slots.
+    pub tok_stride: u32,
+}
+
+impl FieldLayout {
+    /// Byte offset of element `e` of the token in page slot `slot`.
+    pub fn offset(&self, slot: u32, e: u32) -> usize {
+        self.base as usize
+            + slot as usize * self.tok_stride as usize
+            + (e * self.dtype.size()) as usize
+    }
+}
+
+impl BufferKind {
+    /// The buffer index `b` of the synthesis hash.
+    pub fn id(self) -> u32 {
+        match self {
+            BufferKind::NsaKv | BufferKind::MlaKv => 0,
+            BufferKind::NsaIndexK => 1,
+        }
+    }
+
+    /// The per-token fields, in order.
+    pub fn fields(self) -> &'static [(Dtype, u32)] {
+        match self {
+            BufferKind::NsaKv => &[(Dtype::Fp8E4m3, 512), (Dtype::F32, 4), (Dtype::Bf16, 64)],
+            BufferKind::NsaIndexK => &[(Dtype::Fp8E4m3, 128), (Dtype::F32, 1)],
+            BufferKind::MlaKv => &[(Dtype::Bf16, 576)],
+        }
+    }
+
+    /// Field arrangement inside a page.
+    pub fn arrangement(self) -> Arrangement {
+        match self {
+            BufferKind::NsaKv | BufferKind::MlaKv => Arrangement::TokenMajor,
+            BufferKind::NsaIndexK => Arrangement::PageOrganised,
+        }
+    }
+
+    /// Bytes per token (656, 132, 1152).
+    pub fn bytes_per_token(self) -> u32 {
+        self.fields().iter().map(|(d, c)| d.size() * c).sum()
+    }
+
+    /// Bytes of one page of `page_size` tokens.
+    pub fn page_bytes(self, page_size: u32) -> u64 {
+        u64::from(self.bytes_per_token()) * u64::from(page_size)
+    }
+
+    /// Byte placement of every field in a page of `page_size` tokens.
+    pub fn field_layouts(self, page_size: u32) -> Vec<FieldLayout> {
+        let bpt = self.bytes_per_token();
+        let mut before = 0u32;
+        self.fields()
+            .iter()
+            .enumerate()
+            .map(|(id, &(dtype, count))| {
+                let field_bytes = dtype.size() * count;
+                let (base, tok_stride) = match self.arrangement() {
+                    Arrangement::TokenMajor => (before, bpt),
+                    Arrangement::PageOrganised => (before.saturating_mul(page_size), field_bytes),
+                };
+                before += field_bytes;
+                FieldLayout {
+                    id: id as u32,
+                    dtype,
+                    count,
+                    base,
+                    tok_stride,
+                }
+            })
+            .collect()
+    }
+}
+
+/// Launch shape of the page-copy families (transfer, materialise).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CopyLaunch {
+    /// Threads per block (1..=1024).
+    pub threads: u32,
+    /// Pages each work item copies (1..=64).
+    pub pages_per_block: u32,
+    /// Access width.
+    pub vec: VecWidth,
+    /// Accesses in flight per thread (1..=16).
+    pub unroll: u32,
+}
+
+impl Default for CopyLaunch {
+    fn default() -> Self {
+        CopyLaunch {
+            threads: 128,
+            pages_per_block: 1,
+            vec: VecWidth::V16,
+            unroll: 4,
+        }
+    }
+}
+
+impl fmt::Display for CopyLaunch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "t{}_ppb{}_{}_u{}",
+            self.threads, self.pages_per_block, self.vec, self.unroll
+        )
+    }
+}
+
+impl CopyLaunch {
+    /// Launch shapes worth timing for a page of `page_bytes`: a CPU-friendly one (one thread
+    /// walks a page contiguously) and GPU-shaped ones. Shapes the page cannot use are dropped.
+    pub fn candidates(page_bytes: u64) -> Vec<CopyLaunch> {
+        let v = VecWidth::widest_for(page_bytes);
+        let shape = |threads, pages_per_block, unroll| CopyLaunch {
+            threads,
+            pages_per_block,
+            vec: v,
+            unroll,
+        };
+        vec![
+            shape(1, 1, 1),
+            shape(1, 4, 1),
+            shape(32, 1, 2),
+            shape(64, 1, 4),
+            shape(128, 1, 4),
+            shape(256, 1, 2),
+            shape(128, 2, 2),
+            shape(512, 1, 1),
+        ]
+    }
+}
+
+/// Owner-page selection: one block of `threads` (a multiple of 32) pops pages for a
+/// sequence of owners.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct AllocSpec {
+    /// CP degree.
+    pub cp: u8,
+    /// Tokens per page (the kernel also writes token locations).
+    pub page_size: u32,
+    /// Threads of the single block.
+    pub threads: u32,
+}
+
+/// Lane release: one block of `threads` (a multiple of 32) pushes pages back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ReleaseSpec {
+    /// CP degree.
+    pub cp: u8,
+    /// Threads of the single block.
+    pub threads: u32,
+}
+
+/// Page transfer between a device pool and a host pool of one buffer kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TransferSpec {
+    /// Copy direction.
+    pub direction: Direction,
+    /// Host pool arrangement.
+    pub layout: HostLayout,
+    /// Tokens per page.
+    pub page_size: u32,
+    /// Bytes per token of the buffer kind.
+    pub bytes_per_token: u32,
+    /// Launch shape.
+    pub launch: CopyLaunch,
+}
+
+/// Gather from the CP owner pools into a dense buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct MaterialiseSpec {
+    /// CP degree (number of pools, owner arithmetic).
+    pub cp: u8,
+    /// Tokens per page.
+    pub page_size: u32,
+    /// Bytes per token of the buffer kind.
+    pub bytes_per_token: u32,
+    /// Launch shape.
+    pub launch: CopyLaunch,
+}
+
+/// Synthesis of one buffer kind into a rank's pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SynthSpec {
+    /// Buffer kind (fields and arrangement).
+    pub buffer: BufferKind,
+    /// CP degree (owner arithmetic).
+    pub cp: u8,
+    /// Tokens per page.
+    pub page_size: u32,
+    /// Threads per block (1..=1024).
+    pub threads: u32,
+}
+
+/// Verification of a dense buffer of one buffer kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct VerifySpec {
+    /// Buffer kind (fields and arrangement).
+    pub buffer: BufferKind,
+    /// Tokens per page.
+    pub page_size: u32,
+    /// Threads per block (1..=1024).
+    pub threads: u32,
+}
+
+/// One renderable kernel: a family and every constant its source depends on. Two specs are
+/// equal exactly when their renders are equal, so the spec is a sound cache-key input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum KernelSpec {
+    /// See [`AllocSpec`].
+    SelectOwnerPages(AllocSpec),
+    /// See [`ReleaseSpec`].
+    ReleasePages(ReleaseSpec),
+    /// See [`TransferSpec`].
+    TransferPages(TransferSpec),
+    /// See [`MaterialiseSpec`].
+    Materialise(MaterialiseSpec),
+    /// See [`SynthSpec`].
+    Synthesise(SynthSpec),
+    /// See [`VerifySpec`].
+    Verify(VerifySpec),
+}
+
+/// A 1-D launch: `grid` blocks of `block` threads, no dynamic shared memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LaunchDims {
+    /// Blocks (gridDim.x).
+    pub grid: u32,
+    /// Threads per block (blockDim.x).
+    pub block: u32,
+}
+
+/// Cap on the recommended grid: the kernels stride over their work, so more blocks than this
+/// add nothing.
+const MAX_GRID: u64 = 1 << 16;
+
+impl KernelSpec {
+    /// The kernel family.
+    pub fn family(&self) -> Family {
+        match self {
+            KernelSpec::SelectOwnerPages(_) => Family::SelectOwnerPages,
+            KernelSpec::ReleasePages(_) => Family::ReleasePages,
+            KernelSpec::TransferPages(_) => Family::TransferPages,
+            KernelSpec::Materialise(_) => Family::Materialise,
+            KernelSpec::Synthesise(_) => Family::Synthesise,
+            KernelSpec::Verify(_) => Family::Verify,
+        }
+    }
+
+    /// Readable unique name spelling every parameter, e.g.
+    /// `transfer_pages_h2d_pf_ps64_b656_t128_ppb1_v16_u4`. It is also the entry name.
+    pub fn uri(&self) -> String {
+        let fam = self.family();
+        match self {
+            KernelSpec::SelectOwnerPages(s) => {
+                format!("{fam}_cp{}_ps{}_t{}", s.cp, s.page_size, s.threads)
+            }
+            KernelSpec::ReleasePages(s) => format!("{fam}_cp{}_t{}", s.cp, s.threads),
+            KernelSpec::TransferPages(s) => format!(
+                "{fam}_{}_{}_ps{}_b{}_{}",
+                s.direction, s.layout, s.page_size, s.bytes_per_token, s.launch
+            ),
+            KernelSpec::Materialise(s) => format!(
+                "{fam}_cp{}_ps{}_b{}_{}",
+                s.cp, s.page_size, s.bytes_per_token, s.launch
+            ),
+            KernelSpec::Synthesise(s) => {
+                format!(
+                    "{fam}_{}_cp{}_ps{}_t{}",
+                    s.buffer, s.cp, s.page_size, s.threads
+                )
+            }
+            KernelSpec::Verify(s) => {
+                format!("{fam}_{}_ps{}_t{}", s.buffer, s.page_size, s.threads)
+            }
+        }
+    }
+
+    /// The `extern "C"` name of the kernel in its render: the uri.
+    pub fn entry_name(&self) -> String {
+        self.uri()
+    }
+
+    /// Template file (under `templates/`) this spec renders from.
+    pub fn template(&self) -> &'static str {
+        match self.family() {
+            Family::SelectOwnerPages => "select_owner_pages.cu",
+            Family::ReleasePages => "release_pages.cu",
+            Family::TransferPages => "transfer_pages.cu",
+            Family::Materialise => "materialise.cu",
+            Family::Synthesise => "synthesise.cu",
+            Family::Verify => "verify.cu",
+        }
+    }
+
+    /// Threads per block the kernel is compiled for (`__launch_bounds__`).
+    pub fn threads(&self) -> u32 {
+        match self {
+            KernelSpec::SelectOwnerPages(s) => s.threads,
+            KernelSpec::ReleasePages(s) => s.threads,
+            KernelSpec::TransferPages(s) => s.launch.threads,
+            KernelSpec::Materialise(s) => s.launch.threads,
+            KernelSpec::Synthesise(s) => s.threads,
+            KernelSpec::Verify(s) => s.threads,
+        }
+    }
+
+    /// Checks every constant; `render()` calls it first. Errors name the parameter.
+    pub fn validate(&self) -> Result<(), KernelError> {
+        let fam = self.family();
+        let check_cp = |cp: u8| {
+            if (1..=16).contains(&cp) {
+                Ok(())
+            } else {
+                Err(KernelError::InvalidCp { family: fam, cp })
+            }
+        };
+        let check_ps = |page_size: u32| {
+            if page_size.is_power_of_two() && page_size <= 1024 {
+                Ok(())
+            } else {
+                Err(KernelError::InvalidPageSize {
+                    family: fam,
+                    page_size,
+                })
+            }
+        };
+        let bad = |what, value, reason| KernelError::InvalidLaunch {
+            family: fam,
+            what,
+            value,
+            reason,
+        };
+        let check_block = |threads: u32| {
+            if (1..=1024).contains(&threads) {
+                Ok(())
+            } else {
+                Err(bad("threads", threads, "must be in 1..=1024"))
+            }
+        };
+        let check_warp_block = |threads: u32| {
+            if threads % 32 == 0 && (32..=1024).contains(&threads) {
+                Ok(())
+            } else {
+                Err(bad(
+                    "threads",
+                    threads,
+                    "warp-cooperative kernels need a multiple of 32 in 32..=1024",
+                ))
+            }
+        };
+        let check_copy = |page_size: u32, bpt: u32, l: &CopyLaunch| {
+            check_ps(page_size)?;
+            check_block(l.threads)?;
+            if bpt == 0 {
+                return Err(bad("bytes_per_token", bpt, "must be positive"));
+            }
+            if !(1..=64).contains(&l.pages_per_block) {
+                return Err(bad(
+                    "pages_per_block",
+                    l.pages_per_block,
+                    "must be in 1..=64",
+                ));
+            }
+            if !(1..=16).contains(&l.unroll) {
+                return Err(bad("unroll", l.unroll, "must be in 1..=16"));
+            }
+            let page_bytes = u64::from(bpt) * u64::from(page_size);
+            if page_bytes > u64::from(u32::MAX / 2) {
+                return Err(bad(
+                    "bytes_per_token",
+                    bpt,
+                    "page bytes must fit in 31 bits",
+                ));
+            }
+            if page_bytes % u64::from(l.vec.bytes()) != 0 {
+                return Err(KernelError::VectorMisaligned {
+                    family: fam,
+                    page_bytes,
+                    vec_bytes: l.vec.bytes(),
+                });
+            }
+            Ok(())
+        };
+        match self {
+            KernelSpec::SelectOwnerPages(s) => {
+                check_cp(s.cp)?;
+                check_ps(s.page_size)?;
+                check_warp_block(s.threads)
+            }
+            KernelSpec::ReleasePages(s) => {
+                check_cp(s.cp)?;
+                check_warp_block(s.threads)
+            }
+            KernelSpec::TransferPages(s) => check_copy(s.page_size, s.bytes_per_token, &s.launch),
+            KernelSpec::Materialise(s) => {
+                check_cp(s.cp)?;
+                check_copy(s.page_size, s.bytes_per_token, &s.launch)
+            }
+            KernelSpec::Synthesise(s) => {
+                check_cp(s.cp)?;
+                check_ps(s.page_size)?;
+                check_block(s.threads)
+            }
+            KernelSpec::Verify(s) => {
+                check_ps(s.page_size)?;
+                check_block(s.threads)
+            }
+        }
+    }
+
+    /// Renders the self-contained CUDA C source (docs/KERNELS.md), validating first.
+    pub fn render(&self) -> Result<String, KernelError> {
+        super::render::render_spec(self)
+    }
+
+    /// This spec with each launch configuration worth timing (DESIGN.md §3 "Tuning"): same
+    /// family and constants, different launch shape; invalid shapes are left out. Always
+    /// includes a CPU-friendly shape (1 thread per block for the copy and synthesis
+    /// families, one warp for the warp-cooperative allocator families).
+    pub fn candidates(&self) -> Vec<KernelSpec> {
+        let mut out: Vec<KernelSpec> = match *self {
+            KernelSpec::SelectOwnerPages(s) => [32, 128, 256, 512, 1024]
+                .into_iter()
+                .map(|threads| KernelSpec::SelectOwnerPages(AllocSpec { threads, ..s }))
+                .collect(),
+            KernelSpec::ReleasePages(s) => [32, 128, 256, 512, 1024]
+                .into_iter()
+                .map(|threads| KernelSpec::ReleasePages(ReleaseSpec { threads, ..s }))
+                .collect(),
+            KernelSpec::TransferPages(s) => {
+                let pb = u64::from(s.page_size) * u64::from(s.bytes_per_token);
+                CopyLaunch::candidates(pb)
+                    .into_iter()
+                    .map(|launch| KernelSpec::TransferPages(TransferSpec { launch, ..s }))
+                    .collect()
+            }
+            KernelSpec::Materialise(s) => {
+                let pb = u64::from(s.page_size) * u64::from(s.bytes_per_token);
+                CopyLaunch::candidates(pb)
+                    .into_iter()
+                    .map(|launch| KernelSpec::Materialise(MaterialiseSpec { launch, ..s }))
+                    .collect()
+            }
+            KernelSpec::Synthesise(s) => [1, 32, 128, 256]
+                .into_iter()
+                .map(|threads| KernelSpec::Synthesise(SynthSpec { threads, ..s }))
+                .collect(),
+            KernelSpec::Verify(s) => [1, 32, 128, 256]
+                .into_iter()
+                .map(|threads| KernelSpec::Verify(VerifySpec { threads, ..s }))
+                .collect(),
+        };
+        if !out.contains(self) {
+            out.push(*self);
+        }
+        out.retain(|c| c.validate().is_ok());
+        out
+    }
+
+    /// Recommended launch for `items` units of work over `layers` layers. The unit is a
+    /// request (select), a page (release), a page pair (transfer), a sequence page
+    /// (materialise, synthesise: pages after `start_page`) or a token (verify; `layers` is
+    /// ignored). Every kernel strides over its work, so any grid is correct; this one is
+    /// never 0 and at most 65536.
+    pub fn launch_dims(&self, items: u32, layers: u32) -> LaunchDims {
+        let blocks = match self {
+            KernelSpec::SelectOwnerPages(_) | KernelSpec::ReleasePages(_) => 1,
+            KernelSpec::TransferPages(TransferSpec { launch, .. })
+            | KernelSpec::Materialise(MaterialiseSpec { launch, .. }) => {
+                u64::from(items).div_ceil(u64::from(launch.pages_per_block.max(1)))
+                    * u64::from(layers)
+            }
+            KernelSpec::Synthesise(_) => u64::from(items) * u64::from(layers),
+            KernelSpec::Verify(_) => u64::from(items),
+        };
+        LaunchDims {
+            grid: blocks.clamp(1, MAX_GRID) as u32,
+            block: self.threads(),
+        }
+    }
+}
+
+impl fmt::Display for KernelSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.uri())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buffer_sizes_match_the_design() {
+        assert_eq!(BufferKind::NsaKv.bytes_per_token(), 656);
+        assert_eq!(BufferKind::NsaIndexK.bytes_per_token(), 132);
+        assert_eq!(BufferKind::MlaKv.bytes_per_token(), 1152);
+        assert_eq!(BufferKind::NsaIndexK.page_bytes(64), 8448);
+    }
+
+    #[test]
+    fn field_layouts_tile_the_page_exactly() {
+        for b in [BufferKind::NsaKv, BufferKind::NsaIndexK, BufferKind::MlaKv] {
+            for ps in [1u32, 16, 64] {
+                let mut covered = vec![0u8; b.page_bytes(ps) as usize];
+                for f in b.field_layouts(ps) {
+                    for slot in 0..ps {
+                        for e in 0..f.count {
+                            let at = f.offset(slot, e);
+                            for byte in &mut covered[at..at + f.dtype.size() as usize] {
+                                *byte += 1;
+                            }
+                        }
+                    }
+                }
+                assert!(covered.iter().all(|&c| c == 1), "{b} ps{ps}");
+            }
+        }
+    }
+
+    #[test]
+    fn uri_spells_every_parameter() {
+        let s = KernelSpec::TransferPages(TransferSpec {
+            direction: Direction::HostToDevice,
+            layout: HostLayout::PageFirst,
+            page_size: 64,
+            bytes_per_token: 656,
+            launch: CopyLaunch::default(),
+        });
+        assert_eq!(s.uri(), "transfer_pages_h2d_pf_ps64_b656_t128_ppb1_v16_u4");
+        assert_eq!(s.entry_name(), s.uri());
+    }
+
+    #[test]
+    fn validation_rejects_bad_constants_without_panicking() {
+        let alloc = |cp, page_size, threads| {
+            KernelSpec::SelectOwnerPages(AllocSpec {
+                cp,
+                page_size,
+                threads,
+            })
+            .validate()
+        };
+        assert!(alloc(8, 64, 256).is_ok());
+        assert!(matches!(
+            alloc(0, 64, 256),
+            Err(KernelError::InvalidCp { .. })
+        ));
+        assert!(matches!(
+            alloc(17, 64, 256),
+            Err(KernelError::InvalidCp { .. })
+        ));
+        assert!(matches!(
+            alloc(8, 48, 256),
+            Err(KernelError::InvalidPageSize { .. })
+        ));
+        assert!(matches!(
+            alloc(8, 64, 100),
+            Err(KernelError::InvalidLaunch { .. })
+        ));
+        let t = KernelSpec::TransferPages(TransferSpec {
+            direction: Direction::DeviceToHost,
+            layout: HostLayout::LayerFirst,
+            page_size: 1,
+            bytes_per_token: 132,
+            launch: CopyLaunch::default(),
+        });
+        assert!(matches!(
+            t.validate(),
+            Err(KernelError::VectorMisaligned { .. })
+        ));
+        assert!(t.render().is_err());
+    }
+
+    #[test]
+    fn candidates_are_valid_and_include_a_cpu_shape() {
+        let t = KernelSpec::Materialise(MaterialiseSpec {
+            cp: 4,
+            page_size: 16,
+            bytes_per_token: 1152,
+            launch: CopyLaunch::default(),
+        });
+        let c = t.candidates();
+        assert!(c.contains(&t));
+        assert!(c.iter().any(|s| s.threads() == 1));
+        assert!(c
+            .iter()
+            .all(|s| s.validate().is_ok() && s.family() == Family::Materialise));
+    }
+
+    #[test]
+    fn launch_dims_are_never_empty() {
+        let v = KernelSpec::Verify(VerifySpec {
+            buffer: BufferKind::MlaKv,
+            page_size: 16,
+            threads: 32,
+        });
+        assert_eq!(v.launch_dims(0, 4), LaunchDims { grid: 1, block: 32 });
+        assert_eq!(v.launch_dims(u32::MAX, 4).grid, 1 << 16);
+    }
+}

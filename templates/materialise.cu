@@ -1,0 +1,37 @@
+{% include "prelude.cu" %}
+{% include "copy_page.cu" %}
+
+// The CP rank pools of one buffer kind, passed by value so nothing needs uploading.
+struct ChcPools {
+    const u8* p[CP];
+};
+
+// Gathers sequence page i (global page p = seq_pages[i]) from rank p % CP, local page p / CP,
+// into dense[layer][i][PAGE_BYTES], for every layer. Work item w = (group of PAGES_PER_BLOCK
+// pages, layer); blocks stride over the items. Pages beyond local_pages are skipped.
+extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}(
+    const __grid_constant__ ChcPools pools, const u32* seq_pages, u32 n, u32 layers,
+    u32 local_pages, u8* dense)
+{
+    const u32 groups = (n + PAGES_PER_BLOCK - 1u) / PAGES_PER_BLOCK;
+    const u64 items = (u64)groups * layers;
+    for (u64 w = blockIdx.x; w < items; w += gridDim.x) {
+        const u32 layer = (u32)(w / groups);
+        const u32 first = (u32)(w % groups) * PAGES_PER_BLOCK;
+        for (u32 q = 0; q < PAGES_PER_BLOCK; ++q) {
+            const u32 i = first + q;
+            if (i >= n) {
+                break;
+            }
+            const u32 page = seq_pages[i];
+            const u32 owner = page % CP;
+            const u32 local = page / CP;
+            if (local >= local_pages) {
+                continue;
+            }
+            chc_copy_page(dense + ((u64)layer * n + i) * PAGE_BYTES,
+                          pools.p[owner] + ((u64)layer * local_pages + local) * PAGE_BYTES);
+        }
+    }
+}
+{% include "epilogue.cu" %}

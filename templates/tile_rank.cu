@@ -1,0 +1,37 @@
+
+// Exclusive rank of this thread's item among the items of the same owner, in input order,
+// counting the earlier tiles through s_base. Every thread of the block must call it once per
+// tile (it synchronises). `o == CP` marks "no item" (past the end, or invalid input).
+// s_warp_cnt: [WARPS][CP] per-warp owner counts; s_base: [CP] running per-owner counts.
+static __device__ inline u32 chc_tile_rank(u32 o, u32* s_warp_cnt, u32* s_base)
+{
+    const u32 lane = threadIdx.x & 31u;
+    const u32 warp = threadIdx.x >> 5;
+    for (u32 i = threadIdx.x; i < WARPS * CP; i += THREADS) {
+        s_warp_cnt[i] = 0u;
+    }
+    __syncthreads();
+    const u32 peers = __match_any_sync(0xffffffffu, o);
+    const u32 below = peers & ((1u << lane) - 1u);
+    if (o < CP && below == 0u) {
+        s_warp_cnt[warp * CP + o] = __popc(peers);
+    }
+    __syncthreads();
+    u32 rank = 0u;
+    if (o < CP) {
+        rank = s_base[o] + __popc(below);
+        for (u32 w = 0; w < warp; ++w) {
+            rank += s_warp_cnt[w * CP + o];
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < CP) {
+        u32 total = 0u;
+        for (u32 w = 0; w < WARPS; ++w) {
+            total += s_warp_cnt[w * CP + threadIdx.x];
+        }
+        s_base[threadIdx.x] += total;
+    }
+    __syncthreads();
+    return rank;
+}

@@ -1,0 +1,43 @@
+{% include "prelude.cu" %}
+{% include "copy_page.cu" %}
+
+// Byte offset of (page, layer) in the device pool: [layer][local_page][PAGE_BYTES].
+static __device__ inline u64 chc_device_off(u32 page, u32 layer, u32 layers, u32 device_pages, u32 host_pages)
+{
+    return ((u64)layer * device_pages + page) * PAGE_BYTES;
+}
+
+// Byte offset of (page, layer) in the host pool: {{ host_layout_doc }}.
+static __device__ inline u64 chc_host_off(u32 page, u32 layer, u32 layers, u32 device_pages, u32 host_pages)
+{
+    return {{ host_off_expr }};
+}
+
+// Copies page blobs {{ direction_doc }} for every layer: pair i moves src_pages[i] to
+// dst_pages[i]. Work item w = (group of PAGES_PER_BLOCK pairs, layer); blocks stride over the
+// items, so any grid is correct. Pairs whose page is outside its pool are skipped.
+extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}(
+    const u8* src, u8* dst, const u32* src_pages, const u32* dst_pages, u32 n, u32 layers,
+    u32 device_pages, u32 host_pages)
+{
+    const u32 groups = (n + PAGES_PER_BLOCK - 1u) / PAGES_PER_BLOCK;
+    const u64 items = (u64)groups * layers;
+    for (u64 w = blockIdx.x; w < items; w += gridDim.x) {
+        const u32 layer = (u32)(w / groups);
+        const u32 first = (u32)(w % groups) * PAGES_PER_BLOCK;
+        for (u32 q = 0; q < PAGES_PER_BLOCK; ++q) {
+            const u32 i = first + q;
+            if (i >= n) {
+                break;
+            }
+            const u32 sp = src_pages[i];
+            const u32 dp = dst_pages[i];
+            if (sp >= {{ src_cap }} || dp >= {{ dst_cap }}) {
+                continue;
+            }
+            chc_copy_page(dst + {{ dst_off }}(dp, layer, layers, device_pages, host_pages),
+                          src + {{ src_off }}(sp, layer, layers, device_pages, host_pages));
+        }
+    }
+}
+{% include "epilogue.cu" %}

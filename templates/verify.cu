@@ -1,0 +1,35 @@
+{% include "prelude.cu" %}
+{% include "synth_common.cu" %}
+
+// Compares the dense {{ buffer }} buffer [layer][seq_page][PAGE_BYTES] with the synthesised
+// bytes of tokens [start_page * PAGE_SIZE, n_tokens) and adds the number of mismatched tokens
+// (any byte of any field in any layer) to *mismatches. Blocks stride over tokens, threads over
+// the elements of one token.
+extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}(
+    const u8* dense, const u64* prefix_hash, u32 n_tokens, u32 start_page, u32 layers,
+    u32* mismatches)
+{
+    const u64 n_pages = ((u64)n_tokens + PAGE_SIZE - 1u) >> LOG2_PAGE_SIZE;
+    for (u64 t = ((u64)start_page << LOG2_PAGE_SIZE) + blockIdx.x; t < n_tokens; t += gridDim.x) {
+        const u64 h = prefix_hash[t];
+        const u64 i = t >> LOG2_PAGE_SIZE;
+        const u32 j = (u32)(t & (PAGE_SIZE - 1u));
+        u32 bad = 0u;
+        for (u32 layer = 0; layer < layers; ++layer) {
+            const u8* src = dense + ((u64)layer * n_pages + i) * PAGE_BYTES;
+{%- for f in fields %}
+            // field {{ f.id }}: {{ f.count }} x {{ f.dtype }} per token
+            for (u32 e = threadIdx.x; e < {{ f.count }}u; e += THREADS) {
+                const u64 r = chc_draw(h, layer, {{ f.id }}u, e);
+                if (*(const {{ f.ctype }}*)(src + {{ f.base }}u + j * {{ f.tok_stride }}u + e * {{ f.size }}u) != {{ f.enc }}(r)) {
+                    bad = 1u;
+                }
+            }
+{%- endfor %}
+        }
+        if (__syncthreads_or(bad) && threadIdx.x == 0) {
+            atomicAdd(mismatches, 1u);
+        }
+    }
+}
+{% include "epilogue.cu" %}

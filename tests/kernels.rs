@@ -1,0 +1,154 @@
+//! Kernel renders: `generated/` matches the templates, insta snapshots pin one render per
+//! family, and every render is self-contained and names its entry after the spec.
+
+use std::path::{Path, PathBuf};
+
+use cp_hicache::kernels::{
+    diff_tree, render_tree, BufferKind, Deployment, Direction, KernelSpec, REGENERATE_COMMAND,
+};
+
+fn generated_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("generated")
+}
+
+// `generated/` must equal the render of the reference deployments, file for file.
+// CP_HICACHE_BLESS_GENERATED=1 rewrites it (and deletes stale files) instead of failing.
+#[test]
+fn generated_tree_matches_templates() {
+    let dir = generated_dir();
+    let deps = Deployment::reference();
+    if std::env::var_os("CP_HICACHE_BLESS_GENERATED").is_some_and(|v| v == "1") {
+        render_tree(&dir, &deps).unwrap();
+        for extra in diff_tree(&dir, &deps).unwrap().extra {
+            std::fs::remove_file(dir.join(extra)).unwrap();
+        }
+    }
+    let diff = diff_tree(&dir, &deps).unwrap();
+    assert!(
+        diff.is_clean(),
+        "generated/ disagrees with templates/ (missing {:?}, changed {:?}, extra {:?}).\n\
+         Regenerate with `{REGENERATE_COMMAND}` \
+         (or `CP_HICACHE_BLESS_GENERATED=1 cargo test --test kernels`) and commit the result.",
+        diff.missing,
+        diff.changed,
+        diff.extra
+    );
+}
+
+#[test]
+fn render_tree_rewrites_only_changed_files() {
+    let tmp = tempfile::tempdir().unwrap();
+    let deps = vec![Deployment::by_name("mla_ps16_cp4").unwrap()];
+    let first = render_tree(tmp.path(), &deps).unwrap();
+    assert_eq!(first.len(), deps[0].specs().len() + 1);
+    assert!(render_tree(tmp.path(), &deps).unwrap().is_empty());
+    let victim = &first[0];
+    std::fs::write(victim, "stale").unwrap();
+    std::fs::write(tmp.path().join("mla_ps16_cp4/old.cu"), "x").unwrap();
+    let diff = diff_tree(tmp.path(), &deps).unwrap();
+    assert_eq!(diff.changed.len(), 1);
+    assert_eq!(diff.extra, [PathBuf::from("mla_ps16_cp4/old.cu")]);
+    assert!(diff.missing.is_empty());
+    assert_eq!(
+        render_tree(tmp.path(), &deps).unwrap(),
+        std::slice::from_ref(victim)
+    );
+}
+
+#[test]
+fn renders_are_self_contained_and_named_by_uri() {
+    for dep in Deployment::reference() {
+        for spec in dep.specs() {
+            let src = spec.render().unwrap();
+            let uri = spec.uri();
+            assert!(!src.contains("#include"), "{uri}");
+            assert!(
+                src.contains(&format!(
+                    "extern \"C\" __global__ void __launch_bounds__(THREADS) {uri}("
+                )),
+                "{uri}"
+            );
+            assert!(
+                src.contains(&format!("CP_HICACHE_EMU_EXPORT({uri})")),
+                "{uri}"
+            );
+            assert!(
+                !src.contains("{{") && !src.contains("{%"),
+                "{uri}: unrendered template"
+            );
+            assert!(
+                uri.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'),
+                "{uri}"
+            );
+        }
+    }
+}
+
+#[test]
+fn uris_are_unique_per_render() {
+    let mut seen = std::collections::BTreeMap::new();
+    for dep in Deployment::reference() {
+        for spec in dep.specs() {
+            for cand in spec.candidates() {
+                let src = cand.render().unwrap();
+                if let Some(prev) = seen.insert(cand.uri(), src.clone()) {
+                    assert_eq!(prev, src, "{} renders two ways", cand.uri());
+                }
+            }
+        }
+    }
+}
+
+fn snap(name: &str, spec: KernelSpec) {
+    insta::assert_snapshot!(name, spec.render().unwrap());
+}
+
+#[test]
+fn snapshot_select_owner_pages() {
+    snap(
+        "select_owner_pages",
+        Deployment::by_name("nsa_ps64_cp8").unwrap().select_spec(),
+    );
+}
+
+#[test]
+fn snapshot_release_pages() {
+    snap(
+        "release_pages",
+        Deployment::by_name("nsa_ps64_cp8").unwrap().release_spec(),
+    );
+}
+
+#[test]
+fn snapshot_transfer_pages() {
+    let nsa = Deployment::by_name("nsa_ps64_cp8").unwrap();
+    let mla = Deployment::by_name("mla_ps16_cp4").unwrap();
+    snap(
+        "transfer_pages_d2h_pf",
+        nsa.transfer_spec(BufferKind::NsaKv, Direction::DeviceToHost),
+    );
+    snap(
+        "transfer_pages_h2d_lf",
+        mla.transfer_spec(BufferKind::MlaKv, Direction::HostToDevice),
+    );
+}
+
+#[test]
+fn snapshot_materialise() {
+    snap(
+        "materialise",
+        Deployment::by_name("nsa_ps64_cp4")
+            .unwrap()
+            .materialise_spec(BufferKind::NsaKv),
+    );
+}
+
+#[test]
+fn snapshot_synthesise_and_verify() {
+    let nsa = Deployment::by_name("nsa_ps64_cp8").unwrap();
+    snap("synthesise_nsa_kv", nsa.synth_spec(BufferKind::NsaKv));
+    snap("synthesise_nsa_idx", nsa.synth_spec(BufferKind::NsaIndexK));
+    snap("verify_nsa_kv", nsa.verify_spec(BufferKind::NsaKv));
+    let mla = Deployment::by_name("mla_ps16_cp8").unwrap();
+    snap("verify_mla_kv", mla.verify_spec(BufferKind::MlaKv));
+}
