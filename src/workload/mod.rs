@@ -51,18 +51,14 @@ pub enum WorkloadError {
     Config(String),
 }
 
-/// A deterministic 64-bit mixer (the splitmix64 finaliser); token ids and generator choices
-/// derive from it so runs are reproducible across platforms and crate versions.
-pub(crate) fn mix64(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
+pub(crate) use crate::kernels::reference::mix64;
+
+/// The golden-ratio increment of splitmix64; keeps zero inputs away from `mix64(0) == 0`.
+pub(crate) const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
 
 /// Token id of position `j` inside a block whose content is named by `block`.
 pub(crate) fn block_token(block: u64, j: u64, vocab: u32) -> u32 {
-    (mix64(block.wrapping_mul(0x1_0000_0001) ^ j) % u64::from(vocab)) as u32
+    (mix64((block.wrapping_mul(0x1_0000_0001) ^ j).wrapping_add(GOLDEN)) % u64::from(vocab)) as u32
 }
 
 /// Vocabulary size tokens are drawn from (DeepSeek-V3's is 129,280).

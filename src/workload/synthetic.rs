@@ -3,7 +3,7 @@
 //! message, so later turns hit the cache; conversations are interleaved so that reuse
 //! distances are long enough to force eviction and host load-back.
 
-use super::{block_token, mix64, Request, WorkloadError, VOCAB};
+use super::{block_token, mix64, Request, WorkloadError, GOLDEN, VOCAB};
 use std::collections::VecDeque;
 use std::ops::RangeInclusive;
 
@@ -69,7 +69,7 @@ struct Rng(u64);
 
 impl Rng {
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(1);
+        self.0 = self.0.wrapping_add(GOLDEN);
         mix64(self.0)
     }
 
