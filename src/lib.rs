@@ -23,6 +23,7 @@
 pub mod allocator;
 pub mod cli;
 mod error;
+pub mod hicache;
 pub mod layout;
 pub mod metadata;
 
