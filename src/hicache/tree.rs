@@ -902,7 +902,7 @@ impl RadixTree {
                 }
                 child_locks += u64::from(cn.lock);
             }
-            if u64::from(n.lock) < child_locks {
+            if !is_root && u64::from(n.lock) < child_locks {
                 return Err(invariant(format!(
                     "{id} has {} locks but its children {child_locks}",
                     n.lock
@@ -1399,6 +1399,27 @@ mod tests {
         assert_eq!(nodes, vec![c, a]);
         assert!(!t.contains(a));
         assert_eq!(t.device_pages(), 1);
+        t.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn lane_eviction_skips_nodes_of_full_lanes() {
+        let layout = CpLayout::new(2, 1, 64).unwrap();
+        let mut t = RadixTree::new(layout, Rank(0)).unwrap();
+        let owner = |p: PageId| layout.owner(p).0;
+        let a = t.insert(&[1], &pages(&[2])).unwrap().node; // lane 0, oldest
+        let b = t.insert(&[2], &pages(&[3])).unwrap().node; // lane 1
+        let c = t.insert(&[3, 3], &pages(&[5, 7])).unwrap().node; // lane 1
+        let d = t.insert(&[4], &pages(&[9])).unwrap().node; // lane 1, newest
+        let ev = t.evict_device_for_lanes(&[0, 3], owner).unwrap();
+        let nodes: Vec<_> = ev.iter().map(|e| e.node).collect();
+        assert_eq!(nodes, vec![b, c], "a has no lane-1 page; c covers the rest");
+        assert!(t.contains(a) && t.contains(d));
+        // Nothing left can cover lane 1 beyond d: stop when candidates run out.
+        let ev = t.evict_device_for_lanes(&[0, 5], owner).unwrap();
+        assert_eq!(ev.len(), 1);
+        assert_eq!(ev[0].node, d);
+        assert!(t.evict_device_for_lanes(&[0, 0], owner).unwrap().is_empty());
         t.check_invariants().unwrap();
     }
 
