@@ -15,6 +15,8 @@ use std::collections::{BTreeMap, BTreeSet};
 struct Entry {
     device: Option<PageId>,
     host: bool,
+    /// Set at backup: the page's owner and each replica's host page (when it owns the page).
+    host_slot: Option<(u8, [Option<HostPage>; 2])>,
     lock: u32,
     stamp: u64,
 }
@@ -110,23 +112,24 @@ struct SnapNode {
     host: Option<NodeMetadata>,
 }
 
-fn snapshot(t: &RadixTree) -> Vec<SnapNode> {
+/// The page prefixes (oracle keys) of one tree node.
+fn node_pages(t: &RadixTree, id: NodeId) -> Vec<Vec<u32>> {
     let ps = t.layout().page_size() as usize;
+    let full = t.prefix_tokens(id).unwrap();
+    let n = t.node(id).unwrap().key().len() / ps;
+    (0..n)
+        .map(|j| full[..full.len() - (n - 1 - j) * ps].to_vec())
+        .collect()
+}
+
+fn snapshot(t: &RadixTree) -> Vec<SnapNode> {
     t.node_ids()
         .into_iter()
         .filter(|&id| id != NodeId::ROOT)
-        .map(|id| {
-            let full = t.prefix_tokens(id).unwrap();
-            let view = t.node(id).unwrap();
-            let n = view.key().len() / ps;
-            let pages = (0..n)
-                .map(|j| full[..full.len() - (n - 1 - j) * ps].to_vec())
-                .collect();
-            SnapNode {
-                id,
-                pages,
-                host: view.host().cloned(),
-            }
+        .map(|id| SnapNode {
+            id,
+            pages: node_pages(t, id),
+            host: t.node(id).unwrap().host().cloned(),
         })
         .collect()
 }
@@ -302,6 +305,7 @@ impl Harness {
                                 Entry {
                                     device: Some(p),
                                     host: false,
+                                    host_slot: None,
                                     lock: 0,
                                     stamp: clock,
                                 },
@@ -352,16 +356,22 @@ impl Harness {
                         .iter()
                         .map(|&p| self.layout.owner(p).0)
                         .collect();
-                    for r in 0..2 {
-                        let rank = self.trees[r].rank();
-                        let host: Vec<HostPage> = owners
-                            .iter()
-                            .filter(|&&o| o == rank.0)
-                            .map(|_| {
+                    let keys = node_pages(&self.trees[0], id);
+                    let mut hosts: [Vec<HostPage>; 2] = [Vec::new(), Vec::new()];
+                    for (key, &o) in keys.iter().zip(&owners) {
+                        let mut slot = [None, None];
+                        for (r, hs) in hosts.iter_mut().enumerate() {
+                            if o == self.trees[r].rank().0 {
                                 self.next_host[r] += 1;
-                                HostPage(self.next_host[r])
-                            })
-                            .collect();
+                                let hp = HostPage(self.next_host[r]);
+                                hs.push(hp);
+                                slot[r] = Some(hp);
+                            }
+                        }
+                        self.model.entries.get_mut(key).unwrap().host_slot = Some((o, slot));
+                    }
+                    for (r, host) in hosts.into_iter().enumerate() {
+                        let rank = self.trees[r].rank();
                         self.host_made[r].extend(host.iter().copied());
                         let meta =
                             NodeMetadata::new(&self.layout, rank, owners.clone(), host).unwrap();
@@ -556,6 +566,14 @@ impl Harness {
                 }
                 if let Some(m) = v.host() {
                     host_held[r].extend(m.host_pages().iter().copied());
+                    // Splits must keep each page's owner and host slot with the page.
+                    let mut owned = Vec::new();
+                    for (j, key) in node_pages(t, id).iter().enumerate() {
+                        let (o, slot) = self.model.entries[key].host_slot.unwrap();
+                        assert_eq!(m.page_owners()[j], o);
+                        owned.extend(slot[r]);
+                    }
+                    assert_eq!(m.host_pages(), owned.as_slice());
                 }
             }
         }
