@@ -1,6 +1,7 @@
 //! The crate-level error: one variant per module error, so callers can match on the concern
 //! that failed while `?` works across modules.
 
+use crate::hicache::tree::TreeError;
 use crate::{allocator::AllocError, jit::JitError, layout::LayoutError, metadata::MetadataError};
 
 /// Any error cp-hicache reports.
@@ -15,6 +16,9 @@ pub enum Error {
     /// An allocator shortage or misuse.
     #[error(transparent)]
     Alloc(#[from] AllocError),
+    /// A radix-tree operation was refused.
+    #[error(transparent)]
+    Tree(#[from] TreeError),
     /// A kernel could not be compiled or loaded from the JIT cache.
     #[error(transparent)]
     Jit(#[from] JitError),

@@ -23,6 +23,7 @@
 pub mod allocator;
 pub mod cli;
 mod error;
+pub mod hicache;
 pub mod jit;
 pub mod kernels;
 pub mod layout;
