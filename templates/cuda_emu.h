@@ -154,7 +154,11 @@ enum CpEmuStatus : int {
   CP_EMU_ETRAP = 6,      // __trap() was called
 };
 
+// Everything internal has internal linkage (unnamed namespace): nothing but the launch entries
+// is exported, so two libraries built in different modes (asm / ucontext / ASan) can never
+// interpose each other's helpers, even if one is loaded RTLD_GLOBAL.
 namespace cp_emu {
+namespace {
 
 // ---------------------------------------------------------------------------------------------
 // Execution contexts
@@ -797,7 +801,11 @@ static inline int syncthreads_count(int line, int p) {
 }
 static inline int syncthreads_and(int line, int p) { return static_cast<int>(rendezvous(K_BAR_AND, line, 0, p != 0, 0, 0)); }
 static inline int syncthreads_or(int line, int p) { return static_cast<int>(rendezvous(K_BAR_OR, line, 0, p != 0, 0, 0)); }
-static inline void syncwarp(int line, unsigned mask = 0xffffffffu) { rendezvous(K_SYNCWARP, line, mask, 0, 0, 0); }
+// `__syncwarp()` and `__syncwarp(mask)`: the line is bound first, the optional mask second.
+struct SyncWarp {
+  int line;
+  void operator()(unsigned mask = 0xffffffffu) const { rendezvous(K_SYNCWARP, line, mask, 0, 0, 0); }
+};
 static inline unsigned ballot_sync(int line, unsigned mask, int p) {
   return static_cast<unsigned>(rendezvous(K_BALLOT, line, mask, p != 0, 0, 0));
 }
@@ -829,6 +837,7 @@ static inline unsigned match_any_sync(int line, unsigned mask, T v) {
   fail_from_fiber(CP_EMU_ETRAP);
 }
 
+}  // namespace
 }  // namespace cp_emu
 
 // ---------------------------------------------------------------------------------------------
@@ -838,7 +847,7 @@ static inline unsigned match_any_sync(int line, unsigned mask, T v) {
 #define __syncthreads_count(p) ::cp_emu::syncthreads_count(__LINE__, (p))
 #define __syncthreads_and(p) ::cp_emu::syncthreads_and(__LINE__, (p))
 #define __syncthreads_or(p) ::cp_emu::syncthreads_or(__LINE__, (p))
-#define __syncwarp(...) ::cp_emu::syncwarp(__LINE__, ##__VA_ARGS__)
+#define __syncwarp ::cp_emu::SyncWarp{__LINE__}
 #define __ballot_sync(m, p) ::cp_emu::ballot_sync(__LINE__, (m), (p))
 #define __any_sync(m, p) ::cp_emu::any_sync(__LINE__, (m), (p))
 #define __all_sync(m, p) ::cp_emu::all_sync(__LINE__, (m), (p))
