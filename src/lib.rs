@@ -23,6 +23,7 @@
 pub mod allocator;
 pub mod cli;
 mod error;
+pub mod exec;
 pub mod hicache;
 pub mod jit;
 pub mod kernels;

@@ -1,0 +1,207 @@
+//! All unsafe code of the host executor: aligned buffer memory, `dlopen` of emulation
+//! libraries, and the call of `<entry>__emu_launch` with a `cuLaunchKernel`-shaped `void**`.
+//!
+//! The launch ABI mirrors `CpEmuLaunch` in `templates/cuda_emu.h`; bump [`ABI_VERSION`] in both
+//! places on any change.
+
+use std::alloc::Layout;
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::path::Path;
+use std::ptr::NonNull;
+
+/// Version of the `CpEmuLaunch` layout (`CP_EMU_ABI_VERSION` in the header).
+pub(crate) const ABI_VERSION: u32 = 1;
+/// `CP_EMU_FLAG_REVERSE`: run blocks from last to first.
+pub(crate) const FLAG_REVERSE: u32 = 1;
+/// Alignment of host-executor buffers, as for a `cuMemAlloc` allocation or better.
+pub(crate) const BUFFER_ALIGN: usize = 64;
+const ERR_CAP: usize = 4096;
+
+/// The launch configuration passed to the emulation entry (layout of `CpEmuLaunch`).
+#[repr(C)]
+struct CpEmuLaunch {
+    abi_version: u32,
+    grid: [u32; 3],
+    block: [u32; 3],
+    dyn_shared_bytes: u32,
+    flags: u32,
+    num_params: u32,
+    stack_bytes: u64,
+    param_sizes: *const u64,
+    err_buf: *mut c_char,
+    err_cap: u64,
+}
+
+type LaunchFn = unsafe extern "C" fn(*const CpEmuLaunch, *mut *mut c_void) -> c_int;
+
+/// A 64-byte-aligned, zero-length-safe heap allocation whose address kernels use as a
+/// device pointer.
+pub(crate) struct HostMem {
+    ptr: NonNull<u8>,
+    len: usize,
+    layout: Layout,
+}
+
+// SAFETY: HostMem exclusively owns its allocation (like a Box<[u8]>); the raw pointer is never
+// shared outside the owner except as an address handed to kernels run under the owner's lock.
+unsafe impl Send for HostMem {}
+// SAFETY: shared references only allow reading through `as_slice`; mutation needs `&mut self`.
+unsafe impl Sync for HostMem {}
+
+impl HostMem {
+    /// Allocates `len` bytes (at least one is reserved) filled with `fill`; `None` when out of
+    /// memory or the size overflows.
+    pub(crate) fn new(len: usize, fill: u8) -> Option<HostMem> {
+        let layout = Layout::from_size_align(len.max(1), BUFFER_ALIGN).ok()?;
+        // SAFETY: the layout has a non-zero size.
+        let raw = unsafe { std::alloc::alloc(layout) };
+        let ptr = NonNull::new(raw)?;
+        // SAFETY: `ptr` points at `layout.size() >= len` writable bytes just allocated.
+        unsafe { std::ptr::write_bytes(ptr.as_ptr(), fill, layout.size()) };
+        Some(HostMem { ptr, len, layout })
+    }
+
+    /// Size in bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The address kernels see.
+    pub(crate) fn addr(&self) -> u64 {
+        self.ptr.as_ptr() as u64
+    }
+
+    /// The bytes (no kernel is running: the owner's lock is held by the caller).
+    pub(crate) fn as_slice(&self) -> &[u8] {
+        // SAFETY: `ptr` is valid for `len` initialised bytes for the lifetime of `self`.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// The bytes, mutably.
+    pub(crate) fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`, and `&mut self` guarantees exclusive access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for HostMem {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` was allocated with `layout` by `std::alloc::alloc` and is freed once.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) };
+    }
+}
+
+/// A loaded emulation library and one kernel entry in it. The library stays loaded while the
+/// kernel exists; it is closed in `Drop`.
+pub(crate) struct EmuKernel {
+    entry: LaunchFn,
+    lib: Option<libloading::Library>,
+}
+
+impl EmuKernel {
+    /// Opens `path` (`RTLD_NOW | RTLD_LOCAL`) and resolves `<entry>__emu_launch`.
+    ///
+    /// # Safety
+    /// `path` must be a library built from a kernel render with `cuda_emu.h` (its initialisers
+    /// are then trivial, and `<entry>__emu_launch` has the `CpEmuLaunch` signature).
+    pub(crate) unsafe fn load(path: &Path, entry: &str) -> Result<EmuKernel, String> {
+        use libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
+        // SAFETY: guaranteed by the caller (see `# Safety`).
+        let lib: libloading::Library = unsafe { Library::open(Some(path), RTLD_NOW | RTLD_LOCAL) }
+            .map_err(|e| e.to_string())?
+            .into();
+        let symbol = format!("{entry}__emu_launch");
+        // SAFETY: the caller guarantees the symbol's type; the raw function pointer copied out
+        // here is only called while `lib` (stored next to it) keeps the library loaded.
+        let f: LaunchFn = unsafe {
+            *lib.get::<LaunchFn>(symbol.as_bytes())
+                .map_err(|e| format!("entry `{symbol}` not found: {e}"))?
+        };
+        Ok(EmuKernel {
+            entry: f,
+            lib: Some(lib),
+        })
+    }
+
+    /// Runs the kernel to completion on the calling thread. `args[i]` holds the exact bytes of
+    /// parameter `i`. Returns the emulator status and its diagnostic on failure.
+    pub(crate) fn launch(&self, shape: &LaunchShape, args: &[&[u8]]) -> Result<(), (i32, String)> {
+        let mut params: Vec<*mut c_void> = args.iter().map(|a| a.as_ptr() as *mut c_void).collect();
+        let sizes: Vec<u64> = args.iter().map(|a| a.len() as u64).collect();
+        let mut err = vec![0u8; ERR_CAP];
+        let cfg = CpEmuLaunch {
+            abi_version: ABI_VERSION,
+            grid: shape.grid,
+            block: shape.block,
+            dyn_shared_bytes: shape.shared_bytes,
+            flags: if shape.reverse { FLAG_REVERSE } else { 0 },
+            num_params: args.len() as u32,
+            stack_bytes: shape.stack_bytes,
+            param_sizes: sizes.as_ptr(),
+            err_buf: err.as_mut_ptr() as *mut c_char,
+            err_cap: ERR_CAP as u64,
+        };
+        // SAFETY: `cfg`, `params`, `sizes` and `err` outlive the call; the entry checks the ABI
+        // version, the parameter count and every parameter's size against the kernel signature
+        // before reading `params[i]` (each points at `sizes[i]` readable bytes), and writes at
+        // most `err_cap` bytes to `err`. Pointer arguments were bounds-checked by the caller
+        // and point into buffers the caller keeps alive and locked for the call.
+        let status = unsafe { (self.entry)(&cfg, params.as_mut_ptr()) };
+        if status == 0 {
+            return Ok(());
+        }
+        let msg = CStr::from_bytes_until_nul(&err)
+            .map(|c| c.to_string_lossy().into_owned())
+            .unwrap_or_else(|_| String::from_utf8_lossy(&err).into_owned());
+        Err((status, msg))
+    }
+}
+
+impl Drop for EmuKernel {
+    fn drop(&mut self) {
+        // Null-swap first, then close.
+        if let Some(lib) = self.lib.take() {
+            let _ = lib.close();
+        }
+    }
+}
+
+/// Loads kernel `entry` from the emulation library at `path`.
+///
+/// The executor's contract (documented on [`crate::exec::KernelArtifact::HostLibrary`]) is that
+/// host artifacts are libraries built from kernel renders with `cuda_emu.h`, which is what
+/// [`EmuKernel::load`] requires.
+pub(crate) fn load_kernel(path: &Path, entry: &str) -> Result<EmuKernel, String> {
+    // SAFETY: by the executor's contract the library is a render compiled with cuda_emu.h:
+    // its initialisers only set up TLS and its `<entry>__emu_launch` has the expected type.
+    unsafe { EmuKernel::load(path, entry) }
+}
+
+/// Launch shape and emulator settings for one launch.
+pub(crate) struct LaunchShape {
+    pub(crate) grid: [u32; 3],
+    pub(crate) block: [u32; 3],
+    pub(crate) shared_bytes: u32,
+    pub(crate) reverse: bool,
+    pub(crate) stack_bytes: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn launch_struct_layout_matches_header() {
+        assert_eq!(std::mem::size_of::<CpEmuLaunch>(), 72);
+        assert_eq!(std::mem::offset_of!(CpEmuLaunch, stack_bytes), 40);
+        assert_eq!(std::mem::offset_of!(CpEmuLaunch, err_cap), 64);
+    }
+
+    #[test]
+    fn host_mem_is_aligned_and_filled() {
+        let m = HostMem::new(100, 0xA5).unwrap();
+        assert_eq!(m.addr() % BUFFER_ALIGN as u64, 0);
+        assert!(m.as_slice().iter().all(|&b| b == 0xA5));
+        assert_eq!(HostMem::new(0, 0).unwrap().len(), 0);
+    }
+}

@@ -1,0 +1,466 @@
+//! The host executor: runs kernel renders compiled against `templates/cuda_emu.h` on the CPU.
+//!
+//! Buffers are 64-byte-aligned heap allocations whose addresses are passed to kernels as
+//! device pointers (device and host buffers alike). Kernels are loaded from a `.so` path (the
+//! JIT compiles them; this module never compiles anything) and run synchronously on the
+//! calling thread, blocks one after another, the threads of a block as fibers. A launch that
+//! deadlocks or meets mismatched intrinsics returns [`ExecError::Launch`] with the emulator's
+//! diagnostic instead of hanging.
+//!
+//! Thread-safety: `HostExecutor` is `Send + Sync`; one mutex serialises buffer operations and
+//! launches, so a buffer cannot be freed while a kernel runs on it.
+
+mod ffi;
+
+use std::collections::HashMap;
+use std::fmt;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::{
+    Backend, BufferId, Counters, ExecError, Executor, KernelArg, KernelArtifact, KernelId,
+    LaunchConfig, LaunchFailure, MemKind,
+};
+
+/// The CUDA-emulation header text, force-included by the JIT when it compiles a render for
+/// the host executor (and hashed into its cache key).
+pub const EMU_HEADER: &str = include_str!("../../../templates/cuda_emu.h");
+
+/// Environment variable selecting the block order (`forward` or `reverse`).
+pub const ORDER_ENV: &str = "CP_HICACHE_EMU_ORDER";
+
+/// Environment variable selecting a sanitizer build of emulation libraries (`address`).
+pub const SANITIZE_ENV: &str = "CP_HICACHE_EMU_SANITIZE";
+
+/// Order in which the blocks of a launch run. Shared memory keeps its values between blocks,
+/// so running tests in both orders exposes kernels that read uninitialised shared memory.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum BlockOrder {
+    /// Block 0 first.
+    #[default]
+    Forward,
+    /// Last block first.
+    Reverse,
+}
+
+impl fmt::Display for BlockOrder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            BlockOrder::Forward => "forward",
+            BlockOrder::Reverse => "reverse",
+        })
+    }
+}
+
+impl FromStr for BlockOrder {
+    type Err = ExecError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "" | "forward" => Ok(BlockOrder::Forward),
+            "reverse" => Ok(BlockOrder::Reverse),
+            _ => Err(ExecError::Config {
+                name: ORDER_ENV,
+                value: s.to_string(),
+                reason: "expected forward or reverse".into(),
+            }),
+        }
+    }
+}
+
+/// Sanitizer instrumentation of emulation libraries, chosen with `CP_HICACHE_EMU_SANITIZE`.
+/// The compiler (JIT) adds [`Sanitizer::cxx_flags`]; a process loading such libraries must
+/// have the sanitizer runtime preloaded.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum Sanitizer {
+    /// No instrumentation.
+    #[default]
+    None,
+    /// AddressSanitizer (`-fsanitize=address`), with fiber-switch annotations in the header.
+    Address,
+}
+
+impl Sanitizer {
+    /// Reads `CP_HICACHE_EMU_SANITIZE` (`address`, or unset / empty / `none`).
+    pub fn from_env() -> Result<Sanitizer, ExecError> {
+        match std::env::var(SANITIZE_ENV) {
+            Err(_) => Ok(Sanitizer::None),
+            Ok(v) => match v.trim() {
+                "" | "none" | "0" => Ok(Sanitizer::None),
+                "address" | "asan" => Ok(Sanitizer::Address),
+                _ => Err(ExecError::Config {
+                    name: SANITIZE_ENV,
+                    value: v,
+                    reason: "expected address or none".into(),
+                }),
+            },
+        }
+    }
+
+    /// Extra C++ compiler flags for this mode.
+    pub fn cxx_flags(&self) -> Vec<String> {
+        match self {
+            Sanitizer::None => vec![],
+            Sanitizer::Address => {
+                vec![
+                    "-fsanitize=address".into(),
+                    "-fno-omit-frame-pointer".into(),
+                    "-g".into(),
+                ]
+            }
+        }
+    }
+}
+
+/// Host executor settings.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct HostOptions {
+    /// Block order of every launch.
+    pub block_order: BlockOrder,
+    /// Fiber stack size in bytes; 0 lets the emulator choose (64 KiB, 256 KiB under ASan).
+    pub stack_bytes: u64,
+}
+
+impl HostOptions {
+    /// Defaults, with the block order from `CP_HICACHE_EMU_ORDER` when set.
+    pub fn from_env() -> Result<HostOptions, ExecError> {
+        let block_order = match std::env::var(ORDER_ENV) {
+            Ok(v) => v.parse()?,
+            Err(_) => BlockOrder::Forward,
+        };
+        Ok(HostOptions {
+            block_order,
+            ..HostOptions::default()
+        })
+    }
+}
+
+struct HostBuffer {
+    mem: ffi::HostMem,
+    kind: MemKind,
+}
+
+struct LoadedKernel {
+    name: String,
+    kernel: Arc<ffi::EmuKernel>,
+}
+
+#[derive(Default)]
+struct State {
+    buffers: HashMap<u64, HostBuffer>,
+    kernels: HashMap<u64, LoadedKernel>,
+    next_id: u64,
+    counters: Counters,
+}
+
+/// The CPU emulation executor. See the module documentation.
+pub struct HostExecutor {
+    options: Mutex<HostOptions>,
+    state: Mutex<State>,
+    fail_next_launch: AtomicBool,
+}
+
+impl HostExecutor {
+    /// Creates an executor with `options`.
+    pub fn new(options: HostOptions) -> HostExecutor {
+        HostExecutor {
+            options: Mutex::new(options),
+            state: Mutex::new(State {
+                next_id: 1,
+                ..State::default()
+            }),
+            fail_next_launch: AtomicBool::new(false),
+        }
+    }
+
+    /// Creates an executor configured from the environment (`CP_HICACHE_EMU_ORDER`).
+    pub fn from_env() -> Result<HostExecutor, ExecError> {
+        Ok(HostExecutor::new(HostOptions::from_env()?))
+    }
+
+    /// Sets the block order of later launches.
+    pub fn set_block_order(&self, order: BlockOrder) {
+        lock(&self.options).block_order = order;
+    }
+
+    /// The current options.
+    pub fn options(&self) -> HostOptions {
+        *lock(&self.options)
+    }
+
+    /// The memory kind a buffer was allocated as.
+    pub fn kind(&self, buffer: BufferId) -> Result<MemKind, ExecError> {
+        let st = lock(&self.state);
+        st.buffers
+            .get(&buffer.0)
+            .map(|b| b.kind)
+            .ok_or(ExecError::UnknownBuffer(buffer))
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding the lock cannot leave the maps half-updated in a way that matters
+    // for memory safety, so a poisoned lock is simply taken over.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn range(
+    op: &'static str,
+    buffer: BufferId,
+    size: usize,
+    offset: u64,
+    len: u64,
+) -> Result<std::ops::Range<usize>, ExecError> {
+    let oob = || ExecError::OutOfBounds {
+        op,
+        buffer,
+        offset,
+        len,
+        size,
+    };
+    let end = offset.checked_add(len).ok_or_else(oob)?;
+    if end > size as u64 {
+        return Err(oob());
+    }
+    Ok(offset as usize..end as usize)
+}
+
+fn failure_of(status: i32) -> LaunchFailure {
+    match status {
+        1 => LaunchFailure::InvalidConfig,
+        2 => LaunchFailure::Deadlock,
+        3 => LaunchFailure::Mismatch,
+        4 => LaunchFailure::BadMask,
+        5 => LaunchFailure::OutOfMemory,
+        6 => LaunchFailure::Trap,
+        _ => LaunchFailure::Other,
+    }
+}
+
+impl Executor for HostExecutor {
+    fn backend(&self) -> Backend {
+        Backend::Host
+    }
+
+    fn device_name(&self) -> String {
+        format!("host CPU emulation ({})", std::env::consts::ARCH)
+    }
+
+    fn alloc(&self, kind: MemKind, bytes: usize, fill: u8) -> Result<BufferId, ExecError> {
+        let mem = ffi::HostMem::new(bytes, fill).ok_or_else(|| ExecError::Alloc {
+            bytes,
+            kind,
+            reason: "out of host memory".into(),
+        })?;
+        let mut st = lock(&self.state);
+        let id = st.next_id;
+        st.next_id += 1;
+        st.buffers.insert(id, HostBuffer { mem, kind });
+        st.counters.allocs += 1;
+        Ok(BufferId(id))
+    }
+
+    fn free(&self, buffer: BufferId) -> Result<(), ExecError> {
+        let mut st = lock(&self.state);
+        st.buffers
+            .remove(&buffer.0)
+            .map(|_| ())
+            .ok_or(ExecError::UnknownBuffer(buffer))
+    }
+
+    fn size(&self, buffer: BufferId) -> Result<usize, ExecError> {
+        let st = lock(&self.state);
+        st.buffers
+            .get(&buffer.0)
+            .map(|b| b.mem.len())
+            .ok_or(ExecError::UnknownBuffer(buffer))
+    }
+
+    fn upload(&self, buffer: BufferId, offset: u64, data: &[u8]) -> Result<(), ExecError> {
+        let mut st = lock(&self.state);
+        let buf = st
+            .buffers
+            .get_mut(&buffer.0)
+            .ok_or(ExecError::UnknownBuffer(buffer))?;
+        let r = range("upload", buffer, buf.mem.len(), offset, data.len() as u64)?;
+        buf.mem.as_mut_slice()[r].copy_from_slice(data);
+        st.counters.uploads += 1;
+        st.counters.bytes_uploaded += data.len() as u64;
+        Ok(())
+    }
+
+    fn read(&self, buffer: BufferId, offset: u64, out: &mut [u8]) -> Result<(), ExecError> {
+        let mut st = lock(&self.state);
+        let buf = st
+            .buffers
+            .get(&buffer.0)
+            .ok_or(ExecError::UnknownBuffer(buffer))?;
+        let r = range("read", buffer, buf.mem.len(), offset, out.len() as u64)?;
+        out.copy_from_slice(&buf.mem.as_slice()[r]);
+        st.counters.reads += 1;
+        st.counters.bytes_read += out.len() as u64;
+        Ok(())
+    }
+
+    fn load_kernel(&self, artifact: &KernelArtifact<'_>) -> Result<KernelId, ExecError> {
+        let KernelArtifact::HostLibrary { path, entry } = *artifact else {
+            return Err(ExecError::WrongArtifact {
+                backend: Backend::Host,
+                artifact: "a CUBIN",
+            });
+        };
+        let kernel = ffi::load_kernel(path, entry).map_err(|message| ExecError::Load {
+            entry: entry.to_string(),
+            artifact: artifact.describe(),
+            message,
+        })?;
+        let mut st = lock(&self.state);
+        let id = st.next_id;
+        st.next_id += 1;
+        st.kernels.insert(
+            id,
+            LoadedKernel {
+                name: entry.to_string(),
+                kernel: Arc::new(kernel),
+            },
+        );
+        Ok(KernelId(id))
+    }
+
+    fn launch(
+        &self,
+        kernel: KernelId,
+        config: &LaunchConfig,
+        args: &[KernelArg<'_>],
+    ) -> Result<(), ExecError> {
+        let options = self.options();
+        let mut st = lock(&self.state);
+        st.counters.launches += 1;
+        let k = st
+            .kernels
+            .get(&kernel.0)
+            .ok_or(ExecError::UnknownKernel(kernel))?;
+        let name = k.name.clone();
+        let emu = Arc::clone(&k.kernel);
+        if self.fail_next_launch.swap(false, Ordering::SeqCst) {
+            return Err(ExecError::Launch {
+                kernel: name,
+                cause: LaunchFailure::Injected,
+                message: "launch failure injected; the kernel did not run".into(),
+            });
+        }
+        // Scalars first (stable storage), then the byte views the FFI turns into `void**`.
+        let mut scalars: Vec<([u8; 8], usize)> = Vec::with_capacity(args.len());
+        for arg in args {
+            let mut bytes = [0u8; 8];
+            let len = match *arg {
+                KernelArg::Ptr(b, off) => {
+                    let buf = st.buffers.get(&b.0).ok_or(ExecError::UnknownBuffer(b))?;
+                    // One past the end is a valid pointer; beyond it is an error.
+                    range("kernel argument", b, buf.mem.len(), off, 0)?;
+                    bytes = (buf.mem.addr() + off).to_ne_bytes();
+                    8
+                }
+                KernelArg::Null => 8,
+                KernelArg::U32(v) => {
+                    bytes[..4].copy_from_slice(&v.to_ne_bytes());
+                    4
+                }
+                KernelArg::I32(v) => {
+                    bytes[..4].copy_from_slice(&v.to_ne_bytes());
+                    4
+                }
+                KernelArg::U64(v) => {
+                    bytes = v.to_ne_bytes();
+                    8
+                }
+                KernelArg::I64(v) => {
+                    bytes = v.to_ne_bytes();
+                    8
+                }
+                KernelArg::Bytes(_) => 0,
+            };
+            scalars.push((bytes, len));
+        }
+        let views: Vec<&[u8]> = args
+            .iter()
+            .zip(&scalars)
+            .map(|(arg, (bytes, len))| match *arg {
+                KernelArg::Bytes(b) => b,
+                _ => &bytes[..*len],
+            })
+            .collect();
+        let shape = ffi::LaunchShape {
+            grid: config.grid,
+            block: config.block,
+            shared_bytes: config.shared_bytes,
+            reverse: options.block_order == BlockOrder::Reverse,
+            stack_bytes: options.stack_bytes,
+        };
+        // The state lock stays held while the kernel runs, so no buffer can be freed under it.
+        let result = emu.launch(&shape, &views);
+        drop(st);
+        result.map_err(|(status, message)| ExecError::Launch {
+            kernel: name,
+            cause: failure_of(status),
+            message,
+        })
+    }
+
+    fn synchronize(&self) -> Result<(), ExecError> {
+        // Launches run to completion on the calling thread; only the count matters.
+        lock(&self.state).counters.syncs += 1;
+        Ok(())
+    }
+
+    fn counters(&self) -> Counters {
+        lock(&self.state).counters
+    }
+
+    fn inject_launch_failure(&self) {
+        self.fail_next_launch.store(true, Ordering::SeqCst);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_order_parses() {
+        assert_eq!(
+            "reverse".parse::<BlockOrder>().unwrap(),
+            BlockOrder::Reverse
+        );
+        assert_eq!("".parse::<BlockOrder>().unwrap(), BlockOrder::Forward);
+        assert!("sideways".parse::<BlockOrder>().is_err());
+    }
+
+    #[test]
+    fn sanitizer_flags() {
+        assert!(Sanitizer::None.cxx_flags().is_empty());
+        assert_eq!(
+            Sanitizer::Address.cxx_flags(),
+            vec!["-fsanitize=address", "-fno-omit-frame-pointer", "-g"]
+        );
+    }
+
+    #[test]
+    fn bounds_are_checked() {
+        let ex = HostExecutor::new(HostOptions::default());
+        let b = ex.alloc(MemKind::Device, 16, 0xA5).unwrap();
+        let mut out = [0u8; 16];
+        ex.read(b, 0, &mut out).unwrap();
+        assert_eq!(out, [0xA5; 16]);
+        assert!(matches!(
+            ex.read(b, 1, &mut out),
+            Err(ExecError::OutOfBounds { op: "read", .. })
+        ));
+        assert!(matches!(
+            ex.upload(b, u64::MAX, &[1]),
+            Err(ExecError::OutOfBounds { .. })
+        ));
+        ex.free(b).unwrap();
+        assert!(matches!(ex.free(b), Err(ExecError::UnknownBuffer(_))));
+    }
+}

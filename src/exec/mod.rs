@@ -1,0 +1,481 @@
+//! Kernel executors: one [`Executor`] trait that runs the same rendered kernels on a GPU
+//! (the CUDA executor) or on the CPU (the host executor, through the CUDA-emulation header).
+//!
+//! An executor owns device buffers, host buffers, loaded kernels and a stream of launches. The
+//! caller allocates buffers (filled with a poison byte), uploads small control data, loads a
+//! kernel artifact, launches it with typed arguments, and reads results back only when it must.
+//! Every read back and every synchronisation is counted ([`Counters`]) so that a caller can
+//! assert that a path (for example HiCache load-back) is free of them.
+
+pub mod cuda;
+pub mod host;
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+pub use host::{BlockOrder, HostExecutor, HostOptions};
+
+/// Errors of the executors. Every variant carries enough context to be reported as is.
+#[derive(Debug, thiserror::Error)]
+pub enum ExecError {
+    /// The backend cannot be used on this machine (no driver, no device, no library).
+    #[error("{backend} executor unavailable: {reason}")]
+    Unavailable {
+        /// Which backend was asked for.
+        backend: Backend,
+        /// Why it cannot be used.
+        reason: String,
+    },
+    /// A buffer could not be allocated.
+    #[error("cannot allocate {bytes} bytes of {kind} memory: {reason}")]
+    Alloc {
+        /// Requested size.
+        bytes: usize,
+        /// Device or host memory.
+        kind: MemKind,
+        /// Underlying reason.
+        reason: String,
+    },
+    /// A buffer handle that this executor does not know (freed, or from another executor).
+    #[error("unknown buffer {0:?}")]
+    UnknownBuffer(BufferId),
+    /// A read, upload or pointer argument outside a buffer.
+    #[error("{op} of {len} bytes at offset {offset} is outside buffer {buffer:?} of {size} bytes")]
+    OutOfBounds {
+        /// The operation (`read`, `upload`, `kernel argument`).
+        op: &'static str,
+        /// The buffer.
+        buffer: BufferId,
+        /// Start offset in bytes.
+        offset: u64,
+        /// Length in bytes.
+        len: u64,
+        /// Buffer size in bytes.
+        size: usize,
+    },
+    /// A kernel artifact could not be loaded, or its entry point was not found.
+    #[error("cannot load kernel `{entry}` from {artifact}: {message}")]
+    Load {
+        /// Entry (kernel) name.
+        entry: String,
+        /// Where the artifact came from (a path, or "CUBIN (N bytes)").
+        artifact: String,
+        /// Loader message.
+        message: String,
+    },
+    /// An artifact kind that this executor does not run (a CUBIN on the host executor, ...).
+    #[error("{backend} executor cannot load {artifact}")]
+    WrongArtifact {
+        /// The executor's backend.
+        backend: Backend,
+        /// The artifact kind offered.
+        artifact: &'static str,
+    },
+    /// A kernel handle that this executor does not know.
+    #[error("unknown kernel {0:?}")]
+    UnknownKernel(KernelId),
+    /// A launch failed: bad configuration, deadlock or mismatched intrinsics in the emulator,
+    /// a driver error, or an injected fault.
+    #[error("launch of kernel `{kernel}` failed ({cause}): {message}")]
+    Launch {
+        /// Kernel (entry) name.
+        kernel: String,
+        /// Classified cause.
+        cause: LaunchFailure,
+        /// Diagnostic from the emulator or the driver.
+        message: String,
+    },
+    /// A configuration value (environment variable, option) is invalid.
+    #[error("invalid {name} `{value}`: {reason}")]
+    Config {
+        /// Option or variable name.
+        name: &'static str,
+        /// The value found.
+        value: String,
+        /// What is accepted.
+        reason: String,
+    },
+    /// An error reported by the CUDA driver outside a launch.
+    #[error("CUDA driver error in {op}: {message}")]
+    Driver {
+        /// Operation that failed.
+        op: &'static str,
+        /// Driver message.
+        message: String,
+    },
+}
+
+impl ExecError {
+    /// True for the executor-unavailable error (callers fall back to another backend).
+    pub fn is_unavailable(&self) -> bool {
+        matches!(self, ExecError::Unavailable { .. })
+    }
+
+    /// The launch failure cause, if this is a launch error.
+    pub fn launch_failure(&self) -> Option<LaunchFailure> {
+        match self {
+            ExecError::Launch { cause, .. } => Some(*cause),
+            _ => None,
+        }
+    }
+}
+
+/// Why a launch failed; lets callers and tests tell a deadlock from a bad configuration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LaunchFailure {
+    /// Launch shape, parameter count or parameter sizes rejected.
+    InvalidConfig,
+    /// No thread could proceed (for example `__syncthreads` in divergent code).
+    Deadlock,
+    /// Threads of one group met at different intrinsics or masks.
+    Mismatch,
+    /// A warp intrinsic's mask did not contain the calling lane.
+    BadMask,
+    /// The executor ran out of memory for the launch (fiber stacks).
+    OutOfMemory,
+    /// The kernel called `__trap()`.
+    Trap,
+    /// A fault injected with [`Executor::inject_launch_failure`].
+    Injected,
+    /// Anything else (driver error, unknown status).
+    Other,
+}
+
+impl fmt::Display for LaunchFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            LaunchFailure::InvalidConfig => "invalid configuration",
+            LaunchFailure::Deadlock => "deadlock",
+            LaunchFailure::Mismatch => "mismatched intrinsics",
+            LaunchFailure::BadMask => "bad warp mask",
+            LaunchFailure::OutOfMemory => "out of memory",
+            LaunchFailure::Trap => "trap",
+            LaunchFailure::Injected => "injected fault",
+            LaunchFailure::Other => "error",
+        })
+    }
+}
+
+/// Which executor to use: chosen on the command line (`--backend auto|host|cuda`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum Backend {
+    /// CUDA when a driver and a device are usable, otherwise the host emulator.
+    #[default]
+    Auto,
+    /// The CPU emulation executor.
+    Host,
+    /// The CUDA driver executor.
+    Cuda,
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Backend::Auto => "auto",
+            Backend::Host => "host",
+            Backend::Cuda => "cuda",
+        })
+    }
+}
+
+impl FromStr for Backend {
+    type Err = ExecError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(Backend::Auto),
+            "host" | "cpu" => Ok(Backend::Host),
+            "cuda" | "gpu" => Ok(Backend::Cuda),
+            _ => Err(ExecError::Config {
+                name: "backend",
+                value: s.to_string(),
+                reason: "expected auto, host or cuda".into(),
+            }),
+        }
+    }
+}
+
+impl Backend {
+    /// Resolves `Auto` to the backend that [`open_executor`] would pick now.
+    pub fn resolve(self) -> Backend {
+        match self {
+            Backend::Auto if cuda::CudaExecutor::usable() => Backend::Cuda,
+            Backend::Auto => Backend::Host,
+            other => other,
+        }
+    }
+}
+
+/// Opens the executor for `backend`: `Auto` picks CUDA only when a device is usable.
+/// The host executor takes its block order from `CP_HICACHE_EMU_ORDER`.
+pub fn open_executor(backend: Backend) -> Result<Box<dyn Executor>, ExecError> {
+    match backend.resolve() {
+        Backend::Cuda => Ok(Box::new(cuda::CudaExecutor::new(0)?)),
+        _ => Ok(Box::new(HostExecutor::new(HostOptions::from_env()?))),
+    }
+}
+
+/// Where a buffer lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MemKind {
+    /// Device memory (`cuMemAlloc`; a heap allocation on the host executor).
+    Device,
+    /// Host memory that kernels can address directly (pinned and device-mapped on CUDA).
+    Host,
+}
+
+impl fmt::Display for MemKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            MemKind::Device => "device",
+            MemKind::Host => "host",
+        })
+    }
+}
+
+/// Handle of a buffer owned by one executor. Handles are never reused within an executor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BufferId(pub u64);
+
+/// Handle of a kernel loaded into one executor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct KernelId(pub u64);
+
+/// A compiled kernel, as produced by the JIT for one backend.
+#[derive(Debug, Clone, Copy)]
+pub enum KernelArtifact<'a> {
+    /// A host-emulation shared library; the executor resolves `<entry>__emu_launch`.
+    /// It must be a kernel render compiled with `cuda_emu.h` (as the JIT builds them):
+    /// loading runs its initialisers, and the entry is called with the `CpEmuLaunch` ABI.
+    HostLibrary {
+        /// Path of the `.so`.
+        path: &'a Path,
+        /// Kernel entry name (the spec's `uri()`).
+        entry: &'a str,
+    },
+    /// A CUBIN image for the CUDA executor.
+    Cubin {
+        /// The image bytes.
+        image: &'a [u8],
+        /// Kernel entry name (the spec's `uri()`).
+        entry: &'a str,
+    },
+}
+
+impl KernelArtifact<'_> {
+    /// The kernel entry name.
+    pub fn entry(&self) -> &str {
+        match self {
+            KernelArtifact::HostLibrary { entry, .. } | KernelArtifact::Cubin { entry, .. } => {
+                entry
+            }
+        }
+    }
+
+    /// A short description for error messages.
+    pub fn describe(&self) -> String {
+        match self {
+            KernelArtifact::HostLibrary { path, .. } => path.display().to_string(),
+            KernelArtifact::Cubin { image, .. } => format!("CUBIN ({} bytes)", image.len()),
+        }
+    }
+
+    /// The library path, for host artifacts.
+    pub fn path(&self) -> Option<PathBuf> {
+        match self {
+            KernelArtifact::HostLibrary { path, .. } => Some(path.to_path_buf()),
+            KernelArtifact::Cubin { .. } => None,
+        }
+    }
+}
+
+/// One kernel argument, turned into a `void**` entry by the executor's FFI layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KernelArg<'a> {
+    /// Address of `buffer` plus a byte offset (checked against the buffer's size).
+    Ptr(BufferId, u64),
+    /// A null pointer.
+    Null,
+    /// `u32` by value.
+    U32(u32),
+    /// `i32` by value.
+    I32(i32),
+    /// `u64` by value.
+    U64(u64),
+    /// `i64` by value.
+    I64(i64),
+    /// A by-value struct: its exact bytes in the kernel's layout (`#[repr(C)]`).
+    Bytes(&'a [u8]),
+}
+
+impl KernelArg<'_> {
+    /// Size of the argument value in bytes, as the kernel sees it.
+    pub fn size(&self) -> usize {
+        match self {
+            KernelArg::Ptr(..) | KernelArg::Null | KernelArg::U64(_) | KernelArg::I64(_) => 8,
+            KernelArg::U32(_) | KernelArg::I32(_) => 4,
+            KernelArg::Bytes(b) => b.len(),
+        }
+    }
+}
+
+/// Launch shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LaunchConfig {
+    /// Blocks in x, y, z.
+    pub grid: [u32; 3],
+    /// Threads per block in x, y, z.
+    pub block: [u32; 3],
+    /// Dynamic shared memory bytes (the host executor supports only 0).
+    pub shared_bytes: u32,
+}
+
+impl LaunchConfig {
+    /// A one-dimensional launch of `blocks` blocks of `threads` threads.
+    pub fn linear(blocks: u32, threads: u32) -> Self {
+        LaunchConfig {
+            grid: [blocks, 1, 1],
+            block: [threads, 1, 1],
+            shared_bytes: 0,
+        }
+    }
+}
+
+/// Operation counts since the executor was created. Take a snapshot before a scope and call
+/// [`Counters::since`] after it to get that scope's counts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct Counters {
+    /// Kernel launches (including failed ones).
+    pub launches: u64,
+    /// Explicit synchronisations ([`Executor::synchronize`]).
+    pub syncs: u64,
+    /// Read-backs ([`Executor::read`]); each one waits for the work writing the buffer.
+    pub reads: u64,
+    /// Bytes read back.
+    pub bytes_read: u64,
+    /// Uploads ([`Executor::upload`]).
+    pub uploads: u64,
+    /// Bytes uploaded.
+    pub bytes_uploaded: u64,
+    /// Buffer allocations.
+    pub allocs: u64,
+}
+
+impl Counters {
+    /// Counts accumulated between `earlier` and `self`.
+    pub fn since(&self, earlier: &Counters) -> Counters {
+        Counters {
+            launches: self.launches.saturating_sub(earlier.launches),
+            syncs: self.syncs.saturating_sub(earlier.syncs),
+            reads: self.reads.saturating_sub(earlier.reads),
+            bytes_read: self.bytes_read.saturating_sub(earlier.bytes_read),
+            uploads: self.uploads.saturating_sub(earlier.uploads),
+            bytes_uploaded: self.bytes_uploaded.saturating_sub(earlier.bytes_uploaded),
+            allocs: self.allocs.saturating_sub(earlier.allocs),
+        }
+    }
+
+    /// True when the scope neither read back nor synchronised.
+    pub fn is_sync_free(&self) -> bool {
+        self.reads == 0 && self.syncs == 0
+    }
+}
+
+/// A kernel executor.
+///
+/// Contract:
+/// - All methods take `&self`; implementations are `Send + Sync` and serialise their own
+///   state, so one executor may be shared by threads. Launches are stream-ordered: a launch,
+///   upload or read observes every earlier call on the same executor.
+/// - `upload` does not synchronise with the host (the data is staged); `read` waits for the
+///   work that writes the buffer and is counted in [`Counters::reads`]; `synchronize` is counted
+///   in [`Counters::syncs`].
+/// - Every failure is a typed [`ExecError`]; a failed launch leaves buffers allocated and the
+///   executor usable, but the contents of buffers the kernel wrote are unspecified.
+/// - Buffers and kernels are released when freed or when the executor is dropped.
+pub trait Executor: Send + Sync {
+    /// Which backend this is.
+    fn backend(&self) -> Backend;
+
+    /// A human-readable device description (for `info`, tuning keys and logs).
+    fn device_name(&self) -> String;
+
+    /// Allocates `bytes` of `kind` memory filled with `fill` (the poison byte, `0xA5` for pools).
+    fn alloc(&self, kind: MemKind, bytes: usize, fill: u8) -> Result<BufferId, ExecError>;
+
+    /// Frees a buffer.
+    fn free(&self, buffer: BufferId) -> Result<(), ExecError>;
+
+    /// Size of a buffer in bytes.
+    fn size(&self, buffer: BufferId) -> Result<usize, ExecError>;
+
+    /// Copies `data` into `buffer` at `offset` without synchronising (stream-ordered).
+    fn upload(&self, buffer: BufferId, offset: u64, data: &[u8]) -> Result<(), ExecError>;
+
+    /// Copies `out.len()` bytes from `buffer` at `offset` back to the host (counted).
+    fn read(&self, buffer: BufferId, offset: u64, out: &mut [u8]) -> Result<(), ExecError>;
+
+    /// Loads a kernel; loading the same artifact twice may return two handles.
+    fn load_kernel(&self, artifact: &KernelArtifact<'_>) -> Result<KernelId, ExecError>;
+
+    /// Launches a loaded kernel with `args` (one per kernel parameter, in order).
+    fn launch(
+        &self,
+        kernel: KernelId,
+        config: &LaunchConfig,
+        args: &[KernelArg<'_>],
+    ) -> Result<(), ExecError>;
+
+    /// Waits until all launched work has finished (counted).
+    fn synchronize(&self) -> Result<(), ExecError>;
+
+    /// A snapshot of the operation counters.
+    fn counters(&self) -> Counters;
+
+    /// Makes the next launch fail with [`LaunchFailure::Injected`] without running the kernel.
+    fn inject_launch_failure(&self);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backend_parses_and_prints() {
+        for b in [Backend::Auto, Backend::Host, Backend::Cuda] {
+            assert_eq!(b.to_string().parse::<Backend>().unwrap(), b);
+        }
+        assert_eq!(" GPU ".parse::<Backend>().unwrap(), Backend::Cuda);
+        assert!(matches!(
+            "tpu".parse::<Backend>(),
+            Err(ExecError::Config { .. })
+        ));
+    }
+
+    #[test]
+    fn counters_diff() {
+        let a = Counters {
+            launches: 2,
+            reads: 1,
+            ..Default::default()
+        };
+        let b = Counters {
+            launches: 5,
+            reads: 1,
+            syncs: 1,
+            ..Default::default()
+        };
+        let d = b.since(&a);
+        assert_eq!(d.launches, 3);
+        assert_eq!(d.reads, 0);
+        assert!(!d.is_sync_free());
+        assert!(Counters::default().is_sync_free());
+    }
+
+    #[test]
+    fn arg_sizes() {
+        assert_eq!(KernelArg::U32(1).size(), 4);
+        assert_eq!(KernelArg::Ptr(BufferId(1), 0).size(), 8);
+        assert_eq!(KernelArg::Bytes(&[0; 24]).size(), 24);
+    }
+}

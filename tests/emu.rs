@@ -1,0 +1,867 @@
+//! Host executor and CUDA-emulation header: hand-written kernels in `tests/emu/kernels.cu`,
+//! compiled here by invoking `c++` directly (the executor itself never compiles), run in both
+//! block orders.
+//!
+//! `CP_HICACHE_EMU_SANITIZE=address` compiles the kernels with AddressSanitizer; the test
+//! process then needs the ASan runtime preloaded (see `asan_catches_out_of_bounds_write`).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use cp_hicache::exec::host::{Sanitizer, EMU_HEADER};
+use cp_hicache::exec::{
+    BlockOrder, BufferId, ExecError, Executor, HostExecutor, HostOptions, KernelArg,
+    KernelArtifact, KernelId, LaunchConfig, LaunchFailure, MemKind,
+};
+use sha2::{Digest, Sha256};
+
+const KERNELS: &str = include_str!("emu/kernels.cu");
+const NOPS: usize = 11;
+const POISON: u8 = 0xA5;
+
+fn header_path() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("templates/cuda_emu.h")
+}
+
+/// Compiles `source` into a shared library under the cargo test tmp dir, keyed by content and
+/// flags (compiled once, written atomically, so parallel tests and reruns share it).
+fn compile_with(source: &str, extra: &[String]) -> PathBuf {
+    let mut h = Sha256::new();
+    h.update(EMU_HEADER.as_bytes());
+    h.update(source.as_bytes());
+    for f in extra {
+        h.update(f.as_bytes());
+        h.update([0]);
+    }
+    let key = hex::encode(&h.finalize()[..12]);
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("emu");
+    std::fs::create_dir_all(&dir).unwrap();
+    let so = dir.join(format!("k-{key}.so"));
+    if so.exists() {
+        return so;
+    }
+    let src = dir.join(format!("k-{key}.{}.cu", std::process::id()));
+    std::fs::write(&src, source).unwrap();
+    let tmp = dir.join(format!("k-{key}.{}.so.tmp", std::process::id()));
+    let out = Command::new(std::env::var("CXX").unwrap_or_else(|_| "c++".into()))
+        .args([
+            "-std=c++17",
+            "-O2",
+            "-fPIC",
+            "-shared",
+            "-DCP_HICACHE_EMU",
+            "-include",
+        ])
+        .arg(header_path())
+        .args(extra)
+        .args(["-x", "c++"])
+        .arg(&src)
+        .arg("-o")
+        .arg(&tmp)
+        .env_remove("LD_PRELOAD")
+        .output()
+        .expect("run c++");
+    assert!(
+        out.status.success(),
+        "c++ failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::rename(&tmp, &so).unwrap();
+    let _ = std::fs::remove_file(&src);
+    so
+}
+
+fn sanitize_flags() -> Vec<String> {
+    Sanitizer::from_env()
+        .expect("CP_HICACHE_EMU_SANITIZE")
+        .cxx_flags()
+}
+
+/// The test kernels, built in the mode selected by `CP_HICACHE_EMU_SANITIZE`.
+fn kernels_so() -> &'static Path {
+    static SO: OnceLock<PathBuf> = OnceLock::new();
+    SO.get_or_init(|| compile_with(KERNELS, &sanitize_flags()))
+}
+
+fn load(ex: &HostExecutor, so: &Path, entry: &str) -> KernelId {
+    ex.load_kernel(&KernelArtifact::HostLibrary { path: so, entry })
+        .unwrap()
+}
+
+fn executor(order: BlockOrder) -> HostExecutor {
+    HostExecutor::new(HostOptions {
+        block_order: order,
+        ..HostOptions::default()
+    })
+}
+
+/// Runs `f` once per block order.
+fn both_orders(mut f: impl FnMut(&HostExecutor, BlockOrder)) {
+    for order in [BlockOrder::Forward, BlockOrder::Reverse] {
+        f(&executor(order), order);
+    }
+}
+
+fn u32s(v: &[u32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn alloc_u32(ex: &HostExecutor, v: &[u32]) -> BufferId {
+    let b = ex.alloc(MemKind::Device, v.len() * 4, POISON).unwrap();
+    ex.upload(b, 0, &u32s(v)).unwrap();
+    b
+}
+
+fn read_u32(ex: &HostExecutor, b: BufferId) -> Vec<u32> {
+    let mut bytes = vec![0u8; ex.size(b).unwrap()];
+    ex.read(b, 0, &mut bytes).unwrap();
+    bytes
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+fn launch_err(
+    ex: &HostExecutor,
+    k: KernelId,
+    cfg: LaunchConfig,
+    args: &[KernelArg<'_>],
+) -> ExecError {
+    ex.launch(k, &cfg, args).expect_err("launch should fail")
+}
+
+#[test]
+fn block_reduction_through_shared_memory() {
+    both_orders(|ex, _| {
+        let blocks = 5usize;
+        let input: Vec<u32> = (0..blocks as u32 * 256).map(|i| i * 3 + 1).collect();
+        let inb = alloc_u32(ex, &input);
+        let out = ex.alloc(MemKind::Device, blocks * 4, POISON).unwrap();
+        let k = load(ex, kernels_so(), "block_sum");
+        ex.launch(
+            k,
+            &LaunchConfig::linear(blocks as u32, 256),
+            &[KernelArg::Ptr(inb, 0), KernelArg::Ptr(out, 0)],
+        )
+        .unwrap();
+        let want: Vec<u32> = input.chunks(256).map(|c| c.iter().sum()).collect();
+        assert_eq!(read_u32(ex, out), want);
+    });
+}
+
+#[test]
+fn syncthreads_count_and_or() {
+    both_orders(|ex, _| {
+        let threads = 96usize;
+        // Block 0: some set; block 1: all set; block 2: none set.
+        let mut pred = vec![0u32; threads * 3];
+        for (i, p) in pred[..threads].iter_mut().enumerate() {
+            *p = u32::from(i % 5 == 0);
+        }
+        pred[threads..2 * threads].fill(7);
+        let pb = alloc_u32(ex, &pred);
+        let out = ex.alloc(MemKind::Device, 9 * 4, POISON).unwrap();
+        let k = load(ex, kernels_so(), "sync_variants");
+        ex.launch(
+            k,
+            &LaunchConfig::linear(3, threads as u32),
+            &[KernelArg::Ptr(pb, 0), KernelArg::Ptr(out, 0)],
+        )
+        .unwrap();
+        assert_eq!(read_u32(ex, out), vec![20, 0, 1, 96, 1, 1, 0, 0, 0]);
+    });
+}
+
+/// Reference model of `warp_ops` for one warp: `vals[j]` is lane j's value, `alive[j]` whether
+/// it did not exit.
+fn warp_ops_model(vals: &[u32; 32], alive: &[bool; 32]) -> Vec<Option<[u32; NOPS]>> {
+    let part = |j: usize| alive[j];
+    let get = |src: usize, j: usize| {
+        if src < 32 && part(src) {
+            vals[src]
+        } else {
+            vals[j]
+        }
+    };
+    let ballot = |f: &dyn Fn(u32) -> bool, lanes: std::ops::Range<usize>| {
+        lanes
+            .filter(|&j| part(j) && f(vals[j]))
+            .fold(0u32, |m, j| m | 1 << j)
+    };
+    (0..32)
+        .map(|j| {
+            if !alive[j] {
+                return None;
+            }
+            let v = vals[j];
+            let mut o = [0u32; NOPS];
+            o[0] = ballot(&|x| x & 1 == 1, 0..32);
+            o[1] = u32::from((0..32).any(|l| part(l) && vals[l] == 7));
+            o[2] = u32::from((0..32).filter(|&l| part(l)).all(|l| vals[l] < 1000));
+            o[3] = get(3, j);
+            o[4] = if j >= 2 { get(j - 2, j) } else { v };
+            o[5] = if j + 5 < 32 { get(j + 5, j) } else { v };
+            o[6] = get(j ^ 1, j);
+            o[7] = get(j & !7, j);
+            o[8] = ballot(&|x| x % 3 == v % 3, 0..32);
+            o[9] = if j < 16 {
+                ballot(&|x| x & 1 == 1, 0..16)
+            } else if j + 1 < 32 {
+                get(j + 1, j)
+            } else {
+                v
+            };
+            let w2_src = get(j ^ 2, j);
+            let w2 = (u64::from(w2_src) << 32) | u64::from(w2_src.wrapping_mul(3));
+            let f2 = get(0, j) as f32 * 0.5;
+            o[10] = ((w2 >> 32) as u32)
+                .wrapping_add(w2 as u32)
+                .wrapping_add(((f2 * 2.0) as u32).wrapping_mul(1000));
+            Some(o)
+        })
+        .collect()
+}
+
+#[test]
+fn warp_intrinsics_match_model_with_partial_masks_and_exited_lanes() {
+    both_orders(|ex, _| {
+        let (blocks, threads) = (2usize, 64usize);
+        let input: Vec<u32> = (0..(blocks * threads) as u32)
+            .map(|i| (i * 7 + 3) % 11)
+            .collect();
+        let k = load(ex, kernels_so(), "warp_ops");
+        for live in [64u32, 50, 33, 7] {
+            let inb = alloc_u32(ex, &input);
+            let out = ex
+                .alloc(MemKind::Device, blocks * threads * NOPS * 4, POISON)
+                .unwrap();
+            ex.launch(
+                k,
+                &LaunchConfig::linear(blocks as u32, threads as u32),
+                &[
+                    KernelArg::Ptr(inb, 0),
+                    KernelArg::Ptr(out, 0),
+                    KernelArg::U32(live),
+                ],
+            )
+            .unwrap();
+            let got = read_u32(ex, out);
+            for b in 0..blocks {
+                for w in 0..threads / 32 {
+                    let base = b * threads + w * 32;
+                    let vals: [u32; 32] = input[base..base + 32].try_into().unwrap();
+                    let alive: [bool; 32] = std::array::from_fn(|j| ((w * 32 + j) as u32) < live);
+                    for (j, want) in warp_ops_model(&vals, &alive).into_iter().enumerate() {
+                        let t = base + j;
+                        let row = &got[t * NOPS..(t + 1) * NOPS];
+                        match want {
+                            Some(w) => assert_eq!(
+                                row,
+                                &w[..],
+                                "live {live} block {b} thread {}",
+                                w_idx(t, b, threads)
+                            ),
+                            None => {
+                                assert!(row.iter().all(|&x| x == 0xA5A5_A5A5), "exited lane wrote")
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    });
+}
+
+fn w_idx(t: usize, b: usize, threads: usize) -> usize {
+    t - b * threads
+}
+
+#[test]
+fn atomics_across_blocks() {
+    both_orders(|ex, order| {
+        let (blocks, threads) = (7u32, 96u32);
+        let total = blocks * threads;
+        let counter = alloc_u32(ex, &[0]);
+        let sum = ex.alloc(MemKind::Device, 8, 0).unwrap();
+        let mn = alloc_u32(ex, &[i32::MAX as u32]);
+        let mx = alloc_u32(ex, &[i32::MIN as u32]);
+        let slot = alloc_u32(ex, &[u32::MAX]);
+        let sub = alloc_u32(ex, &[10_000]);
+        let exch = alloc_u32(ex, &[0]);
+        let k = load(ex, kernels_so(), "atomics");
+        let args: Vec<KernelArg> = [counter, sum, mn, mx, slot, sub, exch]
+            .iter()
+            .map(|&b| KernelArg::Ptr(b, 0))
+            .collect();
+        ex.launch(k, &LaunchConfig::linear(blocks, threads), &args)
+            .unwrap();
+        assert_eq!(read_u32(ex, counter), vec![total]);
+        let mut s = [0u8; 8];
+        ex.read(sum, 0, &mut s).unwrap();
+        assert_eq!(
+            u64::from_le_bytes(s),
+            u64::from(total) * u64::from(total - 1) / 2
+        );
+        assert_eq!(read_u32(ex, mn)[0] as i32, -100);
+        assert_eq!(read_u32(ex, mx)[0] as i32, total as i32 - 101);
+        assert_eq!(read_u32(ex, sub), vec![10_000 - 2 * total]);
+        // The first thread to run claims the slot and the last one's exchange stays: both
+        // depend on the block order, deterministically.
+        let (first, last) = match order {
+            BlockOrder::Forward => (0, total - 1),
+            BlockOrder::Reverse => ((blocks - 1) * threads, threads - 1),
+        };
+        assert_eq!(read_u32(ex, slot), vec![first]);
+        assert_eq!(read_u32(ex, exch), vec![last]);
+    });
+}
+
+/// `struct Params { u32 n; u64 mul; i64 add; u16 tag; }` in C layout (32 bytes).
+fn params_bytes(n: u32, mul: u64, add: i64, tag: u16) -> Vec<u8> {
+    let mut b = vec![0u8; 32];
+    b[0..4].copy_from_slice(&n.to_le_bytes());
+    b[8..16].copy_from_slice(&mul.to_le_bytes());
+    b[16..24].copy_from_slice(&add.to_le_bytes());
+    b[24..26].copy_from_slice(&tag.to_le_bytes());
+    b
+}
+
+#[test]
+fn by_value_struct_and_pointer_params() {
+    both_orders(|ex, _| {
+        let n = 300u32;
+        let a: Vec<u8> = (0..n + 8).map(|i| (i % 251) as u8).collect();
+        let bvals: Vec<u64> = (0..u64::from(n)).map(|i| i * 1_000_003).collect();
+        let ab = ex.alloc(MemKind::Host, a.len(), POISON).unwrap();
+        ex.upload(ab, 0, &a).unwrap();
+        let bb = ex.alloc(MemKind::Device, bvals.len() * 8, POISON).unwrap();
+        ex.upload(
+            bb,
+            0,
+            &bvals
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect::<Vec<_>>(),
+        )
+        .unwrap();
+        let out = ex.alloc(MemKind::Device, n as usize * 8, POISON).unwrap();
+        let p = params_bytes(n, 3, -5, 9);
+        let k = load(ex, kernels_so(), "struct_params");
+        ex.launch(
+            k,
+            &LaunchConfig::linear(n.div_ceil(128), 128),
+            // `a` is passed with a byte offset of 8.
+            &[
+                KernelArg::Bytes(&p),
+                KernelArg::Ptr(ab, 8),
+                KernelArg::Ptr(bb, 0),
+                KernelArg::Ptr(out, 0),
+                KernelArg::I32(-2),
+            ],
+        )
+        .unwrap();
+        let mut raw = vec![0u8; n as usize * 8];
+        ex.read(out, 0, &mut raw).unwrap();
+        for i in 0..n as usize {
+            let got = u64::from_le_bytes(raw[i * 8..i * 8 + 8].try_into().unwrap());
+            let want = (bvals[i] * 3 + u64::from(a[i + 8])).wrapping_add((-5i64) as u64) + 9 - 2;
+            assert_eq!(got, want, "element {i}");
+        }
+    });
+}
+
+#[test]
+fn shared_memory_persists_across_blocks_so_order_matters() {
+    // The kernel reads `s` before writing it: each block sees what the previous block left.
+    let mut results = vec![];
+    both_orders(|ex, order| {
+        let out = ex.alloc(MemKind::Device, 4 * 4, POISON).unwrap();
+        let k = load(ex, kernels_so(), "shared_persist");
+        ex.launch(k, &LaunchConfig::linear(4, 32), &[KernelArg::Ptr(out, 0)])
+            .unwrap();
+        let got = read_u32(ex, out);
+        match order {
+            BlockOrder::Forward => assert_eq!(&got[1..], &[100, 101, 102]),
+            BlockOrder::Reverse => assert_eq!(&got[..3], &[101, 102, 103]),
+        }
+        results.push(got);
+    });
+    assert_ne!(
+        results[0], results[1],
+        "the block order must change a buggy kernel's output"
+    );
+}
+
+#[test]
+fn deadlock_is_a_typed_error_naming_kernel_threads_and_intrinsics() {
+    both_orders(|ex, _| {
+        let out = ex.alloc(MemKind::Device, 64 * 4, POISON).unwrap();
+        let k = load(ex, kernels_so(), "deadlock_elsewhere");
+        let e = launch_err(
+            ex,
+            k,
+            LaunchConfig::linear(2, 64),
+            &[KernelArg::Ptr(out, 0)],
+        );
+        assert_eq!(e.launch_failure(), Some(LaunchFailure::Deadlock), "{e}");
+        let msg = e.to_string();
+        for needle in [
+            "deadlock_elsewhere",
+            "block (",
+            "threads 0-15",
+            "__syncthreads",
+            "__shfl_sync",
+            "deadlock",
+        ] {
+            assert!(msg.contains(needle), "`{needle}` missing from: {msg}");
+        }
+        // The executor stays usable after an abandoned launch.
+        let k2 = load(ex, kernels_so(), "block_sum");
+        let inb = alloc_u32(ex, &[1; 256]);
+        ex.launch(
+            k2,
+            &LaunchConfig::linear(1, 256),
+            &[KernelArg::Ptr(inb, 0), KernelArg::Ptr(out, 0)],
+        )
+        .unwrap();
+        assert_eq!(read_u32(ex, out)[0], 256);
+    });
+}
+
+#[test]
+fn divergent_barriers_are_reported() {
+    both_orders(|ex, _| {
+        let out = ex.alloc(MemKind::Device, 16, POISON).unwrap();
+        let k = load(ex, kernels_so(), "divergent_barrier");
+        let e = launch_err(
+            ex,
+            k,
+            LaunchConfig::linear(1, 32),
+            &[KernelArg::Ptr(out, 0)],
+        );
+        assert_eq!(e.launch_failure(), Some(LaunchFailure::Mismatch), "{e}");
+        assert!(e.to_string().contains("divergent_barrier"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("threads 16-31: waiting at __syncthreads"),
+            "{e}"
+        );
+    });
+}
+
+#[test]
+fn barrier_does_not_wait_for_exited_threads() {
+    both_orders(|ex, _| {
+        let out = ex.alloc(MemKind::Device, 64 * 4, POISON).unwrap();
+        let k = load(ex, kernels_so(), "barrier_after_exit");
+        ex.launch(k, &LaunchConfig::linear(1, 64), &[KernelArg::Ptr(out, 0)])
+            .unwrap();
+        let got = read_u32(ex, out);
+        for (t, &g) in got.iter().enumerate().take(16) {
+            assert_eq!(g, t as u32 + (15 - t as u32) * 100);
+        }
+        assert!(got[16..].iter().all(|&x| x == 0xA5A5_A5A5));
+    });
+}
+
+#[test]
+fn mismatched_warp_intrinsics_are_reported() {
+    both_orders(|ex, _| {
+        let out = ex.alloc(MemKind::Device, 32 * 4, POISON).unwrap();
+        let k = load(ex, kernels_so(), "mismatch_warp");
+        let e = launch_err(
+            ex,
+            k,
+            LaunchConfig::linear(1, 32),
+            &[KernelArg::Ptr(out, 0)],
+        );
+        assert_eq!(e.launch_failure(), Some(LaunchFailure::Mismatch), "{e}");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("__ballot_sync") && msg.contains("__any_sync"),
+            "{msg}"
+        );
+    });
+}
+
+#[test]
+fn bad_mask_and_trap_are_reported() {
+    both_orders(|ex, _| {
+        let out = ex.alloc(MemKind::Device, 64 * 4, POISON).unwrap();
+        let k = load(ex, kernels_so(), "bad_mask");
+        let e = launch_err(
+            ex,
+            k,
+            LaunchConfig::linear(1, 32),
+            &[KernelArg::Ptr(out, 0)],
+        );
+        assert_eq!(e.launch_failure(), Some(LaunchFailure::BadMask), "{e}");
+        let k = load(ex, kernels_so(), "trap_kernel");
+        let e = launch_err(
+            ex,
+            k,
+            LaunchConfig::linear(2, 32),
+            &[KernelArg::Ptr(out, 0)],
+        );
+        assert_eq!(e.launch_failure(), Some(LaunchFailure::Trap), "{e}");
+        assert!(e.to_string().contains("block (1,0,0)"), "{e}");
+    });
+}
+
+#[test]
+fn invalid_launches_are_typed_errors() {
+    let ex = executor(BlockOrder::Forward);
+    let out = ex.alloc(MemKind::Device, 4096, POISON).unwrap();
+    let k = load(&ex, kernels_so(), "coords");
+    let p = [KernelArg::Ptr(out, 0)];
+    let cases: Vec<(LaunchConfig, Vec<KernelArg>)> = vec![
+        (LaunchConfig::linear(1, 2048), p.to_vec()),
+        (LaunchConfig::linear(0, 32), p.to_vec()),
+        (
+            LaunchConfig {
+                shared_bytes: 128,
+                ..LaunchConfig::linear(1, 32)
+            },
+            p.to_vec(),
+        ),
+        (LaunchConfig::linear(1, 32), vec![]),
+        (
+            LaunchConfig::linear(1, 32),
+            vec![KernelArg::Ptr(out, 0), KernelArg::U32(1)],
+        ),
+        (LaunchConfig::linear(1, 32), vec![KernelArg::U32(1)]),
+    ];
+    for (cfg, args) in cases {
+        let e = launch_err(&ex, k, cfg, &args);
+        assert_eq!(
+            e.launch_failure(),
+            Some(LaunchFailure::InvalidConfig),
+            "{cfg:?}: {e}"
+        );
+        assert!(e.to_string().contains("coords"), "{e}");
+    }
+}
+
+#[test]
+fn three_dimensional_shapes() {
+    both_orders(|ex, _| {
+        let (grid, block) = ([3u32, 2, 2], [4u32, 2, 3]);
+        let n = (grid.iter().product::<u32>() * block.iter().product::<u32>()) as usize;
+        let out = ex.alloc(MemKind::Device, n * 4, POISON).unwrap();
+        let k = load(ex, kernels_so(), "coords");
+        ex.launch(
+            k,
+            &LaunchConfig {
+                grid,
+                block,
+                shared_bytes: 0,
+            },
+            &[KernelArg::Ptr(out, 0)],
+        )
+        .unwrap();
+        let got = read_u32(ex, out);
+        let mut i = 0;
+        for bz in 0..grid[2] {
+            for by in 0..grid[1] {
+                for bx in 0..grid[0] {
+                    for tz in 0..block[2] {
+                        for ty in 0..block[1] {
+                            for tx in 0..block[0] {
+                                let want = tx | ty << 4 | tz << 8 | bx << 12 | by << 16 | bz << 20;
+                                assert_eq!(got[i], want);
+                                i += 1;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    });
+}
+
+#[test]
+fn large_thread_stacks_work() {
+    let ex = executor(BlockOrder::Forward);
+    let out = ex.alloc(MemKind::Device, 128 * 4, POISON).unwrap();
+    let k = load(&ex, kernels_so(), "big_stack");
+    ex.launch(k, &LaunchConfig::linear(2, 128), &[KernelArg::Ptr(out, 0)])
+        .unwrap();
+    let got = read_u32(&ex, out);
+    for (t, &g) in got.iter().enumerate() {
+        let want: u32 = (0..4096u32).map(|i| i ^ t as u32).sum();
+        assert_eq!(g, want);
+    }
+}
+
+#[test]
+fn launch_fault_injection() {
+    let ex = executor(BlockOrder::Forward);
+    let out = ex.alloc(MemKind::Device, 4, POISON).unwrap();
+    let k = load(&ex, kernels_so(), "shared_persist");
+    ex.inject_launch_failure();
+    let e = launch_err(
+        &ex,
+        k,
+        LaunchConfig::linear(1, 32),
+        &[KernelArg::Ptr(out, 0)],
+    );
+    assert_eq!(e.launch_failure(), Some(LaunchFailure::Injected));
+    assert!(e.to_string().contains("shared_persist"));
+    assert_eq!(
+        read_u32(&ex, out),
+        vec![0xA5A5_A5A5],
+        "the kernel must not have run"
+    );
+    ex.launch(k, &LaunchConfig::linear(1, 32), &[KernelArg::Ptr(out, 0)])
+        .unwrap();
+}
+
+#[test]
+fn bounds_and_handles_are_checked() {
+    let ex = executor(BlockOrder::Forward);
+    let b = ex.alloc(MemKind::Device, 64, POISON).unwrap();
+    let mut big = [0u8; 65];
+    assert!(matches!(
+        ex.read(b, 0, &mut big),
+        Err(ExecError::OutOfBounds {
+            op: "read",
+            size: 64,
+            ..
+        })
+    ));
+    assert!(matches!(
+        ex.upload(b, 60, &[0; 8]),
+        Err(ExecError::OutOfBounds { op: "upload", .. })
+    ));
+    let k = load(&ex, kernels_so(), "shared_persist");
+    // One past the end is a valid pointer; two past is not.
+    ex.launch(k, &LaunchConfig::linear(1, 1), &[KernelArg::Ptr(b, 0)])
+        .unwrap();
+    let e = launch_err(&ex, k, LaunchConfig::linear(1, 1), &[KernelArg::Ptr(b, 65)]);
+    assert!(
+        matches!(
+            e,
+            ExecError::OutOfBounds {
+                op: "kernel argument",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    ex.free(b).unwrap();
+    assert!(matches!(
+        ex.read(b, 0, &mut big[..1]),
+        Err(ExecError::UnknownBuffer(_))
+    ));
+    assert!(matches!(
+        ex.launch(KernelId(999), &LaunchConfig::linear(1, 1), &[]),
+        Err(ExecError::UnknownKernel(_))
+    ));
+    let e = ex
+        .load_kernel(&KernelArtifact::HostLibrary {
+            path: kernels_so(),
+            entry: "no_such_kernel",
+        })
+        .unwrap_err();
+    assert!(
+        matches!(e, ExecError::Load { .. }) && e.to_string().contains("no_such_kernel"),
+        "{e}"
+    );
+    let e = ex
+        .load_kernel(&KernelArtifact::HostLibrary {
+            path: Path::new("/nonexistent/k.so"),
+            entry: "k",
+        })
+        .unwrap_err();
+    assert!(matches!(e, ExecError::Load { .. }), "{e}");
+    let e = ex
+        .load_kernel(&KernelArtifact::Cubin {
+            image: &[0; 16],
+            entry: "k",
+        })
+        .unwrap_err();
+    assert!(matches!(e, ExecError::WrongArtifact { .. }), "{e}");
+}
+
+#[test]
+fn counters_show_sync_free_scopes() {
+    let ex = executor(BlockOrder::Forward);
+    let k = load(&ex, kernels_so(), "block_sum");
+    let before = ex.counters();
+    let inb = alloc_u32(&ex, &[2; 512]);
+    let out = ex.alloc(MemKind::Device, 8, POISON).unwrap();
+    ex.launch(
+        k,
+        &LaunchConfig::linear(2, 256),
+        &[KernelArg::Ptr(inb, 0), KernelArg::Ptr(out, 0)],
+    )
+    .unwrap();
+    let scope = ex.counters().since(&before);
+    assert_eq!(scope.launches, 1);
+    assert_eq!(scope.uploads, 1);
+    assert_eq!(scope.bytes_uploaded, 2048);
+    assert_eq!(scope.allocs, 2);
+    assert!(scope.is_sync_free(), "{scope:?}");
+    let mid = ex.counters();
+    ex.synchronize().unwrap();
+    assert_eq!(read_u32(&ex, out), vec![512, 512]);
+    let scope = ex.counters().since(&mid);
+    assert_eq!((scope.syncs, scope.reads, scope.bytes_read), (1, 1, 8));
+    assert!(!scope.is_sync_free());
+}
+
+#[test]
+fn executors_on_several_threads_keep_shared_memory_apart() {
+    std::thread::scope(|s| {
+        for _ in 0..3 {
+            s.spawn(|| {
+                let ex = executor(BlockOrder::Forward);
+                let k = load(&ex, kernels_so(), "block_sum");
+                for round in 0..20u32 {
+                    let inb = alloc_u32(&ex, &[round; 1024]);
+                    let out = ex.alloc(MemKind::Device, 16, POISON).unwrap();
+                    ex.launch(
+                        k,
+                        &LaunchConfig::linear(4, 256),
+                        &[KernelArg::Ptr(inb, 0), KernelArg::Ptr(out, 0)],
+                    )
+                    .unwrap();
+                    assert_eq!(read_u32(&ex, out), vec![round * 256; 4]);
+                }
+            });
+        }
+    });
+}
+
+#[test]
+fn ucontext_fallback_runs_the_same_kernels() {
+    if Sanitizer::from_env().unwrap() != Sanitizer::None {
+        eprintln!("skipped: ucontext fallback is checked in the plain build only");
+        return;
+    }
+    let so = compile_with(KERNELS, &["-DCP_EMU_FORCE_UCONTEXT".to_string()]);
+    both_orders(|ex, _| {
+        let input: Vec<u32> = (0..512).collect();
+        let inb = alloc_u32(ex, &input);
+        // deadlock_elsewhere's second warp completes its shuffle and writes out[32..64].
+        let out = ex.alloc(MemKind::Device, 64 * 4, POISON).unwrap();
+        let k = load(ex, &so, "block_sum");
+        ex.launch(
+            k,
+            &LaunchConfig::linear(2, 256),
+            &[KernelArg::Ptr(inb, 0), KernelArg::Ptr(out, 0)],
+        )
+        .unwrap();
+        assert_eq!(read_u32(ex, out)[..2], [(0..256).sum(), (256..512).sum()]);
+        let k = load(ex, &so, "deadlock_elsewhere");
+        let e = launch_err(
+            ex,
+            k,
+            LaunchConfig::linear(1, 64),
+            &[KernelArg::Ptr(out, 0)],
+        );
+        assert_eq!(e.launch_failure(), Some(LaunchFailure::Deadlock));
+    });
+}
+
+const ASAN_CHILD_ENV: &str = "CP_HICACHE_EMU_TEST_ASAN_CHILD_SO";
+
+fn libasan() -> Option<PathBuf> {
+    let out = Command::new(std::env::var("CXX").unwrap_or_else(|_| "c++".into()))
+        .arg("-print-file-name=libasan.so")
+        .env_remove("LD_PRELOAD")
+        .output()
+        .ok()?;
+    let p = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    // Without the library the compiler echoes the bare name back.
+    (p.is_absolute() && p.exists()).then_some(p)
+}
+
+/// Child side of `asan_catches_out_of_bounds_write`: does nothing unless the parent set the
+/// library path.
+#[test]
+fn asan_child_oob_write() {
+    let Ok(so) = std::env::var(ASAN_CHILD_ENV) else {
+        return;
+    };
+    let ex = executor(BlockOrder::Forward);
+    let out = ex.alloc(MemKind::Device, 64, POISON).unwrap();
+    let k = load(&ex, Path::new(&so), "oob_write");
+    // Writes out[16], one element past the 64-byte buffer; ASan aborts the process here.
+    ex.launch(
+        k,
+        &LaunchConfig::linear(1, 32),
+        &[KernelArg::Ptr(out, 0), KernelArg::U32(16)],
+    )
+    .unwrap();
+    eprintln!("ASAN-CHILD: launch returned without a report");
+}
+
+#[test]
+fn asan_catches_out_of_bounds_write() {
+    if std::env::var_os(ASAN_CHILD_ENV).is_some() {
+        return;
+    }
+    let Some(asan) = libasan() else {
+        eprintln!("skipped: libasan.so not found by `c++ -print-file-name=libasan.so`");
+        return;
+    };
+    let so = compile_with(KERNELS, &Sanitizer::Address.cxx_flags());
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "asan_child_oob_write",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(ASAN_CHILD_ENV, &so)
+        .env("LD_PRELOAD", &asan)
+        .env("ASAN_OPTIONS", "detect_leaks=0")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "the child should have been aborted by ASan:\n{stderr}"
+    );
+    assert!(
+        stderr.contains("AddressSanitizer"),
+        "no ASan report in:\n{stderr}"
+    );
+    assert!(
+        stderr.contains("oob_write"),
+        "the report should name the kernel frame:\n{stderr}"
+    );
+}
+
+/// Prints the per-thread start and per-barrier costs (run with `--ignored --nocapture`).
+#[test]
+#[ignore]
+fn measure_fiber_costs() {
+    let ex = executor(BlockOrder::Forward);
+    let empty = load(&ex, kernels_so(), "empty_kernel");
+    let bars = load(&ex, kernels_so(), "barrier_loop");
+    for threads in [32u32, 256, 1024] {
+        let blocks = (1u32 << 22) / threads;
+        ex.launch(empty, &LaunchConfig::linear(16, threads), &[])
+            .unwrap();
+        let t = std::time::Instant::now();
+        ex.launch(empty, &LaunchConfig::linear(blocks, threads), &[])
+            .unwrap();
+        let start_ns = t.elapsed().as_nanos() as f64 / f64::from(blocks * threads);
+        let iters = 64u32;
+        let bblocks = blocks / 16;
+        let t = std::time::Instant::now();
+        ex.launch(
+            bars,
+            &LaunchConfig::linear(bblocks, threads),
+            &[KernelArg::U32(iters)],
+        )
+        .unwrap();
+        let total = t.elapsed().as_nanos() as f64;
+        let bar_ns = (total - start_ns * f64::from(bblocks * threads))
+            / f64::from(bblocks * threads * iters);
+        println!("threads/block {threads:5}: thread start {start_ns:6.1} ns, barrier {bar_ns:6.1} ns per thread");
+    }
+}
