@@ -22,6 +22,7 @@
 
 pub mod allocator;
 pub mod cli;
+pub mod cluster;
 mod error;
 pub mod exec;
 pub mod hicache;

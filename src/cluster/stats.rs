@@ -130,16 +130,26 @@ impl ReplayReport {
             "computed tokens",
             format!("{} ({:.1}%)", t.computed_tokens, pct(t.computed_tokens)),
         );
-        row("pages loaded / written", format!("{} / {}", t.pages_loaded, t.pages_written));
+        row(
+            "pages loaded / written",
+            format!("{} / {}", t.pages_loaded, t.pages_written),
+        );
         row(
             "evictions lru / lane",
             format!("{} / {}", t.evictions_lru, t.evictions_lane),
         );
-        row("load-backs degraded to miss", t.load_degraded_to_miss.to_string());
+        row(
+            "load-backs degraded to miss",
+            t.load_degraded_to_miss.to_string(),
+        );
         row("backups skipped (host full)", t.backups_skipped.to_string());
         row(
             "bytes h2d / d2h",
-            format!("{} / {}", human_bytes(t.bytes_h2d), human_bytes(t.bytes_d2h)),
+            format!(
+                "{} / {}",
+                human_bytes(t.bytes_h2d),
+                human_bytes(t.bytes_d2h)
+            ),
         );
         row("load-path syncs", t.load_path_syncs.to_string());
         row(
@@ -196,11 +206,26 @@ mod tests {
         };
         let v = serde_json::to_value(&r).unwrap();
         for k in [
-            "requests", "prompt_tokens", "device_hit_tokens", "host_hit_tokens",
-            "computed_tokens", "pages_loaded", "pages_written", "evictions_lru",
-            "evictions_lane", "load_degraded_to_miss", "bytes_h2d", "bytes_d2h",
-            "mismatched_tokens", "replicas_agree", "load_path_syncs", "wall_seconds",
-            "tokens_per_second", "backend", "cp", "page_size",
+            "requests",
+            "prompt_tokens",
+            "device_hit_tokens",
+            "host_hit_tokens",
+            "computed_tokens",
+            "pages_loaded",
+            "pages_written",
+            "evictions_lru",
+            "evictions_lane",
+            "load_degraded_to_miss",
+            "bytes_h2d",
+            "bytes_d2h",
+            "mismatched_tokens",
+            "replicas_agree",
+            "load_path_syncs",
+            "wall_seconds",
+            "tokens_per_second",
+            "backend",
+            "cp",
+            "page_size",
         ] {
             assert!(v.get(k).is_some(), "missing {k}");
         }

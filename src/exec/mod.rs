@@ -306,6 +306,9 @@ pub enum KernelArg<'a> {
     I64(i64),
     /// A by-value struct: its exact bytes in the kernel's layout (`#[repr(C)]`).
     Bytes(&'a [u8]),
+    /// A by-value struct of pointers (`struct { const u8* p[N]; }`), each the address of a
+    /// buffer plus a byte offset; the executor fills in the addresses.
+    PtrStruct(&'a [(BufferId, u64)]),
 }
 
 impl KernelArg<'_> {
@@ -315,6 +318,7 @@ impl KernelArg<'_> {
             KernelArg::Ptr(..) | KernelArg::Null | KernelArg::U64(_) | KernelArg::I64(_) => 8,
             KernelArg::U32(_) | KernelArg::I32(_) => 4,
             KernelArg::Bytes(b) => b.len(),
+            KernelArg::PtrStruct(p) => 8 * p.len(),
         }
     }
 }

@@ -118,6 +118,18 @@ pub enum TreeError {
         /// The host page.
         page: HostPage,
     },
+    /// A node expected to be backed up has no host metadata.
+    #[error("{node} has no host copy")]
+    NotBackedUp {
+        /// The node.
+        node: NodeId,
+    },
+    /// A node expected on the device has no device value.
+    #[error("{node} is not on the device")]
+    NotOnDevice {
+        /// The node.
+        node: NodeId,
+    },
     /// `set_device` on a node that already has a device value.
     #[error("{node} already has a device value")]
     AlreadyOnDevice {
@@ -511,7 +523,8 @@ impl RadixTree {
     }
 
     /// Inserts `tokens` with their device `pages` (`tokens.len() == pages.len() * page_size`).
-    /// Pages for tokens already on the device come back as duplicates; host-only nodes on
+    /// Pages for tokens already on the device come back as duplicates, except the tree's own
+    /// pages passed back at their own positions; host-only nodes on
     /// the path adopt theirs; the rest becomes a new leaf. Adopted pages may follow another
     /// owner pattern than the node's host copy: the host copy stays valid because loads
     /// always allocate by its `page_owners`.
@@ -524,7 +537,16 @@ impl RadixTree {
                 page_size: self.layout.page_size(),
             });
         }
-        self.check_new_pages(pages)?;
+        // The caller may pass the tree's own pages for the prefix it matched (the usual case
+        // after a hit): those are neither new nor duplicates.
+        let existing = self.existing_device_pages(tokens)?;
+        let incoming: Vec<PageId> = pages
+            .iter()
+            .zip(existing.iter().chain(std::iter::repeat(&None)))
+            .filter(|(p, e)| e.as_ref() != Some(*p))
+            .map(|(&p, _)| p)
+            .collect();
+        self.check_new_pages(&incoming)?;
         self.clock += 1;
         let now = self.clock;
         let (path, matched_pages) = self.descend(tokens, now)?;
@@ -535,8 +557,13 @@ impl RadixTree {
             let n = self.get_mut(id)?;
             let np = n.key.len() / ps;
             let mine = &pages[offset..offset + np];
-            if n.device.is_some() {
-                duplicate_pages.extend_from_slice(mine);
+            if let Some(have) = &n.device {
+                duplicate_pages.extend(
+                    mine.iter()
+                        .zip(have)
+                        .filter(|(m, h)| m != h)
+                        .map(|(m, _)| *m),
+                );
             } else {
                 n.device = Some(mine.to_vec());
                 self.held_device.extend(mine.iter().copied());
@@ -573,6 +600,26 @@ impl RadixTree {
     /// load-back. The parent must be on the device (set values top-down); when the node is
     /// backed up, each page's owner must equal the recorded owner.
     pub fn set_device(&mut self, node: NodeId, pages: Vec<PageId>) -> Result<(), TreeError> {
+        self.set_device_checked(node, pages, true)
+    }
+
+    /// Like [`RadixTree::set_device`] but without the owner check: it reproduces the seed's
+    /// bug on purpose, for the `plain-alloc-on-load` fault injection, so that the verifier can
+    /// show it catches what this check would otherwise have stopped. Never use it otherwise.
+    pub fn set_device_ignoring_owners(
+        &mut self,
+        node: NodeId,
+        pages: Vec<PageId>,
+    ) -> Result<(), TreeError> {
+        self.set_device_checked(node, pages, false)
+    }
+
+    fn set_device_checked(
+        &mut self,
+        node: NodeId,
+        pages: Vec<PageId>,
+        check_owners: bool,
+    ) -> Result<(), TreeError> {
         self.not_root(node, "set_device")?;
         let ps = self.ps();
         let n = self.get(node)?;
@@ -593,7 +640,7 @@ impl RadixTree {
         if parent != NodeId::ROOT && self.get(parent)?.device.is_none() {
             return Err(TreeError::ParentNotOnDevice { node, parent });
         }
-        if let Some(h) = &n.host {
+        if let (Some(h), true) = (&n.host, check_owners) {
             self.check_owners(node, &pages, h)?;
         }
         self.check_new_pages(&pages)?;
@@ -1045,6 +1092,29 @@ impl RadixTree {
     /// Follows `tokens` (whole pages) from the root, splitting the node where the match ends
     /// inside one, and stamps the path with `now`. Returns the path (root excluded) and the
     /// matched page count.
+    /// The device page the tree holds at each page position of the longest matching path,
+    /// without changing anything (no split, no stamp).
+    fn existing_device_pages(&self, tokens: &[u32]) -> Result<Vec<Option<PageId>>, TreeError> {
+        let ps = self.ps();
+        let mut out = Vec::new();
+        let mut node = NodeId::ROOT;
+        let mut pos = 0;
+        while pos + ps <= tokens.len() {
+            let Some(&child) = self.get(node)?.children.get(&tokens[pos..pos + ps]) else {
+                break;
+            };
+            let c = self.get(child)?;
+            let k = common_pages(&c.key, &tokens[pos..], ps);
+            out.extend((0..k).map(|i| c.device.as_ref().map(|d| d[i])));
+            pos += k * ps;
+            if k < c.key.len() / ps {
+                break;
+            }
+            node = child;
+        }
+        Ok(out)
+    }
+
     fn descend(&mut self, tokens: &[u32], now: u64) -> Result<(Vec<NodeId>, usize), TreeError> {
         let ps = self.ps();
         let mut path = Vec::new();

@@ -351,6 +351,19 @@ impl Executor for HostExecutor {
         }
         // Scalars first (stable storage), then the byte views the FFI turns into `void**`.
         let mut scalars: Vec<([u8; 8], usize)> = Vec::with_capacity(args.len());
+        let mut structs: Vec<Vec<u8>> = Vec::new();
+        for arg in args {
+            if let KernelArg::PtrStruct(ptrs) = *arg {
+                let mut bytes = Vec::with_capacity(8 * ptrs.len());
+                for &(b, off) in ptrs {
+                    let buf = st.buffers.get(&b.0).ok_or(ExecError::UnknownBuffer(b))?;
+                    range("kernel argument", b, buf.mem.len(), off, 0)?;
+                    bytes.extend_from_slice(&(buf.mem.addr() + off).to_ne_bytes());
+                }
+                structs.push(bytes);
+            }
+        }
+        let mut struct_iter = structs.iter();
         for arg in args {
             let mut bytes = [0u8; 8];
             let len = match *arg {
@@ -378,7 +391,7 @@ impl Executor for HostExecutor {
                     bytes = v.to_ne_bytes();
                     8
                 }
-                KernelArg::Bytes(_) => 0,
+                KernelArg::Bytes(_) | KernelArg::PtrStruct(_) => 0,
             };
             scalars.push((bytes, len));
         }
@@ -387,6 +400,7 @@ impl Executor for HostExecutor {
             .zip(&scalars)
             .map(|(arg, (bytes, len))| match *arg {
                 KernelArg::Bytes(b) => b,
+                KernelArg::PtrStruct(_) => struct_iter.next().map_or(&[][..], Vec::as_slice),
                 _ => &bytes[..*len],
             })
             .collect();

@@ -1,0 +1,158 @@
+//! The kernels one deployment needs, compiled through the JIT for the executor at hand and
+//! loaded into it once at start-up.
+
+use crate::exec::{Backend, Executor, KernelArtifact, KernelId, LaunchConfig};
+use crate::jit::{Artifact, Jit, JitRequest, Sanitize, Target};
+use crate::kernels::{BufferKind, Deployment, Direction, KernelSpec};
+use std::collections::HashMap;
+use std::time::Instant;
+
+/// One loaded kernel: its spec (for launch shapes and names) and the executor handle.
+#[derive(Clone, Debug)]
+pub struct Loaded {
+    /// The spec it was rendered from.
+    pub spec: KernelSpec,
+    /// The executor's handle.
+    pub id: KernelId,
+}
+
+impl Loaded {
+    /// The recommended launch for `items` units of work over `layers` layers.
+    pub fn launch(&self, items: u32, layers: u32) -> LaunchConfig {
+        let d = self.spec.launch_dims(items, layers);
+        LaunchConfig::linear(d.grid, d.block)
+    }
+}
+
+/// Every kernel of a deployment, by role.
+#[derive(Clone, Debug)]
+pub struct DeploymentKernels {
+    transfer: HashMap<(BufferKind, Direction), Loaded>,
+    materialise: HashMap<BufferKind, Loaded>,
+    synthesise: HashMap<BufferKind, Loaded>,
+    verify: HashMap<BufferKind, Loaded>,
+    /// Wall time of compiling (or loading from cache) and loading all kernels.
+    pub startup_ms: f64,
+    /// How many kernels came from the JIT cache.
+    pub cache_hits: usize,
+}
+
+/// Why the kernels could not be made ready.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelLoadError {
+    /// Rendering a spec failed.
+    #[error(transparent)]
+    Render(#[from] crate::kernels::KernelError),
+    /// Compiling failed (the error names the kernel and carries the compiler log).
+    #[error(transparent)]
+    Jit(#[from] crate::jit::JitError),
+    /// The executor refused the artifact.
+    #[error(transparent)]
+    Exec(#[from] crate::exec::ExecError),
+}
+
+/// Test and fault-injection hook: a source edit applied to one kernel before compiling.
+pub type SourceHook<'a> = &'a dyn Fn(&KernelSpec, String) -> String;
+
+impl DeploymentKernels {
+    /// Renders, compiles (in parallel, through the JIT cache) and loads every kernel of the
+    /// deployment that the cluster launches. `hook` may edit sources (fault injection).
+    pub fn load(
+        deployment: &Deployment,
+        jit: &Jit,
+        exec: &dyn Executor,
+        sanitize: Sanitize,
+        hook: Option<SourceHook<'_>>,
+    ) -> Result<DeploymentKernels, KernelLoadError> {
+        let start = Instant::now();
+        let buffers = deployment.model.buffers();
+        let mut specs = Vec::new();
+        for &b in buffers {
+            for d in [Direction::DeviceToHost, Direction::HostToDevice] {
+                specs.push(deployment.transfer_spec(b, d));
+            }
+            specs.push(deployment.materialise_spec(b));
+            specs.push(deployment.synth_spec(b));
+            specs.push(deployment.verify_spec(b));
+        }
+        let target = match exec.backend() {
+            Backend::Cuda => Target::Nvrtc {
+                arch: crate::jit::Arch::default(),
+            },
+            _ => Target::Host { sanitize },
+        };
+        let requests = specs
+            .iter()
+            .map(|spec| {
+                let source = spec.render()?;
+                let source = match hook {
+                    Some(h) => h(spec, source),
+                    None => source,
+                };
+                Ok(JitRequest {
+                    uri: spec.uri(),
+                    source,
+                    target,
+                })
+            })
+            .collect::<Result<Vec<_>, KernelLoadError>>()?;
+        let compiled = jit.warm_up(&requests);
+        let mut loaded = Vec::with_capacity(specs.len());
+        let mut cache_hits = 0;
+        for (spec, result) in specs.iter().zip(compiled) {
+            let kernel = result?;
+            cache_hits += usize::from(kernel.cache_hit.is_hit());
+            let entry = spec.entry_name();
+            let id = match &kernel.artifact {
+                Artifact::SharedObject(path) => exec.load_kernel(&KernelArtifact::HostLibrary {
+                    path,
+                    entry: &entry,
+                })?,
+                Artifact::Cubin(image) => exec.load_kernel(&KernelArtifact::Cubin {
+                    image,
+                    entry: &entry,
+                })?,
+            };
+            loaded.push(Loaded { spec: *spec, id });
+        }
+        let mut k = DeploymentKernels {
+            transfer: HashMap::new(),
+            materialise: HashMap::new(),
+            synthesise: HashMap::new(),
+            verify: HashMap::new(),
+            startup_ms: 0.0,
+            cache_hits,
+        };
+        let mut it = loaded.into_iter();
+        for &b in buffers {
+            for d in [Direction::DeviceToHost, Direction::HostToDevice] {
+                k.transfer.insert((b, d), it.next().expect("one per spec"));
+            }
+            k.materialise.insert(b, it.next().expect("one per spec"));
+            k.synthesise.insert(b, it.next().expect("one per spec"));
+            k.verify.insert(b, it.next().expect("one per spec"));
+        }
+        k.startup_ms = start.elapsed().as_secs_f64() * 1e3;
+        Ok(k)
+    }
+
+    /// The transfer kernel of a buffer and direction.
+    pub fn transfer(&self, b: BufferKind, d: Direction) -> &Loaded {
+        &self.transfer[&(b, d)]
+    }
+
+    /// The materialise kernel of a buffer.
+    pub fn materialise(&self, b: BufferKind) -> &Loaded {
+        &self.materialise[&b]
+    }
+
+    /// The synthesise kernel of a buffer.
+    pub fn synthesise(&self, b: BufferKind) -> &Loaded {
+        &self.synthesise[&b]
+    }
+
+    /// The verify kernel of a buffer.
+    pub fn verify(&self, b: BufferKind) -> &Loaded {
+        &self.verify[&b]
+    }
+}

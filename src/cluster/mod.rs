@@ -1,0 +1,842 @@
+//! The CP cluster: C rank replicas driven in lockstep by one request stream.
+//!
+//! Each rank has its own radix tree, device allocator and host page pool. They see the same
+//! calls, so their trees and allocators stay identical; [`Cluster::replicas_agree`] checks
+//! it through state digests after every request. Each rank moves only the bytes of the pages
+//! it owns; materialisation gathers every page from its owner's pool, as attention does, and
+//! the verify kernel compares the result with deterministically synthesised KV, so a page
+//! loaded into the wrong owner shows up as mismatched tokens.
+//!
+//! Decisions that must be identical on every rank (whether a backup happens, which nodes
+//! are evicted) are taken once for the cluster from all ranks' counts, the way an engine
+//! would agree on them with an all-reduce.
+
+mod kernels;
+mod pools;
+pub mod stats;
+
+pub use kernels::{DeploymentKernels, KernelLoadError, Loaded, SourceHook};
+pub use pools::{PoolGeometry, Pools};
+pub use stats::{ReplayReport, RequestStats};
+
+use crate::allocator::{AllocError, OwnerLaneAllocator, StateDigest};
+use crate::exec::{Executor, KernelArg};
+use crate::hicache::host_pool::HostPagePool;
+use crate::hicache::tree::{Evicted, NodeId, RadixTree, TreeError};
+use crate::jit::{Jit, Sanitize};
+use crate::kernels::{reference, Deployment, Direction};
+use crate::layout::{zigzag_owners, CpLayout, LayoutError, PageId, Rank};
+use crate::metadata::{MetadataError, NodeMetadata};
+use sha2::{Digest, Sha256};
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+
+/// When device pages are backed up to the host.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum WritePolicy {
+    /// Back up every node when it is inserted.
+    #[default]
+    WriteThrough,
+    /// Back up a node only when it is about to be evicted from the device.
+    WriteBack,
+}
+
+impl fmt::Display for WritePolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            WritePolicy::WriteThrough => "write_through",
+            WritePolicy::WriteBack => "write_back",
+        })
+    }
+}
+
+impl FromStr for WritePolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "write_through" | "write-through" => Ok(WritePolicy::WriteThrough),
+            "write_back" | "write-back" => Ok(WritePolicy::WriteBack),
+            _ => Err(format!(
+                "unknown write policy `{s}` (expected write_through or write_back)"
+            )),
+        }
+    }
+}
+
+/// Faults injected on purpose to exercise failure paths.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Fault {
+    /// The seed's bug: load-back allocates with plain `alloc_pages`, ignoring owners.
+    PlainAllocOnLoad,
+    /// Half of lane 0 is reserved for ever, so lane 0 runs short first.
+    LaneExhaustion,
+    /// The host pools hold almost nothing, so backups evict host LRU or are skipped.
+    HostPoolFull,
+    /// One kernel's source is broken before compiling.
+    CompileError,
+    /// The executor fails one launch (of the request given to [`Cluster::inject_launch_failure`]).
+    LaunchError,
+}
+
+impl Fault {
+    /// Every fault, for help texts.
+    pub const ALL: [Fault; 5] = [
+        Fault::PlainAllocOnLoad,
+        Fault::LaneExhaustion,
+        Fault::HostPoolFull,
+        Fault::CompileError,
+        Fault::LaunchError,
+    ];
+}
+
+impl fmt::Display for Fault {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Fault::PlainAllocOnLoad => "plain-alloc-on-load",
+            Fault::LaneExhaustion => "lane-exhaustion",
+            Fault::HostPoolFull => "host-pool-full",
+            Fault::CompileError => "compile-error",
+            Fault::LaunchError => "launch-error",
+        })
+    }
+}
+
+impl FromStr for Fault {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Fault::ALL
+            .into_iter()
+            .find(|f| f.to_string() == s)
+            .ok_or_else(|| {
+                let names: Vec<String> = Fault::ALL.iter().map(Fault::to_string).collect();
+                format!(
+                    "unknown fault `{s}` (expected one of: {})",
+                    names.join(", ")
+                )
+            })
+    }
+}
+
+/// Everything that shapes a cluster.
+#[derive(Clone, Debug)]
+pub struct ClusterConfig {
+    /// Model shapes, page size, CP degree and kernel launch shapes.
+    pub deployment: Deployment,
+    /// Layers per buffer kind.
+    pub layers: u32,
+    /// Logical device pages (the layout's page count, null page included).
+    pub device_pages: u32,
+    /// Host pages per rank.
+    pub host_pages: u32,
+    /// Backup policy.
+    pub policy: WritePolicy,
+    /// A fault to inject, if any.
+    pub fault: Option<Fault>,
+    /// Sanitizer build of host-emulation kernels.
+    pub sanitize: Sanitize,
+}
+
+/// Host pages per rank left when [`Fault::HostPoolFull`] is injected.
+const HOST_PAGES_UNDER_FAULT: u32 = 2;
+
+/// Why the cluster could not serve a request (its state is then unchanged).
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    /// Invalid layout settings.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    /// The kernels could not be made ready.
+    #[error(transparent)]
+    Kernels(#[from] KernelLoadError),
+    /// An executor operation failed (for example a failed launch).
+    #[error(transparent)]
+    Exec(#[from] crate::exec::ExecError),
+    /// An allocator misuse (a bug, never a shortage).
+    #[error("allocator: {0}")]
+    Alloc(#[from] AllocError),
+    /// A tree operation was refused.
+    #[error(transparent)]
+    Tree(#[from] TreeError),
+    /// Invalid metadata was produced.
+    #[error(transparent)]
+    Metadata(#[from] MetadataError),
+    /// A pool cannot hold what a request needs even after evicting everything it may.
+    #[error("{what}: raise {flag}")]
+    PoolTooSmall {
+        /// What did not fit.
+        what: String,
+        /// The option that sizes the pool.
+        flag: &'static str,
+    },
+    /// Settings that cannot work together.
+    #[error("invalid cluster setting: {0}")]
+    Config(String),
+}
+
+impl ClusterError {
+    /// Whether the error comes from the settings (exit status 2) rather than a failure.
+    pub fn is_usage(&self) -> bool {
+        matches!(
+            self,
+            ClusterError::Layout(_) | ClusterError::PoolTooSmall { .. } | ClusterError::Config(_)
+        )
+    }
+}
+
+/// One rank's host-side state.
+#[derive(Clone, Debug)]
+struct RankState {
+    tree: RadixTree,
+    alloc: OwnerLaneAllocator,
+    host: HostPagePool,
+}
+
+/// C rank replicas, their pools, and the kernels that move their bytes.
+pub struct Cluster {
+    layout: CpLayout,
+    config: ClusterConfig,
+    exec: Arc<dyn Executor>,
+    kernels: DeploymentKernels,
+    pools: Pools,
+    ranks: Vec<RankState>,
+    launch_failure_at: Option<usize>,
+    served: usize,
+}
+
+impl Cluster {
+    /// Builds the ranks, allocates the pools (poisoned) and makes every kernel ready.
+    pub fn new(
+        config: ClusterConfig,
+        exec: Arc<dyn Executor>,
+        jit: &Jit,
+    ) -> Result<Cluster, ClusterError> {
+        let dep = &config.deployment;
+        let layout = CpLayout::new(u32::from(dep.cp), dep.page_size, config.device_pages)?;
+        if config.layers == 0 {
+            return Err(ClusterError::Config("--layers must be at least 1".into()));
+        }
+        let host_pages = if config.fault == Some(Fault::HostPoolFull) {
+            config.host_pages.min(HOST_PAGES_UNDER_FAULT)
+        } else {
+            config.host_pages
+        };
+        let broken = |spec: &crate::kernels::KernelSpec, src: String| {
+            if spec.family() == crate::kernels::Family::Verify {
+                format!("{src}\n#error \"fault injected: this kernel does not compile\"\n")
+            } else {
+                src
+            }
+        };
+        let hook: Option<SourceHook<'_>> = match config.fault {
+            Some(Fault::CompileError) => Some(&broken),
+            _ => None,
+        };
+        let kernels = DeploymentKernels::load(dep, jit, exec.as_ref(), config.sanitize, hook)?;
+        let geometry = PoolGeometry {
+            layers: config.layers,
+            local_pages: layout.local_pages_per_rank(),
+            host_pages,
+        };
+        let pools = Pools::new(exec.clone(), dep, geometry)?;
+        let mut ranks = Vec::with_capacity(usize::from(layout.cp()));
+        for r in 0..layout.cp() {
+            ranks.push(RankState {
+                tree: RadixTree::new(layout, Rank(r))?,
+                alloc: OwnerLaneAllocator::new(layout),
+                host: HostPagePool::new(host_pages)?,
+            });
+        }
+        let mut cluster = Cluster {
+            layout,
+            config,
+            exec,
+            kernels,
+            pools,
+            ranks,
+            launch_failure_at: None,
+            served: 0,
+        };
+        if cluster.config.fault == Some(Fault::LaneExhaustion) {
+            // Pages reserved for ever, on every rank alike: lane 0 keeps half its pages.
+            let reserve = cluster.layout.lane_capacity(Rank(0)) / 2;
+            let owners = vec![0u8; reserve as usize];
+            for r in &mut cluster.ranks {
+                r.alloc.alloc_pages_with_owners(&owners)?;
+            }
+        }
+        Ok(cluster)
+    }
+
+    /// The layout.
+    pub fn layout(&self) -> &CpLayout {
+        &self.layout
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &ClusterConfig {
+        &self.config
+    }
+
+    /// The executor.
+    pub fn executor(&self) -> &Arc<dyn Executor> {
+        &self.exec
+    }
+
+    /// The loaded kernels.
+    pub fn kernels(&self) -> &DeploymentKernels {
+        &self.kernels
+    }
+
+    /// Makes the first launch of request number `request` (0-based) fail.
+    pub fn inject_launch_failure(&mut self, request: usize) {
+        self.launch_failure_at = Some(request);
+    }
+
+    /// Per rank: a digest of the allocator and the tree (host slots excluded: they differ
+    /// between ranks by design).
+    pub fn replica_digests(&self) -> Vec<StateDigest> {
+        self.ranks
+            .iter()
+            .map(|r| {
+                let mut h = Sha256::new();
+                h.update(r.alloc.digest().0);
+                h.update(r.tree.digest().0);
+                StateDigest(h.finalize().into())
+            })
+            .collect()
+    }
+
+    /// Whether every replica's digest is equal.
+    pub fn replicas_agree(&self) -> bool {
+        let d = self.replica_digests();
+        d.windows(2).all(|w| w[0] == w[1])
+    }
+
+    /// Free device pages per lane (rank 0's replica).
+    pub fn lane_free_counts(&self) -> Vec<u32> {
+        self.ranks[0].alloc.lane_free_counts()
+    }
+
+    /// Checks every rank's allocator and tree invariants, conservation included.
+    pub fn check_invariants(&self) -> Result<(), ClusterError> {
+        for r in &self.ranks {
+            r.alloc.check_invariants()?;
+            r.tree.check_invariants()?;
+            let in_tree = r.tree.device_pages();
+            let used: u32 = r.alloc.lane_used_counts().iter().sum();
+            let reserved = if self.config.fault == Some(Fault::LaneExhaustion) {
+                self.layout.lane_capacity(Rank(0)) / 2
+            } else {
+                0
+            };
+            if in_tree as u32 + reserved != used {
+                return Err(ClusterError::Alloc(AllocError::Invariant {
+                    what: format!(
+                        "{}: {used} pages allocated but the tree holds {in_tree} (+{reserved} reserved)",
+                        r.tree.rank()
+                    ),
+                }));
+            }
+            let host_used = r.host.capacity() - r.host.free_count();
+            let host_in_tree: usize = r
+                .tree
+                .node_ids()
+                .iter()
+                .filter_map(|&id| r.tree.node(id).ok()?.host().map(|m| m.host_pages().len()))
+                .sum();
+            if host_used as usize != host_in_tree {
+                return Err(ClusterError::Alloc(AllocError::Invariant {
+                    what: format!(
+                        "{}: {host_used} host pages allocated but the tree references {host_in_tree}",
+                        r.tree.rank()
+                    ),
+                }));
+            }
+        }
+        Ok(())
+    }
+
+    /// Serves one prompt on every rank: match, load back, compute the rest, materialise and
+    /// verify, insert, back up. On error every rank's state is restored to what it was, so a
+    /// failed request leaves no trace but the error.
+    pub fn serve(&mut self, tokens: &[u32]) -> Result<RequestStats, ClusterError> {
+        let snapshot = self.ranks.clone();
+        if self.launch_failure_at == Some(self.served) {
+            self.exec.inject_launch_failure();
+        }
+        self.served += 1;
+        let result = self.serve_inner(tokens);
+        if result.is_err() {
+            self.ranks = snapshot;
+        }
+        result
+    }
+
+    fn serve_inner(&mut self, tokens: &[u32]) -> Result<RequestStats, ClusterError> {
+        let ps = self.layout.page_size() as usize;
+        let n_tokens = tokens.len();
+        let mut stats = RequestStats {
+            prompt_tokens: n_tokens as u64,
+            ..RequestStats::default()
+        };
+        if n_tokens == 0 {
+            return Ok(stats);
+        }
+        let n_pages = n_tokens.div_ceil(ps);
+        let full = n_tokens / ps;
+        let key = &tokens[..full * ps];
+
+        // 1. Match on every rank (identical trees give identical results).
+        let mut matched = None;
+        for r in &mut self.ranks {
+            let m = r.tree.match_prefix(key)?;
+            matched.get_or_insert(m);
+        }
+        let m = matched.expect("cp >= 1");
+        let mut pages = m.device_pages.clone();
+        stats.device_hit_tokens = (pages.len() * ps) as u64;
+        let mut locked = m.last_device_node;
+        self.lock(locked)?;
+
+        // 2. Load back host-only nodes, owners preserved.
+        if !m.host_nodes.is_empty() {
+            let before = self.exec.counters();
+            let loaded = self.load_cp(&m.host_nodes, &mut stats)?;
+            let c = self.exec.counters().since(&before);
+            stats.load_path_syncs += c.reads + c.syncs;
+            match loaded {
+                Some(run) => {
+                    stats.host_hit_tokens = (run.len() * ps) as u64;
+                    stats.pages_loaded += run.len() as u64;
+                    pages.extend(run);
+                    let last = *m.host_nodes.last().expect("non-empty");
+                    self.lock(last)?;
+                    self.unlock(locked)?;
+                    locked = last;
+                }
+                None => stats.load_degraded_to_miss += 1,
+            }
+        }
+        let cached = pages.len();
+
+        // 3. Allocate the pages to compute, zigzag over the owners.
+        let owners = zigzag_owners(self.layout.cp(), n_pages - cached);
+        let run = self.alloc_with_eviction(&owners, &mut stats)?;
+        pages.extend(run);
+        stats.computed_tokens = (n_tokens - cached * ps) as u64;
+
+        // 4-5. Synthesise the computed pages on their owners, materialise everything from the
+        // owners, verify against the synthesised KV.
+        stats.mismatched_tokens = self.compute_and_verify(tokens, &pages, cached)?;
+
+        // 6. Insert the whole pages; free what the tree already had and the partial page.
+        let mut dups = Vec::new();
+        let mut inserted = None;
+        for r in &mut self.ranks {
+            let ins = r.tree.insert(key, &pages[..full])?;
+            dups = ins.duplicate_pages;
+            inserted = Some(ins.node);
+        }
+        let ours: std::collections::HashSet<PageId> = pages[..cached].iter().copied().collect();
+        let mut to_free: Vec<PageId> = dups.into_iter().filter(|p| !ours.contains(p)).collect();
+        to_free.extend_from_slice(&pages[full..]);
+        for r in &mut self.ranks {
+            r.alloc.free(&to_free)?;
+        }
+        let node = inserted.expect("cp >= 1");
+        self.lock(node)?;
+        self.unlock(locked)?;
+        if self.config.policy == WritePolicy::WriteThrough && node != NodeId::ROOT {
+            for id in self.ranks[0].tree.path(node)? {
+                let n = self.ranks[0].tree.node(id)?;
+                if n.host().is_none() && n.device().is_some() {
+                    self.write_cp(id, &mut stats)?;
+                }
+            }
+        }
+        // 7. Release.
+        self.unlock(node)?;
+        Ok(stats)
+    }
+
+    fn lock(&mut self, node: NodeId) -> Result<(), ClusterError> {
+        if node != NodeId::ROOT {
+            for r in &mut self.ranks {
+                r.tree.lock(node)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn unlock(&mut self, node: NodeId) -> Result<(), ClusterError> {
+        if node != NodeId::ROOT {
+            for r in &mut self.ranks {
+                r.tree.unlock(node)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Loads host-only nodes back: one allocation with the concatenated `page_owners`, one
+    /// lane-targeted eviction and retry on a shortage, then a miss. Reads nothing back from
+    /// the device. Returns the new pages, or `None` when the load degraded to a miss.
+    fn load_cp(
+        &mut self,
+        nodes: &[NodeId],
+        stats: &mut RequestStats,
+    ) -> Result<Option<Vec<PageId>>, ClusterError> {
+        let metas: Vec<&NodeMetadata> = nodes
+            .iter()
+            .map(|&id| {
+                self.ranks[0]
+                    .tree
+                    .node(id)?
+                    .host()
+                    .ok_or(TreeError::NotBackedUp { node: id })
+            })
+            .collect::<Result<_, TreeError>>()?;
+        let owners = NodeMetadata::concat(metas)?.page_owners().to_vec();
+        let plain = self.config.fault == Some(Fault::PlainAllocOnLoad);
+        let mut run = self.try_alloc(&owners, plain)?;
+        if run.is_none() {
+            let deficit = self.ranks[0].alloc.deficit(&owners)?;
+            let evicted = self.evict(Eviction::Lanes(deficit))?;
+            stats.evictions_lane += evicted as u64;
+            run = self.try_alloc(&owners, plain)?;
+        }
+        let Some(run) = run else {
+            return Ok(None);
+        };
+
+        // Each rank moves the pages it owns: host page -> local page of the new owner page.
+        let geometry = self.pools.geometry();
+        let mut at = 0usize;
+        let mut per_rank: Vec<(Vec<u32>, Vec<u32>)> = vec![(vec![], vec![]); self.ranks.len()];
+        for &id in nodes {
+            for (r, rank) in self.ranks.iter().enumerate() {
+                let meta = rank
+                    .tree
+                    .node(id)?
+                    .host()
+                    .ok_or(TreeError::NotBackedUp { node: id })?;
+                for (i, host_page) in meta.owned_pages() {
+                    let page = run[at + i];
+                    // Under the injected fault the owner may be another rank: the bytes land
+                    // in a slot nobody reads, which is exactly the seed's bug.
+                    per_rank[r].0.push(host_page.0);
+                    per_rank[r].1.push(self.layout.local(page).0);
+                }
+            }
+            let n = self.ranks[0]
+                .tree
+                .node(id)?
+                .num_pages(self.layout.page_size());
+            for rank in &mut self.ranks {
+                let slice = run[at..at + n].to_vec();
+                if plain {
+                    rank.tree.set_device_ignoring_owners(id, slice)?;
+                } else {
+                    rank.tree.set_device(id, slice)?;
+                }
+            }
+            at += n;
+        }
+        for (r, (src, dst)) in per_rank.iter().enumerate() {
+            stats.bytes_h2d += self.transfer(Direction::HostToDevice, r, src, dst)?;
+        }
+        debug_assert_eq!(geometry.layers, self.config.layers);
+        Ok(Some(run))
+    }
+
+    /// Backs a device node up on every rank, or on none: host pages for each rank's owned
+    /// pages (evicting host LRU once if some rank is short), the device→host transfer, and the
+    /// validated metadata. A backup that still does not fit is skipped and counted.
+    fn write_cp(&mut self, node: NodeId, stats: &mut RequestStats) -> Result<(), ClusterError> {
+        let pages = self.ranks[0]
+            .tree
+            .node(node)?
+            .device()
+            .ok_or(TreeError::NotOnDevice { node })?
+            .to_vec();
+        let owners: Vec<u8> = pages.iter().map(|&p| self.layout.owner(p).0).collect();
+        let need = |r: usize| owners.iter().filter(|&&o| usize::from(o) == r).count() as u32;
+        let short = |ranks: &[RankState]| {
+            ranks
+                .iter()
+                .enumerate()
+                .map(|(r, s)| need(r).saturating_sub(s.host.free_count()))
+                .max()
+                .unwrap_or(0)
+        };
+        let deficit = short(&self.ranks);
+        if deficit > 0 {
+            let logical = deficit as usize * usize::from(self.layout.cp());
+            let mut evicted = 0;
+            for r in &mut self.ranks {
+                let gone = r.tree.evict_host_lru(logical)?;
+                evicted = gone.len();
+                for meta in gone {
+                    r.host.free(meta.host_pages())?;
+                }
+            }
+            stats.evictions_lru += evicted as u64;
+            if short(&self.ranks) > 0 {
+                stats.backups_skipped += 1;
+                return Ok(());
+            }
+        }
+        for r in 0..self.ranks.len() {
+            let host_pages = self.ranks[r].host.alloc(need(r) as usize)?;
+            let (src, dst): (Vec<u32>, Vec<u32>) = owners
+                .iter()
+                .zip(&pages)
+                .filter(|(&o, _)| usize::from(o) == r)
+                .zip(&host_pages)
+                .map(|((_, &p), h)| (self.layout.local(p).0, h.0))
+                .unzip();
+            stats.bytes_d2h += self.transfer(Direction::DeviceToHost, r, &src, &dst)?;
+            let meta = NodeMetadata::new(&self.layout, Rank(r as u8), owners.clone(), host_pages)?;
+            self.ranks[r].tree.set_host(node, meta)?;
+        }
+        stats.pages_written += pages.len() as u64;
+        Ok(())
+    }
+
+    /// Allocates `owners` on every replica, or returns `None` on a shortage (nothing changed).
+    fn try_alloc(
+        &mut self,
+        owners: &[u8],
+        plain: bool,
+    ) -> Result<Option<Vec<PageId>>, ClusterError> {
+        let mut out = None;
+        for r in &mut self.ranks {
+            let res = if plain {
+                r.alloc.alloc_pages(owners.len())
+            } else {
+                r.alloc.alloc_pages_with_owners(owners)
+            };
+            match res {
+                Ok(run) => out = Some(run.into_pages()),
+                Err(e) if e.is_shortage() => return Ok(None),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Allocates the pages to compute, evicting as needed: device LRU while the pool as a
+    /// whole is short, owner-lane targeted eviction when only some lanes are.
+    fn alloc_with_eviction(
+        &mut self,
+        owners: &[u8],
+        stats: &mut RequestStats,
+    ) -> Result<Vec<PageId>, ClusterError> {
+        loop {
+            if let Some(run) = self.try_alloc(owners, false)? {
+                return Ok(run);
+            }
+            let deficit = self.ranks[0].alloc.deficit(owners)?;
+            let free = self.ranks[0].alloc.free_pages();
+            let evicted = if owners.len() > free {
+                let n = self.evict(Eviction::Lru(owners.len() - free))?;
+                stats.evictions_lru += n as u64;
+                n
+            } else {
+                let n = self.evict(Eviction::Lanes(deficit.clone()))?;
+                stats.evictions_lane += n as u64;
+                n
+            };
+            if evicted == 0 {
+                return Err(ClusterError::PoolTooSmall {
+                    what: format!(
+                        "a request needs {} device pages (per-lane shortfall {:?}) and nothing more can be evicted",
+                        owners.len(),
+                        deficit
+                    ),
+                    flag: "--device-pages",
+                });
+            }
+        }
+    }
+
+    /// Evicts device nodes on every rank alike and frees what they held. Under write-back,
+    /// LRU device leaves without a host copy are backed up first. Returns the node count.
+    fn evict(&mut self, how: Eviction) -> Result<usize, ClusterError> {
+        if self.config.policy == WritePolicy::WriteBack {
+            let need = match &how {
+                Eviction::Lru(n) => *n,
+                Eviction::Lanes(d) => d.iter().map(|&x| x as usize).sum(),
+            };
+            let mut discard = RequestStats::default();
+            for id in self.write_back_candidates(need)? {
+                self.write_cp(id, &mut discard)?;
+            }
+        }
+        let mut count = 0;
+        let owner_of = self.layout;
+        for r in &mut self.ranks {
+            let evicted: Vec<Evicted> = match &how {
+                Eviction::Lru(n) => r.tree.evict_device_lru(*n)?,
+                Eviction::Lanes(d) => r.tree.evict_device_for_lanes(d, |p| owner_of.owner(p).0)?,
+            };
+            count = evicted.len();
+            for e in evicted {
+                r.alloc.free(&e.device_pages)?;
+                for meta in &e.host_released {
+                    r.host.free(meta.host_pages())?;
+                }
+            }
+        }
+        Ok(count)
+    }
+
+    /// Unlocked device leaves without a host copy, oldest first, covering `pages` pages.
+    fn write_back_candidates(&self, pages: usize) -> Result<Vec<NodeId>, ClusterError> {
+        let tree = &self.ranks[0].tree;
+        let mut cands = Vec::new();
+        for id in tree.node_ids() {
+            if id == NodeId::ROOT {
+                continue;
+            }
+            let n = tree.node(id)?;
+            let device_child = n
+                .children()
+                .any(|c| tree.node(c).is_ok_and(|c| c.device().is_some()));
+            if let (Some(d), None, 0, false) = (n.device(), n.host(), n.lock_count(), device_child)
+            {
+                cands.push((n.stamp(), id, d.len()));
+            }
+        }
+        cands.sort();
+        let mut covered = 0;
+        Ok(cands
+            .into_iter()
+            .take_while(|&(_, _, len)| {
+                let take = covered < pages;
+                covered += len;
+                take
+            })
+            .map(|(_, id, _)| id)
+            .collect())
+    }
+
+    /// Copies rank `r`'s page pairs for every buffer kind; returns bytes moved.
+    fn transfer(
+        &mut self,
+        dir: Direction,
+        r: usize,
+        src: &[u32],
+        dst: &[u32],
+    ) -> Result<u64, ClusterError> {
+        if src.is_empty() {
+            return Ok(0);
+        }
+        let g = self.pools.geometry();
+        let (sb, db) = self.pools.upload_pairs(src, dst)?;
+        let mut bytes = 0;
+        for &b in self.config.deployment.model.buffers() {
+            let k = self.kernels.transfer(b, dir);
+            let (from, to) = match dir {
+                Direction::HostToDevice => (self.pools.host(b, r), self.pools.device(b, r)),
+                Direction::DeviceToHost => (self.pools.device(b, r), self.pools.host(b, r)),
+            };
+            self.exec.launch(
+                k.id,
+                &k.launch(src.len() as u32, g.layers),
+                &[
+                    KernelArg::Ptr(from, 0),
+                    KernelArg::Ptr(to, 0),
+                    KernelArg::Ptr(sb, 0),
+                    KernelArg::Ptr(db, 0),
+                    KernelArg::U32(src.len() as u32),
+                    KernelArg::U32(g.layers),
+                    KernelArg::U32(g.local_pages),
+                    KernelArg::U32(g.host_pages),
+                ],
+            )?;
+            bytes += src.len() as u64 * u64::from(g.layers) * b.page_bytes(self.layout.page_size());
+        }
+        Ok(bytes)
+    }
+
+    /// Synthesises pages `[start, ..)` on their owners, materialises the whole sequence from
+    /// the owners' pools and counts mismatched tokens (summed over buffer kinds).
+    fn compute_and_verify(
+        &mut self,
+        tokens: &[u32],
+        pages: &[PageId],
+        start: usize,
+    ) -> Result<u64, ClusterError> {
+        let g = self.pools.geometry();
+        let hashes = reference::prefix_hashes(tokens);
+        let page_ids: Vec<u32> = pages.iter().map(|p| p.0).collect();
+        let (hash_buf, page_buf) = self.pools.upload_sequence(&hashes, &page_ids)?;
+        let n_tokens = tokens.len() as u32;
+        let n_pages = pages.len() as u32;
+        let buffers = self.config.deployment.model.buffers();
+        let counters = self.pools.zeroed_counters(buffers.len())?;
+        for (bi, &b) in buffers.iter().enumerate() {
+            let synth = self.kernels.synthesise(b);
+            if (start as u32) < n_pages {
+                for r in 0..self.ranks.len() {
+                    self.exec.launch(
+                        synth.id,
+                        &synth.launch(n_pages - start as u32, g.layers),
+                        &[
+                            KernelArg::Ptr(self.pools.device(b, r), 0),
+                            KernelArg::Ptr(hash_buf, 0),
+                            KernelArg::Ptr(page_buf, 0),
+                            KernelArg::U32(n_tokens),
+                            KernelArg::U32(start as u32),
+                            KernelArg::U32(r as u32),
+                            KernelArg::U32(g.layers),
+                            KernelArg::U32(g.local_pages),
+                        ],
+                    )?;
+                }
+            }
+            let dense = self.pools.dense(b, n_pages)?;
+            let pool_ptrs: Vec<_> = (0..self.ranks.len())
+                .map(|r| (self.pools.device(b, r), 0u64))
+                .collect();
+            let mat = self.kernels.materialise(b);
+            self.exec.launch(
+                mat.id,
+                &mat.launch(n_pages, g.layers),
+                &[
+                    KernelArg::PtrStruct(&pool_ptrs),
+                    KernelArg::Ptr(page_buf, 0),
+                    KernelArg::U32(n_pages),
+                    KernelArg::U32(g.layers),
+                    KernelArg::U32(g.local_pages),
+                    KernelArg::Ptr(dense, 0),
+                ],
+            )?;
+            let ver = self.kernels.verify(b);
+            self.exec.launch(
+                ver.id,
+                &ver.launch(n_tokens, g.layers),
+                &[
+                    KernelArg::Ptr(dense, 0),
+                    KernelArg::Ptr(hash_buf, 0),
+                    KernelArg::U32(n_tokens),
+                    KernelArg::U32(0),
+                    KernelArg::U32(g.layers),
+                    KernelArg::Ptr(counters, 4 * bi as u64),
+                ],
+            )?;
+        }
+        let mut out = vec![0u8; 4 * buffers.len()];
+        self.exec.read(counters, 0, &mut out)?;
+        Ok(out
+            .chunks_exact(4)
+            .map(|c| u64::from(u32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+            .sum())
+    }
+}
+
+enum Eviction {
+    Lru(usize),
+    Lanes(Vec<u32>),
+}

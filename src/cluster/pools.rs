@@ -1,0 +1,174 @@
+//! Executor memory of a cluster: each rank's device and host pool per buffer kind, plus the
+//! scratch buffers a request uploads its control data into.
+
+use crate::exec::{BufferId, ExecError, Executor, MemKind};
+use crate::kernels::{BufferKind, Deployment};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// The byte every pool and dense buffer starts as: a slot nobody wrote reads as poison, so
+/// a page loaded into the wrong owner shows up as a mismatch.
+pub const POISON: u8 = 0xA5;
+
+/// Pool sizes shared by every rank and buffer kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolGeometry {
+    /// Layers per buffer kind.
+    pub layers: u32,
+    /// Pages in each rank's device pool (`ceil(pages / cp)`).
+    pub local_pages: u32,
+    /// Pages in each rank's host pool.
+    pub host_pages: u32,
+}
+
+/// The pools and scratch buffers; freed when dropped.
+pub struct Pools {
+    exec: Arc<dyn Executor>,
+    geometry: PoolGeometry,
+    page_size: u32,
+    device: HashMap<BufferKind, Vec<BufferId>>,
+    host: HashMap<BufferKind, Vec<BufferId>>,
+    scratch: HashMap<&'static str, (BufferId, usize)>,
+}
+
+impl Pools {
+    /// Allocates, poisoned, a device and a host pool per rank and buffer kind.
+    pub fn new(
+        exec: Arc<dyn Executor>,
+        dep: &Deployment,
+        geometry: PoolGeometry,
+    ) -> Result<Pools, ExecError> {
+        let mut pools = Pools {
+            exec,
+            geometry,
+            page_size: dep.page_size,
+            device: HashMap::new(),
+            host: HashMap::new(),
+            scratch: HashMap::new(),
+        };
+        for &b in dep.model.buffers() {
+            let page = b.page_bytes(dep.page_size) as usize;
+            let layers = geometry.layers as usize;
+            for r in 0..dep.cp {
+                let _ = r;
+                let d = pools.exec.alloc(
+                    MemKind::Device,
+                    page * layers * geometry.local_pages as usize,
+                    POISON,
+                )?;
+                pools.device.entry(b).or_default().push(d);
+                // A zero-page host pool still gets a buffer so kernels have a valid pointer.
+                let h = pools.exec.alloc(
+                    MemKind::Host,
+                    (page * layers * geometry.host_pages as usize).max(16),
+                    POISON,
+                )?;
+                pools.host.entry(b).or_default().push(h);
+            }
+        }
+        Ok(pools)
+    }
+
+    /// The pool sizes.
+    pub fn geometry(&self) -> PoolGeometry {
+        self.geometry
+    }
+
+    /// Rank `r`'s device pool of buffer `b`.
+    pub fn device(&self, b: BufferKind, r: usize) -> BufferId {
+        self.device[&b][r]
+    }
+
+    /// Rank `r`'s host pool of buffer `b`.
+    pub fn host(&self, b: BufferKind, r: usize) -> BufferId {
+        self.host[&b][r]
+    }
+
+    /// A scratch buffer of at least `bytes`, grown by doubling.
+    fn scratch(
+        &mut self,
+        name: &'static str,
+        bytes: usize,
+        fill: u8,
+    ) -> Result<BufferId, ExecError> {
+        if let Some(&(id, size)) = self.scratch.get(name) {
+            if size >= bytes {
+                return Ok(id);
+            }
+            self.exec.free(id)?;
+            self.scratch.remove(name);
+        }
+        let size = bytes.next_power_of_two().max(256);
+        let id = self.exec.alloc(MemKind::Device, size, fill)?;
+        self.scratch.insert(name, (id, size));
+        Ok(id)
+    }
+
+    /// Uploads transfer page pairs; returns the (source, destination) arrays.
+    pub fn upload_pairs(
+        &mut self,
+        src: &[u32],
+        dst: &[u32],
+    ) -> Result<(BufferId, BufferId), ExecError> {
+        let s = self.scratch("pairs.src", 4 * src.len(), 0)?;
+        let d = self.scratch("pairs.dst", 4 * dst.len(), 0)?;
+        self.exec.upload(s, 0, &u32_bytes(src))?;
+        self.exec.upload(d, 0, &u32_bytes(dst))?;
+        Ok((s, d))
+    }
+
+    /// Uploads a sequence's prefix hashes and page ids.
+    pub fn upload_sequence(
+        &mut self,
+        hashes: &[u64],
+        pages: &[u32],
+    ) -> Result<(BufferId, BufferId), ExecError> {
+        let h = self.scratch("seq.hashes", 8 * hashes.len(), 0)?;
+        let p = self.scratch("seq.pages", 4 * pages.len(), 0)?;
+        let bytes: Vec<u8> = hashes.iter().flat_map(|x| x.to_le_bytes()).collect();
+        self.exec.upload(h, 0, &bytes)?;
+        self.exec.upload(p, 0, &u32_bytes(pages))?;
+        Ok((h, p))
+    }
+
+    /// `n` zeroed u32 counters.
+    pub fn zeroed_counters(&mut self, n: usize) -> Result<BufferId, ExecError> {
+        let c = self.scratch("verify.counters", 4 * n, 0)?;
+        self.exec.upload(c, 0, &vec![0u8; 4 * n])?;
+        Ok(c)
+    }
+
+    /// The dense materialisation buffer of buffer `b` for `n_pages` pages, poisoned.
+    pub fn dense(&mut self, b: BufferKind, n_pages: u32) -> Result<BufferId, ExecError> {
+        let bytes = b.page_bytes(self.page_size) as usize
+            * n_pages as usize
+            * self.geometry.layers as usize;
+        let name = match b {
+            BufferKind::NsaKv => "dense.nsa_kv",
+            BufferKind::NsaIndexK => "dense.nsa_idx",
+            BufferKind::MlaKv => "dense.mla_kv",
+        };
+        self.scratch(name, bytes, POISON)
+    }
+}
+
+impl Drop for Pools {
+    fn drop(&mut self) {
+        let ids = self
+            .device
+            .values()
+            .chain(self.host.values())
+            .flatten()
+            .copied()
+            .chain(self.scratch.values().map(|&(id, _)| id))
+            .collect::<Vec<_>>();
+        for id in ids {
+            // Freeing can only fail for an unknown handle; nothing useful to do in drop.
+            let _ = self.exec.free(id);
+        }
+    }
+}
+
+fn u32_bytes(v: &[u32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}

@@ -1,0 +1,95 @@
+//! The CP cluster end to end on the host executor: cold prefill, eviction, owner-preserving
+//! load-back, verification of every hit, and the seed's bug reproduced on purpose.
+
+use cp_hicache::cluster::{Cluster, ClusterConfig, Fault, RequestStats, WritePolicy};
+use cp_hicache::exec::host::EMU_HEADER;
+use cp_hicache::exec::{Executor, HostExecutor, HostOptions};
+use cp_hicache::jit::{Jit, JitConfig, Sanitize};
+use cp_hicache::kernels::{Deployment, ModelShape};
+use std::sync::Arc;
+
+fn jit() -> Jit {
+    Jit::new(JitConfig::new(
+        concat!(env!("CARGO_TARGET_TMPDIR"), "/jit-cache"),
+        EMU_HEADER,
+    ))
+}
+
+fn cluster(
+    model: ModelShape,
+    ps: u32,
+    cp: u8,
+    device_pages: u32,
+    host_pages: u32,
+    policy: WritePolicy,
+    fault: Option<Fault>,
+) -> Cluster {
+    let exec: Arc<dyn Executor> = Arc::new(HostExecutor::new(HostOptions::from_env().unwrap()));
+    let config = ClusterConfig {
+        deployment: Deployment::new(model, ps, cp).unwrap(),
+        layers: 2,
+        device_pages,
+        host_pages,
+        policy,
+        fault,
+        sanitize: Sanitize::None,
+    };
+    Cluster::new(config, exec, &jit()).unwrap()
+}
+
+fn tokens(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| seed.wrapping_mul(7919).wrapping_add(i * 31) % 1000)
+        .collect()
+}
+
+fn serve(c: &mut Cluster, t: &[u32]) -> RequestStats {
+    let s = c.serve(t).unwrap();
+    assert!(c.replicas_agree(), "replicas disagree");
+    c.check_invariants().unwrap();
+    s
+}
+
+#[test]
+fn cold_then_hit_then_load_back_verifies() {
+    for policy in [WritePolicy::WriteThrough, WritePolicy::WriteBack] {
+        let mut c = cluster(ModelShape::MlaBf16, 16, 4, 64, 64, policy, None);
+        let a = tokens(1, 300);
+        let s = serve(&mut c, &a);
+        assert_eq!(s.mismatched_tokens, 0);
+        assert_eq!(s.computed_tokens, 300);
+        let s = serve(&mut c, &a);
+        assert_eq!(s.mismatched_tokens, 0);
+        assert_eq!(s.device_hit_tokens, 288);
+        // Fill the device with other prompts so `a` is evicted to the host.
+        for i in 2..8 {
+            let s = serve(&mut c, &tokens(i, 400));
+            assert_eq!(s.mismatched_tokens, 0);
+        }
+        let s = serve(&mut c, &a);
+        assert_eq!(s.mismatched_tokens, 0, "{policy}");
+        assert!(s.host_hit_tokens > 0, "{policy}: {s:?}");
+        assert_eq!(s.load_path_syncs, 0);
+    }
+}
+
+#[test]
+fn plain_alloc_on_load_is_caught_by_verification() {
+    let mut c = cluster(
+        ModelShape::MlaBf16,
+        16,
+        4,
+        64,
+        64,
+        WritePolicy::WriteThrough,
+        Some(Fault::PlainAllocOnLoad),
+    );
+    let a = tokens(1, 300);
+    serve(&mut c, &a);
+    for i in 2..8 {
+        serve(&mut c, &tokens(i, 400));
+    }
+    let s = serve(&mut c, &a);
+    assert!(s.host_hit_tokens > 0);
+    assert!(s.mismatched_tokens > 0, "the seed's bug must show: {s:?}");
+}
