@@ -1,6 +1,8 @@
 //! The crate-level error: one variant per module error, so callers can match on the concern
 //! that failed while `?` works across modules.
 
+use crate::cluster::ClusterError;
+use crate::exec::ExecError;
 use crate::hicache::tree::TreeError;
 use crate::{allocator::AllocError, jit::JitError, layout::LayoutError, metadata::MetadataError};
 
@@ -22,6 +24,12 @@ pub enum Error {
     /// A kernel could not be compiled or loaded from the JIT cache.
     #[error(transparent)]
     Jit(#[from] JitError),
+    /// The cluster could not be built or could not serve a request.
+    #[error(transparent)]
+    Cluster(#[from] ClusterError),
+    /// An executor could not be opened or failed.
+    #[error(transparent)]
+    Exec(#[from] ExecError),
     /// Invalid command-line input that clap could not catch.
     #[error("{0}")]
     Usage(String),

@@ -2,6 +2,9 @@
 //! dispatch to each command. `main` only maps the result to an exit status.
 
 mod info;
+mod replay;
+
+pub use replay::{ModelArg, ReplayArgs};
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -26,6 +29,9 @@ Set RUST_LOG=cp_hicache=info to see every JIT event.";
 /// The commands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Replay a prefix-sharing workload through the CP cluster, verifying every request
+    /// byte for byte (the default command).
+    Replay(ReplayArgs),
     /// Show the version, the default layout, and what was found on this machine (C++
     /// compiler, NVRTC, CUDA driver, cache directory).
     Info(info::InfoArgs),
@@ -35,7 +41,8 @@ pub enum Command {
 /// status.
 pub fn run(cli: Cli) -> Result<ExitCode, crate::Error> {
     match cli.command {
+        Some(Command::Replay(args)) => replay::run(&args),
         Some(Command::Info(args)) => info::run(&args),
-        None => info::run(&info::InfoArgs::default()),
+        None => replay::run(&ReplayArgs::default()),
     }
 }

@@ -86,6 +86,10 @@ pub struct ReplayReport {
     pub policy: String,
     /// Workload description.
     pub workload: String,
+    /// Requests that failed with an error (their state was rolled back).
+    pub failed_requests: u64,
+    /// The injected fault, if any.
+    pub fault: Option<String>,
 }
 
 impl ReplayReport {
@@ -163,6 +167,12 @@ impl ReplayReport {
             "replicas agree",
             if self.replicas_agree { "yes" } else { "NO" }.into(),
         );
+        if let Some(f) = &self.fault {
+            row("injected fault", f.clone());
+        }
+        if self.failed_requests > 0 {
+            row("failed requests", self.failed_requests.to_string());
+        }
         row("mismatched tokens", t.mismatched_tokens.to_string());
         s
     }
@@ -203,6 +213,8 @@ mod tests {
             layers: 4,
             policy: "write_through".into(),
             workload: "built-in".into(),
+            failed_requests: 0,
+            fault: None,
         };
         let v = serde_json::to_value(&r).unwrap();
         for k in [

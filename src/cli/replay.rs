@@ -1,0 +1,338 @@
+//! `cp-hicache replay`: the main job. Replays a prefix-sharing workload through the CP
+//! cluster, verifying every request's materialised KV byte for byte, and reports hit rates,
+//! traffic, throughput, replica agreement and mismatched tokens.
+
+use crate::cluster::{Cluster, ClusterConfig, Fault, ReplayReport, RequestStats, WritePolicy};
+use crate::exec::{host::EMU_HEADER, open_executor, Backend, Executor};
+use crate::jit::{Jit, JitConfig, Sanitize};
+use crate::kernels::{Deployment, ModelShape};
+use crate::workload::{
+    Conversations, ConversationsConfig, MooncakeTrace, Request, TraceConfig, WorkloadError,
+};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Model buffer shapes selectable on the command line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ModelArg {
+    /// DeepSeek-V3.2 NSA: kv 656 B/token + index_k 132 B/token (page size 64).
+    Nsa,
+    /// Plain MLA with a bf16 cache: 1152 B/token.
+    Mla,
+}
+
+/// Options of `replay`. Parsing has no side effects; [`ReplayArgs::validate`] checks them.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ReplayArgs {
+    /// A Mooncake-format trace (JSON lines with timestamp, input_length, output_length,
+    /// hash_ids). Without it, a built-in seeded multi-turn conversation workload runs.
+    #[arg(long, value_name = "FILE.jsonl")]
+    pub trace: Option<PathBuf>,
+    /// Tokens one trace hash id stands for (the published traces use 512; smaller values
+    /// scale every length down and keep CPU replays fast).
+    #[arg(long, default_value_t = 512, value_name = "N")]
+    pub block_tokens: u32,
+    /// Replay only the first N requests.
+    #[arg(long, value_name = "N")]
+    pub requests: Option<usize>,
+    /// Seed of the built-in workload.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Conversations in the built-in workload.
+    #[arg(long, default_value_t = ConversationsConfig::default().conversations)]
+    pub conversations: usize,
+    /// CP degree (1..=16).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u8).range(1..=16))]
+    pub cp: u8,
+    /// Tokens per page (a power of two, 1..=1024; NSA requires 64).
+    #[arg(long, default_value_t = 64, value_parser = parse_page_size)]
+    pub page_size: u32,
+    /// Layers per KV buffer (small by default so the CPU run is quick).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=256))]
+    pub layers: u32,
+    /// Model buffer shapes.
+    #[arg(long, value_enum, default_value_t = ModelArg::Nsa)]
+    pub model: ModelArg,
+    /// Logical device pages across the CP group (each rank holds ceil(pages / cp)).
+    #[arg(long, default_value_t = 1024, value_name = "PAGES")]
+    pub device_pages: u32,
+    /// Host pages per rank.
+    #[arg(long, default_value_t = 192, value_name = "PAGES")]
+    pub host_pages: u32,
+    /// When device pages are backed up to the host.
+    #[arg(long, default_value = "write_through", value_parser = parse_policy)]
+    pub policy: WritePolicy,
+    /// Executor: `auto` picks CUDA when a GPU is usable, else the CPU emulation.
+    #[arg(long, default_value = "auto", value_parser = parse_backend)]
+    pub backend: Backend,
+    /// A tuning file (see `cp-hicache tune`); without it the default launch shapes run.
+    #[arg(long, value_name = "FILE")]
+    pub tuning: Option<PathBuf>,
+    /// Also write the report as JSON to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// No progress bar.
+    #[arg(long, short)]
+    pub quiet: bool,
+    /// Inject a fault to exercise a failure path: plain-alloc-on-load (the seed's bug),
+    /// lane-exhaustion, host-pool-full, compile-error, launch-error.
+    #[arg(long, value_name = "FAULT", value_parser = parse_fault)]
+    pub inject: Option<Fault>,
+}
+
+impl Default for ReplayArgs {
+    fn default() -> Self {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Wrap {
+            #[command(flatten)]
+            args: ReplayArgs,
+        }
+        Wrap::parse_from(["replay"]).args
+    }
+}
+
+fn parse_page_size(s: &str) -> Result<u32, String> {
+    let v: u32 = s
+        .parse()
+        .map_err(|_| format!("`{s}` is not a page size"))?;
+    if v == 0 || !v.is_power_of_two() || v > crate::layout::MAX_PAGE_SIZE {
+        return Err(format!(
+            "page size {v} must be a power of two between 1 and {}",
+            crate::layout::MAX_PAGE_SIZE
+        ));
+    }
+    Ok(v)
+}
+
+fn parse_policy(s: &str) -> Result<WritePolicy, String> {
+    s.parse()
+}
+
+fn parse_fault(s: &str) -> Result<Fault, String> {
+    s.parse()
+}
+
+fn parse_backend(s: &str) -> Result<Backend, String> {
+    s.parse().map_err(|e: crate::exec::ExecError| e.to_string())
+}
+
+/// Everything replay needs, validated.
+struct ReplayPlan {
+    deployment: Deployment,
+    workload_name: String,
+}
+
+impl ReplayArgs {
+    fn validate(&self) -> Result<ReplayPlan, crate::Error> {
+        let model = match self.model {
+            ModelArg::Nsa => ModelShape::Nsa,
+            ModelArg::Mla => ModelShape::MlaBf16,
+        };
+        let deployment = Deployment::new(model, self.page_size, self.cp)
+            .map_err(|e| crate::Error::Usage(e.to_string()))?;
+        if self.tuning.as_ref().is_some_and(|t| !t.exists()) {
+            return Err(crate::Error::Usage(format!(
+                "tuning file {} does not exist",
+                self.tuning.as_ref().map_or(String::new(), |t| t.display().to_string())
+            )));
+        }
+        let workload_name = match &self.trace {
+            Some(t) => format!("trace {} ({} tokens per block)", t.display(), self.block_tokens),
+            None => format!(
+                "built-in conversations (seed {}, {} conversations)",
+                self.seed, self.conversations
+            ),
+        };
+        Ok(ReplayPlan {
+            deployment,
+            workload_name,
+        })
+    }
+
+    fn workload(
+        &self,
+    ) -> Result<(Box<dyn Iterator<Item = Result<Request, WorkloadError>>>, Option<u64>), crate::Error>
+    {
+        match &self.trace {
+            Some(path) => {
+                let config = TraceConfig {
+                    block_tokens: self.block_tokens,
+                    max_requests: self.requests,
+                };
+                let total = count_lines(path).map(|n| self.requests.map_or(n, |r| r.min(n)));
+                let trace = MooncakeTrace::open(path, config).map_err(usage)?;
+                Ok((Box::new(trace), total.map(|n| n as u64)))
+            }
+            None => {
+                let config = ConversationsConfig {
+                    seed: self.seed,
+                    conversations: self.conversations,
+                    ..ConversationsConfig::default()
+                };
+                let gen = Conversations::new(config, self.requests).map_err(usage)?;
+                let total = gen.total_requests() as u64;
+                Ok((Box::new(gen), Some(total)))
+            }
+        }
+    }
+}
+
+fn usage(e: WorkloadError) -> crate::Error {
+    crate::Error::Usage(e.to_string())
+}
+
+fn count_lines(path: &std::path::Path) -> Option<usize> {
+    use std::io::BufRead;
+    let f = std::fs::File::open(path).ok()?;
+    Some(
+        std::io::BufReader::new(f)
+            .lines()
+            .map_while(Result::ok)
+            .filter(|l| !l.trim().is_empty())
+            .count(),
+    )
+}
+
+/// Runs the replay and prints the report; the exit status says whether it was correct.
+pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
+    let plan = args.validate()?;
+    let (workload, total) = args.workload()?;
+    let exec: Arc<dyn Executor> = Arc::from(open_executor(args.backend)?);
+    let backend = exec.backend().to_string();
+    let jit = Jit::new(JitConfig::from_env(EMU_HEADER));
+    let config = ClusterConfig {
+        deployment: plan.deployment.clone(),
+        layers: args.layers,
+        device_pages: args.device_pages,
+        host_pages: args.host_pages,
+        policy: args.policy,
+        fault: args.inject,
+        sanitize: Sanitize::None,
+    };
+    let mut cluster = Cluster::new(config, exec, &jit).map_err(cluster_error)?;
+    tracing::info!(
+        kernels_ms = cluster.kernels().startup_ms,
+        cache_hits = cluster.kernels().cache_hits,
+        "kernels ready"
+    );
+    if args.inject == Some(Fault::LaunchError) {
+        // Fail a request in the middle, once the cache holds something worth protecting.
+        cluster.inject_launch_failure(total.map_or(1, |t| (t / 2) as usize));
+    }
+
+    let bar = progress_bar(total, args.quiet);
+    let start = Instant::now();
+    let mut totals = RequestStats::default();
+    let mut requests = 0u64;
+    let mut disagreed_at = None;
+    let mut failed = 0u64;
+    for req in workload {
+        let req = req.map_err(usage)?;
+        let before = cluster.replica_digests();
+        match cluster.serve(&req.tokens) {
+            Ok(stats) => {
+                totals.add(&stats);
+                if stats.mismatched_tokens > 0 {
+                    bar.println(format!(
+                        "request {}: {} mismatched tokens",
+                        req.id, stats.mismatched_tokens
+                    ));
+                }
+            }
+            Err(e) if e.is_usage() => {
+                bar.finish_and_clear();
+                return Err(cluster_error(e));
+            }
+            Err(e) => {
+                failed += 1;
+                let unchanged = cluster.replica_digests() == before;
+                bar.println(format!(
+                    "request {} failed: {e}\n  allocator and tree state {} (digest {})",
+                    req.id,
+                    if unchanged { "unchanged" } else { "CHANGED" },
+                    before[0]
+                ));
+                if !unchanged {
+                    disagreed_at.get_or_insert(req.id);
+                }
+            }
+        }
+        requests += 1;
+        if disagreed_at.is_none() && !cluster.replicas_agree() {
+            disagreed_at = Some(req.id);
+            bar.println(format!("request {}: replicas disagree", req.id));
+        }
+        bar.inc(1);
+        bar.set_message(format!("{} mismatched", totals.mismatched_tokens));
+    }
+    bar.finish_and_clear();
+    let wall = start.elapsed().as_secs_f64();
+    let report = ReplayReport {
+        requests,
+        tokens_per_second: if wall > 0.0 {
+            totals.prompt_tokens as f64 / wall
+        } else {
+            0.0
+        },
+        totals,
+        replicas_agree: disagreed_at.is_none(),
+        wall_seconds: wall,
+        backend,
+        cp: args.cp,
+        page_size: args.page_size,
+        model: plan.deployment.model.to_string(),
+        layers: args.layers,
+        policy: args.policy.to_string(),
+        workload: plan.workload_name,
+        failed_requests: failed,
+        fault: args.inject.map(|f| f.to_string()),
+    };
+    println!("cp-hicache replay");
+    print!("{}", report.to_table());
+    if let Some(path) = &args.json {
+        let text = serde_json::to_string_pretty(&report).map_err(|e| crate::Error::Io {
+            context: "serialising the replay report".into(),
+            source: e.into(),
+        })?;
+        std::fs::write(path, text + "\n").map_err(|source| crate::Error::Io {
+            context: format!("writing {}", path.display()),
+            source,
+        })?;
+    }
+    if report.ok() && failed == 0 {
+        Ok(ExitCode::SUCCESS)
+    } else {
+        Ok(ExitCode::FAILURE)
+    }
+}
+
+fn cluster_error(e: crate::cluster::ClusterError) -> crate::Error {
+    if e.is_usage() {
+        crate::Error::Usage(e.to_string())
+    } else {
+        crate::Error::Cluster(e)
+    }
+}
+
+fn progress_bar(total: Option<u64>, quiet: bool) -> ProgressBar {
+    if quiet || !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = match total {
+        Some(n) => ProgressBar::new(n),
+        None => ProgressBar::no_length(),
+    };
+    bar.set_draw_target(ProgressDrawTarget::stderr());
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{spinner} replay [{elapsed_precise}] {wide_bar} {pos}/{len} requests · {msg}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar
+}
