@@ -73,9 +73,17 @@ fn compile_with(source: &str, extra: &[String]) -> PathBuf {
 }
 
 fn sanitize_flags() -> Vec<String> {
-    Sanitizer::from_env()
-        .expect("CP_HICACHE_EMU_SANITIZE")
-        .cxx_flags()
+    let mode = Sanitizer::from_env().expect("CP_HICACHE_EMU_SANITIZE");
+    if mode == Sanitizer::Address {
+        // Loading an ASan library into a process without the runtime aborts it outright.
+        let preload = std::env::var("LD_PRELOAD").unwrap_or_default();
+        assert!(
+            preload.contains("asan"),
+            "CP_HICACHE_EMU_SANITIZE=address needs LD_PRELOAD=$(c++ -print-file-name=libasan.so) \
+             and ASAN_OPTIONS=detect_leaks=0 for the test process (use a cargo runner)"
+        );
+    }
+    mode.cxx_flags()
 }
 
 /// The test kernels, built in the mode selected by `CP_HICACHE_EMU_SANITIZE`.
