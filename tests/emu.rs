@@ -518,6 +518,57 @@ fn bad_mask_and_trap_are_reported() {
 }
 
 #[test]
+fn single_thread_blocks_run_on_the_direct_path() {
+    both_orders(|ex, _| {
+        // Barrier variants with one thread per block.
+        let pred = alloc_u32(ex, &[0, 5, 1]);
+        let out = ex.alloc(MemKind::Device, 9 * 4, POISON).unwrap();
+        let k = load(ex, kernels_so(), "sync_variants");
+        ex.launch(
+            k,
+            &LaunchConfig::linear(3, 1),
+            &[KernelArg::Ptr(pred, 0), KernelArg::Ptr(out, 0)],
+        )
+        .unwrap();
+        assert_eq!(read_u32(ex, out), vec![0, 0, 0, 1, 1, 1, 1, 1, 1]);
+        // Warp intrinsics where lane 0 is the only participant.
+        let input: Vec<u32> = vec![7, 4, 1000];
+        let inb = alloc_u32(ex, &input);
+        let wout = ex.alloc(MemKind::Device, 3 * NOPS * 4, POISON).unwrap();
+        let k = load(ex, kernels_so(), "warp_ops");
+        ex.launch(
+            k,
+            &LaunchConfig::linear(3, 1),
+            &[
+                KernelArg::Ptr(inb, 0),
+                KernelArg::Ptr(wout, 0),
+                KernelArg::U32(1),
+            ],
+        )
+        .unwrap();
+        let got = read_u32(ex, wout);
+        for (b, &v) in input.iter().enumerate() {
+            let mut vals = [0u32; 32];
+            vals[0] = v;
+            let alive: [bool; 32] = std::array::from_fn(|j| j == 0);
+            let want = warp_ops_model(&vals, &alive)[0].unwrap();
+            assert_eq!(&got[b * NOPS..(b + 1) * NOPS], &want[..], "block {b}");
+        }
+        // A failure on the direct path is reported and leaves the executor usable.
+        let k = load(ex, kernels_so(), "lane1_mask");
+        let e = launch_err(ex, k, LaunchConfig::linear(2, 1), &[KernelArg::Ptr(out, 0)]);
+        assert_eq!(e.launch_failure(), Some(LaunchFailure::BadMask), "{e}");
+        let k = load(ex, kernels_so(), "sync_variants");
+        ex.launch(
+            k,
+            &LaunchConfig::linear(3, 1),
+            &[KernelArg::Ptr(pred, 0), KernelArg::Ptr(out, 0)],
+        )
+        .unwrap();
+    });
+}
+
+#[test]
 fn invalid_launches_are_typed_errors() {
     let ex = executor(BlockOrder::Forward);
     let out = ex.alloc(MemKind::Device, 4096, POISON).unwrap();
@@ -850,7 +901,7 @@ fn measure_fiber_costs() {
     let ex = executor(BlockOrder::Forward);
     let empty = load(&ex, kernels_so(), "empty_kernel");
     let bars = load(&ex, kernels_so(), "barrier_loop");
-    for threads in [32u32, 256, 1024] {
+    for threads in [1u32, 32, 256, 1024] {
         let blocks = (1u32 << 22) / threads;
         ex.launch(empty, &LaunchConfig::linear(16, threads), &[])
             .unwrap();
