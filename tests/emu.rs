@@ -924,3 +924,27 @@ fn measure_fiber_costs() {
         println!("threads/block {threads:5}: thread start {start_ns:6.1} ns, barrier {bar_ns:6.1} ns per thread");
     }
 }
+
+#[test]
+fn backend_selection_without_a_gpu() {
+    if cp_hicache::exec::cuda::CudaExecutor::usable() {
+        eprintln!("skipped: a CUDA device is usable here");
+        return;
+    }
+    use cp_hicache::exec::{open_executor, Backend};
+    assert_eq!(Backend::Auto.resolve(), Backend::Host);
+    let ex = open_executor(Backend::Auto).unwrap();
+    assert_eq!(ex.backend(), Backend::Host);
+    let e = open_executor(Backend::Cuda).err().expect("no CUDA here");
+    assert!(e.is_unavailable(), "{e}");
+    // Whatever the backend, the trait object runs the same kernels.
+    let out = ex.alloc(MemKind::Device, 4 * 4, POISON).unwrap();
+    let k = ex
+        .load_kernel(&KernelArtifact::HostLibrary {
+            path: kernels_so(),
+            entry: "shared_persist",
+        })
+        .unwrap();
+    ex.launch(k, &LaunchConfig::linear(4, 1), &[KernelArg::Ptr(out, 0)])
+        .unwrap();
+}
