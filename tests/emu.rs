@@ -948,3 +948,71 @@ fn backend_selection_without_a_gpu() {
     ex.launch(k, &LaunchConfig::linear(4, 1), &[KernelArg::Ptr(out, 0)])
         .unwrap();
 }
+
+/// Hand-written PTX (the driver JIT-compiles it), so the CUDA executor can be checked on a GPU
+/// machine without NVRTC: `out[tid] = v + tid`.
+const FILL_PTX: &str = r#".version 7.0
+.target sm_52
+.address_size 64
+.visible .entry fill_u32(.param .u64 out, .param .u32 v)
+{
+  .reg .b32 %r<4>;
+  .reg .b64 %rd<4>;
+  ld.param.u64 %rd1, [out];
+  ld.param.u32 %r1, [v];
+  cvta.to.global.u64 %rd2, %rd1;
+  mov.u32 %r2, %tid.x;
+  mul.wide.u32 %rd3, %r2, 4;
+  add.s64 %rd2, %rd2, %rd3;
+  add.u32 %r3, %r1, %r2;
+  st.global.u32 [%rd2], %r3;
+  ret;
+}
+"#;
+
+#[test]
+fn cuda_executor_runs_a_ptx_kernel_when_a_gpu_is_present() {
+    use cp_hicache::exec::cuda::CudaExecutor;
+    if !CudaExecutor::usable() {
+        eprintln!("skipped: no usable CUDA device");
+        return;
+    }
+    let ex = CudaExecutor::new(0).unwrap();
+    let k = ex
+        .load_kernel(&KernelArtifact::Cubin {
+            image: FILL_PTX.as_bytes(),
+            entry: "fill_u32",
+        })
+        .unwrap();
+    for kind in [MemKind::Device, MemKind::Host] {
+        let out = ex.alloc(kind, 64 * 4, POISON).unwrap();
+        let before = ex.counters();
+        ex.launch(
+            k,
+            &LaunchConfig::linear(1, 32),
+            &[KernelArg::Ptr(out, 0), KernelArg::U32(7)],
+        )
+        .unwrap();
+        assert!(ex.counters().since(&before).is_sync_free());
+        let mut bytes = vec![0u8; 64 * 4];
+        ex.read(out, 0, &mut bytes).unwrap();
+        let got: Vec<u32> = bytes
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        for (i, &g) in got.iter().enumerate() {
+            let want = if i < 32 { 7 + i as u32 } else { 0xA5A5_A5A5 };
+            assert_eq!(g, want, "{kind} element {i}");
+        }
+    }
+    ex.inject_launch_failure();
+    let out = ex.alloc(MemKind::Device, 4, POISON).unwrap();
+    let e = ex
+        .launch(
+            k,
+            &LaunchConfig::linear(1, 1),
+            &[KernelArg::Ptr(out, 0), KernelArg::U32(1)],
+        )
+        .unwrap_err();
+    assert_eq!(e.launch_failure(), Some(LaunchFailure::Injected));
+}
