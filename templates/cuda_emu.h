@@ -41,6 +41,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <csetjmp>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -343,6 +344,8 @@ struct Sched {
   char* err;
   size_t err_cap;
   bool in_launch;
+  bool direct;           // one thread per block: runs on the scheduler's stack, no fibers
+  sigjmp_buf direct_abort;
 #if CP_EMU_ASAN
   const void* main_lo;
   size_t main_size;
@@ -438,6 +441,7 @@ static void err_threads() {
 [[noreturn]] static void fail_from_fiber(int status) {
   g.abort = true;
   g.status = status;
+  if (g.direct) siglongjmp(g.direct_abort, 1);  // kernel frames are plain C: nothing to unwind
   switch_ctx(g.cur, nullptr, true);
   __builtin_trap();
 }
@@ -602,6 +606,18 @@ static inline uint64_t rendezvous(Kind k, int line, unsigned mask, uint64_t val,
     fail_from_fiber(CP_EMU_EMASK);
   }
   f->state = S_WAIT;
+  if (g.direct && is_barrier(k)) {
+    // The only thread of the block: count/and/or of one predicate is the predicate itself.
+    g.n_bar = 0;
+    f->state = S_READY;
+    return k == K_BAR_SYNC ? 0 : val;
+  }
+  if (g.direct) {
+    // The only thread of the block: every group is complete as soon as it arrives.
+    resolve();
+    g.qhead = g.qlen = 0;
+    return f->res;
+  }
   yield_from(f, false);
   return f->res;
 }
@@ -653,6 +669,23 @@ static int run_block() {
     switch_ctx(nullptr, f, false);
     if (g.abort) return g.status;
   }
+}
+
+// Runs a one-thread block directly on the calling stack (no fiber switch at all).
+static int run_block_direct() {
+  Fiber& f = g.f[0];
+  f.linear = 0;
+  f.tid = uint3{0, 0, 0};
+  f.state = S_READY;
+  f.kind = K_NONE;
+  g.cur = &f;
+  set_builtins(&f);
+  g.n_alive = 1;
+  g.n_bar = 0;
+  if (sigsetjmp(g.direct_abort, 0) != 0) return g.status;
+  g.body(g.body_ctx);
+  f.state = S_EXIT;
+  return CP_EMU_OK;
 }
 
 static int launch(const char* kernel, const CpEmuLaunch* cfg, unsigned arity, const uint64_t* sizes,
@@ -724,6 +757,7 @@ static int launch(const char* kernel, const CpEmuLaunch* cfg, unsigned arity, co
   g.body = body;
   g.body_ctx = ctx;
   g.in_launch = true;
+  g.direct = (n == 1);
   blockDim = dim3(bl[0], bl[1], bl[2]);
   gridDim = dim3(gr[0], gr[1], gr[2]);
   uint64_t gxy = static_cast<uint64_t>(gr[0]) * gr[1];
@@ -734,10 +768,11 @@ static int launch(const char* kernel, const CpEmuLaunch* cfg, unsigned arity, co
     uint64_t b = reverse ? total - 1 - i : i;
     blockIdx = uint3{static_cast<unsigned>(b % gr[0]), static_cast<unsigned>((b / gr[0]) % gr[1]),
                      static_cast<unsigned>(b / gxy)};
-    status = run_block();
+    status = g.direct ? run_block_direct() : run_block();
   }
   g.cur = nullptr;
   g.in_launch = false;
+  g.direct = false;
   return status;
 }
 

@@ -73,9 +73,17 @@ fn compile_with(source: &str, extra: &[String]) -> PathBuf {
 }
 
 fn sanitize_flags() -> Vec<String> {
-    Sanitizer::from_env()
-        .expect("CP_HICACHE_EMU_SANITIZE")
-        .cxx_flags()
+    let mode = Sanitizer::from_env().expect("CP_HICACHE_EMU_SANITIZE");
+    if mode == Sanitizer::Address {
+        // Loading an ASan library into a process without the runtime aborts it outright.
+        let preload = std::env::var("LD_PRELOAD").unwrap_or_default();
+        assert!(
+            preload.contains("asan"),
+            "CP_HICACHE_EMU_SANITIZE=address needs LD_PRELOAD=$(c++ -print-file-name=libasan.so) \
+             and ASAN_OPTIONS=detect_leaks=0 for the test process (use a cargo runner)"
+        );
+    }
+    mode.cxx_flags()
 }
 
 /// The test kernels, built in the mode selected by `CP_HICACHE_EMU_SANITIZE`.
@@ -510,6 +518,57 @@ fn bad_mask_and_trap_are_reported() {
 }
 
 #[test]
+fn single_thread_blocks_run_on_the_direct_path() {
+    both_orders(|ex, _| {
+        // Barrier variants with one thread per block.
+        let pred = alloc_u32(ex, &[0, 5, 1]);
+        let out = ex.alloc(MemKind::Device, 9 * 4, POISON).unwrap();
+        let k = load(ex, kernels_so(), "sync_variants");
+        ex.launch(
+            k,
+            &LaunchConfig::linear(3, 1),
+            &[KernelArg::Ptr(pred, 0), KernelArg::Ptr(out, 0)],
+        )
+        .unwrap();
+        assert_eq!(read_u32(ex, out), vec![0, 0, 0, 1, 1, 1, 1, 1, 1]);
+        // Warp intrinsics where lane 0 is the only participant.
+        let input: Vec<u32> = vec![7, 4, 1000];
+        let inb = alloc_u32(ex, &input);
+        let wout = ex.alloc(MemKind::Device, 3 * NOPS * 4, POISON).unwrap();
+        let k = load(ex, kernels_so(), "warp_ops");
+        ex.launch(
+            k,
+            &LaunchConfig::linear(3, 1),
+            &[
+                KernelArg::Ptr(inb, 0),
+                KernelArg::Ptr(wout, 0),
+                KernelArg::U32(1),
+            ],
+        )
+        .unwrap();
+        let got = read_u32(ex, wout);
+        for (b, &v) in input.iter().enumerate() {
+            let mut vals = [0u32; 32];
+            vals[0] = v;
+            let alive: [bool; 32] = std::array::from_fn(|j| j == 0);
+            let want = warp_ops_model(&vals, &alive)[0].unwrap();
+            assert_eq!(&got[b * NOPS..(b + 1) * NOPS], &want[..], "block {b}");
+        }
+        // A failure on the direct path is reported and leaves the executor usable.
+        let k = load(ex, kernels_so(), "lane1_mask");
+        let e = launch_err(ex, k, LaunchConfig::linear(2, 1), &[KernelArg::Ptr(out, 0)]);
+        assert_eq!(e.launch_failure(), Some(LaunchFailure::BadMask), "{e}");
+        let k = load(ex, kernels_so(), "sync_variants");
+        ex.launch(
+            k,
+            &LaunchConfig::linear(3, 1),
+            &[KernelArg::Ptr(pred, 0), KernelArg::Ptr(out, 0)],
+        )
+        .unwrap();
+    });
+}
+
+#[test]
 fn invalid_launches_are_typed_errors() {
     let ex = executor(BlockOrder::Forward);
     let out = ex.alloc(MemKind::Device, 4096, POISON).unwrap();
@@ -842,7 +901,7 @@ fn measure_fiber_costs() {
     let ex = executor(BlockOrder::Forward);
     let empty = load(&ex, kernels_so(), "empty_kernel");
     let bars = load(&ex, kernels_so(), "barrier_loop");
-    for threads in [32u32, 256, 1024] {
+    for threads in [1u32, 32, 256, 1024] {
         let blocks = (1u32 << 22) / threads;
         ex.launch(empty, &LaunchConfig::linear(16, threads), &[])
             .unwrap();
@@ -864,4 +923,96 @@ fn measure_fiber_costs() {
             / f64::from(bblocks * threads * iters);
         println!("threads/block {threads:5}: thread start {start_ns:6.1} ns, barrier {bar_ns:6.1} ns per thread");
     }
+}
+
+#[test]
+fn backend_selection_without_a_gpu() {
+    if cp_hicache::exec::cuda::CudaExecutor::usable() {
+        eprintln!("skipped: a CUDA device is usable here");
+        return;
+    }
+    use cp_hicache::exec::{open_executor, Backend};
+    assert_eq!(Backend::Auto.resolve(), Backend::Host);
+    let ex = open_executor(Backend::Auto).unwrap();
+    assert_eq!(ex.backend(), Backend::Host);
+    let e = open_executor(Backend::Cuda).err().expect("no CUDA here");
+    assert!(e.is_unavailable(), "{e}");
+    // Whatever the backend, the trait object runs the same kernels.
+    let out = ex.alloc(MemKind::Device, 4 * 4, POISON).unwrap();
+    let k = ex
+        .load_kernel(&KernelArtifact::HostLibrary {
+            path: kernels_so(),
+            entry: "shared_persist",
+        })
+        .unwrap();
+    ex.launch(k, &LaunchConfig::linear(4, 1), &[KernelArg::Ptr(out, 0)])
+        .unwrap();
+}
+
+/// Hand-written PTX (the driver JIT-compiles it), so the CUDA executor can be checked on a GPU
+/// machine without NVRTC: `out[tid] = v + tid`.
+const FILL_PTX: &str = r#".version 7.0
+.target sm_52
+.address_size 64
+.visible .entry fill_u32(.param .u64 out, .param .u32 v)
+{
+  .reg .b32 %r<4>;
+  .reg .b64 %rd<4>;
+  ld.param.u64 %rd1, [out];
+  ld.param.u32 %r1, [v];
+  cvta.to.global.u64 %rd2, %rd1;
+  mov.u32 %r2, %tid.x;
+  mul.wide.u32 %rd3, %r2, 4;
+  add.s64 %rd2, %rd2, %rd3;
+  add.u32 %r3, %r1, %r2;
+  st.global.u32 [%rd2], %r3;
+  ret;
+}
+"#;
+
+#[test]
+fn cuda_executor_runs_a_ptx_kernel_when_a_gpu_is_present() {
+    use cp_hicache::exec::cuda::CudaExecutor;
+    if !CudaExecutor::usable() {
+        eprintln!("skipped: no usable CUDA device");
+        return;
+    }
+    let ex = CudaExecutor::new(0).unwrap();
+    let k = ex
+        .load_kernel(&KernelArtifact::Cubin {
+            image: FILL_PTX.as_bytes(),
+            entry: "fill_u32",
+        })
+        .unwrap();
+    for kind in [MemKind::Device, MemKind::Host] {
+        let out = ex.alloc(kind, 64 * 4, POISON).unwrap();
+        let before = ex.counters();
+        ex.launch(
+            k,
+            &LaunchConfig::linear(1, 32),
+            &[KernelArg::Ptr(out, 0), KernelArg::U32(7)],
+        )
+        .unwrap();
+        assert!(ex.counters().since(&before).is_sync_free());
+        let mut bytes = vec![0u8; 64 * 4];
+        ex.read(out, 0, &mut bytes).unwrap();
+        let got: Vec<u32> = bytes
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        for (i, &g) in got.iter().enumerate() {
+            let want = if i < 32 { 7 + i as u32 } else { 0xA5A5_A5A5 };
+            assert_eq!(g, want, "{kind} element {i}");
+        }
+    }
+    ex.inject_launch_failure();
+    let out = ex.alloc(MemKind::Device, 4, POISON).unwrap();
+    let e = ex
+        .launch(
+            k,
+            &LaunchConfig::linear(1, 1),
+            &[KernelArg::Ptr(out, 0), KernelArg::U32(1)],
+        )
+        .unwrap_err();
+    assert_eq!(e.launch_failure(), Some(LaunchFailure::Injected));
 }

@@ -142,6 +142,9 @@ extern "C" __global__ void mismatch_warp(u32* out) {
 // A mask without the calling lane.
 extern "C" __global__ void bad_mask(u32* out) { out[threadIdx.x] = __ballot_sync(0x1u, 1); }
 
+// A mask naming only lane 1.
+extern "C" __global__ void lane1_mask(u32* out) { out[threadIdx.x] = __ballot_sync(0x2u, 1); }
+
 // __trap in one thread.
 extern "C" __global__ void trap_kernel(u32* out) {
   if (blockIdx.x == 1 && threadIdx.x == 3) __trap();
@@ -191,6 +194,7 @@ CP_HICACHE_EMU_EXPORT(barrier_after_exit)
 CP_HICACHE_EMU_EXPORT(mismatch_warp)
 CP_HICACHE_EMU_EXPORT(bad_mask)
 CP_HICACHE_EMU_EXPORT(trap_kernel)
+CP_HICACHE_EMU_EXPORT(lane1_mask)
 CP_HICACHE_EMU_EXPORT(coords)
 CP_HICACHE_EMU_EXPORT(big_stack)
 CP_HICACHE_EMU_EXPORT(oob_write)

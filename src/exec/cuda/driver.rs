@@ -1,7 +1,11 @@
 //! The unsafe boundary of the CUDA executor: probing for the driver library before any cudarc
-//! call (cudarc panics when libcuda is missing).
+//! call (cudarc panics when libcuda is missing), and owned wrappers over raw driver handles
+//! (device memory, pinned device-mapped host memory, modules) that release in `Drop`.
 
-use cudarc::driver::{result, sys};
+use std::ffi::{c_void, CString};
+use std::sync::Arc;
+
+use cudarc::driver::{result, sys, CudaContext, CudaStream};
 
 /// Whether libcuda can be loaded.
 fn driver_present() -> bool {
@@ -20,9 +24,283 @@ pub(crate) fn device_count() -> Result<usize, String> {
     Ok(n.max(0) as usize)
 }
 
-/// The name of device `ordinal` (the driver must be present: call after [`device_count`]).
-pub(crate) fn device_name(ordinal: usize) -> Result<String, String> {
-    let dev =
-        result::device::get(ordinal as i32).map_err(|e| format!("cuDeviceGet failed: {e:?}"))?;
-    result::device::get_name(dev).map_err(|e| format!("cuDeviceGetName failed: {e:?}"))
+/// A device context and the executor's stream. Only created after [`device_count`] succeeded.
+pub(crate) struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+}
+
+fn err(op: &str) -> impl FnOnce(result::DriverError) -> String + '_ {
+    move |e| format!("{op}: {e:?}")
+}
+
+impl Gpu {
+    /// Opens device `ordinal` (the driver must be present: call after [`device_count`]).
+    pub(crate) fn open(ordinal: usize) -> Result<Gpu, String> {
+        let ctx = CudaContext::new(ordinal).map_err(err("cuCtxCreate"))?;
+        let stream = ctx.new_stream().map_err(err("cuStreamCreate"))?;
+        Ok(Gpu { ctx, stream })
+    }
+
+    /// The device name.
+    pub(crate) fn name(&self) -> String {
+        self.ctx
+            .name()
+            .unwrap_or_else(|e| format!("CUDA device ({e:?})"))
+    }
+
+    fn bind(&self) -> Result<(), String> {
+        self.ctx.bind_to_thread().map_err(err("cuCtxSetCurrent"))
+    }
+
+    /// Allocates `len` bytes of device memory filled with `fill` (stream-ordered).
+    pub(crate) fn alloc_device(&self, len: usize, fill: u8) -> Result<DeviceMem, String> {
+        self.bind()?;
+        // SAFETY: the context is current; a zero-byte request is rounded up to one byte.
+        let ptr = unsafe { result::malloc_sync(len.max(1)) }.map_err(err("cuMemAlloc"))?;
+        let mem = DeviceMem {
+            ptr,
+            len,
+            ctx: Arc::clone(&self.ctx),
+        };
+        // SAFETY: `ptr` is a live allocation of at least `len` bytes.
+        unsafe { result::memset_d8_async(ptr, fill, len, self.stream.cu_stream()) }
+            .map_err(err("cuMemsetD8Async"))?;
+        Ok(mem)
+    }
+
+    /// Allocates `len` bytes of pinned, device-mapped host memory filled with `fill`.
+    pub(crate) fn alloc_host(&self, len: usize, fill: u8) -> Result<PinnedMem, String> {
+        self.bind()?;
+        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
+        // SAFETY: the context is current; a zero-byte request is rounded up to one byte.
+        let host =
+            unsafe { result::malloc_host(len.max(1), flags) }.map_err(err("cuMemHostAlloc"))?;
+        let mut mem = PinnedMem {
+            host,
+            dev: 0,
+            len,
+            ctx: Arc::clone(&self.ctx),
+        };
+        let mut dev: sys::CUdeviceptr = 0;
+        // SAFETY: `host` was allocated with CU_MEMHOSTALLOC_DEVICEMAP; `dev` is a valid out slot.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host, 0) }
+            .result()
+            .map_err(err("cuMemHostGetDevicePointer"))?;
+        mem.dev = dev;
+        // SAFETY: `host` points at `len.max(1)` writable bytes that no kernel uses yet.
+        unsafe { std::ptr::write_bytes(host as *mut u8, fill, len) };
+        Ok(mem)
+    }
+
+    /// Copies `data` to device address `dst` (stream-ordered; pageable data is staged by the
+    /// driver before this returns, so `data` may be dropped afterwards).
+    ///
+    /// # Safety
+    /// `dst .. dst + data.len()` must lie inside a live allocation of this context.
+    pub(crate) unsafe fn upload(&self, dst: u64, data: &[u8]) -> Result<(), String> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: the range is inside a live allocation (caller); `data` is valid for reads.
+        unsafe { result::memcpy_htod_async(dst, data, self.stream.cu_stream()) }
+            .map_err(err("cuMemcpyHtoDAsync"))?;
+        Ok(())
+    }
+
+    /// Copies from device address `src` into `out` and waits for it.
+    ///
+    /// # Safety
+    /// `src .. src + out.len()` must lie inside a live allocation of this context.
+    pub(crate) unsafe fn read(&self, src: u64, out: &mut [u8]) -> Result<(), String> {
+        if out.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: the range is inside a live allocation (caller); `out` stays borrowed until
+        // the stream synchronisation below has completed the copy.
+        unsafe {
+            result::memcpy_dtoh_async(out, src, self.stream.cu_stream())
+                .map_err(err("cuMemcpyDtoHAsync"))?;
+            result::stream::synchronize(self.stream.cu_stream()).map_err(err("cuStreamSynchronize"))
+        }
+    }
+
+    /// Waits for all work on the executor's stream.
+    pub(crate) fn synchronize(&self) -> Result<(), String> {
+        self.bind()?;
+        // SAFETY: the stream is alive as long as `self`.
+        unsafe { result::stream::synchronize(self.stream.cu_stream()) }
+            .map_err(err("cuStreamSynchronize"))
+    }
+
+    /// Loads a CUBIN (or NUL-terminated PTX) image and resolves `entry`.
+    pub(crate) fn load(&self, image: &[u8], entry: &str) -> Result<Module, String> {
+        self.bind()?;
+        let name =
+            CString::new(entry).map_err(|_| format!("entry name `{entry}` contains a NUL byte"))?;
+        // PTX must be NUL-terminated; a trailing zero is harmless for a CUBIN (ELF) image.
+        let mut owned = image.to_vec();
+        owned.push(0);
+        // SAFETY: `owned` is a complete image that outlives the call (the driver copies it).
+        let module = unsafe { result::module::load_data(owned.as_ptr() as *const c_void) }
+            .map_err(err("cuModuleLoadData"))?;
+        let mut m = Module {
+            module,
+            func: std::ptr::null_mut(),
+            ctx: Arc::clone(&self.ctx),
+        };
+        // SAFETY: `module` was just loaded and is owned by `m`.
+        m.func = unsafe { result::module::get_function(module, name) }
+            .map_err(err("cuModuleGetFunction"))?;
+        Ok(m)
+    }
+
+    /// Launches `module`'s kernel on the executor's stream; `args[i]` holds the exact bytes of
+    /// parameter `i`.
+    ///
+    /// # Safety
+    /// `args` must match the kernel's parameter list in count and sizes, and every pointer
+    /// argument must address memory that stays alive until the kernel has finished.
+    pub(crate) unsafe fn launch(
+        &self,
+        module: &Module,
+        grid: [u32; 3],
+        block: [u32; 3],
+        shared_bytes: u32,
+        args: &[&[u8]],
+    ) -> Result<(), String> {
+        self.bind()?;
+        let mut params: Vec<*mut c_void> = args.iter().map(|a| a.as_ptr() as *mut c_void).collect();
+        // SAFETY: `params[i]` points at the bytes of argument i, which the driver copies during
+        // the call; argument validity is the caller's contract.
+        unsafe {
+            result::launch_kernel(
+                module.func,
+                (grid[0], grid[1], grid[2]),
+                (block[0], block[1], block[2]),
+                shared_bytes,
+                self.stream.cu_stream(),
+                &mut params,
+            )
+        }
+        .map_err(err("cuLaunchKernel"))
+    }
+}
+
+/// Device memory from `cuMemAlloc`, freed in `Drop`.
+pub(crate) struct DeviceMem {
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl DeviceMem {
+    /// Device address.
+    pub(crate) fn addr(&self) -> u64 {
+        self.ptr
+    }
+    /// Size in bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for DeviceMem {
+    fn drop(&mut self) {
+        let ptr = std::mem::replace(&mut self.ptr, 0);
+        if ptr != 0 && self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `ptr` came from cuMemAlloc in this context and is freed exactly once
+            // (null-swapped above); cuMemFree waits for pending work using it.
+            let _ = unsafe { result::free_sync(ptr) };
+        }
+    }
+}
+
+/// Pinned, device-mapped host memory from `cuMemHostAlloc`, freed in `Drop`.
+pub(crate) struct PinnedMem {
+    host: *mut c_void,
+    dev: sys::CUdeviceptr,
+    len: usize,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: the allocation is owned exclusively by this value; the raw pointer is only used by
+// the owner (under the executor's lock) and by kernels through its device address.
+unsafe impl Send for PinnedMem {}
+
+impl PinnedMem {
+    /// Device address of the mapping.
+    pub(crate) fn addr(&self) -> u64 {
+        self.dev
+    }
+    /// Size in bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for PinnedMem {
+    fn drop(&mut self) {
+        let host = std::mem::replace(&mut self.host, std::ptr::null_mut());
+        if !host.is_null() && self.ctx.bind_to_thread().is_ok() {
+            // Pending kernels may still read the mapping: wait before freeing it.
+            let _ = result::ctx::synchronize();
+            // SAFETY: `host` came from cuMemHostAlloc and is freed exactly once.
+            let _ = unsafe { result::free_host(host) };
+        }
+    }
+}
+
+/// A loaded module and its kernel entry, unloaded in `Drop`.
+pub(crate) struct Module {
+    module: sys::CUmodule,
+    func: sys::CUfunction,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: driver module and function handles may be used from any thread once the owning
+// context is current, which every use ensures.
+unsafe impl Send for Module {}
+// SAFETY: launching through a shared handle does not mutate it.
+unsafe impl Sync for Module {}
+
+impl Drop for Module {
+    fn drop(&mut self) {
+        let module = std::mem::replace(&mut self.module, std::ptr::null_mut());
+        if !module.is_null() && self.ctx.bind_to_thread().is_ok() {
+            let _ = result::ctx::synchronize();
+            // SAFETY: `module` was loaded by cuModuleLoadData and is unloaded exactly once.
+            let _ = unsafe { result::module::unload(module) };
+        }
+    }
+}
+
+/// [`Gpu::upload`] for a range the executor has bounds-checked against a live buffer.
+pub(crate) fn upload_in_bounds(gpu: &Gpu, dst: u64, data: &[u8]) -> Result<(), String> {
+    // SAFETY: the executor checked `dst .. dst + len` against a live buffer it keeps locked.
+    unsafe { gpu.upload(dst, data) }
+}
+
+/// [`Gpu::read`] for a range the executor has bounds-checked against a live buffer.
+pub(crate) fn read_in_bounds(gpu: &Gpu, src: u64, out: &mut [u8]) -> Result<(), String> {
+    // SAFETY: the executor checked `src .. src + len` against a live buffer it keeps locked.
+    unsafe { gpu.read(src, out) }
+}
+
+/// [`Gpu::launch`] with arguments built by the executor: pointer arguments are bounds-checked
+/// addresses of live buffers (buffers are freed with cuMemFree / after a context sync, which
+/// wait for running kernels). Argument count and sizes come from the caller's kernel
+/// description; a mismatch is the caller's bug, as with `cuLaunchKernel` itself.
+pub(crate) fn launch_with_args(
+    gpu: &Gpu,
+    module: &Module,
+    grid: [u32; 3],
+    block: [u32; 3],
+    shared_bytes: u32,
+    args: &[&[u8]],
+) -> Result<(), String> {
+    // SAFETY: see above; the driver copies parameter values during the call.
+    unsafe { gpu.launch(module, grid, block, shared_bytes, args) }
 }

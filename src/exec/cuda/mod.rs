@@ -1,19 +1,96 @@
-//! The CUDA executor (cudarc driver API). Skeleton: it probes the driver safely and reports
-//! [`ExecError::Unavailable`] where no driver or device is usable; the data paths are not yet
-//! implemented and also report `Unavailable`.
+//! The CUDA executor (cudarc driver API): device pools with `cuMemAlloc`, host pools pinned and
+//! device-mapped (kernels read them directly), modules from CUBIN images, `cuLaunchKernel` with
+//! `void**` parameters on one stream.
+//!
+//! The driver is probed before cudarc is touched (cudarc panics when libcuda is missing), so a
+//! machine without a driver or device gets [`ExecError::Unavailable`].
+//!
+//! Status: written against the driver API but not yet run on a GPU (the development machine
+//! has none); the host executor is the tested path.
+//!
+//! Thread-safety: `Send + Sync`; one mutex serialises buffer bookkeeping and launches, and all
+//! work goes to one stream, so operations are stream-ordered in call order.
 
 mod driver;
 
-use super::MemKind;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
 use super::{
     Backend, BufferId, Counters, ExecError, Executor, KernelArg, KernelArtifact, KernelId,
-    LaunchConfig,
+    LaunchConfig, LaunchFailure, MemKind,
 };
+
+enum CudaBuffer {
+    Device(driver::DeviceMem),
+    Host(driver::PinnedMem),
+}
+
+impl CudaBuffer {
+    fn addr(&self) -> u64 {
+        match self {
+            CudaBuffer::Device(m) => m.addr(),
+            CudaBuffer::Host(m) => m.addr(),
+        }
+    }
+    fn len(&self) -> usize {
+        match self {
+            CudaBuffer::Device(m) => m.len(),
+            CudaBuffer::Host(m) => m.len(),
+        }
+    }
+}
+
+struct LoadedKernel {
+    name: String,
+    module: driver::Module,
+}
+
+#[derive(Default)]
+struct State {
+    buffers: HashMap<u64, CudaBuffer>,
+    kernels: HashMap<u64, LoadedKernel>,
+    next_id: u64,
+    counters: Counters,
+}
 
 /// The CUDA executor for one device.
 pub struct CudaExecutor {
     ordinal: usize,
     name: String,
+    gpu: driver::Gpu,
+    state: Mutex<State>,
+    fail_next_launch: AtomicBool,
+}
+
+fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn driver_err(op: &'static str) -> impl FnOnce(String) -> ExecError {
+    move |message| ExecError::Driver { op, message }
+}
+
+fn range(
+    op: &'static str,
+    buffer: BufferId,
+    size: usize,
+    offset: u64,
+    len: u64,
+) -> Result<u64, ExecError> {
+    let oob = || ExecError::OutOfBounds {
+        op,
+        buffer,
+        offset,
+        len,
+        size,
+    };
+    let end = offset.checked_add(len).ok_or_else(oob)?;
+    if end > size as u64 {
+        return Err(oob());
+    }
+    Ok(offset)
 }
 
 impl CudaExecutor {
@@ -35,23 +112,22 @@ impl CudaExecutor {
                 "device {ordinal} requested, {count} present"
             )));
         }
-        let name = driver::device_name(ordinal).map_err(unavailable)?;
-        // The skeleton stops here: buffers, modules and launches come with the CUDA data paths.
-        Err(unavailable(format!(
-            "device {ordinal} ({name}) found, but the CUDA executor's data paths are not implemented yet"
-        )))
+        let gpu = driver::Gpu::open(ordinal).map_err(unavailable)?;
+        Ok(CudaExecutor {
+            ordinal,
+            name: gpu.name(),
+            gpu,
+            state: Mutex::new(State {
+                next_id: 1,
+                ..State::default()
+            }),
+            fail_next_launch: AtomicBool::new(false),
+        })
     }
 
     /// The device ordinal this executor drives.
     pub fn ordinal(&self) -> usize {
         self.ordinal
-    }
-
-    fn not_implemented(&self, what: &str) -> ExecError {
-        ExecError::Unavailable {
-            backend: Backend::Cuda,
-            reason: format!("{what} is not implemented in the CUDA executor skeleton"),
-        }
     }
 }
 
@@ -59,40 +135,210 @@ impl Executor for CudaExecutor {
     fn backend(&self) -> Backend {
         Backend::Cuda
     }
+
     fn device_name(&self) -> String {
         self.name.clone()
     }
-    fn alloc(&self, _kind: MemKind, _bytes: usize, _fill: u8) -> Result<BufferId, ExecError> {
-        Err(self.not_implemented("alloc"))
+
+    fn alloc(&self, kind: MemKind, bytes: usize, fill: u8) -> Result<BufferId, ExecError> {
+        let alloc_err = |reason: String| ExecError::Alloc {
+            bytes,
+            kind,
+            reason,
+        };
+        let buf = match kind {
+            MemKind::Device => {
+                CudaBuffer::Device(self.gpu.alloc_device(bytes, fill).map_err(alloc_err)?)
+            }
+            MemKind::Host => CudaBuffer::Host(self.gpu.alloc_host(bytes, fill).map_err(alloc_err)?),
+        };
+        let mut st = lock(&self.state);
+        let id = st.next_id;
+        st.next_id += 1;
+        st.buffers.insert(id, buf);
+        st.counters.allocs += 1;
+        Ok(BufferId(id))
     }
-    fn free(&self, _buffer: BufferId) -> Result<(), ExecError> {
-        Err(self.not_implemented("free"))
+
+    fn free(&self, buffer: BufferId) -> Result<(), ExecError> {
+        let mut st = lock(&self.state);
+        st.buffers
+            .remove(&buffer.0)
+            .map(|_| ())
+            .ok_or(ExecError::UnknownBuffer(buffer))
     }
-    fn size(&self, _buffer: BufferId) -> Result<usize, ExecError> {
-        Err(self.not_implemented("size"))
+
+    fn size(&self, buffer: BufferId) -> Result<usize, ExecError> {
+        let st = lock(&self.state);
+        st.buffers
+            .get(&buffer.0)
+            .map(CudaBuffer::len)
+            .ok_or(ExecError::UnknownBuffer(buffer))
     }
-    fn upload(&self, _buffer: BufferId, _offset: u64, _data: &[u8]) -> Result<(), ExecError> {
-        Err(self.not_implemented("upload"))
+
+    fn upload(&self, buffer: BufferId, offset: u64, data: &[u8]) -> Result<(), ExecError> {
+        let mut st = lock(&self.state);
+        let buf = st
+            .buffers
+            .get(&buffer.0)
+            .ok_or(ExecError::UnknownBuffer(buffer))?;
+        let off = range("upload", buffer, buf.len(), offset, data.len() as u64)?;
+        let dst = buf.addr() + off;
+        // Bounds checked above; the buffer stays alive while the lock is held, and freeing it
+        // later waits for the copy (cuMemFree / the pinned drop synchronise).
+        upload_checked(&self.gpu, dst, data)?;
+        st.counters.uploads += 1;
+        st.counters.bytes_uploaded += data.len() as u64;
+        Ok(())
     }
-    fn read(&self, _buffer: BufferId, _offset: u64, _out: &mut [u8]) -> Result<(), ExecError> {
-        Err(self.not_implemented("read"))
+
+    fn read(&self, buffer: BufferId, offset: u64, out: &mut [u8]) -> Result<(), ExecError> {
+        let mut st = lock(&self.state);
+        let buf = st
+            .buffers
+            .get(&buffer.0)
+            .ok_or(ExecError::UnknownBuffer(buffer))?;
+        let off = range("read", buffer, buf.len(), offset, out.len() as u64)?;
+        read_checked(&self.gpu, buf.addr() + off, out)?;
+        st.counters.reads += 1;
+        st.counters.bytes_read += out.len() as u64;
+        Ok(())
     }
-    fn load_kernel(&self, _artifact: &KernelArtifact<'_>) -> Result<KernelId, ExecError> {
-        Err(self.not_implemented("load_kernel"))
+
+    fn load_kernel(&self, artifact: &KernelArtifact<'_>) -> Result<KernelId, ExecError> {
+        let KernelArtifact::Cubin { image, entry } = *artifact else {
+            return Err(ExecError::WrongArtifact {
+                backend: Backend::Cuda,
+                artifact: "a host library",
+            });
+        };
+        let module = self
+            .gpu
+            .load(image, entry)
+            .map_err(|message| ExecError::Load {
+                entry: entry.to_string(),
+                artifact: artifact.describe(),
+                message,
+            })?;
+        let mut st = lock(&self.state);
+        let id = st.next_id;
+        st.next_id += 1;
+        st.kernels.insert(
+            id,
+            LoadedKernel {
+                name: entry.to_string(),
+                module,
+            },
+        );
+        Ok(KernelId(id))
     }
+
     fn launch(
         &self,
-        _k: KernelId,
-        _c: &LaunchConfig,
-        _a: &[KernelArg<'_>],
+        kernel: KernelId,
+        config: &LaunchConfig,
+        args: &[KernelArg<'_>],
     ) -> Result<(), ExecError> {
-        Err(self.not_implemented("launch"))
+        let mut st = lock(&self.state);
+        st.counters.launches += 1;
+        let st = &*st;
+        let k = st
+            .kernels
+            .get(&kernel.0)
+            .ok_or(ExecError::UnknownKernel(kernel))?;
+        if self.fail_next_launch.swap(false, Ordering::SeqCst) {
+            return Err(ExecError::Launch {
+                kernel: k.name.clone(),
+                cause: LaunchFailure::Injected,
+                message: "launch failure injected; the kernel did not run".into(),
+            });
+        }
+        let mut scalars: Vec<([u8; 8], usize)> = Vec::with_capacity(args.len());
+        for arg in args {
+            let mut bytes = [0u8; 8];
+            let len = match *arg {
+                KernelArg::Ptr(b, off) => {
+                    let buf = st.buffers.get(&b.0).ok_or(ExecError::UnknownBuffer(b))?;
+                    range("kernel argument", b, buf.len(), off, 0)?;
+                    bytes = (buf.addr() + off).to_ne_bytes();
+                    8
+                }
+                KernelArg::Null => 8,
+                KernelArg::U32(v) => {
+                    bytes[..4].copy_from_slice(&v.to_ne_bytes());
+                    4
+                }
+                KernelArg::I32(v) => {
+                    bytes[..4].copy_from_slice(&v.to_ne_bytes());
+                    4
+                }
+                KernelArg::U64(v) => {
+                    bytes = v.to_ne_bytes();
+                    8
+                }
+                KernelArg::I64(v) => {
+                    bytes = v.to_ne_bytes();
+                    8
+                }
+                KernelArg::Bytes(_) => 0,
+            };
+            scalars.push((bytes, len));
+        }
+        let views: Vec<&[u8]> = args
+            .iter()
+            .zip(&scalars)
+            .map(|(arg, (bytes, len))| match *arg {
+                KernelArg::Bytes(b) => b,
+                _ => &bytes[..*len],
+            })
+            .collect();
+        launch_checked(&self.gpu, &k.module, config, &views).map_err(|message| ExecError::Launch {
+            kernel: k.name.clone(),
+            cause: if message.contains("INVALID_VALUE") {
+                LaunchFailure::InvalidConfig
+            } else {
+                LaunchFailure::Other
+            },
+            message,
+        })
     }
+
     fn synchronize(&self) -> Result<(), ExecError> {
-        Err(self.not_implemented("synchronize"))
+        lock(&self.state).counters.syncs += 1;
+        self.gpu.synchronize().map_err(driver_err("synchronize"))
     }
+
     fn counters(&self) -> Counters {
-        Counters::default()
+        lock(&self.state).counters
     }
-    fn inject_launch_failure(&self) {}
+
+    fn inject_launch_failure(&self) {
+        self.fail_next_launch.store(true, Ordering::SeqCst);
+    }
+}
+
+// Forwarders to `driver`'s checked entry points; their preconditions (ranges inside live
+// allocations) are established by the callers above, which hold the state lock.
+fn upload_checked(gpu: &driver::Gpu, dst: u64, data: &[u8]) -> Result<(), ExecError> {
+    driver::upload_in_bounds(gpu, dst, data).map_err(driver_err("upload"))
+}
+
+fn read_checked(gpu: &driver::Gpu, src: u64, out: &mut [u8]) -> Result<(), ExecError> {
+    driver::read_in_bounds(gpu, src, out).map_err(driver_err("read"))
+}
+
+fn launch_checked(
+    gpu: &driver::Gpu,
+    module: &driver::Module,
+    config: &LaunchConfig,
+    args: &[&[u8]],
+) -> Result<(), String> {
+    driver::launch_with_args(
+        gpu,
+        module,
+        config.grid,
+        config.block,
+        config.shared_bytes,
+        args,
+    )
 }
