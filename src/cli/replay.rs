@@ -97,9 +97,7 @@ impl Default for ReplayArgs {
 }
 
 fn parse_page_size(s: &str) -> Result<u32, String> {
-    let v: u32 = s
-        .parse()
-        .map_err(|_| format!("`{s}` is not a page size"))?;
+    let v: u32 = s.parse().map_err(|_| format!("`{s}` is not a page size"))?;
     if v == 0 || !v.is_power_of_two() || v > crate::layout::MAX_PAGE_SIZE {
         return Err(format!(
             "page size {v} must be a power of two between 1 and {}",
@@ -138,11 +136,17 @@ impl ReplayArgs {
         if self.tuning.as_ref().is_some_and(|t| !t.exists()) {
             return Err(crate::Error::Usage(format!(
                 "tuning file {} does not exist",
-                self.tuning.as_ref().map_or(String::new(), |t| t.display().to_string())
+                self.tuning
+                    .as_ref()
+                    .map_or(String::new(), |t| t.display().to_string())
             )));
         }
         let workload_name = match &self.trace {
-            Some(t) => format!("trace {} ({} tokens per block)", t.display(), self.block_tokens),
+            Some(t) => format!(
+                "trace {} ({} tokens per block)",
+                t.display(),
+                self.block_tokens
+            ),
             None => format!(
                 "built-in conversations (seed {}, {} conversations)",
                 self.seed, self.conversations
@@ -156,8 +160,13 @@ impl ReplayArgs {
 
     fn workload(
         &self,
-    ) -> Result<(Box<dyn Iterator<Item = Result<Request, WorkloadError>>>, Option<u64>), crate::Error>
-    {
+    ) -> Result<
+        (
+            Box<dyn Iterator<Item = Result<Request, WorkloadError>>>,
+            Option<u64>,
+        ),
+        crate::Error,
+    > {
         match &self.trace {
             Some(path) => {
                 let config = TraceConfig {

@@ -323,6 +323,62 @@ impl KernelArg<'_> {
     }
 }
 
+/// Checks that `len` bytes at `offset` lie inside a buffer of `size` bytes; returns the range.
+pub(crate) fn check_range(
+    op: &'static str,
+    buffer: BufferId,
+    size: usize,
+    offset: u64,
+    len: u64,
+) -> Result<std::ops::Range<usize>, ExecError> {
+    let oob = || ExecError::OutOfBounds {
+        op,
+        buffer,
+        offset,
+        len,
+        size,
+    };
+    let end = offset.checked_add(len).ok_or_else(oob)?;
+    if end > size as u64 {
+        return Err(oob());
+    }
+    Ok(offset as usize..end as usize)
+}
+
+/// The bytes each `void**` entry of a launch points at, one vector per argument, in the
+/// kernel's parameter order. `resolve` gives a buffer's base address and size; pointer
+/// offsets may be one past the end, never beyond.
+pub(crate) fn marshal_args(
+    args: &[KernelArg<'_>],
+    resolve: impl Fn(BufferId) -> Result<(u64, usize), ExecError>,
+) -> Result<Vec<Vec<u8>>, ExecError> {
+    let pointer = |b: BufferId, off: u64| -> Result<[u8; 8], ExecError> {
+        let (addr, size) = resolve(b)?;
+        check_range("kernel argument", b, size, off, 0)?;
+        Ok((addr + off).to_ne_bytes())
+    };
+    args.iter()
+        .map(|arg| {
+            Ok(match *arg {
+                KernelArg::Ptr(b, off) => pointer(b, off)?.to_vec(),
+                KernelArg::Null => vec![0; 8],
+                KernelArg::U32(v) => v.to_ne_bytes().to_vec(),
+                KernelArg::I32(v) => v.to_ne_bytes().to_vec(),
+                KernelArg::U64(v) => v.to_ne_bytes().to_vec(),
+                KernelArg::I64(v) => v.to_ne_bytes().to_vec(),
+                KernelArg::Bytes(b) => b.to_vec(),
+                KernelArg::PtrStruct(ptrs) => {
+                    let mut out = Vec::with_capacity(8 * ptrs.len());
+                    for &(b, off) in ptrs {
+                        out.extend_from_slice(&pointer(b, off)?);
+                    }
+                    out
+                }
+            })
+        })
+        .collect()
+}
+
 /// Launch shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct LaunchConfig {

@@ -18,8 +18,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use super::{
-    Backend, BufferId, Counters, ExecError, Executor, KernelArg, KernelArtifact, KernelId,
-    LaunchConfig, LaunchFailure, MemKind,
+    check_range, marshal_args, Backend, BufferId, Counters, ExecError, Executor, KernelArg,
+    KernelArtifact, KernelId, LaunchConfig, LaunchFailure, MemKind,
 };
 
 enum CudaBuffer {
@@ -70,27 +70,6 @@ fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
 
 fn driver_err(op: &'static str) -> impl FnOnce(String) -> ExecError {
     move |message| ExecError::Driver { op, message }
-}
-
-fn range(
-    op: &'static str,
-    buffer: BufferId,
-    size: usize,
-    offset: u64,
-    len: u64,
-) -> Result<u64, ExecError> {
-    let oob = || ExecError::OutOfBounds {
-        op,
-        buffer,
-        offset,
-        len,
-        size,
-    };
-    let end = offset.checked_add(len).ok_or_else(oob)?;
-    if end > size as u64 {
-        return Err(oob());
-    }
-    Ok(offset)
 }
 
 impl CudaExecutor {
@@ -182,7 +161,7 @@ impl Executor for CudaExecutor {
             .buffers
             .get(&buffer.0)
             .ok_or(ExecError::UnknownBuffer(buffer))?;
-        let off = range("upload", buffer, buf.len(), offset, data.len() as u64)?;
+        let off = check_range("upload", buffer, buf.len(), offset, data.len() as u64)?.start as u64;
         let dst = buf.addr() + off;
         // Bounds checked above; the buffer stays alive while the lock is held, and freeing it
         // later waits for the copy (cuMemFree / the pinned drop synchronise).
@@ -198,7 +177,7 @@ impl Executor for CudaExecutor {
             .buffers
             .get(&buffer.0)
             .ok_or(ExecError::UnknownBuffer(buffer))?;
-        let off = range("read", buffer, buf.len(), offset, out.len() as u64)?;
+        let off = check_range("read", buffer, buf.len(), offset, out.len() as u64)?.start as u64;
         read_checked(&self.gpu, buf.addr() + off, out)?;
         st.counters.reads += 1;
         st.counters.bytes_read += out.len() as u64;
@@ -253,45 +232,11 @@ impl Executor for CudaExecutor {
                 message: "launch failure injected; the kernel did not run".into(),
             });
         }
-        let mut scalars: Vec<([u8; 8], usize)> = Vec::with_capacity(args.len());
-        for arg in args {
-            let mut bytes = [0u8; 8];
-            let len = match *arg {
-                KernelArg::Ptr(b, off) => {
-                    let buf = st.buffers.get(&b.0).ok_or(ExecError::UnknownBuffer(b))?;
-                    range("kernel argument", b, buf.len(), off, 0)?;
-                    bytes = (buf.addr() + off).to_ne_bytes();
-                    8
-                }
-                KernelArg::Null => 8,
-                KernelArg::U32(v) => {
-                    bytes[..4].copy_from_slice(&v.to_ne_bytes());
-                    4
-                }
-                KernelArg::I32(v) => {
-                    bytes[..4].copy_from_slice(&v.to_ne_bytes());
-                    4
-                }
-                KernelArg::U64(v) => {
-                    bytes = v.to_ne_bytes();
-                    8
-                }
-                KernelArg::I64(v) => {
-                    bytes = v.to_ne_bytes();
-                    8
-                }
-                KernelArg::Bytes(_) => 0,
-            };
-            scalars.push((bytes, len));
-        }
-        let views: Vec<&[u8]> = args
-            .iter()
-            .zip(&scalars)
-            .map(|(arg, (bytes, len))| match *arg {
-                KernelArg::Bytes(b) => b,
-                _ => &bytes[..*len],
-            })
-            .collect();
+        let bytes = marshal_args(args, |b| {
+            let buf = st.buffers.get(&b.0).ok_or(ExecError::UnknownBuffer(b))?;
+            Ok((buf.addr(), buf.len()))
+        })?;
+        let views: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
         launch_checked(&self.gpu, &k.module, config, &views).map_err(|message| ExecError::Launch {
             kernel: k.name.clone(),
             cause: if message.contains("INVALID_VALUE") {

@@ -19,8 +19,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::{
-    Backend, BufferId, Counters, ExecError, Executor, KernelArg, KernelArtifact, KernelId,
-    LaunchConfig, LaunchFailure, MemKind,
+    check_range, marshal_args, Backend, BufferId, Counters, ExecError, Executor, KernelArg,
+    KernelArtifact, KernelId, LaunchConfig, LaunchFailure, MemKind,
 };
 
 /// The CUDA-emulation header text, force-included by the JIT when it compiles a render for
@@ -204,27 +204,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn range(
-    op: &'static str,
-    buffer: BufferId,
-    size: usize,
-    offset: u64,
-    len: u64,
-) -> Result<std::ops::Range<usize>, ExecError> {
-    let oob = || ExecError::OutOfBounds {
-        op,
-        buffer,
-        offset,
-        len,
-        size,
-    };
-    let end = offset.checked_add(len).ok_or_else(oob)?;
-    if end > size as u64 {
-        return Err(oob());
-    }
-    Ok(offset as usize..end as usize)
-}
-
 fn failure_of(status: i32) -> LaunchFailure {
     match status {
         1 => LaunchFailure::InvalidConfig,
@@ -282,7 +261,7 @@ impl Executor for HostExecutor {
             .buffers
             .get_mut(&buffer.0)
             .ok_or(ExecError::UnknownBuffer(buffer))?;
-        let r = range("upload", buffer, buf.mem.len(), offset, data.len() as u64)?;
+        let r = check_range("upload", buffer, buf.mem.len(), offset, data.len() as u64)?;
         buf.mem.as_mut_slice()[r].copy_from_slice(data);
         st.counters.uploads += 1;
         st.counters.bytes_uploaded += data.len() as u64;
@@ -295,7 +274,7 @@ impl Executor for HostExecutor {
             .buffers
             .get(&buffer.0)
             .ok_or(ExecError::UnknownBuffer(buffer))?;
-        let r = range("read", buffer, buf.mem.len(), offset, out.len() as u64)?;
+        let r = check_range("read", buffer, buf.mem.len(), offset, out.len() as u64)?;
         out.copy_from_slice(&buf.mem.as_slice()[r]);
         st.counters.reads += 1;
         st.counters.bytes_read += out.len() as u64;
@@ -349,61 +328,11 @@ impl Executor for HostExecutor {
                 message: "launch failure injected; the kernel did not run".into(),
             });
         }
-        // Scalars first (stable storage), then the byte views the FFI turns into `void**`.
-        let mut scalars: Vec<([u8; 8], usize)> = Vec::with_capacity(args.len());
-        let mut structs: Vec<Vec<u8>> = Vec::new();
-        for arg in args {
-            if let KernelArg::PtrStruct(ptrs) = *arg {
-                let mut bytes = Vec::with_capacity(8 * ptrs.len());
-                for &(b, off) in ptrs {
-                    let buf = st.buffers.get(&b.0).ok_or(ExecError::UnknownBuffer(b))?;
-                    range("kernel argument", b, buf.mem.len(), off, 0)?;
-                    bytes.extend_from_slice(&(buf.mem.addr() + off).to_ne_bytes());
-                }
-                structs.push(bytes);
-            }
-        }
-        let mut struct_iter = structs.iter();
-        for arg in args {
-            let mut bytes = [0u8; 8];
-            let len = match *arg {
-                KernelArg::Ptr(b, off) => {
-                    let buf = st.buffers.get(&b.0).ok_or(ExecError::UnknownBuffer(b))?;
-                    // One past the end is a valid pointer; beyond it is an error.
-                    range("kernel argument", b, buf.mem.len(), off, 0)?;
-                    bytes = (buf.mem.addr() + off).to_ne_bytes();
-                    8
-                }
-                KernelArg::Null => 8,
-                KernelArg::U32(v) => {
-                    bytes[..4].copy_from_slice(&v.to_ne_bytes());
-                    4
-                }
-                KernelArg::I32(v) => {
-                    bytes[..4].copy_from_slice(&v.to_ne_bytes());
-                    4
-                }
-                KernelArg::U64(v) => {
-                    bytes = v.to_ne_bytes();
-                    8
-                }
-                KernelArg::I64(v) => {
-                    bytes = v.to_ne_bytes();
-                    8
-                }
-                KernelArg::Bytes(_) | KernelArg::PtrStruct(_) => 0,
-            };
-            scalars.push((bytes, len));
-        }
-        let views: Vec<&[u8]> = args
-            .iter()
-            .zip(&scalars)
-            .map(|(arg, (bytes, len))| match *arg {
-                KernelArg::Bytes(b) => b,
-                KernelArg::PtrStruct(_) => struct_iter.next().map_or(&[][..], Vec::as_slice),
-                _ => &bytes[..*len],
-            })
-            .collect();
+        let bytes = marshal_args(args, |b| {
+            let buf = st.buffers.get(&b.0).ok_or(ExecError::UnknownBuffer(b))?;
+            Ok((buf.mem.addr(), buf.mem.len()))
+        })?;
+        let views: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
         let shape = ffi::LaunchShape {
             grid: config.grid,
             block: config.block,
