@@ -119,6 +119,9 @@ fn parse_backend(s: &str) -> Result<Backend, String> {
     s.parse().map_err(|e: crate::exec::ExecError| e.to_string())
 }
 
+/// A stream of requests, read or generated lazily.
+type RequestStream = Box<dyn Iterator<Item = Result<Request, WorkloadError>>>;
+
 /// Everything replay needs, validated.
 struct ReplayPlan {
     deployment: Deployment,
@@ -158,15 +161,8 @@ impl ReplayArgs {
         })
     }
 
-    fn workload(
-        &self,
-    ) -> Result<
-        (
-            Box<dyn Iterator<Item = Result<Request, WorkloadError>>>,
-            Option<u64>,
-        ),
-        crate::Error,
-    > {
+    /// The request stream and, when known, its length (for the progress bar).
+    fn workload(&self) -> Result<(RequestStream, Option<u64>), crate::Error> {
         match &self.trace {
             Some(path) => {
                 let config = TraceConfig {
