@@ -58,10 +58,10 @@ pub struct ReplayArgs {
     #[arg(long, value_enum, default_value_t = ModelArg::Nsa)]
     pub model: ModelArg,
     /// Logical device pages across the CP group (each rank holds ceil(pages / cp)).
-    #[arg(long, default_value_t = 1024, value_name = "PAGES")]
+    #[arg(long, default_value_t = 256, value_name = "PAGES")]
     pub device_pages: u32,
     /// Host pages per rank.
-    #[arg(long, default_value_t = 192, value_name = "PAGES")]
+    #[arg(long, default_value_t = 512, value_name = "PAGES")]
     pub host_pages: u32,
     /// When device pages are backed up to the host.
     #[arg(long, default_value = "write_through", value_parser = parse_policy)]

@@ -33,7 +33,7 @@ impl Default for ConversationsConfig {
     fn default() -> Self {
         ConversationsConfig {
             seed: 0,
-            conversations: 40,
+            conversations: 96,
             turns: 4,
             system_prompts: 3,
             system_tokens: 1024,
@@ -199,7 +199,7 @@ mod tests {
             .map(Result::unwrap)
             .collect();
         assert_eq!(a, b);
-        assert_eq!(a.len(), 160);
+        assert_eq!(a.len(), 384);
         // Every prompt starts with one of the shared system prompts.
         let sys = ConversationsConfig::default().system_tokens;
         let distinct: std::collections::BTreeSet<_> =
