@@ -1,7 +1,13 @@
 //! The crate-level error: one variant per module error, so callers can match on the concern
 //! that failed while `?` works across modules.
 
-use crate::{allocator::AllocError, jit::JitError, layout::LayoutError, metadata::MetadataError};
+use crate::{
+    allocator::AllocError,
+    jit::{JitError, WarmUpError},
+    kernels::KernelError,
+    layout::LayoutError,
+    metadata::MetadataError,
+};
 
 /// Any error cp-hicache reports.
 #[derive(Debug, thiserror::Error)]
@@ -18,6 +24,12 @@ pub enum Error {
     /// A kernel could not be compiled or loaded from the JIT cache.
     #[error(transparent)]
     Jit(#[from] JitError),
+    /// A kernel spec, deployment or render-tree error.
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+    /// A deployment warm-up failed (every failing kernel is listed).
+    #[error(transparent)]
+    WarmUp(#[from] WarmUpError),
     /// Invalid command-line input that clap could not catch.
     #[error("{0}")]
     Usage(String),

@@ -11,12 +11,17 @@
 //! for the same entry, from threads or processes, compile it once (per-entry `flock`).
 
 pub mod cache;
+pub mod deployment;
 pub mod hostcc;
 pub mod key;
 pub mod nvrtc;
 pub mod options;
 
 pub use cache::{CacheError, DiskCache};
+pub use deployment::{
+    deployment_requests, deployment_target, warm_up_deployment, warm_up_deployment_each,
+    KernelOutcome, WarmUpError,
+};
 pub use hostcc::{HostCcError, HostCompiler};
 pub use key::CacheKey;
 pub use nvrtc::{NvrtcCompiler, NvrtcError, ResourceReport};
@@ -30,6 +35,10 @@ use std::fmt;
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock, RwLock};
 use std::time::Instant;
+
+/// The CUDA-emulation header force-included in host builds (`templates/cuda_emu.h`), compiled
+/// into the binary so a deployment never reads the source tree at run time.
+pub const EMU_HEADER: &str = include_str!("../../templates/cuda_emu.h");
 
 /// What to compile for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -184,6 +193,9 @@ pub struct JitConfig {
     pub emu_header: String,
     /// Allow-listed environment snapshot that goes into every key.
     pub env: Vec<(String, Option<String>)>,
+    /// Whether NVRTC may be loaded. `false` behaves exactly as if NVRTC were not installed
+    /// (tests of prebuilt-only deployments use it instead of changing the process environment).
+    pub nvrtc_enabled: bool,
 }
 
 impl JitConfig {
@@ -197,6 +209,7 @@ impl JitConfig {
             cxx: None,
             emu_header: emu_header.into(),
             env: key::capture_env(key::KEY_ENV_ALLOWLIST),
+            nvrtc_enabled: true,
         }
     }
 
@@ -425,6 +438,11 @@ impl Jit {
 
     /// The NVRTC compiler, loading it on first use.
     pub fn nvrtc(&self) -> Result<&NvrtcCompiler, JitError> {
+        if !self.config.nvrtc_enabled {
+            return Err(JitError::NvrtcUnavailable {
+                searched: vec!["nothing: NVRTC disabled by JitConfig::nvrtc_enabled".to_string()],
+            });
+        }
         self.nvrtc
             .get_or_init(NvrtcCompiler::load)
             .as_ref()
@@ -502,7 +520,17 @@ impl Jit {
     pub fn get(&self, req: &JitRequest) -> Result<CompiledKernel, JitError> {
         let start = Instant::now();
         validate_uri(&req.uri)?;
-        let plan = self.plan(req)?;
+        let plan = match self.plan(req) {
+            Ok(plan) => plan,
+            Err(e)
+                if e.is_unavailable()
+                    && self.config.mode == JitMode::Off
+                    && matches!(req.target, Target::Nvrtc { .. }) =>
+            {
+                return self.get_prebuilt(req, start);
+            }
+            Err(e) => return Err(e),
+        };
         let ms = |s: Instant| s.elapsed().as_secs_f64() * 1e3;
 
         let cached = self
@@ -525,12 +553,12 @@ impl Jit {
         let (td, name) = (plan.target_dir.as_str(), plan.key.readable.as_str());
         // Fast path without the lock: committed entries only appear by rename, manifest last.
         if let Lookup::Hit(entry) = self.cache.lookup(td, name).map_err(cache_err)? {
-            return Ok(self.finish(req, &plan, *entry, CacheHit::Disk, ms(start)));
+            return Ok(self.finish(req, &plan.key, *entry, CacheHit::Disk, ms(start)));
         }
         let _lock = self.cache.lock(td, name).map_err(cache_err)?;
         match self.cache.lookup(td, name).map_err(cache_err)? {
             Lookup::Hit(entry) => {
-                return Ok(self.finish(req, &plan, *entry, CacheHit::Disk, ms(start)))
+                return Ok(self.finish(req, &plan.key, *entry, CacheHit::Disk, ms(start)))
             }
             Lookup::Corrupt { dir, reason } => {
                 tracing::warn!(
@@ -600,13 +628,118 @@ impl Jit {
                 },
             )
             .map_err(cache_err)?;
-        Ok(self.finish(req, &plan, entry, CacheHit::Miss, ms(start)))
+        Ok(self.finish(req, &plan.key, entry, CacheHit::Miss, ms(start)))
+    }
+
+    /// The key inputs of a request for a given compiler identity and flags.
+    fn key_with(&self, req: &JitRequest, compiler_id: &str) -> Option<CacheKey> {
+        let (args, digest, header) = match req.target {
+            Target::Nvrtc { arch } => {
+                let opts = self.config.nvrtc.clone().with_arch(arch);
+                (opts.to_args(), key::stable_digest(&opts), None)
+            }
+            Target::Host { .. } => return None,
+        };
+        let target_dir = req.target.to_string();
+        Some(CacheKey::compute(&KeyInputs {
+            crate_version: env!("CARGO_PKG_VERSION"),
+            uri: &req.uri,
+            source: &req.source,
+            compiler: compiler_id,
+            options_args: &args,
+            options_digest: digest,
+            target: &target_dir,
+            emu_header: header,
+            env: &self.config.env,
+        }))
+    }
+
+    /// Prebuilt-only lookup for an NVRTC target when NVRTC itself is unavailable and JIT is off:
+    /// the compiler version (a key input) is unknown, so every committed entry
+    /// `<cache>/<target>/<uri>-*/` is considered, its key recomputed from the request with the
+    /// compiler its manifest names, and it is used only if exactly one entry both reproduces its
+    /// own key (same crate version, uri, source, options, arch and environment) and passes its
+    /// integrity check. Otherwise [`JitError::JitOff`].
+    fn get_prebuilt(&self, req: &JitRequest, start: Instant) -> Result<CompiledKernel, JitError> {
+        let cache_err = |source: CacheError| JitError::Cache {
+            uri: req.uri.clone(),
+            source: Arc::new(source),
+        };
+        let td = req.target.to_string();
+        let target_root = self.cache.root().join(&td);
+        let prefix = format!("{}-", req.uri);
+        let mut names: Vec<String> = match std::fs::read_dir(&target_root) {
+            Ok(rd) => rd
+                .filter_map(|e| e.ok())
+                .filter_map(|e| e.file_name().into_string().ok())
+                .filter(|n| {
+                    n.len() == prefix.len() + CacheKey::PREFIX_HEX
+                        && n.starts_with(&prefix)
+                        && n[prefix.len()..].bytes().all(|b| b.is_ascii_hexdigit())
+                })
+                .collect(),
+            Err(_) => Vec::new(),
+        };
+        names.sort();
+        let mut matches: Vec<(CacheKey, cache::CacheEntry)> = Vec::new();
+        for name in &names {
+            let Ok(text) = std::fs::read(target_root.join(name).join(cache::MANIFEST)) else {
+                continue;
+            };
+            let Ok(manifest) = serde_json::from_slice::<Manifest>(&text) else {
+                continue;
+            };
+            let Some(key) = self.key_with(req, &manifest.compiler) else {
+                continue;
+            };
+            if key.hash != manifest.key || &key.readable != name {
+                continue;
+            }
+            if let Lookup::Hit(entry) = self.cache.lookup(&td, name).map_err(cache_err)? {
+                matches.push((key, *entry));
+            }
+        }
+        if matches.len() == 1 {
+            if let Some((key, entry)) = matches.pop() {
+                let cached = self
+                    .memory
+                    .read()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get(&key.hash)
+                    .cloned();
+                let elapsed = start.elapsed().as_secs_f64() * 1e3;
+                if let Some(mut k) = cached {
+                    k.cache_hit = CacheHit::Memory;
+                    k.compile_ms = elapsed;
+                    self.log(&k);
+                    return Ok(k);
+                }
+                return Ok(self.finish(req, &key, entry, CacheHit::Disk, elapsed));
+            }
+        }
+        let key = format!(
+            "{prefix}* (NVRTC unavailable; {} prebuilt entries match, exactly one is needed)",
+            matches.len()
+        );
+        tracing::error!(
+            target: "cp_hicache::jit",
+            uri = %req.uri,
+            target_name = %req.target,
+            path = %target_root.display(),
+            matching = matches.len(),
+            "JIT miss with CP_HICACHE_JIT=off and no NVRTC"
+        );
+        Err(JitError::JitOff {
+            uri: req.uri.clone(),
+            key,
+            path: target_root,
+        })
     }
 
     fn finish(
         &self,
         req: &JitRequest,
-        plan: &Plan,
+        key: &CacheKey,
         entry: cache::CacheEntry,
         hit: CacheHit,
         elapsed_ms: f64,
@@ -629,13 +762,13 @@ impl Jit {
             report,
             compile_ms: elapsed_ms,
             cache_hit: hit,
-            key: plan.key.clone(),
+            key: key.clone(),
             entry_dir: entry.dir,
         };
         self.memory
             .write()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(plan.key.hash.clone(), k.clone());
+            .insert(key.hash.clone(), k.clone());
         self.log(&k);
         k
     }
@@ -655,9 +788,25 @@ impl Jit {
 
     /// Compiles (or loads) every request in parallel; one result per request, in order.
     pub fn warm_up(&self, requests: &[JitRequest]) -> Vec<Result<CompiledKernel, JitError>> {
+        self.warm_up_with(requests, |_| {})
+    }
+
+    /// [`Jit::warm_up`], calling `on_done` (from a worker thread) as each request finishes, e.g.
+    /// to advance a progress bar.
+    pub fn warm_up_with(
+        &self,
+        requests: &[JitRequest],
+        on_done: impl Fn(&Result<CompiledKernel, JitError>) + Sync,
+    ) -> Vec<Result<CompiledKernel, JitError>> {
         let start = Instant::now();
-        let results: Vec<Result<CompiledKernel, JitError>> =
-            requests.par_iter().map(|r| self.get(r)).collect();
+        let results: Vec<Result<CompiledKernel, JitError>> = requests
+            .par_iter()
+            .map(|r| {
+                let result = self.get(r);
+                on_done(&result);
+                result
+            })
+            .collect();
         let count = |h: CacheHit| {
             results
                 .iter()

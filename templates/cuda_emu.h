@@ -1,0 +1,1 @@
+// Placeholder: the CUDA emulation header (owned by the executor helper) replaces this file at merge.
