@@ -174,3 +174,41 @@ fn jit_off_without_nvrtc_needs_exactly_one_valid_entry() {
     assert_eq!(k.key, other);
     assert_eq!(k.entry_dir, other_dir);
 }
+
+/// A warm start keys NVRTC entries with the identity remembered in `nvrtc-identity.json`
+/// (no NVRTC load); a wrong remembered identity is corrected on the first miss.
+#[test]
+fn remembered_nvrtc_identity_is_recorded_and_corrected() {
+    let Some(nv) = nvrtc_or_skip() else {
+        return;
+    };
+    let Some(lib) = cp_hicache::jit::nvrtc::locate().filter(|p| nv.library() == Some(p.as_path()))
+    else {
+        println!("NVRTC was not found by path; identity memory not exercised");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let dep = Deployment::by_name("mla_ps16_cp4").unwrap();
+    let (_, req) = deployment_requests(&dep, SM90).unwrap().remove(0);
+    let built = jit_in(dir.path(), JitMode::On, true).get(&req).unwrap();
+    let file = dir.path().join("nvrtc-identity.json");
+    let text = std::fs::read_to_string(&file).unwrap();
+    assert!(text.contains(&nv.identity()), "{text}");
+    assert!(text.contains(&*lib.to_string_lossy()), "{text}");
+
+    // A fresh JIT (JIT off) finds the entry through the remembered identity.
+    let k = jit_in(dir.path(), JitMode::Off, true).get(&req).unwrap();
+    assert_eq!((k.key, k.cache_hit), (built.key.clone(), CacheHit::Disk));
+
+    // A wrong remembered identity: the miss loads NVRTC, re-keys and finds the real entry.
+    std::fs::write(&file, text.replace(&nv.identity(), "nvrtc 0.0")).unwrap();
+    for mode in [JitMode::Off, JitMode::On] {
+        let k = jit_in(dir.path(), mode, true).get(&req).unwrap();
+        assert_eq!((k.key, k.cache_hit), (built.key.clone(), CacheHit::Disk));
+    }
+    assert_eq!(
+        std::fs::read_to_string(&file).unwrap(),
+        text,
+        "file corrected"
+    );
+}

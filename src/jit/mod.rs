@@ -5,7 +5,12 @@
 //! Every event is logged with `tracing` (target `cp_hicache::jit`): uri, target, key prefix,
 //! outcome (memory / disk hit, miss, corrupt), milliseconds and cache path.
 //! `CP_HICACHE_JIT=off` ([`JitMode::Off`]) turns a cache miss into [`JitError::JitOff`], for
-//! prebuilt-only deployments.
+//! prebuilt-only deployments. With JIT off and no NVRTC at all, committed NVRTC entries are
+//! still found: an entry is used when it is the only one that reproduces its own key from the
+//! request under the compiler its manifest names (see [`Jit::get`]).
+//!
+//! A warm start does not load NVRTC: its identity (a key input) is remembered per library file
+//! in `<cache>/nvrtc-identity.json` ([`Jit::nvrtc_identity`]) and confirmed on the first miss.
 //!
 //! Thread-safety: [`Jit`] is `Send + Sync`; share it by reference or `Arc`. Concurrent requests
 //! for the same entry, from threads or processes, compile it once (per-entry `flock`).
@@ -384,7 +389,8 @@ pub fn validate_uri(uri: &str) -> Result<(), JitError> {
 }
 
 enum Compiler {
-    Nvrtc(NvrtcCompiler, NvrtcOptions),
+    /// NVRTC itself is loaded only when something must be compiled.
+    Nvrtc(NvrtcOptions),
     Host(HostCompiler, HostCcOptions),
 }
 
@@ -394,6 +400,41 @@ struct Plan {
     args: Vec<String>,
     key: CacheKey,
     target_dir: String,
+}
+
+/// File in the cache root remembering each NVRTC library's identity.
+const NVRTC_IDENTITY_FILE: &str = "nvrtc-identity.json";
+
+/// What identifies one library file on disk: a changed file changes its length or mtime.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+struct LibraryStamp {
+    library: PathBuf,
+    len: u64,
+    mtime_ns: u64,
+}
+
+impl LibraryStamp {
+    fn of(path: &std::path::Path) -> Option<LibraryStamp> {
+        let meta = std::fs::metadata(path).ok()?;
+        let mtime_ns = meta
+            .modified()
+            .ok()?
+            .duration_since(std::time::UNIX_EPOCH)
+            .ok()?
+            .as_nanos();
+        let mtime_ns = u64::try_from(mtime_ns).ok()?;
+        Some(LibraryStamp {
+            library: path.to_path_buf(),
+            len: meta.len(),
+            mtime_ns,
+        })
+    }
+}
+
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct IdentityRecord {
+    stamp: LibraryStamp,
+    identity: String,
 }
 
 /// The JIT front end: compilers (loaded lazily), the disk cache and the in-memory map.
@@ -449,6 +490,66 @@ impl Jit {
             .map_err(|e| e.clone().into())
     }
 
+    /// The NVRTC identity (`nvrtc 12.9`) that goes into cache keys, without loading NVRTC when
+    /// possible: once NVRTC is loaded it is asked directly; otherwise the library that discovery
+    /// would load is located (no `dlopen`) and its identity is read from
+    /// `<cache>/nvrtc-identity.json`, recorded per (path, length, mtime) the first time that
+    /// library was loaded. A warm start thus reads cache entries without paying the NVRTC load;
+    /// a miss loads NVRTC anyway and re-keys if the remembered identity was wrong.
+    pub fn nvrtc_identity(&self) -> Result<String, JitError> {
+        if let Some(Ok(nv)) = self.nvrtc.get() {
+            return Ok(nv.identity());
+        }
+        let located = if self.config.nvrtc_enabled {
+            nvrtc::locate().and_then(|p| LibraryStamp::of(&p))
+        } else {
+            None
+        };
+        if let Some(stamp) = &located {
+            if let Some(id) = self.remembered_identity(stamp) {
+                return Ok(id);
+            }
+        }
+        let nv = self.nvrtc()?;
+        let id = nv.identity();
+        if let Some(stamp) = located.filter(|s| nv.library() == Some(s.library.as_path())) {
+            self.remember_identity(stamp, &id);
+        }
+        Ok(id)
+    }
+
+    fn remembered_identity(&self, stamp: &LibraryStamp) -> Option<String> {
+        let text = self.cache.read_aux(NVRTC_IDENTITY_FILE)?;
+        let known: Vec<IdentityRecord> = serde_json::from_slice(&text).ok()?;
+        known
+            .into_iter()
+            .find(|r| &r.stamp == stamp)
+            .map(|r| r.identity)
+    }
+
+    fn remember_identity(&self, stamp: LibraryStamp, identity: &str) {
+        let mut known: Vec<IdentityRecord> = self
+            .cache
+            .read_aux(NVRTC_IDENTITY_FILE)
+            .and_then(|t| serde_json::from_slice(&t).ok())
+            .unwrap_or_default();
+        known.retain(|r| r.stamp.library != stamp.library);
+        known.push(IdentityRecord {
+            stamp,
+            identity: identity.to_string(),
+        });
+        let written = serde_json::to_vec_pretty(&known)
+            .map_err(|e| e.to_string())
+            .and_then(|t| {
+                self.cache
+                    .write_aux(NVRTC_IDENTITY_FILE, &t)
+                    .map_err(|e| e.to_string())
+            });
+        if let Err(e) = written {
+            tracing::debug!(target: "cp_hicache::jit", error = %e, "NVRTC identity not recorded");
+        }
+    }
+
     /// The host compiler, detecting it on first use.
     pub fn host_compiler(&self) -> Result<&HostCompiler, JitError> {
         self.host
@@ -468,12 +569,11 @@ impl Jit {
     fn plan(&self, req: &JitRequest) -> Result<Plan, JitError> {
         let (compiler, compiler_id, args, digest, header) = match req.target {
             Target::Nvrtc { arch } => {
-                let nv = self.nvrtc()?.clone();
+                let id = self.nvrtc_identity()?;
                 let opts = self.config.nvrtc.clone().with_arch(arch);
-                let id = nv.identity();
                 let args = opts.to_args();
                 let digest = key::stable_digest(&opts);
-                (Compiler::Nvrtc(nv, opts), id, args, digest, None)
+                (Compiler::Nvrtc(opts), id, args, digest, None)
             }
             Target::Host { sanitize } => {
                 let cc = self.host_compiler()?.clone();
@@ -555,7 +655,7 @@ impl Jit {
         if let Lookup::Hit(entry) = self.cache.lookup(td, name).map_err(cache_err)? {
             return Ok(self.finish(req, &plan.key, *entry, CacheHit::Disk, ms(start)));
         }
-        let _lock = self.cache.lock(td, name).map_err(cache_err)?;
+        let lock = self.cache.lock(td, name).map_err(cache_err)?;
         match self.cache.lookup(td, name).map_err(cache_err)? {
             Lookup::Hit(entry) => {
                 return Ok(self.finish(req, &plan.key, *entry, CacheHit::Disk, ms(start)))
@@ -573,6 +673,36 @@ impl Jit {
                 self.cache.discard(td, name).map_err(cache_err)?;
             }
             Lookup::Miss => {}
+        }
+        if matches!(plan.compiler, Compiler::Nvrtc(_)) {
+            // The key may rest on a remembered NVRTC identity: confirm it with the library itself
+            // before declaring a miss.
+            match self.nvrtc() {
+                Ok(nv) if nv.identity() != plan.compiler_id => {
+                    tracing::warn!(
+                        target: "cp_hicache::jit",
+                        remembered = %plan.compiler_id,
+                        loaded = %nv.identity(),
+                        "NVRTC identity changed; re-keying"
+                    );
+                    let id = nv.identity();
+                    if let Some(stamp) = nvrtc::locate()
+                        .and_then(|p| LibraryStamp::of(&p))
+                        .filter(|s| nv.library() == Some(s.library.as_path()))
+                    {
+                        self.remember_identity(stamp, &id);
+                    }
+                    drop(lock);
+                    // NVRTC is loaded now, so `plan` asks it directly: no further recursion.
+                    return self.get(req);
+                }
+                Ok(_) => {}
+                Err(e) if e.is_unavailable() && self.config.mode == JitMode::Off => {
+                    drop(lock);
+                    return self.get_prebuilt(req, start);
+                }
+                Err(e) => return Err(e),
+            }
         }
         if self.config.mode == JitMode::Off {
             let path = self.cache.entry_dir(td, name).map_err(cache_err)?;
@@ -593,7 +723,8 @@ impl Jit {
 
         let compile_start = Instant::now();
         let (bytes, artifact_file, extra) = match &plan.compiler {
-            Compiler::Nvrtc(nv, opts) => {
+            Compiler::Nvrtc(opts) => {
+                let nv = self.nvrtc()?;
                 let out = nv.compile(&req.uri, &req.source, opts)?;
                 let extra = serde_json::json!({ "report": out.report, "log": out.log });
                 (out.cubin, format!("{}.cubin", req.uri), extra)
@@ -628,6 +759,7 @@ impl Jit {
                 },
             )
             .map_err(cache_err)?;
+        drop(lock);
         Ok(self.finish(req, &plan.key, entry, CacheHit::Miss, ms(start)))
     }
 
