@@ -4,7 +4,13 @@
 use crate::cluster::ClusterError;
 use crate::exec::ExecError;
 use crate::hicache::tree::TreeError;
-use crate::{allocator::AllocError, jit::JitError, layout::LayoutError, metadata::MetadataError};
+use crate::{
+    allocator::AllocError,
+    jit::{JitError, WarmUpError},
+    kernels::KernelError,
+    layout::LayoutError,
+    metadata::MetadataError,
+};
 
 /// Any error cp-hicache reports.
 #[derive(Debug, thiserror::Error)]
@@ -30,6 +36,12 @@ pub enum Error {
     /// An executor could not be opened or failed.
     #[error(transparent)]
     Exec(#[from] ExecError),
+    /// A kernel spec, deployment or render-tree error.
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+    /// A deployment warm-up failed (every failing kernel is listed).
+    #[error(transparent)]
+    WarmUp(#[from] WarmUpError),
     /// Invalid command-line input that clap could not catch.
     #[error("{0}")]
     Usage(String),

@@ -2,8 +2,8 @@
 //! load-back, verification of every hit, and the seed's bug reproduced on purpose.
 
 use cp_hicache::cluster::{Cluster, ClusterConfig, Fault, RequestStats, WritePolicy};
-use cp_hicache::exec::host::EMU_HEADER;
 use cp_hicache::exec::{Executor, HostExecutor, HostOptions};
+use cp_hicache::jit::EMU_HEADER;
 use cp_hicache::jit::{Jit, JitConfig, Sanitize};
 use cp_hicache::kernels::{Deployment, ModelShape};
 use std::sync::Arc;

@@ -812,7 +812,10 @@ fn ucontext_fallback_runs_the_same_kernels() {
             &[KernelArg::Ptr(inb, 0), KernelArg::Ptr(out, 0)],
         )
         .unwrap();
-        assert_eq!(read_u32(ex, out)[..2], [(0..256u32).sum::<u32>(), (256..512u32).sum::<u32>()]);
+        assert_eq!(
+            read_u32(ex, out)[..2],
+            [(0..256u32).sum::<u32>(), (256..512u32).sum::<u32>()]
+        );
         let k = load(ex, &so, "deadlock_elsewhere");
         let e = launch_err(
             ex,

@@ -1,7 +1,9 @@
 //! The `cp-hicache` command line: argument types (parsed without side effects) and the
 //! dispatch to each command. `main` only maps the result to an exit status.
 
+mod compile;
 mod info;
+mod render;
 mod replay;
 
 pub use replay::{ModelArg, ReplayArgs};
@@ -35,6 +37,12 @@ pub enum Command {
     /// Show the version, the default layout, and what was found on this machine (C++
     /// compiler, NVRTC, CUDA driver, cache directory).
     Info(info::InfoArgs),
+    /// Render the kernels of reference deployments to CUDA C files (the `generated/` tree), or
+    /// check that a directory holds exactly that render.
+    Render(render::RenderArgs),
+    /// Compile every kernel of a deployment (NVRTC or the host compiler) through the JIT cache
+    /// and print a resource table: registers, spills, stack, shared memory, time, cache hit.
+    Compile(compile::CompileArgs),
 }
 
 /// Runs a parsed command line. Errors are returned, not printed, so `main` owns the exit
@@ -43,6 +51,8 @@ pub fn run(cli: Cli) -> Result<ExitCode, crate::Error> {
     match cli.command {
         Some(Command::Replay(args)) => replay::run(&args),
         Some(Command::Info(args)) => info::run(&args),
+        Some(Command::Render(args)) => render::run(&args),
+        Some(Command::Compile(args)) => compile::run(&args),
         None => replay::run(&ReplayArgs::default()),
     }
 }

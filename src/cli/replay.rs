@@ -3,8 +3,8 @@
 //! traffic, throughput, replica agreement and mismatched tokens.
 
 use crate::cluster::{Cluster, ClusterConfig, Fault, ReplayReport, RequestStats, WritePolicy};
-use crate::exec::{host::EMU_HEADER, open_executor, Backend, Executor};
-use crate::jit::{Jit, JitConfig, Sanitize};
+use crate::exec::{open_executor, Backend, Executor};
+use crate::jit::{Jit, JitConfig, Sanitize, EMU_HEADER};
 use crate::kernels::{Deployment, ModelShape};
 use crate::workload::{
     Conversations, ConversationsConfig, MooncakeTrace, Request, TraceConfig, WorkloadError,

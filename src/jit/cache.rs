@@ -268,6 +268,20 @@ impl DiskCache {
         Ok(EntryLock { _file: file, path })
     }
 
+    /// Reads a small auxiliary file of the cache root (for example remembered compiler
+    /// identities); `None` when absent or unreadable.
+    pub fn read_aux(&self, name: &str) -> Option<Vec<u8>> {
+        check_component(name).ok()?;
+        fs::read(self.root.join(name)).ok()
+    }
+
+    /// Writes a small auxiliary file of the cache root atomically (temp file, rename).
+    pub fn write_aux(&self, name: &str, bytes: &[u8]) -> Result<(), CacheError> {
+        check_component(name)?;
+        fs::create_dir_all(&self.root).map_err(|e| CacheError::io(&self.root, e))?;
+        write_atomic(&self.root, name, bytes).map(|_| ())
+    }
+
     /// Looks an entry up and verifies it. Safe without the lock: files appear only by rename and
     /// the manifest appears last.
     pub fn lookup(&self, target: &str, key: &str) -> Result<Lookup, CacheError> {

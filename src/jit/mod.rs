@@ -5,18 +5,28 @@
 //! Every event is logged with `tracing` (target `cp_hicache::jit`): uri, target, key prefix,
 //! outcome (memory / disk hit, miss, corrupt), milliseconds and cache path.
 //! `CP_HICACHE_JIT=off` ([`JitMode::Off`]) turns a cache miss into [`JitError::JitOff`], for
-//! prebuilt-only deployments.
+//! prebuilt-only deployments. With JIT off and no NVRTC at all, committed NVRTC entries are
+//! still found: an entry is used when it is the only one that reproduces its own key from the
+//! request under the compiler its manifest names (see [`Jit::get`]).
+//!
+//! A warm start does not load NVRTC: its identity (a key input) is remembered per library file
+//! in `<cache>/nvrtc-identity.json` ([`Jit::nvrtc_identity`]) and confirmed on the first miss.
 //!
 //! Thread-safety: [`Jit`] is `Send + Sync`; share it by reference or `Arc`. Concurrent requests
 //! for the same entry, from threads or processes, compile it once (per-entry `flock`).
 
 pub mod cache;
+pub mod deployment;
 pub mod hostcc;
 pub mod key;
 pub mod nvrtc;
 pub mod options;
 
 pub use cache::{CacheError, DiskCache};
+pub use deployment::{
+    deployment_requests, deployment_target, warm_up_deployment, warm_up_deployment_each,
+    KernelOutcome, WarmUpError,
+};
 pub use hostcc::{HostCcError, HostCompiler};
 pub use key::CacheKey;
 pub use nvrtc::{NvrtcCompiler, NvrtcError, ResourceReport};
@@ -30,6 +40,10 @@ use std::fmt;
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock, RwLock};
 use std::time::Instant;
+
+/// The CUDA-emulation header force-included in host builds (`templates/cuda_emu.h`), compiled
+/// into the binary so a deployment never reads the source tree at run time.
+pub const EMU_HEADER: &str = include_str!("../../templates/cuda_emu.h");
 
 /// What to compile for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -184,6 +198,9 @@ pub struct JitConfig {
     pub emu_header: String,
     /// Allow-listed environment snapshot that goes into every key.
     pub env: Vec<(String, Option<String>)>,
+    /// Whether NVRTC may be loaded. `false` behaves exactly as if NVRTC were not installed
+    /// (tests of prebuilt-only deployments use it instead of changing the process environment).
+    pub nvrtc_enabled: bool,
 }
 
 impl JitConfig {
@@ -197,6 +214,7 @@ impl JitConfig {
             cxx: None,
             emu_header: emu_header.into(),
             env: key::capture_env(key::KEY_ENV_ALLOWLIST),
+            nvrtc_enabled: true,
         }
     }
 
@@ -371,7 +389,8 @@ pub fn validate_uri(uri: &str) -> Result<(), JitError> {
 }
 
 enum Compiler {
-    Nvrtc(NvrtcCompiler, NvrtcOptions),
+    /// NVRTC itself is loaded only when something must be compiled.
+    Nvrtc(NvrtcOptions),
     Host(HostCompiler, HostCcOptions),
 }
 
@@ -381,6 +400,41 @@ struct Plan {
     args: Vec<String>,
     key: CacheKey,
     target_dir: String,
+}
+
+/// File in the cache root remembering each NVRTC library's identity.
+const NVRTC_IDENTITY_FILE: &str = "nvrtc-identity.json";
+
+/// What identifies one library file on disk: a changed file changes its length or mtime.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+struct LibraryStamp {
+    library: PathBuf,
+    len: u64,
+    mtime_ns: u64,
+}
+
+impl LibraryStamp {
+    fn of(path: &std::path::Path) -> Option<LibraryStamp> {
+        let meta = std::fs::metadata(path).ok()?;
+        let mtime_ns = meta
+            .modified()
+            .ok()?
+            .duration_since(std::time::UNIX_EPOCH)
+            .ok()?
+            .as_nanos();
+        let mtime_ns = u64::try_from(mtime_ns).ok()?;
+        Some(LibraryStamp {
+            library: path.to_path_buf(),
+            len: meta.len(),
+            mtime_ns,
+        })
+    }
+}
+
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct IdentityRecord {
+    stamp: LibraryStamp,
+    identity: String,
 }
 
 /// The JIT front end: compilers (loaded lazily), the disk cache and the in-memory map.
@@ -425,10 +479,75 @@ impl Jit {
 
     /// The NVRTC compiler, loading it on first use.
     pub fn nvrtc(&self) -> Result<&NvrtcCompiler, JitError> {
+        if !self.config.nvrtc_enabled {
+            return Err(JitError::NvrtcUnavailable {
+                searched: vec!["nothing: NVRTC disabled by JitConfig::nvrtc_enabled".to_string()],
+            });
+        }
         self.nvrtc
             .get_or_init(NvrtcCompiler::load)
             .as_ref()
             .map_err(|e| e.clone().into())
+    }
+
+    /// The NVRTC identity (`nvrtc 12.9`) that goes into cache keys, without loading NVRTC when
+    /// possible: once NVRTC is loaded it is asked directly; otherwise the library that discovery
+    /// would load is located (no `dlopen`) and its identity is read from
+    /// `<cache>/nvrtc-identity.json`, recorded per (path, length, mtime) the first time that
+    /// library was loaded. A warm start thus reads cache entries without paying the NVRTC load;
+    /// a miss loads NVRTC anyway and re-keys if the remembered identity was wrong.
+    pub fn nvrtc_identity(&self) -> Result<String, JitError> {
+        if let Some(Ok(nv)) = self.nvrtc.get() {
+            return Ok(nv.identity());
+        }
+        let located = if self.config.nvrtc_enabled {
+            nvrtc::locate().and_then(|p| LibraryStamp::of(&p))
+        } else {
+            None
+        };
+        if let Some(stamp) = &located {
+            if let Some(id) = self.remembered_identity(stamp) {
+                return Ok(id);
+            }
+        }
+        let nv = self.nvrtc()?;
+        let id = nv.identity();
+        if let Some(stamp) = located.filter(|s| nv.library() == Some(s.library.as_path())) {
+            self.remember_identity(stamp, &id);
+        }
+        Ok(id)
+    }
+
+    fn remembered_identity(&self, stamp: &LibraryStamp) -> Option<String> {
+        let text = self.cache.read_aux(NVRTC_IDENTITY_FILE)?;
+        let known: Vec<IdentityRecord> = serde_json::from_slice(&text).ok()?;
+        known
+            .into_iter()
+            .find(|r| &r.stamp == stamp)
+            .map(|r| r.identity)
+    }
+
+    fn remember_identity(&self, stamp: LibraryStamp, identity: &str) {
+        let mut known: Vec<IdentityRecord> = self
+            .cache
+            .read_aux(NVRTC_IDENTITY_FILE)
+            .and_then(|t| serde_json::from_slice(&t).ok())
+            .unwrap_or_default();
+        known.retain(|r| r.stamp.library != stamp.library);
+        known.push(IdentityRecord {
+            stamp,
+            identity: identity.to_string(),
+        });
+        let written = serde_json::to_vec_pretty(&known)
+            .map_err(|e| e.to_string())
+            .and_then(|t| {
+                self.cache
+                    .write_aux(NVRTC_IDENTITY_FILE, &t)
+                    .map_err(|e| e.to_string())
+            });
+        if let Err(e) = written {
+            tracing::debug!(target: "cp_hicache::jit", error = %e, "NVRTC identity not recorded");
+        }
     }
 
     /// The host compiler, detecting it on first use.
@@ -450,12 +569,11 @@ impl Jit {
     fn plan(&self, req: &JitRequest) -> Result<Plan, JitError> {
         let (compiler, compiler_id, args, digest, header) = match req.target {
             Target::Nvrtc { arch } => {
-                let nv = self.nvrtc()?.clone();
+                let id = self.nvrtc_identity()?;
                 let opts = self.config.nvrtc.clone().with_arch(arch);
-                let id = nv.identity();
                 let args = opts.to_args();
                 let digest = key::stable_digest(&opts);
-                (Compiler::Nvrtc(nv, opts), id, args, digest, None)
+                (Compiler::Nvrtc(opts), id, args, digest, None)
             }
             Target::Host { sanitize } => {
                 let cc = self.host_compiler()?.clone();
@@ -502,7 +620,17 @@ impl Jit {
     pub fn get(&self, req: &JitRequest) -> Result<CompiledKernel, JitError> {
         let start = Instant::now();
         validate_uri(&req.uri)?;
-        let plan = self.plan(req)?;
+        let plan = match self.plan(req) {
+            Ok(plan) => plan,
+            Err(e)
+                if e.is_unavailable()
+                    && self.config.mode == JitMode::Off
+                    && matches!(req.target, Target::Nvrtc { .. }) =>
+            {
+                return self.get_prebuilt(req, start);
+            }
+            Err(e) => return Err(e),
+        };
         let ms = |s: Instant| s.elapsed().as_secs_f64() * 1e3;
 
         let cached = self
@@ -525,12 +653,12 @@ impl Jit {
         let (td, name) = (plan.target_dir.as_str(), plan.key.readable.as_str());
         // Fast path without the lock: committed entries only appear by rename, manifest last.
         if let Lookup::Hit(entry) = self.cache.lookup(td, name).map_err(cache_err)? {
-            return Ok(self.finish(req, &plan, *entry, CacheHit::Disk, ms(start)));
+            return Ok(self.finish(req, &plan.key, *entry, CacheHit::Disk, ms(start)));
         }
-        let _lock = self.cache.lock(td, name).map_err(cache_err)?;
+        let lock = self.cache.lock(td, name).map_err(cache_err)?;
         match self.cache.lookup(td, name).map_err(cache_err)? {
             Lookup::Hit(entry) => {
-                return Ok(self.finish(req, &plan, *entry, CacheHit::Disk, ms(start)))
+                return Ok(self.finish(req, &plan.key, *entry, CacheHit::Disk, ms(start)))
             }
             Lookup::Corrupt { dir, reason } => {
                 tracing::warn!(
@@ -545,6 +673,36 @@ impl Jit {
                 self.cache.discard(td, name).map_err(cache_err)?;
             }
             Lookup::Miss => {}
+        }
+        if matches!(plan.compiler, Compiler::Nvrtc(_)) {
+            // The key may rest on a remembered NVRTC identity: confirm it with the library itself
+            // before declaring a miss.
+            match self.nvrtc() {
+                Ok(nv) if nv.identity() != plan.compiler_id => {
+                    tracing::warn!(
+                        target: "cp_hicache::jit",
+                        remembered = %plan.compiler_id,
+                        loaded = %nv.identity(),
+                        "NVRTC identity changed; re-keying"
+                    );
+                    let id = nv.identity();
+                    if let Some(stamp) = nvrtc::locate()
+                        .and_then(|p| LibraryStamp::of(&p))
+                        .filter(|s| nv.library() == Some(s.library.as_path()))
+                    {
+                        self.remember_identity(stamp, &id);
+                    }
+                    drop(lock);
+                    // NVRTC is loaded now, so `plan` asks it directly: no further recursion.
+                    return self.get(req);
+                }
+                Ok(_) => {}
+                Err(e) if e.is_unavailable() && self.config.mode == JitMode::Off => {
+                    drop(lock);
+                    return self.get_prebuilt(req, start);
+                }
+                Err(e) => return Err(e),
+            }
         }
         if self.config.mode == JitMode::Off {
             let path = self.cache.entry_dir(td, name).map_err(cache_err)?;
@@ -565,7 +723,8 @@ impl Jit {
 
         let compile_start = Instant::now();
         let (bytes, artifact_file, extra) = match &plan.compiler {
-            Compiler::Nvrtc(nv, opts) => {
+            Compiler::Nvrtc(opts) => {
+                let nv = self.nvrtc()?;
                 let out = nv.compile(&req.uri, &req.source, opts)?;
                 let extra = serde_json::json!({ "report": out.report, "log": out.log });
                 (out.cubin, format!("{}.cubin", req.uri), extra)
@@ -600,13 +759,119 @@ impl Jit {
                 },
             )
             .map_err(cache_err)?;
-        Ok(self.finish(req, &plan, entry, CacheHit::Miss, ms(start)))
+        drop(lock);
+        Ok(self.finish(req, &plan.key, entry, CacheHit::Miss, ms(start)))
+    }
+
+    /// The key inputs of a request for a given compiler identity and flags.
+    fn key_with(&self, req: &JitRequest, compiler_id: &str) -> Option<CacheKey> {
+        let (args, digest, header) = match req.target {
+            Target::Nvrtc { arch } => {
+                let opts = self.config.nvrtc.clone().with_arch(arch);
+                (opts.to_args(), key::stable_digest(&opts), None)
+            }
+            Target::Host { .. } => return None,
+        };
+        let target_dir = req.target.to_string();
+        Some(CacheKey::compute(&KeyInputs {
+            crate_version: env!("CARGO_PKG_VERSION"),
+            uri: &req.uri,
+            source: &req.source,
+            compiler: compiler_id,
+            options_args: &args,
+            options_digest: digest,
+            target: &target_dir,
+            emu_header: header,
+            env: &self.config.env,
+        }))
+    }
+
+    /// Prebuilt-only lookup for an NVRTC target when NVRTC itself is unavailable and JIT is off:
+    /// the compiler version (a key input) is unknown, so every committed entry
+    /// `<cache>/<target>/<uri>-*/` is considered, its key recomputed from the request with the
+    /// compiler its manifest names, and it is used only if exactly one entry both reproduces its
+    /// own key (same crate version, uri, source, options, arch and environment) and passes its
+    /// integrity check. Otherwise [`JitError::JitOff`].
+    fn get_prebuilt(&self, req: &JitRequest, start: Instant) -> Result<CompiledKernel, JitError> {
+        let cache_err = |source: CacheError| JitError::Cache {
+            uri: req.uri.clone(),
+            source: Arc::new(source),
+        };
+        let td = req.target.to_string();
+        let target_root = self.cache.root().join(&td);
+        let prefix = format!("{}-", req.uri);
+        let mut names: Vec<String> = match std::fs::read_dir(&target_root) {
+            Ok(rd) => rd
+                .filter_map(|e| e.ok())
+                .filter_map(|e| e.file_name().into_string().ok())
+                .filter(|n| {
+                    n.len() == prefix.len() + CacheKey::PREFIX_HEX
+                        && n.starts_with(&prefix)
+                        && n[prefix.len()..].bytes().all(|b| b.is_ascii_hexdigit())
+                })
+                .collect(),
+            Err(_) => Vec::new(),
+        };
+        names.sort();
+        let mut matches: Vec<(CacheKey, cache::CacheEntry)> = Vec::new();
+        for name in &names {
+            let Ok(text) = std::fs::read(target_root.join(name).join(cache::MANIFEST)) else {
+                continue;
+            };
+            let Ok(manifest) = serde_json::from_slice::<Manifest>(&text) else {
+                continue;
+            };
+            let Some(key) = self.key_with(req, &manifest.compiler) else {
+                continue;
+            };
+            if key.hash != manifest.key || &key.readable != name {
+                continue;
+            }
+            if let Lookup::Hit(entry) = self.cache.lookup(&td, name).map_err(cache_err)? {
+                matches.push((key, *entry));
+            }
+        }
+        if matches.len() == 1 {
+            if let Some((key, entry)) = matches.pop() {
+                let cached = self
+                    .memory
+                    .read()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get(&key.hash)
+                    .cloned();
+                let elapsed = start.elapsed().as_secs_f64() * 1e3;
+                if let Some(mut k) = cached {
+                    k.cache_hit = CacheHit::Memory;
+                    k.compile_ms = elapsed;
+                    self.log(&k);
+                    return Ok(k);
+                }
+                return Ok(self.finish(req, &key, entry, CacheHit::Disk, elapsed));
+            }
+        }
+        let key = format!(
+            "{prefix}* (NVRTC unavailable; {} prebuilt entries match, exactly one is needed)",
+            matches.len()
+        );
+        tracing::error!(
+            target: "cp_hicache::jit",
+            uri = %req.uri,
+            target_name = %req.target,
+            path = %target_root.display(),
+            matching = matches.len(),
+            "JIT miss with CP_HICACHE_JIT=off and no NVRTC"
+        );
+        Err(JitError::JitOff {
+            uri: req.uri.clone(),
+            key,
+            path: target_root,
+        })
     }
 
     fn finish(
         &self,
         req: &JitRequest,
-        plan: &Plan,
+        key: &CacheKey,
         entry: cache::CacheEntry,
         hit: CacheHit,
         elapsed_ms: f64,
@@ -629,13 +894,13 @@ impl Jit {
             report,
             compile_ms: elapsed_ms,
             cache_hit: hit,
-            key: plan.key.clone(),
+            key: key.clone(),
             entry_dir: entry.dir,
         };
         self.memory
             .write()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(plan.key.hash.clone(), k.clone());
+            .insert(key.hash.clone(), k.clone());
         self.log(&k);
         k
     }
@@ -655,9 +920,25 @@ impl Jit {
 
     /// Compiles (or loads) every request in parallel; one result per request, in order.
     pub fn warm_up(&self, requests: &[JitRequest]) -> Vec<Result<CompiledKernel, JitError>> {
+        self.warm_up_with(requests, |_| {})
+    }
+
+    /// [`Jit::warm_up`], calling `on_done` (from a worker thread) as each request finishes, e.g.
+    /// to advance a progress bar.
+    pub fn warm_up_with(
+        &self,
+        requests: &[JitRequest],
+        on_done: impl Fn(&Result<CompiledKernel, JitError>) + Sync,
+    ) -> Vec<Result<CompiledKernel, JitError>> {
         let start = Instant::now();
-        let results: Vec<Result<CompiledKernel, JitError>> =
-            requests.par_iter().map(|r| self.get(r)).collect();
+        let results: Vec<Result<CompiledKernel, JitError>> = requests
+            .par_iter()
+            .map(|r| {
+                let result = self.get(r);
+                on_done(&result);
+                result
+            })
+            .collect();
         let count = |h: CacheHit| {
             results
                 .iter()

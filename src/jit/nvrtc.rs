@@ -148,6 +148,13 @@ pub fn candidate_paths() -> Vec<PathBuf> {
     out
 }
 
+/// The library file discovery would load first, found without loading anything (the first
+/// existing candidate of [`candidate_paths`]); `None` when only the dynamic linker's search or
+/// the `python3` query could find one.
+pub fn locate() -> Option<PathBuf> {
+    candidate_paths().into_iter().find(|p| p.is_file())
+}
+
 /// Python site-packages directories that may hold the NVRTC wheel.
 fn site_dirs() -> Vec<PathBuf> {
     let mut prefixes: Vec<PathBuf> = Vec::new();

@@ -23,9 +23,9 @@ use super::{
     KernelArtifact, KernelId, LaunchConfig, LaunchFailure, MemKind,
 };
 
-/// The CUDA-emulation header text, force-included by the JIT when it compiles a render for
-/// the host executor (and hashed into its cache key).
-pub const EMU_HEADER: &str = include_str!("../../../templates/cuda_emu.h");
+/// The CUDA-emulation header; the JIT owns it because it force-includes it when compiling a
+/// render for this executor (and hashes it into the cache key).
+pub use crate::jit::EMU_HEADER;
 
 /// Environment variable selecting the block order (`forward` or `reverse`).
 pub const ORDER_ENV: &str = "CP_HICACHE_EMU_ORDER";

@@ -1,0 +1,141 @@
+//! Glue between the kernel descriptions and the JIT: a [`Deployment`] becomes one
+//! [`JitRequest`] per kernel it needs, and [`warm_up_deployment`] compiles (or loads) them all in
+//! parallel, as `cp-hicache compile` does and as an engine does at start-up.
+//!
+//! Every JIT event is logged by the JIT itself (target `cp_hicache::jit`).
+
+use super::{Arch, CompiledKernel, Jit, JitError, JitRequest, Target};
+use crate::kernels::{self, Deployment, KernelError, KernelSpec};
+
+/// One kernel of a deployment and what the JIT made of it.
+pub type KernelOutcome = (KernelSpec, Result<CompiledKernel, JitError>);
+
+/// Errors of a deployment warm-up.
+#[derive(Debug, thiserror::Error)]
+pub enum WarmUpError {
+    /// A kernel of the deployment could not be rendered.
+    #[error("deployment {deployment}: {source}")]
+    Render {
+        /// Deployment name.
+        deployment: String,
+        /// The render error.
+        #[source]
+        source: KernelError,
+    },
+    /// One or more kernels failed to compile or load; every failure is listed.
+    #[error("deployment {deployment}: {} of {total} kernels failed:\n{}", failures.len(),
+        failures.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n"))]
+    Jit {
+        /// Deployment name.
+        deployment: String,
+        /// Number of kernels requested.
+        total: usize,
+        /// Each failure, naming its kernel.
+        failures: Vec<JitError>,
+    },
+}
+
+/// The JIT architecture of a deployment's NVRTC target.
+pub fn jit_arch(arch: kernels::Arch) -> Arch {
+    match arch {
+        kernels::Arch::Sm80 => Arch::Sm80,
+        kernels::Arch::Sm90 => Arch::Sm90,
+        kernels::Arch::Sm100 => Arch::Sm100,
+    }
+}
+
+/// The NVRTC target a deployment is built for by default (its own architecture).
+pub fn deployment_target(dep: &Deployment) -> Target {
+    Target::Nvrtc {
+        arch: jit_arch(dep.arch),
+    }
+}
+
+/// One request per kernel of `dep` (in [`Deployment::specs`] order), rendered for `target`.
+pub fn deployment_requests(
+    dep: &Deployment,
+    target: Target,
+) -> Result<Vec<(KernelSpec, JitRequest)>, KernelError> {
+    dep.specs()
+        .into_iter()
+        .map(|spec| {
+            Ok((
+                spec,
+                JitRequest {
+                    uri: spec.uri(),
+                    source: spec.render()?,
+                    target,
+                },
+            ))
+        })
+        .collect()
+}
+
+/// Compiles or loads every kernel of `dep` for `target`, in parallel, and returns one result per
+/// kernel, in [`Deployment::specs`] order, so a caller can report each failure.
+pub fn warm_up_deployment_each(
+    jit: &Jit,
+    dep: &Deployment,
+    target: Target,
+) -> Result<Vec<KernelOutcome>, WarmUpError> {
+    let requests = deployment_requests(dep, target).map_err(|source| WarmUpError::Render {
+        deployment: dep.name.clone(),
+        source,
+    })?;
+    let reqs: Vec<JitRequest> = requests.iter().map(|(_, r)| r.clone()).collect();
+    let results = jit.warm_up(&reqs);
+    Ok(requests.into_iter().map(|(s, _)| s).zip(results).collect())
+}
+
+/// Compiles or loads every kernel of `dep` for `target`, in parallel: the start-up path of an
+/// engine. All kernels or an error listing every failure.
+pub fn warm_up_deployment(
+    jit: &Jit,
+    dep: &Deployment,
+    target: Target,
+) -> Result<Vec<CompiledKernel>, WarmUpError> {
+    let each = warm_up_deployment_each(jit, dep, target)?;
+    let total = each.len();
+    let mut ok = Vec::with_capacity(total);
+    let mut failures = Vec::new();
+    for (_, r) in each {
+        match r {
+            Ok(k) => ok.push(k),
+            Err(e) => failures.push(e),
+        }
+    }
+    if failures.is_empty() {
+        Ok(ok)
+    } else {
+        Err(WarmUpError::Jit {
+            deployment: dep.name.clone(),
+            total,
+            failures,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_follow_specs() {
+        let dep = Deployment::by_name("nsa_ps64_cp8").unwrap();
+        let t = deployment_target(&dep);
+        assert_eq!(t, Target::Nvrtc { arch: Arch::Sm90 });
+        let reqs = deployment_requests(&dep, t).unwrap();
+        assert_eq!(reqs.len(), dep.specs().len());
+        for (spec, req) in &reqs {
+            assert_eq!(req.uri, spec.uri());
+            assert!(req.source.contains(&spec.entry_name()));
+            assert_eq!(req.target, t);
+        }
+    }
+
+    #[test]
+    fn arch_mapping() {
+        assert_eq!(jit_arch(kernels::Arch::Sm80), Arch::Sm80);
+        assert_eq!(jit_arch(kernels::Arch::Sm100).to_string(), "sm_100");
+    }
+}

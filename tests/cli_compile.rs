@@ -1,0 +1,223 @@
+//! The `render` and `compile` commands, run as the built binary: exit statuses, messages, the
+//! render tree equal to `generated/`, and the JSON rows of a cold then warm compile.
+//!
+//! The compile runs need NVRTC; without it they print one line and pass, unless
+//! `CP_HICACHE_REQUIRE_NVRTC=1`.
+
+use cp_hicache::jit::nvrtc::NOT_FOUND_HINT;
+use cp_hicache::jit::NvrtcCompiler;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn bin() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_cp-hicache"));
+    c.env_remove("CP_HICACHE_JIT").env("RUST_LOG", "warn");
+    c
+}
+
+fn run(c: &mut Command) -> Output {
+    c.output().expect("the binary starts")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+fn generated_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("generated")
+}
+
+fn nvrtc_present() -> bool {
+    match NvrtcCompiler::load() {
+        Ok(_) => true,
+        Err(e) => {
+            if std::env::var("CP_HICACHE_REQUIRE_NVRTC").as_deref() == Ok("1") {
+                panic!("CP_HICACHE_REQUIRE_NVRTC=1 but: {e}");
+            }
+            println!("{NOT_FOUND_HINT}");
+            false
+        }
+    }
+}
+
+fn files_under(root: &Path) -> Vec<(PathBuf, Vec<u8>)> {
+    fn walk(root: &Path, dir: &Path, out: &mut Vec<(PathBuf, Vec<u8>)>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                walk(root, &p, out);
+            } else {
+                let rel = p.strip_prefix(root).unwrap().to_path_buf();
+                out.push((rel, std::fs::read(&p).unwrap()));
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(root, root, &mut out);
+    out.sort();
+    out
+}
+
+#[test]
+fn list_deployments_prints_reference_names() {
+    let out = run(bin().args(["compile", "--list-deployments"]));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let names: Vec<String> = cp_hicache::kernels::Deployment::reference()
+        .into_iter()
+        .map(|d| d.name)
+        .collect();
+    let printed: Vec<String> = text(&out.stdout).lines().map(str::to_string).collect();
+    assert_eq!(printed, names);
+}
+
+#[test]
+fn render_writes_exactly_generated_and_check_agrees() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out_dir = tmp.path().join("gen");
+    let out = run(bin().args(["render", "--out"]).arg(&out_dir));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(files_under(&out_dir), files_under(&generated_dir()));
+
+    let out = run(bin().args(["render", "--check", "--out"]).arg(&out_dir));
+    assert!(out.status.success(), "{}", text(&out.stdout));
+    let out = run(bin()
+        .args(["render", "--check", "--out"])
+        .arg(generated_dir()));
+    assert!(
+        out.status.success(),
+        "generated/ is stale: {}",
+        text(&out.stdout)
+    );
+
+    // One deployment checks only its own directory.
+    let out = run(bin()
+        .args(["render", "--check", "--deployment", "mla_ps16_cp4", "--out"])
+        .arg(&out_dir));
+    assert!(out.status.success(), "{}", text(&out.stdout));
+
+    // A changed, a missing and an extra file are each listed; exit 1.
+    let dep = out_dir.join("nsa_ps64_cp8");
+    std::fs::write(dep.join("release_pages_cp8_t256.cu"), "// edited\n").unwrap();
+    std::fs::remove_file(dep.join("index.json")).unwrap();
+    std::fs::write(dep.join("stale.cu"), "").unwrap();
+    let out = run(bin().args(["render", "--check", "--out"]).arg(&out_dir));
+    assert_eq!(out.status.code(), Some(1));
+    let stdout = text(&out.stdout);
+    for needle in [
+        "changed  nsa_ps64_cp8/release_pages_cp8_t256.cu",
+        "missing  nsa_ps64_cp8/index.json",
+        "extra    nsa_ps64_cp8/stale.cu",
+        "render --out generated",
+    ] {
+        assert!(stdout.contains(needle), "{needle:?} not in:\n{stdout}");
+    }
+}
+
+#[test]
+fn unknown_deployment_is_a_usage_error_listing_names() {
+    let tmp = tempfile::tempdir().unwrap();
+    for args in [
+        vec!["render", "--deployment", "nsa_ps32_cp8", "--out"],
+        vec!["compile", "--deployment", "nsa_ps32_cp8", "--json"],
+    ] {
+        let out = run(bin()
+            .args(&args)
+            .arg(tmp.path().join("x"))
+            .env("CP_HICACHE_CACHE_DIR", tmp.path()));
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let stderr = text(&out.stderr);
+        assert!(stderr.contains("nsa_ps32_cp8"), "{stderr}");
+        for name in ["nsa_ps64_cp1", "nsa_ps64_cp8", "mla_ps64_cp8"] {
+            assert!(stderr.contains(name), "{name} not in {stderr}");
+        }
+        assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    }
+}
+
+#[test]
+fn compile_json_cold_then_warm() {
+    if !nvrtc_present() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = tmp.path().join("cache");
+    let compile = |json: &Path| {
+        let out = run(bin()
+            .args(["compile", "--deployment", "nsa_ps64_cp2", "--arch", "sm_90"])
+            .arg("--json")
+            .arg(json)
+            .env("CP_HICACHE_CACHE_DIR", &cache));
+        assert!(
+            out.status.success(),
+            "{}\n{}",
+            text(&out.stdout),
+            text(&out.stderr)
+        );
+        let rows: Vec<serde_json::Value> =
+            serde_json::from_slice(&std::fs::read(json).unwrap()).unwrap();
+        (text(&out.stdout), rows)
+    };
+    let (cold_out, cold) = compile(&tmp.path().join("cold.json"));
+    let (warm_out, warm) = compile(&tmp.path().join("warm.json"));
+
+    let dep = cp_hicache::kernels::Deployment::by_name("nsa_ps64_cp2").unwrap();
+    let uris: Vec<String> = dep.specs().iter().map(|s| s.uri()).collect();
+    for rows in [&cold, &warm] {
+        let kernels: Vec<&str> = rows.iter().map(|r| r["kernel"].as_str().unwrap()).collect();
+        assert_eq!(kernels, uris);
+        for r in rows.iter() {
+            for field in [
+                "spec",
+                "arch",
+                "registers",
+                "spill_bytes",
+                "stack_bytes",
+                "shared_bytes",
+                "compile_ms",
+                "cache_hit",
+            ] {
+                assert!(!r[field].is_null(), "{field} missing in {r}");
+            }
+            assert_eq!(r["arch"], "sm_90");
+            assert_eq!(r["spill_bytes"], 0);
+            assert_eq!(r["stack_bytes"], 0);
+        }
+    }
+    assert!(cold.iter().all(|r| r["cache_hit"] == false), "{cold_out}");
+    assert!(warm.iter().all(|r| r["cache_hit"] == true), "{warm_out}");
+    for (c, w) in cold.iter().zip(&warm) {
+        assert_eq!(c["registers"], w["registers"]);
+        assert_eq!(c["shared_bytes"], w["shared_bytes"]);
+    }
+    assert!(cold_out.contains("(cold)") && warm_out.contains("(warm)"));
+    assert!(warm_out.contains(&format!("{} cache hits, 0 misses", uris.len())));
+}
+
+/// With NVRTC hidden, `compile` ends with one line naming the install hint (exit 1). A machine
+/// with NVRTC in a system location still finds it; then the run simply succeeds.
+#[test]
+fn compile_without_nvrtc_prints_one_line_hint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = run(bin()
+        .args(["compile", "--deployment", "nsa_ps64_cp1"])
+        .env("CP_HICACHE_CACHE_DIR", tmp.path().join("cache"))
+        .env(
+            "CP_HICACHE_NVRTC",
+            tmp.path().join("missing/libnvrtc.so.12"),
+        )
+        .env("HOME", tmp.path())
+        .env("PATH", tmp.path())
+        .env_remove("CUDA_HOME")
+        .env_remove("CUDA_PATH")
+        .env_remove("VIRTUAL_ENV")
+        .env_remove("CONDA_PREFIX")
+        .env_remove("LD_LIBRARY_PATH"));
+    if out.status.success() {
+        println!("NVRTC found outside the hidden locations; nothing to check");
+        return;
+    }
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = text(&out.stderr);
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(stderr.contains(NOT_FOUND_HINT), "{stderr}");
+}
