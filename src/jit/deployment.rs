@@ -4,8 +4,8 @@
 //!
 //! Every JIT event is logged by the JIT itself (target `cp_hicache::jit`).
 
-use super::{Arch, CompiledKernel, Jit, JitError, JitRequest, Target};
-use crate::kernels::{self, Deployment, KernelError, KernelSpec};
+use super::{CompiledKernel, Jit, JitError, JitRequest, Target};
+use crate::kernels::{Deployment, KernelError, KernelSpec};
 
 /// One kernel of a deployment and what the JIT made of it.
 pub type KernelOutcome = (KernelSpec, Result<CompiledKernel, JitError>);
@@ -35,19 +35,10 @@ pub enum WarmUpError {
     },
 }
 
-/// The JIT architecture of a deployment's NVRTC target.
-pub fn jit_arch(arch: kernels::Arch) -> Arch {
-    match arch {
-        kernels::Arch::Sm80 => Arch::Sm80,
-        kernels::Arch::Sm90 => Arch::Sm90,
-        kernels::Arch::Sm100 => Arch::Sm100,
-    }
-}
-
 /// The NVRTC target a deployment is built for by default (its own architecture).
 pub fn deployment_target(dep: &Deployment) -> Target {
     Target::Nvrtc {
-        arch: jit_arch(dep.arch),
+        arch: dep.arch,
     }
 }
 
@@ -123,7 +114,7 @@ mod tests {
     fn requests_follow_specs() {
         let dep = Deployment::by_name("nsa_ps64_cp8").unwrap();
         let t = deployment_target(&dep);
-        assert_eq!(t, Target::Nvrtc { arch: Arch::Sm90 });
+        assert_eq!(t, Target::Nvrtc { arch: crate::jit::Arch::Sm90 });
         let reqs = deployment_requests(&dep, t).unwrap();
         assert_eq!(reqs.len(), dep.specs().len());
         for (spec, req) in &reqs {
@@ -135,7 +126,5 @@ mod tests {
 
     #[test]
     fn arch_mapping() {
-        assert_eq!(jit_arch(kernels::Arch::Sm80), Arch::Sm80);
-        assert_eq!(jit_arch(kernels::Arch::Sm100).to_string(), "sm_100");
     }
 }

@@ -38,27 +38,9 @@ impl ModelShape {
     }
 }
 
-/// Target GPU architecture of the NVRTC build (the render itself is arch-independent).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
-pub enum Arch {
-    /// Ampere.
-    Sm80,
-    /// Hopper (the default).
-    #[default]
-    Sm90,
-    /// Blackwell.
-    Sm100,
-}
-
-impl fmt::Display for Arch {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Arch::Sm80 => "sm_80",
-            Arch::Sm90 => "sm_90",
-            Arch::Sm100 => "sm_100",
-        })
-    }
-}
+/// Target GPU architecture of the NVRTC build (the render itself is arch-independent); one
+/// enum shared with the JIT so a deployment's arch needs no translation.
+pub use crate::jit::Arch;
 
 /// One serving configuration: model, page size, CP degree, target and launch shapes. It
 /// decides every `KernelSpec` the cache uses.
