@@ -13,16 +13,14 @@ pub struct InfoArgs {
     pub json: bool,
 }
 
-/// Default deployment shown by `info`: DeepSeek-V3.2 NSA at CP 8, page 64.
-const DEFAULT_CP: u32 = 8;
-const DEFAULT_PAGE_SIZE: u32 = 64;
-const DEFAULT_PAGES: u32 = 4097;
-
 #[derive(Debug, Serialize)]
 struct Report {
     version: &'static str,
     default_layout: LayoutReport,
     cxx: Found,
+    nvrtc: Found,
+    cuda: Found,
+    backend_auto: String,
     cache_dir: Option<PathBuf>,
     env: Vec<(String, String)>,
 }
@@ -33,6 +31,8 @@ struct LayoutReport {
     page_size: u32,
     pages: u32,
     local_pages_per_rank: u32,
+    host_pages_per_rank: u32,
+    layers: u32,
     model: &'static str,
     bytes_per_token: Vec<(&'static str, u32)>,
 }
@@ -44,7 +44,9 @@ struct Found {
 }
 
 pub(super) fn run(args: &InfoArgs) -> Result<ExitCode, crate::Error> {
-    let layout = CpLayout::new(DEFAULT_CP, DEFAULT_PAGE_SIZE, DEFAULT_PAGES)?;
+    // The deployment plain `cargo run --release` replays.
+    let d = super::ReplayArgs::default();
+    let layout = CpLayout::new(u32::from(d.cp), d.page_size, d.device_pages)?;
     let report = Report {
         version: env!("CARGO_PKG_VERSION"),
         default_layout: LayoutReport {
@@ -52,10 +54,24 @@ pub(super) fn run(args: &InfoArgs) -> Result<ExitCode, crate::Error> {
             page_size: layout.page_size(),
             pages: layout.pages(),
             local_pages_per_rank: layout.local_pages_per_rank(),
-            model: "DeepSeek-V3.2 NSA",
-            bytes_per_token: vec![("kv", 656), ("index_k", 132)],
+            host_pages_per_rank: d.host_pages,
+            layers: d.layers,
+            model: match d.model {
+                super::ModelArg::Nsa => "DeepSeek-V3.2 NSA",
+                super::ModelArg::Mla => "MLA bf16",
+            },
+            bytes_per_token: match d.model {
+                super::ModelArg::Nsa => vec![("kv", 656), ("index_k", 132)],
+                super::ModelArg::Mla => vec![("kv", 1152)],
+            },
         },
         cxx: probe_cxx(),
+        nvrtc: probe_nvrtc(),
+        cuda: Found {
+            what: "CUDA driver".into(),
+            detail: crate::exec::cuda::CudaExecutor::probe().map(|n| format!("{n} device(s)")),
+        },
+        backend_auto: crate::exec::Backend::Auto.resolve().to_string(),
         cache_dir: cache_dir(),
         env: [
             "CP_HICACHE_CACHE_DIR",
@@ -83,7 +99,7 @@ fn print_text(r: &Report) {
     let l = &r.default_layout;
     println!("cp-hicache {}", r.version);
     println!();
-    println!("default deployment");
+    println!("default deployment (what `cp-hicache replay` runs)");
     println!("  model              {}", l.model);
     println!("  CP degree          {}", l.cp);
     println!("  page size          {} tokens", l.page_size);
@@ -91,12 +107,17 @@ fn print_text(r: &Report) {
         "  pages              {} ({} local pages per rank)",
         l.pages, l.local_pages_per_rank
     );
+    println!("  host pages         {} per rank", l.host_pages_per_rank);
+    println!("  layers             {}", l.layers);
     for (name, bytes) in &l.bytes_per_token {
         println!("  buffer {name:<11} {bytes} B/token");
     }
     println!();
     println!("found");
     print_found(&r.cxx);
+    print_found(&r.nvrtc);
+    print_found(&r.cuda);
+    println!("  {:<18} {}", "backend auto", r.backend_auto);
     match &r.cache_dir {
         Some(d) => println!("  {:<18} {}", "cache dir", d.display()),
         None => println!("  {:<18} none (set CP_HICACHE_CACHE_DIR)", "cache dir"),
@@ -129,6 +150,28 @@ fn probe_cxx() -> Found {
     };
     Found {
         what: "C++ compiler".into(),
+        detail,
+    }
+}
+
+/// NVRTC, loaded the way the JIT loads it (so the version is the one kernels compile with).
+fn probe_nvrtc() -> Found {
+    let detail = crate::jit::NvrtcCompiler::load()
+        .map(|c| {
+            let lib = c.library().map_or_else(
+                || "found by the dynamic linker".into(),
+                |p| p.display().to_string(),
+            );
+            format!("{} ({lib})", c.identity())
+        })
+        .map_err(|_| {
+            let hint = crate::jit::nvrtc::NOT_FOUND_HINT;
+            hint.strip_prefix("NVRTC not found: ")
+                .unwrap_or(hint)
+                .to_string()
+        });
+    Found {
+        what: "NVRTC".into(),
         detail,
     }
 }

@@ -37,9 +37,7 @@ pub enum WarmUpError {
 
 /// The NVRTC target a deployment is built for by default (its own architecture).
 pub fn deployment_target(dep: &Deployment) -> Target {
-    Target::Nvrtc {
-        arch: dep.arch,
-    }
+    Target::Nvrtc { arch: dep.arch }
 }
 
 /// One request per kernel of `dep` (in [`Deployment::specs`] order), rendered for `target`.
@@ -114,7 +112,12 @@ mod tests {
     fn requests_follow_specs() {
         let dep = Deployment::by_name("nsa_ps64_cp8").unwrap();
         let t = deployment_target(&dep);
-        assert_eq!(t, Target::Nvrtc { arch: crate::jit::Arch::Sm90 });
+        assert_eq!(
+            t,
+            Target::Nvrtc {
+                arch: crate::jit::Arch::Sm90
+            }
+        );
         let reqs = deployment_requests(&dep, t).unwrap();
         assert_eq!(reqs.len(), dep.specs().len());
         for (spec, req) in &reqs {
@@ -125,6 +128,5 @@ mod tests {
     }
 
     #[test]
-    fn arch_mapping() {
-    }
+    fn arch_mapping() {}
 }

@@ -79,6 +79,11 @@ impl CudaExecutor {
         driver::device_count().map(|n| n > 0).unwrap_or(false)
     }
 
+    /// What the driver probe found: the device count, or why there is none (for `info`).
+    pub fn probe() -> Result<usize, String> {
+        driver::device_count()
+    }
+
     /// Opens device `ordinal`, or returns [`ExecError::Unavailable`] with the reason.
     pub fn new(ordinal: usize) -> Result<CudaExecutor, ExecError> {
         let unavailable = |reason: String| ExecError::Unavailable {
