@@ -126,7 +126,4 @@ mod tests {
             assert_eq!(req.target, t);
         }
     }
-
-    #[test]
-    fn arch_mapping() {}
 }
