@@ -243,10 +243,13 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
             Ok(stats) => {
                 totals.add(&stats);
                 if stats.mismatched_tokens > 0 {
-                    bar.println(format!(
-                        "request {}: {} mismatched tokens",
-                        req.id, stats.mismatched_tokens
-                    ));
+                    note(
+                        &bar,
+                        format!(
+                            "request {}: {} mismatched tokens",
+                            req.id, stats.mismatched_tokens
+                        ),
+                    );
                 }
             }
             Err(e) if e.is_usage() => {
@@ -256,12 +259,15 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
             Err(e) => {
                 failed += 1;
                 let unchanged = cluster.replica_digests() == before;
-                bar.println(format!(
-                    "request {} failed: {e}\n  allocator and tree state {} (digest {})",
-                    req.id,
-                    if unchanged { "unchanged" } else { "CHANGED" },
-                    before[0]
-                ));
+                note(
+                    &bar,
+                    format!(
+                        "request {} failed: {e}\n  allocator and tree state {} (digest {})",
+                        req.id,
+                        if unchanged { "unchanged" } else { "CHANGED" },
+                        before[0]
+                    ),
+                );
                 if !unchanged {
                     disagreed_at.get_or_insert(req.id);
                 }
@@ -270,7 +276,7 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
         requests += 1;
         if disagreed_at.is_none() && !cluster.replicas_agree() {
             disagreed_at = Some(req.id);
-            bar.println(format!("request {}: replicas disagree", req.id));
+            note(&bar, format!("request {}: replicas disagree", req.id));
         }
         bar.inc(1);
         bar.set_message(format!("{} mismatched", totals.mismatched_tokens));
@@ -321,6 +327,15 @@ fn cluster_error(e: crate::cluster::ClusterError) -> crate::Error {
         crate::Error::Usage(e.to_string())
     } else {
         crate::Error::Cluster(e)
+    }
+}
+
+/// A line for the user on stderr, above the progress bar when there is one.
+fn note(bar: &ProgressBar, line: String) {
+    if bar.is_hidden() {
+        eprintln!("{line}");
+    } else {
+        bar.println(line);
     }
 }
 

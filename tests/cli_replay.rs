@@ -1,0 +1,231 @@
+//! `cp-hicache replay` through the binary: a small correct run, every `--inject` fault, and
+//! bad input that must end in one clear line and exit status 2, never a panic.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+const SMALL: &[&str] = &[
+    "replay",
+    "--model",
+    "mla",
+    "--page-size",
+    "64",
+    "--cp",
+    "4",
+    "--layers",
+    "1",
+    "--conversations",
+    "12",
+    "--device-pages",
+    "160",
+    "--host-pages",
+    "48",
+    "--quiet",
+];
+
+fn replay(extra: &[&str]) -> (Output, Option<serde_json::Value>) {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("report.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+        .args(SMALL)
+        .args(extra)
+        .arg("--json")
+        .arg(&json)
+        .env("CP_HICACHE_CACHE_DIR", cache_dir())
+        .env_remove("CP_HICACHE_JIT")
+        .output()
+        .unwrap();
+    let report = std::fs::read_to_string(&json)
+        .ok()
+        .map(|t| serde_json::from_str(&t).unwrap());
+    (out, report)
+}
+
+fn cache_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cli-replay-cache")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn num(r: &serde_json::Value, k: &str) -> u64 {
+    r[k].as_u64()
+        .unwrap_or_else(|| panic!("{k} missing in {r}"))
+}
+
+#[test]
+fn small_run_verifies_and_reports() {
+    let (out, report) = replay(&[]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let r = report.unwrap();
+    assert_eq!(num(&r, "mismatched_tokens"), 0);
+    assert_eq!(r["replicas_agree"], true);
+    assert!(num(&r, "host_hit_tokens") > 0, "{r}");
+    assert!(num(&r, "pages_loaded") > 0);
+    assert!(num(&r, "evictions_lru") > 0);
+    assert_eq!(num(&r, "load_path_syncs"), 0);
+    assert_eq!(
+        num(&r, "prompt_tokens"),
+        num(&r, "device_hit_tokens") + num(&r, "host_hit_tokens") + num(&r, "computed_tokens")
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("mismatched tokens"), "{text}");
+}
+
+#[test]
+fn plain_alloc_on_load_reports_mismatches() {
+    let (out, report) = replay(&["--inject", "plain-alloc-on-load"]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let r = report.unwrap();
+    assert!(num(&r, "host_hit_tokens") > 0);
+    assert!(
+        num(&r, "mismatched_tokens") > 0,
+        "the seed's bug must show: {r}"
+    );
+}
+
+#[test]
+fn lane_exhaustion_stays_correct() {
+    let (out, report) = replay(&["--inject", "lane-exhaustion"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let r = report.unwrap();
+    assert_eq!(num(&r, "mismatched_tokens"), 0);
+    assert!(
+        num(&r, "evictions_lane") + num(&r, "load_degraded_to_miss") > 0,
+        "{r}"
+    );
+}
+
+#[test]
+fn host_pool_full_stays_correct() {
+    let (out, report) = replay(&["--inject", "host-pool-full"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let r = report.unwrap();
+    assert_eq!(num(&r, "mismatched_tokens"), 0);
+    assert!(num(&r, "backups_skipped") > 0, "{r}");
+}
+
+#[test]
+fn compile_error_names_the_kernel() {
+    let (out, _) = replay(&["--inject", "compile-error"]);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("error: host compile of `verify_mla_kv"),
+        "{err}"
+    );
+    assert!(
+        err.contains("fault injected"),
+        "the compiler log is shown: {err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn launch_error_leaves_state_unchanged() {
+    let (out, report) = replay(&["--inject", "launch-error"]);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("injected fault"), "{err}");
+    assert!(err.contains("state unchanged"), "{err}");
+    let r = report.unwrap();
+    assert_eq!(num(&r, "failed_requests"), 1);
+    assert_eq!(num(&r, "mismatched_tokens"), 0);
+    assert_eq!(r["replicas_agree"], true);
+}
+
+/// Runs replay expecting a usage error: exit 2, one clear line, no panic.
+fn usage_error(args: &[&str], want: &str) {
+    let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+        .args(args)
+        .env("CP_HICACHE_CACHE_DIR", cache_dir())
+        .output()
+        .unwrap();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+    assert!(err.contains(want), "{args:?}: {err} should mention {want}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+fn trace_file(lines: &str) -> tempfile::NamedTempFile {
+    let f = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(f.path(), lines).unwrap();
+    f
+}
+
+#[test]
+fn bad_traces_name_the_line() {
+    let good =
+        "{\"timestamp\": 0, \"input_length\": 700, \"output_length\": 10, \"hash_ids\": [0, 1]}\n";
+    for (bad, want) in [
+        (
+            "{\"timestamp\": 0, \"input_length\": 7",
+            ":2: not a Mooncake trace record",
+        ),
+        (
+            "{\"input_length\": -3, \"output_length\": 1, \"hash_ids\": [0]}",
+            ":2: input_length -3",
+        ),
+        (
+            "{\"input_length\": 5000000000, \"output_length\": 1, \"hash_ids\": [0]}",
+            ":2: input_length 5000000000 is out of range",
+        ),
+        (
+            "{\"input_length\": 100, \"output_length\": 1, \"hash_ids\": [0, 1, 2]}",
+            ":2: 3 hash_ids",
+        ),
+    ] {
+        let f = trace_file(&format!("{good}{bad}\n"));
+        let path = f.path().to_str().unwrap();
+        usage_error(
+            &[
+                "replay",
+                "--trace",
+                path,
+                "--block-tokens",
+                "64",
+                "--model",
+                "mla",
+                "--cp",
+                "2",
+                "-q",
+            ],
+            want,
+        );
+    }
+    usage_error(
+        &["replay", "--trace", "/nonexistent/t.jsonl", "-q"],
+        "cannot read trace /nonexistent/t.jsonl",
+    );
+}
+
+#[test]
+fn bad_settings_are_usage_errors() {
+    usage_error(&["replay", "--page-size", "48"], "must be a power of two");
+    usage_error(&["replay", "--cp", "0"], "--cp");
+    usage_error(&["replay", "--cp", "17"], "--cp");
+    usage_error(
+        &["replay", "--model", "nsa", "--page-size", "16"],
+        "NSA requires page size 64",
+    );
+    usage_error(
+        &["replay", "--inject", "cosmic-ray"],
+        "unknown fault `cosmic-ray`",
+    );
+    usage_error(
+        &[
+            "replay",
+            "--model",
+            "mla",
+            "--cp",
+            "2",
+            "--layers",
+            "1",
+            "--device-pages",
+            "12",
+            "-q",
+        ],
+        "raise --device-pages",
+    );
+}
