@@ -24,7 +24,7 @@ use crate::exec::{Executor, KernelArg};
 use crate::hicache::host_pool::HostPagePool;
 use crate::hicache::tree::{Evicted, NodeId, RadixTree, TreeError};
 use crate::jit::{Jit, Sanitize};
-use crate::kernels::{reference, Deployment, Direction};
+use crate::kernels::{reference, BufferKind, Deployment, Direction};
 use crate::layout::{zigzag_owners, CpLayout, LayoutError, PageId, Rank};
 use crate::metadata::{MetadataError, NodeMetadata};
 use sha2::{Digest, Sha256};
@@ -202,6 +202,17 @@ pub struct Cluster {
     ranks: Vec<RankState>,
     launch_failure_at: Option<usize>,
     served: usize,
+    capture_dense: bool,
+    last_dense: Vec<(BufferKind, Vec<u8>)>,
+}
+
+/// A prefix held on the device by [`Cluster::pin_prefix`], the way an in-flight request
+/// holds the KV it is decoding from; give it back with [`Cluster::unpin`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pinned {
+    node: NodeId,
+    /// Tokens of the pinned device-resident prefix (whole pages).
+    pub tokens: usize,
 }
 
 impl Cluster {
@@ -256,6 +267,8 @@ impl Cluster {
             ranks,
             launch_failure_at: None,
             served: 0,
+            capture_dense: false,
+            last_dense: Vec::new(),
         };
         if cluster.config.fault == Some(Fault::LaneExhaustion) {
             // Pages reserved for ever, on every rank alike: lane 0 keeps half its pages.
@@ -338,6 +351,29 @@ impl Cluster {
                     ),
                 }));
             }
+            let leaked = |what: String| ClusterError::Alloc(AllocError::Invariant { what });
+            for id in r.tree.node_ids() {
+                let n = r.tree.node(id)?;
+                if let Some(&p) = n
+                    .device()
+                    .and_then(|d| d.iter().find(|&&p| !r.alloc.is_allocated(p)))
+                {
+                    return Err(leaked(format!(
+                        "{}: {id} holds {p}, which the allocator has free",
+                        r.tree.rank()
+                    )));
+                }
+                if let Some(h) = n
+                    .host()
+                    .and_then(|m| m.host_pages().iter().find(|&&h| !r.host.is_allocated(h)))
+                {
+                    return Err(leaked(format!(
+                        "{}: {id} holds host page {}, which the host pool has free",
+                        r.tree.rank(),
+                        h.0
+                    )));
+                }
+            }
             let host_used = r.host.capacity() - r.host.free_count();
             let host_in_tree: usize = r
                 .tree
@@ -355,6 +391,59 @@ impl Cluster {
             }
         }
         Ok(())
+    }
+
+    /// Evicts device nodes in LRU order on every rank alike until at least `pages` device
+    /// pages were released or nothing unlocked is left (write-back backs them up first), so
+    /// tests and tools can apply memory pressure between requests. Returns the node count.
+    /// On error every rank's state is restored.
+    pub fn evict_device_lru(&mut self, pages: usize) -> Result<usize, ClusterError> {
+        let snapshot = self.ranks.clone();
+        let result = self.evict(Eviction::Lru(pages));
+        if result.is_err() {
+            self.ranks = snapshot;
+        }
+        result
+    }
+
+    /// Locks the device-resident prefix of `tokens` on every rank, as a request still
+    /// decoding from it would, so eviction cannot take it. Returns what was pinned (possibly
+    /// nothing); pair it with [`Cluster::unpin`].
+    pub fn pin_prefix(&mut self, tokens: &[u32]) -> Result<Pinned, ClusterError> {
+        let ps = self.layout.page_size() as usize;
+        let key = &tokens[..tokens.len() / ps * ps];
+        let mut matched = None;
+        for r in &mut self.ranks {
+            let m = r.tree.match_prefix(key)?;
+            matched.get_or_insert(m);
+        }
+        let m = matched.ok_or_else(|| ClusterError::Config("a cluster has no rank".into()))?;
+        self.lock(m.last_device_node)?;
+        Ok(Pinned {
+            node: m.last_device_node,
+            tokens: m.device_pages.len() * ps,
+        })
+    }
+
+    /// Releases a pin taken by [`Cluster::pin_prefix`].
+    pub fn unpin(&mut self, pinned: Pinned) -> Result<(), ClusterError> {
+        self.unlock(pinned.node)
+    }
+
+    /// When on, every request reads its dense materialised buffers back (after verifying
+    /// them) so that [`Cluster::last_dense`] can feed a reference decode. Off by default: the
+    /// read-back is a device→host synchronisation a serving path would not do.
+    pub fn set_capture_dense(&mut self, on: bool) {
+        self.capture_dense = on;
+        if !on {
+            self.last_dense.clear();
+        }
+    }
+
+    /// The last request's dense materialised buffers, one per buffer kind, each laid out
+    /// `[layer][seq_page][page bytes]` (docs/KERNELS.md); empty unless capture is on.
+    pub fn last_dense(&self) -> &[(BufferKind, Vec<u8>)] {
+        &self.last_dense
     }
 
     /// Serves one prompt on every rank: match, load back, compute the rest, materialise and
@@ -776,6 +865,7 @@ impl Cluster {
         let n_pages = pages.len() as u32;
         let buffers = self.config.deployment.model.buffers();
         let counters = self.pools.zeroed_counters(buffers.len())?;
+        let mut captured = Vec::new();
         for (bi, &b) in buffers.iter().enumerate() {
             let synth = self.kernels.synthesise(b);
             if (start as u32) < n_pages {
@@ -826,6 +916,17 @@ impl Cluster {
                     KernelArg::Ptr(counters, 4 * bi as u64),
                 ],
             )?;
+            if self.capture_dense {
+                let bytes = b.page_bytes(self.layout.page_size()) as usize
+                    * n_pages as usize
+                    * g.layers as usize;
+                let mut out = vec![0u8; bytes];
+                self.exec.read(dense, 0, &mut out)?;
+                captured.push((b, out));
+            }
+        }
+        if self.capture_dense {
+            self.last_dense = captured;
         }
         let mut out = vec![0u8; 4 * buffers.len()];
         self.exec.read(counters, 0, &mut out)?;

@@ -5,5 +5,6 @@
 //! layer that glues the tree to the allocator and the transfer kernels (`write_cp`,
 //! `load_cp`) builds on it.
 
+pub mod decode;
 pub mod host_pool;
 pub mod tree;
