@@ -399,7 +399,7 @@ impl Cluster {
     /// On error every rank's state is restored.
     pub fn evict_device_lru(&mut self, pages: usize) -> Result<usize, ClusterError> {
         let snapshot = self.ranks.clone();
-        let result = self.evict(Eviction::Lru(pages));
+        let result = self.evict(Eviction::Lru(pages), &mut RequestStats::default());
         if result.is_err() {
             self.ranks = snapshot;
         }
@@ -590,7 +590,7 @@ impl Cluster {
         let mut run = self.try_alloc(&owners, plain)?;
         if run.is_none() {
             let deficit = self.ranks[0].alloc.deficit(&owners)?;
-            let evicted = self.evict(Eviction::Lanes(deficit))?;
+            let evicted = self.evict(Eviction::Lanes(deficit), stats)?;
             stats.evictions_lane += evicted as u64;
             run = self.try_alloc(&owners, plain)?;
         }
@@ -728,11 +728,11 @@ impl Cluster {
             let deficit = self.ranks[0].alloc.deficit(owners)?;
             let free = self.ranks[0].alloc.free_pages();
             let evicted = if owners.len() > free {
-                let n = self.evict(Eviction::Lru(owners.len() - free))?;
+                let n = self.evict(Eviction::Lru(owners.len() - free), stats)?;
                 stats.evictions_lru += n as u64;
                 n
             } else {
-                let n = self.evict(Eviction::Lanes(deficit.clone()))?;
+                let n = self.evict(Eviction::Lanes(deficit.clone()), stats)?;
                 stats.evictions_lane += n as u64;
                 n
             };
@@ -750,20 +750,27 @@ impl Cluster {
     }
 
     /// Evicts device nodes on every rank alike and frees what they held. Under write-back,
-    /// LRU device leaves without a host copy are backed up first. Returns the node count.
-    fn evict(&mut self, how: Eviction) -> Result<usize, ClusterError> {
+    /// every node the eviction would drop from the tree is backed up first (its backups are
+    /// counted in `stats`), so only nodes whose backup did not fit lose their KV. Returns the
+    /// node count.
+    fn evict(&mut self, how: Eviction, stats: &mut RequestStats) -> Result<usize, ClusterError> {
+        let owner_of = self.layout;
         if self.config.policy == WritePolicy::WriteBack {
-            let need = match &how {
-                Eviction::Lru(n) => *n,
-                Eviction::Lanes(d) => d.iter().map(|&x| x as usize).sum(),
+            // Run the eviction on a copy of one replica to learn which nodes it would remove:
+            // not only the LRU leaves of now, but also parents that become leaves on the way.
+            // Backing up changes no device state and no stamp, so the real eviction below
+            // takes the same nodes, now backed up, and keeps them (and their host-only
+            // descendants) in the tree.
+            let mut sim = self.ranks[0].tree.clone();
+            let would = match &how {
+                Eviction::Lru(n) => sim.evict_device_lru(*n)?,
+                Eviction::Lanes(d) => sim.evict_device_for_lanes(d, |p| owner_of.owner(p).0)?,
             };
-            let mut discard = RequestStats::default();
-            for id in self.write_back_candidates(need)? {
-                self.write_cp(id, &mut discard)?;
+            for e in would.iter().filter(|e| e.removed) {
+                self.write_cp(e.node, stats)?;
             }
         }
         let mut count = 0;
-        let owner_of = self.layout;
         for r in &mut self.ranks {
             let evicted: Vec<Evicted> = match &how {
                 Eviction::Lru(n) => r.tree.evict_device_lru(*n)?,
@@ -778,36 +785,6 @@ impl Cluster {
             }
         }
         Ok(count)
-    }
-
-    /// Unlocked device leaves without a host copy, oldest first, covering `pages` pages.
-    fn write_back_candidates(&self, pages: usize) -> Result<Vec<NodeId>, ClusterError> {
-        let tree = &self.ranks[0].tree;
-        let mut cands = Vec::new();
-        for id in tree.node_ids() {
-            if id == NodeId::ROOT {
-                continue;
-            }
-            let n = tree.node(id)?;
-            let device_child = n
-                .children()
-                .any(|c| tree.node(c).is_ok_and(|c| c.device().is_some()));
-            if let (Some(d), None, 0, false) = (n.device(), n.host(), n.lock_count(), device_child)
-            {
-                cands.push((n.stamp(), id, d.len()));
-            }
-        }
-        cands.sort();
-        let mut covered = 0;
-        Ok(cands
-            .into_iter()
-            .take_while(|&(_, _, len)| {
-                let take = covered < pages;
-                covered += len;
-                take
-            })
-            .map(|(_, id, _)| id)
-            .collect())
     }
 
     /// Copies rank `r`'s page pairs for every buffer kind; returns bytes moved.
