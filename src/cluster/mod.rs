@@ -489,7 +489,10 @@ impl Cluster {
         self.lock(locked)?;
 
         // 2. Load back host-only nodes, owners preserved.
-        if !m.host_nodes.is_empty() {
+        if let Some(&last) = m.host_nodes.last() {
+            // Lock the host-only nodes too: evictions on the load path (and write-back
+            // backups, which may evict host LRU) must not remove the nodes being loaded.
+            self.lock(last)?;
             let before = self.exec.counters();
             let loaded = self.load_cp(&m.host_nodes, &mut stats)?;
             let c = self.exec.counters().since(&before);
@@ -499,12 +502,13 @@ impl Cluster {
                     stats.host_hit_tokens = (run.len() * ps) as u64;
                     stats.pages_loaded += run.len() as u64;
                     pages.extend(run);
-                    let last = *m.host_nodes.last().expect("non-empty");
-                    self.lock(last)?;
                     self.unlock(locked)?;
                     locked = last;
                 }
-                None => stats.load_degraded_to_miss += 1,
+                None => {
+                    self.unlock(last)?;
+                    stats.load_degraded_to_miss += 1;
+                }
             }
         }
         let cached = pages.len();
@@ -734,7 +738,16 @@ impl Cluster {
             } else {
                 let n = self.evict(Eviction::Lanes(deficit.clone()), stats)?;
                 stats.evictions_lane += n as u64;
-                n
+                if n > 0 {
+                    n
+                } else {
+                    // The short lanes' pages can sit in nodes that are not leaves yet, under
+                    // leaves holding only other lanes' pages, which lane-targeted eviction
+                    // skips. Computed pages may go anywhere, so evict LRU to uncover them.
+                    let n = self.evict(Eviction::Lru(1), stats)?;
+                    stats.evictions_lru += n as u64;
+                    n
+                }
             };
             if evicted == 0 {
                 return Err(ClusterError::PoolTooSmall {
