@@ -24,7 +24,7 @@ use crate::exec::{Executor, KernelArg};
 use crate::hicache::host_pool::HostPagePool;
 use crate::hicache::tree::{Evicted, NodeId, RadixTree, TreeError};
 use crate::jit::{Jit, Sanitize};
-use crate::kernels::{reference, Deployment, Direction};
+use crate::kernels::{reference, BufferKind, Deployment, Direction};
 use crate::layout::{zigzag_owners, CpLayout, LayoutError, PageId, Rank};
 use crate::metadata::{MetadataError, NodeMetadata};
 use sha2::{Digest, Sha256};
@@ -202,6 +202,17 @@ pub struct Cluster {
     ranks: Vec<RankState>,
     launch_failure_at: Option<usize>,
     served: usize,
+    capture_dense: bool,
+    last_dense: Vec<(BufferKind, Vec<u8>)>,
+}
+
+/// A prefix held on the device by [`Cluster::pin_prefix`], the way an in-flight request
+/// holds the KV it is decoding from; give it back with [`Cluster::unpin`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pinned {
+    node: NodeId,
+    /// Tokens of the pinned device-resident prefix (whole pages).
+    pub tokens: usize,
 }
 
 impl Cluster {
@@ -256,6 +267,8 @@ impl Cluster {
             ranks,
             launch_failure_at: None,
             served: 0,
+            capture_dense: false,
+            last_dense: Vec::new(),
         };
         if cluster.config.fault == Some(Fault::LaneExhaustion) {
             // Pages reserved for ever, on every rank alike: lane 0 keeps half its pages.
@@ -338,6 +351,29 @@ impl Cluster {
                     ),
                 }));
             }
+            let leaked = |what: String| ClusterError::Alloc(AllocError::Invariant { what });
+            for id in r.tree.node_ids() {
+                let n = r.tree.node(id)?;
+                if let Some(&p) = n
+                    .device()
+                    .and_then(|d| d.iter().find(|&&p| !r.alloc.is_allocated(p)))
+                {
+                    return Err(leaked(format!(
+                        "{}: {id} holds {p}, which the allocator has free",
+                        r.tree.rank()
+                    )));
+                }
+                if let Some(h) = n
+                    .host()
+                    .and_then(|m| m.host_pages().iter().find(|&&h| !r.host.is_allocated(h)))
+                {
+                    return Err(leaked(format!(
+                        "{}: {id} holds host page {}, which the host pool has free",
+                        r.tree.rank(),
+                        h.0
+                    )));
+                }
+            }
             let host_used = r.host.capacity() - r.host.free_count();
             let host_in_tree: usize = r
                 .tree
@@ -355,6 +391,59 @@ impl Cluster {
             }
         }
         Ok(())
+    }
+
+    /// Evicts device nodes in LRU order on every rank alike until at least `pages` device
+    /// pages were released or nothing unlocked is left (write-back backs them up first), so
+    /// tests and tools can apply memory pressure between requests. Returns the node count.
+    /// On error every rank's state is restored.
+    pub fn evict_device_lru(&mut self, pages: usize) -> Result<usize, ClusterError> {
+        let snapshot = self.ranks.clone();
+        let result = self.evict(Eviction::Lru(pages), &mut RequestStats::default());
+        if result.is_err() {
+            self.ranks = snapshot;
+        }
+        result
+    }
+
+    /// Locks the device-resident prefix of `tokens` on every rank, as a request still
+    /// decoding from it would, so eviction cannot take it. Returns what was pinned (possibly
+    /// nothing); pair it with [`Cluster::unpin`].
+    pub fn pin_prefix(&mut self, tokens: &[u32]) -> Result<Pinned, ClusterError> {
+        let ps = self.layout.page_size() as usize;
+        let key = &tokens[..tokens.len() / ps * ps];
+        let mut matched = None;
+        for r in &mut self.ranks {
+            let m = r.tree.match_prefix(key)?;
+            matched.get_or_insert(m);
+        }
+        let m = matched.ok_or_else(|| ClusterError::Config("a cluster has no rank".into()))?;
+        self.lock(m.last_device_node)?;
+        Ok(Pinned {
+            node: m.last_device_node,
+            tokens: m.device_pages.len() * ps,
+        })
+    }
+
+    /// Releases a pin taken by [`Cluster::pin_prefix`].
+    pub fn unpin(&mut self, pinned: Pinned) -> Result<(), ClusterError> {
+        self.unlock(pinned.node)
+    }
+
+    /// When on, every request reads its dense materialised buffers back (after verifying
+    /// them) so that [`Cluster::last_dense`] can feed a reference decode. Off by default: the
+    /// read-back is a device→host synchronisation a serving path would not do.
+    pub fn set_capture_dense(&mut self, on: bool) {
+        self.capture_dense = on;
+        if !on {
+            self.last_dense.clear();
+        }
+    }
+
+    /// The last request's dense materialised buffers, one per buffer kind, each laid out
+    /// `[layer][seq_page][page bytes]` (docs/KERNELS.md); empty unless capture is on.
+    pub fn last_dense(&self) -> &[(BufferKind, Vec<u8>)] {
+        &self.last_dense
     }
 
     /// Serves one prompt on every rank: match, load back, compute the rest, materialise and
@@ -400,7 +489,10 @@ impl Cluster {
         self.lock(locked)?;
 
         // 2. Load back host-only nodes, owners preserved.
-        if !m.host_nodes.is_empty() {
+        if let Some(&last) = m.host_nodes.last() {
+            // Lock the host-only nodes too: evictions on the load path (and write-back
+            // backups, which may evict host LRU) must not remove the nodes being loaded.
+            self.lock(last)?;
             let before = self.exec.counters();
             let loaded = self.load_cp(&m.host_nodes, &mut stats)?;
             let c = self.exec.counters().since(&before);
@@ -410,12 +502,13 @@ impl Cluster {
                     stats.host_hit_tokens = (run.len() * ps) as u64;
                     stats.pages_loaded += run.len() as u64;
                     pages.extend(run);
-                    let last = *m.host_nodes.last().expect("non-empty");
-                    self.lock(last)?;
                     self.unlock(locked)?;
                     locked = last;
                 }
-                None => stats.load_degraded_to_miss += 1,
+                None => {
+                    self.unlock(last)?;
+                    stats.load_degraded_to_miss += 1;
+                }
             }
         }
         let cached = pages.len();
@@ -501,7 +594,7 @@ impl Cluster {
         let mut run = self.try_alloc(&owners, plain)?;
         if run.is_none() {
             let deficit = self.ranks[0].alloc.deficit(&owners)?;
-            let evicted = self.evict(Eviction::Lanes(deficit))?;
+            let evicted = self.evict(Eviction::Lanes(deficit), stats)?;
             stats.evictions_lane += evicted as u64;
             run = self.try_alloc(&owners, plain)?;
         }
@@ -639,13 +732,22 @@ impl Cluster {
             let deficit = self.ranks[0].alloc.deficit(owners)?;
             let free = self.ranks[0].alloc.free_pages();
             let evicted = if owners.len() > free {
-                let n = self.evict(Eviction::Lru(owners.len() - free))?;
+                let n = self.evict(Eviction::Lru(owners.len() - free), stats)?;
                 stats.evictions_lru += n as u64;
                 n
             } else {
-                let n = self.evict(Eviction::Lanes(deficit.clone()))?;
+                let n = self.evict(Eviction::Lanes(deficit.clone()), stats)?;
                 stats.evictions_lane += n as u64;
-                n
+                if n > 0 {
+                    n
+                } else {
+                    // The short lanes' pages can sit in nodes that are not leaves yet, under
+                    // leaves holding only other lanes' pages, which lane-targeted eviction
+                    // skips. Computed pages may go anywhere, so evict LRU to uncover them.
+                    let n = self.evict(Eviction::Lru(1), stats)?;
+                    stats.evictions_lru += n as u64;
+                    n
+                }
             };
             if evicted == 0 {
                 return Err(ClusterError::PoolTooSmall {
@@ -661,20 +763,27 @@ impl Cluster {
     }
 
     /// Evicts device nodes on every rank alike and frees what they held. Under write-back,
-    /// LRU device leaves without a host copy are backed up first. Returns the node count.
-    fn evict(&mut self, how: Eviction) -> Result<usize, ClusterError> {
+    /// every node the eviction would drop from the tree is backed up first (its backups are
+    /// counted in `stats`), so only nodes whose backup did not fit lose their KV. Returns the
+    /// node count.
+    fn evict(&mut self, how: Eviction, stats: &mut RequestStats) -> Result<usize, ClusterError> {
+        let owner_of = self.layout;
         if self.config.policy == WritePolicy::WriteBack {
-            let need = match &how {
-                Eviction::Lru(n) => *n,
-                Eviction::Lanes(d) => d.iter().map(|&x| x as usize).sum(),
+            // Run the eviction on a copy of one replica to learn which nodes it would remove:
+            // not only the LRU leaves of now, but also parents that become leaves on the way.
+            // Backing up changes no device state and no stamp, so the real eviction below
+            // takes the same nodes, now backed up, and keeps them (and their host-only
+            // descendants) in the tree.
+            let mut sim = self.ranks[0].tree.clone();
+            let would = match &how {
+                Eviction::Lru(n) => sim.evict_device_lru(*n)?,
+                Eviction::Lanes(d) => sim.evict_device_for_lanes(d, |p| owner_of.owner(p).0)?,
             };
-            let mut discard = RequestStats::default();
-            for id in self.write_back_candidates(need)? {
-                self.write_cp(id, &mut discard)?;
+            for e in would.iter().filter(|e| e.removed) {
+                self.write_cp(e.node, stats)?;
             }
         }
         let mut count = 0;
-        let owner_of = self.layout;
         for r in &mut self.ranks {
             let evicted: Vec<Evicted> = match &how {
                 Eviction::Lru(n) => r.tree.evict_device_lru(*n)?,
@@ -689,36 +798,6 @@ impl Cluster {
             }
         }
         Ok(count)
-    }
-
-    /// Unlocked device leaves without a host copy, oldest first, covering `pages` pages.
-    fn write_back_candidates(&self, pages: usize) -> Result<Vec<NodeId>, ClusterError> {
-        let tree = &self.ranks[0].tree;
-        let mut cands = Vec::new();
-        for id in tree.node_ids() {
-            if id == NodeId::ROOT {
-                continue;
-            }
-            let n = tree.node(id)?;
-            let device_child = n
-                .children()
-                .any(|c| tree.node(c).is_ok_and(|c| c.device().is_some()));
-            if let (Some(d), None, 0, false) = (n.device(), n.host(), n.lock_count(), device_child)
-            {
-                cands.push((n.stamp(), id, d.len()));
-            }
-        }
-        cands.sort();
-        let mut covered = 0;
-        Ok(cands
-            .into_iter()
-            .take_while(|&(_, _, len)| {
-                let take = covered < pages;
-                covered += len;
-                take
-            })
-            .map(|(_, id, _)| id)
-            .collect())
     }
 
     /// Copies rank `r`'s page pairs for every buffer kind; returns bytes moved.
@@ -776,6 +855,7 @@ impl Cluster {
         let n_pages = pages.len() as u32;
         let buffers = self.config.deployment.model.buffers();
         let counters = self.pools.zeroed_counters(buffers.len())?;
+        let mut captured = Vec::new();
         for (bi, &b) in buffers.iter().enumerate() {
             let synth = self.kernels.synthesise(b);
             if (start as u32) < n_pages {
@@ -826,6 +906,17 @@ impl Cluster {
                     KernelArg::Ptr(counters, 4 * bi as u64),
                 ],
             )?;
+            if self.capture_dense {
+                let bytes = b.page_bytes(self.layout.page_size()) as usize
+                    * n_pages as usize
+                    * g.layers as usize;
+                let mut out = vec![0u8; bytes];
+                self.exec.read(dense, 0, &mut out)?;
+                captured.push((b, out));
+            }
+        }
+        if self.capture_dense {
+            self.last_dense = captured;
         }
         let mut out = vec![0u8; 4 * buffers.len()];
         self.exec.read(counters, 0, &mut out)?;

@@ -69,6 +69,12 @@ impl HostPagePool {
         self.slots.free(&ids)
     }
 
+    /// Whether host page `page` is currently handed out, so invariant checks can prove that
+    /// every host page a tree references is really held.
+    pub fn is_allocated(&self, page: HostPage) -> bool {
+        page.0 < self.capacity && self.slots.is_allocated(PageId(page.0 + 1))
+    }
+
     /// Digest of the pool state, for replica agreement.
     pub fn digest(&self) -> StateDigest {
         self.slots.digest()

@@ -1,0 +1,109 @@
+//! Synthesised KV respects its dtypes, and a CPU reference decode step over a loaded-back
+//! (cache-hit) materialised buffer gives exactly the output of the cold prefill; under the
+//! seed's bug (`PlainAllocOnLoad`) the output differs, silently: incoherent decoding.
+
+mod hicache_support;
+
+use cp_hicache::cluster::{Cluster, Fault};
+use cp_hicache::hicache::decode::{check_dtypes, decode_step, KEY_DIM};
+use cp_hicache::kernels::{BufferKind, ModelShape};
+use hicache_support::{evict_all, serve_checked, tokens, Setup};
+
+type Dense = Vec<(BufferKind, Vec<u8>)>;
+
+fn query() -> Vec<f32> {
+    (0..KEY_DIM)
+        .map(|i| ((i as f32) * 0.731).sin() * 4.0)
+        .collect()
+}
+
+/// Per layer, the decode output over every KV buffer of `dense`.
+fn decode_all(c: &Cluster, dense: &Dense, n_tokens: usize) -> Vec<Vec<f32>> {
+    let ps = c.layout().page_size();
+    let layers = c.config().layers;
+    let q = query();
+    dense
+        .iter()
+        .filter(|(b, _)| *b != BufferKind::NsaIndexK)
+        .flat_map(|(b, bytes)| {
+            let q = &q;
+            (0..layers).map(move |l| decode_step(*b, bytes, ps, layers, l, n_tokens, q).unwrap())
+        })
+        .collect()
+}
+
+/// Cold prefill, eviction, host hit: the two dense captures and their stats.
+fn cold_and_reloaded(setup: &Setup, n_tokens: usize) -> (Cluster, Dense, Dense, u64) {
+    let mut c = setup.build();
+    c.set_capture_dense(true);
+    let a = tokens(7, n_tokens);
+    let s = serve_checked(&mut c, &a);
+    assert_eq!(s.mismatched_tokens, 0);
+    let cold = c.last_dense().to_vec();
+    evict_all(&mut c);
+    let s = serve_checked(&mut c, &a);
+    assert!(s.host_hit_tokens > 0, "{s:?}");
+    let hit = c.last_dense().to_vec();
+    (c, cold, hit, s.mismatched_tokens)
+}
+
+fn setups() -> Vec<Setup> {
+    let mut nsa = Setup::new(ModelShape::Nsa, 64, 4);
+    nsa.layers = 2;
+    let mut mla = Setup::new(ModelShape::MlaBf16, 16, 2);
+    mla.layers = 2;
+    vec![nsa, mla]
+}
+
+#[test]
+fn synthesised_kv_has_legal_dtypes() {
+    for setup in setups() {
+        let n = 5 * setup.page_size as usize + 9;
+        let (c, cold, hit, _) = cold_and_reloaded(&setup, n);
+        let expect: Vec<BufferKind> = setup.model.buffers().to_vec();
+        assert_eq!(cold.iter().map(|d| d.0).collect::<Vec<_>>(), expect);
+        for (b, bytes) in cold.iter().chain(&hit) {
+            check_dtypes(*b, bytes, c.layout().page_size(), setup.layers, n).unwrap();
+        }
+    }
+}
+
+#[test]
+fn decode_over_a_cache_hit_equals_decode_over_the_cold_prefill() {
+    for setup in setups() {
+        let n = 6 * setup.page_size as usize + 1;
+        let (c, cold, hit, mismatched) = cold_and_reloaded(&setup, n);
+        assert_eq!(mismatched, 0);
+        let ps = c.layout().page_size() as usize;
+        // Byte-equal on every real token (the padding of the last page is not KV).
+        for ((b, x), (_, y)) in cold.iter().zip(&hit) {
+            assert_eq!(x.len(), y.len(), "{b}");
+        }
+        let out_cold = decode_all(&c, &cold, n);
+        let out_hit = decode_all(&c, &hit, n);
+        assert!(!out_cold.is_empty());
+        for (x, y) in out_cold.iter().zip(&out_hit) {
+            assert!(x.iter().all(|v| v.is_finite()));
+            let xb: Vec<u32> = x.iter().map(|v| v.to_bits()).collect();
+            let yb: Vec<u32> = y.iter().map(|v| v.to_bits()).collect();
+            assert_eq!(xb, yb, "{} page {ps}: decode differs on a hit", setup.model);
+        }
+    }
+}
+
+#[test]
+fn decode_under_the_seeds_bug_differs() {
+    for mut setup in setups() {
+        setup.fault = Some(Fault::PlainAllocOnLoad);
+        let n = 6 * setup.page_size as usize + 1;
+        let (c, cold, hit, mismatched) = cold_and_reloaded(&setup, n);
+        assert!(mismatched > 0, "{}", setup.model);
+        let out_cold = decode_all(&c, &cold, n);
+        let out_hit = decode_all(&c, &hit, n);
+        assert!(
+            out_cold.iter().zip(&out_hit).any(|(x, y)| x != y),
+            "{}: the wrong owner must change the decode",
+            setup.model
+        );
+    }
+}

@@ -1,0 +1,115 @@
+//! Owner-lane exhaustion on the load path: a load-back that finds one lane short evicts for
+//! that lane and succeeds; when nothing can be evicted it degrades to a miss and the tokens
+//! are recomputed correctly; nothing leaks either way. Also the host pool running full.
+
+mod hicache_support;
+
+use cp_hicache::cluster::{Fault, WritePolicy};
+use cp_hicache::kernels::ModelShape;
+use hicache_support::{evict_all, lane_capacities, serve, tokens, Setup};
+
+const POLICIES: [WritePolicy; 2] = [WritePolicy::WriteThrough, WritePolicy::WriteBack];
+
+#[test]
+fn load_back_evicts_for_the_short_lane_and_succeeds() {
+    for policy in POLICIES {
+        let mut setup = Setup::new(ModelShape::MlaBf16, 16, 2);
+        setup.device_pages = 33; // 16 pages per lane
+        setup.policy = policy;
+        setup.fault = Some(Fault::LaneExhaustion); // 8 of lane 0's pages are gone for ever
+        let mut c = setup.build();
+        let caps = lane_capacities(&c);
+        assert_eq!(c.lane_free_counts(), vec![caps[0] / 2, caps[1]]);
+        // 8 pages, zigzag owners 0,0,1,1,1,1,0,0: four of lane 0.
+        let a = tokens(1, 8 * 16);
+        serve(&mut c, &a);
+        evict_all(&mut c);
+        // One-page prompts all land in lane 0 (zigzag of one page is owner 0).
+        for i in 0..7 {
+            serve(&mut c, &tokens(10 + i, 16));
+        }
+        assert_eq!(c.lane_free_counts()[0], 1, "{policy}");
+        let s = serve(&mut c, &a);
+        assert_eq!(s.host_hit_tokens, 8 * 16, "{policy}: {s:?}");
+        assert!(s.evictions_lane >= 3, "{policy}: {s:?}");
+        assert_eq!(s.load_degraded_to_miss, 0);
+        // Everything back: lane 0 keeps only its reserved half out.
+        evict_all(&mut c);
+        assert_eq!(c.lane_free_counts(), vec![caps[0] / 2, caps[1]], "{policy}");
+    }
+}
+
+#[test]
+fn load_back_degrades_to_a_miss_when_the_lane_cannot_be_freed() {
+    for policy in POLICIES {
+        let mut setup = Setup::new(ModelShape::MlaBf16, 16, 2);
+        setup.device_pages = 17; // 8 pages per lane
+        setup.policy = policy;
+        let mut c = setup.build();
+        let caps = lane_capacities(&c);
+        let a = tokens(1, 8 * 16); // owners 0,0,1,1,1,1,0,0
+        let head = &a[..6 * 16];
+        serve(&mut c, &a);
+        // Split a after page 6: the tail node keeps owners 0,0 (both lane 0).
+        let s = serve(&mut c, head);
+        assert_eq!(s.device_hit_tokens, 6 * 16);
+        evict_all(&mut c);
+        let s = serve(&mut c, head);
+        assert_eq!(s.host_hit_tokens, 6 * 16, "{policy}: {s:?}");
+        // Five one-page prompts in lane 0, held by "in-flight requests", as is the head.
+        let ones: Vec<Vec<u32>> = (0..5).map(|i| tokens(10 + i, 16)).collect();
+        for p in &ones {
+            serve(&mut c, p);
+        }
+        let mut pins = vec![c.pin_prefix(head).unwrap()];
+        for p in &ones {
+            pins.push(c.pin_prefix(p).unwrap());
+        }
+        assert!(pins.iter().all(|p| p.tokens > 0));
+        assert_eq!(c.lane_free_counts()[0], 1, "{policy}");
+        // The tail needs two lane-0 pages, only one exists and nothing may be evicted: a
+        // miss. Recomputing it needs owners 0,1 (zigzag of two pages), which fits.
+        let s = serve(&mut c, &a);
+        assert_eq!(s.load_degraded_to_miss, 1, "{policy}: {s:?}");
+        assert_eq!(s.host_hit_tokens, 0);
+        assert_eq!(s.device_hit_tokens, 6 * 16);
+        assert_eq!(s.computed_tokens, 2 * 16);
+        for p in pins {
+            c.unpin(p).unwrap();
+        }
+        c.check_invariants().unwrap();
+        evict_all(&mut c);
+        assert_eq!(c.lane_free_counts(), caps, "{policy}: pages leaked");
+        // The tail's host copy (owners 0,0) survived the recompute and loads back fine now.
+        let s = serve(&mut c, &a);
+        assert_eq!(s.host_hit_tokens, 8 * 16, "{policy}: {s:?}");
+        evict_all(&mut c);
+        assert_eq!(c.lane_free_counts(), caps);
+    }
+}
+
+#[test]
+fn full_host_pool_skips_backups_and_stays_correct() {
+    for policy in POLICIES {
+        let mut setup = Setup::new(ModelShape::MlaBf16, 16, 2);
+        setup.device_pages = 17;
+        setup.policy = policy;
+        setup.fault = Some(Fault::HostPoolFull);
+        let mut c = setup.build();
+        let mut skipped = 0;
+        for round in 0..2 {
+            for i in 0..6 {
+                let s = serve(&mut c, &tokens(i, 5 * 16 + 3));
+                skipped += s.backups_skipped;
+            }
+            if round == 0 {
+                evict_all(&mut c);
+            }
+        }
+        if policy == WritePolicy::WriteThrough {
+            assert!(skipped > 0, "{policy}");
+        }
+        evict_all(&mut c);
+        assert_eq!(c.lane_free_counts(), lane_capacities(&c));
+    }
+}
