@@ -12,6 +12,12 @@
 //! release kernels. Success is decided from the per-lane counts alone, as the kernel-backed
 //! version must do without reading device memory.
 
+pub mod kernel;
+
+pub use kernel::{
+    DeviceSlice, KernelAllocError, KernelAllocOptions, KernelLaneAllocator, KernelRun,
+};
+
 use crate::layout::{CpLayout, PageId, Rank, TokenLoc};
 use sha2::{Digest, Sha256};
 use std::fmt;
@@ -179,6 +185,15 @@ impl OwnerLaneAllocator {
         self.lanes.iter().map(|l| l.len() as u32).collect()
     }
 
+    /// The free stack of lane `rank`, bottom first (the next page popped is the last). The
+    /// kernel-backed allocator keeps exactly this stack in device memory. Empty for a rank
+    /// outside the layout.
+    pub fn lane_stack(&self, rank: Rank) -> &[PageId] {
+        self.lanes
+            .get(usize::from(rank.0))
+            .map_or(&[], Vec::as_slice)
+    }
+
     /// Free pages over all lanes.
     pub fn free_pages(&self) -> usize {
         self.lanes.iter().map(Vec::len).sum()
@@ -230,12 +245,19 @@ impl OwnerLaneAllocator {
     /// Each page comes from the lane with the most free pages left (ties: lowest rank), which
     /// keeps lanes balanced and the choice deterministic.
     pub fn alloc_pages(&mut self, n: usize) -> Result<PageRun, AllocError> {
+        let owners = self.plain_owners(n)?;
+        self.alloc_pages_with_owners(&owners)
+    }
+
+    /// The owner sequence [`alloc_pages`](Self::alloc_pages) would request for `n` pages, so a
+    /// kernel-backed replica can launch exactly the same selection. Changes nothing.
+    pub fn plain_owners(&self, n: usize) -> Result<Vec<u8>, AllocError> {
         let free = self.free_pages();
         if n > free {
             return Err(AllocError::OutOfPages { requested: n, free });
         }
         let mut left = self.lane_free_counts();
-        let owners: Vec<u8> = (0..n)
+        Ok((0..n)
             .map(|_| {
                 let (o, _) = left
                     .iter()
@@ -246,8 +268,7 @@ impl OwnerLaneAllocator {
                 left[o] -= 1;
                 o as u8
             })
-            .collect();
-        self.alloc_pages_with_owners(&owners)
+            .collect())
     }
 
     /// Returns pages to their own lanes, pushed in input order. All or nothing: the null page,

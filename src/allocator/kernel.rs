@@ -1,0 +1,509 @@
+//! The kernel-backed owner-lane allocator: the lane free stacks and tops live in executor
+//! (device) memory and the select / release kernels pop and push them, while a host mirror
+//! decides success.
+//!
+//! DESIGN.md §2: "the host keeps only the per-lane counts, which is enough to decide success
+//! without reading device memory". This type keeps a full [`OwnerLaneAllocator`] as the
+//! mirror, because the host also needs the page ids (for the radix tree) and the mirror pops
+//! and pushes in exactly the kernels' LIFO order (docs/KERNELS.md "Lane free stacks"), so the
+//! pages it predicts are the pages the kernel writes. An allocation or a free therefore
+//! uploads a small control array and launches one kernel; it never reads device memory back
+//! and never synchronises (the executor's counters prove it).
+//!
+//! All or nothing, like the host allocator: a shortage or misuse is the mirror's typed
+//! [`AllocError`] and nothing is launched; a failed launch rolls the mirror back and
+//! re-uploads its state, so the allocator is unchanged on every error.
+
+use std::sync::Arc;
+
+use super::{AllocError, OwnerLaneAllocator, PageRun, StateDigest};
+use crate::exec::{
+    Backend, BufferId, ExecError, Executor, KernelArg, KernelArtifact, KernelId, LaunchConfig,
+    MemKind,
+};
+use crate::jit::{Arch, Artifact, Jit, JitError, JitRequest, Sanitize, Target};
+use crate::kernels::{AllocSpec, KernelError, KernelSpec, ReleaseSpec};
+use crate::layout::{CpLayout, PageId, Rank};
+
+/// Poison byte of freshly allocated output buffers (docs/KERNELS.md).
+const POISON: u8 = 0xA5;
+
+/// Why a kernel-backed allocator call failed. On every error the allocator (mirror and
+/// device state) is unchanged.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelAllocError {
+    /// A shortage or misuse, decided by the host mirror; nothing was launched.
+    #[error(transparent)]
+    Alloc(#[from] AllocError),
+    /// The select or release kernel could not be rendered.
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+    /// The select or release kernel could not be compiled.
+    #[error(transparent)]
+    Jit(#[from] JitError),
+    /// The executor failed (buffer, upload, load or launch).
+    #[error(transparent)]
+    Exec(#[from] ExecError),
+    /// [`KernelLaneAllocator::debug_check_device`] found device stacks that differ from the
+    /// mirror.
+    #[error("device lane state differs from the host mirror: {what}")]
+    DeviceMismatch {
+        /// The first difference found.
+        what: String,
+    },
+}
+
+impl KernelAllocError {
+    /// Whether this is a shortage (recoverable by eviction), exactly as
+    /// [`AllocError::is_shortage`].
+    pub fn is_shortage(&self) -> bool {
+        matches!(self, KernelAllocError::Alloc(e) if e.is_shortage())
+    }
+
+    /// The host allocator's error, when the mirror refused the call.
+    pub fn as_alloc(&self) -> Option<&AllocError> {
+        match self {
+            KernelAllocError::Alloc(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+/// How to build the allocator's kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct KernelAllocOptions {
+    /// Threads of the select and release blocks (a multiple of 32 in 32..=1024).
+    pub threads: u32,
+    /// Sanitizer mode of host-emulation builds (ignored on CUDA).
+    pub sanitize: Sanitize,
+    /// Architecture of CUDA builds (ignored on the host executor).
+    pub arch: Arch,
+}
+
+impl Default for KernelAllocOptions {
+    /// The deployments' default shape: `t256`, no sanitizer, `sm_90`.
+    fn default() -> Self {
+        KernelAllocOptions {
+            threads: 256,
+            sanitize: Sanitize::None,
+            arch: Arch::default(),
+        }
+    }
+}
+
+/// A typed array in an executor buffer: `len` elements starting `offset` bytes into
+/// `buffer`, ready to be passed to a later kernel as `KernelArg::Ptr(buffer, offset)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DeviceSlice {
+    /// The buffer.
+    pub buffer: BufferId,
+    /// Byte offset of element 0.
+    pub offset: u64,
+    /// Number of elements.
+    pub len: u64,
+}
+
+/// The result of a kernel-backed allocation: the mirror's pages, and where the select kernel
+/// wrote them in executor memory. The device arrays stay valid until the next allocation
+/// call on the same allocator (which reuses, and may reallocate, the output buffers).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KernelRun {
+    /// The pages, in request order, as predicted by the host mirror.
+    pub run: PageRun,
+    /// `u32 out_pages[n]`: the same pages, written by the select kernel.
+    pub pages: DeviceSlice,
+    /// `i64 out_locs[n * page_size]`: their page-contiguous token locations.
+    pub locs: DeviceSlice,
+}
+
+/// An executor buffer that grows on demand (contents are not preserved).
+#[derive(Debug, Clone, Copy)]
+struct Growable {
+    id: BufferId,
+    bytes: usize,
+}
+
+impl Growable {
+    fn new(exec: &dyn Executor, bytes: usize) -> Result<Growable, ExecError> {
+        let bytes = bytes.max(64);
+        Ok(Growable {
+            id: exec.alloc(MemKind::Device, bytes, POISON)?,
+            bytes,
+        })
+    }
+
+    /// Makes room for `bytes`; a new buffer is allocated (never read back) when it is short.
+    fn ensure(&mut self, exec: &dyn Executor, bytes: usize) -> Result<(), ExecError> {
+        if bytes <= self.bytes {
+            return Ok(());
+        }
+        let grown = Growable::new(exec, bytes.next_power_of_two())?;
+        let old = std::mem::replace(self, grown);
+        exec.free(old.id)
+    }
+}
+
+/// One rank's owner-lane allocator whose lanes live in executor memory. See the module
+/// documentation.
+///
+/// Thread-safety: `Send + Sync` (the executor is shared); mutation needs `&mut self`.
+pub struct KernelLaneAllocator {
+    exec: Arc<dyn Executor>,
+    mirror: OwnerLaneAllocator,
+    select: (KernelSpec, KernelId),
+    release: (KernelSpec, KernelId),
+    lane_cap: u32,
+    stacks: BufferId,
+    tops: BufferId,
+    owners_in: Growable,
+    pages_in: Growable,
+    out_pages: Growable,
+    out_locs: Growable,
+}
+
+impl std::fmt::Debug for KernelLaneAllocator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KernelLaneAllocator")
+            .field("layout", self.mirror.layout())
+            .field("select", &self.select.0.uri())
+            .field("release", &self.release.0.uri())
+            .field("lane_cap", &self.lane_cap)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KernelLaneAllocator {
+    /// A fresh allocator for `layout`: compiles (through `jit`) and loads the select and
+    /// release kernels, and uploads the lane stacks once.
+    pub fn new(
+        layout: CpLayout,
+        exec: Arc<dyn Executor>,
+        jit: &Jit,
+        options: KernelAllocOptions,
+    ) -> Result<KernelLaneAllocator, KernelAllocError> {
+        Self::from_allocator(OwnerLaneAllocator::new(layout), exec, jit, options)
+    }
+
+    /// An allocator that starts from the state of a host allocator (which becomes the
+    /// mirror), for example a replica that already served requests.
+    pub fn from_allocator(
+        mirror: OwnerLaneAllocator,
+        exec: Arc<dyn Executor>,
+        jit: &Jit,
+        options: KernelAllocOptions,
+    ) -> Result<KernelLaneAllocator, KernelAllocError> {
+        let layout = *mirror.layout();
+        let specs = [
+            KernelSpec::SelectOwnerPages(AllocSpec {
+                cp: layout.cp(),
+                page_size: layout.page_size(),
+                threads: options.threads,
+            }),
+            KernelSpec::ReleasePages(ReleaseSpec {
+                cp: layout.cp(),
+                threads: options.threads,
+            }),
+        ];
+        let target = match exec.backend() {
+            Backend::Cuda => Target::Nvrtc { arch: options.arch },
+            _ => Target::Host {
+                sanitize: options.sanitize,
+            },
+        };
+        let requests = specs
+            .iter()
+            .map(|spec| {
+                Ok(JitRequest {
+                    uri: spec.uri(),
+                    source: spec.render()?,
+                    target,
+                })
+            })
+            .collect::<Result<Vec<_>, KernelError>>()?;
+        let mut ids = Vec::with_capacity(specs.len());
+        for (spec, compiled) in specs.iter().zip(jit.warm_up(&requests)) {
+            let compiled = compiled?;
+            let entry = spec.entry_name();
+            let artifact = match &compiled.artifact {
+                Artifact::SharedObject(path) => KernelArtifact::HostLibrary {
+                    path,
+                    entry: &entry,
+                },
+                Artifact::Cubin(image) => KernelArtifact::Cubin {
+                    image,
+                    entry: &entry,
+                },
+            };
+            ids.push(exec.load_kernel(&artifact)?);
+        }
+        // Every lane fits: a lane holds at most ceil(pages / cp) pages.
+        let lane_cap = layout.local_pages_per_rank();
+        let cp = usize::from(layout.cp());
+        let ex = exec.as_ref();
+        let stacks = ex.alloc(MemKind::Device, 4 * cp * lane_cap as usize, POISON)?;
+        let tops = ex.alloc(MemKind::Device, 4 * cp, POISON)?;
+        let me = KernelLaneAllocator {
+            select: (specs[0], ids[0]),
+            release: (specs[1], ids[1]),
+            lane_cap,
+            stacks,
+            tops,
+            owners_in: Growable::new(ex, 256)?,
+            pages_in: Growable::new(ex, 4 * 256)?,
+            out_pages: Growable::new(ex, 4 * 256)?,
+            out_locs: Growable::new(ex, 8 * 256 * layout.page_size() as usize)?,
+            mirror,
+            exec,
+        };
+        me.upload_state()?;
+        Ok(me)
+    }
+
+    /// The layout this allocator manages.
+    pub fn layout(&self) -> &CpLayout {
+        self.mirror.layout()
+    }
+
+    /// The host mirror (the oracle: its stacks equal the device stacks after every call).
+    pub fn mirror(&self) -> &OwnerLaneAllocator {
+        &self.mirror
+    }
+
+    /// The executor the lanes live in.
+    pub fn executor(&self) -> &Arc<dyn Executor> {
+        &self.exec
+    }
+
+    /// Slots per lane in the device stacks (`lane_cap` of the kernels).
+    pub fn lane_cap(&self) -> u32 {
+        self.lane_cap
+    }
+
+    /// `u32 lane_stacks[CP * lane_cap]` in executor memory.
+    pub fn stacks_buffer(&self) -> BufferId {
+        self.stacks
+    }
+
+    /// `u32 lane_tops[CP]` in executor memory.
+    pub fn tops_buffer(&self) -> BufferId {
+        self.tops
+    }
+
+    /// The select and release specs (uris name the compiled kernels).
+    pub fn specs(&self) -> [KernelSpec; 2] {
+        [self.select.0, self.release.0]
+    }
+
+    /// Free pages per lane (host counts; no device access).
+    pub fn lane_free_counts(&self) -> Vec<u32> {
+        self.mirror.lane_free_counts()
+    }
+
+    /// How many pages each lane lacks to serve `owners` (host counts; no device access).
+    pub fn deficit(&self, owners: &[u8]) -> Result<Vec<u32>, KernelAllocError> {
+        Ok(self.mirror.deficit(owners)?)
+    }
+
+    /// Digest of the mirror's state (equal across replicas that saw the same calls).
+    pub fn digest(&self) -> StateDigest {
+        self.mirror.digest()
+    }
+
+    /// Allocates pages whose owners equal `owners`, in input order, and launches the select
+    /// kernel that writes them (and their token locations) to executor memory. All or
+    /// nothing: a shortage is [`AllocError::LanesShort`] with nothing launched. Uploads the
+    /// owners once; never reads back or synchronises.
+    pub fn alloc_pages_with_owners(
+        &mut self,
+        owners: &[u8],
+    ) -> Result<KernelRun, KernelAllocError> {
+        let run = self.mirror.alloc_pages_with_owners(owners)?;
+        match self.launch_select(owners) {
+            Ok(()) => Ok(self.kernel_run(run)),
+            Err(e) => {
+                // Reverse-order pushes restore the stacks exactly (LIFO).
+                let back: Vec<PageId> = run.pages().iter().rev().copied().collect();
+                self.mirror.free(&back)?;
+                self.restore_device(&e);
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Allocates `n` pages from any lanes, with the same owner choice as
+    /// [`OwnerLaneAllocator::alloc_pages`].
+    pub fn alloc_pages(&mut self, n: usize) -> Result<KernelRun, KernelAllocError> {
+        let owners = self.mirror.plain_owners(n)?;
+        self.alloc_pages_with_owners(&owners)
+    }
+
+    /// Returns pages to their lanes: validated on the mirror (the host allocator's errors,
+    /// nothing launched), then uploaded and pushed by the release kernel. Never reads back or
+    /// synchronises.
+    pub fn free(&mut self, pages: &[PageId]) -> Result<(), KernelAllocError> {
+        self.mirror.free(pages)?;
+        if let Err(e) = self.launch_release(pages) {
+            // Popping the owners of the reversed list takes exactly these pages back.
+            let owners: Vec<u8> = pages
+                .iter()
+                .rev()
+                .map(|&p| self.mirror.layout().owner(p).0)
+                .collect();
+            self.mirror.alloc_pages_with_owners(&owners)?;
+            self.restore_device(&e);
+            return Err(e.into());
+        }
+        Ok(())
+    }
+
+    /// Reads the device stacks and tops back (counted reads: tests and debugging only) and
+    /// compares them with the mirror.
+    pub fn debug_check_device(&self) -> Result<(), KernelAllocError> {
+        let cp = self.layout().cp();
+        let tops = self.read_u32(self.tops, usize::from(cp))?;
+        let stacks = self.read_u32(self.stacks, usize::from(cp) * self.lane_cap as usize)?;
+        for o in 0..cp {
+            let lane = self.mirror.lane_stack(Rank(o));
+            let top = tops[usize::from(o)];
+            if top as usize != lane.len() {
+                return Err(KernelAllocError::DeviceMismatch {
+                    what: format!("lane {o}: device top {top}, mirror holds {}", lane.len()),
+                });
+            }
+            let base = usize::from(o) * self.lane_cap as usize;
+            let dev = &stacks[base..base + lane.len()];
+            if let Some(k) = (0..lane.len()).find(|&k| dev[k] != lane[k].0) {
+                return Err(KernelAllocError::DeviceMismatch {
+                    what: format!(
+                        "lane {o} slot {k}: device page {}, mirror {}",
+                        dev[k], lane[k]
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn read_u32(&self, buffer: BufferId, n: usize) -> Result<Vec<u32>, ExecError> {
+        let mut bytes = vec![0u8; 4 * n];
+        self.exec.read(buffer, 0, &mut bytes)?;
+        Ok(bytes
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
+    }
+
+    fn kernel_run(&self, run: PageRun) -> KernelRun {
+        let n = run.len() as u64;
+        KernelRun {
+            pages: DeviceSlice {
+                buffer: self.out_pages.id,
+                offset: 0,
+                len: n,
+            },
+            locs: DeviceSlice {
+                buffer: self.out_locs.id,
+                offset: 0,
+                len: n * u64::from(self.layout().page_size()),
+            },
+            run,
+        }
+    }
+
+    fn launch_select(&mut self, owners: &[u8]) -> Result<(), ExecError> {
+        if owners.is_empty() {
+            return Ok(());
+        }
+        let ex = self.exec.as_ref();
+        let n = owners.len();
+        let ps = self.mirror.layout().page_size() as usize;
+        self.owners_in.ensure(ex, n)?;
+        self.out_pages.ensure(ex, 4 * n)?;
+        self.out_locs.ensure(ex, 8 * n * ps)?;
+        ex.upload(self.owners_in.id, 0, owners)?;
+        let d = self.select.0.launch_dims(n as u32, 1);
+        ex.launch(
+            self.select.1,
+            &LaunchConfig::linear(d.grid, d.block),
+            &[
+                KernelArg::Ptr(self.owners_in.id, 0),
+                KernelArg::U32(n as u32),
+                KernelArg::Ptr(self.stacks, 0),
+                KernelArg::Ptr(self.tops, 0),
+                KernelArg::U32(self.lane_cap),
+                KernelArg::Ptr(self.out_pages.id, 0),
+                KernelArg::Ptr(self.out_locs.id, 0),
+            ],
+        )
+    }
+
+    fn launch_release(&mut self, pages: &[PageId]) -> Result<(), ExecError> {
+        if pages.is_empty() {
+            return Ok(());
+        }
+        let ex = self.exec.as_ref();
+        let n = pages.len();
+        self.pages_in.ensure(ex, 4 * n)?;
+        let bytes: Vec<u8> = pages.iter().flat_map(|p| p.0.to_le_bytes()).collect();
+        ex.upload(self.pages_in.id, 0, &bytes)?;
+        let d = self.release.0.launch_dims(n as u32, 1);
+        ex.launch(
+            self.release.1,
+            &LaunchConfig::linear(d.grid, d.block),
+            &[
+                KernelArg::Ptr(self.pages_in.id, 0),
+                KernelArg::U32(n as u32),
+                KernelArg::Ptr(self.stacks, 0),
+                KernelArg::Ptr(self.tops, 0),
+                KernelArg::U32(self.lane_cap),
+            ],
+        )
+    }
+
+    /// Uploads the mirror's stacks and tops (no read back).
+    fn upload_state(&self) -> Result<(), ExecError> {
+        let cp = self.layout().cp();
+        let cap = self.lane_cap as usize;
+        let mut stacks = vec![0u32; usize::from(cp) * cap];
+        let mut tops = Vec::with_capacity(usize::from(cp));
+        for o in 0..cp {
+            let lane = self.mirror.lane_stack(Rank(o));
+            let base = usize::from(o) * cap;
+            for (slot, p) in stacks[base..base + lane.len()].iter_mut().zip(lane) {
+                *slot = p.0;
+            }
+            tops.push(lane.len() as u32);
+        }
+        let le = |v: &[u32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+        self.exec.upload(self.stacks, 0, &le(&stacks))?;
+        self.exec.upload(self.tops, 0, &le(&tops))
+    }
+
+    /// After a failed launch the device lanes are unspecified: re-upload the mirror.
+    fn restore_device(&self, cause: &ExecError) {
+        if let Err(e) = self.upload_state() {
+            tracing::warn!(
+                target: "cp_hicache::allocator",
+                %cause,
+                error = %e,
+                "could not restore the device lanes after a failed launch"
+            );
+        }
+    }
+}
+
+impl Drop for KernelLaneAllocator {
+    fn drop(&mut self) {
+        for b in [
+            self.stacks,
+            self.tops,
+            self.owners_in.id,
+            self.pages_in.id,
+            self.out_pages.id,
+            self.out_locs.id,
+        ] {
+            // Nothing useful can be done about a failed free while dropping.
+            let _ = self.exec.free(b);
+        }
+    }
+}

@@ -1,0 +1,250 @@
+//! The kernel-backed owner-lane allocator against its oracle, the host `OwnerLaneAllocator`:
+//! over random layouts and operation sequences both return the same pages and errors, the
+//! device stacks and tops read back equal the mirror after every operation, the select
+//! kernel's `out_pages` / `out_locs` equal the returned run, and an allocation or a free does
+//! no read back and no synchronisation.
+
+mod support;
+
+use std::sync::Arc;
+
+use cp_hicache::allocator::{
+    AllocError, KernelAllocError, KernelAllocOptions, KernelLaneAllocator, KernelRun,
+    OwnerLaneAllocator,
+};
+use cp_hicache::exec::{BlockOrder, Executor};
+use cp_hicache::layout::{zigzag_owners, CpLayout, PageId};
+use proptest::prelude::*;
+use proptest::test_runner::RngSeed;
+use support::{i64s, u32s, Rng};
+
+/// CP degrees drawn (3 for a non-power of two), page sizes drawn.
+const CPS: [u8; 6] = [1, 2, 3, 4, 8, 16];
+const PSS: [u32; 3] = [1, 16, 64];
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// Owners drawn at random; `len` may exceed what the lanes hold (a shortage).
+    Alloc { len: u16, seed: u64 },
+    /// A zigzag owner pattern over `len` pages, as a cold prefill asks.
+    Zigzag { len: u16 },
+    /// `alloc_pages(n)` without an owner pattern.
+    Plain { len: u16 },
+    /// Free a random subset (in random order) of the allocated pages.
+    Free { per_mille: u16, seed: u64 },
+    /// A misuse that must be rejected before anything is launched.
+    Misuse { kind: u8, seed: u64 },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0u16..400, any::<u64>()).prop_map(|(len, seed)| Op::Alloc { len, seed }),
+        1 => (0u16..300).prop_map(|len| Op::Zigzag { len }),
+        1 => (0u16..300).prop_map(|len| Op::Plain { len }),
+        3 => (0u16..=1000, any::<u64>()).prop_map(|(per_mille, seed)| Op::Free { per_mille, seed }),
+        1 => (0u8..4, any::<u64>()).prop_map(|(kind, seed)| Op::Misuse { kind, seed }),
+    ]
+}
+
+/// Checks the device output of a successful allocation against the returned run.
+fn check_outputs(ex: &dyn Executor, k: &KernelRun, page_size: u32) {
+    let n = k.run.len();
+    assert_eq!(k.pages.len, n as u64);
+    if n == 0 {
+        return;
+    }
+    let mut pages = vec![0u8; 4 * n];
+    ex.read(k.pages.buffer, k.pages.offset, &mut pages).unwrap();
+    let want: Vec<u32> = k.run.pages().iter().map(|p| p.0).collect();
+    assert_eq!(u32s(&pages), want, "out_pages");
+    let mut locs = vec![0u8; 8 * n * page_size as usize];
+    ex.read(k.locs.buffer, k.locs.offset, &mut locs).unwrap();
+    let locs = i64s(&locs);
+    let want: Vec<i64> = k.run.locs().map(|l| l.0 as i64).collect();
+    assert_eq!(locs, want, "out_locs must be page-contiguous");
+}
+
+fn run_case(cp: u8, ps: u32, pages: u32, ops: &[Op]) {
+    let layout = CpLayout::new(u32::from(cp), ps, pages).unwrap();
+    let ex: Arc<dyn Executor> = Arc::new(support::executor(BlockOrder::Forward));
+    let mut dev = KernelLaneAllocator::new(
+        layout,
+        Arc::clone(&ex),
+        support::jit(),
+        KernelAllocOptions::default(),
+    )
+    .unwrap();
+    let mut oracle = OwnerLaneAllocator::new(layout);
+    oracle.set_debug_checks(true);
+    dev.debug_check_device().unwrap();
+    let mut allocated: Vec<PageId> = Vec::new();
+    for (i, op) in ops.iter().enumerate() {
+        let ctx = format!("cp{cp} ps{ps} pages{pages} op {i}: {op:?}");
+        let before = ex.counters();
+        let launches_expected;
+        match op {
+            Op::Alloc { .. } | Op::Zigzag { .. } | Op::Plain { .. } => {
+                let (got, want) = match *op {
+                    Op::Plain { len } => (
+                        dev.alloc_pages(usize::from(len)),
+                        oracle.alloc_pages(usize::from(len)),
+                    ),
+                    Op::Zigzag { len } => {
+                        let owners = zigzag_owners(cp, usize::from(len));
+                        (
+                            dev.alloc_pages_with_owners(&owners),
+                            oracle.alloc_pages_with_owners(&owners),
+                        )
+                    }
+                    Op::Alloc { len, seed } => {
+                        let mut rng = Rng::new(&[seed]);
+                        let owners: Vec<u8> =
+                            (0..len).map(|_| rng.below(u64::from(cp)) as u8).collect();
+                        (
+                            dev.alloc_pages_with_owners(&owners),
+                            oracle.alloc_pages_with_owners(&owners),
+                        )
+                    }
+                    _ => unreachable!(),
+                };
+                let d = ex.counters().since(&before);
+                assert!(d.is_sync_free(), "{ctx}: {d:?}");
+                match (got, want) {
+                    (Ok(k), Ok(run)) => {
+                        assert_eq!(k.run, run, "{ctx}");
+                        launches_expected = u64::from(!run.is_empty());
+                        check_outputs(ex.as_ref(), &k, ps);
+                        allocated.extend_from_slice(run.pages());
+                    }
+                    (Err(KernelAllocError::Alloc(e)), Err(w)) => {
+                        assert_eq!(e, w, "{ctx}");
+                        assert!(e.is_shortage(), "{ctx}: {e}");
+                        launches_expected = 0;
+                    }
+                    (g, w) => panic!("{ctx}: kernel {g:?} vs oracle {w:?}"),
+                }
+                assert_eq!(d.launches, launches_expected, "{ctx}");
+            }
+            Op::Free { per_mille, seed } => {
+                let mut rng = Rng::new(&[*seed]);
+                let mut pick = Vec::new();
+                allocated.retain(|&p| {
+                    let take = rng.below(1000) < u64::from(*per_mille);
+                    if take {
+                        pick.push(p);
+                    }
+                    !take
+                });
+                let perm = rng.permutation(pick.len() as u32);
+                let pick: Vec<PageId> = perm.iter().map(|&i| pick[i as usize]).collect();
+                dev.free(&pick).unwrap_or_else(|e| panic!("{ctx}: {e}"));
+                oracle.free(&pick).unwrap();
+                let d = ex.counters().since(&before);
+                assert!(d.is_sync_free(), "{ctx}: {d:?}");
+                assert_eq!(d.launches, u64::from(!pick.is_empty()), "{ctx}");
+            }
+            Op::Misuse { kind, seed } => {
+                let mut rng = Rng::new(&[*seed]);
+                let bad: Vec<PageId> = match kind {
+                    // Page 0.
+                    0 => vec![PageId::NULL],
+                    // A page outside the layout.
+                    1 => vec![PageId(pages + rng.below(5) as u32)],
+                    // A page that is free (never allocated, or freed already).
+                    2 => match (1..pages).map(PageId).find(|p| !oracle.is_allocated(*p)) {
+                        Some(p) => vec![p],
+                        None => vec![PageId::NULL],
+                    },
+                    // A valid page twice in one call (nothing may be freed).
+                    _ => match allocated.first() {
+                        Some(&p) => vec![p, p],
+                        None => vec![PageId::NULL],
+                    },
+                };
+                let e = dev.free(&bad).unwrap_err();
+                let w = oracle.free(&bad).unwrap_err();
+                assert!(
+                    matches!(&e, KernelAllocError::Alloc(x) if *x == w),
+                    "{ctx}: {e} vs {w}"
+                );
+                let bad_owner = [cp];
+                let e = dev.alloc_pages_with_owners(&bad_owner).unwrap_err();
+                assert!(
+                    matches!(e.as_alloc(), Some(AllocError::OwnerOutOfRange { .. })),
+                    "{ctx}: {e}"
+                );
+                let d = ex.counters().since(&before);
+                assert_eq!(
+                    (d.launches, d.uploads, d.reads, d.syncs),
+                    (0, 0, 0, 0),
+                    "{ctx}"
+                );
+            }
+        }
+        assert_eq!(dev.digest(), oracle.digest(), "{ctx}");
+        assert_eq!(dev.lane_free_counts(), oracle.lane_free_counts(), "{ctx}");
+        dev.debug_check_device()
+            .unwrap_or_else(|e| panic!("{ctx}: {e}"));
+    }
+}
+
+proptest! {
+    // A fixed seed keeps the run deterministic (project rule); 24 cases × 60 operations.
+    #![proptest_config(ProptestConfig {
+        cases: 24,
+        rng_seed: RngSeed::Fixed(0x6b65_726e_656c),
+        ..ProptestConfig::default()
+    })]
+
+    #[test]
+    fn kernel_allocator_agrees_with_the_oracle(
+        cp in prop::sample::select(CPS.to_vec()),
+        ps in prop::sample::select(PSS.to_vec()),
+        extra in 0u32..700,
+        ops in prop::collection::vec(op(), 60),
+    ) {
+        let pages = u32::from(cp) + 1 + extra;
+        run_case(cp, ps, pages, &ops);
+    }
+}
+
+#[test]
+fn fresh_lanes_pop_ascending_pages_and_failed_launches_change_nothing() {
+    let layout = CpLayout::new(4, 16, 41).unwrap();
+    let ex: Arc<dyn Executor> = Arc::new(support::executor(BlockOrder::Reverse));
+    let mut dev = KernelLaneAllocator::new(
+        layout,
+        Arc::clone(&ex),
+        support::jit(),
+        KernelAllocOptions::default(),
+    )
+    .unwrap();
+    let k = dev.alloc_pages_with_owners(&[1, 0, 0, 3, 2]).unwrap();
+    let ids: Vec<u32> = k.run.pages().iter().map(|p| p.0).collect();
+    assert_eq!(ids, [1, 4, 8, 3, 2]);
+    check_outputs(ex.as_ref(), &k, 16);
+
+    // A failed select launch: the error is the executor's, and mirror and device are as
+    // before.
+    let digest = dev.digest();
+    ex.inject_launch_failure();
+    let e = dev.alloc_pages_with_owners(&[0, 1, 2, 3]).unwrap_err();
+    assert!(matches!(e, KernelAllocError::Exec(_)), "{e}");
+    assert_eq!(dev.digest(), digest);
+    dev.debug_check_device().unwrap();
+
+    // A failed release launch: the pages stay allocated, in the same stacks.
+    ex.inject_launch_failure();
+    let e = dev.free(k.run.pages()).unwrap_err();
+    assert!(matches!(e, KernelAllocError::Exec(_)), "{e}");
+    assert_eq!(dev.digest(), digest);
+    dev.debug_check_device().unwrap();
+    assert!(k.run.pages().iter().all(|&p| dev.mirror().is_allocated(p)));
+
+    // And the allocator keeps working afterwards.
+    dev.free(k.run.pages()).unwrap();
+    dev.debug_check_device().unwrap();
+    let again = dev.alloc_pages_with_owners(&[1, 0, 0, 3, 2]).unwrap();
+    assert_eq!(again.run.pages().len(), 5);
+    dev.debug_check_device().unwrap();
+}

@@ -1,0 +1,313 @@
+//! AddressSanitizer builds of the page-copy kernels (`Target::Host { sanitize: Address }`):
+//! transfer and materialise on small inputs match the reference with no ASan report, and an
+//! out-of-bounds page really is reported.
+//!
+//! Skipped unless `CP_HICACHE_EMU_SANITIZE=address`:
+//!
+//! ```sh
+//! CP_HICACHE_EMU_SANITIZE=address cargo test --test kernel_asan
+//! ```
+//!
+//! Instrumented libraries need the ASan runtime loaded first. When it is not, each test
+//! compiles the kernels in-process, then re-runs itself in a child with
+//! `LD_PRELOAD=$(c++ -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0`. (Preloading
+//! it into `cargo test` itself also works, but only when nothing needs rebuilding: rustc
+//! crashes under the preload.)
+
+mod support;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::OnceLock;
+
+use cp_hicache::exec::host::SANITIZE_ENV;
+use cp_hicache::exec::{BlockOrder, KernelArg};
+use cp_hicache::jit::Sanitize;
+use cp_hicache::kernels::reference;
+use cp_hicache::kernels::{
+    CopyLaunch, Direction, HostLayout, KernelSpec, MaterialiseSpec, TransferSpec, VecWidth,
+};
+use support::{le32, Bench, Rng, ORDERS, POISON};
+
+const CHILD_ENV: &str = "CP_HICACHE_ASAN_OOB_CHILD";
+/// Set in a child this target re-executed under the ASan runtime.
+const REEXEC_ENV: &str = "CP_HICACHE_ASAN_REEXEC";
+const COMMAND: &str = "CP_HICACHE_EMU_SANITIZE=address cargo test --test kernel_asan";
+
+fn asan_loaded() -> bool {
+    std::fs::read_to_string("/proc/self/maps").is_ok_and(|m| m.contains("libasan"))
+}
+
+fn libasan() -> PathBuf {
+    let out = Command::new(std::env::var("CXX").unwrap_or_else(|_| "c++".into()))
+        .arg("-print-file-name=libasan.so")
+        .env_remove("LD_PRELOAD")
+        .output()
+        .expect("run c++ -print-file-name=libasan.so");
+    let p = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    assert!(
+        p.is_absolute() && p.exists(),
+        "libasan.so not found by `c++ -print-file-name=libasan.so` (got {p:?})"
+    );
+    p
+}
+
+/// Whether test `name` should run its body in this process. Skips (one line) unless
+/// `CP_HICACHE_EMU_SANITIZE=address`. Without the ASan runtime loaded, it compiles the
+/// kernels here (the compiler must not run under the preload), re-runs just this test in a
+/// child with `LD_PRELOAD=libasan.so`, asserts the child passed, and returns false.
+fn run_here(name: &str) -> bool {
+    let on = std::env::var(SANITIZE_ENV).is_ok_and(|v| matches!(v.trim(), "address" | "asan"));
+    if !on {
+        eprintln!("skipped: ASan kernel tests run with `{COMMAND}`");
+        return false;
+    }
+    if asan_loaded() {
+        return true;
+    }
+    assert!(
+        std::env::var_os(REEXEC_ENV).is_none(),
+        "re-executed child still lacks the ASan runtime"
+    );
+    libs();
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", name, "--nocapture", "--test-threads=1"])
+        .env("LD_PRELOAD", libasan())
+        .env("ASAN_OPTIONS", "detect_leaks=0")
+        .env(REEXEC_ENV, "1")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{name} under ASan failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    false
+}
+
+/// The default GPU shape and the CPU shape, with the widest vector the page allows.
+fn launches(page_bytes: u64) -> [CopyLaunch; 2] {
+    let vec = VecWidth::widest_for(page_bytes);
+    [
+        CopyLaunch {
+            vec,
+            ..CopyLaunch::default()
+        },
+        CopyLaunch {
+            threads: 1,
+            pages_per_block: 1,
+            vec,
+            unroll: 1,
+        },
+    ]
+}
+
+/// (page size, bytes per token) of the cases: mla at 16 (v16) and an odd size at 1 (v1).
+const SHAPES: [(u32, u32); 2] = [(16, 1152), (1, 33)];
+const MAT_CP: u8 = 4;
+
+fn specs() -> Vec<KernelSpec> {
+    let mut v = Vec::new();
+    for (ps, bpt) in SHAPES {
+        for launch in launches(u64::from(ps * bpt)) {
+            for (direction, layout) in [
+                (Direction::DeviceToHost, HostLayout::PageFirst),
+                (Direction::HostToDevice, HostLayout::LayerFirst),
+            ] {
+                v.push(KernelSpec::TransferPages(TransferSpec {
+                    direction,
+                    layout,
+                    page_size: ps,
+                    bytes_per_token: bpt,
+                    launch,
+                }));
+            }
+            v.push(KernelSpec::Materialise(MaterialiseSpec {
+                cp: MAT_CP,
+                page_size: ps,
+                bytes_per_token: bpt,
+                launch,
+            }));
+        }
+    }
+    v
+}
+
+fn libs() -> &'static HashMap<KernelSpec, PathBuf> {
+    static LIBS: OnceLock<HashMap<KernelSpec, PathBuf>> = OnceLock::new();
+    LIBS.get_or_init(|| support::compile(&specs(), Sanitize::Address))
+}
+
+/// Launches transfer `spec` over `n` random pairs and compares with the reference; with
+/// `lie` the kernel of a d2h page-first spec is told the host pool has one more page than it
+/// has and the first pair writes that page, which starts exactly at the end of the buffer (an
+/// out-of-bounds write ASan must report).
+fn transfer_case(b: &mut Bench, spec: &KernelSpec, rng: &mut Rng, lie: bool) {
+    let KernelSpec::TransferPages(s) = *spec else {
+        unreachable!()
+    };
+    let (layers, device_pages, host_pages) = (2u32, 4u32, 3u32);
+    let pb = u64::from(s.page_size) * u64::from(s.bytes_per_token);
+    let dev_bytes = (u64::from(layers * device_pages) * pb) as usize;
+    let host_bytes = (u64::from(layers * host_pages) * pb) as usize;
+    let (src_bytes, dst_bytes, src_cap, dst_cap) = match s.direction {
+        Direction::DeviceToHost => (dev_bytes, host_bytes, device_pages, host_pages),
+        Direction::HostToDevice => (host_bytes, dev_bytes, host_pages, device_pages),
+    };
+    let n = rng.range(1, u64::from(dst_cap)) as usize;
+    let dst_pages: Vec<u32> = rng.permutation(dst_cap)[..n].to_vec();
+    let src_pages: Vec<u32> = (0..n)
+        .map(|_| rng.below(u64::from(src_cap)) as u32)
+        .collect();
+    let mut dst_pages = dst_pages;
+    if lie {
+        assert_eq!(
+            (s.direction, s.layout),
+            (Direction::DeviceToHost, HostLayout::PageFirst)
+        );
+        dst_pages[0] = host_pages;
+    }
+    let src = rng.bytes(src_bytes);
+    let sbuf = b.bytes(&src, 0);
+    let dbuf = b.poison(dst_bytes);
+    let spb = b.bytes(&le32(&src_pages), 0);
+    let dpb = b.bytes(&le32(&dst_pages), 0);
+    let told = host_pages + u32::from(lie);
+    b.launch(
+        spec,
+        spec.launch_dims(n as u32, layers).grid,
+        &[
+            KernelArg::Ptr(sbuf, 0),
+            KernelArg::Ptr(dbuf, 0),
+            KernelArg::Ptr(spb, 0),
+            KernelArg::Ptr(dpb, 0),
+            KernelArg::U32(n as u32),
+            KernelArg::U32(layers),
+            KernelArg::U32(device_pages),
+            KernelArg::U32(told),
+        ],
+    );
+    let mut want = vec![POISON; dst_bytes];
+    reference::transfer_pages(
+        s.direction,
+        s.layout,
+        pb,
+        &src,
+        &mut want,
+        &src_pages,
+        &dst_pages,
+        n as u32,
+        layers,
+        device_pages,
+        host_pages,
+    )
+    .unwrap();
+    assert!(b.read(dbuf) == want, "{spec}: differs from the reference");
+}
+
+fn materialise_case(b: &mut Bench, spec: &KernelSpec, rng: &mut Rng) {
+    let KernelSpec::Materialise(s) = *spec else {
+        unreachable!()
+    };
+    let (layers, local_pages) = (2u32, 3u32);
+    let pb = u64::from(s.page_size) * u64::from(s.bytes_per_token);
+    let pool_bytes = (u64::from(layers * local_pages) * pb) as usize;
+    let pools: Vec<Vec<u8>> = (0..s.cp).map(|_| rng.bytes(pool_bytes)).collect();
+    let ptrs: Vec<_> = pools.iter().map(|p| (b.bytes(p, 0), 0u64)).collect();
+    let n = 5u32;
+    let seq: Vec<u32> = (0..n)
+        .map(|_| rng.below(u64::from(s.cp) * u64::from(local_pages + 1)) as u32)
+        .collect();
+    let dense_bytes = (u64::from(layers * n) * pb) as usize;
+    let dense = b.poison(dense_bytes);
+    let seqb = b.bytes(&le32(&seq), 0);
+    b.launch(
+        spec,
+        spec.launch_dims(n, layers).grid,
+        &[
+            KernelArg::PtrStruct(&ptrs),
+            KernelArg::Ptr(seqb, 0),
+            KernelArg::U32(n),
+            KernelArg::U32(layers),
+            KernelArg::U32(local_pages),
+            KernelArg::Ptr(dense, 0),
+        ],
+    );
+    let views: Vec<&[u8]> = pools.iter().map(Vec::as_slice).collect();
+    let mut want = vec![POISON; dense_bytes];
+    reference::materialise(s.cp, pb, &views, &seq, n, layers, local_pages, &mut want).unwrap();
+    assert!(b.read(dense) == want, "{spec}: differs from the reference");
+}
+
+#[test]
+fn asan_copy_kernels_match_reference_without_reports() {
+    if std::env::var_os(CHILD_ENV).is_some()
+        || !run_here("asan_copy_kernels_match_reference_without_reports")
+    {
+        return;
+    }
+    for order in ORDERS {
+        let mut b = Bench::new(order, libs());
+        let mut rng = Rng::new(&[9, u64::from(order == BlockOrder::Reverse)]);
+        for spec in specs() {
+            for _ in 0..2 {
+                match spec {
+                    KernelSpec::TransferPages(_) => transfer_case(&mut b, &spec, &mut rng, false),
+                    _ => materialise_case(&mut b, &spec, &mut rng),
+                }
+            }
+        }
+    }
+}
+
+/// Child side of `asan_reports_an_out_of_bounds_page`: does nothing unless the parent set
+/// the spec's uri.
+#[test]
+fn asan_oob_child() {
+    let Ok(uri) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    let spec = specs()
+        .into_iter()
+        .find(|s| s.uri() == uri)
+        .expect("a spec of this target");
+    let mut b = Bench::new(BlockOrder::Forward, libs());
+    transfer_case(&mut b, &spec, &mut Rng::new(&[10]), true);
+    eprintln!("ASAN-CHILD: the launch returned without a report");
+}
+
+#[test]
+fn asan_reports_an_out_of_bounds_page() {
+    if std::env::var_os(CHILD_ENV).is_some() || !run_here("asan_reports_an_out_of_bounds_page") {
+        return;
+    }
+    let spec = specs()
+        .into_iter()
+        .find(|s| matches!(s, KernelSpec::TransferPages(t) if t.direction == Direction::DeviceToHost && t.launch.threads == 1 && t.page_size == 16))
+        .unwrap();
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "asan_oob_child",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD_ENV, spec.uri())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "the child should have been stopped by ASan:\n{stderr}"
+    );
+    assert!(
+        stderr.contains("AddressSanitizer") && stderr.contains("heap-buffer-overflow"),
+        "no ASan heap-buffer-overflow report in:\n{stderr}"
+    );
+    assert!(
+        stderr.contains(&spec.uri()),
+        "the report should name the kernel:\n{stderr}"
+    );
+}

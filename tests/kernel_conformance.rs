@@ -1,0 +1,734 @@
+//! Kernel conformance on the host executor: every kernel family, rendered from its template
+//! and run through the CUDA-emulation header, matches the plain-Rust reference
+//! (`kernels::reference`) on random inputs, for CP 1, 2, 4, 8, 16, page sizes 1, 16, 64 and
+//! both block orders. Outputs start as poison (0xA5) and carry guard bytes, so a byte written
+//! where the reference writes nothing is caught as surely as a wrong byte.
+//!
+//! Specs are built directly (small custom shapes, not only `Deployment`s), and compiled once
+//! in one parallel JIT warm-up whose cache lives under the cargo tmp dir.
+
+mod support;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+
+use cp_hicache::allocator::{AllocError, KernelAllocOptions, KernelLaneAllocator};
+use cp_hicache::exec::{BlockOrder, Executor, KernelArg};
+use cp_hicache::jit::Sanitize;
+use cp_hicache::kernels::reference;
+use cp_hicache::kernels::{
+    AllocSpec, BufferKind, CopyLaunch, Direction, HostLayout, KernelSpec, MaterialiseSpec,
+    ReleaseSpec, SynthSpec, TransferSpec, VecWidth, VerifySpec,
+};
+use cp_hicache::layout::CpLayout;
+use support::{grid, i64s, le32, le64, u32s, Bench, Rng, ORDERS, POISON};
+
+const CPS: [u8; 5] = [1, 2, 4, 8, 16];
+const PSS: [u32; 3] = [1, 16, 64];
+const BUFFERS: [BufferKind; 3] = [BufferKind::NsaKv, BufferKind::NsaIndexK, BufferKind::MlaKv];
+/// Threads of the select / release block (the deployments' default).
+const ALLOC_THREADS: u32 = 256;
+/// Guard elements after every output array.
+const GUARD: usize = 16;
+
+fn uri_seed(spec: &KernelSpec) -> u64 {
+    spec.uri()
+        .bytes()
+        .fold(0u64, |h, c| reference::mix64(h ^ u64::from(c)))
+}
+
+fn order_id(o: BlockOrder) -> u64 {
+    u64::from(o == BlockOrder::Reverse)
+}
+
+fn select_spec(cp: u8, page_size: u32) -> KernelSpec {
+    KernelSpec::SelectOwnerPages(AllocSpec {
+        cp,
+        page_size,
+        threads: ALLOC_THREADS,
+    })
+}
+
+fn release_spec(cp: u8) -> KernelSpec {
+    KernelSpec::ReleasePages(ReleaseSpec {
+        cp,
+        threads: ALLOC_THREADS,
+    })
+}
+
+/// Bytes per token of the transfer cases at a page size: the real buffer kinds, plus an odd
+/// custom size at page size 1 so the byte-wide (`v1`) copy path runs too.
+fn transfer_bpts(ps: u32) -> &'static [u32] {
+    match ps {
+        1 => &[132, 33],
+        16 => &[1152],
+        _ => &[656],
+    }
+}
+
+/// Bytes per token of the materialise cases (nsa_idx at ps1 → v4; mla; nsa kv → v16).
+fn materialise_bpt(ps: u32) -> u32 {
+    match ps {
+        1 => 132,
+        16 => 1152,
+        _ => 656,
+    }
+}
+
+/// A GPU-like shape with two pages per work item, and the CPU shape (one thread per page).
+fn copy_launches(page_bytes: u64) -> [CopyLaunch; 2] {
+    let vec = VecWidth::widest_for(page_bytes);
+    [
+        CopyLaunch {
+            threads: 128,
+            pages_per_block: 2,
+            vec,
+            unroll: 2,
+        },
+        CopyLaunch {
+            threads: 1,
+            pages_per_block: 1,
+            vec,
+            unroll: 1,
+        },
+    ]
+}
+
+fn transfer_specs() -> Vec<KernelSpec> {
+    let mut v = Vec::new();
+    for ps in PSS {
+        for &bpt in transfer_bpts(ps) {
+            for direction in [Direction::DeviceToHost, Direction::HostToDevice] {
+                for layout in [HostLayout::PageFirst, HostLayout::LayerFirst] {
+                    for launch in copy_launches(u64::from(ps) * u64::from(bpt)) {
+                        v.push(KernelSpec::TransferPages(TransferSpec {
+                            direction,
+                            layout,
+                            page_size: ps,
+                            bytes_per_token: bpt,
+                            launch,
+                        }));
+                    }
+                }
+            }
+        }
+    }
+    v
+}
+
+fn materialise_specs(cp: u8, ps: u32) -> [KernelSpec; 2] {
+    let bpt = materialise_bpt(ps);
+    copy_launches(u64::from(ps) * u64::from(bpt)).map(|launch| {
+        KernelSpec::Materialise(MaterialiseSpec {
+            cp,
+            page_size: ps,
+            bytes_per_token: bpt,
+            launch,
+        })
+    })
+}
+
+/// Synthesis covers every (cp, page size) and, across CPs, every buffer kind at every page
+/// size, with one spec per (cp, page size).
+fn synth_spec(ci: usize, pi: usize) -> KernelSpec {
+    KernelSpec::Synthesise(SynthSpec {
+        buffer: BUFFERS[(ci + pi) % 3],
+        cp: CPS[ci],
+        page_size: PSS[pi],
+        threads: 128,
+    })
+}
+
+fn verify_spec(buffer: BufferKind, ps: u32) -> KernelSpec {
+    KernelSpec::Verify(VerifySpec {
+        buffer,
+        page_size: ps,
+        threads: 128,
+    })
+}
+
+fn all_specs() -> Vec<KernelSpec> {
+    let mut v = transfer_specs();
+    for (ci, &cp) in CPS.iter().enumerate() {
+        v.push(release_spec(cp));
+        for (pi, &ps) in PSS.iter().enumerate() {
+            v.push(select_spec(cp, ps));
+            v.extend(materialise_specs(cp, ps));
+            v.push(synth_spec(ci, pi));
+        }
+    }
+    for b in BUFFERS {
+        for ps in PSS {
+            v.push(verify_spec(b, ps));
+        }
+    }
+    v.sort();
+    v.dedup();
+    v
+}
+
+/// Every kernel of this target, compiled once (in parallel) for all tests.
+fn libs() -> &'static HashMap<KernelSpec, PathBuf> {
+    static LIBS: OnceLock<HashMap<KernelSpec, PathBuf>> = OnceLock::new();
+    LIBS.get_or_init(|| {
+        let specs = all_specs();
+        eprintln!("{} distinct kernel specs", specs.len());
+        support::compile(&specs, Sanitize::None)
+    })
+}
+
+#[test]
+fn spec_matrix_is_modest_and_valid() {
+    let specs = all_specs();
+    assert!(specs.len() <= 110, "{} specs", specs.len());
+    assert!(specs.iter().all(|s| s.validate().is_ok()));
+    // Every vector width of the copy loops is compiled.
+    for w in ["_v1_", "_v4_", "_v16_"] {
+        assert!(specs.iter().any(|s| s.uri().contains(w)), "{w}");
+    }
+}
+
+#[test]
+fn select_matches_reference() {
+    for order in ORDERS {
+        for cp in CPS {
+            for ps in PSS {
+                let mut b = Bench::new(order, libs());
+                let spec = select_spec(cp, ps);
+                let mut rng = Rng::new(&[1, u64::from(cp), u64::from(ps), order_id(order)]);
+                let t = u64::from(ALLOC_THREADS);
+                for trial in 0..4u64 {
+                    let cpn = u32::from(cp);
+                    let lane_cap = rng.range(1, 900 / u64::from(cp) + 8) as u32;
+                    let stacks: Vec<u32> = (0..cpn * lane_cap)
+                        .map(|i| (rng.range(1, 4096) as u32) * cpn + i / lane_cap)
+                        .collect();
+                    let tops: Vec<u32> = (0..cpn)
+                        .map(|_| match trial {
+                            0 => lane_cap,
+                            _ if rng.one_in(8) => lane_cap + rng.range(1, 5) as u32,
+                            _ => rng.below(u64::from(lane_cap) + 1) as u32,
+                        })
+                        .collect();
+                    // Empty, one partial tile, and requests spanning two to four tiles.
+                    let n = match trial {
+                        0 => rng.below(2 * t + 40),
+                        1 => 0,
+                        2 => rng.below(t),
+                        _ => rng.range(t + 1, 3 * t + 50),
+                    } as usize;
+                    let owners: Vec<u8> = (0..n)
+                        .map(|_| {
+                            if trial == 3 && rng.one_in(40) {
+                                cp + rng.below(3) as u8 // out of range: page 0
+                            } else {
+                                rng.below(u64::from(cp)) as u8
+                            }
+                        })
+                        .collect();
+                    let psz = ps as usize;
+                    let ob = b.bytes(&owners, GUARD);
+                    let sb = b.bytes(&le32(&stacks), 0);
+                    let tb = b.bytes(&le32(&tops), 0);
+                    let pb = b.poison(4 * (n + GUARD));
+                    let lb = b.poison(8 * (n * psz + GUARD));
+                    b.launch(
+                        &spec,
+                        spec.launch_dims(n as u32, 1).grid,
+                        &[
+                            KernelArg::Ptr(ob, 0),
+                            KernelArg::U32(n as u32),
+                            KernelArg::Ptr(sb, 0),
+                            KernelArg::Ptr(tb, 0),
+                            KernelArg::U32(lane_cap),
+                            KernelArg::Ptr(pb, 0),
+                            KernelArg::Ptr(lb, 0),
+                        ],
+                    );
+                    let mut want_tops = tops.clone();
+                    let (want_pages, want_locs) = reference::select_owner_pages(
+                        cp,
+                        ps,
+                        &owners,
+                        &stacks,
+                        &mut want_tops,
+                        lane_cap,
+                    )
+                    .unwrap();
+                    let ctx = format!("{spec} {order} trial {trial} n {n} cap {lane_cap}");
+                    let pages = b.read(pb);
+                    assert_eq!(u32s(&pages[..4 * n]), want_pages, "out_pages: {ctx}");
+                    assert!(
+                        pages[4 * n..].iter().all(|&x| x == POISON),
+                        "out_pages guard: {ctx}"
+                    );
+                    let locs = b.read(lb);
+                    assert_eq!(i64s(&locs[..8 * n * psz]), want_locs, "out_locs: {ctx}");
+                    assert!(
+                        locs[8 * n * psz..].iter().all(|&x| x == POISON),
+                        "out_locs guard: {ctx}"
+                    );
+                    assert_eq!(u32s(&b.read(tb)), want_tops, "lane_tops: {ctx}");
+                    assert_eq!(
+                        u32s(&b.read(sb)),
+                        stacks,
+                        "lane_stacks must not change: {ctx}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn release_matches_reference() {
+    for order in ORDERS {
+        for cp in CPS {
+            let mut b = Bench::new(order, libs());
+            let spec = release_spec(cp);
+            let mut rng = Rng::new(&[2, u64::from(cp), order_id(order)]);
+            let t = u64::from(ALLOC_THREADS);
+            let cpn = u32::from(cp);
+            for trial in 0..6u64 {
+                let lane_cap = rng.range(1, 600 / u64::from(cp) + 4) as u32;
+                let stacks: Vec<u32> = (0..cpn * lane_cap)
+                    .map(|_| rng.below(1 << 20) as u32)
+                    .collect();
+                let tops: Vec<u32> = (0..cpn)
+                    .map(|_| {
+                        if rng.one_in(8) {
+                            lane_cap + rng.range(1, 5) as u32
+                        } else {
+                            rng.below(u64::from(lane_cap) + 1) as u32
+                        }
+                    })
+                    .collect();
+                let n = match trial {
+                    0 => 0,
+                    1 => rng.below(t),
+                    _ => rng.range(t + 1, 3 * t + 50),
+                } as usize;
+                // Pages of every lane, page 0 now and then, and enough of them that some
+                // pushes overflow their lane and are dropped.
+                let pages: Vec<u32> = (0..n)
+                    .map(|_| {
+                        if rng.one_in(16) {
+                            0
+                        } else {
+                            rng.below(u64::from(cpn * lane_cap) * 2) as u32
+                        }
+                    })
+                    .collect();
+                let pgb = b.bytes(&le32(&pages), GUARD);
+                let sb = b.bytes(&le32(&stacks), 4 * GUARD);
+                let tb = b.bytes(&le32(&tops), 4 * GUARD);
+                b.launch(
+                    &spec,
+                    1,
+                    &[
+                        KernelArg::Ptr(pgb, 0),
+                        KernelArg::U32(n as u32),
+                        KernelArg::Ptr(sb, 0),
+                        KernelArg::Ptr(tb, 0),
+                        KernelArg::U32(lane_cap),
+                    ],
+                );
+                let (mut ws, mut wt) = (stacks.clone(), tops.clone());
+                reference::release_pages(cp, &pages, &mut ws, &mut wt, lane_cap).unwrap();
+                let ctx = format!("{spec} {order} trial {trial} n {n} cap {lane_cap}");
+                let got_s = b.read(sb);
+                assert_eq!(u32s(&got_s[..ws.len() * 4]), ws, "lane_stacks: {ctx}");
+                assert!(
+                    got_s[ws.len() * 4..].iter().all(|&x| x == POISON),
+                    "stacks guard: {ctx}"
+                );
+                let got_t = b.read(tb);
+                assert_eq!(u32s(&got_t[..wt.len() * 4]), wt, "lane_tops: {ctx}");
+                assert!(
+                    got_t[wt.len() * 4..].iter().all(|&x| x == POISON),
+                    "tops guard: {ctx}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn select_is_all_or_nothing_through_the_allocator() {
+    let jit = support::jit();
+    libs(); // compiled in the same warm-up as everything else
+    for order in ORDERS {
+        for cp in CPS {
+            for ps in PSS {
+                let ex: Arc<dyn Executor> = Arc::new(support::executor(order));
+                let layout = CpLayout::new(u32::from(cp), ps, 700 + u32::from(cp)).unwrap();
+                let mut a = KernelLaneAllocator::new(
+                    layout,
+                    Arc::clone(&ex),
+                    jit,
+                    KernelAllocOptions::default(),
+                )
+                .unwrap();
+                let mut rng = Rng::new(&[3, u64::from(cp), u64::from(ps), order_id(order)]);
+                // A random multi-tile request (> threads) that fits.
+                let n = rng.range(u64::from(ALLOC_THREADS) + 1, 600) as usize;
+                let mut counts = a.lane_free_counts();
+                let owners: Vec<u8> = (0..n)
+                    .filter_map(|_| {
+                        let o = rng.below(u64::from(cp)) as usize;
+                        (counts[o] > 0).then(|| {
+                            counts[o] -= 1;
+                            o as u8
+                        })
+                    })
+                    .collect();
+                let run = a.alloc_pages_with_owners(&owners).unwrap();
+                let ctx = format!("cp{cp} ps{ps} {order} n {}", owners.len());
+                let mut got = vec![0u8; 4 * run.run.len()];
+                ex.read(run.pages.buffer, run.pages.offset, &mut got)
+                    .unwrap();
+                let want: Vec<u32> = run.run.pages().iter().map(|p| p.0).collect();
+                assert_eq!(u32s(&got), want, "{ctx}");
+                a.debug_check_device().unwrap();
+                // Now one lane is short: nothing is launched and the lanes stay as they were.
+                let mut stacks_before = vec![0u8; ex.size(a.stacks_buffer()).unwrap()];
+                ex.read(a.stacks_buffer(), 0, &mut stacks_before).unwrap();
+                let mut short = vec![0u8; a.lane_free_counts()[0] as usize + 1];
+                short.extend(1..cp);
+                let before = ex.counters();
+                let err = a.alloc_pages_with_owners(&short).unwrap_err();
+                let d = ex.counters().since(&before);
+                assert!(err.is_shortage(), "{ctx}: {err}");
+                assert!(
+                    matches!(err.as_alloc(), Some(AllocError::LanesShort { deficit }) if deficit[0] == 1),
+                    "{ctx}: {err}"
+                );
+                assert_eq!((d.launches, d.uploads, d.reads), (0, 0, 0), "{ctx}");
+                let mut stacks_after = vec![0u8; stacks_before.len()];
+                ex.read(a.stacks_buffer(), 0, &mut stacks_after).unwrap();
+                assert_eq!(stacks_before, stacks_after, "{ctx}");
+                a.debug_check_device().unwrap();
+            }
+        }
+    }
+}
+
+#[test]
+fn transfer_matches_reference() {
+    let (layers, device_pages, host_pages) = (2u32, 5u32, 4u32);
+    for order in ORDERS {
+        let mut b = Bench::new(order, libs());
+        for spec in transfer_specs() {
+            let KernelSpec::TransferPages(s) = spec else {
+                unreachable!()
+            };
+            let mut rng = Rng::new(&[4, order_id(order), uri_seed(&spec)]);
+            let pb = u64::from(s.page_size) * u64::from(s.bytes_per_token);
+            let dev_bytes = (u64::from(layers * device_pages) * pb) as usize;
+            let host_bytes = (u64::from(layers * host_pages) * pb) as usize;
+            let (src_cap, dst_cap, src_bytes, dst_bytes) = match s.direction {
+                Direction::DeviceToHost => (device_pages, host_pages, dev_bytes, host_bytes),
+                Direction::HostToDevice => (host_pages, device_pages, host_bytes, dev_bytes),
+            };
+            for trial in 0..2 {
+                // Distinct destination pages, one of them possibly out of range (skipped),
+                // and source pages that may be out of range too.
+                let perm = rng.permutation(dst_cap + 1);
+                let n = rng.range(1, u64::from(dst_cap) + 1) as usize;
+                let dst_pages: Vec<u32> = perm[..n].to_vec();
+                let src_pages: Vec<u32> = (0..n)
+                    .map(|_| rng.below(u64::from(src_cap) + 1) as u32)
+                    .collect();
+                let src = rng.bytes(src_bytes);
+                let sbuf = b.bytes(&src, GUARD);
+                let dbuf = b.poison(dst_bytes + GUARD);
+                let spb = b.bytes(&le32(&src_pages), 0);
+                let dpb = b.bytes(&le32(&dst_pages), 0);
+                let g = grid(&mut rng, spec.launch_dims(n as u32, layers).grid);
+                b.launch(
+                    &spec,
+                    g,
+                    &[
+                        KernelArg::Ptr(sbuf, 0),
+                        KernelArg::Ptr(dbuf, 0),
+                        KernelArg::Ptr(spb, 0),
+                        KernelArg::Ptr(dpb, 0),
+                        KernelArg::U32(n as u32),
+                        KernelArg::U32(layers),
+                        KernelArg::U32(device_pages),
+                        KernelArg::U32(host_pages),
+                    ],
+                );
+                let mut want = vec![POISON; dst_bytes + GUARD];
+                reference::transfer_pages(
+                    s.direction,
+                    s.layout,
+                    pb,
+                    &src,
+                    &mut want,
+                    &src_pages,
+                    &dst_pages,
+                    n as u32,
+                    layers,
+                    device_pages,
+                    host_pages,
+                )
+                .unwrap();
+                let got = b.read(dbuf);
+                assert!(
+                    got == want,
+                    "{spec} {order} trial {trial} grid {g}: first difference at byte {:?}; src {src_pages:?} dst {dst_pages:?}",
+                    got.iter().zip(&want).position(|(a, b)| a != b)
+                );
+                assert_eq!(b.read(sbuf)[..src_bytes], src[..], "{spec}: source changed");
+            }
+        }
+    }
+}
+
+#[test]
+fn materialise_matches_reference() {
+    let (layers, local_pages) = (2u32, 3u32);
+    for order in ORDERS {
+        for cp in CPS {
+            for ps in PSS {
+                let mut b = Bench::new(order, libs());
+                for spec in materialise_specs(cp, ps) {
+                    let KernelSpec::Materialise(s) = spec else {
+                        unreachable!()
+                    };
+                    let mut rng = Rng::new(&[
+                        5,
+                        u64::from(cp),
+                        u64::from(ps),
+                        order_id(order),
+                        u64::from(s.launch.threads),
+                    ]);
+                    let pb = u64::from(ps) * u64::from(s.bytes_per_token);
+                    let pool_bytes = (u64::from(layers * local_pages) * pb) as usize;
+                    let pools: Vec<Vec<u8>> = (0..cp).map(|_| rng.bytes(pool_bytes)).collect();
+                    let bufs: Vec<_> = pools.iter().map(|p| b.bytes(p, GUARD)).collect();
+                    let cpn = u32::from(cp);
+                    let n = rng.range(1, 7) as u32;
+                    // Global pages, some beyond the pools (skipped: their slots stay poison).
+                    let seq: Vec<u32> = (0..n)
+                        .map(|_| rng.below(u64::from(cpn * (local_pages + 1))) as u32)
+                        .collect();
+                    let dense_bytes = (u64::from(layers * n) * pb) as usize;
+                    let dense = b.poison(dense_bytes + GUARD);
+                    let seqb = b.bytes(&le32(&seq), 0);
+                    let ptrs: Vec<_> = bufs.iter().map(|&id| (id, 0u64)).collect();
+                    let g = grid(&mut rng, spec.launch_dims(n, layers).grid);
+                    b.launch(
+                        &spec,
+                        g,
+                        &[
+                            KernelArg::PtrStruct(&ptrs),
+                            KernelArg::Ptr(seqb, 0),
+                            KernelArg::U32(n),
+                            KernelArg::U32(layers),
+                            KernelArg::U32(local_pages),
+                            KernelArg::Ptr(dense, 0),
+                        ],
+                    );
+                    let views: Vec<&[u8]> = pools.iter().map(Vec::as_slice).collect();
+                    let mut want = vec![POISON; dense_bytes + GUARD];
+                    reference::materialise(cp, pb, &views, &seq, n, layers, local_pages, &mut want)
+                        .unwrap();
+                    let got = b.read(dense);
+                    assert!(
+                        got == want,
+                        "{spec} {order} grid {g} pages {seq:?}: first difference at byte {:?}",
+                        got.iter().zip(&want).position(|(a, b)| a != b)
+                    );
+                }
+            }
+        }
+    }
+}
+
+fn tokens(rng: &mut Rng, n: u32) -> Vec<u32> {
+    (0..n).map(|_| rng.below(50_000) as u32).collect()
+}
+
+#[test]
+fn synthesise_matches_reference() {
+    let (layers, local_pages) = (2u32, 4u32);
+    for order in ORDERS {
+        for (ci, &cp) in CPS.iter().enumerate() {
+            for (pi, &ps) in PSS.iter().enumerate() {
+                let mut b = Bench::new(order, libs());
+                let spec = synth_spec(ci, pi);
+                let KernelSpec::Synthesise(s) = spec else {
+                    unreachable!()
+                };
+                let mut rng = Rng::new(&[6, u64::from(cp), u64::from(ps), order_id(order)]);
+                let cpn = u32::from(cp);
+                let n_tokens = rng.range(1, u64::from(ps) * 4) as u32;
+                let n_pages = n_tokens.div_ceil(ps);
+                // Distinct global pages (page 0 excluded), some beyond the pools (skipped).
+                let perm = rng.permutation(cpn * (local_pages + 1) - 1);
+                let seq: Vec<u32> = perm[..n_pages as usize].iter().map(|p| p + 1).collect();
+                let start_page = if rng.one_in(2) {
+                    0
+                } else {
+                    rng.below(u64::from(n_pages) + 1) as u32
+                };
+                let hashes = reference::prefix_hashes(&tokens(&mut rng, n_tokens));
+                let hb = b.bytes(&le64(&hashes), 0);
+                let sb = b.bytes(&le32(&seq), 0);
+                let pool_bytes =
+                    (u64::from(layers * local_pages) * s.buffer.page_bytes(ps)) as usize;
+                let items = n_pages - start_page;
+                for rank in 0..cpn {
+                    let pool = b.poison(pool_bytes + GUARD);
+                    let g = grid(&mut rng, spec.launch_dims(items, layers).grid);
+                    b.launch(
+                        &spec,
+                        g,
+                        &[
+                            KernelArg::Ptr(pool, 0),
+                            KernelArg::Ptr(hb, 0),
+                            KernelArg::Ptr(sb, 0),
+                            KernelArg::U32(n_tokens),
+                            KernelArg::U32(start_page),
+                            KernelArg::U32(rank),
+                            KernelArg::U32(layers),
+                            KernelArg::U32(local_pages),
+                        ],
+                    );
+                    let mut want = vec![POISON; pool_bytes + GUARD];
+                    reference::synthesise(
+                        s.buffer,
+                        cp,
+                        ps,
+                        &mut want,
+                        &hashes,
+                        &seq,
+                        n_tokens,
+                        start_page,
+                        rank,
+                        layers,
+                        local_pages,
+                    )
+                    .unwrap();
+                    let got = b.read(pool);
+                    assert!(
+                        got == want,
+                        "{spec} {order} rank {rank} grid {g} tokens {n_tokens} start {start_page} pages {seq:?}: first difference at byte {:?}",
+                        got.iter().zip(&want).position(|(a, b)| a != b)
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn verify_counts_exactly_the_corrupted_tokens() {
+    let layers = 2u32;
+    for order in ORDERS {
+        let mut b = Bench::new(order, libs());
+        for buffer in BUFFERS {
+            for ps in PSS {
+                let spec = verify_spec(buffer, ps);
+                let mut rng = Rng::new(&[
+                    7,
+                    u64::from(ps),
+                    buffer.id().into(),
+                    order_id(order),
+                    buffer.bytes_per_token().into(),
+                ]);
+                for trial in 0..3 {
+                    let n_tokens = rng.range(1, u64::from(ps) * 4) as u32;
+                    let n_pages = n_tokens.div_ceil(ps);
+                    let start_page = if trial == 0 {
+                        0
+                    } else {
+                        rng.below(u64::from(n_pages) + 1) as u32
+                    };
+                    let hashes = reference::prefix_hashes(&tokens(&mut rng, n_tokens));
+                    let pb = buffer.page_bytes(ps) as usize;
+                    // A correct dense buffer; padding slots stay poison.
+                    let mut dense = vec![POISON; layers as usize * n_pages as usize * pb];
+                    for l in 0..layers {
+                        for t in 0..n_tokens {
+                            let at = (l * n_pages + t / ps) as usize * pb;
+                            reference::synth_token(
+                                buffer,
+                                ps,
+                                hashes[t as usize],
+                                l,
+                                t % ps,
+                                &mut dense[at..at + pb],
+                            )
+                            .unwrap();
+                        }
+                    }
+                    // Trial 0: untouched. Others: flip bytes of random tokens (and of padding
+                    // slots, which must not count).
+                    let fields = buffer.field_layouts(ps);
+                    let mut bad = std::collections::BTreeSet::new();
+                    let mut touched = std::collections::HashSet::new();
+                    if trial > 0 {
+                        for _ in 0..rng.range(1, 6) {
+                            let l = rng.below(u64::from(layers)) as u32;
+                            let slot_space = u64::from(n_pages * ps);
+                            let t = rng.below(slot_space) as u32;
+                            let f = fields[rng.below(fields.len() as u64) as usize];
+                            let e = rng.below(u64::from(f.count)) as u32;
+                            let byte = rng.below(u64::from(f.dtype.size())) as usize;
+                            let at =
+                                (l * n_pages + t / ps) as usize * pb + f.offset(t % ps, e) + byte;
+                            if !touched.insert(at) {
+                                continue; // a second flip of the same byte could undo the first
+                            }
+                            dense[at] ^= rng.range(1, 255) as u8;
+                            if t < n_tokens && t >= start_page * ps {
+                                bad.insert(t);
+                            }
+                        }
+                    }
+                    let want = reference::verify(
+                        buffer, ps, &dense, &hashes, n_tokens, start_page, layers,
+                    )
+                    .unwrap();
+                    assert_eq!(
+                        want as usize,
+                        bad.len(),
+                        "reference disagrees with the corruption count"
+                    );
+                    let db = b.bytes(&dense, GUARD);
+                    let hb = b.bytes(&le64(&hashes), 0);
+                    let mb = b.bytes(&le32(&[0]), GUARD);
+                    let g = grid(&mut rng, spec.launch_dims(n_tokens, layers).grid);
+                    b.launch(
+                        &spec,
+                        g,
+                        &[
+                            KernelArg::Ptr(db, 0),
+                            KernelArg::Ptr(hb, 0),
+                            KernelArg::U32(n_tokens),
+                            KernelArg::U32(start_page),
+                            KernelArg::U32(layers),
+                            KernelArg::Ptr(mb, 0),
+                        ],
+                    );
+                    let got = b.read(mb);
+                    let ctx = format!("{spec} {order} trial {trial} tokens {n_tokens} start {start_page} grid {g} bad {bad:?}");
+                    assert_eq!(u32s(&got[..4])[0], want, "{ctx}");
+                    assert!(
+                        got[4..].iter().all(|&x| x == POISON),
+                        "counter guard: {ctx}"
+                    );
+                    assert_eq!(
+                        b.read(db)[..dense.len()],
+                        dense[..],
+                        "verify wrote its input: {ctx}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,241 @@
+//! Shared helpers of the kernel test targets: one JIT with a cache under the cargo tmp dir (so
+//! reruns and other targets hit it), host executors with an explicit block order, a small
+//! deterministic RNG, and typed buffer helpers.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use cp_hicache::exec::host::EMU_HEADER;
+use cp_hicache::exec::{
+    BlockOrder, BufferId, Executor, HostExecutor, HostOptions, KernelArg, KernelArtifact, KernelId,
+    LaunchConfig, MemKind,
+};
+use cp_hicache::jit::{Artifact, Jit, JitConfig, JitRequest, Sanitize, Target};
+use cp_hicache::kernels::KernelSpec;
+
+/// Poison byte of every output buffer: bytes a kernel should not write stay 0xA5.
+pub const POISON: u8 = 0xA5;
+
+/// Both block orders, so kernels relying on uninitialised shared memory are caught.
+pub const ORDERS: [BlockOrder; 2] = [BlockOrder::Forward, BlockOrder::Reverse];
+
+/// The process-wide JIT; its disk cache is shared with the other test targets.
+pub fn jit() -> &'static Jit {
+    static JIT: OnceLock<Jit> = OnceLock::new();
+    JIT.get_or_init(|| {
+        Jit::new(JitConfig::new(
+            concat!(env!("CARGO_TARGET_TMPDIR"), "/jit-cache"),
+            EMU_HEADER,
+        ))
+    })
+}
+
+/// A host executor with an explicit block order (the env var is not consulted).
+pub fn executor(order: BlockOrder) -> HostExecutor {
+    HostExecutor::new(HostOptions {
+        block_order: order,
+        ..HostOptions::default()
+    })
+}
+
+/// Renders and compiles every spec in one parallel warm-up; panics with the compiler's
+/// message on failure. Returns the `.so` of each spec.
+pub fn compile(specs: &[KernelSpec], sanitize: Sanitize) -> HashMap<KernelSpec, PathBuf> {
+    let requests: Vec<JitRequest> = specs
+        .iter()
+        .map(|s| JitRequest {
+            uri: s.uri(),
+            source: s.render().unwrap_or_else(|e| panic!("render {s}: {e}")),
+            target: Target::Host { sanitize },
+        })
+        .collect();
+    let t = std::time::Instant::now();
+    let results = jit().warm_up(&requests);
+    let misses = results
+        .iter()
+        .filter(|r| matches!(r, Ok(k) if !k.cache_hit.is_hit()))
+        .count();
+    eprintln!(
+        "compiled {} kernels ({misses} cache misses) in {:.1} s",
+        specs.len(),
+        t.elapsed().as_secs_f64()
+    );
+    specs
+        .iter()
+        .zip(results)
+        .map(|(s, r)| {
+            let k = r.unwrap_or_else(|e| panic!("compile {s}: {e}"));
+            match k.artifact {
+                Artifact::SharedObject(p) => (*s, p),
+                Artifact::Cubin(_) => panic!("host target produced a CUBIN"),
+            }
+        })
+        .collect()
+}
+
+/// An executor plus the kernels loaded into it so far.
+pub struct Bench {
+    /// The executor.
+    pub ex: HostExecutor,
+    libs: &'static HashMap<KernelSpec, PathBuf>,
+    loaded: HashMap<KernelSpec, KernelId>,
+}
+
+impl Bench {
+    /// A bench over compiled libraries `libs`, with block order `order`.
+    pub fn new(order: BlockOrder, libs: &'static HashMap<KernelSpec, PathBuf>) -> Bench {
+        Bench {
+            ex: executor(order),
+            libs,
+            loaded: HashMap::new(),
+        }
+    }
+
+    /// The kernel of `spec`, loaded on first use.
+    pub fn kernel(&mut self, spec: &KernelSpec) -> KernelId {
+        if let Some(&k) = self.loaded.get(spec) {
+            return k;
+        }
+        let path = self
+            .libs
+            .get(spec)
+            .unwrap_or_else(|| panic!("{spec} was not compiled"));
+        let entry = spec.entry_name();
+        let k = self
+            .ex
+            .load_kernel(&KernelArtifact::HostLibrary {
+                path,
+                entry: &entry,
+            })
+            .unwrap_or_else(|e| panic!("load {spec}: {e}"));
+        self.loaded.insert(*spec, k);
+        k
+    }
+
+    /// Launches `spec` on a `grid` of its own block size; panics with the diagnostic.
+    pub fn launch(&mut self, spec: &KernelSpec, grid: u32, args: &[KernelArg<'_>]) {
+        let k = self.kernel(spec);
+        self.ex
+            .launch(k, &LaunchConfig::linear(grid, spec.threads()), args)
+            .unwrap_or_else(|e| panic!("launch {spec} grid {grid}: {e}"));
+    }
+
+    /// A buffer holding `data` (plus `guard` poison bytes after it).
+    pub fn bytes(&self, data: &[u8], guard: usize) -> BufferId {
+        let b = self
+            .ex
+            .alloc(MemKind::Device, data.len() + guard, POISON)
+            .unwrap();
+        if !data.is_empty() {
+            self.ex.upload(b, 0, data).unwrap();
+        }
+        b
+    }
+
+    /// A buffer of `n` poison bytes.
+    pub fn poison(&self, n: usize) -> BufferId {
+        self.ex.alloc(MemKind::Device, n, POISON).unwrap()
+    }
+
+    /// The whole content of a buffer.
+    pub fn read(&self, b: BufferId) -> Vec<u8> {
+        let mut out = vec![0u8; self.ex.size(b).unwrap()];
+        self.ex.read(b, 0, &mut out).unwrap();
+        out
+    }
+}
+
+/// Little-endian bytes of `u32`s.
+pub fn le32(v: &[u32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// Little-endian bytes of `u64`s.
+pub fn le64(v: &[u64]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// `u32`s of little-endian bytes (a trailing partial word is dropped).
+pub fn u32s(b: &[u8]) -> Vec<u32> {
+    b.chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+/// `i64`s of little-endian bytes.
+pub fn i64s(b: &[u8]) -> Vec<i64> {
+    b.chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+/// A deterministic splitmix64 generator (tests must not depend on OS randomness).
+pub struct Rng(u64);
+
+impl Rng {
+    /// A generator seeded from any words.
+    pub fn new(seed: &[u64]) -> Rng {
+        let mut s = 0x243f_6a88_85a3_08d3u64;
+        for &w in seed {
+            s = cp_hicache::kernels::reference::mix64(s ^ w);
+        }
+        Rng(s)
+    }
+
+    /// The next 64 random bits.
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        cp_hicache::kernels::reference::mix64(self.0)
+    }
+
+    /// Uniform in `[0, n)` (0 when `n == 0`).
+    pub fn below(&mut self, n: u64) -> u64 {
+        if n == 0 {
+            0
+        } else {
+            self.next() % n
+        }
+    }
+
+    /// Uniform in `[lo, hi]`.
+    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.below(hi - lo + 1)
+    }
+
+    /// True with probability `1 / n`.
+    pub fn one_in(&mut self, n: u64) -> bool {
+        self.below(n) == 0
+    }
+
+    /// `n` random bytes.
+    pub fn bytes(&mut self, n: usize) -> Vec<u8> {
+        let mut v = Vec::with_capacity(n + 8);
+        while v.len() < n {
+            v.extend_from_slice(&self.next().to_le_bytes());
+        }
+        v.truncate(n);
+        v
+    }
+
+    /// A random permutation of `0..n`.
+    pub fn permutation(&mut self, n: u32) -> Vec<u32> {
+        let mut v: Vec<u32> = (0..n).collect();
+        for i in (1..v.len()).rev() {
+            let j = self.below(i as u64 + 1) as usize;
+            v.swap(i, j);
+        }
+        v
+    }
+}
+
+/// A grid for a striding kernel: usually the recommended one, sometimes fewer blocks, so the
+/// grid-stride loops are exercised too.
+pub fn grid(rng: &mut Rng, recommended: u32) -> u32 {
+    if rng.one_in(3) {
+        rng.range(1, u64::from(recommended)) as u32
+    } else {
+        recommended
+    }
+}
