@@ -479,6 +479,19 @@ impl KernelLaneAllocator {
         self.exec.upload(self.tops, 0, &le(&tops))
     }
 
+    /// Rolls the allocator back to `mirror` (an earlier state of this allocator, e.g. a
+    /// snapshot taken before a request that failed) and re-uploads it to the device lanes.
+    pub fn restore(&mut self, mirror: OwnerLaneAllocator) -> Result<(), KernelAllocError> {
+        if mirror.layout() != self.mirror.layout() {
+            return Err(KernelAllocError::Alloc(AllocError::Invariant {
+                what: "restore from an allocator of another layout".into(),
+            }));
+        }
+        self.mirror = mirror;
+        self.upload_state()?;
+        Ok(())
+    }
+
     /// After a failed launch the device lanes are unspecified: re-upload the mirror.
     fn restore_device(&self, cause: &ExecError) {
         if let Err(e) = self.upload_state() {

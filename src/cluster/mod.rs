@@ -19,6 +19,7 @@ pub use kernels::{DeploymentKernels, KernelLoadError, Loaded, SourceHook};
 pub use pools::{PoolGeometry, Pools};
 pub use stats::{ReplayReport, RequestStats};
 
+use crate::allocator::kernel::{KernelAllocError, KernelAllocOptions, KernelLaneAllocator};
 use crate::allocator::{AllocError, OwnerLaneAllocator, StateDigest};
 use crate::exec::{Executor, KernelArg};
 use crate::hicache::host_pool::HostPagePool;
@@ -155,6 +156,9 @@ pub enum ClusterError {
     /// An allocator misuse (a bug, never a shortage).
     #[error("allocator: {0}")]
     Alloc(#[from] AllocError),
+    /// The kernel-backed allocator failed (a launch, an upload, or a misuse).
+    #[error("allocator: {0}")]
+    KernelAlloc(#[from] KernelAllocError),
     /// A tree operation was refused.
     #[error(transparent)]
     Tree(#[from] TreeError),
@@ -184,13 +188,16 @@ impl ClusterError {
     }
 }
 
-/// One rank's host-side state.
-#[derive(Clone, Debug)]
+/// One rank's state: its tree and host pool on the host, its allocator's lanes on the
+/// device (with the host mirror that decides).
 struct RankState {
     tree: RadixTree,
-    alloc: OwnerLaneAllocator,
+    alloc: KernelLaneAllocator,
     host: HostPagePool,
 }
+
+/// Every rank's state as it was before an operation, to roll back to on error.
+struct Snapshot(Vec<(RadixTree, OwnerLaneAllocator, HostPagePool)>);
 
 /// C rank replicas, their pools, and the kernels that move their bytes.
 pub struct Cluster {
@@ -254,7 +261,16 @@ impl Cluster {
         for r in 0..layout.cp() {
             ranks.push(RankState {
                 tree: RadixTree::new(layout, Rank(r))?,
-                alloc: OwnerLaneAllocator::new(layout),
+                alloc: KernelLaneAllocator::new(
+                    layout,
+                    exec.clone(),
+                    jit,
+                    KernelAllocOptions {
+                        threads: dep.alloc_threads,
+                        sanitize: config.sanitize,
+                        arch: dep.arch,
+                    },
+                )?,
                 host: HostPagePool::new(host_pages)?,
             });
         }
@@ -334,10 +350,12 @@ impl Cluster {
     /// Checks every rank's allocator and tree invariants, conservation included.
     pub fn check_invariants(&self) -> Result<(), ClusterError> {
         for r in &self.ranks {
-            r.alloc.check_invariants()?;
+            r.alloc.mirror().check_invariants()?;
+            // The device lanes must equal the mirror (a counted read-back: tests only).
+            r.alloc.debug_check_device()?;
             r.tree.check_invariants()?;
             let in_tree = r.tree.device_pages();
-            let used: u32 = r.alloc.lane_used_counts().iter().sum();
+            let used: u32 = r.alloc.mirror().lane_used_counts().iter().sum();
             let reserved = if self.config.fault == Some(Fault::LaneExhaustion) {
                 self.layout.lane_capacity(Rank(0)) / 2
             } else {
@@ -356,7 +374,7 @@ impl Cluster {
                 let n = r.tree.node(id)?;
                 if let Some(&p) = n
                     .device()
-                    .and_then(|d| d.iter().find(|&&p| !r.alloc.is_allocated(p)))
+                    .and_then(|d| d.iter().find(|&&p| !r.alloc.mirror().is_allocated(p)))
                 {
                     return Err(leaked(format!(
                         "{}: {id} holds {p}, which the allocator has free",
@@ -398,10 +416,10 @@ impl Cluster {
     /// tests and tools can apply memory pressure between requests. Returns the node count.
     /// On error every rank's state is restored.
     pub fn evict_device_lru(&mut self, pages: usize) -> Result<usize, ClusterError> {
-        let snapshot = self.ranks.clone();
+        let snapshot = self.snapshot();
         let result = self.evict(Eviction::Lru(pages), &mut RequestStats::default());
         if result.is_err() {
-            self.ranks = snapshot;
+            self.restore(snapshot)?;
         }
         result
     }
@@ -450,16 +468,36 @@ impl Cluster {
     /// verify, insert, back up. On error every rank's state is restored to what it was, so a
     /// failed request leaves no trace but the error.
     pub fn serve(&mut self, tokens: &[u32]) -> Result<RequestStats, ClusterError> {
-        let snapshot = self.ranks.clone();
+        let snapshot = self.snapshot();
         if self.launch_failure_at == Some(self.served) {
             self.exec.inject_launch_failure();
         }
         self.served += 1;
         let result = self.serve_inner(tokens);
         if result.is_err() {
-            self.ranks = snapshot;
+            self.restore(snapshot)?;
         }
         result
+    }
+
+    fn snapshot(&self) -> Snapshot {
+        Snapshot(
+            self.ranks
+                .iter()
+                .map(|r| (r.tree.clone(), r.alloc.mirror().clone(), r.host.clone()))
+                .collect(),
+        )
+    }
+
+    /// Puts every rank back to `snapshot`; the device lanes are re-uploaded from the mirror
+    /// (pages handed out since then were only ever written by this failed operation).
+    fn restore(&mut self, snapshot: Snapshot) -> Result<(), ClusterError> {
+        for (r, (tree, mirror, host)) in self.ranks.iter_mut().zip(snapshot.0) {
+            r.tree = tree;
+            r.host = host;
+            r.alloc.restore(mirror)?;
+        }
+        Ok(())
     }
 
     fn serve_inner(&mut self, tokens: &[u32]) -> Result<RequestStats, ClusterError> {
@@ -710,7 +748,7 @@ impl Cluster {
                 r.alloc.alloc_pages_with_owners(owners)
             };
             match res {
-                Ok(run) => out = Some(run.into_pages()),
+                Ok(k) => out = Some(k.run.into_pages()),
                 Err(e) if e.is_shortage() => return Ok(None),
                 Err(e) => return Err(e.into()),
             }
@@ -730,7 +768,7 @@ impl Cluster {
                 return Ok(run);
             }
             let deficit = self.ranks[0].alloc.deficit(owners)?;
-            let free = self.ranks[0].alloc.free_pages();
+            let free = self.ranks[0].alloc.mirror().free_pages();
             let evicted = if owners.len() > free {
                 let n = self.evict(Eviction::Lru(owners.len() - free), stats)?;
                 stats.evictions_lru += n as u64;
