@@ -803,6 +803,13 @@ static int launch_entry_impl(const char* name, void (*fn)(A...), const CpEmuLaun
   if (cfg->num_params != sizeof...(A) || (sizeof...(A) > 0 && params == nullptr)) {
     return launch(name, cfg, sizeof...(A), sizes, nullptr, nullptr);  // reports the arity error
   }
+  // Check every size before reading any parameter: a parameter shorter than the kernel's
+  // type must be reported, never read past its end.
+  for (size_t i = 0; cfg->param_sizes != nullptr && i < sizeof...(A); ++i) {
+    if (cfg->param_sizes[i] != sizes[i]) {
+      return launch(name, cfg, sizeof...(A), sizes, nullptr, nullptr);  // reports the size error
+    }
+  }
   Call<A...> call{fn, std::tuple<std::decay_t<A>...>(load_param<std::decay_t<A>>(params[I])...)};
   return launch(name, cfg, sizeof...(A), sizes, &Call<A...>::run, &call);
 }
