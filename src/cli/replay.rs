@@ -25,7 +25,7 @@ pub enum ModelArg {
     Mla,
 }
 
-/// Options of `replay`. Parsing has no side effects; [`ReplayArgs::validate`] checks them.
+/// Options of `replay`. Parsing has no side effects; validation happens when it runs.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ReplayArgs {
     /// A Mooncake-format trace (JSON lines with timestamp, input_length, output_length,

@@ -1,6 +1,6 @@
 //! Kernel sources: what each kernel is ([`KernelSpec`]), what a deployment needs
 //! ([`Deployment`]), how specs become CUDA C (askama templates in `templates/`), and plain
-//! Rust references with exactly the kernels' semantics ([`reference`]).
+//! Rust references with exactly the kernels' semantics ([`reference`](mod@reference)).
 //!
 //! The binary contract (parameter lists, layouts, synthesised bytes) is `docs/KERNELS.md`.
 //! Compiling and running the renders is the job of the JIT and the executors.
