@@ -50,6 +50,11 @@ pub struct BenchArgs {
     /// references (exit status 1 on any difference).
     #[arg(long)]
     pub check: bool,
+    /// Compile (NVRTC, sm_90) every kernel `bench`, `bench --check` and `tune --quick` load on
+    /// a GPU into the JIT cache, without running anything: prepares a cache for a GPU machine
+    /// without NVRTC (`CP_HICACHE_JIT=off`).
+    #[arg(long, hide = true)]
+    pub prebuild: bool,
 }
 
 pub(super) fn run(args: &BenchArgs) -> Result<ExitCode, crate::Error> {
@@ -59,8 +64,11 @@ pub(super) fn run(args: &BenchArgs) -> Result<ExitCode, crate::Error> {
         }
         None => default_deployments()?,
     };
-    let exec = open_executor(args.backend)?;
     let jit = Jit::new(JitConfig::from_env(EMU_HEADER));
+    if args.prebuild {
+        return prebuild(&jit, &deps);
+    }
+    let exec = open_executor(args.backend)?;
     if args.check {
         return run_check(exec.as_ref(), &jit, &deps);
     }
@@ -132,6 +140,43 @@ pub(super) fn run(args: &BenchArgs) -> Result<ExitCode, crate::Error> {
         std::fs::write(path, svg_chart(&rows)).map_err(|e| io(path, e))?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+fn prebuild(jit: &Jit, deps: &[crate::kernels::Deployment]) -> Result<ExitCode, crate::Error> {
+    let target = crate::jit::Target::Nvrtc {
+        arch: crate::jit::Arch::default(),
+    };
+    let mut requests = vec![crate::jit::JitRequest {
+        uri: crate::tuning::measure::PLAIN_COPY_URI.to_string(),
+        source: crate::tuning::measure::plain_copy_source(),
+        target,
+    }];
+    for spec in bench::prebuild_specs(deps) {
+        requests.push(crate::jit::JitRequest {
+            uri: spec.uri(),
+            source: spec.render()?,
+            target,
+        });
+    }
+    let results = jit.warm_up(&requests);
+    let mut failed = 0;
+    for (req, r) in requests.iter().zip(&results) {
+        if let Err(e) = r {
+            failed += 1;
+            eprintln!("error: {}: {e}", req.uri);
+        }
+    }
+    println!(
+        "prebuilt {} of {} kernels for {target} into {}",
+        results.len() - failed,
+        results.len(),
+        jit.cache().root().display()
+    );
+    Ok(if failed == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
 
 fn io(path: &Path, source: std::io::Error) -> crate::Error {

@@ -271,3 +271,27 @@ pub fn run(
     }
     Ok(rows)
 }
+
+/// Every kernel that `bench`, `bench --check` and `tune --quick` may load for `deps` on a GPU:
+/// all kernels of each deployment and every quick CUDA candidate of its tuned kernels. A
+/// machine without a compiler (`CP_HICACHE_JIT=off`) can run those commands from a cache
+/// prebuilt with these specs (`bench --prebuild`; see scripts/gpu-check.sh).
+pub fn prebuild_specs(deps: &[Deployment]) -> Vec<KernelSpec> {
+    let mut out: Vec<KernelSpec> = Vec::new();
+    let mut push = |s: KernelSpec| {
+        if !out.contains(&s) {
+            out.push(s);
+        }
+    };
+    for dep in deps {
+        dep.specs().into_iter().for_each(&mut push);
+        for base in super::tuner::tuned_specs(dep) {
+            for c in super::candidates_for(&base, Backend::Cuda, true) {
+                if let super::Candidate::Kernel(s) = c {
+                    push(s);
+                }
+            }
+        }
+    }
+    out
+}
