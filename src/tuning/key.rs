@@ -35,6 +35,9 @@ impl fmt::Display for DeviceKey {
     }
 }
 
+/// The compiler identity recorded when no compiler is available (prebuilt kernels only).
+pub const PREBUILT_COMPILER: &str = "prebuilt kernels (compiler not available)";
+
 /// How a stored key relates to the device at hand.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum KeyMatch {
@@ -62,20 +65,27 @@ impl DeviceKey {
     }
 
     /// The key of `exec` with the compilers of `jit`: on the host, the CPU model and the host
-    /// C++ compiler; on CUDA, the compute capability the JIT targets and NVRTC's version.
+    /// C++ compiler; on CUDA, the compute capability the JIT targets and NVRTC's version. A
+    /// machine without the compiler (running a prebuilt cache with `CP_HICACHE_JIT=off`) gets
+    /// [`PREBUILT_COMPILER`], so its results never match a machine that compiles.
     pub fn for_executor(exec: &dyn Executor, jit: &Jit) -> Result<DeviceKey, TuningError> {
         match exec.backend() {
             Backend::Cuda => Ok(DeviceKey {
                 backend: Backend::Cuda.to_string(),
                 device: exec.device_name(),
                 capability: Arch::default().to_string(),
-                compiler: jit.nvrtc_identity()?,
+                compiler: jit
+                    .nvrtc_identity()
+                    .unwrap_or_else(|_| PREBUILT_COMPILER.to_string()),
             }),
             _ => Ok(DeviceKey {
                 backend: Backend::Host.to_string(),
                 device: exec.device_name(),
                 capability: cpu_model(),
-                compiler: jit.host_compiler()?.identity().to_string(),
+                compiler: jit
+                    .host_compiler()
+                    .map(|c| c.identity().to_string())
+                    .unwrap_or_else(|_| PREBUILT_COMPILER.to_string()),
             }),
         }
     }
