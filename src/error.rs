@@ -42,6 +42,9 @@ pub enum Error {
     /// A deployment warm-up failed (every failing kernel is listed).
     #[error(transparent)]
     WarmUp(#[from] WarmUpError),
+    /// Tuning, benchmarking or a tuning file failed.
+    #[error(transparent)]
+    Tuning(#[from] crate::tuning::TuningError),
     /// Invalid command-line input that clap could not catch.
     #[error("{0}")]
     Usage(String),

@@ -30,6 +30,7 @@ pub mod jit;
 pub mod kernels;
 pub mod layout;
 pub mod metadata;
+pub mod tuning;
 pub mod workload;
 
 pub use error::Error;

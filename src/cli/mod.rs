@@ -1,10 +1,12 @@
 //! The `cp-hicache` command line: argument types (parsed without side effects) and the
 //! dispatch to each command. `main` only maps the result to an exit status.
 
+mod bench;
 mod compile;
 mod info;
 mod render;
 mod replay;
+mod tune;
 
 pub use replay::{ModelArg, ReplayArgs};
 
@@ -43,6 +45,12 @@ pub enum Command {
     /// Compile every kernel of a deployment (NVRTC or the host compiler) through the JIT cache
     /// and print a resource table: registers, spills, stack, shared memory, time, cache hit.
     Compile(compile::CompileArgs),
+    /// Time every launch-shape candidate of a deployment's kernels on this executor and merge
+    /// the fastest into a tuning file keyed by device and compiler.
+    Tune(tune::TuneArgs),
+    /// Time transfer, materialise, select and release (default and tuned shapes) against
+    /// baselines measured in the same run; `--check` compares every family with the references.
+    Bench(bench::BenchArgs),
 }
 
 /// Runs a parsed command line. Errors are returned, not printed, so `main` owns the exit
@@ -53,6 +61,8 @@ pub fn run(cli: Cli) -> Result<ExitCode, crate::Error> {
         Some(Command::Info(args)) => info::run(&args),
         Some(Command::Render(args)) => render::run(&args),
         Some(Command::Compile(args)) => compile::run(&args),
+        Some(Command::Tune(args)) => tune::run(&args),
+        Some(Command::Bench(args)) => bench::run(&args),
         None => replay::run(&ReplayArgs::default()),
     }
 }

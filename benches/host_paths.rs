@@ -1,0 +1,94 @@
+//! Criterion benches of the host-side hot paths that run per request: owner-preserving page
+//! allocation (2,048 pages, then free), node metadata split/concat/encode, and a radix-tree
+//! match over a 128k-token path. Goals (BENCHMARKS.md): alloc < 20 µs, match < 50 µs.
+//!
+//! `cargo bench --bench host_paths -- --quick` for a short run; `cargo test` runs each once.
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use cp_hicache::allocator::OwnerLaneAllocator;
+use cp_hicache::hicache::tree::RadixTree;
+use cp_hicache::layout::{zigzag_owners, CpLayout, Rank};
+use cp_hicache::metadata::{HostPage, NodeMetadata};
+use criterion::{criterion_group, criterion_main, Criterion};
+
+const CP: u32 = 8;
+const PAGE_SIZE: u32 = 64;
+
+fn alloc(c: &mut Criterion) {
+    let layout = CpLayout::new(CP, PAGE_SIZE, 16 * 2048).expect("layout");
+    let owners = zigzag_owners(CP as u8, 2048);
+    let mut alloc = OwnerLaneAllocator::new(layout);
+    c.bench_function("alloc_pages_with_owners 2048 + free", |b| {
+        b.iter(|| {
+            let run = alloc
+                .alloc_pages_with_owners(black_box(&owners))
+                .expect("enough pages");
+            alloc.free(run.pages()).expect("free");
+        })
+    });
+}
+
+fn metadata(c: &mut Criterion) {
+    let layout = CpLayout::new(CP, PAGE_SIZE, 16 * 2048).expect("layout");
+    let rank = Rank(3);
+    let owners = zigzag_owners(CP as u8, 2048);
+    let owned = owners.iter().filter(|&&o| o == rank.0).count() as u32;
+    let meta = NodeMetadata::new(&layout, rank, owners, (0..owned).map(HostPage).collect())
+        .expect("metadata");
+    let at = u64::from(PAGE_SIZE) * 1000;
+    c.bench_function("metadata split 2048 pages", |b| {
+        b.iter(|| black_box(meta.split(black_box(at)).expect("split")))
+    });
+    let (left, right) = meta.split(at).expect("split");
+    c.bench_function("metadata concat 2 nodes", |b| {
+        b.iter(|| black_box(NodeMetadata::concat([&left, &right]).expect("concat")))
+    });
+    c.bench_function("metadata encode 2048 pages", |b| {
+        b.iter(|| black_box(meta.encode()))
+    });
+    let bytes = meta.encode();
+    c.bench_function("metadata decode 2048 pages", |b| {
+        b.iter(|| black_box(NodeMetadata::decode(black_box(&bytes)).expect("decode")))
+    });
+}
+
+fn radix_match(c: &mut Criterion) {
+    let tokens_n = 128 * 1024;
+    let pages_n = tokens_n / PAGE_SIZE as usize;
+    let layout = CpLayout::new(CP, PAGE_SIZE, 2 * pages_n as u32 + 64).expect("layout");
+    let mut alloc = OwnerLaneAllocator::new(layout);
+    let mut tree = RadixTree::new(layout, Rank(0)).expect("tree");
+    let tokens: Vec<u32> = (0..tokens_n as u32)
+        .map(|i| i.wrapping_mul(2_654_435_761) % 100_000)
+        .collect();
+    let run = alloc.alloc_pages(pages_n).expect("pages");
+    let pages = run.pages().to_vec();
+    // A realistic path: the 128k-token sequence was inserted as growing turns of a chat, so
+    // the path has several nodes.
+    for turns in [8usize, 4, 2, 1] {
+        let n = pages_n / turns;
+        let ins = tree
+            .insert(&tokens[..n * PAGE_SIZE as usize], &pages[..n])
+            .expect("insert");
+        black_box(ins);
+    }
+    c.bench_function("radix match 128k-token path", |b| {
+        b.iter(|| black_box(tree.match_prefix(black_box(&tokens)).expect("match")))
+    });
+}
+
+fn config() -> Criterion {
+    Criterion::default()
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(1))
+        .sample_size(20)
+}
+
+criterion_group! {
+    name = host_paths;
+    config = config();
+    targets = alloc, metadata, radix_match
+}
+criterion_main!(host_paths);

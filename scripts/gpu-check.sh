@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# One prepared GPU acceptance run for an H200 (or any sm_90) machine that has no cargo and no
+# network: it runs a cp-hicache binary built elsewhere and carried over, and prints a short
+# table last. Every step has a timeout; a failing step does not stop the others, and the exit
+# status is 1 when any step failed.
+#
+# Steps: info; compile (NVRTC) or, without NVRTC, the carried CUBIN cache with
+# CP_HICACHE_JIT=off; every kernel family on the CUDA executor against the Rust references on
+# random inputs with poisoned outputs (`bench --check --backend cuda`); `tune --backend cuda
+# --quick`; `bench --backend cuda --json` with that tuning file; compute-sanitizer memcheck of
+# the check when compute-sanitizer is on PATH.
+#
+# Prepare on the build machine (has cargo and network; no GPU needed):
+#   cargo build --release
+#   export CP_HICACHE_NVRTC="$(scripts/install-nvrtc.sh | tail -n1)"
+#   CP_HICACHE_CACHE_DIR=gpu-cache target/release/cp-hicache compile --deployment all
+#   CP_HICACHE_CACHE_DIR=gpu-cache target/release/cp-hicache bench --prebuild
+#   # carry target/release/cp-hicache, scripts/gpu-check.sh and gpu-cache/ (a few MB)
+# Run on the GPU machine:
+#   CP_HICACHE_CACHE_DIR=gpu-cache scripts/gpu-check.sh [path/to/cp-hicache]
+#
+# Environment:
+#   CP_HICACHE_BIN        binary (default: first argument, else target/release/cp-hicache)
+#   CP_HICACHE_CACHE_DIR  JIT cache (carried, or a fresh one when NVRTC is present)
+#   CP_HICACHE_NVRTC      libnvrtc.so.12 to compile with (optional)
+#   GPU_CHECK_OUT         output folder for logs and JSON (default: $OUT, else a temp dir)
+#   GPU_CHECK_TIMEOUT     seconds per step (default 240)
+set -euo pipefail
+
+bin="${1:-${CP_HICACHE_BIN:-target/release/cp-hicache}}"
+out="${GPU_CHECK_OUT:-${OUT:-$(mktemp -d -t cp-hicache-gpu-check.XXXXXX)}}"
+step_timeout="${GPU_CHECK_TIMEOUT:-240}"
+mkdir -p "$out"
+
+if [[ ! -x "$bin" ]]; then
+  echo "error: cp-hicache binary not found or not executable: $bin" >&2
+  echo "       build it with 'cargo build --release' and carry target/release/cp-hicache" >&2
+  exit 2
+fi
+if ! command -v timeout >/dev/null 2>&1; then
+  echo "error: coreutils 'timeout' is required" >&2
+  exit 2
+fi
+
+export RUST_LOG="${RUST_LOG:-warn}"
+rows=()
+failed=0
+
+# step NAME COMMAND... : runs with a timeout, logs to $out/NAME.log, records ok/FAIL/TIMEOUT.
+step() {
+  local name="$1"
+  shift
+  local log="$out/$name.log" start end rc status
+  echo "== $name: $*"
+  start=$(date +%s)
+  set +e
+  timeout --kill-after=10 "$step_timeout" "$@" >"$log" 2>&1
+  rc=$?
+  set -e
+  end=$(date +%s)
+  case "$rc" in
+    0) status="ok" ;;
+    124 | 137) status="TIMEOUT"; failed=1 ;;
+    *) status="FAIL($rc)"; failed=1 ;;
+  esac
+  tail -n 25 "$log" | sed 's/^/   /'
+  rows+=("$(printf '%-10s %-9s %5ss  %s' "$name" "$status" "$((end - start))" "$log")")
+}
+
+skip() {
+  rows+=("$(printf '%-10s %-9s %5s   %s' "$1" "skipped" "-" "$2")")
+  echo "== $1: skipped ($2)"
+}
+
+echo "binary: $bin"
+echo "output: $out"
+echo "cache:  ${CP_HICACHE_CACHE_DIR:-(default)}"
+if command -v nvidia-smi >/dev/null 2>&1; then
+  nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv,noheader \
+    >"$out/nvidia-smi.txt" 2>&1 || true
+  sed 's/^/gpu:    /' "$out/nvidia-smi.txt"
+else
+  echo "gpu:    nvidia-smi not on PATH"
+fi
+
+step info "$bin" info
+
+# NVRTC present: compile (fills the cache). Otherwise the carried cache with JIT off.
+if "$bin" info 2>/dev/null | grep -q "NVRTC *not found"; then
+  if [[ -z "${CP_HICACHE_CACHE_DIR:-}" ]]; then
+    echo "warning: no NVRTC and no CP_HICACHE_CACHE_DIR: kernels cannot be compiled or found" >&2
+  fi
+  export CP_HICACHE_JIT=off
+  skip compile "no NVRTC: using the carried cache with CP_HICACHE_JIT=off"
+else
+  step compile "$bin" compile --deployment all --arch sm_90 --json "$out/compile.json"
+fi
+
+step check "$bin" bench --check --backend cuda
+step tune "$bin" tune --backend cuda --quick --out "$out/tuning.json"
+tuning_args=()
+if [[ -f "$out/tuning.json" ]]; then
+  tuning_args=(--tuning "$out/tuning.json")
+fi
+step bench "$bin" bench --backend cuda "${tuning_args[@]}" --json "$out/bench.json" \
+  --plot "$out/bench.svg"
+
+if command -v compute-sanitizer >/dev/null 2>&1; then
+  step memcheck compute-sanitizer --tool memcheck --error-exitcode 3 \
+    "$bin" bench --check --backend cuda --deployment nsa_ps64_cp8
+else
+  skip memcheck "compute-sanitizer not on PATH"
+fi
+
+echo
+echo "step       result     time  log"
+for r in "${rows[@]}"; do
+  echo "$r"
+done
+if [[ "$failed" -ne 0 ]]; then
+  echo "gpu-check: FAILED (see the logs in $out)"
+  exit 1
+fi
+echo "gpu-check: all steps passed"

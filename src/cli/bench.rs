@@ -1,0 +1,283 @@
+//! `cp-hicache bench`: transfer, materialise, select and release in the default and the tuned
+//! configuration, each with a baseline measured in the same run; a table on stdout, optional
+//! JSON rows and an SVG bar chart of the ratios. `--check` instead compares every kernel family
+//! with the Rust references on random inputs (the GPU acceptance check).
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use super::tune::{parse_backend, progress_bar};
+use crate::exec::{open_executor, Backend};
+use crate::jit::{Jit, JitConfig, EMU_HEADER};
+use crate::tuning::bench::{self, default_deployments, deployment_by_name, BenchOptions, BenchRow};
+use crate::tuning::{check, DeviceKey, TuningFile};
+
+/// Options of `bench`.
+#[derive(Debug, clap::Args)]
+pub struct BenchArgs {
+    /// Executor: auto (CUDA when a device is usable), host or cuda.
+    #[arg(long, default_value = "auto", value_parser = parse_backend)]
+    pub backend: Backend,
+    /// One deployment (`<nsa|mla>_ps<N>_cp<C>`); default: mla_ps16 and nsa_ps64 at CP 1 and 8.
+    #[arg(long, value_name = "NAME")]
+    pub deployment: Option<String>,
+    /// Also write the rows as a JSON array to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// Tuning file for the tuned configuration (default: `<cache dir>/tuning.json` when it
+    /// exists; otherwise the built-in CPU preset on the host).
+    #[arg(long, value_name = "FILE")]
+    pub tuning: Option<PathBuf>,
+    /// Write an SVG bar chart of the ratios to FILE.
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<PathBuf>,
+    /// Smaller copies and fewer repeats.
+    #[arg(long)]
+    pub quick: bool,
+    /// Pages per copy launch (overrides the quick/full default).
+    #[arg(long, value_name = "N")]
+    pub pages: Option<u32>,
+    /// Layers per copy launch.
+    #[arg(long, value_name = "N")]
+    pub layers: Option<u32>,
+    /// Timed repeats; the median is reported.
+    #[arg(long, value_name = "N")]
+    pub repeats: Option<u32>,
+    /// Requests per select/release launch (repeatable; default 2048 and 16384).
+    #[arg(long = "alloc-pages", value_name = "N")]
+    pub alloc_pages: Vec<u32>,
+    /// Instead of timing, run every kernel family on random inputs and compare with the Rust
+    /// references (exit status 1 on any difference).
+    #[arg(long)]
+    pub check: bool,
+    /// Compile (NVRTC, sm_90) every kernel `bench`, `bench --check` and `tune --quick` load on
+    /// a GPU into the JIT cache, without running anything: prepares a cache for a GPU machine
+    /// without NVRTC (`CP_HICACHE_JIT=off`).
+    #[arg(long, hide = true)]
+    pub prebuild: bool,
+}
+
+pub(super) fn run(args: &BenchArgs) -> Result<ExitCode, crate::Error> {
+    let deps = match &args.deployment {
+        Some(name) => {
+            vec![deployment_by_name(name).map_err(|e| crate::Error::Usage(e.to_string()))?]
+        }
+        None => default_deployments()?,
+    };
+    let jit = Jit::new(JitConfig::from_env(EMU_HEADER));
+    if args.prebuild {
+        return prebuild(&jit, &deps);
+    }
+    let exec = open_executor(args.backend)?;
+    if args.check {
+        return run_check(exec.as_ref(), &jit, &deps);
+    }
+    let device = DeviceKey::for_executor(exec.as_ref(), &jit)?;
+    let file = match &args.tuning {
+        Some(p) => Some(TuningFile::load(p)?),
+        None => {
+            let p = crate::tuning::default_path();
+            if p.exists() {
+                Some(TuningFile::load(&p)?)
+            } else {
+                None
+            }
+        }
+    };
+    let mut configs = Vec::new();
+    for dep in &deps {
+        let (tuned, source, warnings) = bench::tuned_config(dep, file.as_ref(), &device);
+        for w in warnings {
+            eprintln!("warning: {w}");
+        }
+        configs.push(("default".to_string(), dep.clone()));
+        if tuned != *dep {
+            eprintln!(
+                "{}: tuned configuration from {source}: copy {}, alloc_threads {}",
+                dep.name, tuned.copy, tuned.alloc_threads
+            );
+            configs.push(("tuned".to_string(), tuned));
+        }
+    }
+    let mut opts = BenchOptions::new(args.quick);
+    if let Some(p) = args.pages {
+        opts.sizes.pages = p.max(1);
+    }
+    if let Some(l) = args.layers {
+        opts.sizes.layers = l.max(1);
+    }
+    if let Some(r) = args.repeats {
+        opts.sizes.repeats = r.max(1);
+    }
+    if !args.alloc_pages.is_empty() {
+        opts.alloc_pages = args.alloc_pages.iter().map(|&n| n.max(1)).collect();
+    }
+    let bar = progress_bar(format!("bench on {}", exec.backend()));
+    let on_step = |s: Result<String, u64>| {
+        if let Some(b) = &bar {
+            match s {
+                Err(total) => b.set_length(total),
+                Ok(what) => {
+                    b.set_message(what);
+                    b.inc(1);
+                }
+            }
+        }
+    };
+    let rows = bench::run(exec.as_ref(), &jit, &configs, &opts, &on_step)?;
+    if let Some(b) = &bar {
+        b.finish_and_clear();
+    }
+    println!("device: {device}");
+    println!("sizes: {}", opts.sizes.describe());
+    print_table(&rows);
+    if let Some(path) = &args.json {
+        let mut text = serde_json::to_string_pretty(&rows).map_err(|e| io(path, e.into()))?;
+        text.push('\n');
+        std::fs::write(path, text).map_err(|e| io(path, e))?;
+    }
+    if let Some(path) = &args.plot {
+        std::fs::write(path, svg_chart(&rows)).map_err(|e| io(path, e))?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn prebuild(jit: &Jit, deps: &[crate::kernels::Deployment]) -> Result<ExitCode, crate::Error> {
+    let target = crate::jit::Target::Nvrtc {
+        arch: crate::jit::Arch::default(),
+    };
+    let mut requests = vec![crate::jit::JitRequest {
+        uri: crate::tuning::measure::PLAIN_COPY_URI.to_string(),
+        source: crate::tuning::measure::plain_copy_source(),
+        target,
+    }];
+    for spec in bench::prebuild_specs(deps) {
+        requests.push(crate::jit::JitRequest {
+            uri: spec.uri(),
+            source: spec.render()?,
+            target,
+        });
+    }
+    let results = jit.warm_up(&requests);
+    let mut failed = 0;
+    for (req, r) in requests.iter().zip(&results) {
+        if let Err(e) = r {
+            failed += 1;
+            eprintln!("error: {}: {e}", req.uri);
+        }
+    }
+    println!(
+        "prebuilt {} of {} kernels for {target} into {}",
+        results.len() - failed,
+        results.len(),
+        jit.cache().root().display()
+    );
+    Ok(if failed == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+fn io(path: &Path, source: std::io::Error) -> crate::Error {
+    crate::Error::Io {
+        context: format!("writing {}", path.display()),
+        source,
+    }
+}
+
+fn run_check(
+    exec: &dyn crate::exec::Executor,
+    jit: &Jit,
+    deps: &[crate::kernels::Deployment],
+) -> Result<ExitCode, crate::Error> {
+    let mut bad = 0;
+    println!(
+        "{:<16}  {:<56}  {:<6}  detail",
+        "deployment", "kernel", "result"
+    );
+    for dep in deps {
+        for r in check::check_deployment(exec, jit, dep)? {
+            bad += usize::from(!r.ok);
+            println!(
+                "{:<16}  {:<56}  {:<6}  {}",
+                dep.name,
+                r.kernel,
+                if r.ok { "ok" } else { "FAIL" },
+                r.detail
+            );
+        }
+    }
+    println!("check on {}: {bad} failures", exec.backend());
+    Ok(if bad == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+fn print_table(rows: &[BenchRow]) {
+    let w = rows
+        .iter()
+        .map(|r| r.kernel.len())
+        .max()
+        .unwrap_or(6)
+        .max(6);
+    println!(
+        "{:<13}  {:<7}  {:<w$}  {:>10}  {:>9}  {:>8}  {:>8}  {:>6}  baseline",
+        "deployment", "config", "kernel", "bytes", "ms", "GB/s", "base", "ratio"
+    );
+    for r in rows {
+        println!(
+            "{:<13}  {:<7}  {:<w$}  {:>10}  {:>9.3}  {:>8.2}  {:>8.2}  {:>6.2}  {}",
+            r.deployment,
+            r.config,
+            r.kernel,
+            r.bytes,
+            r.seconds * 1e3,
+            r.gbps,
+            r.baseline_gbps,
+            r.ratio,
+            r.baseline
+        );
+    }
+}
+
+/// A horizontal bar chart of the ratios, written as plain SVG (no font files needed: text
+/// is SVG `<text>` rendered by the viewer).
+fn svg_chart(rows: &[BenchRow]) -> String {
+    let bar_h = 18.0;
+    let label_w = 560.0;
+    let plot_w = 400.0;
+    let max = rows.iter().map(|r| r.ratio).fold(1.0f64, f64::max);
+    let height = 40.0 + bar_h * rows.len() as f64 + 20.0;
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{height}\" font-family=\"monospace\" font-size=\"11\">\n\
+         <text x=\"4\" y=\"16\">cp-hicache bench: kernel / baseline (ratio; 1.0 = dashed line)</text>\n",
+        label_w + plot_w + 60.0
+    );
+    let x1 = label_w + plot_w / max;
+    s.push_str(&format!(
+        "<line x1=\"{x1}\" y1=\"28\" x2=\"{x1}\" y2=\"{}\" stroke=\"black\" stroke-dasharray=\"4\"/>\n",
+        height - 10.0
+    ));
+    for (i, r) in rows.iter().enumerate() {
+        let y = 30.0 + bar_h * i as f64;
+        let w = (r.ratio / max * plot_w).max(1.0);
+        let color = if r.config == "tuned" { "#2a7" } else { "#57a" };
+        let label = format!("{} {} {}", r.deployment, r.config, r.kernel)
+            .replace('&', "&amp;")
+            .replace('<', "&lt;");
+        s.push_str(&format!(
+            "<text x=\"4\" y=\"{}\">{label}</text>\n<rect x=\"{label_w}\" y=\"{}\" width=\"{w:.1}\" height=\"{}\" fill=\"{color}\"/>\n<text x=\"{:.1}\" y=\"{}\">{:.2}</text>\n",
+            y + 13.0,
+            y + 3.0,
+            bar_h - 4.0,
+            label_w + w + 4.0,
+            y + 13.0,
+            r.ratio
+        ));
+    }
+    s.push_str("</svg>\n");
+    s
+}

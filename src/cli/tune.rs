@@ -1,0 +1,129 @@
+//! `cp-hicache tune`: times every launch-shape candidate of a deployment's allocator and
+//! page-copy kernels on the executor at hand, merges the results into a tuning file keyed by
+//! device and compiler, and prints the table and the launch shapes the file now selects.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use crate::exec::{open_executor, Backend};
+use crate::jit::{Jit, JitConfig, EMU_HEADER};
+use crate::tuning::{self, bench::deployment_by_name, tuner::TuneOptions, TuneEvent, TuningFile};
+
+/// Options of `tune`.
+#[derive(Debug, clap::Args)]
+pub struct TuneArgs {
+    /// Deployment to tune: a reference name or any `<nsa|mla>_ps<N>_cp<C>`.
+    #[arg(long, value_name = "NAME", default_value = super::compile::DEFAULT_DEPLOYMENT)]
+    pub deployment: String,
+    /// Executor: auto (CUDA when a device is usable), host or cuda.
+    #[arg(long, default_value = "auto", value_parser = parse_backend)]
+    pub backend: Backend,
+    /// Tuning file to merge into (default: `<cache dir>/tuning.json`).
+    #[arg(long, value_name = "FILE")]
+    pub out: Option<PathBuf>,
+    /// A handful of candidates per kernel on smaller sizes (well under a minute on a CPU).
+    #[arg(long)]
+    pub quick: bool,
+    /// Pages per copy launch (overrides the quick/full default).
+    #[arg(long, value_name = "N")]
+    pub pages: Option<u32>,
+    /// Layers per copy launch (overrides the quick/full default).
+    #[arg(long, value_name = "N")]
+    pub layers: Option<u32>,
+    /// Timed repeats per candidate; the median is kept.
+    #[arg(long, value_name = "N")]
+    pub repeats: Option<u32>,
+}
+
+pub(super) fn parse_backend(s: &str) -> Result<Backend, String> {
+    s.parse().map_err(|e: crate::exec::ExecError| e.to_string())
+}
+
+pub(super) fn progress_bar(prefix: String) -> Option<indicatif::ProgressBar> {
+    if !std::io::stderr().is_terminal() {
+        return None;
+    }
+    let bar = indicatif::ProgressBar::new(0);
+    if let Ok(style) =
+        indicatif::ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {elapsed} {msg}")
+    {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar.set_prefix(prefix);
+    Some(bar)
+}
+
+pub(super) fn run(args: &TuneArgs) -> Result<ExitCode, crate::Error> {
+    let dep =
+        deployment_by_name(&args.deployment).map_err(|e| crate::Error::Usage(e.to_string()))?;
+    let exec = open_executor(args.backend)?;
+    let jit = Jit::new(JitConfig::from_env(EMU_HEADER));
+    let mut opts = TuneOptions::new(args.quick);
+    if let Some(p) = args.pages {
+        opts.sizes.pages = p.max(1);
+    }
+    if let Some(l) = args.layers {
+        opts.sizes.layers = l.max(1);
+    }
+    if let Some(r) = args.repeats {
+        opts.sizes.repeats = r.max(1);
+    }
+    let bar = progress_bar(format!("tuning {} on {}", dep.name, exec.backend()));
+    let on_event = |ev: TuneEvent| {
+        if let Some(b) = &bar {
+            match ev {
+                TuneEvent::Planned { steps } => b.set_length(steps),
+                TuneEvent::Step { what } => {
+                    b.set_message(what);
+                    b.inc(1);
+                }
+            }
+        }
+    };
+    let (device, entries) = tuning::tune(&dep, exec.as_ref(), &jit, &opts, &on_event)?;
+    if let Some(b) = &bar {
+        b.finish_and_clear();
+    }
+
+    println!("device: {device}");
+    println!(
+        "{:<44}  {:<22}  {:>10}  {:>8}  note",
+        "kernel", "candidate", "ms", "GB/s"
+    );
+    for e in &entries {
+        for r in &e.results {
+            let mark = if r.choice == e.best { "best" } else { "" };
+            println!(
+                "{:<44}  {:<22}  {:>10}  {:>8}  {}",
+                e.spec_key,
+                r.choice.to_string(),
+                r.seconds
+                    .map_or_else(|| "-".into(), |s| format!("{:.3}", s * 1e3)),
+                r.gbps.map_or_else(|| "-".into(), |g| format!("{g:.2}")),
+                r.dropped.as_deref().unwrap_or(mark),
+            );
+        }
+    }
+
+    let path = args.out.clone().unwrap_or_else(tuning::default_path);
+    let mut file = TuningFile::load_or_default(&path)?;
+    for e in entries {
+        file.upsert(e);
+    }
+    file.save(&path)?;
+    let (tuned, warnings, _) = dep.with_tuning(&file, &device);
+    for w in &warnings {
+        eprintln!("warning: {w}");
+    }
+    println!(
+        "tuned {}: alloc_threads {} (default {}), copy {} (default {}); written to {}",
+        dep.name,
+        tuned.alloc_threads,
+        dep.alloc_threads,
+        tuned.copy,
+        dep.copy,
+        path.display()
+    );
+    Ok(ExitCode::SUCCESS)
+}

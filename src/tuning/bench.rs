@@ -1,0 +1,297 @@
+//! `bench`: transfer, materialise, select and release of several deployments, each against a
+//! baseline measured in the same run, in the default (GPU-shaped) and the tuned configuration.
+//!
+//! Baselines: on the host executor a single-threaded `memcpy` of the same bytes (launches run
+//! on the calling thread); on CUDA a plain grid-stride copy kernel over contiguous memory of
+//! the same bytes (host-mapped pinned ↔ device for transfers, device ↔ device for
+//! materialise). Select and release are compared with the Rust reference allocator on the
+//! same requests.
+
+use serde::{Deserialize, Serialize};
+
+use super::candidate::{host_copy_preset, HOST_ALLOC_THREADS_PRESET};
+use super::file::TuningFile;
+use super::key::{spec_key, DeviceKey};
+use super::measure::{compile_and_load, host_memcpy, AllocBench, CopyBench, PlainCopy, Sizes};
+use super::TuningError;
+use crate::exec::{Backend, Executor, KernelId, MemKind};
+use crate::jit::Jit;
+use crate::kernels::{Deployment, Direction, KernelError, KernelSpec, ModelShape};
+
+/// One measurement, as printed and written by `bench --json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BenchRow {
+    /// Kernel uri (the launch shape is part of it).
+    pub kernel: String,
+    /// Shape-independent spec key.
+    pub spec: String,
+    /// `host` or `cuda`.
+    pub backend: String,
+    /// `default` (GPU-shaped) or `tuned`.
+    pub config: String,
+    /// Deployment name.
+    pub deployment: String,
+    /// Bytes one launch moves (for select/release: 4 bytes per requested page).
+    pub bytes: u64,
+    /// Median seconds per launch.
+    pub seconds: f64,
+    /// `bytes / seconds` in GB/s.
+    pub gbps: f64,
+    /// What the baseline is (`memcpy`, `plain_copy_kernel`, `rust_reference`).
+    pub baseline: String,
+    /// Baseline throughput on the same bytes, in GB/s.
+    pub baseline_gbps: f64,
+    /// `gbps / baseline_gbps`: above 1 the kernel beats the baseline.
+    pub ratio: f64,
+}
+
+/// What `bench` measures.
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    /// Copy workload sizes and repeats.
+    pub sizes: Sizes,
+    /// Requests per select/release launch (one row each).
+    pub alloc_pages: Vec<u32>,
+}
+
+impl BenchOptions {
+    /// Full (256 pages × 4 layers) or quick sizes; select/release at 2,048 and 16,384 pages.
+    pub fn new(quick: bool) -> BenchOptions {
+        BenchOptions {
+            sizes: if quick { Sizes::quick() } else { Sizes::full() },
+            alloc_pages: vec![2048, 16384],
+        }
+    }
+}
+
+/// The deployments `bench` runs by default: page 16 with MLA and page 64 with NSA, at CP 1
+/// and 8.
+pub fn default_deployments() -> Result<Vec<Deployment>, KernelError> {
+    [
+        (ModelShape::MlaBf16, 16, 1),
+        (ModelShape::MlaBf16, 16, 8),
+        (ModelShape::Nsa, 64, 1),
+        (ModelShape::Nsa, 64, 8),
+    ]
+    .into_iter()
+    .map(|(m, ps, cp)| Deployment::new(m, ps, cp))
+    .collect()
+}
+
+/// A deployment by name: a reference name, or any `<nsa|mla>_ps<N>_cp<C>`.
+pub fn deployment_by_name(name: &str) -> Result<Deployment, KernelError> {
+    if let Ok(d) = Deployment::by_name(name) {
+        return Ok(d);
+    }
+    let parsed = (|| {
+        let mut it = name.split('_');
+        let model = match it.next()? {
+            "nsa" => ModelShape::Nsa,
+            "mla" => ModelShape::MlaBf16,
+            _ => return None,
+        };
+        let ps = it.next()?.strip_prefix("ps")?.parse().ok()?;
+        let cp = it.next()?.strip_prefix("cp")?.parse().ok()?;
+        it.next().is_none().then_some((model, ps, cp))
+    })();
+    match parsed {
+        Some((m, ps, cp)) => Deployment::new(m, ps, cp),
+        None => Deployment::by_name(name),
+    }
+}
+
+/// The tuned configuration of `dep`: the tuning file's choices for `device` when it has any,
+/// else (on the host executor) the CPU-friendly preset, else the default. Returns the
+/// deployment and where its shapes came from (`file`, `preset`, `default`), plus the warnings
+/// of ignored entries.
+pub fn tuned_config(
+    dep: &Deployment,
+    file: Option<&TuningFile>,
+    device: &DeviceKey,
+) -> (Deployment, &'static str, Vec<super::TuningWarning>) {
+    if let Some(f) = file {
+        let (d, warnings, applied) = dep.with_tuning(f, device);
+        if applied != super::Applied::default() {
+            return (d, "file", warnings);
+        }
+        if device.backend != Backend::Host.to_string() {
+            return (d, "default", warnings);
+        }
+        return (host_preset(dep), "preset", warnings);
+    }
+    if device.backend == Backend::Host.to_string() {
+        (host_preset(dep), "preset", Vec::new())
+    } else {
+        (dep.clone(), "default", Vec::new())
+    }
+}
+
+fn host_preset(dep: &Deployment) -> Deployment {
+    let mut d = dep.clone();
+    d.copy = host_copy_preset();
+    d.alloc_threads = HOST_ALLOC_THREADS_PRESET;
+    if d.validate().is_ok() {
+        d
+    } else {
+        dep.clone()
+    }
+}
+
+/// One timed kernel of the plan.
+struct Job {
+    config: String,
+    deployment: String,
+    spec: KernelSpec,
+    alloc_pages: u32,
+}
+
+/// The kernels `bench` times for one configured deployment: transfer both ways and
+/// materialise of the first buffer, select and release at each allocator size.
+fn jobs(config: &str, dep: &Deployment, opts: &BenchOptions) -> Vec<Job> {
+    let b = dep.model.buffers()[0];
+    let job = |spec, alloc_pages| Job {
+        config: config.to_string(),
+        deployment: dep.name.clone(),
+        spec,
+        alloc_pages,
+    };
+    let mut out = vec![
+        job(dep.transfer_spec(b, Direction::HostToDevice), 0),
+        job(dep.transfer_spec(b, Direction::DeviceToHost), 0),
+        job(dep.materialise_spec(b), 0),
+    ];
+    for &n in &opts.alloc_pages {
+        out.push(job(dep.select_spec(), n));
+        out.push(job(dep.release_spec(), n));
+    }
+    out
+}
+
+/// Runs the benchmark over `configs` (`(config name, deployment)` pairs) and returns one row
+/// per kernel and size. `progress` is called with the planned step count first (`Err`), then
+/// once per step (`Ok`).
+pub fn run(
+    exec: &dyn Executor,
+    jit: &Jit,
+    configs: &[(String, Deployment)],
+    opts: &BenchOptions,
+    progress: &(dyn Fn(Result<String, u64>) + Sync),
+) -> Result<Vec<BenchRow>, TuningError> {
+    let plan: Vec<Job> = configs.iter().flat_map(|(c, d)| jobs(c, d, opts)).collect();
+    let mut unique: Vec<KernelSpec> = Vec::new();
+    for j in &plan {
+        if !unique.contains(&j.spec) {
+            unique.push(j.spec);
+        }
+    }
+    progress(Err((unique.len() + plan.len()) as u64));
+    let loaded = compile_and_load(exec, jit, &unique, None, &|| progress(Ok("compile".into())));
+    let kernel_of = |spec: &KernelSpec| -> Result<KernelId, TuningError> {
+        let i = unique.iter().position(|s| s == spec).unwrap_or(0);
+        match loaded.get(i) {
+            Some(Ok(k)) => Ok(*k),
+            Some(Err(e)) => Err(TuningError::NoCandidate {
+                spec_key: spec.uri(),
+                reasons: vec![e.clone()],
+            }),
+            None => Err(TuningError::NoCandidate {
+                spec_key: spec.uri(),
+                reasons: vec!["not compiled".into()],
+            }),
+        }
+    };
+    let backend = exec.backend();
+    let mut plain = match backend {
+        Backend::Cuda => Some(PlainCopy::new(exec, jit)?),
+        _ => None,
+    };
+    let sizes = opts.sizes;
+    let mut rows = Vec::with_capacity(plan.len());
+    for (i, job) in plan.iter().enumerate() {
+        let kernel = kernel_of(&job.spec)?;
+        let (bytes, seconds, baseline, base_seconds) = match job.spec {
+            KernelSpec::SelectOwnerPages(_) | KernelSpec::ReleasePages(_) => {
+                let (cp, ps) = match job.spec {
+                    KernelSpec::SelectOwnerPages(s) => (s.cp, s.page_size),
+                    KernelSpec::ReleasePages(s) => (s.cp, 1),
+                    _ => (1, 1),
+                };
+                let b = AllocBench::new(exec, cp, ps, job.alloc_pages, i as u64 + 7)?;
+                let t = b.time(kernel, &job.spec, &sizes)?;
+                let r = b.time_reference(&job.spec, &sizes)?;
+                (
+                    4 * u64::from(job.alloc_pages),
+                    t.median,
+                    "rust_reference",
+                    r.median,
+                )
+            }
+            _ => {
+                let (b, _) = CopyBench::new(exec, &job.spec, &sizes, i as u64 + 7)?;
+                let bytes = b.bytes();
+                let t = b.time(kernel, &job.spec, &sizes)?;
+                drop(b);
+                match plain.as_mut() {
+                    Some(p) => {
+                        let (from, to) = match job.spec {
+                            KernelSpec::TransferPages(s)
+                                if s.direction == Direction::HostToDevice =>
+                            {
+                                (MemKind::Host, MemKind::Device)
+                            }
+                            KernelSpec::TransferPages(_) => (MemKind::Device, MemKind::Host),
+                            _ => (MemKind::Device, MemKind::Device),
+                        };
+                        let base = p.time(from, to, bytes, &sizes)?;
+                        (bytes, t.median, "plain_copy_kernel", base.median)
+                    }
+                    None => {
+                        let base = host_memcpy(bytes, &sizes);
+                        (bytes, t.median, "memcpy", base.median)
+                    }
+                }
+            }
+        };
+        let gbps = bytes as f64 / seconds.max(1e-12) / 1e9;
+        let baseline_gbps = bytes as f64 / base_seconds.max(1e-12) / 1e9;
+        progress(Ok(job.spec.uri()));
+        rows.push(BenchRow {
+            kernel: job.spec.uri(),
+            spec: spec_key(&job.spec),
+            backend: backend.to_string(),
+            config: job.config.clone(),
+            deployment: job.deployment.clone(),
+            bytes,
+            seconds,
+            gbps,
+            baseline: baseline.to_string(),
+            baseline_gbps,
+            ratio: gbps / baseline_gbps,
+        });
+    }
+    Ok(rows)
+}
+
+/// Every kernel that `bench`, `bench --check` and `tune --quick` may load for `deps` on a GPU:
+/// all kernels of each deployment and every quick CUDA candidate of its tuned kernels. A
+/// machine without a compiler (`CP_HICACHE_JIT=off`) can run those commands from a cache
+/// prebuilt with these specs (`bench --prebuild`; see scripts/gpu-check.sh).
+pub fn prebuild_specs(deps: &[Deployment]) -> Vec<KernelSpec> {
+    let mut out: Vec<KernelSpec> = Vec::new();
+    let mut push = |s: KernelSpec| {
+        if !out.contains(&s) {
+            out.push(s);
+        }
+    };
+    for dep in deps {
+        dep.specs().into_iter().for_each(&mut push);
+        for base in super::tuner::tuned_specs(dep) {
+            for c in super::candidates_for(&base, Backend::Cuda, true) {
+                if let super::Candidate::Kernel(s) = c {
+                    push(s);
+                }
+            }
+        }
+    }
+    out
+}

@@ -1,0 +1,311 @@
+//! Launch-configuration candidates per kernel family (DESIGN.md §3 "Tuning"): threads per
+//! block, pages per block, vector width and unroll as kernel renders, plus the DMA path for
+//! transfers, which only the CUDA executor could run.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+use crate::exec::Backend;
+use crate::kernels::{
+    AllocSpec, CopyLaunch, KernelSpec, MaterialiseSpec, ReleaseSpec, SynthSpec, TransferSpec,
+    VecWidth, VerifySpec,
+};
+
+/// A launch choice as stored in a tuning file: what a deployment field is set to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum LaunchChoice {
+    /// A page-copy launch shape (transfer, materialise).
+    Copy {
+        /// Threads per block.
+        threads: u32,
+        /// Pages per work item.
+        pages_per_block: u32,
+        /// Bytes per access (1, 4 or 16).
+        vec_bytes: u32,
+        /// Accesses in flight per thread.
+        unroll: u32,
+    },
+    /// Threads per block of the allocator, synthesis and verification families.
+    Threads {
+        /// Threads per block.
+        threads: u32,
+    },
+    /// Batched `cuMemcpyAsync` of the page blobs instead of a kernel (transfers only).
+    Dma,
+}
+
+impl fmt::Display for LaunchChoice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            LaunchChoice::Copy {
+                threads,
+                pages_per_block,
+                vec_bytes,
+                unroll,
+            } => write!(f, "t{threads}_ppb{pages_per_block}_v{vec_bytes}_u{unroll}"),
+            LaunchChoice::Threads { threads } => write!(f, "t{threads}"),
+            LaunchChoice::Dma => f.write_str("dma"),
+        }
+    }
+}
+
+impl LaunchChoice {
+    /// The copy shape, when this is one with a valid vector width.
+    pub fn copy_launch(&self) -> Option<CopyLaunch> {
+        match *self {
+            LaunchChoice::Copy {
+                threads,
+                pages_per_block,
+                vec_bytes,
+                unroll,
+            } => Some(CopyLaunch {
+                threads,
+                pages_per_block,
+                vec: vec_width(vec_bytes)?,
+                unroll,
+            }),
+            _ => None,
+        }
+    }
+
+    /// The launch choice a kernel spec embodies.
+    pub fn of_spec(spec: &KernelSpec) -> LaunchChoice {
+        let copy = |l: &CopyLaunch| LaunchChoice::Copy {
+            threads: l.threads,
+            pages_per_block: l.pages_per_block,
+            vec_bytes: l.vec.bytes(),
+            unroll: l.unroll,
+        };
+        match spec {
+            KernelSpec::TransferPages(s) => copy(&s.launch),
+            KernelSpec::Materialise(s) => copy(&s.launch),
+            other => LaunchChoice::Threads {
+                threads: other.threads(),
+            },
+        }
+    }
+
+    /// `spec` with this launch choice, or `None` when the choice does not fit the family
+    /// (a copy shape for an allocator kernel, DMA for anything) or the result is invalid.
+    pub fn apply_to(&self, spec: &KernelSpec) -> Option<KernelSpec> {
+        let out = match (*spec, self) {
+            (KernelSpec::TransferPages(s), LaunchChoice::Copy { .. }) => {
+                KernelSpec::TransferPages(TransferSpec {
+                    launch: self.copy_launch()?,
+                    ..s
+                })
+            }
+            (KernelSpec::Materialise(s), LaunchChoice::Copy { .. }) => {
+                KernelSpec::Materialise(MaterialiseSpec {
+                    launch: self.copy_launch()?,
+                    ..s
+                })
+            }
+            (KernelSpec::SelectOwnerPages(s), &LaunchChoice::Threads { threads }) => {
+                KernelSpec::SelectOwnerPages(AllocSpec { threads, ..s })
+            }
+            (KernelSpec::ReleasePages(s), &LaunchChoice::Threads { threads }) => {
+                KernelSpec::ReleasePages(ReleaseSpec { threads, ..s })
+            }
+            (KernelSpec::Synthesise(s), &LaunchChoice::Threads { threads }) => {
+                KernelSpec::Synthesise(SynthSpec { threads, ..s })
+            }
+            (KernelSpec::Verify(s), &LaunchChoice::Threads { threads }) => {
+                KernelSpec::Verify(VerifySpec { threads, ..s })
+            }
+            _ => return None,
+        };
+        out.validate().ok().map(|()| out)
+    }
+}
+
+fn vec_width(bytes: u32) -> Option<VecWidth> {
+    [VecWidth::V1, VecWidth::V4, VecWidth::V16]
+        .into_iter()
+        .find(|v| v.bytes() == bytes)
+}
+
+/// One thing to time for a kernel: a render with a launch shape, or the DMA path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Candidate {
+    /// A kernel render (compiled through the JIT and launched).
+    Kernel(KernelSpec),
+    /// Batched `cuMemcpyAsync` per page blob (transfers only). Only the CUDA executor accepts
+    /// it; see [`Candidate::supported_by`].
+    Dma(KernelSpec),
+}
+
+impl Candidate {
+    /// The launch choice this candidate stands for.
+    pub fn choice(&self) -> LaunchChoice {
+        match self {
+            Candidate::Kernel(spec) => LaunchChoice::of_spec(spec),
+            Candidate::Dma(_) => LaunchChoice::Dma,
+        }
+    }
+
+    /// Whether `backend` can run this candidate at all: the host executor skips DMA.
+    pub fn supported_by(&self, backend: Backend) -> Result<(), Unsupported> {
+        match (self, backend) {
+            (Candidate::Kernel(_), _) => Ok(()),
+            (Candidate::Dma(_), Backend::Cuda) => Err(Unsupported {
+                what: "dma",
+                backend,
+                reason:
+                    "the batched cuMemcpyAsync path is not implemented in the CUDA executor yet",
+            }),
+            (Candidate::Dma(_), _) => Err(Unsupported {
+                what: "dma",
+                backend,
+                reason: "DMA copies exist only on a GPU",
+            }),
+        }
+    }
+}
+
+/// A candidate the executor at hand cannot run (typed, so the tuner records and skips it).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{what} is unsupported by the {backend} executor: {reason}")]
+pub struct Unsupported {
+    /// The candidate label.
+    pub what: &'static str,
+    /// The executor's backend.
+    pub backend: Backend,
+    /// Why.
+    pub reason: &'static str,
+}
+
+/// The CPU-friendly copy shapes added to the family's own candidates: one thread walks each
+/// page contiguously, with several pages per work item to amortise the per-block cost of the
+/// emulator.
+fn cpu_copy_shapes(vec: VecWidth) -> [CopyLaunch; 3] {
+    let s = |pages_per_block, unroll| CopyLaunch {
+        threads: 1,
+        pages_per_block,
+        vec,
+        unroll,
+    };
+    [s(16, 1), s(64, 1), s(1, 4)]
+}
+
+/// The CPU-friendly copy shape the bench uses as "tuned" on the host when no tuning file
+/// applies: one thread per block walking 16 pages per work item.
+pub fn host_copy_preset() -> CopyLaunch {
+    CopyLaunch {
+        threads: 1,
+        pages_per_block: 16,
+        vec: VecWidth::V16,
+        unroll: 1,
+    }
+}
+
+/// The allocator thread count the bench uses as "tuned" on the host: one warp.
+pub const HOST_ALLOC_THREADS_PRESET: u32 = 32;
+
+/// Every candidate worth timing for `spec` on `backend`, the spec itself included, without
+/// duplicates. `quick` keeps a handful (the spec, the CPU shapes and one wide GPU shape) so a
+/// tuning run stays short.
+pub fn candidates_for(spec: &KernelSpec, backend: Backend, quick: bool) -> Vec<Candidate> {
+    let mut specs: Vec<KernelSpec> = spec.candidates();
+    let vec = match spec {
+        KernelSpec::TransferPages(s) => Some(s.launch.vec),
+        KernelSpec::Materialise(s) => Some(s.launch.vec),
+        _ => None,
+    };
+    if let Some(vec) = vec {
+        for l in cpu_copy_shapes(vec) {
+            let choice = LaunchChoice::Copy {
+                threads: l.threads,
+                pages_per_block: l.pages_per_block,
+                vec_bytes: l.vec.bytes(),
+                unroll: l.unroll,
+            };
+            if let Some(s) = choice.apply_to(spec) {
+                specs.push(s);
+            }
+        }
+    }
+    if quick {
+        let keep = |s: &KernelSpec| -> bool {
+            if s == spec {
+                return true;
+            }
+            match LaunchChoice::of_spec(s) {
+                LaunchChoice::Copy {
+                    threads,
+                    pages_per_block,
+                    unroll,
+                    ..
+                } => matches!(
+                    (threads, pages_per_block, unroll),
+                    (1, 1, 1) | (1, 16, 1) | (256, 1, 2)
+                ),
+                LaunchChoice::Threads { threads } => matches!(threads, 1 | 32 | 256),
+                LaunchChoice::Dma => false,
+            }
+        };
+        specs.retain(keep);
+    }
+    let mut out: Vec<Candidate> = Vec::new();
+    for s in specs {
+        if s.validate().is_ok() && !out.contains(&Candidate::Kernel(s)) {
+            out.push(Candidate::Kernel(s));
+        }
+    }
+    if matches!(spec, KernelSpec::TransferPages(_)) && backend == Backend::Cuda {
+        out.push(Candidate::Dma(*spec));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::{BufferKind, Deployment, Direction};
+
+    #[test]
+    fn choice_round_trips_through_specs() {
+        let dep = Deployment::by_name("mla_ps16_cp8").unwrap();
+        for spec in dep.specs() {
+            for c in candidates_for(&spec, Backend::Host, false) {
+                let Candidate::Kernel(k) = c else {
+                    panic!("no DMA on host")
+                };
+                assert_eq!(c.choice().apply_to(&spec), Some(k));
+            }
+        }
+    }
+
+    #[test]
+    fn dma_only_for_cuda_transfers() {
+        let dep = Deployment::by_name("nsa_ps64_cp8").unwrap();
+        let t = dep.transfer_spec(BufferKind::NsaKv, Direction::HostToDevice);
+        let cuda = candidates_for(&t, Backend::Cuda, true);
+        let dma = cuda
+            .iter()
+            .find(|c| matches!(c, Candidate::Dma(_)))
+            .unwrap();
+        assert!(dma.supported_by(Backend::Cuda).is_err());
+        assert!(dma.supported_by(Backend::Host).is_err());
+        assert!(!candidates_for(&t, Backend::Host, false)
+            .iter()
+            .any(|c| matches!(c, Candidate::Dma(_))));
+        let m = dep.materialise_spec(BufferKind::NsaKv);
+        assert!(!candidates_for(&m, Backend::Cuda, false)
+            .iter()
+            .any(|c| matches!(c, Candidate::Dma(_))));
+    }
+
+    #[test]
+    fn quick_is_a_small_subset_with_the_spec() {
+        let dep = Deployment::by_name("nsa_ps64_cp8").unwrap();
+        for spec in dep.specs() {
+            let quick = candidates_for(&spec, Backend::Host, true);
+            let full = candidates_for(&spec, Backend::Host, false);
+            assert!(quick.contains(&Candidate::Kernel(spec)));
+            assert!(quick.len() <= 4 && quick.len() <= full.len());
+            assert!(quick.iter().all(|c| full.contains(c)));
+        }
+    }
+}

@@ -1,0 +1,318 @@
+//! `bench --check`: runs every kernel family of a deployment on the executor at hand on random
+//! inputs with poisoned outputs and compares the bytes with the Rust references of
+//! `kernels::reference` (the oracle the host executor is tested against), so a GPU run proves
+//! the CUDA executor computes exactly what the host does.
+
+use serde::Serialize;
+
+use super::measure::{compile_and_load, u32_bytes, AllocBench, CopyBench, Sizes, SplitMix};
+use super::TuningError;
+use crate::exec::{BufferId, Executor, KernelArg, KernelId, LaunchConfig, MemKind};
+use crate::jit::Jit;
+use crate::kernels::{reference, Deployment, KernelSpec};
+
+/// The outcome of one kernel's check.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct CheckRow {
+    /// Kernel uri.
+    pub kernel: String,
+    /// Family name.
+    pub family: String,
+    /// Whether the output equals the reference.
+    pub ok: bool,
+    /// Bytes compared, or the failure.
+    pub detail: String,
+}
+
+fn reference_err(what: &'static str) -> impl Fn(reference::ReferenceError) -> TuningError {
+    move |e| TuningError::Reference {
+        what,
+        message: e.to_string(),
+    }
+}
+
+fn read_all(exec: &dyn Executor, b: BufferId) -> Result<Vec<u8>, TuningError> {
+    let mut out = vec![0u8; exec.size(b)?];
+    exec.read(b, 0, &mut out)?;
+    Ok(out)
+}
+
+fn compare(got: &[u8], want: &[u8]) -> Result<String, String> {
+    if got.len() != want.len() {
+        return Err(format!("length {} vs {}", got.len(), want.len()));
+    }
+    match got.iter().zip(want).position(|(a, b)| a != b) {
+        None => Ok(format!("{} bytes equal", got.len())),
+        Some(i) => Err(format!(
+            "first difference at byte {i}: got {:#04x}, want {:#04x}",
+            got[i], want[i]
+        )),
+    }
+}
+
+/// Checks every kernel of `dep` on `exec`; one row per kernel. Errors are harness failures
+/// (allocation, compile); a wrong output is a row with `ok: false`.
+pub fn check_deployment(
+    exec: &dyn Executor,
+    jit: &Jit,
+    dep: &Deployment,
+) -> Result<Vec<CheckRow>, TuningError> {
+    let specs = dep.specs();
+    let loaded = compile_and_load(exec, jit, &specs, None, &|| {});
+    let mut rows = Vec::with_capacity(specs.len());
+    for (i, (spec, k)) in specs.iter().zip(loaded).enumerate() {
+        let seed = 0xC0FFEE + i as u64;
+        let outcome = match k {
+            Err(e) => Err(format!("compile/load: {e}")),
+            Ok(kernel) => match check_one(exec, spec, kernel, seed) {
+                Ok(r) => r,
+                Err(e) => Err(e.to_string()),
+            },
+        };
+        rows.push(CheckRow {
+            kernel: spec.uri(),
+            family: spec.family().to_string(),
+            ok: outcome.is_ok(),
+            detail: match outcome {
+                Ok(d) | Err(d) => d,
+            },
+        });
+    }
+    Ok(rows)
+}
+
+fn check_one(
+    exec: &dyn Executor,
+    spec: &KernelSpec,
+    kernel: KernelId,
+    seed: u64,
+) -> Result<Result<String, String>, TuningError> {
+    let mut rng = SplitMix(seed);
+    let sizes = Sizes {
+        pages: 37,
+        layers: 3,
+        warmup: 0,
+        repeats: 1,
+    };
+    match spec {
+        KernelSpec::TransferPages(s) => {
+            let (b, pages) = CopyBench::new(exec, spec, &sizes, seed)?;
+            let (srcs, dst) = b.buffers();
+            let src = rng.bytes(exec.size(srcs[0])?);
+            exec.upload(srcs[0], 0, &src)?;
+            b.launch(kernel, spec)?;
+            let got = read_all(exec, dst)?;
+            let mut want = vec![0xA5u8; got.len()];
+            reference::transfer_pages(
+                s.direction,
+                s.layout,
+                u64::from(s.page_size) * u64::from(s.bytes_per_token),
+                &src,
+                &mut want,
+                &pages.first,
+                &pages.second,
+                sizes.pages,
+                sizes.layers,
+                b.device_pages,
+                b.host_pages,
+            )
+            .map_err(reference_err("transfer_pages"))?;
+            Ok(compare(&got, &want))
+        }
+        KernelSpec::Materialise(s) => {
+            let (b, pages) = CopyBench::new(exec, spec, &sizes, seed)?;
+            let (srcs, dst) = b.buffers();
+            let mut pools = Vec::with_capacity(srcs.len());
+            for &p in &srcs {
+                let bytes = rng.bytes(exec.size(p)?);
+                exec.upload(p, 0, &bytes)?;
+                pools.push(bytes);
+            }
+            b.launch(kernel, spec)?;
+            let got = read_all(exec, dst)?;
+            let mut want = vec![0xA5u8; got.len()];
+            let views: Vec<&[u8]> = pools.iter().map(|p| p.as_slice()).collect();
+            reference::materialise(
+                s.cp,
+                u64::from(s.page_size) * u64::from(s.bytes_per_token),
+                &views,
+                &pages.first,
+                sizes.pages,
+                sizes.layers,
+                b.device_pages,
+                &mut want,
+            )
+            .map_err(reference_err("materialise"))?;
+            Ok(compare(&got, &want))
+        }
+        KernelSpec::SelectOwnerPages(s) => {
+            let b = AllocBench::new(exec, s.cp, s.page_size, 300, seed)?;
+            b.reset_for_select()?;
+            b.run_select(kernel, spec)?;
+            let mut got = read_all(exec, b.pages)?;
+            got.extend(read_all(exec, b.locs)?);
+            got.extend(read_all(exec, b.tops)?);
+            let h = &b.host;
+            let mut tops = h.tops_full.clone();
+            let (pages, locs) = reference::select_owner_pages(
+                s.cp,
+                s.page_size,
+                &h.owners,
+                &h.stacks,
+                &mut tops,
+                h.lane_cap,
+            )
+            .map_err(reference_err("select_owner_pages"))?;
+            let mut want = u32_bytes(&pages);
+            want.extend(locs.iter().flat_map(|l| l.to_le_bytes()));
+            want.extend(u32_bytes(&tops));
+            Ok(compare(&got, &want))
+        }
+        KernelSpec::ReleasePages(s) => {
+            let b = AllocBench::new(exec, s.cp, 1, 300, seed)?;
+            b.reset_for_select()?;
+            b.reset_for_release()?;
+            b.run_release(kernel, spec)?;
+            let mut got = read_all(exec, b.stacks)?;
+            got.extend(read_all(exec, b.tops)?);
+            let h = &b.host;
+            let mut stacks = h.stacks.clone();
+            let mut tops = h.tops_after.clone();
+            reference::release_pages(s.cp, &h.selected, &mut stacks, &mut tops, h.lane_cap)
+                .map_err(reference_err("release_pages"))?;
+            let mut want = u32_bytes(&stacks);
+            want.extend(u32_bytes(&tops));
+            Ok(compare(&got, &want))
+        }
+        KernelSpec::Synthesise(s) => {
+            let cp = u32::from(s.cp);
+            let n_pages = 6u32;
+            let n_tokens = n_pages * s.page_size - 3;
+            let local_pages = n_pages + 2;
+            let layers = 2;
+            let tokens: Vec<u32> = (0..n_tokens).map(|_| rng.below(50_000) as u32).collect();
+            let hashes = reference::prefix_hashes(&tokens);
+            let seq: Vec<u32> = rng.sample(cp * local_pages, n_pages);
+            let rank = cp - 1;
+            let start_page = 1;
+            let page_bytes = s.buffer.page_bytes(s.page_size);
+            let pool_len = u64::from(layers) * u64::from(local_pages) * page_bytes;
+            let pool = exec.alloc(MemKind::Device, pool_len as usize, 0xA5)?;
+            let hb = upload_new(
+                exec,
+                &hashes
+                    .iter()
+                    .flat_map(|h| h.to_le_bytes())
+                    .collect::<Vec<_>>(),
+            )?;
+            let sb = upload_new(exec, &u32_bytes(&seq))?;
+            let d = spec.launch_dims(n_pages - start_page, layers);
+            let run = exec.launch(
+                kernel,
+                &LaunchConfig::linear(d.grid, d.block),
+                &[
+                    KernelArg::Ptr(pool, 0),
+                    KernelArg::Ptr(hb, 0),
+                    KernelArg::Ptr(sb, 0),
+                    KernelArg::U32(n_tokens),
+                    KernelArg::U32(start_page),
+                    KernelArg::U32(rank),
+                    KernelArg::U32(layers),
+                    KernelArg::U32(local_pages),
+                ],
+            );
+            let got = run
+                .map_err(TuningError::from)
+                .and_then(|()| read_all(exec, pool));
+            for b in [pool, hb, sb] {
+                let _ = exec.free(b);
+            }
+            let got = got?;
+            let mut want = vec![0xA5u8; got.len()];
+            reference::synthesise(
+                s.buffer,
+                s.cp,
+                s.page_size,
+                &mut want,
+                &hashes,
+                &seq,
+                n_tokens,
+                start_page,
+                rank,
+                layers,
+                local_pages,
+            )
+            .map_err(reference_err("synthesise"))?;
+            Ok(compare(&got, &want))
+        }
+        KernelSpec::Verify(s) => {
+            let n_pages = 5u32;
+            let n_tokens = n_pages * s.page_size - 5;
+            let layers = 2;
+            let tokens: Vec<u32> = (0..n_tokens).map(|_| rng.below(50_000) as u32).collect();
+            let hashes = reference::prefix_hashes(&tokens);
+            let page_bytes = s.buffer.page_bytes(s.page_size);
+            let mut dense =
+                vec![0xA5u8; (u64::from(layers) * u64::from(n_pages) * page_bytes) as usize];
+            let seq: Vec<u32> = (0..n_pages).collect();
+            reference::synthesise(
+                s.buffer,
+                1,
+                s.page_size,
+                &mut dense,
+                &hashes,
+                &seq,
+                n_tokens,
+                0,
+                0,
+                layers,
+                n_pages,
+            )
+            .map_err(reference_err("synthesise"))?;
+            for _ in 0..3 {
+                let at = rng.below(dense.len() as u64) as usize;
+                dense[at] ^= 0x40;
+            }
+            let want =
+                reference::verify(s.buffer, s.page_size, &dense, &hashes, n_tokens, 1, layers)
+                    .map_err(reference_err("verify"))?;
+            let db = upload_new(exec, &dense)?;
+            let hb = upload_new(
+                exec,
+                &hashes
+                    .iter()
+                    .flat_map(|h| h.to_le_bytes())
+                    .collect::<Vec<_>>(),
+            )?;
+            let mb = exec.alloc(MemKind::Device, 4, 0)?;
+            let d = spec.launch_dims(n_tokens, layers);
+            let run = exec.launch(
+                kernel,
+                &LaunchConfig::linear(d.grid, d.block),
+                &[
+                    KernelArg::Ptr(db, 0),
+                    KernelArg::Ptr(hb, 0),
+                    KernelArg::U32(n_tokens),
+                    KernelArg::U32(1),
+                    KernelArg::U32(layers),
+                    KernelArg::Ptr(mb, 0),
+                ],
+            );
+            let got = run
+                .map_err(TuningError::from)
+                .and_then(|()| read_all(exec, mb));
+            for b in [db, hb, mb] {
+                let _ = exec.free(b);
+            }
+            let got = got?;
+            Ok(compare(&got, &want.to_le_bytes())
+                .map(|_| format!("{want} mismatching tokens found")))
+        }
+    }
+}
+
+fn upload_new(exec: &dyn Executor, bytes: &[u8]) -> Result<BufferId, TuningError> {
+    let b = exec.alloc(MemKind::Device, bytes.len().max(1), 0)?;
+    exec.upload(b, 0, bytes)?;
+    Ok(b)
+}

@@ -1,0 +1,173 @@
+//! What a tuning result is valid for: the device it was measured on ([`DeviceKey`]) and the
+//! kernel it describes independently of its launch shape ([`spec_key`]).
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+use super::TuningError;
+use crate::exec::{Backend, Executor};
+use crate::jit::{Arch, Jit};
+use crate::kernels::KernelSpec;
+
+/// The machine identity a tuning entry was measured on. An entry is applied only when every
+/// field matches the device at hand, so a file copied between machines, or kept across a
+/// compiler upgrade, is never misapplied.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct DeviceKey {
+    /// `host` or `cuda`: which executor ran the candidates.
+    pub backend: String,
+    /// The executor's device name (the GPU's name, or the host emulator's description).
+    pub device: String,
+    /// The compute capability the kernels were built for (`sm_90`), or the CPU model from
+    /// `/proc/cpuinfo` on the host executor.
+    pub capability: String,
+    /// The compiler identity: NVRTC's version, or the host C++ compiler's `--version` line.
+    pub compiler: String,
+}
+
+impl fmt::Display for DeviceKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} / {} / {} / {}",
+            self.backend, self.device, self.capability, self.compiler
+        )
+    }
+}
+
+/// The compiler identity recorded when no compiler is available (prebuilt kernels only).
+pub const PREBUILT_COMPILER: &str = "prebuilt kernels (compiler not available)";
+
+/// How a stored key relates to the device at hand.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KeyMatch {
+    /// Same device and compiler: the entry applies.
+    Same,
+    /// Same device, other compiler (an upgrade): the entry is stale.
+    Stale,
+    /// Another device or backend: the entry is foreign.
+    Foreign,
+}
+
+impl DeviceKey {
+    /// Compares a stored key with the device at hand.
+    pub fn compare(&self, current: &DeviceKey) -> KeyMatch {
+        if self == current {
+            KeyMatch::Same
+        } else if self.backend == current.backend
+            && self.device == current.device
+            && self.capability == current.capability
+        {
+            KeyMatch::Stale
+        } else {
+            KeyMatch::Foreign
+        }
+    }
+
+    /// The key of `exec` with the compilers of `jit`: on the host, the CPU model and the host
+    /// C++ compiler; on CUDA, the compute capability the JIT targets and NVRTC's version. A
+    /// machine without the compiler (running a prebuilt cache with `CP_HICACHE_JIT=off`) gets
+    /// [`PREBUILT_COMPILER`], so its results never match a machine that compiles.
+    pub fn for_executor(exec: &dyn Executor, jit: &Jit) -> Result<DeviceKey, TuningError> {
+        match exec.backend() {
+            Backend::Cuda => Ok(DeviceKey {
+                backend: Backend::Cuda.to_string(),
+                device: exec.device_name(),
+                capability: Arch::default().to_string(),
+                compiler: jit
+                    .nvrtc_identity()
+                    .unwrap_or_else(|_| PREBUILT_COMPILER.to_string()),
+            }),
+            _ => Ok(DeviceKey {
+                backend: Backend::Host.to_string(),
+                device: exec.device_name(),
+                capability: cpu_model(),
+                compiler: jit
+                    .host_compiler()
+                    .map(|c| c.identity().to_string())
+                    .unwrap_or_else(|_| PREBUILT_COMPILER.to_string()),
+            }),
+        }
+    }
+}
+
+/// The CPU model name (`model name` in `/proc/cpuinfo`), or the architecture when the file is
+/// missing or has no such line.
+pub fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|text| parse_cpu_model(&text))
+        .unwrap_or_else(|| format!("unknown {} CPU", std::env::consts::ARCH))
+}
+
+/// The first `model name` value of a `/proc/cpuinfo` text.
+pub fn parse_cpu_model(cpuinfo: &str) -> Option<String> {
+    cpuinfo.lines().find_map(|line| {
+        let (k, v) = line.split_once(':')?;
+        (k.trim() == "model name").then(|| v.trim().to_string())
+    })
+}
+
+/// The kernel a spec describes without its launch shape: the uri minus the thread, pages per
+/// block, vector width and unroll parts (`transfer_pages_d2h_pf_ps64_b656`,
+/// `select_owner_pages_cp8_ps64`). Every tuning candidate of a spec has the same key.
+pub fn spec_key(spec: &KernelSpec) -> String {
+    let fam = spec.family();
+    match spec {
+        KernelSpec::SelectOwnerPages(s) => format!("{fam}_cp{}_ps{}", s.cp, s.page_size),
+        KernelSpec::ReleasePages(s) => format!("{fam}_cp{}", s.cp),
+        KernelSpec::TransferPages(s) => format!(
+            "{fam}_{}_{}_ps{}_b{}",
+            s.direction, s.layout, s.page_size, s.bytes_per_token
+        ),
+        KernelSpec::Materialise(s) => {
+            format!("{fam}_cp{}_ps{}_b{}", s.cp, s.page_size, s.bytes_per_token)
+        }
+        KernelSpec::Synthesise(s) => format!("{fam}_{}_cp{}_ps{}", s.buffer, s.cp, s.page_size),
+        KernelSpec::Verify(s) => format!("{fam}_{}_ps{}", s.buffer, s.page_size),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::Deployment;
+
+    #[test]
+    fn spec_key_is_shape_independent() {
+        let dep = Deployment::by_name("nsa_ps64_cp8").unwrap();
+        for spec in dep.specs() {
+            let key = spec_key(&spec);
+            assert!(spec.uri().starts_with(&key), "{key} vs {}", spec.uri());
+            for c in spec.candidates() {
+                assert_eq!(spec_key(&c), key);
+            }
+        }
+    }
+
+    #[test]
+    fn cpu_model_parses() {
+        let text = "processor\t: 0\nmodel name\t: AMD EPYC 9654 96-Core Processor\nflags: x\n";
+        assert_eq!(
+            parse_cpu_model(text).as_deref(),
+            Some("AMD EPYC 9654 96-Core Processor")
+        );
+        assert_eq!(parse_cpu_model("nothing"), None);
+    }
+
+    #[test]
+    fn compare_classifies() {
+        let a = DeviceKey {
+            backend: "host".into(),
+            device: "d".into(),
+            capability: "cpu".into(),
+            compiler: "gcc 12".into(),
+        };
+        let mut b = a.clone();
+        assert_eq!(b.compare(&a), KeyMatch::Same);
+        b.compiler = "gcc 13".into();
+        assert_eq!(b.compare(&a), KeyMatch::Stale);
+        b.device = "other".into();
+        assert_eq!(b.compare(&a), KeyMatch::Foreign);
+    }
+}

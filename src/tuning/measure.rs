@@ -1,0 +1,835 @@
+//! Measurement building blocks shared by `tune`, `bench` and `bench --check`: workload sizes,
+//! median timing, the buffers and argument lists of each kernel family (docs/KERNELS.md), the
+//! baselines (host `memcpy`, a plain copy kernel on CUDA, the Rust references), and compiling
+//! plus loading a set of specs through the JIT.
+
+use std::time::Instant;
+
+use super::TuningError;
+use crate::exec::{
+    Backend, BufferId, ExecError, Executor, KernelArg, KernelArtifact, KernelId, LaunchConfig,
+    MemKind,
+};
+use crate::jit::{Arch, Artifact, Jit, JitRequest, Sanitize, Target};
+use crate::kernels::{Direction, KernelSpec};
+
+/// Workload sizes of one measurement.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Sizes {
+    /// Pages (page pairs for transfers, sequence pages for materialise) per launch.
+    pub pages: u32,
+    /// Layers per launch.
+    pub layers: u32,
+    /// Untimed launches first.
+    pub warmup: u32,
+    /// Timed launches; the median is reported.
+    pub repeats: u32,
+}
+
+impl Sizes {
+    /// Realistic sizes: 256 pages × 4 layers, 1 warm-up, median of 7.
+    pub fn full() -> Sizes {
+        Sizes {
+            pages: 256,
+            layers: 4,
+            warmup: 1,
+            repeats: 7,
+        }
+    }
+
+    /// Short runs: 128 pages × 2 layers, 1 warm-up, median of 3.
+    pub fn quick() -> Sizes {
+        Sizes {
+            pages: 128,
+            layers: 2,
+            warmup: 1,
+            repeats: 3,
+        }
+    }
+
+    /// Short description for tables and tuning entries.
+    pub fn describe(&self) -> String {
+        format!(
+            "pages={} layers={} warmup={} repeats={}",
+            self.pages, self.layers, self.warmup, self.repeats
+        )
+    }
+}
+
+/// Median and minimum seconds of the timed repeats.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Timing {
+    /// Median seconds.
+    pub median: f64,
+    /// Fastest repeat.
+    pub min: f64,
+}
+
+/// Runs `setup` then times `run`, `warmup` untimed and `repeats` timed times (at least one).
+pub fn time_with<E>(
+    warmup: u32,
+    repeats: u32,
+    mut setup: impl FnMut() -> Result<(), E>,
+    mut run: impl FnMut() -> Result<(), E>,
+) -> Result<Timing, E> {
+    for _ in 0..warmup {
+        setup()?;
+        run()?;
+    }
+    let mut samples = Vec::with_capacity(repeats.max(1) as usize);
+    for _ in 0..repeats.max(1) {
+        setup()?;
+        let t = Instant::now();
+        run()?;
+        samples.push(t.elapsed().as_secs_f64());
+    }
+    samples.sort_by(f64::total_cmp);
+    Ok(Timing {
+        median: samples[samples.len() / 2],
+        min: samples[0],
+    })
+}
+
+/// Deterministic splitmix64 stream (fixed seeds keep runs comparable).
+#[derive(Debug, Clone)]
+pub struct SplitMix(pub u64);
+
+impl SplitMix {
+    /// The next value.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        crate::kernels::reference::mix64(self.0)
+    }
+
+    /// A value in `0..n` (`n > 0`).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n.max(1)
+    }
+
+    /// The first `take` entries of a random permutation of `0..n`.
+    pub fn sample(&mut self, n: u32, take: u32) -> Vec<u32> {
+        let mut v: Vec<u32> = (0..n).collect();
+        let take = take.min(n) as usize;
+        for i in 0..take {
+            let j = i + self.below((v.len() - i) as u64) as usize;
+            v.swap(i, j);
+        }
+        v.truncate(take);
+        v
+    }
+
+    /// `len` random bytes.
+    pub fn bytes(&mut self, len: usize) -> Vec<u8> {
+        let mut out = Vec::with_capacity(len + 8);
+        while out.len() < len {
+            out.extend_from_slice(&self.next_u64().to_le_bytes());
+        }
+        out.truncate(len);
+        out
+    }
+}
+
+/// Little-endian bytes of a `u32` slice (kernel inputs).
+pub fn u32_bytes(v: &[u32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// The JIT target for an executor's backend.
+pub fn target_for(backend: Backend) -> Target {
+    match backend {
+        Backend::Cuda => Target::Nvrtc {
+            arch: Arch::default(),
+        },
+        _ => Target::Host {
+            sanitize: Sanitize::None,
+        },
+    }
+}
+
+/// Test and fault-injection hook: edits one candidate's source before it is compiled.
+pub type SourceHook<'a> = &'a (dyn Fn(&KernelSpec, String) -> String + Sync);
+
+/// Renders, compiles (in parallel, through the JIT cache) and loads each spec; one result per
+/// spec: the kernel handle, or why the candidate is dropped (render or compile error, load
+/// error, or an NVRTC build that spills registers or uses a stack frame).
+pub fn compile_and_load(
+    exec: &dyn Executor,
+    jit: &Jit,
+    specs: &[KernelSpec],
+    hook: Option<SourceHook<'_>>,
+    on_done: &(dyn Fn() + Sync),
+) -> Vec<Result<KernelId, String>> {
+    let target = target_for(exec.backend());
+    let requests: Vec<Result<JitRequest, String>> = specs
+        .iter()
+        .map(|spec| {
+            let source = spec.render().map_err(|e| e.to_string())?;
+            let source = match hook {
+                Some(h) => h(spec, source),
+                None => source,
+            };
+            Ok(JitRequest {
+                uri: spec.uri(),
+                source,
+                target,
+            })
+        })
+        .collect();
+    let ok: Vec<JitRequest> = requests
+        .iter()
+        .filter_map(|r| r.as_ref().ok().cloned())
+        .collect();
+    let mut compiled = jit.warm_up_with(&ok, |_| on_done()).into_iter();
+    specs
+        .iter()
+        .zip(requests)
+        .map(|(spec, req)| {
+            req?;
+            let k = compiled
+                .next()
+                .ok_or_else(|| "internal: missing JIT result".to_string())?
+                .map_err(|e| e.to_string())?;
+            if let Some(rep) = &k.report {
+                if rep.spill_bytes > 0 || rep.stack_bytes > 0 {
+                    return Err(format!(
+                        "spills {} bytes, {}-byte stack frame",
+                        rep.spill_bytes, rep.stack_bytes
+                    ));
+                }
+            }
+            let entry = spec.entry_name();
+            let artifact = match &k.artifact {
+                Artifact::SharedObject(path) => KernelArtifact::HostLibrary {
+                    path,
+                    entry: &entry,
+                },
+                Artifact::Cubin(image) => KernelArtifact::Cubin {
+                    image,
+                    entry: &entry,
+                },
+            };
+            exec.load_kernel(&artifact).map_err(|e| e.to_string())
+        })
+        .collect()
+}
+
+/// Frees a list of buffers when dropped.
+struct Owned<'e> {
+    exec: &'e dyn Executor,
+    ids: Vec<BufferId>,
+}
+
+impl Owned<'_> {
+    fn alloc(&mut self, kind: MemKind, bytes: u64, fill: u8) -> Result<BufferId, ExecError> {
+        let id = self.exec.alloc(kind, bytes.max(1) as usize, fill)?;
+        self.ids.push(id);
+        Ok(id)
+    }
+}
+
+impl Drop for Owned<'_> {
+    fn drop(&mut self) {
+        for id in self.ids.drain(..) {
+            let _ = self.exec.free(id);
+        }
+    }
+}
+
+/// Buffers and arguments of one page-copy kernel (transfer or materialise) at given sizes:
+/// realistic scattered page ids over pools with some slack. Every candidate of the same spec
+/// key runs on the same buffers.
+pub struct CopyBench<'e> {
+    mem: Owned<'e>,
+    kind: CopyKind,
+    n: u32,
+    layers: u32,
+    page_bytes: u64,
+    /// Pool pages per rank (device pool, or each CP pool).
+    pub device_pages: u32,
+    /// Host pool pages (transfers).
+    pub host_pages: u32,
+}
+
+enum CopyKind {
+    Transfer {
+        src: BufferId,
+        dst: BufferId,
+        src_pages: BufferId,
+        dst_pages: BufferId,
+    },
+    Materialise {
+        pools: Vec<(BufferId, u64)>,
+        seq_pages: BufferId,
+        dense: BufferId,
+    },
+}
+
+/// The page ids a copy workload uses, also needed by the references in `--check`.
+#[derive(Debug, Clone)]
+pub struct CopyPages {
+    /// Transfer source pages, or materialise sequence pages (global ids).
+    pub first: Vec<u32>,
+    /// Transfer destination pages (empty for materialise).
+    pub second: Vec<u32>,
+}
+
+impl<'e> CopyBench<'e> {
+    /// Allocates pools (poisoned with `0xA5`) and uploads page ids for `spec` (a transfer or
+    /// materialise spec). `seed` fixes the page ids.
+    pub fn new(
+        exec: &'e dyn Executor,
+        spec: &KernelSpec,
+        sizes: &Sizes,
+        seed: u64,
+    ) -> Result<(CopyBench<'e>, CopyPages), TuningError> {
+        let mut mem = Owned {
+            exec,
+            ids: Vec::new(),
+        };
+        let mut rng = SplitMix(seed);
+        let n = sizes.pages.max(1);
+        let layers = sizes.layers.max(1);
+        let slack = n / 4 + 1;
+        match spec {
+            KernelSpec::TransferPages(s) => {
+                let page_bytes = u64::from(s.page_size) * u64::from(s.bytes_per_token);
+                let device_pages = n + slack;
+                let host_pages = n + slack;
+                let dev_bytes = u64::from(layers) * u64::from(device_pages) * page_bytes;
+                let host_bytes = u64::from(layers) * u64::from(host_pages) * page_bytes;
+                let dev = mem.alloc(MemKind::Device, dev_bytes, 0xA5)?;
+                let host = mem.alloc(MemKind::Host, host_bytes, 0xA5)?;
+                let dev_ids = rng.sample(device_pages, n);
+                let host_ids = rng.sample(host_pages, n);
+                let (src, dst, sp, dp) = match s.direction {
+                    Direction::DeviceToHost => (dev, host, dev_ids, host_ids),
+                    Direction::HostToDevice => (host, dev, host_ids, dev_ids),
+                };
+                let src_pages = mem.alloc(MemKind::Device, 4 * u64::from(n), 0)?;
+                let dst_pages = mem.alloc(MemKind::Device, 4 * u64::from(n), 0)?;
+                exec.upload(src_pages, 0, &u32_bytes(&sp))?;
+                exec.upload(dst_pages, 0, &u32_bytes(&dp))?;
+                Ok((
+                    CopyBench {
+                        mem,
+                        kind: CopyKind::Transfer {
+                            src,
+                            dst,
+                            src_pages,
+                            dst_pages,
+                        },
+                        n,
+                        layers,
+                        page_bytes,
+                        device_pages,
+                        host_pages,
+                    },
+                    CopyPages {
+                        first: sp,
+                        second: dp,
+                    },
+                ))
+            }
+            KernelSpec::Materialise(s) => {
+                let page_bytes = u64::from(s.page_size) * u64::from(s.bytes_per_token);
+                let cp = u32::from(s.cp);
+                let local_pages = n.div_ceil(cp) + slack;
+                let pool_bytes = u64::from(layers) * u64::from(local_pages) * page_bytes;
+                let mut pools = Vec::with_capacity(cp as usize);
+                for _ in 0..cp {
+                    pools.push((mem.alloc(MemKind::Device, pool_bytes, 0xA5)?, 0));
+                }
+                // Distinct global pages, page 0 (null) excluded.
+                let seq: Vec<u32> = rng
+                    .sample(cp * local_pages - 1, n)
+                    .into_iter()
+                    .map(|p| p + 1)
+                    .collect();
+                let seq_pages = mem.alloc(MemKind::Device, 4 * u64::from(n), 0)?;
+                exec.upload(seq_pages, 0, &u32_bytes(&seq))?;
+                let dense = mem.alloc(
+                    MemKind::Device,
+                    u64::from(layers) * u64::from(n) * page_bytes,
+                    0xA5,
+                )?;
+                Ok((
+                    CopyBench {
+                        mem,
+                        kind: CopyKind::Materialise {
+                            pools,
+                            seq_pages,
+                            dense,
+                        },
+                        n,
+                        layers,
+                        page_bytes,
+                        device_pages: local_pages,
+                        host_pages: 0,
+                    },
+                    CopyPages {
+                        first: seq,
+                        second: Vec::new(),
+                    },
+                ))
+            }
+            other => Err(TuningError::Reference {
+                what: "copy bench",
+                message: format!("{} is not a page-copy kernel", other.uri()),
+            }),
+        }
+    }
+
+    /// Bytes one launch moves (read once, written once).
+    pub fn bytes(&self) -> u64 {
+        u64::from(self.n) * u64::from(self.layers) * self.page_bytes
+    }
+
+    /// The buffers: (sources, destination). For transfers one source; for materialise the CP
+    /// pools.
+    pub fn buffers(&self) -> (Vec<BufferId>, BufferId) {
+        match &self.kind {
+            CopyKind::Transfer { src, dst, .. } => (vec![*src], *dst),
+            CopyKind::Materialise { pools, dense, .. } => {
+                (pools.iter().map(|p| p.0).collect(), *dense)
+            }
+        }
+    }
+
+    /// Launches `kernel` (compiled from `spec`, a candidate of this bench's spec key) with the
+    /// recommended grid, without synchronising.
+    pub fn launch(&self, kernel: KernelId, spec: &KernelSpec) -> Result<(), ExecError> {
+        let d = spec.launch_dims(self.n, self.layers);
+        let cfg = LaunchConfig::linear(d.grid, d.block);
+        let exec = self.mem.exec;
+        match &self.kind {
+            CopyKind::Transfer {
+                src,
+                dst,
+                src_pages,
+                dst_pages,
+            } => exec.launch(
+                kernel,
+                &cfg,
+                &[
+                    KernelArg::Ptr(*src, 0),
+                    KernelArg::Ptr(*dst, 0),
+                    KernelArg::Ptr(*src_pages, 0),
+                    KernelArg::Ptr(*dst_pages, 0),
+                    KernelArg::U32(self.n),
+                    KernelArg::U32(self.layers),
+                    KernelArg::U32(self.device_pages),
+                    KernelArg::U32(self.host_pages),
+                ],
+            ),
+            CopyKind::Materialise {
+                pools,
+                seq_pages,
+                dense,
+            } => exec.launch(
+                kernel,
+                &cfg,
+                &[
+                    KernelArg::PtrStruct(pools),
+                    KernelArg::Ptr(*seq_pages, 0),
+                    KernelArg::U32(self.n),
+                    KernelArg::U32(self.layers),
+                    KernelArg::U32(self.device_pages),
+                    KernelArg::Ptr(*dense, 0),
+                ],
+            ),
+        }
+    }
+
+    /// Times `kernel`: launch and synchronise, median of the repeats.
+    pub fn time(
+        &self,
+        kernel: KernelId,
+        spec: &KernelSpec,
+        sizes: &Sizes,
+    ) -> Result<Timing, ExecError> {
+        let exec = self.mem.exec;
+        time_with(
+            sizes.warmup,
+            sizes.repeats,
+            || Ok(()),
+            || {
+                self.launch(kernel, spec)?;
+                exec.synchronize()
+            },
+        )
+    }
+}
+
+/// Buffers of the allocator kernels for `n` requests: fresh lane stacks, round-robin owners,
+/// and the pages the selection returns (for release).
+pub struct AllocBench<'e> {
+    mem: Owned<'e>,
+    cp: u8,
+    n: u32,
+    lane_cap: u32,
+    owners: BufferId,
+    /// `u32[CP * lane_cap]`.
+    pub stacks: BufferId,
+    /// `u32[CP]`.
+    pub tops: BufferId,
+    /// Output pages of select; input of release.
+    pub pages: BufferId,
+    /// `i64[n * page_size]`.
+    pub locs: BufferId,
+    /// Host copies for the references.
+    pub host: AllocInputs,
+}
+
+/// The allocator inputs on the host (for the references and `--check`).
+#[derive(Debug, Clone)]
+pub struct AllocInputs {
+    /// One owner per request.
+    pub owners: Vec<u8>,
+    /// Fresh lane stacks.
+    pub stacks: Vec<u32>,
+    /// Full tops.
+    pub tops_full: Vec<u32>,
+    /// Tops after selecting `owners`.
+    pub tops_after: Vec<u32>,
+    /// The pages the selection returns.
+    pub selected: Vec<u32>,
+    /// Lane capacity.
+    pub lane_cap: u32,
+}
+
+impl<'e> AllocBench<'e> {
+    /// Allocates and uploads everything for `n` requests at CP `cp` and `page_size`.
+    pub fn new(
+        exec: &'e dyn Executor,
+        cp: u8,
+        page_size: u32,
+        n: u32,
+        seed: u64,
+    ) -> Result<AllocBench<'e>, TuningError> {
+        let mut mem = Owned {
+            exec,
+            ids: Vec::new(),
+        };
+        let c = u32::from(cp.max(1));
+        let n = n.max(1);
+        let lane_cap = n.div_ceil(c) + 8;
+        let mut rng = SplitMix(seed);
+        // Owners rotate from a random start, so every lane's demand fits its capacity.
+        let start = rng.below(u64::from(c)) as u32;
+        let owners: Vec<u8> = (0..n).map(|i| ((i + start) % c) as u8).collect();
+        let mut stacks = vec![0u32; (c * lane_cap) as usize];
+        for o in 0..c {
+            let lane: Vec<u32> = (0..=lane_cap)
+                .map(|k| o + c * k)
+                .filter(|&p| p != 0)
+                .take(lane_cap as usize)
+                .collect();
+            for (slot, &p) in lane.iter().rev().enumerate() {
+                stacks[(o * lane_cap) as usize + slot] = p;
+            }
+        }
+        let tops_full = vec![lane_cap; c as usize];
+        let mut tops_after = tops_full.clone();
+        let (selected, _) = crate::kernels::reference::select_owner_pages(
+            cp,
+            page_size,
+            &owners,
+            &stacks,
+            &mut tops_after,
+            lane_cap,
+        )
+        .map_err(|e| TuningError::Reference {
+            what: "select_owner_pages",
+            message: e.to_string(),
+        })?;
+        let owners_buf = mem.alloc(MemKind::Device, u64::from(n), 0)?;
+        let stacks_buf = mem.alloc(MemKind::Device, 4 * u64::from(c * lane_cap), 0)?;
+        let tops = mem.alloc(MemKind::Device, 4 * u64::from(c), 0)?;
+        let pages = mem.alloc(MemKind::Device, 4 * u64::from(n), 0xA5)?;
+        let locs = mem.alloc(
+            MemKind::Device,
+            8 * u64::from(n) * u64::from(page_size),
+            0xA5,
+        )?;
+        exec.upload(owners_buf, 0, &owners)?;
+        exec.upload(stacks_buf, 0, &u32_bytes(&stacks))?;
+        Ok(AllocBench {
+            mem,
+            cp,
+            n,
+            lane_cap,
+            owners: owners_buf,
+            stacks: stacks_buf,
+            tops,
+            pages,
+            locs,
+            host: AllocInputs {
+                owners,
+                stacks,
+                tops_full,
+                tops_after,
+                selected,
+                lane_cap,
+            },
+        })
+    }
+
+    /// Requests per launch.
+    pub fn n(&self) -> u32 {
+        self.n
+    }
+
+    /// CP degree.
+    pub fn cp(&self) -> u8 {
+        self.cp
+    }
+
+    /// Uploads full tops (and fresh stacks), then launches select (not synchronised).
+    pub fn run_select(&self, kernel: KernelId, spec: &KernelSpec) -> Result<(), ExecError> {
+        let exec = self.mem.exec;
+        let d = spec.launch_dims(self.n, 1);
+        exec.launch(
+            kernel,
+            &LaunchConfig::linear(d.grid, d.block),
+            &[
+                KernelArg::Ptr(self.owners, 0),
+                KernelArg::U32(self.n),
+                KernelArg::Ptr(self.stacks, 0),
+                KernelArg::Ptr(self.tops, 0),
+                KernelArg::U32(self.lane_cap),
+                KernelArg::Ptr(self.pages, 0),
+                KernelArg::Ptr(self.locs, 0),
+            ],
+        )
+    }
+
+    /// Launches release of the selected pages (not synchronised).
+    pub fn run_release(&self, kernel: KernelId, spec: &KernelSpec) -> Result<(), ExecError> {
+        let exec = self.mem.exec;
+        let d = spec.launch_dims(self.n, 1);
+        exec.launch(
+            kernel,
+            &LaunchConfig::linear(d.grid, d.block),
+            &[
+                KernelArg::Ptr(self.pages, 0),
+                KernelArg::U32(self.n),
+                KernelArg::Ptr(self.stacks, 0),
+                KernelArg::Ptr(self.tops, 0),
+                KernelArg::U32(self.lane_cap),
+            ],
+        )
+    }
+
+    /// Restores the state select starts from (fresh stacks, full tops).
+    pub fn reset_for_select(&self) -> Result<(), ExecError> {
+        let exec = self.mem.exec;
+        exec.upload(self.stacks, 0, &u32_bytes(&self.host.stacks))?;
+        exec.upload(self.tops, 0, &u32_bytes(&self.host.tops_full))
+    }
+
+    /// Restores the state release starts from (tops after select, selected pages).
+    pub fn reset_for_release(&self) -> Result<(), ExecError> {
+        let exec = self.mem.exec;
+        exec.upload(self.pages, 0, &u32_bytes(&self.host.selected))?;
+        exec.upload(self.tops, 0, &u32_bytes(&self.host.tops_after))
+    }
+
+    /// Times select or release (`spec`'s family decides), each repeat from a fresh state; the
+    /// state upload is outside the timed section.
+    pub fn time(
+        &self,
+        kernel: KernelId,
+        spec: &KernelSpec,
+        sizes: &Sizes,
+    ) -> Result<Timing, ExecError> {
+        let exec = self.mem.exec;
+        let select = matches!(spec, KernelSpec::SelectOwnerPages(_));
+        time_with(
+            sizes.warmup,
+            sizes.repeats,
+            || {
+                if select {
+                    self.reset_for_select()
+                } else {
+                    self.reset_for_release()
+                }?;
+                exec.synchronize()
+            },
+            || {
+                if select {
+                    self.run_select(kernel, spec)
+                } else {
+                    self.run_release(kernel, spec)
+                }?;
+                exec.synchronize()
+            },
+        )
+    }
+
+    /// Times the Rust reference of select or release on the same inputs (the allocator
+    /// baseline: what the host-side allocator does per request).
+    pub fn time_reference(&self, spec: &KernelSpec, sizes: &Sizes) -> Result<Timing, TuningError> {
+        let h = &self.host;
+        let page_size = match spec {
+            KernelSpec::SelectOwnerPages(s) => s.page_size,
+            _ => 1,
+        };
+        let mut stacks = h.stacks.clone();
+        let mut tops = h.tops_full.clone();
+        let reference = |e: crate::kernels::reference::ReferenceError| TuningError::Reference {
+            what: "allocator",
+            message: e.to_string(),
+        };
+        if matches!(spec, KernelSpec::SelectOwnerPages(_)) {
+            time_with(
+                sizes.warmup,
+                sizes.repeats,
+                || Ok(()),
+                || {
+                    // Resetting CP tops is negligible next to the selection itself.
+                    tops.copy_from_slice(&h.tops_full);
+                    let out = crate::kernels::reference::select_owner_pages(
+                        self.cp, page_size, &h.owners, &h.stacks, &mut tops, h.lane_cap,
+                    )
+                    .map_err(reference)?;
+                    std::hint::black_box(out);
+                    Ok(())
+                },
+            )
+        } else {
+            time_with(
+                sizes.warmup,
+                sizes.repeats,
+                || Ok(()),
+                || {
+                    tops.copy_from_slice(&h.tops_after);
+                    crate::kernels::reference::release_pages(
+                        self.cp,
+                        &h.selected,
+                        &mut stacks,
+                        &mut tops,
+                        h.lane_cap,
+                    )
+                    .map_err(reference)?;
+                    std::hint::black_box(&stacks);
+                    Ok(())
+                },
+            )
+        }
+    }
+}
+
+/// Times a single-threaded `memcpy` of `bytes` between two pre-touched host buffers: the
+/// host executor's baseline (its launches run on the calling thread).
+pub fn host_memcpy(bytes: u64, sizes: &Sizes) -> Timing {
+    let len = bytes as usize;
+    let src = vec![0x5Au8; len];
+    let mut dst = vec![0u8; len];
+    let t: Result<Timing, std::convert::Infallible> = time_with(
+        sizes.warmup.max(1),
+        sizes.repeats,
+        || Ok(()),
+        || {
+            dst.copy_from_slice(std::hint::black_box(&src));
+            std::hint::black_box(&mut dst);
+            Ok(())
+        },
+    );
+    match t {
+        Ok(t) => t,
+        Err(never) => match never {},
+    }
+}
+
+/// Source of the plain-copy kernel used as the CUDA baseline: a grid-stride 16-byte copy of
+/// contiguous memory (device to device, or between pinned mapped host memory and the device).
+pub const PLAIN_COPY_URI: &str = "chc_bench_plain_copy_v16_t256";
+
+/// The plain-copy kernel's source (self-contained, no headers).
+pub fn plain_copy_source() -> String {
+    format!(
+        "typedef unsigned long long u64;\n\
+         extern \"C\" __global__ void __launch_bounds__(256) {PLAIN_COPY_URI}(\n\
+             const uint4* src, uint4* dst, u64 n)\n\
+         {{\n\
+             for (u64 i = (u64)blockIdx.x * 256ull + threadIdx.x; i < n; i += (u64)gridDim.x * 256ull) {{\n\
+                 dst[i] = src[i];\n\
+             }}\n\
+         }}\n\
+         #ifdef CP_HICACHE_EMU\n\
+         CP_HICACHE_EMU_EXPORT({PLAIN_COPY_URI})\n\
+         #endif\n"
+    )
+}
+
+/// The CUDA baseline: the plain-copy kernel between two buffers of the executor.
+pub struct PlainCopy<'e> {
+    mem: Owned<'e>,
+    kernel: KernelId,
+}
+
+impl<'e> PlainCopy<'e> {
+    /// Compiles and loads the plain-copy kernel for the executor's backend.
+    pub fn new(exec: &'e dyn Executor, jit: &Jit) -> Result<PlainCopy<'e>, TuningError> {
+        let req = JitRequest {
+            uri: PLAIN_COPY_URI.to_string(),
+            source: plain_copy_source(),
+            target: target_for(exec.backend()),
+        };
+        let k = jit.get(&req)?;
+        let kernel = match &k.artifact {
+            Artifact::SharedObject(path) => exec.load_kernel(&KernelArtifact::HostLibrary {
+                path,
+                entry: PLAIN_COPY_URI,
+            })?,
+            Artifact::Cubin(image) => exec.load_kernel(&KernelArtifact::Cubin {
+                image,
+                entry: PLAIN_COPY_URI,
+            })?,
+        };
+        Ok(PlainCopy {
+            mem: Owned {
+                exec,
+                ids: Vec::new(),
+            },
+            kernel,
+        })
+    }
+
+    /// Times a copy of `bytes` (rounded down to 16) from `from` memory to `to` memory.
+    pub fn time(
+        &mut self,
+        from: MemKind,
+        to: MemKind,
+        bytes: u64,
+        sizes: &Sizes,
+    ) -> Result<Timing, ExecError> {
+        let n = bytes / 16;
+        let src = self.mem.alloc(from, n * 16, 0x5A)?;
+        let dst = self.mem.alloc(to, n * 16, 0)?;
+        let exec = self.mem.exec;
+        let blocks = n.div_ceil(256).clamp(1, 65_536) as u32;
+        let kernel = self.kernel;
+        let t = time_with(
+            sizes.warmup.max(1),
+            sizes.repeats,
+            || Ok(()),
+            || {
+                exec.launch(
+                    kernel,
+                    &LaunchConfig::linear(blocks, 256),
+                    &[
+                        KernelArg::Ptr(src, 0),
+                        KernelArg::Ptr(dst, 0),
+                        KernelArg::U64(n),
+                    ],
+                )?;
+                exec.synchronize()
+            },
+        );
+        let _ = exec.free(src);
+        let _ = exec.free(dst);
+        self.mem.ids.retain(|&b| b != src && b != dst);
+        t
+    }
+}

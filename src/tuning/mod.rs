@@ -1,0 +1,107 @@
+//! Tuning per deployment and the performance harness (DESIGN.md §3 "Tuning"): launch-shape
+//! candidates per kernel family ([`candidate`]), timing them on the executor at hand
+//! ([`tuner`]), a tuning file keyed by device, compiler and shape-independent spec key
+//! ([`file`], [`key`]), the `bench` measurements with baselines taken in the same run
+//! ([`bench`]), and a cross-check of every family against the Rust references ([`check`]).
+//!
+//! Applying a tuning file is one call:
+//!
+//! ```no_run
+//! use cp_hicache::{kernels::Deployment, tuning};
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let exec = cp_hicache::exec::open_executor(cp_hicache::exec::Backend::Auto)?;
+//! let jit = cp_hicache::jit::Jit::new(cp_hicache::jit::JitConfig::from_env(cp_hicache::jit::EMU_HEADER));
+//! let device = tuning::DeviceKey::for_executor(exec.as_ref(), &jit)?;
+//! let mut dep = Deployment::by_name("nsa_ps64_cp8")?;
+//! for w in tuning::apply(&mut dep, None, &device)? {
+//!     eprintln!("warning: {w}");
+//! }
+//! # Ok(()) }
+//! ```
+
+pub mod bench;
+pub mod candidate;
+pub mod check;
+pub mod file;
+pub mod key;
+pub mod measure;
+pub mod tuner;
+
+pub use candidate::{candidates_for, Candidate, LaunchChoice, Unsupported};
+pub use file::{
+    apply, default_path, Applied, CandidateResult, TuningEntry, TuningFile, TuningWarning,
+    WarningKind, TUNING_FORMAT,
+};
+pub use key::{spec_key, DeviceKey, KeyMatch};
+pub use measure::Sizes;
+pub use tuner::{tune, TuneEvent, TuneOptions};
+
+use std::path::PathBuf;
+
+/// Errors of tuning, benchmarking and checking; each names the file or kernel concerned.
+#[derive(Debug, thiserror::Error)]
+pub enum TuningError {
+    /// Reading or writing a tuning or output file failed.
+    #[error("{op} {}: {source}", path.display())]
+    Io {
+        /// What was being done (`read`, `write`, `rename`, `create dir`).
+        op: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A tuning file that is not valid JSON of the expected shape.
+    #[error("tuning file {}: {source}", path.display())]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// The JSON error.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// A tuning file of another format version.
+    #[error("tuning file {}: format {found}, this build reads format {expected}", path.display())]
+    Format {
+        /// The file.
+        path: PathBuf,
+        /// The version found.
+        found: u32,
+        /// The version this build reads.
+        expected: u32,
+    },
+    /// Every candidate of a kernel failed to compile, load or run.
+    #[error("{spec_key}: no candidate could be timed ({} dropped): {}", reasons.len(), reasons.join("; "))]
+    NoCandidate {
+        /// The spec key.
+        spec_key: String,
+        /// Why each candidate was dropped.
+        reasons: Vec<String>,
+    },
+    /// The executor failed outside a candidate (allocating the workload, ...).
+    #[error(transparent)]
+    Exec(#[from] crate::exec::ExecError),
+    /// The JIT failed outside a candidate (no compiler, ...).
+    #[error(transparent)]
+    Jit(#[from] crate::jit::JitError),
+    /// A spec or deployment error.
+    #[error(transparent)]
+    Kernel(#[from] crate::kernels::KernelError),
+    /// A reference implementation refused its input (a harness bug).
+    #[error("reference {what}: {message}")]
+    Reference {
+        /// Which reference.
+        what: &'static str,
+        /// Its message.
+        message: String,
+    },
+    /// A kernel's output differs from the reference (`bench --check`).
+    #[error("{kernel}: output differs from the reference: {detail}")]
+    Mismatch {
+        /// Kernel uri.
+        kernel: String,
+        /// First difference.
+        detail: String,
+    },
+}

@@ -1,0 +1,223 @@
+//! `tune`: times every candidate launch shape of a deployment's kernels on the executor at
+//! hand and returns one [`TuningEntry`] per kernel (the caller merges them into a file).
+//!
+//! Tuned families: select and release (the allocator, `alloc_threads`), transfer in both
+//! directions and materialise for every buffer (`copy`). Synthesise and verify are
+//! verification paths and keep their default shape.
+
+use std::collections::HashMap;
+
+use super::candidate::{candidates_for, Candidate};
+use super::file::{CandidateResult, TuningEntry};
+use super::key::{spec_key, DeviceKey};
+use super::measure::{compile_and_load, AllocBench, CopyBench, Sizes, SourceHook};
+use super::TuningError;
+use crate::exec::{Executor, KernelId};
+use crate::jit::Jit;
+use crate::kernels::{Deployment, Direction, KernelSpec};
+
+/// Options of a tuning run.
+#[derive(Clone, Copy)]
+pub struct TuneOptions<'a> {
+    /// Copy workload sizes and repeats.
+    pub sizes: Sizes,
+    /// Requests per select/release launch.
+    pub alloc_pages: u32,
+    /// Only a handful of candidates per kernel.
+    pub quick: bool,
+    /// Edits candidate sources before compiling (fault injection in tests).
+    pub hook: Option<SourceHook<'a>>,
+}
+
+impl TuneOptions<'_> {
+    /// Full or quick defaults.
+    pub fn new(quick: bool) -> TuneOptions<'static> {
+        TuneOptions {
+            sizes: if quick { Sizes::quick() } else { Sizes::full() },
+            alloc_pages: 2048,
+            quick,
+            hook: None,
+        }
+    }
+}
+
+/// Progress of a tuning run, for a progress bar.
+#[derive(Debug, Clone)]
+pub enum TuneEvent {
+    /// The run will take `steps` steps (one per compile, one per timed candidate).
+    Planned {
+        /// Total steps.
+        steps: u64,
+    },
+    /// One step finished.
+    Step {
+        /// What it was.
+        what: String,
+    },
+}
+
+/// The kernels whose launch shapes a deployment's tunable fields decide.
+pub fn tuned_specs(dep: &Deployment) -> Vec<KernelSpec> {
+    let mut out = vec![dep.select_spec(), dep.release_spec()];
+    for &b in dep.model.buffers() {
+        for s in [
+            dep.transfer_spec(b, Direction::DeviceToHost),
+            dep.transfer_spec(b, Direction::HostToDevice),
+            dep.materialise_spec(b),
+        ] {
+            if !out.contains(&s) {
+                out.push(s);
+            }
+        }
+    }
+    out
+}
+
+/// Times every candidate of every tuned kernel of `dep` on `exec` and returns the device key
+/// and one entry per kernel. Candidates that fail to render, compile (or spill, on NVRTC),
+/// load or launch are recorded as dropped; a kernel none of whose candidates ran is an error.
+pub fn tune(
+    dep: &Deployment,
+    exec: &dyn Executor,
+    jit: &Jit,
+    opts: &TuneOptions<'_>,
+    progress: &(dyn Fn(TuneEvent) + Sync),
+) -> Result<(DeviceKey, Vec<TuningEntry>), TuningError> {
+    let device = DeviceKey::for_executor(exec, jit)?;
+    let backend = exec.backend();
+    let bases = tuned_specs(dep);
+    let plans: Vec<(KernelSpec, Vec<Candidate>)> = bases
+        .iter()
+        .map(|b| (*b, candidates_for(b, backend, opts.quick)))
+        .collect();
+    let mut unique: Vec<KernelSpec> = Vec::new();
+    for (_, cands) in &plans {
+        for c in cands {
+            if let Candidate::Kernel(s) = c {
+                if !unique.contains(s) {
+                    unique.push(*s);
+                }
+            }
+        }
+    }
+    let timed: usize = plans.iter().map(|(_, c)| c.len()).sum();
+    progress(TuneEvent::Planned {
+        steps: (unique.len() + timed) as u64,
+    });
+    let compiled = compile_and_load(exec, jit, &unique, opts.hook, &|| {
+        progress(TuneEvent::Step {
+            what: "compile".into(),
+        })
+    });
+    let loaded: HashMap<KernelSpec, Result<KernelId, String>> =
+        unique.into_iter().zip(compiled).collect();
+
+    let mut entries = Vec::with_capacity(plans.len());
+    for (seed, (base, cands)) in plans.iter().enumerate() {
+        let key = spec_key(base);
+        let mut results = Vec::with_capacity(cands.len());
+        let bench = Workload::new(exec, base, opts, seed as u64 + 1)?;
+        for cand in cands {
+            let choice = cand.choice();
+            let mut result = CandidateResult {
+                choice,
+                seconds: None,
+                gbps: None,
+                dropped: None,
+            };
+            match cand {
+                Candidate::Dma(_) => {
+                    if let Err(e) = cand.supported_by(backend) {
+                        result.dropped = Some(e.to_string());
+                    }
+                }
+                Candidate::Kernel(spec) => match loaded.get(spec) {
+                    Some(Ok(kernel)) => match bench.time(*kernel, spec, &opts.sizes) {
+                        Ok((seconds, bytes)) => {
+                            result.seconds = Some(seconds);
+                            result.gbps = bytes.map(|b| b as f64 / seconds / 1e9);
+                        }
+                        Err(e) => result.dropped = Some(format!("launch failed: {e}")),
+                    },
+                    Some(Err(e)) => result.dropped = Some(e.clone()),
+                    None => result.dropped = Some("not compiled".into()),
+                },
+            }
+            if let Some(why) = &result.dropped {
+                tracing::info!(target: "cp_hicache::tuning", kernel = %key, candidate = %choice, "dropped: {why}");
+            }
+            progress(TuneEvent::Step {
+                what: format!("{key} {choice}"),
+            });
+            results.push(result);
+        }
+        let best = results
+            .iter()
+            .filter_map(|r| r.seconds.map(|s| (r.choice, s)))
+            .min_by(|a, b| a.1.total_cmp(&b.1));
+        let Some((best, best_seconds)) = best else {
+            return Err(TuningError::NoCandidate {
+                spec_key: key,
+                reasons: results.iter().filter_map(|r| r.dropped.clone()).collect(),
+            });
+        };
+        entries.push(TuningEntry {
+            device: device.clone(),
+            family: base.family().to_string(),
+            spec_key: key,
+            best,
+            best_seconds,
+            workload: match base {
+                KernelSpec::SelectOwnerPages(_) | KernelSpec::ReleasePages(_) => format!(
+                    "requests={} warmup={} repeats={}",
+                    opts.alloc_pages, opts.sizes.warmup, opts.sizes.repeats
+                ),
+                _ => opts.sizes.describe(),
+            },
+            results,
+        });
+    }
+    Ok((device, entries))
+}
+
+/// The buffers one tuned kernel is timed on.
+enum Workload<'e> {
+    Copy(CopyBench<'e>),
+    Alloc(AllocBench<'e>),
+}
+
+impl<'e> Workload<'e> {
+    fn new(
+        exec: &'e dyn Executor,
+        spec: &KernelSpec,
+        opts: &TuneOptions<'_>,
+        seed: u64,
+    ) -> Result<Workload<'e>, TuningError> {
+        Ok(match spec {
+            KernelSpec::SelectOwnerPages(s) => Workload::Alloc(AllocBench::new(
+                exec,
+                s.cp,
+                s.page_size,
+                opts.alloc_pages,
+                seed,
+            )?),
+            KernelSpec::ReleasePages(s) => {
+                Workload::Alloc(AllocBench::new(exec, s.cp, 1, opts.alloc_pages, seed)?)
+            }
+            _ => Workload::Copy(CopyBench::new(exec, spec, &opts.sizes, seed)?.0),
+        })
+    }
+
+    /// Median seconds, and the bytes moved when that is the measure.
+    fn time(
+        &self,
+        kernel: KernelId,
+        spec: &KernelSpec,
+        sizes: &Sizes,
+    ) -> Result<(f64, Option<u64>), crate::exec::ExecError> {
+        match self {
+            Workload::Copy(b) => Ok((b.time(kernel, spec, sizes)?.median, Some(b.bytes()))),
+            Workload::Alloc(b) => Ok((b.time(kernel, spec, sizes)?.median, None)),
+        }
+    }
+}

@@ -1,0 +1,134 @@
+//! `bench` and `tune` as the built binary on the host executor, on tiny sizes: JSON rows with
+//! every field and positive numbers, the SVG plot, `--check` against the references, and a
+//! tuning file from another machine ignored with a warning. No timing assertions.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn bin(cache: &Path) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_cp-hicache"));
+    c.env_remove("CP_HICACHE_JIT")
+        .env("RUST_LOG", "warn")
+        .env("CP_HICACHE_CACHE_DIR", cache);
+    c
+}
+
+fn run(c: &mut Command) -> Output {
+    let out = c.output().expect("the binary starts");
+    assert!(
+        out.status.success(),
+        "status {:?}\nstdout:\n{}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+const TINY: &[&str] = &[
+    "--backend",
+    "host",
+    "--deployment",
+    "mla_ps16_cp8",
+    "--pages",
+    "8",
+    "--layers",
+    "1",
+    "--repeats",
+    "1",
+    "--alloc-pages",
+    "64",
+];
+
+#[test]
+fn bench_json_rows_have_every_field_and_positive_numbers() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("rows.json");
+    let svg = dir.path().join("ratios.svg");
+    let out = run(bin(&dir.path().join("cache"))
+        .arg("bench")
+        .args(TINY)
+        .arg("--quick")
+        .arg("--json")
+        .arg(&json)
+        .arg("--plot")
+        .arg(&svg));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("ratio"), "{stdout}");
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    // default + tuned (the host preset), 3 copies + select + release each.
+    assert_eq!(rows.len(), 10, "{rows:#?}");
+    for r in &rows {
+        for k in ["kernel", "spec", "backend", "config"] {
+            assert!(r[k].as_str().is_some_and(|s| !s.is_empty()), "{k} in {r}");
+        }
+        assert_eq!(r["backend"], "host");
+        assert!(r["bytes"].as_u64().is_some_and(|b| b > 0), "{r}");
+        for k in ["seconds", "gbps", "baseline_gbps", "ratio"] {
+            assert!(r[k].as_f64().is_some_and(|v| v > 0.0), "{k} in {r}");
+        }
+    }
+    let configs: std::collections::BTreeSet<&str> =
+        rows.iter().filter_map(|r| r["config"].as_str()).collect();
+    assert_eq!(
+        configs.into_iter().collect::<Vec<_>>(),
+        ["default", "tuned"]
+    );
+    let svg = std::fs::read_to_string(&svg).unwrap();
+    assert!(svg.starts_with("<svg") && svg.contains("<rect"), "{svg}");
+}
+
+#[test]
+fn bench_check_matches_the_references() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(bin(&dir.path().join("cache")).args([
+        "bench",
+        "--check",
+        "--backend",
+        "host",
+        "--deployment",
+        "nsa_ps64_cp2",
+    ]));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    // 2 allocator kernels + 5 per buffer, 2 buffers.
+    assert_eq!(stdout.matches("  ok  ").count(), 12, "{stdout}");
+    assert!(stdout.contains("0 failures"), "{stdout}");
+}
+
+#[test]
+fn tune_writes_a_file_and_a_foreign_file_is_ignored_with_a_warning() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let file = dir.path().join("tuning.json");
+    let tiny: Vec<&str> = TINY
+        .iter()
+        .copied()
+        .filter(|a| *a != "--alloc-pages" && *a != "64")
+        .collect();
+    run(bin(&cache)
+        .arg("tune")
+        .args(&tiny)
+        .arg("--quick")
+        .arg("--out")
+        .arg(&file));
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    let entries = json["entries"].as_array_mut().unwrap();
+    assert_eq!(entries.len(), 5);
+    for e in entries.iter_mut() {
+        e["device"]["device"] = "NVIDIA H200".into();
+    }
+    let foreign = dir.path().join("foreign.json");
+    std::fs::write(&foreign, serde_json::to_string(&json).unwrap()).unwrap();
+    let out = run(bin(&cache)
+        .arg("bench")
+        .args(TINY)
+        .arg("--tuning")
+        .arg(&foreign));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("warning: tuning for") && stderr.contains("NVIDIA H200"),
+        "{stderr}"
+    );
+}

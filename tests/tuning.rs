@@ -1,0 +1,267 @@
+//! Tuning: the file round trip, entries from another device or compiler ignored with a
+//! warning (never misapplied), matching entries applied through the one-call API, and a real
+//! quick tuning run on the host executor in which a broken candidate is dropped.
+
+use cp_hicache::exec::{Backend, HostExecutor, HostOptions};
+use cp_hicache::jit::{Jit, JitConfig, EMU_HEADER};
+use cp_hicache::kernels::{CopyLaunch, Deployment, KernelSpec, VecWidth};
+use cp_hicache::tuning::{
+    self, tuner::TuneOptions, CandidateResult, DeviceKey, LaunchChoice, Sizes, TuningEntry,
+    TuningError, TuningFile, WarningKind,
+};
+
+fn device(name: &str) -> DeviceKey {
+    DeviceKey {
+        backend: "host".into(),
+        device: name.into(),
+        capability: "Test CPU".into(),
+        compiler: "c++ 12.2.0".into(),
+    }
+}
+
+fn entry(dev: &DeviceKey, spec: &KernelSpec, timings: &[(LaunchChoice, f64)]) -> TuningEntry {
+    let best = timings
+        .iter()
+        .min_by(|a, b| a.1.total_cmp(&b.1))
+        .copied()
+        .unwrap();
+    TuningEntry {
+        device: dev.clone(),
+        family: spec.family().to_string(),
+        spec_key: tuning::spec_key(spec),
+        best: best.0,
+        best_seconds: best.1,
+        workload: "test".into(),
+        results: timings
+            .iter()
+            .map(|&(choice, s)| CandidateResult {
+                choice,
+                seconds: Some(s),
+                gbps: None,
+                dropped: None,
+            })
+            .collect(),
+    }
+}
+
+const CPU_COPY: LaunchChoice = LaunchChoice::Copy {
+    threads: 1,
+    pages_per_block: 16,
+    vec_bytes: 16,
+    unroll: 1,
+};
+const GPU_COPY: LaunchChoice = LaunchChoice::Copy {
+    threads: 128,
+    pages_per_block: 1,
+    vec_bytes: 16,
+    unroll: 4,
+};
+
+/// A file tuned for `dev` in which the CPU shape and 32 allocator threads win.
+fn file_for(dev: &DeviceKey, dep: &Deployment) -> TuningFile {
+    let mut f = TuningFile::default();
+    for spec in tuning::tuner::tuned_specs(dep) {
+        let timings: Vec<(LaunchChoice, f64)> = match spec {
+            KernelSpec::SelectOwnerPages(_) | KernelSpec::ReleasePages(_) => vec![
+                (LaunchChoice::Threads { threads: 32 }, 1.0),
+                (LaunchChoice::Threads { threads: 256 }, 2.0),
+            ],
+            _ => vec![(CPU_COPY, 1.0), (GPU_COPY, 4.0), (LaunchChoice::Dma, 0.5)],
+        };
+        f.upsert(entry(dev, &spec, &timings));
+    }
+    f
+}
+
+#[test]
+fn file_round_trips_and_upsert_replaces() {
+    let dep = Deployment::by_name("nsa_ps64_cp8").unwrap();
+    let dev = device("machine-a");
+    let mut f = file_for(&dev, &dep);
+    let n = f.entries.len();
+    assert_eq!(n, tuning::tuner::tuned_specs(&dep).len());
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sub").join("tuning.json");
+    f.save(&path).unwrap();
+    let back = TuningFile::load(&path).unwrap();
+    assert_eq!(back, f);
+    // Same key replaces, another device adds.
+    let e = f.entries[0].clone();
+    f.upsert(e.clone());
+    assert_eq!(f.entries.len(), n);
+    let mut other = e;
+    other.device = device("machine-b");
+    f.upsert(other);
+    assert_eq!(f.entries.len(), n + 1);
+    // No temporary file is left behind.
+    let names: Vec<_> = std::fs::read_dir(path.parent().unwrap())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names, vec![std::ffi::OsString::from("tuning.json")]);
+}
+
+#[test]
+fn matching_entries_are_applied_with_one_call() {
+    let dep = Deployment::by_name("nsa_ps64_cp8").unwrap();
+    let dev = device("machine-a");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tuning.json");
+    file_for(&dev, &dep).save(&path).unwrap();
+    let mut tuned = dep.clone();
+    let warnings = tuning::apply(&mut tuned, Some(&path), &dev).unwrap();
+    assert!(warnings.is_empty(), "{warnings:?}");
+    assert_eq!(tuned.alloc_threads, 32);
+    // DMA is fastest in the file but is not a kernel shape: the best kernel shape wins.
+    assert_eq!(
+        tuned.copy,
+        CopyLaunch {
+            threads: 1,
+            pages_per_block: 16,
+            vec: VecWidth::V16,
+            unroll: 1
+        }
+    );
+    assert_eq!(tuned.synth_threads, dep.synth_threads);
+    tuned.validate().unwrap();
+}
+
+#[test]
+fn a_file_from_another_machine_is_ignored_with_a_warning() {
+    let dep = Deployment::by_name("nsa_ps64_cp8").unwrap();
+    let file = file_for(&device("machine-a"), &dep);
+    let here = device("machine-b");
+    let (out, warnings, applied) = dep.with_tuning(&file, &here);
+    assert_eq!(out, dep, "nothing may be applied");
+    assert_eq!(applied, tuning::Applied::default());
+    assert_eq!(warnings.len(), file.entries.len());
+    assert!(warnings.iter().all(|w| w.kind == WarningKind::Foreign));
+    let msg = warnings[0].to_string();
+    assert!(
+        msg.contains("machine-a") && msg.contains("machine-b"),
+        "{msg}"
+    );
+
+    // Same machine, upgraded compiler: stale, also ignored.
+    let mut upgraded = device("machine-a");
+    upgraded.compiler = "c++ 13.1.0".into();
+    let mut d = dep.clone();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.json");
+    file.save(&path).unwrap();
+    let warnings = tuning::apply(&mut d, Some(&path), &upgraded).unwrap();
+    assert_eq!(d, dep);
+    assert!(!warnings.is_empty());
+    assert!(warnings.iter().all(|w| w.kind == WarningKind::Stale));
+}
+
+#[test]
+fn entries_for_other_kernels_do_not_leak_into_a_deployment() {
+    // Tuned for NSA page 64 CP 8; MLA page 64 CP 4 shares no kernel and keeps its defaults.
+    let dev = device("machine-a");
+    let file = file_for(&dev, &Deployment::by_name("nsa_ps64_cp8").unwrap());
+    let mla = Deployment::by_name("mla_ps64_cp4").unwrap();
+    let (out, warnings, _) = mla.with_tuning(&file, &dev);
+    assert_eq!(out, mla);
+    assert!(warnings.is_empty());
+    // Transfers do not depend on CP, so their entries do serve NSA at CP 4 (same kernels);
+    // the allocator kernels do depend on CP and keep their default.
+    let nsa4 = Deployment::by_name("nsa_ps64_cp4").unwrap();
+    let (out, _, applied) = nsa4.with_tuning(&file, &dev);
+    assert_eq!(applied.alloc_threads, None);
+    assert_eq!(out.alloc_threads, nsa4.alloc_threads);
+    assert_eq!(applied.copy, Some(CPU_COPY));
+}
+
+#[test]
+fn bad_files_are_errors_not_guesses() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut dep = Deployment::by_name("mla_ps16_cp4").unwrap();
+    let dev = device("m");
+    let missing = dir.path().join("missing.json");
+    assert!(matches!(
+        tuning::apply(&mut dep, Some(&missing), &dev),
+        Err(TuningError::Io { .. })
+    ));
+    let future = dir.path().join("future.json");
+    std::fs::write(&future, r#"{"format": 99, "entries": []}"#).unwrap();
+    let err = tuning::apply(&mut dep, Some(&future), &dev).unwrap_err();
+    assert!(
+        matches!(err, TuningError::Format { found: 99, .. }),
+        "{err}"
+    );
+    let garbage = dir.path().join("garbage.json");
+    std::fs::write(&garbage, "not json").unwrap();
+    assert!(matches!(
+        TuningFile::load(&garbage),
+        Err(TuningError::Parse { .. })
+    ));
+}
+
+#[test]
+fn quick_tune_on_the_host_drops_a_broken_candidate() {
+    let cache = tempfile::tempdir().unwrap();
+    let jit = Jit::new(JitConfig::new(cache.path(), EMU_HEADER));
+    if let Err(e) = jit.host_compiler() {
+        eprintln!("skipping: no host C++ compiler: {e}");
+        return;
+    }
+    let exec = HostExecutor::new(HostOptions::default());
+    let dep = Deployment::by_name("mla_ps16_cp8").unwrap();
+    // Break every one-thread, 16-pages-per-block copy candidate.
+    let hook = |spec: &KernelSpec, src: String| -> String {
+        if spec.uri().contains("_t1_ppb16_") {
+            format!("#error injected broken candidate\n{src}")
+        } else {
+            src
+        }
+    };
+    let opts = TuneOptions {
+        sizes: Sizes {
+            pages: 24,
+            layers: 2,
+            warmup: 0,
+            repeats: 1,
+        },
+        alloc_pages: 96,
+        quick: true,
+        hook: Some(&hook),
+    };
+    let (key, entries) = tuning::tune(&dep, &exec, &jit, &opts, &|_| {}).unwrap();
+    assert_eq!(key.backend, Backend::Host.to_string());
+    assert_eq!(entries.len(), tuning::tuner::tuned_specs(&dep).len());
+    let mut saw_broken = false;
+    for e in &entries {
+        assert!(e.best_seconds > 0.0);
+        for r in &e.results {
+            if r.choice == CPU_COPY {
+                saw_broken = true;
+                let why = r.dropped.as_deref().unwrap_or("");
+                assert!(
+                    r.seconds.is_none(),
+                    "{}: broken candidate timed",
+                    e.spec_key
+                );
+                assert!(why.contains("injected") || why.contains("error"), "{why}");
+                assert_ne!(e.best, CPU_COPY);
+            } else {
+                assert!(
+                    r.seconds.is_some(),
+                    "{} {}: {:?}",
+                    e.spec_key,
+                    r.choice,
+                    r.dropped
+                );
+            }
+        }
+    }
+    assert!(saw_broken);
+    // The results apply to the same device, and the broken shape is never chosen.
+    let mut file = TuningFile::default();
+    entries.into_iter().for_each(|e| file.upsert(e));
+    let (tuned, warnings, applied) = dep.with_tuning(&file, &key);
+    assert!(warnings.is_empty(), "{warnings:?}");
+    assert!(applied.copy.is_some() && applied.alloc_threads.is_some());
+    assert_ne!(applied.copy, Some(CPU_COPY));
+    tuned.validate().unwrap();
+}
