@@ -210,8 +210,14 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
     let exec: Arc<dyn Executor> = Arc::from(open_executor(args.backend)?);
     let backend = exec.backend().to_string();
     let jit = Jit::new(JitConfig::from_env(EMU_HEADER));
+    // Launch shapes tuned for this executor: from --tuning, else <cache>/tuning.json if any.
+    let mut deployment = plan.deployment.clone();
+    let device = crate::tuning::DeviceKey::for_executor(exec.as_ref(), &jit)?;
+    for warning in crate::tuning::apply(&mut deployment, args.tuning.as_deref(), &device)? {
+        eprintln!("warning: {warning}");
+    }
     let config = ClusterConfig {
-        deployment: plan.deployment.clone(),
+        deployment: deployment.clone(),
         layers: args.layers,
         device_pages: args.device_pages,
         host_pages: args.host_pages,
@@ -296,12 +302,13 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
         backend,
         cp: args.cp,
         page_size: args.page_size,
-        model: plan.deployment.model.to_string(),
+        model: deployment.model.to_string(),
         layers: args.layers,
         policy: args.policy.to_string(),
         workload: plan.workload_name,
         failed_requests: failed,
         fault: args.inject.map(|f| f.to_string()),
+        copy_launch: deployment.copy.to_string(),
     };
     println!("cp-hicache replay");
     print!("{}", report.to_table());

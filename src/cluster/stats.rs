@@ -90,6 +90,8 @@ pub struct ReplayReport {
     pub failed_requests: u64,
     /// The injected fault, if any.
     pub fault: Option<String>,
+    /// Launch shape of the transfer and materialise kernels (from tuning, or the default).
+    pub copy_launch: String,
 }
 
 impl ReplayReport {
@@ -120,6 +122,7 @@ impl ReplayReport {
                 self.model, self.cp, self.page_size, self.layers, self.policy, self.backend
             ),
         );
+        row("copy launch shape", self.copy_launch.clone());
         row("requests", self.requests.to_string());
         row("prompt tokens", t.prompt_tokens.to_string());
         row(
@@ -215,6 +218,7 @@ mod tests {
             workload: "built-in".into(),
             failed_requests: 0,
             fault: None,
+            copy_launch: "t1_ppb16_v16_u1".into(),
         };
         let v = serde_json::to_value(&r).unwrap();
         for k in [
