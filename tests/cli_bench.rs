@@ -131,4 +131,47 @@ fn tune_writes_a_file_and_a_foreign_file_is_ignored_with_a_warning() {
         stderr.contains("warning: tuning for") && stderr.contains("NVIDIA H200"),
         "{stderr}"
     );
+
+    // Replay applies a tuning file of this machine and ignores the foreign one.
+    let replay = |tuning: &std::path::Path| {
+        run(bin(&cache)
+            .args([
+                "replay",
+                "--backend",
+                "host",
+                "--model",
+                "mla",
+                "--page-size",
+                "16",
+                "--cp",
+                "8",
+                "--layers",
+                "1",
+                "--conversations",
+                "2",
+                "--device-pages",
+                "1024",
+                "--host-pages",
+                "64",
+                "--quiet",
+                "--tuning",
+            ])
+            .arg(tuning))
+    };
+    let own = replay(&file);
+    let table = String::from_utf8_lossy(&own.stdout);
+    assert!(!String::from_utf8_lossy(&own.stderr).contains("warning"));
+    // On the CPU emulation one thread walking whole pages always wins by far.
+    assert!(
+        table.contains("copy launch shape            t1_"),
+        "{table}"
+    );
+    let other = replay(&foreign);
+    let table = String::from_utf8_lossy(&other.stdout);
+    let stderr = String::from_utf8_lossy(&other.stderr);
+    assert!(stderr.contains("warning: tuning for"), "{stderr}");
+    assert!(
+        table.contains("copy launch shape            t128_ppb1_v16_u4"),
+        "{table}"
+    );
 }
