@@ -9,6 +9,7 @@
 
 pub mod cuda;
 pub mod host;
+mod registry;
 
 use std::fmt;
 use std::path::{Path, PathBuf};

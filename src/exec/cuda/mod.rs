@@ -13,10 +13,10 @@
 
 mod driver;
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
+use super::registry::Registry;
 use super::{
     check_range, marshal_args, Backend, BufferId, Counters, ExecError, Executor, KernelArg,
     KernelArtifact, KernelId, LaunchConfig, LaunchFailure, MemKind,
@@ -47,13 +47,7 @@ struct LoadedKernel {
     module: driver::Module,
 }
 
-#[derive(Default)]
-struct State {
-    buffers: HashMap<u64, CudaBuffer>,
-    kernels: HashMap<u64, LoadedKernel>,
-    next_id: u64,
-    counters: Counters,
-}
+type State = Registry<CudaBuffer, LoadedKernel>;
 
 /// The CUDA executor for one device.
 pub struct CudaExecutor {
@@ -101,10 +95,7 @@ impl CudaExecutor {
             ordinal,
             name: gpu.name(),
             gpu,
-            state: Mutex::new(State {
-                next_id: 1,
-                ..State::default()
-            }),
+            state: Mutex::new(Registry::new()),
             fail_next_launch: AtomicBool::new(false),
         })
     }
@@ -136,36 +127,20 @@ impl Executor for CudaExecutor {
             }
             MemKind::Host => CudaBuffer::Host(self.gpu.alloc_host(bytes, fill).map_err(alloc_err)?),
         };
-        let mut st = lock(&self.state);
-        let id = st.next_id;
-        st.next_id += 1;
-        st.buffers.insert(id, buf);
-        st.counters.allocs += 1;
-        Ok(BufferId(id))
+        Ok(lock(&self.state).add_buffer(buf))
     }
 
     fn free(&self, buffer: BufferId) -> Result<(), ExecError> {
-        let mut st = lock(&self.state);
-        st.buffers
-            .remove(&buffer.0)
-            .map(|_| ())
-            .ok_or(ExecError::UnknownBuffer(buffer))
+        lock(&self.state).remove_buffer(buffer).map(drop)
     }
 
     fn size(&self, buffer: BufferId) -> Result<usize, ExecError> {
-        let st = lock(&self.state);
-        st.buffers
-            .get(&buffer.0)
-            .map(CudaBuffer::len)
-            .ok_or(ExecError::UnknownBuffer(buffer))
+        lock(&self.state).buffer(buffer).map(CudaBuffer::len)
     }
 
     fn upload(&self, buffer: BufferId, offset: u64, data: &[u8]) -> Result<(), ExecError> {
         let mut st = lock(&self.state);
-        let buf = st
-            .buffers
-            .get(&buffer.0)
-            .ok_or(ExecError::UnknownBuffer(buffer))?;
+        let buf = st.buffer(buffer)?;
         let off = check_range("upload", buffer, buf.len(), offset, data.len() as u64)?.start as u64;
         let dst = buf.addr() + off;
         // Bounds checked above; the buffer stays alive while the lock is held, and freeing it
@@ -178,10 +153,7 @@ impl Executor for CudaExecutor {
 
     fn read(&self, buffer: BufferId, offset: u64, out: &mut [u8]) -> Result<(), ExecError> {
         let mut st = lock(&self.state);
-        let buf = st
-            .buffers
-            .get(&buffer.0)
-            .ok_or(ExecError::UnknownBuffer(buffer))?;
+        let buf = st.buffer(buffer)?;
         let off = check_range("read", buffer, buf.len(), offset, out.len() as u64)?.start as u64;
         read_checked(&self.gpu, buf.addr() + off, out)?;
         st.counters.reads += 1;
@@ -204,17 +176,10 @@ impl Executor for CudaExecutor {
                 artifact: artifact.describe(),
                 message,
             })?;
-        let mut st = lock(&self.state);
-        let id = st.next_id;
-        st.next_id += 1;
-        st.kernels.insert(
-            id,
-            LoadedKernel {
-                name: entry.to_string(),
-                module,
-            },
-        );
-        Ok(KernelId(id))
+        Ok(lock(&self.state).add_kernel(LoadedKernel {
+            name: entry.to_string(),
+            module,
+        }))
     }
 
     fn launch(
@@ -226,10 +191,7 @@ impl Executor for CudaExecutor {
         let mut st = lock(&self.state);
         st.counters.launches += 1;
         let st = &*st;
-        let k = st
-            .kernels
-            .get(&kernel.0)
-            .ok_or(ExecError::UnknownKernel(kernel))?;
+        let k = st.kernel(kernel)?;
         if self.fail_next_launch.swap(false, Ordering::SeqCst) {
             return Err(ExecError::Launch {
                 kernel: k.name.clone(),
@@ -238,7 +200,7 @@ impl Executor for CudaExecutor {
             });
         }
         let bytes = marshal_args(args, |b| {
-            let buf = st.buffers.get(&b.0).ok_or(ExecError::UnknownBuffer(b))?;
+            let buf = st.buffer(b)?;
             Ok((buf.addr(), buf.len()))
         })?;
         let views: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();

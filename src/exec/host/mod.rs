@@ -12,12 +12,12 @@
 
 mod ffi;
 
-use std::collections::HashMap;
 use std::fmt;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use super::registry::Registry;
 use super::{
     check_range, marshal_args, Backend, BufferId, Counters, ExecError, Executor, KernelArg,
     KernelArtifact, KernelId, LaunchConfig, LaunchFailure, MemKind,
@@ -145,13 +145,7 @@ struct LoadedKernel {
     kernel: Arc<ffi::EmuKernel>,
 }
 
-#[derive(Default)]
-struct State {
-    buffers: HashMap<u64, HostBuffer>,
-    kernels: HashMap<u64, LoadedKernel>,
-    next_id: u64,
-    counters: Counters,
-}
+type State = Registry<HostBuffer, LoadedKernel>;
 
 /// The CPU emulation executor. See the module documentation.
 pub struct HostExecutor {
@@ -165,10 +159,7 @@ impl HostExecutor {
     pub fn new(options: HostOptions) -> HostExecutor {
         HostExecutor {
             options: Mutex::new(options),
-            state: Mutex::new(State {
-                next_id: 1,
-                ..State::default()
-            }),
+            state: Mutex::new(Registry::new()),
             fail_next_launch: AtomicBool::new(false),
         }
     }
@@ -190,11 +181,7 @@ impl HostExecutor {
 
     /// The memory kind a buffer was allocated as.
     pub fn kind(&self, buffer: BufferId) -> Result<MemKind, ExecError> {
-        let st = lock(&self.state);
-        st.buffers
-            .get(&buffer.0)
-            .map(|b| b.kind)
-            .ok_or(ExecError::UnknownBuffer(buffer))
+        lock(&self.state).buffer(buffer).map(|b| b.kind)
     }
 }
 
@@ -231,36 +218,20 @@ impl Executor for HostExecutor {
             kind,
             reason: "out of host memory".into(),
         })?;
-        let mut st = lock(&self.state);
-        let id = st.next_id;
-        st.next_id += 1;
-        st.buffers.insert(id, HostBuffer { mem, kind });
-        st.counters.allocs += 1;
-        Ok(BufferId(id))
+        Ok(lock(&self.state).add_buffer(HostBuffer { mem, kind }))
     }
 
     fn free(&self, buffer: BufferId) -> Result<(), ExecError> {
-        let mut st = lock(&self.state);
-        st.buffers
-            .remove(&buffer.0)
-            .map(|_| ())
-            .ok_or(ExecError::UnknownBuffer(buffer))
+        lock(&self.state).remove_buffer(buffer).map(drop)
     }
 
     fn size(&self, buffer: BufferId) -> Result<usize, ExecError> {
-        let st = lock(&self.state);
-        st.buffers
-            .get(&buffer.0)
-            .map(|b| b.mem.len())
-            .ok_or(ExecError::UnknownBuffer(buffer))
+        lock(&self.state).buffer(buffer).map(|b| b.mem.len())
     }
 
     fn upload(&self, buffer: BufferId, offset: u64, data: &[u8]) -> Result<(), ExecError> {
         let mut st = lock(&self.state);
-        let buf = st
-            .buffers
-            .get_mut(&buffer.0)
-            .ok_or(ExecError::UnknownBuffer(buffer))?;
+        let buf = st.buffer_mut(buffer)?;
         let r = check_range("upload", buffer, buf.mem.len(), offset, data.len() as u64)?;
         buf.mem.as_mut_slice()[r].copy_from_slice(data);
         st.counters.uploads += 1;
@@ -270,10 +241,7 @@ impl Executor for HostExecutor {
 
     fn read(&self, buffer: BufferId, offset: u64, out: &mut [u8]) -> Result<(), ExecError> {
         let mut st = lock(&self.state);
-        let buf = st
-            .buffers
-            .get(&buffer.0)
-            .ok_or(ExecError::UnknownBuffer(buffer))?;
+        let buf = st.buffer(buffer)?;
         let r = check_range("read", buffer, buf.mem.len(), offset, out.len() as u64)?;
         out.copy_from_slice(&buf.mem.as_slice()[r]);
         st.counters.reads += 1;
@@ -293,17 +261,10 @@ impl Executor for HostExecutor {
             artifact: artifact.describe(),
             message,
         })?;
-        let mut st = lock(&self.state);
-        let id = st.next_id;
-        st.next_id += 1;
-        st.kernels.insert(
-            id,
-            LoadedKernel {
-                name: entry.to_string(),
-                kernel: Arc::new(kernel),
-            },
-        );
-        Ok(KernelId(id))
+        Ok(lock(&self.state).add_kernel(LoadedKernel {
+            name: entry.to_string(),
+            kernel: Arc::new(kernel),
+        }))
     }
 
     fn launch(
@@ -315,10 +276,7 @@ impl Executor for HostExecutor {
         let options = self.options();
         let mut st = lock(&self.state);
         st.counters.launches += 1;
-        let k = st
-            .kernels
-            .get(&kernel.0)
-            .ok_or(ExecError::UnknownKernel(kernel))?;
+        let k = st.kernel(kernel)?;
         let name = k.name.clone();
         let emu = Arc::clone(&k.kernel);
         if self.fail_next_launch.swap(false, Ordering::SeqCst) {
@@ -329,7 +287,7 @@ impl Executor for HostExecutor {
             });
         }
         let bytes = marshal_args(args, |b| {
-            let buf = st.buffers.get(&b.0).ok_or(ExecError::UnknownBuffer(b))?;
+            let buf = st.buffer(b)?;
             Ok((buf.mem.addr(), buf.mem.len()))
         })?;
         let views: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
