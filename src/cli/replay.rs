@@ -309,6 +309,7 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
         failed_requests: failed,
         fault: args.inject.map(|f| f.to_string()),
         copy_launch: deployment.copy.to_string(),
+        synth_threads: deployment.synth_threads,
     };
     println!("cp-hicache replay");
     print!("{}", report.to_table());

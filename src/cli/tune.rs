@@ -117,12 +117,14 @@ pub(super) fn run(args: &TuneArgs) -> Result<ExitCode, crate::Error> {
         eprintln!("warning: {w}");
     }
     println!(
-        "tuned {}: alloc_threads {} (default {}), copy {} (default {}); written to {}",
+        "tuned {}: alloc_threads {} (default {}), copy {} (default {}), synth_threads {} (default {}); written to {}",
         dep.name,
         tuned.alloc_threads,
         dep.alloc_threads,
         tuned.copy,
         dep.copy,
+        tuned.synth_threads,
+        dep.synth_threads,
         path.display()
     );
     Ok(ExitCode::SUCCESS)

@@ -11,7 +11,7 @@ use crate::exec::{
     MemKind,
 };
 use crate::jit::{Arch, Artifact, Jit, JitRequest, Sanitize, Target};
-use crate::kernels::{Direction, KernelSpec};
+use crate::kernels::{BufferKind, Direction, KernelSpec};
 
 /// Workload sizes of one measurement.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -831,5 +831,120 @@ impl<'e> PlainCopy<'e> {
         let _ = exec.free(dst);
         self.mem.ids.retain(|&b| b != src && b != dst);
         t
+    }
+}
+
+/// Pages a synthesise or verify timing covers: those kernels compute two splitmix64 draws
+/// per element, so far fewer pages than a copy give a stable timing.
+const SYNTH_PAGES: u32 = 8;
+
+/// Buffers of one synthesise or verify kernel: a pool (or dense buffer) of
+/// [`SYNTH_PAGES`] pages, all owned by rank 0, and random prefix hashes. Verify runs over
+/// poison, which costs the same as matching bytes (it never stops early).
+pub struct SynthBench<'e> {
+    mem: Owned<'e>,
+    target: BufferId,
+    hashes: BufferId,
+    seq_pages: BufferId,
+    counter: BufferId,
+    n_pages: u32,
+    n_tokens: u32,
+    layers: u32,
+}
+
+impl<'e> SynthBench<'e> {
+    /// Allocates the buffers for a synthesise (pool of `cp` ranks) or verify (`cp` 1: a
+    /// dense buffer) kernel of `buffer` at `page_size`.
+    pub fn new(
+        exec: &'e dyn Executor,
+        buffer: BufferKind,
+        cp: u8,
+        page_size: u32,
+        sizes: &Sizes,
+        seed: u64,
+    ) -> Result<SynthBench<'e>, TuningError> {
+        let mut mem = Owned {
+            exec,
+            ids: Vec::new(),
+        };
+        let n_pages = SYNTH_PAGES.min(sizes.pages.max(1));
+        let layers = sizes.layers.max(1);
+        let n_tokens = n_pages * page_size;
+        // Page `(i + 1) * cp` is owned by rank 0 and sits at local page `i + 1`.
+        let pages: Vec<u32> = (0..n_pages).map(|i| (i + 1) * u32::from(cp)).collect();
+        let local_pages = n_pages + 1;
+        let bytes = u64::from(layers) * u64::from(local_pages) * buffer.page_bytes(page_size);
+        let target = mem.alloc(MemKind::Device, bytes, 0xA5)?;
+        let hashes = mem.alloc(MemKind::Device, 8 * u64::from(n_tokens), 0)?;
+        let seq_pages = mem.alloc(MemKind::Device, 4 * u64::from(n_pages), 0)?;
+        let counter = mem.alloc(MemKind::Device, 4, 0)?;
+        let mut rng = SplitMix(seed);
+        let h: Vec<u8> = (0..n_tokens)
+            .flat_map(|_| rng.next_u64().to_le_bytes())
+            .collect();
+        exec.upload(hashes, 0, &h)?;
+        exec.upload(seq_pages, 0, &u32_bytes(&pages))?;
+        Ok(SynthBench {
+            mem,
+            target,
+            hashes,
+            seq_pages,
+            counter,
+            n_pages,
+            n_tokens,
+            layers,
+        })
+    }
+
+    /// Launches `kernel` (a candidate of this bench's spec key) without synchronising.
+    pub fn launch(&self, kernel: KernelId, spec: &KernelSpec) -> Result<(), ExecError> {
+        let d = spec.launch_dims(
+            match spec {
+                KernelSpec::Verify(_) => self.n_tokens,
+                _ => self.n_pages,
+            },
+            self.layers,
+        );
+        let cfg = LaunchConfig::linear(d.grid, d.block);
+        let args: Vec<KernelArg<'_>> = match spec {
+            KernelSpec::Verify(_) => vec![
+                KernelArg::Ptr(self.target, 0),
+                KernelArg::Ptr(self.hashes, 0),
+                KernelArg::U32(self.n_tokens),
+                KernelArg::U32(0),
+                KernelArg::U32(self.layers),
+                KernelArg::Ptr(self.counter, 0),
+            ],
+            _ => vec![
+                KernelArg::Ptr(self.target, 0),
+                KernelArg::Ptr(self.hashes, 0),
+                KernelArg::Ptr(self.seq_pages, 0),
+                KernelArg::U32(self.n_tokens),
+                KernelArg::U32(0),
+                KernelArg::U32(0),
+                KernelArg::U32(self.layers),
+                KernelArg::U32(self.n_pages + 1),
+            ],
+        };
+        self.mem.exec.launch(kernel, &cfg, &args)
+    }
+
+    /// Times `kernel`: launch and synchronise, median of the repeats.
+    pub fn time(
+        &self,
+        kernel: KernelId,
+        spec: &KernelSpec,
+        sizes: &Sizes,
+    ) -> Result<Timing, ExecError> {
+        let exec = self.mem.exec;
+        time_with(
+            sizes.warmup,
+            sizes.repeats,
+            || Ok(()),
+            || {
+                self.launch(kernel, spec)?;
+                exec.synchronize()
+            },
+        )
     }
 }

@@ -2,15 +2,16 @@
 //! hand and returns one [`TuningEntry`] per kernel (the caller merges them into a file).
 //!
 //! Tuned families: select and release (the allocator, `alloc_threads`), transfer in both
-//! directions and materialise for every buffer (`copy`). Synthesise and verify are
-//! verification paths and keep their default shape.
+//! directions and materialise for every buffer (`copy`), synthesise and verify (`synth_threads`:
+//! on the CPU emulation one thread per block is several times faster than 128, and replay
+//! spends most of its time there).
 
 use std::collections::HashMap;
 
 use super::candidate::{candidates_for, Candidate};
 use super::file::{CandidateResult, TuningEntry};
 use super::key::{spec_key, DeviceKey};
-use super::measure::{compile_and_load, AllocBench, CopyBench, Sizes, SourceHook};
+use super::measure::{compile_and_load, AllocBench, CopyBench, Sizes, SourceHook, SynthBench};
 use super::TuningError;
 use crate::exec::{Executor, KernelId};
 use crate::jit::Jit;
@@ -64,6 +65,8 @@ pub fn tuned_specs(dep: &Deployment) -> Vec<KernelSpec> {
             dep.transfer_spec(b, Direction::DeviceToHost),
             dep.transfer_spec(b, Direction::HostToDevice),
             dep.materialise_spec(b),
+            dep.synth_spec(b),
+            dep.verify_spec(b),
         ] {
             if !out.contains(&s) {
                 out.push(s);
@@ -184,6 +187,7 @@ pub fn tune(
 enum Workload<'e> {
     Copy(CopyBench<'e>),
     Alloc(AllocBench<'e>),
+    Synth(SynthBench<'e>),
 }
 
 impl<'e> Workload<'e> {
@@ -204,6 +208,22 @@ impl<'e> Workload<'e> {
             KernelSpec::ReleasePages(s) => {
                 Workload::Alloc(AllocBench::new(exec, s.cp, 1, opts.alloc_pages, seed)?)
             }
+            KernelSpec::Synthesise(s) => Workload::Synth(SynthBench::new(
+                exec,
+                s.buffer,
+                s.cp,
+                s.page_size,
+                &opts.sizes,
+                seed,
+            )?),
+            KernelSpec::Verify(s) => Workload::Synth(SynthBench::new(
+                exec,
+                s.buffer,
+                1,
+                s.page_size,
+                &opts.sizes,
+                seed,
+            )?),
             _ => Workload::Copy(CopyBench::new(exec, spec, &opts.sizes, seed)?.0),
         })
     }
@@ -218,6 +238,7 @@ impl<'e> Workload<'e> {
         match self {
             Workload::Copy(b) => Ok((b.time(kernel, spec, sizes)?.median, Some(b.bytes()))),
             Workload::Alloc(b) => Ok((b.time(kernel, spec, sizes)?.median, None)),
+            Workload::Synth(b) => Ok((b.time(kernel, spec, sizes)?.median, None)),
         }
     }
 }
