@@ -839,7 +839,7 @@ impl<'e> PlainCopy<'e> {
 const SYNTH_PAGES: u32 = 8;
 
 /// Buffers of one synthesise or verify kernel: a pool (or dense buffer) of
-/// [`SYNTH_PAGES`] pages, all owned by rank 0, and random prefix hashes. Verify runs over
+/// a few (`SYNTH_PAGES`) pages, all owned by rank 0, and random prefix hashes. Verify runs over
 /// poison, which costs the same as matching bytes (it never stops early).
 pub struct SynthBench<'e> {
     mem: Owned<'e>,

@@ -1,8 +1,8 @@
 //! Tuning per deployment and the performance harness (DESIGN.md §3 "Tuning"): launch-shape
 //! candidates per kernel family ([`candidate`]), timing them on the executor at hand
 //! ([`tuner`]), a tuning file keyed by device, compiler and shape-independent spec key
-//! ([`file`], [`key`]), the `bench` measurements with baselines taken in the same run
-//! ([`bench`]), and a cross-check of every family against the Rust references ([`check`]).
+//! ([`mod@file`], [`key`]), the `bench` measurements with baselines taken in the same run
+//! ([`mod@bench`]), and a cross-check of every family against the Rust references ([`check`]).
 //!
 //! Applying a tuning file is one call:
 //!
