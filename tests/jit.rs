@@ -555,3 +555,45 @@ fn host_asan_build_goes_to_its_own_entry() {
     assert_ne!(plain.key, asan.key);
     assert!(so_path(&asan).starts_with(dir.path().join("host-asan")));
 }
+
+/// A libnvrtc chosen with CP_HICACHE_NVRTC must be the one cudarc uses: when cudarc's own
+/// lookup by name would resolve another installation first, NVRTC is refused with a message
+/// naming both versions, instead of compiling with one and keying the cache by the other.
+#[test]
+fn nvrtc_chosen_and_resolved_libraries_must_agree() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("fake.c");
+    std::fs::write(
+        &src,
+        "int nvrtcVersion(int* a, int* b) { *a = MAJ; *b = MIN; return 0; }\n\
+         const char* nvrtcGetErrorString(int r) { (void)r; return \"fake\"; }\n",
+    )
+    .unwrap();
+    let build = |sub: &str, file: &str, soname: &str, maj: &str, min: &str| {
+        let out = dir.path().join(sub);
+        std::fs::create_dir_all(&out).unwrap();
+        let status = std::process::Command::new("cc")
+            .args(["-shared", "-fPIC", &format!("-DMAJ={maj}"), &format!("-DMIN={min}")])
+            .arg(format!("-Wl,-soname,{soname}"))
+            .arg(&src)
+            .arg("-o")
+            .arg(out.join(file))
+            .status()
+            .unwrap();
+        assert!(status.success());
+        out
+    };
+    let chosen = build("a", "libnvrtc.so.12", "libnvrtc.so.12", "12", "9");
+    let other = build("b", "libnvrtc.so", "libnvrtc.so", "11", "5");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+        .arg("info")
+        .env("CP_HICACHE_NVRTC", chosen.join("libnvrtc.so.12"))
+        .env("LD_LIBRARY_PATH", &other)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("is nvrtc 12.9, but cudarc resolved another libnvrtc (nvrtc 11.5)"),
+        "{text}"
+    );
+}

@@ -164,7 +164,13 @@ fn probe_nvrtc() -> Found {
             );
             format!("{} ({lib})", c.identity())
         })
-        .map_err(|_| {
+        .map_err(|e| {
+            // A library that was found but cannot be used says why; otherwise the hint.
+            if let crate::jit::NvrtcError::Unavailable { searched } = &e {
+                if let Some(why) = searched.iter().find(|s| s.contains(" but ")) {
+                    return why.clone();
+                }
+            }
             let hint = crate::jit::nvrtc::NOT_FOUND_HINT;
             hint.strip_prefix("NVRTC not found: ")
                 .unwrap_or(hint)

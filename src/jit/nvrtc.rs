@@ -212,6 +212,30 @@ fn open_global(path: &Path) -> Result<libloading::os::unix::Library, String> {
     unsafe { Library::open(Some(path), RTLD_NOW | RTLD_GLOBAL) }.map_err(|e| e.to_string())
 }
 
+/// Marks a search note saying cudarc would use another libnvrtc than the one chosen.
+const CONFLICT: &str = "cudarc resolved another libnvrtc";
+
+/// `nvrtcVersion` through our own handle of the chosen file.
+fn own_version(lib: &libloading::os::unix::Library) -> Option<(i32, i32)> {
+    type VersionFn =
+        unsafe extern "C" fn(*mut std::ffi::c_int, *mut std::ffi::c_int) -> std::ffi::c_int;
+    // SAFETY: `nvrtcVersion` has exactly this C signature in every NVRTC release; both
+    // pointers are valid for writes and the library stays loaded (the handle outlives the call).
+    unsafe {
+        let f = lib.get::<VersionFn>(b"nvrtcVersion\0").ok()?;
+        let (mut major, mut minor) = (0, 0);
+        (f(&mut major, &mut minor) == 0).then_some((major, minor))
+    }
+}
+
+/// `nvrtcVersion` through cudarc, i.e. of the library cudarc's own `dlopen` resolved.
+fn cudarc_version() -> Option<(i32, i32)> {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: only called after `is_culib_present`; both pointers are valid for writes.
+    let r = unsafe { sys::nvrtcVersion(&mut major, &mut minor) };
+    r.result().ok().map(|_| (major, minor))
+}
+
 fn culib_present() -> bool {
     // SAFETY: `is_culib_present` only tries to dlopen candidate names and drops the handles.
     unsafe { sys::is_culib_present() }
@@ -226,10 +250,22 @@ fn load() -> &'static Result<Loaded, Vec<String>> {
                 if p.is_file() {
                     match open_global(&p) {
                         Ok(lib) if culib_present() => {
+                            // cudarc dlopens by name (`libnvrtc.so` first), which can resolve
+                            // to another installation than the file chosen here; compiling
+                            // with one and keying the cache by the other must not happen.
+                            if let (Some(ours), Some(theirs)) = (own_version(&lib), cudarc_version()) {
+                                if ours != theirs {
+                                    searched.push(format!(
+                                        "{} is nvrtc {}.{}, but {CONFLICT} (nvrtc {}.{}) on the library search path first: remove it from LD_LIBRARY_PATH or point CP_HICACHE_NVRTC at it",
+                                        p.display(), ours.0, ours.1, theirs.0, theirs.1
+                                    ));
+                                    return None;
+                                }
+                            }
                             return Some(Loaded {
                                 path: Some(p),
                                 _lib: Some(lib),
-                            })
+                            });
                         }
                         Ok(_) => searched.push(format!("{} (loaded, but not usable)", p.display())),
                         Err(e) => searched.push(format!("{} ({e})", p.display())),
@@ -240,6 +276,9 @@ fn load() -> &'static Result<Loaded, Vec<String>> {
         };
         if let Some(l) = try_paths(candidate_paths(), &mut searched) {
             return Ok(l);
+        }
+        if searched.iter().any(|s| s.contains(CONFLICT)) {
+            return Err(searched);
         }
         searched.push("dynamic linker search path (libnvrtc.so.12)".to_string());
         if culib_present() {
