@@ -573,7 +573,12 @@ fn nvrtc_chosen_and_resolved_libraries_must_agree() {
         let out = dir.path().join(sub);
         std::fs::create_dir_all(&out).unwrap();
         let status = std::process::Command::new("cc")
-            .args(["-shared", "-fPIC", &format!("-DMAJ={maj}"), &format!("-DMIN={min}")])
+            .args([
+                "-shared",
+                "-fPIC",
+                &format!("-DMAJ={maj}"),
+                &format!("-DMIN={min}"),
+            ])
             .arg(format!("-Wl,-soname,{soname}"))
             .arg(&src)
             .arg("-o")

@@ -248,10 +248,17 @@ impl KernelLaneAllocator {
             lane_cap,
             stacks,
             tops,
-            owners_in: Growable::new(ex, 256)?,
-            pages_in: Growable::new(ex, 4 * 256)?,
-            out_pages: Growable::new(ex, 4 * 256)?,
-            out_locs: Growable::new(ex, 8 * 256 * layout.page_size() as usize)?,
+            // Sized for the largest possible call (every page at once), so an allocation or
+            // a free never grows a buffer: on CUDA that would be a synchronising
+            // cuMemFree/cuMemAlloc on the load path. out_locs is 8 bytes per token, a few
+            // percent of the KV pools themselves.
+            owners_in: Growable::new(ex, layout.pages() as usize)?,
+            pages_in: Growable::new(ex, 4 * layout.pages() as usize)?,
+            out_pages: Growable::new(ex, 4 * layout.pages() as usize)?,
+            out_locs: Growable::new(
+                ex,
+                8 * layout.pages() as usize * layout.page_size() as usize,
+            )?,
             mirror,
             exec,
         };

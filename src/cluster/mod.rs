@@ -27,8 +27,9 @@ use crate::hicache::tree::{Evicted, NodeId, RadixTree, TreeError};
 use crate::jit::{Jit, Sanitize};
 use crate::kernels::{reference, BufferKind, Deployment, Direction};
 use crate::layout::{zigzag_owners, CpLayout, LayoutError, PageId, Rank};
-use crate::metadata::{MetadataError, NodeMetadata};
+use crate::metadata::{HostPage, MetadataError, NodeMetadata};
 use sha2::{Digest, Sha256};
+use std::collections::BTreeSet;
 use std::fmt;
 use std::str::FromStr;
 use std::sync::Arc;
@@ -199,6 +200,31 @@ struct RankState {
 /// Every rank's state as it was before an operation, to roll back to on error.
 struct Snapshot(Vec<(RadixTree, OwnerLaneAllocator, HostPagePool)>);
 
+/// What the operation in progress evicted: device pages (identical on every rank) and, per
+/// rank, host pages. Their bytes may since have been overwritten by the same operation.
+#[derive(Default)]
+struct Freed {
+    device: BTreeSet<PageId>,
+    host: Vec<BTreeSet<HostPage>>,
+}
+
+impl Freed {
+    fn host_mut(&mut self, rank: Rank) -> &mut BTreeSet<HostPage> {
+        let r = usize::from(rank.0);
+        if self.host.len() <= r {
+            self.host.resize_with(r + 1, BTreeSet::new);
+        }
+        &mut self.host[r]
+    }
+
+    fn host(&self, rank: Rank) -> BTreeSet<HostPage> {
+        self.host
+            .get(usize::from(rank.0))
+            .cloned()
+            .unwrap_or_default()
+    }
+}
+
 /// C rank replicas, their pools, and the kernels that move their bytes.
 pub struct Cluster {
     layout: CpLayout,
@@ -209,6 +235,9 @@ pub struct Cluster {
     ranks: Vec<RankState>,
     launch_failure_at: Option<usize>,
     served: usize,
+    /// Pages the operation in progress evicted (and may have reused): a rollback must not
+    /// bring back nodes that still point at them.
+    freed: Freed,
     capture_dense: bool,
     last_dense: Vec<(BufferKind, Vec<u8>)>,
 }
@@ -283,6 +312,7 @@ impl Cluster {
             ranks,
             launch_failure_at: None,
             served: 0,
+            freed: Freed::default(),
             capture_dense: false,
             last_dense: Vec::new(),
         };
@@ -474,13 +504,17 @@ impl Cluster {
         }
         self.served += 1;
         let result = self.serve_inner(tokens);
-        if result.is_err() {
-            self.restore(snapshot)?;
+        if let Err(e) = &result {
+            if let Err(rollback) = self.restore(snapshot) {
+                tracing::error!(error = %e, %rollback, "rolling back a failed request failed");
+                return Err(rollback);
+            }
         }
         result
     }
 
-    fn snapshot(&self) -> Snapshot {
+    fn snapshot(&mut self) -> Snapshot {
+        self.freed = Freed::default();
         Snapshot(
             self.ranks
                 .iter()
@@ -489,10 +523,24 @@ impl Cluster {
         )
     }
 
-    /// Puts every rank back to `snapshot`; the device lanes are re-uploaded from the mirror
-    /// (pages handed out since then were only ever written by this failed operation).
+    /// Puts every rank back to `snapshot`, except that nodes whose pages the failed
+    /// operation had evicted stay evicted: those pages may have been handed out again and
+    /// overwritten before the failure, so bringing the nodes back would serve foreign bytes.
+    /// The device lanes are re-uploaded from the mirror.
     fn restore(&mut self, snapshot: Snapshot) -> Result<(), ClusterError> {
-        for (r, (tree, mirror, host)) in self.ranks.iter_mut().zip(snapshot.0) {
+        let freed = std::mem::take(&mut self.freed);
+        // Decide every rank's state on the host first, so a failure cannot leave the ranks
+        // half restored.
+        let mut states = Vec::with_capacity(snapshot.0.len());
+        for (mut tree, mut mirror, mut host) in snapshot.0 {
+            let (pages, metas) = tree.drop_stale(&freed.device, &freed.host(tree.rank()))?;
+            mirror.free(&pages)?;
+            for m in &metas {
+                host.free(m.host_pages())?;
+            }
+            states.push((tree, mirror, host));
+        }
+        for (r, (tree, mirror, host)) in self.ranks.iter_mut().zip(states) {
             r.tree = tree;
             r.host = host;
             r.alloc.restore(mirror)?;
@@ -534,7 +582,8 @@ impl Cluster {
             let before = self.exec.counters();
             let loaded = self.load_cp(&m.host_nodes, &mut stats)?;
             let c = self.exec.counters().since(&before);
-            stats.load_path_syncs += c.reads + c.syncs;
+            // Allocations synchronise on CUDA (cuMemAlloc), so they count too.
+            stats.load_path_syncs += c.reads + c.syncs + c.allocs;
             match loaded {
                 Some(run) => {
                     stats.host_hit_tokens = (run.len() * ps) as u64;
@@ -709,6 +758,9 @@ impl Cluster {
                 evicted = gone.len();
                 for meta in gone {
                     r.host.free(meta.host_pages())?;
+                    self.freed
+                        .host_mut(r.tree.rank())
+                        .extend(meta.host_pages().iter().copied());
                 }
             }
             stats.evictions_lru += evicted as u64;
@@ -822,6 +874,7 @@ impl Cluster {
             }
         }
         let mut count = 0;
+        let freed = &mut self.freed;
         for r in &mut self.ranks {
             let evicted: Vec<Evicted> = match &how {
                 Eviction::Lru(n) => r.tree.evict_device_lru(*n)?,
@@ -830,8 +883,12 @@ impl Cluster {
             count = evicted.len();
             for e in evicted {
                 r.alloc.free(&e.device_pages)?;
+                freed.device.extend(e.device_pages.iter().copied());
                 for meta in &e.host_released {
                     r.host.free(meta.host_pages())?;
+                    freed
+                        .host_mut(r.tree.rank())
+                        .extend(meta.host_pages().iter().copied());
                 }
             }
         }

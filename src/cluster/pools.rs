@@ -46,6 +46,11 @@ impl Pools {
             host: HashMap::new(),
             scratch: HashMap::new(),
         };
+        // Transfer page pairs never exceed a pool, so these never grow on the load path
+        // (growing means freeing and allocating, which synchronises on CUDA).
+        let max_pairs = 4 * geometry.local_pages.max(geometry.host_pages) as usize;
+        pools.scratch("pairs.src", max_pairs, 0)?;
+        pools.scratch("pairs.dst", max_pairs, 0)?;
         for &b in dep.model.buffers() {
             let page = b.page_bytes(dep.page_size) as usize;
             let layers = geometry.layers as usize;

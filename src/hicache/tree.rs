@@ -851,6 +851,91 @@ impl RadixTree {
         Ok(out)
     }
 
+    /// Forgets what a failed operation may have overwritten, on a tree restored from before
+    /// it: every node holding one of `device` (pages the operation evicted, then possibly
+    /// reused) loses its device value, and its device-resident descendants theirs (device
+    /// residency is a prefix of every path); every node holding one of `host` loses its host
+    /// metadata. Nodes left with neither are removed with their subtrees. Returns the device
+    /// pages and host metadata released, for the caller to free.
+    pub fn drop_stale(
+        &mut self,
+        device: &BTreeSet<PageId>,
+        host: &BTreeSet<HostPage>,
+    ) -> Result<(Vec<PageId>, Vec<NodeMetadata>), TreeError> {
+        let mut freed_pages = Vec::new();
+        let mut freed_meta = Vec::new();
+        if device.is_empty() && host.is_empty() {
+            return Ok((freed_pages, freed_meta));
+        }
+        // Device values: the stale nodes and everything below them.
+        let mut stack: Vec<NodeId> = self
+            .live_nodes()
+            .filter(|(_, n)| {
+                n.device
+                    .as_ref()
+                    .is_some_and(|d| d.iter().any(|p| device.contains(p)))
+            })
+            .map(|(id, _)| id)
+            .collect();
+        while let Some(id) = stack.pop() {
+            let n = self.get_mut(id)?;
+            if let Some(d) = n.device.take() {
+                stack.extend(n.children.values().copied());
+                for p in &d {
+                    self.held_device.remove(p);
+                }
+                freed_pages.extend(d);
+            }
+        }
+        // Host metadata.
+        let stale_host: Vec<NodeId> = self
+            .live_nodes()
+            .filter(|(_, n)| {
+                n.host
+                    .as_ref()
+                    .is_some_and(|m| m.host_pages().iter().any(|p| host.contains(p)))
+            })
+            .map(|(id, _)| id)
+            .collect();
+        for id in stale_host {
+            if let Some(m) = self.get_mut(id)?.host.take() {
+                for p in m.host_pages() {
+                    self.held_host.remove(p);
+                }
+                freed_meta.push(m);
+            }
+        }
+        // Nodes holding nothing leave, with their subtrees (which are off the device).
+        let empty: Vec<NodeId> = self
+            .live_nodes()
+            .filter(|(id, n)| *id != NodeId::ROOT && n.device.is_none() && n.host.is_none())
+            .map(|(id, _)| id)
+            .collect();
+        for id in empty {
+            if !self.contains(id) {
+                continue; // already gone with an ancestor
+            }
+            let mut order = Vec::new();
+            let mut stack = vec![id];
+            while let Some(d) = stack.pop() {
+                order.push(d);
+                stack.extend(self.get(d)?.children.values().copied());
+            }
+            for d in order.into_iter().rev() {
+                if self.get(d)?.lock > 0 {
+                    return Err(TreeError::Locked {
+                        node: d,
+                        count: self.get(d)?.lock,
+                    });
+                }
+                let n = self.remove_leaf(d)?;
+                freed_pages.extend(n.device.unwrap_or_default());
+                freed_meta.extend(n.host);
+            }
+        }
+        Ok((freed_pages, freed_meta))
+    }
+
     /// SHA-256 over everything that must agree across ranks, in canonical order: layout,
     /// clock, slot allocation state, and per node its handle, key, device pages, whether it
     /// is backed up and the recorded page owners, lock count and stamp. This rank's host page
