@@ -480,6 +480,12 @@ pub trait Executor: Send + Sync {
     fn load_kernel(&self, artifact: &KernelArtifact<'_>) -> Result<KernelId, ExecError>;
 
     /// Launches a loaded kernel with `args` (one per kernel parameter, in order).
+    ///
+    /// The host emulator checks the argument count and every argument's size against the
+    /// kernel's signature; the CUDA driver cannot, so there the caller must pass exactly the
+    /// kernel's parameters (the cluster and tuner build them from the kernel's spec). Pointer
+    /// arguments are checked to start inside their buffers; how far a kernel reaches from
+    /// them is bounded by its own size arguments, as on a GPU.
     fn launch(
         &self,
         kernel: KernelId,

@@ -83,7 +83,7 @@ fn build_dir(uri: &str) -> Result<BuildDir, HostCcError> {
 
 impl HostCompiler {
     /// The compiler to use: `program`, else `$CXX`, else `c++`; its identity is the first line
-    /// of `<program> --version`.
+    /// of `<program> --version` plus `<program> -dumpmachine`.
     pub fn detect(program: Option<&str>) -> Result<HostCompiler, HostCcError> {
         let program = program
             .map(str::to_string)
@@ -102,12 +102,22 @@ impl HostCompiler {
                 reason: format!("`--version` exited with {}", out.status),
             });
         }
-        let identity = String::from_utf8_lossy(&out.stdout)
+        let version = String::from_utf8_lossy(&out.stdout)
             .lines()
             .next()
             .unwrap_or("")
             .trim()
             .to_string();
+        // The same `--version` line names x86-64 and aarch64 builds alike; the target triple
+        // keeps a shared cache from handing one machine the other's shared objects.
+        let machine = Command::new(&program)
+            .arg("-dumpmachine")
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+        let identity = format!("{version} [{machine}]");
         Ok(HostCompiler { program, identity })
     }
 
@@ -116,7 +126,8 @@ impl HostCompiler {
         &self.program
     }
 
-    /// The first line of `--version` (e.g. `c++ (Debian 12.2.0-14) 12.2.0`).
+    /// The first line of `--version` and the target triple (e.g.
+    /// `c++ (Debian 12.2.0-14) 12.2.0 [x86_64-linux-gnu]`).
     pub fn identity(&self) -> &str {
         &self.identity
     }

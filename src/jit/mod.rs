@@ -655,7 +655,13 @@ impl Jit {
         if let Lookup::Hit(entry) = self.cache.lookup(td, name).map_err(cache_err)? {
             return Ok(self.finish(req, &plan.key, *entry, CacheHit::Disk, ms(start)));
         }
-        let lock = self.cache.lock(td, name).map_err(cache_err)?;
+        // With compiling off nothing is written, so a read-only (prebuilt) cache must still
+        // answer a miss with JitOff rather than a lock-file error.
+        let lock = match self.cache.lock(td, name) {
+            Ok(lock) => Some(lock),
+            Err(_) if self.config.mode == JitMode::Off => None,
+            Err(e) => return Err(cache_err(e)),
+        };
         match self.cache.lookup(td, name).map_err(cache_err)? {
             Lookup::Hit(entry) => {
                 return Ok(self.finish(req, &plan.key, *entry, CacheHit::Disk, ms(start)))

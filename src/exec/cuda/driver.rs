@@ -211,8 +211,11 @@ impl Drop for DeviceMem {
     fn drop(&mut self) {
         let ptr = std::mem::replace(&mut self.ptr, 0);
         if ptr != 0 && self.ctx.bind_to_thread().is_ok() {
+            // Pending kernels may still use the memory: wait explicitly rather than rely on
+            // cuMemFree's implicit synchronisation.
+            let _ = result::ctx::synchronize();
             // SAFETY: `ptr` came from cuMemAlloc in this context and is freed exactly once
-            // (null-swapped above); cuMemFree waits for pending work using it.
+            // (null-swapped above), after the context finished all work.
             let _ = unsafe { result::free_sync(ptr) };
         }
     }
