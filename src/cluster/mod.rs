@@ -531,9 +531,14 @@ impl Cluster {
         let freed = std::mem::take(&mut self.freed);
         // Decide every rank's state on the host first, so a failure cannot leave the ranks
         // half restored.
+        let host_nodes: BTreeSet<NodeId> = snapshot
+            .0
+            .iter()
+            .flat_map(|(tree, _, _)| tree.nodes_holding_host(&freed.host(tree.rank())))
+            .collect();
         let mut states = Vec::with_capacity(snapshot.0.len());
         for (mut tree, mut mirror, mut host) in snapshot.0 {
-            let (pages, metas) = tree.drop_stale(&freed.device, &freed.host(tree.rank()))?;
+            let (pages, metas) = tree.drop_stale(&freed.device, &host_nodes)?;
             mirror.free(&pages)?;
             for m in &metas {
                 host.free(m.host_pages())?;

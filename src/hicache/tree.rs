@@ -851,20 +851,34 @@ impl RadixTree {
         Ok(out)
     }
 
+    /// Nodes whose host metadata references one of `host` (this rank's host pages).
+    pub fn nodes_holding_host(&self, host: &BTreeSet<HostPage>) -> BTreeSet<NodeId> {
+        self.live_nodes()
+            .filter(|(_, n)| {
+                n.host
+                    .as_ref()
+                    .is_some_and(|m| m.host_pages().iter().any(|p| host.contains(p)))
+            })
+            .map(|(id, _)| id)
+            .collect()
+    }
+
     /// Forgets what a failed operation may have overwritten, on a tree restored from before
     /// it: every node holding one of `device` (pages the operation evicted, then possibly
     /// reused) loses its device value, and its device-resident descendants theirs (device
-    /// residency is a prefix of every path); every node holding one of `host` loses its host
+    /// residency is a prefix of every path); every node in `host_nodes` loses its host
     /// metadata. Nodes left with neither are removed with their subtrees. Returns the device
-    /// pages and host metadata released, for the caller to free.
+    /// pages and host metadata released, for the caller to free. Replicas stay identical when
+    /// every rank is given the same sets (host nodes are chosen for the whole cluster: a node
+    /// may own no host page on one rank and a reused one on another).
     pub fn drop_stale(
         &mut self,
         device: &BTreeSet<PageId>,
-        host: &BTreeSet<HostPage>,
+        host_nodes: &BTreeSet<NodeId>,
     ) -> Result<(Vec<PageId>, Vec<NodeMetadata>), TreeError> {
         let mut freed_pages = Vec::new();
         let mut freed_meta = Vec::new();
-        if device.is_empty() && host.is_empty() {
+        if device.is_empty() && host_nodes.is_empty() {
             return Ok((freed_pages, freed_meta));
         }
         // Device values: the stale nodes and everything below them.
@@ -888,16 +902,10 @@ impl RadixTree {
             }
         }
         // Host metadata.
-        let stale_host: Vec<NodeId> = self
-            .live_nodes()
-            .filter(|(_, n)| {
-                n.host
-                    .as_ref()
-                    .is_some_and(|m| m.host_pages().iter().any(|p| host.contains(p)))
-            })
-            .map(|(id, _)| id)
-            .collect();
-        for id in stale_host {
+        for &id in host_nodes {
+            if !self.contains(id) {
+                continue;
+            }
             if let Some(m) = self.get_mut(id)?.host.take() {
                 for p in m.host_pages() {
                     self.held_host.remove(p);
