@@ -496,6 +496,21 @@ pub trait Executor: Send + Sync {
     /// Waits until all launched work has finished (counted).
     fn synchronize(&self) -> Result<(), ExecError>;
 
+    /// Seconds the device spent on the work `work` enqueues, waiting for it to finish
+    /// (counted as one synchronisation). The default is wall time around the work and a
+    /// synchronise, exact for the host executor, whose launches run on the calling thread;
+    /// the CUDA executor brackets the work with events, so host-side launch overhead is not
+    /// counted.
+    fn time_work(
+        &self,
+        work: &mut dyn FnMut() -> Result<(), ExecError>,
+    ) -> Result<f64, ExecError> {
+        let start = std::time::Instant::now();
+        work()?;
+        self.synchronize()?;
+        Ok(start.elapsed().as_secs_f64())
+    }
+
     /// A snapshot of the operation counters.
     fn counters(&self) -> Counters;
 

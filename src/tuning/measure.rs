@@ -90,6 +90,33 @@ pub fn time_with<E>(
     })
 }
 
+/// Like [`time_with`] for work enqueued on `exec`: each timed repeat is measured by the
+/// executor ([`Executor::time_work`]: CUDA events on a GPU), so host launch overhead and the
+/// untimed `setup` stay out of the numbers.
+pub fn time_device(
+    exec: &dyn Executor,
+    warmup: u32,
+    repeats: u32,
+    mut setup: impl FnMut() -> Result<(), ExecError>,
+    mut run: impl FnMut() -> Result<(), ExecError>,
+) -> Result<Timing, ExecError> {
+    for _ in 0..warmup {
+        setup()?;
+        run()?;
+        exec.synchronize()?;
+    }
+    let mut samples = Vec::with_capacity(repeats.max(1) as usize);
+    for _ in 0..repeats.max(1) {
+        setup()?;
+        samples.push(exec.time_work(&mut run)?);
+    }
+    samples.sort_by(f64::total_cmp);
+    Ok(Timing {
+        median: samples[samples.len() / 2],
+        min: samples[0],
+    })
+}
+
 /// Deterministic splitmix64 stream (fixed seeds keep runs comparable).
 #[derive(Debug, Clone)]
 pub struct SplitMix(pub u64);
@@ -447,15 +474,12 @@ impl<'e> CopyBench<'e> {
         spec: &KernelSpec,
         sizes: &Sizes,
     ) -> Result<Timing, ExecError> {
-        let exec = self.mem.exec;
-        time_with(
+        time_device(
+            self.mem.exec,
             sizes.warmup,
             sizes.repeats,
             || Ok(()),
-            || {
-                self.launch(kernel, spec)?;
-                exec.synchronize()
-            },
+            || self.launch(kernel, spec),
         )
     }
 }
@@ -644,7 +668,8 @@ impl<'e> AllocBench<'e> {
     ) -> Result<Timing, ExecError> {
         let exec = self.mem.exec;
         let select = matches!(spec, KernelSpec::SelectOwnerPages(_));
-        time_with(
+        time_device(
+            exec,
             sizes.warmup,
             sizes.repeats,
             || {
@@ -660,8 +685,7 @@ impl<'e> AllocBench<'e> {
                     self.run_select(kernel, spec)
                 } else {
                     self.run_release(kernel, spec)
-                }?;
-                exec.synchronize()
+                }
             },
         )
     }
@@ -810,7 +834,8 @@ impl<'e> PlainCopy<'e> {
         let exec = self.mem.exec;
         let blocks = n.div_ceil(256).clamp(1, 65_536) as u32;
         let kernel = self.kernel;
-        let t = time_with(
+        let t = time_device(
+            exec,
             sizes.warmup.max(1),
             sizes.repeats,
             || Ok(()),
@@ -823,8 +848,7 @@ impl<'e> PlainCopy<'e> {
                         KernelArg::Ptr(dst, 0),
                         KernelArg::U64(n),
                     ],
-                )?;
-                exec.synchronize()
+                )
             },
         );
         let _ = exec.free(src);
@@ -936,15 +960,12 @@ impl<'e> SynthBench<'e> {
         spec: &KernelSpec,
         sizes: &Sizes,
     ) -> Result<Timing, ExecError> {
-        let exec = self.mem.exec;
-        time_with(
+        time_device(
+            self.mem.exec,
             sizes.warmup,
             sizes.repeats,
             || Ok(()),
-            || {
-                self.launch(kernel, spec)?;
-                exec.synchronize()
-            },
+            || self.launch(kernel, spec),
         )
     }
 }

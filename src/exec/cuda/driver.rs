@@ -49,6 +49,21 @@ impl Gpu {
             .unwrap_or_else(|e| format!("CUDA device ({e:?})"))
     }
 
+    /// An event (with timing) recorded at the current end of the executor's stream.
+    pub(crate) fn record_event(&self) -> Result<cudarc::driver::CudaEvent, String> {
+        self.stream
+            .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(err("cuEventRecord"))
+    }
+
+    /// Milliseconds between two recorded events, waiting for the second.
+    pub(crate) fn elapsed_ms(
+        start: &cudarc::driver::CudaEvent,
+        end: &cudarc::driver::CudaEvent,
+    ) -> Result<f32, String> {
+        start.elapsed_ms(end).map_err(err("cuEventElapsedTime"))
+    }
+
     fn bind(&self) -> Result<(), String> {
         self.ctx.bind_to_thread().map_err(err("cuCtxSetCurrent"))
     }

@@ -220,6 +220,18 @@ impl Executor for CudaExecutor {
         self.gpu.synchronize().map_err(driver_err("synchronize"))
     }
 
+    fn time_work(
+        &self,
+        work: &mut dyn FnMut() -> Result<(), ExecError>,
+    ) -> Result<f64, ExecError> {
+        let start = self.gpu.record_event().map_err(driver_err("time_work"))?;
+        work()?;
+        let end = self.gpu.record_event().map_err(driver_err("time_work"))?;
+        let ms = driver::Gpu::elapsed_ms(&start, &end).map_err(driver_err("time_work"))?;
+        lock(&self.state).counters.syncs += 1;
+        Ok(f64::from(ms) / 1e3)
+    }
+
     fn counters(&self) -> Counters {
         lock(&self.state).counters
     }
