@@ -501,10 +501,7 @@ pub trait Executor: Send + Sync {
     /// synchronise, exact for the host executor, whose launches run on the calling thread;
     /// the CUDA executor brackets the work with events, so host-side launch overhead is not
     /// counted.
-    fn time_work(
-        &self,
-        work: &mut dyn FnMut() -> Result<(), ExecError>,
-    ) -> Result<f64, ExecError> {
+    fn time_work(&self, work: &mut dyn FnMut() -> Result<(), ExecError>) -> Result<f64, ExecError> {
         let start = std::time::Instant::now();
         work()?;
         self.synchronize()?;

@@ -220,10 +220,7 @@ impl Executor for CudaExecutor {
         self.gpu.synchronize().map_err(driver_err("synchronize"))
     }
 
-    fn time_work(
-        &self,
-        work: &mut dyn FnMut() -> Result<(), ExecError>,
-    ) -> Result<f64, ExecError> {
+    fn time_work(&self, work: &mut dyn FnMut() -> Result<(), ExecError>) -> Result<f64, ExecError> {
         let start = self.gpu.record_event().map_err(driver_err("time_work"))?;
         work()?;
         let end = self.gpu.record_event().map_err(driver_err("time_work"))?;
