@@ -500,7 +500,13 @@ impl Cluster {
     pub fn serve(&mut self, tokens: &[u32]) -> Result<RequestStats, ClusterError> {
         let snapshot = self.snapshot();
         if self.launch_failure_at == Some(self.served) {
-            self.exec.inject_launch_failure();
+            if tokens.is_empty() {
+                // An empty prompt launches nothing: fail the next request instead of leaving
+                // the executor armed for whichever launch comes later.
+                self.launch_failure_at = Some(self.served + 1);
+            } else {
+                self.exec.inject_launch_failure();
+            }
         }
         self.served += 1;
         let result = self.serve_inner(tokens);
