@@ -17,11 +17,8 @@
 use std::sync::Arc;
 
 use super::{AllocError, OwnerLaneAllocator, PageRun, StateDigest};
-use crate::exec::{
-    Backend, BufferId, ExecError, Executor, KernelArg, KernelArtifact, KernelId, LaunchConfig,
-    MemKind,
-};
-use crate::jit::{Arch, Artifact, Jit, JitError, JitRequest, Sanitize, Target};
+use crate::exec::{BufferId, ExecError, Executor, KernelArg, KernelId, LaunchConfig, MemKind};
+use crate::jit::{spec_request, target_for, Arch, Jit, JitError, Sanitize};
 use crate::kernels::{AllocSpec, KernelError, KernelSpec, ReleaseSpec};
 use crate::layout::{CpLayout, PageId, Rank};
 
@@ -204,36 +201,16 @@ impl KernelLaneAllocator {
                 threads: options.threads,
             }),
         ];
-        let target = match exec.backend() {
-            Backend::Cuda => Target::Nvrtc { arch: options.arch },
-            _ => Target::Host {
-                sanitize: options.sanitize,
-            },
-        };
+        let target = target_for(exec.backend(), options.arch, options.sanitize);
         let requests = specs
             .iter()
-            .map(|spec| {
-                Ok(JitRequest {
-                    uri: spec.uri(),
-                    source: spec.render()?,
-                    target,
-                })
-            })
+            .map(|spec| spec_request(spec, target, None))
             .collect::<Result<Vec<_>, KernelError>>()?;
         let mut ids = Vec::with_capacity(specs.len());
         for (spec, compiled) in specs.iter().zip(jit.warm_up(&requests)) {
             let compiled = compiled?;
             let entry = spec.entry_name();
-            let artifact = match &compiled.artifact {
-                Artifact::SharedObject(path) => KernelArtifact::HostLibrary {
-                    path,
-                    entry: &entry,
-                },
-                Artifact::Cubin(image) => KernelArtifact::Cubin {
-                    image,
-                    entry: &entry,
-                },
-            };
+            let artifact = compiled.executor_artifact(&entry);
             ids.push(exec.load_kernel(&artifact)?);
         }
         // Every lane fits: a lane holds at most ceil(pages / cp) pages.

@@ -1,8 +1,9 @@
 //! The kernels one deployment needs, compiled through the JIT for the executor at hand and
 //! loaded into it once at start-up.
 
-use crate::exec::{Backend, Executor, KernelArtifact, KernelId, LaunchConfig};
-use crate::jit::{Artifact, Jit, JitRequest, Sanitize, Target};
+use crate::exec::{Executor, KernelId, LaunchConfig};
+pub use crate::jit::SourceHook;
+use crate::jit::{spec_request, target_for, Jit, Sanitize};
 use crate::kernels::{BufferKind, Deployment, Direction, KernelSpec};
 use std::collections::HashMap;
 use std::time::Instant;
@@ -51,9 +52,6 @@ pub enum KernelLoadError {
     Exec(#[from] crate::exec::ExecError),
 }
 
-/// Test and fault-injection hook: a source edit applied to one kernel before compiling.
-pub type SourceHook<'a> = &'a dyn Fn(&KernelSpec, String) -> String;
-
 impl DeploymentKernels {
     /// Renders, compiles (in parallel, through the JIT cache) and loads every kernel of the
     /// deployment that the cluster launches. `hook` may edit sources (fault injection).
@@ -75,27 +73,11 @@ impl DeploymentKernels {
             specs.push(deployment.synth_spec(b));
             specs.push(deployment.verify_spec(b));
         }
-        let target = match exec.backend() {
-            Backend::Cuda => Target::Nvrtc {
-                arch: crate::jit::Arch::default(),
-            },
-            _ => Target::Host { sanitize },
-        };
+        let target = target_for(exec.backend(), deployment.arch, sanitize);
         let requests = specs
             .iter()
-            .map(|spec| {
-                let source = spec.render()?;
-                let source = match hook {
-                    Some(h) => h(spec, source),
-                    None => source,
-                };
-                Ok(JitRequest {
-                    uri: spec.uri(),
-                    source,
-                    target,
-                })
-            })
-            .collect::<Result<Vec<_>, KernelLoadError>>()?;
+            .map(|spec| spec_request(spec, target, hook))
+            .collect::<Result<Vec<_>, _>>()?;
         let compiled = jit.warm_up(&requests);
         let mut loaded = Vec::with_capacity(specs.len());
         let mut cache_hits = 0;
@@ -103,16 +85,7 @@ impl DeploymentKernels {
             let kernel = result?;
             cache_hits += usize::from(kernel.cache_hit.is_hit());
             let entry = spec.entry_name();
-            let id = match &kernel.artifact {
-                Artifact::SharedObject(path) => exec.load_kernel(&KernelArtifact::HostLibrary {
-                    path,
-                    entry: &entry,
-                })?,
-                Artifact::Cubin(image) => exec.load_kernel(&KernelArtifact::Cubin {
-                    image,
-                    entry: &entry,
-                })?,
-            };
+            let id = exec.load_kernel(&kernel.executor_artifact(&entry))?;
             loaded.push(Loaded { spec: *spec, id });
         }
         let mut k = DeploymentKernels {

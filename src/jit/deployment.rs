@@ -4,8 +4,38 @@
 //!
 //! Every JIT event is logged by the JIT itself (target `cp_hicache::jit`).
 
-use super::{CompiledKernel, Jit, JitError, JitRequest, Target};
+use super::{Arch, CompiledKernel, Jit, JitError, JitRequest, Sanitize, Target};
+use crate::exec::Backend;
 use crate::kernels::{Deployment, KernelError, KernelSpec};
+
+/// Test and fault-injection hook: edits one kernel's source before it is compiled.
+pub type SourceHook<'a> = &'a (dyn Fn(&KernelSpec, String) -> String + Sync);
+
+/// What compiles kernels for an executor's backend: NVRTC CUBINs for CUDA, host shared
+/// libraries for the CPU emulation.
+pub fn target_for(backend: Backend, arch: Arch, sanitize: Sanitize) -> Target {
+    match backend {
+        Backend::Cuda => Target::Nvrtc { arch },
+        _ => Target::Host { sanitize },
+    }
+}
+
+/// The JIT request for one spec: its render, edited by `hook` if given, for `target`.
+pub fn spec_request(
+    spec: &KernelSpec,
+    target: Target,
+    hook: Option<SourceHook<'_>>,
+) -> Result<JitRequest, KernelError> {
+    let source = spec.render()?;
+    Ok(JitRequest {
+        uri: spec.uri(),
+        source: match hook {
+            Some(h) => h(spec, source),
+            None => source,
+        },
+        target,
+    })
+}
 
 /// One kernel of a deployment and what the JIT made of it.
 pub type KernelOutcome = (KernelSpec, Result<CompiledKernel, JitError>);
@@ -47,16 +77,7 @@ pub fn deployment_requests(
 ) -> Result<Vec<(KernelSpec, JitRequest)>, KernelError> {
     dep.specs()
         .into_iter()
-        .map(|spec| {
-            Ok((
-                spec,
-                JitRequest {
-                    uri: spec.uri(),
-                    source: spec.render()?,
-                    target,
-                },
-            ))
-        })
+        .map(|spec| Ok((spec, spec_request(&spec, target, None)?)))
         .collect()
 }
 

@@ -24,8 +24,8 @@ pub mod options;
 
 pub use cache::{CacheError, DiskCache};
 pub use deployment::{
-    deployment_requests, deployment_target, warm_up_deployment, warm_up_deployment_each,
-    KernelOutcome, WarmUpError,
+    deployment_requests, deployment_target, spec_request, target_for, warm_up_deployment,
+    warm_up_deployment_each, KernelOutcome, SourceHook, WarmUpError,
 };
 pub use hostcc::{HostCcError, HostCompiler};
 pub use key::CacheKey;
@@ -152,6 +152,18 @@ pub struct CompiledKernel {
     pub key: CacheKey,
     /// The cache entry directory.
     pub entry_dir: PathBuf,
+}
+
+impl CompiledKernel {
+    /// The artifact as an executor loads it, with the kernel's entry name.
+    pub fn executor_artifact<'a>(&'a self, entry: &'a str) -> crate::exec::KernelArtifact<'a> {
+        match &self.artifact {
+            Artifact::SharedObject(path) => {
+                crate::exec::KernelArtifact::HostLibrary { path, entry }
+            }
+            Artifact::Cubin(image) => crate::exec::KernelArtifact::Cubin { image, entry },
+        }
+    }
 }
 
 /// Whether cache misses may compile.

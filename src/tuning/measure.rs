@@ -7,10 +7,9 @@ use std::time::Instant;
 
 use super::TuningError;
 use crate::exec::{
-    Backend, BufferId, ExecError, Executor, KernelArg, KernelArtifact, KernelId, LaunchConfig,
-    MemKind,
+    Backend, BufferId, ExecError, Executor, KernelArg, KernelId, LaunchConfig, MemKind,
 };
-use crate::jit::{Arch, Artifact, Jit, JitRequest, Sanitize, Target};
+use crate::jit::{spec_request, Arch, Jit, JitRequest, Sanitize, Target};
 use crate::kernels::{BufferKind, Direction, KernelSpec};
 
 /// Workload sizes of one measurement.
@@ -161,20 +160,12 @@ pub fn u32_bytes(v: &[u32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
-/// The JIT target for an executor's backend.
+/// The JIT target for an executor's backend (default arch, no sanitizer).
 pub fn target_for(backend: Backend) -> Target {
-    match backend {
-        Backend::Cuda => Target::Nvrtc {
-            arch: Arch::default(),
-        },
-        _ => Target::Host {
-            sanitize: Sanitize::None,
-        },
-    }
+    crate::jit::target_for(backend, Arch::default(), Sanitize::None)
 }
 
-/// Test and fault-injection hook: edits one candidate's source before it is compiled.
-pub type SourceHook<'a> = &'a (dyn Fn(&KernelSpec, String) -> String + Sync);
+pub use crate::jit::SourceHook;
 
 /// Renders, compiles (in parallel, through the JIT cache) and loads each spec; one result per
 /// spec: the kernel handle, or why the candidate is dropped (render or compile error, load
@@ -189,18 +180,7 @@ pub fn compile_and_load(
     let target = target_for(exec.backend());
     let requests: Vec<Result<JitRequest, String>> = specs
         .iter()
-        .map(|spec| {
-            let source = spec.render().map_err(|e| e.to_string())?;
-            let source = match hook {
-                Some(h) => h(spec, source),
-                None => source,
-            };
-            Ok(JitRequest {
-                uri: spec.uri(),
-                source,
-                target,
-            })
-        })
+        .map(|spec| spec_request(spec, target, hook).map_err(|e| e.to_string()))
         .collect();
     let ok: Vec<JitRequest> = requests
         .iter()
@@ -225,16 +205,7 @@ pub fn compile_and_load(
                 }
             }
             let entry = spec.entry_name();
-            let artifact = match &k.artifact {
-                Artifact::SharedObject(path) => KernelArtifact::HostLibrary {
-                    path,
-                    entry: &entry,
-                },
-                Artifact::Cubin(image) => KernelArtifact::Cubin {
-                    image,
-                    entry: &entry,
-                },
-            };
+            let artifact = k.executor_artifact(&entry);
             exec.load_kernel(&artifact).map_err(|e| e.to_string())
         })
         .collect()
@@ -801,16 +772,7 @@ impl<'e> PlainCopy<'e> {
             target: target_for(exec.backend()),
         };
         let k = jit.get(&req)?;
-        let kernel = match &k.artifact {
-            Artifact::SharedObject(path) => exec.load_kernel(&KernelArtifact::HostLibrary {
-                path,
-                entry: PLAIN_COPY_URI,
-            })?,
-            Artifact::Cubin(image) => exec.load_kernel(&KernelArtifact::Cubin {
-                image,
-                entry: PLAIN_COPY_URI,
-            })?,
-        };
+        let kernel = exec.load_kernel(&k.executor_artifact(PLAIN_COPY_URI))?;
         Ok(PlainCopy {
             mem: Owned {
                 exec,
