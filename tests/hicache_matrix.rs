@@ -7,7 +7,7 @@
 mod hicache_support;
 
 use cp_hicache::cluster::{Cluster, WritePolicy};
-use cp_hicache::kernels::ModelShape;
+use cp_hicache::kernels::{ModelShape, TransferPath};
 use hicache_support::{cat, evict_all, lane_capacities, serve, tokens, Setup};
 
 const POLICIES: [WritePolicy; 2] = [WritePolicy::WriteThrough, WritePolicy::WriteBack];
@@ -99,11 +99,17 @@ fn long_shared_prefix(c: &mut Cluster) {
 }
 
 fn run(model: ModelShape, page_size: u32, cp: u8) {
+    run_with(model, page_size, cp, TransferPath::Kernel);
+}
+
+fn run_with(model: ModelShape, page_size: u32, cp: u8, path: TransferPath) {
     for policy in POLICIES {
         let mut setup = Setup::new(model, page_size, cp);
         setup.policy = policy;
         setup.layers = 2;
+        setup.transfer_path = path;
         let mut c = setup.build();
+        let before = c.executor().counters();
         cold_evict_hit(&mut c);
         splits(&mut c);
         zero_owned_nodes(&mut c);
@@ -111,6 +117,13 @@ fn run(model: ModelShape, page_size: u32, cp: u8) {
         // Nothing leaked: with every node evicted, every lane is whole again.
         evict_all(&mut c);
         assert_eq!(c.lane_free_counts(), lane_capacities(&c), "{policy}");
+        // Transfers took the deployment's path: copy batches only on the DMA path.
+        let copies = c.executor().counters().since(&before).copies;
+        assert_eq!(
+            copies > 0,
+            path == TransferPath::Dma,
+            "{policy} {path}: {copies}"
+        );
     }
 }
 
@@ -152,4 +165,16 @@ fn nsa_page64_cp4() {
 #[test]
 fn nsa_page64_cp8() {
     run(ModelShape::Nsa, 64, 8);
+}
+
+/// The DMA transfer path (copy regions instead of the transfer kernel) serves the same
+/// verified hits, in both host layouts (MLA layer-first, NSA page-first).
+#[test]
+fn mla_page16_cp4_dma() {
+    run_with(ModelShape::MlaBf16, 16, 4, TransferPath::Dma);
+}
+
+#[test]
+fn nsa_page64_cp8_dma() {
+    run_with(ModelShape::Nsa, 64, 8, TransferPath::Dma);
 }

@@ -18,8 +18,8 @@ use cp_hicache::exec::{BlockOrder, Executor, KernelArg};
 use cp_hicache::jit::Sanitize;
 use cp_hicache::kernels::reference;
 use cp_hicache::kernels::{
-    AllocSpec, BufferKind, CopyLaunch, Direction, HostLayout, KernelSpec, MaterialiseSpec,
-    ReleaseSpec, SynthSpec, TransferSpec, VecWidth, VerifySpec,
+    transfer_regions, AllocSpec, BufferKind, CopyLaunch, Direction, HostLayout, KernelSpec,
+    MaterialiseSpec, PoolShape, ReleaseSpec, SynthSpec, TransferSpec, VecWidth, VerifySpec,
 };
 use cp_hicache::layout::CpLayout;
 use support::{grid, i64s, le32, le64, u32s, Bench, Rng, ORDERS, POISON};
@@ -482,6 +482,19 @@ fn transfer_matches_reference() {
                     got.iter().zip(&want).position(|(a, b)| a != b)
                 );
                 assert_eq!(b.read(sbuf)[..src_bytes], src[..], "{spec}: source changed");
+                // The DMA path (copy regions instead of the kernel) moves the same bytes.
+                let pools = PoolShape {
+                    layers,
+                    device_pages,
+                    host_pages,
+                };
+                let dma = b.poison(dst_bytes + GUARD);
+                let regions = transfer_regions(&s, &src_pages, &dst_pages, pools);
+                b.ex.copy_regions(sbuf, dma, &regions).unwrap();
+                assert!(
+                    b.read(dma) == want,
+                    "{spec} trial {trial}: DMA regions {regions:?} differ from the kernel"
+                );
             }
         }
     }

@@ -5,8 +5,8 @@
 
 use cp_hicache::cluster::{Cluster, ClusterConfig, ClusterError, WritePolicy};
 use cp_hicache::exec::{
-    Backend, BufferId, Counters, ExecError, Executor, HostExecutor, HostOptions, KernelArg,
-    KernelArtifact, KernelId, LaunchConfig, MemKind,
+    Backend, BufferId, CopyRegion, Counters, ExecError, Executor, HostExecutor, HostOptions,
+    KernelArg, KernelArtifact, KernelId, LaunchConfig, MemKind,
 };
 use cp_hicache::jit::EMU_HEADER;
 use cp_hicache::jit::{Jit, JitConfig, Sanitize};
@@ -57,6 +57,9 @@ impl Executor for FailAt {
             self.inner.inject_launch_failure();
         }
         self.inner.launch(k, c, a)
+    }
+    fn copy_regions(&self, s: BufferId, d: BufferId, r: &[CopyRegion]) -> Result<(), ExecError> {
+        self.inner.copy_regions(s, d, r)
     }
     fn synchronize(&self) -> Result<(), ExecError> {
         self.inner.synchronize()
@@ -234,6 +237,9 @@ impl Executor for CountFree {
     }
     fn launch(&self, k: KernelId, c: &LaunchConfig, a: &[KernelArg<'_>]) -> Result<(), ExecError> {
         self.inner.launch(k, c, a)
+    }
+    fn copy_regions(&self, s: BufferId, d: BufferId, r: &[CopyRegion]) -> Result<(), ExecError> {
+        self.inner.copy_regions(s, d, r)
     }
     fn synchronize(&self) -> Result<(), ExecError> {
         self.inner.synchronize()

@@ -25,7 +25,9 @@ use crate::exec::{Executor, KernelArg};
 use crate::hicache::host_pool::HostPagePool;
 use crate::hicache::tree::{Evicted, NodeId, RadixTree, TreeError};
 use crate::jit::{Jit, Sanitize};
-use crate::kernels::{reference, BufferKind, Deployment, Direction};
+use crate::kernels::{
+    reference, transfer_regions, BufferKind, Deployment, Direction, PoolShape, TransferPath,
+};
 use crate::layout::{zigzag_owners, CpLayout, LayoutError, PageId, Rank};
 use crate::metadata::{HostPage, MetadataError, NodeMetadata};
 use sha2::{Digest, Sha256};
@@ -906,7 +908,8 @@ impl Cluster {
         Ok(count)
     }
 
-    /// Copies rank `r`'s page pairs for every buffer kind; returns bytes moved.
+    /// Copies rank `r`'s page pairs for every buffer kind, with the transfer kernel or by DMA
+    /// as the deployment says; returns bytes moved.
     fn transfer(
         &mut self,
         dir: Direction,
@@ -918,28 +921,47 @@ impl Cluster {
             return Ok(0);
         }
         let g = self.pools.geometry();
-        let (sb, db) = self.pools.upload_pairs(src, dst)?;
+        let dma = self.config.deployment.transfer_path == TransferPath::Dma;
+        let pairs = if dma {
+            None
+        } else {
+            Some(self.pools.upload_pairs(src, dst)?)
+        };
+        let pools = PoolShape {
+            layers: g.layers,
+            device_pages: g.local_pages,
+            host_pages: g.host_pages,
+        };
         let mut bytes = 0;
         for &b in self.config.deployment.model.buffers() {
-            let k = self.kernels.transfer(b, dir);
             let (from, to) = match dir {
                 Direction::HostToDevice => (self.pools.host(b, r), self.pools.device(b, r)),
                 Direction::DeviceToHost => (self.pools.device(b, r), self.pools.host(b, r)),
             };
-            self.exec.launch(
-                k.id,
-                &k.launch(src.len() as u32, g.layers),
-                &[
-                    KernelArg::Ptr(from, 0),
-                    KernelArg::Ptr(to, 0),
-                    KernelArg::Ptr(sb, 0),
-                    KernelArg::Ptr(db, 0),
-                    KernelArg::U32(src.len() as u32),
-                    KernelArg::U32(g.layers),
-                    KernelArg::U32(g.local_pages),
-                    KernelArg::U32(g.host_pages),
-                ],
-            )?;
+            match pairs {
+                None => {
+                    let spec = self.config.deployment.transfer(b, dir);
+                    let regions = transfer_regions(&spec, src, dst, pools);
+                    self.exec.copy_regions(from, to, &regions)?;
+                }
+                Some((sb, db)) => {
+                    let k = self.kernels.transfer(b, dir);
+                    self.exec.launch(
+                        k.id,
+                        &k.launch(src.len() as u32, g.layers),
+                        &[
+                            KernelArg::Ptr(from, 0),
+                            KernelArg::Ptr(to, 0),
+                            KernelArg::Ptr(sb, 0),
+                            KernelArg::Ptr(db, 0),
+                            KernelArg::U32(src.len() as u32),
+                            KernelArg::U32(g.layers),
+                            KernelArg::U32(g.local_pages),
+                            KernelArg::U32(g.host_pages),
+                        ],
+                    )?;
+                }
+            }
             bytes += src.len() as u64 * u64::from(g.layers) * b.page_bytes(self.layout.page_size());
         }
         Ok(bytes)

@@ -97,6 +97,14 @@ pub enum ExecError {
         /// What is accepted.
         reason: String,
     },
+    /// A copy region whose source and destination overlap inside one buffer.
+    #[error("copy in buffer {buffer:?} overlaps itself: {region}")]
+    OverlappingCopy {
+        /// The buffer.
+        buffer: BufferId,
+        /// The offending region.
+        region: CopyRegion,
+    },
     /// An error reported by the CUDA driver outside a launch.
     #[error("CUDA driver error in {op}: {message}")]
     Driver {
@@ -380,6 +388,51 @@ pub(crate) fn marshal_args(
         .collect()
 }
 
+/// One contiguous copy of a DMA batch ([`Executor::copy_regions`]): `len` bytes from
+/// `src_offset` of the source buffer to `dst_offset` of the destination buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CopyRegion {
+    /// Byte offset in the source buffer.
+    pub src_offset: u64,
+    /// Byte offset in the destination buffer.
+    pub dst_offset: u64,
+    /// Bytes to copy.
+    pub len: u64,
+}
+
+impl fmt::Display for CopyRegion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} bytes from offset {} to offset {}",
+            self.len, self.src_offset, self.dst_offset
+        )
+    }
+}
+
+/// Checks every region of a copy batch against both buffers before anything is copied, so a
+/// bad batch changes nothing; returns the bytes the batch moves. Within one buffer a region's
+/// source and destination must not overlap (`memcpy` semantics); regions are applied in order.
+pub(crate) fn check_regions(
+    (src, src_size): (BufferId, usize),
+    (dst, dst_size): (BufferId, usize),
+    regions: &[CopyRegion],
+) -> Result<u64, ExecError> {
+    let mut bytes = 0u64;
+    for &r in regions {
+        let s = check_range("copy source", src, src_size, r.src_offset, r.len)?;
+        let d = check_range("copy destination", dst, dst_size, r.dst_offset, r.len)?;
+        if src == dst && r.len > 0 && s.start < d.end && d.start < s.end {
+            return Err(ExecError::OverlappingCopy {
+                buffer: src,
+                region: r,
+            });
+        }
+        bytes += r.len;
+    }
+    Ok(bytes)
+}
+
 /// Launch shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct LaunchConfig {
@@ -420,6 +473,10 @@ pub struct Counters {
     pub bytes_uploaded: u64,
     /// Buffer allocations.
     pub allocs: u64,
+    /// Copy batches ([`Executor::copy_regions`]).
+    pub copies: u64,
+    /// Bytes moved by copy batches.
+    pub bytes_copied: u64,
 }
 
 impl Counters {
@@ -433,6 +490,8 @@ impl Counters {
             uploads: self.uploads.saturating_sub(earlier.uploads),
             bytes_uploaded: self.bytes_uploaded.saturating_sub(earlier.bytes_uploaded),
             allocs: self.allocs.saturating_sub(earlier.allocs),
+            copies: self.copies.saturating_sub(earlier.copies),
+            bytes_copied: self.bytes_copied.saturating_sub(earlier.bytes_copied),
         }
     }
 
@@ -493,6 +552,18 @@ pub trait Executor: Send + Sync {
         args: &[KernelArg<'_>],
     ) -> Result<(), ExecError>;
 
+    /// Copies every region from `src` to `dst`, in order, stream-ordered after earlier work and
+    /// without synchronising: the DMA path (`cuMemcpyAsync` per region on CUDA, `memcpy` on the
+    /// host executor). Device and host buffers may be mixed freely. All regions are checked
+    /// before any is copied ([`ExecError::OutOfBounds`], [`ExecError::OverlappingCopy`]), so a
+    /// rejected batch changes nothing. Counted in [`Counters::copies`].
+    fn copy_regions(
+        &self,
+        src: BufferId,
+        dst: BufferId,
+        regions: &[CopyRegion],
+    ) -> Result<(), ExecError>;
+
     /// Waits until all launched work has finished (counted).
     fn synchronize(&self) -> Result<(), ExecError>;
 
@@ -549,6 +620,42 @@ mod tests {
         assert_eq!(d.reads, 0);
         assert!(!d.is_sync_free());
         assert!(Counters::default().is_sync_free());
+    }
+
+    #[test]
+    fn regions_are_checked_before_copying() {
+        let (a, b) = (BufferId(1), BufferId(2));
+        let r = |src_offset, dst_offset, len| CopyRegion {
+            src_offset,
+            dst_offset,
+            len,
+        };
+        assert_eq!(
+            check_regions((a, 64), (b, 32), &[r(0, 0, 16), r(48, 16, 16)]).unwrap(),
+            32
+        );
+        assert!(matches!(
+            check_regions((a, 64), (b, 32), &[r(0, 0, 16), r(0, 17, 16)]),
+            Err(ExecError::OutOfBounds {
+                op: "copy destination",
+                ..
+            })
+        ));
+        assert!(matches!(
+            check_regions((a, 64), (b, 32), &[r(60, 0, 8)]),
+            Err(ExecError::OutOfBounds {
+                op: "copy source",
+                ..
+            })
+        ));
+        assert!(matches!(
+            check_regions((a, 64), (a, 64), &[r(0, 8, 16)]),
+            Err(ExecError::OverlappingCopy { .. })
+        ));
+        assert_eq!(
+            check_regions((a, 64), (a, 64), &[r(0, 16, 16), r(8, 8, 0)]).unwrap(),
+            16
+        );
     }
 
     #[test]

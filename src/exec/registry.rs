@@ -47,6 +47,24 @@ impl<B, K> Registry<B, K> {
             .ok_or(ExecError::UnknownBuffer(id))
     }
 
+    /// Two distinct buffers, the first shared and the second exclusive (`None` when `a == b`,
+    /// which the caller handles within one buffer).
+    pub(crate) fn pair_mut(
+        &mut self,
+        a: BufferId,
+        b: BufferId,
+    ) -> Result<Option<(&B, &mut B)>, ExecError> {
+        self.buffer(a)?;
+        self.buffer(b)?;
+        if a == b {
+            return Ok(None);
+        }
+        match self.buffers.get_disjoint_mut([&a.0, &b.0]) {
+            [Some(x), Some(y)] => Ok(Some((&*x, y))),
+            _ => Err(ExecError::UnknownBuffer(a)),
+        }
+    }
+
     /// Unregisters a buffer; dropping it releases the memory.
     pub(crate) fn remove_buffer(&mut self, id: BufferId) -> Result<B, ExecError> {
         self.buffers

@@ -7,7 +7,7 @@ use super::spec::{
     AllocSpec, BufferKind, CopyLaunch, Direction, HostLayout, KernelSpec, MaterialiseSpec,
     ReleaseSpec, SynthSpec, TransferSpec, VecWidth, VerifySpec,
 };
-use super::KernelError;
+use super::{KernelError, TransferPath};
 
 /// The model whose KV buffers a deployment caches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -65,6 +65,9 @@ pub struct Deployment {
     pub copy: CopyLaunch,
     /// Threads of synthesise and verify.
     pub synth_threads: u32,
+    /// Whether host↔device page transfers run the transfer kernel or copy-engine DMA
+    /// (tuning decides; the transfer kernels are compiled either way).
+    pub transfer_path: TransferPath,
 }
 
 /// The reference deployments: (model, page size, CP degrees).
@@ -99,6 +102,7 @@ impl Deployment {
             alloc_threads: 256,
             copy: CopyLaunch::default(),
             synth_threads: 128,
+            transfer_path: TransferPath::Kernel,
         };
         dep.validate()?;
         Ok(dep)
@@ -161,13 +165,18 @@ impl Deployment {
 
     /// The transfer kernel of `buffer` in `direction`, with the deployment's host layout.
     pub fn transfer_spec(&self, buffer: BufferKind, direction: Direction) -> KernelSpec {
-        KernelSpec::TransferPages(TransferSpec {
+        KernelSpec::TransferPages(self.transfer(buffer, direction))
+    }
+
+    /// The transfer of `buffer` in `direction`, typed (the DMA path needs its geometry).
+    pub fn transfer(&self, buffer: BufferKind, direction: Direction) -> TransferSpec {
+        TransferSpec {
             direction,
             layout: self.host_layout,
             page_size: self.page_size,
             bytes_per_token: buffer.bytes_per_token(),
             launch: self.copy_for(buffer),
-        })
+        }
     }
 
     /// The materialise kernel of `buffer`.

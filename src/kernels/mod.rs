@@ -16,11 +16,13 @@
 //! ```
 
 mod deployment;
+mod dma;
 pub mod reference;
 mod render;
 mod spec;
 
 pub use deployment::{Arch, Deployment, ModelShape};
+pub use dma::{transfer_regions, PoolShape, TransferPath};
 pub use render::{diff_tree, plan_tree, render_tree, TreeDiff, REGENERATE_COMMAND};
 pub use spec::{
     AllocSpec, Arrangement, BufferKind, CopyLaunch, Direction, Dtype, Family, FieldLayout,

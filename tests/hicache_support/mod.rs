@@ -7,7 +7,7 @@ use cp_hicache::cluster::{Cluster, ClusterConfig, Fault, RequestStats, WritePoli
 use cp_hicache::exec::host::EMU_HEADER;
 use cp_hicache::exec::{Executor, HostExecutor, HostOptions};
 use cp_hicache::jit::{Jit, JitConfig, Sanitize};
-use cp_hicache::kernels::{Deployment, ModelShape};
+use cp_hicache::kernels::{Deployment, ModelShape, TransferPath};
 use std::sync::Arc;
 
 pub fn jit() -> Jit {
@@ -28,6 +28,7 @@ pub struct Setup {
     pub host_pages: u32,
     pub policy: WritePolicy,
     pub fault: Option<Fault>,
+    pub transfer_path: TransferPath,
 }
 
 impl Setup {
@@ -41,13 +42,16 @@ impl Setup {
             host_pages: 256,
             policy: WritePolicy::WriteThrough,
             fault: None,
+            transfer_path: TransferPath::Kernel,
         }
     }
 
     pub fn build(&self) -> Cluster {
         let exec: Arc<dyn Executor> = Arc::new(HostExecutor::new(HostOptions::from_env().unwrap()));
+        let mut deployment = Deployment::new(self.model, self.page_size, self.cp).unwrap();
+        deployment.transfer_path = self.transfer_path;
         let config = ClusterConfig {
-            deployment: Deployment::new(self.model, self.page_size, self.cp).unwrap(),
+            deployment,
             layers: self.layers,
             device_pages: self.device_pages,
             host_pages: self.host_pages,

@@ -142,6 +142,24 @@ impl Gpu {
         }
     }
 
+    /// Enqueues one `cuMemcpyAsync` per `(dst, src, len)` on the executor's stream. Addresses
+    /// are unified (device memory, or the mapping of pinned host memory), so the driver picks
+    /// the copy engine's direction itself; pinned host memory makes these true DMA transfers.
+    ///
+    /// # Safety
+    /// Every range must lie inside a live allocation of this context, and stay alive until
+    /// the copies have run.
+    pub(crate) unsafe fn copy(&self, copies: &[(u64, u64, u64)]) -> Result<(), String> {
+        self.bind()?;
+        for &(dst, src, len) in copies.iter().filter(|c| c.2 > 0) {
+            // SAFETY: both ranges are inside live allocations (caller).
+            unsafe { sys::cuMemcpyAsync(dst, src, len as usize, self.stream.cu_stream()) }
+                .result()
+                .map_err(err("cuMemcpyAsync"))?;
+        }
+        Ok(())
+    }
+
     /// Waits for all work on the executor's stream.
     pub(crate) fn synchronize(&self) -> Result<(), String> {
         self.bind()?;
@@ -305,6 +323,13 @@ pub(crate) fn upload_in_bounds(gpu: &Gpu, dst: u64, data: &[u8]) -> Result<(), S
 pub(crate) fn read_in_bounds(gpu: &Gpu, src: u64, out: &mut [u8]) -> Result<(), String> {
     // SAFETY: the executor checked `src .. src + len` against a live buffer it keeps locked.
     unsafe { gpu.read(src, out) }
+}
+
+/// [`Gpu::copy`] for regions the executor has bounds-checked against live buffers.
+pub(crate) fn copy_in_bounds(gpu: &Gpu, copies: &[(u64, u64, u64)]) -> Result<(), String> {
+    // SAFETY: the executor checked every range against a live buffer it keeps locked, and
+    // freeing a buffer waits for the context's work (see `DeviceMem` / `PinnedMem` drops).
+    unsafe { gpu.copy(copies) }
 }
 
 /// [`Gpu::launch`] with arguments built by the executor: pointer arguments are bounds-checked

@@ -18,8 +18,8 @@ use std::sync::{Mutex, MutexGuard};
 
 use super::registry::Registry;
 use super::{
-    check_range, marshal_args, Backend, BufferId, Counters, ExecError, Executor, KernelArg,
-    KernelArtifact, KernelId, LaunchConfig, LaunchFailure, MemKind,
+    check_range, check_regions, marshal_args, Backend, BufferId, CopyRegion, Counters, ExecError,
+    Executor, KernelArg, KernelArtifact, KernelId, LaunchConfig, LaunchFailure, MemKind,
 };
 
 enum CudaBuffer {
@@ -213,6 +213,25 @@ impl Executor for CudaExecutor {
             },
             message,
         })
+    }
+
+    fn copy_regions(
+        &self,
+        src: BufferId,
+        dst: BufferId,
+        regions: &[CopyRegion],
+    ) -> Result<(), ExecError> {
+        let mut st = lock(&self.state);
+        let (s, d) = (st.buffer(src)?, st.buffer(dst)?);
+        let bytes = check_regions((src, s.len()), (dst, d.len()), regions)?;
+        let copies: Vec<(u64, u64, u64)> = regions
+            .iter()
+            .map(|r| (d.addr() + r.dst_offset, s.addr() + r.src_offset, r.len))
+            .collect();
+        driver::copy_in_bounds(&self.gpu, &copies).map_err(driver_err("copy_regions"))?;
+        st.counters.copies += 1;
+        st.counters.bytes_copied += bytes;
+        Ok(())
     }
 
     fn synchronize(&self) -> Result<(), ExecError> {

@@ -1,0 +1,192 @@
+//! The DMA path of the transfer family: the page pairs that `transfer_pages` copies with a
+//! kernel, as copy regions for [`Executor::copy_regions`](crate::exec::Executor::copy_regions)
+//! (batched `cuMemcpyAsync` on a GPU). Tuning may prefer it to the kernel
+//! ([`TransferPath::Dma`]); both move exactly the same bytes, which the tests check against the
+//! kernel on the host executor.
+//!
+//! Everything here is host arithmetic over page ids the caller already has, so the DMA path
+//! reads nothing back from the device, like the kernel path.
+
+use std::fmt;
+use std::str::FromStr;
+
+use super::reference::{device_offset, host_offset};
+use super::{Direction, TransferSpec};
+use crate::exec::CopyRegion;
+
+/// How a deployment moves pages between host and device pools.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum TransferPath {
+    /// The `transfer_pages` kernel (zero-copy access to mapped pinned host memory).
+    #[default]
+    Kernel,
+    /// Copy-engine transfers: one `cuMemcpyAsync` per contiguous run of page blobs.
+    Dma,
+}
+
+impl fmt::Display for TransferPath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            TransferPath::Kernel => "kernel",
+            TransferPath::Dma => "dma",
+        })
+    }
+}
+
+impl FromStr for TransferPath {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "kernel" => Ok(TransferPath::Kernel),
+            "dma" => Ok(TransferPath::Dma),
+            other => Err(format!(
+                "unknown transfer path `{other}`: expected kernel or dma"
+            )),
+        }
+    }
+}
+
+/// The pools a transfer runs between, as the kernel's size arguments give them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolShape {
+    /// Layers per pool.
+    pub layers: u32,
+    /// Pages per layer of the device pool.
+    pub device_pages: u32,
+    /// Pages of the host pool.
+    pub host_pages: u32,
+}
+
+/// The copy regions that move page `src_pages[i]` to `dst_pages[i]` for every pair and layer,
+/// with `spec`'s direction and host layout: exactly the bytes `transfer_pages` copies,
+/// including its rule that a pair with a page outside its pool is skipped. Regions that
+/// continue the previous one on both sides are merged, so runs of consecutive pages become one
+/// copy. Pairs beyond the shorter list are ignored (the kernel takes `n` explicitly).
+pub fn transfer_regions(
+    spec: &TransferSpec,
+    src_pages: &[u32],
+    dst_pages: &[u32],
+    pools: PoolShape,
+) -> Vec<CopyRegion> {
+    let page_bytes = u64::from(spec.page_size) * u64::from(spec.bytes_per_token);
+    let PoolShape {
+        layers,
+        device_pages,
+        host_pages,
+    } = pools;
+    let dev = |p, l| device_offset(p, l, device_pages, page_bytes);
+    let host = |p, l| host_offset(spec.layout, p, l, layers, host_pages, page_bytes);
+    let (src_cap, dst_cap) = match spec.direction {
+        Direction::DeviceToHost => (device_pages, host_pages),
+        Direction::HostToDevice => (host_pages, device_pages),
+    };
+    let mut out: Vec<CopyRegion> = Vec::new();
+    for l in 0..layers {
+        for (&sp, &dp) in src_pages.iter().zip(dst_pages) {
+            if sp >= src_cap || dp >= dst_cap {
+                continue;
+            }
+            let (src_offset, dst_offset) = match spec.direction {
+                Direction::DeviceToHost => (dev(sp, l), host(dp, l)),
+                Direction::HostToDevice => (host(sp, l), dev(dp, l)),
+            };
+            match out.last_mut() {
+                Some(r)
+                    if r.src_offset + r.len == src_offset && r.dst_offset + r.len == dst_offset =>
+                {
+                    r.len += page_bytes;
+                }
+                _ => out.push(CopyRegion {
+                    src_offset,
+                    dst_offset,
+                    len: page_bytes,
+                }),
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::{CopyLaunch, HostLayout};
+
+    fn spec(direction: Direction, layout: HostLayout) -> TransferSpec {
+        TransferSpec {
+            direction,
+            layout,
+            page_size: 4,
+            bytes_per_token: 8,
+            launch: CopyLaunch::default(),
+        }
+    }
+
+    const POOLS: PoolShape = PoolShape {
+        layers: 2,
+        device_pages: 8,
+        host_pages: 16,
+    };
+
+    #[test]
+    fn consecutive_pages_merge_in_the_layer_first_layout() {
+        let s = spec(Direction::HostToDevice, HostLayout::LayerFirst);
+        let r = transfer_regions(&s, &[3, 4, 5, 9], &[1, 2, 3, 4], POOLS);
+        // Per layer: host pages 3..6 -> device 1..4 as one run, then 9 -> 4.
+        assert_eq!(
+            r,
+            vec![
+                CopyRegion {
+                    src_offset: 3 * 32,
+                    dst_offset: 32,
+                    len: 96
+                },
+                CopyRegion {
+                    src_offset: 9 * 32,
+                    dst_offset: 4 * 32,
+                    len: 32
+                },
+                CopyRegion {
+                    src_offset: (16 + 3) * 32,
+                    dst_offset: (8 + 1) * 32,
+                    len: 96
+                },
+                CopyRegion {
+                    src_offset: (16 + 9) * 32,
+                    dst_offset: (8 + 4) * 32,
+                    len: 32
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn page_first_host_pages_do_not_merge_across_pages() {
+        let s = spec(Direction::DeviceToHost, HostLayout::PageFirst);
+        let r = transfer_regions(&s, &[1, 2], &[5, 6], POOLS);
+        assert_eq!(r.len(), 4);
+        assert_eq!(
+            r[0],
+            CopyRegion {
+                src_offset: 32,
+                dst_offset: 5 * 2 * 32,
+                len: 32
+            }
+        );
+        assert_eq!(r[3].dst_offset, (6 * 2 + 1) * 32);
+        assert_eq!(r.iter().map(|r| r.len).sum::<u64>(), 2 * 2 * 32);
+    }
+
+    #[test]
+    fn pairs_outside_a_pool_are_skipped_like_the_kernel() {
+        let s = spec(Direction::HostToDevice, HostLayout::LayerFirst);
+        assert!(transfer_regions(&s, &[16, 0], &[0, 8], POOLS).is_empty());
+    }
+
+    #[test]
+    fn transfer_path_parses() {
+        assert_eq!("DMA".parse::<TransferPath>(), Ok(TransferPath::Dma));
+        assert_eq!(TransferPath::default().to_string(), "kernel");
+        assert!("pcie".parse::<TransferPath>().is_err());
+    }
+}
