@@ -49,6 +49,7 @@ fn bench_json_rows_have_every_field_and_positive_numbers() {
         .arg("bench")
         .args(TINY)
         .arg("--quick")
+        .arg("--dma")
         .arg("--json")
         .arg(&json)
         .arg("--plot")
@@ -57,8 +58,9 @@ fn bench_json_rows_have_every_field_and_positive_numbers() {
     assert!(stdout.contains("ratio"), "{stdout}");
     let rows: Vec<serde_json::Value> =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    // default + tuned (the host preset), 3 copies + select + release each.
-    assert_eq!(rows.len(), 10, "{rows:#?}");
+    // default + tuned (the host preset), 3 copies + select + release each, and both
+    // transfers of the default configuration on the DMA path.
+    assert_eq!(rows.len(), 12, "{rows:#?}");
     for r in &rows {
         for k in ["kernel", "spec", "backend", "config"] {
             assert!(r[k].as_str().is_some_and(|s| !s.is_empty()), "{k} in {r}");
@@ -73,8 +75,18 @@ fn bench_json_rows_have_every_field_and_positive_numbers() {
         rows.iter().filter_map(|r| r["config"].as_str()).collect();
     assert_eq!(
         configs.into_iter().collect::<Vec<_>>(),
-        ["default", "tuned"]
+        ["default", "dma", "tuned"]
     );
+    for r in rows.iter().filter(|r| r["config"] == "dma") {
+        assert!(
+            r["kernel"]
+                .as_str()
+                .unwrap()
+                .starts_with("dma(transfer_pages"),
+            "{r}"
+        );
+        assert_eq!(r["baseline"], "memcpy", "{r}");
+    }
     let svg = std::fs::read_to_string(&svg).unwrap();
     assert!(svg.starts_with("<svg") && svg.contains("<rect"), "{svg}");
 }
@@ -91,8 +103,9 @@ fn bench_check_matches_the_references() {
         "nsa_ps64_cp2",
     ]));
     let stdout = String::from_utf8_lossy(&out.stdout);
-    // 2 allocator kernels + 5 per buffer, 2 buffers.
-    assert_eq!(stdout.matches("  ok  ").count(), 12, "{stdout}");
+    // 2 allocator kernels + 5 per buffer, 2 buffers, plus each transfer's DMA path.
+    assert_eq!(stdout.matches("  ok  ").count(), 16, "{stdout}");
+    assert_eq!(stdout.matches("dma(transfer_pages").count(), 4, "{stdout}");
     assert!(stdout.contains("0 failures"), "{stdout}");
 }
 

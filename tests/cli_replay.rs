@@ -71,6 +71,20 @@ fn small_run_verifies_and_reports() {
     );
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("mismatched tokens"), "{text}");
+    assert_eq!(r["transfer_path"], "kernel");
+}
+
+/// `--transfer dma` moves pages by copy regions instead of the transfer kernel and serves
+/// the same verified hits.
+#[test]
+fn dma_transfers_verify_and_report() {
+    let (out, report) = replay(&["--transfer", "dma"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let r = report.unwrap();
+    assert_eq!(r["transfer_path"], "dma");
+    assert_eq!(num(&r, "mismatched_tokens"), 0);
+    assert!(num(&r, "host_hit_tokens") > 0, "{r}");
+    assert_eq!(num(&r, "load_path_syncs"), 0);
 }
 
 #[test]
@@ -212,6 +226,10 @@ fn bad_settings_are_usage_errors() {
     usage_error(
         &["replay", "--inject", "cosmic-ray"],
         "unknown fault `cosmic-ray`",
+    );
+    usage_error(
+        &["replay", "--transfer", "pcie"],
+        "unknown transfer path `pcie`",
     );
     usage_error(
         &[

@@ -4,7 +4,7 @@
 
 use cp_hicache::exec::{Backend, HostExecutor, HostOptions};
 use cp_hicache::jit::{Jit, JitConfig, EMU_HEADER};
-use cp_hicache::kernels::{CopyLaunch, Deployment, KernelSpec, VecWidth};
+use cp_hicache::kernels::{CopyLaunch, Deployment, KernelSpec, TransferPath, VecWidth};
 use cp_hicache::tuning::{
     self, tuner::TuneOptions, CandidateResult, DeviceKey, LaunchChoice, Sizes, TuningEntry,
     TuningError, TuningFile, WarningKind,
@@ -112,7 +112,9 @@ fn matching_entries_are_applied_with_one_call() {
     let warnings = tuning::apply(&mut tuned, Some(&path), &dev).unwrap();
     assert!(warnings.is_empty(), "{warnings:?}");
     assert_eq!(tuned.alloc_threads, 32);
-    // DMA is fastest in the file but is not a kernel shape: the best kernel shape wins.
+    // DMA is fastest in the file but is not a kernel shape: the best kernel shape wins for
+    // materialise, and transfers take the DMA path.
+    assert_eq!(tuned.transfer_path, TransferPath::Dma);
     assert_eq!(
         tuned.copy,
         CopyLaunch {
@@ -124,6 +126,60 @@ fn matching_entries_are_applied_with_one_call() {
     );
     assert_eq!(tuned.synth_threads, dep.synth_threads);
     tuned.validate().unwrap();
+}
+
+/// DMA takes over transfers only when it was measured for every transfer and its total beats
+/// the chosen kernel shape's; otherwise the transfer kernel stays.
+#[test]
+fn dma_decides_the_transfer_path_only_when_it_wins_for_every_transfer() {
+    let dep = Deployment::by_name("mla_ps16_cp8").unwrap();
+    let dev = device("gpu-like");
+    let with = |dma: &dyn Fn(usize) -> Option<f64>| {
+        let mut f = TuningFile::default();
+        let mut transfer = 0;
+        for spec in tuning::tuner::tuned_specs(&dep) {
+            let mut timings = match spec {
+                KernelSpec::SelectOwnerPages(_) | KernelSpec::ReleasePages(_) => {
+                    vec![(LaunchChoice::Threads { threads: 32 }, 1.0)]
+                }
+                _ => vec![(GPU_COPY, 1.0), (CPU_COPY, 3.0)],
+            };
+            if let KernelSpec::TransferPages(_) = spec {
+                if let Some(t) = dma(transfer) {
+                    timings.push((LaunchChoice::Dma, t));
+                }
+                transfer += 1;
+            }
+            f.upsert(entry(&dev, &spec, &timings));
+        }
+        let (tuned, warnings, applied) = dep.with_tuning(&f, &dev);
+        assert!(warnings.is_empty(), "{warnings:?}");
+        assert_eq!(applied.transfer_path, Some(tuned.transfer_path));
+        assert_eq!(
+            tuning::LaunchChoice::Copy {
+                threads: tuned.copy.threads,
+                pages_per_block: tuned.copy.pages_per_block,
+                vec_bytes: tuned.copy.vec.bytes(),
+                unroll: tuned.copy.unroll,
+            },
+            GPU_COPY
+        );
+        tuned.transfer_path
+    };
+    assert_eq!(with(&|_| Some(0.5)), TransferPath::Dma);
+    assert_eq!(with(&|_| Some(1.5)), TransferPath::Kernel);
+    // Faster on one direction, slower on the other: the totals decide.
+    assert_eq!(
+        with(&|i| Some(if i == 0 { 0.2 } else { 1.5 })),
+        TransferPath::Dma
+    );
+    assert_eq!(
+        with(&|i| Some(if i == 0 { 0.9 } else { 1.5 })),
+        TransferPath::Kernel
+    );
+    // Not measured for one transfer (a host-tuned file has no DMA at all): the kernel.
+    assert_eq!(with(&|i| (i == 0).then_some(0.1)), TransferPath::Kernel);
+    assert_eq!(with(&|_| None), TransferPath::Kernel);
 }
 
 #[test]

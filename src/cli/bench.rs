@@ -46,6 +46,10 @@ pub struct BenchArgs {
     /// Requests per select/release launch (repeatable; default 2048 and 16384).
     #[arg(long = "alloc-pages", value_name = "N")]
     pub alloc_pages: Vec<u32>,
+    /// Also time the default configuration's transfers on the DMA path (config `dma`: copy
+    /// regions, i.e. batched cuMemcpyAsync on a GPU, memcpy on the host). Always on with CUDA.
+    #[arg(long)]
+    pub dma: bool,
     /// Instead of timing, run every kernel family on random inputs and compare with the Rust
     /// references (exit status 1 on any difference).
     #[arg(long)]
@@ -93,13 +97,14 @@ pub(super) fn run(args: &BenchArgs) -> Result<ExitCode, crate::Error> {
         configs.push(("default".to_string(), dep.clone()));
         if tuned != *dep {
             eprintln!(
-                "{}: tuned configuration from {source}: copy {}, alloc_threads {}",
-                dep.name, tuned.copy, tuned.alloc_threads
+                "{}: tuned configuration from {source}: copy {}, alloc_threads {}, transfers by {}",
+                dep.name, tuned.copy, tuned.alloc_threads, tuned.transfer_path
             );
             configs.push(("tuned".to_string(), tuned));
         }
     }
     let mut opts = BenchOptions::new(args.quick);
+    opts.dma_rows = args.dma || exec.backend() == Backend::Cuda;
     if let Some(p) = args.pages {
         opts.sizes.pages = p.max(1);
     }
@@ -146,11 +151,7 @@ fn prebuild(jit: &Jit, deps: &[crate::kernels::Deployment]) -> Result<ExitCode, 
     let target = crate::jit::Target::Nvrtc {
         arch: crate::jit::Arch::default(),
     };
-    let mut requests = vec![crate::jit::JitRequest {
-        uri: crate::tuning::measure::PLAIN_COPY_URI.to_string(),
-        source: crate::tuning::measure::plain_copy_source(),
-        target,
-    }];
+    let mut requests = Vec::new();
     for spec in bench::prebuild_specs(deps) {
         requests.push(crate::jit::JitRequest {
             uri: spec.uri(),

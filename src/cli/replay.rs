@@ -5,7 +5,7 @@
 use crate::cluster::{Cluster, ClusterConfig, Fault, ReplayReport, RequestStats, WritePolicy};
 use crate::exec::{open_executor, Backend, Executor};
 use crate::jit::{Jit, JitConfig, Sanitize, EMU_HEADER};
-use crate::kernels::{Deployment, ModelShape};
+use crate::kernels::{Deployment, ModelShape, TransferPath};
 use crate::workload::{
     Conversations, ConversationsConfig, MooncakeTrace, Request, TraceConfig, WorkloadError,
 };
@@ -72,6 +72,11 @@ pub struct ReplayArgs {
     /// A tuning file (see `cp-hicache tune`); without it the default launch shapes run.
     #[arg(long, value_name = "FILE")]
     pub tuning: Option<PathBuf>,
+    /// How pages move between host and device: `kernel` (the transfer kernel) or `dma`
+    /// (copy regions: batched cuMemcpyAsync on a GPU, memcpy on the CPU). Default: what the
+    /// tuning file chose, else the kernel.
+    #[arg(long, value_name = "PATH", value_parser = parse_transfer_path)]
+    pub transfer: Option<TransferPath>,
     /// Also write the report as JSON to FILE.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
@@ -108,6 +113,10 @@ fn parse_page_size(s: &str) -> Result<u32, String> {
 }
 
 fn parse_policy(s: &str) -> Result<WritePolicy, String> {
+    s.parse()
+}
+
+fn parse_transfer_path(s: &str) -> Result<TransferPath, String> {
     s.parse()
 }
 
@@ -216,6 +225,9 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
     for warning in crate::tuning::apply(&mut deployment, args.tuning.as_deref(), &device)? {
         eprintln!("warning: {warning}");
     }
+    if let Some(path) = args.transfer {
+        deployment.transfer_path = path;
+    }
     let config = ClusterConfig {
         deployment: deployment.clone(),
         layers: args.layers,
@@ -309,6 +321,7 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
         failed_requests: failed,
         fault: args.inject.map(|f| f.to_string()),
         copy_launch: deployment.copy.to_string(),
+        transfer_path: deployment.transfer_path.to_string(),
         synth_threads: deployment.synth_threads,
     };
     println!("cp-hicache replay");

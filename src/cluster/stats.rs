@@ -92,6 +92,8 @@ pub struct ReplayReport {
     pub fault: Option<String>,
     /// Launch shape of the transfer and materialise kernels (from tuning, or the default).
     pub copy_launch: String,
+    /// How pages moved between host and device (`kernel` or `dma`).
+    pub transfer_path: String,
     /// Threads per block of the synthesise and verify kernels.
     pub synth_threads: u32,
 }
@@ -125,6 +127,7 @@ impl ReplayReport {
             ),
         );
         row("copy launch shape", self.copy_launch.clone());
+        row("host<->device transfers", self.transfer_path.clone());
         row("synth/verify threads", self.synth_threads.to_string());
         row("requests", self.requests.to_string());
         row("prompt tokens", t.prompt_tokens.to_string());
@@ -222,6 +225,7 @@ mod tests {
             failed_requests: 0,
             fault: None,
             copy_launch: "t1_ppb16_v16_u1".into(),
+            transfer_path: "kernel".into(),
             synth_threads: 1,
         };
         let v = serde_json::to_value(&r).unwrap();

@@ -12,11 +12,13 @@ use serde::{Deserialize, Serialize};
 use super::candidate::{host_copy_preset, HOST_ALLOC_THREADS_PRESET};
 use super::file::TuningFile;
 use super::key::{spec_key, DeviceKey};
-use super::measure::{compile_and_load, host_memcpy, AllocBench, CopyBench, PlainCopy, Sizes};
+use super::measure::{
+    baseline_name, compile_and_load, time_copy_baseline, AllocBench, CopyBench, Sizes,
+};
 use super::TuningError;
-use crate::exec::{Backend, Executor, KernelId, MemKind};
+use crate::exec::{Backend, Executor, KernelId};
 use crate::jit::Jit;
-use crate::kernels::{Deployment, Direction, KernelError, KernelSpec, ModelShape};
+use crate::kernels::{Deployment, Direction, KernelError, KernelSpec, ModelShape, TransferPath};
 
 /// One measurement, as printed and written by `bench --json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -52,6 +54,9 @@ pub struct BenchOptions {
     pub sizes: Sizes,
     /// Requests per select/release launch (one row each).
     pub alloc_pages: Vec<u32>,
+    /// Also time both transfers of every default configuration on the DMA path (config
+    /// `dma`): the copy-engine alternative tuning weighs on a GPU.
+    pub dma_rows: bool,
 }
 
 impl BenchOptions {
@@ -60,6 +65,7 @@ impl BenchOptions {
         BenchOptions {
             sizes: if quick { Sizes::quick() } else { Sizes::full() },
             alloc_pages: vec![2048, 16384],
+            dma_rows: false,
         }
     }
 }
@@ -143,26 +149,34 @@ struct Job {
     deployment: String,
     spec: KernelSpec,
     alloc_pages: u32,
+    /// A transfer timed on the DMA path instead of its kernel.
+    dma: bool,
 }
 
-/// The kernels `bench` times for one configured deployment: transfer both ways and
-/// materialise of the first buffer, select and release at each allocator size.
+/// The kernels `bench` times for one configured deployment: transfer both ways (by kernel or
+/// DMA, as the deployment says) and materialise of the first buffer, select and release at
+/// each allocator size; with `opts.dma_rows`, the default configuration's transfers once more
+/// on the DMA path.
 fn jobs(config: &str, dep: &Deployment, opts: &BenchOptions) -> Vec<Job> {
     let b = dep.model.buffers()[0];
-    let job = |spec, alloc_pages| Job {
+    let job = |config: &str, spec, alloc_pages, dma| Job {
         config: config.to_string(),
         deployment: dep.name.clone(),
         spec,
         alloc_pages,
+        dma,
     };
-    let mut out = vec![
-        job(dep.transfer_spec(b, Direction::HostToDevice), 0),
-        job(dep.transfer_spec(b, Direction::DeviceToHost), 0),
-        job(dep.materialise_spec(b), 0),
-    ];
+    let dma = dep.transfer_path == TransferPath::Dma;
+    let transfers =
+        [Direction::HostToDevice, Direction::DeviceToHost].map(|d| dep.transfer_spec(b, d));
+    let mut out: Vec<Job> = transfers.iter().map(|&t| job(config, t, 0, dma)).collect();
+    out.push(job(config, dep.materialise_spec(b), 0, false));
     for &n in &opts.alloc_pages {
-        out.push(job(dep.select_spec(), n));
-        out.push(job(dep.release_spec(), n));
+        out.push(job(config, dep.select_spec(), n, false));
+        out.push(job(config, dep.release_spec(), n, false));
+    }
+    if opts.dma_rows && config == "default" && !dma {
+        out.extend(transfers.iter().map(|&t| job("dma", t, 0, true)));
     }
     out
 }
@@ -179,7 +193,7 @@ pub fn run(
 ) -> Result<Vec<BenchRow>, TuningError> {
     let plan: Vec<Job> = configs.iter().flat_map(|(c, d)| jobs(c, d, opts)).collect();
     let mut unique: Vec<KernelSpec> = Vec::new();
-    for j in &plan {
+    for j in plan.iter().filter(|j| !j.dma) {
         if !unique.contains(&j.spec) {
             unique.push(j.spec);
         }
@@ -201,14 +215,9 @@ pub fn run(
         }
     };
     let backend = exec.backend();
-    let mut plain = match backend {
-        Backend::Cuda => Some(PlainCopy::new(exec, jit)?),
-        _ => None,
-    };
     let sizes = opts.sizes;
     let mut rows = Vec::with_capacity(plan.len());
     for (i, job) in plan.iter().enumerate() {
-        let kernel = kernel_of(&job.spec)?;
         let (bytes, seconds, baseline, base_seconds) = match job.spec {
             KernelSpec::SelectOwnerPages(_) | KernelSpec::ReleasePages(_) => {
                 let (cp, ps) = match job.spec {
@@ -217,7 +226,7 @@ pub fn run(
                     _ => (1, 1),
                 };
                 let b = AllocBench::new(exec, cp, ps, job.alloc_pages, i as u64 + 7)?;
-                let t = b.time(kernel, &job.spec, &sizes)?;
+                let t = b.time(kernel_of(&job.spec)?, &job.spec, &sizes)?;
                 let r = b.time_reference(&job.spec, &sizes)?;
                 (
                     4 * u64::from(job.alloc_pages),
@@ -229,34 +238,27 @@ pub fn run(
             _ => {
                 let (b, _) = CopyBench::new(exec, &job.spec, &sizes, i as u64 + 7)?;
                 let bytes = b.bytes();
-                let t = b.time(kernel, &job.spec, &sizes)?;
+                let t = if job.dma {
+                    b.time_dma(&sizes)?
+                } else {
+                    b.time(kernel_of(&job.spec)?, &job.spec, &sizes)?
+                };
+                let (from, to) = b.memory();
                 drop(b);
-                match plain.as_mut() {
-                    Some(p) => {
-                        let (from, to) = match job.spec {
-                            KernelSpec::TransferPages(s)
-                                if s.direction == Direction::HostToDevice =>
-                            {
-                                (MemKind::Host, MemKind::Device)
-                            }
-                            KernelSpec::TransferPages(_) => (MemKind::Device, MemKind::Host),
-                            _ => (MemKind::Device, MemKind::Device),
-                        };
-                        let base = p.time(from, to, bytes, &sizes)?;
-                        (bytes, t.median, "plain_copy_kernel", base.median)
-                    }
-                    None => {
-                        let base = host_memcpy(bytes, &sizes);
-                        (bytes, t.median, "memcpy", base.median)
-                    }
-                }
+                let base = time_copy_baseline(exec, from, to, bytes, &sizes)?;
+                (bytes, t.median, baseline_name(backend), base.median)
             }
         };
         let gbps = bytes as f64 / seconds.max(1e-12) / 1e9;
         let baseline_gbps = bytes as f64 / base_seconds.max(1e-12) / 1e9;
-        progress(Ok(job.spec.uri()));
+        let kernel = if job.dma {
+            format!("dma({})", job.spec.uri())
+        } else {
+            job.spec.uri()
+        };
+        progress(Ok(kernel.clone()));
         rows.push(BenchRow {
-            kernel: job.spec.uri(),
+            kernel,
             spec: spec_key(&job.spec),
             backend: backend.to_string(),
             config: job.config.clone(),

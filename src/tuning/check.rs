@@ -60,25 +60,81 @@ pub fn check_deployment(
     let specs = dep.specs();
     let loaded = compile_and_load(exec, jit, &specs, None, &|| {});
     let mut rows = Vec::with_capacity(specs.len());
+    let row = |kernel: String, family: String, outcome: Result<String, String>| CheckRow {
+        kernel,
+        family,
+        ok: outcome.is_ok(),
+        detail: match outcome {
+            Ok(d) | Err(d) => d,
+        },
+    };
+    let flatten =
+        |r: Result<Result<String, String>, TuningError>| r.unwrap_or_else(|e| Err(e.to_string()));
     for (i, (spec, k)) in specs.iter().zip(loaded).enumerate() {
         let seed = 0xC0FFEE + i as u64;
         let outcome = match k {
             Err(e) => Err(format!("compile/load: {e}")),
-            Ok(kernel) => match check_one(exec, spec, kernel, seed) {
-                Ok(r) => r,
-                Err(e) => Err(e.to_string()),
-            },
+            Ok(kernel) => flatten(check_one(exec, spec, kernel, seed)),
         };
-        rows.push(CheckRow {
-            kernel: spec.uri(),
-            family: spec.family().to_string(),
-            ok: outcome.is_ok(),
-            detail: match outcome {
-                Ok(d) | Err(d) => d,
-            },
-        });
+        rows.push(row(spec.uri(), spec.family().to_string(), outcome));
+        if let KernelSpec::TransferPages(_) = spec {
+            // The DMA path of the same transfer, on the same random inputs.
+            rows.push(row(
+                format!("dma({})", spec.uri()),
+                format!("{} (dma)", spec.family()),
+                flatten(check_transfer(exec, spec, seed, |b| b.copy_dma())),
+            ));
+        }
     }
     Ok(rows)
+}
+
+/// Workload of every check: odd sizes, so partial groups and tails are exercised.
+const CHECK_SIZES: Sizes = Sizes {
+    pages: 37,
+    layers: 3,
+    warmup: 0,
+    repeats: 1,
+};
+
+/// Checks a transfer spec's page pairs moved by `run` (its kernel, or the DMA path) against
+/// the reference, on random source bytes.
+fn check_transfer(
+    exec: &dyn Executor,
+    spec: &KernelSpec,
+    seed: u64,
+    run: impl FnOnce(&CopyBench<'_>) -> Result<(), crate::exec::ExecError>,
+) -> Result<Result<String, String>, TuningError> {
+    let KernelSpec::TransferPages(s) = spec else {
+        return Err(TuningError::Reference {
+            what: "transfer_pages",
+            message: format!("{} is not a transfer", spec.uri()),
+        });
+    };
+    let sizes = CHECK_SIZES;
+    let mut rng = SplitMix(seed);
+    let (b, pages) = CopyBench::new(exec, spec, &sizes, seed)?;
+    let (srcs, dst) = b.buffers();
+    let src = rng.bytes(exec.size(srcs[0])?);
+    exec.upload(srcs[0], 0, &src)?;
+    run(&b)?;
+    let got = read_all(exec, dst)?;
+    let mut want = vec![0xA5u8; got.len()];
+    reference::transfer_pages(
+        s.direction,
+        s.layout,
+        u64::from(s.page_size) * u64::from(s.bytes_per_token),
+        &src,
+        &mut want,
+        &pages.first,
+        &pages.second,
+        sizes.pages,
+        sizes.layers,
+        b.device_pages,
+        b.host_pages,
+    )
+    .map_err(reference_err("transfer_pages"))?;
+    Ok(compare(&got, &want))
 }
 
 fn check_one(
@@ -88,36 +144,10 @@ fn check_one(
     seed: u64,
 ) -> Result<Result<String, String>, TuningError> {
     let mut rng = SplitMix(seed);
-    let sizes = Sizes {
-        pages: 37,
-        layers: 3,
-        warmup: 0,
-        repeats: 1,
-    };
+    let sizes = CHECK_SIZES;
     match spec {
-        KernelSpec::TransferPages(s) => {
-            let (b, pages) = CopyBench::new(exec, spec, &sizes, seed)?;
-            let (srcs, dst) = b.buffers();
-            let src = rng.bytes(exec.size(srcs[0])?);
-            exec.upload(srcs[0], 0, &src)?;
-            b.launch(kernel, spec)?;
-            let got = read_all(exec, dst)?;
-            let mut want = vec![0xA5u8; got.len()];
-            reference::transfer_pages(
-                s.direction,
-                s.layout,
-                u64::from(s.page_size) * u64::from(s.bytes_per_token),
-                &src,
-                &mut want,
-                &pages.first,
-                &pages.second,
-                sizes.pages,
-                sizes.layers,
-                b.device_pages,
-                b.host_pages,
-            )
-            .map_err(reference_err("transfer_pages"))?;
-            Ok(compare(&got, &want))
+        KernelSpec::TransferPages(_) => {
+            check_transfer(exec, spec, seed, |b| b.launch(kernel, spec))
         }
         KernelSpec::Materialise(s) => {
             let (b, pages) = CopyBench::new(exec, spec, &sizes, seed)?;

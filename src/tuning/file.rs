@@ -10,7 +10,7 @@ use super::candidate::LaunchChoice;
 use super::key::{spec_key, DeviceKey, KeyMatch};
 use super::TuningError;
 use crate::jit::DiskCache;
-use crate::kernels::{Deployment, KernelSpec};
+use crate::kernels::{Deployment, KernelSpec, TransferPath};
 
 /// Version of the file layout; a file with another version is refused, never guessed at.
 pub const TUNING_FORMAT: u32 = 1;
@@ -223,6 +223,8 @@ pub struct Applied {
     pub alloc_threads: Option<u32>,
     /// `copy`, when set from the file.
     pub copy: Option<LaunchChoice>,
+    /// `transfer_path`, decided with `copy`.
+    pub transfer_path: Option<TransferPath>,
     /// `synth_threads`, when set from the file.
     pub synth_threads: Option<u32>,
 }
@@ -234,7 +236,7 @@ impl Deployment {
     /// are silently irrelevant. A field fed by several kernels (`copy` by both transfer
     /// directions and materialise of every buffer) takes the candidate with the smallest total
     /// time among those measured for all of them; DMA results are not a kernel shape and do
-    /// not count.
+    /// not count there, but decide `transfer_path` (see `transfer_path`).
     pub fn with_tuning(
         &self,
         file: &TuningFile,
@@ -247,10 +249,16 @@ impl Deployment {
         for field in [Field::Alloc, Field::Copy, Field::Synth] {
             let group: Vec<&KernelSpec> = specs.iter().filter(|s| field_of(s) == field).collect();
             let mut matched: Vec<&TuningEntry> = Vec::new();
+            let mut transfers: Vec<&TuningEntry> = Vec::new();
             for spec in &group {
                 for e in file.entries_for(spec) {
                     match e.device.compare(device) {
-                        KeyMatch::Same => matched.push(e),
+                        KeyMatch::Same => {
+                            matched.push(e);
+                            if matches!(spec, KernelSpec::TransferPages(_)) {
+                                transfers.push(e);
+                            }
+                        }
                         kind => warnings.push(TuningWarning {
                             kind: if kind == KeyMatch::Stale {
                                 WarningKind::Stale
@@ -279,7 +287,10 @@ impl Deployment {
                 (Field::Alloc, LaunchChoice::Threads { threads }) => next.alloc_threads = threads,
                 (Field::Synth, LaunchChoice::Threads { threads }) => next.synth_threads = threads,
                 (Field::Copy, c) => match c.copy_launch() {
-                    Some(l) => next.copy = l,
+                    Some(l) => {
+                        next.copy = l;
+                        next.transfer_path = transfer_path(&transfers, &c);
+                    }
                     None => continue,
                 },
                 _ => continue,
@@ -295,7 +306,10 @@ impl Deployment {
             out = next;
             match field {
                 Field::Alloc => applied.alloc_threads = Some(out.alloc_threads),
-                Field::Copy => applied.copy = Some(choice),
+                Field::Copy => {
+                    applied.copy = Some(choice);
+                    applied.transfer_path = Some(out.transfer_path);
+                }
                 Field::Synth => applied.synth_threads = Some(out.synth_threads),
             }
         }
@@ -311,6 +325,17 @@ fn field_of(spec: &KernelSpec) -> Field {
         KernelSpec::SelectOwnerPages(_) | KernelSpec::ReleasePages(_) => Field::Alloc,
         KernelSpec::TransferPages(_) | KernelSpec::Materialise(_) => Field::Copy,
         KernelSpec::Synthesise(_) | KernelSpec::Verify(_) => Field::Synth,
+    }
+}
+
+/// DMA when every transfer entry measured it and its summed time beats the chosen kernel
+/// shape's summed time over the same entries; the kernel otherwise (also when some entry has
+/// no DMA time, e.g. a file tuned on the host executor).
+fn transfer_path(transfers: &[&TuningEntry], kernel: &LaunchChoice) -> TransferPath {
+    let sum = |c: &LaunchChoice| -> Option<f64> { transfers.iter().map(|e| e.seconds_of(c)).sum() };
+    match (sum(&LaunchChoice::Dma), sum(kernel)) {
+        (Some(dma), Some(k)) if !transfers.is_empty() && dma < k => TransferPath::Dma,
+        _ => TransferPath::Kernel,
     }
 }
 
@@ -359,6 +384,7 @@ pub fn apply(
         deployment = %dep.name,
         alloc_threads = ?applied.alloc_threads,
         copy = ?applied.copy.map(|c| c.to_string()),
+        transfer_path = ?applied.transfer_path.map(|p| p.to_string()),
         synth_threads = ?applied.synth_threads,
         ignored = warnings.len(),
         "tuning applied"

@@ -1,16 +1,17 @@
 //! Measurement building blocks shared by `tune`, `bench` and `bench --check`: workload sizes,
 //! median timing, the buffers and argument lists of each kernel family (docs/KERNELS.md), the
-//! baselines (host `memcpy`, a plain copy kernel on CUDA, the Rust references), and compiling
+//! baselines (`memcpy` on the host, pinned `cuMemcpyAsync` on CUDA, the Rust references), the
+//! DMA path of transfers, and compiling
 //! plus loading a set of specs through the JIT.
 
 use std::time::Instant;
 
 use super::TuningError;
 use crate::exec::{
-    Backend, BufferId, ExecError, Executor, KernelArg, KernelId, LaunchConfig, MemKind,
+    Backend, BufferId, CopyRegion, ExecError, Executor, KernelArg, KernelId, LaunchConfig, MemKind,
 };
 use crate::jit::{spec_request, Arch, Jit, JitRequest, Sanitize, Target};
-use crate::kernels::{BufferKind, Direction, KernelSpec};
+use crate::kernels::{transfer_regions, BufferKind, Direction, KernelSpec, PoolShape};
 
 /// Workload sizes of one measurement.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -254,6 +255,9 @@ enum CopyKind {
         dst: BufferId,
         src_pages: BufferId,
         dst_pages: BufferId,
+        /// The same page pairs as copy regions (the DMA path).
+        regions: Vec<CopyRegion>,
+        direction: Direction,
     },
     Materialise {
         pools: Vec<(BufferId, u64)>,
@@ -307,6 +311,12 @@ impl<'e> CopyBench<'e> {
                 let dst_pages = mem.alloc(MemKind::Device, 4 * u64::from(n), 0)?;
                 exec.upload(src_pages, 0, &u32_bytes(&sp))?;
                 exec.upload(dst_pages, 0, &u32_bytes(&dp))?;
+                let pools = PoolShape {
+                    layers,
+                    device_pages,
+                    host_pages,
+                };
+                let regions = transfer_regions(s, &sp, &dp, pools);
                 Ok((
                     CopyBench {
                         mem,
@@ -315,6 +325,8 @@ impl<'e> CopyBench<'e> {
                             dst,
                             src_pages,
                             dst_pages,
+                            regions,
+                            direction: s.direction,
                         },
                         n,
                         layers,
@@ -405,6 +417,7 @@ impl<'e> CopyBench<'e> {
                 dst,
                 src_pages,
                 dst_pages,
+                ..
             } => exec.launch(
                 kernel,
                 &cfg,
@@ -452,6 +465,44 @@ impl<'e> CopyBench<'e> {
             || Ok(()),
             || self.launch(kernel, spec),
         )
+    }
+
+    /// Enqueues the transfer by DMA instead of a kernel (same pages, same bytes), without
+    /// synchronising. Materialise has no DMA path: a typed error.
+    pub fn copy_dma(&self) -> Result<(), ExecError> {
+        match &self.kind {
+            CopyKind::Transfer {
+                src, dst, regions, ..
+            } => self.mem.exec.copy_regions(*src, *dst, regions),
+            CopyKind::Materialise { .. } => Err(ExecError::Config {
+                name: "transfer path",
+                value: "dma".into(),
+                reason: "only transfers have a DMA path; materialise gathers with a kernel".into(),
+            }),
+        }
+    }
+
+    /// Times the DMA path: median of the repeats, like [`CopyBench::time`].
+    pub fn time_dma(&self, sizes: &Sizes) -> Result<Timing, ExecError> {
+        time_device(
+            self.mem.exec,
+            sizes.warmup,
+            sizes.repeats,
+            || Ok(()),
+            || self.copy_dma(),
+        )
+    }
+
+    /// The memory kinds the copy reads and writes (for its baseline).
+    pub fn memory(&self) -> (MemKind, MemKind) {
+        match &self.kind {
+            CopyKind::Transfer {
+                direction: Direction::HostToDevice,
+                ..
+            } => (MemKind::Host, MemKind::Device),
+            CopyKind::Transfer { .. } => (MemKind::Device, MemKind::Host),
+            CopyKind::Materialise { .. } => (MemKind::Device, MemKind::Device),
+        }
     }
 }
 
@@ -714,110 +765,43 @@ impl<'e> AllocBench<'e> {
     }
 }
 
-/// Times a single-threaded `memcpy` of `bytes` between two pre-touched host buffers: the
-/// host executor's baseline (its launches run on the calling thread).
-pub fn host_memcpy(bytes: u64, sizes: &Sizes) -> Timing {
-    let len = bytes as usize;
-    let src = vec![0x5Au8; len];
-    let mut dst = vec![0u8; len];
-    let t: Result<Timing, std::convert::Infallible> = time_with(
+/// What the copy baseline of `backend` is called in reports.
+pub fn baseline_name(backend: Backend) -> &'static str {
+    match backend {
+        Backend::Cuda => "cuMemcpyAsync",
+        _ => "memcpy",
+    }
+}
+
+/// Times one contiguous copy of `bytes` from `from` memory to `to` memory through
+/// [`Executor::copy_regions`]: `memcpy` on the host executor (single-threaded, like its
+/// launches), a pinned `cuMemcpyAsync` on CUDA (host memory is pinned). The baseline every
+/// page-copy kernel is compared with in the same run.
+pub fn time_copy_baseline(
+    exec: &dyn Executor,
+    from: MemKind,
+    to: MemKind,
+    bytes: u64,
+    sizes: &Sizes,
+) -> Result<Timing, ExecError> {
+    let mut mem = Owned {
+        exec,
+        ids: Vec::new(),
+    };
+    let src = mem.alloc(from, bytes, 0x5A)?;
+    let dst = mem.alloc(to, bytes, 0)?;
+    let region = [CopyRegion {
+        src_offset: 0,
+        dst_offset: 0,
+        len: bytes,
+    }];
+    time_device(
+        exec,
         sizes.warmup.max(1),
         sizes.repeats,
         || Ok(()),
-        || {
-            dst.copy_from_slice(std::hint::black_box(&src));
-            std::hint::black_box(&mut dst);
-            Ok(())
-        },
-    );
-    match t {
-        Ok(t) => t,
-        Err(never) => match never {},
-    }
-}
-
-/// Source of the plain-copy kernel used as the CUDA baseline: a grid-stride 16-byte copy of
-/// contiguous memory (device to device, or between pinned mapped host memory and the device).
-pub const PLAIN_COPY_URI: &str = "chc_bench_plain_copy_v16_t256";
-
-/// The plain-copy kernel's source (self-contained, no headers).
-pub fn plain_copy_source() -> String {
-    format!(
-        "typedef unsigned long long u64;\n\
-         extern \"C\" __global__ void __launch_bounds__(256) {PLAIN_COPY_URI}(\n\
-             const uint4* src, uint4* dst, u64 n)\n\
-         {{\n\
-             for (u64 i = (u64)blockIdx.x * 256ull + threadIdx.x; i < n; i += (u64)gridDim.x * 256ull) {{\n\
-                 dst[i] = src[i];\n\
-             }}\n\
-         }}\n\
-         #ifdef CP_HICACHE_EMU\n\
-         CP_HICACHE_EMU_EXPORT({PLAIN_COPY_URI})\n\
-         #endif\n"
+        || exec.copy_regions(src, dst, &region),
     )
-}
-
-/// The CUDA baseline: the plain-copy kernel between two buffers of the executor.
-pub struct PlainCopy<'e> {
-    mem: Owned<'e>,
-    kernel: KernelId,
-}
-
-impl<'e> PlainCopy<'e> {
-    /// Compiles and loads the plain-copy kernel for the executor's backend.
-    pub fn new(exec: &'e dyn Executor, jit: &Jit) -> Result<PlainCopy<'e>, TuningError> {
-        let req = JitRequest {
-            uri: PLAIN_COPY_URI.to_string(),
-            source: plain_copy_source(),
-            target: target_for(exec.backend()),
-        };
-        let k = jit.get(&req)?;
-        let kernel = exec.load_kernel(&k.executor_artifact(PLAIN_COPY_URI))?;
-        Ok(PlainCopy {
-            mem: Owned {
-                exec,
-                ids: Vec::new(),
-            },
-            kernel,
-        })
-    }
-
-    /// Times a copy of `bytes` (rounded down to 16) from `from` memory to `to` memory.
-    pub fn time(
-        &mut self,
-        from: MemKind,
-        to: MemKind,
-        bytes: u64,
-        sizes: &Sizes,
-    ) -> Result<Timing, ExecError> {
-        let n = bytes / 16;
-        let src = self.mem.alloc(from, n * 16, 0x5A)?;
-        let dst = self.mem.alloc(to, n * 16, 0)?;
-        let exec = self.mem.exec;
-        let blocks = n.div_ceil(256).clamp(1, 65_536) as u32;
-        let kernel = self.kernel;
-        let t = time_device(
-            exec,
-            sizes.warmup.max(1),
-            sizes.repeats,
-            || Ok(()),
-            || {
-                exec.launch(
-                    kernel,
-                    &LaunchConfig::linear(blocks, 256),
-                    &[
-                        KernelArg::Ptr(src, 0),
-                        KernelArg::Ptr(dst, 0),
-                        KernelArg::U64(n),
-                    ],
-                )
-            },
-        );
-        let _ = exec.free(src);
-        let _ = exec.free(dst);
-        self.mem.ids.retain(|&b| b != src && b != dst);
-        t
-    }
 }
 
 /// Pages a synthesise or verify timing covers: those kernels compute two splitmix64 draws

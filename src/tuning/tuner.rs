@@ -129,11 +129,16 @@ pub fn tune(
                 dropped: None,
             };
             match cand {
-                Candidate::Dma(_) => {
-                    if let Err(e) = cand.supported_by(backend) {
-                        result.dropped = Some(e.to_string());
-                    }
-                }
+                Candidate::Dma(_) => match cand.supported_by(backend) {
+                    Err(e) => result.dropped = Some(e.to_string()),
+                    Ok(()) => match bench.time_dma(&opts.sizes) {
+                        Ok((seconds, bytes)) => {
+                            result.seconds = Some(seconds);
+                            result.gbps = Some(bytes as f64 / seconds / 1e9);
+                        }
+                        Err(e) => result.dropped = Some(format!("DMA copy failed: {e}")),
+                    },
+                },
                 Candidate::Kernel(spec) => match loaded.get(spec) {
                     Some(Ok(kernel)) => match bench.time(*kernel, spec, &opts.sizes) {
                         Ok((seconds, bytes)) => {
@@ -239,6 +244,18 @@ impl<'e> Workload<'e> {
             Workload::Copy(b) => Ok((b.time(kernel, spec, sizes)?.median, Some(b.bytes()))),
             Workload::Alloc(b) => Ok((b.time(kernel, spec, sizes)?.median, None)),
             Workload::Synth(b) => Ok((b.time(kernel, spec, sizes)?.median, None)),
+        }
+    }
+
+    /// Median seconds and bytes of the DMA path (transfers only; anything else is refused).
+    fn time_dma(&self, sizes: &Sizes) -> Result<(f64, u64), crate::exec::ExecError> {
+        match self {
+            Workload::Copy(b) => Ok((b.time_dma(sizes)?.median, b.bytes())),
+            _ => Err(crate::exec::ExecError::Config {
+                name: "transfer path",
+                value: "dma".into(),
+                reason: "only transfers have a DMA path".into(),
+            }),
         }
     }
 }
