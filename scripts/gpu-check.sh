@@ -6,8 +6,11 @@
 #
 # Steps: info; compile (NVRTC) or, without NVRTC, the carried CUBIN cache with
 # CP_HICACHE_JIT=off; every kernel family on the CUDA executor against the Rust references on
-# random inputs with poisoned outputs (`bench --check --backend cuda`); `tune --backend cuda
-# --quick`; `bench --backend cuda --json` with that tuning file; compute-sanitizer memcheck of
+# random inputs with poisoned outputs, plus each transfer's DMA path (`bench --check --backend
+# cuda`); `tune --backend cuda --quick` (DMA is one transfer candidate); `bench --backend cuda
+# --json` with that tuning file (baseline: pinned cuMemcpyAsync; config `dma` rows time the DMA
+# path); a short `replay --backend cuda` with the kernel and the DMA transfer path;
+# compute-sanitizer memcheck of
 # the check when compute-sanitizer is on PATH.
 #
 # Prepare on the build machine (has cargo and network; no GPU needed):
@@ -104,6 +107,10 @@ if [[ -f "$out/tuning.json" ]]; then
 fi
 step bench "$bin" bench --backend cuda "${tuning_args[@]}" --json "$out/bench.json" \
   --plot "$out/bench.svg"
+# The whole cache on the GPU, verified on every hit, with either transfer path.
+step replay "$bin" replay --backend cuda --requests 96 --quiet --json "$out/replay.json"
+step replay-dma "$bin" replay --backend cuda --requests 96 --quiet --transfer dma \
+  --json "$out/replay-dma.json"
 
 if command -v compute-sanitizer >/dev/null 2>&1; then
   step memcheck compute-sanitizer --tool memcheck --error-exitcode 3 \
