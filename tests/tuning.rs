@@ -321,3 +321,45 @@ fn quick_tune_on_the_host_drops_a_broken_candidate() {
     assert_ne!(applied.copy, Some(CPU_COPY));
     tuned.validate().unwrap();
 }
+
+/// The warm-up API picks the tuning file up: the kernels it compiles have the tuned shapes on
+/// this machine's device key, and the default shapes (with a warning) for another machine's.
+#[test]
+fn warm_up_compiles_the_tuned_kernels() {
+    let jit = Jit::new(JitConfig::new(
+        concat!(env!("CARGO_TARGET_TMPDIR"), "/jit-cache"),
+        EMU_HEADER,
+    ));
+    if let Err(e) = jit.host_compiler() {
+        eprintln!("skipping: no host C++ compiler: {e}");
+        return;
+    }
+    let exec = HostExecutor::new(HostOptions::default());
+    let dep = Deployment::by_name("mla_ps16_cp8").unwrap();
+    let here = DeviceKey::for_executor(&exec, &jit).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tuning.json");
+    file_for(&here, &dep).save(&path).unwrap();
+    let start = tuning::warm_up_tuned(&jit, &exec, &dep, Some(&path)).unwrap();
+    assert!(start.warnings.is_empty(), "{:?}", start.warnings);
+    assert_eq!(start.deployment.alloc_threads, 32);
+    let uris: Vec<String> = start.kernels.iter().map(|k| k.uri.clone()).collect();
+    let want: Vec<String> = start.deployment.specs().iter().map(|s| s.uri()).collect();
+    assert_eq!(uris, want);
+    assert!(
+        uris.iter()
+            .any(|u| u.starts_with("transfer_pages") && u.ends_with("_t1_ppb16_v16_u1")),
+        "{uris:?}"
+    );
+    assert!(
+        uris.iter()
+            .any(|u| u.starts_with("select_owner_pages") && u.ends_with("_t32")),
+        "{uris:?}"
+    );
+    // Another machine's file: ignored with a warning, the default shapes are compiled.
+    file_for(&device("machine-b"), &dep).save(&path).unwrap();
+    let start = tuning::warm_up_tuned(&jit, &exec, &dep, Some(&path)).unwrap();
+    assert!(!start.warnings.is_empty());
+    assert_eq!(start.deployment, dep);
+    assert_eq!(start.kernels.len(), dep.specs().len());
+}

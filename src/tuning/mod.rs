@@ -4,7 +4,7 @@
 //! ([`mod@file`], [`key`]), the `bench` measurements with baselines taken in the same run
 //! ([`mod@bench`]), and a cross-check of every family against the Rust references ([`check`]).
 //!
-//! Applying a tuning file is one call:
+//! Applying a tuning file is one call ([`warm_up_tuned`] also compiles the tuned kernels):
 //!
 //! ```no_run
 //! use cp_hicache::{kernels::Deployment, tuning};
@@ -29,8 +29,8 @@ pub mod tuner;
 
 pub use candidate::{candidates_for, Candidate, LaunchChoice, Unsupported};
 pub use file::{
-    apply, default_path, Applied, CandidateResult, TuningEntry, TuningFile, TuningWarning,
-    WarningKind, TUNING_FORMAT,
+    apply, default_path, warm_up_tuned, Applied, CandidateResult, TunedStart, TuningEntry,
+    TuningFile, TuningWarning, WarningKind, TUNING_FORMAT,
 };
 pub use key::{spec_key, DeviceKey, KeyMatch};
 pub use measure::Sizes;
