@@ -204,9 +204,7 @@ pub fn compile_and_load(
                     ));
                 }
             }
-            let entry = spec.entry_name();
-            let artifact = k.executor_artifact(&entry);
-            exec.load_kernel(&artifact).map_err(|e| e.to_string())
+            k.load_spec(exec, spec).map_err(|e| e.to_string())
         })
         .collect()
 }
@@ -772,7 +770,7 @@ impl<'e> PlainCopy<'e> {
             target: target_for(exec.backend()),
         };
         let k = jit.get(&req)?;
-        let kernel = exec.load_kernel(&k.executor_artifact(PLAIN_COPY_URI))?;
+        let kernel = exec.load_kernel(&k.executor_artifact(PLAIN_COPY_URI, None))?;
         Ok(PlainCopy {
             mem: Owned {
                 exec,
