@@ -9,9 +9,8 @@ struct ChcPools {
 // Gathers sequence page i (global page p = seq_pages[i]) from rank p % CP, local page p / CP,
 // into dense[layer][i][PAGE_BYTES], for every layer. Work item w = (group of PAGES_PER_BLOCK
 // pages, layer); blocks stride over the items. Pages beyond local_pages are skipped.
-extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}(
-    const __grid_constant__ ChcPools pools, const u32* seq_pages, u32 n, u32 layers,
-    u32 local_pages, u8* dense)
+extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}({# parameters: KernelSpec::params() #}
+{{ params }}
 {
     const u32 groups = (n + PAGES_PER_BLOCK - 1u) / PAGES_PER_BLOCK;
     const u64 items = (u64)groups * layers;

@@ -4,8 +4,8 @@
 // Pushes pages back onto their owner's lane free stack (owner = page % CP) in input order
 // (docs/KERNELS.md). Launch: 1 block of THREADS. Page 0 and pushes past lane_cap are skipped;
 // the host rejects both before launching.
-extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}(
-    const u32* pages, u32 n, u32* lane_stacks, u32* lane_tops, u32 lane_cap)
+extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}({# parameters: KernelSpec::params() #}
+{{ params }}
 {
     __shared__ u32 s_warp_cnt[WARPS * CP];
     __shared__ u32 s_base[CP];

@@ -4,9 +4,8 @@
 // Pops one page per requested owner from the lane free stacks (LIFO, docs/KERNELS.md) and
 // writes the pages and their page-contiguous token locations. Launch: 1 block of THREADS.
 // The host has checked that every lane holds enough pages; a short lane yields page 0.
-extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}(
-    const u8* owners, u32 n, const u32* lane_stacks, u32* lane_tops, u32 lane_cap,
-    u32* out_pages, i64* out_locs)
+extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}({# parameters: KernelSpec::params() #}
+{{ params }}
 {
     __shared__ u32 s_warp_cnt[WARPS * CP];
     __shared__ u32 s_base[CP];

@@ -16,9 +16,8 @@ static __device__ inline u64 chc_host_off(u32 page, u32 layer, u32 layers, u32 d
 // Copies page blobs {{ direction_doc }} for every layer: pair i moves src_pages[i] to
 // dst_pages[i]. Work item w = (group of PAGES_PER_BLOCK pairs, layer); blocks stride over the
 // items, so any grid is correct. Pairs whose page is outside its pool are skipped.
-extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}(
-    const u8* src, u8* dst, const u32* src_pages, const u32* dst_pages, u32 n, u32 layers,
-    u32 device_pages, u32 host_pages)
+extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}({# parameters: KernelSpec::params() #}
+{{ params }}
 {
     const u32 groups = (n + PAGES_PER_BLOCK - 1u) / PAGES_PER_BLOCK;
     const u64 items = (u64)groups * layers;

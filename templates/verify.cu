@@ -5,9 +5,8 @@
 // bytes of tokens [start_page * PAGE_SIZE, n_tokens) and adds the number of mismatched tokens
 // (any byte of any field in any layer) to *mismatches. Blocks stride over tokens, threads over
 // the elements of one token.
-extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}(
-    const u8* dense, const u64* prefix_hash, u32 n_tokens, u32 start_page, u32 layers,
-    u32* mismatches)
+extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}({# parameters: KernelSpec::params() #}
+{{ params }}
 {
     const u64 n_pages = ((u64)n_tokens + PAGE_SIZE - 1u) >> LOG2_PAGE_SIZE;
     for (u64 t = ((u64)start_page << LOG2_PAGE_SIZE) + blockIdx.x; t < n_tokens; t += gridDim.x) {

@@ -93,8 +93,12 @@ fn kernels_so() -> &'static Path {
 }
 
 fn load(ex: &HostExecutor, so: &Path, entry: &str) -> KernelId {
-    ex.load_kernel(&KernelArtifact::HostLibrary { path: so, entry })
-        .unwrap()
+    ex.load_kernel(&KernelArtifact::HostLibrary {
+        path: so,
+        entry,
+        signature: None,
+    })
+    .unwrap()
 }
 
 fn executor(order: BlockOrder) -> HostExecutor {
@@ -721,6 +725,7 @@ fn bounds_and_handles_are_checked() {
         .load_kernel(&KernelArtifact::HostLibrary {
             path: kernels_so(),
             entry: "no_such_kernel",
+            signature: None,
         })
         .unwrap_err();
     assert!(
@@ -731,6 +736,7 @@ fn bounds_and_handles_are_checked() {
         .load_kernel(&KernelArtifact::HostLibrary {
             path: Path::new("/nonexistent/k.so"),
             entry: "k",
+            signature: None,
         })
         .unwrap_err();
     assert!(matches!(e, ExecError::Load { .. }), "{e}");
@@ -738,6 +744,7 @@ fn bounds_and_handles_are_checked() {
         .load_kernel(&KernelArtifact::Cubin {
             image: &[0; 16],
             entry: "k",
+            signature: None,
         })
         .unwrap_err();
     assert!(matches!(e, ExecError::WrongArtifact { .. }), "{e}");
@@ -946,6 +953,7 @@ fn backend_selection_without_a_gpu() {
         .load_kernel(&KernelArtifact::HostLibrary {
             path: kernels_so(),
             entry: "shared_persist",
+            signature: None,
         })
         .unwrap();
     ex.launch(k, &LaunchConfig::linear(4, 1), &[KernelArg::Ptr(out, 0)])
@@ -985,6 +993,7 @@ fn cuda_executor_runs_a_ptx_kernel_when_a_gpu_is_present() {
         .load_kernel(&KernelArtifact::Cubin {
             image: FILL_PTX.as_bytes(),
             entry: "fill_u32",
+            signature: None,
         })
         .unwrap();
     for kind in [MemKind::Device, MemKind::Host] {

@@ -14,12 +14,13 @@ use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
 use cp_hicache::allocator::{AllocError, KernelAllocOptions, KernelLaneAllocator};
-use cp_hicache::exec::{BlockOrder, Executor, KernelArg};
+use cp_hicache::exec::{BlockOrder, ExecError, Executor, KernelArg, LaunchConfig, LaunchFailure};
 use cp_hicache::jit::Sanitize;
 use cp_hicache::kernels::reference;
 use cp_hicache::kernels::{
-    transfer_regions, AllocSpec, BufferKind, CopyLaunch, Direction, HostLayout, KernelSpec,
-    MaterialiseSpec, PoolShape, ReleaseSpec, SynthSpec, TransferSpec, VecWidth, VerifySpec,
+    transfer_regions, AllocSpec, BufferKind, CopyLaunch, Deployment, Direction, HostLayout,
+    KernelSpec, MaterialiseSpec, PoolShape, ReleaseSpec, SynthSpec, TransferSpec, VecWidth,
+    VerifySpec,
 };
 use cp_hicache::layout::CpLayout;
 use support::{grid, i64s, le32, le64, u32s, Bench, Rng, ORDERS, POISON};
@@ -187,6 +188,121 @@ fn spec_matrix_is_modest_and_valid() {
     for w in ["_v1_", "_v4_", "_v16_"] {
         assert!(specs.iter().any(|s| s.uri().contains(w)), "{w}");
     }
+}
+
+/// The `(type, name)` pairs of the `extern "C"` parameter list of `uri` in a render, read
+/// from the text alone (whitespace collapsed), so the check below does not trust the renderer.
+fn rendered_params(src: &str, uri: &str) -> Vec<(String, String)> {
+    let head = format!("extern \"C\" __global__ void __launch_bounds__(THREADS) {uri}(");
+    assert_eq!(
+        src.matches("extern \"C\"").count(),
+        1,
+        "{uri}: one extern \"C\" entry"
+    );
+    let at = src
+        .find(&head)
+        .unwrap_or_else(|| panic!("{uri}: no entry `{head}`"))
+        + head.len();
+    let list = &src[at..at + src[at..].find(')').expect("closing parenthesis")];
+    if list.trim().is_empty() {
+        return Vec::new();
+    }
+    list.split(',')
+        .map(|p| {
+            let words: Vec<&str> = p.split_whitespace().collect();
+            let (name, ty) = words
+                .split_last()
+                .unwrap_or_else(|| panic!("{uri}: {list}"));
+            (ty.join(" "), name.to_string())
+        })
+        .collect()
+}
+
+// The render's parameter list is exactly `KernelSpec::params()` (names and C types, in order)
+// for every spec of this matrix, of every reference deployment and of their tuning
+// candidates: what the executors check launches against is what the kernels declare.
+#[test]
+fn rendered_parameter_lists_match_the_signatures() {
+    let mut specs = all_specs();
+    for dep in Deployment::reference() {
+        for spec in dep.specs() {
+            specs.extend(spec.candidates());
+        }
+    }
+    specs.sort();
+    specs.dedup();
+    for spec in &specs {
+        let uri = spec.uri();
+        let got = rendered_params(&spec.render().unwrap(), &uri);
+        let want: Vec<(String, String)> = spec
+            .params()
+            .iter()
+            .map(|p| (p.c_type.to_string(), p.name.to_string()))
+            .collect();
+        assert_eq!(got, want, "{uri}");
+    }
+}
+
+// A spec kernel on the host executor: a launch with one argument too few, one too many, or a
+// u32 where a pointer belongs is refused by the signature check before anything runs (the
+// buffers keep their bytes), names the parameter, and the executor then runs the kernel.
+#[test]
+fn bad_argument_lists_are_refused_by_the_signature() {
+    let mut b = Bench::new(BlockOrder::Forward, libs());
+    let spec = release_spec(4);
+    let kernel = b.kernel(&spec);
+    let (lane_cap, tops) = (8u32, vec![0u32; 4]);
+    let pages = [5u32, 6, 7, 9];
+    let stacks = vec![0u32; 4 * lane_cap as usize];
+    let pgb = b.bytes(&le32(&pages), 0);
+    let sb = b.bytes(&le32(&stacks), 0);
+    let tb = b.bytes(&le32(&tops), 0);
+    let good = [
+        KernelArg::Ptr(pgb, 0),
+        KernelArg::U32(pages.len() as u32),
+        KernelArg::Ptr(sb, 0),
+        KernelArg::Ptr(tb, 0),
+        KernelArg::U32(lane_cap),
+    ];
+    let mut too_many = good.to_vec();
+    too_many.push(KernelArg::U32(1));
+    let mut u32_for_ptr = good.to_vec();
+    u32_for_ptr[3] = KernelArg::U32(0);
+    let cases: [(&[KernelArg<'_>], &str); 3] = [
+        (
+            &good[..4],
+            "parameter 4 `lane_cap` (u32) takes 4 bytes, no argument given",
+        ),
+        (
+            &too_many,
+            "argument 5 (a u32 of 4 bytes) follows the last parameter 4 `lane_cap`",
+        ),
+        (
+            &u32_for_ptr,
+            "parameter 3 `lane_tops` (u32*) takes 8 bytes, argument 3 is a u32 of 4 bytes",
+        ),
+    ];
+    let config = LaunchConfig::linear(1, spec.threads());
+    for (args, want) in cases {
+        match b.ex.launch(kernel, &config, args) {
+            Err(ExecError::Launch {
+                kernel: name,
+                cause: LaunchFailure::InvalidConfig,
+                message,
+            }) => {
+                assert_eq!(name, spec.uri());
+                assert!(message.starts_with(want), "{message}");
+            }
+            other => panic!("{want}: {other:?}"),
+        }
+        assert_eq!(u32s(&b.read(tb)), tops, "{want}: nothing ran");
+        assert_eq!(u32s(&b.read(sb)), stacks, "{want}: nothing ran");
+    }
+    b.ex.launch(kernel, &config, &good).unwrap();
+    let (mut ws, mut wt) = (stacks.clone(), tops.clone());
+    reference::release_pages(4, &pages, &mut ws, &mut wt, lane_cap).unwrap();
+    assert_eq!(u32s(&b.read(sb)), ws);
+    assert_eq!(u32s(&b.read(tb)), wt);
 }
 
 #[test]

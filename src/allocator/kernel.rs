@@ -209,9 +209,7 @@ impl KernelLaneAllocator {
         let mut ids = Vec::with_capacity(specs.len());
         for (spec, compiled) in specs.iter().zip(jit.warm_up(&requests)) {
             let compiled = compiled?;
-            let entry = spec.entry_name();
-            let artifact = compiled.executor_artifact(&entry);
-            ids.push(exec.load_kernel(&artifact)?);
+            ids.push(compiled.load_spec(exec.as_ref(), spec)?);
         }
         // Every lane fits: a lane holds at most ceil(pages / cp) pages.
         let lane_cap = layout.local_pages_per_rank();

@@ -84,8 +84,7 @@ impl DeploymentKernels {
         for (spec, result) in specs.iter().zip(compiled) {
             let kernel = result?;
             cache_hits += usize::from(kernel.cache_hit.is_hit());
-            let entry = spec.entry_name();
-            let id = exec.load_kernel(&kernel.executor_artifact(&entry))?;
+            let id = kernel.load_spec(exec, spec)?;
             loaded.push(Loaded { spec: *spec, id });
         }
         let mut k = DeploymentKernels {

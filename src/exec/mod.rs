@@ -10,12 +10,16 @@
 pub mod cuda;
 pub mod host;
 mod registry;
+mod signature;
 
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 pub use host::{BlockOrder, HostExecutor, HostOptions};
+pub(crate) use signature::check_signature;
+
+use crate::kernels::KernelParam;
 
 /// Errors of the executors. Every variant carries enough context to be reported as is.
 #[derive(Debug, thiserror::Error)]
@@ -251,6 +255,12 @@ pub struct BufferId(pub u64);
 pub struct KernelId(pub u64);
 
 /// A compiled kernel, as produced by the JIT for one backend.
+///
+/// `signature` is the kernel's parameter list when it was rendered from a spec
+/// ([`KernelSpec::params`](crate::kernels::KernelSpec::params); the JIT's
+/// [`CompiledKernel::load_spec`](crate::jit::CompiledKernel::load_spec) passes it). The executor
+/// keeps it with the loaded kernel and checks every launch's arguments against it. `None`
+/// (hand-written test kernels, the plain-copy baseline) skips that check.
 #[derive(Debug, Clone, Copy)]
 pub enum KernelArtifact<'a> {
     /// A host-emulation shared library; the executor resolves `<entry>__emu_launch`.
@@ -261,6 +271,8 @@ pub enum KernelArtifact<'a> {
         path: &'a Path,
         /// Kernel entry name (the spec's `uri()`).
         entry: &'a str,
+        /// The kernel's parameters, checked on every launch when given.
+        signature: Option<&'a [KernelParam]>,
     },
     /// A CUBIN image for the CUDA executor.
     Cubin {
@@ -268,16 +280,26 @@ pub enum KernelArtifact<'a> {
         image: &'a [u8],
         /// Kernel entry name (the spec's `uri()`).
         entry: &'a str,
+        /// The kernel's parameters, checked on every launch when given.
+        signature: Option<&'a [KernelParam]>,
     },
 }
 
-impl KernelArtifact<'_> {
+impl<'a> KernelArtifact<'a> {
     /// The kernel entry name.
     pub fn entry(&self) -> &str {
         match self {
             KernelArtifact::HostLibrary { entry, .. } | KernelArtifact::Cubin { entry, .. } => {
                 entry
             }
+        }
+    }
+
+    /// The kernel's parameter signature, when it has one.
+    pub fn signature(&self) -> Option<&'a [KernelParam]> {
+        match *self {
+            KernelArtifact::HostLibrary { signature, .. }
+            | KernelArtifact::Cubin { signature, .. } => signature,
         }
     }
 
@@ -540,11 +562,15 @@ pub trait Executor: Send + Sync {
 
     /// Launches a loaded kernel with `args` (one per kernel parameter, in order).
     ///
-    /// The host emulator checks the argument count and every argument's size against the
-    /// kernel's signature; the CUDA driver cannot, so there the caller must pass exactly the
-    /// kernel's parameters (the cluster and tuner build them from the kernel's spec). Pointer
-    /// arguments are checked to start inside their buffers; how far a kernel reaches from
-    /// them is bounded by its own size arguments, as on a GPU.
+    /// When the kernel was loaded with a signature (every kernel rendered from a spec is),
+    /// both executors check the argument count and every argument's size against it before
+    /// anything runs; a mismatch is [`ExecError::Launch`] with
+    /// [`LaunchFailure::InvalidConfig`] naming the parameter (index and name) and both sizes,
+    /// and the executor stays usable. Without a signature the host emulator still checks the
+    /// count and sizes against the compiled kernel, but the CUDA driver cannot, so there a
+    /// wrong argument list reads garbage. Pointer arguments are checked to start inside their
+    /// buffers; how far a kernel reaches from them is bounded by its own size arguments, as
+    /// on a GPU.
     fn launch(
         &self,
         kernel: KernelId,

@@ -155,14 +155,40 @@ pub struct CompiledKernel {
 }
 
 impl CompiledKernel {
-    /// The artifact as an executor loads it, with the kernel's entry name.
-    pub fn executor_artifact<'a>(&'a self, entry: &'a str) -> crate::exec::KernelArtifact<'a> {
+    /// The artifact as an executor loads it, with the kernel's entry name and, for a kernel
+    /// rendered from a spec, its parameter signature (checked on every launch). Spec kernels
+    /// are easiest loaded with [`CompiledKernel::load_spec`]; `None` is for kernels that are
+    /// not rendered from a spec.
+    pub fn executor_artifact<'a>(
+        &'a self,
+        entry: &'a str,
+        signature: Option<&'a [crate::kernels::KernelParam]>,
+    ) -> crate::exec::KernelArtifact<'a> {
         match &self.artifact {
-            Artifact::SharedObject(path) => {
-                crate::exec::KernelArtifact::HostLibrary { path, entry }
-            }
-            Artifact::Cubin(image) => crate::exec::KernelArtifact::Cubin { image, entry },
+            Artifact::SharedObject(path) => crate::exec::KernelArtifact::HostLibrary {
+                path,
+                entry,
+                signature,
+            },
+            Artifact::Cubin(image) => crate::exec::KernelArtifact::Cubin {
+                image,
+                entry,
+                signature,
+            },
         }
+    }
+
+    /// Loads this kernel, compiled from `spec`'s render, into `exec` under the spec's entry
+    /// name and with its parameter signature, so that every launch's arguments are checked
+    /// against [`KernelSpec::params`](crate::kernels::KernelSpec::params) on either executor.
+    pub fn load_spec(
+        &self,
+        exec: &dyn crate::exec::Executor,
+        spec: &crate::kernels::KernelSpec,
+    ) -> Result<crate::exec::KernelId, crate::exec::ExecError> {
+        let entry = spec.entry_name();
+        let params = spec.params();
+        exec.load_kernel(&self.executor_artifact(&entry, Some(&params)))
     }
 }
 

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use askama::Template;
 
-use super::spec::{Direction, KernelSpec};
+use super::spec::{render_params, Direction, KernelSpec};
 use super::{Deployment, KernelError};
 
 /// The command that regenerates `generated/` (named in test failures).
@@ -48,6 +48,7 @@ struct SelectTpl<'a> {
     uri: &'a str,
     template: &'a str,
     consts: Vec<Const>,
+    params: &'a str,
 }
 
 #[derive(Template)]
@@ -56,6 +57,7 @@ struct ReleaseTpl<'a> {
     uri: &'a str,
     template: &'a str,
     consts: Vec<Const>,
+    params: &'a str,
 }
 
 #[derive(Template)]
@@ -64,6 +66,7 @@ struct TransferTpl<'a> {
     uri: &'a str,
     template: &'a str,
     consts: Vec<Const>,
+    params: &'a str,
     host_layout_doc: &'a str,
     host_off_expr: &'a str,
     direction_doc: &'a str,
@@ -79,6 +82,7 @@ struct MaterialiseTpl<'a> {
     uri: &'a str,
     template: &'a str,
     consts: Vec<Const>,
+    params: &'a str,
 }
 
 #[derive(Template)]
@@ -87,6 +91,7 @@ struct SynthTpl<'a> {
     uri: &'a str,
     template: &'a str,
     consts: Vec<Const>,
+    params: &'a str,
     buffer: String,
     fields: Vec<FieldTpl>,
 }
@@ -97,6 +102,7 @@ struct VerifyTpl<'a> {
     uri: &'a str,
     template: &'a str,
     consts: Vec<Const>,
+    params: &'a str,
     buffer: String,
     fields: Vec<FieldTpl>,
 }
@@ -163,6 +169,7 @@ pub(crate) fn render_spec(spec: &KernelSpec) -> Result<String, KernelError> {
     spec.validate()?;
     let uri = spec.uri();
     let template = spec.template();
+    let params = render_params(&spec.params());
     let wrap = |source| KernelError::Template {
         uri: uri.clone(),
         source,
@@ -171,6 +178,7 @@ pub(crate) fn render_spec(spec: &KernelSpec) -> Result<String, KernelError> {
         KernelSpec::SelectOwnerPages(s) => SelectTpl {
             uri: &uri,
             template,
+            params: &params,
             consts: vec![
                 c("CP", s.cp),
                 c("PAGE_SIZE", s.page_size),
@@ -183,6 +191,7 @@ pub(crate) fn render_spec(spec: &KernelSpec) -> Result<String, KernelError> {
         KernelSpec::ReleasePages(s) => ReleaseTpl {
             uri: &uri,
             template,
+            params: &params,
             consts: vec![
                 c("CP", s.cp),
                 c("THREADS", s.threads),
@@ -210,6 +219,7 @@ pub(crate) fn render_spec(spec: &KernelSpec) -> Result<String, KernelError> {
             TransferTpl {
                 uri: &uri,
                 template,
+                params: &params,
                 consts: copy_consts(None, s.page_size, s.bytes_per_token, &s.launch),
                 host_layout_doc: s.layout.describe(),
                 host_off_expr: s.layout.offset_expr(),
@@ -224,12 +234,14 @@ pub(crate) fn render_spec(spec: &KernelSpec) -> Result<String, KernelError> {
         KernelSpec::Materialise(s) => MaterialiseTpl {
             uri: &uri,
             template,
+            params: &params,
             consts: copy_consts(Some(s.cp), s.page_size, s.bytes_per_token, &s.launch),
         }
         .render(),
         KernelSpec::Synthesise(s) => SynthTpl {
             uri: &uri,
             template,
+            params: &params,
             consts: synth_consts(Some(s.cp), s.buffer, s.page_size, s.threads),
             buffer: s.buffer.to_string(),
             fields: fields(s.buffer, s.page_size),
@@ -238,6 +250,7 @@ pub(crate) fn render_spec(spec: &KernelSpec) -> Result<String, KernelError> {
         KernelSpec::Verify(s) => VerifyTpl {
             uri: &uri,
             template,
+            params: &params,
             consts: synth_consts(None, s.buffer, s.page_size, s.threads),
             buffer: s.buffer.to_string(),
             fields: fields(s.buffer, s.page_size),

@@ -437,6 +437,83 @@ pub struct VerifySpec {
     pub threads: u32,
 }
 
+/// One parameter of a kernel's `extern "C"` signature (docs/KERNELS.md "Kernels").
+///
+/// [`KernelSpec::params`] is the single source of truth for a rendered kernel's parameter
+/// list: the render spells it from these values, and executors check every launch's arguments
+/// against the sizes, because `cuLaunchKernel` cannot tell a wrong argument list from a right
+/// one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct KernelParam {
+    /// The C parameter name, as the kernel body uses it.
+    pub name: &'static str,
+    /// The C type, spelled as in the render (`const u8*`, `u32`,
+    /// `const __grid_constant__ ChcPools`).
+    pub c_type: &'static str,
+    /// Bytes the launch passes for it: 8 for a pointer, 8 × CP for the pool struct.
+    pub size: usize,
+}
+
+impl KernelParam {
+    /// A pointer parameter (8 bytes on every supported target).
+    const fn ptr(c_type: &'static str, name: &'static str) -> KernelParam {
+        KernelParam {
+            name,
+            c_type,
+            size: 8,
+        }
+    }
+
+    /// A `u32` parameter.
+    const fn u32(name: &'static str) -> KernelParam {
+        KernelParam {
+            name,
+            c_type: "u32",
+            size: 4,
+        }
+    }
+
+    /// The `ChcPools` struct of `cp` device pointers, passed by value.
+    const fn pools(cp: u8) -> KernelParam {
+        KernelParam {
+            name: "pools",
+            c_type: "const __grid_constant__ ChcPools",
+            size: 8 * cp as usize,
+        }
+    }
+}
+
+/// Widest line of a rendered parameter list; the wrap reproduces the hand-wrapped lists the
+/// templates had before the lists came from [`KernelSpec::params`], so renders did not change.
+const PARAM_LINE_WIDTH: usize = 96;
+
+/// The parameter list as the templates splice it in after `<uri>(`: `type name` items joined
+/// by `, `, wrapped greedily at [`PARAM_LINE_WIDTH`] columns with a 4-space indent, closed by
+/// `)`.
+pub(crate) fn render_params(params: &[KernelParam]) -> String {
+    const INDENT: &str = "    ";
+    let mut out = String::new();
+    let mut line = String::from(INDENT);
+    for (i, p) in params.iter().enumerate() {
+        let end = if i + 1 == params.len() { ")" } else { "," };
+        let item = format!("{} {}{end}", p.c_type, p.name);
+        let sep = if line.len() == INDENT.len() { "" } else { " " };
+        if line.len() > INDENT.len() && line.len() + sep.len() + item.len() > PARAM_LINE_WIDTH {
+            out.push_str(&line);
+            out.push('\n');
+            line = format!("{INDENT}{item}");
+        } else {
+            line.push_str(sep);
+            line.push_str(&item);
+        }
+    }
+    if params.is_empty() {
+        line.push(')');
+    }
+    out.push_str(&line);
+    out
+}
+
 /// One renderable kernel: a family and every constant its source depends on. Two specs are
 /// equal exactly when their renders are equal, so the spec is a sound cache-key input.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -513,6 +590,66 @@ impl KernelSpec {
     /// The `extern "C"` name of the kernel in its render: the uri.
     pub fn entry_name(&self) -> String {
         self.uri()
+    }
+
+    /// The kernel's parameters in order (docs/KERNELS.md "Kernels"): the render spells its
+    /// `extern "C"` parameter list from them, and executors check launches against them.
+    pub fn params(&self) -> Vec<KernelParam> {
+        use KernelParam as P;
+        match self {
+            KernelSpec::SelectOwnerPages(_) => vec![
+                P::ptr("const u8*", "owners"),
+                P::u32("n"),
+                P::ptr("const u32*", "lane_stacks"),
+                P::ptr("u32*", "lane_tops"),
+                P::u32("lane_cap"),
+                P::ptr("u32*", "out_pages"),
+                P::ptr("i64*", "out_locs"),
+            ],
+            KernelSpec::ReleasePages(_) => vec![
+                P::ptr("const u32*", "pages"),
+                P::u32("n"),
+                P::ptr("u32*", "lane_stacks"),
+                P::ptr("u32*", "lane_tops"),
+                P::u32("lane_cap"),
+            ],
+            KernelSpec::TransferPages(_) => vec![
+                P::ptr("const u8*", "src"),
+                P::ptr("u8*", "dst"),
+                P::ptr("const u32*", "src_pages"),
+                P::ptr("const u32*", "dst_pages"),
+                P::u32("n"),
+                P::u32("layers"),
+                P::u32("device_pages"),
+                P::u32("host_pages"),
+            ],
+            KernelSpec::Materialise(s) => vec![
+                P::pools(s.cp),
+                P::ptr("const u32*", "seq_pages"),
+                P::u32("n"),
+                P::u32("layers"),
+                P::u32("local_pages"),
+                P::ptr("u8*", "dense"),
+            ],
+            KernelSpec::Synthesise(_) => vec![
+                P::ptr("u8*", "pool"),
+                P::ptr("const u64*", "prefix_hash"),
+                P::ptr("const u32*", "seq_pages"),
+                P::u32("n_tokens"),
+                P::u32("start_page"),
+                P::u32("rank"),
+                P::u32("layers"),
+                P::u32("local_pages"),
+            ],
+            KernelSpec::Verify(_) => vec![
+                P::ptr("const u8*", "dense"),
+                P::ptr("const u64*", "prefix_hash"),
+                P::u32("n_tokens"),
+                P::u32("start_page"),
+                P::u32("layers"),
+                P::ptr("u32*", "mismatches"),
+            ],
+        }
     }
 
     /// Template file (under `templates/`) this spec renders from.
@@ -821,6 +958,94 @@ mod tests {
         assert!(c
             .iter()
             .all(|s| s.validate().is_ok() && s.family() == Family::Materialise));
+    }
+
+    /// The bytes a C type spelling occupies as a kernel parameter on a 64-bit target.
+    fn c_size(c_type: &str, cp: usize) -> usize {
+        match c_type {
+            t if t.ends_with('*') => 8,
+            "u32" | "i32" => 4,
+            "u64" | "i64" => 8,
+            "const __grid_constant__ ChcPools" => 8 * cp,
+            t => panic!("unexpected parameter type {t}"),
+        }
+    }
+
+    #[test]
+    fn param_sizes_follow_their_c_types() {
+        let copy = CopyLaunch::default();
+        for cp in [1u8, 3, 16] {
+            let specs = [
+                KernelSpec::SelectOwnerPages(AllocSpec {
+                    cp,
+                    page_size: 64,
+                    threads: 256,
+                }),
+                KernelSpec::ReleasePages(ReleaseSpec { cp, threads: 256 }),
+                KernelSpec::TransferPages(TransferSpec {
+                    direction: Direction::HostToDevice,
+                    layout: HostLayout::LayerFirst,
+                    page_size: 64,
+                    bytes_per_token: 656,
+                    launch: copy,
+                }),
+                KernelSpec::Materialise(MaterialiseSpec {
+                    cp,
+                    page_size: 64,
+                    bytes_per_token: 656,
+                    launch: copy,
+                }),
+                KernelSpec::Synthesise(SynthSpec {
+                    buffer: BufferKind::NsaKv,
+                    cp,
+                    page_size: 64,
+                    threads: 128,
+                }),
+                KernelSpec::Verify(VerifySpec {
+                    buffer: BufferKind::MlaKv,
+                    page_size: 16,
+                    threads: 128,
+                }),
+            ];
+            for spec in specs {
+                let params = spec.params();
+                assert!(!params.is_empty(), "{spec}");
+                for p in &params {
+                    assert_eq!(p.size, c_size(p.c_type, cp.into()), "{spec}: {}", p.name);
+                }
+                let mut names: Vec<_> = params.iter().map(|p| p.name).collect();
+                names.sort_unstable();
+                names.dedup();
+                assert_eq!(names.len(), params.len(), "{spec}: duplicate names");
+            }
+        }
+    }
+
+    #[test]
+    fn param_lists_wrap_like_the_hand_written_ones() {
+        let select = KernelSpec::SelectOwnerPages(AllocSpec {
+            cp: 8,
+            page_size: 64,
+            threads: 256,
+        });
+        assert_eq!(
+            render_params(&select.params()),
+            "    const u8* owners, u32 n, const u32* lane_stacks, u32* lane_tops, u32 lane_cap,\n    \
+             u32* out_pages, i64* out_locs)"
+        );
+        let release = KernelSpec::ReleasePages(ReleaseSpec { cp: 8, threads: 32 });
+        assert_eq!(
+            render_params(&release.params()),
+            "    const u32* pages, u32 n, u32* lane_stacks, u32* lane_tops, u32 lane_cap)"
+        );
+        assert_eq!(render_params(&[]), "    )");
+        let long = [KernelParam {
+            name: "a_parameter_name_longer_than_the_whole_line_width_allows_for_in_one_go_at_all",
+            c_type: "const u8*",
+            size: 8,
+        }; 2];
+        let text = render_params(&long);
+        assert_eq!(text.lines().count(), 2, "{text}");
     }
 
     #[test]

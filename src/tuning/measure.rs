@@ -205,9 +205,7 @@ pub fn compile_and_load(
                     ));
                 }
             }
-            let entry = spec.entry_name();
-            let artifact = k.executor_artifact(&entry);
-            exec.load_kernel(&artifact).map_err(|e| e.to_string())
+            k.load_spec(exec, spec).map_err(|e| e.to_string())
         })
         .collect()
 }

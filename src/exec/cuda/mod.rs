@@ -16,11 +16,13 @@ mod driver;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
+use super::check_signature;
 use super::registry::Registry;
 use super::{
     check_range, check_regions, marshal_args, Backend, BufferId, CopyRegion, Counters, ExecError,
     Executor, KernelArg, KernelArtifact, KernelId, LaunchConfig, LaunchFailure, MemKind,
 };
+use crate::kernels::KernelParam;
 
 enum CudaBuffer {
     Device(driver::DeviceMem),
@@ -45,6 +47,7 @@ impl CudaBuffer {
 struct LoadedKernel {
     name: String,
     module: driver::Module,
+    signature: Option<Vec<KernelParam>>,
 }
 
 type State = Registry<CudaBuffer, LoadedKernel>;
@@ -162,7 +165,12 @@ impl Executor for CudaExecutor {
     }
 
     fn load_kernel(&self, artifact: &KernelArtifact<'_>) -> Result<KernelId, ExecError> {
-        let KernelArtifact::Cubin { image, entry } = *artifact else {
+        let KernelArtifact::Cubin {
+            image,
+            entry,
+            signature,
+        } = *artifact
+        else {
             return Err(ExecError::WrongArtifact {
                 backend: Backend::Cuda,
                 artifact: "a host library",
@@ -178,6 +186,7 @@ impl Executor for CudaExecutor {
             })?;
         Ok(lock(&self.state).add_kernel(LoadedKernel {
             name: entry.to_string(),
+            signature: signature.map(<[_]>::to_vec),
             module,
         }))
     }
@@ -199,6 +208,7 @@ impl Executor for CudaExecutor {
                 message: "launch failure injected; the kernel did not run".into(),
             });
         }
+        check_signature(&k.name, k.signature.as_deref(), args)?;
         let bytes = marshal_args(args, |b| {
             let buf = st.buffer(b)?;
             Ok((buf.addr(), buf.len()))

@@ -17,11 +17,13 @@ use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use super::check_signature;
 use super::registry::Registry;
 use super::{
     check_range, check_regions, marshal_args, Backend, BufferId, CopyRegion, Counters, ExecError,
     Executor, KernelArg, KernelArtifact, KernelId, LaunchConfig, LaunchFailure, MemKind,
 };
+use crate::kernels::KernelParam;
 
 /// The CUDA-emulation header; the JIT owns it because it force-includes it when compiling a
 /// render for this executor (and hashes it into the cache key).
@@ -143,6 +145,7 @@ struct HostBuffer {
 struct LoadedKernel {
     name: String,
     kernel: Arc<ffi::EmuKernel>,
+    signature: Option<Vec<KernelParam>>,
 }
 
 type State = Registry<HostBuffer, LoadedKernel>;
@@ -250,7 +253,12 @@ impl Executor for HostExecutor {
     }
 
     fn load_kernel(&self, artifact: &KernelArtifact<'_>) -> Result<KernelId, ExecError> {
-        let KernelArtifact::HostLibrary { path, entry } = *artifact else {
+        let KernelArtifact::HostLibrary {
+            path,
+            entry,
+            signature,
+        } = *artifact
+        else {
             return Err(ExecError::WrongArtifact {
                 backend: Backend::Host,
                 artifact: "a CUBIN",
@@ -263,6 +271,7 @@ impl Executor for HostExecutor {
         })?;
         Ok(lock(&self.state).add_kernel(LoadedKernel {
             name: entry.to_string(),
+            signature: signature.map(<[_]>::to_vec),
             kernel: Arc::new(kernel),
         }))
     }
@@ -286,6 +295,7 @@ impl Executor for HostExecutor {
                 message: "launch failure injected; the kernel did not run".into(),
             });
         }
+        check_signature(&name, k.signature.as_deref(), args)?;
         let bytes = marshal_args(args, |b| {
             let buf = st.buffer(b)?;
             Ok((buf.mem.addr(), buf.mem.len()))

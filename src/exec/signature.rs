@@ -1,0 +1,220 @@
+//! The launch-time check of a kernel's arguments against its parameter signature, shared by
+//! both executors so that a launch the host emulator refuses is refused on a GPU too.
+//!
+//! `cuLaunchKernel` copies as many bytes per parameter as the kernel declares, whatever the
+//! caller passed, so a wrong argument list reads garbage instead of failing. Kernels rendered
+//! from a [`KernelSpec`](crate::kernels::KernelSpec) carry their
+//! [`params`](crate::kernels::KernelSpec::params) into the executor, which runs
+//! [`check_signature`] before marshalling anything.
+
+use super::{ExecError, KernelArg, LaunchFailure};
+use crate::kernels::KernelParam;
+
+/// How an argument was passed, for the diagnostic.
+fn arg_kind(arg: &KernelArg<'_>) -> &'static str {
+    match arg {
+        KernelArg::Ptr(..) => "pointer",
+        KernelArg::Null => "null pointer",
+        KernelArg::U32(_) => "u32",
+        KernelArg::I32(_) => "i32",
+        KernelArg::U64(_) => "u64",
+        KernelArg::I64(_) => "i64",
+        KernelArg::Bytes(_) => "bytes",
+        KernelArg::PtrStruct(_) => "pointer struct",
+    }
+}
+
+/// Checks `args` against `signature` (the kernel's parameters in order): the count, then each
+/// argument's size. `None` (a kernel loaded without a signature) accepts anything; the host
+/// emulator still checks such launches against the compiled kernel itself.
+///
+/// A mismatch is [`ExecError::Launch`] with [`LaunchFailure::InvalidConfig`], naming the kernel,
+/// the first offending parameter (index and name), and the expected and given sizes. Nothing
+/// has been launched when it is returned, so the executor stays usable.
+pub(crate) fn check_signature(
+    kernel: &str,
+    signature: Option<&[KernelParam]>,
+    args: &[KernelArg<'_>],
+) -> Result<(), ExecError> {
+    let Some(params) = signature else {
+        return Ok(());
+    };
+    let invalid = |message: String| ExecError::Launch {
+        kernel: kernel.to_string(),
+        cause: LaunchFailure::InvalidConfig,
+        message,
+    };
+    let counts = if args.len() == params.len() {
+        String::new()
+    } else {
+        format!(
+            " ({} arguments for {} parameters)",
+            args.len(),
+            params.len()
+        )
+    };
+    // The first size mismatch is reported even when the count is wrong too: a missing or
+    // extra argument in the middle usually shows up there first.
+    for (i, (p, arg)) in params.iter().zip(args).enumerate() {
+        if arg.size() != p.size {
+            return Err(invalid(format!(
+                "parameter {i} `{}` ({}) takes {} bytes, argument {i} is a {} of {} bytes{counts}",
+                p.name,
+                p.c_type,
+                p.size,
+                arg_kind(arg),
+                arg.size()
+            )));
+        }
+    }
+    if let Some(p) = params.get(args.len()) {
+        return Err(invalid(format!(
+            "parameter {} `{}` ({}) takes {} bytes, no argument given{counts}",
+            args.len(),
+            p.name,
+            p.c_type,
+            p.size
+        )));
+    }
+    if let Some(arg) = args.get(params.len()) {
+        let last = params
+            .last()
+            .map(|p| format!("the last parameter {} `{}`", params.len() - 1, p.name))
+            .unwrap_or_else(|| "no parameter: the kernel takes none".into());
+        return Err(invalid(format!(
+            "argument {} (a {} of {} bytes) follows {last}{counts}",
+            params.len(),
+            arg_kind(arg),
+            arg.size()
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::exec::BufferId;
+    use crate::kernels::{KernelSpec, MaterialiseSpec, ReleaseSpec};
+
+    fn release() -> (String, Vec<KernelParam>) {
+        let spec = KernelSpec::ReleasePages(ReleaseSpec { cp: 4, threads: 32 });
+        (spec.entry_name(), spec.params())
+    }
+
+    fn good_args() -> Vec<KernelArg<'static>> {
+        vec![
+            KernelArg::Ptr(BufferId(1), 0),
+            KernelArg::U32(3),
+            KernelArg::Ptr(BufferId(2), 0),
+            KernelArg::Null,
+            KernelArg::U32(8),
+        ]
+    }
+
+    /// The message of an InvalidConfig launch error for `kernel` (panics on anything else).
+    fn invalid(kernel: &str, r: Result<(), ExecError>) -> String {
+        match r {
+            Err(ExecError::Launch {
+                kernel: k,
+                cause: LaunchFailure::InvalidConfig,
+                message,
+            }) if k == kernel => message,
+            other => panic!("expected InvalidConfig for {kernel}, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn matching_arguments_pass_and_no_signature_accepts_anything() {
+        let (name, sig) = release();
+        check_signature(&name, Some(&sig), &good_args()).unwrap();
+        check_signature(&name, None, &[]).unwrap();
+        check_signature(&name, None, &[KernelArg::U32(1); 9]).unwrap();
+        check_signature(&name, Some(&[]), &[]).unwrap();
+    }
+
+    #[test]
+    fn one_argument_too_few_names_the_missing_parameter() {
+        let (name, sig) = release();
+        let args = &good_args()[..4];
+        let msg = invalid(&name, check_signature(&name, Some(&sig), args));
+        assert_eq!(
+            msg,
+            "parameter 4 `lane_cap` (u32) takes 4 bytes, no argument given \
+             (4 arguments for 5 parameters)"
+        );
+        let err = check_signature(&name, Some(&sig), args).unwrap_err();
+        assert!(err.to_string().contains(&name), "{err}");
+    }
+
+    #[test]
+    fn one_argument_too_many_names_the_last_parameter() {
+        let (name, sig) = release();
+        let mut args = good_args();
+        args.push(KernelArg::U64(7));
+        let msg = invalid(&name, check_signature(&name, Some(&sig), &args));
+        assert_eq!(
+            msg,
+            "argument 5 (a u64 of 8 bytes) follows the last parameter 4 `lane_cap` \
+             (6 arguments for 5 parameters)"
+        );
+        let msg = invalid("k", check_signature("k", Some(&[]), &args[..1]));
+        assert!(msg.contains("the kernel takes none"), "{msg}");
+    }
+
+    #[test]
+    fn a_u32_where_a_pointer_belongs_names_the_parameter_and_both_sizes() {
+        let (name, sig) = release();
+        let mut args = good_args();
+        args[2] = KernelArg::U32(0);
+        let msg = invalid(&name, check_signature(&name, Some(&sig), &args));
+        assert_eq!(
+            msg,
+            "parameter 2 `lane_stacks` (u32*) takes 8 bytes, argument 2 is a u32 of 4 bytes"
+        );
+    }
+
+    #[test]
+    fn a_dropped_middle_argument_reports_the_first_shifted_size() {
+        let (name, sig) = release();
+        let mut args = good_args();
+        args.remove(1);
+        let msg = invalid(&name, check_signature(&name, Some(&sig), &args));
+        assert_eq!(
+            msg,
+            "parameter 1 `n` (u32) takes 4 bytes, argument 1 is a pointer of 8 bytes \
+             (4 arguments for 5 parameters)"
+        );
+    }
+
+    #[test]
+    fn the_pool_struct_must_hold_one_pointer_per_rank() {
+        let spec = KernelSpec::Materialise(MaterialiseSpec {
+            cp: 4,
+            page_size: 16,
+            bytes_per_token: 1152,
+            launch: Default::default(),
+        });
+        let (name, sig) = (spec.entry_name(), spec.params());
+        let pools = [(BufferId(1), 0); 4];
+        let rest = [
+            KernelArg::Ptr(BufferId(2), 0),
+            KernelArg::U32(1),
+            KernelArg::U32(1),
+            KernelArg::U32(1),
+            KernelArg::Ptr(BufferId(3), 0),
+        ];
+        let args: Vec<KernelArg<'_>> = std::iter::once(KernelArg::PtrStruct(&pools))
+            .chain(rest)
+            .collect();
+        check_signature(&name, Some(&sig), &args).unwrap();
+        let mut short = args.clone();
+        short[0] = KernelArg::PtrStruct(&pools[..3]);
+        let msg = invalid(&name, check_signature(&name, Some(&sig), &short));
+        assert_eq!(
+            msg,
+            "parameter 0 `pools` (const __grid_constant__ ChcPools) takes 32 bytes, \
+             argument 0 is a pointer struct of 24 bytes"
+        );
+    }
+}
