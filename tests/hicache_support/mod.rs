@@ -216,4 +216,7 @@ impl Executor for Spy {
     fn inject_launch_failure(&self) {
         self.inner.inject_launch_failure()
     }
+    fn disarm_launch_failure(&self) -> bool {
+        self.inner.disarm_launch_failure()
+    }
 }
