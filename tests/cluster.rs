@@ -1,20 +1,13 @@
 //! The CP cluster end to end on the host executor: cold prefill, eviction, owner-preserving
 //! load-back, verification of every hit, and the seed's bug reproduced on purpose.
 
-use cp_hicache::cluster::{Cluster, ClusterConfig, Fault, RequestStats, WritePolicy};
-use cp_hicache::exec::{Executor, HostExecutor, HostOptions};
-use cp_hicache::jit::EMU_HEADER;
-use cp_hicache::jit::{Jit, JitConfig, Sanitize};
-use cp_hicache::kernels::{Deployment, ModelShape};
-use std::sync::Arc;
+mod hicache_support;
 
-fn jit() -> Jit {
-    Jit::new(JitConfig::new(
-        concat!(env!("CARGO_TARGET_TMPDIR"), "/jit-cache"),
-        EMU_HEADER,
-    ))
-}
+use cp_hicache::cluster::{Cluster, Fault, WritePolicy};
+use cp_hicache::kernels::ModelShape;
+use hicache_support::{linear_tokens as tokens, serve_checked as serve, Setup};
 
+/// A two-layer cluster on a fresh host executor.
 fn cluster(
     model: ModelShape,
     ps: u32,
@@ -24,30 +17,15 @@ fn cluster(
     policy: WritePolicy,
     fault: Option<Fault>,
 ) -> Cluster {
-    let exec: Arc<dyn Executor> = Arc::new(HostExecutor::new(HostOptions::from_env().unwrap()));
-    let config = ClusterConfig {
-        deployment: Deployment::new(model, ps, cp).unwrap(),
+    Setup {
         layers: 2,
         device_pages,
         host_pages,
         policy,
         fault,
-        sanitize: Sanitize::None,
-    };
-    Cluster::new(config, exec, &jit()).unwrap()
-}
-
-fn tokens(seed: u32, n: usize) -> Vec<u32> {
-    (0..n as u32)
-        .map(|i| seed.wrapping_mul(7919).wrapping_add(i * 31) % 1000)
-        .collect()
-}
-
-fn serve(c: &mut Cluster, t: &[u32]) -> RequestStats {
-    let s = c.serve(t).unwrap();
-    assert!(c.replicas_agree(), "replicas disagree");
-    c.check_invariants().unwrap();
-    s
+        ..Setup::new(model, ps, cp)
+    }
+    .build()
 }
 
 #[test]

@@ -22,13 +22,12 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 use cp_hicache::exec::host::SANITIZE_ENV;
-use cp_hicache::exec::{BlockOrder, KernelArg};
+use cp_hicache::exec::BlockOrder;
 use cp_hicache::jit::Sanitize;
-use cp_hicache::kernels::reference;
 use cp_hicache::kernels::{
     CopyLaunch, Direction, HostLayout, KernelSpec, MaterialiseSpec, TransferSpec, VecWidth,
 };
-use support::{le32, Bench, Rng, ORDERS, POISON};
+use support::{cpu_copy_launch, Bench, MaterialiseCase, Rng, TransferCase, ORDERS};
 
 const CHILD_ENV: &str = "CP_HICACHE_ASAN_OOB_CHILD";
 /// Set in a child this target re-executed under the ASan runtime.
@@ -95,12 +94,7 @@ fn launches(page_bytes: u64) -> [CopyLaunch; 2] {
             vec,
             ..CopyLaunch::default()
         },
-        CopyLaunch {
-            threads: 1,
-            pages_per_block: 1,
-            vec,
-            unroll: 1,
-        },
+        cpu_copy_launch(vec),
     ]
 }
 
@@ -152,9 +146,9 @@ fn transfer_case(b: &mut Bench, spec: &KernelSpec, rng: &mut Rng, lie: bool) {
     let pb = u64::from(s.page_size) * u64::from(s.bytes_per_token);
     let dev_bytes = (u64::from(layers * device_pages) * pb) as usize;
     let host_bytes = (u64::from(layers * host_pages) * pb) as usize;
-    let (src_bytes, dst_bytes, src_cap, dst_cap) = match s.direction {
-        Direction::DeviceToHost => (dev_bytes, host_bytes, device_pages, host_pages),
-        Direction::HostToDevice => (host_bytes, dev_bytes, host_pages, device_pages),
+    let (src_bytes, src_cap, dst_cap) = match s.direction {
+        Direction::DeviceToHost => (dev_bytes, device_pages, host_pages),
+        Direction::HostToDevice => (host_bytes, host_pages, device_pages),
     };
     let n = rng.range(1, u64::from(dst_cap)) as usize;
     let dst_pages: Vec<u32> = rng.permutation(dst_cap)[..n].to_vec();
@@ -170,41 +164,24 @@ fn transfer_case(b: &mut Bench, spec: &KernelSpec, rng: &mut Rng, lie: bool) {
         dst_pages[0] = host_pages;
     }
     let src = rng.bytes(src_bytes);
-    let sbuf = b.bytes(&src, 0);
-    let dbuf = b.poison(dst_bytes);
-    let spb = b.bytes(&le32(&src_pages), 0);
-    let dpb = b.bytes(&le32(&dst_pages), 0);
-    let told = host_pages + u32::from(lie);
-    b.launch(
+    let copied = b.transfer(
         spec,
         spec.launch_dims(n as u32, layers).grid,
-        &[
-            KernelArg::Ptr(sbuf, 0),
-            KernelArg::Ptr(dbuf, 0),
-            KernelArg::Ptr(spb, 0),
-            KernelArg::Ptr(dpb, 0),
-            KernelArg::U32(n as u32),
-            KernelArg::U32(layers),
-            KernelArg::U32(device_pages),
-            KernelArg::U32(told),
-        ],
+        &TransferCase {
+            src: &src,
+            src_pages: &src_pages,
+            dst_pages: &dst_pages,
+            layers,
+            device_pages,
+            host_pages,
+            told_host_pages: host_pages + u32::from(lie),
+            guard: 0,
+        },
     );
-    let mut want = vec![POISON; dst_bytes];
-    reference::transfer_pages(
-        s.direction,
-        s.layout,
-        pb,
-        &src,
-        &mut want,
-        &src_pages,
-        &dst_pages,
-        n as u32,
-        layers,
-        device_pages,
-        host_pages,
-    )
-    .unwrap();
-    assert!(b.read(dbuf) == want, "{spec}: differs from the reference");
+    assert!(
+        copied.got == copied.want,
+        "{spec}: differs from the reference"
+    );
 }
 
 fn materialise_case(b: &mut Bench, spec: &KernelSpec, rng: &mut Rng) {
@@ -215,30 +192,25 @@ fn materialise_case(b: &mut Bench, spec: &KernelSpec, rng: &mut Rng) {
     let pb = u64::from(s.page_size) * u64::from(s.bytes_per_token);
     let pool_bytes = (u64::from(layers * local_pages) * pb) as usize;
     let pools: Vec<Vec<u8>> = (0..s.cp).map(|_| rng.bytes(pool_bytes)).collect();
-    let ptrs: Vec<_> = pools.iter().map(|p| (b.bytes(p, 0), 0u64)).collect();
     let n = 5u32;
     let seq: Vec<u32> = (0..n)
         .map(|_| rng.below(u64::from(s.cp) * u64::from(local_pages + 1)) as u32)
         .collect();
-    let dense_bytes = (u64::from(layers * n) * pb) as usize;
-    let dense = b.poison(dense_bytes);
-    let seqb = b.bytes(&le32(&seq), 0);
-    b.launch(
+    let copied = b.materialise(
         spec,
         spec.launch_dims(n, layers).grid,
-        &[
-            KernelArg::PtrStruct(&ptrs),
-            KernelArg::Ptr(seqb, 0),
-            KernelArg::U32(n),
-            KernelArg::U32(layers),
-            KernelArg::U32(local_pages),
-            KernelArg::Ptr(dense, 0),
-        ],
+        &MaterialiseCase {
+            pools: &pools,
+            seq: &seq,
+            layers,
+            local_pages,
+            guard: 0,
+        },
     );
-    let views: Vec<&[u8]> = pools.iter().map(Vec::as_slice).collect();
-    let mut want = vec![POISON; dense_bytes];
-    reference::materialise(s.cp, pb, &views, &seq, n, layers, local_pages, &mut want).unwrap();
-    assert!(b.read(dense) == want, "{spec}: differs from the reference");
+    assert!(
+        copied.got == copied.want,
+        "{spec}: differs from the reference"
+    );
 }
 
 #[test]

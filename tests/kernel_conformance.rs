@@ -23,7 +23,10 @@ use cp_hicache::kernels::{
     VerifySpec,
 };
 use cp_hicache::layout::CpLayout;
-use support::{grid, i64s, le32, le64, u32s, Bench, Rng, ORDERS, POISON};
+use support::{
+    cpu_copy_launch, grid, i64s, le32, le64, u32s, Bench, MaterialiseCase, Rng, TransferCase,
+    ORDERS, POISON,
+};
 
 const CPS: [u8; 5] = [1, 2, 4, 8, 16];
 const PSS: [u32; 3] = [1, 16, 64];
@@ -87,12 +90,7 @@ fn copy_launches(page_bytes: u64) -> [CopyLaunch; 2] {
             vec,
             unroll: 2,
         },
-        CopyLaunch {
-            threads: 1,
-            pages_per_block: 1,
-            vec,
-            unroll: 1,
-        },
+        cpu_copy_launch(vec),
     ]
 }
 
@@ -543,9 +541,9 @@ fn transfer_matches_reference() {
             let pb = u64::from(s.page_size) * u64::from(s.bytes_per_token);
             let dev_bytes = (u64::from(layers * device_pages) * pb) as usize;
             let host_bytes = (u64::from(layers * host_pages) * pb) as usize;
-            let (src_cap, dst_cap, src_bytes, dst_bytes) = match s.direction {
-                Direction::DeviceToHost => (device_pages, host_pages, dev_bytes, host_bytes),
-                Direction::HostToDevice => (host_pages, device_pages, host_bytes, dev_bytes),
+            let (src_cap, dst_cap, src_bytes) = match s.direction {
+                Direction::DeviceToHost => (device_pages, host_pages, dev_bytes),
+                Direction::HostToDevice => (host_pages, device_pages, host_bytes),
             };
             for trial in 0..2 {
                 // Distinct destination pages, one of them possibly out of range (skipped),
@@ -557,58 +555,43 @@ fn transfer_matches_reference() {
                     .map(|_| rng.below(u64::from(src_cap) + 1) as u32)
                     .collect();
                 let src = rng.bytes(src_bytes);
-                let sbuf = b.bytes(&src, GUARD);
-                let dbuf = b.poison(dst_bytes + GUARD);
-                let spb = b.bytes(&le32(&src_pages), 0);
-                let dpb = b.bytes(&le32(&dst_pages), 0);
                 let g = grid(&mut rng, spec.launch_dims(n as u32, layers).grid);
-                b.launch(
+                let copied = b.transfer(
                     &spec,
                     g,
-                    &[
-                        KernelArg::Ptr(sbuf, 0),
-                        KernelArg::Ptr(dbuf, 0),
-                        KernelArg::Ptr(spb, 0),
-                        KernelArg::Ptr(dpb, 0),
-                        KernelArg::U32(n as u32),
-                        KernelArg::U32(layers),
-                        KernelArg::U32(device_pages),
-                        KernelArg::U32(host_pages),
-                    ],
+                    &TransferCase {
+                        src: &src,
+                        src_pages: &src_pages,
+                        dst_pages: &dst_pages,
+                        layers,
+                        device_pages,
+                        host_pages,
+                        told_host_pages: host_pages,
+                        guard: GUARD,
+                    },
                 );
-                let mut want = vec![POISON; dst_bytes + GUARD];
-                reference::transfer_pages(
-                    s.direction,
-                    s.layout,
-                    pb,
-                    &src,
-                    &mut want,
-                    &src_pages,
-                    &dst_pages,
-                    n as u32,
-                    layers,
-                    device_pages,
-                    host_pages,
-                )
-                .unwrap();
-                let got = b.read(dbuf);
                 assert!(
-                    got == want,
+                    copied.got == copied.want,
                     "{spec} {order} trial {trial} grid {g}: first difference at byte {:?}; src {src_pages:?} dst {dst_pages:?}",
-                    got.iter().zip(&want).position(|(a, b)| a != b)
+                    copied.first_difference()
                 );
-                assert_eq!(b.read(sbuf)[..src_bytes], src[..], "{spec}: source changed");
+                assert_eq!(
+                    copied.src_after[..src_bytes],
+                    src[..],
+                    "{spec}: source changed"
+                );
                 // The DMA path (copy regions instead of the kernel) moves the same bytes.
                 let pools = PoolShape {
                     layers,
                     device_pages,
                     host_pages,
                 };
-                let dma = b.poison(dst_bytes + GUARD);
+                let sbuf = b.bytes(&src, GUARD);
+                let dma = b.poison(copied.want.len());
                 let regions = transfer_regions(&s, &src_pages, &dst_pages, pools);
                 b.ex.copy_regions(sbuf, dma, &regions).unwrap();
                 assert!(
-                    b.read(dma) == want,
+                    b.read(dma) == copied.want,
                     "{spec} trial {trial}: DMA regions {regions:?} differ from the kernel"
                 );
             }
@@ -637,39 +620,28 @@ fn materialise_matches_reference() {
                     let pb = u64::from(ps) * u64::from(s.bytes_per_token);
                     let pool_bytes = (u64::from(layers * local_pages) * pb) as usize;
                     let pools: Vec<Vec<u8>> = (0..cp).map(|_| rng.bytes(pool_bytes)).collect();
-                    let bufs: Vec<_> = pools.iter().map(|p| b.bytes(p, GUARD)).collect();
                     let cpn = u32::from(cp);
                     let n = rng.range(1, 7) as u32;
                     // Global pages, some beyond the pools (skipped: their slots stay poison).
                     let seq: Vec<u32> = (0..n)
                         .map(|_| rng.below(u64::from(cpn * (local_pages + 1))) as u32)
                         .collect();
-                    let dense_bytes = (u64::from(layers * n) * pb) as usize;
-                    let dense = b.poison(dense_bytes + GUARD);
-                    let seqb = b.bytes(&le32(&seq), 0);
-                    let ptrs: Vec<_> = bufs.iter().map(|&id| (id, 0u64)).collect();
                     let g = grid(&mut rng, spec.launch_dims(n, layers).grid);
-                    b.launch(
+                    let copied = b.materialise(
                         &spec,
                         g,
-                        &[
-                            KernelArg::PtrStruct(&ptrs),
-                            KernelArg::Ptr(seqb, 0),
-                            KernelArg::U32(n),
-                            KernelArg::U32(layers),
-                            KernelArg::U32(local_pages),
-                            KernelArg::Ptr(dense, 0),
-                        ],
+                        &MaterialiseCase {
+                            pools: &pools,
+                            seq: &seq,
+                            layers,
+                            local_pages,
+                            guard: GUARD,
+                        },
                     );
-                    let views: Vec<&[u8]> = pools.iter().map(Vec::as_slice).collect();
-                    let mut want = vec![POISON; dense_bytes + GUARD];
-                    reference::materialise(cp, pb, &views, &seq, n, layers, local_pages, &mut want)
-                        .unwrap();
-                    let got = b.read(dense);
                     assert!(
-                        got == want,
+                        copied.got == copied.want,
                         "{spec} {order} grid {g} pages {seq:?}: first difference at byte {:?}",
-                        got.iter().zip(&want).position(|(a, b)| a != b)
+                        copied.first_difference()
                     );
                 }
             }

@@ -3,92 +3,34 @@
 //! nodes back; and a load-back must not grow (free and reallocate) executor buffers, which
 //! synchronises on CUDA. Plus randomised stress runs where every request must verify.
 
-use cp_hicache::cluster::{Cluster, ClusterConfig, ClusterError, WritePolicy};
-use cp_hicache::exec::{
-    Backend, BufferId, CopyRegion, Counters, ExecError, Executor, HostExecutor, HostOptions,
-    KernelArg, KernelArtifact, KernelId, LaunchConfig, MemKind,
-};
-use cp_hicache::jit::EMU_HEADER;
-use cp_hicache::jit::{Jit, JitConfig, Sanitize};
-use cp_hicache::kernels::{Deployment, ModelShape};
-use std::sync::atomic::{AtomicI64, Ordering};
+mod hicache_support;
+
+use cp_hicache::cluster::{Cluster, ClusterError, Fault, WritePolicy};
+use cp_hicache::exec::Executor;
+use cp_hicache::kernels::ModelShape;
+use hicache_support::{host_executor, linear_tokens as tokens, Setup, Spy};
 use std::sync::Arc;
 
-fn jit() -> Jit {
-    Jit::new(JitConfig::new(
-        concat!(env!("CARGO_TARGET_TMPDIR"), "/jit-cache"),
-        EMU_HEADER,
-    ))
-}
-
-/// Fails the launch numbered `fail_at` (0-based, counted from arming).
-struct FailAt {
-    inner: HostExecutor,
-    countdown: AtomicI64,
-}
-
-impl Executor for FailAt {
-    fn backend(&self) -> Backend {
-        self.inner.backend()
-    }
-    fn device_name(&self) -> String {
-        self.inner.device_name()
-    }
-    fn alloc(&self, k: MemKind, b: usize, f: u8) -> Result<BufferId, ExecError> {
-        self.inner.alloc(k, b, f)
-    }
-    fn free(&self, b: BufferId) -> Result<(), ExecError> {
-        self.inner.free(b)
-    }
-    fn size(&self, b: BufferId) -> Result<usize, ExecError> {
-        self.inner.size(b)
-    }
-    fn upload(&self, b: BufferId, o: u64, d: &[u8]) -> Result<(), ExecError> {
-        self.inner.upload(b, o, d)
-    }
-    fn read(&self, b: BufferId, o: u64, d: &mut [u8]) -> Result<(), ExecError> {
-        self.inner.read(b, o, d)
-    }
-    fn load_kernel(&self, a: &KernelArtifact<'_>) -> Result<KernelId, ExecError> {
-        self.inner.load_kernel(a)
-    }
-    fn launch(&self, k: KernelId, c: &LaunchConfig, a: &[KernelArg<'_>]) -> Result<(), ExecError> {
-        if self.countdown.fetch_sub(1, Ordering::SeqCst) == 0 {
-            self.inner.inject_launch_failure();
-        }
-        self.inner.launch(k, c, a)
-    }
-    fn copy_regions(&self, s: BufferId, d: BufferId, r: &[CopyRegion]) -> Result<(), ExecError> {
-        self.inner.copy_regions(s, d, r)
-    }
-    fn synchronize(&self) -> Result<(), ExecError> {
-        self.inner.synchronize()
-    }
-    fn counters(&self) -> Counters {
-        self.inner.counters()
-    }
-    fn inject_launch_failure(&self) {
-        self.inner.inject_launch_failure()
-    }
-}
-
-fn cluster_with(exec: Arc<dyn Executor>, device_pages: u32, policy: WritePolicy) -> Cluster {
-    let config = ClusterConfig {
-        deployment: Deployment::new(ModelShape::MlaBf16, 16, 2).unwrap(),
+/// MLA, page 16, CP 2, two layers on `exec`.
+fn cluster_host(
+    exec: Arc<dyn Executor>,
+    device_pages: u32,
+    host_pages: u32,
+    policy: WritePolicy,
+) -> Cluster {
+    Setup {
         layers: 2,
         device_pages,
-        host_pages: 64,
+        host_pages,
         policy,
-        fault: None,
-        sanitize: Sanitize::None,
-    };
-    Cluster::new(config, exec, &jit()).unwrap()
+        ..Setup::new(ModelShape::MlaBf16, 16, 2)
+    }
+    .build_on(exec)
 }
 
-fn tokens(seed: u32, n: usize) -> Vec<u32> {
-    (0..n as u32)
-        .map(|i| seed.wrapping_mul(7919).wrapping_add(i * 31) % 1000)
-        .collect()
+/// [`cluster_host`] with 64 host pages.
+fn cluster_with(exec: Arc<dyn Executor>, device_pages: u32, policy: WritePolicy) -> Cluster {
+    cluster_host(exec, device_pages, 64, policy)
 }
 
 /// A request that fails with PoolTooSmall after its load-back reused the device pages of an
@@ -96,8 +38,7 @@ fn tokens(seed: u32, n: usize) -> Vec<u32> {
 /// its pages now hold the loaded node's bytes. The next hit on it must verify.
 #[test]
 fn failed_request_rollback_leaves_overwritten_device_pages() {
-    let exec: Arc<dyn Executor> = Arc::new(HostExecutor::new(HostOptions::from_env().unwrap()));
-    let mut c = cluster_with(exec, 24, WritePolicy::WriteThrough);
+    let mut c = cluster_with(Arc::new(host_executor()), 24, WritePolicy::WriteThrough);
     let a = tokens(1, 128);
     let x = tokens(2, 128);
     let y = tokens(3, 128);
@@ -125,19 +66,15 @@ fn failed_request_rollback_leaves_overwritten_device_pages() {
 fn failed_launch_rollback_leaves_overwritten_device_pages() {
     let mut bad = Vec::new();
     for k in 0..40 {
-        let inner = HostExecutor::new(HostOptions::from_env().unwrap());
-        let exec = Arc::new(FailAt {
-            inner,
-            countdown: AtomicI64::new(i64::MAX),
-        });
+        let exec = Spy::new();
         let dynexec: Arc<dyn Executor> = exec.clone();
         let mut c = cluster_with(dynexec, 16, WritePolicy::WriteThrough);
         let a = tokens(1, 176); // 11 pages
         let b = tokens(2, 176);
         c.serve(&a).unwrap();
-        exec.countdown.store(k, Ordering::SeqCst);
+        exec.fail_launch(k);
         let failed = c.serve(&b).is_err();
-        exec.countdown.store(i64::MAX, Ordering::SeqCst);
+        exec.fail_none();
         if !failed {
             break;
         }
@@ -152,24 +89,6 @@ fn failed_launch_rollback_leaves_overwritten_device_pages() {
     );
 }
 
-fn cluster_host(
-    exec: Arc<dyn Executor>,
-    device_pages: u32,
-    host_pages: u32,
-    policy: WritePolicy,
-) -> Cluster {
-    let config = ClusterConfig {
-        deployment: Deployment::new(ModelShape::MlaBf16, 16, 2).unwrap(),
-        layers: 2,
-        device_pages,
-        host_pages,
-        policy,
-        fault: None,
-        sanitize: Sanitize::None,
-    };
-    Cluster::new(config, exec, &jit()).unwrap()
-}
-
 /// Host-side twin: a backup reuses the host pages of a host-LRU-evicted node, a later launch
 /// of the same request fails, restore() gives the evicted node its metadata back, but its
 /// host pages now hold the other prefix's bytes; loading it back mismatches.
@@ -177,20 +96,16 @@ fn cluster_host(
 fn failed_launch_rollback_leaves_overwritten_host_pages() {
     let mut bad = Vec::new();
     for k in 0..40 {
-        let inner = HostExecutor::new(HostOptions::from_env().unwrap());
-        let exec = Arc::new(FailAt {
-            inner,
-            countdown: AtomicI64::new(i64::MAX),
-        });
+        let exec = Spy::new();
         let dynexec: Arc<dyn Executor> = exec.clone();
         let mut c = cluster_host(dynexec, 64, 4, WritePolicy::WriteThrough);
         let a = tokens(1, 128);
         let b = tokens(2, 128);
         c.serve(&a).unwrap();
         c.evict_device_lru(1000).unwrap(); // a is host-only now
-        exec.countdown.store(k, Ordering::SeqCst);
+        exec.fail_launch(k);
         let failed = c.serve(&b).is_err();
-        exec.countdown.store(i64::MAX, Ordering::SeqCst);
+        exec.fail_none();
         if !failed {
             break;
         }
@@ -205,71 +120,20 @@ fn failed_launch_rollback_leaves_overwritten_host_pages() {
     );
 }
 
-struct CountFree {
-    inner: HostExecutor,
-    frees: std::sync::atomic::AtomicU64,
-}
-impl Executor for CountFree {
-    fn backend(&self) -> Backend {
-        self.inner.backend()
-    }
-    fn device_name(&self) -> String {
-        self.inner.device_name()
-    }
-    fn alloc(&self, k: MemKind, b: usize, f: u8) -> Result<BufferId, ExecError> {
-        self.inner.alloc(k, b, f)
-    }
-    fn free(&self, b: BufferId) -> Result<(), ExecError> {
-        self.frees.fetch_add(1, Ordering::SeqCst);
-        self.inner.free(b)
-    }
-    fn size(&self, b: BufferId) -> Result<usize, ExecError> {
-        self.inner.size(b)
-    }
-    fn upload(&self, b: BufferId, o: u64, d: &[u8]) -> Result<(), ExecError> {
-        self.inner.upload(b, o, d)
-    }
-    fn read(&self, b: BufferId, o: u64, d: &mut [u8]) -> Result<(), ExecError> {
-        self.inner.read(b, o, d)
-    }
-    fn load_kernel(&self, a: &KernelArtifact<'_>) -> Result<KernelId, ExecError> {
-        self.inner.load_kernel(a)
-    }
-    fn launch(&self, k: KernelId, c: &LaunchConfig, a: &[KernelArg<'_>]) -> Result<(), ExecError> {
-        self.inner.launch(k, c, a)
-    }
-    fn copy_regions(&self, s: BufferId, d: BufferId, r: &[CopyRegion]) -> Result<(), ExecError> {
-        self.inner.copy_regions(s, d, r)
-    }
-    fn synchronize(&self) -> Result<(), ExecError> {
-        self.inner.synchronize()
-    }
-    fn counters(&self) -> Counters {
-        self.inner.counters()
-    }
-    fn inject_launch_failure(&self) {
-        self.inner.inject_launch_failure()
-    }
-}
-
 /// A load-back larger than any earlier transfer/allocation grows scratch buffers on the load
 /// path: exec.free (cuMemFree, an implicit device synchronisation on CUDA) runs while
 /// load_path_syncs reports 0.
 #[test]
 fn load_path_frees_buffers_uncounted() {
-    let inner = HostExecutor::new(HostOptions::from_env().unwrap());
-    let exec = Arc::new(CountFree {
-        inner,
-        frees: Default::default(),
-    });
+    let exec = Spy::new();
     let dynexec: Arc<dyn Executor> = exec.clone();
     let mut c = cluster_host(dynexec, 1024, 1024, WritePolicy::WriteThrough);
     c.serve(&tokens(1, 16 * 100)).unwrap();
     c.serve(&tokens(1, 16 * 300)).unwrap();
     c.evict_device_lru(100_000).unwrap();
-    let before = exec.frees.load(Ordering::SeqCst);
+    let before = exec.frees();
     let s = c.serve(&tokens(1, 16 * 300)).unwrap();
-    let frees = exec.frees.load(Ordering::SeqCst) - before;
+    let frees = exec.frees() - before;
     assert_eq!(s.host_hit_tokens, 16 * 300);
     assert_eq!(s.load_path_syncs, 0);
     assert_eq!(
@@ -290,9 +154,7 @@ fn stress_small_pools() {
     };
     for policy in [WritePolicy::WriteBack, WritePolicy::WriteThrough] {
         for (dp, hp) in [(40u32, 6u32), (33, 20), (64, 3), (48, 0)] {
-            let exec: Arc<dyn Executor> =
-                Arc::new(HostExecutor::new(HostOptions::from_env().unwrap()));
-            let mut c = cluster_host(exec, dp, hp, policy);
+            let mut c = cluster_host(Arc::new(host_executor()), dp, hp, policy);
             for i in 0..120 {
                 let seed = (next() % 6) as u32;
                 let len = 1 + (next() % 400) as usize;
@@ -320,7 +182,6 @@ fn stress_small_pools() {
 /// host pool at CP 4; requests that do not fit fail with PoolTooSmall, are rolled back, and the
 /// run goes on: every later request must still verify.
 fn stress_cp4(seed0: u64) {
-    use cp_hicache::cluster::Fault;
     let mut rng: u64 = 0x9e37_79b9 ^ (seed0 * 0x1000_0001);
     let mut next = move || {
         rng ^= rng << 13;
@@ -331,18 +192,15 @@ fn stress_cp4(seed0: u64) {
     for policy in [WritePolicy::WriteBack, WritePolicy::WriteThrough] {
         for fault in [None, Some(Fault::LaneExhaustion), Some(Fault::HostPoolFull)] {
             for (dp, hp) in [(61u32, 9u32), (90, 40)] {
-                let config = ClusterConfig {
-                    deployment: Deployment::new(ModelShape::MlaBf16, 4, 4).unwrap(),
+                let mut c = Setup {
                     layers: 1,
                     device_pages: dp,
                     host_pages: hp,
                     policy,
                     fault,
-                    sanitize: Sanitize::None,
-                };
-                let exec: Arc<dyn Executor> =
-                    Arc::new(HostExecutor::new(HostOptions::from_env().unwrap()));
-                let mut c = Cluster::new(config, exec, &jit()).unwrap();
+                    ..Setup::new(ModelShape::MlaBf16, 4, 4)
+                }
+                .build();
                 let mut pins = Vec::new();
                 for i in 0..150 {
                     let what = format!("seed {seed0} {policy} {fault:?} dp{dp} req {i}");

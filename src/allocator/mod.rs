@@ -22,7 +22,8 @@ use crate::layout::{CpLayout, PageId, Rank, TokenLoc};
 use sha2::{Digest, Sha256};
 use std::fmt;
 
-/// Env var that turns on the invariant check after every operation.
+/// Env var that turns on the invariant check of every operation (see
+/// [`OwnerLaneAllocator::set_debug_checks`]).
 pub const DEBUG_ENV: &str = "CP_HICACHE_DEBUG_ALLOC";
 
 /// Why an allocator call failed. On every error the allocator is unchanged.
@@ -70,7 +71,9 @@ pub enum AllocError {
         /// The page.
         page: PageId,
     },
-    /// The debug invariant check found a corrupted state.
+    /// The debug invariant check found a corrupted state. The check runs on the state the
+    /// operation would leave, before it is committed: the operation was not applied (a state
+    /// corrupted before the call stays as it was).
     #[error("allocator invariant violated: {what}")]
     Invariant {
         /// Description of the violation.
@@ -175,7 +178,11 @@ impl OwnerLaneAllocator {
         &self.layout
     }
 
-    /// Turns the invariant check after every operation on or off.
+    /// Turns the invariant check of every operation on or off. When on, each allocation and
+    /// free is applied to a copy whose invariants ([`check_invariants`](Self::check_invariants))
+    /// are checked before the copy replaces the allocator, so a violation is reported as
+    /// [`AllocError::Invariant`] with the allocator unchanged, never half-applied. This costs
+    /// a copy and a full check per operation (tests and debugging only).
     pub fn set_debug_checks(&mut self, on: bool) {
         self.debug_checks = on;
     }
@@ -224,17 +231,18 @@ impl OwnerLaneAllocator {
             return Err(AllocError::LanesShort { deficit });
         }
         // Within one call the k-th request of owner o takes lane[top - 1 - k]: plain pops.
-        let pages = owners
-            .iter()
-            .map(|&o| {
-                let page = self.lanes[usize::from(o)]
-                    .pop()
-                    .expect("deficit check guarantees a free page");
-                self.set_allocated(page, true);
-                page
-            })
-            .collect();
-        self.after_op()?;
+        let pages = self.commit(|a| {
+            owners
+                .iter()
+                .map(|&o| {
+                    let page = a.lanes[usize::from(o)]
+                        .pop()
+                        .expect("deficit check guarantees a free page");
+                    a.set_allocated(page, true);
+                    page
+                })
+                .collect()
+        })?;
         Ok(PageRun {
             pages,
             page_size: self.layout.page_size(),
@@ -292,11 +300,12 @@ impl OwnerLaneAllocator {
             }
             seen[word] &= !bit;
         }
-        self.allocated = seen;
-        for &page in pages {
-            self.lanes[usize::from(self.layout.owner(page).0)].push(page);
-        }
-        self.after_op()
+        self.commit(|a| {
+            a.allocated = seen;
+            for &page in pages {
+                a.lanes[usize::from(a.layout.owner(page).0)].push(page);
+            }
+        })
     }
 
     /// Whether `page` is currently allocated.
@@ -385,11 +394,18 @@ impl OwnerLaneAllocator {
         }
     }
 
-    fn after_op(&self) -> Result<(), AllocError> {
-        if self.debug_checks {
-            self.check_invariants()?;
+    /// Applies `op`, an infallible mutation (callers validate before). With debug checks on,
+    /// `op` runs on a copy whose invariants are checked before it replaces `self`, so a
+    /// violation leaves `self` unchanged.
+    fn commit<T>(&mut self, op: impl FnOnce(&mut Self) -> T) -> Result<T, AllocError> {
+        if !self.debug_checks {
+            return Ok(op(self));
         }
-        Ok(())
+        let mut next = self.clone();
+        let out = op(&mut next);
+        next.check_invariants()?;
+        *self = next;
+        Ok(out)
     }
 }
 
@@ -475,6 +491,38 @@ mod tests {
                 free: 6
             })
         ));
+    }
+
+    /// With debug checks on, an operation that would leave a corrupted state reports the
+    /// violation and is not applied: the allocator is exactly as before the call.
+    #[test]
+    fn debug_check_reports_without_applying_the_operation() {
+        let mut a = alloc(2, 11); // lane 0: 2,4,6,8,10 ; lane 1: 1,3,5,7,9
+        let run = a.alloc_pages_with_owners(&[0, 1]).unwrap();
+        // Test-only corruption, at the bottom of lane 0 where the operations below do not
+        // reach: a page of lane 1, already free there.
+        a.lanes[0].insert(0, PageId(9));
+        assert!(matches!(
+            a.check_invariants(),
+            Err(AllocError::Invariant { .. })
+        ));
+        let before = a.digest();
+        let err = a.alloc_pages_with_owners(&[0, 1, 1]).unwrap_err();
+        assert!(matches!(err, AllocError::Invariant { .. }), "{err}");
+        assert_eq!(a.digest(), before, "the allocation was applied");
+        let err = a.free(run.pages()).unwrap_err();
+        assert!(matches!(err, AllocError::Invariant { .. }), "{err}");
+        assert_eq!(a.digest(), before, "the free was applied");
+        assert!(run.pages().iter().all(|&p| a.is_allocated(p)));
+        // The misuse checks still come first, and without debug checks both operations run.
+        assert_eq!(
+            a.free(&[PageId::NULL]),
+            Err(AllocError::NullPage),
+            "misuse is reported as such"
+        );
+        a.set_debug_checks(false);
+        a.free(run.pages()).unwrap();
+        assert_eq!(a.lane_free_counts(), vec![6, 5]);
     }
 
     #[test]

@@ -6,18 +6,23 @@
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use super::tune::{parse_backend, progress_bar};
+use super::common::{BackendArg, SizeArgs};
+use super::tune::progress_bar;
 use crate::exec::{open_executor, Backend};
 use crate::jit::{Jit, JitConfig, EMU_HEADER};
 use crate::tuning::bench::{self, default_deployments, deployment_by_name, BenchOptions, BenchRow};
 use crate::tuning::{check, DeviceKey, TuningFile};
 
-/// Options of `bench`.
+/// Options of `bench`. `--layers` and `--repeats` keep bench's own wording.
 #[derive(Debug, clap::Args)]
+#[command(
+    mut_arg("layers", |a| a.help("Layers per copy launch")),
+    mut_arg("repeats", |a| a.help("Timed repeats; the median is reported"))
+)]
 pub struct BenchArgs {
-    /// Executor: auto (CUDA when a device is usable), host or cuda.
-    #[arg(long, default_value = "auto", value_parser = parse_backend)]
-    pub backend: Backend,
+    /// `--backend`.
+    #[command(flatten)]
+    pub executor: BackendArg,
     /// One deployment (`<nsa|mla>_ps<N>_cp<C>`); default: mla_ps16 and nsa_ps64 at CP 1 and 8.
     #[arg(long, value_name = "NAME")]
     pub deployment: Option<String>,
@@ -34,15 +39,9 @@ pub struct BenchArgs {
     /// Smaller copies and fewer repeats.
     #[arg(long)]
     pub quick: bool,
-    /// Pages per copy launch (overrides the quick/full default).
-    #[arg(long, value_name = "N")]
-    pub pages: Option<u32>,
-    /// Layers per copy launch.
-    #[arg(long, value_name = "N")]
-    pub layers: Option<u32>,
-    /// Timed repeats; the median is reported.
-    #[arg(long, value_name = "N")]
-    pub repeats: Option<u32>,
+    /// `--pages`, `--layers`, `--repeats`.
+    #[command(flatten)]
+    pub sizes: SizeArgs,
     /// Requests per select/release launch (repeatable; default 2048 and 16384).
     #[arg(long = "alloc-pages", value_name = "N")]
     pub alloc_pages: Vec<u32>,
@@ -72,7 +71,7 @@ pub(super) fn run(args: &BenchArgs) -> Result<ExitCode, crate::Error> {
     if args.prebuild {
         return prebuild(&jit, &deps);
     }
-    let exec = open_executor(args.backend)?;
+    let exec = open_executor(args.executor.backend)?;
     if args.check {
         return run_check(exec.as_ref(), &jit, &deps);
     }
@@ -105,15 +104,7 @@ pub(super) fn run(args: &BenchArgs) -> Result<ExitCode, crate::Error> {
     }
     let mut opts = BenchOptions::new(args.quick);
     opts.dma_rows = args.dma || exec.backend() == Backend::Cuda;
-    if let Some(p) = args.pages {
-        opts.sizes.pages = p.max(1);
-    }
-    if let Some(l) = args.layers {
-        opts.sizes.layers = l.max(1);
-    }
-    if let Some(r) = args.repeats {
-        opts.sizes.repeats = r.max(1);
-    }
+    args.sizes.apply(&mut opts.sizes);
     if !args.alloc_pages.is_empty() {
         opts.alloc_pages = args.alloc_pages.iter().map(|&n| n.max(1)).collect();
     }

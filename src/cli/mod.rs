@@ -2,6 +2,7 @@
 //! dispatch to each command. `main` only maps the result to an exit status.
 
 mod bench;
+mod common;
 mod compile;
 mod info;
 mod render;

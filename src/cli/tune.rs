@@ -6,7 +6,8 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use crate::exec::{open_executor, Backend};
+use super::common::{BackendArg, SizeArgs};
+use crate::exec::open_executor;
 use crate::jit::{Jit, JitConfig, EMU_HEADER};
 use crate::tuning::{self, bench::deployment_by_name, tuner::TuneOptions, TuneEvent, TuningFile};
 
@@ -16,28 +17,18 @@ pub struct TuneArgs {
     /// Deployment to tune: a reference name or any `<nsa|mla>_ps<N>_cp<C>`.
     #[arg(long, value_name = "NAME", default_value = super::compile::DEFAULT_DEPLOYMENT)]
     pub deployment: String,
-    /// Executor: auto (CUDA when a device is usable), host or cuda.
-    #[arg(long, default_value = "auto", value_parser = parse_backend)]
-    pub backend: Backend,
+    /// `--backend`.
+    #[command(flatten)]
+    pub executor: BackendArg,
     /// Tuning file to merge into (default: `<cache dir>/tuning.json`).
     #[arg(long, value_name = "FILE")]
     pub out: Option<PathBuf>,
     /// A handful of candidates per kernel on smaller sizes (well under a minute on a CPU).
     #[arg(long)]
     pub quick: bool,
-    /// Pages per copy launch (overrides the quick/full default).
-    #[arg(long, value_name = "N")]
-    pub pages: Option<u32>,
-    /// Layers per copy launch (overrides the quick/full default).
-    #[arg(long, value_name = "N")]
-    pub layers: Option<u32>,
-    /// Timed repeats per candidate; the median is kept.
-    #[arg(long, value_name = "N")]
-    pub repeats: Option<u32>,
-}
-
-pub(super) fn parse_backend(s: &str) -> Result<Backend, String> {
-    s.parse().map_err(|e: crate::exec::ExecError| e.to_string())
+    /// `--pages`, `--layers`, `--repeats`.
+    #[command(flatten)]
+    pub sizes: SizeArgs,
 }
 
 pub(super) fn progress_bar(prefix: String) -> Option<indicatif::ProgressBar> {
@@ -57,18 +48,10 @@ pub(super) fn progress_bar(prefix: String) -> Option<indicatif::ProgressBar> {
 pub(super) fn run(args: &TuneArgs) -> Result<ExitCode, crate::Error> {
     let dep =
         deployment_by_name(&args.deployment).map_err(|e| crate::Error::Usage(e.to_string()))?;
-    let exec = open_executor(args.backend)?;
+    let exec = open_executor(args.executor.backend)?;
     let jit = Jit::new(JitConfig::from_env(EMU_HEADER));
     let mut opts = TuneOptions::new(args.quick);
-    if let Some(p) = args.pages {
-        opts.sizes.pages = p.max(1);
-    }
-    if let Some(l) = args.layers {
-        opts.sizes.layers = l.max(1);
-    }
-    if let Some(r) = args.repeats {
-        opts.sizes.repeats = r.max(1);
-    }
+    args.sizes.apply(&mut opts.sizes);
     let bar = progress_bar(format!("tuning {} on {}", dep.name, exec.backend()));
     let on_event = |ev: TuneEvent| {
         if let Some(b) = &bar {

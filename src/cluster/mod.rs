@@ -349,7 +349,11 @@ impl Cluster {
         &self.kernels
     }
 
-    /// Makes the first launch of request number `request` (0-based) fail.
+    /// Makes the first launch of request number `request` (0-based, counted over
+    /// [`Cluster::serve`] calls) fail, so that request fails and is rolled back. The failure
+    /// never outlives its request: if the request fails on its own before its first launch
+    /// (a [`ClusterError::PoolTooSmall`], say), the failure is dropped with it. An empty prompt
+    /// launches nothing, so a failure aimed at one moves to the next request.
     pub fn inject_launch_failure(&mut self, request: usize) {
         self.launch_failure_at = Some(request);
     }
@@ -501,6 +505,7 @@ impl Cluster {
     /// failed request leaves no trace but the error.
     pub fn serve(&mut self, tokens: &[u32]) -> Result<RequestStats, ClusterError> {
         let snapshot = self.snapshot();
+        let mut armed = false;
         if self.launch_failure_at == Some(self.served) {
             if tokens.is_empty() {
                 // An empty prompt launches nothing: fail the next request instead of leaving
@@ -508,10 +513,17 @@ impl Cluster {
                 self.launch_failure_at = Some(self.served + 1);
             } else {
                 self.exec.inject_launch_failure();
+                armed = true;
             }
         }
         self.served += 1;
         let result = self.serve_inner(tokens);
+        if armed {
+            // A request that returned before its first launch (an error raised earlier) did
+            // not consume the failure: disarm on every exit, before the rollback, so neither
+            // the rollback nor a later request can meet it.
+            self.exec.disarm_launch_failure();
+        }
         if let Err(e) = &result {
             if let Err(rollback) = self.restore(snapshot) {
                 tracing::error!(error = %e, %rollback, "rolling back a failed request failed");

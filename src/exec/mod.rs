@@ -609,7 +609,17 @@ pub trait Executor: Send + Sync {
     fn counters(&self) -> Counters;
 
     /// Makes the next launch fail with [`LaunchFailure::Injected`] without running the kernel.
+    /// The failure stays armed until a launch consumes it or
+    /// [`Executor::disarm_launch_failure`] cancels it.
     fn inject_launch_failure(&self);
+
+    /// Cancels a failure armed by [`Executor::inject_launch_failure`] that no launch has
+    /// consumed yet; returns whether one was armed. Executors that arm failures override
+    /// this (wrappers forward it); the default, for executors that cannot be armed, does
+    /// nothing and returns false.
+    fn disarm_launch_failure(&self) -> bool {
+        false
+    }
 }
 
 #[cfg(test)]

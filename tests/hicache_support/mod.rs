@@ -1,13 +1,18 @@
-//! Shared setup of the `hicache_*` integration tests: a host-executor cluster whose JIT
-//! cache lives under CARGO_TARGET_TMPDIR (shared by every test binary), prompt builders, and
-//! a `serve` that checks everything the cluster promises after each request.
+//! Shared setup of the cluster-level integration tests (`hicache_*`, `cluster`, `r_*`): a
+//! host-executor cluster whose JIT cache lives under CARGO_TARGET_TMPDIR (shared by every test
+//! binary), prompt builders, a `serve` that checks everything the cluster promises after each
+//! request, and [`Spy`], a host executor that counts frees and fails a chosen launch.
 #![allow(dead_code)]
 
 use cp_hicache::cluster::{Cluster, ClusterConfig, Fault, RequestStats, WritePolicy};
 use cp_hicache::exec::host::EMU_HEADER;
-use cp_hicache::exec::{Executor, HostExecutor, HostOptions};
+use cp_hicache::exec::{
+    Backend, BufferId, CopyRegion, Counters, ExecError, Executor, HostExecutor, HostOptions,
+    KernelArg, KernelArtifact, KernelId, LaunchConfig, MemKind,
+};
 use cp_hicache::jit::{Jit, JitConfig, Sanitize};
 use cp_hicache::kernels::{Deployment, ModelShape, TransferPath};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 
 pub fn jit() -> Jit {
@@ -46,8 +51,13 @@ impl Setup {
         }
     }
 
+    /// The cluster on a fresh host executor.
     pub fn build(&self) -> Cluster {
-        let exec: Arc<dyn Executor> = Arc::new(HostExecutor::new(HostOptions::from_env().unwrap()));
+        self.build_on(Arc::new(host_executor()))
+    }
+
+    /// The cluster on `exec`.
+    pub fn build_on(&self, exec: Arc<dyn Executor>) -> Cluster {
         let mut deployment = Deployment::new(self.model, self.page_size, self.cp).unwrap();
         deployment.transfer_path = self.transfer_path;
         let config = ClusterConfig {
@@ -70,6 +80,16 @@ pub fn tokens(seed: u32, n: usize) -> Vec<u32> {
             let x = u64::from(seed) << 32 | u64::from(i);
             (cp_hicache::kernels::reference::mix64(x) % 50_000) as u32
         })
+        .collect()
+}
+
+/// `n` tokens of stream `seed` from a linear sequence over a 1,000-token vocabulary
+/// (`seed * 7919 + i * 31 mod 1000`): the streams of two seeds below 1,000 differ in their
+/// first token, so they share no page. Tests whose pool sizes were worked out on these
+/// exact prompts use it; others use [`tokens`].
+pub fn linear_tokens(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| seed.wrapping_mul(7919).wrapping_add(i * 31) % 1000)
         .collect()
 }
 
@@ -117,4 +137,93 @@ pub fn lane_capacities(c: &Cluster) -> Vec<u32> {
     (0..l.cp())
         .map(|r| l.lane_capacity(cp_hicache::layout::Rank(r)))
         .collect()
+}
+
+/// A host executor with the options of the environment (block order, sanitizer).
+pub fn host_executor() -> HostExecutor {
+    HostExecutor::new(HostOptions::from_env().unwrap())
+}
+
+/// A host executor that counts [`Executor::free`] calls and can fail one chosen launch
+/// (besides what [`Executor::inject_launch_failure`] does); everything else is delegated.
+pub struct Spy {
+    inner: HostExecutor,
+    /// Launches left before the one to fail (`i64::MAX`: none is chosen).
+    countdown: AtomicI64,
+    frees: AtomicU64,
+}
+
+impl Spy {
+    /// A spy over a fresh [`host_executor`], failing nothing.
+    pub fn new() -> Arc<Spy> {
+        Arc::new(Spy {
+            inner: host_executor(),
+            countdown: AtomicI64::new(i64::MAX),
+            frees: AtomicU64::new(0),
+        })
+    }
+
+    /// Fails launch number `k` (0-based) counted from now, with the injected-fault error.
+    pub fn fail_launch(&self, k: i64) {
+        self.countdown.store(k, Ordering::SeqCst);
+    }
+
+    /// Fails no launch (undoes [`Spy::fail_launch`] if that launch did not come).
+    pub fn fail_none(&self) {
+        self.countdown.store(i64::MAX, Ordering::SeqCst);
+    }
+
+    /// `free` calls so far.
+    pub fn frees(&self) -> u64 {
+        self.frees.load(Ordering::SeqCst)
+    }
+}
+
+impl Executor for Spy {
+    fn backend(&self) -> Backend {
+        self.inner.backend()
+    }
+    fn device_name(&self) -> String {
+        self.inner.device_name()
+    }
+    fn alloc(&self, k: MemKind, b: usize, f: u8) -> Result<BufferId, ExecError> {
+        self.inner.alloc(k, b, f)
+    }
+    fn free(&self, b: BufferId) -> Result<(), ExecError> {
+        self.frees.fetch_add(1, Ordering::SeqCst);
+        self.inner.free(b)
+    }
+    fn size(&self, b: BufferId) -> Result<usize, ExecError> {
+        self.inner.size(b)
+    }
+    fn upload(&self, b: BufferId, o: u64, d: &[u8]) -> Result<(), ExecError> {
+        self.inner.upload(b, o, d)
+    }
+    fn read(&self, b: BufferId, o: u64, d: &mut [u8]) -> Result<(), ExecError> {
+        self.inner.read(b, o, d)
+    }
+    fn load_kernel(&self, a: &KernelArtifact<'_>) -> Result<KernelId, ExecError> {
+        self.inner.load_kernel(a)
+    }
+    fn launch(&self, k: KernelId, c: &LaunchConfig, a: &[KernelArg<'_>]) -> Result<(), ExecError> {
+        if self.countdown.fetch_sub(1, Ordering::SeqCst) == 0 {
+            self.inner.inject_launch_failure();
+        }
+        self.inner.launch(k, c, a)
+    }
+    fn copy_regions(&self, s: BufferId, d: BufferId, r: &[CopyRegion]) -> Result<(), ExecError> {
+        self.inner.copy_regions(s, d, r)
+    }
+    fn synchronize(&self) -> Result<(), ExecError> {
+        self.inner.synchronize()
+    }
+    fn counters(&self) -> Counters {
+        self.inner.counters()
+    }
+    fn inject_launch_failure(&self) {
+        self.inner.inject_launch_failure()
+    }
+    fn disarm_launch_failure(&self) -> bool {
+        self.inner.disarm_launch_failure()
+    }
 }

@@ -1,6 +1,7 @@
 //! Shared helpers of the kernel test targets: one JIT with a cache under the cargo tmp dir (so
 //! reruns and other targets hit it), host executors with an explicit block order, a small
-//! deterministic RNG, and typed buffer helpers.
+//! deterministic RNG, typed buffer helpers, and one launch-and-reference run of each page-copy
+//! kernel (transfer, materialise).
 #![allow(dead_code)]
 
 use std::collections::HashMap;
@@ -13,7 +14,8 @@ use cp_hicache::exec::{
     LaunchConfig, MemKind,
 };
 use cp_hicache::jit::{Artifact, Jit, JitConfig, JitRequest, Sanitize, Target};
-use cp_hicache::kernels::KernelSpec;
+use cp_hicache::kernels::reference;
+use cp_hicache::kernels::{CopyLaunch, Direction, KernelSpec, VecWidth};
 
 /// Poison byte of every output buffer: bytes a kernel should not write stay 0xA5.
 pub const POISON: u8 = 0xA5;
@@ -146,6 +148,180 @@ impl Bench {
         let mut out = vec![0u8; self.ex.size(b).unwrap()];
         self.ex.read(b, 0, &mut out).unwrap();
         out
+    }
+
+    /// Launches transfer `spec` on `grid` blocks over the pairs of `case` (the destination
+    /// starts as poison) and runs the reference on the same inputs; panics if `spec` is not
+    /// a transfer or the reference rejects the inputs.
+    pub fn transfer(&mut self, spec: &KernelSpec, grid: u32, case: &TransferCase<'_>) -> Copied {
+        let KernelSpec::TransferPages(s) = *spec else {
+            panic!("{spec} is not a transfer kernel")
+        };
+        let pb = u64::from(s.page_size) * u64::from(s.bytes_per_token);
+        let pool_bytes = |pages: u32| (u64::from(case.layers * pages) * pb) as usize;
+        let dst_bytes = match s.direction {
+            Direction::DeviceToHost => pool_bytes(case.host_pages),
+            Direction::HostToDevice => pool_bytes(case.device_pages),
+        };
+        let n = case.dst_pages.len() as u32;
+        let sbuf = self.bytes(case.src, case.guard);
+        let dbuf = self.poison(dst_bytes + case.guard);
+        let spb = self.bytes(&le32(case.src_pages), 0);
+        let dpb = self.bytes(&le32(case.dst_pages), 0);
+        self.launch(
+            spec,
+            grid,
+            &[
+                KernelArg::Ptr(sbuf, 0),
+                KernelArg::Ptr(dbuf, 0),
+                KernelArg::Ptr(spb, 0),
+                KernelArg::Ptr(dpb, 0),
+                KernelArg::U32(n),
+                KernelArg::U32(case.layers),
+                KernelArg::U32(case.device_pages),
+                KernelArg::U32(case.told_host_pages),
+            ],
+        );
+        let mut want = vec![POISON; dst_bytes + case.guard];
+        reference::transfer_pages(
+            s.direction,
+            s.layout,
+            pb,
+            case.src,
+            &mut want,
+            case.src_pages,
+            case.dst_pages,
+            n,
+            case.layers,
+            case.device_pages,
+            case.host_pages,
+        )
+        .unwrap();
+        Copied {
+            got: self.read(dbuf),
+            want,
+            src_after: self.read(sbuf),
+        }
+    }
+
+    /// Launches materialise `spec` on `grid` blocks over the pools and page sequence of
+    /// `case` (the dense output starts as poison) and runs the reference on the same inputs;
+    /// panics if `spec` is not a materialise kernel or the reference rejects the inputs.
+    pub fn materialise(
+        &mut self,
+        spec: &KernelSpec,
+        grid: u32,
+        case: &MaterialiseCase<'_>,
+    ) -> Copied {
+        let KernelSpec::Materialise(s) = *spec else {
+            panic!("{spec} is not a materialise kernel")
+        };
+        let pb = u64::from(s.page_size) * u64::from(s.bytes_per_token);
+        let n = case.seq.len() as u32;
+        let ptrs: Vec<_> = case
+            .pools
+            .iter()
+            .map(|p| (self.bytes(p, case.guard), 0u64))
+            .collect();
+        let dense_bytes = (u64::from(case.layers * n) * pb) as usize;
+        let dense = self.poison(dense_bytes + case.guard);
+        let seqb = self.bytes(&le32(case.seq), 0);
+        self.launch(
+            spec,
+            grid,
+            &[
+                KernelArg::PtrStruct(&ptrs),
+                KernelArg::Ptr(seqb, 0),
+                KernelArg::U32(n),
+                KernelArg::U32(case.layers),
+                KernelArg::U32(case.local_pages),
+                KernelArg::Ptr(dense, 0),
+            ],
+        );
+        let views: Vec<&[u8]> = case.pools.iter().map(Vec::as_slice).collect();
+        let mut want = vec![POISON; dense_bytes + case.guard];
+        reference::materialise(
+            s.cp,
+            pb,
+            &views,
+            case.seq,
+            n,
+            case.layers,
+            case.local_pages,
+            &mut want,
+        )
+        .unwrap();
+        Copied {
+            got: self.read(dense),
+            want,
+            src_after: Vec::new(),
+        }
+    }
+}
+
+/// The inputs of one transfer launch. Page lists may hold out-of-range pages (the kernel and
+/// the reference skip them); the launch covers `dst_pages.len()` pairs.
+pub struct TransferCase<'a> {
+    /// Bytes of the source pool (the device pool for device-to-host, else the host pool).
+    pub src: &'a [u8],
+    /// Source page of each pair.
+    pub src_pages: &'a [u32],
+    /// Destination page of each pair.
+    pub dst_pages: &'a [u32],
+    /// Layers of both pools.
+    pub layers: u32,
+    /// Pages per layer of the device pool.
+    pub device_pages: u32,
+    /// Pages per layer of the host pool.
+    pub host_pages: u32,
+    /// Host pages the kernel is told of: `host_pages`, or more to provoke an out-of-bounds
+    /// access (the reference always gets `host_pages`).
+    pub told_host_pages: u32,
+    /// Poison bytes after the source and the destination buffers.
+    pub guard: usize,
+}
+
+/// The inputs of one materialise launch: one pool per CP rank and a global page sequence
+/// (pages beyond the pools are skipped, their slots stay poison).
+pub struct MaterialiseCase<'a> {
+    /// Each rank's pool, `[layer][local page][page bytes]`.
+    pub pools: &'a [Vec<u8>],
+    /// Global pages to gather, in order.
+    pub seq: &'a [u32],
+    /// Layers of every pool.
+    pub layers: u32,
+    /// Local pages per layer of every pool.
+    pub local_pages: u32,
+    /// Poison bytes after every pool and the dense output.
+    pub guard: usize,
+}
+
+/// What one copy launch wrote next to what the reference writes.
+pub struct Copied {
+    /// The destination buffer after the launch, guard bytes included.
+    pub got: Vec<u8>,
+    /// The reference's destination, from poison, guard bytes included.
+    pub want: Vec<u8>,
+    /// The source buffer after the launch, guard bytes included (transfers; empty for
+    /// materialise).
+    pub src_after: Vec<u8>,
+}
+
+impl Copied {
+    /// The first byte where the launch and the reference differ.
+    pub fn first_difference(&self) -> Option<usize> {
+        self.got.iter().zip(&self.want).position(|(a, b)| a != b)
+    }
+}
+
+/// The CPU copy shape: one thread per page, one page per block, no unrolling, with vector
+/// width `vec`.
+pub fn cpu_copy_launch(vec: VecWidth) -> CopyLaunch {
+    CopyLaunch {
+        threads: 1,
+        pages_per_block: 1,
+        vec,
+        unroll: 1,
     }
 }
 

@@ -265,6 +265,10 @@ impl Executor for CudaExecutor {
     fn inject_launch_failure(&self) {
         self.fail_next_launch.store(true, Ordering::SeqCst);
     }
+
+    fn disarm_launch_failure(&self) -> bool {
+        self.fail_next_launch.swap(false, Ordering::SeqCst)
+    }
 }
 
 // Forwarders to `driver`'s checked entry points; their preconditions (ranges inside live

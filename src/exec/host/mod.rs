@@ -361,6 +361,10 @@ impl Executor for HostExecutor {
     fn inject_launch_failure(&self) {
         self.fail_next_launch.store(true, Ordering::SeqCst);
     }
+
+    fn disarm_launch_failure(&self) -> bool {
+        self.fail_next_launch.swap(false, Ordering::SeqCst)
+    }
 }
 
 #[cfg(test)]
