@@ -201,7 +201,7 @@ impl KernelLaneAllocator {
                 threads: options.threads,
             }),
         ];
-        let target = target_for(exec.backend(), options.arch, options.sanitize);
+        let target = target_for(exec.as_ref(), options.arch, options.sanitize)?;
         let requests = specs
             .iter()
             .map(|spec| spec_request(spec, target, None))

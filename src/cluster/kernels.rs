@@ -73,7 +73,7 @@ impl DeploymentKernels {
             specs.push(deployment.synth_spec(b));
             specs.push(deployment.verify_spec(b));
         }
-        let target = target_for(exec.backend(), deployment.arch, sanitize);
+        let target = target_for(exec, deployment.arch, sanitize)?;
         let requests = specs
             .iter()
             .map(|spec| spec_request(spec, target, hook))

@@ -542,6 +542,12 @@ pub trait Executor: Send + Sync {
     /// A human-readable device description (for `info`, tuning keys and logs).
     fn device_name(&self) -> String;
 
+    /// The device's `(major, minor)` compute capability, which decides the CUBIN architecture
+    /// (`jit::target_for`); `None` for executors that do not run CUBINs.
+    fn compute_capability(&self) -> Option<(u32, u32)> {
+        None
+    }
+
     /// Allocates `bytes` of `kind` memory filled with `fill` (the poison byte, `0xA5` for pools).
     fn alloc(&self, kind: MemKind, bytes: usize, fill: u8) -> Result<BufferId, ExecError>;
 

@@ -5,18 +5,52 @@
 //! Every JIT event is logged by the JIT itself (target `cp_hicache::jit`).
 
 use super::{Arch, CompiledKernel, Jit, JitError, JitRequest, Sanitize, Target};
-use crate::exec::Backend;
+use crate::exec::{Backend, ExecError, Executor};
 use crate::kernels::{Deployment, KernelError, KernelSpec};
 
 /// Test and fault-injection hook: edits one kernel's source before it is compiled.
 pub type SourceHook<'a> = &'a (dyn Fn(&KernelSpec, String) -> String + Sync);
 
-/// What compiles kernels for an executor's backend: NVRTC CUBINs for CUDA, host shared
-/// libraries for the CPU emulation.
-pub fn target_for(backend: Backend, arch: Arch, sanitize: Sanitize) -> Target {
-    match backend {
-        Backend::Cuda => Target::Nvrtc { arch },
-        _ => Target::Host { sanitize },
+/// What compiles kernels for `exec`: host shared libraries for the CPU emulation; NVRTC
+/// CUBINs for a CUDA device, built for the newest supported architecture its compute
+/// capability runs ([`Arch::for_device`]), whatever `arch` says (`arch` is used only when the
+/// executor reports no capability). A GPU no supported architecture runs is
+/// [`ExecError::Unavailable`], not a module-load failure later.
+pub fn target_for(
+    exec: &dyn Executor,
+    arch: Arch,
+    sanitize: Sanitize,
+) -> Result<Target, ExecError> {
+    target_of(
+        exec.backend(),
+        exec.compute_capability(),
+        arch,
+        sanitize,
+        || exec.device_name(),
+    )
+}
+
+fn target_of(
+    backend: Backend,
+    capability: Option<(u32, u32)>,
+    arch: Arch,
+    sanitize: Sanitize,
+    device: impl FnOnce() -> String,
+) -> Result<Target, ExecError> {
+    match (backend, capability) {
+        (Backend::Cuda, None) => Ok(Target::Nvrtc { arch }),
+        (Backend::Cuda, Some((major, minor))) => match Arch::for_device(major, minor) {
+            Some(arch) => Ok(Target::Nvrtc { arch }),
+            None => Err(ExecError::Unavailable {
+                backend,
+                reason: format!(
+                    "{} has compute capability {major}.{minor}; kernels are built for {}",
+                    device(),
+                    Arch::ALL.map(|a| a.to_string()).join(", ")
+                ),
+            }),
+        },
+        _ => Ok(Target::Host { sanitize }),
     }
 }
 
@@ -128,6 +162,36 @@ pub fn warm_up_deployment(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cuda_targets_follow_the_device() {
+        let gpu = |cc| {
+            target_of(Backend::Cuda, cc, Arch::Sm90, Sanitize::None, || {
+                "GPU".into()
+            })
+        };
+        assert_eq!(
+            gpu(Some((8, 6))).unwrap(),
+            Target::Nvrtc { arch: Arch::Sm80 }
+        );
+        assert_eq!(
+            gpu(Some((9, 0))).unwrap(),
+            Target::Nvrtc { arch: Arch::Sm90 }
+        );
+        assert_eq!(gpu(None).unwrap(), Target::Nvrtc { arch: Arch::Sm90 });
+        let err = gpu(Some((12, 0))).unwrap_err();
+        assert!(err.is_unavailable(), "{err}");
+        assert!(
+            err.to_string().contains("GPU has compute capability 12.0"),
+            "{err}"
+        );
+        assert_eq!(
+            target_of(Backend::Host, None, Arch::Sm90, Sanitize::None, String::new).unwrap(),
+            Target::Host {
+                sanitize: Sanitize::None
+            }
+        );
+    }
 
     #[test]
     fn requests_follow_specs() {

@@ -36,6 +36,16 @@ impl Arch {
             .into_iter()
             .find(|a| a.compute_capability() == (major, minor))
     }
+
+    /// The newest supported architecture whose CUBINs a device of compute capability
+    /// `major.minor` runs: CUBINs run on the same major version with an equal or higher
+    /// minor (an sm_80 CUBIN runs on sm_86), never across major versions.
+    pub fn for_device(major: u32, minor: u32) -> Option<Arch> {
+        Arch::ALL.into_iter().rev().find(|a| {
+            let (ma, mi) = a.compute_capability();
+            ma == major && mi <= minor
+        })
+    }
 }
 
 impl fmt::Display for Arch {
@@ -266,6 +276,11 @@ mod tests {
     #[test]
     fn arch_spelling() {
         assert_eq!(Arch::default().to_string(), "sm_90");
+        assert_eq!(Arch::for_device(9, 0), Some(Arch::Sm90));
+        assert_eq!(Arch::for_device(8, 6), Some(Arch::Sm80));
+        assert_eq!(Arch::for_device(10, 3), Some(Arch::Sm100));
+        assert_eq!(Arch::for_device(12, 0), None);
+        assert_eq!(Arch::for_device(7, 5), None);
         assert_eq!(Arch::from_compute_capability(8, 0), Some(Arch::Sm80));
         assert_eq!(Arch::from_compute_capability(7, 5), None);
     }

@@ -54,7 +54,8 @@ pub struct Deployment {
     pub page_size: u32,
     /// CP degree.
     pub cp: u8,
-    /// NVRTC target.
+    /// NVRTC target of offline builds (`compile`, `bench --prebuild`); a CUDA executor
+    /// builds for its own device's architecture instead (`jit::target_for`).
     pub arch: Arch,
     /// Host pool arrangement.
     pub host_layout: HostLayout,

@@ -419,8 +419,7 @@ pub fn warm_up_tuned(
     let device = DeviceKey::for_executor(exec, jit)?;
     let mut deployment = dep.clone();
     let warnings = apply(&mut deployment, path, &device)?;
-    let target =
-        crate::jit::target_for(exec.backend(), deployment.arch, crate::jit::Sanitize::None);
+    let target = crate::jit::target_for(exec, deployment.arch, crate::jit::Sanitize::None)?;
     let kernels = crate::jit::warm_up_deployment(jit, &deployment, target)?;
     Ok(TunedStart {
         deployment,

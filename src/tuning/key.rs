@@ -6,7 +6,7 @@ use std::fmt;
 
 use super::TuningError;
 use crate::exec::{Backend, Executor};
-use crate::jit::{Arch, Jit};
+use crate::jit::{Arch, Jit, Sanitize, Target};
 use crate::kernels::KernelSpec;
 
 /// The machine identity a tuning entry was measured on. An entry is applied only when every
@@ -73,7 +73,10 @@ impl DeviceKey {
             Backend::Cuda => Ok(DeviceKey {
                 backend: Backend::Cuda.to_string(),
                 device: exec.device_name(),
-                capability: Arch::default().to_string(),
+                capability: match crate::jit::target_for(exec, Arch::default(), Sanitize::None)? {
+                    Target::Nvrtc { arch } => arch.to_string(),
+                    Target::Host { .. } => Arch::default().to_string(),
+                },
                 compiler: jit
                     .nvrtc_identity()
                     .unwrap_or_else(|_| PREBUILT_COMPILER.to_string()),

@@ -161,9 +161,9 @@ pub fn u32_bytes(v: &[u32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
-/// The JIT target for an executor's backend (default arch, no sanitizer).
-pub fn target_for(backend: Backend) -> Target {
-    crate::jit::target_for(backend, Arch::default(), Sanitize::None)
+/// The JIT target for an executor (its device's arch on CUDA, no sanitizer).
+pub fn target_for(exec: &dyn Executor) -> Result<Target, ExecError> {
+    crate::jit::target_for(exec, Arch::default(), Sanitize::None)
 }
 
 pub use crate::jit::SourceHook;
@@ -178,7 +178,10 @@ pub fn compile_and_load(
     hook: Option<SourceHook<'_>>,
     on_done: &(dyn Fn() + Sync),
 ) -> Vec<Result<KernelId, String>> {
-    let target = target_for(exec.backend());
+    let target = match target_for(exec) {
+        Ok(t) => t,
+        Err(e) => return specs.iter().map(|_| Err(e.to_string())).collect(),
+    };
     let requests: Vec<Result<JitRequest, String>> = specs
         .iter()
         .map(|spec| spec_request(spec, target, hook).map_err(|e| e.to_string()))

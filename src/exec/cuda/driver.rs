@@ -49,6 +49,15 @@ impl Gpu {
             .unwrap_or_else(|e| format!("CUDA device ({e:?})"))
     }
 
+    /// The device's `(major, minor)` compute capability.
+    pub(crate) fn compute_capability(&self) -> Result<(u32, u32), String> {
+        let (major, minor) = self
+            .ctx
+            .compute_capability()
+            .map_err(err("cuDeviceGetAttribute(compute capability)"))?;
+        Ok((major.max(0) as u32, minor.max(0) as u32))
+    }
+
     /// An event (with timing) recorded at the current end of the executor's stream.
     pub(crate) fn record_event(&self) -> Result<cudarc::driver::CudaEvent, String> {
         self.stream

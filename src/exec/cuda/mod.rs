@@ -56,6 +56,7 @@ type State = Registry<CudaBuffer, LoadedKernel>;
 pub struct CudaExecutor {
     ordinal: usize,
     name: String,
+    capability: (u32, u32),
     gpu: driver::Gpu,
     state: Mutex<State>,
     fail_next_launch: AtomicBool,
@@ -94,8 +95,10 @@ impl CudaExecutor {
             )));
         }
         let gpu = driver::Gpu::open(ordinal).map_err(unavailable)?;
+        let capability = gpu.compute_capability().map_err(unavailable)?;
         Ok(CudaExecutor {
             ordinal,
+            capability,
             name: gpu.name(),
             gpu,
             state: Mutex::new(Registry::new()),
@@ -116,6 +119,10 @@ impl Executor for CudaExecutor {
 
     fn device_name(&self) -> String {
         self.name.clone()
+    }
+
+    fn compute_capability(&self) -> Option<(u32, u32)> {
+        Some(self.capability)
     }
 
     fn alloc(&self, kind: MemKind, bytes: usize, fill: u8) -> Result<BufferId, ExecError> {
