@@ -599,11 +599,12 @@ pub trait Executor: Send + Sync {
     /// Waits until all launched work has finished (counted).
     fn synchronize(&self) -> Result<(), ExecError>;
 
-    /// Seconds the device spent on the work `work` enqueues, waiting for it to finish
+    /// Seconds from the start of the work `work` enqueues to its end, waiting for it to finish
     /// (counted as one synchronisation). The default is wall time around the work and a
-    /// synchronise, exact for the host executor, whose launches run on the calling thread;
-    /// the CUDA executor brackets the work with events, so host-side launch overhead is not
-    /// counted.
+    /// synchronise, exact for the host executor, whose launches run on the calling thread.
+    /// The CUDA executor records events before and after the work on its stream: time the
+    /// device spends idle waiting for the host to submit (many small DMA copies, say) is
+    /// included, as an engine would see it, but time spent before the first submission is not.
     fn time_work(&self, work: &mut dyn FnMut() -> Result<(), ExecError>) -> Result<f64, ExecError> {
         let start = std::time::Instant::now();
         work()?;

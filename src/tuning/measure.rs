@@ -91,8 +91,9 @@ pub fn time_with<E>(
 }
 
 /// Like [`time_with`] for work enqueued on `exec`: each timed repeat is measured by the
-/// executor ([`Executor::time_work`]: CUDA events on a GPU), so host launch overhead and the
-/// untimed `setup` stay out of the numbers.
+/// executor ([`Executor::time_work`]: CUDA events on a GPU), so the untimed `setup` stays out
+/// of the numbers. At least one warm-up runs whatever `warmup` says: a first launch may load
+/// the module lazily (CUDA) or fault in fresh pages (host).
 pub fn time_device(
     exec: &dyn Executor,
     warmup: u32,
@@ -100,7 +101,7 @@ pub fn time_device(
     mut setup: impl FnMut() -> Result<(), ExecError>,
     mut run: impl FnMut() -> Result<(), ExecError>,
 ) -> Result<Timing, ExecError> {
-    for _ in 0..warmup {
+    for _ in 0..warmup.max(1) {
         setup()?;
         run()?;
         exec.synchronize()?;
@@ -798,7 +799,7 @@ pub fn time_copy_baseline(
     }];
     time_device(
         exec,
-        sizes.warmup.max(1),
+        sizes.warmup,
         sizes.repeats,
         || Ok(()),
         || exec.copy_regions(src, dst, &region),

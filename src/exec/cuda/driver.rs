@@ -182,9 +182,17 @@ impl Gpu {
         self.bind()?;
         let name =
             CString::new(entry).map_err(|_| format!("entry name `{entry}` contains a NUL byte"))?;
-        // PTX must be NUL-terminated; a trailing zero is harmless for a CUBIN (ELF) image.
-        let mut owned = image.to_vec();
-        owned.push(0);
+        // PTX must be NUL-terminated; a trailing zero is harmless for a CUBIN (ELF) image,
+        // which is copied into 8-byte-aligned storage (a `Vec<u8>` promises no alignment).
+        let mut owned = vec![0u64; image.len() / 8 + 1];
+        // SAFETY: `owned` holds at least `image.len() + 1` bytes; the regions are distinct.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                image.as_ptr(),
+                owned.as_mut_ptr() as *mut u8,
+                image.len(),
+            )
+        };
         // SAFETY: `owned` is a complete image that outlives the call (the driver copies it).
         let module = unsafe { result::module::load_data(owned.as_ptr() as *const c_void) }
             .map_err(err("cuModuleLoadData"))?;
@@ -231,6 +239,15 @@ impl Gpu {
     }
 }
 
+/// Makes `ctx` current for a release in `Drop`. Unlike `CudaContext::bind_to_thread`, it does
+/// not first take an error that an earlier cudarc drop recorded in the context (that would
+/// skip this release and leak it); such an error still surfaces on the next normal call.
+fn bind_for_drop(ctx: &CudaContext) -> bool {
+    // SAFETY: the context is alive (`ctx` holds a reference); making it current has no other
+    // precondition.
+    unsafe { result::ctx::set_current(ctx.cu_ctx()) }.is_ok()
+}
+
 /// Device memory from `cuMemAlloc`, freed in `Drop`.
 pub(crate) struct DeviceMem {
     ptr: sys::CUdeviceptr,
@@ -252,7 +269,7 @@ impl DeviceMem {
 impl Drop for DeviceMem {
     fn drop(&mut self) {
         let ptr = std::mem::replace(&mut self.ptr, 0);
-        if ptr != 0 && self.ctx.bind_to_thread().is_ok() {
+        if ptr != 0 && bind_for_drop(&self.ctx) {
             // Pending kernels may still use the memory: wait explicitly rather than rely on
             // cuMemFree's implicit synchronisation.
             let _ = result::ctx::synchronize();
@@ -284,12 +301,66 @@ impl PinnedMem {
     pub(crate) fn len(&self) -> usize {
         self.len
     }
+
+    /// Writes `data` at `offset` from the CPU, after waiting for all work on `gpu`'s stream
+    /// (kernels may be reading or writing the mapping; the typed driver copies are not meant
+    /// for host-to-host transfers, so pinned memory is written directly).
+    pub(crate) fn write_after(
+        &mut self,
+        gpu: &Gpu,
+        offset: usize,
+        data: &[u8],
+    ) -> Result<(), String> {
+        check_inside(offset, data.len(), self.len)?;
+        gpu.synchronize()?;
+        // SAFETY: the range is inside the allocation (checked above), `&mut self` excludes
+        // other CPU access, and the stream is idle, so no kernel touches the mapping.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                data.as_ptr(),
+                (self.host as *mut u8).add(offset),
+                data.len(),
+            )
+        };
+        Ok(())
+    }
+
+    /// Reads `out.len()` bytes at `offset` from the CPU, after waiting for all work on `gpu`'s
+    /// stream.
+    pub(crate) fn read_after(
+        &self,
+        gpu: &Gpu,
+        offset: usize,
+        out: &mut [u8],
+    ) -> Result<(), String> {
+        check_inside(offset, out.len(), self.len)?;
+        gpu.synchronize()?;
+        // SAFETY: the range is inside the allocation (checked above) and the stream is idle,
+        // so no kernel writes the mapping while it is copied.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                (self.host as *const u8).add(offset),
+                out.as_mut_ptr(),
+                out.len(),
+            )
+        };
+        Ok(())
+    }
+}
+
+fn check_inside(offset: usize, len: usize, size: usize) -> Result<(), String> {
+    match offset.checked_add(len) {
+        Some(end) if end <= size => Ok(()),
+        _ => Err(format!(
+            "{len} bytes at {offset} are outside {size} bytes of pinned memory"
+        )),
+    }
 }
 
 impl Drop for PinnedMem {
     fn drop(&mut self) {
         let host = std::mem::replace(&mut self.host, std::ptr::null_mut());
-        if !host.is_null() && self.ctx.bind_to_thread().is_ok() {
+        if !host.is_null() && bind_for_drop(&self.ctx) {
             // Pending kernels may still read the mapping: wait before freeing it.
             let _ = result::ctx::synchronize();
             // SAFETY: `host` came from cuMemHostAlloc and is freed exactly once.
@@ -314,7 +385,7 @@ unsafe impl Sync for Module {}
 impl Drop for Module {
     fn drop(&mut self) {
         let module = std::mem::replace(&mut self.module, std::ptr::null_mut());
-        if !module.is_null() && self.ctx.bind_to_thread().is_ok() {
+        if !module.is_null() && bind_for_drop(&self.ctx) {
             let _ = result::ctx::synchronize();
             // SAFETY: `module` was loaded by cuModuleLoadData and is unloaded exactly once.
             let _ = unsafe { result::module::unload(module) };

@@ -150,12 +150,20 @@ impl Executor for CudaExecutor {
 
     fn upload(&self, buffer: BufferId, offset: u64, data: &[u8]) -> Result<(), ExecError> {
         let mut st = lock(&self.state);
-        let buf = st.buffer(buffer)?;
-        let off = check_range("upload", buffer, buf.len(), offset, data.len() as u64)?.start as u64;
-        let dst = buf.addr() + off;
-        // Bounds checked above; the buffer stays alive while the lock is held, and freeing it
-        // later waits for the copy (cuMemFree / the pinned drop synchronise).
-        upload_checked(&self.gpu, dst, data)?;
+        let buf = st.buffer_mut(buffer)?;
+        let off = check_range("upload", buffer, buf.len(), offset, data.len() as u64)?.start;
+        match buf {
+            // Bounds checked above; the buffer stays alive while the lock is held, and freeing
+            // it later waits for the copy (cuMemFree synchronises).
+            CudaBuffer::Device(m) => upload_checked(&self.gpu, m.addr() + off as u64, data)?,
+            // Pinned host memory is written by the CPU once the stream is idle: a counted
+            // synchronisation (host buffers are never uploaded to on the load path).
+            CudaBuffer::Host(m) => {
+                m.write_after(&self.gpu, off, data)
+                    .map_err(driver_err("upload"))?;
+                st.counters.syncs += 1;
+            }
+        }
         st.counters.uploads += 1;
         st.counters.bytes_uploaded += data.len() as u64;
         Ok(())
@@ -164,8 +172,13 @@ impl Executor for CudaExecutor {
     fn read(&self, buffer: BufferId, offset: u64, out: &mut [u8]) -> Result<(), ExecError> {
         let mut st = lock(&self.state);
         let buf = st.buffer(buffer)?;
-        let off = check_range("read", buffer, buf.len(), offset, out.len() as u64)?.start as u64;
-        read_checked(&self.gpu, buf.addr() + off, out)?;
+        let off = check_range("read", buffer, buf.len(), offset, out.len() as u64)?.start;
+        match buf {
+            CudaBuffer::Device(m) => read_checked(&self.gpu, m.addr() + off as u64, out)?,
+            CudaBuffer::Host(m) => m
+                .read_after(&self.gpu, off, out)
+                .map_err(driver_err("read"))?,
+        }
         st.counters.reads += 1;
         st.counters.bytes_read += out.len() as u64;
         Ok(())
@@ -223,7 +236,13 @@ impl Executor for CudaExecutor {
         let views: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
         launch_checked(&self.gpu, &k.module, config, &views).map_err(|message| ExecError::Launch {
             kernel: k.name.clone(),
-            cause: if message.contains("INVALID_VALUE") {
+            // A bad shape or a block too large for the kernel's registers is rejected at launch;
+            // faults inside a kernel surface later (read / synchronize) and are sticky: the
+            // context cannot be used again, unlike a rejected launch.
+            cause: if ["INVALID_VALUE", "OUT_OF_RESOURCES"]
+                .iter()
+                .any(|c| message.contains(c))
+            {
                 LaunchFailure::InvalidConfig
             } else {
                 LaunchFailure::Other
