@@ -24,8 +24,22 @@ fn arg_kind(arg: &KernelArg<'_>) -> &'static str {
     }
 }
 
+/// Whether an argument of the right size is also of the right kind: a pointer parameter takes
+/// a buffer pointer or null, a by-value struct takes a pointer struct or raw bytes, a scalar
+/// takes a scalar (a `u64` and a pointer have the same size, but are not interchangeable).
+fn kind_fits(p: &KernelParam, arg: &KernelArg<'_>) -> bool {
+    let pointer = matches!(arg, KernelArg::Ptr(..) | KernelArg::Null);
+    if p.c_type.ends_with('*') {
+        pointer
+    } else if p.c_type.contains("ChcPools") {
+        matches!(arg, KernelArg::PtrStruct(_) | KernelArg::Bytes(_))
+    } else {
+        !pointer && !matches!(arg, KernelArg::PtrStruct(_))
+    }
+}
+
 /// Checks `args` against `signature` (the kernel's parameters in order): the count, then each
-/// argument's size. `None` (a kernel loaded without a signature) accepts anything; the host
+/// argument's size and kind. `None` (a kernel loaded without a signature) accepts anything; the host
 /// emulator still checks such launches against the compiled kernel itself.
 ///
 /// A mismatch is [`ExecError::Launch`] with [`LaunchFailure::InvalidConfig`], naming the kernel,
@@ -56,6 +70,14 @@ pub(crate) fn check_signature(
     // The first size mismatch is reported even when the count is wrong too: a missing or
     // extra argument in the middle usually shows up there first.
     for (i, (p, arg)) in params.iter().zip(args).enumerate() {
+        if arg.size() == p.size && !kind_fits(p, arg) {
+            return Err(invalid(format!(
+                "parameter {i} `{}` ({}) cannot take argument {i}, a {} of the same size{counts}",
+                p.name,
+                p.c_type,
+                arg_kind(arg),
+            )));
+        }
         if arg.size() != p.size {
             return Err(invalid(format!(
                 "parameter {i} `{}` ({}) takes {} bytes, argument {i} is a {} of {} bytes{counts}",
@@ -172,6 +194,21 @@ mod tests {
             msg,
             "parameter 2 `lane_stacks` (u32*) takes 8 bytes, argument 2 is a u32 of 4 bytes"
         );
+    }
+
+    #[test]
+    fn a_same_sized_value_of_the_wrong_kind_is_refused() {
+        let (name, sig) = release();
+        let mut args = good_args();
+        args[0] = KernelArg::U64(0x1000);
+        let msg = invalid(&name, check_signature(&name, Some(&sig), &args));
+        assert_eq!(
+            msg,
+            "parameter 0 `pages` (const u32*) cannot take argument 0, a u64 of the same size"
+        );
+        let mut args = good_args();
+        args[1] = KernelArg::I32(3);
+        check_signature(&name, Some(&sig), &args).unwrap();
     }
 
     #[test]
