@@ -1,0 +1,290 @@
+//! The CUDA executor without a GPU: tests/fake_cuda/libcuda.cpp is a stand-in driver that
+//! keeps "device" memory on the host and checks every pointer the executor hands it (copies,
+//! memsets and frees must fall inside live allocations of the right kind, a context must be
+//! current). Its "modules" are kernel renders compiled for the host emulator, so the real
+//! kernels run behind `cuLaunchKernel`.
+//!
+//! What this proves on a machine without a GPU: the CUDA executor's driver plumbing (probe,
+//! context, device and pinned mapped memory, uploads and read-backs, `void**` parameters,
+//! copy regions, events, module load and unload, every release in `Drop`) carries the whole
+//! cache and every kernel family correctly. What it cannot prove: the CUBINs and the hardware.
+//!
+//! The stand-in must be found before any real libcuda, so the checks run in a child process
+//! (this test binary again, with LD_LIBRARY_PATH set) as the ignored test `child`.
+
+mod hicache_support;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+
+use cp_hicache::cluster::Cluster;
+use cp_hicache::exec::cuda::CudaExecutor;
+use cp_hicache::exec::{
+    Backend, BufferId, CopyRegion, Counters, ExecError, Executor, KernelArg, KernelArtifact,
+    KernelId, LaunchConfig, MemKind,
+};
+use cp_hicache::kernels::{Deployment, ModelShape, TransferPath};
+use hicache_support::{cat, evict_all, jit, serve, tokens, Setup};
+
+const CHILD_ENV: &str = "CP_HICACHE_FAKE_CUDA_CHILD";
+
+/// Builds the stand-in driver as `libcuda.so` and `libcuda.so.1` in a folder of its own.
+fn build_fake_driver() -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("fake-cuda");
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fake_cuda/libcuda.cpp");
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+    let lib = dir.join("libcuda.so.1");
+    let out = Command::new(&cxx)
+        .args(["-std=c++17", "-O1", "-fPIC", "-shared", "-o"])
+        .arg(&lib)
+        .arg(src)
+        .arg("-ldl")
+        .output()
+        .unwrap_or_else(|e| panic!("{cxx}: {e}"));
+    assert!(
+        out.status.success(),
+        "building the stand-in driver failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::copy(&lib, dir.join("libcuda.so")).unwrap();
+    dir
+}
+
+#[test]
+fn cuda_executor_on_the_stand_in_driver() {
+    let dir = build_fake_driver();
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            "child",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("LD_LIBRARY_PATH", &dir)
+        .env(CHILD_ENV, "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "child failed:\n{stdout}\n{stderr}"
+    );
+}
+
+/// The CUDA executor seen as a host-backend executor, so that the JIT builds host libraries;
+/// each is handed to the CUDA executor as a stand-in "CUBIN" that names it.
+struct StandInGpu {
+    cuda: CudaExecutor,
+}
+
+impl Executor for StandInGpu {
+    fn backend(&self) -> Backend {
+        Backend::Host
+    }
+    fn device_name(&self) -> String {
+        self.cuda.device_name()
+    }
+    fn alloc(&self, k: MemKind, b: usize, f: u8) -> Result<BufferId, ExecError> {
+        self.cuda.alloc(k, b, f)
+    }
+    fn free(&self, b: BufferId) -> Result<(), ExecError> {
+        self.cuda.free(b)
+    }
+    fn size(&self, b: BufferId) -> Result<usize, ExecError> {
+        self.cuda.size(b)
+    }
+    fn upload(&self, b: BufferId, o: u64, d: &[u8]) -> Result<(), ExecError> {
+        self.cuda.upload(b, o, d)
+    }
+    fn read(&self, b: BufferId, o: u64, d: &mut [u8]) -> Result<(), ExecError> {
+        self.cuda.read(b, o, d)
+    }
+    fn load_kernel(&self, a: &KernelArtifact<'_>) -> Result<KernelId, ExecError> {
+        let KernelArtifact::HostLibrary {
+            path,
+            entry,
+            signature,
+        } = *a
+        else {
+            return self.cuda.load_kernel(a);
+        };
+        let sizes: Vec<String> = signature
+            .expect("spec kernels carry their signature")
+            .iter()
+            .map(|p| p.size.to_string())
+            .collect();
+        let image = format!(
+            "CPHEMU1\n{}\n{entry}\n{}\n",
+            path.display(),
+            sizes.join(",")
+        );
+        self.cuda.load_kernel(&KernelArtifact::Cubin {
+            image: image.as_bytes(),
+            entry,
+            signature,
+        })
+    }
+    fn launch(&self, k: KernelId, c: &LaunchConfig, a: &[KernelArg<'_>]) -> Result<(), ExecError> {
+        self.cuda.launch(k, c, a)
+    }
+    fn copy_regions(&self, s: BufferId, d: BufferId, r: &[CopyRegion]) -> Result<(), ExecError> {
+        self.cuda.copy_regions(s, d, r)
+    }
+    fn synchronize(&self) -> Result<(), ExecError> {
+        self.cuda.synchronize()
+    }
+    fn time_work(&self, w: &mut dyn FnMut() -> Result<(), ExecError>) -> Result<f64, ExecError> {
+        self.cuda.time_work(w)
+    }
+    fn counters(&self) -> Counters {
+        self.cuda.counters()
+    }
+    fn inject_launch_failure(&self) {
+        self.cuda.inject_launch_failure()
+    }
+    fn disarm_launch_failure(&self) -> bool {
+        self.cuda.disarm_launch_failure()
+    }
+}
+
+fn live_allocations() -> i32 {
+    // SAFETY: the stand-in driver is the libcuda this process loaded (LD_LIBRARY_PATH), and
+    // the hook takes no arguments and only reads its allocation table.
+    unsafe {
+        let lib = libloading::Library::new("libcuda.so").unwrap();
+        let f: libloading::Symbol<unsafe extern "C" fn() -> i32> =
+            lib.get(b"fake_cuda_live_allocations").unwrap();
+        f()
+    }
+}
+
+fn executor_basics() {
+    assert!(CudaExecutor::usable());
+    let err = CudaExecutor::new(1).err().expect("one device only");
+    assert!(err.is_unavailable(), "{err}");
+    let ex = CudaExecutor::new(0).unwrap();
+    assert!(
+        ex.device_name().contains("Fake H200"),
+        "{}",
+        ex.device_name()
+    );
+    assert_eq!(ex.compute_capability(), Some((9, 0)));
+    let dev = ex.alloc(MemKind::Device, 64, 0xA5).unwrap();
+    let host = ex.alloc(MemKind::Host, 64, 0x5A).unwrap();
+    let mut out = [0u8; 64];
+    ex.read(dev, 0, &mut out).unwrap();
+    assert_eq!(out, [0xA5; 64]);
+    ex.read(host, 0, &mut out).unwrap();
+    assert_eq!(out, [0x5A; 64]);
+    let data: Vec<u8> = (0..64).collect();
+    let before = ex.counters();
+    ex.upload(host, 0, &data).unwrap();
+    let c = ex.counters().since(&before);
+    assert_eq!(
+        (c.uploads, c.syncs),
+        (1, 1),
+        "a pinned-host upload waits for the stream"
+    );
+    ex.upload(dev, 32, &data[..32]).unwrap();
+    let r = |src_offset, dst_offset, len| CopyRegion {
+        src_offset,
+        dst_offset,
+        len,
+    };
+    ex.copy_regions(host, dev, &[r(0, 0, 16)]).unwrap();
+    ex.copy_regions(dev, dev, &[r(32, 16, 8)]).unwrap();
+    ex.read(dev, 0, &mut out).unwrap();
+    let mut want = [0xA5u8; 64];
+    want[..16].copy_from_slice(&data[..16]);
+    want[16..24].copy_from_slice(&data[..8]);
+    want[32..].copy_from_slice(&data[..32]);
+    assert_eq!(out, want);
+    ex.copy_regions(dev, host, &[r(0, 48, 16)]).unwrap();
+    ex.read(host, 48, &mut out[..16]).unwrap();
+    assert_eq!(out[..16], want[..16]);
+    assert!(matches!(
+        ex.read(dev, 60, &mut out[..8]),
+        Err(ExecError::OutOfBounds { .. })
+    ));
+    assert!(ex.copy_regions(dev, host, &[r(60, 0, 8)]).is_err());
+    let t = ex
+        .time_work(&mut || ex.copy_regions(host, dev, &[r(0, 0, 64)]))
+        .unwrap();
+    assert!(t >= 0.0);
+    assert!(matches!(
+        ex.load_kernel(&KernelArtifact::Cubin {
+            image: b"not an image",
+            entry: "k",
+            signature: None,
+        }),
+        Err(ExecError::Load { .. })
+    ));
+    ex.free(dev).unwrap();
+    assert!(ex.free(dev).is_err());
+    drop(ex);
+    assert_eq!(live_allocations(), 0, "the executor leaked driver memory");
+}
+
+fn cache_on_the_gpu(model: ModelShape, page_size: u32, cp: u8, path: TransferPath) {
+    let mut setup = Setup::new(model, page_size, cp);
+    setup.layers = 2;
+    setup.transfer_path = path;
+    let gpu = StandInGpu {
+        cuda: CudaExecutor::new(0).unwrap(),
+    };
+    let mut c: Cluster = setup.build_on(Arc::new(gpu));
+    let ps = page_size as usize;
+    let a = tokens(1, 5 * ps + 3);
+    serve(&mut c, &a);
+    let hit = serve(&mut c, &a);
+    assert!(hit.device_hit_tokens > 0, "{hit:?}");
+    evict_all(&mut c);
+    let back = serve(&mut c, &a);
+    assert!(back.host_hit_tokens > 0, "{back:?}");
+    let b = cat(&a[..3 * ps], &tokens(2, 2 * ps + 1));
+    serve(&mut c, &b);
+    let copies = c.executor().counters().copies;
+    assert_eq!(
+        copies > 0,
+        path == TransferPath::Dma,
+        "{path}: {copies} copy batches"
+    );
+    drop(c);
+    assert_eq!(live_allocations(), 0, "the cluster leaked driver memory");
+}
+
+fn every_family_matches_the_references() {
+    let gpu = StandInGpu {
+        cuda: CudaExecutor::new(0).unwrap(),
+    };
+    let jit = jit();
+    for name in ["nsa_ps64_cp8", "mla_ps16_cp4"] {
+        let dep = Deployment::by_name(name).unwrap();
+        let rows = cp_hicache::tuning::check::check_deployment(&gpu, &jit, &dep).unwrap();
+        assert!(rows.iter().any(|r| r.kernel.starts_with("dma(")));
+        for r in &rows {
+            assert!(r.ok, "{name} {}: {}", r.kernel, r.detail);
+        }
+    }
+}
+
+#[test]
+#[ignore = "run by cuda_executor_on_the_stand_in_driver, in a process that loads the stand-in libcuda"]
+fn child() {
+    assert_eq!(
+        std::env::var(CHILD_ENV).as_deref(),
+        Ok("1"),
+        "run through cuda_executor_on_the_stand_in_driver"
+    );
+    executor_basics();
+    for path in [TransferPath::Kernel, TransferPath::Dma] {
+        cache_on_the_gpu(ModelShape::MlaBf16, 16, 4, path);
+        cache_on_the_gpu(ModelShape::Nsa, 64, 8, path);
+    }
+    every_family_matches_the_references();
+    assert_eq!(live_allocations(), 0);
+}

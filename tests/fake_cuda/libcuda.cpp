@@ -1,0 +1,355 @@
+// A stand-in CUDA driver (`libcuda.so`) for testing the CUDA executor's plumbing on a machine
+// without a GPU (tests/cuda_fake_driver.rs). It implements the driver calls the executor and
+// cudarc make, on host memory, strictly:
+// - every copy, memset and free must fall inside (or name) a live allocation of the right
+//   kind, otherwise CUDA_ERROR_INVALID_VALUE, so out-of-bounds or stale pointers fail loudly;
+// - calls that need a context fail with CUDA_ERROR_INVALID_CONTEXT when none is current on
+//   the calling thread;
+// - work runs synchronously at enqueue (one stream in order is all the executor uses).
+// "Modules" are not CUBINs: an image is the text `CPHEMU1\n<host library>\n<entry>\n<sizes>\n`
+// naming a kernel render compiled for the host emulator (cuda_emu.h) and its parameter sizes;
+// cuLaunchKernel runs it through the emulator's launch entry.
+
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef struct FakeCtx* CUcontext;
+typedef struct FakeStream* CUstream;
+typedef struct FakeEvent* CUevent;
+typedef struct FakeModule* CUmodule;
+typedef struct FakeFunction* CUfunction;
+
+enum : CUresult {
+  OK = 0,
+  INVALID_VALUE = 1,
+  OUT_OF_MEMORY = 2,
+  NOT_INITIALIZED = 3,
+  INVALID_DEVICE = 101,
+  INVALID_IMAGE = 200,
+  INVALID_CONTEXT = 201,
+  INVALID_HANDLE = 400,
+  NOT_FOUND = 500,
+  LAUNCH_FAILED = 719,
+};
+
+// Mirrors CpEmuLaunch in templates/cuda_emu.h (ABI version 1).
+struct CpEmuLaunch {
+  uint32_t abi_version;
+  uint32_t grid[3];
+  uint32_t block[3];
+  uint32_t dyn_shared_bytes;
+  uint32_t flags;
+  uint32_t num_params;
+  uint64_t stack_bytes;
+  const uint64_t* param_sizes;
+  char* err_buf;
+  uint64_t err_cap;
+};
+typedef int (*EmuEntry)(const CpEmuLaunch*, void**);
+
+struct FakeCtx {
+  int device;
+};
+struct FakeStream {
+  int alive;
+};
+struct FakeEvent {
+  double seconds;
+  bool recorded;
+};
+struct FakeModule {
+  void* lib;
+  std::string entry;
+  std::vector<uint64_t> sizes;
+};
+struct FakeFunction {
+  FakeModule* module;
+  EmuEntry entry;
+};
+
+namespace {
+enum Kind { DEVICE, HOST };
+struct Alloc {
+  size_t len;
+  Kind kind;
+};
+std::mutex g_mu;
+std::map<uintptr_t, Alloc> g_allocs;
+bool g_init = false;
+FakeCtx g_primary{0};
+int g_primary_refs = 0;
+thread_local CUcontext t_current = nullptr;
+
+// The allocation [addr, addr + len) lies in, if any, of kind `kind` (or any kind when < 0).
+bool inside(uintptr_t addr, size_t len, int kind) {
+  std::lock_guard<std::mutex> g(g_mu);
+  auto it = g_allocs.upper_bound(addr);
+  if (it == g_allocs.begin()) return false;
+  --it;
+  if (kind >= 0 && it->second.kind != kind) return false;
+  return addr >= it->first && addr + len <= it->first + it->second.len && addr + len >= addr;
+}
+
+CUresult need_ctx() { return t_current ? OK : INVALID_CONTEXT; }
+
+double now() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+CUresult alloc(size_t len, Kind kind, void** out) {
+  if (!g_init) return NOT_INITIALIZED;
+  if (need_ctx()) return INVALID_CONTEXT;
+  if (len == 0) return INVALID_VALUE;
+  void* p = aligned_alloc(256, (len + 255) / 256 * 256);
+  if (!p) return OUT_OF_MEMORY;
+  std::lock_guard<std::mutex> g(g_mu);
+  g_allocs[(uintptr_t)p] = Alloc{len, kind};
+  *out = p;
+  return OK;
+}
+
+CUresult release(uintptr_t p, Kind kind) {
+  if (need_ctx()) return INVALID_CONTEXT;
+  std::lock_guard<std::mutex> g(g_mu);
+  auto it = g_allocs.find(p);
+  if (it == g_allocs.end() || it->second.kind != kind) return INVALID_VALUE;
+  g_allocs.erase(it);
+  free((void*)p);
+  return OK;
+}
+}  // namespace
+
+extern "C" {
+
+CUresult cuGetErrorString(CUresult e, const char** s) {
+  static const char* names[] = {"fake driver: error"};
+  *s = names[0];
+  (void)e;
+  return OK;
+}
+CUresult cuGetErrorName(CUresult e, const char** s) { return cuGetErrorString(e, s); }
+
+CUresult cuInit(unsigned flags) {
+  if (flags != 0) return INVALID_VALUE;
+  g_init = true;
+  return OK;
+}
+CUresult cuDriverGetVersion(int* v) {
+  *v = 12080;
+  return OK;
+}
+CUresult cuDeviceGetCount(int* n) {
+  if (!g_init) return NOT_INITIALIZED;
+  *n = 1;
+  return OK;
+}
+CUresult cuDeviceGet(CUdevice* d, int ordinal) {
+  if (!g_init) return NOT_INITIALIZED;
+  if (ordinal != 0) return INVALID_DEVICE;
+  *d = 0;
+  return OK;
+}
+CUresult cuDeviceGetName(char* name, int len, CUdevice d) {
+  if (d != 0) return INVALID_DEVICE;
+  snprintf(name, (size_t)len, "Fake H200 (cp-hicache test driver)");
+  return OK;
+}
+CUresult cuDeviceGetAttribute(int* v, int attrib, CUdevice d) {
+  if (d != 0) return INVALID_DEVICE;
+  switch (attrib) {
+    case 75: *v = 9; break;   // COMPUTE_CAPABILITY_MAJOR
+    case 76: *v = 0; break;   // COMPUTE_CAPABILITY_MINOR
+    case 115: *v = 1; break;  // MEMORY_POOLS_SUPPORTED
+    default: *v = 0;
+  }
+  return OK;
+}
+CUresult cuDevicePrimaryCtxRetain(CUcontext* c, CUdevice d) {
+  if (!g_init) return NOT_INITIALIZED;
+  if (d != 0) return INVALID_DEVICE;
+  g_primary_refs++;
+  *c = &g_primary;
+  return OK;
+}
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) {
+  if (d != 0 || g_primary_refs == 0) return INVALID_VALUE;
+  g_primary_refs--;
+  return OK;
+}
+CUresult cuCtxGetCurrent(CUcontext* c) {
+  *c = t_current;
+  return OK;
+}
+CUresult cuCtxSetCurrent(CUcontext c) {
+  if (c && c != &g_primary) return INVALID_CONTEXT;
+  t_current = c;
+  return OK;
+}
+CUresult cuCtxSynchronize(void) { return need_ctx(); }
+
+CUresult cuStreamCreate(CUstream* s, unsigned flags) {
+  (void)flags;
+  if (need_ctx()) return INVALID_CONTEXT;
+  *s = new FakeStream{1};
+  return OK;
+}
+CUresult cuStreamDestroy_v2(CUstream s) {
+  if (!s || !s->alive) return INVALID_HANDLE;
+  s->alive = 0;
+  delete s;
+  return OK;
+}
+CUresult cuStreamSynchronize(CUstream s) {
+  if (s && !s->alive) return INVALID_HANDLE;
+  return need_ctx();
+}
+
+CUresult cuEventCreate(CUevent* e, unsigned flags) {
+  (void)flags;
+  if (need_ctx()) return INVALID_CONTEXT;
+  *e = new FakeEvent{0.0, false};
+  return OK;
+}
+CUresult cuEventRecord(CUevent e, CUstream s) {
+  if (!e || (s && !s->alive)) return INVALID_HANDLE;
+  e->seconds = now();
+  e->recorded = true;
+  return OK;
+}
+CUresult cuEventSynchronize(CUevent e) { return e ? OK : INVALID_HANDLE; }
+CUresult cuEventQuery(CUevent e) { return e ? OK : INVALID_HANDLE; }
+CUresult cuEventElapsedTime(float* ms, CUevent a, CUevent b) {
+  if (!a || !b || !a->recorded || !b->recorded) return INVALID_HANDLE;
+  *ms = (float)((b->seconds - a->seconds) * 1e3);
+  return OK;
+}
+CUresult cuEventElapsedTime_v2(float* ms, CUevent a, CUevent b) { return cuEventElapsedTime(ms, a, b); }
+CUresult cuEventDestroy_v2(CUevent e) {
+  if (!e) return INVALID_HANDLE;
+  delete e;
+  return OK;
+}
+
+CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t len) {
+  void* out = nullptr;
+  CUresult r = alloc(len, DEVICE, &out);
+  if (r == OK) *p = (CUdeviceptr)(uintptr_t)out;
+  return r;
+}
+CUresult cuMemFree_v2(CUdeviceptr p) { return release((uintptr_t)p, DEVICE); }
+CUresult cuMemHostAlloc(void** p, size_t len, unsigned flags) {
+  if (!(flags & 0x02)) return INVALID_VALUE;  // the executor maps host pools: DEVICEMAP
+  return alloc(len, HOST, p);
+}
+CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr* d, void* p, unsigned flags) {
+  if (flags != 0 || !inside((uintptr_t)p, 1, HOST)) return INVALID_VALUE;
+  *d = (CUdeviceptr)(uintptr_t)p;
+  return OK;
+}
+CUresult cuMemFreeHost(void* p) { return release((uintptr_t)p, HOST); }
+
+CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, CUstream s) {
+  (void)s;
+  if (need_ctx() || !inside((uintptr_t)d, n, DEVICE)) return INVALID_VALUE;
+  memset((void*)(uintptr_t)d, v, n);
+  return OK;
+}
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* src, size_t n, CUstream s) {
+  (void)s;
+  if (need_ctx() || !inside((uintptr_t)d, n, DEVICE)) return INVALID_VALUE;
+  memcpy((void*)(uintptr_t)d, src, n);
+  return OK;
+}
+CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr s, size_t n, CUstream st) {
+  (void)st;
+  if (need_ctx() || !inside((uintptr_t)s, n, DEVICE)) return INVALID_VALUE;
+  memcpy(dst, (const void*)(uintptr_t)s, n);
+  return OK;
+}
+CUresult cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) {
+  (void)st;
+  if (need_ctx() || !inside((uintptr_t)d, n, -1) || !inside((uintptr_t)s, n, -1)) {
+    return INVALID_VALUE;
+  }
+  memmove((void*)(uintptr_t)d, (const void*)(uintptr_t)s, n);
+  return OK;
+}
+
+CUresult cuModuleLoadData(CUmodule* m, const void* image) {
+  if (need_ctx()) return INVALID_CONTEXT;
+  const char* text = (const char*)image;
+  if (strncmp(text, "CPHEMU1\n", 8) != 0) return INVALID_IMAGE;
+  std::istringstream in(text + 8);
+  std::string path, entry, sizes;
+  std::getline(in, path);
+  std::getline(in, entry);
+  std::getline(in, sizes);
+  void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (!lib) return INVALID_IMAGE;
+  FakeModule* mod = new FakeModule{lib, entry, {}};
+  std::istringstream ss(sizes);
+  for (std::string tok; std::getline(ss, tok, ',');) {
+    if (!tok.empty()) mod->sizes.push_back(strtoull(tok.c_str(), nullptr, 10));
+  }
+  *m = mod;
+  return OK;
+}
+CUresult cuModuleGetFunction(CUfunction* f, CUmodule m, const char* name) {
+  if (!m || m->entry != name) return NOT_FOUND;
+  std::string sym = std::string(name) + "__emu_launch";
+  void* e = dlsym(m->lib, sym.c_str());
+  if (!e) return NOT_FOUND;
+  *f = new FakeFunction{m, (EmuEntry)e};
+  return OK;
+}
+CUresult cuModuleUnload(CUmodule m) {
+  if (!m) return INVALID_HANDLE;
+  dlclose(m->lib);
+  delete m;  // functions of the module are leaked on purpose: handles die with the module
+  return OK;
+}
+
+CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                        unsigned by, unsigned bz, unsigned shared, CUstream s, void** params,
+                        void** extra) {
+  if (need_ctx()) return INVALID_CONTEXT;
+  if (!f || extra || (s && !s->alive)) return INVALID_VALUE;
+  char err[4096] = {0};
+  CpEmuLaunch cfg{};
+  cfg.abi_version = 1;
+  cfg.grid[0] = gx, cfg.grid[1] = gy, cfg.grid[2] = gz;
+  cfg.block[0] = bx, cfg.block[1] = by, cfg.block[2] = bz;
+  cfg.dyn_shared_bytes = shared;
+  cfg.num_params = (uint32_t)f->module->sizes.size();
+  cfg.param_sizes = f->module->sizes.data();
+  cfg.err_buf = err;
+  cfg.err_cap = sizeof err;
+  int status = f->entry(&cfg, params);
+  if (status == 0) return OK;
+  fprintf(stderr, "fake libcuda: launch of %s failed (%d): %s\n", f->module->entry.c_str(), status,
+          err);
+  return status == 1 ? INVALID_VALUE : LAUNCH_FAILED;
+}
+
+}  // extern "C"
+
+// Test hooks (not driver API): live allocations, to check that the executor frees everything.
+extern "C" int fake_cuda_live_allocations(void) {
+  std::lock_guard<std::mutex> g(g_mu);
+  return (int)g_allocs.size();
+}
