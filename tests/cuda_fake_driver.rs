@@ -22,9 +22,10 @@ use cp_hicache::cluster::Cluster;
 use cp_hicache::exec::cuda::CudaExecutor;
 use cp_hicache::exec::{
     Backend, BufferId, CopyRegion, Counters, ExecError, Executor, KernelArg, KernelArtifact,
-    KernelId, LaunchConfig, MemKind,
+    KernelId, LaunchConfig, LaunchFailure, MemKind,
 };
-use cp_hicache::kernels::{Deployment, ModelShape, TransferPath};
+use cp_hicache::jit::{spec_request, Sanitize, Target};
+use cp_hicache::kernels::{Deployment, KernelSpec, ModelShape, ReleaseSpec, TransferPath};
 use hicache_support::{cat, evict_all, jit, serve, tokens, Setup};
 
 const CHILD_ENV: &str = "CP_HICACHE_FAKE_CUDA_CHILD";
@@ -257,6 +258,50 @@ fn cache_on_the_gpu(model: ModelShape, page_size: u32, cp: u8, path: TransferPat
     assert_eq!(live_allocations(), 0, "the cluster leaked driver memory");
 }
 
+/// Launch failures on the CUDA executor are typed and leave it usable: a wrong argument list
+/// is refused by the signature before the driver sees it, an injected failure runs nothing.
+fn launch_failures_are_typed() {
+    let gpu = StandInGpu {
+        cuda: CudaExecutor::new(0).unwrap(),
+    };
+    let spec = KernelSpec::ReleasePages(ReleaseSpec { cp: 2, threads: 32 });
+    let req = spec_request(
+        &spec,
+        Target::Host {
+            sanitize: Sanitize::None,
+        },
+        None,
+    )
+    .unwrap();
+    let k = jit().get(&req).unwrap().load_spec(&gpu, &spec).unwrap();
+    let buf = |n| gpu.alloc(MemKind::Device, n, 0).unwrap();
+    let (pages, tops, stacks) = (buf(8), buf(8), buf(64));
+    gpu.upload(pages, 0, &[2, 0, 0, 0, 3, 0, 0, 0]).unwrap();
+    let args = [
+        KernelArg::Ptr(pages, 0),
+        KernelArg::U32(2),
+        KernelArg::Ptr(stacks, 0),
+        KernelArg::Ptr(tops, 0),
+        KernelArg::U32(8),
+    ];
+    let cfg = LaunchConfig::linear(1, 32);
+    let cause = |r: Result<(), ExecError>| r.unwrap_err().launch_failure();
+    assert_eq!(
+        cause(gpu.launch(k, &cfg, &args[..4])),
+        Some(LaunchFailure::InvalidConfig)
+    );
+    gpu.inject_launch_failure();
+    assert_eq!(
+        cause(gpu.launch(k, &cfg, &args)),
+        Some(LaunchFailure::Injected)
+    );
+    gpu.launch(k, &cfg, &args).unwrap();
+    let mut tops_after = [0u8; 8];
+    gpu.read(tops, 0, &mut tops_after).unwrap();
+    // Page 2 went back to lane 0, page 3 to lane 1: each lane's top grew by one.
+    assert_eq!(tops_after, [1, 0, 0, 0, 1, 0, 0, 0]);
+}
+
 fn every_family_matches_the_references() {
     let gpu = StandInGpu {
         cuda: CudaExecutor::new(0).unwrap(),
@@ -281,6 +326,7 @@ fn child() {
         "run through cuda_executor_on_the_stand_in_driver"
     );
     executor_basics();
+    launch_failures_are_typed();
     for path in [TransferPath::Kernel, TransferPath::Dma] {
         cache_on_the_gpu(ModelShape::MlaBf16, 16, 4, path);
         cache_on_the_gpu(ModelShape::Nsa, 64, 8, path);
