@@ -164,6 +164,11 @@ fn live_allocations() -> i32 {
 }
 
 fn executor_basics() {
+    // A stub libcuda first on the library path is named as such, not a bare error code.
+    std::env::set_var("FAKE_CUDA_INIT_RESULT", "34");
+    let why = CudaExecutor::probe().unwrap_err();
+    std::env::remove_var("FAKE_CUDA_INIT_RESULT");
+    assert!(why.contains("stub library"), "{why}");
     assert!(CudaExecutor::usable());
     let err = CudaExecutor::new(1).err().expect("one device only");
     assert!(err.is_unavailable(), "{err}");

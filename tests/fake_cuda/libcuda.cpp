@@ -146,6 +146,8 @@ CUresult cuGetErrorName(CUresult e, const char** s) { return cuGetErrorString(e,
 
 CUresult cuInit(unsigned flags) {
   if (flags != 0) return INVALID_VALUE;
+  // Test hook: act as another library would (34 = the toolkit's stub libcuda).
+  if (const char* r = getenv("FAKE_CUDA_INIT_RESULT")) return atoi(r);
   g_init = true;
   return OK;
 }

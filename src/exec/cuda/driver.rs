@@ -19,7 +19,15 @@ pub(crate) fn device_count() -> Result<usize, String> {
     if !driver_present() {
         return Err("the CUDA driver library (libcuda) was not found".into());
     }
-    result::init().map_err(|e| format!("cuInit failed: {e:?}"))?;
+    result::init().map_err(|e| {
+        if e.0 == sys::cudaError_enum::CUDA_ERROR_STUB_LIBRARY {
+            "cuInit failed: the libcuda found first is the CUDA toolkit's stub library; remove \
+             its folder (…/lib64/stubs) from LD_LIBRARY_PATH so the driver's libcuda.so.1 loads"
+                .to_string()
+        } else {
+            format!("cuInit failed: {e:?}")
+        }
+    })?;
     let n = result::device::get_count().map_err(|e| format!("cuDeviceGetCount failed: {e:?}"))?;
     Ok(n.max(0) as usize)
 }
