@@ -8,9 +8,8 @@
 
 mod hicache_support;
 
-use cp_hicache::allocator::KernelAllocError;
 use cp_hicache::cluster::{Cluster, ClusterError};
-use cp_hicache::exec::{ExecError, Executor, LaunchFailure};
+use cp_hicache::exec::{Executor, LaunchFailure};
 use cp_hicache::kernels::ModelShape;
 use hicache_support::{linear_tokens as tokens, serve, Setup, Spy};
 use std::sync::Arc;
@@ -22,11 +21,7 @@ fn cluster_on(exec: Arc<dyn Executor>) -> Cluster {
 
 /// Whether `e` is the injected launch failure (of a cluster or an allocator kernel).
 fn injected(e: &ClusterError) -> bool {
-    let exec: Option<&ExecError> = match e {
-        ClusterError::Exec(x) | ClusterError::KernelAlloc(KernelAllocError::Exec(x)) => Some(x),
-        _ => None,
-    };
-    exec.and_then(ExecError::launch_failure) == Some(LaunchFailure::Injected)
+    e.launch_failure() == Some(LaunchFailure::Injected)
 }
 
 /// The chosen request, the first one, needs more device pages than the pool has and nothing

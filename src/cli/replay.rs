@@ -2,6 +2,7 @@
 //! cluster, verifying every request's materialised KV byte for byte, and reports hit rates,
 //! traffic, throughput, replica agreement and mismatched tokens.
 
+use super::common::parse_backend;
 use crate::cluster::{Cluster, ClusterConfig, Fault, ReplayReport, RequestStats, WritePolicy};
 use crate::exec::{open_executor, Backend, Executor};
 use crate::jit::{Jit, JitConfig, Sanitize, EMU_HEADER};
@@ -122,10 +123,6 @@ fn parse_transfer_path(s: &str) -> Result<TransferPath, String> {
 
 fn parse_fault(s: &str) -> Result<Fault, String> {
     s.parse()
-}
-
-fn parse_backend(s: &str) -> Result<Backend, String> {
-    s.parse().map_err(|e: crate::exec::ExecError| e.to_string())
 }
 
 /// A stream of requests, read or generated lazily.

@@ -182,6 +182,17 @@ pub enum ClusterError {
 }
 
 impl ClusterError {
+    /// Why a kernel launch failed, when this error is a failed launch (of a cache kernel or
+    /// of an allocator kernel), e.g. [`LaunchFailure::Injected`](crate::exec::LaunchFailure).
+    pub fn launch_failure(&self) -> Option<crate::exec::LaunchFailure> {
+        match self {
+            ClusterError::Exec(e) | ClusterError::KernelAlloc(KernelAllocError::Exec(e)) => {
+                e.launch_failure()
+            }
+            _ => None,
+        }
+    }
+
     /// Whether the error comes from the settings (exit status 2) rather than a failure.
     pub fn is_usage(&self) -> bool {
         matches!(
