@@ -305,8 +305,11 @@ impl KernelLaneAllocator {
             Err(e) => {
                 // Reverse-order pushes restore the stacks exactly (LIFO).
                 let back: Vec<PageId> = run.pages().iter().rev().copied().collect();
-                self.mirror.free(&back)?;
+                // The device lanes follow the mirror whatever happens to the undo (it can only
+                // fail a debug invariant check, which leaves the mirror as it was).
+                let undo = self.mirror.free(&back);
                 self.restore_device(&e);
+                undo?;
                 Err(e.into())
             }
         }
@@ -331,8 +334,9 @@ impl KernelLaneAllocator {
                 .rev()
                 .map(|&p| self.mirror.layout().owner(p).0)
                 .collect();
-            self.mirror.alloc_pages_with_owners(&owners)?;
+            let undo = self.mirror.alloc_pages_with_owners(&owners);
             self.restore_device(&e);
+            undo?;
             return Err(e.into());
         }
         Ok(())
