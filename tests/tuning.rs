@@ -129,9 +129,9 @@ fn matching_entries_are_applied_with_one_call() {
 }
 
 /// DMA takes over transfers only when it was measured for every transfer and its total beats
-/// the chosen kernel shape's; otherwise the transfer kernel stays.
+/// the best kernel shape's over the transfers; otherwise the transfer kernel stays.
 #[test]
-fn dma_decides_the_transfer_path_only_when_it_wins_for_every_transfer() {
+fn dma_decides_the_transfer_path_when_its_total_over_the_transfers_wins() {
     let dep = Deployment::by_name("mla_ps16_cp8").unwrap();
     let dev = device("gpu-like");
     let with = |dma: &dyn Fn(usize) -> Option<f64>| {
@@ -180,6 +180,44 @@ fn dma_decides_the_transfer_path_only_when_it_wins_for_every_transfer() {
     // Not measured for one transfer (a host-tuned file has no DMA at all): the kernel.
     assert_eq!(with(&|i| (i == 0).then_some(0.1)), TransferPath::Kernel);
     assert_eq!(with(&|_| None), TransferPath::Kernel);
+}
+
+/// When transfers take DMA, the copy shape serves materialise alone and is its best shape,
+/// not the compromise that also counted the transfers.
+#[test]
+fn with_dma_transfers_the_copy_shape_is_materialises_own_best() {
+    let dep = Deployment::by_name("mla_ps16_cp8").unwrap();
+    let dev = device("gpu-like");
+    let file = |dma: f64| {
+        let mut f = TuningFile::default();
+        for spec in tuning::tuner::tuned_specs(&dep) {
+            let timings = match spec {
+                KernelSpec::SelectOwnerPages(_) | KernelSpec::ReleasePages(_) => {
+                    vec![(LaunchChoice::Threads { threads: 32 }, 1.0)]
+                }
+                // Summed with the transfers, GPU_COPY wins (1 + 1 + 2 < 3 + 3 + 1.5).
+                KernelSpec::TransferPages(_) => {
+                    vec![(GPU_COPY, 1.0), (CPU_COPY, 3.0), (LaunchChoice::Dma, dma)]
+                }
+                _ => vec![(GPU_COPY, 2.0), (CPU_COPY, 1.5)],
+            };
+            f.upsert(entry(&dev, &spec, &timings));
+        }
+        f
+    };
+    let shape = |d: &Deployment| LaunchChoice::Copy {
+        threads: d.copy.threads,
+        pages_per_block: d.copy.pages_per_block,
+        vec_bytes: d.copy.vec.bytes(),
+        unroll: d.copy.unroll,
+    };
+    let (tuned, warnings, _) = dep.with_tuning(&file(0.5), &dev);
+    assert!(warnings.is_empty(), "{warnings:?}");
+    assert_eq!(tuned.transfer_path, TransferPath::Dma);
+    assert_eq!(shape(&tuned), CPU_COPY);
+    let (tuned, _, _) = dep.with_tuning(&file(1.5), &dev);
+    assert_eq!(tuned.transfer_path, TransferPath::Kernel);
+    assert_eq!(shape(&tuned), GPU_COPY);
 }
 
 #[test]

@@ -235,8 +235,9 @@ impl Deployment {
     /// device or compiler, or does not fit. Entries for kernels the deployment does not use
     /// are silently irrelevant. A field fed by several kernels (`copy` by both transfer
     /// directions and materialise of every buffer) takes the candidate with the smallest total
-    /// time among those measured for all of them; DMA results are not a kernel shape and do
-    /// not count there, but decide `transfer_path` (see `transfer_path`).
+    /// time among those measured for all of them. DMA results are not a kernel shape; they
+    /// decide `transfer_path` first, and when transfers take DMA the shape serves materialise
+    /// alone (see `copy_choice`).
     pub fn with_tuning(
         &self,
         file: &TuningFile,
@@ -274,7 +275,11 @@ impl Deployment {
             if matched.is_empty() {
                 continue;
             }
-            let Some(choice) = best_common(&matched) else {
+            let (best, path) = match field {
+                Field::Copy => copy_choice(&matched, &transfers),
+                _ => (best_common(&matched), TransferPath::Kernel),
+            };
+            let Some(choice) = best else {
                 warnings.push(TuningWarning {
                     kind: WarningKind::Unusable,
                     spec_key: matched[0].spec_key.clone(),
@@ -289,7 +294,7 @@ impl Deployment {
                 (Field::Copy, c) => match c.copy_launch() {
                     Some(l) => {
                         next.copy = l;
-                        next.transfer_path = transfer_path(&transfers, &c);
+                        next.transfer_path = path;
                     }
                     None => continue,
                 },
@@ -328,7 +333,30 @@ fn field_of(spec: &KernelSpec) -> Field {
     }
 }
 
-/// DMA when every transfer entry measured it and its summed time beats the chosen kernel
+/// The copy launch shape and the transfer path, decided in that order: transfers take DMA
+/// when it beats the best kernel shape for the transfers alone ([`transfer_path`]); the shape
+/// then only serves materialise and is its own best, otherwise the best over every kernel
+/// sharing it.
+fn copy_choice(
+    matched: &[&TuningEntry],
+    transfers: &[&TuningEntry],
+) -> (Option<LaunchChoice>, TransferPath) {
+    let path = best_common(transfers).map_or(TransferPath::Kernel, |kernel| {
+        transfer_path(transfers, &kernel)
+    });
+    let rest: Vec<&TuningEntry> = matched
+        .iter()
+        .filter(|e| !transfers.iter().any(|t| std::ptr::eq(*t, **e)))
+        .copied()
+        .collect();
+    let best = match path {
+        TransferPath::Dma if !rest.is_empty() => best_common(&rest),
+        _ => best_common(matched),
+    };
+    (best, path)
+}
+
+/// DMA when every transfer entry measured it and its summed time beats the given kernel
 /// shape's summed time over the same entries; the kernel otherwise (also when some entry has
 /// no DMA time, e.g. a file tuned on the host executor).
 fn transfer_path(transfers: &[&TuningEntry], kernel: &LaunchChoice) -> TransferPath {
