@@ -21,10 +21,10 @@ use std::sync::Arc;
 use cp_hicache::cluster::Cluster;
 use cp_hicache::exec::cuda::CudaExecutor;
 use cp_hicache::exec::{
-    Backend, BufferId, CopyRegion, Counters, ExecError, Executor, KernelArg, KernelArtifact,
-    KernelId, LaunchConfig, LaunchFailure, MemKind,
+    open_executor, Backend, BufferId, CopyRegion, Counters, ExecError, Executor, KernelArg,
+    KernelArtifact, KernelId, LaunchConfig, LaunchFailure, MemKind,
 };
-use cp_hicache::jit::{spec_request, Sanitize, Target};
+use cp_hicache::jit::{spec_request, target_for, Arch, Sanitize, Target};
 use cp_hicache::kernels::{Deployment, KernelSpec, ModelShape, ReleaseSpec, TransferPath};
 use hicache_support::{cat, evict_all, jit, serve, tokens, Setup};
 
@@ -170,6 +170,28 @@ fn executor_basics() {
     std::env::remove_var("FAKE_CUDA_INIT_RESULT");
     assert!(why.contains("stub library"), "{why}");
     assert!(CudaExecutor::usable());
+    assert_eq!(Backend::Auto.resolve(), Backend::Cuda);
+    assert_eq!(
+        open_executor(Backend::Auto).unwrap().backend(),
+        Backend::Cuda
+    );
+    // A GPU no kernel target runs on: `auto` falls back to the host, `cuda` opens it, and
+    // building kernels for it is a clear Unavailable error.
+    std::env::set_var("FAKE_CUDA_CC", "12.0");
+    assert_eq!(Backend::Auto.resolve(), Backend::Host);
+    assert_eq!(
+        open_executor(Backend::Auto).unwrap().backend(),
+        Backend::Host
+    );
+    let odd = open_executor(Backend::Cuda).unwrap();
+    assert_eq!(odd.compute_capability(), Some((12, 0)));
+    let err = target_for(odd.as_ref(), Arch::Sm90, Sanitize::None).unwrap_err();
+    assert!(
+        err.is_unavailable() && err.to_string().contains("12.0"),
+        "{err}"
+    );
+    drop(odd);
+    std::env::remove_var("FAKE_CUDA_CC");
     let err = CudaExecutor::new(1).err().expect("one device only");
     assert!(err.is_unavailable(), "{err}");
     let ex = CudaExecutor::new(0).unwrap();
@@ -217,10 +239,13 @@ fn executor_basics() {
         Err(ExecError::OutOfBounds { .. })
     ));
     assert!(ex.copy_regions(dev, host, &[r(60, 0, 8)]).is_err());
+    let before_timing = ex.counters();
     let t = ex
         .time_work(&mut || ex.copy_regions(host, dev, &[r(0, 0, 64)]))
         .unwrap();
-    assert!(t >= 0.0);
+    let c = ex.counters().since(&before_timing);
+    assert!(t > 0.0 && t < 1.0, "{t} s for 64 bytes");
+    assert_eq!((c.copies, c.syncs), (1, 1), "{c:?}");
     assert!(matches!(
         ex.load_kernel(&KernelArtifact::Cubin {
             image: b"not an image",

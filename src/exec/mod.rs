@@ -212,19 +212,50 @@ impl Backend {
     /// Resolves `Auto` to the backend that [`open_executor`] would pick now.
     pub fn resolve(self) -> Backend {
         match self {
-            Backend::Auto if cuda::CudaExecutor::usable() => Backend::Cuda,
+            Backend::Auto if auto_gpu().is_ok() => Backend::Cuda,
             Backend::Auto => Backend::Host,
             other => other,
         }
     }
 }
 
-/// Opens the executor for `backend`: `Auto` picks CUDA only when a device is usable.
+/// The GPU `Auto` takes: device 0, when a driver and a device are usable and kernels can be
+/// built for its architecture; otherwise why not.
+fn auto_gpu() -> Result<cuda::CudaExecutor, String> {
+    if !cuda::CudaExecutor::usable() {
+        return Err("no usable CUDA device".into());
+    }
+    let gpu = cuda::CudaExecutor::new(0).map_err(|e| e.to_string())?;
+    match gpu.compute_capability() {
+        Some((major, minor)) if crate::jit::Arch::for_device(major, minor).is_none() => {
+            Err(format!(
+                "{} (compute capability {major}.{minor}) has no supported kernel target",
+                gpu.device_name()
+            ))
+        }
+        _ => Ok(gpu),
+    }
+}
+
+/// Opens the executor for `backend`. `Auto` picks CUDA when a device is usable and kernels
+/// can be built for it, and otherwise the host executor (saying why when a driver was found).
 /// The host executor takes its block order from `CP_HICACHE_EMU_ORDER`.
 pub fn open_executor(backend: Backend) -> Result<Box<dyn Executor>, ExecError> {
-    match backend.resolve() {
+    let host = || -> Result<Box<dyn Executor>, ExecError> {
+        Ok(Box::new(HostExecutor::new(HostOptions::from_env()?)))
+    };
+    match backend {
         Backend::Cuda => Ok(Box::new(cuda::CudaExecutor::new(0)?)),
-        _ => Ok(Box::new(HostExecutor::new(HostOptions::from_env()?))),
+        Backend::Host => host(),
+        Backend::Auto => match auto_gpu() {
+            Ok(gpu) => Ok(Box::new(gpu)),
+            Err(why) => {
+                if cuda::CudaExecutor::usable() {
+                    tracing::warn!(target: "cp_hicache::exec", "--backend auto: using the host executor: {why}");
+                }
+                host()
+            }
+        },
     }
 }
 

@@ -173,9 +173,12 @@ CUresult cuDeviceGetName(char* name, int len, CUdevice d) {
 }
 CUresult cuDeviceGetAttribute(int* v, int attrib, CUdevice d) {
   if (d != 0) return INVALID_DEVICE;
+  // Test hook: FAKE_CUDA_CC="major.minor" (default 9.0, an H200).
+  int major = 9, minor = 0;
+  if (const char* cc = getenv("FAKE_CUDA_CC")) sscanf(cc, "%d.%d", &major, &minor);
   switch (attrib) {
-    case 75: *v = 9; break;   // COMPUTE_CAPABILITY_MAJOR
-    case 76: *v = 0; break;   // COMPUTE_CAPABILITY_MINOR
+    case 75: *v = major; break;  // COMPUTE_CAPABILITY_MAJOR
+    case 76: *v = minor; break;  // COMPUTE_CAPABILITY_MINOR
     case 115: *v = 1; break;  // MEMORY_POOLS_SUPPORTED
     default: *v = 0;
   }
