@@ -73,12 +73,13 @@ pub struct KernelAllocOptions {
     pub threads: u32,
     /// Sanitizer mode of host-emulation builds (ignored on CUDA).
     pub sanitize: Sanitize,
-    /// Architecture of CUDA builds (ignored on the host executor).
+    /// Architecture of CUDA builds when the executor reports no compute capability; a CUDA
+    /// executor builds for its own device (`jit::target_for`). Ignored on the host executor.
     pub arch: Arch,
 }
 
 impl Default for KernelAllocOptions {
-    /// The deployments' default shape: `t256`, no sanitizer, `sm_90`.
+    /// The deployments' default shape: `t256`, no sanitizer, `sm_90` as the fallback arch.
     fn default() -> Self {
         KernelAllocOptions {
             threads: 256,
@@ -306,10 +307,11 @@ impl KernelLaneAllocator {
                 // Reverse-order pushes restore the stacks exactly (LIFO).
                 let back: Vec<PageId> = run.pages().iter().rev().copied().collect();
                 // The device lanes follow the mirror whatever happens to the undo (it can only
-                // fail a debug invariant check, which leaves the mirror as it was).
+                // fail a debug invariant check, which leaves the mirror as it was); the launch
+                // error is what the caller gets.
                 let undo = self.mirror.free(&back);
                 self.restore_device(&e);
-                undo?;
+                log_failed_undo(undo, &e);
                 Err(e.into())
             }
         }
@@ -334,9 +336,9 @@ impl KernelLaneAllocator {
                 .rev()
                 .map(|&p| self.mirror.layout().owner(p).0)
                 .collect();
-            let undo = self.mirror.alloc_pages_with_owners(&owners);
+            let undo = self.mirror.alloc_pages_with_owners(&owners).map(drop);
             self.restore_device(&e);
-            undo?;
+            log_failed_undo(undo, &e);
             return Err(e.into());
         }
         Ok(())
@@ -488,6 +490,19 @@ impl KernelLaneAllocator {
                 "could not restore the device lanes after a failed launch"
             );
         }
+    }
+}
+
+/// Reports an undo that failed after a failed launch (only a debug invariant check can fail
+/// it); the launch error stays the one returned.
+fn log_failed_undo(undo: Result<(), AllocError>, cause: &ExecError) {
+    if let Err(e) = undo {
+        tracing::error!(
+            target: "cp_hicache::allocator",
+            %cause,
+            error = %e,
+            "could not undo an allocator operation after its launch failed"
+        );
     }
 }
 

@@ -76,7 +76,7 @@ pub struct ReplayArgs {
     /// How pages move between host and device: `kernel` (the transfer kernel) or `dma`
     /// (copy regions: batched cuMemcpyAsync on a GPU, memcpy on the CPU). Default: what the
     /// tuning file chose, else the kernel.
-    #[arg(long, value_name = "PATH", value_parser = parse_transfer_path)]
+    #[arg(long, value_name = "kernel|dma", value_parser = parse_transfer_path)]
     pub transfer: Option<TransferPath>,
     /// Also write the report as JSON to FILE.
     #[arg(long, value_name = "FILE")]

@@ -291,7 +291,7 @@ pub struct KernelId(pub u64);
 /// ([`KernelSpec::params`](crate::kernels::KernelSpec::params); the JIT's
 /// [`CompiledKernel::load_spec`](crate::jit::CompiledKernel::load_spec) passes it). The executor
 /// keeps it with the loaded kernel and checks every launch's arguments against it. `None`
-/// (hand-written test kernels, the plain-copy baseline) skips that check.
+/// (hand-written test kernels) skips that check.
 #[derive(Debug, Clone, Copy)]
 pub enum KernelArtifact<'a> {
     /// A host-emulation shared library; the executor resolves `<entry>__emu_launch`.
@@ -600,9 +600,9 @@ pub trait Executor: Send + Sync {
     /// Launches a loaded kernel with `args` (one per kernel parameter, in order).
     ///
     /// When the kernel was loaded with a signature (every kernel rendered from a spec is),
-    /// both executors check the argument count and every argument's size against it before
-    /// anything runs; a mismatch is [`ExecError::Launch`] with
-    /// [`LaunchFailure::InvalidConfig`] naming the parameter (index and name) and both sizes,
+    /// both executors check the argument count and every argument's size and kind (a pointer,
+    /// a pointer struct or a scalar) against it before anything runs; a mismatch is
+    /// [`ExecError::Launch`] with [`LaunchFailure::InvalidConfig`] naming the parameter,
     /// and the executor stays usable. Without a signature the host emulator still checks the
     /// count and sizes against the compiled kernel, but the CUDA driver cannot, so there a
     /// wrong argument list reads garbage. Pointer arguments are checked to start inside their

@@ -1,11 +1,13 @@
 //! `bench`: transfer, materialise, select and release of several deployments, each against a
 //! baseline measured in the same run, in the default (GPU-shaped) and the tuned configuration.
 //!
-//! Baselines: on the host executor a single-threaded `memcpy` of the same bytes (launches run
-//! on the calling thread); on CUDA a plain grid-stride copy kernel over contiguous memory of
-//! the same bytes (host-mapped pinned ↔ device for transfers, device ↔ device for
-//! materialise). Select and release are compared with the Rust reference allocator on the
-//! same requests.
+//! Baselines: one copy of the same bytes between the same memory kinds through
+//! `Executor::copy_regions`, a single-threaded `memcpy` on the host executor (launches run on
+//! the calling thread) and a pinned `cuMemcpyAsync` on CUDA (pinned host ↔ device for
+//! transfers, device ↔ device for materialise). Select and release are compared with the Rust
+//! reference allocator on the same requests. Copies use scattered page ids (random pools
+//! slots, as in a cache after churn): the kernels do not care, and for the DMA path it is the
+//! pessimistic case (no two pages merge into one copy); fresh pools give it longer runs.
 
 use serde::{Deserialize, Serialize};
 
@@ -29,7 +31,8 @@ pub struct BenchRow {
     pub spec: String,
     /// `host` or `cuda`.
     pub backend: String,
-    /// `default` (GPU-shaped) or `tuned`.
+    /// `default` (GPU-shaped), `tuned`, or `dma` (the default configuration's transfers on
+    /// the DMA path; `kernel` then reads `dma(<uri>)`).
     pub config: String,
     /// Deployment name.
     pub deployment: String,
@@ -39,7 +42,7 @@ pub struct BenchRow {
     pub seconds: f64,
     /// `bytes / seconds` in GB/s.
     pub gbps: f64,
-    /// What the baseline is (`memcpy`, `plain_copy_kernel`, `rust_reference`).
+    /// What the baseline is (`memcpy`, `cuMemcpyAsync`, `rust_reference`).
     pub baseline: String,
     /// Baseline throughput on the same bytes, in GB/s.
     pub baseline_gbps: f64,

@@ -50,7 +50,8 @@ fn compare(got: &[u8], want: &[u8]) -> Result<String, String> {
     }
 }
 
-/// Checks every kernel of `dep` on `exec`; one row per kernel. Errors are harness failures
+/// Checks every kernel of `dep` on `exec`; one row per kernel, plus one `dma(<uri>)` row per
+/// transfer for its DMA path on the same inputs. Errors are harness failures
 /// (allocation, compile); a wrong output is a row with `ok: false`.
 pub fn check_deployment(
     exec: &dyn Executor,

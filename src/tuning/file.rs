@@ -420,38 +420,3 @@ pub fn apply(
     *dep = tuned;
     Ok(warnings)
 }
-
-/// What an engine's start-up produced: the deployment as tuned for this device, every kernel
-/// it needs compiled (or loaded from the JIT cache), and the tuning entries ignored.
-#[derive(Debug)]
-pub struct TunedStart {
-    /// The deployment with the tuning file's launch shapes and transfer path applied.
-    pub deployment: Deployment,
-    /// One compiled kernel per spec of `deployment`, in [`Deployment::specs`] order.
-    pub kernels: Vec<crate::jit::CompiledKernel>,
-    /// Entries ignored because they were measured elsewhere or do not fit (also logged).
-    pub warnings: Vec<TuningWarning>,
-}
-
-/// The warm-up API with tuning: applies the tuning file at `path` (or the default
-/// `<cache>/tuning.json` when it exists) for `exec`'s device, as [`apply`] does, then compiles
-/// every kernel of the tuned deployment for `exec`'s backend in parallel
-/// ([`warm_up_deployment`](crate::jit::warm_up_deployment)). A stale or foreign entry is
-/// ignored with a warning, never applied; an unreadable explicit file is an error.
-pub fn warm_up_tuned(
-    jit: &crate::jit::Jit,
-    exec: &dyn crate::exec::Executor,
-    dep: &Deployment,
-    path: Option<&Path>,
-) -> Result<TunedStart, crate::Error> {
-    let device = DeviceKey::for_executor(exec, jit)?;
-    let mut deployment = dep.clone();
-    let warnings = apply(&mut deployment, path, &device)?;
-    let target = crate::jit::target_for(exec, deployment.arch, crate::jit::Sanitize::None)?;
-    let kernels = crate::jit::warm_up_deployment(jit, &deployment, target)?;
-    Ok(TunedStart {
-        deployment,
-        kernels,
-        warnings,
-    })
-}

@@ -18,8 +18,9 @@ pub struct DeviceKey {
     pub backend: String,
     /// The executor's device name (the GPU's name, or the host emulator's description).
     pub device: String,
-    /// The compute capability the kernels were built for (`sm_90`), or the CPU model from
-    /// `/proc/cpuinfo` on the host executor.
+    /// The architecture the kernels were built for (`sm_90`; an sm_86 card runs `sm_80`
+    /// CUBINs, and its name is in `device`), or the CPU model from `/proc/cpuinfo` on the
+    /// host executor.
     pub capability: String,
     /// The compiler identity: NVRTC's version, or the host C++ compiler's `--version` line.
     pub compiler: String,

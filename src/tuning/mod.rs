@@ -29,8 +29,8 @@ pub mod tuner;
 
 pub use candidate::{candidates_for, Candidate, LaunchChoice, Unsupported};
 pub use file::{
-    apply, default_path, warm_up_tuned, Applied, CandidateResult, TunedStart, TuningEntry,
-    TuningFile, TuningWarning, WarningKind, TUNING_FORMAT,
+    apply, default_path, Applied, CandidateResult, TuningEntry, TuningFile, TuningWarning,
+    WarningKind, TUNING_FORMAT,
 };
 pub use key::{spec_key, DeviceKey, KeyMatch};
 pub use measure::Sizes;
@@ -104,4 +104,40 @@ pub enum TuningError {
         /// First difference.
         detail: String,
     },
+}
+
+/// What an engine's start-up produced: the deployment as tuned for this device, every kernel
+/// it needs compiled (or loaded from the JIT cache), and the tuning entries ignored.
+#[derive(Debug)]
+pub struct TunedStart {
+    /// The deployment with the tuning file's launch shapes and transfer path applied.
+    pub deployment: crate::kernels::Deployment,
+    /// One compiled kernel per spec of `deployment`, in
+    /// [`Deployment::specs`](crate::kernels::Deployment::specs) order.
+    pub kernels: Vec<crate::jit::CompiledKernel>,
+    /// Entries ignored because they were measured elsewhere or do not fit (also logged).
+    pub warnings: Vec<TuningWarning>,
+}
+
+/// The warm-up API with tuning: applies the tuning file at `path` (or the default
+/// `<cache>/tuning.json` when it exists) for `exec`'s device, as [`apply`] does, then
+/// compiles every kernel of the tuned deployment for `exec`'s backend in parallel
+/// ([`warm_up_deployment`](crate::jit::warm_up_deployment)). A stale or foreign entry is
+/// ignored with a warning, never applied; an unreadable explicit file is an error.
+pub fn warm_up_tuned(
+    jit: &crate::jit::Jit,
+    exec: &dyn crate::exec::Executor,
+    dep: &crate::kernels::Deployment,
+    path: Option<&std::path::Path>,
+) -> Result<TunedStart, crate::Error> {
+    let device = key::DeviceKey::for_executor(exec, jit)?;
+    let mut deployment = dep.clone();
+    let warnings = file::apply(&mut deployment, path, &device)?;
+    let target = crate::jit::target_for(exec, deployment.arch, crate::jit::Sanitize::None)?;
+    let kernels = crate::jit::warm_up_deployment(jit, &deployment, target)?;
+    Ok(TunedStart {
+        deployment,
+        kernels,
+        warnings,
+    })
 }
