@@ -288,6 +288,27 @@ fn cache_on_the_gpu(model: ModelShape, page_size: u32, cp: u8, path: TransferPat
     assert_eq!(live_allocations(), 0, "the cluster leaked driver memory");
 }
 
+/// `cp-hicache info` describes the device and what `--backend auto` picks.
+fn info_names_the_device() {
+    let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+        .arg("info")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains(
+            "Fake H200 (cp-hicache test driver), compute capability 9.0, kernels for sm_90"
+        ),
+        "{text}"
+    );
+    assert!(
+        text.lines()
+            .any(|l| l.split_whitespace().eq(["backend", "auto", "cuda"])),
+        "{text}"
+    );
+}
+
 /// Launch failures on the CUDA executor are typed and leave it usable: a wrong argument list
 /// is refused by the signature before the driver sees it, an injected failure runs nothing.
 fn launch_failures_are_typed() {
@@ -356,6 +377,7 @@ fn child() {
         "run through cuda_executor_on_the_stand_in_driver"
     );
     executor_basics();
+    info_names_the_device();
     launch_failures_are_typed();
     for path in [TransferPath::Kernel, TransferPath::Dma] {
         cache_on_the_gpu(ModelShape::MlaBf16, 16, 4, path);

@@ -69,7 +69,7 @@ pub(super) fn run(args: &InfoArgs) -> Result<ExitCode, crate::Error> {
         nvrtc: probe_nvrtc(),
         cuda: Found {
             what: "CUDA driver".into(),
-            detail: crate::exec::cuda::CudaExecutor::probe().map(|n| format!("{n} device(s)")),
+            detail: crate::exec::cuda::CudaExecutor::probe().map(cuda_detail),
         },
         backend_auto: crate::exec::Backend::Auto.resolve().to_string(),
         cache_dir: cache_dir(),
@@ -135,6 +135,25 @@ fn print_found(f: &Found) {
 }
 
 /// The C++ compiler the host executor would use: `$CXX`, else `c++`.
+/// The device count, and device 0's name, compute capability and kernel target.
+fn cuda_detail(devices: usize) -> String {
+    use crate::exec::Executor;
+    let first = match crate::exec::cuda::CudaExecutor::new(0) {
+        Ok(gpu) => match gpu.compute_capability() {
+            Some((major, minor)) => format!(
+                "; device 0: {}, compute capability {major}.{minor}, kernels for {}",
+                gpu.device_name(),
+                crate::jit::Arch::for_device(major, minor)
+                    .map_or("no supported target".to_string(), |a| a.to_string())
+            ),
+            None => format!("; device 0: {}", gpu.device_name()),
+        },
+        Err(e) if devices > 0 => format!("; device 0: {e}"),
+        Err(_) => String::new(),
+    };
+    format!("{devices} device(s){first}")
+}
+
 fn probe_cxx() -> Found {
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
     let detail = match Command::new(&cxx).arg("--version").output() {
