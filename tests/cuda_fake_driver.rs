@@ -1,8 +1,9 @@
 //! The CUDA executor without a GPU: tests/fake_cuda/libcuda.cpp is a stand-in driver that
 //! keeps "device" memory on the host and checks every pointer the executor hands it (copies,
 //! memsets and frees must fall inside live allocations of the right kind, a context must be
-//! current). Its "modules" are kernel renders compiled for the host emulator, so the real
-//! kernels run behind `cuLaunchKernel`.
+//! current). Work is queued and runs only when something waits for it, as on a GPU, so a
+//! missing synchronisation reads stale bytes and fails verification. Its "modules" are kernel
+//! renders compiled for the host emulator, so the real kernels run behind `cuLaunchKernel`.
 //!
 //! What this proves on a machine without a GPU: the CUDA executor's driver plumbing (probe,
 //! context, device and pinned mapped memory, uploads and read-backs, `void**` parameters,

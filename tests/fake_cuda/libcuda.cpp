@@ -5,7 +5,11 @@
 //   kind, otherwise CUDA_ERROR_INVALID_VALUE, so out-of-bounds or stale pointers fail loudly;
 // - calls that need a context fail with CUDA_ERROR_INVALID_CONTEXT when none is current on
 //   the calling thread;
-// - work runs synchronously at enqueue (one stream in order is all the executor uses).
+// - work is asynchronous as on a GPU: copies, memsets, launches and event records are queued
+//   and run, in order, only when something waits for them (a stream, context or event
+//   synchronisation, a copy into pageable host memory, a free). A caller that reads pinned
+//   memory, or reuses an input, before waiting sees what a GPU would give it: stale data.
+//   Pageable sources are staged at enqueue, as the driver does.
 // "Modules" are not CUBINs: an image is the text `CPHEMU1\n<host library>\n<entry>\n<sizes>\n`
 // naming a kernel render compiled for the host emulator (cuda_emu.h) and its parameter sizes;
 // cuLaunchKernel runs it through the emulator's launch entry.
@@ -17,6 +21,8 @@
 #include <string.h>
 #include <time.h>
 
+#include <functional>
+#include <memory>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -92,6 +98,28 @@ bool g_init = false;
 FakeCtx g_primary{0};
 int g_primary_refs = 0;
 thread_local CUcontext t_current = nullptr;
+// The queued work of the (one) stream, and the first error it met (sticky, like a fault).
+std::vector<std::function<CUresult()>> g_queue;
+CUresult g_sticky = OK;
+
+void enqueue(std::function<CUresult()> op) {
+  std::lock_guard<std::mutex> g(g_mu);
+  g_queue.push_back(std::move(op));
+}
+
+// Runs the queued work in order; returns the sticky error, if any.
+CUresult flush() {
+  std::vector<std::function<CUresult()>> work;
+  {
+    std::lock_guard<std::mutex> g(g_mu);
+    work.swap(g_queue);
+  }
+  for (auto& op : work) {
+    CUresult r = op();
+    if (r != OK && g_sticky == OK) g_sticky = r;
+  }
+  return g_sticky;
+}
 
 // The allocation [addr, addr + len) lies in, if any, of kind `kind` (or any kind when < 0).
 bool inside(uintptr_t addr, size_t len, int kind) {
@@ -125,6 +153,7 @@ CUresult alloc(size_t len, Kind kind, void** out) {
 
 CUresult release(uintptr_t p, Kind kind) {
   if (need_ctx()) return INVALID_CONTEXT;
+  flush();  // frees wait for the work that may still use the memory
   std::lock_guard<std::mutex> g(g_mu);
   auto it = g_allocs.find(p);
   if (it == g_allocs.end() || it->second.kind != kind) return INVALID_VALUE;
@@ -205,7 +234,7 @@ CUresult cuCtxSetCurrent(CUcontext c) {
   t_current = c;
   return OK;
 }
-CUresult cuCtxSynchronize(void) { return need_ctx(); }
+CUresult cuCtxSynchronize(void) { return need_ctx() ? INVALID_CONTEXT : flush(); }
 
 CUresult cuStreamCreate(CUstream* s, unsigned flags) {
   (void)flags;
@@ -215,13 +244,14 @@ CUresult cuStreamCreate(CUstream* s, unsigned flags) {
 }
 CUresult cuStreamDestroy_v2(CUstream s) {
   if (!s || !s->alive) return INVALID_HANDLE;
+  flush();
   s->alive = 0;
   delete s;
   return OK;
 }
 CUresult cuStreamSynchronize(CUstream s) {
   if (s && !s->alive) return INVALID_HANDLE;
-  return need_ctx();
+  return need_ctx() ? INVALID_CONTEXT : flush();
 }
 
 CUresult cuEventCreate(CUevent* e, unsigned flags) {
@@ -232,13 +262,18 @@ CUresult cuEventCreate(CUevent* e, unsigned flags) {
 }
 CUresult cuEventRecord(CUevent e, CUstream s) {
   if (!e || (s && !s->alive)) return INVALID_HANDLE;
-  e->seconds = now();
-  e->recorded = true;
+  e->recorded = false;
+  enqueue([e] {
+    e->seconds = now();
+    e->recorded = true;
+    return OK;
+  });
   return OK;
 }
-CUresult cuEventSynchronize(CUevent e) { return e ? OK : INVALID_HANDLE; }
-CUresult cuEventQuery(CUevent e) { return e ? OK : INVALID_HANDLE; }
+CUresult cuEventSynchronize(CUevent e) { return e ? flush() : INVALID_HANDLE; }
+CUresult cuEventQuery(CUevent e) { return e ? flush() : INVALID_HANDLE; }
 CUresult cuEventElapsedTime(float* ms, CUevent a, CUevent b) {
+  // Like the driver: both events must have completed (the caller waits on them first).
   if (!a || !b || !a->recorded || !b->recorded) return INVALID_HANDLE;
   *ms = (float)((b->seconds - a->seconds) * 1e3);
   return OK;
@@ -246,6 +281,7 @@ CUresult cuEventElapsedTime(float* ms, CUevent a, CUevent b) {
 CUresult cuEventElapsedTime_v2(float* ms, CUevent a, CUevent b) { return cuEventElapsedTime(ms, a, b); }
 CUresult cuEventDestroy_v2(CUevent e) {
   if (!e) return INVALID_HANDLE;
+  flush();
   delete e;
   return OK;
 }
@@ -271,18 +307,30 @@ CUresult cuMemFreeHost(void* p) { return release((uintptr_t)p, HOST); }
 CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, CUstream s) {
   (void)s;
   if (need_ctx() || !inside((uintptr_t)d, n, DEVICE)) return INVALID_VALUE;
-  memset((void*)(uintptr_t)d, v, n);
+  enqueue([d, v, n] {
+    memset((void*)(uintptr_t)d, v, n);
+    return OK;
+  });
   return OK;
 }
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* src, size_t n, CUstream s) {
   (void)s;
   if (need_ctx() || !inside((uintptr_t)d, n, DEVICE)) return INVALID_VALUE;
-  memcpy((void*)(uintptr_t)d, src, n);
+  // Pageable source: staged now, so the caller may reuse it when this returns.
+  auto staged = std::make_shared<std::vector<unsigned char>>((const unsigned char*)src,
+                                                              (const unsigned char*)src + n);
+  enqueue([d, staged] {
+    memcpy((void*)(uintptr_t)d, staged->data(), staged->size());
+    return OK;
+  });
   return OK;
 }
 CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr s, size_t n, CUstream st) {
   (void)st;
   if (need_ctx() || !inside((uintptr_t)s, n, DEVICE)) return INVALID_VALUE;
+  // Pageable destination: the copy completes, after all earlier work, before this returns.
+  CUresult r = flush();
+  if (r != OK) return r;
   memcpy(dst, (const void*)(uintptr_t)s, n);
   return OK;
 }
@@ -291,7 +339,10 @@ CUresult cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) {
   if (need_ctx() || !inside((uintptr_t)d, n, -1) || !inside((uintptr_t)s, n, -1)) {
     return INVALID_VALUE;
   }
-  memmove((void*)(uintptr_t)d, (const void*)(uintptr_t)s, n);
+  enqueue([d, s, n] {
+    memmove((void*)(uintptr_t)d, (const void*)(uintptr_t)s, n);
+    return OK;
+  });
   return OK;
 }
 
@@ -324,6 +375,7 @@ CUresult cuModuleGetFunction(CUfunction* f, CUmodule m, const char* name) {
 }
 CUresult cuModuleUnload(CUmodule m) {
   if (!m) return INVALID_HANDLE;
+  flush();
   dlclose(m->lib);
   delete m;  // functions of the module are leaked on purpose: handles die with the module
   return OK;
@@ -334,21 +386,35 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
                         void** extra) {
   if (need_ctx()) return INVALID_CONTEXT;
   if (!f || extra || (s && !s->alive)) return INVALID_VALUE;
-  char err[4096] = {0};
-  CpEmuLaunch cfg{};
-  cfg.abi_version = 1;
-  cfg.grid[0] = gx, cfg.grid[1] = gy, cfg.grid[2] = gz;
-  cfg.block[0] = bx, cfg.block[1] = by, cfg.block[2] = bz;
-  cfg.dyn_shared_bytes = shared;
-  cfg.num_params = (uint32_t)f->module->sizes.size();
-  cfg.param_sizes = f->module->sizes.data();
-  cfg.err_buf = err;
-  cfg.err_cap = sizeof err;
-  int status = f->entry(&cfg, params);
-  if (status == 0) return OK;
-  fprintf(stderr, "fake libcuda: launch of %s failed (%d): %s\n", f->module->entry.c_str(), status,
-          err);
-  return status == 1 ? INVALID_VALUE : LAUNCH_FAILED;
+  // Parameter values are copied at launch, as the driver does; the kernel runs later.
+  const std::vector<uint64_t>& sizes = f->module->sizes;
+  auto values = std::make_shared<std::vector<std::vector<unsigned char>>>();
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    const unsigned char* p = (const unsigned char*)params[i];
+    values->emplace_back(p, p + sizes[i]);
+  }
+  const unsigned grid[3] = {gx, gy, gz}, block[3] = {bx, by, bz};
+  std::vector<unsigned> shape(grid, grid + 3);
+  shape.insert(shape.end(), block, block + 3);
+  enqueue([f, values, shape, shared] {
+    char err[4096] = {0};
+    std::vector<void*> ptrs;
+    for (auto& v : *values) ptrs.push_back(v.data());
+    CpEmuLaunch cfg{};
+    cfg.abi_version = 1;
+    for (int i = 0; i < 3; ++i) cfg.grid[i] = shape[i], cfg.block[i] = shape[3 + i];
+    cfg.dyn_shared_bytes = shared;
+    cfg.num_params = (uint32_t)f->module->sizes.size();
+    cfg.param_sizes = f->module->sizes.data();
+    cfg.err_buf = err;
+    cfg.err_cap = sizeof err;
+    int status = f->entry(&cfg, ptrs.data());
+    if (status == 0) return OK;
+    fprintf(stderr, "fake libcuda: kernel %s failed (%d): %s\n", f->module->entry.c_str(),
+            status, err);
+    return LAUNCH_FAILED;
+  });
+  return OK;
 }
 
 }  // extern "C"
