@@ -1,6 +1,7 @@
 //! Criterion benches of the host-side hot paths that run per request: owner-preserving page
-//! allocation (2,048 pages, then free), node metadata split/concat/encode, and a radix-tree
-//! match over a 128k-token path. Goals (BENCHMARKS.md): alloc < 20 µs, match < 50 µs.
+//! allocation (2,048 pages, then free), node metadata split/concat/encode, a radix-tree match
+//! over a 128k-token path, and planning a DMA transfer's copy regions. Goals (BENCHMARKS.md):
+//! alloc < 20 µs, match < 50 µs.
 //!
 //! `cargo bench --bench host_paths -- --quick` for a short run; `cargo test` runs each once.
 
@@ -9,6 +10,7 @@ use std::time::Duration;
 
 use cp_hicache::allocator::OwnerLaneAllocator;
 use cp_hicache::hicache::tree::RadixTree;
+use cp_hicache::kernels::{transfer_regions, BufferKind, Deployment, Direction, PoolShape};
 use cp_hicache::layout::{zigzag_owners, CpLayout, Rank};
 use cp_hicache::metadata::{HostPage, NodeMetadata};
 use criterion::{criterion_group, criterion_main, Criterion};
@@ -79,6 +81,31 @@ fn radix_match(c: &mut Criterion) {
     });
 }
 
+/// The host work of a DMA load-back: copy regions for 2,048 scattered page pairs × 4 layers
+/// (NSA `kv`, page-first host pool, so no two pages merge: the most regions).
+fn dma_regions(c: &mut Criterion) {
+    let dep = Deployment::by_name("nsa_ps64_cp8").expect("deployment");
+    let spec = dep.transfer(BufferKind::NsaKv, Direction::HostToDevice);
+    let n = 2048u32;
+    let src: Vec<u32> = (0..n).map(|i| (i * 7919) % (2 * n)).collect();
+    let dst: Vec<u32> = (0..n).map(|i| (i * 104_729) % (2 * n)).collect();
+    let pools = PoolShape {
+        layers: 4,
+        device_pages: 2 * n,
+        host_pages: 2 * n,
+    };
+    c.bench_function("dma regions 2048 pages x 4 layers", |b| {
+        b.iter(|| {
+            black_box(transfer_regions(
+                &spec,
+                black_box(&src),
+                black_box(&dst),
+                pools,
+            ))
+        })
+    });
+}
+
 fn config() -> Criterion {
     Criterion::default()
         .warm_up_time(Duration::from_millis(300))
@@ -89,6 +116,6 @@ fn config() -> Criterion {
 criterion_group! {
     name = host_paths;
     config = config();
-    targets = alloc, metadata, radix_match
+    targets = alloc, metadata, radix_match, dma_regions
 }
 criterion_main!(host_paths);
