@@ -401,3 +401,32 @@ fn warm_up_compiles_the_tuned_kernels() {
     assert_eq!(start.deployment, dep);
     assert_eq!(start.kernels.len(), dep.specs().len());
 }
+
+/// The DMA path exists for transfers only: timing it on a materialise workload is a typed
+/// error, and on a transfer workload it moves the bench's bytes.
+#[test]
+fn dma_timing_is_for_transfers_only() {
+    use cp_hicache::exec::{ExecError, Executor};
+    use cp_hicache::kernels::{BufferKind, Direction};
+    use cp_hicache::tuning::measure::CopyBench;
+    let exec = HostExecutor::new(HostOptions::default());
+    let dep = Deployment::by_name("mla_ps16_cp4").unwrap();
+    let sizes = Sizes {
+        pages: 8,
+        layers: 2,
+        warmup: 0,
+        repeats: 1,
+    };
+    let (m, _) =
+        CopyBench::new(&exec, &dep.materialise_spec(BufferKind::MlaKv), &sizes, 1).unwrap();
+    assert!(matches!(m.copy_dma(), Err(ExecError::Config { .. })));
+    assert!(m.time_dma(&sizes).is_err());
+    let t = dep.transfer_spec(BufferKind::MlaKv, Direction::HostToDevice);
+    let (b, _) = CopyBench::new(&exec, &t, &sizes, 1).unwrap();
+    let before = exec.counters();
+    assert!(b.time_dma(&sizes).unwrap().median > 0.0);
+    let c = exec.counters().since(&before);
+    // One warm-up and one timed repeat, each moving every page of every layer.
+    assert_eq!(c.copies, 2);
+    assert_eq!(c.bytes_copied, 2 * b.bytes());
+}
