@@ -5,7 +5,7 @@
 //! `Executor::copy_regions`, a single-threaded `memcpy` on the host executor (launches run on
 //! the calling thread) and a pinned `cuMemcpyAsync` on CUDA (pinned host ↔ device for
 //! transfers, device ↔ device for materialise). Select and release are compared with the Rust
-//! reference allocator on the same requests. Copies use scattered page ids (random pools
+//! reference allocator on the same requests. Copies use scattered page ids (random pool
 //! slots, as in a cache after churn): the kernels do not care, and for the DMA path it is the
 //! pessimistic case (no two pages merge into one copy); fresh pools give it longer runs.
 
