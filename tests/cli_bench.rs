@@ -189,3 +189,75 @@ fn tune_writes_a_file_and_a_foreign_file_is_ignored_with_a_warning() {
         "{table}"
     );
 }
+
+/// Runs the binary and returns its output whatever the status.
+fn output(c: &mut Command) -> Output {
+    c.output().expect("the binary starts")
+}
+
+/// `bench --inject`: the broken kernel is reported, every other kernel is still measured,
+/// the exit status is 1; a cache fault is a usage error.
+#[test]
+fn bench_inject_reports_the_failing_kernel_and_measures_the_rest() {
+    let dir = tempfile::tempdir().unwrap();
+    for (fault, needle) in [
+        (
+            "compile-error",
+            "fault injected by bench --inject compile-error",
+        ),
+        ("launch-error", "launch failure injected"),
+    ] {
+        let json = dir.path().join(format!("{fault}.json"));
+        let out = output(
+            bin(&dir.path().join("cache"))
+                .arg("bench")
+                .args(TINY)
+                .arg("--quick")
+                .args(["--inject", fault, "--json"])
+                .arg(&json),
+        );
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{fault}: {stderr}");
+        assert!(stderr.contains(needle), "{fault}: {stderr}");
+        assert_eq!(
+            stderr.matches("error: mla_ps16_cp8 ").count(),
+            1,
+            "{stderr}"
+        );
+        let rows: Vec<serde_json::Value> =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        // 10 kernels planned (default and tuned), one failed.
+        assert_eq!(rows.len(), 9, "{fault}: {rows:#?}");
+    }
+    let out = output(
+        bin(&dir.path().join("cache"))
+            .arg("bench")
+            .args(TINY)
+            .args(["--inject", "lane-exhaustion"]),
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("is a cache fault"), "{stderr}");
+}
+
+#[test]
+fn bench_check_inject_fails_one_row() {
+    let dir = tempfile::tempdir().unwrap();
+    for fault in ["compile-error", "launch-error"] {
+        let out = output(bin(&dir.path().join("cache")).args([
+            "bench",
+            "--check",
+            "--backend",
+            "host",
+            "--deployment",
+            "nsa_ps64_cp2",
+            "--inject",
+            fault,
+        ]));
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(out.status.code(), Some(1), "{fault}: {stdout}");
+        assert_eq!(stdout.matches("  FAIL  ").count(), 1, "{fault}: {stdout}");
+        assert_eq!(stdout.matches("  ok  ").count(), 15, "{fault}: {stdout}");
+        assert!(stdout.contains("1 failures"), "{stdout}");
+    }
+}

@@ -10,7 +10,9 @@ use super::common::{BackendArg, SizeArgs};
 use super::tune::progress_bar;
 use crate::exec::{open_executor, Backend};
 use crate::jit::{Jit, JitConfig, EMU_HEADER};
-use crate::tuning::bench::{self, default_deployments, deployment_by_name, BenchOptions, BenchRow};
+use crate::tuning::bench::{
+    self, default_deployments, deployment_by_name, BenchFault, BenchOptions, BenchRow,
+};
 use crate::tuning::{check, DeviceKey, TuningFile};
 
 /// Options of `bench`. `--layers` and `--repeats` keep bench's own wording.
@@ -53,6 +55,11 @@ pub struct BenchArgs {
     /// references (exit status 1 on any difference).
     #[arg(long)]
     pub check: bool,
+    /// Inject a fault to exercise a failure path: compile-error (the first kernel's source is
+    /// broken) or launch-error (the first launch fails). The failing kernel is reported, the
+    /// others are still measured, and the exit status is 1.
+    #[arg(long, value_name = "FAULT", value_parser = parse_bench_fault)]
+    pub inject: Option<BenchFault>,
     /// Compile (NVRTC, sm_90) every kernel `bench`, `bench --check` and `tune --quick` load on
     /// a GPU into the JIT cache, without running anything: prepares a cache for a GPU machine
     /// without NVRTC (`CP_HICACHE_JIT=off`).
@@ -73,7 +80,7 @@ pub(super) fn run(args: &BenchArgs) -> Result<ExitCode, crate::Error> {
     }
     let exec = open_executor(args.executor.backend)?;
     if args.check {
-        return run_check(exec.as_ref(), &jit, &deps);
+        return run_check(exec.as_ref(), &jit, &deps, args.inject);
     }
     let device = DeviceKey::for_executor(exec.as_ref(), &jit)?;
     let file = match &args.tuning {
@@ -120,13 +127,21 @@ pub(super) fn run(args: &BenchArgs) -> Result<ExitCode, crate::Error> {
             }
         }
     };
-    let rows = bench::run(exec.as_ref(), &jit, &configs, &opts, &on_step)?;
+    opts.inject = args.inject;
+    let outcome = bench::run(exec.as_ref(), &jit, &configs, &opts, &on_step)?;
     if let Some(b) = &bar {
         b.finish_and_clear();
     }
+    let rows = outcome.rows;
     println!("device: {device}");
     println!("sizes: {}", opts.sizes.describe());
     print_table(&rows);
+    for f in &outcome.failures {
+        eprintln!(
+            "error: {} {} {}: {}",
+            f.deployment, f.config, f.kernel, f.error
+        );
+    }
     if let Some(path) = &args.json {
         let mut text = serde_json::to_string_pretty(&rows).map_err(|e| io(path, e.into()))?;
         text.push('\n');
@@ -135,7 +150,16 @@ pub(super) fn run(args: &BenchArgs) -> Result<ExitCode, crate::Error> {
     if let Some(path) = &args.plot {
         std::fs::write(path, svg_chart(&rows)).map_err(|e| io(path, e))?;
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(if outcome.failures.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        eprintln!("bench: {} kernel(s) failed", outcome.failures.len());
+        ExitCode::FAILURE
+    })
+}
+
+fn parse_bench_fault(s: &str) -> Result<BenchFault, String> {
+    s.parse()
 }
 
 fn prebuild(jit: &Jit, deps: &[crate::kernels::Deployment]) -> Result<ExitCode, crate::Error> {
@@ -182,14 +206,30 @@ fn run_check(
     exec: &dyn crate::exec::Executor,
     jit: &Jit,
     deps: &[crate::kernels::Deployment],
+    inject: Option<BenchFault>,
 ) -> Result<ExitCode, crate::Error> {
+    // compile-error breaks the first kernel of the first deployment; launch-error fails the
+    // first launch. Either shows as a FAIL row; the other kernels are still checked.
+    let broken = deps.first().and_then(|d| d.specs().first().copied());
+    let hook = |spec: &crate::kernels::KernelSpec, src: String| -> String {
+        if Some(*spec) == broken {
+            format!("#error fault injected by bench --inject compile-error\n{src}")
+        } else {
+            src
+        }
+    };
+    let hook: Option<crate::jit::SourceHook<'_>> =
+        (inject == Some(BenchFault::CompileError)).then_some(&hook);
+    if inject == Some(BenchFault::LaunchError) {
+        exec.inject_launch_failure();
+    }
     let mut bad = 0;
     println!(
         "{:<16}  {:<56}  {:<6}  detail",
         "deployment", "kernel", "result"
     );
     for dep in deps {
-        for r in check::check_deployment(exec, jit, dep)? {
+        for r in check::check_deployment_with(exec, jit, dep, hook)? {
             bad += usize::from(!r.ok);
             println!(
                 "{:<16}  {:<56}  {:<6}  {}",
@@ -200,6 +240,7 @@ fn run_check(
             );
         }
     }
+    exec.disarm_launch_failure();
     println!("check on {}: {bad} failures", exec.backend());
     Ok(if bad == 0 {
         ExitCode::SUCCESS

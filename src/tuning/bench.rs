@@ -60,6 +60,8 @@ pub struct BenchOptions {
     /// Also time both transfers of every default configuration on the DMA path (config
     /// `dma`): the copy-engine alternative tuning weighs on a GPU.
     pub dma_rows: bool,
+    /// A fault to provoke (`bench --inject`).
+    pub inject: Option<BenchFault>,
 }
 
 impl BenchOptions {
@@ -69,6 +71,7 @@ impl BenchOptions {
             sizes: if quick { Sizes::quick() } else { Sizes::full() },
             alloc_pages: vec![2048, 16384],
             dma_rows: false,
+            inject: None,
         }
     }
 }
@@ -184,16 +187,64 @@ fn jobs(config: &str, dep: &Deployment, opts: &BenchOptions) -> Vec<Job> {
     out
 }
 
-/// Runs the benchmark over `configs` (`(config name, deployment)` pairs) and returns one row
-/// per kernel and size. `progress` is called with the planned step count first (`Err`), then
-/// once per step (`Ok`).
+/// A fault `bench --inject` exercises. The other faults of `replay --inject` break the cache
+/// (its allocator, pools or load path), which `bench` does not run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BenchFault {
+    /// The first kernel's source is broken before compiling: its rows fail, the rest run.
+    CompileError,
+    /// The first kernel launch fails: that row fails, the rest run.
+    LaunchError,
+}
+
+impl std::str::FromStr for BenchFault {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.parse::<crate::cluster::Fault>()? {
+            crate::cluster::Fault::CompileError => Ok(BenchFault::CompileError),
+            crate::cluster::Fault::LaunchError => Ok(BenchFault::LaunchError),
+            other => Err(format!(
+                "`{other}` is a cache fault: inject it into `replay`; bench takes \
+                 compile-error or launch-error"
+            )),
+        }
+    }
+}
+
+/// A timed kernel that failed; the others were still measured.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct BenchFailure {
+    /// Kernel uri (or `dma(<uri>)`).
+    pub kernel: String,
+    /// Configuration name.
+    pub config: String,
+    /// Deployment name.
+    pub deployment: String,
+    /// What went wrong.
+    pub error: String,
+}
+
+/// The rows that were measured, and the kernels that failed.
+#[derive(Debug, Clone, Default)]
+pub struct BenchOutcome {
+    /// One row per measured kernel and size.
+    pub rows: Vec<BenchRow>,
+    /// One entry per kernel and size that failed to compile, load or run.
+    pub failures: Vec<BenchFailure>,
+}
+
+/// Runs the benchmark over `configs` (`(config name, deployment)` pairs): one row per kernel
+/// and size, or a failure when that kernel could not be compiled, loaded or run (the others
+/// are still measured; `opts.inject` provokes one). Errors are only for a run that cannot
+/// start. `progress` is called with the planned step count first (`Err`), then once per step
+/// (`Ok`).
 pub fn run(
     exec: &dyn Executor,
     jit: &Jit,
     configs: &[(String, Deployment)],
     opts: &BenchOptions,
     progress: &(dyn Fn(Result<String, u64>) + Sync),
-) -> Result<Vec<BenchRow>, TuningError> {
+) -> Result<BenchOutcome, TuningError> {
     let plan: Vec<Job> = configs.iter().flat_map(|(c, d)| jobs(c, d, opts)).collect();
     let mut unique: Vec<KernelSpec> = Vec::new();
     for j in plan.iter().filter(|j| !j.dma) {
@@ -202,7 +253,17 @@ pub fn run(
         }
     }
     progress(Err((unique.len() + plan.len()) as u64));
-    let loaded = compile_and_load(exec, jit, &unique, None, &|| progress(Ok("compile".into())));
+    let broken = unique.first().copied();
+    let hook = |spec: &KernelSpec, src: String| -> String {
+        if Some(*spec) == broken {
+            format!("#error fault injected by bench --inject compile-error\n{src}")
+        } else {
+            src
+        }
+    };
+    let hook: Option<super::measure::SourceHook<'_>> =
+        (opts.inject == Some(BenchFault::CompileError)).then_some(&hook);
+    let loaded = compile_and_load(exec, jit, &unique, hook, &|| progress(Ok("compile".into())));
     let kernel_of = |spec: &KernelSpec| -> Result<KernelId, TuningError> {
         let i = unique.iter().position(|s| s == spec).unwrap_or(0);
         match loaded.get(i) {
@@ -217,64 +278,87 @@ pub fn run(
             }),
         }
     };
-    let backend = exec.backend();
-    let sizes = opts.sizes;
-    let mut rows = Vec::with_capacity(plan.len());
+    if opts.inject == Some(BenchFault::LaunchError) {
+        exec.inject_launch_failure();
+    }
+    let mut out = BenchOutcome::default();
     for (i, job) in plan.iter().enumerate() {
-        let (bytes, seconds, baseline, base_seconds) = match job.spec {
-            KernelSpec::SelectOwnerPages(_) | KernelSpec::ReleasePages(_) => {
-                let (cp, ps) = match job.spec {
-                    KernelSpec::SelectOwnerPages(s) => (s.cp, s.page_size),
-                    KernelSpec::ReleasePages(s) => (s.cp, 1),
-                    _ => (1, 1),
-                };
-                let b = AllocBench::new(exec, cp, ps, job.alloc_pages, i as u64 + 7)?;
-                let t = b.time(kernel_of(&job.spec)?, &job.spec, &sizes)?;
-                let r = b.time_reference(&job.spec, &sizes)?;
-                (
-                    4 * u64::from(job.alloc_pages),
-                    t.median,
-                    "rust_reference",
-                    r.median,
-                )
-            }
-            _ => {
-                let (b, _) = CopyBench::new(exec, &job.spec, &sizes, i as u64 + 7)?;
-                let bytes = b.bytes();
-                let t = if job.dma {
-                    b.time_dma(&sizes)?
-                } else {
-                    b.time(kernel_of(&job.spec)?, &job.spec, &sizes)?
-                };
-                let (from, to) = b.memory();
-                drop(b);
-                let base = time_copy_baseline(exec, from, to, bytes, &sizes)?;
-                (bytes, t.median, baseline_name(backend), base.median)
-            }
-        };
-        let gbps = bytes as f64 / seconds.max(1e-12) / 1e9;
-        let baseline_gbps = bytes as f64 / base_seconds.max(1e-12) / 1e9;
         let kernel = if job.dma {
             format!("dma({})", job.spec.uri())
         } else {
             job.spec.uri()
         };
-        progress(Ok(kernel.clone()));
-        rows.push(BenchRow {
-            kernel,
-            spec: spec_key(&job.spec),
-            backend: backend.to_string(),
-            config: job.config.clone(),
-            deployment: job.deployment.clone(),
-            bytes,
-            seconds,
-            gbps,
-            baseline: baseline.to_string(),
-            baseline_gbps,
-            ratio: gbps / baseline_gbps,
-        });
+        match time_job(exec, job, i as u64 + 7, &opts.sizes, &kernel_of) {
+            Ok((bytes, seconds, baseline, base_seconds)) => {
+                let gbps = bytes as f64 / seconds.max(1e-12) / 1e9;
+                let baseline_gbps = bytes as f64 / base_seconds.max(1e-12) / 1e9;
+                out.rows.push(BenchRow {
+                    kernel: kernel.clone(),
+                    spec: spec_key(&job.spec),
+                    backend: exec.backend().to_string(),
+                    config: job.config.clone(),
+                    deployment: job.deployment.clone(),
+                    bytes,
+                    seconds,
+                    gbps,
+                    baseline: baseline.to_string(),
+                    baseline_gbps,
+                    ratio: gbps / baseline_gbps,
+                });
+            }
+            Err(e) => out.failures.push(BenchFailure {
+                kernel: kernel.clone(),
+                config: job.config.clone(),
+                deployment: job.deployment.clone(),
+                error: e.to_string(),
+            }),
+        }
+        progress(Ok(kernel));
     }
-    Ok(rows)
+    // An injected failure that found no launch (every kernel failed earlier) goes with the run.
+    exec.disarm_launch_failure();
+    Ok(out)
+}
+
+/// Times one job: bytes, median seconds, baseline name and baseline median seconds.
+fn time_job(
+    exec: &dyn Executor,
+    job: &Job,
+    seed: u64,
+    sizes: &Sizes,
+    kernel_of: &dyn Fn(&KernelSpec) -> Result<KernelId, TuningError>,
+) -> Result<(u64, f64, &'static str, f64), TuningError> {
+    match job.spec {
+        KernelSpec::SelectOwnerPages(_) | KernelSpec::ReleasePages(_) => {
+            let (cp, ps) = match job.spec {
+                KernelSpec::SelectOwnerPages(s) => (s.cp, s.page_size),
+                KernelSpec::ReleasePages(s) => (s.cp, 1),
+                _ => (1, 1),
+            };
+            let b = AllocBench::new(exec, cp, ps, job.alloc_pages, seed)?;
+            let t = b.time(kernel_of(&job.spec)?, &job.spec, sizes)?;
+            let r = b.time_reference(&job.spec, sizes)?;
+            Ok((
+                4 * u64::from(job.alloc_pages),
+                t.median,
+                "rust_reference",
+                r.median,
+            ))
+        }
+        _ => {
+            let (b, _) = CopyBench::new(exec, &job.spec, sizes, seed)?;
+            let bytes = b.bytes();
+            let t = if job.dma {
+                b.time_dma(sizes)?
+            } else {
+                b.time(kernel_of(&job.spec)?, &job.spec, sizes)?
+            };
+            let (from, to) = b.memory();
+            drop(b);
+            let base = time_copy_baseline(exec, from, to, bytes, sizes)?;
+            Ok((bytes, t.median, baseline_name(exec.backend()), base.median))
+        }
+    }
 }
 
 /// Every kernel that `bench`, `bench --check` and `tune --quick` may load for `deps` on a GPU:

@@ -5,7 +5,9 @@
 
 use serde::Serialize;
 
-use super::measure::{compile_and_load, u32_bytes, AllocBench, CopyBench, Sizes, SplitMix};
+use super::measure::{
+    compile_and_load, u32_bytes, AllocBench, CopyBench, Sizes, SourceHook, SplitMix,
+};
 use super::TuningError;
 use crate::exec::{BufferId, Executor, KernelArg, KernelId, LaunchConfig, MemKind};
 use crate::jit::Jit;
@@ -58,8 +60,19 @@ pub fn check_deployment(
     jit: &Jit,
     dep: &Deployment,
 ) -> Result<Vec<CheckRow>, TuningError> {
+    check_deployment_with(exec, jit, dep, None)
+}
+
+/// [`check_deployment`] with `hook` editing kernel sources before they are compiled (fault
+/// injection: a kernel whose source no longer compiles is a failed row, the others run).
+pub fn check_deployment_with(
+    exec: &dyn Executor,
+    jit: &Jit,
+    dep: &Deployment,
+    hook: Option<SourceHook<'_>>,
+) -> Result<Vec<CheckRow>, TuningError> {
     let specs = dep.specs();
-    let loaded = compile_and_load(exec, jit, &specs, None, &|| {});
+    let loaded = compile_and_load(exec, jit, &specs, hook, &|| {});
     let mut rows = Vec::with_capacity(specs.len());
     let row = |kernel: String, family: String, outcome: Result<String, String>| CheckRow {
         kernel,
