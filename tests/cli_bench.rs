@@ -203,7 +203,7 @@ fn bench_inject_reports_the_failing_kernel_and_measures_the_rest() {
     for (fault, needle) in [
         (
             "compile-error",
-            "fault injected by bench --inject compile-error",
+            "fault injected: this kernel does not compile",
         ),
         ("launch-error", "launch failure injected"),
     ] {

@@ -210,16 +210,9 @@ fn run_check(
 ) -> Result<ExitCode, crate::Error> {
     // compile-error breaks the first kernel of the first deployment; launch-error fails the
     // first launch. Either shows as a FAIL row; the other kernels are still checked.
-    let broken = deps.first().and_then(|d| d.specs().first().copied());
-    let hook = |spec: &crate::kernels::KernelSpec, src: String| -> String {
-        if Some(*spec) == broken {
-            format!("#error fault injected by bench --inject compile-error\n{src}")
-        } else {
-            src
-        }
-    };
+    let edit = BenchFault::break_first(deps.first().and_then(|d| d.specs().first().copied()));
     let hook: Option<crate::jit::SourceHook<'_>> =
-        (inject == Some(BenchFault::CompileError)).then_some(&hook);
+        (inject == Some(BenchFault::CompileError)).then_some(&edit);
     if inject == Some(BenchFault::LaunchError) {
         exec.inject_launch_failure();
     }

@@ -283,7 +283,7 @@ impl Cluster {
         };
         let broken = |spec: &crate::kernels::KernelSpec, src: String| {
             if spec.family() == crate::kernels::Family::Verify {
-                format!("{src}\n#error \"fault injected: this kernel does not compile\"\n")
+                crate::jit::break_source(src)
             } else {
                 src
             }

@@ -11,6 +11,12 @@ use crate::kernels::{Deployment, KernelError, KernelSpec};
 /// Test and fault-injection hook: edits one kernel's source before it is compiled.
 pub type SourceHook<'a> = &'a (dyn Fn(&KernelSpec, String) -> String + Sync);
 
+/// The source edit of `--inject compile-error`: `src` with an `#error` line, so that every
+/// compiler (NVRTC, the host C++ compiler) refuses it with a message naming the injection.
+pub fn break_source(src: String) -> String {
+    format!("{src}\n#error \"fault injected: this kernel does not compile\"\n")
+}
+
 /// What compiles kernels for `exec`: host shared libraries for the CPU emulation; NVRTC
 /// CUBINs for a CUDA device, built for the newest supported architecture its compute
 /// capability runs ([`Arch::for_device`]), whatever `arch` says (`arch` is used only when the

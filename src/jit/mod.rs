@@ -24,8 +24,8 @@ pub mod options;
 
 pub use cache::{CacheError, DiskCache};
 pub use deployment::{
-    deployment_requests, deployment_target, spec_request, target_for, warm_up_deployment,
-    warm_up_deployment_each, KernelOutcome, SourceHook, WarmUpError,
+    break_source, deployment_requests, deployment_target, spec_request, target_for,
+    warm_up_deployment, warm_up_deployment_each, KernelOutcome, SourceHook, WarmUpError,
 };
 pub use hostcc::{HostCcError, HostCompiler};
 pub use key::CacheKey;

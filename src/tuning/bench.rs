@@ -211,6 +211,20 @@ impl std::str::FromStr for BenchFault {
     }
 }
 
+impl BenchFault {
+    /// The source edit of `compile-error`: `first` (the first kernel a run compiles) no longer
+    /// compiles; every other source is left as it is.
+    pub fn break_first(first: Option<KernelSpec>) -> impl Fn(&KernelSpec, String) -> String + Sync {
+        move |spec, src| {
+            if Some(*spec) == first {
+                crate::jit::break_source(src)
+            } else {
+                src
+            }
+        }
+    }
+}
+
 /// A timed kernel that failed; the others were still measured.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct BenchFailure {
@@ -253,16 +267,9 @@ pub fn run(
         }
     }
     progress(Err((unique.len() + plan.len()) as u64));
-    let broken = unique.first().copied();
-    let hook = |spec: &KernelSpec, src: String| -> String {
-        if Some(*spec) == broken {
-            format!("#error fault injected by bench --inject compile-error\n{src}")
-        } else {
-            src
-        }
-    };
+    let edit = BenchFault::break_first(unique.first().copied());
     let hook: Option<super::measure::SourceHook<'_>> =
-        (opts.inject == Some(BenchFault::CompileError)).then_some(&hook);
+        (opts.inject == Some(BenchFault::CompileError)).then_some(&edit);
     let loaded = compile_and_load(exec, jit, &unique, hook, &|| progress(Ok("compile".into())));
     let kernel_of = |spec: &KernelSpec| -> Result<KernelId, TuningError> {
         let i = unique.iter().position(|s| s == spec).unwrap_or(0);
