@@ -143,8 +143,11 @@ fn cuda_detail(devices: usize) -> String {
             Some((major, minor)) => format!(
                 "; device 0: {}, compute capability {major}.{minor}, kernels for {}",
                 gpu.device_name(),
-                crate::jit::Arch::for_device(major, minor)
-                    .map_or("no supported target".to_string(), |a| a.to_string())
+                match crate::jit::target_for(&gpu, crate::jit::Arch::default(), Default::default())
+                {
+                    Ok(target) => target.to_string(),
+                    Err(_) => "no supported target".into(),
+                }
             ),
             None => format!("; device 0: {}", gpu.device_name()),
         },

@@ -226,15 +226,14 @@ fn auto_gpu() -> Result<cuda::CudaExecutor, String> {
         return Err("no usable CUDA device".into());
     }
     let gpu = cuda::CudaExecutor::new(0).map_err(|e| e.to_string())?;
-    match gpu.compute_capability() {
-        Some((major, minor)) if crate::jit::Arch::for_device(major, minor).is_none() => {
-            Err(format!(
-                "{} (compute capability {major}.{minor}) has no supported kernel target",
-                gpu.device_name()
-            ))
-        }
-        _ => Ok(gpu),
-    }
+    // The JIT's rule for the device's kernel target decides (and explains a refusal).
+    crate::jit::target_for(
+        &gpu,
+        crate::jit::Arch::default(),
+        crate::jit::Sanitize::None,
+    )
+    .map_err(|e| e.to_string())?;
+    Ok(gpu)
 }
 
 /// Opens the executor for `backend`. `Auto` picks CUDA when a device is usable and kernels

@@ -476,11 +476,7 @@ impl<'e> CopyBench<'e> {
             CopyKind::Transfer {
                 src, dst, regions, ..
             } => self.mem.exec.copy_regions(*src, *dst, regions),
-            CopyKind::Materialise { .. } => Err(ExecError::Config {
-                name: "transfer path",
-                value: "dma".into(),
-                reason: "only transfers have a DMA path; materialise gathers with a kernel".into(),
-            }),
+            CopyKind::Materialise { .. } => Err(no_dma_path()),
         }
     }
 
@@ -764,6 +760,15 @@ impl<'e> AllocBench<'e> {
                 },
             )
         }
+    }
+}
+
+/// The error for a DMA request on anything but a transfer.
+pub fn no_dma_path() -> ExecError {
+    ExecError::Config {
+        name: "transfer path",
+        value: "dma".into(),
+        reason: "only transfers have a DMA path; materialise gathers with a kernel".into(),
     }
 }
 

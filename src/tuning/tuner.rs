@@ -251,11 +251,7 @@ impl<'e> Workload<'e> {
     fn time_dma(&self, sizes: &Sizes) -> Result<(f64, u64), crate::exec::ExecError> {
         match self {
             Workload::Copy(b) => Ok((b.time_dma(sizes)?.median, b.bytes())),
-            _ => Err(crate::exec::ExecError::Config {
-                name: "transfer path",
-                value: "dma".into(),
-                reason: "only transfers have a DMA path".into(),
-            }),
+            _ => Err(super::measure::no_dma_path()),
         }
     }
 }
