@@ -1,7 +1,8 @@
 //! Kernel conformance on the host executor: every kernel family, rendered from its template
 //! and run through the CUDA-emulation header, matches the plain-Rust reference
 //! (`kernels::reference`) on random inputs, for CP 1, 2, 4, 8, 16, page sizes 1, 16, 64 and
-//! both block orders. Outputs start as poison (0xA5) and carry guard bytes, so a byte written
+//! both block orders — plus non-power-of-two CPs (3, 5, 6, 7, 12), page size 1024 and every
+//! select / release block size tuning may pick. Outputs start as poison (0xA5) and carry guard bytes, so a byte written
 //! where the reference writes nothing is caught as surely as a wrong byte.
 //!
 //! Specs are built directly (small custom shapes, not only `Deployment`s), and compiled once
@@ -35,6 +36,15 @@ const BUFFERS: [BufferKind; 3] = [BufferKind::NsaKv, BufferKind::NsaIndexK, Buff
 const ALLOC_THREADS: u32 = 256;
 /// Guard elements after every output array.
 const GUARD: usize = 16;
+/// CP degrees that are not powers of two (and the largest page size), one page size each:
+/// `owner`/`local` become real divisions and moduli there.
+const ODD_SHAPES: [(u8, u32); 5] = [(3, 1), (5, 16), (6, 64), (7, 1024), (12, 16)];
+/// Select / release block sizes other than the default that tuning may pick, at a CP below
+/// a warp and at the largest CP.
+const ALLOC_THREAD_SWEEP: [u32; 4] = [32, 128, 512, 1024];
+const ALLOC_SWEEP_SHAPES: [(u8, u32); 2] = [(3, 64), (16, 16)];
+/// Transfer bytes per token at page size 1024 (MLA bf16: 1.1 MiB pages).
+const BIG_PAGE_BPT: u32 = 1152;
 
 fn uri_seed(spec: &KernelSpec) -> u64 {
     spec.uri()
@@ -46,19 +56,16 @@ fn order_id(o: BlockOrder) -> u64 {
     u64::from(o == BlockOrder::Reverse)
 }
 
-fn select_spec(cp: u8, page_size: u32) -> KernelSpec {
+fn select_spec(cp: u8, page_size: u32, threads: u32) -> KernelSpec {
     KernelSpec::SelectOwnerPages(AllocSpec {
         cp,
         page_size,
-        threads: ALLOC_THREADS,
+        threads,
     })
 }
 
-fn release_spec(cp: u8) -> KernelSpec {
-    KernelSpec::ReleasePages(ReleaseSpec {
-        cp,
-        threads: ALLOC_THREADS,
-    })
+fn release_spec(cp: u8, threads: u32) -> KernelSpec {
+    KernelSpec::ReleasePages(ReleaseSpec { cp, threads })
 }
 
 /// Bytes per token of the transfer cases at a page size: the real buffer kinds, plus an odd
@@ -131,10 +138,14 @@ fn materialise_specs(cp: u8, ps: u32) -> [KernelSpec; 2] {
 /// Synthesis covers every (cp, page size) and, across CPs, every buffer kind at every page
 /// size, with one spec per (cp, page size).
 fn synth_spec(ci: usize, pi: usize) -> KernelSpec {
+    synth_spec_of(BUFFERS[(ci + pi) % 3], CPS[ci], PSS[pi])
+}
+
+fn synth_spec_of(buffer: BufferKind, cp: u8, page_size: u32) -> KernelSpec {
     KernelSpec::Synthesise(SynthSpec {
-        buffer: BUFFERS[(ci + pi) % 3],
-        cp: CPS[ci],
-        page_size: PSS[pi],
+        buffer,
+        cp,
+        page_size,
         threads: 128,
     })
 }
@@ -150,9 +161,9 @@ fn verify_spec(buffer: BufferKind, ps: u32) -> KernelSpec {
 fn all_specs() -> Vec<KernelSpec> {
     let mut v = transfer_specs();
     for (ci, &cp) in CPS.iter().enumerate() {
-        v.push(release_spec(cp));
+        v.push(release_spec(cp, ALLOC_THREADS));
         for (pi, &ps) in PSS.iter().enumerate() {
-            v.push(select_spec(cp, ps));
+            v.push(select_spec(cp, ps, ALLOC_THREADS));
             v.extend(materialise_specs(cp, ps));
             v.push(synth_spec(ci, pi));
         }
@@ -165,6 +176,51 @@ fn all_specs() -> Vec<KernelSpec> {
     v.sort();
     v.dedup();
     v
+}
+
+/// The specs of the odd-shape test: non-power-of-two CPs, page size 1024 and other select /
+/// release block sizes (kept out of `all_specs`, whose matrix stays modest).
+fn odd_specs() -> Vec<KernelSpec> {
+    let mut v = Vec::new();
+    for (i, &(cp, ps)) in ODD_SHAPES.iter().enumerate() {
+        v.push(select_spec(cp, ps, ALLOC_THREADS));
+        v.push(release_spec(cp, ALLOC_THREADS));
+        v.extend(materialise_specs(cp, ps));
+        v.push(synth_spec_of(BUFFERS[i % 3], cp, ps));
+    }
+    for (cp, ps) in ALLOC_SWEEP_SHAPES {
+        for t in ALLOC_THREAD_SWEEP {
+            v.push(select_spec(cp, ps, t));
+            v.push(release_spec(cp, t));
+        }
+    }
+    v.extend(big_page_transfer_specs());
+    v.sort();
+    v.dedup();
+    v
+}
+
+fn big_page_transfer_specs() -> Vec<KernelSpec> {
+    let mut v = Vec::new();
+    for direction in [Direction::DeviceToHost, Direction::HostToDevice] {
+        for layout in [HostLayout::PageFirst, HostLayout::LayerFirst] {
+            for launch in copy_launches(1024 * u64::from(BIG_PAGE_BPT)) {
+                v.push(KernelSpec::TransferPages(TransferSpec {
+                    direction,
+                    layout,
+                    page_size: 1024,
+                    bytes_per_token: BIG_PAGE_BPT,
+                    launch,
+                }));
+            }
+        }
+    }
+    v
+}
+
+fn odd_libs() -> &'static HashMap<KernelSpec, PathBuf> {
+    static LIBS: OnceLock<HashMap<KernelSpec, PathBuf>> = OnceLock::new();
+    LIBS.get_or_init(|| support::compile(&odd_specs(), Sanitize::None))
 }
 
 /// Every kernel of this target, compiled once (in parallel) for all tests.
@@ -247,7 +303,7 @@ fn rendered_parameter_lists_match_the_signatures() {
 #[test]
 fn bad_argument_lists_are_refused_by_the_signature() {
     let mut b = Bench::new(BlockOrder::Forward, libs());
-    let spec = release_spec(4);
+    let spec = release_spec(4, ALLOC_THREADS);
     let kernel = b.kernel(&spec);
     let (lane_cap, tops) = (8u32, vec![0u32; 4]);
     let pages = [5u32, 6, 7, 9];
@@ -309,89 +365,106 @@ fn select_matches_reference() {
         for cp in CPS {
             for ps in PSS {
                 let mut b = Bench::new(order, libs());
-                let spec = select_spec(cp, ps);
-                let mut rng = Rng::new(&[1, u64::from(cp), u64::from(ps), order_id(order)]);
-                let t = u64::from(ALLOC_THREADS);
-                for trial in 0..4u64 {
-                    let cpn = u32::from(cp);
-                    let lane_cap = rng.range(1, 900 / u64::from(cp) + 8) as u32;
-                    let stacks: Vec<u32> = (0..cpn * lane_cap)
-                        .map(|i| (rng.range(1, 4096) as u32) * cpn + i / lane_cap)
-                        .collect();
-                    let tops: Vec<u32> = (0..cpn)
-                        .map(|_| match trial {
-                            0 => lane_cap,
-                            _ if rng.one_in(8) => lane_cap + rng.range(1, 5) as u32,
-                            _ => rng.below(u64::from(lane_cap) + 1) as u32,
-                        })
-                        .collect();
-                    // Empty, one partial tile, and requests spanning two to four tiles.
-                    let n = match trial {
-                        0 => rng.below(2 * t + 40),
-                        1 => 0,
-                        2 => rng.below(t),
-                        _ => rng.range(t + 1, 3 * t + 50),
-                    } as usize;
-                    let owners: Vec<u8> = (0..n)
-                        .map(|_| {
-                            if trial == 3 && rng.one_in(40) {
-                                cp + rng.below(3) as u8 // out of range: page 0
-                            } else {
-                                rng.below(u64::from(cp)) as u8
-                            }
-                        })
-                        .collect();
-                    let psz = ps as usize;
-                    let ob = b.bytes(&owners, GUARD);
-                    let sb = b.bytes(&le32(&stacks), 0);
-                    let tb = b.bytes(&le32(&tops), 0);
-                    let pb = b.poison(4 * (n + GUARD));
-                    let lb = b.poison(8 * (n * psz + GUARD));
-                    b.launch(
-                        &spec,
-                        spec.launch_dims(n as u32, 1).grid,
-                        &[
-                            KernelArg::Ptr(ob, 0),
-                            KernelArg::U32(n as u32),
-                            KernelArg::Ptr(sb, 0),
-                            KernelArg::Ptr(tb, 0),
-                            KernelArg::U32(lane_cap),
-                            KernelArg::Ptr(pb, 0),
-                            KernelArg::Ptr(lb, 0),
-                        ],
-                    );
-                    let mut want_tops = tops.clone();
-                    let (want_pages, want_locs) = reference::select_owner_pages(
-                        cp,
-                        ps,
-                        &owners,
-                        &stacks,
-                        &mut want_tops,
-                        lane_cap,
-                    )
-                    .unwrap();
-                    let ctx = format!("{spec} {order} trial {trial} n {n} cap {lane_cap}");
-                    let pages = b.read(pb);
-                    assert_eq!(u32s(&pages[..4 * n]), want_pages, "out_pages: {ctx}");
-                    assert!(
-                        pages[4 * n..].iter().all(|&x| x == POISON),
-                        "out_pages guard: {ctx}"
-                    );
-                    let locs = b.read(lb);
-                    assert_eq!(i64s(&locs[..8 * n * psz]), want_locs, "out_locs: {ctx}");
-                    assert!(
-                        locs[8 * n * psz..].iter().all(|&x| x == POISON),
-                        "out_locs guard: {ctx}"
-                    );
-                    assert_eq!(u32s(&b.read(tb)), want_tops, "lane_tops: {ctx}");
-                    assert_eq!(
-                        u32s(&b.read(sb)),
-                        stacks,
-                        "lane_stacks must not change: {ctx}"
-                    );
-                }
+                check_select(&mut b, cp, ps, ALLOC_THREADS, order);
             }
         }
+    }
+}
+
+/// Select on random stacks, tops (some beyond the capacity) and owner requests (empty, one
+/// partial tile, several tiles, some owners out of range) against the reference; the lane
+/// tops carry guard words, so a thread that writes the top of a lane that does not exist is
+/// caught.
+fn check_select(b: &mut Bench, cp: u8, ps: u32, threads: u32, order: BlockOrder) {
+    let spec = select_spec(cp, ps, threads);
+    let mut rng = Rng::new(&[
+        1,
+        u64::from(cp),
+        u64::from(ps),
+        order_id(order),
+        u64::from(threads),
+    ]);
+    let t = u64::from(threads);
+    for trial in 0..4u64 {
+        let cpn = u32::from(cp);
+        let lane_cap = rng.range(1, 900 / u64::from(cp) + 8) as u32;
+        let stacks: Vec<u32> = (0..cpn * lane_cap)
+            .map(|i| (rng.range(1, 4096) as u32) * cpn + i / lane_cap)
+            .collect();
+        let tops: Vec<u32> = (0..cpn)
+            .map(|_| match trial {
+                0 => lane_cap,
+                _ if rng.one_in(8) => lane_cap + rng.range(1, 5) as u32,
+                _ => rng.below(u64::from(lane_cap) + 1) as u32,
+            })
+            .collect();
+        // Empty, one partial tile, and requests spanning two to four tiles.
+        let n = match trial {
+            0 => rng.below(2 * t + 40),
+            1 => 0,
+            2 => rng.below(t),
+            _ => rng.range(t + 1, 3 * t + 50),
+        } as usize;
+        let owners: Vec<u8> = (0..n)
+            .map(|_| {
+                if trial == 3 && rng.one_in(40) {
+                    cp + rng.below(3) as u8 // out of range: page 0
+                } else {
+                    rng.below(u64::from(cp)) as u8
+                }
+            })
+            .collect();
+        let psz = ps as usize;
+        let ob = b.bytes(&owners, GUARD);
+        let sb = b.bytes(&le32(&stacks), 0);
+        let tb = b.bytes(&le32(&tops), 4 * GUARD);
+        let pb = b.poison(4 * (n + GUARD));
+        let lb = b.poison(8 * (n * psz + GUARD));
+        b.launch(
+            &spec,
+            spec.launch_dims(n as u32, 1).grid,
+            &[
+                KernelArg::Ptr(ob, 0),
+                KernelArg::U32(n as u32),
+                KernelArg::Ptr(sb, 0),
+                KernelArg::Ptr(tb, 0),
+                KernelArg::U32(lane_cap),
+                KernelArg::Ptr(pb, 0),
+                KernelArg::Ptr(lb, 0),
+            ],
+        );
+        let mut want_tops = tops.clone();
+        let (want_pages, want_locs) =
+            reference::select_owner_pages(cp, ps, &owners, &stacks, &mut want_tops, lane_cap)
+                .unwrap();
+        let ctx = format!("{spec} {order} trial {trial} n {n} cap {lane_cap}");
+        let pages = b.read(pb);
+        assert_eq!(u32s(&pages[..4 * n]), want_pages, "out_pages: {ctx}");
+        assert!(
+            pages[4 * n..].iter().all(|&x| x == POISON),
+            "out_pages guard: {ctx}"
+        );
+        let locs = b.read(lb);
+        assert_eq!(i64s(&locs[..8 * n * psz]), want_locs, "out_locs: {ctx}");
+        assert!(
+            locs[8 * n * psz..].iter().all(|&x| x == POISON),
+            "out_locs guard: {ctx}"
+        );
+        let got_t = b.read(tb);
+        assert_eq!(
+            u32s(&got_t[..4 * tops.len()]),
+            want_tops,
+            "lane_tops: {ctx}"
+        );
+        assert!(
+            got_t[4 * tops.len()..].iter().all(|&x| x == POISON),
+            "lane_tops guard: {ctx}"
+        );
+        assert_eq!(
+            u32s(&b.read(sb)),
+            stacks,
+            "lane_stacks must not change: {ctx}"
+        );
     }
 }
 
@@ -400,70 +473,102 @@ fn release_matches_reference() {
     for order in ORDERS {
         for cp in CPS {
             let mut b = Bench::new(order, libs());
-            let spec = release_spec(cp);
-            let mut rng = Rng::new(&[2, u64::from(cp), order_id(order)]);
-            let t = u64::from(ALLOC_THREADS);
-            let cpn = u32::from(cp);
-            for trial in 0..6u64 {
-                let lane_cap = rng.range(1, 600 / u64::from(cp) + 4) as u32;
-                let stacks: Vec<u32> = (0..cpn * lane_cap)
-                    .map(|_| rng.below(1 << 20) as u32)
-                    .collect();
-                let tops: Vec<u32> = (0..cpn)
-                    .map(|_| {
-                        if rng.one_in(8) {
-                            lane_cap + rng.range(1, 5) as u32
-                        } else {
-                            rng.below(u64::from(lane_cap) + 1) as u32
-                        }
-                    })
-                    .collect();
-                let n = match trial {
-                    0 => 0,
-                    1 => rng.below(t),
-                    _ => rng.range(t + 1, 3 * t + 50),
-                } as usize;
-                // Pages of every lane, page 0 now and then, and enough of them that some
-                // pushes overflow their lane and are dropped.
-                let pages: Vec<u32> = (0..n)
-                    .map(|_| {
-                        if rng.one_in(16) {
-                            0
-                        } else {
-                            rng.below(u64::from(cpn * lane_cap) * 2) as u32
-                        }
-                    })
-                    .collect();
-                let pgb = b.bytes(&le32(&pages), GUARD);
-                let sb = b.bytes(&le32(&stacks), 4 * GUARD);
-                let tb = b.bytes(&le32(&tops), 4 * GUARD);
-                b.launch(
-                    &spec,
-                    1,
-                    &[
-                        KernelArg::Ptr(pgb, 0),
-                        KernelArg::U32(n as u32),
-                        KernelArg::Ptr(sb, 0),
-                        KernelArg::Ptr(tb, 0),
-                        KernelArg::U32(lane_cap),
-                    ],
-                );
-                let (mut ws, mut wt) = (stacks.clone(), tops.clone());
-                reference::release_pages(cp, &pages, &mut ws, &mut wt, lane_cap).unwrap();
-                let ctx = format!("{spec} {order} trial {trial} n {n} cap {lane_cap}");
-                let got_s = b.read(sb);
-                assert_eq!(u32s(&got_s[..ws.len() * 4]), ws, "lane_stacks: {ctx}");
-                assert!(
-                    got_s[ws.len() * 4..].iter().all(|&x| x == POISON),
-                    "stacks guard: {ctx}"
-                );
-                let got_t = b.read(tb);
-                assert_eq!(u32s(&got_t[..wt.len() * 4]), wt, "lane_tops: {ctx}");
-                assert!(
-                    got_t[wt.len() * 4..].iter().all(|&x| x == POISON),
-                    "tops guard: {ctx}"
-                );
+            check_release(&mut b, cp, ALLOC_THREADS, order);
+        }
+    }
+}
+
+/// Release of random pages (page 0 and foreign pages now and then, lanes overflowing)
+/// against the reference, with guard words after the stacks and the tops.
+fn check_release(b: &mut Bench, cp: u8, threads: u32, order: BlockOrder) {
+    let spec = release_spec(cp, threads);
+    let mut rng = Rng::new(&[2, u64::from(cp), order_id(order), u64::from(threads)]);
+    let t = u64::from(threads);
+    let cpn = u32::from(cp);
+    for trial in 0..6u64 {
+        let lane_cap = rng.range(1, 600 / u64::from(cp) + 4) as u32;
+        let stacks: Vec<u32> = (0..cpn * lane_cap)
+            .map(|_| rng.below(1 << 20) as u32)
+            .collect();
+        let tops: Vec<u32> = (0..cpn)
+            .map(|_| {
+                if rng.one_in(8) {
+                    lane_cap + rng.range(1, 5) as u32
+                } else {
+                    rng.below(u64::from(lane_cap) + 1) as u32
+                }
+            })
+            .collect();
+        let n = match trial {
+            0 => 0,
+            1 => rng.below(t),
+            _ => rng.range(t + 1, 3 * t + 50),
+        } as usize;
+        // Pages of every lane, page 0 now and then, and enough of them that some
+        // pushes overflow their lane and are dropped.
+        let pages: Vec<u32> = (0..n)
+            .map(|_| {
+                if rng.one_in(16) {
+                    0
+                } else {
+                    rng.below(u64::from(cpn * lane_cap) * 2) as u32
+                }
+            })
+            .collect();
+        let pgb = b.bytes(&le32(&pages), GUARD);
+        let sb = b.bytes(&le32(&stacks), 4 * GUARD);
+        let tb = b.bytes(&le32(&tops), 4 * GUARD);
+        b.launch(
+            &spec,
+            1,
+            &[
+                KernelArg::Ptr(pgb, 0),
+                KernelArg::U32(n as u32),
+                KernelArg::Ptr(sb, 0),
+                KernelArg::Ptr(tb, 0),
+                KernelArg::U32(lane_cap),
+            ],
+        );
+        let (mut ws, mut wt) = (stacks.clone(), tops.clone());
+        reference::release_pages(cp, &pages, &mut ws, &mut wt, lane_cap).unwrap();
+        let ctx = format!("{spec} {order} trial {trial} n {n} cap {lane_cap}");
+        let got_s = b.read(sb);
+        assert_eq!(u32s(&got_s[..ws.len() * 4]), ws, "lane_stacks: {ctx}");
+        assert!(
+            got_s[ws.len() * 4..].iter().all(|&x| x == POISON),
+            "stacks guard: {ctx}"
+        );
+        let got_t = b.read(tb);
+        assert_eq!(u32s(&got_t[..wt.len() * 4]), wt, "lane_tops: {ctx}");
+        assert!(
+            got_t[wt.len() * 4..].iter().all(|&x| x == POISON),
+            "tops guard: {ctx}"
+        );
+    }
+}
+
+// Non-power-of-two CPs, page size 1024 and every select / release block size the tuner
+// may choose, through the same checks as the main matrix, in both block orders.
+#[test]
+fn odd_cps_big_pages_and_alloc_block_sizes_match_reference() {
+    let specs = odd_specs();
+    assert!(specs.iter().all(|s| s.validate().is_ok()));
+    for order in ORDERS {
+        let mut b = Bench::new(order, odd_libs());
+        for (i, &(cp, ps)) in ODD_SHAPES.iter().enumerate() {
+            check_select(&mut b, cp, ps, ALLOC_THREADS, order);
+            check_release(&mut b, cp, ALLOC_THREADS, order);
+            check_materialise(&mut b, cp, ps, order);
+            check_synthesise(&mut b, synth_spec_of(BUFFERS[i % 3], cp, ps), order);
+        }
+        for (cp, ps) in ALLOC_SWEEP_SHAPES {
+            for t in ALLOC_THREAD_SWEEP {
+                check_select(&mut b, cp, ps, t, order);
+                check_release(&mut b, cp, t, order);
             }
+        }
+        for spec in big_page_transfer_specs() {
+            check_transfer(&mut b, spec, order);
         }
     }
 }
@@ -530,122 +635,135 @@ fn select_is_all_or_nothing_through_the_allocator() {
 
 #[test]
 fn transfer_matches_reference() {
-    let (layers, device_pages, host_pages) = (2u32, 5u32, 4u32);
     for order in ORDERS {
         let mut b = Bench::new(order, libs());
         for spec in transfer_specs() {
-            let KernelSpec::TransferPages(s) = spec else {
-                unreachable!()
-            };
-            let mut rng = Rng::new(&[4, order_id(order), uri_seed(&spec)]);
-            let pb = u64::from(s.page_size) * u64::from(s.bytes_per_token);
-            let dev_bytes = (u64::from(layers * device_pages) * pb) as usize;
-            let host_bytes = (u64::from(layers * host_pages) * pb) as usize;
-            let (src_cap, dst_cap, src_bytes) = match s.direction {
-                Direction::DeviceToHost => (device_pages, host_pages, dev_bytes),
-                Direction::HostToDevice => (host_pages, device_pages, host_bytes),
-            };
-            for trial in 0..2 {
-                // Distinct destination pages, one of them possibly out of range (skipped),
-                // and source pages that may be out of range too.
-                let perm = rng.permutation(dst_cap + 1);
-                let n = rng.range(1, u64::from(dst_cap) + 1) as usize;
-                let dst_pages: Vec<u32> = perm[..n].to_vec();
-                let src_pages: Vec<u32> = (0..n)
-                    .map(|_| rng.below(u64::from(src_cap) + 1) as u32)
-                    .collect();
-                let src = rng.bytes(src_bytes);
-                let g = grid(&mut rng, spec.launch_dims(n as u32, layers).grid);
-                let copied = b.transfer(
-                    &spec,
-                    g,
-                    &TransferCase {
-                        src: &src,
-                        src_pages: &src_pages,
-                        dst_pages: &dst_pages,
-                        layers,
-                        device_pages,
-                        host_pages,
-                        told_host_pages: host_pages,
-                        guard: GUARD,
-                    },
-                );
-                assert!(
-                    copied.got == copied.want,
-                    "{spec} {order} trial {trial} grid {g}: first difference at byte {:?}; src {src_pages:?} dst {dst_pages:?}",
-                    copied.first_difference()
-                );
-                assert_eq!(
-                    copied.src_after[..src_bytes],
-                    src[..],
-                    "{spec}: source changed"
-                );
-                // The DMA path (copy regions instead of the kernel) moves the same bytes.
-                let pools = PoolShape {
-                    layers,
-                    device_pages,
-                    host_pages,
-                };
-                let sbuf = b.bytes(&src, GUARD);
-                let dma = b.poison(copied.want.len());
-                let regions = transfer_regions(&s, &src_pages, &dst_pages, pools);
-                b.ex.copy_regions(sbuf, dma, &regions).unwrap();
-                assert!(
-                    b.read(dma) == copied.want,
-                    "{spec} trial {trial}: DMA regions {regions:?} differ from the kernel"
-                );
-            }
+            check_transfer(&mut b, spec, order);
         }
+    }
+}
+
+/// A transfer spec moves random pages (some out of range on either side, skipped) exactly as
+/// the reference does, leaves its source alone, and the DMA regions of the same request move
+/// the same bytes.
+fn check_transfer(b: &mut Bench, spec: KernelSpec, order: BlockOrder) {
+    let (layers, device_pages, host_pages) = (2u32, 5u32, 4u32);
+    let KernelSpec::TransferPages(s) = spec else {
+        unreachable!()
+    };
+    let mut rng = Rng::new(&[4, order_id(order), uri_seed(&spec)]);
+    let pb = u64::from(s.page_size) * u64::from(s.bytes_per_token);
+    let dev_bytes = (u64::from(layers * device_pages) * pb) as usize;
+    let host_bytes = (u64::from(layers * host_pages) * pb) as usize;
+    let (src_cap, dst_cap, src_bytes) = match s.direction {
+        Direction::DeviceToHost => (device_pages, host_pages, dev_bytes),
+        Direction::HostToDevice => (host_pages, device_pages, host_bytes),
+    };
+    for trial in 0..2 {
+        // Distinct destination pages, one of them possibly out of range (skipped),
+        // and source pages that may be out of range too.
+        let perm = rng.permutation(dst_cap + 1);
+        let n = rng.range(1, u64::from(dst_cap) + 1) as usize;
+        let dst_pages: Vec<u32> = perm[..n].to_vec();
+        let src_pages: Vec<u32> = (0..n)
+            .map(|_| rng.below(u64::from(src_cap) + 1) as u32)
+            .collect();
+        let src = rng.bytes(src_bytes);
+        let g = grid(&mut rng, spec.launch_dims(n as u32, layers).grid);
+        let copied = b.transfer(
+            &spec,
+            g,
+            &TransferCase {
+                src: &src,
+                src_pages: &src_pages,
+                dst_pages: &dst_pages,
+                layers,
+                device_pages,
+                host_pages,
+                told_host_pages: host_pages,
+                guard: GUARD,
+            },
+        );
+        assert!(
+            copied.got == copied.want,
+            "{spec} {order} trial {trial} grid {g}: first difference at byte {:?}; src {src_pages:?} dst {dst_pages:?}",
+            copied.first_difference()
+        );
+        assert_eq!(
+            copied.src_after[..src_bytes],
+            src[..],
+            "{spec}: source changed"
+        );
+        // The DMA path (copy regions instead of the kernel) moves the same bytes.
+        let pools = PoolShape {
+            layers,
+            device_pages,
+            host_pages,
+        };
+        let sbuf = b.bytes(&src, GUARD);
+        let dma = b.poison(copied.want.len());
+        let regions = transfer_regions(&s, &src_pages, &dst_pages, pools);
+        b.ex.copy_regions(sbuf, dma, &regions).unwrap();
+        assert!(
+            b.read(dma) == copied.want,
+            "{spec} trial {trial}: DMA regions {regions:?} differ from the kernel"
+        );
     }
 }
 
 #[test]
 fn materialise_matches_reference() {
-    let (layers, local_pages) = (2u32, 3u32);
     for order in ORDERS {
         for cp in CPS {
             for ps in PSS {
                 let mut b = Bench::new(order, libs());
-                for spec in materialise_specs(cp, ps) {
-                    let KernelSpec::Materialise(s) = spec else {
-                        unreachable!()
-                    };
-                    let mut rng = Rng::new(&[
-                        5,
-                        u64::from(cp),
-                        u64::from(ps),
-                        order_id(order),
-                        u64::from(s.launch.threads),
-                    ]);
-                    let pb = u64::from(ps) * u64::from(s.bytes_per_token);
-                    let pool_bytes = (u64::from(layers * local_pages) * pb) as usize;
-                    let pools: Vec<Vec<u8>> = (0..cp).map(|_| rng.bytes(pool_bytes)).collect();
-                    let cpn = u32::from(cp);
-                    let n = rng.range(1, 7) as u32;
-                    // Global pages, some beyond the pools (skipped: their slots stay poison).
-                    let seq: Vec<u32> = (0..n)
-                        .map(|_| rng.below(u64::from(cpn * (local_pages + 1))) as u32)
-                        .collect();
-                    let g = grid(&mut rng, spec.launch_dims(n, layers).grid);
-                    let copied = b.materialise(
-                        &spec,
-                        g,
-                        &MaterialiseCase {
-                            pools: &pools,
-                            seq: &seq,
-                            layers,
-                            local_pages,
-                            guard: GUARD,
-                        },
-                    );
-                    assert!(
-                        copied.got == copied.want,
-                        "{spec} {order} grid {g} pages {seq:?}: first difference at byte {:?}",
-                        copied.first_difference()
-                    );
-                }
+                check_materialise(&mut b, cp, ps, order);
             }
         }
+    }
+}
+
+/// Both copy shapes of materialise at (cp, ps) gather random pages (some beyond the pools,
+/// whose slots must stay poison) exactly as the reference does.
+fn check_materialise(b: &mut Bench, cp: u8, ps: u32, order: BlockOrder) {
+    let (layers, local_pages) = (2u32, 3u32);
+    for spec in materialise_specs(cp, ps) {
+        let KernelSpec::Materialise(s) = spec else {
+            unreachable!()
+        };
+        let mut rng = Rng::new(&[
+            5,
+            u64::from(cp),
+            u64::from(ps),
+            order_id(order),
+            u64::from(s.launch.threads),
+        ]);
+        let pb = u64::from(ps) * u64::from(s.bytes_per_token);
+        let pool_bytes = (u64::from(layers * local_pages) * pb) as usize;
+        let pools: Vec<Vec<u8>> = (0..cp).map(|_| rng.bytes(pool_bytes)).collect();
+        let cpn = u32::from(cp);
+        let n = rng.range(1, 7) as u32;
+        // Global pages, some beyond the pools (skipped: their slots stay poison).
+        let seq: Vec<u32> = (0..n)
+            .map(|_| rng.below(u64::from(cpn * (local_pages + 1))) as u32)
+            .collect();
+        let g = grid(&mut rng, spec.launch_dims(n, layers).grid);
+        let copied = b.materialise(
+            &spec,
+            g,
+            &MaterialiseCase {
+                pools: &pools,
+                seq: &seq,
+                layers,
+                local_pages,
+                guard: GUARD,
+            },
+        );
+        assert!(
+            copied.got == copied.want,
+            "{spec} {order} grid {g} pages {seq:?}: first difference at byte {:?}",
+            copied.first_difference()
+        );
     }
 }
 
@@ -655,74 +773,79 @@ fn tokens(rng: &mut Rng, n: u32) -> Vec<u32> {
 
 #[test]
 fn synthesise_matches_reference() {
-    let (layers, local_pages) = (2u32, 4u32);
     for order in ORDERS {
-        for (ci, &cp) in CPS.iter().enumerate() {
-            for (pi, &ps) in PSS.iter().enumerate() {
+        for ci in 0..CPS.len() {
+            for pi in 0..PSS.len() {
                 let mut b = Bench::new(order, libs());
-                let spec = synth_spec(ci, pi);
-                let KernelSpec::Synthesise(s) = spec else {
-                    unreachable!()
-                };
-                let mut rng = Rng::new(&[6, u64::from(cp), u64::from(ps), order_id(order)]);
-                let cpn = u32::from(cp);
-                let n_tokens = rng.range(1, u64::from(ps) * 4) as u32;
-                let n_pages = n_tokens.div_ceil(ps);
-                // Distinct global pages (page 0 excluded), some beyond the pools (skipped).
-                let perm = rng.permutation(cpn * (local_pages + 1) - 1);
-                let seq: Vec<u32> = perm[..n_pages as usize].iter().map(|p| p + 1).collect();
-                let start_page = if rng.one_in(2) {
-                    0
-                } else {
-                    rng.below(u64::from(n_pages) + 1) as u32
-                };
-                let hashes = reference::prefix_hashes(&tokens(&mut rng, n_tokens));
-                let hb = b.bytes(&le64(&hashes), 0);
-                let sb = b.bytes(&le32(&seq), 0);
-                let pool_bytes =
-                    (u64::from(layers * local_pages) * s.buffer.page_bytes(ps)) as usize;
-                let items = n_pages - start_page;
-                for rank in 0..cpn {
-                    let pool = b.poison(pool_bytes + GUARD);
-                    let g = grid(&mut rng, spec.launch_dims(items, layers).grid);
-                    b.launch(
-                        &spec,
-                        g,
-                        &[
-                            KernelArg::Ptr(pool, 0),
-                            KernelArg::Ptr(hb, 0),
-                            KernelArg::Ptr(sb, 0),
-                            KernelArg::U32(n_tokens),
-                            KernelArg::U32(start_page),
-                            KernelArg::U32(rank),
-                            KernelArg::U32(layers),
-                            KernelArg::U32(local_pages),
-                        ],
-                    );
-                    let mut want = vec![POISON; pool_bytes + GUARD];
-                    reference::synthesise(
-                        s.buffer,
-                        cp,
-                        ps,
-                        &mut want,
-                        &hashes,
-                        &seq,
-                        n_tokens,
-                        start_page,
-                        rank,
-                        layers,
-                        local_pages,
-                    )
-                    .unwrap();
-                    let got = b.read(pool);
-                    assert!(
-                        got == want,
-                        "{spec} {order} rank {rank} grid {g} tokens {n_tokens} start {start_page} pages {seq:?}: first difference at byte {:?}",
-                        got.iter().zip(&want).position(|(a, b)| a != b)
-                    );
-                }
+                check_synthesise(&mut b, synth_spec(ci, pi), order);
             }
         }
+    }
+}
+
+/// Synthesis into every rank's pool of random distinct pages (some beyond the pools) from a
+/// random start page matches the reference, rank by rank.
+fn check_synthesise(b: &mut Bench, spec: KernelSpec, order: BlockOrder) {
+    let (layers, local_pages) = (2u32, 4u32);
+    let KernelSpec::Synthesise(s) = spec else {
+        unreachable!()
+    };
+    let (cp, ps) = (s.cp, s.page_size);
+    let mut rng = Rng::new(&[6, u64::from(cp), u64::from(ps), order_id(order)]);
+    let cpn = u32::from(cp);
+    let n_tokens = rng.range(1, u64::from(ps) * 4) as u32;
+    let n_pages = n_tokens.div_ceil(ps);
+    // Distinct global pages (page 0 excluded), some beyond the pools (skipped).
+    let perm = rng.permutation(cpn * (local_pages + 1) - 1);
+    let seq: Vec<u32> = perm[..n_pages as usize].iter().map(|p| p + 1).collect();
+    let start_page = if rng.one_in(2) {
+        0
+    } else {
+        rng.below(u64::from(n_pages) + 1) as u32
+    };
+    let hashes = reference::prefix_hashes(&tokens(&mut rng, n_tokens));
+    let hb = b.bytes(&le64(&hashes), 0);
+    let sb = b.bytes(&le32(&seq), 0);
+    let pool_bytes = (u64::from(layers * local_pages) * s.buffer.page_bytes(ps)) as usize;
+    let items = n_pages - start_page;
+    for rank in 0..cpn {
+        let pool = b.poison(pool_bytes + GUARD);
+        let g = grid(&mut rng, spec.launch_dims(items, layers).grid);
+        b.launch(
+            &spec,
+            g,
+            &[
+                KernelArg::Ptr(pool, 0),
+                KernelArg::Ptr(hb, 0),
+                KernelArg::Ptr(sb, 0),
+                KernelArg::U32(n_tokens),
+                KernelArg::U32(start_page),
+                KernelArg::U32(rank),
+                KernelArg::U32(layers),
+                KernelArg::U32(local_pages),
+            ],
+        );
+        let mut want = vec![POISON; pool_bytes + GUARD];
+        reference::synthesise(
+            s.buffer,
+            cp,
+            ps,
+            &mut want,
+            &hashes,
+            &seq,
+            n_tokens,
+            start_page,
+            rank,
+            layers,
+            local_pages,
+        )
+        .unwrap();
+        let got = b.read(pool);
+        assert!(
+            got == want,
+            "{spec} {order} rank {rank} grid {g} tokens {n_tokens} start {start_page} pages {seq:?}: first difference at byte {:?}",
+            got.iter().zip(&want).position(|(a, b)| a != b)
+        );
     }
 }
 
