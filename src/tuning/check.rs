@@ -291,7 +291,7 @@ fn check_one(
         }
         KernelSpec::Verify(s) => {
             let n_pages = 5u32;
-            let n_tokens = n_pages * s.page_size - 5;
+            let n_tokens = verify_tokens(n_pages, s.page_size);
             let layers = 2;
             let tokens: Vec<u32> = (0..n_tokens).map(|_| rng.below(50_000) as u32).collect();
             let hashes = reference::prefix_hashes(&tokens);
@@ -355,8 +355,29 @@ fn check_one(
     }
 }
 
+/// Tokens of the verify check over `n_pages`: the last page partial (by up to five tokens)
+/// where the page size allows one, never fewer tokens than pages, so page size 1 checks
+/// tokens too.
+fn verify_tokens(n_pages: u32, page_size: u32) -> u32 {
+    n_pages * page_size - 5.min(page_size - 1)
+}
+
 fn upload_new(exec: &dyn Executor, bytes: &[u8]) -> Result<BufferId, TuningError> {
     let b = exec.alloc(MemKind::Device, bytes.len().max(1), 0)?;
     exec.upload(b, 0, bytes)?;
     Ok(b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::verify_tokens;
+
+    #[test]
+    fn the_verify_check_spans_every_page_at_every_page_size() {
+        for ps in [1u32, 2, 4, 16, 64, 1024] {
+            let n = verify_tokens(5, ps);
+            assert!(n > 4 * ps && n <= 5 * ps, "page size {ps}: {n} tokens");
+        }
+        assert_eq!(verify_tokens(5, 64), 315, "a partial last page");
+    }
 }
