@@ -21,6 +21,18 @@ pub enum ReferenceError {
         /// Elements given.
         have: usize,
     },
+    /// A geometry whose byte size does not fit in 64 bits.
+    #[error("{what}: {layers} layers x {pages} pages x {page_bytes} bytes overflows 64 bits")]
+    Overflow {
+        /// Which argument.
+        what: &'static str,
+        /// Layers.
+        layers: u32,
+        /// Pages per layer.
+        pages: u32,
+        /// Bytes per page.
+        page_bytes: u64,
+    },
     /// A parameter outside the kernel's domain (for example CP 0 or a page size that is
     /// not a power of two).
     #[error("{what} = {value} is invalid")]
@@ -42,6 +54,25 @@ fn need<T>(what: &'static str, s: &[T], need: u64) -> Result<(), ReferenceError>
     } else {
         Ok(())
     }
+}
+
+/// Bytes of `layers` x `pages` pages of `page_bytes`, checked: once a slice is known to hold
+/// this many, every offset inside it is smaller and cannot overflow.
+fn extent(
+    what: &'static str,
+    layers: u32,
+    pages: u32,
+    page_bytes: u64,
+) -> Result<u64, ReferenceError> {
+    u64::from(layers)
+        .checked_mul(u64::from(pages))
+        .and_then(|x| x.checked_mul(page_bytes))
+        .ok_or(ReferenceError::Overflow {
+            what,
+            layers,
+            pages,
+            page_bytes,
+        })
 }
 
 fn check_cp(cp: u8) -> Result<u32, ReferenceError> {
@@ -280,8 +311,8 @@ pub fn transfer_pages(
 ) -> Result<(), ReferenceError> {
     need("src_pages", src_pages, u64::from(n))?;
     need("dst_pages", dst_pages, u64::from(n))?;
-    let dev_bytes = u64::from(layers) * u64::from(device_pages) * page_bytes;
-    let host_bytes = u64::from(layers) * u64::from(host_pages) * page_bytes;
+    let dev_bytes = extent("device pool", layers, device_pages, page_bytes)?;
+    let host_bytes = extent("host pool", layers, host_pages, page_bytes)?;
     let (src_cap, dst_cap) = match direction {
         Direction::DeviceToHost => {
             need("src (device pool)", src, dev_bytes)?;
@@ -331,15 +362,11 @@ pub fn materialise(
     let cpn = check_cp(cp)?;
     need("pools", pools, u64::from(cpn))?;
     need("seq_pages", seq_pages, u64::from(n))?;
-    let pool_bytes = u64::from(layers) * u64::from(local_pages) * page_bytes;
+    let pool_bytes = extent("pool", layers, local_pages, page_bytes)?;
     for pool in &pools[..cpn as usize] {
         need("pool", pool, pool_bytes)?;
     }
-    need(
-        "dense",
-        dense,
-        u64::from(layers) * u64::from(n) * page_bytes,
-    )?;
+    need("dense", dense, extent("dense", layers, n, page_bytes)?)?;
     let pb = page_bytes as usize;
     for (i, &p) in seq_pages[..n as usize].iter().enumerate() {
         let (owner, local) = (p % cpn, p / cpn);
@@ -385,7 +412,7 @@ pub fn synthesise(
     need(
         "pool",
         pool,
-        u64::from(layers) * u64::from(local_pages) * page_bytes,
+        extent("pool", layers, local_pages, page_bytes)?,
     )?;
     let pb = page_bytes as usize;
     for i in start_page..n_pages {
@@ -432,7 +459,7 @@ pub fn verify(
     need(
         "dense",
         dense,
-        u64::from(layers) * u64::from(n_pages) * page_bytes,
+        extent("dense", layers, n_pages, page_bytes)?,
     )?;
     let pb = page_bytes as usize;
     let mut expect = vec![0u8; pb];
@@ -492,6 +519,43 @@ mod tests {
         } else {
             v
         }
+    }
+
+    // A geometry whose size overflows 64 bits is an error, not a wrapped size that passes
+    // the length check and then indexes out of bounds.
+    #[test]
+    fn overflowing_geometry_is_an_error() {
+        let big = 1u64 << 40;
+        let err = transfer_pages(
+            Direction::DeviceToHost,
+            HostLayout::PageFirst,
+            big,
+            &[],
+            &mut [],
+            &[0],
+            &[0],
+            1,
+            1 << 12,
+            1 << 12,
+            1,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ReferenceError::Overflow {
+                    what: "device pool",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        let pools: [&[u8]; 2] = [&[], &[]];
+        let err = materialise(2, big, &pools, &[1], 1, u32::MAX, u32::MAX, &mut []).unwrap_err();
+        assert!(
+            matches!(err, ReferenceError::Overflow { what: "pool", .. }),
+            "{err}"
+        );
     }
 
     #[test]
