@@ -42,6 +42,8 @@ enum Op {
     FreeRun(usize),
     /// Free a held run with its first page listed twice (a double free).
     DoubleFree(usize),
+    /// Free one page by number: mostly inside the layout (the null page, a held page, a
+    /// free page), sometimes anywhere.
     FreePage(u32),
 }
 
@@ -52,7 +54,7 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         2 => (0usize..30).prop_map(Op::AllocAny),
         4 => any::<usize>().prop_map(Op::FreeRun),
         1 => any::<usize>().prop_map(Op::DoubleFree),
-        1 => any::<u32>().prop_map(Op::FreePage),
+        2 => prop_oneof![4 => 0u32..150, 1 => any::<u32>()].prop_map(Op::FreePage),
     ]
 }
 
@@ -171,15 +173,24 @@ proptest! {
                     prop_assert_eq!(a.digest(), before);
                 }
                 (Op::FreePage(p), res) => {
-                    // Held pages are never freed this way on purpose, except by chance.
-                    let held_here = held.iter().position(|r| r.contains(&PageId(*p)));
-                    match held_here {
-                        Some(r) if res.is_ok() => {
+                    match held.iter().position(|r| r.contains(&PageId(*p))) {
+                        Some(r) => {
+                            prop_assert!(res.is_ok(), "freeing held page {}: {:?}", p, res);
                             held[r].retain(|&x| x != PageId(*p));
+                            if held[r].is_empty() {
+                                held.swap_remove(r);
+                            }
                             oracle.free.insert(*p);
                         }
-                        _ => {
-                            prop_assert!(res.is_err());
+                        None => {
+                            let err = res.expect_err("freeing a page that is not held");
+                            let right_error = match err {
+                                AllocError::NullPage => *p == 0,
+                                AllocError::Foreign { .. } => *p >= layout.pages(),
+                                AllocError::DoubleFree { .. } => *p > 0 && *p < layout.pages(),
+                                _ => false,
+                            };
+                            prop_assert!(right_error, "page {}: {:?}", p, err);
                             prop_assert_eq!(a.digest(), before);
                         }
                     }
