@@ -360,6 +360,62 @@ fn quick_tune_on_the_host_drops_a_broken_candidate() {
     tuned.validate().unwrap();
 }
 
+// A candidate that compiles and runs but skips the last page of every group (fast and
+// wrong) is checked against the reference before it is timed, dropped with the difference,
+// and never chosen.
+#[test]
+fn quick_tune_drops_a_candidate_with_wrong_output() {
+    let cache = tempfile::tempdir().unwrap();
+    let jit = Jit::new(JitConfig::new(cache.path(), EMU_HEADER));
+    if let Err(e) = jit.host_compiler() {
+        eprintln!("skipping: no host C++ compiler: {e}");
+        return;
+    }
+    let exec = HostExecutor::new(HostOptions::default());
+    let dep = Deployment::by_name("mla_ps16_cp8").unwrap();
+    let hook = |spec: &KernelSpec, src: String| -> String {
+        if spec.uri().contains("_t1_ppb16_") {
+            assert!(
+                src.contains("if (i >= n) {"),
+                "{spec}: no page bound to break"
+            );
+            src.replace("if (i >= n) {", "if (i + 1u >= n) {")
+        } else {
+            src
+        }
+    };
+    let opts = TuneOptions {
+        sizes: Sizes {
+            pages: 24,
+            layers: 2,
+            warmup: 0,
+            repeats: 1,
+        },
+        alloc_pages: 96,
+        quick: true,
+        hook: Some(&hook),
+    };
+    let (_, entries) = tuning::tune(&dep, &exec, &jit, &opts, &|_| {}).unwrap();
+    let mut dropped = 0;
+    for e in &entries {
+        for r in e.results.iter().filter(|r| r.choice == CPU_COPY) {
+            dropped += 1;
+            let why = r.dropped.as_deref().unwrap_or("(timed)");
+            assert!(
+                why.starts_with("output differs from the reference: first difference at byte"),
+                "{}: {why}",
+                e.spec_key
+            );
+            assert!(r.seconds.is_none());
+            assert_ne!(e.best, CPU_COPY, "{}", e.spec_key);
+        }
+    }
+    assert!(
+        dropped >= 3,
+        "transfers and materialise have the broken candidate"
+    );
+}
+
 /// The warm-up API picks the tuning file up: the kernels it compiles have the tuned shapes on
 /// this machine's device key, and the default shapes (with a warning) for another machine's.
 #[test]

@@ -113,7 +113,7 @@ const CHECK_SIZES: Sizes = Sizes {
 
 /// Checks a transfer spec's page pairs moved by `run` (its kernel, or the DMA path) against
 /// the reference, on random source bytes.
-fn check_transfer(
+pub(super) fn check_transfer(
     exec: &dyn Executor,
     spec: &KernelSpec,
     seed: u64,
@@ -151,7 +151,10 @@ fn check_transfer(
     Ok(compare(&got, &want))
 }
 
-fn check_one(
+/// Runs `kernel` (compiled from `spec`) once on random inputs seeded by `seed` and compares
+/// its output with the reference: `Ok(Err(difference))` for a wrong output, `Err` when the
+/// harness itself failed.
+pub(super) fn check_one(
     exec: &dyn Executor,
     spec: &KernelSpec,
     kernel: KernelId,

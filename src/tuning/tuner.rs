@@ -5,10 +5,13 @@
 //! directions and materialise for every buffer (`copy`), synthesise and verify (`synth_threads`:
 //! on the CPU emulation one thread per block is several times faster than 128, and replay
 //! spends most of its time there).
+//!
+//! Every candidate's output is checked against the reference before it is timed.
 
 use std::collections::HashMap;
 
 use super::candidate::{candidates_for, Candidate};
+use super::check::{check_one, check_transfer};
 use super::file::{CandidateResult, TuningEntry};
 use super::key::{spec_key, DeviceKey};
 use super::measure::{compile_and_load, AllocBench, CopyBench, Sizes, SourceHook, SynthBench};
@@ -78,7 +81,7 @@ pub fn tuned_specs(dep: &Deployment) -> Vec<KernelSpec> {
 
 /// Times every candidate of every tuned kernel of `dep` on `exec` and returns the device key
 /// and one entry per kernel. Candidates that fail to render, compile (or spill, on NVRTC),
-/// load or launch are recorded as dropped; a kernel none of whose candidates ran is an error.
+/// load or launch, or whose output differs from the reference, are recorded as dropped; a kernel none of whose candidates ran is an error.
 pub fn tune(
     dep: &Deployment,
     exec: &dyn Executor,
@@ -129,8 +132,15 @@ pub fn tune(
                 dropped: None,
             };
             match cand {
-                Candidate::Dma(_) => match cand.supported_by(backend) {
-                    Err(e) => result.dropped = Some(e.to_string()),
+                Candidate::Dma(_) => match cand
+                    .supported_by(backend)
+                    .map_err(|e| e.to_string())
+                    .and_then(|()| {
+                        checked(check_transfer(exec, base, seed as u64 + 1, |b| {
+                            b.copy_dma()
+                        }))
+                    }) {
+                    Err(why) => result.dropped = Some(why),
                     Ok(()) => match bench.time_dma(&opts.sizes) {
                         Ok((seconds, bytes)) => {
                             result.seconds = Some(seconds);
@@ -140,13 +150,21 @@ pub fn tune(
                     },
                 },
                 Candidate::Kernel(spec) => match loaded.get(spec) {
-                    Some(Ok(kernel)) => match bench.time(*kernel, spec, &opts.sizes) {
-                        Ok((seconds, bytes)) => {
-                            result.seconds = Some(seconds);
-                            result.gbps = bytes.map(|b| b as f64 / seconds / 1e9);
+                    Some(Ok(kernel)) => {
+                        match checked(check_one(exec, spec, *kernel, seed as u64 + 1)).and_then(
+                            |()| {
+                                bench
+                                    .time(*kernel, spec, &opts.sizes)
+                                    .map_err(|e| format!("launch failed: {e}"))
+                            },
+                        ) {
+                            Ok((seconds, bytes)) => {
+                                result.seconds = Some(seconds);
+                                result.gbps = bytes.map(|b| b as f64 / seconds / 1e9);
+                            }
+                            Err(why) => result.dropped = Some(why),
                         }
-                        Err(e) => result.dropped = Some(format!("launch failed: {e}")),
-                    },
+                    }
                     Some(Err(e)) => result.dropped = Some(e.clone()),
                     None => result.dropped = Some("not compiled".into()),
                 },
@@ -186,6 +204,17 @@ pub fn tune(
         });
     }
     Ok((device, entries))
+}
+
+/// Why a candidate whose output was checked against the reference (`bench --check`'s
+/// inputs) must be dropped: a fast candidate that computes the wrong bytes, or skips work,
+/// must never become the tuned shape.
+fn checked(outcome: Result<Result<String, String>, TuningError>) -> Result<(), String> {
+    match outcome {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(diff)) => Err(format!("output differs from the reference: {diff}")),
+        Err(e) => Err(format!("check failed: {e}")),
+    }
 }
 
 /// The buffers one tuned kernel is timed on.
