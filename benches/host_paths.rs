@@ -52,7 +52,7 @@ fn metadata(c: &mut Criterion) {
     });
     let bytes = meta.encode();
     c.bench_function("metadata decode 2048 pages", |b| {
-        b.iter(|| black_box(NodeMetadata::decode(black_box(&bytes)).expect("decode")))
+        b.iter(|| black_box(NodeMetadata::decode(black_box(&bytes), &layout).expect("decode")))
     });
 }
 

@@ -221,9 +221,18 @@ impl CpLayout {
         LocalPage(page.0 / u32::from(self.cp))
     }
 
-    /// Inverse of (`owner`, `local`).
-    pub fn global(&self, rank: Rank, local: LocalPage) -> PageId {
-        PageId(local.0 * u32::from(self.cp) + u32::from(rank.0))
+    /// Inverse of (`owner`, `local`); `None` for a rank or local page this layout does not
+    /// have, rather than some other rank's page.
+    pub fn global(&self, rank: Rank, local: LocalPage) -> Option<PageId> {
+        if rank.0 >= self.cp {
+            return None;
+        }
+        local
+            .0
+            .checked_mul(u32::from(self.cp))
+            .and_then(|p| p.checked_add(u32::from(rank.0)))
+            .filter(|&p| p < self.pages)
+            .map(PageId)
     }
 
     /// Local pages in each rank's device pool: `ceil(pages / cp)`. KV is sharded, not
@@ -257,38 +266,45 @@ impl CpLayout {
         page != PageId::NULL && page.0 < self.pages && self.owner(page) == rank
     }
 
-    /// All allocatable pages of a lane, ascending.
+    /// All allocatable pages of a lane, ascending; none for a rank this layout does not have.
     pub fn lane_pages(&self, rank: Rank) -> impl DoubleEndedIterator<Item = PageId> + '_ {
-        let start = if rank.0 == 0 {
-            u32::from(self.cp)
-        } else {
-            u32::from(rank.0)
-        };
+        let start = self.lane_first(rank);
         (start..self.pages)
             .step_by(usize::from(self.cp))
             .map(PageId)
     }
 
-    /// Number of allocatable pages in a lane.
+    /// Number of allocatable pages in a lane (0 for a rank this layout does not have).
     pub fn lane_capacity(&self, rank: Rank) -> u32 {
-        let cp = u32::from(self.cp);
-        let first = if rank.0 == 0 { cp } else { u32::from(rank.0) };
+        let first = self.lane_first(rank);
         if first >= self.pages {
             0
         } else {
-            (self.pages - first).div_ceil(cp)
+            (self.pages - first).div_ceil(u32::from(self.cp))
         }
     }
 
-    /// The page holding a token location.
-    pub fn page_of(&self, loc: TokenLoc) -> PageId {
-        PageId((loc.0 >> self.page_shift()) as u32)
+    /// The lowest allocatable page of a lane (page 0 is the null page, so lane 0 starts at
+    /// `cp`); `pages` (an empty lane) for a rank out of range.
+    fn lane_first(&self, rank: Rank) -> u32 {
+        match rank.0 {
+            r if r >= self.cp => self.pages,
+            0 => u32::from(self.cp),
+            r => u32::from(r),
+        }
     }
 
-    /// The token location at `offset` inside `page`.
-    pub fn loc(&self, page: PageId, offset: u32) -> TokenLoc {
-        debug_assert!(offset < self.page_size);
-        TokenLoc((u64::from(page.0) << self.page_shift()) | u64::from(offset))
+    /// The page holding a token location. A location beyond every 32-bit page maps to
+    /// `PageId(u32::MAX)`, which no layout has, instead of wrapping onto a real page.
+    pub fn page_of(&self, loc: TokenLoc) -> PageId {
+        PageId(u32::try_from(loc.0 >> self.page_shift()).unwrap_or(u32::MAX))
+    }
+
+    /// The token location at `offset` inside `page`; `None` when the offset is not inside a
+    /// page (it would name a slot of the next page).
+    pub fn loc(&self, page: PageId, offset: u32) -> Option<TokenLoc> {
+        (offset < self.page_size)
+            .then(|| TokenLoc((u64::from(page.0) << self.page_shift()) | u64::from(offset)))
     }
 
     /// Owners of a run of token locations, one per page: the owner of each page's first slot.
@@ -348,10 +364,23 @@ mod tests {
         let l = CpLayout::new(3, 16, 20).unwrap();
         for p in 0..20 {
             let page = PageId(p);
-            assert_eq!(l.global(l.owner(page), l.local(page)), page);
+            assert_eq!(l.global(l.owner(page), l.local(page)), Some(page));
             assert!(l.local(page).0 < l.local_pages_per_rank());
         }
         assert_eq!(l.local_pages_per_rank(), 7);
+        // Page 20 would be rank 2's local 6: beyond the layout. Rank 3 does not exist.
+        assert_eq!(l.global(Rank(2), LocalPage(6)), None);
+        assert_eq!(l.global(Rank(3), LocalPage(0)), None);
+        assert_eq!(l.global(Rank(1), LocalPage(u32::MAX)), None);
+    }
+
+    #[test]
+    fn ranks_out_of_range_have_empty_lanes() {
+        let l = CpLayout::new(4, 16, 64).unwrap();
+        for r in [4u8, 5, 255] {
+            assert_eq!(l.lane_pages(Rank(r)).count(), 0, "rank {r}");
+            assert_eq!(l.lane_capacity(Rank(r)), 0, "rank {r}");
+        }
     }
 
     #[test]
@@ -381,9 +410,12 @@ mod tests {
         let locs: Vec<_> = [5u32, 6, 8]
             .iter()
             .flat_map(|&p| (0..4).map(move |o| (p, o)))
-            .map(|(p, o)| l.loc(PageId(p), o))
+            .map(|(p, o)| l.loc(PageId(p), o).unwrap())
             .collect();
         assert_eq!(l.page_of(locs[5]), PageId(6));
+        assert_eq!(l.loc(PageId(5), 4), None, "offset 4 is page 6's first slot");
+        assert_eq!(l.page_of(TokenLoc(u64::MAX)), PageId(u32::MAX));
+        assert!(l.check_page(l.page_of(TokenLoc(1 << 40))).is_err());
         assert_eq!(l.owners_of_locs(&locs), vec![1, 2, 0]);
     }
 }

@@ -161,8 +161,9 @@ impl NodeMetadata {
         )
     }
 
-    /// Builds metadata from raw parts, validating all of them (used by the decoder).
-    pub fn from_parts(
+    /// Builds metadata from raw parts, validating all of them (the decoder's last step; the
+    /// layout is checked by the callers).
+    fn from_parts(
         cp: u8,
         page_size: u32,
         rank: Rank,
@@ -371,10 +372,18 @@ impl NodeMetadata {
         out
     }
 
-    /// Decodes and validates [`NodeMetadata::encode`]'s output. Any malformed input (truncated,
-    /// bad magic or version, owner out of range, count mismatch, duplicate host page, trailing
-    /// bytes) is a typed error; it never panics.
-    pub fn decode(bytes: &[u8]) -> Result<NodeMetadata, MetadataError> {
+    /// Decodes and validates [`NodeMetadata::encode`]'s output for `layout`. Any malformed
+    /// input (truncated, bad magic or version, owner out of range, count mismatch, duplicate
+    /// host page, trailing bytes) or metadata of another CP degree or page size is a typed
+    /// error; it never panics.
+    pub fn decode(bytes: &[u8], layout: &CpLayout) -> Result<NodeMetadata, MetadataError> {
+        let m = Self::decode_any_layout(bytes)?;
+        m.check_layout(layout)?;
+        Ok(m)
+    }
+
+    /// [`NodeMetadata::decode`] without the layout check.
+    fn decode_any_layout(bytes: &[u8]) -> Result<NodeMetadata, MetadataError> {
         let mut r = Reader { bytes, pos: 0 };
         let magic = r.take(4)?;
         if magic != MAGIC {
@@ -562,26 +571,65 @@ mod tests {
     fn encoding_round_trips_and_rejects_garbage() {
         let m = NodeMetadata::new(&layout(), Rank(1), vec![1, 0, 1], hp(&[9, 4])).unwrap();
         let bytes = m.encode();
-        assert_eq!(NodeMetadata::decode(&bytes).unwrap(), m);
+        let l = layout();
+        assert_eq!(NodeMetadata::decode(&bytes, &l).unwrap(), m);
         for cut in 0..bytes.len() {
-            assert!(NodeMetadata::decode(&bytes[..cut]).is_err());
+            assert!(NodeMetadata::decode(&bytes[..cut], &l).is_err());
         }
+        // Valid bytes of another page size or CP degree are refused for this layout.
+        let ps16 = CpLayout::new(l.cp().into(), 16, l.pages()).unwrap();
+        assert_eq!(
+            NodeMetadata::decode(&bytes, &ps16),
+            Err(MetadataError::PageSizeMismatch {
+                expected: 16,
+                found: l.page_size()
+            })
+        );
+        let cp4 = CpLayout::new(4, l.page_size(), l.pages()).unwrap();
+        assert_eq!(
+            NodeMetadata::decode(&bytes, &cp4),
+            Err(MetadataError::CpMismatch {
+                expected: 4,
+                found: l.cp()
+            })
+        );
+        // Header fields out of range: CP (byte 5), rank (6), log2 page size (7).
+        for (at, v) in [(5, 0u8), (5, 17), (5, 255)] {
+            let mut b = bytes.clone();
+            b[at] = v;
+            assert!(
+                matches!(NodeMetadata::decode(&b, &l), Err(MetadataError::BadCp { cp }) if cp == v),
+                "cp {v}"
+            );
+        }
+        let mut rank = bytes.clone();
+        rank[6] = 2;
+        assert!(matches!(
+            NodeMetadata::decode(&rank, &l),
+            Err(MetadataError::RankOutOfRange { rank: 2, cp: 2 })
+        ));
+        let mut ps = bytes.clone();
+        ps[7] = 11;
+        assert!(matches!(
+            NodeMetadata::decode(&ps, &l),
+            Err(MetadataError::BadPageSize { page_size: 2048 })
+        ));
         let mut bad = bytes.clone();
         bad[4] = 9;
         assert!(matches!(
-            NodeMetadata::decode(&bad),
+            NodeMetadata::decode(&bad, &l),
             Err(MetadataError::UnsupportedVersion { found: 9, .. })
         ));
         let mut extra = bytes.clone();
         extra.push(0);
         assert!(matches!(
-            NodeMetadata::decode(&extra),
+            NodeMetadata::decode(&extra, &l),
             Err(MetadataError::NonCanonical { .. })
         ));
         let mut owner = bytes.clone();
         owner[12] = 0x05; // owners 5,0 for CP 2
         assert!(matches!(
-            NodeMetadata::decode(&owner),
+            NodeMetadata::decode(&owner, &l),
             Err(MetadataError::OwnerOutOfRange { owner: 5, .. })
         ));
     }

@@ -46,7 +46,7 @@ proptest! {
     #[test]
     fn encode_decode_round_trips(m in metadata()) {
         let bytes = m.encode();
-        prop_assert_eq!(NodeMetadata::decode(&bytes).unwrap(), m);
+        prop_assert_eq!(NodeMetadata::decode(&bytes, &layout_of(&m)).unwrap(), m);
     }
 
     #[test]
@@ -58,32 +58,38 @@ proptest! {
         }
         // Whatever comes back is either an error or a fully valid value that re-encodes
         // to the same bytes.
-        if let Ok(d) = NodeMetadata::decode(&bytes) {
+        let layout = layout_of(&m);
+        if let Ok(d) = NodeMetadata::decode(&bytes, &layout) {
             prop_assert_eq!(d.encode(), bytes.clone());
         }
         let keep = cut.index(bytes.len());
-        prop_assert!(NodeMetadata::decode(&bytes[..keep]).is_err());
+        prop_assert!(NodeMetadata::decode(&bytes[..keep], &layout).is_err());
     }
 
     #[test]
     fn random_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
-        let _ = NodeMetadata::decode(&bytes);
+        let layout = CpLayout::new(2, 64, 100).unwrap();
+        let _ = NodeMetadata::decode(&bytes, &layout);
         let mut prefixed = b"CPHM\x01".to_vec();
         prefixed.extend_from_slice(&bytes);
-        let _ = NodeMetadata::decode(&prefixed);
+        let _ = NodeMetadata::decode(&prefixed, &layout);
     }
+}
+
+/// The layout a generated value was built for (its CP degree and page size).
+fn layout_of(m: &NodeMetadata) -> CpLayout {
+    CpLayout::new(m.cp().into(), m.page_size(), u32::from(m.cp()) + 1).unwrap()
 }
 
 #[test]
 fn hostile_constructions_are_errors() {
-    for cp in [0u8, 17, 255] {
-        assert!(NodeMetadata::from_parts(cp, 64, Rank(0), vec![], vec![]).is_err());
-    }
-    for ps in [0u32, 3, 2048, u32::MAX] {
-        assert!(NodeMetadata::from_parts(2, ps, Rank(0), vec![], vec![]).is_err());
-    }
-    assert!(NodeMetadata::from_parts(2, 64, Rank(2), vec![], vec![]).is_err());
-    assert!(NodeMetadata::from_parts(2, 64, Rank(0), vec![0, 255], vec![HostPage(1)]).is_err());
+    let layout = CpLayout::new(2, 64, 100).unwrap();
+    assert!(NodeMetadata::new(&layout, Rank(2), vec![], vec![]).is_err());
+    assert!(NodeMetadata::new(&layout, Rank(0), vec![0, 255], vec![HostPage(1)]).is_err());
+    assert!(NodeMetadata::new(&layout, Rank(0), vec![0, 0], vec![HostPage(1)]).is_err());
+    assert!(
+        NodeMetadata::new(&layout, Rank(0), vec![0, 0], vec![HostPage(1), HostPage(1)]).is_err()
+    );
     let layout = CpLayout::new(4, 64, 100).unwrap();
     let m = NodeMetadata::new(
         &layout,
