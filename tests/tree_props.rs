@@ -3,9 +3,11 @@
 //!
 //! Two trees (two ranks, with their own host metadata) get the same calls; after every step
 //! both must pass their invariant check, agree on every result, hash equal, and account for
-//! every page ever handed to them.
+//! every page ever handed to them. Pages come from inserts (fresh, or the tree's own pages
+//! passed back after a hit) and from load-backs with the recorded owners; a load-back with
+//! another owner is refused and changes nothing.
 
-use cp_hicache::hicache::tree::{Evicted, NodeId, RadixTree};
+use cp_hicache::hicache::tree::{Evicted, MatchResult, NodeId, RadixTree, TreeError};
 use cp_hicache::layout::{CpLayout, PageId, Rank};
 use cp_hicache::metadata::{HostPage, NodeMetadata};
 use proptest::prelude::*;
@@ -164,7 +166,12 @@ struct Seq {
 
 #[derive(Clone, Debug)]
 enum Op {
-    Insert(Seq),
+    /// Insert with fresh pages, or (`true`) with the tree's own pages for the device prefix a
+    /// match just found, as an engine does after a hit.
+    Insert(Seq, bool),
+    /// Load-back: match, then give every host-only node on the path pages with its recorded
+    /// owners; with `true`, the first page has another owner and the load must be refused.
+    Load(Seq, bool),
     Match(Seq),
     Lock(Seq),
     Unlock(usize),
@@ -185,7 +192,8 @@ fn seq_strategy() -> impl Strategy<Value = Seq> {
 
 fn op_strategy() -> impl Strategy<Value = Op> {
     prop_oneof![
-        4 => seq_strategy().prop_map(Op::Insert),
+        4 => (seq_strategy(), any::<bool>()).prop_map(|(s, reuse)| Op::Insert(s, reuse)),
+        2 => (seq_strategy(), prop::bool::weighted(0.2)).prop_map(|(s, w)| Op::Load(s, w)),
         3 => seq_strategy().prop_map(Op::Match),
         2 => seq_strategy().prop_map(Op::Lock),
         1 => (0..8usize).prop_map(Op::Unlock),
@@ -249,8 +257,17 @@ impl Harness {
         t
     }
 
+    /// A fresh page owned by rank `owner` (pages skipped on the way are never handed out).
+    fn fresh_page(&mut self, owner: u8) -> PageId {
+        while self.layout.owner(PageId(self.next_page)).0 != owner {
+            self.next_page += 1;
+        }
+        self.next_page += 1;
+        PageId(self.next_page - 1)
+    }
+
     /// Runs `match_prefix` on both trees and the oracle and checks they agree.
-    fn do_match(&mut self, tokens: &[u32]) -> (NodeId, Vec<Vec<u32>>) {
+    fn do_match(&mut self, tokens: &[u32]) -> (MatchResult, Vec<Vec<u32>>) {
         let (want_len, want_pages, want_host) = self.model.expect_match(tokens);
         let a = self.trees[0].match_prefix(tokens).unwrap();
         let b = self.trees[1].match_prefix(tokens).unwrap();
@@ -266,19 +283,24 @@ impl Harness {
         self.model.clock += 1;
         let path = self.model.walk(tokens);
         self.model.touch(&path);
-        (a.last_node, path)
+        (a, path)
     }
 
     fn step(&mut self, op: &Op) {
         match op {
-            Op::Insert(s) => {
+            Op::Insert(s, reuse) => {
                 let t = self.tokens(s);
                 let t = &t[..t.len() / self.ps * self.ps];
                 let n = t.len() / self.ps;
-                let pages: Vec<PageId> =
-                    (0..n as u32).map(|i| PageId(self.next_page + i)).collect();
-                self.next_page += n as u32;
-                self.inserted.extend(pages.iter().copied());
+                let mut pages = if *reuse {
+                    self.do_match(t).0.device_pages
+                } else {
+                    Vec::new()
+                };
+                let fresh = n - pages.len();
+                pages.extend((0..fresh as u32).map(|i| PageId(self.next_page + i)));
+                self.next_page += fresh as u32;
+                self.inserted.extend(pages[n - fresh..].iter().copied());
                 let a = self.trees[0].insert(t, &pages).unwrap();
                 let b = self.trees[1].insert(t, &pages).unwrap();
                 assert_eq!(a, b);
@@ -293,10 +315,10 @@ impl Harness {
                         Some(e) => {
                             present += 1;
                             e.stamp = clock;
-                            if e.device.is_some() {
-                                dups.push(p);
-                            } else {
-                                e.device = Some(p);
+                            match e.device {
+                                Some(have) if have == p => {} // its own page passed back
+                                Some(_) => dups.push(p),
+                                None => e.device = Some(p),
                             }
                         }
                         None => {
@@ -317,13 +339,64 @@ impl Harness {
                 assert_eq!(a.prefix_tokens, present * self.ps);
                 self.returned.extend(dups);
             }
+            Op::Load(s, wrong) => {
+                let t = self.tokens(s);
+                let (m, _) = self.do_match(&t);
+                for (i, &id) in m.host_nodes.iter().enumerate() {
+                    let owners = self.trees[0]
+                        .node(id)
+                        .unwrap()
+                        .host()
+                        .unwrap()
+                        .page_owners()
+                        .to_vec();
+                    let cp = self.layout.cp();
+                    let refuse = *wrong && i == 0 && cp > 1;
+                    let pages: Vec<PageId> = owners
+                        .iter()
+                        .enumerate()
+                        .map(|(j, &o)| {
+                            self.fresh_page(if refuse && j == 0 { (o + 1) % cp } else { o })
+                        })
+                        .collect();
+                    if refuse {
+                        let before = self.trees.each_ref().map(RadixTree::digest);
+                        for t in &mut self.trees {
+                            let err = t.set_device(id, pages.clone()).unwrap_err();
+                            assert!(
+                                matches!(err, TreeError::OwnerMismatch { index: 0, expected, .. } if expected == owners[0]),
+                                "{err}"
+                            );
+                        }
+                        assert_eq!(
+                            self.trees.each_ref().map(RadixTree::digest),
+                            before,
+                            "a refused load changed the tree"
+                        );
+                        break;
+                    }
+                    for t in &mut self.trees {
+                        t.set_device(id, pages.clone()).unwrap();
+                    }
+                    self.inserted.extend(pages.iter().copied());
+                    for (key, &p) in node_pages(&self.trees[0], id).iter().zip(&pages) {
+                        let e = self.model.entries.get_mut(key).unwrap();
+                        assert!(
+                            e.device.is_none() && e.host,
+                            "loaded a page that was not host-only"
+                        );
+                        e.device = Some(p);
+                    }
+                }
+            }
             Op::Match(s) => {
                 let t = self.tokens(s);
                 self.do_match(&t);
             }
             Op::Lock(s) => {
                 let t = self.tokens(s);
-                let (node, path) = self.do_match(&t);
+                let (m, path) = self.do_match(&t);
+                let node = m.last_node;
                 self.trees[0].lock(node).unwrap();
                 self.trees[1].lock(node).unwrap();
                 for k in &path {
@@ -344,7 +417,8 @@ impl Harness {
             }
             Op::Backup(s) => {
                 let t = self.tokens(s);
-                let (node, path) = self.do_match(&t);
+                let (m, path) = self.do_match(&t);
+                let node = m.last_node;
                 for id in self.trees[0].path(node).unwrap() {
                     let view = self.trees[0].node(id).unwrap();
                     if view.host().is_some() {
