@@ -3,7 +3,7 @@
 //! quick tuning run on the host executor in which a broken candidate is dropped.
 
 use cp_hicache::exec::{Backend, HostExecutor, HostOptions};
-use cp_hicache::jit::{Jit, JitConfig, EMU_HEADER};
+use cp_hicache::jit::{Jit, JitConfig, SourceHook, EMU_HEADER};
 use cp_hicache::kernels::{CopyLaunch, Deployment, KernelSpec, TransferPath, VecWidth};
 use cp_hicache::tuning::{
     self, tuner::TuneOptions, CandidateResult, DeviceKey, LaunchChoice, Sizes, TuningEntry,
@@ -292,24 +292,17 @@ fn bad_files_are_errors_not_guesses() {
     ));
 }
 
-#[test]
-fn quick_tune_on_the_host_drops_a_broken_candidate() {
+/// A quick tune of `mla_ps16_cp8` on the host executor (small sizes, one repeat) with
+/// candidate sources edited by `hook`; `None` (after saying so) without a C++ compiler.
+fn quick_host_tune(hook: SourceHook<'_>) -> Option<(Deployment, DeviceKey, Vec<TuningEntry>)> {
     let cache = tempfile::tempdir().unwrap();
     let jit = Jit::new(JitConfig::new(cache.path(), EMU_HEADER));
     if let Err(e) = jit.host_compiler() {
         eprintln!("skipping: no host C++ compiler: {e}");
-        return;
+        return None;
     }
     let exec = HostExecutor::new(HostOptions::default());
     let dep = Deployment::by_name("mla_ps16_cp8").unwrap();
-    // Break every one-thread, 16-pages-per-block copy candidate.
-    let hook = |spec: &KernelSpec, src: String| -> String {
-        if spec.uri().contains("_t1_ppb16_") {
-            format!("#error injected broken candidate\n{src}")
-        } else {
-            src
-        }
-    };
     let opts = TuneOptions {
         sizes: Sizes {
             pages: 24,
@@ -322,6 +315,22 @@ fn quick_tune_on_the_host_drops_a_broken_candidate() {
         hook: Some(&hook),
     };
     let (key, entries) = tuning::tune(&dep, &exec, &jit, &opts, &|_| {}).unwrap();
+    Some((dep, key, entries))
+}
+
+#[test]
+fn quick_tune_on_the_host_drops_a_broken_candidate() {
+    // Break every one-thread, 16-pages-per-block copy candidate.
+    let hook = |spec: &KernelSpec, src: String| -> String {
+        if spec.uri().contains("_t1_ppb16_") {
+            format!("#error injected broken candidate\n{src}")
+        } else {
+            src
+        }
+    };
+    let Some((dep, key, entries)) = quick_host_tune(&hook) else {
+        return;
+    };
     assert_eq!(key.backend, Backend::Host.to_string());
     assert_eq!(entries.len(), tuning::tuner::tuned_specs(&dep).len());
     let mut saw_broken = false;
@@ -365,14 +374,6 @@ fn quick_tune_on_the_host_drops_a_broken_candidate() {
 // and never chosen.
 #[test]
 fn quick_tune_drops_a_candidate_with_wrong_output() {
-    let cache = tempfile::tempdir().unwrap();
-    let jit = Jit::new(JitConfig::new(cache.path(), EMU_HEADER));
-    if let Err(e) = jit.host_compiler() {
-        eprintln!("skipping: no host C++ compiler: {e}");
-        return;
-    }
-    let exec = HostExecutor::new(HostOptions::default());
-    let dep = Deployment::by_name("mla_ps16_cp8").unwrap();
     let hook = |spec: &KernelSpec, src: String| -> String {
         if spec.uri().contains("_t1_ppb16_") {
             assert!(
@@ -384,18 +385,9 @@ fn quick_tune_drops_a_candidate_with_wrong_output() {
             src
         }
     };
-    let opts = TuneOptions {
-        sizes: Sizes {
-            pages: 24,
-            layers: 2,
-            warmup: 0,
-            repeats: 1,
-        },
-        alloc_pages: 96,
-        quick: true,
-        hook: Some(&hook),
+    let Some((_, _, entries)) = quick_host_tune(&hook) else {
+        return;
     };
-    let (_, entries) = tuning::tune(&dep, &exec, &jit, &opts, &|_| {}).unwrap();
     let mut dropped = 0;
     for e in &entries {
         for r in e.results.iter().filter(|r| r.choice == CPU_COPY) {
