@@ -2,9 +2,10 @@
 {% include "synth_common.cu" %}
 
 // Compares the dense {{ buffer }} buffer [layer][seq_page][PAGE_BYTES] with the synthesised
-// bytes of tokens [start_page * PAGE_SIZE, n_tokens) and adds the number of mismatched tokens
-// (any byte of any field in any layer) to *mismatches. Blocks stride over tokens, threads over
-// the elements of one token.
+// bytes of tokens [start_page * PAGE_SIZE, n_tokens) and sets bit t of bad_tokens (word t / 32,
+// bit t % 32) for every mismatched token t (any byte of any field in any layer). Bits are only
+// ever set, so the verify kernels of every buffer kind can share one bitmap and a token wrong
+// in several is counted once. Blocks stride over tokens, threads over the elements of a token.
 extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}({# parameters: KernelSpec::params() #}
 {{ params }}
 {
@@ -27,7 +28,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}({# parameters: K
 {%- endfor %}
         }
         if (__syncthreads_or(bad) && threadIdx.x == 0) {
-            atomicAdd(mismatches, 1u);
+            atomicOr(bad_tokens + (t >> 5), 1u << (u32)(t & 31u));
         }
     }
 }

@@ -97,6 +97,15 @@ fn plain_alloc_on_load_reports_mismatches() {
         num(&r, "mismatched_tokens") > 0,
         "the seed's bug must show: {r}"
     );
+    assert!(
+        num(&r, "mismatched_tokens") <= num(&r, "host_hit_tokens"),
+        "only loaded tokens can mismatch, each once: {r}"
+    );
+    assert!(
+        stderr(&out).contains("mismatched tokens, the first at token"),
+        "{}",
+        stderr(&out)
+    );
 }
 
 #[test]

@@ -18,6 +18,13 @@ fn mismatches_after_reload(model: ModelShape, ps: u32, cp: u8) -> u64 {
     evict_all(&mut c);
     let s = serve_checked(&mut c, &a);
     assert_eq!(s.host_hit_tokens, 10 * u64::from(ps), "{s:?}");
+    // Only loaded tokens can be wrong, each counted once however many buffer kinds (NSA: kv
+    // and index_k) differ, and the first one is named.
+    assert!(s.mismatched_tokens <= s.host_hit_tokens, "{s:?}");
+    match s.first_mismatched_token {
+        None => assert_eq!(s.mismatched_tokens, 0),
+        Some(t) => assert!(s.mismatched_tokens > 0 && t < s.host_hit_tokens, "{s:?}"),
+    }
     s.mismatched_tokens
 }
 

@@ -55,12 +55,13 @@ __device__ inline u16 chc_enc_bf16(u64 r)
 }
 
 // Compares the dense nsa_kv buffer [layer][seq_page][PAGE_BYTES] with the synthesised
-// bytes of tokens [start_page * PAGE_SIZE, n_tokens) and adds the number of mismatched tokens
-// (any byte of any field in any layer) to *mismatches. Blocks stride over tokens, threads over
-// the elements of one token.
+// bytes of tokens [start_page * PAGE_SIZE, n_tokens) and sets bit t of bad_tokens (word t / 32,
+// bit t % 32) for every mismatched token t (any byte of any field in any layer). Bits are only
+// ever set, so the verify kernels of every buffer kind can share one bitmap and a token wrong
+// in several is counted once. Blocks stride over tokens, threads over the elements of a token.
 extern "C" __global__ void __launch_bounds__(THREADS) verify_nsa_kv_ps64_t128(
     const u8* dense, const u64* prefix_hash, u32 n_tokens, u32 start_page, u32 layers,
-    u32* mismatches)
+    u32* bad_tokens)
 {
     const u64 n_pages = ((u64)n_tokens + PAGE_SIZE - 1u) >> LOG2_PAGE_SIZE;
     for (u64 t = ((u64)start_page << LOG2_PAGE_SIZE) + blockIdx.x; t < n_tokens; t += gridDim.x) {
@@ -93,7 +94,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) verify_nsa_kv_ps64_t128(
             }
         }
         if (__syncthreads_or(bad) && threadIdx.x == 0) {
-            atomicAdd(mismatches, 1u);
+            atomicOr(bad_tokens + (t >> 5), 1u << (u32)(t & 31u));
         }
     }
 }

@@ -257,11 +257,11 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
         match cluster.serve(&req.tokens) {
             Ok(stats) => {
                 totals.add(&stats);
-                if stats.mismatched_tokens > 0 {
+                if let Some(first) = stats.first_mismatched_token {
                     note(
                         &bar,
                         format!(
-                            "request {}: {} mismatched tokens",
+                            "request {}: {} mismatched tokens, the first at token {first}",
                             req.id, stats.mismatched_tokens
                         ),
                     );

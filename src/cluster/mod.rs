@@ -644,7 +644,9 @@ impl Cluster {
 
         // 4-5. Synthesise the computed pages on their owners, materialise everything from the
         // owners, verify against the synthesised KV.
-        stats.mismatched_tokens = self.compute_and_verify(tokens, &pages, cached)?;
+        let bad = self.compute_and_verify(tokens, &pages, cached)?;
+        stats.mismatched_tokens = bad.count;
+        stats.first_mismatched_token = bad.first;
 
         // 6. Insert the whole pages; free what the tree already had and the partial page.
         let mut dups = Vec::new();
@@ -991,13 +993,14 @@ impl Cluster {
     }
 
     /// Synthesises pages `[start, ..)` on their owners, materialises the whole sequence from
-    /// the owners' pools and counts mismatched tokens (summed over buffer kinds).
+    /// the owners' pools and finds the mismatched tokens: the verify kernels of every buffer
+    /// kind set bits in one token bitmap, so a token wrong in several counts once.
     fn compute_and_verify(
         &mut self,
         tokens: &[u32],
         pages: &[PageId],
         start: usize,
-    ) -> Result<u64, ClusterError> {
+    ) -> Result<Mismatches, ClusterError> {
         let g = self.pools.geometry();
         let hashes = reference::prefix_hashes(tokens);
         let page_ids: Vec<u32> = pages.iter().map(|p| p.0).collect();
@@ -1005,9 +1008,10 @@ impl Cluster {
         let n_tokens = tokens.len() as u32;
         let n_pages = pages.len() as u32;
         let buffers = self.config.deployment.model.buffers();
-        let counters = self.pools.zeroed_counters(buffers.len())?;
+        let words = tokens.len().div_ceil(32);
+        let bad_tokens = self.pools.zeroed_counters(words)?;
         let mut captured = Vec::new();
-        for (bi, &b) in buffers.iter().enumerate() {
+        for &b in buffers {
             let synth = self.kernels.synthesise(b);
             if (start as u32) < n_pages {
                 for r in 0..self.ranks.len() {
@@ -1054,7 +1058,7 @@ impl Cluster {
                     KernelArg::U32(n_tokens),
                     KernelArg::U32(0),
                     KernelArg::U32(g.layers),
-                    KernelArg::Ptr(counters, 4 * bi as u64),
+                    KernelArg::Ptr(bad_tokens, 0),
                 ],
             )?;
             if self.capture_dense {
@@ -1069,16 +1073,63 @@ impl Cluster {
         if self.capture_dense {
             self.last_dense = captured;
         }
-        let mut out = vec![0u8; 4 * buffers.len()];
-        self.exec.read(counters, 0, &mut out)?;
-        Ok(out
-            .chunks_exact(4)
-            .map(|c| u64::from(u32::from_le_bytes([c[0], c[1], c[2], c[3]])))
-            .sum())
+        let mut out = vec![0u8; 4 * words];
+        self.exec.read(bad_tokens, 0, &mut out)?;
+        Ok(Mismatches::from_bitmap(&out))
+    }
+}
+
+/// The mismatched tokens of one request, from the verify kernels' bitmap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Mismatches {
+    count: u64,
+    first: Option<u64>,
+}
+
+impl Mismatches {
+    /// Counts the set bits of a little-endian `u32` bitmap (bit `t % 32` of word `t / 32`).
+    fn from_bitmap(bytes: &[u8]) -> Mismatches {
+        let mut m = Mismatches {
+            count: 0,
+            first: None,
+        };
+        for (i, c) in bytes.chunks_exact(4).enumerate() {
+            let w = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            if w != 0 && m.first.is_none() {
+                m.first = Some(32 * i as u64 + u64::from(w.trailing_zeros()));
+            }
+            m.count += u64::from(w.count_ones());
+        }
+        m
     }
 }
 
 enum Eviction {
     Lru(usize),
     Lanes(Vec<u32>),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Mismatches;
+
+    #[test]
+    fn mismatches_count_bits_once_and_find_the_first() {
+        let words: [u32; 3] = [0, 0b1010_0000, 1 << 31];
+        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        assert_eq!(
+            Mismatches::from_bitmap(&bytes),
+            Mismatches {
+                count: 3,
+                first: Some(32 + 5)
+            }
+        );
+        assert_eq!(
+            Mismatches::from_bitmap(&[0; 8]),
+            Mismatches {
+                count: 0,
+                first: None
+            }
+        );
+    }
 }

@@ -31,8 +31,13 @@ pub struct RequestStats {
     pub bytes_h2d: u64,
     /// Bytes copied device→host over all ranks.
     pub bytes_d2h: u64,
-    /// Materialised tokens whose bytes differ from the synthesised KV.
+    /// Materialised tokens whose bytes differ from the synthesised KV (in any buffer kind,
+    /// each token counted once).
     pub mismatched_tokens: u64,
+    /// The position of the first mismatched token of a request (for the diagnostic); in
+    /// totals, that of the first request that had one.
+    #[serde(skip)]
+    pub first_mismatched_token: Option<u64>,
     /// Device→host reads plus synchronisations the executor counted on load paths.
     pub load_path_syncs: u64,
 }
@@ -53,6 +58,7 @@ impl RequestStats {
         self.bytes_h2d += o.bytes_h2d;
         self.bytes_d2h += o.bytes_d2h;
         self.mismatched_tokens += o.mismatched_tokens;
+        self.first_mismatched_token = self.first_mismatched_token.or(o.first_mismatched_token);
         self.load_path_syncs += o.load_path_syncs;
     }
 }

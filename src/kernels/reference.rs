@@ -441,8 +441,9 @@ pub fn synthesise(
     Ok(())
 }
 
-/// `verify`: the number of tokens in `[start_page * page_size, n_tokens)` whose bytes in
-/// `dense` (`[layer][seq_page][page_bytes]`) differ from the synthesised ones in any layer.
+/// `verify`: the tokens in `[start_page * page_size, n_tokens)` whose bytes in `dense`
+/// (`[layer][seq_page][page_bytes]`) differ from the synthesised ones in any layer, as the
+/// kernel's bitmap: bit `t % 32` of word `t / 32` (`n_tokens.div_ceil(32)` words).
 pub fn verify(
     buffer: BufferKind,
     page_size: u32,
@@ -451,7 +452,7 @@ pub fn verify(
     n_tokens: u32,
     start_page: u32,
     layers: u32,
-) -> Result<u32, ReferenceError> {
+) -> Result<Vec<u32>, ReferenceError> {
     check_ps(page_size)?;
     let n_pages = page_count(n_tokens, page_size);
     need("prefix_hash", prefix_hash, u64::from(n_tokens))?;
@@ -463,7 +464,7 @@ pub fn verify(
     )?;
     let pb = page_bytes as usize;
     let mut expect = vec![0u8; pb];
-    let mut bad = 0u32;
+    let mut bad = vec![0u32; n_tokens.div_ceil(32) as usize];
     let start = u64::from(start_page) * u64::from(page_size);
     for t in start..u64::from(n_tokens) {
         let (i, j) = (
@@ -493,7 +494,7 @@ pub fn verify(
                 break;
             }
         }
-        bad += u32::from(mismatch);
+        bad[(t / 32) as usize] |= u32::from(mismatch) << (t % 32);
     }
     Ok(bad)
 }
@@ -737,9 +738,16 @@ mod tests {
             let views: Vec<&[u8]> = pools.iter().map(|p| p.as_slice()).collect();
             let mut dense = vec![0u8; (u64::from(layers) * 5 * pb) as usize];
             materialise(cp, pb, &views, &seq_pages, 5, layers, local, &mut dense).unwrap();
+            let bad_tokens = |words: Vec<u32>| -> Vec<u32> {
+                assert_eq!(words.len(), 3, "70 tokens take 3 words");
+                (0..96)
+                    .filter(|&t| words[t / 32] >> (t % 32) & 1 == 1)
+                    .map(|t| t as u32)
+                    .collect()
+            };
             assert_eq!(
-                verify(b, ps, &dense, &hashes, 70, 0, layers).unwrap(),
-                0,
+                bad_tokens(verify(b, ps, &dense, &hashes, 70, 0, layers).unwrap()),
+                Vec::<u32>::new(),
                 "{b}"
             );
             // Poison rank 3: its pages 11 (tokens 32..48) and 3 (tokens 64..70) mismatch.
@@ -748,13 +756,13 @@ mod tests {
             let views: Vec<&[u8]> = broken.iter().map(|p| p.as_slice()).collect();
             materialise(cp, pb, &views, &seq_pages, 5, layers, local, &mut dense).unwrap();
             assert_eq!(
-                verify(b, ps, &dense, &hashes, 70, 0, layers).unwrap(),
-                22,
+                bad_tokens(verify(b, ps, &dense, &hashes, 70, 0, layers).unwrap()),
+                (32..48).chain(64..70).collect::<Vec<u32>>(),
                 "{b}"
             );
             assert_eq!(
-                verify(b, ps, &dense, &hashes, 70, 3, layers).unwrap(),
-                6,
+                bad_tokens(verify(b, ps, &dense, &hashes, 70, 3, layers).unwrap()),
+                (64..70).collect::<Vec<u32>>(),
                 "{b}"
             );
         }

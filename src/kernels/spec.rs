@@ -647,7 +647,7 @@ impl KernelSpec {
                 P::u32("n_tokens"),
                 P::u32("start_page"),
                 P::u32("layers"),
-                P::ptr("u32*", "mismatches"),
+                P::ptr("u32*", "bad_tokens"),
             ],
         }
     }

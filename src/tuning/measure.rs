@@ -823,7 +823,8 @@ pub struct SynthBench<'e> {
     target: BufferId,
     hashes: BufferId,
     seq_pages: BufferId,
-    counter: BufferId,
+    /// Verify's bitmap of mismatched tokens (one bit per token).
+    bad_tokens: BufferId,
     n_pages: u32,
     n_tokens: u32,
     layers: u32,
@@ -854,7 +855,7 @@ impl<'e> SynthBench<'e> {
         let target = mem.alloc(MemKind::Device, bytes, 0xA5)?;
         let hashes = mem.alloc(MemKind::Device, 8 * u64::from(n_tokens), 0)?;
         let seq_pages = mem.alloc(MemKind::Device, 4 * u64::from(n_pages), 0)?;
-        let counter = mem.alloc(MemKind::Device, 4, 0)?;
+        let bad_tokens = mem.alloc(MemKind::Device, 4 * u64::from(n_tokens.div_ceil(32)), 0)?;
         let mut rng = SplitMix(seed);
         let h: Vec<u8> = (0..n_tokens)
             .flat_map(|_| rng.next_u64().to_le_bytes())
@@ -866,7 +867,7 @@ impl<'e> SynthBench<'e> {
             target,
             hashes,
             seq_pages,
-            counter,
+            bad_tokens,
             n_pages,
             n_tokens,
             layers,
@@ -890,7 +891,7 @@ impl<'e> SynthBench<'e> {
                 KernelArg::U32(self.n_tokens),
                 KernelArg::U32(0),
                 KernelArg::U32(self.layers),
-                KernelArg::Ptr(self.counter, 0),
+                KernelArg::Ptr(self.bad_tokens, 0),
             ],
             _ => vec![
                 KernelArg::Ptr(self.target, 0),
