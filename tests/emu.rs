@@ -9,11 +9,12 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use cp_hicache::exec::host::{Sanitizer, EMU_HEADER};
+use cp_hicache::exec::host::EMU_HEADER;
 use cp_hicache::exec::{
     BlockOrder, BufferId, ExecError, Executor, HostExecutor, HostOptions, KernelArg,
     KernelArtifact, KernelId, LaunchConfig, LaunchFailure, MemKind,
 };
+use cp_hicache::jit::Sanitize;
 use sha2::{Digest, Sha256};
 
 const KERNELS: &str = include_str!("emu/kernels.cu");
@@ -73,8 +74,8 @@ fn compile_with(source: &str, extra: &[String]) -> PathBuf {
 }
 
 fn sanitize_flags() -> Vec<String> {
-    let mode = Sanitizer::from_env().expect("CP_HICACHE_EMU_SANITIZE");
-    if mode == Sanitizer::Address {
+    let mode = Sanitize::from_env().expect("CP_HICACHE_EMU_SANITIZE");
+    if mode == Sanitize::Address {
         // Loading an ASan library into a process without the runtime aborts it outright.
         let preload = std::env::var("LD_PRELOAD").unwrap_or_default();
         assert!(
@@ -83,7 +84,11 @@ fn sanitize_flags() -> Vec<String> {
              and ASAN_OPTIONS=detect_leaks=0 for the test process (use a cargo runner)"
         );
     }
-    mode.cxx_flags()
+    flags(mode)
+}
+
+fn flags(mode: Sanitize) -> Vec<String> {
+    mode.cxx_flags().iter().map(|f| f.to_string()).collect()
 }
 
 /// The test kernels, built in the mode selected by `CP_HICACHE_EMU_SANITIZE`.
@@ -802,7 +807,7 @@ fn executors_on_several_threads_keep_shared_memory_apart() {
 
 #[test]
 fn ucontext_fallback_runs_the_same_kernels() {
-    if Sanitizer::from_env().unwrap() != Sanitizer::None {
+    if Sanitize::from_env().unwrap() != Sanitize::None {
         eprintln!("skipped: ucontext fallback is checked in the plain build only");
         return;
     }
@@ -876,7 +881,7 @@ fn asan_catches_out_of_bounds_write() {
         eprintln!("skipped: libasan.so not found by `c++ -print-file-name=libasan.so`");
         return;
     };
-    let so = compile_with(KERNELS, &Sanitizer::Address.cxx_flags());
+    let so = compile_with(KERNELS, &flags(Sanitize::Address));
     let out = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",

@@ -30,7 +30,7 @@ pub use deployment::{
 pub use hostcc::{HostCcError, HostCompiler};
 pub use key::CacheKey;
 pub use nvrtc::{NvrtcCompiler, NvrtcError, ResourceReport};
-pub use options::{Arch, HostCcOptions, NvrtcOptions, Sanitize};
+pub use options::{Arch, HostCcOptions, NvrtcOptions, Sanitize, SANITIZE_ENV};
 
 use cache::{Lookup, Manifest, NewEntry};
 use key::KeyInputs;
@@ -326,6 +326,16 @@ pub enum JitError {
         uri: String,
         /// The cache error.
         source: Arc<CacheError>,
+    },
+    /// An environment setting of the JIT has an unusable value.
+    #[error("{name}={value:?}: {reason}")]
+    Config {
+        /// The variable.
+        name: &'static str,
+        /// Its value.
+        value: String,
+        /// What is expected.
+        reason: String,
     },
     /// A cache miss while JIT compilation is off.
     #[error("kernel `{uri}` ({key}) is not in the cache at {path} and CP_HICACHE_JIT=off forbids compiling it")]

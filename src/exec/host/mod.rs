@@ -32,8 +32,9 @@ pub use crate::jit::EMU_HEADER;
 /// Environment variable selecting the block order (`forward` or `reverse`).
 pub const ORDER_ENV: &str = "CP_HICACHE_EMU_ORDER";
 
-/// Environment variable selecting a sanitizer build of emulation libraries (`address`).
-pub const SANITIZE_ENV: &str = "CP_HICACHE_EMU_SANITIZE";
+/// Environment variable selecting a sanitizer build of emulation libraries; the JIT reads it
+/// ([`Sanitize::from_env`](crate::jit::Sanitize::from_env)) because the mode is a compile option.
+pub use crate::jit::SANITIZE_ENV;
 
 /// Order in which the blocks of a launch run. Shared memory keeps its values between blocks,
 /// so running tests in both orders exposes kernels that read uninitialised shared memory.
@@ -66,50 +67,6 @@ impl FromStr for BlockOrder {
                 value: s.to_string(),
                 reason: "expected forward or reverse".into(),
             }),
-        }
-    }
-}
-
-/// Sanitizer instrumentation of emulation libraries, chosen with `CP_HICACHE_EMU_SANITIZE`.
-/// The compiler (JIT) adds [`Sanitizer::cxx_flags`]; a process loading such libraries must
-/// have the sanitizer runtime preloaded.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
-pub enum Sanitizer {
-    /// No instrumentation.
-    #[default]
-    None,
-    /// AddressSanitizer (`-fsanitize=address`), with fiber-switch annotations in the header.
-    Address,
-}
-
-impl Sanitizer {
-    /// Reads `CP_HICACHE_EMU_SANITIZE` (`address`, or unset / empty / `none`).
-    pub fn from_env() -> Result<Sanitizer, ExecError> {
-        match std::env::var(SANITIZE_ENV) {
-            Err(_) => Ok(Sanitizer::None),
-            Ok(v) => match v.trim() {
-                "" | "none" | "0" => Ok(Sanitizer::None),
-                "address" | "asan" => Ok(Sanitizer::Address),
-                _ => Err(ExecError::Config {
-                    name: SANITIZE_ENV,
-                    value: v,
-                    reason: "expected address or none".into(),
-                }),
-            },
-        }
-    }
-
-    /// Extra C++ compiler flags for this mode.
-    pub fn cxx_flags(&self) -> Vec<String> {
-        match self {
-            Sanitizer::None => vec![],
-            Sanitizer::Address => {
-                vec![
-                    "-fsanitize=address".into(),
-                    "-fno-omit-frame-pointer".into(),
-                    "-g".into(),
-                ]
-            }
         }
     }
 }
@@ -379,15 +336,6 @@ mod tests {
         );
         assert_eq!("".parse::<BlockOrder>().unwrap(), BlockOrder::Forward);
         assert!("sideways".parse::<BlockOrder>().is_err());
-    }
-
-    #[test]
-    fn sanitizer_flags() {
-        assert!(Sanitizer::None.cxx_flags().is_empty());
-        assert_eq!(
-            Sanitizer::Address.cxx_flags(),
-            vec!["-fsanitize=address", "-fno-omit-frame-pointer", "-g"]
-        );
     }
 
     #[test]
