@@ -467,7 +467,13 @@ static void resolve_warp_group(unsigned base, unsigned part) {
     Fiber& f = w[j];
     unsigned width = static_cast<unsigned>(f.width);
     if (width == 0 || width > 32 || (width & (width - 1))) width = 32;
+    // PTX shfl.sync semantics: the segment is [seg, max_lane]; only the low 5 bits of the
+    // lane / offset operand count; a computed source outside the allowed range reads the own
+    // value. For up the limit is the segment start, for down and xor the segment end (so a
+    // butterfly may read from an earlier segment, e.g. lane 19 ^ 16 at width 16 reads lane 3).
     unsigned seg = j & ~(width - 1);
+    unsigned max_lane = seg | (width - 1);
+    unsigned b = static_cast<unsigned>(f.arg) & 31u;
     int src = static_cast<int>(j);
     switch (k) {
       case K_SYNCWARP: f.res = 0; break;
@@ -483,22 +489,16 @@ static void resolve_warp_group(unsigned base, unsigned part) {
         f.res = r;
         break;
       }
-      case K_SHFL: src = static_cast<int>(seg + (static_cast<unsigned>(f.arg) & (width - 1))); break;
-      case K_SHFL_UP: {
-        unsigned d = static_cast<unsigned>(f.arg);
-        if (j - seg >= d) src = static_cast<int>(j - d);
+      case K_SHFL: src = static_cast<int>(seg | (b & (width - 1))); break;
+      case K_SHFL_UP:
+        if (j >= seg + b) src = static_cast<int>(j - b);
         break;
-      }
-      case K_SHFL_DOWN: {
-        unsigned d = static_cast<unsigned>(f.arg);
-        if (j - seg + d < width) src = static_cast<int>(j + d);
+      case K_SHFL_DOWN:
+        if (j + b <= max_lane) src = static_cast<int>(j + b);
         break;
-      }
-      case K_SHFL_XOR: {
-        unsigned t = j ^ static_cast<unsigned>(f.arg);
-        if (t < 32 && (t & ~(width - 1)) == seg) src = static_cast<int>(t);
+      case K_SHFL_XOR:
+        if ((j ^ b) <= max_lane) src = static_cast<int>(j ^ b);
         break;
-      }
       default: break;
     }
     if (k >= K_SHFL && k <= K_SHFL_XOR) {

@@ -18,7 +18,7 @@ use cp_hicache::jit::Sanitize;
 use sha2::{Digest, Sha256};
 
 const KERNELS: &str = include_str!("emu/kernels.cu");
-const NOPS: usize = 11;
+const NOPS: usize = 17;
 const POISON: u8 = 0xA5;
 
 fn header_path() -> PathBuf {
@@ -235,6 +235,16 @@ fn warp_ops_model(vals: &[u32; 32], alive: &[bool; 32]) -> Vec<Option<[u32; NOPS
             o[10] = ((w2 >> 32) as u32)
                 .wrapping_add(w2 as u32)
                 .wrapping_add(((f2 * 2.0) as u32).wrapping_mul(1000));
+            // PTX shfl.sync at width w: segment start j & !(w - 1), end start | (w - 1).
+            let start = |w: usize| j & !(w - 1);
+            let end = |w: usize| start(w) | (w - 1);
+            let xor = |m: usize, w: usize| if j ^ m <= end(w) { get(j ^ m, j) } else { v };
+            o[11] = xor(16, 16);
+            o[12] = xor(8, 8);
+            o[13] = if j >= start(8) + 3 { get(j - 3, j) } else { v };
+            o[14] = if j + 3 <= end(8) { get(j + 3, j) } else { v };
+            o[15] = get(start(8) | (13 & 7), j);
+            o[16] = if j + 31 <= 31 { get(j + 31, j) } else { v };
             Some(o)
         })
         .collect()
@@ -242,6 +252,15 @@ fn warp_ops_model(vals: &[u32; 32], alive: &[bool; 32]) -> Vec<Option<[u32; NOPS
 
 #[test]
 fn warp_intrinsics_match_model_with_partial_masks_and_exited_lanes() {
+    // The sub-warp butterfly the model encodes: lane 19 ^ 16 at width 16 reads lane 3 (an
+    // earlier segment), lane 3 ^ 16 would be lane 19 (a later one) and keeps its own value.
+    let vals: [u32; 32] = std::array::from_fn(|j| 100 + j as u32);
+    let model = warp_ops_model(&vals, &[true; 32]);
+    assert_eq!(model[19].unwrap()[11], 103);
+    assert_eq!(model[3].unwrap()[11], 103);
+    assert_eq!(model[11].unwrap()[12], 103);
+    assert_eq!(model[0].unwrap()[16], 131);
+    assert_eq!(model[1].unwrap()[16], 101);
     both_orders(|ex, _| {
         let (blocks, threads) = (2usize, 64usize);
         let input: Vec<u32> = (0..(blocks * threads) as u32)

@@ -35,7 +35,7 @@ extern "C" __global__ void sync_variants(const u32* pred, u32* out) {
   }
 }
 
-#define NOPS 11
+#define NOPS 17
 // Warp intrinsics; threads with threadIdx.x >= live exit first. out[t * NOPS + op].
 extern "C" __global__ void warp_ops(const u32* in, u32* out, u32 live) {
   u32 t = threadIdx.x;
@@ -64,6 +64,16 @@ extern "C" __global__ void warp_ops(const u32* in, u32* out, u32 live) {
   float f = (float)v * 0.5f;
   float f2 = __shfl_sync(FULL, f, 0);
   o[10] = (u32)(w2 >> 32) + (u32)w2 + (u32)(f2 * 2.0f) * 1000u;
+  // Sub-warp widths (PTX shfl.sync): xor and down may reach up to the end of the own
+  // segment, so a butterfly reads from an earlier segment (lane 19 ^ 16 at width 16 reads
+  // lane 3) but never from a later one; up stops at the segment start; idx wraps in it.
+  o[11] = __shfl_xor_sync(FULL, v, 16, 16);
+  o[12] = __shfl_xor_sync(FULL, v, 8, 8);
+  o[13] = __shfl_up_sync(FULL, v, 3, 8);
+  o[14] = __shfl_down_sync(FULL, v, 3, 8);
+  o[15] = __shfl_sync(FULL, v, 13, 8);
+  // Only the low 5 bits of the offset count: a delta of ~0u is 31.
+  o[16] = __shfl_down_sync(FULL, v, 0xffffffffu);
 }
 
 // Atomics across blocks.
