@@ -9,8 +9,9 @@
 //! still found: an entry is used when it is the only one that reproduces its own key from the
 //! request under the compiler its manifest names (see [`Jit::get`]).
 //!
-//! A warm start does not load NVRTC: its identity (a key input) is remembered per library file
-//! in `<cache>/nvrtc-identity.json` ([`Jit::nvrtc_identity`]) and confirmed on the first miss.
+//! A warm start does not load NVRTC: its identity (a key input: version and a short SHA-256 of
+//! the library file) is remembered per library file in `<cache>/nvrtc-identity.v2.json`
+//! ([`Jit::nvrtc_identity`]) and confirmed on the first miss.
 //!
 //! Thread-safety: [`Jit`] is `Send + Sync`; share it by reference or `Arc`. Concurrent requests
 //! for the same entry, from threads or processes, compile it once (per-entry `flock`).
@@ -450,8 +451,10 @@ struct Plan {
     target_dir: String,
 }
 
-/// File in the cache root remembering each NVRTC library's identity.
-const NVRTC_IDENTITY_FILE: &str = "nvrtc-identity.json";
+/// File in the cache root remembering each NVRTC library's identity. (`v2`: identities include
+/// the library's digest; records of the older `nvrtc-identity.json`, version only, are not
+/// reused.)
+pub const NVRTC_IDENTITY_FILE: &str = "nvrtc-identity.v2.json";
 
 /// What identifies one library file on disk: a changed file changes its length or mtime.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -538,10 +541,11 @@ impl Jit {
             .map_err(|e| e.clone().into())
     }
 
-    /// The NVRTC identity (`nvrtc 12.9`) that goes into cache keys, without loading NVRTC when
-    /// possible: once NVRTC is loaded it is asked directly; otherwise the library that discovery
-    /// would load is located (no `dlopen`) and its identity is read from
-    /// `<cache>/nvrtc-identity.json`, recorded per (path, length, mtime) the first time that
+    /// The NVRTC identity ([`NvrtcCompiler::identity`]: version and library digest) that goes
+    /// into cache and tuning keys, without loading NVRTC when possible: once NVRTC is loaded it
+    /// is asked directly; otherwise the library that discovery would load is located (no
+    /// `dlopen`, no hashing) and its identity is read from
+    /// `<cache>/nvrtc-identity.v2.json`, recorded per (path, length, mtime) the first time that
     /// library was loaded. A warm start thus reads cache entries without paying the NVRTC load;
     /// a miss loads NVRTC anyway and re-keys if the remembered identity was wrong.
     pub fn nvrtc_identity(&self) -> Result<String, JitError> {
