@@ -358,6 +358,21 @@ mod tests {
     }
 
     #[test]
+    fn handles_of_another_executor_are_unknown() {
+        let (one, two) = (
+            HostExecutor::new(HostOptions::default()),
+            HostExecutor::new(HostOptions::default()),
+        );
+        let a = one.alloc(MemKind::Device, 16, 1).unwrap();
+        let b = two.alloc(MemKind::Device, 16, 2).unwrap();
+        let mut out = [0u8; 16];
+        assert!(matches!(two.read(a, 0, &mut out), Err(ExecError::UnknownBuffer(id)) if id == a));
+        assert!(matches!(one.free(b), Err(ExecError::UnknownBuffer(id)) if id == b));
+        two.read(b, 0, &mut out).unwrap();
+        assert_eq!(out, [2; 16]);
+    }
+
+    #[test]
     fn copy_regions_between_and_within_buffers() {
         let ex = HostExecutor::new(HostOptions::default());
         let a = ex.alloc(MemKind::Host, 32, 0).unwrap();
