@@ -127,6 +127,9 @@ static constexpr int warpSize = 32;
 // ---------------------------------------------------------------------------------------------
 #define CP_EMU_ABI_VERSION 1u
 #define CP_EMU_FLAG_REVERSE 1u
+// Largest fiber stack a launch may ask for (mirrored by HostOptions in src/exec/host/mod.rs);
+// larger requests are refused rather than rounded past the top of the address range.
+#define CP_EMU_MAX_STACK_BYTES (64ull << 20)
 
 extern "C" {
 /// Launch configuration passed to `<name>__emu_launch`.
@@ -302,6 +305,7 @@ struct Pool {
   // Ensures n fibers with stacks of `bytes` each; false when out of memory.
   bool ensure(unsigned n, size_t bytes) {
     if (guard == 0) guard = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    if (bytes > CP_EMU_MAX_STACK_BYTES) return false;  // also keeps the rounding from wrapping
     bytes = (bytes + guard - 1) & ~(guard - 1);
     if (bytes != stack_bytes) {
       release_stacks();
@@ -715,6 +719,16 @@ static int launch(const char* kernel, const CpEmuLaunch* cfg, unsigned arity, co
       }
     }
   }
+  if (body == nullptr) {
+    // Every other reason the entry passes no body was reported above.
+    err_append("kernel `%s`: params is null, the kernel takes %u parameters", kernel, arity);
+    return CP_EMU_EINVAL;
+  }
+  if (cfg->stack_bytes > CP_EMU_MAX_STACK_BYTES) {
+    err_append("kernel `%s`: fiber stack of %llu bytes requested, the limit is %llu", kernel,
+               static_cast<unsigned long long>(cfg->stack_bytes), CP_EMU_MAX_STACK_BYTES);
+    return CP_EMU_EINVAL;
+  }
   const uint32_t* gr = cfg->grid;
   const uint32_t* bl = cfg->block;
   if (!gr[0] || !gr[1] || !gr[2] || !bl[0] || !bl[1] || !bl[2] || gr[1] > 65535 || gr[2] > 65535 || bl[2] > 64 ||
@@ -801,7 +815,7 @@ static int launch_entry_impl(const char* name, void (*fn)(A...), const CpEmuLaun
                              std::index_sequence<I...>) {
   static const uint64_t sizes[sizeof...(A) + 1] = {sizeof(std::decay_t<A>)..., 0};
   if (cfg->num_params != sizeof...(A) || (sizeof...(A) > 0 && params == nullptr)) {
-    return launch(name, cfg, sizeof...(A), sizes, nullptr, nullptr);  // reports the arity error
+    return launch(name, cfg, sizeof...(A), sizes, nullptr, nullptr);  // reports arity or null params
   }
   // Check every size before reading any parameter: a parameter shorter than the kernel's
   // type must be reported, never read past its end.

@@ -681,6 +681,43 @@ fn large_thread_stacks_work() {
     }
 }
 
+/// Runs `probe_raw(which)` from the test kernels: a launch through the raw ABI with inputs the
+/// executor never produces. Returns the status and the diagnostic.
+fn probe_raw(which: i32) -> (i32, String) {
+    let mut err = vec![0u8; 512];
+    // SAFETY: the library is built from tests/emu/kernels.cu with the emulation header, whose
+    // initialisers only set up TLS; `probe_raw` has exactly this C signature and writes at most
+    // `cap` bytes to `err`, which outlives the call, as does the library handle.
+    let status = unsafe {
+        let lib = libloading::Library::new(kernels_so()).unwrap();
+        let f: libloading::Symbol<unsafe extern "C" fn(i32, *mut u8, u64) -> i32> =
+            lib.get(b"probe_raw").unwrap();
+        f(which, err.as_mut_ptr(), err.len() as u64)
+    };
+    let msg = std::ffi::CStr::from_bytes_until_nul(&err)
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    (status, msg)
+}
+
+/// The launch entry refuses, with a diagnostic instead of a crash, a null params array for a
+/// kernel that takes parameters and a stack size whose page rounding would wrap around.
+#[test]
+fn raw_launch_rejects_null_params_and_huge_stacks() {
+    const EINVAL: i32 = 1;
+    let (status, msg) = probe_raw(0);
+    assert_eq!(status, EINVAL, "{msg}");
+    assert!(
+        msg.contains("probe_k") && msg.contains("params is null"),
+        "{msg}"
+    );
+    let (status, msg) = probe_raw(1);
+    assert_eq!(status, EINVAL, "{msg}");
+    assert!(msg.contains("fiber stack"), "{msg}");
+    assert_eq!(probe_raw(2), (0, String::new()));
+}
+
 #[test]
 fn launch_fault_injection() {
     let ex = executor(BlockOrder::Forward);

@@ -191,8 +191,32 @@ extern "C" __global__ void barrier_loop(u32 iters) {
   for (u32 i = 0; i < iters; ++i) __syncthreads();
 }
 
+// Target of the raw-ABI probe below.
+extern "C" __global__ void probe_k(u32* out) { out[threadIdx.x] = 1; }
+
 #ifdef CP_HICACHE_EMU
-CP_HICACHE_EMU_EXPORT(block_sum)
+CP_HICACHE_EMU_EXPORT(probe_k)
+
+// Calls probe_k's entry through the raw launch ABI with what the Rust executor never sends:
+// which 0 = a null params array, 1 = a stack size near 2^64 (whose page rounding would wrap),
+// 2 = a valid launch. Returns the status; the diagnostic goes to err.
+extern "C" __attribute__((visibility("default"))) int probe_raw(int which, char* err, u64 cap) {
+  static u32 out[32];
+  u32* p = out;
+  void* params[1] = {&p};
+  CpEmuLaunch cfg = {};
+  cfg.abi_version = CP_EMU_ABI_VERSION;
+  cfg.grid[0] = cfg.grid[1] = cfg.grid[2] = 1;
+  cfg.block[0] = 32;
+  cfg.block[1] = cfg.block[2] = 1;
+  cfg.num_params = 1;
+  cfg.err_buf = err;
+  cfg.err_cap = cap;
+  if (which == 0) return probe_k__emu_launch(&cfg, nullptr);
+  if (which == 1) cfg.stack_bytes = ~0ull - 100;
+  return probe_k__emu_launch(&cfg, params);
+}
+
 CP_HICACHE_EMU_EXPORT(sync_variants)
 CP_HICACHE_EMU_EXPORT(warp_ops)
 CP_HICACHE_EMU_EXPORT(atomics)

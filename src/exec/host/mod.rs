@@ -71,16 +71,32 @@ impl FromStr for BlockOrder {
     }
 }
 
+/// Largest fiber stack a launch may ask for (the emulator's `CP_EMU_MAX_STACK_BYTES`).
+pub const MAX_STACK_BYTES: u64 = 64 << 20;
+
 /// Host executor settings.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub struct HostOptions {
     /// Block order of every launch.
     pub block_order: BlockOrder,
     /// Fiber stack size in bytes; 0 lets the emulator choose (64 KiB, 256 KiB under ASan).
+    /// At most [`MAX_STACK_BYTES`]; a launch with more is [`ExecError::Config`].
     pub stack_bytes: u64,
 }
 
 impl HostOptions {
+    /// Checks the settings a launch depends on: `stack_bytes` at most [`MAX_STACK_BYTES`].
+    pub fn validate(&self) -> Result<(), ExecError> {
+        if self.stack_bytes > MAX_STACK_BYTES {
+            return Err(ExecError::Config {
+                name: "stack_bytes",
+                value: self.stack_bytes.to_string(),
+                reason: format!("a fiber stack is at most {MAX_STACK_BYTES} bytes"),
+            });
+        }
+        Ok(())
+    }
+
     /// Defaults, with the block order from `CP_HICACHE_EMU_ORDER` when set.
     pub fn from_env() -> Result<HostOptions, ExecError> {
         let block_order = match std::env::var(ORDER_ENV) {
@@ -240,6 +256,7 @@ impl Executor for HostExecutor {
         args: &[KernelArg<'_>],
     ) -> Result<(), ExecError> {
         let options = self.options();
+        options.validate()?;
         let mut st = lock(&self.state);
         st.counters.launches += 1;
         let k = st.kernel(kernel)?;
@@ -355,6 +372,34 @@ mod tests {
         ));
         ex.free(b).unwrap();
         assert!(matches!(ex.free(b), Err(ExecError::UnknownBuffer(_))));
+    }
+
+    #[test]
+    fn oversized_stack_is_a_config_error() {
+        let ex = HostExecutor::new(HostOptions {
+            stack_bytes: u64::MAX,
+            ..HostOptions::default()
+        });
+        let e = ex
+            .launch(KernelId(1), &LaunchConfig::linear(1, 32), &[])
+            .unwrap_err();
+        assert!(
+            matches!(&e, ExecError::Config { name: "stack_bytes", value, .. } if value == &u64::MAX.to_string()),
+            "{e}"
+        );
+        assert_eq!(ex.counters().launches, 0);
+        let at_limit = HostOptions {
+            stack_bytes: MAX_STACK_BYTES,
+            ..HostOptions::default()
+        };
+        assert!(at_limit.validate().is_ok());
+        assert!(
+            EMU_HEADER.contains(&format!(
+                "#define CP_EMU_MAX_STACK_BYTES ({}ull << 20)",
+                MAX_STACK_BYTES >> 20
+            )),
+            "the header's limit differs"
+        );
     }
 
     #[test]
