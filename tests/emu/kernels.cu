@@ -217,6 +217,7 @@ extern "C" __attribute__((visibility("default"))) int probe_raw(int which, char*
   return probe_k__emu_launch(&cfg, params);
 }
 
+CP_HICACHE_EMU_EXPORT(block_sum)
 CP_HICACHE_EMU_EXPORT(sync_variants)
 CP_HICACHE_EMU_EXPORT(warp_ops)
 CP_HICACHE_EMU_EXPORT(atomics)
