@@ -127,6 +127,9 @@ static constexpr int warpSize = 32;
 // ---------------------------------------------------------------------------------------------
 #define CP_EMU_ABI_VERSION 1u
 #define CP_EMU_FLAG_REVERSE 1u
+// Largest fiber stack a launch may ask for (mirrored by HostOptions in src/exec/host/mod.rs);
+// larger requests are refused rather than rounded past the top of the address range.
+#define CP_EMU_MAX_STACK_BYTES (64ull << 20)
 
 extern "C" {
 /// Launch configuration passed to `<name>__emu_launch`.
@@ -302,6 +305,7 @@ struct Pool {
   // Ensures n fibers with stacks of `bytes` each; false when out of memory.
   bool ensure(unsigned n, size_t bytes) {
     if (guard == 0) guard = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    if (bytes > CP_EMU_MAX_STACK_BYTES) return false;  // also keeps the rounding from wrapping
     bytes = (bytes + guard - 1) & ~(guard - 1);
     if (bytes != stack_bytes) {
       release_stacks();
@@ -467,7 +471,13 @@ static void resolve_warp_group(unsigned base, unsigned part) {
     Fiber& f = w[j];
     unsigned width = static_cast<unsigned>(f.width);
     if (width == 0 || width > 32 || (width & (width - 1))) width = 32;
+    // PTX shfl.sync semantics: the segment is [seg, max_lane]; only the low 5 bits of the
+    // lane / offset operand count; a computed source outside the allowed range reads the own
+    // value. For up the limit is the segment start, for down and xor the segment end (so a
+    // butterfly may read from an earlier segment, e.g. lane 19 ^ 16 at width 16 reads lane 3).
     unsigned seg = j & ~(width - 1);
+    unsigned max_lane = seg | (width - 1);
+    unsigned b = static_cast<unsigned>(f.arg) & 31u;
     int src = static_cast<int>(j);
     switch (k) {
       case K_SYNCWARP: f.res = 0; break;
@@ -483,22 +493,16 @@ static void resolve_warp_group(unsigned base, unsigned part) {
         f.res = r;
         break;
       }
-      case K_SHFL: src = static_cast<int>(seg + (static_cast<unsigned>(f.arg) & (width - 1))); break;
-      case K_SHFL_UP: {
-        unsigned d = static_cast<unsigned>(f.arg);
-        if (j - seg >= d) src = static_cast<int>(j - d);
+      case K_SHFL: src = static_cast<int>(seg | (b & (width - 1))); break;
+      case K_SHFL_UP:
+        if (j >= seg + b) src = static_cast<int>(j - b);
         break;
-      }
-      case K_SHFL_DOWN: {
-        unsigned d = static_cast<unsigned>(f.arg);
-        if (j - seg + d < width) src = static_cast<int>(j + d);
+      case K_SHFL_DOWN:
+        if (j + b <= max_lane) src = static_cast<int>(j + b);
         break;
-      }
-      case K_SHFL_XOR: {
-        unsigned t = j ^ static_cast<unsigned>(f.arg);
-        if (t < 32 && (t & ~(width - 1)) == seg) src = static_cast<int>(t);
+      case K_SHFL_XOR:
+        if ((j ^ b) <= max_lane) src = static_cast<int>(j ^ b);
         break;
-      }
       default: break;
     }
     if (k >= K_SHFL && k <= K_SHFL_XOR) {
@@ -715,6 +719,16 @@ static int launch(const char* kernel, const CpEmuLaunch* cfg, unsigned arity, co
       }
     }
   }
+  if (body == nullptr) {
+    // Every other reason the entry passes no body was reported above.
+    err_append("kernel `%s`: params is null, the kernel takes %u parameters", kernel, arity);
+    return CP_EMU_EINVAL;
+  }
+  if (cfg->stack_bytes > CP_EMU_MAX_STACK_BYTES) {
+    err_append("kernel `%s`: fiber stack of %llu bytes requested, the limit is %llu", kernel,
+               static_cast<unsigned long long>(cfg->stack_bytes), CP_EMU_MAX_STACK_BYTES);
+    return CP_EMU_EINVAL;
+  }
   const uint32_t* gr = cfg->grid;
   const uint32_t* bl = cfg->block;
   if (!gr[0] || !gr[1] || !gr[2] || !bl[0] || !bl[1] || !bl[2] || gr[1] > 65535 || gr[2] > 65535 || bl[2] > 64 ||
@@ -801,7 +815,7 @@ static int launch_entry_impl(const char* name, void (*fn)(A...), const CpEmuLaun
                              std::index_sequence<I...>) {
   static const uint64_t sizes[sizeof...(A) + 1] = {sizeof(std::decay_t<A>)..., 0};
   if (cfg->num_params != sizeof...(A) || (sizeof...(A) > 0 && params == nullptr)) {
-    return launch(name, cfg, sizeof...(A), sizes, nullptr, nullptr);  // reports the arity error
+    return launch(name, cfg, sizeof...(A), sizes, nullptr, nullptr);  // reports arity or null params
   }
   // Check every size before reading any parameter: a parameter shorter than the kernel's
   // type must be reported, never read past its end.

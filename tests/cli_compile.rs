@@ -221,3 +221,69 @@ fn compile_without_nvrtc_prints_one_line_hint() {
     assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
     assert!(stderr.contains(NOT_FOUND_HINT), "{stderr}");
 }
+
+/// A stand-in `$CXX`: answers the version probes and "compiles" by writing its arguments to the
+/// `-o` file, so a host compile runs in milliseconds and its flags can be read back.
+fn fake_cxx(dir: &Path) -> PathBuf {
+    let path = dir.join("fake-cxx");
+    std::fs::write(
+        &path,
+        "#!/bin/sh\n\
+         case \"$1\" in --version) echo 'fake c++ 1.0'; exit 0;; -dumpmachine) echo fake; exit 0;; esac\n\
+         all=\"$*\"; out=\n\
+         while [ $# -gt 0 ]; do [ \"$1\" = -o ] && out=\"$2\"; shift; done\n\
+         echo \"$all\" > \"$out\"\n",
+    )
+    .unwrap();
+    let mut perm = std::fs::metadata(&path).unwrap().permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
+    std::fs::set_permissions(&path, perm).unwrap();
+    path
+}
+
+/// `CP_HICACHE_EMU_SANITIZE=address` reaches the CLI's host builds: `compile --target host`
+/// commits its entries under `<cache>/host-asan/`, built with the ASan flags; a misspelt mode
+/// is refused with a message naming the variable instead of building uninstrumented kernels.
+#[test]
+fn emu_sanitize_env_selects_the_asan_host_build() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cxx = fake_cxx(tmp.path());
+    let cache = tmp.path().join("cache");
+    let compile = |mode: &str| {
+        run(bin()
+            .args([
+                "compile",
+                "--target",
+                "host",
+                "--deployment",
+                "mla_ps16_cp4",
+            ])
+            .env("CXX", &cxx)
+            .env("CP_HICACHE_CACHE_DIR", &cache)
+            .env("CP_HICACHE_EMU_SANITIZE", mode))
+    };
+    let out = compile("address");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let libs: Vec<(PathBuf, Vec<u8>)> = files_under(&cache.join("host-asan"))
+        .into_iter()
+        .filter(|(p, _)| p.extension().is_some_and(|e| e == "so"))
+        .collect();
+    assert_eq!(libs.len(), 7, "{libs:?}");
+    for (path, flags) in &libs {
+        assert!(
+            text(flags).contains("-fsanitize=address"),
+            "{}: {}",
+            path.display(),
+            text(flags)
+        );
+    }
+    assert!(!cache.join("host").exists());
+
+    let out = compile("adress");
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("CP_HICACHE_EMU_SANITIZE") && err.contains("adress"),
+        "{err}"
+    );
+}

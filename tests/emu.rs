@@ -9,15 +9,16 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use cp_hicache::exec::host::{Sanitizer, EMU_HEADER};
+use cp_hicache::exec::host::EMU_HEADER;
 use cp_hicache::exec::{
     BlockOrder, BufferId, ExecError, Executor, HostExecutor, HostOptions, KernelArg,
     KernelArtifact, KernelId, LaunchConfig, LaunchFailure, MemKind,
 };
+use cp_hicache::jit::Sanitize;
 use sha2::{Digest, Sha256};
 
 const KERNELS: &str = include_str!("emu/kernels.cu");
-const NOPS: usize = 11;
+const NOPS: usize = 17;
 const POISON: u8 = 0xA5;
 
 fn header_path() -> PathBuf {
@@ -73,8 +74,8 @@ fn compile_with(source: &str, extra: &[String]) -> PathBuf {
 }
 
 fn sanitize_flags() -> Vec<String> {
-    let mode = Sanitizer::from_env().expect("CP_HICACHE_EMU_SANITIZE");
-    if mode == Sanitizer::Address {
+    let mode = Sanitize::from_env().expect("CP_HICACHE_EMU_SANITIZE");
+    if mode == Sanitize::Address {
         // Loading an ASan library into a process without the runtime aborts it outright.
         let preload = std::env::var("LD_PRELOAD").unwrap_or_default();
         assert!(
@@ -83,7 +84,11 @@ fn sanitize_flags() -> Vec<String> {
              and ASAN_OPTIONS=detect_leaks=0 for the test process (use a cargo runner)"
         );
     }
-    mode.cxx_flags()
+    flags(mode)
+}
+
+fn flags(mode: Sanitize) -> Vec<String> {
+    mode.cxx_flags().iter().map(|f| f.to_string()).collect()
 }
 
 /// The test kernels, built in the mode selected by `CP_HICACHE_EMU_SANITIZE`.
@@ -230,6 +235,16 @@ fn warp_ops_model(vals: &[u32; 32], alive: &[bool; 32]) -> Vec<Option<[u32; NOPS
             o[10] = ((w2 >> 32) as u32)
                 .wrapping_add(w2 as u32)
                 .wrapping_add(((f2 * 2.0) as u32).wrapping_mul(1000));
+            // PTX shfl.sync at width w: segment start j & !(w - 1), end start | (w - 1).
+            let start = |w: usize| j & !(w - 1);
+            let end = |w: usize| start(w) | (w - 1);
+            let xor = |m: usize, w: usize| if j ^ m <= end(w) { get(j ^ m, j) } else { v };
+            o[11] = xor(16, 16);
+            o[12] = xor(8, 8);
+            o[13] = if j >= start(8) + 3 { get(j - 3, j) } else { v };
+            o[14] = if j + 3 <= end(8) { get(j + 3, j) } else { v };
+            o[15] = get(start(8) | (13 & 7), j);
+            o[16] = if j + 31 <= 31 { get(j + 31, j) } else { v };
             Some(o)
         })
         .collect()
@@ -237,6 +252,15 @@ fn warp_ops_model(vals: &[u32; 32], alive: &[bool; 32]) -> Vec<Option<[u32; NOPS
 
 #[test]
 fn warp_intrinsics_match_model_with_partial_masks_and_exited_lanes() {
+    // The sub-warp butterfly the model encodes: lane 19 ^ 16 at width 16 reads lane 3 (an
+    // earlier segment), lane 3 ^ 16 would be lane 19 (a later one) and keeps its own value.
+    let vals: [u32; 32] = std::array::from_fn(|j| 100 + j as u32);
+    let model = warp_ops_model(&vals, &[true; 32]);
+    assert_eq!(model[19].unwrap()[11], 103);
+    assert_eq!(model[3].unwrap()[11], 103);
+    assert_eq!(model[11].unwrap()[12], 103);
+    assert_eq!(model[0].unwrap()[16], 131);
+    assert_eq!(model[1].unwrap()[16], 101);
     both_orders(|ex, _| {
         let (blocks, threads) = (2usize, 64usize);
         let input: Vec<u32> = (0..(blocks * threads) as u32)
@@ -657,6 +681,43 @@ fn large_thread_stacks_work() {
     }
 }
 
+/// Runs `probe_raw(which)` from the test kernels: a launch through the raw ABI with inputs the
+/// executor never produces. Returns the status and the diagnostic.
+fn probe_raw(which: i32) -> (i32, String) {
+    let mut err = vec![0u8; 512];
+    // SAFETY: the library is built from tests/emu/kernels.cu with the emulation header, whose
+    // initialisers only set up TLS; `probe_raw` has exactly this C signature and writes at most
+    // `cap` bytes to `err`, which outlives the call, as does the library handle.
+    let status = unsafe {
+        let lib = libloading::Library::new(kernels_so()).unwrap();
+        let f: libloading::Symbol<unsafe extern "C" fn(i32, *mut u8, u64) -> i32> =
+            lib.get(b"probe_raw").unwrap();
+        f(which, err.as_mut_ptr(), err.len() as u64)
+    };
+    let msg = std::ffi::CStr::from_bytes_until_nul(&err)
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    (status, msg)
+}
+
+/// The launch entry refuses, with a diagnostic instead of a crash, a null params array for a
+/// kernel that takes parameters and a stack size whose page rounding would wrap around.
+#[test]
+fn raw_launch_rejects_null_params_and_huge_stacks() {
+    const EINVAL: i32 = 1;
+    let (status, msg) = probe_raw(0);
+    assert_eq!(status, EINVAL, "{msg}");
+    assert!(
+        msg.contains("probe_k") && msg.contains("params is null"),
+        "{msg}"
+    );
+    let (status, msg) = probe_raw(1);
+    assert_eq!(status, EINVAL, "{msg}");
+    assert!(msg.contains("fiber stack"), "{msg}");
+    assert_eq!(probe_raw(2), (0, String::new()));
+}
+
 #[test]
 fn launch_fault_injection() {
     let ex = executor(BlockOrder::Forward);
@@ -802,7 +863,7 @@ fn executors_on_several_threads_keep_shared_memory_apart() {
 
 #[test]
 fn ucontext_fallback_runs_the_same_kernels() {
-    if Sanitizer::from_env().unwrap() != Sanitizer::None {
+    if Sanitize::from_env().unwrap() != Sanitize::None {
         eprintln!("skipped: ucontext fallback is checked in the plain build only");
         return;
     }
@@ -876,7 +937,7 @@ fn asan_catches_out_of_bounds_write() {
         eprintln!("skipped: libasan.so not found by `c++ -print-file-name=libasan.so`");
         return;
     };
-    let so = compile_with(KERNELS, &Sanitizer::Address.cxx_flags());
+    let so = compile_with(KERNELS, &flags(Sanitize::Address));
     let out = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",

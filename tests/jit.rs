@@ -3,10 +3,12 @@
 //! NVRTC tests print one line and return early when the library is missing, unless
 //! `CP_HICACHE_REQUIRE_NVRTC=1`, in which case they fail.
 
-use cp_hicache::jit::key::{CacheKey, KeyInputs};
+use cp_hicache::jit::cache::{Manifest, NewEntry};
+use cp_hicache::jit::key::{capture_env, stable_digest, CacheKey, KeyInputs, KEY_ENV_ALLOWLIST};
 use cp_hicache::jit::nvrtc::NOT_FOUND_HINT;
 use cp_hicache::jit::{
-    Arch, Artifact, CacheHit, Jit, JitConfig, JitMode, JitRequest, NvrtcCompiler, Sanitize, Target,
+    Arch, Artifact, CacheHit, DiskCache, Jit, JitConfig, JitError, JitMode, JitRequest,
+    NvrtcCompiler, NvrtcOptions, Sanitize, Target,
 };
 use std::path::{Path, PathBuf};
 
@@ -277,6 +279,176 @@ fn jit_off_miss_is_an_error_and_hit_is_fine() {
     jit_in(dir.path()).get(&req).unwrap();
     let hit = Jit::new(cfg).get(&req).unwrap();
     assert_eq!(hit.cache_hit, CacheHit::Disk);
+}
+
+fn off_in(dir: &Path) -> Jit {
+    let mut cfg = JitConfig::new(dir, HEADER);
+    cfg.mode = JitMode::Off;
+    cfg.nvrtc_enabled = false;
+    Jit::new(cfg)
+}
+
+/// Every file under `dir` with its bytes (to show that nothing was changed).
+fn snapshot(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
+    let mut out: Vec<(PathBuf, Vec<u8>)> = walkdir(dir)
+        .into_iter()
+        .map(|p| {
+            let bytes = std::fs::read(&p).unwrap();
+            (p, bytes)
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+fn walkdir(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            out.extend(walkdir(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}
+
+/// With JIT off a corrupt entry is reported with its path and reason, and the (prebuilt) cache
+/// is left exactly as it was; with JIT on the same entry is rebuilt.
+#[test]
+fn jit_off_corrupt_entry_is_reported_not_discarded() {
+    let dir = tempfile::tempdir().unwrap();
+    let req = host_req("add", ADD_SRC);
+    let built = jit_in(dir.path()).get(&req).unwrap();
+    let so = so_path(&built);
+    let mut bytes = std::fs::read(&so).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x40;
+    std::fs::write(&so, &bytes).unwrap();
+    let before = snapshot(dir.path());
+
+    let err = off_in(dir.path()).get(&req).unwrap_err();
+    assert!(err.is_corrupt(), "{err}");
+    match &err {
+        JitError::CorruptEntry { uri, path, reason } => {
+            assert_eq!(uri, "add");
+            assert_eq!(path, &built.entry_dir);
+            assert!(reason.contains("sha256"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(err.to_string().contains("CP_HICACHE_JIT=off"), "{err}");
+    assert_eq!(snapshot(dir.path()), before, "the cache was modified");
+
+    let again = jit_in(dir.path()).get(&req).unwrap();
+    assert_eq!(again.cache_hit, CacheHit::Miss);
+}
+
+/// Edits one manifest field of the committed `add` entry.
+fn edit_manifest(so: &Path, field: &str, value: &str) {
+    let path = so.parent().unwrap().join("manifest.json");
+    let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    m[field] = value.into();
+    std::fs::write(&path, serde_json::to_vec(&m).unwrap()).unwrap();
+}
+
+#[test]
+fn manifest_naming_another_key_is_recompiled() {
+    corrupt_then_recompile(|so| edit_manifest(so, "key", &"0".repeat(64)));
+}
+
+#[test]
+fn manifest_naming_another_uri_is_recompiled() {
+    corrupt_then_recompile(|so| edit_manifest(so, "uri", "other"));
+}
+
+#[test]
+fn manifest_naming_another_target_is_recompiled() {
+    corrupt_then_recompile(|so| edit_manifest(so, "target", "host-asan"));
+}
+
+#[test]
+fn jit_off_manifest_key_mismatch_is_corrupt() {
+    let dir = tempfile::tempdir().unwrap();
+    let req = host_req("add", ADD_SRC);
+    let built = jit_in(dir.path()).get(&req).unwrap();
+    edit_manifest(&so_path(&built), "key", &"0".repeat(64));
+    let err = off_in(dir.path()).get(&req).unwrap_err();
+    assert!(
+        matches!(&err, JitError::CorruptEntry { reason, .. } if reason.contains("manifest key")),
+        "{err}"
+    );
+}
+
+/// Prebuilt-only lookup (JIT off, no NVRTC) of a forged NVRTC entry: found while intact; once
+/// its CUBIN or manifest is damaged, the error names the entry instead of "not in the cache",
+/// and the entry is left in place.
+#[test]
+fn prebuilt_lookup_reports_a_corrupt_entry() {
+    let dir = tempfile::tempdir().unwrap();
+    let req = JitRequest {
+        uri: "prebuilt_k".to_string(),
+        source: "extern \"C\" __global__ void prebuilt_k() {}\n".to_string(),
+        target: Target::Nvrtc { arch: Arch::Sm90 },
+    };
+    let opts = NvrtcOptions::default().with_arch(Arch::Sm90);
+    let args = opts.to_args();
+    let env = capture_env(KEY_ENV_ALLOWLIST);
+    let key = CacheKey::compute(&KeyInputs {
+        crate_version: env!("CARGO_PKG_VERSION"),
+        uri: &req.uri,
+        source: &req.source,
+        compiler: "nvrtc 99.9",
+        options_args: &args,
+        options_digest: stable_digest(&opts),
+        target: "sm_90",
+        emu_header: None,
+        env: &env,
+    });
+    let cache = DiskCache::new(dir.path());
+    let entry = {
+        let _lock = cache.lock("sm_90", &key.readable).unwrap();
+        cache
+            .commit(
+                "sm_90",
+                &key.readable,
+                NewEntry {
+                    artifact_file: "prebuilt_k.cubin",
+                    artifact: b"not really a cubin",
+                    source_file: "prebuilt_k.cu",
+                    source: &req.source,
+                    manifest: Manifest::describe(
+                        &req.uri,
+                        &key.hash,
+                        "sm_90",
+                        "nvrtc 99.9",
+                        args.clone(),
+                        1.0,
+                        serde_json::Value::Null,
+                    ),
+                },
+            )
+            .unwrap()
+    };
+    let k = off_in(dir.path()).get(&req).unwrap();
+    assert_eq!((k.key.clone(), k.cache_hit), (key.clone(), CacheHit::Disk));
+
+    std::fs::write(&entry.artifact_path, b"not really a cubiN").unwrap();
+    let before = snapshot(dir.path());
+    let err = off_in(dir.path()).get(&req).unwrap_err();
+    assert!(
+        matches!(&err, JitError::CorruptEntry { path, .. } if path == &entry.dir),
+        "{err}"
+    );
+    assert_eq!(snapshot(dir.path()), before, "the cache was modified");
+    std::fs::write(entry.dir.join("manifest.json"), b"{not json").unwrap();
+    let err = off_in(dir.path()).get(&req).unwrap_err();
+    assert!(
+        matches!(&err, JitError::CorruptEntry { reason, .. } if reason.contains("manifest")),
+        "{err}"
+    );
+    assert!(entry.artifact_path.is_file(), "the entry was removed");
 }
 
 #[test]

@@ -175,7 +175,7 @@ fn jit_off_without_nvrtc_needs_exactly_one_valid_entry() {
     assert_eq!(k.entry_dir, other_dir);
 }
 
-/// A warm start keys NVRTC entries with the identity remembered in `nvrtc-identity.json`
+/// A warm start keys NVRTC entries with the identity remembered in `NVRTC_IDENTITY_FILE`
 /// (no NVRTC load); a wrong remembered identity is corrected on the first miss.
 #[test]
 fn remembered_nvrtc_identity_is_recorded_and_corrected() {
@@ -191,7 +191,7 @@ fn remembered_nvrtc_identity_is_recorded_and_corrected() {
     let dep = Deployment::by_name("mla_ps16_cp4").unwrap();
     let (_, req) = deployment_requests(&dep, SM90).unwrap().remove(0);
     let built = jit_in(dir.path(), JitMode::On, true).get(&req).unwrap();
-    let file = dir.path().join("nvrtc-identity.json");
+    let file = dir.path().join(cp_hicache::jit::NVRTC_IDENTITY_FILE);
     let text = std::fs::read_to_string(&file).unwrap();
     assert!(text.contains(&nv.identity()), "{text}");
     assert!(text.contains(&*lib.to_string_lossy()), "{text}");

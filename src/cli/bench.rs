@@ -83,17 +83,11 @@ pub(super) fn run(args: &BenchArgs) -> Result<ExitCode, crate::Error> {
         return run_check(exec.as_ref(), &jit, &deps, args.inject);
     }
     let device = DeviceKey::for_executor(exec.as_ref(), &jit)?;
-    let file = match &args.tuning {
-        Some(p) => Some(TuningFile::load(p)?),
-        None => {
-            let p = crate::tuning::default_path();
-            if p.exists() {
-                Some(TuningFile::load(&p)?)
-            } else {
-                None
-            }
-        }
-    };
+    let (file, unreadable) =
+        TuningFile::load_selected(args.tuning.as_deref(), &crate::tuning::default_path())?;
+    for w in unreadable {
+        eprintln!("warning: {w}");
+    }
     let mut configs = Vec::new();
     for dep in &deps {
         let (tuned, source, warnings) = bench::tuned_config(dep, file.as_ref(), &device);

@@ -125,7 +125,7 @@ pub(super) fn run(args: &CompileArgs) -> Result<ExitCode, crate::Error> {
             arch: args.arch.into(),
         },
         TargetArg::Host => Target::Host {
-            sanitize: Sanitize::None,
+            sanitize: Sanitize::from_env()?,
         },
     };
     let start = Instant::now();

@@ -232,7 +232,7 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
         host_pages: args.host_pages,
         policy: args.policy,
         fault: args.inject,
-        sanitize: Sanitize::None,
+        sanitize: Sanitize::from_env()?,
     };
     let mut cluster = Cluster::new(config, exec, &jit).map_err(cluster_error)?;
     tracing::info!(

@@ -90,11 +90,7 @@ pub(super) fn run(args: &TuneArgs) -> Result<ExitCode, crate::Error> {
     }
 
     let path = args.out.clone().unwrap_or_else(tuning::default_path);
-    let mut file = TuningFile::load_or_default(&path)?;
-    for e in entries {
-        file.upsert(e);
-    }
-    file.save(&path)?;
+    let file = TuningFile::merge_into(&path, entries)?;
     let (tuned, warnings, _) = dep.with_tuning(&file, &device);
     for w in &warnings {
         eprintln!("warning: {w}");

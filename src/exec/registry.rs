@@ -3,11 +3,23 @@
 
 use super::{BufferId, Counters, ExecError, KernelId};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Buffers `B` and kernels `K` by handle; handles are never reused.
+/// Bits of a handle that count within one registry; the bits above hold the registry's serial.
+const COUNTER_BITS: u32 = 40;
+const COUNTER_MASK: u64 = (1 << COUNTER_BITS) - 1;
+
+/// Serial of the next registry (process-wide), so that handles of two executors never alias:
+/// a handle passed to the wrong executor is [`ExecError::UnknownBuffer`] / `UnknownKernel`,
+/// not another executor's buffer. (It wraps only after 2^24 executors.)
+static NEXT_SERIAL: AtomicU64 = AtomicU64::new(1);
+
+/// Buffers `B` and kernels `K` by handle; handles are never reused within a registry and differ
+/// between registries (registry serial in the high bits, a counter in the low 40).
 pub(crate) struct Registry<B, K> {
     buffers: HashMap<u64, B>,
     kernels: HashMap<u64, K>,
+    serial: u64,
     next_id: u64,
     /// What the executor did so far.
     pub(crate) counters: Counters,
@@ -15,17 +27,20 @@ pub(crate) struct Registry<B, K> {
 
 impl<B, K> Registry<B, K> {
     pub(crate) fn new() -> Self {
+        let serial = NEXT_SERIAL.fetch_add(1, Ordering::Relaxed) & (u64::MAX >> COUNTER_BITS);
         Registry {
             buffers: HashMap::new(),
             kernels: HashMap::new(),
+            serial,
             next_id: 1,
             counters: Counters::default(),
         }
     }
 
     fn next(&mut self) -> u64 {
-        let id = self.next_id;
-        self.next_id += 1;
+        // 2^40 handles per executor are never reached; wrapping keeps this total anyway.
+        let id = (self.serial << COUNTER_BITS) | (self.next_id & COUNTER_MASK);
+        self.next_id = self.next_id.wrapping_add(1);
         id
     }
 
@@ -80,5 +95,23 @@ impl<B, K> Registry<B, K> {
 
     pub(crate) fn kernel(&self, id: KernelId) -> Result<&K, ExecError> {
         self.kernels.get(&id.0).ok_or(ExecError::UnknownKernel(id))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handles_of_two_registries_differ() {
+        let mut a: Registry<u8, u8> = Registry::new();
+        let mut b: Registry<u8, u8> = Registry::new();
+        let (ba, bb) = (a.add_buffer(1), b.add_buffer(2));
+        assert_ne!(ba, bb);
+        assert!(matches!(b.buffer(ba), Err(ExecError::UnknownBuffer(id)) if id == ba));
+        let (ka, kb) = (a.add_kernel(1), b.add_kernel(2));
+        assert_ne!(ka, kb);
+        assert!(matches!(a.kernel(kb), Err(ExecError::UnknownKernel(id)) if id == kb));
+        assert_eq!(*a.buffer(ba).unwrap(), 1);
     }
 }

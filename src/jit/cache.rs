@@ -195,8 +195,10 @@ fn unique_suffix() -> String {
     format!("{}-{:016x}", std::process::id(), mix)
 }
 
-/// Writes `bytes` to `dir/name` atomically: temp file in `dir`, fsync, rename.
-fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> Result<PathBuf, CacheError> {
+/// Writes `bytes` to `dir/name` atomically: a temp file unique to this process and call (pid +
+/// random suffix) in `dir`, fsync, rename. Concurrent writers never share a temp file, and a
+/// reader sees the old file or the new one, never part of either. Also used for tuning files.
+pub fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> Result<PathBuf, CacheError> {
     let dest = dir.join(name);
     let tmp = dir.join(format!(".tmp-{}-{}", unique_suffix(), name));
     let result = (|| {

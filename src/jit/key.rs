@@ -77,7 +77,7 @@ pub struct KeyInputs<'a> {
     pub uri: &'a str,
     /// The rendered source.
     pub source: &'a str,
-    /// Compiler identity and version (`nvrtc 12.9`, or the first line of `c++ --version`).
+    /// Compiler identity and version (`nvrtc 12.9 (sha256 …)`, or the first line of `c++ --version`).
     pub compiler: &'a str,
     /// The options' flag vector.
     pub options_args: &'a [String],

@@ -9,8 +9,9 @@
 //! still found: an entry is used when it is the only one that reproduces its own key from the
 //! request under the compiler its manifest names (see [`Jit::get`]).
 //!
-//! A warm start does not load NVRTC: its identity (a key input) is remembered per library file
-//! in `<cache>/nvrtc-identity.json` ([`Jit::nvrtc_identity`]) and confirmed on the first miss.
+//! A warm start does not load NVRTC: its identity (a key input: version and a short SHA-256 of
+//! the library file) is remembered per library file in `<cache>/nvrtc-identity.v2.json`
+//! ([`Jit::nvrtc_identity`]) and confirmed on the first miss.
 //!
 //! Thread-safety: [`Jit`] is `Send + Sync`; share it by reference or `Arc`. Concurrent requests
 //! for the same entry, from threads or processes, compile it once (per-entry `flock`).
@@ -30,7 +31,7 @@ pub use deployment::{
 pub use hostcc::{HostCcError, HostCompiler};
 pub use key::CacheKey;
 pub use nvrtc::{NvrtcCompiler, NvrtcError, ResourceReport};
-pub use options::{Arch, HostCcOptions, NvrtcOptions, Sanitize};
+pub use options::{Arch, HostCcOptions, NvrtcOptions, Sanitize, SANITIZE_ENV};
 
 use cache::{Lookup, Manifest, NewEntry};
 use key::KeyInputs;
@@ -327,6 +328,27 @@ pub enum JitError {
         /// The cache error.
         source: Arc<CacheError>,
     },
+    /// An environment setting of the JIT has an unusable value.
+    #[error("{name}={value:?}: {reason}")]
+    Config {
+        /// The variable.
+        name: &'static str,
+        /// Its value.
+        value: String,
+        /// What is expected.
+        reason: String,
+    },
+    /// A cache entry for the kernel fails its integrity check while JIT compilation is off:
+    /// it is left as it is (a prebuilt cache is never modified) and reported, not rebuilt.
+    #[error("kernel `{uri}`: cache entry {path} is corrupt ({reason}) and CP_HICACHE_JIT=off forbids rebuilding it; restore the prebuilt cache or enable JIT")]
+    CorruptEntry {
+        /// Readable kernel name.
+        uri: String,
+        /// The entry directory.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// A cache miss while JIT compilation is off.
     #[error("kernel `{uri}` ({key}) is not in the cache at {path} and CP_HICACHE_JIT=off forbids compiling it")]
     JitOff {
@@ -351,6 +373,11 @@ impl JitError {
     /// True for a miss refused by [`JitMode::Off`].
     pub fn is_jit_off(&self) -> bool {
         matches!(self, JitError::JitOff { .. })
+    }
+
+    /// True for a corrupt cache entry refused by [`JitMode::Off`].
+    pub fn is_corrupt(&self) -> bool {
+        matches!(self, JitError::CorruptEntry { .. })
     }
 
     /// True when the source failed to compile.
@@ -440,8 +467,10 @@ struct Plan {
     target_dir: String,
 }
 
-/// File in the cache root remembering each NVRTC library's identity.
-const NVRTC_IDENTITY_FILE: &str = "nvrtc-identity.json";
+/// File in the cache root remembering each NVRTC library's identity. (`v2`: identities include
+/// the library's digest; records of the older `nvrtc-identity.json`, version only, are not
+/// reused.)
+pub const NVRTC_IDENTITY_FILE: &str = "nvrtc-identity.v2.json";
 
 /// What identifies one library file on disk: a changed file changes its length or mtime.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -473,6 +502,48 @@ impl LibraryStamp {
 struct IdentityRecord {
     stamp: LibraryStamp,
     identity: String,
+}
+
+/// A disk hit whose manifest describes another entry (another full key hash, uri or target,
+/// e.g. a copied or hand-edited directory) is corrupt: the directory name is only a prefix of
+/// the key, so the manifest is what vouches for the artifact.
+fn for_request(found: Lookup, req: &JitRequest, hash: &str, target: &str) -> Lookup {
+    let Lookup::Hit(entry) = found else {
+        return found;
+    };
+    let m = &entry.manifest;
+    let mismatch = if m.key != hash {
+        Some(format!("manifest key {} is not {hash}", m.key))
+    } else if m.uri != req.uri {
+        Some(format!("manifest uri {:?} is not {:?}", m.uri, req.uri))
+    } else if m.target != target {
+        Some(format!("manifest target {:?} is not {target:?}", m.target))
+    } else {
+        None
+    };
+    match mismatch {
+        Some(reason) => Lookup::Corrupt {
+            dir: entry.dir,
+            reason,
+        },
+        None => Lookup::Hit(entry),
+    }
+}
+
+fn corrupt_entry(req: &JitRequest, path: PathBuf, reason: String) -> JitError {
+    tracing::error!(
+        target: "cp_hicache::jit",
+        uri = %req.uri,
+        target_name = %req.target,
+        path = %path.display(),
+        reason = %reason,
+        "corrupt JIT cache entry with CP_HICACHE_JIT=off"
+    );
+    JitError::CorruptEntry {
+        uri: req.uri.clone(),
+        path,
+        reason,
+    }
 }
 
 /// The JIT front end: compilers (loaded lazily), the disk cache and the in-memory map.
@@ -528,10 +599,11 @@ impl Jit {
             .map_err(|e| e.clone().into())
     }
 
-    /// The NVRTC identity (`nvrtc 12.9`) that goes into cache keys, without loading NVRTC when
-    /// possible: once NVRTC is loaded it is asked directly; otherwise the library that discovery
-    /// would load is located (no `dlopen`) and its identity is read from
-    /// `<cache>/nvrtc-identity.json`, recorded per (path, length, mtime) the first time that
+    /// The NVRTC identity ([`NvrtcCompiler::identity`]: version and library digest) that goes
+    /// into cache and tuning keys, without loading NVRTC when possible: once NVRTC is loaded it
+    /// is asked directly; otherwise the library that discovery would load is located (no
+    /// `dlopen`, no hashing) and its identity is read from
+    /// `<cache>/nvrtc-identity.v2.json`, recorded per (path, length, mtime) the first time that
     /// library was loaded. A warm start thus reads cache entries without paying the NVRTC load;
     /// a miss loads NVRTC anyway and re-keys if the remembered identity was wrong.
     pub fn nvrtc_identity(&self) -> Result<String, JitError> {
@@ -654,7 +726,9 @@ impl Jit {
     ///
     /// Errors: an invalid uri, a missing compiler, a compile error (with the full log), a cache
     /// I/O error, or [`JitError::JitOff`] on a miss when compiling is off. A corrupt disk entry
-    /// is never loaded: it is logged, discarded and recompiled.
+    /// (its artifact does not match its manifest, or its manifest names another key, uri or
+    /// target) is never loaded: it is logged, discarded and recompiled, or, when compiling is
+    /// off, left untouched and reported as [`JitError::CorruptEntry`].
     pub fn get(&self, req: &JitRequest) -> Result<CompiledKernel, JitError> {
         let start = Instant::now();
         validate_uri(&req.uri)?;
@@ -689,8 +763,12 @@ impl Jit {
             source: Arc::new(source),
         };
         let (td, name) = (plan.target_dir.as_str(), plan.key.readable.as_str());
+        let lookup = || -> Result<Lookup, JitError> {
+            let found = self.cache.lookup(td, name).map_err(cache_err)?;
+            Ok(for_request(found, req, &plan.key.hash, td))
+        };
         // Fast path without the lock: committed entries only appear by rename, manifest last.
-        if let Lookup::Hit(entry) = self.cache.lookup(td, name).map_err(cache_err)? {
+        if let Lookup::Hit(entry) = lookup()? {
             return Ok(self.finish(req, &plan.key, *entry, CacheHit::Disk, ms(start)));
         }
         // With compiling off nothing is written, so a read-only (prebuilt) cache must still
@@ -700,9 +778,13 @@ impl Jit {
             Err(_) if self.config.mode == JitMode::Off => None,
             Err(e) => return Err(cache_err(e)),
         };
-        match self.cache.lookup(td, name).map_err(cache_err)? {
+        let corrupt = match lookup()? {
             Lookup::Hit(entry) => {
                 return Ok(self.finish(req, &plan.key, *entry, CacheHit::Disk, ms(start)))
+            }
+            Lookup::Corrupt { dir, reason } if self.config.mode == JitMode::Off => {
+                // A prebuilt cache is never modified; the error comes once the key is confirmed.
+                Some((dir, reason))
             }
             Lookup::Corrupt { dir, reason } => {
                 tracing::warn!(
@@ -715,9 +797,10 @@ impl Jit {
                     "corrupt JIT cache entry discarded"
                 );
                 self.cache.discard(td, name).map_err(cache_err)?;
+                None
             }
-            Lookup::Miss => {}
-        }
+            Lookup::Miss => None,
+        };
         if matches!(plan.compiler, Compiler::Nvrtc(_)) {
             // The key may rest on a remembered NVRTC identity: confirm it with the library itself
             // before declaring a miss.
@@ -747,6 +830,9 @@ impl Jit {
                 }
                 Err(e) => return Err(e),
             }
+        }
+        if let Some((path, reason)) = corrupt {
+            return Err(corrupt_entry(req, path, reason));
         }
         if self.config.mode == JitMode::Off {
             let path = self.cache.entry_dir(td, name).map_err(cache_err)?;
@@ -835,7 +921,8 @@ impl Jit {
     /// `<cache>/<target>/<uri>-*/` is considered, its key recomputed from the request with the
     /// compiler its manifest names, and it is used only if exactly one entry both reproduces its
     /// own key (same crate version, uri, source, options, arch and environment) and passes its
-    /// integrity check. Otherwise [`JitError::JitOff`].
+    /// integrity check. When none passes but an entry of this uri is corrupt,
+    /// [`JitError::CorruptEntry`] names it; otherwise [`JitError::JitOff`].
     fn get_prebuilt(&self, req: &JitRequest, start: Instant) -> Result<CompiledKernel, JitError> {
         let cache_err = |source: CacheError| JitError::Cache {
             uri: req.uri.clone(),
@@ -858,12 +945,19 @@ impl Jit {
         };
         names.sort();
         let mut matches: Vec<(CacheKey, cache::CacheEntry)> = Vec::new();
+        // Entries of this uri that may be the one asked for but fail their integrity check.
+        let mut corrupt: Vec<(PathBuf, String)> = Vec::new();
         for name in &names {
-            let Ok(text) = std::fs::read(target_root.join(name).join(cache::MANIFEST)) else {
+            let dir = target_root.join(name);
+            let Ok(text) = std::fs::read(dir.join(cache::MANIFEST)) else {
                 continue;
             };
-            let Ok(manifest) = serde_json::from_slice::<Manifest>(&text) else {
-                continue;
+            let manifest = match serde_json::from_slice::<Manifest>(&text) {
+                Ok(m) => m,
+                Err(e) => {
+                    corrupt.push((dir, format!("unreadable manifest: {e}")));
+                    continue;
+                }
             };
             let Some(key) = self.key_with(req, &manifest.compiler) else {
                 continue;
@@ -871,8 +965,25 @@ impl Jit {
             if key.hash != manifest.key || &key.readable != name {
                 continue;
             }
-            if let Lookup::Hit(entry) = self.cache.lookup(&td, name).map_err(cache_err)? {
-                matches.push((key, *entry));
+            let found = self.cache.lookup(&td, name).map_err(cache_err)?;
+            match for_request(found, req, &key.hash, &td) {
+                Lookup::Hit(entry) => matches.push((key, *entry)),
+                Lookup::Corrupt { dir, reason } => {
+                    tracing::warn!(
+                        target: "cp_hicache::jit",
+                        uri = %req.uri,
+                        path = %dir.display(),
+                        reason = %reason,
+                        "corrupt prebuilt JIT cache entry not used"
+                    );
+                    corrupt.push((dir, reason));
+                }
+                Lookup::Miss => {}
+            }
+        }
+        if matches.is_empty() {
+            if let Some((path, reason)) = corrupt.into_iter().next() {
+                return Err(corrupt_entry(req, path, reason));
             }
         }
         if matches.len() == 1 {

@@ -1,5 +1,6 @@
 //! Source → CUBIN through NVRTC (cudarc, loaded dynamically). This file never touches the
-//! filesystem beyond locating the library, and it is the only place in the JIT with `unsafe`.
+//! filesystem beyond locating the library and hashing it (once per process, for its identity),
+//! and it is the only place in the JIT with `unsafe`.
 //!
 //! cudarc panics when it cannot find libnvrtc, so every path here first makes sure the library
 //! is loaded and that `cudarc::nvrtc::sys::is_culib_present()` agrees, and otherwise returns
@@ -95,6 +96,54 @@ pub struct NvrtcOutput {
 pub struct NvrtcCompiler {
     library: Option<PathBuf>,
     version: (i32, i32),
+    digest: Option<String>,
+}
+
+/// Hex digits of the library's SHA-256 kept in its identity.
+const DIGEST_HEX: usize = 16;
+
+/// The short SHA-256 of a library file's bytes, or `None` when it cannot be read. Two builds
+/// with the same `major.minor` (a patch release, a vendor rebuild) differ here, and may emit
+/// different CUBINs.
+pub fn library_digest(path: &Path) -> Option<String> {
+    use sha2::{Digest, Sha256};
+    let mut file = std::fs::File::open(path).ok()?;
+    let mut h = Sha256::new();
+    std::io::copy(&mut file, &mut h).ok()?;
+    let mut hex = hex::encode(h.finalize());
+    hex.truncate(DIGEST_HEX);
+    Some(hex)
+}
+
+/// The identity string of an NVRTC of `version` whose library file hashes to `digest`
+/// (`nvrtc 12.9 (sha256 0123456789abcdef)`; without a digest, `nvrtc 12.9`).
+pub fn identity_string(version: (i32, i32), digest: Option<&str>) -> String {
+    match digest {
+        Some(d) => format!("nvrtc {}.{} (sha256 {d})", version.0, version.1),
+        None => format!("nvrtc {}.{}", version.0, version.1),
+    }
+}
+
+/// The libnvrtc file this process mapped, from `/proc/self/maps` (for a library the dynamic
+/// linker found by soname).
+fn mapped_library() -> Option<PathBuf> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    maps.lines().find_map(|line| {
+        let path = Path::new(line.split_whitespace().nth(5)?);
+        let name = path.file_name()?.to_str()?;
+        name.starts_with("libnvrtc.so").then(|| path.to_path_buf())
+    })
+}
+
+/// The digest of the loaded library, computed once per process.
+fn loaded_digest(path: Option<&Path>) -> Option<String> {
+    static DIGEST: OnceLock<Option<String>> = OnceLock::new();
+    DIGEST
+        .get_or_init(|| match path {
+            Some(p) => library_digest(p),
+            None => mapped_library().and_then(|p| library_digest(&p)),
+        })
+        .clone()
 }
 
 struct Loaded {
@@ -339,6 +388,7 @@ impl NvrtcCompiler {
                 Ok(NvrtcCompiler {
                     library: loaded.path.clone(),
                     version: (major, minor),
+                    digest: loaded_digest(loaded.path.as_deref()),
                 })
             }
         }
@@ -349,9 +399,11 @@ impl NvrtcCompiler {
         self.version
     }
 
-    /// Compiler identity for cache keys and logs (`nvrtc 12.9`).
+    /// Compiler identity for cache keys, tuning keys and logs: the version and a short SHA-256
+    /// of the library file (`nvrtc 12.9 (sha256 0123456789abcdef)`), so that a patch release or
+    /// rebuild with the same `major.minor` does not reuse another build's CUBINs.
     pub fn identity(&self) -> String {
-        format!("nvrtc {}.{}", self.version.0, self.version.1)
+        identity_string(self.version, self.digest.as_deref())
     }
 
     /// The library file that was loaded, or `None` if the dynamic linker found it by soname.
@@ -516,6 +568,28 @@ ptxas info    : Function properties for copy_k
     16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads
 ptxas info    : Used 32 registers, used 1 barriers, 2048 bytes smem, 384 bytes cmem[0]
 ";
+
+    #[test]
+    fn identity_names_the_library_bytes() {
+        let dir = std::env::temp_dir().join(format!("cp-hicache-nvrtc-id-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (a, b, c) = (dir.join("a.so"), dir.join("b.so"), dir.join("c.so"));
+        std::fs::write(&a, b"libnvrtc build 1").unwrap();
+        std::fs::write(&b, b"libnvrtc build 1").unwrap();
+        std::fs::write(&c, b"libnvrtc build 2").unwrap();
+        let id = |p: &Path| identity_string((12, 9), library_digest(p).as_deref());
+        assert_eq!(
+            id(&a),
+            id(&b),
+            "same bytes, same identity wherever they live"
+        );
+        assert_ne!(id(&a), id(&c), "same version, other bytes");
+        assert!(id(&a).starts_with("nvrtc 12.9 (sha256 "), "{}", id(&a));
+        assert_eq!(library_digest(&a).unwrap().len(), DIGEST_HEX);
+        assert_eq!(library_digest(&dir.join("missing.so")), None);
+        assert_eq!(identity_string((12, 9), None), "nvrtc 12.9");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn parses_named_entry() {

@@ -1,7 +1,9 @@
 //! Compiler options as data: each options struct derives `Default + Hash + Eq` so it can be part
 //! of the cache key, and turns into flags through exactly one `to_args()`.
 
+use super::JitError;
 use std::fmt;
+use std::str::FromStr;
 
 /// A CUDA GPU architecture the NVRTC path can emit a CUBIN for.
 ///
@@ -72,6 +74,50 @@ impl fmt::Display for Sanitize {
             Sanitize::None => "none",
             Sanitize::Address => "address",
         })
+    }
+}
+
+/// Environment variable selecting the sanitizer mode of host builds (`address` or `none`).
+pub const SANITIZE_ENV: &str = "CP_HICACHE_EMU_SANITIZE";
+
+impl FromStr for Sanitize {
+    type Err = JitError;
+    /// `address` (or `asan`), and `none` (or `0`, or empty).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "" | "none" | "0" => Ok(Sanitize::None),
+            "address" | "asan" => Ok(Sanitize::Address),
+            _ => Err(JitError::Config {
+                name: SANITIZE_ENV,
+                value: s.to_string(),
+                reason: "expected address or none".to_string(),
+            }),
+        }
+    }
+}
+
+impl Sanitize {
+    /// The mode `CP_HICACHE_EMU_SANITIZE` selects (unset → `None`); an unknown value is
+    /// [`JitError::Config`], so a misspelt mode never silently builds uninstrumented kernels.
+    /// Loading an `Address` build needs the ASan runtime preloaded into the process.
+    pub fn from_env() -> Result<Sanitize, JitError> {
+        match std::env::var(SANITIZE_ENV) {
+            Ok(v) => v.parse(),
+            Err(std::env::VarError::NotPresent) => Ok(Sanitize::None),
+            Err(std::env::VarError::NotUnicode(v)) => Err(JitError::Config {
+                name: SANITIZE_ENV,
+                value: v.to_string_lossy().into_owned(),
+                reason: "not valid UTF-8".to_string(),
+            }),
+        }
+    }
+
+    /// The extra host compiler flags of this mode (part of [`HostCcOptions::to_args`]).
+    pub fn cxx_flags(self) -> &'static [&'static str] {
+        match self {
+            Sanitize::None => &[],
+            Sanitize::Address => &["-fsanitize=address", "-fno-omit-frame-pointer", "-g"],
+        }
     }
 }
 
@@ -182,13 +228,7 @@ impl HostCcOptions {
             self.header_name.clone(),
         ]
         .into();
-        if self.sanitize == Sanitize::Address {
-            args.extend(
-                ["-fsanitize=address", "-fno-omit-frame-pointer", "-g"]
-                    .iter()
-                    .map(|s| s.to_string()),
-            );
-        }
+        args.extend(self.sanitize.cxx_flags().iter().map(|s| s.to_string()));
         args.extend(self.extra.iter().cloned());
         args
     }
@@ -271,6 +311,19 @@ mod tests {
                 "-g"
             ]
         );
+    }
+
+    #[test]
+    fn sanitize_parses() {
+        assert_eq!("address".parse::<Sanitize>().unwrap(), Sanitize::Address);
+        assert_eq!(" ASan ".parse::<Sanitize>().unwrap(), Sanitize::Address);
+        assert_eq!("none".parse::<Sanitize>().unwrap(), Sanitize::None);
+        assert_eq!("".parse::<Sanitize>().unwrap(), Sanitize::None);
+        assert!(matches!(
+            "adress".parse::<Sanitize>(),
+            Err(JitError::Config { name: SANITIZE_ENV, value, .. }) if value == "adress"
+        ));
+        assert!(Sanitize::None.cxx_flags().is_empty());
     }
 
     #[test]

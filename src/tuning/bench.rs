@@ -272,8 +272,12 @@ pub fn run(
         (opts.inject == Some(BenchFault::CompileError)).then_some(&edit);
     let loaded = compile_and_load(exec, jit, &unique, hook, &|| progress(Ok("compile".into())));
     let kernel_of = |spec: &KernelSpec| -> Result<KernelId, TuningError> {
-        let i = unique.iter().position(|s| s == spec).unwrap_or(0);
-        match loaded.get(i) {
+        // A spec missing from the compiled set is an error, never another kernel's handle.
+        match unique
+            .iter()
+            .position(|s| s == spec)
+            .and_then(|i| loaded.get(i))
+        {
             Some(Ok(k)) => Ok(*k),
             Some(Err(e)) => Err(TuningError::NoCandidate {
                 spec_key: spec.uri(),

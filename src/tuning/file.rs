@@ -1,5 +1,7 @@
 //! The tuning file: JSON, one entry per (device, kernel family, shape-independent spec key),
-//! written atomically, and applied to a [`Deployment`] only where the device key matches.
+//! written atomically (the JIT cache's [`write_atomic`]), merged under a lock on a sibling
+//! `.<name>.lock` file so concurrent `tune` runs do not lose each other's results, and applied
+//! to a [`Deployment`] only where the device key matches.
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
@@ -9,7 +11,8 @@ use std::path::{Path, PathBuf};
 use super::candidate::LaunchChoice;
 use super::key::{spec_key, DeviceKey, KeyMatch};
 use super::TuningError;
-use crate::jit::DiskCache;
+use crate::jit::cache::write_atomic;
+use crate::jit::{CacheError, DiskCache};
 use crate::kernels::{Deployment, KernelSpec, TransferPath};
 
 /// Version of the file layout; a file with another version is refused, never guessed at.
@@ -126,37 +129,102 @@ impl TuningFile {
         }
     }
 
-    /// Writes the file atomically (a temporary file in the same directory, then a rename), so
-    /// a reader never sees half a file.
+    /// The file a reader uses: `explicit` when given (any failure to read it is an error),
+    /// else `default` when it exists. A default file that cannot be read or parsed does not
+    /// stop the caller: it yields no file and a [`WarningKind::UnreadableFile`] warning (also
+    /// logged), so one corrupt `<cache>/tuning.json` cannot make every replay fail.
+    pub fn load_selected(
+        explicit: Option<&Path>,
+        default: &Path,
+    ) -> Result<(Option<TuningFile>, Vec<TuningWarning>), TuningError> {
+        if let Some(p) = explicit {
+            return Ok((Some(TuningFile::load(p)?), Vec::new()));
+        }
+        if !default.exists() {
+            tracing::debug!(target: "cp_hicache::tuning", path = %default.display(), "no tuning file");
+            return Ok((None, Vec::new()));
+        }
+        match TuningFile::load(default) {
+            Ok(f) => Ok((Some(f), Vec::new())),
+            Err(e) => {
+                let w = TuningWarning {
+                    kind: WarningKind::UnreadableFile,
+                    spec_key: String::new(),
+                    message: format!(
+                        "{e}; default launch shapes are used (fix or delete it, or pass a file)"
+                    ),
+                };
+                tracing::warn!(target: "cp_hicache::tuning", "{w}");
+                Ok((None, vec![w]))
+            }
+        }
+    }
+
+    /// Writes the file atomically (a temporary file unique to this call in the same directory,
+    /// fsynced, then renamed), so a reader never sees half a file.
     pub fn save(&self, path: &Path) -> Result<(), TuningError> {
-        let io = |op, path: &Path| {
-            let path = path.to_path_buf();
-            move |source| TuningError::Io { op, path, source }
-        };
-        let dir = match path.parent() {
-            Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
-            _ => PathBuf::from("."),
-        };
-        std::fs::create_dir_all(&dir).map_err(io("create dir", &dir))?;
+        let (dir, name) = split_path(path);
+        std::fs::create_dir_all(&dir).map_err(|source| TuningError::Io {
+            op: "create dir",
+            path: dir.clone(),
+            source,
+        })?;
         let mut text = serde_json::to_string_pretty(self).map_err(|source| TuningError::Parse {
             path: path.to_path_buf(),
             source,
         })?;
         text.push('\n');
-        let name = path
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| TUNING_FILE_NAME.to_string());
-        let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
-        std::fs::write(&tmp, text).map_err(io("write", &tmp))?;
-        std::fs::rename(&tmp, path).map_err(|e| {
-            let _ = std::fs::remove_file(&tmp);
-            TuningError::Io {
-                op: "rename",
-                path: path.to_path_buf(),
-                source: e,
-            }
-        })
+        write_atomic(&dir, &name, text.as_bytes())
+            .map(drop)
+            .map_err(|e| match e {
+                CacheError::Io { path, source } => TuningError::Io {
+                    op: "write",
+                    path,
+                    source,
+                },
+                other => TuningError::Io {
+                    op: "write",
+                    path: path.to_path_buf(),
+                    source: std::io::Error::other(other.to_string()),
+                },
+            })
+    }
+
+    /// Merges `entries` into the file at `path` ([`TuningFile::upsert`]) and saves it, holding
+    /// an exclusive lock on `<dir>/.<name>.lock` from the load to the rename, so two `tune`
+    /// runs writing the same file both keep their results. A file that exists but cannot be
+    /// read is an error (it is not overwritten). Returns the merged file.
+    pub fn merge_into(path: &Path, entries: Vec<TuningEntry>) -> Result<TuningFile, TuningError> {
+        let (dir, name) = split_path(path);
+        std::fs::create_dir_all(&dir).map_err(|source| TuningError::Io {
+            op: "create dir",
+            path: dir.clone(),
+            source,
+        })?;
+        let lock_path = dir.join(format!(".{name}.lock"));
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(|source| TuningError::Io {
+                op: "open lock",
+                path: lock_path.clone(),
+                source,
+            })?;
+        fs4::fs_std::FileExt::lock_exclusive(&lock).map_err(|source| TuningError::Io {
+            op: "lock",
+            path: lock_path.clone(),
+            source,
+        })?;
+        let mut file = TuningFile::load_or_default(path)?;
+        for e in entries {
+            file.upsert(e);
+        }
+        file.save(path)?;
+        // Closing the lock file releases the lock, after the rename.
+        drop(lock);
+        Ok(file)
     }
 
     /// Adds `entry`, replacing an entry for the same device, family and spec key.
@@ -180,9 +248,24 @@ impl TuningFile {
     }
 }
 
-/// Why a tuning entry was not applied.
+/// The directory (`.` for a bare name) and file name of a tuning file path.
+fn split_path(path: &Path) -> (PathBuf, String) {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| TUNING_FILE_NAME.to_string());
+    (dir, name)
+}
+
+/// Why a tuning entry (or the whole default file) was not applied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum WarningKind {
+    /// The default tuning file could not be read or parsed; nothing in it was applied.
+    UnreadableFile,
     /// Measured on another device or backend.
     Foreign,
     /// Measured on this device with another compiler.
@@ -196,7 +279,7 @@ pub enum WarningKind {
 pub struct TuningWarning {
     /// The reason class.
     pub kind: WarningKind,
-    /// The spec key concerned.
+    /// The spec key concerned (empty for [`WarningKind::UnreadableFile`]).
     pub spec_key: String,
     /// A readable explanation naming both devices where relevant.
     pub message: String,
@@ -204,7 +287,12 @@ pub struct TuningWarning {
 
 impl fmt::Display for TuningWarning {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "tuning for {} ignored: {}", self.spec_key, self.message)
+        match self.kind {
+            WarningKind::UnreadableFile => {
+                write!(f, "default tuning file ignored: {}", self.message)
+            }
+            _ => write!(f, "tuning for {} ignored: {}", self.spec_key, self.message),
+        }
     }
 }
 
@@ -389,22 +477,16 @@ fn best_common(entries: &[&TuningEntry]) -> Option<LaunchChoice> {
 /// The one-call API for engines and `replay --tuning`: applies the tuning file at `path` (or,
 /// when `None`, the default `<cache>/tuning.json` if it exists) to `dep` for `device`, and
 /// returns the warnings for every entry ignored. An explicit path that cannot be read or parsed
-/// is an error; a missing default file is not.
+/// is an error; a missing default file is not, and an unreadable default file is a warning
+/// ([`TuningFile::load_selected`]).
 pub fn apply(
     dep: &mut Deployment,
     path: Option<&Path>,
     device: &DeviceKey,
 ) -> Result<Vec<TuningWarning>, TuningError> {
-    let file = match path {
-        Some(p) => TuningFile::load(p)?,
-        None => {
-            let p = default_path();
-            if !p.exists() {
-                tracing::debug!(target: "cp_hicache::tuning", path = %p.display(), "no tuning file");
-                return Ok(Vec::new());
-            }
-            TuningFile::load(&p)?
-        }
+    let (file, unreadable) = TuningFile::load_selected(path, &default_path())?;
+    let Some(file) = file else {
+        return Ok(unreadable);
     };
     let (tuned, warnings, applied) = dep.with_tuning(&file, device);
     tracing::info!(
@@ -419,4 +501,100 @@ pub fn apply(
     );
     *dep = tuned;
     Ok(warnings)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(spec_key: &str) -> TuningEntry {
+        TuningEntry {
+            device: DeviceKey {
+                backend: "host".into(),
+                device: "test".into(),
+                capability: "cpu".into(),
+                compiler: "c++".into(),
+            },
+            family: "select_owner_pages".into(),
+            spec_key: spec_key.into(),
+            best: LaunchChoice::Threads { threads: 64 },
+            best_seconds: 1e-3,
+            workload: "test".into(),
+            results: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn unreadable_default_file_is_a_warning_but_an_explicit_one_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let absent = dir.path().join("absent.json");
+        let (f, w) = TuningFile::load_selected(None, &absent).unwrap();
+        assert!(f.is_none() && w.is_empty());
+
+        for (name, text) in [
+            ("garbage.json", "{not json"),
+            ("future.json", r#"{"format": 99, "entries": []}"#),
+        ] {
+            let bad = dir.path().join(name);
+            std::fs::write(&bad, text).unwrap();
+            let (f, w) = TuningFile::load_selected(None, &bad).unwrap();
+            assert!(f.is_none());
+            assert_eq!(w.len(), 1);
+            assert_eq!(w[0].kind, WarningKind::UnreadableFile);
+            let shown = w[0].to_string();
+            assert!(shown.contains(&*bad.to_string_lossy()), "{shown}");
+            let err = TuningFile::load_selected(Some(&bad), &absent).unwrap_err();
+            assert!(
+                matches!(err, TuningError::Parse { .. } | TuningError::Format { .. }),
+                "{err}"
+            );
+        }
+
+        let good = dir.path().join("good.json");
+        TuningFile::default().save(&good).unwrap();
+        let (f, w) = TuningFile::load_selected(None, &good).unwrap();
+        assert_eq!((f, w), (Some(TuningFile::default()), Vec::new()));
+    }
+
+    #[test]
+    fn concurrent_merges_keep_every_result() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tuning.json");
+        std::thread::scope(|s| {
+            let merges: Vec<_> = (0..8)
+                .map(|i| {
+                    let path = &path;
+                    s.spawn(move || TuningFile::merge_into(path, vec![entry(&format!("k{i}"))]))
+                })
+                .collect();
+            for m in merges {
+                m.join().unwrap().unwrap();
+            }
+        });
+        let mut keys: Vec<String> = TuningFile::load(&path)
+            .unwrap()
+            .entries
+            .into_iter()
+            .map(|e| e.spec_key)
+            .collect();
+        keys.sort();
+        assert_eq!(keys, (0..8).map(|i| format!("k{i}")).collect::<Vec<_>>());
+        // Only the file and its lock remain: no temporary file is left behind.
+        let mut names: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(names, [".tuning.json.lock", "tuning.json"]);
+    }
+
+    #[test]
+    fn merge_refuses_to_overwrite_an_unreadable_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tuning.json");
+        std::fs::write(&path, "{not json").unwrap();
+        let err = TuningFile::merge_into(&path, vec![entry("k")]).unwrap_err();
+        assert!(matches!(err, TuningError::Parse { .. }), "{err}");
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "{not json");
+    }
 }

@@ -162,9 +162,14 @@ pub fn u32_bytes(v: &[u32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
-/// The JIT target for an executor (its device's arch on CUDA, no sanitizer).
-pub fn target_for(exec: &dyn Executor) -> Result<Target, ExecError> {
-    crate::jit::target_for(exec, Arch::default(), Sanitize::None)
+/// The JIT target for an executor: its device's arch on CUDA; on the host, the sanitizer mode
+/// `CP_HICACHE_EMU_SANITIZE` selects.
+pub fn target_for(exec: &dyn Executor) -> Result<Target, TuningError> {
+    Ok(crate::jit::target_for(
+        exec,
+        Arch::default(),
+        Sanitize::from_env()?,
+    )?)
 }
 
 pub use crate::jit::SourceHook;

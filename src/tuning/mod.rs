@@ -133,7 +133,8 @@ pub fn warm_up_tuned(
     let device = key::DeviceKey::for_executor(exec, jit)?;
     let mut deployment = dep.clone();
     let warnings = file::apply(&mut deployment, path, &device)?;
-    let target = crate::jit::target_for(exec, deployment.arch, crate::jit::Sanitize::None)?;
+    let sanitize = crate::jit::Sanitize::from_env()?;
+    let target = crate::jit::target_for(exec, deployment.arch, sanitize)?;
     let kernels = crate::jit::warm_up_deployment(jit, &deployment, target)?;
     Ok(TunedStart {
         deployment,

@@ -35,7 +35,7 @@ extern "C" __global__ void sync_variants(const u32* pred, u32* out) {
   }
 }
 
-#define NOPS 11
+#define NOPS 17
 // Warp intrinsics; threads with threadIdx.x >= live exit first. out[t * NOPS + op].
 extern "C" __global__ void warp_ops(const u32* in, u32* out, u32 live) {
   u32 t = threadIdx.x;
@@ -64,6 +64,16 @@ extern "C" __global__ void warp_ops(const u32* in, u32* out, u32 live) {
   float f = (float)v * 0.5f;
   float f2 = __shfl_sync(FULL, f, 0);
   o[10] = (u32)(w2 >> 32) + (u32)w2 + (u32)(f2 * 2.0f) * 1000u;
+  // Sub-warp widths (PTX shfl.sync): xor and down may reach up to the end of the own
+  // segment, so a butterfly reads from an earlier segment (lane 19 ^ 16 at width 16 reads
+  // lane 3) but never from a later one; up stops at the segment start; idx wraps in it.
+  o[11] = __shfl_xor_sync(FULL, v, 16, 16);
+  o[12] = __shfl_xor_sync(FULL, v, 8, 8);
+  o[13] = __shfl_up_sync(FULL, v, 3, 8);
+  o[14] = __shfl_down_sync(FULL, v, 3, 8);
+  o[15] = __shfl_sync(FULL, v, 13, 8);
+  // Only the low 5 bits of the offset count: a delta of ~0u is 31.
+  o[16] = __shfl_down_sync(FULL, v, 0xffffffffu);
 }
 
 // Atomics across blocks.
@@ -181,7 +191,32 @@ extern "C" __global__ void barrier_loop(u32 iters) {
   for (u32 i = 0; i < iters; ++i) __syncthreads();
 }
 
+// Target of the raw-ABI probe below.
+extern "C" __global__ void probe_k(u32* out) { out[threadIdx.x] = 1; }
+
 #ifdef CP_HICACHE_EMU
+CP_HICACHE_EMU_EXPORT(probe_k)
+
+// Calls probe_k's entry through the raw launch ABI with what the Rust executor never sends:
+// which 0 = a null params array, 1 = a stack size near 2^64 (whose page rounding would wrap),
+// 2 = a valid launch. Returns the status; the diagnostic goes to err.
+extern "C" __attribute__((visibility("default"))) int probe_raw(int which, char* err, u64 cap) {
+  static u32 out[32];
+  u32* p = out;
+  void* params[1] = {&p};
+  CpEmuLaunch cfg = {};
+  cfg.abi_version = CP_EMU_ABI_VERSION;
+  cfg.grid[0] = cfg.grid[1] = cfg.grid[2] = 1;
+  cfg.block[0] = 32;
+  cfg.block[1] = cfg.block[2] = 1;
+  cfg.num_params = 1;
+  cfg.err_buf = err;
+  cfg.err_cap = cap;
+  if (which == 0) return probe_k__emu_launch(&cfg, nullptr);
+  if (which == 1) cfg.stack_bytes = ~0ull - 100;
+  return probe_k__emu_launch(&cfg, params);
+}
+
 CP_HICACHE_EMU_EXPORT(block_sum)
 CP_HICACHE_EMU_EXPORT(sync_variants)
 CP_HICACHE_EMU_EXPORT(warp_ops)

@@ -32,8 +32,9 @@ pub use crate::jit::EMU_HEADER;
 /// Environment variable selecting the block order (`forward` or `reverse`).
 pub const ORDER_ENV: &str = "CP_HICACHE_EMU_ORDER";
 
-/// Environment variable selecting a sanitizer build of emulation libraries (`address`).
-pub const SANITIZE_ENV: &str = "CP_HICACHE_EMU_SANITIZE";
+/// Environment variable selecting a sanitizer build of emulation libraries; the JIT reads it
+/// ([`Sanitize::from_env`](crate::jit::Sanitize::from_env)) because the mode is a compile option.
+pub use crate::jit::SANITIZE_ENV;
 
 /// Order in which the blocks of a launch run. Shared memory keeps its values between blocks,
 /// so running tests in both orders exposes kernels that read uninitialised shared memory.
@@ -70,49 +71,8 @@ impl FromStr for BlockOrder {
     }
 }
 
-/// Sanitizer instrumentation of emulation libraries, chosen with `CP_HICACHE_EMU_SANITIZE`.
-/// The compiler (JIT) adds [`Sanitizer::cxx_flags`]; a process loading such libraries must
-/// have the sanitizer runtime preloaded.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
-pub enum Sanitizer {
-    /// No instrumentation.
-    #[default]
-    None,
-    /// AddressSanitizer (`-fsanitize=address`), with fiber-switch annotations in the header.
-    Address,
-}
-
-impl Sanitizer {
-    /// Reads `CP_HICACHE_EMU_SANITIZE` (`address`, or unset / empty / `none`).
-    pub fn from_env() -> Result<Sanitizer, ExecError> {
-        match std::env::var(SANITIZE_ENV) {
-            Err(_) => Ok(Sanitizer::None),
-            Ok(v) => match v.trim() {
-                "" | "none" | "0" => Ok(Sanitizer::None),
-                "address" | "asan" => Ok(Sanitizer::Address),
-                _ => Err(ExecError::Config {
-                    name: SANITIZE_ENV,
-                    value: v,
-                    reason: "expected address or none".into(),
-                }),
-            },
-        }
-    }
-
-    /// Extra C++ compiler flags for this mode.
-    pub fn cxx_flags(&self) -> Vec<String> {
-        match self {
-            Sanitizer::None => vec![],
-            Sanitizer::Address => {
-                vec![
-                    "-fsanitize=address".into(),
-                    "-fno-omit-frame-pointer".into(),
-                    "-g".into(),
-                ]
-            }
-        }
-    }
-}
+/// Largest fiber stack a launch may ask for (the emulator's `CP_EMU_MAX_STACK_BYTES`).
+pub const MAX_STACK_BYTES: u64 = 64 << 20;
 
 /// Host executor settings.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
@@ -120,10 +80,23 @@ pub struct HostOptions {
     /// Block order of every launch.
     pub block_order: BlockOrder,
     /// Fiber stack size in bytes; 0 lets the emulator choose (64 KiB, 256 KiB under ASan).
+    /// At most [`MAX_STACK_BYTES`]; a launch with more is [`ExecError::Config`].
     pub stack_bytes: u64,
 }
 
 impl HostOptions {
+    /// Checks the settings a launch depends on: `stack_bytes` at most [`MAX_STACK_BYTES`].
+    pub fn validate(&self) -> Result<(), ExecError> {
+        if self.stack_bytes > MAX_STACK_BYTES {
+            return Err(ExecError::Config {
+                name: "stack_bytes",
+                value: self.stack_bytes.to_string(),
+                reason: format!("a fiber stack is at most {MAX_STACK_BYTES} bytes"),
+            });
+        }
+        Ok(())
+    }
+
     /// Defaults, with the block order from `CP_HICACHE_EMU_ORDER` when set.
     pub fn from_env() -> Result<HostOptions, ExecError> {
         let block_order = match std::env::var(ORDER_ENV) {
@@ -283,6 +256,7 @@ impl Executor for HostExecutor {
         args: &[KernelArg<'_>],
     ) -> Result<(), ExecError> {
         let options = self.options();
+        options.validate()?;
         let mut st = lock(&self.state);
         st.counters.launches += 1;
         let k = st.kernel(kernel)?;
@@ -382,15 +356,6 @@ mod tests {
     }
 
     #[test]
-    fn sanitizer_flags() {
-        assert!(Sanitizer::None.cxx_flags().is_empty());
-        assert_eq!(
-            Sanitizer::Address.cxx_flags(),
-            vec!["-fsanitize=address", "-fno-omit-frame-pointer", "-g"]
-        );
-    }
-
-    #[test]
     fn bounds_are_checked() {
         let ex = HostExecutor::new(HostOptions::default());
         let b = ex.alloc(MemKind::Device, 16, 0xA5).unwrap();
@@ -407,6 +372,49 @@ mod tests {
         ));
         ex.free(b).unwrap();
         assert!(matches!(ex.free(b), Err(ExecError::UnknownBuffer(_))));
+    }
+
+    #[test]
+    fn oversized_stack_is_a_config_error() {
+        let ex = HostExecutor::new(HostOptions {
+            stack_bytes: u64::MAX,
+            ..HostOptions::default()
+        });
+        let e = ex
+            .launch(KernelId(1), &LaunchConfig::linear(1, 32), &[])
+            .unwrap_err();
+        assert!(
+            matches!(&e, ExecError::Config { name: "stack_bytes", value, .. } if value == &u64::MAX.to_string()),
+            "{e}"
+        );
+        assert_eq!(ex.counters().launches, 0);
+        let at_limit = HostOptions {
+            stack_bytes: MAX_STACK_BYTES,
+            ..HostOptions::default()
+        };
+        assert!(at_limit.validate().is_ok());
+        assert!(
+            EMU_HEADER.contains(&format!(
+                "#define CP_EMU_MAX_STACK_BYTES ({}ull << 20)",
+                MAX_STACK_BYTES >> 20
+            )),
+            "the header's limit differs"
+        );
+    }
+
+    #[test]
+    fn handles_of_another_executor_are_unknown() {
+        let (one, two) = (
+            HostExecutor::new(HostOptions::default()),
+            HostExecutor::new(HostOptions::default()),
+        );
+        let a = one.alloc(MemKind::Device, 16, 1).unwrap();
+        let b = two.alloc(MemKind::Device, 16, 2).unwrap();
+        let mut out = [0u8; 16];
+        assert!(matches!(two.read(a, 0, &mut out), Err(ExecError::UnknownBuffer(id)) if id == a));
+        assert!(matches!(one.free(b), Err(ExecError::UnknownBuffer(id)) if id == b));
+        two.read(b, 0, &mut out).unwrap();
+        assert_eq!(out, [2; 16]);
     }
 
     #[test]
