@@ -253,6 +253,9 @@ pub struct Cluster {
     freed: Freed,
     capture_dense: bool,
     last_dense: Vec<(BufferKind, Vec<u8>)>,
+    /// Whether freed device pages and the dense buffer are poisoned again
+    /// ([`Cluster::set_repoison`]).
+    repoison: bool,
 }
 
 /// A prefix held on the device by [`Cluster::pin_prefix`], the way an in-flight request
@@ -328,6 +331,7 @@ impl Cluster {
             freed: Freed::default(),
             capture_dense: false,
             last_dense: Vec::new(),
+            repoison: true,
         };
         if cluster.config.fault == Some(Fault::LaneExhaustion) {
             // Pages reserved for ever, on every rank alike: lane 0 keeps half its pages.
@@ -505,6 +509,20 @@ impl Cluster {
         }
     }
 
+    /// Whether device pages are poisoned again when they are freed (evicted, dropped by a
+    /// rollback, or released at the end of a request) and the dense buffers before every
+    /// materialisation. On by default, and it should stay on wherever results are checked:
+    /// the lane stacks are LIFO, so a node loaded back often gets its old pages, which still
+    /// hold the right bytes, and a load that copied nothing would pass verification.
+    ///
+    /// Cost: an upload of the poison byte over every freed page (all layers and buffer kinds,
+    /// on its owner rank) and over the dense buffers of every request, i.e. about as many
+    /// bytes as the pages freed plus the pages materialised. The uploads are stream-ordered
+    /// and neither read back nor synchronise, so the load path stays free of both.
+    pub fn set_repoison(&mut self, on: bool) {
+        self.repoison = on;
+    }
+
     /// The last request's dense materialised buffers, one per buffer kind, each laid out
     /// `[layer][seq_page][page bytes]` (docs/KERNELS.md); empty unless capture is on.
     pub fn last_dense(&self) -> &[(BufferKind, Vec<u8>)] {
@@ -576,12 +594,24 @@ impl Cluster {
             }
             states.push((tree, mirror, host));
         }
+        // Pages the failed operation allocated (or the rollback drops) become free: they may
+        // hold bytes it wrote.
+        let released: BTreeSet<PageId> = self
+            .ranks
+            .iter()
+            .zip(&states)
+            .flat_map(|(r, (_, mirror, _))| {
+                (1..self.layout.pages())
+                    .map(PageId)
+                    .filter(|&p| r.alloc.mirror().is_allocated(p) && !mirror.is_allocated(p))
+            })
+            .collect();
         for (r, (tree, mirror, host)) in self.ranks.iter_mut().zip(states) {
             r.tree = tree;
             r.host = host;
             r.alloc.restore(mirror)?;
         }
-        Ok(())
+        self.poison_freed(released)
     }
 
     fn serve_inner(&mut self, tokens: &[u32]) -> Result<RequestStats, ClusterError> {
@@ -660,6 +690,7 @@ impl Cluster {
         for r in &mut self.ranks {
             r.alloc.free(&to_free)?;
         }
+        self.poison_freed(to_free)?;
         let node = inserted.expect("cp >= 1");
         self.lock(node)?;
         self.unlock(locked)?;
@@ -910,6 +941,7 @@ impl Cluster {
             }
         }
         let mut count = 0;
+        let mut released = BTreeSet::new();
         let freed = &mut self.freed;
         for r in &mut self.ranks {
             let evicted: Vec<Evicted> = match &how {
@@ -920,6 +952,7 @@ impl Cluster {
             for e in evicted {
                 r.alloc.free(&e.device_pages)?;
                 freed.device.extend(e.device_pages.iter().copied());
+                released.extend(e.device_pages.iter().copied());
                 for meta in &e.host_released {
                     r.host.free(meta.host_pages())?;
                     freed
@@ -928,6 +961,7 @@ impl Cluster {
                 }
             }
         }
+        self.poison_freed(released)?;
         Ok(count)
     }
 
@@ -990,6 +1024,31 @@ impl Cluster {
         Ok(bytes)
     }
 
+    /// Poisons freed device pages on their owners' pools, every buffer kind (when
+    /// [`Cluster::set_repoison`] is on).
+    fn poison_freed(
+        &mut self,
+        pages: impl IntoIterator<Item = PageId>,
+    ) -> Result<(), ClusterError> {
+        if !self.repoison {
+            return Ok(());
+        }
+        let mut locals = vec![BTreeSet::new(); self.ranks.len()];
+        for p in pages {
+            let owner = usize::from(self.layout.owner(p).0);
+            locals[owner].insert(self.layout.local(p).0);
+        }
+        for &b in self.config.deployment.model.buffers() {
+            for (r, l) in locals.iter().enumerate() {
+                if !l.is_empty() {
+                    let l: Vec<u32> = l.iter().copied().collect();
+                    self.pools.poison_device_pages(b, r, &l)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Synthesises pages `[start, ..)` on their owners, materialises the whole sequence from
     /// the owners' pools and counts mismatched tokens (summed over buffer kinds).
     fn compute_and_verify(
@@ -1027,7 +1086,7 @@ impl Cluster {
                     )?;
                 }
             }
-            let dense = self.pools.dense(b, n_pages)?;
+            let dense = self.pools.dense(b, n_pages, self.repoison)?;
             let pool_ptrs: Vec<_> = (0..self.ranks.len())
                 .map(|r| (self.pools.device(b, r), 0u64))
                 .collect();
