@@ -24,10 +24,22 @@ const SMALL: &[&str] = &[
 ];
 
 fn replay(extra: &[&str]) -> (Output, Option<serde_json::Value>) {
+    replay_with(SMALL, extra)
+}
+
+/// [`SMALL`] with `--host-pages` set to `host_pages`, plus `extra`.
+fn replay_host_pages(host_pages: &str, extra: &[&str]) -> (Output, Option<serde_json::Value>) {
+    let mut base = SMALL.to_vec();
+    let at = base.iter().position(|&a| a == "--host-pages").unwrap();
+    base[at + 1] = host_pages;
+    replay_with(&base, extra)
+}
+
+fn replay_with(base: &[&str], extra: &[&str]) -> (Output, Option<serde_json::Value>) {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("report.json");
     let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
-        .args(SMALL)
+        .args(base)
         .args(extra)
         .arg("--json")
         .arg(&json)
@@ -145,6 +157,28 @@ fn launch_error_leaves_state_unchanged() {
     assert!(err.contains("state unchanged"), "{err}");
     let r = report.unwrap();
     assert_eq!(num(&r, "failed_requests"), 1);
+    assert_eq!(num(&r, "mismatched_tokens"), 0);
+    assert_eq!(r["replicas_agree"], true);
+}
+
+/// Under write-back with a tiny host pool the failing request has evicted host copies before
+/// its launch failed; the rollback drops them (their pages may have been reused), so the
+/// state differs from before, yet the replicas agree and the report says so.
+#[test]
+fn a_rollback_that_drops_stale_entries_keeps_the_replicas_in_agreement() {
+    let (out, report) =
+        replay_host_pages("8", &["--policy", "write_back", "--inject", "launch-error"]);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("injected fault"), "{err}");
+    assert!(
+        err.contains("rolled back, dropping stale cache entries"),
+        "{err}"
+    );
+    assert!(!err.contains("disagree"), "{err}");
+    let r = report.unwrap();
+    assert_eq!(num(&r, "failed_requests"), 1);
+    assert!(num(&r, "rollback_dropped_host_copies") > 0, "{r}");
     assert_eq!(num(&r, "mismatched_tokens"), 0);
     assert_eq!(r["replicas_agree"], true);
 }

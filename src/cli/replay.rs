@@ -3,7 +3,9 @@
 //! traffic, throughput, replica agreement and mismatched tokens.
 
 use super::common::parse_backend;
-use crate::cluster::{Cluster, ClusterConfig, Fault, ReplayReport, RequestStats, WritePolicy};
+use crate::cluster::{
+    Cluster, ClusterConfig, Fault, ReplayReport, RequestStats, RollbackDrops, WritePolicy,
+};
 use crate::exec::{open_executor, Backend, Executor};
 use crate::jit::{Jit, JitConfig, Sanitize, EMU_HEADER};
 use crate::kernels::{Deployment, ModelShape, TransferPath};
@@ -251,6 +253,7 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
     let mut requests = 0u64;
     let mut disagreed_at = None;
     let mut failed = 0u64;
+    let mut dropped = RollbackDrops::default();
     for req in workload {
         let req = req.map_err(usage)?;
         let before = cluster.replica_digests();
@@ -273,17 +276,32 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
             }
             Err(e) => {
                 failed += 1;
+                // The rollback may legitimately drop cache entries whose pages the failed
+                // request had evicted (and may have reused): then the state differs from
+                // before, but the replicas must still agree, and something must have been
+                // dropped to explain the difference.
+                let drops = cluster.last_rollback();
+                dropped.device_pages += drops.device_pages;
+                dropped.host_copies += drops.host_copies;
                 let unchanged = cluster.replica_digests() == before;
+                let agree = cluster.replicas_agree();
+                let state = match (unchanged, agree, drops.is_empty()) {
+                    (true, _, _) => "unchanged".to_string(),
+                    (false, true, false) => format!(
+                        "rolled back, dropping stale cache entries ({} device pages, {} host copies)",
+                        drops.device_pages, drops.host_copies
+                    ),
+                    (false, true, true) => "CHANGED although the rollback dropped nothing".into(),
+                    (false, false, _) => "CHANGED and the replicas DISAGREE".into(),
+                };
                 note(
                     &bar,
                     format!(
-                        "request {} failed: {e}\n  allocator and tree state {} (digest {})",
-                        req.id,
-                        if unchanged { "unchanged" } else { "CHANGED" },
-                        before[0]
+                        "request {} failed: {e}\n  allocator and tree state {state} (digest before {})",
+                        req.id, before[0]
                     ),
                 );
-                if !unchanged {
+                if !agree || (!unchanged && drops.is_empty()) {
                     disagreed_at.get_or_insert(req.id);
                 }
             }
@@ -316,6 +334,8 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
         policy: args.policy.to_string(),
         workload: plan.workload_name,
         failed_requests: failed,
+        rollback_dropped_device_pages: dropped.device_pages,
+        rollback_dropped_host_copies: dropped.host_copies,
         fault: args.inject.map(|f| f.to_string()),
         copy_launch: deployment.copy.to_string(),
         transfer_path: deployment.transfer_path.to_string(),

@@ -238,6 +238,25 @@ impl Freed {
     }
 }
 
+/// What the last rollback had to drop from the state it restored: cache entries whose pages
+/// the failed operation had evicted and may have overwritten ([`Cluster::last_rollback`]).
+/// A rollback that drops something leaves the replicas in agreement but their digests
+/// different from before the request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RollbackDrops {
+    /// Device pages whose nodes lost their device copy (identical on every rank).
+    pub device_pages: u64,
+    /// Nodes that lost their host copy.
+    pub host_copies: u64,
+}
+
+impl RollbackDrops {
+    /// Whether the rollback dropped nothing (the state is exactly as before the request).
+    pub fn is_empty(&self) -> bool {
+        self.device_pages == 0 && self.host_copies == 0
+    }
+}
+
 /// C rank replicas, their pools, and the kernels that move their bytes.
 pub struct Cluster {
     layout: CpLayout,
@@ -256,6 +275,8 @@ pub struct Cluster {
     /// Whether freed device pages and the dense buffer are poisoned again
     /// ([`Cluster::set_repoison`]).
     repoison: bool,
+    /// What the last rollback dropped.
+    last_rollback: RollbackDrops,
 }
 
 /// A prefix held on the device by [`Cluster::pin_prefix`], the way an in-flight request
@@ -332,6 +353,7 @@ impl Cluster {
             capture_dense: false,
             last_dense: Vec::new(),
             repoison: true,
+            last_rollback: RollbackDrops::default(),
         };
         if cluster.config.fault == Some(Fault::LaneExhaustion) {
             // Pages reserved for ever, on every rank alike: lane 0 keeps half its pages.
@@ -562,8 +584,15 @@ impl Cluster {
         result
     }
 
+    /// What the rollback of the last failed operation dropped (empty until one fails, and
+    /// reset when the next operation starts).
+    pub fn last_rollback(&self) -> RollbackDrops {
+        self.last_rollback
+    }
+
     fn snapshot(&mut self) -> Snapshot {
         self.freed = Freed::default();
+        self.last_rollback = RollbackDrops::default();
         Snapshot(
             self.ranks
                 .iter()
@@ -586,8 +615,14 @@ impl Cluster {
             .flat_map(|(tree, _, _)| tree.nodes_holding_host(&freed.host(tree.rank())))
             .collect();
         let mut states = Vec::with_capacity(snapshot.0.len());
+        let mut drops = RollbackDrops::default();
         for (mut tree, mut mirror, mut host) in snapshot.0 {
             let (pages, metas) = tree.drop_stale(&freed.device, &host_nodes)?;
+            // Every rank drops the same nodes; count them once.
+            drops = RollbackDrops {
+                device_pages: pages.len() as u64,
+                host_copies: metas.len() as u64,
+            };
             mirror.free(&pages)?;
             for m in &metas {
                 host.free(m.host_pages())?;
@@ -611,6 +646,7 @@ impl Cluster {
             r.host = host;
             r.alloc.restore(mirror)?;
         }
+        self.last_rollback = drops;
         self.poison_freed(released)
     }
 

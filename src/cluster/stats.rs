@@ -88,6 +88,11 @@ pub struct ReplayReport {
     pub workload: String,
     /// Requests that failed with an error (their state was rolled back).
     pub failed_requests: u64,
+    /// Device pages whose cache entries the rollbacks of failed requests dropped, because
+    /// the failed request had evicted them and may have reused them.
+    pub rollback_dropped_device_pages: u64,
+    /// Host copies the rollbacks of failed requests dropped, for the same reason.
+    pub rollback_dropped_host_copies: u64,
     /// The injected fault, if any.
     pub fault: Option<String>,
     /// Launch shape of the transfer and materialise kernels (from tuning, or the default).
@@ -181,6 +186,13 @@ impl ReplayReport {
         }
         if self.failed_requests > 0 {
             row("failed requests", self.failed_requests.to_string());
+            row(
+                "dropped by rollbacks",
+                format!(
+                    "{} device pages / {} host copies",
+                    self.rollback_dropped_device_pages, self.rollback_dropped_host_copies
+                ),
+            );
         }
         row("mismatched tokens", t.mismatched_tokens.to_string());
         s
@@ -223,6 +235,8 @@ mod tests {
             policy: "write_through".into(),
             workload: "built-in".into(),
             failed_requests: 0,
+            rollback_dropped_device_pages: 0,
+            rollback_dropped_host_copies: 0,
             fault: None,
             copy_launch: "t1_ppb16_v16_u1".into(),
             transfer_path: "kernel".into(),
@@ -245,6 +259,9 @@ mod tests {
             "mismatched_tokens",
             "replicas_agree",
             "load_path_syncs",
+            "failed_requests",
+            "rollback_dropped_device_pages",
+            "rollback_dropped_host_copies",
             "wall_seconds",
             "tokens_per_second",
             "backend",
