@@ -248,6 +248,69 @@ fn bad_traces_name_the_line() {
     );
 }
 
+/// A request larger than the device pool is rolled back, counted as skipped and named once;
+/// the replay goes on and still exits 0.
+#[test]
+fn an_oversized_request_is_skipped_and_the_replay_goes_on() {
+    let ids = |n: usize| (0..n).map(|i| (100 + i).to_string()).collect::<Vec<_>>();
+    let f = trace_file(&format!(
+        "{}\n{}\n{}\n{}\n",
+        "{\"timestamp\": 0, \"input_length\": 700, \"output_length\": 1, \"hash_ids\": [0, 1]}",
+        format_args!(
+            "{{\"timestamp\": 1, \"input_length\": 10240, \"output_length\": 1, \"hash_ids\": [{}]}}",
+            ids(20).join(", ")
+        ),
+        "{\"timestamp\": 2, \"input_length\": 1500, \"output_length\": 1, \"hash_ids\": [0, 1, 2]}",
+        format_args!(
+            "{{\"timestamp\": 3, \"input_length\": 12288, \"output_length\": 1, \"hash_ids\": [{}]}}",
+            ids(24).join(", ")
+        ),
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("report.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+        .args(["replay", "--trace"])
+        .arg(f.path())
+        .args([
+            "--block-tokens",
+            "64",
+            "--model",
+            "mla",
+            "--cp",
+            "2",
+            "--layers",
+            "1",
+            "--device-pages",
+            "12",
+            "-q",
+            "--json",
+        ])
+        .arg(&json)
+        .env("CP_HICACHE_CACHE_DIR", cache_dir())
+        .output()
+        .unwrap();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(
+        err.contains("request 1 (trace line 2) needs 20 device pages at once but at most 11"),
+        "{err}"
+    );
+    assert_eq!(err.matches("warning").count(), 1, "warned once: {err}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("requests skipped (larger than the device pool)"),
+        "{text}"
+    );
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(num(&r, "requests"), 4);
+    assert_eq!(num(&r, "requests_skipped"), 2);
+    assert_eq!(num(&r, "failed_requests"), 0);
+    assert_eq!(num(&r, "mismatched_tokens"), 0);
+    assert_eq!(num(&r, "prompt_tokens"), 88 + 188);
+    assert_eq!(r["replicas_agree"], true);
+}
+
 #[test]
 fn bad_settings_are_usage_errors() {
     usage_error(&["replay", "--page-size", "48"], "must be a power of two");

@@ -254,6 +254,7 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
     let mut disagreed_at = None;
     let mut failed = 0u64;
     let mut dropped = RollbackDrops::default();
+    let mut skipped = 0u64;
     for req in workload {
         let req = req.map_err(usage)?;
         let before = cluster.replica_digests();
@@ -269,6 +270,26 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
                         ),
                     );
                 }
+            }
+            Err(crate::cluster::ClusterError::PoolTooSmall {
+                needed, available, ..
+            }) => {
+                // The cluster rolled the request back; smaller ones can still be served.
+                if skipped == 0 {
+                    let at = req
+                        .line
+                        .map_or(String::new(), |l| format!(" (trace line {l})"));
+                    note(
+                        &bar,
+                        format!(
+                            "warning: request {}{at} needs {needed} device pages at once but at \
+                             most {available} are available: skipped (raise --device-pages); \
+                             later requests that do not fit are skipped and counted too",
+                            req.id
+                        ),
+                    );
+                }
+                skipped += 1;
             }
             Err(e) if e.is_usage() => {
                 bar.finish_and_clear();
@@ -315,6 +336,11 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
         bar.set_message(format!("{} mismatched", totals.mismatched_tokens));
     }
     bar.finish_and_clear();
+    if skipped > 0 && skipped == requests {
+        return Err(crate::Error::Usage(format!(
+            "no request fits in the device pool: all {skipped} were skipped; raise --device-pages"
+        )));
+    }
     let wall = start.elapsed().as_secs_f64();
     let report = ReplayReport {
         requests,
@@ -334,6 +360,7 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
         policy: args.policy.to_string(),
         workload: plan.workload_name,
         failed_requests: failed,
+        requests_skipped: skipped,
         rollback_dropped_device_pages: dropped.device_pages,
         rollback_dropped_host_copies: dropped.host_copies,
         fault: args.inject.map(|f| f.to_string()),

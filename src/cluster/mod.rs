@@ -175,6 +175,11 @@ pub enum ClusterError {
         what: String,
         /// The option that sizes the pool.
         flag: &'static str,
+        /// Pages the request needs at once.
+        needed: u64,
+        /// Pages it could have: free ones once everything unlocked is evicted, plus the ones
+        /// it already holds (lanes can still be short when this is not below `needed`).
+        available: u64,
     },
     /// Settings that cannot work together.
     #[error("invalid cluster setting: {0}")]
@@ -191,6 +196,12 @@ impl ClusterError {
             }
             _ => None,
         }
+    }
+
+    /// Whether a request could not fit in the pools at all (it was rolled back; later,
+    /// smaller requests can still be served).
+    pub fn is_pool_too_small(&self) -> bool {
+        matches!(self, ClusterError::PoolTooSmall { .. })
     }
 
     /// Whether the error comes from the settings (exit status 2) rather than a failure.
@@ -704,7 +715,7 @@ impl Cluster {
 
         // 3. Allocate the pages to compute, zigzag over the owners.
         let owners = zigzag_owners(self.layout.cp(), n_pages - cached);
-        let run = self.alloc_with_eviction(&owners, &mut stats)?;
+        let run = self.alloc_with_eviction(&owners, cached, &mut stats)?;
         pages.extend(run);
         stats.computed_tokens = (n_tokens - cached * ps) as u64;
 
@@ -912,10 +923,12 @@ impl Cluster {
     }
 
     /// Allocates the pages to compute, evicting as needed: device LRU while the pool as a
-    /// whole is short, owner-lane targeted eviction when only some lanes are.
+    /// whole is short, owner-lane targeted eviction when only some lanes are. `held` is how
+    /// many device pages the request already holds (for the error).
     fn alloc_with_eviction(
         &mut self,
         owners: &[u8],
+        held: usize,
         stats: &mut RequestStats,
     ) -> Result<Vec<PageId>, ClusterError> {
         loop {
@@ -943,13 +956,17 @@ impl Cluster {
                 }
             };
             if evicted == 0 {
+                let needed = (held + owners.len()) as u64;
+                let available = (held + free) as u64;
                 return Err(ClusterError::PoolTooSmall {
                     what: format!(
-                        "a request needs {} device pages (per-lane shortfall {:?}) and nothing more can be evicted",
-                        owners.len(),
-                        deficit
+                        "a request needs {needed} device pages at once but only {available} are \
+                         free or its own once everything unlocked is evicted (per-lane \
+                         shortfall {deficit:?})"
                     ),
                     flag: "--device-pages",
+                    needed,
+                    available,
                 });
             }
         }

@@ -88,6 +88,9 @@ pub struct ReplayReport {
     pub workload: String,
     /// Requests that failed with an error (their state was rolled back).
     pub failed_requests: u64,
+    /// Requests skipped because they need more device pages at once than the pool can give
+    /// them (they were rolled back; the replay went on).
+    pub requests_skipped: u64,
     /// Device pages whose cache entries the rollbacks of failed requests dropped, because
     /// the failed request had evicted them and may have reused them.
     pub rollback_dropped_device_pages: u64,
@@ -135,6 +138,12 @@ impl ReplayReport {
         row("host<->device transfers", self.transfer_path.clone());
         row("synth/verify threads", self.synth_threads.to_string());
         row("requests", self.requests.to_string());
+        if self.requests_skipped > 0 {
+            row(
+                "requests skipped (larger than the device pool)",
+                self.requests_skipped.to_string(),
+            );
+        }
         row("prompt tokens", t.prompt_tokens.to_string());
         row(
             "device hit tokens",
@@ -235,6 +244,7 @@ mod tests {
             policy: "write_through".into(),
             workload: "built-in".into(),
             failed_requests: 0,
+            requests_skipped: 0,
             rollback_dropped_device_pages: 0,
             rollback_dropped_host_copies: 0,
             fault: None,
@@ -260,6 +270,7 @@ mod tests {
             "replicas_agree",
             "load_path_syncs",
             "failed_requests",
+            "requests_skipped",
             "rollback_dropped_device_pages",
             "rollback_dropped_host_copies",
             "wall_seconds",

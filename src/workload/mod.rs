@@ -23,6 +23,8 @@ pub struct Request {
     pub tokens: Vec<u32>,
     /// Tokens the request would generate; conversations append them to the next turn.
     pub output_tokens: u32,
+    /// The 1-based line of the trace it was read from (none for generated workloads).
+    pub line: Option<usize>,
 }
 
 /// Why a workload could not be read.

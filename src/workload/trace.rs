@@ -118,6 +118,7 @@ impl MooncakeTrace {
             id: self.next_id,
             tokens,
             output_tokens: output as u32,
+            line: Some(self.line_no),
         })
     }
 }
