@@ -844,8 +844,10 @@ impl Cluster {
     }
 
     /// Backs a device node up on every rank, or on none: host pages for each rank's owned
-    /// pages (evicting host LRU once if some rank is short), the device→host transfer, and the
-    /// validated metadata. A backup that still does not fit is skipped and counted.
+    /// pages, the device→host transfer, and the validated metadata. When some rank is short
+    /// of host pages, host copies are evicted in LRU order, but only ones that free pages on
+    /// a short rank, and only when that makes the backup fit; otherwise the backup is
+    /// skipped (and counted) and no host copy is thrown away.
     fn write_cp(&mut self, node: NodeId, stats: &mut RequestStats) -> Result<(), ClusterError> {
         let pages = self.ranks[0]
             .tree
@@ -855,20 +857,31 @@ impl Cluster {
             .to_vec();
         let owners: Vec<u8> = pages.iter().map(|&p| self.layout.owner(p).0).collect();
         let need = |r: usize| owners.iter().filter(|&&o| usize::from(o) == r).count() as u32;
-        let short = |ranks: &[RankState]| {
-            ranks
-                .iter()
-                .enumerate()
-                .map(|(r, s)| need(r).saturating_sub(s.host.free_count()))
-                .max()
-                .unwrap_or(0)
-        };
-        let deficit = short(&self.ranks);
-        if deficit > 0 {
-            let logical = deficit as usize * usize::from(self.layout.cp());
+        let short: Vec<u32> = self
+            .ranks
+            .iter()
+            .enumerate()
+            .map(|(r, s)| need(r).saturating_sub(s.host.free_count()))
+            .collect();
+        if short.iter().any(|&d| d > 0) {
+            // Evict host copies only if that makes the backup fit, and only those that free
+            // host pages on the short ranks: decide on a copy first (every rank evicts the
+            // same nodes, so one replica's tree tells what each rank would get back).
+            let mut sim = self.ranks[0].tree.clone();
+            let would = sim.evict_host_for_ranks(&short)?;
+            let mut gained = vec![0u32; self.ranks.len()];
+            for o in would.iter().flat_map(|m| m.page_owners()) {
+                if let Some(g) = gained.get_mut(usize::from(*o)) {
+                    *g += 1;
+                }
+            }
+            if short.iter().zip(&gained).any(|(s, g)| g < s) {
+                stats.backups_skipped += 1;
+                return Ok(());
+            }
             let mut evicted = 0;
             for r in &mut self.ranks {
-                let gone = r.tree.evict_host_lru(logical)?;
+                let gone = r.tree.evict_host_for_ranks(&short)?;
                 evicted = gone.len();
                 for meta in gone {
                     r.host.free(meta.host_pages())?;
@@ -878,10 +891,6 @@ impl Cluster {
                 }
             }
             stats.evictions_lru += evicted as u64;
-            if short(&self.ranks) > 0 {
-                stats.backups_skipped += 1;
-                return Ok(());
-            }
         }
         for r in 0..self.ranks.len() {
             let host_pages = self.ranks[r].host.alloc(need(r) as usize)?;
