@@ -73,6 +73,7 @@ fn small_run_verifies_and_reports() {
     let r = report.unwrap();
     assert_eq!(num(&r, "mismatched_tokens"), 0);
     assert_eq!(r["replicas_agree"], true);
+    assert_eq!(r["device_lanes_agree"], true);
     assert!(num(&r, "host_hit_tokens") > 0, "{r}");
     assert!(num(&r, "pages_loaded") > 0);
     assert!(num(&r, "evictions_lru") > 0);
@@ -83,6 +84,7 @@ fn small_run_verifies_and_reports() {
     );
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("mismatched tokens"), "{text}");
+    assert!(text.contains("device lane stacks agree     yes"), "{text}");
     assert_eq!(r["transfer_path"], "kernel");
 }
 

@@ -342,6 +342,15 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
         )));
     }
     let wall = start.elapsed().as_secs_f64();
+    // The allocator kernels' output is never read on the serving path (the host mirror
+    // decides); compare the device lane stacks with the mirrors once now, off that path.
+    let device_lanes_agree = match cluster.check_device_lanes() {
+        Ok(()) => true,
+        Err(e) => {
+            eprintln!("device lane stacks disagree with the allocator's host mirror: {e}");
+            false
+        }
+    };
     let report = ReplayReport {
         requests,
         tokens_per_second: if wall > 0.0 {
@@ -350,7 +359,8 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
             0.0
         },
         totals,
-        replicas_agree: disagreed_at.is_none(),
+        replicas_agree: disagreed_at.is_none() && device_lanes_agree,
+        device_lanes_agree,
         wall_seconds: wall,
         backend,
         cp: args.cp,

@@ -168,6 +168,14 @@ pub enum ClusterError {
     /// Invalid metadata was produced.
     #[error(transparent)]
     Metadata(#[from] MetadataError),
+    /// A rank's device lane stacks differ from its allocator's host mirror.
+    #[error("rank {rank}: {source}")]
+    DeviceLanes {
+        /// The rank.
+        rank: u8,
+        /// The difference (or why the lanes could not be read).
+        source: KernelAllocError,
+    },
     /// A pool cannot hold what a request needs even after evicting everything it may.
     #[error("{what}: raise {flag}")]
     PoolTooSmall {
@@ -424,6 +432,21 @@ impl Cluster {
     pub fn replicas_agree(&self) -> bool {
         let d = self.replica_digests();
         d.windows(2).all(|w| w[0] == w[1])
+    }
+
+    /// Reads every rank's device lane stacks back and compares them with the allocator's host
+    /// mirror, which decides every allocation: they differ only if a kernel or a rollback
+    /// went wrong. A counted read-back per rank, so call it outside the load path (replay
+    /// calls it once, after the run).
+    pub fn check_device_lanes(&self) -> Result<(), ClusterError> {
+        for r in &self.ranks {
+            let rank = r.tree.rank().0;
+            r.alloc
+                .check_usable()
+                .and_then(|()| r.alloc.debug_check_device())
+                .map_err(|source| ClusterError::DeviceLanes { rank, source })?;
+        }
+        Ok(())
     }
 
     /// Free device pages per lane (rank 0's replica).

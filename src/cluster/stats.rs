@@ -66,8 +66,12 @@ pub struct ReplayReport {
     /// Totals over all requests.
     #[serde(flatten)]
     pub totals: RequestStats,
-    /// Whether every rank's allocator and tree digests agreed after every request.
+    /// Whether every rank's allocator and tree digests agreed after every request, and the
+    /// device lane stacks with the allocators' mirrors at the end.
     pub replicas_agree: bool,
+    /// Whether every rank's device lane stacks equalled its allocator's host mirror after
+    /// the run.
+    pub device_lanes_agree: bool,
     /// Wall time of the replay loop.
     pub wall_seconds: f64,
     /// Prompt tokens per second of wall time.
@@ -109,7 +113,7 @@ pub struct ReplayReport {
 impl ReplayReport {
     /// Whether the run is correct: no mismatched token and replicas in agreement.
     pub fn ok(&self) -> bool {
-        self.totals.mismatched_tokens == 0 && self.replicas_agree
+        self.totals.mismatched_tokens == 0 && self.replicas_agree && self.device_lanes_agree
     }
 
     /// The human-readable summary table.
@@ -190,6 +194,10 @@ impl ReplayReport {
             "replicas agree",
             if self.replicas_agree { "yes" } else { "NO" }.into(),
         );
+        row(
+            "device lane stacks agree",
+            if self.device_lanes_agree { "yes" } else { "NO" }.into(),
+        );
         if let Some(f) = &self.fault {
             row("injected fault", f.clone());
         }
@@ -234,6 +242,7 @@ mod tests {
             requests: 1,
             totals: RequestStats::default(),
             replicas_agree: true,
+            device_lanes_agree: true,
             wall_seconds: 1.0,
             tokens_per_second: 0.0,
             backend: "host".into(),
@@ -268,6 +277,7 @@ mod tests {
             "bytes_d2h",
             "mismatched_tokens",
             "replicas_agree",
+            "device_lanes_agree",
             "load_path_syncs",
             "failed_requests",
             "requests_skipped",

@@ -13,7 +13,7 @@ use cp_hicache::exec::{
 use cp_hicache::jit::{Jit, JitConfig, Sanitize};
 use cp_hicache::kernels::{Deployment, ModelShape, TransferPath};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 pub fn jit() -> Jit {
@@ -146,7 +146,7 @@ pub fn host_executor() -> HostExecutor {
 }
 
 /// A host executor that counts [`Executor::free`] calls, can fail one chosen launch
-/// (besides what [`Executor::inject_launch_failure`] does) and can turn the launches of
+/// (besides what [`Executor::inject_launch_failure`] does) or every upload, and can turn the launches of
 /// chosen kernels into no-ops that report success (a kernel that silently copies nothing);
 /// everything else is delegated.
 pub struct Spy {
@@ -159,6 +159,8 @@ pub struct Spy {
     /// Launches of kernels whose entry starts with this prefix do nothing.
     skip: Mutex<Option<String>>,
     skipped: AtomicU64,
+    /// Every upload fails while set.
+    fail_uploads: AtomicBool,
 }
 
 impl Spy {
@@ -171,7 +173,13 @@ impl Spy {
             entries: Mutex::new(HashMap::new()),
             skip: Mutex::new(None),
             skipped: AtomicU64::new(0),
+            fail_uploads: AtomicBool::new(false),
         })
+    }
+
+    /// While `on`, every upload fails with a driver error.
+    pub fn fail_uploads(&self, on: bool) {
+        self.fail_uploads.store(on, Ordering::SeqCst);
     }
 
     /// From now on, launches of kernels whose entry name starts with `prefix` (for example
@@ -219,6 +227,12 @@ impl Executor for Spy {
         self.inner.size(b)
     }
     fn upload(&self, b: BufferId, o: u64, d: &[u8]) -> Result<(), ExecError> {
+        if self.fail_uploads.load(Ordering::SeqCst) {
+            return Err(ExecError::Driver {
+                op: "upload",
+                message: "upload failure injected by the test".into(),
+            });
+        }
         self.inner.upload(b, o, d)
     }
     fn read(&self, b: BufferId, o: u64, d: &mut [u8]) -> Result<(), ExecError> {
