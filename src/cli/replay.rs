@@ -35,8 +35,8 @@ pub struct ReplayArgs {
     /// hash_ids). Without it, a built-in seeded multi-turn conversation workload runs.
     #[arg(long, value_name = "FILE.jsonl")]
     pub trace: Option<PathBuf>,
-    /// Tokens one trace hash id stands for (the published traces use 512; smaller values
-    /// scale every length down and keep CPU replays fast).
+    /// Tokens one trace hash id stands for, 1..=65536 (the published traces use 512;
+    /// smaller values scale every length down and keep CPU replays fast).
     #[arg(long, default_value_t = 512, value_name = "N")]
     pub block_tokens: u32,
     /// Replay only the first N requests.

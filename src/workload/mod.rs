@@ -10,7 +10,7 @@ mod synthetic;
 mod trace;
 
 pub use synthetic::{Conversations, ConversationsConfig};
-pub use trace::{MooncakeTrace, TraceConfig, MOONCAKE_BLOCK_TOKENS};
+pub use trace::{MooncakeTrace, TraceConfig, MAX_BLOCK_TOKENS, MOONCAKE_BLOCK_TOKENS};
 
 use std::path::PathBuf;
 
