@@ -22,7 +22,7 @@ pub use stats::{ReplayReport, RequestStats};
 use crate::allocator::kernel::{KernelAllocError, KernelAllocOptions, KernelLaneAllocator};
 use crate::allocator::{AllocError, OwnerLaneAllocator, StateDigest};
 use crate::exec::{Executor, KernelArg};
-use crate::hicache::host_pool::HostPagePool;
+use crate::hicache::host_pool::{HostPagePool, HostPoolError};
 use crate::hicache::tree::{Evicted, NodeId, RadixTree, TreeError};
 use crate::jit::{Jit, Sanitize};
 use crate::kernels::{
@@ -162,6 +162,9 @@ pub enum ClusterError {
     /// The kernel-backed allocator failed (a launch, an upload, or a misuse).
     #[error("allocator: {0}")]
     KernelAlloc(#[from] KernelAllocError),
+    /// A host pool misuse (a bug, never a shortage: backups check the free counts first).
+    #[error(transparent)]
+    HostPool(#[from] HostPoolError),
     /// A tree operation was refused.
     #[error(transparent)]
     Tree(#[from] TreeError),
@@ -356,7 +359,7 @@ impl Cluster {
                         arch: dep.arch,
                     },
                 )?,
-                host: HostPagePool::new(host_pages)?,
+                host: HostPagePool::new(Rank(r), host_pages)?,
             });
         }
         let mut cluster = Cluster {
