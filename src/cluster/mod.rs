@@ -171,6 +171,12 @@ pub enum ClusterError {
     /// Invalid metadata was produced.
     #[error(transparent)]
     Metadata(#[from] MetadataError),
+    /// The rank replicas, which see the same calls, decided differently (a bug).
+    #[error("rank replicas diverged: {what}")]
+    ReplicasDiverged {
+        /// How.
+        what: String,
+    },
     /// A rank's device lane stacks differ from its allocator's host mirror.
     #[error("rank {rank}: {source}")]
     DeviceLanes {
@@ -936,23 +942,57 @@ impl Cluster {
     }
 
     /// Allocates `owners` on every replica, or returns `None` on a shortage (nothing changed).
+    /// Replicas that saw the same calls decide alike, so a rank that is short, or that gets
+    /// other pages, after an earlier rank allocated means they diverged: the earlier ranks'
+    /// allocations are undone and it is [`ClusterError::ReplicasDiverged`]. On any other
+    /// error the earlier ranks' allocations are undone as well.
     fn try_alloc(
         &mut self,
         owners: &[u8],
         plain: bool,
     ) -> Result<Option<Vec<PageId>>, ClusterError> {
-        let mut out = None;
-        for r in &mut self.ranks {
+        let mut out: Option<Vec<PageId>> = None;
+        for r in 0..self.ranks.len() {
+            let alloc = &mut self.ranks[r].alloc;
             let res = if plain {
-                r.alloc.alloc_pages(owners.len())
+                alloc.alloc_pages(owners.len())
             } else {
-                r.alloc.alloc_pages_with_owners(owners)
+                alloc.alloc_pages_with_owners(owners)
             };
-            match res {
-                Ok(k) => out = Some(k.run.into_pages()),
-                Err(e) if e.is_shortage() => return Ok(None),
-                Err(e) => return Err(e.into()),
+            let err = match res {
+                Ok(k) => {
+                    let pages = k.run.into_pages();
+                    match &out {
+                        None => {
+                            out = Some(pages);
+                            continue;
+                        }
+                        Some(first) if *first == pages => continue,
+                        Some(first) => {
+                            let what =
+                                format!("rank {r} allocated {pages:?} where rank 0 got {first:?}");
+                            // This rank's allocation is undone with the earlier ones.
+                            let mine: Vec<PageId> = pages.into_iter().rev().collect();
+                            self.ranks[r].alloc.free(&mine)?;
+                            ClusterError::ReplicasDiverged { what }
+                        }
+                    }
+                }
+                Err(e) if e.is_shortage() && r == 0 => return Ok(None),
+                Err(e) if e.is_shortage() => ClusterError::ReplicasDiverged {
+                    what: format!("rank {r} is short of pages rank 0 could allocate: {e}"),
+                },
+                Err(e) => e.into(),
+            };
+            // Undo the earlier ranks' allocations (in reverse, so the LIFO lanes come back
+            // exactly as they were).
+            if let Some(first) = &out {
+                let back: Vec<PageId> = first.iter().rev().copied().collect();
+                for rank in &mut self.ranks[..r] {
+                    rank.alloc.free(&back)?;
+                }
             }
+            return Err(err);
         }
         Ok(out)
     }
@@ -1228,4 +1268,70 @@ impl Cluster {
 enum Eviction {
     Lru(usize),
     Lanes(Vec<u32>),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::exec::{HostExecutor, HostOptions};
+    use crate::jit::{JitConfig, EMU_HEADER};
+    use crate::kernels::ModelShape;
+
+    fn cluster() -> Cluster {
+        // The integration tests' JIT cache (CARGO_TARGET_TMPDIR is target/tmp), so the
+        // kernels are usually compiled already.
+        let jit = Jit::new(JitConfig::new(
+            concat!(env!("CARGO_MANIFEST_DIR"), "/target/tmp/jit-cache"),
+            EMU_HEADER,
+        ));
+        let config = ClusterConfig {
+            deployment: Deployment::new(ModelShape::MlaBf16, 16, 2).unwrap(),
+            layers: 1,
+            device_pages: 9,
+            host_pages: 4,
+            policy: WritePolicy::WriteThrough,
+            fault: None,
+            sanitize: Sanitize::None,
+        };
+        let exec = Arc::new(HostExecutor::new(HostOptions::default()));
+        Cluster::new(config, exec, &jit).unwrap()
+    }
+
+    #[test]
+    fn a_replica_short_after_rank_0_allocated_is_divergence_and_undone() {
+        let mut c = cluster();
+        // Diverge on purpose: rank 1 alone loses two pages of lane 0.
+        c.ranks[1].alloc.alloc_pages_with_owners(&[0, 0]).unwrap();
+        let rank0 = c.ranks[0].alloc.mirror().clone();
+        let err = c.try_alloc(&[0, 0, 0, 1], false).unwrap_err();
+        assert!(
+            matches!(err, ClusterError::ReplicasDiverged { .. }),
+            "{err}"
+        );
+        assert!(err.to_string().contains("rank 1 is short"), "{err}");
+        // Rank 0's allocation was undone exactly (LIFO lanes included).
+        assert_eq!(c.ranks[0].alloc.mirror().digest(), rank0.digest());
+        c.ranks[0].alloc.debug_check_device().unwrap();
+        // A shortage on every rank alike is still a plain `None`.
+        c.ranks[0].alloc.alloc_pages_with_owners(&[0, 0]).unwrap();
+        assert_eq!(c.try_alloc(&[0, 0, 0], false).unwrap(), None);
+    }
+
+    #[test]
+    fn replicas_handing_out_different_pages_is_divergence_and_undone() {
+        let mut c = cluster();
+        // Rank 1's lane 0 pops in another order than rank 0's.
+        let p = c.ranks[1].alloc.alloc_pages_with_owners(&[0]).unwrap().run;
+        let q = c.ranks[1].alloc.alloc_pages_with_owners(&[0]).unwrap().run;
+        c.ranks[1].alloc.free(p.pages()).unwrap();
+        c.ranks[1].alloc.free(q.pages()).unwrap();
+        let before: Vec<_> = c.ranks.iter().map(|r| r.alloc.digest()).collect();
+        let err = c.try_alloc(&[0, 1], false).unwrap_err();
+        assert!(err.to_string().contains("rank 1 allocated"), "{err}");
+        let after: Vec<_> = c.ranks.iter().map(|r| r.alloc.digest()).collect();
+        assert_eq!(before, after);
+        for r in &c.ranks {
+            r.alloc.debug_check_device().unwrap();
+        }
+    }
 }
