@@ -179,7 +179,7 @@ impl Pools {
 
     /// Poisons local pages `locals` (ascending) of rank `r`'s device pool of buffer `b`, in
     /// every layer: one upload per run of consecutive pages per layer (and per
-    /// [`POISON_CHUNK`]). Uploads are stream-ordered and neither read back nor synchronise,
+    /// 1 MiB). Uploads are stream-ordered and neither read back nor synchronise,
     /// so this may run on the load path. Pages outside the pool are skipped.
     pub fn poison_device_pages(
         &mut self,
