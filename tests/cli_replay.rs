@@ -24,10 +24,22 @@ const SMALL: &[&str] = &[
 ];
 
 fn replay(extra: &[&str]) -> (Output, Option<serde_json::Value>) {
+    replay_with(SMALL, extra)
+}
+
+/// [`SMALL`] with `--host-pages` set to `host_pages`, plus `extra`.
+fn replay_host_pages(host_pages: &str, extra: &[&str]) -> (Output, Option<serde_json::Value>) {
+    let mut base = SMALL.to_vec();
+    let at = base.iter().position(|&a| a == "--host-pages").unwrap();
+    base[at + 1] = host_pages;
+    replay_with(&base, extra)
+}
+
+fn replay_with(base: &[&str], extra: &[&str]) -> (Output, Option<serde_json::Value>) {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("report.json");
     let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
-        .args(SMALL)
+        .args(base)
         .args(extra)
         .arg("--json")
         .arg(&json)
@@ -61,6 +73,7 @@ fn small_run_verifies_and_reports() {
     let r = report.unwrap();
     assert_eq!(num(&r, "mismatched_tokens"), 0);
     assert_eq!(r["replicas_agree"], true);
+    assert_eq!(r["device_lanes_agree"], true);
     assert!(num(&r, "host_hit_tokens") > 0, "{r}");
     assert!(num(&r, "pages_loaded") > 0);
     assert!(num(&r, "evictions_lru") > 0);
@@ -71,6 +84,7 @@ fn small_run_verifies_and_reports() {
     );
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("mismatched tokens"), "{text}");
+    assert!(text.contains("device lane stacks agree     yes"), "{text}");
     assert_eq!(r["transfer_path"], "kernel");
 }
 
@@ -158,6 +172,28 @@ fn launch_error_leaves_state_unchanged() {
     assert_eq!(r["replicas_agree"], true);
 }
 
+/// Under write-back with a tiny host pool the failing request has evicted host copies before
+/// its launch failed; the rollback drops them (their pages may have been reused), so the
+/// state differs from before, yet the replicas agree and the report says so.
+#[test]
+fn a_rollback_that_drops_stale_entries_keeps_the_replicas_in_agreement() {
+    let (out, report) =
+        replay_host_pages("8", &["--policy", "write_back", "--inject", "launch-error"]);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("injected fault"), "{err}");
+    assert!(
+        err.contains("rolled back, dropping stale cache entries"),
+        "{err}"
+    );
+    assert!(!err.contains("disagree"), "{err}");
+    let r = report.unwrap();
+    assert_eq!(num(&r, "failed_requests"), 1);
+    assert!(num(&r, "rollback_dropped_host_copies") > 0, "{r}");
+    assert_eq!(num(&r, "mismatched_tokens"), 0);
+    assert_eq!(r["replicas_agree"], true);
+}
+
 /// Runs replay expecting a usage error: exit 2, one clear line, no panic.
 fn usage_error(args: &[&str], want: &str) {
     let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
@@ -221,6 +257,69 @@ fn bad_traces_name_the_line() {
         &["replay", "--trace", "/nonexistent/t.jsonl", "-q"],
         "cannot read trace /nonexistent/t.jsonl",
     );
+}
+
+/// A request larger than the device pool is rolled back, counted as skipped and named once;
+/// the replay goes on and still exits 0.
+#[test]
+fn an_oversized_request_is_skipped_and_the_replay_goes_on() {
+    let ids = |n: usize| (0..n).map(|i| (100 + i).to_string()).collect::<Vec<_>>();
+    let f = trace_file(&format!(
+        "{}\n{}\n{}\n{}\n",
+        "{\"timestamp\": 0, \"input_length\": 700, \"output_length\": 1, \"hash_ids\": [0, 1]}",
+        format_args!(
+            "{{\"timestamp\": 1, \"input_length\": 10240, \"output_length\": 1, \"hash_ids\": [{}]}}",
+            ids(20).join(", ")
+        ),
+        "{\"timestamp\": 2, \"input_length\": 1500, \"output_length\": 1, \"hash_ids\": [0, 1, 2]}",
+        format_args!(
+            "{{\"timestamp\": 3, \"input_length\": 12288, \"output_length\": 1, \"hash_ids\": [{}]}}",
+            ids(24).join(", ")
+        ),
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("report.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+        .args(["replay", "--trace"])
+        .arg(f.path())
+        .args([
+            "--block-tokens",
+            "64",
+            "--model",
+            "mla",
+            "--cp",
+            "2",
+            "--layers",
+            "1",
+            "--device-pages",
+            "12",
+            "-q",
+            "--json",
+        ])
+        .arg(&json)
+        .env("CP_HICACHE_CACHE_DIR", cache_dir())
+        .output()
+        .unwrap();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(
+        err.contains("request 1 (trace line 2) needs 20 device pages at once but at most 11"),
+        "{err}"
+    );
+    assert_eq!(err.matches("warning").count(), 1, "warned once: {err}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("requests skipped (larger than the device pool)"),
+        "{text}"
+    );
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(num(&r, "requests"), 4);
+    assert_eq!(num(&r, "requests_skipped"), 2);
+    assert_eq!(num(&r, "failed_requests"), 0);
+    assert_eq!(num(&r, "mismatched_tokens"), 0);
+    assert_eq!(num(&r, "prompt_tokens"), 88 + 188);
+    assert_eq!(r["replicas_agree"], true);
 }
 
 #[test]

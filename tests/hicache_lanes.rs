@@ -113,3 +113,45 @@ fn full_host_pool_skips_backups_and_stays_correct() {
         assert_eq!(c.lane_free_counts(), lane_capacities(&c));
     }
 }
+
+/// A backup that cannot fit even after evicting every host copy on the short rank is
+/// skipped without throwing any host copy away (CP 2, two host pages per rank; a 5-page
+/// node has zigzag owners 0,0,1,1,0, three of them rank 0's).
+#[test]
+fn a_backup_that_cannot_fit_evicts_nothing() {
+    let mut setup = Setup::new(ModelShape::MlaBf16, 16, 2);
+    setup.host_pages = 2;
+    let mut c = setup.build();
+    let x = tokens(1, 2 * 16); // owners 0,1
+    let y = tokens(2, 2 * 16);
+    serve(&mut c, &x);
+    serve(&mut c, &y);
+    evict_all(&mut c);
+    let s = serve(&mut c, &tokens(3, 5 * 16));
+    assert_eq!(s.backups_skipped, 1, "{s:?}");
+    assert_eq!(s.evictions_lru, 0, "{s:?}");
+    for t in [&x, &y] {
+        let s = serve(&mut c, t);
+        assert_eq!(s.host_hit_tokens, 2 * 16, "the host copy survived: {s:?}");
+    }
+}
+
+/// Host eviction for a backup takes only copies that free pages on the short rank: an
+/// older copy owned by rank 0 alone survives when only rank 1 is short.
+#[test]
+fn a_backup_evicts_only_host_copies_of_the_short_rank() {
+    let mut setup = Setup::new(ModelShape::MlaBf16, 16, 2);
+    setup.host_pages = 3;
+    let mut c = setup.build();
+    let p = tokens(1, 16); // owners 0
+    let q = tokens(2, 3 * 16); // owners 0,1,1
+    serve(&mut c, &p);
+    serve(&mut c, &q);
+    evict_all(&mut c);
+    // Rank 0 has 1 host page free and needs 1; rank 1 has 1 and needs 2.
+    let s = serve(&mut c, &tokens(3, 3 * 16));
+    assert_eq!(s.backups_skipped, 0, "{s:?}");
+    assert_eq!(s.evictions_lru, 1, "only q's copy goes: {s:?}");
+    let s = serve(&mut c, &p);
+    assert_eq!(s.host_hit_tokens, 16, "p's copy survived: {s:?}");
+}

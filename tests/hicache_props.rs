@@ -58,11 +58,10 @@ proptest! {
         setup.host_pages = host_pages;
         setup.policy = if write_back { WritePolicy::WriteBack } else { WritePolicy::WriteThrough };
         let mut c = setup.build();
-        let mut host_hits = 0;
         for op in &ops {
             match op {
                 Op::Serve(blocks, cut) => {
-                    host_hits += serve(&mut c, &prompt(blocks, *cut)).host_hit_tokens;
+                    serve(&mut c, &prompt(blocks, *cut));
                 }
                 Op::Evict(n) => {
                     c.evict_device_lru(*n).unwrap();
@@ -73,8 +72,8 @@ proptest! {
         }
         evict_all(&mut c);
         prop_assert_eq!(c.lane_free_counts(), lane_capacities(&c));
-        // Not a property of every case, but a sanity check that the machine exercises loads.
-        let _ = host_hits;
+        // Loads are not a property of every case; write_back_with_a_tiny_host_pool below
+        // asserts that this kind of run exercises them.
     }
 }
 
@@ -90,6 +89,7 @@ fn write_back_with_a_tiny_host_pool() {
             setup.host_pages = 3;
             setup.policy = WritePolicy::WriteBack;
             let mut c = setup.build();
+            let mut loaded = 0;
             let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
             let mut next = |m: u64| {
                 x ^= x << 13;
@@ -104,9 +104,11 @@ fn write_back_with_a_tiny_host_pool() {
                 } else {
                     let blocks: Vec<u8> = (0..1 + next(8)).map(|_| next(3) as u8).collect();
                     let cut = next(BLOCK as u64) as usize;
-                    serve(&mut c, &prompt(&blocks, cut));
+                    let s = serve(&mut c, &prompt(&blocks, cut));
+                    loaded += s.pages_loaded;
                 }
             }
+            assert!(loaded > 0, "seed {seed} cp {cp}: no load-back happened");
             evict_all(&mut c);
             assert_eq!(c.lane_free_counts(), lane_capacities(&c));
         }

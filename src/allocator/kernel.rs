@@ -12,7 +12,10 @@
 //!
 //! All or nothing, like the host allocator: a shortage or misuse is the mirror's typed
 //! [`AllocError`] and nothing is launched; a failed launch rolls the mirror back and
-//! re-uploads its state, so the allocator is unchanged on every error.
+//! re-uploads its state, so the allocator is unchanged on every error. If that re-upload
+//! fails too, the device lanes no longer follow the mirror: the allocator is then broken and
+//! refuses every allocation and free ([`KernelAllocError::Broken`]) until a successful
+//! [`KernelLaneAllocator::restore`] uploads a whole state again.
 
 use std::sync::Arc;
 
@@ -47,6 +50,25 @@ pub enum KernelAllocError {
     DeviceMismatch {
         /// The first difference found.
         what: String,
+    },
+    /// An earlier failure could not be undone on the device (re-uploading the mirror failed),
+    /// so the device lanes may differ from the mirror; nothing is launched until
+    /// [`KernelLaneAllocator::restore`] succeeds.
+    #[error(
+        "the allocator's device lanes are out of step with its host mirror since an earlier \
+         failure could not be undone ({cause}); restore it from a known state"
+    )]
+    Broken {
+        /// Why the device lanes could not be restored.
+        cause: String,
+    },
+    /// [`KernelLaneAllocator::restore`] was given the state of an allocator of another layout.
+    #[error("cannot restore an allocator of layout {ours:?} from a state of layout {theirs:?}")]
+    LayoutMismatch {
+        /// This allocator's layout.
+        ours: CpLayout,
+        /// The layout of the state offered.
+        theirs: CpLayout,
     },
 }
 
@@ -157,6 +179,8 @@ pub struct KernelLaneAllocator {
     pages_in: Growable,
     out_pages: Growable,
     out_locs: Growable,
+    /// Set when the device lanes could not be brought back in step with the mirror.
+    broken: Option<String>,
 }
 
 impl std::fmt::Debug for KernelLaneAllocator {
@@ -237,6 +261,7 @@ impl KernelLaneAllocator {
             )?,
             mirror,
             exec,
+            broken: None,
         };
         me.upload_state()?;
         Ok(me)
@@ -287,6 +312,22 @@ impl KernelLaneAllocator {
         Ok(self.mirror.deficit(owners)?)
     }
 
+    /// Whether an earlier failure left the device lanes out of step with the mirror
+    /// ([`KernelAllocError::Broken`]).
+    pub fn is_broken(&self) -> bool {
+        self.broken.is_some()
+    }
+
+    /// [`KernelAllocError::Broken`] when the allocator is broken, else `Ok`.
+    pub fn check_usable(&self) -> Result<(), KernelAllocError> {
+        match &self.broken {
+            Some(cause) => Err(KernelAllocError::Broken {
+                cause: cause.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
     /// Digest of the mirror's state (equal across replicas that saw the same calls).
     pub fn digest(&self) -> StateDigest {
         self.mirror.digest()
@@ -300,6 +341,7 @@ impl KernelLaneAllocator {
         &mut self,
         owners: &[u8],
     ) -> Result<KernelRun, KernelAllocError> {
+        self.check_usable()?;
         let run = self.mirror.alloc_pages_with_owners(owners)?;
         match self.launch_select(owners) {
             Ok(()) => Ok(self.kernel_run(run)),
@@ -320,6 +362,7 @@ impl KernelLaneAllocator {
     /// Allocates `n` pages from any lanes, with the same owner choice as
     /// [`OwnerLaneAllocator::alloc_pages`].
     pub fn alloc_pages(&mut self, n: usize) -> Result<KernelRun, KernelAllocError> {
+        self.check_usable()?;
         let owners = self.mirror.plain_owners(n)?;
         self.alloc_pages_with_owners(&owners)
     }
@@ -328,6 +371,7 @@ impl KernelLaneAllocator {
     /// nothing launched), then uploaded and pushed by the release kernel. Never reads back or
     /// synchronises.
     pub fn free(&mut self, pages: &[PageId]) -> Result<(), KernelAllocError> {
+        self.check_usable()?;
         self.mirror.free(pages)?;
         if let Err(e) = self.launch_release(pages) {
             // Popping the owners of the reversed list takes exactly these pages back.
@@ -469,26 +513,36 @@ impl KernelLaneAllocator {
 
     /// Rolls the allocator back to `mirror` (an earlier state of this allocator, e.g. a
     /// snapshot taken before a request that failed) and re-uploads it to the device lanes.
+    /// A successful restore also heals a broken allocator; a failed upload leaves it broken.
     pub fn restore(&mut self, mirror: OwnerLaneAllocator) -> Result<(), KernelAllocError> {
         if mirror.layout() != self.mirror.layout() {
-            return Err(KernelAllocError::Alloc(AllocError::Invariant {
-                what: "restore from an allocator of another layout".into(),
-            }));
+            return Err(KernelAllocError::LayoutMismatch {
+                ours: *self.mirror.layout(),
+                theirs: *mirror.layout(),
+            });
         }
         self.mirror = mirror;
-        self.upload_state()?;
+        if let Err(e) = self.upload_state() {
+            self.broken = Some(format!("restoring a state failed: {e}"));
+            return Err(e.into());
+        }
+        self.broken = None;
         Ok(())
     }
 
-    /// After a failed launch the device lanes are unspecified: re-upload the mirror.
-    fn restore_device(&self, cause: &ExecError) {
+    /// After a failed launch the device lanes are unspecified: re-upload the mirror. If that
+    /// fails as well, the allocator is marked broken.
+    fn restore_device(&mut self, cause: &ExecError) {
         if let Err(e) = self.upload_state() {
-            tracing::warn!(
+            tracing::error!(
                 target: "cp_hicache::allocator",
                 %cause,
                 error = %e,
                 "could not restore the device lanes after a failed launch"
             );
+            self.broken = Some(format!(
+                "after `{cause}`, re-uploading the lanes failed: {e}"
+            ));
         }
     }
 }

@@ -3,7 +3,9 @@
 //! traffic, throughput, replica agreement and mismatched tokens.
 
 use super::common::parse_backend;
-use crate::cluster::{Cluster, ClusterConfig, Fault, ReplayReport, RequestStats, WritePolicy};
+use crate::cluster::{
+    Cluster, ClusterConfig, Fault, ReplayReport, RequestStats, RollbackDrops, WritePolicy,
+};
 use crate::exec::{open_executor, Backend, Executor};
 use crate::jit::{Jit, JitConfig, Sanitize, EMU_HEADER};
 use crate::kernels::{Deployment, ModelShape, TransferPath};
@@ -33,8 +35,8 @@ pub struct ReplayArgs {
     /// hash_ids). Without it, a built-in seeded multi-turn conversation workload runs.
     #[arg(long, value_name = "FILE.jsonl")]
     pub trace: Option<PathBuf>,
-    /// Tokens one trace hash id stands for (the published traces use 512; smaller values
-    /// scale every length down and keep CPU replays fast).
+    /// Tokens one trace hash id stands for, 1..=65536 (the published traces use 512;
+    /// smaller values scale every length down and keep CPU replays fast).
     #[arg(long, default_value_t = 512, value_name = "N")]
     pub block_tokens: u32,
     /// Replay only the first N requests.
@@ -251,6 +253,8 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
     let mut requests = 0u64;
     let mut disagreed_at = None;
     let mut failed = 0u64;
+    let mut dropped = RollbackDrops::default();
+    let mut skipped = 0u64;
     for req in workload {
         let req = req.map_err(usage)?;
         let before = cluster.replica_digests();
@@ -267,23 +271,58 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
                     );
                 }
             }
+            Err(crate::cluster::ClusterError::PoolTooSmall {
+                needed, available, ..
+            }) => {
+                // The cluster rolled the request back; smaller ones can still be served.
+                if skipped == 0 {
+                    let at = req
+                        .line
+                        .map_or(String::new(), |l| format!(" (trace line {l})"));
+                    note(
+                        &bar,
+                        format!(
+                            "warning: request {}{at} needs {needed} device pages at once but at \
+                             most {available} are available: skipped (raise --device-pages); \
+                             later requests that do not fit are skipped and counted too",
+                            req.id
+                        ),
+                    );
+                }
+                skipped += 1;
+            }
             Err(e) if e.is_usage() => {
                 bar.finish_and_clear();
                 return Err(cluster_error(e));
             }
             Err(e) => {
                 failed += 1;
+                // The rollback may legitimately drop cache entries whose pages the failed
+                // request had evicted (and may have reused): then the state differs from
+                // before, but the replicas must still agree, and something must have been
+                // dropped to explain the difference.
+                let drops = cluster.last_rollback();
+                dropped.device_pages += drops.device_pages;
+                dropped.host_copies += drops.host_copies;
                 let unchanged = cluster.replica_digests() == before;
+                let agree = cluster.replicas_agree();
+                let state = match (unchanged, agree, drops.is_empty()) {
+                    (true, _, _) => "unchanged".to_string(),
+                    (false, true, false) => format!(
+                        "rolled back, dropping stale cache entries ({} device pages, {} host copies)",
+                        drops.device_pages, drops.host_copies
+                    ),
+                    (false, true, true) => "CHANGED although the rollback dropped nothing".into(),
+                    (false, false, _) => "CHANGED and the replicas DISAGREE".into(),
+                };
                 note(
                     &bar,
                     format!(
-                        "request {} failed: {e}\n  allocator and tree state {} (digest {})",
-                        req.id,
-                        if unchanged { "unchanged" } else { "CHANGED" },
-                        before[0]
+                        "request {} failed: {e}\n  allocator and tree state {state} (digest before {})",
+                        req.id, before[0]
                     ),
                 );
-                if !unchanged {
+                if !agree || (!unchanged && drops.is_empty()) {
                     disagreed_at.get_or_insert(req.id);
                 }
             }
@@ -297,7 +336,21 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
         bar.set_message(format!("{} mismatched", totals.mismatched_tokens));
     }
     bar.finish_and_clear();
+    if skipped > 0 && skipped == requests {
+        return Err(crate::Error::Usage(format!(
+            "no request fits in the device pool: all {skipped} were skipped; raise --device-pages"
+        )));
+    }
     let wall = start.elapsed().as_secs_f64();
+    // The allocator kernels' output is never read on the serving path (the host mirror
+    // decides); compare the device lane stacks with the mirrors once now, off that path.
+    let device_lanes_agree = match cluster.check_device_lanes() {
+        Ok(()) => true,
+        Err(e) => {
+            eprintln!("device lane stacks disagree with the allocator's host mirror: {e}");
+            false
+        }
+    };
     let report = ReplayReport {
         requests,
         tokens_per_second: if wall > 0.0 {
@@ -306,7 +359,8 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
             0.0
         },
         totals,
-        replicas_agree: disagreed_at.is_none(),
+        replicas_agree: disagreed_at.is_none() && device_lanes_agree,
+        device_lanes_agree,
         wall_seconds: wall,
         backend,
         cp: args.cp,
@@ -316,6 +370,9 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
         policy: args.policy.to_string(),
         workload: plan.workload_name,
         failed_requests: failed,
+        requests_skipped: skipped,
+        rollback_dropped_device_pages: dropped.device_pages,
+        rollback_dropped_host_copies: dropped.host_copies,
         fault: args.inject.map(|f| f.to_string()),
         copy_launch: deployment.copy.to_string(),
         transfer_path: deployment.transfer_path.to_string(),

@@ -22,7 +22,7 @@ pub use stats::{ReplayReport, RequestStats};
 use crate::allocator::kernel::{KernelAllocError, KernelAllocOptions, KernelLaneAllocator};
 use crate::allocator::{AllocError, OwnerLaneAllocator, StateDigest};
 use crate::exec::{Executor, KernelArg};
-use crate::hicache::host_pool::HostPagePool;
+use crate::hicache::host_pool::{HostPagePool, HostPoolError};
 use crate::hicache::tree::{Evicted, NodeId, RadixTree, TreeError};
 use crate::jit::{Jit, Sanitize};
 use crate::kernels::{
@@ -162,12 +162,29 @@ pub enum ClusterError {
     /// The kernel-backed allocator failed (a launch, an upload, or a misuse).
     #[error("allocator: {0}")]
     KernelAlloc(#[from] KernelAllocError),
+    /// A host pool misuse (a bug, never a shortage: backups check the free counts first).
+    #[error(transparent)]
+    HostPool(#[from] HostPoolError),
     /// A tree operation was refused.
     #[error(transparent)]
     Tree(#[from] TreeError),
     /// Invalid metadata was produced.
     #[error(transparent)]
     Metadata(#[from] MetadataError),
+    /// The rank replicas, which see the same calls, decided differently (a bug).
+    #[error("rank replicas diverged: {what}")]
+    ReplicasDiverged {
+        /// How.
+        what: String,
+    },
+    /// A rank's device lane stacks differ from its allocator's host mirror.
+    #[error("rank {rank}: {source}")]
+    DeviceLanes {
+        /// The rank.
+        rank: u8,
+        /// The difference (or why the lanes could not be read).
+        source: KernelAllocError,
+    },
     /// A pool cannot hold what a request needs even after evicting everything it may.
     #[error("{what}: raise {flag}")]
     PoolTooSmall {
@@ -175,6 +192,11 @@ pub enum ClusterError {
         what: String,
         /// The option that sizes the pool.
         flag: &'static str,
+        /// Pages the request needs at once.
+        needed: u64,
+        /// Pages it could have: free ones once everything unlocked is evicted, plus the ones
+        /// it already holds (lanes can still be short when this is not below `needed`).
+        available: u64,
     },
     /// Settings that cannot work together.
     #[error("invalid cluster setting: {0}")]
@@ -191,6 +213,12 @@ impl ClusterError {
             }
             _ => None,
         }
+    }
+
+    /// Whether a request could not fit in the pools at all (it was rolled back; later,
+    /// smaller requests can still be served).
+    pub fn is_pool_too_small(&self) -> bool {
+        matches!(self, ClusterError::PoolTooSmall { .. })
     }
 
     /// Whether the error comes from the settings (exit status 2) rather than a failure.
@@ -238,6 +266,25 @@ impl Freed {
     }
 }
 
+/// What the last rollback had to drop from the state it restored: cache entries whose pages
+/// the failed operation had evicted and may have overwritten ([`Cluster::last_rollback`]).
+/// A rollback that drops something leaves the replicas in agreement but their digests
+/// different from before the request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RollbackDrops {
+    /// Device pages whose nodes lost their device copy (identical on every rank).
+    pub device_pages: u64,
+    /// Nodes that lost their host copy.
+    pub host_copies: u64,
+}
+
+impl RollbackDrops {
+    /// Whether the rollback dropped nothing (the state is exactly as before the request).
+    pub fn is_empty(&self) -> bool {
+        self.device_pages == 0 && self.host_copies == 0
+    }
+}
+
 /// C rank replicas, their pools, and the kernels that move their bytes.
 pub struct Cluster {
     layout: CpLayout,
@@ -253,6 +300,11 @@ pub struct Cluster {
     freed: Freed,
     capture_dense: bool,
     last_dense: Vec<(BufferKind, Vec<u8>)>,
+    /// Whether freed device pages and the dense buffer are poisoned again
+    /// ([`Cluster::set_repoison`]).
+    repoison: bool,
+    /// What the last rollback dropped.
+    last_rollback: RollbackDrops,
 }
 
 /// A prefix held on the device by [`Cluster::pin_prefix`], the way an in-flight request
@@ -313,7 +365,7 @@ impl Cluster {
                         arch: dep.arch,
                     },
                 )?,
-                host: HostPagePool::new(host_pages)?,
+                host: HostPagePool::new(Rank(r), host_pages)?,
             });
         }
         let mut cluster = Cluster {
@@ -328,6 +380,8 @@ impl Cluster {
             freed: Freed::default(),
             capture_dense: false,
             last_dense: Vec::new(),
+            repoison: true,
+            last_rollback: RollbackDrops::default(),
         };
         if cluster.config.fault == Some(Fault::LaneExhaustion) {
             // Pages reserved for ever, on every rank alike: lane 0 keeps half its pages.
@@ -387,6 +441,21 @@ impl Cluster {
     pub fn replicas_agree(&self) -> bool {
         let d = self.replica_digests();
         d.windows(2).all(|w| w[0] == w[1])
+    }
+
+    /// Reads every rank's device lane stacks back and compares them with the allocator's host
+    /// mirror, which decides every allocation: they differ only if a kernel or a rollback
+    /// went wrong. A counted read-back per rank, so call it outside the load path (replay
+    /// calls it once, after the run).
+    pub fn check_device_lanes(&self) -> Result<(), ClusterError> {
+        for r in &self.ranks {
+            let rank = r.tree.rank().0;
+            r.alloc
+                .check_usable()
+                .and_then(|()| r.alloc.debug_check_device())
+                .map_err(|source| ClusterError::DeviceLanes { rank, source })?;
+        }
+        Ok(())
     }
 
     /// Free device pages per lane (rank 0's replica).
@@ -505,6 +574,20 @@ impl Cluster {
         }
     }
 
+    /// Whether device pages are poisoned again when they are freed (evicted, dropped by a
+    /// rollback, or released at the end of a request) and the dense buffers before every
+    /// materialisation. On by default, and it should stay on wherever results are checked:
+    /// the lane stacks are LIFO, so a node loaded back often gets its old pages, which still
+    /// hold the right bytes, and a load that copied nothing would pass verification.
+    ///
+    /// Cost: an upload of the poison byte over every freed page (all layers and buffer kinds,
+    /// on its owner rank) and over the dense buffers of every request, i.e. about as many
+    /// bytes as the pages freed plus the pages materialised. The uploads are stream-ordered
+    /// and neither read back nor synchronise, so the load path stays free of both.
+    pub fn set_repoison(&mut self, on: bool) {
+        self.repoison = on;
+    }
+
     /// The last request's dense materialised buffers, one per buffer kind, each laid out
     /// `[layer][seq_page][page bytes]` (docs/KERNELS.md); empty unless capture is on.
     pub fn last_dense(&self) -> &[(BufferKind, Vec<u8>)] {
@@ -544,8 +627,15 @@ impl Cluster {
         result
     }
 
+    /// What the rollback of the last failed operation dropped (empty until one fails, and
+    /// reset when the next operation starts).
+    pub fn last_rollback(&self) -> RollbackDrops {
+        self.last_rollback
+    }
+
     fn snapshot(&mut self) -> Snapshot {
         self.freed = Freed::default();
+        self.last_rollback = RollbackDrops::default();
         Snapshot(
             self.ranks
                 .iter()
@@ -568,20 +658,39 @@ impl Cluster {
             .flat_map(|(tree, _, _)| tree.nodes_holding_host(&freed.host(tree.rank())))
             .collect();
         let mut states = Vec::with_capacity(snapshot.0.len());
+        let mut drops = RollbackDrops::default();
         for (mut tree, mut mirror, mut host) in snapshot.0 {
             let (pages, metas) = tree.drop_stale(&freed.device, &host_nodes)?;
+            // Every rank drops the same nodes; count them once.
+            drops = RollbackDrops {
+                device_pages: pages.len() as u64,
+                host_copies: metas.len() as u64,
+            };
             mirror.free(&pages)?;
             for m in &metas {
                 host.free(m.host_pages())?;
             }
             states.push((tree, mirror, host));
         }
+        // Pages the failed operation allocated (or the rollback drops) become free: they may
+        // hold bytes it wrote.
+        let released: BTreeSet<PageId> = self
+            .ranks
+            .iter()
+            .zip(&states)
+            .flat_map(|(r, (_, mirror, _))| {
+                (1..self.layout.pages())
+                    .map(PageId)
+                    .filter(|&p| r.alloc.mirror().is_allocated(p) && !mirror.is_allocated(p))
+            })
+            .collect();
         for (r, (tree, mirror, host)) in self.ranks.iter_mut().zip(states) {
             r.tree = tree;
             r.host = host;
             r.alloc.restore(mirror)?;
         }
-        Ok(())
+        self.last_rollback = drops;
+        self.poison_freed(released)
     }
 
     fn serve_inner(&mut self, tokens: &[u32]) -> Result<RequestStats, ClusterError> {
@@ -638,7 +747,7 @@ impl Cluster {
 
         // 3. Allocate the pages to compute, zigzag over the owners.
         let owners = zigzag_owners(self.layout.cp(), n_pages - cached);
-        let run = self.alloc_with_eviction(&owners, &mut stats)?;
+        let run = self.alloc_with_eviction(&owners, cached, &mut stats)?;
         pages.extend(run);
         stats.computed_tokens = (n_tokens - cached * ps) as u64;
 
@@ -662,6 +771,7 @@ impl Cluster {
         for r in &mut self.ranks {
             r.alloc.free(&to_free)?;
         }
+        self.poison_freed(to_free)?;
         let node = inserted.expect("cp >= 1");
         self.lock(node)?;
         self.unlock(locked)?;
@@ -768,8 +878,10 @@ impl Cluster {
     }
 
     /// Backs a device node up on every rank, or on none: host pages for each rank's owned
-    /// pages (evicting host LRU once if some rank is short), the device→host transfer, and the
-    /// validated metadata. A backup that still does not fit is skipped and counted.
+    /// pages, the device→host transfer, and the validated metadata. When some rank is short
+    /// of host pages, host copies are evicted in LRU order, but only ones that free pages on
+    /// a short rank, and only when that makes the backup fit; otherwise the backup is
+    /// skipped (and counted) and no host copy is thrown away.
     fn write_cp(&mut self, node: NodeId, stats: &mut RequestStats) -> Result<(), ClusterError> {
         let pages = self.ranks[0]
             .tree
@@ -779,20 +891,31 @@ impl Cluster {
             .to_vec();
         let owners: Vec<u8> = pages.iter().map(|&p| self.layout.owner(p).0).collect();
         let need = |r: usize| owners.iter().filter(|&&o| usize::from(o) == r).count() as u32;
-        let short = |ranks: &[RankState]| {
-            ranks
-                .iter()
-                .enumerate()
-                .map(|(r, s)| need(r).saturating_sub(s.host.free_count()))
-                .max()
-                .unwrap_or(0)
-        };
-        let deficit = short(&self.ranks);
-        if deficit > 0 {
-            let logical = deficit as usize * usize::from(self.layout.cp());
+        let short: Vec<u32> = self
+            .ranks
+            .iter()
+            .enumerate()
+            .map(|(r, s)| need(r).saturating_sub(s.host.free_count()))
+            .collect();
+        if short.iter().any(|&d| d > 0) {
+            // Evict host copies only if that makes the backup fit, and only those that free
+            // host pages on the short ranks: decide on a copy first (every rank evicts the
+            // same nodes, so one replica's tree tells what each rank would get back).
+            let mut sim = self.ranks[0].tree.clone();
+            let would = sim.evict_host_for_ranks(&short)?;
+            let mut gained = vec![0u32; self.ranks.len()];
+            for o in would.iter().flat_map(|m| m.page_owners()) {
+                if let Some(g) = gained.get_mut(usize::from(*o)) {
+                    *g += 1;
+                }
+            }
+            if short.iter().zip(&gained).any(|(s, g)| g < s) {
+                stats.backups_skipped += 1;
+                return Ok(());
+            }
             let mut evicted = 0;
             for r in &mut self.ranks {
-                let gone = r.tree.evict_host_lru(logical)?;
+                let gone = r.tree.evict_host_for_ranks(&short)?;
                 evicted = gone.len();
                 for meta in gone {
                     r.host.free(meta.host_pages())?;
@@ -802,10 +925,6 @@ impl Cluster {
                 }
             }
             stats.evictions_lru += evicted as u64;
-            if short(&self.ranks) > 0 {
-                stats.backups_skipped += 1;
-                return Ok(());
-            }
         }
         for r in 0..self.ranks.len() {
             let host_pages = self.ranks[r].host.alloc(need(r) as usize)?;
@@ -825,32 +944,68 @@ impl Cluster {
     }
 
     /// Allocates `owners` on every replica, or returns `None` on a shortage (nothing changed).
+    /// Replicas that saw the same calls decide alike, so a rank that is short, or that gets
+    /// other pages, after an earlier rank allocated means they diverged: the earlier ranks'
+    /// allocations are undone and it is [`ClusterError::ReplicasDiverged`]. On any other
+    /// error the earlier ranks' allocations are undone as well.
     fn try_alloc(
         &mut self,
         owners: &[u8],
         plain: bool,
     ) -> Result<Option<Vec<PageId>>, ClusterError> {
-        let mut out = None;
-        for r in &mut self.ranks {
+        let mut out: Option<Vec<PageId>> = None;
+        for r in 0..self.ranks.len() {
+            let alloc = &mut self.ranks[r].alloc;
             let res = if plain {
-                r.alloc.alloc_pages(owners.len())
+                alloc.alloc_pages(owners.len())
             } else {
-                r.alloc.alloc_pages_with_owners(owners)
+                alloc.alloc_pages_with_owners(owners)
             };
-            match res {
-                Ok(k) => out = Some(k.run.into_pages()),
-                Err(e) if e.is_shortage() => return Ok(None),
-                Err(e) => return Err(e.into()),
+            let err = match res {
+                Ok(k) => {
+                    let pages = k.run.into_pages();
+                    match &out {
+                        None => {
+                            out = Some(pages);
+                            continue;
+                        }
+                        Some(first) if *first == pages => continue,
+                        Some(first) => {
+                            let what =
+                                format!("rank {r} allocated {pages:?} where rank 0 got {first:?}");
+                            // This rank's allocation is undone with the earlier ones.
+                            let mine: Vec<PageId> = pages.into_iter().rev().collect();
+                            self.ranks[r].alloc.free(&mine)?;
+                            ClusterError::ReplicasDiverged { what }
+                        }
+                    }
+                }
+                Err(e) if e.is_shortage() && r == 0 => return Ok(None),
+                Err(e) if e.is_shortage() => ClusterError::ReplicasDiverged {
+                    what: format!("rank {r} is short of pages rank 0 could allocate: {e}"),
+                },
+                Err(e) => e.into(),
+            };
+            // Undo the earlier ranks' allocations (in reverse, so the LIFO lanes come back
+            // exactly as they were).
+            if let Some(first) = &out {
+                let back: Vec<PageId> = first.iter().rev().copied().collect();
+                for rank in &mut self.ranks[..r] {
+                    rank.alloc.free(&back)?;
+                }
             }
+            return Err(err);
         }
         Ok(out)
     }
 
     /// Allocates the pages to compute, evicting as needed: device LRU while the pool as a
-    /// whole is short, owner-lane targeted eviction when only some lanes are.
+    /// whole is short, owner-lane targeted eviction when only some lanes are. `held` is how
+    /// many device pages the request already holds (for the error).
     fn alloc_with_eviction(
         &mut self,
         owners: &[u8],
+        held: usize,
         stats: &mut RequestStats,
     ) -> Result<Vec<PageId>, ClusterError> {
         loop {
@@ -878,13 +1033,17 @@ impl Cluster {
                 }
             };
             if evicted == 0 {
+                let needed = (held + owners.len()) as u64;
+                let available = (held + free) as u64;
                 return Err(ClusterError::PoolTooSmall {
                     what: format!(
-                        "a request needs {} device pages (per-lane shortfall {:?}) and nothing more can be evicted",
-                        owners.len(),
-                        deficit
+                        "a request needs {needed} device pages at once but only {available} are \
+                         free or its own once everything unlocked is evicted (per-lane \
+                         shortfall {deficit:?})"
                     ),
                     flag: "--device-pages",
+                    needed,
+                    available,
                 });
             }
         }
@@ -912,6 +1071,7 @@ impl Cluster {
             }
         }
         let mut count = 0;
+        let mut released = BTreeSet::new();
         let freed = &mut self.freed;
         for r in &mut self.ranks {
             let evicted: Vec<Evicted> = match &how {
@@ -922,6 +1082,7 @@ impl Cluster {
             for e in evicted {
                 r.alloc.free(&e.device_pages)?;
                 freed.device.extend(e.device_pages.iter().copied());
+                released.extend(e.device_pages.iter().copied());
                 for meta in &e.host_released {
                     r.host.free(meta.host_pages())?;
                     freed
@@ -930,6 +1091,7 @@ impl Cluster {
                 }
             }
         }
+        self.poison_freed(released)?;
         Ok(count)
     }
 
@@ -992,6 +1154,31 @@ impl Cluster {
         Ok(bytes)
     }
 
+    /// Poisons freed device pages on their owners' pools, every buffer kind (when
+    /// [`Cluster::set_repoison`] is on).
+    fn poison_freed(
+        &mut self,
+        pages: impl IntoIterator<Item = PageId>,
+    ) -> Result<(), ClusterError> {
+        if !self.repoison {
+            return Ok(());
+        }
+        let mut locals = vec![BTreeSet::new(); self.ranks.len()];
+        for p in pages {
+            let owner = usize::from(self.layout.owner(p).0);
+            locals[owner].insert(self.layout.local(p).0);
+        }
+        for &b in self.config.deployment.model.buffers() {
+            for (r, l) in locals.iter().enumerate() {
+                if !l.is_empty() {
+                    let l: Vec<u32> = l.iter().copied().collect();
+                    self.pools.poison_device_pages(b, r, &l)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Synthesises pages `[start, ..)` on their owners, materialises the whole sequence from
     /// the owners' pools and finds the mismatched tokens: the verify kernels of every buffer
     /// kind set bits in one token bitmap, so a token wrong in several counts once.
@@ -1009,7 +1196,7 @@ impl Cluster {
         let n_pages = pages.len() as u32;
         let buffers = self.config.deployment.model.buffers();
         let words = tokens.len().div_ceil(32);
-        let bad_tokens = self.pools.zeroed_counters(words)?;
+        let bad_tokens = self.pools.zeroed_words(words)?;
         let mut captured = Vec::new();
         for &b in buffers {
             let synth = self.kernels.synthesise(b);
@@ -1031,7 +1218,7 @@ impl Cluster {
                     )?;
                 }
             }
-            let dense = self.pools.dense(b, n_pages)?;
+            let dense = self.pools.dense(b, n_pages, self.repoison)?;
             let pool_ptrs: Vec<_> = (0..self.ranks.len())
                 .map(|r| (self.pools.device(b, r), 0u64))
                 .collect();
@@ -1111,7 +1298,68 @@ enum Eviction {
 
 #[cfg(test)]
 mod tests {
-    use super::Mismatches;
+    use super::*;
+    use crate::exec::{HostExecutor, HostOptions};
+    use crate::jit::{JitConfig, EMU_HEADER};
+    use crate::kernels::ModelShape;
+
+    fn cluster() -> Cluster {
+        // The integration tests' JIT cache (CARGO_TARGET_TMPDIR is target/tmp), so the
+        // kernels are usually compiled already.
+        let jit = Jit::new(JitConfig::new(
+            concat!(env!("CARGO_MANIFEST_DIR"), "/target/tmp/jit-cache"),
+            EMU_HEADER,
+        ));
+        let config = ClusterConfig {
+            deployment: Deployment::new(ModelShape::MlaBf16, 16, 2).unwrap(),
+            layers: 1,
+            device_pages: 9,
+            host_pages: 4,
+            policy: WritePolicy::WriteThrough,
+            fault: None,
+            sanitize: Sanitize::None,
+        };
+        let exec = Arc::new(HostExecutor::new(HostOptions::default()));
+        Cluster::new(config, exec, &jit).unwrap()
+    }
+
+    #[test]
+    fn a_replica_short_after_rank_0_allocated_is_divergence_and_undone() {
+        let mut c = cluster();
+        // Diverge on purpose: rank 1 alone loses two pages of lane 0.
+        c.ranks[1].alloc.alloc_pages_with_owners(&[0, 0]).unwrap();
+        let rank0 = c.ranks[0].alloc.mirror().clone();
+        let err = c.try_alloc(&[0, 0, 0, 1], false).unwrap_err();
+        assert!(
+            matches!(err, ClusterError::ReplicasDiverged { .. }),
+            "{err}"
+        );
+        assert!(err.to_string().contains("rank 1 is short"), "{err}");
+        // Rank 0's allocation was undone exactly (LIFO lanes included).
+        assert_eq!(c.ranks[0].alloc.mirror().digest(), rank0.digest());
+        c.ranks[0].alloc.debug_check_device().unwrap();
+        // A shortage on every rank alike is still a plain `None`.
+        c.ranks[0].alloc.alloc_pages_with_owners(&[0, 0]).unwrap();
+        assert_eq!(c.try_alloc(&[0, 0, 0], false).unwrap(), None);
+    }
+
+    #[test]
+    fn replicas_handing_out_different_pages_is_divergence_and_undone() {
+        let mut c = cluster();
+        // Rank 1's lane 0 pops in another order than rank 0's.
+        let p = c.ranks[1].alloc.alloc_pages_with_owners(&[0]).unwrap().run;
+        let q = c.ranks[1].alloc.alloc_pages_with_owners(&[0]).unwrap().run;
+        c.ranks[1].alloc.free(p.pages()).unwrap();
+        c.ranks[1].alloc.free(q.pages()).unwrap();
+        let before: Vec<_> = c.ranks.iter().map(|r| r.alloc.digest()).collect();
+        let err = c.try_alloc(&[0, 1], false).unwrap_err();
+        assert!(err.to_string().contains("rank 1 allocated"), "{err}");
+        let after: Vec<_> = c.ranks.iter().map(|r| r.alloc.digest()).collect();
+        assert_eq!(before, after);
+        for r in &c.ranks {
+            r.alloc.debug_check_device().unwrap();
+        }
+    }
 
     #[test]
     fn mismatches_count_bits_once_and_find_the_first() {

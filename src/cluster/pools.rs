@@ -2,13 +2,19 @@
 //! scratch buffers a request uploads its control data into.
 
 use crate::exec::{BufferId, ExecError, Executor, MemKind};
-use crate::kernels::{BufferKind, Deployment};
+use crate::kernels::{reference, BufferKind, Deployment};
 use std::collections::HashMap;
 use std::sync::Arc;
 
 /// The byte every pool and dense buffer starts as: a slot nobody wrote reads as poison, so
-/// a page loaded into the wrong owner shows up as a mismatch.
+/// a page loaded into the wrong owner shows up as a mismatch. The cluster writes it again
+/// over freed device pages and over the dense buffer before each materialisation
+/// ([`Pools::poison_device_pages`], [`Pools::dense`]), so stale bytes that happen to be
+/// right cannot stand in for a copy that did not happen.
 pub const POISON: u8 = 0xA5;
+
+/// Bytes of poison uploaded per call when re-poisoning (the host-side source is this big).
+const POISON_CHUNK: usize = 1 << 20;
 
 /// Pool sizes shared by every rank and buffer kind.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -29,6 +35,8 @@ pub struct Pools {
     device: HashMap<BufferKind, Vec<BufferId>>,
     host: HashMap<BufferKind, Vec<BufferId>>,
     scratch: HashMap<&'static str, (BufferId, usize)>,
+    /// Host-side source of poison uploads, allocated on first use.
+    poison: Vec<u8>,
 }
 
 impl Pools {
@@ -45,6 +53,7 @@ impl Pools {
             device: HashMap::new(),
             host: HashMap::new(),
             scratch: HashMap::new(),
+            poison: Vec::new(),
         };
         // Transfer page pairs never exceed a pool, so these never grow on the load path
         // (growing means freeing and allocating, which synchronises on CUDA).
@@ -136,15 +145,23 @@ impl Pools {
         Ok((h, p))
     }
 
-    /// `n` zeroed u32 counters.
-    pub fn zeroed_counters(&mut self, n: usize) -> Result<BufferId, ExecError> {
-        let c = self.scratch("verify.counters", 4 * n, 0)?;
+    /// `n` zeroed u32 words (verify's token bitmap).
+    pub fn zeroed_words(&mut self, n: usize) -> Result<BufferId, ExecError> {
+        let c = self.scratch("verify.bad_tokens", 4 * n, 0)?;
         self.exec.upload(c, 0, &vec![0u8; 4 * n])?;
         Ok(c)
     }
 
-    /// The dense materialisation buffer of buffer `b` for `n_pages` pages, poisoned.
-    pub fn dense(&mut self, b: BufferKind, n_pages: u32) -> Result<BufferId, ExecError> {
+    /// The dense materialisation buffer of buffer `b` for `n_pages` pages. With `poison`
+    /// its first `n_pages` pages are poisoned again (every layer): the scratch buffer is
+    /// reused between requests, and a materialisation that skips a page must not pass on the
+    /// bytes an earlier request left there.
+    pub fn dense(
+        &mut self,
+        b: BufferKind,
+        n_pages: u32,
+        poison: bool,
+    ) -> Result<BufferId, ExecError> {
         let bytes = b.page_bytes(self.page_size) as usize
             * n_pages as usize
             * self.geometry.layers as usize;
@@ -153,7 +170,61 @@ impl Pools {
             BufferKind::NsaIndexK => "dense.nsa_idx",
             BufferKind::MlaKv => "dense.mla_kv",
         };
-        self.scratch(name, bytes, POISON)
+        let id = self.scratch(name, bytes, POISON)?;
+        if poison {
+            self.fill_poison(id, &[(0, bytes as u64)])?;
+        }
+        Ok(id)
+    }
+
+    /// Poisons local pages `locals` (ascending) of rank `r`'s device pool of buffer `b`, in
+    /// every layer: one upload per run of consecutive pages per layer (and per
+    /// 1 MiB). Uploads are stream-ordered and neither read back nor synchronise,
+    /// so this may run on the load path. Pages outside the pool are skipped.
+    pub fn poison_device_pages(
+        &mut self,
+        b: BufferKind,
+        r: usize,
+        locals: &[u32],
+    ) -> Result<(), ExecError> {
+        let g = self.geometry;
+        let page_bytes = b.page_bytes(self.page_size);
+        let mut runs: Vec<(u32, u32)> = Vec::new();
+        for &p in locals.iter().filter(|&&p| p < g.local_pages) {
+            match runs.last_mut() {
+                Some((start, len)) if *start + *len == p => *len += 1,
+                _ => runs.push((p, 1)),
+            }
+        }
+        let ranges: Vec<(u64, u64)> = (0..g.layers)
+            .flat_map(|l| {
+                runs.iter().map(move |&(start, len)| {
+                    (
+                        reference::device_offset(start, l, g.local_pages, page_bytes),
+                        u64::from(len) * page_bytes,
+                    )
+                })
+            })
+            .collect();
+        let id = self.device(b, r);
+        self.fill_poison(id, &ranges)
+    }
+
+    /// Writes [`POISON`] over each `(offset, len)` range of `buffer` with uploads.
+    fn fill_poison(&mut self, buffer: BufferId, ranges: &[(u64, u64)]) -> Result<(), ExecError> {
+        if self.poison.is_empty() {
+            self.poison = vec![POISON; POISON_CHUNK];
+        }
+        for &(offset, len) in ranges {
+            let mut done = 0u64;
+            while done < len {
+                let n = (len - done).min(POISON_CHUNK as u64);
+                self.exec
+                    .upload(buffer, offset + done, &self.poison[..n as usize])?;
+                done += n;
+            }
+        }
+        Ok(())
     }
 }
 

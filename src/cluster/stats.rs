@@ -72,8 +72,12 @@ pub struct ReplayReport {
     /// Totals over all requests.
     #[serde(flatten)]
     pub totals: RequestStats,
-    /// Whether every rank's allocator and tree digests agreed after every request.
+    /// Whether every rank's allocator and tree digests agreed after every request, and the
+    /// device lane stacks with the allocators' mirrors at the end.
     pub replicas_agree: bool,
+    /// Whether every rank's device lane stacks equalled its allocator's host mirror after
+    /// the run.
+    pub device_lanes_agree: bool,
     /// Wall time of the replay loop.
     pub wall_seconds: f64,
     /// Prompt tokens per second of wall time.
@@ -94,6 +98,14 @@ pub struct ReplayReport {
     pub workload: String,
     /// Requests that failed with an error (their state was rolled back).
     pub failed_requests: u64,
+    /// Requests skipped because they need more device pages at once than the pool can give
+    /// them (they were rolled back; the replay went on).
+    pub requests_skipped: u64,
+    /// Device pages whose cache entries the rollbacks of failed requests dropped, because
+    /// the failed request had evicted them and may have reused them.
+    pub rollback_dropped_device_pages: u64,
+    /// Host copies the rollbacks of failed requests dropped, for the same reason.
+    pub rollback_dropped_host_copies: u64,
     /// The injected fault, if any.
     pub fault: Option<String>,
     /// Launch shape of the transfer and materialise kernels (from tuning, or the default).
@@ -107,7 +119,7 @@ pub struct ReplayReport {
 impl ReplayReport {
     /// Whether the run is correct: no mismatched token and replicas in agreement.
     pub fn ok(&self) -> bool {
-        self.totals.mismatched_tokens == 0 && self.replicas_agree
+        self.totals.mismatched_tokens == 0 && self.replicas_agree && self.device_lanes_agree
     }
 
     /// The human-readable summary table.
@@ -136,6 +148,12 @@ impl ReplayReport {
         row("host<->device transfers", self.transfer_path.clone());
         row("synth/verify threads", self.synth_threads.to_string());
         row("requests", self.requests.to_string());
+        if self.requests_skipped > 0 {
+            row(
+                "requests skipped (larger than the device pool)",
+                self.requests_skipped.to_string(),
+            );
+        }
         row("prompt tokens", t.prompt_tokens.to_string());
         row(
             "device hit tokens",
@@ -182,11 +200,22 @@ impl ReplayReport {
             "replicas agree",
             if self.replicas_agree { "yes" } else { "NO" }.into(),
         );
+        row(
+            "device lane stacks agree",
+            if self.device_lanes_agree { "yes" } else { "NO" }.into(),
+        );
         if let Some(f) = &self.fault {
             row("injected fault", f.clone());
         }
         if self.failed_requests > 0 {
             row("failed requests", self.failed_requests.to_string());
+            row(
+                "dropped by rollbacks",
+                format!(
+                    "{} device pages / {} host copies",
+                    self.rollback_dropped_device_pages, self.rollback_dropped_host_copies
+                ),
+            );
         }
         row("mismatched tokens", t.mismatched_tokens.to_string());
         s
@@ -219,6 +248,7 @@ mod tests {
             requests: 1,
             totals: RequestStats::default(),
             replicas_agree: true,
+            device_lanes_agree: true,
             wall_seconds: 1.0,
             tokens_per_second: 0.0,
             backend: "host".into(),
@@ -229,6 +259,9 @@ mod tests {
             policy: "write_through".into(),
             workload: "built-in".into(),
             failed_requests: 0,
+            requests_skipped: 0,
+            rollback_dropped_device_pages: 0,
+            rollback_dropped_host_copies: 0,
             fault: None,
             copy_launch: "t1_ppb16_v16_u1".into(),
             transfer_path: "kernel".into(),
@@ -250,7 +283,12 @@ mod tests {
             "bytes_d2h",
             "mismatched_tokens",
             "replicas_agree",
+            "device_lanes_agree",
             "load_path_syncs",
+            "failed_requests",
+            "requests_skipped",
+            "rollback_dropped_device_pages",
+            "rollback_dropped_host_copies",
             "wall_seconds",
             "tokens_per_second",
             "backend",

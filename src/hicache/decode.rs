@@ -39,8 +39,9 @@ pub enum DecodeError {
         buffer: BufferKind,
         /// Bytes given.
         got: usize,
-        /// Bytes the shape needs.
-        expected: usize,
+        /// Bytes the shape needs (wider than `usize`: an absurd shape is reported, not
+        /// overflowed).
+        expected: u128,
         /// Layers claimed.
         layers: u32,
         /// Pages implied by the token count.
@@ -123,8 +124,11 @@ impl<'a> Dense<'a> {
         }
         let pages = n_tokens.div_ceil(page_size as usize);
         let page_bytes = buffer.page_bytes(page_size) as usize;
-        let expected = page_bytes * pages * layers as usize;
-        if bytes.len() != expected {
+        // A shape claimed by the caller can be absurd (a huge token or layer count): compute
+        // its size without overflow; only a size equal to the buffer's is accepted, so the
+        // page arithmetic below stays in range.
+        let expected = page_bytes as u128 * pages as u128 * u128::from(layers);
+        if bytes.len() as u128 != expected {
             return Err(DecodeError::Shape {
                 buffer,
                 got: bytes.len(),
@@ -305,6 +309,31 @@ pub fn decode_step(
 mod tests {
     use super::*;
     use crate::kernels::reference::{prefix_hashes, synth_token};
+
+    #[test]
+    fn absurd_shapes_are_shape_errors_not_overflows() {
+        let q = vec![0.0f32; KEY_DIM];
+        let buf = vec![0u8; 64];
+        for (n_tokens, layers) in [
+            (usize::MAX, u32::MAX),
+            (usize::MAX / 2, 2),
+            (1 << 60, 1 << 20),
+        ] {
+            let err =
+                decode_step(BufferKind::MlaKv, &buf, 16, layers, 0, n_tokens, &q).unwrap_err();
+            match &err {
+                DecodeError::Shape { got, expected, .. } => {
+                    assert_eq!(*got, 64);
+                    assert!(*expected > usize::MAX as u128 / 1024, "{err}");
+                }
+                other => panic!("{other}"),
+            }
+            assert!(matches!(
+                check_dtypes(BufferKind::MlaKv, &buf, 16, layers, n_tokens),
+                Err(DecodeError::Shape { .. })
+            ));
+        }
+    }
 
     #[test]
     fn fp8_decoding_matches_known_codes() {

@@ -851,6 +851,55 @@ impl RadixTree {
         Ok(out)
     }
 
+    /// Like [`RadixTree::evict_host_lru`], in the same order, but only removes host-only
+    /// leaves that own at least one page of a rank still short (`deficit[rank]` host pages,
+    /// ranks by the node's `page_owners`), and stops as soon as every deficit is covered or
+    /// no candidate is left. The choice depends only on `page_owners`, which every rank
+    /// shares, so every rank evicts the same nodes.
+    pub fn evict_host_for_ranks(
+        &mut self,
+        deficit: &[u32],
+    ) -> Result<Vec<NodeMetadata>, TreeError> {
+        let mut short = deficit.to_vec();
+        let mut cands = BTreeSet::new();
+        for (id, n) in self.live_nodes() {
+            if self.is_host_candidate(id, n) {
+                cands.insert((n.stamp, id));
+            }
+        }
+        let mut out = Vec::new();
+        while short.iter().any(|&d| d > 0) {
+            let Some((_, id)) = cands.pop_first() else {
+                break;
+            };
+            let helps = self.get(id)?.host.as_ref().is_some_and(|m| {
+                m.page_owners()
+                    .iter()
+                    .any(|&o| short.get(usize::from(o)).is_some_and(|&s| s > 0))
+            });
+            if !helps {
+                continue;
+            }
+            let parent = self.get(id)?.parent;
+            let n = self.remove_leaf(id)?;
+            if let Some(meta) = n.host {
+                for &o in meta.page_owners() {
+                    if let Some(s) = short.get_mut(usize::from(o)) {
+                        *s = s.saturating_sub(1);
+                    }
+                }
+                out.push(meta);
+            }
+            if let Some(p) = parent {
+                let pn = self.get(p)?;
+                if self.is_host_candidate(p, pn) {
+                    cands.insert((pn.stamp, p));
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// Nodes whose host metadata references one of `host` (this rank's host pages).
     pub fn nodes_holding_host(&self, host: &BTreeSet<HostPage>) -> BTreeSet<NodeId> {
         self.live_nodes()
@@ -1452,6 +1501,41 @@ mod tests {
             t.insert(&[5, 5], &pages(&[0])),
             Err(TreeError::NullPage { index: 0 })
         );
+        t.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn host_eviction_for_ranks_takes_only_nodes_that_help() {
+        let layout = CpLayout::new(2, 1, 64).unwrap();
+        let mut t = RadixTree::new(layout, Rank(0)).unwrap();
+        // Oldest first: a owns only rank 1's pages, b one of each, c only rank 0's.
+        let mut ids = Vec::new();
+        for (i, (tokens, p, owners, host)) in [
+            (vec![1, 1], pages(&[3, 5]), vec![1, 1], vec![]),
+            (vec![2, 2], pages(&[2, 7]), vec![0, 1], vec![0]),
+            (vec![3, 3], pages(&[4, 6]), vec![0, 0], vec![1, 2]),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let node = t.insert(&tokens, &p).unwrap().node;
+            let host = host.into_iter().map(HostPage).collect();
+            t.set_host(
+                node,
+                NodeMetadata::new(&layout, Rank(0), owners, host).unwrap(),
+            )
+            .unwrap();
+            t.take_device(node).unwrap();
+            ids.push((i, node));
+        }
+        // Rank 0 is short of 2 host pages: a does not help, b gives 1, c the other.
+        let gone = t.evict_host_for_ranks(&[2, 0]).unwrap();
+        let owners: Vec<&[u8]> = gone.iter().map(|m| m.page_owners()).collect();
+        assert_eq!(owners, vec![&[0, 1][..], &[0, 0][..]]);
+        assert!(t.contains(ids[0].1));
+        assert!(!t.contains(ids[1].1) && !t.contains(ids[2].1));
+        // Nothing short: nothing evicted.
+        assert!(t.evict_host_for_ranks(&[0, 0]).unwrap().is_empty());
         t.check_invariants().unwrap();
     }
 

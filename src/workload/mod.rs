@@ -10,7 +10,7 @@ mod synthetic;
 mod trace;
 
 pub use synthetic::{Conversations, ConversationsConfig};
-pub use trace::{MooncakeTrace, TraceConfig, MOONCAKE_BLOCK_TOKENS};
+pub use trace::{MooncakeTrace, TraceConfig, MAX_BLOCK_TOKENS, MOONCAKE_BLOCK_TOKENS};
 
 use std::path::PathBuf;
 
@@ -23,6 +23,8 @@ pub struct Request {
     pub tokens: Vec<u32>,
     /// Tokens the request would generate; conversations append them to the next turn.
     pub output_tokens: u32,
+    /// The 1-based line of the trace it was read from (none for generated workloads).
+    pub line: Option<usize>,
 }
 
 /// Why a workload could not be read.

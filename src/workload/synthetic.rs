@@ -174,6 +174,7 @@ impl Iterator for Conversations {
             id: self.next_id,
             tokens: prompt.clone(),
             output_tokens: conv.pending_output as u32,
+            line: None,
         };
         conv.prompt = prompt;
         if conv.turns_left > 0 {

@@ -5,14 +5,18 @@
 use super::{block_token, Request, WorkloadError, VOCAB};
 use serde::Deserialize;
 use std::fs::File;
-use std::io::{BufRead, BufReader, Lines};
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 
 /// Tokens per hash id in the published Mooncake traces.
 pub const MOONCAKE_BLOCK_TOKENS: u64 = 512;
 
-/// Longest prompt accepted, in trace tokens; anything longer is a corrupt record.
+/// Longest prompt accepted, in trace tokens; anything longer is a corrupt record. Prompts
+/// scaled by `--block-tokens` are held to the same bound.
 const MAX_INPUT_LENGTH: u64 = 16 * 1024 * 1024;
+
+/// Largest `--block-tokens`: a hash id stands for at most this many tokens.
+pub const MAX_BLOCK_TOKENS: u32 = 64 * 1024;
 
 /// How a trace is replayed.
 #[derive(Clone, Debug)]
@@ -35,7 +39,7 @@ struct Record {
 /// A streaming reader of a Mooncake trace; yields one [`Request`] per non-blank line.
 pub struct MooncakeTrace {
     path: PathBuf,
-    lines: Lines<BufReader<File>>,
+    reader: BufReader<File>,
     line_no: usize,
     next_id: usize,
     config: TraceConfig,
@@ -44,10 +48,11 @@ pub struct MooncakeTrace {
 impl MooncakeTrace {
     /// Opens a trace file.
     pub fn open(path: &Path, config: TraceConfig) -> Result<Self, WorkloadError> {
-        if config.block_tokens == 0 {
-            return Err(WorkloadError::Config(
-                "--block-tokens must be at least 1".into(),
-            ));
+        if config.block_tokens == 0 || config.block_tokens > MAX_BLOCK_TOKENS {
+            return Err(WorkloadError::Config(format!(
+                "--block-tokens {} is out of range 1..={MAX_BLOCK_TOKENS}",
+                config.block_tokens
+            )));
         }
         let file = File::open(path).map_err(|source| WorkloadError::Io {
             path: path.to_owned(),
@@ -55,7 +60,7 @@ impl MooncakeTrace {
         })?;
         Ok(MooncakeTrace {
             path: path.to_owned(),
-            lines: BufReader::new(file).lines(),
+            reader: BufReader::new(file),
             line_no: 0,
             next_id: 0,
             config,
@@ -107,6 +112,12 @@ impl MooncakeTrace {
         let scaled = (input * bt)
             .div_ceil(MOONCAKE_BLOCK_TOKENS)
             .clamp((blocks - 1) * bt + 1, blocks * bt);
+        if scaled > MAX_INPUT_LENGTH {
+            return Err(self.bad(format!(
+                "input_length {input} scaled to {bt} tokens per block is {scaled} tokens, \
+                 more than {MAX_INPUT_LENGTH}: lower --block-tokens"
+            )));
+        }
         let tokens = rec
             .hash_ids
             .iter()
@@ -114,10 +125,19 @@ impl MooncakeTrace {
             .take(scaled as usize)
             .collect();
         let output = (rec.output_length as u64 * bt).div_ceil(MOONCAKE_BLOCK_TOKENS);
+        let output_tokens = u32::try_from(output).map_err(|_| {
+            self.bad(format!(
+                "output_length {} scaled to {bt} tokens per block is {output} tokens, more \
+                 than {}",
+                rec.output_length,
+                u32::MAX
+            ))
+        })?;
         Ok(Request {
             id: self.next_id,
             tokens,
-            output_tokens: output as u32,
+            output_tokens,
+            line: Some(self.line_no),
         })
     }
 }
@@ -129,21 +149,34 @@ impl Iterator for MooncakeTrace {
         if self.config.max_requests.is_some_and(|m| self.next_id >= m) {
             return None;
         }
+        let mut bytes = Vec::new();
         loop {
-            let line = match self.lines.next()? {
-                Ok(line) => line,
+            bytes.clear();
+            match self.reader.read_until(b'\n', &mut bytes) {
+                Ok(0) => return None,
+                Ok(_) => {}
                 Err(source) => {
                     return Some(Err(WorkloadError::Io {
                         path: self.path.clone(),
                         source,
                     }))
                 }
-            };
+            }
+            // Count the line before judging it, so every error names it.
             self.line_no += 1;
+            let line = match std::str::from_utf8(&bytes) {
+                Ok(line) => line,
+                Err(e) => {
+                    return Some(Err(self.bad(format!(
+                        "not UTF-8 (invalid byte at column {})",
+                        e.valid_up_to() + 1
+                    ))))
+                }
+            };
             if line.trim().is_empty() {
                 continue;
             }
-            let req = self.parse(&line);
+            let req = self.parse(line);
             if req.is_ok() {
                 self.next_id += 1;
             }
@@ -229,6 +262,76 @@ mod tests {
             assert!(err.contains(":2: "), "{err}");
             assert!(err.contains(want), "{err} should mention {want}");
         }
+    }
+
+    #[test]
+    fn a_non_utf8_line_is_named() {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(b"{\"input_length\": 5, \"output_length\": 1, \"hash_ids\": [0]}\n\n{\"x\": \"\xff\"}\n")
+            .unwrap();
+        let got: Vec<_> = MooncakeTrace::open(
+            f.path(),
+            TraceConfig {
+                block_tokens: 16,
+                max_requests: None,
+            },
+        )
+        .unwrap()
+        .collect();
+        assert!(got[0].is_ok());
+        match got[1].as_ref().unwrap_err() {
+            WorkloadError::BadLine { line, message, .. } => {
+                assert_eq!(*line, 3);
+                assert!(message.contains("not UTF-8"), "{message}");
+            }
+            other => panic!("{other}"),
+        }
+    }
+
+    #[test]
+    fn block_tokens_are_bounded() {
+        let f = tempfile::NamedTempFile::new().unwrap();
+        for bt in [0, MAX_BLOCK_TOKENS + 1, u32::MAX] {
+            let err = MooncakeTrace::open(
+                f.path(),
+                TraceConfig {
+                    block_tokens: bt,
+                    max_requests: None,
+                },
+            )
+            .err()
+            .unwrap();
+            assert!(matches!(err, WorkloadError::Config(_)), "{err}");
+            assert!(err.to_string().contains("--block-tokens"), "{err}");
+        }
+    }
+
+    #[test]
+    fn scaled_lengths_are_bounded_without_allocating() {
+        // 16 Mi trace tokens at 64 Ki tokens per block would be 2 Gi tokens.
+        let blocks = MAX_INPUT_LENGTH / MOONCAKE_BLOCK_TOKENS;
+        let ids: Vec<String> = (0..blocks).map(|i| i.to_string()).collect();
+        let line = format!(
+            "{{\"input_length\": {MAX_INPUT_LENGTH}, \"output_length\": 1, \"hash_ids\": [{}]}}\n",
+            ids.join(",")
+        );
+        let got = trace(&line, MAX_BLOCK_TOKENS);
+        let err = got[0].as_ref().unwrap_err().to_string();
+        assert!(
+            err.contains(":1: ") && err.contains("lower --block-tokens"),
+            "{err}"
+        );
+        // The largest scaled output still fits a u32.
+        let got = trace(
+            &format!(
+                "{{\"input_length\": 5, \"output_length\": {MAX_INPUT_LENGTH}, \"hash_ids\": [0]}}\n"
+            ),
+            MAX_BLOCK_TOKENS,
+        );
+        assert_eq!(
+            got[0].as_ref().unwrap().output_tokens,
+            (MAX_INPUT_LENGTH * u64::from(MAX_BLOCK_TOKENS) / MOONCAKE_BLOCK_TOKENS) as u32
+        );
     }
 
     #[test]

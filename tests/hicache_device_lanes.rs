@@ -1,0 +1,99 @@
+//! The allocator's device lane stacks against its host mirror: an undo that cannot reach the
+//! device marks the allocator broken (typed error, healed by a successful restore), a restore
+//! from another layout names both layouts, and the cluster's lane check (which replay runs
+//! after a replay) catches device lanes that a kernel left out of step.
+
+mod hicache_support;
+
+use cp_hicache::allocator::kernel::{KernelAllocError, KernelAllocOptions, KernelLaneAllocator};
+use cp_hicache::allocator::OwnerLaneAllocator;
+use cp_hicache::cluster::ClusterError;
+use cp_hicache::kernels::ModelShape;
+use cp_hicache::layout::CpLayout;
+use hicache_support::{jit, serve, tokens, Setup, Spy};
+
+fn allocator(spy: &std::sync::Arc<Spy>, layout: CpLayout) -> KernelLaneAllocator {
+    KernelLaneAllocator::new(layout, spy.clone(), &jit(), KernelAllocOptions::default()).unwrap()
+}
+
+#[test]
+fn a_failed_undo_breaks_the_allocator_until_a_restore() {
+    let spy = Spy::new();
+    let layout = CpLayout::new(2, 16, 33).unwrap();
+    let mut a = allocator(&spy, layout);
+    let before = a.mirror().clone();
+    spy.fail_uploads(true);
+    // The owners upload fails, and so does re-uploading the lanes afterwards.
+    let err = a.alloc_pages_with_owners(&[0, 1]).unwrap_err();
+    assert!(matches!(err, KernelAllocError::Exec(_)), "{err}");
+    assert!(a.is_broken());
+    spy.fail_uploads(false);
+    for err in [
+        a.alloc_pages_with_owners(&[0]).unwrap_err(),
+        a.alloc_pages(1).unwrap_err(),
+        a.free(&[]).unwrap_err(),
+    ] {
+        assert!(matches!(err, KernelAllocError::Broken { .. }), "{err}");
+        assert!(err.to_string().contains("upload failure injected"), "{err}");
+    }
+    // A restore that fails keeps it broken; one that succeeds heals it.
+    spy.fail_uploads(true);
+    assert!(a.restore(before.clone()).is_err());
+    assert!(a.is_broken());
+    spy.fail_uploads(false);
+    a.restore(before).unwrap();
+    assert!(!a.is_broken());
+    a.alloc_pages_with_owners(&[0, 1]).unwrap();
+    a.debug_check_device().unwrap();
+}
+
+#[test]
+fn a_restore_from_another_layout_names_both() {
+    let spy = Spy::new();
+    let ours = CpLayout::new(2, 16, 33).unwrap();
+    let theirs = CpLayout::new(4, 16, 33).unwrap();
+    let mut a = allocator(&spy, ours);
+    let err = a.restore(OwnerLaneAllocator::new(theirs)).unwrap_err();
+    match &err {
+        KernelAllocError::LayoutMismatch { ours: o, theirs: t } => {
+            assert_eq!((*o, *t), (ours, theirs));
+        }
+        other => panic!("{other}"),
+    }
+    let text = err.to_string();
+    assert!(
+        text.contains(&format!("{ours:?}")) && text.contains(&format!("{theirs:?}")),
+        "{text}"
+    );
+    assert!(!a.is_broken());
+}
+
+#[test]
+fn the_lane_check_catches_a_release_kernel_that_did_nothing() {
+    let spy = Spy::new();
+    let mut c = Setup::new(ModelShape::MlaBf16, 16, 2).build_on(spy.clone());
+    serve(&mut c, &tokens(1, 3 * 16 + 5));
+    c.check_device_lanes().unwrap();
+    // The partial page is released at the end of the request: the kernel pushing it back
+    // does nothing, so the device lanes fall behind the mirror.
+    spy.skip_kernels(Some("release_pages"));
+    c.serve(&tokens(2, 2 * 16 + 5)).unwrap();
+    spy.skip_kernels(None);
+    assert!(spy.skipped() > 0);
+    let err = c.check_device_lanes().unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ClusterError::DeviceLanes {
+                rank: 0,
+                source: KernelAllocError::DeviceMismatch { .. }
+            }
+        ),
+        "{err}"
+    );
+    assert!(
+        err.to_string()
+            .starts_with("rank 0: device lane state differs"),
+        "{err}"
+    );
+}

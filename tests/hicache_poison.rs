@@ -1,0 +1,70 @@
+//! Verification must not pass on stale bytes. The lane stacks are LIFO, so a node loaded
+//! back often gets its old device pages, and the dense materialisation buffer is reused
+//! between requests: both still hold the right bytes. The cluster poisons freed pages and
+//! the dense buffer again, so a copy that silently did nothing shows up as mismatches. Each
+//! case also runs with re-poisoning off, to show that it exercises stale-but-right bytes.
+
+mod hicache_support;
+
+use cp_hicache::kernels::ModelShape;
+use hicache_support::{evict_all, serve, serve_checked, tokens, Setup, Spy};
+
+/// Cold prefill, evict everything, then reload with every host→device transfer launch a
+/// silent no-op, at CP 8 (where most ranks get their old pages back). Returns the
+/// mismatched tokens of the reload.
+fn reload_copying_nothing(repoison: bool) -> u64 {
+    let spy = Spy::new();
+    let setup = Setup {
+        layers: 2,
+        ..Setup::new(ModelShape::MlaBf16, 16, 8)
+    };
+    let mut c = setup.build_on(spy.clone());
+    c.set_repoison(repoison);
+    let a = tokens(1, 10 * 16 + 8);
+    serve(&mut c, &a);
+    assert!(evict_all(&mut c) > 0);
+    spy.skip_kernels(Some("transfer_pages_h2d"));
+    let s = serve_checked(&mut c, &a);
+    spy.skip_kernels(None);
+    assert_eq!(s.host_hit_tokens, 10 * 16, "{s:?}");
+    assert!(spy.skipped() > 0, "no host→device transfer was skipped");
+    s.mismatched_tokens
+}
+
+#[test]
+fn a_reload_that_copies_nothing_mismatches_on_every_loaded_token() {
+    assert_eq!(reload_copying_nothing(true), 10 * 16);
+}
+
+#[test]
+fn without_repoisoning_the_old_pages_hide_most_of_it() {
+    // The ranks that get their old pages back hide their tokens; only the others show.
+    let m = reload_copying_nothing(false);
+    assert!(m < 10 * 16, "{m}");
+}
+
+/// Serves a prompt, then serves it again (a device hit) with the materialise kernel a silent
+/// no-op. Returns the mismatched tokens of the second request.
+fn materialise_skipped(repoison: bool) -> u64 {
+    let spy = Spy::new();
+    let mut c = Setup::new(ModelShape::MlaBf16, 16, 4).build_on(spy.clone());
+    c.set_repoison(repoison);
+    let a = tokens(2, 6 * 16 + 3);
+    serve(&mut c, &a);
+    spy.skip_kernels(Some("materialise"));
+    let s = serve_checked(&mut c, &a);
+    spy.skip_kernels(None);
+    assert_eq!(s.device_hit_tokens, 6 * 16, "{s:?}");
+    assert!(spy.skipped() > 0, "no materialisation was skipped");
+    s.mismatched_tokens
+}
+
+#[test]
+fn a_materialisation_that_writes_nothing_mismatches() {
+    assert!(materialise_skipped(true) > 0);
+}
+
+#[test]
+fn without_repoisoning_the_reused_dense_buffer_hides_it() {
+    assert_eq!(materialise_skipped(false), 0);
+}
