@@ -111,9 +111,11 @@ fn plain_alloc_on_load_reports_mismatches() {
         num(&r, "mismatched_tokens") > 0,
         "the seed's bug must show: {r}"
     );
+    // Wrongly loaded pages stay on the device, so later device hits mismatch too; but every
+    // token is counted once, however many buffer kinds differ.
     assert!(
-        num(&r, "mismatched_tokens") <= num(&r, "host_hit_tokens"),
-        "only loaded tokens can mismatch, each once: {r}"
+        num(&r, "mismatched_tokens") <= num(&r, "prompt_tokens"),
+        "each token counts once: {r}"
     );
     assert!(
         stderr(&out).contains("mismatched tokens, the first at token"),

@@ -105,6 +105,9 @@ impl Executor for StandInGpu {
     fn read(&self, b: BufferId, o: u64, d: &mut [u8]) -> Result<(), ExecError> {
         self.cuda.read(b, o, d)
     }
+    fn fill(&self, b: BufferId, r: &[(u64, u64)], v: u8) -> Result<(), ExecError> {
+        self.cuda.fill(b, r, v)
+    }
     fn load_kernel(&self, a: &KernelArtifact<'_>) -> Result<KernelId, ExecError> {
         let KernelArtifact::HostLibrary {
             path,
@@ -240,6 +243,23 @@ fn executor_basics() {
         Err(ExecError::OutOfBounds { .. })
     ));
     assert!(ex.copy_regions(dev, host, &[r(60, 0, 8)]).is_err());
+    // Fills: device memory with cuMemsetD8Async (no sync), pinned host memory by the CPU
+    // after the stream is idle (one counted sync); a batch with a bad range writes nothing.
+    let before_fill = ex.counters();
+    ex.fill(dev, &[(0, 4), (40, 8)], 0x11).unwrap();
+    let c = ex.counters().since(&before_fill);
+    assert_eq!((c.fills, c.bytes_filled, c.syncs), (1, 12, 0), "{c:?}");
+    ex.fill(host, &[(60, 4)], 0x22).unwrap();
+    assert!(matches!(
+        ex.fill(dev, &[(8, 4), (62, 4)], 0x33),
+        Err(ExecError::OutOfBounds { .. })
+    ));
+    ex.read(dev, 0, &mut out).unwrap();
+    want[..4].fill(0x11);
+    want[40..48].fill(0x11);
+    assert_eq!(out, want);
+    ex.read(host, 56, &mut out[..8]).unwrap();
+    assert_eq!(out[4..8], [0x22; 4]);
     let before_timing = ex.counters();
     let t = ex
         .time_work(&mut || ex.copy_regions(host, dev, &[r(0, 0, 64)]))

@@ -580,10 +580,11 @@ impl Cluster {
     /// the lane stacks are LIFO, so a node loaded back often gets its old pages, which still
     /// hold the right bytes, and a load that copied nothing would pass verification.
     ///
-    /// Cost: an upload of the poison byte over every freed page (all layers and buffer kinds,
-    /// on its owner rank) and over the dense buffers of every request, i.e. about as many
-    /// bytes as the pages freed plus the pages materialised. The uploads are stream-ordered
-    /// and neither read back nor synchronise, so the load path stays free of both.
+    /// Cost: a device fill (`cuMemsetD8Async` on a GPU, `memset` on the CPU) of the poison
+    /// byte over every freed page (all layers and buffer kinds, on its owner rank) and over
+    /// the dense buffers of every request: device-memory writes of about the bytes freed plus
+    /// the bytes materialised, nothing over PCIe. Fills are stream-ordered and neither read
+    /// back nor synchronise, so the load path stays free of both.
     pub fn set_repoison(&mut self, on: bool) {
         self.repoison = on;
     }

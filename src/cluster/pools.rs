@@ -13,9 +13,6 @@ use std::sync::Arc;
 /// right cannot stand in for a copy that did not happen.
 pub const POISON: u8 = 0xA5;
 
-/// Bytes of poison uploaded per call when re-poisoning (the host-side source is this big).
-const POISON_CHUNK: usize = 1 << 20;
-
 /// Pool sizes shared by every rank and buffer kind.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PoolGeometry {
@@ -35,8 +32,6 @@ pub struct Pools {
     device: HashMap<BufferKind, Vec<BufferId>>,
     host: HashMap<BufferKind, Vec<BufferId>>,
     scratch: HashMap<&'static str, (BufferId, usize)>,
-    /// Host-side source of poison uploads, allocated on first use.
-    poison: Vec<u8>,
 }
 
 impl Pools {
@@ -53,7 +48,6 @@ impl Pools {
             device: HashMap::new(),
             host: HashMap::new(),
             scratch: HashMap::new(),
-            poison: Vec::new(),
         };
         // Transfer page pairs never exceed a pool, so these never grow on the load path
         // (growing means freeing and allocating, which synchronises on CUDA).
@@ -178,9 +172,9 @@ impl Pools {
     }
 
     /// Poisons local pages `locals` (ascending) of rank `r`'s device pool of buffer `b`, in
-    /// every layer: one upload per run of consecutive pages per layer (and per
-    /// 1 MiB). Uploads are stream-ordered and neither read back nor synchronise,
-    /// so this may run on the load path. Pages outside the pool are skipped.
+    /// every layer: one fill range per run of consecutive pages per layer. Device fills are
+    /// stream-ordered and neither read back nor synchronise, so this may run on the load
+    /// path. Pages outside the pool are skipped.
     pub fn poison_device_pages(
         &mut self,
         b: BufferKind,
@@ -210,21 +204,10 @@ impl Pools {
         self.fill_poison(id, &ranges)
     }
 
-    /// Writes [`POISON`] over each `(offset, len)` range of `buffer` with uploads.
+    /// Writes [`POISON`] over each `(offset, len)` range of `buffer` (one executor fill:
+    /// `cuMemsetD8Async` on a GPU, nothing crosses PCIe).
     fn fill_poison(&mut self, buffer: BufferId, ranges: &[(u64, u64)]) -> Result<(), ExecError> {
-        if self.poison.is_empty() {
-            self.poison = vec![POISON; POISON_CHUNK];
-        }
-        for &(offset, len) in ranges {
-            let mut done = 0u64;
-            while done < len {
-                let n = (len - done).min(POISON_CHUNK as u64);
-                self.exec
-                    .upload(buffer, offset + done, &self.poison[..n as usize])?;
-                done += n;
-            }
-        }
-        Ok(())
+        self.exec.fill(buffer, ranges, POISON)
     }
 }
 

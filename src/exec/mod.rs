@@ -529,6 +529,10 @@ pub struct Counters {
     pub copies: u64,
     /// Bytes moved by copy batches.
     pub bytes_copied: u64,
+    /// Fill batches ([`Executor::fill`]).
+    pub fills: u64,
+    /// Bytes written by fill batches.
+    pub bytes_filled: u64,
 }
 
 impl Counters {
@@ -544,6 +548,8 @@ impl Counters {
             allocs: self.allocs.saturating_sub(earlier.allocs),
             copies: self.copies.saturating_sub(earlier.copies),
             bytes_copied: self.bytes_copied.saturating_sub(earlier.bytes_copied),
+            fills: self.fills.saturating_sub(earlier.fills),
+            bytes_filled: self.bytes_filled.saturating_sub(earlier.bytes_filled),
         }
     }
 
@@ -625,6 +631,13 @@ pub trait Executor: Send + Sync {
         dst: BufferId,
         regions: &[CopyRegion],
     ) -> Result<(), ExecError>;
+
+    /// Writes `byte` over every `(offset, len)` range of `buffer`, stream-ordered after
+    /// earlier work and without synchronising: `cuMemsetD8Async` on CUDA device memory,
+    /// `memset` on the host executor. This is how the cluster poisons freed pages and reused
+    /// scratch buffers again without moving the bytes over PCIe. All ranges are checked
+    /// before any is written ([`ExecError::OutOfBounds`]). Counted in [`Counters::fills`].
+    fn fill(&self, buffer: BufferId, ranges: &[(u64, u64)], byte: u8) -> Result<(), ExecError>;
 
     /// Waits until all launched work has finished (counted).
     fn synchronize(&self) -> Result<(), ExecError>;

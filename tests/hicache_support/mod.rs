@@ -237,6 +237,9 @@ impl Executor for Spy {
     fn read(&self, b: BufferId, o: u64, d: &mut [u8]) -> Result<(), ExecError> {
         self.inner.read(b, o, d)
     }
+    fn fill(&self, b: BufferId, r: &[(u64, u64)], v: u8) -> Result<(), ExecError> {
+        self.inner.fill(b, r, v)
+    }
     fn load_kernel(&self, a: &KernelArtifact<'_>) -> Result<KernelId, ExecError> {
         let id = self.inner.load_kernel(a)?;
         self.entries

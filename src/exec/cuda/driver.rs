@@ -177,6 +177,21 @@ impl Gpu {
         Ok(())
     }
 
+    /// Enqueues one `cuMemsetD8Async` per `(addr, len)` on the executor's stream.
+    ///
+    /// # Safety
+    /// Every range must lie inside a live device allocation of this context, and stay alive
+    /// until the fills have run.
+    pub(crate) unsafe fn fill(&self, ranges: &[(u64, u64)], byte: u8) -> Result<(), String> {
+        self.bind()?;
+        for &(dst, len) in ranges.iter().filter(|r| r.1 > 0) {
+            // SAFETY: the range is inside a live device allocation (caller).
+            unsafe { result::memset_d8_async(dst, byte, len as usize, self.stream.cu_stream()) }
+                .map_err(err("cuMemsetD8Async"))?;
+        }
+        Ok(())
+    }
+
     /// Waits for all work on the executor's stream.
     pub(crate) fn synchronize(&self) -> Result<(), String> {
         self.bind()?;
@@ -333,6 +348,32 @@ impl PinnedMem {
         Ok(())
     }
 
+    /// Writes `byte` over each `(offset, len)` range from the CPU, after waiting for all work
+    /// on `gpu`'s stream (one synchronisation for the batch).
+    pub(crate) fn fill_after(
+        &mut self,
+        gpu: &Gpu,
+        ranges: &[(u64, u64)],
+        byte: u8,
+    ) -> Result<(), String> {
+        for &(offset, len) in ranges {
+            check_inside(offset as usize, len as usize, self.len)?;
+        }
+        gpu.synchronize()?;
+        for &(offset, len) in ranges {
+            // SAFETY: as in `write_after`: inside the allocation, no other CPU access, and
+            // the stream is idle.
+            unsafe {
+                std::ptr::write_bytes(
+                    (self.host as *mut u8).add(offset as usize),
+                    byte,
+                    len as usize,
+                )
+            };
+        }
+        Ok(())
+    }
+
     /// Reads `out.len()` bytes at `offset` from the CPU, after waiting for all work on `gpu`'s
     /// stream.
     pub(crate) fn read_after(
@@ -418,6 +459,13 @@ pub(crate) fn copy_in_bounds(gpu: &Gpu, copies: &[(u64, u64, u64)]) -> Result<()
     // SAFETY: the executor checked every range against a live buffer it keeps locked, and
     // freeing a buffer waits for the context's work (see `DeviceMem` / `PinnedMem` drops).
     unsafe { gpu.copy(copies) }
+}
+
+/// [`Gpu::fill`] of ranges the executor checked against a live device buffer it keeps locked
+/// (freeing waits for the context's work, as for copies).
+pub(crate) fn fill_in_bounds(gpu: &Gpu, ranges: &[(u64, u64)], byte: u8) -> Result<(), String> {
+    // SAFETY: see above.
+    unsafe { gpu.fill(ranges, byte) }
 }
 
 /// [`Gpu::launch`] with arguments built by the executor: pointer arguments are bounds-checked

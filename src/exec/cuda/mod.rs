@@ -270,6 +270,34 @@ impl Executor for CudaExecutor {
         Ok(())
     }
 
+    fn fill(&self, buffer: BufferId, ranges: &[(u64, u64)], byte: u8) -> Result<(), ExecError> {
+        let mut st = lock(&self.state);
+        let buf = st.buffer_mut(buffer)?;
+        let mut bytes = 0u64;
+        for &(offset, len) in ranges {
+            check_range("fill", buffer, buf.len(), offset, len)?;
+            bytes += len;
+        }
+        let synced = match buf {
+            CudaBuffer::Device(m) => {
+                let abs: Vec<(u64, u64)> = ranges.iter().map(|&(o, l)| (m.addr() + o, l)).collect();
+                driver::fill_in_bounds(&self.gpu, &abs, byte).map_err(driver_err("fill"))?;
+                false
+            }
+            // Pinned host memory is written by the CPU once the stream is idle, as uploads
+            // to it are: a counted synchronisation.
+            CudaBuffer::Host(m) => {
+                m.fill_after(&self.gpu, ranges, byte)
+                    .map_err(driver_err("fill"))?;
+                true
+            }
+        };
+        st.counters.syncs += u64::from(synced);
+        st.counters.fills += 1;
+        st.counters.bytes_filled += bytes;
+        Ok(())
+    }
+
     fn synchronize(&self) -> Result<(), ExecError> {
         lock(&self.state).counters.syncs += 1;
         self.gpu.synchronize().map_err(driver_err("synchronize"))

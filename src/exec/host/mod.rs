@@ -322,6 +322,25 @@ impl Executor for HostExecutor {
         Ok(())
     }
 
+    fn fill(&self, buffer: BufferId, ranges: &[(u64, u64)], byte: u8) -> Result<(), ExecError> {
+        let mut st = lock(&self.state);
+        let buf = st.buffer_mut(buffer)?;
+        let size = buf.mem.len();
+        let checked = ranges
+            .iter()
+            .map(|&(offset, len)| check_range("fill", buffer, size, offset, len))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mem = buf.mem.as_mut_slice();
+        let mut bytes = 0u64;
+        for r in checked {
+            bytes += r.len() as u64;
+            mem[r].fill(byte);
+        }
+        st.counters.fills += 1;
+        st.counters.bytes_filled += bytes;
+        Ok(())
+    }
+
     fn synchronize(&self) -> Result<(), ExecError> {
         // Launches run to completion on the calling thread; only the count matters.
         lock(&self.state).counters.syncs += 1;
@@ -446,5 +465,26 @@ mod tests {
         let c = ex.counters().since(&before);
         assert_eq!((c.copies, c.bytes_copied), (0, 0));
         assert!(ex.copy_regions(a, BufferId(999), &[]).is_err());
+    }
+
+    #[test]
+    fn fill_writes_every_range_or_nothing() {
+        let ex = HostExecutor::new(HostOptions::default());
+        let b = ex.alloc(MemKind::Device, 32, 0).unwrap();
+        ex.fill(b, &[(0, 4), (20, 12)], 0xA5).unwrap();
+        let mut out = [0u8; 32];
+        ex.read(b, 0, &mut out).unwrap();
+        let mut want = [0u8; 32];
+        want[..4].fill(0xA5);
+        want[20..].fill(0xA5);
+        assert_eq!(out, want);
+        let c = ex.counters();
+        assert_eq!((c.fills, c.bytes_filled, c.uploads), (1, 16, 0));
+        assert!(matches!(
+            ex.fill(b, &[(4, 4), (30, 4)], 1),
+            Err(ExecError::OutOfBounds { offset: 30, .. })
+        ));
+        ex.read(b, 0, &mut out).unwrap();
+        assert_eq!(out, want, "a rejected batch writes nothing");
     }
 }
