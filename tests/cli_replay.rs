@@ -61,6 +61,31 @@ fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
+// An unwritable --json is refused before the first request, not after the whole run.
+#[test]
+fn unwritable_json_is_refused_before_the_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("missing").join("report.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+        .args(SMALL)
+        .arg("--json")
+        .arg(&bad)
+        .env("CP_HICACHE_CACHE_DIR", cache_dir())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains(&format!("cannot write {}", bad.display())),
+        "{}",
+        stderr(&out)
+    );
+    assert!(
+        out.stdout.is_empty(),
+        "no report: the run never started: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
 fn num(r: &serde_json::Value, k: &str) -> u64 {
     r[k].as_u64()
         .unwrap_or_else(|| panic!("{k} missing in {r}"))

@@ -3,10 +3,10 @@
 //! JSON rows and an SVG bar chart of the ratios. `--check` instead compares every kernel family
 //! with the Rust references on random inputs (the GPU acceptance check).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
-use super::common::{BackendArg, SizeArgs};
+use super::common::{check_output, write_json, write_output, BackendArg, SizeArgs};
 use super::tune::progress_bar;
 use crate::exec::{open_executor, Backend};
 use crate::jit::{Jit, JitConfig, EMU_HEADER};
@@ -74,6 +74,9 @@ pub(super) fn run(args: &BenchArgs) -> Result<ExitCode, crate::Error> {
         }
         None => default_deployments()?,
     };
+    for path in args.json.iter().chain(&args.plot) {
+        check_output(path)?;
+    }
     let jit = Jit::new(JitConfig::from_env(EMU_HEADER));
     if args.prebuild {
         return prebuild(&jit, &deps);
@@ -137,12 +140,10 @@ pub(super) fn run(args: &BenchArgs) -> Result<ExitCode, crate::Error> {
         );
     }
     if let Some(path) = &args.json {
-        let mut text = serde_json::to_string_pretty(&rows).map_err(|e| io(path, e.into()))?;
-        text.push('\n');
-        std::fs::write(path, text).map_err(|e| io(path, e))?;
+        write_json(path, &rows)?;
     }
     if let Some(path) = &args.plot {
-        std::fs::write(path, svg_chart(&rows)).map_err(|e| io(path, e))?;
+        write_output(path, &svg_chart(&rows))?;
     }
     Ok(if outcome.failures.is_empty() {
         ExitCode::SUCCESS
@@ -187,13 +188,6 @@ fn prebuild(jit: &Jit, deps: &[crate::kernels::Deployment]) -> Result<ExitCode, 
     } else {
         ExitCode::FAILURE
     })
-}
-
-fn io(path: &Path, source: std::io::Error) -> crate::Error {
-    crate::Error::Io {
-        context: format!("writing {}", path.display()),
-        source,
-    }
 }
 
 fn run_check(

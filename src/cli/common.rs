@@ -1,8 +1,48 @@
 //! Options shared by several commands, defined once and flattened into each command's
 //! arguments: the executor choice and the measurement sizes of `tune` and `bench`.
 
+use std::path::Path;
+
 use crate::exec::Backend;
 use crate::tuning::Sizes;
+
+/// Checks, before the work starts, that an output file named on the command line (`--json`,
+/// `--plot`) can be written, so a long run never ends in "cannot write" with its results
+/// lost. An existing file is left as it is (opened for append, not truncated); a file this
+/// check creates is removed again.
+pub fn check_output(path: &Path) -> Result<(), crate::Error> {
+    let existed = path.exists();
+    std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(path)
+        .map_err(|source| crate::Error::Io {
+            context: format!("cannot write {}", path.display()),
+            source,
+        })?;
+    if !existed {
+        let _ = std::fs::remove_file(path);
+    }
+    Ok(())
+}
+
+/// Writes `text` to an output file named on the command line.
+pub fn write_output(path: &Path, text: &str) -> Result<(), crate::Error> {
+    std::fs::write(path, text).map_err(|source| crate::Error::Io {
+        context: format!("writing {}", path.display()),
+        source,
+    })
+}
+
+/// Writes `value` as pretty JSON (with a final newline) to an output file.
+pub fn write_json(path: &Path, value: &impl serde::Serialize) -> Result<(), crate::Error> {
+    let mut text = serde_json::to_string_pretty(value).map_err(|e| crate::Error::Io {
+        context: format!("serialising {}", path.display()),
+        source: e.into(),
+    })?;
+    text.push('\n');
+    write_output(path, &text)
+}
 
 /// `--backend`: which executor runs the kernels.
 #[derive(Debug, Clone, clap::Args)]
@@ -62,6 +102,24 @@ mod tests {
             .find(|a| a.get_id() == name)
             .expect("argument");
         arg.get_help().map(ToString::to_string).unwrap_or_default()
+    }
+
+    #[test]
+    fn output_checks_leave_files_as_they_were() {
+        let dir = tempfile::tempdir().unwrap();
+        let fresh = dir.path().join("new.json");
+        check_output(&fresh).unwrap();
+        assert!(!fresh.exists(), "the check created a file and left it");
+        let old = dir.path().join("old.json");
+        std::fs::write(&old, "earlier report").unwrap();
+        check_output(&old).unwrap();
+        assert_eq!(std::fs::read_to_string(&old).unwrap(), "earlier report");
+        let err = check_output(&dir.path().join("missing/x.json")).unwrap_err();
+        assert!(err.to_string().contains("cannot write"), "{err}");
+        assert!(
+            check_output(dir.path()).is_err(),
+            "a directory is not an output file"
+        );
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! JIT (in parallel, through the disk cache) and prints a resource table. It is the NVRTC matrix
 //! a CI runs: any compile error, register spill or stack frame fails it.
 
+use super::common::{check_output, write_json};
 use super::render::select_deployments;
 use crate::jit::{
     deployment_requests, nvrtc::NOT_FOUND_HINT, Arch, CompiledKernel, Jit, JitConfig, JitError,
@@ -118,6 +119,9 @@ pub(super) fn run(args: &CompileArgs) -> Result<ExitCode, crate::Error> {
             println!("{}", d.name);
         }
         return Ok(ExitCode::SUCCESS);
+    }
+    if let Some(path) = &args.json {
+        check_output(path)?;
     }
     let deps = select_deployments(&args.deployment)?;
     let target = match args.target {
@@ -304,14 +308,4 @@ fn print_table(rows: &[Row]) {
                 .map_or_else(|| "-".to_string(), |m| format!("{m:.2}")),
         );
     }
-}
-
-fn write_json(path: &PathBuf, rows: &[Row]) -> Result<(), crate::Error> {
-    let io = |source: std::io::Error| crate::Error::Io {
-        context: format!("writing {}", path.display()),
-        source,
-    };
-    let mut text = serde_json::to_string_pretty(rows).map_err(|e| io(e.into()))?;
-    text.push('\n');
-    std::fs::write(path, text).map_err(io)
 }

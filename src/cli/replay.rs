@@ -214,6 +214,9 @@ fn count_lines(path: &std::path::Path) -> Option<usize> {
 /// Runs the replay and prints the report; the exit status says whether it was correct.
 pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
     let plan = args.validate()?;
+    if let Some(path) = &args.json {
+        super::common::check_output(path)?;
+    }
     let (workload, total) = args.workload()?;
     let exec: Arc<dyn Executor> = Arc::from(open_executor(args.backend)?);
     let backend = exec.backend().to_string();
@@ -381,14 +384,7 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
     println!("cp-hicache replay");
     print!("{}", report.to_table());
     if let Some(path) = &args.json {
-        let text = serde_json::to_string_pretty(&report).map_err(|e| crate::Error::Io {
-            context: "serialising the replay report".into(),
-            source: e.into(),
-        })?;
-        std::fs::write(path, text + "\n").map_err(|source| crate::Error::Io {
-            context: format!("writing {}", path.display()),
-            source,
-        })?;
+        super::common::write_json(path, &report)?;
     }
     if report.ok() && failed == 0 {
         Ok(ExitCode::SUCCESS)
