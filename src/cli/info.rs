@@ -20,6 +20,7 @@ struct Report {
     cxx: Found,
     nvrtc: Found,
     cuda: Found,
+    emulator: Found,
     backend_auto: String,
     cache_dir: Option<PathBuf>,
     env: Vec<(String, String)>,
@@ -41,6 +42,9 @@ struct LayoutReport {
 struct Found {
     what: String,
     detail: Result<String, String>,
+    /// How the text report words a failed probe.
+    #[serde(skip)]
+    failed: &'static str,
 }
 
 pub(super) fn run(args: &InfoArgs) -> Result<ExitCode, crate::Error> {
@@ -70,13 +74,18 @@ pub(super) fn run(args: &InfoArgs) -> Result<ExitCode, crate::Error> {
         cuda: Found {
             what: "CUDA driver".into(),
             detail: crate::exec::cuda::CudaExecutor::probe().map(cuda_detail),
+            failed: NOT_FOUND,
         },
+        emulator: probe_emulator(),
         backend_auto: crate::exec::Backend::Auto.resolve().to_string(),
         cache_dir: cache_dir(),
         env: [
             "CP_HICACHE_CACHE_DIR",
             "CP_HICACHE_JIT",
             "CP_HICACHE_NVRTC",
+            crate::exec::host::ORDER_ENV,
+            crate::jit::SANITIZE_ENV,
+            crate::allocator::DEBUG_ENV,
             "CXX",
         ]
         .iter()
@@ -117,6 +126,7 @@ fn print_text(r: &Report) {
     print_found(&r.cxx);
     print_found(&r.nvrtc);
     print_found(&r.cuda);
+    print_found(&r.emulator);
     println!("  {:<18} {}", "backend auto", r.backend_auto);
     match &r.cache_dir {
         Some(d) => println!("  {:<18} {}", "cache dir", d.display()),
@@ -127,10 +137,12 @@ fn print_text(r: &Report) {
     }
 }
 
+const NOT_FOUND: &str = "not found";
+
 fn print_found(f: &Found) {
     match &f.detail {
         Ok(d) => println!("  {:<18} {d}", f.what),
-        Err(e) => println!("  {:<18} not found: {e}", f.what),
+        Err(e) => println!("  {:<18} {}: {e}", f.what, f.failed),
     }
 }
 
@@ -173,6 +185,21 @@ fn probe_cxx() -> Found {
     Found {
         what: "C++ compiler".into(),
         detail,
+        failed: NOT_FOUND,
+    }
+}
+
+/// How the CPU emulation executor would run kernels here: the block order and the sanitizer
+/// mode the environment selects (a misspelt value is shown as the error replay would stop with).
+fn probe_emulator() -> Found {
+    let order = crate::exec::HostOptions::from_env()
+        .map(|o| o.block_order)
+        .map_err(|e| e.to_string());
+    let sanitize = crate::jit::Sanitize::from_env().map_err(|e| e.to_string());
+    Found {
+        what: "CPU emulator".into(),
+        detail: order.and_then(|o| sanitize.map(|s| format!("blocks run {o}, sanitizer {s}"))),
+        failed: "misconfigured",
     }
 }
 
@@ -201,6 +228,7 @@ fn probe_nvrtc() -> Found {
     Found {
         what: "NVRTC".into(),
         detail,
+        failed: NOT_FOUND,
     }
 }
 

@@ -1,0 +1,53 @@
+//! `cp-hicache info`: what it reports about the CPU emulator's environment.
+
+use std::process::Command;
+
+fn info(env: &[(&str, &str)]) -> (bool, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_cp-hicache"));
+    cmd.arg("info")
+        .env_remove("CP_HICACHE_EMU_ORDER")
+        .env_remove("CP_HICACHE_EMU_SANITIZE");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
+}
+
+#[test]
+fn info_shows_the_emulator_block_order_and_sanitizer() {
+    let (ok, text) = info(&[]);
+    assert!(ok, "{text}");
+    assert!(
+        text.contains("CPU emulator       blocks run forward, sanitizer none"),
+        "{text}"
+    );
+
+    let (ok, text) = info(&[
+        ("CP_HICACHE_EMU_ORDER", "reverse"),
+        ("CP_HICACHE_EMU_SANITIZE", "address"),
+    ]);
+    assert!(ok, "{text}");
+    assert!(
+        text.contains("CPU emulator       blocks run reverse, sanitizer address"),
+        "{text}"
+    );
+    assert!(text.contains("CP_HICACHE_EMU_ORDER"), "{text}");
+}
+
+#[test]
+fn info_names_a_misspelt_emulator_setting() {
+    let (ok, text) = info(&[("CP_HICACHE_EMU_SANITIZE", "adress")]);
+    assert!(ok, "info reports, it does not fail: {text}");
+    let line = text
+        .lines()
+        .find(|l| l.contains("CPU emulator"))
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(
+        line.contains("misconfigured") && line.contains("adress"),
+        "{line}"
+    );
+}
