@@ -179,6 +179,9 @@ enum Op {
     EvictDevice(usize),
     EvictLanes(Vec<u32>),
     EvictHost(usize),
+    /// Host eviction for a backup short of host pages on some ranks (deficit per rank),
+    /// after a backup of a path and a device eviction, so that there are host-only leaves.
+    EvictHostRanks(Seq, usize, Vec<u32>),
 }
 
 fn seq_strategy() -> impl Strategy<Value = Seq> {
@@ -201,6 +204,8 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         2 => (0..12usize).prop_map(Op::EvictDevice),
         2 => prop::collection::vec(0..4u32, 3).prop_map(Op::EvictLanes),
         1 => (0..12usize).prop_map(Op::EvictHost),
+        2 => (seq_strategy(), 0..24usize, prop::collection::vec(0..4u32, 3))
+            .prop_map(|(s, n, d)| Op::EvictHostRanks(s, n, d)),
     ]
 }
 
@@ -508,62 +513,121 @@ impl Harness {
                 self.account(&a, &b);
             }
             Op::EvictHost(n) => {
-                let snap = snapshot(&self.trees[0]);
-                let snap1 = snapshot(&self.trees[1]);
+                let snaps = self.trees.each_ref().map(snapshot);
                 let a = self.trees[0].evict_host_lru(*n).unwrap();
                 let b = self.trees[1].evict_host_lru(*n).unwrap();
-                let mut removed: Vec<&SnapNode> = snap
-                    .iter()
-                    .filter(|s| !self.trees[0].contains(s.id))
-                    .collect();
-                let released: usize = a.iter().map(NodeMetadata::num_pages).sum();
-                assert_eq!(
-                    released,
-                    removed.iter().map(|s| s.pages.len()).sum::<usize>()
-                );
+                let (released, max_stamp) = self.apply_host_eviction(&snaps, [&a, &b]);
                 if let Some(last) = a.last() {
                     assert!(released - last.num_pages() < *n, "evicted past the target");
-                }
-                // What was returned is exactly the metadata of the removed nodes.
-                let mut want: Vec<Vec<u8>> = removed
-                    .iter()
-                    .map(|s| s.host.as_ref().unwrap().encode())
-                    .collect();
-                let mut got: Vec<Vec<u8>> = a.iter().map(NodeMetadata::encode).collect();
-                want.sort();
-                got.sort();
-                assert_eq!(got, want);
-                let removed1: BTreeSet<NodeId> = snap1
-                    .iter()
-                    .filter(|s| !self.trees[1].contains(s.id))
-                    .map(|s| s.id)
-                    .collect();
-                assert_eq!(removed1, removed.iter().map(|s| s.id).collect());
-                // Remove deepest first so each one is a leaf of the oracle when it goes.
-                removed.sort_by_key(|s| std::cmp::Reverse(s.pages.last().unwrap().len()));
-                let mut max_stamp = 0;
-                for s in &removed {
-                    for k in s.pages.iter().rev() {
-                        let e = &self.model.entries[k];
-                        assert!(e.device.is_none() && e.host && e.lock == 0);
-                        assert!(!self.model.has_child(k));
-                        max_stamp = max_stamp.max(e.stamp);
-                        self.model.entries.remove(k);
-                    }
                 }
                 if released < *n {
                     assert!(host_candidates(&self.model).is_empty());
                 }
-                if !removed.is_empty() {
+                if let Some(max_stamp) = max_stamp {
                     assert!(host_candidates(&self.model).iter().all(|&s| s >= max_stamp));
                 }
-                for (r, list) in [(0, &a), (1, &b)] {
-                    for m in list {
-                        self.host_returned[r].extend(m.host_pages().iter().copied());
+            }
+            Op::EvictHostRanks(s, n, deficit) => {
+                self.step(&Op::Backup(s.clone()));
+                self.check();
+                self.step(&Op::EvictDevice(*n));
+                self.check();
+                let cp = usize::from(self.layout.cp());
+                let mut short = deficit[..cp].to_vec();
+                let snaps = self.trees.each_ref().map(snapshot);
+                let a = self.trees[0].evict_host_for_ranks(&short).unwrap();
+                let b = self.trees[1].evict_host_for_ranks(&short).unwrap();
+                self.apply_host_eviction(&snaps, [&a, &b]);
+                // In order, each evicted node owned a page of a rank that was still short, so
+                // nothing is evicted past the target or for nothing.
+                for m in &a {
+                    assert!(
+                        m.page_owners().iter().any(|&o| short[usize::from(o)] > 0),
+                        "evicted {:?} with the deficit at {short:?}",
+                        m.page_owners()
+                    );
+                    for &o in m.page_owners() {
+                        short[usize::from(o)] = short[usize::from(o)].saturating_sub(1);
+                    }
+                }
+                if short.iter().any(|&d| d > 0) {
+                    // No host-only, unlocked leaf left owns a page of a short rank (owners
+                    // from the oracle, for every page of the node).
+                    let t = &self.trees[0];
+                    for id in t.node_ids().into_iter().filter(|&id| id != NodeId::ROOT) {
+                        let v = t.node(id).unwrap();
+                        if v.children().next().is_some()
+                            || v.device().is_some()
+                            || v.host().is_none()
+                            || v.lock_count() > 0
+                        {
+                            continue;
+                        }
+                        for key in node_pages(t, id) {
+                            let (o, _) = self.model.entries[&key].host_slot.unwrap();
+                            assert_eq!(
+                                short[usize::from(o)],
+                                0,
+                                "deficit {short:?} left uncovered while a candidate could cover it"
+                            );
+                        }
                     }
                 }
             }
         }
+    }
+
+    /// Checks a host eviction on both replicas against the snapshots taken before it (the
+    /// same nodes leave both trees; what they return is exactly those nodes' metadata; each
+    /// was a host-only, unlocked leaf of the oracle) and applies it to the oracle. Returns
+    /// the pages released and the newest stamp among them.
+    fn apply_host_eviction(
+        &mut self,
+        snaps: &[Vec<SnapNode>; 2],
+        evicted: [&Vec<NodeMetadata>; 2],
+    ) -> (usize, Option<u64>) {
+        let mut removed: Vec<&SnapNode> = snaps[0]
+            .iter()
+            .filter(|s| !self.trees[0].contains(s.id))
+            .collect();
+        let released: usize = evicted[0].iter().map(NodeMetadata::num_pages).sum();
+        assert_eq!(
+            released,
+            removed.iter().map(|s| s.pages.len()).sum::<usize>()
+        );
+        // What was returned is exactly the metadata of the removed nodes.
+        let mut want: Vec<Vec<u8>> = removed
+            .iter()
+            .map(|s| s.host.as_ref().unwrap().encode())
+            .collect();
+        let mut got: Vec<Vec<u8>> = evicted[0].iter().map(|m| m.encode()).collect();
+        want.sort();
+        got.sort();
+        assert_eq!(got, want);
+        let removed1: BTreeSet<NodeId> = snaps[1]
+            .iter()
+            .filter(|s| !self.trees[1].contains(s.id))
+            .map(|s| s.id)
+            .collect();
+        assert_eq!(removed1, removed.iter().map(|s| s.id).collect());
+        // Remove deepest first so each one is a leaf of the oracle when it goes.
+        removed.sort_by_key(|s| std::cmp::Reverse(s.pages.last().unwrap().len()));
+        let mut max_stamp = None;
+        for s in &removed {
+            for k in s.pages.iter().rev() {
+                let e = &self.model.entries[k];
+                assert!(e.device.is_none() && e.host && e.lock == 0);
+                assert!(!self.model.has_child(k));
+                max_stamp = max_stamp.max(Some(e.stamp));
+                self.model.entries.remove(k);
+            }
+        }
+        for (r, list) in evicted.iter().enumerate() {
+            for m in list.iter() {
+                self.host_returned[r].extend(m.host_pages().iter().copied());
+            }
+        }
+        (released, max_stamp)
     }
 
     /// Checks one device eviction against the oracle (legal, least recent among the
