@@ -2,6 +2,7 @@
 //! (0 success, 1 failure, 2 usage or input error).
 
 use clap::Parser;
+use std::io::IsTerminal;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
@@ -11,6 +12,7 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     let cli = cp_hicache::cli::Cli::parse();
     match cp_hicache::cli::run(cli) {

@@ -175,10 +175,10 @@ fn compile_error_names_the_kernel() {
     let (out, _) = replay(&["--inject", "compile-error"]);
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(
-        err.contains("error: host compile of `verify_mla_kv"),
-        "{err}"
-    );
+    // One error for the deployment, listing every kernel that failed.
+    assert!(err.contains("error: deployment mla_"), "{err}");
+    assert!(err.contains("kernels failed:"), "{err}");
+    assert!(err.contains("host compile of `verify_mla_kv"), "{err}");
     assert!(
         err.contains("fault injected"),
         "the compiler log is shown: {err}"

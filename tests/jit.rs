@@ -774,3 +774,36 @@ fn nvrtc_chosen_and_resolved_libraries_must_agree() {
         "{text}"
     );
 }
+
+/// With `CP_HICACHE_JIT=off` and an empty cache, replay stops with one error that lists every
+/// missing kernel of the deployment: no per-kernel log lines repeating it, and no terminal
+/// colour codes when stderr is not a terminal.
+#[test]
+fn jit_off_with_an_empty_cache_lists_every_missing_kernel_once() {
+    let cache = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+        .args([
+            "replay",
+            "--conversations",
+            "1",
+            "--cp",
+            "2",
+            "--model",
+            "mla",
+        ])
+        .env("CP_HICACHE_CACHE_DIR", cache.path())
+        .env("CP_HICACHE_JIT", "off")
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(!err.contains('\u{1b}'), "colour codes in a pipe: {err}");
+    assert_eq!(err.matches("error").count(), 1, "{err}");
+    assert!(err.contains("5 of 5 kernels failed"), "{err}");
+    assert_eq!(
+        err.matches("CP_HICACHE_JIT=off forbids compiling").count(),
+        5,
+        "{err}"
+    );
+}

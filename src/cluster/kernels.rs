@@ -47,6 +47,10 @@ pub enum KernelLoadError {
     /// Compiling failed (the error names the kernel and carries the compiler log).
     #[error(transparent)]
     Jit(#[from] crate::jit::JitError),
+    /// One or more kernels could not be compiled or found in the cache: every one is listed,
+    /// so a prebuilt cache missing ten kernels says so once, not one kernel per attempt.
+    #[error(transparent)]
+    WarmUp(#[from] crate::jit::WarmUpError),
     /// The executor refused the artifact.
     #[error(transparent)]
     Exec(#[from] crate::exec::ExecError),
@@ -78,11 +82,25 @@ impl DeploymentKernels {
             .iter()
             .map(|spec| spec_request(spec, target, hook))
             .collect::<Result<Vec<_>, _>>()?;
-        let compiled = jit.warm_up(&requests);
+        let mut compiled = Vec::with_capacity(specs.len());
+        let mut failures = Vec::new();
+        for result in jit.warm_up(&requests) {
+            match result {
+                Ok(kernel) => compiled.push(kernel),
+                Err(e) => failures.push(e),
+            }
+        }
+        if !failures.is_empty() {
+            return Err(crate::jit::WarmUpError::Jit {
+                deployment: deployment.name.clone(),
+                total: specs.len(),
+                failures,
+            }
+            .into());
+        }
         let mut loaded = Vec::with_capacity(specs.len());
         let mut cache_hits = 0;
-        for (spec, result) in specs.iter().zip(compiled) {
-            let kernel = result?;
+        for (spec, kernel) in specs.iter().zip(compiled) {
             cache_hits += usize::from(kernel.cache_hit.is_hit());
             let id = kernel.load_spec(exec, spec)?;
             loaded.push(Loaded { spec: *spec, id });

@@ -3,7 +3,9 @@
 //! compiling it (NVRTC → CUBIN, or the host C++ compiler → `.so`) and committing the result.
 //!
 //! Every event is logged with `tracing` (target `cp_hicache::jit`): uri, target, key prefix,
-//! outcome (memory / disk hit, miss, corrupt), milliseconds and cache path.
+//! outcome (memory / disk hit, miss, corrupt), milliseconds and cache path. Events that end
+//! in a returned error are logged at `debug`: the error itself reaches the caller, and a
+//! command-line user sees it once.
 //! `CP_HICACHE_JIT=off` ([`JitMode::Off`]) turns a cache miss into [`JitError::JitOff`], for
 //! prebuilt-only deployments. With JIT off and no NVRTC at all, committed NVRTC entries are
 //! still found: an entry is used when it is the only one that reproduces its own key from the
@@ -531,7 +533,7 @@ fn for_request(found: Lookup, req: &JitRequest, hash: &str, target: &str) -> Loo
 }
 
 fn corrupt_entry(req: &JitRequest, path: PathBuf, reason: String) -> JitError {
-    tracing::error!(
+    tracing::debug!(
         target: "cp_hicache::jit",
         uri = %req.uri,
         target_name = %req.target,
@@ -836,7 +838,7 @@ impl Jit {
         }
         if self.config.mode == JitMode::Off {
             let path = self.cache.entry_dir(td, name).map_err(cache_err)?;
-            tracing::error!(
+            tracing::debug!(
                 target: "cp_hicache::jit",
                 uri = %req.uri,
                 target_name = %req.target,
@@ -1008,7 +1010,7 @@ impl Jit {
             "{prefix}* (NVRTC unavailable; {} prebuilt entries match, exactly one is needed)",
             matches.len()
         );
-        tracing::error!(
+        tracing::debug!(
             target: "cp_hicache::jit",
             uri = %req.uri,
             target_name = %req.target,
