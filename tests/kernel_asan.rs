@@ -283,3 +283,77 @@ fn asan_reports_an_out_of_bounds_page() {
         "the report should name the kernel:\n{stderr}"
     );
 }
+
+/// `replay` with `CP_HICACHE_EMU_SANITIZE=address` in a process without the ASan runtime stops
+/// before compiling anything, saying how to run it (instead of being ended by the runtime at
+/// the first kernel load).
+#[test]
+fn replay_without_the_asan_runtime_is_refused_before_compiling() {
+    let cache = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+        .args([
+            "replay",
+            "--conversations",
+            "1",
+            "--cp",
+            "2",
+            "--layers",
+            "1",
+        ])
+        .env(SANITIZE_ENV, "address")
+        .env("CP_HICACHE_CACHE_DIR", cache.path())
+        .env_remove("LD_PRELOAD")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("LD_PRELOAD=$(c++ -print-file-name=libasan.so)"),
+        "{stderr}"
+    );
+    assert!(
+        !cache.path().join("host-asan").exists(),
+        "compiled before refusing"
+    );
+}
+
+/// The README recipe: with the runtime preloaded (which the compiler children must not
+/// inherit), a small replay runs ASan builds of every kernel and verifies every token.
+#[test]
+fn replay_runs_asan_kernels_under_the_preloaded_runtime() {
+    let on = std::env::var(SANITIZE_ENV).is_ok_and(|v| matches!(v.trim(), "address" | "asan"));
+    if !on {
+        eprintln!("skipped: ASan kernel tests run with `{COMMAND}`");
+        return;
+    }
+    let cache = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+        .args([
+            "replay",
+            "--conversations",
+            "2",
+            "--cp",
+            "2",
+            "--layers",
+            "1",
+            "--model",
+            "mla",
+        ])
+        .env(SANITIZE_ENV, "address")
+        .env("CP_HICACHE_CACHE_DIR", cache.path())
+        .env("LD_PRELOAD", libasan())
+        .env("ASAN_OPTIONS", "detect_leaks=0")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("mismatched tokens            0"),
+        "{stdout}"
+    );
+    assert!(cache.path().join("host-asan").is_dir());
+}

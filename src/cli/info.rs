@@ -3,7 +3,7 @@
 use crate::layout::CpLayout;
 use serde::Serialize;
 use std::path::PathBuf;
-use std::process::{Command, ExitCode};
+use std::process::ExitCode;
 
 /// Options of `info`.
 #[derive(Debug, Default, clap::Args)]
@@ -171,7 +171,10 @@ fn cuda_detail(devices: usize) -> String {
 
 fn probe_cxx() -> Found {
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-    let detail = match Command::new(&cxx).arg("--version").output() {
+    let detail = match crate::jit::hostcc::compiler_command(&cxx)
+        .arg("--version")
+        .output()
+    {
         Ok(out) if out.status.success() => Ok(format!(
             "{cxx}: {}",
             String::from_utf8_lossy(&out.stdout)

@@ -21,19 +21,36 @@ pub fn break_source(src: String) -> String {
 /// CUBINs for a CUDA device, built for the newest supported architecture its compute
 /// capability runs ([`Arch::for_device`]), whatever `arch` says (`arch` is used only when the
 /// executor reports no capability). A GPU no supported architecture runs is
-/// [`ExecError::Unavailable`], not a module-load failure later.
+/// [`ExecError::Unavailable`], not a module-load failure later; so is an AddressSanitizer
+/// build for a host executor in a process without the ASan runtime, which would otherwise be
+/// ended by the runtime at the first load, after every kernel was compiled.
 pub fn target_for(
     exec: &dyn Executor,
     arch: Arch,
     sanitize: Sanitize,
 ) -> Result<Target, ExecError> {
-    target_of(
+    let target = target_of(
         exec.backend(),
         exec.compute_capability(),
         arch,
         sanitize,
         || exec.device_name(),
-    )
+    )?;
+    if target
+        == (Target::Host {
+            sanitize: Sanitize::Address,
+        })
+        && !crate::exec::host::asan_runtime_loaded()
+    {
+        return Err(ExecError::Unavailable {
+            backend: Backend::Host,
+            reason: format!(
+                "kernels built with CP_HICACHE_EMU_SANITIZE=address cannot be loaded here: {}",
+                crate::exec::host::ASAN_HINT
+            ),
+        });
+    }
+    Ok(target)
 }
 
 fn target_of(

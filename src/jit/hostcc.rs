@@ -81,6 +81,34 @@ fn build_dir(uri: &str) -> Result<BuildDir, HostCcError> {
     Ok(BuildDir(dir))
 }
 
+/// A command running the compiler `program`, without the AddressSanitizer runtime in its
+/// `LD_PRELOAD`: a process that preloads it to load ASan kernel builds passes the preload on
+/// to its children, and the compiler, run under ASan's leak checker, then exits non-zero.
+pub fn compiler_command(program: &str) -> Command {
+    let mut cmd = Command::new(program);
+    if let Some(preload) = std::env::var_os("LD_PRELOAD") {
+        let preload = preload.to_string_lossy().into_owned();
+        let kept: Vec<&str> = preload
+            .split([' ', ':'])
+            .filter(|lib| !lib.is_empty() && !is_asan_runtime(lib))
+            .collect();
+        if kept.is_empty() {
+            cmd.env_remove("LD_PRELOAD");
+        } else {
+            cmd.env("LD_PRELOAD", kept.join(":"));
+        }
+    }
+    cmd
+}
+
+/// Whether an `LD_PRELOAD` entry is the ASan runtime (`libasan.so`, `libasan.so.8`, ...).
+fn is_asan_runtime(lib: &str) -> bool {
+    std::path::Path::new(lib)
+        .file_name()
+        .and_then(|n| n.to_str())
+        .is_some_and(|n| n.starts_with("libasan.so") || n.starts_with("libclang_rt.asan"))
+}
+
 impl HostCompiler {
     /// The compiler to use: `program`, else `$CXX`, else `c++`; its identity is the first line
     /// of `<program> --version` plus `<program> -dumpmachine`.
@@ -89,7 +117,7 @@ impl HostCompiler {
             .map(str::to_string)
             .or_else(|| std::env::var("CXX").ok().filter(|s| !s.trim().is_empty()))
             .unwrap_or_else(|| "c++".to_string());
-        let out = Command::new(&program)
+        let out = compiler_command(&program)
             .arg("--version")
             .output()
             .map_err(|e| HostCcError::Unavailable {
@@ -110,7 +138,7 @@ impl HostCompiler {
             .to_string();
         // The same `--version` line names x86-64 and aarch64 builds alike; the target triple
         // keeps a shared cache from handing one machine the other's shared objects.
-        let machine = Command::new(&program)
+        let machine = compiler_command(&program)
             .arg("-dumpmachine")
             .output()
             .ok()
@@ -167,7 +195,7 @@ impl HostCompiler {
         std::fs::write(&src_path, source).map_err(|e| io(&src_path, e))?;
         let args = Self::command_args(options, &src_name, &so_name);
         let cmd = format!("{} {}", self.program, args.join(" "));
-        let out = Command::new(&self.program)
+        let out = compiler_command(&self.program)
             .args(&args)
             .current_dir(&dir.0)
             .output()
@@ -187,5 +215,21 @@ impl HostCompiler {
         }
         let so_path = dir.0.join(&so_name);
         std::fs::read(&so_path).map_err(|e| io(&so_path, e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_asan_runtime_is_recognised_in_a_preload() {
+        assert!(is_asan_runtime(
+            "/usr/lib/gcc/x86_64-linux-gnu/12/libasan.so"
+        ));
+        assert!(is_asan_runtime("libasan.so.8"));
+        assert!(is_asan_runtime("/x/libclang_rt.asan-x86_64.so"));
+        assert!(!is_asan_runtime("/opt/libasanity.so"));
+        assert!(!is_asan_runtime("/usr/lib/libjemalloc.so"));
     }
 }

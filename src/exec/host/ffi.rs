@@ -166,6 +166,14 @@ impl Drop for EmuKernel {
     }
 }
 
+/// Whether the AddressSanitizer runtime is already in this process (preloaded, as it must
+/// be): loading an ASan-built kernel library without it makes the runtime end the process.
+pub(crate) fn asan_runtime_loaded() -> bool {
+    let this = libloading::os::unix::Library::this();
+    // SAFETY: only the symbol's address is looked up; it is never called or dereferenced.
+    unsafe { this.get::<*const c_void>(b"__asan_init") }.is_ok()
+}
+
 /// Loads kernel `entry` from the emulation library at `path`.
 ///
 /// The executor's contract (documented on [`crate::exec::KernelArtifact::HostLibrary`]) is that

@@ -36,6 +36,16 @@ pub const ORDER_ENV: &str = "CP_HICACHE_EMU_ORDER";
 /// ([`Sanitize::from_env`](crate::jit::Sanitize::from_env)) because the mode is a compile option.
 pub use crate::jit::SANITIZE_ENV;
 
+/// How to run a process that loads AddressSanitizer builds of the kernels.
+pub const ASAN_HINT: &str = "run with LD_PRELOAD=$(c++ -print-file-name=libasan.so) \
+    ASAN_OPTIONS=detect_leaks=0 (the ASan runtime must be loaded first)";
+
+/// Whether the AddressSanitizer runtime is loaded in this process, which loading kernels built
+/// with `CP_HICACHE_EMU_SANITIZE=address` needs (otherwise the runtime ends the process).
+pub fn asan_runtime_loaded() -> bool {
+    ffi::asan_runtime_loaded()
+}
+
 /// Order in which the blocks of a launch run. Shared memory keeps its values between blocks,
 /// so running tests in both orders exposes kernels that read uninitialised shared memory.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
