@@ -51,3 +51,22 @@ fn info_names_a_misspelt_emulator_setting() {
         "{line}"
     );
 }
+
+#[test]
+fn info_json_has_plain_fields_and_the_cache_dir_really_used() {
+    let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+        .args(["info", "--json"])
+        .env("CP_HICACHE_CACHE_DIR", "")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for probe in ["cxx", "nvrtc", "cuda", "emulator"] {
+        let p = &v[probe];
+        assert!(p["ok"].is_boolean(), "{probe}: {p}");
+        assert!(p["detail"].is_string(), "{probe}: {p}");
+    }
+    // An empty CP_HICACHE_CACHE_DIR counts as unset: the default cache dir is shown.
+    let dir = v["cache_dir"].as_str().unwrap();
+    assert!(dir.ends_with("cp-hicache"), "{dir}");
+}

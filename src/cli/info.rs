@@ -22,7 +22,7 @@ struct Report {
     cuda: Found,
     emulator: Found,
     backend_auto: String,
-    cache_dir: Option<PathBuf>,
+    cache_dir: PathBuf,
     env: Vec<(String, String)>,
 }
 
@@ -38,13 +38,30 @@ struct LayoutReport {
     bytes_per_token: Vec<(&'static str, u32)>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug)]
 struct Found {
     what: String,
     detail: Result<String, String>,
     /// How the text report words a failed probe.
-    #[serde(skip)]
     failed: &'static str,
+}
+
+/// `{"what", "ok", "detail"}`: what was found, or why not (a derived `Result` would put
+/// Rust's `{"Ok": ...}` into the JSON).
+impl Serialize for Found {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let mut st = s.serialize_struct("Found", 3)?;
+        st.serialize_field("what", &self.what)?;
+        st.serialize_field("ok", &self.detail.is_ok())?;
+        st.serialize_field(
+            "detail",
+            match &self.detail {
+                Ok(d) | Err(d) => d,
+            },
+        )?;
+        st.end()
+    }
 }
 
 pub(super) fn run(args: &InfoArgs) -> Result<ExitCode, crate::Error> {
@@ -128,12 +145,14 @@ fn print_text(r: &Report) {
     print_found(&r.cuda);
     print_found(&r.emulator);
     println!("  {:<18} {}", "backend auto", r.backend_auto);
-    match &r.cache_dir {
-        Some(d) => println!("  {:<18} {}", "cache dir", d.display()),
-        None => println!("  {:<18} none (set CP_HICACHE_CACHE_DIR)", "cache dir"),
-    }
-    for (k, v) in &r.env {
-        println!("  {k:<18} {v}");
+    println!("  {:<18} {}", "cache dir", r.cache_dir.display());
+    if !r.env.is_empty() {
+        println!();
+        println!("environment");
+        let width = r.env.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+        for (k, v) in &r.env {
+            println!("  {k:<width$} {v:?}");
+        }
     }
 }
 
@@ -235,8 +254,7 @@ fn probe_nvrtc() -> Found {
     }
 }
 
-fn cache_dir() -> Option<PathBuf> {
-    std::env::var_os("CP_HICACHE_CACHE_DIR")
-        .map(PathBuf::from)
-        .or_else(|| dirs::cache_dir().map(|d| d.join("cp-hicache")))
+/// The cache directory the JIT would use (an empty `CP_HICACHE_CACHE_DIR` counts as unset).
+fn cache_dir() -> PathBuf {
+    crate::jit::DiskCache::default_root()
 }
