@@ -61,14 +61,45 @@ impl Drop for BuildDir {
     }
 }
 
+const BUILD_DIR_PREFIX: &str = "cp-hicache-build-";
+
+/// Removes the build directories that processes which no longer run left behind (a build
+/// interrupted by a signal skips `Drop`). Only directories named for a pid with no
+/// `/proc/<pid>` go; where `/proc` is missing, nothing is removed.
+fn sweep_stale_build_dirs(tmp: &Path) {
+    if !Path::new("/proc/self").exists() {
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(tmp) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(BUILD_DIR_PREFIX))
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|pid| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !Path::new("/proc").join(pid.to_string()).exists() {
+            tracing::debug!(target: "cp_hicache::jit", path = %entry.path().display(), "removing a stale build directory");
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
 fn build_dir(uri: &str) -> Result<BuildDir, HostCcError> {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
+    static SWEEP: std::sync::Once = std::sync::Once::new();
+    SWEEP.call_once(|| sweep_stale_build_dirs(&std::env::temp_dir()));
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.subsec_nanos())
         .unwrap_or(0);
     let dir = std::env::temp_dir().join(format!(
-        "cp-hicache-build-{}-{}-{:08x}",
+        "{BUILD_DIR_PREFIX}{}-{}-{:08x}",
         std::process::id(),
         COUNTER.fetch_add(1, Ordering::Relaxed),
         nanos
@@ -231,5 +262,25 @@ mod tests {
         assert!(is_asan_runtime("/x/libclang_rt.asan-x86_64.so"));
         assert!(!is_asan_runtime("/opt/libasanity.so"));
         assert!(!is_asan_runtime("/usr/lib/libjemalloc.so"));
+    }
+
+    #[test]
+    fn stale_build_dirs_of_dead_processes_are_swept() {
+        let tmp = tempfile::tempdir().unwrap();
+        // No process has pid u32::MAX - 1 (above Linux's pid_max); this one is alive.
+        let dead = tmp
+            .path()
+            .join(format!("{BUILD_DIR_PREFIX}{}-0-0", u32::MAX - 1));
+        let alive = tmp
+            .path()
+            .join(format!("{BUILD_DIR_PREFIX}{}-0-0", std::process::id()));
+        let other = tmp.path().join("cp-hicache-something-else");
+        for d in [&dead, &alive, &other] {
+            std::fs::create_dir_all(d).unwrap();
+            std::fs::write(d.join("k.cu"), "x").unwrap();
+        }
+        sweep_stale_build_dirs(tmp.path());
+        assert!(!dead.exists());
+        assert!(alive.exists() && other.exists());
     }
 }
