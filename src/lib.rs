@@ -23,6 +23,7 @@
 pub mod allocator;
 pub mod cli;
 pub mod cluster;
+mod env;
 mod error;
 pub mod exec;
 pub mod hicache;

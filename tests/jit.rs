@@ -807,3 +807,30 @@ fn jit_off_with_an_empty_cache_lists_every_missing_kernel_once() {
         "{err}"
     );
 }
+
+/// A misspelt `CP_HICACHE_JIT` is an error naming the variable, never a silently compiling run.
+#[test]
+fn an_unknown_jit_switch_is_refused() {
+    let cache = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+        .args([
+            "replay",
+            "--conversations",
+            "1",
+            "--cp",
+            "2",
+            "--model",
+            "mla",
+        ])
+        .env("CP_HICACHE_CACHE_DIR", cache.path())
+        .env("CP_HICACHE_JIT", "of")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("CP_HICACHE_JIT=\"of\""), "{err}");
+    assert!(
+        !cache.path().join("host").exists(),
+        "compiled despite the error"
+    );
+}

@@ -157,14 +157,32 @@ pub struct OwnerLaneAllocator {
     debug_checks: bool,
 }
 
+/// Whether `CP_HICACHE_DEBUG_ALLOC` turns the invariant checks on. A value that is neither on
+/// nor off turns them on (the safe side) and says so once.
+fn debug_checks_from_env() -> bool {
+    let Ok(v) = std::env::var(DEBUG_ENV) else {
+        return false;
+    };
+    crate::env::parse_switch(&v).unwrap_or_else(|| {
+        static WARNED: std::sync::Once = std::sync::Once::new();
+        WARNED.call_once(|| {
+            tracing::warn!(
+                target: "cp_hicache::allocator",
+                "{DEBUG_ENV}={v:?} is neither on (1, on, true, yes) nor off (0, off, false, no): checks on"
+            );
+        });
+        true
+    })
+}
+
 impl OwnerLaneAllocator {
     /// A fresh allocator with every non-null page free. Invariant checks are on when
-    /// `CP_HICACHE_DEBUG_ALLOC` is set to anything but `0`.
+    /// `CP_HICACHE_DEBUG_ALLOC` is on (`1`, `on`, `true`, `yes`).
     pub fn new(layout: CpLayout) -> Self {
         let lanes = (0..layout.cp())
             .map(|r| layout.lane_pages(Rank(r)).rev().collect())
             .collect();
-        let debug_checks = std::env::var(DEBUG_ENV).is_ok_and(|v| !v.is_empty() && v != "0");
+        let debug_checks = debug_checks_from_env();
         OwnerLaneAllocator {
             layout,
             lanes,

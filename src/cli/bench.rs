@@ -77,7 +77,7 @@ pub(super) fn run(args: &BenchArgs) -> Result<ExitCode, crate::Error> {
     for path in args.json.iter().chain(&args.plot) {
         check_output(path)?;
     }
-    let jit = Jit::new(JitConfig::from_env(EMU_HEADER));
+    let jit = Jit::new(JitConfig::from_env(EMU_HEADER)?);
     if args.prebuild {
         return prebuild(&jit, &deps);
     }

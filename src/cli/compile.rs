@@ -133,7 +133,7 @@ pub(super) fn run(args: &CompileArgs) -> Result<ExitCode, crate::Error> {
         },
     };
     let start = Instant::now();
-    let jit = Jit::new(JitConfig::from_env(EMU_HEADER));
+    let jit = Jit::new(JitConfig::from_env(EMU_HEADER)?);
     let items = collect(&deps, target)?;
     let results = warm_up(&jit, &items, target);
     let wall_ms = start.elapsed().as_secs_f64() * 1e3;

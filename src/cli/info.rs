@@ -98,7 +98,7 @@ pub(super) fn run(args: &InfoArgs) -> Result<ExitCode, crate::Error> {
         cache_dir: cache_dir(),
         env: [
             "CP_HICACHE_CACHE_DIR",
-            "CP_HICACHE_JIT",
+            crate::jit::JIT_ENV,
             "CP_HICACHE_NVRTC",
             crate::exec::host::ORDER_ENV,
             crate::jit::SANITIZE_ENV,

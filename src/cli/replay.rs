@@ -220,7 +220,7 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
     let (workload, total) = args.workload()?;
     let exec: Arc<dyn Executor> = Arc::from(open_executor(args.backend)?);
     let backend = exec.backend().to_string();
-    let jit = Jit::new(JitConfig::from_env(EMU_HEADER));
+    let jit = Jit::new(JitConfig::from_env(EMU_HEADER)?);
     // Launch shapes tuned for this executor: from --tuning, else <cache>/tuning.json if any.
     let mut deployment = plan.deployment.clone();
     let device = crate::tuning::DeviceKey::for_executor(exec.as_ref(), &jit)?;

@@ -195,6 +195,9 @@ impl CompiledKernel {
     }
 }
 
+/// Environment variable that turns compiling off (`CP_HICACHE_JIT=off`).
+pub const JIT_ENV: &str = "CP_HICACHE_JIT";
+
 /// Whether cache misses may compile.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub enum JitMode {
@@ -206,18 +209,32 @@ pub enum JitMode {
 }
 
 impl JitMode {
-    /// `CP_HICACHE_JIT=off` (or `0`, `false`, `no`) → `Off`; anything else → `On`.
-    pub fn from_env() -> JitMode {
-        match std::env::var("CP_HICACHE_JIT") {
-            Ok(v)
-                if matches!(
-                    v.trim().to_ascii_lowercase().as_str(),
-                    "off" | "0" | "false" | "no"
-                ) =>
-            {
-                JitMode::Off
+    /// `CP_HICACHE_JIT=off` (or `0`, `false`, `no`) → `Off`; unset, empty, `on`, `1`, `true`,
+    /// `yes` → `On`. Anything else is [`JitError::Config`]: a misspelt `off` must not quietly
+    /// let a prebuilt-only deployment compile.
+    pub fn from_env() -> Result<JitMode, JitError> {
+        let v = match std::env::var(JIT_ENV) {
+            Ok(v) => v,
+            Err(std::env::VarError::NotPresent) => return Ok(JitMode::On),
+            Err(std::env::VarError::NotUnicode(v)) => {
+                return Err(JitError::Config {
+                    name: JIT_ENV,
+                    value: v.to_string_lossy().into_owned(),
+                    reason: "not valid UTF-8".to_string(),
+                })
             }
-            _ => JitMode::On,
+        };
+        if v.trim().is_empty() {
+            return Ok(JitMode::On);
+        }
+        match crate::env::parse_switch(&v) {
+            Some(true) => Ok(JitMode::On),
+            Some(false) => Ok(JitMode::Off),
+            None => Err(JitError::Config {
+                name: JIT_ENV,
+                value: v,
+                reason: "expected off (0, false, no) or on (1, true, yes)".to_string(),
+            }),
         }
     }
 }
@@ -259,11 +276,12 @@ impl JitConfig {
         }
     }
 
-    /// A config from the process environment: `CP_HICACHE_CACHE_DIR`, `CP_HICACHE_JIT`.
-    pub fn from_env(emu_header: impl Into<String>) -> JitConfig {
+    /// A config from the process environment: `CP_HICACHE_CACHE_DIR`, `CP_HICACHE_JIT` (an
+    /// unknown value of which is [`JitError::Config`]).
+    pub fn from_env(emu_header: impl Into<String>) -> Result<JitConfig, JitError> {
         let mut c = JitConfig::new(DiskCache::default_root(), emu_header);
-        c.mode = JitMode::from_env();
-        c
+        c.mode = JitMode::from_env()?;
+        Ok(c)
     }
 }
 
