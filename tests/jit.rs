@@ -806,6 +806,9 @@ fn jit_off_with_an_empty_cache_lists_every_missing_kernel_once() {
         5,
         "{err}"
     );
+    // Nothing was written into the cache, not even a lock file or a folder.
+    let written: Vec<_> = std::fs::read_dir(cache.path()).unwrap().collect();
+    assert!(written.is_empty(), "{written:?}");
 }
 
 /// A misspelt `CP_HICACHE_JIT` is an error naming the variable, never a silently compiling run.
