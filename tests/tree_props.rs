@@ -535,7 +535,17 @@ impl Harness {
                 let cp = usize::from(self.layout.cp());
                 let mut short = deficit[..cp].to_vec();
                 let snaps = self.trees.each_ref().map(snapshot);
+                // The plan changes nothing, and the eviction removes exactly its nodes, in order.
+                let before = self.trees[0].digest();
+                let plan = self.trees[0].host_eviction_plan_for_ranks(&short).unwrap();
+                assert_eq!(self.trees[0].digest(), before, "planning changed the tree");
+                let planned: Vec<Vec<u8>> = plan
+                    .iter()
+                    .map(|&id| self.trees[0].node(id).unwrap().host().unwrap().encode())
+                    .collect();
                 let a = self.trees[0].evict_host_for_ranks(&short).unwrap();
+                let got: Vec<Vec<u8>> = a.iter().map(NodeMetadata::encode).collect();
+                assert_eq!(got, planned, "eviction differs from its plan");
                 let b = self.trees[1].evict_host_for_ranks(&short).unwrap();
                 self.apply_host_eviction(&snaps, [&a, &b]);
                 // In order, each evicted node owned a page of a rank that was still short, so

@@ -25,7 +25,7 @@ use crate::allocator::StateDigest;
 use crate::layout::{CpLayout, LayoutError, PageId, Rank};
 use crate::metadata::{HostPage, MetadataError, NodeMetadata};
 use sha2::{Digest, Sha256};
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt;
 
 /// A node handle: an arena slot plus the slot's generation, so a handle to a removed node
@@ -855,11 +855,30 @@ impl RadixTree {
     /// leaves that own at least one page of a rank still short (`deficit[rank]` host pages,
     /// ranks by the node's `page_owners`), and stops as soon as every deficit is covered or
     /// no candidate is left. The choice depends only on `page_owners`, which every rank
-    /// shares, so every rank evicts the same nodes.
+    /// shares, so every rank evicts the same nodes. It removes exactly the nodes of
+    /// [`RadixTree::host_eviction_plan_for_ranks`], in its order.
     pub fn evict_host_for_ranks(
         &mut self,
         deficit: &[u32],
     ) -> Result<Vec<NodeMetadata>, TreeError> {
+        let plan = self.host_eviction_plan_for_ranks(deficit)?;
+        let mut out = Vec::with_capacity(plan.len());
+        for id in plan {
+            let n = self.remove_leaf(id)?;
+            out.push(
+                n.host.ok_or_else(|| {
+                    invariant(format!("planned host eviction of {id} without host"))
+                })?,
+            );
+        }
+        Ok(out)
+    }
+
+    /// The nodes [`RadixTree::evict_host_for_ranks`] would remove, in order, leaving the tree
+    /// as it is: a backup short of host pages decides on this whether evicting would cover
+    /// its whole shortfall before evicting anything. A parent becomes a candidate once every
+    /// child it has is planned.
+    pub fn host_eviction_plan_for_ranks(&self, deficit: &[u32]) -> Result<Vec<NodeId>, TreeError> {
         let mut short = deficit.to_vec();
         let mut cands = BTreeSet::new();
         for (id, n) in self.live_nodes() {
@@ -867,37 +886,39 @@ impl RadixTree {
                 cands.insert((n.stamp, id));
             }
         }
-        let mut out = Vec::new();
+        let mut planned_children: HashMap<NodeId, usize> = HashMap::new();
+        let mut plan = Vec::new();
         while short.iter().any(|&d| d > 0) {
             let Some((_, id)) = cands.pop_first() else {
                 break;
             };
-            let helps = self.get(id)?.host.as_ref().is_some_and(|m| {
-                m.page_owners()
-                    .iter()
-                    .any(|&o| short.get(usize::from(o)).is_some_and(|&s| s > 0))
-            });
+            let n = self.get(id)?;
+            let Some(meta) = n.host.as_ref() else {
+                continue;
+            };
+            let helps = meta
+                .page_owners()
+                .iter()
+                .any(|&o| short.get(usize::from(o)).is_some_and(|&s| s > 0));
             if !helps {
                 continue;
             }
-            let parent = self.get(id)?.parent;
-            let n = self.remove_leaf(id)?;
-            if let Some(meta) = n.host {
-                for &o in meta.page_owners() {
-                    if let Some(s) = short.get_mut(usize::from(o)) {
-                        *s = s.saturating_sub(1);
-                    }
+            for &o in meta.page_owners() {
+                if let Some(s) = short.get_mut(usize::from(o)) {
+                    *s = s.saturating_sub(1);
                 }
-                out.push(meta);
             }
-            if let Some(p) = parent {
+            plan.push(id);
+            if let Some(p) = n.parent {
+                let gone = planned_children.entry(p).or_default();
+                *gone += 1;
                 let pn = self.get(p)?;
-                if self.is_host_candidate(p, pn) {
+                if Self::is_host_candidate_without(p, pn, *gone) {
                     cands.insert((pn.stamp, p));
                 }
             }
         }
-        Ok(out)
+        Ok(plan)
     }
 
     /// Nodes whose host metadata references one of `host` (this rank's host pages).
@@ -1350,11 +1371,16 @@ impl RadixTree {
     }
 
     fn is_host_candidate(&self, id: NodeId, n: &Node) -> bool {
+        Self::is_host_candidate_without(id, n, 0)
+    }
+
+    /// Whether `n` would be a host-eviction candidate once `gone` of its children were removed.
+    fn is_host_candidate_without(id: NodeId, n: &Node, gone: usize) -> bool {
         id != NodeId::ROOT
             && n.lock == 0
             && n.device.is_none()
             && n.host.is_some()
-            && n.children.is_empty()
+            && n.children.len() == gone
     }
 
     fn device_candidates(&self) -> Result<BTreeSet<(u64, NodeId)>, TreeError> {
