@@ -12,6 +12,8 @@ use cp_hicache::jit::{
 };
 use std::path::{Path, PathBuf};
 
+mod support;
+
 const HEADER: &str = "// test emulation header\n#define CP_TEST_HEADER 1\n";
 const ADD_SRC: &str = "extern \"C\" int add(int a, int b) { return a + b + CP_TEST_HEADER - 1; }\n";
 
@@ -781,21 +783,10 @@ fn nvrtc_chosen_and_resolved_libraries_must_agree() {
 #[test]
 fn jit_off_with_an_empty_cache_lists_every_missing_kernel_once() {
     let cache = tempfile::tempdir().unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
-        .args([
-            "replay",
-            "--conversations",
-            "1",
-            "--cp",
-            "2",
-            "--model",
-            "mla",
-        ])
-        .env("CP_HICACHE_CACHE_DIR", cache.path())
-        .env("CP_HICACHE_JIT", "off")
-        .env_remove("RUST_LOG")
-        .output()
-        .unwrap();
+    let out = support::small_replay(
+        cache.path(),
+        &[("CP_HICACHE_JIT", Some("off")), ("RUST_LOG", None)],
+    );
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(!err.contains('\u{1b}'), "colour codes in a pipe: {err}");
@@ -815,20 +806,7 @@ fn jit_off_with_an_empty_cache_lists_every_missing_kernel_once() {
 #[test]
 fn an_unknown_jit_switch_is_refused() {
     let cache = tempfile::tempdir().unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
-        .args([
-            "replay",
-            "--conversations",
-            "1",
-            "--cp",
-            "2",
-            "--model",
-            "mla",
-        ])
-        .env("CP_HICACHE_CACHE_DIR", cache.path())
-        .env("CP_HICACHE_JIT", "of")
-        .output()
-        .unwrap();
+    let out = support::small_replay(cache.path(), &[("CP_HICACHE_JIT", Some("of"))]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{err}");
     assert!(err.contains("CP_HICACHE_JIT=\"of\""), "{err}");

@@ -290,21 +290,10 @@ fn asan_reports_an_out_of_bounds_page() {
 #[test]
 fn replay_without_the_asan_runtime_is_refused_before_compiling() {
     let cache = tempfile::tempdir().unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
-        .args([
-            "replay",
-            "--conversations",
-            "1",
-            "--cp",
-            "2",
-            "--layers",
-            "1",
-        ])
-        .env(SANITIZE_ENV, "address")
-        .env("CP_HICACHE_CACHE_DIR", cache.path())
-        .env_remove("LD_PRELOAD")
-        .output()
-        .unwrap();
+    let out = support::small_replay(
+        cache.path(),
+        &[(SANITIZE_ENV, Some("address")), ("LD_PRELOAD", None)],
+    );
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
     assert!(
@@ -327,24 +316,15 @@ fn replay_runs_asan_kernels_under_the_preloaded_runtime() {
         return;
     }
     let cache = tempfile::tempdir().unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
-        .args([
-            "replay",
-            "--conversations",
-            "2",
-            "--cp",
-            "2",
-            "--layers",
-            "1",
-            "--model",
-            "mla",
-        ])
-        .env(SANITIZE_ENV, "address")
-        .env("CP_HICACHE_CACHE_DIR", cache.path())
-        .env("LD_PRELOAD", libasan())
-        .env("ASAN_OPTIONS", "detect_leaks=0")
-        .output()
-        .unwrap();
+    let asan = libasan();
+    let out = support::small_replay(
+        cache.path(),
+        &[
+            (SANITIZE_ENV, Some("address")),
+            ("LD_PRELOAD", asan.to_str()),
+            ("ASAN_OPTIONS", Some("detect_leaks=0")),
+        ],
+    );
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),

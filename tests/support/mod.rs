@@ -417,3 +417,28 @@ pub fn grid(rng: &mut Rng, recommended: u32) -> u32 {
         recommended
     }
 }
+
+/// Runs `cp-hicache replay` on a small deployment (two conversations, MLA, CP 2, one layer)
+/// with its JIT cache at `cache`; each `env` entry is set, or removed when `None`.
+pub fn small_replay(cache: &std::path::Path, env: &[(&str, Option<&str>)]) -> std::process::Output {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_cp-hicache"));
+    cmd.args([
+        "replay",
+        "--conversations",
+        "2",
+        "--cp",
+        "2",
+        "--layers",
+        "1",
+        "--model",
+        "mla",
+    ])
+    .env("CP_HICACHE_CACHE_DIR", cache);
+    for (k, v) in env {
+        match v {
+            Some(v) => cmd.env(k, v),
+            None => cmd.env_remove(k),
+        };
+    }
+    cmd.output().unwrap()
+}
