@@ -545,6 +545,12 @@ pub struct LaunchDims {
 /// add nothing.
 const MAX_GRID: u64 = 1 << 16;
 
+/// Verify blocks stride over tokens. On the CPU emulator every block starts a fiber per
+/// thread, so one block per token made starting fibers most of the work (a 20-30 % faster
+/// default replay with this cap); on an H200 it is about 8 blocks per SM, plenty for a check
+/// that is not on the serving path.
+const VERIFY_MAX_BLOCKS: u64 = 1024;
+
 impl KernelSpec {
     /// The kernel family.
     pub fn family(&self) -> Family {
@@ -833,7 +839,7 @@ impl KernelSpec {
     /// request (select), a page (release), a page pair (transfer), a sequence page
     /// (materialise, synthesise: pages after `start_page`) or a token (verify; `layers` is
     /// ignored). Every kernel strides over its work, so any grid is correct; this one is
-    /// never 0 and at most 65536.
+    /// never 0 and at most 65536 (verify: 1024).
     pub fn launch_dims(&self, items: u32, layers: u32) -> LaunchDims {
         let blocks = match self {
             KernelSpec::SelectOwnerPages(_) | KernelSpec::ReleasePages(_) => 1,
@@ -843,7 +849,7 @@ impl KernelSpec {
                     * u64::from(layers)
             }
             KernelSpec::Synthesise(_) => u64::from(items) * u64::from(layers),
-            KernelSpec::Verify(_) => u64::from(items),
+            KernelSpec::Verify(_) => u64::from(items).min(VERIFY_MAX_BLOCKS),
         };
         LaunchDims {
             grid: blocks.clamp(1, MAX_GRID) as u32,
@@ -1056,6 +1062,13 @@ mod tests {
             threads: 32,
         });
         assert_eq!(v.launch_dims(0, 4), LaunchDims { grid: 1, block: 32 });
-        assert_eq!(v.launch_dims(u32::MAX, 4).grid, 1 << 16);
+        assert_eq!(v.launch_dims(u32::MAX, 4).grid, 1024);
+        let s = KernelSpec::Synthesise(SynthSpec {
+            buffer: BufferKind::MlaKv,
+            cp: 4,
+            page_size: 16,
+            threads: 32,
+        });
+        assert_eq!(s.launch_dims(u32::MAX, 4).grid, 1 << 16);
     }
 }
