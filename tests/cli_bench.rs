@@ -258,6 +258,49 @@ fn bench_check_inject_fails_one_row() {
         assert_eq!(out.status.code(), Some(1), "{fault}: {stdout}");
         assert_eq!(stdout.matches("  FAIL  ").count(), 1, "{fault}: {stdout}");
         assert_eq!(stdout.matches("  ok  ").count(), 15, "{fault}: {stdout}");
-        assert!(stdout.contains("1 failures"), "{stdout}");
+        assert!(stdout.contains(": 1 failure\n"), "{stdout}");
+        // Every table row is one line, however many lines the failure's detail has; the
+        // table ends at the first blank line (the full details follow it).
+        let table: Vec<&str> = stdout
+            .lines()
+            .skip(1)
+            .take_while(|l| !l.is_empty() && !l.starts_with("check on "))
+            .collect();
+        assert_eq!(table.len(), 16, "{fault}: {stdout}");
+        for row in &table {
+            assert!(
+                row.starts_with("nsa_ps64_cp2 "),
+                "{fault}: {row:?}\n{stdout}"
+            );
+        }
+    }
+}
+
+/// `--check` times nothing: the options only timing uses (`--json`, `--plot`, sizes,
+/// `--tuning`, ...) are refused with it, not silently ignored.
+#[test]
+fn bench_check_refuses_timing_and_output_options() {
+    let dir = tempfile::tempdir().unwrap();
+    for extra in [
+        &["--json", "bc.json"][..],
+        &["--plot", "bc.svg"],
+        &["--tuning", "t.json"],
+        &["--pages", "8"],
+        &["--alloc-pages", "64"],
+        &["--quick"],
+    ] {
+        let out = output(
+            bin(&dir.path().join("cache"))
+                .current_dir(dir.path())
+                .args(["bench", "--check", "--backend", "host"])
+                .args(extra),
+        );
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{extra:?}: {stderr}");
+        assert!(
+            stderr.contains("cannot be used with"),
+            "{extra:?}: {stderr}"
+        );
+        assert!(!dir.path().join("bc.json").exists() && !dir.path().join("bc.svg").exists());
     }
 }

@@ -52,8 +52,11 @@ pub struct BenchArgs {
     #[arg(long)]
     pub dma: bool,
     /// Instead of timing, run every kernel family on random inputs and compare with the Rust
-    /// references (exit status 1 on any difference).
-    #[arg(long)]
+    /// references (exit status 1 on any difference). It times nothing, so the timing and
+    /// output options are refused with it rather than ignored.
+    #[arg(long, conflicts_with_all = [
+        "json", "plot", "tuning", "quick", "dma", "alloc_pages", "pages", "layers", "repeats",
+    ])]
     pub check: bool,
     /// Inject a fault to exercise a failure path: compile-error (the first kernel's source is
     /// broken) or launch-error (the first launch fails). The failing kernel is reported, the
@@ -205,6 +208,9 @@ fn run_check(
         exec.inject_launch_failure();
     }
     let mut bad = 0;
+    // A detail (a compiler's output) can span lines: the table shows its first line, the full
+    // text follows the table, so every row stays one line.
+    let mut details = Vec::new();
     println!(
         "{:<16}  {:<56}  {:<6}  detail",
         "deployment", "kernel", "result"
@@ -212,17 +218,30 @@ fn run_check(
     for dep in deps {
         for r in check::check_deployment_with(exec, jit, dep, hook)? {
             bad += usize::from(!r.ok);
+            let mut lines = r.detail.lines();
+            let first = lines.next().unwrap_or("");
+            let more = lines.next().is_some();
             println!(
-                "{:<16}  {:<56}  {:<6}  {}",
+                "{:<16}  {:<56}  {:<6}  {first}{}",
                 dep.name,
                 r.kernel,
                 if r.ok { "ok" } else { "FAIL" },
-                r.detail
+                if more { " …" } else { "" }
             );
+            if more {
+                details.push((r.kernel, r.detail));
+            }
         }
     }
+    for (kernel, detail) in &details {
+        println!("\n{kernel}:\n{}", detail.trim_end());
+    }
     exec.disarm_launch_failure();
-    println!("check on {}: {bad} failures", exec.backend());
+    println!(
+        "check on {}: {bad} {}",
+        exec.backend(),
+        if bad == 1 { "failure" } else { "failures" }
+    );
     Ok(if bad == 0 {
         ExitCode::SUCCESS
     } else {
