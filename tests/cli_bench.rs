@@ -304,3 +304,40 @@ fn bench_check_refuses_timing_and_output_options() {
         assert!(!dir.path().join("bc.json").exists() && !dir.path().join("bc.svg").exists());
     }
 }
+
+/// Sizes out of range are refused by the parser (exit status 2, the range named) before
+/// anything is allocated: zero is not rounded up and a huge `--alloc-pages` never reaches the
+/// allocator; a product of pages and layers past the memory budget is refused too.
+#[test]
+fn out_of_range_sizes_are_usage_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    for args in [
+        &["bench", "--alloc-pages", "0"][..],
+        &["bench", "--alloc-pages", "4294967295"],
+        &["bench", "--alloc-pages", "100000000"],
+        &["bench", "--pages", "0"],
+        &["bench", "--layers", "0"],
+        &["tune", "--repeats", "0"],
+        &["tune", "--pages", "100000"],
+        &["bench", "--repeats", "1001"],
+    ] {
+        let out = output(bin(&dir.path().join("cache")).args(args));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains("not in "), "{args:?}: {stderr}");
+    }
+    let out = output(bin(&dir.path().join("cache")).args([
+        "tune",
+        "--backend",
+        "host",
+        "--deployment",
+        "nsa_ps64_cp8",
+        "--pages",
+        "4096",
+        "--layers",
+        "64",
+    ]));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("lower --pages or --layers"), "{stderr}");
+}

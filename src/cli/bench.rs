@@ -15,11 +15,16 @@ use crate::tuning::bench::{
 };
 use crate::tuning::{check, DeviceKey, TuningFile};
 
+/// Most pages one select/release launch may request: 4× the larger default (16,384), a
+/// 4M-token prefill at page 64. The lane stacks, request and output buffers grow with it
+/// (the output locations by 8 bytes × page size per page: 512 MiB at page 1024).
+pub const MAX_ALLOC_PAGES: u32 = 65536;
+
 /// Options of `bench`. `--layers` and `--repeats` keep bench's own wording.
 #[derive(Debug, clap::Args)]
 #[command(
-    mut_arg("layers", |a| a.help("Layers per copy launch")),
-    mut_arg("repeats", |a| a.help("Timed repeats; the median is reported"))
+    mut_arg("layers", |a| a.help("Layers per copy launch, 1-64")),
+    mut_arg("repeats", |a| a.help("Timed repeats, 1-1000; the median is reported"))
 )]
 pub struct BenchArgs {
     /// `--backend`.
@@ -44,8 +49,10 @@ pub struct BenchArgs {
     /// `--pages`, `--layers`, `--repeats`.
     #[command(flatten)]
     pub sizes: SizeArgs,
-    /// Requests per select/release launch (repeatable; default 2048 and 16384).
-    #[arg(long = "alloc-pages", value_name = "N")]
+    /// Pages requested per select/release launch, 1-65536 (repeatable; default 2048 and
+    /// 16384).
+    #[arg(long = "alloc-pages", value_name = "N",
+          value_parser = clap::value_parser!(u32).range(1..=MAX_ALLOC_PAGES as i64))]
     pub alloc_pages: Vec<u32>,
     /// Also time the default configuration's transfers on the DMA path (config `dma`: copy
     /// regions, i.e. batched cuMemcpyAsync on a GPU, memcpy on the host). Always on with CUDA.
@@ -80,6 +87,11 @@ pub(super) fn run(args: &BenchArgs) -> Result<ExitCode, crate::Error> {
     for path in args.json.iter().chain(&args.plot) {
         check_output(path)?;
     }
+    let mut opts = BenchOptions::new(args.quick);
+    args.sizes.apply(&mut opts.sizes, &deps)?;
+    if !args.alloc_pages.is_empty() {
+        opts.alloc_pages = args.alloc_pages.clone();
+    }
     let jit = Jit::new(JitConfig::from_env(EMU_HEADER));
     if args.prebuild {
         return prebuild(&jit, &deps);
@@ -109,12 +121,7 @@ pub(super) fn run(args: &BenchArgs) -> Result<ExitCode, crate::Error> {
             configs.push(("tuned".to_string(), tuned));
         }
     }
-    let mut opts = BenchOptions::new(args.quick);
     opts.dma_rows = args.dma || exec.backend() == Backend::Cuda;
-    args.sizes.apply(&mut opts.sizes);
-    if !args.alloc_pages.is_empty() {
-        opts.alloc_pages = args.alloc_pages.iter().map(|&n| n.max(1)).collect();
-    }
     let bar = progress_bar(format!("bench on {}", exec.backend()));
     let on_step = |s: Result<String, u64>| {
         if let Some(b) = &bar {

@@ -48,10 +48,11 @@ pub(super) fn progress_bar(prefix: String) -> Option<indicatif::ProgressBar> {
 pub(super) fn run(args: &TuneArgs) -> Result<ExitCode, crate::Error> {
     let dep =
         deployment_by_name(&args.deployment).map_err(|e| crate::Error::Usage(e.to_string()))?;
+    let mut opts = TuneOptions::new(args.quick);
+    args.sizes
+        .apply(&mut opts.sizes, std::slice::from_ref(&dep))?;
     let exec = open_executor(args.executor.backend)?;
     let jit = Jit::new(JitConfig::from_env(EMU_HEADER));
-    let mut opts = TuneOptions::new(args.quick);
-    args.sizes.apply(&mut opts.sizes);
     let bar = progress_bar(format!("tuning {} on {}", dep.name, exec.backend()));
     let on_event = |ev: TuneEvent| {
         if let Some(b) = &bar {
