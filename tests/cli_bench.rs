@@ -125,6 +125,10 @@ fn tune_writes_a_file_and_a_foreign_file_is_ignored_with_a_warning() {
         .arg("--quick")
         .arg("--out")
         .arg(&file));
+    assert!(
+        !dir.path().join(".tuning.json.lock").exists(),
+        "the merge lock file was left beside the tuning file"
+    );
     let mut json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
     let entries = json["entries"].as_array_mut().unwrap();
@@ -340,4 +344,87 @@ fn out_of_range_sizes_are_usage_errors() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("lower --pages or --layers"), "{stderr}");
+}
+
+/// Bad tuning files are the user's input: `bench --tuning` and `replay --tuning` with a
+/// missing file, a directory, a corrupt file or another format version exit 2 naming the
+/// tuning file, before anything runs.
+#[test]
+fn bad_tuning_files_are_usage_errors_naming_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let corrupt = dir.path().join("corrupt.json");
+    std::fs::write(&corrupt, "{not json").unwrap();
+    let future = dir.path().join("future.json");
+    std::fs::write(&future, r#"{"format": 99, "entries": []}"#).unwrap();
+    let cases = [
+        (dir.path().join("missing.json"), "tuning file"),
+        (dir.path().to_path_buf(), "tuning file"),
+        (corrupt, "tuning file"),
+        (future, "format 99"),
+    ];
+    for (path, needle) in &cases {
+        for cmd in [
+            &["bench", "--backend", "host", "--deployment", "mla_ps16_cp8"][..],
+            &[
+                "replay",
+                "--backend",
+                "host",
+                "--layers",
+                "1",
+                "--conversations",
+                "1",
+                "--quiet",
+            ],
+        ] {
+            let out = output(bin(&cache).args(cmd).arg("--tuning").arg(path));
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{cmd:?} {path:?}: {stderr}");
+            assert!(
+                stderr.contains(needle) && stderr.contains(&*path.to_string_lossy()),
+                "{cmd:?} {path:?}: {stderr}"
+            );
+            assert!(out.stdout.is_empty(), "{cmd:?} {path:?}: ran anyway");
+        }
+    }
+}
+
+/// `tune --out` is checked before the tuning run: a missing folder (not created), a
+/// directory, or an existing file that is not a tuning file (left as it was) exit 2; so does
+/// an unwritable `bench --json`.
+#[test]
+fn tune_out_and_bench_json_are_checked_up_front() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let corrupt = dir.path().join("corrupt.json");
+    std::fs::write(&corrupt, "{not json").unwrap();
+    let missing = dir.path().join("missing").join("t.json");
+    for (out_path, needle) in [
+        (missing.clone(), "cannot write"),
+        (dir.path().to_path_buf(), "is a directory"),
+        (corrupt.clone(), "fix or delete it"),
+    ] {
+        let out = output(
+            bin(&cache)
+                .args(["tune", "--backend", "host", "--quick", "--out"])
+                .arg(&out_path),
+        );
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{out_path:?}: {stderr}");
+        assert!(stderr.contains(needle), "{out_path:?}: {stderr}");
+        assert!(out.stdout.is_empty(), "{out_path:?}: the run started");
+    }
+    assert!(
+        !dir.path().join("missing").exists(),
+        "the folder was created"
+    );
+    assert_eq!(std::fs::read_to_string(&corrupt).unwrap(), "{not json");
+    let out = output(
+        bin(&cache)
+            .args(["bench", "--backend", "host", "--json"])
+            .arg(&missing),
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("cannot write"), "{stderr}");
 }

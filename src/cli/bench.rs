@@ -96,16 +96,20 @@ pub(super) fn run(args: &BenchArgs) -> Result<ExitCode, crate::Error> {
     if args.prebuild {
         return prebuild(&jit, &deps);
     }
+    // A bad --tuning file stops the run before anything is timed (exit status 2).
+    let (file, unreadable) = if args.check {
+        (None, Vec::new())
+    } else {
+        TuningFile::load_selected(args.tuning.as_deref(), &crate::tuning::default_path())?
+    };
+    for w in unreadable {
+        eprintln!("warning: {w}");
+    }
     let exec = open_executor(args.executor.backend)?;
     if args.check {
         return run_check(exec.as_ref(), &jit, &deps, args.inject);
     }
     let device = DeviceKey::for_executor(exec.as_ref(), &jit)?;
-    let (file, unreadable) =
-        TuningFile::load_selected(args.tuning.as_deref(), &crate::tuning::default_path())?;
-    for w in unreadable {
-        eprintln!("warning: {w}");
-    }
     let mut configs = Vec::new();
     for dep in &deps {
         let (tuned, source, warnings) = bench::tuned_config(dep, file.as_ref(), &device);

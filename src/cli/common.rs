@@ -10,20 +10,65 @@ use crate::tuning::Sizes;
 /// Checks, before the work starts, that an output file named on the command line (`--json`,
 /// `--plot`) can be written, so a long run never ends in "cannot write" with its results
 /// lost. An existing file is left as it is (opened for append, not truncated); a file this
-/// check creates is removed again.
+/// check creates is removed again. The path is the user's input, so a failure is a usage
+/// error (exit status 2).
 pub fn check_output(path: &Path) -> Result<(), crate::Error> {
     let existed = path.exists();
     std::fs::OpenOptions::new()
         .append(true)
         .create(true)
         .open(path)
-        .map_err(|source| crate::Error::Io {
-            context: format!("cannot write {}", path.display()),
-            source,
-        })?;
+        .map_err(|e| crate::Error::Usage(format!("cannot write {}: {e}", path.display())))?;
     if !existed {
         let _ = std::fs::remove_file(path);
     }
+    Ok(())
+}
+
+/// Checks, before a tuning run, the tuning file it will merge into: it must be a file that
+/// exists and parses (its entries are kept), or not exist yet; a directory is refused. With
+/// `explicit` (`tune --out`) its folder must exist and take new files, as for `--json`; the
+/// default file's folder (the cache directory) is created when the merge writes it.
+pub fn check_merge_target(path: &Path, explicit: bool) -> Result<(), crate::Error> {
+    let what = if explicit { "--out" } else { "tuning file" };
+    if path.is_dir() {
+        return Err(crate::Error::Usage(format!(
+            "{what} {} is a directory; name a tuning file, e.g. {}",
+            path.display(),
+            path.join(crate::tuning::file::TUNING_FILE_NAME).display()
+        )));
+    }
+    if path.exists() {
+        crate::tuning::TuningFile::load(path).map_err(|e| {
+            crate::Error::Usage(format!(
+                "{e}; tune merges into this file: fix or delete it, or pass another --out"
+            ))
+        })?;
+    }
+    if !explicit {
+        return Ok(());
+    }
+    // The merge writes a temporary file beside the target and renames it: probe the folder.
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let probe = dir.join(format!(".cp-hicache-probe.{}.{nanos}", std::process::id()));
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&probe)
+        .map_err(|e| {
+            crate::Error::Usage(format!(
+                "cannot write {}: {e} (folder {})",
+                path.display(),
+                dir.display()
+            ))
+        })?;
+    let _ = std::fs::remove_file(&probe);
     Ok(())
 }
 
@@ -153,10 +198,35 @@ mod tests {
         assert_eq!(std::fs::read_to_string(&old).unwrap(), "earlier report");
         let err = check_output(&dir.path().join("missing/x.json")).unwrap_err();
         assert!(err.to_string().contains("cannot write"), "{err}");
+        assert!(err.is_usage(), "{err}");
         assert!(
             check_output(dir.path()).is_err(),
             "a directory is not an output file"
         );
+    }
+
+    #[test]
+    fn merge_targets_must_be_a_tuning_file_or_absent() {
+        let dir = tempfile::tempdir().unwrap();
+        let fresh = dir.path().join("t.json");
+        check_merge_target(&fresh, true).unwrap();
+        let names = std::fs::read_dir(dir.path()).unwrap().count();
+        assert_eq!(names, 0, "the probe was left behind");
+        crate::tuning::TuningFile::default().save(&fresh).unwrap();
+        check_merge_target(&fresh, true).unwrap();
+        let corrupt = dir.path().join("corrupt.json");
+        std::fs::write(&corrupt, "{not json").unwrap();
+        let missing_dir = dir.path().join("missing/t.json");
+        for (path, needle) in [
+            (dir.path(), "is a directory"),
+            (corrupt.as_path(), "fix or delete it"),
+            (missing_dir.as_path(), "cannot write"),
+        ] {
+            let err = check_merge_target(path, true).unwrap_err();
+            assert!(err.is_usage() && err.to_string().contains(needle), "{err}");
+        }
+        // The default file's folder is created by the merge itself.
+        check_merge_target(&missing_dir, false).unwrap();
     }
 
     #[test]
