@@ -61,6 +61,10 @@ pub enum Error {
 impl Error {
     /// Whether the error is the user's input (exit status 2) rather than a failure (1).
     pub fn is_usage(&self) -> bool {
-        matches!(self, Error::Usage(_) | Error::Layout(_))
+        match self {
+            Error::Usage(_) | Error::Layout(_) => true,
+            Error::Tuning(e) => e.is_usage(),
+            _ => false,
+        }
     }
 }

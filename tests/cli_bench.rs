@@ -125,6 +125,10 @@ fn tune_writes_a_file_and_a_foreign_file_is_ignored_with_a_warning() {
         .arg("--quick")
         .arg("--out")
         .arg(&file));
+    assert!(
+        !dir.path().join(".tuning.json.lock").exists(),
+        "the merge lock file was left beside the tuning file"
+    );
     let mut json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
     let entries = json["entries"].as_array_mut().unwrap();
@@ -258,6 +262,169 @@ fn bench_check_inject_fails_one_row() {
         assert_eq!(out.status.code(), Some(1), "{fault}: {stdout}");
         assert_eq!(stdout.matches("  FAIL  ").count(), 1, "{fault}: {stdout}");
         assert_eq!(stdout.matches("  ok  ").count(), 15, "{fault}: {stdout}");
-        assert!(stdout.contains("1 failures"), "{stdout}");
+        assert!(stdout.contains(": 1 failure\n"), "{stdout}");
+        // Every table row is one line, however many lines the failure's detail has; the
+        // table ends at the first blank line (the full details follow it).
+        let table: Vec<&str> = stdout
+            .lines()
+            .skip(1)
+            .take_while(|l| !l.is_empty() && !l.starts_with("check on "))
+            .collect();
+        assert_eq!(table.len(), 16, "{fault}: {stdout}");
+        for row in &table {
+            assert!(
+                row.starts_with("nsa_ps64_cp2 "),
+                "{fault}: {row:?}\n{stdout}"
+            );
+        }
     }
+}
+
+/// `--check` times nothing: the options only timing uses (`--json`, `--plot`, sizes,
+/// `--tuning`, ...) are refused with it, not silently ignored.
+#[test]
+fn bench_check_refuses_timing_and_output_options() {
+    let dir = tempfile::tempdir().unwrap();
+    for extra in [
+        &["--json", "bc.json"][..],
+        &["--plot", "bc.svg"],
+        &["--tuning", "t.json"],
+        &["--pages", "8"],
+        &["--alloc-pages", "64"],
+        &["--quick"],
+    ] {
+        let out = output(
+            bin(&dir.path().join("cache"))
+                .current_dir(dir.path())
+                .args(["bench", "--check", "--backend", "host"])
+                .args(extra),
+        );
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{extra:?}: {stderr}");
+        assert!(
+            stderr.contains("cannot be used with"),
+            "{extra:?}: {stderr}"
+        );
+        assert!(!dir.path().join("bc.json").exists() && !dir.path().join("bc.svg").exists());
+    }
+}
+
+/// Sizes out of range are refused by the parser (exit status 2, the range named) before
+/// anything is allocated: zero is not rounded up and a huge `--alloc-pages` never reaches the
+/// allocator; a product of pages and layers past the memory budget is refused too.
+#[test]
+fn out_of_range_sizes_are_usage_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    for args in [
+        &["bench", "--alloc-pages", "0"][..],
+        &["bench", "--alloc-pages", "4294967295"],
+        &["bench", "--alloc-pages", "100000000"],
+        &["bench", "--pages", "0"],
+        &["bench", "--layers", "0"],
+        &["tune", "--repeats", "0"],
+        &["tune", "--pages", "100000"],
+        &["bench", "--repeats", "1001"],
+    ] {
+        let out = output(bin(&dir.path().join("cache")).args(args));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains("not in "), "{args:?}: {stderr}");
+    }
+    let out = output(bin(&dir.path().join("cache")).args([
+        "tune",
+        "--backend",
+        "host",
+        "--deployment",
+        "nsa_ps64_cp8",
+        "--pages",
+        "4096",
+        "--layers",
+        "64",
+    ]));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("lower --pages or --layers"), "{stderr}");
+}
+
+/// Bad tuning files are the user's input: `bench --tuning` and `replay --tuning` with a
+/// missing file, a directory, a corrupt file or another format version exit 2 naming the
+/// tuning file, before anything runs.
+#[test]
+fn bad_tuning_files_are_usage_errors_naming_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let corrupt = dir.path().join("corrupt.json");
+    std::fs::write(&corrupt, "{not json").unwrap();
+    let future = dir.path().join("future.json");
+    std::fs::write(&future, r#"{"format": 99, "entries": []}"#).unwrap();
+    let cases = [
+        (dir.path().join("missing.json"), "tuning file"),
+        (dir.path().to_path_buf(), "tuning file"),
+        (corrupt, "tuning file"),
+        (future, "format 99"),
+    ];
+    for (path, needle) in &cases {
+        for cmd in [
+            &["bench", "--backend", "host", "--deployment", "mla_ps16_cp8"][..],
+            &[
+                "replay",
+                "--backend",
+                "host",
+                "--layers",
+                "1",
+                "--conversations",
+                "1",
+                "--quiet",
+            ],
+        ] {
+            let out = output(bin(&cache).args(cmd).arg("--tuning").arg(path));
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{cmd:?} {path:?}: {stderr}");
+            assert!(
+                stderr.contains(needle) && stderr.contains(&*path.to_string_lossy()),
+                "{cmd:?} {path:?}: {stderr}"
+            );
+            assert!(out.stdout.is_empty(), "{cmd:?} {path:?}: ran anyway");
+        }
+    }
+}
+
+/// `tune --out` is checked before the tuning run: a missing folder (not created), a
+/// directory, or an existing file that is not a tuning file (left as it was) exit 2; so does
+/// an unwritable `bench --json`.
+#[test]
+fn tune_out_and_bench_json_are_checked_up_front() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let corrupt = dir.path().join("corrupt.json");
+    std::fs::write(&corrupt, "{not json").unwrap();
+    let missing = dir.path().join("missing").join("t.json");
+    for (out_path, needle) in [
+        (missing.clone(), "cannot write"),
+        (dir.path().to_path_buf(), "is a directory"),
+        (corrupt.clone(), "fix or delete it"),
+    ] {
+        let out = output(
+            bin(&cache)
+                .args(["tune", "--backend", "host", "--quick", "--out"])
+                .arg(&out_path),
+        );
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{out_path:?}: {stderr}");
+        assert!(stderr.contains(needle), "{out_path:?}: {stderr}");
+        assert!(out.stdout.is_empty(), "{out_path:?}: the run started");
+    }
+    assert!(
+        !dir.path().join("missing").exists(),
+        "the folder was created"
+    );
+    assert_eq!(std::fs::read_to_string(&corrupt).unwrap(), "{not json");
+    let out = output(
+        bin(&cache)
+            .args(["bench", "--backend", "host", "--json"])
+            .arg(&missing),
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("cannot write"), "{stderr}");
 }

@@ -107,10 +107,61 @@ fn render_writes_exactly_generated_and_check_agrees() {
         "changed  nsa_ps64_cp8/release_pages_cp8_t256.cu",
         "missing  nsa_ps64_cp8/index.json",
         "extra    nsa_ps64_cp8/stale.cu",
-        "render --out generated",
     ] {
         assert!(stdout.contains(needle), "{needle:?} not in:\n{stdout}");
     }
+    // The fix names the folder that was checked, not generated/.
+    let fix = format!(
+        "regenerate with: cp-hicache render --out {}\n",
+        out_dir.display()
+    );
+    assert!(stdout.contains(&fix), "{fix:?} not in:\n{stdout}");
+}
+
+/// `render --check` on a folder that does not exist (or is a file) says so in one line and
+/// exits 2, instead of listing every rendered file as missing.
+#[test]
+fn render_check_of_a_missing_folder_is_a_usage_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("file");
+    std::fs::write(&file, "").unwrap();
+    for (dir, what) in [
+        (tmp.path().join("nope"), "does not exist"),
+        (file, "is not a directory"),
+    ] {
+        let out = run(bin()
+            .args(["render", "--check", "--deployment", "nsa_ps64_cp2", "--out"])
+            .arg(&dir));
+        assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+        let stderr = text(&out.stderr);
+        assert!(
+            stderr.contains(&format!("{} {what}", dir.display()))
+                && stderr.contains(&format!(
+                    "cp-hicache render --out {} --deployment nsa_ps64_cp2",
+                    dir.display()
+                )),
+            "{stderr}"
+        );
+        assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+        assert!(out.stdout.is_empty(), "{}", text(&out.stdout));
+    }
+}
+
+/// `--arch` picks the NVRTC target's GPU; with `--target host` it would be ignored, so it is
+/// refused (exit 2) before anything compiles.
+#[test]
+fn compile_refuses_arch_with_the_host_target() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = run(bin()
+        .args(["compile", "--target", "host", "--arch", "sm_80"])
+        .env("CP_HICACHE_CACHE_DIR", tmp.path()));
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--arch") && stderr.contains("--target host"),
+        "{stderr}"
+    );
+    assert!(out.stdout.is_empty(), "{}", text(&out.stdout));
 }
 
 #[test]

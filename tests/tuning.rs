@@ -273,15 +273,24 @@ fn bad_files_are_errors_not_guesses() {
     let mut dep = Deployment::by_name("mla_ps16_cp4").unwrap();
     let dev = device("m");
     let missing = dir.path().join("missing.json");
-    assert!(matches!(
-        tuning::apply(&mut dep, Some(&missing), &dev),
-        Err(TuningError::Io { .. })
-    ));
+    let err = tuning::apply(&mut dep, Some(&missing), &dev).unwrap_err();
+    assert!(matches!(err, TuningError::Read { .. }), "{err}");
+    assert!(err.is_usage(), "{err}");
+    assert!(
+        err.to_string()
+            .starts_with(&format!("cannot read tuning file {}", missing.display())),
+        "{err}"
+    );
+    let err = tuning::apply(&mut dep, Some(dir.path()), &dev).unwrap_err();
+    assert!(
+        matches!(err, TuningError::Read { .. }) && err.is_usage(),
+        "{err}"
+    );
     let future = dir.path().join("future.json");
     std::fs::write(&future, r#"{"format": 99, "entries": []}"#).unwrap();
     let err = tuning::apply(&mut dep, Some(&future), &dev).unwrap_err();
     assert!(
-        matches!(err, TuningError::Format { found: 99, .. }),
+        matches!(err, TuningError::Format { found: 99, .. }) && err.is_usage(),
         "{err}"
     );
     let garbage = dir.path().join("garbage.json");

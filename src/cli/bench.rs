@@ -15,11 +15,16 @@ use crate::tuning::bench::{
 };
 use crate::tuning::{check, DeviceKey, TuningFile};
 
+/// Most pages one select/release launch may request: 4× the larger default (16,384), a
+/// 4M-token prefill at page 64. The lane stacks, request and output buffers grow with it
+/// (the output locations by 8 bytes × page size per page: 512 MiB at page 1024).
+pub const MAX_ALLOC_PAGES: u32 = 65536;
+
 /// Options of `bench`. `--layers` and `--repeats` keep bench's own wording.
 #[derive(Debug, clap::Args)]
 #[command(
-    mut_arg("layers", |a| a.help("Layers per copy launch")),
-    mut_arg("repeats", |a| a.help("Timed repeats; the median is reported"))
+    mut_arg("layers", |a| a.help("Layers per copy launch, 1-64")),
+    mut_arg("repeats", |a| a.help("Timed repeats, 1-1000; the median is reported"))
 )]
 pub struct BenchArgs {
     /// `--backend`.
@@ -44,16 +49,21 @@ pub struct BenchArgs {
     /// `--pages`, `--layers`, `--repeats`.
     #[command(flatten)]
     pub sizes: SizeArgs,
-    /// Requests per select/release launch (repeatable; default 2048 and 16384).
-    #[arg(long = "alloc-pages", value_name = "N")]
+    /// Pages requested per select/release launch, 1-65536 (repeatable; default 2048 and
+    /// 16384).
+    #[arg(long = "alloc-pages", value_name = "N",
+          value_parser = clap::value_parser!(u32).range(1..=MAX_ALLOC_PAGES as i64))]
     pub alloc_pages: Vec<u32>,
     /// Also time the default configuration's transfers on the DMA path (config `dma`: copy
     /// regions, i.e. batched cuMemcpyAsync on a GPU, memcpy on the host). Always on with CUDA.
     #[arg(long)]
     pub dma: bool,
     /// Instead of timing, run every kernel family on random inputs and compare with the Rust
-    /// references (exit status 1 on any difference).
-    #[arg(long)]
+    /// references (exit status 1 on any difference). It times nothing, so the timing and
+    /// output options are refused with it rather than ignored.
+    #[arg(long, conflicts_with_all = [
+        "json", "plot", "tuning", "quick", "dma", "alloc_pages", "pages", "layers", "repeats",
+    ])]
     pub check: bool,
     /// Inject a fault to exercise a failure path: compile-error (the first kernel's source is
     /// broken) or launch-error (the first launch fails). The failing kernel is reported, the
@@ -77,20 +87,29 @@ pub(super) fn run(args: &BenchArgs) -> Result<ExitCode, crate::Error> {
     for path in args.json.iter().chain(&args.plot) {
         check_output(path)?;
     }
+    let mut opts = BenchOptions::new(args.quick);
+    args.sizes.apply(&mut opts.sizes, &deps)?;
+    if !args.alloc_pages.is_empty() {
+        opts.alloc_pages = args.alloc_pages.clone();
+    }
     let jit = Jit::new(JitConfig::from_env(EMU_HEADER)?);
     if args.prebuild {
         return prebuild(&jit, &deps);
+    }
+    // A bad --tuning file stops the run before anything is timed (exit status 2).
+    let (file, unreadable) = if args.check {
+        (None, Vec::new())
+    } else {
+        TuningFile::load_selected(args.tuning.as_deref(), &crate::tuning::default_path())?
+    };
+    for w in unreadable {
+        eprintln!("warning: {w}");
     }
     let exec = open_executor(args.executor.backend)?;
     if args.check {
         return run_check(exec.as_ref(), &jit, &deps, args.inject);
     }
     let device = DeviceKey::for_executor(exec.as_ref(), &jit)?;
-    let (file, unreadable) =
-        TuningFile::load_selected(args.tuning.as_deref(), &crate::tuning::default_path())?;
-    for w in unreadable {
-        eprintln!("warning: {w}");
-    }
     let mut configs = Vec::new();
     for dep in &deps {
         let (tuned, source, warnings) = bench::tuned_config(dep, file.as_ref(), &device);
@@ -106,12 +125,7 @@ pub(super) fn run(args: &BenchArgs) -> Result<ExitCode, crate::Error> {
             configs.push(("tuned".to_string(), tuned));
         }
     }
-    let mut opts = BenchOptions::new(args.quick);
     opts.dma_rows = args.dma || exec.backend() == Backend::Cuda;
-    args.sizes.apply(&mut opts.sizes);
-    if !args.alloc_pages.is_empty() {
-        opts.alloc_pages = args.alloc_pages.iter().map(|&n| n.max(1)).collect();
-    }
     let bar = progress_bar(format!("bench on {}", exec.backend()));
     let on_step = |s: Result<String, u64>| {
         if let Some(b) = &bar {
@@ -205,6 +219,9 @@ fn run_check(
         exec.inject_launch_failure();
     }
     let mut bad = 0;
+    // A detail (a compiler's output) can span lines: the table shows its first line, the full
+    // text follows the table, so every row stays one line.
+    let mut details = Vec::new();
     println!(
         "{:<16}  {:<56}  {:<6}  detail",
         "deployment", "kernel", "result"
@@ -212,17 +229,30 @@ fn run_check(
     for dep in deps {
         for r in check::check_deployment_with(exec, jit, dep, hook)? {
             bad += usize::from(!r.ok);
+            let mut lines = r.detail.lines();
+            let first = lines.next().unwrap_or("");
+            let more = lines.next().is_some();
             println!(
-                "{:<16}  {:<56}  {:<6}  {}",
+                "{:<16}  {:<56}  {:<6}  {first}{}",
                 dep.name,
                 r.kernel,
                 if r.ok { "ok" } else { "FAIL" },
-                r.detail
+                if more { " …" } else { "" }
             );
+            if more {
+                details.push((r.kernel, r.detail));
+            }
         }
     }
+    for (kernel, detail) in &details {
+        println!("\n{kernel}:\n{}", detail.trim_end());
+    }
     exec.disarm_launch_failure();
-    println!("check on {}: {bad} failures", exec.backend());
+    println!(
+        "check on {}: {bad} {}",
+        exec.backend(),
+        if bad == 1 { "failure" } else { "failures" }
+    );
     Ok(if bad == 0 {
         ExitCode::SUCCESS
     } else {

@@ -62,9 +62,10 @@ pub struct CompileArgs {
     /// A reference deployment name, or `all`.
     #[arg(long, value_name = "NAME|all", default_value = DEFAULT_DEPLOYMENT)]
     pub deployment: String,
-    /// GPU architecture of the NVRTC target.
-    #[arg(long, value_enum, default_value_t = ArchArg::Sm90)]
-    pub arch: ArchArg,
+    /// GPU architecture of the NVRTC target (default sm_90). Refused with `--target host`,
+    /// which builds for this CPU, rather than ignored.
+    #[arg(long, value_enum)]
+    pub arch: Option<ArchArg>,
     /// Compiler: NVRTC (CUBIN) or the host C++ compiler (CPU emulation `.so`).
     #[arg(long, value_enum, default_value_t = TargetArg::Nvrtc)]
     pub target: TargetArg,
@@ -124,13 +125,20 @@ pub(super) fn run(args: &CompileArgs) -> Result<ExitCode, crate::Error> {
         check_output(path)?;
     }
     let deps = select_deployments(&args.deployment)?;
-    let target = match args.target {
-        TargetArg::Nvrtc => Target::Nvrtc {
-            arch: args.arch.into(),
+    let target = match (args.target, args.arch) {
+        (TargetArg::Nvrtc, arch) => Target::Nvrtc {
+            arch: arch.unwrap_or_default().into(),
         },
-        TargetArg::Host => Target::Host {
+        (TargetArg::Host, None) => Target::Host {
             sanitize: Sanitize::from_env()?,
         },
+        (TargetArg::Host, Some(_)) => {
+            return Err(crate::Error::Usage(
+                "--arch chooses the GPU architecture of the NVRTC target; --target host \
+                 compiles for this CPU: drop --arch or use --target nvrtc"
+                    .into(),
+            ))
+        }
     };
     let start = Instant::now();
     let jit = Jit::new(JitConfig::from_env(EMU_HEADER)?);

@@ -1,7 +1,7 @@
 //! `cp-hicache render`: writes the renders of reference deployments (`generated/` is exactly
 //! `render --out generated`), or with `--check` compares a directory with them.
 
-use crate::kernels::{diff_tree, render_tree, Deployment, REGENERATE_COMMAND};
+use crate::kernels::{diff_tree, render_tree, Deployment};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -34,7 +34,7 @@ pub(super) fn run(args: &RenderArgs) -> Result<ExitCode, crate::Error> {
     let deps = select_deployments(&args.deployment)?;
     let out = args.out.as_path();
     if args.check {
-        return check(out, &deps, args.deployment == "all");
+        return check(out, &deps, &args.deployment);
     }
     let written = render_tree(out, &deps)?;
     let total: usize = deps.iter().map(|d| d.specs().len() + 1).sum();
@@ -82,9 +82,43 @@ fn filter_extra(extra: Vec<PathBuf>, deps: &[Deployment], all: bool) -> Vec<Path
         .collect()
 }
 
-fn check(out: &Path, deps: &[Deployment], all: bool) -> Result<ExitCode, crate::Error> {
+/// The command that renders `deployment` (a name or `all`) into `out`: the fix a failed
+/// `--check` suggests, for the folder the user checked.
+fn regenerate_command(out: &Path, deployment: &str) -> String {
+    let dir = out.display().to_string();
+    let safe = |s: &str| {
+        !s.is_empty()
+            && s.chars()
+                .all(|c| c.is_ascii_alphanumeric() || "_-./+:@%=,".contains(c))
+    };
+    let dir = if safe(&dir) {
+        dir
+    } else {
+        format!("'{}'", dir.replace('\'', r"'\''"))
+    };
+    let mut cmd = format!("cp-hicache render --out {dir}");
+    if deployment != "all" {
+        cmd.push_str(&format!(" --deployment {deployment}"));
+    }
+    cmd
+}
+
+fn check(out: &Path, deps: &[Deployment], deployment: &str) -> Result<ExitCode, crate::Error> {
+    // A mistyped folder is the user's input, not a render with every file missing.
+    if !out.is_dir() {
+        let what = if out.exists() {
+            "is not a directory"
+        } else {
+            "does not exist"
+        };
+        return Err(crate::Error::Usage(format!(
+            "render --check: {} {what}; to render into it: {}",
+            out.display(),
+            regenerate_command(out, deployment)
+        )));
+    }
     let mut diff = diff_tree(out, deps)?;
-    diff.extra = filter_extra(std::mem::take(&mut diff.extra), deps, all);
+    diff.extra = filter_extra(std::mem::take(&mut diff.extra), deps, deployment == "all");
     if diff.is_clean() {
         println!(
             "{} matches the render of {} deployment(s)",
@@ -104,10 +138,28 @@ fn check(out: &Path, deps: &[Deployment], all: bool) -> Result<ExitCode, crate::
         println!("  extra    {}", rel.display());
     }
     println!(
-        "{} missing, {} changed, {} extra; regenerate with: {REGENERATE_COMMAND}",
+        "{} missing, {} changed, {} extra; regenerate with: {}",
         diff.missing.len(),
         diff.changed.len(),
-        diff.extra.len()
+        diff.extra.len(),
+        regenerate_command(out, deployment)
     );
     Ok(ExitCode::FAILURE)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_fix_hint_names_the_folder_and_deployment() {
+        assert_eq!(
+            regenerate_command(Path::new("generated"), "all"),
+            "cp-hicache render --out generated"
+        );
+        assert_eq!(
+            regenerate_command(Path::new("/tmp/my dir"), "nsa_ps64_cp8"),
+            "cp-hicache render --out '/tmp/my dir' --deployment nsa_ps64_cp8"
+        );
+    }
 }

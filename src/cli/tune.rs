@@ -6,7 +6,7 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use super::common::{BackendArg, SizeArgs};
+use super::common::{check_merge_target, BackendArg, SizeArgs};
 use crate::exec::open_executor;
 use crate::jit::{Jit, JitConfig, EMU_HEADER};
 use crate::tuning::{self, bench::deployment_by_name, tuner::TuneOptions, TuneEvent, TuningFile};
@@ -20,7 +20,8 @@ pub struct TuneArgs {
     /// `--backend`.
     #[command(flatten)]
     pub executor: BackendArg,
-    /// Tuning file to merge into (default: `<cache dir>/tuning.json`).
+    /// Tuning file to merge into (default: `<cache dir>/tuning.json`): an existing file must
+    /// parse (its entries are kept); its folder must exist.
     #[arg(long, value_name = "FILE")]
     pub out: Option<PathBuf>,
     /// A handful of candidates per kernel on smaller sizes (well under a minute on a CPU).
@@ -48,10 +49,13 @@ pub(super) fn progress_bar(prefix: String) -> Option<indicatif::ProgressBar> {
 pub(super) fn run(args: &TuneArgs) -> Result<ExitCode, crate::Error> {
     let dep =
         deployment_by_name(&args.deployment).map_err(|e| crate::Error::Usage(e.to_string()))?;
+    let mut opts = TuneOptions::new(args.quick);
+    args.sizes
+        .apply(&mut opts.sizes, std::slice::from_ref(&dep))?;
+    let path = args.out.clone().unwrap_or_else(tuning::default_path);
+    check_merge_target(&path, args.out.is_some())?;
     let exec = open_executor(args.executor.backend)?;
     let jit = Jit::new(JitConfig::from_env(EMU_HEADER)?);
-    let mut opts = TuneOptions::new(args.quick);
-    args.sizes.apply(&mut opts.sizes);
     let bar = progress_bar(format!("tuning {} on {}", dep.name, exec.backend()));
     let on_event = |ev: TuneEvent| {
         if let Some(b) = &bar {
@@ -89,7 +93,6 @@ pub(super) fn run(args: &TuneArgs) -> Result<ExitCode, crate::Error> {
         }
     }
 
-    let path = args.out.clone().unwrap_or_else(tuning::default_path);
     let file = TuningFile::merge_into(&path, entries)?;
     let (tuned, warnings, _) = dep.with_tuning(&file, &device);
     for w in &warnings {

@@ -1,6 +1,7 @@
 //! The tuning file: JSON, one entry per (device, kernel family, shape-independent spec key),
 //! written atomically (the JIT cache's [`write_atomic`]), merged under a lock on a sibling
-//! `.<name>.lock` file so concurrent `tune` runs do not lose each other's results, and applied
+//! `.<name>.lock` file (removed after the merge) so concurrent `tune` runs do not lose each
+//! other's results, and applied
 //! to a [`Deployment`] only where the device key matches.
 
 use serde::{Deserialize, Serialize};
@@ -89,8 +90,7 @@ impl Default for TuningFile {
 impl TuningFile {
     /// Reads and checks a tuning file.
     pub fn load(path: &Path) -> Result<TuningFile, TuningError> {
-        let text = std::fs::read_to_string(path).map_err(|source| TuningError::Io {
-            op: "read",
+        let text = std::fs::read_to_string(path).map_err(|source| TuningError::Read {
             path: path.to_path_buf(),
             source,
         })?;
@@ -169,9 +169,10 @@ impl TuningFile {
             path: dir.clone(),
             source,
         })?;
-        let mut text = serde_json::to_string_pretty(self).map_err(|source| TuningError::Parse {
+        let mut text = serde_json::to_string_pretty(self).map_err(|e| TuningError::Io {
+            op: "serialise",
             path: path.to_path_buf(),
-            source,
+            source: e.into(),
         })?;
         text.push('\n');
         write_atomic(&dir, &name, text.as_bytes())
@@ -194,6 +195,11 @@ impl TuningFile {
     /// an exclusive lock on `<dir>/.<name>.lock` from the load to the rename, so two `tune`
     /// runs writing the same file both keep their results. A file that exists but cannot be
     /// read is an error (it is not overwritten). Returns the merged file.
+    ///
+    /// The lock file is removed again while the lock is still held, so no empty file stays
+    /// beside the tuning file. That is safe because a run that locked the file meanwhile
+    /// checks, once it holds the lock, that the path still names the file it locked, and
+    /// otherwise opens the path again (`lock_file`).
     pub fn merge_into(path: &Path, entries: Vec<TuningEntry>) -> Result<TuningFile, TuningError> {
         let (dir, name) = split_path(path);
         std::fs::create_dir_all(&dir).map_err(|source| TuningError::Io {
@@ -202,29 +208,21 @@ impl TuningFile {
             source,
         })?;
         let lock_path = dir.join(format!(".{name}.lock"));
-        let lock = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&lock_path)
-            .map_err(|source| TuningError::Io {
-                op: "open lock",
-                path: lock_path.clone(),
-                source,
-            })?;
-        fs4::fs_std::FileExt::lock_exclusive(&lock).map_err(|source| TuningError::Io {
-            op: "lock",
-            path: lock_path.clone(),
-            source,
-        })?;
-        let mut file = TuningFile::load_or_default(path)?;
-        for e in entries {
-            file.upsert(e);
+        let lock = lock_file(&lock_path)?;
+        let merged = (|| -> Result<TuningFile, TuningError> {
+            let mut file = TuningFile::load_or_default(path)?;
+            for e in entries {
+                file.upsert(e);
+            }
+            file.save(path)?;
+            Ok(file)
+        })();
+        if cfg!(unix) {
+            let _ = std::fs::remove_file(&lock_path);
         }
-        file.save(path)?;
-        // Closing the lock file releases the lock, after the rename.
+        // Closing the lock file releases the lock, after the rename and the removal.
         drop(lock);
-        Ok(file)
+        merged
     }
 
     /// Adds `entry`, replacing an entry for the same device, family and spec key.
@@ -246,6 +244,50 @@ impl TuningFile {
             .iter()
             .filter(move |e| e.spec_key == key && e.family == family)
     }
+}
+
+/// Opens (creating it if needed) and exclusively locks the lock file at `path`. A holder
+/// removes the file before it unlocks, so a run that opened the old file and then got its
+/// lock holds a lock nobody else sees: it opens the path again until the file it locked is
+/// the one the path names. Without a way to compare files (not unix) the lock file is never
+/// removed, so the first lock always counts.
+fn lock_file(path: &Path) -> Result<std::fs::File, TuningError> {
+    loop {
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(path)
+            .map_err(|source| TuningError::Io {
+                op: "open lock",
+                path: path.to_path_buf(),
+                source,
+            })?;
+        fs4::fs_std::FileExt::lock_exclusive(&lock).map_err(|source| TuningError::Io {
+            op: "lock",
+            path: path.to_path_buf(),
+            source,
+        })?;
+        if names_file(path, &lock) {
+            return Ok(lock);
+        }
+    }
+}
+
+/// Whether `path` still names the open file `file` (same device and inode).
+#[cfg(unix)]
+fn names_file(path: &Path, file: &std::fs::File) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata(path), file.metadata()) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
+    }
+}
+
+/// Lock files are never removed where files cannot be compared, so the path always names it.
+#[cfg(not(unix))]
+fn names_file(_path: &Path, _file: &std::fs::File) -> bool {
+    true
 }
 
 /// The directory (`.` for a bare name) and file name of a tuning file path.
@@ -579,13 +621,12 @@ mod tests {
             .collect();
         keys.sort();
         assert_eq!(keys, (0..8).map(|i| format!("k{i}")).collect::<Vec<_>>());
-        // Only the file and its lock remain: no temporary file is left behind.
-        let mut names: Vec<String> = std::fs::read_dir(dir.path())
+        // Only the file remains: no temporary file, no lock file is left behind.
+        let names: Vec<String> = std::fs::read_dir(dir.path())
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
             .collect();
-        names.sort();
-        assert_eq!(names, [".tuning.json.lock", "tuning.json"]);
+        assert_eq!(names, ["tuning.json"]);
     }
 
     #[test]
@@ -596,5 +637,6 @@ mod tests {
         let err = TuningFile::merge_into(&path, vec![entry("k")]).unwrap_err();
         assert!(matches!(err, TuningError::Parse { .. }), "{err}");
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "{not json");
+        assert!(!dir.path().join(".tuning.json.lock").exists());
     }
 }

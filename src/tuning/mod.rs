@@ -52,6 +52,15 @@ pub enum TuningError {
         #[source]
         source: std::io::Error,
     },
+    /// A tuning file that cannot be read: missing, a directory, not permitted.
+    #[error("cannot read tuning file {}: {source}", path.display())]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
     /// A tuning file that is not valid JSON of the expected shape.
     #[error("tuning file {}: {source}", path.display())]
     Parse {
@@ -104,6 +113,18 @@ pub enum TuningError {
         /// First difference.
         detail: String,
     },
+}
+
+impl TuningError {
+    /// Whether the error is a bad tuning file (unreadable, not a tuning file, another format
+    /// version): the file is the user's input, named by `--tuning` or `--out` or kept in the
+    /// cache directory, so the CLI exits with status 2 as for other bad input.
+    pub fn is_usage(&self) -> bool {
+        matches!(
+            self,
+            TuningError::Read { .. } | TuningError::Parse { .. } | TuningError::Format { .. }
+        )
+    }
 }
 
 /// What an engine's start-up produced: the deployment as tuned for this device, every kernel
