@@ -258,8 +258,14 @@ fn bad_traces_name_the_line() {
             ":2: input_length 5000000000 is out of range",
         ),
         (
-            "{\"input_length\": 100, \"output_length\": 1, \"hash_ids\": [0, 1, 2]}",
-            ":2: 3 hash_ids",
+            "{\"input_length\": 100, \"output_length\": 1, \"hash_ids\": [0, 0, 0]}",
+            ":2: too many hash_ids: input_length 100 needs ceil(100 / 512) = 1 \
+             (one per 512-token block), the line has 3",
+        ),
+        (
+            "{\"input_length\": 1500, \"output_length\": 1, \"hash_ids\": [0, 1]}",
+            ":2: too few hash_ids: input_length 1500 needs ceil(1500 / 512) = 3 \
+             (one per 512-token block), the line has 2",
         ),
     ] {
         let f = trace_file(&format!("{good}{bad}\n"));
