@@ -336,15 +336,15 @@ fn an_oversized_request_is_skipped_and_the_replay_goes_on() {
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(0), "{err}");
     assert!(
-        err.contains("request 1 (trace line 2) needs 20 device pages at once but at most 11"),
+        err.contains(
+            "request 1 (trace line 2) skipped: the request needs 20 device pages at once but \
+             only 11 are free or its own"
+        ),
         "{err}"
     );
     assert_eq!(err.matches("warning").count(), 1, "warned once: {err}");
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        text.contains("requests skipped (larger than the device pool)"),
-        "{text}"
-    );
+    assert!(text.contains("requests skipped (too large) 2\n"), "{text}");
     let r: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!(num(&r, "requests"), 4);
@@ -387,4 +387,74 @@ fn bad_settings_are_usage_errors() {
         ],
         "raise --device-pages",
     );
+}
+
+/// Runs `replay --trace` on `lines` (MLA, CP 2, one layer, 64 tokens per block) plus
+/// `extra`, with a JSON report.
+fn replay_trace(lines: &str, extra: &[&str]) -> (Output, Option<serde_json::Value>) {
+    let f = trace_file(lines);
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("report.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+        .args(["replay", "--trace"])
+        .arg(f.path())
+        .args([
+            "--block-tokens",
+            "64",
+            "--model",
+            "mla",
+            "--cp",
+            "2",
+            "--layers",
+            "1",
+            "-q",
+        ])
+        .args(extra)
+        .arg("--json")
+        .arg(&json)
+        .env("CP_HICACHE_CACHE_DIR", cache_dir())
+        .output()
+        .unwrap();
+    let report = std::fs::read_to_string(&json)
+        .ok()
+        .map(|t| serde_json::from_str(&t).unwrap());
+    (out, report)
+}
+
+/// A trace record of `ids.len()` full 512-token blocks.
+fn record(ids: &[u32]) -> String {
+    let ids: Vec<String> = ids.iter().map(u32::to_string).collect();
+    format!(
+        "{{\"timestamp\": 0, \"input_length\": {}, \"output_length\": 1, \"hash_ids\": [{}]}}\n",
+        512 * ids.len(),
+        ids.join(", ")
+    )
+}
+
+/// At CP 2 with 12 device pages lane 0 holds 5 pages and lane 1 holds 6. The second request
+/// hits the first one's page (lane 0, held while it is served) and computes 9 more in the
+/// zigzag pattern, 5 of them on lane 0: 10 pages fit the pool's 11, but lane 0 would need 6.
+/// The warning names the lane and the cause, not a page count that seems to fit.
+#[test]
+fn a_lane_shortfall_is_named_as_such() {
+    let trace = format!(
+        "{}{}",
+        record(&[0]),
+        record(&[0, 1, 2, 3, 4, 5, 6, 7, 8, 9])
+    );
+    let (out, report) = replay_trace(&trace, &["--device-pages", "12"]);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(
+        err.contains(
+            "request 1 (trace line 2) skipped: the request's 10 device pages fit the pool (11 \
+             free or its own once everything unlocked is evicted) but not its owner lanes: lane \
+             0 needs 6 (1 of the cached prefix + 5 to compute) but holds only 5 pages, 1 short \
+             (computing the whole prompt afresh, without its cached prefix, would fit)"
+        ),
+        "{err}"
+    );
+    let r = report.unwrap();
+    assert_eq!(num(&r, "requests_skipped"), 1);
+    assert_eq!(num(&r, "mismatched_tokens"), 0);
 }

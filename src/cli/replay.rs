@@ -274,10 +274,9 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
                     );
                 }
             }
-            Err(crate::cluster::ClusterError::PoolTooSmall {
-                needed, available, ..
-            }) => {
-                // The cluster rolled the request back; smaller ones can still be served.
+            Err(e) if e.is_pool_too_small() => {
+                // The cluster rolled the request back; smaller ones can still be served. The
+                // error says which lanes were short and why, not just a page count.
                 if skipped == 0 {
                     let at = req
                         .line
@@ -285,9 +284,8 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
                     note(
                         &bar,
                         format!(
-                            "warning: request {}{at} needs {needed} device pages at once but at \
-                             most {available} are available: skipped (raise --device-pages); \
-                             later requests that do not fit are skipped and counted too",
+                            "warning: request {}{at} skipped: {e}; later requests that do not \
+                             fit are skipped and counted too",
                             req.id
                         ),
                     );

@@ -149,8 +149,9 @@ impl ReplayReport {
         row("synth/verify threads", self.synth_threads.to_string());
         row("requests", self.requests.to_string());
         if self.requests_skipped > 0 {
+            // The label fits the column; the skip warning says what did not fit.
             row(
-                "requests skipped (larger than the device pool)",
+                "requests skipped (too large)",
                 self.requests_skipped.to_string(),
             );
         }
