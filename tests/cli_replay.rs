@@ -29,9 +29,17 @@ fn replay(extra: &[&str]) -> (Output, Option<serde_json::Value>) {
 
 /// [`SMALL`] with `--host-pages` set to `host_pages`, plus `extra`.
 fn replay_host_pages(host_pages: &str, extra: &[&str]) -> (Output, Option<serde_json::Value>) {
+    replay_set(&[("--host-pages", host_pages)], extra)
+}
+
+/// [`SMALL`] with the options in `set` given other values (an option may appear only once),
+/// plus `extra`.
+fn replay_set(set: &[(&str, &str)], extra: &[&str]) -> (Output, Option<serde_json::Value>) {
     let mut base = SMALL.to_vec();
-    let at = base.iter().position(|&a| a == "--host-pages").unwrap();
-    base[at + 1] = host_pages;
+    for &(opt, value) in set {
+        let at = base.iter().position(|&a| a == opt).unwrap();
+        base[at + 1] = value;
+    }
     replay_with(&base, extra)
 }
 
@@ -147,6 +155,42 @@ fn plain_alloc_on_load_reports_mismatches() {
         "{}",
         stderr(&out)
     );
+    assert_eq!(r["fault_fired"], true);
+}
+
+/// A fault that never fires tested nothing: with a device pool large enough that no
+/// prefix is ever evicted there is no load-back for `plain-alloc-on-load` to corrupt, nor a
+/// lane shortage for `lane-exhaustion`; the run says so (warning, report row, JSON).
+#[test]
+fn a_fault_that_never_fires_is_reported() {
+    for (fault, why) in [
+        (
+            "plain-alloc-on-load",
+            "no page was loaded back from the host",
+        ),
+        ("lane-exhaustion", "no allocation ran short of a lane"),
+    ] {
+        let (out, report) = replay_set(
+            &[("--conversations", "2"), ("--device-pages", "1024")],
+            &["--inject", fault],
+        );
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(0), "{err}");
+        assert!(
+            err.contains(&format!(
+                "warning: the injected fault {fault} never fired: {why}"
+            )),
+            "{err}"
+        );
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            text.contains(&format!("{fault} (NEVER FIRED: {why}")),
+            "{text}"
+        );
+        let r = report.unwrap();
+        assert_eq!(r["fault_fired"], false, "{r}");
+        assert!(r["fault_not_fired_because"].as_str().unwrap().contains(why));
+    }
 }
 
 #[test]
@@ -154,6 +198,7 @@ fn lane_exhaustion_stays_correct() {
     let (out, report) = replay(&["--inject", "lane-exhaustion"]);
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     let r = report.unwrap();
+    assert_eq!(r["fault_fired"], true);
     assert_eq!(num(&r, "mismatched_tokens"), 0);
     assert!(
         num(&r, "evictions_lane") + num(&r, "load_degraded_to_miss") > 0,
@@ -457,4 +502,63 @@ fn a_lane_shortfall_is_named_as_such() {
     let r = report.unwrap();
     assert_eq!(num(&r, "requests_skipped"), 1);
     assert_eq!(num(&r, "mismatched_tokens"), 0);
+}
+
+/// Nothing verified is not a pass: an empty, blank or BOM-only trace is a usage error,
+/// refused before any kernel is built.
+#[test]
+fn a_replay_of_no_request_is_a_usage_error() {
+    for text in ["", "\n  \n\n", "\u{feff}\n"] {
+        let f = trace_file(text);
+        let path = f.path().to_str().unwrap();
+        usage_error(
+            &["replay", "--trace", path, "-q"],
+            "has no request (it is empty or blank): nothing to verify",
+        );
+    }
+}
+
+/// A trace saved with a UTF-8 byte order mark replays like one without.
+#[test]
+fn a_trace_with_a_byte_order_mark_replays() {
+    let (out, report) = replay_trace(&format!("\u{feff}{}", record(&[0, 1])), &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let r = report.unwrap();
+    assert_eq!(num(&r, "requests"), 1);
+    assert_eq!(num(&r, "prompt_tokens"), 128);
+}
+
+/// The injected launch failure is aimed at the middle request; when that one is skipped as
+/// too large before launching anything (nothing is cached for it to evict: the tiny
+/// requests fill no whole page) the failure moves on to the next, and when no later request
+/// launches anything the run says the fault never fired.
+#[test]
+fn a_launch_failure_aimed_at_a_skipped_request_moves_on() {
+    let big: Vec<u32> = (100..120).collect();
+    // 100 trace tokens are 13 tokens at 64 per block: less than a page.
+    let tiny =
+        "{\"timestamp\": 0, \"input_length\": 100, \"output_length\": 1, \"hash_ids\": [0]}\n";
+    let (out, report) = replay_trace(
+        &format!("{tiny}{}{tiny}", record(&big)),
+        &["--device-pages", "12", "--inject", "launch-error"],
+    );
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("request 2 failed"), "{err}");
+    let r = report.unwrap();
+    assert_eq!(num(&r, "failed_requests"), 1);
+    assert_eq!(num(&r, "requests_skipped"), 1);
+    assert_eq!(r["fault_fired"], true);
+
+    let (out, report) = replay_trace(
+        &format!("{tiny}{}", record(&big)),
+        &["--device-pages", "12", "--inject", "launch-error"],
+    );
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(
+        err.contains("warning: the injected fault launch-error never fired"),
+        "{err}"
+    );
+    assert_eq!(report.unwrap()["fault_fired"], false);
 }

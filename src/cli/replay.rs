@@ -177,8 +177,16 @@ impl ReplayArgs {
                     block_tokens: self.block_tokens,
                     max_requests: self.requests,
                 };
-                let total = count_lines(path).map(|n| self.requests.map_or(n, |r| r.min(n)));
                 let trace = MooncakeTrace::open(path, config).map_err(usage)?;
+                let lines = count_lines(path);
+                if lines == Some(0) {
+                    // Refused before the kernels are built: an empty trace verifies nothing.
+                    return Err(crate::Error::Usage(format!(
+                        "trace {} has no request (it is empty or blank): nothing to verify",
+                        path.display()
+                    )));
+                }
+                let total = lines.map(|n| self.requests.map_or(n, |r| r.min(n)));
                 Ok((Box::new(trace), total.map(|n| n as u64)))
             }
             None => {
@@ -206,7 +214,7 @@ fn count_lines(path: &std::path::Path) -> Option<usize> {
         std::io::BufReader::new(f)
             .lines()
             .map_while(Result::ok)
-            .filter(|l| !l.trim().is_empty())
+            .filter(|l| !l.trim_start_matches('\u{feff}').trim().is_empty())
             .count(),
     )
 }
@@ -245,9 +253,13 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
         cache_hits = cluster.kernels().cache_hits,
         "kernels ready"
     );
+    // The request the injected launch failure is aimed at.
+    let mut launch_failure_at = None;
     if args.inject == Some(Fault::LaunchError) {
         // Fail a request in the middle, once the cache holds something worth protecting.
-        cluster.inject_launch_failure(total.map_or(1, |t| (t / 2) as usize));
+        let at = total.map_or(1, |t| (t / 2) as usize);
+        cluster.inject_launch_failure(at);
+        launch_failure_at = Some(at);
     }
 
     let bar = progress_bar(total, args.quiet);
@@ -291,6 +303,13 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
                     );
                 }
                 skipped += 1;
+                if launch_failure_at == Some(requests as usize) {
+                    // The launch failure aimed at this request went with it (it launched
+                    // nothing): aim at the next one, so the fault is still exercised.
+                    let next = requests as usize + 1;
+                    cluster.inject_launch_failure(next);
+                    launch_failure_at = Some(next);
+                }
             }
             Err(e) if e.is_usage() => {
                 bar.finish_and_clear();
@@ -337,10 +356,24 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
         bar.set_message(format!("{} mismatched", totals.mismatched_tokens));
     }
     bar.finish_and_clear();
-    if skipped > 0 && skipped == requests {
+    // A run that verified nothing must not read as a pass.
+    if requests == 0 {
         return Err(crate::Error::Usage(format!(
-            "no request fits in the device pool: all {skipped} were skipped; raise --device-pages"
+            "{} has no request: nothing to verify",
+            plan.workload_name
         )));
+    }
+    if skipped == requests {
+        return Err(crate::Error::Usage(format!(
+            "no request fits in the device pool: all {skipped} were skipped, nothing was \
+             verified; raise --device-pages"
+        )));
+    }
+    let fault_exercised = args
+        .inject
+        .map(|f| fault_exercised(f, &totals, failed, args.device_pages));
+    if let (Some(f), Some(Err(why))) = (args.inject, &fault_exercised) {
+        eprintln!("warning: the injected fault {f} never fired: {why}");
     }
     let wall = start.elapsed().as_secs_f64();
     // The allocator kernels' output is never read on the serving path (the host mirror
@@ -375,6 +408,8 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
         rollback_dropped_device_pages: dropped.device_pages,
         rollback_dropped_host_copies: dropped.host_copies,
         fault: args.inject.map(|f| f.to_string()),
+        fault_fired: fault_exercised.as_ref().map(Result::is_ok),
+        fault_not_fired_because: fault_exercised.and_then(Result::err),
         copy_launch: deployment.copy.to_string(),
         transfer_path: deployment.transfer_path.to_string(),
         synth_threads: deployment.synth_threads,
@@ -389,6 +424,46 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
     } else {
         Ok(ExitCode::FAILURE)
     }
+}
+
+/// Whether an injected fault did anything in this run, judged from what it must cause;
+/// otherwise why not. A fault that never fired tested nothing, and a clean report would
+/// read as if the failure path had been exercised.
+fn fault_exercised(
+    fault: Fault,
+    totals: &RequestStats,
+    failed: u64,
+    device_pages: u32,
+) -> Result<(), String> {
+    let fired = match fault {
+        Fault::PlainAllocOnLoad => totals.pages_loaded > 0,
+        Fault::LaneExhaustion => totals.evictions_lane + totals.load_degraded_to_miss > 0,
+        Fault::HostPoolFull => totals.backups_skipped > 0,
+        // The kernels are built before the first request, so a run that got here failed.
+        Fault::CompileError => true,
+        Fault::LaunchError => failed > 0,
+    };
+    if fired {
+        return Ok(());
+    }
+    Err(match fault {
+        Fault::PlainAllocOnLoad => format!(
+            "no page was loaded back from the host, every prefix hit was still on the \
+             device; a smaller --device-pages (now {device_pages}) forces load-backs"
+        ),
+        Fault::LaneExhaustion => format!(
+            "no allocation ran short of a lane: no lane-targeted eviction, no load-back \
+             degraded to a miss; a smaller --device-pages (now {device_pages}) or more \
+             requests make one"
+        ),
+        Fault::HostPoolFull => "no backup was skipped for lack of host pages; longer or more \
+             requests make it"
+            .into(),
+        Fault::CompileError => "the kernels compiled".into(),
+        Fault::LaunchError => "no request from the middle of the workload on launched a \
+             kernel (each was skipped as too large, or empty)"
+            .into(),
+    })
 }
 
 fn cluster_error(e: crate::cluster::ClusterError) -> crate::Error {
