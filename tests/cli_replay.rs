@@ -504,8 +504,8 @@ fn a_lane_shortfall_is_named_as_such() {
     assert_eq!(num(&r, "mismatched_tokens"), 0);
 }
 
-/// Nothing verified is not a pass: an empty, blank or BOM-only trace is a usage error,
-/// refused before any kernel is built.
+/// Nothing verified is not a pass: an empty, blank or BOM-only trace and `--requests 0` are
+/// usage errors, refused before any kernel is built.
 #[test]
 fn a_replay_of_no_request_is_a_usage_error() {
     for text in ["", "\n  \n\n", "\u{feff}\n"] {
@@ -516,6 +516,10 @@ fn a_replay_of_no_request_is_a_usage_error() {
             "has no request (it is empty or blank): nothing to verify",
         );
     }
+    usage_error(
+        &["replay", "--requests", "0", "-q"],
+        "replaying 0 requests verifies nothing",
+    );
 }
 
 /// A trace saved with a UTF-8 byte order mark replays like one without.
@@ -526,6 +530,76 @@ fn a_trace_with_a_byte_order_mark_replays() {
     let r = report.unwrap();
     assert_eq!(num(&r, "requests"), 1);
     assert_eq!(num(&r, "prompt_tokens"), 128);
+}
+
+/// `--seed` and `--conversations` shape the built-in workload only; with a trace they would
+/// be ignored, so they are refused.
+#[test]
+fn built_in_workload_options_conflict_with_a_trace() {
+    let f = trace_file(&record(&[0]));
+    let path = f.path().to_str().unwrap();
+    for opt in ["--seed", "--conversations"] {
+        usage_error(
+            &["replay", "--trace", path, opt, "3", "-q"],
+            "cannot be used with",
+        );
+    }
+}
+
+/// Replay is the default command, so its options work without the word `replay`; with
+/// another command they are refused.
+#[test]
+fn replay_options_work_without_the_command() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("report.json");
+    let mut args: Vec<&str> = SMALL[1..].to_vec();
+    let at = args.iter().position(|&a| a == "--conversations").unwrap();
+    args[at + 1] = "2";
+    let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+        .args(&args)
+        .arg("--json")
+        .arg(&json)
+        .env("CP_HICACHE_CACHE_DIR", cache_dir())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(num(&r, "cp"), 4);
+    assert!(r["workload"].as_str().unwrap().contains("2 conversations"));
+    usage_error(&["--cp", "2", "info"], "cannot be used with");
+}
+
+#[test]
+fn help_lists_values_and_ranges() {
+    let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+        .args(["replay", "--help"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let help = String::from_utf8_lossy(&out.stdout);
+    for want in [
+        "write_through: back up every node",
+        "write_back:    back up a node only when it is evicted",
+        "auto: CUDA when a GPU is usable",
+        "host: the CPU emulation",
+        "cuda: the CUDA driver",
+        "default: all of them",
+        "1..=256",
+        "Conversations in the built-in workload (not with --trace): each is",
+    ] {
+        assert!(help.contains(want), "{want} missing from\n{help}");
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+        .arg("--help")
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        help.contains("Replay options (without a command)"),
+        "{help}"
+    );
+    assert!(help.contains("--conversations <N>"), "{help}");
 }
 
 /// The injected launch failure is aimed at the middle request; when that one is skipped as

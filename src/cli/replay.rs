@@ -32,21 +32,34 @@ pub enum ModelArg {
 #[derive(Debug, Clone, clap::Args)]
 pub struct ReplayArgs {
     /// A Mooncake-format trace (JSON lines with timestamp, input_length, output_length,
-    /// hash_ids). Without it, a built-in seeded multi-turn conversation workload runs.
+    /// hash_ids). Without it, a built-in seeded multi-turn conversation workload runs. A
+    /// trace without a request is a usage error: there would be nothing to verify.
     #[arg(long, value_name = "FILE.jsonl")]
     pub trace: Option<PathBuf>,
     /// Tokens one trace hash id stands for, 1..=65536 (the published traces use 512;
     /// smaller values scale every length down and keep CPU replays fast).
     #[arg(long, default_value_t = 512, value_name = "N")]
     pub block_tokens: u32,
-    /// Replay only the first N requests.
-    #[arg(long, value_name = "N")]
+    /// Replay only the first N requests (N >= 1; default: all of them).
+    #[arg(
+        long,
+        value_name = "N",
+        value_parser = parse_requests
+    )]
     pub requests: Option<usize>,
-    /// Seed of the built-in workload.
-    #[arg(long, default_value_t = 0)]
+    /// Seed of the built-in workload (not with --trace).
+    #[arg(long, default_value_t = 0, conflicts_with = "trace")]
     pub seed: u64,
-    /// Conversations in the built-in workload.
-    #[arg(long, default_value_t = ConversationsConfig::default().conversations)]
+    /// Conversations in the built-in workload (not with --trace): each is a few turns whose
+    /// prompts grow by the previous answer and a new message and start with one of three
+    /// shared system prompts; more conversations mean more requests and longer reuse
+    /// distances, hence more eviction and load-back.
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = ConversationsConfig::default().conversations,
+        conflicts_with = "trace"
+    )]
     pub conversations: usize,
     /// CP degree (1..=16).
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u8).range(1..=16))]
@@ -54,23 +67,25 @@ pub struct ReplayArgs {
     /// Tokens per page (a power of two, 1..=1024; NSA requires 64).
     #[arg(long, default_value_t = 64, value_parser = parse_page_size)]
     pub page_size: u32,
-    /// Layers per KV buffer (small by default so the CPU run is quick).
+    /// Layers per KV buffer, 1..=256 (small by default so the CPU run is quick).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=256))]
     pub layers: u32,
     /// Model buffer shapes.
     #[arg(long, value_enum, default_value_t = ModelArg::Nsa)]
     pub model: ModelArg,
-    /// Logical device pages across the CP group (each rank holds ceil(pages / cp)).
+    /// Logical device pages across the CP group (each rank holds ceil(pages / cp)). A
+    /// request whose pages do not fit, even after evicting everything unlocked, is skipped
+    /// and counted; when every request is, nothing was verified: exit status 2.
     #[arg(long, default_value_t = 256, value_name = "PAGES")]
     pub device_pages: u32,
     /// Host pages per rank.
     #[arg(long, default_value_t = 512, value_name = "PAGES")]
     pub host_pages: u32,
     /// When device pages are backed up to the host.
-    #[arg(long, default_value = "write_through", value_parser = parse_policy)]
+    #[arg(long, default_value = "write_through", value_parser = policy_parser())]
     pub policy: WritePolicy,
-    /// Executor: `auto` picks CUDA when a GPU is usable, else the CPU emulation.
-    #[arg(long, default_value = "auto", value_parser = parse_backend)]
+    /// Executor that runs the kernels.
+    #[arg(long, default_value = "auto", value_parser = backend_parser())]
     pub backend: Backend,
     /// A tuning file (see `cp-hicache tune`); without it the default launch shapes run.
     #[arg(long, value_name = "FILE")]
@@ -115,8 +130,46 @@ fn parse_page_size(s: &str) -> Result<u32, String> {
     Ok(v)
 }
 
-fn parse_policy(s: &str) -> Result<WritePolicy, String> {
-    s.parse()
+/// `--policy` with each value's meaning in `--help` (the `-` spellings stay accepted).
+fn policy_parser() -> impl clap::builder::TypedValueParser<Value = WritePolicy> {
+    use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+    PossibleValuesParser::new([
+        PossibleValue::new("write_through")
+            .alias("write-through")
+            .help("back up every node to the host when it is inserted"),
+        PossibleValue::new("write_back")
+            .alias("write-back")
+            .help("back up a node only when it is evicted from the device"),
+    ])
+    .try_map(|s| s.parse::<WritePolicy>())
+}
+
+/// `--backend` with each value's meaning in `--help` (`cpu` and `gpu` stay accepted).
+fn backend_parser() -> impl clap::builder::TypedValueParser<Value = Backend> {
+    use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+    PossibleValuesParser::new([
+        PossibleValue::new("auto").help("CUDA when a GPU is usable, else the CPU emulation"),
+        PossibleValue::new("host")
+            .alias("cpu")
+            .help("the CPU emulation executor (kernels built with the host C++ compiler)"),
+        PossibleValue::new("cuda")
+            .alias("gpu")
+            .help("the CUDA driver on GPU 0 (NVRTC-compiled kernels)"),
+    ])
+    .try_map(|s| parse_backend(&s))
+}
+
+/// `--requests N`, N >= 1: replaying no request would verify nothing.
+fn parse_requests(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err(
+            "replaying 0 requests verifies nothing: give N >= 1, or leave --requests \
+             out to replay them all"
+                .into(),
+        ),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("`{s}` is not a request count")),
+    }
 }
 
 fn parse_transfer_path(s: &str) -> Result<TransferPath, String> {
