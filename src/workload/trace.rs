@@ -78,8 +78,10 @@ impl MooncakeTrace {
     fn parse(&self, line: &str) -> Result<Request, WorkloadError> {
         let rec: Record = serde_json::from_str(line)
             .map_err(|e| self.bad(format!("not a Mooncake trace record: {e}")))?;
-        if rec.timestamp.is_some_and(|t| !t.is_finite() || t < 0.0) {
-            return Err(self.bad("timestamp must be a non-negative number"));
+        if let Some(t) = rec.timestamp.filter(|t| !t.is_finite() || *t < 0.0) {
+            return Err(self.bad(format!(
+                "timestamp {t} is out of range: it must be a finite number >= 0"
+            )));
         }
         if rec.input_length <= 0 || rec.input_length as u64 > MAX_INPUT_LENGTH {
             return Err(self.bad(format!(
@@ -262,6 +264,10 @@ mod tests {
             (
                 "{\"input_length\": 10, \"output_length\": -1, \"hash_ids\": [3]}",
                 "output_length",
+            ),
+            (
+                "{\"timestamp\": -2.5, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [3]}",
+                "timestamp -2.5 is out of range: it must be a finite number >= 0",
             ),
         ];
         for (line, want) in cases {
