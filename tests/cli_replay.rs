@@ -29,9 +29,17 @@ fn replay(extra: &[&str]) -> (Output, Option<serde_json::Value>) {
 
 /// [`SMALL`] with `--host-pages` set to `host_pages`, plus `extra`.
 fn replay_host_pages(host_pages: &str, extra: &[&str]) -> (Output, Option<serde_json::Value>) {
+    replay_set(&[("--host-pages", host_pages)], extra)
+}
+
+/// [`SMALL`] with the options in `set` given other values (an option may appear only once),
+/// plus `extra`.
+fn replay_set(set: &[(&str, &str)], extra: &[&str]) -> (Output, Option<serde_json::Value>) {
     let mut base = SMALL.to_vec();
-    let at = base.iter().position(|&a| a == "--host-pages").unwrap();
-    base[at + 1] = host_pages;
+    for &(opt, value) in set {
+        let at = base.iter().position(|&a| a == opt).unwrap();
+        base[at + 1] = value;
+    }
     replay_with(&base, extra)
 }
 
@@ -147,6 +155,42 @@ fn plain_alloc_on_load_reports_mismatches() {
         "{}",
         stderr(&out)
     );
+    assert_eq!(r["fault_fired"], true);
+}
+
+/// A fault that never fires tested nothing: with a device pool large enough that no
+/// prefix is ever evicted there is no load-back for `plain-alloc-on-load` to corrupt, nor a
+/// lane shortage for `lane-exhaustion`; the run says so (warning, report row, JSON).
+#[test]
+fn a_fault_that_never_fires_is_reported() {
+    for (fault, why) in [
+        (
+            "plain-alloc-on-load",
+            "no page was loaded back from the host",
+        ),
+        ("lane-exhaustion", "no allocation ran short of a lane"),
+    ] {
+        let (out, report) = replay_set(
+            &[("--conversations", "2"), ("--device-pages", "1024")],
+            &["--inject", fault],
+        );
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(0), "{err}");
+        assert!(
+            err.contains(&format!(
+                "warning: the injected fault {fault} never fired: {why}"
+            )),
+            "{err}"
+        );
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            text.contains(&format!("{fault} (NEVER FIRED: {why}")),
+            "{text}"
+        );
+        let r = report.unwrap();
+        assert_eq!(r["fault_fired"], false, "{r}");
+        assert!(r["fault_not_fired_because"].as_str().unwrap().contains(why));
+    }
 }
 
 #[test]
@@ -154,6 +198,7 @@ fn lane_exhaustion_stays_correct() {
     let (out, report) = replay(&["--inject", "lane-exhaustion"]);
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     let r = report.unwrap();
+    assert_eq!(r["fault_fired"], true);
     assert_eq!(num(&r, "mismatched_tokens"), 0);
     assert!(
         num(&r, "evictions_lane") + num(&r, "load_degraded_to_miss") > 0,
@@ -258,8 +303,14 @@ fn bad_traces_name_the_line() {
             ":2: input_length 5000000000 is out of range",
         ),
         (
-            "{\"input_length\": 100, \"output_length\": 1, \"hash_ids\": [0, 1, 2]}",
-            ":2: 3 hash_ids",
+            "{\"input_length\": 100, \"output_length\": 1, \"hash_ids\": [0, 0, 0]}",
+            ":2: too many hash_ids: input_length 100 needs ceil(100 / 512) = 1 \
+             (one per 512-token block), the line has 3",
+        ),
+        (
+            "{\"input_length\": 1500, \"output_length\": 1, \"hash_ids\": [0, 1]}",
+            ":2: too few hash_ids: input_length 1500 needs ceil(1500 / 512) = 3 \
+             (one per 512-token block), the line has 2",
         ),
     ] {
         let f = trace_file(&format!("{good}{bad}\n"));
@@ -330,15 +381,15 @@ fn an_oversized_request_is_skipped_and_the_replay_goes_on() {
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(0), "{err}");
     assert!(
-        err.contains("request 1 (trace line 2) needs 20 device pages at once but at most 11"),
+        err.contains(
+            "request 1 (trace line 2) skipped: the request needs 20 device pages at once but \
+             only 11 are free or its own"
+        ),
         "{err}"
     );
     assert_eq!(err.matches("warning").count(), 1, "warned once: {err}");
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        text.contains("requests skipped (larger than the device pool)"),
-        "{text}"
-    );
+    assert!(text.contains("requests skipped (too large) 2\n"), "{text}");
     let r: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!(num(&r, "requests"), 4);
@@ -381,4 +432,207 @@ fn bad_settings_are_usage_errors() {
         ],
         "raise --device-pages",
     );
+}
+
+/// Runs `replay --trace` on `lines` (MLA, CP 2, one layer, 64 tokens per block) plus
+/// `extra`, with a JSON report.
+fn replay_trace(lines: &str, extra: &[&str]) -> (Output, Option<serde_json::Value>) {
+    let f = trace_file(lines);
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("report.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+        .args(["replay", "--trace"])
+        .arg(f.path())
+        .args([
+            "--block-tokens",
+            "64",
+            "--model",
+            "mla",
+            "--cp",
+            "2",
+            "--layers",
+            "1",
+            "-q",
+        ])
+        .args(extra)
+        .arg("--json")
+        .arg(&json)
+        .env("CP_HICACHE_CACHE_DIR", cache_dir())
+        .output()
+        .unwrap();
+    let report = std::fs::read_to_string(&json)
+        .ok()
+        .map(|t| serde_json::from_str(&t).unwrap());
+    (out, report)
+}
+
+/// A trace record of `ids.len()` full 512-token blocks.
+fn record(ids: &[u32]) -> String {
+    let ids: Vec<String> = ids.iter().map(u32::to_string).collect();
+    format!(
+        "{{\"timestamp\": 0, \"input_length\": {}, \"output_length\": 1, \"hash_ids\": [{}]}}\n",
+        512 * ids.len(),
+        ids.join(", ")
+    )
+}
+
+/// At CP 2 with 12 device pages lane 0 holds 5 pages and lane 1 holds 6. The second request
+/// hits the first one's page (lane 0, held while it is served) and computes 9 more in the
+/// zigzag pattern, 5 of them on lane 0: 10 pages fit the pool's 11, but lane 0 would need 6.
+/// The warning names the lane and the cause, not a page count that seems to fit.
+#[test]
+fn a_lane_shortfall_is_named_as_such() {
+    let trace = format!(
+        "{}{}",
+        record(&[0]),
+        record(&[0, 1, 2, 3, 4, 5, 6, 7, 8, 9])
+    );
+    let (out, report) = replay_trace(&trace, &["--device-pages", "12"]);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(
+        err.contains(
+            "request 1 (trace line 2) skipped: the request's 10 device pages fit the pool (11 \
+             free or its own once everything unlocked is evicted) but not its owner lanes: lane \
+             0 needs 6 (1 of the cached prefix + 5 to compute) but holds only 5 pages, 1 short \
+             (computing the whole prompt afresh, without its cached prefix, would fit)"
+        ),
+        "{err}"
+    );
+    let r = report.unwrap();
+    assert_eq!(num(&r, "requests_skipped"), 1);
+    assert_eq!(num(&r, "mismatched_tokens"), 0);
+}
+
+/// Nothing verified is not a pass: an empty, blank or BOM-only trace and `--requests 0` are
+/// usage errors, refused before any kernel is built.
+#[test]
+fn a_replay_of_no_request_is_a_usage_error() {
+    for text in ["", "\n  \n\n", "\u{feff}\n"] {
+        let f = trace_file(text);
+        let path = f.path().to_str().unwrap();
+        usage_error(
+            &["replay", "--trace", path, "-q"],
+            "has no request (it is empty or blank): nothing to verify",
+        );
+    }
+    usage_error(
+        &["replay", "--requests", "0", "-q"],
+        "replaying 0 requests verifies nothing",
+    );
+}
+
+/// A trace saved with a UTF-8 byte order mark replays like one without.
+#[test]
+fn a_trace_with_a_byte_order_mark_replays() {
+    let (out, report) = replay_trace(&format!("\u{feff}{}", record(&[0, 1])), &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let r = report.unwrap();
+    assert_eq!(num(&r, "requests"), 1);
+    assert_eq!(num(&r, "prompt_tokens"), 128);
+}
+
+/// `--seed` and `--conversations` shape the built-in workload only; with a trace they would
+/// be ignored, so they are refused.
+#[test]
+fn built_in_workload_options_conflict_with_a_trace() {
+    let f = trace_file(&record(&[0]));
+    let path = f.path().to_str().unwrap();
+    for opt in ["--seed", "--conversations"] {
+        usage_error(
+            &["replay", "--trace", path, opt, "3", "-q"],
+            "cannot be used with",
+        );
+    }
+}
+
+/// Replay is the default command, so its options work without the word `replay`; with
+/// another command they are refused.
+#[test]
+fn replay_options_work_without_the_command() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("report.json");
+    let mut args: Vec<&str> = SMALL[1..].to_vec();
+    let at = args.iter().position(|&a| a == "--conversations").unwrap();
+    args[at + 1] = "2";
+    let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+        .args(&args)
+        .arg("--json")
+        .arg(&json)
+        .env("CP_HICACHE_CACHE_DIR", cache_dir())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(num(&r, "cp"), 4);
+    assert!(r["workload"].as_str().unwrap().contains("2 conversations"));
+    usage_error(&["--cp", "2", "info"], "cannot be used with");
+}
+
+#[test]
+fn help_lists_values_and_ranges() {
+    let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+        .args(["replay", "--help"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let help = String::from_utf8_lossy(&out.stdout);
+    for want in [
+        "write_through: back up every node",
+        "write_back:    back up a node only when it is evicted",
+        "auto: CUDA when a GPU is usable",
+        "host: the CPU emulation",
+        "cuda: the CUDA driver",
+        "default: all of them",
+        "1..=256",
+        "Conversations in the built-in workload (not with --trace): each is",
+    ] {
+        assert!(help.contains(want), "{want} missing from\n{help}");
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+        .arg("--help")
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        help.contains("Replay options (without a command)"),
+        "{help}"
+    );
+    assert!(help.contains("--conversations <N>"), "{help}");
+}
+
+/// The injected launch failure is aimed at the middle request; when that one is skipped as
+/// too large before launching anything (nothing is cached for it to evict: the tiny
+/// requests fill no whole page) the failure moves on to the next, and when no later request
+/// launches anything the run says the fault never fired.
+#[test]
+fn a_launch_failure_aimed_at_a_skipped_request_moves_on() {
+    let big: Vec<u32> = (100..120).collect();
+    // 100 trace tokens are 13 tokens at 64 per block: less than a page.
+    let tiny =
+        "{\"timestamp\": 0, \"input_length\": 100, \"output_length\": 1, \"hash_ids\": [0]}\n";
+    let (out, report) = replay_trace(
+        &format!("{tiny}{}{tiny}", record(&big)),
+        &["--device-pages", "12", "--inject", "launch-error"],
+    );
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("request 2 failed"), "{err}");
+    let r = report.unwrap();
+    assert_eq!(num(&r, "failed_requests"), 1);
+    assert_eq!(num(&r, "requests_skipped"), 1);
+    assert_eq!(r["fault_fired"], true);
+
+    let (out, report) = replay_trace(
+        &format!("{tiny}{}", record(&big)),
+        &["--device-pages", "12", "--inject", "launch-error"],
+    );
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(
+        err.contains("warning: the injected fault launch-error never fired"),
+        "{err}"
+    );
+    assert_eq!(report.unwrap()["fault_fired"], false);
 }

@@ -16,11 +16,22 @@ use std::process::ExitCode;
 
 /// Context-parallel aware hierarchical KV cache: replay, render, compile, bench, tune, info.
 #[derive(Debug, Parser)]
-#[command(name = "cp-hicache", version, about, long_about = LONG_ABOUT)]
+#[command(
+    name = "cp-hicache",
+    version,
+    about,
+    long_about = LONG_ABOUT,
+    args_conflicts_with_subcommands = true
+)]
 pub struct Cli {
     /// The command to run.
     #[command(subcommand)]
     pub command: Option<Command>,
+    /// Replay's options, for a command line without a command: replay is the default, so
+    /// `cp-hicache --conversations 4` must mean what `cp-hicache replay --conversations 4`
+    /// does rather than be rejected.
+    #[command(flatten, next_help_heading = "Replay options (without a command)")]
+    pub replay: ReplayArgs,
 }
 
 const LONG_ABOUT: &str = "\
@@ -28,6 +39,9 @@ cp-hicache is the KV-cache layer for context-parallel (CP) serving: a hierarchic
 (device pages backed up to host memory, loaded back on a prefix hit) in which every page keeps \
 the CP rank that owns it. Its data paths are CUDA kernels rendered from templates, compiled \
 with NVRTC, and run on the CPU through an emulation executor when no GPU is present.
+
+Without a command, cp-hicache runs `replay`, and replay's options (below) may be given \
+without the word `replay`; they cannot be combined with another command.
 
 Set RUST_LOG=cp_hicache=info to see every JIT event.";
 
@@ -64,6 +78,6 @@ pub fn run(cli: Cli) -> Result<ExitCode, crate::Error> {
         Some(Command::Compile(args)) => compile::run(&args),
         Some(Command::Tune(args)) => tune::run(&args),
         Some(Command::Bench(args)) => bench::run(&args),
-        None => replay::run(&ReplayArgs::default()),
+        None => replay::run(&cli.replay),
     }
 }

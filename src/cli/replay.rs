@@ -32,21 +32,34 @@ pub enum ModelArg {
 #[derive(Debug, Clone, clap::Args)]
 pub struct ReplayArgs {
     /// A Mooncake-format trace (JSON lines with timestamp, input_length, output_length,
-    /// hash_ids). Without it, a built-in seeded multi-turn conversation workload runs.
+    /// hash_ids). Without it, a built-in seeded multi-turn conversation workload runs. A
+    /// trace without a request is a usage error: there would be nothing to verify.
     #[arg(long, value_name = "FILE.jsonl")]
     pub trace: Option<PathBuf>,
     /// Tokens one trace hash id stands for, 1..=65536 (the published traces use 512;
     /// smaller values scale every length down and keep CPU replays fast).
     #[arg(long, default_value_t = 512, value_name = "N")]
     pub block_tokens: u32,
-    /// Replay only the first N requests.
-    #[arg(long, value_name = "N")]
+    /// Replay only the first N requests (N >= 1; default: all of them).
+    #[arg(
+        long,
+        value_name = "N",
+        value_parser = parse_requests
+    )]
     pub requests: Option<usize>,
-    /// Seed of the built-in workload.
-    #[arg(long, default_value_t = 0)]
+    /// Seed of the built-in workload (not with --trace).
+    #[arg(long, default_value_t = 0, conflicts_with = "trace")]
     pub seed: u64,
-    /// Conversations in the built-in workload.
-    #[arg(long, default_value_t = ConversationsConfig::default().conversations)]
+    /// Conversations in the built-in workload (not with --trace): each is a few turns whose
+    /// prompts grow by the previous answer and a new message and start with one of three
+    /// shared system prompts; more conversations mean more requests and longer reuse
+    /// distances, hence more eviction and load-back.
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = ConversationsConfig::default().conversations,
+        conflicts_with = "trace"
+    )]
     pub conversations: usize,
     /// CP degree (1..=16).
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u8).range(1..=16))]
@@ -54,23 +67,25 @@ pub struct ReplayArgs {
     /// Tokens per page (a power of two, 1..=1024; NSA requires 64).
     #[arg(long, default_value_t = 64, value_parser = parse_page_size)]
     pub page_size: u32,
-    /// Layers per KV buffer (small by default so the CPU run is quick).
+    /// Layers per KV buffer, 1..=256 (small by default so the CPU run is quick).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=256))]
     pub layers: u32,
     /// Model buffer shapes.
     #[arg(long, value_enum, default_value_t = ModelArg::Nsa)]
     pub model: ModelArg,
-    /// Logical device pages across the CP group (each rank holds ceil(pages / cp)).
+    /// Logical device pages across the CP group (each rank holds ceil(pages / cp)). A
+    /// request whose pages do not fit, even after evicting everything unlocked, is skipped
+    /// and counted; when every request is, nothing was verified: exit status 2.
     #[arg(long, default_value_t = 256, value_name = "PAGES")]
     pub device_pages: u32,
     /// Host pages per rank.
     #[arg(long, default_value_t = 512, value_name = "PAGES")]
     pub host_pages: u32,
     /// When device pages are backed up to the host.
-    #[arg(long, default_value = "write_through", value_parser = parse_policy)]
+    #[arg(long, default_value = "write_through", value_parser = policy_parser())]
     pub policy: WritePolicy,
-    /// Executor: `auto` picks CUDA when a GPU is usable, else the CPU emulation.
-    #[arg(long, default_value = "auto", value_parser = parse_backend)]
+    /// Executor that runs the kernels.
+    #[arg(long, default_value = "auto", value_parser = backend_parser())]
     pub backend: Backend,
     /// A tuning file (see `cp-hicache tune`); without it the default launch shapes run.
     #[arg(long, value_name = "FILE")]
@@ -115,8 +130,46 @@ fn parse_page_size(s: &str) -> Result<u32, String> {
     Ok(v)
 }
 
-fn parse_policy(s: &str) -> Result<WritePolicy, String> {
-    s.parse()
+/// `--policy` with each value's meaning in `--help` (the `-` spellings stay accepted).
+fn policy_parser() -> impl clap::builder::TypedValueParser<Value = WritePolicy> {
+    use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+    PossibleValuesParser::new([
+        PossibleValue::new("write_through")
+            .alias("write-through")
+            .help("back up every node to the host when it is inserted"),
+        PossibleValue::new("write_back")
+            .alias("write-back")
+            .help("back up a node only when it is evicted from the device"),
+    ])
+    .try_map(|s| s.parse::<WritePolicy>())
+}
+
+/// `--backend` with each value's meaning in `--help` (`cpu` and `gpu` stay accepted).
+fn backend_parser() -> impl clap::builder::TypedValueParser<Value = Backend> {
+    use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+    PossibleValuesParser::new([
+        PossibleValue::new("auto").help("CUDA when a GPU is usable, else the CPU emulation"),
+        PossibleValue::new("host")
+            .alias("cpu")
+            .help("the CPU emulation executor (kernels built with the host C++ compiler)"),
+        PossibleValue::new("cuda")
+            .alias("gpu")
+            .help("the CUDA driver on GPU 0 (NVRTC-compiled kernels)"),
+    ])
+    .try_map(|s| parse_backend(&s))
+}
+
+/// `--requests N`, N >= 1: replaying no request would verify nothing.
+fn parse_requests(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err(
+            "replaying 0 requests verifies nothing: give N >= 1, or leave --requests \
+             out to replay them all"
+                .into(),
+        ),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("`{s}` is not a request count")),
+    }
 }
 
 fn parse_transfer_path(s: &str) -> Result<TransferPath, String> {
@@ -177,8 +230,16 @@ impl ReplayArgs {
                     block_tokens: self.block_tokens,
                     max_requests: self.requests,
                 };
-                let total = count_lines(path).map(|n| self.requests.map_or(n, |r| r.min(n)));
                 let trace = MooncakeTrace::open(path, config).map_err(usage)?;
+                let lines = count_lines(path);
+                if lines == Some(0) {
+                    // Refused before the kernels are built: an empty trace verifies nothing.
+                    return Err(crate::Error::Usage(format!(
+                        "trace {} has no request (it is empty or blank): nothing to verify",
+                        path.display()
+                    )));
+                }
+                let total = lines.map(|n| self.requests.map_or(n, |r| r.min(n)));
                 Ok((Box::new(trace), total.map(|n| n as u64)))
             }
             None => {
@@ -206,7 +267,7 @@ fn count_lines(path: &std::path::Path) -> Option<usize> {
         std::io::BufReader::new(f)
             .lines()
             .map_while(Result::ok)
-            .filter(|l| !l.trim().is_empty())
+            .filter(|l| !l.trim_start_matches('\u{feff}').trim().is_empty())
             .count(),
     )
 }
@@ -245,9 +306,13 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
         cache_hits = cluster.kernels().cache_hits,
         "kernels ready"
     );
+    // The request the injected launch failure is aimed at.
+    let mut launch_failure_at = None;
     if args.inject == Some(Fault::LaunchError) {
         // Fail a request in the middle, once the cache holds something worth protecting.
-        cluster.inject_launch_failure(total.map_or(1, |t| (t / 2) as usize));
+        let at = total.map_or(1, |t| (t / 2) as usize);
+        cluster.inject_launch_failure(at);
+        launch_failure_at = Some(at);
     }
 
     let bar = progress_bar(total, args.quiet);
@@ -274,10 +339,9 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
                     );
                 }
             }
-            Err(crate::cluster::ClusterError::PoolTooSmall {
-                needed, available, ..
-            }) => {
-                // The cluster rolled the request back; smaller ones can still be served.
+            Err(e) if e.is_pool_too_small() => {
+                // The cluster rolled the request back; smaller ones can still be served. The
+                // error says which lanes were short and why, not just a page count.
                 if skipped == 0 {
                     let at = req
                         .line
@@ -285,14 +349,20 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
                     note(
                         &bar,
                         format!(
-                            "warning: request {}{at} needs {needed} device pages at once but at \
-                             most {available} are available: skipped (raise --device-pages); \
-                             later requests that do not fit are skipped and counted too",
+                            "warning: request {}{at} skipped: {e}; later requests that do not \
+                             fit are skipped and counted too",
                             req.id
                         ),
                     );
                 }
                 skipped += 1;
+                if launch_failure_at == Some(requests as usize) {
+                    // The launch failure aimed at this request went with it (it launched
+                    // nothing): aim at the next one, so the fault is still exercised.
+                    let next = requests as usize + 1;
+                    cluster.inject_launch_failure(next);
+                    launch_failure_at = Some(next);
+                }
             }
             Err(e) if e.is_usage() => {
                 bar.finish_and_clear();
@@ -339,10 +409,24 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
         bar.set_message(format!("{} mismatched", totals.mismatched_tokens));
     }
     bar.finish_and_clear();
-    if skipped > 0 && skipped == requests {
+    // A run that verified nothing must not read as a pass.
+    if requests == 0 {
         return Err(crate::Error::Usage(format!(
-            "no request fits in the device pool: all {skipped} were skipped; raise --device-pages"
+            "{} has no request: nothing to verify",
+            plan.workload_name
         )));
+    }
+    if skipped == requests {
+        return Err(crate::Error::Usage(format!(
+            "no request fits in the device pool: all {skipped} were skipped, nothing was \
+             verified; raise --device-pages"
+        )));
+    }
+    let fault_exercised = args
+        .inject
+        .map(|f| fault_exercised(f, &totals, failed, args.device_pages));
+    if let (Some(f), Some(Err(why))) = (args.inject, &fault_exercised) {
+        eprintln!("warning: the injected fault {f} never fired: {why}");
     }
     let wall = start.elapsed().as_secs_f64();
     // The allocator kernels' output is never read on the serving path (the host mirror
@@ -377,6 +461,8 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
         rollback_dropped_device_pages: dropped.device_pages,
         rollback_dropped_host_copies: dropped.host_copies,
         fault: args.inject.map(|f| f.to_string()),
+        fault_fired: fault_exercised.as_ref().map(Result::is_ok),
+        fault_not_fired_because: fault_exercised.and_then(Result::err),
         copy_launch: deployment.copy.to_string(),
         transfer_path: deployment.transfer_path.to_string(),
         synth_threads: deployment.synth_threads,
@@ -391,6 +477,46 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
     } else {
         Ok(ExitCode::FAILURE)
     }
+}
+
+/// Whether an injected fault did anything in this run, judged from what it must cause;
+/// otherwise why not. A fault that never fired tested nothing, and a clean report would
+/// read as if the failure path had been exercised.
+fn fault_exercised(
+    fault: Fault,
+    totals: &RequestStats,
+    failed: u64,
+    device_pages: u32,
+) -> Result<(), String> {
+    let fired = match fault {
+        Fault::PlainAllocOnLoad => totals.pages_loaded > 0,
+        Fault::LaneExhaustion => totals.evictions_lane + totals.load_degraded_to_miss > 0,
+        Fault::HostPoolFull => totals.backups_skipped > 0,
+        // The kernels are built before the first request, so a run that got here failed.
+        Fault::CompileError => true,
+        Fault::LaunchError => failed > 0,
+    };
+    if fired {
+        return Ok(());
+    }
+    Err(match fault {
+        Fault::PlainAllocOnLoad => format!(
+            "no page was loaded back from the host, every prefix hit was still on the \
+             device; a smaller --device-pages (now {device_pages}) forces load-backs"
+        ),
+        Fault::LaneExhaustion => format!(
+            "no allocation ran short of a lane: no lane-targeted eviction, no load-back \
+             degraded to a miss; a smaller --device-pages (now {device_pages}) or more \
+             requests make one"
+        ),
+        Fault::HostPoolFull => "no backup was skipped for lack of host pages; longer or more \
+             requests make it"
+            .into(),
+        Fault::CompileError => "the kernels compiled".into(),
+        Fault::LaunchError => "no request from the middle of the workload on launched a \
+             kernel (each was skipped as too large, or empty)"
+            .into(),
+    })
 }
 
 fn cluster_error(e: crate::cluster::ClusterError) -> crate::Error {

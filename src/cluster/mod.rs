@@ -748,7 +748,7 @@ impl Cluster {
 
         // 3. Allocate the pages to compute, zigzag over the owners.
         let owners = zigzag_owners(self.layout.cp(), n_pages - cached);
-        let run = self.alloc_with_eviction(&owners, cached, &mut stats)?;
+        let run = self.alloc_with_eviction(&owners, &pages, &mut stats)?;
         pages.extend(run);
         stats.computed_tokens = (n_tokens - cached * ps) as u64;
 
@@ -1001,12 +1001,12 @@ impl Cluster {
     }
 
     /// Allocates the pages to compute, evicting as needed: device LRU while the pool as a
-    /// whole is short, owner-lane targeted eviction when only some lanes are. `held` is how
-    /// many device pages the request already holds (for the error).
+    /// whole is short, owner-lane targeted eviction when only some lanes are. `held` are the
+    /// device pages the request already holds (its cached prefix, locked; for the error).
     fn alloc_with_eviction(
         &mut self,
         owners: &[u8],
-        held: usize,
+        held: &[PageId],
         stats: &mut RequestStats,
     ) -> Result<Vec<PageId>, ClusterError> {
         loop {
@@ -1034,19 +1034,74 @@ impl Cluster {
                 }
             };
             if evicted == 0 {
-                let needed = (held + owners.len()) as u64;
-                let available = (held + free) as u64;
-                return Err(ClusterError::PoolTooSmall {
-                    what: format!(
-                        "a request needs {needed} device pages at once but only {available} are \
-                         free or its own once everything unlocked is evicted (per-lane \
-                         shortfall {deficit:?})"
-                    ),
-                    flag: "--device-pages",
-                    needed,
-                    available,
-                });
+                return Err(self.pool_too_small(owners, held, &deficit));
             }
+        }
+    }
+
+    /// Why `owners` cannot be allocated next to `held` once nothing more can be evicted:
+    /// the whole pool, or (the usual case) the owner lanes in `deficit`, each with what it
+    /// needs, what the request's cached prefix holds in it and what it holds in all. A
+    /// total count alone would read as a contradiction when the pool has room overall.
+    fn pool_too_small(&self, owners: &[u8], held: &[PageId], deficit: &[u32]) -> ClusterError {
+        let cp = usize::from(self.layout.cp());
+        let free = self.ranks[0].alloc.lane_free_counts();
+        let count = |owners: &mut dyn Iterator<Item = u8>| {
+            let mut n = vec![0u32; cp];
+            for o in owners {
+                n[usize::from(o)] += 1;
+            }
+            n
+        };
+        let computed = count(&mut owners.iter().copied());
+        let cached = count(&mut held.iter().map(|&p| self.layout.owner(p).0));
+        let needed = (held.len() + owners.len()) as u64;
+        let available = (held.len() + free.iter().sum::<u32>() as usize) as u64;
+        let mut lanes = Vec::new();
+        for (l, &d) in deficit.iter().enumerate().filter(|(_, &d)| d > 0) {
+            let need = cached[l] + computed[l];
+            let capacity = self.layout.lane_capacity(Rank(l as u8));
+            let usable = free[l] + cached[l];
+            let what = if need > capacity {
+                format!("holds only {capacity} pages")
+            } else {
+                format!(
+                    "only {usable} of its {capacity} pages are free or the request's own \
+                     (the others are locked or reserved)"
+                )
+            };
+            lanes.push(format!(
+                "lane {l} needs {need} ({} of the cached prefix + {} to compute) but {what}, \
+                 {d} short",
+                cached[l], computed[l]
+            ));
+        }
+        let mut what = if needed > available {
+            format!(
+                "the request needs {needed} device pages at once but only {available} are free \
+                 or its own once everything unlocked is evicted"
+            )
+        } else {
+            format!(
+                "the request's {needed} device pages fit the pool ({available} free or its own \
+                 once everything unlocked is evicted) but not its owner lanes"
+            )
+        };
+        if !lanes.is_empty() {
+            what += &format!(": {}", lanes.join("; "));
+        }
+        // The cached prefix stays locked while the request is served; say when computing
+        // the whole prompt afresh (one zigzag pattern) would have fitted.
+        let fresh =
+            count(&mut zigzag_owners(self.layout.cp(), held.len() + owners.len()).into_iter());
+        if !held.is_empty() && (0..cp).all(|l| fresh[l] <= free[l] + cached[l]) {
+            what += " (computing the whole prompt afresh, without its cached prefix, would fit)";
+        }
+        ClusterError::PoolTooSmall {
+            what,
+            flag: "--device-pages",
+            needed,
+            available,
         }
     }
 

@@ -108,6 +108,11 @@ pub struct ReplayReport {
     pub rollback_dropped_host_copies: u64,
     /// The injected fault, if any.
     pub fault: Option<String>,
+    /// Whether the injected fault did anything (a load-back under `plain-alloc-on-load`, a
+    /// failed launch under `launch-error`, …); none without a fault.
+    pub fault_fired: Option<bool>,
+    /// Why an injected fault never fired (then the run tested nothing of it).
+    pub fault_not_fired_because: Option<String>,
     /// Launch shape of the transfer and materialise kernels (from tuning, or the default).
     pub copy_launch: String,
     /// How pages moved between host and device (`kernel` or `dma`).
@@ -149,8 +154,9 @@ impl ReplayReport {
         row("synth/verify threads", self.synth_threads.to_string());
         row("requests", self.requests.to_string());
         if self.requests_skipped > 0 {
+            // The label fits the column; the skip warning says what did not fit.
             row(
-                "requests skipped (larger than the device pool)",
+                "requests skipped (too large)",
                 self.requests_skipped.to_string(),
             );
         }
@@ -205,7 +211,12 @@ impl ReplayReport {
             if self.device_lanes_agree { "yes" } else { "NO" }.into(),
         );
         if let Some(f) = &self.fault {
-            row("injected fault", f.clone());
+            let outcome = match (self.fault_fired, &self.fault_not_fired_because) {
+                (Some(false), Some(why)) => format!(" (NEVER FIRED: {why})"),
+                (Some(false), None) => " (NEVER FIRED)".into(),
+                _ => String::new(),
+            };
+            row("injected fault", format!("{f}{outcome}"));
         }
         if self.failed_requests > 0 {
             row("failed requests", self.failed_requests.to_string());
@@ -263,6 +274,8 @@ mod tests {
             rollback_dropped_device_pages: 0,
             rollback_dropped_host_copies: 0,
             fault: None,
+            fault_fired: None,
+            fault_not_fired_because: None,
             copy_launch: "t1_ppb16_v16_u1".into(),
             transfer_path: "kernel".into(),
             synth_threads: 1,
@@ -300,5 +313,51 @@ mod tests {
         assert!(r.ok());
         assert!(r.to_table().contains("mismatched tokens"));
         assert_eq!(human_bytes(3 << 20), "3.0 MiB");
+    }
+
+    /// Every row's value starts in the same column, optional rows included.
+    #[test]
+    fn every_row_is_aligned() {
+        let r = ReplayReport {
+            requests: 3,
+            totals: RequestStats::default(),
+            replicas_agree: true,
+            device_lanes_agree: true,
+            wall_seconds: 1.0,
+            tokens_per_second: 0.0,
+            backend: "host".into(),
+            cp: 8,
+            page_size: 64,
+            model: "nsa".into(),
+            layers: 4,
+            policy: "write_through".into(),
+            workload: "built-in".into(),
+            failed_requests: 1,
+            requests_skipped: 2,
+            rollback_dropped_device_pages: 0,
+            rollback_dropped_host_copies: 0,
+            fault: Some("plain-alloc-on-load".into()),
+            fault_fired: Some(false),
+            fault_not_fired_because: Some("no load-back".into()),
+            copy_launch: "t1_ppb16_v16_u1".into(),
+            transfer_path: "kernel".into(),
+            synth_threads: 1,
+        };
+        let table = r.to_table();
+        assert!(table.contains("requests skipped (too large) 2"), "{table}");
+        assert!(
+            table.contains("plain-alloc-on-load (NEVER FIRED: no load-back)"),
+            "{table}"
+        );
+        for line in table.lines() {
+            let b = line.as_bytes();
+            assert!(
+                b.len() > 31 && b[30] == b' ' && b[31] != b' ',
+                "misaligned row: {line:?}\n{table}"
+            );
+        }
+        let v = serde_json::to_value(&r).unwrap();
+        assert_eq!(v["requests_skipped"], 2);
+        assert_eq!(v["fault_fired"], false);
     }
 }

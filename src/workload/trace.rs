@@ -78,8 +78,10 @@ impl MooncakeTrace {
     fn parse(&self, line: &str) -> Result<Request, WorkloadError> {
         let rec: Record = serde_json::from_str(line)
             .map_err(|e| self.bad(format!("not a Mooncake trace record: {e}")))?;
-        if rec.timestamp.is_some_and(|t| !t.is_finite() || t < 0.0) {
-            return Err(self.bad("timestamp must be a non-negative number"));
+        if let Some(t) = rec.timestamp.filter(|t| !t.is_finite() || *t < 0.0) {
+            return Err(self.bad(format!(
+                "timestamp {t} is out of range: it must be a finite number >= 0"
+            )));
         }
         if rec.input_length <= 0 || rec.input_length as u64 > MAX_INPUT_LENGTH {
             return Err(self.bad(format!(
@@ -98,12 +100,15 @@ impl MooncakeTrace {
         }
         let input = rec.input_length as u64;
         let blocks = rec.hash_ids.len() as u64;
-        if blocks == 0
-            || input > blocks * MOONCAKE_BLOCK_TOKENS
-            || input <= (blocks - 1) * MOONCAKE_BLOCK_TOKENS
-        {
+        // Trace units: each hash id is one 512-token block whatever --block-tokens says, so a
+        // prompt of `input` tokens has exactly ceil(input / 512) of them.
+        let want = input.div_ceil(MOONCAKE_BLOCK_TOKENS);
+        if blocks != want {
+            let which = if blocks < want { "few" } else { "many" };
             return Err(self.bad(format!(
-                "{blocks} hash_ids of {MOONCAKE_BLOCK_TOKENS} tokens cannot hold input_length {input}"
+                "too {which} hash_ids: input_length {input} needs ceil({input} / \
+                 {MOONCAKE_BLOCK_TOKENS}) = {want} (one per {MOONCAKE_BLOCK_TOKENS}-token block), \
+                 the line has {blocks}"
             )));
         }
         let bt = u64::from(self.config.block_tokens);
@@ -173,6 +178,12 @@ impl Iterator for MooncakeTrace {
                     ))))
                 }
             };
+            // Editors on Windows start UTF-8 files with a byte order mark; it is no content.
+            let line = if self.line_no == 1 {
+                line.strip_prefix('\u{feff}').unwrap_or(line)
+            } else {
+                line
+            };
             if line.trim().is_empty() {
                 continue;
             }
@@ -238,19 +249,25 @@ mod tests {
             ),
             (
                 "{\"input_length\": 100, \"output_length\": 1, \"hash_ids\": [1, 2]}",
-                "cannot hold",
+                "too many hash_ids: input_length 100 needs ceil(100 / 512) = 1 \
+                 (one per 512-token block), the line has 2",
             ),
             (
                 "{\"input_length\": 600, \"output_length\": 1, \"hash_ids\": [1]}",
-                "cannot hold",
+                "too few hash_ids: input_length 600 needs ceil(600 / 512) = 2 \
+                 (one per 512-token block), the line has 1",
             ),
             (
                 "{\"input_length\": 10, \"output_length\": 1, \"hash_ids\": []}",
-                "cannot hold",
+                "too few hash_ids: input_length 10 needs ceil(10 / 512) = 1",
             ),
             (
                 "{\"input_length\": 10, \"output_length\": -1, \"hash_ids\": [3]}",
                 "output_length",
+            ),
+            (
+                "{\"timestamp\": -2.5, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [3]}",
+                "timestamp -2.5 is out of range: it must be a finite number >= 0",
             ),
         ];
         for (line, want) in cases {
@@ -262,6 +279,22 @@ mod tests {
             assert!(err.contains(":2: "), "{err}");
             assert!(err.contains(want), "{err} should mention {want}");
         }
+    }
+
+    /// A byte order mark before the first record is skipped, not read as JSON; one later
+    /// in the file is still an error.
+    #[test]
+    fn a_leading_byte_order_mark_is_skipped() {
+        let rec = "{\"input_length\": 5, \"output_length\": 1, \"hash_ids\": [0]}";
+        let got = trace(&format!("\u{feff}{rec}\n{rec}\n"), 16);
+        assert_eq!(got.len(), 2);
+        assert_eq!(got[0].as_ref().unwrap().tokens.len(), 1);
+        assert!(got[1].is_ok());
+        let got = trace(&format!("{rec}\n\u{feff}{rec}\n"), 16);
+        let err = got[1].as_ref().unwrap_err().to_string();
+        assert!(err.contains(":2: not a Mooncake trace record"), "{err}");
+        // A BOM on a line of its own is a blank line.
+        assert!(trace("\u{feff}\n \n", 16).is_empty());
     }
 
     #[test]
