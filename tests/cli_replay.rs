@@ -81,7 +81,7 @@ fn unwritable_json_is_refused_before_the_run() {
         .env("CP_HICACHE_CACHE_DIR", cache_dir())
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
     assert!(
         stderr(&out).contains(&format!("cannot write {}", bad.display())),
         "{}",
