@@ -64,6 +64,9 @@ impl Error {
         match self {
             Error::Usage(_) | Error::Layout(_) => true,
             Error::Tuning(e) => e.is_usage(),
+            // A misspelt environment variable or option value is the user's input too.
+            Error::Exec(crate::exec::ExecError::Config { .. })
+            | Error::Jit(crate::jit::JitError::Config { .. }) => true,
             _ => false,
         }
     }

@@ -808,10 +808,25 @@ fn an_unknown_jit_switch_is_refused() {
     let cache = tempfile::tempdir().unwrap();
     let out = support::small_replay(cache.path(), &[("CP_HICACHE_JIT", Some("of"))]);
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{err}");
+    assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("CP_HICACHE_JIT=\"of\""), "{err}");
     assert!(
         !cache.path().join("host").exists(),
         "compiled despite the error"
     );
+}
+
+/// A misspelt emulator setting is a usage error (exit 2) naming the variable.
+#[test]
+fn misspelt_emulator_settings_are_usage_errors() {
+    let cache = tempfile::tempdir().unwrap();
+    for (var, value) in [
+        ("CP_HICACHE_EMU_ORDER", "sideways"),
+        ("CP_HICACHE_EMU_SANITIZE", "adress"),
+    ] {
+        let out = support::small_replay(cache.path(), &[(var, Some(value))]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{var}: {err}");
+        assert!(err.contains(var) && err.contains(value), "{err}");
+    }
 }
