@@ -149,6 +149,8 @@ fn tune_writes_a_file_and_a_foreign_file_is_ignored_with_a_warning() {
         stderr.contains("warning: tuning for") && stderr.contains("NVIDIA H200"),
         "{stderr}"
     );
+    // Once: one line for the entries ignored alike, and no log line repeating it.
+    assert_eq!(stderr.matches("NVIDIA H200").count(), 1, "{stderr}");
 
     // Replay applies a tuning file of this machine and ignores the foreign one.
     let replay = |tuning: &std::path::Path| {

@@ -235,6 +235,14 @@ fn a_file_from_another_machine_is_ignored_with_a_warning() {
         msg.contains("machine-a") && msg.contains("machine-b"),
         "{msg}"
     );
+    // Shown to a person as one line that counts them.
+    let lines = tuning::warning_lines(&warnings);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(
+        lines[0].contains(&format!("and {} more kernels ignored", warnings.len() - 1))
+            && lines[0].contains("machine-a"),
+        "{lines:?}"
+    );
 
     // Same machine, upgraded compiler: stale, also ignored.
     let mut upgraded = device("machine-a");

@@ -102,7 +102,7 @@ pub(super) fn run(args: &BenchArgs) -> Result<ExitCode, crate::Error> {
     } else {
         TuningFile::load_selected(args.tuning.as_deref(), &crate::tuning::default_path())?
     };
-    for w in unreadable {
+    for w in crate::tuning::warning_lines(&unreadable) {
         eprintln!("warning: {w}");
     }
     let exec = open_executor(args.executor.backend)?;
@@ -113,7 +113,7 @@ pub(super) fn run(args: &BenchArgs) -> Result<ExitCode, crate::Error> {
     let mut configs = Vec::new();
     for dep in &deps {
         let (tuned, source, warnings) = bench::tuned_config(dep, file.as_ref(), &device);
-        for w in warnings {
+        for w in crate::tuning::warning_lines(&warnings) {
             eprintln!("warning: {w}");
         }
         configs.push(("default".to_string(), dep.clone()));

@@ -285,7 +285,8 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
     // Launch shapes tuned for this executor: from --tuning, else <cache>/tuning.json if any.
     let mut deployment = plan.deployment.clone();
     let device = crate::tuning::DeviceKey::for_executor(exec.as_ref(), &jit)?;
-    for warning in crate::tuning::apply(&mut deployment, args.tuning.as_deref(), &device)? {
+    let warnings = crate::tuning::apply(&mut deployment, args.tuning.as_deref(), &device)?;
+    for warning in crate::tuning::warning_lines(&warnings) {
         eprintln!("warning: {warning}");
     }
     if let Some(path) = args.transfer {

@@ -95,7 +95,7 @@ pub(super) fn run(args: &TuneArgs) -> Result<ExitCode, crate::Error> {
 
     let file = TuningFile::merge_into(&path, entries)?;
     let (tuned, warnings, _) = dep.with_tuning(&file, &device);
-    for w in &warnings {
+    for w in crate::tuning::warning_lines(&warnings) {
         eprintln!("warning: {w}");
     }
     println!(

@@ -154,7 +154,7 @@ impl TuningFile {
                         "{e}; default launch shapes are used (fix or delete it, or pass a file)"
                     ),
                 };
-                tracing::warn!(target: "cp_hicache::tuning", "{w}");
+                tracing::debug!(target: "cp_hicache::tuning", "{w}");
                 Ok((None, vec![w]))
             }
         }
@@ -316,7 +316,8 @@ pub enum WarningKind {
     Unusable,
 }
 
-/// A tuning entry that was ignored, and why. Also logged with `tracing::warn!`.
+/// A tuning entry that was ignored, and why. It is returned for the caller to show
+/// ([`warning_lines`]); the library logs it only at `debug`, so nobody sees it twice.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TuningWarning {
     /// The reason class.
@@ -336,6 +337,33 @@ impl fmt::Display for TuningWarning {
             _ => write!(f, "tuning for {} ignored: {}", self.spec_key, self.message),
         }
     }
+}
+
+/// The warnings as lines for a person, in order: entries ignored for the same reason (every
+/// entry of a file measured on another machine, say) share one line that counts them.
+pub fn warning_lines(warnings: &[TuningWarning]) -> Vec<String> {
+    let mut groups: Vec<(&TuningWarning, usize)> = Vec::new();
+    for w in warnings {
+        match groups
+            .iter_mut()
+            .find(|(g, _)| g.kind == w.kind && g.message == w.message)
+        {
+            Some((_, n)) => *n += 1,
+            None => groups.push((w, 1)),
+        }
+    }
+    groups
+        .into_iter()
+        .map(|(w, n)| match n {
+            1 => w.to_string(),
+            _ => format!(
+                "tuning for {} and {} more kernels ignored: {}",
+                w.spec_key,
+                n - 1,
+                w.message
+            ),
+        })
+        .collect()
 }
 
 /// The deployment fields a tuning file can set, each fed by a group of kernels.
@@ -449,7 +477,7 @@ impl Deployment {
             }
         }
         for w in &warnings {
-            tracing::warn!(target: "cp_hicache::tuning", deployment = %self.name, "{w}");
+            tracing::debug!(target: "cp_hicache::tuning", deployment = %self.name, "{w}");
         }
         (out, warnings, applied)
     }

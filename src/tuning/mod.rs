@@ -13,8 +13,8 @@
 //! let jit = cp_hicache::jit::Jit::new(cp_hicache::jit::JitConfig::from_env(cp_hicache::jit::EMU_HEADER)?);
 //! let device = tuning::DeviceKey::for_executor(exec.as_ref(), &jit)?;
 //! let mut dep = Deployment::by_name("nsa_ps64_cp8")?;
-//! for w in tuning::apply(&mut dep, None, &device)? {
-//!     eprintln!("warning: {w}");
+//! for line in tuning::warning_lines(&tuning::apply(&mut dep, None, &device)?) {
+//!     eprintln!("warning: {line}");
 //! }
 //! # Ok(()) }
 //! ```
@@ -29,8 +29,8 @@ pub mod tuner;
 
 pub use candidate::{candidates_for, Candidate, LaunchChoice, Unsupported};
 pub use file::{
-    apply, default_path, Applied, CandidateResult, TuningEntry, TuningFile, TuningWarning,
-    WarningKind, TUNING_FORMAT,
+    apply, default_path, warning_lines, Applied, CandidateResult, TuningEntry, TuningFile,
+    TuningWarning, WarningKind, TUNING_FORMAT,
 };
 pub use key::{spec_key, DeviceKey, KeyMatch};
 pub use measure::Sizes;
