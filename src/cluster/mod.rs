@@ -900,14 +900,16 @@ impl Cluster {
             .collect();
         if short.iter().any(|&d| d > 0) {
             // Evict host copies only if that makes the backup fit, and only those that free
-            // host pages on the short ranks: decide on a copy first (every rank evicts the
-            // same nodes, so one replica's tree tells what each rank would get back).
-            let mut sim = self.ranks[0].tree.clone();
-            let would = sim.evict_host_for_ranks(&short)?;
+            // host pages on the short ranks: decide on the plan first (every rank evicts the
+            // same nodes, so one replica's plan tells what each rank would get back).
+            let tree = &self.ranks[0].tree;
             let mut gained = vec![0u32; self.ranks.len()];
-            for o in would.iter().flat_map(|m| m.page_owners()) {
-                if let Some(g) = gained.get_mut(usize::from(*o)) {
-                    *g += 1;
+            for id in tree.host_eviction_plan_for_ranks(&short)? {
+                let owners = tree.node(id)?.host().map(NodeMetadata::page_owners);
+                for o in owners.unwrap_or_default() {
+                    if let Some(g) = gained.get_mut(usize::from(*o)) {
+                        *g += 1;
+                    }
                 }
             }
             if short.iter().zip(&gained).any(|(s, g)| g < s) {
