@@ -331,7 +331,7 @@ fn emu_sanitize_env_selects_the_asan_host_build() {
     assert!(!cache.join("host").exists());
 
     let out = compile("adress");
-    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
     let err = text(&out.stderr);
     assert!(
         err.contains("CP_HICACHE_EMU_SANITIZE") && err.contains("adress"),
