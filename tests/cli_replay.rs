@@ -342,7 +342,7 @@ fn bad_traces_name_the_line() {
 #[test]
 fn an_oversized_request_is_skipped_and_the_replay_goes_on() {
     let ids = |n: usize| (0..n).map(|i| (100 + i).to_string()).collect::<Vec<_>>();
-    let f = trace_file(&format!(
+    let lines = format!(
         "{}\n{}\n{}\n{}\n",
         "{\"timestamp\": 0, \"input_length\": 700, \"output_length\": 1, \"hash_ids\": [0, 1]}",
         format_args!(
@@ -354,30 +354,8 @@ fn an_oversized_request_is_skipped_and_the_replay_goes_on() {
             "{{\"timestamp\": 3, \"input_length\": 12288, \"output_length\": 1, \"hash_ids\": [{}]}}",
             ids(24).join(", ")
         ),
-    ));
-    let dir = tempfile::tempdir().unwrap();
-    let json = dir.path().join("report.json");
-    let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
-        .args(["replay", "--trace"])
-        .arg(f.path())
-        .args([
-            "--block-tokens",
-            "64",
-            "--model",
-            "mla",
-            "--cp",
-            "2",
-            "--layers",
-            "1",
-            "--device-pages",
-            "12",
-            "-q",
-            "--json",
-        ])
-        .arg(&json)
-        .env("CP_HICACHE_CACHE_DIR", cache_dir())
-        .output()
-        .unwrap();
+    );
+    let (out, r) = replay_trace(&lines, &["--device-pages", "12"]);
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(0), "{err}");
     assert!(
@@ -390,8 +368,7 @@ fn an_oversized_request_is_skipped_and_the_replay_goes_on() {
     assert_eq!(err.matches("warning").count(), 1, "warned once: {err}");
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("requests skipped (too large) 2\n"), "{text}");
-    let r: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let r = r.expect("a JSON report");
     assert_eq!(num(&r, "requests"), 4);
     assert_eq!(num(&r, "requests_skipped"), 2);
     assert_eq!(num(&r, "failed_requests"), 0);

@@ -253,9 +253,9 @@ pub fn human_bytes(b: u64) -> String {
 mod tests {
     use super::*;
 
-    #[test]
-    fn json_has_the_contract_fields() {
-        let r = ReplayReport {
+    /// A report of one clean request.
+    fn sample() -> ReplayReport {
+        ReplayReport {
             requests: 1,
             totals: RequestStats::default(),
             replicas_agree: true,
@@ -279,7 +279,12 @@ mod tests {
             copy_launch: "t1_ppb16_v16_u1".into(),
             transfer_path: "kernel".into(),
             synth_threads: 1,
-        };
+        }
+    }
+
+    #[test]
+    fn json_has_the_contract_fields() {
+        let r = sample();
         let v = serde_json::to_value(&r).unwrap();
         for k in [
             "requests",
@@ -320,28 +325,12 @@ mod tests {
     fn every_row_is_aligned() {
         let r = ReplayReport {
             requests: 3,
-            totals: RequestStats::default(),
-            replicas_agree: true,
-            device_lanes_agree: true,
-            wall_seconds: 1.0,
-            tokens_per_second: 0.0,
-            backend: "host".into(),
-            cp: 8,
-            page_size: 64,
-            model: "nsa".into(),
-            layers: 4,
-            policy: "write_through".into(),
-            workload: "built-in".into(),
             failed_requests: 1,
             requests_skipped: 2,
-            rollback_dropped_device_pages: 0,
-            rollback_dropped_host_copies: 0,
             fault: Some("plain-alloc-on-load".into()),
             fault_fired: Some(false),
             fault_not_fired_because: Some("no load-back".into()),
-            copy_launch: "t1_ppb16_v16_u1".into(),
-            transfer_path: "kernel".into(),
-            synth_threads: 1,
+            ..sample()
         };
         let table = r.to_table();
         assert!(table.contains("requests skipped (too large) 2"), "{table}");
