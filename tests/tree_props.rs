@@ -463,7 +463,11 @@ impl Harness {
             }
             Op::EvictDevice(n) => {
                 let snap = snapshot(&self.trees[0]);
+                let before = self.trees[0].digest();
+                let plan = self.trees[0].device_eviction_plan_lru(*n).unwrap();
+                assert_eq!(self.trees[0].digest(), before, "planning changed the tree");
                 let a = self.trees[0].evict_device_lru(*n).unwrap();
+                assert_eq!(evicted_nodes(&a), plan, "eviction differs from its plan");
                 let b = self.trees[1].evict_device_lru(*n).unwrap();
                 assert_eq!(device_only(&a), device_only(&b));
                 let mut released = 0;
@@ -482,9 +486,15 @@ impl Harness {
                 let mut short = deficit[..cp].to_vec();
                 let snap = snapshot(&self.trees[0]);
                 let layout = self.layout;
+                let before = self.trees[0].digest();
+                let plan = self.trees[0]
+                    .device_eviction_plan_for_lanes(&short, |p| layout.owner(p).0)
+                    .unwrap();
+                assert_eq!(self.trees[0].digest(), before, "planning changed the tree");
                 let a = self.trees[0]
                     .evict_device_for_lanes(&short, |p| layout.owner(p).0)
                     .unwrap();
+                assert_eq!(evicted_nodes(&a), plan, "eviction differs from its plan");
                 let b = self.trees[1]
                     .evict_device_for_lanes(&short, |p| layout.owner(p).0)
                     .unwrap();
@@ -755,6 +765,10 @@ fn host_candidates(m: &Model) -> Vec<u64> {
         .filter(|(k, e)| e.device.is_none() && e.host && e.lock == 0 && !m.has_child(k))
         .map(|(_, e)| e.stamp)
         .collect()
+}
+
+fn evicted_nodes(evs: &[Evicted]) -> Vec<NodeId> {
+    evs.iter().map(|e| e.node).collect()
 }
 
 fn device_only(evs: &[Evicted]) -> Vec<(NodeId, Vec<PageId>, bool)> {

@@ -1114,18 +1114,21 @@ impl Cluster {
     fn evict(&mut self, how: Eviction, stats: &mut RequestStats) -> Result<usize, ClusterError> {
         let owner_of = self.layout;
         if self.config.policy == WritePolicy::WriteBack {
-            // Run the eviction on a copy of one replica to learn which nodes it would remove:
-            // not only the LRU leaves of now, but also parents that become leaves on the way.
-            // Backing up changes no device state and no stamp, so the real eviction below
-            // takes the same nodes, now backed up, and keeps them (and their host-only
-            // descendants) in the tree.
-            let mut sim = self.ranks[0].tree.clone();
-            let would = match &how {
-                Eviction::Lru(n) => sim.evict_device_lru(*n)?,
-                Eviction::Lanes(d) => sim.evict_device_for_lanes(d, |p| owner_of.owner(p).0)?,
+            // The plan names every node the eviction takes: not only the LRU leaves of now,
+            // but also parents that become leaves on the way. Backing up changes no device
+            // state and no stamp, so the real eviction below takes the same nodes, now backed
+            // up, and keeps them (and their host-only descendants) in the tree.
+            let tree = &self.ranks[0].tree;
+            let plan = match &how {
+                Eviction::Lru(n) => tree.device_eviction_plan_lru(*n)?,
+                Eviction::Lanes(d) => {
+                    tree.device_eviction_plan_for_lanes(d, |p| owner_of.owner(p).0)?
+                }
             };
-            for e in would.iter().filter(|e| e.removed) {
-                self.write_cp(e.node, stats)?;
+            for node in plan {
+                if self.ranks[0].tree.node(node)?.host().is_none() {
+                    self.write_cp(node, stats)?;
+                }
             }
         }
         let mut count = 0;

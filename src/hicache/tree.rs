@@ -365,6 +365,60 @@ fn common_pages(a: &[u32], b: &[u32], ps: usize) -> usize {
         .count()
 }
 
+/// What a device eviction is for: which candidates it takes and when it has done enough.
+trait DeviceTarget {
+    /// Whether the eviction has reached its target.
+    fn met(&self) -> bool;
+    /// Whether to evict a candidate holding `pages`; counts them if so.
+    fn take(&mut self, pages: &[PageId]) -> bool;
+}
+
+/// Any candidates, until `wanted` device pages are released.
+struct PagesWanted {
+    wanted: usize,
+    released: usize,
+}
+
+impl DeviceTarget for PagesWanted {
+    fn met(&self) -> bool {
+        self.released >= self.wanted
+    }
+
+    fn take(&mut self, pages: &[PageId]) -> bool {
+        self.released += pages.len();
+        true
+    }
+}
+
+/// Only candidates that free a page of a lane still short, until no lane is.
+struct LanesShort<F> {
+    short: Vec<u32>,
+    owner: F,
+}
+
+impl<F: Fn(PageId) -> u8> DeviceTarget for LanesShort<F> {
+    fn met(&self) -> bool {
+        self.short.iter().all(|&d| d == 0)
+    }
+
+    fn take(&mut self, pages: &[PageId]) -> bool {
+        let lane = |p: &PageId| usize::from((self.owner)(*p));
+        if !pages
+            .iter()
+            .any(|p| self.short.get(lane(p)).is_some_and(|&s| s > 0))
+        {
+            return false;
+        }
+        for p in pages {
+            let l = lane(p);
+            if let Some(s) = self.short.get_mut(l) {
+                *s = s.saturating_sub(1);
+            }
+        }
+        true
+    }
+}
+
 impl RadixTree {
     /// An empty tree (just the root) for `rank` of `layout`.
     pub fn new(layout: CpLayout, rank: Rank) -> Result<Self, TreeError> {
@@ -769,53 +823,46 @@ impl RadixTree {
     /// first (ties: lower `NodeId`), until at least `n_pages` device pages were released or
     /// nothing is left to evict. A backed-up node only drops its device pages; any other
     /// node leaves the tree with its (host-only) subtree, and its parent may become a
-    /// candidate.
+    /// candidate. It evicts exactly the nodes of [`RadixTree::device_eviction_plan_lru`].
     pub fn evict_device_lru(&mut self, n_pages: usize) -> Result<Vec<Evicted>, TreeError> {
-        let mut cands = self.device_candidates()?;
-        let mut out = Vec::new();
-        let mut released = 0;
-        while released < n_pages {
-            let Some((_, id)) = cands.pop_first() else {
-                break;
-            };
-            let ev = self.evict_device_node(id, &mut cands)?;
-            released += ev.device_pages.len();
-            out.push(ev);
-        }
-        Ok(out)
+        let plan = self.device_eviction_plan_lru(n_pages)?;
+        self.evict_device_plan(plan)
     }
 
     /// Like [`RadixTree::evict_device_lru`], in the same order, but only evicts nodes that
     /// free at least one page of a lane still short (`deficit[lane]` pages, lanes by
     /// `owner(page)`), and stops as soon as every deficit is covered or no candidate is left.
+    /// It evicts exactly the nodes of [`RadixTree::device_eviction_plan_for_lanes`].
     pub fn evict_device_for_lanes(
         &mut self,
         deficit: &[u32],
         owner: impl Fn(PageId) -> u8,
     ) -> Result<Vec<Evicted>, TreeError> {
-        let mut short = deficit.to_vec();
-        let mut cands = self.device_candidates()?;
-        let mut out = Vec::new();
-        while short.iter().any(|&d| d > 0) {
-            let Some((_, id)) = cands.pop_first() else {
-                break;
-            };
-            let helps = self.get(id)?.device.as_ref().is_some_and(|d| {
-                d.iter()
-                    .any(|&p| short.get(usize::from(owner(p))).is_some_and(|&s| s > 0))
-            });
-            if !helps {
-                continue;
-            }
-            let ev = self.evict_device_node(id, &mut cands)?;
-            for &p in &ev.device_pages {
-                if let Some(s) = short.get_mut(usize::from(owner(p))) {
-                    *s = s.saturating_sub(1);
-                }
-            }
-            out.push(ev);
-        }
-        Ok(out)
+        let plan = self.device_eviction_plan_for_lanes(deficit, owner)?;
+        self.evict_device_plan(plan)
+    }
+
+    /// The nodes [`RadixTree::evict_device_lru`] would evict, in order, leaving the tree as
+    /// it is. Under write-back the caller backs up the planned nodes that are not backed up
+    /// yet, so that the eviction keeps them (host-only) instead of removing them.
+    pub fn device_eviction_plan_lru(&self, n_pages: usize) -> Result<Vec<NodeId>, TreeError> {
+        self.device_eviction_plan(PagesWanted {
+            wanted: n_pages,
+            released: 0,
+        })
+    }
+
+    /// The nodes [`RadixTree::evict_device_for_lanes`] would evict, in order, leaving the
+    /// tree as it is.
+    pub fn device_eviction_plan_for_lanes(
+        &self,
+        deficit: &[u32],
+        owner: impl Fn(PageId) -> u8,
+    ) -> Result<Vec<NodeId>, TreeError> {
+        self.device_eviction_plan(LanesShort {
+            short: deficit.to_vec(),
+            owner,
+        })
     }
 
     /// Removes unlocked host-only leaves (no device value, no children), oldest stamp first,
@@ -1358,12 +1405,18 @@ impl RadixTree {
         Ok(new_id)
     }
 
-    fn is_device_candidate(&self, id: NodeId, n: &Node) -> Result<bool, TreeError> {
+    /// Whether `n` is an unlocked device leaf once the `planned` nodes left the device.
+    fn is_device_candidate(
+        &self,
+        id: NodeId,
+        n: &Node,
+        planned: &HashSet<NodeId>,
+    ) -> Result<bool, TreeError> {
         if id == NodeId::ROOT || n.lock > 0 || n.device.is_none() {
             return Ok(false);
         }
         for &c in n.children.values() {
-            if self.get(c)?.device.is_some() {
+            if self.get(c)?.device.is_some() && !planned.contains(&c) {
                 return Ok(false);
             }
         }
@@ -1383,24 +1436,58 @@ impl RadixTree {
             && n.children.len() == gone
     }
 
-    fn device_candidates(&self) -> Result<BTreeSet<(u64, NodeId)>, TreeError> {
+    /// Walks the device candidates in eviction order (oldest stamp, then lower `NodeId`) as
+    /// evicting would, without changing the tree: a parent becomes a candidate once none of
+    /// its children is on the device or every one that is was planned. `target` decides
+    /// which candidates to take and when the walk stops.
+    fn device_eviction_plan(
+        &self,
+        mut target: impl DeviceTarget,
+    ) -> Result<Vec<NodeId>, TreeError> {
         let mut cands = BTreeSet::new();
         for (id, n) in self.live_nodes() {
-            if self.is_device_candidate(id, n)? {
+            if self.is_device_candidate(id, n, &HashSet::new())? {
                 cands.insert((n.stamp, id));
             }
         }
-        Ok(cands)
+        let mut planned = HashSet::new();
+        let mut plan = Vec::new();
+        while !target.met() {
+            let Some((_, id)) = cands.pop_first() else {
+                break;
+            };
+            let n = self.get(id)?;
+            if !target.take(n.device.as_deref().unwrap_or_default()) {
+                continue;
+            }
+            planned.insert(id);
+            plan.push(id);
+            if let Some(p) = n.parent {
+                let pn = self.get(p)?;
+                if self.is_device_candidate(p, pn, &planned)? {
+                    cands.insert((pn.stamp, p));
+                }
+            }
+        }
+        Ok(plan)
     }
 
-    /// Evicts one device candidate and adds its parent to `cands` if it became one.
-    fn evict_device_node(
-        &mut self,
-        id: NodeId,
-        cands: &mut BTreeSet<(u64, NodeId)>,
-    ) -> Result<Evicted, TreeError> {
+    /// Evicts the nodes of a device eviction plan, in order.
+    fn evict_device_plan(&mut self, plan: Vec<NodeId>) -> Result<Vec<Evicted>, TreeError> {
+        plan.into_iter()
+            .map(|id| self.evict_device_node(id))
+            .collect()
+    }
+
+    /// Evicts one device leaf: drops its device pages and, if it is not backed up, removes
+    /// it with its subtree.
+    fn evict_device_node(&mut self, id: NodeId) -> Result<Evicted, TreeError> {
+        if !self.is_device_candidate(id, self.get(id)?, &HashSet::new())? {
+            return Err(invariant(format!(
+                "planned device eviction of {id}, not a device leaf"
+            )));
+        }
         let n = self.get_mut(id)?;
-        let parent = n.parent;
         let device_pages = n.device.take().unwrap_or_default();
         let backed_up = n.host.is_some();
         for p in &device_pages {
@@ -1422,12 +1509,6 @@ impl RadixTree {
                 }
             }
             self.remove_leaf(id)?;
-        }
-        if let Some(p) = parent {
-            let pn = self.get(p)?;
-            if self.is_device_candidate(p, pn)? {
-                cands.insert((pn.stamp, p));
-            }
         }
         Ok(Evicted {
             node: id,
