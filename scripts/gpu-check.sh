@@ -89,7 +89,10 @@ fi
 step info "$bin" info
 
 # NVRTC present: compile (fills the cache). Otherwise the carried cache with JIT off.
-if "$bin" info 2>/dev/null | grep -q "NVRTC *not found"; then
+# The report is captured before matching: under pipefail, `info | grep -q` could take a
+# writer stopped by the early-closed pipe for "no match".
+info_text="$("$bin" info 2>/dev/null || true)"
+if grep -q "NVRTC *not found" <<<"$info_text"; then
   if [[ -z "${CP_HICACHE_CACHE_DIR:-}" ]]; then
     echo "warning: no NVRTC and no CP_HICACHE_CACHE_DIR: kernels cannot be compiled or found" >&2
   fi

@@ -70,3 +70,28 @@ fn info_json_has_plain_fields_and_the_cache_dir_really_used() {
     let dir = v["cache_dir"].as_str().unwrap();
     assert!(dir.ends_with("cp-hicache"), "{dir}");
 }
+
+/// A reader that stops early (`info | grep -q …`, as `scripts/gpu-check.sh` does) ends the
+/// command quietly with status 0; it used to panic with status 101, which `pipefail` took
+/// for a failed `grep`.
+#[test]
+fn a_closed_stdout_ends_quietly() {
+    for args in [
+        &["info"][..],
+        &["info", "--json"],
+        &["compile", "--list-deployments"],
+    ] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+            .args(args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Closing the read end before the first write makes every write fail with EPIPE.
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{args:?}: {:?} {stderr}", out.status);
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+}

@@ -7,11 +7,19 @@
 use std::path::Path;
 use std::process::Command;
 
-/// A stand-in `cp-hicache` that appends its arguments (one per line, then `--END--`) to
-/// `$STUB_LOG` and exits 1 for `bench --check` when `$STUB_FAIL_CHECK` is set.
+/// A stand-in `cp-hicache` that appends its arguments (one per line, then its
+/// `CP_HICACHE_JIT` and `--END--`) to `$STUB_LOG`, exits 1 for `bench --check` when
+/// `$STUB_FAIL_CHECK` is set, and reports no NVRTC from `info` (early in a long report, as
+/// the real one does) when `$STUB_NO_NVRTC` is set.
 const STUB: &str = r#"#!/usr/bin/env bash
 printf '%s\n' "$@" >>"$STUB_LOG"
+echo "JIT=${CP_HICACHE_JIT:-}" >>"$STUB_LOG"
 echo --END-- >>"$STUB_LOG"
+if [[ -n "${STUB_NO_NVRTC:-}" && "$1" == info ]]; then
+  echo "  NVRTC              not found: libnvrtc"
+  for i in $(seq 1 20000); do echo "  line $i of a long report"; done
+  exit 0
+fi
 if [[ -n "${STUB_FAIL_CHECK:-}" && "$1" == bench && " $* " == *" --check "* ]]; then
   echo "check on cuda: 1 failures"
   exit 1
@@ -19,31 +27,40 @@ fi
 echo "stub ran: $*"
 "#;
 
-fn run_script(dir: &Path, fail_check: bool) -> (std::process::Output, Vec<Vec<String>>) {
+/// One recorded call: its arguments and the `CP_HICACHE_JIT` it saw.
+struct Call {
+    args: Vec<String>,
+    jit: String,
+}
+
+fn run_script(dir: &Path, stub_env: &[(&str, &str)]) -> (std::process::Output, Vec<Call>) {
+    let tag: String = stub_env.iter().map(|(k, _)| *k).collect();
     let stub = dir.join("cp-hicache-stub");
     std::fs::write(&stub, STUB).unwrap();
     let mut perm = std::fs::metadata(&stub).unwrap().permissions();
     std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
     std::fs::set_permissions(&stub, perm).unwrap();
-    let log = dir.join(format!("calls-{fail_check}.log"));
+    let log = dir.join(format!("calls-{tag}.log"));
     let mut cmd = Command::new("bash");
     cmd.arg(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/gpu-check.sh"))
         .arg(&stub)
         .env("STUB_LOG", &log)
-        .env("GPU_CHECK_OUT", dir.join(format!("out-{fail_check}")))
+        .env("GPU_CHECK_OUT", dir.join(format!("out-{tag}")))
         .env("GPU_CHECK_TIMEOUT", "60")
         // No compute-sanitizer or nvidia-smi here, whatever the machine has.
         .env("PATH", "/usr/bin:/bin");
-    if fail_check {
-        cmd.env("STUB_FAIL_CHECK", "1");
-    }
+    cmd.envs(stub_env.iter().copied());
     let out = cmd.output().unwrap();
     let text = std::fs::read_to_string(&log).unwrap_or_default();
     let mut calls = Vec::new();
     let mut cur = Vec::new();
     for line in text.lines() {
         if line == "--END--" {
-            calls.push(std::mem::take(&mut cur));
+            let jit = cur.pop().unwrap_or_default();
+            calls.push(Call {
+                args: std::mem::take(&mut cur),
+                jit: jit.trim_start_matches("JIT=").to_string(),
+            });
         } else {
             cur.push(line.to_string());
         }
@@ -54,7 +71,7 @@ fn run_script(dir: &Path, fail_check: bool) -> (std::process::Output, Vec<Vec<St
 #[test]
 fn a_failing_step_is_reported_and_the_others_still_run() {
     let dir = tempfile::tempdir().unwrap();
-    let (out, calls) = run_script(dir.path(), true);
+    let (out, calls) = run_script(dir.path(), &[("STUB_FAIL_CHECK", "1")]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(1), "{stdout}");
     let table = &stdout[stdout.find("step       result").expect("table")..];
@@ -76,18 +93,18 @@ fn a_failing_step_is_reported_and_the_others_still_run() {
         );
     }
     assert!(stdout.contains("gpu-check: FAILED"), "{stdout}");
-    assert!(calls.len() >= 7, "{calls:?}");
+    assert!(calls.len() >= 7, "{} calls", calls.len());
 }
 
 #[test]
 fn every_command_line_parses_with_the_real_binary() {
     let dir = tempfile::tempdir().unwrap();
-    let (out, calls) = run_script(dir.path(), false);
+    let (out, calls) = run_script(dir.path(), &[]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(0), "{stdout}");
     assert!(stdout.contains("gpu-check: all steps passed"), "{stdout}");
     let mut commands = std::collections::BTreeSet::new();
-    for args in &calls {
+    for Call { args, .. } in &calls {
         let parsed = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
             .args(args)
             .arg("--help")
@@ -105,4 +122,29 @@ fn every_command_line_parses_with_the_real_binary() {
         commands.into_iter().collect::<Vec<_>>(),
         ["bench", "compile", "info", "replay", "tune"]
     );
+}
+
+/// Without NVRTC the script skips compiling and runs every later step with the JIT off, on
+/// the carried cache, however early `info` names the missing NVRTC in a long report.
+#[test]
+fn no_nvrtc_runs_everything_with_the_jit_off() {
+    let dir = tempfile::tempdir().unwrap();
+    let (out, calls) = run_script(dir.path(), &[("STUB_NO_NVRTC", "1")]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    let table = &stdout[stdout.find("step       result").expect("table")..];
+    assert!(
+        table
+            .lines()
+            .any(|l| l.split_whitespace().take(2).eq(["compile", "skipped"])),
+        "{table}"
+    );
+    assert!(calls
+        .iter()
+        .all(|c| c.args.first().is_none_or(|a| a != "compile")));
+    let after: Vec<_> = calls.iter().filter(|c| c.args[0] != "info").collect();
+    assert!(!after.is_empty());
+    for c in after {
+        assert_eq!(c.jit, "off", "{:?} ran with the JIT on", c.args);
+    }
 }

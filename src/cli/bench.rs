@@ -144,9 +144,9 @@ pub(super) fn run(args: &BenchArgs) -> Result<ExitCode, crate::Error> {
         b.finish_and_clear();
     }
     let rows = outcome.rows;
-    println!("device: {device}");
-    println!("sizes: {}", opts.sizes.describe());
-    print_table(&rows);
+    outln!("device: {device}");
+    outln!("sizes: {}", opts.sizes.describe());
+    print_table(&rows)?;
     for f in &outcome.failures {
         eprintln!(
             "error: {} {} {}: {}",
@@ -191,7 +191,7 @@ fn prebuild(jit: &Jit, deps: &[crate::kernels::Deployment]) -> Result<ExitCode, 
             eprintln!("error: {}: {e}", req.uri);
         }
     }
-    println!(
+    outln!(
         "prebuilt {} of {} kernels for {target} into {}",
         results.len() - failed,
         results.len(),
@@ -222,9 +222,11 @@ fn run_check(
     // A detail (a compiler's output) can span lines: the table shows its first line, the full
     // text follows the table, so every row stays one line.
     let mut details = Vec::new();
-    println!(
+    outln!(
         "{:<16}  {:<56}  {:<6}  detail",
-        "deployment", "kernel", "result"
+        "deployment",
+        "kernel",
+        "result"
     );
     for dep in deps {
         for r in check::check_deployment_with(exec, jit, dep, hook)? {
@@ -232,7 +234,7 @@ fn run_check(
             let mut lines = r.detail.lines();
             let first = lines.next().unwrap_or("");
             let more = lines.next().is_some();
-            println!(
+            outln!(
                 "{:<16}  {:<56}  {:<6}  {first}{}",
                 dep.name,
                 r.kernel,
@@ -245,10 +247,10 @@ fn run_check(
         }
     }
     for (kernel, detail) in &details {
-        println!("\n{kernel}:\n{}", detail.trim_end());
+        outln!("\n{kernel}:\n{}", detail.trim_end());
     }
     exec.disarm_launch_failure();
-    println!(
+    outln!(
         "check on {}: {bad} {}",
         exec.backend(),
         if bad == 1 { "failure" } else { "failures" }
@@ -260,19 +262,26 @@ fn run_check(
     })
 }
 
-fn print_table(rows: &[BenchRow]) {
+fn print_table(rows: &[BenchRow]) -> Result<(), crate::Error> {
     let w = rows
         .iter()
         .map(|r| r.kernel.len())
         .max()
         .unwrap_or(6)
         .max(6);
-    println!(
+    outln!(
         "{:<13}  {:<7}  {:<w$}  {:>10}  {:>9}  {:>8}  {:>8}  {:>6}  baseline",
-        "deployment", "config", "kernel", "bytes", "ms", "GB/s", "base", "ratio"
+        "deployment",
+        "config",
+        "kernel",
+        "bytes",
+        "ms",
+        "GB/s",
+        "base",
+        "ratio"
     );
     for r in rows {
-        println!(
+        outln!(
             "{:<13}  {:<7}  {:<w$}  {:>10}  {:>9.3}  {:>8.2}  {:>8.2}  {:>6.2}  {}",
             r.deployment,
             r.config,
@@ -285,6 +294,7 @@ fn print_table(rows: &[BenchRow]) {
             r.baseline
         );
     }
+    Ok(())
 }
 
 /// A horizontal bar chart of the ratios, written as plain SVG (no font files needed: text

@@ -117,7 +117,7 @@ fn collect(deps: &[Deployment], target: Target) -> Result<Vec<Item>, crate::Erro
 pub(super) fn run(args: &CompileArgs) -> Result<ExitCode, crate::Error> {
     if args.list_deployments {
         for d in Deployment::reference() {
-            println!("{}", d.name);
+            outln!("{}", d.name);
         }
         return Ok(ExitCode::SUCCESS);
     }
@@ -155,7 +155,7 @@ pub(super) fn run(args: &CompileArgs) -> Result<ExitCode, crate::Error> {
         .zip(&results)
         .map(|(item, r)| row(item, target, r))
         .collect();
-    print_table(&rows);
+    print_table(&rows)?;
     let hits = results
         .iter()
         .filter(|r| matches!(r, Ok(k) if k.cache_hit.is_hit()))
@@ -165,7 +165,7 @@ pub(super) fn run(args: &CompileArgs) -> Result<ExitCode, crate::Error> {
         .filter(|r| matches!(r, Ok(k) if !k.cache_hit.is_hit()))
         .count();
     let failed = results.iter().filter(|r| r.is_err()).count();
-    println!(
+    outln!(
         "total: {} kernels for {target} in {wall_ms:.1} ms wall ({}), {hits} cache hits, {misses} misses, {failed} failed",
         rows.len(),
         if misses == 0 && failed == 0 { "warm" } else { "cold" },
@@ -285,7 +285,7 @@ fn row(item: &Item, target: Target, r: &Result<CompiledKernel, JitError>) -> Row
     row
 }
 
-fn print_table(rows: &[Row]) {
+fn print_table(rows: &[Row]) -> Result<(), crate::Error> {
     let width = rows
         .iter()
         .map(|r| r.kernel.len())
@@ -293,9 +293,16 @@ fn print_table(rows: &[Row]) {
         .unwrap_or(6)
         .max(6);
     let opt = |v: Option<u32>| v.map_or_else(|| "-".to_string(), |v| v.to_string());
-    println!(
+    outln!(
         "{:<width$}  {:<18}  {:<6}  {:>4}  {:>5}  {:>5}  {:>6}  {:>9}  cache",
-        "kernel", "family", "arch", "regs", "spill", "stack", "shared", "ms"
+        "kernel",
+        "family",
+        "arch",
+        "regs",
+        "spill",
+        "stack",
+        "shared",
+        "ms"
     );
     for r in rows {
         let cache = match (r.cache_hit, &r.error) {
@@ -303,7 +310,7 @@ fn print_table(rows: &[Row]) {
             (Some(true), _) => "hit",
             _ => "miss",
         };
-        println!(
+        outln!(
             "{:<width$}  {:<18}  {:<6}  {:>4}  {:>5}  {:>5}  {:>6}  {:>9}  {cache}",
             r.kernel,
             r.spec,
@@ -316,4 +323,5 @@ fn print_table(rows: &[Row]) {
                 .map_or_else(|| "-".to_string(), |m| format!("{m:.2}")),
         );
     }
+    Ok(())
 }

@@ -114,55 +114,58 @@ pub(super) fn run(args: &InfoArgs) -> Result<ExitCode, crate::Error> {
             context: "serialising the info report".into(),
             source: e.into(),
         })?;
-        println!("{text}");
+        outln!("{text}");
     } else {
-        print_text(&report);
+        print_text(&report)?;
     }
     Ok(ExitCode::SUCCESS)
 }
 
-fn print_text(r: &Report) {
+fn print_text(r: &Report) -> Result<(), crate::Error> {
     let l = &r.default_layout;
-    println!("cp-hicache {}", r.version);
-    println!();
-    println!("default deployment (what `cp-hicache replay` runs)");
-    println!("  model              {}", l.model);
-    println!("  CP degree          {}", l.cp);
-    println!("  page size          {} tokens", l.page_size);
-    println!(
+    outln!("cp-hicache {}", r.version);
+    outln!();
+    outln!("default deployment (what `cp-hicache replay` runs)");
+    outln!("  model              {}", l.model);
+    outln!("  CP degree          {}", l.cp);
+    outln!("  page size          {} tokens", l.page_size);
+    outln!(
         "  pages              {} ({} local pages per rank)",
-        l.pages, l.local_pages_per_rank
+        l.pages,
+        l.local_pages_per_rank
     );
-    println!("  host pages         {} per rank", l.host_pages_per_rank);
-    println!("  layers             {}", l.layers);
+    outln!("  host pages         {} per rank", l.host_pages_per_rank);
+    outln!("  layers             {}", l.layers);
     for (name, bytes) in &l.bytes_per_token {
-        println!("  buffer {name:<11} {bytes} B/token");
+        outln!("  buffer {name:<11} {bytes} B/token");
     }
-    println!();
-    println!("found");
-    print_found(&r.cxx);
-    print_found(&r.nvrtc);
-    print_found(&r.cuda);
-    print_found(&r.emulator);
-    println!("  {:<18} {}", "backend auto", r.backend_auto);
-    println!("  {:<18} {}", "cache dir", r.cache_dir.display());
+    outln!();
+    outln!("found");
+    print_found(&r.cxx)?;
+    print_found(&r.nvrtc)?;
+    print_found(&r.cuda)?;
+    print_found(&r.emulator)?;
+    outln!("  {:<18} {}", "backend auto", r.backend_auto);
+    outln!("  {:<18} {}", "cache dir", r.cache_dir.display());
     if !r.env.is_empty() {
-        println!();
-        println!("environment");
+        outln!();
+        outln!("environment");
         let width = r.env.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
         for (k, v) in &r.env {
-            println!("  {k:<width$} {v:?}");
+            outln!("  {k:<width$} {v:?}");
         }
     }
+    Ok(())
 }
 
 const NOT_FOUND: &str = "not found";
 
-fn print_found(f: &Found) {
+fn print_found(f: &Found) -> Result<(), crate::Error> {
     match &f.detail {
-        Ok(d) => println!("  {:<18} {d}", f.what),
-        Err(e) => println!("  {:<18} {}: {e}", f.what, f.failed),
+        Ok(d) => outln!("  {:<18} {d}", f.what),
+        Err(e) => outln!("  {:<18} {}: {e}", f.what, f.failed),
     }
+    Ok(())
 }
 
 /// The C++ compiler the host executor would use: `$CXX`, else `c++`.

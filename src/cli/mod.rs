@@ -1,6 +1,24 @@
 //! The `cp-hicache` command line: argument types (parsed without side effects) and the
 //! dispatch to each command. `main` only maps the result to an exit status.
 
+/// `print!` that returns a write error instead of panicking, so that a reader closing the
+/// pipe early (`cp-hicache info | grep -q …`) ends the command quietly rather than with a
+/// panic.
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        write!(std::io::stdout().lock(), $($arg)*).map_err($crate::cli::stdout_error)?
+    }};
+}
+
+/// `println!` that returns a write error instead of panicking; see `out!`.
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        writeln!(std::io::stdout().lock(), $($arg)*).map_err($crate::cli::stdout_error)?
+    }};
+}
+
 mod bench;
 mod common;
 mod compile;
@@ -10,6 +28,14 @@ mod replay;
 mod tune;
 
 pub use replay::{ModelArg, ReplayArgs};
+
+/// A failed write to standard output (`Error::is_broken_pipe` when the reader went away).
+fn stdout_error(source: std::io::Error) -> crate::Error {
+    crate::Error::Io {
+        context: "writing to standard output".into(),
+        source,
+    }
+}
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;

@@ -38,7 +38,7 @@ pub(super) fn run(args: &RenderArgs) -> Result<ExitCode, crate::Error> {
     }
     let written = render_tree(out, &deps)?;
     let total: usize = deps.iter().map(|d| d.specs().len() + 1).sum();
-    println!(
+    outln!(
         "rendered {} deployment(s) into {}: {} file(s) written, {} unchanged",
         deps.len(),
         out.display(),
@@ -120,24 +120,24 @@ fn check(out: &Path, deps: &[Deployment], deployment: &str) -> Result<ExitCode, 
     let mut diff = diff_tree(out, deps)?;
     diff.extra = filter_extra(std::mem::take(&mut diff.extra), deps, deployment == "all");
     if diff.is_clean() {
-        println!(
+        outln!(
             "{} matches the render of {} deployment(s)",
             out.display(),
             deps.len()
         );
         return Ok(ExitCode::SUCCESS);
     }
-    println!("{} differs from the render:", out.display());
+    outln!("{} differs from the render:", out.display());
     for rel in &diff.missing {
-        println!("  missing  {}", rel.display());
+        outln!("  missing  {}", rel.display());
     }
     for rel in &diff.changed {
-        println!("  changed  {}", rel.display());
+        outln!("  changed  {}", rel.display());
     }
     for rel in &diff.extra {
-        println!("  extra    {}", rel.display());
+        outln!("  extra    {}", rel.display());
     }
-    println!(
+    outln!(
         "{} missing, {} changed, {} extra; regenerate with: {}",
         diff.missing.len(),
         diff.changed.len(),

@@ -468,8 +468,8 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
         transfer_path: deployment.transfer_path.to_string(),
         synth_threads: deployment.synth_threads,
     };
-    println!("cp-hicache replay");
-    print!("{}", report.to_table());
+    outln!("cp-hicache replay");
+    out!("{}", report.to_table());
     if let Some(path) = &args.json {
         super::common::write_json(path, &report)?;
     }

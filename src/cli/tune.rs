@@ -73,15 +73,18 @@ pub(super) fn run(args: &TuneArgs) -> Result<ExitCode, crate::Error> {
         b.finish_and_clear();
     }
 
-    println!("device: {device}");
-    println!(
+    outln!("device: {device}");
+    outln!(
         "{:<44}  {:<22}  {:>10}  {:>8}  note",
-        "kernel", "candidate", "ms", "GB/s"
+        "kernel",
+        "candidate",
+        "ms",
+        "GB/s"
     );
     for e in &entries {
         for r in &e.results {
             let mark = if r.choice == e.best { "best" } else { "" };
-            println!(
+            outln!(
                 "{:<44}  {:<22}  {:>10}  {:>8}  {}",
                 e.spec_key,
                 r.choice.to_string(),
@@ -98,7 +101,7 @@ pub(super) fn run(args: &TuneArgs) -> Result<ExitCode, crate::Error> {
     for w in crate::tuning::warning_lines(&warnings) {
         eprintln!("warning: {w}");
     }
-    println!(
+    outln!(
         "tuned {}: alloc_threads {} (default {}), copy {} (default {}), synth_threads {} (default {}); written to {}",
         dep.name,
         tuned.alloc_threads,
