@@ -4,7 +4,10 @@
 //   c++ -std=c++17 -O2 -fPIC -shared -DCP_HICACHE_EMU -include cuda_emu.h -x c++ k.cu -o k.so
 //
 // Model (see docs/KERNELS.md, "Host emulation"):
-// - Blocks run one after another on the calling OS thread, forward or reverse.
+// - Blocks run one after another on the calling OS thread, forward or reverse. Reverse also
+//   reverses the threads: at the start of a block and after every rendezvous the ready
+//   threads run highest index first, so a kernel that needs a barrier it lacks (thread 0
+//   must not overtake thread 17) fails in one of the two orders.
 // - Each thread of a block is a fiber with its own stack. Fibers switch only at rendezvous
 //   points: __syncthreads* and the warp intrinsics. Fibers are never preempted, so atomics
 //   are plain read-modify-write operations and data races inside a block are hidden.
@@ -138,7 +141,7 @@ struct CpEmuLaunch {
   uint32_t grid[3];           // blocks in x, y, z
   uint32_t block[3];          // threads per block in x, y, z
   uint32_t dyn_shared_bytes;  // must be 0: dynamic shared memory is not emulated
-  uint32_t flags;             // CP_EMU_FLAG_REVERSE: run blocks last to first
+  uint32_t flags;             // CP_EMU_FLAG_REVERSE: run blocks, and ready threads, last to first
   uint32_t num_params;        // number of entries in params (checked against the kernel)
   uint64_t stack_bytes;       // fiber stack size, 0 = default
   const uint64_t* param_sizes;  // optional: byte size of each parameter (checked)
@@ -349,6 +352,7 @@ struct Sched {
   size_t err_cap;
   bool in_launch;
   bool direct;           // one thread per block: runs on the scheduler's stack, no fibers
+  bool reverse;          // ready threads run highest index first
   sigjmp_buf direct_abort;
 #if CP_EMU_ASAN
   const void* main_lo;
@@ -385,9 +389,11 @@ static inline void switch_ctx(Fiber* from, Fiber* to, bool exiting) {
 #endif
 }
 
+// The ready queue is filled only while no fiber runs (block start, `resolve`), in ascending
+// thread order, so taking from the back runs exactly that round in descending order.
 static inline Fiber* pop_ready() {
   if (g.qhead == g.qlen) return nullptr;
-  return &g.f[g.q[g.qhead++]];
+  return &g.f[g.q[g.reverse ? --g.qlen : g.qhead++]];
 }
 
 // Hands the OS thread to the next ready fiber, or back to the scheduler.
@@ -777,6 +783,7 @@ static int launch(const char* kernel, const CpEmuLaunch* cfg, unsigned arity, co
   uint64_t gxy = static_cast<uint64_t>(gr[0]) * gr[1];
   uint64_t total = gxy * gr[2];
   bool reverse = (cfg->flags & CP_EMU_FLAG_REVERSE) != 0;
+  g.reverse = reverse;
   int status = CP_EMU_OK;
   for (uint64_t i = 0; i < total && status == CP_EMU_OK; ++i) {
     uint64_t b = reverse ? total - 1 - i : i;

@@ -22,7 +22,7 @@ fn info_shows_the_emulator_block_order_and_sanitizer() {
     let (ok, text) = info(&[]);
     assert!(ok, "{text}");
     assert!(
-        text.contains("CPU emulator       blocks run forward, sanitizer none"),
+        text.contains("CPU emulator       blocks and threads run forward, sanitizer none"),
         "{text}"
     );
 
@@ -32,7 +32,7 @@ fn info_shows_the_emulator_block_order_and_sanitizer() {
     ]);
     assert!(ok, "{text}");
     assert!(
-        text.contains("CPU emulator       blocks run reverse, sanitizer address"),
+        text.contains("CPU emulator       blocks and threads run reverse, sanitizer address"),
         "{text}"
     );
     assert!(text.contains("CP_HICACHE_EMU_ORDER"), "{text}");

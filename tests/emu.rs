@@ -343,10 +343,10 @@ fn atomics_across_blocks() {
         assert_eq!(read_u32(ex, mx)[0] as i32, total as i32 - 101);
         assert_eq!(read_u32(ex, sub), vec![10_000 - 2 * total]);
         // The first thread to run claims the slot and the last one's exchange stays: both
-        // depend on the block order, deterministically.
+        // depend on the order, deterministically (reverse runs threads backwards too).
         let (first, last) = match order {
             BlockOrder::Forward => (0, total - 1),
-            BlockOrder::Reverse => ((blocks - 1) * threads, threads - 1),
+            BlockOrder::Reverse => (total - 1, 0),
         };
         assert_eq!(read_u32(ex, slot), vec![first]);
         assert_eq!(read_u32(ex, exch), vec![last]);
@@ -426,6 +426,51 @@ fn shared_memory_persists_across_blocks_so_order_matters() {
     assert_ne!(
         results[0], results[1],
         "the block order must change a buggy kernel's output"
+    );
+}
+
+#[test]
+fn reverse_runs_the_threads_of_a_block_backwards_after_every_barrier() {
+    both_orders(|ex, order| {
+        let log = alloc_u32(ex, &[0; 1 + 2 * 8]);
+        let k = load(ex, kernels_so(), "run_order");
+        ex.launch(k, &LaunchConfig::linear(1, 8), &[KernelArg::Ptr(log, 0)])
+            .unwrap();
+        let got = read_u32(ex, log);
+        let round: Vec<u32> = match order {
+            BlockOrder::Forward => (0..8).collect(),
+            BlockOrder::Reverse => (0..8).rev().collect(),
+        };
+        assert_eq!(got[0], 16);
+        assert_eq!(&got[1..9], &round[..], "{order}: before the barrier");
+        assert_eq!(&got[9..], &round[..], "{order}: after the barrier");
+    });
+}
+
+#[test]
+fn a_missing_barrier_shows_in_one_of_the_orders() {
+    // Thread 0 publishes a shared value that the others read with no barrier between: right
+    // when thread 0 runs first, stale when it runs last.
+    let mut right = vec![];
+    both_orders(|ex, _| {
+        let (blocks, threads) = (3, 32);
+        let out = ex
+            .alloc(MemKind::Device, 4 * blocks * threads, POISON)
+            .unwrap();
+        let k = load(ex, kernels_so(), "missing_barrier");
+        ex.launch(
+            k,
+            &LaunchConfig::linear(blocks as u32, threads as u32),
+            &[KernelArg::Ptr(out, 0)],
+        )
+        .unwrap();
+        let got = read_u32(ex, out);
+        right.push((0..blocks * threads).all(|i| got[i] == 1000 + (i / threads) as u32));
+    });
+    assert_eq!(
+        right,
+        [true, false],
+        "forward hides the bug, reverse must show it"
     );
 }
 

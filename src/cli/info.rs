@@ -223,7 +223,8 @@ fn probe_emulator() -> Found {
     let sanitize = crate::jit::Sanitize::from_env().map_err(|e| e.to_string());
     Found {
         what: "CPU emulator".into(),
-        detail: order.and_then(|o| sanitize.map(|s| format!("blocks run {o}, sanitizer {s}"))),
+        detail: order
+            .and_then(|o| sanitize.map(|s| format!("blocks and threads run {o}, sanitizer {s}"))),
         failed: "misconfigured",
     }
 }

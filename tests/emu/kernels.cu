@@ -111,6 +111,20 @@ extern "C" __global__ void shared_persist(u32* out) {
   }
 }
 
+// Buggy on purpose: thread 0 publishes `s` and the others read it with no barrier between.
+extern "C" __global__ void missing_barrier(u32* out) {
+  __shared__ u32 s;
+  if (threadIdx.x == 0) s = 1000u + blockIdx.x;
+  out[blockIdx.x * blockDim.x + threadIdx.x] = s;
+}
+
+// Logs the order threads run in, before and after a barrier: log[0] counts, log[1..] ids.
+extern "C" __global__ void run_order(u32* log) {
+  log[1 + atomicAdd(&log[0], 1u)] = threadIdx.x;
+  __syncthreads();
+  log[1 + atomicAdd(&log[0], 1u)] = threadIdx.x;
+}
+
 // Threads 0-15 wait at a barrier, the others at a warp shuffle: deadlock.
 extern "C" __global__ void deadlock_elsewhere(u32* out) {
   if (threadIdx.x < 16) {
@@ -223,6 +237,8 @@ CP_HICACHE_EMU_EXPORT(warp_ops)
 CP_HICACHE_EMU_EXPORT(atomics)
 CP_HICACHE_EMU_EXPORT(struct_params)
 CP_HICACHE_EMU_EXPORT(shared_persist)
+CP_HICACHE_EMU_EXPORT(missing_barrier)
+CP_HICACHE_EMU_EXPORT(run_order)
 CP_HICACHE_EMU_EXPORT(deadlock_elsewhere)
 CP_HICACHE_EMU_EXPORT(divergent_barrier)
 CP_HICACHE_EMU_EXPORT(barrier_after_exit)

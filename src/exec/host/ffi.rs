@@ -11,7 +11,8 @@ use std::ptr::NonNull;
 
 /// Version of the `CpEmuLaunch` layout (`CP_EMU_ABI_VERSION` in the header).
 pub(crate) const ABI_VERSION: u32 = 1;
-/// `CP_EMU_FLAG_REVERSE`: run blocks from last to first.
+/// `CP_EMU_FLAG_REVERSE`: run blocks from last to first, and the ready threads of a block
+/// highest index first.
 pub(crate) const FLAG_REVERSE: u32 = 1;
 /// Alignment of host-executor buffers, as for a `cuMemAlloc` allocation or better.
 pub(crate) const BUFFER_ALIGN: usize = 64;

@@ -46,14 +46,16 @@ pub fn asan_runtime_loaded() -> bool {
     ffi::asan_runtime_loaded()
 }
 
-/// Order in which the blocks of a launch run. Shared memory keeps its values between blocks,
-/// so running tests in both orders exposes kernels that read uninitialised shared memory.
+/// Order in which the blocks of a launch run, and the threads of a block between rendezvous.
+/// Shared memory keeps its values between blocks, so running tests in both orders exposes
+/// kernels that read uninitialised shared memory; reversing the threads too exposes a
+/// missing barrier where a lower thread overtaking a higher one (or the reverse) matters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub enum BlockOrder {
     /// Block 0 first.
     #[default]
     Forward,
-    /// Last block first.
+    /// Last block first, and in each block the highest ready thread first.
     Reverse,
 }
 
