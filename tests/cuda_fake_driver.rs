@@ -119,6 +119,7 @@ impl Executor for StandInGpu {
         };
         let sizes: Vec<String> = signature
             .expect("spec kernels carry their signature")
+            .params
             .iter()
             .map(|p| p.size.to_string())
             .collect();

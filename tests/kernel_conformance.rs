@@ -297,9 +297,11 @@ fn rendered_parameter_lists_match_the_signatures() {
     }
 }
 
-// A spec kernel on the host executor: a launch with one argument too few, one too many, or a
-// u32 where a pointer belongs is refused by the signature check before anything runs (the
-// buffers keep their bytes), names the parameter, and the executor then runs the kernel.
+// A spec kernel on the host executor: a launch with one argument too few, one too many, a u32
+// where a pointer belongs, a block other than the compiled threads, or (release updates the
+// lane stacks from one block) two blocks is refused by the signature check before anything
+// runs (the buffers keep their bytes), names what differs, and the executor then runs the
+// kernel.
 #[test]
 fn bad_argument_lists_are_refused_by_the_signature() {
     let mut b = Bench::new(BlockOrder::Forward, libs());
@@ -337,8 +339,24 @@ fn bad_argument_lists_are_refused_by_the_signature() {
         ),
     ];
     let config = LaunchConfig::linear(1, spec.threads());
-    for (args, want) in cases {
-        match b.ex.launch(kernel, &config, args) {
+    let half_block = LaunchConfig::linear(1, spec.threads() / 2);
+    let two_blocks = LaunchConfig::linear(2, spec.threads());
+    let shapes = [
+        (
+            &half_block,
+            "block [128, 1, 1], but the kernel is compiled for blocks of [256, 1, 1]",
+        ),
+        (
+            &two_blocks,
+            "grid [2, 1, 1], but the kernel updates the lane stacks from exactly one block",
+        ),
+    ];
+    let cases = cases
+        .into_iter()
+        .map(|(args, want)| (&config, args, want))
+        .chain(shapes.into_iter().map(|(c, want)| (c, &good[..], want)));
+    for (config, args, want) in cases {
+        match b.ex.launch(kernel, config, args) {
             Err(ExecError::Launch {
                 kernel: name,
                 cause: LaunchFailure::InvalidConfig,

@@ -19,7 +19,7 @@ use std::str::FromStr;
 pub use host::{BlockOrder, HostExecutor, HostOptions};
 pub(crate) use signature::check_signature;
 
-use crate::kernels::KernelParam;
+use crate::kernels::KernelSignature;
 
 /// Errors of the executors. Every variant carries enough context to be reported as is.
 #[derive(Debug, thiserror::Error)]
@@ -286,11 +286,11 @@ pub struct KernelId(pub u64);
 
 /// A compiled kernel, as produced by the JIT for one backend.
 ///
-/// `signature` is the kernel's parameter list when it was rendered from a spec
-/// ([`KernelSpec::params`](crate::kernels::KernelSpec::params); the JIT's
+/// `signature` is the kernel's launch contract when it was rendered from a spec
+/// ([`KernelSpec::signature`](crate::kernels::KernelSpec::signature); the JIT's
 /// [`CompiledKernel::load_spec`](crate::jit::CompiledKernel::load_spec) passes it). The executor
-/// keeps it with the loaded kernel and checks every launch's arguments against it. `None`
-/// (hand-written test kernels) skips that check.
+/// keeps it with the loaded kernel and checks every launch's shape and arguments against it.
+/// `None` (hand-written test kernels) skips that check.
 #[derive(Debug, Clone, Copy)]
 pub enum KernelArtifact<'a> {
     /// A host-emulation shared library; the executor resolves `<entry>__emu_launch`.
@@ -301,8 +301,8 @@ pub enum KernelArtifact<'a> {
         path: &'a Path,
         /// Kernel entry name (the spec's `uri()`).
         entry: &'a str,
-        /// The kernel's parameters, checked on every launch when given.
-        signature: Option<&'a [KernelParam]>,
+        /// The kernel's launch contract, checked on every launch when given.
+        signature: Option<&'a KernelSignature>,
     },
     /// A CUBIN image for the CUDA executor.
     Cubin {
@@ -310,8 +310,8 @@ pub enum KernelArtifact<'a> {
         image: &'a [u8],
         /// Kernel entry name (the spec's `uri()`).
         entry: &'a str,
-        /// The kernel's parameters, checked on every launch when given.
-        signature: Option<&'a [KernelParam]>,
+        /// The kernel's launch contract, checked on every launch when given.
+        signature: Option<&'a KernelSignature>,
     },
 }
 
@@ -325,8 +325,8 @@ impl<'a> KernelArtifact<'a> {
         }
     }
 
-    /// The kernel's parameter signature, when it has one.
-    pub fn signature(&self) -> Option<&'a [KernelParam]> {
+    /// The kernel's launch contract, when it has one.
+    pub fn signature(&self) -> Option<&'a KernelSignature> {
         match *self {
             KernelArtifact::HostLibrary { signature, .. }
             | KernelArtifact::Cubin { signature, .. } => signature,
@@ -605,7 +605,8 @@ pub trait Executor: Send + Sync {
     /// Launches a loaded kernel with `args` (one per kernel parameter, in order).
     ///
     /// When the kernel was loaded with a signature (every kernel rendered from a spec is),
-    /// both executors check the argument count and every argument's size and kind (a pointer,
+    /// both executors check the block (the kernel's compiled threads), the grid (one block for
+    /// select and release), the argument count and every argument's size and kind (a pointer,
     /// a pointer struct or a scalar) against it before anything runs; a mismatch is
     /// [`ExecError::Launch`] with [`LaunchFailure::InvalidConfig`] naming the parameter,
     /// and the executor stays usable. Without a signature the host emulator still checks the

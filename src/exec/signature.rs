@@ -1,14 +1,15 @@
-//! The launch-time check of a kernel's arguments against its parameter signature, shared by
-//! both executors so that a launch the host emulator refuses is refused on a GPU too.
+//! The launch-time check of a kernel's arguments and launch shape against its signature,
+//! shared by both executors so that a launch the host emulator refuses is refused on a GPU
+//! too.
 //!
 //! `cuLaunchKernel` copies as many bytes per parameter as the kernel declares, whatever the
 //! caller passed, so a wrong argument list reads garbage instead of failing. Kernels rendered
 //! from a [`KernelSpec`](crate::kernels::KernelSpec) carry their
-//! [`params`](crate::kernels::KernelSpec::params) into the executor, which runs
+//! [`signature`](crate::kernels::KernelSpec::signature) into the executor, which runs
 //! [`check_signature`] before marshalling anything.
 
-use super::{ExecError, KernelArg, LaunchFailure};
-use crate::kernels::KernelParam;
+use super::{ExecError, KernelArg, LaunchConfig, LaunchFailure};
+use crate::kernels::{KernelParam, KernelSignature};
 
 /// How an argument was passed, for the diagnostic.
 fn arg_kind(arg: &KernelArg<'_>) -> &'static str {
@@ -38,19 +39,22 @@ fn kind_fits(p: &KernelParam, arg: &KernelArg<'_>) -> bool {
     }
 }
 
-/// Checks `args` against `signature` (the kernel's parameters in order): the count, then each
-/// argument's size and kind. `None` (a kernel loaded without a signature) accepts anything; the host
-/// emulator still checks such launches against the compiled kernel itself.
+/// Checks a launch against `signature`: the block is the kernel's `threads` in x, the grid is
+/// one block for a single-block kernel, and `args` match the parameters (the count, then each
+/// argument's size and kind). `None` (a kernel loaded without a signature) accepts anything;
+/// the host emulator still checks such launches against the compiled kernel itself.
 ///
-/// A mismatch is [`ExecError::Launch`] with [`LaunchFailure::InvalidConfig`], naming the kernel,
-/// the first offending parameter (index and name), and the expected and given sizes. Nothing
-/// has been launched when it is returned, so the executor stays usable.
+/// A mismatch is [`ExecError::Launch`] with [`LaunchFailure::InvalidConfig`], naming the kernel
+/// and what differs (for arguments, the first offending parameter by index and name, and the
+/// expected and given sizes). Nothing has been launched when it is returned, so the executor
+/// stays usable.
 pub(crate) fn check_signature(
     kernel: &str,
-    signature: Option<&[KernelParam]>,
+    signature: Option<&KernelSignature>,
+    config: &LaunchConfig,
     args: &[KernelArg<'_>],
 ) -> Result<(), ExecError> {
-    let Some(params) = signature else {
+    let Some(signature) = signature else {
         return Ok(());
     };
     let invalid = |message: String| ExecError::Launch {
@@ -58,6 +62,20 @@ pub(crate) fn check_signature(
         cause: LaunchFailure::InvalidConfig,
         message,
     };
+    if config.block != [signature.threads, 1, 1] {
+        return Err(invalid(format!(
+            "block {:?}, but the kernel is compiled for blocks of [{}, 1, 1] threads (it strides by \
+             its THREADS, so another block size would skip or overrun work)",
+            config.block, signature.threads
+        )));
+    }
+    if signature.single_block && config.grid != [1, 1, 1] {
+        return Err(invalid(format!(
+            "grid {:?}, but the kernel updates the lane stacks from exactly one block",
+            config.grid
+        )));
+    }
+    let params = &signature.params[..];
     let counts = if args.len() == params.len() {
         String::new()
     } else {
@@ -117,11 +135,26 @@ pub(crate) fn check_signature(
 mod tests {
     use super::*;
     use crate::exec::BufferId;
+    use crate::exec::LaunchConfig;
     use crate::kernels::{KernelSpec, MaterialiseSpec, ReleaseSpec};
 
-    fn release() -> (String, Vec<KernelParam>) {
+    fn release() -> (String, KernelSignature) {
         let spec = KernelSpec::ReleasePages(ReleaseSpec { cp: 4, threads: 32 });
-        (spec.entry_name(), spec.params())
+        (spec.entry_name(), spec.signature())
+    }
+
+    /// A signature without parameters, for blocks of 32 threads and any grid.
+    fn no_params() -> KernelSignature {
+        KernelSignature {
+            params: vec![],
+            threads: 32,
+            single_block: false,
+        }
+    }
+
+    /// One block of the signature's threads: a shape every signature accepts.
+    fn shape(sig: &KernelSignature) -> LaunchConfig {
+        LaunchConfig::linear(1, sig.threads)
     }
 
     fn good_args() -> Vec<KernelArg<'static>> {
@@ -149,23 +182,32 @@ mod tests {
     #[test]
     fn matching_arguments_pass_and_no_signature_accepts_anything() {
         let (name, sig) = release();
-        check_signature(&name, Some(&sig), &good_args()).unwrap();
-        check_signature(&name, None, &[]).unwrap();
-        check_signature(&name, None, &[KernelArg::U32(1); 9]).unwrap();
-        check_signature(&name, Some(&[]), &[]).unwrap();
+        check_signature(&name, Some(&sig), &shape(&sig), &good_args()).unwrap();
+        check_signature(&name, None, &LaunchConfig::linear(3, 7), &[]).unwrap();
+        check_signature(
+            &name,
+            None,
+            &LaunchConfig::linear(3, 7),
+            &[KernelArg::U32(1); 9],
+        )
+        .unwrap();
+        check_signature(&name, Some(&no_params()), &shape(&no_params()), &[]).unwrap();
     }
 
     #[test]
     fn one_argument_too_few_names_the_missing_parameter() {
         let (name, sig) = release();
         let args = &good_args()[..4];
-        let msg = invalid(&name, check_signature(&name, Some(&sig), args));
+        let msg = invalid(
+            &name,
+            check_signature(&name, Some(&sig), &shape(&sig), args),
+        );
         assert_eq!(
             msg,
             "parameter 4 `lane_cap` (u32) takes 4 bytes, no argument given \
              (4 arguments for 5 parameters)"
         );
-        let err = check_signature(&name, Some(&sig), args).unwrap_err();
+        let err = check_signature(&name, Some(&sig), &shape(&sig), args).unwrap_err();
         assert!(err.to_string().contains(&name), "{err}");
     }
 
@@ -174,13 +216,19 @@ mod tests {
         let (name, sig) = release();
         let mut args = good_args();
         args.push(KernelArg::U64(7));
-        let msg = invalid(&name, check_signature(&name, Some(&sig), &args));
+        let msg = invalid(
+            &name,
+            check_signature(&name, Some(&sig), &shape(&sig), &args),
+        );
         assert_eq!(
             msg,
             "argument 5 (a u64 of 8 bytes) follows the last parameter 4 `lane_cap` \
              (6 arguments for 5 parameters)"
         );
-        let msg = invalid("k", check_signature("k", Some(&[]), &args[..1]));
+        let msg = invalid(
+            "k",
+            check_signature("k", Some(&no_params()), &shape(&no_params()), &args[..1]),
+        );
         assert!(msg.contains("the kernel takes none"), "{msg}");
     }
 
@@ -189,7 +237,10 @@ mod tests {
         let (name, sig) = release();
         let mut args = good_args();
         args[2] = KernelArg::U32(0);
-        let msg = invalid(&name, check_signature(&name, Some(&sig), &args));
+        let msg = invalid(
+            &name,
+            check_signature(&name, Some(&sig), &shape(&sig), &args),
+        );
         assert_eq!(
             msg,
             "parameter 2 `lane_stacks` (u32*) takes 8 bytes, argument 2 is a u32 of 4 bytes"
@@ -201,14 +252,17 @@ mod tests {
         let (name, sig) = release();
         let mut args = good_args();
         args[0] = KernelArg::U64(0x1000);
-        let msg = invalid(&name, check_signature(&name, Some(&sig), &args));
+        let msg = invalid(
+            &name,
+            check_signature(&name, Some(&sig), &shape(&sig), &args),
+        );
         assert_eq!(
             msg,
             "parameter 0 `pages` (const u32*) cannot take argument 0, a u64 of the same size"
         );
         let mut args = good_args();
         args[1] = KernelArg::I32(3);
-        check_signature(&name, Some(&sig), &args).unwrap();
+        check_signature(&name, Some(&sig), &shape(&sig), &args).unwrap();
     }
 
     #[test]
@@ -216,7 +270,10 @@ mod tests {
         let (name, sig) = release();
         let mut args = good_args();
         args.remove(1);
-        let msg = invalid(&name, check_signature(&name, Some(&sig), &args));
+        let msg = invalid(
+            &name,
+            check_signature(&name, Some(&sig), &shape(&sig), &args),
+        );
         assert_eq!(
             msg,
             "parameter 1 `n` (u32) takes 4 bytes, argument 1 is a pointer of 8 bytes \
@@ -232,7 +289,7 @@ mod tests {
             bytes_per_token: 1152,
             launch: Default::default(),
         });
-        let (name, sig) = (spec.entry_name(), spec.params());
+        let (name, sig) = (spec.entry_name(), spec.signature());
         let pools = [(BufferId(1), 0); 4];
         let rest = [
             KernelArg::Ptr(BufferId(2), 0),
@@ -244,14 +301,62 @@ mod tests {
         let args: Vec<KernelArg<'_>> = std::iter::once(KernelArg::PtrStruct(&pools))
             .chain(rest)
             .collect();
-        check_signature(&name, Some(&sig), &args).unwrap();
+        check_signature(&name, Some(&sig), &shape(&sig), &args).unwrap();
         let mut short = args.clone();
         short[0] = KernelArg::PtrStruct(&pools[..3]);
-        let msg = invalid(&name, check_signature(&name, Some(&sig), &short));
+        let msg = invalid(
+            &name,
+            check_signature(&name, Some(&sig), &shape(&sig), &short),
+        );
         assert_eq!(
             msg,
             "parameter 0 `pools` (const __grid_constant__ ChcPools) takes 32 bytes, \
              argument 0 is a pointer struct of 24 bytes"
         );
+    }
+
+    #[test]
+    fn a_block_other_than_the_compiled_threads_is_refused() {
+        let (name, sig) = release();
+        for block in [[16, 1, 1], [64, 1, 1], [32, 2, 1], [32, 1, 2]] {
+            let config = LaunchConfig {
+                block,
+                ..shape(&sig)
+            };
+            let msg = invalid(
+                &name,
+                check_signature(&name, Some(&sig), &config, &good_args()),
+            );
+            assert!(
+                msg.starts_with(&format!(
+                    "block {block:?}, but the kernel is compiled for blocks of [32, 1, 1]"
+                )),
+                "{msg}"
+            );
+        }
+    }
+
+    #[test]
+    fn select_and_release_take_exactly_one_block_and_the_others_any_grid() {
+        let (name, sig) = release();
+        assert!(sig.single_block);
+        for grid in [[2, 1, 1], [1, 2, 1], [1, 1, 2]] {
+            let config = LaunchConfig {
+                grid,
+                ..shape(&sig)
+            };
+            let msg = invalid(
+                &name,
+                check_signature(&name, Some(&sig), &config, &good_args()),
+            );
+            assert_eq!(
+                msg,
+                format!(
+                    "grid {grid:?}, but the kernel updates the lane stacks from exactly one block"
+                )
+            );
+        }
+        let many = LaunchConfig::linear(9, 32);
+        check_signature("k", Some(&no_params()), &many, &[]).unwrap();
     }
 }

@@ -159,13 +159,13 @@ pub struct CompiledKernel {
 
 impl CompiledKernel {
     /// The artifact as an executor loads it, with the kernel's entry name and, for a kernel
-    /// rendered from a spec, its parameter signature (checked on every launch). Spec kernels
+    /// rendered from a spec, its launch signature (checked on every launch). Spec kernels
     /// are easiest loaded with [`CompiledKernel::load_spec`]; `None` is for kernels that are
     /// not rendered from a spec.
     pub fn executor_artifact<'a>(
         &'a self,
         entry: &'a str,
-        signature: Option<&'a [crate::kernels::KernelParam]>,
+        signature: Option<&'a crate::kernels::KernelSignature>,
     ) -> crate::exec::KernelArtifact<'a> {
         match &self.artifact {
             Artifact::SharedObject(path) => crate::exec::KernelArtifact::HostLibrary {
@@ -182,16 +182,17 @@ impl CompiledKernel {
     }
 
     /// Loads this kernel, compiled from `spec`'s render, into `exec` under the spec's entry
-    /// name and with its parameter signature, so that every launch's arguments are checked
-    /// against [`KernelSpec::params`](crate::kernels::KernelSpec::params) on either executor.
+    /// name and with its launch signature, so that every launch's shape and arguments are checked
+    /// against [`KernelSpec::signature`](crate::kernels::KernelSpec::signature) on either
+    /// executor.
     pub fn load_spec(
         &self,
         exec: &dyn crate::exec::Executor,
         spec: &crate::kernels::KernelSpec,
     ) -> Result<crate::exec::KernelId, crate::exec::ExecError> {
         let entry = spec.entry_name();
-        let params = spec.params();
-        exec.load_kernel(&self.executor_artifact(&entry, Some(&params)))
+        let signature = spec.signature();
+        exec.load_kernel(&self.executor_artifact(&entry, Some(&signature)))
     }
 }
 

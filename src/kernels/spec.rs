@@ -454,6 +454,21 @@ pub struct KernelParam {
     pub size: usize,
 }
 
+/// What every launch of a rendered kernel must match, checked by both executors before
+/// anything runs (a GPU would run a wrong launch and give wrong results, not an error).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct KernelSignature {
+    /// The `extern "C"` parameters in order ([`KernelSpec::params`]).
+    pub params: Vec<KernelParam>,
+    /// Threads per block, in x only: the kernels stride by their compiled `THREADS`, never
+    /// by `blockDim`, so fewer threads would skip work (verify would pass unchecked tokens)
+    /// and more would exceed `__launch_bounds__`.
+    pub threads: u32,
+    /// Whether the grid must be exactly one block: select and release read and write the
+    /// lane tops from one block, and a second block would hand out or push pages twice.
+    pub single_block: bool,
+}
+
 impl KernelParam {
     /// A pointer parameter (8 bytes on every supported target).
     const fn ptr(c_type: &'static str, name: &'static str) -> KernelParam {
@@ -596,6 +611,19 @@ impl KernelSpec {
     /// The `extern "C"` name of the kernel in its render: the uri.
     pub fn entry_name(&self) -> String {
         self.uri()
+    }
+
+    /// The launch contract executors check: parameters, block size, and whether the grid
+    /// must be one block.
+    pub fn signature(&self) -> KernelSignature {
+        KernelSignature {
+            params: self.params(),
+            threads: self.threads(),
+            single_block: matches!(
+                self,
+                KernelSpec::SelectOwnerPages(_) | KernelSpec::ReleasePages(_)
+            ),
+        }
     }
 
     /// The kernel's parameters in order (docs/KERNELS.md "Kernels"): the render spells its
@@ -838,7 +866,8 @@ impl KernelSpec {
     /// Recommended launch for `items` units of work over `layers` layers. The unit is a
     /// request (select), a page (release), a page pair (transfer), a sequence page
     /// (materialise, synthesise: pages after `start_page`) or a token (verify; `layers` is
-    /// ignored). Every kernel strides over its work, so any grid is correct; this one is
+    /// ignored). Select and release need exactly one block ([`KernelSignature::single_block`]);
+    /// every other kernel strides over its work, so any grid is correct, and this one is
     /// never 0 and at most 65536 (verify: 1024).
     pub fn launch_dims(&self, items: u32, layers: u32) -> LaunchDims {
         let blocks = match self {

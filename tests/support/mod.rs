@@ -105,13 +105,13 @@ impl Bench {
             .get(spec)
             .unwrap_or_else(|| panic!("{spec} was not compiled"));
         let entry = spec.entry_name();
-        let params = spec.params();
+        let signature = spec.signature();
         let k = self
             .ex
             .load_kernel(&KernelArtifact::HostLibrary {
                 path,
                 entry: &entry,
-                signature: Some(&params),
+                signature: Some(&signature),
             })
             .unwrap_or_else(|e| panic!("load {spec}: {e}"));
         self.loaded.insert(*spec, k);

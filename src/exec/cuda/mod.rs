@@ -22,7 +22,7 @@ use super::{
     check_range, check_regions, marshal_args, Backend, BufferId, CopyRegion, Counters, ExecError,
     Executor, KernelArg, KernelArtifact, KernelId, LaunchConfig, LaunchFailure, MemKind,
 };
-use crate::kernels::KernelParam;
+use crate::kernels::KernelSignature;
 
 enum CudaBuffer {
     Device(driver::DeviceMem),
@@ -47,7 +47,7 @@ impl CudaBuffer {
 struct LoadedKernel {
     name: String,
     module: driver::Module,
-    signature: Option<Vec<KernelParam>>,
+    signature: Option<KernelSignature>,
 }
 
 type State = Registry<CudaBuffer, LoadedKernel>;
@@ -206,7 +206,7 @@ impl Executor for CudaExecutor {
             })?;
         Ok(lock(&self.state).add_kernel(LoadedKernel {
             name: entry.to_string(),
-            signature: signature.map(<[_]>::to_vec),
+            signature: signature.cloned(),
             module,
         }))
     }
@@ -228,7 +228,7 @@ impl Executor for CudaExecutor {
                 message: "launch failure injected; the kernel did not run".into(),
             });
         }
-        check_signature(&k.name, k.signature.as_deref(), args)?;
+        check_signature(&k.name, k.signature.as_ref(), config, args)?;
         let bytes = marshal_args(args, |b| {
             let buf = st.buffer(b)?;
             Ok((buf.addr(), buf.len()))

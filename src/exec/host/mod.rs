@@ -23,7 +23,7 @@ use super::{
     check_range, check_regions, marshal_args, Backend, BufferId, CopyRegion, Counters, ExecError,
     Executor, KernelArg, KernelArtifact, KernelId, LaunchConfig, LaunchFailure, MemKind,
 };
-use crate::kernels::KernelParam;
+use crate::kernels::KernelSignature;
 
 /// The CUDA-emulation header; the JIT owns it because it force-includes it when compiling a
 /// render for this executor (and hashes it into the cache key).
@@ -130,7 +130,7 @@ struct HostBuffer {
 struct LoadedKernel {
     name: String,
     kernel: Arc<ffi::EmuKernel>,
-    signature: Option<Vec<KernelParam>>,
+    signature: Option<KernelSignature>,
 }
 
 type State = Registry<HostBuffer, LoadedKernel>;
@@ -256,7 +256,7 @@ impl Executor for HostExecutor {
         })?;
         Ok(lock(&self.state).add_kernel(LoadedKernel {
             name: entry.to_string(),
-            signature: signature.map(<[_]>::to_vec),
+            signature: signature.cloned(),
             kernel: Arc::new(kernel),
         }))
     }
@@ -281,7 +281,7 @@ impl Executor for HostExecutor {
                 message: "launch failure injected; the kernel did not run".into(),
             });
         }
-        check_signature(&name, k.signature.as_deref(), args)?;
+        check_signature(&name, k.signature.as_ref(), config, args)?;
         let bytes = marshal_args(args, |b| {
             let buf = st.buffer(b)?;
             Ok((buf.mem.addr(), buf.mem.len()))
