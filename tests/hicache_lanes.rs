@@ -152,6 +152,7 @@ fn a_backup_evicts_only_host_copies_of_the_short_rank() {
     let s = serve(&mut c, &tokens(3, 3 * 16));
     assert_eq!(s.backups_skipped, 0, "{s:?}");
     assert_eq!(s.evictions_lru, 1, "only q's copy goes: {s:?}");
+    assert_eq!(s.host_evictions_for_backup, 1, "{s:?}");
     let s = serve(&mut c, &p);
     assert_eq!(s.host_hit_tokens, 16, "p's copy survived: {s:?}");
 }

@@ -492,7 +492,7 @@ fn fault_exercised(
     let fired = match fault {
         Fault::PlainAllocOnLoad => totals.pages_loaded > 0,
         Fault::LaneExhaustion => totals.evictions_lane + totals.load_degraded_to_miss > 0,
-        Fault::HostPoolFull => totals.backups_skipped > 0,
+        Fault::HostPoolFull => totals.backups_skipped + totals.host_evictions_for_backup > 0,
         // The kernels are built before the first request, so a run that got here failed.
         Fault::CompileError => true,
         Fault::LaunchError => failed > 0,
@@ -510,8 +510,8 @@ fn fault_exercised(
              degraded to a miss; a smaller --device-pages (now {device_pages}) or more \
              requests make one"
         ),
-        Fault::HostPoolFull => "no backup was skipped for lack of host pages; longer or more \
-             requests make it"
+        Fault::HostPoolFull => "no backup found the host pool full (none was skipped, no host \
+             copy was evicted for one); longer or more requests make it"
             .into(),
         Fault::CompileError => "the kernels compiled".into(),
         Fault::LaunchError => "no request from the middle of the workload on launched a \
@@ -553,4 +553,27 @@ fn progress_bar(total: Option<u64>, quiet: bool) -> ProgressBar {
         .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     bar
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_pool_full_fired_when_a_backup_was_skipped_or_made_room_for() {
+        let fired = |skipped, evicted| {
+            let totals = RequestStats {
+                backups_skipped: skipped,
+                host_evictions_for_backup: evicted,
+                ..RequestStats::default()
+            };
+            fault_exercised(Fault::HostPoolFull, &totals, 0, 64).is_ok()
+        };
+        assert!(fired(1, 0));
+        assert!(
+            fired(0, 1),
+            "host eviction that made a backup fit is the fault firing"
+        );
+        assert!(!fired(0, 0));
+    }
 }

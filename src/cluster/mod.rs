@@ -928,6 +928,7 @@ impl Cluster {
                 }
             }
             stats.evictions_lru += evicted as u64;
+            stats.host_evictions_for_backup += evicted as u64;
         }
         for r in 0..self.ranks.len() {
             let host_pages = self.ranks[r].host.alloc(need(r) as usize)?;

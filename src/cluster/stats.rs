@@ -27,6 +27,9 @@ pub struct RequestStats {
     pub load_degraded_to_miss: u64,
     /// Backups skipped because the host pool was full.
     pub backups_skipped: u64,
+    /// Host copies evicted (only those holding pages of the short ranks) so that a backup
+    /// fits in a full host pool; also counted in `evictions_lru`.
+    pub host_evictions_for_backup: u64,
     /// Bytes copied host→device over all ranks.
     pub bytes_h2d: u64,
     /// Bytes copied device→host over all ranks.
@@ -55,6 +58,7 @@ impl RequestStats {
         self.evictions_lane += o.evictions_lane;
         self.load_degraded_to_miss += o.load_degraded_to_miss;
         self.backups_skipped += o.backups_skipped;
+        self.host_evictions_for_backup += o.host_evictions_for_backup;
         self.bytes_h2d += o.bytes_h2d;
         self.bytes_d2h += o.bytes_d2h;
         self.mismatched_tokens += o.mismatched_tokens;
@@ -186,6 +190,10 @@ impl ReplayReport {
             t.load_degraded_to_miss.to_string(),
         );
         row("backups skipped (host full)", t.backups_skipped.to_string());
+        row(
+            "host evictions for backups",
+            t.host_evictions_for_backup.to_string(),
+        );
         row(
             "bytes h2d / d2h",
             format!(
