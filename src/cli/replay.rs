@@ -260,14 +260,20 @@ fn usage(e: WorkloadError) -> crate::Error {
     crate::Error::Usage(e.to_string())
 }
 
+/// The trace's non-blank lines, for the progress bar's total. Lines are counted as bytes, so
+/// a line that is not UTF-8 (which the trace reader then reports) does not cut the count.
 fn count_lines(path: &std::path::Path) -> Option<usize> {
     use std::io::BufRead;
     let f = std::fs::File::open(path).ok()?;
+    let blank = |l: &[u8]| {
+        let l = l.strip_prefix("\u{feff}".as_bytes()).unwrap_or(l);
+        l.iter().all(u8::is_ascii_whitespace)
+    };
     Some(
         std::io::BufReader::new(f)
-            .lines()
+            .split(b'\n')
             .map_while(Result::ok)
-            .filter(|l| !l.trim_start_matches('\u{feff}').trim().is_empty())
+            .filter(|l| !blank(l))
             .count(),
     )
 }
@@ -575,5 +581,14 @@ mod tests {
             "host eviction that made a backup fit is the fault firing"
         );
         assert!(!fired(0, 0));
+    }
+
+    #[test]
+    fn trace_lines_are_counted_past_a_line_that_is_not_utf8() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.jsonl");
+        std::fs::write(&path, b"\xef\xbb\xbf{}\n\n  \r\n{\xff}\n{}\n{}").unwrap();
+        assert_eq!(count_lines(&path), Some(4));
+        assert_eq!(count_lines(&dir.path().join("missing")), None);
     }
 }
