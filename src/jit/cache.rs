@@ -195,12 +195,48 @@ fn unique_suffix() -> String {
     format!("{}-{:016x}", std::process::id(), mix)
 }
 
+/// Prefix of [`write_atomic`]'s temp files, followed by the writer's pid.
+const TMP_PREFIX: &str = ".tmp-";
+
+/// Removes the entries of `dir` named `<prefix><pid>-…` whose process no longer runs: what a
+/// writer killed by a signal left behind (it skipped its own clean-up). Only a pid with no
+/// `/proc/<pid>` counts as gone; where `/proc` is missing, nothing is removed. Errors are
+/// ignored: a leftover costs disk space, never correctness.
+pub(crate) fn sweep_dead_pid_entries(dir: &Path, prefix: &str, what: &str) {
+    if !Path::new("/proc/self").exists() {
+        return;
+    }
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(prefix))
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|pid| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !Path::new("/proc").join(pid.to_string()).exists() {
+            let path = entry.path();
+            tracing::debug!(target: "cp_hicache::jit", path = %path.display(), "removing {what}");
+            let _ = if path.is_dir() {
+                fs::remove_dir_all(&path)
+            } else {
+                fs::remove_file(&path)
+            };
+        }
+    }
+}
+
 /// Writes `bytes` to `dir/name` atomically: a temp file unique to this process and call (pid +
 /// random suffix) in `dir`, fsync, rename. Concurrent writers never share a temp file, and a
 /// reader sees the old file or the new one, never part of either. Also used for tuning files.
 pub fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> Result<PathBuf, CacheError> {
     let dest = dir.join(name);
-    let tmp = dir.join(format!(".tmp-{}-{}", unique_suffix(), name));
+    let tmp = dir.join(format!("{TMP_PREFIX}{}-{}", unique_suffix(), name));
     let result = (|| {
         let mut f = OpenOptions::new()
             .write(true)
@@ -369,6 +405,8 @@ impl DiskCache {
         check_component(entry.source_file)?;
         let dir = self.entry_dir(target, key)?;
         fs::create_dir_all(&dir).map_err(|e| CacheError::io(&dir, e))?;
+        // Temp files of writers killed mid-commit (the lock is ours, so no live writer's).
+        sweep_dead_pid_entries(&dir, TMP_PREFIX, "a killed writer's temp file");
         // A stale manifest from an earlier, discarded attempt must not vouch for new files.
         let manifest_path = dir.join(MANIFEST);
         match fs::remove_file(&manifest_path) {
@@ -488,5 +526,28 @@ mod tests {
         assert!(c.entry_dir("sm_90", "../x").is_err());
         assert!(c.entry_dir("", "x").is_err());
         assert!(c.entry_dir("sm_90", ".locks").is_err());
+    }
+
+    #[test]
+    fn a_commit_removes_the_temp_files_of_dead_writers_only() {
+        let root = tmpdir("sweep");
+        let c = DiskCache::new(&root);
+        let dir = c.entry_dir("sm_90", "k-2").unwrap();
+        fs::create_dir_all(&dir).unwrap();
+        // No process has the largest u32 as its pid (Linux caps pids at 2^22).
+        let dead = dir.join(format!("{TMP_PREFIX}4294967295-00ff-k.cubin"));
+        let live = dir.join(format!("{TMP_PREFIX}{}-00ff-k.cubin", std::process::id()));
+        let other = dir.join("notes.txt");
+        for f in [&dead, &live, &other] {
+            fs::write(f, b"x").unwrap();
+        }
+        let _l = c.lock("sm_90", "k-2").unwrap();
+        c.commit("sm_90", "k-2", entry(b"hello")).unwrap();
+        if Path::new("/proc/self").exists() {
+            assert!(!dead.exists(), "a dead writer's temp file stays");
+        }
+        assert!(live.exists(), "a running writer's temp file was removed");
+        assert!(other.exists());
+        fs::remove_dir_all(&root).unwrap();
     }
 }

@@ -64,30 +64,9 @@ impl Drop for BuildDir {
 const BUILD_DIR_PREFIX: &str = "cp-hicache-build-";
 
 /// Removes the build directories that processes which no longer run left behind (a build
-/// interrupted by a signal skips `Drop`). Only directories named for a pid with no
-/// `/proc/<pid>` go; where `/proc` is missing, nothing is removed.
+/// interrupted by a signal skips `Drop`).
 fn sweep_stale_build_dirs(tmp: &Path) {
-    if !Path::new("/proc/self").exists() {
-        return;
-    }
-    let Ok(entries) = std::fs::read_dir(tmp) else {
-        return;
-    };
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        let Some(pid) = name
-            .to_str()
-            .and_then(|n| n.strip_prefix(BUILD_DIR_PREFIX))
-            .and_then(|rest| rest.split('-').next())
-            .and_then(|pid| pid.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        if !Path::new("/proc").join(pid.to_string()).exists() {
-            tracing::debug!(target: "cp_hicache::jit", path = %entry.path().display(), "removing a stale build directory");
-            let _ = std::fs::remove_dir_all(entry.path());
-        }
-    }
+    super::cache::sweep_dead_pid_entries(tmp, BUILD_DIR_PREFIX, "a stale build directory");
 }
 
 fn build_dir(uri: &str) -> Result<BuildDir, HostCcError> {
