@@ -106,6 +106,20 @@ pub(crate) fn check_signature(
                 arg.size()
             )));
         }
+        // Buffer bases are at least 64-byte aligned, so the offset decides the alignment.
+        let misaligned = |off: &u64| off % p.align.max(1) != 0;
+        let bad = match arg {
+            KernelArg::Ptr(_, off) => Some(*off).filter(misaligned),
+            KernelArg::PtrStruct(ptrs) => ptrs.iter().map(|&(_, off)| off).find(misaligned),
+            _ => None,
+        };
+        if let Some(off) = bad {
+            return Err(invalid(format!(
+                "parameter {i} `{}` ({}) needs {}-byte alignment, argument {i} points {off} bytes \
+                 into its buffer (a GPU faults on the misaligned access)",
+                p.name, p.c_type, p.align
+            )));
+        }
     }
     if let Some(p) = params.get(args.len()) {
         return Err(invalid(format!(
@@ -358,5 +372,48 @@ mod tests {
         }
         let many = LaunchConfig::linear(9, 32);
         check_signature("k", Some(&no_params()), &many, &[]).unwrap();
+    }
+
+    #[test]
+    fn a_misaligned_pointer_is_refused() {
+        let (name, sig) = release();
+        let mut args = good_args();
+        args[0] = KernelArg::Ptr(BufferId(1), 6);
+        let msg = invalid(
+            &name,
+            check_signature(&name, Some(&sig), &shape(&sig), &args),
+        );
+        assert_eq!(
+            msg,
+            "parameter 0 `pages` (const u32*) needs 4-byte alignment, argument 0 points 6 bytes \
+             into its buffer (a GPU faults on the misaligned access)"
+        );
+        args[0] = KernelArg::Ptr(BufferId(1), 8);
+        check_signature(&name, Some(&sig), &shape(&sig), &args).unwrap();
+
+        let spec = KernelSpec::Materialise(MaterialiseSpec {
+            cp: 2,
+            page_size: 16,
+            bytes_per_token: 1152,
+            launch: Default::default(),
+        });
+        let sig = spec.signature();
+        let rest = [
+            KernelArg::Ptr(BufferId(2), 0),
+            KernelArg::U32(1),
+            KernelArg::U32(1),
+            KernelArg::U32(1),
+            KernelArg::Ptr(BufferId(3), 32),
+        ];
+        for (pools, ok) in [
+            ([(BufferId(1), 0), (BufferId(1), 48)], true),
+            ([(BufferId(1), 0), (BufferId(1), 8)], false),
+        ] {
+            let args: Vec<_> = std::iter::once(KernelArg::PtrStruct(&pools))
+                .chain(rest)
+                .collect();
+            let r = check_signature("m", Some(&sig), &shape(&sig), &args);
+            assert_eq!(r.is_ok(), ok, "{pools:?}: {r:?}");
+        }
     }
 }

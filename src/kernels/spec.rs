@@ -452,6 +452,11 @@ pub struct KernelParam {
     pub c_type: &'static str,
     /// Bytes the launch passes for it: 8 for a pointer, 8 × CP for the pool struct.
     pub size: usize,
+    /// For a pointer (or each pointer of the pool struct): the byte alignment the kernel
+    /// needs at it. Page buffers take 16-byte vector accesses, typed arrays their element
+    /// size. A GPU faults on a misaligned access the CPU emulator runs without complaint, so
+    /// both executors check it. 1 for scalars.
+    pub align: u64,
 }
 
 /// What every launch of a rendered kernel must match, checked by both executors before
@@ -469,14 +474,24 @@ pub struct KernelSignature {
     pub single_block: bool,
 }
 
+/// Alignment of page buffers: the copy kernels move pages in 16-byte vectors.
+const PAGE_ALIGN: u64 = 16;
+
 impl KernelParam {
-    /// A pointer parameter (8 bytes on every supported target).
-    const fn ptr(c_type: &'static str, name: &'static str) -> KernelParam {
+    /// A pointer to a typed array (8 bytes on every supported target) whose elements are
+    /// `align` bytes.
+    const fn ptr(c_type: &'static str, name: &'static str, align: u64) -> KernelParam {
         KernelParam {
             name,
             c_type,
             size: 8,
+            align,
         }
+    }
+
+    /// A pointer to page-organised bytes (a pool, a host pool or a dense buffer).
+    const fn pages(c_type: &'static str, name: &'static str) -> KernelParam {
+        KernelParam::ptr(c_type, name, PAGE_ALIGN)
     }
 
     /// A `u32` parameter.
@@ -485,15 +500,17 @@ impl KernelParam {
             name,
             c_type: "u32",
             size: 4,
+            align: 1,
         }
     }
 
-    /// The `ChcPools` struct of `cp` device pointers, passed by value.
+    /// The `ChcPools` struct of `cp` device pointers to pools, passed by value.
     const fn pools(cp: u8) -> KernelParam {
         KernelParam {
             name: "pools",
             c_type: "const __grid_constant__ ChcPools",
             size: 8 * cp as usize,
+            align: PAGE_ALIGN,
         }
     }
 }
@@ -632,26 +649,26 @@ impl KernelSpec {
         use KernelParam as P;
         match self {
             KernelSpec::SelectOwnerPages(_) => vec![
-                P::ptr("const u8*", "owners"),
+                P::ptr("const u8*", "owners", 1),
                 P::u32("n"),
-                P::ptr("const u32*", "lane_stacks"),
-                P::ptr("u32*", "lane_tops"),
+                P::ptr("const u32*", "lane_stacks", 4),
+                P::ptr("u32*", "lane_tops", 4),
                 P::u32("lane_cap"),
-                P::ptr("u32*", "out_pages"),
-                P::ptr("i64*", "out_locs"),
+                P::ptr("u32*", "out_pages", 4),
+                P::ptr("i64*", "out_locs", 8),
             ],
             KernelSpec::ReleasePages(_) => vec![
-                P::ptr("const u32*", "pages"),
+                P::ptr("const u32*", "pages", 4),
                 P::u32("n"),
-                P::ptr("u32*", "lane_stacks"),
-                P::ptr("u32*", "lane_tops"),
+                P::ptr("u32*", "lane_stacks", 4),
+                P::ptr("u32*", "lane_tops", 4),
                 P::u32("lane_cap"),
             ],
             KernelSpec::TransferPages(_) => vec![
-                P::ptr("const u8*", "src"),
-                P::ptr("u8*", "dst"),
-                P::ptr("const u32*", "src_pages"),
-                P::ptr("const u32*", "dst_pages"),
+                P::pages("const u8*", "src"),
+                P::pages("u8*", "dst"),
+                P::ptr("const u32*", "src_pages", 4),
+                P::ptr("const u32*", "dst_pages", 4),
                 P::u32("n"),
                 P::u32("layers"),
                 P::u32("device_pages"),
@@ -659,16 +676,16 @@ impl KernelSpec {
             ],
             KernelSpec::Materialise(s) => vec![
                 P::pools(s.cp),
-                P::ptr("const u32*", "seq_pages"),
+                P::ptr("const u32*", "seq_pages", 4),
                 P::u32("n"),
                 P::u32("layers"),
                 P::u32("local_pages"),
-                P::ptr("u8*", "dense"),
+                P::pages("u8*", "dense"),
             ],
             KernelSpec::Synthesise(_) => vec![
-                P::ptr("u8*", "pool"),
-                P::ptr("const u64*", "prefix_hash"),
-                P::ptr("const u32*", "seq_pages"),
+                P::pages("u8*", "pool"),
+                P::ptr("const u64*", "prefix_hash", 8),
+                P::ptr("const u32*", "seq_pages", 4),
                 P::u32("n_tokens"),
                 P::u32("start_page"),
                 P::u32("rank"),
@@ -676,12 +693,12 @@ impl KernelSpec {
                 P::u32("local_pages"),
             ],
             KernelSpec::Verify(_) => vec![
-                P::ptr("const u8*", "dense"),
-                P::ptr("const u64*", "prefix_hash"),
+                P::pages("const u8*", "dense"),
+                P::ptr("const u64*", "prefix_hash", 8),
                 P::u32("n_tokens"),
                 P::u32("start_page"),
                 P::u32("layers"),
-                P::ptr("u32*", "bad_tokens"),
+                P::ptr("u32*", "bad_tokens", 4),
             ],
         }
     }
@@ -1078,6 +1095,7 @@ mod tests {
             name: "a_parameter_name_longer_than_the_whole_line_width_allows_for_in_one_go_at_all",
             c_type: "const u8*",
             size: 8,
+            align: 1,
         }; 2];
         let text = render_params(&long);
         assert_eq!(text.lines().count(), 2, "{text}");
