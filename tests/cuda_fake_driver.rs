@@ -375,6 +375,53 @@ fn launch_failures_are_typed() {
     assert_eq!(tops_after, [1, 0, 0, 0, 1, 0, 0, 0]);
 }
 
+/// Uploads go through pinned staging and are sent without waiting: many uploads of varied
+/// sizes, with the stream waited for only now and then, each land intact (the stand-in reads
+/// a pinned source when the copy runs, so a staging region reused too early shows as wrong
+/// bytes), and none of them synchronises.
+fn staged_uploads_never_overwrite_a_copy_in_flight() {
+    let ex = CudaExecutor::new(0).unwrap();
+    let mut seed = 0x9e37_79b9_u64;
+    let mut next = move |n: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n
+    };
+    let mut bufs: Vec<(BufferId, Vec<u8>)> = Vec::new();
+    for round in 0..40u32 {
+        let before = ex.counters();
+        for _ in 0..1 + next(6) {
+            // From a few bytes to more than the first ring (64 KiB) holds.
+            let len = 1 + next(if round % 9 == 0 { 200_000 } else { 20_000 }) as usize;
+            let data: Vec<u8> = (0..len).map(|i| (i as u64 ^ next(256)) as u8).collect();
+            let b = ex.alloc(MemKind::Device, len, 0).unwrap();
+            ex.upload(b, 0, &data).unwrap();
+            bufs.push((b, data));
+        }
+        let after = ex.counters().since(&before);
+        assert_eq!(
+            (after.syncs, after.reads),
+            (0, 0),
+            "uploads wait for nothing"
+        );
+        if round % 4 == 3 {
+            // Waiting lets the earlier copies complete, so their regions are reused next.
+            ex.synchronize().unwrap();
+        }
+    }
+    for (b, data) in &bufs {
+        let mut out = vec![0u8; data.len()];
+        ex.read(*b, 0, &mut out).unwrap();
+        assert!(
+            out == *data,
+            "an upload of {} bytes was overwritten",
+            data.len()
+        );
+        ex.free(*b).unwrap();
+    }
+}
+
 fn every_family_matches_the_references() {
     let gpu = StandInGpu {
         cuda: CudaExecutor::new(0).unwrap(),
@@ -401,6 +448,7 @@ fn child() {
     executor_basics();
     info_names_the_device();
     launch_failures_are_typed();
+    staged_uploads_never_overwrite_a_copy_in_flight();
     for path in [TransferPath::Kernel, TransferPath::Dma] {
         cache_on_the_gpu(ModelShape::MlaBf16, 16, 4, path);
         cache_on_the_gpu(ModelShape::Nsa, 64, 8, path);

@@ -48,6 +48,7 @@ enum : CUresult {
   INVALID_CONTEXT = 201,
   INVALID_HANDLE = 400,
   NOT_FOUND = 500,
+  NOT_READY = 600,
   LAUNCH_FAILED = 719,
 };
 
@@ -75,6 +76,7 @@ struct FakeStream {
 struct FakeEvent {
   double seconds;
   bool recorded;
+  bool pending;  // recorded on the stream, not reached yet
 };
 struct FakeModule {
   void* lib;
@@ -257,21 +259,30 @@ CUresult cuStreamSynchronize(CUstream s) {
 CUresult cuEventCreate(CUevent* e, unsigned flags) {
   (void)flags;
   if (need_ctx()) return INVALID_CONTEXT;
-  *e = new FakeEvent{0.0, false};
+  *e = new FakeEvent{0.0, false, false};
   return OK;
 }
 CUresult cuEventRecord(CUevent e, CUstream s) {
   if (!e || (s && !s->alive)) return INVALID_HANDLE;
   e->recorded = false;
+  e->pending = true;
   enqueue([e] {
     e->seconds = now();
     e->recorded = true;
+    e->pending = false;
     return OK;
   });
   return OK;
 }
 CUresult cuEventSynchronize(CUevent e) { return e ? flush() : INVALID_HANDLE; }
-CUresult cuEventQuery(CUevent e) { return e ? flush() : INVALID_HANDLE; }
+// A query does not make the stream progress: like a GPU that is behind, an event stays
+// NOT_READY until something waits for the work before it.
+CUresult cuEventQuery(CUevent e) {
+  if (!e) return INVALID_HANDLE;
+  std::lock_guard<std::mutex> g(g_mu);
+  if (g_sticky != OK) return g_sticky;
+  return e->pending ? NOT_READY : OK;
+}
 CUresult cuEventElapsedTime(float* ms, CUevent a, CUevent b) {
   // Like the driver: both events must have completed (the caller waits on them first).
   if (!a || !b || !a->recorded || !b->recorded) return INVALID_HANDLE;
@@ -316,6 +327,15 @@ CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, CUstream s) {
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* src, size_t n, CUstream s) {
   (void)s;
   if (need_ctx() || !inside((uintptr_t)d, n, DEVICE)) return INVALID_VALUE;
+  if (inside((uintptr_t)src, n, HOST)) {
+    // Pinned source: read by DMA when the copy runs, so overwriting it before then is a bug
+    // that shows as wrong bytes on the device.
+    enqueue([d, src, n] {
+      memcpy((void*)(uintptr_t)d, src, n);
+      return OK;
+    });
+    return OK;
+  }
   // Pageable source: staged now, so the caller may reuse it when this returns.
   auto staged = std::make_shared<std::vector<unsigned char>>((const unsigned char*)src,
                                                               (const unsigned char*)src + n);

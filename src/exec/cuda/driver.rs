@@ -2,10 +2,11 @@
 //! call (cudarc panics when libcuda is missing), and owned wrappers over raw driver handles
 //! (device memory, pinned device-mapped host memory, modules) that release in `Drop`.
 
+use std::collections::VecDeque;
 use std::ffi::{c_void, CString};
 use std::sync::Arc;
 
-use cudarc::driver::{result, sys, CudaContext, CudaStream};
+use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream};
 
 /// Whether libcuda can be loaded.
 fn driver_present() -> bool {
@@ -125,19 +126,38 @@ impl Gpu {
         Ok(mem)
     }
 
-    /// Copies `data` to device address `dst` (stream-ordered; pageable data is staged by the
-    /// driver before this returns, so `data` may be dropped afterwards).
+    /// Copies `data` to device address `dst`, stream-ordered and without waiting: `data` is
+    /// copied into `staging` (pinned memory) and sent from there, so `data` may be dropped
+    /// when this returns. From pageable memory the driver may wait for the stream before
+    /// staging a copy itself, a synchronisation that no counter would see.
     ///
     /// # Safety
     /// `dst .. dst + data.len()` must lie inside a live allocation of this context.
-    pub(crate) unsafe fn upload(&self, dst: u64, data: &[u8]) -> Result<(), String> {
+    pub(crate) unsafe fn upload(
+        &self,
+        staging: &mut Staging,
+        dst: u64,
+        data: &[u8],
+    ) -> Result<(), String> {
         if data.is_empty() {
             return Ok(());
         }
         self.bind()?;
-        // SAFETY: the range is inside a live allocation (caller); `data` is valid for reads.
-        unsafe { result::memcpy_htod_async(dst, data, self.stream.cu_stream()) }
+        let (ring, start) = staging.reserve(self, data.len())?;
+        // SAFETY: `reserve` returned `data.len()` bytes inside `ring` that no copy in flight
+        // reads, and the executor's lock excludes other CPU access.
+        let src = unsafe {
+            let p = (ring.host as *mut u8).add(start);
+            std::ptr::copy_nonoverlapping(data.as_ptr(), p, data.len());
+            std::slice::from_raw_parts(p as *const u8, data.len())
+        };
+        // SAFETY: the destination is inside a live allocation (caller); the pinned source
+        // stays untouched until the event recorded after this copy has completed.
+        unsafe { result::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
             .map_err(err("cuMemcpyHtoDAsync"))?;
+        let done = staging.spare_event(self)?;
+        done.record(&self.stream).map_err(err("cuEventRecord"))?;
+        staging.in_flight.push_back(InFlight { start, done });
         Ok(())
     }
 
@@ -259,6 +279,117 @@ impl Gpu {
             )
         }
         .map_err(err("cuLaunchKernel"))
+    }
+}
+
+/// Pinned memory that uploads pass through (see [`Gpu::upload`]): a ring whose regions are
+/// reused only once the event recorded after their copy has completed, which is queried,
+/// never waited for. When every region is still in flight, a ring twice as large replaces it;
+/// the old one is kept (not freed: freeing pinned memory waits for the device) and released
+/// with the executor, so the memory held is at most twice the largest ring.
+#[derive(Default)]
+pub(crate) struct Staging {
+    ring: Option<PinnedMem>,
+    /// Where the next region starts.
+    head: usize,
+    /// Regions of `ring` whose copies may still run, oldest first.
+    in_flight: VecDeque<InFlight>,
+    /// Completed events, for reuse.
+    spare: Vec<CudaEvent>,
+    /// Rings replaced by a larger one.
+    retired: Vec<PinnedMem>,
+}
+
+/// One staged upload, from `start` of the ring up to the next one's start (or `head`);
+/// reusable once `done` has completed.
+struct InFlight {
+    start: usize,
+    done: CudaEvent,
+}
+
+/// Regions start at multiples of this, so that the copy engine reads aligned sources.
+const STAGING_ALIGN: usize = 256;
+/// The first ring's size; a request larger than half a ring gets a larger one.
+const STAGING_MIN: usize = 64 << 10;
+
+impl Staging {
+    /// Returns `len` bytes of the ring that no copy in flight reads: the ring and the offset.
+    fn reserve(&mut self, gpu: &Gpu, len: usize) -> Result<(&PinnedMem, usize), String> {
+        self.reclaim()?;
+        let len = len.div_ceil(STAGING_ALIGN) * STAGING_ALIGN;
+        let start = match &self.ring {
+            Some(ring) => self.fit(ring.len(), len),
+            None => None,
+        };
+        let start = match start {
+            Some(start) => start,
+            None => {
+                let size = self
+                    .ring
+                    .as_ref()
+                    .map_or(STAGING_MIN, |r| 2 * r.len())
+                    .max(2 * len)
+                    .max(STAGING_MIN);
+                let ring = gpu.alloc_host(size, 0)?;
+                if let Some(old) = self.ring.replace(ring) {
+                    self.retired.push(old);
+                }
+                // The old ring's copies complete on their own; only this ring is tracked.
+                self.spare.extend(self.in_flight.drain(..).map(|f| f.done));
+                self.head = 0;
+                0
+            }
+        };
+        self.head = start + len;
+        let ring = self.ring.as_ref().ok_or("staging ring missing")?;
+        Ok((ring, start))
+    }
+
+    /// Where `len` free bytes start in a ring of `size` bytes, if they are free: after the
+    /// newest region, or wrapping to 0 ahead of the oldest.
+    fn fit(&self, size: usize, len: usize) -> Option<usize> {
+        let Some(oldest) = self.in_flight.front() else {
+            return (len <= size).then_some(0);
+        };
+        let tail = oldest.start;
+        if self.head > tail {
+            // In flight: [tail, head). Free: [head, size), then [0, tail).
+            if len <= size - self.head {
+                Some(self.head)
+            } else {
+                (len <= tail).then_some(0)
+            }
+        } else {
+            // In flight: [tail, size) and [0, head) (or the whole ring when head == tail).
+            (self.head < tail && len <= tail - self.head).then_some(self.head)
+        }
+    }
+
+    /// Frees the regions whose copies have completed, oldest first.
+    fn reclaim(&mut self) -> Result<(), String> {
+        while let Some(oldest) = self.in_flight.front() {
+            if !oldest.done.try_is_complete().map_err(err("cuEventQuery"))? {
+                break;
+            }
+            if let Some(f) = self.in_flight.pop_front() {
+                self.spare.push(f.done);
+            }
+        }
+        if self.in_flight.is_empty() {
+            self.head = 0;
+        }
+        Ok(())
+    }
+
+    /// A completed (or new) event to record after a copy.
+    fn spare_event(&mut self, gpu: &Gpu) -> Result<CudaEvent, String> {
+        match self.spare.pop() {
+            Some(e) => Ok(e),
+            None => gpu
+                .ctx
+                .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                .map_err(err("cuEventCreate")),
+        }
     }
 }
 
@@ -443,9 +574,14 @@ impl Drop for Module {
 }
 
 /// [`Gpu::upload`] for a range the executor has bounds-checked against a live buffer.
-pub(crate) fn upload_in_bounds(gpu: &Gpu, dst: u64, data: &[u8]) -> Result<(), String> {
+pub(crate) fn upload_in_bounds(
+    gpu: &Gpu,
+    staging: &mut Staging,
+    dst: u64,
+    data: &[u8],
+) -> Result<(), String> {
     // SAFETY: the executor checked `dst .. dst + len` against a live buffer it keeps locked.
-    unsafe { gpu.upload(dst, data) }
+    unsafe { gpu.upload(staging, dst, data) }
 }
 
 /// [`Gpu::read`] for a range the executor has bounds-checked against a live buffer.

@@ -59,6 +59,8 @@ pub struct CudaExecutor {
     capability: (u32, u32),
     gpu: driver::Gpu,
     state: Mutex<State>,
+    /// Pinned memory uploads pass through; locked after `state`.
+    staging: Mutex<driver::Staging>,
     fail_next_launch: AtomicBool,
 }
 
@@ -102,6 +104,7 @@ impl CudaExecutor {
             name: gpu.name(),
             gpu,
             state: Mutex::new(Registry::new()),
+            staging: Mutex::new(driver::Staging::default()),
             fail_next_launch: AtomicBool::new(false),
         })
     }
@@ -155,7 +158,11 @@ impl Executor for CudaExecutor {
         match buf {
             // Bounds checked above; the buffer stays alive while the lock is held, and freeing
             // it later waits for the copy (cuMemFree synchronises).
-            CudaBuffer::Device(m) => upload_checked(&self.gpu, m.addr() + off as u64, data)?,
+            CudaBuffer::Device(m) => {
+                let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+                driver::upload_in_bounds(&self.gpu, &mut staging, m.addr() + off as u64, data)
+                    .map_err(driver_err("upload"))?
+            }
             // Pinned host memory is written by the CPU once the stream is idle: a counted
             // synchronisation (host buffers are never uploaded to on the load path).
             CudaBuffer::Host(m) => {
@@ -327,10 +334,6 @@ impl Executor for CudaExecutor {
 
 // Forwarders to `driver`'s checked entry points; their preconditions (ranges inside live
 // allocations) are established by the callers above, which hold the state lock.
-fn upload_checked(gpu: &driver::Gpu, dst: u64, data: &[u8]) -> Result<(), ExecError> {
-    driver::upload_in_bounds(gpu, dst, data).map_err(driver_err("upload"))
-}
-
 fn read_checked(gpu: &driver::Gpu, src: u64, out: &mut [u8]) -> Result<(), ExecError> {
     driver::read_in_bounds(gpu, src, out).map_err(driver_err("read"))
 }
