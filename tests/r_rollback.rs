@@ -60,29 +60,56 @@ fn failed_request_rollback_leaves_overwritten_device_pages() {
     );
 }
 
+/// Fails launch k of request `b`, for k = 0, 1, … until `b` has no launch k left (it then
+/// succeeds), on a fresh cluster from `prepare` each time. After each failure the rollback
+/// must leave agreeing replicas and sound invariants, and serving `a` must verify. Returns
+/// how many launches failed, and the (k, hit tokens, mismatches) of those after which `a` did
+/// not verify.
+fn each_failed_launch(
+    prepare: impl Fn(Arc<dyn Executor>) -> Cluster,
+    a: &[u32],
+    b: &[u32],
+    hit: impl Fn(&cp_hicache::cluster::RequestStats) -> u64,
+) -> (usize, Vec<(usize, u64, u64)>) {
+    const MAX_LAUNCHES: usize = 200;
+    let mut bad = Vec::new();
+    for k in 0..MAX_LAUNCHES {
+        let exec = Spy::new();
+        let mut c = prepare(exec.clone());
+        exec.fail_launch(k as i64);
+        let failed = c.serve(b).is_err();
+        exec.fail_none();
+        if !failed {
+            return (k, bad);
+        }
+        assert!(c.replicas_agree(), "launch {k} failed: replicas disagree");
+        c.check_invariants()
+            .unwrap_or_else(|e| panic!("launch {k} failed: {e}"));
+        let s = c.serve(a).unwrap();
+        if s.mismatched_tokens > 0 {
+            bad.push((k, hit(&s), s.mismatched_tokens));
+        }
+    }
+    panic!("request b still failed at launch {MAX_LAUNCHES}: is the injection stuck?");
+}
+
 /// Same class of bug through a launch failure in the middle of a request (any launch after
 /// bytes were written into pages the snapshot still attributes to another node).
 #[test]
 fn failed_launch_rollback_leaves_overwritten_device_pages() {
-    let mut bad = Vec::new();
-    for k in 0..40 {
-        let exec = Spy::new();
-        let dynexec: Arc<dyn Executor> = exec.clone();
-        let mut c = cluster_with(dynexec, 16, WritePolicy::WriteThrough);
-        let a = tokens(1, 176); // 11 pages
-        let b = tokens(2, 176);
+    let a = tokens(1, 176); // 11 pages
+    let b = tokens(2, 176);
+    let prepare = |exec: Arc<dyn Executor>| {
+        let mut c = cluster_with(exec, 16, WritePolicy::WriteThrough);
         c.serve(&a).unwrap();
-        exec.fail_launch(k);
-        let failed = c.serve(&b).is_err();
-        exec.fail_none();
-        if !failed {
-            break;
-        }
-        let s = c.serve(&a).unwrap();
-        if s.mismatched_tokens > 0 {
-            bad.push((k, s.device_hit_tokens, s.mismatched_tokens));
-        }
-    }
+        c
+    };
+    let (failures, bad) = each_failed_launch(prepare, &a, &b, |s| s.device_hit_tokens);
+    // Request b computes, backs up and verifies: several kernels, each made to fail once.
+    assert!(
+        failures >= 4,
+        "only {failures} launches of request b failed"
+    );
     assert!(
         bad.is_empty(),
         "launch k of request b failed -> a then mismatches: {bad:?}"
@@ -94,26 +121,19 @@ fn failed_launch_rollback_leaves_overwritten_device_pages() {
 /// host pages now hold the other prefix's bytes; loading it back mismatches.
 #[test]
 fn failed_launch_rollback_leaves_overwritten_host_pages() {
-    let mut bad = Vec::new();
-    for k in 0..40 {
-        let exec = Spy::new();
-        let dynexec: Arc<dyn Executor> = exec.clone();
-        let mut c = cluster_host(dynexec, 64, 4, WritePolicy::WriteThrough);
-        let a = tokens(1, 128);
-        let b = tokens(2, 128);
+    let a = tokens(1, 128);
+    let b = tokens(2, 128);
+    let prepare = |exec: Arc<dyn Executor>| {
+        let mut c = cluster_host(exec, 64, 4, WritePolicy::WriteThrough);
         c.serve(&a).unwrap();
         c.evict_device_lru(1000).unwrap(); // a is host-only now
-        exec.fail_launch(k);
-        let failed = c.serve(&b).is_err();
-        exec.fail_none();
-        if !failed {
-            break;
-        }
-        let s = c.serve(&a).unwrap();
-        if s.mismatched_tokens > 0 {
-            bad.push((k, s.host_hit_tokens, s.mismatched_tokens));
-        }
-    }
+        c
+    };
+    let (failures, bad) = each_failed_launch(prepare, &a, &b, |s| s.host_hit_tokens);
+    assert!(
+        failures >= 4,
+        "only {failures} launches of request b failed"
+    );
     assert!(
         bad.is_empty(),
         "launch k of request b failed -> a loads back garbage: {bad:?}"
@@ -142,6 +162,27 @@ fn load_path_frees_buffers_uncounted() {
     );
 }
 
+/// What a stress run's requests did, so that it can require the paths it means to stress.
+#[derive(Debug, Default)]
+struct Outcomes {
+    served: u64,
+    too_small: u64,
+    host_hit_tokens: u64,
+    evictions_lane: u64,
+    degraded: u64,
+    backups_skipped: u64,
+}
+
+impl Outcomes {
+    fn served(&mut self, s: &cp_hicache::cluster::RequestStats) {
+        self.served += 1;
+        self.host_hit_tokens += s.host_hit_tokens;
+        self.evictions_lane += s.evictions_lane;
+        self.degraded += s.load_degraded_to_miss;
+        self.backups_skipped += s.backups_skipped;
+    }
+}
+
 /// Random stress: small pools, both policies, shared prefixes; every request must verify.
 #[test]
 fn stress_small_pools() {
@@ -155,6 +196,7 @@ fn stress_small_pools() {
     for policy in [WritePolicy::WriteBack, WritePolicy::WriteThrough] {
         for (dp, hp) in [(40u32, 6u32), (33, 20), (64, 3), (48, 0)] {
             let mut c = cluster_host(Arc::new(host_executor()), dp, hp, policy);
+            let mut seen = Outcomes::default();
             for i in 0..120 {
                 let seed = (next() % 6) as u32;
                 let len = 1 + (next() % 400) as usize;
@@ -166,14 +208,24 @@ fn stress_small_pools() {
                             "{policy} dp{dp} hp{hp} req {i}: {s:?}"
                         );
                         assert_eq!(s.load_path_syncs, 0);
+                        seen.served(&s);
                     }
-                    Err(ClusterError::PoolTooSmall { .. }) => {}
+                    Err(ClusterError::PoolTooSmall { .. }) => seen.too_small += 1,
                     Err(e) => panic!("{policy} dp{dp} hp{hp} req {i}: {e}"),
                 }
                 assert!(c.replicas_agree());
                 c.check_invariants()
                     .unwrap_or_else(|e| panic!("{policy} dp{dp} hp{hp} req {i}: {e}"));
             }
+            // The pools are small enough that every run evicts for lanes and skips backups,
+            // and loads back whenever it has host pages, yet nearly every request fits.
+            let what = format!("{policy} dp{dp} hp{hp}: {seen:?}");
+            assert!(seen.served * 10 >= 120 * 9, "{what}");
+            assert!(
+                seen.evictions_lane > 0 && seen.backups_skipped > 0,
+                "{what}"
+            );
+            assert_eq!(seen.host_hit_tokens > 0, hp > 0, "{what}");
         }
     }
 }
@@ -181,7 +233,7 @@ fn stress_small_pools() {
 /// Random requests with pins (in-flight prefixes), both policies, lane exhaustion and a full
 /// host pool at CP 4; requests that do not fit fail with PoolTooSmall, are rolled back, and the
 /// run goes on: every later request must still verify.
-fn stress_cp4(seed0: u64) {
+fn stress_cp4(seed0: u64, total: &mut Outcomes) {
     let mut rng: u64 = 0x9e37_79b9 ^ (seed0 * 0x1000_0001);
     let mut next = move || {
         rng ^= rng << 13;
@@ -201,6 +253,7 @@ fn stress_cp4(seed0: u64) {
                     ..Setup::new(ModelShape::MlaBf16, 4, 4)
                 }
                 .build();
+                let mut seen = Outcomes::default();
                 let mut pins = Vec::new();
                 for i in 0..150 {
                     let what = format!("seed {seed0} {policy} {fault:?} dp{dp} req {i}");
@@ -215,14 +268,29 @@ fn stress_cp4(seed0: u64) {
                         c.unpin(p).unwrap();
                     }
                     match c.serve(&t) {
-                        Ok(s) => assert_eq!(s.mismatched_tokens, 0, "{what}: {s:?}"),
-                        Err(ClusterError::PoolTooSmall { .. }) => {}
+                        Ok(s) => {
+                            assert_eq!(s.mismatched_tokens, 0, "{what}: {s:?}");
+                            seen.served(&s);
+                        }
+                        Err(ClusterError::PoolTooSmall { .. }) => seen.too_small += 1,
                         Err(e) => panic!("{what}: {e}"),
                     }
                     assert!(c.replicas_agree(), "{what}");
                     c.check_invariants()
                         .unwrap_or_else(|e| panic!("{what}: {e}"));
                 }
+                // What each run must have stressed: lane evictions always, backups skipped
+                // when the host pool is full, load-backs otherwise, and most requests served.
+                let what = format!("seed {seed0} {policy} {fault:?} dp{dp}: {seen:?}");
+                assert!(seen.served * 10 >= 150 * 8, "{what}");
+                assert!(seen.evictions_lane > 0, "{what}");
+                if fault == Some(Fault::HostPoolFull) {
+                    assert!(seen.backups_skipped > 0, "{what}");
+                } else {
+                    assert!(seen.host_hit_tokens > 0, "{what}");
+                }
+                total.degraded += seen.degraded;
+                total.too_small += seen.too_small;
             }
         }
     }
@@ -230,7 +298,11 @@ fn stress_cp4(seed0: u64) {
 
 #[test]
 fn stress_cp4_seeds() {
+    let mut total = Outcomes::default();
     for seed0 in 0u64..12 {
-        stress_cp4(seed0);
+        stress_cp4(seed0, &mut total);
     }
+    // Over all seeds, load-backs degraded to misses and requests too large to fit (rolled
+    // back) both happened, so those paths were stressed too.
+    assert!(total.degraded > 0 && total.too_small > 0, "{total:?}");
 }
