@@ -14,15 +14,18 @@ static __device__ inline u64 chc_host_off(u32 page, u32 layer, u32 layers, u32 d
 }
 
 // Copies page blobs {{ direction_doc }} for every layer: pair i moves src_pages[i] to
-// dst_pages[i]. Work item w = (group of PAGES_PER_BLOCK pairs, layer); blocks stride over the
-// items, so any grid is correct. Pairs whose page is outside its pool are skipped.
+// dst_pages[i]. Work item w = (group of PAGES_PER_BLOCK pairs, layer), or with
+// LAYERS_IN_BLOCK the group alone, whose pages are copied for every layer, page by page;
+// blocks stride over the items, so any grid is correct. Pairs whose page is outside its pool
+// are skipped.
 extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}({# parameters: KernelSpec::params() #}
 {{ params }}
 {
     const u32 groups = (n + PAGES_PER_BLOCK - 1u) / PAGES_PER_BLOCK;
-    const u64 items = (u64)groups * layers;
+    const u64 items = (u64)groups * (LAYERS_IN_BLOCK ? 1u : layers);
     for (u64 w = blockIdx.x; w < items; w += gridDim.x) {
-        const u32 layer = (u32)(w / groups);
+        const u32 l0 = (u32)(w / groups);
+        const u32 l1 = LAYERS_IN_BLOCK ? layers : l0 + 1u;
         const u32 first = (u32)(w % groups) * PAGES_PER_BLOCK;
         for (u32 q = 0; q < PAGES_PER_BLOCK; ++q) {
             const u32 i = first + q;
@@ -34,8 +37,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}({# parameters: K
             if (sp >= {{ src_cap }} || dp >= {{ dst_cap }}) {
                 continue;
             }
-            chc_copy_page(dst + {{ dst_off }}(dp, layer, layers, device_pages, host_pages),
-                          src + {{ src_off }}(sp, layer, layers, device_pages, host_pages));
+            for (u32 layer = l0; layer < l1; ++layer) {
+                chc_copy_page(dst + {{ dst_off }}(dp, layer, layers, device_pages, host_pages),
+                              src + {{ src_off }}(sp, layer, layers, device_pages, host_pages));
+            }
         }
     }
 }

@@ -87,7 +87,8 @@ fn materialise_bpt(ps: u32) -> u32 {
     }
 }
 
-/// A GPU-like shape with two pages per work item, and the CPU shape (one thread per page).
+/// A GPU-like shape with two pages per work item that loops over the layers in the block,
+/// and the CPU shape (one thread per page, each layer a work item).
 fn copy_launches(page_bytes: u64) -> [CopyLaunch; 2] {
     let vec = VecWidth::widest_for(page_bytes);
     [
@@ -96,6 +97,7 @@ fn copy_launches(page_bytes: u64) -> [CopyLaunch; 2] {
             pages_per_block: 2,
             vec,
             unroll: 2,
+            layers_in_block: true,
         },
         cpu_copy_launch(vec),
     ]

@@ -49,12 +49,14 @@ const CPU_COPY: LaunchChoice = LaunchChoice::Copy {
     pages_per_block: 16,
     vec_bytes: 16,
     unroll: 1,
+    layers_in_block: false,
 };
 const GPU_COPY: LaunchChoice = LaunchChoice::Copy {
     threads: 128,
     pages_per_block: 1,
     vec_bytes: 16,
     unroll: 4,
+    layers_in_block: false,
 };
 
 /// A file tuned for `dev` in which the CPU shape and 32 allocator threads win.
@@ -121,7 +123,8 @@ fn matching_entries_are_applied_with_one_call() {
             threads: 1,
             pages_per_block: 16,
             vec: VecWidth::V16,
-            unroll: 1
+            unroll: 1,
+            layers_in_block: false,
         }
     );
     assert_eq!(tuned.synth_threads, dep.synth_threads);
@@ -155,15 +158,7 @@ fn dma_decides_the_transfer_path_when_its_total_over_the_transfers_wins() {
         let (tuned, warnings, applied) = dep.with_tuning(&f, &dev);
         assert!(warnings.is_empty(), "{warnings:?}");
         assert_eq!(applied.transfer_path, Some(tuned.transfer_path));
-        assert_eq!(
-            tuning::LaunchChoice::Copy {
-                threads: tuned.copy.threads,
-                pages_per_block: tuned.copy.pages_per_block,
-                vec_bytes: tuned.copy.vec.bytes(),
-                unroll: tuned.copy.unroll,
-            },
-            GPU_COPY
-        );
+        assert_eq!(tuning::LaunchChoice::of_copy(&tuned.copy), GPU_COPY);
         tuned.transfer_path
     };
     assert_eq!(with(&|_| Some(0.5)), TransferPath::Dma);
@@ -205,12 +200,7 @@ fn with_dma_transfers_the_copy_shape_is_materialises_own_best() {
         }
         f
     };
-    let shape = |d: &Deployment| LaunchChoice::Copy {
-        threads: d.copy.threads,
-        pages_per_block: d.copy.pages_per_block,
-        vec_bytes: d.copy.vec.bytes(),
-        unroll: d.copy.unroll,
-    };
+    let shape = |d: &Deployment| LaunchChoice::of_copy(&d.copy);
     let (tuned, warnings, _) = dep.with_tuning(&file(0.5), &dev);
     assert!(warnings.is_empty(), "{warnings:?}");
     assert_eq!(tuned.transfer_path, TransferPath::Dma);
@@ -337,9 +327,9 @@ fn quick_host_tune(hook: SourceHook<'_>) -> Option<(Deployment, DeviceKey, Vec<T
 
 #[test]
 fn quick_tune_on_the_host_drops_a_broken_candidate() {
-    // Break every one-thread, 16-pages-per-block copy candidate.
+    // Break every copy candidate of the CPU_COPY shape (not its layers-in-block twin).
     let hook = |spec: &KernelSpec, src: String| -> String {
-        if spec.uri().contains("_t1_ppb16_") {
+        if spec.uri().ends_with("_t1_ppb16_v16_u1") {
             format!("#error injected broken candidate\n{src}")
         } else {
             src

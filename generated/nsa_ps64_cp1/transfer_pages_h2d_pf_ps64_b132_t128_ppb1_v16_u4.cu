@@ -17,6 +17,7 @@ typedef long long i64;
 #define THREADS 128
 #define PAGES_PER_BLOCK 1
 #define UNROLL 4
+#define LAYERS_IN_BLOCK 0
 
 // Copies one PAGE_BYTES page with VEC_T accesses: the block's THREADS threads stride over the
 // page, UNROLL vectors in flight per thread. With THREADS == 1 one thread walks it in order.
@@ -56,16 +57,19 @@ static __device__ inline u64 chc_host_off(u32 page, u32 layer, u32 layers, u32 d
 }
 
 // Copies page blobs host → device for every layer: pair i moves src_pages[i] to
-// dst_pages[i]. Work item w = (group of PAGES_PER_BLOCK pairs, layer); blocks stride over the
-// items, so any grid is correct. Pairs whose page is outside its pool are skipped.
+// dst_pages[i]. Work item w = (group of PAGES_PER_BLOCK pairs, layer), or with
+// LAYERS_IN_BLOCK the group alone, whose pages are copied for every layer, page by page;
+// blocks stride over the items, so any grid is correct. Pairs whose page is outside its pool
+// are skipped.
 extern "C" __global__ void __launch_bounds__(THREADS) transfer_pages_h2d_pf_ps64_b132_t128_ppb1_v16_u4(
     const u8* src, u8* dst, const u32* src_pages, const u32* dst_pages, u32 n, u32 layers,
     u32 device_pages, u32 host_pages)
 {
     const u32 groups = (n + PAGES_PER_BLOCK - 1u) / PAGES_PER_BLOCK;
-    const u64 items = (u64)groups * layers;
+    const u64 items = (u64)groups * (LAYERS_IN_BLOCK ? 1u : layers);
     for (u64 w = blockIdx.x; w < items; w += gridDim.x) {
-        const u32 layer = (u32)(w / groups);
+        const u32 l0 = (u32)(w / groups);
+        const u32 l1 = LAYERS_IN_BLOCK ? layers : l0 + 1u;
         const u32 first = (u32)(w % groups) * PAGES_PER_BLOCK;
         for (u32 q = 0; q < PAGES_PER_BLOCK; ++q) {
             const u32 i = first + q;
@@ -77,8 +81,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) transfer_pages_h2d_pf_ps64
             if (sp >= host_pages || dp >= device_pages) {
                 continue;
             }
-            chc_copy_page(dst + chc_device_off(dp, layer, layers, device_pages, host_pages),
-                          src + chc_host_off(sp, layer, layers, device_pages, host_pages));
+            for (u32 layer = l0; layer < l1; ++layer) {
+                chc_copy_page(dst + chc_device_off(dp, layer, layers, device_pages, host_pages),
+                              src + chc_host_off(sp, layer, layers, device_pages, host_pages));
+            }
         }
     }
 }

@@ -18,6 +18,7 @@ typedef long long i64;
 #define THREADS 128
 #define PAGES_PER_BLOCK 1
 #define UNROLL 4
+#define LAYERS_IN_BLOCK 0
 
 // Copies one PAGE_BYTES page with VEC_T accesses: the block's THREADS threads stride over the
 // page, UNROLL vectors in flight per thread. With THREADS == 1 one thread walks it in order.
@@ -51,15 +52,17 @@ struct ChcPools {
 
 // Gathers sequence page i (global page p = seq_pages[i]) from rank p % CP, local page p / CP,
 // into dense[layer][i][PAGE_BYTES], for every layer. Work item w = (group of PAGES_PER_BLOCK
-// pages, layer); blocks stride over the items. Pages beyond local_pages are skipped.
+// pages, layer), or with LAYERS_IN_BLOCK the group alone, whose pages are gathered for every
+// layer, page by page; blocks stride over the items. Pages beyond local_pages are skipped.
 extern "C" __global__ void __launch_bounds__(THREADS) materialise_cp2_ps64_b656_t128_ppb1_v16_u4(
     const __grid_constant__ ChcPools pools, const u32* seq_pages, u32 n, u32 layers,
     u32 local_pages, u8* dense)
 {
     const u32 groups = (n + PAGES_PER_BLOCK - 1u) / PAGES_PER_BLOCK;
-    const u64 items = (u64)groups * layers;
+    const u64 items = (u64)groups * (LAYERS_IN_BLOCK ? 1u : layers);
     for (u64 w = blockIdx.x; w < items; w += gridDim.x) {
-        const u32 layer = (u32)(w / groups);
+        const u32 l0 = (u32)(w / groups);
+        const u32 l1 = LAYERS_IN_BLOCK ? layers : l0 + 1u;
         const u32 first = (u32)(w % groups) * PAGES_PER_BLOCK;
         for (u32 q = 0; q < PAGES_PER_BLOCK; ++q) {
             const u32 i = first + q;
@@ -72,8 +75,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) materialise_cp2_ps64_b656_
             if (local >= local_pages) {
                 continue;
             }
-            chc_copy_page(dense + ((u64)layer * n + i) * PAGE_BYTES,
-                          pools.p[owner] + ((u64)layer * local_pages + local) * PAGE_BYTES);
+            for (u32 layer = l0; layer < l1; ++layer) {
+                chc_copy_page(dense + ((u64)layer * n + i) * PAGE_BYTES,
+                              pools.p[owner] + ((u64)layer * local_pages + local) * PAGE_BYTES);
+            }
         }
     }
 }

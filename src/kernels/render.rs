@@ -123,6 +123,7 @@ fn copy_consts(cp: Option<u8>, page_size: u32, bpt: u32, l: &super::CopyLaunch) 
         c("THREADS", l.threads),
         c("PAGES_PER_BLOCK", l.pages_per_block),
         c("UNROLL", l.unroll),
+        c("LAYERS_IN_BLOCK", u32::from(l.layers_in_block)),
     ]);
     v
 }

@@ -317,6 +317,12 @@ pub struct CopyLaunch {
     pub vec: VecWidth,
     /// Accesses in flight per thread (1..=16).
     pub unroll: u32,
+    /// Where the layer loop runs. `false`: in the grid, each (page group, layer) is a work
+    /// item of its own. `true`: in the block, each work item copies its pages for every
+    /// layer, page by page, so a page-first host page is walked contiguously and the grid
+    /// has `layers` times fewer items. (A loop outside the kernel, one launch per layer, is
+    /// the grid form with `layers` times the launches, so it is not a candidate.)
+    pub layers_in_block: bool,
 }
 
 impl Default for CopyLaunch {
@@ -326,6 +332,7 @@ impl Default for CopyLaunch {
             pages_per_block: 1,
             vec: VecWidth::V16,
             unroll: 4,
+            layers_in_block: false,
         }
     }
 }
@@ -336,13 +343,19 @@ impl fmt::Display for CopyLaunch {
             f,
             "t{}_ppb{}_{}_u{}",
             self.threads, self.pages_per_block, self.vec, self.unroll
-        )
+        )?;
+        if self.layers_in_block {
+            f.write_str("_lb")?;
+        }
+        Ok(())
     }
 }
 
 impl CopyLaunch {
     /// Launch shapes worth timing for a page of `page_bytes`: a CPU-friendly one (one thread
-    /// walks a page contiguously) and GPU-shaped ones. Shapes the page cannot use are dropped.
+    /// walks a page contiguously), GPU-shaped ones, two with word accesses instead of the
+    /// widest, and two that loop over the layers in the block. Shapes the page cannot use
+    /// are dropped.
     pub fn candidates(page_bytes: u64) -> Vec<CopyLaunch> {
         let v = VecWidth::widest_for(page_bytes);
         let shape = |threads, pages_per_block, unroll| CopyLaunch {
@@ -350,8 +363,17 @@ impl CopyLaunch {
             pages_per_block,
             vec: v,
             unroll,
+            layers_in_block: false,
         };
-        vec![
+        let words = |l: CopyLaunch| CopyLaunch {
+            vec: VecWidth::V4,
+            ..l
+        };
+        let layers_in_block = |l: CopyLaunch| CopyLaunch {
+            layers_in_block: true,
+            ..l
+        };
+        let mut out = vec![
             shape(1, 1, 1),
             shape(1, 4, 1),
             shape(32, 1, 2),
@@ -360,7 +382,13 @@ impl CopyLaunch {
             shape(256, 1, 2),
             shape(128, 2, 2),
             shape(512, 1, 1),
-        ]
+            layers_in_block(shape(1, 4, 1)),
+            layers_in_block(shape(128, 1, 4)),
+        ];
+        if v != VecWidth::V4 && page_bytes % 4 == 0 {
+            out.extend([words(shape(1, 4, 1)), words(shape(128, 1, 4))]);
+        }
+        out
     }
 }
 
@@ -891,8 +919,9 @@ impl KernelSpec {
             KernelSpec::SelectOwnerPages(_) | KernelSpec::ReleasePages(_) => 1,
             KernelSpec::TransferPages(TransferSpec { launch, .. })
             | KernelSpec::Materialise(MaterialiseSpec { launch, .. }) => {
+                let layer_items = if launch.layers_in_block { 1 } else { layers };
                 u64::from(items).div_ceil(u64::from(launch.pages_per_block.max(1)))
-                    * u64::from(layers)
+                    * u64::from(layer_items)
             }
             KernelSpec::Synthesise(_) => u64::from(items) * u64::from(layers),
             KernelSpec::Verify(_) => u64::from(items).min(VERIFY_MAX_BLOCKS),

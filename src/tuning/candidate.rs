@@ -1,6 +1,6 @@
 //! Launch-configuration candidates per kernel family (DESIGN.md §3 "Tuning"): threads per
-//! block, pages per block, vector width and unroll as kernel renders, plus the DMA path for
-//! transfers on a GPU (batched `cuMemcpyAsync`).
+//! block, pages per block, vector width, unroll and where the layer loop runs as kernel
+//! renders, plus the DMA path for transfers on a GPU (batched `cuMemcpyAsync`).
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -25,6 +25,10 @@ pub enum LaunchChoice {
         vec_bytes: u32,
         /// Accesses in flight per thread.
         unroll: u32,
+        /// Whether each work item loops over the layers ([`CopyLaunch::layers_in_block`]);
+        /// absent in files written before it existed, which meant `false`.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        layers_in_block: bool,
     },
     /// Threads per block of the allocator, synthesis and verification families.
     Threads {
@@ -43,7 +47,14 @@ impl fmt::Display for LaunchChoice {
                 pages_per_block,
                 vec_bytes,
                 unroll,
-            } => write!(f, "t{threads}_ppb{pages_per_block}_v{vec_bytes}_u{unroll}"),
+                layers_in_block,
+            } => {
+                write!(f, "t{threads}_ppb{pages_per_block}_v{vec_bytes}_u{unroll}")?;
+                if *layers_in_block {
+                    f.write_str("_lb")?;
+                }
+                Ok(())
+            }
             LaunchChoice::Threads { threads } => write!(f, "t{threads}"),
             LaunchChoice::Dma => f.write_str("dma"),
         }
@@ -59,27 +70,34 @@ impl LaunchChoice {
                 pages_per_block,
                 vec_bytes,
                 unroll,
+                layers_in_block,
             } => Some(CopyLaunch {
                 threads,
                 pages_per_block,
                 vec: vec_width(vec_bytes)?,
                 unroll,
+                layers_in_block,
             }),
             _ => None,
         }
     }
 
-    /// The launch choice a kernel spec embodies.
-    pub fn of_spec(spec: &KernelSpec) -> LaunchChoice {
-        let copy = |l: &CopyLaunch| LaunchChoice::Copy {
+    /// The choice of a copy launch shape.
+    pub fn of_copy(l: &CopyLaunch) -> LaunchChoice {
+        LaunchChoice::Copy {
             threads: l.threads,
             pages_per_block: l.pages_per_block,
             vec_bytes: l.vec.bytes(),
             unroll: l.unroll,
-        };
+            layers_in_block: l.layers_in_block,
+        }
+    }
+
+    /// The launch choice a kernel spec embodies.
+    pub fn of_spec(spec: &KernelSpec) -> LaunchChoice {
         match spec {
-            KernelSpec::TransferPages(s) => copy(&s.launch),
-            KernelSpec::Materialise(s) => copy(&s.launch),
+            KernelSpec::TransferPages(s) => Self::of_copy(&s.launch),
+            KernelSpec::Materialise(s) => Self::of_copy(&s.launch),
             other => LaunchChoice::Threads {
                 threads: other.threads(),
             },
@@ -175,15 +193,21 @@ pub struct Unsupported {
 
 /// The CPU-friendly copy shapes added to the family's own candidates: one thread walks each
 /// page contiguously, with several pages per work item to amortise the per-block cost of the
-/// emulator.
-fn cpu_copy_shapes(vec: VecWidth) -> [CopyLaunch; 3] {
-    let s = |pages_per_block, unroll| CopyLaunch {
+/// emulator, the layers looped in the grid or in the block.
+fn cpu_copy_shapes(vec: VecWidth) -> [CopyLaunch; 4] {
+    let s = |pages_per_block, unroll, layers_in_block| CopyLaunch {
         threads: 1,
         pages_per_block,
         vec,
         unroll,
+        layers_in_block,
     };
-    [s(16, 1), s(64, 1), s(1, 4)]
+    [
+        s(16, 1, false),
+        s(64, 1, false),
+        s(1, 4, false),
+        s(16, 1, true),
+    ]
 }
 
 /// The CPU-friendly copy shape the bench uses as "tuned" on the host when no tuning file
@@ -194,6 +218,7 @@ pub fn host_copy_preset() -> CopyLaunch {
         pages_per_block: 16,
         vec: VecWidth::V16,
         unroll: 1,
+        layers_in_block: false,
     }
 }
 
@@ -212,13 +237,7 @@ pub fn candidates_for(spec: &KernelSpec, backend: Backend, quick: bool) -> Vec<C
     };
     if let Some(vec) = vec {
         for l in cpu_copy_shapes(vec) {
-            let choice = LaunchChoice::Copy {
-                threads: l.threads,
-                pages_per_block: l.pages_per_block,
-                vec_bytes: l.vec.bytes(),
-                unroll: l.unroll,
-            };
-            if let Some(s) = choice.apply_to(spec) {
+            if let Some(s) = LaunchChoice::of_copy(&l).apply_to(spec) {
                 specs.push(s);
             }
         }
@@ -235,8 +254,10 @@ pub fn candidates_for(spec: &KernelSpec, backend: Backend, quick: bool) -> Vec<C
                     unroll,
                     ..
                 } => matches!(
+                    // The CPU shape with the layer loop in the grid and in the block, and
+                    // one wide GPU shape.
                     (threads, pages_per_block, unroll),
-                    (1, 1, 1) | (1, 16, 1) | (256, 1, 2)
+                    (1, 16, 1) | (256, 1, 2)
                 ),
                 LaunchChoice::Threads { threads } => matches!(threads, 1 | 32 | 256),
                 LaunchChoice::Dma => false,
@@ -304,5 +325,25 @@ mod tests {
             assert!(quick.len() <= 4 && quick.len() <= full.len());
             assert!(quick.iter().all(|c| full.contains(c)));
         }
+    }
+
+    #[test]
+    fn copy_choices_without_the_layer_loop_field_read_as_the_grid_form() {
+        let old = r#"{"kind":"copy","threads":1,"pages_per_block":16,"vec_bytes":16,"unroll":1}"#;
+        let c: LaunchChoice = serde_json::from_str(old).unwrap();
+        assert_eq!(c.copy_launch().map(|l| l.layers_in_block), Some(false));
+        assert_eq!(
+            serde_json::to_string(&c).unwrap(),
+            old,
+            "the grid form writes as before"
+        );
+        let lb = LaunchChoice::of_copy(&CopyLaunch {
+            layers_in_block: true,
+            ..c.copy_launch().unwrap()
+        });
+        let text = serde_json::to_string(&lb).unwrap();
+        assert!(text.contains(r#""layers_in_block":true"#), "{text}");
+        assert_eq!(serde_json::from_str::<LaunchChoice>(&text).unwrap(), lb);
+        assert_eq!(lb.to_string(), "t1_ppb16_v16_u1_lb");
     }
 }

@@ -315,13 +315,14 @@ impl Copied {
 }
 
 /// The CPU copy shape: one thread per page, one page per block, no unrolling, with vector
-/// width `vec`.
+/// width `vec`, each layer a work item of its own.
 pub fn cpu_copy_launch(vec: VecWidth) -> CopyLaunch {
     CopyLaunch {
         threads: 1,
         pages_per_block: 1,
         vec,
         unroll: 1,
+        layers_in_block: false,
     }
 }
 
