@@ -73,7 +73,7 @@ pub struct BenchArgs {
     /// Compile (NVRTC, sm_90) every kernel `bench`, `bench --check` and `tune --quick` load on
     /// a GPU into the JIT cache, without running anything: prepares a cache for a GPU machine
     /// without NVRTC (`CP_HICACHE_JIT=off`).
-    #[arg(long, hide = true)]
+    #[arg(long)]
     pub prebuild: bool,
 }
 
@@ -184,6 +184,10 @@ fn prebuild(jit: &Jit, deps: &[crate::kernels::Deployment]) -> Result<ExitCode, 
         });
     }
     let results = jit.warm_up(&requests);
+    // No NVRTC fails every kernel alike: one line, as from `compile`, not one per kernel.
+    if let Some(code) = super::compile::compiler_missing(jit, &results, target) {
+        return Ok(code);
+    }
     let mut failed = 0;
     for (req, r) in requests.iter().zip(&results) {
         if let Err(e) = r {

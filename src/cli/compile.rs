@@ -229,7 +229,7 @@ fn warm_up(jit: &Jit, items: &[Item], target: Target) -> Vec<Result<CompiledKern
 
 /// When the compiler itself is missing (and JIT-off prebuilt lookup did not serve everything),
 /// prints one line with the install hint and returns exit status 1.
-fn compiler_missing(
+pub(super) fn compiler_missing(
     jit: &Jit,
     results: &[Result<CompiledKernel, JitError>],
     target: Target,
