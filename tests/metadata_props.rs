@@ -125,10 +125,8 @@ fn hostile_constructions_are_errors() {
     assert!(m.check_layout(&layout).is_ok());
 }
 
-/// The framing errors by name: a decoder that reported every failure alike would still pass
-/// the "never panics, always an error" properties.
-#[test]
-fn framing_errors_are_typed() {
+/// A valid encoding for CP 2 and the layout it decodes with.
+fn encoded() -> (Vec<u8>, CpLayout) {
     let layout = CpLayout::new(2, 64, 100).unwrap();
     let m = NodeMetadata::new(
         &layout,
@@ -139,23 +137,38 @@ fn framing_errors_are_typed() {
     .unwrap();
     let bytes = m.encode();
     assert_eq!(NodeMetadata::decode(&bytes, &layout).unwrap(), m);
+    (bytes, layout)
+}
 
-    let cut = &bytes[..bytes.len() - 1];
+// The framing errors by name: a decoder that reported every failure alike would still pass
+// the "never panics, always an error" properties above.
+
+#[test]
+fn a_truncated_encoding_is_truncated() {
+    let (bytes, layout) = encoded();
     assert!(matches!(
-        NodeMetadata::decode(cut, &layout),
+        NodeMetadata::decode(&bytes[..bytes.len() - 1], &layout),
         Err(MetadataError::Truncated { needed, available })
             if needed == bytes.len() && available == bytes.len() - 1
     ));
-    let mut magic = bytes.clone();
-    magic[0] ^= 0xff;
+}
+
+#[test]
+fn a_bad_magic_is_bad_magic() {
+    let (mut bytes, layout) = encoded();
+    bytes[0] ^= 0xff;
     assert!(matches!(
-        NodeMetadata::decode(&magic, &layout),
-        Err(MetadataError::BadMagic { found }) if found[..] == magic[..4]
+        NodeMetadata::decode(&bytes, &layout),
+        Err(MetadataError::BadMagic { found }) if found[..] == bytes[..4]
     ));
-    let mut version = bytes.clone();
-    version[4] = ENCODING_VERSION + 1;
+}
+
+#[test]
+fn a_future_version_is_unsupported() {
+    let (mut bytes, layout) = encoded();
+    bytes[4] = ENCODING_VERSION + 1;
     assert!(matches!(
-        NodeMetadata::decode(&version, &layout),
+        NodeMetadata::decode(&bytes, &layout),
         Err(MetadataError::UnsupportedVersion { found, supported })
             if found == ENCODING_VERSION + 1 && supported == ENCODING_VERSION
     ));
