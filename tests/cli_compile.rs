@@ -245,26 +245,45 @@ fn compile_json_cold_then_warm() {
 }
 
 /// With NVRTC hidden, `compile` ends with one line naming the install hint (exit 1). A machine
-/// with NVRTC in a system location still finds it; then the run simply succeeds.
+/// with NVRTC in a system location still finds it; then the run succeeds, and `info` under the
+/// same environment must name that copy, so a compile that succeeds without NVRTC cannot pass
+/// for one.
 #[test]
 fn compile_without_nvrtc_prints_one_line_hint() {
     let tmp = tempfile::tempdir().unwrap();
-    let out = run(bin()
-        .args(["compile", "--deployment", "nsa_ps64_cp1"])
-        .env("CP_HICACHE_CACHE_DIR", tmp.path().join("cache"))
-        .env(
-            "CP_HICACHE_NVRTC",
-            tmp.path().join("missing/libnvrtc.so.12"),
-        )
-        .env("HOME", tmp.path())
-        .env("PATH", tmp.path())
-        .env_remove("CUDA_HOME")
-        .env_remove("CUDA_PATH")
-        .env_remove("VIRTUAL_ENV")
-        .env_remove("CONDA_PREFIX")
-        .env_remove("LD_LIBRARY_PATH"));
+    let hidden = |c: &mut Command| {
+        c.env("CP_HICACHE_CACHE_DIR", tmp.path().join("cache"))
+            .env(
+                "CP_HICACHE_NVRTC",
+                tmp.path().join("missing/libnvrtc.so.12"),
+            )
+            .env("HOME", tmp.path())
+            .env("PATH", tmp.path())
+            .env_remove("CUDA_HOME")
+            .env_remove("CUDA_PATH")
+            .env_remove("VIRTUAL_ENV")
+            .env_remove("CONDA_PREFIX")
+            .env_remove("LD_LIBRARY_PATH");
+    };
+    let mut compile = bin();
+    compile.args(["compile", "--deployment", "nsa_ps64_cp1"]);
+    hidden(&mut compile);
+    let out = run(&mut compile);
     if out.status.success() {
-        println!("NVRTC found outside the hidden locations; nothing to check");
+        let mut info = bin();
+        info.args(["info", "--json"]);
+        hidden(&mut info);
+        let info = run(&mut info);
+        let report: serde_json::Value = serde_json::from_slice(&info.stdout).unwrap();
+        let nvrtc = &report["nvrtc"];
+        assert_eq!(
+            nvrtc["ok"], true,
+            "compile succeeded with NVRTC hidden, but info finds none: {nvrtc}"
+        );
+        println!(
+            "NVRTC found outside the hidden locations ({}); nothing to check",
+            nvrtc["detail"]
+        );
         return;
     }
     assert_eq!(out.status.code(), Some(1));

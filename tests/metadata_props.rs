@@ -2,7 +2,7 @@
 //! bytes never panic the decoder.
 
 use cp_hicache::layout::{CpLayout, Rank};
-use cp_hicache::metadata::{HostPage, NodeMetadata};
+use cp_hicache::metadata::{HostPage, MetadataError, NodeMetadata, ENCODING_VERSION};
 use proptest::prelude::*;
 
 /// A valid metadata value: random layout, owners, rank, and distinct host pages.
@@ -81,15 +81,34 @@ fn layout_of(m: &NodeMetadata) -> CpLayout {
     CpLayout::new(m.cp().into(), m.page_size(), u32::from(m.cp()) + 1).unwrap()
 }
 
+/// Each misuse is refused by its own guard: matching the variant proves which check fired.
 #[test]
 fn hostile_constructions_are_errors() {
     let layout = CpLayout::new(2, 64, 100).unwrap();
-    assert!(NodeMetadata::new(&layout, Rank(2), vec![], vec![]).is_err());
-    assert!(NodeMetadata::new(&layout, Rank(0), vec![0, 255], vec![HostPage(1)]).is_err());
-    assert!(NodeMetadata::new(&layout, Rank(0), vec![0, 0], vec![HostPage(1)]).is_err());
-    assert!(
-        NodeMetadata::new(&layout, Rank(0), vec![0, 0], vec![HostPage(1), HostPage(1)]).is_err()
-    );
+    let new = |rank, owners, host: &[u32]| {
+        NodeMetadata::new(
+            &layout,
+            Rank(rank),
+            owners,
+            host.iter().copied().map(HostPage).collect(),
+        )
+    };
+    assert!(matches!(
+        new(2, vec![], &[]),
+        Err(MetadataError::RankOutOfRange { rank: 2, cp: 2 })
+    ));
+    assert!(matches!(
+        new(0, vec![0, 255], &[1]),
+        Err(MetadataError::OwnerOutOfRange { .. })
+    ));
+    assert!(matches!(
+        new(0, vec![0, 0], &[1]),
+        Err(MetadataError::HostCountMismatch { .. })
+    ));
+    assert!(matches!(
+        new(0, vec![0, 0], &[1, 1]),
+        Err(MetadataError::DuplicateHostPage { page: 1 })
+    ));
     let layout = CpLayout::new(4, 64, 100).unwrap();
     let m = NodeMetadata::new(
         &layout,
@@ -99,6 +118,58 @@ fn hostile_constructions_are_errors() {
     )
     .unwrap();
     let other = CpLayout::new(4, 16, 100).unwrap();
-    assert!(m.check_layout(&other).is_err());
+    assert!(matches!(
+        m.check_layout(&other),
+        Err(MetadataError::PageSizeMismatch { .. })
+    ));
     assert!(m.check_layout(&layout).is_ok());
+}
+
+/// A valid encoding for CP 2 and the layout it decodes with.
+fn encoded() -> (Vec<u8>, CpLayout) {
+    let layout = CpLayout::new(2, 64, 100).unwrap();
+    let m = NodeMetadata::new(
+        &layout,
+        Rank(0),
+        vec![0, 1, 0],
+        vec![HostPage(4), HostPage(9)],
+    )
+    .unwrap();
+    let bytes = m.encode();
+    assert_eq!(NodeMetadata::decode(&bytes, &layout).unwrap(), m);
+    (bytes, layout)
+}
+
+// The framing errors by name: a decoder that reported every failure alike would still pass
+// the "never panics, always an error" properties above.
+
+#[test]
+fn a_truncated_encoding_is_truncated() {
+    let (bytes, layout) = encoded();
+    assert!(matches!(
+        NodeMetadata::decode(&bytes[..bytes.len() - 1], &layout),
+        Err(MetadataError::Truncated { needed, available })
+            if needed == bytes.len() && available == bytes.len() - 1
+    ));
+}
+
+#[test]
+fn a_bad_magic_is_bad_magic() {
+    let (mut bytes, layout) = encoded();
+    bytes[0] ^= 0xff;
+    assert!(matches!(
+        NodeMetadata::decode(&bytes, &layout),
+        Err(MetadataError::BadMagic { found }) if found[..] == bytes[..4]
+    ));
+}
+
+#[test]
+fn a_future_version_is_unsupported() {
+    let (mut bytes, layout) = encoded();
+    bytes[4] = ENCODING_VERSION + 1;
+    assert!(matches!(
+        NodeMetadata::decode(&bytes, &layout),
+        Err(MetadataError::UnsupportedVersion { found, supported })
+            if found == ENCODING_VERSION + 1 && supported == ENCODING_VERSION
+    ));
 }

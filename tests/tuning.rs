@@ -1,6 +1,9 @@
 //! Tuning: the file round trip, entries from another device or compiler ignored with a
 //! warning (never misapplied), matching entries applied through the one-call API, and a real
 //! quick tuning run on the host executor in which a broken candidate is dropped.
+//!
+//! The host runs need a C++ compiler; without one they print one line and pass, unless
+//! `CP_HICACHE_REQUIRE_HOSTCC=1`.
 
 use cp_hicache::exec::{Backend, HostExecutor, HostOptions};
 use cp_hicache::jit::{Jit, JitConfig, SourceHook, EMU_HEADER};
@@ -299,13 +302,22 @@ fn bad_files_are_errors_not_guesses() {
     ));
 }
 
+/// Says why a host run is skipped, or fails under `CP_HICACHE_REQUIRE_HOSTCC=1` (CI has a
+/// compiler, so a skip there would be a silent pass).
+fn skip_without_compiler(e: &dyn std::fmt::Display) {
+    if std::env::var("CP_HICACHE_REQUIRE_HOSTCC").as_deref() == Ok("1") {
+        panic!("CP_HICACHE_REQUIRE_HOSTCC=1 but: no host C++ compiler: {e}");
+    }
+    eprintln!("skipping: no host C++ compiler: {e}");
+}
+
 /// A quick tune of `mla_ps16_cp8` on the host executor (small sizes, one repeat) with
 /// candidate sources edited by `hook`; `None` (after saying so) without a C++ compiler.
 fn quick_host_tune(hook: SourceHook<'_>) -> Option<(Deployment, DeviceKey, Vec<TuningEntry>)> {
     let cache = tempfile::tempdir().unwrap();
     let jit = Jit::new(JitConfig::new(cache.path(), EMU_HEADER));
     if let Err(e) = jit.host_compiler() {
-        eprintln!("skipping: no host C++ compiler: {e}");
+        skip_without_compiler(&e);
         return None;
     }
     let exec = HostExecutor::new(HostOptions::default());
@@ -424,7 +436,7 @@ fn warm_up_compiles_the_tuned_kernels() {
         EMU_HEADER,
     ));
     if let Err(e) = jit.host_compiler() {
-        eprintln!("skipping: no host C++ compiler: {e}");
+        skip_without_compiler(&e);
         return;
     }
     let exec = HostExecutor::new(HostOptions::default());

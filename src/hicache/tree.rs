@@ -998,6 +998,7 @@ impl RadixTree {
         if device.is_empty() && host_nodes.is_empty() {
             return Ok((freed_pages, freed_meta));
         }
+        self.check_stale_unlocked(device, host_nodes)?;
         // Device values: the stale nodes and everything below them.
         let mut stack: Vec<NodeId> = self
             .live_nodes()
@@ -1059,6 +1060,52 @@ impl RadixTree {
             }
         }
         Ok((freed_pages, freed_meta))
+    }
+
+    /// Refuses a [`RadixTree::drop_stale`] that would remove a locked node, before anything
+    /// changes: it finds the nodes the call would leave empty (same rules, read-only) and
+    /// checks their subtrees.
+    fn check_stale_unlocked(
+        &self,
+        device: &BTreeSet<PageId>,
+        host_nodes: &BTreeSet<NodeId>,
+    ) -> Result<(), TreeError> {
+        let mut loses_device = HashSet::new();
+        let mut stack: Vec<NodeId> = self
+            .live_nodes()
+            .filter(|(_, n)| {
+                n.device
+                    .as_ref()
+                    .is_some_and(|d| d.iter().any(|p| device.contains(p)))
+            })
+            .map(|(id, _)| id)
+            .collect();
+        while let Some(id) = stack.pop() {
+            let n = self.get(id)?;
+            if n.device.is_some() && loses_device.insert(id) {
+                stack.extend(n.children.values().copied());
+            }
+        }
+        for (id, n) in self.live_nodes() {
+            let empty = id != NodeId::ROOT
+                && (n.device.is_none() || loses_device.contains(&id))
+                && (n.host.is_none() || host_nodes.contains(&id));
+            if !empty {
+                continue;
+            }
+            let mut stack = vec![id];
+            while let Some(d) = stack.pop() {
+                let dn = self.get(d)?;
+                if dn.lock > 0 {
+                    return Err(TreeError::Locked {
+                        node: d,
+                        count: dn.lock,
+                    });
+                }
+                stack.extend(dn.children.values().copied());
+            }
+        }
+        Ok(())
     }
 
     /// SHA-256 over everything that must agree across ranks, in canonical order: layout,
@@ -1716,6 +1763,199 @@ mod tests {
             Err(TreeError::WouldEmpty { .. })
         ));
         t.check_invariants().unwrap();
+    }
+
+    /// Runs `misuse` on `t` and records in `broken` unless it fails with exactly `want` and
+    /// leaves the digest, the host pages (which the digest leaves out) and the invariants as
+    /// they were.
+    fn refused(
+        broken: &mut Vec<String>,
+        name: &str,
+        t: &mut RadixTree,
+        misuse: impl FnOnce(&mut RadixTree) -> Result<(), TreeError>,
+        want: TreeError,
+    ) {
+        let host = |t: &RadixTree| -> Vec<(NodeId, Vec<HostPage>)> {
+            t.node_ids()
+                .into_iter()
+                .filter_map(|id| Some((id, t.node(id).ok()?.host()?.host_pages().to_vec())))
+                .collect()
+        };
+        let (digest, held) = (t.digest(), host(t));
+        match misuse(t) {
+            Err(e) if e == want => {}
+            other => broken.push(format!("{name}: got {other:?}, want Err({want:?})")),
+        }
+        if t.digest() != digest || host(t) != held {
+            broken.push(format!("{name}: the refused call changed the tree"));
+        }
+        if let Err(e) = t.check_invariants() {
+            broken.push(format!("{name}: {e}"));
+        }
+    }
+
+    /// Every state guard refuses its misuse with its own variant and changes nothing: these
+    /// guards stop a device or host page from being held twice and KV from being taken from
+    /// under a request, and no other test drives the tree into them. Each case starts from a
+    /// fresh tree and failures are collected, so a mutant names every guard it broke. Each
+    /// misuse would succeed without its guard (right owners, free pages).
+    #[test]
+    fn misuse_is_refused_and_changes_nothing() {
+        let layout = CpLayout::new(2, 1, 64).unwrap();
+        let owners =
+            |p: &[u32]| -> Vec<u8> { p.iter().map(|&p| layout.owner(PageId(p)).0).collect() };
+        let meta = |rank: u8, owners: Vec<u8>, host: &[u32]| {
+            let host = host.iter().copied().map(HostPage).collect();
+            NodeMetadata::new(&layout, Rank(rank), owners, host).unwrap()
+        };
+        // a [2, 3] on the device, backed up in host page 1; its child b [4] on the device
+        // only; c host-only in host page 2.
+        let fixture = || {
+            let mut t = RadixTree::new(layout, Rank(0)).unwrap();
+            let a = t.insert(&[1, 2], &pages(&[2, 3])).unwrap().node;
+            let b = t.insert(&[1, 2, 3], &pages(&[12, 13, 4])).unwrap().node;
+            let c = t.insert(&[5, 6], &pages(&[10, 11])).unwrap().node;
+            t.set_host(a, meta(0, owners(&[2, 3]), &[1])).unwrap();
+            t.set_host(c, meta(0, owners(&[10, 11]), &[2])).unwrap();
+            t.take_device(c).unwrap();
+            t.check_invariants().unwrap();
+            (t, a, b, c)
+        };
+        let mut broken = Vec::new();
+        let bad = &mut broken;
+
+        let (mut t, a, _, _) = fixture();
+        let want = TreeError::AlreadyOnDevice { node: a };
+        refused(
+            bad,
+            "AlreadyOnDevice",
+            &mut t,
+            |t| t.set_device(a, pages(&[8, 9])),
+            want,
+        );
+
+        let (mut t, _, _, c) = fixture();
+        let want = TreeError::PageCount {
+            node: c,
+            expected: 2,
+            found: 1,
+        };
+        refused(
+            bad,
+            "set_device PageCount",
+            &mut t,
+            |t| t.set_device(c, pages(&[6])),
+            want,
+        );
+
+        let (mut t, _, b, _) = fixture();
+        let want = TreeError::RankMismatch {
+            expected: 0,
+            found: 1,
+        };
+        let m = meta(1, owners(&[4]), &[]);
+        refused(bad, "RankMismatch", &mut t, |t| t.set_host(b, m), want);
+
+        let (mut t, a, _, _) = fixture();
+        let want = TreeError::AlreadyOnHost { node: a };
+        let m = meta(0, owners(&[2, 3]), &[5]);
+        refused(bad, "AlreadyOnHost", &mut t, |t| t.set_host(a, m), want);
+
+        let (mut t, _, b, _) = fixture();
+        let want = TreeError::PageCount {
+            node: b,
+            expected: 1,
+            found: 2,
+        };
+        let m = meta(0, owners(&[4, 6]), &[7, 8]);
+        refused(
+            bad,
+            "set_host PageCount",
+            &mut t,
+            |t| t.set_host(b, m),
+            want,
+        );
+
+        let (mut t, _, b, _) = fixture();
+        let want = TreeError::HostPageHeld { page: HostPage(1) };
+        let m = meta(0, owners(&[4]), &[1]); // a's host page
+        refused(bad, "HostPageHeld", &mut t, |t| t.set_host(b, m), want);
+
+        let (mut t, _, b, _) = fixture();
+        t.set_host(b, meta(0, owners(&[4]), &[3])).unwrap();
+        t.lock(b).unwrap();
+        let want = TreeError::Locked { node: b, count: 1 };
+        refused(
+            bad,
+            "take_device Locked",
+            &mut t,
+            |t| t.take_device(b).map(drop),
+            want,
+        );
+
+        // b's page went stale: b would be left empty and removed, but a request holds it.
+        let (mut t, _, b, _) = fixture();
+        t.lock(b).unwrap();
+        let stale = BTreeSet::from([PageId(4)]);
+        let want = TreeError::Locked { node: b, count: 1 };
+        let drop_b = |t: &mut RadixTree| t.drop_stale(&stale, &BTreeSet::new()).map(drop);
+        refused(bad, "drop_stale Locked", &mut t, drop_b, want);
+
+        // A handle to a reused slot, or to a slot that never existed, names no node.
+        let (mut t, a, _, _) = fixture();
+        let gone = NodeId {
+            index: a.index,
+            generation: a.generation + 1,
+        };
+        let want = TreeError::UnknownNode { node: gone };
+        refused(
+            bad,
+            "UnknownNode",
+            &mut t,
+            |t| t.set_device(gone, pages(&[8, 9])),
+            want,
+        );
+        let never = NodeId {
+            index: 99,
+            generation: 0,
+        };
+        let want = TreeError::UnknownNode { node: never };
+        refused(
+            bad,
+            "UnknownNode",
+            &mut t,
+            |t| t.take_device(never).map(drop),
+            want,
+        );
+
+        let (mut t, ..) = fixture();
+        let root = NodeId::ROOT;
+        let want = |op| TreeError::Root { op };
+        refused(
+            bad,
+            "Root",
+            &mut t,
+            |t| t.set_device(root, vec![]),
+            want("set_device"),
+        );
+        let m = meta(0, vec![], &[]);
+        refused(
+            bad,
+            "Root",
+            &mut t,
+            |t| t.set_host(root, m),
+            want("set_host"),
+        );
+        let take = |t: &mut RadixTree| t.take_device(root).map(drop);
+        refused(bad, "Root", &mut t, take, want("take_device"));
+        let take = |t: &mut RadixTree| t.take_host(root).map(drop);
+        refused(bad, "Root", &mut t, take, want("take_host"));
+
+        assert!(
+            broken.is_empty(),
+            "guards that did not hold:\n{}",
+            broken.join("\n")
+        );
     }
 
     #[test]

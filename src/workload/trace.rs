@@ -265,6 +265,11 @@ mod tests {
                 "{\"input_length\": 10, \"output_length\": -1, \"hash_ids\": [3]}",
                 "output_length",
             ),
+            // A negative id would otherwise just wrap to another token stream.
+            (
+                "{\"input_length\": 10, \"output_length\": 1, \"hash_ids\": [-1]}",
+                "hash id -1 is negative",
+            ),
             (
                 "{\"timestamp\": -2.5, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [3]}",
                 "timestamp -2.5 is out of range: it must be a finite number >= 0",
