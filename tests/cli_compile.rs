@@ -290,6 +290,16 @@ fn compile_without_nvrtc_prints_one_line_hint() {
     let stderr = text(&out.stderr);
     assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
     assert!(stderr.contains(NOT_FOUND_HINT), "{stderr}");
+    // `bench --prebuild` (the CUBIN cache for a GPU machine) ends the same way, not with one
+    // error per kernel.
+    let mut prebuild = bin();
+    prebuild.args(["bench", "--prebuild", "--deployment", "nsa_ps64_cp1"]);
+    hidden(&mut prebuild);
+    let out = run(&mut prebuild);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = text(&out.stderr);
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(stderr.contains(NOT_FOUND_HINT), "{stderr}");
 }
 
 /// A stand-in `$CXX`: answers the version probes and "compiles" by writing its arguments to the
