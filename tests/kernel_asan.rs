@@ -306,6 +306,38 @@ fn replay_without_the_asan_runtime_is_refused_before_compiling() {
     );
 }
 
+/// `bench`, `bench --check` and `tune` refuse the same way, with one error before compiling,
+/// not one per kernel.
+#[test]
+fn bench_and_tune_without_the_asan_runtime_are_refused_once() {
+    for args in [
+        &["bench", "--quick"][..],
+        &["bench", "--check", "--deployment", "mla_ps16_cp1"],
+        &["tune", "--quick", "--deployment", "mla_ps16_cp1"],
+    ] {
+        let cache = tempfile::tempdir().unwrap();
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+            .args(args)
+            .env("CP_HICACHE_CACHE_DIR", cache.path())
+            .env(SANITIZE_ENV, "address")
+            .env_remove("LD_PRELOAD")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        let errors: Vec<_> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
+        assert_eq!(errors.len(), 1, "{args:?}: {stderr}");
+        assert!(
+            errors[0].contains("LD_PRELOAD=$(c++ -print-file-name=libasan.so)"),
+            "{stderr}"
+        );
+        assert!(
+            !cache.path().join("host-asan").exists(),
+            "{args:?}: compiled before refusing"
+        );
+    }
+}
+
 /// The README recipe: with the runtime preloaded (which the compiler children must not
 /// inherit), a small replay runs ASan builds of every kernel and verifies every token.
 #[test]

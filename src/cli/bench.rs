@@ -106,6 +106,9 @@ pub(super) fn run(args: &BenchArgs) -> Result<ExitCode, crate::Error> {
         eprintln!("warning: {w}");
     }
     let exec = open_executor(args.executor.backend)?;
+    // A target no kernel can be built for here (an ASan build without the runtime, a GPU no
+    // architecture runs) is one error up front, not one per kernel.
+    crate::tuning::measure::target_for(exec.as_ref())?;
     if args.check {
         return run_check(exec.as_ref(), &jit, &deps, args.inject);
     }

@@ -55,6 +55,8 @@ pub(super) fn run(args: &TuneArgs) -> Result<ExitCode, crate::Error> {
     let path = args.out.clone().unwrap_or_else(tuning::default_path);
     check_merge_target(&path, args.out.is_some())?;
     let exec = open_executor(args.executor.backend)?;
+    // As in bench: one error up front when no kernel can be built for this executor.
+    crate::tuning::measure::target_for(exec.as_ref())?;
     let jit = Jit::new(JitConfig::from_env(EMU_HEADER)?);
     let bar = progress_bar(format!("tuning {} on {}", dep.name, exec.backend()));
     let on_event = |ev: TuneEvent| {
