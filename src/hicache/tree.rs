@@ -968,6 +968,18 @@ impl RadixTree {
         Ok(plan)
     }
 
+    /// Nodes whose device value holds one of `device`.
+    fn nodes_holding_device(&self, device: &BTreeSet<PageId>) -> Vec<NodeId> {
+        self.live_nodes()
+            .filter(|(_, n)| {
+                n.device
+                    .as_ref()
+                    .is_some_and(|d| d.iter().any(|p| device.contains(p)))
+            })
+            .map(|(id, _)| id)
+            .collect()
+    }
+
     /// Nodes whose host metadata references one of `host` (this rank's host pages).
     pub fn nodes_holding_host(&self, host: &BTreeSet<HostPage>) -> BTreeSet<NodeId> {
         self.live_nodes()
@@ -1000,15 +1012,7 @@ impl RadixTree {
         }
         self.check_stale_unlocked(device, host_nodes)?;
         // Device values: the stale nodes and everything below them.
-        let mut stack: Vec<NodeId> = self
-            .live_nodes()
-            .filter(|(_, n)| {
-                n.device
-                    .as_ref()
-                    .is_some_and(|d| d.iter().any(|p| device.contains(p)))
-            })
-            .map(|(id, _)| id)
-            .collect();
+        let mut stack = self.nodes_holding_device(device);
         while let Some(id) = stack.pop() {
             let n = self.get_mut(id)?;
             if let Some(d) = n.device.take() {
@@ -1071,15 +1075,7 @@ impl RadixTree {
         host_nodes: &BTreeSet<NodeId>,
     ) -> Result<(), TreeError> {
         let mut loses_device = HashSet::new();
-        let mut stack: Vec<NodeId> = self
-            .live_nodes()
-            .filter(|(_, n)| {
-                n.device
-                    .as_ref()
-                    .is_some_and(|d| d.iter().any(|p| device.contains(p)))
-            })
-            .map(|(id, _)| id)
-            .collect();
+        let mut stack = self.nodes_holding_device(device);
         while let Some(id) = stack.pop() {
             let n = self.get(id)?;
             if n.device.is_some() && loses_device.insert(id) {
