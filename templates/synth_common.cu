@@ -7,7 +7,8 @@ static __device__ inline u64 chc_mix64(u64 z)
     return z ^ (z >> 31);
 }
 
-// The random word of element e of field `field` of a token with prefix hash h in `layer`.
+// Random word d of field `field` of a token with prefix hash h in `layer`; it holds the
+// elements d * per_draw .. of the field, one lane each, low lane first.
 static __device__ inline u64 chc_draw(u64 h, u32 layer, u32 field, u32 e)
 {
     const u64 key = ((u64)layer << 40) ^ ((u64)BUFFER_ID << 32) ^ ((u64)field << 24) ^ (u64)e;

@@ -24,12 +24,17 @@ extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}({# parameters: K
         const u64 left = n_tokens - t0;
         const u32 real = left < PAGE_SIZE ? (u32)left : PAGE_SIZE;
 {%- for f in fields %}
-        // field {{ f.id }}: {{ f.count }} x {{ f.dtype }} per token
-        for (u32 x = threadIdx.x; x < real * {{ f.count }}u; x += THREADS) {
-            const u32 j = x / {{ f.count }}u;
-            const u32 e = x % {{ f.count }}u;
-            const u64 r = chc_draw(prefix_hash[t0 + j], layer, {{ f.id }}u, e);
-            *({{ f.ctype }}*)(dst + {{ f.base }}u + j * {{ f.tok_stride }}u + e * {{ f.size }}u) = {{ f.enc }}(r);
+        // field {{ f.id }}: {{ f.count }} x {{ f.dtype }} per token, {{ f.per_draw }} per draw
+        for (u32 x = threadIdx.x; x < real * {{ f.draws }}u; x += THREADS) {
+            const u32 j = x / {{ f.draws }}u;
+            const u32 d = x % {{ f.draws }}u;
+            const u64 r = chc_draw(prefix_hash[t0 + j], layer, {{ f.id }}u, d);
+            for (u32 s = 0; s < {{ f.per_draw }}u; ++s) {
+                const u32 e = d * {{ f.per_draw }}u + s;
+                if (e < {{ f.count }}u) {
+                    *({{ f.ctype }}*)(dst + {{ f.base }}u + j * {{ f.tok_stride }}u + e * {{ f.size }}u) = {{ f.enc }}(r >> (s * {{ f.lane_bits }}u));
+                }
+            }
         }
 {%- endfor %}
     }

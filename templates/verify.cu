@@ -18,11 +18,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}({# parameters: K
         for (u32 layer = 0; layer < layers; ++layer) {
             const u8* src = dense + ((u64)layer * n_pages + i) * PAGE_BYTES;
 {%- for f in fields %}
-            // field {{ f.id }}: {{ f.count }} x {{ f.dtype }} per token
-            for (u32 e = threadIdx.x; e < {{ f.count }}u; e += THREADS) {
-                const u64 r = chc_draw(h, layer, {{ f.id }}u, e);
-                if (*(const {{ f.ctype }}*)(src + {{ f.base }}u + j * {{ f.tok_stride }}u + e * {{ f.size }}u) != {{ f.enc }}(r)) {
-                    bad = 1u;
+            // field {{ f.id }}: {{ f.count }} x {{ f.dtype }} per token, {{ f.per_draw }} per draw
+            for (u32 d = threadIdx.x; d < {{ f.draws }}u; d += THREADS) {
+                const u64 r = chc_draw(h, layer, {{ f.id }}u, d);
+                for (u32 s = 0; s < {{ f.per_draw }}u; ++s) {
+                    const u32 e = d * {{ f.per_draw }}u + s;
+                    if (e < {{ f.count }}u && *(const {{ f.ctype }}*)(src + {{ f.base }}u + j * {{ f.tok_stride }}u + e * {{ f.size }}u) != {{ f.enc }}(r >> (s * {{ f.lane_bits }}u))) {
+                        bad = 1u;
+                    }
                 }
             }
 {%- endfor %}

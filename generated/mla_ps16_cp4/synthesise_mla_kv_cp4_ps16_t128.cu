@@ -23,7 +23,8 @@ static __device__ inline u64 chc_mix64(u64 z)
     return z ^ (z >> 31);
 }
 
-// The random word of element e of field `field` of a token with prefix hash h in `layer`.
+// Random word d of field `field` of a token with prefix hash h in `layer`; it holds the
+// elements d * per_draw .. of the field, one lane each, low lane first.
 static __device__ inline u64 chc_draw(u64 h, u32 layer, u32 field, u32 e)
 {
     const u64 key = ((u64)layer << 40) ^ ((u64)BUFFER_ID << 32) ^ ((u64)field << 24) ^ (u64)e;
@@ -78,12 +79,17 @@ extern "C" __global__ void __launch_bounds__(THREADS) synthesise_mla_kv_cp4_ps16
         const u64 t0 = (u64)i << LOG2_PAGE_SIZE;
         const u64 left = n_tokens - t0;
         const u32 real = left < PAGE_SIZE ? (u32)left : PAGE_SIZE;
-        // field 0: 576 x bf16 per token
-        for (u32 x = threadIdx.x; x < real * 576u; x += THREADS) {
-            const u32 j = x / 576u;
-            const u32 e = x % 576u;
-            const u64 r = chc_draw(prefix_hash[t0 + j], layer, 0u, e);
-            *(u16*)(dst + 0u + j * 1152u + e * 2u) = chc_enc_bf16(r);
+        // field 0: 576 x bf16 per token, 4 per draw
+        for (u32 x = threadIdx.x; x < real * 144u; x += THREADS) {
+            const u32 j = x / 144u;
+            const u32 d = x % 144u;
+            const u64 r = chc_draw(prefix_hash[t0 + j], layer, 0u, d);
+            for (u32 s = 0; s < 4u; ++s) {
+                const u32 e = d * 4u + s;
+                if (e < 576u) {
+                    *(u16*)(dst + 0u + j * 1152u + e * 2u) = chc_enc_bf16(r >> (s * 16u));
+                }
+            }
         }
     }
 }

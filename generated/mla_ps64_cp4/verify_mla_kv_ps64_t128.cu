@@ -22,7 +22,8 @@ static __device__ inline u64 chc_mix64(u64 z)
     return z ^ (z >> 31);
 }
 
-// The random word of element e of field `field` of a token with prefix hash h in `layer`.
+// Random word d of field `field` of a token with prefix hash h in `layer`; it holds the
+// elements d * per_draw .. of the field, one lane each, low lane first.
 static __device__ inline u64 chc_draw(u64 h, u32 layer, u32 field, u32 e)
 {
     const u64 key = ((u64)layer << 40) ^ ((u64)BUFFER_ID << 32) ^ ((u64)field << 24) ^ (u64)e;
@@ -71,11 +72,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) verify_mla_kv_ps64_t128(
         u32 bad = 0u;
         for (u32 layer = 0; layer < layers; ++layer) {
             const u8* src = dense + ((u64)layer * n_pages + i) * PAGE_BYTES;
-            // field 0: 576 x bf16 per token
-            for (u32 e = threadIdx.x; e < 576u; e += THREADS) {
-                const u64 r = chc_draw(h, layer, 0u, e);
-                if (*(const u16*)(src + 0u + j * 1152u + e * 2u) != chc_enc_bf16(r)) {
-                    bad = 1u;
+            // field 0: 576 x bf16 per token, 4 per draw
+            for (u32 d = threadIdx.x; d < 144u; d += THREADS) {
+                const u64 r = chc_draw(h, layer, 0u, d);
+                for (u32 s = 0; s < 4u; ++s) {
+                    const u32 e = d * 4u + s;
+                    if (e < 576u && *(const u16*)(src + 0u + j * 1152u + e * 2u) != chc_enc_bf16(r >> (s * 16u))) {
+                        bad = 1u;
+                    }
                 }
             }
         }

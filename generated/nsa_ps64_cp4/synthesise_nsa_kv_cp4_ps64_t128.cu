@@ -23,7 +23,8 @@ static __device__ inline u64 chc_mix64(u64 z)
     return z ^ (z >> 31);
 }
 
-// The random word of element e of field `field` of a token with prefix hash h in `layer`.
+// Random word d of field `field` of a token with prefix hash h in `layer`; it holds the
+// elements d * per_draw .. of the field, one lane each, low lane first.
 static __device__ inline u64 chc_draw(u64 h, u32 layer, u32 field, u32 e)
 {
     const u64 key = ((u64)layer << 40) ^ ((u64)BUFFER_ID << 32) ^ ((u64)field << 24) ^ (u64)e;
@@ -78,26 +79,41 @@ extern "C" __global__ void __launch_bounds__(THREADS) synthesise_nsa_kv_cp4_ps64
         const u64 t0 = (u64)i << LOG2_PAGE_SIZE;
         const u64 left = n_tokens - t0;
         const u32 real = left < PAGE_SIZE ? (u32)left : PAGE_SIZE;
-        // field 0: 512 x fp8_e4m3 per token
-        for (u32 x = threadIdx.x; x < real * 512u; x += THREADS) {
-            const u32 j = x / 512u;
-            const u32 e = x % 512u;
-            const u64 r = chc_draw(prefix_hash[t0 + j], layer, 0u, e);
-            *(u8*)(dst + 0u + j * 656u + e * 1u) = chc_enc_fp8(r);
-        }
-        // field 1: 4 x f32 per token
-        for (u32 x = threadIdx.x; x < real * 4u; x += THREADS) {
-            const u32 j = x / 4u;
-            const u32 e = x % 4u;
-            const u64 r = chc_draw(prefix_hash[t0 + j], layer, 1u, e);
-            *(u32*)(dst + 512u + j * 656u + e * 4u) = chc_enc_f32(r);
-        }
-        // field 2: 64 x bf16 per token
+        // field 0: 512 x fp8_e4m3 per token, 8 per draw
         for (u32 x = threadIdx.x; x < real * 64u; x += THREADS) {
             const u32 j = x / 64u;
-            const u32 e = x % 64u;
-            const u64 r = chc_draw(prefix_hash[t0 + j], layer, 2u, e);
-            *(u16*)(dst + 528u + j * 656u + e * 2u) = chc_enc_bf16(r);
+            const u32 d = x % 64u;
+            const u64 r = chc_draw(prefix_hash[t0 + j], layer, 0u, d);
+            for (u32 s = 0; s < 8u; ++s) {
+                const u32 e = d * 8u + s;
+                if (e < 512u) {
+                    *(u8*)(dst + 0u + j * 656u + e * 1u) = chc_enc_fp8(r >> (s * 8u));
+                }
+            }
+        }
+        // field 1: 4 x f32 per token, 2 per draw
+        for (u32 x = threadIdx.x; x < real * 2u; x += THREADS) {
+            const u32 j = x / 2u;
+            const u32 d = x % 2u;
+            const u64 r = chc_draw(prefix_hash[t0 + j], layer, 1u, d);
+            for (u32 s = 0; s < 2u; ++s) {
+                const u32 e = d * 2u + s;
+                if (e < 4u) {
+                    *(u32*)(dst + 512u + j * 656u + e * 4u) = chc_enc_f32(r >> (s * 32u));
+                }
+            }
+        }
+        // field 2: 64 x bf16 per token, 4 per draw
+        for (u32 x = threadIdx.x; x < real * 16u; x += THREADS) {
+            const u32 j = x / 16u;
+            const u32 d = x % 16u;
+            const u64 r = chc_draw(prefix_hash[t0 + j], layer, 2u, d);
+            for (u32 s = 0; s < 4u; ++s) {
+                const u32 e = d * 4u + s;
+                if (e < 64u) {
+                    *(u16*)(dst + 528u + j * 656u + e * 2u) = chc_enc_bf16(r >> (s * 16u));
+                }
+            }
         }
     }
 }

@@ -22,7 +22,8 @@ static __device__ inline u64 chc_mix64(u64 z)
     return z ^ (z >> 31);
 }
 
-// The random word of element e of field `field` of a token with prefix hash h in `layer`.
+// Random word d of field `field` of a token with prefix hash h in `layer`; it holds the
+// elements d * per_draw .. of the field, one lane each, low lane first.
 static __device__ inline u64 chc_draw(u64 h, u32 layer, u32 field, u32 e)
 {
     const u64 key = ((u64)layer << 40) ^ ((u64)BUFFER_ID << 32) ^ ((u64)field << 24) ^ (u64)e;
@@ -71,25 +72,34 @@ extern "C" __global__ void __launch_bounds__(THREADS) verify_nsa_kv_ps64_t128(
         u32 bad = 0u;
         for (u32 layer = 0; layer < layers; ++layer) {
             const u8* src = dense + ((u64)layer * n_pages + i) * PAGE_BYTES;
-            // field 0: 512 x fp8_e4m3 per token
-            for (u32 e = threadIdx.x; e < 512u; e += THREADS) {
-                const u64 r = chc_draw(h, layer, 0u, e);
-                if (*(const u8*)(src + 0u + j * 656u + e * 1u) != chc_enc_fp8(r)) {
-                    bad = 1u;
+            // field 0: 512 x fp8_e4m3 per token, 8 per draw
+            for (u32 d = threadIdx.x; d < 64u; d += THREADS) {
+                const u64 r = chc_draw(h, layer, 0u, d);
+                for (u32 s = 0; s < 8u; ++s) {
+                    const u32 e = d * 8u + s;
+                    if (e < 512u && *(const u8*)(src + 0u + j * 656u + e * 1u) != chc_enc_fp8(r >> (s * 8u))) {
+                        bad = 1u;
+                    }
                 }
             }
-            // field 1: 4 x f32 per token
-            for (u32 e = threadIdx.x; e < 4u; e += THREADS) {
-                const u64 r = chc_draw(h, layer, 1u, e);
-                if (*(const u32*)(src + 512u + j * 656u + e * 4u) != chc_enc_f32(r)) {
-                    bad = 1u;
+            // field 1: 4 x f32 per token, 2 per draw
+            for (u32 d = threadIdx.x; d < 2u; d += THREADS) {
+                const u64 r = chc_draw(h, layer, 1u, d);
+                for (u32 s = 0; s < 2u; ++s) {
+                    const u32 e = d * 2u + s;
+                    if (e < 4u && *(const u32*)(src + 512u + j * 656u + e * 4u) != chc_enc_f32(r >> (s * 32u))) {
+                        bad = 1u;
+                    }
                 }
             }
-            // field 2: 64 x bf16 per token
-            for (u32 e = threadIdx.x; e < 64u; e += THREADS) {
-                const u64 r = chc_draw(h, layer, 2u, e);
-                if (*(const u16*)(src + 528u + j * 656u + e * 2u) != chc_enc_bf16(r)) {
-                    bad = 1u;
+            // field 2: 64 x bf16 per token, 4 per draw
+            for (u32 d = threadIdx.x; d < 16u; d += THREADS) {
+                const u64 r = chc_draw(h, layer, 2u, d);
+                for (u32 s = 0; s < 4u; ++s) {
+                    const u32 e = d * 4u + s;
+                    if (e < 64u && *(const u16*)(src + 528u + j * 656u + e * 2u) != chc_enc_bf16(r >> (s * 16u))) {
+                        bad = 1u;
+                    }
                 }
             }
         }

@@ -119,8 +119,8 @@ pub fn prefix_hashes(tokens: &[u32]) -> Vec<u64> {
         .collect()
 }
 
-/// The random word of element `e` of field `field` of buffer `buffer_id`, for a token with
-/// prefix hash `h` in `layer`.
+/// Random word `d` of field `field` of buffer `buffer_id`, for a token with prefix hash `h` in
+/// `layer`: it holds elements `d * per_draw ..` of the field ([`Dtype::per_draw`](super::Dtype::per_draw)).
 pub fn draw(h: u64, layer: u32, buffer_id: u32, field: u32, e: u32) -> u64 {
     let key = (u64::from(layer) << 40)
         ^ (u64::from(buffer_id) << 32)
@@ -167,7 +167,8 @@ pub fn synth_token(
     }
     for f in buffer.field_layouts(page_size) {
         for e in 0..f.count {
-            let r = draw(h, layer, buffer.id(), f.id, e);
+            let k = f.dtype.per_draw();
+            let r = draw(h, layer, buffer.id(), f.id, e / k) >> ((e % k) * (64 / k));
             let at = f.offset(slot, e);
             match f.dtype {
                 super::Dtype::Fp8E4m3 => page[at] = enc_fp8(r),

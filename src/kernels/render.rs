@@ -40,6 +40,12 @@ struct FieldTpl {
     tok_stride: u32,
     size: u32,
     enc: &'static str,
+    /// Elements per 64-bit draw ([`Dtype::per_draw`](super::Dtype::per_draw)).
+    per_draw: u32,
+    /// Bits per element lane of a draw.
+    lane_bits: u32,
+    /// Draws per token: `ceil(count / per_draw)`.
+    draws: u32,
 }
 
 #[derive(Template)]
@@ -161,6 +167,9 @@ fn fields(buffer: super::BufferKind, page_size: u32) -> Vec<FieldTpl> {
             tok_stride: f.tok_stride,
             size: f.dtype.size(),
             enc: f.dtype.encoder(),
+            per_draw: f.dtype.per_draw(),
+            lane_bits: 64 / f.dtype.per_draw(),
+            draws: f.count.div_ceil(f.dtype.per_draw()),
         })
         .collect()
 }

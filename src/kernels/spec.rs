@@ -170,6 +170,14 @@ impl Dtype {
         }
     }
 
+    /// Elements synthesised from one 64-bit draw: element `e` takes lane `e % per_draw` (of
+    /// `64 / per_draw` bits, low lane first) of draw `e / per_draw`. One draw per element
+    /// made the synthesis and the check of every token most of a CPU replay's time; each
+    /// encoder uses at most its lane's bits (fp8 8, bf16 16, f32 23 of 32).
+    pub fn per_draw(self) -> u32 {
+        8 / self.size()
+    }
+
     /// The CUDA integer type an element is stored as.
     pub(crate) fn c_type(self) -> &'static str {
         match self {
