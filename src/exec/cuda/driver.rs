@@ -155,10 +155,23 @@ impl Gpu {
         // stays untouched until the event recorded after this copy has completed.
         unsafe { result::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
             .map_err(err("cuMemcpyHtoDAsync"))?;
-        let done = staging.spare_event(self)?;
-        done.record(&self.stream).map_err(err("cuEventRecord"))?;
-        staging.in_flight.push_back(InFlight { start, done });
-        Ok(())
+        let done = staging.spare_event(self).and_then(|e| {
+            e.record(&self.stream)
+                .map_err(err("cuEventRecord"))
+                .map(|()| e)
+        });
+        match done {
+            Ok(done) => {
+                staging.in_flight.push_back(InFlight { start, done });
+                Ok(())
+            }
+            Err(e) => {
+                // The region is untracked: let the copy finish before it can be handed out
+                // again.
+                let _ = self.synchronize();
+                Err(e)
+            }
+        }
     }
 
     /// Copies from device address `src` into `out` and waits for it.
