@@ -330,26 +330,21 @@ impl Staging {
     fn reserve(&mut self, gpu: &Gpu, len: usize) -> Result<(&PinnedMem, usize), String> {
         self.reclaim()?;
         let len = len.div_ceil(STAGING_ALIGN) * STAGING_ALIGN;
-        let start = match &self.ring {
-            Some(ring) => self.fit(ring.len(), len),
-            None => None,
-        };
-        let start = match start {
+        let start = match self.ring.as_ref().and_then(|r| self.fit(r.len(), len)) {
             Some(start) => start,
             None => {
+                // Ring sizes start at STAGING_MIN and only double.
                 let size = self
                     .ring
                     .as_ref()
                     .map_or(STAGING_MIN, |r| 2 * r.len())
-                    .max(2 * len)
-                    .max(STAGING_MIN);
+                    .max(2 * len);
                 let ring = gpu.alloc_host(size, 0)?;
                 if let Some(old) = self.ring.replace(ring) {
                     self.retired.push(old);
                 }
                 // The old ring's copies complete on their own; only this ring is tracked.
                 self.spare.extend(self.in_flight.drain(..).map(|f| f.done));
-                self.head = 0;
                 0
             }
         };
