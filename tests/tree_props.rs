@@ -182,6 +182,9 @@ enum Op {
     /// Host eviction for a backup short of host pages on some ranks (deficit per rank),
     /// after a backup of a path and a device eviction, so that there are host-only leaves.
     EvictHostRanks(Seq, usize, Vec<u32>),
+    /// `drop_stale` after a failed operation: picks (modulo the live count) among the device
+    /// pages held and among the nodes.
+    DropStale(Vec<usize>, Vec<usize>),
 }
 
 fn seq_strategy() -> impl Strategy<Value = Seq> {
@@ -206,6 +209,11 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         1 => (0..12usize).prop_map(Op::EvictHost),
         2 => (seq_strategy(), 0..24usize, prop::collection::vec(0..4u32, 3))
             .prop_map(|(s, n, d)| Op::EvictHostRanks(s, n, d)),
+        1 => (
+            prop::collection::vec(any::<usize>(), 0..3),
+            prop::collection::vec(any::<usize>(), 0..3)
+        )
+            .prop_map(|(p, n)| Op::DropStale(p, n)),
     ]
 }
 
@@ -537,6 +545,7 @@ impl Harness {
                     assert!(host_candidates(&self.model).iter().all(|&s| s >= max_stamp));
                 }
             }
+            Op::DropStale(pages, nodes) => self.drop_stale(pages, nodes),
             Op::EvictHostRanks(s, n, deficit) => {
                 self.step(&Op::Backup(s.clone()));
                 self.check();
@@ -594,6 +603,109 @@ impl Harness {
                     }
                 }
             }
+        }
+    }
+
+    /// Runs `drop_stale` on both replicas and checks it against the oracle: the entries of a
+    /// node holding a stale page lose their device page, and so does every entry below them; entries
+    /// of the chosen nodes lose their host copy; entries left with neither leave, with every
+    /// entry below them. A locked entry among those refuses the call, changing nothing.
+    fn drop_stale(&mut self, page_picks: &[usize], node_picks: &[usize]) {
+        let held: Vec<PageId> = self
+            .model
+            .entries
+            .values()
+            .filter_map(|e| e.device)
+            .collect();
+        let device: BTreeSet<PageId> = page_picks
+            .iter()
+            .filter(|_| !held.is_empty())
+            .map(|i| held[i % held.len()])
+            .collect();
+        let ids: Vec<NodeId> = self.trees[0]
+            .node_ids()
+            .into_iter()
+            .filter(|&id| id != NodeId::ROOT)
+            .collect();
+        let host_nodes: BTreeSet<NodeId> = node_picks
+            .iter()
+            .filter(|_| !ids.is_empty())
+            .map(|i| ids[i % ids.len()])
+            .collect();
+        let below = |roots: &BTreeSet<Vec<u32>>, k: &[u32]| roots.iter().any(|r| k.starts_with(r));
+        // A node's device value goes whole, so from the first page of a node holding one.
+        let stale_roots: BTreeSet<Vec<u32>> = ids
+            .iter()
+            .filter(|&&id| {
+                let v = self.trees[0].node(id).unwrap();
+                v.device()
+                    .is_some_and(|d| d.iter().any(|p| device.contains(p)))
+            })
+            .map(|&id| node_pages(&self.trees[0], id).swap_remove(0))
+            .collect();
+        let loses_host: BTreeSet<Vec<u32>> = host_nodes
+            .iter()
+            .flat_map(|&id| node_pages(&self.trees[0], id))
+            .collect();
+        let empty_roots: BTreeSet<Vec<u32>> = self
+            .model
+            .entries
+            .iter()
+            .filter(|(k, e)| {
+                (e.device.is_none() || below(&stale_roots, k))
+                    && (!e.host || loses_host.contains(*k))
+            })
+            .map(|(k, _)| k.clone())
+            .collect();
+        let locked = self
+            .model
+            .entries
+            .iter()
+            .any(|(k, e)| e.lock > 0 && below(&empty_roots, k));
+        let before = self.trees.each_ref().map(RadixTree::digest);
+        let a = self.trees[0].drop_stale(&device, &host_nodes);
+        let b = self.trees[1].drop_stale(&device, &host_nodes);
+        if locked {
+            assert!(matches!(a, Err(TreeError::Locked { .. })), "{a:?}");
+            assert!(matches!(b, Err(TreeError::Locked { .. })), "{b:?}");
+            assert_eq!(self.trees.each_ref().map(RadixTree::digest), before);
+            return;
+        }
+        let (pages_a, metas_a) = a.unwrap();
+        let (pages_b, metas_b) = b.unwrap();
+        assert_eq!(pages_a, pages_b, "ranks freed different device pages");
+        let mut want_pages = BTreeSet::new();
+        let mut want_host: [BTreeSet<HostPage>; 2] = Default::default();
+        let keys: Vec<Vec<u32>> = self.model.entries.keys().cloned().collect();
+        for k in keys {
+            let gone = below(&empty_roots, &k);
+            let e = self.model.entries.get_mut(&k).unwrap();
+            if gone || below(&stale_roots, &k) {
+                want_pages.extend(e.device.take());
+            }
+            if e.host && (gone || loses_host.contains(&k)) {
+                e.host = false;
+                let (_, slots) = e.host_slot.take().unwrap();
+                for (w, slot) in want_host.iter_mut().zip(slots) {
+                    w.extend(slot);
+                }
+            }
+            if gone {
+                self.model.entries.remove(&k);
+            }
+        }
+        let got: BTreeSet<PageId> = pages_a.iter().copied().collect();
+        assert_eq!(got.len(), pages_a.len(), "a device page freed twice");
+        assert_eq!(got, want_pages);
+        for (r, metas) in [&metas_a, &metas_b].into_iter().enumerate() {
+            let got: Vec<HostPage> = metas.iter().flat_map(|m| m.host_pages().to_vec()).collect();
+            let set: BTreeSet<HostPage> = got.iter().copied().collect();
+            assert_eq!(set.len(), got.len(), "a host page freed twice");
+            assert_eq!(set, want_host[r]);
+            self.host_returned[r].extend(set);
+        }
+        for p in pages_a {
+            assert!(self.returned.insert(p), "{p} returned twice");
         }
     }
 

@@ -338,6 +338,14 @@ struct Slot {
     node: Option<Node>,
 }
 
+/// The changes of one [`RadixTree::drop_stale`], planned before any is made.
+struct StalePlan {
+    /// Nodes whose device value goes, in the order their pages are freed.
+    loses_device: Vec<NodeId>,
+    /// Nodes removed, each after its children.
+    removed: Vec<NodeId>,
+}
+
 /// One rank's radix tree. Not thread-safe by itself (`&mut self` everywhere it changes);
 /// the HiCache layer owns it.
 #[derive(Clone, Debug)]
@@ -1010,20 +1018,16 @@ impl RadixTree {
         if device.is_empty() && host_nodes.is_empty() {
             return Ok((freed_pages, freed_meta));
         }
-        self.check_stale_unlocked(device, host_nodes)?;
-        // Device values: the stale nodes and everything below them.
-        let mut stack = self.nodes_holding_device(device);
-        while let Some(id) = stack.pop() {
-            let n = self.get_mut(id)?;
-            if let Some(d) = n.device.take() {
-                stack.extend(n.children.values().copied());
+        // Planned read-only first, so a locked node refuses the call before anything changes.
+        let plan = self.stale_plan(device, host_nodes)?;
+        for id in plan.loses_device {
+            if let Some(d) = self.get_mut(id)?.device.take() {
                 for p in &d {
                     self.held_device.remove(p);
                 }
                 freed_pages.extend(d);
             }
         }
-        // Host metadata.
         for &id in host_nodes {
             if !self.contains(id) {
                 continue;
@@ -1035,62 +1039,50 @@ impl RadixTree {
                 freed_meta.push(m);
             }
         }
-        // Nodes holding nothing leave, with their subtrees (which are off the device).
-        let empty: Vec<NodeId> = self
-            .live_nodes()
-            .filter(|(id, n)| *id != NodeId::ROOT && n.device.is_none() && n.host.is_none())
-            .map(|(id, _)| id)
-            .collect();
-        for id in empty {
-            if !self.contains(id) {
-                continue; // already gone with an ancestor
-            }
-            let mut order = Vec::new();
-            let mut stack = vec![id];
-            while let Some(d) = stack.pop() {
-                order.push(d);
-                stack.extend(self.get(d)?.children.values().copied());
-            }
-            for d in order.into_iter().rev() {
-                if self.get(d)?.lock > 0 {
-                    return Err(TreeError::Locked {
-                        node: d,
-                        count: self.get(d)?.lock,
-                    });
-                }
-                let n = self.remove_leaf(d)?;
-                freed_pages.extend(n.device.unwrap_or_default());
-                freed_meta.extend(n.host);
-            }
+        for id in plan.removed {
+            let n = self.remove_leaf(id)?;
+            freed_pages.extend(n.device.unwrap_or_default());
+            freed_meta.extend(n.host);
         }
         Ok((freed_pages, freed_meta))
     }
 
-    /// Refuses a [`RadixTree::drop_stale`] that would remove a locked node, before anything
-    /// changes: it finds the nodes the call would leave empty (same rules, read-only) and
-    /// checks their subtrees.
-    fn check_stale_unlocked(
+    /// What [`RadixTree::drop_stale`] changes, found without changing anything: the nodes
+    /// that lose their device value (the ones holding a page of `device`, and their
+    /// device-resident descendants), and the nodes left holding nothing, with their
+    /// subtrees, each subtree leaves first so that every removal is of a leaf. A locked node
+    /// among the removed is a [`TreeError::Locked`].
+    fn stale_plan(
         &self,
         device: &BTreeSet<PageId>,
         host_nodes: &BTreeSet<NodeId>,
-    ) -> Result<(), TreeError> {
-        let mut loses_device = HashSet::new();
+    ) -> Result<StalePlan, TreeError> {
+        let mut loses_device = Vec::new();
+        let mut losing = HashSet::new();
         let mut stack = self.nodes_holding_device(device);
         while let Some(id) = stack.pop() {
             let n = self.get(id)?;
-            if n.device.is_some() && loses_device.insert(id) {
+            if n.device.is_some() && losing.insert(id) {
+                loses_device.push(id);
                 stack.extend(n.children.values().copied());
             }
         }
+        let mut removed = Vec::new();
+        let mut removing = HashSet::new();
         for (id, n) in self.live_nodes() {
             let empty = id != NodeId::ROOT
-                && (n.device.is_none() || loses_device.contains(&id))
+                && (n.device.is_none() || losing.contains(&id))
                 && (n.host.is_none() || host_nodes.contains(&id));
-            if !empty {
+            if !empty || removing.contains(&id) {
                 continue;
             }
+            // A descendant planned earlier went with its own subtree, before this one.
+            let mut order = Vec::new();
             let mut stack = vec![id];
             while let Some(d) = stack.pop() {
+                if !removing.insert(d) {
+                    continue;
+                }
                 let dn = self.get(d)?;
                 if dn.lock > 0 {
                     return Err(TreeError::Locked {
@@ -1098,10 +1090,15 @@ impl RadixTree {
                         count: dn.lock,
                     });
                 }
+                order.push(d);
                 stack.extend(dn.children.values().copied());
             }
+            removed.extend(order.into_iter().rev());
         }
-        Ok(())
+        Ok(StalePlan {
+            loses_device,
+            removed,
+        })
     }
 
     /// SHA-256 over everything that must agree across ranks, in canonical order: layout,
