@@ -259,6 +259,52 @@ fn garbage_manifest_is_recompiled() {
     });
 }
 
+/// A directory in the manifest's place (any read error but "not found") makes the entry
+/// unusable, not the request: it is rebuilt.
+#[test]
+fn unreadable_manifest_is_recompiled() {
+    corrupt_then_recompile(|so| {
+        let manifest = so.parent().unwrap().join("manifest.json");
+        std::fs::remove_file(&manifest).unwrap();
+        std::fs::create_dir(&manifest).unwrap();
+    });
+}
+
+/// The same with compiling off: the entry is named as corrupt, and left as it is.
+#[test]
+fn jit_off_unreadable_artifact_is_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    let req = host_req("add", ADD_SRC);
+    let so = so_path(&jit_in(dir.path()).get(&req).unwrap());
+    std::fs::remove_file(&so).unwrap();
+    std::fs::create_dir(&so).unwrap();
+    let err = off_in(dir.path()).get(&req).unwrap_err();
+    assert!(err.is_corrupt(), "{err}");
+    assert!(err.to_string().contains("artifact unreadable"), "{err}");
+    assert!(so.is_dir(), "a prebuilt cache was modified");
+}
+
+/// A prebuilt host cache serves a machine without a C++ compiler when compiling is off: the
+/// key is recomputed with the compiler the manifest names.
+#[test]
+fn jit_off_without_a_host_compiler_uses_the_prebuilt_entry() {
+    let dir = tempfile::tempdir().unwrap();
+    let req = host_req("add", ADD_SRC);
+    jit_in(dir.path()).get(&req).unwrap();
+    let mut cfg = JitConfig::new(dir.path(), HEADER);
+    cfg.cxx = Some("/nonexistent/c++".to_string());
+    let on = Jit::new(cfg.clone()).get(&req).unwrap_err();
+    assert!(on.is_unavailable(), "{on}");
+    cfg.mode = JitMode::Off;
+    let hit = Jit::new(cfg.clone()).get(&req).unwrap();
+    assert_eq!(hit.cache_hit, CacheHit::Disk);
+    assert_eq!(call_add(&so_path(&hit), 40, 2), 42);
+    // Another source is a miss, reported as one.
+    let other = host_req("add", &ADD_SRC.replace("a + b", "b + a"));
+    let err = Jit::new(cfg).get(&other).unwrap_err();
+    assert!(err.is_jit_off(), "{err}");
+}
+
 #[test]
 fn missing_manifest_is_a_miss() {
     corrupt_then_recompile(|so| {

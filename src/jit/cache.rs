@@ -197,6 +197,8 @@ fn unique_suffix() -> String {
 
 /// Prefix of [`write_atomic`]'s temp files, followed by the writer's pid.
 const TMP_PREFIX: &str = ".tmp-";
+/// Entries renamed aside by [`DiskCache::discard`] before deletion: `<prefix><pid>-…`.
+const DISCARD_PREFIX: &str = ".discard-";
 
 /// Removes the entries of `dir` named `<prefix><pid>-…` whose process no longer runs: what a
 /// writer killed by a signal left behind (it skipped its own clean-up). Only a pid with no
@@ -325,14 +327,16 @@ impl DiskCache {
     pub fn lookup(&self, target: &str, key: &str) -> Result<Lookup, CacheError> {
         let dir = self.entry_dir(target, key)?;
         let manifest_path = dir.join(MANIFEST);
-        let text = match fs::read(&manifest_path) {
-            Ok(t) => t,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Lookup::Miss),
-            Err(e) => return Err(CacheError::io(&manifest_path, e)),
-        };
         let corrupt = |reason: String| Lookup::Corrupt {
             dir: dir.clone(),
             reason,
+        };
+        // Any other read failure (a directory in a file's place, an I/O error) makes the
+        // entry unusable, not the request: it is rebuilt, or named when compiling is off.
+        let text = match fs::read(&manifest_path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Lookup::Miss),
+            Err(e) => return Ok(corrupt(format!("manifest unreadable: {e}"))),
         };
         let manifest: Manifest = match serde_json::from_slice(&text) {
             Ok(m) => m,
@@ -353,7 +357,7 @@ impl DiskCache {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 return Ok(corrupt("artifact missing".to_string()))
             }
-            Err(e) => return Err(CacheError::io(&artifact_path, e)),
+            Err(e) => return Ok(corrupt(format!("artifact unreadable: {e}"))),
         };
         if artifact.len() as u64 != manifest.artifact_len {
             return Ok(corrupt(format!(
@@ -379,15 +383,30 @@ impl DiskCache {
     }
 
     /// Removes an entry (call with its lock held). It is first renamed aside, so a concurrent
-    /// reader sees either the whole old entry or nothing.
+    /// reader sees either the whole old entry or nothing. Once it is aside, failing to delete
+    /// it is only logged (the entry is already out of the way); what a killed process left
+    /// aside is removed by the next discard in the same target.
     pub fn discard(&self, target: &str, key: &str) -> Result<(), CacheError> {
         let dir = self.entry_dir(target, key)?;
-        let aside = self
-            .root
-            .join(target)
-            .join(format!(".discard-{}-{key}", unique_suffix()));
+        let target_dir = self.root.join(target);
+        sweep_dead_pid_entries(
+            &target_dir,
+            DISCARD_PREFIX,
+            "a killed process's discarded entry",
+        );
+        let aside = target_dir.join(format!("{DISCARD_PREFIX}{}-{key}", unique_suffix()));
         match fs::rename(&dir, &aside) {
-            Ok(()) => fs::remove_dir_all(&aside).map_err(|e| CacheError::io(&aside, e)),
+            Ok(()) => {
+                if let Err(e) = fs::remove_dir_all(&aside) {
+                    tracing::warn!(
+                        target: "cp_hicache::jit",
+                        path = %aside.display(),
+                        error = %e,
+                        "discarded cache entry not deleted"
+                    );
+                }
+                Ok(())
+            }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(CacheError::io(&dir, e)),
         }

@@ -111,7 +111,7 @@ pub enum WarmUpError {
     },
     /// One or more kernels failed to compile or load; every failure is listed.
     #[error("deployment {deployment}: {} of {total} kernels failed:\n{}", failures.len(),
-        failures.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n"))]
+        distinct_lines(failures))]
     Jit {
         /// Deployment name.
         deployment: String,
@@ -120,6 +120,30 @@ pub enum WarmUpError {
         /// Each failure, naming its kernel.
         failures: Vec<JitError>,
     },
+}
+
+/// One line per distinct failure, in first-seen order, with a count when it repeats (a missing
+/// compiler fails every kernel with the same message).
+fn distinct_lines(failures: &[JitError]) -> String {
+    let mut lines: Vec<(String, usize)> = Vec::new();
+    for f in failures {
+        let text = f.to_string();
+        match lines.iter_mut().find(|(t, _)| *t == text) {
+            Some((_, n)) => *n += 1,
+            None => lines.push((text, 1)),
+        }
+    }
+    lines
+        .into_iter()
+        .map(|(t, n)| {
+            if n > 1 {
+                format!("{t} ({n} kernels)")
+            } else {
+                t
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// The NVRTC target a deployment is built for by default (its own architecture).
@@ -185,6 +209,26 @@ pub fn warm_up_deployment(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn repeated_failures_are_listed_once_with_a_count() {
+        let missing = || JitError::HostCcUnavailable {
+            program: "c++".to_string(),
+            reason: "No such file or directory".to_string(),
+        };
+        let err = WarmUpError::Jit {
+            deployment: "nsa_ps64_cp8".to_string(),
+            total: 3,
+            failures: vec![missing(), missing(), missing()],
+        };
+        let text = err.to_string();
+        assert!(
+            text.starts_with("deployment nsa_ps64_cp8: 3 of 3 kernels failed:\n"),
+            "{text}"
+        );
+        assert_eq!(text.matches("No such file").count(), 1, "{text}");
+        assert!(text.ends_with("(3 kernels)"), "{text}");
+    }
 
     #[test]
     fn cuda_targets_follow_the_device() {

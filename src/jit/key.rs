@@ -4,14 +4,17 @@
 use sha2::{Digest, Sha256};
 use std::hash::{Hash, Hasher};
 
-/// Environment variables that can change what a compiler produces; their values (or absence)
-/// are part of every key. Kept sorted.
+/// Environment variables that can change what a compiler produces (GCC also finds its
+/// sub-programs and link inputs through `COMPILER_PATH` and `LIBRARY_PATH`); their values (or
+/// absence) are part of every key. Kept sorted.
 pub const KEY_ENV_ALLOWLIST: &[&str] = &[
+    "COMPILER_PATH",
     "CPATH",
     "CPLUS_INCLUDE_PATH",
     "CXX",
     "C_INCLUDE_PATH",
     "GCC_EXEC_PREFIX",
+    "LIBRARY_PATH",
 ];
 
 /// Snapshot of the allow-listed environment, sorted by name (`None` = unset), taken once so that

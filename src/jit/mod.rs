@@ -40,7 +40,7 @@ use key::KeyInputs;
 use rayon::prelude::*;
 use std::collections::HashMap;
 use std::fmt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock, RwLock};
 use std::time::Instant;
 
@@ -371,7 +371,7 @@ pub enum JitError {
         reason: String,
     },
     /// A cache miss while JIT compilation is off.
-    #[error("kernel `{uri}` ({key}) is not in the cache at {path} and CP_HICACHE_JIT=off forbids compiling it")]
+    #[error("kernel `{uri}` ({key}) is not in the cache at {path} and CP_HICACHE_JIT=off forbids compiling it; fill the cache with `cp-hicache compile` (and `bench --prebuild`) on a machine with the same compiler, crate version and compiler environment, or unset CP_HICACHE_JIT")]
     JitOff {
         /// Readable kernel name.
         uri: String,
@@ -525,6 +525,12 @@ struct IdentityRecord {
     identity: String,
 }
 
+/// The whole host compiler command line with placeholder paths: the key covers the
+/// arguments added around the options too, not only the options.
+fn host_key_args(opts: &HostCcOptions) -> Vec<String> {
+    HostCompiler::command_args(opts, Path::new("<source>"), Path::new("<output>"))
+}
+
 /// A disk hit whose manifest describes another entry (another full key hash, uri or target,
 /// e.g. a copied or hand-edited directory) is corrupt: the directory name is only a prefix of
 /// the key, so the manifest is what vouches for the artifact.
@@ -659,6 +665,9 @@ impl Jit {
     }
 
     fn remember_identity(&self, stamp: LibraryStamp, identity: &str) {
+        if self.config.mode == JitMode::Off {
+            return; // a prebuilt cache is left exactly as it was
+        }
         let mut known: Vec<IdentityRecord> = self
             .cache
             .read_aux(NVRTC_IDENTITY_FILE)
@@ -698,42 +707,25 @@ impl Jit {
     }
 
     fn plan(&self, req: &JitRequest) -> Result<Plan, JitError> {
-        let (compiler, compiler_id, args, digest, header) = match req.target {
-            Target::Nvrtc { arch } => {
-                let id = self.nvrtc_identity()?;
-                let opts = self.config.nvrtc.clone().with_arch(arch);
-                let args = opts.to_args();
-                let digest = key::stable_digest(&opts);
-                (Compiler::Nvrtc(opts), id, args, digest, None)
-            }
+        let (compiler, compiler_id) = match req.target {
+            Target::Nvrtc { arch } => (
+                Compiler::Nvrtc(self.config.nvrtc.clone().with_arch(arch)),
+                self.nvrtc_identity()?,
+            ),
             Target::Host { sanitize } => {
                 let cc = self.host_compiler()?.clone();
-                let opts = self.config.host.clone().with_sanitize(sanitize);
                 let id = format!("{} [{}]", cc.identity(), cc.program());
-                let args = opts.to_args();
-                let digest = key::stable_digest(&opts);
-                let header = Some(self.config.emu_header.as_str());
-                (Compiler::Host(cc, opts), id, args, digest, header)
+                let opts = self.config.host.clone().with_sanitize(sanitize);
+                (Compiler::Host(cc, opts), id)
             }
         };
-        let target_dir = req.target.to_string();
-        let key = CacheKey::compute(&KeyInputs {
-            crate_version: env!("CARGO_PKG_VERSION"),
-            uri: &req.uri,
-            source: &req.source,
-            compiler: &compiler_id,
-            options_args: &args,
-            options_digest: digest,
-            target: &target_dir,
-            emu_header: header,
-            env: &self.config.env,
-        });
+        let (key, args) = self.key_with(req, &compiler_id);
         Ok(Plan {
             compiler,
             compiler_id,
             args,
             key,
-            target_dir,
+            target_dir: req.target.to_string(),
         })
     }
 
@@ -752,14 +744,28 @@ impl Jit {
     /// off, left untouched and reported as [`JitError::CorruptEntry`].
     pub fn get(&self, req: &JitRequest) -> Result<CompiledKernel, JitError> {
         let start = Instant::now();
+        let result = self.resolve(req, start);
+        if let Err(e) = &result {
+            tracing::debug!(
+                target: "cp_hicache::jit",
+                uri = %req.uri,
+                target_name = %req.target,
+                cache = "failed",
+                ms = start.elapsed().as_secs_f64() * 1e3,
+                error = %e,
+                "jit"
+            );
+        }
+        result
+    }
+
+    /// [`Jit::get`] without the failure event.
+    fn resolve(&self, req: &JitRequest, start: Instant) -> Result<CompiledKernel, JitError> {
         validate_uri(&req.uri)?;
         let plan = match self.plan(req) {
             Ok(plan) => plan,
-            Err(e)
-                if e.is_unavailable()
-                    && self.config.mode == JitMode::Off
-                    && matches!(req.target, Target::Nvrtc { .. }) =>
-            {
+            // No compiler here: a prebuilt cache may still hold the entry.
+            Err(e) if e.is_unavailable() && self.config.mode == JitMode::Off => {
                 return self.get_prebuilt(req, start);
             }
             Err(e) => return Err(e),
@@ -798,7 +804,22 @@ impl Jit {
         // are atomic, manifest last, so reading beside another process's commit is safe.)
         let lock = match self.config.mode {
             JitMode::Off => None,
-            JitMode::On => Some(self.cache.lock(td, name).map_err(cache_err)?),
+            JitMode::On => {
+                let wait = Instant::now();
+                let lock = self.cache.lock(td, name).map_err(cache_err)?;
+                let waited = ms(wait);
+                if waited >= 1.0 {
+                    // Another thread or process held the entry: usually compiling it.
+                    tracing::debug!(
+                        target: "cp_hicache::jit",
+                        uri = %req.uri,
+                        target_name = %req.target,
+                        ms = waited,
+                        "waited for the entry lock"
+                    );
+                }
+                Some(lock)
+            }
         };
         let corrupt = match lookup()? {
             Lookup::Hit(entry) => {
@@ -843,7 +864,7 @@ impl Jit {
                     }
                     drop(lock);
                     // NVRTC is loaded now, so `plan` asks it directly: no further recursion.
-                    return self.get(req);
+                    return self.resolve(req, start);
                 }
                 Ok(_) => {}
                 Err(e) if e.is_unavailable() && self.config.mode == JitMode::Off => {
@@ -858,14 +879,6 @@ impl Jit {
         }
         if self.config.mode == JitMode::Off {
             let path = self.cache.entry_dir(td, name).map_err(cache_err)?;
-            tracing::debug!(
-                target: "cp_hicache::jit",
-                uri = %req.uri,
-                target_name = %req.target,
-                key = %plan.key.readable,
-                path = %path.display(),
-                "JIT miss with CP_HICACHE_JIT=off"
-            );
             return Err(JitError::JitOff {
                 uri: req.uri.clone(),
                 key: plan.key.readable.clone(),
@@ -915,31 +928,40 @@ impl Jit {
         Ok(self.finish(req, &plan.key, entry, CacheHit::Miss, ms(start)))
     }
 
-    /// The key inputs of a request for a given compiler identity and flags.
-    fn key_with(&self, req: &JitRequest, compiler_id: &str) -> Option<CacheKey> {
+    /// The key of a request under a given compiler identity, and the compiler arguments it
+    /// covers (recorded in the manifest). Needs no compiler, so a prebuilt entry can be
+    /// matched on a machine that has none.
+    fn key_with(&self, req: &JitRequest, compiler_id: &str) -> (CacheKey, Vec<String>) {
         let (args, digest, header) = match req.target {
             Target::Nvrtc { arch } => {
                 let opts = self.config.nvrtc.clone().with_arch(arch);
                 (opts.to_args(), key::stable_digest(&opts), None)
             }
-            Target::Host { .. } => return None,
+            Target::Host { sanitize } => {
+                let opts = self.config.host.clone().with_sanitize(sanitize);
+                (
+                    host_key_args(&opts),
+                    key::stable_digest(&opts),
+                    Some(self.config.emu_header.as_str()),
+                )
+            }
         };
-        let target_dir = req.target.to_string();
-        Some(CacheKey::compute(&KeyInputs {
+        let key = CacheKey::compute(&KeyInputs {
             crate_version: env!("CARGO_PKG_VERSION"),
             uri: &req.uri,
             source: &req.source,
             compiler: compiler_id,
             options_args: &args,
             options_digest: digest,
-            target: &target_dir,
+            target: &req.target.to_string(),
             emu_header: header,
             env: &self.config.env,
-        }))
+        });
+        (key, args)
     }
 
-    /// Prebuilt-only lookup for an NVRTC target when NVRTC itself is unavailable and JIT is off:
-    /// the compiler version (a key input) is unknown, so every committed entry
+    /// Prebuilt-only lookup when the target's compiler (NVRTC or the host C++ compiler) is
+    /// unavailable and JIT is off: the compiler version (a key input) is unknown, so every committed entry
     /// `<cache>/<target>/<uri>-*/` is considered, its key recomputed from the request with the
     /// compiler its manifest names, and it is used only if exactly one entry both reproduces its
     /// own key (same crate version, uri, source, options, arch and environment) and passes its
@@ -981,9 +1003,7 @@ impl Jit {
                     continue;
                 }
             };
-            let Some(key) = self.key_with(req, &manifest.compiler) else {
-                continue;
-            };
+            let (key, _) = self.key_with(req, &manifest.compiler);
             if key.hash != manifest.key || &key.readable != name {
                 continue;
             }
