@@ -70,10 +70,4 @@ impl Error {
             _ => false,
         }
     }
-
-    /// Whether the error is a write to a pipe whose reader has gone (`| head`, `| grep -q`):
-    /// not a failure of the command, which ends quietly with status 0.
-    pub fn is_broken_pipe(&self) -> bool {
-        matches!(self, Error::Io { source, .. } if source.kind() == std::io::ErrorKind::BrokenPipe)
-    }
 }

@@ -17,7 +17,6 @@ fn main() -> ExitCode {
     let cli = cp_hicache::cli::Cli::parse();
     match cp_hicache::cli::run(cli) {
         Ok(code) => code,
-        Err(e) if e.is_broken_pipe() => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
             if e.is_usage() {

@@ -71,9 +71,9 @@ fn info_json_has_plain_fields_and_the_cache_dir_really_used() {
     assert!(dir.ends_with("cp-hicache"), "{dir}");
 }
 
-/// A reader that stops early (`info | grep -q …`, as `scripts/gpu-check.sh` does) ends the
-/// command quietly with status 0; it used to panic with status 101, which `pipefail` took
-/// for a failed `grep`.
+/// A reader that stops early (`info | grep -q …`, as `scripts/gpu-check.sh` does) does not
+/// fail the command: it ends quietly with its own status (0 here); it used to panic with
+/// status 101, which `pipefail` took for a failed `grep`.
 #[test]
 fn a_closed_stdout_ends_quietly() {
     for args in [

@@ -134,6 +134,34 @@ fn dma_transfers_verify_and_report() {
     assert_eq!(num(&r, "load_path_syncs"), 0);
 }
 
+/// A reader that stops early (`replay | head`) stops only the printing: the run goes on, its
+/// `--json` is written and a mismatch still exits 1 (it used to end with status 0 and no
+/// file, so a `pipefail` check passed the seed's bug).
+#[test]
+fn a_closed_stdout_keeps_the_verdict_and_the_report() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("report.json");
+    let args: Vec<&str> = SMALL.iter().copied().filter(|&a| a != "--quiet").collect();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+        .args(&args)
+        .args(["--inject", "plain-alloc-on-load", "--json"])
+        .arg(&json)
+        .env("CP_HICACHE_CACHE_DIR", cache_dir())
+        .env_remove("CP_HICACHE_JIT")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Closing the read end before the first write makes every write fail with EPIPE.
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert!(num(&r, "mismatched_tokens") > 0, "{r}");
+    assert!(!stderr(&out).contains("panicked"), "{}", stderr(&out));
+}
+
 #[test]
 fn plain_alloc_on_load_reports_mismatches() {
     let (out, report) = replay(&["--inject", "plain-alloc-on-load"]);

@@ -1,22 +1,22 @@
 //! The `cp-hicache` command line: argument types (parsed without side effects) and the
 //! dispatch to each command. `main` only maps the result to an exit status.
 
-/// `print!` that returns a write error instead of panicking, so that a reader closing the
-/// pipe early (`cp-hicache info | grep -q …`) ends the command quietly rather than with a
-/// panic.
+/// `print!` through [`write_stdout`]: a write error is returned instead of a panic, and a
+/// reader that closed the pipe early (`cp-hicache replay | head`) only stops the printing.
 macro_rules! out {
-    ($($arg:tt)*) => {{
-        use std::io::Write as _;
-        write!(std::io::stdout().lock(), $($arg)*).map_err($crate::cli::stdout_error)?
-    }};
+    ($($arg:tt)*) => {
+        $crate::cli::write_stdout(format_args!($($arg)*), false)?
+    };
 }
 
-/// `println!` that returns a write error instead of panicking; see `out!`.
+/// `println!` through [`write_stdout`]; see `out!`.
 macro_rules! outln {
-    ($($arg:tt)*) => {{
-        use std::io::Write as _;
-        writeln!(std::io::stdout().lock(), $($arg)*).map_err($crate::cli::stdout_error)?
-    }};
+    () => {
+        $crate::cli::write_stdout(format_args!(""), true)?
+    };
+    ($($arg:tt)*) => {
+        $crate::cli::write_stdout(format_args!($($arg)*), true)?
+    };
 }
 
 mod bench;
@@ -29,16 +29,42 @@ mod tune;
 
 pub use replay::{ModelArg, ReplayArgs};
 
-/// A failed write to standard output (`Error::is_broken_pipe` when the reader went away).
-fn stdout_error(source: std::io::Error) -> crate::Error {
-    crate::Error::Io {
-        context: "writing to standard output".into(),
-        source,
+/// Set once standard output's reader has gone away: later output is dropped.
+static STDOUT_CLOSED: AtomicBool = AtomicBool::new(false);
+
+/// Writes to standard output. A closed pipe is not the command's failure: the output is
+/// dropped from then on and the command runs to its end, so its files (`--json`) are still
+/// written and its exit status is still its verdict (a mismatch stays 1 under
+/// `| head`). Any other write error is returned.
+fn write_stdout(args: std::fmt::Arguments<'_>, newline: bool) -> Result<(), crate::Error> {
+    use std::io::Write as _;
+    if STDOUT_CLOSED.load(Ordering::Relaxed) {
+        return Ok(());
+    }
+    let mut out = std::io::stdout().lock();
+    let written = out.write_fmt(args).and_then(|()| {
+        if newline {
+            out.write_all(b"\n")
+        } else {
+            Ok(())
+        }
+    });
+    match written {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+            STDOUT_CLOSED.store(true, Ordering::Relaxed);
+            Ok(())
+        }
+        Err(source) => Err(crate::Error::Io {
+            context: "writing to standard output".into(),
+            source,
+        }),
+        Ok(()) => Ok(()),
     }
 }
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Context-parallel aware hierarchical KV cache: replay, render, compile, bench, tune, info.
 #[derive(Debug, Parser)]
