@@ -97,3 +97,33 @@ fn the_lane_check_catches_a_release_kernel_that_did_nothing() {
         "{err}"
     );
 }
+
+/// A rollback whose lane re-upload fails on one rank still puts every rank's tree back: it
+/// used to stop at that rank, leaving the later ranks with the failed request's tree (a
+/// clock tick, a split, a lock), so the replicas never agreed again. See: review of the
+/// cluster's restore.
+#[test]
+fn a_failed_rollback_upload_leaves_no_rank_behind() {
+    let spy = Spy::new();
+    let mut c = Setup::new(ModelShape::MlaBf16, 16, 2).build_on(spy.clone());
+    let a = tokens(1, 4 * 16);
+    serve(&mut c, &a);
+    let before = c.replica_digests();
+    let longer: Vec<u32> = a.iter().copied().chain(tokens(2, 2 * 16)).collect();
+    // The owners upload fails, and so does the rollback's re-upload of the lanes.
+    spy.fail_uploads(true);
+    assert!(c.serve(&longer).is_err());
+    spy.fail_uploads(false);
+    assert!(c.replicas_agree(), "{:?}", c.replica_digests());
+    assert_eq!(
+        c.replica_digests(),
+        before,
+        "the ranks were not all restored"
+    );
+    // The broken allocator refuses the next request, whose rollback heals it.
+    let _ = c.serve(&a);
+    let stats = serve(&mut c, &longer);
+    assert_eq!(stats.mismatched_tokens, 0);
+    assert!(c.replicas_agree(), "{:?}", c.replica_digests());
+    c.check_device_lanes().unwrap();
+}

@@ -68,3 +68,28 @@ fn a_materialisation_that_writes_nothing_mismatches() {
 fn without_repoisoning_the_reused_dense_buffer_hides_it() {
     assert_eq!(materialise_skipped(false), 0);
 }
+
+/// An eviction whose poison fill fails is rolled back; the evicted node stays host-only, and
+/// its pages, freed on every rank before the fill, must still be poisoned by the rollback, or a
+/// reload that copies nothing passes on the ranks that get their old pages back. See: review
+/// of the cluster's restore.
+#[test]
+fn pages_of_an_eviction_that_failed_are_poisoned_by_the_rollback() {
+    let spy = Spy::new();
+    let setup = Setup {
+        layers: 2,
+        ..Setup::new(ModelShape::MlaBf16, 16, 8)
+    };
+    let mut c = setup.build_on(spy.clone());
+    let a = tokens(1, 10 * 16 + 8);
+    serve(&mut c, &a);
+    spy.fail_next_fill();
+    assert!(c.evict_device_lru(usize::MAX).is_err());
+    assert!(c.replicas_agree());
+    c.check_invariants().unwrap();
+    spy.skip_kernels(Some("transfer_pages_h2d"));
+    let s = serve_checked(&mut c, &a);
+    spy.skip_kernels(None);
+    assert_eq!(s.host_hit_tokens, 10 * 16, "{s:?}");
+    assert_eq!(s.mismatched_tokens, 10 * 16, "{s:?}");
+}

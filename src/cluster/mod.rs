@@ -675,7 +675,7 @@ impl Cluster {
         }
         // Pages the failed operation allocated (or the rollback drops) become free: they may
         // hold bytes it wrote.
-        let released: BTreeSet<PageId> = self
+        let mut released: BTreeSet<PageId> = self
             .ranks
             .iter()
             .zip(&states)
@@ -685,13 +685,33 @@ impl Cluster {
                     .filter(|&p| r.alloc.mirror().is_allocated(p) && !mirror.is_allocated(p))
             })
             .collect();
+        // So do the pages it evicted: free before and after, but an eviction that failed
+        // part-way had not poisoned them yet, and a load-back into one must not pass on stale
+        // bytes.
+        released.extend(
+            freed
+                .device
+                .iter()
+                .copied()
+                .filter(|&p| states.iter().all(|(_, mirror, _)| !mirror.is_allocated(p))),
+        );
+        // Every rank gets its state even if one allocator fails to take its lanes back (it
+        // then refuses work until the next rollback): an early return here would leave the
+        // later ranks in the failed operation's state, and the replicas apart for good.
+        let mut failed = None;
         for (r, (tree, mirror, host)) in self.ranks.iter_mut().zip(states) {
             r.tree = tree;
             r.host = host;
-            r.alloc.restore(mirror)?;
+            if let Err(e) = r.alloc.restore(mirror) {
+                failed.get_or_insert(e);
+            }
         }
         self.last_rollback = drops;
-        self.poison_freed(released)
+        let poisoned = self.poison_freed(released);
+        match failed {
+            Some(e) => Err(e.into()),
+            None => poisoned,
+        }
     }
 
     fn serve_inner(&mut self, tokens: &[u32]) -> Result<RequestStats, ClusterError> {

@@ -1102,7 +1102,7 @@ impl RadixTree {
     }
 
     /// SHA-256 over everything that must agree across ranks, in canonical order: layout,
-    /// clock, slot allocation state, and per node its handle, key, device pages, whether it
+    /// clock, slot allocation state (free slots with their generations), and per node its handle, key, device pages, whether it
     /// is backed up and the recorded page owners, lock count and stamp. This rank's host page
     /// slots (and the rank itself) are left out, since they differ between ranks.
     pub fn digest(&self) -> StateDigest {
@@ -1113,8 +1113,10 @@ impl RadixTree {
         h.update(self.clock.to_le_bytes());
         h.update((self.slots.len() as u64).to_le_bytes());
         h.update((self.free_slots.len() as u64).to_le_bytes());
-        for s in &self.free_slots {
+        for &s in &self.free_slots {
+            // The generation the slot's next node gets: replicas must hand out equal handles.
             h.update(s.to_le_bytes());
+            h.update(self.slots[s as usize].generation.to_le_bytes());
         }
         for id in self.node_ids() {
             let Ok(n) = self.get(id) else { continue };
@@ -1603,6 +1605,22 @@ mod tests {
 
     fn pages(v: &[u32]) -> Vec<PageId> {
         v.iter().copied().map(PageId).collect()
+    }
+
+    /// Replicas that would hand out different handles for their next node must not hash
+    /// equal: the free slots' generations are part of the digest.
+    #[test]
+    fn the_digest_covers_free_slot_generations() {
+        let mut t = tree(1, 2);
+        t.insert(&[1, 2], &pages(&[10])).unwrap();
+        assert_eq!(t.evict_device_lru(usize::MAX).unwrap().len(), 1);
+        let free = *t
+            .free_slots
+            .first()
+            .expect("the evicted node's slot is free");
+        let mut other = t.clone();
+        other.slots[free as usize].generation += 1;
+        assert_ne!(t.digest(), other.digest());
     }
 
     #[test]

@@ -145,7 +145,7 @@ pub fn host_executor() -> HostExecutor {
 }
 
 /// A host executor that counts [`Executor::free`] calls, can fail one chosen launch
-/// (besides what [`Executor::inject_launch_failure`] does) or every upload, and can turn the launches of
+/// (besides what [`Executor::inject_launch_failure`] does), every upload or the next fill, and can turn the launches of
 /// chosen kernels into no-ops that report success (a kernel that silently copies nothing);
 /// everything else is delegated.
 pub struct Spy {
@@ -160,6 +160,8 @@ pub struct Spy {
     skipped: AtomicU64,
     /// Every upload fails while set.
     fail_uploads: AtomicBool,
+    /// Set: the next fill fails (once).
+    fail_fill: AtomicBool,
 }
 
 impl Spy {
@@ -173,12 +175,18 @@ impl Spy {
             skip: Mutex::new(None),
             skipped: AtomicU64::new(0),
             fail_uploads: AtomicBool::new(false),
+            fail_fill: AtomicBool::new(false),
         })
     }
 
     /// While `on`, every upload fails with a driver error.
     pub fn fail_uploads(&self, on: bool) {
         self.fail_uploads.store(on, Ordering::SeqCst);
+    }
+
+    /// The next fill (a poison fill) fails, once.
+    pub fn fail_next_fill(&self) {
+        self.fail_fill.store(true, Ordering::SeqCst);
     }
 
     /// From now on, launches of kernels whose entry name starts with `prefix` (for example
@@ -238,6 +246,12 @@ impl Executor for Spy {
         self.inner.read(b, o, d)
     }
     fn fill(&self, b: BufferId, r: &[(u64, u64)], v: u8) -> Result<(), ExecError> {
+        if self.fail_fill.swap(false, Ordering::SeqCst) {
+            return Err(ExecError::Driver {
+                op: "fill",
+                message: "fill failure injected by the test".into(),
+            });
+        }
         self.inner.fill(b, r, v)
     }
     fn load_kernel(&self, a: &KernelArtifact<'_>) -> Result<KernelId, ExecError> {
