@@ -389,9 +389,12 @@ fn staged_uploads_never_overwrite_a_copy_in_flight() {
         seed % n
     };
     let mut bufs: Vec<(BufferId, Vec<u8>)> = Vec::new();
+    let mut grown = 0;
     for round in 0..40u32 {
         let before = ex.counters();
+        let mut made = 0;
         for _ in 0..1 + next(6) {
+            made += 1;
             // From a few bytes to more than the first ring (64 KiB) holds.
             let len = 1 + next(if round % 9 == 0 { 200_000 } else { 20_000 }) as usize;
             let data: Vec<u8> = (0..len).map(|i| (i as u64 ^ next(256)) as u8).collect();
@@ -405,11 +408,15 @@ fn staged_uploads_never_overwrite_a_copy_in_flight() {
             (0, 0),
             "uploads wait for nothing"
         );
+        grown += after.allocs - made;
         if round % 4 == 3 {
             // Waiting lets the earlier copies complete, so their regions are reused next.
             ex.synchronize().unwrap();
         }
     }
+    // Each staging ring counts as an allocation: the first, and at least one larger one for
+    // the uploads past 64 KiB.
+    assert!(grown >= 2, "staging rings counted: {grown}");
     for (b, data) in &bufs {
         let mut out = vec![0u8; data.len()];
         ex.read(*b, 0, &mut out).unwrap();

@@ -523,7 +523,8 @@ pub struct Counters {
     pub uploads: u64,
     /// Bytes uploaded.
     pub bytes_uploaded: u64,
-    /// Buffer allocations.
+    /// Buffer allocations, and on CUDA the pinned staging rings uploads had to allocate
+    /// (a page-locked allocation stalls concurrent streams, as a device allocation does).
     pub allocs: u64,
     /// Copy batches ([`Executor::copy_regions`]).
     pub copies: u64,

@@ -373,6 +373,12 @@ impl Staging {
         }
     }
 
+    /// Rings allocated so far: each one was a page-locked allocation, which stalls concurrent
+    /// streams like a device allocation, so the executor counts it as one.
+    pub(crate) fn rings(&self) -> usize {
+        self.retired.len() + usize::from(self.ring.is_some())
+    }
+
     /// Frees the regions whose copies have completed, oldest first.
     fn reclaim(&mut self) -> Result<(), String> {
         while let Some(oldest) = self.in_flight.front() {

@@ -160,8 +160,12 @@ impl Executor for CudaExecutor {
             // it later waits for the copy (cuMemFree synchronises).
             CudaBuffer::Device(m) => {
                 let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+                let rings = staging.rings();
                 driver::upload_in_bounds(&self.gpu, &mut staging, m.addr() + off as u64, data)
-                    .map_err(driver_err("upload"))?
+                    .map_err(driver_err("upload"))?;
+                // A new staging ring is a page-locked allocation: counted, so that a load
+                // path that needed one shows it.
+                st.counters.allocs += (staging.rings() - rings) as u64;
             }
             // Pinned host memory is written by the CPU once the stream is idle: a counted
             // synchronisation (host buffers are never uploaded to on the load path).
