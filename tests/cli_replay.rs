@@ -551,6 +551,86 @@ fn built_in_workload_options_conflict_with_a_trace() {
     }
 }
 
+/// `--block-tokens` shapes a trace only: without one it would be ignored, so it is refused,
+/// and its range is checked at parsing.
+#[test]
+fn block_tokens_needs_a_trace_and_a_range() {
+    usage_error(&["replay", "--block-tokens", "64", "-q"], "--trace");
+    let f = trace_file(&record(&[0]));
+    let path = f.path().to_str().unwrap();
+    usage_error(
+        &["replay", "--trace", path, "--block-tokens", "0", "-q"],
+        "0 is not in 1..=65536",
+    );
+}
+
+/// A workload size past the generator's range is refused; it used to wrap around and
+/// replay 4 requests, or none.
+#[test]
+fn a_huge_conversation_count_is_refused() {
+    usage_error(
+        &["replay", "--conversations", "4611686018427387905", "-q"],
+        "not a conversation count in 1..=1000000",
+    );
+}
+
+/// A directory given as the trace is named as one (it was "empty").
+#[test]
+fn a_directory_is_not_a_trace() {
+    let dir = tempfile::tempdir().unwrap();
+    usage_error(
+        &["replay", "--trace", dir.path().to_str().unwrap(), "-q"],
+        "is a directory",
+    );
+}
+
+/// A trace read from a pipe replays: counting its lines for the progress bar used to drain
+/// it first, and the replay then saw no request.
+#[test]
+fn a_trace_from_a_pipe_replays() {
+    use std::io::Write as _;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+        .args(["replay", "--trace", "/dev/stdin", "--block-tokens", "64"])
+        .args(["--model", "mla", "--cp", "2", "--layers", "1", "-q"])
+        .env("CP_HICACHE_CACHE_DIR", cache_dir())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = [record(&[0, 1]), record(&[0, 1, 2])].join("\n");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(lines.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        report.contains("requests                     2"),
+        "{report}"
+    );
+}
+
+/// A replay whose pools cannot fit in memory is refused before anything is allocated (it
+/// used to be killed by the kernel's OOM killer, without a word).
+#[test]
+fn a_replay_too_large_for_memory_is_refused() {
+    usage_error(
+        &[
+            "replay",
+            "--device-pages",
+            "4000000000",
+            "--backend",
+            "host",
+            "-q",
+        ],
+        "GiB of host memory",
+    );
+}
+
 /// Replay is the default command, so its options work without the word `replay`; with
 /// another command they are refused.
 #[test]

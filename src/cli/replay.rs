@@ -4,13 +4,15 @@
 
 use super::common::parse_backend;
 use crate::cluster::{
-    Cluster, ClusterConfig, Fault, ReplayReport, RequestStats, RollbackDrops, WritePolicy,
+    Cluster, ClusterConfig, Fault, PoolGeometry, ReplayReport, RequestStats, RollbackDrops,
+    WritePolicy,
 };
 use crate::exec::{open_executor, Backend, Executor};
 use crate::jit::{Jit, JitConfig, Sanitize, EMU_HEADER};
 use crate::kernels::{Deployment, ModelShape, TransferPath};
 use crate::workload::{
     Conversations, ConversationsConfig, MooncakeTrace, Request, TraceConfig, WorkloadError,
+    MAX_BLOCK_TOKENS,
 };
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::io::IsTerminal;
@@ -36,9 +38,15 @@ pub struct ReplayArgs {
     /// trace without a request is a usage error: there would be nothing to verify.
     #[arg(long, value_name = "FILE.jsonl")]
     pub trace: Option<PathBuf>,
-    /// Tokens one trace hash id stands for, 1..=65536 (the published traces use 512;
-    /// smaller values scale every length down and keep CPU replays fast).
-    #[arg(long, default_value_t = 512, value_name = "N")]
+    /// Tokens one trace hash id stands for, 1..=65536 (only with --trace; the published
+    /// traces use 512; smaller values scale every length down and keep CPU replays fast).
+    #[arg(
+        long,
+        default_value_t = 512,
+        value_name = "N",
+        requires = "trace",
+        value_parser = clap::value_parser!(u32).range(1..=i64::from(MAX_BLOCK_TOKENS))
+    )]
     pub block_tokens: u32,
     /// Replay only the first N requests (N >= 1; default: all of them).
     #[arg(
@@ -58,7 +66,8 @@ pub struct ReplayArgs {
         long,
         value_name = "N",
         default_value_t = ConversationsConfig::default().conversations,
-        conflicts_with = "trace"
+        conflicts_with = "trace",
+        value_parser = parse_conversations
     )]
     pub conversations: usize,
     /// CP degree (1..=16).
@@ -87,7 +96,8 @@ pub struct ReplayArgs {
     /// Executor that runs the kernels.
     #[arg(long, default_value = "auto", value_parser = backend_parser())]
     pub backend: Backend,
-    /// A tuning file (see `cp-hicache tune`); without it the default launch shapes run.
+    /// A tuning file (see `cp-hicache tune`); without it `<cache>/tuning.json` is used when
+    /// it exists (the report names the file), else the default launch shapes run.
     #[arg(long, value_name = "FILE")]
     pub tuning: Option<PathBuf>,
     /// How pages move between host and device: `kernel` (the transfer kernel) or `dma`
@@ -157,6 +167,19 @@ fn backend_parser() -> impl clap::builder::TypedValueParser<Value = Backend> {
             .help("the CUDA driver on GPU 0 (NVRTC-compiled kernels)"),
     ])
     .try_map(|s| parse_backend(&s))
+}
+
+/// The most conversations of the built-in workload (4 million requests, far past a CPU run).
+const MAX_CONVERSATIONS: usize = 1_000_000;
+
+/// `--conversations N`, 1..=[`MAX_CONVERSATIONS`].
+fn parse_conversations(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if (1..=MAX_CONVERSATIONS).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "`{s}` is not a conversation count in 1..={MAX_CONVERSATIONS}"
+        )),
+    }
 }
 
 /// `--requests N`, N >= 1: replaying no request would verify nothing.
@@ -231,7 +254,12 @@ impl ReplayArgs {
                     max_requests: self.requests,
                 };
                 let trace = MooncakeTrace::open(path, config).map_err(usage)?;
-                let lines = count_lines(path);
+                // Counted ahead only in a regular file: a pipe would be drained by the count.
+                let lines = if path.is_file() {
+                    count_lines(path)
+                } else {
+                    None
+                };
                 if lines == Some(0) {
                     // Refused before the kernels are built: an empty trace verifies nothing.
                     return Err(crate::Error::Usage(format!(
@@ -260,6 +288,56 @@ fn usage(e: WorkloadError) -> crate::Error {
     crate::Error::Usage(e.to_string())
 }
 
+/// Refuses, before anything is allocated, a replay whose pools do not fit in the memory
+/// available: allocating them would get the process killed without a word. Host pools are
+/// host memory on every backend; on the CPU so are the device pools and the dense
+/// materialisation buffers (at most one device pool's worth).
+fn check_memory(args: &ReplayArgs, dep: &Deployment, backend: Backend) -> Result<(), crate::Error> {
+    let geometry = PoolGeometry {
+        layers: args.layers,
+        local_pages: args.device_pages.div_ceil(u32::from(args.cp)),
+        host_pages: args.host_pages,
+    };
+    let (device, host) = geometry.pool_bytes(dep);
+    // An open executor is never `Auto`; only CUDA keeps the device pools off the host.
+    let on_gpu = backend == Backend::Cuda;
+    let need = if on_gpu {
+        host
+    } else {
+        host.saturating_add(device.saturating_mul(2))
+    };
+    let Some(available) = available_memory() else {
+        return Ok(());
+    };
+    if need <= available {
+        return Ok(());
+    }
+    let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
+    let parts = if on_gpu {
+        format!("pinned host pools {:.1} GiB", gib(host))
+    } else {
+        format!(
+            "device pools {:.1} GiB and as much again for materialisation, host pools {:.1} GiB",
+            gib(device),
+            gib(host)
+        )
+    };
+    Err(crate::Error::Usage(format!(
+        "this replay needs about {:.1} GiB of host memory ({parts}) but {:.1} GiB is \
+         available: lower --layers, --device-pages or --host-pages",
+        gib(need),
+        gib(available)
+    )))
+}
+
+/// `MemAvailable` of `/proc/meminfo` in bytes; `None` where it cannot be read.
+fn available_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 /// The trace's non-blank lines, for the progress bar's total. Lines are counted as bytes, so
 /// a line that is not UTF-8 (which the trace reader then reports) does not cut the count.
 fn count_lines(path: &std::path::Path) -> Option<usize> {
@@ -286,12 +364,23 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
     }
     let (workload, total) = args.workload()?;
     let exec: Arc<dyn Executor> = Arc::from(open_executor(args.backend)?);
+    check_memory(args, &plan.deployment, exec.backend())?;
     let backend = exec.backend().to_string();
     let jit = Jit::new(JitConfig::from_env(EMU_HEADER)?);
     // Launch shapes tuned for this executor: from --tuning, else <cache>/tuning.json if any.
     let mut deployment = plan.deployment.clone();
     let device = crate::tuning::DeviceKey::for_executor(exec.as_ref(), &jit)?;
     let warnings = crate::tuning::apply(&mut deployment, args.tuning.as_deref(), &device)?;
+    let tuning_file = match &args.tuning {
+        Some(path) => Some(path.clone()),
+        None => {
+            let default = crate::tuning::default_path();
+            let unreadable = warnings
+                .iter()
+                .any(|w| w.kind == crate::tuning::WarningKind::UnreadableFile);
+            (default.exists() && !unreadable).then_some(default)
+        }
+    };
     for warning in crate::tuning::warning_lines(&warnings) {
         eprintln!("warning: {warning}");
     }
@@ -470,6 +559,7 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
         fault: args.inject.map(|f| f.to_string()),
         fault_fired: fault_exercised.as_ref().map(Result::is_ok),
         fault_not_fired_because: fault_exercised.and_then(Result::err),
+        tuning_file: tuning_file.map(|p| p.display().to_string()),
         copy_launch: deployment.copy.to_string(),
         transfer_path: deployment.transfer_path.to_string(),
         synth_threads: deployment.synth_threads,

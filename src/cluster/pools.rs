@@ -24,6 +24,26 @@ pub struct PoolGeometry {
     pub host_pages: u32,
 }
 
+impl PoolGeometry {
+    /// Bytes of every rank's device pools and of every rank's host pools for `dep`
+    /// (saturating: the sizes are checked against memory before anything is allocated).
+    pub fn pool_bytes(&self, dep: &Deployment) -> (u64, u64) {
+        let page: u64 = dep
+            .model
+            .buffers()
+            .iter()
+            .map(|b| u64::from(b.page_bytes(dep.page_size)))
+            .sum();
+        let per_page = page
+            .saturating_mul(u64::from(self.layers))
+            .saturating_mul(u64::from(dep.cp));
+        (
+            per_page.saturating_mul(u64::from(self.local_pages)),
+            per_page.saturating_mul(u64::from(self.host_pages)),
+        )
+    }
+}
+
 /// The pools and scratch buffers; freed when dropped.
 pub struct Pools {
     exec: Arc<dyn Executor>,

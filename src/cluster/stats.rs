@@ -117,6 +117,9 @@ pub struct ReplayReport {
     pub fault_fired: Option<bool>,
     /// Why an injected fault never fired (then the run tested nothing of it).
     pub fault_not_fired_because: Option<String>,
+    /// The tuning file whose launch shapes ran (`--tuning`, or `<cache>/tuning.json` when it
+    /// exists); none when the defaults ran.
+    pub tuning_file: Option<String>,
     /// Launch shape of the transfer and materialise kernels (from tuning, or the default).
     pub copy_launch: String,
     /// How pages moved between host and device (`kernel` or `dma`).
@@ -152,6 +155,12 @@ impl ReplayReport {
                 "{} · CP {} · page {} · {} layers · {} · {}",
                 self.model, self.cp, self.page_size, self.layers, self.policy, self.backend
             ),
+        );
+        row(
+            "tuning file",
+            self.tuning_file
+                .clone()
+                .unwrap_or_else(|| "none (default launch shapes)".into()),
         );
         row("copy launch shape", self.copy_launch.clone());
         row("host<->device transfers", self.transfer_path.clone());
@@ -284,6 +293,7 @@ mod tests {
             fault: None,
             fault_fired: None,
             fault_not_fired_because: None,
+            tuning_file: None,
             copy_launch: "t1_ppb16_v16_u1".into(),
             transfer_path: "kernel".into(),
             synth_threads: 1,

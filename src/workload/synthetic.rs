@@ -51,6 +51,9 @@ impl ConversationsConfig {
         if self.conversations == 0 || self.turns == 0 {
             return bad("conversations and turns must be at least 1");
         }
+        if self.conversations.checked_mul(self.turns).is_none() {
+            return bad("conversations × turns overflows the request count");
+        }
         if self.system_prompts == 0 || self.concurrency == 0 {
             return bad("system prompts and concurrency must be at least 1");
         }
@@ -121,7 +124,8 @@ impl Conversations {
 
     /// Requests the full workload yields (before `max_requests`).
     pub fn total_requests(&self) -> usize {
-        let all = self.config.conversations * self.config.turns;
+        // Checked by `validate`; saturating keeps a config built around it from wrapping.
+        let all = self.config.conversations.saturating_mul(self.config.turns);
         self.max_requests.map_or(all, |m| m.min(all))
     }
 

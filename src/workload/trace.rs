@@ -54,6 +54,12 @@ impl MooncakeTrace {
                 config.block_tokens
             )));
         }
+        if path.is_dir() {
+            return Err(WorkloadError::Config(format!(
+                "trace {} is a directory: name a JSON-lines trace file",
+                path.display()
+            )));
+        }
         let file = File::open(path).map_err(|source| WorkloadError::Io {
             path: path.to_owned(),
             source,
