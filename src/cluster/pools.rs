@@ -32,7 +32,7 @@ impl PoolGeometry {
             .model
             .buffers()
             .iter()
-            .map(|b| u64::from(b.page_bytes(dep.page_size)))
+            .map(|b| b.page_bytes(dep.page_size))
             .sum();
         let per_page = page
             .saturating_mul(u64::from(self.layers))
