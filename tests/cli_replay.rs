@@ -395,7 +395,7 @@ fn an_oversized_request_is_skipped_and_the_replay_goes_on() {
     );
     assert_eq!(err.matches("warning").count(), 1, "warned once: {err}");
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("requests skipped (too large) 2\n"), "{text}");
+    assert!(text.contains("requests skipped (no room)   2\n"), "{text}");
     let r = r.expect("a JSON report");
     assert_eq!(num(&r, "requests"), 4);
     assert_eq!(num(&r, "requests_skipped"), 2);

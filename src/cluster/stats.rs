@@ -169,7 +169,7 @@ impl ReplayReport {
         if self.requests_skipped > 0 {
             // The label fits the column; the skip warning says what did not fit.
             row(
-                "requests skipped (too large)",
+                "requests skipped (no room)",
                 self.requests_skipped.to_string(),
             );
         }
@@ -351,7 +351,7 @@ mod tests {
             ..sample()
         };
         let table = r.to_table();
-        assert!(table.contains("requests skipped (too large) 2"), "{table}");
+        assert!(table.contains("requests skipped (no room)   2"), "{table}");
         assert!(
             table.contains("plain-alloc-on-load (NEVER FIRED: no load-back)"),
             "{table}"
