@@ -160,7 +160,7 @@ impl ReplayReport {
             "tuning file",
             self.tuning_file
                 .clone()
-                .unwrap_or_else(|| "none (default launch shapes)".into()),
+                .unwrap_or_else(|| "none: default shapes (`cp-hicache tune` finds faster)".into()),
         );
         row("copy launch shape", self.copy_launch.clone());
         row("host<->device transfers", self.transfer_path.clone());
