@@ -2,6 +2,8 @@
 
 use std::process::Command;
 
+mod support;
+
 fn info(env: &[(&str, &str)]) -> (bool, String) {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_cp-hicache"));
     cmd.arg("info")
@@ -81,15 +83,9 @@ fn a_closed_stdout_ends_quietly() {
         &["info", "--json"],
         &["compile", "--list-deployments"],
     ] {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
-            .args(args)
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        // Closing the read end before the first write makes every write fail with EPIPE.
-        drop(child.stdout.take());
-        let out = child.wait_with_output().unwrap();
+        let out = support::output_with_closed_stdout(
+            Command::new(env!("CARGO_BIN_EXE_cp-hicache")).args(args),
+        );
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "{args:?}: {:?} {stderr}", out.status);
         assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");

@@ -4,6 +4,8 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
+mod support;
+
 const SMALL: &[&str] = &[
     "replay",
     "--model",
@@ -142,19 +144,14 @@ fn a_closed_stdout_keeps_the_verdict_and_the_report() {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("report.json");
     let args: Vec<&str> = SMALL.iter().copied().filter(|&a| a != "--quiet").collect();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
-        .args(&args)
-        .args(["--inject", "plain-alloc-on-load", "--json"])
-        .arg(&json)
-        .env("CP_HICACHE_CACHE_DIR", cache_dir())
-        .env_remove("CP_HICACHE_JIT")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    // Closing the read end before the first write makes every write fail with EPIPE.
-    drop(child.stdout.take());
-    let out = child.wait_with_output().unwrap();
+    let out = support::output_with_closed_stdout(
+        Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+            .args(&args)
+            .args(["--inject", "plain-alloc-on-load", "--json"])
+            .arg(&json)
+            .env("CP_HICACHE_CACHE_DIR", cache_dir())
+            .env_remove("CP_HICACHE_JIT"),
+    );
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     let r: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();

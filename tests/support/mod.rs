@@ -419,6 +419,18 @@ pub fn grid(rng: &mut Rng, recommended: u32) -> u32 {
     }
 }
 
+/// Runs `cmd` with its standard output closed before the first write, so that every write
+/// fails with EPIPE, as under `| head` once head has exited.
+pub fn output_with_closed_stdout(cmd: &mut std::process::Command) -> std::process::Output {
+    let mut child = cmd
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    child.wait_with_output().unwrap()
+}
+
 /// Runs `cp-hicache replay` on a small deployment (two conversations, MLA, CP 2, one layer)
 /// with its JIT cache at `cache`; each `env` entry is set, or removed when `None`.
 pub fn small_replay(cache: &std::path::Path, env: &[(&str, Option<&str>)]) -> std::process::Output {
