@@ -367,3 +367,55 @@ fn emu_sanitize_env_selects_the_asan_host_build() {
         "{err}"
     );
 }
+
+/// A report that cannot be written whole (here the file size limit stands in for a full
+/// disk) leaves the earlier report as it was, with no partial or temporary file beside it:
+/// `--json` is written to a temporary file and renamed.
+#[test]
+fn a_failed_json_write_keeps_the_earlier_report() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cxx = fake_cxx(tmp.path());
+    let reports = tmp.path().join("reports");
+    std::fs::create_dir(&reports).unwrap();
+    let json = reports.join("compile.json");
+    let compile = |c: &mut Command| {
+        c.args([
+            "compile",
+            "--target",
+            "host",
+            "--deployment",
+            "mla_ps16_cp4",
+            "--json",
+        ])
+        .arg(&json)
+        .env("CXX", &cxx)
+        .env("CP_HICACHE_CACHE_DIR", tmp.path().join("cache"))
+        .env_remove("CP_HICACHE_EMU_SANITIZE");
+        run(c)
+    };
+    let out = compile(&mut bin());
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let earlier = std::fs::read(&json).unwrap();
+    assert!(earlier.len() > 1024, "{} bytes", earlier.len());
+    // The second run hits the cache (nothing else is written) and its report exceeds the
+    // file size limit; SIGXFSZ is ignored so the write fails with EFBIG instead.
+    let mut limited = Command::new("/bin/sh");
+    limited
+        .args(["-c", "trap '' XFSZ; ulimit -f 1; exec \"$@\"", "sh"])
+        .arg(env!("CARGO_BIN_EXE_cp-hicache"))
+        .env_remove("CP_HICACHE_JIT")
+        .env("RUST_LOG", "warn");
+    let out = compile(&mut limited);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!("writing {}", json.display())),
+        "{stderr}"
+    );
+    assert_eq!(std::fs::read(&json).unwrap(), earlier, "the report was cut");
+    let names: Vec<_> = std::fs::read_dir(&reports)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names, ["compile.json"], "a temporary file was left");
+}

@@ -9,10 +9,29 @@ use crate::tuning::Sizes;
 
 /// Checks, before the work starts, that an output file named on the command line (`--json`,
 /// `--plot`) can be written, so a long run never ends in "cannot write" with its results
-/// lost. An existing file is left as it is (opened for append, not truncated); a file this
-/// check creates is removed again. The path is the user's input, so a failure is a usage
-/// error (exit status 2).
+/// lost. An existing file is left as it is (opened for append, not truncated; a read-only
+/// report is refused rather than replaced); a file this check creates is removed again. The
+/// file is written through a temporary file beside it ([`write_output`]), so its folder must
+/// take new files too. The path is the user's input, so a failure is a usage error (exit
+/// status 2).
 pub fn check_output(path: &Path) -> Result<(), crate::Error> {
+    let target = resolve_link(path);
+    if !replaced_atomically(&target) {
+        // A device or a pipe (`/dev/null`, `/dev/stdout`) is written in place.
+        return open_for_append(path);
+    }
+    if target.file_name().and_then(|n| n.to_str()).is_none() {
+        return Err(crate::Error::Usage(format!(
+            "cannot write {}: not a UTF-8 file name",
+            path.display()
+        )));
+    }
+    open_for_append(path)?;
+    probe_folder(folder_of(&target), path)
+}
+
+/// Opens `path` for append (creating it, and removing it again if it did not exist).
+fn open_for_append(path: &Path) -> Result<(), crate::Error> {
     let existed = path.exists();
     std::fs::OpenOptions::new()
         .append(true)
@@ -22,6 +41,52 @@ pub fn check_output(path: &Path) -> Result<(), crate::Error> {
     if !existed {
         let _ = std::fs::remove_file(path);
     }
+    Ok(())
+}
+
+/// Whether an output at `target` (links resolved) is written as a new file renamed over it:
+/// a regular file or nothing yet. Anything else (a device such as `/dev/null`, a pipe) must
+/// be written in place, never replaced.
+fn replaced_atomically(target: &Path) -> bool {
+    std::fs::metadata(target).map_or(true, |m| m.is_file())
+}
+
+/// `path`, or where it points when it is a symbolic link: the file an output replaces.
+fn resolve_link(path: &Path) -> std::path::PathBuf {
+    if path.is_symlink() {
+        std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf())
+    } else {
+        path.to_path_buf()
+    }
+}
+
+/// The folder a file at `path` is written in (`.` for a bare file name).
+fn folder_of(path: &Path) -> &Path {
+    match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    }
+}
+
+/// Checks that `dir` takes new files (the temporary file of an atomic write of `file`), by
+/// creating and removing a probe file.
+fn probe_folder(dir: &Path, file: &Path) -> Result<(), crate::Error> {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let probe = dir.join(format!(".cp-hicache-probe.{}.{nanos}", std::process::id()));
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&probe)
+        .map_err(|e| {
+            crate::Error::Usage(format!(
+                "cannot write {}: {e} (folder {})",
+                file.display(),
+                dir.display()
+            ))
+        })?;
+    let _ = std::fs::remove_file(&probe);
     Ok(())
 }
 
@@ -49,35 +114,37 @@ pub fn check_merge_target(path: &Path, explicit: bool) -> Result<(), crate::Erro
         return Ok(());
     }
     // The merge writes a temporary file beside the target and renames it: probe the folder.
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    let probe = dir.join(format!(".cp-hicache-probe.{}.{nanos}", std::process::id()));
-    std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(&probe)
-        .map_err(|e| {
-            crate::Error::Usage(format!(
-                "cannot write {}: {e} (folder {})",
-                path.display(),
-                dir.display()
-            ))
-        })?;
-    let _ = std::fs::remove_file(&probe);
-    Ok(())
+    probe_folder(folder_of(path), path)
 }
 
-/// Writes `text` to an output file named on the command line.
+/// Writes `text` to an output file named on the command line, atomically (the JIT cache's
+/// [`write_atomic`](crate::jit::cache::write_atomic): a temporary file beside it, fsynced, then
+/// renamed): a failed write (a full disk) leaves an earlier report whole and no partial file.
+/// A symbolic link is followed, so the file it points to is replaced, as a plain write would;
+/// a device or a pipe (`/dev/null`, `/dev/stdout`) is written in place.
 pub fn write_output(path: &Path, text: &str) -> Result<(), crate::Error> {
-    std::fs::write(path, text).map_err(|source| crate::Error::Io {
+    let io_error = |source| crate::Error::Io {
         context: format!("writing {}", path.display()),
         source,
-    })
+    };
+    let target = resolve_link(path);
+    if !replaced_atomically(&target) {
+        return std::fs::write(path, text).map_err(io_error);
+    }
+    let Some(name) = target.file_name().and_then(|n| n.to_str()) else {
+        return Err(crate::Error::Usage(format!(
+            "cannot write {}: not a UTF-8 file name",
+            path.display()
+        )));
+    };
+    crate::jit::cache::write_atomic(folder_of(&target), name, text.as_bytes())
+        .map(drop)
+        .map_err(|e| {
+            io_error(match e {
+                crate::jit::cache::CacheError::Io { source, .. } => source,
+                other => std::io::Error::other(other.to_string()),
+            })
+        })
 }
 
 /// Writes `value` as pretty JSON (with a final newline) to an output file.
@@ -203,6 +270,45 @@ mod tests {
             check_output(dir.path()).is_err(),
             "a directory is not an output file"
         );
+    }
+
+    /// Names in `dir`, sorted.
+    fn names(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn outputs_are_replaced_whole_through_a_temporary_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let report = dir.path().join("report.json");
+        std::fs::write(&report, "an earlier, longer report\n").unwrap();
+        let before = std::fs::metadata(&report).unwrap();
+        write_output(&report, "new\n").unwrap();
+        assert_eq!(std::fs::read_to_string(&report).unwrap(), "new\n");
+        // Replaced by a rename (a new inode), not truncated and rewritten in place.
+        use std::os::unix::fs::MetadataExt;
+        assert_ne!(std::fs::metadata(&report).unwrap().ino(), before.ino());
+        assert_eq!(names(dir.path()), ["report.json"], "a temporary file was left");
+        // A link is followed: the file it points to gets the report, the link stays.
+        let link = dir.path().join("link.json");
+        std::os::unix::fs::symlink("report.json", &link).unwrap();
+        check_output(&link).unwrap();
+        write_output(&link, "via the link\n").unwrap();
+        assert!(link.is_symlink());
+        assert_eq!(std::fs::read_to_string(&report).unwrap(), "via the link\n");
+        // A device is written in place, never replaced by a file.
+        check_output(Path::new("/dev/null")).unwrap();
+        write_output(Path::new("/dev/null"), "discarded").unwrap();
+        assert!(!std::fs::metadata("/dev/null").unwrap().is_file());
+        // A failed write is an I/O error naming the file; nothing is left behind.
+        let err = write_output(&dir.path().join("missing/r.json"), "x").unwrap_err();
+        assert!(err.to_string().contains("missing/r.json"), "{err}");
+        assert_eq!(names(dir.path()), ["link.json", "report.json"]);
     }
 
     #[test]
