@@ -430,3 +430,35 @@ fn tune_out_and_bench_json_are_checked_up_front() {
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("cannot write"), "{stderr}");
 }
+
+/// `bench --json X --plot X` would write the chart over the rows: refused up front (exit
+/// status 2, both flags named), as is an output naming the `--tuning` input.
+#[test]
+fn bench_outputs_may_not_share_a_file_or_replace_the_tuning_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let same = dir.path().join("out");
+    let tuning = dir.path().join("t.json");
+    std::fs::write(&tuning, r#"{"format": 1, "entries": []}"#).unwrap();
+    for (args, needle) in [
+        (
+            vec!["--json".as_ref(), same.as_os_str(), "--plot".as_ref(), same.as_os_str()],
+            "--json and --plot both name",
+        ),
+        (
+            vec!["--tuning".as_ref(), tuning.as_os_str(), "--plot".as_ref(), tuning.as_os_str()],
+            "--plot",
+        ),
+    ] {
+        let out = output(bin(&cache).arg("bench").args(TINY).args(&args));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+        assert!(out.stdout.is_empty(), "{args:?}: the run started");
+    }
+    assert!(!same.exists());
+    assert_eq!(
+        std::fs::read_to_string(&tuning).unwrap(),
+        r#"{"format": 1, "entries": []}"#
+    );
+}

@@ -51,6 +51,92 @@ fn replaced_atomically(target: &Path) -> bool {
     std::fs::metadata(target).map_or(true, |m| m.is_file())
 }
 
+/// [`check_output`] for every output given, after refusing an output that is the same file
+/// as one of the command's inputs (which it would overwrite: `replay --trace t.jsonl --json
+/// t.jsonl`) or as another output (one report would replace the other: `bench --json x --plot
+/// x`). Each entry is the flag and its path, if given. Paths are compared as files: by their
+/// canonical paths, or for a file that does not exist yet by its folder's canonical path and
+/// its name, so `x.json`, `./x.json` and a link to it are all the same file. A collision is a
+/// usage error (exit status 2) naming both flags and the path.
+pub fn check_outputs(
+    outputs: &[(&str, Option<&Path>)],
+    inputs: &[(&str, Option<&Path>)],
+) -> Result<(), crate::Error> {
+    let outputs = given_files(outputs);
+    let inputs = given_files(inputs);
+    for (i, (flag, path, id)) in outputs.iter().enumerate() {
+        if let Some((input, ..)) = inputs.iter().find(|(_, _, other)| other == id) {
+            return Err(crate::Error::Usage(format!(
+                "{flag} {} is the {input} input: writing it would overwrite that file; \
+                 name another file for {flag}",
+                path.display()
+            )));
+        }
+        if let Some((other, ..)) = outputs[..i].iter().find(|(_, _, other)| other == id) {
+            return Err(crate::Error::Usage(format!(
+                "{other} and {flag} both name {}: one output would overwrite the other; \
+                 give each its own file",
+                path.display()
+            )));
+        }
+    }
+    for (_, path, _) in &outputs {
+        check_output(path)?;
+    }
+    Ok(())
+}
+
+/// The files given among `list`, each with its flag and identity.
+fn given_files<'a>(list: &[(&str, Option<&'a Path>)]) -> Vec<(String, &'a Path, FileIdentity)> {
+    list.iter()
+        .filter_map(|&(flag, p)| p.map(|p| (flag.to_string(), p, FileIdentity::of(p))))
+        .collect()
+}
+
+/// What identifies a file for [`check_outputs`]: its canonical path (links and `..`
+/// resolved) when it exists, else its folder's canonical path joined with its name, else the
+/// path made absolute; and for an existing file its device and inode, so two hard links to
+/// one file are the same file too. A device or a pipe (`/dev/null`) is never the same file
+/// as another path: writing it twice, or reading and writing it, replaces nothing.
+#[derive(Debug)]
+struct FileIdentity {
+    path: std::path::PathBuf,
+    inode: Option<(u64, u64)>,
+    special: bool,
+}
+
+impl FileIdentity {
+    fn of(path: &Path) -> FileIdentity {
+        use std::os::unix::fs::MetadataExt;
+        let meta = std::fs::metadata(path).ok();
+        let inode = meta.as_ref().map(|m| (m.dev(), m.ino()));
+        let special = meta.is_some_and(|m| !m.is_file());
+        let path = std::fs::canonicalize(path).unwrap_or_else(|_| {
+            match (path.file_name(), std::fs::canonicalize(folder_of(path))) {
+                (Some(name), Ok(dir)) => dir.join(name),
+                _ => std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf()),
+            }
+        });
+        FileIdentity {
+            path,
+            inode,
+            special,
+        }
+    }
+}
+
+impl PartialEq for FileIdentity {
+    fn eq(&self, other: &FileIdentity) -> bool {
+        if self.special || other.special {
+            return false;
+        }
+        match (self.inode, other.inode) {
+            (Some(a), Some(b)) => a == b,
+            _ => self.path == other.path,
+        }
+    }
+}
+
 /// `path`, or where it points when it is a symbolic link: the file an output replaces.
 fn resolve_link(path: &Path) -> std::path::PathBuf {
     if path.is_symlink() {
@@ -309,6 +395,63 @@ mod tests {
         let err = write_output(&dir.path().join("missing/r.json"), "x").unwrap_err();
         assert!(err.to_string().contains("missing/r.json"), "{err}");
         assert_eq!(names(dir.path()), ["link.json", "report.json"]);
+    }
+
+    #[test]
+    fn an_output_may_not_be_an_input_or_another_output() {
+        let dir = tempfile::tempdir().unwrap();
+        let trace = dir.path().join("t.jsonl");
+        std::fs::write(&trace, "{}\n").unwrap();
+        std::fs::create_dir(dir.path().join("sub")).unwrap();
+        let linked = dir.path().join("hard.jsonl");
+        std::fs::hard_link(&trace, &linked).unwrap();
+        let fresh = dir.path().join("x.json");
+        let fresh_again = dir.path().join("sub/../x.json");
+        let input = |p| [("--trace", Some(trace.as_path())), ("--tuning", p)];
+        for (outputs, inputs, needles) in [
+            (
+                vec![("--json", Some(trace.as_path()))],
+                input(None),
+                ["--json", "--trace input"],
+            ),
+            (
+                vec![("--json", Some(linked.as_path()))],
+                input(None),
+                ["--json", "--trace input"],
+            ),
+            (
+                vec![("--json", Some(fresh.as_path()))],
+                input(Some(fresh_again.as_path())),
+                ["--json", "--tuning input"],
+            ),
+            (
+                vec![
+                    ("--json", Some(fresh.as_path())),
+                    ("--plot", Some(fresh_again.as_path())),
+                ],
+                input(None),
+                ["--json and --plot both name", "sub/../x.json"],
+            ),
+        ] {
+            let err = check_outputs(&outputs, &inputs).unwrap_err();
+            assert!(err.is_usage(), "{err}");
+            for n in needles {
+                assert!(err.to_string().contains(n), "{n:?} not in: {err}");
+            }
+        }
+        assert_eq!(std::fs::read_to_string(&trace).unwrap(), "{}\n");
+        assert!(!fresh.exists());
+        // Distinct files, absent options and a device given twice are fine.
+        let other = dir.path().join("y.svg");
+        check_outputs(
+            &[("--json", Some(&fresh)), ("--plot", Some(&other))],
+            &input(None),
+        )
+        .unwrap();
+        check_outputs(&[("--json", None), ("--plot", None)], &input(None)).unwrap();
+        let null = Path::new("/dev/null");
+        check_outputs(&[("--json", Some(null)), ("--plot", Some(null))], &[]).unwrap();
+        assert_eq!(names(dir.path()), ["hard.jsonl", "sub", "t.jsonl"]);
     }
 
     #[test]

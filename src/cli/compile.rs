@@ -2,7 +2,7 @@
 //! JIT (in parallel, through the disk cache) and prints a resource table. It is the NVRTC matrix
 //! a CI runs: any compile error, register spill or stack frame fails it.
 
-use super::common::{check_output, write_json};
+use super::common::{check_outputs, write_json};
 use super::render::select_deployments;
 use crate::jit::{
     deployment_requests, nvrtc::NOT_FOUND_HINT, Arch, CompiledKernel, Jit, JitConfig, JitError,
@@ -121,9 +121,7 @@ pub(super) fn run(args: &CompileArgs) -> Result<ExitCode, crate::Error> {
         }
         return Ok(ExitCode::SUCCESS);
     }
-    if let Some(path) = &args.json {
-        check_output(path)?;
-    }
+    check_outputs(&[("--json", args.json.as_deref())], &[])?;
     let deps = select_deployments(&args.deployment)?;
     let target = match (args.target, args.arch) {
         (TargetArg::Nvrtc, arch) => Target::Nvrtc {
