@@ -462,3 +462,32 @@ fn bench_outputs_may_not_share_a_file_or_replace_the_tuning_file() {
         r#"{"format": 1, "entries": []}"#
     );
 }
+
+/// A cache directory that exists but takes no new files (a read-only prebuilt cache) is
+/// refused before tuning, naming the tuning file, instead of failing after the whole run
+/// when the results are merged. Not checked where chmod does not restrict (root).
+#[test]
+fn tune_into_an_unwritable_cache_dir_is_refused_up_front() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    std::fs::create_dir(&cache).unwrap();
+    std::fs::set_permissions(&cache, std::fs::Permissions::from_mode(0o555)).unwrap();
+    let privileged = std::fs::write(cache.join("probe"), "").is_ok();
+    let tiny = TINY.iter().filter(|a| **a != "--alloc-pages" && **a != "64");
+    let out = output(bin(&cache).args(["tune", "--quick"]).args(tiny));
+    std::fs::set_permissions(&cache, std::fs::Permissions::from_mode(0o755)).unwrap();
+    if privileged {
+        println!("chmod does not restrict this user (root): nothing to check");
+        return;
+    }
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let file = cache.join("tuning.json");
+    assert!(
+        stderr.contains(&format!("cannot write {}", file.display()))
+            && stderr.contains("CP_HICACHE_CACHE_DIR"),
+        "{stderr}"
+    );
+    assert!(out.stdout.is_empty(), "the tuning run started");
+}

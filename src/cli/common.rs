@@ -177,9 +177,10 @@ fn probe_folder(dir: &Path, file: &Path) -> Result<(), crate::Error> {
 }
 
 /// Checks, before a tuning run, the tuning file it will merge into: it must be a file that
-/// exists and parses (its entries are kept), or not exist yet; a directory is refused. With
-/// `explicit` (`tune --out`) its folder must exist and take new files, as for `--json`; the
-/// default file's folder (the cache directory) is created when the merge writes it.
+/// exists and parses (its entries are kept), or not exist yet; a directory is refused. Its
+/// folder must take new files (the merge's lock and temporary file), as for `--json`: with
+/// `explicit` (`tune --out`) that folder must exist; the default file's folder (the cache
+/// directory) is created when the merge writes it, so only one that exists already is probed.
 pub fn check_merge_target(path: &Path, explicit: bool) -> Result<(), crate::Error> {
     let what = if explicit { "--out" } else { "tuning file" };
     if path.is_dir() {
@@ -196,11 +197,20 @@ pub fn check_merge_target(path: &Path, explicit: bool) -> Result<(), crate::Erro
             ))
         })?;
     }
-    if !explicit {
+    // The merge writes a temporary file beside the target and renames it: probe the folder.
+    let dir = folder_of(path);
+    if explicit {
+        return probe_folder(dir, path);
+    }
+    if !dir.exists() {
         return Ok(());
     }
-    // The merge writes a temporary file beside the target and renames it: probe the folder.
-    probe_folder(folder_of(path), path)
+    probe_folder(dir, path).map_err(|e| {
+        crate::Error::Usage(format!(
+            "{e}; it is the default tuning file tune merges its results into: \
+             pass --out FILE or set CP_HICACHE_CACHE_DIR to a writable folder"
+        ))
+    })
 }
 
 /// Writes `text` to an output file named on the command line, atomically (the JIT cache's
@@ -476,6 +486,29 @@ mod tests {
         }
         // The default file's folder is created by the merge itself.
         check_merge_target(&missing_dir, false).unwrap();
+    }
+
+    /// The default tuning file's folder, when it exists, must take new files too: tune would
+    /// otherwise run to the end and then lose its results.
+    #[test]
+    fn an_unwritable_default_tuning_folder_is_refused_up_front() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let ro = dir.path().join("ro");
+        std::fs::create_dir(&ro).unwrap();
+        std::fs::set_permissions(&ro, std::fs::Permissions::from_mode(0o555)).unwrap();
+        let privileged = std::fs::write(ro.join("probe"), "").is_ok();
+        let result = check_merge_target(&ro.join("tuning.json"), false);
+        std::fs::set_permissions(&ro, std::fs::Permissions::from_mode(0o755)).unwrap();
+        if privileged {
+            eprintln!("running as a user whom chmod does not restrict (root): not checked");
+            return;
+        }
+        let err = result.unwrap_err();
+        assert!(err.is_usage(), "{err}");
+        for needle in ["cannot write", "ro/tuning.json", "CP_HICACHE_CACHE_DIR", "--out"] {
+            assert!(err.to_string().contains(needle), "{needle:?} not in: {err}");
+        }
     }
 
     #[test]
