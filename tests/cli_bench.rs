@@ -491,3 +491,40 @@ fn tune_into_an_unwritable_cache_dir_is_refused_up_front() {
     );
     assert!(out.stdout.is_empty(), "the tuning run started");
 }
+
+/// `--prebuild` compiles the deployment's kernels and runs nothing: the executor, timing,
+/// check and output options are refused with it (exit status 2, both flags named) rather
+/// than ignored.
+#[test]
+fn bench_prebuild_refuses_options_it_would_ignore() {
+    let dir = tempfile::tempdir().unwrap();
+    for (extra, flag) in [
+        (&["--check"][..], "--check"),
+        (&["--inject", "launch-error"], "--inject"),
+        (&["--backend", "cuda"], "--backend"),
+        (&["--json", "p.json"], "--json"),
+        (&["--plot", "p.svg"], "--plot"),
+        (&["--tuning", "t.json"], "--tuning"),
+        (&["--quick"], "--quick"),
+        (&["--dma"], "--dma"),
+        (&["--pages", "8"], "--pages"),
+        (&["--alloc-pages", "64"], "--alloc-pages"),
+    ] {
+        let out = output(
+            bin(&dir.path().join("cache"))
+                .current_dir(dir.path())
+                .args(["bench", "--prebuild", "--deployment", "nsa_ps64_cp1"])
+                .args(extra),
+        );
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{extra:?}: {stderr}");
+        assert!(
+            stderr.contains("cannot be used with")
+                && stderr.contains("--prebuild")
+                && stderr.contains(flag),
+            "{extra:?}: {stderr}"
+        );
+        assert!(out.stdout.is_empty(), "{extra:?}: it ran");
+    }
+    assert!(!dir.path().join("cache").exists(), "something was compiled");
+}

@@ -70,6 +70,36 @@ fn list_deployments_prints_reference_names() {
     assert_eq!(printed, names);
 }
 
+/// `--list-deployments` only lists: the options of a compile are refused with it (exit
+/// status 2, both flags named) rather than ignored, and no `--json` file appears.
+#[test]
+fn list_deployments_refuses_compile_options() {
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("c.json");
+    let json = json.to_str().unwrap();
+    for (extra, flag) in [
+        (&["--deployment", "all"][..], "--deployment"),
+        (&["--target", "host"], "--target"),
+        (&["--arch", "sm_80"], "--arch"),
+        (&["--json", json], "--json"),
+    ] {
+        let out = run(bin()
+            .args(["compile", "--list-deployments"])
+            .args(extra)
+            .env("CP_HICACHE_CACHE_DIR", tmp.path().join("cache")));
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{extra:?}: {stderr}");
+        assert!(
+            stderr.contains("cannot be used with")
+                && stderr.contains("--list-deployments")
+                && stderr.contains(flag),
+            "{extra:?}: {stderr}"
+        );
+        assert!(out.stdout.is_empty(), "{extra:?}: {}", text(&out.stdout));
+    }
+    assert!(!Path::new(json).exists());
+}
+
 #[test]
 fn render_writes_exactly_generated_and_check_agrees() {
     let tmp = tempfile::tempdir().unwrap();

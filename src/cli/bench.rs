@@ -72,8 +72,12 @@ pub struct BenchArgs {
     pub inject: Option<BenchFault>,
     /// Compile (NVRTC, sm_90) every kernel `bench`, `bench --check` and `tune --quick` load on
     /// a GPU into the JIT cache, without running anything: prepares a cache for a GPU machine
-    /// without NVRTC (`CP_HICACHE_JIT=off`).
-    #[arg(long)]
+    /// without NVRTC (`CP_HICACHE_JIT=off`). Only `--deployment` applies; the executor,
+    /// timing, check and output options are refused with it rather than ignored.
+    #[arg(long, conflicts_with_all = [
+        "backend", "check", "inject", "json", "plot", "tuning", "quick", "dma", "alloc_pages",
+        "pages", "layers", "repeats",
+    ])]
     pub prebuild: bool,
 }
 

@@ -56,8 +56,9 @@ pub enum TargetArg {
 /// Options of `compile`.
 #[derive(Debug, clap::Args)]
 pub struct CompileArgs {
-    /// Print the reference deployment names, one per line, and exit.
-    #[arg(long)]
+    /// Print the reference deployment names, one per line, and exit (compiles nothing, so
+    /// the other options are refused with it rather than ignored).
+    #[arg(long, conflicts_with_all = ["deployment", "arch", "target", "json"])]
     pub list_deployments: bool,
     /// A reference deployment name, or `all`.
     #[arg(long, value_name = "NAME|all", default_value = DEFAULT_DEPLOYMENT)]
