@@ -442,11 +442,21 @@ fn bench_outputs_may_not_share_a_file_or_replace_the_tuning_file() {
     std::fs::write(&tuning, r#"{"format": 1, "entries": []}"#).unwrap();
     for (args, needle) in [
         (
-            vec!["--json".as_ref(), same.as_os_str(), "--plot".as_ref(), same.as_os_str()],
+            vec![
+                "--json".as_ref(),
+                same.as_os_str(),
+                "--plot".as_ref(),
+                same.as_os_str(),
+            ],
             "--json and --plot both name",
         ),
         (
-            vec!["--tuning".as_ref(), tuning.as_os_str(), "--plot".as_ref(), tuning.as_os_str()],
+            vec![
+                "--tuning".as_ref(),
+                tuning.as_os_str(),
+                "--plot".as_ref(),
+                tuning.as_os_str(),
+            ],
             "--plot",
         ),
     ] {
@@ -474,7 +484,9 @@ fn tune_into_an_unwritable_cache_dir_is_refused_up_front() {
     std::fs::create_dir(&cache).unwrap();
     std::fs::set_permissions(&cache, std::fs::Permissions::from_mode(0o555)).unwrap();
     let privileged = std::fs::write(cache.join("probe"), "").is_ok();
-    let tiny = TINY.iter().filter(|a| **a != "--alloc-pages" && **a != "64");
+    let tiny = TINY
+        .iter()
+        .filter(|a| **a != "--alloc-pages" && **a != "64");
     let out = output(bin(&cache).args(["tune", "--quick"]).args(tiny));
     std::fs::set_permissions(&cache, std::fs::Permissions::from_mode(0o755)).unwrap();
     if privileged {

@@ -389,7 +389,11 @@ mod tests {
         // Replaced by a rename (a new inode), not truncated and rewritten in place.
         use std::os::unix::fs::MetadataExt;
         assert_ne!(std::fs::metadata(&report).unwrap().ino(), before.ino());
-        assert_eq!(names(dir.path()), ["report.json"], "a temporary file was left");
+        assert_eq!(
+            names(dir.path()),
+            ["report.json"],
+            "a temporary file was left"
+        );
         // A link is followed: the file it points to gets the report, the link stays.
         let link = dir.path().join("link.json");
         std::os::unix::fs::symlink("report.json", &link).unwrap();
@@ -506,7 +510,12 @@ mod tests {
         }
         let err = result.unwrap_err();
         assert!(err.is_usage(), "{err}");
-        for needle in ["cannot write", "ro/tuning.json", "CP_HICACHE_CACHE_DIR", "--out"] {
+        for needle in [
+            "cannot write",
+            "ro/tuning.json",
+            "CP_HICACHE_CACHE_DIR",
+            "--out",
+        ] {
             assert!(err.to_string().contains(needle), "{needle:?} not in: {err}");
         }
     }
