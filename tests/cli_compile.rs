@@ -177,6 +177,60 @@ fn render_check_of_a_missing_folder_is_a_usage_error() {
     }
 }
 
+/// A stale file fails `render --check`; rendering again leaves it (render never deletes), so
+/// the hint names it for deletion, and following the hint makes the check pass. A `--out`
+/// that is a file is refused by render itself, and `--check` does not suggest rendering
+/// into it without moving it first.
+#[test]
+fn render_check_hints_lead_to_a_passing_check() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out_dir = tmp.path().join("gen dir");
+    let dep = ["--deployment", "mla_ps16_cp4"];
+    let render = |extra: &[&str]| {
+        run(bin()
+            .arg("render")
+            .args(dep)
+            .args(extra)
+            .arg("--out")
+            .arg(&out_dir))
+    };
+    assert!(render(&[]).status.success());
+    let stale = out_dir.join("mla_ps16_cp4/old_kernel.cu");
+    std::fs::write(&stale, "// stale\n").unwrap();
+    let out = render(&["--check"]);
+    assert_eq!(out.status.code(), Some(1));
+    let stdout = text(&out.stdout);
+    assert!(!stdout.contains("regenerate"), "{stdout}");
+    let hint = stdout
+        .lines()
+        .find_map(|l| l.split_once("deletes files): "))
+        .unwrap_or_else(|| panic!("no delete hint in:\n{stdout}"))
+        .1;
+    assert_eq!(hint, format!("rm -- '{}'", stale.display()));
+    // Rendering again warns about the file and says how to delete it.
+    let out = render(&[]);
+    assert!(out.status.success());
+    assert!(text(&out.stderr).contains(hint), "{}", text(&out.stderr));
+    assert!(render(&["--check"]).status.code() == Some(1));
+    // The hint, run by a shell, fixes the tree.
+    let rm = Command::new("/bin/sh").args(["-c", hint]).status().unwrap();
+    assert!(rm.success());
+    let out = render(&["--check"]);
+    assert!(out.status.success(), "{}", text(&out.stdout));
+
+    // A file where the folder should be.
+    let file = tmp.path().join("file");
+    std::fs::write(&file, "mine").unwrap();
+    let out = run(bin().args(["render", "--out"]).arg(&file));
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("is not a directory"), "{stderr}");
+    let out = run(bin().args(["render", "--check", "--out"]).arg(&file));
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("move the file away"), "{stderr}");
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "mine");
+}
+
 /// `--arch` picks the NVRTC target's GPU; with `--target host` it would be ignored, so it is
 /// refused (exit 2) before anything compiles.
 #[test]
