@@ -335,12 +335,11 @@ fn compile_json_cold_then_warm() {
 #[test]
 fn compile_without_nvrtc_prints_one_line_hint() {
     let tmp = tempfile::tempdir().unwrap();
+    // CP_HICACHE_NVRTC unset: the hint suggests setting it (a value that cannot be used is
+    // named instead; see `compile_names_an_unusable_cp_hicache_nvrtc`).
     let hidden = |c: &mut Command| {
         c.env("CP_HICACHE_CACHE_DIR", tmp.path().join("cache"))
-            .env(
-                "CP_HICACHE_NVRTC",
-                tmp.path().join("missing/libnvrtc.so.12"),
-            )
+            .env_remove("CP_HICACHE_NVRTC")
             .env("HOME", tmp.path())
             .env("PATH", tmp.path())
             .env_remove("CUDA_HOME")
@@ -384,6 +383,52 @@ fn compile_without_nvrtc_prints_one_line_hint() {
     let stderr = text(&out.stderr);
     assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
     assert!(stderr.contains(NOT_FOUND_HINT), "{stderr}");
+}
+
+/// `CP_HICACHE_NVRTC` naming a file that is not a library: compile (and `bench --prebuild`)
+/// end with one line naming the variable, its value and the `dlopen` error, not the hint to
+/// set the variable. Where NVRTC is found elsewhere anyway, nothing to check here.
+#[test]
+fn compile_names_an_unusable_cp_hicache_nvrtc() {
+    let tmp = tempfile::tempdir().unwrap();
+    let text_file = tmp.path().join("passwd");
+    std::fs::write(&text_file, "root:x:0:0:root:/root:/bin/sh\n").unwrap();
+    let hidden = |c: &mut Command| {
+        c.env("CP_HICACHE_CACHE_DIR", tmp.path().join("cache"))
+            .env("CP_HICACHE_NVRTC", &text_file)
+            .env("HOME", tmp.path())
+            .env("PATH", tmp.path())
+            .env_remove("CUDA_HOME")
+            .env_remove("CUDA_PATH")
+            .env_remove("VIRTUAL_ENV")
+            .env_remove("CONDA_PREFIX")
+            .env_remove("LD_LIBRARY_PATH");
+    };
+    for args in [
+        &["compile", "--deployment", "nsa_ps64_cp1"][..],
+        &["bench", "--prebuild", "--deployment", "nsa_ps64_cp1"],
+    ] {
+        let mut c = bin();
+        c.args(args);
+        hidden(&mut c);
+        let out = run(&mut c);
+        let stderr = text(&out.stderr);
+        if out.status.success() {
+            println!("NVRTC found outside the hidden locations; nothing to check: {stderr}");
+            return;
+        }
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert_eq!(stderr.trim().lines().count(), 1, "{args:?}: {stderr}");
+        let named = format!(
+            "CP_HICACHE_NVRTC={} cannot be used: dlopen failed: ",
+            text_file.display()
+        );
+        assert!(stderr.contains(&named), "{args:?}: {stderr}");
+        assert!(
+            !stderr.contains("or set CP_HICACHE_NVRTC"),
+            "{args:?}: {stderr}"
+        );
+    }
 }
 
 /// A stand-in `$CXX`: answers the version probes and "compiles" by writing its arguments to the

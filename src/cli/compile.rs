@@ -5,7 +5,7 @@
 use super::common::{check_outputs, write_json};
 use super::render::select_deployments;
 use crate::jit::{
-    deployment_requests, nvrtc::NOT_FOUND_HINT, Arch, CompiledKernel, Jit, JitConfig, JitError,
+    deployment_requests, nvrtc::unavailable_hint, Arch, CompiledKernel, Jit, JitConfig, JitError,
     JitMode, JitRequest, Sanitize, Target, EMU_HEADER,
 };
 use crate::kernels::{Deployment, KernelSpec};
@@ -237,7 +237,13 @@ pub(super) fn compiler_missing(
         .iter()
         .find_map(|r| r.as_ref().err().filter(|e| e.is_unavailable()))?;
     match (target, missing) {
-        (Target::Nvrtc { .. }, JitError::NvrtcUnavailable { searched }) => {
+        (
+            Target::Nvrtc { .. },
+            JitError::NvrtcUnavailable {
+                searched,
+                requested,
+            },
+        ) => {
             tracing::debug!(target: "cp_hicache::jit", searched = ?searched, "NVRTC search");
             let off = if jit.config().mode == JitMode::Off {
                 " (CP_HICACHE_JIT=off and no prebuilt entry matched)"
@@ -245,7 +251,8 @@ pub(super) fn compiler_missing(
                 ""
             };
             eprintln!(
-                "error: {NOT_FOUND_HINT}{off}; searched {} places (RUST_LOG=cp_hicache=debug lists them)",
+                "error: {}{off}; searched {} places (RUST_LOG=cp_hicache=debug lists them)",
+                unavailable_hint(requested.as_deref()),
                 searched.len()
             );
         }

@@ -230,7 +230,10 @@ fn probe_emulator() -> Found {
 }
 
 /// NVRTC, loaded the way the JIT loads it (so the version is the one kernels compile with).
+/// When `CP_HICACHE_NVRTC` names a library that cannot be used, the line names that path and
+/// why (the `dlopen` error), not the generic "set CP_HICACHE_NVRTC" hint.
 fn probe_nvrtc() -> Found {
+    let mut failed = NOT_FOUND;
     let detail = crate::jit::NvrtcCompiler::load()
         .map(|c| {
             let lib = c.library().map_or_else(
@@ -240,8 +243,21 @@ fn probe_nvrtc() -> Found {
             format!("{} ({lib})", c.identity())
         })
         .map_err(|e| {
-            // A library that was found but cannot be used says why; otherwise the hint.
-            if let crate::jit::NvrtcError::Unavailable { searched } = &e {
+            // A library that was named or found but cannot be used says why; otherwise the
+            // hint.
+            if let crate::jit::NvrtcError::Unavailable {
+                searched,
+                requested,
+            } = &e
+            {
+                if requested.is_some() {
+                    failed = "not usable";
+                    let hint = crate::jit::nvrtc::unavailable_hint(requested.as_deref());
+                    return hint
+                        .strip_prefix("NVRTC unavailable: ")
+                        .unwrap_or(&hint)
+                        .to_string();
+                }
                 if let Some(why) = searched.iter().find(|s| s.contains(" but ")) {
                     return why.clone();
                 }
@@ -254,7 +270,7 @@ fn probe_nvrtc() -> Found {
     Found {
         what: "NVRTC".into(),
         detail,
-        failed: NOT_FOUND,
+        failed,
     }
 }
 
