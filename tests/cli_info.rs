@@ -5,6 +5,7 @@ use std::process::Command;
 fn info(env: &[(&str, &str)]) -> (bool, String) {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_cp-hicache"));
     cmd.arg("info")
+        .env_remove("CP_HICACHE_JIT")
         .env_remove("CP_HICACHE_EMU_ORDER")
         .env_remove("CP_HICACHE_EMU_SANITIZE");
     for (k, v) in env {
@@ -52,6 +53,35 @@ fn info_names_a_misspelt_emulator_setting() {
     );
 }
 
+/// A misspelt `CP_HICACHE_JIT` (which replay and compile refuse with exit status 2) is shown
+/// as misconfigured, like a misspelt emulator setting; valid values show the mode.
+#[test]
+fn info_names_a_misspelt_jit_setting() {
+    let jit_line = |env: &[(&str, &str)]| {
+        let (ok, text) = info(env);
+        assert!(ok, "info reports, it does not fail: {text}");
+        text.lines()
+            .find(|l| l.trim_start().starts_with("JIT "))
+            .unwrap_or_else(|| panic!("no JIT line in:\n{text}"))
+            .to_string()
+    };
+    let line = jit_line(&[("CP_HICACHE_JIT", "maybe")]);
+    assert!(
+        line.contains("misconfigured") && line.contains("CP_HICACHE_JIT") && line.contains("maybe"),
+        "{line}"
+    );
+    assert!(jit_line(&[("CP_HICACHE_JIT", "off")]).contains("off: "));
+    assert!(jit_line(&[("CP_HICACHE_JIT", "1")]).contains("on: "));
+    let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+        .args(["info", "--json"])
+        .env("CP_HICACHE_JIT", "maybe")
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["jit"]["ok"], false, "{}", v["jit"]);
+    assert!(v["jit"]["detail"].as_str().unwrap().contains("maybe"));
+}
+
 #[test]
 fn info_json_has_plain_fields_and_the_cache_dir_really_used() {
     let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
@@ -61,7 +91,7 @@ fn info_json_has_plain_fields_and_the_cache_dir_really_used() {
         .unwrap();
     assert!(out.status.success());
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    for probe in ["cxx", "nvrtc", "cuda", "emulator"] {
+    for probe in ["cxx", "nvrtc", "cuda", "emulator", "jit"] {
         let p = &v[probe];
         assert!(p["ok"].is_boolean(), "{probe}: {p}");
         assert!(p["detail"].is_string(), "{probe}: {p}");

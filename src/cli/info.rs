@@ -21,6 +21,7 @@ struct Report {
     nvrtc: Found,
     cuda: Found,
     emulator: Found,
+    jit: Found,
     backend_auto: String,
     cache_dir: PathBuf,
     env: Vec<(String, String)>,
@@ -94,6 +95,7 @@ pub(super) fn run(args: &InfoArgs) -> Result<ExitCode, crate::Error> {
             failed: NOT_FOUND,
         },
         emulator: probe_emulator(),
+        jit: probe_jit(),
         backend_auto: crate::exec::Backend::Auto.resolve().to_string(),
         cache_dir: cache_dir(),
         env: [
@@ -145,6 +147,7 @@ fn print_text(r: &Report) -> Result<(), crate::Error> {
     print_found(&r.nvrtc)?;
     print_found(&r.cuda)?;
     print_found(&r.emulator)?;
+    print_found(&r.jit)?;
     outln!("  {:<18} {}", "backend auto", r.backend_auto);
     outln!("  {:<18} {}", "cache dir", r.cache_dir.display());
     if !r.env.is_empty() {
@@ -225,6 +228,24 @@ fn probe_emulator() -> Found {
         what: "CPU emulator".into(),
         detail: order
             .and_then(|o| sanitize.map(|s| format!("blocks and threads run {o}, sanitizer {s}"))),
+        failed: "misconfigured",
+    }
+}
+
+/// Whether the JIT may compile a kernel missing from the cache (`CP_HICACHE_JIT`); a
+/// misspelt value is shown as the error replay and compile would stop with.
+fn probe_jit() -> Found {
+    let detail = crate::jit::JitMode::from_env()
+        .map(|mode| match mode {
+            crate::jit::JitMode::On => "on: kernels missing from the cache are compiled".into(),
+            crate::jit::JitMode::Off => {
+                "off: only kernels already in the cache load, nothing is compiled".into()
+            }
+        })
+        .map_err(|e| e.to_string());
+    Found {
+        what: "JIT".into(),
+        detail,
         failed: "misconfigured",
     }
 }
