@@ -430,3 +430,113 @@ fn tune_out_and_bench_json_are_checked_up_front() {
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("cannot write"), "{stderr}");
 }
+
+/// `bench --json X --plot X` would write the chart over the rows: refused up front (exit
+/// status 2, both flags named), as is an output naming the `--tuning` input.
+#[test]
+fn bench_outputs_may_not_share_a_file_or_replace_the_tuning_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let same = dir.path().join("out");
+    let tuning = dir.path().join("t.json");
+    std::fs::write(&tuning, r#"{"format": 1, "entries": []}"#).unwrap();
+    for (args, needle) in [
+        (
+            vec![
+                "--json".as_ref(),
+                same.as_os_str(),
+                "--plot".as_ref(),
+                same.as_os_str(),
+            ],
+            "--json and --plot both name",
+        ),
+        (
+            vec![
+                "--tuning".as_ref(),
+                tuning.as_os_str(),
+                "--plot".as_ref(),
+                tuning.as_os_str(),
+            ],
+            "--plot",
+        ),
+    ] {
+        let out = output(bin(&cache).arg("bench").args(TINY).args(&args));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+        assert!(out.stdout.is_empty(), "{args:?}: the run started");
+    }
+    assert!(!same.exists());
+    assert_eq!(
+        std::fs::read_to_string(&tuning).unwrap(),
+        r#"{"format": 1, "entries": []}"#
+    );
+}
+
+/// A cache directory that exists but takes no new files (a read-only prebuilt cache) is
+/// refused before tuning, naming the tuning file, instead of failing after the whole run
+/// when the results are merged. Not checked where chmod does not restrict (root).
+#[test]
+fn tune_into_an_unwritable_cache_dir_is_refused_up_front() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    std::fs::create_dir(&cache).unwrap();
+    std::fs::set_permissions(&cache, std::fs::Permissions::from_mode(0o555)).unwrap();
+    let privileged = std::fs::write(cache.join("probe"), "").is_ok();
+    let tiny = TINY
+        .iter()
+        .filter(|a| **a != "--alloc-pages" && **a != "64");
+    let out = output(bin(&cache).args(["tune", "--quick"]).args(tiny));
+    std::fs::set_permissions(&cache, std::fs::Permissions::from_mode(0o755)).unwrap();
+    if privileged {
+        println!("chmod does not restrict this user (root): nothing to check");
+        return;
+    }
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let file = cache.join("tuning.json");
+    assert!(
+        stderr.contains(&format!("cannot write {}", file.display()))
+            && stderr.contains("CP_HICACHE_CACHE_DIR"),
+        "{stderr}"
+    );
+    assert!(out.stdout.is_empty(), "the tuning run started");
+}
+
+/// `--prebuild` compiles the deployment's kernels and runs nothing: the executor, timing,
+/// check and output options are refused with it (exit status 2, both flags named) rather
+/// than ignored.
+#[test]
+fn bench_prebuild_refuses_options_it_would_ignore() {
+    let dir = tempfile::tempdir().unwrap();
+    for (extra, flag) in [
+        (&["--check"][..], "--check"),
+        (&["--inject", "launch-error"], "--inject"),
+        (&["--backend", "cuda"], "--backend"),
+        (&["--json", "p.json"], "--json"),
+        (&["--plot", "p.svg"], "--plot"),
+        (&["--tuning", "t.json"], "--tuning"),
+        (&["--quick"], "--quick"),
+        (&["--dma"], "--dma"),
+        (&["--pages", "8"], "--pages"),
+        (&["--alloc-pages", "64"], "--alloc-pages"),
+    ] {
+        let out = output(
+            bin(&dir.path().join("cache"))
+                .current_dir(dir.path())
+                .args(["bench", "--prebuild", "--deployment", "nsa_ps64_cp1"])
+                .args(extra),
+        );
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{extra:?}: {stderr}");
+        assert!(
+            stderr.contains("cannot be used with")
+                && stderr.contains("--prebuild")
+                && stderr.contains(flag),
+            "{extra:?}: {stderr}"
+        );
+        assert!(out.stdout.is_empty(), "{extra:?}: it ran");
+    }
+    assert!(!dir.path().join("cache").exists(), "something was compiled");
+}

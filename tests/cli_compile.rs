@@ -70,6 +70,36 @@ fn list_deployments_prints_reference_names() {
     assert_eq!(printed, names);
 }
 
+/// `--list-deployments` only lists: the options of a compile are refused with it (exit
+/// status 2, both flags named) rather than ignored, and no `--json` file appears.
+#[test]
+fn list_deployments_refuses_compile_options() {
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("c.json");
+    let json = json.to_str().unwrap();
+    for (extra, flag) in [
+        (&["--deployment", "all"][..], "--deployment"),
+        (&["--target", "host"], "--target"),
+        (&["--arch", "sm_80"], "--arch"),
+        (&["--json", json], "--json"),
+    ] {
+        let out = run(bin()
+            .args(["compile", "--list-deployments"])
+            .args(extra)
+            .env("CP_HICACHE_CACHE_DIR", tmp.path().join("cache")));
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{extra:?}: {stderr}");
+        assert!(
+            stderr.contains("cannot be used with")
+                && stderr.contains("--list-deployments")
+                && stderr.contains(flag),
+            "{extra:?}: {stderr}"
+        );
+        assert!(out.stdout.is_empty(), "{extra:?}: {}", text(&out.stdout));
+    }
+    assert!(!Path::new(json).exists());
+}
+
 #[test]
 fn render_writes_exactly_generated_and_check_agrees() {
     let tmp = tempfile::tempdir().unwrap();
@@ -145,6 +175,60 @@ fn render_check_of_a_missing_folder_is_a_usage_error() {
         assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
         assert!(out.stdout.is_empty(), "{}", text(&out.stdout));
     }
+}
+
+/// A stale file fails `render --check`; rendering again leaves it (render never deletes), so
+/// the hint names it for deletion, and following the hint makes the check pass. A `--out`
+/// that is a file is refused by render itself, and `--check` does not suggest rendering
+/// into it without moving it first.
+#[test]
+fn render_check_hints_lead_to_a_passing_check() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out_dir = tmp.path().join("gen dir");
+    let dep = ["--deployment", "mla_ps16_cp4"];
+    let render = |extra: &[&str]| {
+        run(bin()
+            .arg("render")
+            .args(dep)
+            .args(extra)
+            .arg("--out")
+            .arg(&out_dir))
+    };
+    assert!(render(&[]).status.success());
+    let stale = out_dir.join("mla_ps16_cp4/old_kernel.cu");
+    std::fs::write(&stale, "// stale\n").unwrap();
+    let out = render(&["--check"]);
+    assert_eq!(out.status.code(), Some(1));
+    let stdout = text(&out.stdout);
+    assert!(!stdout.contains("regenerate"), "{stdout}");
+    let hint = stdout
+        .lines()
+        .find_map(|l| l.split_once("deletes files): "))
+        .unwrap_or_else(|| panic!("no delete hint in:\n{stdout}"))
+        .1;
+    assert_eq!(hint, format!("rm -- '{}'", stale.display()));
+    // Rendering again warns about the file and says how to delete it.
+    let out = render(&[]);
+    assert!(out.status.success());
+    assert!(text(&out.stderr).contains(hint), "{}", text(&out.stderr));
+    assert!(render(&["--check"]).status.code() == Some(1));
+    // The hint, run by a shell, fixes the tree.
+    let rm = Command::new("/bin/sh").args(["-c", hint]).status().unwrap();
+    assert!(rm.success());
+    let out = render(&["--check"]);
+    assert!(out.status.success(), "{}", text(&out.stdout));
+
+    // A file where the folder should be.
+    let file = tmp.path().join("file");
+    std::fs::write(&file, "mine").unwrap();
+    let out = run(bin().args(["render", "--out"]).arg(&file));
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("is not a directory"), "{stderr}");
+    let out = run(bin().args(["render", "--check", "--out"]).arg(&file));
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("move the file away"), "{stderr}");
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "mine");
 }
 
 /// `--arch` picks the NVRTC target's GPU; with `--target host` it would be ignored, so it is
@@ -251,12 +335,11 @@ fn compile_json_cold_then_warm() {
 #[test]
 fn compile_without_nvrtc_prints_one_line_hint() {
     let tmp = tempfile::tempdir().unwrap();
+    // CP_HICACHE_NVRTC unset: the hint suggests setting it (a value that cannot be used is
+    // named instead; see `compile_names_an_unusable_cp_hicache_nvrtc`).
     let hidden = |c: &mut Command| {
         c.env("CP_HICACHE_CACHE_DIR", tmp.path().join("cache"))
-            .env(
-                "CP_HICACHE_NVRTC",
-                tmp.path().join("missing/libnvrtc.so.12"),
-            )
+            .env_remove("CP_HICACHE_NVRTC")
             .env("HOME", tmp.path())
             .env("PATH", tmp.path())
             .env_remove("CUDA_HOME")
@@ -300,6 +383,52 @@ fn compile_without_nvrtc_prints_one_line_hint() {
     let stderr = text(&out.stderr);
     assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
     assert!(stderr.contains(NOT_FOUND_HINT), "{stderr}");
+}
+
+/// `CP_HICACHE_NVRTC` naming a file that is not a library: compile (and `bench --prebuild`)
+/// end with one line naming the variable, its value and the `dlopen` error, not the hint to
+/// set the variable. Where NVRTC is found elsewhere anyway, nothing to check here.
+#[test]
+fn compile_names_an_unusable_cp_hicache_nvrtc() {
+    let tmp = tempfile::tempdir().unwrap();
+    let text_file = tmp.path().join("passwd");
+    std::fs::write(&text_file, "root:x:0:0:root:/root:/bin/sh\n").unwrap();
+    let hidden = |c: &mut Command| {
+        c.env("CP_HICACHE_CACHE_DIR", tmp.path().join("cache"))
+            .env("CP_HICACHE_NVRTC", &text_file)
+            .env("HOME", tmp.path())
+            .env("PATH", tmp.path())
+            .env_remove("CUDA_HOME")
+            .env_remove("CUDA_PATH")
+            .env_remove("VIRTUAL_ENV")
+            .env_remove("CONDA_PREFIX")
+            .env_remove("LD_LIBRARY_PATH");
+    };
+    for args in [
+        &["compile", "--deployment", "nsa_ps64_cp1"][..],
+        &["bench", "--prebuild", "--deployment", "nsa_ps64_cp1"],
+    ] {
+        let mut c = bin();
+        c.args(args);
+        hidden(&mut c);
+        let out = run(&mut c);
+        let stderr = text(&out.stderr);
+        if out.status.success() {
+            println!("NVRTC found outside the hidden locations; nothing to check: {stderr}");
+            return;
+        }
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert_eq!(stderr.trim().lines().count(), 1, "{args:?}: {stderr}");
+        let named = format!(
+            "CP_HICACHE_NVRTC={} cannot be used: dlopen failed: ",
+            text_file.display()
+        );
+        assert!(stderr.contains(&named), "{args:?}: {stderr}");
+        assert!(
+            !stderr.contains("or set CP_HICACHE_NVRTC"),
+            "{args:?}: {stderr}"
+        );
+    }
 }
 
 /// A stand-in `$CXX`: answers the version probes and "compiles" by writing its arguments to the
@@ -366,4 +495,56 @@ fn emu_sanitize_env_selects_the_asan_host_build() {
         err.contains("CP_HICACHE_EMU_SANITIZE") && err.contains("adress"),
         "{err}"
     );
+}
+
+/// A report that cannot be written whole (here the file size limit stands in for a full
+/// disk) leaves the earlier report as it was, with no partial or temporary file beside it:
+/// `--json` is written to a temporary file and renamed.
+#[test]
+fn a_failed_json_write_keeps_the_earlier_report() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cxx = fake_cxx(tmp.path());
+    let reports = tmp.path().join("reports");
+    std::fs::create_dir(&reports).unwrap();
+    let json = reports.join("compile.json");
+    let compile = |c: &mut Command| {
+        c.args([
+            "compile",
+            "--target",
+            "host",
+            "--deployment",
+            "mla_ps16_cp4",
+            "--json",
+        ])
+        .arg(&json)
+        .env("CXX", &cxx)
+        .env("CP_HICACHE_CACHE_DIR", tmp.path().join("cache"))
+        .env_remove("CP_HICACHE_EMU_SANITIZE");
+        run(c)
+    };
+    let out = compile(&mut bin());
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let earlier = std::fs::read(&json).unwrap();
+    assert!(earlier.len() > 1024, "{} bytes", earlier.len());
+    // The second run hits the cache (nothing else is written) and its report exceeds the
+    // file size limit; SIGXFSZ is ignored so the write fails with EFBIG instead.
+    let mut limited = Command::new("/bin/sh");
+    limited
+        .args(["-c", "trap '' XFSZ; ulimit -f 1; exec \"$@\"", "sh"])
+        .arg(env!("CARGO_BIN_EXE_cp-hicache"))
+        .env_remove("CP_HICACHE_JIT")
+        .env("RUST_LOG", "warn");
+    let out = compile(&mut limited);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!("writing {}", json.display())),
+        "{stderr}"
+    );
+    assert_eq!(std::fs::read(&json).unwrap(), earlier, "the report was cut");
+    let names: Vec<_> = std::fs::read_dir(&reports)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names, ["compile.json"], "a temporary file was left");
 }

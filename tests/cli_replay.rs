@@ -524,6 +524,41 @@ fn a_replay_of_no_request_is_a_usage_error() {
     );
 }
 
+/// `--json` naming the trace or the tuning file the replay reads is refused up front (exit
+/// status 2, both flags named) instead of replacing that input with the report.
+#[test]
+fn json_may_not_overwrite_the_trace_or_the_tuning_file() {
+    let trace = record(&[0, 1]);
+    let f = trace_file(&trace);
+    let path = f.path().to_str().unwrap();
+    // The same file under another spelling is still the same file.
+    let dotted = format!(
+        "{}/./{}",
+        f.path().parent().unwrap().display(),
+        f.path().file_name().unwrap().to_string_lossy()
+    );
+    usage_error(
+        &["replay", "--trace", path, "-q", "--json", &dotted],
+        "--json",
+    );
+    usage_error(
+        &["replay", "--trace", path, "-q", "--json", path],
+        "is the --trace input",
+    );
+    assert_eq!(std::fs::read_to_string(f.path()).unwrap(), trace);
+
+    let tuning = trace_file("{\"format\": 1, \"entries\": []}\n");
+    let tpath = tuning.path().to_str().unwrap();
+    usage_error(
+        &["replay", "--tuning", tpath, "-q", "--json", tpath],
+        "is the --tuning input",
+    );
+    assert_eq!(
+        std::fs::read_to_string(tuning.path()).unwrap(),
+        "{\"format\": 1, \"entries\": []}\n"
+    );
+}
+
 /// A trace saved with a UTF-8 byte order mark replays like one without.
 #[test]
 fn a_trace_with_a_byte_order_mark_replays() {

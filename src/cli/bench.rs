@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use super::common::{check_output, write_json, write_output, BackendArg, SizeArgs};
+use super::common::{check_outputs, write_json, write_output, BackendArg, SizeArgs};
 use super::tune::progress_bar;
 use crate::exec::{open_executor, Backend};
 use crate::jit::{Jit, JitConfig, EMU_HEADER};
@@ -72,8 +72,12 @@ pub struct BenchArgs {
     pub inject: Option<BenchFault>,
     /// Compile (NVRTC, sm_90) every kernel `bench`, `bench --check` and `tune --quick` load on
     /// a GPU into the JIT cache, without running anything: prepares a cache for a GPU machine
-    /// without NVRTC (`CP_HICACHE_JIT=off`).
-    #[arg(long)]
+    /// without NVRTC (`CP_HICACHE_JIT=off`). Only `--deployment` applies; the executor,
+    /// timing, check and output options are refused with it rather than ignored.
+    #[arg(long, conflicts_with_all = [
+        "backend", "check", "inject", "json", "plot", "tuning", "quick", "dma", "alloc_pages",
+        "pages", "layers", "repeats",
+    ])]
     pub prebuild: bool,
 }
 
@@ -84,9 +88,13 @@ pub(super) fn run(args: &BenchArgs) -> Result<ExitCode, crate::Error> {
         }
         None => default_deployments()?,
     };
-    for path in args.json.iter().chain(&args.plot) {
-        check_output(path)?;
-    }
+    check_outputs(
+        &[
+            ("--json", args.json.as_deref()),
+            ("--plot", args.plot.as_deref()),
+        ],
+        &[("--tuning", args.tuning.as_deref())],
+    )?;
     let mut opts = BenchOptions::new(args.quick);
     args.sizes.apply(&mut opts.sizes, &deps)?;
     if !args.alloc_pages.is_empty() {

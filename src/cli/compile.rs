@@ -2,10 +2,10 @@
 //! JIT (in parallel, through the disk cache) and prints a resource table. It is the NVRTC matrix
 //! a CI runs: any compile error, register spill or stack frame fails it.
 
-use super::common::{check_output, write_json};
+use super::common::{check_outputs, write_json};
 use super::render::select_deployments;
 use crate::jit::{
-    deployment_requests, nvrtc::NOT_FOUND_HINT, Arch, CompiledKernel, Jit, JitConfig, JitError,
+    deployment_requests, nvrtc::unavailable_hint, Arch, CompiledKernel, Jit, JitConfig, JitError,
     JitMode, JitRequest, Sanitize, Target, EMU_HEADER,
 };
 use crate::kernels::{Deployment, KernelSpec};
@@ -56,8 +56,9 @@ pub enum TargetArg {
 /// Options of `compile`.
 #[derive(Debug, clap::Args)]
 pub struct CompileArgs {
-    /// Print the reference deployment names, one per line, and exit.
-    #[arg(long)]
+    /// Print the reference deployment names, one per line, and exit (compiles nothing, so
+    /// the other options are refused with it rather than ignored).
+    #[arg(long, conflicts_with_all = ["deployment", "arch", "target", "json"])]
     pub list_deployments: bool,
     /// A reference deployment name, or `all`.
     #[arg(long, value_name = "NAME|all", default_value = DEFAULT_DEPLOYMENT)]
@@ -121,9 +122,7 @@ pub(super) fn run(args: &CompileArgs) -> Result<ExitCode, crate::Error> {
         }
         return Ok(ExitCode::SUCCESS);
     }
-    if let Some(path) = &args.json {
-        check_output(path)?;
-    }
+    check_outputs(&[("--json", args.json.as_deref())], &[])?;
     let deps = select_deployments(&args.deployment)?;
     let target = match (args.target, args.arch) {
         (TargetArg::Nvrtc, arch) => Target::Nvrtc {
@@ -238,7 +237,13 @@ pub(super) fn compiler_missing(
         .iter()
         .find_map(|r| r.as_ref().err().filter(|e| e.is_unavailable()))?;
     match (target, missing) {
-        (Target::Nvrtc { .. }, JitError::NvrtcUnavailable { searched }) => {
+        (
+            Target::Nvrtc { .. },
+            JitError::NvrtcUnavailable {
+                searched,
+                requested,
+            },
+        ) => {
             tracing::debug!(target: "cp_hicache::jit", searched = ?searched, "NVRTC search");
             let off = if jit.config().mode == JitMode::Off {
                 " (CP_HICACHE_JIT=off and no prebuilt entry matched)"
@@ -246,7 +251,8 @@ pub(super) fn compiler_missing(
                 ""
             };
             eprintln!(
-                "error: {NOT_FOUND_HINT}{off}; searched {} places (RUST_LOG=cp_hicache=debug lists them)",
+                "error: {}{off}; searched {} places (RUST_LOG=cp_hicache=debug lists them)",
+                unavailable_hint(requested.as_deref()),
                 searched.len()
             );
         }

@@ -21,6 +21,7 @@ struct Report {
     nvrtc: Found,
     cuda: Found,
     emulator: Found,
+    jit: Found,
     backend_auto: String,
     cache_dir: PathBuf,
     env: Vec<(String, String)>,
@@ -94,6 +95,7 @@ pub(super) fn run(args: &InfoArgs) -> Result<ExitCode, crate::Error> {
             failed: NOT_FOUND,
         },
         emulator: probe_emulator(),
+        jit: probe_jit(),
         backend_auto: crate::exec::Backend::Auto.resolve().to_string(),
         cache_dir: cache_dir(),
         env: [
@@ -145,6 +147,7 @@ fn print_text(r: &Report) -> Result<(), crate::Error> {
     print_found(&r.nvrtc)?;
     print_found(&r.cuda)?;
     print_found(&r.emulator)?;
+    print_found(&r.jit)?;
     outln!("  {:<18} {}", "backend auto", r.backend_auto);
     outln!("  {:<18} {}", "cache dir", r.cache_dir.display());
     if !r.env.is_empty() {
@@ -229,8 +232,29 @@ fn probe_emulator() -> Found {
     }
 }
 
+/// Whether the JIT may compile a kernel missing from the cache (`CP_HICACHE_JIT`); a
+/// misspelt value is shown as the error replay and compile would stop with.
+fn probe_jit() -> Found {
+    let detail = crate::jit::JitMode::from_env()
+        .map(|mode| match mode {
+            crate::jit::JitMode::On => "on: kernels missing from the cache are compiled".into(),
+            crate::jit::JitMode::Off => {
+                "off: only kernels already in the cache load, nothing is compiled".into()
+            }
+        })
+        .map_err(|e| e.to_string());
+    Found {
+        what: "JIT".into(),
+        detail,
+        failed: "misconfigured",
+    }
+}
+
 /// NVRTC, loaded the way the JIT loads it (so the version is the one kernels compile with).
+/// When `CP_HICACHE_NVRTC` names a library that cannot be used, the line names that path and
+/// why (the `dlopen` error), not the generic "set CP_HICACHE_NVRTC" hint.
 fn probe_nvrtc() -> Found {
+    let mut failed = NOT_FOUND;
     let detail = crate::jit::NvrtcCompiler::load()
         .map(|c| {
             let lib = c.library().map_or_else(
@@ -240,8 +264,21 @@ fn probe_nvrtc() -> Found {
             format!("{} ({lib})", c.identity())
         })
         .map_err(|e| {
-            // A library that was found but cannot be used says why; otherwise the hint.
-            if let crate::jit::NvrtcError::Unavailable { searched } = &e {
+            // A library that was named or found but cannot be used says why; otherwise the
+            // hint.
+            if let crate::jit::NvrtcError::Unavailable {
+                searched,
+                requested,
+            } = &e
+            {
+                if requested.is_some() {
+                    failed = "not usable";
+                    let hint = crate::jit::nvrtc::unavailable_hint(requested.as_deref());
+                    return hint
+                        .strip_prefix("NVRTC unavailable: ")
+                        .unwrap_or(&hint)
+                        .to_string();
+                }
                 if let Some(why) = searched.iter().find(|s| s.contains(" but ")) {
                     return why.clone();
                 }
@@ -254,7 +291,7 @@ fn probe_nvrtc() -> Found {
     Found {
         what: "NVRTC".into(),
         detail,
-        failed: NOT_FOUND,
+        failed,
     }
 }
 

@@ -36,6 +36,13 @@ pub(super) fn run(args: &RenderArgs) -> Result<ExitCode, crate::Error> {
     if args.check {
         return check(out, &deps, &args.deployment);
     }
+    if out.exists() && !out.is_dir() {
+        return Err(crate::Error::Usage(format!(
+            "render --out {} is not a directory; name the folder to render into \
+             (it is created if missing)",
+            out.display()
+        )));
+    }
     let written = render_tree(out, &deps)?;
     let total: usize = deps.iter().map(|d| d.specs().len() + 1).sum();
     outln!(
@@ -50,6 +57,13 @@ pub(super) fn run(args: &RenderArgs) -> Result<ExitCode, crate::Error> {
         eprintln!(
             "warning: stale file not produced by the render: {}",
             rel.display()
+        );
+    }
+    if !extra.is_empty() {
+        eprintln!(
+            "warning: render never deletes files, and render --check fails until the stale \
+             ones are gone: {}",
+            delete_command(out, &extra)
         );
     }
     Ok(ExitCode::SUCCESS)
@@ -82,23 +96,40 @@ fn filter_extra(extra: Vec<PathBuf>, deps: &[Deployment], all: bool) -> Vec<Path
         .collect()
 }
 
+/// `s` as one shell word: as it is when it holds only characters no shell treats specially,
+/// else in single quotes.
+fn shell_word(s: &str) -> String {
+    let safe = !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "_-./+:@%=,".contains(c));
+    if safe {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', r"'\''"))
+    }
+}
+
 /// The command that renders `deployment` (a name or `all`) into `out`: the fix a failed
 /// `--check` suggests, for the folder the user checked.
 fn regenerate_command(out: &Path, deployment: &str) -> String {
-    let dir = out.display().to_string();
-    let safe = |s: &str| {
-        !s.is_empty()
-            && s.chars()
-                .all(|c| c.is_ascii_alphanumeric() || "_-./+:@%=,".contains(c))
-    };
-    let dir = if safe(&dir) {
-        dir
-    } else {
-        format!("'{}'", dir.replace('\'', r"'\''"))
-    };
-    let mut cmd = format!("cp-hicache render --out {dir}");
+    let mut cmd = format!(
+        "cp-hicache render --out {}",
+        shell_word(&out.display().to_string())
+    );
     if deployment != "all" {
         cmd.push_str(&format!(" --deployment {deployment}"));
+    }
+    cmd
+}
+
+/// The command that deletes the stale files `extra` (relative to `out`). Render itself never
+/// deletes anything: it cannot tell a stale render from a file someone put there, and `--out`
+/// may name a folder that holds other work.
+fn delete_command(out: &Path, extra: &[PathBuf]) -> String {
+    let mut cmd = "rm --".to_string();
+    for rel in extra {
+        cmd.push(' ');
+        cmd.push_str(&shell_word(&out.join(rel).display().to_string()));
     }
     cmd
 }
@@ -106,13 +137,17 @@ fn regenerate_command(out: &Path, deployment: &str) -> String {
 fn check(out: &Path, deps: &[Deployment], deployment: &str) -> Result<ExitCode, crate::Error> {
     // A mistyped folder is the user's input, not a render with every file missing.
     if !out.is_dir() {
-        let what = if out.exists() {
-            "is not a directory"
+        // Rendering into an existing file fails: the file has to move first.
+        let (what, how) = if out.exists() {
+            (
+                "is not a directory",
+                "check the folder render wrote, or move the file away and render there",
+            )
         } else {
-            "does not exist"
+            ("does not exist", "to render into it")
         };
         return Err(crate::Error::Usage(format!(
-            "render --check: {} {what}; to render into it: {}",
+            "render --check: {} {what}; {how}: {}",
             out.display(),
             regenerate_command(out, deployment)
         )));
@@ -137,13 +172,31 @@ fn check(out: &Path, deps: &[Deployment], deployment: &str) -> Result<ExitCode, 
     for rel in &diff.extra {
         outln!("  extra    {}", rel.display());
     }
-    outln!(
-        "{} missing, {} changed, {} extra; regenerate with: {}",
+    // Rendering fixes missing and changed files; it never deletes the extra ones, so they are
+    // named for deletion instead.
+    let counts = format!(
+        "{} missing, {} changed, {} extra",
         diff.missing.len(),
         diff.changed.len(),
-        diff.extra.len(),
-        regenerate_command(out, deployment)
+        diff.extra.len()
     );
+    let delete = "delete the extra files, which the render does not produce (render never \
+                  deletes files)";
+    match (
+        diff.missing.is_empty() && diff.changed.is_empty(),
+        diff.extra.is_empty(),
+    ) {
+        (false, true) => outln!(
+            "{counts}; regenerate with: {}",
+            regenerate_command(out, deployment)
+        ),
+        (true, _) => outln!("{counts}; {delete}: {}", delete_command(out, &diff.extra)),
+        (false, false) => outln!(
+            "{counts}; regenerate with: {}\nand {delete}: {}",
+            regenerate_command(out, deployment),
+            delete_command(out, &diff.extra)
+        ),
+    }
     Ok(ExitCode::FAILURE)
 }
 
@@ -160,6 +213,17 @@ mod tests {
         assert_eq!(
             regenerate_command(Path::new("/tmp/my dir"), "nsa_ps64_cp8"),
             "cp-hicache render --out '/tmp/my dir' --deployment nsa_ps64_cp8"
+        );
+    }
+
+    #[test]
+    fn the_delete_hint_names_every_stale_file_under_the_folder() {
+        assert_eq!(
+            delete_command(
+                Path::new("gen"),
+                &[PathBuf::from("a/old.cu"), PathBuf::from("b/it's.cu")]
+            ),
+            r"rm -- gen/a/old.cu 'gen/b/it'\''s.cu'"
         );
     }
 }

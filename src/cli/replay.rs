@@ -359,9 +359,13 @@ fn count_lines(path: &std::path::Path) -> Option<usize> {
 /// Runs the replay and prints the report; the exit status says whether it was correct.
 pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
     let plan = args.validate()?;
-    if let Some(path) = &args.json {
-        super::common::check_output(path)?;
-    }
+    super::common::check_outputs(
+        &[("--json", args.json.as_deref())],
+        &[
+            ("--trace", args.trace.as_deref()),
+            ("--tuning", args.tuning.as_deref()),
+        ],
+    )?;
     let (workload, total) = args.workload()?;
     let exec: Arc<dyn Executor> = Arc::from(open_executor(args.backend)?);
     check_memory(args, &plan.deployment, exec.backend())?;

@@ -298,10 +298,13 @@ pub enum JitError {
         reason: String,
     },
     /// NVRTC could not be found or loaded.
-    #[error("{} (searched: {})", nvrtc::NOT_FOUND_HINT, searched.join(", "))]
+    #[error("{} (searched: {})", nvrtc::unavailable_hint(requested.as_deref()), searched.join(", "))]
     NvrtcUnavailable {
         /// Every place looked at.
         searched: Vec<String>,
+        /// When `CP_HICACHE_NVRTC` is set: why the library it names could not be used
+        /// ([`nvrtc::NvrtcError::Unavailable`]).
+        requested: Option<String>,
     },
     /// NVRTC rejected the source.
     #[error("NVRTC failed to compile `{uri}` with {options:?}:\n{log}")]
@@ -410,7 +413,13 @@ impl JitError {
 impl From<NvrtcError> for JitError {
     fn from(e: NvrtcError) -> Self {
         match e {
-            NvrtcError::Unavailable { searched } => JitError::NvrtcUnavailable { searched },
+            NvrtcError::Unavailable {
+                searched,
+                requested,
+            } => JitError::NvrtcUnavailable {
+                searched,
+                requested,
+            },
             NvrtcError::Compile { uri, options, log } => JitError::Nvrtc { uri, options, log },
             NvrtcError::Api { uri, call, code } => JitError::NvrtcCall {
                 uri,
@@ -618,6 +627,7 @@ impl Jit {
         if !self.config.nvrtc_enabled {
             return Err(JitError::NvrtcUnavailable {
                 searched: vec!["nothing: NVRTC disabled by JitConfig::nvrtc_enabled".to_string()],
+                requested: None,
             });
         }
         self.nvrtc

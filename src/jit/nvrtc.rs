@@ -21,9 +21,27 @@ use std::ffi::{c_char, CString};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-/// The message printed by tests and tools when NVRTC is missing.
+/// The message printed by tests and tools when NVRTC is missing (and `CP_HICACHE_NVRTC` is
+/// not set; see [`unavailable_hint`]).
 pub const NOT_FOUND_HINT: &str =
     "NVRTC not found: run scripts/install-nvrtc.sh or set CP_HICACHE_NVRTC";
+
+/// The variable naming the libnvrtc to use (a file, or a folder searched like a prefix).
+pub const NVRTC_ENV: &str = "CP_HICACHE_NVRTC";
+
+/// The first line of an "NVRTC unavailable" error: [`NOT_FOUND_HINT`], or when
+/// `CP_HICACHE_NVRTC` names a library that could not be used (`requested`, from
+/// [`NvrtcError::Unavailable`]), that path and why, e.g. the `dlopen` error.
+pub fn unavailable_hint(requested: Option<&str>) -> String {
+    match requested {
+        None => NOT_FOUND_HINT.to_string(),
+        Some(r) if r.contains(CONFLICT) => format!("NVRTC unavailable: {r}"),
+        Some(r) => format!(
+            "NVRTC unavailable: {r}; point {NVRTC_ENV} at libnvrtc.so.12 or its folder \
+             (scripts/install-nvrtc.sh installs one and prints its path)"
+        ),
+    }
+}
 
 const SONAMES: &[&str] = &["libnvrtc.so.12", "libnvrtc.so"];
 const WHEEL_SUBDIR: &str = "nvidia/cuda_nvrtc/lib";
@@ -32,10 +50,13 @@ const WHEEL_SUBDIR: &str = "nvidia/cuda_nvrtc/lib";
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum NvrtcError {
     /// No usable libnvrtc was found.
-    #[error("{NOT_FOUND_HINT} (searched: {})", searched.join(", "))]
+    #[error("{} (searched: {})", unavailable_hint(requested.as_deref()), searched.join(", "))]
     Unavailable {
         /// Every place looked at, in order.
         searched: Vec<String>,
+        /// When `CP_HICACHE_NVRTC` is set: that it could not be used, with its value and why
+        /// (`CP_HICACHE_NVRTC=/etc/passwd cannot be used: dlopen failed: …`).
+        requested: Option<String>,
     },
     /// The source does not compile; `log` is NVRTC's full program log.
     #[error("NVRTC failed to compile `{uri}` with {options:?}:\n{log}")]
@@ -151,31 +172,55 @@ struct Loaded {
     _lib: Option<libloading::os::unix::Library>,
 }
 
-static LOADED: OnceLock<Result<Loaded, Vec<String>>> = OnceLock::new();
+/// Why no library was loaded: the places searched, and the `CP_HICACHE_NVRTC` note.
+struct Missing {
+    searched: Vec<String>,
+    requested: Option<String>,
+}
 
-/// Candidate library files, in search order (not filtered by existence).
-pub fn candidate_paths() -> Vec<PathBuf> {
-    let mut out: Vec<PathBuf> = Vec::new();
-    let prefix = |dir: &Path, out: &mut Vec<PathBuf>| {
+static LOADED: OnceLock<Result<Loaded, Missing>> = OnceLock::new();
+
+/// `CP_HICACHE_NVRTC` when set (and not empty), with the library files it names: itself, or
+/// for a folder the sonames in it and in its `lib64/`, `lib/` and wheel subfolders.
+fn requested_candidates() -> Option<(PathBuf, Vec<PathBuf>)> {
+    let p = PathBuf::from(std::env::var_os(NVRTC_ENV).filter(|v| !v.is_empty())?);
+    let mut files = Vec::new();
+    if p.is_dir() {
         for sub in ["", "lib64", "lib", WHEEL_SUBDIR] {
             for so in SONAMES {
                 let base = if sub.is_empty() {
-                    dir.to_path_buf()
+                    p.clone()
                 } else {
-                    dir.join(sub)
+                    p.join(sub)
                 };
-                out.push(base.join(so));
+                files.push(base.join(so));
             }
         }
-    };
-    if let Some(v) = std::env::var_os("CP_HICACHE_NVRTC").filter(|v| !v.is_empty()) {
-        let p = PathBuf::from(v);
-        if p.is_dir() {
-            prefix(&p, &mut out);
-        } else {
-            out.push(p);
-        }
+    } else {
+        files.push(p.clone());
     }
+    Some((p, files))
+}
+
+/// Why the library `CP_HICACHE_NVRTC` names was not used, from the failures of the search
+/// (`(file, why)`); `None` when the variable is not set.
+fn requested_failure(failures: &[(PathBuf, String)]) -> Option<String> {
+    let (var, files) = requested_candidates()?;
+    let why = match failures.iter().find(|(p, _)| files.contains(p)) {
+        Some((_, why)) => format!("cannot be used: {why}"),
+        None if var.is_dir() => format!(
+            "is a folder holding no {} (looked in it and in its lib64/, lib/ and {WHEEL_SUBDIR}/)",
+            SONAMES.join(" or ")
+        ),
+        None if var.exists() => "is not a library file".to_string(),
+        None => "does not exist".to_string(),
+    };
+    Some(format!("{NVRTC_ENV}={} {why}", var.display()))
+}
+
+/// Candidate library files, in search order (not filtered by existence).
+pub fn candidate_paths() -> Vec<PathBuf> {
+    let mut out: Vec<PathBuf> = requested_candidates().map_or_else(Vec::new, |(_, f)| f);
     for var in ["CUDA_HOME", "CUDA_PATH"] {
         if let Some(v) = std::env::var_os(var).filter(|v| !v.is_empty()) {
             let p = PathBuf::from(v);
@@ -258,7 +303,13 @@ fn open_global(path: &Path) -> Result<libloading::os::unix::Library, String> {
     use libloading::os::unix::{Library, RTLD_GLOBAL, RTLD_NOW};
     // SAFETY: loading libnvrtc runs its initialisers, which have no preconditions on our side;
     // the handle is kept in a process-wide static and never unloaded, so no symbol outlives it.
-    unsafe { Library::open(Some(path), RTLD_NOW | RTLD_GLOBAL) }.map_err(|e| e.to_string())
+    unsafe { Library::open(Some(path), RTLD_NOW | RTLD_GLOBAL) }.map_err(|e| {
+        // libloading's message is only "dlopen failed"; the reason (dlerror) is its source.
+        match std::error::Error::source(&e) {
+            Some(why) => format!("{e}: {why}"),
+            None => e.to_string(),
+        }
+    })
 }
 
 /// Marks a search note saying cudarc would use another libnvrtc than the one chosen.
@@ -290,10 +341,14 @@ fn culib_present() -> bool {
     unsafe { sys::is_culib_present() }
 }
 
-fn load() -> &'static Result<Loaded, Vec<String>> {
+fn load() -> &'static Result<Loaded, Missing> {
     LOADED.get_or_init(|| {
         let mut searched = Vec::new();
-        let try_paths = |paths: Vec<PathBuf>, searched: &mut Vec<String>| {
+        // Each library file that exists but could not be used, and why.
+        let mut failures: Vec<(PathBuf, String)> = Vec::new();
+        let try_paths = |paths: Vec<PathBuf>,
+                         searched: &mut Vec<String>,
+                         failures: &mut Vec<(PathBuf, String)>| {
             for p in paths {
                 searched.push(p.display().to_string());
                 if p.is_file() {
@@ -304,10 +359,12 @@ fn load() -> &'static Result<Loaded, Vec<String>> {
                             // with one and keying the cache by the other must not happen.
                             if let (Some(ours), Some(theirs)) = (own_version(&lib), cudarc_version()) {
                                 if ours != theirs {
-                                    searched.push(format!(
+                                    let why = format!(
                                         "{} is nvrtc {}.{}, but {CONFLICT} (nvrtc {}.{}) on the library search path first: remove it from LD_LIBRARY_PATH or point CP_HICACHE_NVRTC at it",
                                         p.display(), ours.0, ours.1, theirs.0, theirs.1
-                                    ));
+                                    );
+                                    searched.push(why.clone());
+                                    failures.push((p, why));
                                     return None;
                                 }
                             }
@@ -316,25 +373,51 @@ fn load() -> &'static Result<Loaded, Vec<String>> {
                                 _lib: Some(lib),
                             });
                         }
-                        Ok(_) => searched.push(format!("{} (loaded, but not usable)", p.display())),
-                        Err(e) => searched.push(format!("{} ({e})", p.display())),
+                        Ok(_) => {
+                            searched.push(format!("{} (loaded, but not usable)", p.display()));
+                            let why = format!("{} loaded, but cudarc cannot use it", p.display());
+                            failures.push((p, why));
+                        }
+                        Err(e) => {
+                            searched.push(format!("{} ({e})", p.display()));
+                            failures.push((p, e));
+                        }
                     }
                 }
             }
             None
         };
-        if let Some(l) = try_paths(candidate_paths(), &mut searched) {
-            return Ok(l);
+        // A library found elsewhere after CP_HICACHE_NVRTC failed is used, with a warning
+        // naming the variable and why.
+        let found = |l: Loaded, failures: &[(PathBuf, String)]| {
+            let from_var = requested_candidates()
+                .is_some_and(|(_, files)| l.path.as_ref().is_some_and(|p| files.contains(p)));
+            if let (false, Some(note)) = (from_var, requested_failure(failures)) {
+                let used = l.path.as_ref().map_or_else(
+                    || "the library the dynamic linker finds".to_string(),
+                    |p| p.display().to_string(),
+                );
+                tracing::warn!(target: "cp_hicache::jit", "{note}; using {used} instead");
+            }
+            Ok(l)
+        };
+        if let Some(l) = try_paths(candidate_paths(), &mut searched, &mut failures) {
+            return found(l, &failures);
         }
+        let missing = |searched: Vec<String>, failures: &[(PathBuf, String)]| Missing {
+            searched,
+            requested: requested_failure(failures),
+        };
         if searched.iter().any(|s| s.contains(CONFLICT)) {
-            return Err(searched);
+            return Err(missing(searched, &failures));
         }
         searched.push("dynamic linker search path (libnvrtc.so.12)".to_string());
         if culib_present() {
-            return Ok(Loaded {
+            let l = Loaded {
                 path: None,
                 _lib: None,
-            });
+            };
+            return found(l, &failures);
         }
         let mut py: Vec<PathBuf> = Vec::new();
         for p in python_site_dirs() {
@@ -343,10 +426,10 @@ fn load() -> &'static Result<Loaded, Vec<String>> {
                 py.push(p);
             }
         }
-        if let Some(l) = try_paths(py, &mut searched) {
-            return Ok(l);
+        if let Some(l) = try_paths(py, &mut searched, &mut failures) {
+            return found(l, &failures);
         }
-        Err(searched)
+        Err(missing(searched, &failures))
     })
 }
 
@@ -376,8 +459,9 @@ impl NvrtcCompiler {
     /// Finds and loads libnvrtc (once per process) and reads its version.
     pub fn load() -> Result<NvrtcCompiler, NvrtcError> {
         match load() {
-            Err(searched) => Err(NvrtcError::Unavailable {
-                searched: searched.clone(),
+            Err(missing) => Err(NvrtcError::Unavailable {
+                searched: missing.searched.clone(),
+                requested: missing.requested.clone(),
             }),
             Ok(loaded) => {
                 let (mut major, mut minor) = (0, 0);
