@@ -809,18 +809,36 @@ fn nvrtc_chosen_and_resolved_libraries_must_agree() {
         out
     };
     let chosen = build("a", "libnvrtc.so.12", "libnvrtc.so.12", "12", "9");
+    let info = |other: &Path| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+            .arg("info")
+            .env("CP_HICACHE_NVRTC", chosen.join("libnvrtc.so.12"))
+            .env("LD_LIBRARY_PATH", other)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
     let other = build("b", "libnvrtc.so", "libnvrtc.so", "11", "5");
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
-        .arg("info")
-        .env("CP_HICACHE_NVRTC", chosen.join("libnvrtc.so.12"))
-        .env("LD_LIBRARY_PATH", &other)
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
+    let text = info(&other);
     assert!(
         text.contains("is nvrtc 12.9, but cudarc resolved another libnvrtc (nvrtc 11.5)"),
         "{text}"
     );
+    // The same version from another build (other bytes) is refused too: the key would name
+    // the chosen file's digest while the other one compiles.
+    let rebuilt = build("c", "libnvrtc.so", "libnvrtc.so", "12", "9");
+    let text = info(&rebuilt);
+    assert!(
+        text.contains("cudarc resolved another libnvrtc")
+            && text.contains("the same version, another build"),
+        "{text}"
+    );
+    // A byte-identical copy is the same library: no conflict.
+    let copy = dir.path().join("d");
+    std::fs::create_dir_all(&copy).unwrap();
+    std::fs::copy(chosen.join("libnvrtc.so.12"), copy.join("libnvrtc.so")).unwrap();
+    let text = info(&copy);
+    assert!(!text.contains("cudarc resolved another libnvrtc"), "{text}");
 }
 
 /// With `CP_HICACHE_JIT=off` and an empty cache, replay stops with one error that lists every

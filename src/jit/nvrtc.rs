@@ -145,14 +145,49 @@ pub fn identity_string(version: (i32, i32), digest: Option<&str>) -> String {
     }
 }
 
-/// The libnvrtc file this process mapped, from `/proc/self/maps` (for a library the dynamic
-/// linker found by soname).
+/// The libnvrtc files this process mapped, from `/proc/self/maps`, in map order, each once.
+fn mapped_libraries() -> Vec<PathBuf> {
+    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
+        return Vec::new();
+    };
+    let mut out: Vec<PathBuf> = Vec::new();
+    for line in maps.lines() {
+        let Some(path) = line.split_whitespace().nth(5).map(Path::new) else {
+            continue;
+        };
+        let is_nvrtc = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with("libnvrtc.so"));
+        if is_nvrtc && !out.iter().any(|p| p == path) {
+            out.push(path.to_path_buf());
+        }
+    }
+    out
+}
+
+/// The libnvrtc file this process mapped (for a library the dynamic linker found by soname).
 fn mapped_library() -> Option<PathBuf> {
-    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
-    maps.lines().find_map(|line| {
-        let path = Path::new(line.split_whitespace().nth(5)?);
-        let name = path.file_name()?.to_str()?;
-        name.starts_with("libnvrtc.so").then(|| path.to_path_buf())
+    mapped_libraries().into_iter().next()
+}
+
+/// A libnvrtc mapped besides `chosen` whose bytes differ from it: cudarc's lookup by name
+/// resolved another build (a patch release, a vendor rebuild), possibly of the same version,
+/// and the cache key would describe `chosen` while that one compiles. A byte-identical copy
+/// is harmless and not reported. Files are hashed only when there is another mapping.
+fn other_mapped_build(chosen: &Path) -> Option<(PathBuf, String, String)> {
+    let real = chosen.canonicalize().ok()?;
+    let others: Vec<PathBuf> = mapped_libraries()
+        .into_iter()
+        .filter(|m| m.canonicalize().ok().as_ref() != Some(&real))
+        .collect();
+    if others.is_empty() {
+        return None;
+    }
+    let ours = library_digest(chosen)?;
+    others.into_iter().find_map(|m| {
+        let theirs = library_digest(&m)?;
+        (theirs != ours).then(|| (m, ours.clone(), theirs))
     })
 }
 
@@ -367,6 +402,16 @@ fn load() -> &'static Result<Loaded, Missing> {
                                     failures.push((p, why));
                                     return None;
                                 }
+                            }
+                            // The same version can still be another build: compare bytes.
+                            if let Some((other, ours, theirs)) = other_mapped_build(&p) {
+                                let why = format!(
+                                    "{} (sha256 {ours}) was chosen, but {CONFLICT} ({}: the same version, another build, sha256 {theirs}) on the library search path first: remove it from LD_LIBRARY_PATH or point CP_HICACHE_NVRTC at it",
+                                    p.display(), other.display()
+                                );
+                                searched.push(why.clone());
+                                failures.push((p, why));
+                                return None;
                             }
                             return Some(Loaded {
                                 path: Some(p),
