@@ -70,6 +70,7 @@ fn sweep_stale_build_dirs(tmp: &Path) {
 }
 
 fn build_dir(uri: &str) -> Result<BuildDir, HostCcError> {
+    use std::os::unix::fs::DirBuilderExt as _;
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     static SWEEP: std::sync::Once = std::sync::Once::new();
     SWEEP.call_once(|| sweep_stale_build_dirs(&std::env::temp_dir()));
@@ -83,11 +84,16 @@ fn build_dir(uri: &str) -> Result<BuildDir, HostCcError> {
         COUNTER.fetch_add(1, Ordering::Relaxed),
         nanos
     ));
-    std::fs::create_dir_all(&dir).map_err(|e| HostCcError::Io {
-        uri: uri.to_string(),
-        path: dir.clone(),
-        reason: e.to_string(),
-    })?;
+    // A fresh directory only this user can enter: one that already exists under this name
+    // in the shared temp folder (planted, or left by a reused pid) is refused, not reused.
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&dir)
+        .map_err(|e| HostCcError::Io {
+            uri: uri.to_string(),
+            path: dir.clone(),
+            reason: e.to_string(),
+        })?;
     Ok(BuildDir(dir))
 }
 
