@@ -332,22 +332,29 @@ fn compile_json_cold_then_warm() {
 /// with NVRTC in a system location still finds it; then the run succeeds, and `info` under the
 /// same environment must name that copy, so a compile that succeeds without NVRTC cannot pass
 /// for one.
+/// Runs `c` with every place NVRTC is searched hidden (a cache, home and PATH under `tmp`)
+/// except `CP_HICACHE_NVRTC`, which is set to `nvrtc` or removed.
+fn hide_nvrtc(c: &mut Command, tmp: &std::path::Path, nvrtc: Option<&std::path::Path>) {
+    c.env("CP_HICACHE_CACHE_DIR", tmp.join("cache"))
+        .env("HOME", tmp)
+        .env("PATH", tmp)
+        .env_remove("CUDA_HOME")
+        .env_remove("CUDA_PATH")
+        .env_remove("VIRTUAL_ENV")
+        .env_remove("CONDA_PREFIX")
+        .env_remove("LD_LIBRARY_PATH");
+    match nvrtc {
+        Some(p) => c.env("CP_HICACHE_NVRTC", p),
+        None => c.env_remove("CP_HICACHE_NVRTC"),
+    };
+}
+
 #[test]
 fn compile_without_nvrtc_prints_one_line_hint() {
     let tmp = tempfile::tempdir().unwrap();
     // CP_HICACHE_NVRTC unset: the hint suggests setting it (a value that cannot be used is
     // named instead; see `compile_names_an_unusable_cp_hicache_nvrtc`).
-    let hidden = |c: &mut Command| {
-        c.env("CP_HICACHE_CACHE_DIR", tmp.path().join("cache"))
-            .env_remove("CP_HICACHE_NVRTC")
-            .env("HOME", tmp.path())
-            .env("PATH", tmp.path())
-            .env_remove("CUDA_HOME")
-            .env_remove("CUDA_PATH")
-            .env_remove("VIRTUAL_ENV")
-            .env_remove("CONDA_PREFIX")
-            .env_remove("LD_LIBRARY_PATH");
-    };
+    let hidden = |c: &mut Command| hide_nvrtc(c, tmp.path(), None);
     let mut compile = bin();
     compile.args(["compile", "--deployment", "nsa_ps64_cp1"]);
     hidden(&mut compile);
@@ -393,17 +400,7 @@ fn compile_names_an_unusable_cp_hicache_nvrtc() {
     let tmp = tempfile::tempdir().unwrap();
     let text_file = tmp.path().join("passwd");
     std::fs::write(&text_file, "root:x:0:0:root:/root:/bin/sh\n").unwrap();
-    let hidden = |c: &mut Command| {
-        c.env("CP_HICACHE_CACHE_DIR", tmp.path().join("cache"))
-            .env("CP_HICACHE_NVRTC", &text_file)
-            .env("HOME", tmp.path())
-            .env("PATH", tmp.path())
-            .env_remove("CUDA_HOME")
-            .env_remove("CUDA_PATH")
-            .env_remove("VIRTUAL_ENV")
-            .env_remove("CONDA_PREFIX")
-            .env_remove("LD_LIBRARY_PATH");
-    };
+    let hidden = |c: &mut Command| hide_nvrtc(c, tmp.path(), Some(&text_file));
     for args in [
         &["compile", "--deployment", "nsa_ps64_cp1"][..],
         &["bench", "--prebuild", "--deployment", "nsa_ps64_cp1"],
