@@ -353,8 +353,7 @@ pub(super) fn check_one(
             }
             let got = got?;
             let bad: u32 = want.iter().map(|w| w.count_ones()).sum();
-            Ok(compare(&got, &u32_bytes(&want))
-                .map(|_| format!("found all {bad} planted mismatches")))
+            Ok(compare(&got, &u32_bytes(&want)).map(|_| format!("found all {bad} planted mismatches")))
         }
     }
 }
