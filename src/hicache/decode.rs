@@ -258,6 +258,11 @@ fn token_kv(d: &Dense<'_>, layer: u32, t: usize) -> Result<(Vec<f32>, Vec<f32>),
 /// One decode step of `query` (576 values) over the first `n_tokens` tokens of `layer`:
 /// scaled dot products with every key, a softmax, and the weighted sum of the values
 /// (512 values). Deterministic: the same bytes always give the same bits.
+///
+/// Like an engine, it computes with whatever finite bytes it is given (a negative scale
+/// included) and refuses only values it cannot compute with: under the seed's bug the poison
+/// a rank never overwrote decodes, silently, to another output. [`check_dtypes`] is the
+/// validator.
 pub fn decode_step(
     buffer: BufferKind,
     dense: &[u8],
