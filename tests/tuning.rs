@@ -259,12 +259,34 @@ fn entries_for_other_kernels_do_not_leak_into_a_deployment() {
     let (out, warnings, _) = mla.with_tuning(&file, &dev);
     assert_eq!(out, mla);
     assert!(warnings.is_empty());
-    // Transfers do not depend on CP, so their entries do serve NSA at CP 4 (same kernels);
-    // the allocator kernels do depend on CP and keep their default.
+    // Transfers and verify do not depend on CP, so their entries match NSA at CP 4; but the
+    // copy shape is shared with materialise at CP 4, and the synth/verify threads with
+    // synthesise at CP 4, which were never tuned: they would run untimed and unchecked, so
+    // the defaults stay, with a warning naming what is missing. The allocator kernels depend
+    // on CP and keep their default without a word.
     let nsa4 = Deployment::by_name("nsa_ps64_cp4").unwrap();
-    let (out, _, applied) = nsa4.with_tuning(&file, &dev);
-    assert_eq!(applied.alloc_threads, None);
-    assert_eq!(out.alloc_threads, nsa4.alloc_threads);
+    let (out, warnings, applied) = nsa4.with_tuning(&file, &dev);
+    assert_eq!(out, nsa4);
+    assert_eq!(applied, tuning::Applied::default());
+    assert_eq!(warnings.len(), 2, "{warnings:?}");
+    assert!(warnings.iter().all(|w| w.kind == WarningKind::Unusable));
+    for (w, missing) in warnings
+        .iter()
+        .zip(["materialise_cp4", "synthesise_nsa_kv_cp4"])
+    {
+        let msg = w.to_string();
+        assert!(
+            msg.contains(missing) && msg.contains("tune --deployment nsa_ps64_cp4"),
+            "{msg}"
+        );
+    }
+    // Tuned for CP 4 as well, every kernel sharing the shape is covered and it applies.
+    let mut both = file.clone();
+    for e in file_for(&dev, &nsa4).entries {
+        both.upsert(e);
+    }
+    let (_, warnings, applied) = nsa4.with_tuning(&both, &dev);
+    assert!(warnings.is_empty(), "{warnings:?}");
     assert_eq!(applied.copy, Some(CPU_COPY));
 }
 

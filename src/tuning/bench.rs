@@ -270,7 +270,9 @@ pub fn run(
     let edit = BenchFault::break_first(unique.first().copied());
     let hook: Option<super::measure::SourceHook<'_>> =
         (opts.inject == Some(BenchFault::CompileError)).then_some(&edit);
-    let loaded = compile_and_load(exec, jit, &unique, hook, &|| progress(Ok("compile".into())));
+    let loaded = compile_and_load(exec, jit, &unique, false, hook, &|| {
+        progress(Ok("compile".into()))
+    });
     let kernel_of = |spec: &KernelSpec| -> Result<KernelId, TuningError> {
         // A spec missing from the compiled set is an error, never another kernel's handle.
         match unique

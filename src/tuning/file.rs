@@ -392,8 +392,10 @@ impl Deployment {
     /// plus a warning (also logged) for every entry ignored because it was measured on another
     /// device or compiler, or does not fit. Entries for kernels the deployment does not use
     /// are silently irrelevant. A field fed by several kernels (`copy` by both transfer
-    /// directions and materialise of every buffer) takes the candidate with the smallest total
-    /// time among those measured for all of them. DMA results are not a kernel shape; they
+    /// directions and materialise of every buffer) is set only when every one of them has an
+    /// entry for this device (otherwise a warning, and the default stays: the shape would run
+    /// kernels it was never timed or checked on), and takes the candidate with the smallest
+    /// total time among those measured for all of them. DMA results are not a kernel shape; they
     /// decide `transfer_path` first, and when transfers take DMA the shape serves materialise
     /// alone (see `copy_choice`).
     pub fn with_tuning(
@@ -409,7 +411,10 @@ impl Deployment {
             let group: Vec<&KernelSpec> = specs.iter().filter(|s| field_of(s) == field).collect();
             let mut matched: Vec<&TuningEntry> = Vec::new();
             let mut transfers: Vec<&TuningEntry> = Vec::new();
+            // Kernels of the group that no entry for this device covers.
+            let mut uncovered: Vec<String> = Vec::new();
             for spec in &group {
+                let before = matched.len();
                 for e in file.entries_for(spec) {
                     match e.device.compare(device) {
                         KeyMatch::Same => {
@@ -429,8 +434,27 @@ impl Deployment {
                         }),
                     }
                 }
+                if matched.len() == before {
+                    uncovered.push(spec_key(spec));
+                }
             }
             if matched.is_empty() {
+                continue;
+            }
+            if !uncovered.is_empty() {
+                // The shape is shared: applying it would run kernels it was never timed or
+                // checked on (keys of different kernels cover different fields, e.g. transfer
+                // keys have no CP degree, so another deployment's file covers part of a group).
+                warnings.push(TuningWarning {
+                    kind: WarningKind::Unusable,
+                    spec_key: uncovered[0].clone(),
+                    message: format!(
+                        "the tuned shape is shared with kernels never tuned on this device ({}); \
+                         default shapes kept: run `cp-hicache tune --deployment {}`",
+                        uncovered.join(", "),
+                        self.name
+                    ),
+                });
                 continue;
             }
             let (best, path) = match field {

@@ -65,6 +65,24 @@ pub struct Timing {
     pub min: f64,
 }
 
+impl Timing {
+    /// The median (the mean of the two middle samples for an even count) and the minimum of
+    /// at least one sample.
+    fn of(mut samples: Vec<f64>) -> Timing {
+        samples.sort_by(f64::total_cmp);
+        let n = samples.len();
+        let median = if n % 2 == 0 {
+            (samples[n / 2 - 1] + samples[n / 2]) / 2.0
+        } else {
+            samples[n / 2]
+        };
+        Timing {
+            median,
+            min: samples[0],
+        }
+    }
+}
+
 /// Runs `setup` then times `run`, `warmup` untimed and `repeats` timed times (at least one).
 pub fn time_with<E>(
     warmup: u32,
@@ -83,11 +101,7 @@ pub fn time_with<E>(
         run()?;
         samples.push(t.elapsed().as_secs_f64());
     }
-    samples.sort_by(f64::total_cmp);
-    Ok(Timing {
-        median: samples[samples.len() / 2],
-        min: samples[0],
-    })
+    Ok(Timing::of(samples))
 }
 
 /// Like [`time_with`] for work enqueued on `exec`: each timed repeat is measured by the
@@ -111,11 +125,7 @@ pub fn time_device(
         setup()?;
         samples.push(exec.time_work(&mut run)?);
     }
-    samples.sort_by(f64::total_cmp);
-    Ok(Timing {
-        median: samples[samples.len() / 2],
-        min: samples[0],
-    })
+    Ok(Timing::of(samples))
 }
 
 /// Deterministic splitmix64 stream (fixed seeds keep runs comparable).
@@ -175,12 +185,14 @@ pub fn target_for(exec: &dyn Executor) -> Result<Target, TuningError> {
 pub use crate::jit::SourceHook;
 
 /// Renders, compiles (in parallel, through the JIT cache) and loads each spec; one result per
-/// spec: the kernel handle, or why the candidate is dropped (render or compile error, load
-/// error, or an NVRTC build that spills registers or uses a stack frame).
+/// spec: the kernel handle, or why it cannot run (render, compile or load error; with
+/// `drop_spilling`, which the tuner sets for its candidates, also an NVRTC build that spills
+/// registers or uses a stack frame). Checks and benchmarks run such a build as replay does.
 pub fn compile_and_load(
     exec: &dyn Executor,
     jit: &Jit,
     specs: &[KernelSpec],
+    drop_spilling: bool,
     hook: Option<SourceHook<'_>>,
     on_done: &(dyn Fn() + Sync),
 ) -> Vec<Result<KernelId, String>> {
@@ -206,7 +218,7 @@ pub fn compile_and_load(
                 .next()
                 .ok_or_else(|| "internal: missing JIT result".to_string())?
                 .map_err(|e| e.to_string())?;
-            if let Some(rep) = &k.report {
+            if let Some(rep) = k.report.as_ref().filter(|_| drop_spilling) {
                 if rep.spill_bytes > 0 || rep.stack_bytes > 0 {
                     return Err(format!(
                         "spills {} bytes, {}-byte stack frame",
@@ -926,5 +938,23 @@ impl<'e> SynthBench<'e> {
             || Ok(()),
             || self.launch(kernel, spec),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_median_of_an_even_count_is_the_mean_of_the_middle_two() {
+        assert_eq!(
+            Timing::of(vec![4.0, 1.0, 3.0, 2.0]),
+            Timing {
+                median: 2.5,
+                min: 1.0
+            }
+        );
+        assert_eq!(Timing::of(vec![3.0, 1.0, 2.0]).median, 2.0);
+        assert_eq!(Timing::of(vec![5.0]).median, 5.0);
     }
 }

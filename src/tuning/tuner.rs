@@ -110,7 +110,7 @@ pub fn tune(
     progress(TuneEvent::Planned {
         steps: (unique.len() + timed) as u64,
     });
-    let compiled = compile_and_load(exec, jit, &unique, opts.hook, &|| {
+    let compiled = compile_and_load(exec, jit, &unique, true, opts.hook, &|| {
         progress(TuneEvent::Step {
             what: "compile".into(),
         })
