@@ -82,21 +82,30 @@ impl DeviceKey {
                     .nvrtc_identity()
                     .unwrap_or_else(|_| PREBUILT_COMPILER.to_string()),
             }),
-            _ => Ok(DeviceKey {
-                backend: Backend::Host.to_string(),
-                device: exec.device_name(),
-                capability: cpu_model(),
-                compiler: jit
+            _ => {
+                let compiler = jit
                     .host_compiler()
                     .map(|c| c.identity().to_string())
-                    .unwrap_or_else(|_| PREBUILT_COMPILER.to_string()),
-            }),
+                    .unwrap_or_else(|_| PREBUILT_COMPILER.to_string());
+                // Sanitised builds run far slower and differently: their winners are theirs.
+                let compiler = match Sanitize::from_env()? {
+                    Sanitize::None => compiler,
+                    s => format!("{compiler} [sanitize={s}]"),
+                };
+                Ok(DeviceKey {
+                    backend: Backend::Host.to_string(),
+                    device: exec.device_name(),
+                    capability: cpu_model(),
+                    compiler,
+                })
+            }
         }
     }
 }
 
-/// The CPU model name (`model name` in `/proc/cpuinfo`), or the architecture when the file is
-/// missing or has no such line.
+/// The CPU model name (`model name` in `/proc/cpuinfo`; on Arm, which has none, the
+/// implementer, variant and part codes), or the architecture when the file is missing or has
+/// neither.
 pub fn cpu_model() -> String {
     std::fs::read_to_string("/proc/cpuinfo")
         .ok()
@@ -104,11 +113,22 @@ pub fn cpu_model() -> String {
         .unwrap_or_else(|| format!("unknown {} CPU", std::env::consts::ARCH))
 }
 
-/// The first `model name` value of a `/proc/cpuinfo` text.
+/// The first `model name` value of a `/proc/cpuinfo` text, else its first Arm core
+/// identification (`arm implementer 0x41 variant 0x1 part 0xd0c`).
 pub fn parse_cpu_model(cpuinfo: &str) -> Option<String> {
-    cpuinfo.lines().find_map(|line| {
-        let (k, v) = line.split_once(':')?;
-        (k.trim() == "model name").then(|| v.trim().to_string())
+    let value = |key: &str| {
+        cpuinfo.lines().find_map(|line| {
+            let (k, v) = line.split_once(':')?;
+            (k.trim() == key).then(|| v.trim().to_string())
+        })
+    };
+    value("model name").or_else(|| {
+        let implementer = value("CPU implementer")?;
+        let part = value("CPU part")?;
+        let variant = value("CPU variant").unwrap_or_else(|| "?".into());
+        Some(format!(
+            "arm implementer {implementer} variant {variant} part {part}"
+        ))
     })
 }
 
@@ -157,6 +177,12 @@ mod tests {
             Some("AMD EPYC 9654 96-Core Processor")
         );
         assert_eq!(parse_cpu_model("nothing"), None);
+        let arm = "processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\n\
+                   CPU architecture: 8\nCPU variant\t: 0x1\nCPU part\t: 0xd0c\n";
+        assert_eq!(
+            parse_cpu_model(arm).as_deref(),
+            Some("arm implementer 0x41 variant 0x1 part 0xd0c")
+        );
     }
 
     #[test]
