@@ -228,6 +228,7 @@ fn a_file_from_another_machine_is_ignored_with_a_warning() {
         msg.contains("machine-a") && msg.contains("machine-b"),
         "{msg}"
     );
+    assert!(msg.contains("foreign: another device or CPU"), "{msg}");
     // Shown to a person as one line that counts them.
     let lines = tuning::warning_lines(&warnings);
     assert_eq!(lines.len(), 1, "{lines:?}");
@@ -248,6 +249,10 @@ fn a_file_from_another_machine_is_ignored_with_a_warning() {
     assert_eq!(d, dep);
     assert!(!warnings.is_empty());
     assert!(warnings.iter().all(|w| w.kind == WarningKind::Stale));
+    // The two kinds read differently, so nobody has to diff the two device strings.
+    assert!(warnings[0]
+        .to_string()
+        .contains("stale: this device, another compiler"));
 }
 
 #[test]

@@ -104,12 +104,14 @@ pub(super) fn run(args: &TuneArgs) -> Result<ExitCode, crate::Error> {
         eprintln!("warning: {w}");
     }
     outln!(
-        "tuned {}: alloc_threads {} (default {}), copy {} (default {}), synth_threads {} (default {}); written to {}",
+        "tuned {}: alloc_threads {} (default {}), copy {} (default {}), transfers by {} (default {}), synth_threads {} (default {}); written to {}",
         dep.name,
         tuned.alloc_threads,
         dep.alloc_threads,
         tuned.copy,
         dep.copy,
+        tuned.transfer_path,
+        dep.transfer_path,
         tuned.synth_threads,
         dep.synth_threads,
         path.display()

@@ -423,15 +423,21 @@ impl Deployment {
                                 transfers.push(e);
                             }
                         }
-                        kind => warnings.push(TuningWarning {
-                            kind: if kind == KeyMatch::Stale {
-                                WarningKind::Stale
+                        kind => {
+                            let (kind, why) = if kind == KeyMatch::Stale {
+                                (WarningKind::Stale, "stale: this device, another compiler")
                             } else {
-                                WarningKind::Foreign
-                            },
-                            spec_key: e.spec_key.clone(),
-                            message: format!("measured on [{}], this is [{}]", e.device, device),
-                        }),
+                                (WarningKind::Foreign, "foreign: another device or CPU")
+                            };
+                            warnings.push(TuningWarning {
+                                kind,
+                                spec_key: e.spec_key.clone(),
+                                message: format!(
+                                    "{why}; measured on [{}], this is [{}]",
+                                    e.device, device
+                                ),
+                            })
+                        }
                     }
                 }
                 if matched.len() == before {
