@@ -314,6 +314,37 @@ fn bench_check_refuses_timing_and_output_options() {
 /// Sizes out of range are refused by the parser (exit status 2, the range named) before
 /// anything is allocated: zero is not rounded up and a huge `--alloc-pages` never reaches the
 /// allocator; a product of pages and layers past the memory budget is refused too.
+/// A misspelt emulator setting is bad input for bench and tune as for replay: exit status 2
+/// naming the variable, before any work.
+#[test]
+fn a_misspelt_sanitizer_setting_is_a_usage_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let out_file = dir.path().join("t.json");
+    for args in [
+        &["bench", "--check", "--backend", "host"][..],
+        &["bench", "--backend", "host"],
+        &[
+            "tune",
+            "--backend",
+            "host",
+            "--out",
+            out_file.to_str().unwrap(),
+        ],
+    ] {
+        let out = output(
+            bin(&dir.path().join("cache"))
+                .args(args)
+                .env("CP_HICACHE_EMU_SANITIZE", "adress"),
+        );
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains("CP_HICACHE_EMU_SANITIZE"),
+            "{args:?}: {stderr}"
+        );
+    }
+}
+
 #[test]
 fn out_of_range_sizes_are_usage_errors() {
     let dir = tempfile::tempdir().unwrap();

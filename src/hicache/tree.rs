@@ -1102,9 +1102,10 @@ impl RadixTree {
     }
 
     /// SHA-256 over everything that must agree across ranks, in canonical order: layout,
-    /// clock, slot allocation state (free slots with their generations), and per node its handle, key, device pages, whether it
-    /// is backed up and the recorded page owners, lock count and stamp. This rank's host page
-    /// slots (and the rank itself) are left out, since they differ between ranks.
+    /// clock, slot allocation state (free slots with their generations), and per node its
+    /// handle, key, device pages, whether it is backed up and the recorded page owners, lock
+    /// count and stamp. This rank's host page slots (and the rank itself) are left out, since
+    /// they differ between ranks.
     pub fn digest(&self) -> StateDigest {
         let mut h = Sha256::new();
         h.update(b"cp-hicache radix tree v1");

@@ -116,13 +116,18 @@ pub enum TuningError {
 }
 
 impl TuningError {
-    /// Whether the error is a bad tuning file (unreadable, not a tuning file, another format
-    /// version): the file is the user's input, named by `--tuning` or `--out` or kept in the
-    /// cache directory, so the CLI exits with status 2 as for other bad input.
+    /// Whether the error is bad input: a bad tuning file (unreadable, not a tuning file,
+    /// another format version; the file is the user's, named by `--tuning` or `--out` or kept
+    /// in the cache directory) or a misspelt setting, so the CLI exits with status 2.
     pub fn is_usage(&self) -> bool {
         matches!(
             self,
-            TuningError::Read { .. } | TuningError::Parse { .. } | TuningError::Format { .. }
+            TuningError::Read { .. }
+                | TuningError::Parse { .. }
+                | TuningError::Format { .. }
+                // A misspelt setting (CP_HICACHE_EMU_SANITIZE, ...) met on the way.
+                | TuningError::Jit(crate::jit::JitError::Config { .. })
+                | TuningError::Exec(crate::exec::ExecError::Config { .. })
         )
     }
 }
