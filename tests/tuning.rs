@@ -379,6 +379,20 @@ fn quick_tune_on_the_host_drops_a_broken_candidate() {
     };
     assert_eq!(key.backend, Backend::Host.to_string());
     assert_eq!(entries.len(), tuning::tuner::tuned_specs(&dep).len());
+    // Each entry records the workload it ran: synthesise and verify run a few pages only.
+    for e in &entries {
+        let want = match e.family.as_str() {
+            "synthesise" | "verify" => "pages=8 layers=2",
+            "select_owner_pages" | "release_pages" => "requests=96",
+            _ => "pages=24 layers=2",
+        };
+        assert!(
+            e.workload.starts_with(want),
+            "{}: {}",
+            e.spec_key,
+            e.workload
+        );
+    }
     let mut saw_broken = false;
     for e in &entries {
         assert!(e.best_seconds > 0.0);

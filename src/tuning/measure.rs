@@ -832,6 +832,11 @@ pub fn time_copy_baseline(
 /// per element, so far fewer pages than a copy give a stable timing.
 const SYNTH_PAGES: u32 = 8;
 
+/// The pages a synthesise or verify bench of `sizes` really runs (a few: see [`SynthBench`]).
+pub fn synth_pages(sizes: &Sizes) -> u32 {
+    SYNTH_PAGES.min(sizes.pages.max(1))
+}
+
 /// Buffers of one synthesise or verify kernel: a pool (or dense buffer) of
 /// a few (`SYNTH_PAGES`) pages, all owned by rank 0, and random prefix hashes. Verify runs over
 /// poison, which costs the same as matching bytes (it never stops early).
@@ -862,7 +867,7 @@ impl<'e> SynthBench<'e> {
             exec,
             ids: Vec::new(),
         };
-        let n_pages = SYNTH_PAGES.min(sizes.pages.max(1));
+        let n_pages = synth_pages(sizes);
         let layers = sizes.layers.max(1);
         let n_tokens = n_pages * page_size;
         // Page `(i + 1) * cp` is owned by rank 0 and sits at local page `i + 1`.

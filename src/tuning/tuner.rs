@@ -14,7 +14,9 @@ use super::candidate::{candidates_for, Candidate};
 use super::check::{check_one, check_transfer};
 use super::file::{CandidateResult, TuningEntry};
 use super::key::{spec_key, DeviceKey};
-use super::measure::{compile_and_load, AllocBench, CopyBench, Sizes, SourceHook, SynthBench};
+use super::measure::{
+    compile_and_load, synth_pages, AllocBench, CopyBench, Sizes, SourceHook, SynthBench,
+};
 use super::TuningError;
 use crate::exec::{Executor, KernelId};
 use crate::jit::Jit;
@@ -198,6 +200,11 @@ pub fn tune(
                     "requests={} warmup={} repeats={}",
                     opts.alloc_pages, opts.sizes.warmup, opts.sizes.repeats
                 ),
+                KernelSpec::Synthesise(_) | KernelSpec::Verify(_) => Sizes {
+                    pages: synth_pages(&opts.sizes),
+                    ..opts.sizes
+                }
+                .describe(),
                 _ => opts.sizes.describe(),
             },
             results,
