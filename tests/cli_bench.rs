@@ -186,12 +186,21 @@ fn tune_writes_a_file_and_a_foreign_file_is_ignored_with_a_warning() {
         table.contains("copy launch shape            t1_"),
         "{table}"
     );
+    // The report names the file whose shapes ran, and none when no entry applied.
+    assert!(
+        table.contains(&format!("tuning file                  {}", file.display())),
+        "{table}"
+    );
     let other = replay(&foreign);
     let table = String::from_utf8_lossy(&other.stdout);
     let stderr = String::from_utf8_lossy(&other.stderr);
     assert!(stderr.contains("warning: tuning for"), "{stderr}");
     assert!(
         table.contains("copy launch shape            t128_ppb1_v16_u4"),
+        "{table}"
+    );
+    assert!(
+        table.contains("tuning file                  none: default shapes"),
         "{table}"
     );
 }

@@ -375,16 +375,12 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
     let mut deployment = plan.deployment.clone();
     let device = crate::tuning::DeviceKey::for_executor(exec.as_ref(), &jit)?;
     let warnings = crate::tuning::apply(&mut deployment, args.tuning.as_deref(), &device)?;
-    let tuning_file = match &args.tuning {
-        Some(path) => Some(path.clone()),
-        None => {
-            let default = crate::tuning::default_path();
-            let unreadable = warnings
-                .iter()
-                .any(|w| w.kind == crate::tuning::WarningKind::UnreadableFile);
-            (default.exists() && !unreadable).then_some(default)
-        }
-    };
+    // Named in the report only when some of its shapes run.
+    let tuning_file = (deployment != plan.deployment).then(|| {
+        args.tuning
+            .clone()
+            .unwrap_or_else(crate::tuning::default_path)
+    });
     for warning in crate::tuning::warning_lines(&warnings) {
         eprintln!("warning: {warning}");
     }

@@ -118,7 +118,7 @@ pub struct ReplayReport {
     /// Why an injected fault never fired (then the run tested nothing of it).
     pub fault_not_fired_because: Option<String>,
     /// The tuning file whose launch shapes ran (`--tuning`, or `<cache>/tuning.json` when it
-    /// exists); none when the defaults ran.
+    /// exists); none when the defaults ran (no file, or none of its entries applied).
     pub tuning_file: Option<String>,
     /// Launch shape of the transfer and materialise kernels (from tuning, or the default).
     pub copy_launch: String,
