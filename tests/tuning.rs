@@ -341,6 +341,13 @@ fn skip_without_compiler(e: &dyn std::fmt::Display) {
 /// A quick tune of `mla_ps16_cp8` on the host executor (small sizes, one repeat) with
 /// candidate sources edited by `hook`; `None` (after saying so) without a C++ compiler.
 fn quick_host_tune(hook: SourceHook<'_>) -> Option<(Deployment, DeviceKey, Vec<TuningEntry>)> {
+    let (dep, tuned) = quick_host_tune_all(hook)?;
+    assert!(tuned.failed.is_empty(), "{:?}", tuned.failed);
+    Some((dep, tuned.device, tuned.entries))
+}
+
+/// [`quick_host_tune`], with the kernels that could not be tuned.
+fn quick_host_tune_all(hook: SourceHook<'_>) -> Option<(Deployment, tuning::Tuned)> {
     let cache = tempfile::tempdir().unwrap();
     let jit = Jit::new(JitConfig::new(cache.path(), EMU_HEADER));
     if let Err(e) = jit.host_compiler() {
@@ -360,8 +367,35 @@ fn quick_host_tune(hook: SourceHook<'_>) -> Option<(Deployment, DeviceKey, Vec<T
         quick: true,
         hook: Some(&hook),
     };
-    let (key, entries) = tuning::tune(&dep, &exec, &jit, &opts, &|_| {}).unwrap();
-    Some((dep, key, entries))
+    let tuned = tuning::tune(&dep, &exec, &jit, &opts, &|_| {}).unwrap();
+    Some((dep, tuned))
+}
+
+/// A kernel none of whose candidates compiles is reported, and the other kernels keep their
+/// winners (they used to be lost with it).
+#[test]
+fn a_kernel_without_a_usable_candidate_does_not_lose_the_others() {
+    let hook = |spec: &KernelSpec, src: String| -> String {
+        if spec.family().to_string() == "release_pages" {
+            format!("#error injected broken kernel\n{src}")
+        } else {
+            src
+        }
+    };
+    let Some((dep, tuned)) = quick_host_tune_all(&hook) else {
+        return;
+    };
+    assert_eq!(tuned.failed.len(), 1, "{:?}", tuned.failed);
+    let err = tuned.failed[0].to_string();
+    assert!(
+        err.starts_with("release_pages_cp8: no candidate could be timed"),
+        "{err}"
+    );
+    assert_eq!(
+        tuned.entries.len(),
+        tuning::tuner::tuned_specs(&dep).len() - 1
+    );
+    assert!(tuned.entries.iter().all(|e| e.family != "release_pages"));
 }
 
 #[test]

@@ -70,7 +70,11 @@ pub(super) fn run(args: &TuneArgs) -> Result<ExitCode, crate::Error> {
             }
         }
     };
-    let (device, entries) = tuning::tune(&dep, exec.as_ref(), &jit, &opts, &on_event)?;
+    let tuning::Tuned {
+        device,
+        entries,
+        failed,
+    } = tuning::tune(&dep, exec.as_ref(), &jit, &opts, &on_event)?;
     if let Some(b) = &bar {
         b.finish_and_clear();
     }
@@ -98,6 +102,14 @@ pub(super) fn run(args: &TuneArgs) -> Result<ExitCode, crate::Error> {
         }
     }
 
+    // Kernels none of whose candidates ran fail the command, but the others' winners are
+    // written first: a rerun after a fix need not time them again.
+    for e in &failed {
+        eprintln!("error: {e}");
+    }
+    if entries.is_empty() {
+        return Ok(ExitCode::FAILURE);
+    }
     let file = TuningFile::merge_into(&path, entries)?;
     let (tuned, warnings, _) = dep.with_tuning(&file, &device);
     for w in crate::tuning::warning_lines(&warnings) {
@@ -116,5 +128,9 @@ pub(super) fn run(args: &TuneArgs) -> Result<ExitCode, crate::Error> {
         dep.synth_threads,
         path.display()
     );
-    Ok(ExitCode::SUCCESS)
+    Ok(if failed.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }

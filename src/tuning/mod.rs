@@ -34,7 +34,7 @@ pub use file::{
 };
 pub use key::{spec_key, DeviceKey, KeyMatch};
 pub use measure::Sizes;
-pub use tuner::{tune, TuneEvent, TuneOptions};
+pub use tuner::{tune, TuneEvent, TuneOptions, Tuned};
 
 use std::path::PathBuf;
 

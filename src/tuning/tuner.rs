@@ -81,16 +81,30 @@ pub fn tuned_specs(dep: &Deployment) -> Vec<KernelSpec> {
     out
 }
 
+/// What a tuning run produced.
+#[derive(Debug)]
+pub struct Tuned {
+    /// The key of the device tuned on.
+    pub device: DeviceKey,
+    /// One entry per kernel that has a winner.
+    pub entries: Vec<TuningEntry>,
+    /// One [`TuningError::NoCandidate`] per kernel none of whose candidates ran: the other
+    /// kernels' results are kept, not lost with them.
+    pub failed: Vec<TuningError>,
+}
+
 /// Times every candidate of every tuned kernel of `dep` on `exec` and returns the device key
 /// and one entry per kernel. Candidates that fail to render, compile (or spill, on NVRTC),
-/// load or launch, or whose output differs from the reference, are recorded as dropped; a kernel none of whose candidates ran is an error.
+/// load or launch, or whose output differs from the reference, are recorded as dropped; a
+/// kernel none of whose candidates ran is listed in [`Tuned::failed`]. Errors outside a
+/// candidate (the device key, the workload's buffers) end the run.
 pub fn tune(
     dep: &Deployment,
     exec: &dyn Executor,
     jit: &Jit,
     opts: &TuneOptions<'_>,
     progress: &(dyn Fn(TuneEvent) + Sync),
-) -> Result<(DeviceKey, Vec<TuningEntry>), TuningError> {
+) -> Result<Tuned, TuningError> {
     let device = DeviceKey::for_executor(exec, jit)?;
     let backend = exec.backend();
     let bases = tuned_specs(dep);
@@ -121,6 +135,7 @@ pub fn tune(
         unique.into_iter().zip(compiled).collect();
 
     let mut entries = Vec::with_capacity(plans.len());
+    let mut failed = Vec::new();
     for (seed, (base, cands)) in plans.iter().enumerate() {
         let key = spec_key(base);
         let mut results = Vec::with_capacity(cands.len());
@@ -184,10 +199,11 @@ pub fn tune(
             .filter_map(|r| r.seconds.map(|s| (r.choice, s)))
             .min_by(|a, b| a.1.total_cmp(&b.1));
         let Some((best, best_seconds)) = best else {
-            return Err(TuningError::NoCandidate {
+            failed.push(TuningError::NoCandidate {
                 spec_key: key,
                 reasons: results.iter().filter_map(|r| r.dropped.clone()).collect(),
             });
+            continue;
         };
         entries.push(TuningEntry {
             device: device.clone(),
@@ -210,7 +226,11 @@ pub fn tune(
             results,
         });
     }
-    Ok((device, entries))
+    Ok(Tuned {
+        device,
+        entries,
+        failed,
+    })
 }
 
 /// Why a candidate whose output was checked against the reference (`bench --check`'s
