@@ -103,9 +103,15 @@ fn bench_check_matches_the_references() {
         "nsa_ps64_cp2",
     ]));
     let stdout = String::from_utf8_lossy(&out.stdout);
-    // 2 allocator kernels + 5 per buffer, 2 buffers, plus each transfer's DMA path.
-    assert_eq!(stdout.matches("  ok  ").count(), 16, "{stdout}");
+    // 2 allocator kernels + 5 per buffer, 2 buffers, plus each transfer's DMA path; then the
+    // CPU preset bench times as tuned: 2 allocator kernels and 3 copy kernels per buffer.
+    assert_eq!(stdout.matches("  ok  ").count(), 16 + 8, "{stdout}");
     assert_eq!(stdout.matches("dma(transfer_pages").count(), 4, "{stdout}");
+    assert_eq!(stdout.matches("_t1_ppb16_v16_u1 ").count(), 6, "{stdout}");
+    assert!(
+        stdout.contains("select_owner_pages_cp2_ps64_t32 "),
+        "{stdout}"
+    );
     assert!(stdout.contains("0 failures"), "{stdout}");
 }
 
@@ -272,7 +278,12 @@ fn bench_check_inject_fails_one_row() {
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert_eq!(out.status.code(), Some(1), "{fault}: {stdout}");
         assert_eq!(stdout.matches("  FAIL  ").count(), 1, "{fault}: {stdout}");
-        assert_eq!(stdout.matches("  ok  ").count(), 15, "{fault}: {stdout}");
+        // The 16 rows of the defaults and 8 of the CPU preset (see above), one failed.
+        assert_eq!(
+            stdout.matches("  ok  ").count(),
+            15 + 8,
+            "{fault}: {stdout}"
+        );
         assert!(stdout.contains(": 1 failure\n"), "{stdout}");
         // Every table row is one line, however many lines the failure's detail has; the
         // table ends at the first blank line (the full details follow it).
@@ -281,7 +292,7 @@ fn bench_check_inject_fails_one_row() {
             .skip(1)
             .take_while(|l| !l.is_empty() && !l.starts_with("check on "))
             .collect();
-        assert_eq!(table.len(), 16, "{fault}: {stdout}");
+        assert_eq!(table.len(), 16 + 8, "{fault}: {stdout}");
         for row in &table {
             assert!(
                 row.starts_with("nsa_ps64_cp2 "),

@@ -1,7 +1,8 @@
 //! `cp-hicache bench`: transfer, materialise, select and release in the default and the tuned
 //! configuration, each with a baseline measured in the same run; a table on stdout, optional
 //! JSON rows and an SVG bar chart of the ratios. `--check` instead compares every kernel family
-//! with the Rust references on random inputs (the GPU acceptance check).
+//! with the Rust references on random inputs (the GPU acceptance check), in every shape bench
+//! times without a tuning file.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -243,8 +244,21 @@ fn run_check(
         "kernel",
         "result"
     );
+    // Besides the defaults, the shapes `bench` times as tuned when there is no tuning file
+    // (the CPU preset): every shape bench reports a speed for is checked somewhere (a tuning
+    // file's winners were checked by `tune` before they were timed).
+    let device = DeviceKey::for_executor(exec, jit)?;
     for dep in deps {
-        for r in check::check_deployment_with(exec, jit, dep, hook)? {
+        let (preset, _, _) = bench::tuned_config(dep, None, &device);
+        let defaults = dep.specs();
+        let extra: Vec<_> = preset
+            .specs()
+            .into_iter()
+            .filter(|s| !defaults.contains(s))
+            .collect();
+        let mut rows = check::check_deployment_with(exec, jit, dep, hook)?;
+        rows.extend(check::check_specs_with(exec, jit, &extra, hook)?);
+        for r in rows {
             bad += usize::from(!r.ok);
             let mut lines = r.detail.lines();
             let first = lines.next().unwrap_or("");

@@ -71,8 +71,28 @@ pub fn check_deployment_with(
     dep: &Deployment,
     hook: Option<SourceHook<'_>>,
 ) -> Result<Vec<CheckRow>, TuningError> {
-    let specs = dep.specs();
-    let loaded = compile_and_load(exec, jit, &specs, false, hook, &|| {});
+    check_specs(exec, jit, &dep.specs(), hook, true)
+}
+
+/// Checks `specs` (e.g. the launch shapes a benchmark times besides a deployment's defaults)
+/// like [`check_deployment_with`], without the DMA rows (the DMA path has no launch shape).
+pub fn check_specs_with(
+    exec: &dyn Executor,
+    jit: &Jit,
+    specs: &[KernelSpec],
+    hook: Option<SourceHook<'_>>,
+) -> Result<Vec<CheckRow>, TuningError> {
+    check_specs(exec, jit, specs, hook, false)
+}
+
+fn check_specs(
+    exec: &dyn Executor,
+    jit: &Jit,
+    specs: &[KernelSpec],
+    hook: Option<SourceHook<'_>>,
+    with_dma: bool,
+) -> Result<Vec<CheckRow>, TuningError> {
+    let loaded = compile_and_load(exec, jit, specs, false, hook, &|| {});
     let mut rows = Vec::with_capacity(specs.len());
     let row = |kernel: String, family: String, outcome: Result<String, String>| CheckRow {
         kernel,
@@ -91,7 +111,7 @@ pub fn check_deployment_with(
             Ok(kernel) => flatten(check_one(exec, spec, kernel, seed)),
         };
         rows.push(row(spec.uri(), spec.family().to_string(), outcome));
-        if let KernelSpec::TransferPages(_) = spec {
+        if let (KernelSpec::TransferPages(_), true) = (spec, with_dma) {
             // The DMA path of the same transfer, on the same random inputs.
             rows.push(row(
                 format!("dma({})", spec.uri()),
