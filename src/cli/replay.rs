@@ -4,8 +4,7 @@
 
 use super::common::parse_backend;
 use crate::cluster::{
-    Cluster, ClusterConfig, Fault, PoolGeometry, ReplayReport, RequestStats, RollbackDrops,
-    WritePolicy,
+    Cluster, ClusterConfig, Fault, ReplayReport, RequestStats, RollbackDrops, WritePolicy,
 };
 use crate::exec::{open_executor, Backend, Executor};
 use crate::jit::{Jit, JitConfig, Sanitize, EMU_HEADER};
@@ -292,13 +291,9 @@ fn usage(e: WorkloadError) -> crate::Error {
 /// available: allocating them would get the process killed without a word. Host pools are
 /// host memory on every backend; on the CPU so are the device pools and the dense
 /// materialisation buffers (at most one device pool's worth).
-fn check_memory(args: &ReplayArgs, dep: &Deployment, backend: Backend) -> Result<(), crate::Error> {
-    let geometry = PoolGeometry {
-        layers: args.layers,
-        local_pages: args.device_pages.div_ceil(u32::from(args.cp)),
-        host_pages: args.host_pages,
-    };
-    let (device, host) = geometry.pool_bytes(dep);
+fn check_memory(config: &ClusterConfig, backend: Backend) -> Result<(), crate::Error> {
+    let geometry = config.pool_geometry().map_err(cluster_error)?;
+    let (device, host) = geometry.pool_bytes(&config.deployment);
     // An open executor is never `Auto`; only CUDA keeps the device pools off the host.
     let on_gpu = backend == Backend::Cuda;
     let need = if on_gpu {
@@ -368,7 +363,6 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
     )?;
     let (workload, total) = args.workload()?;
     let exec: Arc<dyn Executor> = Arc::from(open_executor(args.backend)?);
-    check_memory(args, &plan.deployment, exec.backend())?;
     let backend = exec.backend().to_string();
     let jit = Jit::new(JitConfig::from_env(EMU_HEADER)?);
     // Launch shapes tuned for this executor: from --tuning, else <cache>/tuning.json if any.
@@ -396,6 +390,7 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
         fault: args.inject,
         sanitize: Sanitize::from_env()?,
     };
+    check_memory(&config, exec.backend())?;
     let mut cluster = Cluster::new(config, exec, &jit).map_err(cluster_error)?;
     tracing::info!(
         kernels_ms = cluster.kernels().startup_ms,

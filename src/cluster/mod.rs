@@ -144,6 +144,35 @@ pub struct ClusterConfig {
 /// Host pages per rank left when [`Fault::HostPoolFull`] is injected.
 const HOST_PAGES_UNDER_FAULT: u32 = 2;
 
+impl ClusterConfig {
+    /// The layout of the device pages (an invalid page size, CP degree or page count is an
+    /// error).
+    pub fn layout(&self) -> Result<CpLayout, ClusterError> {
+        let dep = &self.deployment;
+        Ok(CpLayout::new(
+            u32::from(dep.cp),
+            dep.page_size,
+            self.device_pages,
+        )?)
+    }
+
+    /// The pools a cluster of this configuration allocates: each rank's share of the device
+    /// pages, and its host pages (fewer under [`Fault::HostPoolFull`]). Known before anything
+    /// is allocated, so a caller can check them against the memory it has.
+    pub fn pool_geometry(&self) -> Result<PoolGeometry, ClusterError> {
+        let host_pages = if self.fault == Some(Fault::HostPoolFull) {
+            self.host_pages.min(HOST_PAGES_UNDER_FAULT)
+        } else {
+            self.host_pages
+        };
+        Ok(PoolGeometry {
+            layers: self.layers,
+            local_pages: self.layout()?.local_pages_per_rank(),
+            host_pages,
+        })
+    }
+}
+
 /// Why the cluster could not serve a request (its state is then unchanged).
 #[derive(Debug, thiserror::Error)]
 pub enum ClusterError {
@@ -324,15 +353,11 @@ impl Cluster {
         jit: &Jit,
     ) -> Result<Cluster, ClusterError> {
         let dep = &config.deployment;
-        let layout = CpLayout::new(u32::from(dep.cp), dep.page_size, config.device_pages)?;
+        let layout = config.layout()?;
         if config.layers == 0 {
             return Err(ClusterError::Config("--layers must be at least 1".into()));
         }
-        let host_pages = if config.fault == Some(Fault::HostPoolFull) {
-            config.host_pages.min(HOST_PAGES_UNDER_FAULT)
-        } else {
-            config.host_pages
-        };
+        let geometry = config.pool_geometry()?;
         let broken = |spec: &crate::kernels::KernelSpec, src: String| {
             if spec.family() == crate::kernels::Family::Verify {
                 crate::jit::break_source(src)
@@ -345,11 +370,6 @@ impl Cluster {
             _ => None,
         };
         let kernels = DeploymentKernels::load(dep, jit, exec.as_ref(), config.sanitize, hook)?;
-        let geometry = PoolGeometry {
-            layers: config.layers,
-            local_pages: layout.local_pages_per_rank(),
-            host_pages,
-        };
         let pools = Pools::new(exec.clone(), dep, geometry)?;
         let mut ranks = Vec::with_capacity(usize::from(layout.cp()));
         for r in 0..layout.cp() {
@@ -365,7 +385,7 @@ impl Cluster {
                         arch: dep.arch,
                     },
                 )?,
-                host: HostPagePool::new(Rank(r), host_pages)?,
+                host: HostPagePool::new(Rank(r), geometry.host_pages)?,
             });
         }
         let mut cluster = Cluster {
