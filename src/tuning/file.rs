@@ -544,19 +544,39 @@ fn copy_choice(
     (best, path)
 }
 
-/// DMA when every transfer entry measured it and its summed time beats the given kernel
-/// shape's summed time over the same entries; the kernel otherwise (also when some entry has
-/// no DMA time, e.g. a file tuned on the host executor).
+/// DMA when every transfer entry measured it and its cost ([`relative_cost`]) beats the given
+/// kernel shape's over the same entries; the kernel otherwise (also when some entry has no DMA
+/// time, e.g. a file tuned on the host executor).
 fn transfer_path(transfers: &[&TuningEntry], kernel: &LaunchChoice) -> TransferPath {
-    let sum = |c: &LaunchChoice| -> Option<f64> { transfers.iter().map(|e| e.seconds_of(c)).sum() };
-    match (sum(&LaunchChoice::Dma), sum(kernel)) {
+    let cost = |c: &LaunchChoice| relative_cost(transfers, c);
+    match (cost(&LaunchChoice::Dma), cost(kernel)) {
         (Some(dma), Some(k)) if !transfers.is_empty() && dma < k => TransferPath::Dma,
         _ => TransferPath::Kernel,
     }
 }
 
-/// The kernel choice with the smallest summed time over `entries`, among the choices every
-/// entry measured (DMA excluded).
+/// The cost of running `choice` for every kernel of `entries`: the sum of its slowdowns, each
+/// entry's time over that entry's fastest measured choice. Ratios, not seconds: entries may
+/// come from different `tune` runs (a file grows one deployment at a time, and transfer keys
+/// are shared across CP degrees) on a machine whose load moved in between, and a kernel that
+/// moves more bytes should not outvote the others. `None` when some entry did not measure it.
+fn relative_cost(entries: &[&TuningEntry], choice: &LaunchChoice) -> Option<f64> {
+    entries
+        .iter()
+        .map(|e| {
+            let fastest = e
+                .results
+                .iter()
+                .filter_map(|r| r.seconds)
+                .filter(|s| *s > 0.0)
+                .min_by(f64::total_cmp)?;
+            Some(e.seconds_of(choice)? / fastest)
+        })
+        .sum()
+}
+
+/// The kernel choice with the smallest [`relative_cost`] over `entries`, among the choices
+/// every entry measured (DMA excluded).
 fn best_common(entries: &[&TuningEntry]) -> Option<LaunchChoice> {
     let choices: BTreeSet<LaunchChoice> = entries
         .iter()
@@ -566,10 +586,7 @@ fn best_common(entries: &[&TuningEntry]) -> Option<LaunchChoice> {
         .collect();
     choices
         .into_iter()
-        .filter_map(|c| {
-            let total: Option<f64> = entries.iter().map(|e| e.seconds_of(&c)).sum();
-            total.map(|t| (c, t))
-        })
+        .filter_map(|c| relative_cost(entries, &c).map(|t| (c, t)))
         .min_by(|a, b| a.1.total_cmp(&b.1))
         .map(|(c, _)| c)
 }
@@ -658,6 +675,34 @@ mod tests {
         TuningFile::default().save(&good).unwrap();
         let (f, w) = TuningFile::load_selected(None, &good).unwrap();
         assert_eq!((f, w), (Some(TuningFile::default()), Vec::new()));
+    }
+
+    #[test]
+    fn a_shared_shape_is_chosen_by_slowdowns_not_by_seconds() {
+        let t = |threads| LaunchChoice::Threads { threads };
+        let timed = |key: &str, times: &[(u32, f64)]| {
+            let mut e = entry(key);
+            e.results = times
+                .iter()
+                .map(|&(threads, s)| CandidateResult {
+                    choice: t(threads),
+                    seconds: Some(s),
+                    gbps: None,
+                    dropped: None,
+                })
+                .collect();
+            e
+        };
+        // The slow kernel (a run on a loaded machine, or more bytes) barely prefers 32
+        // threads; the fast one is 3x slower with them. Summed seconds pick 32 (10.0 + 0.3
+        // against 10.5 + 0.1); summed slowdowns pick 64 (1 + 3 against 1.05 + 1).
+        let slow = timed("slow", &[(32, 10.0), (64, 10.5)]);
+        let fast = timed("fast", &[(32, 0.3), (64, 0.1)]);
+        assert_eq!(best_common(&[&slow, &fast]), Some(t(64)));
+        // A choice one entry never measured is not a candidate.
+        let partial = timed("partial", &[(32, 1.0)]);
+        assert_eq!(best_common(&[&slow, &partial]), Some(t(32)));
+        assert_eq!(relative_cost(&[&slow, &partial], &t(64)), None);
     }
 
     #[test]
