@@ -91,12 +91,16 @@ pub struct Tuned {
     /// One [`TuningError::NoCandidate`] per kernel none of whose candidates ran: the other
     /// kernels' results are kept, not lost with them.
     pub failed: Vec<TuningError>,
+    /// Candidates that ran but computed wrong bytes (`kernel candidate: difference`). They
+    /// were dropped, so no winner is affected, but each is a kernel bug at that shape.
+    pub wrong_output: Vec<String>,
 }
 
 /// Times every candidate of every tuned kernel of `dep` on `exec` and returns the device key
 /// and one entry per kernel. Candidates that fail to render, compile (or spill, on NVRTC),
-/// load or launch, or whose output differs from the reference, are recorded as dropped; a
-/// kernel none of whose candidates ran is listed in [`Tuned::failed`]. Errors outside a
+/// load or launch, or whose output differs from the reference, are recorded as dropped (the
+/// last also in [`Tuned::wrong_output`]); a kernel none of whose candidates ran is listed in
+/// [`Tuned::failed`]. Errors outside a
 /// candidate (the device key, the workload's buffers) end the run.
 pub fn tune(
     dep: &Deployment,
@@ -136,6 +140,7 @@ pub fn tune(
 
     let mut entries = Vec::with_capacity(plans.len());
     let mut failed = Vec::new();
+    let mut wrong_output = Vec::new();
     for (seed, (base, cands)) in plans.iter().enumerate() {
         let key = spec_key(base);
         let mut results = Vec::with_capacity(cands.len());
@@ -187,6 +192,9 @@ pub fn tune(
                 },
             }
             if let Some(why) = &result.dropped {
+                if let Some(diff) = why.strip_prefix(WRONG_OUTPUT) {
+                    wrong_output.push(format!("{key} {choice}: {diff}"));
+                }
                 tracing::info!(target: "cp_hicache::tuning", kernel = %key, candidate = %choice, "dropped: {why}");
             }
             progress(TuneEvent::Step {
@@ -230,8 +238,12 @@ pub fn tune(
         device,
         entries,
         failed,
+        wrong_output,
     })
 }
+
+/// How the drop note of a candidate with wrong output starts.
+const WRONG_OUTPUT: &str = "output differs from the reference: ";
 
 /// Why a candidate whose output was checked against the reference (`bench --check`'s
 /// inputs) must be dropped: a fast candidate that computes the wrong bytes, or skips work,
@@ -239,7 +251,7 @@ pub fn tune(
 fn checked(outcome: Result<Result<String, String>, TuningError>) -> Result<(), String> {
     match outcome {
         Ok(Ok(_)) => Ok(()),
-        Ok(Err(diff)) => Err(format!("output differs from the reference: {diff}")),
+        Ok(Err(diff)) => Err(format!("{WRONG_OUTPUT}{diff}")),
         Err(e) => Err(format!("check failed: {e}")),
     }
 }
