@@ -19,6 +19,7 @@ fn device(name: &str) -> DeviceKey {
         device: name.into(),
         capability: "Test CPU".into(),
         compiler: "c++ 12.2.0".into(),
+        kernels: cp_hicache::kernels::sources_digest().into(),
     }
 }
 
@@ -253,6 +254,24 @@ fn a_file_from_another_machine_is_ignored_with_a_warning() {
     assert!(warnings[0]
         .to_string()
         .contains("stale: this device, another compiler"));
+
+    // Same machine and compiler, measured by a build with other kernel sources (or by one
+    // that recorded none): stale too, and the warning says to tune again.
+    for kernels in ["0123456789ab", ""] {
+        let mut other = file.clone();
+        for e in &mut other.entries {
+            e.device.kernels = kernels.into();
+        }
+        let (d, warnings, _) = dep.with_tuning(&other, &device("machine-a"));
+        assert_eq!(d, dep, "{kernels:?}");
+        assert!(!warnings.is_empty());
+        assert!(warnings.iter().all(|w| w.kind == WarningKind::Stale));
+        let msg = warnings[0].to_string();
+        assert!(
+            msg.contains("other kernel sources") && msg.contains("cp-hicache tune"),
+            "{msg}"
+        );
+    }
 }
 
 #[test]

@@ -23,7 +23,7 @@ mod spec;
 
 pub use deployment::{Arch, Deployment, ModelShape};
 pub use dma::{transfer_regions, PoolShape, TransferPath};
-pub use render::{diff_tree, plan_tree, render_tree, TreeDiff, REGENERATE_COMMAND};
+pub use render::{diff_tree, plan_tree, render_tree, sources_digest, TreeDiff, REGENERATE_COMMAND};
 pub use spec::{
     AllocSpec, Arrangement, BufferKind, CopyLaunch, Direction, Dtype, Family, FieldLayout,
     HostLayout, KernelParam, KernelSignature, KernelSpec, LaunchDims, MaterialiseSpec, ReleaseSpec,

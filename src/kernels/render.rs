@@ -14,6 +14,43 @@ use super::{Deployment, KernelError};
 /// The command that regenerates `generated/` (named in test failures).
 pub const REGENERATE_COMMAND: &str = "cargo run --release -- render --out generated";
 
+/// The text of every file in `templates/` (the emulation header too: it is what the host
+/// executor's kernels run on), for [`sources_digest`].
+const TEMPLATE_TEXTS: [&str; 12] = [
+    include_str!("../../templates/prelude.cu"),
+    include_str!("../../templates/epilogue.cu"),
+    include_str!("../../templates/copy_page.cu"),
+    include_str!("../../templates/tile_rank.cu"),
+    include_str!("../../templates/synth_common.cu"),
+    include_str!("../../templates/select_owner_pages.cu"),
+    include_str!("../../templates/release_pages.cu"),
+    include_str!("../../templates/transfer_pages.cu"),
+    include_str!("../../templates/materialise.cu"),
+    include_str!("../../templates/synthesise.cu"),
+    include_str!("../../templates/verify.cu"),
+    include_str!("../../templates/cuda_emu.h"),
+];
+
+/// A short digest of the crate version and every template: what a tuning result was measured
+/// against. The JIT needs no such thing (its key hashes the rendered source), but a tuning
+/// file names shapes, not sources, and a shape timed on other kernel code is stale.
+pub fn sources_digest() -> &'static str {
+    use sha2::{Digest, Sha256};
+    static DIGEST: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    DIGEST.get_or_init(|| {
+        let mut h = Sha256::new();
+        h.update(env!("CARGO_PKG_VERSION"));
+        for text in TEMPLATE_TEXTS {
+            h.update((text.len() as u64).to_le_bytes());
+            h.update(text);
+        }
+        h.finalize()[..6]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    })
+}
+
 /// Name of the per-deployment index file in the render tree.
 const INDEX_FILE: &str = "index.json";
 

@@ -425,7 +425,13 @@ impl Deployment {
                         }
                         kind => {
                             let (kind, why) = if kind == KeyMatch::Stale {
-                                (WarningKind::Stale, "stale: this device, another compiler")
+                                let why = if e.device.compiler != device.compiler {
+                                    "stale: this device, another compiler"
+                                } else {
+                                    "stale: this device, other kernel sources (another \
+                                     cp-hicache build; run `cp-hicache tune` again)"
+                                };
+                                (WarningKind::Stale, why)
                             } else {
                                 (WarningKind::Foreign, "foreign: another device or CPU")
                             };
@@ -631,6 +637,7 @@ mod tests {
                 device: "test".into(),
                 capability: "cpu".into(),
                 compiler: "c++".into(),
+                kernels: crate::kernels::sources_digest().into(),
             },
             family: "select_owner_pages".into(),
             spec_key: spec_key.into(),

@@ -7,7 +7,7 @@ use std::fmt;
 use super::TuningError;
 use crate::exec::{Backend, Executor};
 use crate::jit::{Arch, Jit, Sanitize, Target};
-use crate::kernels::KernelSpec;
+use crate::kernels::{sources_digest, KernelSpec};
 
 /// The machine identity a tuning entry was measured on. An entry is applied only when every
 /// field matches the device at hand, so a file copied between machines, or kept across a
@@ -24,14 +24,27 @@ pub struct DeviceKey {
     pub capability: String,
     /// The compiler identity: NVRTC's version, or the host C++ compiler's `--version` line.
     pub compiler: String,
+    /// [`sources_digest`](crate::kernels::sources_digest) of the build that measured: the
+    /// same shape on other kernel code is another kernel. Empty in files written before it
+    /// existed, which are therefore stale.
+    #[serde(default)]
+    pub kernels: String,
 }
 
 impl fmt::Display for DeviceKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} / {} / {} / {}",
-            self.backend, self.device, self.capability, self.compiler
+            "{} / {} / {} / {} / kernels {}",
+            self.backend,
+            self.device,
+            self.capability,
+            self.compiler,
+            if self.kernels.is_empty() {
+                "unknown"
+            } else {
+                &self.kernels
+            }
         )
     }
 }
@@ -44,7 +57,7 @@ pub const PREBUILT_COMPILER: &str = "prebuilt kernels (compiler not available)";
 pub enum KeyMatch {
     /// Same device and compiler: the entry applies.
     Same,
-    /// Same device, other compiler (an upgrade): the entry is stale.
+    /// Same device, other compiler or other kernel sources (an upgrade): the entry is stale.
     Stale,
     /// Another device or backend: the entry is foreign.
     Foreign,
@@ -81,6 +94,7 @@ impl DeviceKey {
                 compiler: jit
                     .nvrtc_identity()
                     .unwrap_or_else(|_| PREBUILT_COMPILER.to_string()),
+                kernels: sources_digest().to_string(),
             }),
             _ => {
                 let compiler = jit
@@ -97,6 +111,7 @@ impl DeviceKey {
                     device: exec.device_name(),
                     capability: cpu_model(),
                     compiler,
+                    kernels: sources_digest().to_string(),
                 })
             }
         }
@@ -192,11 +207,18 @@ mod tests {
             device: "d".into(),
             capability: "cpu".into(),
             compiler: "gcc 12".into(),
+            kernels: sources_digest().into(),
         };
         let mut b = a.clone();
         assert_eq!(b.compare(&a), KeyMatch::Same);
         b.compiler = "gcc 13".into();
         assert_eq!(b.compare(&a), KeyMatch::Stale);
+        // Other kernel sources, or none recorded (a file from before the field), are stale.
+        for kernels in ["0123456789ab", ""] {
+            let mut k = a.clone();
+            k.kernels = kernels.into();
+            assert_eq!(k.compare(&a), KeyMatch::Stale, "{kernels:?}");
+        }
         b.device = "other".into();
         assert_eq!(b.compare(&a), KeyMatch::Foreign);
     }
