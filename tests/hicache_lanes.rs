@@ -157,3 +157,32 @@ fn a_backup_evicts_only_host_copies_of_the_short_rank() {
     let s = serve(&mut c, &p);
     assert_eq!(s.host_hit_tokens, 16, "p's copy survived: {s:?}");
 }
+
+/// Two requests holding the same prefix each hold it: the prefix stays on the device until
+/// both pins are given back (a pin is a receipt, not a copyable value), and a pin of another
+/// cluster is refused without releasing anything.
+#[test]
+fn a_prefix_pinned_twice_stays_until_both_pins_are_given_back() {
+    let setup = Setup::new(ModelShape::MlaBf16, 16, 2);
+    let mut c = setup.build();
+    let mut other = setup.build();
+    let a = tokens(1, 4 * 16);
+    serve(&mut c, &a);
+    serve(&mut other, &a);
+    let p1 = c.pin_prefix(&a).unwrap();
+    let p2 = c.pin_prefix(&a).unwrap();
+    assert_eq!((p1.tokens, p2.tokens), (4 * 16, 4 * 16));
+    let foreign = other.pin_prefix(&a).unwrap();
+    let err = c.unpin(foreign).unwrap_err();
+    assert!(err.to_string().contains("another cluster"), "{err}");
+
+    c.unpin(p1).unwrap();
+    evict_all(&mut c);
+    let s = serve(&mut c, &a);
+    assert_eq!(s.device_hit_tokens, 4 * 16, "still pinned by p2: {s:?}");
+    c.unpin(p2).unwrap();
+    evict_all(&mut c);
+    let s = serve(&mut c, &a);
+    assert_eq!(s.device_hit_tokens, 0, "{s:?}");
+    c.check_invariants().unwrap();
+}

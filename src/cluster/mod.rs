@@ -230,6 +230,16 @@ pub enum ClusterError {
     /// Settings that cannot work together.
     #[error("invalid cluster setting: {0}")]
     Config(String),
+    /// A transfer named a page outside its pool, or unequal page lists. A bug (the pools
+    /// hand out only their own pages), refused before anything moves: the kernel and the
+    /// DMA path would skip such a pair silently and leave the page's old bytes.
+    #[error("rank {rank}: {what}")]
+    BadTransfer {
+        /// The rank whose pools the transfer is between.
+        rank: usize,
+        /// What is wrong with it.
+        what: String,
+    },
 }
 
 impl ClusterError {
@@ -316,6 +326,8 @@ impl RollbackDrops {
 
 /// C rank replicas, their pools, and the kernels that move their bytes.
 pub struct Cluster {
+    /// Tells clusters apart, so a pin is only given back to the cluster that took it.
+    id: u64,
     layout: CpLayout,
     config: ClusterConfig,
     exec: Arc<dyn Executor>,
@@ -338,8 +350,22 @@ pub struct Cluster {
 
 /// A prefix held on the device by [`Cluster::pin_prefix`], the way an in-flight request
 /// holds the KV it is decoding from; give it back with [`Cluster::unpin`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+///
+/// A receipt, not a value: it can be neither copied nor cloned, so a request can only give
+/// back its own pin, once. (With a copy, one request unpinning twice would release another
+/// request's lock on the same prefix, and eviction could reuse pages still being read.)
+/// Dropping it without unpinning keeps the prefix locked.
+///
+/// ```compile_fail
+/// fn twice(p: cp_hicache::cluster::Pinned) -> [cp_hicache::cluster::Pinned; 2] {
+///     [p, p] // a pin cannot be given back twice
+/// }
+/// ```
+#[derive(Debug, PartialEq, Eq)]
+#[must_use = "a pin holds the prefix until it is given to `Cluster::unpin`"]
 pub struct Pinned {
+    /// [`Cluster::id`] of the cluster that pinned it.
+    cluster: u64,
     node: NodeId,
     /// Tokens of the pinned device-resident prefix (whole pages).
     pub tokens: usize,
@@ -388,7 +414,9 @@ impl Cluster {
                 host: HostPagePool::new(Rank(r), geometry.host_pages)?,
             });
         }
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let mut cluster = Cluster {
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             layout,
             config,
             exec,
@@ -574,13 +602,21 @@ impl Cluster {
         let m = matched.ok_or_else(|| ClusterError::Config("a cluster has no rank".into()))?;
         self.lock(m.last_device_node)?;
         Ok(Pinned {
+            cluster: self.id,
             node: m.last_device_node,
             tokens: m.device_pages.len() * ps,
         })
     }
 
-    /// Releases a pin taken by [`Cluster::pin_prefix`].
+    /// Releases a pin taken by [`Cluster::pin_prefix`] of this cluster (a pin of another
+    /// cluster is refused, and nothing changes).
     pub fn unpin(&mut self, pinned: Pinned) -> Result<(), ClusterError> {
+        if pinned.cluster != self.id {
+            return Err(ClusterError::Config(format!(
+                "a pin of {} tokens taken by another cluster was given back to this one",
+                pinned.tokens
+            )));
+        }
         self.unlock(pinned.node)
     }
 
@@ -1210,6 +1246,7 @@ impl Cluster {
             return Ok(0);
         }
         let g = self.pools.geometry();
+        check_transfer_pages(dir, r, src, dst, g.local_pages, g.host_pages)?;
         let dma = self.config.deployment.transfer_path == TransferPath::Dma;
         let pairs = if dma {
             None
@@ -1398,10 +1435,75 @@ enum Eviction {
     Lanes(Vec<u32>),
 }
 
+/// Refuses a transfer whose page lists differ in length or name a page outside its pool
+/// (`local_pages` per rank on the device, `host_pages` on the host).
+fn check_transfer_pages(
+    dir: Direction,
+    rank: usize,
+    src: &[u32],
+    dst: &[u32],
+    local_pages: u32,
+    host_pages: u32,
+) -> Result<(), ClusterError> {
+    let bad = |what: String| Err(ClusterError::BadTransfer { rank, what });
+    if src.len() != dst.len() {
+        return bad(format!(
+            "{dir} transfer of {} source pages to {} destination pages",
+            src.len(),
+            dst.len()
+        ));
+    }
+    let (src_pool, dst_pool) = match dir {
+        Direction::DeviceToHost => (("device", local_pages), ("host", host_pages)),
+        Direction::HostToDevice => (("host", host_pages), ("device", local_pages)),
+    };
+    for (pages, (pool, cap)) in [(src, src_pool), (dst, dst_pool)] {
+        if let Some(p) = pages.iter().find(|&&p| p >= cap) {
+            return bad(format!(
+                "{dir} transfer names {pool} page {p}, outside the {pool} pool of {cap} pages"
+            ));
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::exec::{HostExecutor, HostOptions};
+
+    #[test]
+    fn transfers_outside_the_pools_are_refused() {
+        let (d2h, h2d) = (Direction::DeviceToHost, Direction::HostToDevice);
+        // 8 device pages per rank, 16 host pages.
+        let ok = |dir, src: &[u32], dst: &[u32]| check_transfer_pages(dir, 1, src, dst, 8, 16);
+        ok(d2h, &[0, 7], &[15, 3]).unwrap();
+        ok(h2d, &[15, 3], &[0, 7]).unwrap();
+        for (dir, src, dst, want) in [
+            (
+                d2h,
+                &[8u32][..],
+                &[0u32][..],
+                "d2h transfer names device page 8, outside the device pool of 8 pages",
+            ),
+            (d2h, &[0], &[16], "host page 16"),
+            (h2d, &[u32::MAX], &[0], "host page 4294967295"),
+            (h2d, &[0], &[8], "device page 8"),
+            (
+                h2d,
+                &[0, 1],
+                &[0],
+                "h2d transfer of 2 source pages to 1 destination pages",
+            ),
+        ] {
+            let err = ok(dir, src, dst).unwrap_err();
+            let shown = err.to_string();
+            assert!(
+                shown.starts_with("rank 1: ") && shown.contains(want),
+                "{shown}"
+            );
+        }
+    }
     use crate::jit::{JitConfig, EMU_HEADER};
     use crate::kernels::ModelShape;
 
