@@ -65,7 +65,7 @@ impl fmt::Display for NodeId {
 /// equivalent).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TreeError {
-    /// The rank is not part of the layout.
+    /// The rank, or a device page, is not part of the layout.
     #[error(transparent)]
     Layout(#[from] LayoutError),
     /// A handle to a node that is not (or no longer) in the tree.
@@ -667,8 +667,9 @@ impl RadixTree {
 
     /// Like [`RadixTree::set_device`] but without the owner check: it reproduces the seed's
     /// bug on purpose, for the `plain-alloc-on-load` fault injection, so that the verifier can
-    /// show it catches what this check would otherwise have stopped. Never use it otherwise.
-    pub fn set_device_ignoring_owners(
+    /// show it catches what this check would otherwise have stopped. Crate-private: nothing
+    /// outside the fault injection may put pages on the device without the owner check.
+    pub(crate) fn set_device_ignoring_owners(
         &mut self,
         node: NodeId,
         pages: Vec<PageId>,
@@ -1307,13 +1308,15 @@ impl RadixTree {
         }
     }
 
-    /// Rejects the null page and pages already held or repeated.
+    /// Rejects the null page, pages outside the layout (their owner and local slot would be
+    /// garbage), and pages already held or repeated.
     fn check_new_pages(&self, pages: &[PageId]) -> Result<(), TreeError> {
         let mut seen = HashSet::with_capacity(pages.len());
         for (index, &page) in pages.iter().enumerate() {
             if page == PageId::NULL {
                 return Err(TreeError::NullPage { index });
             }
+            self.layout.check_page(page)?;
             if self.held_device.contains(&page) || !seen.insert(page) {
                 return Err(TreeError::PageHeld { page });
             }
@@ -1667,6 +1670,16 @@ mod tests {
             t.insert(&[5, 5], &pages(&[0])),
             Err(TreeError::NullPage { index: 0 })
         );
+        for page in [1024, u32::MAX] {
+            assert_eq!(
+                t.insert(&[5, 5], &pages(&[page])),
+                Err(TreeError::Layout(LayoutError::PageOutOfRange {
+                    page: PageId(page),
+                    pages: 1024
+                }))
+            );
+        }
+        assert_eq!(t.device_pages(), 3, "a refused insert holds nothing");
         t.check_invariants().unwrap();
     }
 
@@ -2045,8 +2058,8 @@ mod tests {
     #[test]
     fn long_path_matches_in_one_walk() {
         let ps = 64;
-        let mut t = tree(1, ps);
         let n_pages = 2048; // 128k tokens
+        let mut t = RadixTree::new(CpLayout::new(1, ps, n_pages + 1).unwrap(), Rank(0)).unwrap();
         let tokens: Vec<u32> = (0..n_pages * ps).collect();
         let p: Vec<PageId> = (1..=n_pages).map(PageId).collect();
         t.insert(&tokens, &p).unwrap();
