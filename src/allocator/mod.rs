@@ -398,7 +398,9 @@ impl OwnerLaneAllocator {
             if owner >= cp {
                 return Err(AllocError::OwnerOutOfRange { index, owner, cp });
             }
-            need[usize::from(owner)] += 1;
+            // Saturating: a request for 2^32 pages of one lane is short (no lane holds that
+            // many), never a wrapped count that makes it look satisfiable.
+            need[usize::from(owner)] = need[usize::from(owner)].saturating_add(1);
         }
         Ok(need)
     }

@@ -61,6 +61,14 @@ pub enum DecodeError {
         /// Values given.
         got: usize,
     },
+    /// A query value is NaN or infinite: every output would be NaN.
+    #[error("query value {index} is {value}, not a finite number")]
+    QueryValue {
+        /// Position in the query.
+        index: usize,
+        /// The value.
+        value: f32,
+    },
     /// There is nothing to attend to.
     #[error("no tokens to attend to")]
     NoTokens,
@@ -255,7 +263,8 @@ fn token_kv(d: &Dense<'_>, layer: u32, t: usize) -> Result<(Vec<f32>, Vec<f32>),
     Ok((key, value))
 }
 
-/// One decode step of `query` (576 values) over the first `n_tokens` tokens of `layer`:
+/// One decode step of `query` (576 finite values) over the `n_tokens` tokens of `layer` in
+/// `dense` (a materialised buffer of exactly `ceil(n_tokens / page_size)` pages per layer):
 /// scaled dot products with every key, a softmax, and the weighted sum of the values
 /// (512 values). Deterministic: the same bytes always give the same bits.
 ///
@@ -277,6 +286,9 @@ pub fn decode_step(
     }
     if query.len() != KEY_DIM {
         return Err(DecodeError::Query { got: query.len() });
+    }
+    if let Some((index, &value)) = query.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+        return Err(DecodeError::QueryValue { index, value });
     }
     if n_tokens == 0 {
         return Err(DecodeError::NoTokens);
@@ -389,6 +401,14 @@ mod tests {
             assert!(decode_step(b, &d, 16, 2, 2, 40, &q).is_err());
             assert!(decode_step(b, &d, 16, 2, 0, 40, &q[1..]).is_err());
             assert!(decode_step(b, &d[1..], 16, 2, 0, 40, &q).is_err());
+            for bad in [f32::NAN, f32::INFINITY] {
+                let mut q = q.clone();
+                q[7] = bad;
+                assert!(matches!(
+                    decode_step(b, &d, 16, 2, 0, 40, &q),
+                    Err(DecodeError::QueryValue { index: 7, .. })
+                ));
+            }
             let mut nan = d.clone();
             nan[0] = 0xff;
             nan[1] = 0xff;
