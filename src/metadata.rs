@@ -46,7 +46,7 @@ pub enum MetadataError {
         /// What this node says.
         found: u8,
     },
-    /// Rank differs between nodes of one concat.
+    /// Rank differs between nodes of one concat, or from the rank decoding it.
     #[error("rank {found} does not match the expected rank {expected}")]
     RankMismatch {
         /// The first node's rank.
@@ -81,6 +81,14 @@ pub enum MetadataError {
         expected: usize,
         /// Host pages recorded.
         found: usize,
+    },
+    /// A host page beyond the host pool it is read into ([`NodeMetadata::decode_for`]).
+    #[error("host page {page} is outside the host pool of {pages} pages")]
+    HostPageOutOfPool {
+        /// The host page.
+        page: u32,
+        /// Pages of the pool.
+        pages: u32,
     },
     /// A host page appears twice (within a node or across the nodes of a concat).
     #[error("host page {page} is referenced twice")]
@@ -382,6 +390,32 @@ impl NodeMetadata {
         Ok(m)
     }
 
+    /// [`NodeMetadata::decode`] for the rank that reads it, whose host pool has `host_pool`
+    /// pages: metadata of another rank, or naming a host page outside that pool, is an error.
+    /// The layout alone cannot tell; and a load-back from such a page would copy nothing
+    /// (transfers skip pages outside their pools) and leave the device page's old bytes.
+    pub fn decode_for(
+        bytes: &[u8],
+        layout: &CpLayout,
+        rank: Rank,
+        host_pool: u32,
+    ) -> Result<NodeMetadata, MetadataError> {
+        let m = Self::decode(bytes, layout)?;
+        if m.rank != rank {
+            return Err(MetadataError::RankMismatch {
+                expected: rank.0,
+                found: m.rank.0,
+            });
+        }
+        if let Some(p) = m.host_pages.iter().find(|p| p.0 >= host_pool) {
+            return Err(MetadataError::HostPageOutOfPool {
+                page: p.0,
+                pages: host_pool,
+            });
+        }
+        Ok(m)
+    }
+
     /// [`NodeMetadata::decode`] without the layout check.
     fn decode_any_layout(bytes: &[u8]) -> Result<NodeMetadata, MetadataError> {
         let mut r = Reader { bytes, pos: 0 };
@@ -517,6 +551,34 @@ mod tests {
         // Owning nothing is normal.
         let none = NodeMetadata::new(&l, Rank(1), vec![0, 0], vec![]).unwrap();
         assert_eq!(none.owned_page_indices().count(), 0);
+    }
+
+    #[test]
+    fn decode_for_binds_the_rank_and_the_host_pool() {
+        let l = layout();
+        let m = NodeMetadata::new(&l, Rank(1), vec![0, 1, 1], hp(&[7, u32::MAX])).unwrap();
+        let bytes = m.encode();
+        // The layout alone accepts it.
+        assert_eq!(NodeMetadata::decode(&bytes, &l).unwrap(), m);
+        assert_eq!(
+            NodeMetadata::decode_for(&bytes, &l, Rank(0), u32::MAX),
+            Err(MetadataError::RankMismatch {
+                expected: 0,
+                found: 1
+            })
+        );
+        assert_eq!(
+            NodeMetadata::decode_for(&bytes, &l, Rank(1), 64),
+            Err(MetadataError::HostPageOutOfPool {
+                page: u32::MAX,
+                pages: 64
+            })
+        );
+        let ok = NodeMetadata::new(&l, Rank(1), vec![0, 1, 1], hp(&[7, 63])).unwrap();
+        assert_eq!(
+            NodeMetadata::decode_for(&ok.encode(), &l, Rank(1), 64).unwrap(),
+            ok
+        );
     }
 
     #[test]
