@@ -10,6 +10,46 @@
 //! Decisions that must be identical on every rank (whether a backup happens, which nodes
 //! are evicted) are taken once for the cluster from all ranks' counts, the way an engine
 //! would agree on them with an all-reduce.
+//!
+//! Driving it from Rust (the CPU emulation executor here; `exec::open_executor` picks a GPU
+//! when there is one): a prompt is computed, evicted from the device to the host, and loaded
+//! back with its owners on the next hit, every token verified.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use cp_hicache::cluster::{Cluster, ClusterConfig, WritePolicy};
+//! use cp_hicache::exec::{host::EMU_HEADER, HostExecutor, HostOptions};
+//! use cp_hicache::jit::{Jit, JitConfig, Sanitize};
+//! use cp_hicache::kernels::{Deployment, ModelShape};
+//!
+//! let jit = Jit::new(JitConfig::new(
+//!     std::env::temp_dir().join("cp-hicache-doc-cache"),
+//!     EMU_HEADER,
+//! ));
+//! # if jit.host_compiler().is_err() && std::env::var_os("CP_HICACHE_REQUIRE_HOSTCC").is_none() {
+//! #     return Ok(()); // no C++ compiler to build the emulated kernels with
+//! # }
+//! let config = ClusterConfig {
+//!     deployment: Deployment::new(ModelShape::MlaBf16, 16, 2)?, // page 16, CP 2
+//!     layers: 1,
+//!     device_pages: 65, // 32 per rank, plus the null page
+//!     host_pages: 64,   // per rank
+//!     policy: WritePolicy::WriteThrough,
+//!     fault: None,
+//!     sanitize: Sanitize::None,
+//! };
+//! let mut cluster = Cluster::new(config, Arc::new(HostExecutor::new(HostOptions::default())), &jit)?;
+//! let prompt: Vec<u32> = (0..160).collect(); // 10 pages, zigzag owners 0,0,0,1,1,1,1,1,0,0
+//! let cold = cluster.serve(&prompt)?;
+//! assert_eq!(cold.computed_tokens, 160);
+//! cluster.evict_device_lru(usize::MAX)?; // the device copy goes; the host backup stays
+//! let warm = cluster.serve(&prompt)?;
+//! assert_eq!(warm.host_hit_tokens, 160); // loaded back into pages with the same owners
+//! assert_eq!(warm.mismatched_tokens, 0); // every token checked against synthesised KV
+//! assert_eq!(warm.load_path_syncs, 0); // the load path read nothing back from the device
+//! assert!(cluster.replicas_agree());
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 mod kernels;
 mod pools;

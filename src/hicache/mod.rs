@@ -1,10 +1,11 @@
 //! HiCache, the hierarchical (device → host) KV cache of one rank.
 //!
-//! For now this holds only the per-rank radix tree ([`tree`]): the deterministic index that
-//! says which token prefixes are resident on the device, backed up on the host, or both. The
-//! layer that glues the tree to the allocator and the transfer kernels (`write_cp`,
-//! `load_cp`) builds on it. [`decode`] is a CPU reference decode step that shows what a
-//! verified hit means for attention output.
+//! The per-rank pieces: the radix tree ([`tree`]), the deterministic index that says which
+//! token prefixes are resident on the device, backed up on the host, or both, and the host
+//! page pool ([`host_pool`]). The glue that drives them with the allocator and the transfer
+//! kernels (`write_cp`, `load_cp`, eviction) for all ranks in lockstep is
+//! [`Cluster`](crate::cluster::Cluster). [`decode`] is a CPU reference decode step that shows
+//! what a verified hit means for attention output.
 
 pub mod decode;
 pub mod host_pool;
