@@ -24,7 +24,7 @@ pub struct DeviceKey {
     pub capability: String,
     /// The compiler identity: NVRTC's version, or the host C++ compiler's `--version` line.
     pub compiler: String,
-    /// [`sources_digest`](crate::kernels::sources_digest) of the build that measured: the
+    /// [`sources_digest`] of the build that measured: the
     /// same shape on other kernel code is another kernel. Empty in files written before it
     /// existed, which are therefore stale.
     #[serde(default)]
