@@ -496,16 +496,12 @@ impl Harness {
                 let layout = self.layout;
                 let before = self.trees[0].digest();
                 let plan = self.trees[0]
-                    .device_eviction_plan_for_lanes(&short, |p| layout.owner(p).0)
+                    .device_eviction_plan_for_lanes(&short)
                     .unwrap();
                 assert_eq!(self.trees[0].digest(), before, "planning changed the tree");
-                let a = self.trees[0]
-                    .evict_device_for_lanes(&short, |p| layout.owner(p).0)
-                    .unwrap();
+                let a = self.trees[0].evict_device_for_lanes(&short).unwrap();
                 assert_eq!(evicted_nodes(&a), plan, "eviction differs from its plan");
-                let b = self.trees[1]
-                    .evict_device_for_lanes(&short, |p| layout.owner(p).0)
-                    .unwrap();
+                let b = self.trees[1].evict_device_for_lanes(&short).unwrap();
                 assert_eq!(device_only(&a), device_only(&b));
                 for ev in &a {
                     let s = short.clone();

@@ -1229,7 +1229,6 @@ impl Cluster {
     /// counted in `stats`), so only nodes whose backup did not fit lose their KV. Returns the
     /// node count.
     fn evict(&mut self, how: Eviction, stats: &mut RequestStats) -> Result<usize, ClusterError> {
-        let owner_of = self.layout;
         if self.config.policy == WritePolicy::WriteBack {
             // The plan names every node the eviction takes: not only the LRU leaves of now,
             // but also parents that become leaves on the way. Backing up changes no device
@@ -1238,9 +1237,7 @@ impl Cluster {
             let tree = &self.ranks[0].tree;
             let plan = match &how {
                 Eviction::Lru(n) => tree.device_eviction_plan_lru(*n)?,
-                Eviction::Lanes(d) => {
-                    tree.device_eviction_plan_for_lanes(d, |p| owner_of.owner(p).0)?
-                }
+                Eviction::Lanes(d) => tree.device_eviction_plan_for_lanes(d)?,
             };
             for node in plan {
                 if self.ranks[0].tree.node(node)?.host().is_none() {
@@ -1254,7 +1251,7 @@ impl Cluster {
         for r in &mut self.ranks {
             let evicted: Vec<Evicted> = match &how {
                 Eviction::Lru(n) => r.tree.evict_device_lru(*n)?,
-                Eviction::Lanes(d) => r.tree.evict_device_for_lanes(d, |p| owner_of.owner(p).0)?,
+                Eviction::Lanes(d) => r.tree.evict_device_for_lanes(d)?,
             };
             count = evicted.len();
             for e in evicted {

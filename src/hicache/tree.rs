@@ -399,18 +399,19 @@ impl DeviceTarget for PagesWanted {
 }
 
 /// Only candidates that free a page of a lane still short, until no lane is.
-struct LanesShort<F> {
+struct LanesShort {
     short: Vec<u32>,
-    owner: F,
+    layout: CpLayout,
 }
 
-impl<F: Fn(PageId) -> u8> DeviceTarget for LanesShort<F> {
+impl DeviceTarget for LanesShort {
     fn met(&self) -> bool {
         self.short.iter().all(|&d| d == 0)
     }
 
     fn take(&mut self, pages: &[PageId]) -> bool {
-        let lane = |p: &PageId| usize::from((self.owner)(*p));
+        let layout = self.layout;
+        let lane = |p: &PageId| usize::from(layout.owner(*p).0);
         if !pages
             .iter()
             .any(|p| self.short.get(lane(p)).is_some_and(|&s| s > 0))
@@ -839,15 +840,11 @@ impl RadixTree {
     }
 
     /// Like [`RadixTree::evict_device_lru`], in the same order, but only evicts nodes that
-    /// free at least one page of a lane still short (`deficit[lane]` pages, lanes by
-    /// `owner(page)`), and stops as soon as every deficit is covered or no candidate is left.
-    /// It evicts exactly the nodes of [`RadixTree::device_eviction_plan_for_lanes`].
-    pub fn evict_device_for_lanes(
-        &mut self,
-        deficit: &[u32],
-        owner: impl Fn(PageId) -> u8,
-    ) -> Result<Vec<Evicted>, TreeError> {
-        let plan = self.device_eviction_plan_for_lanes(deficit, owner)?;
+    /// free at least one page of a lane still short (`deficit[lane]` pages, lanes by the
+    /// layout's page owners), and stops as soon as every deficit is covered or no candidate
+    /// is left. It evicts exactly the nodes of [`RadixTree::device_eviction_plan_for_lanes`].
+    pub fn evict_device_for_lanes(&mut self, deficit: &[u32]) -> Result<Vec<Evicted>, TreeError> {
+        let plan = self.device_eviction_plan_for_lanes(deficit)?;
         self.evict_device_plan(plan)
     }
 
@@ -866,11 +863,10 @@ impl RadixTree {
     pub fn device_eviction_plan_for_lanes(
         &self,
         deficit: &[u32],
-        owner: impl Fn(PageId) -> u8,
     ) -> Result<Vec<NodeId>, TreeError> {
         self.device_eviction_plan(LanesShort {
             short: deficit.to_vec(),
-            owner,
+            layout: self.layout,
         })
     }
 
@@ -2025,20 +2021,19 @@ mod tests {
     fn lane_eviction_skips_nodes_of_full_lanes() {
         let layout = CpLayout::new(2, 1, 64).unwrap();
         let mut t = RadixTree::new(layout, Rank(0)).unwrap();
-        let owner = |p: PageId| layout.owner(p).0;
         let a = t.insert(&[1], &pages(&[2])).unwrap().node; // lane 0, oldest
         let b = t.insert(&[2], &pages(&[3])).unwrap().node; // lane 1
         let c = t.insert(&[3, 3], &pages(&[5, 7])).unwrap().node; // lane 1
         let d = t.insert(&[4], &pages(&[9])).unwrap().node; // lane 1, newest
-        let ev = t.evict_device_for_lanes(&[0, 3], owner).unwrap();
+        let ev = t.evict_device_for_lanes(&[0, 3]).unwrap();
         let nodes: Vec<_> = ev.iter().map(|e| e.node).collect();
         assert_eq!(nodes, vec![b, c], "a has no lane-1 page; c covers the rest");
         assert!(t.contains(a) && t.contains(d));
         // Nothing left can cover lane 1 beyond d: stop when candidates run out.
-        let ev = t.evict_device_for_lanes(&[0, 5], owner).unwrap();
+        let ev = t.evict_device_for_lanes(&[0, 5]).unwrap();
         assert_eq!(ev.len(), 1);
         assert_eq!(ev[0].node, d);
-        assert!(t.evict_device_for_lanes(&[0, 0], owner).unwrap().is_empty());
+        assert!(t.evict_device_for_lanes(&[0, 0]).unwrap().is_empty());
         t.check_invariants().unwrap();
     }
 
