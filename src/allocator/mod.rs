@@ -301,29 +301,48 @@ impl OwnerLaneAllocator {
     /// a page outside the layout, or a page not allocated (including twice in one call) is
     /// an error and nothing is freed.
     pub fn free(&mut self, pages: &[PageId]) -> Result<(), AllocError> {
-        let mut seen = self.allocated.clone();
+        // Each page's bit is cleared as it is checked, so a page repeated in the call reads
+        // as free the second time; then every cleared bit is set back. Costs the call's
+        // length, not the bitmap's (which a copy of it would).
+        let mut checked = 0;
+        let mut refused = None;
         for &page in pages {
-            if page == PageId::NULL {
-                return Err(AllocError::NullPage);
+            if let Err(e) = self.check_allocated(page) {
+                refused = Some(e);
+                break;
             }
-            if page.0 >= self.layout.pages() {
-                return Err(AllocError::Foreign {
-                    page,
-                    pages: self.layout.pages(),
-                });
-            }
-            let (word, bit) = bit_of(page);
-            if seen[word] & bit == 0 {
-                return Err(AllocError::DoubleFree { page });
-            }
-            seen[word] &= !bit;
+            self.set_allocated(page, false);
+            checked += 1;
+        }
+        for &page in &pages[..checked] {
+            self.set_allocated(page, true);
+        }
+        if let Some(e) = refused {
+            return Err(e);
         }
         self.commit(|a| {
-            a.allocated = seen;
             for &page in pages {
+                a.set_allocated(page, false);
                 a.lanes[usize::from(a.layout.owner(page).0)].push(page);
             }
         })
+    }
+
+    /// Why `page` cannot be freed now, if it cannot.
+    fn check_allocated(&self, page: PageId) -> Result<(), AllocError> {
+        if page == PageId::NULL {
+            return Err(AllocError::NullPage);
+        }
+        if page.0 >= self.layout.pages() {
+            return Err(AllocError::Foreign {
+                page,
+                pages: self.layout.pages(),
+            });
+        }
+        if !self.is_allocated(page) {
+            return Err(AllocError::DoubleFree { page });
+        }
+        Ok(())
     }
 
     /// Whether `page` is currently allocated.
