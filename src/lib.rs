@@ -21,6 +21,8 @@
 #![deny(missing_docs)]
 
 pub mod allocator;
+/// The binary's commands; public for `src/main.rs` and the CLI tests, not a library API.
+#[doc(hidden)]
 pub mod cli;
 pub mod cluster;
 mod env;

@@ -346,8 +346,9 @@ struct StalePlan {
     removed: Vec<NodeId>,
 }
 
-/// One rank's radix tree. Not thread-safe by itself (`&mut self` everywhere it changes);
-/// the HiCache layer owns it.
+/// One rank's radix tree. `Send + Sync` plain data: every change takes `&mut self`, so
+/// threads share it behind a lock (the [`Cluster`](crate::cluster::Cluster) owns one per
+/// rank).
 #[derive(Clone, Debug)]
 pub struct RadixTree {
     layout: CpLayout,
