@@ -545,3 +545,28 @@ fn a_failed_json_write_keeps_the_earlier_report() {
         .collect();
     assert_eq!(names, ["compile.json"], "a temporary file was left");
 }
+
+/// A compile timeout that is not a number of seconds is bad input (exit status 2), named
+/// before anything compiles.
+#[test]
+fn a_bad_compile_timeout_is_a_usage_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    for bad in ["abc", "0", "-5"] {
+        let out = run(bin()
+            .args([
+                "compile",
+                "--target",
+                "host",
+                "--deployment",
+                "mla_ps16_cp4",
+            ])
+            .env("CP_HICACHE_CACHE_DIR", tmp.path())
+            .env("CP_HICACHE_COMPILE_TIMEOUT", bad));
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{bad}: {stderr}");
+        assert!(
+            stderr.contains("CP_HICACHE_COMPILE_TIMEOUT") && stderr.contains(bad),
+            "{stderr}"
+        );
+    }
+}

@@ -7,8 +7,18 @@
 
 use super::options::HostCcOptions;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// How long one kernel may take to compile before the compiler is killed: a hung compile
+/// holds the cache entry's lock, and every process waiting for that kernel would hang with
+/// it. A kernel takes about a second.
+pub const DEFAULT_COMPILE_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// The environment variable that sets the limit, in whole seconds
+/// ([`JitConfig::from_env`](super::JitConfig::from_env)).
+pub const COMPILE_TIMEOUT_ENV: &str = "CP_HICACHE_COMPILE_TIMEOUT";
 
 /// Errors of the host compiler.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -50,6 +60,7 @@ pub enum HostCcError {
 pub struct HostCompiler {
     program: String,
     identity: String,
+    timeout: Duration,
 }
 
 /// A temporary build directory removed on drop.
@@ -162,7 +173,18 @@ impl HostCompiler {
             .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
             .unwrap_or_else(|| std::env::consts::ARCH.to_string());
         let identity = format!("{version} [{machine}]");
-        Ok(HostCompiler { program, identity })
+        Ok(HostCompiler {
+            program,
+            identity,
+            timeout: DEFAULT_COMPILE_TIMEOUT,
+        })
+    }
+
+    /// The same compiler with another limit on one compile (default
+    /// [`DEFAULT_COMPILE_TIMEOUT`]; the JIT sets its configured one).
+    pub fn with_timeout(mut self, timeout: Duration) -> HostCompiler {
+        self.timeout = timeout;
+        self
     }
 
     /// The program run.
@@ -211,23 +233,48 @@ impl HostCompiler {
         std::fs::write(&src_path, source).map_err(|e| io(&src_path, e))?;
         let args = Self::command_args(options, &src_name, &so_name);
         let cmd = format!("{} {}", self.program, args.join(" "));
-        let out = compiler_command(&self.program)
+        let failed = |status: String, stderr: String| HostCcError::Compile {
+            uri: uri.to_string(),
+            cmd: cmd.clone(),
+            status,
+            stderr,
+        };
+        // Diagnostics go to a file, not a pipe: nothing has to drain it while the compiler
+        // runs, and a compiler killed on timeout leaves nothing to wait for.
+        let log_path = dir.0.join("compile.log");
+        let log = std::fs::File::create(&log_path).map_err(|e| io(&log_path, e))?;
+        let log_err = log.try_clone().map_err(|e| io(&log_path, e))?;
+        let mut child = compiler_command(&self.program)
             .args(&args)
             .current_dir(&dir.0)
-            .output()
-            .map_err(|e| HostCcError::Compile {
-                uri: uri.to_string(),
-                cmd: cmd.clone(),
-                status: "not started".to_string(),
-                stderr: e.to_string(),
-            })?;
-        if !out.status.success() {
-            return Err(HostCcError::Compile {
-                uri: uri.to_string(),
-                cmd,
-                status: out.status.to_string(),
-                stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-            });
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log_err)
+            .spawn()
+            .map_err(|e| failed("not started".to_string(), e.to_string()))?;
+        let read_log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+        let started = Instant::now();
+        let status = loop {
+            match child.try_wait() {
+                Ok(Some(status)) => break status,
+                Ok(None) if started.elapsed() >= self.timeout => {
+                    // Best effort: the driver may have exited on its own in between.
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    return Err(failed(
+                        format!(
+                            "killed after {} s ({COMPILE_TIMEOUT_ENV} sets the limit)",
+                            self.timeout.as_secs_f64()
+                        ),
+                        read_log(),
+                    ));
+                }
+                Ok(None) => std::thread::sleep(Duration::from_millis(5)),
+                Err(e) => return Err(failed("lost".to_string(), e.to_string())),
+            }
+        };
+        if !status.success() {
+            return Err(failed(status.to_string(), read_log()));
         }
         let so_path = dir.0.join(&so_name);
         std::fs::read(&so_path).map_err(|e| io(&so_path, e))
@@ -237,6 +284,40 @@ impl HostCompiler {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_hung_compile_is_killed_after_the_timeout() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let fake = tmp.path().join("fake-c++");
+        std::fs::write(
+            &fake,
+            "#!/bin/sh\ncase \"$1\" in\n--version) echo 'fake c++ 1.0' ;;\n\
+             -dumpmachine) echo x86_64-linux-gnu ;;\n*) echo compiling >&2; exec sleep 60 ;;\nesac\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let cc = HostCompiler::detect(Some(fake.to_str().unwrap()))
+            .unwrap()
+            .with_timeout(Duration::from_millis(300));
+        assert_eq!(cc.identity(), "fake c++ 1.0 [x86_64-linux-gnu]");
+        let started = Instant::now();
+        let err = cc
+            .compile("k_hung", "", "", &HostCcOptions::default())
+            .unwrap_err();
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "it waited for the sleep"
+        );
+        match &err {
+            HostCcError::Compile { status, stderr, .. } => {
+                assert!(status.starts_with("killed after 0.3 s"), "{status}");
+                assert!(status.contains(COMPILE_TIMEOUT_ENV), "{status}");
+                assert_eq!(stderr.trim(), "compiling", "the log so far is kept");
+            }
+            other => panic!("{other}"),
+        }
+    }
 
     #[test]
     fn only_the_asan_runtime_is_recognised_in_a_preload() {

@@ -253,6 +253,9 @@ pub struct JitConfig {
     pub host: HostCcOptions,
     /// Host compiler program; `None` → `$CXX`, else `c++`.
     pub cxx: Option<String>,
+    /// How long one host compile may run before it is killed
+    /// ([`hostcc::DEFAULT_COMPILE_TIMEOUT`], `CP_HICACHE_COMPILE_TIMEOUT` seconds).
+    pub compile_timeout: std::time::Duration,
     /// The CUDA-emulation header text force-included in host builds.
     pub emu_header: String,
     /// Allow-listed environment snapshot that goes into every key.
@@ -271,17 +274,31 @@ impl JitConfig {
             nvrtc: NvrtcOptions::default(),
             host: HostCcOptions::default(),
             cxx: None,
+            compile_timeout: hostcc::DEFAULT_COMPILE_TIMEOUT,
             emu_header: emu_header.into(),
             env: key::capture_env(key::KEY_ENV_ALLOWLIST),
             nvrtc_enabled: true,
         }
     }
 
-    /// A config from the process environment: `CP_HICACHE_CACHE_DIR`, `CP_HICACHE_JIT` (an
-    /// unknown value of which is [`JitError::Config`]).
+    /// A config from the process environment: `CP_HICACHE_CACHE_DIR`, `CP_HICACHE_JIT` and
+    /// `CP_HICACHE_COMPILE_TIMEOUT` (an unknown value of either is [`JitError::Config`]).
     pub fn from_env(emu_header: impl Into<String>) -> Result<JitConfig, JitError> {
         let mut c = JitConfig::new(DiskCache::default_root(), emu_header);
         c.mode = JitMode::from_env()?;
+        if let Some(v) = std::env::var_os(hostcc::COMPILE_TIMEOUT_ENV) {
+            let text = v.to_string_lossy().into_owned();
+            c.compile_timeout = match v.to_str().map(|t| t.trim().parse::<u64>()) {
+                Some(Ok(secs)) if secs > 0 => std::time::Duration::from_secs(secs),
+                _ => {
+                    return Err(JitError::Config {
+                        name: hostcc::COMPILE_TIMEOUT_ENV,
+                        value: text,
+                        reason: "expected a whole number of seconds above 0".to_string(),
+                    })
+                }
+            };
+        }
         Ok(c)
     }
 }
@@ -703,7 +720,10 @@ impl Jit {
     /// The host compiler, detecting it on first use.
     pub fn host_compiler(&self) -> Result<&HostCompiler, JitError> {
         self.host
-            .get_or_init(|| HostCompiler::detect(self.config.cxx.as_deref()))
+            .get_or_init(|| {
+                HostCompiler::detect(self.config.cxx.as_deref())
+                    .map(|c| c.with_timeout(self.config.compile_timeout))
+            })
             .as_ref()
             .map_err(|e| e.clone().into())
     }
