@@ -630,9 +630,17 @@ fn select_is_all_or_nothing_through_the_allocator() {
                 let want: Vec<u32> = run.run.pages().iter().map(|p| p.0).collect();
                 assert_eq!(u32s(&got), want, "{ctx}");
                 a.debug_check_device().unwrap();
-                // Now one lane is short: nothing is launched and the lanes stay as they were.
-                let mut stacks_before = vec![0u8; ex.size(a.stacks_buffer()).unwrap()];
-                ex.read(a.stacks_buffer(), 0, &mut stacks_before).unwrap();
+                // Now one lane is short: nothing is launched and the lanes stay as they were —
+                // the device tops (a partial commit by the kernel), the host's free counts (a
+                // partial commit by the host) and, for good measure, the stacks.
+                let snapshot = |a: &KernelLaneAllocator| {
+                    let mut stacks = vec![0u8; ex.size(a.stacks_buffer()).unwrap()];
+                    ex.read(a.stacks_buffer(), 0, &mut stacks).unwrap();
+                    let mut tops = vec![0u8; ex.size(a.tops_buffer()).unwrap()];
+                    ex.read(a.tops_buffer(), 0, &mut tops).unwrap();
+                    (stacks, tops, a.lane_free_counts())
+                };
+                let lanes_before = snapshot(&a);
                 let mut short = vec![0u8; a.lane_free_counts()[0] as usize + 1];
                 short.extend(1..cp);
                 let before = ex.counters();
@@ -644,9 +652,10 @@ fn select_is_all_or_nothing_through_the_allocator() {
                     "{ctx}: {err}"
                 );
                 assert_eq!((d.launches, d.uploads, d.reads), (0, 0, 0), "{ctx}");
-                let mut stacks_after = vec![0u8; stacks_before.len()];
-                ex.read(a.stacks_buffer(), 0, &mut stacks_after).unwrap();
-                assert_eq!(stacks_before, stacks_after, "{ctx}");
+                let lanes_after = snapshot(&a);
+                assert_eq!(lanes_before.0, lanes_after.0, "stacks: {ctx}");
+                assert_eq!(lanes_before.1, lanes_after.1, "lane tops: {ctx}");
+                assert_eq!(lanes_before.2, lanes_after.2, "lane free counts: {ctx}");
                 a.debug_check_device().unwrap();
             }
         }
