@@ -3,6 +3,7 @@
 use cp_hicache::allocator::{AllocError, OwnerLaneAllocator};
 use cp_hicache::layout::{zigzag_owners, CpLayout, PageId, Rank};
 use proptest::prelude::*;
+use proptest::test_runner::RngSeed;
 use std::collections::BTreeSet;
 
 /// The oracle: which pages are free, nothing else. It predicts success from per-lane counts
@@ -78,7 +79,13 @@ fn check_conservation(a: &OwnerLaneAllocator, o: &Oracle) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+    // A fixed seed keeps the run deterministic (project rule, as in kernel_allocator.rs); a
+    // failure is still persisted to the .proptest-regressions file and re-run first.
+    #![proptest_config(ProptestConfig {
+        cases: 512,
+        rng_seed: RngSeed::Fixed(0x0061_6c6c_6f63),
+        ..ProptestConfig::default()
+    })]
 
     #[test]
     fn allocator_matches_oracle(

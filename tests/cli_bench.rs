@@ -526,33 +526,52 @@ fn bench_outputs_may_not_share_a_file_or_replace_the_tuning_file() {
 
 /// A cache directory that exists but takes no new files (a read-only prebuilt cache) is
 /// refused before tuning, naming the tuning file, instead of failing after the whole run
-/// when the results are merged. Not checked where chmod does not restrict (root).
+/// when the results are merged. `/proc` takes no new files even for root (CI runs as root,
+/// where chmod does not restrict); a chmod 555 folder is checked too where chmod restricts
+/// this user.
 #[test]
 fn tune_into_an_unwritable_cache_dir_is_refused_up_front() {
     use std::os::unix::fs::PermissionsExt;
+    let tiny: Vec<&str> = TINY
+        .iter()
+        .copied()
+        .filter(|a| *a != "--alloc-pages" && *a != "64")
+        .collect();
+    let refused = |cache: &Path| {
+        let out = output(bin(cache).args(["tune", "--quick"]).args(&tiny));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{}: {stderr}", cache.display());
+        let file = cache.join("tuning.json");
+        assert!(
+            stderr.contains(&format!("cannot write {}", file.display()))
+                && stderr.contains("CP_HICACHE_CACHE_DIR"),
+            "{stderr}"
+        );
+        assert!(
+            out.stdout.is_empty(),
+            "{}: the tuning run started",
+            cache.display()
+        );
+    };
+
+    let proc = Path::new("/proc");
+    assert!(
+        proc.is_dir() && std::fs::write(proc.join("cp-hicache-probe"), "").is_err(),
+        "/proc is expected to be a folder that takes no new files, even for root"
+    );
+    refused(proc);
+
     let dir = tempfile::tempdir().unwrap();
     let cache = dir.path().join("cache");
     std::fs::create_dir(&cache).unwrap();
     std::fs::set_permissions(&cache, std::fs::Permissions::from_mode(0o555)).unwrap();
     let privileged = std::fs::write(cache.join("probe"), "").is_ok();
-    let tiny = TINY
-        .iter()
-        .filter(|a| **a != "--alloc-pages" && **a != "64");
-    let out = output(bin(&cache).args(["tune", "--quick"]).args(tiny));
-    std::fs::set_permissions(&cache, std::fs::Permissions::from_mode(0o755)).unwrap();
     if privileged {
-        println!("chmod does not restrict this user (root): nothing to check");
-        return;
+        println!("chmod does not restrict this user (root): only /proc was checked");
+    } else {
+        refused(&cache);
     }
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
-    let file = cache.join("tuning.json");
-    assert!(
-        stderr.contains(&format!("cannot write {}", file.display()))
-            && stderr.contains("CP_HICACHE_CACHE_DIR"),
-        "{stderr}"
-    );
-    assert!(out.stdout.is_empty(), "the tuning run started");
+    std::fs::set_permissions(&cache, std::fs::Permissions::from_mode(0o755)).unwrap();
 }
 
 /// `--prebuild` compiles the deployment's kernels and runs nothing: the executor, timing,

@@ -8,6 +8,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
 use cp_hicache::exec::host::EMU_HEADER;
@@ -43,9 +44,17 @@ fn compile_with(source: &str, extra: &[String]) -> PathBuf {
     if so.exists() {
         return so;
     }
-    let src = dir.join(format!("k-{key}.{}.cu", std::process::id()));
+    // Unique per call, not only per process: parallel tests of one process may compile the
+    // same key at once, and one must not remove or rename the other's files.
+    static CALLS: AtomicU64 = AtomicU64::new(0);
+    let unique = format!(
+        "{}.{}",
+        std::process::id(),
+        CALLS.fetch_add(1, Ordering::Relaxed)
+    );
+    let src = dir.join(format!("k-{key}.{unique}.cu"));
     std::fs::write(&src, source).unwrap();
-    let tmp = dir.join(format!("k-{key}.{}.so.tmp", std::process::id()));
+    let tmp = dir.join(format!("k-{key}.{unique}.so.tmp"));
     let out = Command::new(std::env::var("CXX").unwrap_or_else(|_| "c++".into()))
         .args([
             "-std=c++17",
