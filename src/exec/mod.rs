@@ -355,7 +355,9 @@ impl<'a> KernelArtifact<'a> {
 pub enum KernelArg<'a> {
     /// Address of `buffer` plus a byte offset (checked against the buffer's size).
     Ptr(BufferId, u64),
-    /// A null pointer.
+    /// A null pointer. No rendered kernel accepts one (they dereference every pointer), so a
+    /// launch of a kernel loaded with a signature refuses it; it is for hand-written kernels
+    /// that do not dereference that parameter.
     Null,
     /// `u32` by value.
     U32(u32),
@@ -601,7 +603,16 @@ pub trait Executor: Send + Sync {
     fn read(&self, buffer: BufferId, offset: u64, out: &mut [u8]) -> Result<(), ExecError>;
 
     /// Loads a kernel; loading the same artifact twice may return two handles.
-    fn load_kernel(&self, artifact: &KernelArtifact<'_>) -> Result<KernelId, ExecError>;
+    ///
+    /// # Safety
+    ///
+    /// The artifact must be one the JIT built for this executor's backend (as
+    /// [`CompiledKernel::load_spec`](crate::jit::CompiledKernel::load_spec) passes it): a host
+    /// library is `dlopen`ed, which runs its initialisers, and its `<entry>__emu_launch` is
+    /// later called with the `CpEmuLaunch` ABI; a CUBIN's entry is later launched with
+    /// arguments laid out for the kernel's signature. Any other library or image is arbitrary
+    /// code in this process or on the device.
+    unsafe fn load_kernel(&self, artifact: &KernelArtifact<'_>) -> Result<KernelId, ExecError>;
 
     /// Launches a loaded kernel with `args` (one per kernel parameter, in order).
     ///
@@ -614,8 +625,20 @@ pub trait Executor: Send + Sync {
     /// count and sizes against the compiled kernel, but the CUDA driver cannot, so there a
     /// wrong argument list reads garbage. Pointer arguments are checked to start inside their
     /// buffers; how far a kernel reaches from them is bounded by its own size arguments, as
-    /// on a GPU.
-    fn launch(
+    /// on a GPU, and no executor can check that (see `# Safety`).
+    ///
+    /// # Safety
+    ///
+    /// Every pointer argument must lie in a buffer large enough for everything the kernel
+    /// reads or writes through it given the launch's size arguments (element counts, lane
+    /// capacities, page counts, ...) and shape, as the kernel's contract in `docs/KERNELS.md`
+    /// states: the host executor runs the kernel in this process, so an access past a buffer
+    /// corrupts the Rust heap, and on a GPU it corrupts other device allocations or faults the
+    /// context. Without a signature, the arguments must also match the kernel's parameters
+    /// in count, size and kind. A kernel that takes a pointer never receives
+    /// [`KernelArg::Null`] when it was loaded with a signature (it is refused); without one,
+    /// null is only allowed where the kernel does not dereference it.
+    unsafe fn launch(
         &self,
         kernel: KernelId,
         config: &LaunchConfig,

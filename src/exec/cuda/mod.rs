@@ -195,7 +195,7 @@ impl Executor for CudaExecutor {
         Ok(())
     }
 
-    fn load_kernel(&self, artifact: &KernelArtifact<'_>) -> Result<KernelId, ExecError> {
+    unsafe fn load_kernel(&self, artifact: &KernelArtifact<'_>) -> Result<KernelId, ExecError> {
         let KernelArtifact::Cubin {
             image,
             entry,
@@ -222,7 +222,7 @@ impl Executor for CudaExecutor {
         }))
     }
 
-    fn launch(
+    unsafe fn launch(
         &self,
         kernel: KernelId,
         config: &LaunchConfig,
@@ -342,18 +342,23 @@ fn read_checked(gpu: &driver::Gpu, src: u64, out: &mut [u8]) -> Result<(), ExecE
     driver::read_in_bounds(gpu, src, out).map_err(driver_err("read"))
 }
 
-fn launch_checked(
+/// # Safety
+/// As for [`driver::launch_with_args`].
+unsafe fn launch_checked(
     gpu: &driver::Gpu,
     module: &driver::Module,
     config: &LaunchConfig,
     args: &[&[u8]],
 ) -> Result<(), String> {
-    driver::launch_with_args(
-        gpu,
-        module,
-        config.grid,
-        config.block,
-        config.shared_bytes,
-        args,
-    )
+    // SAFETY: guaranteed by the caller.
+    unsafe {
+        driver::launch_with_args(
+            gpu,
+            module,
+            config.grid,
+            config.block,
+            config.shared_bytes,
+            args,
+        )
+    }
 }

@@ -126,7 +126,16 @@ impl EmuKernel {
 
     /// Runs the kernel to completion on the calling thread. `args[i]` holds the exact bytes of
     /// parameter `i`. Returns the emulator status and its diagnostic on failure.
-    pub(crate) fn launch(&self, shape: &LaunchShape, args: &[&[u8]]) -> Result<(), (i32, String)> {
+    ///
+    /// # Safety
+    /// Every pointer among the arguments must address memory that stays alive for the call
+    /// and is large enough for everything the kernel accesses through it given its size
+    /// arguments (the contract of [`Executor::launch`](crate::exec::Executor::launch)).
+    pub(crate) unsafe fn launch(
+        &self,
+        shape: &LaunchShape,
+        args: &[&[u8]],
+    ) -> Result<(), (i32, String)> {
         let mut params: Vec<*mut c_void> = args.iter().map(|a| a.as_ptr() as *mut c_void).collect();
         let sizes: Vec<u64> = args.iter().map(|a| a.len() as u64).collect();
         let mut err = vec![0u8; ERR_CAP];
@@ -145,8 +154,8 @@ impl EmuKernel {
         // SAFETY: `cfg`, `params`, `sizes` and `err` outlive the call; the entry checks the ABI
         // version, the parameter count and every parameter's size against the kernel signature
         // before reading `params[i]` (each points at `sizes[i]` readable bytes), and writes at
-        // most `err_cap` bytes to `err`. Pointer arguments were bounds-checked by the caller
-        // and point into buffers the caller keeps alive and locked for the call.
+        // most `err_cap` bytes to `err`. Pointer arguments point into memory large enough for
+        // the kernel's accesses and alive for the call (guaranteed by the caller).
         let status = unsafe { (self.entry)(&cfg, params.as_mut_ptr()) };
         if status == 0 {
             return Ok(());
@@ -173,17 +182,6 @@ pub(crate) fn asan_runtime_loaded() -> bool {
     let this = libloading::os::unix::Library::this();
     // SAFETY: only the symbol's address is looked up; it is never called or dereferenced.
     unsafe { this.get::<*const c_void>(b"__asan_init") }.is_ok()
-}
-
-/// Loads kernel `entry` from the emulation library at `path`.
-///
-/// The executor's contract (documented on [`crate::exec::KernelArtifact::HostLibrary`]) is that
-/// host artifacts are libraries built from kernel renders with `cuda_emu.h`, which is what
-/// [`EmuKernel::load`] requires.
-pub(crate) fn load_kernel(path: &Path, entry: &str) -> Result<EmuKernel, String> {
-    // SAFETY: by the executor's contract the library is a render compiled with cuda_emu.h:
-    // its initialisers only set up TLS and its `<entry>__emu_launch` has the expected type.
-    unsafe { EmuKernel::load(path, entry) }
 }
 
 /// Launch shape and emulator settings for one launch.

@@ -237,7 +237,7 @@ impl Executor for HostExecutor {
         Ok(())
     }
 
-    fn load_kernel(&self, artifact: &KernelArtifact<'_>) -> Result<KernelId, ExecError> {
+    unsafe fn load_kernel(&self, artifact: &KernelArtifact<'_>) -> Result<KernelId, ExecError> {
         let KernelArtifact::HostLibrary {
             path,
             entry,
@@ -249,7 +249,11 @@ impl Executor for HostExecutor {
                 artifact: "a CUBIN",
             });
         };
-        let kernel = ffi::load_kernel(path, entry).map_err(|message| ExecError::Load {
+        // SAFETY: the caller guarantees the library is a kernel render the JIT compiled with
+        // cuda_emu.h (the contract of `Executor::load_kernel`), which is what
+        // `EmuKernel::load` requires: trivial initialisers and the `CpEmuLaunch` entry type.
+        let kernel = unsafe { ffi::EmuKernel::load(path, entry) };
+        let kernel = kernel.map_err(|message| ExecError::Load {
             entry: entry.to_string(),
             artifact: artifact.describe(),
             message,
@@ -261,7 +265,7 @@ impl Executor for HostExecutor {
         }))
     }
 
-    fn launch(
+    unsafe fn launch(
         &self,
         kernel: KernelId,
         config: &LaunchConfig,
@@ -295,7 +299,10 @@ impl Executor for HostExecutor {
             stack_bytes: options.stack_bytes,
         };
         // The state lock stays held while the kernel runs, so no buffer can be freed under it.
-        let result = emu.launch(&shape, &views);
+        // SAFETY: pointer arguments were resolved to live buffers of this executor (kept alive
+        // by the lock) and checked to start inside them; that the buffers are large enough
+        // for what the kernel accesses is the caller's contract (`Executor::launch`).
+        let result = unsafe { emu.launch(&shape, &views) };
         drop(st);
         result.map_err(|(status, message)| ExecError::Launch {
             kernel: name,
@@ -411,9 +418,8 @@ mod tests {
             stack_bytes: u64::MAX,
             ..HostOptions::default()
         });
-        let e = ex
-            .launch(KernelId(1), &LaunchConfig::linear(1, 32), &[])
-            .unwrap_err();
+        // SAFETY: the launch is refused before any kernel is looked up.
+        let e = unsafe { ex.launch(KernelId(1), &LaunchConfig::linear(1, 32), &[]) }.unwrap_err();
         assert!(
             matches!(&e, ExecError::Config { name: "stack_bytes", value, .. } if value == &u64::MAX.to_string()),
             "{e}"
