@@ -380,6 +380,11 @@ fn launch_failures_are_typed() {
         Some(LaunchFailure::InvalidConfig)
     );
     gpu.inject_launch_failure();
+    // An invalid launch is refused as such and leaves the failure armed.
+    assert_eq!(
+        cause(launch(&args[..4])),
+        Some(LaunchFailure::InvalidConfig)
+    );
     assert_eq!(cause(launch(&args)), Some(LaunchFailure::Injected));
     launch(&args).unwrap();
     let mut tops_after = [0u8; 8];

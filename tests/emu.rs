@@ -799,6 +799,18 @@ fn launch_fault_injection() {
     let out = ex.alloc(MemKind::Device, 4, POISON).unwrap();
     let k = load(&ex, kernels_so(), "shared_persist");
     ex.inject_launch_failure();
+    // An invalid launch reports why, and leaves the failure armed for the next valid one.
+    let e = launch_err(
+        &ex,
+        k,
+        LaunchConfig::linear(1, 32),
+        &[KernelArg::Ptr(out, 8)],
+    );
+    assert_eq!(
+        e.launch_failure(),
+        Some(LaunchFailure::InvalidConfig),
+        "{e}"
+    );
     let e = launch_err(
         &ex,
         k,
@@ -838,15 +850,17 @@ fn bounds_and_handles_are_checked() {
     ex.run(k, &LaunchConfig::linear(1, 1), &[KernelArg::Ptr(b, 0)])
         .unwrap();
     let e = launch_err(&ex, k, LaunchConfig::linear(1, 1), &[KernelArg::Ptr(b, 65)]);
-    assert!(
-        matches!(
-            e,
-            ExecError::OutOfBounds {
-                op: "kernel argument",
-                ..
-            }
-        ),
+    assert_eq!(
+        e.launch_failure(),
+        Some(LaunchFailure::InvalidConfig),
         "{e}"
+    );
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "launch of kernel `shared_persist` failed (invalid configuration): parameter 0: \
+             kernel argument of 0 bytes at offset 65 is outside buffer {b:?} of 64 bytes"
+        )
     );
     ex.free(b).unwrap();
     assert!(matches!(

@@ -411,7 +411,14 @@ pub(crate) fn check_range(
 /// The bytes each `void**` entry of a launch points at, one vector per argument, in the
 /// kernel's parameter order. `resolve` gives a buffer's base address and size; pointer
 /// offsets may be one past the end, never beyond.
+///
+/// A pointer argument whose buffer is unknown or whose offset lies outside it is
+/// [`ExecError::Launch`] with [`LaunchFailure::InvalidConfig`], naming `kernel` and the
+/// parameter (its index, and its name and type when `signature` gives them) before the
+/// underlying [`ExecError::UnknownBuffer`] / [`ExecError::OutOfBounds`] message.
 pub(crate) fn marshal_args(
+    kernel: &str,
+    signature: Option<&KernelSignature>,
     args: &[KernelArg<'_>],
     resolve: impl Fn(BufferId) -> Result<(u64, usize), ExecError>,
 ) -> Result<Vec<Vec<u8>>, ExecError> {
@@ -420,10 +427,27 @@ pub(crate) fn marshal_args(
         check_range("kernel argument", b, size, off, 0)?;
         Ok((addr + off).to_ne_bytes())
     };
+    let invalid = |i: usize, element: Option<usize>, e: ExecError| {
+        let param = match signature.and_then(|s| s.params.get(i)) {
+            Some(p) => format!("parameter {i} `{}` ({})", p.name, p.c_type),
+            None => format!("parameter {i}"),
+        };
+        let element = element
+            .map(|j| format!(", pointer {j}"))
+            .unwrap_or_default();
+        ExecError::Launch {
+            kernel: kernel.to_string(),
+            cause: LaunchFailure::InvalidConfig,
+            message: format!("{param}{element}: {e}"),
+        }
+    };
     args.iter()
-        .map(|arg| {
+        .enumerate()
+        .map(|(i, arg)| {
             Ok(match *arg {
-                KernelArg::Ptr(b, off) => pointer(b, off)?.to_vec(),
+                KernelArg::Ptr(b, off) => {
+                    pointer(b, off).map_err(|e| invalid(i, None, e))?.to_vec()
+                }
                 KernelArg::Null => vec![0; 8],
                 KernelArg::U32(v) => v.to_ne_bytes().to_vec(),
                 KernelArg::I32(v) => v.to_ne_bytes().to_vec(),
@@ -432,8 +456,10 @@ pub(crate) fn marshal_args(
                 KernelArg::Bytes(b) => b.to_vec(),
                 KernelArg::PtrStruct(ptrs) => {
                     let mut out = Vec::with_capacity(8 * ptrs.len());
-                    for &(b, off) in ptrs {
-                        out.extend_from_slice(&pointer(b, off)?);
+                    for (j, &(b, off)) in ptrs.iter().enumerate() {
+                        out.extend_from_slice(
+                            &pointer(b, off).map_err(|e| invalid(i, Some(j), e))?,
+                        );
                     }
                     out
                 }
@@ -685,7 +711,9 @@ pub trait Executor: Send + Sync {
 
     /// Makes the next launch fail with [`LaunchFailure::Injected`] without running the kernel.
     /// The failure stays armed until a launch consumes it or
-    /// [`Executor::disarm_launch_failure`] cancels it.
+    /// [`Executor::disarm_launch_failure`] cancels it. Only a launch that passes every check
+    /// (kernel handle, signature, arguments) consumes it: an invalid launch reports its own
+    /// error and leaves the failure armed.
     fn inject_launch_failure(&self);
 
     /// Cancels a failure armed by [`Executor::inject_launch_failure`] that no launch has
@@ -767,6 +795,49 @@ mod tests {
             check_regions((a, 64), (a, 64), &[r(0, 16, 16), r(8, 8, 0)]).unwrap(),
             16
         );
+    }
+
+    #[test]
+    fn a_bad_pointer_argument_names_the_kernel_and_the_parameter() {
+        use crate::kernels::{KernelSpec, ReleaseSpec};
+        let spec = KernelSpec::ReleasePages(ReleaseSpec { cp: 2, threads: 32 });
+        let sig = spec.signature();
+        let resolve = |b: BufferId| match b.0 {
+            1 => Ok((0x1000, 64)),
+            _ => Err(ExecError::UnknownBuffer(b)),
+        };
+        let message = |r: Result<Vec<Vec<u8>>, ExecError>| match r {
+            Err(ExecError::Launch {
+                kernel,
+                cause: LaunchFailure::InvalidConfig,
+                message,
+            }) if kernel == "k" => message,
+            other => panic!("{other:?}"),
+        };
+        let args = [
+            KernelArg::Ptr(BufferId(1), 0),
+            KernelArg::U32(2),
+            KernelArg::Ptr(BufferId(1), 65),
+        ];
+        assert_eq!(
+            message(marshal_args("k", Some(&sig), &args, resolve)),
+            "parameter 2 `lane_stacks` (u32*): kernel argument of 0 bytes at offset 65 is \
+             outside buffer BufferId(1) of 64 bytes"
+        );
+        let args = [KernelArg::U32(2), KernelArg::Ptr(BufferId(7), 0)];
+        assert_eq!(
+            message(marshal_args("k", None, &args, resolve)),
+            "parameter 1: unknown buffer BufferId(7)"
+        );
+        let ptrs = [(BufferId(1), 0), (BufferId(9), 0)];
+        let e = marshal_args("k", None, &[KernelArg::PtrStruct(&ptrs)], resolve).unwrap_err();
+        assert!(
+            e.to_string()
+                .ends_with("parameter 0, pointer 1: unknown buffer BufferId(9)"),
+            "{e}"
+        );
+        let ok = marshal_args("k", Some(&sig), &[KernelArg::Ptr(BufferId(1), 64)], resolve);
+        assert_eq!(ok.unwrap(), vec![(0x1000u64 + 64).to_ne_bytes().to_vec()]);
     }
 
     #[test]

@@ -232,6 +232,12 @@ impl Executor for CudaExecutor {
         st.counters.launches += 1;
         let st = &*st;
         let k = st.kernel(kernel)?;
+        check_signature(&k.name, k.signature.as_ref(), config, args)?;
+        let bytes = marshal_args(&k.name, k.signature.as_ref(), args, |b| {
+            let buf = st.buffer(b)?;
+            Ok((buf.addr(), buf.len()))
+        })?;
+        // Only a launch that would run consumes an armed failure (as on the host executor).
         if self.fail_next_launch.swap(false, Ordering::SeqCst) {
             return Err(ExecError::Launch {
                 kernel: k.name.clone(),
@@ -239,13 +245,12 @@ impl Executor for CudaExecutor {
                 message: "launch failure injected; the kernel did not run".into(),
             });
         }
-        check_signature(&k.name, k.signature.as_ref(), config, args)?;
-        let bytes = marshal_args(args, |b| {
-            let buf = st.buffer(b)?;
-            Ok((buf.addr(), buf.len()))
-        })?;
         let views: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
-        launch_checked(&self.gpu, &k.module, config, &views).map_err(|message| ExecError::Launch {
+        // SAFETY: pointer arguments are addresses of live buffers of this executor, checked
+        // to start inside them; the signature (when given) matched the arguments; that the
+        // buffers are large enough for the kernel is the caller's contract (`Executor::launch`).
+        let launched = unsafe { launch_checked(&self.gpu, &k.module, config, &views) };
+        launched.map_err(|message| ExecError::Launch {
             kernel: k.name.clone(),
             // A bad shape or a block too large for the kernel's registers is rejected at launch;
             // faults inside a kernel surface later (read / synchronize) and are sticky: the

@@ -278,6 +278,13 @@ impl Executor for HostExecutor {
         let k = st.kernel(kernel)?;
         let name = k.name.clone();
         let emu = Arc::clone(&k.kernel);
+        check_signature(&name, k.signature.as_ref(), config, args)?;
+        let bytes = marshal_args(&name, k.signature.as_ref(), args, |b| {
+            let buf = st.buffer(b)?;
+            Ok((buf.mem.addr(), buf.mem.len()))
+        })?;
+        // Only a launch that would run consumes an armed failure: an invalid one reports
+        // why it is invalid, and the failure stays armed.
         if self.fail_next_launch.swap(false, Ordering::SeqCst) {
             return Err(ExecError::Launch {
                 kernel: name,
@@ -285,11 +292,6 @@ impl Executor for HostExecutor {
                 message: "launch failure injected; the kernel did not run".into(),
             });
         }
-        check_signature(&name, k.signature.as_ref(), config, args)?;
-        let bytes = marshal_args(args, |b| {
-            let buf = st.buffer(b)?;
-            Ok((buf.mem.addr(), buf.mem.len()))
-        })?;
         let views: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
         let shape = ffi::LaunchShape {
             grid: config.grid,
