@@ -288,8 +288,17 @@ fn executor_basics() {
         })
     };
     assert!(matches!(bad, Err(ExecError::Load { .. })));
-    ex.free(dev).unwrap();
+    // A free waits for the device before releasing the memory: counted as a sync (and a
+    // free), device and pinned host memory alike; a refused free counts nothing.
+    for b in [dev, host] {
+        let before_free = ex.counters();
+        ex.free(b).unwrap();
+        let c = ex.counters().since(&before_free);
+        assert_eq!((c.frees, c.syncs), (1, 1), "{c:?}");
+    }
+    let before_free = ex.counters();
     assert!(ex.free(dev).is_err());
+    assert_eq!(ex.counters().since(&before_free), Counters::default());
     drop(ex);
     assert_eq!(live_allocations(), 0, "the executor leaked driver memory");
 }

@@ -541,7 +541,9 @@ impl LaunchConfig {
 pub struct Counters {
     /// Kernel launches (including failed ones).
     pub launches: u64,
-    /// Explicit synchronisations ([`Executor::synchronize`]).
+    /// Synchronisations: explicit ones ([`Executor::synchronize`], [`Executor::time_work`])
+    /// and, on CUDA, every operation that waits for the device: writes to pinned host
+    /// memory and [`Executor::free`] (the memory is released after `cuCtxSynchronize`).
     pub syncs: u64,
     /// Read-backs ([`Executor::read`]); each one waits for the work writing the buffer.
     pub reads: u64,
@@ -554,6 +556,9 @@ pub struct Counters {
     /// Buffer allocations, and on CUDA the pinned staging rings uploads had to allocate
     /// (a page-locked allocation stalls concurrent streams, as a device allocation does).
     pub allocs: u64,
+    /// Buffers freed ([`Executor::free`]), on every backend (as `allocs` counts allocations);
+    /// on CUDA each one is a synchronisation, also counted in `syncs`.
+    pub frees: u64,
     /// Copy batches ([`Executor::copy_regions`]).
     pub copies: u64,
     /// Bytes moved by copy batches.
@@ -575,6 +580,7 @@ impl Counters {
             uploads: self.uploads.saturating_sub(earlier.uploads),
             bytes_uploaded: self.bytes_uploaded.saturating_sub(earlier.bytes_uploaded),
             allocs: self.allocs.saturating_sub(earlier.allocs),
+            frees: self.frees.saturating_sub(earlier.frees),
             copies: self.copies.saturating_sub(earlier.copies),
             bytes_copied: self.bytes_copied.saturating_sub(earlier.bytes_copied),
             fills: self.fills.saturating_sub(earlier.fills),

@@ -144,7 +144,14 @@ impl Executor for CudaExecutor {
     }
 
     fn free(&self, buffer: BufferId) -> Result<(), ExecError> {
-        lock(&self.state).remove_buffer(buffer).map(drop)
+        let mut st = lock(&self.state);
+        let buf = st.remove_buffer(buffer)?;
+        // Releasing the memory waits for all work of the context (`DeviceMem` / `PinnedMem`
+        // drops synchronise before cuMemFree / cuMemFreeHost): a counted synchronisation, so
+        // that a path that frees shows up where syncs are checked (the load path).
+        drop(buf);
+        st.counters.syncs += 1;
+        Ok(())
     }
 
     fn size(&self, buffer: BufferId) -> Result<usize, ExecError> {

@@ -411,7 +411,10 @@ mod tests {
             Err(ExecError::OutOfBounds { .. })
         ));
         ex.free(b).unwrap();
+        let c = ex.counters();
+        assert_eq!((c.allocs, c.frees, c.syncs), (1, 1, 0), "{c:?}");
         assert!(matches!(ex.free(b), Err(ExecError::UnknownBuffer(_))));
+        assert_eq!(ex.counters().frees, 1, "a refused free is not counted");
     }
 
     #[test]
