@@ -109,16 +109,26 @@ impl HostOptions {
         Ok(())
     }
 
-    /// Defaults, with the block order from `CP_HICACHE_EMU_ORDER` when set.
+    /// Defaults, with the block order from `CP_HICACHE_EMU_ORDER` when set. A value that is
+    /// not `forward`, `reverse` or empty, or not UTF-8, is [`ExecError::Config`].
     pub fn from_env() -> Result<HostOptions, ExecError> {
-        let block_order = match std::env::var(ORDER_ENV) {
-            Ok(v) => v.parse()?,
-            Err(_) => BlockOrder::Forward,
-        };
         Ok(HostOptions {
-            block_order,
+            block_order: block_order_from(std::env::var(ORDER_ENV))?,
             ..HostOptions::default()
         })
+    }
+}
+
+/// The block order a lookup of [`ORDER_ENV`] gives: forward when unset.
+fn block_order_from(var: Result<String, std::env::VarError>) -> Result<BlockOrder, ExecError> {
+    match var {
+        Ok(v) => v.parse(),
+        Err(std::env::VarError::NotPresent) => Ok(BlockOrder::Forward),
+        Err(std::env::VarError::NotUnicode(v)) => Err(ExecError::Config {
+            name: ORDER_ENV,
+            value: v.to_string_lossy().into_owned(),
+            reason: "not valid UTF-8".into(),
+        }),
     }
 }
 
@@ -393,6 +403,26 @@ mod tests {
         );
         assert_eq!("".parse::<BlockOrder>().unwrap(), BlockOrder::Forward);
         assert!("sideways".parse::<BlockOrder>().is_err());
+    }
+
+    #[test]
+    fn block_order_variable_must_be_utf8() {
+        use std::env::VarError;
+        use std::os::unix::ffi::OsStringExt;
+        assert_eq!(
+            block_order_from(Err(VarError::NotPresent)).unwrap(),
+            BlockOrder::Forward
+        );
+        assert_eq!(
+            block_order_from(Ok(" Reverse ".into())).unwrap(),
+            BlockOrder::Reverse
+        );
+        let bad = std::ffi::OsString::from_vec(b"rev\xffrse".to_vec());
+        let e = block_order_from(Err(VarError::NotUnicode(bad))).unwrap_err();
+        assert!(
+            matches!(&e, ExecError::Config { name: ORDER_ENV, reason, .. } if reason == "not valid UTF-8"),
+            "{e}"
+        );
     }
 
     #[test]
