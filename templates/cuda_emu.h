@@ -133,6 +133,8 @@ static constexpr int warpSize = 32;
 // Largest fiber stack a launch may ask for (mirrored by HostOptions in src/exec/host/mod.rs);
 // larger requests are refused rather than rounded past the top of the address range.
 #define CP_EMU_MAX_STACK_BYTES (64ull << 20)
+// Inaccessible bytes below every fiber stack (rounded up to whole pages).
+#define CP_EMU_GUARD_BYTES (64u << 10)
 
 extern "C" {
 /// Launch configuration passed to `<name>__emu_launch`.
@@ -307,9 +309,13 @@ struct Pool {
   }
   // Ensures n fibers with stacks of `bytes` each; false when out of memory.
   bool ensure(unsigned n, size_t bytes) {
-    if (guard == 0) guard = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    // The guard spans CP_EMU_GUARD_BYTES (whole pages): a frame that skips past a single
+    // page without touching it (code built without -fstack-clash-protection) still lands in
+    // it. It is address space only (PROT_NONE, never committed).
+    if (guard == 0) guard = (CP_EMU_GUARD_BYTES + page - 1) & ~(page - 1);
     if (bytes > CP_EMU_MAX_STACK_BYTES) return false;  // also keeps the rounding from wrapping
-    bytes = (bytes + guard - 1) & ~(guard - 1);
+    bytes = (bytes + page - 1) & ~(page - 1);
     if (bytes != stack_bytes) {
       release_stacks();
       stack_bytes = bytes;
@@ -326,7 +332,7 @@ struct Pool {
     while (nstacks < n) {
       void* p = mmap(nullptr, stack_bytes + guard, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
       if (p == MAP_FAILED) return false;
-      // Guard page at the low end: a stack overflow faults instead of corrupting a neighbour.
+      // Guard at the low end: a stack overflow faults instead of corrupting a neighbour.
       mprotect(p, guard, PROT_NONE);
       stacks[nstacks++] = static_cast<char*>(p) + guard;
     }
