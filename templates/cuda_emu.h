@@ -161,6 +161,7 @@ enum CpEmuStatus : int {
   CP_EMU_EMASK = 4,      // a warp intrinsic's mask does not contain the calling lane
   CP_EMU_ENOMEM = 5,     // fiber stacks could not be allocated
   CP_EMU_ETRAP = 6,      // __trap() was called
+  CP_EMU_EABI = 7,       // cfg->abi_version differs: nothing else in cfg was read or written
 };
 
 // Everything internal has internal linkage (unnamed namespace): nothing but the launch entries
@@ -706,16 +707,15 @@ static int run_block_direct() {
 
 static int launch(const char* kernel, const CpEmuLaunch* cfg, unsigned arity, const uint64_t* sizes,
                   void (*body)(void*), void* ctx) {
+  // Only abi_version may be read before it is known to match: another version may lay out
+  // every other field (err_buf included) differently.
+  if (cfg->abi_version != CP_EMU_ABI_VERSION) return CP_EMU_EABI;
   g.err = cfg->err_buf;
   g.err_cap = cfg->err_buf ? static_cast<size_t>(cfg->err_cap) : 0;
   if (g.err && g.err_cap) g.err[0] = '\0';
   g.kernel = kernel;
   if (g.in_launch) {
     err_append("kernel `%s`: recursive launch from inside a kernel is not supported", kernel);
-    return CP_EMU_EINVAL;
-  }
-  if (cfg->abi_version != CP_EMU_ABI_VERSION) {
-    err_append("kernel `%s`: launch ABI version %u, library expects %u", kernel, cfg->abi_version, CP_EMU_ABI_VERSION);
     return CP_EMU_EINVAL;
   }
   if (cfg->num_params != arity) {
@@ -844,6 +844,8 @@ static int launch_entry_impl(const char* name, void (*fn)(A...), const CpEmuLaun
 template <class... A>
 static int launch_entry(const char* name, void (*fn)(A...), const CpEmuLaunch* cfg, void** params) {
   if (cfg == nullptr) return CP_EMU_EINVAL;
+  // The version first: num_params and param_sizes are only meaningful in this ABI.
+  if (cfg->abi_version != CP_EMU_ABI_VERSION) return CP_EMU_EABI;
   return launch_entry_impl(name, fn, cfg, params, std::index_sequence_for<A...>{});
 }
 

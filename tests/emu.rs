@@ -793,6 +793,14 @@ fn raw_launch_rejects_null_params_and_huge_stacks() {
     assert_eq!(probe_raw(2), (0, String::new()));
 }
 
+/// A launch configuration of another ABI version is refused on its version alone: neither its
+/// parameter sizes nor its error buffer are touched (their layout may differ).
+#[test]
+fn raw_launch_checks_the_abi_version_before_anything_else() {
+    const EABI: i32 = 7;
+    assert_eq!(probe_raw(3), (EABI, String::new()));
+}
+
 #[test]
 fn launch_fault_injection() {
     let ex = executor(BlockOrder::Forward);

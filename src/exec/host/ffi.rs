@@ -14,6 +14,8 @@ pub(crate) const ABI_VERSION: u32 = 1;
 /// `CP_EMU_FLAG_REVERSE`: run blocks from last to first, and the ready threads of a block
 /// highest index first.
 pub(crate) const FLAG_REVERSE: u32 = 1;
+/// `CP_EMU_EABI`: the library speaks another launch ABI; it wrote no diagnostic.
+pub(crate) const STATUS_ABI: i32 = 7;
 /// Alignment of host-executor buffers, as for a `cuMemAlloc` allocation or better.
 pub(crate) const BUFFER_ALIGN: usize = 64;
 const ERR_CAP: usize = 4096;
@@ -159,6 +161,15 @@ impl EmuKernel {
         let status = unsafe { (self.entry)(&cfg, params.as_mut_ptr()) };
         if status == 0 {
             return Ok(());
+        }
+        if status == STATUS_ABI {
+            return Err((
+                status,
+                format!(
+                    "the library was built for another emulation launch ABI than this \
+                     executor's (version {ABI_VERSION}); rebuild it from the current cuda_emu.h"
+                ),
+            ));
         }
         let msg = CStr::from_bytes_until_nul(&err)
             .map(|c| c.to_string_lossy().into_owned())

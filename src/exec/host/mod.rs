@@ -197,6 +197,7 @@ fn failure_of(status: i32) -> LaunchFailure {
         4 => LaunchFailure::BadMask,
         5 => LaunchFailure::OutOfMemory,
         6 => LaunchFailure::Trap,
+        ffi::STATUS_ABI => LaunchFailure::InvalidConfig,
         _ => LaunchFailure::Other,
     }
 }
