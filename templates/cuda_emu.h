@@ -133,6 +133,8 @@ static constexpr int warpSize = 32;
 // Largest fiber stack a launch may ask for (mirrored by HostOptions in src/exec/host/mod.rs);
 // larger requests are refused rather than rounded past the top of the address range.
 #define CP_EMU_MAX_STACK_BYTES (64ull << 20)
+// Inaccessible bytes below every fiber stack (rounded up to whole pages).
+#define CP_EMU_GUARD_BYTES (64u << 10)
 
 extern "C" {
 /// Launch configuration passed to `<name>__emu_launch`.
@@ -159,6 +161,7 @@ enum CpEmuStatus : int {
   CP_EMU_EMASK = 4,      // a warp intrinsic's mask does not contain the calling lane
   CP_EMU_ENOMEM = 5,     // fiber stacks could not be allocated
   CP_EMU_ETRAP = 6,      // __trap() was called
+  CP_EMU_EABI = 7,       // cfg->abi_version differs: nothing else in cfg was read or written
 };
 
 // Everything internal has internal linkage (unnamed namespace): nothing but the launch entries
@@ -307,9 +310,13 @@ struct Pool {
   }
   // Ensures n fibers with stacks of `bytes` each; false when out of memory.
   bool ensure(unsigned n, size_t bytes) {
-    if (guard == 0) guard = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    // The guard spans CP_EMU_GUARD_BYTES (whole pages): a frame that skips past a single
+    // page without touching it (code built without -fstack-clash-protection) still lands in
+    // it. It is address space only (PROT_NONE, never committed).
+    if (guard == 0) guard = (CP_EMU_GUARD_BYTES + page - 1) & ~(page - 1);
     if (bytes > CP_EMU_MAX_STACK_BYTES) return false;  // also keeps the rounding from wrapping
-    bytes = (bytes + guard - 1) & ~(guard - 1);
+    bytes = (bytes + page - 1) & ~(page - 1);
     if (bytes != stack_bytes) {
       release_stacks();
       stack_bytes = bytes;
@@ -326,7 +333,7 @@ struct Pool {
     while (nstacks < n) {
       void* p = mmap(nullptr, stack_bytes + guard, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
       if (p == MAP_FAILED) return false;
-      // Guard page at the low end: a stack overflow faults instead of corrupting a neighbour.
+      // Guard at the low end: a stack overflow faults instead of corrupting a neighbour.
       mprotect(p, guard, PROT_NONE);
       stacks[nstacks++] = static_cast<char*>(p) + guard;
     }
@@ -700,16 +707,15 @@ static int run_block_direct() {
 
 static int launch(const char* kernel, const CpEmuLaunch* cfg, unsigned arity, const uint64_t* sizes,
                   void (*body)(void*), void* ctx) {
+  // Only abi_version may be read before it is known to match: another version may lay out
+  // every other field (err_buf included) differently.
+  if (cfg->abi_version != CP_EMU_ABI_VERSION) return CP_EMU_EABI;
   g.err = cfg->err_buf;
   g.err_cap = cfg->err_buf ? static_cast<size_t>(cfg->err_cap) : 0;
   if (g.err && g.err_cap) g.err[0] = '\0';
   g.kernel = kernel;
   if (g.in_launch) {
     err_append("kernel `%s`: recursive launch from inside a kernel is not supported", kernel);
-    return CP_EMU_EINVAL;
-  }
-  if (cfg->abi_version != CP_EMU_ABI_VERSION) {
-    err_append("kernel `%s`: launch ABI version %u, library expects %u", kernel, cfg->abi_version, CP_EMU_ABI_VERSION);
     return CP_EMU_EINVAL;
   }
   if (cfg->num_params != arity) {
@@ -838,6 +844,8 @@ static int launch_entry_impl(const char* name, void (*fn)(A...), const CpEmuLaun
 template <class... A>
 static int launch_entry(const char* name, void (*fn)(A...), const CpEmuLaunch* cfg, void** params) {
   if (cfg == nullptr) return CP_EMU_EINVAL;
+  // The version first: num_params and param_sizes are only meaningful in this ABI.
+  if (cfg->abi_version != CP_EMU_ABI_VERSION) return CP_EMU_EABI;
   return launch_entry_impl(name, fn, cfg, params, std::index_sequence_for<A...>{});
 }
 

@@ -108,14 +108,15 @@ impl Executor for StandInGpu {
     fn fill(&self, b: BufferId, r: &[(u64, u64)], v: u8) -> Result<(), ExecError> {
         self.cuda.fill(b, r, v)
     }
-    fn load_kernel(&self, a: &KernelArtifact<'_>) -> Result<KernelId, ExecError> {
+    unsafe fn load_kernel(&self, a: &KernelArtifact<'_>) -> Result<KernelId, ExecError> {
         let KernelArtifact::HostLibrary {
             path,
             entry,
             signature,
         } = *a
         else {
-            return self.cuda.load_kernel(a);
+            // SAFETY: forwarded; the caller's guarantee is the CUDA executor's.
+            return unsafe { self.cuda.load_kernel(a) };
         };
         let sizes: Vec<String> = signature
             .expect("spec kernels carry their signature")
@@ -128,14 +129,24 @@ impl Executor for StandInGpu {
             path.display(),
             sizes.join(",")
         );
-        self.cuda.load_kernel(&KernelArtifact::Cubin {
-            image: image.as_bytes(),
-            entry,
-            signature,
-        })
+        // SAFETY: the stand-in image names a library the JIT built (the caller's guarantee)
+        // for the fake driver, which runs it with the emulator.
+        unsafe {
+            self.cuda.load_kernel(&KernelArtifact::Cubin {
+                image: image.as_bytes(),
+                entry,
+                signature,
+            })
+        }
     }
-    fn launch(&self, k: KernelId, c: &LaunchConfig, a: &[KernelArg<'_>]) -> Result<(), ExecError> {
-        self.cuda.launch(k, c, a)
+    unsafe fn launch(
+        &self,
+        k: KernelId,
+        c: &LaunchConfig,
+        a: &[KernelArg<'_>],
+    ) -> Result<(), ExecError> {
+        // SAFETY: forwarded; the caller's guarantee is the CUDA executor's.
+        unsafe { self.cuda.launch(k, c, a) }
     }
     fn copy_regions(&self, s: BufferId, d: BufferId, r: &[CopyRegion]) -> Result<(), ExecError> {
         self.cuda.copy_regions(s, d, r)
@@ -268,16 +279,26 @@ fn executor_basics() {
     let c = ex.counters().since(&before_timing);
     assert!(t > 0.0 && t < 1.0, "{t} s for 64 bytes");
     assert_eq!((c.copies, c.syncs), (1, 1), "{c:?}");
-    assert!(matches!(
+    // SAFETY: the fake driver refuses the image before anything could run.
+    let bad = unsafe {
         ex.load_kernel(&KernelArtifact::Cubin {
             image: b"not an image",
             entry: "k",
             signature: None,
-        }),
-        Err(ExecError::Load { .. })
-    ));
-    ex.free(dev).unwrap();
+        })
+    };
+    assert!(matches!(bad, Err(ExecError::Load { .. })));
+    // A free waits for the device before releasing the memory: counted as a sync (and a
+    // free), device and pinned host memory alike; a refused free counts nothing.
+    for b in [dev, host] {
+        let before_free = ex.counters();
+        ex.free(b).unwrap();
+        let c = ex.counters().since(&before_free);
+        assert_eq!((c.frees, c.syncs), (1, 1), "{c:?}");
+    }
+    let before_free = ex.counters();
     assert!(ex.free(dev).is_err());
+    assert_eq!(ex.counters().since(&before_free), Counters::default());
     drop(ex);
     assert_eq!(live_allocations(), 0, "the executor leaked driver memory");
 }
@@ -346,7 +367,8 @@ fn launch_failures_are_typed() {
         None,
     )
     .unwrap();
-    let k = jit().get(&req).unwrap().load_spec(&gpu, &spec).unwrap();
+    // SAFETY: the JIT's build of `spec` for the stand-in's (host) target.
+    let k = unsafe { jit().get(&req).unwrap().load_spec(&gpu, &spec) }.unwrap();
     let buf = |n| gpu.alloc(MemKind::Device, n, 0).unwrap();
     let (pages, tops, stacks) = (buf(8), buf(8), buf(64));
     gpu.upload(pages, 0, &[2, 0, 0, 0, 3, 0, 0, 0]).unwrap();
@@ -358,17 +380,22 @@ fn launch_failures_are_typed() {
         KernelArg::U32(8),
     ];
     let cfg = LaunchConfig::linear(1, 32);
+    // SAFETY: release reads 2 pages from `pages` and updates 2 lanes of 8 slots in `stacks`
+    // and 2 tops in `tops`, the sizes allocated above.
+    let launch = |args: &[KernelArg<'_>]| unsafe { gpu.launch(k, &cfg, args) };
     let cause = |r: Result<(), ExecError>| r.unwrap_err().launch_failure();
     assert_eq!(
-        cause(gpu.launch(k, &cfg, &args[..4])),
+        cause(launch(&args[..4])),
         Some(LaunchFailure::InvalidConfig)
     );
     gpu.inject_launch_failure();
+    // An invalid launch is refused as such and leaves the failure armed.
     assert_eq!(
-        cause(gpu.launch(k, &cfg, &args)),
-        Some(LaunchFailure::Injected)
+        cause(launch(&args[..4])),
+        Some(LaunchFailure::InvalidConfig)
     );
-    gpu.launch(k, &cfg, &args).unwrap();
+    assert_eq!(cause(launch(&args)), Some(LaunchFailure::Injected));
+    launch(&args).unwrap();
     let mut tops_after = [0u8; 8];
     gpu.read(tops, 0, &mut tops_after).unwrap();
     // Page 2 went back to lane 0, page 3 to lane 1: each lane's top grew by one.

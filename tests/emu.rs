@@ -107,8 +107,37 @@ fn kernels_so() -> &'static Path {
     SO.get_or_init(|| compile_with(KERNELS, &sanitize_flags()))
 }
 
+/// `Executor::launch` and `load_kernel` for this file's kernels.
+trait TestKernels {
+    fn run(&self, k: KernelId, cfg: &LaunchConfig, args: &[KernelArg<'_>])
+        -> Result<(), ExecError>;
+    fn load_lib(&self, artifact: &KernelArtifact<'_>) -> Result<KernelId, ExecError>;
+}
+
+impl<E: Executor + ?Sized> TestKernels for E {
+    fn run(
+        &self,
+        k: KernelId,
+        cfg: &LaunchConfig,
+        args: &[KernelArg<'_>],
+    ) -> Result<(), ExecError> {
+        // SAFETY: the kernels of `tests/emu/kernels.cu` (and `FILL_PTX`) index their pointer
+        // arguments only by thread, block and the counts passed with them, and each test
+        // allocates its buffers for the grid and counts it launches with (the one launch that
+        // writes out of bounds on purpose, under ASan, calls `launch` itself).
+        unsafe { self.launch(k, cfg, args) }
+    }
+
+    fn load_lib(&self, artifact: &KernelArtifact<'_>) -> Result<KernelId, ExecError> {
+        // SAFETY: the artifacts are `tests/emu/kernels.cu` (or `FILL_PTX`) built with
+        // `cuda_emu.h` by `compile_with`, or ones the executor refuses before loading
+        // anything (missing path, missing entry, wrong kind).
+        unsafe { self.load_kernel(artifact) }
+    }
+}
+
 fn load(ex: &HostExecutor, so: &Path, entry: &str) -> KernelId {
-    ex.load_kernel(&KernelArtifact::HostLibrary {
+    ex.load_lib(&KernelArtifact::HostLibrary {
         path: so,
         entry,
         signature: None,
@@ -155,7 +184,7 @@ fn launch_err(
     cfg: LaunchConfig,
     args: &[KernelArg<'_>],
 ) -> ExecError {
-    ex.launch(k, &cfg, args).expect_err("launch should fail")
+    ex.run(k, &cfg, args).expect_err("launch should fail")
 }
 
 #[test]
@@ -166,7 +195,7 @@ fn block_reduction_through_shared_memory() {
         let inb = alloc_u32(ex, &input);
         let out = ex.alloc(MemKind::Device, blocks * 4, POISON).unwrap();
         let k = load(ex, kernels_so(), "block_sum");
-        ex.launch(
+        ex.run(
             k,
             &LaunchConfig::linear(blocks as u32, 256),
             &[KernelArg::Ptr(inb, 0), KernelArg::Ptr(out, 0)],
@@ -190,7 +219,7 @@ fn syncthreads_count_and_or() {
         let pb = alloc_u32(ex, &pred);
         let out = ex.alloc(MemKind::Device, 9 * 4, POISON).unwrap();
         let k = load(ex, kernels_so(), "sync_variants");
-        ex.launch(
+        ex.run(
             k,
             &LaunchConfig::linear(3, threads as u32),
             &[KernelArg::Ptr(pb, 0), KernelArg::Ptr(out, 0)],
@@ -282,7 +311,7 @@ fn warp_intrinsics_match_model_with_partial_masks_and_exited_lanes() {
             let out = ex
                 .alloc(MemKind::Device, blocks * threads * NOPS * 4, POISON)
                 .unwrap();
-            ex.launch(
+            ex.run(
                 k,
                 &LaunchConfig::linear(blocks as u32, threads as u32),
                 &[
@@ -340,7 +369,7 @@ fn atomics_across_blocks() {
             .iter()
             .map(|&b| KernelArg::Ptr(b, 0))
             .collect();
-        ex.launch(k, &LaunchConfig::linear(blocks, threads), &args)
+        ex.run(k, &LaunchConfig::linear(blocks, threads), &args)
             .unwrap();
         assert_eq!(read_u32(ex, counter), vec![total]);
         let mut s = [0u8; 8];
@@ -394,7 +423,7 @@ fn by_value_struct_and_pointer_params() {
         let out = ex.alloc(MemKind::Device, n as usize * 8, POISON).unwrap();
         let p = params_bytes(n, 3, -5, 9);
         let k = load(ex, kernels_so(), "struct_params");
-        ex.launch(
+        ex.run(
             k,
             &LaunchConfig::linear(n.div_ceil(128), 128),
             // `a` is passed with a byte offset of 8.
@@ -424,7 +453,7 @@ fn shared_memory_persists_across_blocks_so_order_matters() {
     both_orders(|ex, order| {
         let out = ex.alloc(MemKind::Device, 4 * 4, POISON).unwrap();
         let k = load(ex, kernels_so(), "shared_persist");
-        ex.launch(k, &LaunchConfig::linear(4, 32), &[KernelArg::Ptr(out, 0)])
+        ex.run(k, &LaunchConfig::linear(4, 32), &[KernelArg::Ptr(out, 0)])
             .unwrap();
         let got = read_u32(ex, out);
         match order {
@@ -444,7 +473,7 @@ fn reverse_runs_the_threads_of_a_block_backwards_after_every_barrier() {
     both_orders(|ex, order| {
         let log = alloc_u32(ex, &[0; 1 + 2 * 8]);
         let k = load(ex, kernels_so(), "run_order");
-        ex.launch(k, &LaunchConfig::linear(1, 8), &[KernelArg::Ptr(log, 0)])
+        ex.run(k, &LaunchConfig::linear(1, 8), &[KernelArg::Ptr(log, 0)])
             .unwrap();
         let got = read_u32(ex, log);
         let round: Vec<u32> = match order {
@@ -468,7 +497,7 @@ fn a_missing_barrier_shows_in_one_of_the_orders() {
             .alloc(MemKind::Device, 4 * blocks * threads, POISON)
             .unwrap();
         let k = load(ex, kernels_so(), "missing_barrier");
-        ex.launch(
+        ex.run(
             k,
             &LaunchConfig::linear(blocks as u32, threads as u32),
             &[KernelArg::Ptr(out, 0)],
@@ -510,7 +539,7 @@ fn deadlock_is_a_typed_error_naming_kernel_threads_and_intrinsics() {
         // The executor stays usable after an abandoned launch.
         let k2 = load(ex, kernels_so(), "block_sum");
         let inb = alloc_u32(ex, &[1; 256]);
-        ex.launch(
+        ex.run(
             k2,
             &LaunchConfig::linear(1, 256),
             &[KernelArg::Ptr(inb, 0), KernelArg::Ptr(out, 0)],
@@ -546,7 +575,7 @@ fn barrier_does_not_wait_for_exited_threads() {
     both_orders(|ex, _| {
         let out = ex.alloc(MemKind::Device, 64 * 4, POISON).unwrap();
         let k = load(ex, kernels_so(), "barrier_after_exit");
-        ex.launch(k, &LaunchConfig::linear(1, 64), &[KernelArg::Ptr(out, 0)])
+        ex.run(k, &LaunchConfig::linear(1, 64), &[KernelArg::Ptr(out, 0)])
             .unwrap();
         let got = read_u32(ex, out);
         for (t, &g) in got.iter().enumerate().take(16) {
@@ -607,7 +636,7 @@ fn single_thread_blocks_run_on_the_direct_path() {
         let pred = alloc_u32(ex, &[0, 5, 1]);
         let out = ex.alloc(MemKind::Device, 9 * 4, POISON).unwrap();
         let k = load(ex, kernels_so(), "sync_variants");
-        ex.launch(
+        ex.run(
             k,
             &LaunchConfig::linear(3, 1),
             &[KernelArg::Ptr(pred, 0), KernelArg::Ptr(out, 0)],
@@ -619,7 +648,7 @@ fn single_thread_blocks_run_on_the_direct_path() {
         let inb = alloc_u32(ex, &input);
         let wout = ex.alloc(MemKind::Device, 3 * NOPS * 4, POISON).unwrap();
         let k = load(ex, kernels_so(), "warp_ops");
-        ex.launch(
+        ex.run(
             k,
             &LaunchConfig::linear(3, 1),
             &[
@@ -642,7 +671,7 @@ fn single_thread_blocks_run_on_the_direct_path() {
         let e = launch_err(ex, k, LaunchConfig::linear(2, 1), &[KernelArg::Ptr(out, 0)]);
         assert_eq!(e.launch_failure(), Some(LaunchFailure::BadMask), "{e}");
         let k = load(ex, kernels_so(), "sync_variants");
-        ex.launch(
+        ex.run(
             k,
             &LaunchConfig::linear(3, 1),
             &[KernelArg::Ptr(pred, 0), KernelArg::Ptr(out, 0)],
@@ -692,7 +721,7 @@ fn three_dimensional_shapes() {
         let n = (grid.iter().product::<u32>() * block.iter().product::<u32>()) as usize;
         let out = ex.alloc(MemKind::Device, n * 4, POISON).unwrap();
         let k = load(ex, kernels_so(), "coords");
-        ex.launch(
+        ex.run(
             k,
             &LaunchConfig {
                 grid,
@@ -727,7 +756,7 @@ fn large_thread_stacks_work() {
     let ex = executor(BlockOrder::Forward);
     let out = ex.alloc(MemKind::Device, 128 * 4, POISON).unwrap();
     let k = load(&ex, kernels_so(), "big_stack");
-    ex.launch(k, &LaunchConfig::linear(2, 128), &[KernelArg::Ptr(out, 0)])
+    ex.run(k, &LaunchConfig::linear(2, 128), &[KernelArg::Ptr(out, 0)])
         .unwrap();
     let got = read_u32(&ex, out);
     for (t, &g) in got.iter().enumerate() {
@@ -773,12 +802,32 @@ fn raw_launch_rejects_null_params_and_huge_stacks() {
     assert_eq!(probe_raw(2), (0, String::new()));
 }
 
+/// A launch configuration of another ABI version is refused on its version alone: neither its
+/// parameter sizes nor its error buffer are touched (their layout may differ).
+#[test]
+fn raw_launch_checks_the_abi_version_before_anything_else() {
+    const EABI: i32 = 7;
+    assert_eq!(probe_raw(3), (EABI, String::new()));
+}
+
 #[test]
 fn launch_fault_injection() {
     let ex = executor(BlockOrder::Forward);
     let out = ex.alloc(MemKind::Device, 4, POISON).unwrap();
     let k = load(&ex, kernels_so(), "shared_persist");
     ex.inject_launch_failure();
+    // An invalid launch reports why, and leaves the failure armed for the next valid one.
+    let e = launch_err(
+        &ex,
+        k,
+        LaunchConfig::linear(1, 32),
+        &[KernelArg::Ptr(out, 8)],
+    );
+    assert_eq!(
+        e.launch_failure(),
+        Some(LaunchFailure::InvalidConfig),
+        "{e}"
+    );
     let e = launch_err(
         &ex,
         k,
@@ -792,7 +841,7 @@ fn launch_fault_injection() {
         vec![0xA5A5_A5A5],
         "the kernel must not have run"
     );
-    ex.launch(k, &LaunchConfig::linear(1, 32), &[KernelArg::Ptr(out, 0)])
+    ex.run(k, &LaunchConfig::linear(1, 32), &[KernelArg::Ptr(out, 0)])
         .unwrap();
 }
 
@@ -815,18 +864,20 @@ fn bounds_and_handles_are_checked() {
     ));
     let k = load(&ex, kernels_so(), "shared_persist");
     // One past the end is a valid pointer; two past is not.
-    ex.launch(k, &LaunchConfig::linear(1, 1), &[KernelArg::Ptr(b, 0)])
+    ex.run(k, &LaunchConfig::linear(1, 1), &[KernelArg::Ptr(b, 0)])
         .unwrap();
     let e = launch_err(&ex, k, LaunchConfig::linear(1, 1), &[KernelArg::Ptr(b, 65)]);
-    assert!(
-        matches!(
-            e,
-            ExecError::OutOfBounds {
-                op: "kernel argument",
-                ..
-            }
-        ),
+    assert_eq!(
+        e.launch_failure(),
+        Some(LaunchFailure::InvalidConfig),
         "{e}"
+    );
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "launch of kernel `shared_persist` failed (invalid configuration): parameter 0: \
+             kernel argument of 0 bytes at offset 65 is outside buffer {b:?} of 64 bytes"
+        )
     );
     ex.free(b).unwrap();
     assert!(matches!(
@@ -834,11 +885,11 @@ fn bounds_and_handles_are_checked() {
         Err(ExecError::UnknownBuffer(_))
     ));
     assert!(matches!(
-        ex.launch(KernelId(999), &LaunchConfig::linear(1, 1), &[]),
+        ex.run(KernelId(999), &LaunchConfig::linear(1, 1), &[]),
         Err(ExecError::UnknownKernel(_))
     ));
     let e = ex
-        .load_kernel(&KernelArtifact::HostLibrary {
+        .load_lib(&KernelArtifact::HostLibrary {
             path: kernels_so(),
             entry: "no_such_kernel",
             signature: None,
@@ -849,7 +900,7 @@ fn bounds_and_handles_are_checked() {
         "{e}"
     );
     let e = ex
-        .load_kernel(&KernelArtifact::HostLibrary {
+        .load_lib(&KernelArtifact::HostLibrary {
             path: Path::new("/nonexistent/k.so"),
             entry: "k",
             signature: None,
@@ -857,7 +908,7 @@ fn bounds_and_handles_are_checked() {
         .unwrap_err();
     assert!(matches!(e, ExecError::Load { .. }), "{e}");
     let e = ex
-        .load_kernel(&KernelArtifact::Cubin {
+        .load_lib(&KernelArtifact::Cubin {
             image: &[0; 16],
             entry: "k",
             signature: None,
@@ -873,7 +924,7 @@ fn counters_show_sync_free_scopes() {
     let before = ex.counters();
     let inb = alloc_u32(&ex, &[2; 512]);
     let out = ex.alloc(MemKind::Device, 8, POISON).unwrap();
-    ex.launch(
+    ex.run(
         k,
         &LaunchConfig::linear(2, 256),
         &[KernelArg::Ptr(inb, 0), KernelArg::Ptr(out, 0)],
@@ -903,7 +954,7 @@ fn executors_on_several_threads_keep_shared_memory_apart() {
                 for round in 0..20u32 {
                     let inb = alloc_u32(&ex, &[round; 1024]);
                     let out = ex.alloc(MemKind::Device, 16, POISON).unwrap();
-                    ex.launch(
+                    ex.run(
                         k,
                         &LaunchConfig::linear(4, 256),
                         &[KernelArg::Ptr(inb, 0), KernelArg::Ptr(out, 0)],
@@ -929,7 +980,7 @@ fn ucontext_fallback_runs_the_same_kernels() {
         // deadlock_elsewhere's second warp completes its shuffle and writes out[32..64].
         let out = ex.alloc(MemKind::Device, 64 * 4, POISON).unwrap();
         let k = load(ex, &so, "block_sum");
-        ex.launch(
+        ex.run(
             k,
             &LaunchConfig::linear(2, 256),
             &[KernelArg::Ptr(inb, 0), KernelArg::Ptr(out, 0)],
@@ -974,11 +1025,16 @@ fn asan_child_oob_write() {
     let out = ex.alloc(MemKind::Device, 64, POISON).unwrap();
     let k = load(&ex, Path::new(&so), "oob_write");
     // Writes out[16], one element past the 64-byte buffer; ASan aborts the process here.
-    ex.launch(
-        k,
-        &LaunchConfig::linear(1, 32),
-        &[KernelArg::Ptr(out, 0), KernelArg::U32(16)],
-    )
+    // SAFETY: none: this breaks `launch`'s contract on purpose, only in a child process whose
+    // kernels are built with AddressSanitizer (and its runtime preloaded), which aborts at
+    // the first byte out of bounds.
+    unsafe {
+        ex.launch(
+            k,
+            &LaunchConfig::linear(1, 32),
+            &[KernelArg::Ptr(out, 0), KernelArg::U32(16)],
+        )
+    }
     .unwrap();
     eprintln!("ASAN-CHILD: launch returned without a report");
 }
@@ -1034,16 +1090,16 @@ fn measure_fiber_costs() {
     let bars = load(&ex, kernels_so(), "barrier_loop");
     for threads in [1u32, 32, 256, 1024] {
         let blocks = (1u32 << 22) / threads;
-        ex.launch(empty, &LaunchConfig::linear(16, threads), &[])
+        ex.run(empty, &LaunchConfig::linear(16, threads), &[])
             .unwrap();
         let t = std::time::Instant::now();
-        ex.launch(empty, &LaunchConfig::linear(blocks, threads), &[])
+        ex.run(empty, &LaunchConfig::linear(blocks, threads), &[])
             .unwrap();
         let start_ns = t.elapsed().as_nanos() as f64 / f64::from(blocks * threads);
         let iters = 64u32;
         let bblocks = blocks / 16;
         let t = std::time::Instant::now();
-        ex.launch(
+        ex.run(
             bars,
             &LaunchConfig::linear(bblocks, threads),
             &[KernelArg::U32(iters)],
@@ -1071,13 +1127,13 @@ fn backend_selection_without_a_gpu() {
     // Whatever the backend, the trait object runs the same kernels.
     let out = ex.alloc(MemKind::Device, 4 * 4, POISON).unwrap();
     let k = ex
-        .load_kernel(&KernelArtifact::HostLibrary {
+        .load_lib(&KernelArtifact::HostLibrary {
             path: kernels_so(),
             entry: "shared_persist",
             signature: None,
         })
         .unwrap();
-    ex.launch(k, &LaunchConfig::linear(4, 1), &[KernelArg::Ptr(out, 0)])
+    ex.run(k, &LaunchConfig::linear(4, 1), &[KernelArg::Ptr(out, 0)])
         .unwrap();
 }
 
@@ -1111,7 +1167,7 @@ fn cuda_executor_runs_a_ptx_kernel_when_a_gpu_is_present() {
     }
     let ex = CudaExecutor::new(0).unwrap();
     let k = ex
-        .load_kernel(&KernelArtifact::Cubin {
+        .load_lib(&KernelArtifact::Cubin {
             image: FILL_PTX.as_bytes(),
             entry: "fill_u32",
             signature: None,
@@ -1120,7 +1176,7 @@ fn cuda_executor_runs_a_ptx_kernel_when_a_gpu_is_present() {
     for kind in [MemKind::Device, MemKind::Host] {
         let out = ex.alloc(kind, 64 * 4, POISON).unwrap();
         let before = ex.counters();
-        ex.launch(
+        ex.run(
             k,
             &LaunchConfig::linear(1, 32),
             &[KernelArg::Ptr(out, 0), KernelArg::U32(7)],
@@ -1141,7 +1197,7 @@ fn cuda_executor_runs_a_ptx_kernel_when_a_gpu_is_present() {
     ex.inject_launch_failure();
     let out = ex.alloc(MemKind::Device, 4, POISON).unwrap();
     let e = ex
-        .launch(
+        .run(
             k,
             &LaunchConfig::linear(1, 1),
             &[KernelArg::Ptr(out, 0), KernelArg::U32(1)],

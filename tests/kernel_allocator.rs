@@ -13,7 +13,10 @@ use cp_hicache::allocator::{
     AllocError, KernelAllocError, KernelAllocOptions, KernelLaneAllocator, KernelRun,
     OwnerLaneAllocator, PageRun,
 };
-use cp_hicache::exec::{BlockOrder, Executor};
+use cp_hicache::exec::{
+    Backend, BlockOrder, BufferId, CopyRegion, Counters, ExecError, Executor, HostExecutor,
+    KernelArg, KernelArtifact, KernelId, LaunchConfig, MemKind,
+};
 use cp_hicache::layout::{zigzag_owners, CpLayout, PageId};
 use proptest::prelude::*;
 use proptest::test_runner::{RngSeed, TestRunner};
@@ -293,4 +296,112 @@ fn fresh_lanes_pop_ascending_pages_and_failed_launches_change_nothing() {
     let again = dev.alloc_pages_with_owners(&[1, 0, 0, 3, 2]).unwrap();
     assert_eq!(again.run.pages().len(), 5);
     dev.debug_check_device().unwrap();
+}
+
+/// A host executor whose allocation number `fail_at` (0-based) fails.
+struct FailingAlloc {
+    inner: Arc<HostExecutor>,
+    fail_at: usize,
+    calls: std::sync::atomic::AtomicUsize,
+}
+
+impl Executor for FailingAlloc {
+    fn backend(&self) -> Backend {
+        self.inner.backend()
+    }
+    fn device_name(&self) -> String {
+        self.inner.device_name()
+    }
+    fn alloc(&self, k: MemKind, b: usize, f: u8) -> Result<BufferId, ExecError> {
+        let call = self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if call == self.fail_at {
+            return Err(ExecError::Alloc {
+                bytes: b,
+                kind: k,
+                reason: "allocation failure injected by the test".into(),
+            });
+        }
+        self.inner.alloc(k, b, f)
+    }
+    fn free(&self, b: BufferId) -> Result<(), ExecError> {
+        self.inner.free(b)
+    }
+    fn size(&self, b: BufferId) -> Result<usize, ExecError> {
+        self.inner.size(b)
+    }
+    fn upload(&self, b: BufferId, o: u64, d: &[u8]) -> Result<(), ExecError> {
+        self.inner.upload(b, o, d)
+    }
+    fn read(&self, b: BufferId, o: u64, d: &mut [u8]) -> Result<(), ExecError> {
+        self.inner.read(b, o, d)
+    }
+    unsafe fn load_kernel(&self, a: &KernelArtifact<'_>) -> Result<KernelId, ExecError> {
+        // SAFETY: forwarded; the caller's guarantee is the inner executor's.
+        unsafe { self.inner.load_kernel(a) }
+    }
+    unsafe fn launch(
+        &self,
+        k: KernelId,
+        c: &LaunchConfig,
+        a: &[KernelArg<'_>],
+    ) -> Result<(), ExecError> {
+        // SAFETY: forwarded; the caller's guarantee is the inner executor's.
+        unsafe { self.inner.launch(k, c, a) }
+    }
+    fn copy_regions(&self, s: BufferId, d: BufferId, r: &[CopyRegion]) -> Result<(), ExecError> {
+        self.inner.copy_regions(s, d, r)
+    }
+    fn fill(&self, b: BufferId, r: &[(u64, u64)], v: u8) -> Result<(), ExecError> {
+        self.inner.fill(b, r, v)
+    }
+    fn synchronize(&self) -> Result<(), ExecError> {
+        self.inner.synchronize()
+    }
+    fn counters(&self) -> Counters {
+        self.inner.counters()
+    }
+    fn inject_launch_failure(&self) {
+        self.inner.inject_launch_failure()
+    }
+    fn disarm_launch_failure(&self) -> bool {
+        self.inner.disarm_launch_failure()
+    }
+}
+
+/// A constructor whose k-th buffer allocation fails frees the buffers it allocated before
+/// it; one whose allocations all succeed owns its buffers until it is dropped.
+#[test]
+fn a_failed_allocation_in_the_constructor_frees_the_earlier_buffers() {
+    let layout = CpLayout::new(4, 16, 41).unwrap();
+    let live = |c: Counters| c.allocs - c.frees;
+    let mut failed = 0;
+    for fail_at in 0.. {
+        let inner = Arc::new(support::executor(BlockOrder::Forward));
+        let ex: Arc<dyn Executor> = Arc::new(FailingAlloc {
+            inner: Arc::clone(&inner),
+            fail_at,
+            calls: Default::default(),
+        });
+        match KernelLaneAllocator::new(layout, ex, support::jit(), KernelAllocOptions::default()) {
+            Err(e) => {
+                assert!(
+                    matches!(&e, KernelAllocError::Exec(ExecError::Alloc { .. })),
+                    "{e}"
+                );
+                assert_eq!(
+                    live(inner.counters()),
+                    0,
+                    "allocation {fail_at} failed and left buffers behind"
+                );
+                failed += 1;
+            }
+            Ok(dev) => {
+                assert_eq!(live(inner.counters()), fail_at as u64);
+                drop(dev);
+                assert_eq!(live(inner.counters()), 0);
+                break;
+            }
+        }
+    }
+    assert!(failed >= 6, "only {failed} allocations were failed");
 }

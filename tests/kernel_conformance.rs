@@ -358,7 +358,8 @@ fn bad_argument_lists_are_refused_by_the_signature() {
         .map(|(args, want)| (&config, args, want))
         .chain(shapes.into_iter().map(|(c, want)| (c, &good[..], want)));
     for (config, args, want) in cases {
-        match b.ex.launch(kernel, config, args) {
+        // SAFETY: every case is refused by the signature check before anything runs.
+        match unsafe { b.ex.launch(kernel, config, args) } {
             Err(ExecError::Launch {
                 kernel: name,
                 cause: LaunchFailure::InvalidConfig,
@@ -372,7 +373,8 @@ fn bad_argument_lists_are_refused_by_the_signature() {
         assert_eq!(u32s(&b.read(tb)), tops, "{want}: nothing ran");
         assert_eq!(u32s(&b.read(sb)), stacks, "{want}: nothing ran");
     }
-    b.ex.launch(kernel, &config, &good).unwrap();
+    // SAFETY: the buffers above hold the pages, CP lanes of `lane_cap` and CP tops.
+    unsafe { b.ex.launch(kernel, &config, &good) }.unwrap();
     let (mut ws, mut wt) = (stacks.clone(), tops.clone());
     reference::release_pages(4, &pages, &mut ws, &mut wt, lane_cap).unwrap();
     assert_eq!(u32s(&b.read(sb)), ws);
@@ -440,19 +442,23 @@ fn check_select(b: &mut Bench, cp: u8, ps: u32, threads: u32, order: BlockOrder)
         let tb = b.bytes(&le32(&tops), 4 * GUARD);
         let pb = b.poison(4 * (n + GUARD));
         let lb = b.poison(8 * (n * psz + GUARD));
-        b.launch(
-            &spec,
-            spec.launch_dims(n as u32, 1).grid,
-            &[
-                KernelArg::Ptr(ob, 0),
-                KernelArg::U32(n as u32),
-                KernelArg::Ptr(sb, 0),
-                KernelArg::Ptr(tb, 0),
-                KernelArg::U32(lane_cap),
-                KernelArg::Ptr(pb, 0),
-                KernelArg::Ptr(lb, 0),
-            ],
-        );
+        // SAFETY: `n` owners, CP lanes of `lane_cap`, CP tops, `n` pages and `n * ps`
+        // locations (plus guards), as the arguments say.
+        unsafe {
+            b.launch(
+                &spec,
+                spec.launch_dims(n as u32, 1).grid,
+                &[
+                    KernelArg::Ptr(ob, 0),
+                    KernelArg::U32(n as u32),
+                    KernelArg::Ptr(sb, 0),
+                    KernelArg::Ptr(tb, 0),
+                    KernelArg::U32(lane_cap),
+                    KernelArg::Ptr(pb, 0),
+                    KernelArg::Ptr(lb, 0),
+                ],
+            )
+        };
         let mut want_tops = tops.clone();
         let (want_pages, want_locs) =
             reference::select_owner_pages(cp, ps, &owners, &stacks, &mut want_tops, lane_cap)
@@ -538,17 +544,20 @@ fn check_release(b: &mut Bench, cp: u8, threads: u32, order: BlockOrder) {
         let pgb = b.bytes(&le32(&pages), GUARD);
         let sb = b.bytes(&le32(&stacks), 4 * GUARD);
         let tb = b.bytes(&le32(&tops), 4 * GUARD);
-        b.launch(
-            &spec,
-            1,
-            &[
-                KernelArg::Ptr(pgb, 0),
-                KernelArg::U32(n as u32),
-                KernelArg::Ptr(sb, 0),
-                KernelArg::Ptr(tb, 0),
-                KernelArg::U32(lane_cap),
-            ],
-        );
+        // SAFETY: `n` pages, CP lanes of `lane_cap` and CP tops (plus guards).
+        unsafe {
+            b.launch(
+                &spec,
+                1,
+                &[
+                    KernelArg::Ptr(pgb, 0),
+                    KernelArg::U32(n as u32),
+                    KernelArg::Ptr(sb, 0),
+                    KernelArg::Ptr(tb, 0),
+                    KernelArg::U32(lane_cap),
+                ],
+            )
+        };
         let (mut ws, mut wt) = (stacks.clone(), tops.clone());
         reference::release_pages(cp, &pages, &mut ws, &mut wt, lane_cap).unwrap();
         let ctx = format!("{spec} {order} trial {trial} n {n} cap {lane_cap}");
@@ -849,20 +858,24 @@ fn check_synthesise(b: &mut Bench, spec: KernelSpec, order: BlockOrder) {
         for rank in 0..cpn {
             let pool = b.poison(pool_bytes + GUARD);
             let g = grid(&mut rng, spec.launch_dims(items, layers).grid);
-            b.launch(
-                &spec,
-                g,
-                &[
-                    KernelArg::Ptr(pool, 0),
-                    KernelArg::Ptr(hb, 0),
-                    KernelArg::Ptr(sb, 0),
-                    KernelArg::U32(n_tokens),
-                    KernelArg::U32(start_page),
-                    KernelArg::U32(rank),
-                    KernelArg::U32(layers),
-                    KernelArg::U32(local_pages),
-                ],
-            );
+            // SAFETY: a pool of `layers` x `local_pages` pages (plus a guard), `n_tokens`
+            // hashes and `n_pages` sequence pages of this rank's pool.
+            unsafe {
+                b.launch(
+                    &spec,
+                    g,
+                    &[
+                        KernelArg::Ptr(pool, 0),
+                        KernelArg::Ptr(hb, 0),
+                        KernelArg::Ptr(sb, 0),
+                        KernelArg::U32(n_tokens),
+                        KernelArg::U32(start_page),
+                        KernelArg::U32(rank),
+                        KernelArg::U32(layers),
+                        KernelArg::U32(local_pages),
+                    ],
+                )
+            };
             let mut want = vec![POISON; pool_bytes + GUARD];
             reference::synthesise(
                 s.buffer,
@@ -970,18 +983,22 @@ fn verify_flags_exactly_the_corrupted_tokens() {
                     let hb = b.bytes(&le64(&hashes), 0);
                     let mb = b.bytes(&le32(&vec![0; want.len()]), GUARD);
                     let g = grid(&mut rng, spec.launch_dims(n_tokens, layers).grid);
-                    b.launch(
-                        &spec,
-                        g,
-                        &[
-                            KernelArg::Ptr(db, 0),
-                            KernelArg::Ptr(hb, 0),
-                            KernelArg::U32(n_tokens),
-                            KernelArg::U32(start_page),
-                            KernelArg::U32(layers),
-                            KernelArg::Ptr(mb, 0),
-                        ],
-                    );
+                    // SAFETY: the dense KV of `n_tokens` tokens, their hashes and one bit per
+                    // token (plus guards).
+                    unsafe {
+                        b.launch(
+                            &spec,
+                            g,
+                            &[
+                                KernelArg::Ptr(db, 0),
+                                KernelArg::Ptr(hb, 0),
+                                KernelArg::U32(n_tokens),
+                                KernelArg::U32(start_page),
+                                KernelArg::U32(layers),
+                                KernelArg::Ptr(mb, 0),
+                            ],
+                        )
+                    };
                     let got = b.read(mb);
                     let ctx = format!("{spec} {order} trial {trial} tokens {n_tokens} start {start_page} grid {g} bad {bad:?}");
                     assert_eq!(u32s(&got[..4 * want.len()]), want, "{ctx}");

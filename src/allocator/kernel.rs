@@ -143,6 +143,41 @@ struct Growable {
     bytes: usize,
 }
 
+/// Buffers allocated for an allocator under construction: freed when dropped unless
+/// [`Allocated::keep`] hands them over, so a failed constructor leaks none of them.
+struct Allocated<'e> {
+    exec: &'e dyn Executor,
+    ids: Vec<BufferId>,
+}
+
+impl Allocated<'_> {
+    fn alloc(&mut self, bytes: usize) -> Result<BufferId, ExecError> {
+        let id = self.exec.alloc(MemKind::Device, bytes, POISON)?;
+        self.ids.push(id);
+        Ok(id)
+    }
+
+    fn growable(&mut self, bytes: usize) -> Result<Growable, ExecError> {
+        let g = Growable::new(self.exec, bytes)?;
+        self.ids.push(g.id);
+        Ok(g)
+    }
+
+    /// The buffers now belong to a finished allocator (whose `Drop` frees them).
+    fn keep(mut self) {
+        self.ids.clear();
+    }
+}
+
+impl Drop for Allocated<'_> {
+    fn drop(&mut self) {
+        for &b in &self.ids {
+            // Nothing useful can be done about a failed free on an error path.
+            let _ = self.exec.free(b);
+        }
+    }
+}
+
 impl Growable {
     fn new(exec: &dyn Executor, bytes: usize) -> Result<Growable, ExecError> {
         let bytes = bytes.max(64);
@@ -234,35 +269,43 @@ impl KernelLaneAllocator {
         let mut ids = Vec::with_capacity(specs.len());
         for (spec, compiled) in specs.iter().zip(jit.warm_up(&requests)) {
             let compiled = compiled?;
-            ids.push(compiled.load_spec(exec.as_ref(), spec)?);
+            // SAFETY: `compiled` is the JIT's build of `spec` for `exec`'s target.
+            ids.push(unsafe { compiled.load_spec(exec.as_ref(), spec) }?);
         }
         // Every lane fits: a lane holds at most ceil(pages / cp) pages.
         let lane_cap = layout.local_pages_per_rank();
         let cp = usize::from(layout.cp());
-        let ex = exec.as_ref();
-        let stacks = ex.alloc(MemKind::Device, 4 * cp * lane_cap as usize, POISON)?;
-        let tops = ex.alloc(MemKind::Device, 4 * cp, POISON)?;
+        // A failed allocation frees the ones before it (`Allocated`'s drop).
+        let mut mem = Allocated {
+            exec: exec.as_ref(),
+            ids: Vec::new(),
+        };
+        let stacks = mem.alloc(4 * cp * lane_cap as usize)?;
+        let tops = mem.alloc(4 * cp)?;
+        // Sized for the largest possible call (every page at once), so an allocation or a
+        // free never grows a buffer: on CUDA that would be a synchronising
+        // cuMemFree/cuMemAlloc on the load path. out_locs is 8 bytes per token, a few percent
+        // of the KV pools themselves.
+        let owners_in = mem.growable(layout.pages() as usize)?;
+        let pages_in = mem.growable(4 * layout.pages() as usize)?;
+        let out_pages = mem.growable(4 * layout.pages() as usize)?;
+        let out_locs = mem.growable(8 * layout.pages() as usize * layout.page_size() as usize)?;
+        mem.keep();
         let me = KernelLaneAllocator {
             select: (specs[0], ids[0]),
             release: (specs[1], ids[1]),
             lane_cap,
             stacks,
             tops,
-            // Sized for the largest possible call (every page at once), so an allocation or
-            // a free never grows a buffer: on CUDA that would be a synchronising
-            // cuMemFree/cuMemAlloc on the load path. out_locs is 8 bytes per token, a few
-            // percent of the KV pools themselves.
-            owners_in: Growable::new(ex, layout.pages() as usize)?,
-            pages_in: Growable::new(ex, 4 * layout.pages() as usize)?,
-            out_pages: Growable::new(ex, 4 * layout.pages() as usize)?,
-            out_locs: Growable::new(
-                ex,
-                8 * layout.pages() as usize * layout.page_size() as usize,
-            )?,
+            owners_in,
+            pages_in,
+            out_pages,
+            out_locs,
             mirror,
             exec,
             broken: None,
         };
+        // From here on the allocator's own `Drop` frees the buffers.
         me.upload_state()?;
         Ok(me)
     }
@@ -454,19 +497,24 @@ impl KernelLaneAllocator {
         self.out_locs.ensure(ex, 8 * n * ps)?;
         ex.upload(self.owners_in.id, 0, owners)?;
         let d = self.select.0.launch_dims(n as u32, 1);
-        ex.launch(
-            self.select.1,
-            &LaunchConfig::linear(d.grid, d.block),
-            &[
-                KernelArg::Ptr(self.owners_in.id, 0),
-                KernelArg::U32(n as u32),
-                KernelArg::Ptr(self.stacks, 0),
-                KernelArg::Ptr(self.tops, 0),
-                KernelArg::U32(self.lane_cap),
-                KernelArg::Ptr(self.out_pages.id, 0),
-                KernelArg::Ptr(self.out_locs.id, 0),
-            ],
-        )
+        // SAFETY: the select kernel of this layout (loaded in `from_allocator`) reads `n`
+        // owners and writes `n` pages and `n * page_size` locations, which the buffers just
+        // ensured above hold; `stacks` holds CP lanes of `lane_cap` slots and `tops` CP tops.
+        unsafe {
+            ex.launch(
+                self.select.1,
+                &LaunchConfig::linear(d.grid, d.block),
+                &[
+                    KernelArg::Ptr(self.owners_in.id, 0),
+                    KernelArg::U32(n as u32),
+                    KernelArg::Ptr(self.stacks, 0),
+                    KernelArg::Ptr(self.tops, 0),
+                    KernelArg::U32(self.lane_cap),
+                    KernelArg::Ptr(self.out_pages.id, 0),
+                    KernelArg::Ptr(self.out_locs.id, 0),
+                ],
+            )
+        }
     }
 
     fn launch_release(&mut self, pages: &[PageId]) -> Result<(), ExecError> {
@@ -479,17 +527,21 @@ impl KernelLaneAllocator {
         let bytes: Vec<u8> = pages.iter().flat_map(|p| p.0.to_le_bytes()).collect();
         ex.upload(self.pages_in.id, 0, &bytes)?;
         let d = self.release.0.launch_dims(n as u32, 1);
-        ex.launch(
-            self.release.1,
-            &LaunchConfig::linear(d.grid, d.block),
-            &[
-                KernelArg::Ptr(self.pages_in.id, 0),
-                KernelArg::U32(n as u32),
-                KernelArg::Ptr(self.stacks, 0),
-                KernelArg::Ptr(self.tops, 0),
-                KernelArg::U32(self.lane_cap),
-            ],
-        )
+        // SAFETY: the release kernel of this layout reads `n` pages (the buffer ensured above
+        // holds them) and updates CP lanes of `lane_cap` slots in `stacks` and CP `tops`.
+        unsafe {
+            ex.launch(
+                self.release.1,
+                &LaunchConfig::linear(d.grid, d.block),
+                &[
+                    KernelArg::Ptr(self.pages_in.id, 0),
+                    KernelArg::U32(n as u32),
+                    KernelArg::Ptr(self.stacks, 0),
+                    KernelArg::Ptr(self.tops, 0),
+                    KernelArg::U32(self.lane_cap),
+                ],
+            )
+        }
     }
 
     /// Uploads the mirror's stacks and tops (no read back).

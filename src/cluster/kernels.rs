@@ -102,7 +102,8 @@ impl DeploymentKernels {
         let mut cache_hits = 0;
         for (spec, kernel) in specs.iter().zip(compiled) {
             cache_hits += usize::from(kernel.cache_hit.is_hit());
-            let id = kernel.load_spec(exec, spec)?;
+            // SAFETY: `kernel` is the JIT's build of `spec` for `exec`'s target.
+            let id = unsafe { kernel.load_spec(exec, spec) }?;
             loaded.push(Loaded { spec: *spec, id });
         }
         let mut k = DeploymentKernels {

@@ -355,7 +355,9 @@ impl<'a> KernelArtifact<'a> {
 pub enum KernelArg<'a> {
     /// Address of `buffer` plus a byte offset (checked against the buffer's size).
     Ptr(BufferId, u64),
-    /// A null pointer.
+    /// A null pointer. No rendered kernel accepts one (they dereference every pointer), so a
+    /// launch of a kernel loaded with a signature refuses it; it is for hand-written kernels
+    /// that do not dereference that parameter.
     Null,
     /// `u32` by value.
     U32(u32),
@@ -409,7 +411,14 @@ pub(crate) fn check_range(
 /// The bytes each `void**` entry of a launch points at, one vector per argument, in the
 /// kernel's parameter order. `resolve` gives a buffer's base address and size; pointer
 /// offsets may be one past the end, never beyond.
+///
+/// A pointer argument whose buffer is unknown or whose offset lies outside it is
+/// [`ExecError::Launch`] with [`LaunchFailure::InvalidConfig`], naming `kernel` and the
+/// parameter (its index, and its name and type when `signature` gives them) before the
+/// underlying [`ExecError::UnknownBuffer`] / [`ExecError::OutOfBounds`] message.
 pub(crate) fn marshal_args(
+    kernel: &str,
+    signature: Option<&KernelSignature>,
     args: &[KernelArg<'_>],
     resolve: impl Fn(BufferId) -> Result<(u64, usize), ExecError>,
 ) -> Result<Vec<Vec<u8>>, ExecError> {
@@ -418,10 +427,27 @@ pub(crate) fn marshal_args(
         check_range("kernel argument", b, size, off, 0)?;
         Ok((addr + off).to_ne_bytes())
     };
+    let invalid = |i: usize, element: Option<usize>, e: ExecError| {
+        let param = match signature.and_then(|s| s.params.get(i)) {
+            Some(p) => format!("parameter {i} `{}` ({})", p.name, p.c_type),
+            None => format!("parameter {i}"),
+        };
+        let element = element
+            .map(|j| format!(", pointer {j}"))
+            .unwrap_or_default();
+        ExecError::Launch {
+            kernel: kernel.to_string(),
+            cause: LaunchFailure::InvalidConfig,
+            message: format!("{param}{element}: {e}"),
+        }
+    };
     args.iter()
-        .map(|arg| {
+        .enumerate()
+        .map(|(i, arg)| {
             Ok(match *arg {
-                KernelArg::Ptr(b, off) => pointer(b, off)?.to_vec(),
+                KernelArg::Ptr(b, off) => {
+                    pointer(b, off).map_err(|e| invalid(i, None, e))?.to_vec()
+                }
                 KernelArg::Null => vec![0; 8],
                 KernelArg::U32(v) => v.to_ne_bytes().to_vec(),
                 KernelArg::I32(v) => v.to_ne_bytes().to_vec(),
@@ -430,8 +456,10 @@ pub(crate) fn marshal_args(
                 KernelArg::Bytes(b) => b.to_vec(),
                 KernelArg::PtrStruct(ptrs) => {
                     let mut out = Vec::with_capacity(8 * ptrs.len());
-                    for &(b, off) in ptrs {
-                        out.extend_from_slice(&pointer(b, off)?);
+                    for (j, &(b, off)) in ptrs.iter().enumerate() {
+                        out.extend_from_slice(
+                            &pointer(b, off).map_err(|e| invalid(i, Some(j), e))?,
+                        );
                     }
                     out
                 }
@@ -513,7 +541,9 @@ impl LaunchConfig {
 pub struct Counters {
     /// Kernel launches (including failed ones).
     pub launches: u64,
-    /// Explicit synchronisations ([`Executor::synchronize`]).
+    /// Synchronisations: explicit ones ([`Executor::synchronize`], [`Executor::time_work`])
+    /// and, on CUDA, every operation that waits for the device: writes to pinned host
+    /// memory and [`Executor::free`] (the memory is released after `cuCtxSynchronize`).
     pub syncs: u64,
     /// Read-backs ([`Executor::read`]); each one waits for the work writing the buffer.
     pub reads: u64,
@@ -526,6 +556,9 @@ pub struct Counters {
     /// Buffer allocations, and on CUDA the pinned staging rings uploads had to allocate
     /// (a page-locked allocation stalls concurrent streams, as a device allocation does).
     pub allocs: u64,
+    /// Buffers freed ([`Executor::free`]), on every backend (as `allocs` counts allocations);
+    /// on CUDA each one is a synchronisation, also counted in `syncs`.
+    pub frees: u64,
     /// Copy batches ([`Executor::copy_regions`]).
     pub copies: u64,
     /// Bytes moved by copy batches.
@@ -547,6 +580,7 @@ impl Counters {
             uploads: self.uploads.saturating_sub(earlier.uploads),
             bytes_uploaded: self.bytes_uploaded.saturating_sub(earlier.bytes_uploaded),
             allocs: self.allocs.saturating_sub(earlier.allocs),
+            frees: self.frees.saturating_sub(earlier.frees),
             copies: self.copies.saturating_sub(earlier.copies),
             bytes_copied: self.bytes_copied.saturating_sub(earlier.bytes_copied),
             fills: self.fills.saturating_sub(earlier.fills),
@@ -601,7 +635,16 @@ pub trait Executor: Send + Sync {
     fn read(&self, buffer: BufferId, offset: u64, out: &mut [u8]) -> Result<(), ExecError>;
 
     /// Loads a kernel; loading the same artifact twice may return two handles.
-    fn load_kernel(&self, artifact: &KernelArtifact<'_>) -> Result<KernelId, ExecError>;
+    ///
+    /// # Safety
+    ///
+    /// The artifact must be one the JIT built for this executor's backend (as
+    /// [`CompiledKernel::load_spec`](crate::jit::CompiledKernel::load_spec) passes it): a host
+    /// library is `dlopen`ed, which runs its initialisers, and its `<entry>__emu_launch` is
+    /// later called with the `CpEmuLaunch` ABI; a CUBIN's entry is later launched with
+    /// arguments laid out for the kernel's signature. Any other library or image is arbitrary
+    /// code in this process or on the device.
+    unsafe fn load_kernel(&self, artifact: &KernelArtifact<'_>) -> Result<KernelId, ExecError>;
 
     /// Launches a loaded kernel with `args` (one per kernel parameter, in order).
     ///
@@ -614,8 +657,20 @@ pub trait Executor: Send + Sync {
     /// count and sizes against the compiled kernel, but the CUDA driver cannot, so there a
     /// wrong argument list reads garbage. Pointer arguments are checked to start inside their
     /// buffers; how far a kernel reaches from them is bounded by its own size arguments, as
-    /// on a GPU.
-    fn launch(
+    /// on a GPU, and no executor can check that (see `# Safety`).
+    ///
+    /// # Safety
+    ///
+    /// Every pointer argument must lie in a buffer large enough for everything the kernel
+    /// reads or writes through it given the launch's size arguments (element counts, lane
+    /// capacities, page counts, ...) and shape, as the kernel's contract in `docs/KERNELS.md`
+    /// states: the host executor runs the kernel in this process, so an access past a buffer
+    /// corrupts the Rust heap, and on a GPU it corrupts other device allocations or faults the
+    /// context. Without a signature, the arguments must also match the kernel's parameters
+    /// in count, size and kind. A kernel that takes a pointer never receives
+    /// [`KernelArg::Null`] when it was loaded with a signature (it is refused); without one,
+    /// null is only allowed where the kernel does not dereference it.
+    unsafe fn launch(
         &self,
         kernel: KernelId,
         config: &LaunchConfig,
@@ -662,7 +717,9 @@ pub trait Executor: Send + Sync {
 
     /// Makes the next launch fail with [`LaunchFailure::Injected`] without running the kernel.
     /// The failure stays armed until a launch consumes it or
-    /// [`Executor::disarm_launch_failure`] cancels it.
+    /// [`Executor::disarm_launch_failure`] cancels it. Only a launch that passes every check
+    /// (kernel handle, signature, arguments) consumes it: an invalid launch reports its own
+    /// error and leaves the failure armed.
     fn inject_launch_failure(&self);
 
     /// Cancels a failure armed by [`Executor::inject_launch_failure`] that no launch has
@@ -744,6 +801,49 @@ mod tests {
             check_regions((a, 64), (a, 64), &[r(0, 16, 16), r(8, 8, 0)]).unwrap(),
             16
         );
+    }
+
+    #[test]
+    fn a_bad_pointer_argument_names_the_kernel_and_the_parameter() {
+        use crate::kernels::{KernelSpec, ReleaseSpec};
+        let spec = KernelSpec::ReleasePages(ReleaseSpec { cp: 2, threads: 32 });
+        let sig = spec.signature();
+        let resolve = |b: BufferId| match b.0 {
+            1 => Ok((0x1000, 64)),
+            _ => Err(ExecError::UnknownBuffer(b)),
+        };
+        let message = |r: Result<Vec<Vec<u8>>, ExecError>| match r {
+            Err(ExecError::Launch {
+                kernel,
+                cause: LaunchFailure::InvalidConfig,
+                message,
+            }) if kernel == "k" => message,
+            other => panic!("{other:?}"),
+        };
+        let args = [
+            KernelArg::Ptr(BufferId(1), 0),
+            KernelArg::U32(2),
+            KernelArg::Ptr(BufferId(1), 65),
+        ];
+        assert_eq!(
+            message(marshal_args("k", Some(&sig), &args, resolve)),
+            "parameter 2 `lane_stacks` (u32*): kernel argument of 0 bytes at offset 65 is \
+             outside buffer BufferId(1) of 64 bytes"
+        );
+        let args = [KernelArg::U32(2), KernelArg::Ptr(BufferId(7), 0)];
+        assert_eq!(
+            message(marshal_args("k", None, &args, resolve)),
+            "parameter 1: unknown buffer BufferId(7)"
+        );
+        let ptrs = [(BufferId(1), 0), (BufferId(9), 0)];
+        let e = marshal_args("k", None, &[KernelArg::PtrStruct(&ptrs)], resolve).unwrap_err();
+        assert!(
+            e.to_string()
+                .ends_with("parameter 0, pointer 1: unknown buffer BufferId(9)"),
+            "{e}"
+        );
+        let ok = marshal_args("k", Some(&sig), &[KernelArg::Ptr(BufferId(1), 64)], resolve);
+        assert_eq!(ok.unwrap(), vec![(0x1000u64 + 64).to_ne_bytes().to_vec()]);
     }
 
     #[test]

@@ -80,11 +80,14 @@ impl<B, K> Registry<B, K> {
         }
     }
 
-    /// Unregisters a buffer; dropping it releases the memory.
+    /// Unregisters a buffer (counted in `frees`); dropping it releases the memory.
     pub(crate) fn remove_buffer(&mut self, id: BufferId) -> Result<B, ExecError> {
-        self.buffers
+        let b = self
+            .buffers
             .remove(&id.0)
-            .ok_or(ExecError::UnknownBuffer(id))
+            .ok_or(ExecError::UnknownBuffer(id))?;
+        self.counters.frees += 1;
+        Ok(b)
     }
 
     pub(crate) fn add_kernel(&mut self, kernel: K) -> KernelId {

@@ -26,12 +26,13 @@ fn arg_kind(arg: &KernelArg<'_>) -> &'static str {
 }
 
 /// Whether an argument of the right size is also of the right kind: a pointer parameter takes
-/// a buffer pointer or null, a by-value struct takes a pointer struct or raw bytes, a scalar
-/// takes a scalar (a `u64` and a pointer have the same size, but are not interchangeable).
+/// a buffer pointer (never null: every rendered kernel dereferences every pointer it takes),
+/// a by-value struct takes a pointer struct or raw bytes, a scalar takes a scalar (a `u64`
+/// and a pointer have the same size, but are not interchangeable).
 fn kind_fits(p: &KernelParam, arg: &KernelArg<'_>) -> bool {
     let pointer = matches!(arg, KernelArg::Ptr(..) | KernelArg::Null);
     if p.c_type.ends_with('*') {
-        pointer
+        matches!(arg, KernelArg::Ptr(..))
     } else if p.c_type.contains("ChcPools") {
         matches!(arg, KernelArg::PtrStruct(_) | KernelArg::Bytes(_))
     } else {
@@ -176,7 +177,7 @@ mod tests {
             KernelArg::Ptr(BufferId(1), 0),
             KernelArg::U32(3),
             KernelArg::Ptr(BufferId(2), 0),
-            KernelArg::Null,
+            KernelArg::Ptr(BufferId(3), 0),
             KernelArg::U32(8),
         ]
     }
@@ -277,6 +278,26 @@ mod tests {
         let mut args = good_args();
         args[1] = KernelArg::I32(3);
         check_signature(&name, Some(&sig), &shape(&sig), &args).unwrap();
+    }
+
+    #[test]
+    fn null_is_refused_for_every_pointer_parameter() {
+        let (name, sig) = release();
+        for i in [0, 2, 3] {
+            let mut args = good_args();
+            args[i] = KernelArg::Null;
+            let msg = invalid(
+                &name,
+                check_signature(&name, Some(&sig), &shape(&sig), &args),
+            );
+            assert!(
+                msg.starts_with(&format!("parameter {i} `"))
+                    && msg.ends_with(&format!(
+                        "cannot take argument {i}, a null pointer of the same size"
+                    )),
+                "{msg}"
+            );
+        }
     }
 
     #[test]

@@ -185,14 +185,22 @@ impl CompiledKernel {
     /// name and with its launch signature, so that every launch's shape and arguments are checked
     /// against [`KernelSpec::signature`](crate::kernels::KernelSpec::signature) on either
     /// executor.
-    pub fn load_spec(
+    ///
+    /// # Safety
+    ///
+    /// `self` must be as [`Jit`] returned it (its public fields unchanged), compiled from
+    /// `spec`'s render for `exec`'s target: then its artifact is a kernel library or image the
+    /// JIT built for that executor, which is the contract of
+    /// [`Executor::load_kernel`](crate::exec::Executor::load_kernel).
+    pub unsafe fn load_spec(
         &self,
         exec: &dyn crate::exec::Executor,
         spec: &crate::kernels::KernelSpec,
     ) -> Result<crate::exec::KernelId, crate::exec::ExecError> {
         let entry = spec.entry_name();
         let signature = spec.signature();
-        exec.load_kernel(&self.executor_artifact(&entry, Some(&signature)))
+        // SAFETY: the artifact is one the JIT built for `exec` (guaranteed by the caller).
+        unsafe { exec.load_kernel(&self.executor_artifact(&entry, Some(&signature))) }
     }
 }
 

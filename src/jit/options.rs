@@ -217,12 +217,17 @@ impl HostCcOptions {
     }
 
     /// The compiler flags (without the program, the input and the output), in a fixed order.
+    ///
+    /// `-fstack-clash-protection` (GCC 8+, Clang 11+; off by default in Debian's GCC) makes a
+    /// frame larger than a page probe every page it allocates, so a kernel thread that
+    /// overflows its fiber stack faults on the guard below it instead of jumping over it.
     pub fn to_args(&self) -> Vec<String> {
         let mut args: Vec<String> = [
             "-std=c++17".to_string(),
             format!("-O{}", self.opt_level),
             "-fPIC".to_string(),
             "-shared".to_string(),
+            "-fstack-clash-protection".to_string(),
             "-DCP_HICACHE_EMU".to_string(),
             "-include".to_string(),
             self.header_name.clone(),
@@ -286,6 +291,7 @@ mod tests {
                 "-O2",
                 "-fPIC",
                 "-shared",
+                "-fstack-clash-protection",
                 "-DCP_HICACHE_EMU",
                 "-include",
                 "cuda_emu.h"
@@ -303,6 +309,7 @@ mod tests {
                 "-O2",
                 "-fPIC",
                 "-shared",
+                "-fstack-clash-protection",
                 "-DCP_HICACHE_EMU",
                 "-include",
                 "cuda_emu.h",

@@ -349,7 +349,10 @@ fn time_job(
                 _ => (1, 1),
             };
             let b = AllocBench::new(exec, cp, ps, job.alloc_pages, seed)?;
-            let t = b.time(kernel_of(&job.spec)?, &job.spec, sizes)?;
+            let kernel = kernel_of(&job.spec)?;
+            // SAFETY: `kernel_of` gives `compile_and_load`'s handle for `job.spec` (never
+            // another spec's), and the bench is built for its CP and page size.
+            let t = unsafe { b.time(kernel, &job.spec, sizes) }?;
             let r = b.time_reference(&job.spec, sizes)?;
             Ok((
                 4 * u64::from(job.alloc_pages),
@@ -364,7 +367,10 @@ fn time_job(
             let t = if job.dma {
                 b.time_dma(sizes)?
             } else {
-                b.time(kernel_of(&job.spec)?, &job.spec, sizes)?
+                let kernel = kernel_of(&job.spec)?;
+                // SAFETY: `kernel_of` gives `compile_and_load`'s handle for `job.spec`, the
+                // spec the bench is built for.
+                unsafe { b.time(kernel, &job.spec, sizes) }?
             };
             let (from, to) = b.memory();
             drop(b);

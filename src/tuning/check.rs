@@ -108,7 +108,8 @@ fn check_specs(
         let seed = 0xC0FFEE + i as u64;
         let outcome = match k {
             Err(e) => Err(format!("compile/load: {e}")),
-            Ok(kernel) => flatten(check_one(exec, spec, kernel, seed)),
+            // SAFETY: `kernel` is what `compile_and_load` returned on `exec` for `spec`.
+            Ok(kernel) => flatten(unsafe { check_one(exec, spec, kernel, seed) }),
         };
         rows.push(row(spec.uri(), spec.family().to_string(), outcome));
         if let (KernelSpec::TransferPages(_), true) = (spec, with_dma) {
@@ -193,7 +194,12 @@ pub(super) fn check_transfer(
 /// Runs `kernel` (compiled from `spec`) once on random inputs seeded by `seed` and compares
 /// its output with the reference: `Ok(Err(difference))` for a wrong output, `Err` when the
 /// harness itself failed.
-pub(super) fn check_one(
+///
+/// # Safety
+///
+/// `kernel` must be the handle [`compile_and_load`] returned on `exec` for `spec`: each check
+/// sizes its buffers for `spec`.
+pub(super) unsafe fn check_one(
     exec: &dyn Executor,
     spec: &KernelSpec,
     kernel: KernelId,
@@ -202,7 +208,8 @@ pub(super) fn check_one(
     let mut rng = SplitMix(seed);
     match spec {
         KernelSpec::TransferPages(_) => {
-            check_transfer(exec, spec, seed, |b| b.launch(kernel, spec))
+            // SAFETY: the bench is built for `spec`, and `kernel` is its build (the caller).
+            check_transfer(exec, spec, seed, |b| unsafe { b.launch(kernel, spec) })
         }
         KernelSpec::Materialise(s) => {
             let sizes = copy_check_sizes(&s.launch);
@@ -214,7 +221,8 @@ pub(super) fn check_one(
                 exec.upload(p, 0, &bytes)?;
                 pools.push(bytes);
             }
-            b.launch(kernel, spec)?;
+            // SAFETY: the bench is built for `spec`, and `kernel` is its build (the caller).
+            unsafe { b.launch(kernel, spec) }?;
             let got = read_all(exec, dst)?;
             let mut want = vec![0xA5u8; got.len()];
             let views: Vec<&[u8]> = pools.iter().map(|p| p.as_slice()).collect();
@@ -240,7 +248,9 @@ pub(super) fn check_one(
                 seed,
             )?;
             b.reset_for_select()?;
-            b.run_select(kernel, spec)?;
+            // SAFETY: the bench is built for `spec`'s CP and page size, and `kernel` is its
+            // build (guaranteed by the caller).
+            unsafe { b.run_select(kernel, spec) }?;
             let mut got = read_all(exec, b.pages)?;
             got.extend(read_all(exec, b.locs)?);
             got.extend(read_all(exec, b.tops)?);
@@ -264,7 +274,8 @@ pub(super) fn check_one(
             let b = AllocBench::new(exec, s.cp, 1, alloc_check_requests(s.threads), seed)?;
             b.reset_for_select()?;
             b.reset_for_release()?;
-            b.run_release(kernel, spec)?;
+            // SAFETY: the bench is built for `spec`'s CP, and `kernel` is its build (the caller).
+            unsafe { b.run_release(kernel, spec) }?;
             let mut got = read_all(exec, b.stacks)?;
             got.extend(read_all(exec, b.tops)?);
             let h = &b.host;
@@ -299,20 +310,25 @@ pub(super) fn check_one(
             )?;
             let sb = upload_new(exec, &u32_bytes(&seq))?;
             let d = spec.launch_dims(n_pages - start_page, layers);
-            let run = exec.launch(
-                kernel,
-                &LaunchConfig::linear(d.grid, d.block),
-                &[
-                    KernelArg::Ptr(pool, 0),
-                    KernelArg::Ptr(hb, 0),
-                    KernelArg::Ptr(sb, 0),
-                    KernelArg::U32(n_tokens),
-                    KernelArg::U32(start_page),
-                    KernelArg::U32(rank),
-                    KernelArg::U32(layers),
-                    KernelArg::U32(local_pages),
-                ],
-            );
+            // SAFETY: `pool` holds `layers` x `local_pages` pages of `spec`'s page bytes, `hb`
+            // `n_tokens` hashes and `sb` `n_pages` pages below `cp * local_pages`, just
+            // allocated for these arguments; `kernel` is `spec`'s build (the caller).
+            let run = unsafe {
+                exec.launch(
+                    kernel,
+                    &LaunchConfig::linear(d.grid, d.block),
+                    &[
+                        KernelArg::Ptr(pool, 0),
+                        KernelArg::Ptr(hb, 0),
+                        KernelArg::Ptr(sb, 0),
+                        KernelArg::U32(n_tokens),
+                        KernelArg::U32(start_page),
+                        KernelArg::U32(rank),
+                        KernelArg::U32(layers),
+                        KernelArg::U32(local_pages),
+                    ],
+                )
+            };
             let got = run
                 .map_err(TuningError::from)
                 .and_then(|()| read_all(exec, pool));
@@ -395,18 +411,23 @@ pub(super) fn check_one(
             )?;
             let mb = exec.alloc(MemKind::Device, 4 * want.len(), 0)?;
             let d = spec.launch_dims(n_tokens, layers);
-            let run = exec.launch(
-                kernel,
-                &LaunchConfig::linear(d.grid, d.block),
-                &[
-                    KernelArg::Ptr(db, 0),
-                    KernelArg::Ptr(hb, 0),
-                    KernelArg::U32(n_tokens),
-                    KernelArg::U32(1),
-                    KernelArg::U32(layers),
-                    KernelArg::Ptr(mb, 0),
-                ],
-            );
+            // SAFETY: `db` holds the dense KV of `n_tokens` tokens over `layers` layers, `hb`
+            // their hashes and `mb` one bit per token, just uploaded for these arguments;
+            // `kernel` is `spec`'s build (guaranteed by the caller).
+            let run = unsafe {
+                exec.launch(
+                    kernel,
+                    &LaunchConfig::linear(d.grid, d.block),
+                    &[
+                        KernelArg::Ptr(db, 0),
+                        KernelArg::Ptr(hb, 0),
+                        KernelArg::U32(n_tokens),
+                        KernelArg::U32(1),
+                        KernelArg::U32(layers),
+                        KernelArg::Ptr(mb, 0),
+                    ],
+                )
+            };
             let got = run
                 .map_err(TuningError::from)
                 .and_then(|()| read_all(exec, mb));

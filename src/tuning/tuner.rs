@@ -173,13 +173,15 @@ pub fn tune(
                 },
                 Candidate::Kernel(spec) => match loaded.get(spec) {
                     Some(Ok(kernel)) => {
-                        match checked(check_one(exec, spec, *kernel, seed as u64 + 1)).and_then(
-                            |()| {
-                                bench
-                                    .time(*kernel, spec, &opts.sizes)
-                                    .map_err(|e| format!("launch failed: {e}"))
-                            },
-                        ) {
+                        // SAFETY: `kernel` is what `compile_and_load` returned on `exec` for
+                        // `spec`, a candidate of `base`, the spec key `bench` is built for.
+                        let run =
+                            checked(unsafe { check_one(exec, spec, *kernel, seed as u64 + 1) })
+                                .and_then(|()| {
+                                    unsafe { bench.time(*kernel, spec, &opts.sizes) }
+                                        .map_err(|e| format!("launch failed: {e}"))
+                                });
+                        match run {
                             Ok((seconds, bytes)) => {
                                 result.seconds = Some(seconds);
                                 result.gbps = bytes.map(|b| b as f64 / seconds / 1e9);
@@ -302,16 +304,24 @@ impl<'e> Workload<'e> {
     }
 
     /// Median seconds, and the bytes moved when that is the measure.
-    fn time(
+    ///
+    /// # Safety
+    ///
+    /// As for the workload's `time`: `kernel` is `spec`'s build on this executor, and `spec`
+    /// of the spec key the workload was built for.
+    unsafe fn time(
         &self,
         kernel: KernelId,
         spec: &KernelSpec,
         sizes: &Sizes,
     ) -> Result<(f64, Option<u64>), crate::exec::ExecError> {
-        match self {
-            Workload::Copy(b) => Ok((b.time(kernel, spec, sizes)?.median, Some(b.bytes()))),
-            Workload::Alloc(b) => Ok((b.time(kernel, spec, sizes)?.median, None)),
-            Workload::Synth(b) => Ok((b.time(kernel, spec, sizes)?.median, None)),
+        // SAFETY: guaranteed by the caller.
+        unsafe {
+            match self {
+                Workload::Copy(b) => Ok((b.time(kernel, spec, sizes)?.median, Some(b.bytes()))),
+                Workload::Alloc(b) => Ok((b.time(kernel, spec, sizes)?.median, None)),
+                Workload::Synth(b) => Ok((b.time(kernel, spec, sizes)?.median, None)),
+            }
         }
     }
 

@@ -228,6 +228,11 @@ extern "C" __attribute__((visibility("default"))) int probe_raw(int which, char*
   cfg.err_cap = cap;
   if (which == 0) return probe_k__emu_launch(&cfg, nullptr);
   if (which == 1) cfg.stack_bytes = ~0ull - 100;
+  if (which == 3) {
+    // Another ABI version: no other field may be read (this pointer faults if it is).
+    cfg.abi_version = CP_EMU_ABI_VERSION + 1;
+    cfg.param_sizes = reinterpret_cast<const uint64_t*>(static_cast<uintptr_t>(8));
+  }
   return probe_k__emu_launch(&cfg, params);
 }
 

@@ -254,15 +254,21 @@ impl Executor for Spy {
         }
         self.inner.fill(b, r, v)
     }
-    fn load_kernel(&self, a: &KernelArtifact<'_>) -> Result<KernelId, ExecError> {
-        let id = self.inner.load_kernel(a)?;
+    unsafe fn load_kernel(&self, a: &KernelArtifact<'_>) -> Result<KernelId, ExecError> {
+        // SAFETY: forwarded; the caller's guarantee is the inner executor's.
+        let id = unsafe { self.inner.load_kernel(a) }?;
         self.entries
             .lock()
             .unwrap()
             .insert(id, a.entry().to_string());
         Ok(id)
     }
-    fn launch(&self, k: KernelId, c: &LaunchConfig, a: &[KernelArg<'_>]) -> Result<(), ExecError> {
+    unsafe fn launch(
+        &self,
+        k: KernelId,
+        c: &LaunchConfig,
+        a: &[KernelArg<'_>],
+    ) -> Result<(), ExecError> {
         if self.countdown.fetch_sub(1, Ordering::SeqCst) == 0 {
             self.inner.inject_launch_failure();
         }
@@ -274,7 +280,8 @@ impl Executor for Spy {
                 return Ok(());
             }
         }
-        self.inner.launch(k, c, a)
+        // SAFETY: forwarded; the caller's guarantee is the inner executor's.
+        unsafe { self.inner.launch(k, c, a) }
     }
     fn copy_regions(&self, s: BufferId, d: BufferId, r: &[CopyRegion]) -> Result<(), ExecError> {
         self.inner.copy_regions(s, d, r)

@@ -106,24 +106,33 @@ impl Bench {
             .unwrap_or_else(|| panic!("{spec} was not compiled"));
         let entry = spec.entry_name();
         let signature = spec.signature();
-        let k = self
-            .ex
-            .load_kernel(&KernelArtifact::HostLibrary {
+        // SAFETY: `path` is the JIT's host build of `spec` (from `compile`).
+        let k = unsafe {
+            self.ex.load_kernel(&KernelArtifact::HostLibrary {
                 path,
                 entry: &entry,
                 signature: Some(&signature),
             })
-            .unwrap_or_else(|e| panic!("load {spec}: {e}"));
+        }
+        .unwrap_or_else(|e| panic!("load {spec}: {e}"));
         self.loaded.insert(*spec, k);
         k
     }
 
     /// Launches `spec` on a `grid` of its own block size; panics with the diagnostic.
-    pub fn launch(&mut self, spec: &KernelSpec, grid: u32, args: &[KernelArg<'_>]) {
+    ///
+    /// # Safety
+    ///
+    /// As for [`Executor::launch`]: the buffers are large enough for what `spec`'s kernel
+    /// accesses given the size arguments.
+    pub unsafe fn launch(&mut self, spec: &KernelSpec, grid: u32, args: &[KernelArg<'_>]) {
         let k = self.kernel(spec);
-        self.ex
-            .launch(k, &LaunchConfig::linear(grid, spec.threads()), args)
-            .unwrap_or_else(|e| panic!("launch {spec} grid {grid}: {e}"));
+        // SAFETY: guaranteed by the caller.
+        unsafe {
+            self.ex
+                .launch(k, &LaunchConfig::linear(grid, spec.threads()), args)
+        }
+        .unwrap_or_else(|e| panic!("launch {spec} grid {grid}: {e}"));
     }
 
     /// A buffer holding `data` (plus `guard` poison bytes after it).
@@ -168,20 +177,7 @@ impl Bench {
         let dbuf = self.poison(dst_bytes + case.guard);
         let spb = self.bytes(&le32(case.src_pages), 0);
         let dpb = self.bytes(&le32(case.dst_pages), 0);
-        self.launch(
-            spec,
-            grid,
-            &[
-                KernelArg::Ptr(sbuf, 0),
-                KernelArg::Ptr(dbuf, 0),
-                KernelArg::Ptr(spb, 0),
-                KernelArg::Ptr(dpb, 0),
-                KernelArg::U32(n),
-                KernelArg::U32(case.layers),
-                KernelArg::U32(case.device_pages),
-                KernelArg::U32(case.told_host_pages),
-            ],
-        );
+        // The reference first: it checks the page lists and pools against the sizes.
         let mut want = vec![POISON; dst_bytes + case.guard];
         reference::transfer_pages(
             s.direction,
@@ -197,6 +193,26 @@ impl Bench {
             case.host_pages,
         )
         .unwrap();
+        // SAFETY: the reference accepted these pools, page lists and sizes (and the kernel
+        // skips pages beyond the pools it is told of). The one exception is deliberate:
+        // `kernel_asan` tells a larger host pool than it allocates, under AddressSanitizer,
+        // to prove the overflow is caught.
+        unsafe {
+            self.launch(
+                spec,
+                grid,
+                &[
+                    KernelArg::Ptr(sbuf, 0),
+                    KernelArg::Ptr(dbuf, 0),
+                    KernelArg::Ptr(spb, 0),
+                    KernelArg::Ptr(dpb, 0),
+                    KernelArg::U32(n),
+                    KernelArg::U32(case.layers),
+                    KernelArg::U32(case.device_pages),
+                    KernelArg::U32(case.told_host_pages),
+                ],
+            )
+        };
         Copied {
             got: self.read(dbuf),
             want,
@@ -226,18 +242,7 @@ impl Bench {
         let dense_bytes = (u64::from(case.layers * n) * pb) as usize;
         let dense = self.poison(dense_bytes + case.guard);
         let seqb = self.bytes(&le32(case.seq), 0);
-        self.launch(
-            spec,
-            grid,
-            &[
-                KernelArg::PtrStruct(&ptrs),
-                KernelArg::Ptr(seqb, 0),
-                KernelArg::U32(n),
-                KernelArg::U32(case.layers),
-                KernelArg::U32(case.local_pages),
-                KernelArg::Ptr(dense, 0),
-            ],
-        );
+        // The reference first: it checks the pools and sequence against the sizes.
         let views: Vec<&[u8]> = case.pools.iter().map(Vec::as_slice).collect();
         let mut want = vec![POISON; dense_bytes + case.guard];
         reference::materialise(
@@ -251,6 +256,22 @@ impl Bench {
             &mut want,
         )
         .unwrap();
+        // SAFETY: the reference accepted these pools, sequence and sizes, and the dense
+        // buffer holds `layers` x `n` pages.
+        unsafe {
+            self.launch(
+                spec,
+                grid,
+                &[
+                    KernelArg::PtrStruct(&ptrs),
+                    KernelArg::Ptr(seqb, 0),
+                    KernelArg::U32(n),
+                    KernelArg::U32(case.layers),
+                    KernelArg::U32(case.local_pages),
+                    KernelArg::Ptr(dense, 0),
+                ],
+            )
+        };
         Copied {
             got: self.read(dense),
             want,

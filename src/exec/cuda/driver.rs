@@ -268,7 +268,8 @@ impl Gpu {
     ///
     /// # Safety
     /// `args` must match the kernel's parameter list in count and sizes, and every pointer
-    /// argument must address memory that stays alive until the kernel has finished.
+    /// argument must address memory that stays alive until the kernel has finished and is
+    /// large enough for everything the kernel accesses through it given its size arguments.
     pub(crate) unsafe fn launch(
         &self,
         module: &Module,
@@ -618,11 +619,15 @@ pub(crate) fn fill_in_bounds(gpu: &Gpu, ranges: &[(u64, u64)], byte: u8) -> Resu
     unsafe { gpu.fill(ranges, byte) }
 }
 
-/// [`Gpu::launch`] with arguments built by the executor: pointer arguments are bounds-checked
-/// addresses of live buffers (buffers are freed with cuMemFree / after a context sync, which
-/// wait for running kernels). Argument count and sizes come from the caller's kernel
-/// description; a mismatch is the caller's bug, as with `cuLaunchKernel` itself.
-pub(crate) fn launch_with_args(
+/// [`Gpu::launch`] with arguments built by the executor: pointer arguments are addresses of
+/// live buffers (buffers are freed with cuMemFree / after a context sync, which wait for
+/// running kernels).
+///
+/// # Safety
+/// As for [`Gpu::launch`]: the arguments match the kernel's parameters, and each pointer's
+/// buffer is large enough for everything the kernel accesses given its size arguments (the
+/// contract of [`Executor::launch`](crate::exec::Executor::launch)).
+pub(crate) unsafe fn launch_with_args(
     gpu: &Gpu,
     module: &Module,
     grid: [u32; 3],
@@ -630,6 +635,7 @@ pub(crate) fn launch_with_args(
     shared_bytes: u32,
     args: &[&[u8]],
 ) -> Result<(), String> {
-    // SAFETY: see above; the driver copies parameter values during the call.
+    // SAFETY: guaranteed by the caller; the driver copies parameter values during the call,
+    // and buffers outlive the kernel because freeing one waits for the context's work.
     unsafe { gpu.launch(module, grid, block, shared_bytes, args) }
 }

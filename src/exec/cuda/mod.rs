@@ -144,7 +144,14 @@ impl Executor for CudaExecutor {
     }
 
     fn free(&self, buffer: BufferId) -> Result<(), ExecError> {
-        lock(&self.state).remove_buffer(buffer).map(drop)
+        let mut st = lock(&self.state);
+        let buf = st.remove_buffer(buffer)?;
+        // Releasing the memory waits for all work of the context (`DeviceMem` / `PinnedMem`
+        // drops synchronise before cuMemFree / cuMemFreeHost): a counted synchronisation, so
+        // that a path that frees shows up where syncs are checked (the load path).
+        drop(buf);
+        st.counters.syncs += 1;
+        Ok(())
     }
 
     fn size(&self, buffer: BufferId) -> Result<usize, ExecError> {
@@ -195,7 +202,7 @@ impl Executor for CudaExecutor {
         Ok(())
     }
 
-    fn load_kernel(&self, artifact: &KernelArtifact<'_>) -> Result<KernelId, ExecError> {
+    unsafe fn load_kernel(&self, artifact: &KernelArtifact<'_>) -> Result<KernelId, ExecError> {
         let KernelArtifact::Cubin {
             image,
             entry,
@@ -222,7 +229,7 @@ impl Executor for CudaExecutor {
         }))
     }
 
-    fn launch(
+    unsafe fn launch(
         &self,
         kernel: KernelId,
         config: &LaunchConfig,
@@ -232,6 +239,12 @@ impl Executor for CudaExecutor {
         st.counters.launches += 1;
         let st = &*st;
         let k = st.kernel(kernel)?;
+        check_signature(&k.name, k.signature.as_ref(), config, args)?;
+        let bytes = marshal_args(&k.name, k.signature.as_ref(), args, |b| {
+            let buf = st.buffer(b)?;
+            Ok((buf.addr(), buf.len()))
+        })?;
+        // Only a launch that would run consumes an armed failure (as on the host executor).
         if self.fail_next_launch.swap(false, Ordering::SeqCst) {
             return Err(ExecError::Launch {
                 kernel: k.name.clone(),
@@ -239,13 +252,12 @@ impl Executor for CudaExecutor {
                 message: "launch failure injected; the kernel did not run".into(),
             });
         }
-        check_signature(&k.name, k.signature.as_ref(), config, args)?;
-        let bytes = marshal_args(args, |b| {
-            let buf = st.buffer(b)?;
-            Ok((buf.addr(), buf.len()))
-        })?;
         let views: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
-        launch_checked(&self.gpu, &k.module, config, &views).map_err(|message| ExecError::Launch {
+        // SAFETY: pointer arguments are addresses of live buffers of this executor, checked
+        // to start inside them; the signature (when given) matched the arguments; that the
+        // buffers are large enough for the kernel is the caller's contract (`Executor::launch`).
+        let launched = unsafe { launch_checked(&self.gpu, &k.module, config, &views) };
+        launched.map_err(|message| ExecError::Launch {
             kernel: k.name.clone(),
             // A bad shape or a block too large for the kernel's registers is rejected at launch;
             // faults inside a kernel surface later (read / synchronize) and are sticky: the
@@ -342,18 +354,23 @@ fn read_checked(gpu: &driver::Gpu, src: u64, out: &mut [u8]) -> Result<(), ExecE
     driver::read_in_bounds(gpu, src, out).map_err(driver_err("read"))
 }
 
-fn launch_checked(
+/// # Safety
+/// As for [`driver::launch_with_args`].
+unsafe fn launch_checked(
     gpu: &driver::Gpu,
     module: &driver::Module,
     config: &LaunchConfig,
     args: &[&[u8]],
 ) -> Result<(), String> {
-    driver::launch_with_args(
-        gpu,
-        module,
-        config.grid,
-        config.block,
-        config.shared_bytes,
-        args,
-    )
+    // SAFETY: guaranteed by the caller.
+    unsafe {
+        driver::launch_with_args(
+            gpu,
+            module,
+            config.grid,
+            config.block,
+            config.shared_bytes,
+            args,
+        )
+    }
 }

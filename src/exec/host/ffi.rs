@@ -1,5 +1,7 @@
 //! All unsafe code of the host executor: aligned buffer memory, `dlopen` of emulation
 //! libraries, and the call of `<entry>__emu_launch` with a `cuLaunchKernel`-shaped `void**`.
+//! Loading and launching are `unsafe fn`s: the executor calls them only from its own
+//! `unsafe fn load_kernel` / `launch`, whose callers vouch for the library and the buffers.
 //!
 //! The launch ABI mirrors `CpEmuLaunch` in `templates/cuda_emu.h`; bump [`ABI_VERSION`] in both
 //! places on any change.
@@ -14,6 +16,8 @@ pub(crate) const ABI_VERSION: u32 = 1;
 /// `CP_EMU_FLAG_REVERSE`: run blocks from last to first, and the ready threads of a block
 /// highest index first.
 pub(crate) const FLAG_REVERSE: u32 = 1;
+/// `CP_EMU_EABI`: the library speaks another launch ABI; it wrote no diagnostic.
+pub(crate) const STATUS_ABI: i32 = 7;
 /// Alignment of host-executor buffers, as for a `cuMemAlloc` allocation or better.
 pub(crate) const BUFFER_ALIGN: usize = 64;
 const ERR_CAP: usize = 4096;
@@ -126,7 +130,16 @@ impl EmuKernel {
 
     /// Runs the kernel to completion on the calling thread. `args[i]` holds the exact bytes of
     /// parameter `i`. Returns the emulator status and its diagnostic on failure.
-    pub(crate) fn launch(&self, shape: &LaunchShape, args: &[&[u8]]) -> Result<(), (i32, String)> {
+    ///
+    /// # Safety
+    /// Every pointer among the arguments must address memory that stays alive for the call
+    /// and is large enough for everything the kernel accesses through it given its size
+    /// arguments (the contract of [`Executor::launch`](crate::exec::Executor::launch)).
+    pub(crate) unsafe fn launch(
+        &self,
+        shape: &LaunchShape,
+        args: &[&[u8]],
+    ) -> Result<(), (i32, String)> {
         let mut params: Vec<*mut c_void> = args.iter().map(|a| a.as_ptr() as *mut c_void).collect();
         let sizes: Vec<u64> = args.iter().map(|a| a.len() as u64).collect();
         let mut err = vec![0u8; ERR_CAP];
@@ -145,11 +158,20 @@ impl EmuKernel {
         // SAFETY: `cfg`, `params`, `sizes` and `err` outlive the call; the entry checks the ABI
         // version, the parameter count and every parameter's size against the kernel signature
         // before reading `params[i]` (each points at `sizes[i]` readable bytes), and writes at
-        // most `err_cap` bytes to `err`. Pointer arguments were bounds-checked by the caller
-        // and point into buffers the caller keeps alive and locked for the call.
+        // most `err_cap` bytes to `err`. Pointer arguments point into memory large enough for
+        // the kernel's accesses and alive for the call (guaranteed by the caller).
         let status = unsafe { (self.entry)(&cfg, params.as_mut_ptr()) };
         if status == 0 {
             return Ok(());
+        }
+        if status == STATUS_ABI {
+            return Err((
+                status,
+                format!(
+                    "the library was built for another emulation launch ABI than this \
+                     executor's (version {ABI_VERSION}); rebuild it from the current cuda_emu.h"
+                ),
+            ));
         }
         let msg = CStr::from_bytes_until_nul(&err)
             .map(|c| c.to_string_lossy().into_owned())
@@ -173,17 +195,6 @@ pub(crate) fn asan_runtime_loaded() -> bool {
     let this = libloading::os::unix::Library::this();
     // SAFETY: only the symbol's address is looked up; it is never called or dereferenced.
     unsafe { this.get::<*const c_void>(b"__asan_init") }.is_ok()
-}
-
-/// Loads kernel `entry` from the emulation library at `path`.
-///
-/// The executor's contract (documented on [`crate::exec::KernelArtifact::HostLibrary`]) is that
-/// host artifacts are libraries built from kernel renders with `cuda_emu.h`, which is what
-/// [`EmuKernel::load`] requires.
-pub(crate) fn load_kernel(path: &Path, entry: &str) -> Result<EmuKernel, String> {
-    // SAFETY: by the executor's contract the library is a render compiled with cuda_emu.h:
-    // its initialisers only set up TLS and its `<entry>__emu_launch` has the expected type.
-    unsafe { EmuKernel::load(path, entry) }
 }
 
 /// Launch shape and emulator settings for one launch.

@@ -109,16 +109,26 @@ impl HostOptions {
         Ok(())
     }
 
-    /// Defaults, with the block order from `CP_HICACHE_EMU_ORDER` when set.
+    /// Defaults, with the block order from `CP_HICACHE_EMU_ORDER` when set. A value that is
+    /// not `forward`, `reverse` or empty, or not UTF-8, is [`ExecError::Config`].
     pub fn from_env() -> Result<HostOptions, ExecError> {
-        let block_order = match std::env::var(ORDER_ENV) {
-            Ok(v) => v.parse()?,
-            Err(_) => BlockOrder::Forward,
-        };
         Ok(HostOptions {
-            block_order,
+            block_order: block_order_from(std::env::var(ORDER_ENV))?,
             ..HostOptions::default()
         })
+    }
+}
+
+/// The block order a lookup of [`ORDER_ENV`] gives: forward when unset.
+fn block_order_from(var: Result<String, std::env::VarError>) -> Result<BlockOrder, ExecError> {
+    match var {
+        Ok(v) => v.parse(),
+        Err(std::env::VarError::NotPresent) => Ok(BlockOrder::Forward),
+        Err(std::env::VarError::NotUnicode(v)) => Err(ExecError::Config {
+            name: ORDER_ENV,
+            value: v.to_string_lossy().into_owned(),
+            reason: "not valid UTF-8".into(),
+        }),
     }
 }
 
@@ -187,6 +197,7 @@ fn failure_of(status: i32) -> LaunchFailure {
         4 => LaunchFailure::BadMask,
         5 => LaunchFailure::OutOfMemory,
         6 => LaunchFailure::Trap,
+        ffi::STATUS_ABI => LaunchFailure::InvalidConfig,
         _ => LaunchFailure::Other,
     }
 }
@@ -237,7 +248,7 @@ impl Executor for HostExecutor {
         Ok(())
     }
 
-    fn load_kernel(&self, artifact: &KernelArtifact<'_>) -> Result<KernelId, ExecError> {
+    unsafe fn load_kernel(&self, artifact: &KernelArtifact<'_>) -> Result<KernelId, ExecError> {
         let KernelArtifact::HostLibrary {
             path,
             entry,
@@ -249,7 +260,11 @@ impl Executor for HostExecutor {
                 artifact: "a CUBIN",
             });
         };
-        let kernel = ffi::load_kernel(path, entry).map_err(|message| ExecError::Load {
+        // SAFETY: the caller guarantees the library is a kernel render the JIT compiled with
+        // cuda_emu.h (the contract of `Executor::load_kernel`), which is what
+        // `EmuKernel::load` requires: trivial initialisers and the `CpEmuLaunch` entry type.
+        let kernel = unsafe { ffi::EmuKernel::load(path, entry) };
+        let kernel = kernel.map_err(|message| ExecError::Load {
             entry: entry.to_string(),
             artifact: artifact.describe(),
             message,
@@ -261,7 +276,7 @@ impl Executor for HostExecutor {
         }))
     }
 
-    fn launch(
+    unsafe fn launch(
         &self,
         kernel: KernelId,
         config: &LaunchConfig,
@@ -274,6 +289,13 @@ impl Executor for HostExecutor {
         let k = st.kernel(kernel)?;
         let name = k.name.clone();
         let emu = Arc::clone(&k.kernel);
+        check_signature(&name, k.signature.as_ref(), config, args)?;
+        let bytes = marshal_args(&name, k.signature.as_ref(), args, |b| {
+            let buf = st.buffer(b)?;
+            Ok((buf.mem.addr(), buf.mem.len()))
+        })?;
+        // Only a launch that would run consumes an armed failure: an invalid one reports
+        // why it is invalid, and the failure stays armed.
         if self.fail_next_launch.swap(false, Ordering::SeqCst) {
             return Err(ExecError::Launch {
                 kernel: name,
@@ -281,11 +303,6 @@ impl Executor for HostExecutor {
                 message: "launch failure injected; the kernel did not run".into(),
             });
         }
-        check_signature(&name, k.signature.as_ref(), config, args)?;
-        let bytes = marshal_args(args, |b| {
-            let buf = st.buffer(b)?;
-            Ok((buf.mem.addr(), buf.mem.len()))
-        })?;
         let views: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
         let shape = ffi::LaunchShape {
             grid: config.grid,
@@ -295,7 +312,10 @@ impl Executor for HostExecutor {
             stack_bytes: options.stack_bytes,
         };
         // The state lock stays held while the kernel runs, so no buffer can be freed under it.
-        let result = emu.launch(&shape, &views);
+        // SAFETY: pointer arguments were resolved to live buffers of this executor (kept alive
+        // by the lock) and checked to start inside them; that the buffers are large enough
+        // for what the kernel accesses is the caller's contract (`Executor::launch`).
+        let result = unsafe { emu.launch(&shape, &views) };
         drop(st);
         result.map_err(|(status, message)| ExecError::Launch {
             kernel: name,
@@ -387,6 +407,26 @@ mod tests {
     }
 
     #[test]
+    fn block_order_variable_must_be_utf8() {
+        use std::env::VarError;
+        use std::os::unix::ffi::OsStringExt;
+        assert_eq!(
+            block_order_from(Err(VarError::NotPresent)).unwrap(),
+            BlockOrder::Forward
+        );
+        assert_eq!(
+            block_order_from(Ok(" Reverse ".into())).unwrap(),
+            BlockOrder::Reverse
+        );
+        let bad = std::ffi::OsString::from_vec(b"rev\xffrse".to_vec());
+        let e = block_order_from(Err(VarError::NotUnicode(bad))).unwrap_err();
+        assert!(
+            matches!(&e, ExecError::Config { name: ORDER_ENV, reason, .. } if reason == "not valid UTF-8"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn bounds_are_checked() {
         let ex = HostExecutor::new(HostOptions::default());
         let b = ex.alloc(MemKind::Device, 16, 0xA5).unwrap();
@@ -402,7 +442,10 @@ mod tests {
             Err(ExecError::OutOfBounds { .. })
         ));
         ex.free(b).unwrap();
+        let c = ex.counters();
+        assert_eq!((c.allocs, c.frees, c.syncs), (1, 1, 0), "{c:?}");
         assert!(matches!(ex.free(b), Err(ExecError::UnknownBuffer(_))));
+        assert_eq!(ex.counters().frees, 1, "a refused free is not counted");
     }
 
     #[test]
@@ -411,9 +454,8 @@ mod tests {
             stack_bytes: u64::MAX,
             ..HostOptions::default()
         });
-        let e = ex
-            .launch(KernelId(1), &LaunchConfig::linear(1, 32), &[])
-            .unwrap_err();
+        // SAFETY: the launch is refused before any kernel is looked up.
+        let e = unsafe { ex.launch(KernelId(1), &LaunchConfig::linear(1, 32), &[]) }.unwrap_err();
         assert!(
             matches!(&e, ExecError::Config { name: "stack_bytes", value, .. } if value == &u64::MAX.to_string()),
             "{e}"
