@@ -252,7 +252,7 @@ impl ReplayArgs {
                     block_tokens: self.block_tokens,
                     max_requests: self.requests,
                 };
-                let trace = MooncakeTrace::open(path, config).map_err(usage)?;
+                let trace = MooncakeTrace::open(path, config)?;
                 // Counted ahead only in a regular file: a pipe would be drained by the count.
                 let lines = if path.is_file() {
                     count_lines(path)
@@ -275,16 +275,12 @@ impl ReplayArgs {
                     conversations: self.conversations,
                     ..ConversationsConfig::default()
                 };
-                let gen = Conversations::new(config, self.requests).map_err(usage)?;
+                let gen = Conversations::new(config, self.requests)?;
                 let total = gen.total_requests() as u64;
                 Ok((Box::new(gen), Some(total)))
             }
         }
     }
-}
-
-fn usage(e: WorkloadError) -> crate::Error {
-    crate::Error::Usage(e.to_string())
 }
 
 /// Refuses, before anything is allocated, a replay whose pools do not fit in the memory
@@ -415,7 +411,7 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
     let mut dropped = RollbackDrops::default();
     let mut skipped = 0u64;
     for req in workload {
-        let req = req.map_err(usage)?;
+        let req = req?;
         let before = cluster.replica_digests();
         match cluster.serve(&req.tokens) {
             Ok(stats) => {
