@@ -37,8 +37,9 @@ pub struct ReplayArgs {
     /// trace without a request is a usage error: there would be nothing to verify.
     #[arg(long, value_name = "FILE.jsonl")]
     pub trace: Option<PathBuf>,
-    /// Tokens one trace hash id stands for, 1..=65536 (only with --trace; the published
-    /// traces use 512; smaller values scale every length down and keep CPU replays fast).
+    /// Tokens one trace hash id stands for: the trace's block size, 1..=65536 (only with
+    /// --trace; the published Mooncake traces use 512). Each line must have
+    /// ceil(input_length / N) hash_ids and replays as input_length tokens.
     #[arg(
         long,
         default_value_t = 512,
@@ -244,7 +245,10 @@ impl ReplayArgs {
         })
     }
 
-    /// The request stream and, when known, its length (for the progress bar).
+    /// The request stream and, when known, its length (for the progress bar). A trace in a
+    /// regular file is read through and checked first, so a bad line is refused (exit
+    /// status 2, naming file:line) before any work; a pipe cannot be read twice, so its bad
+    /// line stops the replay where it is (see `run`).
     fn workload(&self) -> Result<(RequestStream, Option<u64>), crate::Error> {
         match &self.trace {
             Some(path) => {
@@ -252,21 +256,19 @@ impl ReplayArgs {
                     block_tokens: self.block_tokens,
                     max_requests: self.requests,
                 };
-                let trace = MooncakeTrace::open(path, config)?;
-                // Counted ahead only in a regular file: a pipe would be drained by the count.
-                let lines = if path.is_file() {
-                    count_lines(path)
+                let trace = MooncakeTrace::open(path, config.clone())?;
+                let total = if path.is_file() {
+                    Some(MooncakeTrace::check(path, config)?)
                 } else {
                     None
                 };
-                if lines == Some(0) {
+                if total == Some(0) {
                     // Refused before the kernels are built: an empty trace verifies nothing.
                     return Err(crate::Error::Usage(format!(
                         "trace {} has no request (it is empty or blank): nothing to verify",
                         path.display()
                     )));
                 }
-                let total = lines.map(|n| self.requests.map_or(n, |r| r.min(n)));
                 Ok((Box::new(trace), total.map(|n| n as u64)))
             }
             None => {
@@ -327,24 +329,6 @@ fn available_memory() -> Option<u64> {
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     kib.checked_mul(1024)
-}
-
-/// The trace's non-blank lines, for the progress bar's total. Lines are counted as bytes, so
-/// a line that is not UTF-8 (which the trace reader then reports) does not cut the count.
-fn count_lines(path: &std::path::Path) -> Option<usize> {
-    use std::io::BufRead;
-    let f = std::fs::File::open(path).ok()?;
-    let blank = |l: &[u8]| {
-        let l = l.strip_prefix("\u{feff}".as_bytes()).unwrap_or(l);
-        l.iter().all(u8::is_ascii_whitespace)
-    };
-    Some(
-        std::io::BufReader::new(f)
-            .split(b'\n')
-            .map_while(Result::ok)
-            .filter(|l| !blank(l))
-            .count(),
-    )
 }
 
 /// Runs the replay and prints the report; the exit status says whether it was correct.
@@ -410,8 +394,17 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
     let mut failed = 0u64;
     let mut dropped = RollbackDrops::default();
     let mut skipped = 0u64;
+    // A bad line the up-front check could not see (a pipe, or a file changed since) stops
+    // the replay there; what ran is still reported.
+    let mut input_error = None;
     for req in workload {
-        let req = req?;
+        let req = match req {
+            Ok(req) => req,
+            Err(e) => {
+                input_error = Some(e);
+                break;
+            }
+        };
         let before = cluster.replica_digests();
         match cluster.serve(&req.tokens) {
             Ok(stats) => {
@@ -498,12 +491,18 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
     bar.finish_and_clear();
     // A run that verified nothing must not read as a pass.
     if requests == 0 {
+        if let Some(e) = input_error {
+            return Err(e.into());
+        }
         return Err(crate::Error::Usage(format!(
             "{} has no request: nothing to verify",
             plan.workload_name
         )));
     }
     if skipped == requests {
+        if let Some(e) = &input_error {
+            eprintln!("error: {e}");
+        }
         return Err(crate::Error::Usage(format!(
             "no request fits in the device pool: all {skipped} were skipped, nothing was \
              verified; raise --device-pages"
@@ -542,7 +541,10 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
         model: deployment.model.to_string(),
         layers: args.layers,
         policy: args.policy.to_string(),
-        workload: plan.workload_name,
+        workload: match &input_error {
+            Some(e) => format!("{}, cut short by {e}", plan.workload_name),
+            None => plan.workload_name,
+        },
         failed_requests: failed,
         requests_skipped: skipped,
         rollback_dropped_device_pages: dropped.device_pages,
@@ -559,6 +561,18 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
     out!("{}", report.to_table());
     if let Some(path) = &args.json {
         super::common::write_json(path, &report)?;
+    }
+    if let Some(e) = input_error {
+        eprintln!(
+            "error: {e}\n  the replay stopped there: the report covers the {requests} requests \
+             before it"
+        );
+        // A failure in what ran is the stronger verdict; otherwise the input is at fault.
+        return Ok(if report.ok() && failed == 0 {
+            ExitCode::from(2)
+        } else {
+            ExitCode::FAILURE
+        });
     }
     if report.ok() && failed == 0 {
         Ok(ExitCode::SUCCESS)
@@ -662,14 +676,5 @@ mod tests {
             "host eviction that made a backup fit is the fault firing"
         );
         assert!(!fired(0, 0));
-    }
-
-    #[test]
-    fn trace_lines_are_counted_past_a_line_that_is_not_utf8() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("t.jsonl");
-        std::fs::write(&path, b"\xef\xbb\xbf{}\n\n  \r\n{\xff}\n{}\n{}").unwrap();
-        assert_eq!(count_lines(&path), Some(4));
-        assert_eq!(count_lines(&dir.path().join("missing")), None);
     }
 }
