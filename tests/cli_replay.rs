@@ -657,6 +657,18 @@ fn a_replay_too_large_for_memory_is_refused() {
         ],
         "GiB of host memory",
     );
+    // The lane allocators are part of the estimate (they used to be left out).
+    usage_error(
+        &[
+            "replay",
+            "--device-pages",
+            "4000000000",
+            "--backend",
+            "host",
+            "-q",
+        ],
+        "lane allocators",
+    );
 }
 
 /// Replay is the default command, so its options work without the word `replay`; with

@@ -285,40 +285,111 @@ impl ReplayArgs {
     }
 }
 
-/// Refuses, before anything is allocated, a replay whose pools do not fit in the memory
-/// available: allocating them would get the process killed without a word. Host pools are
-/// host memory on every backend; on the CPU so are the device pools and the dense
-/// materialisation buffers (at most one device pool's worth).
+/// Bytes of the cluster's kernel-backed lane allocators (one per rank), as
+/// `(executor memory, host mirrors)`. Written out here from `KernelLaneAllocator::new` in
+/// src/allocator/kernel.rs (keep the two in step): each rank's allocator sizes its buffers for
+/// every logical page at once, `out_locs` 8 bytes per token, `pages_in`, `out_pages` and the
+/// lane stacks (`cp` lanes of `ceil(pages / cp)`) 4 bytes per page, `owners_in` 1 byte per
+/// page, `tops` 4 bytes per lane (the four growable buffers are at least 64 bytes); the
+/// host mirror holds a
+/// 4-byte page id per free page and one bit per page.
+fn allocator_bytes(cp: u8, page_size: u32, device_pages: u32, local_pages: u32) -> (u64, u64) {
+    let (cp, pages) = (u64::from(cp), u64::from(device_pages));
+    let buffer = |bytes: u64| bytes.max(64);
+    let per_rank = buffer(
+        8u64.saturating_mul(pages)
+            .saturating_mul(u64::from(page_size)),
+    )
+    .saturating_add(2 * buffer(4 * pages))
+    .saturating_add(buffer(pages))
+    .saturating_add(4 * cp * u64::from(local_pages))
+    .saturating_add(4 * cp);
+    let mirror = 4 * pages + pages.div_ceil(64) * 8;
+    (per_rank.saturating_mul(cp), mirror.saturating_mul(cp))
+}
+
+/// What a replay holds in host memory, by part.
+#[derive(Debug, PartialEq, Eq)]
+struct MemoryNeed {
+    /// Device pools (host memory only on the CPU executor).
+    device_pools: u64,
+    /// Host pools.
+    host_pools: u64,
+    /// The lane allocators' executor buffers (host memory only on the CPU executor).
+    allocators: u64,
+    /// The lane allocators' host mirrors.
+    mirrors: u64,
+    /// Whether device memory is off the host (CUDA).
+    on_gpu: bool,
+}
+
+impl MemoryNeed {
+    fn new(config: &ClusterConfig, backend: Backend) -> Result<MemoryNeed, crate::Error> {
+        let geometry = config.pool_geometry().map_err(cluster_error)?;
+        let (device_pools, host_pools) = geometry.pool_bytes(&config.deployment);
+        let dep = &config.deployment;
+        let (allocators, mirrors) = allocator_bytes(
+            dep.cp,
+            dep.page_size,
+            config.device_pages,
+            geometry.local_pages,
+        );
+        Ok(MemoryNeed {
+            device_pools,
+            host_pools,
+            allocators,
+            mirrors,
+            // An open executor is never `Auto`; only CUDA keeps device memory off the host.
+            on_gpu: backend == Backend::Cuda,
+        })
+    }
+
+    /// Host bytes in all: on the CPU the device pools count twice (the dense
+    /// materialisation buffers hold at most one device pool's worth).
+    fn host_bytes(&self) -> u64 {
+        let host = self.host_pools.saturating_add(self.mirrors);
+        if self.on_gpu {
+            host
+        } else {
+            host.saturating_add(self.device_pools.saturating_mul(2))
+                .saturating_add(self.allocators)
+        }
+    }
+}
+
+/// Refuses, before anything is allocated, a replay whose pools and allocator buffers do not
+/// fit in the memory available: allocating them would get the process killed without a
+/// word. Host pools and the allocators' mirrors are host memory on every backend; on the
+/// CPU so are the device pools, the dense materialisation buffers (at most one device
+/// pool's worth) and the allocators' executor buffers.
 fn check_memory(config: &ClusterConfig, backend: Backend) -> Result<(), crate::Error> {
-    let geometry = config.pool_geometry().map_err(cluster_error)?;
-    let (device, host) = geometry.pool_bytes(&config.deployment);
-    // An open executor is never `Auto`; only CUDA keeps the device pools off the host.
-    let on_gpu = backend == Backend::Cuda;
-    let need = if on_gpu {
-        host
-    } else {
-        host.saturating_add(device.saturating_mul(2))
-    };
+    let need = MemoryNeed::new(config, backend)?;
     let Some(available) = available_memory() else {
         return Ok(());
     };
-    if need <= available {
+    if need.host_bytes() <= available {
         return Ok(());
     }
     let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
-    let parts = if on_gpu {
-        format!("pinned host pools {:.1} GiB", gib(host))
+    let parts = if need.on_gpu {
+        format!(
+            "pinned host pools {:.1} GiB, lane allocator mirrors {:.1} GiB",
+            gib(need.host_pools),
+            gib(need.mirrors)
+        )
     } else {
         format!(
-            "device pools {:.1} GiB and as much again for materialisation, host pools {:.1} GiB",
-            gib(device),
-            gib(host)
+            "device pools {:.1} GiB and as much again for materialisation, host pools {:.1} \
+             GiB, lane allocators {:.1} GiB",
+            gib(need.device_pools),
+            gib(need.host_pools),
+            gib(need.allocators.saturating_add(need.mirrors))
         )
     };
     Err(crate::Error::Usage(format!(
         "this replay needs about {:.1} GiB of host memory ({parts}) but {:.1} GiB is \
          available: lower --layers, --device-pages or --host-pages",
-        gib(need),
+        gib(need.host_bytes()),
         gib(available)
     )))
 }
@@ -676,5 +747,34 @@ mod tests {
             "host eviction that made a backup fit is the fault firing"
         );
         assert!(!fired(0, 0));
+    }
+
+    /// The memory check counts the kernel-backed lane allocators: per rank 8 bytes per
+    /// token of every logical page (out_locs) and 13 per page (pages_in, out_pages, stacks,
+    /// owners_in), about cp × (8 · page_size + 13) bytes per logical page in all, plus the
+    /// host mirrors. They used to be left out.
+    #[test]
+    fn the_memory_check_counts_the_lane_allocators() {
+        let args = ReplayArgs::default();
+        let plan = args.validate().unwrap();
+        let config = ClusterConfig {
+            deployment: plan.deployment,
+            layers: 1,
+            device_pages: 4096,
+            host_pages: 16,
+            policy: WritePolicy::WriteThrough,
+            fault: None,
+            sanitize: Sanitize::default(),
+        };
+        let (cp, page) = (8u64, 64u64);
+        let need = MemoryNeed::new(&config, Backend::Host).unwrap();
+        assert_eq!(need.allocators, cp * (8 * page + 13) * 4096 + cp * 4 * cp);
+        assert_eq!(need.mirrors, cp * (4 * 4096 + 4096 / 8));
+        assert_eq!(
+            need.host_bytes(),
+            need.host_pools + 2 * need.device_pools + need.allocators + need.mirrors
+        );
+        let gpu = MemoryNeed::new(&config, Backend::Cuda).unwrap();
+        assert_eq!(gpu.host_bytes(), gpu.host_pools + gpu.mirrors);
     }
 }
