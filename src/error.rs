@@ -45,6 +45,10 @@ pub enum Error {
     /// Tuning, benchmarking or a tuning file failed.
     #[error(transparent)]
     Tuning(#[from] crate::tuning::TuningError),
+    /// A workload could not be read: a trace that cannot be opened or has a bad line, or an
+    /// invalid workload setting. Always the user's input.
+    #[error(transparent)]
+    Workload(#[from] crate::workload::WorkloadError),
     /// Invalid command-line input that clap could not catch.
     #[error("{0}")]
     Usage(String),
@@ -62,12 +66,37 @@ impl Error {
     /// Whether the error is the user's input (exit status 2) rather than a failure (1).
     pub fn is_usage(&self) -> bool {
         match self {
-            Error::Usage(_) | Error::Layout(_) => true,
+            Error::Usage(_) | Error::Layout(_) | Error::Workload(_) => true,
             Error::Tuning(e) => e.is_usage(),
             // A misspelt environment variable or option value is the user's input too.
             Error::Exec(crate::exec::ExecError::Config { .. })
             | Error::Jit(crate::jit::JitError::Config { .. }) => true,
             _ => false,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::workload::WorkloadError;
+
+    /// A workload error keeps its type through `?` and is the user's input (exit status 2).
+    #[test]
+    fn workload_errors_keep_their_type_and_are_usage() {
+        let e: Error = WorkloadError::BadLine {
+            path: "t.jsonl".into(),
+            line: 3,
+            message: "bad".into(),
+        }
+        .into();
+        assert!(matches!(
+            e,
+            Error::Workload(WorkloadError::BadLine { line: 3, .. })
+        ));
+        assert!(e.is_usage());
+        assert_eq!(e.to_string(), "t.jsonl:3: bad");
+        let e: Error = WorkloadError::Config("x".into()).into();
+        assert!(e.is_usage());
     }
 }

@@ -330,28 +330,23 @@ fn bad_traces_name_the_line() {
         (
             "{\"input_length\": 100, \"output_length\": 1, \"hash_ids\": [0, 0, 0]}",
             ":2: too many hash_ids: input_length 100 needs ceil(100 / 512) = 1 \
-             (one per 512-token block), the line has 3",
+             (one per 512-token block, --block-tokens 512), the line has 3",
         ),
         (
             "{\"input_length\": 1500, \"output_length\": 1, \"hash_ids\": [0, 1]}",
             ":2: too few hash_ids: input_length 1500 needs ceil(1500 / 512) = 3 \
-             (one per 512-token block), the line has 2",
+             (one per 512-token block, --block-tokens 512), the line has 2",
+        ),
+        (
+            "{\"timestamp\": 0, \"input_length\": 7, \"output_length\": 1, \"hash_ids\": [0]} x",
+            ":2: not a Mooncake trace record: trailing characters at column 74",
         ),
     ] {
         let f = trace_file(&format!("{good}{bad}\n"));
         let path = f.path().to_str().unwrap();
         usage_error(
             &[
-                "replay",
-                "--trace",
-                path,
-                "--block-tokens",
-                "64",
-                "--model",
-                "mla",
-                "--cp",
-                "2",
-                "-q",
+                "replay", "--trace", path, "--model", "mla", "--cp", "2", "-q",
             ],
             want,
         );
@@ -369,14 +364,14 @@ fn an_oversized_request_is_skipped_and_the_replay_goes_on() {
     let ids = |n: usize| (0..n).map(|i| (100 + i).to_string()).collect::<Vec<_>>();
     let lines = format!(
         "{}\n{}\n{}\n{}\n",
-        "{\"timestamp\": 0, \"input_length\": 700, \"output_length\": 1, \"hash_ids\": [0, 1]}",
+        "{\"timestamp\": 0, \"input_length\": 88, \"output_length\": 1, \"hash_ids\": [0, 1]}",
         format_args!(
-            "{{\"timestamp\": 1, \"input_length\": 10240, \"output_length\": 1, \"hash_ids\": [{}]}}",
+            "{{\"timestamp\": 1, \"input_length\": 1280, \"output_length\": 1, \"hash_ids\": [{}]}}",
             ids(20).join(", ")
         ),
-        "{\"timestamp\": 2, \"input_length\": 1500, \"output_length\": 1, \"hash_ids\": [0, 1, 2]}",
+        "{\"timestamp\": 2, \"input_length\": 188, \"output_length\": 1, \"hash_ids\": [0, 1, 2]}",
         format_args!(
-            "{{\"timestamp\": 3, \"input_length\": 12288, \"output_length\": 1, \"hash_ids\": [{}]}}",
+            "{{\"timestamp\": 3, \"input_length\": 1536, \"output_length\": 1, \"hash_ids\": [{}]}}",
             ids(24).join(", ")
         ),
     );
@@ -468,12 +463,13 @@ fn replay_trace(lines: &str, extra: &[&str]) -> (Output, Option<serde_json::Valu
     (out, report)
 }
 
-/// A trace record of `ids.len()` full 512-token blocks.
+/// A trace record of `ids.len()` full 64-token blocks (the block size [`replay_trace`]
+/// gives).
 fn record(ids: &[u32]) -> String {
     let ids: Vec<String> = ids.iter().map(u32::to_string).collect();
     format!(
         "{{\"timestamp\": 0, \"input_length\": {}, \"output_length\": 1, \"hash_ids\": [{}]}}\n",
-        512 * ids.len(),
+        64 * ids.len(),
         ids.join(", ")
     )
 }
@@ -661,6 +657,18 @@ fn a_replay_too_large_for_memory_is_refused() {
         ],
         "GiB of host memory",
     );
+    // The lane allocators are part of the estimate (they used to be left out).
+    usage_error(
+        &[
+            "replay",
+            "--device-pages",
+            "4000000000",
+            "--backend",
+            "host",
+            "-q",
+        ],
+        "lane allocators",
+    );
 }
 
 /// Replay is the default command, so its options work without the word `replay`; with
@@ -704,6 +712,7 @@ fn help_lists_values_and_ranges() {
         "default: all of them",
         "1..=256",
         "Conversations in the built-in workload (not with --trace): each is",
+        "Tokens one trace hash id stands for: the trace's block size",
     ] {
         assert!(help.contains(want), "{want} missing from\n{help}");
     }
@@ -726,9 +735,9 @@ fn help_lists_values_and_ranges() {
 #[test]
 fn a_launch_failure_aimed_at_a_skipped_request_moves_on() {
     let big: Vec<u32> = (100..120).collect();
-    // 100 trace tokens are 13 tokens at 64 per block: less than a page.
+    // 13 tokens: less than a page.
     let tiny =
-        "{\"timestamp\": 0, \"input_length\": 100, \"output_length\": 1, \"hash_ids\": [0]}\n";
+        "{\"timestamp\": 0, \"input_length\": 13, \"output_length\": 1, \"hash_ids\": [0]}\n";
     let (out, report) = replay_trace(
         &format!("{tiny}{}{tiny}", record(&big)),
         &["--device-pages", "12", "--inject", "launch-error"],
@@ -752,4 +761,133 @@ fn a_launch_failure_aimed_at_a_skipped_request_moves_on() {
         "{err}"
     );
     assert_eq!(report.unwrap()["fault_fired"], false);
+}
+
+/// `--block-tokens` is the trace's block size (DESIGN §5): a trace of 64-token blocks replays
+/// with `--block-tokens 64` as exactly its input lengths (it was refused: the ids were always
+/// counted as 512-token blocks, and --block-tokens only scaled the replay down).
+#[test]
+fn block_tokens_is_the_traces_block_size() {
+    let trace = "{\"timestamp\": 0, \"input_length\": 128, \"output_length\": 1, \"hash_ids\": [1, 2]}\n\
+                 {\"timestamp\": 1, \"input_length\": 100, \"output_length\": 1, \"hash_ids\": [1, 3]}\n";
+    let (out, report) = replay_trace(trace, &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let r = report.unwrap();
+    assert_eq!(num(&r, "requests"), 2);
+    assert_eq!(num(&r, "prompt_tokens"), 228);
+    assert!(r["workload"]
+        .as_str()
+        .unwrap()
+        .contains("(64 tokens per block)"));
+    // 512-token blocks read as 64-token ones are refused, with a hint.
+    let f = trace_file(
+        "{\"timestamp\": 0, \"input_length\": 700, \"output_length\": 1, \"hash_ids\": [0, 1]}\n",
+    );
+    usage_error(
+        &[
+            "replay",
+            "--trace",
+            f.path().to_str().unwrap(),
+            "--block-tokens",
+            "64",
+            "-q",
+        ],
+        ":1: too few hash_ids: input_length 700 needs ceil(700 / 64) = 11 (one per 64-token \
+         block, --block-tokens 64), the line has 2; it fits 512-token blocks",
+    );
+}
+
+/// A bad line in a trace file is refused before any work, naming file:line: the trace is
+/// read through first. (It used to be found only when the replay reached it, after the
+/// kernels were built and the requests before it verified, and the run then ended with no
+/// report; here the compile-error fault would have ended the run first, with exit status 1.)
+#[test]
+fn a_bad_line_in_a_trace_file_is_refused_before_any_work() {
+    let text = format!(
+        "{}{}not json\n{}",
+        record(&[0]),
+        record(&[0, 1]),
+        record(&[2])
+    );
+    let f = trace_file(&text);
+    let path = f.path().to_str().unwrap();
+    let args = [
+        "replay",
+        "--trace",
+        path,
+        "--block-tokens",
+        "64",
+        "-q",
+        "--inject",
+        "compile-error",
+    ];
+    usage_error(&args, &format!("{path}:3: not a Mooncake trace record"));
+    let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+        .args(args)
+        .env("CP_HICACHE_CACHE_DIR", cache_dir())
+        .output()
+        .unwrap();
+    assert!(out.stdout.is_empty(), "no report: nothing ran");
+    assert!(!stderr(&out).contains("compile"), "{}", stderr(&out));
+    // Lines past --requests are not replayed, so not checked either.
+    let (out, report) = replay_trace(&text, &["--requests", "2"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert_eq!(num(&report.unwrap(), "requests"), 2);
+}
+
+/// A pipe cannot be read twice, so its bad line is found when the replay reaches it: the
+/// replay stops there, still prints the report of what ran and writes --json (whose
+/// workload says where it was cut), then exits 2. It used to exit 2 with no report at all.
+#[test]
+fn a_bad_line_in_a_pipe_stops_with_a_report() {
+    use std::io::Write as _;
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("report.json");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+        .args(["replay", "--trace", "/dev/stdin", "--block-tokens", "64"])
+        .args([
+            "--model", "mla", "--cp", "2", "--layers", "1", "-q", "--json",
+        ])
+        .arg(&json)
+        .env("CP_HICACHE_CACHE_DIR", cache_dir())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = format!(
+        "{}{}{{\"input_length\": 7\n{}",
+        record(&[0, 1]),
+        record(&[0, 1, 2]),
+        record(&[3])
+    );
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(lines.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains(
+            "error: /dev/stdin:3: not a Mooncake trace record: EOF while parsing an object at \
+             column 18\n  the replay stopped there: the report covers the 2 requests before it"
+        ),
+        "{err}"
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("requests                     2"), "{text}");
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(num(&r, "requests"), 2);
+    assert_eq!(num(&r, "mismatched_tokens"), 0);
+    assert!(
+        r["workload"]
+            .as_str()
+            .unwrap()
+            .contains("cut short by /dev/stdin:3: not a Mooncake trace record"),
+        "{r}"
+    );
 }

@@ -37,8 +37,9 @@ pub struct ReplayArgs {
     /// trace without a request is a usage error: there would be nothing to verify.
     #[arg(long, value_name = "FILE.jsonl")]
     pub trace: Option<PathBuf>,
-    /// Tokens one trace hash id stands for, 1..=65536 (only with --trace; the published
-    /// traces use 512; smaller values scale every length down and keep CPU replays fast).
+    /// Tokens one trace hash id stands for: the trace's block size, 1..=65536 (only with
+    /// --trace; the published Mooncake traces use 512). Each line must have
+    /// ceil(input_length / N) hash_ids and replays as input_length tokens.
     #[arg(
         long,
         default_value_t = 512,
@@ -244,7 +245,10 @@ impl ReplayArgs {
         })
     }
 
-    /// The request stream and, when known, its length (for the progress bar).
+    /// The request stream and, when known, its length (for the progress bar). A trace in a
+    /// regular file is read through and checked first, so a bad line is refused (exit
+    /// status 2, naming file:line) before any work; a pipe cannot be read twice, so its bad
+    /// line stops the replay where it is (see `run`).
     fn workload(&self) -> Result<(RequestStream, Option<u64>), crate::Error> {
         match &self.trace {
             Some(path) => {
@@ -252,21 +256,19 @@ impl ReplayArgs {
                     block_tokens: self.block_tokens,
                     max_requests: self.requests,
                 };
-                let trace = MooncakeTrace::open(path, config).map_err(usage)?;
-                // Counted ahead only in a regular file: a pipe would be drained by the count.
-                let lines = if path.is_file() {
-                    count_lines(path)
+                let trace = MooncakeTrace::open(path, config.clone())?;
+                let total = if path.is_file() {
+                    Some(MooncakeTrace::check(path, config)?)
                 } else {
                     None
                 };
-                if lines == Some(0) {
+                if total == Some(0) {
                     // Refused before the kernels are built: an empty trace verifies nothing.
                     return Err(crate::Error::Usage(format!(
                         "trace {} has no request (it is empty or blank): nothing to verify",
                         path.display()
                     )));
                 }
-                let total = lines.map(|n| self.requests.map_or(n, |r| r.min(n)));
                 Ok((Box::new(trace), total.map(|n| n as u64)))
             }
             None => {
@@ -275,7 +277,7 @@ impl ReplayArgs {
                     conversations: self.conversations,
                     ..ConversationsConfig::default()
                 };
-                let gen = Conversations::new(config, self.requests).map_err(usage)?;
+                let gen = Conversations::new(config, self.requests)?;
                 let total = gen.total_requests() as u64;
                 Ok((Box::new(gen), Some(total)))
             }
@@ -283,44 +285,111 @@ impl ReplayArgs {
     }
 }
 
-fn usage(e: WorkloadError) -> crate::Error {
-    crate::Error::Usage(e.to_string())
+/// Bytes of the cluster's kernel-backed lane allocators (one per rank), as
+/// `(executor memory, host mirrors)`. Written out here from `KernelLaneAllocator::new` in
+/// src/allocator/kernel.rs (keep the two in step): each rank's allocator sizes its buffers for
+/// every logical page at once, `out_locs` 8 bytes per token, `pages_in`, `out_pages` and the
+/// lane stacks (`cp` lanes of `ceil(pages / cp)`) 4 bytes per page, `owners_in` 1 byte per
+/// page, `tops` 4 bytes per lane (the four growable buffers are at least 64 bytes); the
+/// host mirror holds a
+/// 4-byte page id per free page and one bit per page.
+fn allocator_bytes(cp: u8, page_size: u32, device_pages: u32, local_pages: u32) -> (u64, u64) {
+    let (cp, pages) = (u64::from(cp), u64::from(device_pages));
+    let buffer = |bytes: u64| bytes.max(64);
+    let per_rank = buffer(
+        8u64.saturating_mul(pages)
+            .saturating_mul(u64::from(page_size)),
+    )
+    .saturating_add(2 * buffer(4 * pages))
+    .saturating_add(buffer(pages))
+    .saturating_add(4 * cp * u64::from(local_pages))
+    .saturating_add(4 * cp);
+    let mirror = 4 * pages + pages.div_ceil(64) * 8;
+    (per_rank.saturating_mul(cp), mirror.saturating_mul(cp))
 }
 
-/// Refuses, before anything is allocated, a replay whose pools do not fit in the memory
-/// available: allocating them would get the process killed without a word. Host pools are
-/// host memory on every backend; on the CPU so are the device pools and the dense
-/// materialisation buffers (at most one device pool's worth).
+/// What a replay holds in host memory, by part.
+#[derive(Debug, PartialEq, Eq)]
+struct MemoryNeed {
+    /// Device pools (host memory only on the CPU executor).
+    device_pools: u64,
+    /// Host pools.
+    host_pools: u64,
+    /// The lane allocators' executor buffers (host memory only on the CPU executor).
+    allocators: u64,
+    /// The lane allocators' host mirrors.
+    mirrors: u64,
+    /// Whether device memory is off the host (CUDA).
+    on_gpu: bool,
+}
+
+impl MemoryNeed {
+    fn new(config: &ClusterConfig, backend: Backend) -> Result<MemoryNeed, crate::Error> {
+        let geometry = config.pool_geometry().map_err(cluster_error)?;
+        let (device_pools, host_pools) = geometry.pool_bytes(&config.deployment);
+        let dep = &config.deployment;
+        let (allocators, mirrors) = allocator_bytes(
+            dep.cp,
+            dep.page_size,
+            config.device_pages,
+            geometry.local_pages,
+        );
+        Ok(MemoryNeed {
+            device_pools,
+            host_pools,
+            allocators,
+            mirrors,
+            // An open executor is never `Auto`; only CUDA keeps device memory off the host.
+            on_gpu: backend == Backend::Cuda,
+        })
+    }
+
+    /// Host bytes in all: on the CPU the device pools count twice (the dense
+    /// materialisation buffers hold at most one device pool's worth).
+    fn host_bytes(&self) -> u64 {
+        let host = self.host_pools.saturating_add(self.mirrors);
+        if self.on_gpu {
+            host
+        } else {
+            host.saturating_add(self.device_pools.saturating_mul(2))
+                .saturating_add(self.allocators)
+        }
+    }
+}
+
+/// Refuses, before anything is allocated, a replay whose pools and allocator buffers do not
+/// fit in the memory available: allocating them would get the process killed without a
+/// word. Host pools and the allocators' mirrors are host memory on every backend; on the
+/// CPU so are the device pools, the dense materialisation buffers (at most one device
+/// pool's worth) and the allocators' executor buffers.
 fn check_memory(config: &ClusterConfig, backend: Backend) -> Result<(), crate::Error> {
-    let geometry = config.pool_geometry().map_err(cluster_error)?;
-    let (device, host) = geometry.pool_bytes(&config.deployment);
-    // An open executor is never `Auto`; only CUDA keeps the device pools off the host.
-    let on_gpu = backend == Backend::Cuda;
-    let need = if on_gpu {
-        host
-    } else {
-        host.saturating_add(device.saturating_mul(2))
-    };
+    let need = MemoryNeed::new(config, backend)?;
     let Some(available) = available_memory() else {
         return Ok(());
     };
-    if need <= available {
+    if need.host_bytes() <= available {
         return Ok(());
     }
     let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
-    let parts = if on_gpu {
-        format!("pinned host pools {:.1} GiB", gib(host))
+    let parts = if need.on_gpu {
+        format!(
+            "pinned host pools {:.1} GiB, lane allocator mirrors {:.1} GiB",
+            gib(need.host_pools),
+            gib(need.mirrors)
+        )
     } else {
         format!(
-            "device pools {:.1} GiB and as much again for materialisation, host pools {:.1} GiB",
-            gib(device),
-            gib(host)
+            "device pools {:.1} GiB and as much again for materialisation, host pools {:.1} \
+             GiB, lane allocators {:.1} GiB",
+            gib(need.device_pools),
+            gib(need.host_pools),
+            gib(need.allocators.saturating_add(need.mirrors))
         )
     };
     Err(crate::Error::Usage(format!(
         "this replay needs about {:.1} GiB of host memory ({parts}) but {:.1} GiB is \
          available: lower --layers, --device-pages or --host-pages",
-        gib(need),
+        gib(need.host_bytes()),
         gib(available)
     )))
 }
@@ -331,24 +400,6 @@ fn available_memory() -> Option<u64> {
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     kib.checked_mul(1024)
-}
-
-/// The trace's non-blank lines, for the progress bar's total. Lines are counted as bytes, so
-/// a line that is not UTF-8 (which the trace reader then reports) does not cut the count.
-fn count_lines(path: &std::path::Path) -> Option<usize> {
-    use std::io::BufRead;
-    let f = std::fs::File::open(path).ok()?;
-    let blank = |l: &[u8]| {
-        let l = l.strip_prefix("\u{feff}".as_bytes()).unwrap_or(l);
-        l.iter().all(u8::is_ascii_whitespace)
-    };
-    Some(
-        std::io::BufReader::new(f)
-            .split(b'\n')
-            .map_while(Result::ok)
-            .filter(|l| !blank(l))
-            .count(),
-    )
 }
 
 /// Runs the replay and prints the report; the exit status says whether it was correct.
@@ -414,8 +465,17 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
     let mut failed = 0u64;
     let mut dropped = RollbackDrops::default();
     let mut skipped = 0u64;
+    // A bad line the up-front check could not see (a pipe, or a file changed since) stops
+    // the replay there; what ran is still reported.
+    let mut input_error = None;
     for req in workload {
-        let req = req.map_err(usage)?;
+        let req = match req {
+            Ok(req) => req,
+            Err(e) => {
+                input_error = Some(e);
+                break;
+            }
+        };
         let before = cluster.replica_digests();
         match cluster.serve(&req.tokens) {
             Ok(stats) => {
@@ -502,12 +562,18 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
     bar.finish_and_clear();
     // A run that verified nothing must not read as a pass.
     if requests == 0 {
+        if let Some(e) = input_error {
+            return Err(e.into());
+        }
         return Err(crate::Error::Usage(format!(
             "{} has no request: nothing to verify",
             plan.workload_name
         )));
     }
     if skipped == requests {
+        if let Some(e) = &input_error {
+            eprintln!("error: {e}");
+        }
         return Err(crate::Error::Usage(format!(
             "no request fits in the device pool: all {skipped} were skipped, nothing was \
              verified; raise --device-pages"
@@ -546,7 +612,10 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
         model: deployment.model.to_string(),
         layers: args.layers,
         policy: args.policy.to_string(),
-        workload: plan.workload_name,
+        workload: match &input_error {
+            Some(e) => format!("{}, cut short by {e}", plan.workload_name),
+            None => plan.workload_name,
+        },
         failed_requests: failed,
         requests_skipped: skipped,
         rollback_dropped_device_pages: dropped.device_pages,
@@ -563,6 +632,18 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
     out!("{}", report.to_table());
     if let Some(path) = &args.json {
         super::common::write_json(path, &report)?;
+    }
+    if let Some(e) = input_error {
+        eprintln!(
+            "error: {e}\n  the replay stopped there: the report covers the {requests} requests \
+             before it"
+        );
+        // A failure in what ran is the stronger verdict; otherwise the input is at fault.
+        return Ok(if report.ok() && failed == 0 {
+            ExitCode::from(2)
+        } else {
+            ExitCode::FAILURE
+        });
     }
     if report.ok() && failed == 0 {
         Ok(ExitCode::SUCCESS)
@@ -668,12 +749,32 @@ mod tests {
         assert!(!fired(0, 0));
     }
 
+    /// The memory check counts the kernel-backed lane allocators: per rank 8 bytes per
+    /// token of every logical page (out_locs) and 13 per page (pages_in, out_pages, stacks,
+    /// owners_in), about cp × (8 · page_size + 13) bytes per logical page in all, plus the
+    /// host mirrors. They used to be left out.
     #[test]
-    fn trace_lines_are_counted_past_a_line_that_is_not_utf8() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("t.jsonl");
-        std::fs::write(&path, b"\xef\xbb\xbf{}\n\n  \r\n{\xff}\n{}\n{}").unwrap();
-        assert_eq!(count_lines(&path), Some(4));
-        assert_eq!(count_lines(&dir.path().join("missing")), None);
+    fn the_memory_check_counts_the_lane_allocators() {
+        let args = ReplayArgs::default();
+        let plan = args.validate().unwrap();
+        let config = ClusterConfig {
+            deployment: plan.deployment,
+            layers: 1,
+            device_pages: 4096,
+            host_pages: 16,
+            policy: WritePolicy::WriteThrough,
+            fault: None,
+            sanitize: Sanitize::default(),
+        };
+        let (cp, page) = (8u64, 64u64);
+        let need = MemoryNeed::new(&config, Backend::Host).unwrap();
+        assert_eq!(need.allocators, cp * (8 * page + 13) * 4096 + cp * 4 * cp);
+        assert_eq!(need.mirrors, cp * (4 * 4096 + 4096 / 8));
+        assert_eq!(
+            need.host_bytes(),
+            need.host_pools + 2 * need.device_pools + need.allocators + need.mirrors
+        );
+        let gpu = MemoryNeed::new(&config, Backend::Cuda).unwrap();
+        assert_eq!(gpu.host_bytes(), gpu.host_pools + gpu.mirrors);
     }
 }

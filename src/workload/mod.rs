@@ -10,7 +10,9 @@ mod synthetic;
 mod trace;
 
 pub use synthetic::{Conversations, ConversationsConfig};
-pub use trace::{MooncakeTrace, TraceConfig, MAX_BLOCK_TOKENS, MOONCAKE_BLOCK_TOKENS};
+pub use trace::{
+    MooncakeTrace, TraceConfig, MAX_BLOCK_TOKENS, MAX_LINE_BYTES, MOONCAKE_BLOCK_TOKENS,
+};
 
 use std::path::PathBuf;
 
@@ -48,10 +50,40 @@ pub enum WorkloadError {
         /// What is wrong with it.
         message: String,
     },
+    /// A trace line is longer than [`MAX_LINE_BYTES`]: no record needs that much, so the
+    /// file is not a JSON-lines trace or is corrupt. Read no further than the limit.
+    #[error(
+        "{path}:{line}: the line is longer than {limit} bytes, more than any trace record \
+         needs: not a JSON-lines trace, or a corrupt one"
+    )]
+    LineTooLong {
+        /// The trace path.
+        path: PathBuf,
+        /// 1-based line number.
+        line: usize,
+        /// The limit in bytes ([`MAX_LINE_BYTES`]).
+        limit: usize,
+    },
     /// A configuration value is out of range.
     #[error("invalid workload setting: {0}")]
     Config(String),
 }
+
+impl WorkloadError {
+    /// The 1-based trace line the error is about, if it is about one.
+    pub fn line(&self) -> Option<usize> {
+        match self {
+            WorkloadError::BadLine { line, .. } | WorkloadError::LineTooLong { line, .. } => {
+                Some(*line)
+            }
+            WorkloadError::Io { .. } | WorkloadError::Config(_) => None,
+        }
+    }
+}
+
+/// The longest prompt accepted, in tokens (a trace's `input_length`, a generated
+/// conversation's longest turn); anything longer is a corrupt record or a mistaken setting.
+pub const MAX_PROMPT_TOKENS: u64 = 16 * 1024 * 1024;
 
 pub(crate) use crate::kernels::reference::mix64;
 

@@ -3,7 +3,7 @@
 //! message, so later turns hit the cache; conversations are interleaved so that reuse
 //! distances are long enough to force eviction and host load-back.
 
-use super::{block_token, mix64, Request, WorkloadError, GOLDEN, VOCAB};
+use super::{block_token, mix64, Request, WorkloadError, GOLDEN, MAX_PROMPT_TOKENS, VOCAB};
 use std::collections::VecDeque;
 use std::ops::RangeInclusive;
 
@@ -63,6 +63,24 @@ impl ConversationsConfig {
         if self.output_tokens.is_empty() {
             return bad("answer lengths must be a non-empty range");
         }
+        // Each turn adds the previous answer and a new message to the prompt, so the longest
+        // prompt is the system prompt plus every turn at its longest. Bounding it also keeps
+        // the length ranges' spans within u64 and an answer's length within u32.
+        let longest = (*self.user_tokens.end())
+            .checked_add(*self.output_tokens.end())
+            .and_then(|turn| turn.checked_mul(self.turns))
+            .and_then(|turns| turns.checked_add(self.system_tokens))
+            .filter(|&n| n as u64 <= MAX_PROMPT_TOKENS);
+        if longest.is_none() {
+            return Err(WorkloadError::Config(format!(
+                "a conversation's longest prompt (system {} + {} turns × (user {} + answer {}) \
+                 tokens) must be at most {MAX_PROMPT_TOKENS} tokens",
+                self.system_tokens,
+                self.turns,
+                self.user_tokens.end(),
+                self.output_tokens.end()
+            )));
+        }
         Ok(())
     }
 }
@@ -76,6 +94,7 @@ impl Rng {
         mix64(self.0)
     }
 
+    /// A value in `r`, whose span `validate` keeps far below `u64::MAX`.
     fn in_range(&mut self, r: &RangeInclusive<usize>) -> usize {
         let span = (r.end() - r.start()) as u64 + 1;
         r.start() + (self.next() % span) as usize
@@ -177,7 +196,8 @@ impl Iterator for Conversations {
         let req = Request {
             id: self.next_id,
             tokens: prompt.clone(),
-            output_tokens: conv.pending_output as u32,
+            // At most MAX_PROMPT_TOKENS (`validate`), so it fits.
+            output_tokens: u32::try_from(conv.pending_output).unwrap_or(u32::MAX),
             line: None,
         };
         conv.prompt = prompt;
@@ -236,5 +256,54 @@ mod tests {
             ..Default::default()
         };
         assert!(Conversations::new(bad, None).is_err());
+    }
+
+    /// Length ranges whose span wraps (`0..=usize::MAX`, which used to divide by zero) or
+    /// whose answers do not fit a u32 (which used to be truncated) are refused, as is a
+    /// conversation whose prompt would outgrow the longest accepted prompt.
+    #[test]
+    fn rejects_lengths_past_the_longest_prompt() {
+        let long = |c: ConversationsConfig| match Conversations::new(c, None) {
+            Err(WorkloadError::Config(m)) => m,
+            Err(e) => panic!("{e}"),
+            Ok(_) => panic!("accepted"),
+        };
+        for c in [
+            ConversationsConfig {
+                user_tokens: 1..=usize::MAX,
+                ..Default::default()
+            },
+            ConversationsConfig {
+                output_tokens: 0..=usize::MAX,
+                ..Default::default()
+            },
+            ConversationsConfig {
+                output_tokens: 0..=u32::MAX as usize + 1,
+                ..Default::default()
+            },
+            ConversationsConfig {
+                system_tokens: usize::MAX,
+                ..Default::default()
+            },
+            ConversationsConfig {
+                turns: usize::MAX / 2,
+                conversations: 1,
+                ..Default::default()
+            },
+        ] {
+            let m = long(c);
+            assert!(m.contains("longest prompt"), "{m}");
+        }
+        // The largest accepted settings generate.
+        let c = ConversationsConfig {
+            conversations: 1,
+            turns: 1,
+            system_tokens: 0,
+            user_tokens: 1..=1,
+            output_tokens: 0..=(MAX_PROMPT_TOKENS as usize - 1),
+            ..Default::default()
+        };
+        let r: Vec<_> = Conversations::new(c, None).unwrap().collect();
+        assert!(r[0].as_ref().unwrap().output_tokens < MAX_PROMPT_TOKENS as u32);
     }
 }
