@@ -797,6 +797,27 @@ fn block_tokens_is_the_traces_block_size() {
     );
 }
 
+/// `--replay-block-tokens` scales a trace down: each hash id becomes N tokens, and the
+/// lengths scale with it.
+#[test]
+fn replay_block_tokens_scales_the_trace() {
+    let trace = "{\"timestamp\": 0, \"input_length\": 128, \"output_length\": 1, \"hash_ids\": [1, 2]}\n\
+                 {\"timestamp\": 1, \"input_length\": 100, \"output_length\": 1, \"hash_ids\": [1, 3]}\n";
+    let (out, report) = replay_trace(trace, &["--replay-block-tokens", "16"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let r = report.unwrap();
+    // 128 -> 32 tokens (two whole blocks of 16), 100 -> ceil(100 * 16 / 64) = 25.
+    assert_eq!(num(&r, "prompt_tokens"), 32 + 25);
+    assert!(
+        r["workload"]
+            .as_str()
+            .unwrap()
+            .contains("(64 tokens per block, replayed as 16)"),
+        "{r}"
+    );
+    usage_error(&["replay", "--replay-block-tokens", "16", "-q"], "--trace");
+}
+
 /// A bad line in a trace file is refused before any work, naming file:line: the trace is
 /// read through first. (It used to be found only when the replay reached it, after the
 /// kernels were built and the requests before it verified, and the run then ended with no

@@ -48,6 +48,17 @@ pub struct ReplayArgs {
         value_parser = clap::value_parser!(u32).range(1..=i64::from(MAX_BLOCK_TOKENS))
     )]
     pub block_tokens: u32,
+    /// Replay each hash id as N tokens instead of --block-tokens, scaling every prompt and
+    /// output length by N / --block-tokens (only with --trace; default: the trace's own
+    /// size). The prefix structure stays the trace's; a CPU replays e.g. 64 in a fraction of
+    /// the time of 512.
+    #[arg(
+        long,
+        value_name = "N",
+        requires = "trace",
+        value_parser = clap::value_parser!(u32).range(1..=i64::from(MAX_BLOCK_TOKENS))
+    )]
+    pub replay_block_tokens: Option<u32>,
     /// Replay only the first N requests (N >= 1; default: all of them).
     #[arg(
         long,
@@ -229,11 +240,18 @@ impl ReplayArgs {
             )));
         }
         let workload_name = match &self.trace {
-            Some(t) => format!(
-                "trace {} ({} tokens per block)",
-                t.display(),
-                self.block_tokens
-            ),
+            Some(t) => match self.replay_block_tokens {
+                Some(rb) if rb != self.block_tokens => format!(
+                    "trace {} ({} tokens per block, replayed as {rb})",
+                    t.display(),
+                    self.block_tokens
+                ),
+                _ => format!(
+                    "trace {} ({} tokens per block)",
+                    t.display(),
+                    self.block_tokens
+                ),
+            },
             None => format!(
                 "built-in conversations (seed {}, {} conversations)",
                 self.seed, self.conversations
@@ -254,6 +272,7 @@ impl ReplayArgs {
             Some(path) => {
                 let config = TraceConfig {
                     block_tokens: self.block_tokens,
+                    replay_block_tokens: self.replay_block_tokens,
                     max_requests: self.requests,
                 };
                 let trace = MooncakeTrace::open(path, config.clone())?;

@@ -42,8 +42,24 @@ pub struct TraceConfig {
     /// 1..=[`MAX_BLOCK_TOKENS`]. A record with `input_length` tokens has exactly
     /// `ceil(input_length / block_tokens)` hash ids and replays as `input_length` tokens.
     pub block_tokens: u32,
+    /// Tokens each hash id becomes in the replay, when not `block_tokens` (1..=
+    /// [`MAX_BLOCK_TOKENS`]): every block, and the input and output lengths, scale by
+    /// `replay_block_tokens / block_tokens` (the last block keeps at least one token). Keeps
+    /// CPU replays of long-prompt traces fast while the prefix structure stays the trace's.
+    pub replay_block_tokens: Option<u32>,
     /// Take at most this many requests.
     pub max_requests: Option<usize>,
+}
+
+impl TraceConfig {
+    /// A trace of `block_tokens`-token blocks, replayed at its own scale, every request.
+    pub fn new(block_tokens: u32) -> TraceConfig {
+        TraceConfig {
+            block_tokens,
+            replay_block_tokens: None,
+            max_requests: None,
+        }
+    }
 }
 
 #[derive(Deserialize)]
@@ -180,18 +196,43 @@ impl MooncakeTrace {
                  {blocks}{hint}"
             )));
         }
+        let (input_length, output) = match self.config.replay_block_tokens {
+            Some(rb) if u64::from(rb) != bt => {
+                let rb = u64::from(rb);
+                // Lengths scale like the blocks; the tail of the last block is cut, but at
+                // least one token of it is kept.
+                let scaled = (input * rb)
+                    .div_ceil(bt)
+                    .clamp((blocks - 1) * rb + 1, blocks * rb);
+                let output = (rec.output_length as u64 * rb).div_ceil(bt);
+                for (what, n) in [("input_length", scaled), ("output_length", output)] {
+                    if n > MAX_PROMPT_TOKENS {
+                        return Err(self.bad(format!(
+                            "{what} scaled to {rb} tokens per block is {n} tokens, more than \
+                             {MAX_PROMPT_TOKENS}: lower --replay-block-tokens"
+                        )));
+                    }
+                }
+                (scaled, output)
+            }
+            _ => (input, rec.output_length as u64),
+        };
         Ok(Checked {
             hash_ids: rec.hash_ids,
-            input_length: input,
+            input_length,
             // At most MAX_PROMPT_TOKENS, checked above.
-            output_length: rec.output_length as u32,
+            output_length: output as u32,
         })
     }
 
-    /// The request of a checked record: `block_tokens` tokens per hash id, cut to
-    /// `input_length`.
+    /// The request of a checked record: the replay's tokens per hash id, cut to its
+    /// (possibly scaled) `input_length`.
     fn expand(&self, rec: Checked) -> Request {
-        let bt = u64::from(self.config.block_tokens);
+        let bt = u64::from(
+            self.config
+                .replay_block_tokens
+                .unwrap_or(self.config.block_tokens),
+        );
         let tokens = rec
             .hash_ids
             .iter()
@@ -316,10 +357,7 @@ mod tests {
     }
 
     fn config(block_tokens: u32) -> TraceConfig {
-        TraceConfig {
-            block_tokens,
-            max_requests: None,
-        }
+        TraceConfig::new(block_tokens)
     }
 
     fn trace_bytes(bytes: &[u8], block_tokens: u32) -> Vec<Result<Request, WorkloadError>> {
@@ -381,6 +419,32 @@ mod tests {
             ),
             "{err}"
         );
+    }
+
+    #[test]
+    fn replay_block_tokens_scales_blocks_and_lengths() {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        // Two published 512-token blocks, the second partial (700 tokens), 1000 out.
+        f.write_all(b"{\"input_length\": 700, \"output_length\": 1000, \"hash_ids\": [7, 9]}\n")
+            .unwrap();
+        let scaled = |rb| {
+            let config = TraceConfig {
+                replay_block_tokens: Some(rb),
+                ..TraceConfig::new(512)
+            };
+            let mut t = MooncakeTrace::open(f.path(), config).unwrap();
+            t.next().unwrap().unwrap()
+        };
+        let full = scaled(512);
+        assert_eq!((full.tokens.len(), full.output_tokens), (700, 1000));
+        let small = scaled(64);
+        // ceil(700 * 64 / 512) = 88 tokens: all of block 7, 24 of block 9; 125 out.
+        assert_eq!((small.tokens.len(), small.output_tokens), (88, 125));
+        // The same block ids give the same tokens at either scale: prefixes stay shared.
+        assert_eq!(small.tokens[..64], full.tokens[..64]);
+        assert_eq!(small.tokens[64..88], full.tokens[512..536]);
+        // A partial last block keeps at least one token.
+        assert_eq!(scaled(1).tokens.len(), 2);
     }
 
     #[test]
@@ -566,8 +630,8 @@ mod tests {
             "{err}"
         );
         let first3 = TraceConfig {
-            block_tokens: 512,
             max_requests: Some(3),
+            ..TraceConfig::new(512)
         };
         assert_eq!(MooncakeTrace::check(f.path(), first3).unwrap(), 3);
     }
