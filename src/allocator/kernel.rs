@@ -178,9 +178,55 @@ impl Drop for Allocated<'_> {
     }
 }
 
+/// The smallest growable buffer.
+const MIN_GROWABLE: usize = 64;
+
+/// The executor buffers of one rank's allocator for `layout`, in bytes: the lane stacks
+/// (every lane fits, at most `ceil(pages / cp)` pages each) and tops, then the inputs and
+/// outputs, sized for the largest possible call (every page at once) so that an allocation
+/// or a free never grows a buffer: on CUDA that would be a synchronising
+/// cuMemFree/cuMemAlloc on the load path. `out_locs` is 8 bytes per token, a few percent of
+/// the KV pools themselves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BufferSizes {
+    /// Lane free stacks: 4 bytes per slot.
+    pub stacks: u64,
+    /// Lane tops: 4 bytes per lane.
+    pub tops: u64,
+    /// Owners of a request: 1 byte per page.
+    pub owners_in: u64,
+    /// Pages of a free: 4 bytes per page.
+    pub pages_in: u64,
+    /// Pages a select hands out: 4 bytes per page.
+    pub out_pages: u64,
+    /// Token locations a select hands out: 8 bytes per token.
+    pub out_locs: u64,
+}
+
+impl BufferSizes {
+    /// The sizes for `layout`.
+    pub fn of(layout: &CpLayout) -> BufferSizes {
+        let (cp, pages) = (u64::from(layout.cp()), u64::from(layout.pages()));
+        let growable = |bytes: u64| bytes.max(MIN_GROWABLE as u64);
+        BufferSizes {
+            stacks: 4 * cp * u64::from(layout.local_pages_per_rank()),
+            tops: 4 * cp,
+            owners_in: growable(pages),
+            pages_in: growable(4 * pages),
+            out_pages: growable(4 * pages),
+            out_locs: growable(8 * pages * u64::from(layout.page_size())),
+        }
+    }
+
+    /// All of them.
+    pub fn total(&self) -> u64 {
+        self.stacks + self.tops + self.owners_in + self.pages_in + self.out_pages + self.out_locs
+    }
+}
+
 impl Growable {
     fn new(exec: &dyn Executor, bytes: usize) -> Result<Growable, ExecError> {
-        let bytes = bytes.max(64);
+        let bytes = bytes.max(MIN_GROWABLE);
         Ok(Growable {
             id: exec.alloc(MemKind::Device, bytes, POISON)?,
             bytes,
@@ -274,22 +320,25 @@ impl KernelLaneAllocator {
         }
         // Every lane fits: a lane holds at most ceil(pages / cp) pages.
         let lane_cap = layout.local_pages_per_rank();
-        let cp = usize::from(layout.cp());
+        let sizes = BufferSizes::of(&layout);
+        let size = |bytes: u64| {
+            usize::try_from(bytes).map_err(|_| ExecError::Alloc {
+                bytes: usize::MAX,
+                kind: MemKind::Device,
+                reason: format!("{bytes} bytes are more than this machine can address"),
+            })
+        };
         // A failed allocation frees the ones before it (`Allocated`'s drop).
         let mut mem = Allocated {
             exec: exec.as_ref(),
             ids: Vec::new(),
         };
-        let stacks = mem.alloc(4 * cp * lane_cap as usize)?;
-        let tops = mem.alloc(4 * cp)?;
-        // Sized for the largest possible call (every page at once), so an allocation or a
-        // free never grows a buffer: on CUDA that would be a synchronising
-        // cuMemFree/cuMemAlloc on the load path. out_locs is 8 bytes per token, a few percent
-        // of the KV pools themselves.
-        let owners_in = mem.growable(layout.pages() as usize)?;
-        let pages_in = mem.growable(4 * layout.pages() as usize)?;
-        let out_pages = mem.growable(4 * layout.pages() as usize)?;
-        let out_locs = mem.growable(8 * layout.pages() as usize * layout.page_size() as usize)?;
+        let stacks = mem.alloc(size(sizes.stacks)?)?;
+        let tops = mem.alloc(size(sizes.tops)?)?;
+        let owners_in = mem.growable(size(sizes.owners_in)?)?;
+        let pages_in = mem.growable(size(sizes.pages_in)?)?;
+        let out_pages = mem.growable(size(sizes.out_pages)?)?;
+        let out_locs = mem.growable(size(sizes.out_locs)?)?;
         mem.keep();
         let me = KernelLaneAllocator {
             select: (specs[0], ids[0]),

@@ -15,7 +15,7 @@
 pub mod kernel;
 
 pub use kernel::{
-    DeviceSlice, KernelAllocError, KernelAllocOptions, KernelLaneAllocator, KernelRun,
+    BufferSizes, DeviceSlice, KernelAllocError, KernelAllocOptions, KernelLaneAllocator, KernelRun,
 };
 
 use crate::layout::{CpLayout, PageId, Rank, TokenLoc};

@@ -3,12 +3,14 @@
 //! traffic, throughput, replica agreement and mismatched tokens.
 
 use super::common::parse_backend;
+use crate::allocator::BufferSizes;
 use crate::cluster::{
     Cluster, ClusterConfig, Fault, ReplayReport, RequestStats, RollbackDrops, WritePolicy,
 };
 use crate::exec::{open_executor, Backend, Executor};
 use crate::jit::{Jit, JitConfig, Sanitize, EMU_HEADER};
 use crate::kernels::{Deployment, ModelShape, TransferPath};
+use crate::layout::CpLayout;
 use crate::workload::{
     Conversations, ConversationsConfig, MooncakeTrace, Request, TraceConfig, WorkloadError,
     MAX_BLOCK_TOKENS,
@@ -305,24 +307,11 @@ impl ReplayArgs {
 }
 
 /// Bytes of the cluster's kernel-backed lane allocators (one per rank), as
-/// `(executor memory, host mirrors)`. Written out here from `KernelLaneAllocator::new` in
-/// src/allocator/kernel.rs (keep the two in step): each rank's allocator sizes its buffers for
-/// every logical page at once, `out_locs` 8 bytes per token, `pages_in`, `out_pages` and the
-/// lane stacks (`cp` lanes of `ceil(pages / cp)`) 4 bytes per page, `owners_in` 1 byte per
-/// page, `tops` 4 bytes per lane (the four growable buffers are at least 64 bytes); the
-/// host mirror holds a
-/// 4-byte page id per free page and one bit per page.
-fn allocator_bytes(cp: u8, page_size: u32, device_pages: u32, local_pages: u32) -> (u64, u64) {
-    let (cp, pages) = (u64::from(cp), u64::from(device_pages));
-    let buffer = |bytes: u64| bytes.max(64);
-    let per_rank = buffer(
-        8u64.saturating_mul(pages)
-            .saturating_mul(u64::from(page_size)),
-    )
-    .saturating_add(2 * buffer(4 * pages))
-    .saturating_add(buffer(pages))
-    .saturating_add(4 * cp * u64::from(local_pages))
-    .saturating_add(4 * cp);
+/// `(executor memory, host mirrors)`: each rank's buffers as the allocator sizes them
+/// ([`BufferSizes`]), and its host mirror, a 4-byte page id per free page and one bit per page.
+fn allocator_bytes(layout: &CpLayout) -> (u64, u64) {
+    let (cp, pages) = (u64::from(layout.cp()), u64::from(layout.pages()));
+    let per_rank = BufferSizes::of(layout).total();
     let mirror = 4 * pages + pages.div_ceil(64) * 8;
     (per_rank.saturating_mul(cp), mirror.saturating_mul(cp))
 }
@@ -346,13 +335,7 @@ impl MemoryNeed {
     fn new(config: &ClusterConfig, backend: Backend) -> Result<MemoryNeed, crate::Error> {
         let geometry = config.pool_geometry().map_err(cluster_error)?;
         let (device_pools, host_pools) = geometry.pool_bytes(&config.deployment);
-        let dep = &config.deployment;
-        let (allocators, mirrors) = allocator_bytes(
-            dep.cp,
-            dep.page_size,
-            config.device_pages,
-            geometry.local_pages,
-        );
+        let (allocators, mirrors) = allocator_bytes(&config.layout().map_err(cluster_error)?);
         Ok(MemoryNeed {
             device_pools,
             host_pools,
