@@ -27,6 +27,15 @@ pub enum Error {
     /// A radix-tree operation was refused.
     #[error(transparent)]
     Tree(#[from] TreeError),
+    /// A host page pool misuse.
+    #[error(transparent)]
+    HostPool(#[from] crate::hicache::host_pool::HostPoolError),
+    /// The reference decode step refused its input.
+    #[error(transparent)]
+    Decode(#[from] crate::hicache::decode::DecodeError),
+    /// The kernel-backed allocator failed (a launch, an upload, or a misuse).
+    #[error(transparent)]
+    KernelAlloc(#[from] crate::allocator::KernelAllocError),
     /// A kernel could not be compiled or loaded from the JIT cache.
     #[error(transparent)]
     Jit(#[from] JitError),
