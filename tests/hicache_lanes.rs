@@ -175,6 +175,10 @@ fn a_prefix_pinned_twice_stays_until_both_pins_are_given_back() {
     let foreign = other.pin_prefix(&a).unwrap();
     let err = c.unpin(foreign).unwrap_err();
     assert!(err.to_string().contains("another cluster"), "{err}");
+    // The refused pin comes back and still releases its own cluster's prefix.
+    other.unpin(err.pinned).unwrap();
+    evict_all(&mut other);
+    assert_eq!(serve(&mut other, &a).device_hit_tokens, 0);
 
     c.unpin(p1).unwrap();
     evict_all(&mut c);

@@ -411,6 +411,16 @@ pub struct Pinned {
     pub tokens: usize,
 }
 
+/// A refused [`Cluster::unpin`]: why, and the pin, still held.
+#[derive(Debug, thiserror::Error)]
+#[error("{source}")]
+pub struct UnpinError {
+    /// The pin given back, unchanged.
+    pub pinned: Pinned,
+    /// Why it was refused (boxed: cluster errors are large, unpins small).
+    pub source: Box<ClusterError>,
+}
+
 impl Cluster {
     /// Builds the ranks, allocates the pools (poisoned) and makes every kernel ready.
     pub fn new(
@@ -648,16 +658,24 @@ impl Cluster {
         })
     }
 
-    /// Releases a pin taken by [`Cluster::pin_prefix`] of this cluster (a pin of another
-    /// cluster is refused, and nothing changes).
-    pub fn unpin(&mut self, pinned: Pinned) -> Result<(), ClusterError> {
+    /// Releases a pin taken by [`Cluster::pin_prefix`] of this cluster. A refused pin (one
+    /// of another cluster) changes nothing and comes back in the error, so it can still be
+    /// given to the cluster that took it.
+    pub fn unpin(&mut self, pinned: Pinned) -> Result<(), UnpinError> {
         if pinned.cluster != self.id {
-            return Err(ClusterError::Config(format!(
+            let source = ClusterError::Config(format!(
                 "a pin of {} tokens taken by another cluster was given back to this one",
                 pinned.tokens
-            )));
+            ));
+            return Err(UnpinError {
+                pinned,
+                source: Box::new(source),
+            });
         }
-        self.unlock(pinned.node)
+        self.unlock(pinned.node).map_err(|source| UnpinError {
+            pinned,
+            source: Box::new(source),
+        })
     }
 
     /// When on, every request reads its dense materialised buffers back (after verifying

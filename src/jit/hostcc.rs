@@ -128,6 +128,22 @@ pub fn compiler_command(program: &str) -> Command {
     cmd
 }
 
+/// Kills the process group `child` leads (the compiler and everything it started), then
+/// reaps `child`. Through `kill(1)`, which keeps this module free of `unsafe`; when that
+/// cannot run, the driver alone is killed. Best effort: the group may be gone already.
+fn kill_group(child: &mut std::process::Child) {
+    let group = Command::new("kill")
+        .args(["-KILL", "--", &format!("-{}", child.id())])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
+    if !group.is_ok_and(|s| s.success()) {
+        let _ = child.kill();
+    }
+    let _ = child.wait();
+}
+
 /// Whether an `LD_PRELOAD` entry is the ASan runtime (`libasan.so`, `libasan.so.8`, ...).
 fn is_asan_runtime(lib: &str) -> bool {
     std::path::Path::new(lib)
@@ -181,7 +197,7 @@ impl HostCompiler {
     }
 
     /// The same compiler with another limit on one compile (default
-    /// [`DEFAULT_COMPILE_TIMEOUT`]; the JIT sets its configured one).
+    /// [`DEFAULT_COMPILE_TIMEOUT`]; the JIT sets its configured one; zero means no limit).
     pub fn with_timeout(mut self, timeout: Duration) -> HostCompiler {
         self.timeout = timeout;
         self
@@ -244,23 +260,26 @@ impl HostCompiler {
         let log_path = dir.0.join("compile.log");
         let log = std::fs::File::create(&log_path).map_err(|e| io(&log_path, e))?;
         let log_err = log.try_clone().map_err(|e| io(&log_path, e))?;
-        let mut child = compiler_command(&self.program)
-            .args(&args)
-            .current_dir(&dir.0)
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(log_err)
-            .spawn()
-            .map_err(|e| failed("not started".to_string(), e.to_string()))?;
+        // Its own process group, so a timeout kills the driver's children too (`cc1plus`,
+        // `as`, `ld`: the ones that hang in practice).
+        let mut child = std::os::unix::process::CommandExt::process_group(
+            compiler_command(&self.program)
+                .args(&args)
+                .current_dir(&dir.0)
+                .stdin(Stdio::null())
+                .stdout(log)
+                .stderr(log_err),
+            0,
+        )
+        .spawn()
+        .map_err(|e| failed("not started".to_string(), e.to_string()))?;
         let read_log = || std::fs::read_to_string(&log_path).unwrap_or_default();
         let started = Instant::now();
         let status = loop {
             match child.try_wait() {
                 Ok(Some(status)) => break status,
-                Ok(None) if started.elapsed() >= self.timeout => {
-                    // Best effort: the driver may have exited on its own in between.
-                    let _ = child.kill();
-                    let _ = child.wait();
+                Ok(None) if !self.timeout.is_zero() && started.elapsed() >= self.timeout => {
+                    kill_group(&mut child);
                     return Err(failed(
                         format!(
                             "killed after {} s ({COMPILE_TIMEOUT_ENV} sets the limit)",
@@ -293,7 +312,8 @@ mod tests {
         std::fs::write(
             &fake,
             "#!/bin/sh\ncase \"$1\" in\n--version) echo 'fake c++ 1.0' ;;\n\
-             -dumpmachine) echo x86_64-linux-gnu ;;\n*) echo compiling >&2; exec sleep 60 ;;\nesac\n",
+             -dumpmachine) echo x86_64-linux-gnu ;;\n*) echo compiling >&2; sleep 60 & \
+             echo $! > \"$0.child\"; wait ;;\nesac\n",
         )
         .unwrap();
         std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -317,6 +337,23 @@ mod tests {
             }
             other => panic!("{other}"),
         }
+        // The driver's child (cc1plus, in a real compile) is killed with it.
+        let child = std::fs::read_to_string(tmp.path().join("fake-c++.child")).unwrap();
+        let proc = std::path::Path::new("/proc").join(child.trim());
+        let gone = (0..200).any(|_| {
+            let state = std::fs::read_to_string(proc.join("stat")).unwrap_or_default();
+            // Gone, or a zombie waiting for init to reap it.
+            let dead = state.is_empty() || state.split(' ').nth(2) == Some("Z");
+            if !dead {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            dead
+        });
+        assert!(
+            gone,
+            "the compiler's child {} outlived the timeout",
+            child.trim()
+        );
     }
 
     #[test]

@@ -31,16 +31,30 @@ const TEMPLATE_TEXTS: [&str; 12] = [
     include_str!("../../templates/cuda_emu.h"),
 ];
 
-/// A short digest of the crate version and every template: what a tuning result was measured
-/// against. The JIT needs no such thing (its key hashes the rendered source), but a tuning
-/// file names shapes, not sources, and a shape timed on other kernel code is stale.
+/// A short digest of the crate version, every template, and the renders of every reference
+/// deployment's kernels (which also change with the Rust side of rendering): what a tuning
+/// result was measured against. The JIT needs no such thing (its key hashes the rendered
+/// source), but a tuning file names shapes, not sources, and a shape timed on other kernel
+/// code is stale.
 pub fn sources_digest() -> &'static str {
     use sha2::{Digest, Sha256};
     static DIGEST: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     DIGEST.get_or_init(|| {
         let mut h = Sha256::new();
         h.update(env!("CARGO_PKG_VERSION"));
-        for text in TEMPLATE_TEXTS {
+        let renders = Deployment::reference()
+            .iter()
+            .flat_map(|d| d.specs())
+            .map(|spec| {
+                spec.render()
+                    .unwrap_or_else(|e| format!("render error: {e}"))
+            })
+            .collect::<Vec<_>>();
+        for text in TEMPLATE_TEXTS
+            .iter()
+            .copied()
+            .chain(renders.iter().map(String::as_str))
+        {
             h.update((text.len() as u64).to_le_bytes());
             h.update(text);
         }

@@ -60,32 +60,48 @@ pub fn check_deployment(
     jit: &Jit,
     dep: &Deployment,
 ) -> Result<Vec<CheckRow>, TuningError> {
-    check_deployment_with(exec, jit, dep, None)
+    // SAFETY: no hook, so every kernel is the JIT's build of its spec.
+    unsafe { check_deployment_with(exec, jit, dep, None) }
 }
 
 /// [`check_deployment`] with `hook` editing kernel sources before they are compiled (fault
 /// injection: a kernel whose source no longer compiles is a failed row, the others run).
-pub fn check_deployment_with(
+///
+/// # Safety
+///
+/// The edited kernels are launched: `hook` must leave every kernel's memory accesses as
+/// bounded by its size arguments as the rendered source has them (breaking the compile, or
+/// changing the values written, is fine; an edit that indexes further is not).
+pub unsafe fn check_deployment_with(
     exec: &dyn Executor,
     jit: &Jit,
     dep: &Deployment,
     hook: Option<SourceHook<'_>>,
 ) -> Result<Vec<CheckRow>, TuningError> {
-    check_specs(exec, jit, &dep.specs(), hook, true)
+    // SAFETY: the caller vouches for `hook`.
+    unsafe { check_specs(exec, jit, &dep.specs(), hook, true) }
 }
 
 /// Checks `specs` (e.g. the launch shapes a benchmark times besides a deployment's defaults)
 /// like [`check_deployment_with`], without the DMA rows (the DMA path has no launch shape).
-pub fn check_specs_with(
+///
+/// # Safety
+///
+/// As for [`check_deployment_with`]: `hook` keeps every kernel's accesses in bounds.
+pub unsafe fn check_specs_with(
     exec: &dyn Executor,
     jit: &Jit,
     specs: &[KernelSpec],
     hook: Option<SourceHook<'_>>,
 ) -> Result<Vec<CheckRow>, TuningError> {
-    check_specs(exec, jit, specs, hook, false)
+    // SAFETY: the caller vouches for `hook`.
+    unsafe { check_specs(exec, jit, specs, hook, false) }
 }
 
-fn check_specs(
+/// # Safety
+///
+/// `hook` keeps every kernel's accesses in bounds ([`check_deployment_with`]).
+unsafe fn check_specs(
     exec: &dyn Executor,
     jit: &Jit,
     specs: &[KernelSpec],
@@ -108,7 +124,8 @@ fn check_specs(
         let seed = 0xC0FFEE + i as u64;
         let outcome = match k {
             Err(e) => Err(format!("compile/load: {e}")),
-            // SAFETY: `kernel` is what `compile_and_load` returned on `exec` for `spec`.
+            // SAFETY: `kernel` is what `compile_and_load` returned on `exec` for `spec`, from
+            // the render or from an edit the caller vouched for.
             Ok(kernel) => flatten(unsafe { check_one(exec, spec, kernel, seed) }),
         };
         rows.push(row(spec.uri(), spec.family().to_string(), outcome));

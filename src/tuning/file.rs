@@ -562,7 +562,9 @@ fn transfer_path(transfers: &[&TuningEntry], kernel: &LaunchChoice) -> TransferP
 }
 
 /// The cost of running `choice` for every kernel of `entries`: the sum of its slowdowns, each
-/// entry's time over that entry's fastest measured choice. Ratios, not seconds: entries may
+/// entry's time over that entry's fastest kernel shape (DMA, which is no shape, excluded:
+/// an entry whose DMA time is far below its shapes' would otherwise weigh more in the choice
+/// of the shape). Ratios, not seconds: entries may
 /// come from different `tune` runs (a file grows one deployment at a time, and transfer keys
 /// are shared across CP degrees) on a machine whose load moved in between, and a kernel that
 /// moves more bytes should not outvote the others. `None` when some entry did not measure it.
@@ -573,6 +575,7 @@ fn relative_cost(entries: &[&TuningEntry], choice: &LaunchChoice) -> Option<f64>
             let fastest = e
                 .results
                 .iter()
+                .filter(|r| r.choice != LaunchChoice::Dma)
                 .filter_map(|r| r.seconds)
                 .filter(|s| *s > 0.0)
                 .min_by(f64::total_cmp)?;
@@ -706,6 +709,17 @@ mod tests {
         let slow = timed("slow", &[(32, 10.0), (64, 10.5)]);
         let fast = timed("fast", &[(32, 0.3), (64, 0.1)]);
         assert_eq!(best_common(&[&slow, &fast]), Some(t(64)));
+        // A fast DMA time does not make its entry weigh more: against the best shape, A's
+        // 32 -> 64 costs 0.2 and B's 64 -> 32 costs 0.5, so 64 wins (against DMA, 32 would).
+        let mut a = timed("a", &[(32, 1.0), (64, 1.2)]);
+        a.results.push(CandidateResult {
+            choice: LaunchChoice::Dma,
+            seconds: Some(0.1),
+            gbps: None,
+            dropped: None,
+        });
+        let b = timed("b", &[(32, 1.5), (64, 1.0)]);
+        assert_eq!(best_common(&[&a, &b]), Some(t(64)));
         // A choice one entry never measured is not a candidate.
         let partial = timed("partial", &[(32, 1.0)]);
         assert_eq!(best_common(&[&slow, &partial]), Some(t(32)));

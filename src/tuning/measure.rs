@@ -434,6 +434,9 @@ impl<'e> CopyBench<'e> {
     /// `spec`, and `spec` must be of the spec key the bench was built for (same page size,
     /// bytes per token, CP and direction): the buffers are sized for that key, and the kernel
     /// reaches as far as its compiled page bytes say.
+    /// The bench's public fields must be as `new` made them (they size and name the
+    /// buffers), and a source hook given to [`compile_and_load`] must have kept the kernel's
+    /// accesses in bounds.
     pub unsafe fn launch(&self, kernel: KernelId, spec: &KernelSpec) -> Result<(), ExecError> {
         let d = spec.launch_dims(self.n, self.layers);
         let cfg = LaunchConfig::linear(d.grid, d.block);
@@ -670,6 +673,9 @@ impl<'e> AllocBench<'e> {
     /// `kernel` must be the handle [`compile_and_load`] returned on this bench's executor for
     /// `spec`, a select spec of the bench's
     /// CP and page size: the buffers are sized for them.
+    /// The bench's public fields must be as `new` made them (they size and name the
+    /// buffers), and a source hook given to [`compile_and_load`] must have kept the kernel's
+    /// accesses in bounds.
     pub unsafe fn run_select(&self, kernel: KernelId, spec: &KernelSpec) -> Result<(), ExecError> {
         let exec = self.mem.exec;
         let d = spec.launch_dims(self.n, 1);
@@ -700,6 +706,9 @@ impl<'e> AllocBench<'e> {
     /// `kernel` must be the handle [`compile_and_load`] returned on this bench's executor for
     /// `spec`, a release spec of the bench's
     /// CP and page size: the buffers are sized for them.
+    /// The bench's public fields must be as `new` made them (they size and name the
+    /// buffers), and a source hook given to [`compile_and_load`] must have kept the kernel's
+    /// accesses in bounds.
     pub unsafe fn run_release(&self, kernel: KernelId, spec: &KernelSpec) -> Result<(), ExecError> {
         let exec = self.mem.exec;
         let d = spec.launch_dims(self.n, 1);
@@ -949,6 +958,9 @@ impl<'e> SynthBench<'e> {
     /// `kernel` must be the handle [`compile_and_load`] returned on this bench's executor for
     /// `spec`, a synthesise or verify spec of the buffer kind, CP and page size the bench was
     /// built for: the buffers are sized for them.
+    /// The bench's public fields must be as `new` made them (they size and name the
+    /// buffers), and a source hook given to [`compile_and_load`] must have kept the kernel's
+    /// accesses in bounds.
     pub unsafe fn launch(&self, kernel: KernelId, spec: &KernelSpec) -> Result<(), ExecError> {
         let d = spec.launch_dims(
             match spec {

@@ -31,11 +31,32 @@ pub struct TuneOptions<'a> {
     pub alloc_pages: u32,
     /// Only a handful of candidates per kernel.
     pub quick: bool,
-    /// Edits candidate sources before compiling (fault injection in tests).
-    pub hook: Option<SourceHook<'a>>,
+    /// Edits candidate sources before compiling (fault injection in tests); set only
+    /// through [`TuneOptions::with_source_hook`], whose contract keeps the edited kernels'
+    /// launches in bounds.
+    hook: Option<SourceHook<'a>>,
 }
 
-impl TuneOptions<'_> {
+impl<'a> TuneOptions<'a> {
+    /// The same options with `hook` editing every candidate's source before it compiles
+    /// (tests and fault injection).
+    ///
+    /// # Safety
+    ///
+    /// The edited candidates are launched by a safe [`tune`]: `hook` must leave every
+    /// kernel's memory accesses as bounded by its size arguments as the rendered source has
+    /// them (breaking the compile, or changing the values written, is fine; an edit that
+    /// indexes further is not).
+    pub unsafe fn with_source_hook<'b>(self, hook: SourceHook<'b>) -> TuneOptions<'b>
+    where
+        'a: 'b,
+    {
+        TuneOptions {
+            hook: Some(hook),
+            ..self
+        }
+    }
+
     /// Full or quick defaults.
     pub fn new(quick: bool) -> TuneOptions<'static> {
         TuneOptions {

@@ -11,7 +11,8 @@ mod trace;
 
 pub use synthetic::{Conversations, ConversationsConfig};
 pub use trace::{
-    MooncakeTrace, TraceConfig, MAX_BLOCK_TOKENS, MAX_LINE_BYTES, MOONCAKE_BLOCK_TOKENS,
+    max_line_bytes, MooncakeTrace, TraceConfig, MAX_BLOCK_TOKENS, MAX_LINE_BYTES,
+    MOONCAKE_BLOCK_TOKENS,
 };
 
 use std::path::PathBuf;
@@ -50,7 +51,7 @@ pub enum WorkloadError {
         /// What is wrong with it.
         message: String,
     },
-    /// A trace line is longer than [`MAX_LINE_BYTES`]: no record needs that much, so the
+    /// A trace line is longer than [`max_line_bytes`]: no record needs that much, so the
     /// file is not a JSON-lines trace or is corrupt. Read no further than the limit.
     #[error(
         "{path}:{line}: the line is longer than {limit} bytes, more than any trace record \
@@ -61,7 +62,7 @@ pub enum WorkloadError {
         path: PathBuf,
         /// 1-based line number.
         line: usize,
-        /// The limit in bytes ([`MAX_LINE_BYTES`]).
+        /// The limit in bytes ([`max_line_bytes`] of the trace's block size).
         limit: usize,
     },
     /// A configuration value is out of range.

@@ -27,11 +27,20 @@ pub const MAX_BLOCK_TOKENS: u32 = 64 * 1024;
 /// 19 digits and a `", "` separator, plus the other fields.
 const WIDEST_512_RECORD: usize = (MAX_PROMPT_TOKENS / MOONCAKE_BLOCK_TOKENS) as usize * 21 + 256;
 
-/// The longest trace line read (4 MiB), newline excluded: about six times
-/// the widest record of 512-token blocks, which leaves room for whitespace and for smaller
-/// blocks (262,144 ids of up to 14 digits at 64 tokens per block). A longer line is
+/// The longest trace line read (4 MiB), newline excluded, for blocks of 256 tokens or more:
+/// about six times the widest record of 512-token blocks. Smaller blocks need more ids per
+/// record, and get twice their widest record instead ([`max_line_bytes`]). A longer line is
 /// [`WorkloadError::LineTooLong`].
 pub const MAX_LINE_BYTES: usize = 4 << 20;
+
+/// The longest line read for a trace of `block_tokens`-token blocks: [`MAX_LINE_BYTES`], or
+/// twice the widest valid record (an id of up to 19 digits and a separator per block of the
+/// longest prompt, plus the other fields) when that is more.
+pub fn max_line_bytes(block_tokens: u32) -> usize {
+    let ids = MAX_PROMPT_TOKENS.div_ceil(u64::from(block_tokens.max(1)));
+    let widest = usize::try_from(ids * 21 + 256).unwrap_or(usize::MAX);
+    MAX_LINE_BYTES.max(widest.saturating_mul(2))
+}
 
 const _: () = assert!(MAX_LINE_BYTES >= 4 * WIDEST_512_RECORD);
 
@@ -108,6 +117,14 @@ impl MooncakeTrace {
             return Err(WorkloadError::Config(format!(
                 "--block-tokens {} is out of range 1..={MAX_BLOCK_TOKENS}",
                 config.block_tokens
+            )));
+        }
+        if let Some(rb) = config
+            .replay_block_tokens
+            .filter(|&rb| rb == 0 || rb > MAX_BLOCK_TOKENS)
+        {
+            return Err(WorkloadError::Config(format!(
+                "--replay-block-tokens {rb} is out of range 1..={MAX_BLOCK_TOKENS}"
             )));
         }
         if path.is_dir() {
@@ -247,11 +264,12 @@ impl MooncakeTrace {
         }
     }
 
-    /// The next line, read at most [`MAX_LINE_BYTES`] (plus its newline) at a time; `None`
+    /// The next line, read at most [`max_line_bytes`] (plus its newline) at a time; `None`
     /// at the end of the file. The line count includes it, so every error names it.
     fn read_line(&mut self, bytes: &mut Vec<u8>) -> Option<Result<(), WorkloadError>> {
         bytes.clear();
-        let limit = MAX_LINE_BYTES as u64 + 1;
+        let max = max_line_bytes(self.config.block_tokens);
+        let limit = max as u64 + 1;
         let read = (&mut self.reader).take(limit).read_until(b'\n', bytes);
         match read {
             Ok(0) => return None,
@@ -266,7 +284,7 @@ impl MooncakeTrace {
         self.line_no += 1;
         let ended = bytes.last() == Some(&b'\n');
         let len = bytes.len() - usize::from(ended);
-        if len > MAX_LINE_BYTES {
+        if len > max {
             // Skip the rest of the line without keeping it, so the next line number is right.
             // A read error here surfaces at the next read.
             if !ended {
@@ -276,7 +294,7 @@ impl MooncakeTrace {
             return Some(Err(WorkloadError::LineTooLong {
                 path: self.path.clone(),
                 line: self.line_no,
-                limit: MAX_LINE_BYTES,
+                limit: max,
             }));
         }
         Some(Ok(()))
@@ -445,6 +463,32 @@ mod tests {
         assert_eq!(small.tokens[64..88], full.tokens[512..536]);
         // A partial last block keeps at least one token.
         assert_eq!(scaled(1).tokens.len(), 2);
+    }
+
+    #[test]
+    fn replay_block_tokens_out_of_range_is_a_config_error() {
+        let f = tempfile::NamedTempFile::new().unwrap();
+        for rb in [0, MAX_BLOCK_TOKENS + 1] {
+            let config = TraceConfig {
+                replay_block_tokens: Some(rb),
+                ..TraceConfig::new(512)
+            };
+            let err = MooncakeTrace::check(f.path(), config).unwrap_err();
+            assert!(
+                matches!(&err, WorkloadError::Config(m) if m.contains("--replay-block-tokens")),
+                "{err}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_line_cap_fits_the_widest_record_of_any_block_size() {
+        assert_eq!(max_line_bytes(512), MAX_LINE_BYTES);
+        for bt in [1, 2, 16, 32, 64, 512, MAX_BLOCK_TOKENS] {
+            let ids = MAX_PROMPT_TOKENS.div_ceil(u64::from(bt)) as usize;
+            // The longest prompt's record with 19-digit ids fits.
+            assert!(max_line_bytes(bt) >= ids * 21 + 256, "{bt}");
+        }
     }
 
     #[test]
