@@ -75,7 +75,17 @@ impl Error {
     /// Whether the error is the user's input (exit status 2) rather than a failure (1).
     pub fn is_usage(&self) -> bool {
         match self {
-            Error::Usage(_) | Error::Layout(_) | Error::Workload(_) => true,
+            Error::Usage(_) | Error::Layout(_) => true,
+            // A trace that cannot be found or opened is the user's input; a read that fails
+            // part way (EIO) is a failure.
+            Error::Workload(crate::workload::WorkloadError::Io { source, .. }) => matches!(
+                source.kind(),
+                std::io::ErrorKind::NotFound
+                    | std::io::ErrorKind::PermissionDenied
+                    | std::io::ErrorKind::IsADirectory
+                    | std::io::ErrorKind::InvalidInput
+            ),
+            Error::Workload(_) => true,
             Error::Tuning(e) => e.is_usage(),
             // A misspelt environment variable or option value is the user's input too.
             Error::Exec(crate::exec::ExecError::Config { .. })
@@ -89,6 +99,20 @@ impl Error {
 mod tests {
     use super::*;
     use crate::workload::WorkloadError;
+
+    #[test]
+    fn a_failed_trace_read_is_a_failure_but_a_missing_trace_is_input() {
+        let io = |kind| -> Error {
+            WorkloadError::Io {
+                path: "t.jsonl".into(),
+                source: std::io::Error::from(kind),
+            }
+            .into()
+        };
+        assert!(io(std::io::ErrorKind::NotFound).is_usage());
+        assert!(io(std::io::ErrorKind::PermissionDenied).is_usage());
+        assert!(!io(std::io::ErrorKind::Other).is_usage());
+    }
 
     /// A workload error keeps its type through `?` and is the user's input (exit status 2).
     #[test]
