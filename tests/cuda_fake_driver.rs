@@ -288,13 +288,13 @@ fn executor_basics() {
         })
     };
     assert!(matches!(bad, Err(ExecError::Load { .. })));
-    // A free waits for the device before releasing the memory: counted as a sync (and a
-    // free), device and pinned host memory alike; a refused free counts nothing.
+    // A free waits for the device before releasing the memory: counted as a free (once),
+    // which is a stall, device and pinned host memory alike; a refused free counts nothing.
     for b in [dev, host] {
         let before_free = ex.counters();
         ex.free(b).unwrap();
         let c = ex.counters().since(&before_free);
-        assert_eq!((c.frees, c.syncs), (1, 1), "{c:?}");
+        assert_eq!((c.frees, c.syncs, c.stalls()), (1, 0, 1), "{c:?}");
     }
     let before_free = ex.counters();
     assert!(ex.free(dev).is_err());

@@ -862,8 +862,9 @@ impl Cluster {
             let before = self.exec.counters();
             let loaded = self.load_cp(&m.host_nodes, &mut stats)?;
             let c = self.exec.counters().since(&before);
-            // Allocations synchronise on CUDA (cuMemAlloc), so they count too.
-            stats.load_path_syncs += c.reads + c.syncs + c.allocs;
+            // Allocations and frees synchronise on CUDA (cuMemAlloc, cuMemFree), so they
+            // count too.
+            stats.load_path_syncs += c.stalls();
             match loaded {
                 Some(run) => {
                     stats.host_hit_tokens = (run.len() * ps) as u64;

@@ -41,7 +41,8 @@ pub struct RequestStats {
     /// totals, that of the first request that had one.
     #[serde(skip)]
     pub first_mismatched_token: Option<u64>,
-    /// Device→host reads plus synchronisations the executor counted on load paths.
+    /// Device→host reads, synchronisations, allocations and frees the executor counted on
+    /// load paths ([`Counters::stalls`](crate::exec::Counters::stalls)).
     pub load_path_syncs: u64,
 }
 

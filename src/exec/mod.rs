@@ -542,8 +542,8 @@ pub struct Counters {
     /// Kernel launches (including failed ones).
     pub launches: u64,
     /// Synchronisations: explicit ones ([`Executor::synchronize`], [`Executor::time_work`])
-    /// and, on CUDA, every operation that waits for the device: writes to pinned host
-    /// memory and [`Executor::free`] (the memory is released after `cuCtxSynchronize`).
+    /// and, on CUDA, writes to pinned host memory, which wait for the device. Frees, which
+    /// also wait on CUDA, are counted in `frees` only ([`Counters::stalls`] adds them up).
     pub syncs: u64,
     /// Read-backs ([`Executor::read`]); each one waits for the work writing the buffer.
     pub reads: u64,
@@ -557,7 +557,7 @@ pub struct Counters {
     /// (a page-locked allocation stalls concurrent streams, as a device allocation does).
     pub allocs: u64,
     /// Buffers freed ([`Executor::free`]), on every backend (as `allocs` counts allocations);
-    /// on CUDA each one is a synchronisation, also counted in `syncs`.
+    /// on CUDA each one waits for the context's work (`cuCtxSynchronize` before `cuMemFree`).
     pub frees: u64,
     /// Copy batches ([`Executor::copy_regions`]).
     pub copies: u64,
@@ -570,6 +570,14 @@ pub struct Counters {
 }
 
 impl Counters {
+    /// What a path that must not stall the device adds up to, and must keep at 0: read-backs,
+    /// synchronisations, allocations and frees. Each waits for the device, or stalls other
+    /// streams, on CUDA; counting all four on every backend lets a CPU test see a path that
+    /// would stall a GPU.
+    pub fn stalls(&self) -> u64 {
+        self.reads + self.syncs + self.allocs + self.frees
+    }
+
     /// Counts accumulated between `earlier` and `self`.
     pub fn since(&self, earlier: &Counters) -> Counters {
         Counters {

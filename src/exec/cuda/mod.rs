@@ -147,10 +147,9 @@ impl Executor for CudaExecutor {
         let mut st = lock(&self.state);
         let buf = st.remove_buffer(buffer)?;
         // Releasing the memory waits for all work of the context (`DeviceMem` / `PinnedMem`
-        // drops synchronise before cuMemFree / cuMemFreeHost): a counted synchronisation, so
-        // that a path that frees shows up where syncs are checked (the load path).
+        // drops synchronise before cuMemFree / cuMemFreeHost); `remove_buffer` counted it
+        // in `frees`, which `Counters::stalls` includes (the load-path check).
         drop(buf);
-        st.counters.syncs += 1;
         Ok(())
     }
 
