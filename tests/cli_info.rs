@@ -245,3 +245,33 @@ fn a_fallback_past_an_unusable_cp_hicache_nvrtc_is_a_warning() {
         "{stderr}"
     );
 }
+
+/// `--help` lists every environment variable the binary reads.
+#[test]
+fn help_lists_the_environment() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+        .arg("--help")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let help = String::from_utf8_lossy(&out.stdout);
+    let env = help
+        .split("Environment:")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no Environment section: {help}"));
+    for var in [
+        "CP_HICACHE_CACHE_DIR",
+        "CP_HICACHE_JIT",
+        "CP_HICACHE_NVRTC",
+        "CUDA_HOME",
+        "CUDA_PATH",
+        "CXX",
+        "CP_HICACHE_COMPILE_TIMEOUT",
+        "CP_HICACHE_EMU_ORDER",
+        "CP_HICACHE_EMU_SANITIZE",
+        "CP_HICACHE_DEBUG_ALLOC",
+        "RUST_LOG",
+    ] {
+        assert!(env.contains(var), "{var} missing from --help");
+    }
+}

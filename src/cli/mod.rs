@@ -73,6 +73,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
     version,
     about,
     long_about = LONG_ABOUT,
+    after_long_help = ENVIRONMENT,
     args_conflicts_with_subcommands = true
 )]
 pub struct Cli {
@@ -96,6 +97,21 @@ Without a command, cp-hicache runs `replay`, and replay's options (below) may be
 without the word `replay`; they cannot be combined with another command.
 
 Set RUST_LOG=cp_hicache=info to see every JIT event.";
+
+/// The environment variables, for `--help` (README.md has the details).
+const ENVIRONMENT: &str = "\
+Environment:
+  CP_HICACHE_CACHE_DIR        JIT cache directory (default: the user cache dir)
+  CP_HICACHE_JIT=off          a kernel missing from the cache is an error, not compiled
+  CP_HICACHE_NVRTC            path of libnvrtc.so.12 (or its folder)
+  CUDA_HOME, CUDA_PATH        CUDA toolkits searched for NVRTC after CP_HICACHE_NVRTC
+  CXX                         host C++ compiler for the CPU executor (default: c++)
+  CP_HICACHE_COMPILE_TIMEOUT  seconds a host kernel compile may run (default 600)
+  CP_HICACHE_EMU_ORDER        forward or reverse: the CPU executor's block and thread order
+  CP_HICACHE_EMU_SANITIZE     none or address: emulated kernels built with AddressSanitizer
+  CP_HICACHE_DEBUG_ALLOC=1    check allocator invariants on every operation
+  RUST_LOG                    log filter, e.g. cp_hicache=info for every JIT event
+A misspelt JIT, compile-timeout or emulator value is an input error (exit status 2).";
 
 /// The commands.
 #[derive(Debug, Subcommand)]
