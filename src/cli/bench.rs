@@ -12,7 +12,7 @@ use super::tune::progress_bar;
 use crate::exec::{open_executor, Backend};
 use crate::jit::{Jit, JitConfig, EMU_HEADER};
 use crate::tuning::bench::{
-    self, default_deployments, deployment_by_name, BenchFault, BenchOptions, BenchRow,
+    self, default_deployments, deployment_by_name, BenchConfig, BenchFault, BenchOptions, BenchRow,
 };
 use crate::tuning::{check, DeviceKey, TuningFile};
 
@@ -128,13 +128,21 @@ pub(super) fn run(args: &BenchArgs) -> Result<ExitCode, crate::Error> {
         for w in crate::tuning::warning_lines(&warnings) {
             eprintln!("warning: {w}");
         }
-        configs.push(("default".to_string(), dep.clone()));
+        configs.push(BenchConfig {
+            name: "default".to_string(),
+            shapes: "default",
+            deployment: dep.clone(),
+        });
         if tuned != *dep {
             eprintln!(
                 "{}: tuned configuration from {source}: copy {}, alloc_threads {}, transfers by {}",
                 dep.name, tuned.copy, tuned.alloc_threads, tuned.transfer_path
             );
-            configs.push(("tuned".to_string(), tuned));
+            configs.push(BenchConfig {
+                name: "tuned".to_string(),
+                shapes: source,
+                deployment: tuned,
+            });
         }
     }
     opts.dma_rows = args.dma || exec.backend() == Backend::Cuda;

@@ -34,6 +34,12 @@ pub struct BenchRow {
     /// `default` (GPU-shaped), `tuned`, or `dma` (the default configuration's transfers on
     /// the DMA path; `kernel` then reads `dma(<uri>)`).
     pub config: String,
+    /// Where the launch shapes came from: `default` (the deployment's), `file` (a tuning
+    /// file measured on this device) or `preset` (the built-in CPU shapes, which `tuned`
+    /// means on the host executor when no tuning file has any for it). Absent in reports
+    /// written before it existed.
+    #[serde(default)]
+    pub shapes: String,
     /// Deployment name.
     pub deployment: String,
     /// Bytes one launch moves (for select/release: 4 bytes per requested page).
@@ -149,9 +155,22 @@ fn host_preset(dep: &Deployment) -> Deployment {
     }
 }
 
+/// A configuration `bench` times: its name in the rows, where its shapes came from
+/// ([`BenchRow::shapes`]) and the deployment with those shapes.
+#[derive(Debug, Clone)]
+pub struct BenchConfig {
+    /// `default` or `tuned`.
+    pub name: String,
+    /// `default`, `file` or `preset` ([`tuned_config`]'s second value).
+    pub shapes: &'static str,
+    /// The deployment, shapes applied.
+    pub deployment: Deployment,
+}
+
 /// One timed kernel of the plan.
 struct Job {
     config: String,
+    shapes: &'static str,
     deployment: String,
     spec: KernelSpec,
     alloc_pages: u32,
@@ -163,10 +182,17 @@ struct Job {
 /// DMA, as the deployment says) and materialise of the first buffer, select and release at
 /// each allocator size; with `opts.dma_rows`, the default configuration's transfers once more
 /// on the DMA path.
-fn jobs(config: &str, dep: &Deployment, opts: &BenchOptions) -> Vec<Job> {
+fn jobs(c: &BenchConfig, opts: &BenchOptions) -> Vec<Job> {
+    let (config, dep) = (c.name.as_str(), &c.deployment);
     let b = dep.model.buffers()[0];
     let job = |config: &str, spec, alloc_pages, dma| Job {
         config: config.to_string(),
+        // The DMA rows run the default configuration's transfers.
+        shapes: if dma && config == "dma" {
+            "default"
+        } else {
+            c.shapes
+        },
         deployment: dep.name.clone(),
         spec,
         alloc_pages,
@@ -247,7 +273,7 @@ pub struct BenchOutcome {
     pub failures: Vec<BenchFailure>,
 }
 
-/// Runs the benchmark over `configs` (`(config name, deployment)` pairs): one row per kernel
+/// Runs the benchmark over `configs`: one row per kernel
 /// and size, or a failure when that kernel could not be compiled, loaded or run (the others
 /// are still measured; `opts.inject` provokes one). Errors are only for a run that cannot
 /// start. `progress` is called with the planned step count first (`Err`), then once per step
@@ -255,11 +281,11 @@ pub struct BenchOutcome {
 pub fn run(
     exec: &dyn Executor,
     jit: &Jit,
-    configs: &[(String, Deployment)],
+    configs: &[BenchConfig],
     opts: &BenchOptions,
     progress: &(dyn Fn(Result<String, u64>) + Sync),
 ) -> Result<BenchOutcome, TuningError> {
-    let plan: Vec<Job> = configs.iter().flat_map(|(c, d)| jobs(c, d, opts)).collect();
+    let plan: Vec<Job> = configs.iter().flat_map(|c| jobs(c, opts)).collect();
     let mut unique: Vec<KernelSpec> = Vec::new();
     for j in plan.iter().filter(|j| !j.dma) {
         if !unique.contains(&j.spec) {
@@ -310,6 +336,7 @@ pub fn run(
                     spec: spec_key(&job.spec),
                     backend: exec.backend().to_string(),
                     config: job.config.clone(),
+                    shapes: job.shapes.to_string(),
                     deployment: job.deployment.clone(),
                     bytes,
                     seconds,
