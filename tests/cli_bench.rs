@@ -79,7 +79,11 @@ fn bench_json_rows_have_every_field_and_positive_numbers() {
     );
     // Without a tuning file, "tuned" on the host is the built-in preset, and the rows say so.
     for r in &rows {
-        let want = if r["config"] == "tuned" { "preset" } else { "default" };
+        let want = if r["config"] == "tuned" {
+            "preset"
+        } else {
+            "default"
+        };
         assert_eq!(r["shapes"], want, "{r}");
     }
     for r in rows.iter().filter(|r| r["config"] == "dma") {
