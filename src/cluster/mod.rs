@@ -1302,17 +1302,17 @@ impl Cluster {
             return Ok(0);
         }
         let g = self.pools.geometry();
-        check_transfer_pages(dir, r, src, dst, g.local_pages, g.host_pages)?;
+        let pools = PoolShape {
+            layers: g.layers,
+            device_pages: g.local_pages,
+            host_pages: g.host_pages,
+        };
+        check_transfer_pages(dir, r, src, dst, &pools)?;
         let dma = self.config.deployment.transfer_path == TransferPath::Dma;
         let pairs = if dma {
             None
         } else {
             Some(self.pools.upload_pairs(src, dst)?)
-        };
-        let pools = PoolShape {
-            layers: g.layers,
-            device_pages: g.local_pages,
-            host_pages: g.host_pages,
         };
         let mut bytes = 0;
         for &b in self.config.deployment.model.buffers() {
@@ -1510,14 +1510,13 @@ enum Eviction {
 }
 
 /// Refuses a transfer whose page lists differ in length or name a page outside its pool
-/// (`local_pages` per rank on the device, `host_pages` on the host).
+/// (`pools`' device pages per rank, host pages).
 fn check_transfer_pages(
     dir: Direction,
     rank: usize,
     src: &[u32],
     dst: &[u32],
-    local_pages: u32,
-    host_pages: u32,
+    pools: &PoolShape,
 ) -> Result<(), ClusterError> {
     let bad = |what: String| Err(ClusterError::BadTransfer { rank, what });
     if src.len() != dst.len() {
@@ -1527,10 +1526,7 @@ fn check_transfer_pages(
             dst.len()
         ));
     }
-    let (src_pool, dst_pool) = match dir {
-        Direction::DeviceToHost => (("device", local_pages), ("host", host_pages)),
-        Direction::HostToDevice => (("host", host_pages), ("device", local_pages)),
-    };
+    let [src_pool, dst_pool] = pools.ends(dir);
     for (pages, (pool, cap)) in [(src, src_pool), (dst, dst_pool)] {
         if let Some(p) = pages.iter().find(|&&p| p >= cap) {
             return bad(format!(
@@ -1550,7 +1546,12 @@ mod tests {
     fn transfers_outside_the_pools_are_refused() {
         let (d2h, h2d) = (Direction::DeviceToHost, Direction::HostToDevice);
         // 8 device pages per rank, 16 host pages.
-        let ok = |dir, src: &[u32], dst: &[u32]| check_transfer_pages(dir, 1, src, dst, 8, 16);
+        let pools = PoolShape {
+            layers: 1,
+            device_pages: 8,
+            host_pages: 16,
+        };
+        let ok = |dir, src: &[u32], dst: &[u32]| check_transfer_pages(dir, 1, src, dst, &pools);
         ok(d2h, &[0, 7], &[15, 3]).unwrap();
         ok(h2d, &[15, 3], &[0, 7]).unwrap();
         for (dir, src, dst, want) in [

@@ -57,6 +57,18 @@ pub struct PoolShape {
     pub host_pages: u32,
 }
 
+impl PoolShape {
+    /// The pools a transfer in `direction` reads and writes, source first, as (name, pages).
+    pub fn ends(&self, direction: Direction) -> [(&'static str, u32); 2] {
+        let device = ("device", self.device_pages);
+        let host = ("host", self.host_pages);
+        match direction {
+            Direction::DeviceToHost => [device, host],
+            Direction::HostToDevice => [host, device],
+        }
+    }
+}
+
 /// The copy regions that move page `src_pages[i]` to `dst_pages[i]` for every pair and layer,
 /// with `spec`'s direction and host layout: exactly the bytes `transfer_pages` copies,
 /// including its rule that a pair with a page outside its pool is skipped. Regions that
@@ -76,10 +88,7 @@ pub fn transfer_regions(
     } = pools;
     let dev = |p, l| device_offset(p, l, device_pages, page_bytes);
     let host = |p, l| host_offset(spec.layout, p, l, layers, host_pages, page_bytes);
-    let (src_cap, dst_cap) = match spec.direction {
-        Direction::DeviceToHost => (device_pages, host_pages),
-        Direction::HostToDevice => (host_pages, device_pages),
-    };
+    let [(_, src_cap), (_, dst_cap)] = pools.ends(spec.direction);
     let mut out: Vec<CopyRegion> = Vec::new();
     for l in 0..layers {
         for (&sp, &dp) in src_pages.iter().zip(dst_pages) {
