@@ -139,14 +139,17 @@ impl Executor for StandInGpu {
             })
         }
     }
-    unsafe fn launch(
+    fn launch(&self, k: KernelId, c: &LaunchConfig, a: &[KernelArg<'_>]) -> Result<(), ExecError> {
+        self.cuda.launch(k, c, a)
+    }
+    unsafe fn launch_unchecked(
         &self,
         k: KernelId,
         c: &LaunchConfig,
         a: &[KernelArg<'_>],
     ) -> Result<(), ExecError> {
         // SAFETY: forwarded; the caller's guarantee is the CUDA executor's.
-        unsafe { self.cuda.launch(k, c, a) }
+        unsafe { self.cuda.launch_unchecked(k, c, a) }
     }
     fn copy_regions(&self, s: BufferId, d: BufferId, r: &[CopyRegion]) -> Result<(), ExecError> {
         self.cuda.copy_regions(s, d, r)
@@ -380,9 +383,7 @@ fn launch_failures_are_typed() {
         KernelArg::U32(8),
     ];
     let cfg = LaunchConfig::linear(1, 32);
-    // SAFETY: release reads 2 pages from `pages` and updates 2 lanes of 8 slots in `stacks`
-    // and 2 tops in `tops`, the sizes allocated above.
-    let launch = |args: &[KernelArg<'_>]| unsafe { gpu.launch(k, &cfg, args) };
+    let launch = |args: &[KernelArg<'_>]| gpu.launch(k, &cfg, args);
     let cause = |r: Result<(), ExecError>| r.unwrap_err().launch_failure();
     assert_eq!(
         cause(launch(&args[..4])),

@@ -107,7 +107,8 @@ fn kernels_so() -> &'static Path {
     SO.get_or_init(|| compile_with(KERNELS, &sanitize_flags()))
 }
 
-/// `Executor::launch` and `load_kernel` for this file's kernels.
+/// `Executor::launch_unchecked` and `load_kernel` for this file's kernels, which have no
+/// signatures.
 trait TestKernels {
     fn run(&self, k: KernelId, cfg: &LaunchConfig, args: &[KernelArg<'_>])
         -> Result<(), ExecError>;
@@ -124,8 +125,8 @@ impl<E: Executor + ?Sized> TestKernels for E {
         // SAFETY: the kernels of `tests/emu/kernels.cu` (and `FILL_PTX`) index their pointer
         // arguments only by thread, block and the counts passed with them, and each test
         // allocates its buffers for the grid and counts it launches with (the one launch that
-        // writes out of bounds on purpose, under ASan, calls `launch` itself).
-        unsafe { self.launch(k, cfg, args) }
+        // writes out of bounds on purpose, under ASan, calls `launch_unchecked` itself).
+        unsafe { self.launch_unchecked(k, cfg, args) }
     }
 
     fn load_lib(&self, artifact: &KernelArtifact<'_>) -> Result<KernelId, ExecError> {
@@ -1025,11 +1026,11 @@ fn asan_child_oob_write() {
     let out = ex.alloc(MemKind::Device, 64, POISON).unwrap();
     let k = load(&ex, Path::new(&so), "oob_write");
     // Writes out[16], one element past the 64-byte buffer; ASan aborts the process here.
-    // SAFETY: none: this breaks `launch`'s contract on purpose, only in a child process whose
-    // kernels are built with AddressSanitizer (and its runtime preloaded), which aborts at
-    // the first byte out of bounds.
+    // SAFETY: none: this breaks `launch_unchecked`'s contract on purpose, only in a child
+    // process whose kernels are built with AddressSanitizer (and its runtime preloaded), which
+    // aborts at the first byte out of bounds.
     unsafe {
-        ex.launch(
+        ex.launch_unchecked(
             k,
             &LaunchConfig::linear(1, 32),
             &[KernelArg::Ptr(out, 0), KernelArg::U32(16)],

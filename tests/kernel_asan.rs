@@ -1,6 +1,7 @@
-//! AddressSanitizer builds of the page-copy kernels (`Target::Host { sanitize: Address }`):
-//! transfer and materialise on small inputs match the reference with no ASan report, and an
-//! out-of-bounds page really is reported.
+//! AddressSanitizer builds of the kernels (`Target::Host { sanitize: Address }`): transfer and
+//! materialise on small inputs match the reference with no ASan report, every family stays
+//! inside buffers of exactly its signature's reach, and an out-of-bounds page really is
+//! reported.
 //!
 //! Skipped unless `CP_HICACHE_EMU_SANITIZE=address`:
 //!
@@ -25,7 +26,8 @@ use cp_hicache::exec::host::SANITIZE_ENV;
 use cp_hicache::exec::BlockOrder;
 use cp_hicache::jit::Sanitize;
 use cp_hicache::kernels::{
-    CopyLaunch, Direction, HostLayout, KernelSpec, MaterialiseSpec, TransferSpec, VecWidth,
+    AllocSpec, BufferKind, CopyLaunch, Direction, HostLayout, KernelSpec, MaterialiseSpec,
+    ReleaseSpec, SynthSpec, TransferSpec, VecWidth, VerifySpec,
 };
 use support::{cpu_copy_launch, Bench, MaterialiseCase, Rng, TransferCase, ORDERS};
 
@@ -102,7 +104,7 @@ fn launches(page_bytes: u64) -> [CopyLaunch; 2] {
 const SHAPES: [(u32, u32); 2] = [(16, 1152), (1, 33)];
 const MAT_CP: u8 = 4;
 
-fn specs() -> Vec<KernelSpec> {
+fn copy_specs() -> Vec<KernelSpec> {
     let mut v = Vec::new();
     for (ps, bpt) in SHAPES {
         for launch in launches(u64::from(ps * bpt)) {
@@ -129,9 +131,40 @@ fn specs() -> Vec<KernelSpec> {
     v
 }
 
+/// The other families, for the reach test: select and release at an odd CP, synthesise and
+/// verify of every buffer kind.
+fn other_specs() -> Vec<KernelSpec> {
+    let mut v = vec![
+        KernelSpec::SelectOwnerPages(AllocSpec {
+            cp: 3,
+            page_size: 16,
+            threads: 32,
+        }),
+        KernelSpec::ReleasePages(ReleaseSpec { cp: 3, threads: 32 }),
+    ];
+    for buffer in [BufferKind::NsaKv, BufferKind::NsaIndexK, BufferKind::MlaKv] {
+        v.push(KernelSpec::Synthesise(SynthSpec {
+            buffer,
+            cp: 2,
+            page_size: 4,
+            threads: 32,
+        }));
+        v.push(KernelSpec::Verify(VerifySpec {
+            buffer,
+            page_size: 4,
+            threads: 32,
+        }));
+    }
+    v
+}
+
 fn libs() -> &'static HashMap<KernelSpec, PathBuf> {
     static LIBS: OnceLock<HashMap<KernelSpec, PathBuf>> = OnceLock::new();
-    LIBS.get_or_init(|| support::compile(&specs(), Sanitize::Address))
+    LIBS.get_or_init(|| {
+        let mut specs = copy_specs();
+        specs.extend(other_specs());
+        support::compile(&specs, Sanitize::Address)
+    })
 }
 
 /// Launches transfer `spec` over `n` random pairs and compares with the reference; with
@@ -223,13 +256,36 @@ fn asan_copy_kernels_match_reference_without_reports() {
     for order in ORDERS {
         let mut b = Bench::new(order, libs());
         let mut rng = Rng::new(&[9, u64::from(order == BlockOrder::Reverse)]);
-        for spec in specs() {
+        for spec in copy_specs() {
             for _ in 0..2 {
                 match spec {
                     KernelSpec::TransferPages(_) => transfer_case(&mut b, &spec, &mut rng, false),
                     _ => materialise_case(&mut b, &spec, &mut rng),
                 }
             }
+        }
+    }
+}
+
+/// Every family, launched through the safe `Executor::launch` with each pointer argument in a
+/// buffer of exactly its parameter's reach and random small arguments and contents (page ids,
+/// owners and lane tops partly out of range): no ASan report, so no kernel touches a byte past
+/// its reach, which is what the executors check before a launch.
+#[test]
+fn asan_every_kernel_stays_within_its_reach() {
+    if std::env::var_os(CHILD_ENV).is_some()
+        || !run_here("asan_every_kernel_stays_within_its_reach")
+    {
+        return;
+    }
+    let mut b = Bench::new(BlockOrder::Forward, libs());
+    let mut specs = copy_specs();
+    specs.extend(other_specs());
+    for spec in specs {
+        for trial in 0..8 {
+            let mut rng = Rng::new(&[11, trial, spec.uri().len() as u64]);
+            let (ok, _) = support::reach_case(&mut b, &spec, &mut rng, None);
+            ok.unwrap_or_else(|e| panic!("{spec}, trial {trial}: {e}"));
         }
     }
 }
@@ -241,7 +297,7 @@ fn asan_oob_child() {
     let Ok(uri) = std::env::var(CHILD_ENV) else {
         return;
     };
-    let spec = specs()
+    let spec = copy_specs()
         .into_iter()
         .find(|s| s.uri() == uri)
         .expect("a spec of this target");
@@ -255,7 +311,7 @@ fn asan_reports_an_out_of_bounds_page() {
     if std::env::var_os(CHILD_ENV).is_some() || !run_here("asan_reports_an_out_of_bounds_page") {
         return;
     }
-    let spec = specs()
+    let spec = copy_specs()
         .into_iter()
         .find(|s| matches!(s, KernelSpec::TransferPages(t) if t.direction == Direction::DeviceToHost && t.launch.threads == 1 && t.page_size == 16))
         .unwrap();

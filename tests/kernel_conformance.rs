@@ -358,8 +358,7 @@ fn bad_argument_lists_are_refused_by_the_signature() {
         .map(|(args, want)| (&config, args, want))
         .chain(shapes.into_iter().map(|(c, want)| (c, &good[..], want)));
     for (config, args, want) in cases {
-        // SAFETY: every case is refused by the signature check before anything runs.
-        match unsafe { b.ex.launch(kernel, config, args) } {
+        match b.ex.launch(kernel, config, args) {
             Err(ExecError::Launch {
                 kernel: name,
                 cause: LaunchFailure::InvalidConfig,
@@ -373,12 +372,59 @@ fn bad_argument_lists_are_refused_by_the_signature() {
         assert_eq!(u32s(&b.read(tb)), tops, "{want}: nothing ran");
         assert_eq!(u32s(&b.read(sb)), stacks, "{want}: nothing ran");
     }
-    // SAFETY: the buffers above hold the pages, CP lanes of `lane_cap` and CP tops.
-    unsafe { b.ex.launch(kernel, &config, &good) }.unwrap();
+    b.ex.launch(kernel, &config, &good).unwrap();
     let (mut ws, mut wt) = (stacks.clone(), tops.clone());
     reference::release_pages(4, &pages, &mut ws, &mut wt, lane_cap).unwrap();
     assert_eq!(u32s(&b.read(sb)), ws);
     assert_eq!(u32s(&b.read(tb)), wt);
+}
+
+// Every spec kernel runs with each pointer argument in a buffer of exactly its parameter's
+// reach (random small arguments, random page ids, owners and tops), and a buffer one byte
+// shorter, for any one parameter, is refused naming it: the check that makes
+// `Executor::launch` safe. `kernel_asan` runs the same cases under AddressSanitizer, where
+// one byte past an exact buffer is reported.
+#[test]
+fn every_kernel_takes_its_exact_reach_and_refuses_one_byte_less() {
+    let mut b = Bench::new(BlockOrder::Forward, libs());
+    let mut refused = HashMap::new();
+    for spec in all_specs() {
+        for trial in 0..3 {
+            let seed = [uri_seed(&spec), trial];
+            let (ok, reaching) = support::reach_case(&mut b, &spec, &mut Rng::new(&seed), None);
+            ok.unwrap_or_else(|e| panic!("{spec}, trial {trial}: {e}"));
+            for i in reaching {
+                let param = spec.params()[i].name;
+                let short = support::reach_case(&mut b, &spec, &mut Rng::new(&seed), Some(i));
+                match short.0 {
+                    Err(ExecError::Launch {
+                        cause: LaunchFailure::InvalidConfig,
+                        message,
+                        ..
+                    }) => assert!(
+                        message.starts_with(&format!("parameter {i} `{param}`"))
+                            && message.contains("the kernel reaches"),
+                        "{spec}: {message}"
+                    ),
+                    other => panic!("{spec}: `{param}` one byte short: {other:?}"),
+                }
+                *refused.entry((spec.family(), param)).or_insert(0) += 1;
+            }
+        }
+    }
+    // Every pointer parameter of every family was cut short at least once.
+    let params: usize = [
+        select_spec(2, 16, ALLOC_THREADS),
+        release_spec(2, ALLOC_THREADS),
+        transfer_specs()[0],
+        materialise_specs(2, 16)[0],
+        synth_spec(1, 1),
+        verify_spec(BufferKind::NsaKv, 16),
+    ]
+    .iter()
+    .map(|s| s.params().iter().filter(|p| p.reach.is_some()).count())
+    .sum();
+    assert_eq!(refused.len(), params, "{refused:?}");
 }
 
 #[test]
@@ -442,23 +488,19 @@ fn check_select(b: &mut Bench, cp: u8, ps: u32, threads: u32, order: BlockOrder)
         let tb = b.bytes(&le32(&tops), 4 * GUARD);
         let pb = b.poison(4 * (n + GUARD));
         let lb = b.poison(8 * (n * psz + GUARD));
-        // SAFETY: `n` owners, CP lanes of `lane_cap`, CP tops, `n` pages and `n * ps`
-        // locations (plus guards), as the arguments say.
-        unsafe {
-            b.launch(
-                &spec,
-                spec.launch_dims(n as u32, 1).grid,
-                &[
-                    KernelArg::Ptr(ob, 0),
-                    KernelArg::U32(n as u32),
-                    KernelArg::Ptr(sb, 0),
-                    KernelArg::Ptr(tb, 0),
-                    KernelArg::U32(lane_cap),
-                    KernelArg::Ptr(pb, 0),
-                    KernelArg::Ptr(lb, 0),
-                ],
-            )
-        };
+        b.launch(
+            &spec,
+            spec.launch_dims(n as u32, 1).grid,
+            &[
+                KernelArg::Ptr(ob, 0),
+                KernelArg::U32(n as u32),
+                KernelArg::Ptr(sb, 0),
+                KernelArg::Ptr(tb, 0),
+                KernelArg::U32(lane_cap),
+                KernelArg::Ptr(pb, 0),
+                KernelArg::Ptr(lb, 0),
+            ],
+        );
         let mut want_tops = tops.clone();
         let (want_pages, want_locs) =
             reference::select_owner_pages(cp, ps, &owners, &stacks, &mut want_tops, lane_cap)
@@ -544,20 +586,17 @@ fn check_release(b: &mut Bench, cp: u8, threads: u32, order: BlockOrder) {
         let pgb = b.bytes(&le32(&pages), GUARD);
         let sb = b.bytes(&le32(&stacks), 4 * GUARD);
         let tb = b.bytes(&le32(&tops), 4 * GUARD);
-        // SAFETY: `n` pages, CP lanes of `lane_cap` and CP tops (plus guards).
-        unsafe {
-            b.launch(
-                &spec,
-                1,
-                &[
-                    KernelArg::Ptr(pgb, 0),
-                    KernelArg::U32(n as u32),
-                    KernelArg::Ptr(sb, 0),
-                    KernelArg::Ptr(tb, 0),
-                    KernelArg::U32(lane_cap),
-                ],
-            )
-        };
+        b.launch(
+            &spec,
+            1,
+            &[
+                KernelArg::Ptr(pgb, 0),
+                KernelArg::U32(n as u32),
+                KernelArg::Ptr(sb, 0),
+                KernelArg::Ptr(tb, 0),
+                KernelArg::U32(lane_cap),
+            ],
+        );
         let (mut ws, mut wt) = (stacks.clone(), tops.clone());
         reference::release_pages(cp, &pages, &mut ws, &mut wt, lane_cap).unwrap();
         let ctx = format!("{spec} {order} trial {trial} n {n} cap {lane_cap}");
@@ -858,24 +897,20 @@ fn check_synthesise(b: &mut Bench, spec: KernelSpec, order: BlockOrder) {
         for rank in 0..cpn {
             let pool = b.poison(pool_bytes + GUARD);
             let g = grid(&mut rng, spec.launch_dims(items, layers).grid);
-            // SAFETY: a pool of `layers` x `local_pages` pages (plus a guard), `n_tokens`
-            // hashes and `n_pages` sequence pages of this rank's pool.
-            unsafe {
-                b.launch(
-                    &spec,
-                    g,
-                    &[
-                        KernelArg::Ptr(pool, 0),
-                        KernelArg::Ptr(hb, 0),
-                        KernelArg::Ptr(sb, 0),
-                        KernelArg::U32(n_tokens),
-                        KernelArg::U32(start_page),
-                        KernelArg::U32(rank),
-                        KernelArg::U32(layers),
-                        KernelArg::U32(local_pages),
-                    ],
-                )
-            };
+            b.launch(
+                &spec,
+                g,
+                &[
+                    KernelArg::Ptr(pool, 0),
+                    KernelArg::Ptr(hb, 0),
+                    KernelArg::Ptr(sb, 0),
+                    KernelArg::U32(n_tokens),
+                    KernelArg::U32(start_page),
+                    KernelArg::U32(rank),
+                    KernelArg::U32(layers),
+                    KernelArg::U32(local_pages),
+                ],
+            );
             let mut want = vec![POISON; pool_bytes + GUARD];
             reference::synthesise(
                 s.buffer,
@@ -983,22 +1018,18 @@ fn verify_flags_exactly_the_corrupted_tokens() {
                     let hb = b.bytes(&le64(&hashes), 0);
                     let mb = b.bytes(&le32(&vec![0; want.len()]), GUARD);
                     let g = grid(&mut rng, spec.launch_dims(n_tokens, layers).grid);
-                    // SAFETY: the dense KV of `n_tokens` tokens, their hashes and one bit per
-                    // token (plus guards).
-                    unsafe {
-                        b.launch(
-                            &spec,
-                            g,
-                            &[
-                                KernelArg::Ptr(db, 0),
-                                KernelArg::Ptr(hb, 0),
-                                KernelArg::U32(n_tokens),
-                                KernelArg::U32(start_page),
-                                KernelArg::U32(layers),
-                                KernelArg::Ptr(mb, 0),
-                            ],
-                        )
-                    };
+                    b.launch(
+                        &spec,
+                        g,
+                        &[
+                            KernelArg::Ptr(db, 0),
+                            KernelArg::Ptr(hb, 0),
+                            KernelArg::U32(n_tokens),
+                            KernelArg::U32(start_page),
+                            KernelArg::U32(layers),
+                            KernelArg::Ptr(mb, 0),
+                        ],
+                    );
                     let got = b.read(mb);
                     let ctx = format!("{spec} {order} trial {trial} tokens {n_tokens} start {start_page} grid {g} bad {bad:?}");
                     assert_eq!(u32s(&got[..4 * want.len()]), want, "{ctx}");

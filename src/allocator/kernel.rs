@@ -546,24 +546,19 @@ impl KernelLaneAllocator {
         self.out_locs.ensure(ex, 8 * n * ps)?;
         ex.upload(self.owners_in.id, 0, owners)?;
         let d = self.select.0.launch_dims(n as u32, 1);
-        // SAFETY: the select kernel of this layout (loaded in `from_allocator`) reads `n`
-        // owners and writes `n` pages and `n * page_size` locations, which the buffers just
-        // ensured above hold; `stacks` holds CP lanes of `lane_cap` slots and `tops` CP tops.
-        unsafe {
-            ex.launch(
-                self.select.1,
-                &LaunchConfig::linear(d.grid, d.block),
-                &[
-                    KernelArg::Ptr(self.owners_in.id, 0),
-                    KernelArg::U32(n as u32),
-                    KernelArg::Ptr(self.stacks, 0),
-                    KernelArg::Ptr(self.tops, 0),
-                    KernelArg::U32(self.lane_cap),
-                    KernelArg::Ptr(self.out_pages.id, 0),
-                    KernelArg::Ptr(self.out_locs.id, 0),
-                ],
-            )
-        }
+        ex.launch(
+            self.select.1,
+            &LaunchConfig::linear(d.grid, d.block),
+            &[
+                KernelArg::Ptr(self.owners_in.id, 0),
+                KernelArg::U32(n as u32),
+                KernelArg::Ptr(self.stacks, 0),
+                KernelArg::Ptr(self.tops, 0),
+                KernelArg::U32(self.lane_cap),
+                KernelArg::Ptr(self.out_pages.id, 0),
+                KernelArg::Ptr(self.out_locs.id, 0),
+            ],
+        )
     }
 
     fn launch_release(&mut self, pages: &[PageId]) -> Result<(), ExecError> {
@@ -576,21 +571,17 @@ impl KernelLaneAllocator {
         let bytes: Vec<u8> = pages.iter().flat_map(|p| p.0.to_le_bytes()).collect();
         ex.upload(self.pages_in.id, 0, &bytes)?;
         let d = self.release.0.launch_dims(n as u32, 1);
-        // SAFETY: the release kernel of this layout reads `n` pages (the buffer ensured above
-        // holds them) and updates CP lanes of `lane_cap` slots in `stacks` and CP `tops`.
-        unsafe {
-            ex.launch(
-                self.release.1,
-                &LaunchConfig::linear(d.grid, d.block),
-                &[
-                    KernelArg::Ptr(self.pages_in.id, 0),
-                    KernelArg::U32(n as u32),
-                    KernelArg::Ptr(self.stacks, 0),
-                    KernelArg::Ptr(self.tops, 0),
-                    KernelArg::U32(self.lane_cap),
-                ],
-            )
-        }
+        ex.launch(
+            self.release.1,
+            &LaunchConfig::linear(d.grid, d.block),
+            &[
+                KernelArg::Ptr(self.pages_in.id, 0),
+                KernelArg::U32(n as u32),
+                KernelArg::Ptr(self.stacks, 0),
+                KernelArg::Ptr(self.tops, 0),
+                KernelArg::U32(self.lane_cap),
+            ],
+        )
     }
 
     /// Uploads the mirror's stacks and tops (no read back).

@@ -58,8 +58,26 @@ pub enum KernelLoadError {
 
 impl DeploymentKernels {
     /// Renders, compiles (in parallel, through the JIT cache) and loads every kernel of the
-    /// deployment that the cluster launches. `hook` may edit sources (fault injection).
+    /// deployment that the cluster launches.
     pub fn load(
+        deployment: &Deployment,
+        jit: &Jit,
+        exec: &dyn Executor,
+        sanitize: Sanitize,
+    ) -> Result<DeploymentKernels, KernelLoadError> {
+        // SAFETY: no hook, so every kernel is the JIT's build of its spec's render.
+        unsafe { Self::load_with_hook(deployment, jit, exec, sanitize, None) }
+    }
+
+    /// [`load`](Self::load) with `hook` editing sources before they compile (fault injection).
+    ///
+    /// # Safety
+    ///
+    /// The kernels are launched through the safe [`Executor::launch`]: `hook` must keep every
+    /// kernel within its spec's signature, each parameter's
+    /// [`Reach`](crate::kernels::Reach), as the rendered source does (an edit that only breaks
+    /// the compile does).
+    pub unsafe fn load_with_hook(
         deployment: &Deployment,
         jit: &Jit,
         exec: &dyn Executor,
@@ -102,7 +120,8 @@ impl DeploymentKernels {
         let mut cache_hits = 0;
         for (spec, kernel) in specs.iter().zip(compiled) {
             cache_hits += usize::from(kernel.cache_hit.is_hit());
-            // SAFETY: `kernel` is the JIT's build of `spec` for `exec`'s target.
+            // SAFETY: `kernel` is the JIT's build of `spec` for `exec`'s target, from its
+            // render or an edit the caller vouches for.
             let id = unsafe { kernel.load_spec(exec, spec) }?;
             loaded.push(Loaded { spec: *spec, id });
         }

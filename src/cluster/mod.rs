@@ -445,7 +445,11 @@ impl Cluster {
             Some(Fault::CompileError) => Some(&broken),
             _ => None,
         };
-        let kernels = DeploymentKernels::load(dep, jit, exec.as_ref(), config.sanitize, hook)?;
+        // SAFETY: the only hook is the compile-error fault, which makes a source fail to
+        // compile.
+        let kernels = unsafe {
+            DeploymentKernels::load_with_hook(dep, jit, exec.as_ref(), config.sanitize, hook)
+        }?;
         let pools = Pools::new(exec.clone(), dep, geometry)?;
         let mut ranks = Vec::with_capacity(usize::from(layout.cp()));
         for r in 0..layout.cp() {
@@ -1328,25 +1332,20 @@ impl Cluster {
                 }
                 Some((sb, db)) => {
                     let k = self.kernels.transfer(b, dir);
-                    // SAFETY: the deployment's transfer kernel for `b`; `from` / `to` are the
-                    // rank's pools of `layers` x `local_pages` / `host_pages` pages of its page
-                    // bytes, and `sb` / `db` hold the `src.len()` page pairs, valid pool pages.
-                    unsafe {
-                        self.exec.launch(
-                            k.id,
-                            &k.launch(src.len() as u32, g.layers),
-                            &[
-                                KernelArg::Ptr(from, 0),
-                                KernelArg::Ptr(to, 0),
-                                KernelArg::Ptr(sb, 0),
-                                KernelArg::Ptr(db, 0),
-                                KernelArg::U32(src.len() as u32),
-                                KernelArg::U32(g.layers),
-                                KernelArg::U32(g.local_pages),
-                                KernelArg::U32(g.host_pages),
-                            ],
-                        )
-                    }?;
+                    self.exec.launch(
+                        k.id,
+                        &k.launch(src.len() as u32, g.layers),
+                        &[
+                            KernelArg::Ptr(from, 0),
+                            KernelArg::Ptr(to, 0),
+                            KernelArg::Ptr(sb, 0),
+                            KernelArg::Ptr(db, 0),
+                            KernelArg::U32(src.len() as u32),
+                            KernelArg::U32(g.layers),
+                            KernelArg::U32(g.local_pages),
+                            KernelArg::U32(g.host_pages),
+                        ],
+                    )?;
                 }
             }
             bytes += src.len() as u64 * u64::from(g.layers) * b.page_bytes(self.layout.page_size());
@@ -1402,25 +1401,20 @@ impl Cluster {
             let synth = self.kernels.synthesise(b);
             if (start as u32) < n_pages {
                 for r in 0..self.ranks.len() {
-                    // SAFETY: the deployment's synthesise kernel for `b`; the rank's pool has
-                    // `layers` x `local_pages` pages, `hash_buf` `n_tokens` hashes and
-                    // `page_buf` the `n_pages` pages of the sequence.
-                    unsafe {
-                        self.exec.launch(
-                            synth.id,
-                            &synth.launch(n_pages - start as u32, g.layers),
-                            &[
-                                KernelArg::Ptr(self.pools.device(b, r), 0),
-                                KernelArg::Ptr(hash_buf, 0),
-                                KernelArg::Ptr(page_buf, 0),
-                                KernelArg::U32(n_tokens),
-                                KernelArg::U32(start as u32),
-                                KernelArg::U32(r as u32),
-                                KernelArg::U32(g.layers),
-                                KernelArg::U32(g.local_pages),
-                            ],
-                        )
-                    }?;
+                    self.exec.launch(
+                        synth.id,
+                        &synth.launch(n_pages - start as u32, g.layers),
+                        &[
+                            KernelArg::Ptr(self.pools.device(b, r), 0),
+                            KernelArg::Ptr(hash_buf, 0),
+                            KernelArg::Ptr(page_buf, 0),
+                            KernelArg::U32(n_tokens),
+                            KernelArg::U32(start as u32),
+                            KernelArg::U32(r as u32),
+                            KernelArg::U32(g.layers),
+                            KernelArg::U32(g.local_pages),
+                        ],
+                    )?;
                 }
             }
             let dense = self.pools.dense(b, n_pages, self.repoison)?;
@@ -1428,39 +1422,31 @@ impl Cluster {
                 .map(|r| (self.pools.device(b, r), 0u64))
                 .collect();
             let mat = self.kernels.materialise(b);
-            // SAFETY: the deployment's materialise kernel for `b`; one pool per rank of
-            // `layers` x `local_pages` pages, `page_buf` `n_pages` pages, `dense` `n_pages`.
-            unsafe {
-                self.exec.launch(
-                    mat.id,
-                    &mat.launch(n_pages, g.layers),
-                    &[
-                        KernelArg::PtrStruct(&pool_ptrs),
-                        KernelArg::Ptr(page_buf, 0),
-                        KernelArg::U32(n_pages),
-                        KernelArg::U32(g.layers),
-                        KernelArg::U32(g.local_pages),
-                        KernelArg::Ptr(dense, 0),
-                    ],
-                )
-            }?;
+            self.exec.launch(
+                mat.id,
+                &mat.launch(n_pages, g.layers),
+                &[
+                    KernelArg::PtrStruct(&pool_ptrs),
+                    KernelArg::Ptr(page_buf, 0),
+                    KernelArg::U32(n_pages),
+                    KernelArg::U32(g.layers),
+                    KernelArg::U32(g.local_pages),
+                    KernelArg::Ptr(dense, 0),
+                ],
+            )?;
             let ver = self.kernels.verify(b);
-            // SAFETY: the deployment's verify kernel for `b`; `dense` holds `n_pages` pages
-            // (`n_tokens` tokens), `hash_buf` their hashes, `bad_tokens` one bit per token.
-            unsafe {
-                self.exec.launch(
-                    ver.id,
-                    &ver.launch(n_tokens, g.layers),
-                    &[
-                        KernelArg::Ptr(dense, 0),
-                        KernelArg::Ptr(hash_buf, 0),
-                        KernelArg::U32(n_tokens),
-                        KernelArg::U32(0),
-                        KernelArg::U32(g.layers),
-                        KernelArg::Ptr(bad_tokens, 0),
-                    ],
-                )
-            }?;
+            self.exec.launch(
+                ver.id,
+                &ver.launch(n_tokens, g.layers),
+                &[
+                    KernelArg::Ptr(dense, 0),
+                    KernelArg::Ptr(hash_buf, 0),
+                    KernelArg::U32(n_tokens),
+                    KernelArg::U32(0),
+                    KernelArg::U32(g.layers),
+                    KernelArg::Ptr(bad_tokens, 0),
+                ],
+            )?;
             if self.capture_dense {
                 let bytes = b.page_bytes(self.layout.page_size()) as usize
                     * n_pages as usize

@@ -412,19 +412,56 @@ pub(crate) fn check_range(
 /// kernel's parameter order. `resolve` gives a buffer's base address and size; pointer
 /// offsets may be one past the end, never beyond.
 ///
-/// A pointer argument whose buffer is unknown or whose offset lies outside it is
-/// [`ExecError::Launch`] with [`LaunchFailure::InvalidConfig`], naming `kernel` and the
-/// parameter (its index, and its name and type when `signature` gives them) before the
-/// underlying [`ExecError::UnknownBuffer`] / [`ExecError::OutOfBounds`] message.
+/// With a `signature` (checked by [`check_signature`] first), every pointer must also have
+/// its parameter's [`Reach`](crate::kernels::Reach) left in its buffer after the offset, the
+/// reach computed from this launch's scalar arguments: that is what keeps a launch inside its
+/// buffers.
+///
+/// A pointer argument whose buffer is unknown, whose offset lies outside it, or whose buffer
+/// is shorter than its reach is [`ExecError::Launch`] with [`LaunchFailure::InvalidConfig`],
+/// naming `kernel` and the parameter (its index, and its name and type when `signature`
+/// gives them) before the underlying [`ExecError::UnknownBuffer`] /
+/// [`ExecError::OutOfBounds`] message.
 pub(crate) fn marshal_args(
     kernel: &str,
     signature: Option<&KernelSignature>,
     args: &[KernelArg<'_>],
     resolve: impl Fn(BufferId) -> Result<(u64, usize), ExecError>,
 ) -> Result<Vec<Vec<u8>>, ExecError> {
-    let pointer = |b: BufferId, off: u64| -> Result<[u8; 8], ExecError> {
+    let scalar = |name: &str| {
+        let i = signature?.params.iter().position(|p| p.name == name)?;
+        match args.get(i)? {
+            KernelArg::U32(v) => Some(*v),
+            _ => None,
+        }
+    };
+    // Bytes each pointer argument must have from its offset on: its parameter's reach.
+    let reach = |i: usize| -> Result<u64, ExecError> {
+        let Some(p) = signature.and_then(|s| s.params.get(i)) else {
+            return Ok(0);
+        };
+        let Some(r) = p.reach else {
+            return Ok(0);
+        };
+        let problem = match r.counts.iter().flatten().find(|(n, _)| scalar(n).is_none()) {
+            Some((name, _)) => format!("has no u32 argument for `{name}`"),
+            None => match r.bytes(scalar) {
+                Some(bytes) => return Ok(bytes),
+                None => "overflows 64 bits for these arguments".into(),
+            },
+        };
+        Err(ExecError::Launch {
+            kernel: kernel.to_string(),
+            cause: LaunchFailure::InvalidConfig,
+            message: format!(
+                "parameter {i} `{}` reaches {r} bytes, which {problem}",
+                p.name
+            ),
+        })
+    };
+    let pointer = |b: BufferId, off: u64, reach: u64| -> Result<[u8; 8], ExecError> {
         let (addr, size) = resolve(b)?;
-        check_range("kernel argument", b, size, off, 0)?;
+        check_range("kernel argument", b, size, off, reach)?;
         Ok((addr + off).to_ne_bytes())
     };
     let invalid = |i: usize, element: Option<usize>, e: ExecError| {
@@ -435,19 +472,28 @@ pub(crate) fn marshal_args(
         let element = element
             .map(|j| format!(", pointer {j}"))
             .unwrap_or_default();
+        let reach = match signature
+            .and_then(|s| s.params.get(i))
+            .and_then(|p| p.reach)
+        {
+            Some(r) if matches!(e, ExecError::OutOfBounds { len, .. } if len > 0) => {
+                format!(" (the kernel reaches {r} bytes from it)")
+            }
+            _ => String::new(),
+        };
         ExecError::Launch {
             kernel: kernel.to_string(),
             cause: LaunchFailure::InvalidConfig,
-            message: format!("{param}{element}: {e}"),
+            message: format!("{param}{element}: {e}{reach}"),
         }
     };
     args.iter()
         .enumerate()
         .map(|(i, arg)| {
             Ok(match *arg {
-                KernelArg::Ptr(b, off) => {
-                    pointer(b, off).map_err(|e| invalid(i, None, e))?.to_vec()
-                }
+                KernelArg::Ptr(b, off) => pointer(b, off, reach(i)?)
+                    .map_err(|e| invalid(i, None, e))?
+                    .to_vec(),
                 KernelArg::Null => vec![0; 8],
                 KernelArg::U32(v) => v.to_ne_bytes().to_vec(),
                 KernelArg::I32(v) => v.to_ne_bytes().to_vec(),
@@ -456,9 +502,10 @@ pub(crate) fn marshal_args(
                 KernelArg::Bytes(b) => b.to_vec(),
                 KernelArg::PtrStruct(ptrs) => {
                     let mut out = Vec::with_capacity(8 * ptrs.len());
+                    let reach = reach(i)?;
                     for (j, &(b, off)) in ptrs.iter().enumerate() {
                         out.extend_from_slice(
-                            &pointer(b, off).map_err(|e| invalid(i, Some(j), e))?,
+                            &pointer(b, off, reach).map_err(|e| invalid(i, Some(j), e))?,
                         );
                     }
                     out
@@ -651,34 +698,51 @@ pub trait Executor: Send + Sync {
     /// library is `dlopen`ed, which runs its initialisers, and its `<entry>__emu_launch` is
     /// later called with the `CpEmuLaunch` ABI; a CUBIN's entry is later launched with
     /// arguments laid out for the kernel's signature. Any other library or image is arbitrary
-    /// code in this process or on the device.
+    /// code in this process or on the device. With a signature, the artifact must be built
+    /// from the unedited render of the spec that signature came from
+    /// ([`KernelSpec::signature`](crate::kernels::KernelSpec::signature)): the safe
+    /// [`launch`](Executor::launch) trusts the kernel to stay within each parameter's
+    /// [`Reach`](crate::kernels::Reach).
     unsafe fn load_kernel(&self, artifact: &KernelArtifact<'_>) -> Result<KernelId, ExecError>;
 
-    /// Launches a loaded kernel with `args` (one per kernel parameter, in order).
+    /// Launches a kernel loaded with a signature (every kernel rendered from a spec is) with
+    /// `args`, one per kernel parameter, in order.
     ///
-    /// When the kernel was loaded with a signature (every kernel rendered from a spec is),
-    /// both executors check the block (the kernel's compiled threads), the grid (one block for
-    /// select and release), the argument count and every argument's size and kind (a pointer,
-    /// a pointer struct or a scalar) against it before anything runs; a mismatch is
-    /// [`ExecError::Launch`] with [`LaunchFailure::InvalidConfig`] naming the parameter,
-    /// and the executor stays usable. Without a signature the host emulator still checks the
-    /// count and sizes against the compiled kernel, but the CUDA driver cannot, so there a
-    /// wrong argument list reads garbage. Pointer arguments are checked to start inside their
-    /// buffers; how far a kernel reaches from them is bounded by its own size arguments, as
-    /// on a GPU, and no executor can check that (see `# Safety`).
+    /// Both executors check the launch against the signature before anything runs, so no
+    /// launch can reach outside its buffers:
+    /// - the block is the kernel's compiled threads, and select and release take one block;
+    /// - the argument count, and every argument's size and kind (a pointer, a pointer struct or
+    ///   a scalar; never [`KernelArg::Null`] or raw bytes where pointers belong);
+    /// - every pointer's alignment, and that its buffer holds the parameter's
+    ///   [`Reach`](crate::kernels::Reach) from the offset on, computed from this launch's
+    ///   scalar arguments (`4 × n`, a page's bytes × `layers` × `local_pages`, ...).
+    ///
+    /// A mismatch, or a kernel loaded without a signature, is [`ExecError::Launch`] with
+    /// [`LaunchFailure::InvalidConfig`] naming the kernel and the parameter; the kernel did not
+    /// run and the executor stays usable. Kernels without a signature (hand-written test
+    /// kernels) go through [`launch_unchecked`](Executor::launch_unchecked).
+    fn launch(
+        &self,
+        kernel: KernelId,
+        config: &LaunchConfig,
+        args: &[KernelArg<'_>],
+    ) -> Result<(), ExecError>;
+
+    /// [`launch`](Executor::launch) that also takes kernels loaded without a signature.
+    /// A kernel with a signature gets every check `launch` makes. Without one, the host
+    /// emulator still checks the argument count and sizes against the compiled kernel, and
+    /// pointers are checked to start inside their buffers, but the CUDA driver cannot check
+    /// the arguments at all, and how far the kernel reaches from a pointer is unknown.
     ///
     /// # Safety
     ///
-    /// Every pointer argument must lie in a buffer large enough for everything the kernel
-    /// reads or writes through it given the launch's size arguments (element counts, lane
-    /// capacities, page counts, ...) and shape, as the kernel's contract in `docs/KERNELS.md`
-    /// states: the host executor runs the kernel in this process, so an access past a buffer
-    /// corrupts the Rust heap, and on a GPU it corrupts other device allocations or faults the
-    /// context. Without a signature, the arguments must also match the kernel's parameters
-    /// in count, size and kind. A kernel that takes a pointer never receives
-    /// [`KernelArg::Null`] when it was loaded with a signature (it is refused); without one,
-    /// null is only allowed where the kernel does not dereference it.
-    unsafe fn launch(
+    /// For a kernel loaded without a signature: every pointer argument lies in a buffer large
+    /// enough for everything the kernel reads or writes through it given the launch's size
+    /// arguments and shape (the host executor runs the kernel in this process, so an access
+    /// past a buffer corrupts the Rust heap; on a GPU it corrupts other allocations or faults
+    /// the context), the arguments match the kernel's parameters in count, size and kind, and
+    /// [`KernelArg::Null`] goes only where the kernel does not dereference it.
+    unsafe fn launch_unchecked(
         &self,
         kernel: KernelId,
         config: &LaunchConfig,
@@ -828,15 +892,46 @@ mod tests {
             }) if kernel == "k" => message,
             other => panic!("{other:?}"),
         };
-        let args = [
-            KernelArg::Ptr(BufferId(1), 0),
-            KernelArg::U32(2),
-            KernelArg::Ptr(BufferId(1), 65),
-        ];
+        // Release of 2 pages over 2 lanes of `lane_cap` slots: 8 bytes of pages, 8 ×
+        // lane_cap bytes of stacks, 8 bytes of tops.
+        let release = |stacks_offset: u64, lane_cap: u32| {
+            [
+                KernelArg::Ptr(BufferId(1), 0),
+                KernelArg::U32(2),
+                KernelArg::Ptr(BufferId(1), stacks_offset),
+                KernelArg::Ptr(BufferId(1), 0),
+                KernelArg::U32(lane_cap),
+            ]
+        };
         assert_eq!(
-            message(marshal_args("k", Some(&sig), &args, resolve)),
+            message(marshal_args("k", Some(&sig), &release(65, 0), resolve)),
             "parameter 2 `lane_stacks` (u32*): kernel argument of 0 bytes at offset 65 is \
              outside buffer BufferId(1) of 64 bytes"
+        );
+        // The stacks reach 8 × lane_cap bytes: 64 fit from offset 0, not one byte more.
+        marshal_args("k", Some(&sig), &release(0, 8), resolve).unwrap();
+        marshal_args("k", Some(&sig), &release(8, 7), resolve).unwrap();
+        assert_eq!(
+            message(marshal_args("k", Some(&sig), &release(8, 8), resolve)),
+            "parameter 2 `lane_stacks` (u32*): kernel argument of 64 bytes at offset 8 is \
+             outside buffer BufferId(1) of 64 bytes (the kernel reaches 8 × lane_cap bytes \
+             from it)"
+        );
+        assert_eq!(
+            message(marshal_args(
+                "k",
+                Some(&sig),
+                &release(0, u32::MAX),
+                resolve
+            )),
+            "parameter 2 `lane_stacks` (u32*): kernel argument of 34359738360 bytes at offset \
+             0 is outside buffer BufferId(1) of 64 bytes (the kernel reaches 8 × lane_cap \
+             bytes from it)"
+        );
+        assert_eq!(
+            message(marshal_args("k", Some(&sig), &release(0, 8)[..4], resolve)),
+            "parameter 2 `lane_stacks` reaches 8 × lane_cap bytes, which has no u32 argument \
+             for `lane_cap`"
         );
         let args = [KernelArg::U32(2), KernelArg::Ptr(BufferId(7), 0)];
         assert_eq!(
@@ -850,8 +945,20 @@ mod tests {
                 .ends_with("parameter 0, pointer 1: unknown buffer BufferId(9)"),
             "{e}"
         );
-        let ok = marshal_args("k", Some(&sig), &[KernelArg::Ptr(BufferId(1), 64)], resolve);
-        assert_eq!(ok.unwrap(), vec![(0x1000u64 + 64).to_ne_bytes().to_vec()]);
+        // One past the end is a valid pointer for a parameter that reaches nothing (`n` = 0).
+        let ok = marshal_args(
+            "k",
+            Some(&sig),
+            &[KernelArg::Ptr(BufferId(1), 64), KernelArg::U32(0)],
+            resolve,
+        );
+        assert_eq!(
+            ok.unwrap(),
+            vec![
+                (0x1000u64 + 64).to_ne_bytes().to_vec(),
+                0u32.to_ne_bytes().to_vec()
+            ]
+        );
     }
 
     #[test]

@@ -27,14 +27,15 @@ fn arg_kind(arg: &KernelArg<'_>) -> &'static str {
 
 /// Whether an argument of the right size is also of the right kind: a pointer parameter takes
 /// a buffer pointer (never null: every rendered kernel dereferences every pointer it takes),
-/// a by-value struct takes a pointer struct or raw bytes, a scalar takes a scalar (a `u64`
-/// and a pointer have the same size, but are not interchangeable).
+/// the pool struct takes a pointer struct (never raw bytes, whose addresses no executor could
+/// check), a scalar takes a scalar (a `u64` and a pointer have the same size, but are not
+/// interchangeable).
 fn kind_fits(p: &KernelParam, arg: &KernelArg<'_>) -> bool {
     let pointer = matches!(arg, KernelArg::Ptr(..) | KernelArg::Null);
     if p.c_type.ends_with('*') {
         matches!(arg, KernelArg::Ptr(..))
     } else if p.c_type.contains("ChcPools") {
-        matches!(arg, KernelArg::PtrStruct(_) | KernelArg::Bytes(_))
+        matches!(arg, KernelArg::PtrStruct(_))
     } else {
         !pointer && !matches!(arg, KernelArg::PtrStruct(_))
     }
@@ -42,8 +43,11 @@ fn kind_fits(p: &KernelParam, arg: &KernelArg<'_>) -> bool {
 
 /// Checks a launch against `signature`: the block is the kernel's `threads` in x, the grid is
 /// one block for a single-block kernel, and `args` match the parameters (the count, then each
-/// argument's size and kind). `None` (a kernel loaded without a signature) accepts anything;
-/// the host emulator still checks such launches against the compiled kernel itself.
+/// argument's size and kind). `None` (a kernel loaded without a signature) is refused unless
+/// `unsigned_ok` ([`Executor::launch_unchecked`](super::Executor::launch_unchecked)), which
+/// accepts anything; the host emulator still checks such launches against the compiled
+/// kernel itself. How far pointers reach is checked where they are resolved to buffers
+/// ([`marshal_args`](super::marshal_args)).
 ///
 /// A mismatch is [`ExecError::Launch`] with [`LaunchFailure::InvalidConfig`], naming the kernel
 /// and what differs (for arguments, the first offending parameter by index and name, and the
@@ -52,16 +56,25 @@ fn kind_fits(p: &KernelParam, arg: &KernelArg<'_>) -> bool {
 pub(crate) fn check_signature(
     kernel: &str,
     signature: Option<&KernelSignature>,
+    unsigned_ok: bool,
     config: &LaunchConfig,
     args: &[KernelArg<'_>],
 ) -> Result<(), ExecError> {
-    let Some(signature) = signature else {
-        return Ok(());
-    };
     let invalid = |message: String| ExecError::Launch {
         kernel: kernel.to_string(),
         cause: LaunchFailure::InvalidConfig,
         message,
+    };
+    let Some(signature) = signature else {
+        return if unsigned_ok {
+            Ok(())
+        } else {
+            Err(invalid(
+                "the kernel was loaded without a signature, so nothing bounds what it reaches: \
+                 only `launch_unchecked` runs it"
+                    .into(),
+            ))
+        };
     };
     if config.block != [signature.threads, 1, 1] {
         return Err(invalid(format!(
@@ -195,18 +208,24 @@ mod tests {
     }
 
     #[test]
-    fn matching_arguments_pass_and_no_signature_accepts_anything() {
+    fn matching_arguments_pass_and_no_signature_needs_the_unchecked_launch() {
         let (name, sig) = release();
-        check_signature(&name, Some(&sig), &shape(&sig), &good_args()).unwrap();
-        check_signature(&name, None, &LaunchConfig::linear(3, 7), &[]).unwrap();
+        check_signature(&name, Some(&sig), false, &shape(&sig), &good_args()).unwrap();
+        check_signature(&name, None, true, &LaunchConfig::linear(3, 7), &[]).unwrap();
         check_signature(
             &name,
             None,
+            true,
             &LaunchConfig::linear(3, 7),
             &[KernelArg::U32(1); 9],
         )
         .unwrap();
-        check_signature(&name, Some(&no_params()), &shape(&no_params()), &[]).unwrap();
+        check_signature(&name, Some(&no_params()), false, &shape(&no_params()), &[]).unwrap();
+        let msg = invalid(
+            &name,
+            check_signature(&name, None, false, &LaunchConfig::linear(3, 7), &[]),
+        );
+        assert!(msg.contains("loaded without a signature"), "{msg}");
     }
 
     #[test]
@@ -215,14 +234,14 @@ mod tests {
         let args = &good_args()[..4];
         let msg = invalid(
             &name,
-            check_signature(&name, Some(&sig), &shape(&sig), args),
+            check_signature(&name, Some(&sig), false, &shape(&sig), args),
         );
         assert_eq!(
             msg,
             "parameter 4 `lane_cap` (u32) takes 4 bytes, no argument given \
              (4 arguments for 5 parameters)"
         );
-        let err = check_signature(&name, Some(&sig), &shape(&sig), args).unwrap_err();
+        let err = check_signature(&name, Some(&sig), false, &shape(&sig), args).unwrap_err();
         assert!(err.to_string().contains(&name), "{err}");
     }
 
@@ -233,7 +252,7 @@ mod tests {
         args.push(KernelArg::U64(7));
         let msg = invalid(
             &name,
-            check_signature(&name, Some(&sig), &shape(&sig), &args),
+            check_signature(&name, Some(&sig), false, &shape(&sig), &args),
         );
         assert_eq!(
             msg,
@@ -242,7 +261,13 @@ mod tests {
         );
         let msg = invalid(
             "k",
-            check_signature("k", Some(&no_params()), &shape(&no_params()), &args[..1]),
+            check_signature(
+                "k",
+                Some(&no_params()),
+                false,
+                &shape(&no_params()),
+                &args[..1],
+            ),
         );
         assert!(msg.contains("the kernel takes none"), "{msg}");
     }
@@ -254,7 +279,7 @@ mod tests {
         args[2] = KernelArg::U32(0);
         let msg = invalid(
             &name,
-            check_signature(&name, Some(&sig), &shape(&sig), &args),
+            check_signature(&name, Some(&sig), false, &shape(&sig), &args),
         );
         assert_eq!(
             msg,
@@ -269,7 +294,7 @@ mod tests {
         args[0] = KernelArg::U64(0x1000);
         let msg = invalid(
             &name,
-            check_signature(&name, Some(&sig), &shape(&sig), &args),
+            check_signature(&name, Some(&sig), false, &shape(&sig), &args),
         );
         assert_eq!(
             msg,
@@ -277,7 +302,7 @@ mod tests {
         );
         let mut args = good_args();
         args[1] = KernelArg::I32(3);
-        check_signature(&name, Some(&sig), &shape(&sig), &args).unwrap();
+        check_signature(&name, Some(&sig), false, &shape(&sig), &args).unwrap();
     }
 
     #[test]
@@ -288,7 +313,7 @@ mod tests {
             args[i] = KernelArg::Null;
             let msg = invalid(
                 &name,
-                check_signature(&name, Some(&sig), &shape(&sig), &args),
+                check_signature(&name, Some(&sig), false, &shape(&sig), &args),
             );
             assert!(
                 msg.starts_with(&format!("parameter {i} `"))
@@ -307,7 +332,7 @@ mod tests {
         args.remove(1);
         let msg = invalid(
             &name,
-            check_signature(&name, Some(&sig), &shape(&sig), &args),
+            check_signature(&name, Some(&sig), false, &shape(&sig), &args),
         );
         assert_eq!(
             msg,
@@ -336,12 +361,12 @@ mod tests {
         let args: Vec<KernelArg<'_>> = std::iter::once(KernelArg::PtrStruct(&pools))
             .chain(rest)
             .collect();
-        check_signature(&name, Some(&sig), &shape(&sig), &args).unwrap();
+        check_signature(&name, Some(&sig), false, &shape(&sig), &args).unwrap();
         let mut short = args.clone();
         short[0] = KernelArg::PtrStruct(&pools[..3]);
         let msg = invalid(
             &name,
-            check_signature(&name, Some(&sig), &shape(&sig), &short),
+            check_signature(&name, Some(&sig), false, &shape(&sig), &short),
         );
         assert_eq!(
             msg,
@@ -360,7 +385,7 @@ mod tests {
             };
             let msg = invalid(
                 &name,
-                check_signature(&name, Some(&sig), &config, &good_args()),
+                check_signature(&name, Some(&sig), false, &config, &good_args()),
             );
             assert!(
                 msg.starts_with(&format!(
@@ -382,7 +407,7 @@ mod tests {
             };
             let msg = invalid(
                 &name,
-                check_signature(&name, Some(&sig), &config, &good_args()),
+                check_signature(&name, Some(&sig), false, &config, &good_args()),
             );
             assert_eq!(
                 msg,
@@ -392,7 +417,7 @@ mod tests {
             );
         }
         let many = LaunchConfig::linear(9, 32);
-        check_signature("k", Some(&no_params()), &many, &[]).unwrap();
+        check_signature("k", Some(&no_params()), false, &many, &[]).unwrap();
     }
 
     #[test]
@@ -402,7 +427,7 @@ mod tests {
         args[0] = KernelArg::Ptr(BufferId(1), 6);
         let msg = invalid(
             &name,
-            check_signature(&name, Some(&sig), &shape(&sig), &args),
+            check_signature(&name, Some(&sig), false, &shape(&sig), &args),
         );
         assert_eq!(
             msg,
@@ -410,7 +435,7 @@ mod tests {
              into its buffer (a GPU faults on the misaligned access)"
         );
         args[0] = KernelArg::Ptr(BufferId(1), 8);
-        check_signature(&name, Some(&sig), &shape(&sig), &args).unwrap();
+        check_signature(&name, Some(&sig), false, &shape(&sig), &args).unwrap();
 
         let spec = KernelSpec::Materialise(MaterialiseSpec {
             cp: 2,
@@ -433,7 +458,7 @@ mod tests {
             let args: Vec<_> = std::iter::once(KernelArg::PtrStruct(&pools))
                 .chain(rest)
                 .collect();
-            let r = check_signature("m", Some(&sig), &shape(&sig), &args);
+            let r = check_signature("m", Some(&sig), false, &shape(&sig), &args);
             assert_eq!(r.is_ok(), ok, "{pools:?}: {r:?}");
         }
     }

@@ -26,8 +26,8 @@ pub use dma::{transfer_regions, PoolShape, TransferPath};
 pub use render::{diff_tree, plan_tree, render_tree, sources_digest, TreeDiff, REGENERATE_COMMAND};
 pub use spec::{
     AllocSpec, Arrangement, BufferKind, CopyLaunch, Direction, Dtype, Family, FieldLayout,
-    HostLayout, KernelParam, KernelSignature, KernelSpec, LaunchDims, MaterialiseSpec, ReleaseSpec,
-    SynthSpec, TransferSpec, VecWidth, VerifySpec,
+    HostLayout, KernelParam, KernelSignature, KernelSpec, LaunchDims, MaterialiseSpec, Reach,
+    ReleaseSpec, SynthSpec, TransferSpec, VecWidth, VerifySpec,
 };
 
 use std::path::PathBuf;

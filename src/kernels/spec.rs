@@ -493,6 +493,96 @@ pub struct KernelParam {
     /// size. A GPU faults on a misaligned access the CPU emulator runs without complaint, so
     /// both executors check it. 1 for scalars.
     pub align: u64,
+    /// For a pointer (or each pointer of the pool struct): how far the kernel reaches through
+    /// it, from the launch's scalar arguments. `None` for scalars.
+    pub reach: Option<Reach>,
+}
+
+/// How many bytes from a pointer argument a kernel may read or write: `unit` times the
+/// product of `ceil(arg / per)` over `counts`, where each count is a `u32` parameter of the
+/// same launch (`4 × n`, `PAGE_BYTES × layers × local_pages`, ...).
+///
+/// The kernels bound every index by these arguments and nothing else (page ids read from
+/// memory are checked against the pool sizes passed in, docs/KERNELS.md), so when each
+/// pointer's buffer holds its reach, a launch stays inside its buffers whatever the values.
+/// Both executors check exactly that before a launch, which is what makes
+/// [`Executor::launch`](crate::exec::Executor::launch) safe for kernels loaded with a
+/// signature.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Reach {
+    /// Bytes per unit of the counts (the element size, or a page's bytes).
+    pub unit: u64,
+    /// Up to two scalar parameters the reach scales with, each as `(name, per)`: the count is
+    /// `ceil(value / per)` (`per` = 1 for a plain count).
+    pub counts: [Option<(&'static str, u32)>; 2],
+}
+
+impl Reach {
+    /// A fixed number of bytes.
+    const fn fixed(unit: u64) -> Reach {
+        Reach {
+            unit,
+            counts: [None, None],
+        }
+    }
+
+    /// `unit` bytes per `name`.
+    const fn per(unit: u64, name: &'static str) -> Reach {
+        Reach {
+            unit,
+            counts: [Some((name, 1)), None],
+        }
+    }
+
+    /// `unit` bytes per `a` per `b`.
+    const fn per2(unit: u64, a: &'static str, b: &'static str) -> Reach {
+        Reach {
+            unit,
+            counts: [Some((a, 1)), Some((b, 1))],
+        }
+    }
+
+    /// `unit` bytes per `a` per `ceil(b / per)`.
+    const fn per2_ceil(unit: u64, a: &'static str, b: &'static str, per: u32) -> Reach {
+        Reach {
+            unit,
+            counts: [Some((a, 1)), Some((b, per))],
+        }
+    }
+
+    /// `unit` bytes per `ceil(name / per)`.
+    const fn per_ceil(unit: u64, name: &'static str, per: u32) -> Reach {
+        Reach {
+            unit,
+            counts: [Some((name, per)), None],
+        }
+    }
+
+    /// The reach in bytes, given each count parameter's value (`None` where `value` has no
+    /// value for a name, or where the product overflows `u64`).
+    pub fn bytes(&self, value: impl Fn(&str) -> Option<u32>) -> Option<u64> {
+        let mut bytes = self.unit;
+        for &(name, per) in self.counts.iter().flatten() {
+            let count = u64::from(value(name)?).div_ceil(u64::from(per.max(1)));
+            bytes = bytes.checked_mul(count)?;
+        }
+        Some(bytes)
+    }
+}
+
+impl fmt::Display for Reach {
+    /// `4 × n`, `656 × layers × local_pages`, `4 × ceil(n_tokens / 32)`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.unit)?;
+        for &(name, per) in self.counts.iter().flatten() {
+            if per > 1 {
+                write!(f, " × ceil({name} / {per})")?;
+            } else {
+                write!(f, " × {name}")?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// What every launch of a rendered kernel must match, checked by both executors before
@@ -515,19 +605,25 @@ const PAGE_ALIGN: u64 = 16;
 
 impl KernelParam {
     /// A pointer to a typed array (8 bytes on every supported target) whose elements are
-    /// `align` bytes.
-    const fn ptr(c_type: &'static str, name: &'static str, align: u64) -> KernelParam {
+    /// `align` bytes, reaching `reach` bytes.
+    const fn ptr(
+        c_type: &'static str,
+        name: &'static str,
+        align: u64,
+        reach: Reach,
+    ) -> KernelParam {
         KernelParam {
             name,
             c_type,
             size: 8,
             align,
+            reach: Some(reach),
         }
     }
 
     /// A pointer to page-organised bytes (a pool, a host pool or a dense buffer).
-    const fn pages(c_type: &'static str, name: &'static str) -> KernelParam {
-        KernelParam::ptr(c_type, name, PAGE_ALIGN)
+    const fn pages(c_type: &'static str, name: &'static str, reach: Reach) -> KernelParam {
+        KernelParam::ptr(c_type, name, PAGE_ALIGN, reach)
     }
 
     /// A `u32` parameter.
@@ -537,16 +633,19 @@ impl KernelParam {
             c_type: "u32",
             size: 4,
             align: 1,
+            reach: None,
         }
     }
 
-    /// The `ChcPools` struct of `cp` device pointers to pools, passed by value.
-    const fn pools(cp: u8) -> KernelParam {
+    /// The `ChcPools` struct of `cp` device pointers to pools, passed by value; each pool
+    /// reaches `reach` bytes.
+    const fn pools(cp: u8, reach: Reach) -> KernelParam {
         KernelParam {
             name: "pools",
             c_type: "const __grid_constant__ ChcPools",
             size: 8 * cp as usize,
             align: PAGE_ALIGN,
+            reach: Some(reach),
         }
     }
 }
@@ -683,58 +782,107 @@ impl KernelSpec {
     /// `extern "C"` parameter list from them, and executors check launches against them.
     pub fn params(&self) -> Vec<KernelParam> {
         use KernelParam as P;
+        use Reach as R;
+        let page = |page_size: u32, bytes_per_token: u32| {
+            u64::from(page_size) * u64::from(bytes_per_token)
+        };
         match self {
-            KernelSpec::SelectOwnerPages(_) => vec![
-                P::ptr("const u8*", "owners", 1),
+            KernelSpec::SelectOwnerPages(s) => vec![
+                P::ptr("const u8*", "owners", 1, R::per(1, "n")),
                 P::u32("n"),
-                P::ptr("const u32*", "lane_stacks", 4),
-                P::ptr("u32*", "lane_tops", 4),
+                P::ptr(
+                    "const u32*",
+                    "lane_stacks",
+                    4,
+                    R::per(4 * s.cp as u64, "lane_cap"),
+                ),
+                P::ptr("u32*", "lane_tops", 4, R::fixed(4 * s.cp as u64)),
                 P::u32("lane_cap"),
-                P::ptr("u32*", "out_pages", 4),
-                P::ptr("i64*", "out_locs", 8),
+                P::ptr("u32*", "out_pages", 4, R::per(4, "n")),
+                P::ptr(
+                    "i64*",
+                    "out_locs",
+                    8,
+                    R::per(8 * u64::from(s.page_size), "n"),
+                ),
             ],
-            KernelSpec::ReleasePages(_) => vec![
-                P::ptr("const u32*", "pages", 4),
+            KernelSpec::ReleasePages(s) => vec![
+                P::ptr("const u32*", "pages", 4, R::per(4, "n")),
                 P::u32("n"),
-                P::ptr("u32*", "lane_stacks", 4),
-                P::ptr("u32*", "lane_tops", 4),
+                P::ptr(
+                    "u32*",
+                    "lane_stacks",
+                    4,
+                    R::per(4 * s.cp as u64, "lane_cap"),
+                ),
+                P::ptr("u32*", "lane_tops", 4, R::fixed(4 * s.cp as u64)),
                 P::u32("lane_cap"),
             ],
-            KernelSpec::TransferPages(_) => vec![
-                P::pages("const u8*", "src"),
-                P::pages("u8*", "dst"),
-                P::ptr("const u32*", "src_pages", 4),
-                P::ptr("const u32*", "dst_pages", 4),
-                P::u32("n"),
-                P::u32("layers"),
-                P::u32("device_pages"),
-                P::u32("host_pages"),
-            ],
-            KernelSpec::Materialise(s) => vec![
-                P::pools(s.cp),
-                P::ptr("const u32*", "seq_pages", 4),
-                P::u32("n"),
-                P::u32("layers"),
-                P::u32("local_pages"),
-                P::pages("u8*", "dense"),
-            ],
-            KernelSpec::Synthesise(_) => vec![
-                P::pages("u8*", "pool"),
-                P::ptr("const u64*", "prefix_hash", 8),
-                P::ptr("const u32*", "seq_pages", 4),
+            KernelSpec::TransferPages(s) => {
+                let pb = page(s.page_size, s.bytes_per_token);
+                let device = R::per2(pb, "layers", "device_pages");
+                let host = R::per2(pb, "layers", "host_pages");
+                let (src, dst) = match s.direction {
+                    Direction::DeviceToHost => (device, host),
+                    Direction::HostToDevice => (host, device),
+                };
+                vec![
+                    P::pages("const u8*", "src", src),
+                    P::pages("u8*", "dst", dst),
+                    P::ptr("const u32*", "src_pages", 4, R::per(4, "n")),
+                    P::ptr("const u32*", "dst_pages", 4, R::per(4, "n")),
+                    P::u32("n"),
+                    P::u32("layers"),
+                    P::u32("device_pages"),
+                    P::u32("host_pages"),
+                ]
+            }
+            KernelSpec::Materialise(s) => {
+                let pb = page(s.page_size, s.bytes_per_token);
+                vec![
+                    P::pools(s.cp, R::per2(pb, "layers", "local_pages")),
+                    P::ptr("const u32*", "seq_pages", 4, R::per(4, "n")),
+                    P::u32("n"),
+                    P::u32("layers"),
+                    P::u32("local_pages"),
+                    P::pages("u8*", "dense", R::per2(pb, "layers", "n")),
+                ]
+            }
+            KernelSpec::Synthesise(s) => vec![
+                P::pages(
+                    "u8*",
+                    "pool",
+                    R::per2(s.buffer.page_bytes(s.page_size), "layers", "local_pages"),
+                ),
+                P::ptr("const u64*", "prefix_hash", 8, R::per(8, "n_tokens")),
+                P::ptr(
+                    "const u32*",
+                    "seq_pages",
+                    4,
+                    R::per_ceil(4, "n_tokens", s.page_size),
+                ),
                 P::u32("n_tokens"),
                 P::u32("start_page"),
                 P::u32("rank"),
                 P::u32("layers"),
                 P::u32("local_pages"),
             ],
-            KernelSpec::Verify(_) => vec![
-                P::pages("const u8*", "dense"),
-                P::ptr("const u64*", "prefix_hash", 8),
+            KernelSpec::Verify(s) => vec![
+                P::pages(
+                    "const u8*",
+                    "dense",
+                    R::per2_ceil(
+                        s.buffer.page_bytes(s.page_size),
+                        "layers",
+                        "n_tokens",
+                        s.page_size,
+                    ),
+                ),
+                P::ptr("const u64*", "prefix_hash", 8, R::per(8, "n_tokens")),
                 P::u32("n_tokens"),
                 P::u32("start_page"),
                 P::u32("layers"),
-                P::ptr("u32*", "bad_tokens", 4),
+                P::ptr("u32*", "bad_tokens", 4, R::per_ceil(4, "n_tokens", 32)),
             ],
         }
     }
@@ -1133,9 +1281,59 @@ mod tests {
             c_type: "const u8*",
             size: 8,
             align: 1,
+            reach: None,
         }; 2];
         let text = render_params(&long);
         assert_eq!(text.lines().count(), 2, "{text}");
+    }
+
+    #[test]
+    fn reaches_spell_and_compute_their_bytes() {
+        let verify = KernelSpec::Verify(VerifySpec {
+            buffer: BufferKind::NsaKv,
+            page_size: 64,
+            threads: 128,
+        });
+        let reach = |spec: &KernelSpec, name: &str| {
+            spec.params()
+                .into_iter()
+                .find(|p| p.name == name)
+                .and_then(|p| p.reach)
+                .unwrap()
+        };
+        let dense = reach(&verify, "dense");
+        assert_eq!(dense.to_string(), "41984 × layers × ceil(n_tokens / 64)");
+        let args = |layers: u32, n_tokens: u32| {
+            move |name: &str| match name {
+                "layers" => Some(layers),
+                "n_tokens" => Some(n_tokens),
+                _ => None,
+            }
+        };
+        assert_eq!(dense.bytes(args(2, 65)), Some(41984 * 2 * 2));
+        assert_eq!(dense.bytes(args(2, 0)), Some(0));
+        assert_eq!(dense.bytes(args(u32::MAX, u32::MAX)), None, "overflow");
+        assert_eq!(dense.bytes(|_| None), None, "a missing count");
+        let bits = reach(&verify, "bad_tokens");
+        assert_eq!(bits.to_string(), "4 × ceil(n_tokens / 32)");
+        assert_eq!(bits.bytes(args(1, 33)), Some(8));
+        let tops = reach(&select_spec_for_tests(), "lane_tops");
+        assert_eq!(
+            (tops.to_string(), tops.bytes(|_| None)),
+            ("32".into(), Some(32))
+        );
+        // Scalars reach nothing; every pointer reaches something.
+        for p in verify.params() {
+            assert_eq!(p.reach.is_some(), p.c_type.ends_with('*'), "{}", p.name);
+        }
+    }
+
+    fn select_spec_for_tests() -> KernelSpec {
+        KernelSpec::SelectOwnerPages(AllocSpec {
+            cp: 8,
+            page_size: 64,
+            threads: 256,
+        })
     }
 
     #[test]

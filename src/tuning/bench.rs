@@ -296,9 +296,12 @@ pub fn run(
     let edit = BenchFault::break_first(unique.first().copied());
     let hook: Option<super::measure::SourceHook<'_>> =
         (opts.inject == Some(BenchFault::CompileError)).then_some(&edit);
-    let loaded = compile_and_load(exec, jit, &unique, false, hook, &|| {
-        progress(Ok("compile".into()))
-    });
+    // SAFETY: the only hook is the compile-error fault, which makes a source fail to compile.
+    let loaded = unsafe {
+        compile_and_load(exec, jit, &unique, false, hook, &|| {
+            progress(Ok("compile".into()))
+        })
+    };
     let kernel_of = |spec: &KernelSpec| -> Result<KernelId, TuningError> {
         // A spec missing from the compiled set is an error, never another kernel's handle.
         match unique
@@ -377,9 +380,7 @@ fn time_job(
             };
             let b = AllocBench::new(exec, cp, ps, job.alloc_pages, seed)?;
             let kernel = kernel_of(&job.spec)?;
-            // SAFETY: `kernel_of` gives `compile_and_load`'s handle for `job.spec` (never
-            // another spec's), and the bench is built for its CP and page size.
-            let t = unsafe { b.time(kernel, &job.spec, sizes) }?;
+            let t = b.time(kernel, &job.spec, sizes)?;
             let r = b.time_reference(&job.spec, sizes)?;
             Ok((
                 4 * u64::from(job.alloc_pages),
@@ -395,9 +396,7 @@ fn time_job(
                 b.time_dma(sizes)?
             } else {
                 let kernel = kernel_of(&job.spec)?;
-                // SAFETY: `kernel_of` gives `compile_and_load`'s handle for `job.spec`, the
-                // spec the bench is built for.
-                unsafe { b.time(kernel, &job.spec, sizes) }?
+                b.time(kernel, &job.spec, sizes)?
             };
             let (from, to) = b.memory();
             drop(b);

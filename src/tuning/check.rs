@@ -69,9 +69,10 @@ pub fn check_deployment(
 ///
 /// # Safety
 ///
-/// The edited kernels are launched: `hook` must leave every kernel's memory accesses as
-/// bounded by its size arguments as the rendered source has them (breaking the compile, or
-/// changing the values written, is fine; an edit that indexes further is not).
+/// The edited kernels are launched: `hook` must keep every kernel within its spec's
+/// signature, each parameter's [`Reach`](crate::kernels::Reach), as the rendered source does
+/// (breaking the compile, or changing the values written, is fine; an edit that indexes
+/// further is not).
 pub unsafe fn check_deployment_with(
     exec: &dyn Executor,
     jit: &Jit,
@@ -108,7 +109,8 @@ unsafe fn check_specs(
     hook: Option<SourceHook<'_>>,
     with_dma: bool,
 ) -> Result<Vec<CheckRow>, TuningError> {
-    let loaded = compile_and_load(exec, jit, specs, false, hook, &|| {});
+    // SAFETY: the caller vouches for `hook`.
+    let loaded = unsafe { compile_and_load(exec, jit, specs, false, hook, &|| {}) };
     let mut rows = Vec::with_capacity(specs.len());
     let row = |kernel: String, family: String, outcome: Result<String, String>| CheckRow {
         kernel,
@@ -124,9 +126,7 @@ unsafe fn check_specs(
         let seed = 0xC0FFEE + i as u64;
         let outcome = match k {
             Err(e) => Err(format!("compile/load: {e}")),
-            // SAFETY: `kernel` is what `compile_and_load` returned on `exec` for `spec`, from
-            // the render or from an edit the caller vouched for.
-            Ok(kernel) => flatten(unsafe { check_one(exec, spec, kernel, seed) }),
+            Ok(kernel) => flatten(check_one(exec, spec, kernel, seed)),
         };
         rows.push(row(spec.uri(), spec.family().to_string(), outcome));
         if let (KernelSpec::TransferPages(_), true) = (spec, with_dma) {
@@ -211,12 +211,7 @@ pub(super) fn check_transfer(
 /// Runs `kernel` (compiled from `spec`) once on random inputs seeded by `seed` and compares
 /// its output with the reference: `Ok(Err(difference))` for a wrong output, `Err` when the
 /// harness itself failed.
-///
-/// # Safety
-///
-/// `kernel` must be the handle [`compile_and_load`] returned on `exec` for `spec`: each check
-/// sizes its buffers for `spec`.
-pub(super) unsafe fn check_one(
+pub(super) fn check_one(
     exec: &dyn Executor,
     spec: &KernelSpec,
     kernel: KernelId,
@@ -225,8 +220,7 @@ pub(super) unsafe fn check_one(
     let mut rng = SplitMix(seed);
     match spec {
         KernelSpec::TransferPages(_) => {
-            // SAFETY: the bench is built for `spec`, and `kernel` is its build (the caller).
-            check_transfer(exec, spec, seed, |b| unsafe { b.launch(kernel, spec) })
+            check_transfer(exec, spec, seed, |b| b.launch(kernel, spec))
         }
         KernelSpec::Materialise(s) => {
             let sizes = copy_check_sizes(&s.launch);
@@ -238,8 +232,7 @@ pub(super) unsafe fn check_one(
                 exec.upload(p, 0, &bytes)?;
                 pools.push(bytes);
             }
-            // SAFETY: the bench is built for `spec`, and `kernel` is its build (the caller).
-            unsafe { b.launch(kernel, spec) }?;
+            b.launch(kernel, spec)?;
             let got = read_all(exec, dst)?;
             let mut want = vec![0xA5u8; got.len()];
             let views: Vec<&[u8]> = pools.iter().map(|p| p.as_slice()).collect();
@@ -265,9 +258,7 @@ pub(super) unsafe fn check_one(
                 seed,
             )?;
             b.reset_for_select()?;
-            // SAFETY: the bench is built for `spec`'s CP and page size, and `kernel` is its
-            // build (guaranteed by the caller).
-            unsafe { b.run_select(kernel, spec) }?;
+            b.run_select(kernel, spec)?;
             let mut got = read_all(exec, b.pages)?;
             got.extend(read_all(exec, b.locs)?);
             got.extend(read_all(exec, b.tops)?);
@@ -291,8 +282,7 @@ pub(super) unsafe fn check_one(
             let b = AllocBench::new(exec, s.cp, 1, alloc_check_requests(s.threads), seed)?;
             b.reset_for_select()?;
             b.reset_for_release()?;
-            // SAFETY: the bench is built for `spec`'s CP, and `kernel` is its build (the caller).
-            unsafe { b.run_release(kernel, spec) }?;
+            b.run_release(kernel, spec)?;
             let mut got = read_all(exec, b.stacks)?;
             got.extend(read_all(exec, b.tops)?);
             let h = &b.host;
@@ -327,25 +317,20 @@ pub(super) unsafe fn check_one(
             )?;
             let sb = upload_new(exec, &u32_bytes(&seq))?;
             let d = spec.launch_dims(n_pages - start_page, layers);
-            // SAFETY: `pool` holds `layers` x `local_pages` pages of `spec`'s page bytes, `hb`
-            // `n_tokens` hashes and `sb` `n_pages` pages below `cp * local_pages`, just
-            // allocated for these arguments; `kernel` is `spec`'s build (the caller).
-            let run = unsafe {
-                exec.launch(
-                    kernel,
-                    &LaunchConfig::linear(d.grid, d.block),
-                    &[
-                        KernelArg::Ptr(pool, 0),
-                        KernelArg::Ptr(hb, 0),
-                        KernelArg::Ptr(sb, 0),
-                        KernelArg::U32(n_tokens),
-                        KernelArg::U32(start_page),
-                        KernelArg::U32(rank),
-                        KernelArg::U32(layers),
-                        KernelArg::U32(local_pages),
-                    ],
-                )
-            };
+            let run = exec.launch(
+                kernel,
+                &LaunchConfig::linear(d.grid, d.block),
+                &[
+                    KernelArg::Ptr(pool, 0),
+                    KernelArg::Ptr(hb, 0),
+                    KernelArg::Ptr(sb, 0),
+                    KernelArg::U32(n_tokens),
+                    KernelArg::U32(start_page),
+                    KernelArg::U32(rank),
+                    KernelArg::U32(layers),
+                    KernelArg::U32(local_pages),
+                ],
+            );
             let got = run
                 .map_err(TuningError::from)
                 .and_then(|()| read_all(exec, pool));
@@ -428,23 +413,18 @@ pub(super) unsafe fn check_one(
             )?;
             let mb = exec.alloc(MemKind::Device, 4 * want.len(), 0)?;
             let d = spec.launch_dims(n_tokens, layers);
-            // SAFETY: `db` holds the dense KV of `n_tokens` tokens over `layers` layers, `hb`
-            // their hashes and `mb` one bit per token, just uploaded for these arguments;
-            // `kernel` is `spec`'s build (guaranteed by the caller).
-            let run = unsafe {
-                exec.launch(
-                    kernel,
-                    &LaunchConfig::linear(d.grid, d.block),
-                    &[
-                        KernelArg::Ptr(db, 0),
-                        KernelArg::Ptr(hb, 0),
-                        KernelArg::U32(n_tokens),
-                        KernelArg::U32(1),
-                        KernelArg::U32(layers),
-                        KernelArg::Ptr(mb, 0),
-                    ],
-                )
-            };
+            let run = exec.launch(
+                kernel,
+                &LaunchConfig::linear(d.grid, d.block),
+                &[
+                    KernelArg::Ptr(db, 0),
+                    KernelArg::Ptr(hb, 0),
+                    KernelArg::U32(n_tokens),
+                    KernelArg::U32(1),
+                    KernelArg::U32(layers),
+                    KernelArg::Ptr(mb, 0),
+                ],
+            );
             let got = run
                 .map_err(TuningError::from)
                 .and_then(|()| read_all(exec, mb));

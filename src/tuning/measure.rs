@@ -188,7 +188,13 @@ pub use crate::jit::SourceHook;
 /// spec: the kernel handle, or why it cannot run (render, compile or load error; with
 /// `drop_spilling`, which the tuner sets for its candidates, also an NVRTC build that spills
 /// registers or uses a stack frame). Checks and benchmarks run such a build as replay does.
-pub fn compile_and_load(
+///
+/// # Safety
+///
+/// `hook`, when given, must keep every kernel within its spec's signature: each parameter's
+/// [`Reach`](crate::kernels::Reach) bounds what the kernel touches. An edit that only makes
+/// a source fail to compile (the compile-error fault) does.
+pub unsafe fn compile_and_load(
     exec: &dyn Executor,
     jit: &Jit,
     specs: &[KernelSpec],
@@ -226,7 +232,8 @@ pub fn compile_and_load(
                     ));
                 }
             }
-            // SAFETY: `k` is the JIT's build of `spec` for `exec`'s target (`target_for`).
+            // SAFETY: `k` is the JIT's build of `spec` for `exec`'s target (`target_for`),
+            // from its render or an edit the caller vouches for.
             unsafe { k.load_spec(exec, spec) }.map_err(|e| e.to_string())
         })
         .collect()
@@ -427,71 +434,52 @@ impl<'e> CopyBench<'e> {
 
     /// Launches `kernel` (compiled from `spec`, a candidate of this bench's spec key) with the
     /// recommended grid, without synchronising.
-    ///
-    /// # Safety
-    ///
-    /// `kernel` must be the handle [`compile_and_load`] returned on this bench's executor for
-    /// `spec`, and `spec` must be of the spec key the bench was built for (same page size,
-    /// bytes per token, CP and direction): the buffers are sized for that key, and the kernel
-    /// reaches as far as its compiled page bytes say.
-    /// The bench's public fields must be as `new` made them (they size and name the
-    /// buffers), and a source hook given to [`compile_and_load`] must have kept the kernel's
-    /// accesses in bounds.
-    pub unsafe fn launch(&self, kernel: KernelId, spec: &KernelSpec) -> Result<(), ExecError> {
+    pub fn launch(&self, kernel: KernelId, spec: &KernelSpec) -> Result<(), ExecError> {
         let d = spec.launch_dims(self.n, self.layers);
         let cfg = LaunchConfig::linear(d.grid, d.block);
         let exec = self.mem.exec;
-        // SAFETY: the buffers hold `n` page ids (below the pool sizes) and pools of
-        // `device_pages` / `host_pages` pages of the key's page bytes for `layers` layers, as
-        // the arguments say; `kernel` is of that key (guaranteed by the caller).
-        unsafe {
-            match &self.kind {
-                CopyKind::Transfer {
-                    src,
-                    dst,
-                    src_pages,
-                    dst_pages,
-                    ..
-                } => exec.launch(
-                    kernel,
-                    &cfg,
-                    &[
-                        KernelArg::Ptr(*src, 0),
-                        KernelArg::Ptr(*dst, 0),
-                        KernelArg::Ptr(*src_pages, 0),
-                        KernelArg::Ptr(*dst_pages, 0),
-                        KernelArg::U32(self.n),
-                        KernelArg::U32(self.layers),
-                        KernelArg::U32(self.device_pages),
-                        KernelArg::U32(self.host_pages),
-                    ],
-                ),
-                CopyKind::Materialise {
-                    pools,
-                    seq_pages,
-                    dense,
-                } => exec.launch(
-                    kernel,
-                    &cfg,
-                    &[
-                        KernelArg::PtrStruct(pools),
-                        KernelArg::Ptr(*seq_pages, 0),
-                        KernelArg::U32(self.n),
-                        KernelArg::U32(self.layers),
-                        KernelArg::U32(self.device_pages),
-                        KernelArg::Ptr(*dense, 0),
-                    ],
-                ),
-            }
+        match &self.kind {
+            CopyKind::Transfer {
+                src,
+                dst,
+                src_pages,
+                dst_pages,
+                ..
+            } => exec.launch(
+                kernel,
+                &cfg,
+                &[
+                    KernelArg::Ptr(*src, 0),
+                    KernelArg::Ptr(*dst, 0),
+                    KernelArg::Ptr(*src_pages, 0),
+                    KernelArg::Ptr(*dst_pages, 0),
+                    KernelArg::U32(self.n),
+                    KernelArg::U32(self.layers),
+                    KernelArg::U32(self.device_pages),
+                    KernelArg::U32(self.host_pages),
+                ],
+            ),
+            CopyKind::Materialise {
+                pools,
+                seq_pages,
+                dense,
+            } => exec.launch(
+                kernel,
+                &cfg,
+                &[
+                    KernelArg::PtrStruct(pools),
+                    KernelArg::Ptr(*seq_pages, 0),
+                    KernelArg::U32(self.n),
+                    KernelArg::U32(self.layers),
+                    KernelArg::U32(self.device_pages),
+                    KernelArg::Ptr(*dense, 0),
+                ],
+            ),
         }
     }
 
     /// Times `kernel`: launch and synchronise, median of the repeats.
-    ///
-    /// # Safety
-    ///
-    /// As for [`Self::launch`].
-    pub unsafe fn time(
+    pub fn time(
         &self,
         kernel: KernelId,
         spec: &KernelSpec,
@@ -502,8 +490,7 @@ impl<'e> CopyBench<'e> {
             sizes.warmup,
             sizes.repeats,
             || Ok(()),
-            // SAFETY: the caller's guarantee for `time` is the one `launch` needs.
-            || unsafe { self.launch(kernel, spec) },
+            || self.launch(kernel, spec),
         )
     }
 
@@ -667,66 +654,39 @@ impl<'e> AllocBench<'e> {
     }
 
     /// Uploads full tops (and fresh stacks), then launches select (not synchronised).
-    ///
-    /// # Safety
-    ///
-    /// `kernel` must be the handle [`compile_and_load`] returned on this bench's executor for
-    /// `spec`, a select spec of the bench's
-    /// CP and page size: the buffers are sized for them.
-    /// The bench's public fields must be as `new` made them (they size and name the
-    /// buffers), and a source hook given to [`compile_and_load`] must have kept the kernel's
-    /// accesses in bounds.
-    pub unsafe fn run_select(&self, kernel: KernelId, spec: &KernelSpec) -> Result<(), ExecError> {
+    pub fn run_select(&self, kernel: KernelId, spec: &KernelSpec) -> Result<(), ExecError> {
         let exec = self.mem.exec;
         let d = spec.launch_dims(self.n, 1);
-        // SAFETY: `owners` holds `n` owners below CP, `stacks` CP lanes of `lane_cap` slots,
-        // `tops` CP tops, `pages` `n` pages and `locs` `n * page_size` locations, as the
-        // arguments say; `kernel` is a select kernel of this CP and page size (the caller).
-        unsafe {
-            exec.launch(
-                kernel,
-                &LaunchConfig::linear(d.grid, d.block),
-                &[
-                    KernelArg::Ptr(self.owners, 0),
-                    KernelArg::U32(self.n),
-                    KernelArg::Ptr(self.stacks, 0),
-                    KernelArg::Ptr(self.tops, 0),
-                    KernelArg::U32(self.lane_cap),
-                    KernelArg::Ptr(self.pages, 0),
-                    KernelArg::Ptr(self.locs, 0),
-                ],
-            )
-        }
+        exec.launch(
+            kernel,
+            &LaunchConfig::linear(d.grid, d.block),
+            &[
+                KernelArg::Ptr(self.owners, 0),
+                KernelArg::U32(self.n),
+                KernelArg::Ptr(self.stacks, 0),
+                KernelArg::Ptr(self.tops, 0),
+                KernelArg::U32(self.lane_cap),
+                KernelArg::Ptr(self.pages, 0),
+                KernelArg::Ptr(self.locs, 0),
+            ],
+        )
     }
 
     /// Launches release of the selected pages (not synchronised).
-    ///
-    /// # Safety
-    ///
-    /// `kernel` must be the handle [`compile_and_load`] returned on this bench's executor for
-    /// `spec`, a release spec of the bench's
-    /// CP and page size: the buffers are sized for them.
-    /// The bench's public fields must be as `new` made them (they size and name the
-    /// buffers), and a source hook given to [`compile_and_load`] must have kept the kernel's
-    /// accesses in bounds.
-    pub unsafe fn run_release(&self, kernel: KernelId, spec: &KernelSpec) -> Result<(), ExecError> {
+    pub fn run_release(&self, kernel: KernelId, spec: &KernelSpec) -> Result<(), ExecError> {
         let exec = self.mem.exec;
         let d = spec.launch_dims(self.n, 1);
-        // SAFETY: `pages` holds `n` pages, `stacks` CP lanes of `lane_cap` slots and `tops`
-        // CP tops; `kernel` is a release kernel of this CP (guaranteed by the caller).
-        unsafe {
-            exec.launch(
-                kernel,
-                &LaunchConfig::linear(d.grid, d.block),
-                &[
-                    KernelArg::Ptr(self.pages, 0),
-                    KernelArg::U32(self.n),
-                    KernelArg::Ptr(self.stacks, 0),
-                    KernelArg::Ptr(self.tops, 0),
-                    KernelArg::U32(self.lane_cap),
-                ],
-            )
-        }
+        exec.launch(
+            kernel,
+            &LaunchConfig::linear(d.grid, d.block),
+            &[
+                KernelArg::Ptr(self.pages, 0),
+                KernelArg::U32(self.n),
+                KernelArg::Ptr(self.stacks, 0),
+                KernelArg::Ptr(self.tops, 0),
+                KernelArg::U32(self.lane_cap),
+            ],
+        )
     }
 
     /// Restores the state select starts from (fresh stacks, full tops).
@@ -745,11 +705,7 @@ impl<'e> AllocBench<'e> {
 
     /// Times select or release (`spec`'s family decides), each repeat from a fresh state; the
     /// state upload is outside the timed section.
-    ///
-    /// # Safety
-    ///
-    /// As for [`Self::run_select`] or [`Self::run_release`], whichever `spec` is.
-    pub unsafe fn time(
+    pub fn time(
         &self,
         kernel: KernelId,
         spec: &KernelSpec,
@@ -770,13 +726,10 @@ impl<'e> AllocBench<'e> {
                 exec.synchronize()
             },
             || {
-                // SAFETY: the caller's guarantee for `time` is the one these need.
-                unsafe {
-                    if select {
-                        self.run_select(kernel, spec)
-                    } else {
-                        self.run_release(kernel, spec)
-                    }
+                if select {
+                    self.run_select(kernel, spec)
+                } else {
+                    self.run_release(kernel, spec)
                 }
             },
         )
@@ -952,16 +905,7 @@ impl<'e> SynthBench<'e> {
     }
 
     /// Launches `kernel` (a candidate of this bench's spec key) without synchronising.
-    ///
-    /// # Safety
-    ///
-    /// `kernel` must be the handle [`compile_and_load`] returned on this bench's executor for
-    /// `spec`, a synthesise or verify spec of the buffer kind, CP and page size the bench was
-    /// built for: the buffers are sized for them.
-    /// The bench's public fields must be as `new` made them (they size and name the
-    /// buffers), and a source hook given to [`compile_and_load`] must have kept the kernel's
-    /// accesses in bounds.
-    pub unsafe fn launch(&self, kernel: KernelId, spec: &KernelSpec) -> Result<(), ExecError> {
+    pub fn launch(&self, kernel: KernelId, spec: &KernelSpec) -> Result<(), ExecError> {
         let d = spec.launch_dims(
             match spec {
                 KernelSpec::Verify(_) => self.n_tokens,
@@ -990,19 +934,11 @@ impl<'e> SynthBench<'e> {
                 KernelArg::U32(self.n_pages + 1),
             ],
         };
-        // SAFETY: `target` holds `layers` x (`n_pages` + 1) pages of the key's page bytes,
-        // `hashes` `n_tokens` hashes, `seq_pages` `n_pages` pages (local page `i + 1` of rank
-        // 0) and `bad_tokens` one bit per token, as the arguments say; `kernel` is of that key
-        // (guaranteed by the caller).
-        unsafe { self.mem.exec.launch(kernel, &cfg, &args) }
+        self.mem.exec.launch(kernel, &cfg, &args)
     }
 
     /// Times `kernel`: launch and synchronise, median of the repeats.
-    ///
-    /// # Safety
-    ///
-    /// As for [`Self::launch`].
-    pub unsafe fn time(
+    pub fn time(
         &self,
         kernel: KernelId,
         spec: &KernelSpec,
@@ -1013,8 +949,7 @@ impl<'e> SynthBench<'e> {
             sizes.warmup,
             sizes.repeats,
             || Ok(()),
-            // SAFETY: the caller's guarantee for `time` is the one `launch` needs.
-            || unsafe { self.launch(kernel, spec) },
+            || self.launch(kernel, spec),
         )
     }
 }

@@ -43,10 +43,10 @@ impl<'a> TuneOptions<'a> {
     ///
     /// # Safety
     ///
-    /// The edited candidates are launched by a safe [`tune`]: `hook` must leave every
-    /// kernel's memory accesses as bounded by its size arguments as the rendered source has
-    /// them (breaking the compile, or changing the values written, is fine; an edit that
-    /// indexes further is not).
+    /// The edited candidates are launched by a safe [`tune`]: `hook` must keep every kernel
+    /// within its spec's signature, each parameter's [`Reach`](crate::kernels::Reach), as the
+    /// rendered source does (breaking the compile, or changing the values written, is fine;
+    /// an edit that indexes further is not).
     pub unsafe fn with_source_hook<'b>(self, hook: SourceHook<'b>) -> TuneOptions<'b>
     where
         'a: 'b,
@@ -151,11 +151,14 @@ pub fn tune(
     progress(TuneEvent::Planned {
         steps: (unique.len() + timed) as u64,
     });
-    let compiled = compile_and_load(exec, jit, &unique, true, opts.hook, &|| {
-        progress(TuneEvent::Step {
-            what: "compile".into(),
+    // SAFETY: `opts.hook` is set only through `with_source_hook`, whose caller vouches for it.
+    let compiled = unsafe {
+        compile_and_load(exec, jit, &unique, true, opts.hook, &|| {
+            progress(TuneEvent::Step {
+                what: "compile".into(),
+            })
         })
-    });
+    };
     let loaded: HashMap<KernelSpec, Result<KernelId, String>> =
         unique.into_iter().zip(compiled).collect();
 
@@ -194,14 +197,12 @@ pub fn tune(
                 },
                 Candidate::Kernel(spec) => match loaded.get(spec) {
                     Some(Ok(kernel)) => {
-                        // SAFETY: `kernel` is what `compile_and_load` returned on `exec` for
-                        // `spec`, a candidate of `base`, the spec key `bench` is built for.
-                        let run =
-                            checked(unsafe { check_one(exec, spec, *kernel, seed as u64 + 1) })
-                                .and_then(|()| {
-                                    unsafe { bench.time(*kernel, spec, &opts.sizes) }
-                                        .map_err(|e| format!("launch failed: {e}"))
-                                });
+                        let run = checked(check_one(exec, spec, *kernel, seed as u64 + 1))
+                            .and_then(|()| {
+                                bench
+                                    .time(*kernel, spec, &opts.sizes)
+                                    .map_err(|e| format!("launch failed: {e}"))
+                            });
                         match run {
                             Ok((seconds, bytes)) => {
                                 result.seconds = Some(seconds);
@@ -325,24 +326,16 @@ impl<'e> Workload<'e> {
     }
 
     /// Median seconds, and the bytes moved when that is the measure.
-    ///
-    /// # Safety
-    ///
-    /// As for the workload's `time`: `kernel` is `spec`'s build on this executor, and `spec`
-    /// of the spec key the workload was built for.
-    unsafe fn time(
+    fn time(
         &self,
         kernel: KernelId,
         spec: &KernelSpec,
         sizes: &Sizes,
     ) -> Result<(f64, Option<u64>), crate::exec::ExecError> {
-        // SAFETY: guaranteed by the caller.
-        unsafe {
-            match self {
-                Workload::Copy(b) => Ok((b.time(kernel, spec, sizes)?.median, Some(b.bytes()))),
-                Workload::Alloc(b) => Ok((b.time(kernel, spec, sizes)?.median, None)),
-                Workload::Synth(b) => Ok((b.time(kernel, spec, sizes)?.median, None)),
-            }
+        match self {
+            Workload::Copy(b) => Ok((b.time(kernel, spec, sizes)?.median, Some(b.bytes()))),
+            Workload::Alloc(b) => Ok((b.time(kernel, spec, sizes)?.median, None)),
+            Workload::Synth(b) => Ok((b.time(kernel, spec, sizes)?.median, None)),
         }
     }
 

@@ -214,6 +214,24 @@ impl Spy {
     pub fn frees(&self) -> u64 {
         self.frees.load(Ordering::SeqCst)
     }
+
+    /// Arms the inner executor's failure when the countdown reaches this launch, and whether
+    /// to skip kernel `k` (its entry starts with the skip prefix).
+    fn skips(&self, k: KernelId) -> bool {
+        if self.countdown.fetch_sub(1, Ordering::SeqCst) == 0 {
+            self.inner.inject_launch_failure();
+        }
+        let skip = self.skip.lock().unwrap().clone();
+        let Some(prefix) = skip else {
+            return false;
+        };
+        let entries = self.entries.lock().unwrap();
+        let skipped = entries.get(&k).is_some_and(|e| e.starts_with(&prefix));
+        if skipped {
+            self.skipped.fetch_add(1, Ordering::SeqCst);
+        }
+        skipped
+    }
 }
 
 impl Executor for Spy {
@@ -263,25 +281,23 @@ impl Executor for Spy {
             .insert(id, a.entry().to_string());
         Ok(id)
     }
-    unsafe fn launch(
+    fn launch(&self, k: KernelId, c: &LaunchConfig, a: &[KernelArg<'_>]) -> Result<(), ExecError> {
+        if self.skips(k) {
+            return Ok(());
+        }
+        self.inner.launch(k, c, a)
+    }
+    unsafe fn launch_unchecked(
         &self,
         k: KernelId,
         c: &LaunchConfig,
         a: &[KernelArg<'_>],
     ) -> Result<(), ExecError> {
-        if self.countdown.fetch_sub(1, Ordering::SeqCst) == 0 {
-            self.inner.inject_launch_failure();
-        }
-        let skip = self.skip.lock().unwrap().clone();
-        if let Some(prefix) = skip {
-            let entries = self.entries.lock().unwrap();
-            if entries.get(&k).is_some_and(|e| e.starts_with(&prefix)) {
-                self.skipped.fetch_add(1, Ordering::SeqCst);
-                return Ok(());
-            }
+        if self.skips(k) {
+            return Ok(());
         }
         // SAFETY: forwarded; the caller's guarantee is the inner executor's.
-        unsafe { self.inner.launch(k, c, a) }
+        unsafe { self.inner.launch_unchecked(k, c, a) }
     }
     fn copy_regions(&self, s: BufferId, d: BufferId, r: &[CopyRegion]) -> Result<(), ExecError> {
         self.inner.copy_regions(s, d, r)

@@ -82,7 +82,8 @@ pub struct Bench {
     /// The executor.
     pub ex: HostExecutor,
     libs: &'static HashMap<KernelSpec, PathBuf>,
-    loaded: HashMap<KernelSpec, KernelId>,
+    /// Kernels by spec and whether they were loaded with the spec's signature.
+    loaded: HashMap<(KernelSpec, bool), KernelId>,
 }
 
 impl Bench {
@@ -95,9 +96,15 @@ impl Bench {
         }
     }
 
-    /// The kernel of `spec`, loaded on first use.
+    /// The kernel of `spec`, loaded with its signature on first use.
     pub fn kernel(&mut self, spec: &KernelSpec) -> KernelId {
-        if let Some(&k) = self.loaded.get(spec) {
+        self.load(spec, true)
+    }
+
+    /// The kernel of `spec`, loaded on first use, with its signature or (for launches that
+    /// break it on purpose, under ASan) without.
+    fn load(&mut self, spec: &KernelSpec, signed: bool) -> KernelId {
+        if let Some(&k) = self.loaded.get(&(*spec, signed)) {
             return k;
         }
         let path = self
@@ -106,33 +113,25 @@ impl Bench {
             .unwrap_or_else(|| panic!("{spec} was not compiled"));
         let entry = spec.entry_name();
         let signature = spec.signature();
-        // SAFETY: `path` is the JIT's host build of `spec` (from `compile`).
+        // SAFETY: `path` is the JIT's host build of `spec`'s render (from `compile`).
         let k = unsafe {
             self.ex.load_kernel(&KernelArtifact::HostLibrary {
                 path,
                 entry: &entry,
-                signature: Some(&signature),
+                signature: signed.then_some(&signature),
             })
         }
         .unwrap_or_else(|e| panic!("load {spec}: {e}"));
-        self.loaded.insert(*spec, k);
+        self.loaded.insert((*spec, signed), k);
         k
     }
 
     /// Launches `spec` on a `grid` of its own block size; panics with the diagnostic.
-    ///
-    /// # Safety
-    ///
-    /// As for [`Executor::launch`]: the buffers are large enough for what `spec`'s kernel
-    /// accesses given the size arguments.
-    pub unsafe fn launch(&mut self, spec: &KernelSpec, grid: u32, args: &[KernelArg<'_>]) {
+    pub fn launch(&mut self, spec: &KernelSpec, grid: u32, args: &[KernelArg<'_>]) {
         let k = self.kernel(spec);
-        // SAFETY: guaranteed by the caller.
-        unsafe {
-            self.ex
-                .launch(k, &LaunchConfig::linear(grid, spec.threads()), args)
-        }
-        .unwrap_or_else(|e| panic!("launch {spec} grid {grid}: {e}"));
+        self.ex
+            .launch(k, &LaunchConfig::linear(grid, spec.threads()), args)
+            .unwrap_or_else(|e| panic!("launch {spec} grid {grid}: {e}"));
     }
 
     /// A buffer holding `data` (plus `guard` poison bytes after it).
@@ -193,26 +192,29 @@ impl Bench {
             case.host_pages,
         )
         .unwrap();
-        // SAFETY: the reference accepted these pools, page lists and sizes (and the kernel
-        // skips pages beyond the pools it is told of). The one exception is deliberate:
-        // `kernel_asan` tells a larger host pool than it allocates, under AddressSanitizer,
-        // to prove the overflow is caught.
-        unsafe {
-            self.launch(
-                spec,
-                grid,
-                &[
-                    KernelArg::Ptr(sbuf, 0),
-                    KernelArg::Ptr(dbuf, 0),
-                    KernelArg::Ptr(spb, 0),
-                    KernelArg::Ptr(dpb, 0),
-                    KernelArg::U32(n),
-                    KernelArg::U32(case.layers),
-                    KernelArg::U32(case.device_pages),
-                    KernelArg::U32(case.told_host_pages),
-                ],
-            )
-        };
+        let args = [
+            KernelArg::Ptr(sbuf, 0),
+            KernelArg::Ptr(dbuf, 0),
+            KernelArg::Ptr(spb, 0),
+            KernelArg::Ptr(dpb, 0),
+            KernelArg::U32(n),
+            KernelArg::U32(case.layers),
+            KernelArg::U32(case.device_pages),
+            KernelArg::U32(case.told_host_pages),
+        ];
+        if case.told_host_pages == case.host_pages {
+            self.launch(spec, grid, &args);
+        } else {
+            // A signed launch would be refused (the host pool is shorter than its reach), so
+            // the kernel is loaded without its signature.
+            let k = self.load(spec, false);
+            let config = LaunchConfig::linear(grid, spec.threads());
+            // SAFETY: none: `kernel_asan` tells a larger host pool than it allocates on
+            // purpose, only in a child process whose kernels are built with AddressSanitizer,
+            // which aborts at the first byte out of bounds.
+            unsafe { self.ex.launch_unchecked(k, &config, &args) }
+                .unwrap_or_else(|e| panic!("launch {spec} grid {grid}: {e}"));
+        }
         Copied {
             got: self.read(dbuf),
             want,
@@ -256,28 +258,116 @@ impl Bench {
             &mut want,
         )
         .unwrap();
-        // SAFETY: the reference accepted these pools, sequence and sizes, and the dense
-        // buffer holds `layers` x `n` pages.
-        unsafe {
-            self.launch(
-                spec,
-                grid,
-                &[
-                    KernelArg::PtrStruct(&ptrs),
-                    KernelArg::Ptr(seqb, 0),
-                    KernelArg::U32(n),
-                    KernelArg::U32(case.layers),
-                    KernelArg::U32(case.local_pages),
-                    KernelArg::Ptr(dense, 0),
-                ],
-            )
-        };
+        self.launch(
+            spec,
+            grid,
+            &[
+                KernelArg::PtrStruct(&ptrs),
+                KernelArg::Ptr(seqb, 0),
+                KernelArg::U32(n),
+                KernelArg::U32(case.layers),
+                KernelArg::U32(case.local_pages),
+                KernelArg::Ptr(dense, 0),
+            ],
+        );
         Copied {
             got: self.read(dense),
             want,
             src_after: Vec::new(),
         }
     }
+}
+
+/// One launch of `spec` with small random scalar arguments, every pointer argument in a
+/// buffer of exactly its parameter's reach, filled with small random words (page ids, owners,
+/// lane tops and counts mostly out of range, some at the edges). With `short = Some(i)`,
+/// parameter `i`'s buffer is one byte shorter than its reach. Returns the launch result and
+/// the index of the first pointer parameter with a nonzero reach (`None` if all reach 0).
+///
+/// Whatever the values, a kernel must stay inside its reach: under AddressSanitizer, exact
+/// buffers have red zones right after them, so one byte past the reach is reported.
+pub fn reach_case(
+    b: &mut Bench,
+    spec: &KernelSpec,
+    rng: &mut Rng,
+    short: Option<usize>,
+) -> (Result<(), cp_hicache::exec::ExecError>, Vec<usize>) {
+    let sig = spec.signature();
+    // Scalars first: pointer reaches depend on them.
+    let scalar = |name: &str, rng: &mut Rng| -> u32 {
+        let page = match spec {
+            KernelSpec::Synthesise(s) => s.page_size,
+            KernelSpec::Verify(s) => s.page_size,
+            _ => 1,
+        };
+        match name {
+            "layers" => rng.range(1, 3) as u32,
+            // A few pages, and more than one 32-token word of the mismatch bitmap.
+            "n_tokens" => rng.range(0, u64::from((3 * page).max(80) + 1)) as u32,
+            "start_page" | "rank" => rng.range(0, 3) as u32,
+            _ => rng.range(0, 6) as u32,
+        }
+    };
+    let values: Vec<Option<u32>> = sig
+        .params
+        .iter()
+        .map(|p| p.reach.is_none().then(|| scalar(p.name, rng)))
+        .collect();
+    let value = |name: &str| {
+        let i = sig.params.iter().position(|p| p.name == name)?;
+        values[i]
+    };
+    let bound = values.iter().flatten().copied().max().unwrap_or(1).max(1);
+    let mut reaching = Vec::new();
+    let fill = |bytes: usize, rng: &mut Rng| -> BufferId {
+        let words: Vec<u32> = (0..bytes.div_ceil(4))
+            .map(|_| rng.below(u64::from(2 * bound) + 1) as u32)
+            .collect();
+        let mut data = le32(&words);
+        data.truncate(bytes);
+        b.bytes(&data, 0)
+    };
+    // Each parameter's argument: a scalar, a buffer, or the pool struct's buffers.
+    enum Arg {
+        Scalar(u32),
+        Buffer(BufferId),
+        Pools(Vec<(BufferId, u64)>),
+    }
+    let mut owned = Vec::new();
+    for (i, p) in sig.params.iter().enumerate() {
+        let Some(reach) = p.reach else {
+            owned.push(Arg::Scalar(values[i].expect("a scalar")));
+            continue;
+        };
+        let mut bytes = reach.bytes(value).expect("small arguments") as usize;
+        if bytes > 0 {
+            reaching.push(i);
+        }
+        if short == Some(i) {
+            bytes = bytes
+                .checked_sub(1)
+                .expect("a parameter with a nonzero reach");
+        }
+        owned.push(if p.c_type.contains("ChcPools") {
+            Arg::Pools((0..p.size / 8).map(|_| (fill(bytes, rng), 0)).collect())
+        } else {
+            Arg::Buffer(fill(bytes, rng))
+        });
+    }
+    let args: Vec<KernelArg<'_>> = owned
+        .iter()
+        .map(|a| match a {
+            Arg::Scalar(v) => KernelArg::U32(*v),
+            Arg::Buffer(id) => KernelArg::Ptr(*id, 0),
+            Arg::Pools(p) => KernelArg::PtrStruct(p),
+        })
+        .collect();
+    let items = values.iter().flatten().copied().max().unwrap_or(1);
+    let dims = spec.launch_dims(items, value("layers").unwrap_or(1));
+    let k = b.kernel(spec);
+    let result =
+        b.ex.launch(k, &LaunchConfig::linear(dims.grid, dims.block), &args);
+    (result, reaching)
 }
 
 /// The inputs of one transfer launch. Page lists may hold out-of-range pages (the kernel and

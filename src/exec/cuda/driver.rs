@@ -625,8 +625,9 @@ pub(crate) fn fill_in_bounds(gpu: &Gpu, ranges: &[(u64, u64)], byte: u8) -> Resu
 ///
 /// # Safety
 /// As for [`Gpu::launch`]: the arguments match the kernel's parameters, and each pointer's
-/// buffer is large enough for everything the kernel accesses given its size arguments (the
-/// contract of [`Executor::launch`](crate::exec::Executor::launch)).
+/// buffer is large enough for everything the kernel accesses given its size arguments (what
+/// [`Executor::launch`](crate::exec::Executor::launch) checks against the signature's reach,
+/// and the contract of [`Executor::launch_unchecked`](crate::exec::Executor::launch_unchecked)).
 pub(crate) unsafe fn launch_with_args(
     gpu: &Gpu,
     module: &Module,

@@ -228,49 +228,25 @@ impl Executor for CudaExecutor {
         }))
     }
 
-    unsafe fn launch(
+    fn launch(
         &self,
         kernel: KernelId,
         config: &LaunchConfig,
         args: &[KernelArg<'_>],
     ) -> Result<(), ExecError> {
-        let mut st = lock(&self.state);
-        st.counters.launches += 1;
-        let st = &*st;
-        let k = st.kernel(kernel)?;
-        check_signature(&k.name, k.signature.as_ref(), config, args)?;
-        let bytes = marshal_args(&k.name, k.signature.as_ref(), args, |b| {
-            let buf = st.buffer(b)?;
-            Ok((buf.addr(), buf.len()))
-        })?;
-        // Only a launch that would run consumes an armed failure (as on the host executor).
-        if self.fail_next_launch.swap(false, Ordering::SeqCst) {
-            return Err(ExecError::Launch {
-                kernel: k.name.clone(),
-                cause: LaunchFailure::Injected,
-                message: "launch failure injected; the kernel did not run".into(),
-            });
-        }
-        let views: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
-        // SAFETY: pointer arguments are addresses of live buffers of this executor, checked
-        // to start inside them; the signature (when given) matched the arguments; that the
-        // buffers are large enough for the kernel is the caller's contract (`Executor::launch`).
-        let launched = unsafe { launch_checked(&self.gpu, &k.module, config, &views) };
-        launched.map_err(|message| ExecError::Launch {
-            kernel: k.name.clone(),
-            // A bad shape or a block too large for the kernel's registers is rejected at launch;
-            // faults inside a kernel surface later (read / synchronize) and are sticky: the
-            // context cannot be used again, unlike a rejected launch.
-            cause: if ["INVALID_VALUE", "OUT_OF_RESOURCES"]
-                .iter()
-                .any(|c| message.contains(c))
-            {
-                LaunchFailure::InvalidConfig
-            } else {
-                LaunchFailure::Other
-            },
-            message,
-        })
+        // SAFETY: without `unsigned_ok` only kernels with a signature run, and `run` checks
+        // every pointer's buffer against its parameter's reach.
+        unsafe { self.run(kernel, config, args, false) }
+    }
+
+    unsafe fn launch_unchecked(
+        &self,
+        kernel: KernelId,
+        config: &LaunchConfig,
+        args: &[KernelArg<'_>],
+    ) -> Result<(), ExecError> {
+        // SAFETY: the caller's contract (`Executor::launch_unchecked`) covers unsigned kernels.
+        unsafe { self.run(kernel, config, args, true) }
     }
 
     fn copy_regions(
@@ -344,6 +320,61 @@ impl Executor for CudaExecutor {
 
     fn disarm_launch_failure(&self) -> bool {
         self.fail_next_launch.swap(false, Ordering::SeqCst)
+    }
+}
+
+impl CudaExecutor {
+    /// One launch: checks it against the kernel's signature (refusing an unsigned kernel
+    /// unless `unsigned_ok`), resolves and bounds the pointers, then calls `cuLaunchKernel`.
+    ///
+    /// # Safety
+    ///
+    /// With `unsigned_ok`, the contract of [`Executor::launch_unchecked`].
+    unsafe fn run(
+        &self,
+        kernel: KernelId,
+        config: &LaunchConfig,
+        args: &[KernelArg<'_>],
+        unsigned_ok: bool,
+    ) -> Result<(), ExecError> {
+        let mut st = lock(&self.state);
+        st.counters.launches += 1;
+        let st = &*st;
+        let k = st.kernel(kernel)?;
+        check_signature(&k.name, k.signature.as_ref(), unsigned_ok, config, args)?;
+        let bytes = marshal_args(&k.name, k.signature.as_ref(), args, |b| {
+            let buf = st.buffer(b)?;
+            Ok((buf.addr(), buf.len()))
+        })?;
+        // Only a launch that would run consumes an armed failure (as on the host executor).
+        if self.fail_next_launch.swap(false, Ordering::SeqCst) {
+            return Err(ExecError::Launch {
+                kernel: k.name.clone(),
+                cause: LaunchFailure::Injected,
+                message: "launch failure injected; the kernel did not run".into(),
+            });
+        }
+        let views: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
+        // SAFETY: pointer arguments are addresses of live buffers of this executor, checked
+        // to start inside them; the signature (when given) matched the arguments and each
+        // buffer holds its parameter's reach; without a signature, the buffers being large
+        // enough is the caller's contract (`Executor::launch_unchecked`).
+        let launched = unsafe { launch_checked(&self.gpu, &k.module, config, &views) };
+        launched.map_err(|message| ExecError::Launch {
+            kernel: k.name.clone(),
+            // A bad shape or a block too large for the kernel's registers is rejected at launch;
+            // faults inside a kernel surface later (read / synchronize) and are sticky: the
+            // context cannot be used again, unlike a rejected launch.
+            cause: if ["INVALID_VALUE", "OUT_OF_RESOURCES"]
+                .iter()
+                .any(|c| message.contains(c))
+            {
+                LaunchFailure::InvalidConfig
+            } else {
+                LaunchFailure::Other
+            },
+            message,
+        })
     }
 }
 

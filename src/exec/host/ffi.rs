@@ -134,7 +134,9 @@ impl EmuKernel {
     /// # Safety
     /// Every pointer among the arguments must address memory that stays alive for the call
     /// and is large enough for everything the kernel accesses through it given its size
-    /// arguments (the contract of [`Executor::launch`](crate::exec::Executor::launch)).
+    /// arguments (what [`Executor::launch`](crate::exec::Executor::launch) checks against the
+    /// signature's reach, and the contract of
+    /// [`Executor::launch_unchecked`](crate::exec::Executor::launch_unchecked)).
     pub(crate) unsafe fn launch(
         &self,
         shape: &LaunchShape,

@@ -276,52 +276,25 @@ impl Executor for HostExecutor {
         }))
     }
 
-    unsafe fn launch(
+    fn launch(
         &self,
         kernel: KernelId,
         config: &LaunchConfig,
         args: &[KernelArg<'_>],
     ) -> Result<(), ExecError> {
-        let options = self.options();
-        options.validate()?;
-        let mut st = lock(&self.state);
-        st.counters.launches += 1;
-        let k = st.kernel(kernel)?;
-        let name = k.name.clone();
-        let emu = Arc::clone(&k.kernel);
-        check_signature(&name, k.signature.as_ref(), config, args)?;
-        let bytes = marshal_args(&name, k.signature.as_ref(), args, |b| {
-            let buf = st.buffer(b)?;
-            Ok((buf.mem.addr(), buf.mem.len()))
-        })?;
-        // Only a launch that would run consumes an armed failure: an invalid one reports
-        // why it is invalid, and the failure stays armed.
-        if self.fail_next_launch.swap(false, Ordering::SeqCst) {
-            return Err(ExecError::Launch {
-                kernel: name,
-                cause: LaunchFailure::Injected,
-                message: "launch failure injected; the kernel did not run".into(),
-            });
-        }
-        let views: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
-        let shape = ffi::LaunchShape {
-            grid: config.grid,
-            block: config.block,
-            shared_bytes: config.shared_bytes,
-            reverse: options.block_order == BlockOrder::Reverse,
-            stack_bytes: options.stack_bytes,
-        };
-        // The state lock stays held while the kernel runs, so no buffer can be freed under it.
-        // SAFETY: pointer arguments were resolved to live buffers of this executor (kept alive
-        // by the lock) and checked to start inside them; that the buffers are large enough
-        // for what the kernel accesses is the caller's contract (`Executor::launch`).
-        let result = unsafe { emu.launch(&shape, &views) };
-        drop(st);
-        result.map_err(|(status, message)| ExecError::Launch {
-            kernel: name,
-            cause: failure_of(status),
-            message,
-        })
+        // SAFETY: without `unsigned_ok` only kernels with a signature run, and `run` checks
+        // every pointer's buffer against its parameter's reach.
+        unsafe { self.run(kernel, config, args, false) }
+    }
+
+    unsafe fn launch_unchecked(
+        &self,
+        kernel: KernelId,
+        config: &LaunchConfig,
+        args: &[KernelArg<'_>],
+    ) -> Result<(), ExecError> {
+        // SAFETY: the caller's contract (`Executor::launch_unchecked`) covers unsigned kernels.
+        unsafe { self.run(kernel, config, args, true) }
     }
 
     fn copy_regions(
@@ -392,6 +365,64 @@ impl Executor for HostExecutor {
     }
 }
 
+impl HostExecutor {
+    /// One launch: checks it against the kernel's signature (refusing an unsigned kernel
+    /// unless `unsigned_ok`), resolves and bounds the pointers, then runs the blocks.
+    ///
+    /// # Safety
+    ///
+    /// With `unsigned_ok`, the contract of [`Executor::launch_unchecked`].
+    unsafe fn run(
+        &self,
+        kernel: KernelId,
+        config: &LaunchConfig,
+        args: &[KernelArg<'_>],
+        unsigned_ok: bool,
+    ) -> Result<(), ExecError> {
+        let options = self.options();
+        options.validate()?;
+        let mut st = lock(&self.state);
+        st.counters.launches += 1;
+        let k = st.kernel(kernel)?;
+        let name = k.name.clone();
+        let emu = Arc::clone(&k.kernel);
+        check_signature(&name, k.signature.as_ref(), unsigned_ok, config, args)?;
+        let bytes = marshal_args(&name, k.signature.as_ref(), args, |b| {
+            let buf = st.buffer(b)?;
+            Ok((buf.mem.addr(), buf.mem.len()))
+        })?;
+        // Only a launch that would run consumes an armed failure: an invalid one reports
+        // why it is invalid, and the failure stays armed.
+        if self.fail_next_launch.swap(false, Ordering::SeqCst) {
+            return Err(ExecError::Launch {
+                kernel: name,
+                cause: LaunchFailure::Injected,
+                message: "launch failure injected; the kernel did not run".into(),
+            });
+        }
+        let views: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
+        let shape = ffi::LaunchShape {
+            grid: config.grid,
+            block: config.block,
+            shared_bytes: config.shared_bytes,
+            reverse: options.block_order == BlockOrder::Reverse,
+            stack_bytes: options.stack_bytes,
+        };
+        // The state lock stays held while the kernel runs, so no buffer can be freed under it.
+        // SAFETY: pointer arguments were resolved to live buffers of this executor (kept alive
+        // by the lock) and checked to start inside them; with a signature, each also holds its
+        // parameter's reach from there; without one, the buffers being large enough is the
+        // caller's contract (`Executor::launch_unchecked`).
+        let result = unsafe { emu.launch(&shape, &views) };
+        drop(st);
+        result.map_err(|(status, message)| ExecError::Launch {
+            kernel: name,
+            cause: failure_of(status),
+            message,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -454,8 +485,9 @@ mod tests {
             stack_bytes: u64::MAX,
             ..HostOptions::default()
         });
-        // SAFETY: the launch is refused before any kernel is looked up.
-        let e = unsafe { ex.launch(KernelId(1), &LaunchConfig::linear(1, 32), &[]) }.unwrap_err();
+        let e = ex
+            .launch(KernelId(1), &LaunchConfig::linear(1, 32), &[])
+            .unwrap_err();
         assert!(
             matches!(&e, ExecError::Config { name: "stack_bytes", value, .. } if value == &u64::MAX.to_string()),
             "{e}"
