@@ -743,8 +743,9 @@ static int launch(const char* kernel, const CpEmuLaunch* cfg, unsigned arity, co
   }
   const uint32_t* gr = cfg->grid;
   const uint32_t* bl = cfg->block;
-  if (!gr[0] || !gr[1] || !gr[2] || !bl[0] || !bl[1] || !bl[2] || gr[1] > 65535 || gr[2] > 65535 || bl[2] > 64 ||
-      static_cast<uint64_t>(bl[0]) * bl[1] * bl[2] > 1024) {
+  // CUDA's limits, so that a shape the emulator runs also launches on a GPU.
+  if (!gr[0] || !gr[1] || !gr[2] || !bl[0] || !bl[1] || !bl[2] || gr[0] > 0x7fffffffu || gr[1] > 65535 ||
+      gr[2] > 65535 || bl[2] > 64 || static_cast<uint64_t>(bl[0]) * bl[1] * bl[2] > 1024) {
     err_append("kernel `%s`: invalid launch shape grid (%u,%u,%u) block (%u,%u,%u)", kernel, gr[0], gr[1], gr[2], bl[0],
                bl[1], bl[2]);
     return CP_EMU_EINVAL;

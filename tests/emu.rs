@@ -690,6 +690,15 @@ fn invalid_launches_are_typed_errors() {
     let cases: Vec<(LaunchConfig, Vec<KernelArg>)> = vec![
         (LaunchConfig::linear(1, 2048), p.to_vec()),
         (LaunchConfig::linear(0, 32), p.to_vec()),
+        // CUDA's grid limits: 2^31 - 1 blocks in x, 65535 in y and z.
+        (LaunchConfig::linear(1 << 31, 32), p.to_vec()),
+        (
+            LaunchConfig {
+                grid: [1, 1, 65536],
+                ..LaunchConfig::linear(1, 32)
+            },
+            p.to_vec(),
+        ),
         (
             LaunchConfig {
                 shared_bytes: 128,

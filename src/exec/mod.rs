@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 pub use host::{BlockOrder, HostExecutor, HostOptions};
-pub(crate) use signature::check_signature;
+pub(crate) use signature::PendingLaunch;
 
 use crate::kernels::KernelSignature;
 

@@ -8,7 +8,9 @@
 //! [`signature`](crate::kernels::KernelSpec::signature) into the executor, which runs
 //! [`check_signature`] before marshalling anything.
 
-use super::{ExecError, KernelArg, LaunchConfig, LaunchFailure};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::{BufferId, ExecError, KernelArg, LaunchConfig, LaunchFailure};
 use crate::kernels::{KernelParam, KernelSignature};
 
 /// How an argument was passed, for the diagnostic.
@@ -157,6 +159,44 @@ pub(crate) fn check_signature(
         )));
     }
     Ok(())
+}
+
+/// A launch as both executors check it before anything runs.
+pub(crate) struct PendingLaunch<'a, 'b> {
+    /// Kernel (entry) name, for diagnostics.
+    pub kernel: &'a str,
+    /// The signature the kernel was loaded with.
+    pub signature: Option<&'a KernelSignature>,
+    /// Whether a kernel without a signature may run (`launch_unchecked`).
+    pub unsigned_ok: bool,
+    /// Grid and block.
+    pub config: &'a LaunchConfig,
+    /// The arguments.
+    pub args: &'a [KernelArg<'b>],
+}
+
+impl PendingLaunch<'_, '_> {
+    /// The parameter bytes of a launch that may run: [`check_signature`], then
+    /// [`marshal_args`](super::marshal_args) (pointers resolved and bounded by their reach),
+    /// then an armed injected failure is consumed. Only a launch that would run consumes it:
+    /// an invalid one reports why it is invalid, and the failure stays armed.
+    pub(crate) fn marshal(
+        &self,
+        fail_next: &AtomicBool,
+        resolve: impl Fn(BufferId) -> Result<(u64, usize), ExecError>,
+    ) -> Result<Vec<Vec<u8>>, ExecError> {
+        let (kernel, signature) = (self.kernel, self.signature);
+        check_signature(kernel, signature, self.unsigned_ok, self.config, self.args)?;
+        let bytes = super::marshal_args(kernel, signature, self.args, resolve)?;
+        if fail_next.swap(false, Ordering::SeqCst) {
+            return Err(ExecError::Launch {
+                kernel: kernel.to_string(),
+                cause: LaunchFailure::Injected,
+                message: "launch failure injected; the kernel did not run".into(),
+            });
+        }
+        Ok(bytes)
+    }
 }
 
 #[cfg(test)]

@@ -16,11 +16,11 @@ mod driver;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
-use super::check_signature;
 use super::registry::Registry;
+use super::PendingLaunch;
 use super::{
-    check_range, check_regions, marshal_args, Backend, BufferId, CopyRegion, Counters, ExecError,
-    Executor, KernelArg, KernelArtifact, KernelId, LaunchConfig, LaunchFailure, MemKind,
+    check_range, check_regions, Backend, BufferId, CopyRegion, Counters, ExecError, Executor,
+    KernelArg, KernelArtifact, KernelId, LaunchConfig, LaunchFailure, MemKind,
 };
 use crate::kernels::KernelSignature;
 
@@ -341,19 +341,17 @@ impl CudaExecutor {
         st.counters.launches += 1;
         let st = &*st;
         let k = st.kernel(kernel)?;
-        check_signature(&k.name, k.signature.as_ref(), unsigned_ok, config, args)?;
-        let bytes = marshal_args(&k.name, k.signature.as_ref(), args, |b| {
+        let launch = PendingLaunch {
+            kernel: &k.name,
+            signature: k.signature.as_ref(),
+            unsigned_ok,
+            config,
+            args,
+        };
+        let bytes = launch.marshal(&self.fail_next_launch, |b| {
             let buf = st.buffer(b)?;
             Ok((buf.addr(), buf.len()))
         })?;
-        // Only a launch that would run consumes an armed failure (as on the host executor).
-        if self.fail_next_launch.swap(false, Ordering::SeqCst) {
-            return Err(ExecError::Launch {
-                kernel: k.name.clone(),
-                cause: LaunchFailure::Injected,
-                message: "launch failure injected; the kernel did not run".into(),
-            });
-        }
         let views: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
         // SAFETY: pointer arguments are addresses of live buffers of this executor, checked
         // to start inside them; the signature (when given) matched the arguments and each

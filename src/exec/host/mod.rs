@@ -17,11 +17,11 @@ use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::check_signature;
 use super::registry::Registry;
+use super::PendingLaunch;
 use super::{
-    check_range, check_regions, marshal_args, Backend, BufferId, CopyRegion, Counters, ExecError,
-    Executor, KernelArg, KernelArtifact, KernelId, LaunchConfig, LaunchFailure, MemKind,
+    check_range, check_regions, Backend, BufferId, CopyRegion, Counters, ExecError, Executor,
+    KernelArg, KernelArtifact, KernelId, LaunchConfig, LaunchFailure, MemKind,
 };
 use crate::kernels::KernelSignature;
 
@@ -386,20 +386,17 @@ impl HostExecutor {
         let k = st.kernel(kernel)?;
         let name = k.name.clone();
         let emu = Arc::clone(&k.kernel);
-        check_signature(&name, k.signature.as_ref(), unsigned_ok, config, args)?;
-        let bytes = marshal_args(&name, k.signature.as_ref(), args, |b| {
+        let launch = PendingLaunch {
+            kernel: &name,
+            signature: k.signature.as_ref(),
+            unsigned_ok,
+            config,
+            args,
+        };
+        let bytes = launch.marshal(&self.fail_next_launch, |b| {
             let buf = st.buffer(b)?;
             Ok((buf.mem.addr(), buf.mem.len()))
         })?;
-        // Only a launch that would run consumes an armed failure: an invalid one reports
-        // why it is invalid, and the failure stays armed.
-        if self.fail_next_launch.swap(false, Ordering::SeqCst) {
-            return Err(ExecError::Launch {
-                kernel: name,
-                cause: LaunchFailure::Injected,
-                message: "launch failure injected; the kernel did not run".into(),
-            });
-        }
         let views: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
         let shape = ffi::LaunchShape {
             grid: config.grid,
