@@ -131,17 +131,40 @@ fn copy_specs() -> Vec<KernelSpec> {
     v
 }
 
-/// The other families, for the reach test: select and release at an odd CP, synthesise and
-/// verify of every buffer kind.
+/// The other kernels of the reach test: every launch shape `tune` tries for the copy families
+/// (more pages per block, the layer loop in the block, word accesses) on 528-byte pages, select
+/// and release at an odd CP, synthesise and verify of every buffer kind.
 fn other_specs() -> Vec<KernelSpec> {
-    let mut v = vec![
+    let (page_size, bytes_per_token) = (4, 132);
+    let mut v = Vec::new();
+    for launch in CopyLaunch::candidates(u64::from(page_size * bytes_per_token)) {
+        for (direction, layout) in [
+            (Direction::DeviceToHost, HostLayout::PageFirst),
+            (Direction::HostToDevice, HostLayout::LayerFirst),
+        ] {
+            v.push(KernelSpec::TransferPages(TransferSpec {
+                direction,
+                layout,
+                page_size,
+                bytes_per_token,
+                launch,
+            }));
+        }
+        v.push(KernelSpec::Materialise(MaterialiseSpec {
+            cp: MAT_CP,
+            page_size,
+            bytes_per_token,
+            launch,
+        }));
+    }
+    v.extend([
         KernelSpec::SelectOwnerPages(AllocSpec {
             cp: 3,
             page_size: 16,
             threads: 32,
         }),
         KernelSpec::ReleasePages(ReleaseSpec { cp: 3, threads: 32 }),
-    ];
+    ]);
     for buffer in [BufferKind::NsaKv, BufferKind::NsaIndexK, BufferKind::MlaKv] {
         v.push(KernelSpec::Synthesise(SynthSpec {
             buffer,
