@@ -152,47 +152,95 @@ fn is_asan_runtime(lib: &str) -> bool {
         .is_some_and(|n| n.starts_with("libasan.so") || n.starts_with("libclang_rt.asan"))
 }
 
+/// How a compiler run ended.
+enum Run {
+    /// It exited.
+    Exited(std::process::ExitStatus),
+    /// It ran past the limit, and its process group was killed.
+    Killed,
+}
+
+/// Spawns `cmd` in its own process group and waits until it exits or `timeout` passes (zero:
+/// no limit); then kills the whole group (the driver's children, `cc1plus`, `as`, `ld`, are
+/// the ones that hang in practice). Its output must go to files or to pipes it cannot fill;
+/// the child comes back for reading them.
+fn run_in_group(
+    cmd: &mut Command,
+    timeout: Duration,
+) -> std::io::Result<(Run, std::process::Child)> {
+    let mut child = std::os::unix::process::CommandExt::process_group(cmd, 0).spawn()?;
+    let started = Instant::now();
+    loop {
+        match child.try_wait()? {
+            Some(status) => return Ok((Run::Exited(status), child)),
+            None if !timeout.is_zero() && started.elapsed() >= timeout => {
+                kill_group(&mut child);
+                return Ok((Run::Killed, child));
+            }
+            None => std::thread::sleep(Duration::from_millis(5)),
+        }
+    }
+}
+
 impl HostCompiler {
     /// The compiler to use: `program`, else `$CXX`, else `c++`; its identity is the first line
-    /// of `<program> --version` plus `<program> -dumpmachine`.
+    /// of `<program> --version` plus `<program> -dumpmachine`. Each probe, and later each
+    /// compile, is limited to [`DEFAULT_COMPILE_TIMEOUT`].
     pub fn detect(program: Option<&str>) -> Result<HostCompiler, HostCcError> {
+        Self::detect_within(program, DEFAULT_COMPILE_TIMEOUT)
+    }
+
+    /// [`detect`](Self::detect) with another limit on each compiler run, the probes included
+    /// (zero: no limit): a compiler that hangs on `--version` is reported as unavailable
+    /// instead of hanging every command that needs it.
+    pub fn detect_within(
+        program: Option<&str>,
+        timeout: Duration,
+    ) -> Result<HostCompiler, HostCcError> {
         let program = program
             .map(str::to_string)
             .or_else(|| std::env::var("CXX").ok().filter(|s| !s.trim().is_empty()))
             .unwrap_or_else(|| "c++".to_string());
-        let out = compiler_command(&program)
-            .arg("--version")
-            .output()
-            .map_err(|e| HostCcError::Unavailable {
-                program: program.clone(),
-                reason: e.to_string(),
-            })?;
-        if !out.status.success() {
-            return Err(HostCcError::Unavailable {
-                program: program.clone(),
-                reason: format!("`--version` exited with {}", out.status),
-            });
-        }
-        let version = String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .next()
-            .unwrap_or("")
-            .trim()
-            .to_string();
+        let unavailable = |reason: String| HostCcError::Unavailable {
+            program: program.clone(),
+            reason,
+        };
+        // One line of output each: a pipe cannot fill, so it is read after the exit.
+        let probe = |arg: &str| -> Result<String, String> {
+            let mut cmd = compiler_command(&program);
+            cmd.arg(arg)
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null());
+            let (run, mut child) = run_in_group(&mut cmd, timeout).map_err(|e| e.to_string())?;
+            match run {
+                Run::Exited(s) if s.success() => {
+                    let mut out = String::new();
+                    if let Some(mut stdout) = child.stdout.take() {
+                        std::io::Read::read_to_string(&mut stdout, &mut out)
+                            .map_err(|e| e.to_string())?;
+                    }
+                    Ok(out)
+                }
+                Run::Exited(s) => Err(format!("`{arg}` exited with {s}")),
+                Run::Killed => Err(format!(
+                    "`{arg}` did not finish within {} s ({COMPILE_TIMEOUT_ENV} sets the limit)",
+                    timeout.as_secs_f64()
+                )),
+            }
+        };
+        let version = probe("--version").map_err(unavailable)?;
+        let version = version.lines().next().unwrap_or("").trim().to_string();
         // The same `--version` line names x86-64 and aarch64 builds alike; the target triple
         // keeps a shared cache from handing one machine the other's shared objects.
-        let machine = compiler_command(&program)
-            .arg("-dumpmachine")
-            .output()
-            .ok()
-            .filter(|o| o.status.success())
-            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-            .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+        let machine = probe("-dumpmachine")
+            .map(|m| m.trim().to_string())
+            .unwrap_or_else(|_| std::env::consts::ARCH.to_string());
         let identity = format!("{version} [{machine}]");
         Ok(HostCompiler {
             program,
             identity,
-            timeout: DEFAULT_COMPILE_TIMEOUT,
+            timeout,
         })
     }
 
@@ -260,37 +308,25 @@ impl HostCompiler {
         let log_path = dir.0.join("compile.log");
         let log = std::fs::File::create(&log_path).map_err(|e| io(&log_path, e))?;
         let log_err = log.try_clone().map_err(|e| io(&log_path, e))?;
-        // Its own process group, so a timeout kills the driver's children too (`cc1plus`,
-        // `as`, `ld`: the ones that hang in practice).
-        let mut child = std::os::unix::process::CommandExt::process_group(
-            compiler_command(&self.program)
-                .args(&args)
-                .current_dir(&dir.0)
-                .stdin(Stdio::null())
-                .stdout(log)
-                .stderr(log_err),
-            0,
-        )
-        .spawn()
-        .map_err(|e| failed("not started".to_string(), e.to_string()))?;
+        let mut cmd = compiler_command(&self.program);
+        cmd.args(&args)
+            .current_dir(&dir.0)
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log_err);
         let read_log = || std::fs::read_to_string(&log_path).unwrap_or_default();
-        let started = Instant::now();
-        let status = loop {
-            match child.try_wait() {
-                Ok(Some(status)) => break status,
-                Ok(None) if !self.timeout.is_zero() && started.elapsed() >= self.timeout => {
-                    kill_group(&mut child);
-                    return Err(failed(
-                        format!(
-                            "killed after {} s ({COMPILE_TIMEOUT_ENV} sets the limit)",
-                            self.timeout.as_secs_f64()
-                        ),
-                        read_log(),
-                    ));
-                }
-                Ok(None) => std::thread::sleep(Duration::from_millis(5)),
-                Err(e) => return Err(failed("lost".to_string(), e.to_string())),
+        let status = match run_in_group(&mut cmd, self.timeout) {
+            Ok((Run::Exited(status), _)) => status,
+            Ok((Run::Killed, _)) => {
+                return Err(failed(
+                    format!(
+                        "killed after {} s ({COMPILE_TIMEOUT_ENV} sets the limit)",
+                        self.timeout.as_secs_f64()
+                    ),
+                    read_log(),
+                ))
             }
+            Err(e) => return Err(failed("not started or lost".to_string(), e.to_string())),
         };
         if !status.success() {
             return Err(failed(status.to_string(), read_log()));
@@ -303,6 +339,35 @@ impl HostCompiler {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_compiler_that_hangs_on_its_version_probe_is_unavailable_within_the_limit() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let fake = tmp.path().join("hung-c++");
+        std::fs::write(&fake, "#!/bin/sh\nsleep 60 & wait\n").unwrap();
+        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let started = Instant::now();
+        let err =
+            HostCompiler::detect_within(Some(fake.to_str().unwrap()), Duration::from_millis(300))
+                .unwrap_err();
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "it waited for the sleep"
+        );
+        let msg = err.to_string();
+        assert!(
+            matches!(err, HostCcError::Unavailable { .. })
+                && msg.contains("`--version` did not finish within 0.3 s")
+                && msg.contains(COMPILE_TIMEOUT_ENV),
+            "{msg}"
+        );
+        // A compiler without the probe at all is unavailable too, with the OS error.
+        let missing = tmp.path().join("no-such-c++");
+        let err = HostCompiler::detect_within(Some(missing.to_str().unwrap()), Duration::ZERO)
+            .unwrap_err();
+        assert!(matches!(err, HostCcError::Unavailable { .. }), "{err}");
+    }
 
     #[test]
     fn a_hung_compile_is_killed_after_the_timeout() {

@@ -261,7 +261,7 @@ pub struct JitConfig {
     pub host: HostCcOptions,
     /// Host compiler program; `None` → `$CXX`, else `c++`.
     pub cxx: Option<String>,
-    /// How long one host compile may run before it is killed
+    /// How long one host compile (or compiler probe) may run before it is killed
     /// ([`hostcc::DEFAULT_COMPILE_TIMEOUT`], `CP_HICACHE_COMPILE_TIMEOUT` seconds).
     pub compile_timeout: std::time::Duration,
     /// The CUDA-emulation header text force-included in host builds.
@@ -729,8 +729,7 @@ impl Jit {
     pub fn host_compiler(&self) -> Result<&HostCompiler, JitError> {
         self.host
             .get_or_init(|| {
-                HostCompiler::detect(self.config.cxx.as_deref())
-                    .map(|c| c.with_timeout(self.config.compile_timeout))
+                HostCompiler::detect_within(self.config.cxx.as_deref(), self.config.compile_timeout)
             })
             .as_ref()
             .map_err(|e| e.clone().into())
