@@ -16,7 +16,7 @@ use cp_hicache::exec::{
     BlockOrder, BufferId, ExecError, Executor, HostExecutor, HostOptions, KernelArg,
     KernelArtifact, KernelId, LaunchConfig, LaunchFailure, MemKind,
 };
-use cp_hicache::jit::Sanitize;
+use cp_hicache::jit::{HostCcOptions, HostCompiler, Sanitize};
 use sha2::{Digest, Sha256};
 
 const KERNELS: &str = include_str!("emu/kernels.cu");
@@ -55,21 +55,14 @@ fn compile_with(source: &str, extra: &[String]) -> PathBuf {
     let src = dir.join(format!("k-{key}.{unique}.cu"));
     std::fs::write(&src, source).unwrap();
     let tmp = dir.join(format!("k-{key}.{unique}.so.tmp"));
+    // The JIT's own flags (stack-clash protection included), with the header by path.
+    let options = HostCcOptions {
+        header_name: header_path().display().to_string(),
+        extra: extra.to_vec(),
+        ..HostCcOptions::default()
+    };
     let out = Command::new(std::env::var("CXX").unwrap_or_else(|_| "c++".into()))
-        .args([
-            "-std=c++17",
-            "-O2",
-            "-fPIC",
-            "-shared",
-            "-DCP_HICACHE_EMU",
-            "-include",
-        ])
-        .arg(header_path())
-        .args(extra)
-        .args(["-x", "c++"])
-        .arg(&src)
-        .arg("-o")
-        .arg(&tmp)
+        .args(HostCompiler::command_args(&options, &src, &tmp))
         .env_remove("LD_PRELOAD")
         .output()
         .expect("run c++");
@@ -1089,6 +1082,57 @@ fn asan_catches_out_of_bounds_write() {
         stderr.contains("oob_write"),
         "the report should name the kernel frame:\n{stderr}"
     );
+}
+
+const FRAME_CHILD_ENV: &str = "CP_HICACHE_EMU_TEST_FRAME_CHILD";
+
+/// Child side of `a_frame_past_the_stack_faults_in_the_guard`: launches `huge_frame` on
+/// fibers of 64 KiB stacks; the process is expected to die of SIGSEGV in the guard.
+#[test]
+fn frame_child_overflows_its_stack() {
+    if std::env::var_os(FRAME_CHILD_ENV).is_none() {
+        return;
+    }
+    let ex = HostExecutor::new(HostOptions {
+        stack_bytes: 64 << 10,
+        ..HostOptions::default()
+    });
+    let out = ex.alloc(MemKind::Device, 32 * 4, POISON).unwrap();
+    let k = load(&ex, kernels_so(), "huge_frame");
+    let r = ex.run(k, &LaunchConfig::linear(1, 32), &[KernelArg::Ptr(out, 0)]);
+    eprintln!("FRAME-CHILD: the launch returned {r:?}");
+}
+
+/// A kernel thread whose frame is larger than its fiber stack and the guard below it together
+/// faults in the guard (the kernels are built with `-fstack-clash-protection`, which probes
+/// every page of a large frame) instead of writing into the neighbouring fiber's stack.
+#[test]
+fn a_frame_past_the_stack_faults_in_the_guard() {
+    use std::os::unix::process::ExitStatusExt;
+    if std::env::var_os(FRAME_CHILD_ENV).is_some()
+        || !matches!(Sanitize::from_env(), Ok(Sanitize::None))
+    {
+        return;
+    }
+    kernels_so();
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "frame_child_overflows_its_stack",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(FRAME_CHILD_ENV, "1")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        out.status.signal(),
+        Some(11),
+        "the child should have died of SIGSEGV in the guard ({}):\n{stderr}",
+        out.status
+    );
+    assert!(!stderr.contains("FRAME-CHILD"), "{stderr}");
 }
 
 /// Prints the per-thread start and per-barrier costs (run with `--ignored --nocapture`).

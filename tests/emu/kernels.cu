@@ -194,6 +194,22 @@ extern "C" __global__ void big_stack(u32* out) {
   out[threadIdx.x] = s;
 }
 
+// Thread 0 calls a frame of 160 KiB, more than the fiber stack the guard test gives it (64
+// KiB) and the 64 KiB guard below together. Built with -fstack-clash-protection, allocating it
+// probes every page on the way down and faults in the guard. Without, the one byte written
+// lands in the mapping below the guard, another fiber's stack, and the launch "succeeds"
+// (the test's child then exits normally, which the test reports).
+__device__ __attribute__((noinline)) u32 huge_frame_body(u32 t) {
+  volatile unsigned char frame[160 * 1024];
+  frame[0] = static_cast<unsigned char>(t);
+  return frame[0];
+}
+
+extern "C" __global__ void huge_frame(u32* out) {
+  __syncthreads();
+  out[threadIdx.x] = threadIdx.x == 0 ? huge_frame_body(threadIdx.x) : threadIdx.x;
+}
+
 // Writes one element past `n` (an out-of-bounds access for the ASan test).
 extern "C" __global__ void oob_write(u32* out, u32 n) {
   if (threadIdx.x == 0) out[n] = 42;
@@ -254,6 +270,7 @@ CP_HICACHE_EMU_EXPORT(lane1_mask)
 CP_HICACHE_EMU_EXPORT(coords)
 CP_HICACHE_EMU_EXPORT(big_stack)
 CP_HICACHE_EMU_EXPORT(oob_write)
+CP_HICACHE_EMU_EXPORT(huge_frame)
 CP_HICACHE_EMU_EXPORT(empty_kernel)
 CP_HICACHE_EMU_EXPORT(barrier_loop)
 #endif
