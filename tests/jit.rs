@@ -7,8 +7,8 @@ use cp_hicache::jit::cache::{Manifest, NewEntry};
 use cp_hicache::jit::key::{capture_env, stable_digest, CacheKey, KeyInputs, KEY_ENV_ALLOWLIST};
 use cp_hicache::jit::nvrtc::NOT_FOUND_HINT;
 use cp_hicache::jit::{
-    Arch, Artifact, CacheHit, DiskCache, Jit, JitConfig, JitError, JitMode, JitRequest,
-    NvrtcCompiler, NvrtcOptions, Sanitize, Target,
+    Arch, Artifact, CacheHit, DiskCache, HostCcOptions, Jit, JitConfig, JitError, JitMode,
+    JitRequest, NvrtcCompiler, NvrtcOptions, Sanitize, Target,
 };
 use std::path::{Path, PathBuf};
 
@@ -27,8 +27,17 @@ fn host_req(uri: &str, source: &str) -> JitRequest {
     }
 }
 
+/// A config building this file's test sources with its own small header.
+fn config(dir: &Path, header: &str) -> JitConfig {
+    let mut c = JitConfig::new(dir);
+    // SAFETY: this JIT builds only this file's test sources, which the tests load and call
+    // with libloading themselves; nothing loads them as spec kernels.
+    unsafe { c.set_emu_header(header) };
+    c
+}
+
 fn jit_in(dir: &Path) -> Jit {
-    Jit::new(JitConfig::new(dir, HEADER))
+    Jit::new(config(dir, HEADER))
 }
 
 fn so_path(k: &cp_hicache::jit::CompiledKernel) -> PathBuf {
@@ -126,12 +135,17 @@ fn jit_key_covers_header_options_and_target() {
     let k = jit.key_for(&req).unwrap();
     assert!(k.readable.starts_with("add-"));
 
-    let mut other_header = JitConfig::new(dir.path(), "// other\n");
+    let mut other_header = config(dir.path(), "// other\n");
     other_header.env = jit.config().env.clone();
     assert_ne!(Jit::new(other_header).key_for(&req).unwrap(), k);
 
-    let mut cfg = JitConfig::new(dir.path(), HEADER);
-    cfg.host.opt_level = "3".into();
+    let mut cfg = config(dir.path(), HEADER);
+    let o3 = HostCcOptions {
+        opt_level: "3".into(),
+        ..cfg.host().clone()
+    };
+    // SAFETY: another optimisation level builds the same code (`config`'s note holds too).
+    unsafe { cfg.set_host(o3) };
     assert_ne!(Jit::new(cfg).key_for(&req).unwrap(), k);
 
     let asan = JitRequest {
@@ -291,8 +305,9 @@ fn jit_off_without_a_host_compiler_uses_the_prebuilt_entry() {
     let dir = tempfile::tempdir().unwrap();
     let req = host_req("add", ADD_SRC);
     jit_in(dir.path()).get(&req).unwrap();
-    let mut cfg = JitConfig::new(dir.path(), HEADER);
-    cfg.cxx = Some("/nonexistent/c++".to_string());
+    let mut cfg = config(dir.path(), HEADER);
+    // SAFETY: a compiler that does not exist builds nothing.
+    unsafe { cfg.set_cxx(Some("/nonexistent/c++".to_string())) };
     let on = Jit::new(cfg.clone()).get(&req).unwrap_err();
     assert!(on.is_unavailable(), "{on}");
     cfg.mode = JitMode::Off;
@@ -316,7 +331,7 @@ fn missing_manifest_is_a_miss() {
 fn jit_off_miss_is_an_error_and_hit_is_fine() {
     let dir = tempfile::tempdir().unwrap();
     let req = host_req("add", ADD_SRC);
-    let mut cfg = JitConfig::new(dir.path(), HEADER);
+    let mut cfg = config(dir.path(), HEADER);
     cfg.mode = JitMode::Off;
     let off = Jit::new(cfg.clone());
     let err = off.get(&req).unwrap_err();
@@ -330,7 +345,7 @@ fn jit_off_miss_is_an_error_and_hit_is_fine() {
 }
 
 fn off_in(dir: &Path) -> Jit {
-    let mut cfg = JitConfig::new(dir, HEADER);
+    let mut cfg = config(dir, HEADER);
     cfg.mode = JitMode::Off;
     cfg.nvrtc_enabled = false;
     Jit::new(cfg)

@@ -8,7 +8,7 @@ use cp_hicache::jit::key::{capture_env, stable_digest, CacheKey, KeyInputs, KEY_
 use cp_hicache::jit::nvrtc::NOT_FOUND_HINT;
 use cp_hicache::jit::{
     deployment_requests, warm_up_deployment, Arch, Artifact, CacheHit, Jit, JitConfig, JitMode,
-    JitRequest, NvrtcCompiler, NvrtcOptions, Target, EMU_HEADER,
+    JitRequest, NvrtcCompiler, NvrtcOptions, Target,
 };
 use cp_hicache::kernels::Deployment;
 use std::path::Path;
@@ -28,7 +28,7 @@ fn nvrtc_or_skip() -> Option<NvrtcCompiler> {
 }
 
 fn jit_in(dir: &Path, mode: JitMode, nvrtc_enabled: bool) -> Jit {
-    let mut c = JitConfig::new(dir, EMU_HEADER);
+    let mut c = JitConfig::new(dir);
     c.mode = mode;
     c.nvrtc_enabled = nvrtc_enabled;
     Jit::new(c)

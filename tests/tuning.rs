@@ -6,7 +6,7 @@
 //! `CP_HICACHE_REQUIRE_HOSTCC=1`.
 
 use cp_hicache::exec::{Backend, HostExecutor, HostOptions};
-use cp_hicache::jit::{Jit, JitConfig, SourceHook, EMU_HEADER};
+use cp_hicache::jit::{Jit, JitConfig, SourceHook};
 use cp_hicache::kernels::{CopyLaunch, Deployment, KernelSpec, TransferPath, VecWidth};
 use cp_hicache::tuning::{
     self, tuner::TuneOptions, CandidateResult, DeviceKey, LaunchChoice, Sizes, TuningEntry,
@@ -368,7 +368,7 @@ fn quick_host_tune(hook: SourceHook<'_>) -> Option<(Deployment, DeviceKey, Vec<T
 /// [`quick_host_tune`], with the kernels that could not be tuned.
 fn quick_host_tune_all(hook: SourceHook<'_>) -> Option<(Deployment, tuning::Tuned)> {
     let cache = tempfile::tempdir().unwrap();
-    let jit = Jit::new(JitConfig::new(cache.path(), EMU_HEADER));
+    let jit = Jit::new(JitConfig::new(cache.path()));
     if let Err(e) = jit.host_compiler() {
         skip_without_compiler(&e);
         return None;
@@ -540,10 +540,10 @@ fn quick_tune_drops_a_candidate_with_wrong_output() {
 /// this machine's device key, and the default shapes (with a warning) for another machine's.
 #[test]
 fn warm_up_compiles_the_tuned_kernels() {
-    let jit = Jit::new(JitConfig::new(
-        concat!(env!("CARGO_TARGET_TMPDIR"), "/jit-cache"),
-        EMU_HEADER,
-    ));
+    let jit = Jit::new(JitConfig::new(concat!(
+        env!("CARGO_TARGET_TMPDIR"),
+        "/jit-cache"
+    )));
     if let Err(e) = jit.host_compiler() {
         skip_without_compiler(&e);
         return;

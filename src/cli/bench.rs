@@ -10,7 +10,7 @@ use std::process::ExitCode;
 use super::common::{check_outputs, write_json, write_output, BackendArg, SizeArgs};
 use super::tune::progress_bar;
 use crate::exec::{open_executor, Backend};
-use crate::jit::{Jit, JitConfig, EMU_HEADER};
+use crate::jit::{Jit, JitConfig};
 use crate::tuning::bench::{
     self, default_deployments, deployment_by_name, BenchConfig, BenchFault, BenchOptions, BenchRow,
 };
@@ -101,7 +101,7 @@ pub(super) fn run(args: &BenchArgs) -> Result<ExitCode, crate::Error> {
     if !args.alloc_pages.is_empty() {
         opts.alloc_pages = args.alloc_pages.clone();
     }
-    let jit = Jit::new(JitConfig::from_env(EMU_HEADER)?);
+    let jit = Jit::new(JitConfig::from_env()?);
     if args.prebuild {
         return prebuild(&jit, &deps);
     }

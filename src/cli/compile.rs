@@ -6,7 +6,7 @@ use super::common::{check_outputs, write_json};
 use super::render::select_deployments;
 use crate::jit::{
     deployment_requests, nvrtc::unavailable_hint, Arch, CompiledKernel, Jit, JitConfig, JitError,
-    JitMode, JitRequest, Sanitize, Target, EMU_HEADER,
+    JitMode, JitRequest, Sanitize, Target,
 };
 use crate::kernels::{Deployment, KernelSpec};
 use serde::Serialize;
@@ -140,7 +140,7 @@ pub(super) fn run(args: &CompileArgs) -> Result<ExitCode, crate::Error> {
         }
     };
     let start = Instant::now();
-    let jit = Jit::new(JitConfig::from_env(EMU_HEADER)?);
+    let jit = Jit::new(JitConfig::from_env()?);
     let items = collect(&deps, target)?;
     let results = warm_up(&jit, &items, target);
     let wall_ms = start.elapsed().as_secs_f64() * 1e3;

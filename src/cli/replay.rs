@@ -8,7 +8,7 @@ use crate::cluster::{
     Cluster, ClusterConfig, Fault, ReplayReport, RequestStats, RollbackDrops, WritePolicy,
 };
 use crate::exec::{open_executor, Backend, Executor};
-use crate::jit::{Jit, JitConfig, Sanitize, EMU_HEADER};
+use crate::jit::{Jit, JitConfig, Sanitize};
 use crate::kernels::{Deployment, ModelShape, TransferPath};
 use crate::layout::CpLayout;
 use crate::workload::{
@@ -417,7 +417,7 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
     let (workload, total) = args.workload()?;
     let exec: Arc<dyn Executor> = Arc::from(open_executor(args.backend)?);
     let backend = exec.backend().to_string();
-    let jit = Jit::new(JitConfig::from_env(EMU_HEADER)?);
+    let jit = Jit::new(JitConfig::from_env()?);
     // Launch shapes tuned for this executor: from --tuning, else <cache>/tuning.json if any.
     let mut deployment = plan.deployment.clone();
     let device = crate::tuning::DeviceKey::for_executor(exec.as_ref(), &jit)?;

@@ -8,7 +8,7 @@ use std::process::ExitCode;
 
 use super::common::{check_merge_target, BackendArg, SizeArgs};
 use crate::exec::open_executor;
-use crate::jit::{Jit, JitConfig, EMU_HEADER};
+use crate::jit::{Jit, JitConfig};
 use crate::tuning::{self, bench::deployment_by_name, tuner::TuneOptions, TuneEvent, TuningFile};
 
 /// Options of `tune`.
@@ -57,7 +57,7 @@ pub(super) fn run(args: &TuneArgs) -> Result<ExitCode, crate::Error> {
     let exec = open_executor(args.executor.backend)?;
     // As in bench: one error up front when no kernel can be built for this executor.
     crate::tuning::measure::target_for(exec.as_ref())?;
-    let jit = Jit::new(JitConfig::from_env(EMU_HEADER)?);
+    let jit = Jit::new(JitConfig::from_env()?);
     let bar = progress_bar(format!("tuning {} on {}", dep.name, exec.backend()));
     let on_event = |ev: TuneEvent| {
         if let Some(b) = &bar {

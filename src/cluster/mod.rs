@@ -18,14 +18,11 @@
 //! ```
 //! use std::sync::Arc;
 //! use cp_hicache::cluster::{Cluster, ClusterConfig, WritePolicy};
-//! use cp_hicache::exec::{host::EMU_HEADER, HostExecutor, HostOptions};
+//! use cp_hicache::exec::{HostExecutor, HostOptions};
 //! use cp_hicache::jit::{Jit, JitConfig, Sanitize};
 //! use cp_hicache::kernels::{Deployment, ModelShape};
 //!
-//! let jit = Jit::new(JitConfig::new(
-//!     std::env::temp_dir().join("cp-hicache-doc-cache"),
-//!     EMU_HEADER,
-//! ));
+//! let jit = Jit::new(JitConfig::new(std::env::temp_dir().join("cp-hicache-doc-cache")));
 //! # if jit.host_compiler().is_err() && std::env::var_os("CP_HICACHE_REQUIRE_HOSTCC").is_none() {
 //! #     return Ok(()); // no C++ compiler to build the emulated kernels with
 //! # }
@@ -1565,16 +1562,16 @@ mod tests {
             );
         }
     }
-    use crate::jit::{JitConfig, EMU_HEADER};
+    use crate::jit::JitConfig;
     use crate::kernels::ModelShape;
 
     fn cluster() -> Cluster {
         // The integration tests' JIT cache (CARGO_TARGET_TMPDIR is target/tmp), so the
         // kernels are usually compiled already.
-        let jit = Jit::new(JitConfig::new(
-            concat!(env!("CARGO_MANIFEST_DIR"), "/target/tmp/jit-cache"),
-            EMU_HEADER,
-        ));
+        let jit = Jit::new(JitConfig::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/target/tmp/jit-cache"
+        )));
         let config = ClusterConfig {
             deployment: Deployment::new(ModelShape::MlaBf16, 16, 2).unwrap(),
             layers: 1,

@@ -249,50 +249,122 @@ impl JitMode {
 }
 
 /// Everything a [`Jit`] needs; built once, not re-read afterwards.
+///
+/// The settings that change what a kernel's render compiles into (the compiler options, the
+/// host compiler and the emulation header) are private, set only through `unsafe` setters:
+/// the safe loaders ([`DeploymentKernels::load`](crate::cluster::DeploymentKernels::load),
+/// the kernel-backed allocator, `tune`, `bench`) load what this JIT builds under the spec's
+/// signature, and a safe [`Executor::launch`](crate::exec::Executor::launch) trusts the code to
+/// stay within it. What the process environment names (`$CXX`, `CP_HICACHE_NVRTC`, the cache
+/// directory and its prebuilt entries) is trusted the same way a library search path is.
 #[derive(Debug, Clone)]
 pub struct JitConfig {
     /// Root of the on-disk cache.
     pub cache_dir: PathBuf,
     /// Whether misses may compile.
     pub mode: JitMode,
-    /// NVRTC options (the arch comes from each request).
-    pub nvrtc: NvrtcOptions,
-    /// Host compiler options (the sanitizer mode comes from each request).
-    pub host: HostCcOptions,
-    /// Host compiler program; `None` → `$CXX`, else `c++`.
-    pub cxx: Option<String>,
     /// How long one host compile (or compiler probe) may run before it is killed
     /// ([`hostcc::DEFAULT_COMPILE_TIMEOUT`], `CP_HICACHE_COMPILE_TIMEOUT` seconds).
     pub compile_timeout: std::time::Duration,
-    /// The CUDA-emulation header text force-included in host builds.
-    pub emu_header: String,
     /// Allow-listed environment snapshot that goes into every key.
     pub env: Vec<(String, Option<String>)>,
     /// Whether NVRTC may be loaded. `false` behaves exactly as if NVRTC were not installed
     /// (tests of prebuilt-only deployments use it instead of changing the process environment).
     pub nvrtc_enabled: bool,
+    /// NVRTC options (the arch comes from each request).
+    nvrtc: NvrtcOptions,
+    /// Host compiler options (the sanitizer mode comes from each request).
+    host: HostCcOptions,
+    /// Host compiler program; `None` → `$CXX`, else `c++`.
+    cxx: Option<String>,
+    /// The CUDA-emulation header text force-included in host builds.
+    emu_header: String,
 }
 
 impl JitConfig {
-    /// A config with default options, JIT on, and the current allow-listed environment.
-    pub fn new(cache_dir: impl Into<PathBuf>, emu_header: impl Into<String>) -> JitConfig {
+    /// A config with default options, the project's [`EMU_HEADER`], JIT on, and the current
+    /// allow-listed environment.
+    pub fn new(cache_dir: impl Into<PathBuf>) -> JitConfig {
         JitConfig {
             cache_dir: cache_dir.into(),
             mode: JitMode::On,
+            compile_timeout: hostcc::DEFAULT_COMPILE_TIMEOUT,
+            env: key::capture_env(key::KEY_ENV_ALLOWLIST),
+            nvrtc_enabled: true,
             nvrtc: NvrtcOptions::default(),
             host: HostCcOptions::default(),
             cxx: None,
-            compile_timeout: hostcc::DEFAULT_COMPILE_TIMEOUT,
-            emu_header: emu_header.into(),
-            env: key::capture_env(key::KEY_ENV_ALLOWLIST),
-            nvrtc_enabled: true,
+            emu_header: EMU_HEADER.to_string(),
         }
+    }
+
+    /// NVRTC options (the arch comes from each request).
+    pub fn nvrtc(&self) -> &NvrtcOptions {
+        &self.nvrtc
+    }
+
+    /// Host compiler options (the sanitizer mode comes from each request).
+    pub fn host(&self) -> &HostCcOptions {
+        &self.host
+    }
+
+    /// Host compiler program; `None` → `$CXX`, else `c++`.
+    pub fn cxx(&self) -> Option<&str> {
+        self.cxx.as_deref()
+    }
+
+    /// The CUDA-emulation header text force-included in host builds.
+    pub fn emu_header(&self) -> &str {
+        &self.emu_header
+    }
+
+    /// Replaces the NVRTC options.
+    ///
+    /// # Safety
+    ///
+    /// Every spec's render must still compile into code that does what the render says, so
+    /// that it stays within its signature's [`Reach`](crate::kernels::Reach): another
+    /// optimisation level, line info or a register cap is fine; a `-D` that redefines a
+    /// keyword or a name the kernels use is not.
+    pub unsafe fn set_nvrtc(&mut self, options: NvrtcOptions) {
+        self.nvrtc = options;
+    }
+
+    /// Replaces the host compiler options.
+    ///
+    /// # Safety
+    ///
+    /// As for [`set_nvrtc`](Self::set_nvrtc), for host builds.
+    pub unsafe fn set_host(&mut self, options: HostCcOptions) {
+        self.host = options;
+    }
+
+    /// Sets the host compiler program (`None`: `$CXX`, else `c++`).
+    ///
+    /// # Safety
+    ///
+    /// It must be a C++ compiler that builds each render as written: the shared objects it
+    /// makes are loaded into this process and launched as the spec's kernels.
+    pub unsafe fn set_cxx(&mut self, program: Option<String>) {
+        self.cxx = program;
+    }
+
+    /// Replaces the CUDA-emulation header.
+    ///
+    /// # Safety
+    ///
+    /// The header must implement the CUDA subset as [`EMU_HEADER`] does (docs/KERNELS.md
+    /// "Host emulation"): it is compiled into every host kernel, whose loading runs its
+    /// initialisers, and whose launches the executor trusts to stay within the spec's
+    /// signature.
+    pub unsafe fn set_emu_header(&mut self, header: impl Into<String>) {
+        self.emu_header = header.into();
     }
 
     /// A config from the process environment: `CP_HICACHE_CACHE_DIR`, `CP_HICACHE_JIT` and
     /// `CP_HICACHE_COMPILE_TIMEOUT` (an unknown value of either is [`JitError::Config`]).
-    pub fn from_env(emu_header: impl Into<String>) -> Result<JitConfig, JitError> {
-        let mut c = JitConfig::new(DiskCache::default_root(), emu_header);
+    pub fn from_env() -> Result<JitConfig, JitError> {
+        let mut c = JitConfig::new(DiskCache::default_root());
         c.mode = JitMode::from_env()?;
         if let Some(v) = std::env::var_os(hostcc::COMPILE_TIMEOUT_ENV) {
             let text = v.to_string_lossy().into_owned();

@@ -5,7 +5,6 @@
 #![allow(dead_code)]
 
 use cp_hicache::cluster::{Cluster, ClusterConfig, Fault, RequestStats, WritePolicy};
-use cp_hicache::exec::host::EMU_HEADER;
 use cp_hicache::exec::{
     Backend, BufferId, CopyRegion, Counters, ExecError, Executor, HostExecutor, HostOptions,
     KernelArg, KernelArtifact, KernelId, LaunchConfig, MemKind,
@@ -17,10 +16,10 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 pub fn jit() -> Jit {
-    Jit::new(JitConfig::new(
-        concat!(env!("CARGO_TARGET_TMPDIR"), "/jit-cache"),
-        EMU_HEADER,
-    ))
+    Jit::new(JitConfig::new(concat!(
+        env!("CARGO_TARGET_TMPDIR"),
+        "/jit-cache"
+    )))
 }
 
 /// Cluster settings with test-friendly defaults (roomy host pools, no fault).

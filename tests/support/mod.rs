@@ -8,7 +8,6 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use cp_hicache::exec::host::EMU_HEADER;
 use cp_hicache::exec::{
     BlockOrder, BufferId, Executor, HostExecutor, HostOptions, KernelArg, KernelArtifact, KernelId,
     LaunchConfig, MemKind,
@@ -27,10 +26,10 @@ pub const ORDERS: [BlockOrder; 2] = [BlockOrder::Forward, BlockOrder::Reverse];
 pub fn jit() -> &'static Jit {
     static JIT: OnceLock<Jit> = OnceLock::new();
     JIT.get_or_init(|| {
-        Jit::new(JitConfig::new(
-            concat!(env!("CARGO_TARGET_TMPDIR"), "/jit-cache"),
-            EMU_HEADER,
-        ))
+        Jit::new(JitConfig::new(concat!(
+            env!("CARGO_TARGET_TMPDIR"),
+            "/jit-cache"
+        )))
     })
 }
 
