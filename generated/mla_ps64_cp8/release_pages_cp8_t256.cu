@@ -64,8 +64,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) release_pages_cp8_t256(
         s_top[threadIdx.x] = top < lane_cap ? top : lane_cap;
     }
     __syncthreads();
-    for (u32 base = 0; base < n; base += THREADS) {
-        const u32 i = base + threadIdx.x;
+    // In 64 bits: with n near 2^32 a u32 base would wrap to 0 and never end the loop.
+    for (u64 base = 0; base < n; base += THREADS) {
+        const u64 i = base + threadIdx.x;
         u32 o = CP;
         u32 page = 0u;
         if (i < n) {

@@ -65,14 +65,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) transfer_pages_d2h_lf_ps64
     const u8* src, u8* dst, const u32* src_pages, const u32* dst_pages, u32 n, u32 layers,
     u32 device_pages, u32 host_pages)
 {
-    const u32 groups = (n + PAGES_PER_BLOCK - 1u) / PAGES_PER_BLOCK;
+    // In 64 bits: n near 2^32 must not wrap the rounding (or the pair index below) to 0.
+    const u32 groups = (u32)(((u64)n + PAGES_PER_BLOCK - 1u) / PAGES_PER_BLOCK);
     const u64 items = (u64)groups * (LAYERS_IN_BLOCK ? 1u : layers);
     for (u64 w = blockIdx.x; w < items; w += gridDim.x) {
         const u32 l0 = (u32)(w / groups);
         const u32 l1 = LAYERS_IN_BLOCK ? layers : l0 + 1u;
         const u32 first = (u32)(w % groups) * PAGES_PER_BLOCK;
         for (u32 q = 0; q < PAGES_PER_BLOCK; ++q) {
-            const u32 i = first + q;
+            const u64 i = (u64)first + q;
             if (i >= n) {
                 break;
             }
