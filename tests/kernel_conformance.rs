@@ -10,7 +10,7 @@
 
 mod support;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
@@ -25,8 +25,8 @@ use cp_hicache::kernels::{
 };
 use cp_hicache::layout::CpLayout;
 use support::{
-    cpu_copy_launch, grid, i64s, le32, le64, u32s, Bench, MaterialiseCase, Rng, TransferCase,
-    ORDERS, POISON,
+    cpu_copy_launch, grid, i64s, le32, le64, u32s, uri_seed, Bench, MaterialiseCase, Rng,
+    TransferCase, ORDERS, POISON,
 };
 
 const CPS: [u8; 5] = [1, 2, 4, 8, 16];
@@ -45,12 +45,6 @@ const ALLOC_THREAD_SWEEP: [u32; 4] = [32, 128, 512, 1024];
 const ALLOC_SWEEP_SHAPES: [(u8, u32); 2] = [(3, 64), (16, 16)];
 /// Transfer bytes per token at page size 1024 (MLA bf16: 1.1 MiB pages).
 const BIG_PAGE_BPT: u32 = 1152;
-
-fn uri_seed(spec: &KernelSpec) -> u64 {
-    spec.uri()
-        .bytes()
-        .fold(0u64, |h, c| reference::mix64(h ^ u64::from(c)))
-}
 
 fn order_id(o: BlockOrder) -> u64 {
     u64::from(o == BlockOrder::Reverse)
@@ -413,18 +407,17 @@ fn every_kernel_takes_its_exact_reach_and_refuses_one_byte_less() {
         }
     }
     // Every pointer parameter of every family was cut short at least once.
-    let params: usize = [
-        select_spec(2, 16, ALLOC_THREADS),
-        release_spec(2, ALLOC_THREADS),
-        transfer_specs()[0],
-        materialise_specs(2, 16)[0],
-        synth_spec(1, 1),
-        verify_spec(BufferKind::NsaKv, 16),
-    ]
-    .iter()
-    .map(|s| s.params().iter().filter(|p| p.reach.is_some()).count())
-    .sum();
-    assert_eq!(refused.len(), params, "{refused:?}");
+    let pointers: HashSet<_> = all_specs()
+        .iter()
+        .flat_map(|s| {
+            s.params()
+                .into_iter()
+                .filter(|p| p.reach.is_some())
+                .map(|p| (s.family(), p.name))
+        })
+        .collect();
+    let cut: HashSet<_> = refused.keys().copied().collect();
+    assert_eq!(cut, pointers);
 }
 
 #[test]

@@ -290,7 +290,8 @@ pub struct KernelId(pub u64);
 /// ([`KernelSpec::signature`](crate::kernels::KernelSpec::signature); the JIT's
 /// [`CompiledKernel::load_spec`](crate::jit::CompiledKernel::load_spec) passes it). The executor
 /// keeps it with the loaded kernel and checks every launch's shape and arguments against it.
-/// `None` (hand-written test kernels) skips that check.
+/// A kernel loaded with `None` (hand-written test kernels) is refused by
+/// [`Executor::launch`] and runs only through [`Executor::launch_unchecked`].
 #[derive(Debug, Clone, Copy)]
 pub enum KernelArtifact<'a> {
     /// A host-emulation shared library; the executor resolves `<entry>__emu_launch`.
@@ -412,10 +413,11 @@ pub(crate) fn check_range(
 /// kernel's parameter order. `resolve` gives a buffer's base address and size; pointer
 /// offsets may be one past the end, never beyond.
 ///
-/// With a `signature` (checked by [`check_signature`] first), every pointer must also have
-/// its parameter's [`Reach`](crate::kernels::Reach) left in its buffer after the offset, the
-/// reach computed from this launch's scalar arguments: that is what keeps a launch inside its
-/// buffers.
+/// With a `signature` (checked by [`signature::check_signature`] first), every pointer must
+/// also have its parameter's [`Reach`](crate::kernels::Reach) left in its buffer after the
+/// offset, the reach computed from this launch's scalar arguments (the 32 bits the kernel
+/// sees): that is what keeps a launch inside its buffers. A pointer parameter that declares
+/// no reach is refused.
 ///
 /// A pointer argument whose buffer is unknown, whose offset lies outside it, or whose buffer
 /// is shorter than its reach is [`ExecError::Launch`] with [`LaunchFailure::InvalidConfig`],
@@ -428,35 +430,30 @@ pub(crate) fn marshal_args(
     args: &[KernelArg<'_>],
     resolve: impl Fn(BufferId) -> Result<(u64, usize), ExecError>,
 ) -> Result<Vec<Vec<u8>>, ExecError> {
+    // A count as the kernel sees it: the 32 bits of a u32 (or i32) argument.
     let scalar = |name: &str| {
         let i = signature?.params.iter().position(|p| p.name == name)?;
         match args.get(i)? {
             KernelArg::U32(v) => Some(*v),
+            KernelArg::I32(v) => Some(*v as u32),
             _ => None,
         }
     };
-    // Bytes each pointer argument must have from its offset on: its parameter's reach.
+    // Bytes a pointer argument must have from its offset on: its parameter's reach. A signed
+    // kernel's pointer parameter without one is refused: nothing would bound it.
     let reach = |i: usize| -> Result<u64, ExecError> {
         let Some(p) = signature.and_then(|s| s.params.get(i)) else {
             return Ok(0);
         };
-        let Some(r) = p.reach else {
-            return Ok(0);
-        };
-        let problem = match r.counts.iter().flatten().find(|(n, _)| scalar(n).is_none()) {
-            Some((name, _)) => format!("has no u32 argument for `{name}`"),
-            None => match r.bytes(scalar) {
-                Some(bytes) => return Ok(bytes),
-                None => "overflows 64 bits for these arguments".into(),
-            },
+        let problem = match p.reach.map(|r| (r, r.bytes(scalar))) {
+            Some((_, Ok(bytes))) => return Ok(bytes),
+            Some((r, Err(e))) => format!("reaches {r} bytes, which {e}"),
+            None => "declares no reach, so nothing bounds what the kernel touches".into(),
         };
         Err(ExecError::Launch {
             kernel: kernel.to_string(),
             cause: LaunchFailure::InvalidConfig,
-            message: format!(
-                "parameter {i} `{}` reaches {r} bytes, which {problem}",
-                p.name
-            ),
+            message: format!("parameter {i} `{}` {problem}", p.name),
         })
     };
     let pointer = |b: BufferId, off: u64, reach: u64| -> Result<[u8; 8], ExecError> {

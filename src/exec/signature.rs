@@ -45,10 +45,10 @@ fn kind_fits(p: &KernelParam, arg: &KernelArg<'_>) -> bool {
 
 /// Checks a launch against `signature`: the block is the kernel's `threads` in x, the grid is
 /// one block for a single-block kernel, and `args` match the parameters (the count, then each
-/// argument's size and kind). `None` (a kernel loaded without a signature) is refused unless
-/// `unsigned_ok` ([`Executor::launch_unchecked`](super::Executor::launch_unchecked)), which
-/// accepts anything; the host emulator still checks such launches against the compiled
-/// kernel itself. How far pointers reach is checked where they are resolved to buffers
+/// argument's size and kind). `None` (a kernel loaded without a signature, which only
+/// [`Executor::launch_unchecked`](super::Executor::launch_unchecked) runs) accepts anything;
+/// the host emulator still checks such launches against the compiled kernel itself. How far
+/// pointers reach is checked where they are resolved to buffers
 /// ([`marshal_args`](super::marshal_args)).
 ///
 /// A mismatch is [`ExecError::Launch`] with [`LaunchFailure::InvalidConfig`], naming the kernel
@@ -58,25 +58,16 @@ fn kind_fits(p: &KernelParam, arg: &KernelArg<'_>) -> bool {
 pub(crate) fn check_signature(
     kernel: &str,
     signature: Option<&KernelSignature>,
-    unsigned_ok: bool,
     config: &LaunchConfig,
     args: &[KernelArg<'_>],
 ) -> Result<(), ExecError> {
+    let Some(signature) = signature else {
+        return Ok(());
+    };
     let invalid = |message: String| ExecError::Launch {
         kernel: kernel.to_string(),
         cause: LaunchFailure::InvalidConfig,
         message,
-    };
-    let Some(signature) = signature else {
-        return if unsigned_ok {
-            Ok(())
-        } else {
-            Err(invalid(
-                "the kernel was loaded without a signature, so nothing bounds what it reaches: \
-                 only `launch_unchecked` runs it"
-                    .into(),
-            ))
-        };
     };
     if config.block != [signature.threads, 1, 1] {
         return Err(invalid(format!(
@@ -176,7 +167,8 @@ pub(crate) struct PendingLaunch<'a, 'b> {
 }
 
 impl PendingLaunch<'_, '_> {
-    /// The parameter bytes of a launch that may run: [`check_signature`], then
+    /// The parameter bytes of a launch that may run: a kernel without a signature is refused
+    /// unless `unsigned_ok`, then [`check_signature`], then
     /// [`marshal_args`](super::marshal_args) (pointers resolved and bounded by their reach),
     /// then an armed injected failure is consumed. Only a launch that would run consumes it:
     /// an invalid one reports why it is invalid, and the failure stays armed.
@@ -186,7 +178,16 @@ impl PendingLaunch<'_, '_> {
         resolve: impl Fn(BufferId) -> Result<(u64, usize), ExecError>,
     ) -> Result<Vec<Vec<u8>>, ExecError> {
         let (kernel, signature) = (self.kernel, self.signature);
-        check_signature(kernel, signature, self.unsigned_ok, self.config, self.args)?;
+        if signature.is_none() && !self.unsigned_ok {
+            return Err(ExecError::Launch {
+                kernel: kernel.to_string(),
+                cause: LaunchFailure::InvalidConfig,
+                message: "the kernel was loaded without a signature, so nothing bounds what it \
+                          reaches: only `launch_unchecked` runs it"
+                    .into(),
+            });
+        }
+        check_signature(kernel, signature, self.config, self.args)?;
         let bytes = super::marshal_args(kernel, signature, self.args, resolve)?;
         if fail_next.swap(false, Ordering::SeqCst) {
             return Err(ExecError::Launch {
@@ -248,24 +249,50 @@ mod tests {
     }
 
     #[test]
-    fn matching_arguments_pass_and_no_signature_needs_the_unchecked_launch() {
+    fn matching_arguments_pass_and_no_signature_accepts_anything() {
         let (name, sig) = release();
-        check_signature(&name, Some(&sig), false, &shape(&sig), &good_args()).unwrap();
-        check_signature(&name, None, true, &LaunchConfig::linear(3, 7), &[]).unwrap();
+        check_signature(&name, Some(&sig), &shape(&sig), &good_args()).unwrap();
+        check_signature(&name, None, &LaunchConfig::linear(3, 7), &[]).unwrap();
         check_signature(
             &name,
             None,
-            true,
             &LaunchConfig::linear(3, 7),
             &[KernelArg::U32(1); 9],
         )
         .unwrap();
-        check_signature(&name, Some(&no_params()), false, &shape(&no_params()), &[]).unwrap();
-        let msg = invalid(
-            &name,
-            check_signature(&name, None, false, &LaunchConfig::linear(3, 7), &[]),
+        check_signature(&name, Some(&no_params()), &shape(&no_params()), &[]).unwrap();
+    }
+
+    // A kernel without a signature runs only through `launch_unchecked`, and an armed
+    // injected failure is consumed only by a launch that would have run.
+    #[test]
+    fn pending_launches_refuse_unsigned_kernels_and_keep_the_failure_armed() {
+        let (name, sig) = release();
+        let fail = AtomicBool::new(true);
+        let run = |signature: Option<&KernelSignature>, unsigned_ok: bool, n: usize| {
+            let args = good_args();
+            PendingLaunch {
+                kernel: &name,
+                signature,
+                unsigned_ok,
+                config: &shape(&sig),
+                args: &args[..n],
+            }
+            .marshal(&fail, |_| Ok((0x1000, 1 << 20)))
+            .map(|bytes| bytes.len())
+        };
+        let msg = invalid(&name, run(None, false, 5).map(|_| ()));
+        assert!(msg.contains("only `launch_unchecked` runs it"), "{msg}");
+        let msg = invalid(&name, run(Some(&sig), false, 4).map(|_| ()));
+        assert!(msg.contains("no argument given"), "{msg}");
+        assert!(
+            fail.load(Ordering::SeqCst),
+            "refused launches leave the failure armed"
         );
-        assert!(msg.contains("loaded without a signature"), "{msg}");
+        let e = run(Some(&sig), false, 5).unwrap_err();
+        assert_eq!(e.launch_failure(), Some(LaunchFailure::Injected));
+        assert_eq!(run(Some(&sig), false, 5).unwrap(), 5);
+        assert_eq!(run(None, true, 5).unwrap(), 5);
     }
 
     #[test]
@@ -274,14 +301,14 @@ mod tests {
         let args = &good_args()[..4];
         let msg = invalid(
             &name,
-            check_signature(&name, Some(&sig), false, &shape(&sig), args),
+            check_signature(&name, Some(&sig), &shape(&sig), args),
         );
         assert_eq!(
             msg,
             "parameter 4 `lane_cap` (u32) takes 4 bytes, no argument given \
              (4 arguments for 5 parameters)"
         );
-        let err = check_signature(&name, Some(&sig), false, &shape(&sig), args).unwrap_err();
+        let err = check_signature(&name, Some(&sig), &shape(&sig), args).unwrap_err();
         assert!(err.to_string().contains(&name), "{err}");
     }
 
@@ -292,7 +319,7 @@ mod tests {
         args.push(KernelArg::U64(7));
         let msg = invalid(
             &name,
-            check_signature(&name, Some(&sig), false, &shape(&sig), &args),
+            check_signature(&name, Some(&sig), &shape(&sig), &args),
         );
         assert_eq!(
             msg,
@@ -301,13 +328,7 @@ mod tests {
         );
         let msg = invalid(
             "k",
-            check_signature(
-                "k",
-                Some(&no_params()),
-                false,
-                &shape(&no_params()),
-                &args[..1],
-            ),
+            check_signature("k", Some(&no_params()), &shape(&no_params()), &args[..1]),
         );
         assert!(msg.contains("the kernel takes none"), "{msg}");
     }
@@ -319,7 +340,7 @@ mod tests {
         args[2] = KernelArg::U32(0);
         let msg = invalid(
             &name,
-            check_signature(&name, Some(&sig), false, &shape(&sig), &args),
+            check_signature(&name, Some(&sig), &shape(&sig), &args),
         );
         assert_eq!(
             msg,
@@ -334,7 +355,7 @@ mod tests {
         args[0] = KernelArg::U64(0x1000);
         let msg = invalid(
             &name,
-            check_signature(&name, Some(&sig), false, &shape(&sig), &args),
+            check_signature(&name, Some(&sig), &shape(&sig), &args),
         );
         assert_eq!(
             msg,
@@ -342,7 +363,7 @@ mod tests {
         );
         let mut args = good_args();
         args[1] = KernelArg::I32(3);
-        check_signature(&name, Some(&sig), false, &shape(&sig), &args).unwrap();
+        check_signature(&name, Some(&sig), &shape(&sig), &args).unwrap();
     }
 
     #[test]
@@ -353,7 +374,7 @@ mod tests {
             args[i] = KernelArg::Null;
             let msg = invalid(
                 &name,
-                check_signature(&name, Some(&sig), false, &shape(&sig), &args),
+                check_signature(&name, Some(&sig), &shape(&sig), &args),
             );
             assert!(
                 msg.starts_with(&format!("parameter {i} `"))
@@ -372,7 +393,7 @@ mod tests {
         args.remove(1);
         let msg = invalid(
             &name,
-            check_signature(&name, Some(&sig), false, &shape(&sig), &args),
+            check_signature(&name, Some(&sig), &shape(&sig), &args),
         );
         assert_eq!(
             msg,
@@ -401,12 +422,12 @@ mod tests {
         let args: Vec<KernelArg<'_>> = std::iter::once(KernelArg::PtrStruct(&pools))
             .chain(rest)
             .collect();
-        check_signature(&name, Some(&sig), false, &shape(&sig), &args).unwrap();
+        check_signature(&name, Some(&sig), &shape(&sig), &args).unwrap();
         let mut short = args.clone();
         short[0] = KernelArg::PtrStruct(&pools[..3]);
         let msg = invalid(
             &name,
-            check_signature(&name, Some(&sig), false, &shape(&sig), &short),
+            check_signature(&name, Some(&sig), &shape(&sig), &short),
         );
         assert_eq!(
             msg,
@@ -425,7 +446,7 @@ mod tests {
             };
             let msg = invalid(
                 &name,
-                check_signature(&name, Some(&sig), false, &config, &good_args()),
+                check_signature(&name, Some(&sig), &config, &good_args()),
             );
             assert!(
                 msg.starts_with(&format!(
@@ -447,7 +468,7 @@ mod tests {
             };
             let msg = invalid(
                 &name,
-                check_signature(&name, Some(&sig), false, &config, &good_args()),
+                check_signature(&name, Some(&sig), &config, &good_args()),
             );
             assert_eq!(
                 msg,
@@ -457,7 +478,7 @@ mod tests {
             );
         }
         let many = LaunchConfig::linear(9, 32);
-        check_signature("k", Some(&no_params()), false, &many, &[]).unwrap();
+        check_signature("k", Some(&no_params()), &many, &[]).unwrap();
     }
 
     #[test]
@@ -467,7 +488,7 @@ mod tests {
         args[0] = KernelArg::Ptr(BufferId(1), 6);
         let msg = invalid(
             &name,
-            check_signature(&name, Some(&sig), false, &shape(&sig), &args),
+            check_signature(&name, Some(&sig), &shape(&sig), &args),
         );
         assert_eq!(
             msg,
@@ -475,7 +496,7 @@ mod tests {
              into its buffer (a GPU faults on the misaligned access)"
         );
         args[0] = KernelArg::Ptr(BufferId(1), 8);
-        check_signature(&name, Some(&sig), false, &shape(&sig), &args).unwrap();
+        check_signature(&name, Some(&sig), &shape(&sig), &args).unwrap();
 
         let spec = KernelSpec::Materialise(MaterialiseSpec {
             cp: 2,
@@ -498,7 +519,7 @@ mod tests {
             let args: Vec<_> = std::iter::once(KernelArg::PtrStruct(&pools))
                 .chain(rest)
                 .collect();
-            let r = check_signature("m", Some(&sig), false, &shape(&sig), &args);
+            let r = check_signature("m", Some(&sig), &shape(&sig), &args);
             assert_eq!(r.is_ok(), ok, "{pools:?}: {r:?}");
         }
     }

@@ -20,6 +20,10 @@ pub const DEFAULT_COMPILE_TIMEOUT: Duration = Duration::from_secs(600);
 /// ([`JitConfig::from_env`](super::JitConfig::from_env)).
 pub const COMPILE_TIMEOUT_ENV: &str = "CP_HICACHE_COMPILE_TIMEOUT";
 
+/// The most one identity probe (`--version`, `-dumpmachine`) may run: they answer at once, and
+/// `info`, `replay` and `bench` wait on them before anything else.
+pub const PROBE_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Errors of the host compiler.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum HostCcError {
@@ -184,15 +188,16 @@ fn run_in_group(
 
 impl HostCompiler {
     /// The compiler to use: `program`, else `$CXX`, else `c++`; its identity is the first line
-    /// of `<program> --version` plus `<program> -dumpmachine`. Each probe, and later each
-    /// compile, is limited to [`DEFAULT_COMPILE_TIMEOUT`].
+    /// of `<program> --version` plus `<program> -dumpmachine`. Each compile is limited to
+    /// [`DEFAULT_COMPILE_TIMEOUT`], each probe to [`PROBE_TIMEOUT`].
     pub fn detect(program: Option<&str>) -> Result<HostCompiler, HostCcError> {
         Self::detect_within(program, DEFAULT_COMPILE_TIMEOUT)
     }
 
-    /// [`detect`](Self::detect) with another limit on each compiler run, the probes included
-    /// (zero: no limit): a compiler that hangs on `--version` is reported as unavailable
-    /// instead of hanging every command that needs it.
+    /// [`detect`](Self::detect) with another limit on each compile (zero: no limit). The
+    /// probes get at most [`PROBE_TIMEOUT`] (less when `timeout` is less): a compiler that
+    /// hangs on `--version` is reported as unavailable instead of hanging every command that
+    /// needs it.
     pub fn detect_within(
         program: Option<&str>,
         timeout: Duration,
@@ -205,16 +210,23 @@ impl HostCompiler {
             program: program.clone(),
             reason,
         };
-        // One line of output each: a pipe cannot fill, so it is read after the exit.
+        let probe_timeout = match timeout.is_zero() {
+            true => PROBE_TIMEOUT,
+            false => timeout.min(PROBE_TIMEOUT),
+        };
+        // One line of output each: a pipe cannot fill, so it is read after the exit, and
+        // after the group is gone (a child left holding the pipe would block the read).
         let probe = |arg: &str| -> Result<String, String> {
             let mut cmd = compiler_command(&program);
             cmd.arg(arg)
                 .stdin(Stdio::null())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::null());
-            let (run, mut child) = run_in_group(&mut cmd, timeout).map_err(|e| e.to_string())?;
+            let (run, mut child) =
+                run_in_group(&mut cmd, probe_timeout).map_err(|e| e.to_string())?;
             match run {
                 Run::Exited(s) if s.success() => {
+                    kill_group(&mut child);
                     let mut out = String::new();
                     if let Some(mut stdout) = child.stdout.take() {
                         std::io::Read::read_to_string(&mut stdout, &mut out)
@@ -224,8 +236,8 @@ impl HostCompiler {
                 }
                 Run::Exited(s) => Err(format!("`{arg}` exited with {s}")),
                 Run::Killed => Err(format!(
-                    "`{arg}` did not finish within {} s ({COMPILE_TIMEOUT_ENV} sets the limit)",
-                    timeout.as_secs_f64()
+                    "`{arg}` did not finish within {} s",
+                    probe_timeout.as_secs_f64()
                 )),
             }
         };
@@ -242,13 +254,6 @@ impl HostCompiler {
             identity,
             timeout,
         })
-    }
-
-    /// The same compiler with another limit on one compile (default
-    /// [`DEFAULT_COMPILE_TIMEOUT`]; the JIT sets its configured one; zero means no limit).
-    pub fn with_timeout(mut self, timeout: Duration) -> HostCompiler {
-        self.timeout = timeout;
-        self
     }
 
     /// The program run.
@@ -358,8 +363,7 @@ mod tests {
         let msg = err.to_string();
         assert!(
             matches!(err, HostCcError::Unavailable { .. })
-                && msg.contains("`--version` did not finish within 0.3 s")
-                && msg.contains(COMPILE_TIMEOUT_ENV),
+                && msg.contains("`--version` did not finish within 0.3 s"),
             "{msg}"
         );
         // A compiler without the probe at all is unavailable too, with the OS error.
@@ -382,9 +386,9 @@ mod tests {
         )
         .unwrap();
         std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
-        let cc = HostCompiler::detect(Some(fake.to_str().unwrap()))
-            .unwrap()
-            .with_timeout(Duration::from_millis(300));
+        let cc =
+            HostCompiler::detect_within(Some(fake.to_str().unwrap()), Duration::from_millis(300))
+                .unwrap();
         assert_eq!(cc.identity(), "fake c++ 1.0 [x86_64-linux-gnu]");
         let started = Instant::now();
         let err = cc

@@ -263,7 +263,8 @@ pub struct JitConfig {
     pub cache_dir: PathBuf,
     /// Whether misses may compile.
     pub mode: JitMode,
-    /// How long one host compile (or compiler probe) may run before it is killed
+    /// How long one host compile may run before it is killed (the identity probes get at most
+    /// [`hostcc::PROBE_TIMEOUT`])
     /// ([`hostcc::DEFAULT_COMPILE_TIMEOUT`], `CP_HICACHE_COMPILE_TIMEOUT` seconds).
     pub compile_timeout: std::time::Duration,
     /// Allow-listed environment snapshot that goes into every key.

@@ -80,7 +80,7 @@ pub fn transfer_regions(
     dst_pages: &[u32],
     pools: PoolShape,
 ) -> Vec<CopyRegion> {
-    let page_bytes = u64::from(spec.page_size) * u64::from(spec.bytes_per_token);
+    let page_bytes = spec.page_bytes();
     let PoolShape {
         layers,
         device_pages,

@@ -436,6 +436,13 @@ pub struct TransferSpec {
     pub launch: CopyLaunch,
 }
 
+impl TransferSpec {
+    /// Bytes of one page of the buffer kind.
+    pub fn page_bytes(&self) -> u64 {
+        u64::from(self.page_size) * u64::from(self.bytes_per_token)
+    }
+}
+
 /// Gather from the CP owner pools into a dense buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct MaterialiseSpec {
@@ -447,6 +454,13 @@ pub struct MaterialiseSpec {
     pub bytes_per_token: u32,
     /// Launch shape.
     pub launch: CopyLaunch,
+}
+
+impl MaterialiseSpec {
+    /// Bytes of one page of the buffer kind.
+    pub fn page_bytes(&self) -> u64 {
+        u64::from(self.page_size) * u64::from(self.bytes_per_token)
+    }
 }
 
 /// Synthesis of one buffer kind into a rank's pool.
@@ -518,56 +532,51 @@ pub struct Reach {
 }
 
 impl Reach {
-    /// A fixed number of bytes.
-    const fn fixed(unit: u64) -> Reach {
+    /// A fixed number of bytes (the counts are multiplied in with [`Reach::times`]).
+    const fn of(unit: u64) -> Reach {
         Reach {
             unit,
             counts: [None, None],
         }
     }
 
-    /// `unit` bytes per `name`.
-    const fn per(unit: u64, name: &'static str) -> Reach {
-        Reach {
-            unit,
-            counts: [Some((name, 1)), None],
+    /// The reach times `ceil(name / per)`, in the first free count slot.
+    const fn times_ceil(mut self, name: &'static str, per: u32) -> Reach {
+        if self.counts[0].is_none() {
+            self.counts[0] = Some((name, per));
+        } else {
+            assert!(self.counts[1].is_none(), "a reach has two counts at most");
+            self.counts[1] = Some((name, per));
         }
+        self
     }
 
-    /// `unit` bytes per `a` per `b`.
-    const fn per2(unit: u64, a: &'static str, b: &'static str) -> Reach {
-        Reach {
-            unit,
-            counts: [Some((a, 1)), Some((b, 1))],
-        }
+    /// The reach times `name`.
+    const fn times(self, name: &'static str) -> Reach {
+        self.times_ceil(name, 1)
     }
 
-    /// `unit` bytes per `a` per `ceil(b / per)`.
-    const fn per2_ceil(unit: u64, a: &'static str, b: &'static str, per: u32) -> Reach {
-        Reach {
-            unit,
-            counts: [Some((a, 1)), Some((b, per))],
-        }
-    }
-
-    /// `unit` bytes per `ceil(name / per)`.
-    const fn per_ceil(unit: u64, name: &'static str, per: u32) -> Reach {
-        Reach {
-            unit,
-            counts: [Some((name, per)), None],
-        }
-    }
-
-    /// The reach in bytes, given each count parameter's value (`None` where `value` has no
-    /// value for a name, or where the product overflows `u64`).
-    pub fn bytes(&self, value: impl Fn(&str) -> Option<u32>) -> Option<u64> {
+    /// The reach in bytes, given each count parameter's value.
+    pub fn bytes(&self, value: impl Fn(&str) -> Option<u32>) -> Result<u64, ReachError> {
         let mut bytes = self.unit;
         for &(name, per) in self.counts.iter().flatten() {
-            let count = u64::from(value(name)?).div_ceil(u64::from(per.max(1)));
-            bytes = bytes.checked_mul(count)?;
+            let v = value(name).ok_or(ReachError::NoValue(name))?;
+            let count = u64::from(v).div_ceil(u64::from(per.max(1)));
+            bytes = bytes.checked_mul(count).ok_or(ReachError::Overflow)?;
         }
-        Some(bytes)
+        Ok(bytes)
     }
+}
+
+/// Why a [`Reach`] has no size in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum ReachError {
+    /// The launch has no `u32` value for this count parameter.
+    #[error("has no u32 argument for `{0}`")]
+    NoValue(&'static str),
+    /// The product overflows 64 bits.
+    #[error("overflows 64 bits for these arguments")]
+    Overflow,
 }
 
 impl fmt::Display for Reach {
@@ -783,45 +792,42 @@ impl KernelSpec {
     pub fn params(&self) -> Vec<KernelParam> {
         use KernelParam as P;
         use Reach as R;
-        let page = |page_size: u32, bytes_per_token: u32| {
-            u64::from(page_size) * u64::from(bytes_per_token)
-        };
         match self {
             KernelSpec::SelectOwnerPages(s) => vec![
-                P::ptr("const u8*", "owners", 1, R::per(1, "n")),
+                P::ptr("const u8*", "owners", 1, R::of(1).times("n")),
                 P::u32("n"),
                 P::ptr(
                     "const u32*",
                     "lane_stacks",
                     4,
-                    R::per(4 * s.cp as u64, "lane_cap"),
+                    R::of(4 * s.cp as u64).times("lane_cap"),
                 ),
-                P::ptr("u32*", "lane_tops", 4, R::fixed(4 * s.cp as u64)),
+                P::ptr("u32*", "lane_tops", 4, R::of(4 * s.cp as u64)),
                 P::u32("lane_cap"),
-                P::ptr("u32*", "out_pages", 4, R::per(4, "n")),
+                P::ptr("u32*", "out_pages", 4, R::of(4).times("n")),
                 P::ptr(
                     "i64*",
                     "out_locs",
                     8,
-                    R::per(8 * u64::from(s.page_size), "n"),
+                    R::of(8 * u64::from(s.page_size)).times("n"),
                 ),
             ],
             KernelSpec::ReleasePages(s) => vec![
-                P::ptr("const u32*", "pages", 4, R::per(4, "n")),
+                P::ptr("const u32*", "pages", 4, R::of(4).times("n")),
                 P::u32("n"),
                 P::ptr(
                     "u32*",
                     "lane_stacks",
                     4,
-                    R::per(4 * s.cp as u64, "lane_cap"),
+                    R::of(4 * s.cp as u64).times("lane_cap"),
                 ),
-                P::ptr("u32*", "lane_tops", 4, R::fixed(4 * s.cp as u64)),
+                P::ptr("u32*", "lane_tops", 4, R::of(4 * s.cp as u64)),
                 P::u32("lane_cap"),
             ],
             KernelSpec::TransferPages(s) => {
-                let pb = page(s.page_size, s.bytes_per_token);
-                let device = R::per2(pb, "layers", "device_pages");
-                let host = R::per2(pb, "layers", "host_pages");
+                let pb = s.page_bytes();
+                let device = R::of(pb).times("layers").times("device_pages");
+                let host = R::of(pb).times("layers").times("host_pages");
                 let (src, dst) = match s.direction {
                     Direction::DeviceToHost => (device, host),
                     Direction::HostToDevice => (host, device),
@@ -829,8 +835,8 @@ impl KernelSpec {
                 vec![
                     P::pages("const u8*", "src", src),
                     P::pages("u8*", "dst", dst),
-                    P::ptr("const u32*", "src_pages", 4, R::per(4, "n")),
-                    P::ptr("const u32*", "dst_pages", 4, R::per(4, "n")),
+                    P::ptr("const u32*", "src_pages", 4, R::of(4).times("n")),
+                    P::ptr("const u32*", "dst_pages", 4, R::of(4).times("n")),
                     P::u32("n"),
                     P::u32("layers"),
                     P::u32("device_pages"),
@@ -838,28 +844,30 @@ impl KernelSpec {
                 ]
             }
             KernelSpec::Materialise(s) => {
-                let pb = page(s.page_size, s.bytes_per_token);
+                let pb = s.page_bytes();
                 vec![
-                    P::pools(s.cp, R::per2(pb, "layers", "local_pages")),
-                    P::ptr("const u32*", "seq_pages", 4, R::per(4, "n")),
+                    P::pools(s.cp, R::of(pb).times("layers").times("local_pages")),
+                    P::ptr("const u32*", "seq_pages", 4, R::of(4).times("n")),
                     P::u32("n"),
                     P::u32("layers"),
                     P::u32("local_pages"),
-                    P::pages("u8*", "dense", R::per2(pb, "layers", "n")),
+                    P::pages("u8*", "dense", R::of(pb).times("layers").times("n")),
                 ]
             }
             KernelSpec::Synthesise(s) => vec![
                 P::pages(
                     "u8*",
                     "pool",
-                    R::per2(s.buffer.page_bytes(s.page_size), "layers", "local_pages"),
+                    R::of(s.buffer.page_bytes(s.page_size))
+                        .times("layers")
+                        .times("local_pages"),
                 ),
-                P::ptr("const u64*", "prefix_hash", 8, R::per(8, "n_tokens")),
+                P::ptr("const u64*", "prefix_hash", 8, R::of(8).times("n_tokens")),
                 P::ptr(
                     "const u32*",
                     "seq_pages",
                     4,
-                    R::per_ceil(4, "n_tokens", s.page_size),
+                    R::of(4).times_ceil("n_tokens", s.page_size),
                 ),
                 P::u32("n_tokens"),
                 P::u32("start_page"),
@@ -871,18 +879,15 @@ impl KernelSpec {
                 P::pages(
                     "const u8*",
                     "dense",
-                    R::per2_ceil(
-                        s.buffer.page_bytes(s.page_size),
-                        "layers",
-                        "n_tokens",
-                        s.page_size,
-                    ),
+                    R::of(s.buffer.page_bytes(s.page_size))
+                        .times("layers")
+                        .times_ceil("n_tokens", s.page_size),
                 ),
-                P::ptr("const u64*", "prefix_hash", 8, R::per(8, "n_tokens")),
+                P::ptr("const u64*", "prefix_hash", 8, R::of(8).times("n_tokens")),
                 P::u32("n_tokens"),
                 P::u32("start_page"),
                 P::u32("layers"),
-                P::ptr("u32*", "bad_tokens", 4, R::per_ceil(4, "n_tokens", 32)),
+                P::ptr("u32*", "bad_tokens", 4, R::of(4).times_ceil("n_tokens", 32)),
             ],
         }
     }
@@ -1035,14 +1040,14 @@ impl KernelSpec {
                 .map(|threads| KernelSpec::ReleasePages(ReleaseSpec { threads, ..s }))
                 .collect(),
             KernelSpec::TransferPages(s) => {
-                let pb = u64::from(s.page_size) * u64::from(s.bytes_per_token);
+                let pb = s.page_bytes();
                 CopyLaunch::candidates(pb)
                     .into_iter()
                     .map(|launch| KernelSpec::TransferPages(TransferSpec { launch, ..s }))
                     .collect()
             }
             KernelSpec::Materialise(s) => {
-                let pb = u64::from(s.page_size) * u64::from(s.bytes_per_token);
+                let pb = s.page_bytes();
                 CopyLaunch::candidates(pb)
                     .into_iter()
                     .map(|launch| KernelSpec::Materialise(MaterialiseSpec { launch, ..s }))
@@ -1310,21 +1315,69 @@ mod tests {
                 _ => None,
             }
         };
-        assert_eq!(dense.bytes(args(2, 65)), Some(41984 * 2 * 2));
-        assert_eq!(dense.bytes(args(2, 0)), Some(0));
-        assert_eq!(dense.bytes(args(u32::MAX, u32::MAX)), None, "overflow");
-        assert_eq!(dense.bytes(|_| None), None, "a missing count");
+        assert_eq!(dense.bytes(args(2, 65)), Ok(41984 * 2 * 2));
+        assert_eq!(dense.bytes(args(2, 0)), Ok(0));
+        assert_eq!(
+            dense.bytes(args(u32::MAX, u32::MAX)),
+            Err(ReachError::Overflow)
+        );
+        assert_eq!(dense.bytes(|_| None), Err(ReachError::NoValue("layers")));
         let bits = reach(&verify, "bad_tokens");
         assert_eq!(bits.to_string(), "4 × ceil(n_tokens / 32)");
-        assert_eq!(bits.bytes(args(1, 33)), Some(8));
+        assert_eq!(bits.bytes(args(1, 33)), Ok(8));
         let tops = reach(&select_spec_for_tests(), "lane_tops");
         assert_eq!(
             (tops.to_string(), tops.bytes(|_| None)),
-            ("32".into(), Some(32))
+            ("32".into(), Ok(32))
         );
-        // Scalars reach nothing; every pointer reaches something.
-        for p in verify.params() {
-            assert_eq!(p.reach.is_some(), p.c_type.ends_with('*'), "{}", p.name);
+    }
+
+    #[test]
+    fn every_pointer_of_every_family_has_a_reach_over_its_own_u32_parameters() {
+        let specs = [
+            select_spec_for_tests(),
+            KernelSpec::ReleasePages(ReleaseSpec { cp: 8, threads: 32 }),
+            KernelSpec::TransferPages(TransferSpec {
+                direction: Direction::HostToDevice,
+                layout: HostLayout::LayerFirst,
+                page_size: 16,
+                bytes_per_token: 1152,
+                launch: CopyLaunch::default(),
+            }),
+            KernelSpec::Materialise(MaterialiseSpec {
+                cp: 4,
+                page_size: 16,
+                bytes_per_token: 1152,
+                launch: CopyLaunch::default(),
+            }),
+            KernelSpec::Synthesise(SynthSpec {
+                buffer: BufferKind::NsaIndexK,
+                cp: 2,
+                page_size: 64,
+                threads: 128,
+            }),
+            KernelSpec::Verify(VerifySpec {
+                buffer: BufferKind::MlaKv,
+                page_size: 1,
+                threads: 32,
+            }),
+        ];
+        let families: std::collections::BTreeSet<_> = specs.iter().map(|s| s.family()).collect();
+        assert_eq!(families.len(), 6, "one spec per family");
+        for spec in specs {
+            let params = spec.params();
+            for p in &params {
+                let pointer = p.c_type.ends_with('*') || p.c_type.contains("ChcPools");
+                assert_eq!(p.reach.is_some(), pointer, "{spec}: {}", p.name);
+                for &(name, per) in p.reach.iter().flat_map(|r| r.counts.iter().flatten()) {
+                    assert!(per >= 1, "{spec}: {}", p.name);
+                    assert!(
+                        params.iter().any(|q| q.name == name && q.c_type == "u32"),
+                        "{spec}: `{}` reaches over `{name}`, not a u32 parameter",
+                        p.name
+                    );
+                }
+            }
         }
     }
 

@@ -194,7 +194,7 @@ pub(super) fn check_transfer(
     reference::transfer_pages(
         s.direction,
         s.layout,
-        u64::from(s.page_size) * u64::from(s.bytes_per_token),
+        s.page_bytes(),
         &src,
         &mut want,
         &pages.first,
@@ -238,7 +238,7 @@ pub(super) fn check_one(
             let views: Vec<&[u8]> = pools.iter().map(|p| p.as_slice()).collect();
             reference::materialise(
                 s.cp,
-                u64::from(s.page_size) * u64::from(s.bytes_per_token),
+                s.page_bytes(),
                 &views,
                 &pages.first,
                 sizes.pages,

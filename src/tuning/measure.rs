@@ -321,7 +321,7 @@ impl<'e> CopyBench<'e> {
         let slack = n / 4 + 1;
         match spec {
             KernelSpec::TransferPages(s) => {
-                let page_bytes = u64::from(s.page_size) * u64::from(s.bytes_per_token);
+                let page_bytes = s.page_bytes();
                 let device_pages = n + slack;
                 let host_pages = n + slack;
                 let dev_bytes = u64::from(layers) * u64::from(device_pages) * page_bytes;
@@ -368,7 +368,7 @@ impl<'e> CopyBench<'e> {
                 ))
             }
             KernelSpec::Materialise(s) => {
-                let page_bytes = u64::from(s.page_size) * u64::from(s.bytes_per_token);
+                let page_bytes = s.page_bytes();
                 let cp = u32::from(s.cp);
                 let local_pages = n.div_ceil(cp) + slack;
                 let pool_bytes = u64::from(layers) * u64::from(local_pages) * page_bytes;

@@ -281,7 +281,7 @@ impl Bench {
 /// buffer of exactly its parameter's reach, filled with small random words (page ids, owners,
 /// lane tops and counts mostly out of range, some at the edges). With `short = Some(i)`,
 /// parameter `i`'s buffer is one byte shorter than its reach. Returns the launch result and
-/// the index of the first pointer parameter with a nonzero reach (`None` if all reach 0).
+/// the indices of the pointer parameters whose reach is nonzero in this case.
 ///
 /// Whatever the values, a kernel must stay inside its reach: under AddressSanitizer, exact
 /// buffers have red zones right after them, so one byte past the reach is reported.
@@ -434,6 +434,13 @@ pub fn cpu_copy_launch(vec: VecWidth) -> CopyLaunch {
         unroll: 1,
         layers_in_block: false,
     }
+}
+
+/// A seed drawn from a spec's uri, so that every kernel gets its own random inputs.
+pub fn uri_seed(spec: &KernelSpec) -> u64 {
+    spec.uri()
+        .bytes()
+        .fold(0u64, |h, c| reference::mix64(h ^ u64::from(c)))
 }
 
 /// Little-endian bytes of `u32`s.

@@ -1,7 +1,9 @@
 //! All unsafe code of the host executor: aligned buffer memory, `dlopen` of emulation
 //! libraries, and the call of `<entry>__emu_launch` with a `cuLaunchKernel`-shaped `void**`.
 //! Loading and launching are `unsafe fn`s: the executor calls them only from its own
-//! `unsafe fn load_kernel` / `launch`, whose callers vouch for the library and the buffers.
+//! `unsafe fn load_kernel`, whose caller vouches for the library, and from its launch, after
+//! checking every pointer's buffer against the signature's reach (or, for a kernel without a
+//! signature, under `launch_unchecked`'s contract).
 //!
 //! The launch ABI mirrors `CpEmuLaunch` in `templates/cuda_emu.h`; bump [`ABI_VERSION`] in both
 //! places on any change.
