@@ -104,31 +104,36 @@ fn launches(page_bytes: u64) -> [CopyLaunch; 2] {
 const SHAPES: [(u32, u32); 2] = [(16, 1152), (1, 33)];
 const MAT_CP: u8 = 4;
 
+/// The copy kernels of one page shape and launch: d2h page-first, h2d layer-first and
+/// materialise at [`MAT_CP`].
+fn copy_family(page_size: u32, bytes_per_token: u32, launch: CopyLaunch) -> [KernelSpec; 3] {
+    let transfer = |direction, layout| {
+        KernelSpec::TransferPages(TransferSpec {
+            direction,
+            layout,
+            page_size,
+            bytes_per_token,
+            launch,
+        })
+    };
+    [
+        transfer(Direction::DeviceToHost, HostLayout::PageFirst),
+        transfer(Direction::HostToDevice, HostLayout::LayerFirst),
+        KernelSpec::Materialise(MaterialiseSpec {
+            cp: MAT_CP,
+            page_size,
+            bytes_per_token,
+            launch,
+        }),
+    ]
+}
+
 fn copy_specs() -> Vec<KernelSpec> {
-    let mut v = Vec::new();
-    for (ps, bpt) in SHAPES {
-        for launch in launches(u64::from(ps * bpt)) {
-            for (direction, layout) in [
-                (Direction::DeviceToHost, HostLayout::PageFirst),
-                (Direction::HostToDevice, HostLayout::LayerFirst),
-            ] {
-                v.push(KernelSpec::TransferPages(TransferSpec {
-                    direction,
-                    layout,
-                    page_size: ps,
-                    bytes_per_token: bpt,
-                    launch,
-                }));
-            }
-            v.push(KernelSpec::Materialise(MaterialiseSpec {
-                cp: MAT_CP,
-                page_size: ps,
-                bytes_per_token: bpt,
-                launch,
-            }));
-        }
-    }
-    v
+    SHAPES
+        .iter()
+        .flat_map(|&(ps, bpt)| launches(u64::from(ps * bpt)).map(|l| copy_family(ps, bpt, l)))
+        .flatten()
+        .collect()
 }
 
 /// The other kernels of the reach test: every launch shape `tune` tries for the copy families
@@ -136,27 +141,10 @@ fn copy_specs() -> Vec<KernelSpec> {
 /// and release at an odd CP, synthesise and verify of every buffer kind.
 fn other_specs() -> Vec<KernelSpec> {
     let (page_size, bytes_per_token) = (4, 132);
-    let mut v = Vec::new();
-    for launch in CopyLaunch::candidates(u64::from(page_size * bytes_per_token)) {
-        for (direction, layout) in [
-            (Direction::DeviceToHost, HostLayout::PageFirst),
-            (Direction::HostToDevice, HostLayout::LayerFirst),
-        ] {
-            v.push(KernelSpec::TransferPages(TransferSpec {
-                direction,
-                layout,
-                page_size,
-                bytes_per_token,
-                launch,
-            }));
-        }
-        v.push(KernelSpec::Materialise(MaterialiseSpec {
-            cp: MAT_CP,
-            page_size,
-            bytes_per_token,
-            launch,
-        }));
-    }
+    let mut v: Vec<KernelSpec> = CopyLaunch::candidates(u64::from(page_size * bytes_per_token))
+        .into_iter()
+        .flat_map(|l| copy_family(page_size, bytes_per_token, l))
+        .collect();
     v.extend([
         KernelSpec::SelectOwnerPages(AllocSpec {
             cp: 3,
