@@ -462,17 +462,16 @@ pub(crate) fn marshal_args(
         Ok((addr + off).to_ne_bytes())
     };
     let invalid = |i: usize, element: Option<usize>, e: ExecError| {
-        let param = match signature.and_then(|s| s.params.get(i)) {
+        let p = signature.and_then(|s| s.params.get(i));
+        let param = match p {
             Some(p) => format!("parameter {i} `{}` ({})", p.name, p.c_type),
             None => format!("parameter {i}"),
         };
         let element = element
             .map(|j| format!(", pointer {j}"))
             .unwrap_or_default();
-        let reach = match signature
-            .and_then(|s| s.params.get(i))
-            .and_then(|p| p.reach)
-        {
+        // A buffer shorter than the reach: say what the kernel needs from it.
+        let reach = match p.and_then(|p| p.reach) {
             Some(r) if matches!(e, ExecError::OutOfBounds { len, .. } if len > 0) => {
                 format!(" (the kernel reaches {r} bytes from it)")
             }
