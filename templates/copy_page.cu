@@ -18,7 +18,11 @@ static __device__ inline void chc_copy_page(u8* dst, const u8* src)
         for (u32 u = 0; u < UNROLL; ++u) {
             const u32 j = i + u * THREADS;
             if (j < PAGE_VECS) {
-                d[j] = r[u];
+                if (STREAM_STORES) {
+                    __stcs(&d[j], r[u]);
+                } else {
+                    d[j] = r[u];
+                }
             }
         }
     }

@@ -50,6 +50,9 @@
 #include <utility>
 #include <sys/mman.h>
 #include <unistd.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #if !defined(__x86_64__) || defined(CP_EMU_FORCE_UCONTEXT)
 #define CP_EMU_USE_UCONTEXT 1
@@ -847,7 +850,13 @@ static int launch_entry(const char* name, void (*fn)(A...), const CpEmuLaunch* c
   if (cfg == nullptr) return CP_EMU_EINVAL;
   // The version first: num_params and param_sizes are only meaningful in this ABI.
   if (cfg->abi_version != CP_EMU_ABI_VERSION) return CP_EMU_EABI;
-  return launch_entry_impl(name, fn, cfg, params, std::index_sequence_for<A...>{});
+  const int rc = launch_entry_impl(name, fn, cfg, params, std::index_sequence_for<A...>{});
+#if defined(__x86_64__)
+  // Orders the kernel's non-temporal stores (__stcs) before whatever the caller does next,
+  // as the end of a CUDA launch orders its writes; plain stores need no fence on x86-64.
+  _mm_sfence();
+#endif
+  return rc;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -937,6 +946,25 @@ template <class T>
 static inline T __ldg(const T* p) {
   return *p;
 }
+
+// __stcs ("cache streaming": the data will not be read again soon) as a non-temporal store on
+// x86-64, which skips the read-for-ownership of the destination line: page copies larger
+// than the cache reach memcpy's bandwidth only this way. Callers align as CUDA requires
+// (16 bytes for uint4), which _mm_stream_si128 needs too. Under ASan, and on other
+// architectures, a plain store: ASan does not instrument the SSE builtins. Non-temporal
+// stores are ordered for other OS threads by the sfence at the end of every launch.
+#if defined(__x86_64__) && !CP_EMU_ASAN
+static inline void __stcs(uint4* p, uint4 v) {
+  _mm_stream_si128(reinterpret_cast<__m128i*>(p), _mm_load_si128(reinterpret_cast<const __m128i*>(&v)));
+}
+static inline void __stcs(unsigned int* p, unsigned int v) { _mm_stream_si32(reinterpret_cast<int*>(p), static_cast<int>(v)); }
+static inline void __stcs(unsigned char* p, unsigned char v) { *p = v; }
+#else
+template <class T>
+static inline void __stcs(T* p, T v) {
+  *p = v;
+}
+#endif
 
 static inline int __popc(unsigned int x) { return __builtin_popcount(x); }
 static inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }

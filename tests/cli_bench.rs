@@ -116,7 +116,11 @@ fn bench_check_matches_the_references() {
     // CPU preset bench times as tuned: 2 allocator kernels and 3 copy kernels per buffer.
     assert_eq!(stdout.matches("  ok  ").count(), 16 + 8, "{stdout}");
     assert_eq!(stdout.matches("dma(transfer_pages").count(), 4, "{stdout}");
-    assert_eq!(stdout.matches("_t1_ppb16_v16_u1 ").count(), 6, "{stdout}");
+    assert_eq!(
+        stdout.matches("_t1_ppb16_v16_u1_cs ").count(),
+        6,
+        "{stdout}"
+    );
     assert!(
         stdout.contains("select_owner_pages_cp2_ps64_t32 "),
         "{stdout}"

@@ -82,8 +82,10 @@ fn materialise_bpt(ps: u32) -> u32 {
 }
 
 /// A GPU-like shape with two pages per work item that loops over the layers in the block,
-/// and the CPU shape (one thread per page, each layer a work item).
-fn copy_launches(page_bytes: u64) -> [CopyLaunch; 2] {
+/// and the CPU shape (one thread per page, each layer a work item). One of the two stores
+/// with `__stcs` (non-temporal stores in the emulation), the CPU shape when `cpu_streams`:
+/// callers alternate it, so both shapes run both store forms without doubling the matrix.
+fn copy_launches(page_bytes: u64, cpu_streams: bool) -> [CopyLaunch; 2] {
     let vec = VecWidth::widest_for(page_bytes);
     [
         CopyLaunch {
@@ -92,8 +94,12 @@ fn copy_launches(page_bytes: u64) -> [CopyLaunch; 2] {
             vec,
             unroll: 2,
             layers_in_block: true,
+            streaming_stores: !cpu_streams,
         },
-        cpu_copy_launch(vec),
+        CopyLaunch {
+            streaming_stores: cpu_streams,
+            ..cpu_copy_launch(vec)
+        },
     ]
 }
 
@@ -103,7 +109,9 @@ fn transfer_specs() -> Vec<KernelSpec> {
         for &bpt in transfer_bpts(ps) {
             for direction in [Direction::DeviceToHost, Direction::HostToDevice] {
                 for layout in [HostLayout::PageFirst, HostLayout::LayerFirst] {
-                    for launch in copy_launches(u64::from(ps) * u64::from(bpt)) {
+                    let page_bytes = u64::from(ps) * u64::from(bpt);
+                    let cpu_streams = direction == Direction::HostToDevice;
+                    for launch in copy_launches(page_bytes, cpu_streams) {
                         v.push(KernelSpec::TransferPages(TransferSpec {
                             direction,
                             layout,
@@ -121,7 +129,8 @@ fn transfer_specs() -> Vec<KernelSpec> {
 
 fn materialise_specs(cp: u8, ps: u32) -> [KernelSpec; 2] {
     let bpt = materialise_bpt(ps);
-    copy_launches(u64::from(ps) * u64::from(bpt)).map(|launch| {
+    let cpu_streams = cp % 2 == 0;
+    copy_launches(u64::from(ps) * u64::from(bpt), cpu_streams).map(|launch| {
         KernelSpec::Materialise(MaterialiseSpec {
             cp,
             page_size: ps,
@@ -200,7 +209,8 @@ fn big_page_transfer_specs() -> Vec<KernelSpec> {
     let mut v = Vec::new();
     for direction in [Direction::DeviceToHost, Direction::HostToDevice] {
         for layout in [HostLayout::PageFirst, HostLayout::LayerFirst] {
-            for launch in copy_launches(1024 * u64::from(BIG_PAGE_BPT)) {
+            let cpu_streams = layout == HostLayout::PageFirst;
+            for launch in copy_launches(1024 * u64::from(BIG_PAGE_BPT), cpu_streams) {
                 v.push(KernelSpec::TransferPages(TransferSpec {
                     direction,
                     layout,
@@ -234,9 +244,19 @@ fn spec_matrix_is_modest_and_valid() {
     let specs = all_specs();
     assert!(specs.len() <= 110, "{} specs", specs.len());
     assert!(specs.iter().all(|s| s.validate().is_ok()));
-    // Every vector width of the copy loops is compiled.
+    // Every vector width of the copy loops is compiled, and each shape with both store forms.
     for w in ["_v1_", "_v4_", "_v16_"] {
         assert!(specs.iter().any(|s| s.uri().contains(w)), "{w}");
+    }
+    for shape in ["_t1_", "_t128_"] {
+        for cs in [false, true] {
+            assert!(
+                specs
+                    .iter()
+                    .any(|s| s.uri().contains(shape) && s.uri().ends_with("_cs") == cs),
+                "{shape} with streaming stores {cs}"
+            );
+        }
     }
 }
 

@@ -4,13 +4,16 @@
 //!
 //! Without NVRTC each test prints one line and passes, unless `CP_HICACHE_REQUIRE_NVRTC=1`.
 
+use cp_hicache::exec::Backend;
 use cp_hicache::jit::key::{capture_env, stable_digest, CacheKey, KeyInputs, KEY_ENV_ALLOWLIST};
 use cp_hicache::jit::nvrtc::NOT_FOUND_HINT;
+use cp_hicache::jit::spec_request;
 use cp_hicache::jit::{
     deployment_requests, warm_up_deployment, Arch, Artifact, CacheHit, Jit, JitConfig, JitMode,
     JitRequest, NvrtcCompiler, NvrtcOptions, Target,
 };
 use cp_hicache::kernels::Deployment;
+use cp_hicache::tuning::candidate::{candidates_for, Candidate};
 use std::path::Path;
 
 /// NVRTC, or `None` after printing one line (a failure under `CP_HICACHE_REQUIRE_NVRTC=1`).
@@ -36,23 +39,12 @@ fn jit_in(dir: &Path, mode: JitMode, nvrtc_enabled: bool) -> Jit {
 
 const SM90: Target = Target::Nvrtc { arch: Arch::Sm90 };
 
-#[test]
-fn every_reference_kernel_compiles_for_sm90_without_spills_or_stack() {
-    if nvrtc_or_skip().is_none() {
-        return;
-    }
+/// Compiles `requests` for sm_90 in parallel and asserts that each has a resource report
+/// with no spills and no stack frame.
+fn assert_all_compile_without_spills_or_stack(requests: &[JitRequest]) {
     let dir = tempfile::tempdir().unwrap();
     let jit = jit_in(dir.path(), JitMode::On, true);
-    // Unique kernels across all deployments (several are shared, e.g. transfer and verify).
-    let mut requests: Vec<JitRequest> = Vec::new();
-    for dep in Deployment::reference() {
-        for (_, req) in deployment_requests(&dep, SM90).unwrap() {
-            if !requests.iter().any(|r| r.uri == req.uri) {
-                requests.push(req);
-            }
-        }
-    }
-    let results = jit.warm_up(&requests);
+    let results = jit.warm_up(requests);
     let mut problems = Vec::new();
     for (req, r) in requests.iter().zip(&results) {
         match r {
@@ -68,7 +60,54 @@ fn every_reference_kernel_compiles_for_sm90_without_spills_or_stack() {
         }
     }
     assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+#[test]
+fn every_reference_kernel_compiles_for_sm90_without_spills_or_stack() {
+    if nvrtc_or_skip().is_none() {
+        return;
+    }
+    // Unique kernels across all deployments (several are shared, e.g. transfer and verify).
+    let mut requests: Vec<JitRequest> = Vec::new();
+    for dep in Deployment::reference() {
+        for (_, req) in deployment_requests(&dep, SM90).unwrap() {
+            if !requests.iter().any(|r| r.uri == req.uri) {
+                requests.push(req);
+            }
+        }
+    }
+    assert_all_compile_without_spills_or_stack(&requests);
     println!("{} unique kernels compiled for sm_90", requests.len());
+}
+
+/// `tune` on a GPU compiles every candidate shape, streaming stores (`__stcs`) included, so
+/// each must be valid CUDA for NVRTC without headers, not only for the CPU emulation.
+#[test]
+fn every_tuning_candidate_compiles_for_sm90_without_spills_or_stack() {
+    if nvrtc_or_skip().is_none() {
+        return;
+    }
+    let mut requests: Vec<JitRequest> = Vec::new();
+    for name in ["nsa_ps64_cp8", "mla_ps16_cp8"] {
+        for spec in Deployment::by_name(name).unwrap().specs() {
+            for cand in candidates_for(&spec, Backend::Cuda, false) {
+                let Candidate::Kernel(k) = cand else { continue };
+                let req = spec_request(&k, SM90, None).unwrap();
+                if !requests.iter().any(|r| r.uri == req.uri) {
+                    requests.push(req);
+                }
+            }
+        }
+    }
+    assert!(
+        requests.iter().any(|r| r.uri.ends_with("_cs")),
+        "the candidates include streaming stores"
+    );
+    assert_all_compile_without_spills_or_stack(&requests);
+    println!(
+        "{} unique tuning candidates compiled for sm_90",
+        requests.len()
+    );
 }
 
 #[test]

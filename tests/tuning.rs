@@ -54,6 +54,7 @@ const CPU_COPY: LaunchChoice = LaunchChoice::Copy {
     vec_bytes: 16,
     unroll: 1,
     layers_in_block: false,
+    streaming_stores: true,
 };
 const GPU_COPY: LaunchChoice = LaunchChoice::Copy {
     threads: 128,
@@ -61,6 +62,7 @@ const GPU_COPY: LaunchChoice = LaunchChoice::Copy {
     vec_bytes: 16,
     unroll: 4,
     layers_in_block: false,
+    streaming_stores: false,
 };
 
 /// A file tuned for `dev` in which the CPU shape and 32 allocator threads win.
@@ -129,6 +131,7 @@ fn matching_entries_are_applied_with_one_call() {
             vec: VecWidth::V16,
             unroll: 1,
             layers_in_block: false,
+            streaming_stores: true,
         }
     );
     assert_eq!(tuned.synth_threads, dep.synth_threads);
@@ -421,7 +424,7 @@ fn a_kernel_without_a_usable_candidate_does_not_lose_the_others() {
 fn quick_tune_on_the_host_drops_a_broken_candidate() {
     // Break every copy candidate of the CPU_COPY shape (not its layers-in-block twin).
     let hook = |spec: &KernelSpec, src: String| -> String {
-        if spec.uri().ends_with("_t1_ppb16_v16_u1") {
+        if spec.uri().ends_with("_t1_ppb16_v16_u1_cs") {
             format!("#error injected broken candidate\n{src}")
         } else {
             src
@@ -562,7 +565,7 @@ fn warm_up_compiles_the_tuned_kernels() {
     assert_eq!(uris, want);
     assert!(
         uris.iter()
-            .any(|u| u.starts_with("transfer_pages") && u.ends_with("_t1_ppb16_v16_u1")),
+            .any(|u| u.starts_with("transfer_pages") && u.ends_with("_t1_ppb16_v16_u1_cs")),
         "{uris:?}"
     );
     assert!(

@@ -18,6 +18,7 @@ typedef long long i64;
 #define PAGES_PER_BLOCK 1
 #define UNROLL 4
 #define LAYERS_IN_BLOCK 0
+#define STREAM_STORES 0
 
 // Copies one PAGE_BYTES page with VEC_T accesses: the block's THREADS threads stride over the
 // page, UNROLL vectors in flight per thread. With THREADS == 1 one thread walks it in order.
@@ -38,7 +39,11 @@ static __device__ inline void chc_copy_page(u8* dst, const u8* src)
         for (u32 u = 0; u < UNROLL; ++u) {
             const u32 j = i + u * THREADS;
             if (j < PAGE_VECS) {
-                d[j] = r[u];
+                if (STREAM_STORES) {
+                    __stcs(&d[j], r[u]);
+                } else {
+                    d[j] = r[u];
+                }
             }
         }
     }

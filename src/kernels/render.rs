@@ -181,6 +181,7 @@ fn copy_consts(cp: Option<u8>, page_size: u32, bpt: u32, l: &super::CopyLaunch) 
         c("PAGES_PER_BLOCK", l.pages_per_block),
         c("UNROLL", l.unroll),
         c("LAYERS_IN_BLOCK", u32::from(l.layers_in_block)),
+        c("STREAM_STORES", u32::from(l.streaming_stores)),
     ]);
     v
 }

@@ -331,6 +331,12 @@ pub struct CopyLaunch {
     /// has `layers` times fewer items. (A loop outside the kernel, one launch per layer, is
     /// the grid form with `layers` times the launches, so it is not a candidate.)
     pub layers_in_block: bool,
+    /// Whether pages are stored with `__stcs` (cache-streaming: the copy is not read again
+    /// soon) instead of plain stores. The CPU emulation makes these non-temporal stores,
+    /// which skip the read-for-ownership of each destination line: one thread walking a
+    /// page then nears memcpy, while many threads striding through a page leave partial
+    /// lines and slow down many times, so the tuner decides per executor.
+    pub streaming_stores: bool,
 }
 
 impl Default for CopyLaunch {
@@ -341,6 +347,7 @@ impl Default for CopyLaunch {
             vec: VecWidth::V16,
             unroll: 4,
             layers_in_block: false,
+            streaming_stores: false,
         }
     }
 }
@@ -355,6 +362,9 @@ impl fmt::Display for CopyLaunch {
         if self.layers_in_block {
             f.write_str("_lb")?;
         }
+        if self.streaming_stores {
+            f.write_str("_cs")?;
+        }
         Ok(())
     }
 }
@@ -362,8 +372,8 @@ impl fmt::Display for CopyLaunch {
 impl CopyLaunch {
     /// Launch shapes worth timing for a page of `page_bytes`: a CPU-friendly one (one thread
     /// walks a page contiguously), GPU-shaped ones, two with word accesses instead of the
-    /// widest, and two that loop over the layers in the block. Shapes the page cannot use
-    /// are dropped.
+    /// widest, two that loop over the layers in the block, and two GPU shapes with streaming
+    /// stores. Shapes the page cannot use are dropped.
     pub fn candidates(page_bytes: u64) -> Vec<CopyLaunch> {
         let v = VecWidth::widest_for(page_bytes);
         let shape = |threads, pages_per_block, unroll| CopyLaunch {
@@ -372,6 +382,7 @@ impl CopyLaunch {
             vec: v,
             unroll,
             layers_in_block: false,
+            streaming_stores: false,
         };
         let words = |l: CopyLaunch| CopyLaunch {
             vec: VecWidth::V4,
@@ -379,6 +390,10 @@ impl CopyLaunch {
         };
         let layers_in_block = |l: CopyLaunch| CopyLaunch {
             layers_in_block: true,
+            ..l
+        };
+        let streaming = |l: CopyLaunch| CopyLaunch {
+            streaming_stores: true,
             ..l
         };
         let mut out = vec![
@@ -392,6 +407,8 @@ impl CopyLaunch {
             shape(512, 1, 1),
             layers_in_block(shape(1, 4, 1)),
             layers_in_block(shape(128, 1, 4)),
+            streaming(shape(128, 1, 4)),
+            streaming(layers_in_block(shape(128, 1, 4))),
         ];
         if v != VecWidth::V4 && page_bytes % 4 == 0 {
             out.extend([words(shape(1, 4, 1)), words(shape(128, 1, 4))]);

@@ -29,6 +29,10 @@ pub enum LaunchChoice {
         /// absent in files written before it existed, which meant `false`.
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         layers_in_block: bool,
+        /// Whether pages are stored with `__stcs` ([`CopyLaunch::streaming_stores`]); absent
+        /// in files written before it existed, which meant `false`.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        streaming_stores: bool,
     },
     /// Threads per block of the allocator, synthesis and verification families.
     Threads {
@@ -48,10 +52,14 @@ impl fmt::Display for LaunchChoice {
                 vec_bytes,
                 unroll,
                 layers_in_block,
+                streaming_stores,
             } => {
                 write!(f, "t{threads}_ppb{pages_per_block}_v{vec_bytes}_u{unroll}")?;
                 if *layers_in_block {
                     f.write_str("_lb")?;
+                }
+                if *streaming_stores {
+                    f.write_str("_cs")?;
                 }
                 Ok(())
             }
@@ -71,12 +79,14 @@ impl LaunchChoice {
                 vec_bytes,
                 unroll,
                 layers_in_block,
+                streaming_stores,
             } => Some(CopyLaunch {
                 threads,
                 pages_per_block,
                 vec: vec_width(vec_bytes)?,
                 unroll,
                 layers_in_block,
+                streaming_stores,
             }),
             _ => None,
         }
@@ -90,6 +100,7 @@ impl LaunchChoice {
             vec_bytes: l.vec.bytes(),
             unroll: l.unroll,
             layers_in_block: l.layers_in_block,
+            streaming_stores: l.streaming_stores,
         }
     }
 
@@ -193,25 +204,30 @@ pub struct Unsupported {
 
 /// The CPU-friendly copy shapes added to the family's own candidates: one thread walks each
 /// page contiguously, with several pages per work item to amortise the per-block cost of the
-/// emulator, the layers looped in the grid or in the block.
-fn cpu_copy_shapes(vec: VecWidth) -> [CopyLaunch; 4] {
-    let s = |pages_per_block, unroll, layers_in_block| CopyLaunch {
+/// emulator, the layers looped in the grid or in the block, with plain or streaming stores.
+fn cpu_copy_shapes(vec: VecWidth) -> [CopyLaunch; 7] {
+    let s = |pages_per_block, unroll, layers_in_block, streaming_stores| CopyLaunch {
         threads: 1,
         pages_per_block,
         vec,
         unroll,
         layers_in_block,
+        streaming_stores,
     };
     [
-        s(16, 1, false),
-        s(64, 1, false),
-        s(1, 4, false),
-        s(16, 1, true),
+        s(16, 1, false, false),
+        s(64, 1, false, false),
+        s(1, 4, false, false),
+        s(16, 1, true, false),
+        s(16, 1, false, true),
+        s(64, 1, false, true),
+        s(16, 1, true, true),
     ]
 }
 
 /// The CPU-friendly copy shape the bench uses as "tuned" on the host when no tuning file
-/// applies: one thread per block walking 16 pages per work item.
+/// applies: one thread per block walking 16 pages per work item with streaming stores
+/// (BENCHMARKS.md: 0.78-0.91 of memcpy for NSA pages, against 0.55-0.57 with plain stores).
 pub fn host_copy_preset() -> CopyLaunch {
     CopyLaunch {
         threads: 1,
@@ -219,6 +235,7 @@ pub fn host_copy_preset() -> CopyLaunch {
         vec: VecWidth::V16,
         unroll: 1,
         layers_in_block: false,
+        streaming_stores: true,
     }
 }
 
@@ -252,12 +269,13 @@ pub fn candidates_for(spec: &KernelSpec, backend: Backend, quick: bool) -> Vec<C
                     threads,
                     pages_per_block,
                     unroll,
+                    streaming_stores,
                     ..
                 } => matches!(
-                    // The CPU shape with the layer loop in the grid and in the block, and
-                    // one wide GPU shape.
-                    (threads, pages_per_block, unroll),
-                    (1, 16, 1) | (256, 1, 2)
+                    // The CPU shape with streaming stores and the layer loop in the grid
+                    // and in the block, and one wide GPU shape.
+                    (threads, pages_per_block, unroll, streaming_stores),
+                    (1, 16, 1, true) | (256, 1, 2, false)
                 ),
                 LaunchChoice::Threads { threads } => matches!(threads, 1 | 32 | 256),
                 LaunchChoice::Dma => false,
@@ -345,5 +363,26 @@ mod tests {
         assert!(text.contains(r#""layers_in_block":true"#), "{text}");
         assert_eq!(serde_json::from_str::<LaunchChoice>(&text).unwrap(), lb);
         assert_eq!(lb.to_string(), "t1_ppb16_v16_u1_lb");
+    }
+
+    #[test]
+    fn copy_choices_without_the_store_field_read_as_plain_stores() {
+        let old = r#"{"kind":"copy","threads":1,"pages_per_block":16,"vec_bytes":16,"unroll":1,"layers_in_block":true}"#;
+        let c: LaunchChoice = serde_json::from_str(old).unwrap();
+        assert_eq!(c.copy_launch().map(|l| l.streaming_stores), Some(false));
+        assert_eq!(
+            serde_json::to_string(&c).unwrap(),
+            old,
+            "plain stores write as before"
+        );
+        let cs = LaunchChoice::of_copy(&CopyLaunch {
+            streaming_stores: true,
+            ..c.copy_launch().unwrap()
+        });
+        let text = serde_json::to_string(&cs).unwrap();
+        assert!(text.contains(r#""streaming_stores":true"#), "{text}");
+        assert_eq!(serde_json::from_str::<LaunchChoice>(&text).unwrap(), cs);
+        assert_eq!(cs.to_string(), "t1_ppb16_v16_u1_lb_cs");
+        assert_eq!(cs.copy_launch().unwrap().to_string(), cs.to_string());
     }
 }

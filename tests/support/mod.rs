@@ -433,6 +433,7 @@ pub fn cpu_copy_launch(vec: VecWidth) -> CopyLaunch {
         vec,
         unroll: 1,
         layers_in_block: false,
+        streaming_stores: false,
     }
 }
 
