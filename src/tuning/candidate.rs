@@ -243,8 +243,9 @@ pub fn host_copy_preset() -> CopyLaunch {
 pub const HOST_ALLOC_THREADS_PRESET: u32 = 32;
 
 /// Every candidate worth timing for `spec` on `backend`, the spec itself included, without
-/// duplicates. `quick` keeps a handful (the spec, the CPU shapes and one wide GPU shape) so a
-/// tuning run stays short.
+/// duplicates. `quick` keeps a handful (the spec, the CPU shapes and one wide GPU shape, plus
+/// on CUDA the default shape with streaming stores, whose worth only a GPU can tell; on the
+/// CPU it is many times slower) so a tuning run stays short.
 pub fn candidates_for(spec: &KernelSpec, backend: Backend, quick: bool) -> Vec<Candidate> {
     let mut specs: Vec<KernelSpec> = spec.candidates();
     let vec = match spec {
@@ -269,14 +270,16 @@ pub fn candidates_for(spec: &KernelSpec, backend: Backend, quick: bool) -> Vec<C
                     threads,
                     pages_per_block,
                     unroll,
+                    layers_in_block,
                     streaming_stores,
                     ..
-                } => matches!(
+                } => match (threads, pages_per_block, unroll, streaming_stores) {
                     // The CPU shape with streaming stores and the layer loop in the grid
                     // and in the block, and one wide GPU shape.
-                    (threads, pages_per_block, unroll, streaming_stores),
-                    (1, 16, 1, true) | (256, 1, 2, false)
-                ),
+                    (1, 16, 1, true) | (256, 1, 2, false) => true,
+                    (128, 1, 4, true) => backend == Backend::Cuda && !layers_in_block,
+                    _ => false,
+                },
                 LaunchChoice::Threads { threads } => matches!(threads, 1 | 32 | 256),
                 LaunchChoice::Dma => false,
             }
@@ -337,11 +340,33 @@ mod tests {
     fn quick_is_a_small_subset_with_the_spec() {
         let dep = Deployment::by_name("nsa_ps64_cp8").unwrap();
         for spec in dep.specs() {
-            let quick = candidates_for(&spec, Backend::Host, true);
-            let full = candidates_for(&spec, Backend::Host, false);
-            assert!(quick.contains(&Candidate::Kernel(spec)));
-            assert!(quick.len() <= 4 && quick.len() <= full.len());
-            assert!(quick.iter().all(|c| full.contains(c)));
+            for backend in [Backend::Host, Backend::Cuda] {
+                let quick = candidates_for(&spec, backend, true);
+                let full = candidates_for(&spec, backend, false);
+                assert!(quick.contains(&Candidate::Kernel(spec)));
+                assert!(quick.len() <= 6 && quick.len() <= full.len(), "{backend}");
+                assert!(quick.iter().all(|c| full.contains(c)), "{backend}");
+            }
+            // Streaming stores with many threads per page are slow on the CPU: not in a
+            // quick host run, but in a quick GPU run for the copy families.
+            let streaming_gpu_shape = |b| {
+                candidates_for(&spec, b, true).iter().any(|c| {
+                    matches!(
+                        c.choice(),
+                        LaunchChoice::Copy {
+                            threads: 128,
+                            streaming_stores: true,
+                            ..
+                        }
+                    )
+                })
+            };
+            assert!(!streaming_gpu_shape(Backend::Host));
+            let copies = matches!(
+                spec,
+                KernelSpec::TransferPages(_) | KernelSpec::Materialise(_)
+            );
+            assert_eq!(streaming_gpu_shape(Backend::Cuda), copies);
         }
     }
 
