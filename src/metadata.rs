@@ -109,6 +109,15 @@ pub enum MetadataError {
     /// `concat` of an empty list.
     #[error("cannot concatenate zero nodes")]
     EmptyConcat,
+    /// More pages than a layout has page ids for (and than the encoding's u32 count holds).
+    #[error(
+        "a node of {pages} pages is more than the {} page ids of any layout",
+        MAX_NODE_PAGES
+    )]
+    TooManyPages {
+        /// Pages the node would have.
+        pages: u64,
+    },
     /// Encoded bytes end early.
     #[error("encoded metadata is truncated: {needed} bytes needed, {available} available")]
     Truncated {
@@ -139,6 +148,18 @@ pub enum MetadataError {
         /// What was wrong.
         what: &'static str,
     },
+}
+
+/// Most pages one node can have: page ids are `u32`, so no layout has more, and
+/// [`NodeMetadata::encode`] writes the count as a `u32`.
+pub const MAX_NODE_PAGES: u64 = u32::MAX as u64;
+
+/// Refuses a node of more than [`MAX_NODE_PAGES`] pages.
+fn check_page_count(pages: u64) -> Result<(), MetadataError> {
+    if pages > MAX_NODE_PAGES {
+        return Err(MetadataError::TooManyPages { pages });
+    }
+    Ok(())
 }
 
 /// Metadata of one node on one rank.
@@ -187,6 +208,7 @@ impl NodeMetadata {
         if rank.0 >= cp {
             return Err(MetadataError::RankOutOfRange { rank: rank.0, cp });
         }
+        check_page_count(page_owners.len() as u64)?;
         if let Some((index, &owner)) = page_owners.iter().enumerate().find(|(_, &o)| o >= cp) {
             return Err(MetadataError::OwnerOutOfRange { index, owner, cp });
         }
@@ -323,6 +345,7 @@ impl NodeMetadata {
         let first = iter.next().ok_or(MetadataError::EmptyConcat)?;
         let mut out = first.clone();
         for node in iter {
+            check_page_count(out.page_owners.len() as u64 + node.page_owners.len() as u64)?;
             if node.cp != out.cp {
                 return Err(MetadataError::CpMismatch {
                     expected: out.cp,
@@ -369,6 +392,7 @@ impl NodeMetadata {
         out.push(self.cp);
         out.push(self.rank.0);
         out.push(self.page_size.trailing_zeros() as u8);
+        // Both counts fit: construction and concat cap a node at MAX_NODE_PAGES pages.
         out.extend_from_slice(&(n as u32).to_le_bytes());
         for pair in self.page_owners.chunks(2) {
             out.push(pair[0] | pair.get(1).map_or(0, |&hi| hi << 4));
@@ -521,6 +545,23 @@ mod tests {
 
     fn hp(v: &[u32]) -> Vec<HostPage> {
         v.iter().copied().map(HostPage).collect()
+    }
+
+    #[test]
+    fn a_node_is_capped_at_the_page_ids_of_a_layout() {
+        // The cap itself, without allocating 4 GiB of owners.
+        assert_eq!(check_page_count(MAX_NODE_PAGES), Ok(()));
+        assert_eq!(
+            check_page_count(MAX_NODE_PAGES + 1),
+            Err(MetadataError::TooManyPages {
+                pages: MAX_NODE_PAGES + 1
+            })
+        );
+        assert_eq!(
+            MAX_NODE_PAGES,
+            u64::from(u32::MAX),
+            "encode writes a u32 count"
+        );
     }
 
     #[test]
