@@ -950,20 +950,19 @@ static inline T __ldg(const T* p) {
 // __stcs ("cache streaming": the data will not be read again soon) as a non-temporal store on
 // x86-64, which skips the read-for-ownership of the destination line: page copies larger
 // than the cache reach memcpy's bandwidth only this way. Callers align as CUDA requires
-// (16 bytes for uint4), which _mm_stream_si128 needs too. Under ASan, and on other
-// architectures, a plain store: ASan does not instrument the SSE builtins. Non-temporal
-// stores are ordered for other OS threads by the sfence at the end of every launch.
+// (16 bytes for uint4), which _mm_stream_si128 needs too. Other types (u8), and every type
+// under ASan or on other architectures, take a plain store: ASan does not instrument the SSE
+// builtins. Non-temporal stores are ordered for other OS threads by the sfence at the end of
+// every launch.
+template <class T>
+static inline void __stcs(T* p, T v) {
+  *p = v;
+}
 #if defined(__x86_64__) && !CP_EMU_ASAN
 static inline void __stcs(uint4* p, uint4 v) {
   _mm_stream_si128(reinterpret_cast<__m128i*>(p), _mm_load_si128(reinterpret_cast<const __m128i*>(&v)));
 }
 static inline void __stcs(unsigned int* p, unsigned int v) { _mm_stream_si32(reinterpret_cast<int*>(p), static_cast<int>(v)); }
-static inline void __stcs(unsigned char* p, unsigned char v) { *p = v; }
-#else
-template <class T>
-static inline void __stcs(T* p, T v) {
-  *p = v;
-}
 #endif
 
 static inline int __popc(unsigned int x) { return __builtin_popcount(x); }

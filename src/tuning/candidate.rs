@@ -370,44 +370,41 @@ mod tests {
         }
     }
 
+    /// Copy choices written before a boolean field existed read as `false` and write as
+    /// before; with the field set they round-trip and name the shape with its suffix.
     #[test]
-    fn copy_choices_without_the_layer_loop_field_read_as_the_grid_form() {
-        let old = r#"{"kind":"copy","threads":1,"pages_per_block":16,"vec_bytes":16,"unroll":1}"#;
-        let c: LaunchChoice = serde_json::from_str(old).unwrap();
-        assert_eq!(c.copy_launch().map(|l| l.layers_in_block), Some(false));
-        assert_eq!(
-            serde_json::to_string(&c).unwrap(),
-            old,
-            "the grid form writes as before"
-        );
-        let lb = LaunchChoice::of_copy(&CopyLaunch {
-            layers_in_block: true,
-            ..c.copy_launch().unwrap()
-        });
-        let text = serde_json::to_string(&lb).unwrap();
-        assert!(text.contains(r#""layers_in_block":true"#), "{text}");
-        assert_eq!(serde_json::from_str::<LaunchChoice>(&text).unwrap(), lb);
-        assert_eq!(lb.to_string(), "t1_ppb16_v16_u1_lb");
-    }
-
-    #[test]
-    fn copy_choices_without_the_store_field_read_as_plain_stores() {
-        let old = r#"{"kind":"copy","threads":1,"pages_per_block":16,"vec_bytes":16,"unroll":1,"layers_in_block":true}"#;
-        let c: LaunchChoice = serde_json::from_str(old).unwrap();
-        assert_eq!(c.copy_launch().map(|l| l.streaming_stores), Some(false));
-        assert_eq!(
-            serde_json::to_string(&c).unwrap(),
-            old,
-            "plain stores write as before"
-        );
-        let cs = LaunchChoice::of_copy(&CopyLaunch {
-            streaming_stores: true,
-            ..c.copy_launch().unwrap()
-        });
-        let text = serde_json::to_string(&cs).unwrap();
-        assert!(text.contains(r#""streaming_stores":true"#), "{text}");
-        assert_eq!(serde_json::from_str::<LaunchChoice>(&text).unwrap(), cs);
-        assert_eq!(cs.to_string(), "t1_ppb16_v16_u1_lb_cs");
-        assert_eq!(cs.copy_launch().unwrap().to_string(), cs.to_string());
+    fn copy_choices_without_a_later_field_read_as_before() {
+        type Set = fn(&mut CopyLaunch);
+        let cases: [(&str, &str, Set, &str); 2] = [
+            (
+                r#"{"kind":"copy","threads":1,"pages_per_block":16,"vec_bytes":16,"unroll":1}"#,
+                r#""layers_in_block":true"#,
+                |l| l.layers_in_block = true,
+                "t1_ppb16_v16_u1_lb",
+            ),
+            (
+                r#"{"kind":"copy","threads":1,"pages_per_block":16,"vec_bytes":16,"unroll":1,"layers_in_block":true}"#,
+                r#""streaming_stores":true"#,
+                |l| l.streaming_stores = true,
+                "t1_ppb16_v16_u1_lb_cs",
+            ),
+        ];
+        for (old, field, set, name) in cases {
+            let c: LaunchChoice = serde_json::from_str(old).unwrap();
+            let mut l = c.copy_launch().unwrap();
+            assert_eq!(serde_json::to_string(&c).unwrap(), old, "writes as before");
+            let before = l;
+            set(&mut l);
+            assert_ne!(l, before, "{field} was false when absent");
+            let set_choice = LaunchChoice::of_copy(&l);
+            let text = serde_json::to_string(&set_choice).unwrap();
+            assert!(text.contains(field), "{text}");
+            assert_eq!(
+                serde_json::from_str::<LaunchChoice>(&text).unwrap(),
+                set_choice
+            );
+            assert_eq!(set_choice.to_string(), name);
+            assert_eq!(l.to_string(), name);
+        }
     }
 }
