@@ -139,17 +139,15 @@ impl Executor for StandInGpu {
             })
         }
     }
-    fn launch(&self, k: KernelId, c: &LaunchConfig, a: &[KernelArg<'_>]) -> Result<(), ExecError> {
-        self.cuda.launch(k, c, a)
-    }
-    unsafe fn launch_unchecked(
+    unsafe fn launch_with(
         &self,
         k: KernelId,
         c: &LaunchConfig,
         a: &[KernelArg<'_>],
+        unsigned_ok: bool,
     ) -> Result<(), ExecError> {
         // SAFETY: forwarded; the caller's guarantee is the CUDA executor's.
-        unsafe { self.cuda.launch_unchecked(k, c, a) }
+        unsafe { self.cuda.launch_with(k, c, a, unsigned_ok) }
     }
     fn copy_regions(&self, s: BufferId, d: BufferId, r: &[CopyRegion]) -> Result<(), ExecError> {
         self.cuda.copy_regions(s, d, r)

@@ -339,17 +339,15 @@ impl Executor for FailingAlloc {
         // SAFETY: forwarded; the caller's guarantee is the inner executor's.
         unsafe { self.inner.load_kernel(a) }
     }
-    fn launch(&self, k: KernelId, c: &LaunchConfig, a: &[KernelArg<'_>]) -> Result<(), ExecError> {
-        self.inner.launch(k, c, a)
-    }
-    unsafe fn launch_unchecked(
+    unsafe fn launch_with(
         &self,
         k: KernelId,
         c: &LaunchConfig,
         a: &[KernelArg<'_>],
+        unsigned_ok: bool,
     ) -> Result<(), ExecError> {
         // SAFETY: forwarded; the caller's guarantee is the inner executor's.
-        unsafe { self.inner.launch_unchecked(k, c, a) }
+        unsafe { self.inner.launch_with(k, c, a, unsigned_ok) }
     }
     fn copy_regions(&self, s: BufferId, d: BufferId, r: &[CopyRegion]) -> Result<(), ExecError> {
         self.inner.copy_regions(s, d, r)

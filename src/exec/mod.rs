@@ -722,7 +722,11 @@ pub trait Executor: Send + Sync {
         kernel: KernelId,
         config: &LaunchConfig,
         args: &[KernelArg<'_>],
-    ) -> Result<(), ExecError>;
+    ) -> Result<(), ExecError> {
+        // SAFETY: without `unsigned_ok` the contract of `launch_with` is empty: an unsigned
+        // kernel is refused, and a signed one gets every check above.
+        unsafe { self.launch_with(kernel, config, args, false) }
+    }
 
     /// [`launch`](Executor::launch) that also takes kernels loaded without a signature.
     /// A kernel with a signature gets every check `launch` makes. Without one, the host
@@ -743,6 +747,26 @@ pub trait Executor: Send + Sync {
         kernel: KernelId,
         config: &LaunchConfig,
         args: &[KernelArg<'_>],
+    ) -> Result<(), ExecError> {
+        // SAFETY: the caller's contract is the one `launch_with` asks for with `unsigned_ok`.
+        unsafe { self.launch_with(kernel, config, args, true) }
+    }
+
+    /// What [`launch`](Executor::launch) and [`launch_unchecked`](Executor::launch_unchecked)
+    /// call: the one launch entry an executor implements (callers use those two). It makes
+    /// every check `launch` documents for a kernel with a signature, and refuses a kernel
+    /// without one unless `unsigned_ok`; the safe `launch` relies on both.
+    ///
+    /// # Safety
+    ///
+    /// With `unsigned_ok`, the contract of [`launch_unchecked`](Executor::launch_unchecked);
+    /// without it, none.
+    unsafe fn launch_with(
+        &self,
+        kernel: KernelId,
+        config: &LaunchConfig,
+        args: &[KernelArg<'_>],
+        unsigned_ok: bool,
     ) -> Result<(), ExecError>;
 
     /// Copies every region from `src` to `dst`, in order, stream-ordered after earlier work and

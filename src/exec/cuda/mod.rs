@@ -228,27 +228,6 @@ impl Executor for CudaExecutor {
         }))
     }
 
-    fn launch(
-        &self,
-        kernel: KernelId,
-        config: &LaunchConfig,
-        args: &[KernelArg<'_>],
-    ) -> Result<(), ExecError> {
-        // SAFETY: without `unsigned_ok` only kernels with a signature run, and `run` checks
-        // every pointer's buffer against its parameter's reach.
-        unsafe { self.run(kernel, config, args, false) }
-    }
-
-    unsafe fn launch_unchecked(
-        &self,
-        kernel: KernelId,
-        config: &LaunchConfig,
-        args: &[KernelArg<'_>],
-    ) -> Result<(), ExecError> {
-        // SAFETY: the caller's contract (`Executor::launch_unchecked`) covers unsigned kernels.
-        unsafe { self.run(kernel, config, args, true) }
-    }
-
     fn copy_regions(
         &self,
         src: BufferId,
@@ -321,16 +300,10 @@ impl Executor for CudaExecutor {
     fn disarm_launch_failure(&self) -> bool {
         self.fail_next_launch.swap(false, Ordering::SeqCst)
     }
-}
 
-impl CudaExecutor {
-    /// One launch: checks it against the kernel's signature (refusing an unsigned kernel
-    /// unless `unsigned_ok`), resolves and bounds the pointers, then calls `cuLaunchKernel`.
-    ///
-    /// # Safety
-    ///
-    /// With `unsigned_ok`, the contract of [`Executor::launch_unchecked`].
-    unsafe fn run(
+    /// Checks the launch against the kernel's signature (refusing an unsigned kernel unless
+    /// `unsigned_ok`), resolves and bounds the pointers, then calls `cuLaunchKernel`.
+    unsafe fn launch_with(
         &self,
         kernel: KernelId,
         config: &LaunchConfig,

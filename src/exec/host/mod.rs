@@ -276,27 +276,6 @@ impl Executor for HostExecutor {
         }))
     }
 
-    fn launch(
-        &self,
-        kernel: KernelId,
-        config: &LaunchConfig,
-        args: &[KernelArg<'_>],
-    ) -> Result<(), ExecError> {
-        // SAFETY: without `unsigned_ok` only kernels with a signature run, and `run` checks
-        // every pointer's buffer against its parameter's reach.
-        unsafe { self.run(kernel, config, args, false) }
-    }
-
-    unsafe fn launch_unchecked(
-        &self,
-        kernel: KernelId,
-        config: &LaunchConfig,
-        args: &[KernelArg<'_>],
-    ) -> Result<(), ExecError> {
-        // SAFETY: the caller's contract (`Executor::launch_unchecked`) covers unsigned kernels.
-        unsafe { self.run(kernel, config, args, true) }
-    }
-
     fn copy_regions(
         &self,
         src: BufferId,
@@ -363,16 +342,10 @@ impl Executor for HostExecutor {
     fn disarm_launch_failure(&self) -> bool {
         self.fail_next_launch.swap(false, Ordering::SeqCst)
     }
-}
 
-impl HostExecutor {
-    /// One launch: checks it against the kernel's signature (refusing an unsigned kernel
-    /// unless `unsigned_ok`), resolves and bounds the pointers, then runs the blocks.
-    ///
-    /// # Safety
-    ///
-    /// With `unsigned_ok`, the contract of [`Executor::launch_unchecked`].
-    unsafe fn run(
+    /// Checks the launch against the kernel's signature (refusing an unsigned kernel unless
+    /// `unsigned_ok`), resolves and bounds the pointers, then runs the blocks.
+    unsafe fn launch_with(
         &self,
         kernel: KernelId,
         config: &LaunchConfig,
