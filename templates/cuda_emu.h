@@ -51,7 +51,9 @@
 #include <sys/mman.h>
 #include <unistd.h>
 #if defined(__x86_64__)
-#include <immintrin.h>
+// SSE2 only (_mm_stream_si128/_si32, _mm_sfence): <immintrin.h> would double every kernel's
+// compile time.
+#include <emmintrin.h>
 #endif
 
 #if !defined(__x86_64__) || defined(CP_EMU_FORCE_UCONTEXT)
@@ -956,6 +958,11 @@ static inline T __ldg(const T* p) {
 // every launch.
 template <class T>
 static inline void __stcs(T* p, T v) {
+  // CUDA declares __stcs for built-in scalars and vector types only; refuse the rest here
+  // too, so a kernel that would not compile under NVRTC does not compile on the CPU either.
+  static_assert(std::is_arithmetic<T>::value || std::is_same<T, uint4>::value || std::is_same<T, int4>::value ||
+                    std::is_same<T, uint2>::value || std::is_same<T, ulonglong2>::value,
+                "__stcs takes a built-in scalar or vector type");
   *p = v;
 }
 #if defined(__x86_64__) && !CP_EMU_ASAN
