@@ -11,6 +11,7 @@ use super::common::{check_outputs, write_json, write_output, BackendArg, SizeArg
 use super::tune::progress_bar;
 use crate::exec::{open_executor, Backend};
 use crate::jit::{Jit, JitConfig};
+use crate::kernels::KernelSpec;
 use crate::tuning::bench::{
     self, default_deployments, deployment_by_name, BenchConfig, BenchFault, BenchOptions, BenchRow,
 };
@@ -254,16 +255,21 @@ fn run_check(
     );
     // Besides the defaults, the shapes `bench` times as tuned when there is no tuning file
     // (the CPU preset): every shape bench reports a speed for is checked somewhere (a tuning
-    // file's winners were checked by `tune` before they were timed).
+    // file's winners were checked by `tune` before they were timed). And the default copy
+    // shape with streaming stores, which `tune --quick` weighs on a GPU: so a memcheck of
+    // the check (scripts/gpu-check.sh) runs `__stcs` kernels too.
     let device = DeviceKey::for_executor(exec, jit)?;
     for dep in deps {
         let (preset, _, _) = bench::tuned_config(dep, None, &device);
+        let mut streaming = dep.clone();
+        streaming.copy.streaming_stores = true;
         let defaults = dep.specs();
-        let extra: Vec<_> = preset
-            .specs()
-            .into_iter()
-            .filter(|s| !defaults.contains(s))
-            .collect();
+        let mut extra: Vec<KernelSpec> = Vec::new();
+        for s in preset.specs().into_iter().chain(streaming.specs()) {
+            if !defaults.contains(&s) && !extra.contains(&s) {
+                extra.push(s);
+            }
+        }
         // SAFETY: the only hook is the compile-error fault, which makes a source fail to
         // compile; nothing it touches is launched.
         let mut rows = unsafe { check::check_deployment_with(exec, jit, dep, hook) }?;
