@@ -19,6 +19,7 @@
 //! # Ok::<(), cp_hicache::Error>(())
 //! ```
 #![deny(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod allocator;
 /// The binary's commands; public for `src/main.rs` and the CLI tests, not a library API.

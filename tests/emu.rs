@@ -674,6 +674,35 @@ fn single_thread_blocks_run_on_the_direct_path() {
     });
 }
 
+/// The safe `Executor::launch` (a provided method over `launch_with`) refuses a kernel loaded
+/// without a signature, without running it; `launch_unchecked` runs the same kernel.
+#[test]
+fn the_safe_launch_refuses_a_kernel_without_a_signature() {
+    let ex = executor(BlockOrder::Forward);
+    let pred = alloc_u32(&ex, &[0, 5, 1]);
+    let out = ex.alloc(MemKind::Device, 9 * 4, POISON).unwrap();
+    let k = load(&ex, kernels_so(), "sync_variants");
+    let cfg = LaunchConfig::linear(3, 1);
+    let args = [KernelArg::Ptr(pred, 0), KernelArg::Ptr(out, 0)];
+    let e = ex.launch(k, &cfg, &args).unwrap_err();
+    assert_eq!(
+        e.launch_failure(),
+        Some(LaunchFailure::InvalidConfig),
+        "{e}"
+    );
+    assert!(
+        e.to_string().contains("only `launch_unchecked` runs it"),
+        "{e}"
+    );
+    assert_eq!(
+        read_u32(&ex, out),
+        vec![u32::from_ne_bytes([POISON; 4]); 9],
+        "it did not run"
+    );
+    ex.run(k, &cfg, &args).unwrap();
+    assert_eq!(read_u32(&ex, out), vec![0, 0, 0, 1, 1, 1, 1, 1, 1]);
+}
+
 #[test]
 fn invalid_launches_are_typed_errors() {
     let ex = executor(BlockOrder::Forward);

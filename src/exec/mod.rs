@@ -740,8 +740,10 @@ pub trait Executor: Send + Sync {
     /// enough for everything the kernel reads or writes through it given the launch's size
     /// arguments and shape (the host executor runs the kernel in this process, so an access
     /// past a buffer corrupts the Rust heap; on a GPU it corrupts other allocations or faults
-    /// the context), the arguments match the kernel's parameters in count, size and kind, and
-    /// [`KernelArg::Null`] goes only where the kernel does not dereference it.
+    /// the context), the arguments match the kernel's parameters in count, size and kind,
+    /// every pointer is aligned as the kernel's accesses through it need (a misaligned vector
+    /// store faults the host process or the GPU context), and [`KernelArg::Null`] goes only
+    /// where the kernel does not dereference it.
     unsafe fn launch_unchecked(
         &self,
         kernel: KernelId,
@@ -753,9 +755,10 @@ pub trait Executor: Send + Sync {
     }
 
     /// What [`launch`](Executor::launch) and [`launch_unchecked`](Executor::launch_unchecked)
-    /// call: the one launch entry an executor implements (callers use those two). It makes
-    /// every check `launch` documents for a kernel with a signature, and refuses a kernel
-    /// without one unless `unsigned_ok`; the safe `launch` relies on both.
+    /// call: the one launch entry an executor implements (callers use those two, and
+    /// implementors leave them as provided, so a wrapper that forwards this forwards both).
+    /// It makes every check `launch` documents for a kernel with a signature, and refuses a
+    /// kernel without one unless `unsigned_ok`; the safe `launch` relies on both.
     ///
     /// # Safety
     ///
