@@ -128,6 +128,15 @@ pub fn time_device(
     Ok(Timing::of(samples))
 }
 
+/// [`time_device`] at `sizes`' warm-up and repeats, for work that needs no setup per repeat.
+fn time_sized(
+    exec: &dyn Executor,
+    sizes: &Sizes,
+    run: impl FnMut() -> Result<(), ExecError>,
+) -> Result<Timing, ExecError> {
+    time_device(exec, sizes.warmup, sizes.repeats, || Ok(()), run)
+}
+
 /// Deterministic splitmix64 stream (fixed seeds keep runs comparable).
 #[derive(Debug, Clone)]
 pub struct SplitMix(pub u64);
@@ -485,13 +494,7 @@ impl<'e> CopyBench<'e> {
         spec: &KernelSpec,
         sizes: &Sizes,
     ) -> Result<Timing, ExecError> {
-        time_device(
-            self.mem.exec,
-            sizes.warmup,
-            sizes.repeats,
-            || Ok(()),
-            || self.launch(kernel, spec),
-        )
+        time_sized(self.mem.exec, sizes, || self.launch(kernel, spec))
     }
 
     /// Enqueues the transfer by DMA instead of a kernel (same pages, same bytes), without
@@ -507,13 +510,7 @@ impl<'e> CopyBench<'e> {
 
     /// Times the DMA path: median of the repeats, like [`CopyBench::time`].
     pub fn time_dma(&self, sizes: &Sizes) -> Result<Timing, ExecError> {
-        time_device(
-            self.mem.exec,
-            sizes.warmup,
-            sizes.repeats,
-            || Ok(()),
-            || self.copy_dma(),
-        )
+        time_sized(self.mem.exec, sizes, || self.copy_dma())
     }
 
     /// The memory kinds the copy reads and writes (for its baseline).
@@ -827,13 +824,7 @@ pub fn time_copy_baseline(
         dst_offset: 0,
         len: bytes,
     }];
-    time_device(
-        exec,
-        sizes.warmup,
-        sizes.repeats,
-        || Ok(()),
-        || exec.copy_regions(src, dst, &region),
-    )
+    time_sized(exec, sizes, || exec.copy_regions(src, dst, &region))
 }
 
 /// Pages a synthesise or verify timing covers: those kernels compute two splitmix64 draws
@@ -944,13 +935,7 @@ impl<'e> SynthBench<'e> {
         spec: &KernelSpec,
         sizes: &Sizes,
     ) -> Result<Timing, ExecError> {
-        time_device(
-            self.mem.exec,
-            sizes.warmup,
-            sizes.repeats,
-            || Ok(()),
-            || self.launch(kernel, spec),
-        )
+        time_sized(self.mem.exec, sizes, || self.launch(kernel, spec))
     }
 }
 
