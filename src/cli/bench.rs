@@ -261,10 +261,9 @@ fn run_check(
     let device = DeviceKey::for_executor(exec, jit)?;
     for dep in deps {
         let (preset, _, _) = bench::tuned_config(dep, None, &device);
-        let mut streaming = dep.clone();
-        streaming.copy.streaming_stores = true;
         let defaults = dep.specs();
         let mut extra: Vec<KernelSpec> = Vec::new();
+        let streaming = bench::with_streaming_stores(dep);
         for s in preset.specs().into_iter().chain(streaming.specs()) {
             if !defaults.contains(&s) && !extra.contains(&s) {
                 extra.push(s);

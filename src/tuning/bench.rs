@@ -406,6 +406,14 @@ fn time_job(
     }
 }
 
+/// `dep` with streaming stores in its copy shape: `bench --check` checks these copy kernels on
+/// every backend, since `tune --quick` weighs them on a GPU.
+pub fn with_streaming_stores(dep: &Deployment) -> Deployment {
+    let mut d = dep.clone();
+    d.copy.streaming_stores = true;
+    d
+}
+
 /// Every kernel that `bench`, `bench --check` and `tune --quick` may load for `deps` on a GPU:
 /// all kernels of each deployment and every quick CUDA candidate of its tuned kernels. A
 /// machine without a compiler (`CP_HICACHE_JIT=off`) can run those commands from a cache
@@ -419,6 +427,10 @@ pub fn prebuild_specs(deps: &[Deployment]) -> Vec<KernelSpec> {
     };
     for dep in deps {
         dep.specs().into_iter().for_each(&mut push);
+        with_streaming_stores(dep)
+            .specs()
+            .into_iter()
+            .for_each(&mut push);
         for base in super::tuner::tuned_specs(dep) {
             for c in super::candidates_for(&base, Backend::Cuda, true) {
                 if let super::Candidate::Kernel(s) = c {
@@ -428,4 +440,29 @@ pub fn prebuild_specs(deps: &[Deployment]) -> Vec<KernelSpec> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A GPU machine without NVRTC runs `bench --check` from the prebuilt cache: the streaming
+    /// copy kernels it checks are prebuilt, and they are the quick CUDA candidates `tune`
+    /// weighs, so prebuilding them costs no extra CUBIN.
+    #[test]
+    fn prebuild_covers_the_streaming_kernels_check_loads() {
+        let deps = default_deployments().unwrap();
+        let plain: Vec<KernelSpec> = deps.iter().flat_map(|d| d.specs()).collect();
+        let all = prebuild_specs(&deps);
+        for dep in &deps {
+            for s in with_streaming_stores(dep).specs() {
+                assert!(all.contains(&s), "{s}");
+                let candidate = crate::tuning::tuner::tuned_specs(dep).iter().any(|b| {
+                    super::super::candidates_for(b, Backend::Cuda, true)
+                        .contains(&super::super::Candidate::Kernel(s))
+                });
+                assert!(plain.contains(&s) || candidate, "{s}");
+            }
+        }
+    }
 }
