@@ -415,7 +415,8 @@ pub fn with_streaming_stores(dep: &Deployment) -> Deployment {
 }
 
 /// Every kernel that `bench`, `bench --check` and `tune --quick` may load for `deps` on a GPU:
-/// all kernels of each deployment and every quick CUDA candidate of its tuned kernels. A
+/// all kernels of each deployment and of its [`with_streaming_stores`] twin, and every quick
+/// CUDA candidate of its tuned kernels. A
 /// machine without a compiler (`CP_HICACHE_JIT=off`) can run those commands from a cache
 /// prebuilt with these specs (`bench --prebuild`; see scripts/gpu-check.sh).
 pub fn prebuild_specs(deps: &[Deployment]) -> Vec<KernelSpec> {
