@@ -29,7 +29,7 @@ use cp_hicache::kernels::{
     AllocSpec, BufferKind, CopyLaunch, Direction, HostLayout, KernelSpec, MaterialiseSpec,
     ReleaseSpec, SynthSpec, TransferSpec, VecWidth, VerifySpec,
 };
-use support::{cpu_copy_launch, Bench, MaterialiseCase, Rng, TransferCase, ORDERS};
+use support::{cpu_copy_launch, Bench, MaterialiseCase, Rng, TransferCase, Twist, ORDERS};
 
 const CHILD_ENV: &str = "CP_HICACHE_ASAN_OOB_CHILD";
 /// Set in a child this target re-executed under the ASan runtime.
@@ -295,7 +295,7 @@ fn asan_every_kernel_stays_within_its_reach() {
     for spec in specs {
         for trial in 0..8 {
             let mut rng = Rng::new(&[11, trial, support::uri_seed(&spec)]);
-            let (ok, _) = support::reach_case(&mut b, &spec, &mut rng, None);
+            let (ok, _) = support::reach_case(&mut b, &spec, &mut rng, Twist::None);
             ok.unwrap_or_else(|e| panic!("{spec}, trial {trial}: {e}"));
         }
     }

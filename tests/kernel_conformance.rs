@@ -26,7 +26,7 @@ use cp_hicache::kernels::{
 use cp_hicache::layout::CpLayout;
 use support::{
     cpu_copy_launch, grid, i64s, le32, le64, u32s, uri_seed, Bench, MaterialiseCase, Rng,
-    TransferCase, ORDERS, POISON,
+    TransferCase, Twist, ORDERS, POISON,
 };
 
 const CPS: [u8; 5] = [1, 2, 4, 8, 16];
@@ -405,11 +405,13 @@ fn every_kernel_takes_its_exact_reach_and_refuses_one_byte_less() {
     for spec in all_specs() {
         for trial in 0..3 {
             let seed = [uri_seed(&spec), trial];
-            let (ok, reaching) = support::reach_case(&mut b, &spec, &mut Rng::new(&seed), None);
+            let (ok, reaching) =
+                support::reach_case(&mut b, &spec, &mut Rng::new(&seed), Twist::None);
             ok.unwrap_or_else(|e| panic!("{spec}, trial {trial}: {e}"));
             for i in reaching {
                 let param = spec.params()[i].name;
-                let short = support::reach_case(&mut b, &spec, &mut Rng::new(&seed), Some(i));
+                let short =
+                    support::reach_case(&mut b, &spec, &mut Rng::new(&seed), Twist::Short(i));
                 match short.0 {
                     Err(ExecError::Launch {
                         cause: LaunchFailure::InvalidConfig,
@@ -438,6 +440,72 @@ fn every_kernel_takes_its_exact_reach_and_refuses_one_byte_less() {
         .collect();
     let cut: HashSet<_> = refused.keys().copied().collect();
     assert_eq!(cut, pointers);
+}
+
+/// A written parameter that shares bytes with another pointer is refused, naming both, for
+/// every written parameter of every family and every other pointer beside it; the same two
+/// parameters in separate buffers run (the case above).
+#[test]
+fn every_written_parameter_refuses_an_aliased_pointer() {
+    let mut b = Bench::new(BlockOrder::Forward, libs());
+    let mut refused = HashSet::new();
+    for spec in all_specs() {
+        let params = spec.params();
+        for (w, written) in params.iter().enumerate().filter(|(_, p)| p.writes()) {
+            for (o, other) in params.iter().enumerate() {
+                if o == w || other.reach.is_none() {
+                    continue;
+                }
+                let seed = [uri_seed(&spec), (w * 16 + o) as u64];
+                let (got, reaching) =
+                    support::reach_case(&mut b, &spec, &mut Rng::new(&seed), Twist::Alias(w, o));
+                if !(reaching.contains(&w) && reaching.contains(&o)) {
+                    // One of them touches nothing in this case: nothing to alias.
+                    got.unwrap_or_else(|e| panic!("{spec}: {e}"));
+                    continue;
+                }
+                // The message names a written parameter first: the earlier one when both are.
+                let (first, second) = if other.writes() && o < w {
+                    (o, w)
+                } else {
+                    (w, o)
+                };
+                match got {
+                    Err(ExecError::Launch {
+                        cause: LaunchFailure::InvalidConfig,
+                        message,
+                        ..
+                    }) => assert!(
+                        message.starts_with(&format!(
+                            "parameter {first} `{}` (written) overlaps parameter {second} `{}`",
+                            params[first].name, params[second].name
+                        )),
+                        "{spec}: {message}"
+                    ),
+                    other => panic!("{spec}: `{}` aliased: {other:?}", written.name),
+                }
+                refused.insert((spec.family(), written.name, other.name));
+            }
+        }
+    }
+    // Every (written, other pointer) pair of every family was refused at least once.
+    let pairs: HashSet<_> = all_specs()
+        .iter()
+        .flat_map(|s| {
+            let params = s.params();
+            let mut v = Vec::new();
+            for w in params.iter().filter(|p| p.writes()) {
+                for o in params
+                    .iter()
+                    .filter(|p| p.reach.is_some() && p.name != w.name)
+                {
+                    v.push((s.family(), w.name, o.name));
+                }
+            }
+            v
+        })
+        .collect();
+    assert_eq!(refused, pairs);
 }
 
 #[test]

@@ -424,6 +424,13 @@ pub(crate) fn check_range(
 /// naming `kernel` and the parameter (its index, and its name and type when `signature`
 /// gives them) before the underlying [`ExecError::UnknownBuffer`] /
 /// [`ExecError::OutOfBounds`] message.
+///
+/// With a `signature`, a parameter the kernel writes ([`KernelParam::writes`]) must not
+/// overlap any other pointer's reach: threads would read bytes other threads are writing, so
+/// the result would depend on the order they run in (different on a GPU and in each
+/// emulated block order). Such a launch is refused the same way, naming both parameters.
+///
+/// [`KernelParam::writes`]: crate::kernels::KernelParam::writes
 pub(crate) fn marshal_args(
     kernel: &str,
     signature: Option<&KernelSignature>,
@@ -483,32 +490,82 @@ pub(crate) fn marshal_args(
             message: format!("{param}{element}: {e}{reach}"),
         }
     };
-    args.iter()
-        .enumerate()
-        .map(|(i, arg)| {
-            Ok(match *arg {
-                KernelArg::Ptr(b, off) => pointer(b, off, reach(i)?)
-                    .map_err(|e| invalid(i, None, e))?
-                    .to_vec(),
-                KernelArg::Null => vec![0; 8],
-                KernelArg::U32(v) => v.to_ne_bytes().to_vec(),
-                KernelArg::I32(v) => v.to_ne_bytes().to_vec(),
-                KernelArg::U64(v) => v.to_ne_bytes().to_vec(),
-                KernelArg::I64(v) => v.to_ne_bytes().to_vec(),
-                KernelArg::Bytes(b) => b.to_vec(),
-                KernelArg::PtrStruct(ptrs) => {
-                    let mut out = Vec::with_capacity(8 * ptrs.len());
-                    let reach = reach(i)?;
-                    for (j, &(b, off)) in ptrs.iter().enumerate() {
-                        out.extend_from_slice(
-                            &pointer(b, off, reach).map_err(|e| invalid(i, Some(j), e))?,
-                        );
-                    }
-                    out
+    // What each pointer reaches, checked in bounds above: (parameter, buffer, byte range).
+    let mut spans: Vec<(usize, BufferId, std::ops::Range<u64>)> = Vec::new();
+    let mut out = Vec::with_capacity(args.len());
+    for (i, arg) in args.iter().enumerate() {
+        out.push(match *arg {
+            KernelArg::Ptr(b, off) => {
+                let reach = reach(i)?;
+                let bytes = pointer(b, off, reach).map_err(|e| invalid(i, None, e))?;
+                spans.push((i, b, off..off + reach));
+                bytes.to_vec()
+            }
+            KernelArg::Null => vec![0; 8],
+            KernelArg::U32(v) => v.to_ne_bytes().to_vec(),
+            KernelArg::I32(v) => v.to_ne_bytes().to_vec(),
+            KernelArg::U64(v) => v.to_ne_bytes().to_vec(),
+            KernelArg::I64(v) => v.to_ne_bytes().to_vec(),
+            KernelArg::Bytes(b) => b.to_vec(),
+            KernelArg::PtrStruct(ptrs) => {
+                let mut out = Vec::with_capacity(8 * ptrs.len());
+                let reach = reach(i)?;
+                for (j, &(b, off)) in ptrs.iter().enumerate() {
+                    out.extend_from_slice(
+                        &pointer(b, off, reach).map_err(|e| invalid(i, Some(j), e))?,
+                    );
+                    spans.push((i, b, off..off + reach));
                 }
-            })
-        })
-        .collect()
+                out
+            }
+        });
+    }
+    if let Some(sig) = signature {
+        check_no_aliased_output(kernel, sig, &spans)?;
+    }
+    Ok(out)
+}
+
+/// Refuses a launch in which a written parameter's reach overlaps another pointer's
+/// ([`marshal_args`]). `spans` are (parameter index, buffer, byte range); empty ranges touch
+/// nothing.
+fn check_no_aliased_output(
+    kernel: &str,
+    sig: &KernelSignature,
+    spans: &[(usize, BufferId, std::ops::Range<u64>)],
+) -> Result<(), ExecError> {
+    let writes = |i: usize| sig.params.get(i).is_some_and(|p| p.writes());
+    for (k, (i, b, r)) in spans.iter().enumerate() {
+        for (j, c, s) in &spans[k + 1..] {
+            let overlap = b == c && r.start < s.end && s.start < r.end;
+            if !overlap || !(writes(*i) || writes(*j)) {
+                continue;
+            }
+            // Name the written one first.
+            let ((w, wr), (o, or)) = if writes(*i) {
+                ((i, r), (j, s))
+            } else {
+                ((j, s), (i, r))
+            };
+            let name = |p: usize| sig.params.get(p).map_or("?", |p| p.name);
+            return Err(ExecError::Launch {
+                kernel: kernel.to_string(),
+                cause: LaunchFailure::InvalidConfig,
+                message: format!(
+                    "parameter {w} `{}` (written) overlaps parameter {o} `{}` in buffer {b:?}: \
+                     bytes {}..{} and {}..{}; a kernel's output must not alias another of its \
+                     pointers (threads would read what others write, in no fixed order)",
+                    name(*w),
+                    name(*o),
+                    wr.start,
+                    wr.end,
+                    or.start,
+                    or.end
+                ),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// One contiguous copy of a DMA batch ([`Executor::copy_regions`]): `len` bytes from
@@ -904,7 +961,7 @@ mod tests {
         let spec = KernelSpec::ReleasePages(ReleaseSpec { cp: 2, threads: 32 });
         let sig = spec.signature();
         let resolve = |b: BufferId| match b.0 {
-            1 => Ok((0x1000, 64)),
+            1..=3 => Ok((0x1000 * b.0, 64)),
             _ => Err(ExecError::UnknownBuffer(b)),
         };
         let message = |r: Result<Vec<Vec<u8>>, ExecError>| match r {
@@ -916,13 +973,14 @@ mod tests {
             other => panic!("{other:?}"),
         };
         // Release of 2 pages over 2 lanes of `lane_cap` slots: 8 bytes of pages, 8 ×
-        // lane_cap bytes of stacks, 8 bytes of tops.
+        // lane_cap bytes of stacks, 8 bytes of tops, each in a buffer of its own (the
+        // written stacks and tops must not alias another pointer).
         let release = |stacks_offset: u64, lane_cap: u32| {
             [
-                KernelArg::Ptr(BufferId(1), 0),
+                KernelArg::Ptr(BufferId(2), 0),
                 KernelArg::U32(2),
                 KernelArg::Ptr(BufferId(1), stacks_offset),
-                KernelArg::Ptr(BufferId(1), 0),
+                KernelArg::Ptr(BufferId(3), 0),
                 KernelArg::U32(lane_cap),
             ]
         };

@@ -205,7 +205,9 @@ mod tests {
     use super::*;
     use crate::exec::BufferId;
     use crate::exec::LaunchConfig;
-    use crate::kernels::{KernelSpec, MaterialiseSpec, ReleaseSpec};
+    use crate::kernels::{
+        Direction, HostLayout, KernelSpec, MaterialiseSpec, ReleaseSpec, TransferSpec,
+    };
 
     fn release() -> (String, KernelSignature) {
         let spec = KernelSpec::ReleasePages(ReleaseSpec { cp: 4, threads: 32 });
@@ -261,6 +263,62 @@ mod tests {
         )
         .unwrap();
         check_signature(&name, Some(&no_params()), &shape(&no_params()), &[]).unwrap();
+    }
+
+    /// A written parameter overlapping another pointer's reach is refused, naming both;
+    /// disjoint ranges of one buffer, and read-only parameters on the same bytes, are fine.
+    #[test]
+    fn written_parameters_must_not_alias_other_pointers() {
+        let (name, sig) = release();
+        let resolve = |_| Ok((0x1000, 1 << 20));
+        let marshal = |sig: &KernelSignature, args: &[KernelArg<'_>]| {
+            crate::exec::marshal_args(&name, Some(sig), args, resolve).map(|_| ())
+        };
+        // pages (read, 4 × n = 12 bytes), lane_stacks (written, 4·CP × lane_cap = 128),
+        // lane_tops (written, 4·CP = 16).
+        let mut args = good_args();
+        args[2] = KernelArg::Ptr(BufferId(1), 8);
+        let msg = invalid(&name, marshal(&sig, &args));
+        assert!(
+            msg.starts_with(
+                "parameter 2 `lane_stacks` (written) overlaps parameter 0 `pages` in buffer \
+                 BufferId(1): bytes 8..136 and 0..12"
+            ),
+            "{msg}"
+        );
+        args[2] = KernelArg::Ptr(BufferId(1), 12);
+        marshal(&sig, &args).unwrap();
+        args[3] = KernelArg::Ptr(BufferId(1), 136);
+        let msg = invalid(&name, marshal(&sig, &args));
+        assert!(
+            msg.starts_with("parameter 2 `lane_stacks` (written) overlaps parameter 3 `lane_tops`"),
+            "{msg}"
+        );
+        args[3] = KernelArg::Ptr(BufferId(1), 140);
+        marshal(&sig, &args).unwrap();
+        // Unsigned kernels are not checked (nothing says what they write).
+        crate::exec::marshal_args(&name, None, &[KernelArg::Ptr(BufferId(1), 0); 2], resolve)
+            .unwrap();
+        // Two read-only page lists on the same bytes.
+        let t = KernelSpec::TransferPages(TransferSpec {
+            direction: Direction::HostToDevice,
+            layout: HostLayout::PageFirst,
+            page_size: 16,
+            bytes_per_token: 64,
+            launch: Default::default(),
+        });
+        let list = KernelArg::Ptr(BufferId(5), 0);
+        let targs = [
+            KernelArg::Ptr(BufferId(6), 0),
+            KernelArg::Ptr(BufferId(7), 0),
+            list,
+            list,
+            KernelArg::U32(4),
+            KernelArg::U32(2),
+            KernelArg::U32(8),
+            KernelArg::U32(8),
+        ];
+        marshal(&t.signature(), &targs).unwrap();
     }
 
     // A kernel without a signature runs only through `launch_unchecked`, and an armed

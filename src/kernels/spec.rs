@@ -630,6 +630,12 @@ pub struct KernelSignature {
 const PAGE_ALIGN: u64 = 16;
 
 impl KernelParam {
+    /// Whether the kernel writes through this pointer (a pointer type without `const`); the
+    /// pool struct's pointers are read only.
+    pub fn writes(&self) -> bool {
+        self.reach.is_some() && !self.c_type.starts_with("const ")
+    }
+
     /// A pointer to a typed array (8 bytes on every supported target) whose elements are
     /// `align` bytes, reaching `reach` bytes.
     const fn ptr(

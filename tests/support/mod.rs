@@ -277,11 +277,23 @@ impl Bench {
     }
 }
 
+/// How [`reach_case`] departs from exact, separate buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Twist {
+    /// Every pointer in a buffer of its own, of exactly its reach.
+    None,
+    /// This parameter's buffer is one byte shorter than its reach.
+    Short(usize),
+    /// The second parameter (for the pool struct: its first pointer) points at the start of
+    /// the first one's buffer, which holds the larger of the two reaches.
+    Alias(usize, usize),
+}
+
 /// One launch of `spec` with small random scalar arguments, every pointer argument in a
 /// buffer of exactly its parameter's reach, filled with small random words (page ids, owners,
-/// lane tops and counts mostly out of range, some at the edges). With `short = Some(i)`,
-/// parameter `i`'s buffer is one byte shorter than its reach. Returns the launch result and
-/// the indices of the pointer parameters whose reach is nonzero in this case.
+/// lane tops and counts mostly out of range, some at the edges), changed as `twist` says.
+/// Returns the launch result and the indices of the pointer parameters whose reach is
+/// nonzero in this case.
 ///
 /// Whatever the values, a kernel must stay inside its reach: under AddressSanitizer, exact
 /// buffers have red zones right after them, so one byte past the reach is reported.
@@ -289,7 +301,7 @@ pub fn reach_case(
     b: &mut Bench,
     spec: &KernelSpec,
     rng: &mut Rng,
-    short: Option<usize>,
+    twist: Twist,
 ) -> (Result<(), cp_hicache::exec::ExecError>, Vec<usize>) {
     let sig = spec.signature();
     // Scalars first: pointer reaches depend on them.
@@ -332,25 +344,45 @@ pub fn reach_case(
         Buffer(BufferId),
         Pools(Vec<(BufferId, u64)>),
     }
+    let reach_bytes = |i: usize| {
+        sig.params[i]
+            .reach
+            .map(|r| r.bytes(value).expect("small arguments") as usize)
+    };
+    // The buffer both aliased parameters point at.
+    let shared = match twist {
+        Twist::Alias(w, o) => {
+            let bytes = reach_bytes(w).max(reach_bytes(o)).expect("two pointers");
+            Some(fill(bytes, rng))
+        }
+        _ => None,
+    };
     let mut owned = Vec::new();
     for (i, p) in sig.params.iter().enumerate() {
-        let Some(reach) = p.reach else {
+        let Some(mut bytes) = reach_bytes(i) else {
             owned.push(Arg::Scalar(values[i].expect("a scalar")));
             continue;
         };
-        let mut bytes = reach.bytes(value).expect("small arguments") as usize;
         if bytes > 0 {
             reaching.push(i);
         }
-        if short == Some(i) {
+        if twist == Twist::Short(i) {
             bytes = bytes
                 .checked_sub(1)
                 .expect("a parameter with a nonzero reach");
         }
+        let aliased = matches!(twist, Twist::Alias(w, o) if w == i || o == i);
         owned.push(if p.c_type.contains("ChcPools") {
-            Arg::Pools((0..p.size / 8).map(|_| (fill(bytes, rng), 0)).collect())
+            let mut pools: Vec<_> = (0..p.size / 8).map(|_| (fill(bytes, rng), 0)).collect();
+            if let (true, Some(s)) = (aliased, shared) {
+                pools[0].0 = s;
+            }
+            Arg::Pools(pools)
         } else {
-            Arg::Buffer(fill(bytes, rng))
+            match (aliased, shared) {
+                (true, Some(s)) => Arg::Buffer(s),
+                _ => Arg::Buffer(fill(bytes, rng)),
+            }
         });
     }
     let args: Vec<KernelArg<'_>> = owned
