@@ -537,7 +537,8 @@ fn check_no_aliased_output(
     let writes = |i: usize| sig.params.get(i).is_some_and(|p| p.writes());
     for (k, (i, b, r)) in spans.iter().enumerate() {
         for (j, c, s) in &spans[k + 1..] {
-            let overlap = b == c && r.start < s.end && s.start < r.end;
+            let touch = !r.is_empty() && !s.is_empty();
+            let overlap = touch && b == c && r.start < s.end && s.start < r.end;
             if !overlap || !(writes(*i) || writes(*j)) {
                 continue;
             }

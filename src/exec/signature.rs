@@ -296,6 +296,10 @@ mod tests {
         );
         args[3] = KernelArg::Ptr(BufferId(1), 140);
         marshal(&sig, &args).unwrap();
+        // With n = 0 the pages reach nothing, so they may point into the stacks.
+        args[0] = KernelArg::Ptr(BufferId(1), 20);
+        args[1] = KernelArg::U32(0);
+        marshal(&sig, &args).unwrap();
         // Unsigned kernels are not checked (nothing says what they write).
         crate::exec::marshal_args(&name, None, &[KernelArg::Ptr(BufferId(1), 0); 2], resolve)
             .unwrap();
