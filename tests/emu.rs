@@ -30,6 +30,11 @@ fn header_path() -> PathBuf {
 /// Compiles `source` into a shared library under the cargo test tmp dir, keyed by content and
 /// flags (compiled once, written atomically, so parallel tests and reruns share it).
 fn compile_with(source: &str, extra: &[String]) -> PathBuf {
+    try_compile_with(source, extra).unwrap_or_else(|e| panic!("c++ failed:\n{e}"))
+}
+
+/// [`compile_with`], or the compiler's error output.
+fn try_compile_with(source: &str, extra: &[String]) -> Result<PathBuf, String> {
     let mut h = Sha256::new();
     h.update(EMU_HEADER.as_bytes());
     h.update(source.as_bytes());
@@ -42,7 +47,7 @@ fn compile_with(source: &str, extra: &[String]) -> PathBuf {
     std::fs::create_dir_all(&dir).unwrap();
     let so = dir.join(format!("k-{key}.so"));
     if so.exists() {
-        return so;
+        return Ok(so);
     }
     // Unique per call, not only per process: parallel tests of one process may compile the
     // same key at once, and one must not remove or rename the other's files.
@@ -66,14 +71,12 @@ fn compile_with(source: &str, extra: &[String]) -> PathBuf {
         .env_remove("LD_PRELOAD")
         .output()
         .expect("run c++");
-    assert!(
-        out.status.success(),
-        "c++ failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    std::fs::rename(&tmp, &so).unwrap();
     let _ = std::fs::remove_file(&src);
-    so
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+    }
+    std::fs::rename(&tmp, &so).unwrap();
+    Ok(so)
 }
 
 fn sanitize_flags() -> Vec<String> {
@@ -672,6 +675,20 @@ fn single_thread_blocks_run_on_the_direct_path() {
         )
         .unwrap();
     });
+}
+
+/// `__stcs` on a type CUDA has no overload for fails to compile on the CPU too, naming the
+/// rule, so such a kernel cannot pass the CPU tests and fail only under NVRTC.
+#[test]
+fn streaming_stores_of_other_types_do_not_compile() {
+    let src = "struct Pair { unsigned a, b; };\n\
+               extern \"C\" __global__ void k(Pair* p) { __stcs(p, Pair{1u, 2u}); }\n\
+               CP_HICACHE_EMU_EXPORT(k)\n";
+    let err = try_compile_with(src, &[]).expect_err("__stcs of a struct compiled");
+    assert!(
+        err.contains("__stcs takes a built-in scalar or vector type"),
+        "{err}"
+    );
 }
 
 /// The safe `Executor::launch` (a provided method over `launch_with`) refuses a kernel loaded
