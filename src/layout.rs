@@ -128,7 +128,7 @@ impl fmt::Display for OwnerPattern {
     }
 }
 
-/// Zigzag owners for `n` pages (DESIGN.md §2): `2C` chunks as equal as possible, the first
+/// Zigzag owners for `n` pages (docs/DESIGN.md §2.1): `2C` chunks as equal as possible, the first
 /// `n % 2C` chunks one page longer; chunk `k` belongs to rank `k` for `k < C`, else `2C-1-k`.
 /// A `cp` of 0 is treated as 1.
 pub fn zigzag_owners(cp: u8, n: usize) -> Vec<u8> {
@@ -306,15 +306,6 @@ impl CpLayout {
         (offset < self.page_size)
             .then(|| TokenLoc((u64::from(page.0) << self.page_shift()) | u64::from(offset)))
     }
-
-    /// Owners of a run of token locations, one per page: the owner of each page's first slot.
-    /// This is how `write_cp` derives `page_owners` from a node's device locations.
-    pub fn owners_of_locs(&self, locs: &[TokenLoc]) -> Vec<u8> {
-        locs.iter()
-            .step_by(self.page_size as usize)
-            .map(|&loc| self.owner(self.page_of(loc)).0)
-            .collect()
-    }
 }
 
 #[cfg(test)]
@@ -416,6 +407,5 @@ mod tests {
         assert_eq!(l.loc(PageId(5), 4), None, "offset 4 is page 6's first slot");
         assert_eq!(l.page_of(TokenLoc(u64::MAX)), PageId(u32::MAX));
         assert!(l.check_page(l.page_of(TokenLoc(1 << 40))).is_err());
-        assert_eq!(l.owners_of_locs(&locs), vec![1, 2, 0]);
     }
 }

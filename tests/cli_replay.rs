@@ -218,6 +218,63 @@ fn a_fault_that_never_fires_is_reported() {
     }
 }
 
+/// At CP 1 every page has the one owner: `plain-alloc-on-load` loads pages back but cannot
+/// give one another owner, so it tested nothing and must not claim to have fired. At CP 4
+/// (the run above, [`plain_alloc_on_load_reports_mismatches`]) it fires.
+#[test]
+fn plain_alloc_on_load_at_cp_1_never_fires() {
+    let (out, report) = replay_set(
+        &[("--cp", "1"), ("--device-pages", "24")],
+        &["--inject", "plain-alloc-on-load"],
+    );
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let r = report.unwrap();
+    assert!(num(&r, "pages_loaded") > 0, "{r}");
+    assert_eq!(num(&r, "pages_loaded_misowned"), 0, "{r}");
+    assert_eq!(num(&r, "mismatched_tokens"), 0, "{r}");
+    assert_eq!(r["fault_fired"], false, "{r}");
+    let why = r["fault_not_fired_because"].as_str().unwrap();
+    assert!(why.contains("at CP 1"), "{why}");
+    assert!(err.contains("never fired: at CP 1"), "{err}");
+}
+
+/// A load-back whose short lane is held only by inner nodes (whose leaves hold the other
+/// lane) evicts by LRU to uncover it, as the compute path would, instead of degrading to a
+/// miss and then evicting the same nodes to recompute the page. MLA, page 16, CP 2, 9
+/// device pages: four pages per lane. See: issue 20.
+#[test]
+fn r20_a_load_back_evicts_lru_before_degrading_to_a_miss() {
+    let record16 = |ids: &[u32]| {
+        let ids: Vec<String> = ids.iter().map(u32::to_string).collect();
+        format!(
+            "{{\"timestamp\": 0, \"input_length\": {}, \"output_length\": 1, \"hash_ids\": [{}]}}\n",
+            16 * ids.len(),
+            ids.join(", ")
+        )
+    };
+    // P (one page, owner 0) is backed up; four 2-page prompts (owners 0,1) fill both lanes
+    // and push P's device copy out; re-requesting their first pages splits each into an
+    // inner node (lane 0) over a leaf (lane 1); then P comes back from the host.
+    let mut trace = record16(&[100]);
+    for i in 0..4 {
+        trace += &record16(&[2 * i + 1, 2 * i + 2]);
+    }
+    for i in 0..4 {
+        trace += &record16(&[2 * i + 1]);
+    }
+    trace += &record16(&[100]);
+    let (out, report) =
+        replay_trace_blocks(&trace, "16", &["--page-size", "16", "--device-pages", "9"]);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let r = report.unwrap();
+    assert_eq!(num(&r, "load_degraded_to_miss"), 0, "{r}");
+    assert_eq!(num(&r, "host_hit_tokens"), 16, "{r}");
+    assert_eq!(num(&r, "pages_loaded"), 1, "{r}");
+    assert_eq!(num(&r, "mismatched_tokens"), 0, "{r}");
+}
+
 #[test]
 fn lane_exhaustion_stays_correct() {
     let (out, report) = replay(&["--inject", "lane-exhaustion"]);
@@ -436,6 +493,15 @@ fn bad_settings_are_usage_errors() {
 /// Runs `replay --trace` on `lines` (MLA, CP 2, one layer, 64 tokens per block) plus
 /// `extra`, with a JSON report.
 fn replay_trace(lines: &str, extra: &[&str]) -> (Output, Option<serde_json::Value>) {
+    replay_trace_blocks(lines, "64", extra)
+}
+
+/// [`replay_trace`] with `block_tokens` tokens per block.
+fn replay_trace_blocks(
+    lines: &str,
+    block_tokens: &str,
+    extra: &[&str],
+) -> (Output, Option<serde_json::Value>) {
     let f = trace_file(lines);
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("report.json");
@@ -444,7 +510,7 @@ fn replay_trace(lines: &str, extra: &[&str]) -> (Output, Option<serde_json::Valu
         .arg(f.path())
         .args([
             "--block-tokens",
-            "64",
+            block_tokens,
             "--model",
             "mla",
             "--cp",

@@ -74,13 +74,17 @@ fn load_back_degrades_to_a_miss_when_the_lane_cannot_be_freed() {
         assert_eq!(s.host_hit_tokens, 0);
         assert_eq!(s.device_hit_tokens, 6 * 16);
         assert_eq!(s.computed_tokens, 2 * 16);
+        // The recomputed pages have owners 0,1, not the host copy's 0,0: the copy is
+        // replaced (a node's device pages and host copy name the same owners).
+        assert_eq!(s.host_copies_replaced, 1, "{policy}: {s:?}");
         for p in pins {
             c.unpin(p).unwrap();
         }
         c.check_invariants().unwrap();
         evict_all(&mut c);
         assert_eq!(c.lane_free_counts(), caps, "{policy}: pages leaked");
-        // The tail's host copy (owners 0,0) survived the recompute and loads back fine now.
+        // The tail was backed up afresh (write-through on insert, write-back on eviction)
+        // with its new owners, and loads back fine now.
         let s = serve(&mut c, &a);
         assert_eq!(s.host_hit_tokens, 8 * 16, "{policy}: {s:?}");
         evict_all(&mut c);

@@ -93,3 +93,47 @@ fn pages_of_an_eviction_that_failed_are_poisoned_by_the_rollback() {
     assert_eq!(s.host_hit_tokens, 10 * 16, "{s:?}");
     assert_eq!(s.mismatched_tokens, 10 * 16, "{s:?}");
 }
+
+/// A host page freed by a host eviction and reused for a backup of the same prefix whose
+/// device→host copy does nothing. Serves A (one page, owner 0) into the only host page of
+/// rank 0, then, with every d2h copy a no-op, lets B evict A's copy and take the page, and A
+/// (recomputed) evict B's and take it back; A is then loaded from that page. Returns the
+/// mismatched tokens of the load. See: issue 20.
+fn reload_of_a_backup_that_copied_nothing(repoison: bool) -> u64 {
+    let spy = Spy::new();
+    let setup = Setup {
+        host_pages: 1,
+        layers: 2,
+        ..Setup::new(ModelShape::MlaBf16, 16, 2)
+    };
+    let mut c = setup.build_on(spy.clone());
+    c.set_repoison(repoison);
+    let a = tokens(1, 16);
+    let b = tokens(2, 16);
+    serve(&mut c, &a);
+    evict_all(&mut c);
+    spy.skip_kernels(Some("transfer_pages_d2h"));
+    let s = serve(&mut c, &b);
+    assert_eq!(s.host_evictions_for_backup, 1, "A's copy made room: {s:?}");
+    evict_all(&mut c);
+    let s = serve(&mut c, &a);
+    assert_eq!(s.computed_tokens, 16, "{s:?}");
+    assert_eq!(s.host_evictions_for_backup, 1, "B's copy made room: {s:?}");
+    spy.skip_kernels(None);
+    assert!(spy.skipped() >= 2, "the backups copied something");
+    evict_all(&mut c);
+    let s = serve_checked(&mut c, &a);
+    assert_eq!(s.host_hit_tokens, 16, "{s:?}");
+    s.mismatched_tokens
+}
+
+#[test]
+fn r20_a_backup_into_a_reused_host_page_that_copied_nothing_mismatches() {
+    assert_eq!(reload_of_a_backup_that_copied_nothing(true), 16);
+}
+
+#[test]
+fn without_repoisoning_the_reused_host_page_hides_it() {
+    // The page still holds A's first backup: right bytes, stale.
+    assert_eq!(reload_of_a_backup_that_copied_nothing(false), 0);
+}

@@ -312,11 +312,31 @@ impl Harness {
                     Vec::new()
                 };
                 let fresh = n - pages.len();
-                pages.extend((0..fresh as u32).map(|i| PageId(self.next_page + i)));
-                self.next_page += fresh as u32;
+                // A page a host-only entry will adopt gets the owner its host copy records,
+                // so no copy is replaced (the oracle has no nodes to replace copies of; the
+                // replacement has its own tests in tests/hicache_lanes.rs and the tree's unit
+                // tests). Other pages are fresh in order, whatever their owner.
+                for i in n - fresh..n {
+                    let key = &t[..(i + 1) * self.ps];
+                    let waiting = self
+                        .model
+                        .entries
+                        .get(key)
+                        .filter(|e| e.device.is_none())
+                        .and_then(|e| e.host_slot.map(|(o, _)| o));
+                    let page = match waiting {
+                        Some(owner) => self.fresh_page(owner),
+                        None => {
+                            self.next_page += 1;
+                            PageId(self.next_page - 1)
+                        }
+                    };
+                    pages.push(page);
+                }
                 self.inserted.extend(pages[n - fresh..].iter().copied());
                 let a = self.trees[0].insert(t, &pages).unwrap();
                 let b = self.trees[1].insert(t, &pages).unwrap();
+                assert!(a.dropped_host_copies.is_empty(), "{a:?}");
                 assert_eq!(a, b);
                 // Oracle: first insert wins; evicted entries adopt the new page.
                 self.model.clock += 1;

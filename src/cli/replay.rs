@@ -583,7 +583,7 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
     }
     let fault_exercised = args
         .inject
-        .map(|f| fault_exercised(f, &totals, failed, args.device_pages));
+        .map(|f| fault_exercised(f, &totals, failed, args.cp, args.device_pages));
     if let (Some(f), Some(Err(why))) = (args.inject, &fault_exercised) {
         eprintln!("warning: the injected fault {f} never fired: {why}");
     }
@@ -661,10 +661,13 @@ fn fault_exercised(
     fault: Fault,
     totals: &RequestStats,
     failed: u64,
+    cp: u8,
     device_pages: u32,
 ) -> Result<(), String> {
     let fired = match fault {
-        Fault::PlainAllocOnLoad => totals.pages_loaded > 0,
+        // Only a page loaded into another owner's page tests anything: at CP 1, or when
+        // the plain allocation happens to give the recorded owners, the bug is invisible.
+        Fault::PlainAllocOnLoad => totals.pages_loaded_misowned > 0,
         Fault::LaneExhaustion => totals.evictions_lane + totals.load_degraded_to_miss > 0,
         Fault::HostPoolFull => totals.backups_skipped + totals.host_evictions_for_backup > 0,
         // The kernels are built before the first request, so a run that got here failed.
@@ -675,9 +678,19 @@ fn fault_exercised(
         return Ok(());
     }
     Err(match fault {
-        Fault::PlainAllocOnLoad => format!(
+        Fault::PlainAllocOnLoad if totals.pages_loaded == 0 => format!(
             "no page was loaded back from the host, every prefix hit was still on the \
              device; a smaller --device-pages (now {device_pages}) forces load-backs"
+        ),
+        Fault::PlainAllocOnLoad if cp == 1 => format!(
+            "at CP 1 every page has the one owner, so the {} pages loaded back could not \
+             land on another owner's page; a CP above 1 makes the bug visible",
+            totals.pages_loaded
+        ),
+        Fault::PlainAllocOnLoad => format!(
+            "each of the {} pages loaded back happened to get the owner it was backed up \
+             from, so the plain allocation matched the owner-preserving one",
+            totals.pages_loaded
         ),
         Fault::LaneExhaustion => format!(
             "no allocation ran short of a lane: no lane-targeted eviction, no load-back \
@@ -741,7 +754,7 @@ mod tests {
                 host_evictions_for_backup: evicted,
                 ..RequestStats::default()
             };
-            fault_exercised(Fault::HostPoolFull, &totals, 0, 64).is_ok()
+            fault_exercised(Fault::HostPoolFull, &totals, 0, 8, 64).is_ok()
         };
         assert!(fired(1, 0));
         assert!(
@@ -749,6 +762,28 @@ mod tests {
             "host eviction that made a backup fit is the fault firing"
         );
         assert!(!fired(0, 0));
+    }
+
+    /// The seed's bug is exercised only by a page loaded into another owner's page; a
+    /// load-back alone (CP 1, or owners that happen to match) tested nothing, and says why.
+    #[test]
+    fn plain_alloc_on_load_fired_only_when_a_page_got_another_owner() {
+        let check = |cp, loaded, misowned| {
+            let totals = RequestStats {
+                pages_loaded: loaded,
+                pages_loaded_misowned: misowned,
+                ..RequestStats::default()
+            };
+            fault_exercised(Fault::PlainAllocOnLoad, &totals, 0, cp, 64)
+        };
+        assert!(check(8, 4, 1).is_ok());
+        assert!(check(8, 0, 0)
+            .unwrap_err()
+            .contains("no page was loaded back"));
+        assert!(check(1, 4, 0).unwrap_err().contains("at CP 1"));
+        assert!(check(8, 4, 0)
+            .unwrap_err()
+            .contains("happened to get the owner"));
     }
 
     /// The memory check counts the kernel-backed lane allocators: per rank 8 bytes per

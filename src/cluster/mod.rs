@@ -314,6 +314,19 @@ struct RankState {
     host: HostPagePool,
 }
 
+/// Frees `pages` on every rank in `ranks`, even after one refuses: an undo that stopped at
+/// the first failure would leave the later ranks holding pages nobody frees. Returns the
+/// first failure.
+fn free_on_every_rank(ranks: &mut [RankState], pages: &[PageId]) -> Result<(), KernelAllocError> {
+    let mut first = None;
+    for rank in ranks {
+        if let Err(e) = rank.alloc.free(pages) {
+            first.get_or_insert(e);
+        }
+    }
+    first.map_or(Ok(()), Err)
+}
+
 /// Every rank's state as it was before an operation, to roll back to on error.
 struct Snapshot(Vec<(RadixTree, OwnerLaneAllocator, HostPagePool)>);
 
@@ -689,17 +702,20 @@ impl Cluster {
         }
     }
 
-    /// Whether device pages are poisoned again when they are freed (evicted, dropped by a
-    /// rollback, or released at the end of a request) and the dense buffers before every
-    /// materialisation. On by default, and it should stay on wherever results are checked:
+    /// Whether device and host pages are poisoned again when they are freed (evicted,
+    /// dropped by a rollback, or released at the end of a request) and the dense buffers
+    /// before every materialisation. On by default, and it should stay on wherever results are checked:
     /// the lane stacks are LIFO, so a node loaded back often gets its old pages, which still
     /// hold the right bytes, and a load that copied nothing would pass verification.
     ///
     /// Cost: a device fill (`cuMemsetD8Async` on a GPU, `memset` on the CPU) of the poison
     /// byte over every freed page (all layers and buffer kinds, on its owner rank) and over
     /// the dense buffers of every request: device-memory writes of about the bytes freed plus
-    /// the bytes materialised, nothing over PCIe. Fills are stream-ordered and neither read
-    /// back nor synchronise, so the load path stays free of both.
+    /// the bytes materialised, nothing over PCIe. Device fills are stream-ordered and neither
+    /// read back nor synchronise, so the load path stays free of both. Freed host pages (host
+    /// evictions, replaced copies) are poisoned by the CPU; on a GPU that waits for the
+    /// stream, which the load path meets only when a write-back eviction there frees host
+    /// copies.
     pub fn set_repoison(&mut self, on: bool) {
         self.repoison = on;
     }
@@ -813,6 +829,19 @@ impl Cluster {
         // Every rank gets its state even if one allocator fails to take its lanes back (it
         // then refuses work until the next rollback): an early return here would leave the
         // later ranks in the failed operation's state, and the replicas apart for good.
+        // Host pages the failed operation allocated (a backup it wrote) become free too.
+        let released_host: Vec<(Rank, Vec<HostPage>)> = self
+            .ranks
+            .iter()
+            .zip(&states)
+            .map(|(r, (_, _, host))| {
+                let pages = (0..r.host.capacity())
+                    .map(HostPage)
+                    .filter(|&p| r.host.is_allocated(p) && !host.is_allocated(p))
+                    .collect();
+                (r.tree.rank(), pages)
+            })
+            .collect();
         let mut failed = None;
         for (r, (tree, mirror, host)) in self.ranks.iter_mut().zip(states) {
             r.tree = tree;
@@ -822,7 +851,9 @@ impl Cluster {
             }
         }
         self.last_rollback = drops;
-        let poisoned = self.poison_freed(released);
+        let poisoned = self
+            .poison_freed(released)
+            .and_then(|()| self.poison_freed_host(released_host));
         match failed {
             Some(e) => Err(e.into()),
             None => poisoned,
@@ -897,11 +928,22 @@ impl Cluster {
         // 6. Insert the whole pages; free what the tree already had and the partial page.
         let mut dups = Vec::new();
         let mut inserted = None;
+        let mut released_host = Vec::new();
         for r in &mut self.ranks {
             let ins = r.tree.insert(key, &pages[..full])?;
             dups = ins.duplicate_pages;
             inserted = Some(ins.node);
+            // Every rank drops the same copies (owners are replicated); count them once.
+            stats.host_copies_replaced = ins.dropped_host_copies.len() as u64;
+            for meta in ins.dropped_host_copies {
+                r.host.free(meta.host_pages())?;
+                self.freed
+                    .host_mut(r.tree.rank())
+                    .extend(meta.host_pages().iter().copied());
+                released_host.push((r.tree.rank(), meta.host_pages().to_vec()));
+            }
         }
+        self.poison_freed_host(released_host)?;
         let ours: std::collections::HashSet<PageId> = pages[..cached].iter().copied().collect();
         let mut to_free: Vec<PageId> = dups.into_iter().filter(|p| !ours.contains(p)).collect();
         to_free.extend_from_slice(&pages[full..]);
@@ -943,9 +985,9 @@ impl Cluster {
         Ok(())
     }
 
-    /// Loads host-only nodes back: one allocation with the concatenated `page_owners`, one
-    /// lane-targeted eviction and retry on a shortage, then a miss. Reads nothing back from
-    /// the device. Returns the new pages, or `None` when the load degraded to a miss.
+    /// Loads host-only nodes back: one allocation with the concatenated `page_owners`,
+    /// evicting as the compute path does on a shortage (lane-targeted, then LRU), then a
+    /// miss. Reads nothing back from the device. Returns the new pages, or `None` when the load degraded to a miss.
     fn load_cp(
         &mut self,
         nodes: &[NodeId],
@@ -963,16 +1005,16 @@ impl Cluster {
             .collect::<Result<_, TreeError>>()?;
         let owners = NodeMetadata::concat(metas)?.page_owners().to_vec();
         let plain = self.config.fault == Some(Fault::PlainAllocOnLoad);
-        let mut run = self.try_alloc(&owners, plain)?;
-        if run.is_none() {
-            let deficit = self.ranks[0].alloc.deficit(&owners)?;
-            let evicted = self.evict(Eviction::Lanes(deficit), stats)?;
-            stats.evictions_lane += evicted as u64;
-            run = self.try_alloc(&owners, plain)?;
-        }
-        let Some(run) = run else {
+        // The same evictions as for computed pages, in the same order: a miss here would
+        // only make the compute path evict the same nodes to recompute these pages.
+        let Some(run) = self.alloc_evicting(&owners, plain, stats)? else {
             return Ok(None);
         };
+        stats.pages_loaded_misowned += owners
+            .iter()
+            .zip(&run)
+            .filter(|&(&o, &p)| self.layout.owner(p).0 != o)
+            .count() as u64;
 
         // Each rank moves the pages it owns: host page -> local page of the new owner page.
         let geometry = self.pools.geometry();
@@ -1053,6 +1095,7 @@ impl Cluster {
                 return Ok(());
             }
             let mut evicted = 0;
+            let mut released_host = Vec::new();
             for r in &mut self.ranks {
                 let gone = r.tree.evict_host_for_ranks(&short)?;
                 evicted = gone.len();
@@ -1061,8 +1104,10 @@ impl Cluster {
                     self.freed
                         .host_mut(r.tree.rank())
                         .extend(meta.host_pages().iter().copied());
+                    released_host.push((r.tree.rank(), meta.host_pages().to_vec()));
                 }
             }
+            self.poison_freed_host(released_host)?;
             stats.evictions_lru += evicted as u64;
             stats.host_evictions_for_backup += evicted as u64;
         }
@@ -1094,6 +1139,7 @@ impl Cluster {
         plain: bool,
     ) -> Result<Option<Vec<PageId>>, ClusterError> {
         let mut out: Option<Vec<PageId>> = None;
+        let mut undo_failed = None;
         for r in 0..self.ranks.len() {
             let alloc = &mut self.ranks[r].alloc;
             let res = if plain {
@@ -1113,9 +1159,10 @@ impl Cluster {
                         Some(first) => {
                             let what =
                                 format!("rank {r} allocated {pages:?} where rank 0 got {first:?}");
-                            // This rank's allocation is undone with the earlier ones.
+                            // This rank's allocation is undone with the earlier ones; a
+                            // failure to is reported after they are.
                             let mine: Vec<PageId> = pages.into_iter().rev().collect();
-                            self.ranks[r].alloc.free(&mine)?;
+                            undo_failed = self.ranks[r].alloc.free(&mine).err();
                             ClusterError::ReplicasDiverged { what }
                         }
                     }
@@ -1127,53 +1174,76 @@ impl Cluster {
                 Err(e) => e.into(),
             };
             // Undo the earlier ranks' allocations (in reverse, so the LIFO lanes come back
-            // exactly as they were).
+            // exactly as they were), every one of them even when one fails: stopping there
+            // would leave the later ranks holding pages nobody frees. The first failure of
+            // the undo is returned after the loop, since the ranks may then disagree.
             if let Some(first) = &out {
                 let back: Vec<PageId> = first.iter().rev().copied().collect();
-                for rank in &mut self.ranks[..r] {
-                    rank.alloc.free(&back)?;
+                if let Err(e) = free_on_every_rank(&mut self.ranks[..r], &back) {
+                    undo_failed.get_or_insert(e);
                 }
             }
-            return Err(err);
+            return Err(undo_failed.map_or(err, ClusterError::from));
         }
         Ok(out)
     }
 
-    /// Allocates the pages to compute, evicting as needed: device LRU while the pool as a
-    /// whole is short, owner-lane targeted eviction when only some lanes are. `held` are the
-    /// device pages the request already holds (its cached prefix, locked; for the error).
+    /// Allocates the pages to compute, evicting as needed (see [`Self::alloc_evicting`]).
+    /// `held` are the device pages the request already holds (its cached prefix, locked;
+    /// for the error).
     fn alloc_with_eviction(
         &mut self,
         owners: &[u8],
         held: &[PageId],
         stats: &mut RequestStats,
     ) -> Result<Vec<PageId>, ClusterError> {
-        loop {
-            if let Some(run) = self.try_alloc(owners, false)? {
-                return Ok(run);
+        match self.alloc_evicting(owners, false, stats)? {
+            Some(run) => Ok(run),
+            None => {
+                let deficit = self.ranks[0].alloc.deficit(owners)?;
+                Err(self.pool_too_small(owners, held, &deficit))
             }
-            let deficit = self.ranks[0].alloc.deficit(owners)?;
+        }
+    }
+
+    /// Allocates `owners` (any lanes when `plain`), evicting unlocked device nodes until it
+    /// fits: device LRU while the pool as a whole is short, owner-lane targeted eviction
+    /// when only some lanes are, and LRU again when no leaf frees a short lane. `None` once
+    /// nothing more can be evicted. The load path and the compute path both allocate
+    /// through here, so a load-back degrades to a miss only when computing would not fit
+    /// either.
+    fn alloc_evicting(
+        &mut self,
+        owners: &[u8],
+        plain: bool,
+        stats: &mut RequestStats,
+    ) -> Result<Option<Vec<PageId>>, ClusterError> {
+        loop {
+            if let Some(run) = self.try_alloc(owners, plain)? {
+                return Ok(Some(run));
+            }
             let free = self.ranks[0].alloc.mirror().free_pages();
             let evicted = if owners.len() > free {
                 let n = self.evict(Eviction::Lru(owners.len() - free), stats)?;
                 stats.evictions_lru += n as u64;
                 n
             } else {
-                let n = self.evict(Eviction::Lanes(deficit.clone()), stats)?;
+                let deficit = self.ranks[0].alloc.deficit(owners)?;
+                let n = self.evict(Eviction::Lanes(deficit), stats)?;
                 stats.evictions_lane += n as u64;
                 if n > 0 {
                     n
                 } else {
                     // The short lanes' pages can sit in nodes that are not leaves yet, under
                     // leaves holding only other lanes' pages, which lane-targeted eviction
-                    // skips. Computed pages may go anywhere, so evict LRU to uncover them.
+                    // skips. Evict LRU to uncover them.
                     let n = self.evict(Eviction::Lru(1), stats)?;
                     stats.evictions_lru += n as u64;
                     n
                 }
             };
             if evicted == 0 {
-                return Err(self.pool_too_small(owners, held, &deficit));
+                return Ok(None);
             }
         }
     }
@@ -1267,6 +1337,7 @@ impl Cluster {
         }
         let mut count = 0;
         let mut released = BTreeSet::new();
+        let mut released_host = Vec::new();
         let freed = &mut self.freed;
         for r in &mut self.ranks {
             let evicted: Vec<Evicted> = match &how {
@@ -1283,10 +1354,12 @@ impl Cluster {
                     freed
                         .host_mut(r.tree.rank())
                         .extend(meta.host_pages().iter().copied());
+                    released_host.push((r.tree.rank(), meta.host_pages().to_vec()));
                 }
             }
         }
         self.poison_freed(released)?;
+        self.poison_freed_host(released_host)?;
         Ok(count)
     }
 
@@ -1348,6 +1421,31 @@ impl Cluster {
             bytes += src.len() as u64 * u64::from(g.layers) * b.page_bytes(self.layout.page_size());
         }
         Ok(bytes)
+    }
+
+    /// Poisons freed host pages, each on its rank's host pools, every buffer kind (when
+    /// [`Cluster::set_repoison`] is on): a backup that reuses one and whose device→host copy
+    /// does nothing must leave poison there, not the bytes of an earlier backup of the same
+    /// prefix, which would load back and verify clean.
+    fn poison_freed_host(
+        &mut self,
+        pages: impl IntoIterator<Item = (Rank, Vec<HostPage>)>,
+    ) -> Result<(), ClusterError> {
+        if !self.repoison {
+            return Ok(());
+        }
+        let layout = self.config.deployment.host_layout;
+        for (rank, pages) in pages {
+            if pages.is_empty() {
+                continue;
+            }
+            let pages: Vec<u32> = pages.iter().map(|p| p.0).collect();
+            for &b in self.config.deployment.model.buffers() {
+                self.pools
+                    .poison_host_pages(b, usize::from(rank.0), layout, &pages)?;
+            }
+        }
+        Ok(())
     }
 
     /// Poisons freed device pages on their owners' pools, every buffer kind (when
@@ -1603,6 +1701,25 @@ mod tests {
         // A shortage on every rank alike is still a plain `None`.
         c.ranks[0].alloc.alloc_pages_with_owners(&[0, 0]).unwrap();
         assert_eq!(c.try_alloc(&[0, 0, 0], false).unwrap(), None);
+    }
+
+    /// The undo frees on every rank even when an earlier one refuses, and reports that
+    /// refusal afterwards. See: issue 20.
+    #[test]
+    fn r20_an_undo_frees_on_every_rank_after_a_refusal() {
+        let mut c = cluster();
+        let before = c.ranks[0].alloc.digest();
+        // Rank 1 alone holds the pages: rank 0 refuses to free what it never allocated.
+        let run = c.ranks[1]
+            .alloc
+            .alloc_pages_with_owners(&[0, 1])
+            .unwrap()
+            .run;
+        let back: Vec<PageId> = run.pages().iter().rev().copied().collect();
+        let err = free_on_every_rank(&mut c.ranks, &back).unwrap_err();
+        assert!(err.to_string().contains("double free"), "{err}");
+        assert_eq!(c.ranks[1].alloc.digest(), before, "rank 1 was undone");
+        c.ranks[1].alloc.debug_check_device().unwrap();
     }
 
     #[test]

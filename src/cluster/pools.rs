@@ -2,7 +2,7 @@
 //! scratch buffers a request uploads its control data into.
 
 use crate::exec::{BufferId, ExecError, Executor, MemKind};
-use crate::kernels::{reference, BufferKind, Deployment};
+use crate::kernels::{reference, BufferKind, Deployment, HostLayout};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -221,6 +221,35 @@ impl Pools {
             })
             .collect();
         let id = self.device(b, r);
+        self.fill_poison(id, &ranges)
+    }
+
+    /// Writes [`POISON`] over host pages `pages` of rank `r`'s host pool of buffer `b`, every
+    /// layer, laid out as `layout`: a freed host page reused by a backup whose copy did
+    /// nothing must not still hold the right bytes. Pages outside the pool are skipped. On
+    /// a GPU the pool is pinned host memory, written by the CPU once the stream is idle.
+    pub fn poison_host_pages(
+        &mut self,
+        b: BufferKind,
+        r: usize,
+        layout: HostLayout,
+        pages: &[u32],
+    ) -> Result<(), ExecError> {
+        let g = self.geometry;
+        let page_bytes = b.page_bytes(self.page_size);
+        let ranges: Vec<(u64, u64)> = pages
+            .iter()
+            .filter(|&&p| p < g.host_pages)
+            .flat_map(|&p| {
+                (0..g.layers).map(move |l| {
+                    (
+                        reference::host_offset(layout, p, l, g.layers, g.host_pages, page_bytes),
+                        page_bytes,
+                    )
+                })
+            })
+            .collect();
+        let id = self.host(b, r);
         self.fill_poison(id, &ranges)
     }
 

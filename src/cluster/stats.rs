@@ -25,6 +25,14 @@ pub struct RequestStats {
     pub evictions_lane: u64,
     /// Load-backs that could not get owner-matching pages and became misses.
     pub load_degraded_to_miss: u64,
+    /// Pages loaded back into a page whose owner differs from the one recorded at backup:
+    /// always 0, except under the `plain-alloc-on-load` fault, where it says whether the
+    /// fault did anything.
+    pub pages_loaded_misowned: u64,
+    /// Host copies dropped because the prefix they hold was recomputed (its load-back
+    /// degraded to a miss) with other owners: a node's device pages and host copy must name
+    /// the same owners, so the copy goes and the node is backed up afresh.
+    pub host_copies_replaced: u64,
     /// Backups skipped because the host pool was full.
     pub backups_skipped: u64,
     /// Host copies evicted (only those holding pages of the short ranks) so that a backup
@@ -58,6 +66,8 @@ impl RequestStats {
         self.evictions_lru += o.evictions_lru;
         self.evictions_lane += o.evictions_lane;
         self.load_degraded_to_miss += o.load_degraded_to_miss;
+        self.pages_loaded_misowned += o.pages_loaded_misowned;
+        self.host_copies_replaced += o.host_copies_replaced;
         self.backups_skipped += o.backups_skipped;
         self.host_evictions_for_backup += o.host_evictions_for_backup;
         self.bytes_h2d += o.bytes_h2d;
@@ -199,6 +209,10 @@ impl ReplayReport {
             "load-backs degraded to miss",
             t.load_degraded_to_miss.to_string(),
         );
+        if t.pages_loaded_misowned > 0 {
+            row("pages loaded misowned", t.pages_loaded_misowned.to_string());
+        }
+        row("host copies replaced", t.host_copies_replaced.to_string());
         row("backups skipped (host full)", t.backups_skipped.to_string());
         row(
             "host evictions for backups",

@@ -250,6 +250,9 @@ pub struct InsertResult {
     pub duplicate_pages: Vec<PageId>,
     /// Incoming pages adopted by existing host-only nodes.
     pub adopted_pages: usize,
+    /// Host copies that adopted pages with other owners replaced (see
+    /// [`RadixTree::insert`]): the caller frees their host pages.
+    pub dropped_host_copies: Vec<NodeMetadata>,
 }
 
 /// One node's device eviction: the device pages to free and, if the node left the tree,
@@ -588,10 +591,14 @@ impl RadixTree {
 
     /// Inserts `tokens` with their device `pages` (`tokens.len() == pages.len() * page_size`).
     /// Pages for tokens already on the device come back as duplicates, except the tree's own
-    /// pages passed back at their own positions; host-only nodes on
-    /// the path adopt theirs; the rest becomes a new leaf. Adopted pages may follow another
-    /// owner pattern than the node's host copy: the host copy stays valid because loads
-    /// always allocate by its `page_owners`.
+    /// pages passed back at their own positions; host-only nodes on the path adopt theirs;
+    /// the rest becomes a new leaf.
+    ///
+    /// A node's device pages and host copy must name the same owners (a later backup or
+    /// load relies on it). Pages adopted by a host-only node whose `page_owners` differ (a
+    /// prefix recomputed after its load-back degraded to a miss gets fresh zigzag owners)
+    /// therefore replace its host copy: the copy leaves the node and comes back in
+    /// [`InsertResult::dropped_host_copies`], for the caller to free its host pages.
     pub fn insert(&mut self, tokens: &[u32], pages: &[PageId]) -> Result<InsertResult, TreeError> {
         let ps = self.ps();
         if pages.len().checked_mul(ps) != Some(tokens.len()) {
@@ -617,10 +624,12 @@ impl RadixTree {
         let mut duplicate_pages = Vec::new();
         let mut adopted_pages = 0;
         let mut offset = 0;
+        let mut dropped_host_copies = Vec::new();
         for &id in &path {
-            let n = self.get_mut(id)?;
+            let n = self.get(id)?;
             let np = n.key.len() / ps;
             let mine = &pages[offset..offset + np];
+            offset += np;
             if let Some(have) = &n.device {
                 duplicate_pages.extend(
                     mine.iter()
@@ -628,12 +637,23 @@ impl RadixTree {
                         .filter(|(m, h)| m != h)
                         .map(|(m, _)| *m),
                 );
-            } else {
-                n.device = Some(mine.to_vec());
-                self.held_device.extend(mine.iter().copied());
-                adopted_pages += np;
+                continue;
             }
-            offset += np;
+            let keeps_host = match &n.host {
+                Some(h) => self.check_owners(id, mine, h).is_ok(),
+                None => true,
+            };
+            let n = self.get_mut(id)?;
+            n.device = Some(mine.to_vec());
+            let dropped = if keeps_host { None } else { n.host.take() };
+            self.held_device.extend(mine.iter().copied());
+            adopted_pages += np;
+            if let Some(meta) = dropped {
+                for p in meta.host_pages() {
+                    self.held_host.remove(p);
+                }
+                dropped_host_copies.push(meta);
+            }
         }
         let mut node = path.last().copied().unwrap_or(NodeId::ROOT);
         if offset < pages.len() {
@@ -657,6 +677,7 @@ impl RadixTree {
             prefix_tokens: matched_pages * ps,
             duplicate_pages,
             adopted_pages,
+            dropped_host_copies,
         })
     }
 
@@ -1622,6 +1643,50 @@ mod tests {
         let mut other = t.clone();
         other.slots[free as usize].generation += 1;
         assert_ne!(t.digest(), other.digest());
+    }
+
+    /// A host-only node (CP 2, owners 0,1, rank 0 holding host page 7) and its key.
+    fn host_only_node() -> (RadixTree, NodeId, Vec<u32>) {
+        let mut t = tree(2, 2);
+        let key = vec![1, 2, 3, 4];
+        let node = t.insert(&key, &pages(&[2, 3])).unwrap().node;
+        let meta = NodeMetadata::new(&t.layout, Rank(0), vec![0, 1], vec![HostPage(7)]).unwrap();
+        t.set_host(node, meta).unwrap();
+        t.take_device(node).unwrap();
+        (t, node, key)
+    }
+
+    /// Pages with the owners the host copy records are adopted and the copy stays.
+    #[test]
+    fn insert_keeps_a_host_copy_whose_owners_match() {
+        let (mut t, node, key) = host_only_node();
+        let r = t.insert(&key, &pages(&[4, 5])).unwrap();
+        assert_eq!(r.adopted_pages, 2);
+        assert!(r.dropped_host_copies.is_empty());
+        let n = t.node(node).unwrap();
+        assert_eq!(n.device(), Some(&pages(&[4, 5])[..]));
+        assert_eq!(n.host().unwrap().host_pages(), &[HostPage(7)]);
+        t.check_invariants().unwrap();
+    }
+
+    /// Pages with other owners (a recompute after a degraded load-back) replace the host
+    /// copy: it comes back for the caller to free, and no device page sits under a host
+    /// copy that names another owner. See: issue 20.
+    #[test]
+    fn r20_insert_replaces_a_host_copy_whose_owners_differ() {
+        let (mut t, node, key) = host_only_node();
+        let r = t.insert(&key, &pages(&[4, 6])).unwrap();
+        assert_eq!(r.adopted_pages, 2);
+        assert_eq!(r.dropped_host_copies.len(), 1);
+        assert_eq!(r.dropped_host_copies[0].host_pages(), &[HostPage(7)]);
+        let n = t.node(node).unwrap();
+        assert_eq!(n.device(), Some(&pages(&[4, 6])[..]));
+        assert!(n.host().is_none());
+        t.check_invariants().unwrap();
+        // The host page is free for another node again.
+        let other = t.insert(&[9, 9], &pages(&[8])).unwrap().node;
+        let meta = NodeMetadata::new(&t.layout, Rank(0), vec![0], vec![HostPage(7)]).unwrap();
+        t.set_host(other, meta).unwrap();
     }
 
     #[test]
