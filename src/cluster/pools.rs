@@ -224,7 +224,7 @@ impl Pools {
         self.fill_poison(id, &ranges)
     }
 
-    /// Writes [`POISON`] over host pages `pages` of rank `r`'s host pool of buffer `b`, every
+    /// Writes the poison byte over host pages `pages` of rank `r`'s host pool of buffer `b`, every
     /// layer, laid out as `layout`: a freed host page reused by a backup whose copy did
     /// nothing must not still hold the right bytes. Pages outside the pool are skipped. On
     /// a GPU the pool is pinned host memory, written by the CPU once the stream is idle.
