@@ -35,6 +35,29 @@ fn decode_all(c: &Cluster, dense: &Dense, n_tokens: usize) -> Vec<Vec<f32>> {
         .collect()
 }
 
+/// Every field's bytes of token `t` in layer `layer` of a dense buffer laid out
+/// `[layer][seq_page][page bytes]`.
+fn token_bytes(
+    b: BufferKind,
+    dense: &[u8],
+    ps: usize,
+    layers: u32,
+    layer: u32,
+    t: usize,
+) -> Vec<u8> {
+    let page_bytes = b.page_bytes(ps as u32) as usize;
+    let pages = dense.len() / (layers as usize * page_bytes);
+    let page = &dense[(layer as usize * pages + t / ps) * page_bytes..][..page_bytes];
+    let slot = (t % ps) as u32;
+    b.field_layouts(ps as u32)
+        .iter()
+        .flat_map(|f| {
+            let at = f.offset(slot, 0);
+            page[at..at + (f.count * f.dtype.size()) as usize].to_vec()
+        })
+        .collect()
+}
+
 /// Cold prefill, eviction, host hit: the two dense captures and their stats.
 fn cold_and_reloaded(setup: &Setup, n_tokens: usize) -> (Cluster, Dense, Dense, u64) {
     let mut c = setup.build();
@@ -79,8 +102,19 @@ fn decode_over_a_cache_hit_equals_decode_over_the_cold_prefill() {
         assert_eq!(mismatched, 0);
         let ps = c.layout().page_size() as usize;
         // Byte-equal on every real token (the padding of the last page is not KV).
-        for ((b, x), (_, y)) in cold.iter().zip(&hit) {
+        assert_eq!(cold.len(), hit.len());
+        for ((b, x), (hb, y)) in cold.iter().zip(&hit) {
+            assert_eq!(b, hb);
             assert_eq!(x.len(), y.len(), "{b}");
+            for layer in 0..setup.layers {
+                for t in 0..n {
+                    assert_eq!(
+                        token_bytes(*b, x, ps, setup.layers, layer, t),
+                        token_bytes(*b, y, ps, setup.layers, layer, t),
+                        "{b} layer {layer} token {t}: the hit's KV differs from the cold prefill's"
+                    );
+                }
+            }
         }
         let out_cold = decode_all(&c, &cold, n);
         let out_hit = decode_all(&c, &hit, n);

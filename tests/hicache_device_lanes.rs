@@ -121,7 +121,18 @@ fn a_failed_rollback_upload_leaves_no_rank_behind() {
         "the ranks were not all restored"
     );
     // The broken allocator refuses the next request, whose rollback heals it.
-    let _ = c.serve(&a);
+    let err = c.serve(&a).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("the allocator's device lanes are out of step with its host mirror"),
+        "{err}"
+    );
+    assert!(c.replicas_agree(), "{:?}", c.replica_digests());
+    assert_eq!(
+        c.replica_digests(),
+        before,
+        "the refused request changed state"
+    );
     let stats = serve(&mut c, &longer);
     assert_eq!(stats.mismatched_tokens, 0);
     assert!(c.replicas_agree(), "{:?}", c.replica_digests());

@@ -65,10 +65,17 @@ fn zero_owned_nodes(c: &mut Cluster) {
     evict_all(c);
     let s = serve(c, &base);
     assert_eq!(s.host_hit_tokens, (14 * ps) as u64, "{s:?}");
-    // Half of it again from the middle of the chain, after a partial eviction.
+    // The first five pages again after a full eviction, then the rest loaded from the
+    // middle of the chain on top of them.
     evict_all(c);
     let s = serve(c, &base[..5 * ps + 1]);
     assert_eq!(s.host_hit_tokens, (5 * ps) as u64, "{s:?}");
+    let s = serve(c, &base);
+    assert_eq!(s.device_hit_tokens, (5 * ps) as u64, "{s:?}");
+    assert_eq!(s.host_hit_tokens, (9 * ps) as u64, "{s:?}");
+    // A partial eviction: the chain's LRU end (its last nine pages: nodes of 3, 3, 1, 1 and
+    // 1 pages) leaves the device, the first five pages stay; the load starts mid-chain.
+    assert_eq!(c.evict_device_lru(9).unwrap(), 5);
     let s = serve(c, &base);
     assert_eq!(s.device_hit_tokens, (5 * ps) as u64, "{s:?}");
     assert_eq!(s.host_hit_tokens, (9 * ps) as u64, "{s:?}");

@@ -405,7 +405,7 @@ fn bench_and_tune_without_the_asan_runtime_are_refused_once() {
     }
 }
 
-/// The README recipe: with the runtime preloaded (which the compiler children must not
+/// The docs/CLI.md recipe: with the runtime preloaded (which the compiler children must not
 /// inherit), a small replay runs ASan builds of every kernel and verifies every token.
 #[test]
 fn replay_runs_asan_kernels_under_the_preloaded_runtime() {

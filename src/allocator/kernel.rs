@@ -2,7 +2,7 @@
 //! (device) memory and the select / release kernels pop and push them, while a host mirror
 //! decides success.
 //!
-//! DESIGN.md §2: "the host keeps only the per-lane counts, which is enough to decide success
+//! docs/DESIGN.md §2.3: success is decided from "the per-lane counts, which is enough to decide success
 //! without reading device memory". This type keeps a full [`OwnerLaneAllocator`] as the
 //! mirror, because the host also needs the page ids (for the radix tree) and the mirror pops
 //! and pushes in exactly the kernels' LIFO order (docs/KERNELS.md "Lane free stacks"), so the

@@ -98,7 +98,7 @@ without the word `replay`; they cannot be combined with another command.
 
 Set RUST_LOG=cp_hicache=info to see every JIT event.";
 
-/// The environment variables, for `--help` (README.md has the details).
+/// The environment variables, for `--help` (docs/CLI.md has the details).
 const ENVIRONMENT: &str = "\
 Environment:
   CP_HICACHE_CACHE_DIR        JIT cache directory (default: the user cache dir)

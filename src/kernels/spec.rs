@@ -6,7 +6,7 @@ use std::fmt;
 
 use super::KernelError;
 
-/// The kernel families of DESIGN.md §3.
+/// The kernel families of docs/DESIGN.md §3.1.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Family {
     /// Owner-page selection (alloc): pops pages from the lane free stacks.
@@ -1048,7 +1048,7 @@ impl KernelSpec {
         super::render::render_spec(self)
     }
 
-    /// This spec with each launch configuration worth timing (DESIGN.md §3 "Tuning"): same
+    /// This spec with each launch configuration worth timing (docs/DESIGN.md §3.6 "Tuning"): same
     /// family and constants, different launch shape; invalid shapes are left out. Always
     /// includes a CPU-friendly shape (1 thread per block for the copy and synthesis
     /// families, one warp for the warp-cooperative allocator families).

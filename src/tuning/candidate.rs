@@ -1,4 +1,4 @@
-//! Launch-configuration candidates per kernel family (DESIGN.md §3 "Tuning"): threads per
+//! Launch-configuration candidates per kernel family (docs/DESIGN.md §3.6 "Tuning"): threads per
 //! block, pages per block, vector width, unroll and where the layer loop runs as kernel
 //! renders, plus the DMA path for transfers on a GPU (batched `cuMemcpyAsync`).
 

@@ -1,4 +1,4 @@
-//! Tuning per deployment and the performance harness (DESIGN.md §3 "Tuning"): launch-shape
+//! Tuning per deployment and the performance harness (docs/DESIGN.md §3.6 "Tuning"): launch-shape
 //! candidates per kernel family ([`candidate`]), timing them on the executor at hand
 //! ([`tuner`]), a tuning file keyed by device, compiler, kernel sources and shape-independent spec key
 //! ([`mod@file`], [`key`]), the `bench` measurements with baselines taken in the same run
