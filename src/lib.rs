@@ -29,6 +29,7 @@ pub mod cluster;
 mod env;
 mod error;
 pub mod exec;
+pub mod group;
 pub mod hicache;
 pub mod jit;
 pub mod kernels;

@@ -109,6 +109,15 @@ pub enum ExecError {
         /// The offending region.
         region: CopyRegion,
     },
+    /// A peer mapping could not be made: the executor has none, or a handle that does not
+    /// name a live shareable buffer.
+    #[error("peer mapping ({op}): {message}")]
+    Peer {
+        /// `alloc_shareable`, `export` or `import`.
+        op: &'static str,
+        /// Why.
+        message: String,
+    },
     /// An error reported by the CUDA driver outside a launch.
     #[error("CUDA driver error in {op}: {message}")]
     Driver {
@@ -733,6 +742,46 @@ pub trait Executor: Send + Sync {
 
     /// Frees a buffer.
     fn free(&self, buffer: BufferId) -> Result<(), ExecError>;
+
+    /// Allocates device memory (filled with `fill`) that other ranks' executors can map,
+    /// in this process or another, through [`Executor::export`] and [`Executor::import`]:
+    /// a rank's KV pools, which attention on every rank reads. Executors without peer
+    /// mappings refuse ([`ExecError::Peer`]); their ranks must share one executor and reach
+    /// each other's buffers directly.
+    fn alloc_shareable(&self, bytes: usize, fill: u8) -> Result<BufferId, ExecError> {
+        let _ = (bytes, fill);
+        Err(ExecError::Peer {
+            op: "alloc_shareable",
+            message: format!("the {} executor has no peer mappings", self.backend()),
+        })
+    }
+
+    /// A handle (bytes, to be all-gathered) that lets a peer map `buffer`, which
+    /// [`Executor::alloc_shareable`] made.
+    fn export(&self, buffer: BufferId) -> Result<Vec<u8>, ExecError> {
+        let _ = buffer;
+        Err(ExecError::Peer {
+            op: "export",
+            message: format!("the {} executor has no peer mappings", self.backend()),
+        })
+    }
+
+    /// Maps a peer's exported buffer: the returned buffer reads and writes the peer's bytes
+    /// (freeing it only unmaps). A handle of another kind of executor, or of a buffer that
+    /// is gone, is refused.
+    fn import(&self, handle: &[u8]) -> Result<BufferId, ExecError> {
+        let _ = handle;
+        Err(ExecError::Peer {
+            op: "import",
+            message: format!("the {} executor has no peer mappings", self.backend()),
+        })
+    }
+
+    /// How peers map this executor's shareable buffers (`"shared-memory"`, `"ipc"`), or
+    /// `None` when they cannot.
+    fn peer_mapping(&self) -> Option<&'static str> {
+        None
+    }
 
     /// Size of a buffer in bytes.
     fn size(&self, buffer: BufferId) -> Result<usize, ExecError>;

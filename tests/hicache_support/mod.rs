@@ -302,6 +302,18 @@ impl Executor for Spy {
     fn counters(&self) -> Counters {
         self.inner.counters()
     }
+    fn alloc_shareable(&self, b: usize, f: u8) -> Result<BufferId, ExecError> {
+        self.inner.alloc_shareable(b, f)
+    }
+    fn export(&self, b: BufferId) -> Result<Vec<u8>, ExecError> {
+        self.inner.export(b)
+    }
+    fn import(&self, h: &[u8]) -> Result<BufferId, ExecError> {
+        self.inner.import(h)
+    }
+    fn peer_mapping(&self) -> Option<&'static str> {
+        self.inner.peer_mapping()
+    }
     fn inject_launch_failure(&self) {
         self.inner.inject_launch_failure()
     }

@@ -41,19 +41,40 @@ struct CpEmuLaunch {
 
 type LaunchFn = unsafe extern "C" fn(*const CpEmuLaunch, *mut *mut c_void) -> c_int;
 
-/// A 64-byte-aligned, zero-length-safe heap allocation whose address kernels use as a
-/// device pointer.
+/// A 64-byte-aligned, zero-length-safe allocation whose address kernels use as a device
+/// pointer: heap memory, or a POSIX shared-memory object that other executors (other ranks,
+/// in this process or another) map too ([`HostMem::new_shared`], [`HostMem::open_shared`]).
 pub(crate) struct HostMem {
     ptr: NonNull<u8>,
     len: usize,
-    layout: Layout,
+    backing: Backing,
 }
 
-// SAFETY: HostMem exclusively owns its allocation (like a Box<[u8]>); the raw pointer is never
-// shared outside the owner except as an address handed to kernels run under the owner's lock.
+enum Backing {
+    Heap(Layout),
+    /// A mapping of `map_len` bytes; the creator holds the object's name and unlinks it when
+    /// the buffer is freed (mappings made from it stay valid until they are unmapped).
+    Shared {
+        map_len: usize,
+        owned_name: Option<std::ffi::CString>,
+    },
+}
+
+// SAFETY: HostMem exclusively owns its allocation or mapping (like a Box<[u8]>); the raw
+// pointer is never shared outside the owner except as an address handed to kernels run under
+// the owner's lock. A shared-memory mapping is also written by peers' kernels: that is the
+// point of a peer pool, and the cache orders those writes with collective barriers.
 unsafe impl Send for HostMem {}
 // SAFETY: shared references only allow reading through `as_slice`; mutation needs `&mut self`.
 unsafe impl Sync for HostMem {}
+
+/// Serial of this process's shared-memory objects, for unique names.
+static NEXT_SHM: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// The last OS error, as text.
+fn os_error(what: &str) -> String {
+    format!("{what}: {}", std::io::Error::last_os_error())
+}
 
 impl HostMem {
     /// Allocates `len` bytes (at least one is reserved) filled with `fill`; `None` when out of
@@ -65,7 +86,120 @@ impl HostMem {
         let ptr = NonNull::new(raw)?;
         // SAFETY: `ptr` points at `layout.size() >= len` writable bytes just allocated.
         unsafe { std::ptr::write_bytes(ptr.as_ptr(), fill, layout.size()) };
-        Some(HostMem { ptr, len, layout })
+        Some(HostMem {
+            ptr,
+            len,
+            backing: Backing::Heap(layout),
+        })
+    }
+
+    /// Creates a POSIX shared-memory object of `len` bytes filled with `fill` and maps it;
+    /// its name ([`HostMem::shared_name`]) lets other executors map the same bytes.
+    pub(crate) fn new_shared(len: usize, fill: u8) -> Result<HostMem, String> {
+        let name = format!(
+            "/cp-hicache-{}-{}-{:x}",
+            std::process::id(),
+            NEXT_SHM.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.subsec_nanos())
+        );
+        let cname = std::ffi::CString::new(name).expect("no NUL in the name");
+        // SAFETY: `cname` is a valid C string; O_EXCL makes a name clash an error.
+        let fd = unsafe {
+            libc::shm_open(
+                cname.as_ptr(),
+                libc::O_CREAT | libc::O_EXCL | libc::O_RDWR,
+                0o600,
+            )
+        };
+        if fd < 0 {
+            return Err(os_error("shm_open"));
+        }
+        let map_len = len.max(1);
+        let mapped = (|| {
+            let size =
+                libc::off_t::try_from(map_len).map_err(|_| "size overflows off_t".to_string())?;
+            // SAFETY: `fd` is an open shared-memory object of ours.
+            if unsafe { libc::ftruncate(fd, size) } != 0 {
+                return Err(os_error("ftruncate"));
+            }
+            // SAFETY: as in `map`.
+            unsafe { map(fd, map_len) }
+        })();
+        // SAFETY: `fd` is open; the mapping (if any) keeps the object alive.
+        unsafe { libc::close(fd) };
+        let ptr = match mapped {
+            Ok(p) => p,
+            Err(e) => {
+                // SAFETY: the name is ours and valid.
+                unsafe { libc::shm_unlink(cname.as_ptr()) };
+                return Err(e);
+            }
+        };
+        // SAFETY: the mapping is `map_len >= len` writable bytes.
+        unsafe { std::ptr::write_bytes(ptr.as_ptr(), fill, map_len) };
+        Ok(HostMem {
+            ptr,
+            len,
+            backing: Backing::Shared {
+                map_len,
+                owned_name: Some(cname),
+            },
+        })
+    }
+
+    /// Maps the shared-memory object `name` (made by [`HostMem::new_shared`] of `len`
+    /// bytes, in this process or another). An object that is gone or smaller than `len` is
+    /// an error.
+    pub(crate) fn open_shared(name: &str, len: usize) -> Result<HostMem, String> {
+        if !name.starts_with("/cp-hicache-") || name[1..].contains('/') {
+            return Err(format!("`{name}` is not a cp-hicache shared-memory name"));
+        }
+        let cname = std::ffi::CString::new(name).map_err(|_| "a NUL in the name".to_string())?;
+        // SAFETY: `cname` is a valid C string.
+        let fd = unsafe { libc::shm_open(cname.as_ptr(), libc::O_RDWR, 0) };
+        if fd < 0 {
+            return Err(os_error(&format!("shm_open {name}")));
+        }
+        let map_len = len.max(1);
+        let mapped = (|| {
+            // SAFETY: an all-zero `stat` is a valid out value.
+            let mut st: libc::stat = unsafe { std::mem::zeroed() };
+            // SAFETY: `fd` is open and `st` a valid out slot.
+            if unsafe { libc::fstat(fd, &mut st) } != 0 {
+                return Err(os_error("fstat"));
+            }
+            if (st.st_size as u64) < map_len as u64 {
+                return Err(format!(
+                    "{name} holds {} bytes, not the {len} its handle names",
+                    st.st_size
+                ));
+            }
+            // SAFETY: as in `map`.
+            unsafe { map(fd, map_len) }
+        })();
+        // SAFETY: `fd` is open; the mapping (if any) keeps the object alive.
+        unsafe { libc::close(fd) };
+        Ok(HostMem {
+            ptr: mapped?,
+            len,
+            backing: Backing::Shared {
+                map_len,
+                owned_name: None,
+            },
+        })
+    }
+
+    /// The shared-memory object's name, for a buffer this executor created shared.
+    pub(crate) fn shared_name(&self) -> Option<&str> {
+        match &self.backing {
+            Backing::Shared {
+                owned_name: Some(n),
+                ..
+            } => n.to_str().ok(),
+            _ => None,
+        }
     }
 
     /// Size in bytes.
@@ -91,10 +225,48 @@ impl HostMem {
     }
 }
 
+/// Maps `len` bytes of `fd` shared, readable and writable.
+///
+/// # Safety
+/// `fd` must be an open shared-memory object of at least `len` bytes.
+unsafe fn map(fd: c_int, len: usize) -> Result<NonNull<u8>, String> {
+    // SAFETY: a fresh mapping chosen by the kernel; `fd` is valid (caller).
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(os_error("mmap"));
+    }
+    NonNull::new(p.cast::<u8>()).ok_or_else(|| "mmap returned null".to_string())
+}
+
 impl Drop for HostMem {
     fn drop(&mut self) {
-        // SAFETY: `ptr` was allocated with `layout` by `std::alloc::alloc` and is freed once.
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) };
+        match &self.backing {
+            Backing::Heap(layout) => {
+                // SAFETY: `ptr` was allocated with `layout` by `std::alloc::alloc` and is
+                // freed once.
+                unsafe { std::alloc::dealloc(self.ptr.as_ptr(), *layout) };
+            }
+            Backing::Shared {
+                map_len,
+                owned_name,
+            } => {
+                // SAFETY: `ptr` is a mapping of `map_len` bytes made by `map`, unmapped once.
+                unsafe { libc::munmap(self.ptr.as_ptr().cast(), *map_len) };
+                if let Some(name) = owned_name {
+                    // SAFETY: a valid C string naming our object; peers' mappings survive.
+                    unsafe { libc::shm_unlink(name.as_ptr()) };
+                }
+            }
+        }
     }
 }
 

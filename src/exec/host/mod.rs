@@ -132,6 +132,9 @@ fn block_order_from(var: Result<String, std::env::VarError>) -> Result<BlockOrde
     }
 }
 
+/// What an exported buffer's handle starts with (then `<bytes>:<shm name>`).
+const SHM_HANDLE: &str = "cp-hicache-shm:";
+
 struct HostBuffer {
     mem: ffi::HostMem,
     kind: MemKind,
@@ -222,6 +225,52 @@ impl Executor for HostExecutor {
 
     fn free(&self, buffer: BufferId) -> Result<(), ExecError> {
         lock(&self.state).remove_buffer(buffer).map(drop)
+    }
+
+    fn alloc_shareable(&self, bytes: usize, fill: u8) -> Result<BufferId, ExecError> {
+        let mem = ffi::HostMem::new_shared(bytes, fill).map_err(|reason| ExecError::Alloc {
+            bytes,
+            kind: MemKind::Device,
+            reason: format!("shared memory: {reason}"),
+        })?;
+        Ok(lock(&self.state).add_buffer(HostBuffer {
+            mem,
+            kind: MemKind::Device,
+        }))
+    }
+
+    fn export(&self, buffer: BufferId) -> Result<Vec<u8>, ExecError> {
+        let st = lock(&self.state);
+        let b = st.buffer(buffer)?;
+        let name = b.mem.shared_name().ok_or_else(|| ExecError::Peer {
+            op: "export",
+            message: format!("buffer {buffer:?} was not allocated shareable"),
+        })?;
+        Ok(format!("{SHM_HANDLE}{}:{name}", b.mem.len()).into_bytes())
+    }
+
+    fn import(&self, handle: &[u8]) -> Result<BufferId, ExecError> {
+        let bad = |message: String| ExecError::Peer {
+            op: "import",
+            message,
+        };
+        let text = std::str::from_utf8(handle)
+            .ok()
+            .and_then(|t| t.strip_prefix(SHM_HANDLE))
+            .ok_or_else(|| bad("not a host-executor shared-memory handle".into()))?;
+        let (len, name) = text
+            .split_once(':')
+            .and_then(|(l, n)| Some((l.parse::<usize>().ok()?, n)))
+            .ok_or_else(|| bad(format!("malformed handle `{text}`")))?;
+        let mem = ffi::HostMem::open_shared(name, len).map_err(bad)?;
+        Ok(lock(&self.state).add_buffer(HostBuffer {
+            mem,
+            kind: MemKind::Device,
+        }))
+    }
+
+    fn peer_mapping(&self) -> Option<&'static str> {
+        Some("shared-memory")
     }
 
     fn size(&self, buffer: BufferId) -> Result<usize, ExecError> {
@@ -521,6 +570,64 @@ mod tests {
         let c = ex.counters().since(&before);
         assert_eq!((c.copies, c.bytes_copied), (0, 0));
         assert!(ex.copy_regions(a, BufferId(999), &[]).is_err());
+    }
+
+    /// A shareable buffer mapped by a second executor (another rank) is the same memory:
+    /// writes through either show in the other; the mapping outlives the owner's free.
+    #[test]
+    fn an_imported_buffer_maps_the_peers_bytes() {
+        let owner = HostExecutor::new(HostOptions::default());
+        let peer = HostExecutor::new(HostOptions::default());
+        let b = owner.alloc_shareable(4096, 0xA5).unwrap();
+        let handle = owner.export(b).unwrap();
+        let m = peer.import(&handle).unwrap();
+        assert_eq!(peer.size(m).unwrap(), 4096);
+        let mut out = [0u8; 4];
+        peer.read(m, 100, &mut out).unwrap();
+        assert_eq!(out, [0xA5; 4]);
+        owner.upload(b, 100, &[1, 2, 3, 4]).unwrap();
+        peer.read(m, 100, &mut out).unwrap();
+        assert_eq!(out, [1, 2, 3, 4]);
+        peer.upload(m, 0, &[9]).unwrap();
+        owner.read(b, 0, &mut out[..1]).unwrap();
+        assert_eq!(out[0], 9);
+        owner.free(b).unwrap();
+        peer.read(m, 100, &mut out).unwrap();
+        assert_eq!(out, [1, 2, 3, 4], "a mapping outlives the owner's free");
+        // The name is unlinked with the owner's buffer: a late import fails.
+        let err = peer.import(&handle).unwrap_err();
+        assert!(err.to_string().contains("shm_open"), "{err}");
+        peer.free(m).unwrap();
+    }
+
+    #[test]
+    fn bad_peer_handles_are_refused() {
+        let ex = HostExecutor::new(HostOptions::default());
+        let heap = ex.alloc(MemKind::Device, 64, 0).unwrap();
+        assert!(ex
+            .export(heap)
+            .unwrap_err()
+            .to_string()
+            .contains("not allocated shareable"));
+        for h in [
+            &b"garbage"[..],
+            b"cp-hicache-shm:12",
+            b"cp-hicache-shm:x:/cp-hicache-1",
+        ] {
+            assert!(matches!(ex.import(h), Err(ExecError::Peer { .. })), "{h:?}");
+        }
+        let err = ex.import(b"cp-hicache-shm:64:/etc/passwd").unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("not a cp-hicache shared-memory name"),
+            "{err}"
+        );
+        // A handle naming more bytes than the object has.
+        let b = ex.alloc_shareable(64, 0).unwrap();
+        let h = String::from_utf8(ex.export(b).unwrap()).unwrap();
+        let big = h.replace("shm:64:", "shm:65536:");
+        let err = ex.import(big.as_bytes()).unwrap_err();
+        assert!(err.to_string().contains("holds 64 bytes"), "{err}");
     }
 
     #[test]
