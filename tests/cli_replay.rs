@@ -313,13 +313,22 @@ fn compile_error_names_the_kernel() {
     assert!(!err.contains("panicked"), "{err}");
 }
 
+/// The launch failure is aimed at one rank (the last): every rank rolls the request back.
+/// Its peers, which learn of the failure at their next collective call, may have evicted
+/// (and poisoned) pages by then; the rollback drops the entries that held them, so the state
+/// is either unchanged or changed by exactly those drops, and the replicas agree either way.
 #[test]
-fn launch_error_leaves_state_unchanged() {
+fn launch_error_on_one_rank_rolls_every_rank_back() {
     let (out, report) = replay(&["--inject", "launch-error"]);
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("injected fault"), "{err}");
-    assert!(err.contains("state unchanged"), "{err}");
+    assert!(
+        err.contains("state unchanged")
+            || err.contains("rolled back, dropping stale cache entries"),
+        "{err}"
+    );
+    assert!(!err.contains("disagree"), "{err}");
     let r = report.unwrap();
     assert_eq!(num(&r, "failed_requests"), 1);
     assert_eq!(num(&r, "mismatched_tokens"), 0);

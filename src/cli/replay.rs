@@ -444,7 +444,18 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
         sanitize: Sanitize::from_env()?,
     };
     check_memory(&config, exec.backend())?;
-    let mut cluster = Cluster::new(config, exec, &jit).map_err(cluster_error)?;
+    // One executor per rank where peers can map each other's pools (shared memory on the
+    // CPU), as engine processes each hold their own; on one GPU the ranks share it.
+    let mut cluster = if exec.peer_mapping().is_some() {
+        let mut execs = vec![exec];
+        for _ in 1..args.cp {
+            execs.push(Arc::from(open_executor(args.backend)?));
+        }
+        Cluster::with_executors(config, execs, &jit)
+    } else {
+        Cluster::new(config, exec, &jit)
+    }
+    .map_err(cluster_error)?;
     tracing::info!(
         kernels_ms = cluster.kernels().startup_ms,
         cache_hits = cluster.kernels().cache_hits,
@@ -517,7 +528,8 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
                     launch_failure_at = Some(next);
                 }
             }
-            Err(e) if e.is_usage() => {
+            Err(e) if e.is_usage() || e.is_group_broken() => {
+                // A broken group (a rank gone, a timeout, diverged ranks) serves no more.
                 bar.finish_and_clear();
                 return Err(cluster_error(e));
             }
@@ -545,7 +557,8 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
                     &bar,
                     format!(
                         "request {} failed: {e}\n  allocator and tree state {state} (digest before {})",
-                        req.id, before[0]
+                        req.id,
+                        before.first().map_or("unknown".to_string(), ToString::to_string)
                     ),
                 );
                 if !agree || (!unchanged && drops.is_empty()) {
@@ -627,6 +640,7 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
         fault_not_fired_because: fault_exercised.and_then(Result::err),
         tuning_file: tuning_file.map(|p| p.display().to_string()),
         copy_launch: deployment.copy.to_string(),
+        group: cluster.group_info().clone(),
         transfer_path: deployment.transfer_path.to_string(),
         synth_threads: deployment.synth_threads,
     };

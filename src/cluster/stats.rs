@@ -1,82 +1,8 @@
 //! Per-request statistics of the cluster and the replay report built from them.
 
+pub use crate::rank::RequestStats;
 use serde::Serialize;
 use std::fmt::Write as _;
-
-/// What one request did, summed over its lockstep steps. Token counts are per prompt (not
-/// per rank); byte counts sum over all ranks.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
-pub struct RequestStats {
-    /// Prompt tokens.
-    pub prompt_tokens: u64,
-    /// Tokens served from device-resident cache.
-    pub device_hit_tokens: u64,
-    /// Tokens served by loading host copies back to the device.
-    pub host_hit_tokens: u64,
-    /// Tokens computed (synthesised) this request.
-    pub computed_tokens: u64,
-    /// Pages loaded host→device (logical pages, whatever their owners).
-    pub pages_loaded: u64,
-    /// Pages backed up device→host (logical pages).
-    pub pages_written: u64,
-    /// Tree nodes evicted by device or host LRU.
-    pub evictions_lru: u64,
-    /// Tree nodes evicted to cover an owner-lane deficit.
-    pub evictions_lane: u64,
-    /// Load-backs that could not get owner-matching pages and became misses.
-    pub load_degraded_to_miss: u64,
-    /// Pages loaded back into a page whose owner differs from the one recorded at backup:
-    /// always 0, except under the `plain-alloc-on-load` fault, where it says whether the
-    /// fault did anything.
-    pub pages_loaded_misowned: u64,
-    /// Host copies dropped because the prefix they hold was recomputed (its load-back
-    /// degraded to a miss) with other owners: a node's device pages and host copy must name
-    /// the same owners, so the copy goes and the node is backed up afresh.
-    pub host_copies_replaced: u64,
-    /// Backups skipped because the host pool was full.
-    pub backups_skipped: u64,
-    /// Host copies evicted (only those holding pages of the short ranks) so that a backup
-    /// fits in a full host pool; also counted in `evictions_lru`.
-    pub host_evictions_for_backup: u64,
-    /// Bytes copied host→device over all ranks.
-    pub bytes_h2d: u64,
-    /// Bytes copied device→host over all ranks.
-    pub bytes_d2h: u64,
-    /// Materialised tokens whose bytes differ from the synthesised KV (in any buffer kind,
-    /// each token counted once).
-    pub mismatched_tokens: u64,
-    /// The position of the first mismatched token of a request (for the diagnostic); in
-    /// totals, that of the first request that had one.
-    #[serde(skip)]
-    pub first_mismatched_token: Option<u64>,
-    /// Device→host reads, synchronisations, allocations and frees the executor counted on
-    /// load paths ([`Counters::stalls`](crate::exec::Counters::stalls)).
-    pub load_path_syncs: u64,
-}
-
-impl RequestStats {
-    /// Adds another request's counts.
-    pub fn add(&mut self, o: &RequestStats) {
-        self.prompt_tokens += o.prompt_tokens;
-        self.device_hit_tokens += o.device_hit_tokens;
-        self.host_hit_tokens += o.host_hit_tokens;
-        self.computed_tokens += o.computed_tokens;
-        self.pages_loaded += o.pages_loaded;
-        self.pages_written += o.pages_written;
-        self.evictions_lru += o.evictions_lru;
-        self.evictions_lane += o.evictions_lane;
-        self.load_degraded_to_miss += o.load_degraded_to_miss;
-        self.pages_loaded_misowned += o.pages_loaded_misowned;
-        self.host_copies_replaced += o.host_copies_replaced;
-        self.backups_skipped += o.backups_skipped;
-        self.host_evictions_for_backup += o.host_evictions_for_backup;
-        self.bytes_h2d += o.bytes_h2d;
-        self.bytes_d2h += o.bytes_d2h;
-        self.mismatched_tokens += o.mismatched_tokens;
-        self.first_mismatched_token = self.first_mismatched_token.or(o.first_mismatched_token);
-        self.load_path_syncs += o.load_path_syncs;
-    }
-}
 
 /// The replay report: totals plus the run's setting and outcome. Field names are the JSON
 /// contract scripts rely on.
@@ -133,6 +59,9 @@ pub struct ReplayReport {
     pub tuning_file: Option<String>,
     /// Launch shape of the transfer and materialise kernels (from tuning, or the default).
     pub copy_launch: String,
+    /// How the ranks ran: the collective (`kind`), `ranks`, how each reaches its peers'
+    /// pools (`peer_pools`), and whether each has its own executor.
+    pub group: super::GroupInfo,
     /// How pages moved between host and device (`kernel` or `dma`).
     pub transfer_path: String,
     /// Threads per block of the synthesise and verify kernels.
@@ -228,6 +157,20 @@ impl ReplayReport {
         );
         row("load-path syncs", t.load_path_syncs.to_string());
         row(
+            "ranks",
+            format!(
+                "{} threads, {} group, {} peer pools{}",
+                self.group.ranks,
+                self.group.kind,
+                self.group.peer_pools,
+                if self.group.executor_per_rank {
+                    ", an executor each"
+                } else {
+                    ", one executor"
+                }
+            ),
+        );
+        row(
             "throughput",
             format!(
                 "{:.0} tokens/s ({:.2} s)",
@@ -310,6 +253,12 @@ mod tests {
             fault_not_fired_because: None,
             tuning_file: None,
             copy_launch: "t1_ppb16_v16_u1".into(),
+            group: super::super::GroupInfo {
+                kind: "local",
+                ranks: 8,
+                peer_pools: "shared-memory",
+                executor_per_rank: true,
+            },
             transfer_path: "kernel".into(),
             synth_threads: 1,
         }

@@ -10,6 +10,7 @@
 pub mod cuda;
 pub mod host;
 mod registry;
+mod share;
 mod signature;
 
 use std::fmt;
@@ -17,6 +18,7 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 pub use host::{BlockOrder, HostExecutor, HostOptions};
+pub use share::RankView;
 pub(crate) use signature::PendingLaunch;
 
 use crate::kernels::KernelSignature;

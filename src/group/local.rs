@@ -424,7 +424,9 @@ mod tests {
 
     #[test]
     fn a_single_rank_group_never_waits() {
-        let m = LocalGroup::members(1, Duration::from_millis(1)).pop().unwrap();
+        let m = LocalGroup::members(1, Duration::from_millis(1))
+            .pop()
+            .unwrap();
         assert_eq!(m.all_gather("x", b"ab").unwrap(), vec![b"ab".to_vec()]);
         assert_eq!(m.all_reduce("y", ReduceOp::Sum, &[4, 5]).unwrap(), [4, 5]);
         m.leave();

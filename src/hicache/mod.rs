@@ -3,8 +3,8 @@
 //! The per-rank pieces: the radix tree ([`tree`]), the deterministic index that says which
 //! token prefixes are resident on the device, backed up on the host, or both, and the host
 //! page pool ([`host_pool`]). The glue that drives them with the allocator and the transfer
-//! kernels (`write_cp`, `load_cp`, eviction) for all ranks in lockstep is
-//! [`Cluster`](crate::cluster::Cluster). [`decode`] is a CPU reference decode step that shows
+//! kernels (load-back, backup, eviction) for one rank is
+//! [`RankCache`](crate::rank::RankCache). [`decode`] is a CPU reference decode step that shows
 //! what a verified hit means for attention output.
 
 pub mod decode;

@@ -52,6 +52,20 @@ impl NodeId {
     pub fn generation(self) -> u32 {
         self.generation
     }
+
+    /// The handle as one number, to send to other ranks (replicas name a node alike).
+    pub fn to_bits(self) -> u64 {
+        u64::from(self.index) << 32 | u64::from(self.generation)
+    }
+
+    /// The handle [`NodeId::to_bits`] gave (a stale or foreign one is refused by the tree
+    /// calls that take it).
+    pub fn from_bits(bits: u64) -> NodeId {
+        NodeId {
+            index: (bits >> 32) as u32,
+            generation: bits as u32,
+        }
+    }
 }
 
 impl fmt::Display for NodeId {

@@ -1,5 +1,6 @@
-//! Executor memory of a cluster: each rank's device and host pool per buffer kind, plus the
-//! scratch buffers a request uploads its control data into.
+//! Executor memory of one rank: its device and host pool per buffer kind, its views of every
+//! owner's device pool (its own and its peers', as attention reads them), and the scratch
+//! buffers a request uploads its control data into.
 
 use crate::exec::{BufferId, ExecError, Executor, MemKind};
 use crate::kernels::{reference, BufferKind, Deployment, HostLayout};
@@ -44,29 +45,63 @@ impl PoolGeometry {
     }
 }
 
-/// The pools and scratch buffers; freed when dropped.
+/// How a rank reaches its peers' device pools.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PeerAccess {
+    /// The ranks share one executor (one process, one GPU): a peer's pool is its buffer
+    /// handle, used as it is. IPC handles cannot be opened in the process that made them,
+    /// so this is how ranks in one process on one GPU reach each other.
+    Direct,
+    /// Each rank has its own executor: pools are allocated shareable, their handles
+    /// all-gathered, and every peer's pool mapped ([`Executor::import`]): POSIX shared
+    /// memory on the host executor, in one process or across processes.
+    Mapped,
+}
+
+impl PeerAccess {
+    /// The report's name for it (`group.peer_pools`).
+    pub fn describe(self, exec: &dyn Executor) -> &'static str {
+        match self {
+            PeerAccess::Direct => "direct",
+            PeerAccess::Mapped => exec.peer_mapping().unwrap_or("none"),
+        }
+    }
+}
+
+/// One rank's pools and scratch buffers; freed (and peer mappings unmapped) when dropped.
 pub struct Pools {
     exec: Arc<dyn Executor>,
     geometry: PoolGeometry,
     page_size: u32,
-    device: HashMap<BufferKind, Vec<BufferId>>,
-    host: HashMap<BufferKind, Vec<BufferId>>,
+    access: PeerAccess,
+    device: HashMap<BufferKind, BufferId>,
+    host: HashMap<BufferKind, BufferId>,
+    /// Every owner's device pool per buffer kind, in rank order, as this executor reaches
+    /// it; empty until [`Pools::connect`].
+    views: HashMap<BufferKind, Vec<BufferId>>,
+    /// Peer mappings this rank made (unmapped on drop; direct handles are the peer's).
+    imported: Vec<BufferId>,
     scratch: HashMap<&'static str, (BufferId, usize)>,
 }
 
 impl Pools {
-    /// Allocates, poisoned, a device and a host pool per rank and buffer kind.
+    /// Allocates this rank's device and host pool per buffer kind, poisoned. The device
+    /// pools are shareable under [`PeerAccess::Mapped`].
     pub fn new(
         exec: Arc<dyn Executor>,
         dep: &Deployment,
         geometry: PoolGeometry,
+        access: PeerAccess,
     ) -> Result<Pools, ExecError> {
         let mut pools = Pools {
             exec,
             geometry,
             page_size: dep.page_size,
+            access,
             device: HashMap::new(),
             host: HashMap::new(),
+            views: HashMap::new(),
+            imported: Vec::new(),
             scratch: HashMap::new(),
         };
         // Transfer page pairs never exceed a pool, so these never grow on the load path
@@ -77,24 +112,71 @@ impl Pools {
         for &b in dep.model.buffers() {
             let page = b.page_bytes(dep.page_size) as usize;
             let layers = geometry.layers as usize;
-            for r in 0..dep.cp {
-                let _ = r;
-                let d = pools.exec.alloc(
-                    MemKind::Device,
-                    page * layers * geometry.local_pages as usize,
-                    POISON,
-                )?;
-                pools.device.entry(b).or_default().push(d);
-                // A zero-page host pool still gets a buffer so kernels have a valid pointer.
-                let h = pools.exec.alloc(
-                    MemKind::Host,
-                    (page * layers * geometry.host_pages as usize).max(16),
-                    POISON,
-                )?;
-                pools.host.entry(b).or_default().push(h);
-            }
+            let bytes = page * layers * geometry.local_pages as usize;
+            let d = match access {
+                PeerAccess::Direct => pools.exec.alloc(MemKind::Device, bytes, POISON)?,
+                PeerAccess::Mapped => pools.exec.alloc_shareable(bytes, POISON)?,
+            };
+            pools.device.insert(b, d);
+            // A zero-page host pool still gets a buffer so kernels have a valid pointer.
+            let h = pools.exec.alloc(
+                MemKind::Host,
+                (page * layers * geometry.host_pages as usize).max(16),
+                POISON,
+            )?;
+            pools.host.insert(b, h);
         }
         Ok(pools)
+    }
+
+    /// What peers need to reach this rank's device pool of `b` (to all-gather).
+    pub fn handle(&self, b: BufferKind) -> Result<Vec<u8>, ExecError> {
+        let id = self.device[&b];
+        match self.access {
+            PeerAccess::Direct => Ok(id.0.to_le_bytes().to_vec()),
+            PeerAccess::Mapped => self.exec.export(id),
+        }
+    }
+
+    /// Reaches every owner's device pool of `b` from its handle (`handles[r]` is rank `r`'s,
+    /// `me` this rank): this rank's own pool as it is, each peer's mapped or, under
+    /// [`PeerAccess::Direct`], used directly. `Err((peer, error))` names the peer whose pool
+    /// could not be reached.
+    pub fn connect(
+        &mut self,
+        b: BufferKind,
+        me: usize,
+        handles: &[Vec<u8>],
+    ) -> Result<(), (usize, ExecError)> {
+        let mut view = Vec::with_capacity(handles.len());
+        for (r, h) in handles.iter().enumerate() {
+            let id = if r == me {
+                self.device[&b]
+            } else {
+                match self.access {
+                    PeerAccess::Direct => {
+                        let raw: [u8; 8] = h.as_slice().try_into().map_err(|_| {
+                            (
+                                r,
+                                ExecError::Peer {
+                                    op: "import",
+                                    message: format!("a direct handle of {} bytes", h.len()),
+                                },
+                            )
+                        })?;
+                        BufferId(u64::from_le_bytes(raw))
+                    }
+                    PeerAccess::Mapped => {
+                        let id = self.exec.import(h).map_err(|e| (r, e))?;
+                        self.imported.push(id);
+                        id
+                    }
+                }
+            };
+            view.push(id);
+        }
+        self.views.insert(b, view);
+        Ok(())
     }
 
     /// The pool sizes.
@@ -102,14 +184,30 @@ impl Pools {
         self.geometry
     }
 
-    /// Rank `r`'s device pool of buffer `b`.
-    pub fn device(&self, b: BufferKind, r: usize) -> BufferId {
-        self.device[&b][r]
+    /// This rank's device pool of buffer `b`.
+    pub fn device(&self, b: BufferKind) -> BufferId {
+        self.device[&b]
     }
 
-    /// Rank `r`'s host pool of buffer `b`.
-    pub fn host(&self, b: BufferKind, r: usize) -> BufferId {
-        self.host[&b][r]
+    /// Every owner's device pool of buffer `b`, in rank order, as this rank reaches it.
+    pub fn views(&self, b: BufferKind) -> &[BufferId] {
+        self.views.get(&b).map_or(&[], Vec::as_slice)
+    }
+
+    /// Points this rank's view of `peer`'s pools at `other`'s instead: a wrong peer mapping,
+    /// on purpose, for tests that show it surfaces as mismatches on this rank only.
+    #[doc(hidden)]
+    pub fn debug_view_peer_as(&mut self, peer: usize, other: usize) {
+        for v in self.views.values_mut() {
+            if peer < v.len() && other < v.len() {
+                v[peer] = v[other];
+            }
+        }
+    }
+
+    /// This rank's host pool of buffer `b`.
+    pub fn host(&self, b: BufferKind) -> BufferId {
+        self.host[&b]
     }
 
     /// A scratch buffer of at least `bytes`, grown by doubling.
@@ -191,16 +289,11 @@ impl Pools {
         Ok(id)
     }
 
-    /// Poisons local pages `locals` (ascending) of rank `r`'s device pool of buffer `b`, in
+    /// Poisons local pages `locals` (ascending) of this rank's device pool of buffer `b`, in
     /// every layer: one fill range per run of consecutive pages per layer. Device fills are
     /// stream-ordered and neither read back nor synchronise, so this may run on the load
     /// path. Pages outside the pool are skipped.
-    pub fn poison_device_pages(
-        &mut self,
-        b: BufferKind,
-        r: usize,
-        locals: &[u32],
-    ) -> Result<(), ExecError> {
+    pub fn poison_device_pages(&mut self, b: BufferKind, locals: &[u32]) -> Result<(), ExecError> {
         let g = self.geometry;
         let page_bytes = b.page_bytes(self.page_size);
         let mut runs: Vec<(u32, u32)> = Vec::new();
@@ -220,18 +313,17 @@ impl Pools {
                 })
             })
             .collect();
-        let id = self.device(b, r);
+        let id = self.device(b);
         self.fill_poison(id, &ranges)
     }
 
-    /// Writes the poison byte over host pages `pages` of rank `r`'s host pool of buffer `b`, every
+    /// Writes the poison byte over host pages `pages` of this rank's host pool of buffer `b`, every
     /// layer, laid out as `layout`: a freed host page reused by a backup whose copy did
     /// nothing must not still hold the right bytes. Pages outside the pool are skipped. On
     /// a GPU the pool is pinned host memory, written by the CPU once the stream is idle.
     pub fn poison_host_pages(
         &mut self,
         b: BufferKind,
-        r: usize,
         layout: HostLayout,
         pages: &[u32],
     ) -> Result<(), ExecError> {
@@ -249,7 +341,7 @@ impl Pools {
                 })
             })
             .collect();
-        let id = self.host(b, r);
+        let id = self.host(b);
         self.fill_poison(id, &ranges)
     }
 
@@ -263,10 +355,10 @@ impl Pools {
 impl Drop for Pools {
     fn drop(&mut self) {
         let ids = self
-            .device
-            .values()
+            .imported
+            .iter()
+            .chain(self.device.values())
             .chain(self.host.values())
-            .flatten()
             .copied()
             .chain(self.scratch.values().map(|&(id, _)| id))
             .collect::<Vec<_>>();

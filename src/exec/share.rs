@@ -1,0 +1,171 @@
+//! [`RankView`]: one rank's handle on an executor that several ranks share (ranks as threads
+//! of one process on one device), with operation counters of its own.
+//!
+//! Counters are how a path proves it did not stall the device (`load_path_syncs` must be 0).
+//! An executor's own counters add up every caller's work, so with ranks on threads a rank's
+//! load path would be charged for its peers' read-backs and synchronisations. Each view
+//! counts only what its rank did: it takes what the shared executor counted during each of
+//! its calls, under one lock all views of that executor hold around their calls (the
+//! executors already serialise their calls, so this costs no parallelism).
+
+use super::{
+    Backend, BufferId, CopyRegion, Counters, ExecError, Executor, KernelArg, KernelArtifact,
+    KernelId, LaunchConfig, MemKind,
+};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// One rank's view of a shared executor. See the module documentation.
+pub struct RankView {
+    inner: Arc<dyn Executor>,
+    gate: Arc<Mutex<()>>,
+    mine: Mutex<Counters>,
+}
+
+impl RankView {
+    /// `n` views of `exec`, one per rank.
+    pub fn split(exec: Arc<dyn Executor>, n: usize) -> Vec<Arc<dyn Executor>> {
+        let gate = Arc::new(Mutex::new(()));
+        (0..n)
+            .map(|_| {
+                Arc::new(RankView {
+                    inner: exec.clone(),
+                    gate: gate.clone(),
+                    mine: Mutex::new(Counters::default()),
+                }) as Arc<dyn Executor>
+            })
+            .collect()
+    }
+
+    fn lock(m: &Mutex<()>) -> MutexGuard<'_, ()> {
+        m.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs `op` on the shared executor and charges this view what it counted meanwhile.
+    fn counted<T>(&self, op: impl FnOnce(&dyn Executor) -> T) -> T {
+        let _gate = Self::lock(&self.gate);
+        let before = self.inner.counters();
+        let out = op(self.inner.as_ref());
+        let d = self.inner.counters().since(&before);
+        let mut m = self.mine.lock().unwrap_or_else(|p| p.into_inner());
+        *m = add(*m, d);
+        out
+    }
+}
+
+fn add(a: Counters, b: Counters) -> Counters {
+    Counters {
+        launches: a.launches + b.launches,
+        syncs: a.syncs + b.syncs,
+        reads: a.reads + b.reads,
+        bytes_read: a.bytes_read + b.bytes_read,
+        uploads: a.uploads + b.uploads,
+        bytes_uploaded: a.bytes_uploaded + b.bytes_uploaded,
+        allocs: a.allocs + b.allocs,
+        frees: a.frees + b.frees,
+        copies: a.copies + b.copies,
+        bytes_copied: a.bytes_copied + b.bytes_copied,
+        fills: a.fills + b.fills,
+        bytes_filled: a.bytes_filled + b.bytes_filled,
+    }
+}
+
+impl Executor for RankView {
+    fn backend(&self) -> Backend {
+        self.inner.backend()
+    }
+    fn device_name(&self) -> String {
+        self.inner.device_name()
+    }
+    fn compute_capability(&self) -> Option<(u32, u32)> {
+        self.inner.compute_capability()
+    }
+    fn alloc(&self, kind: MemKind, bytes: usize, fill: u8) -> Result<BufferId, ExecError> {
+        self.counted(|e| e.alloc(kind, bytes, fill))
+    }
+    fn free(&self, buffer: BufferId) -> Result<(), ExecError> {
+        self.counted(|e| e.free(buffer))
+    }
+    fn alloc_shareable(&self, bytes: usize, fill: u8) -> Result<BufferId, ExecError> {
+        self.counted(|e| e.alloc_shareable(bytes, fill))
+    }
+    fn export(&self, buffer: BufferId) -> Result<Vec<u8>, ExecError> {
+        self.counted(|e| e.export(buffer))
+    }
+    fn import(&self, handle: &[u8]) -> Result<BufferId, ExecError> {
+        self.counted(|e| e.import(handle))
+    }
+    fn peer_mapping(&self) -> Option<&'static str> {
+        self.inner.peer_mapping()
+    }
+    fn size(&self, buffer: BufferId) -> Result<usize, ExecError> {
+        self.inner.size(buffer)
+    }
+    fn upload(&self, buffer: BufferId, offset: u64, data: &[u8]) -> Result<(), ExecError> {
+        self.counted(|e| e.upload(buffer, offset, data))
+    }
+    fn read(&self, buffer: BufferId, offset: u64, out: &mut [u8]) -> Result<(), ExecError> {
+        self.counted(|e| e.read(buffer, offset, out))
+    }
+    unsafe fn load_kernel(&self, artifact: &KernelArtifact<'_>) -> Result<KernelId, ExecError> {
+        // SAFETY: forwarded; the caller's guarantee is the inner executor's.
+        self.counted(|e| unsafe { e.load_kernel(artifact) })
+    }
+    unsafe fn launch_with(
+        &self,
+        kernel: KernelId,
+        config: &LaunchConfig,
+        args: &[KernelArg<'_>],
+        unsigned_ok: bool,
+    ) -> Result<(), ExecError> {
+        // SAFETY: forwarded; the caller's guarantee is the inner executor's.
+        self.counted(|e| unsafe { e.launch_with(kernel, config, args, unsigned_ok) })
+    }
+    fn copy_regions(
+        &self,
+        src: BufferId,
+        dst: BufferId,
+        regions: &[CopyRegion],
+    ) -> Result<(), ExecError> {
+        self.counted(|e| e.copy_regions(src, dst, regions))
+    }
+    fn fill(&self, buffer: BufferId, ranges: &[(u64, u64)], byte: u8) -> Result<(), ExecError> {
+        self.counted(|e| e.fill(buffer, ranges, byte))
+    }
+    fn synchronize(&self) -> Result<(), ExecError> {
+        self.counted(|e| e.synchronize())
+    }
+    fn counters(&self) -> Counters {
+        *self.mine.lock().unwrap_or_else(|p| p.into_inner())
+    }
+    fn inject_launch_failure(&self) {
+        let _gate = Self::lock(&self.gate);
+        self.inner.inject_launch_failure()
+    }
+    fn disarm_launch_failure(&self) -> bool {
+        let _gate = Self::lock(&self.gate);
+        self.inner.disarm_launch_failure()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::exec::{HostExecutor, HostOptions};
+
+    #[test]
+    fn each_view_counts_only_its_own_calls() {
+        let shared: Arc<dyn Executor> = Arc::new(HostExecutor::new(HostOptions::default()));
+        let views = RankView::split(shared.clone(), 2);
+        let b = views[0].alloc(MemKind::Device, 64, 0).unwrap();
+        let mut out = [0u8; 8];
+        views[1].read(b, 0, &mut out).unwrap();
+        views[1].synchronize().unwrap();
+        assert_eq!(
+            (views[0].counters().allocs, views[0].counters().reads),
+            (1, 0)
+        );
+        assert_eq!(views[1].counters().stalls(), 2);
+        assert_eq!(shared.counters().stalls(), 3);
+        views[0].free(b).unwrap();
+    }
+}

@@ -1,0 +1,291 @@
+//! What shapes a rank's cache (the deployment-wide settings every rank shares), the faults
+//! that can be injected on purpose, and the errors a rank reports.
+
+use super::kernels::KernelLoadError;
+use super::pools::PoolGeometry;
+use crate::allocator::kernel::KernelAllocError;
+use crate::allocator::AllocError;
+use crate::group::GroupError;
+use crate::hicache::host_pool::HostPoolError;
+use crate::hicache::tree::TreeError;
+use crate::jit::Sanitize;
+use crate::kernels::Deployment;
+use crate::layout::{CpLayout, LayoutError};
+use crate::metadata::MetadataError;
+use std::fmt;
+use std::str::FromStr;
+
+/// When device pages are backed up to the host.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum WritePolicy {
+    /// Back up every node when it is inserted.
+    #[default]
+    WriteThrough,
+    /// Back up a node only when it is about to be evicted from the device.
+    WriteBack,
+}
+
+impl fmt::Display for WritePolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            WritePolicy::WriteThrough => "write_through",
+            WritePolicy::WriteBack => "write_back",
+        })
+    }
+}
+
+impl FromStr for WritePolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "write_through" | "write-through" => Ok(WritePolicy::WriteThrough),
+            "write_back" | "write-back" => Ok(WritePolicy::WriteBack),
+            _ => Err(format!(
+                "unknown write policy `{s}` (expected write_through or write_back)"
+            )),
+        }
+    }
+}
+
+/// Faults injected on purpose to exercise failure paths.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Fault {
+    /// The seed's bug: load-back allocates with plain `alloc_pages`, ignoring owners.
+    PlainAllocOnLoad,
+    /// Half of lane 0 is reserved for ever, so lane 0 runs short first.
+    LaneExhaustion,
+    /// The host pools hold almost nothing, so backups evict host LRU or are skipped.
+    HostPoolFull,
+    /// One kernel's source is broken before compiling.
+    CompileError,
+    /// The executor fails one launch (of the request given to [`RankCache::inject_launch_failure`](crate::rank::RankCache::inject_launch_failure)).
+    LaunchError,
+}
+
+impl Fault {
+    /// Every fault, for help texts.
+    pub const ALL: [Fault; 5] = [
+        Fault::PlainAllocOnLoad,
+        Fault::LaneExhaustion,
+        Fault::HostPoolFull,
+        Fault::CompileError,
+        Fault::LaunchError,
+    ];
+}
+
+impl fmt::Display for Fault {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Fault::PlainAllocOnLoad => "plain-alloc-on-load",
+            Fault::LaneExhaustion => "lane-exhaustion",
+            Fault::HostPoolFull => "host-pool-full",
+            Fault::CompileError => "compile-error",
+            Fault::LaunchError => "launch-error",
+        })
+    }
+}
+
+impl FromStr for Fault {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Fault::ALL
+            .into_iter()
+            .find(|f| f.to_string() == s)
+            .ok_or_else(|| {
+                let names: Vec<String> = Fault::ALL.iter().map(Fault::to_string).collect();
+                format!(
+                    "unknown fault `{s}` (expected one of: {})",
+                    names.join(", ")
+                )
+            })
+    }
+}
+
+/// Everything that shapes a cluster.
+#[derive(Clone, Debug)]
+pub struct ClusterConfig {
+    /// Model shapes, page size, CP degree and kernel launch shapes.
+    pub deployment: Deployment,
+    /// Layers per buffer kind.
+    pub layers: u32,
+    /// Logical device pages (the layout's page count, null page included).
+    pub device_pages: u32,
+    /// Host pages per rank.
+    pub host_pages: u32,
+    /// Backup policy.
+    pub policy: WritePolicy,
+    /// A fault to inject, if any.
+    pub fault: Option<Fault>,
+    /// Sanitizer build of host-emulation kernels.
+    pub sanitize: Sanitize,
+}
+
+/// Host pages per rank left when [`Fault::HostPoolFull`] is injected.
+const HOST_PAGES_UNDER_FAULT: u32 = 2;
+
+impl ClusterConfig {
+    /// The layout of the device pages (an invalid page size, CP degree or page count is an
+    /// error).
+    pub fn layout(&self) -> Result<CpLayout, ClusterError> {
+        let dep = &self.deployment;
+        Ok(CpLayout::new(
+            u32::from(dep.cp),
+            dep.page_size,
+            self.device_pages,
+        )?)
+    }
+
+    /// The pools a cluster of this configuration allocates: each rank's share of the device
+    /// pages, and its host pages (fewer under [`Fault::HostPoolFull`]). Known before anything
+    /// is allocated, so a caller can check them against the memory it has.
+    pub fn pool_geometry(&self) -> Result<PoolGeometry, ClusterError> {
+        let host_pages = if self.fault == Some(Fault::HostPoolFull) {
+            self.host_pages.min(HOST_PAGES_UNDER_FAULT)
+        } else {
+            self.host_pages
+        };
+        Ok(PoolGeometry {
+            layers: self.layers,
+            local_pages: self.layout()?.local_pages_per_rank(),
+            host_pages,
+        })
+    }
+}
+
+/// Why a rank (or the cluster of them) could not serve a request (its state is then
+/// unchanged).
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    /// Invalid layout settings.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    /// The kernels could not be made ready.
+    #[error(transparent)]
+    Kernels(#[from] KernelLoadError),
+    /// An executor operation failed (for example a failed launch).
+    #[error(transparent)]
+    Exec(#[from] crate::exec::ExecError),
+    /// An allocator misuse (a bug, never a shortage).
+    #[error("allocator: {0}")]
+    Alloc(#[from] AllocError),
+    /// The kernel-backed allocator failed (a launch, an upload, or a misuse).
+    #[error("allocator: {0}")]
+    KernelAlloc(#[from] KernelAllocError),
+    /// A host pool misuse (a bug, never a shortage: backups check the free counts first).
+    #[error(transparent)]
+    HostPool(#[from] HostPoolError),
+    /// A tree operation was refused.
+    #[error(transparent)]
+    Tree(#[from] TreeError),
+    /// Invalid metadata was produced.
+    #[error(transparent)]
+    Metadata(#[from] MetadataError),
+    /// The rank replicas, which see the same calls, decided differently (a bug).
+    #[error("rank replicas diverged: {what}")]
+    ReplicasDiverged {
+        /// How.
+        what: String,
+    },
+    /// A rank's device lane stacks differ from its allocator's host mirror.
+    #[error("rank {rank}: {source}")]
+    DeviceLanes {
+        /// The rank.
+        rank: u8,
+        /// The difference (or why the lanes could not be read).
+        source: KernelAllocError,
+    },
+    /// A pool cannot hold what a request needs even after evicting everything it may.
+    #[error("{what}: raise {flag}")]
+    PoolTooSmall {
+        /// What did not fit.
+        what: String,
+        /// The option that sizes the pool.
+        flag: &'static str,
+        /// Pages the request needs at once.
+        needed: u64,
+        /// Pages it could have: free ones once everything unlocked is evicted, plus the ones
+        /// it already holds (lanes can still be short when this is not below `needed`).
+        available: u64,
+    },
+    /// Settings that cannot work together.
+    #[error("invalid cluster setting: {0}")]
+    Config(String),
+    /// The CP group failed: a peer's step failed (the request is rolled back on every
+    /// rank, [`GroupError::PeerFailed`]), or the group broke (a timeout, a rank that
+    /// diverged, left or panicked: nothing more can be served).
+    #[error(transparent)]
+    Group(#[from] GroupError),
+    /// A rank's thread died (it panicked): the group was aborted, and the cluster cannot
+    /// serve any more.
+    #[error(
+        "rank {rank}'s thread died (it panicked) while {what}; the cluster cannot serve any more"
+    )]
+    RankDied {
+        /// The rank.
+        rank: usize,
+        /// What the cluster was doing.
+        what: String,
+    },
+    /// A rank could not map a peer's pools.
+    #[error("rank {rank}: cannot map rank {peer}'s {buffer} pool: {source}")]
+    PeerPool {
+        /// The rank mapping.
+        rank: u8,
+        /// The peer.
+        peer: u8,
+        /// The buffer kind.
+        buffer: crate::kernels::BufferKind,
+        /// Why.
+        source: crate::exec::ExecError,
+    },
+    /// A transfer named a page outside its pool, or unequal page lists. A bug (the pools
+    /// hand out only their own pages), refused before anything moves: the kernel and the
+    /// DMA path would skip such a pair silently and leave the page's old bytes.
+    #[error("rank {rank}: {what}")]
+    BadTransfer {
+        /// The rank whose pools the transfer is between.
+        rank: usize,
+        /// What is wrong with it.
+        what: String,
+    },
+}
+
+impl ClusterError {
+    /// Why a kernel launch failed, when this error is a failed launch (of a cache kernel or
+    /// of an allocator kernel), e.g. [`LaunchFailure::Injected`](crate::exec::LaunchFailure).
+    pub fn launch_failure(&self) -> Option<crate::exec::LaunchFailure> {
+        match self {
+            ClusterError::Exec(e) | ClusterError::KernelAlloc(KernelAllocError::Exec(e)) => {
+                e.launch_failure()
+            }
+            _ => None,
+        }
+    }
+
+    /// Whether a request could not fit in the pools at all (it was rolled back; later,
+    /// smaller requests can still be served).
+    pub fn is_pool_too_small(&self) -> bool {
+        matches!(self, ClusterError::PoolTooSmall { .. })
+    }
+
+    /// Whether this only says that another rank's step failed (this rank rolled back too;
+    /// the error worth reporting is that rank's).
+    pub fn is_peer_failure(&self) -> bool {
+        matches!(self, ClusterError::Group(g) if g.is_peer_failure())
+    }
+
+    /// Whether the CP group itself broke (timeout, divergence, a rank gone): no later
+    /// request can be served.
+    pub fn is_group_broken(&self) -> bool {
+        matches!(self, ClusterError::Group(g) if !g.is_peer_failure())
+            || matches!(self, ClusterError::RankDied { .. })
+    }
+
+    /// Whether the error comes from the settings (exit status 2) rather than a failure.
+    pub fn is_usage(&self) -> bool {
+        matches!(
+            self,
+            ClusterError::Layout(_) | ClusterError::PoolTooSmall { .. } | ClusterError::Config(_)
+        )
+    }
+}

@@ -1,0 +1,1386 @@
+//! One CP rank's whole cache, as an engine process hosts it: [`RankCache`].
+//!
+//! A rank owns its radix-tree replica, its allocator replica over the whole logical page
+//! space (every rank must know every page's owner), its host page pool, its device pools
+//! (its owned pages only), its executor and the deployment's kernels. It agrees with its
+//! peers through a [`Collective`]: decisions that depend only on replicated state (matching,
+//! allocation, device eviction) are taken locally and come out identical on every rank;
+//! those that depend on per-rank state go through the group (a backup's host shortfalls,
+//! whether any rank failed a step, the mismatch bitmaps, the digests).
+//!
+//! One request flows one way: match → load back → allocate → compute → materialise →
+//! verify → insert → back up → release ([`RankCache::serve`]). Attention on every rank reads
+//! each page from its owner's pool, so every rank materialises and verifies the whole
+//! sequence over its own view of all owners' pools ([`pools::PeerAccess`]); a wrong peer
+//! mapping shows as mismatches on the rank that has it.
+//!
+//! # Barriers, and why each is there
+//!
+//! - *Pools connected* (start-up): every rank has mapped every peer's pools before any
+//!   request can make a peer read them.
+//! - *Request N written* (after load-back and synthesis, before materialise): a rank's
+//!   loaded and computed pages are in its pool before any peer reads them.
+//! - *Request N verified* (after verify, before insert): no rank frees, poisons or reuses a
+//!   page of this sequence while a peer may still be reading it.
+//! - *Request N outcome* (the end): every rank's step succeeded, so none rolls back alone;
+//!   a rank whose step failed contributes its failure to whatever round its peers are in,
+//!   and every rank then rolls the request back.
+//!
+//! On a GPU a barrier of host threads does not order other streams: ranks that share one
+//! executor share its stream; ranks with executors of their own synchronise their stream
+//! before the *written* barrier (to do: CUDA IPC peers, with the per-layer events of a
+//! layer-wise load).
+//!
+//! The SGLang call each method stands for is named in its documentation.
+
+mod config;
+mod kernels;
+pub mod pools;
+mod stats;
+
+pub use config::{ClusterConfig, ClusterError, Fault, WritePolicy};
+pub use kernels::{DeploymentKernels, KernelLoadError, Loaded, SourceHook};
+pub use pools::{PeerAccess, PoolGeometry, Pools};
+pub use stats::{RequestStats, RollbackDrops};
+
+use crate::allocator::kernel::{KernelAllocOptions, KernelLaneAllocator};
+use crate::allocator::{AllocError, OwnerLaneAllocator, StateDigest};
+use crate::exec::{Executor, KernelArg};
+use crate::group::Collective;
+use crate::hicache::host_pool::HostPagePool;
+use crate::hicache::tree::{Evicted, MatchResult, NodeId, RadixTree, TreeError};
+use crate::jit::Jit;
+use crate::kernels::{reference, transfer_regions, BufferKind, Direction, PoolShape, TransferPath};
+use crate::layout::{zigzag_owners, CpLayout, PageId, Rank};
+use crate::metadata::{HostPage, NodeMetadata};
+use sha2::{Digest, Sha256};
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+/// This rank's state as it was before an operation, to roll back to on error.
+struct Snapshot {
+    tree: RadixTree,
+    mirror: OwnerLaneAllocator,
+    host: HostPagePool,
+}
+
+/// What the operation in progress freed on this rank: device pages (identical on every
+/// rank) and host pages (this rank's). Their bytes may since have been overwritten by the
+/// same operation, so a rollback must not bring back nodes that still point at them.
+#[derive(Default)]
+struct Freed {
+    device: BTreeSet<PageId>,
+    host: BTreeSet<HostPage>,
+}
+
+/// The mismatched tokens one rank's verify found.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Mismatches {
+    /// Tokens mismatched in any buffer kind (each counted once).
+    pub count: u64,
+    /// The first of them.
+    pub first: Option<u64>,
+}
+
+impl Mismatches {
+    /// Counts the set bits of a little-endian `u32` bitmap (bit `t % 32` of word `t / 32`).
+    fn from_bitmap(bytes: &[u8]) -> Mismatches {
+        let mut m = Mismatches::default();
+        for (i, c) in bytes.chunks_exact(4).enumerate() {
+            let w = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            if w != 0 && m.first.is_none() {
+                m.first = Some(32 * i as u64 + u64::from(w.trailing_zeros()));
+            }
+            m.count += u64::from(w.count_ones());
+        }
+        m
+    }
+}
+
+enum Eviction {
+    Lru(usize),
+    Lanes(Vec<u32>),
+}
+
+/// What a request's verification found on every rank: the union of their bitmaps (each
+/// mismatched token counted once, whichever rank saw it) and each rank's own count.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Verdict {
+    /// Over all ranks.
+    pub all: Mismatches,
+    /// Per rank, in rank order.
+    pub by_rank: Vec<u64>,
+}
+
+/// One CP rank's cache. See the module documentation.
+pub struct RankCache {
+    rank: Rank,
+    layout: CpLayout,
+    config: ClusterConfig,
+    exec: Arc<dyn Executor>,
+    kernels: DeploymentKernels,
+    pools: Pools,
+    tree: RadixTree,
+    alloc: KernelLaneAllocator,
+    host: HostPagePool,
+    group: Box<dyn Collective>,
+    peer_access: PeerAccess,
+    launch_failure_at: Option<usize>,
+    panic_at: Option<usize>,
+    served: usize,
+    freed: Freed,
+    capture_dense: bool,
+    last_dense: Vec<(BufferKind, Vec<u8>)>,
+    repoison: bool,
+    last_rollback: RollbackDrops,
+    last_verdict: Verdict,
+}
+
+impl RankCache {
+    /// Builds rank `group.rank()`: its kernels on `exec`, its pools (poisoned), its tree,
+    /// allocator and host pool; then maps every peer's pools through `group` (every rank
+    /// must call this; a rank that fails aborts the group, so its peers fail too instead of
+    /// waiting). SGLang: `HiRadixCache.__init__` with its `HiCacheController` and host pool.
+    pub fn new(
+        config: ClusterConfig,
+        exec: Arc<dyn Executor>,
+        jit: &Jit,
+        group: Box<dyn Collective>,
+        peer_access: PeerAccess,
+    ) -> Result<RankCache, ClusterError> {
+        let built = Self::build(config, exec, jit, &*group, peer_access);
+        let (layout, config, exec, kernels, mut pools, tree, alloc, host) = match built {
+            Ok(parts) => parts,
+            Err(e) => {
+                group.abort(&format!("rank {} could not start: {e}", group.rank().0));
+                return Err(e);
+            }
+        };
+        let rank = group.rank();
+        for &b in config.deployment.model.buffers() {
+            let mine = match pools.handle(b) {
+                Ok(h) => h,
+                Err(e) => {
+                    group.abort(&format!("rank {} could not export its pools: {e}", rank.0));
+                    return Err(e.into());
+                }
+            };
+            let handles = group.all_gather(&format!("pool handles {b}"), &mine)?;
+            if let Err((peer, source)) = pools.connect(b, usize::from(rank.0), &handles) {
+                let e = ClusterError::PeerPool {
+                    rank: rank.0,
+                    peer: peer as u8,
+                    buffer: b,
+                    source,
+                };
+                group.abort(&e.to_string());
+                return Err(e);
+            }
+        }
+        // Every rank has mapped every peer before any request makes a peer read them.
+        group.barrier("pools connected")?;
+        Ok(RankCache {
+            rank,
+            layout,
+            config,
+            exec,
+            kernels,
+            pools,
+            tree,
+            alloc,
+            host,
+            group,
+            peer_access,
+            launch_failure_at: None,
+            panic_at: None,
+            served: 0,
+            freed: Freed::default(),
+            capture_dense: false,
+            last_dense: Vec::new(),
+            repoison: true,
+            last_rollback: RollbackDrops::default(),
+            last_verdict: Verdict::default(),
+        })
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn build(
+        config: ClusterConfig,
+        exec: Arc<dyn Executor>,
+        jit: &Jit,
+        group: &dyn Collective,
+        peer_access: PeerAccess,
+    ) -> Result<
+        (
+            CpLayout,
+            ClusterConfig,
+            Arc<dyn Executor>,
+            DeploymentKernels,
+            Pools,
+            RadixTree,
+            KernelLaneAllocator,
+            HostPagePool,
+        ),
+        ClusterError,
+    > {
+        let dep = &config.deployment;
+        let layout = config.layout()?;
+        if config.layers == 0 {
+            return Err(ClusterError::Config("--layers must be at least 1".into()));
+        }
+        if group.size() != usize::from(layout.cp()) {
+            return Err(ClusterError::Config(format!(
+                "a CP {} deployment needs a group of {} ranks, not {}",
+                layout.cp(),
+                layout.cp(),
+                group.size()
+            )));
+        }
+        let rank = group.rank();
+        let geometry = config.pool_geometry()?;
+        let broken = |spec: &crate::kernels::KernelSpec, src: String| {
+            if spec.family() == crate::kernels::Family::Verify {
+                crate::jit::break_source(src)
+            } else {
+                src
+            }
+        };
+        let hook: Option<SourceHook<'_>> = match config.fault {
+            Some(Fault::CompileError) => Some(&broken),
+            _ => None,
+        };
+        // SAFETY: the only hook is the compile-error fault, which makes a source fail to
+        // compile.
+        let kernels = unsafe {
+            DeploymentKernels::load_with_hook(dep, jit, exec.as_ref(), config.sanitize, hook)
+        }?;
+        let pools = Pools::new(exec.clone(), dep, geometry, peer_access)?;
+        let tree = RadixTree::new(layout, rank)?;
+        let mut alloc = KernelLaneAllocator::new(
+            layout,
+            exec.clone(),
+            jit,
+            KernelAllocOptions {
+                threads: dep.alloc_threads,
+                sanitize: config.sanitize,
+                arch: dep.arch,
+            },
+        )?;
+        let host = HostPagePool::new(rank, geometry.host_pages)?;
+        if config.fault == Some(Fault::LaneExhaustion) {
+            // Pages reserved for ever, on every rank alike: lane 0 keeps half its pages.
+            let reserve = layout.lane_capacity(Rank(0)) / 2;
+            alloc.alloc_pages_with_owners(&vec![0u8; reserve as usize])?;
+        }
+        Ok((layout, config, exec, kernels, pools, tree, alloc, host))
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> Rank {
+        self.rank
+    }
+
+    /// The layout.
+    pub fn layout(&self) -> &CpLayout {
+        &self.layout
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &ClusterConfig {
+        &self.config
+    }
+
+    /// The executor.
+    pub fn executor(&self) -> &Arc<dyn Executor> {
+        &self.exec
+    }
+
+    /// The loaded kernels.
+    pub fn kernels(&self) -> &DeploymentKernels {
+        &self.kernels
+    }
+
+    /// The group's transport (`"local"`, ...).
+    pub fn group_kind(&self) -> &'static str {
+        self.group.kind()
+    }
+
+    /// How this rank reaches its peers' pools (`"shared-memory"`, `"direct"`, ...).
+    pub fn peer_pools(&self) -> &'static str {
+        self.peer_access.describe(self.exec.as_ref())
+    }
+
+    /// Makes this rank's first launch of request number `request` (0-based, counted over
+    /// [`RankCache::serve`] calls) fail, so that request fails on this rank and every rank
+    /// rolls it back. The failure never outlives its request; an empty prompt launches
+    /// nothing, so a failure aimed at one moves to the next request.
+    pub fn inject_launch_failure(&mut self, request: usize) {
+        self.launch_failure_at = Some(request);
+    }
+
+    /// Makes this rank's thread panic in request number `request`, after the match: for the
+    /// test that a rank that dies mid-request ends the run with an error naming it.
+    #[doc(hidden)]
+    pub fn debug_panic_in(&mut self, request: usize) {
+        self.panic_at = Some(request);
+    }
+
+    /// A digest of the allocator and the tree (host slots excluded: they differ between
+    /// ranks by design). Equal on every rank that saw the same calls.
+    pub fn digest(&self) -> StateDigest {
+        let mut h = Sha256::new();
+        h.update(self.alloc.digest().0);
+        h.update(self.tree.digest().0);
+        StateDigest(h.finalize().into())
+    }
+
+    /// Every rank's [`RankCache::digest`], all-gathered (a collective: every rank calls it).
+    pub fn all_digests(&self, what: &str) -> Result<Vec<StateDigest>, ClusterError> {
+        let all = self.group.all_gather(what, &self.digest().0)?;
+        Ok(all
+            .into_iter()
+            .map(|d| StateDigest(d.try_into().unwrap_or([0; 32])))
+            .collect())
+    }
+
+    /// Reads the device lane stacks back and compares them with the allocator's host mirror,
+    /// which decides every allocation: they differ only if a kernel or a rollback went wrong.
+    /// A counted read-back, so call it outside the load path.
+    pub fn check_device_lanes(&self) -> Result<(), ClusterError> {
+        let rank = self.rank.0;
+        self.alloc
+            .check_usable()
+            .and_then(|()| self.alloc.debug_check_device())
+            .map_err(|source| ClusterError::DeviceLanes { rank, source })
+    }
+
+    /// Free device pages per lane.
+    pub fn lane_free_counts(&self) -> Vec<u32> {
+        self.alloc.lane_free_counts()
+    }
+
+    /// Checks the allocator and tree invariants, conservation included.
+    pub fn check_invariants(&self) -> Result<(), ClusterError> {
+        self.alloc.mirror().check_invariants()?;
+        // The device lanes must equal the mirror (a counted read-back: tests only).
+        self.alloc.debug_check_device()?;
+        self.tree.check_invariants()?;
+        let in_tree = self.tree.device_pages();
+        let used: u32 = self.alloc.mirror().lane_used_counts().iter().sum();
+        let reserved = if self.config.fault == Some(Fault::LaneExhaustion) {
+            self.layout.lane_capacity(Rank(0)) / 2
+        } else {
+            0
+        };
+        let leaked = |what: String| ClusterError::Alloc(AllocError::Invariant { what });
+        if in_tree as u32 + reserved != used {
+            return Err(leaked(format!(
+                "{}: {used} pages allocated but the tree holds {in_tree} (+{reserved} reserved)",
+                self.rank
+            )));
+        }
+        for id in self.tree.node_ids() {
+            let n = self.tree.node(id)?;
+            if let Some(&p) = n
+                .device()
+                .and_then(|d| d.iter().find(|&&p| !self.alloc.mirror().is_allocated(p)))
+            {
+                return Err(leaked(format!(
+                    "{}: {id} holds {p}, which the allocator has free",
+                    self.rank
+                )));
+            }
+            if let Some(h) = n
+                .host()
+                .and_then(|m| m.host_pages().iter().find(|&&h| !self.host.is_allocated(h)))
+            {
+                return Err(leaked(format!(
+                    "{}: {id} holds host page {}, which the host pool has free",
+                    self.rank, h.0
+                )));
+            }
+        }
+        let host_used = self.host.capacity() - self.host.free_count();
+        let host_in_tree: usize = self
+            .tree
+            .node_ids()
+            .iter()
+            .filter_map(|&id| {
+                self.tree
+                    .node(id)
+                    .ok()?
+                    .host()
+                    .map(|m| m.host_pages().len())
+            })
+            .sum();
+        if host_used as usize != host_in_tree {
+            return Err(leaked(format!(
+                "{}: {host_used} host pages allocated but the tree references {host_in_tree}",
+                self.rank
+            )));
+        }
+        Ok(())
+    }
+
+    /// When on, every request reads its dense materialised buffers back (after verifying
+    /// them) so that [`RankCache::last_dense`] can feed a reference decode. Off by default:
+    /// the read-back is a device→host synchronisation a serving path would not do.
+    pub fn set_capture_dense(&mut self, on: bool) {
+        self.capture_dense = on;
+        if !on {
+            self.last_dense.clear();
+        }
+    }
+
+    /// The last request's dense materialised buffers (this rank's view), one per buffer
+    /// kind, each laid out `[layer][seq_page][page bytes]` (docs/KERNELS.md); empty unless
+    /// capture is on.
+    pub fn last_dense(&self) -> &[(BufferKind, Vec<u8>)] {
+        &self.last_dense
+    }
+
+    /// Whether device and host pages are poisoned again when they are freed (evicted,
+    /// dropped by a rollback, or released at the end of a request) and the dense buffers
+    /// before every materialisation. On by default, and it should stay on wherever results
+    /// are checked: the lane stacks are LIFO, so a node loaded back often gets its old
+    /// pages, which still hold the right bytes, and a load that copied nothing would pass.
+    ///
+    /// Cost: a device fill (`cuMemsetD8Async` on a GPU, `memset` on the CPU) of the poison
+    /// byte over every freed page of this rank's pools (all layers and buffer kinds) and
+    /// over the dense buffers of every request. Device fills are stream-ordered and neither
+    /// read back nor synchronise, so the load path stays free of both. Freed host pages
+    /// (host evictions, replaced copies) are poisoned by the CPU; on a GPU that waits for
+    /// the stream, which the load path meets only when a write-back eviction there frees
+    /// host copies.
+    pub fn set_repoison(&mut self, on: bool) {
+        self.repoison = on;
+    }
+
+    /// Points this rank's view of `peer`'s pools at `other`'s: a wrong peer mapping on
+    /// purpose, for the test that it shows as mismatches on this rank only.
+    #[doc(hidden)]
+    pub fn debug_view_peer_as(&mut self, peer: usize, other: usize) {
+        self.pools.debug_view_peer_as(peer, other);
+    }
+
+    /// What the rollback of the last failed operation dropped.
+    pub fn last_rollback(&self) -> RollbackDrops {
+        self.last_rollback
+    }
+
+    /// What the last request's verification found, on every rank.
+    pub fn last_verdict(&self) -> &Verdict {
+        &self.last_verdict
+    }
+
+    /// Locks `node` and its ancestors against eviction (a request holding its prefix).
+    /// SGLang: `inc_lock_ref`.
+    pub fn lock(&mut self, node: NodeId) -> Result<(), ClusterError> {
+        if node != NodeId::ROOT {
+            self.tree.lock(node)?;
+        }
+        Ok(())
+    }
+
+    /// Releases a lock taken by [`RankCache::lock`]. SGLang: `dec_lock_ref`.
+    pub fn unlock(&mut self, node: NodeId) -> Result<(), ClusterError> {
+        if node != NodeId::ROOT {
+            self.tree.unlock(node)?;
+        }
+        Ok(())
+    }
+
+    /// The longest cached prefix of `tokens` (whole pages): device-resident pages, then the
+    /// host-only nodes that can be loaded back. Splits a node where the match ends inside it.
+    /// SGLang: `HiRadixCache.match_prefix`.
+    pub fn match_prefix(&mut self, tokens: &[u32]) -> Result<MatchResult, ClusterError> {
+        let ps = self.layout.page_size() as usize;
+        Ok(self.tree.match_prefix(&tokens[..tokens.len() / ps * ps])?)
+    }
+
+    /// Evicts device nodes in LRU order until at least `pages` device pages were released
+    /// or nothing unlocked is left (write-back backs them up first). Returns the node count.
+    /// Every rank makes the same call; on an error on any rank, every rank's state is
+    /// restored. SGLang: `HiRadixCache.evict`.
+    pub fn evict_device_lru(&mut self, pages: usize) -> Result<usize, ClusterError> {
+        self.agreed("eviction", |me| {
+            me.evict(Eviction::Lru(pages), &mut RequestStats::default())
+        })
+    }
+
+    /// Serves one prompt: match, load back, compute the rest, materialise and verify,
+    /// insert, back up, release; every rank of the group calls it with the same prompt. On
+    /// an error on any rank, every rank restores its state to what it was, so a failed
+    /// request leaves no trace but the error: this rank's own, or
+    /// [`GroupError::PeerFailed`](crate::group::GroupError::PeerFailed) naming the rank
+    /// that failed. An error that breaks the
+    /// group (a timeout, a divergence) is returned as it is, without a rollback.
+    ///
+    /// SGLang's scheduler makes these calls on `HiRadixCache` per request: `match_prefix`
+    /// (and `init_load_back`), `alloc`, the model's forward, `cache_finished_req` /
+    /// `insert`, `write_backup`, `dec_lock_ref`.
+    pub fn serve(&mut self, tokens: &[u32]) -> Result<RequestStats, ClusterError> {
+        let n = self.served;
+        let mut armed = false;
+        if self.launch_failure_at == Some(n) {
+            if tokens.is_empty() {
+                // An empty prompt launches nothing: fail the next request instead of leaving
+                // the executor armed for whichever launch comes later.
+                self.launch_failure_at = Some(n + 1);
+            } else {
+                self.exec.inject_launch_failure();
+                armed = true;
+            }
+        }
+        self.served += 1;
+        let panic_here = self.panic_at == Some(n);
+        self.agreed(&format!("request {n}"), |me| {
+            let result = me.serve_inner(tokens, n, panic_here);
+            if armed {
+                // A request that returned before its first launch did not consume the
+                // failure: disarm on every exit, before the rollback.
+                me.exec.disarm_launch_failure();
+            }
+            result
+        })
+    }
+
+    /// Runs `step` as one operation every rank makes, all or nothing across the group: it
+    /// succeeds on every rank, or every rank restores its state from before it. A rank
+    /// whose step failed tells the group (its failure ends the round its peers are in); a
+    /// rank that learns of a peer's failure stops there. An error that broke the group is
+    /// returned without a rollback: no agreement on one is possible.
+    fn agreed<T>(
+        &mut self,
+        what: &str,
+        step: impl FnOnce(&mut Self) -> Result<T, ClusterError>,
+    ) -> Result<T, ClusterError> {
+        let snapshot = self.snapshot();
+        let err = match step(self) {
+            Ok(v) => match self.group.barrier(&format!("{what} outcome")) {
+                Ok(()) => return Ok(v),
+                Err(e) => ClusterError::from(e),
+            },
+            Err(e) if e.is_peer_failure() || e.is_group_broken() => e,
+            Err(e) => match self.group.fail(what, &e.to_string()) {
+                Ok(_) => e,
+                Err(broken) => broken.into(),
+            },
+        };
+        if err.is_group_broken() {
+            return Err(err);
+        }
+        self.restore(snapshot, what)?;
+        Err(err)
+    }
+
+    fn snapshot(&mut self) -> Snapshot {
+        self.freed = Freed::default();
+        self.last_rollback = RollbackDrops::default();
+        Snapshot {
+            tree: self.tree.clone(),
+            mirror: self.alloc.mirror().clone(),
+            host: self.host.clone(),
+        }
+    }
+
+    /// Puts this rank back to `snapshot` (every rank does, for the same operation), except
+    /// that nodes whose pages the failed operation had freed stay dropped: those pages may
+    /// have been handed out again and overwritten before the failure, so bringing the nodes
+    /// back would serve foreign bytes. What each rank freed is all-gathered, so every replica
+    /// drops the same nodes: host pages differ per rank, and a rank that failed early freed
+    /// fewer device pages than its peers, which went on until they learnt of the failure.
+    fn restore(&mut self, snapshot: Snapshot, what: &str) -> Result<(), ClusterError> {
+        let mut freed = std::mem::take(&mut self.freed);
+        let mine: Vec<u8> = freed
+            .device
+            .iter()
+            .flat_map(|p| p.0.to_le_bytes())
+            .collect();
+        for v in self
+            .group
+            .all_gather(&format!("{what} rollback: freed device pages"), &mine)?
+        {
+            freed.device.extend(
+                v.chunks_exact(4)
+                    .map(|c| PageId(u32::from_le_bytes(c.try_into().expect("4 bytes")))),
+            );
+        }
+        let Snapshot {
+            mut tree,
+            mut mirror,
+            mut host,
+        } = snapshot;
+        let mine: Vec<u8> = tree
+            .nodes_holding_host(&freed.host)
+            .into_iter()
+            .flat_map(|id| id.to_bits().to_le_bytes())
+            .collect();
+        let host_nodes: BTreeSet<NodeId> = self
+            .group
+            .all_gather(&format!("{what} rollback: stale host copies"), &mine)?
+            .iter()
+            .flat_map(|v| {
+                v.chunks_exact(8)
+                    .map(|c| NodeId::from_bits(u64::from_le_bytes(c.try_into().expect("8 bytes"))))
+            })
+            .collect();
+        let (pages, metas) = tree.drop_stale(&freed.device, &host_nodes)?;
+        let drops = RollbackDrops {
+            device_pages: pages.len() as u64,
+            host_copies: metas.len() as u64,
+        };
+        mirror.free(&pages)?;
+        for m in &metas {
+            host.free(m.host_pages())?;
+        }
+        // Pages the failed operation allocated (or the rollback drops) become free: they may
+        // hold bytes it wrote. So do the pages it evicted: an eviction that failed part-way
+        // had not poisoned them yet.
+        let mut released: BTreeSet<PageId> = (1..self.layout.pages())
+            .map(PageId)
+            .filter(|&p| self.alloc.mirror().is_allocated(p) && !mirror.is_allocated(p))
+            .collect();
+        released.extend(
+            freed
+                .device
+                .iter()
+                .copied()
+                .filter(|&p| !mirror.is_allocated(p)),
+        );
+        // Host pages the failed operation allocated (a backup it wrote) become free too.
+        let released_host: Vec<HostPage> = (0..self.host.capacity())
+            .map(HostPage)
+            .filter(|&p| self.host.is_allocated(p) && !host.is_allocated(p))
+            .collect();
+        self.tree = tree;
+        self.host = host;
+        let restored = self.alloc.restore(mirror);
+        self.last_rollback = drops;
+        let poisoned = self
+            .poison_freed(released)
+            .and_then(|()| self.poison_freed_host(released_host));
+        restored?;
+        poisoned
+    }
+
+    fn serve_inner(
+        &mut self,
+        tokens: &[u32],
+        n: usize,
+        panic_here: bool,
+    ) -> Result<RequestStats, ClusterError> {
+        let ps = self.layout.page_size() as usize;
+        let n_tokens = tokens.len();
+        let mut stats = RequestStats {
+            prompt_tokens: n_tokens as u64,
+            ..RequestStats::default()
+        };
+        if n_tokens == 0 {
+            return Ok(stats);
+        }
+        let n_pages = n_tokens.div_ceil(ps);
+        let full = n_tokens / ps;
+        let key = &tokens[..full * ps];
+
+        // 1. Match (identical trees give identical results on every rank).
+        let m = self.tree.match_prefix(key)?;
+        let mut pages = m.device_pages.clone();
+        stats.device_hit_tokens = (pages.len() * ps) as u64;
+        let mut locked = m.last_device_node;
+        self.lock(locked)?;
+        if panic_here {
+            panic!(
+                "rank {} panics in request {n} on purpose (a test)",
+                self.rank.0
+            );
+        }
+
+        // 2. Load back host-only nodes, owners preserved.
+        if let Some(&last) = m.host_nodes.last() {
+            // Lock the host-only nodes too: evictions on the load path (and write-back
+            // backups, which may evict host LRU) must not remove the nodes being loaded.
+            self.lock(last)?;
+            let before = self.exec.counters();
+            let loaded = self.load_back(&m.host_nodes, &mut stats)?;
+            let c = self.exec.counters().since(&before);
+            // Allocations and frees synchronise on CUDA (cuMemAlloc, cuMemFree), so they
+            // count too.
+            stats.load_path_syncs += c.stalls();
+            match loaded {
+                Some(run) => {
+                    stats.host_hit_tokens = (run.len() * ps) as u64;
+                    stats.pages_loaded += run.len() as u64;
+                    pages.extend(run);
+                    self.unlock(locked)?;
+                    locked = last;
+                }
+                None => {
+                    self.unlock(last)?;
+                    stats.load_degraded_to_miss += 1;
+                }
+            }
+        }
+        let cached = pages.len();
+
+        // 3. Allocate the pages to compute, zigzag over the owners.
+        let owners = zigzag_owners(self.layout.cp(), n_pages - cached);
+        let run = self.alloc_with_eviction(&owners, &pages, &mut stats)?;
+        pages.extend(run);
+        stats.computed_tokens = (n_tokens - cached * ps) as u64;
+
+        // 4-5. Synthesise the computed pages this rank owns, materialise everything from the
+        // owners' pools, verify against the synthesised KV.
+        let bad = self.compute_and_verify(tokens, &pages, cached, n)?;
+        stats.mismatched_tokens = bad.all.count;
+        stats.first_mismatched_token = bad.all.first;
+        self.last_verdict = bad;
+
+        // 6. Insert the whole pages; free what the tree already had and the partial page.
+        let ins = self.tree.insert(key, &pages[..full])?;
+        // Every rank drops the same copies (owners are replicated).
+        stats.host_copies_replaced = ins.dropped_host_copies.len() as u64;
+        let mut released_host = Vec::new();
+        for meta in ins.dropped_host_copies {
+            self.host.free(meta.host_pages())?;
+            self.freed.host.extend(meta.host_pages().iter().copied());
+            released_host.extend(meta.host_pages().iter().copied());
+        }
+        self.poison_freed_host(released_host)?;
+        let ours: std::collections::HashSet<PageId> = pages[..cached].iter().copied().collect();
+        let mut to_free: Vec<PageId> = ins
+            .duplicate_pages
+            .into_iter()
+            .filter(|p| !ours.contains(p))
+            .collect();
+        to_free.extend_from_slice(&pages[full..]);
+        self.alloc.free(&to_free)?;
+        self.poison_freed(to_free)?;
+        let node = ins.node;
+        self.lock(node)?;
+        self.unlock(locked)?;
+        if self.config.policy == WritePolicy::WriteThrough && node != NodeId::ROOT {
+            for id in self.tree.path(node)? {
+                let n = self.tree.node(id)?;
+                if n.host().is_none() && n.device().is_some() {
+                    self.write_back(id, &mut stats)?;
+                }
+            }
+        }
+        // 7. Release.
+        self.unlock(node)?;
+        Ok(stats)
+    }
+
+    /// Loads host-only nodes back: one allocation with the concatenated `page_owners`,
+    /// evicting as the compute path does on a shortage (lane-targeted, then LRU), then a
+    /// miss. This rank copies the pages it owns; nothing is read back from the device.
+    /// Returns the new pages, or `None` when the load degraded to a miss. SGLang:
+    /// `HiRadixCache.init_load_back` / `HiCacheController.load`.
+    fn load_back(
+        &mut self,
+        nodes: &[NodeId],
+        stats: &mut RequestStats,
+    ) -> Result<Option<Vec<PageId>>, ClusterError> {
+        let metas: Vec<&NodeMetadata> = nodes
+            .iter()
+            .map(|&id| {
+                self.tree
+                    .node(id)?
+                    .host()
+                    .ok_or(TreeError::NotBackedUp { node: id })
+            })
+            .collect::<Result<_, TreeError>>()?;
+        let owners = NodeMetadata::concat(metas)?.page_owners().to_vec();
+        let plain = self.config.fault == Some(Fault::PlainAllocOnLoad);
+        // The same evictions as for computed pages, in the same order: a miss here would
+        // only make the compute path evict the same nodes to recompute these pages.
+        let Some(run) = self.alloc_evicting(&owners, plain, stats)? else {
+            return Ok(None);
+        };
+        stats.pages_loaded_misowned += owners
+            .iter()
+            .zip(&run)
+            .filter(|&(&o, &p)| self.layout.owner(p).0 != o)
+            .count() as u64;
+
+        // This rank moves the pages it owns: host page -> local page of the new owner page.
+        let mut at = 0usize;
+        let (mut src, mut dst) = (Vec::new(), Vec::new());
+        for &id in nodes {
+            let meta = self
+                .tree
+                .node(id)?
+                .host()
+                .ok_or(TreeError::NotBackedUp { node: id })?;
+            for (i, host_page) in meta.owned_pages() {
+                // Under the injected fault the owner may be another rank: the bytes land in
+                // a slot nobody reads, which is exactly the seed's bug.
+                src.push(host_page.0);
+                dst.push(self.layout.local(run[at + i]).0);
+            }
+            let n = self.tree.node(id)?.num_pages(self.layout.page_size());
+            let slice = run[at..at + n].to_vec();
+            if plain {
+                self.tree.set_device_ignoring_owners(id, slice)?;
+            } else {
+                self.tree.set_device(id, slice)?;
+            }
+            at += n;
+        }
+        stats.bytes_h2d += self.transfer(Direction::HostToDevice, &src, &dst)?;
+        Ok(Some(run))
+    }
+
+    /// Backs a device node up on every rank, or on none: host pages for each rank's owned
+    /// pages, the device→host transfer, and the validated metadata. The ranks all-gather
+    /// their host shortfalls, so they all take one plan: when some rank is short, host
+    /// copies are evicted in LRU order, but only ones that free pages on a short rank, and
+    /// only when that makes the backup fit; otherwise the backup is skipped (and counted)
+    /// and no host copy is thrown away. SGLang: `HiRadixCache.write_backup` /
+    /// `HiCacheController.write`.
+    fn write_back(&mut self, node: NodeId, stats: &mut RequestStats) -> Result<(), ClusterError> {
+        let pages = self
+            .tree
+            .node(node)?
+            .device()
+            .ok_or(TreeError::NotOnDevice { node })?
+            .to_vec();
+        let owners: Vec<u8> = pages.iter().map(|&p| self.layout.owner(p).0).collect();
+        let me = self.rank.0;
+        let need = owners.iter().filter(|&&o| o == me).count() as u32;
+        let mine = u64::from(need.saturating_sub(self.host.free_count()));
+        let short: Vec<u32> = self
+            .group
+            .all_gather(
+                &format!("backup of {node}: host shortfalls"),
+                &mine.to_le_bytes(),
+            )?
+            .iter()
+            .map(|v| {
+                v.as_slice()
+                    .try_into()
+                    .map_or(0, |b| u64::from_le_bytes(b) as u32)
+            })
+            .collect();
+        if short.iter().any(|&d| d > 0) {
+            // Evict host copies only if that makes the backup fit, and only those that free
+            // host pages on the short ranks: decide on the plan first (every rank evicts the
+            // same nodes, so the replicated tree tells what each rank would get back).
+            let mut gained = vec![0u32; short.len()];
+            for id in self.tree.host_eviction_plan_for_ranks(&short)? {
+                let owners = self.tree.node(id)?.host().map(NodeMetadata::page_owners);
+                for o in owners.unwrap_or_default() {
+                    if let Some(g) = gained.get_mut(usize::from(*o)) {
+                        *g += 1;
+                    }
+                }
+            }
+            if short.iter().zip(&gained).any(|(s, g)| g < s) {
+                stats.backups_skipped += 1;
+                return Ok(());
+            }
+            let gone = self.tree.evict_host_for_ranks(&short)?;
+            let evicted = gone.len();
+            let mut released = Vec::new();
+            for meta in gone {
+                self.host.free(meta.host_pages())?;
+                self.freed.host.extend(meta.host_pages().iter().copied());
+                released.extend(meta.host_pages().iter().copied());
+            }
+            self.poison_freed_host(released)?;
+            stats.evictions_lru += evicted as u64;
+            stats.host_evictions_for_backup += evicted as u64;
+        }
+        let host_pages = self.host.alloc(need as usize)?;
+        let (src, dst): (Vec<u32>, Vec<u32>) = owners
+            .iter()
+            .zip(&pages)
+            .filter(|(&o, _)| o == me)
+            .zip(&host_pages)
+            .map(|((_, &p), h)| (self.layout.local(p).0, h.0))
+            .unzip();
+        stats.bytes_d2h += self.transfer(Direction::DeviceToHost, &src, &dst)?;
+        let meta = NodeMetadata::new(&self.layout, self.rank, owners, host_pages)?;
+        self.tree.set_host(node, meta)?;
+        stats.pages_written += pages.len() as u64;
+        Ok(())
+    }
+
+    /// Allocates `owners` (any lanes when `plain`) in this rank's allocator replica, or
+    /// `None` on a shortage (nothing changed). Replicas that saw the same calls decide alike;
+    /// the digests, compared after every request, prove it.
+    fn try_alloc(
+        &mut self,
+        owners: &[u8],
+        plain: bool,
+    ) -> Result<Option<Vec<PageId>>, ClusterError> {
+        let res = if plain {
+            self.alloc.alloc_pages(owners.len())
+        } else {
+            self.alloc.alloc_pages_with_owners(owners)
+        };
+        match res {
+            Ok(k) => Ok(Some(k.run.into_pages())),
+            Err(e) if e.is_shortage() => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Allocates the pages to compute, evicting as needed (see [`Self::alloc_evicting`]).
+    /// `held` are the device pages the request already holds (its cached prefix, locked;
+    /// for the error). SGLang: `TokenToKVPoolAllocator.alloc` after `evict`.
+    fn alloc_with_eviction(
+        &mut self,
+        owners: &[u8],
+        held: &[PageId],
+        stats: &mut RequestStats,
+    ) -> Result<Vec<PageId>, ClusterError> {
+        match self.alloc_evicting(owners, false, stats)? {
+            Some(run) => Ok(run),
+            None => {
+                let deficit = self.alloc.deficit(owners)?;
+                Err(self.pool_too_small(owners, held, &deficit))
+            }
+        }
+    }
+
+    /// Allocates `owners` (any lanes when `plain`), evicting unlocked device nodes until it
+    /// fits: device LRU while the pool as a whole is short, owner-lane targeted eviction
+    /// when only some lanes are, and LRU again when no leaf frees a short lane. `None` once
+    /// nothing more can be evicted. The load path and the compute path both allocate
+    /// through here, so a load-back degrades to a miss only when computing would not fit
+    /// either.
+    fn alloc_evicting(
+        &mut self,
+        owners: &[u8],
+        plain: bool,
+        stats: &mut RequestStats,
+    ) -> Result<Option<Vec<PageId>>, ClusterError> {
+        loop {
+            if let Some(run) = self.try_alloc(owners, plain)? {
+                return Ok(Some(run));
+            }
+            let free = self.alloc.mirror().free_pages();
+            let evicted = if owners.len() > free {
+                let n = self.evict(Eviction::Lru(owners.len() - free), stats)?;
+                stats.evictions_lru += n as u64;
+                n
+            } else {
+                let deficit = self.alloc.deficit(owners)?;
+                let n = self.evict(Eviction::Lanes(deficit), stats)?;
+                stats.evictions_lane += n as u64;
+                if n > 0 {
+                    n
+                } else {
+                    // The short lanes' pages can sit in nodes that are not leaves yet, under
+                    // leaves holding only other lanes' pages, which lane-targeted eviction
+                    // skips. Evict LRU to uncover them.
+                    let n = self.evict(Eviction::Lru(1), stats)?;
+                    stats.evictions_lru += n as u64;
+                    n
+                }
+            };
+            if evicted == 0 {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// Why `owners` cannot be allocated next to `held` once nothing more can be evicted:
+    /// the whole pool, or (the usual case) the owner lanes in `deficit`, each with what it
+    /// needs, what the request's cached prefix holds in it and what it holds in all. A
+    /// total count alone would read as a contradiction when the pool has room overall.
+    fn pool_too_small(&self, owners: &[u8], held: &[PageId], deficit: &[u32]) -> ClusterError {
+        let cp = usize::from(self.layout.cp());
+        let free = self.alloc.lane_free_counts();
+        let count = |owners: &mut dyn Iterator<Item = u8>| {
+            let mut n = vec![0u32; cp];
+            for o in owners {
+                n[usize::from(o)] += 1;
+            }
+            n
+        };
+        let computed = count(&mut owners.iter().copied());
+        let cached = count(&mut held.iter().map(|&p| self.layout.owner(p).0));
+        let needed = (held.len() + owners.len()) as u64;
+        let available = (held.len() + free.iter().sum::<u32>() as usize) as u64;
+        let mut lanes = Vec::new();
+        for (l, &d) in deficit.iter().enumerate().filter(|(_, &d)| d > 0) {
+            let need = cached[l] + computed[l];
+            let capacity = self.layout.lane_capacity(Rank(l as u8));
+            let usable = free[l] + cached[l];
+            let what = if need > capacity {
+                format!("holds only {capacity} pages")
+            } else {
+                format!(
+                    "only {usable} of its {capacity} pages are free or the request's own \
+                     (the others are locked or reserved)"
+                )
+            };
+            lanes.push(format!(
+                "lane {l} needs {need} ({} of the cached prefix + {} to compute) but {what}, \
+                 {d} short",
+                cached[l], computed[l]
+            ));
+        }
+        let mut what = if needed > available {
+            format!(
+                "the request needs {needed} device pages at once but only {available} are free \
+                 or its own once everything unlocked is evicted"
+            )
+        } else {
+            format!(
+                "the request's {needed} device pages fit the pool ({available} free or its own \
+                 once everything unlocked is evicted) but not its owner lanes"
+            )
+        };
+        if !lanes.is_empty() {
+            what += &format!(": {}", lanes.join("; "));
+        }
+        // The cached prefix stays locked while the request is served; say when computing
+        // the whole prompt afresh (one zigzag pattern) would have fitted.
+        let fresh =
+            count(&mut zigzag_owners(self.layout.cp(), held.len() + owners.len()).into_iter());
+        if !held.is_empty() && (0..cp).all(|l| fresh[l] <= free[l] + cached[l]) {
+            what += " (computing the whole prompt afresh, without its cached prefix, would fit)";
+        }
+        ClusterError::PoolTooSmall {
+            what,
+            flag: "--device-pages",
+            needed,
+            available,
+        }
+    }
+
+    /// Evicts device nodes and frees what they held (every rank evicts the same nodes).
+    /// Under write-back, every node the eviction would drop from the tree is backed up first
+    /// (its backups are counted in `stats`), so only nodes whose backup did not fit lose
+    /// their KV. Returns the node count.
+    fn evict(&mut self, how: Eviction, stats: &mut RequestStats) -> Result<usize, ClusterError> {
+        if self.config.policy == WritePolicy::WriteBack {
+            // The plan names every node the eviction takes: not only the LRU leaves of now,
+            // but also parents that become leaves on the way. Backing up changes no device
+            // state and no stamp, so the real eviction below takes the same nodes, now backed
+            // up, and keeps them (and their host-only descendants) in the tree.
+            let plan = match &how {
+                Eviction::Lru(n) => self.tree.device_eviction_plan_lru(*n)?,
+                Eviction::Lanes(d) => self.tree.device_eviction_plan_for_lanes(d)?,
+            };
+            for node in plan {
+                if self.tree.node(node)?.host().is_none() {
+                    self.write_back(node, stats)?;
+                }
+            }
+        }
+        let evicted: Vec<Evicted> = match &how {
+            Eviction::Lru(n) => self.tree.evict_device_lru(*n)?,
+            Eviction::Lanes(d) => self.tree.evict_device_for_lanes(d)?,
+        };
+        let count = evicted.len();
+        let mut released = BTreeSet::new();
+        let mut released_host = Vec::new();
+        for e in evicted {
+            self.alloc.free(&e.device_pages)?;
+            self.freed.device.extend(e.device_pages.iter().copied());
+            released.extend(e.device_pages.iter().copied());
+            for meta in &e.host_released {
+                self.host.free(meta.host_pages())?;
+                self.freed.host.extend(meta.host_pages().iter().copied());
+                released_host.extend(meta.host_pages().iter().copied());
+            }
+        }
+        self.poison_freed(released)?;
+        self.poison_freed_host(released_host)?;
+        Ok(count)
+    }
+
+    /// Copies this rank's page pairs for every buffer kind, with the transfer kernel or by
+    /// DMA as the deployment says; returns bytes moved.
+    fn transfer(&mut self, dir: Direction, src: &[u32], dst: &[u32]) -> Result<u64, ClusterError> {
+        if src.is_empty() {
+            return Ok(0);
+        }
+        let g = self.pools.geometry();
+        let pools = PoolShape {
+            layers: g.layers,
+            device_pages: g.local_pages,
+            host_pages: g.host_pages,
+        };
+        check_transfer_pages(dir, usize::from(self.rank.0), src, dst, &pools)?;
+        let dma = self.config.deployment.transfer_path == TransferPath::Dma;
+        let pairs = if dma {
+            None
+        } else {
+            Some(self.pools.upload_pairs(src, dst)?)
+        };
+        let mut bytes = 0;
+        for &b in self.config.deployment.model.buffers() {
+            let (from, to) = match dir {
+                Direction::HostToDevice => (self.pools.host(b), self.pools.device(b)),
+                Direction::DeviceToHost => (self.pools.device(b), self.pools.host(b)),
+            };
+            match pairs {
+                None => {
+                    let spec = self.config.deployment.transfer(b, dir);
+                    let regions = transfer_regions(&spec, src, dst, pools);
+                    self.exec.copy_regions(from, to, &regions)?;
+                }
+                Some((sb, db)) => {
+                    let k = self.kernels.transfer(b, dir);
+                    self.exec.launch(
+                        k.id,
+                        &k.launch(src.len() as u32, g.layers),
+                        &[
+                            KernelArg::Ptr(from, 0),
+                            KernelArg::Ptr(to, 0),
+                            KernelArg::Ptr(sb, 0),
+                            KernelArg::Ptr(db, 0),
+                            KernelArg::U32(src.len() as u32),
+                            KernelArg::U32(g.layers),
+                            KernelArg::U32(g.local_pages),
+                            KernelArg::U32(g.host_pages),
+                        ],
+                    )?;
+                }
+            }
+            bytes += src.len() as u64 * u64::from(g.layers) * b.page_bytes(self.layout.page_size());
+        }
+        Ok(bytes)
+    }
+
+    /// Poisons freed host pages on this rank's host pools, every buffer kind (when
+    /// [`RankCache::set_repoison`] is on): a backup that reuses one and whose device→host
+    /// copy does nothing must leave poison there, not the bytes of an earlier backup of the
+    /// same prefix, which would load back and verify clean.
+    fn poison_freed_host(&mut self, pages: Vec<HostPage>) -> Result<(), ClusterError> {
+        if !self.repoison || pages.is_empty() {
+            return Ok(());
+        }
+        let layout = self.config.deployment.host_layout;
+        let pages: Vec<u32> = pages.iter().map(|p| p.0).collect();
+        for &b in self.config.deployment.model.buffers() {
+            self.pools.poison_host_pages(b, layout, &pages)?;
+        }
+        Ok(())
+    }
+
+    /// Poisons the freed device pages this rank owns, every buffer kind (when
+    /// [`RankCache::set_repoison`] is on); each owner poisons its own.
+    fn poison_freed(
+        &mut self,
+        pages: impl IntoIterator<Item = PageId>,
+    ) -> Result<(), ClusterError> {
+        if !self.repoison {
+            return Ok(());
+        }
+        let locals: BTreeSet<u32> = pages
+            .into_iter()
+            .filter(|&p| self.layout.owner(p) == self.rank)
+            .map(|p| self.layout.local(p).0)
+            .collect();
+        if locals.is_empty() {
+            return Ok(());
+        }
+        let locals: Vec<u32> = locals.into_iter().collect();
+        for &b in self.config.deployment.model.buffers() {
+            self.pools.poison_device_pages(b, &locals)?;
+        }
+        Ok(())
+    }
+
+    /// Synthesises the pages `[start, ..)` this rank owns into its pool, then (once every
+    /// rank has) materialises the whole sequence from the owners' pools over this rank's
+    /// view and verifies it: the verify kernels of every buffer kind set bits in one token
+    /// bitmap, so a token wrong in several counts once. The ranks' bitmaps are all-gathered:
+    /// the verdict counts each token once over all ranks and says what each rank saw.
+    fn compute_and_verify(
+        &mut self,
+        tokens: &[u32],
+        pages: &[PageId],
+        start: usize,
+        n: usize,
+    ) -> Result<Verdict, ClusterError> {
+        let g = self.pools.geometry();
+        let hashes = reference::prefix_hashes(tokens);
+        let page_ids: Vec<u32> = pages.iter().map(|p| p.0).collect();
+        let (hash_buf, page_buf) = self.pools.upload_sequence(&hashes, &page_ids)?;
+        let n_tokens = tokens.len() as u32;
+        let n_pages = pages.len() as u32;
+        let buffers = self.config.deployment.model.buffers();
+        if (start as u32) < n_pages {
+            for &b in buffers {
+                let synth = self.kernels.synthesise(b);
+                self.exec.launch(
+                    synth.id,
+                    &synth.launch(n_pages - start as u32, g.layers),
+                    &[
+                        KernelArg::Ptr(self.pools.device(b), 0),
+                        KernelArg::Ptr(hash_buf, 0),
+                        KernelArg::Ptr(page_buf, 0),
+                        KernelArg::U32(n_tokens),
+                        KernelArg::U32(start as u32),
+                        KernelArg::U32(u32::from(self.rank.0)),
+                        KernelArg::U32(g.layers),
+                        KernelArg::U32(g.local_pages),
+                    ],
+                )?;
+            }
+        }
+        if self.peer_access == PeerAccess::Mapped {
+            // Peers read this rank's pool through their own executors: what it enqueued must
+            // have run before they do.
+            self.exec.synchronize()?;
+        }
+        // Every rank's loaded and computed pages are in its pool before any peer reads them.
+        self.group.barrier(&format!("request {n} written"))?;
+        let words = tokens.len().div_ceil(32);
+        let bad_tokens = self.pools.zeroed_words(words)?;
+        let mut captured = Vec::new();
+        for &b in buffers {
+            let dense = self.pools.dense(b, n_pages, self.repoison)?;
+            let pool_ptrs: Vec<_> = self.pools.views(b).iter().map(|&id| (id, 0u64)).collect();
+            let mat = self.kernels.materialise(b);
+            self.exec.launch(
+                mat.id,
+                &mat.launch(n_pages, g.layers),
+                &[
+                    KernelArg::PtrStruct(&pool_ptrs),
+                    KernelArg::Ptr(page_buf, 0),
+                    KernelArg::U32(n_pages),
+                    KernelArg::U32(g.layers),
+                    KernelArg::U32(g.local_pages),
+                    KernelArg::Ptr(dense, 0),
+                ],
+            )?;
+            let ver = self.kernels.verify(b);
+            self.exec.launch(
+                ver.id,
+                &ver.launch(n_tokens, g.layers),
+                &[
+                    KernelArg::Ptr(dense, 0),
+                    KernelArg::Ptr(hash_buf, 0),
+                    KernelArg::U32(n_tokens),
+                    KernelArg::U32(0),
+                    KernelArg::U32(g.layers),
+                    KernelArg::Ptr(bad_tokens, 0),
+                ],
+            )?;
+            if self.capture_dense {
+                let bytes = b.page_bytes(self.layout.page_size()) as usize
+                    * n_pages as usize
+                    * g.layers as usize;
+                let mut out = vec![0u8; bytes];
+                self.exec.read(dense, 0, &mut out)?;
+                captured.push((b, out));
+            }
+        }
+        if self.capture_dense {
+            self.last_dense = captured;
+        }
+        let mut mine = vec![0u8; 4 * words];
+        self.exec.read(bad_tokens, 0, &mut mine)?;
+        // The read-back waited for this rank's reads of its peers' pools; once every rank's
+        // has, no rank frees, poisons or reuses a page of this sequence too early.
+        let all = self
+            .group
+            .all_gather(&format!("request {n} verified"), &mine)?;
+        let mut union = vec![0u8; 4 * words];
+        let mut by_rank = Vec::with_capacity(all.len());
+        for bitmap in &all {
+            by_rank.push(Mismatches::from_bitmap(bitmap).count);
+            for (u, b) in union.iter_mut().zip(bitmap) {
+                *u |= b;
+            }
+        }
+        Ok(Verdict {
+            all: Mismatches::from_bitmap(&union),
+            by_rank,
+        })
+    }
+}
+
+/// Refuses a transfer whose page lists differ in length or name a page outside its pool
+/// (`pools`' device pages per rank, host pages).
+pub(crate) fn check_transfer_pages(
+    dir: Direction,
+    rank: usize,
+    src: &[u32],
+    dst: &[u32],
+    pools: &PoolShape,
+) -> Result<(), ClusterError> {
+    let bad = |what: String| Err(ClusterError::BadTransfer { rank, what });
+    if src.len() != dst.len() {
+        return bad(format!(
+            "{dir} transfer of {} source pages to {} destination pages",
+            src.len(),
+            dst.len()
+        ));
+    }
+    let [src_pool, dst_pool] = pools.ends(dir);
+    for (pages, (pool, cap)) in [(src, src_pool), (dst, dst_pool)] {
+        if let Some(p) = pages.iter().find(|&&p| p >= cap) {
+            return bad(format!(
+                "{dir} transfer names {pool} page {p}, outside the {pool} pool of {cap} pages"
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transfers_outside_the_pools_are_refused() {
+        let (d2h, h2d) = (Direction::DeviceToHost, Direction::HostToDevice);
+        // 8 device pages per rank, 16 host pages.
+        let pools = PoolShape {
+            layers: 1,
+            device_pages: 8,
+            host_pages: 16,
+        };
+        let ok = |dir, src: &[u32], dst: &[u32]| check_transfer_pages(dir, 1, src, dst, &pools);
+        ok(d2h, &[0, 7], &[15, 3]).unwrap();
+        ok(h2d, &[15, 3], &[0, 7]).unwrap();
+        for (dir, src, dst, want) in [
+            (
+                d2h,
+                &[8u32][..],
+                &[0u32][..],
+                "d2h transfer names device page 8, outside the device pool of 8 pages",
+            ),
+            (d2h, &[0], &[16], "host page 16"),
+            (h2d, &[u32::MAX], &[0], "host page 4294967295"),
+            (h2d, &[0], &[8], "device page 8"),
+            (
+                h2d,
+                &[0, 1],
+                &[0],
+                "h2d transfer of 2 source pages to 1 destination pages",
+            ),
+        ] {
+            let err = ok(dir, src, dst).unwrap_err();
+            let shown = err.to_string();
+            assert!(
+                shown.starts_with("rank 1: ") && shown.contains(want),
+                "{shown}"
+            );
+        }
+    }
+
+    #[test]
+    fn mismatches_count_bits_once_and_find_the_first() {
+        let words: [u32; 3] = [0, 0b1010_0000, 1 << 31];
+        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        assert_eq!(
+            Mismatches::from_bitmap(&bytes),
+            Mismatches {
+                count: 3,
+                first: Some(32 + 5)
+            }
+        );
+        assert_eq!(Mismatches::from_bitmap(&[0; 8]), Mismatches::default());
+    }
+}

@@ -1,0 +1,97 @@
+//! What one request did on a rank, and what a rollback dropped.
+
+use serde::Serialize;
+
+/// What one request did. Token counts are per prompt (not per rank); on one rank, byte
+/// counts are that rank's, and the cluster sums them over all ranks.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct RequestStats {
+    /// Prompt tokens.
+    pub prompt_tokens: u64,
+    /// Tokens served from device-resident cache.
+    pub device_hit_tokens: u64,
+    /// Tokens served by loading host copies back to the device.
+    pub host_hit_tokens: u64,
+    /// Tokens computed (synthesised) this request.
+    pub computed_tokens: u64,
+    /// Pages loaded host→device (logical pages, whatever their owners).
+    pub pages_loaded: u64,
+    /// Pages backed up device→host (logical pages).
+    pub pages_written: u64,
+    /// Tree nodes evicted by device or host LRU.
+    pub evictions_lru: u64,
+    /// Tree nodes evicted to cover an owner-lane deficit.
+    pub evictions_lane: u64,
+    /// Load-backs that could not get owner-matching pages and became misses.
+    pub load_degraded_to_miss: u64,
+    /// Pages loaded back into a page whose owner differs from the one recorded at backup:
+    /// always 0, except under the `plain-alloc-on-load` fault, where it says whether the
+    /// fault did anything.
+    pub pages_loaded_misowned: u64,
+    /// Host copies dropped because the prefix they hold was recomputed (its load-back
+    /// degraded to a miss) with other owners: a node's device pages and host copy must name
+    /// the same owners, so the copy goes and the node is backed up afresh.
+    pub host_copies_replaced: u64,
+    /// Backups skipped because the host pool was full.
+    pub backups_skipped: u64,
+    /// Host copies evicted (only those holding pages of the short ranks) so that a backup
+    /// fits in a full host pool; also counted in `evictions_lru`.
+    pub host_evictions_for_backup: u64,
+    /// Bytes copied host→device over all ranks.
+    pub bytes_h2d: u64,
+    /// Bytes copied device→host over all ranks.
+    pub bytes_d2h: u64,
+    /// Materialised tokens whose bytes differ from the synthesised KV (in any buffer kind,
+    /// each token counted once).
+    pub mismatched_tokens: u64,
+    /// The position of the first mismatched token of a request (for the diagnostic); in
+    /// totals, that of the first request that had one.
+    #[serde(skip)]
+    pub first_mismatched_token: Option<u64>,
+    /// Device→host reads, synchronisations, allocations and frees the executor counted on
+    /// load paths ([`Counters::stalls`](crate::exec::Counters::stalls)).
+    pub load_path_syncs: u64,
+}
+
+impl RequestStats {
+    /// Adds another request's counts.
+    pub fn add(&mut self, o: &RequestStats) {
+        self.prompt_tokens += o.prompt_tokens;
+        self.device_hit_tokens += o.device_hit_tokens;
+        self.host_hit_tokens += o.host_hit_tokens;
+        self.computed_tokens += o.computed_tokens;
+        self.pages_loaded += o.pages_loaded;
+        self.pages_written += o.pages_written;
+        self.evictions_lru += o.evictions_lru;
+        self.evictions_lane += o.evictions_lane;
+        self.load_degraded_to_miss += o.load_degraded_to_miss;
+        self.pages_loaded_misowned += o.pages_loaded_misowned;
+        self.host_copies_replaced += o.host_copies_replaced;
+        self.backups_skipped += o.backups_skipped;
+        self.host_evictions_for_backup += o.host_evictions_for_backup;
+        self.bytes_h2d += o.bytes_h2d;
+        self.bytes_d2h += o.bytes_d2h;
+        self.mismatched_tokens += o.mismatched_tokens;
+        self.first_mismatched_token = self.first_mismatched_token.or(o.first_mismatched_token);
+        self.load_path_syncs += o.load_path_syncs;
+    }
+}
+
+/// What the last rollback had to drop from the state it restored: cache entries whose pages
+/// the failed operation had evicted and may have overwritten.
+/// A rollback that drops something leaves the replicas in agreement but their digests
+/// different from before the request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RollbackDrops {
+    /// Device pages whose nodes lost their device copy (identical on every rank).
+    pub device_pages: u64,
+    /// Nodes that lost their host copy.
+    pub host_copies: u64,
+}
+
+impl RollbackDrops {
+    /// Whether the rollback dropped nothing (the state is exactly as before the request).
+    pub fn is_empty(&self) -> bool {
+        self.device_pages == 0 && self.host_copies == 0
+    }
+}

@@ -1,0 +1,156 @@
+//! Engine mode: C ranks, each on its own thread with its own executor, agreeing through a
+//! collective and reading each other's pools through shared-memory mappings, as C engine
+//! processes would. Each test makes one cross-rank failure happen and checks what every rank
+//! does about it.
+
+mod hicache_support;
+
+use cp_hicache::cluster::{Cluster, ClusterConfig, ClusterError};
+use cp_hicache::exec::Executor;
+use cp_hicache::kernels::{Deployment, ModelShape};
+use hicache_support::{evict_all, host_executor, jit, serve, serve_checked, tokens, Setup};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The cluster of `setup` with one host executor per rank.
+fn per_rank(setup: &Setup) -> Cluster {
+    let config = ClusterConfig {
+        deployment: Deployment::new(setup.model, setup.page_size, setup.cp).unwrap(),
+        layers: setup.layers,
+        device_pages: setup.device_pages,
+        host_pages: setup.host_pages,
+        policy: setup.policy,
+        fault: setup.fault,
+        sanitize: cp_hicache::jit::Sanitize::None,
+    };
+    let execs: Vec<Arc<dyn Executor>> = (0..setup.cp)
+        .map(|_| Arc::new(host_executor()) as Arc<dyn Executor>)
+        .collect();
+    Cluster::with_executors(config, execs, &jit()).unwrap()
+}
+
+#[test]
+fn ranks_with_executors_of_their_own_serve_and_verify_on_every_rank() {
+    let setup = Setup {
+        layers: 2,
+        ..Setup::new(ModelShape::Nsa, 64, 4)
+    };
+    let mut c = per_rank(&setup);
+    let info = c.group_info().clone();
+    assert_eq!(
+        (
+            info.kind,
+            info.ranks,
+            info.peer_pools,
+            info.executor_per_rank
+        ),
+        ("local", 4, "shared-memory", true)
+    );
+    let a = tokens(1, 9 * 64 + 5);
+    serve(&mut c, &a);
+    evict_all(&mut c);
+    let s = serve(&mut c, &a);
+    assert_eq!(s.host_hit_tokens, 9 * 64, "{s:?}");
+    // Every rank materialised and verified the whole sequence over its own mappings.
+    assert_eq!(c.last_verdict().by_rank, vec![0; 4]);
+    c.check_device_lanes().unwrap();
+}
+
+/// One rank maps one peer's pools wrongly (it reads rank 2's pool where rank 1's should be):
+/// the mismatches show on that rank only, and in the request's verdict.
+#[test]
+fn a_wrong_peer_mapping_shows_on_that_rank_only() {
+    let setup = Setup::new(ModelShape::MlaBf16, 16, 4);
+    let mut c = per_rank(&setup);
+    c.debug_view_peer_as(3, 1, 2);
+    // 8 pages, zigzag owners 0,1,2,3,3,2,1,0: two pages live on rank 1.
+    let s = serve_checked(&mut c, &tokens(5, 8 * 16));
+    let v = c.last_verdict();
+    assert_eq!(v.by_rank[..3], [0, 0, 0], "{v:?}");
+    assert_eq!(
+        v.by_rank[3],
+        2 * 16,
+        "rank 3 read rank 1's two pages from rank 2: {v:?}"
+    );
+    assert_eq!(s.mismatched_tokens, 2 * 16);
+}
+
+/// A launch failure on one rank, at the request's first launch, before anything was
+/// evicted: every rank rolls back to exactly the state before (digests equal), and the next
+/// request is served with nothing mismatched.
+#[test]
+fn a_launch_failure_on_one_rank_rolls_every_rank_back() {
+    for rank in [0, 2] {
+        let setup = Setup::new(ModelShape::MlaBf16, 16, 3);
+        let mut c = per_rank(&setup);
+        serve(&mut c, &tokens(1, 5 * 16));
+        let before = c.replica_digests();
+        c.inject_launch_failure_on(rank, 1);
+        let err = c.serve(&tokens(2, 6 * 16 + 3)).unwrap_err();
+        assert!(err.launch_failure().is_some(), "rank {rank}: {err}");
+        assert!(err.to_string().contains("injected"), "{err}");
+        assert_eq!(
+            c.replica_digests(),
+            before,
+            "rank {rank}: every rank restored"
+        );
+        assert!(c.last_rollback().is_empty());
+        c.check_invariants().unwrap();
+        let s = serve(&mut c, &tokens(2, 6 * 16 + 3));
+        assert_eq!(s.computed_tokens, 6 * 16 + 3);
+        let s = serve(&mut c, &tokens(1, 5 * 16));
+        assert_eq!(s.device_hit_tokens, 5 * 16, "the cache survived: {s:?}");
+    }
+}
+
+/// A rank whose thread panics mid-request ends the request with an error naming that rank,
+/// promptly (its peers' collective calls fail as its group member unwinds, long before the
+/// timeout), and the cluster refuses further work with the same error instead of hanging.
+#[test]
+fn a_rank_that_panics_mid_request_is_named_and_nothing_hangs() {
+    let setup = Setup::new(ModelShape::MlaBf16, 16, 4);
+    let mut c = per_rank(&setup);
+    serve(&mut c, &tokens(1, 4 * 16));
+    c.debug_panic_in(2, 1);
+    let start = Instant::now();
+    let err = c.serve(&tokens(2, 4 * 16)).unwrap_err();
+    assert!(
+        start.elapsed() < Duration::from_secs(60),
+        "it waited for the timeout"
+    );
+    assert!(
+        matches!(err, ClusterError::RankDied { rank: 2, .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("rank 2's thread died"), "{err}");
+    assert!(err.to_string().contains("while serving a request"), "{err}");
+    let again = c.serve(&tokens(3, 16)).unwrap_err();
+    assert!(
+        matches!(again, ClusterError::RankDied { rank: 2, .. }),
+        "{again}"
+    );
+    assert!(!c.replicas_agree());
+}
+
+/// Ranks sharing one executor (one process, one device) each count only their own calls,
+/// so a load path is not charged for a peer's read-backs: loads stay at 0 syncs with four
+/// ranks on threads.
+#[test]
+fn ranks_sharing_an_executor_count_their_own_load_path() {
+    let setup = Setup::new(ModelShape::MlaBf16, 16, 4);
+    let mut c = setup.build();
+    let info = c.group_info().clone();
+    assert_eq!(
+        (info.peer_pools, info.executor_per_rank),
+        ("shared-memory", false)
+    );
+    for i in 0..6 {
+        serve(&mut c, &tokens(10 + i, 7 * 16 + 1));
+    }
+    evict_all(&mut c);
+    for i in 0..6 {
+        let s = serve(&mut c, &tokens(10 + i, 7 * 16 + 1));
+        assert_eq!(s.host_hit_tokens, 7 * 16, "{s:?}");
+        assert_eq!(s.load_path_syncs, 0, "{s:?}");
+    }
+}
