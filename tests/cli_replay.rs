@@ -125,6 +125,30 @@ fn small_run_verifies_and_reports() {
 
 /// `--transfer dma` moves pages by copy regions instead of the transfer kernel and serves
 /// the same verified hits.
+/// The report says how the ranks ran: threads of one process, an executor each, peers'
+/// pools in shared memory, and which ranks verified.
+#[test]
+fn the_report_says_how_the_ranks_ran() {
+    let (out, report) = replay(&[]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let g = &report.unwrap()["group"];
+    assert_eq!(g["kind"], "local");
+    assert_eq!(g["ranks"], 4);
+    assert_eq!(g["peer_pools"], "shared-memory");
+    assert_eq!(g["executor_per_rank"], true);
+    assert_eq!(g["verifying_ranks"], 4);
+    let (out, report) = replay(&["--verify-ranks", "1"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let r = report.unwrap();
+    assert_eq!(r["group"]["verifying_ranks"], 1);
+    assert_eq!(num(&r, "mismatched_tokens"), 0);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("ranks 0..1 verify"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
 #[test]
 fn dma_transfers_verify_and_report() {
     let (out, report) = replay(&["--transfer", "dma"]);
@@ -481,6 +505,26 @@ fn bad_settings_are_usage_errors() {
     usage_error(
         &["replay", "--transfer", "pcie"],
         "unknown transfer path `pcie`",
+    );
+    usage_error(
+        &["replay", "--verify-ranks", "0"],
+        "--verify-ranks 0 is not in 1..=8",
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+        .args(SMALL)
+        .env("CP_HICACHE_CACHE_DIR", cache_dir())
+        .env("CP_HICACHE_GROUP_TIMEOUT", "soon")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("CP_HICACHE_GROUP_TIMEOUT=`soon` is not a positive number"),
+        "{}",
+        stderr(&out)
+    );
+    usage_error(
+        &["replay", "--cp", "2", "--verify-ranks", "3"],
+        "--verify-ranks 3 is not in 1..=2",
     );
     usage_error(
         &[

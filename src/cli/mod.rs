@@ -110,8 +110,9 @@ Environment:
   CP_HICACHE_EMU_ORDER        forward or reverse: the CPU executor's block and thread order
   CP_HICACHE_EMU_SANITIZE     none or address: emulated kernels built with AddressSanitizer
   CP_HICACHE_DEBUG_ALLOC=1    check allocator invariants on every operation
+  CP_HICACHE_GROUP_TIMEOUT    seconds one collective call among the ranks may wait (300)
   RUST_LOG                    log filter, e.g. cp_hicache=info for every JIT event
-A misspelt JIT, compile-timeout or emulator value is an input error (exit status 2).";
+A misspelt JIT, compile-timeout, group-timeout or emulator value is an input error (exit\nstatus 2).";
 
 /// The commands.
 #[derive(Debug, Subcommand)]

@@ -124,6 +124,12 @@ pub struct ReplayArgs {
     /// No progress bar.
     #[arg(long, short)]
     pub quiet: bool,
+    /// Materialise and verify each request on the first N ranks only (1..=--cp; default:
+    /// every rank). Attention on every rank reads every page through that rank's own
+    /// mappings of its peers' pools, so each rank verifies the whole sequence, which costs
+    /// C times one verification on a CPU; a wrong mapping on a rank left out goes unseen.
+    #[arg(long, value_name = "N")]
+    pub verify_ranks: Option<u8>,
     /// Inject a fault to exercise a failure path: plain-alloc-on-load (the seed's bug),
     /// lane-exhaustion, host-pool-full, compile-error, launch-error.
     #[arg(long, value_name = "FAULT", value_parser = parse_fault)]
@@ -233,6 +239,15 @@ impl ReplayArgs {
         };
         let deployment = Deployment::new(model, self.page_size, self.cp)
             .map_err(|e| crate::Error::Usage(e.to_string()))?;
+        if let Some(n) = self.verify_ranks {
+            if n == 0 || n > self.cp {
+                return Err(crate::Error::Usage(format!(
+                    "--verify-ranks {n} is not in 1..={} (--cp): at least one rank must \
+                     verify, and there are {} ranks",
+                    self.cp, self.cp
+                )));
+            }
+        }
         if self.tuning.as_ref().is_some_and(|t| !t.exists()) {
             return Err(crate::Error::Usage(format!(
                 "tuning file {} does not exist",
@@ -456,6 +471,9 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
         Cluster::new(config, exec, &jit)
     }
     .map_err(cluster_error)?;
+    if let Some(n) = args.verify_ranks {
+        cluster.set_verifying_ranks(usize::from(n));
+    }
     tracing::info!(
         kernels_ms = cluster.kernels().startup_ms,
         cache_hits = cluster.kernels().cache_hits,

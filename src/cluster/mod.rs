@@ -123,6 +123,8 @@ pub struct GroupInfo {
     pub peer_pools: &'static str,
     /// Whether each rank has an executor of its own.
     pub executor_per_rank: bool,
+    /// Ranks that materialise and verify every request (all of them unless restricted).
+    pub verifying_ranks: usize,
 }
 
 /// C ranks, one thread each, driven by one request stream. See the module documentation.
@@ -202,7 +204,7 @@ impl Cluster {
         jit: &Jit,
     ) -> Result<Cluster, ClusterError> {
         let layout = config.layout()?;
-        let members = LocalGroup::members(layout.cp(), group_timeout());
+        let members = LocalGroup::members(layout.cp(), group_timeout()?);
         // Every rank builds itself (kernels, pools, peer mappings) on a thread of its own:
         // mapping the peers' pools is a collective.
         let built: Vec<Result<RankCache, ClusterError>> = std::thread::scope(|s| {
@@ -253,6 +255,7 @@ impl Cluster {
             ranks: ranks.len(),
             peer_pools: ranks[0].peer_pools(),
             executor_per_rank,
+            verifying_ranks: ranks.len(),
         };
         let workers = ranks
             .into_iter()
@@ -423,6 +426,17 @@ impl Cluster {
         });
     }
 
+    /// Materialises and verifies on ranks `0..n` only (every rank by default). Each rank
+    /// verifies the whole sequence over its own mappings, so on a CPU this costs `n` times
+    /// one verification; a wrong mapping on a rank left out goes unseen.
+    pub fn set_verifying_ranks(&mut self, n: usize) {
+        self.info.verifying_ranks = n.clamp(1, self.info.ranks);
+        let n = self.info.verifying_ranks;
+        let _ = self.on_all("choosing the verifying ranks", move |r| {
+            r.set_verifies(usize::from(r.rank().0) < n);
+        });
+    }
+
     /// Per rank: a digest of the allocator and the tree (host slots excluded: they differ
     /// between ranks by design). Empty once a rank's thread is gone.
     pub fn replica_digests(&self) -> Vec<StateDigest> {
@@ -573,12 +587,25 @@ impl Drop for Cluster {
     }
 }
 
-/// The bound on one collective call: `CP_HICACHE_GROUP_TIMEOUT` seconds, else
-/// [`DEFAULT_TIMEOUT`].
-fn group_timeout() -> Duration {
-    std::env::var("CP_HICACHE_GROUP_TIMEOUT")
-        .ok()
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .filter(|s| s.is_finite() && *s > 0.0)
-        .map_or(DEFAULT_TIMEOUT, Duration::from_secs_f64)
+/// The variable bounding one collective call, in seconds.
+pub const GROUP_TIMEOUT_ENV: &str = "CP_HICACHE_GROUP_TIMEOUT";
+
+/// The bound on one collective call: [`GROUP_TIMEOUT_ENV`] seconds, else
+/// [`DEFAULT_TIMEOUT`]. A value that is not a positive number of seconds is an error.
+fn group_timeout() -> Result<Duration, ClusterError> {
+    match std::env::var(GROUP_TIMEOUT_ENV) {
+        Err(std::env::VarError::NotPresent) => Ok(DEFAULT_TIMEOUT),
+        Ok(v) => v
+            .trim()
+            .parse::<f64>()
+            .ok()
+            .filter(|s| s.is_finite() && *s > 0.0 && *s < 1e9)
+            .map(Duration::from_secs_f64)
+            .ok_or_else(|| {
+                ClusterError::Config(format!(
+                    "{GROUP_TIMEOUT_ENV}=`{v}` is not a positive number of seconds"
+                ))
+            }),
+        Err(e) => Err(ClusterError::Config(format!("{GROUP_TIMEOUT_ENV}: {e}"))),
+    }
 }

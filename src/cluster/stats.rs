@@ -159,7 +159,7 @@ impl ReplayReport {
         row(
             "ranks",
             format!(
-                "{} threads, {} group, {} peer pools{}",
+                "{} threads, {} group, {} peer pools{}, {}",
                 self.group.ranks,
                 self.group.kind,
                 self.group.peer_pools,
@@ -167,6 +167,11 @@ impl ReplayReport {
                     ", an executor each"
                 } else {
                     ", one executor"
+                },
+                if self.group.verifying_ranks == self.group.ranks {
+                    "every rank verifies".to_string()
+                } else {
+                    format!("ranks 0..{} verify", self.group.verifying_ranks)
                 }
             ),
         );
@@ -258,6 +263,7 @@ mod tests {
                 ranks: 8,
                 peer_pools: "shared-memory",
                 executor_per_rank: true,
+                verifying_ranks: 8,
             },
             transfer_path: "kernel".into(),
             synth_threads: 1,

@@ -132,6 +132,7 @@ pub struct RankCache {
     capture_dense: bool,
     last_dense: Vec<(BufferKind, Vec<u8>)>,
     repoison: bool,
+    verifies: bool,
     last_rollback: RollbackDrops,
     last_verdict: Verdict,
 }
@@ -198,6 +199,7 @@ impl RankCache {
             capture_dense: false,
             last_dense: Vec::new(),
             repoison: true,
+            verifies: true,
             last_rollback: RollbackDrops::default(),
             last_verdict: Verdict::default(),
         })
@@ -454,6 +456,12 @@ impl RankCache {
     /// host copies.
     pub fn set_repoison(&mut self, on: bool) {
         self.repoison = on;
+    }
+
+    /// Whether this rank materialises and verifies every request (on by default). A rank
+    /// that does not still takes part in every collective, with an empty bitmap.
+    pub fn set_verifies(&mut self, on: bool) {
+        self.verifies = on;
     }
 
     /// Points this rank's view of `peer`'s pools at `other`'s: a wrong peer mapping on
@@ -1235,9 +1243,44 @@ impl RankCache {
         // Every rank's loaded and computed pages are in its pool before any peer reads them.
         self.group.barrier(&format!("request {n} written"))?;
         let words = tokens.len().div_ceil(32);
+        let mine = if self.verifies {
+            self.materialise_and_verify(tokens, (hash_buf, page_buf), words)?
+        } else {
+            vec![0u8; 4 * words]
+        };
+        // The read-back waited for this rank's reads of its peers' pools; once every rank's
+        // has, no rank frees, poisons or reuses a page of this sequence too early.
+        let all = self
+            .group
+            .all_gather(&format!("request {n} verified"), &mine)?;
+        let mut union = vec![0u8; 4 * words];
+        let mut by_rank = Vec::with_capacity(all.len());
+        for bitmap in &all {
+            by_rank.push(Mismatches::from_bitmap(bitmap).count);
+            for (u, b) in union.iter_mut().zip(bitmap) {
+                *u |= b;
+            }
+        }
+        Ok(Verdict {
+            all: Mismatches::from_bitmap(&union),
+            by_rank,
+        })
+    }
+
+    /// Materialises the sequence from every owner's pool through this rank's views and
+    /// verifies it; returns this rank's mismatch bitmap.
+    fn materialise_and_verify(
+        &mut self,
+        tokens: &[u32],
+        (hash_buf, page_buf): (crate::exec::BufferId, crate::exec::BufferId),
+        words: usize,
+    ) -> Result<Vec<u8>, ClusterError> {
+        let g = self.pools.geometry();
+        let n_tokens = tokens.len() as u32;
+        let n_pages = tokens.len().div_ceil(self.layout.page_size() as usize) as u32;
         let bad_tokens = self.pools.zeroed_words(words)?;
         let mut captured = Vec::new();
-        for &b in buffers {
+        for &b in self.config.deployment.model.buffers() {
             let dense = self.pools.dense(b, n_pages, self.repoison)?;
             let pool_ptrs: Vec<_> = self.pools.views(b).iter().map(|&id| (id, 0u64)).collect();
             let mat = self.kernels.materialise(b);
@@ -1280,23 +1323,7 @@ impl RankCache {
         }
         let mut mine = vec![0u8; 4 * words];
         self.exec.read(bad_tokens, 0, &mut mine)?;
-        // The read-back waited for this rank's reads of its peers' pools; once every rank's
-        // has, no rank frees, poisons or reuses a page of this sequence too early.
-        let all = self
-            .group
-            .all_gather(&format!("request {n} verified"), &mine)?;
-        let mut union = vec![0u8; 4 * words];
-        let mut by_rank = Vec::with_capacity(all.len());
-        for bitmap in &all {
-            by_rank.push(Mismatches::from_bitmap(bitmap).count);
-            for (u, b) in union.iter_mut().zip(bitmap) {
-                *u |= b;
-            }
-        }
-        Ok(Verdict {
-            all: Mismatches::from_bitmap(&union),
-            by_rank,
-        })
+        Ok(mine)
     }
 }
 
