@@ -267,9 +267,11 @@ pub enum ClusterError {
     /// Settings that cannot work together.
     #[error("invalid cluster setting: {0}")]
     Config(String),
-    /// A transfer named a page outside its pool, or unequal page lists. A bug (the pools
-    /// hand out only their own pages), refused before anything moves: the kernel and the
-    /// DMA path would skip such a pair silently and leave the page's old bytes.
+    /// A transfer named a page outside its pool, had unequal page lists, or named one
+    /// destination page in two pairs. A bug (the pools hand out only their own pages, each
+    /// once), refused before anything moves: the kernel and the DMA path would skip a pair
+    /// outside its pool silently and leave the page's old bytes, and on a GPU two pairs
+    /// writing one page interleave their sources.
     #[error("rank {rank}: {what}")]
     BadTransfer {
         /// The rank whose pools the transfer is between.
@@ -1590,8 +1592,9 @@ enum Eviction {
     Lanes(Vec<u32>),
 }
 
-/// Refuses a transfer whose page lists differ in length or name a page outside its pool
-/// (`pools`' device pages per rank, host pages).
+/// Refuses a transfer whose page lists differ in length, name a page outside its pool
+/// (`pools`' device pages per rank, host pages), or name one destination page twice (on a GPU
+/// the two copies would interleave: `kernels::check_distinct_destinations`).
 fn check_transfer_pages(
     dir: Direction,
     rank: usize,
@@ -1614,6 +1617,9 @@ fn check_transfer_pages(
                 "{dir} transfer names {pool} page {p}, outside the {pool} pool of {cap} pages"
             ));
         }
+    }
+    if let Err(e) = crate::kernels::check_distinct_destinations(dst) {
+        return bad(format!("{dir} transfer: {e}"));
     }
     Ok(())
 }
@@ -1650,6 +1656,18 @@ mod tests {
                 &[0, 1],
                 &[0],
                 "h2d transfer of 2 source pages to 1 destination pages",
+            ),
+            (
+                d2h,
+                &[0, 1, 2],
+                &[3, 5, 3],
+                "d2h transfer: pairs 0 and 2 both write destination page 3",
+            ),
+            (
+                h2d,
+                &[4, 9],
+                &[7, 7],
+                "pairs 0 and 1 both write destination page 7",
             ),
         ] {
             let err = ok(dir, src, dst).unwrap_err();
@@ -1737,6 +1755,30 @@ mod tests {
         assert_eq!(before, after);
         for r in &c.ranks {
             r.alloc.debug_check_device().unwrap();
+        }
+    }
+
+    /// Two pairs with one destination page are refused before anything is uploaded,
+    /// launched or copied, on the kernel path and on the DMA path.
+    #[test]
+    fn a_transfer_naming_one_destination_twice_moves_nothing() {
+        let mut c = cluster();
+        for path in [TransferPath::Kernel, TransferPath::Dma] {
+            c.config.deployment.transfer_path = path;
+            let before = c.exec.counters();
+            let err = c
+                .transfer(Direction::HostToDevice, 1, &[0, 1], &[2, 2])
+                .unwrap_err();
+            assert!(
+                matches!(&err, ClusterError::BadTransfer { rank: 1, what }
+                    if what.contains("pairs 0 and 1 both write destination page 2")),
+                "{path}: {err}"
+            );
+            let d = c.exec.counters().since(&before);
+            assert_eq!((d.uploads, d.launches, d.copies), (0, 0, 0), "{path}");
+            // Distinct pages move.
+            c.transfer(Direction::HostToDevice, 1, &[0, 1], &[2, 3])
+                .unwrap();
         }
     }
 

@@ -22,7 +22,9 @@ mod render;
 mod spec;
 
 pub use deployment::{Arch, Deployment, ModelShape};
-pub use dma::{transfer_regions, PoolShape, TransferPath};
+pub use dma::{
+    check_distinct_destinations, transfer_regions, DuplicateDestination, PoolShape, TransferPath,
+};
 pub use render::{diff_tree, plan_tree, render_tree, sources_digest, TreeDiff, REGENERATE_COMMAND};
 pub use spec::{
     AllocSpec, Arrangement, BufferKind, CopyLaunch, Direction, Dtype, Family, FieldLayout,

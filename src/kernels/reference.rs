@@ -42,6 +42,10 @@ pub enum ReferenceError {
         /// The rejected value.
         value: u64,
     },
+    /// A transfer whose pairs name one destination page twice: the kernel's result is not
+    /// defined (on a GPU the two copies interleave), so there is nothing to compare with.
+    #[error(transparent)]
+    DuplicateDestination(#[from] super::DuplicateDestination),
 }
 
 fn need<T>(what: &'static str, s: &[T], need: u64) -> Result<(), ReferenceError> {
@@ -294,8 +298,10 @@ pub fn host_offset(
 
 /// `transfer_pages`: for every pair `i < n` and layer, copies page `src_pages[i]` of `src`
 /// to page `dst_pages[i]` of `dst`. The device side is `src` for d2h and `dst` for h2d.
-/// Pairs with a page outside its pool are skipped. Destination pages should be distinct
-/// (the kernel gives no order between pairs).
+/// Pairs with a page outside its pool are skipped. Destination pages must be distinct (the
+/// kernel gives no order between pairs): two pairs naming one are
+/// [`ReferenceError::DuplicateDestination`], as every caller of the kernel refuses them
+/// ([`check_distinct_destinations`](super::check_distinct_destinations)).
 #[allow(clippy::too_many_arguments)]
 pub fn transfer_pages(
     direction: Direction,
@@ -312,6 +318,7 @@ pub fn transfer_pages(
 ) -> Result<(), ReferenceError> {
     need("src_pages", src_pages, u64::from(n))?;
     need("dst_pages", dst_pages, u64::from(n))?;
+    super::check_distinct_destinations(&dst_pages[..n as usize])?;
     let dev_bytes = extent("device pool", layers, device_pages, page_bytes)?;
     let host_bytes = extent("host pool", layers, host_pages, page_bytes)?;
     let (src_cap, dst_cap) = match direction {
@@ -707,6 +714,48 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn transfer_refuses_one_destination_page_twice() {
+        let (pb, layers, pages) = (32u64, 1u32, 4u32);
+        let dev = vec![1u8; (pb * 4) as usize];
+        let mut host = vec![0xA5u8; (pb * 4) as usize];
+        let run = |n: u32, host: &mut [u8]| {
+            transfer_pages(
+                Direction::DeviceToHost,
+                HostLayout::PageFirst,
+                pb,
+                &dev,
+                host,
+                &[0, 1, 2],
+                &[3, 0, 3],
+                n,
+                layers,
+                pages,
+                pages,
+            )
+        };
+        let err = run(3, &mut host).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ReferenceError::DuplicateDestination(crate::kernels::DuplicateDestination {
+                    page: 3,
+                    first: 0,
+                    second: 2
+                })
+            ),
+            "{err}"
+        );
+        assert!(host.iter().all(|&b| b == 0xA5), "nothing moved");
+        // Only the first n pairs count: two distinct pages move.
+        run(2, &mut host).unwrap();
+        let moved = host
+            .chunks(pb as usize)
+            .map(|p| p[0] == 1)
+            .collect::<Vec<_>>();
+        assert_eq!(moved, [true, false, false, true]);
     }
 
     #[test]
