@@ -29,7 +29,7 @@ pub use render::{diff_tree, plan_tree, render_tree, sources_digest, TreeDiff, RE
 pub use spec::{
     AllocSpec, Arrangement, BufferKind, CopyLaunch, Direction, Dtype, Family, FieldLayout,
     HostLayout, KernelParam, KernelSignature, KernelSpec, LaunchDims, MaterialiseSpec, Reach,
-    ReachError, ReleaseSpec, SynthSpec, TransferSpec, VecWidth, VerifySpec,
+    ReachError, ReleaseSpec, SelectStatus, SynthSpec, TransferSpec, VecWidth, VerifySpec,
 };
 
 use std::path::PathBuf;

@@ -13,7 +13,7 @@ use crate::exec::{
 use crate::jit::{spec_request, Arch, Jit, JitRequest, Sanitize, Target};
 use crate::kernels::{
     check_distinct_destinations, transfer_regions, BufferKind, Direction, KernelSpec, PoolShape,
-    TransferSpec,
+    SelectStatus, TransferSpec,
 };
 
 /// Workload sizes of one measurement.
@@ -585,6 +585,8 @@ pub struct AllocBench<'e> {
     pub pages: BufferId,
     /// `i64[n * page_size]`.
     pub locs: BufferId,
+    /// `u32[CP + 2]`, the select kernel's status words (zero before every select).
+    pub status: BufferId,
     /// Host copies for the references.
     pub host: AllocInputs,
 }
@@ -639,6 +641,7 @@ impl<'e> AllocBench<'e> {
         }
         let tops_full = vec![lane_cap; c as usize];
         let mut tops_after = tops_full.clone();
+        let mut status = vec![0u32; SelectStatus::words(cp)];
         let (selected, _) = crate::kernels::reference::select_owner_pages(
             cp,
             page_size,
@@ -646,6 +649,7 @@ impl<'e> AllocBench<'e> {
             &stacks,
             &mut tops_after,
             lane_cap,
+            &mut status,
         )
         .map_err(|e| TuningError::Reference {
             what: "select_owner_pages",
@@ -660,6 +664,7 @@ impl<'e> AllocBench<'e> {
             8 * u64::from(n) * u64::from(page_size),
             0xA5,
         )?;
+        let status = mem.alloc(MemKind::Device, 4 * SelectStatus::words(cp) as u64, 0)?;
         exec.upload(owners_buf, 0, &owners)?;
         exec.upload(stacks_buf, 0, &u32_bytes(&stacks))?;
         Ok(AllocBench {
@@ -672,6 +677,7 @@ impl<'e> AllocBench<'e> {
             tops,
             pages,
             locs,
+            status,
             host: AllocInputs {
                 owners,
                 stacks,
@@ -708,6 +714,7 @@ impl<'e> AllocBench<'e> {
                 KernelArg::U32(self.lane_cap),
                 KernelArg::Ptr(self.pages, 0),
                 KernelArg::Ptr(self.locs, 0),
+                KernelArg::Ptr(self.status, 0),
             ],
         )
     }
@@ -729,11 +736,12 @@ impl<'e> AllocBench<'e> {
         )
     }
 
-    /// Restores the state select starts from (fresh stacks, full tops).
+    /// Restores the state select starts from (fresh stacks, full tops, a clear status).
     pub fn reset_for_select(&self) -> Result<(), ExecError> {
         let exec = self.mem.exec;
         exec.upload(self.stacks, 0, &u32_bytes(&self.host.stacks))?;
-        exec.upload(self.tops, 0, &u32_bytes(&self.host.tops_full))
+        exec.upload(self.tops, 0, &u32_bytes(&self.host.tops_full))?;
+        exec.upload(self.status, 0, &vec![0u8; 4 * SelectStatus::words(self.cp)])
     }
 
     /// Restores the state release starts from (tops after select, selected pages).
@@ -785,6 +793,7 @@ impl<'e> AllocBench<'e> {
         };
         let mut stacks = h.stacks.clone();
         let mut tops = h.tops_full.clone();
+        let mut status = vec![0u32; SelectStatus::words(self.cp)];
         let reference = |e: crate::kernels::reference::ReferenceError| TuningError::Reference {
             what: "allocator",
             message: e.to_string(),
@@ -798,7 +807,13 @@ impl<'e> AllocBench<'e> {
                     // Resetting CP tops is negligible next to the selection itself.
                     tops.copy_from_slice(&h.tops_full);
                     let out = crate::kernels::reference::select_owner_pages(
-                        self.cp, page_size, &h.owners, &h.stacks, &mut tops, h.lane_cap,
+                        self.cp,
+                        page_size,
+                        &h.owners,
+                        &h.stacks,
+                        &mut tops,
+                        h.lane_cap,
+                        &mut status,
                     )
                     .map_err(reference)?;
                     std::hint::black_box(out);
