@@ -24,6 +24,11 @@
 //! so allocations never do: [`KernelLaneAllocator::check_status`] reads it when the caller
 //! synchronises anyway (and [`KernelLaneAllocator::debug_check_device`] starts with it), and
 //! a refusal is [`KernelAllocError::DeviceRefused`].
+//!
+//! One stream: every launch and upload that touches an allocator's lanes goes through the one
+//! executor it was built with (executors are one ordered stream, docs/KERNELS.md "One stream
+//! per rank's allocator"); the lane buffers and kernels are handles of that executor, which
+//! every other executor refuses.
 
 use std::sync::Arc;
 
@@ -279,6 +284,14 @@ impl Growable {
 /// documentation.
 ///
 /// Thread-safety: `Send + Sync` (the executor is shared); mutation needs `&mut self`.
+///
+/// Streams: the allocator keeps the executor it was built with for its whole life and issues
+/// every upload and launch on its lanes there, and an executor is one ordered stream
+/// ([`Executor`]), so all allocator launches of one rank run on one stream, in call order. No
+/// method takes another executor, and the lane buffers ([`stacks_buffer`](Self::stacks_buffer),
+/// [`tops_buffer`](Self::tops_buffer)) are handles that every other executor refuses
+/// ([`ExecError::UnknownBuffer`]). Work that frees pages on another stream (a write-back
+/// stream, say) must free them through this allocator, on this executor.
 pub struct KernelLaneAllocator {
     exec: Arc<dyn Executor>,
     mirror: OwnerLaneAllocator,
