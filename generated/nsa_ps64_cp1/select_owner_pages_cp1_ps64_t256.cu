@@ -84,7 +84,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) select_owner_pages_cp1_ps6
         s_short = 0u;
     }
     __syncthreads();
-    u32 bad_owners = 0u;
     // In 64 bits: with n near 2^32 a u32 base would wrap to 0 and never end the loop.
     for (u64 base = 0; base < n; base += THREADS) {
         const u64 i = base + threadIdx.x;
@@ -92,7 +91,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) select_owner_pages_cp1_ps6
         if (i < n) {
             const u32 req = owners[i];
             o = req < CP ? req : CP;
-            bad_owners += req < CP ? 0u : 1u;
+            if (req >= CP) {
+                atomicAdd(&s_bad_owners, 1u);
+            }
         }
         const u32 k = chc_tile_rank(o, s_warp_cnt, s_base);
         if (i < n) {
@@ -103,19 +104,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) select_owner_pages_cp1_ps6
             out_pages[i] = page;
         }
     }
-    // s_base[o] now counts the requests for lane o (chc_tile_rank ended on a barrier).
-    if (bad_owners != 0u) {
-        atomicAdd(&s_bad_owners, bad_owners);
-    }
-    __syncthreads();
-    u32 deficit = 0u;
-    if (threadIdx.x < CP) {
-        const u32 want = s_base[threadIdx.x];
-        const u32 top = s_top[threadIdx.x];
-        deficit = want > top ? want - top : 0u;
-    }
-    const u32 bad_total = s_bad_owners;
-    if (deficit != 0u || (threadIdx.x == 0 && bad_total != 0u)) {
+    // chc_tile_rank ended on a barrier: s_base[o] now counts the requests for lane o, and
+    // s_bad_owners those with an owner >= CP. Any shortage refuses the whole launch.
+    if ((threadIdx.x < CP && s_base[threadIdx.x] > s_top[threadIdx.x])
+        || (threadIdx.x == 0 && s_bad_owners != 0u)) {
         s_short = 1u;
     }
     __syncthreads();
@@ -126,11 +118,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) select_owner_pages_cp1_ps6
             out_pages[i] = 0u;
         }
         if (threadIdx.x < CP) {
+            const u32 want = s_base[threadIdx.x];
+            const u32 top = s_top[threadIdx.x];
+            const u32 deficit = want > top ? want - top : 0u;
             status[1u + threadIdx.x] = chc_sat_add(status[1u + threadIdx.x], deficit);
         }
         if (threadIdx.x == 0) {
             status[0] = chc_sat_add(status[0], 1u);
-            status[CP + 1u] = chc_sat_add(status[CP + 1u], bad_total);
+            status[CP + 1u] = chc_sat_add(status[CP + 1u], s_bad_owners);
         }
     }
     const u64 locs = (u64)n << LOG2_PAGE_SIZE;
