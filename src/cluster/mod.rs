@@ -1031,10 +1031,16 @@ impl Cluster {
                     .ok_or(TreeError::NotBackedUp { node: id })?;
                 for (i, host_page) in meta.owned_pages() {
                     let page = run[at + i];
+                    let slot = self.layout.local(page).0;
                     // Under the injected fault the owner may be another rank: the bytes land
-                    // in a slot nobody reads, which is exactly the seed's bug.
+                    // in a slot nobody reads, which is exactly the seed's bug. Two such pages
+                    // can share this rank's slot; only the first writes it, since a transfer
+                    // takes each destination page once (on a GPU two would mix their bytes).
+                    if plain && per_rank[r].1.contains(&slot) {
+                        continue;
+                    }
                     per_rank[r].0.push(host_page.0);
-                    per_rank[r].1.push(self.layout.local(page).0);
+                    per_rank[r].1.push(slot);
                 }
             }
             let n = self.ranks[0]
