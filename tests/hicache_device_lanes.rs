@@ -1,7 +1,8 @@
 //! The allocator's device lane stacks against its host mirror: an undo that cannot reach the
 //! device marks the allocator broken (typed error, healed by a successful restore), a restore
 //! from another layout names both layouts, and the cluster's lane check (which replay runs
-//! after a replay) catches device lanes that a kernel left out of step.
+//! after a replay) catches device lanes that a kernel left out of step, and a select the
+//! device refused because of it.
 
 mod hicache_support;
 
@@ -95,6 +96,48 @@ fn the_lane_check_catches_a_release_kernel_that_did_nothing() {
         err.to_string()
             .starts_with("rank 0: device lane state differs"),
         "{err}"
+    );
+}
+
+/// Drift the select kernel now catches itself. A release kernel that did nothing leaves one
+/// device lane a page behind the mirror; after evicting everything, a request that needs
+/// every page of every lane is granted by the mirror, and on the device its select finds
+/// that lane short. The kernel used to empty the lane and hand out page 0 for the missing
+/// request, which left device and mirror tops equal (both 0) and the drift invisible to the
+/// lane check; now it refuses the whole launch, and the lane check after serving (serving
+/// itself reads nothing back) reports the refusal with the lane and its deficit.
+#[test]
+fn the_lane_check_reports_a_select_the_device_refused() {
+    let spy = Spy::new();
+    let mut c = Setup::new(ModelShape::MlaBf16, 16, 2).build_on(spy.clone());
+    spy.skip_kernels(Some("release_pages"));
+    c.serve(&tokens(2, 2 * 16 + 5)).unwrap();
+    spy.skip_kernels(None);
+    assert!(spy.skipped() > 0);
+    c.evict_device_lru(usize::MAX).unwrap();
+    let free = c.lane_free_counts();
+    let all: u32 = free.iter().sum();
+    assert_eq!(all, 32, "{free:?}");
+    let stats = c.serve(&tokens(3, all as usize * 16)).unwrap();
+    assert_eq!(stats.computed_tokens, all as u64 * 16, "{stats:?}");
+    let err = c.check_device_lanes().unwrap_err();
+    match &err {
+        ClusterError::DeviceLanes {
+            rank: 0,
+            source: KernelAllocError::DeviceRefused { status },
+        } => {
+            assert_eq!(status.refused, 1, "{status}");
+            assert_eq!(status.short_lanes().len(), 1, "{status}");
+            assert_eq!(status.short_lanes()[0].1, 1, "{status}");
+            assert_eq!(status.bad_owners, 0, "{status}");
+        }
+        other => panic!("{other}"),
+    }
+    let shown = err.to_string();
+    assert!(
+        shown.contains("the device refused allocations its host mirror granted")
+            && shown.contains("short by 1 page"),
+        "{shown}"
     );
 }
 

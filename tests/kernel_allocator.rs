@@ -406,3 +406,43 @@ fn a_failed_allocation_in_the_constructor_frees_the_earlier_buffers() {
     }
     assert!(failed >= 6, "only {failed} allocations were failed");
 }
+
+/// All allocator launches of one rank run on one stream: the allocator keeps the executor it
+/// was built with (an executor is one ordered stream) and issues every upload and launch on
+/// its lanes there, and the lane buffers (stacks, tops, the select status) are handles that
+/// any other executor, i.e. any other stream, refuses; so nothing can pop or push the lanes
+/// out of order with the allocator's own launches.
+#[test]
+fn another_executor_cannot_touch_the_lanes() {
+    let layout = CpLayout::new(4, 16, 41).unwrap();
+    let ex: Arc<dyn Executor> = Arc::new(support::executor(BlockOrder::Forward));
+    let mut dev = KernelLaneAllocator::new(
+        layout,
+        Arc::clone(&ex),
+        support::jit(),
+        KernelAllocOptions::default(),
+    )
+    .unwrap();
+    assert!(Arc::ptr_eq(dev.executor(), &ex));
+    let other = support::executor(BlockOrder::Forward);
+    for b in [dev.stacks_buffer(), dev.tops_buffer(), dev.status_buffer()] {
+        let up = other.upload(b, 0, &[0; 4]);
+        assert!(
+            matches!(up, Err(ExecError::UnknownBuffer(id)) if id == b),
+            "{up:?}"
+        );
+        let mut out = [0u8; 4];
+        let rd = other.read(b, 0, &mut out);
+        assert!(
+            matches!(rd, Err(ExecError::UnknownBuffer(id)) if id == b),
+            "{rd:?}"
+        );
+    }
+    // Its own launches all went to its executor: one select, one release.
+    let before = ex.counters();
+    let k = dev.alloc_pages_with_owners(&[0, 1, 2, 3]).unwrap();
+    dev.free(k.run.pages()).unwrap();
+    assert_eq!(ex.counters().since(&before).launches, 2);
+    assert_eq!(other.counters().launches, 0);
+    dev.debug_check_device().unwrap();
+}

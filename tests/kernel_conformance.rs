@@ -14,14 +14,16 @@ use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
-use cp_hicache::allocator::{AllocError, KernelAllocOptions, KernelLaneAllocator};
+use cp_hicache::allocator::{
+    AllocError, KernelAllocError, KernelAllocOptions, KernelLaneAllocator,
+};
 use cp_hicache::exec::{BlockOrder, ExecError, Executor, KernelArg, LaunchConfig, LaunchFailure};
 use cp_hicache::jit::Sanitize;
 use cp_hicache::kernels::reference;
 use cp_hicache::kernels::{
     transfer_regions, AllocSpec, BufferKind, CopyLaunch, Deployment, Direction, HostLayout,
-    KernelSpec, MaterialiseSpec, PoolShape, ReleaseSpec, SynthSpec, TransferSpec, VecWidth,
-    VerifySpec,
+    KernelSpec, MaterialiseSpec, PoolShape, ReleaseSpec, SelectStatus, SynthSpec, TransferSpec,
+    VecWidth, VerifySpec,
 };
 use cp_hicache::layout::CpLayout;
 use support::{
@@ -521,9 +523,11 @@ fn select_matches_reference() {
 }
 
 /// Select on random stacks, tops (some beyond the capacity) and owner requests (empty, one
-/// partial tile, several tiles, some owners out of range) against the reference; the lane
-/// tops carry guard words, so a thread that writes the top of a lane that does not exist is
-/// caught.
+/// partial tile, several tiles) against the reference, with a status array that may already
+/// hold counts: requests that fit, a lane short by a page or more (after full tiles, so
+/// earlier tiles have popped pages of other lanes already), and owners out of range. The
+/// lane tops and the status carry guard words, so a thread that writes the top of a lane that
+/// does not exist is caught.
 fn check_select(b: &mut Bench, cp: u8, ps: u32, threads: u32, order: BlockOrder) {
     let spec = select_spec(cp, ps, threads);
     let mut rng = Rng::new(&[
@@ -534,8 +538,8 @@ fn check_select(b: &mut Bench, cp: u8, ps: u32, threads: u32, order: BlockOrder)
         u64::from(threads),
     ]);
     let t = u64::from(threads);
-    for trial in 0..4u64 {
-        let cpn = u32::from(cp);
+    let cpn = u32::from(cp);
+    for trial in 0..6u64 {
         let lane_cap = rng.range(1, 900 / u64::from(cp) + 8) as u32;
         let stacks: Vec<u32> = (0..cpn * lane_cap)
             .map(|i| (rng.range(1, 4096) as u32) * cpn + i / lane_cap)
@@ -554,19 +558,47 @@ fn check_select(b: &mut Bench, cp: u8, ps: u32, threads: u32, order: BlockOrder)
             2 => rng.below(t),
             _ => rng.range(t + 1, 3 * t + 50),
         } as usize;
-        let owners: Vec<u8> = (0..n)
-            .map(|_| {
-                if trial == 3 && rng.one_in(40) {
-                    cp + rng.below(3) as u8 // out of range: page 0
-                } else {
-                    rng.below(u64::from(cp)) as u8
+        // What each lane can give (tops clamped to the capacity, as the kernel does).
+        let mut room: Vec<u32> = tops.iter().map(|&x| x.min(lane_cap)).collect();
+        let mut owners: Vec<u8> = (0..n)
+            .map_while(|_| {
+                // Trials 0-3 fit: only lanes with room left are asked.
+                let open: Vec<u8> = (0..cp).filter(|&o| room[usize::from(o)] > 0).collect();
+                let o = *open.get(rng.below(open.len().max(1) as u64) as usize)?;
+                room[usize::from(o)] -= 1;
+                Some(o)
+            })
+            .collect();
+        match trial {
+            // A lane one or more pages short, asked last (after full tiles of other lanes).
+            4 => {
+                let o = rng.below(u64::from(cp)) as u8;
+                let extra = room[usize::from(o)] + rng.range(1, 3) as u32;
+                owners.extend(std::iter::repeat_n(o, extra as usize));
+            }
+            // Owners out of range, anywhere, beside requests that would fit.
+            5 => {
+                for _ in 0..rng.range(1, 4) {
+                    let at = rng.below(owners.len() as u64 + 1) as usize;
+                    owners.insert(at, cp + rng.below(3) as u8);
                 }
+            }
+            _ => {}
+        }
+        let n = owners.len();
+        // A status that already holds counts, now and then near saturation.
+        let status: Vec<u32> = (0..cpn + 2)
+            .map(|_| match rng.below(4) {
+                0 => u32::MAX - rng.below(2) as u32,
+                1 => rng.below(1000) as u32,
+                _ => 0,
             })
             .collect();
         let psz = ps as usize;
         let ob = b.bytes(&owners, GUARD);
         let sb = b.bytes(&le32(&stacks), 0);
         let tb = b.bytes(&le32(&tops), 4 * GUARD);
+        let stb = b.bytes(&le32(&status), 4 * GUARD);
         let pb = b.poison(4 * (n + GUARD));
         let lb = b.poison(8 * (n * psz + GUARD));
         b.launch(
@@ -580,13 +612,28 @@ fn check_select(b: &mut Bench, cp: u8, ps: u32, threads: u32, order: BlockOrder)
                 KernelArg::U32(lane_cap),
                 KernelArg::Ptr(pb, 0),
                 KernelArg::Ptr(lb, 0),
+                KernelArg::Ptr(stb, 0),
             ],
         );
-        let mut want_tops = tops.clone();
-        let (want_pages, want_locs) =
-            reference::select_owner_pages(cp, ps, &owners, &stacks, &mut want_tops, lane_cap)
-                .unwrap();
+        let (mut want_tops, mut want_status) = (tops.clone(), status.clone());
+        let (want_pages, want_locs) = reference::select_owner_pages(
+            cp,
+            ps,
+            &owners,
+            &stacks,
+            &mut want_tops,
+            lane_cap,
+            &mut want_status,
+        )
+        .unwrap();
         let ctx = format!("{spec} {order} trial {trial} n {n} cap {lane_cap}");
+        // The cases are what they claim to be (the reference says so).
+        if trial < 4 {
+            assert_eq!(want_status, status, "{ctx}: the request fits");
+        } else {
+            assert!(want_pages.iter().all(|&p| p == 0), "{ctx}: refused");
+            assert_eq!(want_tops, tops, "{ctx}: refused");
+        }
         let pages = b.read(pb);
         assert_eq!(u32s(&pages[..4 * n]), want_pages, "out_pages: {ctx}");
         assert!(
@@ -608,6 +655,16 @@ fn check_select(b: &mut Bench, cp: u8, ps: u32, threads: u32, order: BlockOrder)
         assert!(
             got_t[4 * tops.len()..].iter().all(|&x| x == POISON),
             "lane_tops guard: {ctx}"
+        );
+        let got_st = b.read(stb);
+        assert_eq!(
+            u32s(&got_st[..4 * status.len()]),
+            want_status,
+            "status: {ctx}"
+        );
+        assert!(
+            got_st[4 * status.len()..].iter().all(|&x| x == POISON),
+            "status guard: {ctx}"
         );
         assert_eq!(
             u32s(&b.read(sb)),
@@ -785,6 +842,118 @@ fn select_is_all_or_nothing_through_the_allocator() {
                 assert_eq!(lanes_before.0, lanes_after.0, "stacks: {ctx}");
                 assert_eq!(lanes_before.1, lanes_after.1, "lane tops: {ctx}");
                 assert_eq!(lanes_before.2, lanes_after.2, "lane free counts: {ctx}");
+                a.debug_check_device().unwrap();
+            }
+        }
+    }
+}
+
+/// The select kernel guards all or nothing itself, past the host mirror's check: the device
+/// lanes are made to hold fewer pages than the mirror counts (one lane's top lowered behind
+/// the mirror's back, the drift a second stream popping pages would cause), and an
+/// allocation the mirror grants runs. The launch leaves every lane stack and top as it was,
+/// hands out page 0 (and page 0's token locations) for every request, and its status words
+/// record the deficit of that lane alone. The allocation neither read back nor synchronised;
+/// `check_status` and `debug_check_device` report the refusal as a typed error naming the
+/// lane and its deficit, and `restore` clears it.
+#[test]
+fn select_refuses_a_shortage_the_mirror_missed() {
+    let jit = support::jit();
+    libs(); // compiled in the same warm-up as everything else
+    for order in ORDERS {
+        for cp in CPS {
+            for ps in PSS {
+                let ex: Arc<dyn Executor> = Arc::new(support::executor(order));
+                let layout = CpLayout::new(u32::from(cp), ps, 300 + 7 * u32::from(cp)).unwrap();
+                let mut a = KernelLaneAllocator::new(
+                    layout,
+                    Arc::clone(&ex),
+                    jit,
+                    KernelAllocOptions::default(),
+                )
+                .unwrap();
+                let mut rng = Rng::new(&[6, u64::from(cp), u64::from(ps), order_id(order)]);
+                // Lanes that have served a request already.
+                let warm: Vec<u8> = (0..rng.range(1, 40))
+                    .map(|_| rng.below(u64::from(cp)) as u8)
+                    .collect();
+                a.alloc_pages_with_owners(&warm).unwrap();
+                a.debug_check_device().unwrap();
+                let mirror = a.mirror().clone();
+                // Lane `short` loses `k` pages on the device only.
+                let short = rng.below(u64::from(cp)) as u8;
+                let free = a.lane_free_counts();
+                let k = rng.range(1, 3).min(u64::from(free[usize::from(short)])) as u32;
+                assert!(k > 0, "lane {short} has pages");
+                let read32 = |b| {
+                    let mut v = vec![0u8; ex.size(b).unwrap()];
+                    ex.read(b, 0, &mut v).unwrap();
+                    u32s(&v)
+                };
+                let mut tops = read32(a.tops_buffer());
+                tops[usize::from(short)] -= k;
+                ex.upload(a.tops_buffer(), 0, &le32(&tops)).unwrap();
+                let stacks = read32(a.stacks_buffer());
+                // Every free page of every lane as the mirror counts them, shuffled: more
+                // than one tile, and the mirror grants it.
+                let mut owners: Vec<u8> = (0..cp)
+                    .flat_map(|o| std::iter::repeat_n(o, free[usize::from(o)] as usize))
+                    .collect();
+                assert!(
+                    owners.len() > ALLOC_THREADS as usize,
+                    "{} requests",
+                    owners.len()
+                );
+                for i in (1..owners.len()).rev() {
+                    owners.swap(i, rng.below(i as u64 + 1) as usize);
+                }
+                let ctx = format!("cp{cp} ps{ps} {order}: lane {short} short by {k}");
+                let before = ex.counters();
+                let run = a.alloc_pages_with_owners(&owners).unwrap();
+                let d = ex.counters().since(&before);
+                assert_eq!((d.stalls(), d.launches), (0, 1), "{ctx}: {d:?}");
+                // Nothing moved on the device, and every request got page 0.
+                assert_eq!(read32(a.stacks_buffer()), stacks, "stacks: {ctx}");
+                assert_eq!(read32(a.tops_buffer()), tops, "tops: {ctx}");
+                let mut got = vec![0u8; 4 * owners.len()];
+                ex.read(run.pages.buffer, run.pages.offset, &mut got)
+                    .unwrap();
+                assert!(u32s(&got).iter().all(|&p| p == 0), "out_pages: {ctx}");
+                let mut locs = vec![0u8; 8 * owners.len() * ps as usize];
+                ex.read(run.locs.buffer, run.locs.offset, &mut locs)
+                    .unwrap();
+                let page0: Vec<i64> = (0..owners.len()).flat_map(|_| 0..i64::from(ps)).collect();
+                assert_eq!(i64s(&locs), page0, "out_locs: {ctx}");
+                // The status names the lane and its deficit, and nothing else.
+                let mut deficits = vec![0u32; usize::from(cp)];
+                deficits[usize::from(short)] = k;
+                let want = SelectStatus {
+                    refused: 1,
+                    lane_deficits: deficits,
+                    bad_owners: 0,
+                };
+                let mut words = vec![0u8; 4 * (usize::from(cp) + 2)];
+                ex.read(a.status_buffer(), 0, &mut words).unwrap();
+                assert_eq!(u32s(&words), want.to_words(), "status: {ctx}");
+                for err in [a.check_status(), a.debug_check_device()] {
+                    match err {
+                        Err(KernelAllocError::DeviceRefused { status }) => {
+                            assert_eq!(status, want, "{ctx}")
+                        }
+                        other => panic!("{ctx}: {other:?}"),
+                    }
+                }
+                let shown = a.check_status().unwrap_err().to_string();
+                let pages = if k == 1 { "page" } else { "pages" };
+                assert!(
+                    shown.contains(&format!(
+                        "1 select launch refused: lane {short} short by {k} {pages}"
+                    )),
+                    "{ctx}: {shown}"
+                );
+                // A known state clears it.
+                a.restore(mirror).unwrap();
+                a.check_status().unwrap();
                 a.debug_check_device().unwrap();
             }
         }

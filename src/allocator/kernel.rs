@@ -16,13 +16,26 @@
 //! fails too, the device lanes no longer follow the mirror: the allocator is then broken and
 //! refuses every allocation and free ([`KernelAllocError::Broken`]) until a successful
 //! [`KernelLaneAllocator::restore`] uploads a whole state again.
+//!
+//! The select kernel guards all or nothing itself as well, without trusting the mirror: if
+//! the device lanes ever hold fewer pages than the mirror counted (drift, or another stream
+//! popping them), the launch changes no lane top, hands out page 0 for every request and adds
+//! the deficit to a status array in device memory ([`SelectStatus`]). Reading it would stall,
+//! so allocations never do: [`KernelLaneAllocator::check_status`] reads it when the caller
+//! synchronises anyway (and [`KernelLaneAllocator::debug_check_device`] starts with it), and
+//! a refusal is [`KernelAllocError::DeviceRefused`].
+//!
+//! One stream: every launch and upload that touches an allocator's lanes goes through the one
+//! executor it was built with (executors are one ordered stream, docs/KERNELS.md "One stream
+//! per rank's allocator"); the lane buffers and kernels are handles of that executor, which
+//! every other executor refuses.
 
 use std::sync::Arc;
 
 use super::{AllocError, OwnerLaneAllocator, PageRun, StateDigest};
 use crate::exec::{BufferId, ExecError, Executor, KernelArg, KernelId, LaunchConfig, MemKind};
 use crate::jit::{spec_request, target_for, Arch, Jit, JitError, Sanitize};
-use crate::kernels::{AllocSpec, KernelError, KernelSpec, ReleaseSpec};
+use crate::kernels::{AllocSpec, KernelError, KernelSpec, ReleaseSpec, SelectStatus};
 use crate::layout::{CpLayout, PageId, Rank};
 
 /// Poison byte of freshly allocated output buffers (docs/KERNELS.md).
@@ -50,6 +63,20 @@ pub enum KernelAllocError {
     DeviceMismatch {
         /// The first difference found.
         what: String,
+    },
+    /// The select kernel refused allocations that the host mirror had granted (found by
+    /// [`KernelLaneAllocator::check_status`]): the device lanes held fewer pages than the
+    /// mirror counted, so the device lanes and the mirror have drifted apart (a bug, or a
+    /// launch on the lanes outside this allocator). The refused launches handed out page 0
+    /// and changed no lane; the status stays set until
+    /// [`KernelLaneAllocator::restore`] uploads a whole state.
+    #[error(
+        "the device refused allocations its host mirror granted ({status}); the device lanes \
+         and the mirror have drifted apart: restore the allocator from a known state"
+    )]
+    DeviceRefused {
+        /// The status words: refused launches, each lane's deficit, bad owners.
+        status: SelectStatus,
     },
     /// An earlier failure could not be undone on the device (re-uploading the mirror failed),
     /// so the device lanes may differ from the mirror; nothing is launched until
@@ -151,8 +178,8 @@ struct Allocated<'e> {
 }
 
 impl Allocated<'_> {
-    fn alloc(&mut self, bytes: usize) -> Result<BufferId, ExecError> {
-        let id = self.exec.alloc(MemKind::Device, bytes, POISON)?;
+    fn alloc(&mut self, bytes: usize, fill: u8) -> Result<BufferId, ExecError> {
+        let id = self.exec.alloc(MemKind::Device, bytes, fill)?;
         self.ids.push(id);
         Ok(id)
     }
@@ -193,6 +220,8 @@ pub struct BufferSizes {
     pub stacks: u64,
     /// Lane tops: 4 bytes per lane.
     pub tops: u64,
+    /// The select kernel's status words: 4 bytes per lane, plus 8.
+    pub status: u64,
     /// Owners of a request: 1 byte per page.
     pub owners_in: u64,
     /// Pages of a free: 4 bytes per page.
@@ -211,6 +240,7 @@ impl BufferSizes {
         BufferSizes {
             stacks: 4 * cp * u64::from(layout.local_pages_per_rank()),
             tops: 4 * cp,
+            status: 4 * SelectStatus::words(layout.cp()) as u64,
             owners_in: growable(pages),
             pages_in: growable(4 * pages),
             out_pages: growable(4 * pages),
@@ -220,7 +250,13 @@ impl BufferSizes {
 
     /// All of them.
     pub fn total(&self) -> u64 {
-        self.stacks + self.tops + self.owners_in + self.pages_in + self.out_pages + self.out_locs
+        self.stacks
+            + self.tops
+            + self.status
+            + self.owners_in
+            + self.pages_in
+            + self.out_pages
+            + self.out_locs
     }
 }
 
@@ -248,6 +284,14 @@ impl Growable {
 /// documentation.
 ///
 /// Thread-safety: `Send + Sync` (the executor is shared); mutation needs `&mut self`.
+///
+/// Streams: the allocator keeps the executor it was built with for its whole life and issues
+/// every upload and launch on its lanes there, and an executor is one ordered stream
+/// ([`Executor`]), so all allocator launches of one rank run on one stream, in call order. No
+/// method takes another executor, and the lane buffers ([`stacks_buffer`](Self::stacks_buffer),
+/// [`tops_buffer`](Self::tops_buffer)) are handles that every other executor refuses
+/// ([`ExecError::UnknownBuffer`]). Work that frees pages on another stream (a write-back
+/// stream, say) must free them through this allocator, on this executor.
 pub struct KernelLaneAllocator {
     exec: Arc<dyn Executor>,
     mirror: OwnerLaneAllocator,
@@ -256,6 +300,8 @@ pub struct KernelLaneAllocator {
     lane_cap: u32,
     stacks: BufferId,
     tops: BufferId,
+    /// `u32 status[CP + 2]`, the select kernel's refusals ([`SelectStatus`]).
+    status: BufferId,
     owners_in: Growable,
     pages_in: Growable,
     out_pages: Growable,
@@ -333,8 +379,10 @@ impl KernelLaneAllocator {
             exec: exec.as_ref(),
             ids: Vec::new(),
         };
-        let stacks = mem.alloc(size(sizes.stacks)?)?;
-        let tops = mem.alloc(size(sizes.tops)?)?;
+        let stacks = mem.alloc(size(sizes.stacks)?, POISON)?;
+        let tops = mem.alloc(size(sizes.tops)?, POISON)?;
+        // Clear: no launch refused yet.
+        let status = mem.alloc(size(sizes.status)?, 0)?;
         let owners_in = mem.growable(size(sizes.owners_in)?)?;
         let pages_in = mem.growable(size(sizes.pages_in)?)?;
         let out_pages = mem.growable(size(sizes.out_pages)?)?;
@@ -346,6 +394,7 @@ impl KernelLaneAllocator {
             lane_cap,
             stacks,
             tops,
+            status,
             owners_in,
             pages_in,
             out_pages,
@@ -387,6 +436,30 @@ impl KernelLaneAllocator {
     /// `u32 lane_tops[CP]` in executor memory.
     pub fn tops_buffer(&self) -> BufferId {
         self.tops
+    }
+
+    /// `u32 status[CP + 2]` in executor memory: the select kernel's refusals
+    /// ([`SelectStatus`]).
+    pub fn status_buffer(&self) -> BufferId {
+        self.status
+    }
+
+    /// Reads the select kernel's status words back (one counted read, which waits for the
+    /// launches before it: call it where the caller synchronises anyway, never on the load
+    /// path) and returns [`KernelAllocError::DeviceRefused`] naming the lanes and their
+    /// deficits when some select launch was refused on the device. The status stays set until
+    /// [`restore`](Self::restore).
+    pub fn check_status(&self) -> Result<(), KernelAllocError> {
+        let words = self.read_u32(self.status, SelectStatus::words(self.layout().cp()))?;
+        let status =
+            SelectStatus::from_words(&words).ok_or_else(|| KernelAllocError::DeviceMismatch {
+                what: format!("the select status has {} words", words.len()),
+            })?;
+        if status.is_clear() {
+            Ok(())
+        } else {
+            Err(KernelAllocError::DeviceRefused { status })
+        }
     }
 
     /// The select and release specs (uris name the compiled kernels).
@@ -480,9 +553,12 @@ impl KernelLaneAllocator {
         Ok(())
     }
 
-    /// Reads the device stacks and tops back (counted reads: tests and debugging only) and
-    /// compares them with the mirror.
+    /// Reads the select kernel's status ([`check_status`](Self::check_status)), then the
+    /// device stacks and tops back (counted reads: tests, debugging, and once after a replay)
+    /// and compares them with the mirror. A refused launch is reported as
+    /// [`KernelAllocError::DeviceRefused`], before the difference it left in the lanes.
     pub fn debug_check_device(&self) -> Result<(), KernelAllocError> {
+        self.check_status()?;
         let cp = self.layout().cp();
         let tops = self.read_u32(self.tops, usize::from(cp))?;
         let stacks = self.read_u32(self.stacks, usize::from(cp) * self.lane_cap as usize)?;
@@ -557,6 +633,7 @@ impl KernelLaneAllocator {
                 KernelArg::U32(self.lane_cap),
                 KernelArg::Ptr(self.out_pages.id, 0),
                 KernelArg::Ptr(self.out_locs.id, 0),
+                KernelArg::Ptr(self.status, 0),
             ],
         )
     }
@@ -604,7 +681,8 @@ impl KernelLaneAllocator {
     }
 
     /// Rolls the allocator back to `mirror` (an earlier state of this allocator, e.g. a
-    /// snapshot taken before a request that failed) and re-uploads it to the device lanes.
+    /// snapshot taken before a request that failed) and re-uploads it to the device lanes,
+    /// and clears the select kernel's status (the lanes are a known state again).
     /// A successful restore also heals a broken allocator; a failed upload leaves it broken.
     pub fn restore(&mut self, mirror: OwnerLaneAllocator) -> Result<(), KernelAllocError> {
         if mirror.layout() != self.mirror.layout() {
@@ -614,7 +692,11 @@ impl KernelLaneAllocator {
             });
         }
         self.mirror = mirror;
-        if let Err(e) = self.upload_state() {
+        let clear = vec![0u8; 4 * SelectStatus::words(self.layout().cp())];
+        if let Err(e) = self
+            .upload_state()
+            .and_then(|()| self.exec.upload(self.status, 0, &clear))
+        {
             self.broken = Some(format!("restoring a state failed: {e}"));
             return Err(e.into());
         }
@@ -657,6 +739,7 @@ impl Drop for KernelLaneAllocator {
         for b in [
             self.stacks,
             self.tops,
+            self.status,
             self.owners_in.id,
             self.pages_in.id,
             self.out_pages.id,

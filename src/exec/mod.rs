@@ -720,6 +720,18 @@ impl Counters {
 /// - All methods take `&self`; implementations are `Send + Sync` and serialise their own
 ///   state, so one executor may be shared by threads. Launches are stream-ordered: a launch,
 ///   upload or read observes every earlier call on the same executor.
+/// - One executor is one stream: launches, uploads, copies and fills run in the order they
+///   were called, never on several streams; wrappers forward to one inner executor. Work on
+///   another executor is another stream, unordered with this one, and buffer and kernel
+///   handles of one executor are refused by every other ([`ExecError::UnknownBuffer`],
+///   [`ExecError::UnknownKernel`]).
+/// - Allocator launches of one rank run on one stream. The select kernel reads and writes
+///   back the lane tops from one block, so a release on another stream in between would lose
+///   its pushes or hand pages out twice. A
+///   [`KernelLaneAllocator`](crate::allocator::KernelLaneAllocator) therefore keeps the
+///   executor it was built with and issues every upload and launch on its lanes there (no
+///   method takes another executor), and no other executor accepts its lane buffers. Code
+///   that frees pages from elsewhere (a write-back path) frees them through that allocator.
 /// - `upload` does not synchronise with the host (the data is staged); `read` waits for the
 ///   work that writes the buffer and is counted in [`Counters::reads`]; `synchronize` is counted
 ///   in [`Counters::syncs`].

@@ -69,11 +69,64 @@ impl PoolShape {
     }
 }
 
+/// Two pairs of one transfer that name the same destination page
+/// ([`check_distinct_destinations`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
+#[error(
+    "pairs {first} and {second} both write destination page {page}: on a GPU their 16-byte \
+     pieces would interleave"
+)]
+pub struct DuplicateDestination {
+    /// The destination page named twice.
+    pub page: u32,
+    /// The first pair naming it (index into the page lists).
+    pub first: usize,
+    /// The next pair naming it.
+    pub second: usize,
+}
+
+/// Refuses a transfer whose pairs name one destination page twice, before anything is
+/// launched: every path that moves page pairs (the cluster's transfers by kernel or by DMA,
+/// the `tune` / `bench` / `bench --check` harness) calls it with the pairs it is about to
+/// move.
+///
+/// The `transfer_pages` kernel gives no order between pairs: on a GPU the blocks of two such
+/// pairs store their 16-byte vectors concurrently, so the page would end up a mix of both
+/// sources, while the CPU emulator runs blocks one after another and shows one source whole.
+/// The pairs are host data, so the host can refuse them; the kernel and the executors cannot
+/// (the page ids are in device memory). The error names the page and the first two pairs
+/// with it (the lowest page named twice). Host work only: it reads and allocates nothing on
+/// the executor, so it is free on the load path.
+pub fn check_distinct_destinations(dst_pages: &[u32]) -> Result<(), DuplicateDestination> {
+    if dst_pages.len() < 2 {
+        return Ok(());
+    }
+    let mut order: Vec<usize> = (0..dst_pages.len()).collect();
+    // Stable by page: equal pages keep their pair order.
+    order.sort_by_key(|&i| dst_pages[i]);
+    match order
+        .windows(2)
+        .find(|w| dst_pages[w[0]] == dst_pages[w[1]])
+    {
+        None => Ok(()),
+        Some(w) => Err(DuplicateDestination {
+            page: dst_pages[w[0]],
+            first: w[0],
+            second: w[1],
+        }),
+    }
+}
+
 /// The copy regions that move page `src_pages[i]` to `dst_pages[i]` for every pair and layer,
 /// with `spec`'s direction and host layout: exactly the bytes `transfer_pages` copies,
 /// including its rule that a pair with a page outside its pool is skipped. Regions that
 /// continue the previous one on both sides are merged, so runs of consecutive pages become one
 /// copy. Pairs beyond the shorter list are ignored (the kernel takes `n` explicitly).
+///
+/// Destination pages must be distinct, as for the kernel: callers refuse pairs that are not
+/// with [`check_distinct_destinations`] first (the regions themselves are applied in order by
+/// [`Executor::copy_regions`](crate::exec::Executor::copy_regions), so they would not mix bytes,
+/// but the DMA path must accept exactly what the kernel path accepts).
 pub fn transfer_regions(
     spec: &TransferSpec,
     src_pages: &[u32],
@@ -190,6 +243,28 @@ mod tests {
     fn pairs_outside_a_pool_are_skipped_like_the_kernel() {
         let s = spec(Direction::HostToDevice, HostLayout::LayerFirst);
         assert!(transfer_regions(&s, &[16, 0], &[0, 8], POOLS).is_empty());
+    }
+
+    #[test]
+    fn a_destination_page_named_twice_is_refused() {
+        assert_eq!(check_distinct_destinations(&[]), Ok(()));
+        assert_eq!(check_distinct_destinations(&[7]), Ok(()));
+        assert_eq!(check_distinct_destinations(&[3, 1, 2, 0]), Ok(()));
+        assert_eq!(
+            check_distinct_destinations(&[5, 9, 2, 9, 5, 9]),
+            Err(DuplicateDestination {
+                page: 5,
+                first: 0,
+                second: 4
+            })
+        );
+        let e = check_distinct_destinations(&[4, 8, 8]).unwrap_err();
+        assert_eq!((e.page, e.first, e.second), (8, 1, 2));
+        assert_eq!(
+            e.to_string(),
+            "pairs 1 and 2 both write destination page 8: on a GPU their 16-byte pieces would \
+             interleave"
+        );
     }
 
     #[test]

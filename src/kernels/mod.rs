@@ -22,12 +22,14 @@ mod render;
 mod spec;
 
 pub use deployment::{Arch, Deployment, ModelShape};
-pub use dma::{transfer_regions, PoolShape, TransferPath};
+pub use dma::{
+    check_distinct_destinations, transfer_regions, DuplicateDestination, PoolShape, TransferPath,
+};
 pub use render::{diff_tree, plan_tree, render_tree, sources_digest, TreeDiff, REGENERATE_COMMAND};
 pub use spec::{
     AllocSpec, Arrangement, BufferKind, CopyLaunch, Direction, Dtype, Family, FieldLayout,
     HostLayout, KernelParam, KernelSignature, KernelSpec, LaunchDims, MaterialiseSpec, Reach,
-    ReachError, ReleaseSpec, SynthSpec, TransferSpec, VecWidth, VerifySpec,
+    ReachError, ReleaseSpec, SelectStatus, SynthSpec, TransferSpec, VecWidth, VerifySpec,
 };
 
 use std::path::PathBuf;

@@ -42,6 +42,10 @@ pub enum ReferenceError {
         /// The rejected value.
         value: u64,
     },
+    /// A transfer whose pairs name one destination page twice: the kernel's result is not
+    /// defined (on a GPU the two copies interleave), so there is nothing to compare with.
+    #[error(transparent)]
+    DuplicateDestination(#[from] super::DuplicateDestination),
 }
 
 fn need<T>(what: &'static str, s: &[T], need: u64) -> Result<(), ReferenceError> {
@@ -181,8 +185,13 @@ pub fn synth_token(
 }
 
 /// `select_owner_pages`: pops one page per requested owner (LIFO) and returns
-/// `(out_pages, out_locs)`; updates `lane_tops`. A request whose owner is `>= cp` or whose
-/// lane is short gets page 0; tops are first clamped to `lane_cap` and never underflow.
+/// `(out_pages, out_locs)`; updates `lane_tops`. Tops are first clamped to `lane_cap`.
+///
+/// All or nothing: when some lane holds fewer pages than requested of it, or an owner is
+/// `>= cp`, the launch is refused: `lane_tops` is left as it was, every page is 0 (so the
+/// locations are page 0's slots), and `status` (the kernel's `u32[cp + 2]` status words,
+/// [`SelectStatus`](super::SelectStatus)) adds 1 refused launch, each lane's deficit and the
+/// number of bad owners, saturating. A launch that is not refused leaves `status` alone.
 pub fn select_owner_pages(
     cp: u8,
     page_size: u32,
@@ -190,6 +199,7 @@ pub fn select_owner_pages(
     lane_stacks: &[u32],
     lane_tops: &mut [u32],
     lane_cap: u32,
+    status: &mut [u32],
 ) -> Result<(Vec<u32>, Vec<i64>), ReferenceError> {
     let cpn = check_cp(cp)?;
     check_ps(page_size)?;
@@ -199,11 +209,13 @@ pub fn select_owner_pages(
         lane_stacks,
         u64::from(cpn) * u64::from(lane_cap),
     )?;
+    need("status", status, u64::from(cpn) + 2)?;
     let tops: Vec<u32> = lane_tops[..cpn as usize]
         .iter()
         .map(|&t| t.min(lane_cap))
         .collect();
     let mut used = vec![0u32; cpn as usize];
+    let mut bad_owners = 0u32;
     let mut pages = Vec::with_capacity(owners.len());
     for &o in owners {
         let o = u32::from(o);
@@ -215,8 +227,29 @@ pub fn select_owner_pages(
                 page = lane_stacks[(o * lane_cap + top - 1 - k) as usize];
             }
             used[o as usize] += 1;
+        } else {
+            bad_owners += 1;
         }
         pages.push(page);
+    }
+    let deficits: Vec<u32> = used
+        .iter()
+        .zip(&tops)
+        .map(|(&u, &t)| u.saturating_sub(t))
+        .collect();
+    let refused = bad_owners > 0 || deficits.iter().any(|&d| d > 0);
+    if refused {
+        pages.iter_mut().for_each(|p| *p = 0);
+        status[0] = status[0].saturating_add(1);
+        for (w, d) in status[1..=cpn as usize].iter_mut().zip(&deficits) {
+            *w = w.saturating_add(*d);
+        }
+        let last = cpn as usize + 1;
+        status[last] = status[last].saturating_add(bad_owners);
+    } else {
+        for o in 0..cpn as usize {
+            lane_tops[o] = tops[o] - used[o];
+        }
     }
     let locs = pages
         .iter()
@@ -224,9 +257,6 @@ pub fn select_owner_pages(
             (0..page_size).map(move |j| (i64::from(p) * i64::from(page_size)) + i64::from(j))
         })
         .collect();
-    for o in 0..cpn as usize {
-        lane_tops[o] = tops[o] - used[o].min(tops[o]);
-    }
     Ok((pages, locs))
 }
 
@@ -294,8 +324,10 @@ pub fn host_offset(
 
 /// `transfer_pages`: for every pair `i < n` and layer, copies page `src_pages[i]` of `src`
 /// to page `dst_pages[i]` of `dst`. The device side is `src` for d2h and `dst` for h2d.
-/// Pairs with a page outside its pool are skipped. Destination pages should be distinct
-/// (the kernel gives no order between pairs).
+/// Pairs with a page outside its pool are skipped. Destination pages must be distinct (the
+/// kernel gives no order between pairs): two pairs naming one are
+/// [`ReferenceError::DuplicateDestination`], as every caller of the kernel refuses them
+/// ([`check_distinct_destinations`](super::check_distinct_destinations)).
 #[allow(clippy::too_many_arguments)]
 pub fn transfer_pages(
     direction: Direction,
@@ -312,6 +344,7 @@ pub fn transfer_pages(
 ) -> Result<(), ReferenceError> {
     need("src_pages", src_pages, u64::from(n))?;
     need("dst_pages", dst_pages, u64::from(n))?;
+    super::check_distinct_destinations(&dst_pages[..n as usize])?;
     let dev_bytes = extent("device pool", layers, device_pages, page_bytes)?;
     let host_bytes = extent("host pool", layers, host_pages, page_bytes)?;
     let (src_cap, dst_cap) = match direction {
@@ -636,11 +669,14 @@ mod tests {
         }
         let (stacks0, tops0) = (stacks.clone(), tops.clone());
         let owners = [0u8, 1, 1, 3, 0, 2, 1];
-        let (pages, locs) = select_owner_pages(cp, 4, &owners, &stacks, &mut tops, cap).unwrap();
+        let mut status = [0u32; 6];
+        let (pages, locs) =
+            select_owner_pages(cp, 4, &owners, &stacks, &mut tops, cap, &mut status).unwrap();
         assert_eq!(pages, [4, 1, 5, 3, 8, 2, 9]);
         assert!(pages.iter().zip(owners).all(|(p, o)| p % 4 == u32::from(o)));
         assert_eq!(&locs[..5], &[16, 17, 18, 19, 4]);
         assert_eq!(tops, [5, 5, 7, 7]);
+        assert_eq!(status, [0; 6], "a granted launch leaves the status alone");
         // Releasing in reverse order restores the stacks exactly.
         let rev: Vec<u32> = pages.iter().rev().copied().collect();
         release_pages(cp, &rev, &mut stacks, &mut tops, cap).unwrap();
@@ -648,14 +684,41 @@ mod tests {
     }
 
     #[test]
-    fn short_lanes_and_bad_owners_yield_page_zero() {
-        let mut tops = vec![1u32, 0];
-        let stacks = vec![2u32, 0, 0, 0];
-        let (pages, _) = select_owner_pages(2, 1, &[0, 0, 1, 7], &stacks, &mut tops, 2).unwrap();
-        assert_eq!(pages, [2, 0, 0, 0]);
-        assert_eq!(tops, [0, 0]);
-        assert!(select_owner_pages(2, 1, &[0], &stacks[..3], &mut tops, 2).is_err());
-        assert!(select_owner_pages(0, 1, &[0], &stacks, &mut tops, 2).is_err());
+    fn a_short_lane_or_a_bad_owner_refuses_the_whole_launch() {
+        // Lane 0 holds one page (2; slot 1 is free), lane 1 two (3, then 1): pops come from
+        // the top.
+        let stacks = vec![2u32, 4, 1, 3];
+        let tops0 = vec![1u32, 2];
+        // Lane 0 asked for 2, has 1: nothing is taken from lane 1 either.
+        let (mut tops, mut status) = (tops0.clone(), vec![0u32; 4]);
+        let (pages, locs) =
+            select_owner_pages(2, 2, &[0, 1, 0], &stacks, &mut tops, 2, &mut status).unwrap();
+        assert_eq!(pages, [0, 0, 0]);
+        assert_eq!(locs, [0, 1, 0, 1, 0, 1], "page 0's slots");
+        assert_eq!(tops, tops0);
+        assert_eq!(status, [1, 1, 0, 0]);
+        // A bad owner alone refuses too; the words add up (saturating).
+        status[0] = u32::MAX;
+        let (pages, _) =
+            select_owner_pages(2, 2, &[1, 7, 9], &stacks, &mut tops, 2, &mut status).unwrap();
+        assert_eq!(pages, [0, 0, 0]);
+        assert_eq!(tops, tops0);
+        assert_eq!(status, [u32::MAX, 1, 0, 2]);
+        // Tops beyond the capacity are clamped before the check, and written back clamped.
+        let mut tops = vec![5u32, 2];
+        let (pages, _) =
+            select_owner_pages(2, 1, &[0, 0], &stacks, &mut tops, 2, &mut status).unwrap();
+        assert_eq!(
+            pages,
+            [4, 2],
+            "lane 0 has 2 slots, not 5: the first pop is slot 1"
+        );
+        assert_eq!(tops, [0, 2]);
+        assert_eq!(status, [u32::MAX, 1, 0, 2], "granted: unchanged");
+        let mut tops = tops0.clone();
+        assert!(select_owner_pages(2, 1, &[0], &stacks[..3], &mut tops, 2, &mut status).is_err());
+        assert!(select_owner_pages(0, 1, &[0], &stacks, &mut tops, 2, &mut status).is_err());
+        assert!(select_owner_pages(2, 1, &[0], &stacks, &mut tops, 2, &mut status[..3]).is_err());
     }
 
     #[test]
@@ -707,6 +770,48 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn transfer_refuses_one_destination_page_twice() {
+        let (pb, layers, pages) = (32u64, 1u32, 4u32);
+        let dev = vec![1u8; (pb * 4) as usize];
+        let mut host = vec![0xA5u8; (pb * 4) as usize];
+        let run = |n: u32, host: &mut [u8]| {
+            transfer_pages(
+                Direction::DeviceToHost,
+                HostLayout::PageFirst,
+                pb,
+                &dev,
+                host,
+                &[0, 1, 2],
+                &[3, 0, 3],
+                n,
+                layers,
+                pages,
+                pages,
+            )
+        };
+        let err = run(3, &mut host).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ReferenceError::DuplicateDestination(crate::kernels::DuplicateDestination {
+                    page: 3,
+                    first: 0,
+                    second: 2
+                })
+            ),
+            "{err}"
+        );
+        assert!(host.iter().all(|&b| b == 0xA5), "nothing moved");
+        // Only the first n pairs count: two distinct pages move.
+        run(2, &mut host).unwrap();
+        let moved = host
+            .chunks(pb as usize)
+            .map(|p| p[0] == 1)
+            .collect::<Vec<_>>();
+        assert_eq!(moved, [true, false, false, true]);
     }
 
     #[test]

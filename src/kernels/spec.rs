@@ -429,6 +429,122 @@ pub struct AllocSpec {
     pub threads: u32,
 }
 
+impl AllocSpec {
+    /// Words of the kernel's `status` array: [`SelectStatus::words`] at this CP.
+    pub fn status_words(&self) -> usize {
+        SelectStatus::words(self.cp)
+    }
+}
+
+/// The select kernel's status words, `u32 status[CP + 2]` in device memory
+/// (docs/KERNELS.md "select_owner_pages"): what every launch that came up short added up since
+/// the host last cleared them. A launch is refused, all or nothing, when a lane holds fewer
+/// pages than it was asked for or an owner is not below CP; it then changes no lane top and
+/// writes page 0 for every request. The counts saturate at `u32::MAX`.
+///
+/// | word | meaning |
+/// | --- | --- |
+/// | `0` | launches refused |
+/// | `1 + o`, `o < CP` | pages lane `o` lacked, summed over those launches |
+/// | `CP + 1` | requests naming an owner `>= CP`, summed over those launches |
+///
+/// All zero means no launch was refused.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct SelectStatus {
+    /// Launches refused (word 0).
+    pub refused: u32,
+    /// Pages each lane lacked, summed over the refused launches (words `1..=CP`).
+    pub lane_deficits: Vec<u32>,
+    /// Requests whose owner was not below CP, summed over the refused launches (word `CP + 1`).
+    pub bad_owners: u32,
+}
+
+impl SelectStatus {
+    /// Words of the array at CP `cp`: `cp + 2`.
+    pub const fn words(cp: u8) -> usize {
+        cp as usize + 2
+    }
+
+    /// A clear status (no launch refused) at CP `cp`.
+    pub fn clear(cp: u8) -> SelectStatus {
+        SelectStatus {
+            refused: 0,
+            lane_deficits: vec![0; usize::from(cp)],
+            bad_owners: 0,
+        }
+    }
+
+    /// Decodes the words of a kernel's status array (`cp + 2` of them, so at least 2);
+    /// `None` for fewer than 2.
+    pub fn from_words(words: &[u32]) -> Option<SelectStatus> {
+        let (&refused, rest) = words.split_first()?;
+        let (&bad_owners, lanes) = rest.split_last()?;
+        Some(SelectStatus {
+            refused,
+            lane_deficits: lanes.to_vec(),
+            bad_owners,
+        })
+    }
+
+    /// The words as the kernel lays them out.
+    pub fn to_words(&self) -> Vec<u32> {
+        let mut w = Vec::with_capacity(self.lane_deficits.len() + 2);
+        w.push(self.refused);
+        w.extend_from_slice(&self.lane_deficits);
+        w.push(self.bad_owners);
+        w
+    }
+
+    /// Whether no launch was refused (every word zero).
+    pub fn is_clear(&self) -> bool {
+        self.refused == 0 && self.bad_owners == 0 && self.lane_deficits.iter().all(|&d| d == 0)
+    }
+
+    /// `(lane, pages it lacked)` for every lane that came up short.
+    pub fn short_lanes(&self) -> Vec<(u8, u32)> {
+        self.lane_deficits
+            .iter()
+            .enumerate()
+            .filter(|&(_, &d)| d > 0)
+            .map(|(o, &d)| (o as u8, d))
+            .collect()
+    }
+}
+
+impl fmt::Display for SelectStatus {
+    /// `2 select launches refused: lane 0 short by 3 pages, lane 2 short by 1 page, 1 owner
+    /// out of range`, or `no select launch refused`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.is_clear() {
+            return f.write_str("no select launch refused");
+        }
+        let plural =
+            |n: u32, one: &'static str, many: &'static str| if n == 1 { one } else { many };
+        write!(
+            f,
+            "{} select {} refused",
+            self.refused,
+            plural(self.refused, "launch", "launches")
+        )?;
+        let mut what: Vec<String> = self
+            .short_lanes()
+            .into_iter()
+            .map(|(o, d)| format!("lane {o} short by {d} {}", plural(d, "page", "pages")))
+            .collect();
+        if self.bad_owners > 0 {
+            what.push(format!(
+                "{} {} out of range",
+                self.bad_owners,
+                plural(self.bad_owners, "owner", "owners")
+            ));
+        }
+        if !what.is_empty() {
+            write!(f, ": {}", what.join(", "))?;
+        }
+        Ok(())
+    }
+}
+
 /// Lane release: one block of `threads` (a multiple of 32) pushes pages back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ReleaseSpec {
@@ -834,6 +950,7 @@ impl KernelSpec {
                     8,
                     R::of(8 * u64::from(s.page_size)).times("n"),
                 ),
+                P::ptr("u32*", "status", 4, R::of(4 * s.status_words() as u64)),
             ],
             KernelSpec::ReleasePages(s) => vec![
                 P::ptr("const u32*", "pages", 4, R::of(4).times("n")),
@@ -1296,7 +1413,7 @@ mod tests {
         assert_eq!(
             render_params(&select.params()),
             "    const u8* owners, u32 n, const u32* lane_stacks, u32* lane_tops, u32 lane_cap,\n    \
-             u32* out_pages, i64* out_locs)"
+             u32* out_pages, i64* out_locs, u32* status)"
         );
         let release = KernelSpec::ReleasePages(ReleaseSpec { cp: 8, threads: 32 });
         assert_eq!(
@@ -1352,6 +1469,37 @@ mod tests {
         assert_eq!(
             (tops.to_string(), tops.bytes(|_| None)),
             ("32".into(), Ok(32))
+        );
+        // CP 8: the refusal count, 8 lane deficits, the bad-owner count.
+        let status = reach(&select_spec_for_tests(), "status");
+        assert_eq!(
+            (status.to_string(), status.bytes(|_| None)),
+            ("40".into(), Ok(40))
+        );
+    }
+
+    #[test]
+    fn select_status_words_round_trip_and_name_the_short_lanes() {
+        assert_eq!(SelectStatus::words(8), 10);
+        let clear = SelectStatus::clear(3);
+        assert!(clear.is_clear());
+        assert_eq!(clear.to_words(), [0, 0, 0, 0, 0]);
+        assert_eq!(clear.to_string(), "no select launch refused");
+        let s = SelectStatus::from_words(&[2, 3, 0, 1, 1]).unwrap();
+        assert_eq!(s.lane_deficits, [3, 0, 1]);
+        assert_eq!((s.refused, s.bad_owners), (2, 1));
+        assert!(!s.is_clear());
+        assert_eq!(s.short_lanes(), [(0, 3), (2, 1)]);
+        assert_eq!(s.to_words(), [2, 3, 0, 1, 1]);
+        assert_eq!(
+            s.to_string(),
+            "2 select launches refused: lane 0 short by 3 pages, lane 2 short by 1 page, \
+             1 owner out of range"
+        );
+        assert!(SelectStatus::from_words(&[1]).is_none());
+        assert_eq!(
+            SelectStatus::from_words(&[1, 0]).unwrap().to_string(),
+            "1 select launch refused"
         );
     }
 

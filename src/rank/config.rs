@@ -238,9 +238,11 @@ pub enum ClusterError {
         /// Why.
         source: crate::exec::ExecError,
     },
-    /// A transfer named a page outside its pool, or unequal page lists. A bug (the pools
-    /// hand out only their own pages), refused before anything moves: the kernel and the
-    /// DMA path would skip such a pair silently and leave the page's old bytes.
+    /// A transfer named a page outside its pool, had unequal page lists, or named one
+    /// destination page in two pairs. A bug (the pools hand out only their own pages, each
+    /// once), refused before anything moves: the kernel and the DMA path would skip a pair
+    /// outside its pool silently and leave the page's old bytes, and on a GPU two pairs
+    /// writing one page interleave their sources.
     #[error("rank {rank}: {what}")]
     BadTransfer {
         /// The rank whose pools the transfer is between.

@@ -822,10 +822,16 @@ impl RankCache {
                 .host()
                 .ok_or(TreeError::NotBackedUp { node: id })?;
             for (i, host_page) in meta.owned_pages() {
+                let slot = self.layout.local(run[at + i]).0;
                 // Under the injected fault the owner may be another rank: the bytes land in
-                // a slot nobody reads, which is exactly the seed's bug.
+                // a slot nobody reads, which is exactly the seed's bug. Two such pages can
+                // share this rank's slot; only the first writes it, since a transfer takes
+                // each destination page once (on a GPU two would mix their bytes).
+                if plain && dst.contains(&slot) {
+                    continue;
+                }
                 src.push(host_page.0);
-                dst.push(self.layout.local(run[at + i]).0);
+                dst.push(slot);
             }
             let n = self.tree.node(id)?.num_pages(self.layout.page_size());
             let slice = run[at..at + n].to_vec();
@@ -1327,8 +1333,9 @@ impl RankCache {
     }
 }
 
-/// Refuses a transfer whose page lists differ in length or name a page outside its pool
-/// (`pools`' device pages per rank, host pages).
+/// Refuses a transfer whose page lists differ in length, name a page outside its pool
+/// (`pools`' device pages per rank, host pages), or name one destination page twice (on a GPU
+/// the two copies would interleave: `kernels::check_distinct_destinations`).
 pub(crate) fn check_transfer_pages(
     dir: Direction,
     rank: usize,
@@ -1351,6 +1358,9 @@ pub(crate) fn check_transfer_pages(
                 "{dir} transfer names {pool} page {p}, outside the {pool} pool of {cap} pages"
             ));
         }
+    }
+    if let Err(e) = crate::kernels::check_distinct_destinations(dst) {
+        return bad(format!("{dir} transfer: {e}"));
     }
     Ok(())
 }
@@ -1387,6 +1397,18 @@ mod tests {
                 &[0],
                 "h2d transfer of 2 source pages to 1 destination pages",
             ),
+            (
+                d2h,
+                &[0, 1, 2],
+                &[3, 5, 3],
+                "d2h transfer: pairs 0 and 2 both write destination page 3",
+            ),
+            (
+                h2d,
+                &[4, 9],
+                &[7, 7],
+                "pairs 0 and 1 both write destination page 7",
+            ),
         ] {
             let err = ok(dir, src, dst).unwrap_err();
             let shown = err.to_string();
@@ -1394,6 +1416,57 @@ mod tests {
                 shown.starts_with("rank 1: ") && shown.contains(want),
                 "{shown}"
             );
+        }
+    }
+
+    /// A one-rank cache on a fresh host executor (the integration tests' JIT cache, so the
+    /// kernels are usually compiled already).
+    fn one_rank(path: TransferPath) -> RankCache {
+        let jit = Jit::new(crate::jit::JitConfig::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/target/tmp/jit-cache"
+        )));
+        let mut deployment =
+            crate::kernels::Deployment::new(crate::kernels::ModelShape::MlaBf16, 16, 1).unwrap();
+        deployment.transfer_path = path;
+        let config = ClusterConfig {
+            deployment,
+            layers: 1,
+            device_pages: 9,
+            host_pages: 4,
+            policy: WritePolicy::WriteThrough,
+            fault: None,
+            sanitize: crate::jit::Sanitize::None,
+        };
+        let exec = Arc::new(crate::exec::HostExecutor::new(
+            crate::exec::HostOptions::default(),
+        ));
+        let member = crate::group::LocalGroup::members(1, std::time::Duration::from_secs(60))
+            .pop()
+            .unwrap();
+        RankCache::new(config, exec, &jit, Box::new(member), PeerAccess::Mapped).unwrap()
+    }
+
+    /// Two pairs with one destination page are refused before anything is uploaded,
+    /// launched or copied, on the kernel path and on the DMA path.
+    #[test]
+    fn a_transfer_naming_one_destination_twice_moves_nothing() {
+        for path in [TransferPath::Kernel, TransferPath::Dma] {
+            let mut r = one_rank(path);
+            let before = r.exec.counters();
+            let err = r
+                .transfer(Direction::HostToDevice, &[0, 1], &[2, 2])
+                .unwrap_err();
+            assert!(
+                matches!(&err, ClusterError::BadTransfer { rank: 0, what }
+                    if what.contains("pairs 0 and 1 both write destination page 2")),
+                "{path}: {err}"
+            );
+            let d = r.exec.counters().since(&before);
+            assert_eq!((d.uploads, d.launches, d.copies), (0, 0, 0), "{path}");
+            // Distinct pages move.
+            r.transfer(Direction::HostToDevice, &[0, 1], &[2, 3])
+                .unwrap();
         }
     }
 

@@ -257,25 +257,39 @@ pub(super) fn check_one(
                 alloc_check_requests(s.threads),
                 seed,
             )?;
-            b.reset_for_select()?;
-            b.run_select(kernel, spec)?;
-            let mut got = read_all(exec, b.pages)?;
-            got.extend(read_all(exec, b.locs)?);
-            got.extend(read_all(exec, b.tops)?);
             let h = &b.host;
-            let mut tops = h.tops_full.clone();
-            let (pages, locs) = reference::select_owner_pages(
-                s.cp,
-                s.page_size,
-                &h.owners,
-                &h.stacks,
-                &mut tops,
-                h.lane_cap,
-            )
-            .map_err(reference_err("select_owner_pages"))?;
-            let mut want = u32_bytes(&pages);
-            want.extend(locs.iter().flat_map(|l| l.to_le_bytes()));
-            want.extend(u32_bytes(&tops));
+            // Granted (full lanes), then refused: the first request's lane holds one page
+            // less than asked of it, so the kernel must change no top, hand out page 0 for
+            // every request and record the deficit in its status words.
+            let first = h.owners[0];
+            let demand = h.owners.iter().filter(|&&o| o == first).count() as u32;
+            let mut short = h.tops_full.clone();
+            short[usize::from(first)] = demand - 1;
+            let (mut got, mut want) = (Vec::new(), Vec::new());
+            for tops0 in [&h.tops_full, &short] {
+                b.reset_for_select()?;
+                exec.upload(b.tops, 0, &u32_bytes(tops0))?;
+                b.run_select(kernel, spec)?;
+                for buffer in [b.pages, b.locs, b.tops, b.status] {
+                    got.extend(read_all(exec, buffer)?);
+                }
+                let mut tops = tops0.clone();
+                let mut status = vec![0u32; s.status_words()];
+                let (pages, locs) = reference::select_owner_pages(
+                    s.cp,
+                    s.page_size,
+                    &h.owners,
+                    &h.stacks,
+                    &mut tops,
+                    h.lane_cap,
+                    &mut status,
+                )
+                .map_err(reference_err("select_owner_pages"))?;
+                want.extend(u32_bytes(&pages));
+                want.extend(locs.iter().flat_map(|l| l.to_le_bytes()));
+                want.extend(u32_bytes(&tops));
+                want.extend(u32_bytes(&status));
+            }
             Ok(compare(&got, &want))
         }
         KernelSpec::ReleasePages(s) => {

@@ -11,7 +11,10 @@ use crate::exec::{
     Backend, BufferId, CopyRegion, ExecError, Executor, KernelArg, KernelId, LaunchConfig, MemKind,
 };
 use crate::jit::{spec_request, Arch, Jit, JitRequest, Sanitize, Target};
-use crate::kernels::{transfer_regions, BufferKind, Direction, KernelSpec, PoolShape};
+use crate::kernels::{
+    check_distinct_destinations, transfer_regions, BufferKind, Direction, KernelSpec, PoolShape,
+    SelectStatus, TransferSpec,
+};
 
 /// Workload sizes of one measurement.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -330,51 +333,18 @@ impl<'e> CopyBench<'e> {
         let slack = n / 4 + 1;
         match spec {
             KernelSpec::TransferPages(s) => {
-                let page_bytes = s.page_bytes();
-                let device_pages = n + slack;
-                let host_pages = n + slack;
-                let dev_bytes = u64::from(layers) * u64::from(device_pages) * page_bytes;
-                let host_bytes = u64::from(layers) * u64::from(host_pages) * page_bytes;
-                let dev = mem.alloc(MemKind::Device, dev_bytes, 0xA5)?;
-                let host = mem.alloc(MemKind::Host, host_bytes, 0xA5)?;
-                let dev_ids = rng.sample(device_pages, n);
-                let host_ids = rng.sample(host_pages, n);
-                let (src, dst, sp, dp) = match s.direction {
-                    Direction::DeviceToHost => (dev, host, dev_ids, host_ids),
-                    Direction::HostToDevice => (host, dev, host_ids, dev_ids),
-                };
-                let src_pages = mem.alloc(MemKind::Device, 4 * u64::from(n), 0)?;
-                let dst_pages = mem.alloc(MemKind::Device, 4 * u64::from(n), 0)?;
-                exec.upload(src_pages, 0, &u32_bytes(&sp))?;
-                exec.upload(dst_pages, 0, &u32_bytes(&dp))?;
                 let pools = PoolShape {
                     layers,
-                    device_pages,
-                    host_pages,
+                    device_pages: n + slack,
+                    host_pages: n + slack,
                 };
-                let regions = transfer_regions(s, &sp, &dp, pools);
-                Ok((
-                    CopyBench {
-                        mem,
-                        kind: CopyKind::Transfer {
-                            src,
-                            dst,
-                            src_pages,
-                            dst_pages,
-                            regions,
-                            direction: s.direction,
-                        },
-                        n,
-                        layers,
-                        page_bytes,
-                        device_pages,
-                        host_pages,
-                    },
-                    CopyPages {
-                        first: sp,
-                        second: dp,
-                    },
-                ))
+                let dev_ids = rng.sample(pools.device_pages, n);
+                let host_ids = rng.sample(pools.host_pages, n);
+                let (sp, dp) = match s.direction {
+                    Direction::DeviceToHost => (dev_ids, host_ids),
+                    Direction::HostToDevice => (host_ids, dev_ids),
+                };
+                CopyBench::transfer(exec, s, pools, sp, dp)
             }
             KernelSpec::Materialise(s) => {
                 let page_bytes = s.page_bytes();
@@ -423,6 +393,79 @@ impl<'e> CopyBench<'e> {
                 message: format!("{} is not a page-copy kernel", other.uri()),
             }),
         }
+    }
+
+    /// A transfer of `src_pages[i]` → `dst_pages[i]` between pools of `pools`' sizes (poisoned
+    /// with `0xA5`), with the page ids uploaded. Pairs that name one destination page twice are
+    /// refused before anything is allocated ([`TuningError::Transfer`]), as the cluster refuses
+    /// them: the kernel's result would not be defined on a GPU.
+    pub fn transfer(
+        exec: &'e dyn Executor,
+        s: &TransferSpec,
+        pools: PoolShape,
+        src_pages: Vec<u32>,
+        dst_pages: Vec<u32>,
+    ) -> Result<(CopyBench<'e>, CopyPages), TuningError> {
+        check_distinct_destinations(&dst_pages)?;
+        let n = match u32::try_from(src_pages.len()) {
+            Ok(n) if src_pages.len() == dst_pages.len() => n,
+            _ => {
+                return Err(TuningError::Reference {
+                    what: "transfer workload",
+                    message: format!(
+                        "{} source pages for {} destination pages (one each, at most 2^32 - 1 \
+                         pairs)",
+                        src_pages.len(),
+                        dst_pages.len()
+                    ),
+                })
+            }
+        };
+        let mut mem = Owned {
+            exec,
+            ids: Vec::new(),
+        };
+        let PoolShape {
+            layers,
+            device_pages,
+            host_pages,
+        } = pools;
+        let page_bytes = s.page_bytes();
+        let dev_bytes = u64::from(layers) * u64::from(device_pages) * page_bytes;
+        let host_bytes = u64::from(layers) * u64::from(host_pages) * page_bytes;
+        let dev = mem.alloc(MemKind::Device, dev_bytes, 0xA5)?;
+        let host = mem.alloc(MemKind::Host, host_bytes, 0xA5)?;
+        let (src, dst) = match s.direction {
+            Direction::DeviceToHost => (dev, host),
+            Direction::HostToDevice => (host, dev),
+        };
+        let src_buf = mem.alloc(MemKind::Device, 4 * u64::from(n), 0)?;
+        let dst_buf = mem.alloc(MemKind::Device, 4 * u64::from(n), 0)?;
+        exec.upload(src_buf, 0, &u32_bytes(&src_pages))?;
+        exec.upload(dst_buf, 0, &u32_bytes(&dst_pages))?;
+        let regions = transfer_regions(s, &src_pages, &dst_pages, pools);
+        Ok((
+            CopyBench {
+                mem,
+                kind: CopyKind::Transfer {
+                    src,
+                    dst,
+                    src_pages: src_buf,
+                    dst_pages: dst_buf,
+                    regions,
+                    direction: s.direction,
+                },
+                n,
+                layers,
+                page_bytes,
+                device_pages,
+                host_pages,
+            },
+            CopyPages {
+                first: src_pages,
+                second: dst_pages,
+            },
+        ))
     }
 
     /// Bytes one launch moves (read once, written once).
@@ -542,6 +585,8 @@ pub struct AllocBench<'e> {
     pub pages: BufferId,
     /// `i64[n * page_size]`.
     pub locs: BufferId,
+    /// `u32[CP + 2]`, the select kernel's status words (zero before every select).
+    pub status: BufferId,
     /// Host copies for the references.
     pub host: AllocInputs,
 }
@@ -596,6 +641,7 @@ impl<'e> AllocBench<'e> {
         }
         let tops_full = vec![lane_cap; c as usize];
         let mut tops_after = tops_full.clone();
+        let mut status = vec![0u32; SelectStatus::words(cp)];
         let (selected, _) = crate::kernels::reference::select_owner_pages(
             cp,
             page_size,
@@ -603,6 +649,7 @@ impl<'e> AllocBench<'e> {
             &stacks,
             &mut tops_after,
             lane_cap,
+            &mut status,
         )
         .map_err(|e| TuningError::Reference {
             what: "select_owner_pages",
@@ -617,6 +664,7 @@ impl<'e> AllocBench<'e> {
             8 * u64::from(n) * u64::from(page_size),
             0xA5,
         )?;
+        let status = mem.alloc(MemKind::Device, 4 * SelectStatus::words(cp) as u64, 0)?;
         exec.upload(owners_buf, 0, &owners)?;
         exec.upload(stacks_buf, 0, &u32_bytes(&stacks))?;
         Ok(AllocBench {
@@ -629,6 +677,7 @@ impl<'e> AllocBench<'e> {
             tops,
             pages,
             locs,
+            status,
             host: AllocInputs {
                 owners,
                 stacks,
@@ -665,6 +714,7 @@ impl<'e> AllocBench<'e> {
                 KernelArg::U32(self.lane_cap),
                 KernelArg::Ptr(self.pages, 0),
                 KernelArg::Ptr(self.locs, 0),
+                KernelArg::Ptr(self.status, 0),
             ],
         )
     }
@@ -686,11 +736,12 @@ impl<'e> AllocBench<'e> {
         )
     }
 
-    /// Restores the state select starts from (fresh stacks, full tops).
+    /// Restores the state select starts from (fresh stacks, full tops, a clear status).
     pub fn reset_for_select(&self) -> Result<(), ExecError> {
         let exec = self.mem.exec;
         exec.upload(self.stacks, 0, &u32_bytes(&self.host.stacks))?;
-        exec.upload(self.tops, 0, &u32_bytes(&self.host.tops_full))
+        exec.upload(self.tops, 0, &u32_bytes(&self.host.tops_full))?;
+        exec.upload(self.status, 0, &vec![0u8; 4 * SelectStatus::words(self.cp)])
     }
 
     /// Restores the state release starts from (tops after select, selected pages).
@@ -742,6 +793,7 @@ impl<'e> AllocBench<'e> {
         };
         let mut stacks = h.stacks.clone();
         let mut tops = h.tops_full.clone();
+        let mut status = vec![0u32; SelectStatus::words(self.cp)];
         let reference = |e: crate::kernels::reference::ReferenceError| TuningError::Reference {
             what: "allocator",
             message: e.to_string(),
@@ -755,7 +807,13 @@ impl<'e> AllocBench<'e> {
                     // Resetting CP tops is negligible next to the selection itself.
                     tops.copy_from_slice(&h.tops_full);
                     let out = crate::kernels::reference::select_owner_pages(
-                        self.cp, page_size, &h.owners, &h.stacks, &mut tops, h.lane_cap,
+                        self.cp,
+                        page_size,
+                        &h.owners,
+                        &h.stacks,
+                        &mut tops,
+                        h.lane_cap,
+                        &mut status,
                     )
                     .map_err(reference)?;
                     std::hint::black_box(out);
@@ -954,5 +1012,57 @@ mod tests {
         );
         assert_eq!(Timing::of(vec![3.0, 1.0, 2.0]).median, 2.0);
         assert_eq!(Timing::of(vec![5.0]).median, 5.0);
+    }
+
+    /// The harness refuses transfer pairs with one destination page twice before it
+    /// allocates anything, so neither the kernel nor the DMA path of `tune`, `bench` or
+    /// `bench --check` can launch them.
+    #[test]
+    fn a_transfer_workload_with_one_destination_twice_is_refused() {
+        use crate::exec::{HostExecutor, HostOptions};
+        use crate::kernels::{CopyLaunch, HostLayout};
+        let exec = HostExecutor::new(HostOptions::default());
+        let spec = TransferSpec {
+            direction: Direction::HostToDevice,
+            layout: HostLayout::PageFirst,
+            page_size: 4,
+            bytes_per_token: 8,
+            launch: CopyLaunch::default(),
+        };
+        let pools = PoolShape {
+            layers: 2,
+            device_pages: 8,
+            host_pages: 8,
+        };
+        let before = exec.counters();
+        let err = CopyBench::transfer(&exec, &spec, pools, vec![0, 1, 2], vec![5, 3, 5])
+            .err()
+            .expect("refused");
+        assert!(
+            matches!(
+                err,
+                TuningError::Transfer(crate::kernels::DuplicateDestination {
+                    page: 5,
+                    first: 0,
+                    second: 2
+                })
+            ),
+            "{err}"
+        );
+        assert_eq!(exec.counters().since(&before).allocs, 0);
+        let err = CopyBench::transfer(&exec, &spec, pools, vec![0, 1], vec![5])
+            .err()
+            .expect("refused");
+        assert!(
+            err.to_string()
+                .contains("2 source pages for 1 destination pages"),
+            "{err}"
+        );
+        assert_eq!(exec.counters().since(&before).allocs, 0);
+        // Distinct destinations build the workload, and both paths run.
+        let (b, pages) =
+            CopyBench::transfer(&exec, &spec, pools, vec![0, 1, 2], vec![5, 3, 4]).unwrap();
+        assert_eq!(pages.second, [5, 3, 4]);
+        b.copy_dma().unwrap();
     }
 }

@@ -105,6 +105,10 @@ pub enum TuningError {
         /// Its message.
         message: String,
     },
+    /// A transfer workload whose pairs name one destination page twice, refused before
+    /// anything is allocated or launched (docs/KERNELS.md "transfer_pages").
+    #[error("transfer workload: {0}")]
+    Transfer(#[from] crate::kernels::DuplicateDestination),
     /// A kernel's output differs from the reference (`bench --check`).
     #[error("{kernel}: output differs from the reference: {detail}")]
     Mismatch {
