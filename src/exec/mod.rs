@@ -295,6 +295,10 @@ pub struct BufferId(pub u64);
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct KernelId(pub u64);
 
+/// A point in one executor's stream ([`Executor::record_event`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EventId(pub u64);
+
 /// A compiled kernel, as produced by the JIT for one backend.
 ///
 /// `signature` is the kernel's launch contract when it was rendered from a spec
@@ -937,6 +941,29 @@ pub trait Executor: Send + Sync {
     /// (kernel handle, signature, arguments) consumes it: an invalid launch reports its own
     /// error and leaves the failure armed.
     fn inject_launch_failure(&self);
+
+    /// Marks the end of what this executor has enqueued so far: work enqueued after a
+    /// [`Executor::wait_event`] on the event runs after all of it. A layer-wise load records
+    /// one per layer, so attention on layer `l` waits for that layer's copies only. The
+    /// default, for executors that run work as it is enqueued (the host executor), is an
+    /// event that has already happened.
+    fn record_event(&self) -> Result<EventId, ExecError> {
+        Ok(EventId(0))
+    }
+
+    /// Makes work enqueued from now on wait for `event`: a wait on the device side
+    /// (`cuStreamWaitEvent`), not a host synchronisation, so it is not counted as one and
+    /// may be used on the load path. An event of another executor, or one released, is
+    /// refused.
+    fn wait_event(&self, event: EventId) -> Result<(), ExecError> {
+        let _ = event;
+        Ok(())
+    }
+
+    /// Releases an event once nothing will wait for it any more.
+    fn release_event(&self, event: EventId) {
+        let _ = event;
+    }
 
     /// Cancels a failure armed by [`Executor::inject_launch_failure`] that no launch has
     /// consumed yet; returns whether one was armed. Executors that arm failures override

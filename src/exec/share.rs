@@ -9,8 +9,8 @@
 //! executors already serialise their calls, so this costs no parallelism).
 
 use super::{
-    Backend, BufferId, CopyRegion, Counters, ExecError, Executor, KernelArg, KernelArtifact,
-    KernelId, LaunchConfig, MemKind,
+    Backend, BufferId, CopyRegion, Counters, EventId, ExecError, Executor, KernelArg,
+    KernelArtifact, KernelId, LaunchConfig, MemKind,
 };
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -136,6 +136,15 @@ impl Executor for RankView {
     }
     fn counters(&self) -> Counters {
         *self.mine.lock().unwrap_or_else(|p| p.into_inner())
+    }
+    fn record_event(&self) -> Result<EventId, ExecError> {
+        self.counted(|e| e.record_event())
+    }
+    fn wait_event(&self, event: EventId) -> Result<(), ExecError> {
+        self.counted(|e| e.wait_event(event))
+    }
+    fn release_event(&self, event: EventId) {
+        self.counted(|e| e.release_event(event))
     }
     fn inject_launch_failure(&self) {
         let _gate = Self::lock(&self.gate);

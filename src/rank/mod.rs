@@ -45,7 +45,7 @@ pub use stats::{RequestStats, RollbackDrops};
 
 use crate::allocator::kernel::{KernelAllocOptions, KernelLaneAllocator};
 use crate::allocator::{AllocError, OwnerLaneAllocator, StateDigest};
-use crate::exec::{Executor, KernelArg};
+use crate::exec::{EventId, Executor, KernelArg};
 use crate::group::Collective;
 use crate::hicache::host_pool::HostPagePool;
 use crate::hicache::tree::{Evicted, MatchResult, NodeId, RadixTree, TreeError};
@@ -110,6 +110,53 @@ pub struct Verdict {
     pub all: Mismatches,
     /// Per rank, in rank order.
     pub by_rank: Vec<u64>,
+}
+
+/// A load-back in flight (step 2 of [`RankCache::serve`]): one executor event per layer, recorded
+/// once that layer's copies are enqueued, so the work that reads layer `l` (attention, or
+/// here materialisation) waits for layer `l` only, while later layers still load, as
+/// SGLang's `layer_transfer_counter` lets a layer's forward wait for its KV. Waiting is a
+/// device-side wait (no host synchronisation): the load path still reads nothing back.
+/// Events are released when the handle is dropped.
+pub struct LoadHandle {
+    exec: Arc<dyn Executor>,
+    layers: Vec<EventId>,
+}
+
+impl LoadHandle {
+    /// Layers the load covers.
+    pub fn layers(&self) -> u32 {
+        self.layers.len() as u32
+    }
+
+    /// Makes work enqueued from now on wait until layer `layer` has loaded. A layer outside
+    /// the load is an error.
+    pub fn wait_layer(&self, layer: u32) -> Result<(), crate::exec::ExecError> {
+        let event =
+            *self
+                .layers
+                .get(layer as usize)
+                .ok_or_else(|| crate::exec::ExecError::Config {
+                    name: "layer",
+                    value: layer.to_string(),
+                    reason: format!("the load covers {} layers", self.layers.len()),
+                })?;
+        self.exec.wait_event(event)
+    }
+
+    /// Makes work enqueued from now on wait until every layer has loaded.
+    pub fn wait_all(&self) -> Result<(), crate::exec::ExecError> {
+        (0..self.layers()).try_for_each(|l| self.wait_layer(l))
+    }
+}
+
+impl Drop for LoadHandle {
+    fn drop(&mut self) {
+        let distinct: BTreeSet<EventId> = self.layers.iter().copied().collect();
+        for e in distinct {
+            self.exec.release_event(e);
+        }
+    }
 }
 
 /// One CP rank's cache. See the module documentation.
@@ -704,7 +751,8 @@ impl RankCache {
             );
         }
 
-        // 2. Load back host-only nodes, owners preserved.
+        // 2. Load back host-only nodes, owners preserved, layer by layer.
+        let mut load = None;
         if let Some(&last) = m.host_nodes.last() {
             // Lock the host-only nodes too: evictions on the load path (and write-back
             // backups, which may evict host LRU) must not remove the nodes being loaded.
@@ -716,12 +764,13 @@ impl RankCache {
             // count too.
             stats.load_path_syncs += c.stalls();
             match loaded {
-                Some(run) => {
+                Some((run, handle)) => {
                     stats.host_hit_tokens = (run.len() * ps) as u64;
                     stats.pages_loaded += run.len() as u64;
                     pages.extend(run);
                     self.unlock(locked)?;
                     locked = last;
+                    load = Some(handle);
                 }
                 None => {
                     self.unlock(last)?;
@@ -739,7 +788,8 @@ impl RankCache {
 
         // 4-5. Synthesise the computed pages this rank owns, materialise everything from the
         // owners' pools, verify against the synthesised KV.
-        let bad = self.compute_and_verify(tokens, &pages, cached, n)?;
+        let bad = self.compute_and_verify(tokens, &pages, cached, n, load.as_ref())?;
+        drop(load);
         stats.mismatched_tokens = bad.all.count;
         stats.first_mismatched_token = bad.all.first;
         self.last_verdict = bad;
@@ -789,7 +839,7 @@ impl RankCache {
         &mut self,
         nodes: &[NodeId],
         stats: &mut RequestStats,
-    ) -> Result<Option<Vec<PageId>>, ClusterError> {
+    ) -> Result<Option<(Vec<PageId>, LoadHandle)>, ClusterError> {
         let metas: Vec<&NodeMetadata> = nodes
             .iter()
             .map(|&id| {
@@ -842,8 +892,19 @@ impl RankCache {
             }
             at += n;
         }
-        stats.bytes_h2d += self.transfer(Direction::HostToDevice, &src, &dst)?;
-        Ok(Some(run))
+        // Layer by layer, each followed by its event, so a layer's reader waits for that
+        // layer only.
+        let layers = self.pools.geometry().layers;
+        let mut handle = LoadHandle {
+            exec: self.exec.clone(),
+            layers: Vec::with_capacity(layers as usize),
+        };
+        // Until the transfer kernels take a layer range, one launch moves every layer, and
+        // every layer's event is the one after it.
+        stats.bytes_h2d += self.transfer(Direction::HostToDevice, &src, &dst, 0..layers)?;
+        let event = self.exec.record_event()?;
+        handle.layers.resize(layers as usize, event);
+        Ok(Some((run, handle)))
     }
 
     /// Backs a device node up on every rank, or on none: host pages for each rank's owned
@@ -914,7 +975,12 @@ impl RankCache {
             .zip(&host_pages)
             .map(|((_, &p), h)| (self.layout.local(p).0, h.0))
             .unzip();
-        stats.bytes_d2h += self.transfer(Direction::DeviceToHost, &src, &dst)?;
+        stats.bytes_d2h += self.transfer(
+            Direction::DeviceToHost,
+            &src,
+            &dst,
+            0..self.pools.geometry().layers,
+        )?;
         let meta = NodeMetadata::new(&self.layout, self.rank, owners, host_pages)?;
         self.tree.set_host(node, meta)?;
         stats.pages_written += pages.len() as u64;
@@ -1111,11 +1177,26 @@ impl RankCache {
 
     /// Copies this rank's page pairs for every buffer kind, with the transfer kernel or by
     /// DMA as the deployment says; returns bytes moved.
-    fn transfer(&mut self, dir: Direction, src: &[u32], dst: &[u32]) -> Result<u64, ClusterError> {
+    fn transfer(
+        &mut self,
+        dir: Direction,
+        src: &[u32],
+        dst: &[u32],
+        layers: std::ops::Range<u32>,
+    ) -> Result<u64, ClusterError> {
         if src.is_empty() {
             return Ok(0);
         }
         let g = self.pools.geometry();
+        if layers != (0..g.layers) {
+            return Err(ClusterError::BadTransfer {
+                rank: usize::from(self.rank.0),
+                what: format!(
+                    "a transfer of layers {layers:?} of {}: only whole transfers move yet",
+                    g.layers
+                ),
+            });
+        }
         let pools = PoolShape {
             layers: g.layers,
             device_pages: g.local_pages,
@@ -1214,6 +1295,7 @@ impl RankCache {
         pages: &[PageId],
         start: usize,
         n: usize,
+        load: Option<&LoadHandle>,
     ) -> Result<Verdict, ClusterError> {
         let g = self.pools.geometry();
         let hashes = reference::prefix_hashes(tokens);
@@ -1241,16 +1323,17 @@ impl RankCache {
                 )?;
             }
         }
-        if self.peer_access == PeerAccess::Mapped {
-            // Peers read this rank's pool through their own executors: what it enqueued must
-            // have run before they do.
+        if self.peer_access == PeerAccess::Mapped && self.group.size() > 1 {
+            // Peers read this rank's pool through their own executors, which do not wait on
+            // this one's events: what it enqueued (its loads included) must have run before
+            // they do.
             self.exec.synchronize()?;
         }
         // Every rank's loaded and computed pages are in its pool before any peer reads them.
         self.group.barrier(&format!("request {n} written"))?;
         let words = tokens.len().div_ceil(32);
         let mine = if self.verifies {
-            self.materialise_and_verify(tokens, (hash_buf, page_buf), words)?
+            self.materialise_and_verify(tokens, (hash_buf, page_buf), words, load)?
         } else {
             vec![0u8; 4 * words]
         };
@@ -1273,13 +1356,15 @@ impl RankCache {
         })
     }
 
-    /// Materialises the sequence from every owner's pool through this rank's views and
-    /// verifies it; returns this rank's mismatch bitmap.
+    /// Materialises the sequence from every owner's pool through this rank's views, layer
+    /// by layer, each after waiting for that layer of this request's load-back (the way
+    /// attention would), and verifies it; returns this rank's mismatch bitmap.
     fn materialise_and_verify(
         &mut self,
         tokens: &[u32],
         (hash_buf, page_buf): (crate::exec::BufferId, crate::exec::BufferId),
         words: usize,
+        load: Option<&LoadHandle>,
     ) -> Result<Vec<u8>, ClusterError> {
         let g = self.pools.geometry();
         let n_tokens = tokens.len() as u32;
@@ -1288,20 +1373,35 @@ impl RankCache {
         let mut captured = Vec::new();
         for &b in self.config.deployment.model.buffers() {
             let dense = self.pools.dense(b, n_pages, self.repoison)?;
-            let pool_ptrs: Vec<_> = self.pools.views(b).iter().map(|&id| (id, 0u64)).collect();
             let mat = self.kernels.materialise(b);
-            self.exec.launch(
-                mat.id,
-                &mat.launch(n_pages, g.layers),
-                &[
-                    KernelArg::PtrStruct(&pool_ptrs),
-                    KernelArg::Ptr(page_buf, 0),
-                    KernelArg::U32(n_pages),
-                    KernelArg::U32(g.layers),
-                    KernelArg::U32(g.local_pages),
-                    KernelArg::Ptr(dense, 0),
-                ],
-            )?;
+            // Pools and the dense buffer are layer-major, so one layer is a one-layer launch
+            // at that layer's offset in each.
+            let page_bytes = b.page_bytes(self.layout.page_size());
+            for layer in 0..g.layers {
+                if let Some(load) = load {
+                    load.wait_layer(layer)?;
+                }
+                let pool_off = u64::from(layer) * u64::from(g.local_pages) * page_bytes;
+                let dense_off = u64::from(layer) * u64::from(n_pages) * page_bytes;
+                let pool_ptrs: Vec<_> = self
+                    .pools
+                    .views(b)
+                    .iter()
+                    .map(|&id| (id, pool_off))
+                    .collect();
+                self.exec.launch(
+                    mat.id,
+                    &mat.launch(n_pages, 1),
+                    &[
+                        KernelArg::PtrStruct(&pool_ptrs),
+                        KernelArg::Ptr(page_buf, 0),
+                        KernelArg::U32(n_pages),
+                        KernelArg::U32(1),
+                        KernelArg::U32(g.local_pages),
+                        KernelArg::Ptr(dense, dense_off),
+                    ],
+                )?;
+            }
             let ver = self.kernels.verify(b);
             self.exec.launch(
                 ver.id,
@@ -1455,7 +1555,7 @@ mod tests {
             let mut r = one_rank(path);
             let before = r.exec.counters();
             let err = r
-                .transfer(Direction::HostToDevice, &[0, 1], &[2, 2])
+                .transfer(Direction::HostToDevice, &[0, 1], &[2, 2], 0..1)
                 .unwrap_err();
             assert!(
                 matches!(&err, ClusterError::BadTransfer { rank: 0, what }
@@ -1465,7 +1565,7 @@ mod tests {
             let d = r.exec.counters().since(&before);
             assert_eq!((d.uploads, d.launches, d.copies), (0, 0, 0), "{path}");
             // Distinct pages move.
-            r.transfer(Direction::HostToDevice, &[0, 1], &[2, 3])
+            r.transfer(Direction::HostToDevice, &[0, 1], &[2, 3], 0..1)
                 .unwrap();
         }
     }

@@ -275,6 +275,13 @@ CUresult cuEventRecord(CUevent e, CUstream s) {
   return OK;
 }
 CUresult cuEventSynchronize(CUevent e) { return e ? flush() : INVALID_HANDLE; }
+// One in-order queue serves every stream, so work enqueued after the wait already runs after
+// the event; the wait only checks its arguments, as the driver does.
+CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned flags) {
+  if (need_ctx()) return INVALID_CONTEXT;
+  if (!e || (s && !s->alive) || flags != 0) return INVALID_HANDLE;
+  return OK;
+}
 // A query does not make the stream progress: like a GPU that is behind, an event stays
 // NOT_READY until something waits for the work before it.
 CUresult cuEventQuery(CUevent e) {

@@ -6,8 +6,8 @@
 
 use cp_hicache::cluster::{Cluster, ClusterConfig, Fault, RequestStats, WritePolicy};
 use cp_hicache::exec::{
-    Backend, BufferId, CopyRegion, Counters, ExecError, Executor, HostExecutor, HostOptions,
-    KernelArg, KernelArtifact, KernelId, LaunchConfig, MemKind,
+    Backend, BufferId, CopyRegion, Counters, EventId, ExecError, Executor, HostExecutor,
+    HostOptions, KernelArg, KernelArtifact, KernelId, LaunchConfig, MemKind,
 };
 use cp_hicache::jit::{Jit, JitConfig, Sanitize};
 use cp_hicache::kernels::{Deployment, ModelShape, TransferPath};
@@ -313,6 +313,15 @@ impl Executor for Spy {
     }
     fn peer_mapping(&self) -> Option<&'static str> {
         self.inner.peer_mapping()
+    }
+    fn record_event(&self) -> Result<EventId, ExecError> {
+        self.inner.record_event()
+    }
+    fn wait_event(&self, e: EventId) -> Result<(), ExecError> {
+        self.inner.wait_event(e)
+    }
+    fn release_event(&self, e: EventId) {
+        self.inner.release_event(e)
     }
     fn inject_launch_failure(&self) {
         self.inner.inject_launch_failure()

@@ -74,6 +74,22 @@ impl Gpu {
             .map_err(err("cuEventRecord"))
     }
 
+    /// An event without timing recorded at the current end of the executor's stream (a
+    /// layer of a load, for later work to wait on).
+    pub(crate) fn mark(&self) -> Result<cudarc::driver::CudaEvent, String> {
+        self.bind()?;
+        self.stream
+            .record_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+            .map_err(err("cuEventRecord"))
+    }
+
+    /// Makes work enqueued on the executor's stream from now on wait for `event`
+    /// (`cuStreamWaitEvent`: the device waits, the host does not).
+    pub(crate) fn wait_event(&self, event: &cudarc::driver::CudaEvent) -> Result<(), String> {
+        self.bind()?;
+        self.stream.wait(event).map_err(err("cuStreamWaitEvent"))
+    }
+
     /// Milliseconds between two recorded events, waiting for the second.
     pub(crate) fn elapsed_ms(
         start: &cudarc::driver::CudaEvent,

@@ -19,8 +19,8 @@ use std::sync::{Mutex, MutexGuard};
 use super::registry::Registry;
 use super::PendingLaunch;
 use super::{
-    check_range, check_regions, Backend, BufferId, CopyRegion, Counters, ExecError, Executor,
-    KernelArg, KernelArtifact, KernelId, LaunchConfig, LaunchFailure, MemKind,
+    check_range, check_regions, Backend, BufferId, CopyRegion, Counters, EventId, ExecError,
+    Executor, KernelArg, KernelArtifact, KernelId, LaunchConfig, LaunchFailure, MemKind,
 };
 use crate::kernels::KernelSignature;
 
@@ -61,6 +61,11 @@ pub struct CudaExecutor {
     state: Mutex<State>,
     /// Pinned memory uploads pass through; locked after `state`.
     staging: Mutex<driver::Staging>,
+    /// Events recorded for later waits ([`Executor::record_event`]), by id.
+    events: Mutex<(
+        u64,
+        std::collections::HashMap<u64, cudarc::driver::CudaEvent>,
+    )>,
     fail_next_launch: AtomicBool,
 }
 
@@ -105,6 +110,7 @@ impl CudaExecutor {
             gpu,
             state: Mutex::new(Registry::new()),
             staging: Mutex::new(driver::Staging::default()),
+            events: Mutex::new((0, std::collections::HashMap::new())),
             fail_next_launch: AtomicBool::new(false),
         })
     }
@@ -291,6 +297,29 @@ impl Executor for CudaExecutor {
 
     fn counters(&self) -> Counters {
         lock(&self.state).counters
+    }
+
+    fn record_event(&self) -> Result<EventId, ExecError> {
+        let event = self.gpu.mark().map_err(driver_err("record_event"))?;
+        let mut ev = self.events.lock().unwrap_or_else(|p| p.into_inner());
+        ev.0 += 1;
+        let id = ev.0;
+        ev.1.insert(id, event);
+        Ok(EventId(id))
+    }
+
+    fn wait_event(&self, event: EventId) -> Result<(), ExecError> {
+        let ev = self.events.lock().unwrap_or_else(|p| p.into_inner());
+        let e = ev.1.get(&event.0).ok_or(ExecError::Driver {
+            op: "wait_event",
+            message: format!("{event:?} is not an event of this executor (or was released)"),
+        })?;
+        self.gpu.wait_event(e).map_err(driver_err("wait_event"))
+    }
+
+    fn release_event(&self, event: EventId) {
+        let mut ev = self.events.lock().unwrap_or_else(|p| p.into_inner());
+        ev.1.remove(&event.0);
     }
 
     fn inject_launch_failure(&self) {
