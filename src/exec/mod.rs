@@ -694,6 +694,24 @@ impl Counters {
         self.reads + self.syncs + self.allocs + self.frees
     }
 
+    /// `self` and `other` added up (a caller's share of work counted in pieces).
+    pub fn plus(&self, other: &Counters) -> Counters {
+        Counters {
+            launches: self.launches + other.launches,
+            syncs: self.syncs + other.syncs,
+            reads: self.reads + other.reads,
+            bytes_read: self.bytes_read + other.bytes_read,
+            uploads: self.uploads + other.uploads,
+            bytes_uploaded: self.bytes_uploaded + other.bytes_uploaded,
+            allocs: self.allocs + other.allocs,
+            frees: self.frees + other.frees,
+            copies: self.copies + other.copies,
+            bytes_copied: self.bytes_copied + other.bytes_copied,
+            fills: self.fills + other.fills,
+            bytes_filled: self.bytes_filled + other.bytes_filled,
+        }
+    }
+
     /// Counts accumulated between `earlier` and `self`.
     pub fn since(&self, earlier: &Counters) -> Counters {
         Counters {

@@ -47,25 +47,8 @@ impl RankView {
         let out = op(self.inner.as_ref());
         let d = self.inner.counters().since(&before);
         let mut m = self.mine.lock().unwrap_or_else(|p| p.into_inner());
-        *m = add(*m, d);
+        *m = m.plus(&d);
         out
-    }
-}
-
-fn add(a: Counters, b: Counters) -> Counters {
-    Counters {
-        launches: a.launches + b.launches,
-        syncs: a.syncs + b.syncs,
-        reads: a.reads + b.reads,
-        bytes_read: a.bytes_read + b.bytes_read,
-        uploads: a.uploads + b.uploads,
-        bytes_uploaded: a.bytes_uploaded + b.bytes_uploaded,
-        allocs: a.allocs + b.allocs,
-        frees: a.frees + b.frees,
-        copies: a.copies + b.copies,
-        bytes_copied: a.bytes_copied + b.bytes_copied,
-        fills: a.fills + b.fills,
-        bytes_filled: a.bytes_filled + b.bytes_filled,
     }
 }
 
