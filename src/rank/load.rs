@@ -1,0 +1,130 @@
+//! Load-back: host-only nodes come back into pages with their recorded owners, layer by
+//! layer, with a handle that says when each layer is ready.
+
+use super::*;
+
+/// A load-back in flight (step 2 of [`RankCache::serve`]): one executor event per layer, recorded
+/// once that layer's copies are enqueued, so the work that reads layer `l` (attention, or
+/// here materialisation) waits for layer `l` only, while later layers still load, as
+/// SGLang's `layer_transfer_counter` lets a layer's forward wait for its KV. Waiting is a
+/// device-side wait (no host synchronisation): the load path still reads nothing back.
+/// Events are released when the handle is dropped.
+pub struct LoadHandle {
+    exec: Arc<dyn Executor>,
+    layers: Vec<EventId>,
+}
+
+impl LoadHandle {
+    /// Layers the load covers.
+    pub fn layers(&self) -> u32 {
+        self.layers.len() as u32
+    }
+
+    /// Makes work enqueued from now on wait until layer `layer` has loaded. A layer outside
+    /// the load is an error.
+    pub fn wait_layer(&self, layer: u32) -> Result<(), crate::exec::ExecError> {
+        let event =
+            *self
+                .layers
+                .get(layer as usize)
+                .ok_or_else(|| crate::exec::ExecError::Config {
+                    name: "layer",
+                    value: layer.to_string(),
+                    reason: format!("the load covers {} layers", self.layers.len()),
+                })?;
+        self.exec.wait_event(event)
+    }
+
+    /// Makes work enqueued from now on wait until every layer has loaded.
+    pub fn wait_all(&self) -> Result<(), crate::exec::ExecError> {
+        (0..self.layers()).try_for_each(|l| self.wait_layer(l))
+    }
+}
+
+impl Drop for LoadHandle {
+    fn drop(&mut self) {
+        let distinct: BTreeSet<EventId> = self.layers.iter().copied().collect();
+        for e in distinct {
+            self.exec.release_event(e);
+        }
+    }
+}
+
+impl RankCache {
+    /// Loads host-only nodes back: one allocation with the concatenated `page_owners`,
+    /// evicting as the compute path does on a shortage (lane-targeted, then LRU), then a
+    /// miss. This rank copies the pages it owns; nothing is read back from the device.
+    /// Returns the new pages, or `None` when the load degraded to a miss. SGLang:
+    /// `HiRadixCache.init_load_back` / `HiCacheController.load`.
+    pub(super) fn load_back(
+        &mut self,
+        nodes: &[NodeId],
+        stats: &mut RequestStats,
+    ) -> Result<Option<(Vec<PageId>, LoadHandle)>, ClusterError> {
+        let metas: Vec<&NodeMetadata> = nodes
+            .iter()
+            .map(|&id| {
+                self.tree
+                    .node(id)?
+                    .host()
+                    .ok_or(TreeError::NotBackedUp { node: id })
+            })
+            .collect::<Result<_, TreeError>>()?;
+        let owners = NodeMetadata::concat(metas)?.page_owners().to_vec();
+        let plain = self.config.fault == Some(Fault::PlainAllocOnLoad);
+        // The same evictions as for computed pages, in the same order: a miss here would
+        // only make the compute path evict the same nodes to recompute these pages.
+        let Some(run) = self.alloc_evicting(&owners, plain, stats)? else {
+            return Ok(None);
+        };
+        stats.pages_loaded_misowned += owners
+            .iter()
+            .zip(&run)
+            .filter(|&(&o, &p)| self.layout.owner(p).0 != o)
+            .count() as u64;
+
+        // This rank moves the pages it owns: host page -> local page of the new owner page.
+        let mut at = 0usize;
+        let (mut src, mut dst) = (Vec::new(), Vec::new());
+        for &id in nodes {
+            let meta = self
+                .tree
+                .node(id)?
+                .host()
+                .ok_or(TreeError::NotBackedUp { node: id })?;
+            for (i, host_page) in meta.owned_pages() {
+                let slot = self.layout.local(run[at + i]).0;
+                // Under the injected fault the owner may be another rank: the bytes land in
+                // a slot nobody reads, which is exactly the seed's bug. Two such pages can
+                // share this rank's slot; only the first writes it, since a transfer takes
+                // each destination page once (on a GPU two would mix their bytes).
+                if plain && dst.contains(&slot) {
+                    continue;
+                }
+                src.push(host_page.0);
+                dst.push(slot);
+            }
+            let n = self.tree.node(id)?.num_pages(self.layout.page_size());
+            let slice = run[at..at + n].to_vec();
+            if plain {
+                self.tree.set_device_ignoring_owners(id, slice)?;
+            } else {
+                self.tree.set_device(id, slice)?;
+            }
+            at += n;
+        }
+        // Layer by layer, each followed by its event, so a layer's reader waits for that
+        // layer only.
+        let layers = self.pools.geometry().layers;
+        let mut handle = LoadHandle {
+            exec: self.exec.clone(),
+            layers: Vec::with_capacity(layers as usize),
+        };
+        // Until the transfer kernels take a layer range, one launch moves every layer, and
+        // every layer's event is the one after it.
+        stats.bytes_h2d += self.transfer(Direction::HostToDevice, &src, &dst, 0..layers)?;
+        let event = self.exec.record_event()?;
+        handle.layers.resize(layers as usize, event);
+        Ok(Some((run, handle)))
+    }
+}

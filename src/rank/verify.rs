@@ -1,0 +1,188 @@
+//! Compute, materialise and verify: a rank synthesises the pages it owns, then reads the
+//! whole sequence from every owner's pool through its own views and checks every token.
+
+use super::*;
+
+/// The mismatched tokens one rank's verify found.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Mismatches {
+    /// Tokens mismatched in any buffer kind (each counted once).
+    pub count: u64,
+    /// The first of them.
+    pub first: Option<u64>,
+}
+
+impl Mismatches {
+    /// Counts the set bits of a little-endian `u32` bitmap (bit `t % 32` of word `t / 32`).
+    pub(super) fn from_bitmap(bytes: &[u8]) -> Mismatches {
+        let mut m = Mismatches::default();
+        for (i, c) in bytes.chunks_exact(4).enumerate() {
+            let w = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            if w != 0 && m.first.is_none() {
+                m.first = Some(32 * i as u64 + u64::from(w.trailing_zeros()));
+            }
+            m.count += u64::from(w.count_ones());
+        }
+        m
+    }
+}
+
+/// What a request's verification found on every rank: the union of their bitmaps (each
+/// mismatched token counted once, whichever rank saw it) and each rank's own count.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Verdict {
+    /// Over all ranks.
+    pub all: Mismatches,
+    /// Per rank, in rank order.
+    pub by_rank: Vec<u64>,
+}
+
+impl RankCache {
+    /// Synthesises the pages `[start, ..)` this rank owns into its pool, then (once every
+    /// rank has) materialises the whole sequence from the owners' pools over this rank's
+    /// view and verifies it: the verify kernels of every buffer kind set bits in one token
+    /// bitmap, so a token wrong in several counts once. The ranks' bitmaps are all-gathered:
+    /// the verdict counts each token once over all ranks and says what each rank saw.
+    pub(super) fn compute_and_verify(
+        &mut self,
+        tokens: &[u32],
+        pages: &[PageId],
+        start: usize,
+        n: usize,
+        load: Option<&LoadHandle>,
+    ) -> Result<Verdict, ClusterError> {
+        let g = self.pools.geometry();
+        let hashes = reference::prefix_hashes(tokens);
+        let page_ids: Vec<u32> = pages.iter().map(|p| p.0).collect();
+        let (hash_buf, page_buf) = self.pools.upload_sequence(&hashes, &page_ids)?;
+        let n_tokens = tokens.len() as u32;
+        let n_pages = pages.len() as u32;
+        let buffers = self.config.deployment.model.buffers();
+        if (start as u32) < n_pages {
+            for &b in buffers {
+                let synth = self.kernels.synthesise(b);
+                self.exec.launch(
+                    synth.id,
+                    &synth.launch(n_pages - start as u32, g.layers),
+                    &[
+                        KernelArg::Ptr(self.pools.device(b), 0),
+                        KernelArg::Ptr(hash_buf, 0),
+                        KernelArg::Ptr(page_buf, 0),
+                        KernelArg::U32(n_tokens),
+                        KernelArg::U32(start as u32),
+                        KernelArg::U32(u32::from(self.rank.0)),
+                        KernelArg::U32(g.layers),
+                        KernelArg::U32(g.local_pages),
+                    ],
+                )?;
+            }
+        }
+        if self.peer_access == PeerAccess::Mapped && self.group.size() > 1 {
+            // Peers read this rank's pool through their own executors, which do not wait on
+            // this one's events: what it enqueued (its loads included) must have run before
+            // they do.
+            self.exec.synchronize()?;
+        }
+        // Every rank's loaded and computed pages are in its pool before any peer reads them.
+        self.group.barrier(&format!("request {n} written"))?;
+        let words = tokens.len().div_ceil(32);
+        let mine = if self.verifies {
+            self.materialise_and_verify(tokens, (hash_buf, page_buf), words, load)?
+        } else {
+            vec![0u8; 4 * words]
+        };
+        // The read-back waited for this rank's reads of its peers' pools; once every rank's
+        // has, no rank frees, poisons or reuses a page of this sequence too early.
+        let all = self
+            .group
+            .all_gather(&format!("request {n} verified"), &mine)?;
+        let mut union = vec![0u8; 4 * words];
+        let mut by_rank = Vec::with_capacity(all.len());
+        for bitmap in &all {
+            by_rank.push(Mismatches::from_bitmap(bitmap).count);
+            for (u, b) in union.iter_mut().zip(bitmap) {
+                *u |= b;
+            }
+        }
+        Ok(Verdict {
+            all: Mismatches::from_bitmap(&union),
+            by_rank,
+        })
+    }
+
+    /// Materialises the sequence from every owner's pool through this rank's views, layer
+    /// by layer, each after waiting for that layer of this request's load-back (the way
+    /// attention would), and verifies it; returns this rank's mismatch bitmap.
+    pub(super) fn materialise_and_verify(
+        &mut self,
+        tokens: &[u32],
+        (hash_buf, page_buf): (crate::exec::BufferId, crate::exec::BufferId),
+        words: usize,
+        load: Option<&LoadHandle>,
+    ) -> Result<Vec<u8>, ClusterError> {
+        let g = self.pools.geometry();
+        let n_tokens = tokens.len() as u32;
+        let n_pages = tokens.len().div_ceil(self.layout.page_size() as usize) as u32;
+        let bad_tokens = self.pools.zeroed_words(words)?;
+        let mut captured = Vec::new();
+        for &b in self.config.deployment.model.buffers() {
+            let dense = self.pools.dense(b, n_pages, self.repoison)?;
+            let mat = self.kernels.materialise(b);
+            // Pools and the dense buffer are layer-major, so one layer is a one-layer launch
+            // at that layer's offset in each.
+            let page_bytes = b.page_bytes(self.layout.page_size());
+            for layer in 0..g.layers {
+                if let Some(load) = load {
+                    load.wait_layer(layer)?;
+                }
+                let pool_off = u64::from(layer) * u64::from(g.local_pages) * page_bytes;
+                let dense_off = u64::from(layer) * u64::from(n_pages) * page_bytes;
+                let pool_ptrs: Vec<_> = self
+                    .pools
+                    .views(b)
+                    .iter()
+                    .map(|&id| (id, pool_off))
+                    .collect();
+                self.exec.launch(
+                    mat.id,
+                    &mat.launch(n_pages, 1),
+                    &[
+                        KernelArg::PtrStruct(&pool_ptrs),
+                        KernelArg::Ptr(page_buf, 0),
+                        KernelArg::U32(n_pages),
+                        KernelArg::U32(1),
+                        KernelArg::U32(g.local_pages),
+                        KernelArg::Ptr(dense, dense_off),
+                    ],
+                )?;
+            }
+            let ver = self.kernels.verify(b);
+            self.exec.launch(
+                ver.id,
+                &ver.launch(n_tokens, g.layers),
+                &[
+                    KernelArg::Ptr(dense, 0),
+                    KernelArg::Ptr(hash_buf, 0),
+                    KernelArg::U32(n_tokens),
+                    KernelArg::U32(0),
+                    KernelArg::U32(g.layers),
+                    KernelArg::Ptr(bad_tokens, 0),
+                ],
+            )?;
+            if self.capture_dense {
+                let bytes = b.page_bytes(self.layout.page_size()) as usize
+                    * n_pages as usize
+                    * g.layers as usize;
+                let mut out = vec![0u8; bytes];
+                self.exec.read(dense, 0, &mut out)?;
+                captured.push((b, out));
+            }
+        }
+        if self.capture_dense {
+            self.last_dense = captured;
+        }
+        let mut mine = vec![0u8; 4 * words];
+        self.exec.read(bad_tokens, 0, &mut mine)?;
+        Ok(mine)
+    }
+}
