@@ -50,11 +50,15 @@ use crate::group::Collective;
 use crate::hicache::host_pool::HostPagePool;
 use crate::hicache::tree::{Evicted, MatchResult, NodeId, RadixTree, TreeError};
 use crate::jit::Jit;
-use crate::kernels::{reference, transfer_regions, BufferKind, Direction, PoolShape, TransferPath};
+use crate::kernels::{
+    clamp_layer_range, layer_range_args, reference, transfer_regions, BufferKind, Direction,
+    PoolShape, TransferPath,
+};
 use crate::layout::{zigzag_owners, CpLayout, PageId, Rank};
 use crate::metadata::{HostPage, NodeMetadata};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeSet;
+use std::ops::Range;
 use std::sync::Arc;
 
 /// This rank's state as it was before an operation, to roll back to on error.
@@ -842,7 +846,8 @@ impl RankCache {
             }
             at += n;
         }
-        stats.bytes_h2d += self.transfer(Direction::HostToDevice, &src, &dst)?;
+        let all_layers = 0..self.pools.geometry().layers;
+        stats.bytes_h2d += self.transfer(Direction::HostToDevice, &src, &dst, all_layers)?;
         Ok(Some(run))
     }
 
@@ -914,7 +919,8 @@ impl RankCache {
             .zip(&host_pages)
             .map(|((_, &p), h)| (self.layout.local(p).0, h.0))
             .unzip();
-        stats.bytes_d2h += self.transfer(Direction::DeviceToHost, &src, &dst)?;
+        let all_layers = 0..self.pools.geometry().layers;
+        stats.bytes_d2h += self.transfer(Direction::DeviceToHost, &src, &dst, all_layers)?;
         let meta = NodeMetadata::new(&self.layout, self.rank, owners, host_pages)?;
         self.tree.set_host(node, meta)?;
         stats.pages_written += pages.len() as u64;
@@ -1109,13 +1115,22 @@ impl RankCache {
         Ok(count)
     }
 
-    /// Copies this rank's page pairs for every buffer kind, with the transfer kernel or by
-    /// DMA as the deployment says; returns bytes moved.
-    fn transfer(&mut self, dir: Direction, src: &[u32], dst: &[u32]) -> Result<u64, ClusterError> {
+    /// Copies this rank's page pairs for every buffer kind and every layer of `layers`
+    /// (clamped to the pools' layers; `0..layers` for all of them), with the transfer kernel
+    /// or by DMA as the deployment says; returns bytes moved.
+    fn transfer(
+        &mut self,
+        dir: Direction,
+        src: &[u32],
+        dst: &[u32],
+        layers: Range<u32>,
+    ) -> Result<u64, ClusterError> {
         if src.is_empty() {
             return Ok(0);
         }
         let g = self.pools.geometry();
+        let (first_layer, layer_count) = layer_range_args(&layers);
+        let moved_layers = clamp_layer_range(first_layer, layer_count, g.layers).len() as u32;
         let pools = PoolShape {
             layers: g.layers,
             device_pages: g.local_pages,
@@ -1137,14 +1152,14 @@ impl RankCache {
             match pairs {
                 None => {
                     let spec = self.config.deployment.transfer(b, dir);
-                    let regions = transfer_regions(&spec, src, dst, pools);
+                    let regions = transfer_regions(&spec, src, dst, pools, layers.clone());
                     self.exec.copy_regions(from, to, &regions)?;
                 }
                 Some((sb, db)) => {
                     let k = self.kernels.transfer(b, dir);
                     self.exec.launch(
                         k.id,
-                        &k.launch(src.len() as u32, g.layers),
+                        &k.launch(src.len() as u32, moved_layers),
                         &[
                             KernelArg::Ptr(from, 0),
                             KernelArg::Ptr(to, 0),
@@ -1152,13 +1167,16 @@ impl RankCache {
                             KernelArg::Ptr(db, 0),
                             KernelArg::U32(src.len() as u32),
                             KernelArg::U32(g.layers),
+                            KernelArg::U32(first_layer),
+                            KernelArg::U32(layer_count),
                             KernelArg::U32(g.local_pages),
                             KernelArg::U32(g.host_pages),
                         ],
                     )?;
                 }
             }
-            bytes += src.len() as u64 * u64::from(g.layers) * b.page_bytes(self.layout.page_size());
+            bytes +=
+                src.len() as u64 * u64::from(moved_layers) * b.page_bytes(self.layout.page_size());
         }
         Ok(bytes)
     }
@@ -1455,7 +1473,7 @@ mod tests {
             let mut r = one_rank(path);
             let before = r.exec.counters();
             let err = r
-                .transfer(Direction::HostToDevice, &[0, 1], &[2, 2])
+                .transfer(Direction::HostToDevice, &[0, 1], &[2, 2], 0..1)
                 .unwrap_err();
             assert!(
                 matches!(&err, ClusterError::BadTransfer { rank: 0, what }
@@ -1465,7 +1483,7 @@ mod tests {
             let d = r.exec.counters().since(&before);
             assert_eq!((d.uploads, d.launches, d.copies), (0, 0, 0), "{path}");
             // Distinct pages move.
-            r.transfer(Direction::HostToDevice, &[0, 1], &[2, 3])
+            r.transfer(Direction::HostToDevice, &[0, 1], &[2, 3], 0..1)
                 .unwrap();
         }
     }
