@@ -101,6 +101,7 @@ fn dma_regions(c: &mut Criterion) {
                 black_box(&src),
                 black_box(&dst),
                 pools,
+                0..pools.layers,
             ))
         })
     });

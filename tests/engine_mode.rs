@@ -158,9 +158,9 @@ fn ranks_sharing_an_executor_count_their_own_load_path() {
     }
 }
 
-/// A host executor whose host→device transfer launches are held back, as a GPU's copies are
+/// A host executor whose host→device copies of layer 1 are held back, as a GPU's copies are
 /// still in flight, until work waits on an event recorded after them: then they run. With
-/// `release` off they never run, as if attention read a layer before its copy finished.
+/// `release` off they never run, as if attention read the layer before its copy finished.
 struct HoldBack {
     inner: cp_hicache::exec::HostExecutor,
     release: bool,
@@ -252,7 +252,8 @@ impl Executor for HoldBack {
             .get(&k)
             .cloned()
             .unwrap_or_default();
-        if entry.starts_with("transfer_pages_h2d") {
+        // transfer_pages(src, dst, src_pages, dst_pages, n, layers, first_layer, ...)
+        if entry.starts_with("transfer_pages_h2d") && matches!(a.get(6), Some(KernelArg::U32(1))) {
             let owned = a
                 .iter()
                 .map(|x| match x {
@@ -364,18 +365,27 @@ fn load_with_held_copies(release: bool) -> (u64, Vec<String>) {
 }
 
 /// Verification reads each layer only after waiting for that layer's load-back, the way
-/// attention would: with the copies held back until a wait, the load verifies clean and
-/// every held copy ran before the first materialisation; copies nobody waits for never run,
-/// and every loaded token mismatches.
+/// attention would: with layer 1's copy held back until a wait, the load verifies clean, and
+/// the held copy ran after layer 0 was materialised and before layer 1 was (layer 0 did not
+/// wait for it; layer 1 did). A copy nobody waits for never runs, and every loaded token
+/// mismatches (in layer 1).
 #[test]
 fn verification_waits_for_each_layer_of_the_load() {
     let (bad, log) = load_with_held_copies(true);
     assert_eq!(bad, 0, "{log:?}");
+    let held = log.iter().position(|l| l == "h2d held");
     let released = log.iter().position(|l| l == "h2d released");
-    let materialised = log.iter().position(|l| l.starts_with("materialise"));
+    let materialised: Vec<usize> = log
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| l.starts_with("materialise"))
+        .map(|(i, _)| i)
+        .collect();
+    assert_eq!(materialised.len(), 3, "one launch per layer: {log:?}");
+    assert!(held.is_some(), "layer 1's copy was held: {log:?}");
     assert!(
-        released.is_some() && released < materialised,
-        "the copies ran only when the first layer was waited for: {log:?}"
+        released > Some(materialised[0]) && released < Some(materialised[1]),
+        "layer 0 went ahead, layer 1 waited for its copy: {log:?}"
     );
     let (bad, log) = load_with_held_copies(false);
     assert_eq!(

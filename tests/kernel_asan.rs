@@ -178,11 +178,29 @@ fn libs() -> &'static HashMap<KernelSpec, PathBuf> {
     })
 }
 
-/// Launches transfer `spec` over `n` random pairs and compares with the reference; with
-/// `lie` the kernel of a d2h page-first spec is told the host pool has one more page than it
+/// Layer ranges of the transfer cases over pools of 2 layers, as (first_layer, layer_count):
+/// all, each one, and ranges partly or wholly past the pools (sums past 2^32 included).
+const LAYER_RANGES: [(u32, u32); 7] = [
+    (0, 2),
+    (0, 1),
+    (1, 1),
+    (1, u32::MAX),
+    (2, 1),
+    (u32::MAX, 2),
+    (u32::MAX, u32::MAX),
+];
+
+/// Launches transfer `spec` over `n` random pairs for the layers `(first, count)` and
+/// compares with the reference; with `lie` the kernel of a d2h page-first spec is told the host pool has one more page than it
 /// has and the first pair writes that page, which starts exactly at the end of the buffer (an
 /// out-of-bounds write ASan must report).
-fn transfer_case(b: &mut Bench, spec: &KernelSpec, rng: &mut Rng, lie: bool) {
+fn transfer_case(
+    b: &mut Bench,
+    spec: &KernelSpec,
+    rng: &mut Rng,
+    (first_layer, layer_count): (u32, u32),
+    lie: bool,
+) {
     let KernelSpec::TransferPages(s) = *spec else {
         unreachable!()
     };
@@ -208,14 +226,17 @@ fn transfer_case(b: &mut Bench, spec: &KernelSpec, rng: &mut Rng, lie: bool) {
         dst_pages[0] = host_pages;
     }
     let src = rng.bytes(src_bytes);
+    let span = cp_hicache::kernels::clamp_layer_range(first_layer, layer_count, layers).len();
     let copied = b.transfer(
         spec,
-        spec.launch_dims(n as u32, layers).grid,
+        spec.launch_dims(n as u32, span as u32).grid,
         &TransferCase {
             src: &src,
             src_pages: &src_pages,
             dst_pages: &dst_pages,
             layers,
+            first_layer,
+            layer_count,
             device_pages,
             host_pages,
             told_host_pages: host_pages + u32::from(lie),
@@ -224,7 +245,7 @@ fn transfer_case(b: &mut Bench, spec: &KernelSpec, rng: &mut Rng, lie: bool) {
     );
     assert!(
         copied.got == copied.want,
-        "{spec}: differs from the reference"
+        "{spec} layers {first_layer}+{layer_count}: differs from the reference"
     );
 }
 
@@ -268,10 +289,16 @@ fn asan_copy_kernels_match_reference_without_reports() {
         let mut b = Bench::new(order, libs());
         let mut rng = Rng::new(&[9, u64::from(order == BlockOrder::Reverse)]);
         for spec in copy_specs() {
-            for _ in 0..2 {
-                match spec {
-                    KernelSpec::TransferPages(_) => transfer_case(&mut b, &spec, &mut rng, false),
-                    _ => materialise_case(&mut b, &spec, &mut rng),
+            match spec {
+                KernelSpec::TransferPages(_) => {
+                    for range in LAYER_RANGES {
+                        transfer_case(&mut b, &spec, &mut rng, range, false);
+                    }
+                }
+                _ => {
+                    for _ in 0..2 {
+                        materialise_case(&mut b, &spec, &mut rng);
+                    }
                 }
             }
         }
@@ -313,7 +340,7 @@ fn asan_oob_child() {
         .find(|s| s.uri() == uri)
         .expect("a spec of this target");
     let mut b = Bench::new(BlockOrder::Forward, libs());
-    transfer_case(&mut b, &spec, &mut Rng::new(&[10]), true);
+    transfer_case(&mut b, &spec, &mut Rng::new(&[10]), (0, 2), true);
     eprintln!("ASAN-CHILD: the launch returned without a report");
 }
 

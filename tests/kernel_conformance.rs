@@ -1005,6 +1005,8 @@ fn check_transfer(b: &mut Bench, spec: KernelSpec, order: BlockOrder) {
                 src_pages: &src_pages,
                 dst_pages: &dst_pages,
                 layers,
+                first_layer: 0,
+                layer_count: layers,
                 device_pages,
                 host_pages,
                 told_host_pages: host_pages,
@@ -1029,11 +1031,138 @@ fn check_transfer(b: &mut Bench, spec: KernelSpec, order: BlockOrder) {
         };
         let sbuf = b.bytes(&src, GUARD);
         let dma = b.poison(copied.want.len());
-        let regions = transfer_regions(&s, &src_pages, &dst_pages, pools);
+        let regions = transfer_regions(&s, &src_pages, &dst_pages, pools, 0..layers);
         b.ex.copy_regions(sbuf, dma, &regions).unwrap();
         assert!(
             b.read(dma) == copied.want,
             "{spec} trial {trial}: DMA regions {regions:?} differ from the kernel"
+        );
+    }
+}
+
+#[test]
+fn transfer_of_a_layer_range_moves_exactly_those_layers() {
+    for order in ORDERS {
+        let mut b = Bench::new(order, libs());
+        for spec in transfer_specs() {
+            check_transfer_layers(&mut b, spec, order);
+        }
+    }
+}
+
+/// Layer ranges of [`check_transfer_layers`] for pools of 3 layers, as (first_layer,
+/// layer_count): each single layer, two layers, then ranges partly or wholly outside the
+/// pools (including sums past `u32::MAX`), which copy only their valid part or nothing.
+const LAYER_RANGES: [(u32, u32); 11] = [
+    (0, 1),
+    (1, 1),
+    (2, 1),
+    (1, 2),
+    (0, 0),
+    (2, 5),
+    (3, 1),
+    (7, 2),
+    (1, u32::MAX),
+    (u32::MAX, 2),
+    (u32::MAX, u32::MAX),
+];
+
+/// A transfer of layers `[first, first + count)` (clamped to the pools) writes exactly those
+/// layers of each destination page, with the bytes the full transfer writes there, and leaves
+/// every other layer (and every other page) poison; in bounds for ranges past the pools
+/// (guard bytes stay poison). The kernel matches the reference, and the DMA regions of the
+/// same range move the same bytes. Covers both directions, both host layouts (page-first
+/// and layer-first) and both work-item shapes (per (group, layer), and `_lb`).
+fn check_transfer_layers(b: &mut Bench, spec: KernelSpec, order: BlockOrder) {
+    let (layers, device_pages, host_pages) = (3u32, 5u32, 4u32);
+    let KernelSpec::TransferPages(s) = spec else {
+        unreachable!()
+    };
+    let mut rng = Rng::new(&[41, order_id(order), uri_seed(&spec)]);
+    let pb = u64::from(s.page_size) * u64::from(s.bytes_per_token);
+    let dev_bytes = (u64::from(layers * device_pages) * pb) as usize;
+    let host_bytes = (u64::from(layers * host_pages) * pb) as usize;
+    let (src_cap, dst_cap, src_bytes, dst_pool) = match s.direction {
+        Direction::DeviceToHost => (device_pages, host_pages, dev_bytes, host_pages),
+        Direction::HostToDevice => (host_pages, device_pages, host_bytes, device_pages),
+    };
+    // Distinct in-range destinations and in-range sources: every pair moves.
+    let n = rng.range(1, u64::from(dst_cap.min(src_cap))) as usize;
+    let dst_pages: Vec<u32> = rng.permutation(dst_cap)[..n].to_vec();
+    let src_pages: Vec<u32> = rng.permutation(src_cap)[..n].to_vec();
+    let src = rng.bytes(src_bytes);
+    let case = |first_layer, layer_count| TransferCase {
+        src: &src,
+        src_pages: &src_pages,
+        dst_pages: &dst_pages,
+        layers,
+        first_layer,
+        layer_count,
+        device_pages,
+        host_pages,
+        told_host_pages: host_pages,
+        guard: GUARD,
+    };
+    let full_grid = spec.launch_dims(n as u32, layers).grid;
+    let full = b.transfer(&spec, full_grid, &case(0, layers)).want;
+    // Byte offset of (page, layer) in the destination pool.
+    let dst_off = |p: u32, l: u32| match s.direction {
+        Direction::DeviceToHost => {
+            reference::host_offset(s.layout, p, l, layers, host_pages, pb) as usize
+        }
+        Direction::HostToDevice => reference::device_offset(p, l, device_pages, pb) as usize,
+    };
+    for (first, count) in LAYER_RANGES {
+        let end = (u64::from(first) + u64::from(count)).min(u64::from(layers));
+        let in_range = |l: u32| u64::from(l) >= u64::from(first) && u64::from(l) < end;
+        let span = (first..layers).filter(|&l| in_range(l)).count() as u32;
+        let g = grid(&mut rng, spec.launch_dims(n as u32, span).grid);
+        let copied = b.transfer(&spec, g, &case(first, count));
+        let what = format!("{spec} {order} layers {first}+{count} grid {g}");
+        assert!(
+            copied.got == copied.want,
+            "{what}: kernel differs from the reference at byte {:?}",
+            copied.first_difference()
+        );
+        // Independently of the reference: the full transfer's bytes in the range, poison
+        // elsewhere (pages not named, other layers, the guard).
+        let mut want = vec![POISON; copied.got.len()];
+        for l in (0..layers).filter(|&l| in_range(l)) {
+            for &dp in &dst_pages {
+                let o = dst_off(dp, l);
+                want[o..o + pb as usize].copy_from_slice(&full[o..o + pb as usize]);
+            }
+        }
+        assert!(
+            copied.got == want,
+            "{what}: first byte outside the range's layers or wrong at {:?}",
+            copied.got.iter().zip(&want).position(|(a, b)| a != b)
+        );
+        assert_eq!(
+            copied.src_after[..src_bytes],
+            src[..],
+            "{what}: source changed"
+        );
+        // The DMA path of the same range.
+        let pools = PoolShape {
+            layers,
+            device_pages,
+            host_pages,
+        };
+        let range = first..first.saturating_add(count);
+        let regions = transfer_regions(&s, &src_pages, &dst_pages, pools, range);
+        assert!(
+            regions
+                .iter()
+                .all(|r| r.dst_offset + r.len <= u64::from(layers) * u64::from(dst_pool) * pb),
+            "{what}: DMA region past the pool"
+        );
+        let sbuf = b.bytes(&src, GUARD);
+        let dma = b.poison(want.len());
+        b.ex.copy_regions(sbuf, dma, &regions).unwrap();
+        assert!(
+            b.read(dma) == want,
+            "{what}: DMA regions {regions:?} differ from the kernel"
         );
     }
 }

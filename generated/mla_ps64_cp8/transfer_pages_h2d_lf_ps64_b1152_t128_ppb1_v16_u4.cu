@@ -61,21 +61,27 @@ static __device__ inline u64 chc_host_off(u32 page, u32 layer, u32 layers, u32 d
     return ((u64)layer * host_pages + page) * PAGE_BYTES;
 }
 
-// Copies page blobs host → device for every layer: pair i moves src_pages[i] to
-// dst_pages[i]. Work item w = (group of PAGES_PER_BLOCK pairs, layer), or with
-// LAYERS_IN_BLOCK the group alone, whose pages are copied for every layer, page by page;
-// blocks stride over the items, so any grid is correct. Pairs whose page is outside its pool
-// are skipped.
+// Copies page blobs host → device for layers [first_layer, first_layer + layer_count)
+// of every pair, clamped to the pools' [0, layers) (`layers` stays the pools' total in the
+// offsets): pair i moves src_pages[i] to dst_pages[i]. Work item w = (group of
+// PAGES_PER_BLOCK pairs, layer of the range), or with LAYERS_IN_BLOCK the group alone, whose
+// pages are copied for every layer of the range, page by page; blocks stride over the items,
+// so any grid is correct. Pairs whose page is outside its pool are skipped; an empty range
+// (or one wholly past `layers`) copies nothing.
 extern "C" __global__ void __launch_bounds__(THREADS) transfer_pages_h2d_lf_ps64_b1152_t128_ppb1_v16_u4(
     const u8* src, u8* dst, const u32* src_pages, const u32* dst_pages, u32 n, u32 layers,
-    u32 device_pages, u32 host_pages)
+    u32 first_layer, u32 layer_count, u32 device_pages, u32 host_pages)
 {
+    // The range, clamped in 64 bits: first_layer + layer_count near 2^32 must not wrap.
+    const u64 range_end = (u64)first_layer + layer_count;
+    const u32 l_end = range_end < layers ? (u32)range_end : layers;
+    const u32 span = first_layer < l_end ? l_end - first_layer : 0u;
     // In 64 bits: n near 2^32 must not wrap the rounding (or the pair index below) to 0.
     const u32 groups = (u32)(((u64)n + PAGES_PER_BLOCK - 1u) / PAGES_PER_BLOCK);
-    const u64 items = (u64)groups * (LAYERS_IN_BLOCK ? 1u : layers);
+    const u64 items = span == 0u ? 0u : (u64)groups * (LAYERS_IN_BLOCK ? 1u : span);
     for (u64 w = blockIdx.x; w < items; w += gridDim.x) {
-        const u32 l0 = (u32)(w / groups);
-        const u32 l1 = LAYERS_IN_BLOCK ? layers : l0 + 1u;
+        const u32 l0 = LAYERS_IN_BLOCK ? first_layer : first_layer + (u32)(w / groups);
+        const u32 l1 = LAYERS_IN_BLOCK ? l_end : l0 + 1u;
         const u32 first = (u32)(w % groups) * PAGES_PER_BLOCK;
         for (u32 q = 0; q < PAGES_PER_BLOCK; ++q) {
             const u64 i = (u64)first + q;

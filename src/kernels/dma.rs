@@ -8,6 +8,7 @@
 //! reads nothing back from the device, like the kernel path.
 
 use std::fmt;
+use std::ops::Range;
 use std::str::FromStr;
 
 use super::reference::{device_offset, host_offset};
@@ -117,8 +118,29 @@ pub fn check_distinct_destinations(dst_pages: &[u32]) -> Result<(), DuplicateDes
     }
 }
 
-/// The copy regions that move page `src_pages[i]` to `dst_pages[i]` for every pair and layer,
-/// with `spec`'s direction and host layout: exactly the bytes `transfer_pages` copies,
+/// The layers a transfer of layers `[first_layer, first_layer + layer_count)` copies out of
+/// pools of `layers` layers: the range clamped to `[0, layers)`, as the `transfer_pages`
+/// kernel clamps its `first_layer` / `layer_count` arguments (in 64 bits: a sum past
+/// `u32::MAX` does not wrap). Empty when the range is empty or starts at or past `layers`.
+pub fn clamp_layer_range(first_layer: u32, layer_count: u32, layers: u32) -> Range<u32> {
+    let end = (u64::from(first_layer) + u64::from(layer_count)).min(u64::from(layers)) as u32;
+    if first_layer < end {
+        first_layer..end
+    } else {
+        0..0
+    }
+}
+
+/// The `first_layer` / `layer_count` kernel arguments of a layer range (an empty or reversed
+/// range gives a count of 0).
+pub fn layer_range_args(layers: &Range<u32>) -> (u32, u32) {
+    (layers.start, layers.end.saturating_sub(layers.start))
+}
+
+/// The copy regions that move page `src_pages[i]` to `dst_pages[i]` for every pair and every
+/// layer of `layer_range` (clamped to the pools' `[0, pools.layers)` as by
+/// [`clamp_layer_range`], so one layer or an out-of-range range is fine), with `spec`'s
+/// direction and host layout: exactly the bytes `transfer_pages` copies,
 /// including its rule that a pair with a page outside its pool is skipped. Regions that
 /// continue the previous one on both sides are merged, so runs of consecutive pages become one
 /// copy. Pairs beyond the shorter list are ignored (the kernel takes `n` explicitly).
@@ -132,6 +154,7 @@ pub fn transfer_regions(
     src_pages: &[u32],
     dst_pages: &[u32],
     pools: PoolShape,
+    layer_range: Range<u32>,
 ) -> Vec<CopyRegion> {
     let page_bytes = spec.page_bytes();
     let PoolShape {
@@ -143,7 +166,8 @@ pub fn transfer_regions(
     let host = |p, l| host_offset(spec.layout, p, l, layers, host_pages, page_bytes);
     let [(_, src_cap), (_, dst_cap)] = pools.ends(spec.direction);
     let mut out: Vec<CopyRegion> = Vec::new();
-    for l in 0..layers {
+    let (first_layer, layer_count) = layer_range_args(&layer_range);
+    for l in clamp_layer_range(first_layer, layer_count, layers) {
         for (&sp, &dp) in src_pages.iter().zip(dst_pages) {
             if sp >= src_cap || dp >= dst_cap {
                 continue;
@@ -193,7 +217,7 @@ mod tests {
     #[test]
     fn consecutive_pages_merge_in_the_layer_first_layout() {
         let s = spec(Direction::HostToDevice, HostLayout::LayerFirst);
-        let r = transfer_regions(&s, &[3, 4, 5, 9], &[1, 2, 3, 4], POOLS);
+        let r = transfer_regions(&s, &[3, 4, 5, 9], &[1, 2, 3, 4], POOLS, 0..POOLS.layers);
         // Per layer: host pages 3..6 -> device 1..4 as one run, then 9 -> 4.
         assert_eq!(
             r,
@@ -225,7 +249,7 @@ mod tests {
     #[test]
     fn page_first_host_pages_do_not_merge_across_pages() {
         let s = spec(Direction::DeviceToHost, HostLayout::PageFirst);
-        let r = transfer_regions(&s, &[1, 2], &[5, 6], POOLS);
+        let r = transfer_regions(&s, &[1, 2], &[5, 6], POOLS, 0..POOLS.layers);
         assert_eq!(r.len(), 4);
         assert_eq!(
             r[0],
@@ -242,7 +266,49 @@ mod tests {
     #[test]
     fn pairs_outside_a_pool_are_skipped_like_the_kernel() {
         let s = spec(Direction::HostToDevice, HostLayout::LayerFirst);
-        assert!(transfer_regions(&s, &[16, 0], &[0, 8], POOLS).is_empty());
+        assert!(transfer_regions(&s, &[16, 0], &[0, 8], POOLS, 0..2).is_empty());
+    }
+
+    #[test]
+    fn a_layer_range_moves_only_its_layers() {
+        let s = spec(Direction::HostToDevice, HostLayout::LayerFirst);
+        let all = transfer_regions(&s, &[3, 4, 5, 9], &[1, 2, 3, 4], POOLS, 0..POOLS.layers);
+        // Layer 1 alone: the second half of the full transfer's regions.
+        let one = transfer_regions(&s, &[3, 4, 5, 9], &[1, 2, 3, 4], POOLS, 1..2);
+        assert_eq!(one, all[2..]);
+        assert_eq!(
+            transfer_regions(&s, &[3, 4, 5, 9], &[1, 2, 3, 4], POOLS, 0..1),
+            all[..2]
+        );
+        // Past the pools: clamped to the valid part, or nothing.
+        assert_eq!(
+            transfer_regions(&s, &[3], &[1], POOLS, 1..u32::MAX).len(),
+            1
+        );
+        for empty in [2..3, 5..9, 1..1, u32::MAX..u32::MAX] {
+            assert!(
+                transfer_regions(&s, &[3], &[1], POOLS, empty.clone()).is_empty(),
+                "{empty:?}"
+            );
+        }
+        #[allow(clippy::reversed_empty_ranges)]
+        let reversed = 1..0;
+        assert!(transfer_regions(&s, &[3], &[1], POOLS, reversed).is_empty());
+    }
+
+    #[test]
+    fn layer_ranges_clamp_like_the_kernel() {
+        assert_eq!(clamp_layer_range(0, 4, 4), 0..4);
+        assert_eq!(clamp_layer_range(1, 1, 4), 1..2);
+        assert_eq!(clamp_layer_range(2, 10, 4), 2..4);
+        assert_eq!(clamp_layer_range(3, u32::MAX, 4), 3..4);
+        assert_eq!(clamp_layer_range(u32::MAX, u32::MAX, u32::MAX), 0..0);
+        assert!(clamp_layer_range(4, 1, 4).is_empty());
+        assert!(clamp_layer_range(1, 0, 4).is_empty());
+        assert_eq!(layer_range_args(&(2..5)), (2, 3));
+        #[allow(clippy::reversed_empty_ranges)]
+        let reversed = 5..2;
+        assert_eq!(layer_range_args(&reversed), (5, 0));
     }
 
     #[test]

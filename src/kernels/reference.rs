@@ -322,8 +322,11 @@ pub fn host_offset(
     }
 }
 
-/// `transfer_pages`: for every pair `i < n` and layer, copies page `src_pages[i]` of `src`
-/// to page `dst_pages[i]` of `dst`. The device side is `src` for d2h and `dst` for h2d.
+/// `transfer_pages`: for every pair `i < n` and every layer of
+/// `[first_layer, first_layer + layer_count)` clamped to `[0, layers)`
+/// ([`clamp_layer_range`](super::clamp_layer_range)), copies page `src_pages[i]` of `src`
+/// to page `dst_pages[i]` of `dst`; other layers are untouched. `layers` is the pools' total
+/// (their sizes and offsets). The device side is `src` for d2h and `dst` for h2d.
 /// Pairs with a page outside its pool are skipped. Destination pages must be distinct (the
 /// kernel gives no order between pairs): two pairs naming one are
 /// [`ReferenceError::DuplicateDestination`], as every caller of the kernel refuses them
@@ -339,6 +342,8 @@ pub fn transfer_pages(
     dst_pages: &[u32],
     n: u32,
     layers: u32,
+    first_layer: u32,
+    layer_count: u32,
     device_pages: u32,
     host_pages: u32,
 ) -> Result<(), ReferenceError> {
@@ -367,7 +372,7 @@ pub fn transfer_pages(
         if sp >= src_cap || dp >= dst_cap {
             continue;
         }
-        for l in 0..layers {
+        for l in super::clamp_layer_range(first_layer, layer_count, layers) {
             let (so, d) = match direction {
                 Direction::DeviceToHost => (dev(sp, l), host(dp, l)),
                 Direction::HostToDevice => (host(sp, l), dev(dp, l)),
@@ -571,6 +576,8 @@ mod tests {
             &[0],
             1,
             1 << 12,
+            0,
+            1 << 12,
             1 << 12,
             1,
         )
@@ -738,6 +745,8 @@ mod tests {
                 &h,
                 4,
                 layers,
+                0,
+                layers,
                 dev_pages,
                 host_pages,
             )
@@ -752,6 +761,8 @@ mod tests {
                 &h,
                 &d,
                 4,
+                layers,
+                0,
                 layers,
                 dev_pages,
                 host_pages,
@@ -773,6 +784,53 @@ mod tests {
     }
 
     #[test]
+    fn transfer_of_a_layer_range_moves_only_those_layers() {
+        let (pb, layers, dev_pages, host_pages) = (16u64, 3u32, 4u32, 4u32);
+        let dev: Vec<u8> = (0..(pb * 3 * 4)).map(|i| (i * 7 % 251) as u8 | 1).collect();
+        for layout in [HostLayout::PageFirst, HostLayout::LayerFirst] {
+            for (first, count) in [(1u32, 1u32), (2, 5), (0, 0), (3, 1), (u32::MAX, 2)] {
+                let mut host = vec![0u8; (pb * 3 * 4) as usize];
+                transfer_pages(
+                    Direction::DeviceToHost,
+                    layout,
+                    pb,
+                    &dev,
+                    &mut host,
+                    &[1, 3],
+                    &[2, 0],
+                    2,
+                    layers,
+                    first,
+                    count,
+                    dev_pages,
+                    host_pages,
+                )
+                .unwrap();
+                let range = crate::kernels::clamp_layer_range(first, count, layers);
+                for l in 0..layers {
+                    for (d, h) in [(1u32, 2u32), (3, 0)] {
+                        let o = host_offset(layout, h, l, layers, host_pages, pb) as usize;
+                        let s = device_offset(d, l, dev_pages, pb) as usize;
+                        let page = &host[o..o + pb as usize];
+                        if range.contains(&l) {
+                            assert_eq!(
+                                page,
+                                &dev[s..s + pb as usize],
+                                "{layout} {first}+{count} l{l}"
+                            );
+                        } else {
+                            assert!(
+                                page.iter().all(|&b| b == 0),
+                                "{layout} {first}+{count} l{l}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
     fn transfer_refuses_one_destination_page_twice() {
         let (pb, layers, pages) = (32u64, 1u32, 4u32);
         let dev = vec![1u8; (pb * 4) as usize];
@@ -787,6 +845,8 @@ mod tests {
                 &[0, 1, 2],
                 &[3, 0, 3],
                 n,
+                layers,
+                0,
                 layers,
                 pages,
                 pages,

@@ -979,6 +979,8 @@ impl KernelSpec {
                     P::ptr("const u32*", "dst_pages", 4, R::of(4).times("n")),
                     P::u32("n"),
                     P::u32("layers"),
+                    P::u32("first_layer"),
+                    P::u32("layer_count"),
                     P::u32("device_pages"),
                     P::u32("host_pages"),
                 ]
@@ -1212,7 +1214,9 @@ impl KernelSpec {
     /// Recommended launch for `items` units of work over `layers` layers. The unit is a
     /// request (select), a page (release), a page pair (transfer), a sequence page
     /// (materialise, synthesise: pages after `start_page`) or a token (verify; `layers` is
-    /// ignored). Select and release need exactly one block ([`KernelSignature::single_block`]);
+    /// ignored). For a transfer `layers` is the layer count of the launch (its layer range
+    /// clamped to the pools, [`clamp_layer_range`](super::clamp_layer_range)), not the
+    /// pools' total: a per-layer load is sized for one layer. Select and release need exactly one block ([`KernelSignature::single_block`]);
     /// every other kernel strides over its work, so any grid is correct, and this one is
     /// never 0 and at most 65536 (verify: 1024).
     pub fn launch_dims(&self, items: u32, layers: u32) -> LaunchDims {

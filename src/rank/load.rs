@@ -120,11 +120,11 @@ impl RankCache {
             exec: self.exec.clone(),
             layers: Vec::with_capacity(layers as usize),
         };
-        // Until the transfer kernels take a layer range, one launch moves every layer, and
-        // every layer's event is the one after it.
-        stats.bytes_h2d += self.transfer(Direction::HostToDevice, &src, &dst, 0..layers)?;
-        let event = self.exec.record_event()?;
-        handle.layers.resize(layers as usize, event);
+        for layer in 0..layers {
+            stats.bytes_h2d +=
+                self.transfer(Direction::HostToDevice, &src, &dst, layer..layer + 1)?;
+            handle.layers.push(self.exec.record_event()?);
+        }
         Ok(Some((run, handle)))
     }
 }

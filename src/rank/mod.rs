@@ -59,11 +59,15 @@ use crate::group::Collective;
 use crate::hicache::host_pool::HostPagePool;
 use crate::hicache::tree::{Evicted, MatchResult, NodeId, RadixTree, TreeError};
 use crate::jit::Jit;
-use crate::kernels::{reference, transfer_regions, BufferKind, Direction, PoolShape, TransferPath};
+use crate::kernels::{
+    clamp_layer_range, layer_range_args, reference, transfer_regions, BufferKind, Direction,
+    PoolShape, TransferPath,
+};
 use crate::layout::{zigzag_owners, CpLayout, PageId, Rank};
 use crate::metadata::{HostPage, NodeMetadata};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeSet;
+use std::ops::Range;
 use std::sync::Arc;
 
 /// One CP rank's cache. See the module documentation.
@@ -618,28 +622,22 @@ impl RankCache {
         Ok(stats)
     }
 
-    /// Copies this rank's page pairs for every buffer kind, with the transfer kernel or by
-    /// DMA as the deployment says; returns bytes moved.
+    /// Copies this rank's page pairs for every buffer kind and every layer of `layers`
+    /// (clamped to the pools' layers; `0..layers` for all of them), with the transfer kernel
+    /// or by DMA as the deployment says; returns bytes moved.
     fn transfer(
         &mut self,
         dir: Direction,
         src: &[u32],
         dst: &[u32],
-        layers: std::ops::Range<u32>,
+        layers: Range<u32>,
     ) -> Result<u64, ClusterError> {
         if src.is_empty() {
             return Ok(0);
         }
         let g = self.pools.geometry();
-        if layers != (0..g.layers) {
-            return Err(ClusterError::BadTransfer {
-                rank: usize::from(self.rank.0),
-                what: format!(
-                    "a transfer of layers {layers:?} of {}: only whole transfers move yet",
-                    g.layers
-                ),
-            });
-        }
+        let (first_layer, layer_count) = layer_range_args(&layers);
+        let moved_layers = clamp_layer_range(first_layer, layer_count, g.layers).len() as u32;
         let pools = PoolShape {
             layers: g.layers,
             device_pages: g.local_pages,
@@ -661,14 +659,14 @@ impl RankCache {
             match pairs {
                 None => {
                     let spec = self.config.deployment.transfer(b, dir);
-                    let regions = transfer_regions(&spec, src, dst, pools);
+                    let regions = transfer_regions(&spec, src, dst, pools, layers.clone());
                     self.exec.copy_regions(from, to, &regions)?;
                 }
                 Some((sb, db)) => {
                     let k = self.kernels.transfer(b, dir);
                     self.exec.launch(
                         k.id,
-                        &k.launch(src.len() as u32, g.layers),
+                        &k.launch(src.len() as u32, moved_layers),
                         &[
                             KernelArg::Ptr(from, 0),
                             KernelArg::Ptr(to, 0),
@@ -676,13 +674,16 @@ impl RankCache {
                             KernelArg::Ptr(db, 0),
                             KernelArg::U32(src.len() as u32),
                             KernelArg::U32(g.layers),
+                            KernelArg::U32(first_layer),
+                            KernelArg::U32(layer_count),
                             KernelArg::U32(g.local_pages),
                             KernelArg::U32(g.host_pages),
                         ],
                     )?;
                 }
             }
-            bytes += src.len() as u64 * u64::from(g.layers) * b.page_bytes(self.layout.page_size());
+            bytes +=
+                src.len() as u64 * u64::from(moved_layers) * b.page_bytes(self.layout.page_size());
         }
         Ok(bytes)
     }

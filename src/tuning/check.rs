@@ -4,6 +4,7 @@
 //! the CUDA executor computes exactly what the host does.
 
 use serde::Serialize;
+use std::ops::Range;
 
 use super::measure::{
     compile_and_load, u32_bytes, AllocBench, CopyBench, Sizes, SourceHook, SplitMix,
@@ -168,13 +169,43 @@ fn alloc_check_requests(threads: u32) -> u32 {
     CHECK_REQUESTS.max(2 * threads + 37)
 }
 
+/// The layer ranges every transfer check runs, each on fresh poisoned pools: every layer,
+/// one middle layer (the others must keep their poison), and a range running far past the
+/// pools' layers (only its valid part moves).
+const CHECK_LAYER_RANGES: [Range<u32>; 3] = [0..u32::MAX, 1..2, 2..u32::MAX];
+
 /// Checks a transfer spec's page pairs moved by `run` (its kernel, or the DMA path) against
-/// the reference, on random source bytes.
+/// the reference, on random source bytes, once per range of [`CHECK_LAYER_RANGES`]: every
+/// layer, then partial layer ranges (a failure of those names its range).
 pub(super) fn check_transfer(
     exec: &dyn Executor,
     spec: &KernelSpec,
     seed: u64,
-    run: impl FnOnce(&CopyBench<'_>) -> Result<(), crate::exec::ExecError>,
+    run: impl Fn(&CopyBench<'_>) -> Result<(), crate::exec::ExecError>,
+) -> Result<Result<String, String>, TuningError> {
+    let mut detail = String::new();
+    for (i, range) in CHECK_LAYER_RANGES.into_iter().enumerate() {
+        let outcome = check_transfer_layers(exec, spec, seed, range.clone(), &run)?;
+        match (i, outcome) {
+            (0, Ok(d)) => detail = d,
+            (0, Err(d)) => return Ok(Err(d)),
+            (_, Ok(_)) => {}
+            (_, Err(d)) => return Ok(Err(format!("layer range {range:?}: {d}"))),
+        }
+    }
+    Ok(Ok(format!(
+        "{detail}; layer ranges {:?} and {:?} too",
+        CHECK_LAYER_RANGES[1], CHECK_LAYER_RANGES[2]
+    )))
+}
+
+/// [`check_transfer`] of one layer range.
+fn check_transfer_layers(
+    exec: &dyn Executor,
+    spec: &KernelSpec,
+    seed: u64,
+    layer_range: Range<u32>,
+    run: impl Fn(&CopyBench<'_>) -> Result<(), crate::exec::ExecError>,
 ) -> Result<Result<String, String>, TuningError> {
     let KernelSpec::TransferPages(s) = spec else {
         return Err(TuningError::Reference {
@@ -184,7 +215,7 @@ pub(super) fn check_transfer(
     };
     let sizes = copy_check_sizes(&s.launch);
     let mut rng = SplitMix(seed);
-    let (b, pages) = CopyBench::new(exec, spec, &sizes, seed)?;
+    let (b, pages) = CopyBench::new_in_layers(exec, spec, &sizes, seed, layer_range.clone())?;
     let (srcs, dst) = b.buffers();
     let src = rng.bytes(exec.size(srcs[0])?);
     exec.upload(srcs[0], 0, &src)?;
@@ -201,6 +232,8 @@ pub(super) fn check_transfer(
         &pages.second,
         sizes.pages,
         sizes.layers,
+        layer_range.start,
+        layer_range.end.saturating_sub(layer_range.start),
         b.device_pages,
         b.host_pages,
     )

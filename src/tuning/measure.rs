@@ -4,6 +4,7 @@
 //! DMA path of transfers, and compiling
 //! plus loading a set of specs through the JIT.
 
+use std::ops::Range;
 use std::time::Instant;
 
 use super::TuningError;
@@ -12,8 +13,8 @@ use crate::exec::{
 };
 use crate::jit::{spec_request, Arch, Jit, JitRequest, Sanitize, Target};
 use crate::kernels::{
-    check_distinct_destinations, transfer_regions, BufferKind, Direction, KernelSpec, PoolShape,
-    SelectStatus, TransferSpec,
+    check_distinct_destinations, clamp_layer_range, layer_range_args, transfer_regions, BufferKind,
+    Direction, KernelSpec, PoolShape, SelectStatus, TransferSpec,
 };
 
 /// Workload sizes of one measurement.
@@ -281,6 +282,10 @@ pub struct CopyBench<'e> {
     kind: CopyKind,
     n: u32,
     layers: u32,
+    /// The layers a transfer copies (`first_layer`, `layer_count` kernel arguments); every
+    /// layer for materialise.
+    first_layer: u32,
+    layer_count: u32,
     page_bytes: u64,
     /// Pool pages per rank (device pool, or each CP pool).
     pub device_pages: u32,
@@ -316,12 +321,25 @@ pub struct CopyPages {
 
 impl<'e> CopyBench<'e> {
     /// Allocates pools (poisoned with `0xA5`) and uploads page ids for `spec` (a transfer or
-    /// materialise spec). `seed` fixes the page ids.
+    /// materialise spec). `seed` fixes the page ids. Transfers copy every layer.
     pub fn new(
         exec: &'e dyn Executor,
         spec: &KernelSpec,
         sizes: &Sizes,
         seed: u64,
+    ) -> Result<(CopyBench<'e>, CopyPages), TuningError> {
+        CopyBench::new_in_layers(exec, spec, sizes, seed, 0..u32::MAX)
+    }
+
+    /// [`CopyBench::new`] whose transfer copies only the layers of `layer_range` (clamped to
+    /// `sizes.layers`, as the kernel clamps it; the pools keep every layer). Materialise
+    /// ignores the range and copies every layer.
+    pub fn new_in_layers(
+        exec: &'e dyn Executor,
+        spec: &KernelSpec,
+        sizes: &Sizes,
+        seed: u64,
+        layer_range: Range<u32>,
     ) -> Result<(CopyBench<'e>, CopyPages), TuningError> {
         let mut mem = Owned {
             exec,
@@ -344,7 +362,7 @@ impl<'e> CopyBench<'e> {
                     Direction::DeviceToHost => (dev_ids, host_ids),
                     Direction::HostToDevice => (host_ids, dev_ids),
                 };
-                CopyBench::transfer(exec, s, pools, sp, dp)
+                CopyBench::transfer(exec, s, pools, sp, dp, layer_range)
             }
             KernelSpec::Materialise(s) => {
                 let page_bytes = s.page_bytes();
@@ -378,6 +396,8 @@ impl<'e> CopyBench<'e> {
                         },
                         n,
                         layers,
+                        first_layer: 0,
+                        layer_count: layers,
                         page_bytes,
                         device_pages: local_pages,
                         host_pages: 0,
@@ -396,7 +416,8 @@ impl<'e> CopyBench<'e> {
     }
 
     /// A transfer of `src_pages[i]` → `dst_pages[i]` between pools of `pools`' sizes (poisoned
-    /// with `0xA5`), with the page ids uploaded. Pairs that name one destination page twice are
+    /// with `0xA5`), with the page ids uploaded, for the layers of `layer_range` (passed to
+    /// the kernel as `first_layer` / `layer_count`, which clamps them to `pools.layers`). Pairs that name one destination page twice are
     /// refused before anything is allocated ([`TuningError::Transfer`]), as the cluster refuses
     /// them: the kernel's result would not be defined on a GPU.
     pub fn transfer(
@@ -405,6 +426,7 @@ impl<'e> CopyBench<'e> {
         pools: PoolShape,
         src_pages: Vec<u32>,
         dst_pages: Vec<u32>,
+        layer_range: Range<u32>,
     ) -> Result<(CopyBench<'e>, CopyPages), TuningError> {
         check_distinct_destinations(&dst_pages)?;
         let n = match u32::try_from(src_pages.len()) {
@@ -443,7 +465,8 @@ impl<'e> CopyBench<'e> {
         let dst_buf = mem.alloc(MemKind::Device, 4 * u64::from(n), 0)?;
         exec.upload(src_buf, 0, &u32_bytes(&src_pages))?;
         exec.upload(dst_buf, 0, &u32_bytes(&dst_pages))?;
-        let regions = transfer_regions(s, &src_pages, &dst_pages, pools);
+        let regions = transfer_regions(s, &src_pages, &dst_pages, pools, layer_range.clone());
+        let (first_layer, layer_count) = layer_range_args(&layer_range);
         Ok((
             CopyBench {
                 mem,
@@ -457,6 +480,8 @@ impl<'e> CopyBench<'e> {
                 },
                 n,
                 layers,
+                first_layer,
+                layer_count,
                 page_bytes,
                 device_pages,
                 host_pages,
@@ -470,7 +495,16 @@ impl<'e> CopyBench<'e> {
 
     /// Bytes one launch moves (read once, written once).
     pub fn bytes(&self) -> u64 {
-        u64::from(self.n) * u64::from(self.layers) * self.page_bytes
+        u64::from(self.n) * u64::from(self.launch_layers()) * self.page_bytes
+    }
+
+    /// The layers one launch copies: the layer range clamped to the pools' layers.
+    pub fn layer_range(&self) -> Range<u32> {
+        clamp_layer_range(self.first_layer, self.layer_count, self.layers)
+    }
+
+    fn launch_layers(&self) -> u32 {
+        self.layer_range().len() as u32
     }
 
     /// The buffers: (sources, destination). For transfers one source; for materialise the CP
@@ -487,7 +521,7 @@ impl<'e> CopyBench<'e> {
     /// Launches `kernel` (compiled from `spec`, a candidate of this bench's spec key) with the
     /// recommended grid, without synchronising.
     pub fn launch(&self, kernel: KernelId, spec: &KernelSpec) -> Result<(), ExecError> {
-        let d = spec.launch_dims(self.n, self.layers);
+        let d = spec.launch_dims(self.n, self.launch_layers());
         let cfg = LaunchConfig::linear(d.grid, d.block);
         let exec = self.mem.exec;
         match &self.kind {
@@ -507,6 +541,8 @@ impl<'e> CopyBench<'e> {
                     KernelArg::Ptr(*dst_pages, 0),
                     KernelArg::U32(self.n),
                     KernelArg::U32(self.layers),
+                    KernelArg::U32(self.first_layer),
+                    KernelArg::U32(self.layer_count),
                     KernelArg::U32(self.device_pages),
                     KernelArg::U32(self.host_pages),
                 ],
@@ -1035,7 +1071,7 @@ mod tests {
             host_pages: 8,
         };
         let before = exec.counters();
-        let err = CopyBench::transfer(&exec, &spec, pools, vec![0, 1, 2], vec![5, 3, 5])
+        let err = CopyBench::transfer(&exec, &spec, pools, vec![0, 1, 2], vec![5, 3, 5], 0..2)
             .err()
             .expect("refused");
         assert!(
@@ -1050,7 +1086,7 @@ mod tests {
             "{err}"
         );
         assert_eq!(exec.counters().since(&before).allocs, 0);
-        let err = CopyBench::transfer(&exec, &spec, pools, vec![0, 1], vec![5])
+        let err = CopyBench::transfer(&exec, &spec, pools, vec![0, 1], vec![5], 0..2)
             .err()
             .expect("refused");
         assert!(
@@ -1061,7 +1097,7 @@ mod tests {
         assert_eq!(exec.counters().since(&before).allocs, 0);
         // Distinct destinations build the workload, and both paths run.
         let (b, pages) =
-            CopyBench::transfer(&exec, &spec, pools, vec![0, 1, 2], vec![5, 3, 4]).unwrap();
+            CopyBench::transfer(&exec, &spec, pools, vec![0, 1, 2], vec![5, 3, 4], 0..2).unwrap();
         assert_eq!(pages.second, [5, 3, 4]);
         b.copy_dma().unwrap();
     }

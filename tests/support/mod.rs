@@ -187,6 +187,8 @@ impl Bench {
             case.dst_pages,
             n,
             case.layers,
+            case.first_layer,
+            case.layer_count,
             case.device_pages,
             case.host_pages,
         )
@@ -198,6 +200,8 @@ impl Bench {
             KernelArg::Ptr(dpb, 0),
             KernelArg::U32(n),
             KernelArg::U32(case.layers),
+            KernelArg::U32(case.first_layer),
+            KernelArg::U32(case.layer_count),
             KernelArg::U32(case.device_pages),
             KernelArg::U32(case.told_host_pages),
         ];
@@ -316,6 +320,8 @@ pub fn reach_case(
             // A few pages, and more than one 32-token word of the mismatch bitmap.
             "n_tokens" => rng.range(0, u64::from((3 * page).max(80) + 1)) as u32,
             "start_page" | "rank" => rng.range(0, 3) as u32,
+            // Layer ranges in, partly past and wholly past the pools, and sums past 2^32.
+            "first_layer" | "layer_count" => [0, 1, 2, 3, u32::MAX][rng.below(5) as usize],
             _ => rng.range(0, 6) as u32,
         }
     };
@@ -328,7 +334,17 @@ pub fn reach_case(
         let i = sig.params.iter().position(|p| p.name == name)?;
         values[i]
     };
-    let bound = values.iter().flatten().copied().max().unwrap_or(1).max(1);
+    // Page ids and other contents up to twice the largest size (the layer range, which may
+    // be near 2^32, is no size).
+    let bound = sig
+        .params
+        .iter()
+        .zip(&values)
+        .filter(|(p, _)| !matches!(p.name, "first_layer" | "layer_count"))
+        .filter_map(|(_, v)| *v)
+        .max()
+        .unwrap_or(1)
+        .max(1);
     let mut reaching = Vec::new();
     let fill = |bytes: usize, rng: &mut Rng| -> BufferId {
         let words: Vec<u32> = (0..bytes.div_ceil(4))
@@ -412,6 +428,11 @@ pub struct TransferCase<'a> {
     pub dst_pages: &'a [u32],
     /// Layers of both pools.
     pub layers: u32,
+    /// First layer to copy (the kernel's `first_layer`; 0 for all of them).
+    pub first_layer: u32,
+    /// Layers to copy from `first_layer` (the kernel's `layer_count`, clamped by it to
+    /// `layers`; `layers` for all of them).
+    pub layer_count: u32,
     /// Pages per layer of the device pool.
     pub device_pages: u32,
     /// Pages per layer of the host pool.
