@@ -319,6 +319,8 @@ mod tests {
             list,
             KernelArg::U32(4),
             KernelArg::U32(2),
+            KernelArg::U32(0),
+            KernelArg::U32(2),
             KernelArg::U32(8),
             KernelArg::U32(8),
         ];

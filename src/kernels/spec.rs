@@ -1564,6 +1564,46 @@ mod tests {
         })
     }
 
+    /// A transfer's grid is sized by the layer count of the launch: one layer of a per-layer
+    /// load gets a layer's worth of blocks, and the signature carries the range.
+    #[test]
+    fn transfer_grids_follow_the_launch_layer_count() {
+        let t = |layers_in_block| {
+            KernelSpec::TransferPages(TransferSpec {
+                direction: Direction::HostToDevice,
+                layout: HostLayout::LayerFirst,
+                page_size: 16,
+                bytes_per_token: 1152,
+                launch: CopyLaunch {
+                    pages_per_block: 2,
+                    layers_in_block,
+                    ..CopyLaunch::default()
+                },
+            })
+        };
+        assert_eq!(t(false).launch_dims(10, 61).grid, 5 * 61);
+        assert_eq!(t(false).launch_dims(10, 1).grid, 5);
+        assert_eq!(t(false).launch_dims(10, 0).grid, 1);
+        assert_eq!(t(true).launch_dims(10, 61).grid, 5);
+        assert_eq!(t(true).launch_dims(10, 1).grid, 5);
+        let names: Vec<&str> = t(false).params().iter().map(|p| p.name).collect();
+        assert_eq!(
+            names,
+            [
+                "src",
+                "dst",
+                "src_pages",
+                "dst_pages",
+                "n",
+                "layers",
+                "first_layer",
+                "layer_count",
+                "device_pages",
+                "host_pages"
+            ]
+        );
+    }
+
     #[test]
     fn launch_dims_are_never_empty() {
         let v = KernelSpec::Verify(VerifySpec {

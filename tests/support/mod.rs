@@ -409,7 +409,7 @@ pub fn reach_case(
             Arg::Pools(p) => KernelArg::PtrStruct(p),
         })
         .collect();
-    let items = values.iter().flatten().copied().max().unwrap_or(1);
+    let items = bound;
     let dims = spec.launch_dims(items, value("layers").unwrap_or(1));
     let k = b.kernel(spec);
     let result =
