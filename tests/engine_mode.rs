@@ -6,12 +6,9 @@
 mod hicache_support;
 
 use cp_hicache::cluster::{Cluster, ClusterConfig, ClusterError};
-use cp_hicache::exec::{
-    BufferId, CopyRegion, Counters, EventId, ExecError, Executor, KernelArg, KernelArtifact,
-    KernelId, LaunchConfig, MemKind,
-};
+use cp_hicache::exec::Executor;
 use cp_hicache::kernels::{Deployment, ModelShape};
-use hicache_support::{evict_all, host_executor, jit, serve, serve_checked, tokens, Setup};
+use hicache_support::{evict_all, host_executor, jit, serve, serve_checked, tokens, Setup, Spy};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -158,175 +155,6 @@ fn ranks_sharing_an_executor_count_their_own_load_path() {
     }
 }
 
-/// A host executor whose host→device copies of layer 1 are held back, as a GPU's copies are
-/// still in flight, until work waits on an event recorded after them: then they run. With
-/// `release` off they never run, as if attention read the layer before its copy finished.
-struct HoldBack {
-    inner: cp_hicache::exec::HostExecutor,
-    release: bool,
-    entries: std::sync::Mutex<std::collections::HashMap<KernelId, String>>,
-    held: std::sync::Mutex<Vec<Held>>,
-    events: std::sync::atomic::AtomicU64,
-    log: std::sync::Mutex<Vec<String>>,
-}
-
-/// A held launch: the events recorded before it, the kernel, its shape and arguments.
-type Held = (u64, KernelId, LaunchConfig, Vec<Owned>);
-
-#[derive(Clone, Copy)]
-enum Owned {
-    Ptr(BufferId, u64),
-    U32(u32),
-}
-
-impl HoldBack {
-    fn new(release: bool) -> Arc<HoldBack> {
-        Arc::new(HoldBack {
-            inner: host_executor(),
-            release,
-            entries: Default::default(),
-            held: Default::default(),
-            events: Default::default(),
-            log: Default::default(),
-        })
-    }
-}
-
-impl Executor for HoldBack {
-    fn backend(&self) -> cp_hicache::exec::Backend {
-        self.inner.backend()
-    }
-    fn device_name(&self) -> String {
-        self.inner.device_name()
-    }
-    fn alloc(&self, k: MemKind, b: usize, f: u8) -> Result<BufferId, ExecError> {
-        self.inner.alloc(k, b, f)
-    }
-    fn free(&self, b: BufferId) -> Result<(), ExecError> {
-        self.inner.free(b)
-    }
-    fn alloc_shareable(&self, b: usize, f: u8) -> Result<BufferId, ExecError> {
-        self.inner.alloc_shareable(b, f)
-    }
-    fn export(&self, b: BufferId) -> Result<Vec<u8>, ExecError> {
-        self.inner.export(b)
-    }
-    fn import(&self, h: &[u8]) -> Result<BufferId, ExecError> {
-        self.inner.import(h)
-    }
-    fn peer_mapping(&self) -> Option<&'static str> {
-        self.inner.peer_mapping()
-    }
-    fn size(&self, b: BufferId) -> Result<usize, ExecError> {
-        self.inner.size(b)
-    }
-    fn upload(&self, b: BufferId, o: u64, d: &[u8]) -> Result<(), ExecError> {
-        self.inner.upload(b, o, d)
-    }
-    fn read(&self, b: BufferId, o: u64, d: &mut [u8]) -> Result<(), ExecError> {
-        self.inner.read(b, o, d)
-    }
-    fn fill(&self, b: BufferId, r: &[(u64, u64)], v: u8) -> Result<(), ExecError> {
-        self.inner.fill(b, r, v)
-    }
-    unsafe fn load_kernel(&self, a: &KernelArtifact<'_>) -> Result<KernelId, ExecError> {
-        // SAFETY: forwarded; the caller's guarantee is the inner executor's.
-        let id = unsafe { self.inner.load_kernel(a) }?;
-        self.entries
-            .lock()
-            .unwrap()
-            .insert(id, a.entry().to_string());
-        Ok(id)
-    }
-    unsafe fn launch_with(
-        &self,
-        k: KernelId,
-        c: &LaunchConfig,
-        a: &[KernelArg<'_>],
-        unsigned_ok: bool,
-    ) -> Result<(), ExecError> {
-        let entry = self
-            .entries
-            .lock()
-            .unwrap()
-            .get(&k)
-            .cloned()
-            .unwrap_or_default();
-        // transfer_pages(src, dst, src_pages, dst_pages, n, layers, first_layer, ...)
-        if entry.starts_with("transfer_pages_h2d") && matches!(a.get(6), Some(KernelArg::U32(1))) {
-            let owned = a
-                .iter()
-                .map(|x| match x {
-                    KernelArg::Ptr(b, o) => Owned::Ptr(*b, *o),
-                    KernelArg::U32(v) => Owned::U32(*v),
-                    _ => panic!("a transfer takes pointers and u32s"),
-                })
-                .collect();
-            let seq = self.events.load(std::sync::atomic::Ordering::SeqCst);
-            self.held.lock().unwrap().push((seq, k, *c, owned));
-            self.log.lock().unwrap().push("h2d held".into());
-            return Ok(());
-        }
-        self.log.lock().unwrap().push(entry);
-        // SAFETY: forwarded; the caller's guarantee is the inner executor's.
-        unsafe { self.inner.launch_with(k, c, a, unsigned_ok) }
-    }
-    fn copy_regions(&self, s: BufferId, d: BufferId, r: &[CopyRegion]) -> Result<(), ExecError> {
-        self.inner.copy_regions(s, d, r)
-    }
-    fn synchronize(&self) -> Result<(), ExecError> {
-        // A synchronisation waits for everything, held copies included.
-        self.run_held(u64::MAX)?;
-        self.inner.synchronize()
-    }
-    fn counters(&self) -> Counters {
-        self.inner.counters()
-    }
-    fn record_event(&self) -> Result<EventId, ExecError> {
-        Ok(EventId(
-            self.events
-                .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
-                + 1,
-        ))
-    }
-    fn wait_event(&self, e: EventId) -> Result<(), ExecError> {
-        if !self.release {
-            return Ok(());
-        }
-        self.run_held(e.0)
-    }
-    fn inject_launch_failure(&self) {
-        self.inner.inject_launch_failure()
-    }
-    fn disarm_launch_failure(&self) -> bool {
-        self.inner.disarm_launch_failure()
-    }
-}
-
-impl HoldBack {
-    /// Runs the held copies enqueued before event `before`.
-    fn run_held(&self, before: u64) -> Result<(), ExecError> {
-        let ready: Vec<_> = {
-            let mut held = self.held.lock().unwrap();
-            let (ready, later) = held.drain(..).partition(|h| h.0 < before);
-            *held = later;
-            ready
-        };
-        for (_, k, c, args) in ready {
-            let args: Vec<KernelArg<'_>> = args
-                .iter()
-                .map(|x| match *x {
-                    Owned::Ptr(b, o) => KernelArg::Ptr(b, o),
-                    Owned::U32(v) => KernelArg::U32(v),
-                })
-                .collect();
-            self.log.lock().unwrap().push("h2d released".into());
-            self.inner.launch(k, &c, &args)?;
-        }
-        Ok(())
-    }
-}
-
 /// Loads back a prompt on one rank (its own pool is all it reads, so nothing but its own
 /// waits orders its copies) whose host→device copies are held back until something waits for
 /// their layer's event. Returns the mismatched tokens of the load and the executor's log.
@@ -335,33 +163,15 @@ fn load_with_held_copies(release: bool) -> (u64, Vec<String>) {
         layers: 3,
         ..Setup::new(ModelShape::MlaBf16, 16, 1)
     };
-    let config = ClusterConfig {
-        deployment: Deployment::new(setup.model, setup.page_size, setup.cp).unwrap(),
-        layers: setup.layers,
-        device_pages: setup.device_pages,
-        host_pages: setup.host_pages,
-        policy: setup.policy,
-        fault: None,
-        sanitize: cp_hicache::jit::Sanitize::None,
-    };
-    let execs: Vec<Arc<HoldBack>> = vec![HoldBack::new(release)];
-    let mut c = Cluster::with_executors(
-        config,
-        execs
-            .iter()
-            .map(|e| e.clone() as Arc<dyn Executor>)
-            .collect(),
-        &jit(),
-    )
-    .unwrap();
+    let spy = Spy::new();
+    let mut c = setup.build_on(spy.clone());
     let a = tokens(1, 6 * 16);
     serve(&mut c, &a);
     evict_all(&mut c);
-    execs[0].log.lock().unwrap().clear();
+    spy.hold_h2d_layer(1, release);
     let s = serve_checked(&mut c, &a);
     assert_eq!(s.host_hit_tokens, 6 * 16, "{s:?}");
-    let log = execs[0].log.lock().unwrap().clone();
-    (s.mismatched_tokens, log)
+    (s.mismatched_tokens, spy.hold_log())
 }
 
 /// Verification reads each layer only after waiting for that layer's load-back, the way

@@ -161,6 +161,28 @@ pub struct Spy {
     fail_uploads: AtomicBool,
     /// Set: the next fill fails (once).
     fail_fill: AtomicBool,
+    /// Host→device copies of this layer are held back ([`Spy::hold_h2d_layer`]).
+    hold: Mutex<Option<HoldH2d>>,
+}
+
+/// What [`Spy::hold_h2d_layer`] holds back, and what it saw.
+struct HoldH2d {
+    layer: u32,
+    release: bool,
+    held: Vec<Held>,
+    /// Events recorded so far (each id is the count at its record).
+    events: u64,
+    log: Vec<String>,
+}
+
+/// A held launch: the events recorded before it, the kernel, its shape and its arguments.
+type Held = (u64, KernelId, LaunchConfig, Vec<Owned>);
+
+/// A transfer argument, owned so that the launch can run later.
+#[derive(Clone, Copy)]
+enum Owned {
+    Ptr(BufferId, u64),
+    U32(u32),
 }
 
 impl Spy {
@@ -175,7 +197,92 @@ impl Spy {
             skipped: AtomicU64::new(0),
             fail_uploads: AtomicBool::new(false),
             fail_fill: AtomicBool::new(false),
+            hold: Mutex::new(None),
         })
+    }
+
+    /// From now on, host→device copies of layer `layer` are held back, as a GPU's copies
+    /// still in flight are, until work waits on an event recorded after them (or the
+    /// executor synchronises); then they run. With `release` off a wait does not run them,
+    /// as if attention read the layer before its copy finished. Launches are logged by entry
+    /// name ("h2d held", "h2d released" for the held ones) for [`Spy::hold_log`].
+    pub fn hold_h2d_layer(&self, layer: u32, release: bool) {
+        *self.hold.lock().unwrap() = Some(HoldH2d {
+            layer,
+            release,
+            held: Vec::new(),
+            events: 0,
+            log: Vec::new(),
+        });
+    }
+
+    /// The launches logged since [`Spy::hold_h2d_layer`], in order.
+    pub fn hold_log(&self) -> Vec<String> {
+        self.hold
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map_or_else(Vec::new, |h| h.log.clone())
+    }
+
+    /// Holds launch `k` back when it is a held layer's host→device copy (logging every
+    /// launch while holding); whether it was held.
+    fn holds(&self, k: KernelId, c: &LaunchConfig, a: &[KernelArg<'_>]) -> bool {
+        let mut hold = self.hold.lock().unwrap();
+        let Some(h) = hold.as_mut() else {
+            return false;
+        };
+        let entry = self
+            .entries
+            .lock()
+            .unwrap()
+            .get(&k)
+            .cloned()
+            .unwrap_or_default();
+        // transfer_pages(src, dst, src_pages, dst_pages, n, layers, first_layer, ...)
+        if entry.starts_with("transfer_pages_h2d")
+            && matches!(a.get(6), Some(KernelArg::U32(l)) if *l == h.layer)
+        {
+            let owned = a
+                .iter()
+                .map(|x| match x {
+                    KernelArg::Ptr(b, o) => Owned::Ptr(*b, *o),
+                    KernelArg::U32(v) => Owned::U32(*v),
+                    _ => panic!("a transfer takes pointers and u32s"),
+                })
+                .collect();
+            h.held.push((h.events, k, *c, owned));
+            h.log.push("h2d held".into());
+            return true;
+        }
+        h.log.push(entry);
+        false
+    }
+
+    /// Runs the held copies recorded before event `before` (all of them for `u64::MAX`).
+    fn run_held(&self, before: u64) -> Result<(), ExecError> {
+        let ready: Vec<Held> = {
+            let mut hold = self.hold.lock().unwrap();
+            let Some(h) = hold.as_mut() else {
+                return Ok(());
+            };
+            let (ready, later) = h.held.drain(..).partition(|x| x.0 < before);
+            h.held = later;
+            h.log
+                .extend(ready.iter().map(|_| "h2d released".to_string()));
+            ready
+        };
+        for (_, k, c, args) in ready {
+            let args: Vec<KernelArg<'_>> = args
+                .iter()
+                .map(|x| match *x {
+                    Owned::Ptr(b, o) => KernelArg::Ptr(b, o),
+                    Owned::U32(v) => KernelArg::U32(v),
+                })
+                .collect();
+            self.inner.launch(k, &c, &args)?;
+        }
+        Ok(())
     }
 
     /// While `on`, every upload fails with a driver error.
@@ -287,7 +394,7 @@ impl Executor for Spy {
         a: &[KernelArg<'_>],
         unsigned_ok: bool,
     ) -> Result<(), ExecError> {
-        if self.skips(k) {
+        if self.skips(k) || self.holds(k, c, a) {
             return Ok(());
         }
         // SAFETY: forwarded; the caller's guarantee is the inner executor's.
@@ -297,6 +404,8 @@ impl Executor for Spy {
         self.inner.copy_regions(s, d, r)
     }
     fn synchronize(&self) -> Result<(), ExecError> {
+        // A synchronisation waits for everything, held copies included.
+        self.run_held(u64::MAX)?;
         self.inner.synchronize()
     }
     fn counters(&self) -> Counters {
@@ -315,10 +424,22 @@ impl Executor for Spy {
         self.inner.peer_mapping()
     }
     fn record_event(&self) -> Result<EventId, ExecError> {
-        self.inner.record_event()
+        let mut hold = self.hold.lock().unwrap();
+        match hold.as_mut() {
+            Some(h) => {
+                h.events += 1;
+                Ok(EventId(h.events))
+            }
+            None => self.inner.record_event(),
+        }
     }
     fn wait_event(&self, e: EventId) -> Result<(), ExecError> {
-        self.inner.wait_event(e)
+        let release = self.hold.lock().unwrap().as_ref().map(|h| h.release);
+        match release {
+            Some(true) => self.run_held(e.0),
+            Some(false) => Ok(()),
+            None => self.inner.wait_event(e),
+        }
     }
     fn release_event(&self, e: EventId) {
         self.inner.release_event(e)
