@@ -81,6 +81,7 @@ impl RankCache {
             &src,
             &dst,
             0..self.pools.geometry().layers,
+            None,
         )?;
         let meta = NodeMetadata::new(&self.layout, self.rank, owners, host_pages)?;
         self.tree.set_host(node, meta)?;

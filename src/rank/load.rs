@@ -120,11 +120,13 @@ impl RankCache {
             exec: self.exec.clone(),
             layers: Vec::with_capacity(layers as usize),
         };
-        for layer in 0..layers {
-            stats.bytes_h2d +=
-                self.transfer(Direction::HostToDevice, &src, &dst, layer..layer + 1)?;
-            handle.layers.push(self.exec.record_event()?);
-        }
+        stats.bytes_h2d += self.transfer(
+            Direction::HostToDevice,
+            &src,
+            &dst,
+            0..layers,
+            Some(&mut handle.layers),
+        )?;
         Ok(Some((run, handle)))
     }
 }

@@ -624,20 +624,28 @@ impl RankCache {
 
     /// Copies this rank's page pairs for every buffer kind and every layer of `layers`
     /// (clamped to the pools' layers; `0..layers` for all of them), with the transfer kernel
-    /// or by DMA as the deployment says; returns bytes moved.
+    /// or by DMA as the deployment says; returns bytes moved. With `events`, the layers move
+    /// one at a time, each followed by an event pushed there (a layer-wise load); the pairs
+    /// are checked and uploaded once either way.
     fn transfer(
         &mut self,
         dir: Direction,
         src: &[u32],
         dst: &[u32],
         layers: Range<u32>,
+        mut events: Option<&mut Vec<EventId>>,
     ) -> Result<u64, ClusterError> {
-        if src.is_empty() {
-            return Ok(0);
-        }
         let g = self.pools.geometry();
         let (first_layer, layer_count) = layer_range_args(&layers);
-        let moved_layers = clamp_layer_range(first_layer, layer_count, g.layers).len() as u32;
+        let moved = clamp_layer_range(first_layer, layer_count, g.layers);
+        if src.is_empty() {
+            if let Some(events) = events.as_deref_mut() {
+                for _ in moved {
+                    events.push(self.exec.record_event()?);
+                }
+            }
+            return Ok(0);
+        }
         let pools = PoolShape {
             layers: g.layers,
             device_pages: g.local_pages,
@@ -650,40 +658,50 @@ impl RankCache {
         } else {
             Some(self.pools.upload_pairs(src, dst)?)
         };
+        let steps: Vec<Range<u32>> = match events {
+            Some(_) => moved.clone().map(|l| l..l + 1).collect(),
+            None => vec![moved.clone()],
+        };
         let mut bytes = 0;
-        for &b in self.config.deployment.model.buffers() {
-            let (from, to) = match dir {
-                Direction::HostToDevice => (self.pools.host(b), self.pools.device(b)),
-                Direction::DeviceToHost => (self.pools.device(b), self.pools.host(b)),
-            };
-            match pairs {
-                None => {
-                    let spec = self.config.deployment.transfer(b, dir);
-                    let regions = transfer_regions(&spec, src, dst, pools, layers.clone());
-                    self.exec.copy_regions(from, to, &regions)?;
+        for step in steps {
+            for &b in self.config.deployment.model.buffers() {
+                let (from, to) = match dir {
+                    Direction::HostToDevice => (self.pools.host(b), self.pools.device(b)),
+                    Direction::DeviceToHost => (self.pools.device(b), self.pools.host(b)),
+                };
+                match pairs {
+                    None => {
+                        let spec = self.config.deployment.transfer(b, dir);
+                        let regions = transfer_regions(&spec, src, dst, pools, step.clone());
+                        self.exec.copy_regions(from, to, &regions)?;
+                    }
+                    Some((sb, db)) => {
+                        let k = self.kernels.transfer(b, dir);
+                        let (first, count) = layer_range_args(&step);
+                        self.exec.launch(
+                            k.id,
+                            &k.launch(src.len() as u32, step.len() as u32),
+                            &[
+                                KernelArg::Ptr(from, 0),
+                                KernelArg::Ptr(to, 0),
+                                KernelArg::Ptr(sb, 0),
+                                KernelArg::Ptr(db, 0),
+                                KernelArg::U32(src.len() as u32),
+                                KernelArg::U32(g.layers),
+                                KernelArg::U32(first),
+                                KernelArg::U32(count),
+                                KernelArg::U32(g.local_pages),
+                                KernelArg::U32(g.host_pages),
+                            ],
+                        )?;
+                    }
                 }
-                Some((sb, db)) => {
-                    let k = self.kernels.transfer(b, dir);
-                    self.exec.launch(
-                        k.id,
-                        &k.launch(src.len() as u32, moved_layers),
-                        &[
-                            KernelArg::Ptr(from, 0),
-                            KernelArg::Ptr(to, 0),
-                            KernelArg::Ptr(sb, 0),
-                            KernelArg::Ptr(db, 0),
-                            KernelArg::U32(src.len() as u32),
-                            KernelArg::U32(g.layers),
-                            KernelArg::U32(first_layer),
-                            KernelArg::U32(layer_count),
-                            KernelArg::U32(g.local_pages),
-                            KernelArg::U32(g.host_pages),
-                        ],
-                    )?;
-                }
+                bytes +=
+                    src.len() as u64 * step.len() as u64 * b.page_bytes(self.layout.page_size());
             }
-            bytes +=
-                src.len() as u64 * u64::from(moved_layers) * b.page_bytes(self.layout.page_size());
+            if let Some(events) = events.as_deref_mut() {
+                events.push(self.exec.record_event()?);
+            }
         }
         Ok(bytes)
     }
@@ -811,7 +829,7 @@ mod tests {
             let mut r = one_rank(path);
             let before = r.exec.counters();
             let err = r
-                .transfer(Direction::HostToDevice, &[0, 1], &[2, 2], 0..1)
+                .transfer(Direction::HostToDevice, &[0, 1], &[2, 2], 0..1, None)
                 .unwrap_err();
             assert!(
                 matches!(&err, ClusterError::BadTransfer { rank: 0, what }
@@ -821,7 +839,7 @@ mod tests {
             let d = r.exec.counters().since(&before);
             assert_eq!((d.uploads, d.launches, d.copies), (0, 0, 0), "{path}");
             // Distinct pages move.
-            r.transfer(Direction::HostToDevice, &[0, 1], &[2, 3], 0..1)
+            r.transfer(Direction::HostToDevice, &[0, 1], &[2, 3], 0..1, None)
                 .unwrap();
         }
     }
