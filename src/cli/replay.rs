@@ -5,7 +5,7 @@
 use super::common::parse_backend;
 use crate::allocator::BufferSizes;
 use crate::cluster::{
-    Cluster, ClusterConfig, Fault, ReplayReport, RequestStats, RollbackDrops, WritePolicy,
+    Cluster, ClusterConfig, Fault, Ranks, ReplayReport, RequestStats, RollbackDrops, WritePolicy,
 };
 use crate::exec::{open_executor, Backend, Executor};
 use crate::jit::{Jit, JitConfig, Sanitize};
@@ -121,6 +121,11 @@ pub struct ReplayArgs {
     /// Also write the report as JSON to FILE.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
+    /// Also write one JSON line per request to FILE: its id, outcome (served, skipped,
+    /// failed), statistics and the replicas' digest after it, so that two runs (say the
+    /// in-process and the multi-process replay) can be compared request by request.
+    #[arg(long, value_name = "FILE.jsonl")]
+    pub request_log: Option<PathBuf>,
     /// No progress bar.
     #[arg(long, short)]
     pub quiet: bool,
@@ -423,7 +428,10 @@ fn available_memory() -> Option<u64> {
 pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
     let plan = args.validate()?;
     super::common::check_outputs(
-        &[("--json", args.json.as_deref())],
+        &[
+            ("--json", args.json.as_deref()),
+            ("--request-log", args.request_log.as_deref()),
+        ],
         &[
             ("--trace", args.trace.as_deref()),
             ("--tuning", args.tuning.as_deref()),
@@ -431,34 +439,9 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
     )?;
     let (workload, total) = args.workload()?;
     let exec: Arc<dyn Executor> = Arc::from(open_executor(args.backend)?);
-    let backend = exec.backend().to_string();
     let jit = Jit::new(JitConfig::from_env()?);
-    // Launch shapes tuned for this executor: from --tuning, else <cache>/tuning.json if any.
-    let mut deployment = plan.deployment.clone();
-    let device = crate::tuning::DeviceKey::for_executor(exec.as_ref(), &jit)?;
-    let warnings = crate::tuning::apply(&mut deployment, args.tuning.as_deref(), &device)?;
-    // Named in the report only when some of its shapes run.
-    let tuning_file = (deployment != plan.deployment).then(|| {
-        args.tuning
-            .clone()
-            .unwrap_or_else(crate::tuning::default_path)
-    });
-    for warning in crate::tuning::warning_lines(&warnings) {
-        eprintln!("warning: {warning}");
-    }
-    if let Some(path) = args.transfer {
-        deployment.transfer_path = path;
-    }
-    let config = ClusterConfig {
-        deployment: deployment.clone(),
-        layers: args.layers,
-        device_pages: args.device_pages,
-        host_pages: args.host_pages,
-        policy: args.policy,
-        fault: args.inject,
-        sanitize: Sanitize::from_env()?,
-    };
-    check_memory(&config, exec.backend())?;
+    let setup = Setup::new(args, &plan, exec.as_ref(), &jit)?;
+    check_memory(&setup.config, exec.backend())?;
     // One executor per rank where peers can map each other's pools (shared memory on the
     // CPU), as engine processes each hold their own; on one GPU the ranks share it.
     let mut cluster = if exec.peer_mapping().is_some() {
@@ -466,11 +449,141 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
         for _ in 1..args.cp {
             execs.push(Arc::from(open_executor(args.backend)?));
         }
-        Cluster::with_executors(config, execs, &jit)
+        Cluster::with_executors(setup.config.clone(), execs, &jit)
     } else {
-        Cluster::new(config, exec, &jit)
+        Cluster::new(setup.config.clone(), exec, &jit)
     }
     .map_err(cluster_error)?;
+    drive(&mut cluster, args, plan, setup, workload, total)
+}
+
+/// Checks a replay's arguments as [`replay_rank`] will, before any rank starts: everything
+/// `cp-hicache replay` refuses with exit status 2 (the settings, the trace's every line, the
+/// output file) is refused here, so a launcher refuses it once instead of in every rank.
+pub fn check_replay_args(args: &ReplayArgs) -> Result<(), crate::Error> {
+    args.validate()?;
+    super::common::check_outputs(
+        &[
+            ("--json", args.json.as_deref()),
+            ("--request-log", args.request_log.as_deref()),
+        ],
+        &[
+            ("--trace", args.trace.as_deref()),
+            ("--tuning", args.tuning.as_deref()),
+        ],
+    )?;
+    args.workload().map(drop)
+}
+
+/// Runs this process's rank (`group.rank()`) of a replay whose ranks are separate processes
+/// (`python -m cp_hicache.replay`): the same workload, checks and report as
+/// `cp-hicache replay`, on one [`RankCache`](crate::rank::RankCache) agreeing with its peers
+/// through `group`. Every rank verifies (unless `--verify-ranks`); rank 0 prints the report
+/// and writes `--json`. Every rank returns the same exit status.
+///
+/// The executor is this process's own (`--backend`), and peers map its pools (POSIX shared
+/// memory on the CPU), so it must support [`Executor::peer_mapping`].
+pub fn replay_rank(
+    args: &ReplayArgs,
+    group: Box<dyn crate::group::Collective>,
+) -> Result<ExitCode, crate::Error> {
+    let plan = args.validate()?;
+    let (workload, total) = args.workload()?;
+    if group.size() != usize::from(args.cp) {
+        return Err(crate::Error::Usage(format!(
+            "--cp {} needs {} rank processes, not {}",
+            args.cp,
+            args.cp,
+            group.size()
+        )));
+    }
+    let exec: Arc<dyn Executor> = Arc::from(open_executor(args.backend)?);
+    if exec.peer_mapping().is_none() {
+        return Err(crate::Error::Usage(format!(
+            "the {} executor cannot map peers' pools across processes",
+            exec.backend()
+        )));
+    }
+    let jit = Jit::new(JitConfig::from_env()?);
+    let setup = Setup::new(args, &plan, exec.as_ref(), &jit)?;
+    check_memory(&setup.config, exec.backend())?;
+    let mut rank = crate::rank::RankCache::new(
+        setup.config.clone(),
+        exec,
+        &jit,
+        group,
+        crate::rank::PeerAccess::Mapped,
+    )
+    .map_err(cluster_error)?;
+    drive(&mut rank, args, plan, setup, workload, total)
+}
+
+/// The cluster settings a replay runs with, and what the report says about them.
+struct Setup {
+    config: ClusterConfig,
+    deployment: Deployment,
+    backend: String,
+    tuning_file: Option<PathBuf>,
+}
+
+impl Setup {
+    fn new(
+        args: &ReplayArgs,
+        plan: &ReplayPlan,
+        exec: &dyn Executor,
+        jit: &Jit,
+    ) -> Result<Setup, crate::Error> {
+        // Launch shapes tuned for this executor: from --tuning, else <cache>/tuning.json if any.
+        let mut deployment = plan.deployment.clone();
+        let device = crate::tuning::DeviceKey::for_executor(exec, jit)?;
+        let warnings = crate::tuning::apply(&mut deployment, args.tuning.as_deref(), &device)?;
+        // Named in the report only when some of its shapes run.
+        let tuning_file = (deployment != plan.deployment).then(|| {
+            args.tuning
+                .clone()
+                .unwrap_or_else(crate::tuning::default_path)
+        });
+        for warning in crate::tuning::warning_lines(&warnings) {
+            eprintln!("warning: {warning}");
+        }
+        if let Some(path) = args.transfer {
+            deployment.transfer_path = path;
+        }
+        let config = ClusterConfig {
+            deployment: deployment.clone(),
+            layers: args.layers,
+            device_pages: args.device_pages,
+            host_pages: args.host_pages,
+            policy: args.policy,
+            fault: args.inject,
+            sanitize: Sanitize::from_env()?,
+        };
+        Ok(Setup {
+            config,
+            deployment,
+            backend: exec.backend().to_string(),
+            tuning_file,
+        })
+    }
+}
+
+/// The replay itself, over every rank in this process or this process's one rank: the same
+/// calls either way (see [`Ranks`]), so both report the same.
+fn drive(
+    cluster: &mut dyn Ranks,
+    args: &ReplayArgs,
+    plan: ReplayPlan,
+    setup: Setup,
+    workload: RequestStream,
+    total: Option<u64>,
+) -> Result<ExitCode, crate::Error> {
+    let Setup {
+        deployment,
+        backend,
+        tuning_file,
+        ..
+    } = setup;
+    let reports = cluster.reports();
     if let Some(n) = args.verify_ranks {
         cluster.set_verifying_ranks(usize::from(n));
     }
@@ -479,16 +592,27 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
         cache_hits = cluster.kernels().cache_hits,
         "kernels ready"
     );
-    // The request the injected launch failure is aimed at.
+    // The request the injected launch failure is aimed at (on the last rank).
+    let last = usize::from(args.cp) - 1;
     let mut launch_failure_at = None;
     if args.inject == Some(Fault::LaunchError) {
         // Fail a request in the middle, once the cache holds something worth protecting.
         let at = total.map_or(1, |t| (t / 2) as usize);
-        cluster.inject_launch_failure(at);
+        cluster.inject_launch_failure_on(last, at);
         launch_failure_at = Some(at);
     }
 
-    let bar = progress_bar(total, args.quiet);
+    // Only the reporting process draws and notes; every rank still makes every call.
+    let bar = if reports {
+        progress_bar(total, args.quiet)
+    } else {
+        ProgressBar::hidden()
+    };
+    let say = |line: String| {
+        if reports {
+            note(&bar, line);
+        }
+    };
     let start = Instant::now();
     let mut totals = RequestStats::default();
     let mut requests = 0u64;
@@ -499,6 +623,7 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
     // A bad line the up-front check could not see (a pipe, or a file changed since) stops
     // the replay there; what ran is still reported.
     let mut input_error = None;
+    let mut log = String::new();
     for req in workload {
         let req = match req {
             Ok(req) => req,
@@ -507,18 +632,27 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
                 break;
             }
         };
-        let before = cluster.replica_digests();
-        match cluster.serve(&req.tokens) {
+        let before = cluster.replica_digests().map_err(cluster_error)?;
+        let served = cluster.serve(&req.tokens);
+        let mut entry = serde_json::json!({
+            "request": req.id,
+            "outcome": match &served {
+                Ok(_) => "served",
+                Err(e) if e.is_pool_too_small() => "skipped",
+                Err(_) => "failed",
+            },
+        });
+        if let Ok(stats) = &served {
+            entry["stats"] = serde_json::to_value(stats).unwrap_or_default();
+        }
+        match served {
             Ok(stats) => {
                 totals.add(&stats);
                 if let Some(first) = stats.first_mismatched_token {
-                    note(
-                        &bar,
-                        format!(
-                            "request {}: {} mismatched tokens, the first at token {first}",
-                            req.id, stats.mismatched_tokens
-                        ),
-                    );
+                    say(format!(
+                        "request {}: {} mismatched tokens, the first at token {first}",
+                        req.id, stats.mismatched_tokens
+                    ));
                 }
             }
             Err(e) if e.is_pool_too_small() => {
@@ -528,21 +662,18 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
                     let at = req
                         .line
                         .map_or(String::new(), |l| format!(" (trace line {l})"));
-                    note(
-                        &bar,
-                        format!(
-                            "warning: request {}{at} skipped: {e}; later requests that do not \
+                    say(format!(
+                        "warning: request {}{at} skipped: {e}; later requests that do not \
                              fit are skipped and counted too",
-                            req.id
-                        ),
-                    );
+                        req.id
+                    ));
                 }
                 skipped += 1;
                 if launch_failure_at == Some(requests as usize) {
                     // The launch failure aimed at this request went with it (it launched
                     // nothing): aim at the next one, so the fault is still exercised.
                     let next = requests as usize + 1;
-                    cluster.inject_launch_failure(next);
+                    cluster.inject_launch_failure_on(last, next);
                     launch_failure_at = Some(next);
                 }
             }
@@ -560,8 +691,8 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
                 let drops = cluster.last_rollback();
                 dropped.device_pages += drops.device_pages;
                 dropped.host_copies += drops.host_copies;
-                let unchanged = cluster.replica_digests() == before;
-                let agree = cluster.replicas_agree();
+                let unchanged = cluster.replica_digests().map_err(cluster_error)? == before;
+                let agree = cluster.replicas_agree().map_err(cluster_error)?;
                 let state = match (unchanged, agree, drops.is_empty()) {
                     (true, _, _) => "unchanged".to_string(),
                     (false, true, false) => format!(
@@ -571,23 +702,29 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
                     (false, true, true) => "CHANGED although the rollback dropped nothing".into(),
                     (false, false, _) => "CHANGED and the replicas DISAGREE".into(),
                 };
-                note(
-                    &bar,
-                    format!(
-                        "request {} failed: {e}\n  allocator and tree state {state} (digest before {})",
-                        req.id,
-                        before.first().map_or("unknown".to_string(), ToString::to_string)
-                    ),
-                );
+                say(format!(
+                    "request {} failed: {e}\n  allocator and tree state {state} (digest before {})",
+                    req.id,
+                    before
+                        .first()
+                        .map_or("unknown".to_string(), ToString::to_string)
+                ));
                 if !agree || (!unchanged && drops.is_empty()) {
                     disagreed_at.get_or_insert(req.id);
                 }
             }
         }
         requests += 1;
-        if disagreed_at.is_none() && !cluster.replicas_agree() {
+        let after = cluster.replica_digests().map_err(cluster_error)?;
+        let agree = !after.is_empty() && after.windows(2).all(|w| w[0] == w[1]);
+        if disagreed_at.is_none() && !agree {
             disagreed_at = Some(req.id);
-            note(&bar, format!("request {}: replicas disagree", req.id));
+            say(format!("request {}: replicas disagree", req.id));
+        }
+        if args.request_log.is_some() {
+            entry["digests"] = after.iter().map(ToString::to_string).collect();
+            log.push_str(&entry.to_string());
+            log.push('\n');
         }
         bar.inc(1);
         bar.set_message(format!("{} mismatched", totals.mismatched_tokens));
@@ -615,7 +752,7 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
     let fault_exercised = args
         .inject
         .map(|f| fault_exercised(f, &totals, failed, args.cp, args.device_pages));
-    if let (Some(f), Some(Err(why))) = (args.inject, &fault_exercised) {
+    if let (true, Some(f), Some(Err(why))) = (reports, args.inject, &fault_exercised) {
         eprintln!("warning: the injected fault {f} never fired: {why}");
     }
     let wall = start.elapsed().as_secs_f64();
@@ -623,8 +760,11 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
     // decides); compare the device lane stacks with the mirrors once now, off that path.
     let device_lanes_agree = match cluster.check_device_lanes() {
         Ok(()) => true,
+        Err(e) if e.is_group_broken() => return Err(cluster_error(e)),
         Err(e) => {
-            eprintln!("device lane stacks disagree with the allocator's host mirror: {e}");
+            if reports {
+                eprintln!("device lane stacks disagree with the allocator's host mirror: {e}");
+            }
             false
         }
     };
@@ -658,20 +798,27 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
         fault_not_fired_because: fault_exercised.and_then(Result::err),
         tuning_file: tuning_file.map(|p| p.display().to_string()),
         copy_launch: deployment.copy.to_string(),
-        group: cluster.group_info().clone(),
+        group: cluster.group_info(),
         transfer_path: deployment.transfer_path.to_string(),
         synth_threads: deployment.synth_threads,
     };
-    outln!("cp-hicache replay");
-    out!("{}", report.to_table());
-    if let Some(path) = &args.json {
-        super::common::write_json(path, &report)?;
+    if reports {
+        outln!("cp-hicache replay");
+        out!("{}", report.to_table());
+        if let Some(path) = &args.json {
+            super::common::write_json(path, &report)?;
+        }
+        if let Some(path) = &args.request_log {
+            super::common::write_output(path, &log)?;
+        }
     }
     if let Some(e) = input_error {
-        eprintln!(
+        if reports {
+            eprintln!(
             "error: {e}\n  the replay stopped there: the report covers the {requests} requests \
              before it"
-        );
+            );
+        }
         // A failure in what ran is the stronger verdict; otherwise the input is at fault.
         return Ok(if report.ok() && failed == 0 {
             ExitCode::from(2)

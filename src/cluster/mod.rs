@@ -48,12 +48,14 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+mod ranks;
 pub mod stats;
 
 pub use crate::rank::{
     ClusterConfig, ClusterError, DeploymentKernels, Fault, KernelLoadError, Loaded, PeerAccess,
     PoolGeometry, Pools, RequestStats, RollbackDrops, SourceHook, Verdict, WritePolicy,
 };
+pub use ranks::Ranks;
 pub use stats::ReplayReport;
 
 use crate::allocator::StateDigest;
@@ -433,15 +435,19 @@ impl Cluster {
         self.info.verifying_ranks = n.clamp(1, self.info.ranks);
         let n = self.info.verifying_ranks;
         let _ = self.on_all("choosing the verifying ranks", move |r| {
-            r.set_verifies(usize::from(r.rank().0) < n);
+            r.set_verifying_ranks(n);
         });
     }
 
     /// Per rank: a digest of the allocator and the tree (host slots excluded: they differ
     /// between ranks by design). Empty once a rank's thread is gone.
     pub fn replica_digests(&self) -> Vec<StateDigest> {
+        self.try_replica_digests().unwrap_or_default()
+    }
+
+    /// [`Cluster::replica_digests`], with the error that says which rank's thread is gone.
+    pub fn try_replica_digests(&self) -> Result<Vec<StateDigest>, ClusterError> {
         self.on_all("computing digests", |r| r.digest())
-            .unwrap_or_default()
     }
 
     /// Whether every rank's digest is equal (false once a rank's thread is gone).

@@ -159,8 +159,15 @@ impl ReplayReport {
         row(
             "ranks",
             format!(
-                "{} threads, {} group, {} peer pools{}, {}",
+                "{} {}, {} group, {} peer pools{}, {}",
                 self.group.ranks,
+                // LocalGroup ranks are threads of this process; any other group's are
+                // processes of their own.
+                if self.group.kind == "local" {
+                    "threads"
+                } else {
+                    "processes"
+                },
                 self.group.kind,
                 self.group.peer_pools,
                 if self.group.executor_per_rank {

@@ -736,6 +736,24 @@ impl Counters {
     }
 }
 
+/// Where a buffer's bytes are ([`Executor::address`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Address {
+    /// The first byte's address in `space`.
+    pub ptr: u64,
+    /// Which memory the address is in.
+    pub space: AddressSpace,
+}
+
+/// The memory an [`Address`] is in, as DLPack names devices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AddressSpace {
+    /// This process's (host) memory.
+    Host,
+    /// CUDA device memory of the device with this ordinal.
+    Cuda(i32),
+}
+
 /// A kernel executor.
 ///
 /// Contract:
@@ -821,6 +839,19 @@ pub trait Executor: Send + Sync {
 
     /// Size of a buffer in bytes.
     fn size(&self, buffer: BufferId) -> Result<usize, ExecError>;
+
+    /// Where `buffer`'s bytes are, so that an engine's own kernels can read and write a pool
+    /// in place (the Python package hands pools out as DLPack tensors). Valid until the
+    /// buffer is freed; work on it must be ordered with this executor's stream by the
+    /// caller. Executors whose memory has no address a caller could use refuse.
+    fn address(&self, buffer: BufferId) -> Result<Address, ExecError> {
+        let _ = buffer;
+        Err(ExecError::Config {
+            name: "backend",
+            value: self.backend().to_string(),
+            reason: "its buffers have no address outside the executor".into(),
+        })
+    }
 
     /// Copies `data` into `buffer` at `offset` without synchronising (stream-ordered).
     fn upload(&self, buffer: BufferId, offset: u64, data: &[u8]) -> Result<(), ExecError>;

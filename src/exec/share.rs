@@ -83,6 +83,9 @@ impl Executor for RankView {
     fn size(&self, buffer: BufferId) -> Result<usize, ExecError> {
         self.inner.size(buffer)
     }
+    fn address(&self, buffer: BufferId) -> Result<super::Address, ExecError> {
+        self.inner.address(buffer)
+    }
     fn upload(&self, buffer: BufferId, offset: u64, data: &[u8]) -> Result<(), ExecError> {
         self.counted(|e| e.upload(buffer, offset, data))
     }

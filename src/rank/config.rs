@@ -238,6 +238,15 @@ pub enum ClusterError {
         /// Why.
         source: crate::exec::ExecError,
     },
+    /// A peer process reported a failure this rank can only relay (for example its device
+    /// lanes disagree with its mirror): the peer's own message.
+    #[error("rank {rank}: {message}")]
+    PeerReported {
+        /// The rank that failed.
+        rank: usize,
+        /// Its message.
+        message: String,
+    },
     /// A transfer named a page outside its pool, had unequal page lists, or named one
     /// destination page in two pairs. A bug (the pools hand out only their own pages, each
     /// once), refused before anything moves: the kernel and the DMA path would skip a pair

@@ -57,6 +57,16 @@ pub enum KernelLoadError {
 }
 
 impl DeploymentKernels {
+    /// How many kernels are loaded.
+    pub fn len(&self) -> usize {
+        self.transfer.len() + self.materialise.len() + self.synthesise.len() + self.verify.len()
+    }
+
+    /// Whether no kernel is loaded (never, for a deployment with a buffer).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// Renders, compiles (in parallel, through the JIT cache) and loads every kernel of the
     /// deployment that the cluster launches.
     pub fn load(

@@ -91,6 +91,7 @@ pub struct RankCache {
     last_dense: Vec<(BufferKind, Vec<u8>)>,
     repoison: bool,
     verifies: bool,
+    verifying_ranks: usize,
     last_rollback: RollbackDrops,
     last_verdict: Verdict,
 }
@@ -138,6 +139,7 @@ impl RankCache {
         }
         // Every rank has mapped every peer before any request makes a peer read them.
         group.barrier("pools connected")?;
+        let size = group.size();
         Ok(RankCache {
             rank,
             layout,
@@ -158,6 +160,7 @@ impl RankCache {
             last_dense: Vec::new(),
             repoison: true,
             verifies: true,
+            verifying_ranks: size,
             last_rollback: RollbackDrops::default(),
             last_verdict: Verdict::default(),
         })
@@ -420,6 +423,36 @@ impl RankCache {
     /// that does not still takes part in every collective, with an empty bitmap.
     pub fn set_verifies(&mut self, on: bool) {
         self.verifies = on;
+    }
+
+    /// Materialise and verify on the first `n` ranks of the group only (clamped to
+    /// `1..=size`): this rank verifies when it is one of them.
+    pub fn set_verifying_ranks(&mut self, n: usize) {
+        self.verifying_ranks = n.clamp(1, self.group.size());
+        self.verifies = usize::from(self.rank.0) < self.verifying_ranks;
+    }
+
+    /// How many ranks verify ([`RankCache::set_verifying_ranks`]; every rank by default).
+    pub fn verifying_ranks(&self) -> usize {
+        self.verifying_ranks
+    }
+
+    /// Requests served so far ([`RankCache::serve`] calls, failed ones included): every
+    /// rank of a group counts the same, so it names steps of the group's calls.
+    pub fn requests_served(&self) -> usize {
+        self.served
+    }
+
+    /// This rank's pools: its device pool per buffer kind (`[layer][local_page][page
+    /// bytes]`, the memory an engine's attention reads and writes), its host pool and its
+    /// views of its peers'.
+    pub fn pools(&self) -> &Pools {
+        &self.pools
+    }
+
+    /// The group this rank agrees through.
+    pub fn group(&self) -> &dyn Collective {
+        &*self.group
     }
 
     /// Points this rank's view of `peer`'s pools at `other`'s: a wrong peer mapping on

@@ -357,6 +357,9 @@ impl Executor for Spy {
     fn size(&self, b: BufferId) -> Result<usize, ExecError> {
         self.inner.size(b)
     }
+    fn address(&self, b: BufferId) -> Result<cp_hicache::exec::Address, ExecError> {
+        self.inner.address(b)
+    }
     fn upload(&self, b: BufferId, o: u64, d: &[u8]) -> Result<(), ExecError> {
         if self.fail_uploads.load(Ordering::SeqCst) {
             return Err(ExecError::Driver {

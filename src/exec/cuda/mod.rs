@@ -163,6 +163,19 @@ impl Executor for CudaExecutor {
         lock(&self.state).buffer(buffer).map(CudaBuffer::len)
     }
 
+    fn address(&self, buffer: BufferId) -> Result<super::Address, ExecError> {
+        let st = lock(&self.state);
+        let b = st.buffer(buffer)?;
+        Ok(super::Address {
+            ptr: b.addr(),
+            // Pinned host memory is host memory (DLPack's CUDA-host is readable as CPU).
+            space: match b {
+                CudaBuffer::Host(_) => super::AddressSpace::Host,
+                _ => super::AddressSpace::Cuda(self.ordinal as i32),
+            },
+        })
+    }
+
     fn upload(&self, buffer: BufferId, offset: u64, data: &[u8]) -> Result<(), ExecError> {
         let mut st = lock(&self.state);
         let buf = st.buffer_mut(buffer)?;

@@ -277,6 +277,13 @@ impl Executor for HostExecutor {
         lock(&self.state).buffer(buffer).map(|b| b.mem.len())
     }
 
+    fn address(&self, buffer: BufferId) -> Result<super::Address, ExecError> {
+        lock(&self.state).buffer(buffer).map(|b| super::Address {
+            ptr: b.mem.addr(),
+            space: super::AddressSpace::Host,
+        })
+    }
+
     fn upload(&self, buffer: BufferId, offset: u64, data: &[u8]) -> Result<(), ExecError> {
         let mut st = lock(&self.state);
         let buf = st.buffer_mut(buffer)?;

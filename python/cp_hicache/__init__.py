@@ -1,0 +1,211 @@
+"""cp_hicache: a CP-aware hierarchical KV cache for inference engines.
+
+Each CP rank of an engine (one process per GPU) hosts one :class:`RankCache`. The ranks agree
+through the engine's own ``torch.distributed`` group (gloo, the CPU control plane), map each
+other's KV pools, and every prefix hit is checked byte for byte against deterministically
+synthesised KV.
+
+An engine calls :func:`warm_up` once per process before serving, so no request waits for a
+kernel compile::
+
+    import cp_hicache
+    dep = cp_hicache.Deployment(model="nsa", page_size=64, cp=8, layers=61)
+    report = cp_hicache.warm_up(dep)   # kernels, cache_hits, milliseconds
+
+``python -m cp_hicache.replay --ranks C ...`` replays a workload with one process per rank and
+prints the report of ``cp-hicache replay``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, NamedTuple, Optional, Sequence, Union
+
+import numpy as np
+
+from . import _native
+from ._collective import TorchCollective
+from ._native import (
+    CacheError,
+    Deployment,
+    GroupError,
+    Pool,
+    UsageError,
+    WarmUpReport,
+    __version__,
+    warm_up,
+)
+
+__all__ = [
+    "CacheError",
+    "Deployment",
+    "GroupError",
+    "Match",
+    "Pool",
+    "RankCache",
+    "TorchCollective",
+    "UsageError",
+    "WarmUpReport",
+    "__version__",
+    "warm_up",
+]
+
+Tokens = Union[Sequence[int], np.ndarray]
+
+
+def _u32_bytes(values: Tokens, what: str) -> bytes:
+    """Token or page ids as little-endian u32 bytes; anything else is a UsageError."""
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise UsageError(f"{what} must be one-dimensional, not of shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise UsageError(f"{what} must be integers, not {arr.dtype}")
+    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+        raise UsageError(f"{what} must fit in u32 (0..=4294967295)")
+    return np.ascontiguousarray(arr, dtype="<u4").tobytes()
+
+
+class Match(NamedTuple):
+    """The longest cached prefix of a prompt (:meth:`RankCache.match_prefix`)."""
+
+    matched_tokens: int
+    """Tokens matched, device-resident and host-only together (whole pages)."""
+    device_pages: np.ndarray
+    """Logical page ids (u32) of the device-resident prefix, in order."""
+    host_nodes: int
+    """Host-only nodes after the device prefix: what a load-back would bring back."""
+
+
+class RankCache:
+    """One CP rank's cache, as an engine process hosts it.
+
+    Args:
+        deployment: the model's buffers, page size, CP degree and layers.
+        rank: this process's rank (checked against the group).
+        group: a ``torch.distributed`` ``ProcessGroup`` of the CP ranks (gloo), or any object
+            with ``rank``, ``size`` and ``exchange(what, payload, why)`` such as
+            :class:`TorchCollective`; ``None`` for a single rank (``cp=1``). torch is imported
+            only when a group is given.
+        device_pages: logical device pages across the group (each rank holds
+            ``ceil(pages / cp)``).
+        host_pages: host pages of this rank.
+        policy: ``"write_through"`` or ``"write_back"``.
+        backend: ``"auto"``, ``"host"`` (CPU emulation) or ``"cuda"``.
+        tuning: a tuning file of ``cp-hicache tune``.
+        fault: a fault to inject (``"plain-alloc-on-load"``, ...), for tests.
+
+    Every rank of the group must make the same calls in the same order, as an engine's
+    ranks do for each scheduled batch. A rank that fails a step makes every rank roll the
+    request back (:class:`CacheError`); a broken group raises :class:`GroupError`.
+    """
+
+    def __init__(
+        self,
+        deployment: Deployment,
+        rank: int = 0,
+        group: Any = None,
+        *,
+        device_pages: int,
+        host_pages: int,
+        policy: str = "write_through",
+        backend: str = "auto",
+        tuning: Optional[str] = None,
+        fault: Optional[str] = None,
+    ) -> None:
+        collective = None
+        if group is not None:
+            collective = group if hasattr(group, "exchange") else TorchCollective(group)
+        self._native = _native.RankCache(
+            deployment,
+            rank,
+            collective,
+            device_pages=device_pages,
+            host_pages=host_pages,
+            policy=policy,
+            backend=backend,
+            tuning=tuning,
+            fault=fault,
+        )
+
+    @property
+    def rank(self) -> int:
+        """This rank."""
+        return self._native.rank
+
+    @property
+    def deployment(self) -> Deployment:
+        """The deployment."""
+        return self._native.deployment
+
+    @property
+    def group_kind(self) -> str:
+        """The group's transport: ``"local"`` (one rank) or ``"torch.distributed"``."""
+        return self._native.group_kind
+
+    @property
+    def peer_pools(self) -> str:
+        """How this rank reaches its peers' pools (``direct``, ``shared-memory``, ``ipc``)."""
+        return self._native.peer_pools
+
+    def serve(self, tokens: Tokens) -> Dict[str, Any]:
+        """Serves one prompt end to end on every rank: match, load back (owners preserved),
+        compute the rest (synthesised KV), materialise and verify every token, insert, back
+        up, release. Returns the request's statistics; ``mismatched_tokens`` is 0 unless a
+        page came back wrong."""
+        return self._native.serve(_u32_bytes(tokens, "tokens"))
+
+    def match_prefix(self, tokens: Tokens) -> Match:
+        """The longest cached prefix of ``tokens`` (SGLang: ``HiRadixCache.match_prefix``).
+        It may split a node, so every rank calls it with the same tokens."""
+        matched, pages, host_nodes = self._native.match_prefix(_u32_bytes(tokens, "tokens"))
+        return Match(matched, np.frombuffer(pages, dtype="<u4").copy(), host_nodes)
+
+    def evict(self, pages: int) -> int:
+        """Evicts device nodes in LRU order until ``pages`` device pages were released (write
+        policy permitting, backed up first); returns the node count (SGLang:
+        ``HiRadixCache.evict``)."""
+        if pages < 0:
+            raise UsageError(f"pages must be >= 0, not {pages}")
+        return self._native.evict(pages)
+
+    def digest(self) -> str:
+        """A digest (hex) of this rank's allocator and tree; equal on every rank."""
+        return self._native.digest()
+
+    def all_digests(self) -> list:
+        """Every rank's digest, in rank order (a collective call)."""
+        return self._native.all_digests()
+
+    def check_invariants(self) -> None:
+        """Checks the allocator, tree and device-lane invariants (reads device memory back:
+        for tests, not the serving path)."""
+        self._native.check_invariants()
+
+    def lane_free_counts(self) -> list:
+        """Free device pages per owner lane."""
+        return self._native.lane_free_counts()
+
+    def last_verdict(self) -> Dict[str, Any]:
+        """What the last request's verification found, over all ranks and per rank."""
+        return self._native.last_verdict()
+
+    def inject_launch_failure(self, request: int) -> None:
+        """Makes this rank's first launch of request number ``request`` fail (every rank
+        then rolls it back): for testing the failure path."""
+        self._native.inject_launch_failure(request)
+
+    def set_verifying_ranks(self, n: int) -> None:
+        """Materialise and verify on the first ``n`` ranks only (default: all)."""
+        self._native.set_verifying_ranks(n)
+
+    def pool(self, buffer: str) -> Pool:
+        """This rank's device pool of ``buffer`` (``"kv"``, ``"index_k"``) as a DLPack
+        producer, ``uint8[layers, local_pages, page_bytes]``: ``torch.from_dlpack(pool)`` or
+        ``numpy.from_dlpack(pool)`` reads and writes it in place."""
+        return self._native.pool(buffer)
+
+    def pools(self) -> Dict[str, Pool]:
+        """Every buffer kind's pool of this rank."""
+        return {b: self.pool(b) for b in self.deployment.buffers}
+
+    def __repr__(self) -> str:
+        return repr(self._native)

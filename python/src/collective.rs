@@ -1,0 +1,192 @@
+//! [`PyCollective`]: the core crate's `Collective` over a Python object, in practice
+//! `cp_hicache.TorchCollective`, which runs each round as one `all_gather_object` on a
+//! `torch.distributed` group (gloo, the CPU control plane SGLang uses too).
+//!
+//! The Python object does one thing, `exchange(what, payload, why)`: every rank's
+//! `(what, payload, why)` in rank order. Everything the contract asks beyond that is kept
+//! here, as `LocalGroup` keeps it in one process:
+//! - a round in which some rank contributed a failure ends with `PeerFailed` on every rank;
+//! - a round whose ranks named different steps fails as `Diverged` instead of pairing calls;
+//! - a failure is final: after a transport error, a divergence or an abort, every later call
+//!   fails with `Aborted` without touching the transport.
+//!
+//! Waits are bounded by the group's own timeout (`init_process_group(timeout=...)`); a peer
+//! process that dies closes its sockets, so the survivors' next round fails at once with the
+//! transport's message. The launcher names the rank that died.
+
+use cp_hicache::group::{Collective, GroupError};
+use cp_hicache::layout::Rank;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList, PyTuple};
+use std::sync::Mutex;
+
+/// The state of a collective that failed for good.
+#[derive(Clone)]
+struct Broken {
+    by: u8,
+    what: String,
+    why: String,
+}
+
+/// A `Collective` whose rounds are a Python object's `exchange`.
+pub(crate) struct PyCollective {
+    obj: Py<PyAny>,
+    rank: u8,
+    size: usize,
+    last: Mutex<String>,
+    broken: Mutex<Option<Broken>>,
+}
+
+impl PyCollective {
+    /// Wraps `obj`, which must have `rank`, `size` and `exchange(what, payload, why)`.
+    pub(crate) fn new(obj: &Bound<'_, PyAny>) -> PyResult<PyCollective> {
+        let rank: usize = obj.getattr("rank")?.extract()?;
+        let size: usize = obj.getattr("size")?.extract()?;
+        if size == 0 || size > 16 || rank >= size {
+            return Err(crate::errors::usage(format!(
+                "a CP group has 1..=16 ranks and this rank is below its size; the group says \
+                 rank {rank} of {size}"
+            )));
+        }
+        Ok(PyCollective {
+            obj: obj.clone().unbind(),
+            rank: rank as u8,
+            size,
+            last: Mutex::new("start-up".into()),
+            broken: Mutex::new(None),
+        })
+    }
+
+    fn fail_for_good(&self, what: &str, why: String) {
+        let mut b = self.broken.lock().unwrap_or_else(|p| p.into_inner());
+        b.get_or_insert(Broken {
+            by: self.rank,
+            what: what.to_string(),
+            why,
+        });
+    }
+
+    /// One round through Python: every rank's `(what, payload, why)`.
+    #[allow(clippy::type_complexity)]
+    fn round(
+        &self,
+        what: &str,
+        mine: Result<&[u8], &str>,
+    ) -> Result<Vec<(String, Option<Vec<u8>>, Option<String>)>, String> {
+        Python::attach(|py| {
+            let (payload, why): (Option<Bound<'_, PyBytes>>, Option<&str>) = match mine {
+                Ok(b) => (Some(PyBytes::new(py, b)), None),
+                Err(w) => (None, Some(w)),
+            };
+            let out = self
+                .obj
+                .call_method1(py, "exchange", (what, payload, why))
+                .map_err(|e| e.to_string())?;
+            let list = out
+                .bind(py)
+                .cast::<PyList>()
+                .map_err(|_| "exchange must return a list".to_string())?
+                .clone();
+            list.iter()
+                .map(|item| {
+                    let t = item.cast::<PyTuple>().map_err(|_| {
+                        "exchange must return (what, payload, why) tuples".to_string()
+                    })?;
+                    let w: String = t
+                        .get_item(0)
+                        .and_then(|x| x.extract())
+                        .map_err(|e| e.to_string())?;
+                    let p: Option<Vec<u8>> = t
+                        .get_item(1)
+                        .and_then(|x| x.extract())
+                        .map_err(|e| e.to_string())?;
+                    let y: Option<String> = t
+                        .get_item(2)
+                        .and_then(|x| x.extract())
+                        .map_err(|e| e.to_string())?;
+                    Ok((w, p, y))
+                })
+                .collect()
+        })
+    }
+}
+
+impl Collective for PyCollective {
+    fn rank(&self) -> Rank {
+        Rank(self.rank)
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn kind(&self) -> &'static str {
+        "torch.distributed"
+    }
+
+    fn exchange(&self, what: &str, mine: Result<&[u8], &str>) -> Result<Vec<Vec<u8>>, GroupError> {
+        if let Some(b) = self
+            .broken
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+        {
+            return Err(GroupError::Aborted {
+                by: b.by,
+                what: b.what,
+                why: b.why,
+            });
+        }
+        *self.last.lock().unwrap_or_else(|p| p.into_inner()) = what.to_string();
+        let all = match self.round(what, mine) {
+            Ok(all) => all,
+            Err(message) => {
+                self.fail_for_good(what, message.clone());
+                return Err(GroupError::Transport {
+                    rank: self.rank,
+                    what: what.to_string(),
+                    message,
+                });
+            }
+        };
+        if all.len() != self.size {
+            let message = format!("{} contributions in a group of {}", all.len(), self.size);
+            self.fail_for_good(what, message.clone());
+            return Err(GroupError::Transport {
+                rank: self.rank,
+                what: what.to_string(),
+                message,
+            });
+        }
+        let failures: Vec<(u8, String)> = all
+            .iter()
+            .enumerate()
+            .filter_map(|(r, (_, _, why))| why.clone().map(|w| (r as u8, w)))
+            .collect();
+        if !failures.is_empty() {
+            // A failed rank's contribution stands in for whatever call its peers made.
+            return Err(GroupError::PeerFailed { failures });
+        }
+        if let Some((other, (theirs, _, _))) =
+            all.iter().enumerate().find(|(_, (w, _, _))| w != what)
+        {
+            let e = GroupError::Diverged {
+                rank: self.rank,
+                mine: what.to_string(),
+                other: other as u8,
+                theirs: theirs.clone(),
+            };
+            self.fail_for_good(what, e.to_string());
+            return Err(e);
+        }
+        Ok(all
+            .into_iter()
+            .map(|(_, p, _)| p.unwrap_or_default())
+            .collect())
+    }
+
+    fn abort(&self, why: &str) {
+        let what = self.last.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        self.fail_for_good(&what, why.to_string());
+    }
+}

@@ -1,0 +1,231 @@
+//! [`Pool`]: one of a rank's device pools as a DLPack producer, so an engine's attention
+//! kernels read and write the pool in place (`torch.from_dlpack(pool)`,
+//! `numpy.from_dlpack(pool)`), without a copy.
+//!
+//! The tensor is `uint8[layers, local_pages, page_bytes]`, the pool's layout; an engine views
+//! the last dimension as its own dtype. The memory belongs to the rank's cache: every
+//! exported tensor holds a reference to its `RankCache`, so the pool outlives the tensors
+//! taken from it. The DLPack structures are the stable C ABI of `dlpack.h` (v0.8), written
+//! out here since they are a few plain structs.
+
+use pyo3::ffi;
+use pyo3::prelude::*;
+use std::ffi::{c_void, CStr};
+use std::os::raw::c_int;
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DLDevice {
+    device_type: c_int,
+    device_id: c_int,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DLDataType {
+    code: u8,
+    bits: u8,
+    lanes: u16,
+}
+
+#[repr(C)]
+struct DLTensor {
+    data: *mut c_void,
+    device: DLDevice,
+    ndim: c_int,
+    dtype: DLDataType,
+    shape: *mut i64,
+    strides: *mut i64,
+    byte_offset: u64,
+}
+
+#[repr(C)]
+struct DLManagedTensor {
+    dl_tensor: DLTensor,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
+}
+
+/// DLPack device types.
+const KDL_CPU: c_int = 1;
+const KDL_CUDA: c_int = 2;
+/// DLPack's unsigned-integer type code.
+const KDL_UINT: u8 = 1;
+
+/// The capsule's name until a consumer takes the tensor (it renames it `used_dltensor`).
+const CAPSULE_NAME: &CStr = c"dltensor";
+
+/// What a managed tensor keeps alive: its shape and strides, and the cache that owns the
+/// memory.
+struct Context {
+    shape: [i64; 3],
+    strides: [i64; 3],
+    /// Never read: holding it keeps the cache, hence the pool, alive.
+    _owner: Py<PyAny>,
+}
+
+/// One rank's device pool of one buffer kind, as a DLPack producer.
+#[pyclass(module = "cp_hicache._native", frozen)]
+pub struct Pool {
+    pub(crate) owner: Py<PyAny>,
+    pub(crate) buffer: String,
+    pub(crate) ptr: u64,
+    pub(crate) device: (c_int, c_int),
+    pub(crate) shape: [i64; 3],
+}
+
+impl Pool {
+    /// A pool at `address` of `shape` (`[layers, local_pages, page_bytes]`), kept alive by
+    /// `owner`.
+    pub(crate) fn new(
+        owner: Py<PyAny>,
+        buffer: String,
+        address: cp_hicache::exec::Address,
+        shape: [i64; 3],
+    ) -> Pool {
+        let device = match address.space {
+            cp_hicache::exec::AddressSpace::Host => (KDL_CPU, 0),
+            cp_hicache::exec::AddressSpace::Cuda(ordinal) => (KDL_CUDA, ordinal),
+        };
+        Pool {
+            owner,
+            buffer,
+            ptr: address.ptr,
+            device,
+            shape,
+        }
+    }
+}
+
+unsafe extern "C" fn delete_managed(managed: *mut DLManagedTensor) {
+    if managed.is_null() {
+        return;
+    }
+    // SAFETY: `managed` and its context were made by `Box::into_raw` in `__dlpack__`, and
+    // DLPack calls the deleter once.
+    let managed = unsafe { Box::from_raw(managed) };
+    let ctx = unsafe { Box::from_raw(managed.manager_ctx.cast::<Context>()) };
+    // Dropping the owner reference needs the interpreter. A tensor that outlives it (freed
+    // while the interpreter finalises) leaks its context: the process is ending anyway.
+    // SAFETY: a plain query of the runtime's state.
+    if unsafe { ffi::Py_IsInitialized() } == 0 {
+        std::mem::forget(ctx);
+        return;
+    }
+    Python::attach(|_| drop(ctx));
+}
+
+unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
+    // A consumer renames the capsule when it takes the tensor; then the tensor is its to
+    // delete. An unconsumed capsule still owns it.
+    // SAFETY: `capsule` is the capsule being destroyed; the name is a valid C string.
+    unsafe {
+        if ffi::PyCapsule_IsValid(capsule, CAPSULE_NAME.as_ptr()) == 1 {
+            let managed = ffi::PyCapsule_GetPointer(capsule, CAPSULE_NAME.as_ptr());
+            delete_managed(managed.cast());
+        } else {
+            // A renamed capsule: nothing of ours is left; clear the lookup's error, if any.
+            ffi::PyErr_Clear();
+        }
+    }
+}
+
+#[pymethods]
+impl Pool {
+    /// The buffer kind (`kv`, `index_k`).
+    #[getter]
+    fn buffer(&self) -> &str {
+        &self.buffer
+    }
+
+    /// `(layers, local_pages, page_bytes)`.
+    #[getter]
+    fn shape(&self) -> (i64, i64, i64) {
+        (self.shape[0], self.shape[1], self.shape[2])
+    }
+
+    /// The address of the pool's first byte.
+    #[getter]
+    fn data_ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// `(device_type, device_id)` as DLPack numbers them (1: CPU, 2: CUDA).
+    fn __dlpack_device__(&self) -> (c_int, c_int) {
+        self.device
+    }
+
+    /// A DLPack capsule viewing the pool in place (no copy). The pool's work is ordered on
+    /// the cache's own stream; a consumer on another stream synchronises with it first
+    /// (`stream` is accepted for the protocol and not used: the CPU has no streams, and on a
+    /// GPU the cache's load handle says when a layer is ready).
+    #[pyo3(signature = (*, stream = None, max_version = None, dl_device = None, copy = None))]
+    fn __dlpack__(
+        &self,
+        py: Python<'_>,
+        stream: Option<Py<PyAny>>,
+        max_version: Option<Py<PyAny>>,
+        dl_device: Option<(c_int, c_int)>,
+        copy: Option<bool>,
+    ) -> PyResult<Py<PyAny>> {
+        let _ = (stream, max_version);
+        if let Some(d) = dl_device.filter(|&d| d != self.device) {
+            return Err(pyo3::exceptions::PyBufferError::new_err(format!(
+                "the {} pool is on DLPack device {:?} and cannot be exported to {d:?} without \
+                 a copy",
+                self.buffer, self.device
+            )));
+        }
+        if copy == Some(true) {
+            return Err(pyo3::exceptions::PyBufferError::new_err(
+                "a pool is exported in place only (copy=True is not supported)",
+            ));
+        }
+        let [_, pages, bytes] = self.shape;
+        let mut ctx = Box::new(Context {
+            shape: self.shape,
+            strides: [pages * bytes, bytes, 1],
+            _owner: self.owner.clone_ref(py),
+        });
+        let managed = Box::new(DLManagedTensor {
+            dl_tensor: DLTensor {
+                data: self.ptr as *mut c_void,
+                device: DLDevice {
+                    device_type: self.device.0,
+                    device_id: self.device.1,
+                },
+                ndim: 3,
+                dtype: DLDataType {
+                    code: KDL_UINT,
+                    bits: 8,
+                    lanes: 1,
+                },
+                shape: ctx.shape.as_mut_ptr(),
+                strides: ctx.strides.as_mut_ptr(),
+                byte_offset: 0,
+            },
+            manager_ctx: Box::into_raw(ctx).cast(),
+            deleter: Some(delete_managed),
+        });
+        let raw = Box::into_raw(managed);
+        // SAFETY: `raw` is a valid managed tensor, the name a static C string; the capsule
+        // owns `raw` until a consumer renames it.
+        let capsule = unsafe {
+            ffi::PyCapsule_New(raw.cast(), CAPSULE_NAME.as_ptr(), Some(capsule_destructor))
+        };
+        if capsule.is_null() {
+            // SAFETY: the capsule was not made, so `raw` is still ours to delete.
+            unsafe { delete_managed(raw) };
+            return Err(PyErr::fetch(py));
+        }
+        // SAFETY: `capsule` is a new, owned reference.
+        Ok(unsafe { Bound::from_owned_ptr(py, capsule) }.unbind())
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Pool(buffer={:?}, shape={:?}, device={:?})",
+            self.buffer, self.shape, self.device
+        )
+    }
+}

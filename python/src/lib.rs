@@ -1,0 +1,228 @@
+//! `cp_hicache._native`: the Rust side of the `cp_hicache` Python package.
+//!
+//! Thin by design: each class and function wraps one thing of the core crate (a deployment,
+//! the JIT warm-up, one rank's cache, the replay of one rank) and turns its errors into
+//! Python exceptions carrying the Rust message. Nothing panics across the boundary: every
+//! fallible call returns a `PyResult`, and PyO3 turns a panic that escapes anyway into a
+//! `PanicException` instead of unwinding into the interpreter. The Python modules in
+//! `cp_hicache/` add what is easier there: NumPy conversions, the `torch.distributed`
+//! collective and the process launcher.
+
+mod collective;
+mod dlpack;
+mod errors;
+mod rank;
+mod replay;
+
+use cp_hicache::exec::{open_executor, Backend};
+use cp_hicache::jit::{Jit, JitConfig, Sanitize};
+use cp_hicache::kernels::{Deployment as CoreDeployment, ModelShape, TransferPath};
+use cp_hicache::rank::DeploymentKernels;
+use errors::{to_py, usage};
+use pyo3::prelude::*;
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// What an engine deploys: the model's KV buffers, page size, CP degree and layers.
+#[pyclass(module = "cp_hicache._native", frozen)]
+#[derive(Clone)]
+pub struct Deployment {
+    pub(crate) inner: CoreDeployment,
+    pub(crate) layers: u32,
+}
+
+#[pymethods]
+impl Deployment {
+    #[new]
+    #[pyo3(signature = (model = "nsa", page_size = 64, cp = 8, layers = 61, transfer = None))]
+    fn new(
+        model: &str,
+        page_size: u32,
+        cp: u8,
+        layers: u32,
+        transfer: Option<&str>,
+    ) -> PyResult<Self> {
+        let shape = match model {
+            "nsa" => ModelShape::Nsa,
+            "mla" => ModelShape::MlaBf16,
+            other => {
+                return Err(usage(format!(
+                    "unknown model `{other}` (expected `nsa`, DeepSeek-V3.2's kv + index_k, or \
+                     `mla`, a bf16 MLA cache)"
+                )))
+            }
+        };
+        if !(1..=256).contains(&layers) {
+            return Err(usage(format!("layers {layers} is not in 1..=256")));
+        }
+        let mut inner =
+            CoreDeployment::new(shape, page_size, cp).map_err(|e| usage(e.to_string()))?;
+        if let Some(t) = transfer {
+            inner.transfer_path = t.parse::<TransferPath>().map_err(usage)?;
+        }
+        Ok(Deployment { inner, layers })
+    }
+
+    /// The deployment's name, as the `compile` and `info` commands print it
+    /// (`nsa_ps64_cp8`).
+    #[getter]
+    fn name(&self) -> String {
+        self.inner.name.clone()
+    }
+
+    /// The model's buffer shapes (`nsa` or `mla`).
+    #[getter]
+    fn model(&self) -> &'static str {
+        match self.inner.model {
+            ModelShape::Nsa => "nsa",
+            ModelShape::MlaBf16 => "mla",
+        }
+    }
+
+    /// Tokens per page.
+    #[getter]
+    fn page_size(&self) -> u32 {
+        self.inner.page_size
+    }
+
+    /// The CP degree (ranks).
+    #[getter]
+    fn cp(&self) -> u8 {
+        self.inner.cp
+    }
+
+    /// Layers per KV buffer.
+    #[getter]
+    fn layers(&self) -> u32 {
+        self.layers
+    }
+
+    /// The KV buffer kinds, each a pool (`["kv", "index_k"]` for NSA).
+    #[getter]
+    fn buffers(&self) -> Vec<String> {
+        self.inner
+            .model
+            .buffers()
+            .iter()
+            .map(ToString::to_string)
+            .collect()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Deployment(model={:?}, page_size={}, cp={}, layers={}, transfer={:?})",
+            self.model(),
+            self.inner.page_size,
+            self.inner.cp,
+            self.layers,
+            self.inner.transfer_path.to_string()
+        )
+    }
+}
+
+/// What [`warm_up`] did.
+#[pyclass(module = "cp_hicache._native", frozen, get_all)]
+pub struct WarmUpReport {
+    /// The deployment's name.
+    deployment: String,
+    /// The executor the kernels were loaded into (`host` or `cuda`).
+    backend: String,
+    /// Kernels compiled or loaded.
+    kernels: usize,
+    /// How many came from the JIT cache.
+    cache_hits: usize,
+    /// Wall time of the whole warm-up, in milliseconds (executor start included).
+    milliseconds: f64,
+    /// The JIT cache directory.
+    cache_dir: String,
+    /// The tuning file whose launch shapes were applied, if any.
+    tuning_file: Option<String>,
+}
+
+#[pymethods]
+impl WarmUpReport {
+    fn __repr__(&self) -> String {
+        format!(
+            "WarmUpReport(deployment={:?}, backend={:?}, kernels={}, cache_hits={}, \
+             milliseconds={:.1})",
+            self.deployment, self.backend, self.kernels, self.cache_hits, self.milliseconds
+        )
+    }
+}
+
+/// Opens the executor `backend` names (`auto`, `host`, `cuda`).
+pub(crate) fn backend(name: &str) -> PyResult<Backend> {
+    name.parse::<Backend>().map_err(usage)
+}
+
+/// Applies a tuning file (or the cache's default one when it exists) to `dep`.
+pub(crate) fn tuned(
+    dep: &CoreDeployment,
+    tuning: Option<PathBuf>,
+    exec: &dyn cp_hicache::exec::Executor,
+    jit: &Jit,
+) -> PyResult<(CoreDeployment, Option<String>)> {
+    if let Some(p) = tuning.as_ref().filter(|p| !p.exists()) {
+        return Err(usage(format!("tuning file {} does not exist", p.display())));
+    }
+    let mut out = dep.clone();
+    let device = cp_hicache::tuning::DeviceKey::for_executor(exec, jit).map_err(to_py)?;
+    cp_hicache::tuning::apply(&mut out, tuning.as_deref(), &device).map_err(to_py)?;
+    let file = (out != *dep).then(|| {
+        tuning
+            .unwrap_or_else(cp_hicache::tuning::default_path)
+            .display()
+            .to_string()
+    });
+    Ok((out, file))
+}
+
+/// Compiles (or loads from the JIT cache) every kernel of `deployment` and loads it into
+/// this process's executor: what an engine calls once per process before serving, so that
+/// no request waits for a compiler. Returns a report (kernels, cache hits, milliseconds).
+#[pyfunction]
+#[pyo3(signature = (deployment, tuning = None, backend = "auto"))]
+fn warm_up(
+    py: Python<'_>,
+    deployment: &Deployment,
+    tuning: Option<PathBuf>,
+    backend: &str,
+) -> PyResult<WarmUpReport> {
+    let backend = self::backend(backend)?;
+    let dep = deployment.inner.clone();
+    py.detach(move || {
+        let start = Instant::now();
+        let exec = open_executor(backend).map_err(to_py)?;
+        let config = JitConfig::from_env().map_err(to_py)?;
+        let cache_dir = config.cache_dir.display().to_string();
+        let jit = Jit::new(config);
+        let (dep, tuning_file) = tuned(&dep, tuning, exec.as_ref(), &jit)?;
+        let sanitize = Sanitize::from_env().map_err(to_py)?;
+        let kernels = DeploymentKernels::load(&dep, &jit, exec.as_ref(), sanitize)
+            .map_err(|e| errors::cluster(e.into()))?;
+        Ok(WarmUpReport {
+            deployment: dep.name.clone(),
+            backend: exec.backend().to_string(),
+            kernels: kernels.len(),
+            cache_hits: kernels.cache_hits,
+            milliseconds: start.elapsed().as_secs_f64() * 1e3,
+            cache_dir,
+            tuning_file,
+        })
+    })
+}
+
+/// The extension module.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    errors::register(m)?;
+    m.add_class::<Deployment>()?;
+    m.add_class::<WarmUpReport>()?;
+    m.add_class::<rank::RankCache>()?;
+    m.add_class::<dlpack::Pool>()?;
+    m.add_function(wrap_pyfunction!(warm_up, m)?)?;
+    m.add_function(wrap_pyfunction!(replay::check_replay, m)?)?;
+    m.add_function(wrap_pyfunction!(replay::replay_rank, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

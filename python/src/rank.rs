@@ -1,0 +1,320 @@
+//! `RankCache`: one CP rank's cache, as an engine process hosts it (the core crate's
+//! `cp_hicache::rank::RankCache`), agreeing with its peers through a Python collective.
+//!
+//! Calls that may wait on peers or run kernels release the GIL; the collective takes it
+//! back for each round. Token ids and page ids cross the boundary as little-endian `u32`
+//! bytes (the Python wrapper turns NumPy arrays into them and back).
+
+use crate::collective::PyCollective;
+use crate::dlpack::Pool;
+use crate::errors::{cluster, to_py, usage};
+use crate::Deployment;
+use cp_hicache::exec::open_executor;
+use cp_hicache::group::{Collective, LocalGroup, DEFAULT_TIMEOUT};
+use cp_hicache::jit::{Jit, JitConfig, Sanitize};
+use cp_hicache::kernels::BufferKind;
+use cp_hicache::rank::{ClusterConfig, Fault, PeerAccess, RankCache as CoreRank, WritePolicy};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// One CP rank's cache: its radix-tree and allocator replicas, its host pool, its device
+/// pools (shared with its peers) and its kernels.
+#[pyclass(module = "cp_hicache._native", frozen)]
+pub struct RankCache {
+    inner: Mutex<CoreRank>,
+    deployment: Deployment,
+    rank: u8,
+}
+
+/// `u32` ids from little-endian bytes.
+fn ids(bytes: &[u8], what: &str) -> PyResult<Vec<u32>> {
+    if bytes.len() % 4 != 0 {
+        return Err(usage(format!(
+            "{what}: {} bytes is not a whole number of u32 ids",
+            bytes.len()
+        )));
+    }
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
+        .collect())
+}
+
+/// Little-endian bytes of `u32` ids.
+fn id_bytes<'py>(py: Python<'py>, v: impl IntoIterator<Item = u32>) -> Bound<'py, PyBytes> {
+    let b: Vec<u8> = v.into_iter().flat_map(u32::to_le_bytes).collect();
+    PyBytes::new(py, &b)
+}
+
+/// A JSON value as a Python object (dicts, lists, numbers, strings, None).
+pub(crate) fn to_object(py: Python<'_>, v: &serde_json::Value) -> PyResult<Py<PyAny>> {
+    use pyo3::IntoPyObjectExt;
+    Ok(match v {
+        serde_json::Value::Null => py.None(),
+        serde_json::Value::Bool(b) => b.into_py_any(py)?,
+        serde_json::Value::Number(n) => match (n.as_u64(), n.as_i64()) {
+            (Some(u), _) => u.into_py_any(py)?,
+            (None, Some(i)) => i.into_py_any(py)?,
+            _ => n.as_f64().unwrap_or(f64::NAN).into_py_any(py)?,
+        },
+        serde_json::Value::String(s) => s.into_py_any(py)?,
+        serde_json::Value::Array(a) => a
+            .iter()
+            .map(|x| to_object(py, x))
+            .collect::<PyResult<Vec<_>>>()?
+            .into_py_any(py)?,
+        serde_json::Value::Object(o) => {
+            let d = PyDict::new(py);
+            for (k, x) in o {
+                d.set_item(k, to_object(py, x)?)?;
+            }
+            d.into_any().unbind()
+        }
+    })
+}
+
+impl RankCache {
+    fn lock(&self) -> MutexGuard<'_, CoreRank> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs `f` on the rank with the GIL released: the rank may wait on its peers, and its
+    /// collective takes the GIL back for each round. (Taking the rank's lock while holding
+    /// the GIL could deadlock against a thread inside a collective round.)
+    fn with<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut CoreRank) -> R + Send) -> R {
+        py.detach(|| f(&mut self.lock()))
+    }
+}
+
+#[pymethods]
+impl RankCache {
+    /// Builds this rank's cache and maps every peer's pools through `collective` (every rank
+    /// of the group must construct its cache; one that fails ends the group for all).
+    #[new]
+    #[pyo3(signature = (
+        deployment, rank = 0, collective = None, *, device_pages, host_pages,
+        policy = "write_through", backend = "auto", tuning = None, fault = None
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        deployment: &Deployment,
+        rank: u8,
+        collective: Option<&Bound<'_, PyAny>>,
+        device_pages: u32,
+        host_pages: u32,
+        policy: &str,
+        backend: &str,
+        tuning: Option<PathBuf>,
+        fault: Option<&str>,
+    ) -> PyResult<Self> {
+        let policy: WritePolicy = policy.parse().map_err(usage)?;
+        let fault: Option<Fault> = fault.map(str::parse).transpose().map_err(usage)?;
+        let backend = crate::backend(backend)?;
+        let cp = deployment.inner.cp;
+        let group: Box<dyn Collective> = match collective {
+            Some(obj) => Box::new(PyCollective::new(obj)?),
+            None if cp == 1 => {
+                let mut m = LocalGroup::members(1, DEFAULT_TIMEOUT);
+                Box::new(m.remove(0))
+            }
+            None => {
+                return Err(usage(format!(
+                    "a CP {cp} deployment needs a group of {cp} ranks: pass a \
+                     torch.distributed process group"
+                )))
+            }
+        };
+        if group.rank().0 != rank {
+            return Err(usage(format!(
+                "rank {rank} was asked for, but the group says this process is rank {}",
+                group.rank().0
+            )));
+        }
+        let dep = deployment.clone();
+        let core = py.detach(move || -> PyResult<CoreRank> {
+            let exec: Arc<dyn cp_hicache::exec::Executor> =
+                Arc::from(open_executor(backend).map_err(to_py)?);
+            let access = if group.size() == 1 {
+                PeerAccess::Direct
+            } else if exec.peer_mapping().is_some() {
+                PeerAccess::Mapped
+            } else {
+                return Err(usage(format!(
+                    "the {} executor cannot map its peers' pools, so it cannot run one rank \
+                     per process",
+                    exec.backend()
+                )));
+            };
+            let jit = Jit::new(JitConfig::from_env().map_err(to_py)?);
+            let (tuned, _) = crate::tuned(&dep.inner, tuning, exec.as_ref(), &jit)?;
+            let config = ClusterConfig {
+                deployment: tuned,
+                layers: dep.layers,
+                device_pages,
+                host_pages,
+                policy,
+                fault,
+                sanitize: Sanitize::from_env().map_err(to_py)?,
+            };
+            CoreRank::new(config, exec, &jit, group, access).map_err(cluster)
+        })?;
+        Ok(RankCache {
+            inner: Mutex::new(core),
+            deployment: deployment.clone(),
+            rank,
+        })
+    }
+
+    /// This rank.
+    #[getter]
+    fn rank(&self) -> u8 {
+        self.rank
+    }
+
+    /// The deployment.
+    #[getter]
+    fn deployment(&self) -> Deployment {
+        self.deployment.clone()
+    }
+
+    /// The group's transport (`local` for a single rank, `torch.distributed`).
+    #[getter]
+    fn group_kind(&self, py: Python<'_>) -> &'static str {
+        self.with(py, |r| r.group_kind())
+    }
+
+    /// How this rank reaches its peers' pools (`direct`, `shared-memory`, `ipc`).
+    #[getter]
+    fn peer_pools(&self, py: Python<'_>) -> &'static str {
+        self.with(py, |r| r.peer_pools())
+    }
+
+    /// Serves one prompt (token ids as little-endian u32 bytes): match, load back, compute,
+    /// verify, insert, back up, release; every rank calls it with the same prompt. Returns
+    /// the request's statistics (this rank's byte counts).
+    fn serve(&self, py: Python<'_>, tokens: &[u8]) -> PyResult<Py<PyAny>> {
+        let tokens = ids(tokens, "tokens")?;
+        let stats = self.with(py, |r| r.serve(&tokens)).map_err(cluster)?;
+        let v = serde_json::to_value(&stats)
+            .map_err(|e| to_py(cp_hicache::Error::Usage(e.to_string())))?;
+        let out = to_object(py, &v)?;
+        out.bind(py)
+            .set_item("first_mismatched_token", stats.first_mismatched_token)?;
+        Ok(out)
+    }
+
+    /// The longest cached prefix of `tokens` (whole pages): `(matched_tokens,
+    /// device_pages as u32 bytes, host_nodes)`. Splits a node where the match ends inside
+    /// it, so every rank calls it with the same tokens.
+    fn match_prefix<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: &[u8],
+    ) -> PyResult<(usize, Bound<'py, PyBytes>, usize)> {
+        let tokens = ids(tokens, "tokens")?;
+        let m = self
+            .with(py, |r| r.match_prefix(&tokens))
+            .map_err(cluster)?;
+        Ok((
+            m.matched_tokens,
+            id_bytes(py, m.device_pages.iter().map(|p| p.0)),
+            m.host_nodes.len(),
+        ))
+    }
+
+    /// Evicts device nodes in LRU order until `pages` device pages were released (or
+    /// nothing unlocked is left); returns how many nodes. Every rank calls it.
+    fn evict(&self, py: Python<'_>, pages: usize) -> PyResult<usize> {
+        self.with(py, |r| r.evict_device_lru(pages))
+            .map_err(cluster)
+    }
+
+    /// A digest (hex) of this rank's allocator and tree; equal on every rank.
+    fn digest(&self, py: Python<'_>) -> String {
+        self.with(py, |r| r.digest().to_string())
+    }
+
+    /// Every rank's digest, in rank order (a collective: every rank calls it).
+    fn all_digests(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        let d = py
+            .detach(|| self.lock().all_digests("all digests (python)"))
+            .map_err(cluster)?;
+        Ok(d.iter().map(ToString::to_string).collect())
+    }
+
+    /// Checks the allocator and tree invariants (reads the device lanes back: not for the
+    /// serving path).
+    fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, |r| r.check_invariants()).map_err(cluster)
+    }
+
+    /// Free device pages per owner lane.
+    fn lane_free_counts(&self, py: Python<'_>) -> Vec<u32> {
+        self.with(py, |r| r.lane_free_counts())
+    }
+
+    /// What the last request's verification found: `{"mismatched_tokens", "by_rank"}`.
+    fn last_verdict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let v = self.with(py, |r| r.last_verdict().clone());
+        let d = PyDict::new(py);
+        d.set_item("mismatched_tokens", v.all.count)?;
+        d.set_item("first_mismatched_token", v.all.first)?;
+        d.set_item("by_rank", v.by_rank)?;
+        Ok(d)
+    }
+
+    /// Makes this rank's first launch of request number `request` fail (every rank then
+    /// rolls that request back): for testing the failure path.
+    fn inject_launch_failure(&self, py: Python<'_>, request: usize) {
+        self.with(py, |r| r.inject_launch_failure(request));
+    }
+
+    /// Materialise and verify on the first `n` ranks only (default: every rank).
+    fn set_verifying_ranks(&self, py: Python<'_>, n: usize) {
+        self.with(py, |r| r.set_verifying_ranks(n));
+    }
+
+    /// This rank's device pool of `buffer` (`kv`, `index_k`) as a DLPack producer:
+    /// `uint8[layers, local_pages, page_bytes]`, read and written in place.
+    fn pool(slf: &Bound<'_, Self>, buffer: &str) -> PyResult<Pool> {
+        let me = slf.get();
+        let kinds = me.deployment.inner.model.buffers();
+        let kind: BufferKind =
+            *kinds
+                .iter()
+                .find(|k| k.to_string() == buffer)
+                .ok_or_else(|| {
+                    let names: Vec<String> = kinds.iter().map(ToString::to_string).collect();
+                    usage(format!(
+                        "no `{buffer}` pool: this deployment's buffers are {}",
+                        names.join(", ")
+                    ))
+                })?;
+        let (g, address) = me.with(slf.py(), |r| {
+            let pools = r.pools();
+            (pools.geometry(), r.executor().address(pools.device(kind)))
+        });
+        let address = address.map_err(to_py)?;
+        let page_bytes = kind.page_bytes(me.deployment.inner.page_size);
+        Ok(Pool::new(
+            slf.clone().into_any().unbind(),
+            buffer.to_string(),
+            address,
+            [
+                i64::from(g.layers),
+                i64::from(g.local_pages),
+                page_bytes as i64,
+            ],
+        ))
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "RankCache(rank={}, deployment={})",
+            self.rank, self.deployment.inner.name
+        )
+    }
+}

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Builds the Python package into .venv (a virtual environment over the system Python, so it
+# sees Debian's python3-torch) and installs it. Used by scripts/test.sh; run it alone after
+# changing python/ to try the package by hand.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=.venv
+if [ ! -x "$venv/bin/python" ]; then
+  /usr/bin/python3 -m venv --system-site-packages "$venv"
+fi
+"$venv/bin/python" -m pip install -q "maturin>=1.9.4,<2" "numpy>=1.22" "pytest>=7"
+rm -rf python/dist
+(cd python && "../$venv/bin/maturin" build --release -q -o dist -i "../$venv/bin/python")
+"$venv/bin/python" -m pip install -q --force-reinstall --no-deps python/dist/cp_hicache-*.whl

@@ -1,0 +1,170 @@
+//! [`Ranks`]: what a driver (`replay`, `python -m cp_hicache.replay`) needs from "the CP
+//! group", whether this process holds every rank ([`Cluster`]) or only its own
+//! ([`RankCache`], one engine process of a group whose peers are other processes).
+//!
+//! The driver runs the same code either way, so a multi-process replay reports exactly what
+//! the in-process one does: every call here is made by every rank, in the same order, and
+//! anything a report shows that one rank alone could not know (bytes moved by every rank, the
+//! digests, whether any rank's device lanes disagree) goes through the group.
+
+use super::{Cluster, GroupInfo};
+use crate::allocator::StateDigest;
+use crate::group::ReduceOp;
+use crate::rank::{ClusterError, DeploymentKernels, RankCache, RequestStats, RollbackDrops};
+
+/// The CP group as a driver sees it. See the module documentation.
+pub trait Ranks {
+    /// Serves one prompt on every rank ([`RankCache::serve`]). Byte counts and load-path
+    /// stalls are summed over the ranks; everything else is replicated.
+    fn serve(&mut self, tokens: &[u32]) -> Result<RequestStats, ClusterError>;
+
+    /// Every rank's digest, in rank order.
+    fn replica_digests(&self) -> Result<Vec<StateDigest>, ClusterError>;
+
+    /// Whether every rank's digest is the same.
+    fn replicas_agree(&self) -> Result<bool, ClusterError> {
+        let d = self.replica_digests()?;
+        Ok(!d.is_empty() && d.windows(2).all(|w| w[0] == w[1]))
+    }
+
+    /// What the rollback of the last failed request dropped (replicated).
+    fn last_rollback(&self) -> RollbackDrops;
+
+    /// Compares every rank's device lane stacks with its host mirror; the first rank that
+    /// disagrees is the error on every rank.
+    fn check_device_lanes(&self) -> Result<(), ClusterError>;
+
+    /// Makes `rank`'s first launch of request number `request` fail.
+    fn inject_launch_failure_on(&mut self, rank: usize, request: usize);
+
+    /// Materialise and verify on the first `n` ranks only.
+    fn set_verifying_ranks(&mut self, n: usize);
+
+    /// How the group runs, for the report.
+    fn group_info(&self) -> GroupInfo;
+
+    /// The deployment's kernels (this process's).
+    fn kernels(&self) -> &DeploymentKernels;
+
+    /// Whether this process reports (prints, writes files): the one process of a
+    /// [`Cluster`], rank 0 of a multi-process group. Every rank still takes part in every
+    /// call.
+    fn reports(&self) -> bool;
+}
+
+impl Ranks for Cluster {
+    fn serve(&mut self, tokens: &[u32]) -> Result<RequestStats, ClusterError> {
+        Cluster::serve(self, tokens)
+    }
+
+    fn replica_digests(&self) -> Result<Vec<StateDigest>, ClusterError> {
+        self.try_replica_digests()
+    }
+
+    fn last_rollback(&self) -> RollbackDrops {
+        Cluster::last_rollback(self)
+    }
+
+    fn check_device_lanes(&self) -> Result<(), ClusterError> {
+        Cluster::check_device_lanes(self)
+    }
+
+    fn inject_launch_failure_on(&mut self, rank: usize, request: usize) {
+        Cluster::inject_launch_failure_on(self, rank, request);
+    }
+
+    fn set_verifying_ranks(&mut self, n: usize) {
+        Cluster::set_verifying_ranks(self, n);
+    }
+
+    fn group_info(&self) -> GroupInfo {
+        Cluster::group_info(self).clone()
+    }
+
+    fn kernels(&self) -> &DeploymentKernels {
+        Cluster::kernels(self)
+    }
+
+    fn reports(&self) -> bool {
+        true
+    }
+}
+
+/// This process's rank of a group whose other ranks are other processes.
+impl Ranks for RankCache {
+    fn serve(&mut self, tokens: &[u32]) -> Result<RequestStats, ClusterError> {
+        let n = self.requests_served();
+        let mut stats = RankCache::serve(self, tokens)?;
+        // Every rank succeeded (a failure on any rank fails the request on every rank), so
+        // every rank makes this call.
+        let sums = self.group().all_reduce(
+            &format!("request {n} byte counts"),
+            ReduceOp::Sum,
+            &[stats.bytes_h2d, stats.bytes_d2h, stats.load_path_syncs],
+        )?;
+        (stats.bytes_h2d, stats.bytes_d2h, stats.load_path_syncs) = (sums[0], sums[1], sums[2]);
+        Ok(stats)
+    }
+
+    fn replica_digests(&self) -> Result<Vec<StateDigest>, ClusterError> {
+        self.all_digests(&format!(
+            "digests after {} requests",
+            self.requests_served()
+        ))
+    }
+
+    fn last_rollback(&self) -> RollbackDrops {
+        RankCache::last_rollback(self)
+    }
+
+    fn check_device_lanes(&self) -> Result<(), ClusterError> {
+        let mine = RankCache::check_device_lanes(self);
+        let why = mine
+            .as_ref()
+            .err()
+            .map(ToString::to_string)
+            .unwrap_or_default();
+        let all = self
+            .group()
+            .all_gather("device lane check", why.as_bytes())?;
+        match mine {
+            Err(e) => Err(e),
+            Ok(()) => match all.iter().enumerate().find(|(_, w)| !w.is_empty()) {
+                None => Ok(()),
+                Some((rank, w)) => Err(ClusterError::PeerReported {
+                    rank,
+                    message: String::from_utf8_lossy(w).into_owned(),
+                }),
+            },
+        }
+    }
+
+    fn inject_launch_failure_on(&mut self, rank: usize, request: usize) {
+        if usize::from(self.rank().0) == rank {
+            self.inject_launch_failure(request);
+        }
+    }
+
+    fn set_verifying_ranks(&mut self, n: usize) {
+        let n = n.clamp(1, self.group().size());
+        self.set_verifies(usize::from(self.rank().0) < n);
+    }
+
+    fn group_info(&self) -> GroupInfo {
+        GroupInfo {
+            kind: self.group_kind(),
+            ranks: self.group().size(),
+            peer_pools: self.peer_pools(),
+            executor_per_rank: true,
+            verifying_ranks: self.verifying_ranks(),
+        }
+    }
+
+    fn kernels(&self) -> &DeploymentKernels {
+        RankCache::kernels(self)
+    }
+
+    fn reports(&self) -> bool {
+        self.rank().0 == 0
+    }
+}
