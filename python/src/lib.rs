@@ -120,7 +120,7 @@ impl Deployment {
     }
 }
 
-/// What [`warm_up`] did.
+/// What `warm_up` did.
 #[pyclass(module = "cp_hicache._native", frozen, get_all)]
 pub struct WarmUpReport {
     /// The deployment's name.

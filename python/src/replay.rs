@@ -99,9 +99,18 @@ pub(crate) fn replay_rank(
         // The replay's own statuses are 0, 1 (a failure in what ran) and 2 (the input).
         Ok(code) if code == ExitCode::from(2) => (2, None),
         Ok(_) => (1, None),
-        Err(e) => (
-            if e.is_usage() { 2 } else { 1 },
-            Some(format!("rank {rank}: {e}")),
-        ),
+        Err(e) => {
+            // Most errors name their rank already; say which rank for those that do not.
+            let text = e.to_string();
+            let named = text.starts_with(&format!("rank {rank}"));
+            (
+                if e.is_usage() { 2 } else { 1 },
+                Some(if named {
+                    text
+                } else {
+                    format!("rank {rank}: {text}")
+                }),
+            )
+        }
     })
 }

@@ -1,0 +1,127 @@
+"""Type stubs of the extension module ``cp_hicache._native`` (the Rust side)."""
+
+from os import PathLike
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+__version__: str
+
+class CacheError(RuntimeError):
+    """A failure of the cache, an executor or the JIT (the message is the Rust error's)."""
+
+class GroupError(CacheError):
+    """The CP group broke (a rank gone, a timeout, diverged ranks): nothing more can be served."""
+
+class UsageError(ValueError):
+    """Bad arguments or settings (what the command line refuses with exit status 2)."""
+
+class Deployment:
+    """What an engine deploys: the model's KV buffers, page size, CP degree and layers."""
+
+    def __init__(
+        self,
+        model: str = "nsa",
+        page_size: int = 64,
+        cp: int = 8,
+        layers: int = 61,
+        transfer: Optional[str] = None,
+    ) -> None: ...
+    @property
+    def name(self) -> str:
+        """The deployment's name, as ``cp-hicache compile`` prints it (``nsa_ps64_cp8``)."""
+    @property
+    def model(self) -> str:
+        """``"nsa"`` or ``"mla"``."""
+    @property
+    def page_size(self) -> int:
+        """Tokens per page."""
+    @property
+    def cp(self) -> int:
+        """The CP degree."""
+    @property
+    def layers(self) -> int:
+        """Layers per KV buffer."""
+    @property
+    def buffers(self) -> List[str]:
+        """The KV buffer kinds, one pool each."""
+
+class WarmUpReport:
+    """What :func:`warm_up` did."""
+
+    deployment: str
+    backend: str
+    kernels: int
+    cache_hits: int
+    milliseconds: float
+    cache_dir: str
+    tuning_file: Optional[str]
+
+def warm_up(
+    deployment: Deployment,
+    tuning: Optional[Union[str, PathLike]] = None,
+    backend: str = "auto",
+) -> WarmUpReport:
+    """Compiles (or loads from the JIT cache) every kernel of ``deployment`` and loads it into
+    this process's executor, once per engine process before serving."""
+
+class Pool:
+    """One rank's device pool of one buffer kind, a DLPack producer of
+    ``uint8[layers, local_pages, page_bytes]`` viewing the pool in place."""
+
+    @property
+    def buffer(self) -> str: ...
+    @property
+    def shape(self) -> Tuple[int, int, int]: ...
+    @property
+    def data_ptr(self) -> int: ...
+    def __dlpack_device__(self) -> Tuple[int, int]: ...
+    def __dlpack__(
+        self,
+        *,
+        stream: Any = None,
+        max_version: Any = None,
+        dl_device: Optional[Tuple[int, int]] = None,
+        copy: Optional[bool] = None,
+    ) -> Any: ...
+
+class RankCache:
+    """One CP rank's cache (see ``cp_hicache.RankCache``, which wraps this class)."""
+
+    def __init__(
+        self,
+        deployment: Deployment,
+        rank: int = 0,
+        collective: Any = None,
+        *,
+        device_pages: int,
+        host_pages: int,
+        policy: str = "write_through",
+        backend: str = "auto",
+        tuning: Optional[Union[str, PathLike]] = None,
+        fault: Optional[str] = None,
+    ) -> None: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def deployment(self) -> Deployment: ...
+    @property
+    def group_kind(self) -> str: ...
+    @property
+    def peer_pools(self) -> str: ...
+    def serve(self, tokens: bytes) -> Dict[str, Any]: ...
+    def match_prefix(self, tokens: bytes) -> Tuple[int, bytes, int]: ...
+    def evict(self, pages: int) -> int: ...
+    def digest(self) -> str: ...
+    def all_digests(self) -> List[str]: ...
+    def check_invariants(self) -> None: ...
+    def lane_free_counts(self) -> List[int]: ...
+    def last_verdict(self) -> Dict[str, Any]: ...
+    def inject_launch_failure(self, request: int) -> None: ...
+    def set_verifying_ranks(self, n: int) -> None: ...
+    def pool(self, buffer: str) -> Pool: ...
+
+def check_replay(argv: List[str]) -> Tuple[Optional[int], str, int, float]:
+    """Checks ``python -m cp_hicache.replay`` arguments: ``(None, "", ranks, timeout)`` to go
+    on, else ``(status, text, ...)`` to print and exit with."""
+
+def replay_rank(argv: List[str], collective: Any) -> Tuple[int, Optional[str]]:
+    """Runs one rank of the multi-process replay; returns its exit status and error message."""

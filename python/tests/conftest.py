@@ -1,0 +1,32 @@
+"""Shared fixtures: the repository, the `cp-hicache` binary, and running the launcher."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def binary() -> Path:
+    """The release `cp-hicache` binary (built by scripts/test.sh; built here if missing)."""
+    path = Path(os.environ.get("CP_HICACHE_BIN", ROOT / "target" / "release" / "cp-hicache"))
+    if not path.exists():
+        subprocess.run(["cargo", "build", "--release", "--quiet"], cwd=ROOT, check=True)
+    return path
+
+
+def launch(args, timeout=600, **kw) -> subprocess.CompletedProcess:
+    """Runs `python -m cp_hicache.replay ARGS` to its end."""
+    return subprocess.run(
+        [sys.executable, "-m", "cp_hicache.replay", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kw,
+    )

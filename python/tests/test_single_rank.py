@@ -1,0 +1,116 @@
+"""One rank (cp=1, no group): warm-up, serving with verification, pools as DLPack tensors,
+and clear exceptions for bad arguments."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cp_hicache
+
+DEP = cp_hicache.Deployment(model="mla", page_size=16, cp=1, layers=2)
+
+
+def make(**kw) -> cp_hicache.RankCache:
+    args = dict(device_pages=64, host_pages=64, backend="host")
+    args.update(kw)
+    return cp_hicache.RankCache(DEP, **args)
+
+
+def test_warm_up_reports_every_kernel_and_a_warm_second_call():
+    first = cp_hicache.warm_up(DEP, backend="host")
+    again = cp_hicache.warm_up(DEP, backend="host")
+    assert first.deployment == "mla_ps16_cp1"
+    assert first.backend == "host"
+    assert first.kernels >= 5  # transfer h2d/d2h, materialise, synthesise, verify
+    assert again.kernels == first.kernels
+    assert again.cache_hits == again.kernels  # every kernel from the JIT cache
+    assert again.milliseconds > 0
+
+
+def test_a_prompt_is_computed_then_hit_on_the_device_then_loaded_back_and_verified():
+    rc = make()
+    prompt = np.arange(160, dtype=np.uint32)  # 10 pages
+    cold = rc.serve(prompt)
+    assert cold["computed_tokens"] == 160 and cold["mismatched_tokens"] == 0
+    warm = rc.serve(prompt)
+    assert warm["device_hit_tokens"] == 160 and warm["mismatched_tokens"] == 0
+    m = rc.match_prefix(prompt)
+    assert m.matched_tokens == 160 and m.device_pages.dtype == np.uint32
+    assert len(m.device_pages) == 10
+    assert rc.evict(1 << 30) >= 1
+    assert len(rc.match_prefix(prompt).device_pages) == 0
+    loaded = rc.serve(prompt)
+    assert loaded["host_hit_tokens"] == 160
+    assert loaded["pages_loaded"] == 10
+    assert loaded["mismatched_tokens"] == 0
+    assert loaded["load_path_syncs"] == 0
+    rc.check_invariants()
+    assert rc.digest() == rc.all_digests()[0]
+    assert rc.group_kind == "local"
+
+
+def test_pools_are_the_cache_memory_in_place():
+    """A byte written through the DLPack view is what verification reads: corrupting a page of
+    a cached prefix makes the next hit mismatch, so the tensor is the pool, not a copy."""
+    torch = pytest.importorskip("torch")
+    rc = make()
+    prompt = list(range(64))  # 4 pages
+    assert rc.serve(prompt)["mismatched_tokens"] == 0
+    pool = rc.pool("mla_kv")
+    assert pool.shape == (2, 64, 16 * 1152)  # [layers][local pages][page bytes]
+    assert pool.__dlpack_device__() == (1, 0)
+    arr = np.from_dlpack(pool)  # NumPy's view is read-only; torch's is writable
+    assert arr.dtype == np.uint8 and arr.shape == pool.shape
+    t = torch.from_dlpack(rc.pool("mla_kv"))
+    assert tuple(t.shape) == pool.shape and t.dtype == torch.uint8
+    page = int(rc.match_prefix(prompt).device_pages[1])  # CP 1: local page == page id
+    t[1, page, :] ^= 0xFF  # layer 1 of the prompt's second page
+    assert int(arr[1, page, 0]) == int(t[1, page, 0])  # one memory, two views
+    hit = rc.serve(prompt)
+    assert hit["device_hit_tokens"] == 64
+    assert hit["mismatched_tokens"] == 16  # exactly the corrupted page's tokens
+    assert hit["first_mismatched_token"] == 16
+    assert rc.last_verdict()["by_rank"] == [16]
+
+
+def test_a_pool_outlives_its_cache_object():
+    rc = make()
+    rc.serve(range(32))
+    arr = np.from_dlpack(rc.pool("mla_kv"))
+    before = bytes(arr[0, 1, :8])
+    del rc
+    assert bytes(arr[0, 1, :8]) == before
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda: cp_hicache.Deployment(model="gpt"), "unknown model"),
+        (lambda: cp_hicache.Deployment(model="nsa", page_size=16), "64"),
+        (lambda: cp_hicache.Deployment(model="mla", page_size=3), "power of two"),
+        (lambda: cp_hicache.Deployment(model="mla", layers=0), "layers"),
+        (lambda: cp_hicache.Deployment(model="mla", cp=2, page_size=16).cp and
+         cp_hicache.RankCache(cp_hicache.Deployment(model="mla", cp=2, page_size=16),
+                              device_pages=64, host_pages=64, backend="host"), "group"),
+        (lambda: make(policy="sometimes"), "write policy"),
+        (lambda: make(backend="tpu"), "tpu"),
+        (lambda: make(fault="gremlins"), "unknown fault"),
+        (lambda: make(rank=1), "rank 1"),
+        (lambda: make().serve(np.zeros((2, 2), dtype=np.uint32)), "one-dimensional"),
+        (lambda: make().serve([1.5, 2.5]), "integers"),
+        (lambda: make().serve([-1]), "u32"),
+        (lambda: make().pool("index_k"), "no `index_k` pool"),
+        (lambda: make().evict(-1), ">= 0"),
+    ],
+)
+def test_bad_arguments_raise_usage_errors_with_the_reason(build, message):
+    with pytest.raises(cp_hicache.UsageError, match=message):
+        build()
+
+
+def test_too_small_a_pool_is_a_usage_error_and_the_cache_stays_usable():
+    rc = make(device_pages=4)
+    with pytest.raises(cp_hicache.UsageError, match="device-pages"):
+        rc.serve(range(16 * 8))
+    assert rc.serve(range(16))["mismatched_tokens"] == 0

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The test command (README): the Rust tests, then the Python package's. Installs what the
+# Python tests need on a fresh machine first: Debian's python3-torch (a CPU build with gloo,
+# about 1.5 minutes) and a virtual environment over the system Python (.venv, which sees it)
+# holding maturin, the built wheel and pytest. Arguments go to `cargo test`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+/usr/bin/python3 -c "import torch.distributed" 2>/dev/null || need_apt+=(python3-torch)
+/usr/bin/python3 -c "import ensurepip" 2>/dev/null || need_apt+=(python3-venv)
+if [ "${#need_apt[@]}" -gt 0 ]; then
+  echo "== installing ${need_apt[*]} (Debian packages) for the Python tests"
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo apt-get install -y -q "${need_apt[@]}" >/dev/null \
+    || { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q "${need_apt[@]}" >/dev/null; }
+fi
+
+echo "== cargo test"
+cargo test "$@"
+
+echo "== the Python package: build the wheel (maturin) into .venv, then pytest"
+# The release binary is the in-process replay the multi-process one is compared with.
+cargo build --release --quiet
+scripts/python-dev.sh
+CP_HICACHE_BIN="$PWD/target/release/cp-hicache" .venv/bin/python -m pytest -q python/tests
+
+echo "== the wheel installs and serves in a fresh virtual environment (numpy from PyPI)"
+fresh="$(mktemp -d)"
+trap 'rm -rf "$fresh"' EXIT
+/usr/bin/python3 -m venv "$fresh/venv"
+"$fresh/venv/bin/python" -m pip install -q python/dist/cp_hicache-*.whl
+(cd "$fresh" && "$fresh/venv/bin/python" - <<'PY'
+import cp_hicache
+dep = cp_hicache.Deployment(model="mla", page_size=16, cp=1, layers=1)
+stats = cp_hicache.RankCache(dep, device_pages=16, host_pages=16, backend="host").serve(range(64))
+assert stats["computed_tokens"] == 64 and stats["mismatched_tokens"] == 0, stats
+print(f"fresh venv: cp_hicache {cp_hicache.__version__} served and verified 64 tokens")
+PY
+)
