@@ -18,7 +18,7 @@ prints the report of ``cp-hicache replay``.
 
 from __future__ import annotations
 
-from typing import Any, Dict, NamedTuple, Optional, Sequence, Union
+from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -42,6 +42,7 @@ __all__ = [
     "Match",
     "Pool",
     "RankCache",
+    "Request",
     "TorchCollective",
     "UsageError",
     "WarmUpReport",
@@ -73,6 +74,44 @@ class Match(NamedTuple):
     """Logical page ids (u32) of the device-resident prefix, in order."""
     host_nodes: int
     """Host-only nodes after the device prefix: what a load-back would bring back."""
+
+
+class Request:
+    """A request between its steps (:meth:`RankCache.begin` ... :meth:`RankCache.finish`)."""
+
+    def __init__(self, native: Any) -> None:
+        self._native = native
+
+    @property
+    def pages(self) -> np.ndarray:
+        """Logical page ids (u32) of the sequence so far: the cached prefix, then (after
+        :meth:`RankCache.allocate`) the pages to compute into. Page ``i`` holds tokens
+        ``i * page_size ...``; :meth:`RankCache.locate` says where each lives."""
+        return np.frombuffer(self._native.pages, dtype="<u4").copy()
+
+    @property
+    def cached_pages(self) -> int:
+        """Leading pages that came from the cache (device hits, then loaded pages)."""
+        return self._native.cached_pages
+
+    @property
+    def loading_layers(self) -> int:
+        """Layers of the load-back in flight (0 when nothing is loaded back)."""
+        return self._native.loading_layers
+
+    def wait_layer(self, layer: int) -> None:
+        """Makes work enqueued from now on wait until layer ``layer`` of the load-back is in
+        the pools (a device-side wait on a GPU; immediate on the CPU). Attention on a layer
+        calls it first, as SGLang's ``layer_transfer_counter.wait_until(layer)``."""
+        self._native.wait_layer(layer)
+
+    def wait_all(self) -> None:
+        """Waits for every layer of the load-back."""
+        self._native.wait_all()
+
+    def stats(self) -> Dict[str, Any]:
+        """The request's statistics so far."""
+        return self._native.stats()
 
 
 class RankCache:
@@ -197,11 +236,48 @@ class RankCache:
         """Materialise and verify on the first ``n`` ranks only (default: all)."""
         self._native.set_verifying_ranks(n)
 
-    def pool(self, buffer: str) -> Pool:
-        """This rank's device pool of ``buffer`` (``"kv"``, ``"index_k"``) as a DLPack
-        producer, ``uint8[layers, local_pages, page_bytes]``: ``torch.from_dlpack(pool)`` or
-        ``numpy.from_dlpack(pool)`` reads and writes it in place."""
-        return self._native.pool(buffer)
+    def begin(self, tokens: Tokens) -> Request:
+        """Starts a request in steps: matches ``tokens`` and starts loading the host-only
+        part of the match back (owners preserved, layer by layer). SGLang:
+        ``match_prefix`` + ``init_load_back``."""
+        return Request(self._native.begin(_u32_bytes(tokens, "tokens")))
+
+    def allocate(self, request: Request) -> None:
+        """Allocates the pages of the tokens the cache does not hold (zigzag over the
+        owners, evicting when short). SGLang: the KV pool allocator's ``alloc``."""
+        self._native.allocate(request._native)
+
+    def synthesise_and_verify(self, request: Request) -> int:
+        """Writes synthesised KV into this rank's computed pages and verifies the whole
+        sequence from every owner's pool (what :meth:`serve` does between its steps): a test
+        harness. Returns the mismatched tokens."""
+        return self._native.synthesise_and_verify(request._native)
+
+    def finish(self, request: Request) -> Dict[str, Any]:
+        """Inserts the request's pages (which must hold its KV), backs them up per the write
+        policy and releases its locks; returns its statistics. SGLang:
+        ``cache_finished_req``, ``write_backup``, ``dec_lock_ref``."""
+        return self._native.finish(request._native)
+
+    def abandon(self, request: Request) -> None:
+        """Gives a request up: unlocks its prefix and frees the pages allocated for it."""
+        self._native.abandon(request._native)
+
+    def locate(self, pages: Tokens) -> Tuple[np.ndarray, np.ndarray]:
+        """Each logical page's owner rank and local page in its owner's pool."""
+        owners, local = self._native.locate(_u32_bytes(pages, "pages"))
+        return (
+            np.frombuffer(owners, dtype="<u4").copy(),
+            np.frombuffer(local, dtype="<u4").copy(),
+        )
+
+    def pool(self, buffer: str, owner: Optional[int] = None) -> Pool:
+        """A device pool of ``buffer`` (``"kv"``, ``"index_k"``) as a DLPack producer,
+        ``uint8[layers, local_pages, page_bytes]``: ``torch.from_dlpack(pool)`` reads and
+        writes it in place (NumPy's view is read-only). ``owner=None`` is this rank's own
+        pool; ``owner=r`` this rank's mapping of rank ``r``'s, how CP attention reads every
+        page from its owner."""
+        return self._native.pool(buffer, owner)
 
     def pools(self) -> Dict[str, Pool]:
         """Every buffer kind's pool of this rank."""

@@ -219,6 +219,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Deployment>()?;
     m.add_class::<WarmUpReport>()?;
     m.add_class::<rank::RankCache>()?;
+    m.add_class::<rank::Request>()?;
     m.add_class::<dlpack::Pool>()?;
     m.add_function(wrap_pyfunction!(warm_up, m)?)?;
     m.add_function(wrap_pyfunction!(replay::check_replay, m)?)?;

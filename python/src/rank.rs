@@ -7,13 +7,17 @@
 
 use crate::collective::PyCollective;
 use crate::dlpack::Pool;
-use crate::errors::{cluster, to_py, usage};
+use crate::errors::{cluster, to_py, usage, CacheError};
 use crate::Deployment;
 use cp_hicache::exec::open_executor;
 use cp_hicache::group::{Collective, LocalGroup, DEFAULT_TIMEOUT};
 use cp_hicache::jit::{Jit, JitConfig, Sanitize};
 use cp_hicache::kernels::BufferKind;
-use cp_hicache::rank::{ClusterConfig, Fault, PeerAccess, RankCache as CoreRank, WritePolicy};
+use cp_hicache::layout::PageId;
+use cp_hicache::rank::{
+    ClusterConfig, Fault, PeerAccess, RankCache as CoreRank, Request as CoreRequest, RequestStats,
+    WritePolicy,
+};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use std::path::PathBuf;
@@ -73,6 +77,73 @@ pub(crate) fn to_object(py: Python<'_>, v: &serde_json::Value) -> PyResult<Py<Py
             d.into_any().unbind()
         }
     })
+}
+
+/// A request's statistics as a dict.
+fn stats_object(py: Python<'_>, stats: &RequestStats) -> PyResult<Py<PyAny>> {
+    let v = serde_json::to_value(stats).map_err(|e| CacheError::new_err(e.to_string()))?;
+    let out = to_object(py, &v)?;
+    out.bind(py)
+        .set_item("first_mismatched_token", stats.first_mismatched_token)?;
+    Ok(out)
+}
+
+/// A request between its steps (`RankCache.begin` … `finish`).
+#[pyclass(module = "cp_hicache._native", frozen)]
+pub struct Request {
+    inner: Mutex<CoreRequest>,
+}
+
+impl Request {
+    fn lock(&self) -> MutexGuard<'_, CoreRequest> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[pymethods]
+impl Request {
+    /// Logical pages of the sequence so far (u32 bytes): the cached prefix, then the pages
+    /// allocated to compute into.
+    #[getter]
+    fn pages<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        id_bytes(py, self.lock().pages().iter().map(|p| p.0))
+    }
+
+    /// Leading pages that came from the cache (device hits, then loaded pages).
+    #[getter]
+    fn cached_pages(&self) -> usize {
+        self.lock().cached_pages()
+    }
+
+    /// Layers of the load-back in flight (0 when nothing is loaded back).
+    #[getter]
+    fn loading_layers(&self) -> u32 {
+        self.lock().load().map_or(0, |l| l.layers())
+    }
+
+    /// Makes work enqueued from now on wait for layer `layer` of the load-back (a
+    /// device-side wait; immediate on the CPU). Without a load-back there is nothing to wait
+    /// for.
+    fn wait_layer(&self, py: Python<'_>, layer: u32) -> PyResult<()> {
+        py.detach(|| match self.lock().load() {
+            Some(l) => l.wait_layer(layer).map_err(to_py),
+            None => Ok(()),
+        })
+    }
+
+    /// Waits for every layer of the load-back.
+    fn wait_all(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| match self.lock().load() {
+            Some(l) => l.wait_all().map_err(to_py),
+            None => Ok(()),
+        })
+    }
+
+    /// The request's statistics so far.
+    fn stats(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let s = self.lock().stats().clone();
+        stats_object(py, &s)
+    }
 }
 
 impl RankCache {
@@ -277,9 +348,12 @@ impl RankCache {
         self.with(py, |r| r.set_verifying_ranks(n));
     }
 
-    /// This rank's device pool of `buffer` (`kv`, `index_k`) as a DLPack producer:
-    /// `uint8[layers, local_pages, page_bytes]`, read and written in place.
-    fn pool(slf: &Bound<'_, Self>, buffer: &str) -> PyResult<Pool> {
+    /// A device pool of `buffer` (`kv`, `index_k`) as a DLPack producer,
+    /// `uint8[layers, local_pages, page_bytes]`, read and written in place: this rank's own
+    /// (`owner=None`), or this rank's mapping of rank `owner`'s pool (how CP attention reads
+    /// every page from its owner).
+    #[pyo3(signature = (buffer, owner = None))]
+    fn pool(slf: &Bound<'_, Self>, buffer: &str, owner: Option<u8>) -> PyResult<Pool> {
         let me = slf.get();
         let kinds = me.deployment.inner.model.buffers();
         let kind: BufferKind =
@@ -293,9 +367,17 @@ impl RankCache {
                         names.join(", ")
                     ))
                 })?;
+        let cp = me.deployment.inner.cp;
+        if let Some(o) = owner.filter(|&o| o >= cp) {
+            return Err(usage(format!("owner {o} is not a rank of a CP {cp} group")));
+        }
         let (g, address) = me.with(slf.py(), |r| {
             let pools = r.pools();
-            (pools.geometry(), r.executor().address(pools.device(kind)))
+            let id = match owner {
+                None => pools.device(kind),
+                Some(o) => pools.views(kind)[usize::from(o)],
+            };
+            (pools.geometry(), r.executor().address(id))
         });
         let address = address.map_err(to_py)?;
         let page_bytes = kind.page_bytes(me.deployment.inner.page_size);
@@ -309,6 +391,68 @@ impl RankCache {
                 page_bytes as i64,
             ],
         ))
+    }
+
+    /// Each page's owner rank and local page in its owner's pool (u32 bytes each).
+    fn locate<'py>(
+        &self,
+        py: Python<'py>,
+        pages: &[u8],
+    ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
+        let pages = ids(pages, "pages")?;
+        let layout = self.with(py, |r| r.layout().clone());
+        if let Some(p) = pages.iter().find(|&&p| p >= layout.pages()) {
+            return Err(usage(format!(
+                "page {p} is outside the {} logical pages",
+                layout.pages()
+            )));
+        }
+        Ok((
+            id_bytes(
+                py,
+                pages.iter().map(|&p| u32::from(layout.owner(PageId(p)).0)),
+            ),
+            id_bytes(py, pages.iter().map(|&p| layout.local(PageId(p)).0)),
+        ))
+    }
+
+    /// Starts a request in steps (match, then load back layer by layer): every rank calls
+    /// it with the same tokens. SGLang: `match_prefix` + `init_load_back`.
+    fn begin(&self, py: Python<'_>, tokens: &[u8]) -> PyResult<Request> {
+        let tokens = ids(tokens, "tokens")?;
+        let req = self.with(py, |r| r.begin(&tokens)).map_err(cluster)?;
+        Ok(Request {
+            inner: Mutex::new(req),
+        })
+    }
+
+    /// Allocates the pages of the tokens to compute (zigzag owners, evicting when short).
+    fn allocate(&self, py: Python<'_>, req: &Request) -> PyResult<()> {
+        self.with(py, |r| r.allocate(&mut req.lock()))
+            .map_err(cluster)
+    }
+
+    /// Synthesises this rank's computed pages and verifies the whole sequence (the replay's
+    /// stand-in for the model; a test harness for an engine). Returns mismatched tokens.
+    fn synthesise_and_verify(&self, py: Python<'_>, req: &Request) -> PyResult<u64> {
+        self.with(py, |r| r.synthesise_and_verify(&mut req.lock()))
+            .map(|v| v.all.count)
+            .map_err(cluster)
+    }
+
+    /// Inserts the request's pages, backs them up per the policy and releases its locks;
+    /// returns its statistics. SGLang: `cache_finished_req`, `write_backup`, `dec_lock_ref`.
+    fn finish(&self, py: Python<'_>, req: &Request) -> PyResult<Py<PyAny>> {
+        let stats = self
+            .with(py, |r| r.finish(&mut req.lock()))
+            .map_err(cluster)?;
+        stats_object(py, &stats)
+    }
+
+    /// Gives a request up: unlocks its prefix and frees the pages allocated for it.
+    fn abandon(&self, py: Python<'_>, req: &Request) -> PyResult<()> {
+        self.with(py, |r| r.abandon(&mut req.lock()))
+            .map_err(cluster)
     }
 
     fn __repr__(&self) -> String {

@@ -114,3 +114,36 @@ def test_too_small_a_pool_is_a_usage_error_and_the_cache_stays_usable():
     with pytest.raises(cp_hicache.UsageError, match="device-pages"):
         rc.serve(range(16 * 8))
     assert rc.serve(range(16))["mismatched_tokens"] == 0
+
+
+def test_a_request_in_steps_equals_serve():
+    whole, steps = make(), make()
+    prompt = np.arange(100, dtype=np.uint32)
+    for cached in (0, 6):  # cold, then the 6 whole pages loaded back from the host
+        a = whole.serve(prompt)
+        req = steps.begin(prompt)
+        assert req.cached_pages == cached
+        steps.allocate(req)
+        assert len(req.pages) == 7  # ceil(100 / 16)
+        owners, local = steps.locate(req.pages)
+        assert (owners == 0).all() and (local == req.pages).all()  # CP 1
+        assert steps.synthesise_and_verify(req) == 0
+        b = steps.finish(req)
+        assert a == b
+        assert whole.digest() == steps.digest()
+        whole.evict(1 << 30)
+        steps.evict(1 << 30)
+    assert b["host_hit_tokens"] == 96
+    with pytest.raises(cp_hicache.UsageError, match="already finished"):
+        steps.finish(req)
+
+
+def test_an_abandoned_request_frees_its_pages():
+    rc = make()
+    free = rc.lane_free_counts()
+    req = rc.begin(range(64))
+    rc.allocate(req)
+    assert rc.lane_free_counts() != free
+    rc.abandon(req)
+    assert rc.lane_free_counts() == free
+    rc.check_invariants()

@@ -39,6 +39,7 @@ mod evict;
 mod kernels;
 mod load;
 pub mod pools;
+mod request;
 mod rollback;
 mod stats;
 mod verify;
@@ -48,6 +49,7 @@ use evict::Eviction;
 pub use kernels::{DeploymentKernels, KernelLoadError, Loaded, SourceHook};
 pub use load::LoadHandle;
 pub use pools::{PeerAccess, PoolGeometry, Pools};
+pub use request::Request;
 use rollback::Freed;
 pub use stats::{RequestStats, RollbackDrops};
 pub use verify::{Mismatches, Verdict};
@@ -550,109 +552,20 @@ impl RankCache {
         n: usize,
         panic_here: bool,
     ) -> Result<RequestStats, ClusterError> {
-        let ps = self.layout.page_size() as usize;
-        let n_tokens = tokens.len();
-        let mut stats = RequestStats {
-            prompt_tokens: n_tokens as u64,
-            ..RequestStats::default()
-        };
-        if n_tokens == 0 {
-            return Ok(stats);
+        if tokens.is_empty() {
+            return Ok(RequestStats::default());
         }
-        let n_pages = n_tokens.div_ceil(ps);
-        let full = n_tokens / ps;
-        let key = &tokens[..full * ps];
-
-        // 1. Match (identical trees give identical results on every rank).
-        let m = self.tree.match_prefix(key)?;
-        let mut pages = m.device_pages.clone();
-        stats.device_hit_tokens = (pages.len() * ps) as u64;
-        let mut locked = m.last_device_node;
-        self.lock(locked)?;
-        if panic_here {
-            panic!(
-                "rank {} panics in request {n} on purpose (a test)",
-                self.rank.0
-            );
-        }
-
-        // 2. Load back host-only nodes, owners preserved, layer by layer.
-        let mut load = None;
-        if let Some(&last) = m.host_nodes.last() {
-            // Lock the host-only nodes too: evictions on the load path (and write-back
-            // backups, which may evict host LRU) must not remove the nodes being loaded.
-            self.lock(last)?;
-            let before = self.exec.counters();
-            let loaded = self.load_back(&m.host_nodes, &mut stats)?;
-            let c = self.exec.counters().since(&before);
-            // Allocations and frees synchronise on CUDA (cuMemAlloc, cuMemFree), so they
-            // count too.
-            stats.load_path_syncs += c.stalls();
-            match loaded {
-                Some((run, handle)) => {
-                    stats.host_hit_tokens = (run.len() * ps) as u64;
-                    stats.pages_loaded += run.len() as u64;
-                    pages.extend(run);
-                    self.unlock(locked)?;
-                    locked = last;
-                    load = Some(handle);
-                }
-                None => {
-                    self.unlock(last)?;
-                    stats.load_degraded_to_miss += 1;
-                }
-            }
-        }
-        let cached = pages.len();
-
-        // 3. Allocate the pages to compute, zigzag over the owners.
-        let owners = zigzag_owners(self.layout.cp(), n_pages - cached);
-        let run = self.alloc_with_eviction(&owners, &pages, &mut stats)?;
-        pages.extend(run);
-        stats.computed_tokens = (n_tokens - cached * ps) as u64;
-
+        let mut req = self.begin_inner(tokens, n, panic_here)?;
+        self.allocate_inner(&mut req)?;
         // 4-5. Synthesise the computed pages this rank owns, materialise everything from the
         // owners' pools, verify against the synthesised KV.
-        let bad = self.compute_and_verify(tokens, &pages, cached, n, load.as_ref())?;
-        drop(load);
-        stats.mismatched_tokens = bad.all.count;
-        stats.first_mismatched_token = bad.all.first;
+        let bad =
+            self.compute_and_verify(&req.tokens, &req.pages, req.cached, n, req.load.as_ref())?;
+        req.load = None;
+        req.stats.mismatched_tokens = bad.all.count;
+        req.stats.first_mismatched_token = bad.all.first;
         self.last_verdict = bad;
-
-        // 6. Insert the whole pages; free what the tree already had and the partial page.
-        let ins = self.tree.insert(key, &pages[..full])?;
-        // Every rank drops the same copies (owners are replicated).
-        stats.host_copies_replaced = ins.dropped_host_copies.len() as u64;
-        let mut released_host = Vec::new();
-        for meta in ins.dropped_host_copies {
-            self.host.free(meta.host_pages())?;
-            self.freed.host.extend(meta.host_pages().iter().copied());
-            released_host.extend(meta.host_pages().iter().copied());
-        }
-        self.poison_freed_host(released_host)?;
-        let ours: std::collections::HashSet<PageId> = pages[..cached].iter().copied().collect();
-        let mut to_free: Vec<PageId> = ins
-            .duplicate_pages
-            .into_iter()
-            .filter(|p| !ours.contains(p))
-            .collect();
-        to_free.extend_from_slice(&pages[full..]);
-        self.alloc.free(&to_free)?;
-        self.poison_freed(to_free)?;
-        let node = ins.node;
-        self.lock(node)?;
-        self.unlock(locked)?;
-        if self.config.policy == WritePolicy::WriteThrough && node != NodeId::ROOT {
-            for id in self.tree.path(node)? {
-                let n = self.tree.node(id)?;
-                if n.host().is_none() && n.device().is_some() {
-                    self.write_back(id, &mut stats)?;
-                }
-            }
-        }
-        // 7. Release.
-        self.unlock(node)?;
-        Ok(stats)
+        self.finish_inner(&mut req)
     }
 
     /// Copies this rank's page pairs for every buffer kind and every layer of `layers`
@@ -828,7 +741,7 @@ mod tests {
 
     /// A one-rank cache on a fresh host executor (the integration tests' JIT cache, so the
     /// kernels are usually compiled already).
-    fn one_rank(path: TransferPath) -> RankCache {
+    pub(super) fn one_rank(path: TransferPath) -> RankCache {
         let jit = Jit::new(crate::jit::JitConfig::new(concat!(
             env!("CARGO_MANIFEST_DIR"),
             "/target/tmp/jit-cache"

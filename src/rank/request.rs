@@ -1,0 +1,390 @@
+//! A request in steps, as an engine drives it: [`RankCache::begin`] (match and load back),
+//! [`RankCache::allocate`] (pages for the tokens to compute), the engine's own forward
+//! writing KV into the pools, then [`RankCache::finish`] (insert, back up, release), or
+//! [`RankCache::abandon`]. [`RankCache::serve`] is these steps with synthesised KV and
+//! verification in between, as one all-or-nothing operation.
+//!
+//! Each step is agreed across the group on its own: it succeeds on every rank or every rank
+//! restores its state from before that step (the request keeps what earlier steps gave it,
+//! and the engine may retry the step or abandon the request).
+
+use super::*;
+
+/// A request between its steps: the pages it holds so far (the cached prefix, then those
+/// allocated to compute) and its load-back, if any. Every rank holds the same pages.
+///
+/// Give it back with [`RankCache::finish`] or [`RankCache::abandon`] (after which every step
+/// refuses it); a request dropped without either keeps its prefix locked and its allocated
+/// pages in use. A step that fails leaves the request as it was before that step.
+#[must_use = "a request holds locks and pages until it is finished or abandoned"]
+pub struct Request {
+    pub(super) n: usize,
+    pub(super) tokens: Vec<u32>,
+    /// Logical pages of the sequence so far, in order.
+    pub(super) pages: Vec<PageId>,
+    /// How many leading pages came from the cache (device hits and loaded pages).
+    pub(super) cached: usize,
+    /// The deepest locked node (holding the cached prefix).
+    pub(super) locked: NodeId,
+    pub(super) load: Option<LoadHandle>,
+    pub(super) allocated: bool,
+    /// Finished or abandoned: its locks and pages are given back.
+    pub(super) done: bool,
+    pub(super) stats: RequestStats,
+}
+
+impl Request {
+    fn check_open(&self, step: &str) -> Result<(), ClusterError> {
+        if self.done {
+            return Err(ClusterError::Config(format!(
+                "request {} was already finished or abandoned: it cannot {step}",
+                self.n
+            )));
+        }
+        Ok(())
+    }
+
+    /// The prompt.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Logical pages of the sequence so far: the cached prefix, then (after
+    /// [`RankCache::allocate`]) the pages to compute into. Page `i` holds tokens
+    /// `i * page_size ..`; its owner and local page are [`CpLayout::owner`] and
+    /// [`CpLayout::local`].
+    pub fn pages(&self) -> &[PageId] {
+        &self.pages
+    }
+
+    /// Leading pages that came from the cache (device hits, then loaded pages); the
+    /// engine computes the tokens from `cached_pages() * page_size` on.
+    pub fn cached_pages(&self) -> usize {
+        self.cached
+    }
+
+    /// The load-back in flight, if the match reached host-only nodes: attention on layer
+    /// `l` waits with [`LoadHandle::wait_layer`] first.
+    pub fn load(&self) -> Option<&LoadHandle> {
+        self.load.as_ref()
+    }
+
+    /// The request's statistics so far.
+    pub fn stats(&self) -> &RequestStats {
+        &self.stats
+    }
+}
+
+impl RankCache {
+    /// Matches `tokens` (whole pages) and starts loading the host-only part of the match
+    /// back into pages with its recorded owners, layer by layer; the matched prefix is
+    /// locked until the request ends. Every rank calls it with the same tokens. SGLang:
+    /// `HiRadixCache.match_prefix` + `init_load_back` (`HiCacheController.load`).
+    pub fn begin(&mut self, tokens: &[u32]) -> Result<Request, ClusterError> {
+        let n = self.served;
+        self.served += 1;
+        self.agreed(&format!("request {n} begin"), |me| {
+            me.begin_inner(tokens, n, false)
+        })
+    }
+
+    /// Allocates the pages of the tokens the cache does not hold, zigzag over the owners,
+    /// evicting (lane-targeted, then LRU) when short. SGLang: the KV pool allocator's
+    /// `alloc` (with `evict` on a shortage).
+    pub fn allocate(&mut self, req: &mut Request) -> Result<(), ClusterError> {
+        req.check_open("allocate")?;
+        if req.allocated {
+            return Err(ClusterError::Config(format!(
+                "request {} already has its pages",
+                req.n
+            )));
+        }
+        let n = req.n;
+        let (len, stats) = (req.pages.len(), req.stats.clone());
+        let out = self.agreed(&format!("request {n} allocate"), |me| {
+            me.allocate_inner(req)
+        });
+        if out.is_err() {
+            // Every rank restored its state from before the step: so does the request.
+            req.pages.truncate(len);
+            req.stats = stats;
+            req.allocated = false;
+        }
+        out
+    }
+
+    /// Synthesises this rank's computed pages (the stand-in for the model's forward),
+    /// materialises the whole sequence from every owner's pool and verifies every token,
+    /// as [`RankCache::serve`] does; for an engine's own KV this is its test harness, not a
+    /// serving step. Waits for the load-back layer by layer.
+    pub fn synthesise_and_verify(&mut self, req: &mut Request) -> Result<Verdict, ClusterError> {
+        req.check_open("verify")?;
+        if !req.allocated {
+            return Err(ClusterError::Config(format!(
+                "request {} has no pages to compute into yet: allocate first",
+                req.n
+            )));
+        }
+        let n = req.n;
+        let v = self.agreed(&format!("request {n} verify"), |me| {
+            me.compute_and_verify(&req.tokens, &req.pages, req.cached, n, req.load.as_ref())
+        })?;
+        req.stats.mismatched_tokens += v.all.count;
+        req.stats.first_mismatched_token = req.stats.first_mismatched_token.or(v.all.first);
+        self.last_verdict = v.clone();
+        Ok(v)
+    }
+
+    /// Inserts the request's whole pages into the tree (freeing what it already had and the
+    /// partial last page), backs the new nodes up per the write policy, and releases the
+    /// request's locks. The pages must hold the request's KV (the engine's forward has
+    /// written them). SGLang: `cache_finished_req` / `insert`, `write_backup`,
+    /// `dec_lock_ref`.
+    pub fn finish(&mut self, req: &mut Request) -> Result<RequestStats, ClusterError> {
+        req.check_open("finish")?;
+        if !req.allocated {
+            return Err(ClusterError::Config(format!(
+                "request {} has no pages for its uncached tokens: allocate first",
+                req.n
+            )));
+        }
+        let n = req.n;
+        let stats = req.stats.clone();
+        let out = self.agreed(&format!("request {n} finish"), |me| me.finish_inner(req));
+        match &out {
+            Ok(_) => {
+                req.done = true;
+                req.load = None;
+            }
+            Err(_) => req.stats = stats,
+        }
+        out
+    }
+
+    /// Gives a request up between its steps: unlocks its prefix and frees the pages
+    /// allocated for it (its loaded pages stay cached). SGLang: `dec_lock_ref` and freeing
+    /// an aborted request's KV.
+    pub fn abandon(&mut self, req: &mut Request) -> Result<(), ClusterError> {
+        req.check_open("abandon")?;
+        let n = req.n;
+        let fresh = req.pages[req.cached..].to_vec();
+        let locked = req.locked;
+        self.agreed(&format!("request {n} abandon"), |me| {
+            me.alloc.free(&fresh)?;
+            me.poison_freed(fresh)?;
+            me.unlock(locked)
+        })?;
+        req.done = true;
+        req.load = None;
+        Ok(())
+    }
+
+    /// Steps 1-2 of a request: match, then load back host-only nodes.
+    pub(super) fn begin_inner(
+        &mut self,
+        tokens: &[u32],
+        n: usize,
+        panic_here: bool,
+    ) -> Result<Request, ClusterError> {
+        let ps = self.layout.page_size() as usize;
+        let mut stats = RequestStats {
+            prompt_tokens: tokens.len() as u64,
+            ..RequestStats::default()
+        };
+        let full = tokens.len() / ps;
+        let key = &tokens[..full * ps];
+
+        // 1. Match (identical trees give identical results on every rank).
+        let m = self.tree.match_prefix(key)?;
+        let mut pages = m.device_pages.clone();
+        stats.device_hit_tokens = (pages.len() * ps) as u64;
+        let mut locked = m.last_device_node;
+        self.lock(locked)?;
+        if panic_here {
+            panic!(
+                "rank {} panics in request {n} on purpose (a test)",
+                self.rank.0
+            );
+        }
+
+        // 2. Load back host-only nodes, owners preserved, layer by layer.
+        let mut load = None;
+        if let Some(&last) = m.host_nodes.last() {
+            // Lock the host-only nodes too: evictions on the load path (and write-back
+            // backups, which may evict host LRU) must not remove the nodes being loaded.
+            self.lock(last)?;
+            let before = self.exec.counters();
+            let loaded = self.load_back(&m.host_nodes, &mut stats)?;
+            let c = self.exec.counters().since(&before);
+            // Allocations and frees synchronise on CUDA (cuMemAlloc, cuMemFree), so they
+            // count too.
+            stats.load_path_syncs += c.stalls();
+            match loaded {
+                Some((run, handle)) => {
+                    stats.host_hit_tokens = (run.len() * ps) as u64;
+                    stats.pages_loaded += run.len() as u64;
+                    pages.extend(run);
+                    self.unlock(locked)?;
+                    locked = last;
+                    load = Some(handle);
+                }
+                None => {
+                    self.unlock(last)?;
+                    stats.load_degraded_to_miss += 1;
+                }
+            }
+        }
+        let cached = pages.len();
+        Ok(Request {
+            n,
+            tokens: tokens.to_vec(),
+            pages,
+            cached,
+            locked,
+            load,
+            allocated: false,
+            done: false,
+            stats,
+        })
+    }
+
+    /// Step 3: allocate the pages to compute, zigzag over the owners.
+    pub(super) fn allocate_inner(&mut self, req: &mut Request) -> Result<(), ClusterError> {
+        let ps = self.layout.page_size() as usize;
+        let n_pages = req.tokens.len().div_ceil(ps);
+        let owners = zigzag_owners(self.layout.cp(), n_pages - req.cached);
+        let run = self.alloc_with_eviction(&owners, &req.pages, &mut req.stats)?;
+        req.pages.extend(run);
+        req.stats.computed_tokens = (req.tokens.len() - req.cached * ps) as u64;
+        req.allocated = true;
+        Ok(())
+    }
+
+    /// Steps 6-7: insert the whole pages, free what the tree already had and the partial
+    /// page, back up per the policy, release.
+    pub(super) fn finish_inner(&mut self, req: &mut Request) -> Result<RequestStats, ClusterError> {
+        let ps = self.layout.page_size() as usize;
+        let (tokens, pages, cached, locked) = (&req.tokens, &req.pages, req.cached, req.locked);
+        let stats = &mut req.stats;
+        let full = tokens.len() / ps;
+        let key = &tokens[..full * ps];
+        let ins = self.tree.insert(key, &pages[..full])?;
+        // Every rank drops the same copies (owners are replicated).
+        stats.host_copies_replaced = ins.dropped_host_copies.len() as u64;
+        let mut released_host = Vec::new();
+        for meta in ins.dropped_host_copies {
+            self.host.free(meta.host_pages())?;
+            self.freed.host.extend(meta.host_pages().iter().copied());
+            released_host.extend(meta.host_pages().iter().copied());
+        }
+        self.poison_freed_host(released_host)?;
+        let ours: std::collections::HashSet<PageId> = pages[..cached].iter().copied().collect();
+        let mut to_free: Vec<PageId> = ins
+            .duplicate_pages
+            .into_iter()
+            .filter(|p| !ours.contains(p))
+            .collect();
+        to_free.extend_from_slice(&pages[full..]);
+        self.alloc.free(&to_free)?;
+        self.poison_freed(to_free)?;
+        let node = ins.node;
+        self.lock(node)?;
+        self.unlock(locked)?;
+        if self.config.policy == WritePolicy::WriteThrough && node != NodeId::ROOT {
+            for id in self.tree.path(node)? {
+                let n = self.tree.node(id)?;
+                if n.host().is_none() && n.device().is_some() {
+                    self.write_back(id, stats)?;
+                }
+            }
+        }
+        // 7. Release.
+        self.unlock(node)?;
+        Ok(stats.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::one_rank;
+    use super::*;
+
+    fn prompt(pages: u32) -> Vec<u32> {
+        (0..pages * 16).map(|t| t * 7 + 3).collect()
+    }
+
+    /// The steps an engine makes give exactly what `serve` gives, cold and after a load-back.
+    #[test]
+    fn steps_equal_serve_cold_and_loaded_back() {
+        let (mut whole, mut steps) = (
+            one_rank(TransferPath::Kernel),
+            one_rank(TransferPath::Kernel),
+        );
+        for round in 0..2 {
+            let p = prompt(3);
+            let a = whole.serve(&p).unwrap();
+            let mut req = steps.begin(&p).unwrap();
+            steps.allocate(&mut req).unwrap();
+            let v = steps.synthesise_and_verify(&mut req).unwrap();
+            assert_eq!(v.all.count, 0);
+            let b = steps.finish(&mut req).unwrap();
+            assert_eq!(a, b, "round {round}");
+            assert_eq!(whole.digest(), steps.digest());
+            if round == 0 {
+                assert_eq!(b.computed_tokens, 48);
+                whole.evict_device_lru(usize::MAX).unwrap();
+                steps.evict_device_lru(usize::MAX).unwrap();
+            } else {
+                assert_eq!(b.host_hit_tokens, 48);
+                assert_eq!(b.pages_loaded, 3);
+            }
+            steps.check_invariants().unwrap();
+        }
+    }
+
+    /// Abandoning gives back the pages and the lock, and the request is refused from then on.
+    #[test]
+    fn an_abandoned_request_gives_everything_back() {
+        let mut rc = one_rank(TransferPath::Kernel);
+        rc.serve(&prompt(2)).unwrap();
+        let free = rc.lane_free_counts();
+        let mut longer = prompt(2);
+        longer.extend(1000..1032);
+        let mut req = rc.begin(&longer).unwrap();
+        assert_eq!(req.cached_pages(), 2);
+        rc.allocate(&mut req).unwrap();
+        assert_eq!(req.pages().len(), 4);
+        assert_ne!(rc.lane_free_counts(), free);
+        rc.abandon(&mut req).unwrap();
+        // (The lane stacks may hold the pages in another order: digests can differ.)
+        assert_eq!(rc.lane_free_counts(), free);
+        rc.check_invariants().unwrap();
+        // Everything unlocked: an eviction takes the whole cached prefix.
+        assert!(rc.evict_device_lru(usize::MAX).unwrap() >= 1);
+        for e in [
+            rc.allocate(&mut req).unwrap_err(),
+            rc.finish(&mut req).unwrap_err(),
+            rc.abandon(&mut req).unwrap_err(),
+        ] {
+            assert!(
+                e.to_string().contains("already finished or abandoned"),
+                "{e}"
+            );
+        }
+    }
+
+    /// A step that fails leaves the request as it was before it; it can still be abandoned.
+    #[test]
+    fn a_failed_allocation_leaves_the_request_unchanged() {
+        let mut rc = one_rank(TransferPath::Kernel);
+        let mut req = rc.begin(&prompt(12)).unwrap(); // 12 pages, 8 in the pool
+        let e = rc.allocate(&mut req).unwrap_err();
+        assert!(e.is_pool_too_small(), "{e}");
+        assert!(req.pages().is_empty());
+        assert_eq!(req.stats().computed_tokens, 0);
+        let e = rc.finish(&mut req).unwrap_err();
+        assert!(e.to_string().contains("allocate first"), "{e}");
+        rc.abandon(&mut req).unwrap();
+        rc.check_invariants().unwrap();
+    }
+}
