@@ -400,7 +400,7 @@ impl RankCache {
         pages: &[u8],
     ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
         let pages = ids(pages, "pages")?;
-        let layout = self.with(py, |r| r.layout().clone());
+        let layout = self.with(py, |r| *r.layout());
         if let Some(p) = pages.iter().find(|&&p| p >= layout.pages()) {
             return Err(usage(format!(
                 "page {p} is outside the {} logical pages",
