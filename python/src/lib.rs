@@ -198,13 +198,20 @@ fn warm_up(
         let jit = Jit::new(config);
         let (dep, tuning_file) = tuned(&dep, tuning, exec.as_ref(), &jit)?;
         let sanitize = Sanitize::from_env().map_err(to_py)?;
-        let kernels = DeploymentKernels::load(&dep, &jit, exec.as_ref(), sanitize)
+        // Every kernel of the deployment for this executor's target (the allocator's select
+        // and release included), as `cp-hicache compile` builds them ...
+        let target =
+            cp_hicache::jit::target_for(exec.as_ref(), dep.arch, sanitize).map_err(to_py)?;
+        let built = cp_hicache::jit::warm_up_deployment(&jit, &dep, target).map_err(to_py)?;
+        let hits = built.iter().filter(|k| k.cache_hit.is_hit()).count();
+        // ... then loaded into the executor, as a rank loads them at start-up.
+        DeploymentKernels::load(&dep, &jit, exec.as_ref(), sanitize)
             .map_err(|e| errors::cluster(e.into()))?;
         Ok(WarmUpReport {
             deployment: dep.name.clone(),
             backend: exec.backend().to_string(),
-            kernels: kernels.len(),
-            cache_hits: kernels.cache_hits,
+            kernels: built.len(),
+            cache_hits: hits,
             milliseconds: start.elapsed().as_secs_f64() * 1e3,
             cache_dir,
             tuning_file,
