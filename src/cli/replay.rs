@@ -459,9 +459,10 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
         sanitize: Sanitize::from_env()?,
     };
     check_memory(&config, exec.backend())?;
-    // One executor per rank where peers can map each other's pools (shared memory on the
-    // CPU), as engine processes each hold their own; on one GPU the ranks share it.
-    let mut cluster = if exec.peer_mapping().is_some() {
+    // One executor per rank where peers in this process can map each other's pools (shared
+    // memory on the CPU), as engine processes each hold their own; on one GPU the ranks share
+    // it (CUDA IPC handles cannot be opened by the process that made them).
+    let mut cluster = if exec.maps_in_process() {
         let mut execs = vec![exec];
         for _ in 1..args.cp {
             execs.push(Arc::from(open_executor(args.backend)?));
