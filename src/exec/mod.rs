@@ -6,6 +6,12 @@
 //! kernel artifact, launches it with typed arguments, and reads results back only when it must.
 //! Every read back and every synchronisation is counted ([`Counters`]) so that a caller can
 //! assert that a path (for example HiCache load-back) is free of them.
+//!
+//! Ranks with executors of their own reach each other's device pools through peer mappings
+//! ([`Executor::alloc_shareable`], [`Executor::export`], [`Executor::import`]): POSIX shared
+//! memory on the host executor, which maps in this process or another, and CUDA IPC on the
+//! CUDA executor, which maps only across processes ([`Executor::maps_in_process`],
+//! [`ExecError::IpcSameProcess`]).
 
 pub mod cuda;
 pub mod host;

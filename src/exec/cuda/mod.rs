@@ -5,8 +5,19 @@
 //! The driver is probed before cudarc is touched (cudarc panics when libcuda is missing), so a
 //! machine without a driver or device gets [`ExecError::Unavailable`].
 //!
-//! Status: written against the driver API but not yet run on a GPU (the development machine
-//! has none); the host executor is the tested path.
+//! Peer pools go over CUDA IPC ([`Executor::export`]: `cuIpcGetMemHandle`;
+//! [`Executor::import`]: `cuIpcOpenMemHandle` with `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`, the
+//! mapping's size checked with `cuMemGetAddressRange`, closed with `cuIpcCloseMemHandle` when
+//! the buffer is freed). CUDA cannot open a handle in the process that exported it (the driver
+//! fails with `CUDA_ERROR_INVALID_CONTEXT`), so the executor refuses that itself with
+//! [`ExecError::IpcSameProcess`] and says it cannot map in-process
+//! ([`Executor::maps_in_process`]): ranks in one process on one GPU share one executor and
+//! use each other's buffers directly; IPC is for ranks in separate processes. The exported
+//! bytes are laid out in the private `ipc` module.
+//!
+//! Status: written against the driver API and run end to end (IPC across processes
+//! included) on the stand-in driver of `tests/fake_cuda/`; not yet run on a GPU (the
+//! development machine has none).
 //!
 //! Thread-safety: `Send + Sync`; one mutex serialises buffer bookkeeping and launches, and all
 //! work goes to one stream, so operations are stream-ordered in call order.
@@ -187,7 +198,7 @@ impl Executor for CudaExecutor {
     }
 
     /// The buffer's `CUipcMemHandle` (`cuIpcGetMemHandle`) with what an importer needs
-    /// besides: its size, and which process and buffer it came from ([`ipc`]).
+    /// besides: its size, and which process and buffer it came from (the `ipc` module).
     fn export(&self, buffer: BufferId) -> Result<Vec<u8>, ExecError> {
         let st = lock(&self.state);
         let (mem, len) = match st.buffer(buffer)? {
