@@ -787,7 +787,7 @@ fn rank_process() {
     let rank: u8 = parts.next().unwrap().parse().unwrap();
     let cp: u8 = parts.next().unwrap().parse().unwrap();
     let dir = PathBuf::from(parts.next().unwrap());
-    let group = file_group::FileGroup::new(dir, rank, usize::from(cp), Duration::from_secs(300));
+    let group = file_group::FileGroup::new(dir, rank, usize::from(cp), Duration::from_secs(120));
     let gpu: Arc<dyn Executor> = Arc::new(StandInGpu {
         cuda: CudaExecutor::new(0).unwrap(),
     });

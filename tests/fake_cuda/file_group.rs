@@ -172,3 +172,13 @@ impl Collective for FileGroup {
         let _ = self.write_atomically("abort", text.as_bytes());
     }
 }
+
+/// A rank whose process panics (a failed assertion) aborts the group as it unwinds, so its
+/// peers fail at once, naming it, instead of waiting out the timeout.
+impl Drop for FileGroup {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.abort("the rank's process panicked");
+        }
+    }
+}
