@@ -1,6 +1,7 @@
 //! The unsafe boundary of the CUDA executor: probing for the driver library before any cudarc
 //! call (cudarc panics when libcuda is missing), and owned wrappers over raw driver handles
-//! (device memory, pinned device-mapped host memory, modules) that release in `Drop`.
+//! (device memory, pinned device-mapped host memory, peers' memory opened over CUDA IPC, modules)
+//! that release in `Drop`.
 
 use std::collections::VecDeque;
 use std::ffi::{c_void, CString};
@@ -310,6 +311,7 @@ impl Gpu {
         }
         .map_err(err("cuLaunchKernel"))
     }
+
     /// The IPC handle of the device allocation at `mem` (`cuIpcGetMemHandle`): 64 opaque
     /// bytes that another process opens with [`Gpu::ipc_open`].
     pub(crate) fn ipc_handle(&self, mem: &DeviceMem) -> Result<[u8; IPC_HANDLE_BYTES], String> {
@@ -538,7 +540,7 @@ impl IpcMem {
     pub(crate) fn addr(&self) -> u64 {
         self.ptr
     }
-    /// Size in bytes (as the exporter's handle said).
+    /// Size in bytes: what the exporter's handle said, checked against the mapping.
     pub(crate) fn len(&self) -> usize {
         self.len
     }
