@@ -8,10 +8,14 @@
 //! What this proves on a machine without a GPU: the CUDA executor's driver plumbing (probe,
 //! context, device and pinned mapped memory, uploads and read-backs, `void**` parameters,
 //! copy regions, events, module load and unload, every release in `Drop`) carries the whole
-//! cache and every kernel family correctly. What it cannot prove: the CUBINs and the hardware.
+//! cache and every kernel family correctly; and its CUDA IPC peer pools work across processes
+//! (the stand-in's device memory is POSIX shared memory) and are refused within one, as CUDA
+//! refuses them. What it cannot prove: the CUBINs and the hardware.
 //!
-//! The stand-in must be found before any real libcuda, so the checks run in a child process
-//! (this test binary again, with LD_LIBRARY_PATH set) as the ignored test `child`.
+//! The stand-in must be found before any real libcuda, so the checks run in child processes
+//! (this test binary again, with LD_LIBRARY_PATH set) as ignored tests: `child` (which starts
+//! `ipc_peer` as a process of its own), and one `rank_process` per CP rank for the
+//! multi-process cache, whose ranks agree through `fake_cuda/file_group.rs`.
 
 #[path = "fake_cuda/file_group.rs"]
 mod file_group;
