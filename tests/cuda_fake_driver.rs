@@ -8,50 +8,69 @@
 //! What this proves on a machine without a GPU: the CUDA executor's driver plumbing (probe,
 //! context, device and pinned mapped memory, uploads and read-backs, `void**` parameters,
 //! copy regions, events, module load and unload, every release in `Drop`) carries the whole
-//! cache and every kernel family correctly. What it cannot prove: the CUBINs and the hardware.
+//! cache and every kernel family correctly; and its CUDA IPC peer pools work across processes
+//! (the stand-in's device memory is POSIX shared memory) and are refused within one, as CUDA
+//! refuses them. What it cannot prove: the CUBINs and the hardware.
 //!
-//! The stand-in must be found before any real libcuda, so the checks run in a child process
-//! (this test binary again, with LD_LIBRARY_PATH set) as the ignored test `child`.
+//! The stand-in must be found before any real libcuda, so the checks run in child processes
+//! (this test binary again, with LD_LIBRARY_PATH set) as ignored tests: `child` (which starts
+//! `ipc_peer` as a process of its own), and one `rank_process` per CP rank for the
+//! multi-process cache, whose ranks agree through `fake_cuda/file_group.rs`.
 
+#[path = "fake_cuda/file_group.rs"]
+mod file_group;
 mod hicache_support;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
+use std::time::Duration;
 
-use cp_hicache::cluster::Cluster;
+use cp_hicache::cluster::{Cluster, ClusterConfig, ClusterError, WritePolicy};
 use cp_hicache::exec::cuda::CudaExecutor;
 use cp_hicache::exec::{
-    open_executor, Backend, BufferId, CopyRegion, Counters, ExecError, Executor, KernelArg,
-    KernelArtifact, KernelId, LaunchConfig, LaunchFailure, MemKind,
+    open_executor, Backend, BufferId, CopyRegion, Counters, EventId, ExecError, Executor,
+    KernelArg, KernelArtifact, KernelId, LaunchConfig, LaunchFailure, MemKind,
 };
 use cp_hicache::jit::{spec_request, target_for, Arch, Sanitize, Target};
 use cp_hicache::kernels::{Deployment, KernelSpec, ModelShape, ReleaseSpec, TransferPath};
+use cp_hicache::rank::{PeerAccess, RankCache};
 use hicache_support::{cat, evict_all, jit, serve, tokens, Setup};
 
 const CHILD_ENV: &str = "CP_HICACHE_FAKE_CUDA_CHILD";
 
-/// Builds the stand-in driver as `libcuda.so` and `libcuda.so.1` in a folder of its own.
+/// Builds the stand-in driver as `libcuda.so` and `libcuda.so.1` in a folder of its own,
+/// once per test process. Each file is written under a temporary name and renamed into
+/// place, so that a process already running on an earlier build keeps its (unlinked) copy
+/// instead of seeing the library rewritten under it.
 fn build_fake_driver() -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("fake-cuda");
-    std::fs::create_dir_all(&dir).unwrap();
-    let src = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fake_cuda/libcuda.cpp");
-    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-    let lib = dir.join("libcuda.so.1");
-    let out = Command::new(&cxx)
-        .args(["-std=c++17", "-O1", "-fPIC", "-shared", "-o"])
-        .arg(&lib)
-        .arg(src)
-        .arg("-ldl")
-        .output()
-        .unwrap_or_else(|e| panic!("{cxx}: {e}"));
-    assert!(
-        out.status.success(),
-        "building the stand-in driver failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    std::fs::copy(&lib, dir.join("libcuda.so")).unwrap();
-    dir
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("fake-cuda");
+            std::fs::create_dir_all(&dir).unwrap();
+            let src = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fake_cuda/libcuda.cpp");
+            let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+            let tmp = dir.join(format!(".libcuda.{}.so", std::process::id()));
+            let out = Command::new(&cxx)
+                .args(["-std=c++17", "-O1", "-fPIC", "-shared", "-o"])
+                .arg(&tmp)
+                .arg(src)
+                .arg("-ldl")
+                .output()
+                .unwrap_or_else(|e| panic!("{cxx}: {e}"));
+            assert!(
+                out.status.success(),
+                "building the stand-in driver failed:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let copy = dir.join(format!(".libcuda.{}.so.copy", std::process::id()));
+            std::fs::copy(&tmp, &copy).unwrap();
+            std::fs::rename(&tmp, dir.join("libcuda.so.1")).unwrap();
+            std::fs::rename(&copy, dir.join("libcuda.so")).unwrap();
+            dir
+        })
+        .clone()
 }
 
 #[test]
@@ -73,7 +92,8 @@ fn cuda_executor_on_the_stand_in_driver() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         out.status.success() && stdout.contains("1 passed"),
-        "child failed:\n{stdout}\n{stderr}"
+        "child failed ({}):\n{stdout}\n{stderr}",
+        out.status
     );
 }
 
@@ -151,6 +171,30 @@ impl Executor for StandInGpu {
     }
     fn copy_regions(&self, s: BufferId, d: BufferId, r: &[CopyRegion]) -> Result<(), ExecError> {
         self.cuda.copy_regions(s, d, r)
+    }
+    fn alloc_shareable(&self, b: usize, f: u8) -> Result<BufferId, ExecError> {
+        self.cuda.alloc_shareable(b, f)
+    }
+    fn export(&self, b: BufferId) -> Result<Vec<u8>, ExecError> {
+        self.cuda.export(b)
+    }
+    fn import(&self, h: &[u8]) -> Result<BufferId, ExecError> {
+        self.cuda.import(h)
+    }
+    fn peer_mapping(&self) -> Option<&'static str> {
+        self.cuda.peer_mapping()
+    }
+    fn maps_in_process(&self) -> bool {
+        self.cuda.maps_in_process()
+    }
+    fn record_event(&self) -> Result<EventId, ExecError> {
+        self.cuda.record_event()
+    }
+    fn wait_event(&self, e: EventId) -> Result<(), ExecError> {
+        self.cuda.wait_event(e)
+    }
+    fn release_event(&self, e: EventId) {
+        self.cuda.release_event(e)
     }
     fn synchronize(&self) -> Result<(), ExecError> {
         self.cuda.synchronize()
@@ -312,6 +356,8 @@ fn cache_on_the_gpu(model: ModelShape, page_size: u32, cp: u8, path: TransferPat
         cuda: CudaExecutor::new(0).unwrap(),
     };
     let mut c: Cluster = setup.build_on(Arc::new(gpu));
+    // Ranks of one process share the executor: CUDA IPC cannot map in-process.
+    assert_eq!(c.group_info().peer_pools, "direct");
     let ps = page_size as usize;
     let a = tokens(1, 5 * ps + 3);
     serve(&mut c, &a);
@@ -470,6 +516,335 @@ fn every_family_matches_the_references() {
     }
 }
 
+/// CUDA IPC within one process: a handle is refused by the process that exported it, by the
+/// executor itself (a typed error, before the driver is called) and, for a handle that hides
+/// where it came from, by the driver (`CUDA_ERROR_INVALID_CONTEXT`, as CUDA does). Ranks with
+/// CUDA executors of their own in one process therefore cannot connect, and say why.
+fn ipc_in_one_process_is_refused() {
+    let owner = CudaExecutor::new(0).unwrap();
+    let other = CudaExecutor::new(0).unwrap();
+    assert_eq!(
+        (owner.peer_mapping(), owner.maps_in_process()),
+        (Some("ipc"), false)
+    );
+    let b = owner.alloc_shareable(4096, 0xA5).unwrap();
+    let plain = owner.alloc(MemKind::Device, 64, 0).unwrap();
+    let err = owner.export(plain).unwrap_err();
+    assert!(
+        matches!(&err, ExecError::Peer { op: "export", message }
+            if message.contains("not allocated shareable")),
+        "{err}"
+    );
+    let handle = owner.export(b).unwrap();
+    for ex in [&owner, &other] {
+        let err = ex.import(&handle).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("cannot be opened in the process that made it"),
+            "{err}"
+        );
+        assert!(
+            matches!(err, ExecError::IpcSameProcess { buffer, pid }
+                if buffer == b && pid == std::process::id()),
+            "{err}"
+        );
+    }
+    // A handle whose process token (bytes 12..20) is not this process's reaches the driver,
+    // which refuses it as CUDA does; the error names the buffer, the call and the result.
+    let mut forged = handle.clone();
+    forged[12] ^= 0xFF;
+    let err = other.import(&forged).unwrap_err();
+    let shown = err.to_string();
+    assert!(
+        matches!(err, ExecError::Peer { op: "import", .. })
+            && shown.contains(&format!("{b:?}"))
+            && shown.contains("cuIpcOpenMemHandle")
+            && shown.contains("CUDA_ERROR_INVALID_CONTEXT"),
+        "{shown}"
+    );
+    assert!(matches!(
+        other.import(b"cp-hicache-shm:64:/cp-hicache-1"),
+        Err(ExecError::Peer { op: "import", .. })
+    ));
+    owner.free(plain).unwrap();
+    owner.free(b).unwrap();
+    drop((owner, other));
+
+    // Two ranks of this process, each with its own CUDA executor: connecting fails on the
+    // typed error, naming the peer.
+    let mut deployment = Deployment::new(ModelShape::MlaBf16, 16, 2).unwrap();
+    deployment.transfer_path = TransferPath::Kernel;
+    let execs: Vec<Arc<dyn Executor>> = (0..2)
+        .map(|_| {
+            Arc::new(StandInGpu {
+                cuda: CudaExecutor::new(0).unwrap(),
+            }) as Arc<dyn Executor>
+        })
+        .collect();
+    let err = Cluster::with_executors(rank_config(deployment), execs, &jit())
+        .err()
+        .expect("CUDA IPC cannot connect ranks of one process");
+    assert!(
+        matches!(
+            err,
+            ClusterError::PeerPool {
+                source: ExecError::IpcSameProcess { .. },
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(live_allocations(), 0, "a failed start leaked driver memory");
+}
+
+/// The settings every rank process of the IPC tests uses.
+fn rank_config(deployment: Deployment) -> ClusterConfig {
+    let cp = u32::from(deployment.cp);
+    ClusterConfig {
+        deployment,
+        layers: 2,
+        device_pages: 16 * cp + 1,
+        host_pages: 256,
+        policy: WritePolicy::WriteThrough,
+        fault: None,
+        sanitize: Sanitize::None,
+    }
+}
+
+/// Runs this test binary again as the ignored test `test`, with `env` set (the stand-in
+/// driver's folder is already first on the library path of this process).
+fn spawn_self(test: &str, env: &[(&str, String)]) -> std::process::Child {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args([
+        "--ignored",
+        "--exact",
+        test,
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .stdout(std::process::Stdio::piped())
+    .stderr(std::process::Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.spawn().unwrap()
+}
+
+fn assert_passed(what: &str, child: std::process::Child) {
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "{what} failed:\n{stdout}\n{stderr}"
+    );
+}
+
+const IPC_PEER_ENV: &str = "CP_HICACHE_FAKE_CUDA_IPC_PEER";
+const IPC_PATTERN: std::ops::Range<u32> = 0..4096;
+
+fn ipc_pattern() -> Vec<u8> {
+    IPC_PATTERN.map(|i| (i * 7 + 3) as u8).collect()
+}
+
+/// CUDA IPC across processes, at the executor level: this process exports a buffer, another
+/// process (this binary again, as `ipc_peer`) opens it through the stand-in driver, reads
+/// what this one wrote and synchronised, writes through the mapping (upload, copy, fill),
+/// and closes it; this process then sees those writes.
+fn ipc_across_processes() {
+    let owner = CudaExecutor::new(0).unwrap();
+    let b = owner.alloc_shareable(8192, 0xA5).unwrap();
+    owner.upload(b, 1000, &ipc_pattern()).unwrap();
+    // A buffer freed before the peer opens it (a free waits for the stream).
+    let gone = owner.alloc_shareable(64, 0).unwrap();
+    let gone_handle = owner.export(gone).unwrap();
+    owner.free(gone).unwrap();
+    // What a peer reads must have run first: the stream is asynchronous.
+    owner.synchronize().unwrap();
+    // Enqueued and never waited for: the peer must not see it (it would on a GPU only by
+    // chance), which is why a rank synchronises before its peers read its pools.
+    owner.upload(b, 5200, &[0x11; 64]).unwrap();
+    let peer = spawn_self(
+        "ipc_peer",
+        &[(
+            IPC_PEER_ENV,
+            format!(
+                "{} {}",
+                hex::encode(owner.export(b).unwrap()),
+                hex::encode(gone_handle)
+            ),
+        )],
+    );
+    assert_passed("the IPC peer process", peer);
+    let mut out = vec![0u8; 8192];
+    owner.read(b, 0, &mut out).unwrap();
+    assert_eq!(out[..256], [0x5A; 256], "the peer's upload");
+    let copied: Vec<u8> = (0..512u32).map(|i| i as u8).collect();
+    assert_eq!(out[6000..6512], copied[..], "the peer's copy");
+    assert_eq!(out[7000..7016], [0x77; 16], "the peer's fill");
+    assert_eq!(out[1000..5096], ipc_pattern()[..]);
+    assert_eq!(
+        out[5200..5264],
+        [0x11; 64],
+        "this process's own late upload"
+    );
+    owner.free(b).unwrap();
+}
+
+#[test]
+#[ignore = "run by the stand-in driver's child, as a process of its own"]
+fn ipc_peer() {
+    let env = std::env::var(IPC_PEER_ENV).expect("run through ipc_across_processes");
+    let (handle, gone) = env.split_once(' ').unwrap();
+    let (handle, gone) = (hex::decode(handle).unwrap(), hex::decode(gone).unwrap());
+    let peer = CudaExecutor::new(0).unwrap();
+    let m = peer.import(&handle).unwrap();
+    assert_eq!(peer.size(m).unwrap(), 8192);
+    // A handle that claims more bytes than the allocation has (its size: bytes 28..36) is
+    // refused after the driver says how large the mapping is; the mapping is closed again.
+    let mut bigger = handle.clone();
+    bigger[28..36].copy_from_slice(&(1u64 << 20).to_le_bytes());
+    let err = peer.import(&bigger).unwrap_err().to_string();
+    assert!(
+        err.contains("an allocation of 8192 bytes") && err.contains("not the 1048576 bytes"),
+        "{err}"
+    );
+    let mut out = vec![0u8; 4096];
+    peer.read(m, 1000, &mut out).unwrap();
+    assert_eq!(out, ipc_pattern(), "what the owner wrote and synchronised");
+    peer.read(m, 5200, &mut out[..64]).unwrap();
+    assert_eq!(out[..64], [0xA5; 64], "what the owner has not run yet");
+    peer.upload(m, 0, &[0x5A; 256]).unwrap();
+    let own = peer.alloc(MemKind::Device, 512, 0).unwrap();
+    let copied: Vec<u8> = (0..512u32).map(|i| i as u8).collect();
+    peer.upload(own, 0, &copied).unwrap();
+    let region = CopyRegion {
+        src_offset: 0,
+        dst_offset: 6000,
+        len: 512,
+    };
+    peer.copy_regions(own, m, &[region]).unwrap();
+    peer.fill(m, &[(7000, 16)], 0x77).unwrap();
+    // Bounds are the exporter's size.
+    assert!(matches!(
+        peer.read(m, 8190, &mut out[..4]),
+        Err(ExecError::OutOfBounds { .. })
+    ));
+    // A buffer its owner freed cannot be opened: the driver's error, with context.
+    let err = peer.import(&gone).unwrap_err().to_string();
+    assert!(
+        err.contains("cuIpcOpenMemHandle") && err.contains("CUDA_ERROR_INVALID_HANDLE"),
+        "{err}"
+    );
+    peer.free(own).unwrap();
+    // Freeing the mapping waits for the work on it, then closes it (cuIpcCloseMemHandle;
+    // the stand-in's cuMemFree would refuse it, and a mapping left open counts as live).
+    peer.free(m).unwrap();
+    drop(peer);
+    assert_eq!(live_allocations(), 0, "the mapping was not closed");
+}
+
+const RANK_ENV: &str = "CP_HICACHE_FAKE_CUDA_RANK";
+
+/// The headline of engine mode on the stand-in driver: CP ranks as separate processes, each
+/// with its own CUDA executor, agreeing through a collective over files
+/// (`fake_cuda/file_group.rs`) and reading each other's device pools through CUDA IPC
+/// mappings. Every rank serves the same requests (computed, device hits, loaded back from
+/// host after an eviction) and verifies the whole sequence over its own mappings with no
+/// mismatch; then one rank maps a peer wrongly on purpose, and the mismatches show on that
+/// rank only.
+#[test]
+fn ranks_in_separate_processes_share_pools_through_cuda_ipc() {
+    let lib = build_fake_driver();
+    let group = tempfile::tempdir().unwrap();
+    let cp = 4;
+    let ranks: Vec<_> = (0..cp)
+        .map(|r| {
+            let mut cmd = Command::new(std::env::current_exe().unwrap());
+            cmd.args([
+                "--ignored",
+                "--exact",
+                "rank_process",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("LD_LIBRARY_PATH", &lib)
+            .env(
+                RANK_ENV,
+                format!("{r} {cp} {}", group.path().to_str().unwrap()),
+            )
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+            cmd.spawn().unwrap()
+        })
+        .collect();
+    for (r, child) in ranks.into_iter().enumerate() {
+        assert_passed(&format!("rank process {r}"), child);
+    }
+}
+
+#[test]
+#[ignore = "run by ranks_in_separate_processes_share_pools_through_cuda_ipc, one process per rank"]
+fn rank_process() {
+    let env = std::env::var(RANK_ENV).expect("run through the multi-process test");
+    let mut parts = env.splitn(3, ' ');
+    let rank: u8 = parts.next().unwrap().parse().unwrap();
+    let cp: u8 = parts.next().unwrap().parse().unwrap();
+    let dir = PathBuf::from(parts.next().unwrap());
+    let group = file_group::FileGroup::new(dir, rank, usize::from(cp), Duration::from_secs(120));
+    let gpu: Arc<dyn Executor> = Arc::new(StandInGpu {
+        cuda: CudaExecutor::new(0).unwrap(),
+    });
+    let deployment = Deployment::new(ModelShape::MlaBf16, 16, cp).unwrap();
+    let mut me = RankCache::new(
+        rank_config(deployment),
+        gpu.clone(),
+        &jit(),
+        Box::new(group),
+        PeerAccess::Mapped,
+    )
+    .unwrap();
+    assert_eq!((me.peer_pools(), me.group_kind()), ("ipc", "files"));
+    let check = |me: &mut RankCache, t: &[u32]| {
+        let s = me.serve(t).unwrap();
+        assert_eq!(s.mismatched_tokens, 0, "rank {rank}: {s:?}");
+        assert_eq!(s.load_path_syncs, 0, "rank {rank}: {s:?}");
+        assert_eq!(me.last_verdict().by_rank, vec![0; usize::from(cp)]);
+        let digests = me.all_digests("digests").unwrap();
+        assert!(digests.iter().all(|d| *d == digests[0]), "replicas differ");
+        me.check_invariants().unwrap();
+        s
+    };
+    let ps = 16;
+    let a = tokens(1, 5 * ps + 3);
+    let first = check(&mut me, &a);
+    assert_eq!(first.computed_tokens, a.len() as u64);
+    let hit = check(&mut me, &a);
+    assert!(hit.device_hit_tokens > 0, "{hit:?}");
+    me.evict_device_lru(usize::MAX).unwrap();
+    let back = check(&mut me, &a);
+    assert_eq!(back.host_hit_tokens, 5 * ps as u64, "{back:?}");
+    check(&mut me, &cat(&a[..3 * ps], &tokens(2, 2 * ps + 1)));
+    // Rank 1 reads rank 2's pools where rank 0's should be: only rank 1 sees mismatches.
+    if rank == 1 {
+        me.debug_view_peer_as(0, 2);
+    }
+    let s = me.serve(&tokens(3, 6 * ps)).unwrap();
+    let by_rank = &me.last_verdict().by_rank;
+    assert!(
+        s.mismatched_tokens > 0,
+        "a wrong mapping went unseen: {s:?}"
+    );
+    assert!(
+        by_rank[1] > 0 && by_rank.iter().enumerate().all(|(r, &n)| r == 1 || n == 0),
+        "{by_rank:?}"
+    );
+    drop(me);
+    drop(gpu);
+    assert_eq!(live_allocations(), 0, "rank {rank} leaked driver memory");
+    println!("rank {rank} of {cp}: served and verified through CUDA IPC");
+}
+
 #[test]
 #[ignore = "run by cuda_executor_on_the_stand_in_driver, in a process that loads the stand-in libcuda"]
 fn child() {
@@ -487,5 +862,7 @@ fn child() {
         cache_on_the_gpu(ModelShape::Nsa, 64, 8, path);
     }
     every_family_matches_the_references();
+    ipc_in_one_process_is_refused();
+    ipc_across_processes();
     assert_eq!(live_allocations(), 0);
 }

@@ -442,9 +442,10 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
     let jit = Jit::new(JitConfig::from_env()?);
     let setup = Setup::new(args, &plan, exec.as_ref(), &jit)?;
     check_memory(&setup.config, exec.backend())?;
-    // One executor per rank where peers can map each other's pools (shared memory on the
-    // CPU), as engine processes each hold their own; on one GPU the ranks share it.
-    let mut cluster = if exec.peer_mapping().is_some() {
+    // One executor per rank where peers in this process can map each other's pools (shared
+    // memory on the CPU), as engine processes each hold their own; on one GPU the ranks share
+    // it (CUDA IPC handles cannot be opened by the process that made them).
+    let mut cluster = if exec.maps_in_process() {
         let mut execs = vec![exec];
         for _ in 1..args.cp {
             execs.push(Arc::from(open_executor(args.backend)?));

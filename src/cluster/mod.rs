@@ -156,7 +156,7 @@ impl Cluster {
         jit: &Jit,
     ) -> Result<Cluster, ClusterError> {
         let cp = usize::from(config.deployment.cp);
-        let access = if exec.peer_mapping().is_some() {
+        let access = if exec.maps_in_process() {
             PeerAccess::Mapped
         } else {
             PeerAccess::Direct
@@ -175,7 +175,13 @@ impl Cluster {
     }
 
     /// C ranks, rank `r` on `execs[r]`, as C engine processes each hold their own executor;
-    /// every executor must map peers' pools ([`Executor::peer_mapping`]).
+    /// every executor must map peers' pools ([`Executor::peer_mapping`]). The ranks run as
+    /// threads of this process, so their executors must also map in-process
+    /// ([`Executor::maps_in_process`]); CUDA IPC does not, and such ranks fail to connect
+    /// their pools with [`ExecError::IpcSameProcess`](crate::exec::ExecError::IpcSameProcess):
+    /// CUDA ranks of one process share one executor ([`Cluster::new`]), and CUDA ranks with
+    /// executors of their own are separate processes, each a [`RankCache`] over its own
+    /// collective member.
     pub fn with_executors(
         config: ClusterConfig,
         execs: Vec<Arc<dyn Executor>>,

@@ -6,6 +6,12 @@
 //! kernel artifact, launches it with typed arguments, and reads results back only when it must.
 //! Every read back and every synchronisation is counted ([`Counters`]) so that a caller can
 //! assert that a path (for example HiCache load-back) is free of them.
+//!
+//! Ranks with executors of their own reach each other's device pools through peer mappings
+//! ([`Executor::alloc_shareable`], [`Executor::export`], [`Executor::import`]): POSIX shared
+//! memory on the host executor, which maps in this process or another, and CUDA IPC on the
+//! CUDA executor, which maps only across processes ([`Executor::maps_in_process`],
+//! [`ExecError::IpcSameProcess`]).
 
 pub mod cuda;
 pub mod host;
@@ -119,6 +125,22 @@ pub enum ExecError {
         op: &'static str,
         /// Why.
         message: String,
+    },
+    /// A CUDA IPC handle opened in the process that exported it. CUDA refuses that
+    /// (`cuIpcOpenMemHandle` fails with `CUDA_ERROR_INVALID_CONTEXT`), so the executor does
+    /// not try: ranks in one process share one executor and reach each other's buffers
+    /// directly ([`PeerAccess::Direct`](crate::rank::PeerAccess::Direct)); IPC is for ranks
+    /// in separate processes.
+    #[error(
+        "peer mapping (import): buffer {buffer:?} was exported by this process (pid {pid}); \
+         a CUDA IPC handle cannot be opened in the process that made it, so ranks in one \
+         process must share one executor and reach each other's pools directly"
+    )]
+    IpcSameProcess {
+        /// The exporter's buffer.
+        buffer: BufferId,
+        /// This process.
+        pid: u32,
     },
     /// An error reported by the CUDA driver outside a launch.
     #[error("CUDA driver error in {op}: {message}")]
@@ -822,7 +844,8 @@ pub trait Executor: Send + Sync {
 
     /// Maps a peer's exported buffer: the returned buffer reads and writes the peer's bytes
     /// (freeing it only unmaps). A handle of another kind of executor, or of a buffer that
-    /// is gone, is refused.
+    /// is gone, is refused ([`ExecError::Peer`]); so is, on CUDA, a handle this process
+    /// exported ([`ExecError::IpcSameProcess`]: see [`Executor::maps_in_process`]).
     fn import(&self, handle: &[u8]) -> Result<BufferId, ExecError> {
         let _ = handle;
         Err(ExecError::Peer {
@@ -835,6 +858,15 @@ pub trait Executor: Send + Sync {
     /// `None` when they cannot.
     fn peer_mapping(&self) -> Option<&'static str> {
         None
+    }
+
+    /// Whether a buffer exported here can be imported by an executor in this same process
+    /// (another rank's, on a thread). True for the host executor's shared memory; false for
+    /// CUDA IPC, which only opens handles of other processes: ranks that share a process
+    /// share its executor instead ([`PeerAccess::Direct`](crate::rank::PeerAccess::Direct)).
+    /// The default follows [`Executor::peer_mapping`].
+    fn maps_in_process(&self) -> bool {
+        self.peer_mapping().is_some()
     }
 
     /// Size of a buffer in bytes.

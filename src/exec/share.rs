@@ -80,6 +80,9 @@ impl Executor for RankView {
     fn peer_mapping(&self) -> Option<&'static str> {
         self.inner.peer_mapping()
     }
+    fn maps_in_process(&self) -> bool {
+        self.inner.maps_in_process()
+    }
     fn size(&self, buffer: BufferId) -> Result<usize, ExecError> {
         self.inner.size(buffer)
     }

@@ -27,9 +27,17 @@
 //!   and every rank then rolls the request back.
 //!
 //! On a GPU a barrier of host threads does not order other streams: ranks that share one
-//! executor share its stream; ranks with executors of their own synchronise their stream
-//! before the *written* barrier (to do: CUDA IPC peers, with the per-layer events of a
-//! layer-wise load).
+//! executor share its stream; ranks with executors of their own ([`PeerAccess::Mapped`]:
+//! shared memory on the host executor, CUDA IPC between processes) synchronise their stream
+//! after synthesis and before the *written* barrier, so everything they enqueued into their
+//! pools (the load-back's layers included) has run before any peer reads it. A peer's
+//! stream cannot wait on this rank's events (they belong to its process; CUDA's
+//! `cuIpcGetEventHandle` is not used), so the host waits instead: one synchronisation per
+//! request, after the load path and before materialise. It is not a load-path stall:
+//! `load_path_syncs` counts only what the load-back itself did (the executor's counters
+//! around it), and a rank's own materialisation still waits for each layer of its load on
+//! the device side. Per-layer readiness across ranks (a peer's attention on layer `l`
+//! waiting only for this rank's layer `l`) is not built.
 //!
 //! The SGLang call each method stands for is named in its documentation.
 

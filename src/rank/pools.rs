@@ -54,7 +54,8 @@ pub enum PeerAccess {
     Direct,
     /// Each rank has its own executor: pools are allocated shareable, their handles
     /// all-gathered, and every peer's pool mapped ([`Executor::import`]): POSIX shared
-    /// memory on the host executor, in one process or across processes.
+    /// memory on the host executor, in one process or across processes; CUDA IPC on the
+    /// CUDA executor, across processes only ([`Executor::maps_in_process`]).
     Mapped,
 }
 

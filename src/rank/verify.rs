@@ -78,9 +78,11 @@ impl RankCache {
             }
         }
         if self.peer_access == PeerAccess::Mapped && self.group.size() > 1 {
-            // Peers read this rank's pool through their own executors, which do not wait on
-            // this one's events: what it enqueued (its loads included) must have run before
-            // they do.
+            // Peers read this rank's pool through their own executors (other processes, on
+            // CUDA), which cannot wait on this one's events: what it enqueued (its loads
+            // included) must have run before they do. After the load path, so not counted
+            // in `load_path_syncs` (module documentation); removing it makes the
+            // multi-process test of the stand-in driver read stale pools.
             self.exec.synchronize()?;
         }
         // Every rank's loaded and computed pages are in its pool before any peer reads them.

@@ -10,16 +10,26 @@
 //   synchronisation, a copy into pageable host memory, a free). A caller that reads pinned
 //   memory, or reuses an input, before waiting sees what a GPU would give it: stale data.
 //   Pageable sources are staged at enqueue, as the driver does.
+// - device memory is POSIX shared memory (one object per cuMemAlloc, unlinked on cuMemFree),
+//   so that CUDA IPC is real: cuIpcGetMemHandle names the object, and cuIpcOpenMemHandle in
+//   another process maps the same bytes. As on CUDA, a handle cannot be opened in the process
+//   that exported it (CUDA_ERROR_INVALID_CONTEXT), an opened mapping is closed with
+//   cuIpcCloseMemHandle (cuMemFree refuses it), and an exporter's cuMemFree does not unmap
+//   the importers' mappings.
 // "Modules" are not CUBINs: an image is the text `CPHEMU1\n<host library>\n<entry>\n<sizes>\n`
 // naming a kernel render compiled for the host emulator (cuda_emu.h) and its parameter sizes;
 // cuLaunchKernel runs it through the emulator's launch entry.
 
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <functional>
 #include <memory>
@@ -93,6 +103,11 @@ enum Kind { DEVICE, HOST };
 struct Alloc {
   size_t len;
   Kind kind;
+  size_t map_len = 0;     // device memory: the shared-memory mapping's length
+  uint64_t serial = 0;    // device memory of this process: names its shared-memory object
+  bool imported = false;  // opened from another process's IPC handle
+  int opens = 0;          // imported: cuIpcOpenMemHandle calls not yet closed
+  uint64_t ipc_key = 0;   // imported: the exporter's (pid << 32 | serial)
 };
 std::mutex g_mu;
 std::map<uintptr_t, Alloc> g_allocs;
@@ -109,8 +124,14 @@ void enqueue(std::function<CUresult()> op) {
   g_queue.push_back(std::move(op));
 }
 
+// Held for a whole flush: a synchronisation returns only once every earlier piece of work
+// has run, including work another thread's flush took off the queue and is running now (a
+// free on one thread while another synchronises must not unmap memory still in use).
+std::mutex g_flush_mu;
+
 // Runs the queued work in order; returns the sticky error, if any.
 CUresult flush() {
+  std::lock_guard<std::mutex> serial(g_flush_mu);
   std::vector<std::function<CUresult()>> work;
   {
     std::lock_guard<std::mutex> g(g_mu);
@@ -135,6 +156,31 @@ bool inside(uintptr_t addr, size_t len, int kind) {
 
 CUresult need_ctx() { return t_current ? OK : INVALID_CONTEXT; }
 
+uint64_t g_next_serial = 1;
+
+// The shared-memory object behind device allocation `serial` of process `pid`.
+std::string shm_name(uint64_t pid, uint64_t serial) {
+  return "/fake-cuda-" + std::to_string(pid) + "-" + std::to_string(serial);
+}
+
+size_t page_round(size_t len) {
+  size_t page = (size_t)sysconf(_SC_PAGESIZE);
+  return (len + page - 1) / page * page;
+}
+
+// A CUipcMemHandle of the stand-in: which process's which allocation, and its size.
+struct IpcHandle {
+  char magic[8];  // "FAKEIPC\0"
+  uint64_t pid;
+  uint64_t serial;
+  uint64_t len;
+  char unused[32];
+};
+static_assert(sizeof(IpcHandle) == 64, "a CUipcMemHandle is 64 bytes");
+struct CUipcMemHandle_st {
+  char reserved[64];
+};
+
 double now() {
   timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -145,10 +191,34 @@ CUresult alloc(size_t len, Kind kind, void** out) {
   if (!g_init) return NOT_INITIALIZED;
   if (need_ctx()) return INVALID_CONTEXT;
   if (len == 0) return INVALID_VALUE;
-  void* p = aligned_alloc(256, (len + 255) / 256 * 256);
-  if (!p) return OUT_OF_MEMORY;
+  if (kind == HOST) {
+    void* p = aligned_alloc(256, (len + 255) / 256 * 256);
+    if (!p) return OUT_OF_MEMORY;
+    std::lock_guard<std::mutex> g(g_mu);
+    g_allocs[(uintptr_t)p] = Alloc{len, kind};
+    *out = p;
+    return OK;
+  }
+  // Device memory: a shared-memory object, so that another process can open its IPC handle.
   std::lock_guard<std::mutex> g(g_mu);
-  g_allocs[(uintptr_t)p] = Alloc{len, kind};
+  uint64_t serial = g_next_serial++;
+  std::string name = shm_name((uint64_t)getpid(), serial);
+  int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0) return OUT_OF_MEMORY;
+  size_t map_len = page_round(len);
+  void* p = MAP_FAILED;
+  if (ftruncate(fd, (off_t)map_len) == 0) {
+    p = mmap(nullptr, map_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  }
+  close(fd);
+  if (p == MAP_FAILED) {
+    shm_unlink(name.c_str());
+    return OUT_OF_MEMORY;
+  }
+  Alloc a{len, kind};
+  a.map_len = map_len;
+  a.serial = serial;
+  g_allocs[(uintptr_t)p] = a;
   *out = p;
   return OK;
 }
@@ -158,9 +228,19 @@ CUresult release(uintptr_t p, Kind kind) {
   flush();  // frees wait for the work that may still use the memory
   std::lock_guard<std::mutex> g(g_mu);
   auto it = g_allocs.find(p);
-  if (it == g_allocs.end() || it->second.kind != kind) return INVALID_VALUE;
+  // Another process's memory is closed with cuIpcCloseMemHandle, never freed.
+  if (it == g_allocs.end() || it->second.kind != kind || it->second.imported) {
+    return INVALID_VALUE;
+  }
+  Alloc a = it->second;
   g_allocs.erase(it);
-  free((void*)p);
+  if (kind == HOST) {
+    free((void*)p);
+  } else {
+    // Importers' mappings outlive the name, as a peer's mapping outlives cuMemFree.
+    munmap((void*)p, a.map_len);
+    shm_unlink(shm_name((uint64_t)getpid(), a.serial).c_str());
+  }
   return OK;
 }
 }  // namespace
@@ -321,6 +401,86 @@ CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr* d, void* p, unsigned flags) {
   return OK;
 }
 CUresult cuMemFreeHost(void* p) { return release((uintptr_t)p, HOST); }
+
+CUresult cuIpcGetMemHandle(CUipcMemHandle_st* handle, CUdeviceptr d) {
+  if (need_ctx()) return INVALID_CONTEXT;
+  if (!handle) return INVALID_VALUE;
+  std::lock_guard<std::mutex> g(g_mu);
+  auto it = g_allocs.find((uintptr_t)d);
+  // The base of a device allocation of this process (not one opened from a peer).
+  if (it == g_allocs.end() || it->second.kind != DEVICE || it->second.imported) {
+    return INVALID_VALUE;
+  }
+  IpcHandle h{};
+  memcpy(h.magic, "FAKEIPC", 8);
+  h.pid = (uint64_t)getpid();
+  h.serial = it->second.serial;
+  h.len = it->second.len;
+  memcpy(handle->reserved, &h, sizeof h);
+  return OK;
+}
+
+CUresult cuIpcOpenMemHandle_v2(CUdeviceptr* d, CUipcMemHandle_st handle, unsigned flags) {
+  if (need_ctx()) return INVALID_CONTEXT;
+  if (!d || flags != 1) return INVALID_VALUE;  // CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+  IpcHandle h;
+  memcpy(&h, handle.reserved, sizeof h);
+  if (memcmp(h.magic, "FAKEIPC", 8) != 0 || h.len == 0) return INVALID_VALUE;
+  // As on CUDA: the exporting process cannot open its own handle.
+  if (h.pid == (uint64_t)getpid()) return INVALID_CONTEXT;
+  std::lock_guard<std::mutex> g(g_mu);
+  uint64_t key = h.pid << 32 | h.serial;
+  for (auto& [addr, a] : g_allocs) {
+    if (a.imported && a.ipc_key == key) {
+      // Opened again: the same mapping, counted (closed once per open).
+      a.opens++;
+      *d = (CUdeviceptr)addr;
+      return OK;
+    }
+  }
+  int fd = shm_open(shm_name(h.pid, h.serial).c_str(), O_RDWR, 0);
+  if (fd < 0) return INVALID_HANDLE;  // freed by its owner, or never made
+  struct stat st;
+  size_t map_len = page_round(h.len);
+  void* p = MAP_FAILED;
+  if (fstat(fd, &st) == 0 && (size_t)st.st_size >= map_len) {
+    p = mmap(nullptr, map_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  }
+  close(fd);
+  if (p == MAP_FAILED) return INVALID_HANDLE;
+  Alloc a{h.len, DEVICE};
+  a.map_len = map_len;
+  a.imported = true;
+  a.opens = 1;
+  a.ipc_key = key;
+  g_allocs[(uintptr_t)p] = a;
+  *d = (CUdeviceptr)(uintptr_t)p;
+  return OK;
+}
+
+CUresult cuMemGetAddressRange_v2(CUdeviceptr* base, size_t* size, CUdeviceptr d) {
+  if (need_ctx()) return INVALID_CONTEXT;
+  std::lock_guard<std::mutex> g(g_mu);
+  auto it = g_allocs.upper_bound((uintptr_t)d);
+  if (it == g_allocs.begin()) return NOT_FOUND;
+  --it;
+  if (it->second.kind != DEVICE || (uintptr_t)d >= it->first + it->second.len) return NOT_FOUND;
+  if (base) *base = (CUdeviceptr)it->first;
+  if (size) *size = it->second.len;
+  return OK;
+}
+
+CUresult cuIpcCloseMemHandle(CUdeviceptr d) {
+  if (need_ctx()) return INVALID_CONTEXT;
+  flush();  // work queued on the mapping runs before it goes
+  std::lock_guard<std::mutex> g(g_mu);
+  auto it = g_allocs.find((uintptr_t)d);
+  if (it == g_allocs.end() || !it->second.imported) return INVALID_VALUE;
+  if (--it->second.opens > 0) return OK;
+  munmap((void*)d, it->second.map_len);
+  g_allocs.erase(it);
+  return OK;
+}
 
 CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, CUstream s) {
   (void)s;

@@ -1,6 +1,7 @@
 //! The unsafe boundary of the CUDA executor: probing for the driver library before any cudarc
 //! call (cudarc panics when libcuda is missing), and owned wrappers over raw driver handles
-//! (device memory, pinned device-mapped host memory, modules) that release in `Drop`.
+//! (device memory, pinned device-mapped host memory, peers' memory opened over CUDA IPC, modules)
+//! that release in `Drop`.
 
 use std::collections::VecDeque;
 use std::ffi::{c_void, CString};
@@ -310,6 +311,63 @@ impl Gpu {
         }
         .map_err(err("cuLaunchKernel"))
     }
+
+    /// The IPC handle of the device allocation at `mem` (`cuIpcGetMemHandle`): 64 opaque
+    /// bytes that another process opens with [`Gpu::ipc_open`].
+    pub(crate) fn ipc_handle(&self, mem: &DeviceMem) -> Result<[u8; IPC_HANDLE_BYTES], String> {
+        self.bind()?;
+        let mut handle = sys::CUipcMemHandle_st {
+            reserved: [0; IPC_HANDLE_BYTES],
+        };
+        // SAFETY: `mem.ptr` is the base of a live cuMemAlloc allocation of this context, and
+        // `handle` is a valid out slot.
+        unsafe { sys::cuIpcGetMemHandle(&mut handle, mem.ptr) }
+            .result()
+            .map_err(err("cuIpcGetMemHandle"))?;
+        Ok(handle.reserved.map(|c| c as u8))
+    }
+
+    /// Maps another process's device allocation of `len` bytes from its IPC handle
+    /// (`cuIpcOpenMemHandle` with `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`). The driver refuses a
+    /// handle this process exported (`CUDA_ERROR_INVALID_CONTEXT`); the executor checks that
+    /// first, so the refusal here is for handles that lie about their origin.
+    pub(crate) fn ipc_open(
+        &self,
+        handle: &[u8; IPC_HANDLE_BYTES],
+        len: usize,
+    ) -> Result<IpcMem, String> {
+        self.bind()?;
+        let handle = sys::CUipcMemHandle_st {
+            reserved: handle.map(|b| b as std::ffi::c_char),
+        };
+        let mut ptr: sys::CUdeviceptr = 0;
+        let flags = sys::CUipcMem_flags_enum::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
+        // SAFETY: `ptr` is a valid out slot; the handle is passed by value and the driver
+        // checks it (a handle naming nothing is an error, not a mapping).
+        unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, handle, flags) }
+            .result()
+            .map_err(err("cuIpcOpenMemHandle"))?;
+        // Owned from here: an error below closes it again.
+        let mem = IpcMem {
+            ptr,
+            len,
+            ctx: Arc::clone(&self.ctx),
+        };
+        // The size comes from the peer's bytes: bounds checks rely on it, so the mapping
+        // must really be that large.
+        let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+        // SAFETY: `ptr` is a live mapping of this context; both out slots are valid.
+        unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }
+            .result()
+            .map_err(err("cuMemGetAddressRange"))?;
+        if base != ptr || size < len {
+            return Err(format!(
+                "cuIpcOpenMemHandle mapped an allocation of {size} bytes at {base:#x} (opened \
+                 at {ptr:#x}), not the {len} bytes the handle names"
+            ));
+        }
+        Ok(mem)
+    }
 }
 
 /// Pinned memory that uploads pass through (see [`Gpu::upload`]): a ring whose regions are
@@ -461,6 +519,42 @@ impl Drop for DeviceMem {
             // SAFETY: `ptr` came from cuMemAlloc in this context and is freed exactly once
             // (null-swapped above), after the context finished all work.
             let _ = unsafe { result::free_sync(ptr) };
+        }
+    }
+}
+
+/// Bytes of a `CUipcMemHandle`.
+pub(crate) const IPC_HANDLE_BYTES: usize = 64;
+
+/// Another process's device allocation, mapped into this context by `cuIpcOpenMemHandle`;
+/// unmapped with `cuIpcCloseMemHandle` in `Drop` (never `cuMemFree`: the exporter owns the
+/// memory).
+pub(crate) struct IpcMem {
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl IpcMem {
+    /// Device address of the mapping in this context.
+    pub(crate) fn addr(&self) -> u64 {
+        self.ptr
+    }
+    /// Size in bytes: what the exporter's handle said, checked against the mapping.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for IpcMem {
+    fn drop(&mut self) {
+        let ptr = std::mem::replace(&mut self.ptr, 0);
+        if ptr != 0 && bind_for_drop(&self.ctx) {
+            // Kernels of this context may still read the peer's memory: wait first.
+            let _ = result::ctx::synchronize();
+            // SAFETY: `ptr` came from cuIpcOpenMemHandle in this context and is closed
+            // exactly once (null-swapped above), after the context finished all work.
+            let _ = unsafe { sys::cuIpcCloseMemHandle(ptr) };
         }
     }
 }

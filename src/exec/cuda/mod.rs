@@ -5,8 +5,19 @@
 //! The driver is probed before cudarc is touched (cudarc panics when libcuda is missing), so a
 //! machine without a driver or device gets [`ExecError::Unavailable`].
 //!
-//! Status: written against the driver API but not yet run on a GPU (the development machine
-//! has none); the host executor is the tested path.
+//! Peer pools go over CUDA IPC ([`Executor::export`]: `cuIpcGetMemHandle`;
+//! [`Executor::import`]: `cuIpcOpenMemHandle` with `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`, the
+//! mapping's size checked with `cuMemGetAddressRange`, closed with `cuIpcCloseMemHandle` when
+//! the buffer is freed). CUDA cannot open a handle in the process that exported it (the driver
+//! fails with `CUDA_ERROR_INVALID_CONTEXT`), so the executor refuses that itself with
+//! [`ExecError::IpcSameProcess`] and says it cannot map in-process
+//! ([`Executor::maps_in_process`]): ranks in one process on one GPU share one executor and
+//! use each other's buffers directly; IPC is for ranks in separate processes. The exported
+//! bytes are laid out in the private `ipc` module.
+//!
+//! Status: written against the driver API and run end to end (IPC across processes
+//! included) on the stand-in driver of `tests/fake_cuda/`; not yet run on a GPU (the
+//! development machine has none).
 //!
 //! Thread-safety: `Send + Sync`; one mutex serialises buffer bookkeeping and launches, and all
 //! work goes to one stream, so operations are stream-ordered in call order.
@@ -25,21 +36,30 @@ use super::{
 use crate::kernels::KernelSignature;
 
 enum CudaBuffer {
-    Device(driver::DeviceMem),
+    /// `cuMemAlloc`; `shareable` when [`Executor::alloc_shareable`] made it (it may be
+    /// exported).
+    Device {
+        mem: driver::DeviceMem,
+        shareable: bool,
+    },
     Host(driver::PinnedMem),
+    /// A peer process's device buffer, opened from its IPC handle.
+    Imported(driver::IpcMem),
 }
 
 impl CudaBuffer {
     fn addr(&self) -> u64 {
         match self {
-            CudaBuffer::Device(m) => m.addr(),
+            CudaBuffer::Device { mem, .. } => mem.addr(),
             CudaBuffer::Host(m) => m.addr(),
+            CudaBuffer::Imported(m) => m.addr(),
         }
     }
     fn len(&self) -> usize {
         match self {
-            CudaBuffer::Device(m) => m.len(),
+            CudaBuffer::Device { mem, .. } => mem.len(),
             CudaBuffer::Host(m) => m.len(),
+            CudaBuffer::Imported(m) => m.len(),
         }
     }
 }
@@ -141,9 +161,10 @@ impl Executor for CudaExecutor {
             reason,
         };
         let buf = match kind {
-            MemKind::Device => {
-                CudaBuffer::Device(self.gpu.alloc_device(bytes, fill).map_err(alloc_err)?)
-            }
+            MemKind::Device => CudaBuffer::Device {
+                mem: self.gpu.alloc_device(bytes, fill).map_err(alloc_err)?,
+                shareable: false,
+            },
             MemKind::Host => CudaBuffer::Host(self.gpu.alloc_host(bytes, fill).map_err(alloc_err)?),
         };
         Ok(lock(&self.state).add_buffer(buf))
@@ -157,6 +178,94 @@ impl Executor for CudaExecutor {
         // in `frees`, which `Counters::stalls` includes (the load-path check).
         drop(buf);
         Ok(())
+    }
+
+    /// Device memory from `cuMemAlloc` (any such allocation can be exported; only these
+    /// are, so a scratch buffer is never handed to a peer by mistake).
+    fn alloc_shareable(&self, bytes: usize, fill: u8) -> Result<BufferId, ExecError> {
+        let mem = self
+            .gpu
+            .alloc_device(bytes, fill)
+            .map_err(|reason| ExecError::Alloc {
+                bytes,
+                kind: MemKind::Device,
+                reason,
+            })?;
+        Ok(lock(&self.state).add_buffer(CudaBuffer::Device {
+            mem,
+            shareable: true,
+        }))
+    }
+
+    /// The buffer's `CUipcMemHandle` (`cuIpcGetMemHandle`) with what an importer needs
+    /// besides: its size, and which process and buffer it came from (the `ipc` module).
+    fn export(&self, buffer: BufferId) -> Result<Vec<u8>, ExecError> {
+        let st = lock(&self.state);
+        let (mem, len) = match st.buffer(buffer)? {
+            CudaBuffer::Device {
+                mem,
+                shareable: true,
+            } => (mem, mem.len()),
+            _ => {
+                return Err(ExecError::Peer {
+                    op: "export",
+                    message: format!("buffer {buffer:?} was not allocated shareable"),
+                })
+            }
+        };
+        let handle = self.gpu.ipc_handle(mem).map_err(|e| ExecError::Peer {
+            op: "export",
+            message: format!("buffer {buffer:?} ({len} bytes): {e}"),
+        })?;
+        Ok(ipc::Exported {
+            pid: std::process::id(),
+            process: ipc::process_token(),
+            buffer,
+            len: len as u64,
+            handle,
+        }
+        .to_bytes())
+    }
+
+    /// Opens a peer process's exported buffer (`cuIpcOpenMemHandle`, lazily enabling peer
+    /// access); freeing the returned buffer closes it (`cuIpcCloseMemHandle`). A handle this
+    /// process exported is refused with [`ExecError::IpcSameProcess`] before the driver sees
+    /// it: CUDA cannot open it here, and ranks in one process share one executor instead.
+    fn import(&self, handle: &[u8]) -> Result<BufferId, ExecError> {
+        let h = ipc::Exported::parse(handle)?;
+        if h.process == ipc::process_token() {
+            return Err(ExecError::IpcSameProcess {
+                buffer: h.buffer,
+                pid: h.pid,
+            });
+        }
+        let len = usize::try_from(h.len).map_err(|_| ExecError::Peer {
+            op: "import",
+            message: format!(
+                "buffer {:?} of process {} is {} bytes",
+                h.buffer, h.pid, h.len
+            ),
+        })?;
+        let mem = self
+            .gpu
+            .ipc_open(&h.handle, len)
+            .map_err(|e| ExecError::Peer {
+                op: "import",
+                message: format!(
+                    "buffer {:?} ({len} bytes) of process {}: {e}",
+                    h.buffer, h.pid
+                ),
+            })?;
+        Ok(lock(&self.state).add_buffer(CudaBuffer::Imported(mem)))
+    }
+
+    /// `"ipc"`: CUDA IPC, across processes only ([`Executor::maps_in_process`] is false).
+    fn peer_mapping(&self) -> Option<&'static str> {
+        Some("ipc")
+    }
+
+    fn maps_in_process(&self) -> bool {
+        false
     }
 
     fn size(&self, buffer: BufferId) -> Result<usize, ExecError> {
@@ -182,11 +291,12 @@ impl Executor for CudaExecutor {
         let off = check_range("upload", buffer, buf.len(), offset, data.len() as u64)?.start;
         match buf {
             // Bounds checked above; the buffer stays alive while the lock is held, and freeing
-            // it later waits for the copy (cuMemFree synchronises).
-            CudaBuffer::Device(m) => {
+            // it later waits for the copy (cuMemFree / cuIpcCloseMemHandle after a sync).
+            CudaBuffer::Device { .. } | CudaBuffer::Imported(_) => {
+                let dst = buf.addr() + off as u64;
                 let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
                 let rings = staging.rings();
-                driver::upload_in_bounds(&self.gpu, &mut staging, m.addr() + off as u64, data)
+                driver::upload_in_bounds(&self.gpu, &mut staging, dst, data)
                     .map_err(driver_err("upload"))?;
                 // A new staging ring is a page-locked allocation: counted, so that a load
                 // path that needed one shows it.
@@ -210,10 +320,10 @@ impl Executor for CudaExecutor {
         let buf = st.buffer(buffer)?;
         let off = check_range("read", buffer, buf.len(), offset, out.len() as u64)?.start;
         match buf {
-            CudaBuffer::Device(m) => read_checked(&self.gpu, m.addr() + off as u64, out)?,
             CudaBuffer::Host(m) => m
                 .read_after(&self.gpu, off, out)
                 .map_err(driver_err("read"))?,
+            device => read_checked(&self.gpu, device.addr() + off as u64, out)?,
         }
         st.counters.reads += 1;
         st.counters.bytes_read += out.len() as u64;
@@ -275,8 +385,9 @@ impl Executor for CudaExecutor {
             bytes += len;
         }
         let synced = match buf {
-            CudaBuffer::Device(m) => {
-                let abs: Vec<(u64, u64)> = ranges.iter().map(|&(o, l)| (m.addr() + o, l)).collect();
+            CudaBuffer::Device { .. } | CudaBuffer::Imported(_) => {
+                let base = buf.addr();
+                let abs: Vec<(u64, u64)> = ranges.iter().map(|&(o, l)| (base + o, l)).collect();
                 driver::fill_in_bounds(&self.gpu, &abs, byte).map_err(driver_err("fill"))?;
                 false
             }
@@ -415,5 +526,114 @@ unsafe fn launch_checked(
             config.shared_bytes,
             args,
         )
+    }
+}
+
+/// The bytes [`Executor::export`] gives a peer: `CPHCIPC1`, the exporter's pid (u32), a token
+/// that tells this process from any other (u64, also across PID namespaces), the exporter's
+/// buffer id (u64) and size (u64), all little-endian, then the 64-byte `CUipcMemHandle`.
+pub(crate) mod ipc {
+    use super::driver::IPC_HANDLE_BYTES;
+    use crate::exec::{BufferId, ExecError};
+    use std::sync::OnceLock;
+
+    const MAGIC: &[u8; 8] = b"CPHCIPC1";
+    /// Length of an exported handle.
+    pub(crate) const LEN: usize = 8 + 4 + 8 + 8 + 8 + IPC_HANDLE_BYTES;
+
+    /// An exported buffer, as it travels between processes.
+    pub(crate) struct Exported {
+        pub(crate) pid: u32,
+        pub(crate) process: u64,
+        pub(crate) buffer: BufferId,
+        pub(crate) len: u64,
+        pub(crate) handle: [u8; IPC_HANDLE_BYTES],
+    }
+
+    /// This process's token: its pid, the time it first exported, and an address in it.
+    pub(crate) fn process_token() -> u64 {
+        static TOKEN: OnceLock<u64> = OnceLock::new();
+        *TOKEN.get_or_init(|| {
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64);
+            let here = &TOKEN as *const _ as u64;
+            let x = nanos ^ u64::from(std::process::id()).rotate_left(32) ^ here.rotate_left(17);
+            crate::kernels::reference::mix64(x) | 1
+        })
+    }
+
+    impl Exported {
+        pub(crate) fn to_bytes(&self) -> Vec<u8> {
+            let mut out = Vec::with_capacity(LEN);
+            out.extend_from_slice(MAGIC);
+            out.extend_from_slice(&self.pid.to_le_bytes());
+            out.extend_from_slice(&self.process.to_le_bytes());
+            out.extend_from_slice(&self.buffer.0.to_le_bytes());
+            out.extend_from_slice(&self.len.to_le_bytes());
+            out.extend_from_slice(&self.handle);
+            out
+        }
+
+        pub(crate) fn parse(bytes: &[u8]) -> Result<Exported, ExecError> {
+            if bytes.len() != LEN || !bytes.starts_with(MAGIC) {
+                return Err(ExecError::Peer {
+                    op: "import",
+                    message: format!(
+                        "not a CUDA IPC handle of this executor ({} bytes; {LEN} starting \
+                         with CPHCIPC1 expected)",
+                        bytes.len()
+                    ),
+                });
+            }
+            let u64_at = |i: usize| {
+                let mut b = [0u8; 8];
+                b.copy_from_slice(&bytes[i..i + 8]);
+                u64::from_le_bytes(b)
+            };
+            let mut pid = [0u8; 4];
+            pid.copy_from_slice(&bytes[8..12]);
+            let mut handle = [0u8; IPC_HANDLE_BYTES];
+            handle.copy_from_slice(&bytes[36..]);
+            Ok(Exported {
+                pid: u32::from_le_bytes(pid),
+                process: u64_at(12),
+                buffer: BufferId(u64_at(20)),
+                len: u64_at(28),
+                handle,
+            })
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn exported_handles_round_trip_and_bad_ones_are_refused() {
+            let e = Exported {
+                pid: 7,
+                process: process_token(),
+                buffer: BufferId(0x1234),
+                len: 4096,
+                handle: std::array::from_fn(|i| i as u8),
+            };
+            let bytes = e.to_bytes();
+            assert_eq!(bytes.len(), LEN);
+            let back = Exported::parse(&bytes).unwrap();
+            assert_eq!(
+                (back.pid, back.process, back.buffer, back.len, back.handle),
+                (7, e.process, e.buffer, 4096, e.handle)
+            );
+            assert_eq!(process_token(), e.process, "one token per process");
+            for bad in [&bytes[..LEN - 1], b"cp-hicache-shm:64:/cp-hicache-1"] {
+                let err = Exported::parse(bad).err().expect("refused");
+                assert!(
+                    matches!(&err, ExecError::Peer { op: "import", message }
+                        if message.contains("not a CUDA IPC handle")),
+                    "{err}"
+                );
+            }
+        }
     }
 }
