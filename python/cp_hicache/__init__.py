@@ -271,6 +271,19 @@ class RankCache:
             np.frombuffer(local, dtype="<u4").copy(),
         )
 
+    def token_locations(self, request: Request) -> Tuple[np.ndarray, np.ndarray]:
+        """Where each token of ``request`` lives (after :meth:`allocate`): its owner rank and
+        its slot in the owner's pool, ``local_page * page_size + offset`` (u32 arrays), the
+        token index into ``pool.view(layers, local_pages * page_size, token_bytes)``, as an
+        engine's ``out_cache_loc``."""
+        ps = self.deployment.page_size
+        pages = request.pages
+        owners, local = self.locate(pages)
+        offsets = np.tile(np.arange(ps, dtype=np.uint32), len(pages))
+        slots = np.repeat(local, ps) * np.uint32(ps) + offsets
+        tokens = min(len(pages) * ps, request.stats()["prompt_tokens"])
+        return np.repeat(owners, ps)[:tokens], slots[:tokens].astype(np.uint32)
+
     def pool(self, buffer: str, owner: Optional[int] = None) -> Pool:
         """A device pool of ``buffer`` (``"kv"``, ``"index_k"``) as a DLPack producer,
         ``uint8[layers, local_pages, page_bytes]``: ``torch.from_dlpack(pool)`` reads and

@@ -147,3 +147,21 @@ def test_an_abandoned_request_frees_its_pages():
     rc.abandon(req)
     assert rc.lane_free_counts() == free
     rc.check_invariants()
+
+
+def test_token_locations_index_the_pool_by_token():
+    torch = pytest.importorskip("torch")
+    rc = make()
+    req = rc.begin(range(40))  # 2 whole pages and 8 tokens
+    rc.allocate(req)
+    owners, slots = rc.token_locations(req)
+    assert len(owners) == len(slots) == 40 and (owners == 0).all()
+    pages = req.pages
+    assert (slots[:16] == pages[0] * 16 + np.arange(16)).all()
+    assert (slots[32:] == pages[2] * 16 + np.arange(8)).all()
+    # The engine writes token 17's KV by slot; it lands in page 1 at offset 1.
+    pool = torch.from_dlpack(rc.pool("mla_kv"))
+    by_token = pool.view(pool.shape[0], pool.shape[1] * 16, 1152)
+    by_token[0, int(slots[17])] = 42
+    assert int(pool[0, int(pages[1]), 1152]) == 42
+    rc.abandon(req)
