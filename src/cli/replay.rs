@@ -285,6 +285,21 @@ impl ReplayArgs {
         })
     }
 
+    /// Refuses output files that would overwrite an input or each other, or cannot be
+    /// written.
+    fn check_files(&self) -> Result<(), crate::Error> {
+        super::common::check_outputs(
+            &[
+                ("--json", self.json.as_deref()),
+                ("--request-log", self.request_log.as_deref()),
+            ],
+            &[
+                ("--trace", self.trace.as_deref()),
+                ("--tuning", self.tuning.as_deref()),
+            ],
+        )
+    }
+
     /// The request stream and, when known, its length (for the progress bar). A trace in a
     /// regular file is read through and checked first, so a bad line is refused (exit
     /// status 2, naming file:line) before any work; a pipe cannot be read twice, so its bad
@@ -427,16 +442,7 @@ fn available_memory() -> Option<u64> {
 /// Runs the replay and prints the report; the exit status says whether it was correct.
 pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
     let plan = args.validate()?;
-    super::common::check_outputs(
-        &[
-            ("--json", args.json.as_deref()),
-            ("--request-log", args.request_log.as_deref()),
-        ],
-        &[
-            ("--trace", args.trace.as_deref()),
-            ("--tuning", args.tuning.as_deref()),
-        ],
-    )?;
+    args.check_files()?;
     let (workload, total) = args.workload()?;
     let exec: Arc<dyn Executor> = Arc::from(open_executor(args.backend)?);
     let jit = Jit::new(JitConfig::from_env()?);
@@ -463,16 +469,7 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
 /// output file) is refused here, so a launcher refuses it once instead of in every rank.
 pub fn check_replay_args(args: &ReplayArgs) -> Result<(), crate::Error> {
     args.validate()?;
-    super::common::check_outputs(
-        &[
-            ("--json", args.json.as_deref()),
-            ("--request-log", args.request_log.as_deref()),
-        ],
-        &[
-            ("--trace", args.trace.as_deref()),
-            ("--tuning", args.tuning.as_deref()),
-        ],
-    )?;
+    args.check_files()?;
     args.workload().map(drop)
 }
 
