@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The test command (README): the Rust tests, then the Python package's. Installs what the
-# Python tests need on a fresh machine first: Debian's python3-torch (a CPU build with gloo,
+# The test command (README): the Rust tests, then the Python package's. Before the latter it
+# installs what they need on a fresh machine: Debian's python3-torch (a CPU build with gloo,
 # about 1.5 minutes) and a virtual environment over the system Python (.venv, which sees it)
 # holding maturin, the built wheel and pytest. Arguments go to `cargo test`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+echo "== cargo test"
+cargo test "$@"
 
 need_apt=()
 /usr/bin/python3 -c "import torch.distributed" 2>/dev/null || need_apt+=(python3-torch)
@@ -17,9 +20,6 @@ if [ "${#need_apt[@]}" -gt 0 ]; then
   $sudo apt-get install -y -q "${need_apt[@]}" >/dev/null \
     || { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q "${need_apt[@]}" >/dev/null; }
 fi
-
-echo "== cargo test"
-cargo test "$@"
 
 echo "== the Python package: build the wheel (maturin) into .venv, then pytest"
 # The release binary is the in-process replay the multi-process one is compared with.

@@ -134,7 +134,10 @@ class RankCache:
 
     Every rank of the group must make the same calls in the same order, as an engine's
     ranks do for each scheduled batch. A rank that fails a step makes every rank roll the
-    request back (:class:`CacheError`); a broken group raises :class:`GroupError`.
+    request back (:class:`CacheError`); a broken group raises :class:`GroupError`. After a
+    :class:`GroupError`, or when building the cache fails, this process must leave the group
+    (exit, or destroy the process group): its peers' calls fail once its sockets close, and
+    otherwise only at the group's timeout.
     """
 
     def __init__(
@@ -216,7 +219,8 @@ class RankCache:
 
     def check_invariants(self) -> None:
         """Checks the allocator, tree and device-lane invariants (reads device memory back:
-        for tests, not the serving path)."""
+        for tests, not the serving path). Call it between requests: the pages of a request
+        begun and not finished count as leaked."""
         self._native.check_invariants()
 
     def lane_free_counts(self) -> list:
@@ -229,7 +233,8 @@ class RankCache:
 
     def inject_launch_failure(self, request: int) -> None:
         """Makes this rank's first launch of request number ``request`` fail (every rank
-        then rolls it back): for testing the failure path."""
+        then rolls it back): for testing the failure path. Requests are numbered over
+        :meth:`serve` and :meth:`begin` calls; only a :meth:`serve` arms it."""
         self._native.inject_launch_failure(request)
 
     def set_verifying_ranks(self, n: int) -> None:
@@ -270,6 +275,14 @@ class RankCache:
             np.frombuffer(owners, dtype="<u4").copy(),
             np.frombuffer(local, dtype="<u4").copy(),
         )
+
+    def synchronize(self) -> None:
+        """Waits until every copy and kernel the cache enqueued has run. On a GPU the cache
+        works on its own stream: :meth:`Request.wait_layer` orders that stream only. An
+        engine whose kernels run on another stream calls this before reading pages the
+        cache loaded, and synchronises its own stream before :meth:`finish` backs up the
+        pages it wrote. Immediate on the CPU."""
+        self._native.synchronize()
 
     def token_locations(self, request: Request) -> Tuple[np.ndarray, np.ndarray]:
         """Where each token of ``request`` lives (after :meth:`allocate`): its owner rank and

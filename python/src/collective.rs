@@ -96,10 +96,15 @@ impl PyCollective {
                         .get_item(0)
                         .and_then(|x| x.extract())
                         .map_err(|e| e.to_string())?;
-                    let p: Option<Vec<u8>> = t
-                        .get_item(1)
-                        .and_then(|x| x.extract())
-                        .map_err(|e| e.to_string())?;
+                    let p = t.get_item(1).map_err(|e| e.to_string())?;
+                    let p: Option<Vec<u8>> = if p.is_none() {
+                        None
+                    } else {
+                        let b = p
+                            .cast::<PyBytes>()
+                            .map_err(|_| "a payload must be bytes or None".to_string())?;
+                        Some(b.as_bytes().to_vec())
+                    };
                     let y: Option<String> = t
                         .get_item(2)
                         .and_then(|x| x.extract())
@@ -185,6 +190,10 @@ impl Collective for PyCollective {
             .collect())
     }
 
+    /// Breaks this member only: a Python group has no side channel to tell its peers. They
+    /// learn of it when this process leaves the group (its sockets close: their next round
+    /// fails at once) or, at the latest, at the group's timeout; so a process whose cache
+    /// aborted exits or destroys its process group (the replay's ranks exit).
     fn abort(&self, why: &str) {
         let what = self.last.lock().unwrap_or_else(|p| p.into_inner()).clone();
         self.fail_for_good(&what, why.to_string());

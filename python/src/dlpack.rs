@@ -117,16 +117,24 @@ unsafe extern "C" fn delete_managed(managed: *mut DLManagedTensor) {
 
 unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
     // A consumer renames the capsule when it takes the tensor; then the tensor is its to
-    // delete. An unconsumed capsule still owns it.
-    // SAFETY: `capsule` is the capsule being destroyed; the name is a valid C string.
+    // delete, and nothing is left to do. An unconsumed capsule still owns it. An exception
+    // may be unwinding while the capsule is freed: it is kept aside while the context goes
+    // (dropping the cache reference can run arbitrary code) and put back.
+    // SAFETY: `capsule` is the capsule being destroyed; the name is a valid C string;
+    // `PyCapsule_IsValid` never sets an error.
     unsafe {
-        if ffi::PyCapsule_IsValid(capsule, CAPSULE_NAME.as_ptr()) == 1 {
-            let managed = ffi::PyCapsule_GetPointer(capsule, CAPSULE_NAME.as_ptr());
-            delete_managed(managed.cast());
-        } else {
-            // A renamed capsule: nothing of ours is left; clear the lookup's error, if any.
-            ffi::PyErr_Clear();
+        if ffi::PyCapsule_IsValid(capsule, CAPSULE_NAME.as_ptr()) != 1 {
+            return;
         }
+        let (mut kind, mut value, mut trace) = (
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+        );
+        ffi::PyErr_Fetch(&mut kind, &mut value, &mut trace);
+        let managed = ffi::PyCapsule_GetPointer(capsule, CAPSULE_NAME.as_ptr());
+        delete_managed(managed.cast());
+        ffi::PyErr_Restore(kind, value, trace);
     }
 }
 
@@ -182,11 +190,20 @@ impl Pool {
             ));
         }
         let [_, pages, bytes] = self.shape;
-        let mut ctx = Box::new(Context {
+        // The context is moved to the heap first, so that the shape and stride pointers
+        // are taken from where they stay.
+        let ctx = Box::into_raw(Box::new(Context {
             shape: self.shape,
             strides: [pages * bytes, bytes, 1],
             _owner: self.owner.clone_ref(py),
-        });
+        }));
+        // SAFETY: `ctx` is a live allocation owned by the managed tensor until its deleter.
+        let (shape, strides) = unsafe {
+            (
+                std::ptr::addr_of_mut!((*ctx).shape).cast::<i64>(),
+                std::ptr::addr_of_mut!((*ctx).strides).cast::<i64>(),
+            )
+        };
         let managed = Box::new(DLManagedTensor {
             dl_tensor: DLTensor {
                 data: self.ptr as *mut c_void,
@@ -200,11 +217,11 @@ impl Pool {
                     bits: 8,
                     lanes: 1,
                 },
-                shape: ctx.shape.as_mut_ptr(),
-                strides: ctx.strides.as_mut_ptr(),
+                shape,
+                strides,
                 byte_offset: 0,
             },
-            manager_ctx: Box::into_raw(ctx).cast(),
+            manager_ctx: ctx.cast(),
             deleter: Some(delete_managed),
         });
         let raw = Box::into_raw(managed);

@@ -21,13 +21,16 @@ use cp_hicache::rank::{
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// One CP rank's cache: its radix-tree and allocator replicas, its host pool, its device
 /// pools (shared with its peers) and its kernels.
-#[pyclass(module = "cp_hicache._native", frozen)]
+#[pyclass(module = "cp_hicache._native", frozen, weakref)]
 pub struct RankCache {
     inner: Mutex<CoreRank>,
+    /// Tells this cache's requests from another's.
+    id: u64,
     deployment: Deployment,
     rank: u8,
 }
@@ -92,6 +95,8 @@ fn stats_object(py: Python<'_>, stats: &RequestStats) -> PyResult<Py<PyAny>> {
 #[pyclass(module = "cp_hicache._native", frozen)]
 pub struct Request {
     inner: Mutex<CoreRequest>,
+    /// The cache that began it: no other may take its steps.
+    cache: u64,
 }
 
 impl Request {
@@ -106,19 +111,22 @@ impl Request {
     /// allocated to compute into.
     #[getter]
     fn pages<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        id_bytes(py, self.lock().pages().iter().map(|p| p.0))
+        // Every lock is taken with the GIL released: a step in flight holds it while its
+        // collective round needs the GIL.
+        let pages: Vec<u32> = py.detach(|| self.lock().pages().iter().map(|p| p.0).collect());
+        id_bytes(py, pages)
     }
 
     /// Leading pages that came from the cache (device hits, then loaded pages).
     #[getter]
-    fn cached_pages(&self) -> usize {
-        self.lock().cached_pages()
+    fn cached_pages(&self, py: Python<'_>) -> usize {
+        py.detach(|| self.lock().cached_pages())
     }
 
     /// Layers of the load-back in flight (0 when nothing is loaded back).
     #[getter]
-    fn loading_layers(&self) -> u32 {
-        self.lock().load().map_or(0, |l| l.layers())
+    fn loading_layers(&self, py: Python<'_>) -> u32 {
+        py.detach(|| self.lock().load().map_or(0, |l| l.layers()))
     }
 
     /// Makes work enqueued from now on wait for layer `layer` of the load-back (a
@@ -141,21 +149,42 @@ impl Request {
 
     /// The request's statistics so far.
     fn stats(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        let s = self.lock().stats().clone();
+        let s = py.detach(|| self.lock().stats().clone());
         stats_object(py, &s)
     }
 }
 
 impl RankCache {
-    fn lock(&self) -> MutexGuard<'_, CoreRank> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    /// Refuses a request another cache began: its pages and locks are not this one's.
+    fn owns(&self, req: &Request) -> PyResult<()> {
+        if req.cache != self.id {
+            return Err(usage(
+                "this request was begun by another RankCache: only that cache can take its steps",
+            ));
+        }
+        Ok(())
     }
 
     /// Runs `f` on the rank with the GIL released: the rank may wait on its peers, and its
     /// collective takes the GIL back for each round. (Taking the rank's lock while holding
     /// the GIL could deadlock against a thread inside a collective round.)
-    fn with<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut CoreRank) -> R + Send) -> R {
-        py.detach(|| f(&mut self.lock()))
+    fn with<R: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut CoreRank) -> R + Send,
+    ) -> PyResult<R> {
+        py.detach(|| {
+            // A call that panicked (a PanicException) may have left the rank half-changed:
+            // refuse to go on from an unknown state.
+            let mut rank = self.inner.lock().map_err(|_| {
+                CacheError::new_err(format!(
+                    "rank {}: an earlier call panicked, so this rank's state is unknown; \
+                     rebuild the group's caches",
+                    self.rank
+                ))
+            })?;
+            Ok(f(&mut rank))
+        })
     }
 }
 
@@ -232,8 +261,10 @@ impl RankCache {
             };
             CoreRank::new(config, exec, &jit, group, access).map_err(cluster)
         })?;
+        static NEXT_ID: AtomicU64 = AtomicU64::new(0);
         Ok(RankCache {
             inner: Mutex::new(core),
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             deployment: deployment.clone(),
             rank,
         })
@@ -253,13 +284,13 @@ impl RankCache {
 
     /// The group's transport (`local` for a single rank, `torch.distributed`).
     #[getter]
-    fn group_kind(&self, py: Python<'_>) -> &'static str {
+    fn group_kind(&self, py: Python<'_>) -> PyResult<&'static str> {
         self.with(py, |r| r.group_kind())
     }
 
     /// How this rank reaches its peers' pools (`direct`, `shared-memory`, `ipc`).
     #[getter]
-    fn peer_pools(&self, py: Python<'_>) -> &'static str {
+    fn peer_pools(&self, py: Python<'_>) -> PyResult<&'static str> {
         self.with(py, |r| r.peer_pools())
     }
 
@@ -268,7 +299,7 @@ impl RankCache {
     /// the request's statistics (this rank's byte counts).
     fn serve(&self, py: Python<'_>, tokens: &[u8]) -> PyResult<Py<PyAny>> {
         let tokens = ids(tokens, "tokens")?;
-        let stats = self.with(py, |r| r.serve(&tokens)).map_err(cluster)?;
+        let stats = self.with(py, |r| r.serve(&tokens))?.map_err(cluster)?;
         let v = serde_json::to_value(&stats)
             .map_err(|e| to_py(cp_hicache::Error::Usage(e.to_string())))?;
         let out = to_object(py, &v)?;
@@ -287,7 +318,7 @@ impl RankCache {
     ) -> PyResult<(usize, Bound<'py, PyBytes>, usize)> {
         let tokens = ids(tokens, "tokens")?;
         let m = self
-            .with(py, |r| r.match_prefix(&tokens))
+            .with(py, |r| r.match_prefix(&tokens))?
             .map_err(cluster)?;
         Ok((
             m.matched_tokens,
@@ -299,19 +330,19 @@ impl RankCache {
     /// Evicts device nodes in LRU order until `pages` device pages were released (or
     /// nothing unlocked is left); returns how many nodes. Every rank calls it.
     fn evict(&self, py: Python<'_>, pages: usize) -> PyResult<usize> {
-        self.with(py, |r| r.evict_device_lru(pages))
+        self.with(py, |r| r.evict_device_lru(pages))?
             .map_err(cluster)
     }
 
     /// A digest (hex) of this rank's allocator and tree; equal on every rank.
-    fn digest(&self, py: Python<'_>) -> String {
+    fn digest(&self, py: Python<'_>) -> PyResult<String> {
         self.with(py, |r| r.digest().to_string())
     }
 
     /// Every rank's digest, in rank order (a collective: every rank calls it).
     fn all_digests(&self, py: Python<'_>) -> PyResult<Vec<String>> {
-        let d = py
-            .detach(|| self.lock().all_digests("all digests (python)"))
+        let d = self
+            .with(py, |r| r.all_digests("all digests (python)"))?
             .map_err(cluster)?;
         Ok(d.iter().map(ToString::to_string).collect())
     }
@@ -319,17 +350,17 @@ impl RankCache {
     /// Checks the allocator and tree invariants (reads the device lanes back: not for the
     /// serving path).
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
-        self.with(py, |r| r.check_invariants()).map_err(cluster)
+        self.with(py, |r| r.check_invariants())?.map_err(cluster)
     }
 
     /// Free device pages per owner lane.
-    fn lane_free_counts(&self, py: Python<'_>) -> Vec<u32> {
+    fn lane_free_counts(&self, py: Python<'_>) -> PyResult<Vec<u32>> {
         self.with(py, |r| r.lane_free_counts())
     }
 
     /// What the last request's verification found: `{"mismatched_tokens", "by_rank"}`.
     fn last_verdict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let v = self.with(py, |r| r.last_verdict().clone());
+        let v = self.with(py, |r| r.last_verdict().clone())?;
         let d = PyDict::new(py);
         d.set_item("mismatched_tokens", v.all.count)?;
         d.set_item("first_mismatched_token", v.all.first)?;
@@ -339,13 +370,13 @@ impl RankCache {
 
     /// Makes this rank's first launch of request number `request` fail (every rank then
     /// rolls that request back): for testing the failure path.
-    fn inject_launch_failure(&self, py: Python<'_>, request: usize) {
-        self.with(py, |r| r.inject_launch_failure(request));
+    fn inject_launch_failure(&self, py: Python<'_>, request: usize) -> PyResult<()> {
+        self.with(py, |r| r.inject_launch_failure(request))
     }
 
     /// Materialise and verify on the first `n` ranks only (default: every rank).
-    fn set_verifying_ranks(&self, py: Python<'_>, n: usize) {
-        self.with(py, |r| r.set_verifying_ranks(n));
+    fn set_verifying_ranks(&self, py: Python<'_>, n: usize) -> PyResult<()> {
+        self.with(py, |r| r.set_verifying_ranks(n))
     }
 
     /// A device pool of `buffer` (`kv`, `index_k`) as a DLPack producer,
@@ -378,7 +409,7 @@ impl RankCache {
                 Some(o) => pools.views(kind)[usize::from(o)],
             };
             (pools.geometry(), r.executor().address(id))
-        });
+        })?;
         let address = address.map_err(to_py)?;
         let page_bytes = kind.page_bytes(me.deployment.inner.page_size);
         Ok(Pool::new(
@@ -400,7 +431,7 @@ impl RankCache {
         pages: &[u8],
     ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
         let pages = ids(pages, "pages")?;
-        let layout = self.with(py, |r| *r.layout());
+        let layout = self.with(py, |r| *r.layout())?;
         if let Some(p) = pages.iter().find(|&&p| p >= layout.pages()) {
             return Err(usage(format!(
                 "page {p} is outside the {} logical pages",
@@ -420,22 +451,25 @@ impl RankCache {
     /// it with the same tokens. SGLang: `match_prefix` + `init_load_back`.
     fn begin(&self, py: Python<'_>, tokens: &[u8]) -> PyResult<Request> {
         let tokens = ids(tokens, "tokens")?;
-        let req = self.with(py, |r| r.begin(&tokens)).map_err(cluster)?;
+        let req = self.with(py, |r| r.begin(&tokens))?.map_err(cluster)?;
         Ok(Request {
             inner: Mutex::new(req),
+            cache: self.id,
         })
     }
 
     /// Allocates the pages of the tokens to compute (zigzag owners, evicting when short).
     fn allocate(&self, py: Python<'_>, req: &Request) -> PyResult<()> {
-        self.with(py, |r| r.allocate(&mut req.lock()))
+        self.owns(req)?;
+        self.with(py, |r| r.allocate(&mut req.lock()))?
             .map_err(cluster)
     }
 
     /// Synthesises this rank's computed pages and verifies the whole sequence (the replay's
     /// stand-in for the model; a test harness for an engine). Returns mismatched tokens.
     fn synthesise_and_verify(&self, py: Python<'_>, req: &Request) -> PyResult<u64> {
-        self.with(py, |r| r.synthesise_and_verify(&mut req.lock()))
+        self.owns(req)?;
+        self.with(py, |r| r.synthesise_and_verify(&mut req.lock()))?
             .map(|v| v.all.count)
             .map_err(cluster)
     }
@@ -443,16 +477,28 @@ impl RankCache {
     /// Inserts the request's pages, backs them up per the policy and releases its locks;
     /// returns its statistics. SGLang: `cache_finished_req`, `write_backup`, `dec_lock_ref`.
     fn finish(&self, py: Python<'_>, req: &Request) -> PyResult<Py<PyAny>> {
+        self.owns(req)?;
         let stats = self
-            .with(py, |r| r.finish(&mut req.lock()))
+            .with(py, |r| r.finish(&mut req.lock()))?
             .map_err(cluster)?;
         stats_object(py, &stats)
     }
 
     /// Gives a request up: unlocks its prefix and frees the pages allocated for it.
     fn abandon(&self, py: Python<'_>, req: &Request) -> PyResult<()> {
-        self.with(py, |r| r.abandon(&mut req.lock()))
+        self.owns(req)?;
+        self.with(py, |r| r.abandon(&mut req.lock()))?
             .map_err(cluster)
+    }
+
+    /// Waits on the host until every copy and kernel this rank's cache enqueued has run.
+    /// On a GPU the cache works on its own stream: an engine whose kernels run on another
+    /// stream calls this before reading pages the cache loaded (after `begin`), and
+    /// synchronises its own stream before `finish` backs up pages it wrote. Immediate on the
+    /// CPU, where every call has run when it returns.
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, |r| r.executor().synchronize())?
+            .map_err(to_py)
     }
 
     fn __repr__(&self) -> String {

@@ -97,6 +97,10 @@ def test_a_killed_rank_ends_the_run_naming_it():
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 1, err
     assert "rank 2 was killed by SIGKILL" in err, err
+    # The survivors failed on their own (their collective saw the peer gone): none had to be
+    # terminated by the launcher.
+    assert "exit statuses by rank: [1, 1, -9, 1]" in err, err
+    assert re.search(r"error: rank [013]: .*request \d+", err), err
     assert time.monotonic() - killed_at < 60  # within the group timeout, no hang
 
 

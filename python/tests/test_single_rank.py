@@ -75,12 +75,31 @@ def test_pools_are_the_cache_memory_in_place():
 
 
 def test_a_pool_outlives_its_cache_object():
+    import gc
+    import weakref
+
     rc = make()
     rc.serve(range(32))
+    native = weakref.ref(rc._native)
     arr = np.from_dlpack(rc.pool("mla_kv"))
     before = bytes(arr[0, 1, :8])
     del rc
+    gc.collect()
+    assert native() is not None  # the exported tensor holds the cache
     assert bytes(arr[0, 1, :8]) == before
+    del arr
+    gc.collect()
+    assert native() is None  # and lets it go with the last tensor
+
+
+def test_a_request_belongs_to_its_cache():
+    a, b = make(), make()
+    req = a.begin(range(32))
+    with pytest.raises(cp_hicache.UsageError, match="another RankCache"):
+        b.allocate(req)
+    a.allocate(req)
+    a.finish(req)
+    a.synchronize()
 
 
 @pytest.mark.parametrize(

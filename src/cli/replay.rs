@@ -468,13 +468,33 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
 /// `cp-hicache replay` refuses with exit status 2 (the settings, the trace's every line, the
 /// output file) is refused here, so a launcher refuses it once instead of in every rank.
 pub fn check_replay_args(args: &ReplayArgs) -> Result<(), crate::Error> {
-    args.validate()?;
+    let plan = args.validate()?;
     args.check_files()?;
-    args.workload().map(drop)
+    if let Some(t) = args.trace.as_ref().filter(|t| t.exists() && !t.is_file()) {
+        return Err(crate::Error::Usage(format!(
+            "--trace {} is not a regular file: every rank process reads the trace itself, so \
+             it cannot be a pipe",
+            t.display()
+        )));
+    }
+    drop(args.workload()?);
+    // Checked once here: ranks checking while their peers allocate would see each other's
+    // pools as used memory, and could refuse on some ranks only.
+    let config = ClusterConfig {
+        deployment: plan.deployment,
+        layers: args.layers,
+        device_pages: args.device_pages,
+        host_pages: args.host_pages,
+        policy: args.policy,
+        fault: args.inject,
+        sanitize: Sanitize::None,
+    };
+    check_memory(&config, args.backend.resolve())
 }
 
 /// Runs this process's rank (`group.rank()`) of a replay whose ranks are separate processes
-/// (`python -m cp_hicache.replay`): the same workload, checks and report as
+/// (`python -m cp_hicache.replay`; its launcher calls [`check_replay_args`] first, which
+/// checks memory for the whole group): the same workload, checks and report as
 /// `cp-hicache replay`, on one [`RankCache`](crate::rank::RankCache) agreeing with its peers
 /// through `group`. Every rank verifies (unless `--verify-ranks`); rank 0 prints the report
 /// and writes `--json`. Every rank returns the same exit status.
@@ -503,8 +523,8 @@ pub fn replay_rank(
         )));
     }
     let jit = Jit::new(JitConfig::from_env()?);
+    // Memory was checked once for the group (`check_replay_args`), not per rank.
     let setup = Setup::new(args, &plan, exec.as_ref(), &jit)?;
-    check_memory(&setup.config, exec.backend())?;
     let mut rank = crate::rank::RankCache::new(
         setup.config.clone(),
         exec,

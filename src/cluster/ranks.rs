@@ -10,7 +10,9 @@
 use super::{Cluster, GroupInfo};
 use crate::allocator::StateDigest;
 use crate::group::ReduceOp;
-use crate::rank::{ClusterError, DeploymentKernels, RankCache, RequestStats, RollbackDrops};
+use crate::rank::{
+    ClusterError, DeploymentKernels, PeerErrorKind, RankCache, RequestStats, RollbackDrops,
+};
 
 /// The CP group as a driver sees it. See the module documentation.
 pub trait Ranks {
@@ -94,7 +96,11 @@ impl Ranks for Cluster {
 impl Ranks for RankCache {
     fn serve(&mut self, tokens: &[u32]) -> Result<RequestStats, ClusterError> {
         let n = self.requests_served();
-        let mut stats = RankCache::serve(self, tokens)?;
+        let mut stats = match RankCache::serve(self, tokens) {
+            Ok(stats) => stats,
+            Err(e) if e.is_group_broken() => return Err(e),
+            Err(e) => return Err(agree_on_error(self, n, e)?),
+        };
         // Every rank succeeded (a failure on any rank fails the request on every rank), so
         // every rank makes this call.
         let sums = self.group().all_reduce(
@@ -134,6 +140,7 @@ impl Ranks for RankCache {
                 Some((rank, w)) => Err(ClusterError::PeerReported {
                     rank,
                     message: String::from_utf8_lossy(w).into_owned(),
+                    kind: PeerErrorKind::Failure,
                 }),
             },
         }
@@ -146,8 +153,7 @@ impl Ranks for RankCache {
     }
 
     fn set_verifying_ranks(&mut self, n: usize) {
-        let n = n.clamp(1, self.group().size());
-        self.set_verifies(usize::from(self.rank().0) < n);
+        RankCache::set_verifying_ranks(self, n);
     }
 
     fn group_info(&self) -> GroupInfo {
@@ -167,4 +173,41 @@ impl Ranks for RankCache {
     fn reports(&self) -> bool {
         self.rank().0 == 0
     }
+}
+
+/// The one error every rank reports for a failed request: ranks learn of a failure at
+/// different steps (one fails a launch while its peers find the pool too small), and a driver
+/// that branched on each rank's own error would then make different calls on different
+/// ranks. Like [`Cluster`]'s, the choice is the lowest rank's own error (not a peer's
+/// failure); the other ranks relay it as [`ClusterError::PeerReported`] of the same kind.
+fn agree_on_error(
+    rank: &RankCache,
+    n: usize,
+    e: ClusterError,
+) -> Result<ClusterError, ClusterError> {
+    let mine: Vec<u8> = if e.is_peer_failure() {
+        vec![0]
+    } else {
+        let mut v = vec![PeerErrorKind::of(&e).to_byte()];
+        v.extend(e.to_string().into_bytes());
+        v
+    };
+    let all = rank
+        .group()
+        .all_gather(&format!("request {n} errors"), &mine)?;
+    let me = usize::from(rank.rank().0);
+    Ok(
+        match all
+            .iter()
+            .enumerate()
+            .find(|(_, v)| v.first().is_some_and(|&k| k != 0))
+        {
+            Some((r, v)) if r != me => ClusterError::PeerReported {
+                rank: r,
+                message: String::from_utf8_lossy(&v[1..]).into_owned(),
+                kind: PeerErrorKind::from_byte(v[0]),
+            },
+            _ => e,
+        },
+    )
 }

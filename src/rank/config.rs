@@ -238,14 +238,17 @@ pub enum ClusterError {
         /// Why.
         source: crate::exec::ExecError,
     },
-    /// A peer process reported a failure this rank can only relay (for example its device
-    /// lanes disagree with its mirror): the peer's own message.
+    /// A peer process reported a failure this rank can only relay (its device lanes disagree
+    /// with its mirror, or its step of a request failed first): the peer's own message, and
+    /// what kind of error it was, so that every rank takes the same branch on it.
     #[error("rank {rank}: {message}")]
     PeerReported {
         /// The rank that failed.
         rank: usize,
         /// Its message.
         message: String,
+        /// What kind of error it was.
+        kind: PeerErrorKind,
     },
     /// A transfer named a page outside its pool, had unequal page lists, or named one
     /// destination page in two pairs. A bug (the pools hand out only their own pages, each
@@ -259,6 +262,49 @@ pub enum ClusterError {
         /// What is wrong with it.
         what: String,
     },
+}
+
+/// The kind of a peer's error ([`ClusterError::PeerReported`]), as the branches of a driver
+/// tell errors apart.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PeerErrorKind {
+    /// A failure (the request is rolled back and counted as failed).
+    Failure,
+    /// The request does not fit in the pools ([`ClusterError::is_pool_too_small`]).
+    PoolTooSmall,
+    /// The settings ([`ClusterError::is_usage`]).
+    Usage,
+}
+
+impl PeerErrorKind {
+    /// The kind of `e`, as a peer would report it.
+    pub fn of(e: &ClusterError) -> PeerErrorKind {
+        if e.is_pool_too_small() {
+            PeerErrorKind::PoolTooSmall
+        } else if e.is_usage() {
+            PeerErrorKind::Usage
+        } else {
+            PeerErrorKind::Failure
+        }
+    }
+
+    /// One byte on the wire.
+    pub fn to_byte(self) -> u8 {
+        match self {
+            PeerErrorKind::Failure => 1,
+            PeerErrorKind::PoolTooSmall => 2,
+            PeerErrorKind::Usage => 3,
+        }
+    }
+
+    /// From [`PeerErrorKind::to_byte`]; anything else is a failure.
+    pub fn from_byte(b: u8) -> PeerErrorKind {
+        match b {
+            2 => PeerErrorKind::PoolTooSmall,
+            3 => PeerErrorKind::Usage,
+            _ => PeerErrorKind::Failure,
+        }
+    }
 }
 
 impl ClusterError {
@@ -276,7 +322,14 @@ impl ClusterError {
     /// Whether a request could not fit in the pools at all (it was rolled back; later,
     /// smaller requests can still be served).
     pub fn is_pool_too_small(&self) -> bool {
-        matches!(self, ClusterError::PoolTooSmall { .. })
+        matches!(
+            self,
+            ClusterError::PoolTooSmall { .. }
+                | ClusterError::PeerReported {
+                    kind: PeerErrorKind::PoolTooSmall,
+                    ..
+                }
+        )
     }
 
     /// Whether this only says that another rank's step failed (this rank rolled back too;
@@ -296,7 +349,13 @@ impl ClusterError {
     pub fn is_usage(&self) -> bool {
         matches!(
             self,
-            ClusterError::Layout(_) | ClusterError::PoolTooSmall { .. } | ClusterError::Config(_)
+            ClusterError::Layout(_)
+                | ClusterError::PoolTooSmall { .. }
+                | ClusterError::Config(_)
+                | ClusterError::PeerReported {
+                    kind: PeerErrorKind::PoolTooSmall | PeerErrorKind::Usage,
+                    ..
+                }
         )
     }
 }

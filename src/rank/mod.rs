@@ -52,7 +52,7 @@ mod rollback;
 mod stats;
 mod verify;
 
-pub use config::{ClusterConfig, ClusterError, Fault, WritePolicy};
+pub use config::{ClusterConfig, ClusterError, Fault, PeerErrorKind, WritePolicy};
 use evict::Eviction;
 pub use kernels::{DeploymentKernels, KernelLoadError, Loaded, SourceHook};
 pub use load::LoadHandle;
@@ -102,6 +102,7 @@ pub struct RankCache {
     repoison: bool,
     verifies: bool,
     verifying_ranks: usize,
+    digest_calls: std::cell::Cell<u64>,
     last_rollback: RollbackDrops,
     last_verdict: Verdict,
 }
@@ -171,6 +172,7 @@ impl RankCache {
             repoison: true,
             verifies: true,
             verifying_ranks: size,
+            digest_calls: std::cell::Cell::new(0),
             last_rollback: RollbackDrops::default(),
             last_verdict: Verdict::default(),
         })
@@ -309,7 +311,13 @@ impl RankCache {
 
     /// Every rank's [`RankCache::digest`], all-gathered (a collective: every rank calls it).
     pub fn all_digests(&self, what: &str) -> Result<Vec<StateDigest>, ClusterError> {
-        let all = self.group.all_gather(what, &self.digest().0)?;
+        // Numbered, so that two ranks pairing different digest calls of one name fail as a
+        // divergence at once instead of a later call.
+        let seq = self.digest_calls.get();
+        self.digest_calls.set(seq + 1);
+        let all = self
+            .group
+            .all_gather(&format!("{what} #{seq}"), &self.digest().0)?;
         Ok(all
             .into_iter()
             .map(|d| StateDigest(d.try_into().unwrap_or([0; 32])))

@@ -308,6 +308,7 @@ impl RankCache {
 mod tests {
     use super::super::tests::one_rank;
     use super::*;
+    use crate::allocator::StateDigest;
 
     fn prompt(pages: u32) -> Vec<u32> {
         (0..pages * 16).map(|t| t * 7 + 3).collect()
@@ -386,5 +387,87 @@ mod tests {
         assert!(e.to_string().contains("allocate first"), "{e}");
         rc.abandon(&mut req).unwrap();
         rc.check_invariants().unwrap();
+    }
+
+    /// Two ranks, each on its own host executor and thread, mapping each other's pools.
+    fn two_ranks() -> Vec<RankCache> {
+        let jit = Jit::new(crate::jit::JitConfig::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/target/tmp/jit-cache"
+        )));
+        let config = ClusterConfig {
+            deployment: crate::kernels::Deployment::new(crate::kernels::ModelShape::MlaBf16, 16, 2)
+                .unwrap(),
+            layers: 1,
+            device_pages: 17,
+            host_pages: 8,
+            policy: WritePolicy::WriteThrough,
+            fault: None,
+            sanitize: crate::jit::Sanitize::None,
+        };
+        let members = crate::group::LocalGroup::members(2, std::time::Duration::from_secs(60));
+        std::thread::scope(|s| {
+            let handles: Vec<_> = members
+                .into_iter()
+                .map(|m| {
+                    let (config, jit) = (config.clone(), &jit);
+                    s.spawn(move || {
+                        let exec = Arc::new(crate::exec::HostExecutor::new(
+                            crate::exec::HostOptions::default(),
+                        ));
+                        RankCache::new(config, exec, jit, Box::new(m), PeerAccess::Mapped).unwrap()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    /// A step that succeeds on this rank but fails on a peer is rolled back here too, and
+    /// the request is as it was before the step: the allocation can then be retried.
+    #[test]
+    fn a_step_a_peer_failed_is_rolled_back_and_can_be_retried() {
+        let ranks = two_ranks();
+        let p = prompt(4);
+        let results: Vec<(usize, bool, usize, RequestStats, StateDigest)> =
+            std::thread::scope(|s| {
+                let handles: Vec<_> = ranks
+                    .into_iter()
+                    .map(|mut rc| {
+                        let p = p.clone();
+                        s.spawn(move || {
+                            let mut req = rc.begin(&p).unwrap();
+                            if rc.rank().0 == 1 {
+                                // Rank 1's select kernel fails; rank 0's allocation succeeds.
+                                rc.executor().inject_launch_failure();
+                            }
+                            let e = rc.allocate(&mut req).unwrap_err();
+                            let peer = e.is_peer_failure();
+                            let after_failure = req.pages().len();
+                            assert!(!req.allocated);
+                            rc.allocate(&mut req).unwrap();
+                            assert_eq!(rc.synthesise_and_verify(&mut req).unwrap().all.count, 0);
+                            let stats = rc.finish(&mut req).unwrap();
+                            rc.check_invariants().unwrap();
+                            (
+                                usize::from(rc.rank().0),
+                                peer,
+                                after_failure,
+                                stats,
+                                rc.digest(),
+                            )
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+        let (r0, r1) = (&results[0], &results[1]);
+        assert_eq!((r0.0, r1.0), (0, 1));
+        assert!(r0.1, "rank 0 learnt of rank 1's failure");
+        assert!(!r1.1, "rank 1 has its own error");
+        assert_eq!((r0.2, r1.2), (0, 0), "no pages kept from the failed step");
+        assert_eq!(r0.3.computed_tokens, 64);
+        assert_eq!(r0.3.pages_written, 4);
+        assert_eq!(r0.4, r1.4, "the replicas agree");
     }
 }
