@@ -950,6 +950,14 @@ pub trait Executor: Send + Sync {
         Ok(start.elapsed().as_secs_f64())
     }
 
+    /// A second executor on the same device whose work runs beside this one's (its own
+    /// stream): `tune` runs the busy kernel on it while it times transfers here. `None` (the
+    /// default) where work cannot overlap: the host executor runs launches on the calling
+    /// thread.
+    fn companion(&self) -> Result<Option<Box<dyn Executor>>, ExecError> {
+        Ok(None)
+    }
+
     /// A snapshot of the operation counters.
     fn counters(&self) -> Counters;
 

@@ -295,6 +295,11 @@ impl Executor for CudaExecutor {
         Ok(f64::from(ms) / 1e3)
     }
 
+    fn companion(&self) -> Result<Option<Box<dyn Executor>>, ExecError> {
+        // The same device's primary context, a stream of its own.
+        Ok(Some(Box::new(CudaExecutor::new(self.ordinal)?)))
+    }
+
     fn counters(&self) -> Counters {
         lock(&self.state).counters
     }
