@@ -1,6 +1,6 @@
 //! Launch-configuration candidates per kernel family (docs/DESIGN.md §3.6 "Tuning"): threads per
 //! block, pages per block, vector width, unroll and where the layer loop runs as kernel
-//! renders, plus the DMA path for transfers on a GPU (batched `cuMemcpyAsync`).
+//! renders, plus the DMA path for transfers on a GPU (copy-engine DMA: `cuMemcpyBatchAsync`).
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -43,7 +43,7 @@ pub enum LaunchChoice {
         /// Threads per block.
         threads: u32,
     },
-    /// Batched `cuMemcpyAsync` of the page blobs instead of a kernel (transfers only).
+    /// Copy-engine DMA of the page blobs (`cuMemcpyBatchAsync`) instead of a kernel (transfers only).
     Dma,
 }
 
@@ -184,7 +184,7 @@ fn vec_width(bytes: u32) -> Option<VecWidth> {
 pub enum Candidate {
     /// A kernel render (compiled through the JIT and launched).
     Kernel(KernelSpec),
-    /// Batched `cuMemcpyAsync` per page blob (transfers only). Only the CUDA executor accepts
+    /// Copy-engine DMA of the merged page blobs (transfers only). Only the CUDA executor accepts
     /// it; see [`Candidate::supported_by`].
     Dma(KernelSpec),
 }
