@@ -31,7 +31,7 @@ pub use spec::{
     AllocSpec, Arrangement, BufferKind, BusySpec, CopyLaunch, Direction, Dtype, Family,
     FieldLayout, HostLayout, KernelParam, KernelSignature, KernelSpec, LaunchDims, MaterialiseSpec,
     Reach, ReachError, ReleaseSpec, SelectStatus, SynthSpec, TransferSpec, VecWidth, VerifySpec,
-    GPU_TRANSFER_BLOCKS, GPU_TRANSFER_THREADS, TRANSFER_GRID_CAPS,
+    GPU_TRANSFER_BLOCKS, GPU_TRANSFER_THREADS, GPU_TRANSFER_UNROLL, TRANSFER_GRID_CAPS,
 };
 
 use std::path::PathBuf;

@@ -389,25 +389,30 @@ pub const GPU_TRANSFER_BLOCKS: u32 = 4;
 /// Threads per block of the GPU default transfer grid ([`CopyLaunch::gpu_transfer`]).
 pub const GPU_TRANSFER_THREADS: u32 = 512;
 
+/// Vectors in flight per thread of the GPU default transfer grid.
+pub const GPU_TRANSFER_UNROLL: u32 = 8;
+
 /// The capped grid sizes the tuner times for transfers ([`CopyLaunch::capped_candidates`]).
 pub const TRANSFER_GRID_CAPS: [u32; 5] = [1, 2, 4, 8, 16];
 
 impl CopyLaunch {
     /// The default launch of host↔device transfers: [`GPU_TRANSFER_BLOCKS`] blocks of
-    /// [`GPU_TRANSFER_THREADS`] threads, 16-byte accesses, 4 in flight per thread. 4 × 512 ×
-    /// 4 × 16 B = 128 KiB in flight, about what a PCIe Gen5 x16 link (≈ 55 GB/s, ≈ 2 µs
-    /// round trip) needs; SGLang's transfer kernel uses 2 blocks × 1024 threads for the same
+    /// [`GPU_TRANSFER_THREADS`] threads, 16-byte accesses, [`GPU_TRANSFER_UNROLL`] in flight
+    /// per thread. 4 × 512 × 8 × 16 B = 256 KiB in flight, twice what a PCIe Gen5 x16 link
+    /// (≈ 55 GB/s, ≈ 2 µs round trip) needs, so a slower round trip through a loaded GPU
+    /// still fills it; SGLang's transfer kernel uses 2 blocks × 1024 threads for the same
     /// reason. The rest of the GPU stays free for the model (docs/KERNELS.md).
     pub fn gpu_transfer() -> CopyLaunch {
         CopyLaunch {
             threads: GPU_TRANSFER_THREADS,
+            unroll: GPU_TRANSFER_UNROLL,
             max_blocks: GPU_TRANSFER_BLOCKS,
             ..CopyLaunch::default()
         }
     }
 
     /// The capped-grid transfer shapes worth timing for a page of `page_bytes`: 256 and 512
-    /// threads at each of [`TRANSFER_GRID_CAPS`] blocks (the tuner keeps the fewest blocks
+    /// threads, 8 vectors in flight each, at each of [`TRANSFER_GRID_CAPS`] blocks (the tuner keeps the fewest blocks
     /// that hold the bandwidth while a compute kernel runs beside).
     pub fn capped_candidates(page_bytes: u64) -> Vec<CopyLaunch> {
         let vec = VecWidth::widest_for(page_bytes);
@@ -418,7 +423,7 @@ impl CopyLaunch {
                     threads,
                     vec,
                     max_blocks,
-                    ..CopyLaunch::default()
+                    ..CopyLaunch::gpu_transfer()
                 });
             }
         }
@@ -459,6 +464,7 @@ impl CopyLaunch {
             shape(256, 1, 2),
             shape(128, 2, 2),
             shape(512, 1, 1),
+            shape(256, 1, 8),
             layers_in_block(shape(1, 4, 1)),
             layers_in_block(shape(128, 1, 4)),
             streaming(shape(128, 1, 4)),
@@ -1681,11 +1687,11 @@ mod tests {
         assert_eq!(spec(4).launch_dims(3, 1).grid, 3);
         assert_eq!(spec(4).launch_dims(0, 0).grid, 1);
         assert!(
-            spec(4).uri().ends_with("_t512_ppb1_v16_u4_g4"),
+            spec(4).uri().ends_with("_t512_ppb1_v16_u8_g4"),
             "{}",
             spec(4).uri()
         );
-        assert!(spec(0).uri().ends_with("_u4"));
+        assert!(spec(0).uri().ends_with("_u8"));
         // The cap changes the launch, not the code: the renders differ only in the name.
         let (a, b) = (spec(0).render().unwrap(), spec(4).render().unwrap());
         assert_eq!(

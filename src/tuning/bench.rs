@@ -412,6 +412,8 @@ fn time_job(
 pub fn with_streaming_stores(dep: &Deployment) -> Deployment {
     let mut d = dep.clone();
     d.copy.streaming_stores = true;
+    // The transfers too, with the full grid: the streaming shape `tune --quick` weighs.
+    d.transfer_copy = d.copy;
     d
 }
 

@@ -305,7 +305,7 @@ pub fn candidates_for(spec: &KernelSpec, backend: Backend, quick: bool) -> Vec<C
                     ..
                 } => match (threads, pages_per_block, unroll, streaming_stores) {
                     // On a GPU, one capped transfer grid fewer than the default's blocks.
-                    (512, 1, 4, false) if max_blocks != 0 => {
+                    (512, 1, 8, false) if max_blocks != 0 => {
                         backend == Backend::Cuda && max_blocks == 2
                     }
                     _ if max_blocks != 0 => false,
