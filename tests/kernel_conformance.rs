@@ -317,7 +317,11 @@ fn rendered_params(src: &str, uri: &str) -> Vec<(String, String)> {
     }
     list.split(',')
         .map(|p| {
-            let words: Vec<&str> = p.split_whitespace().collect();
+            // `__restrict__` qualifies every pointer (render_params), not part of the type.
+            let words: Vec<&str> = p
+                .split_whitespace()
+                .filter(|w| *w != "__restrict__")
+                .collect();
             let (name, ty) = words
                 .split_last()
                 .unwrap_or_else(|| panic!("{uri}: {list}"));

@@ -84,8 +84,9 @@ static __device__ inline u64 chc_host_off(u32 page, u32 layer, u32 layers, u32 d
 // (chc_copy_vecs), so page tails do not idle threads. Pairs whose page is outside its pool are skipped; an empty range
 // (or one wholly past `layers`) copies nothing.
 extern "C" __global__ void __launch_bounds__(THREADS) transfer_pages_h2d_pf_ps64_b132_t512_ppb1_v16_u8_g4(
-    const u8* src, u8* dst, const u32* src_pages, const u32* dst_pages, u32 n, u32 layers,
-    u32 first_layer, u32 layer_count, u32 device_pages, u32 host_pages)
+    const u8* __restrict__ src, u8* __restrict__ dst, const u32* __restrict__ src_pages,
+    const u32* __restrict__ dst_pages, u32 n, u32 layers, u32 first_layer, u32 layer_count,
+    u32 device_pages, u32 host_pages)
 {
     // The range, clamped in 64 bits: first_layer + layer_count near 2^32 must not wrap.
     const u64 range_end = (u64)first_layer + layer_count;

@@ -24,7 +24,7 @@ static __device__ inline u32 chc_busy_round(u32 x)
 // memory, so timing a transfer beside it shows what the transfer costs the model and what
 // the model costs the transfer. Threads stride over the words, so any grid is correct.
 extern "C" __global__ void __launch_bounds__(THREADS) busy_t256(
-    u32* out, u32 n, u32 rounds, u32 seed)
+    u32* __restrict__ out, u32 n, u32 rounds, u32 seed)
 {
     for (u64 i = (u64)blockIdx.x * THREADS + threadIdx.x; i < n; i += (u64)gridDim.x * THREADS) {
         u32 x = seed ^ ((u32)i * 0x9E3779B9u);

@@ -75,8 +75,8 @@ struct ChcPools {
 // layer, page by page; blocks stride over the items. A block's pages, over all its items, are
 // one flat run of vectors (chc_copy_vecs). Pages beyond local_pages are skipped.
 extern "C" __global__ void __launch_bounds__(THREADS) materialise_cp8_ps64_b132_t128_ppb1_v16_u4(
-    const __grid_constant__ ChcPools pools, const u32* seq_pages, u32 n, u32 layers,
-    u32 local_pages, u8* dense)
+    const __grid_constant__ ChcPools pools, const u32* __restrict__ seq_pages, u32 n,
+    u32 layers, u32 local_pages, u8* __restrict__ dense)
 {
     // In 64 bits: n near 2^32 must not wrap the rounding (or the pair index below) to 0.
     const u32 groups = (u32)(((u64)n + PAGES_PER_BLOCK - 1u) / PAGES_PER_BLOCK);

@@ -878,14 +878,22 @@ const PARAM_LINE_WIDTH: usize = 96;
 
 /// The parameter list as the templates splice it in after `<uri>(`: `type name` items joined
 /// by `, `, wrapped greedily at [`PARAM_LINE_WIDTH`] columns with a 4-space indent, closed by
-/// `)`.
+/// `)`. Pointer parameters are `__restrict__`: the executors refuse a launch in which a
+/// written pointer shares bytes with another pointer parameter (`exec::signature`), so no
+/// two pointers a kernel writes through alias, and the compiler may keep loads in flight
+/// across stores.
 pub(crate) fn render_params(params: &[KernelParam]) -> String {
     const INDENT: &str = "    ";
     let mut out = String::new();
     let mut line = String::from(INDENT);
     for (i, p) in params.iter().enumerate() {
         let end = if i + 1 == params.len() { ")" } else { "," };
-        let item = format!("{} {}{end}", p.c_type, p.name);
+        let restrict = if p.c_type.ends_with('*') {
+            " __restrict__"
+        } else {
+            ""
+        };
+        let item = format!("{}{restrict} {}{end}", p.c_type, p.name);
         let sep = if line.len() == INDENT.len() { "" } else { " " };
         if line.len() > INDENT.len() && line.len() + sep.len() + item.len() > PARAM_LINE_WIDTH {
             out.push_str(&line);
@@ -1515,13 +1523,15 @@ mod tests {
         });
         assert_eq!(
             render_params(&select.params()),
-            "    const u8* owners, u32 n, const u32* lane_stacks, u32* lane_tops, u32 lane_cap,\n    \
-             u32* out_pages, i64* out_locs, u32* status)"
+            "    const u8* __restrict__ owners, u32 n, const u32* __restrict__ lane_stacks,\n    \
+             u32* __restrict__ lane_tops, u32 lane_cap, u32* __restrict__ out_pages,\n    \
+             i64* __restrict__ out_locs, u32* __restrict__ status)"
         );
         let release = KernelSpec::ReleasePages(ReleaseSpec { cp: 8, threads: 32 });
         assert_eq!(
             render_params(&release.params()),
-            "    const u32* pages, u32 n, u32* lane_stacks, u32* lane_tops, u32 lane_cap)"
+            "    const u32* __restrict__ pages, u32 n, u32* __restrict__ lane_stacks,\n    \
+             u32* __restrict__ lane_tops, u32 lane_cap)"
         );
         assert_eq!(render_params(&[]), "    )");
         let long = [KernelParam {
