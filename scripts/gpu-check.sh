@@ -9,7 +9,10 @@
 # random inputs with poisoned outputs, plus each transfer's DMA path (`bench --check --backend
 # cuda`); `tune --backend cuda --quick` (DMA is one transfer candidate); `bench --backend cuda
 # --json` with that tuning file (baseline: pinned cuMemcpyAsync; config `dma` rows time the DMA
-# path); a short `replay --backend cuda` with the kernel and the DMA transfer path;
+# path); a short `replay --backend cuda` with the kernel and the DMA transfer path; the tune
+# step's transfer rows (capped-grid kernels, uncapped kernels and DMA, each timed while the
+# busy kernel occupies the SMs, with the GB/s alone and the busy kernel's slowdown) are
+# printed again before the summary (format: BENCHMARKS.md "gpu-check transfers");
 # compute-sanitizer memcheck of
 # the check when compute-sanitizer is on PATH.
 #
@@ -120,6 +123,14 @@ if command -v compute-sanitizer >/dev/null 2>&1; then
     "$bin" bench --check --backend cuda --deployment nsa_ps64_cp8
 else
   skip memcheck "compute-sanitizer not on PATH"
+fi
+
+# Transfers on the GPU: each candidate's GB/s beside the busy kernel, alone, and the busy
+# kernel's slowdown (tune's rows for transfer_pages; docs/KERNELS.md "busy").
+if [[ -f "$out/tune.log" ]]; then
+  echo
+  echo "transfers (tune): kernel  candidate  ms  GB/s-beside-busy  note"
+  grep -E '^transfer_pages' "$out/tune.log" | tee "$out/transfers.txt" || true
 fi
 
 echo

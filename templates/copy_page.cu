@@ -1,11 +1,16 @@
 
-// Copies one PAGE_BYTES page with VEC_T accesses: the block's THREADS threads stride over the
-// page, UNROLL vectors in flight per thread. With THREADS == 1 one thread walks it in order.
-static __device__ inline void chc_copy_page(u8* dst, const u8* src)
+// The block's work is one flat run of vectors: its pages one after another, PAGE_VECS
+// VEC_T vectors each, and thread t takes the vectors t, t + THREADS, t + 2 * THREADS, ... of
+// the run. `v` is this thread's first vector in the current page; chc_copy_vecs copies this
+// thread's vectors of one page from there, UNROLL loads in flight (all loads of a round
+// issued before its stores), and chc_next_start carries `v` into the next page. So a page's
+// tail does not idle the threads past it: they start on the next page where the run goes
+// on. With THREADS == 1 one thread walks every page in order.
+static __device__ inline void chc_copy_vecs(u8* dst, const u8* src, u32 v)
 {
     VEC_T* d = (VEC_T*)dst;
     const VEC_T* s = (const VEC_T*)src;
-    for (u32 i = threadIdx.x; i < PAGE_VECS; i += THREADS * UNROLL) {
+    for (u32 i = v; i < PAGE_VECS; i += THREADS * UNROLL) {
         VEC_T r[UNROLL];
 #pragma unroll
         for (u32 u = 0; u < UNROLL; ++u) {
@@ -26,4 +31,13 @@ static __device__ inline void chc_copy_page(u8* dst, const u8* src)
             }
         }
     }
+}
+
+// This thread's first vector of the next page of the run, given its first of this one.
+static __device__ inline u32 chc_next_start(u32 v)
+{
+    if (v >= PAGE_VECS) {
+        return v - PAGE_VECS;
+    }
+    return v + (PAGE_VECS - v + THREADS - 1u) / THREADS * THREADS - PAGE_VECS;
 }

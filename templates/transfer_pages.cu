@@ -18,7 +18,8 @@ static __device__ inline u64 chc_host_off(u32 page, u32 layer, u32 layers, u32 d
 // offsets): pair i moves src_pages[i] to dst_pages[i]. Work item w = (group of
 // PAGES_PER_BLOCK pairs, layer of the range), or with LAYERS_IN_BLOCK the group alone, whose
 // pages are copied for every layer of the range, page by page; blocks stride over the items,
-// so any grid is correct. Pairs whose page is outside its pool are skipped; an empty range
+// so any grid is correct. A block's pages, over all its items, are one flat run of vectors
+// (chc_copy_vecs), so page tails do not idle threads. Pairs whose page is outside its pool are skipped; an empty range
 // (or one wholly past `layers`) copies nothing.
 extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}({# parameters: KernelSpec::params() #}
 {{ params }}
@@ -30,23 +31,24 @@ extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}({# parameters: K
     // In 64 bits: n near 2^32 must not wrap the rounding (or the pair index below) to 0.
     const u32 groups = (u32)(((u64)n + PAGES_PER_BLOCK - 1u) / PAGES_PER_BLOCK);
     const u64 items = span == 0u ? 0u : (u64)groups * (LAYERS_IN_BLOCK ? 1u : span);
+    // This thread's first vector in the next page of the block's flat run (chc_copy_vecs).
+    u32 v = threadIdx.x;
     for (u64 w = blockIdx.x; w < items; w += gridDim.x) {
         const u32 l0 = LAYERS_IN_BLOCK ? first_layer : first_layer + (u32)(w / groups);
         const u32 l1 = LAYERS_IN_BLOCK ? l_end : l0 + 1u;
         const u32 first = (u32)(w % groups) * PAGES_PER_BLOCK;
-        for (u32 q = 0; q < PAGES_PER_BLOCK; ++q) {
-            const u64 i = (u64)first + q;
-            if (i >= n) {
-                break;
-            }
-            const u32 sp = src_pages[i];
-            const u32 dp = dst_pages[i];
+        const u32 np = (u64)first + PAGES_PER_BLOCK <= n ? PAGES_PER_BLOCK : n - first;
+        for (u32 q = 0; q < np; ++q) {
+            const u32 sp = src_pages[first + q];
+            const u32 dp = dst_pages[first + q];
+            // Pairs whose page is outside its pool are skipped (not part of the run).
             if (sp >= {{ src_cap }} || dp >= {{ dst_cap }}) {
                 continue;
             }
             for (u32 layer = l0; layer < l1; ++layer) {
-                chc_copy_page(dst + {{ dst_off }}(dp, layer, layers, device_pages, host_pages),
-                              src + {{ src_off }}(sp, layer, layers, device_pages, host_pages));
+                chc_copy_vecs(dst + {{ dst_off }}(dp, layer, layers, device_pages, host_pages),
+                              src + {{ src_off }}(sp, layer, layers, device_pages, host_pages), v);
+                v = chc_next_start(v);
             }
         }
     }

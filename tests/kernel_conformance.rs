@@ -97,12 +97,32 @@ fn copy_launches(page_bytes: u64, cpu_streams: bool) -> [CopyLaunch; 2] {
             unroll: 2,
             layers_in_block: true,
             streaming_stores: !cpu_streams,
+            max_blocks: 0,
         },
         CopyLaunch {
             streaming_stores: cpu_streams,
             ..cpu_copy_launch(vec)
         },
     ]
+}
+
+/// Grid cap of the capped transfer shapes: fewer blocks than work items at every size, so
+/// each block strides over several (page group, layer) items.
+const TRANSFER_CAP: u32 = 3;
+
+/// `launch` with a capped grid ([`TRANSFER_CAP`] blocks) in one host layout per shape: the
+/// GPU-like shape (layers in the block) in the layer-first layout, the CPU shape (layers in
+/// the grid, as the GPU default transfer) in the page-first one, so each shape runs both
+/// capped and uncapped without growing the matrix.
+fn capped_in_one_layout(launch: CopyLaunch, layout: HostLayout, shape: usize) -> CopyLaunch {
+    let capped = match layout {
+        HostLayout::LayerFirst => shape == 0,
+        HostLayout::PageFirst => shape == 1,
+    };
+    CopyLaunch {
+        max_blocks: if capped { TRANSFER_CAP } else { 0 },
+        ..launch
+    }
 }
 
 fn transfer_specs() -> Vec<KernelSpec> {
@@ -113,13 +133,16 @@ fn transfer_specs() -> Vec<KernelSpec> {
                 for layout in [HostLayout::PageFirst, HostLayout::LayerFirst] {
                     let page_bytes = u64::from(ps) * u64::from(bpt);
                     let cpu_streams = direction == Direction::HostToDevice;
-                    for launch in copy_launches(page_bytes, cpu_streams) {
+                    for (i, launch) in copy_launches(page_bytes, cpu_streams)
+                        .into_iter()
+                        .enumerate()
+                    {
                         v.push(KernelSpec::TransferPages(TransferSpec {
                             direction,
                             layout,
                             page_size: ps,
                             bytes_per_token: bpt,
-                            launch,
+                            launch: capped_in_one_layout(launch, layout, i),
                         }));
                     }
                 }
@@ -250,12 +273,25 @@ fn spec_matrix_is_modest_and_valid() {
     for w in ["_v1_", "_v4_", "_v16_"] {
         assert!(specs.iter().any(|s| s.uri().contains(w)), "{w}");
     }
+    // Each transfer shape runs with a capped grid and a full one.
+    for shape in ["_t1_", "_t128_"] {
+        for capped in [false, true] {
+            assert!(
+                specs
+                    .iter()
+                    .any(|s| matches!(s, KernelSpec::TransferPages(_))
+                        && s.uri().contains(shape)
+                        && s.uri().ends_with(&format!("_g{TRANSFER_CAP}")) == capped),
+                "{shape} capped {capped}"
+            );
+        }
+    }
     for shape in ["_t1_", "_t128_"] {
         for cs in [false, true] {
             assert!(
                 specs
                     .iter()
-                    .any(|s| s.uri().contains(shape) && s.uri().ends_with("_cs") == cs),
+                    .any(|s| s.uri().contains(shape) && s.uri().contains("_cs") == cs),
                 "{shape} with streaming stores {cs}"
             );
         }
@@ -281,7 +317,11 @@ fn rendered_params(src: &str, uri: &str) -> Vec<(String, String)> {
     }
     list.split(',')
         .map(|p| {
-            let words: Vec<&str> = p.split_whitespace().collect();
+            // `__restrict__` qualifies every pointer (render_params), not part of the type.
+            let words: Vec<&str> = p
+                .split_whitespace()
+                .filter(|w| *w != "__restrict__")
+                .collect();
             let (name, ty) = words
                 .split_last()
                 .unwrap_or_else(|| panic!("{uri}: {list}"));

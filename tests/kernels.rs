@@ -40,7 +40,8 @@ fn render_tree_rewrites_only_changed_files() {
     let tmp = tempfile::tempdir().unwrap();
     let deps = vec![Deployment::by_name("mla_ps16_cp4").unwrap()];
     let first = render_tree(tmp.path(), &deps).unwrap();
-    assert_eq!(first.len(), deps[0].specs().len() + 1);
+    // The kernels, the busy kernel and the index.
+    assert_eq!(first.len(), deps[0].specs().len() + 2);
     assert!(render_tree(tmp.path(), &deps).unwrap().is_empty());
     let victim = &first[0];
     std::fs::write(victim, "stale").unwrap();
@@ -58,7 +59,7 @@ fn render_tree_rewrites_only_changed_files() {
 #[test]
 fn renders_are_self_contained_and_named_by_uri() {
     for dep in Deployment::reference() {
-        for spec in dep.specs() {
+        for spec in dep.specs().into_iter().chain([dep.busy_spec()]) {
             let src = spec.render().unwrap();
             let uri = spec.uri();
             assert!(!src.contains("#include"), "{uri}");
@@ -108,6 +109,14 @@ fn snapshot_select_owner_pages() {
     snap(
         "select_owner_pages",
         Deployment::by_name("nsa_ps64_cp8").unwrap().select_spec(),
+    );
+}
+
+#[test]
+fn snapshot_busy() {
+    snap(
+        "busy",
+        Deployment::by_name("nsa_ps64_cp8").unwrap().busy_spec(),
     );
 }
 

@@ -76,6 +76,9 @@ fn every_reference_kernel_compiles_for_sm90_without_spills_or_stack() {
             }
         }
     }
+    // The busy kernel `tune` runs beside transfers on a GPU.
+    let busy = Deployment::reference()[0].busy_spec();
+    requests.push(spec_request(&busy, SM90, None).unwrap());
     assert_all_compile_without_spills_or_stack(&requests);
     println!("{} unique kernels compiled for sm_90", requests.len());
 }

@@ -66,8 +66,9 @@ static __device__ inline u32 chc_sat_add(u32 a, u32 b)
 //   status[0] += 1, status[1 + o] += deficit of lane o, status[CP + 1] += owners >= CP
 // (saturating). The host reads them back only when it synchronises anyway.
 extern "C" __global__ void __launch_bounds__(THREADS) select_owner_pages_cp4_ps16_t256(
-    const u8* owners, u32 n, const u32* lane_stacks, u32* lane_tops, u32 lane_cap,
-    u32* out_pages, i64* out_locs, u32* status)
+    const u8* __restrict__ owners, u32 n, const u32* __restrict__ lane_stacks,
+    u32* __restrict__ lane_tops, u32 lane_cap, u32* __restrict__ out_pages,
+    i64* __restrict__ out_locs, u32* __restrict__ status)
 {
     __shared__ u32 s_warp_cnt[WARPS * CP];
     __shared__ u32 s_base[CP];

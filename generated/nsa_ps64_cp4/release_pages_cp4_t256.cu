@@ -53,7 +53,8 @@ static __device__ inline u32 chc_tile_rank(u32 o, u32* s_warp_cnt, u32* s_base)
 // (docs/KERNELS.md). Launch: 1 block of THREADS. Page 0 and pushes past lane_cap are skipped;
 // the host rejects both before launching.
 extern "C" __global__ void __launch_bounds__(THREADS) release_pages_cp4_t256(
-    const u32* pages, u32 n, u32* lane_stacks, u32* lane_tops, u32 lane_cap)
+    const u32* __restrict__ pages, u32 n, u32* __restrict__ lane_stacks,
+    u32* __restrict__ lane_tops, u32 lane_cap)
 {
     __shared__ u32 s_warp_cnt[WARPS * CP];
     __shared__ u32 s_base[CP];

@@ -61,8 +61,9 @@ __device__ inline u16 chc_enc_bf16(u64 r)
 // [layer][local_page][PAGE_BYTES]; other pages and padding slots are left untouched.
 // Work item w = (layer, page); blocks stride over the items, threads over the elements.
 extern "C" __global__ void __launch_bounds__(THREADS) synthesise_nsa_idx_cp8_ps64_t128(
-    u8* pool, const u64* prefix_hash, const u32* seq_pages, u32 n_tokens, u32 start_page,
-    u32 rank, u32 layers, u32 local_pages)
+    u8* __restrict__ pool, const u64* __restrict__ prefix_hash,
+    const u32* __restrict__ seq_pages, u32 n_tokens, u32 start_page, u32 rank, u32 layers,
+    u32 local_pages)
 {
     const u32 n_pages = (u32)(((u64)n_tokens + PAGE_SIZE - 1u) >> LOG2_PAGE_SIZE);
     const u32 span = n_pages > start_page ? n_pages - start_page : 0u;

@@ -61,8 +61,8 @@ __device__ inline u16 chc_enc_bf16(u64 r)
 // ever set, so the verify kernels of every buffer kind can share one bitmap and a token wrong
 // in several is counted once. Blocks stride over tokens, threads over the elements of a token.
 extern "C" __global__ void __launch_bounds__(THREADS) verify_nsa_idx_ps64_t128(
-    const u8* dense, const u64* prefix_hash, u32 n_tokens, u32 start_page, u32 layers,
-    u32* bad_tokens)
+    const u8* __restrict__ dense, const u64* __restrict__ prefix_hash, u32 n_tokens,
+    u32 start_page, u32 layers, u32* __restrict__ bad_tokens)
 {
     const u64 n_pages = ((u64)n_tokens + PAGE_SIZE - 1u) >> LOG2_PAGE_SIZE;
     for (u64 t = ((u64)start_page << LOG2_PAGE_SIZE) + blockIdx.x; t < n_tokens; t += gridDim.x) {

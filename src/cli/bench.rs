@@ -136,8 +136,8 @@ pub(super) fn run(args: &BenchArgs) -> Result<ExitCode, crate::Error> {
         });
         if tuned != *dep {
             eprintln!(
-                "{}: tuned configuration from {source}: copy {}, alloc_threads {}, transfers by {}",
-                dep.name, tuned.copy, tuned.alloc_threads, tuned.transfer_path
+                "{}: tuned configuration from {source}: copy {}, transfer kernels {}, alloc_threads {}, transfers by {}",
+                dep.name, tuned.copy, tuned.transfer_copy, tuned.alloc_threads, tuned.transfer_path
             );
             configs.push(BenchConfig {
                 name: "tuned".to_string(),

@@ -91,8 +91,17 @@ pub(super) fn run(args: &TuneArgs) -> Result<ExitCode, crate::Error> {
     for e in &entries {
         for r in &e.results {
             let mark = if r.choice == e.best { "best" } else { "" };
+            // On a GPU a transfer's time is beside the busy kernel (docs/KERNELS.md "busy").
+            let beside = match (r.beside_busy, r.gbps, r.seconds) {
+                (Some(b), Some(g), Some(s)) if r.dropped.is_none() => format!(
+                    " beside busy; alone {:.2} GB/s; busy slowdown {:.3}x",
+                    g * s / b.alone_seconds.max(1e-12),
+                    b.busy_slowdown
+                ),
+                _ => String::new(),
+            };
             outln!(
-                "{:<44}  {:<22}  {:>10}  {:>8}  {}",
+                "{:<44}  {:<22}  {:>10}  {:>8}  {}{beside}",
                 e.spec_key,
                 r.choice.to_string(),
                 r.seconds
@@ -122,12 +131,14 @@ pub(super) fn run(args: &TuneArgs) -> Result<ExitCode, crate::Error> {
         eprintln!("warning: {w}");
     }
     outln!(
-        "tuned {}: alloc_threads {} (default {}), copy {} (default {}), transfers by {} (default {}), synth_threads {} (default {}); written to {}",
+        "tuned {}: alloc_threads {} (default {}), copy {} (default {}), transfer kernels {} (default {}), transfers by {} (default {}), synth_threads {} (default {}); written to {}",
         dep.name,
         tuned.alloc_threads,
         dep.alloc_threads,
         tuned.copy,
         dep.copy,
+        tuned.transfer_copy,
+        dep.transfer_copy,
         tuned.transfer_path,
         dep.transfer_path,
         tuned.synth_threads,

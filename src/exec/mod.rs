@@ -628,6 +628,42 @@ impl fmt::Display for CopyRegion {
     }
 }
 
+/// The regions of a copy batch with neighbours merged: a region whose source and destination
+/// both start where another's end becomes one longer region, so a batch of page blobs issues
+/// one copy per contiguous run, not one per blob (2,048 pages × 61 layers would otherwise be
+/// ≈ 125,000 `cuMemcpyAsync` calls per buffer). Empty regions are dropped. Between two
+/// buffers (`same_buffer` false) whose destinations are pairwise disjoint (transfers refuse
+/// a page named twice), the order of the regions does not matter, so they are sorted by
+/// destination first and scattered runs merge too; otherwise (within one buffer, where a
+/// region may read what an earlier one wrote, or with overlapping destinations) only
+/// consecutive regions merge, in order. Both executors merge every batch
+/// ([`Executor::copy_regions`]); the bytes moved are the same.
+pub fn merge_regions(regions: &[CopyRegion], same_buffer: bool) -> Vec<CopyRegion> {
+    let mut v: Vec<CopyRegion> = regions.iter().copied().filter(|r| r.len > 0).collect();
+    if !same_buffer {
+        let mut sorted = v.clone();
+        sorted.sort_by_key(|r| (r.dst_offset, r.src_offset));
+        if sorted
+            .windows(2)
+            .all(|w| w[0].dst_offset + w[0].len <= w[1].dst_offset)
+        {
+            v = sorted;
+        }
+    }
+    let mut out: Vec<CopyRegion> = Vec::with_capacity(v.len());
+    for r in v {
+        match out.last_mut() {
+            Some(p)
+                if p.src_offset + p.len == r.src_offset && p.dst_offset + p.len == r.dst_offset =>
+            {
+                p.len += r.len
+            }
+            _ => out.push(r),
+        }
+    }
+    out
+}
+
 /// Checks every region of a copy batch against both buffers before anything is copied, so a
 /// bad batch changes nothing; returns the bytes the batch moves. Within one buffer a region's
 /// source and destination must not overlap (`memcpy` semantics); regions are applied in order.
@@ -979,7 +1015,8 @@ pub trait Executor: Send + Sync {
     ) -> Result<(), ExecError>;
 
     /// Copies every region from `src` to `dst`, in order, stream-ordered after earlier work and
-    /// without synchronising: the DMA path (`cuMemcpyAsync` per region on CUDA, `memcpy` on the
+    /// without synchronising: the DMA path (merged with [`merge_regions`]; one
+    /// `cuMemcpyBatchAsync`, or `cuMemcpyAsync` per region, on CUDA; `memcpy` on the
     /// host executor). Device and host buffers may be mixed freely. All regions are checked
     /// before any is copied ([`ExecError::OutOfBounds`], [`ExecError::OverlappingCopy`]), so a
     /// rejected batch changes nothing. Counted in [`Counters::copies`].
@@ -1011,6 +1048,14 @@ pub trait Executor: Send + Sync {
         work()?;
         self.synchronize()?;
         Ok(start.elapsed().as_secs_f64())
+    }
+
+    /// A second executor on the same device whose work runs beside this one's (its own
+    /// stream): `tune` runs the busy kernel on it while it times transfers here. `None` (the
+    /// default) where work cannot overlap: the host executor runs launches on the calling
+    /// thread.
+    fn companion(&self) -> Result<Option<Box<dyn Executor>>, ExecError> {
+        Ok(None)
     }
 
     /// A snapshot of the operation counters.
@@ -1089,6 +1134,41 @@ mod tests {
         assert_eq!(d.reads, 0);
         assert!(!d.is_sync_free());
         assert!(Counters::default().is_sync_free());
+    }
+
+    #[test]
+    fn adjacent_regions_merge_into_one_copy_per_run() {
+        let r = |src_offset, dst_offset, len| CopyRegion {
+            src_offset,
+            dst_offset,
+            len,
+        };
+        // Four page blobs, scattered in the batch, two contiguous runs on both sides; an
+        // empty region is dropped.
+        let batch = [
+            r(200, 20, 10),
+            r(0, 100, 10),
+            r(190, 10, 10),
+            r(10, 110, 10),
+            r(5, 5, 0),
+        ];
+        assert_eq!(
+            merge_regions(&batch, false),
+            [r(190, 10, 20), r(0, 100, 20)]
+        );
+        // Within one buffer the order stays: only consecutive regions merge.
+        assert_eq!(merge_regions(&batch, true), batch[..4]);
+        // Contiguous on one side only: not merged.
+        assert_eq!(
+            merge_regions(&[r(0, 0, 8), r(16, 8, 8)], false),
+            [r(0, 0, 8), r(16, 8, 8)]
+        );
+        // Overlapping destinations keep their order (the later copy wins).
+        let overlap = [r(100, 0, 8), r(0, 0, 8), r(8, 8, 8)];
+        assert_eq!(merge_regions(&overlap, false), [r(100, 0, 8), r(0, 0, 16)]);
+        // 2,048 page pairs in order, one layer each: one region.
+        let pages: Vec<CopyRegion> = (0..2048).map(|i| r(i * 656, i * 656, 656)).collect();
+        assert_eq!(merge_regions(&pages, false), [r(0, 0, 2048 * 656)]);
     }
 
     #[test]

@@ -4,8 +4,8 @@
 use std::fmt;
 
 use super::spec::{
-    AllocSpec, BufferKind, CopyLaunch, Direction, HostLayout, KernelSpec, MaterialiseSpec,
-    ReleaseSpec, SynthSpec, TransferSpec, VecWidth, VerifySpec,
+    AllocSpec, BufferKind, BusySpec, CopyLaunch, Direction, HostLayout, KernelSpec,
+    MaterialiseSpec, ReleaseSpec, SynthSpec, TransferSpec, VecWidth, VerifySpec,
 };
 use super::{KernelError, TransferPath};
 
@@ -61,14 +61,28 @@ pub struct Deployment {
     pub host_layout: HostLayout,
     /// Threads of the allocator kernels (multiple of 32).
     pub alloc_threads: u32,
-    /// Launch shape of transfer and materialise (its vector width is narrowed per buffer
-    /// when a page is not a multiple of it).
+    /// Launch shape of materialise (its vector width is narrowed per buffer when a page is
+    /// not a multiple of it). Materialise always runs the full grid: a `max_blocks` here is
+    /// ignored.
     pub copy: CopyLaunch,
+    /// Launch shape of the host↔device transfer kernels, narrowed like `copy`. The default is
+    /// the capped grid [`CopyLaunch::gpu_transfer`]: a few blocks, because a transfer is
+    /// bound by the link and the model's kernels need the SMs.
+    pub transfer_copy: CopyLaunch,
     /// Threads of synthesise and verify.
     pub synth_threads: u32,
     /// Whether host↔device page transfers run the transfer kernel or copy-engine DMA
     /// (tuning decides; the transfer kernels are compiled either way).
     pub transfer_path: TransferPath,
+}
+
+/// `l` with its vector width narrowed to the widest that divides `page_bytes`, when its own
+/// does not.
+fn narrowed(mut l: CopyLaunch, page_bytes: u64) -> CopyLaunch {
+    if page_bytes % u64::from(l.vec.bytes()) != 0 {
+        l.vec = VecWidth::widest_for(page_bytes);
+    }
+    l
 }
 
 /// The reference deployments: (model, page size, CP degrees).
@@ -102,6 +116,7 @@ impl Deployment {
             },
             alloc_threads: 256,
             copy: CopyLaunch::default(),
+            transfer_copy: CopyLaunch::gpu_transfer(),
             synth_threads: 128,
             transfer_path: TransferPath::Kernel,
         };
@@ -139,12 +154,17 @@ impl Deployment {
     }
 
     fn copy_for(&self, buffer: BufferKind) -> CopyLaunch {
-        let page_bytes = buffer.page_bytes(self.page_size);
-        let mut l = self.copy;
-        if page_bytes % u64::from(l.vec.bytes()) != 0 {
-            l.vec = VecWidth::widest_for(page_bytes);
-        }
-        l
+        narrowed(
+            CopyLaunch {
+                max_blocks: 0,
+                ..self.copy
+            },
+            buffer.page_bytes(self.page_size),
+        )
+    }
+
+    fn transfer_copy_for(&self, buffer: BufferKind) -> CopyLaunch {
+        narrowed(self.transfer_copy, buffer.page_bytes(self.page_size))
     }
 
     /// The owner-page selection kernel.
@@ -176,7 +196,7 @@ impl Deployment {
             layout: self.host_layout,
             page_size: self.page_size,
             bytes_per_token: buffer.bytes_per_token(),
-            launch: self.copy_for(buffer),
+            launch: self.transfer_copy_for(buffer),
         }
     }
 
@@ -207,6 +227,12 @@ impl Deployment {
             page_size: self.page_size,
             threads: self.synth_threads,
         })
+    }
+
+    /// The busy kernel `tune` runs beside this deployment's transfers on a GPU (not one of
+    /// [`Deployment::specs`]: serving never runs it).
+    pub fn busy_spec(&self) -> KernelSpec {
+        KernelSpec::Busy(BusySpec::default())
     }
 
     /// Every kernel the deployment needs, without duplicates, in a stable order: select,

@@ -1,6 +1,6 @@
 //! The DMA path of the transfer family: the page pairs that `transfer_pages` copies with a
 //! kernel, as copy regions for [`Executor::copy_regions`](crate::exec::Executor::copy_regions)
-//! (batched `cuMemcpyAsync` on a GPU). Tuning may prefer it to the kernel
+//! (`cuMemcpyBatchAsync`, or `cuMemcpyAsync` per merged region, on a GPU). Tuning may prefer it to the kernel
 //! ([`TransferPath::Dma`]); both move exactly the same bytes, which the tests check against the
 //! kernel on the host executor.
 //!
@@ -21,7 +21,8 @@ pub enum TransferPath {
     /// The `transfer_pages` kernel (zero-copy access to mapped pinned host memory).
     #[default]
     Kernel,
-    /// Copy-engine transfers: one `cuMemcpyAsync` per contiguous run of page blobs.
+    /// Copy-engine transfers: the contiguous runs of page blobs in one `cuMemcpyBatchAsync`
+    /// (CUDA 12.8+), or one `cuMemcpyAsync` per run on older drivers.
     Dma,
 }
 

@@ -480,6 +480,21 @@ pub fn synthesise(
     Ok(())
 }
 
+/// `busy`: word `i` of `[0, n)` is `seed ^ (i * 0x9E3779B9)` (wrapping, 32 bits) after
+/// `rounds` rounds of `x = x * 1664525 + 1013904223; x ^= x >> 13`, as the kernel computes it.
+pub fn busy(n: u32, rounds: u32, seed: u32) -> Vec<u32> {
+    (0..n)
+        .map(|i| {
+            let mut x = seed ^ i.wrapping_mul(0x9E37_79B9);
+            for _ in 0..rounds {
+                x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                x ^= x >> 13;
+            }
+            x
+        })
+        .collect()
+}
+
 /// `verify`: the tokens in `[start_page * page_size, n_tokens)` whose bytes in `dense`
 /// (`[layer][seq_page][page_bytes]`) differ from the synthesised ones in any layer, as the
 /// kernel's bitmap: bit `t % 32` of word `t / 32` (`n_tokens.div_ceil(32)` words).

@@ -16,7 +16,7 @@ pub const REGENERATE_COMMAND: &str = "cargo run --release -- render --out genera
 
 /// The text of every file in `templates/` (the emulation header too: it is what the host
 /// executor's kernels run on), for [`sources_digest`].
-const TEMPLATE_TEXTS: [&str; 12] = [
+const TEMPLATE_TEXTS: [&str; 13] = [
     include_str!("../../templates/prelude.cu"),
     include_str!("../../templates/epilogue.cu"),
     include_str!("../../templates/copy_page.cu"),
@@ -28,6 +28,7 @@ const TEMPLATE_TEXTS: [&str; 12] = [
     include_str!("../../templates/materialise.cu"),
     include_str!("../../templates/synthesise.cu"),
     include_str!("../../templates/verify.cu"),
+    include_str!("../../templates/busy.cu"),
     include_str!("../../templates/cuda_emu.h"),
 ];
 
@@ -102,6 +103,15 @@ struct FieldTpl {
 #[derive(Template)]
 #[template(path = "select_owner_pages.cu", escape = "none")]
 struct SelectTpl<'a> {
+    uri: &'a str,
+    template: &'a str,
+    consts: Vec<Const>,
+    params: &'a str,
+}
+
+#[derive(Template)]
+#[template(path = "busy.cu", escape = "none")]
+struct BusyTpl<'a> {
     uri: &'a str,
     template: &'a str,
     consts: Vec<Const>,
@@ -318,6 +328,13 @@ pub(crate) fn render_spec(spec: &KernelSpec) -> Result<String, KernelError> {
             fields: fields(s.buffer, s.page_size),
         }
         .render(),
+        KernelSpec::Busy(s) => BusyTpl {
+            uri: &uri,
+            template,
+            params: &params,
+            consts: vec![c("THREADS", s.threads)],
+        }
+        .render(),
     };
     out.map_err(wrap)
 }
@@ -350,12 +367,15 @@ fn index_json(dep: &Deployment, specs: &[KernelSpec]) -> String {
 }
 
 /// Every file of the render tree of `deployments`: relative path
-/// (`<deployment>/<uri>.cu`, `<deployment>/index.json`) → content.
+/// (`<deployment>/<uri>.cu`, `<deployment>/index.json`) → content. Each deployment's
+/// directory has its kernels and the busy kernel `tune` runs beside its transfers.
 pub fn plan_tree(deployments: &[Deployment]) -> Result<BTreeMap<PathBuf, String>, KernelError> {
     let mut files = BTreeMap::new();
     for dep in deployments {
         let dir = PathBuf::from(&dep.name);
-        let specs = dep.specs();
+        let mut specs = dep.specs();
+        // The busy kernel `tune` runs beside transfers on a GPU, so a reviewer sees it too.
+        specs.push(dep.busy_spec());
         for spec in &specs {
             files.insert(dir.join(format!("{}.cu", spec.uri())), spec.render()?);
         }

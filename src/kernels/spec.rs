@@ -21,6 +21,9 @@ pub enum Family {
     Synthesise,
     /// Comparison of a dense buffer against the synthesised bytes.
     Verify,
+    /// A compute-bound stand-in for the model's kernels: `tune` on a GPU times transfers
+    /// while it occupies the SMs (docs/KERNELS.md "busy"). No deployment runs it to serve.
+    Busy,
 }
 
 impl fmt::Display for Family {
@@ -32,6 +35,7 @@ impl fmt::Display for Family {
             Family::Materialise => "materialise",
             Family::Synthesise => "synthesise",
             Family::Verify => "verify",
+            Family::Busy => "busy",
         })
     }
 }
@@ -337,6 +341,12 @@ pub struct CopyLaunch {
     /// page then nears memcpy, while many threads striding through a page leave partial
     /// lines and slow down many times, so the tuner decides per executor.
     pub streaming_stores: bool,
+    /// Most blocks a launch gets (0: no cap, one block per work item up to 65536). The
+    /// kernels stride over their work items, so a capped grid is only a launch change: the
+    /// render is the same code, its uri gains `_g<max_blocks>`. A host↔device transfer is
+    /// bound by the link, not the SMs, and a capped grid leaves the SMs to the compute
+    /// kernels running beside it (docs/KERNELS.md "Capped transfer grid").
+    pub max_blocks: u32,
 }
 
 impl Default for CopyLaunch {
@@ -348,6 +358,7 @@ impl Default for CopyLaunch {
             unroll: 4,
             layers_in_block: false,
             streaming_stores: false,
+            max_blocks: 0,
         }
     }
 }
@@ -365,11 +376,60 @@ impl fmt::Display for CopyLaunch {
         if self.streaming_stores {
             f.write_str("_cs")?;
         }
+        if self.max_blocks != 0 {
+            write!(f, "_g{}", self.max_blocks)?;
+        }
         Ok(())
     }
 }
 
+/// Blocks of the GPU default transfer grid ([`CopyLaunch::gpu_transfer`]).
+pub const GPU_TRANSFER_BLOCKS: u32 = 4;
+
+/// Threads per block of the GPU default transfer grid ([`CopyLaunch::gpu_transfer`]).
+pub const GPU_TRANSFER_THREADS: u32 = 512;
+
+/// Vectors in flight per thread of the GPU default transfer grid.
+pub const GPU_TRANSFER_UNROLL: u32 = 8;
+
+/// The capped grid sizes the tuner times for transfers ([`CopyLaunch::capped_candidates`]).
+pub const TRANSFER_GRID_CAPS: [u32; 5] = [1, 2, 4, 8, 16];
+
 impl CopyLaunch {
+    /// The default launch of host↔device transfers: [`GPU_TRANSFER_BLOCKS`] blocks of
+    /// [`GPU_TRANSFER_THREADS`] threads, 16-byte accesses, [`GPU_TRANSFER_UNROLL`] in flight
+    /// per thread. 4 × 512 × 8 × 16 B = 256 KiB in flight, twice what a PCIe Gen5 x16 link
+    /// (≈ 55 GB/s, ≈ 2 µs round trip) needs, so a slower round trip through a loaded GPU
+    /// still fills it; SGLang's transfer kernel uses 2 blocks × 1024 threads for the same
+    /// reason. The rest of the GPU stays free for the model (docs/KERNELS.md).
+    pub fn gpu_transfer() -> CopyLaunch {
+        CopyLaunch {
+            threads: GPU_TRANSFER_THREADS,
+            unroll: GPU_TRANSFER_UNROLL,
+            max_blocks: GPU_TRANSFER_BLOCKS,
+            ..CopyLaunch::default()
+        }
+    }
+
+    /// The capped-grid transfer shapes worth timing for a page of `page_bytes`: 256 and 512
+    /// threads, 8 vectors in flight each, at each of [`TRANSFER_GRID_CAPS`] blocks (the tuner keeps the fewest blocks
+    /// that hold the bandwidth while a compute kernel runs beside).
+    pub fn capped_candidates(page_bytes: u64) -> Vec<CopyLaunch> {
+        let vec = VecWidth::widest_for(page_bytes);
+        let mut out = Vec::new();
+        for threads in [256, 512] {
+            for max_blocks in TRANSFER_GRID_CAPS {
+                out.push(CopyLaunch {
+                    threads,
+                    vec,
+                    max_blocks,
+                    ..CopyLaunch::gpu_transfer()
+                });
+            }
+        }
+        out
+    }
+
     /// Launch shapes worth timing for a page of `page_bytes`: a CPU-friendly one (one thread
     /// walks a page contiguously), GPU-shaped ones, two with word accesses instead of the
     /// widest, two that loop over the layers in the block, and two GPU shapes with streaming
@@ -381,8 +441,7 @@ impl CopyLaunch {
             pages_per_block,
             vec: v,
             unroll,
-            layers_in_block: false,
-            streaming_stores: false,
+            ..CopyLaunch::default()
         };
         let words = |l: CopyLaunch| CopyLaunch {
             vec: VecWidth::V4,
@@ -405,6 +464,7 @@ impl CopyLaunch {
             shape(256, 1, 2),
             shape(128, 2, 2),
             shape(512, 1, 1),
+            shape(256, 1, 8),
             layers_in_block(shape(1, 4, 1)),
             layers_in_block(shape(128, 1, 4)),
             streaming(shape(128, 1, 4)),
@@ -573,6 +633,20 @@ impl TransferSpec {
     /// Bytes of one page of the buffer kind.
     pub fn page_bytes(&self) -> u64 {
         u64::from(self.page_size) * u64::from(self.bytes_per_token)
+    }
+}
+
+/// The busy kernel: `threads` per block, each thread running `rounds` dependent integer
+/// multiply-adds per output word (docs/KERNELS.md "busy").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BusySpec {
+    /// Threads per block (1..=1024).
+    pub threads: u32,
+}
+
+impl Default for BusySpec {
+    fn default() -> Self {
+        BusySpec { threads: 256 }
     }
 }
 
@@ -804,14 +878,22 @@ const PARAM_LINE_WIDTH: usize = 96;
 
 /// The parameter list as the templates splice it in after `<uri>(`: `type name` items joined
 /// by `, `, wrapped greedily at [`PARAM_LINE_WIDTH`] columns with a 4-space indent, closed by
-/// `)`.
+/// `)`. Pointer parameters are `__restrict__`: the executors refuse a launch in which a
+/// written pointer shares bytes with another pointer parameter (`exec::signature`), so no
+/// two pointers a kernel writes through alias, and the compiler may keep loads in flight
+/// across stores.
 pub(crate) fn render_params(params: &[KernelParam]) -> String {
     const INDENT: &str = "    ";
     let mut out = String::new();
     let mut line = String::from(INDENT);
     for (i, p) in params.iter().enumerate() {
         let end = if i + 1 == params.len() { ")" } else { "," };
-        let item = format!("{} {}{end}", p.c_type, p.name);
+        let restrict = if p.c_type.ends_with('*') {
+            " __restrict__"
+        } else {
+            ""
+        };
+        let item = format!("{}{restrict} {}{end}", p.c_type, p.name);
         let sep = if line.len() == INDENT.len() { "" } else { " " };
         if line.len() > INDENT.len() && line.len() + sep.len() + item.len() > PARAM_LINE_WIDTH {
             out.push_str(&line);
@@ -845,6 +927,8 @@ pub enum KernelSpec {
     Synthesise(SynthSpec),
     /// See [`VerifySpec`].
     Verify(VerifySpec),
+    /// See [`BusySpec`].
+    Busy(BusySpec),
 }
 
 /// A 1-D launch: `grid` blocks of `block` threads, no dynamic shared memory.
@@ -876,6 +960,7 @@ impl KernelSpec {
             KernelSpec::Materialise(_) => Family::Materialise,
             KernelSpec::Synthesise(_) => Family::Synthesise,
             KernelSpec::Verify(_) => Family::Verify,
+            KernelSpec::Busy(_) => Family::Busy,
         }
     }
 
@@ -905,6 +990,7 @@ impl KernelSpec {
             KernelSpec::Verify(s) => {
                 format!("{fam}_{}_ps{}_t{}", s.buffer, s.page_size, s.threads)
             }
+            KernelSpec::Busy(s) => format!("{fam}_t{}", s.threads),
         }
     }
 
@@ -1031,6 +1117,12 @@ impl KernelSpec {
                 P::u32("layers"),
                 P::ptr("u32*", "bad_tokens", 4, R::of(4).times_ceil("n_tokens", 32)),
             ],
+            KernelSpec::Busy(_) => vec![
+                P::ptr("u32*", "out", 4, R::of(4).times("n")),
+                P::u32("n"),
+                P::u32("rounds"),
+                P::u32("seed"),
+            ],
         }
     }
 
@@ -1043,6 +1135,7 @@ impl KernelSpec {
             Family::Materialise => "materialise.cu",
             Family::Synthesise => "synthesise.cu",
             Family::Verify => "verify.cu",
+            Family::Busy => "busy.cu",
         }
     }
 
@@ -1055,6 +1148,7 @@ impl KernelSpec {
             KernelSpec::Materialise(s) => s.launch.threads,
             KernelSpec::Synthesise(s) => s.threads,
             KernelSpec::Verify(s) => s.threads,
+            KernelSpec::Busy(s) => s.threads,
         }
     }
 
@@ -1118,6 +1212,9 @@ impl KernelSpec {
             if !(1..=16).contains(&l.unroll) {
                 return Err(bad("unroll", l.unroll, "must be in 1..=16"));
             }
+            if u64::from(l.max_blocks) > MAX_GRID {
+                return Err(bad("max_blocks", l.max_blocks, "must be in 0..=65536"));
+            }
             let page_bytes = u64::from(bpt) * u64::from(page_size);
             if page_bytes > u64::from(u32::MAX / 2) {
                 return Err(bad(
@@ -1159,6 +1256,7 @@ impl KernelSpec {
                 check_ps(s.page_size)?;
                 check_block(s.threads)
             }
+            KernelSpec::Busy(s) => check_block(s.threads),
         }
     }
 
@@ -1185,6 +1283,7 @@ impl KernelSpec {
                 let pb = s.page_bytes();
                 CopyLaunch::candidates(pb)
                     .into_iter()
+                    .chain(CopyLaunch::capped_candidates(pb))
                     .map(|launch| KernelSpec::TransferPages(TransferSpec { launch, ..s }))
                     .collect()
             }
@@ -1203,6 +1302,8 @@ impl KernelSpec {
                 .into_iter()
                 .map(|threads| KernelSpec::Verify(VerifySpec { threads, ..s }))
                 .collect(),
+            // Not tuned: it only stands in for the model while transfers are timed.
+            KernelSpec::Busy(_) => Vec::new(),
         };
         if !out.contains(self) {
             out.push(*self);
@@ -1213,23 +1314,29 @@ impl KernelSpec {
 
     /// Recommended launch for `items` units of work over `layers` layers. The unit is a
     /// request (select), a page (release), a page pair (transfer), a sequence page
-    /// (materialise, synthesise: pages after `start_page`) or a token (verify; `layers` is
-    /// ignored). For a transfer `layers` is the layer count of the launch (its layer range
+    /// (materialise, synthesise: pages after `start_page`), a token (verify; `layers` is
+    /// ignored) or an output word (busy: one per thread, `layers` ignored). For a transfer `layers` is the layer count of the launch (its layer range
     /// clamped to the pools, [`clamp_layer_range`](super::clamp_layer_range)), not the
     /// pools' total: a per-layer load is sized for one layer. Select and release need exactly one block ([`KernelSignature::single_block`]);
     /// every other kernel strides over its work, so any grid is correct, and this one is
-    /// never 0 and at most 65536 (verify: 1024).
+    /// never 0 and at most 65536 (verify: 1024; a copy launch with
+    /// [`CopyLaunch::max_blocks`]: that many).
     pub fn launch_dims(&self, items: u32, layers: u32) -> LaunchDims {
         let blocks = match self {
             KernelSpec::SelectOwnerPages(_) | KernelSpec::ReleasePages(_) => 1,
             KernelSpec::TransferPages(TransferSpec { launch, .. })
             | KernelSpec::Materialise(MaterialiseSpec { launch, .. }) => {
                 let layer_items = if launch.layers_in_block { 1 } else { layers };
-                u64::from(items).div_ceil(u64::from(launch.pages_per_block.max(1)))
-                    * u64::from(layer_items)
+                let all = u64::from(items).div_ceil(u64::from(launch.pages_per_block.max(1)))
+                    * u64::from(layer_items);
+                match launch.max_blocks {
+                    0 => all,
+                    cap => all.min(u64::from(cap)),
+                }
             }
             KernelSpec::Synthesise(_) => u64::from(items) * u64::from(layers),
             KernelSpec::Verify(_) => u64::from(items).min(VERIFY_MAX_BLOCKS),
+            KernelSpec::Busy(s) => u64::from(items).div_ceil(u64::from(s.threads.max(1))),
         };
         LaunchDims {
             grid: blocks.clamp(1, MAX_GRID) as u32,
@@ -1416,13 +1523,15 @@ mod tests {
         });
         assert_eq!(
             render_params(&select.params()),
-            "    const u8* owners, u32 n, const u32* lane_stacks, u32* lane_tops, u32 lane_cap,\n    \
-             u32* out_pages, i64* out_locs, u32* status)"
+            "    const u8* __restrict__ owners, u32 n, const u32* __restrict__ lane_stacks,\n    \
+             u32* __restrict__ lane_tops, u32 lane_cap, u32* __restrict__ out_pages,\n    \
+             i64* __restrict__ out_locs, u32* __restrict__ status)"
         );
         let release = KernelSpec::ReleasePages(ReleaseSpec { cp: 8, threads: 32 });
         assert_eq!(
             render_params(&release.params()),
-            "    const u32* pages, u32 n, u32* lane_stacks, u32* lane_tops, u32 lane_cap)"
+            "    const u32* __restrict__ pages, u32 n, u32* __restrict__ lane_stacks,\n    \
+             u32* __restrict__ lane_tops, u32 lane_cap)"
         );
         assert_eq!(render_params(&[]), "    )");
         let long = [KernelParam {
@@ -1566,6 +1675,51 @@ mod tests {
 
     /// A transfer's grid is sized by the layer count of the launch: one layer of a per-layer
     /// load gets a layer's worth of blocks, and the signature carries the range.
+    #[test]
+    fn a_capped_copy_grid_is_at_most_its_cap_and_named_by_it() {
+        let spec = |max_blocks| {
+            KernelSpec::TransferPages(TransferSpec {
+                direction: Direction::HostToDevice,
+                layout: HostLayout::PageFirst,
+                page_size: 64,
+                bytes_per_token: 656,
+                launch: CopyLaunch {
+                    max_blocks,
+                    ..CopyLaunch::gpu_transfer()
+                },
+            })
+        };
+        // 2,048 NSA pages × 61 layers: 65,536 blocks uncapped (the grid limit), 4 capped.
+        assert_eq!(spec(0).launch_dims(2048, 61).grid, 65536);
+        let d = spec(4).launch_dims(2048, 61);
+        assert_eq!((d.grid, d.block), (4, 512));
+        // Less work than the cap: one block per item.
+        assert_eq!(spec(4).launch_dims(3, 1).grid, 3);
+        assert_eq!(spec(4).launch_dims(0, 0).grid, 1);
+        assert!(
+            spec(4).uri().ends_with("_t512_ppb1_v16_u8_g4"),
+            "{}",
+            spec(4).uri()
+        );
+        assert!(spec(0).uri().ends_with("_u8"));
+        // The cap changes the launch, not the code: the renders differ only in the name.
+        let (a, b) = (spec(0).render().unwrap(), spec(4).render().unwrap());
+        assert_eq!(
+            a.replace(&spec(0).uri(), "K"),
+            b.replace(&spec(4).uri(), "K")
+        );
+        assert!(spec(65537).validate().is_err());
+        // Transfers get capped candidates, materialise none.
+        assert!(spec(0).candidates().iter().any(|c| c.uri().contains("_g1")));
+        let m = KernelSpec::Materialise(MaterialiseSpec {
+            cp: 4,
+            page_size: 64,
+            bytes_per_token: 656,
+            launch: CopyLaunch::default(),
+        });
+        assert!(!m.candidates().iter().any(|c| c.uri().contains("_g")));
+    }
+
     #[test]
     fn transfer_grids_follow_the_launch_layer_count() {
         let t = |layers_in_block| {

@@ -147,6 +147,7 @@ pub fn tuned_config(
 fn host_preset(dep: &Deployment) -> Deployment {
     let mut d = dep.clone();
     d.copy = host_copy_preset();
+    d.transfer_copy = host_copy_preset();
     d.alloc_threads = HOST_ALLOC_THREADS_PRESET;
     if d.validate().is_ok() {
         d
@@ -411,12 +412,14 @@ fn time_job(
 pub fn with_streaming_stores(dep: &Deployment) -> Deployment {
     let mut d = dep.clone();
     d.copy.streaming_stores = true;
+    // The transfers too, with the full grid: the streaming shape `tune --quick` weighs.
+    d.transfer_copy = d.copy;
     d
 }
 
 /// Every kernel that `bench`, `bench --check` and `tune --quick` may load for `deps` on a GPU:
-/// all kernels of each deployment and of its [`with_streaming_stores`] twin, and every quick
-/// CUDA candidate of its tuned kernels. A
+/// all kernels of each deployment and of its [`with_streaming_stores`] twin, every quick
+/// CUDA candidate of its tuned kernels, and the busy kernel `tune` runs beside transfers. A
 /// machine without a compiler (`CP_HICACHE_JIT=off`) can run those commands from a cache
 /// prebuilt with these specs (`bench --prebuild`; see scripts/gpu-check.sh).
 pub fn prebuild_specs(deps: &[Deployment]) -> Vec<KernelSpec> {
@@ -428,6 +431,7 @@ pub fn prebuild_specs(deps: &[Deployment]) -> Vec<KernelSpec> {
     };
     for dep in deps {
         dep.specs().into_iter().for_each(&mut push);
+        push(dep.busy_spec());
         with_streaming_stores(dep)
             .specs()
             .into_iter()

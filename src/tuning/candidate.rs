@@ -1,6 +1,6 @@
 //! Launch-configuration candidates per kernel family (docs/DESIGN.md §3.6 "Tuning"): threads per
 //! block, pages per block, vector width, unroll and where the layer loop runs as kernel
-//! renders, plus the DMA path for transfers on a GPU (batched `cuMemcpyAsync`).
+//! renders, plus the DMA path for transfers on a GPU (copy-engine DMA: `cuMemcpyBatchAsync`).
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -33,13 +33,17 @@ pub enum LaunchChoice {
         /// in files written before it existed, which meant `false`.
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         streaming_stores: bool,
+        /// Most blocks per launch ([`CopyLaunch::max_blocks`], transfers only); absent in
+        /// files written before it existed, which meant 0 (no cap).
+        #[serde(default, skip_serializing_if = "is_zero")]
+        max_blocks: u32,
     },
     /// Threads per block of the allocator, synthesis and verification families.
     Threads {
         /// Threads per block.
         threads: u32,
     },
-    /// Batched `cuMemcpyAsync` of the page blobs instead of a kernel (transfers only).
+    /// Copy-engine DMA of the page blobs (`cuMemcpyBatchAsync`) instead of a kernel (transfers only).
     Dma,
 }
 
@@ -53,6 +57,7 @@ impl fmt::Display for LaunchChoice {
                 unroll,
                 layers_in_block,
                 streaming_stores,
+                max_blocks,
             } => {
                 write!(f, "t{threads}_ppb{pages_per_block}_v{vec_bytes}_u{unroll}")?;
                 if *layers_in_block {
@@ -60,6 +65,9 @@ impl fmt::Display for LaunchChoice {
                 }
                 if *streaming_stores {
                     f.write_str("_cs")?;
+                }
+                if *max_blocks != 0 {
+                    write!(f, "_g{max_blocks}")?;
                 }
                 Ok(())
             }
@@ -80,6 +88,7 @@ impl LaunchChoice {
                 unroll,
                 layers_in_block,
                 streaming_stores,
+                max_blocks,
             } => Some(CopyLaunch {
                 threads,
                 pages_per_block,
@@ -87,6 +96,7 @@ impl LaunchChoice {
                 unroll,
                 layers_in_block,
                 streaming_stores,
+                max_blocks,
             }),
             _ => None,
         }
@@ -101,6 +111,15 @@ impl LaunchChoice {
             unroll: l.unroll,
             layers_in_block: l.layers_in_block,
             streaming_stores: l.streaming_stores,
+            max_blocks: l.max_blocks,
+        }
+    }
+
+    /// The grid cap of a copy choice (0: none, and for every other choice).
+    pub fn max_blocks(&self) -> u32 {
+        match *self {
+            LaunchChoice::Copy { max_blocks, .. } => max_blocks,
+            _ => 0,
         }
     }
 
@@ -125,7 +144,8 @@ impl LaunchChoice {
                     ..s
                 })
             }
-            (KernelSpec::Materialise(s), LaunchChoice::Copy { .. }) => {
+            // Materialise runs the full grid: a capped shape is a transfer shape only.
+            (KernelSpec::Materialise(s), LaunchChoice::Copy { max_blocks: 0, .. }) => {
                 KernelSpec::Materialise(MaterialiseSpec {
                     launch: self.copy_launch()?,
                     ..s
@@ -149,6 +169,10 @@ impl LaunchChoice {
     }
 }
 
+fn is_zero(v: &u32) -> bool {
+    *v == 0
+}
+
 fn vec_width(bytes: u32) -> Option<VecWidth> {
     [VecWidth::V1, VecWidth::V4, VecWidth::V16]
         .into_iter()
@@ -160,7 +184,7 @@ fn vec_width(bytes: u32) -> Option<VecWidth> {
 pub enum Candidate {
     /// A kernel render (compiled through the JIT and launched).
     Kernel(KernelSpec),
-    /// Batched `cuMemcpyAsync` per page blob (transfers only). Only the CUDA executor accepts
+    /// Copy-engine DMA of the merged page blobs (transfers only). Only the CUDA executor accepts
     /// it; see [`Candidate::supported_by`].
     Dma(KernelSpec),
 }
@@ -213,6 +237,7 @@ fn cpu_copy_shapes(vec: VecWidth) -> [CopyLaunch; 7] {
         unroll,
         layers_in_block,
         streaming_stores,
+        max_blocks: 0,
     };
     [
         s(16, 1, false, false),
@@ -237,6 +262,7 @@ pub fn host_copy_preset() -> CopyLaunch {
         unroll: 1,
         layers_in_block: false,
         streaming_stores: true,
+        max_blocks: 0,
     }
 }
 
@@ -247,7 +273,8 @@ pub const HOST_ALLOC_THREADS_PRESET: u32 = 32;
 /// duplicates. `quick` keeps a handful so a tuning run stays short: the spec, the CPU shapes
 /// with streaming stores and one wide GPU shape, plus on the CPU the CPU shape with plain
 /// stores, and on CUDA the default shape with streaming stores (whose worth only a GPU can
-/// tell; on the CPU it is many times slower).
+/// tell; on the CPU it is many times slower) and, for transfers, a capped grid of 2 blocks of
+/// 512 threads (half the default transfer grid's blocks).
 pub fn candidates_for(spec: &KernelSpec, backend: Backend, quick: bool) -> Vec<Candidate> {
     let mut specs: Vec<KernelSpec> = spec.candidates();
     let vec = match spec {
@@ -274,8 +301,14 @@ pub fn candidates_for(spec: &KernelSpec, backend: Backend, quick: bool) -> Vec<C
                     unroll,
                     layers_in_block,
                     streaming_stores,
+                    max_blocks,
                     ..
                 } => match (threads, pages_per_block, unroll, streaming_stores) {
+                    // On a GPU, one capped transfer grid fewer than the default's blocks.
+                    (512, 1, 8, false) if max_blocks != 0 => {
+                        backend == Backend::Cuda && max_blocks == 2
+                    }
+                    _ if max_blocks != 0 => false,
                     // The CPU shape with streaming stores and the layer loop in the grid
                     // and in the block, and one wide GPU shape.
                     (1, 16, 1, true) | (256, 1, 2, false) => true,
@@ -350,7 +383,8 @@ mod tests {
                 let quick = candidates_for(&spec, backend, true);
                 let full = candidates_for(&spec, backend, false);
                 assert!(quick.contains(&Candidate::Kernel(spec)));
-                assert!(quick.len() <= 6 && quick.len() <= full.len(), "{backend}");
+                // At most 7: on CUDA a transfer adds a capped grid and DMA.
+                assert!(quick.len() <= 7 && quick.len() <= full.len(), "{backend}");
                 let plain_cpu_shape = quick.iter().any(|c| {
                     matches!(
                         c.choice(),

@@ -7,7 +7,7 @@ use serde::Serialize;
 use std::ops::Range;
 
 use super::measure::{
-    compile_and_load, u32_bytes, AllocBench, CopyBench, Sizes, SourceHook, SplitMix,
+    compile_and_load, u32_bytes, AllocBench, BusyBench, CopyBench, Sizes, SourceHook, SplitMix,
 };
 use super::TuningError;
 use crate::exec::{BufferId, Executor, KernelArg, KernelId, LaunchConfig, MemKind};
@@ -150,6 +150,9 @@ const CHECK_SIZES: Sizes = Sizes {
     repeats: 1,
 };
 
+/// Output words of the busy kernel's check.
+const BUSY_CHECK_WORDS: u32 = 1001;
+
 /// Requests of the select and release checks, at least.
 const CHECK_REQUESTS: u32 = 300;
 
@@ -252,6 +255,17 @@ pub(super) fn check_one(
 ) -> Result<Result<String, String>, TuningError> {
     let mut rng = SplitMix(seed);
     match spec {
+        KernelSpec::Busy(_) => {
+            // An odd word count, so the grid's last block is partial.
+            let b = BusyBench::new(exec, BUSY_CHECK_WORDS)?;
+            let (rounds, seed) = (37, rng.next_u64() as u32);
+            b.launch(kernel, spec, rounds, seed)?;
+            let got = read_all(exec, b.out())?;
+            Ok(compare(
+                &got,
+                &u32_bytes(&reference::busy(b.n, rounds, seed)),
+            ))
+        }
         KernelSpec::TransferPages(_) => {
             check_transfer(exec, spec, seed, |b| b.launch(kernel, spec))
         }

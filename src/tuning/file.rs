@@ -38,6 +38,20 @@ pub struct CandidateResult {
     pub gbps: Option<f64>,
     /// Why it was dropped (compile failure, spills, unsupported), when it was.
     pub dropped: Option<String>,
+    /// For a transfer tuned on a GPU: `seconds` and `gbps` were measured while the busy
+    /// kernel occupied the SMs (docs/KERNELS.md "busy"), and this says what the transfer took
+    /// alone and what it cost the busy kernel. Absent otherwise, and in older files.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub beside_busy: Option<BesideBusy>,
+}
+
+/// A transfer candidate timed beside the busy kernel ([`CandidateResult::beside_busy`]).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct BesideBusy {
+    /// Median seconds per launch with the GPU to itself.
+    pub alone_seconds: f64,
+    /// The busy kernel's seconds beside the transfers over its seconds alone.
+    pub busy_slowdown: f64,
 }
 
 /// The tuning result of one kernel on one device.
@@ -381,6 +395,8 @@ pub struct Applied {
     pub alloc_threads: Option<u32>,
     /// `copy`, when set from the file.
     pub copy: Option<LaunchChoice>,
+    /// `transfer_copy`, decided with `copy`.
+    pub transfer_copy: Option<LaunchChoice>,
     /// `transfer_path`, decided with `copy`.
     pub transfer_path: Option<TransferPath>,
     /// `synth_threads`, when set from the file.
@@ -408,7 +424,10 @@ impl Deployment {
         let mut applied = Applied::default();
         let specs = self.specs();
         for field in [Field::Alloc, Field::Copy, Field::Synth] {
-            let group: Vec<&KernelSpec> = specs.iter().filter(|s| field_of(s) == field).collect();
+            let group: Vec<&KernelSpec> = specs
+                .iter()
+                .filter(|s| field_of(s) == Some(field))
+                .collect();
             let mut matched: Vec<&TuningEntry> = Vec::new();
             let mut transfers: Vec<&TuningEntry> = Vec::new();
             // Kernels of the group that no entry for this device covers.
@@ -473,6 +492,10 @@ impl Deployment {
                 Field::Copy => copy_choice(&matched, &transfers),
                 _ => (best_common(&matched), TransferPath::Kernel),
             };
+            let transfer_best = match field {
+                Field::Copy => transfer_shape(&transfers).or(best),
+                _ => None,
+            };
             let Some(choice) = best else {
                 warnings.push(TuningWarning {
                     kind: WarningKind::Unusable,
@@ -485,12 +508,14 @@ impl Deployment {
             match (field, choice) {
                 (Field::Alloc, LaunchChoice::Threads { threads }) => next.alloc_threads = threads,
                 (Field::Synth, LaunchChoice::Threads { threads }) => next.synth_threads = threads,
-                (Field::Copy, c) => match c.copy_launch() {
-                    Some(l) => {
+                (Field::Copy, c) => match (c.copy_launch(), transfer_best) {
+                    (Some(l), Some(t)) => {
+                        let Some(t) = t.copy_launch() else { continue };
                         next.copy = l;
+                        next.transfer_copy = t;
                         next.transfer_path = path;
                     }
-                    None => continue,
+                    _ => continue,
                 },
                 _ => continue,
             }
@@ -507,6 +532,7 @@ impl Deployment {
                 Field::Alloc => applied.alloc_threads = Some(out.alloc_threads),
                 Field::Copy => {
                     applied.copy = Some(choice);
+                    applied.transfer_copy = transfer_best;
                     applied.transfer_path = Some(out.transfer_path);
                 }
                 Field::Synth => applied.synth_threads = Some(out.synth_threads),
@@ -519,11 +545,14 @@ impl Deployment {
     }
 }
 
-fn field_of(spec: &KernelSpec) -> Field {
+/// The deployment field a kernel's shape feeds; none for the busy kernel (not a deployment
+/// kernel: `tune` only runs it beside transfers).
+fn field_of(spec: &KernelSpec) -> Option<Field> {
     match spec {
-        KernelSpec::SelectOwnerPages(_) | KernelSpec::ReleasePages(_) => Field::Alloc,
-        KernelSpec::TransferPages(_) | KernelSpec::Materialise(_) => Field::Copy,
-        KernelSpec::Synthesise(_) | KernelSpec::Verify(_) => Field::Synth,
+        KernelSpec::SelectOwnerPages(_) | KernelSpec::ReleasePages(_) => Some(Field::Alloc),
+        KernelSpec::TransferPages(_) | KernelSpec::Materialise(_) => Some(Field::Copy),
+        KernelSpec::Synthesise(_) | KernelSpec::Verify(_) => Some(Field::Synth),
+        KernelSpec::Busy(_) => None,
     }
 }
 
@@ -548,6 +577,38 @@ fn copy_choice(
         _ => best_common(matched),
     };
     (best, path)
+}
+
+/// How much slower than the fastest transfer shape (in summed slowdowns) a shape with
+/// fewer blocks may be and still be chosen: 5 %.
+pub const FEWER_BLOCKS_TOLERANCE: f64 = 0.05;
+
+/// The transfer kernels' own shape: among the kernel choices every transfer entry measured,
+/// the one with the fewest blocks ([`LaunchChoice::max_blocks`]; an uncapped grid counts as
+/// the most) whose cost is within [`FEWER_BLOCKS_TOLERANCE`] of the cheapest, the cheaper on
+/// a tie. On a GPU `tune` times transfers while a compute kernel runs beside them
+/// (docs/KERNELS.md "busy"), so this keeps the fewest blocks that hold the bandwidth.
+fn transfer_shape(transfers: &[&TuningEntry]) -> Option<LaunchChoice> {
+    let choices: BTreeSet<LaunchChoice> = transfers
+        .iter()
+        .flat_map(|e| e.results.iter())
+        .filter(|r| r.seconds.is_some() && r.choice != LaunchChoice::Dma)
+        .map(|r| r.choice)
+        .collect();
+    let costed: Vec<(LaunchChoice, f64)> = choices
+        .into_iter()
+        .filter_map(|c| relative_cost(transfers, &c).map(|t| (c, t)))
+        .collect();
+    let cheapest = costed.iter().map(|c| c.1).min_by(f64::total_cmp)?;
+    let blocks = |c: &LaunchChoice| match c.max_blocks() {
+        0 => u32::MAX,
+        n => n,
+    };
+    costed
+        .into_iter()
+        .filter(|(_, t)| *t <= cheapest * (1.0 + FEWER_BLOCKS_TOLERANCE))
+        .min_by(|a, b| blocks(&a.0).cmp(&blocks(&b.0)).then(a.1.total_cmp(&b.1)))
+        .map(|(c, _)| c)
 }
 
 /// DMA when every transfer entry measured it and its cost ([`relative_cost`]) beats the given
@@ -699,6 +760,7 @@ mod tests {
                     seconds: Some(s),
                     gbps: None,
                     dropped: None,
+                    beside_busy: None,
                 })
                 .collect();
             e
@@ -717,6 +779,7 @@ mod tests {
             seconds: Some(0.1),
             gbps: None,
             dropped: None,
+            beside_busy: None,
         });
         let b = timed("b", &[(32, 1.5), (64, 1.0)]);
         assert_eq!(best_common(&[&a, &b]), Some(t(64)));

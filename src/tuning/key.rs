@@ -164,6 +164,7 @@ pub fn spec_key(spec: &KernelSpec) -> String {
         }
         KernelSpec::Synthesise(s) => format!("{fam}_{}_cp{}_ps{}", s.buffer, s.cp, s.page_size),
         KernelSpec::Verify(s) => format!("{fam}_{}_ps{}", s.buffer, s.page_size),
+        KernelSpec::Busy(_) => fam.to_string(),
     }
 }
 

@@ -12,10 +12,11 @@ use std::collections::HashMap;
 
 use super::candidate::{candidates_for, Candidate};
 use super::check::{check_one, check_transfer};
-use super::file::{CandidateResult, TuningEntry};
+use super::file::{BesideBusy, CandidateResult, TuningEntry};
 use super::key::{spec_key, DeviceKey};
 use super::measure::{
-    compile_and_load, synth_pages, AllocBench, CopyBench, Sizes, SourceHook, SynthBench,
+    compile_and_load, synth_pages, AllocBench, Beside, BesideTiming, CopyBench, Sizes, SourceHook,
+    SynthBench,
 };
 use super::TuningError;
 use crate::exec::{Executor, KernelId};
@@ -162,6 +163,23 @@ pub fn tune(
     let loaded: HashMap<KernelSpec, Result<KernelId, String>> =
         unique.into_iter().zip(compiled).collect();
 
+    // On a GPU, transfers are timed while the busy kernel occupies the SMs beside them
+    // (docs/KERNELS.md "busy"): what an engine's copies see while the model runs. Without a
+    // companion stream (the host executor) they are timed alone.
+    let beside = if plans
+        .iter()
+        .any(|(b, _)| matches!(b, KernelSpec::TransferPages(_)))
+    {
+        match Beside::open(exec, jit) {
+            Ok(b) => b,
+            Err(why) => {
+                tracing::warn!(target: "cp_hicache::tuning", "transfers timed alone: {why}");
+                None
+            }
+        }
+    } else {
+        None
+    };
     let mut entries = Vec::with_capacity(plans.len());
     let mut failed = Vec::new();
     let mut wrong_output = Vec::new();
@@ -176,6 +194,7 @@ pub fn tune(
                 seconds: None,
                 gbps: None,
                 dropped: None,
+                beside_busy: None,
             };
             match cand {
                 Candidate::Dma(_) => match cand
@@ -187,10 +206,19 @@ pub fn tune(
                         }))
                     }) {
                     Err(why) => result.dropped = Some(why),
-                    Ok(()) => match bench.time_dma(&opts.sizes) {
-                        Ok((seconds, bytes)) => {
-                            result.seconds = Some(seconds);
-                            result.gbps = Some(bytes as f64 / seconds / 1e9);
+                    Ok(()) => match bench.time_dma(&opts.sizes).and_then(|(seconds, bytes)| {
+                        let busy = match (&beside, &bench) {
+                            (Some(b), Workload::Copy(c)) => {
+                                Some(b.time_beside(exec, seconds, opts.sizes.repeats, &|| {
+                                    c.copy_dma()
+                                })?)
+                            }
+                            _ => None,
+                        };
+                        Ok((seconds, bytes, busy))
+                    }) {
+                        Ok((seconds, bytes, busy)) => {
+                            record(&mut result, seconds, Some(bytes), busy)
                         }
                         Err(e) => result.dropped = Some(format!("DMA copy failed: {e}")),
                     },
@@ -199,15 +227,28 @@ pub fn tune(
                     Some(Ok(kernel)) => {
                         let run = checked(check_one(exec, spec, *kernel, seed as u64 + 1))
                             .and_then(|()| {
-                                bench
+                                let launch_failed = |e| format!("launch failed: {e}");
+                                let (seconds, bytes) = bench
                                     .time(*kernel, spec, &opts.sizes)
-                                    .map_err(|e| format!("launch failed: {e}"))
+                                    .map_err(launch_failed)?;
+                                let busy = match (&beside, &bench, spec) {
+                                    (Some(b), Workload::Copy(c), KernelSpec::TransferPages(_)) => {
+                                        Some(
+                                            b.time_beside(
+                                                exec,
+                                                seconds,
+                                                opts.sizes.repeats,
+                                                &|| c.launch(*kernel, spec),
+                                            )
+                                            .map_err(launch_failed)?,
+                                        )
+                                    }
+                                    _ => None,
+                                };
+                                Ok((seconds, bytes, busy))
                             });
                         match run {
-                            Ok((seconds, bytes)) => {
-                                result.seconds = Some(seconds);
-                                result.gbps = bytes.map(|b| b as f64 / seconds / 1e9);
-                            }
+                            Ok((seconds, bytes, busy)) => record(&mut result, seconds, bytes, busy),
                             Err(why) => result.dropped = Some(why),
                         }
                     }
@@ -264,6 +305,23 @@ pub fn tune(
         failed,
         wrong_output,
     })
+}
+
+/// Fills a timed result: alone, or (on a GPU, for transfers) beside the busy kernel, whose
+/// time is then the candidate's (docs/KERNELS.md "busy") and the one alone is kept with it.
+fn record(
+    result: &mut CandidateResult,
+    alone: f64,
+    bytes: Option<u64>,
+    busy: Option<BesideTiming>,
+) {
+    let seconds = busy.map_or(alone, |b| b.seconds);
+    result.seconds = Some(seconds);
+    result.gbps = bytes.map(|b| b as f64 / seconds / 1e9);
+    result.beside_busy = busy.map(|b| BesideBusy {
+        alone_seconds: alone,
+        busy_slowdown: b.busy_slowdown,
+    });
 }
 
 /// How the drop note of a candidate with wrong output starts.

@@ -533,6 +533,45 @@ CUresult cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) {
   return OK;
 }
 
+// cuMemcpyBatchAsync (CUDA 12.8): built without it under -DFAKE_CUDA_NO_BATCH, so the
+// executor's per-region fallback runs against a driver that lacks the symbol. Every range is
+// checked before any copy is queued (a bad batch queues nothing; *fail_idx names the copy).
+#ifndef FAKE_CUDA_NO_BATCH
+struct CUmemLocation_fake { int type; int id; };
+struct CUmemcpyAttributes_fake {
+  int src_access_order;
+  CUmemLocation_fake src_loc, dst_loc;
+  unsigned flags;
+};
+unsigned long long g_batch_calls = 0;
+CUresult cuMemcpyBatchAsync(CUdeviceptr* dsts, CUdeviceptr* srcs, size_t* sizes, size_t count,
+                            CUmemcpyAttributes_fake* attrs, size_t* attr_idxs, size_t num_attrs,
+                            size_t* fail_idx, CUstream st) {
+  (void)st;
+  if (need_ctx()) return INVALID_CONTEXT;
+  if (!dsts || !srcs || !sizes || count == 0 || !attrs || !attr_idxs || num_attrs == 0 ||
+      num_attrs > count || attr_idxs[0] != 0 || attrs[0].src_access_order == 0) {
+    return INVALID_VALUE;
+  }
+  for (size_t i = 0; i < count; ++i) {
+    if (!inside((uintptr_t)dsts[i], sizes[i], -1) || !inside((uintptr_t)srcs[i], sizes[i], -1)) {
+      if (fail_idx) *fail_idx = i;
+      return INVALID_VALUE;
+    }
+  }
+  for (size_t i = 0; i < count; ++i) {
+    CUdeviceptr d = dsts[i], s = srcs[i];
+    size_t n = sizes[i];
+    enqueue([d, s, n] {
+      memmove((void*)(uintptr_t)d, (const void*)(uintptr_t)s, n);
+      return OK;
+    });
+  }
+  ++g_batch_calls;
+  return OK;
+}
+#endif
+
 CUresult cuModuleLoadData(CUmodule* m, const void* image) {
   if (need_ctx()) return INVALID_CONTEXT;
   const char* text = (const char*)image;
@@ -607,6 +646,15 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
 }  // extern "C"
 
 // Test hooks (not driver API): live allocations, to check that the executor frees everything.
+// Batched copy calls so far (0 when built without cuMemcpyBatchAsync).
+extern "C" unsigned long long fake_cuda_batch_calls(void) {
+#ifndef FAKE_CUDA_NO_BATCH
+  return g_batch_calls;
+#else
+  return 0;
+#endif
+}
+
 extern "C" int fake_cuda_live_allocations(void) {
   std::lock_guard<std::mutex> g(g_mu);
   return (int)g_allocs.size();

@@ -487,6 +487,7 @@ pub fn cpu_copy_launch(vec: VecWidth) -> CopyLaunch {
         unroll: 1,
         layers_in_block: false,
         streaming_stores: false,
+        max_blocks: 0,
     }
 }
 

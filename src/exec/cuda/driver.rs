@@ -40,6 +40,16 @@ pub(crate) struct Gpu {
     stream: Arc<CudaStream>,
 }
 
+/// Whether the driver exports `cuMemcpyBatchAsync` (CUDA 12.8+). cudarc resolves driver
+/// symbols lazily and panics on a missing one, so this looks it up first, once.
+pub(crate) fn batch_copies() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| {
+        // SAFETY: only looks the symbol up (the library is loaded: a context is open).
+        unsafe { sys::culib().get::<unsafe extern "C" fn()>(b"cuMemcpyBatchAsync\0") }.is_ok()
+    })
+}
+
 fn err(op: &str) -> impl FnOnce(result::DriverError) -> String + '_ {
     move |e| format!("{op}: {e:?}")
 }
@@ -209,16 +219,53 @@ impl Gpu {
         }
     }
 
-    /// Enqueues one `cuMemcpyAsync` per `(dst, src, len)` on the executor's stream. Addresses
-    /// are unified (device memory, or the mapping of pinned host memory), so the driver picks
-    /// the copy engine's direction itself; pinned host memory makes these true DMA transfers.
+    /// Enqueues the copies `(dst, src, len)` on the executor's stream: one
+    /// `cuMemcpyBatchAsync` (CUDA 12.8+) when the driver exports it ([`batch_copies`]),
+    /// else one `cuMemcpyAsync` each. Addresses are unified (device memory, or the mapping of
+    /// pinned host memory), so the driver picks the copy engine's direction itself; pinned host
+    /// memory makes these true DMA transfers.
     ///
     /// # Safety
     /// Every range must lie inside a live allocation of this context, and stay alive until
     /// the copies have run.
     pub(crate) unsafe fn copy(&self, copies: &[(u64, u64, u64)]) -> Result<(), String> {
         self.bind()?;
-        for &(dst, src, len) in copies.iter().filter(|c| c.2 > 0) {
+        let live: Vec<&(u64, u64, u64)> = copies.iter().filter(|c| c.2 > 0).collect();
+        if live.len() > 1 && batch_copies() {
+            let mut dsts: Vec<sys::CUdeviceptr> = live.iter().map(|c| c.0).collect();
+            let mut srcs: Vec<sys::CUdeviceptr> = live.iter().map(|c| c.1).collect();
+            let mut sizes: Vec<usize> = live.iter().map(|c| c.2 as usize).collect();
+            // One attribute for every copy: stream-ordered source access (the sources were
+            // written by earlier work on this stream). The location hints are for managed
+            // memory and ignored for device and pinned memory, as here.
+            // SAFETY: a plain C struct; all-zero is a valid bit pattern for each field.
+            let mut attrs: sys::CUmemcpyAttributes = unsafe { std::mem::zeroed() };
+            attrs.srcAccessOrder = sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
+            let mut attr_idx: usize = 0;
+            let mut fail_idx: usize = usize::MAX;
+            // SAFETY: the arrays hold `live.len()` entries each, one attribute applies from
+            // copy 0, and every range is inside a live allocation (caller).
+            let r = unsafe {
+                sys::cuMemcpyBatchAsync(
+                    dsts.as_mut_ptr(),
+                    srcs.as_mut_ptr(),
+                    sizes.as_mut_ptr(),
+                    live.len(),
+                    &mut attrs,
+                    &mut attr_idx,
+                    1,
+                    &mut fail_idx,
+                    self.stream.cu_stream(),
+                )
+            };
+            return r.result().map_err(|e| {
+                format!(
+                    "cuMemcpyBatchAsync ({} copies, failed at {fail_idx}): {e:?}",
+                    live.len()
+                )
+            });
+        }
+        for &&(dst, src, len) in &live {
             // SAFETY: both ranges are inside live allocations (caller).
             unsafe { sys::cuMemcpyAsync(dst, src, len as usize, self.stream.cu_stream()) }
                 .result()

@@ -135,6 +135,12 @@ impl CudaExecutor {
         })
     }
 
+    /// Whether copy batches go out as one `cuMemcpyBatchAsync` (the driver exports it, CUDA
+    /// 12.8+) rather than one `cuMemcpyAsync` per merged region.
+    pub fn batched_copies(&self) -> bool {
+        driver::batch_copies()
+    }
+
     /// The device ordinal this executor drives.
     pub fn ordinal(&self) -> usize {
         self.ordinal
@@ -366,7 +372,8 @@ impl Executor for CudaExecutor {
         let mut st = lock(&self.state);
         let (s, d) = (st.buffer(src)?, st.buffer(dst)?);
         let bytes = check_regions((src, s.len()), (dst, d.len()), regions)?;
-        let copies: Vec<(u64, u64, u64)> = regions
+        // One copy per contiguous run (super::merge_regions), not per page blob.
+        let copies: Vec<(u64, u64, u64)> = super::merge_regions(regions, src == dst)
             .iter()
             .map(|r| (d.addr() + r.dst_offset, s.addr() + r.src_offset, r.len))
             .collect();
@@ -417,6 +424,11 @@ impl Executor for CudaExecutor {
         let ms = driver::Gpu::elapsed_ms(&start, &end).map_err(driver_err("time_work"))?;
         lock(&self.state).counters.syncs += 1;
         Ok(f64::from(ms) / 1e3)
+    }
+
+    fn companion(&self) -> Result<Option<Box<dyn Executor>>, ExecError> {
+        // The same device's primary context, a stream of its own.
+        Ok(Some(Box::new(CudaExecutor::new(self.ordinal)?)))
     }
 
     fn counters(&self) -> Counters {

@@ -341,6 +341,8 @@ impl Executor for HostExecutor {
         let mut st = lock(&self.state);
         let size = |b| st.buffer(b).map(|x| x.mem.len());
         let bytes = check_regions((src, size(src)?), (dst, size(dst)?), regions)?;
+        // One copy per contiguous run, as on CUDA (same bytes).
+        let regions = &super::merge_regions(regions, src == dst)[..];
         // Ranges were checked above (and against self-overlap), so the slicing cannot fail.
         let range = |off: u64, len: u64| off as usize..(off + len) as usize;
         match st.pair_mut(src, dst)? {
