@@ -138,6 +138,10 @@ static constexpr int warpSize = 32;
 // Largest fiber stack a launch may ask for (mirrored by HostOptions in src/exec/host/mod.rs);
 // larger requests are refused rather than rounded past the top of the address range.
 #define CP_EMU_MAX_STACK_BYTES (64ull << 20)
+// madvise(MADV_GUARD_INSTALL), from Linux 6.13's <linux/mman.h>; older headers lack it.
+#define CP_EMU_MADV_GUARD_INSTALL 102
+// Fiber stacks a thread's pool keeps between launches (see the end of `launch`).
+#define CP_EMU_KEEP_STACKS 256u
 // Inaccessible bytes below every fiber stack (rounded up to whole pages).
 #define CP_EMU_GUARD_BYTES (64u << 10)
 
@@ -338,8 +342,11 @@ struct Pool {
     while (nstacks < n) {
       void* p = mmap(nullptr, stack_bytes + guard, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
       if (p == MAP_FAILED) return false;
-      // Guard at the low end: a stack overflow faults instead of corrupting a neighbour.
-      mprotect(p, guard, PROT_NONE);
+      // Guard at the low end: a stack overflow faults instead of corrupting a neighbour. A
+      // guard region (Linux 6.13+) does not split the mapping, so a stack stays one mapping
+      // and neighbouring stacks merge: pools of many kernels on many threads stay far below
+      // vm.max_map_count. Older kernels refuse it; then the guard is a PROT_NONE mapping.
+      if (madvise(p, guard, CP_EMU_MADV_GUARD_INSTALL) != 0) mprotect(p, guard, PROT_NONE);
       stacks[nstacks++] = static_cast<char*>(p) + guard;
     }
     return true;
@@ -806,6 +813,11 @@ static int launch(const char* kernel, const CpEmuLaunch* cfg, unsigned arity, co
   g.cur = nullptr;
   g.in_launch = false;
   g.direct = false;
+  // Every kernel library has its own pool per OS thread (this header is compiled into each),
+  // and each stack is two mappings (guard and stack). Kept for every large-block kernel on
+  // every thread, they exhaust vm.max_map_count (65,530 by default) once a few ranks'
+  // threads have run 512-thread transfers: so large pools are given back after the launch.
+  if (g_pool.nstacks > CP_EMU_KEEP_STACKS) g_pool.release_stacks();
   return status;
 }
 
