@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use cp_hicache::allocator::OwnerLaneAllocator;
 use cp_hicache::hicache::tree::RadixTree;
-use cp_hicache::kernels::{transfer_regions, BufferKind, Deployment, Direction, PoolShape};
+use cp_hicache::kernels::{transfer_regions, Deployment, Direction, PoolShape};
 use cp_hicache::layout::{zigzag_owners, CpLayout, Rank};
 use cp_hicache::metadata::{HostPage, NodeMetadata};
 use criterion::{criterion_group, criterion_main, Criterion};
@@ -85,7 +85,8 @@ fn radix_match(c: &mut Criterion) {
 /// (NSA `kv`, page-first host pool, so no two pages merge: the most regions).
 fn dma_regions(c: &mut Criterion) {
     let dep = Deployment::by_name("nsa_ps64_cp8").expect("deployment");
-    let spec = dep.transfer(BufferKind::NsaKv, Direction::HostToDevice);
+    // The first descriptor of the h2d transfer: NSA `kv`.
+    let spec = dep.transfer(Direction::HostToDevice).descriptors()[0];
     let n = 2048u32;
     let src: Vec<u32> = (0..n).map(|i| (i * 7919) % (2 * n)).collect();
     let dst: Vec<u32> = (0..n).map(|i| (i * 104_729) % (2 * n)).collect();

@@ -35,8 +35,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}({# parameters: K
             }
             for (u32 layer = l0; layer < l1; ++layer) {
                 chc_copy_vecs(dense + ((u64)layer * n + i) * PAGE_BYTES,
-                              pools.p[owner] + ((u64)layer * local_pages + local) * PAGE_BYTES, v);
-                v = chc_next_start(v);
+                              pools.p[owner] + ((u64)layer * local_pages + local) * PAGE_BYTES, v, PAGE_VECS);
+                v = chc_next_start(v, PAGE_VECS);
             }
         }
     }

@@ -100,19 +100,27 @@ fn launches(page_bytes: u64) -> [CopyLaunch; 2] {
     ]
 }
 
-/// (page size, bytes per token) of the cases: mla at 16 (v16) and an odd size at 1 (v1).
-const SHAPES: [(u32, u32); 2] = [(16, 1152), (1, 33)];
+/// (page size, bytes per token, a second buffer's bytes per token for the transfers) of the
+/// cases: mla at 16 (v16) and an odd size at 1 (v1), moved with an `index_k`-sized buffer in
+/// one launch.
+const SHAPES: [(u32, u32, Option<u32>); 2] = [(16, 1152, None), (1, 33, Some(132))];
 const MAT_CP: u8 = 4;
 
-/// The copy kernels of one page shape and launch: d2h page-first, h2d layer-first and
-/// materialise at [`MAT_CP`].
-fn copy_family(page_size: u32, bytes_per_token: u32, launch: CopyLaunch) -> [KernelSpec; 3] {
+/// The copy kernels of one page shape and launch: d2h page-first, h2d layer-first (moving a
+/// second buffer of `second` bytes per token too, if given) and materialise at [`MAT_CP`].
+fn copy_family(
+    page_size: u32,
+    bytes_per_token: u32,
+    second: Option<u32>,
+    launch: CopyLaunch,
+) -> [KernelSpec; 3] {
     let transfer = |direction, layout| {
         KernelSpec::TransferPages(TransferSpec {
             direction,
             layout,
             page_size,
             bytes_per_token,
+            second_bytes_per_token: second,
             launch,
         })
     };
@@ -128,10 +136,22 @@ fn copy_family(page_size: u32, bytes_per_token: u32, launch: CopyLaunch) -> [Ker
     ]
 }
 
+fn gcd(a: u32, b: u32) -> u32 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
 fn copy_specs() -> Vec<KernelSpec> {
     SHAPES
         .iter()
-        .flat_map(|&(ps, bpt)| launches(u64::from(ps * bpt)).map(|l| copy_family(ps, bpt, l)))
+        .flat_map(|&(ps, bpt, second)| {
+            // A vector width that divides both buffers' pages.
+            let common = second.map_or(bpt, |b| gcd(bpt, b));
+            launches(u64::from(ps * common)).map(|l| copy_family(ps, bpt, second, l))
+        })
         .flatten()
         .collect()
 }
@@ -143,7 +163,7 @@ fn other_specs() -> Vec<KernelSpec> {
     let (page_size, bytes_per_token) = (4, 132);
     let mut v: Vec<KernelSpec> = CopyLaunch::candidates(u64::from(page_size * bytes_per_token))
         .into_iter()
-        .flat_map(|l| copy_family(page_size, bytes_per_token, l))
+        .flat_map(|l| copy_family(page_size, bytes_per_token, None, l))
         .collect();
     v.extend([
         KernelSpec::SelectOwnerPages(AllocSpec {
@@ -205,12 +225,9 @@ fn transfer_case(
         unreachable!()
     };
     let (layers, device_pages, host_pages) = (2u32, 4u32, 3u32);
-    let pb = u64::from(s.page_size) * u64::from(s.bytes_per_token);
-    let dev_bytes = (u64::from(layers * device_pages) * pb) as usize;
-    let host_bytes = (u64::from(layers * host_pages) * pb) as usize;
-    let (src_bytes, src_cap, dst_cap) = match s.direction {
-        Direction::DeviceToHost => (dev_bytes, device_pages, host_pages),
-        Direction::HostToDevice => (host_bytes, host_pages, device_pages),
+    let (src_cap, dst_cap) = match s.direction {
+        Direction::DeviceToHost => (device_pages, host_pages),
+        Direction::HostToDevice => (host_pages, device_pages),
     };
     let n = rng.range(1, u64::from(dst_cap)) as usize;
     let dst_pages: Vec<u32> = rng.permutation(dst_cap)[..n].to_vec();
@@ -225,13 +242,25 @@ fn transfer_case(
         );
         dst_pages[0] = host_pages;
     }
-    let src = rng.bytes(src_bytes);
+    // One source pool per buffer of the launch.
+    let srcs: Vec<Vec<u8>> = s
+        .descriptors()
+        .iter()
+        .map(|d| {
+            let pool_pages = match s.direction {
+                Direction::DeviceToHost => device_pages,
+                Direction::HostToDevice => host_pages,
+            };
+            rng.bytes((u64::from(layers * pool_pages) * d.page_bytes()) as usize)
+        })
+        .collect();
     let span = cp_hicache::kernels::clamp_layer_range(first_layer, layer_count, layers).len();
     let copied = b.transfer(
         spec,
         spec.launch_dims(n as u32, span as u32).grid,
         &TransferCase {
-            src: &src,
+            src: &srcs[0],
+            src1: srcs.get(1).map_or(&[], |v| v),
             src_pages: &src_pages,
             dst_pages: &dst_pages,
             layers,
@@ -243,10 +272,12 @@ fn transfer_case(
             guard: 0,
         },
     );
-    assert!(
-        copied.got == copied.want,
-        "{spec} layers {first_layer}+{layer_count}: differs from the reference"
-    );
+    for (i, copied) in copied.iter().enumerate() {
+        assert!(
+            copied.got == copied.want,
+            "{spec} layers {first_layer}+{layer_count} buffer {i}: differs from the reference"
+        );
+    }
 }
 
 fn materialise_case(b: &mut Bench, spec: &KernelSpec, rng: &mut Rng) {

@@ -64,13 +64,15 @@ fn release_spec(cp: u8, threads: u32) -> KernelSpec {
     KernelSpec::ReleasePages(ReleaseSpec { cp, threads })
 }
 
-/// Bytes per token of the transfer cases at a page size: the real buffer kinds, plus an odd
-/// custom size at page size 1 so the byte-wide (`v1`) copy path runs too.
-fn transfer_bpts(ps: u32) -> &'static [u32] {
+/// Bytes per token of the transfer cases at a page size, with a second buffer's for the
+/// two-buffer launches: the real buffer kinds (NSA's `kv` and `index_k` in one launch at page
+/// size 64, as the deployments), plus an odd custom size at page size 1, moved together with
+/// `index_k`, so the byte-wide (`v1`) copy path runs both ways.
+fn transfer_bpts(ps: u32) -> &'static [(u32, Option<u32>)] {
     match ps {
-        1 => &[132, 33],
-        16 => &[1152],
-        _ => &[656],
+        1 => &[(132, None), (33, Some(132))],
+        16 => &[(1152, None)],
+        _ => &[(656, Some(132))],
     }
 }
 
@@ -128,22 +130,26 @@ fn capped_in_one_layout(launch: CopyLaunch, layout: HostLayout, shape: usize) ->
 fn transfer_specs() -> Vec<KernelSpec> {
     let mut v = Vec::new();
     for ps in PSS {
-        for &bpt in transfer_bpts(ps) {
+        for &(bpt, second) in transfer_bpts(ps) {
             for direction in [Direction::DeviceToHost, Direction::HostToDevice] {
                 for layout in [HostLayout::PageFirst, HostLayout::LayerFirst] {
-                    let page_bytes = u64::from(ps) * u64::from(bpt);
+                    let spec = |launch| TransferSpec {
+                        direction,
+                        layout,
+                        page_size: ps,
+                        bytes_per_token: bpt,
+                        second_bytes_per_token: second,
+                        launch,
+                    };
+                    let page_bytes = spec(CopyLaunch::default()).common_page_bytes();
                     let cpu_streams = direction == Direction::HostToDevice;
                     for (i, launch) in copy_launches(page_bytes, cpu_streams)
                         .into_iter()
                         .enumerate()
                     {
-                        v.push(KernelSpec::TransferPages(TransferSpec {
-                            direction,
-                            layout,
-                            page_size: ps,
-                            bytes_per_token: bpt,
-                            launch: capped_in_one_layout(launch, layout, i),
-                        }));
+                        v.push(KernelSpec::TransferPages(spec(capped_in_one_layout(
+                            launch, layout, i,
+                        ))));
                     }
                 }
             }
@@ -241,6 +247,7 @@ fn big_page_transfer_specs() -> Vec<KernelSpec> {
                     layout,
                     page_size: 1024,
                     bytes_per_token: BIG_PAGE_BPT,
+                    second_bytes_per_token: None,
                     launch,
                 }));
             }
@@ -272,6 +279,10 @@ fn spec_matrix_is_modest_and_valid() {
     // Every vector width of the copy loops is compiled, and each shape with both store forms.
     for w in ["_v1_", "_v4_", "_v16_"] {
         assert!(specs.iter().any(|s| s.uri().contains(w)), "{w}");
+    }
+    // Both NSA buffers move in one launch, and so does a byte-wide (`v1`) pair.
+    for pair in ["_b656_b132_", "_b33_b132_"] {
+        assert!(specs.iter().any(|s| s.uri().contains(pair)), "{pair}");
     }
     // Each transfer shape runs with a capped grid and a full one.
     for shape in ["_t1_", "_t128_"] {
@@ -1010,22 +1021,40 @@ fn transfer_matches_reference() {
     }
 }
 
+/// Bytes of one transfer buffer's source pool (`descriptor` of a transfer spec) for pools of
+/// `layers` × (`device_pages`, `host_pages`), and its page counts (source, destination).
+fn transfer_pools(
+    d: &TransferSpec,
+    layers: u32,
+    device_pages: u32,
+    host_pages: u32,
+) -> (usize, u32, u32) {
+    let pb = d.page_bytes();
+    match d.direction {
+        Direction::DeviceToHost => (
+            (u64::from(layers * device_pages) * pb) as usize,
+            device_pages,
+            host_pages,
+        ),
+        Direction::HostToDevice => (
+            (u64::from(layers * host_pages) * pb) as usize,
+            host_pages,
+            device_pages,
+        ),
+    }
+}
+
 /// A transfer spec moves random pages (some out of range on either side, skipped) exactly as
-/// the reference does, leaves its source alone, and the DMA regions of the same request move
-/// the same bytes.
+/// the reference does, in every buffer of the launch, leaves its sources alone, and the DMA
+/// regions of the same request move the same bytes.
 fn check_transfer(b: &mut Bench, spec: KernelSpec, order: BlockOrder) {
     let (layers, device_pages, host_pages) = (2u32, 5u32, 4u32);
     let KernelSpec::TransferPages(s) = spec else {
         unreachable!()
     };
+    let descriptors = s.descriptors();
     let mut rng = Rng::new(&[4, order_id(order), uri_seed(&spec)]);
-    let pb = u64::from(s.page_size) * u64::from(s.bytes_per_token);
-    let dev_bytes = (u64::from(layers * device_pages) * pb) as usize;
-    let host_bytes = (u64::from(layers * host_pages) * pb) as usize;
-    let (src_cap, dst_cap, src_bytes) = match s.direction {
-        Direction::DeviceToHost => (device_pages, host_pages, dev_bytes),
-        Direction::HostToDevice => (host_pages, device_pages, host_bytes),
-    };
+    let (_, src_cap, dst_cap) = transfer_pools(&s, layers, device_pages, host_pages);
     for trial in 0..2 {
         // Distinct destination pages, one of them possibly out of range (skipped),
         // and source pages that may be out of range too.
@@ -1035,13 +1064,17 @@ fn check_transfer(b: &mut Bench, spec: KernelSpec, order: BlockOrder) {
         let src_pages: Vec<u32> = (0..n)
             .map(|_| rng.below(u64::from(src_cap) + 1) as u32)
             .collect();
-        let src = rng.bytes(src_bytes);
+        let srcs: Vec<Vec<u8>> = descriptors
+            .iter()
+            .map(|d| rng.bytes(transfer_pools(d, layers, device_pages, host_pages).0))
+            .collect();
         let g = grid(&mut rng, spec.launch_dims(n as u32, layers).grid);
         let copied = b.transfer(
             &spec,
             g,
             &TransferCase {
-                src: &src,
+                src: &srcs[0],
+                src1: srcs.get(1).map_or(&[], |v| v),
                 src_pages: &src_pages,
                 dst_pages: &dst_pages,
                 layers,
@@ -1053,30 +1086,33 @@ fn check_transfer(b: &mut Bench, spec: KernelSpec, order: BlockOrder) {
                 guard: GUARD,
             },
         );
-        assert!(
-            copied.got == copied.want,
-            "{spec} {order} trial {trial} grid {g}: first difference at byte {:?}; src {src_pages:?} dst {dst_pages:?}",
-            copied.first_difference()
-        );
-        assert_eq!(
-            copied.src_after[..src_bytes],
-            src[..],
-            "{spec}: source changed"
-        );
-        // The DMA path (copy regions instead of the kernel) moves the same bytes.
-        let pools = PoolShape {
-            layers,
-            device_pages,
-            host_pages,
-        };
-        let sbuf = b.bytes(&src, GUARD);
-        let dma = b.poison(copied.want.len());
-        let regions = transfer_regions(&s, &src_pages, &dst_pages, pools, 0..layers);
-        b.ex.copy_regions(sbuf, dma, &regions).unwrap();
-        assert!(
-            b.read(dma) == copied.want,
-            "{spec} trial {trial}: DMA regions {regions:?} differ from the kernel"
-        );
+        assert_eq!(copied.len(), descriptors.len(), "{spec}: one result per buffer");
+        for (i, ((copied, src), d)) in copied.iter().zip(&srcs).zip(&descriptors).enumerate() {
+            assert!(
+                copied.got == copied.want,
+                "{spec} {order} trial {trial} grid {g} buffer {i}: first difference at byte {:?}; src {src_pages:?} dst {dst_pages:?}",
+                copied.first_difference()
+            );
+            assert_eq!(
+                copied.src_after[..src.len()],
+                src[..],
+                "{spec} buffer {i}: source changed"
+            );
+            // The DMA path (copy regions instead of the kernel) moves the same bytes.
+            let pools = PoolShape {
+                layers,
+                device_pages,
+                host_pages,
+            };
+            let sbuf = b.bytes(src, GUARD);
+            let dma = b.poison(copied.want.len());
+            let regions = transfer_regions(d, &src_pages, &dst_pages, pools, 0..layers);
+            b.ex.copy_regions(sbuf, dma, &regions).unwrap();
+            assert!(
+                b.read(dma) == copied.want,
+                "{spec} trial {trial} buffer {i}: DMA regions {regions:?} differ from the kernel"
+            );
+        }
     }
 }
 
@@ -1118,21 +1154,20 @@ fn check_transfer_layers(b: &mut Bench, spec: KernelSpec, order: BlockOrder) {
     let KernelSpec::TransferPages(s) = spec else {
         unreachable!()
     };
+    let descriptors = s.descriptors();
     let mut rng = Rng::new(&[41, order_id(order), uri_seed(&spec)]);
-    let pb = u64::from(s.page_size) * u64::from(s.bytes_per_token);
-    let dev_bytes = (u64::from(layers * device_pages) * pb) as usize;
-    let host_bytes = (u64::from(layers * host_pages) * pb) as usize;
-    let (src_cap, dst_cap, src_bytes, dst_pool) = match s.direction {
-        Direction::DeviceToHost => (device_pages, host_pages, dev_bytes, host_pages),
-        Direction::HostToDevice => (host_pages, device_pages, host_bytes, device_pages),
-    };
+    let (_, src_cap, dst_cap) = transfer_pools(&s, layers, device_pages, host_pages);
     // Distinct in-range destinations and in-range sources: every pair moves.
     let n = rng.range(1, u64::from(dst_cap.min(src_cap))) as usize;
     let dst_pages: Vec<u32> = rng.permutation(dst_cap)[..n].to_vec();
     let src_pages: Vec<u32> = rng.permutation(src_cap)[..n].to_vec();
-    let src = rng.bytes(src_bytes);
+    let srcs: Vec<Vec<u8>> = descriptors
+        .iter()
+        .map(|d| rng.bytes(transfer_pools(d, layers, device_pages, host_pages).0))
+        .collect();
     let case = |first_layer, layer_count| TransferCase {
-        src: &src,
+        src: &srcs[0],
+        src1: srcs.get(1).map_or(&[], |v| v),
         src_pages: &src_pages,
         dst_pages: &dst_pages,
         layers,
@@ -1144,66 +1179,77 @@ fn check_transfer_layers(b: &mut Bench, spec: KernelSpec, order: BlockOrder) {
         guard: GUARD,
     };
     let full_grid = spec.launch_dims(n as u32, layers).grid;
-    let full = b.transfer(&spec, full_grid, &case(0, layers)).want;
-    // Byte offset of (page, layer) in the destination pool.
-    let dst_off = |p: u32, l: u32| match s.direction {
-        Direction::DeviceToHost => {
-            reference::host_offset(s.layout, p, l, layers, host_pages, pb) as usize
-        }
-        Direction::HostToDevice => reference::device_offset(p, l, device_pages, pb) as usize,
-    };
+    let full: Vec<Vec<u8>> = b
+        .transfer(&spec, full_grid, &case(0, layers))
+        .into_iter()
+        .map(|c| c.want)
+        .collect();
     for (first, count) in LAYER_RANGES {
         let end = (u64::from(first) + u64::from(count)).min(u64::from(layers));
         let in_range = |l: u32| u64::from(l) >= u64::from(first) && u64::from(l) < end;
         let span = (first..layers).filter(|&l| in_range(l)).count() as u32;
         let g = grid(&mut rng, spec.launch_dims(n as u32, span).grid);
         let copied = b.transfer(&spec, g, &case(first, count));
-        let what = format!("{spec} {order} layers {first}+{count} grid {g}");
-        assert!(
-            copied.got == copied.want,
-            "{what}: kernel differs from the reference at byte {:?}",
-            copied.first_difference()
-        );
-        // Independently of the reference: the full transfer's bytes in the range, poison
-        // elsewhere (pages not named, other layers, the guard).
-        let mut want = vec![POISON; copied.got.len()];
-        for l in (0..layers).filter(|&l| in_range(l)) {
-            for &dp in &dst_pages {
-                let o = dst_off(dp, l);
-                want[o..o + pb as usize].copy_from_slice(&full[o..o + pb as usize]);
+        for (i, (((copied, src), d), full)) in
+            copied.iter().zip(&srcs).zip(&descriptors).zip(&full).enumerate()
+        {
+            let what = format!("{spec} {order} layers {first}+{count} grid {g} buffer {i}");
+            let pb = d.page_bytes();
+            // Byte offset of (page, layer) in the destination pool.
+            let dst_off = |p: u32, l: u32| match s.direction {
+                Direction::DeviceToHost => {
+                    reference::host_offset(s.layout, p, l, layers, host_pages, pb) as usize
+                }
+                Direction::HostToDevice => {
+                    reference::device_offset(p, l, device_pages, pb) as usize
+                }
+            };
+            assert!(
+                copied.got == copied.want,
+                "{what}: kernel differs from the reference at byte {:?}",
+                copied.first_difference()
+            );
+            // Independently of the reference: the full transfer's bytes in the range, poison
+            // elsewhere (pages not named, other layers, the guard).
+            let mut want = vec![POISON; copied.got.len()];
+            for l in (0..layers).filter(|&l| in_range(l)) {
+                for &dp in &dst_pages {
+                    let o = dst_off(dp, l);
+                    want[o..o + pb as usize].copy_from_slice(&full[o..o + pb as usize]);
+                }
             }
+            assert!(
+                copied.got == want,
+                "{what}: first byte outside the range's layers or wrong at {:?}",
+                copied.got.iter().zip(&want).position(|(a, b)| a != b)
+            );
+            assert_eq!(
+                copied.src_after[..src.len()],
+                src[..],
+                "{what}: source changed"
+            );
+            // The DMA path of the same range.
+            let pools = PoolShape {
+                layers,
+                device_pages,
+                host_pages,
+            };
+            let range = first..first.saturating_add(count);
+            let regions = transfer_regions(d, &src_pages, &dst_pages, pools, range);
+            assert!(
+                regions
+                    .iter()
+                    .all(|r| r.dst_offset + r.len <= u64::from(layers) * u64::from(dst_cap) * pb),
+                "{what}: DMA region past the pool"
+            );
+            let sbuf = b.bytes(src, GUARD);
+            let dma = b.poison(want.len());
+            b.ex.copy_regions(sbuf, dma, &regions).unwrap();
+            assert!(
+                b.read(dma) == want,
+                "{what}: DMA regions {regions:?} differ from the kernel"
+            );
         }
-        assert!(
-            copied.got == want,
-            "{what}: first byte outside the range's layers or wrong at {:?}",
-            copied.got.iter().zip(&want).position(|(a, b)| a != b)
-        );
-        assert_eq!(
-            copied.src_after[..src_bytes],
-            src[..],
-            "{what}: source changed"
-        );
-        // The DMA path of the same range.
-        let pools = PoolShape {
-            layers,
-            device_pages,
-            host_pages,
-        };
-        let range = first..first.saturating_add(count);
-        let regions = transfer_regions(&s, &src_pages, &dst_pages, pools, range);
-        assert!(
-            regions
-                .iter()
-                .all(|r| r.dst_offset + r.len <= u64::from(layers) * u64::from(dst_pool) * pb),
-            "{what}: DMA region past the pool"
-        );
-        let sbuf = b.bytes(&src, GUARD);
-        let dma = b.poison(want.len());
-        b.ex.copy_regions(sbuf, dma, &regions).unwrap();
-        assert!(
-            b.read(dma) == want,
-            "{what}: DMA regions {regions:?} differ from the kernel"
-        );
     }
 }
 

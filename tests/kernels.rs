@@ -134,11 +134,11 @@ fn snapshot_transfer_pages() {
     let mla = Deployment::by_name("mla_ps16_cp4").unwrap();
     snap(
         "transfer_pages_d2h_pf",
-        nsa.transfer_spec(BufferKind::NsaKv, Direction::DeviceToHost),
+        nsa.transfer_spec(Direction::DeviceToHost),
     );
     snap(
         "transfer_pages_h2d_lf",
-        mla.transfer_spec(BufferKind::MlaKv, Direction::HostToDevice),
+        mla.transfer_spec(Direction::HostToDevice),
     );
 }
 

@@ -657,7 +657,7 @@ fn dma_timing_is_for_transfers_only() {
         CopyBench::new(&exec, &dep.materialise_spec(BufferKind::MlaKv), &sizes, 1).unwrap();
     assert!(matches!(m.copy_dma(), Err(ExecError::Config { .. })));
     assert!(m.time_dma(&sizes).is_err());
-    let t = dep.transfer_spec(BufferKind::MlaKv, Direction::HostToDevice);
+    let t = dep.transfer_spec(Direction::HostToDevice);
     let (b, _) = CopyBench::new(&exec, &t, &sizes, 1).unwrap();
     let before = exec.counters();
     assert!(b.time_dma(&sizes).unwrap().median > 0.0);

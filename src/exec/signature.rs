@@ -305,6 +305,7 @@ mod tests {
             .unwrap();
         // Two read-only page lists on the same bytes.
         let t = KernelSpec::TransferPages(TransferSpec {
+            second_bytes_per_token: None,
             direction: Direction::HostToDevice,
             layout: HostLayout::PageFirst,
             page_size: 16,

@@ -163,9 +163,6 @@ impl Deployment {
         )
     }
 
-    fn transfer_copy_for(&self, buffer: BufferKind) -> CopyLaunch {
-        narrowed(self.transfer_copy, buffer.page_bytes(self.page_size))
-    }
 
     /// The owner-page selection kernel.
     pub fn select_spec(&self) -> KernelSpec {
@@ -184,20 +181,26 @@ impl Deployment {
         })
     }
 
-    /// The transfer kernel of `buffer` in `direction`, with the deployment's host layout.
-    pub fn transfer_spec(&self, buffer: BufferKind, direction: Direction) -> KernelSpec {
-        KernelSpec::TransferPages(self.transfer(buffer, direction))
+    /// The transfer kernel in `direction`, with the deployment's host layout: one launch
+    /// moves every buffer of the model (NSA: `kv` and `index_k`).
+    pub fn transfer_spec(&self, direction: Direction) -> KernelSpec {
+        KernelSpec::TransferPages(self.transfer(direction))
     }
 
-    /// The transfer of `buffer` in `direction`, typed (the DMA path needs its geometry).
-    pub fn transfer(&self, buffer: BufferKind, direction: Direction) -> TransferSpec {
-        TransferSpec {
+    /// The transfer in `direction`, typed (the DMA path needs its geometry): the model's
+    /// buffers in order, one descriptor each, with a vector width that divides every page.
+    pub fn transfer(&self, direction: Direction) -> TransferSpec {
+        let buffers = self.model.buffers();
+        let mut spec = TransferSpec {
             direction,
             layout: self.host_layout,
             page_size: self.page_size,
-            bytes_per_token: buffer.bytes_per_token(),
-            launch: self.transfer_copy_for(buffer),
-        }
+            bytes_per_token: buffers[0].bytes_per_token(),
+            second_bytes_per_token: buffers.get(1).map(|b| b.bytes_per_token()),
+            launch: self.transfer_copy,
+        };
+        spec.launch = narrowed(self.transfer_copy, spec.common_page_bytes());
+        spec
     }
 
     /// The materialise kernel of `buffer`.
@@ -236,13 +239,17 @@ impl Deployment {
     }
 
     /// Every kernel the deployment needs, without duplicates, in a stable order: select,
-    /// release, then per buffer transfer d2h, transfer h2d, materialise, synthesise, verify.
+    /// release, transfer d2h, transfer h2d (every buffer in one launch), then per buffer
+    /// materialise, synthesise, verify.
     pub fn specs(&self) -> Vec<KernelSpec> {
-        let mut out = vec![self.select_spec(), self.release_spec()];
+        let mut out = vec![
+            self.select_spec(),
+            self.release_spec(),
+            self.transfer_spec(Direction::DeviceToHost),
+            self.transfer_spec(Direction::HostToDevice),
+        ];
         for &b in self.model.buffers() {
             for s in [
-                self.transfer_spec(b, Direction::DeviceToHost),
-                self.transfer_spec(b, Direction::HostToDevice),
                 self.materialise_spec(b),
                 self.synth_spec(b),
                 self.verify_spec(b),
@@ -303,8 +310,23 @@ mod tests {
     #[test]
     fn specs_cover_every_family_per_buffer() {
         let nsa = Deployment::by_name("nsa_ps64_cp8").unwrap();
-        assert_eq!(nsa.specs().len(), 2 + 2 * 5);
+        assert_eq!(nsa.specs().len(), 2 + 2 + 2 * 3);
         let mla = Deployment::by_name("mla_ps16_cp4").unwrap();
-        assert_eq!(mla.specs().len(), 2 + 5);
+        assert_eq!(mla.specs().len(), 2 + 2 + 3);
+    }
+
+    #[test]
+    fn an_nsa_transfer_moves_both_buffers_in_one_launch() {
+        let nsa = Deployment::by_name("nsa_ps64_cp8").unwrap();
+        let t = nsa.transfer(Direction::HostToDevice);
+        assert_eq!((t.bytes_per_token, t.second_bytes_per_token), (656, Some(132)));
+        assert_eq!(t.total_page_bytes(), 64 * (656 + 132));
+        assert_eq!(t.descriptors().len(), 2);
+        assert_eq!(
+            nsa.transfer_spec(Direction::HostToDevice).uri(),
+            "transfer_pages_h2d_pf_ps64_b656_b132_t512_ppb1_v16_u8_g4"
+        );
+        let mla = Deployment::by_name("mla_ps16_cp4").unwrap();
+        assert_eq!(mla.transfer(Direction::DeviceToHost).descriptors().len(), 1);
     }
 }

@@ -201,6 +201,7 @@ mod tests {
 
     fn spec(direction: Direction, layout: HostLayout) -> TransferSpec {
         TransferSpec {
+            second_bytes_per_token: None,
             direction,
             layout,
             page_size: 4,

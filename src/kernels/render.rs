@@ -141,6 +141,10 @@ struct TransferTpl<'a> {
     dst_off: &'a str,
     src_cap: &'a str,
     dst_cap: &'a str,
+    /// Whether a second buffer moves in the same launch (`src1`, `dst1`).
+    second: bool,
+    first_doc: String,
+    second_doc: String,
 }
 
 #[derive(Template)]
@@ -288,11 +292,25 @@ pub(crate) fn render_spec(spec: &KernelSpec) -> Result<String, KernelError> {
                     "host → device",
                 ),
             };
+            let mut consts = copy_consts(None, s.page_size, s.bytes_per_token, &s.launch);
+            consts.push(c("BUFFERS", s.buffer_count()));
+            if let Some(bpt) = s.second_bytes_per_token {
+                let page_bytes = u64::from(s.page_size) * u64::from(bpt);
+                consts.extend([
+                    c("BYTES_PER_TOKEN_1", bpt),
+                    c("PAGE_BYTES_1", page_bytes),
+                    c("PAGE_VECS_1", page_bytes / u64::from(s.launch.vec.bytes())),
+                ]);
+            }
+            let doc = |bpt: u32| format!("{bpt} B/token, {} B pages", s.page_size * bpt);
             TransferTpl {
                 uri: &uri,
                 template,
                 params: &params,
-                consts: copy_consts(None, s.page_size, s.bytes_per_token, &s.launch),
+                consts,
+                second: s.second_bytes_per_token.is_some(),
+                first_doc: doc(s.bytes_per_token),
+                second_doc: s.second_bytes_per_token.map(doc).unwrap_or_default(),
                 host_layout_doc: s.layout.describe(),
                 host_off_expr: s.layout.offset_expr(),
                 direction_doc,

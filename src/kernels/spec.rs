@@ -83,16 +83,16 @@ impl HostLayout {
     /// the parameters of the rendered `chc_host_off`.
     pub(crate) fn offset_expr(self) -> &'static str {
         match self {
-            HostLayout::PageFirst => "((u64)page * layers + layer) * PAGE_BYTES",
-            HostLayout::LayerFirst => "((u64)layer * host_pages + page) * PAGE_BYTES",
+            HostLayout::PageFirst => "((u64)page * layers + layer) * page_bytes",
+            HostLayout::LayerFirst => "((u64)layer * host_pages + page) * page_bytes",
         }
     }
 
     /// Human description for the rendered comment.
     pub(crate) fn describe(self) -> &'static str {
         match self {
-            HostLayout::PageFirst => "page-first [host_page][layer][PAGE_BYTES]",
-            HostLayout::LayerFirst => "layer-first [layer][host_page][PAGE_BYTES]",
+            HostLayout::PageFirst => "page-first [host_page][layer][page_bytes]",
+            HostLayout::LayerFirst => "layer-first [layer][host_page][page_bytes]",
         }
     }
 }
@@ -614,7 +614,9 @@ pub struct ReleaseSpec {
     pub threads: u32,
 }
 
-/// Page transfer between a device pool and a host pool of one buffer kind.
+/// Page transfer between device pools and host pools: one buffer kind, or two moved by one
+/// launch (NSA's `kv` and `index_k`), each a descriptor of its own pools, since a page move
+/// always moves every buffer of the page and a second launch would only add its latency.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct TransferSpec {
     /// Copy direction.
@@ -623,16 +625,59 @@ pub struct TransferSpec {
     pub layout: HostLayout,
     /// Tokens per page.
     pub page_size: u32,
-    /// Bytes per token of the buffer kind.
+    /// Bytes per token of the first buffer kind (parameters `src`, `dst`).
     pub bytes_per_token: u32,
+    /// Bytes per token of a second buffer kind the same launch moves for the same page pairs
+    /// and layers (parameters `src1`, `dst1`), or `None`.
+    pub second_bytes_per_token: Option<u32>,
     /// Launch shape.
     pub launch: CopyLaunch,
 }
 
 impl TransferSpec {
-    /// Bytes of one page of the buffer kind.
+    /// Bytes of one page of the first buffer kind.
     pub fn page_bytes(&self) -> u64 {
         u64::from(self.page_size) * u64::from(self.bytes_per_token)
+    }
+
+    /// Bytes of one page of every buffer the launch moves together.
+    pub fn total_page_bytes(&self) -> u64 {
+        self.descriptors().iter().map(TransferSpec::page_bytes).sum()
+    }
+
+    /// How many buffers (descriptors) one launch moves: 1 or 2.
+    pub fn buffer_count(&self) -> u32 {
+        1 + u32::from(self.second_bytes_per_token.is_some())
+    }
+
+    /// Each buffer of the launch as a transfer of its own, in parameter order: what the
+    /// references and the DMA path (one set of copy regions per buffer) work on.
+    pub fn descriptors(&self) -> Vec<TransferSpec> {
+        let one = |bytes_per_token| TransferSpec {
+            bytes_per_token,
+            second_bytes_per_token: None,
+            ..*self
+        };
+        std::iter::once(one(self.bytes_per_token))
+            .chain(self.second_bytes_per_token.map(one))
+            .collect()
+    }
+
+    /// The largest page size (in bytes) that divides every buffer's page: vector widths must
+    /// divide it.
+    pub fn common_page_bytes(&self) -> u64 {
+        self.descriptors()
+            .iter()
+            .map(TransferSpec::page_bytes)
+            .fold(0, gcd)
+    }
+}
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
     }
 }
 
@@ -973,10 +1018,16 @@ impl KernelSpec {
                 format!("{fam}_cp{}_ps{}_t{}", s.cp, s.page_size, s.threads)
             }
             KernelSpec::ReleasePages(s) => format!("{fam}_cp{}_t{}", s.cp, s.threads),
-            KernelSpec::TransferPages(s) => format!(
-                "{fam}_{}_{}_ps{}_b{}_{}",
-                s.direction, s.layout, s.page_size, s.bytes_per_token, s.launch
-            ),
+            KernelSpec::TransferPages(s) => {
+                let second = s
+                    .second_bytes_per_token
+                    .map(|b| format!("_b{b}"))
+                    .unwrap_or_default();
+                format!(
+                    "{fam}_{}_{}_ps{}_b{}{second}_{}",
+                    s.direction, s.layout, s.page_size, s.bytes_per_token, s.launch
+                )
+            }
             KernelSpec::Materialise(s) => format!(
                 "{fam}_cp{}_ps{}_b{}_{}",
                 s.cp, s.page_size, s.bytes_per_token, s.launch
@@ -1051,14 +1102,16 @@ impl KernelSpec {
                 P::u32("lane_cap"),
             ],
             KernelSpec::TransferPages(s) => {
-                let pb = s.page_bytes();
-                let device = R::of(pb).times("layers").times("device_pages");
-                let host = R::of(pb).times("layers").times("host_pages");
-                let (src, dst) = match s.direction {
-                    Direction::DeviceToHost => (device, host),
-                    Direction::HostToDevice => (host, device),
+                let reach = |pb: u64| {
+                    let device = R::of(pb).times("layers").times("device_pages");
+                    let host = R::of(pb).times("layers").times("host_pages");
+                    match s.direction {
+                        Direction::DeviceToHost => (device, host),
+                        Direction::HostToDevice => (host, device),
+                    }
                 };
-                vec![
+                let (src, dst) = reach(s.page_bytes());
+                let mut params = vec![
                     P::pages("const u8*", "src", src),
                     P::pages("u8*", "dst", dst),
                     P::ptr("const u32*", "src_pages", 4, R::of(4).times("n")),
@@ -1069,7 +1122,15 @@ impl KernelSpec {
                     P::u32("layer_count"),
                     P::u32("device_pages"),
                     P::u32("host_pages"),
-                ]
+                ];
+                // The second buffer's pools come last, so a one-buffer launch's arguments
+                // are a prefix of a two-buffer one's.
+                if let Some(second) = s.descriptors().get(1) {
+                    let (src1, dst1) = reach(second.page_bytes());
+                    params.push(P::pages("const u8*", "src1", src1));
+                    params.push(P::pages("u8*", "dst1", dst1));
+                }
+                params
             }
             KernelSpec::Materialise(s) => {
                 let pb = s.page_bytes();
@@ -1242,7 +1303,10 @@ impl KernelSpec {
                 check_cp(s.cp)?;
                 check_warp_block(s.threads)
             }
-            KernelSpec::TransferPages(s) => check_copy(s.page_size, s.bytes_per_token, &s.launch),
+            KernelSpec::TransferPages(s) => s
+                .descriptors()
+                .iter()
+                .try_for_each(|d| check_copy(d.page_size, d.bytes_per_token, &d.launch)),
             KernelSpec::Materialise(s) => {
                 check_cp(s.cp)?;
                 check_copy(s.page_size, s.bytes_per_token, &s.launch)
@@ -1280,7 +1344,7 @@ impl KernelSpec {
                 .map(|threads| KernelSpec::ReleasePages(ReleaseSpec { threads, ..s }))
                 .collect(),
             KernelSpec::TransferPages(s) => {
-                let pb = s.page_bytes();
+                let pb = s.common_page_bytes();
                 CopyLaunch::candidates(pb)
                     .into_iter()
                     .chain(CopyLaunch::capped_candidates(pb))
@@ -1327,8 +1391,13 @@ impl KernelSpec {
             KernelSpec::TransferPages(TransferSpec { launch, .. })
             | KernelSpec::Materialise(MaterialiseSpec { launch, .. }) => {
                 let layer_items = if launch.layers_in_block { 1 } else { layers };
+                let buffers = match self {
+                    KernelSpec::TransferPages(s) => s.buffer_count(),
+                    _ => 1,
+                };
                 let all = u64::from(items).div_ceil(u64::from(launch.pages_per_block.max(1)))
-                    * u64::from(layer_items);
+                    * u64::from(layer_items)
+                    * u64::from(buffers);
                 match launch.max_blocks {
                     0 => all,
                     cap => all.min(u64::from(cap)),
@@ -1386,6 +1455,7 @@ mod tests {
     #[test]
     fn uri_spells_every_parameter() {
         let s = KernelSpec::TransferPages(TransferSpec {
+            second_bytes_per_token: None,
             direction: Direction::HostToDevice,
             layout: HostLayout::PageFirst,
             page_size: 64,
@@ -1424,6 +1494,7 @@ mod tests {
             Err(KernelError::InvalidLaunch { .. })
         ));
         let t = KernelSpec::TransferPages(TransferSpec {
+            second_bytes_per_token: None,
             direction: Direction::DeviceToHost,
             layout: HostLayout::LayerFirst,
             page_size: 1,
@@ -1476,6 +1547,7 @@ mod tests {
                 }),
                 KernelSpec::ReleasePages(ReleaseSpec { cp, threads: 256 }),
                 KernelSpec::TransferPages(TransferSpec {
+                    second_bytes_per_token: None,
                     direction: Direction::HostToDevice,
                     layout: HostLayout::LayerFirst,
                     page_size: 64,
@@ -1622,6 +1694,7 @@ mod tests {
             select_spec_for_tests(),
             KernelSpec::ReleasePages(ReleaseSpec { cp: 8, threads: 32 }),
             KernelSpec::TransferPages(TransferSpec {
+                second_bytes_per_token: None,
                 direction: Direction::HostToDevice,
                 layout: HostLayout::LayerFirst,
                 page_size: 16,
@@ -1679,6 +1752,7 @@ mod tests {
     fn a_capped_copy_grid_is_at_most_its_cap_and_named_by_it() {
         let spec = |max_blocks| {
             KernelSpec::TransferPages(TransferSpec {
+                second_bytes_per_token: None,
                 direction: Direction::HostToDevice,
                 layout: HostLayout::PageFirst,
                 page_size: 64,
@@ -1724,6 +1798,7 @@ mod tests {
     fn transfer_grids_follow_the_launch_layer_count() {
         let t = |layers_in_block| {
             KernelSpec::TransferPages(TransferSpec {
+                second_bytes_per_token: None,
                 direction: Direction::HostToDevice,
                 layout: HostLayout::LayerFirst,
                 page_size: 16,

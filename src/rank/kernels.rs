@@ -28,7 +28,8 @@ impl Loaded {
 /// Every kernel of a deployment, by role.
 #[derive(Clone, Debug)]
 pub struct DeploymentKernels {
-    transfer: HashMap<(BufferKind, Direction), Loaded>,
+    /// By direction: one kernel moves every buffer of a page.
+    transfer: HashMap<Direction, Loaded>,
     materialise: HashMap<BufferKind, Loaded>,
     synthesise: HashMap<BufferKind, Loaded>,
     verify: HashMap<BufferKind, Loaded>,
@@ -96,11 +97,12 @@ impl DeploymentKernels {
     ) -> Result<DeploymentKernels, KernelLoadError> {
         let start = Instant::now();
         let buffers = deployment.model.buffers();
-        let mut specs = Vec::new();
+        const DIRECTIONS: [Direction; 2] = [Direction::DeviceToHost, Direction::HostToDevice];
+        let mut specs: Vec<KernelSpec> = DIRECTIONS
+            .iter()
+            .map(|&d| deployment.transfer_spec(d))
+            .collect();
         for &b in buffers {
-            for d in [Direction::DeviceToHost, Direction::HostToDevice] {
-                specs.push(deployment.transfer_spec(b, d));
-            }
             specs.push(deployment.materialise_spec(b));
             specs.push(deployment.synth_spec(b));
             specs.push(deployment.verify_spec(b));
@@ -144,10 +146,10 @@ impl DeploymentKernels {
             cache_hits,
         };
         let mut it = loaded.into_iter();
+        for d in DIRECTIONS {
+            k.transfer.insert(d, it.next().expect("one per spec"));
+        }
         for &b in buffers {
-            for d in [Direction::DeviceToHost, Direction::HostToDevice] {
-                k.transfer.insert((b, d), it.next().expect("one per spec"));
-            }
             k.materialise.insert(b, it.next().expect("one per spec"));
             k.synthesise.insert(b, it.next().expect("one per spec"));
             k.verify.insert(b, it.next().expect("one per spec"));
@@ -156,9 +158,9 @@ impl DeploymentKernels {
         Ok(k)
     }
 
-    /// The transfer kernel of a buffer and direction.
-    pub fn transfer(&self, b: BufferKind, d: Direction) -> &Loaded {
-        &self.transfer[&(b, d)]
+    /// The transfer kernel of a direction (every buffer of the model in one launch).
+    pub fn transfer(&self, d: Direction) -> &Loaded {
+        &self.transfer[&d]
     }
 
     /// The materialise kernel of a buffer.

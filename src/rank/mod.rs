@@ -624,43 +624,55 @@ impl RankCache {
             Some(_) => moved.clone().map(|l| l..l + 1).collect(),
             None => vec![moved.clone()],
         };
+        let spec = self.config.deployment.transfer(dir);
+        // (source pool, destination pool) of each buffer, in the spec's descriptor order.
+        let ends: Vec<(crate::exec::BufferId, crate::exec::BufferId)> = self
+            .config
+            .deployment
+            .model
+            .buffers()
+            .iter()
+            .map(|&b| match dir {
+                Direction::HostToDevice => (self.pools.host(b), self.pools.device(b)),
+                Direction::DeviceToHost => (self.pools.device(b), self.pools.host(b)),
+            })
+            .collect();
         let mut bytes = 0;
         for step in steps {
-            for &b in self.config.deployment.model.buffers() {
-                let (from, to) = match dir {
-                    Direction::HostToDevice => (self.pools.host(b), self.pools.device(b)),
-                    Direction::DeviceToHost => (self.pools.device(b), self.pools.host(b)),
-                };
-                match pairs {
-                    None => {
-                        let spec = self.config.deployment.transfer(b, dir);
-                        let regions = transfer_regions(&spec, src, dst, pools, step.clone());
+            match pairs {
+                None => {
+                    for (d, &(from, to)) in spec.descriptors().iter().zip(&ends) {
+                        let regions = transfer_regions(d, src, dst, pools, step.clone());
                         self.exec.copy_regions(from, to, &regions)?;
                     }
-                    Some((sb, db)) => {
-                        let k = self.kernels.transfer(b, dir);
-                        let (first, count) = layer_range_args(&step);
-                        self.exec.launch(
-                            k.id,
-                            &k.launch(src.len() as u32, step.len() as u32),
-                            &[
-                                KernelArg::Ptr(from, 0),
-                                KernelArg::Ptr(to, 0),
-                                KernelArg::Ptr(sb, 0),
-                                KernelArg::Ptr(db, 0),
-                                KernelArg::U32(src.len() as u32),
-                                KernelArg::U32(g.layers),
-                                KernelArg::U32(first),
-                                KernelArg::U32(count),
-                                KernelArg::U32(g.local_pages),
-                                KernelArg::U32(g.host_pages),
-                            ],
-                        )?;
-                    }
                 }
-                bytes +=
-                    src.len() as u64 * step.len() as u64 * b.page_bytes(self.layout.page_size());
+                Some((sb, db)) => {
+                    // One launch moves every buffer: the second buffer's pools come last.
+                    let k = self.kernels.transfer(dir);
+                    let (first, count) = layer_range_args(&step);
+                    let mut args = vec![
+                        KernelArg::Ptr(ends[0].0, 0),
+                        KernelArg::Ptr(ends[0].1, 0),
+                        KernelArg::Ptr(sb, 0),
+                        KernelArg::Ptr(db, 0),
+                        KernelArg::U32(src.len() as u32),
+                        KernelArg::U32(g.layers),
+                        KernelArg::U32(first),
+                        KernelArg::U32(count),
+                        KernelArg::U32(g.local_pages),
+                        KernelArg::U32(g.host_pages),
+                    ];
+                    for &(from, to) in &ends[1..] {
+                        args.extend([KernelArg::Ptr(from, 0), KernelArg::Ptr(to, 0)]);
+                    }
+                    self.exec.launch(
+                        k.id,
+                        &k.launch(src.len() as u32, step.len() as u32),
+                        &args,
+                    )?;
+                }
             }
+            bytes += src.len() as u64 * step.len() as u64 * spec.total_page_bytes();
             if let Some(events) = events.as_deref_mut() {
                 events.push(self.exec.record_event()?);
             }

@@ -358,7 +358,7 @@ mod tests {
     #[test]
     fn dma_only_for_cuda_transfers() {
         let dep = Deployment::by_name("nsa_ps64_cp8").unwrap();
-        let t = dep.transfer_spec(BufferKind::NsaKv, Direction::HostToDevice);
+        let t = dep.transfer_spec(Direction::HostToDevice);
         let cuda = candidates_for(&t, Backend::Cuda, true);
         let dma = cuda
             .iter()

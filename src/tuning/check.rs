@@ -219,29 +219,44 @@ fn check_transfer_layers(
     let sizes = copy_check_sizes(&s.launch);
     let mut rng = SplitMix(seed);
     let (b, pages) = CopyBench::new_in_layers(exec, spec, &sizes, seed, layer_range.clone())?;
-    let (srcs, dst) = b.buffers();
-    let src = rng.bytes(exec.size(srcs[0])?);
-    exec.upload(srcs[0], 0, &src)?;
+    let mut srcs = Vec::new();
+    for t in b.transfer_buffers() {
+        let src = rng.bytes(exec.size(t.src)?);
+        exec.upload(t.src, 0, &src)?;
+        srcs.push(src);
+    }
     run(&b)?;
-    let got = read_all(exec, dst)?;
-    let mut want = vec![0xA5u8; got.len()];
-    reference::transfer_pages(
-        s.direction,
-        s.layout,
-        s.page_bytes(),
-        &src,
-        &mut want,
-        &pages.first,
-        &pages.second,
-        sizes.pages,
-        sizes.layers,
-        layer_range.start,
-        layer_range.end.saturating_sub(layer_range.start),
-        b.device_pages,
-        b.host_pages,
-    )
-    .map_err(reference_err("transfer_pages"))?;
-    Ok(compare(&got, &want))
+    // Every buffer of the launch against the reference of its own descriptor.
+    let descriptors = s.descriptors();
+    let mut details = Vec::new();
+    for (i, ((t, src), d)) in b.transfer_buffers().iter().zip(&srcs).zip(&descriptors).enumerate() {
+        let got = read_all(exec, t.dst)?;
+        let mut want = vec![0xA5u8; got.len()];
+        reference::transfer_pages(
+            d.direction,
+            d.layout,
+            d.page_bytes(),
+            src,
+            &mut want,
+            &pages.first,
+            &pages.second,
+            sizes.pages,
+            sizes.layers,
+            layer_range.start,
+            layer_range.end.saturating_sub(layer_range.start),
+            b.device_pages,
+            b.host_pages,
+        )
+        .map_err(reference_err("transfer_pages"))?;
+        match compare(&got, &want) {
+            Ok(detail) => details.push(detail),
+            Err(diff) if descriptors.len() > 1 => {
+                return Ok(Err(format!("buffer {i} ({} B/token): {diff}", d.bytes_per_token)))
+            }
+            Err(diff) => return Ok(Err(diff)),
+        }
+    }
+    Ok(Ok(details.join("; ")))
 }
 
 /// Runs `kernel` (compiled from `spec`) once on random inputs seeded by `seed` and compares

@@ -148,17 +148,23 @@ pub fn parse_cpu_model(cpuinfo: &str) -> Option<String> {
 }
 
 /// The kernel a spec describes without its launch shape: the uri minus the thread, pages per
-/// block, vector width and unroll parts (`transfer_pages_d2h_pf_ps64_b656`,
+/// block, vector width and unroll parts (`transfer_pages_d2h_pf_ps64_b656_b132`,
 /// `select_owner_pages_cp8_ps64`). Every tuning candidate of a spec has the same key.
 pub fn spec_key(spec: &KernelSpec) -> String {
     let fam = spec.family();
     match spec {
         KernelSpec::SelectOwnerPages(s) => format!("{fam}_cp{}_ps{}", s.cp, s.page_size),
         KernelSpec::ReleasePages(s) => format!("{fam}_cp{}", s.cp),
-        KernelSpec::TransferPages(s) => format!(
-            "{fam}_{}_{}_ps{}_b{}",
-            s.direction, s.layout, s.page_size, s.bytes_per_token
-        ),
+        KernelSpec::TransferPages(s) => {
+            let second = s
+                .second_bytes_per_token
+                .map(|b| format!("_b{b}"))
+                .unwrap_or_default();
+            format!(
+                "{fam}_{}_{}_ps{}_b{}{second}",
+                s.direction, s.layout, s.page_size, s.bytes_per_token
+            )
+        }
         KernelSpec::Materialise(s) => {
             format!("{fam}_cp{}_ps{}_b{}", s.cp, s.page_size, s.bytes_per_token)
         }

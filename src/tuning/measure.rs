@@ -295,12 +295,10 @@ pub struct CopyBench<'e> {
 
 enum CopyKind {
     Transfer {
-        src: BufferId,
-        dst: BufferId,
+        /// Each buffer's pools, in the spec's descriptor order.
+        buffers: Vec<TransferBuffers>,
         src_pages: BufferId,
         dst_pages: BufferId,
-        /// The same page pairs as copy regions (the DMA path).
-        regions: Vec<CopyRegion>,
         direction: Direction,
     },
     Materialise {
@@ -308,6 +306,18 @@ enum CopyKind {
         seq_pages: BufferId,
         dense: BufferId,
     },
+}
+
+/// One buffer of a transfer workload: its source and destination pools, and the page pairs
+/// as copy regions of those pools (the DMA path).
+#[derive(Debug, Clone)]
+pub struct TransferBuffers {
+    /// Source pool.
+    pub src: BufferId,
+    /// Destination pool.
+    pub dst: BufferId,
+    /// The page pairs as copy regions.
+    pub regions: Vec<CopyRegion>,
 }
 
 /// The page ids a copy workload uses, also needed by the references in `--check`.
@@ -452,30 +462,33 @@ impl<'e> CopyBench<'e> {
             device_pages,
             host_pages,
         } = pools;
-        let page_bytes = s.page_bytes();
-        let dev_bytes = u64::from(layers) * u64::from(device_pages) * page_bytes;
-        let host_bytes = u64::from(layers) * u64::from(host_pages) * page_bytes;
-        let dev = mem.alloc(MemKind::Device, dev_bytes, 0xA5)?;
-        let host = mem.alloc(MemKind::Host, host_bytes, 0xA5)?;
-        let (src, dst) = match s.direction {
-            Direction::DeviceToHost => (dev, host),
-            Direction::HostToDevice => (host, dev),
-        };
+        let mut buffers = Vec::new();
+        for d in s.descriptors() {
+            let page_bytes = d.page_bytes();
+            let dev_bytes = u64::from(layers) * u64::from(device_pages) * page_bytes;
+            let host_bytes = u64::from(layers) * u64::from(host_pages) * page_bytes;
+            let dev = mem.alloc(MemKind::Device, dev_bytes, 0xA5)?;
+            let host = mem.alloc(MemKind::Host, host_bytes, 0xA5)?;
+            let (src, dst) = match s.direction {
+                Direction::DeviceToHost => (dev, host),
+                Direction::HostToDevice => (host, dev),
+            };
+            let regions = transfer_regions(&d, &src_pages, &dst_pages, pools, layer_range.clone());
+            buffers.push(TransferBuffers { src, dst, regions });
+        }
+        let page_bytes = s.total_page_bytes();
         let src_buf = mem.alloc(MemKind::Device, 4 * u64::from(n), 0)?;
         let dst_buf = mem.alloc(MemKind::Device, 4 * u64::from(n), 0)?;
         exec.upload(src_buf, 0, &u32_bytes(&src_pages))?;
         exec.upload(dst_buf, 0, &u32_bytes(&dst_pages))?;
-        let regions = transfer_regions(s, &src_pages, &dst_pages, pools, layer_range.clone());
         let (first_layer, layer_count) = layer_range_args(&layer_range);
         Ok((
             CopyBench {
                 mem,
                 kind: CopyKind::Transfer {
-                    src,
-                    dst,
+                    buffers,
                     src_pages: src_buf,
                     dst_pages: dst_buf,
-                    regions,
                     direction: s.direction,
                 },
                 n,
@@ -507,14 +520,23 @@ impl<'e> CopyBench<'e> {
         self.layer_range().len() as u32
     }
 
-    /// The buffers: (sources, destination). For transfers one source; for materialise the CP
-    /// pools.
+    /// The buffers: (sources, destination). For a transfer its first buffer's source (see
+    /// [`CopyBench::transfer_buffers`] for every buffer); for materialise the CP pools.
     pub fn buffers(&self) -> (Vec<BufferId>, BufferId) {
         match &self.kind {
-            CopyKind::Transfer { src, dst, .. } => (vec![*src], *dst),
+            CopyKind::Transfer { buffers, .. } => (vec![buffers[0].src], buffers[0].dst),
             CopyKind::Materialise { pools, dense, .. } => {
                 (pools.iter().map(|p| p.0).collect(), *dense)
             }
+        }
+    }
+
+    /// A transfer's pools, one entry per buffer in the spec's descriptor order (empty for
+    /// materialise).
+    pub fn transfer_buffers(&self) -> &[TransferBuffers] {
+        match &self.kind {
+            CopyKind::Transfer { buffers, .. } => buffers,
+            CopyKind::Materialise { .. } => &[],
         }
     }
 
@@ -526,17 +548,14 @@ impl<'e> CopyBench<'e> {
         let exec = self.mem.exec;
         match &self.kind {
             CopyKind::Transfer {
-                src,
-                dst,
+                buffers,
                 src_pages,
                 dst_pages,
                 ..
-            } => exec.launch(
-                kernel,
-                &cfg,
-                &[
-                    KernelArg::Ptr(*src, 0),
-                    KernelArg::Ptr(*dst, 0),
+            } => {
+                let mut args = vec![
+                    KernelArg::Ptr(buffers[0].src, 0),
+                    KernelArg::Ptr(buffers[0].dst, 0),
                     KernelArg::Ptr(*src_pages, 0),
                     KernelArg::Ptr(*dst_pages, 0),
                     KernelArg::U32(self.n),
@@ -545,8 +564,13 @@ impl<'e> CopyBench<'e> {
                     KernelArg::U32(self.layer_count),
                     KernelArg::U32(self.device_pages),
                     KernelArg::U32(self.host_pages),
-                ],
-            ),
+                ];
+                // A second buffer's pools come last (KernelSpec::params).
+                for b in &buffers[1..] {
+                    args.extend([KernelArg::Ptr(b.src, 0), KernelArg::Ptr(b.dst, 0)]);
+                }
+                exec.launch(kernel, &cfg, &args)
+            }
             CopyKind::Materialise {
                 pools,
                 seq_pages,
@@ -580,9 +604,9 @@ impl<'e> CopyBench<'e> {
     /// synchronising. Materialise has no DMA path: a typed error.
     pub fn copy_dma(&self) -> Result<(), ExecError> {
         match &self.kind {
-            CopyKind::Transfer {
-                src, dst, regions, ..
-            } => self.mem.exec.copy_regions(*src, *dst, regions),
+            CopyKind::Transfer { buffers, .. } => buffers
+                .iter()
+                .try_for_each(|b| self.mem.exec.copy_regions(b.src, b.dst, &b.regions)),
             CopyKind::Materialise { .. } => Err(no_dma_path()),
         }
     }
@@ -1234,6 +1258,7 @@ mod tests {
         use crate::kernels::{CopyLaunch, HostLayout};
         let exec = HostExecutor::new(HostOptions::default());
         let spec = TransferSpec {
+            second_bytes_per_token: None,
             direction: Direction::HostToDevice,
             layout: HostLayout::PageFirst,
             page_size: 4,

@@ -21,7 +21,7 @@ use super::measure::{
 use super::TuningError;
 use crate::exec::{Executor, KernelId};
 use crate::jit::Jit;
-use crate::kernels::{Deployment, Direction, KernelSpec};
+use crate::kernels::{Deployment, KernelSpec};
 
 /// Options of a tuning run.
 #[derive(Clone, Copy)]
@@ -86,21 +86,7 @@ pub enum TuneEvent {
 
 /// The kernels whose launch shapes a deployment's tunable fields decide.
 pub fn tuned_specs(dep: &Deployment) -> Vec<KernelSpec> {
-    let mut out = vec![dep.select_spec(), dep.release_spec()];
-    for &b in dep.model.buffers() {
-        for s in [
-            dep.transfer_spec(b, Direction::DeviceToHost),
-            dep.transfer_spec(b, Direction::HostToDevice),
-            dep.materialise_spec(b),
-            dep.synth_spec(b),
-            dep.verify_spec(b),
-        ] {
-            if !out.contains(&s) {
-                out.push(s);
-            }
-        }
-    }
-    out
+    dep.specs()
 }
 
 /// What a tuning run produced.

@@ -157,45 +157,57 @@ impl Bench {
         out
     }
 
-    /// Launches transfer `spec` on `grid` blocks over the pairs of `case` (the destination
-    /// starts as poison) and runs the reference on the same inputs; panics if `spec` is not
-    /// a transfer or the reference rejects the inputs.
-    pub fn transfer(&mut self, spec: &KernelSpec, grid: u32, case: &TransferCase<'_>) -> Copied {
+    /// Launches transfer `spec` on `grid` blocks over the pairs of `case` (every destination
+    /// starts as poison) and runs the reference on the same inputs, per buffer of the launch
+    /// (one [`Copied`] each, in descriptor order: `case.src`, then `case.src1`); panics if
+    /// `spec` is not a transfer or the reference rejects the inputs.
+    pub fn transfer(
+        &mut self,
+        spec: &KernelSpec,
+        grid: u32,
+        case: &TransferCase<'_>,
+    ) -> Vec<Copied> {
         let KernelSpec::TransferPages(s) = *spec else {
             panic!("{spec} is not a transfer kernel")
         };
-        let pb = u64::from(s.page_size) * u64::from(s.bytes_per_token);
-        let pool_bytes = |pages: u32| (u64::from(case.layers * pages) * pb) as usize;
-        let dst_bytes = match s.direction {
-            Direction::DeviceToHost => pool_bytes(case.host_pages),
-            Direction::HostToDevice => pool_bytes(case.device_pages),
-        };
         let n = case.dst_pages.len() as u32;
-        let sbuf = self.bytes(case.src, case.guard);
-        let dbuf = self.poison(dst_bytes + case.guard);
         let spb = self.bytes(&le32(case.src_pages), 0);
         let dpb = self.bytes(&le32(case.dst_pages), 0);
-        // The reference first: it checks the page lists and pools against the sizes.
-        let mut want = vec![POISON; dst_bytes + case.guard];
-        reference::transfer_pages(
-            s.direction,
-            s.layout,
-            pb,
-            case.src,
-            &mut want,
-            case.src_pages,
-            case.dst_pages,
-            n,
-            case.layers,
-            case.first_layer,
-            case.layer_count,
-            case.device_pages,
-            case.host_pages,
-        )
-        .unwrap();
-        let args = [
-            KernelArg::Ptr(sbuf, 0),
-            KernelArg::Ptr(dbuf, 0),
+        let descriptors = s.descriptors();
+        let mut bufs = Vec::new();
+        let mut wants = Vec::new();
+        for (i, d) in descriptors.iter().enumerate() {
+            let src = if i == 0 { case.src } else { case.src1 };
+            let pb = d.page_bytes();
+            let pool_bytes = |pages: u32| (u64::from(case.layers * pages) * pb) as usize;
+            let dst_bytes = match s.direction {
+                Direction::DeviceToHost => pool_bytes(case.host_pages),
+                Direction::HostToDevice => pool_bytes(case.device_pages),
+            };
+            // The reference first: it checks the page lists and pools against the sizes.
+            let mut want = vec![POISON; dst_bytes + case.guard];
+            reference::transfer_pages(
+                d.direction,
+                d.layout,
+                pb,
+                src,
+                &mut want,
+                case.src_pages,
+                case.dst_pages,
+                n,
+                case.layers,
+                case.first_layer,
+                case.layer_count,
+                case.device_pages,
+                case.host_pages,
+            )
+            .unwrap();
+            bufs.push((self.bytes(src, case.guard), self.poison(dst_bytes + case.guard)));
+            wants.push(want);
+        }
+        let mut args = vec![
+            KernelArg::Ptr(bufs[0].0, 0),
+            KernelArg::Ptr(bufs[0].1, 0),
             KernelArg::Ptr(spb, 0),
             KernelArg::Ptr(dpb, 0),
             KernelArg::U32(n),
@@ -205,6 +217,9 @@ impl Bench {
             KernelArg::U32(case.device_pages),
             KernelArg::U32(case.told_host_pages),
         ];
+        for &(src, dst) in &bufs[1..] {
+            args.extend([KernelArg::Ptr(src, 0), KernelArg::Ptr(dst, 0)]);
+        }
         if case.told_host_pages == case.host_pages {
             self.launch(spec, grid, &args);
         } else {
@@ -218,11 +233,14 @@ impl Bench {
             unsafe { self.ex.launch_unchecked(k, &config, &args) }
                 .unwrap_or_else(|e| panic!("launch {spec} grid {grid}: {e}"));
         }
-        Copied {
-            got: self.read(dbuf),
-            want,
-            src_after: self.read(sbuf),
-        }
+        bufs.iter()
+            .zip(wants)
+            .map(|(&(sbuf, dbuf), want)| Copied {
+                got: self.read(dbuf),
+                want,
+                src_after: self.read(sbuf),
+            })
+            .collect()
     }
 
     /// Launches materialise `spec` on `grid` blocks over the pools and page sequence of
@@ -422,6 +440,8 @@ pub fn reach_case(
 pub struct TransferCase<'a> {
     /// Bytes of the source pool (the device pool for device-to-host, else the host pool).
     pub src: &'a [u8],
+    /// Bytes of the second buffer's source pool, for a two-buffer transfer (else unused).
+    pub src1: &'a [u8],
     /// Source page of each pair.
     pub src_pages: &'a [u32],
     /// Destination page of each pair.
