@@ -112,13 +112,15 @@ fn bench_check_matches_the_references() {
         "nsa_ps64_cp2",
     ]));
     let stdout = String::from_utf8_lossy(&out.stdout);
-    // 2 allocator kernels + 5 per buffer, 2 buffers, plus each transfer's DMA path; then the
-    // CPU preset bench times as tuned: 2 allocator kernels and 3 copy kernels per buffer;
-    // then the default copy shape with streaming stores: 3 copy kernels per buffer.
-    assert_eq!(stdout.matches("  ok  ").count(), 16 + 8 + 6, "{stdout}");
-    assert_eq!(stdout.matches("dma(transfer_pages").count(), 4, "{stdout}");
+    // 2 allocator kernels, 2 transfers (each moving both buffers) and their DMA paths, and
+    // 3 per buffer (materialise, synthesise, verify), 2 buffers; then the CPU preset bench
+    // times as tuned: 2 allocator kernels, 2 transfers and a materialise per buffer; then the
+    // default copy shape with streaming stores: 2 transfers and a materialise per buffer.
+    assert_eq!(stdout.matches("  ok  ").count(), 12 + 6 + 4, "{stdout}");
+    assert_eq!(stdout.matches("dma(transfer_pages").count(), 2, "{stdout}");
+    assert_eq!(stdout.matches("_b656_b132_").count(), 2 * 4, "{stdout}");
     for shape in ["_t1_ppb16_v16_u1_cs ", "_t128_ppb1_v16_u4_cs "] {
-        assert_eq!(stdout.matches(shape).count(), 6, "{shape}: {stdout}");
+        assert_eq!(stdout.matches(shape).count(), 4, "{shape}: {stdout}");
     }
     assert!(
         stdout.contains("select_owner_pages_cp2_ps64_t32 "),
@@ -290,11 +292,11 @@ fn bench_check_inject_fails_one_row() {
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert_eq!(out.status.code(), Some(1), "{fault}: {stdout}");
         assert_eq!(stdout.matches("  FAIL  ").count(), 1, "{fault}: {stdout}");
-        // The 16 rows of the defaults, 8 of the CPU preset and 6 streaming (see above), one
+        // The 12 rows of the defaults, 6 of the CPU preset and 4 streaming (see above), one
         // failed.
         assert_eq!(
             stdout.matches("  ok  ").count(),
-            15 + 8 + 6,
+            11 + 6 + 4,
             "{fault}: {stdout}"
         );
         assert!(stdout.contains(": 1 failure\n"), "{stdout}");
@@ -305,7 +307,7 @@ fn bench_check_inject_fails_one_row() {
             .skip(1)
             .take_while(|l| !l.is_empty() && !l.starts_with("check on "))
             .collect();
-        assert_eq!(table.len(), 16 + 8 + 6, "{fault}: {stdout}");
+        assert_eq!(table.len(), 12 + 6 + 4, "{fault}: {stdout}");
         for row in &table {
             assert!(
                 row.starts_with("nsa_ps64_cp2 "),

@@ -1086,7 +1086,11 @@ fn check_transfer(b: &mut Bench, spec: KernelSpec, order: BlockOrder) {
                 guard: GUARD,
             },
         );
-        assert_eq!(copied.len(), descriptors.len(), "{spec}: one result per buffer");
+        assert_eq!(
+            copied.len(),
+            descriptors.len(),
+            "{spec}: one result per buffer"
+        );
         for (i, ((copied, src), d)) in copied.iter().zip(&srcs).zip(&descriptors).enumerate() {
             assert!(
                 copied.got == copied.want,
@@ -1190,8 +1194,12 @@ fn check_transfer_layers(b: &mut Bench, spec: KernelSpec, order: BlockOrder) {
         let span = (first..layers).filter(|&l| in_range(l)).count() as u32;
         let g = grid(&mut rng, spec.launch_dims(n as u32, span).grid);
         let copied = b.transfer(&spec, g, &case(first, count));
-        for (i, (((copied, src), d), full)) in
-            copied.iter().zip(&srcs).zip(&descriptors).zip(&full).enumerate()
+        for (i, (((copied, src), d), full)) in copied
+            .iter()
+            .zip(&srcs)
+            .zip(&descriptors)
+            .zip(&full)
+            .enumerate()
         {
             let what = format!("{spec} {order} layers {first}+{count} grid {g} buffer {i}");
             let pb = d.page_bytes();

@@ -163,7 +163,6 @@ impl Deployment {
         )
     }
 
-
     /// The owner-page selection kernel.
     pub fn select_spec(&self) -> KernelSpec {
         KernelSpec::SelectOwnerPages(AllocSpec {
@@ -319,7 +318,10 @@ mod tests {
     fn an_nsa_transfer_moves_both_buffers_in_one_launch() {
         let nsa = Deployment::by_name("nsa_ps64_cp8").unwrap();
         let t = nsa.transfer(Direction::HostToDevice);
-        assert_eq!((t.bytes_per_token, t.second_bytes_per_token), (656, Some(132)));
+        assert_eq!(
+            (t.bytes_per_token, t.second_bytes_per_token),
+            (656, Some(132))
+        );
         assert_eq!(t.total_page_bytes(), 64 * (656 + 132));
         assert_eq!(t.descriptors().len(), 2);
         assert_eq!(

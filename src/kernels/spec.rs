@@ -642,7 +642,10 @@ impl TransferSpec {
 
     /// Bytes of one page of every buffer the launch moves together.
     pub fn total_page_bytes(&self) -> u64 {
-        self.descriptors().iter().map(TransferSpec::page_bytes).sum()
+        self.descriptors()
+            .iter()
+            .map(TransferSpec::page_bytes)
+            .sum()
     }
 
     /// How many buffers (descriptors) one launch moves: 1 or 2.

@@ -200,7 +200,8 @@ fn jobs(c: &BenchConfig, opts: &BenchOptions) -> Vec<Job> {
         dma,
     };
     let dma = dep.transfer_path == TransferPath::Dma;
-    let transfers = [Direction::HostToDevice, Direction::DeviceToHost].map(|d| dep.transfer_spec(d));
+    let transfers =
+        [Direction::HostToDevice, Direction::DeviceToHost].map(|d| dep.transfer_spec(d));
     let mut out: Vec<Job> = transfers.iter().map(|&t| job(config, t, 0, dma)).collect();
     out.push(job(config, dep.materialise_spec(b), 0, false));
     for &n in &opts.alloc_pages {

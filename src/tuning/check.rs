@@ -229,7 +229,13 @@ fn check_transfer_layers(
     // Every buffer of the launch against the reference of its own descriptor.
     let descriptors = s.descriptors();
     let mut details = Vec::new();
-    for (i, ((t, src), d)) in b.transfer_buffers().iter().zip(&srcs).zip(&descriptors).enumerate() {
+    for (i, ((t, src), d)) in b
+        .transfer_buffers()
+        .iter()
+        .zip(&srcs)
+        .zip(&descriptors)
+        .enumerate()
+    {
         let got = read_all(exec, t.dst)?;
         let mut want = vec![0xA5u8; got.len()];
         reference::transfer_pages(
@@ -251,7 +257,10 @@ fn check_transfer_layers(
         match compare(&got, &want) {
             Ok(detail) => details.push(detail),
             Err(diff) if descriptors.len() > 1 => {
-                return Ok(Err(format!("buffer {i} ({} B/token): {diff}", d.bytes_per_token)))
+                return Ok(Err(format!(
+                    "buffer {i} ({} B/token): {diff}",
+                    d.bytes_per_token
+                )))
             }
             Err(diff) => return Ok(Err(diff)),
         }

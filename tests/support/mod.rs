@@ -202,7 +202,10 @@ impl Bench {
                 case.host_pages,
             )
             .unwrap();
-            bufs.push((self.bytes(src, case.guard), self.poison(dst_bytes + case.guard)));
+            bufs.push((
+                self.bytes(src, case.guard),
+                self.poison(dst_bytes + case.guard),
+            ));
             wants.push(want);
         }
         let mut args = vec![
