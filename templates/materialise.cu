@@ -10,8 +10,9 @@ struct ChcPools {
 // into dense[layer][i][PAGE_BYTES], for every layer. Work item w = (group of PAGES_PER_BLOCK
 // pages, layer), or with LAYERS_IN_BLOCK the group alone, whose pages are gathered for every
 // layer, page by page; blocks stride over the items. A block's pages, over all its items, are
-// one flat run of vectors (chc_copy_vecs). Pages beyond local_pages are skipped.
-extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}({# parameters: KernelSpec::params() #}
+// one flat run of vectors (chc_copy_vecs). Pages beyond local_pages are skipped. MIN_BLOCKS
+// blocks fit an SM (a full one): the gather is bound by HBM, so occupancy is bytes in flight.
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{ uri }}({# parameters: KernelSpec::params() #}
 {{ params }}
 {
     // In 64 bits: n near 2^32 must not wrap the rounding (or the pair index below) to 0.

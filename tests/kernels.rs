@@ -63,9 +63,14 @@ fn renders_are_self_contained_and_named_by_uri() {
             let src = spec.render().unwrap();
             let uri = spec.uri();
             assert!(!src.contains("#include"), "{uri}");
+            // Materialise also bounds the blocks per SM (a full SM: HBM-bound).
+            let bounds = match spec {
+                KernelSpec::Materialise(_) => "THREADS, MIN_BLOCKS",
+                _ => "THREADS",
+            };
             assert!(
                 src.contains(&format!(
-                    "extern \"C\" __global__ void __launch_bounds__(THREADS) {uri}("
+                    "extern \"C\" __global__ void __launch_bounds__({bounds}) {uri}("
                 )),
                 "{uri}"
             );

@@ -20,6 +20,7 @@ typedef long long i64;
 #define UNROLL 4
 #define LAYERS_IN_BLOCK 0
 #define STREAM_STORES 0
+#define MIN_BLOCKS 16
 
 // The block's work is one flat run of vectors: its pages one after another, `page_vecs`
 // VEC_T vectors each, and thread t takes the vectors t, t + THREADS, t + 2 * THREADS, ... of
@@ -76,8 +77,9 @@ struct ChcPools {
 // into dense[layer][i][PAGE_BYTES], for every layer. Work item w = (group of PAGES_PER_BLOCK
 // pages, layer), or with LAYERS_IN_BLOCK the group alone, whose pages are gathered for every
 // layer, page by page; blocks stride over the items. A block's pages, over all its items, are
-// one flat run of vectors (chc_copy_vecs). Pages beyond local_pages are skipped.
-extern "C" __global__ void __launch_bounds__(THREADS) materialise_cp2_ps64_b656_t128_ppb1_v16_u4(
+// one flat run of vectors (chc_copy_vecs). Pages beyond local_pages are skipped. MIN_BLOCKS
+// blocks fit an SM (a full one): the gather is bound by HBM, so occupancy is bytes in flight.
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) materialise_cp2_ps64_b656_t128_ppb1_v16_u4(
     const __grid_constant__ ChcPools pools, const u32* __restrict__ seq_pages, u32 n,
     u32 layers, u32 local_pages, u8* __restrict__ dense)
 {

@@ -10,7 +10,7 @@
 //! let dep = Deployment::by_name("nsa_ps64_cp8").unwrap();
 //! for spec in dep.specs() {
 //!     let src = spec.render().unwrap();
-//!     assert!(src.contains("__launch_bounds__(THREADS)"));
+//!     assert!(src.contains("__launch_bounds__(THREADS"));
 //!     assert!(src.contains(&spec.entry_name()));
 //! }
 //! ```

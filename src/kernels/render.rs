@@ -325,7 +325,11 @@ pub(crate) fn render_spec(spec: &KernelSpec) -> Result<String, KernelError> {
             uri: &uri,
             template,
             params: &params,
-            consts: copy_consts(Some(s.cp), s.page_size, s.bytes_per_token, &s.launch),
+            consts: {
+                let mut v = copy_consts(Some(s.cp), s.page_size, s.bytes_per_token, &s.launch);
+                v.push(c("MIN_BLOCKS", s.min_blocks_per_sm()));
+                v
+            },
         }
         .render(),
         KernelSpec::Synthesise(s) => SynthTpl {

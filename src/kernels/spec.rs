@@ -711,10 +711,30 @@ pub struct MaterialiseSpec {
     pub launch: CopyLaunch,
 }
 
+/// Threads an sm_90 SM holds at once.
+pub const SM_MAX_THREADS: u32 = 2048;
+
+/// Blocks an sm_90 SM holds at once.
+pub const SM_MAX_BLOCKS: u32 = 32;
+
 impl MaterialiseSpec {
     /// Bytes of one page of the buffer kind.
     pub fn page_bytes(&self) -> u64 {
         u64::from(self.page_size) * u64::from(self.bytes_per_token)
+    }
+
+    /// The blocks per SM materialise asks ptxas to fit (`__launch_bounds__`' second
+    /// argument). Materialise runs the full grid on HBM, where occupancy is bytes in flight:
+    /// the default `t128_ppb1_v16_u4` took 40 registers, 12 blocks per SM (75 %); asked for a
+    /// full SM it takes 32 with no spill, 16 blocks (100 %). A shape with more than 64 bytes
+    /// in flight per thread (`u8` of `uint4`) needs its registers: asked for a full SM it
+    /// spilled 392 bytes, so it gets 1 (no bound beyond the block size). BENCHMARKS.md
+    /// "Registers".
+    pub fn min_blocks_per_sm(&self) -> u32 {
+        if u64::from(self.launch.unroll) * u64::from(self.launch.vec.bytes()) > 64 {
+            return 1;
+        }
+        (SM_MAX_THREADS / self.launch.threads.max(1)).clamp(1, SM_MAX_BLOCKS)
     }
 }
 
@@ -1852,5 +1872,23 @@ mod tests {
             threads: 32,
         });
         assert_eq!(s.launch_dims(u32::MAX, 4).grid, 1 << 16);
+    }
+
+    #[test]
+    fn materialise_asks_for_a_full_sm_unless_it_needs_the_registers() {
+        let m = |threads, unroll| MaterialiseSpec {
+            cp: 8,
+            page_size: 64,
+            bytes_per_token: 656,
+            launch: CopyLaunch {
+                threads,
+                unroll,
+                ..CopyLaunch::default()
+            },
+        };
+        assert_eq!(m(128, 4).min_blocks_per_sm(), 16);
+        assert_eq!(m(512, 2).min_blocks_per_sm(), 4);
+        assert_eq!(m(1, 1).min_blocks_per_sm(), SM_MAX_BLOCKS);
+        assert_eq!(m(256, 8).min_blocks_per_sm(), 1);
     }
 }
