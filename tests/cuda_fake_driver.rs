@@ -522,7 +522,7 @@ fn launch_failures_are_typed() {
     // SAFETY: the JIT's build of `spec` for the stand-in's (host) target.
     let k = unsafe { jit().get(&req).unwrap().load_spec(&gpu, &spec) }.unwrap();
     let buf = |n| gpu.alloc(MemKind::Device, n, 0).unwrap();
-    let (pages, tops, stacks) = (buf(8), buf(8), buf(64));
+    let (pages, tops, stacks, status) = (buf(8), buf(8), buf(64), buf(16));
     gpu.upload(pages, 0, &[2, 0, 0, 0, 3, 0, 0, 0]).unwrap();
     let args = [
         KernelArg::Ptr(pages, 0),
@@ -530,6 +530,7 @@ fn launch_failures_are_typed() {
         KernelArg::Ptr(stacks, 0),
         KernelArg::Ptr(tops, 0),
         KernelArg::U32(8),
+        KernelArg::Ptr(status, 0),
     ];
     let cfg = LaunchConfig::linear(1, 32);
     let launch = |args: &[KernelArg<'_>]| gpu.launch(k, &cfg, args);

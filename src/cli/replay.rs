@@ -1002,11 +1002,11 @@ mod tests {
         };
         let (cp, page) = (8u64, 64u64);
         let need = MemoryNeed::new(&config, Backend::Host).unwrap();
-        // Per rank: stacks, inputs and outputs per page; the lane tops; the select status
-        // words (CP + 2).
+        // Per rank: stacks, inputs and outputs per page; the lane tops; the select and the
+        // release status words (CP + 2 each).
         assert_eq!(
             need.allocators,
-            cp * (8 * page + 13) * 4096 + cp * 4 * cp + cp * 4 * (cp + 2)
+            cp * (8 * page + 13) * 4096 + cp * 4 * cp + cp * 2 * 4 * (cp + 2)
         );
         assert_eq!(need.mirrors, cp * (4 * 4096 + 4096 / 8));
         assert_eq!(

@@ -1213,7 +1213,7 @@ mod tests {
         let spec = KernelSpec::ReleasePages(ReleaseSpec { cp: 2, threads: 32 });
         let sig = spec.signature();
         let resolve = |b: BufferId| match b.0 {
-            1..=3 => Ok((0x1000 * b.0, 64)),
+            1..=4 => Ok((0x1000 * b.0, 64)),
             _ => Err(ExecError::UnknownBuffer(b)),
         };
         let message = |r: Result<Vec<Vec<u8>>, ExecError>| match r {
@@ -1225,8 +1225,8 @@ mod tests {
             other => panic!("{other:?}"),
         };
         // Release of 2 pages over 2 lanes of `lane_cap` slots: 8 bytes of pages, 8 ×
-        // lane_cap bytes of stacks, 8 bytes of tops, each in a buffer of its own (the
-        // written stacks and tops must not alias another pointer).
+        // lane_cap bytes of stacks, 8 bytes of tops, 16 of status words, each in a buffer of
+        // its own (the written stacks, tops and status must not alias another pointer).
         let release = |stacks_offset: u64, lane_cap: u32| {
             [
                 KernelArg::Ptr(BufferId(2), 0),
@@ -1234,6 +1234,7 @@ mod tests {
                 KernelArg::Ptr(BufferId(1), stacks_offset),
                 KernelArg::Ptr(BufferId(3), 0),
                 KernelArg::U32(lane_cap),
+                KernelArg::Ptr(BufferId(4), 0),
             ]
         };
         assert_eq!(

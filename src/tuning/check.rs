@@ -341,18 +341,35 @@ pub(super) fn check_one(
         }
         KernelSpec::ReleasePages(s) => {
             let b = AllocBench::new(exec, s.cp, 1, alloc_check_requests(s.threads), seed)?;
-            b.reset_for_select()?;
-            b.reset_for_release()?;
-            b.run_release(kernel, spec)?;
-            let mut got = read_all(exec, b.stacks)?;
-            got.extend(read_all(exec, b.tops)?);
             let h = &b.host;
-            let mut stacks = h.stacks.clone();
-            let mut tops = h.tops_after.clone();
-            reference::release_pages(s.cp, &h.selected, &mut stacks, &mut tops, h.lane_cap)
+            // Accepted (the pages select took), then refused: pushed onto full lanes, every
+            // lane they belong to overflows, so the kernel must change no top and no stack
+            // slot and record the overflows in its status words.
+            let (mut got, mut want) = (Vec::new(), Vec::new());
+            for tops0 in [&h.tops_after, &h.tops_full] {
+                b.reset_for_select()?;
+                b.reset_for_release()?;
+                exec.upload(b.tops, 0, &u32_bytes(tops0))?;
+                b.run_release(kernel, spec)?;
+                for buffer in [b.stacks, b.tops, b.release_status] {
+                    got.extend(read_all(exec, buffer)?);
+                }
+                let mut stacks = h.stacks.clone();
+                let mut tops = tops0.clone();
+                let mut status = vec![0u32; s.status_words()];
+                reference::release_pages(
+                    s.cp,
+                    &h.selected,
+                    &mut stacks,
+                    &mut tops,
+                    h.lane_cap,
+                    &mut status,
+                )
                 .map_err(reference_err("release_pages"))?;
-            let mut want = u32_bytes(&stacks);
-            want.extend(u32_bytes(&tops));
+                want.extend(u32_bytes(&stacks));
+                want.extend(u32_bytes(&tops));
+                want.extend(u32_bytes(&status));
+            }
             Ok(compare(&got, &want))
         }
         KernelSpec::Synthesise(s) => {

@@ -14,7 +14,7 @@ use crate::exec::{
 use crate::jit::{spec_request, Arch, Jit, JitRequest, Sanitize, Target};
 use crate::kernels::{
     check_distinct_destinations, clamp_layer_range, layer_range_args, transfer_regions, BufferKind,
-    Direction, KernelSpec, PoolShape, SelectStatus, TransferSpec,
+    Direction, KernelSpec, PoolShape, ReleaseStatus, SelectStatus, TransferSpec,
 };
 
 /// Workload sizes of one measurement.
@@ -623,6 +623,8 @@ pub struct AllocBench<'e> {
     pub locs: BufferId,
     /// `u32[CP + 2]`, the select kernel's status words (zero before every select).
     pub status: BufferId,
+    /// `u32[CP + 2]`, the release kernel's status words (zero before every release).
+    pub release_status: BufferId,
     /// Host copies for the references.
     pub host: AllocInputs,
 }
@@ -664,18 +666,20 @@ impl<'e> AllocBench<'e> {
         // Owners rotate from a random start, so every lane's demand fits its capacity.
         let start = rng.below(u64::from(c)) as u32;
         let owners: Vec<u8> = (0..n).map(|i| ((i + start) % c) as u8).collect();
+        // Lane `o` owns pages `o + c * k`, `k < lane_cap` (a larger local index is invalid to
+        // the release kernel), page 0 excluded; each starts full.
         let mut stacks = vec![0u32; (c * lane_cap) as usize];
+        let mut tops_full = Vec::with_capacity(c as usize);
         for o in 0..c {
-            let lane: Vec<u32> = (0..=lane_cap)
+            let lane: Vec<u32> = (0..lane_cap)
                 .map(|k| o + c * k)
                 .filter(|&p| p != 0)
-                .take(lane_cap as usize)
                 .collect();
             for (slot, &p) in lane.iter().rev().enumerate() {
                 stacks[(o * lane_cap) as usize + slot] = p;
             }
+            tops_full.push(lane.len() as u32);
         }
-        let tops_full = vec![lane_cap; c as usize];
         let mut tops_after = tops_full.clone();
         let mut status = vec![0u32; SelectStatus::words(cp)];
         let (selected, _) = crate::kernels::reference::select_owner_pages(
@@ -701,6 +705,7 @@ impl<'e> AllocBench<'e> {
             0xA5,
         )?;
         let status = mem.alloc(MemKind::Device, 4 * SelectStatus::words(cp) as u64, 0)?;
+        let release_status = mem.alloc(MemKind::Device, 4 * ReleaseStatus::words(cp) as u64, 0)?;
         exec.upload(owners_buf, 0, &owners)?;
         exec.upload(stacks_buf, 0, &u32_bytes(&stacks))?;
         Ok(AllocBench {
@@ -714,6 +719,7 @@ impl<'e> AllocBench<'e> {
             pages,
             locs,
             status,
+            release_status,
             host: AllocInputs {
                 owners,
                 stacks,
@@ -768,6 +774,7 @@ impl<'e> AllocBench<'e> {
                 KernelArg::Ptr(self.stacks, 0),
                 KernelArg::Ptr(self.tops, 0),
                 KernelArg::U32(self.lane_cap),
+                KernelArg::Ptr(self.release_status, 0),
             ],
         )
     }
@@ -780,11 +787,17 @@ impl<'e> AllocBench<'e> {
         exec.upload(self.status, 0, &vec![0u8; 4 * SelectStatus::words(self.cp)])
     }
 
-    /// Restores the state release starts from (tops after select, selected pages).
+    /// Restores the state release starts from (tops after select, selected pages, a clear
+    /// status).
     pub fn reset_for_release(&self) -> Result<(), ExecError> {
         let exec = self.mem.exec;
         exec.upload(self.pages, 0, &u32_bytes(&self.host.selected))?;
-        exec.upload(self.tops, 0, &u32_bytes(&self.host.tops_after))
+        exec.upload(self.tops, 0, &u32_bytes(&self.host.tops_after))?;
+        exec.upload(
+            self.release_status,
+            0,
+            &vec![0u8; 4 * ReleaseStatus::words(self.cp)],
+        )
     }
 
     /// Times select or release (`spec`'s family decides), each repeat from a fresh state; the
@@ -869,6 +882,7 @@ impl<'e> AllocBench<'e> {
                         &mut stacks,
                         &mut tops,
                         h.lane_cap,
+                        &mut status,
                     )
                     .map_err(reference)?;
                     std::hint::black_box(&stacks);
