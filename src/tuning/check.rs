@@ -6,11 +6,12 @@
 use serde::Serialize;
 use std::ops::Range;
 
+use super::candidate::LaunchChoice;
 use super::measure::{
     compile_and_load, u32_bytes, AllocBench, BusyBench, CopyBench, Sizes, SourceHook, SplitMix,
 };
 use super::TuningError;
-use crate::exec::{BufferId, Executor, KernelArg, KernelId, LaunchConfig, MemKind};
+use crate::exec::{BufferId, DmaMode, Executor, KernelArg, KernelId, LaunchConfig, MemKind};
 use crate::jit::Jit;
 use crate::kernels::{reference, Deployment, KernelSpec};
 
@@ -131,12 +132,21 @@ unsafe fn check_specs(
         };
         rows.push(row(spec.uri(), spec.family().to_string(), outcome));
         if let (KernelSpec::TransferPages(_), true) = (spec, with_dma) {
-            // The DMA path of the same transfer, on the same random inputs.
-            rows.push(row(
-                format!("dma({})", spec.uri()),
-                format!("{} (dma)", spec.family()),
-                flatten(check_transfer(exec, spec, seed, |b| b.copy_dma())),
-            ));
+            // The DMA path of the same transfer, on the same random inputs; where a batch is
+            // one call (cuMemcpyBatchAsync), one call per merged region as well (`dma-each`,
+            // which tune weighs too). Elsewhere the two are the same calls: checked once.
+            let mut modes = vec![DmaMode::Batched];
+            if exec.batched_copies() {
+                modes.push(DmaMode::PerRegion);
+            }
+            for mode in modes {
+                let name = LaunchChoice::of_dma(mode);
+                rows.push(row(
+                    format!("{name}({})", spec.uri()),
+                    format!("{} ({name})", spec.family()),
+                    flatten(check_transfer(exec, spec, seed, |b| b.copy_dma_with(mode))),
+                ));
+            }
         }
     }
     Ok(rows)

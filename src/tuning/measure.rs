@@ -9,7 +9,8 @@ use std::time::Instant;
 
 use super::TuningError;
 use crate::exec::{
-    Backend, BufferId, CopyRegion, ExecError, Executor, KernelArg, KernelId, LaunchConfig, MemKind,
+    Backend, BufferId, CopyRegion, DmaMode, ExecError, Executor, KernelArg, KernelId, LaunchConfig,
+    MemKind,
 };
 use crate::jit::{spec_request, Arch, Jit, JitRequest, Sanitize, Target};
 use crate::kernels::{
@@ -577,19 +578,30 @@ impl<'e> CopyBench<'e> {
     }
 
     /// Enqueues the transfer by DMA instead of a kernel (same pages, same bytes), without
-    /// synchronising. Materialise has no DMA path: a typed error.
+    /// synchronising, the batch issued as the executor's default ([`DmaMode::Batched`]).
+    /// Materialise has no DMA path: a typed error.
     pub fn copy_dma(&self) -> Result<(), ExecError> {
+        self.copy_dma_with(DmaMode::Batched)
+    }
+
+    /// [`copy_dma`](Self::copy_dma), the batch issued as `mode` says.
+    pub fn copy_dma_with(&self, mode: DmaMode) -> Result<(), ExecError> {
         match &self.kind {
             CopyKind::Transfer {
                 src, dst, regions, ..
-            } => self.mem.exec.copy_regions(*src, *dst, regions),
+            } => self.mem.exec.copy_regions_with(*src, *dst, regions, mode),
             CopyKind::Materialise { .. } => Err(no_dma_path()),
         }
     }
 
     /// Times the DMA path: median of the repeats, like [`CopyBench::time`].
     pub fn time_dma(&self, sizes: &Sizes) -> Result<Timing, ExecError> {
-        time_sized(self.mem.exec, sizes, || self.copy_dma())
+        self.time_dma_with(sizes, DmaMode::Batched)
+    }
+
+    /// [`time_dma`](Self::time_dma), the batch issued as `mode` says.
+    pub fn time_dma_with(&self, sizes: &Sizes, mode: DmaMode) -> Result<Timing, ExecError> {
+        time_sized(self.mem.exec, sizes, || self.copy_dma_with(mode))
     }
 
     /// The memory kinds the copy reads and writes (for its baseline).
