@@ -7,14 +7,19 @@
 # Steps: info; compile (NVRTC) or, without NVRTC, the carried CUBIN cache with
 # CP_HICACHE_JIT=off; every kernel family on the CUDA executor against the Rust references on
 # random inputs with poisoned outputs, plus each transfer's DMA path (`bench --check --backend
-# cuda`); `tune --backend cuda --quick` (DMA is one transfer candidate); `bench --backend cuda
-# --json` with that tuning file (baseline: pinned cuMemcpyAsync; config `dma` rows time the DMA
-# path); a short `replay --backend cuda` with the kernel and the DMA transfer path; the tune
-# step's transfer rows (capped-grid kernels, uncapped kernels and DMA, each timed while the
-# busy kernel occupies the SMs, with the GB/s alone and the busy kernel's slowdown) are
-# printed again before the summary (format: BENCHMARKS.md "gpu-check transfers");
-# compute-sanitizer memcheck of
-# the check when compute-sanitizer is on PATH.
+# cuda`); `tune --backend cuda --quick` (two DMA transfer candidates: `dma`, one
+# cuMemcpyBatchAsync per batch, and `dma-each`, one cuMemcpyAsync per merged run of pages);
+# `bench --backend cuda --json` with that tuning file (baseline: pinned cuMemcpyAsync; select
+# and release at 2,048 and 16,384 pages against the Rust reference); a short `replay --backend
+# cuda` with the kernel and the DMA transfer path; compute-sanitizer memcheck of the check
+# when compute-sanitizer is on PATH. Before the summary it prints again (format: BENCHMARKS.md
+# "gpu-check transfers", so the rows can be pasted there unchanged):
+#   - the tune step's transfer rows (capped-grid kernels, uncapped kernels, `dma` and
+#     `dma-each`, each timed while the busy kernel occupies the SMs, with the GB/s alone and
+#     the busy kernel's slowdown), also saved as transfers.txt, with a note for a DMA row
+#     that is missing;
+#   - the bench step's select and release rows at 2,048 pages (8,192 bytes: 4 per requested
+#     page), also saved as allocator.txt.
 #
 # Prepare on the build machine (has cargo and network; no GPU needed):
 #   cargo build --release
@@ -126,11 +131,26 @@ else
 fi
 
 # Transfers on the GPU: each candidate's GB/s beside the busy kernel, alone, and the busy
-# kernel's slowdown (tune's rows for transfer_pages; docs/KERNELS.md "busy").
+# kernel's slowdown (tune's rows for transfer_pages; docs/KERNELS.md "busy"). Both DMA
+# candidates have a row: `dma` says so itself where the driver lacks cuMemcpyBatchAsync.
 if [[ -f "$out/tune.log" ]]; then
   echo
   echo "transfers (tune): kernel  candidate  ms  GB/s-beside-busy  note"
   grep -E '^transfer_pages' "$out/tune.log" | tee "$out/transfers.txt" || true
+  for candidate in dma dma-each; do
+    if ! awk -v c="$candidate" '$2 == c { found = 1 } END { exit !found }' "$out/transfers.txt"; then
+      echo "note: tune printed no '$candidate' transfer row"
+    fi
+  done
+fi
+
+# Select and release at 2,048 pages: bench's table rows whose kernel is select_owner_pages_* or
+# release_pages_* and whose bytes column is 8192 (4 bytes per requested page).
+if [[ -f "$out/bench.log" ]]; then
+  echo
+  echo "allocator at 2,048 pages (bench): deployment  config  kernel  bytes  ms  GB/s  base  ratio  baseline"
+  awk '$3 ~ /^(select_owner_pages|release_pages)_/ && $4 == 8192' "$out/bench.log" \
+    | tee "$out/allocator.txt" || true
 fi
 
 echo

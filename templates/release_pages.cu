@@ -1,31 +1,89 @@
 {% include "prelude.cu" %}
 {% include "tile_rank.cu" %}
 
+// The lane a released page goes back to, or CP for an invalid page: page 0 (null), or a
+// local index page / CP >= lane_cap, which no lane of lane_cap slots owns.
+static __device__ inline u32 chc_release_lane(u32 page, u32 lane_cap)
+{
+    return (page != 0u && page / CP < lane_cap) ? page % CP : CP;
+}
+
 // Pushes pages back onto their owner's lane free stack (owner = page % CP) in input order
-// (docs/KERNELS.md). Launch: 1 block of THREADS. Page 0 and pushes past lane_cap are skipped;
-// the host rejects both before launching.
+// (docs/KERNELS.md). Launch: 1 block of THREADS.
+// All or nothing, whatever the host checked: when any lane would hold more than lane_cap
+// pages, or any page is invalid (chc_release_lane), no lane top and no stack slot changes,
+// and the status words add up the refusal:
+//   status[0] += 1, status[1 + o] += pages lane o had no room for, status[CP + 1] += invalid
+// pages (saturating). The host reads them back only when it synchronises anyway.
 extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}({# parameters: KernelSpec::params() #}
 {{ params }}
 {
     __shared__ u32 s_warp_cnt[WARPS * CP];
     __shared__ u32 s_base[CP];
     __shared__ u32 s_top[CP];
+    __shared__ u32 s_count[CP];
+    __shared__ u32 s_bad_pages;
+    __shared__ u32 s_refused;
     if (threadIdx.x < CP) {
         s_base[threadIdx.x] = 0u;
+        s_count[threadIdx.x] = 0u;
         const u32 top = lane_tops[threadIdx.x];
         s_top[threadIdx.x] = top < lane_cap ? top : lane_cap;
     }
+    if (threadIdx.x == 0) {
+        s_bad_pages = 0u;
+        s_refused = 0u;
+    }
     __syncthreads();
+    // Count first, writing nothing: each warp's leader of an owner adds its peers to the
+    // lane's count (one shared atomic per owner per warp), and invalid pages are counted with
+    // a shared atomicAdd each, only on that error path.
     // In 64 bits: with n near 2^32 a u32 base would wrap to 0 and never end the loop.
+    for (u64 base = 0; base < n; base += THREADS) {
+        const u64 i = base + threadIdx.x;
+        u32 o = CP;
+        if (i < n) {
+            o = chc_release_lane(pages[i], lane_cap);
+            if (o == CP) {
+                atomicAdd(&s_bad_pages, 1u);
+            }
+        }
+        const u32 peers = __match_any_sync(0xffffffffu, o);
+        if (o < CP && (peers & ((1u << (threadIdx.x & 31u)) - 1u)) == 0u) {
+            atomicAdd(&s_count[o], (u32)__popc(peers));
+        }
+    }
+    __syncthreads();
+    // Any lane without room for its pages, or any invalid page, refuses the whole launch.
+    if ((threadIdx.x < CP && s_count[threadIdx.x] > lane_cap - s_top[threadIdx.x])
+        || (threadIdx.x == 0 && s_bad_pages != 0u)) {
+        s_refused = 1u;
+    }
+    __syncthreads();
+    if (s_refused != 0u) {
+        if (threadIdx.x < CP) {
+            const u32 room = lane_cap - s_top[threadIdx.x];
+            const u32 want = s_count[threadIdx.x];
+            const u32 over = want > room ? want - room : 0u;
+            status[1u + threadIdx.x] = chc_sat_add(status[1u + threadIdx.x], over);
+        }
+        if (threadIdx.x == 0) {
+            status[0] = chc_sat_add(status[0], 1u);
+            status[CP + 1u] = chc_sat_add(status[CP + 1u], s_bad_pages);
+        }
+        return; // s_refused is the same for every thread: no barrier is left waiting.
+    }
     for (u64 base = 0; base < n; base += THREADS) {
         const u64 i = base + threadIdx.x;
         u32 o = CP;
         u32 page = 0u;
         if (i < n) {
             page = pages[i];
-            o = page != 0u ? page % CP : CP;
+            o = chc_release_lane(page, lane_cap);
         }
         const u32 k = chc_tile_rank(o, s_warp_cnt, s_base);
+        // Every lane has room (the count above), so the bound only keeps the reach should
+        // the pages change under the launch.
         if (o < CP) {
             const u32 slot = s_top[o] + k;
             if (slot < lane_cap) {

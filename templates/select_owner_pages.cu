@@ -1,13 +1,6 @@
 {% include "prelude.cu" %}
 {% include "tile_rank.cu" %}
 
-// a + b, saturating at 2^32 - 1 (the status words count; they must not wrap back to "clear").
-static __device__ inline u32 chc_sat_add(u32 a, u32 b)
-{
-    const u32 s = a + b;
-    return s < a ? 0xffffffffu : s;
-}
-
 // Pops one page per requested owner from the lane free stacks (LIFO, docs/KERNELS.md) and
 // writes the pages and their page-contiguous token locations. Launch: 1 block of THREADS.
 // All or nothing, whatever the host checked: when any lane holds fewer pages than requested,

@@ -123,8 +123,6 @@ fn small_run_verifies_and_reports() {
     assert_eq!(r["transfer_path"], "kernel");
 }
 
-/// `--transfer dma` moves pages by copy regions instead of the transfer kernel and serves
-/// the same verified hits.
 /// The report says how the ranks ran: threads of one process, an executor each, peers'
 /// pools in shared memory, and which ranks verified.
 #[test]
@@ -149,15 +147,20 @@ fn the_report_says_how_the_ranks_ran() {
     );
 }
 
+/// `--transfer dma` and `--transfer dma-each` move pages by copy regions instead of the
+/// transfer kernel and serve the same verified hits (on the CPU both are `memcpy` per merged
+/// run; on a GPU one batch call against one call per run).
 #[test]
 fn dma_transfers_verify_and_report() {
-    let (out, report) = replay(&["--transfer", "dma"]);
-    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
-    let r = report.unwrap();
-    assert_eq!(r["transfer_path"], "dma");
-    assert_eq!(num(&r, "mismatched_tokens"), 0);
-    assert!(num(&r, "host_hit_tokens") > 0, "{r}");
-    assert_eq!(num(&r, "load_path_syncs"), 0);
+    for path in ["dma", "dma-each"] {
+        let (out, report) = replay(&["--transfer", path]);
+        assert_eq!(out.status.code(), Some(0), "{path}: {}", stderr(&out));
+        let r = report.unwrap();
+        assert_eq!(r["transfer_path"], path);
+        assert_eq!(num(&r, "mismatched_tokens"), 0, "{path}");
+        assert!(num(&r, "host_hit_tokens") > 0, "{path}: {r}");
+        assert_eq!(num(&r, "load_path_syncs"), 0, "{path}");
+    }
 }
 
 /// A reader that stops early (`replay | head`) stops only the printing: the run goes on, its

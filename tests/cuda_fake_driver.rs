@@ -29,7 +29,7 @@ use std::time::Duration;
 use cp_hicache::cluster::{Cluster, ClusterConfig, ClusterError, WritePolicy};
 use cp_hicache::exec::cuda::CudaExecutor;
 use cp_hicache::exec::{
-    open_executor, Backend, BufferId, CopyRegion, Counters, EventId, ExecError, Executor,
+    open_executor, Backend, BufferId, CopyRegion, Counters, DmaMode, EventId, ExecError, Executor,
     KernelArg, KernelArtifact, KernelId, LaunchConfig, LaunchFailure, MemKind,
 };
 use cp_hicache::jit::{spec_request, target_for, Arch, Sanitize, Target};
@@ -103,8 +103,11 @@ fn run_child(dir: &Path, name: &str) {
     );
 }
 
-/// Copy batches on a driver with `cuMemcpyBatchAsync` (one batched call per batch) and on
-/// one without it (one `cuMemcpyAsync` per merged region): the same bytes either way.
+/// Copy batches on a driver with `cuMemcpyBatchAsync` (one batched call per batch, or one
+/// `cuMemcpyAsync` per merged region when asked for [`DmaMode::PerRegion`]) and on one
+/// without it (one `cuMemcpyAsync` per merged region in either mode): the same bytes every
+/// way. And tune's two DMA candidates on each: `dma` and `dma-each` both timed where the
+/// batch call exists, `dma` reported as falling back (not timed twice) where it does not.
 #[test]
 fn copy_batches_with_and_without_cu_memcpy_batch_async() {
     run_child(
@@ -117,45 +120,78 @@ fn copy_batches_with_and_without_cu_memcpy_batch_async() {
     );
 }
 
-fn batch_calls() -> u64 {
+/// A counter of the stand-in driver: `fake_cuda_batch_calls` (`cuMemcpyBatchAsync` calls)
+/// or `fake_cuda_copy_calls` (`cuMemcpyAsync` calls).
+fn driver_count(hook: &[u8]) -> u64 {
     // SAFETY: the stand-in driver is the libcuda this process loaded (LD_LIBRARY_PATH); the
     // hook takes no arguments and reads one counter.
     unsafe {
         let lib = libloading::Library::new("libcuda.so").unwrap();
-        let f: libloading::Symbol<unsafe extern "C" fn() -> u64> =
-            lib.get(b"fake_cuda_batch_calls").unwrap();
+        let f: libloading::Symbol<unsafe extern "C" fn() -> u64> = lib.get(hook).unwrap();
         f()
     }
 }
 
+/// `(cuMemcpyBatchAsync, cuMemcpyAsync)` calls so far.
+fn copy_calls() -> (u64, u64) {
+    (
+        driver_count(b"fake_cuda_batch_calls"),
+        driver_count(b"fake_cuda_copy_calls"),
+    )
+}
+
 /// Scattered page blobs host → device and back: merged into two runs, sent as one batch when
-/// the driver has `cuMemcpyBatchAsync`, and the bytes land as the regions say.
+/// the driver has `cuMemcpyBatchAsync` and the batch is asked for, else as one
+/// `cuMemcpyAsync` per run, and the bytes land as the regions say either way.
 fn copies_land(batched: bool) {
     let ex = CudaExecutor::new(0).unwrap();
     assert_eq!(ex.batched_copies(), batched);
-    let host = ex.alloc(MemKind::Host, 64, 0).unwrap();
-    let dev = ex.alloc(MemKind::Device, 64, 0xA5).unwrap();
-    let data: Vec<u8> = (0..64).collect();
-    ex.upload(host, 0, &data).unwrap();
     let r = |src_offset, dst_offset, len| CopyRegion {
         src_offset,
         dst_offset,
         len,
     };
-    let before = batch_calls();
-    ex.copy_regions(
-        host,
-        dev,
-        &[r(40, 8, 8), r(0, 32, 8), r(32, 0, 8), r(8, 40, 8)],
-    )
-    .unwrap();
-    assert_eq!(batch_calls() - before, u64::from(batched));
-    let mut out = [0u8; 64];
-    ex.read(dev, 0, &mut out).unwrap();
-    let mut want = [0xA5u8; 64];
-    want[..16].copy_from_slice(&data[32..48]);
-    want[32..48].copy_from_slice(&data[..16]);
-    assert_eq!(out, want);
+    for mode in [DmaMode::Batched, DmaMode::PerRegion] {
+        let host = ex.alloc(MemKind::Host, 64, 0).unwrap();
+        let dev = ex.alloc(MemKind::Device, 64, 0xA5).unwrap();
+        let data: Vec<u8> = (0..64).collect();
+        ex.upload(host, 0, &data).unwrap();
+        let before = copy_calls();
+        ex.copy_regions_with(
+            host,
+            dev,
+            &[r(40, 8, 8), r(0, 32, 8), r(32, 0, 8), r(8, 40, 8)],
+            mode,
+        )
+        .unwrap();
+        let after = copy_calls();
+        let one_batch = batched && mode == DmaMode::Batched;
+        assert_eq!(
+            (after.0 - before.0, after.1 - before.1),
+            if one_batch { (1, 0) } else { (0, 2) },
+            "{mode}: (batch calls, cuMemcpyAsync calls) for two merged runs"
+        );
+        let mut out = [0u8; 64];
+        ex.read(dev, 0, &mut out).unwrap();
+        let mut want = [0xA5u8; 64];
+        want[..16].copy_from_slice(&data[32..48]);
+        want[32..48].copy_from_slice(&data[..16]);
+        assert_eq!(out, want, "{mode}");
+        ex.free(host).unwrap();
+        ex.free(dev).unwrap();
+    }
+    // `copy_regions` is the batched mode.
+    let host = ex.alloc(MemKind::Host, 64, 0).unwrap();
+    let dev = ex.alloc(MemKind::Device, 64, 0xA5).unwrap();
+    let before = copy_calls();
+    ex.copy_regions(host, dev, &[r(0, 8, 8), r(32, 0, 8)])
+        .unwrap();
+    ex.synchronize().unwrap();
+    let after = copy_calls();
+    assert_eq!(
+        (after.0 - before.0, after.1 - before.1),
+        if batched { (1, 0) } else { (0, 2) }
+    );
     // A bad range fails the batch before anything is queued.
     assert!(ex
         .copy_regions(dev, host, &[r(0, 0, 8), r(60, 8, 8)])
@@ -169,6 +205,7 @@ fn copies_land(batched: bool) {
 fn child_batch_copies() {
     assert_eq!(std::env::var(CHILD_ENV).as_deref(), Ok("1"));
     copies_land(true);
+    dma_candidates(true);
 }
 
 #[test]
@@ -176,6 +213,62 @@ fn child_batch_copies() {
 fn child_region_copies() {
     assert_eq!(std::env::var(CHILD_ENV).as_deref(), Ok("1"));
     copies_land(false);
+    dma_candidates(false);
+}
+
+/// Tune's DMA candidates of one transfer on the stand-in driver, each checked against the
+/// reference and timed (no timing is asserted): where the driver has `cuMemcpyBatchAsync`,
+/// `dma` is timed with batch calls only and `dma-each` with `cuMemcpyAsync` calls only; where
+/// it has not, `dma` is not timed (it would be `dma-each` under another name) and says so,
+/// and `dma-each` is timed.
+fn dma_candidates(batched: bool) {
+    use cp_hicache::tuning::measure::CopyBench;
+    use cp_hicache::tuning::tuner::{time_dma_candidate, DMA_FALLBACK};
+    use cp_hicache::tuning::{LaunchChoice, Sizes};
+    let gpu = StandInGpu {
+        cuda: CudaExecutor::new(0).unwrap(),
+    };
+    assert_eq!(gpu.batched_copies(), batched, "the wrapper forwards it");
+    let dep = Deployment::by_name("nsa_ps64_cp8").unwrap();
+    let sizes = Sizes {
+        pages: 24,
+        layers: 2,
+        warmup: 0,
+        repeats: 2,
+    };
+    for dir in [
+        cp_hicache::kernels::Direction::HostToDevice,
+        cp_hicache::kernels::Direction::DeviceToHost,
+    ] {
+        let spec = dep.transfer_spec(dir);
+        let (bench, _) = CopyBench::new(&gpu, &spec, &sizes, 11).unwrap();
+        for mode in [DmaMode::Batched, DmaMode::PerRegion] {
+            let before = copy_calls();
+            let r = time_dma_candidate(&gpu, &spec, &bench, None, &sizes, 5, mode);
+            let after = copy_calls();
+            let (batches, each) = (after.0 - before.0, after.1 - before.1);
+            assert_eq!(r.choice, LaunchChoice::of_dma(mode));
+            assert!(r.beside_busy.is_none(), "no busy kernel here");
+            if mode == DmaMode::Batched && !batched {
+                assert_eq!(r.dropped.as_deref(), Some(DMA_FALLBACK), "{dir}");
+                assert_eq!((r.seconds, batches, each), (None, 0, 0), "{dir}");
+                continue;
+            }
+            assert!(r.dropped.is_none(), "{dir} {mode}: {:?}", r.dropped);
+            assert!(r.seconds.is_some() && r.gbps.is_some(), "{dir} {mode}");
+            if mode == DmaMode::Batched {
+                assert!(
+                    batches > 0 && each == 0,
+                    "{dir}: {batches} batches, {each} calls"
+                );
+            } else {
+                assert!(
+                    batches == 0 && each > 0,
+                    "{dir}: {batches} batches, {each} calls"
+                );
+            }
+        }
+    }
 }
 
 #[test]
@@ -276,6 +369,18 @@ impl Executor for StandInGpu {
     }
     fn copy_regions(&self, s: BufferId, d: BufferId, r: &[CopyRegion]) -> Result<(), ExecError> {
         self.cuda.copy_regions(s, d, r)
+    }
+    fn copy_regions_with(
+        &self,
+        s: BufferId,
+        d: BufferId,
+        r: &[CopyRegion],
+        m: DmaMode,
+    ) -> Result<(), ExecError> {
+        self.cuda.copy_regions_with(s, d, r, m)
+    }
+    fn batched_copies(&self) -> bool {
+        self.cuda.batched_copies()
     }
     fn alloc_shareable(&self, b: usize, f: u8) -> Result<BufferId, ExecError> {
         self.cuda.alloc_shareable(b, f)
@@ -476,7 +581,7 @@ fn cache_on_the_gpu(model: ModelShape, page_size: u32, cp: u8, path: TransferPat
     let copies = c.executor().counters().copies;
     assert_eq!(
         copies > 0,
-        path == TransferPath::Dma,
+        path.dma_mode().is_some(),
         "{path}: {copies} copy batches"
     );
     drop(c);
@@ -522,7 +627,7 @@ fn launch_failures_are_typed() {
     // SAFETY: the JIT's build of `spec` for the stand-in's (host) target.
     let k = unsafe { jit().get(&req).unwrap().load_spec(&gpu, &spec) }.unwrap();
     let buf = |n| gpu.alloc(MemKind::Device, n, 0).unwrap();
-    let (pages, tops, stacks) = (buf(8), buf(8), buf(64));
+    let (pages, tops, stacks, status) = (buf(8), buf(8), buf(64), buf(16));
     gpu.upload(pages, 0, &[2, 0, 0, 0, 3, 0, 0, 0]).unwrap();
     let args = [
         KernelArg::Ptr(pages, 0),
@@ -530,6 +635,7 @@ fn launch_failures_are_typed() {
         KernelArg::Ptr(stacks, 0),
         KernelArg::Ptr(tops, 0),
         KernelArg::U32(8),
+        KernelArg::Ptr(status, 0),
     ];
     let cfg = LaunchConfig::linear(1, 32);
     let launch = |args: &[KernelArg<'_>]| gpu.launch(k, &cfg, args);
@@ -614,7 +720,9 @@ fn every_family_matches_the_references() {
     for name in ["nsa_ps64_cp8", "mla_ps16_cp4"] {
         let dep = Deployment::by_name(name).unwrap();
         let rows = cp_hicache::tuning::check::check_deployment(&gpu, &jit, &dep).unwrap();
+        // The stand-in driver has cuMemcpyBatchAsync: both ways of issuing the DMA path.
         assert!(rows.iter().any(|r| r.kernel.starts_with("dma(")));
+        assert!(rows.iter().any(|r| r.kernel.starts_with("dma-each(")));
         for r in &rows {
             assert!(r.ok, "{name} {}: {}", r.kernel, r.detail);
         }
@@ -962,7 +1070,11 @@ fn child() {
     info_names_the_device();
     launch_failures_are_typed();
     staged_uploads_never_overwrite_a_copy_in_flight();
-    for path in [TransferPath::Kernel, TransferPath::Dma] {
+    for path in [
+        TransferPath::Kernel,
+        TransferPath::Dma,
+        TransferPath::DmaEach,
+    ] {
         cache_on_the_gpu(ModelShape::MlaBf16, 16, 4, path);
         cache_on_the_gpu(ModelShape::Nsa, 64, 8, path);
     }

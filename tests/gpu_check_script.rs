@@ -10,11 +10,45 @@ use std::process::Command;
 /// A stand-in `cp-hicache` that appends its arguments (one per line, then its
 /// `CP_HICACHE_JIT` and `--END--`) to `$STUB_LOG`, exits 1 for `bench --check` when
 /// `$STUB_FAIL_CHECK` is set, and reports no NVRTC from `info` (early in a long report, as
-/// the real one does) when `$STUB_NO_NVRTC` is set.
+/// the real one does) when `$STUB_NO_NVRTC` is set. `tune` and `bench` print tables in the
+/// real commands' formats (`src/cli/tune.rs`, `print_table` in `src/cli/bench.rs`: the same
+/// field widths), with made-up numbers: `tune` a transfer row per candidate, `dma` and
+/// `dma-each` included (`dma-each` left out when `$STUB_NO_DMA_EACH` is set), and an allocator
+/// row; `bench` transfer rows and select / release rows at 2,048 and 16,384 pages.
 const STUB: &str = r#"#!/usr/bin/env bash
 printf '%s\n' "$@" >>"$STUB_LOG"
 echo "JIT=${CP_HICACHE_JIT:-}" >>"$STUB_LOG"
 echo --END-- >>"$STUB_LOG"
+tune_row() { printf '%-44s  %-22s  %10s  %8s  %s\n' "$@"; }
+bench_row() {
+  printf '%-13s  %-7s  %-38s  %10s  %9s  %8s  %8s  %6s  %s\n' "$@"
+}
+if [[ "$1" == tune ]]; then
+  echo "device: cuda stub"
+  tune_row kernel candidate ms GB/s note
+  for k in transfer_pages_h2d_pf_ps64_b656 transfer_pages_d2h_pf_ps64_b656; do
+    tune_row "$k" t512_ppb1_v16_u8_g4 1.000 1.00 \
+      "best beside busy; alone 1.10 GB/s; busy slowdown 1.010x"
+    tune_row "$k" dma 2.000 0.50 " beside busy; alone 0.60 GB/s; busy slowdown 1.000x"
+    if [[ -z "${STUB_NO_DMA_EACH:-}" ]]; then
+      tune_row "$k" dma-each 3.000 0.33 " beside busy; alone 0.40 GB/s; busy slowdown 1.000x"
+    fi
+  done
+  tune_row select_owner_pages_cp8_ps64 t256 0.010 - best
+  exit 0
+fi
+if [[ "$1" == bench && " $* " != *" --check "* ]]; then
+  echo "device: cuda stub"
+  bench_row deployment config kernel bytes ms GB/s base ratio baseline
+  bench_row nsa_ps64_cp8 default transfer_pages_h2d_pf_ps64_b656_t512_ppb1_v16_u8_g4 \
+    8192 1.000 1.00 1.00 1.00 cuMemcpyAsync
+  for n in 8192 65536; do
+    bench_row nsa_ps64_cp8 default select_owner_pages_cp8_ps64_t256 "$n" 0.010 0.82 0.16 5.12 \
+      rust_reference
+    bench_row nsa_ps64_cp8 tuned release_pages_cp8_t32 "$n" 0.011 0.74 1.60 0.46 rust_reference
+  done
+  exit 0
+fi
 if [[ -n "${STUB_NO_NVRTC:-}" && "$1" == info ]]; then
   echo "  NVRTC              not found: libnvrtc"
   for i in $(seq 1 20000); do echo "  line $i of a long report"; done
@@ -121,6 +155,85 @@ fn every_command_line_parses_with_the_real_binary() {
     assert_eq!(
         commands.into_iter().collect::<Vec<_>>(),
         ["bench", "compile", "info", "replay", "tune"]
+    );
+}
+
+/// Before its summary the script prints tune's transfer rows (both DMA candidates among them)
+/// and bench's select and release rows at 2,048 pages (8,192 bytes) unchanged, under the
+/// headers BENCHMARKS.md "gpu-check transfers" documents, and saves them as transfers.txt
+/// and allocator.txt; a DMA candidate missing from tune's rows is named.
+#[test]
+fn transfers_and_allocator_rows_come_before_the_summary() {
+    let dir = tempfile::tempdir().unwrap();
+    let (out, _) = run_script(dir.path(), &[]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    let summary = stdout.find("step       result").expect("table");
+    let transfers = stdout
+        .find("\ntransfers (tune): kernel  candidate  ms  GB/s-beside-busy  note\n")
+        .expect("transfers header");
+    let allocator = stdout
+        .find(
+            "\nallocator at 2,048 pages (bench): deployment  config  kernel  bytes  ms  GB/s  \
+             base  ratio  baseline\n",
+        )
+        .expect("allocator header");
+    assert!(transfers < allocator && allocator < summary, "{stdout}");
+    let section = |from: usize, to: usize| -> Vec<String> {
+        stdout[from..to]
+            .lines()
+            .skip(2)
+            .filter(|l| !l.is_empty())
+            .map(str::to_string)
+            .collect()
+    };
+    let rows = section(transfers, allocator);
+    let saved = std::fs::read_to_string(dir.path().join("out-/transfers.txt")).unwrap();
+    assert_eq!(rows, saved.lines().collect::<Vec<_>>(), "{stdout}");
+    for dir_ in ["h2d", "d2h"] {
+        for candidate in ["t512_ppb1_v16_u8_g4", "dma", "dma-each"] {
+            assert_eq!(
+                rows.iter()
+                    .filter(|l| {
+                        let f: Vec<&str> = l.split_whitespace().collect();
+                        f[0] == format!("transfer_pages_{dir_}_pf_ps64_b656") && f[1] == candidate
+                    })
+                    .count(),
+                1,
+                "{dir_} {candidate} in {rows:?}"
+            );
+        }
+    }
+    assert!(
+        rows.iter().all(|l| l.starts_with("transfer_pages_")),
+        "{rows:?}"
+    );
+    assert!(!stdout.contains("note: tune printed no"), "{stdout}");
+    let alloc = section(allocator, summary);
+    let saved = std::fs::read_to_string(dir.path().join("out-/allocator.txt")).unwrap();
+    assert_eq!(alloc, saved.lines().collect::<Vec<_>>(), "{stdout}");
+    let kernels: Vec<(&str, &str)> = alloc
+        .iter()
+        .map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f[2], f[3])
+        })
+        .collect();
+    assert_eq!(
+        kernels,
+        [
+            ("select_owner_pages_cp8_ps64_t256", "8192"),
+            ("release_pages_cp8_t32", "8192")
+        ],
+        "{stdout}"
+    );
+    // A tune table without one DMA candidate is named, not silently shorter.
+    let (out, _) = run_script(dir.path(), &[("STUB_NO_DMA_EACH", "1")]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("note: tune printed no 'dma-each' transfer row")
+            && !stdout.contains("note: tune printed no 'dma' transfer row"),
+        "{stdout}"
     );
 }
 

@@ -1,8 +1,8 @@
 //! The allocator's device lane stacks against its host mirror: an undo that cannot reach the
 //! device marks the allocator broken (typed error, healed by a successful restore), a restore
 //! from another layout names both layouts, and the cluster's lane check (which replay runs
-//! after a replay) catches device lanes that a kernel left out of step, and a select the
-//! device refused because of it.
+//! after a replay) catches device lanes that a kernel left out of step, and a select or a
+//! release the device refused because of it.
 
 mod hicache_support;
 
@@ -137,6 +137,49 @@ fn the_lane_check_reports_a_select_the_device_refused() {
     assert!(
         shown.contains("the device refused allocations its host mirror granted")
             && shown.contains("short by 1 page"),
+        "{shown}"
+    );
+}
+
+/// Drift the release kernel now catches itself. A select kernel that did nothing leaves
+/// the device lanes holding pages the mirror handed out; evicting them frees those pages
+/// again onto lanes that never gave them up, a double free as the device sees it. Each lane
+/// has one slot spare (33 pages: 16 per lane and the null page in 17 slots), so a lane
+/// that gets two pages back would overflow: the kernel used to drop the push past the
+/// capacity and clamp the top, so the lane silently lost a page; now it refuses the whole
+/// launch, and the lane check (serving and evicting read nothing back) reports the refusal
+/// with the lane and its overflow.
+#[test]
+fn the_lane_check_reports_a_release_the_device_refused() {
+    let spy = Spy::new();
+    let mut c = Setup::new(ModelShape::MlaBf16, 16, 2).build_on(spy.clone());
+    spy.skip_kernels(Some("select_owner_pages"));
+    // Four pages: two of each lane.
+    c.serve(&tokens(2, 4 * 16)).unwrap();
+    spy.skip_kernels(None);
+    assert!(spy.skipped() > 0);
+    c.evict_device_lru(usize::MAX).unwrap();
+    let err = c.check_device_lanes().unwrap_err();
+    match &err {
+        ClusterError::DeviceLanes {
+            rank: 0,
+            source: KernelAllocError::DeviceRefusedRelease { status, select },
+        } => {
+            assert!(status.refused >= 1, "{status}");
+            assert!(!status.full_lanes().is_empty(), "{status}");
+            assert!(
+                status.full_lanes().iter().all(|&(_, over)| over == 1),
+                "{status}"
+            );
+            assert_eq!(status.bad_pages, 0, "{status}");
+            assert!(select.is_clear(), "{select}");
+        }
+        other => panic!("{other}"),
+    }
+    let shown = err.to_string();
+    assert!(
+        shown.contains("the device refused frees its host mirror accepted")
+            && shown.contains("over its capacity by 1 page"),
         "{shown}"
     );
 }

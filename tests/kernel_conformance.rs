@@ -22,8 +22,8 @@ use cp_hicache::jit::Sanitize;
 use cp_hicache::kernels::reference;
 use cp_hicache::kernels::{
     transfer_regions, AllocSpec, BufferKind, CopyLaunch, Deployment, Direction, HostLayout,
-    KernelSpec, MaterialiseSpec, PoolShape, ReleaseSpec, SelectStatus, SynthSpec, TransferSpec,
-    VecWidth, VerifySpec,
+    KernelSpec, MaterialiseSpec, PoolShape, ReleaseSpec, ReleaseStatus, SelectStatus, SynthSpec,
+    TransferSpec, VecWidth, VerifySpec,
 };
 use cp_hicache::layout::CpLayout;
 use support::{
@@ -382,12 +382,14 @@ fn bad_argument_lists_are_refused_by_the_signature() {
     let pgb = b.bytes(&le32(&pages), 0);
     let sb = b.bytes(&le32(&stacks), 0);
     let tb = b.bytes(&le32(&tops), 0);
+    let stb = b.bytes(&[0; 4 * 6], 0);
     let good = [
         KernelArg::Ptr(pgb, 0),
         KernelArg::U32(pages.len() as u32),
         KernelArg::Ptr(sb, 0),
         KernelArg::Ptr(tb, 0),
         KernelArg::U32(lane_cap),
+        KernelArg::Ptr(stb, 0),
     ];
     let mut too_many = good.to_vec();
     too_many.push(KernelArg::U32(1));
@@ -400,7 +402,7 @@ fn bad_argument_lists_are_refused_by_the_signature() {
         ),
         (
             &too_many,
-            "argument 5 (a u32 of 4 bytes) follows the last parameter 4 `lane_cap`",
+            "argument 6 (a u32 of 4 bytes) follows the last parameter 5 `status`",
         ),
         (
             &u32_for_ptr,
@@ -440,10 +442,11 @@ fn bad_argument_lists_are_refused_by_the_signature() {
         assert_eq!(u32s(&b.read(sb)), stacks, "{want}: nothing ran");
     }
     b.ex.launch(kernel, &config, &good).unwrap();
-    let (mut ws, mut wt) = (stacks.clone(), tops.clone());
-    reference::release_pages(4, &pages, &mut ws, &mut wt, lane_cap).unwrap();
+    let (mut ws, mut wt, mut wst) = (stacks.clone(), tops.clone(), vec![0u32; 6]);
+    reference::release_pages(4, &pages, &mut ws, &mut wt, lane_cap, &mut wst).unwrap();
     assert_eq!(u32s(&b.read(sb)), ws);
     assert_eq!(u32s(&b.read(tb)), wt);
+    assert_eq!(u32s(&b.read(stb)), wst);
 }
 
 // Every spec kernel runs with each pointer argument in a buffer of exactly its parameter's
@@ -735,15 +738,22 @@ fn release_matches_reference() {
     }
 }
 
-/// Release of random pages (page 0 and foreign pages now and then, lanes overflowing)
-/// against the reference, with guard words after the stacks and the tops.
+/// Release of random pages against the reference, with guard words after the stacks, the
+/// tops and the status words, the kernel launched directly (nothing checks the pages
+/// first). Trials 0-3 fit: only lanes with room left get pages, all valid. Trial 4 overflows
+/// one lane by one or two pages, asked last (after full tiles of other lanes); trial 5 puts
+/// invalid pages (0, or a local index at or past `lane_cap`) anywhere, beside pages that
+/// would fit. Those two are refused whole: every stack slot and top stays as it was, and the
+/// status words, which may already hold counts (now and then near saturation), add the
+/// overflows and the invalid pages.
 fn check_release(b: &mut Bench, cp: u8, threads: u32, order: BlockOrder) {
     let spec = release_spec(cp, threads);
     let mut rng = Rng::new(&[2, u64::from(cp), order_id(order), u64::from(threads)]);
     let t = u64::from(threads);
     let cpn = u32::from(cp);
     for trial in 0..6u64 {
-        let lane_cap = rng.range(1, 600 / u64::from(cp) + 4) as u32;
+        // At least 2 slots, so that every lane (lane 0 too: page 0 is null) owns a page.
+        let lane_cap = rng.range(2, (3 * t + 100) / u64::from(cp) + 4) as u32;
         let stacks: Vec<u32> = (0..cpn * lane_cap)
             .map(|_| rng.below(1 << 20) as u32)
             .collect();
@@ -751,30 +761,68 @@ fn check_release(b: &mut Bench, cp: u8, threads: u32, order: BlockOrder) {
             .map(|_| {
                 if rng.one_in(8) {
                     lane_cap + rng.range(1, 5) as u32
+                } else if trial >= 2 {
+                    // Room for several tiles.
+                    rng.below(u64::from(lane_cap) / 4 + 1) as u32
                 } else {
                     rng.below(u64::from(lane_cap) + 1) as u32
                 }
             })
             .collect();
+        // A valid page of lane `o`: local index below the capacity, never page 0.
+        let page_of = |o: u32, rng: &mut Rng| {
+            let k = rng.below(u64::from(lane_cap)) as u32;
+            let k = if o == 0 && k == 0 { 1 } else { k };
+            o + cpn * k
+        };
         let n = match trial {
             0 => 0,
             1 => rng.below(t),
             _ => rng.range(t + 1, 3 * t + 50),
         } as usize;
-        // Pages of every lane, page 0 now and then, and enough of them that some
-        // pushes overflow their lane and are dropped.
-        let pages: Vec<u32> = (0..n)
-            .map(|_| {
-                if rng.one_in(16) {
-                    0
-                } else {
-                    rng.below(u64::from(cpn * lane_cap) * 2) as u32
+        // What each lane can take (tops clamped to the capacity, as the kernel does).
+        let mut room: Vec<u32> = tops.iter().map(|&x| lane_cap - x.min(lane_cap)).collect();
+        let mut pages: Vec<u32> = (0..n)
+            .map_while(|_| {
+                let open: Vec<u32> = (0..cpn).filter(|&o| room[o as usize] > 0).collect();
+                let o = *open.get(rng.below(open.len().max(1) as u64) as usize)?;
+                room[o as usize] -= 1;
+                Some(page_of(o, &mut rng))
+            })
+            .collect();
+        match trial {
+            4 => {
+                let o = rng.below(u64::from(cpn)) as u32;
+                let extra = room[o as usize] + rng.range(1, 2) as u32;
+                for _ in 0..extra {
+                    pages.push(page_of(o, &mut rng));
                 }
+            }
+            5 => {
+                for _ in 0..rng.range(1, 4) {
+                    let at = rng.below(pages.len() as u64 + 1) as usize;
+                    let bad = if rng.one_in(2) {
+                        0
+                    } else {
+                        rng.below(u64::from(cpn)) as u32 + cpn * (lane_cap + rng.below(3) as u32)
+                    };
+                    pages.insert(at, bad);
+                }
+            }
+            _ => {}
+        }
+        let n = pages.len();
+        let status: Vec<u32> = (0..cpn + 2)
+            .map(|_| match rng.below(4) {
+                0 => u32::MAX - rng.below(2) as u32,
+                1 => rng.below(1000) as u32,
+                _ => 0,
             })
             .collect();
         let pgb = b.bytes(&le32(&pages), GUARD);
         let sb = b.bytes(&le32(&stacks), 4 * GUARD);
         let tb = b.bytes(&le32(&tops), 4 * GUARD);
+        let stb = b.bytes(&le32(&status), 4 * GUARD);
         b.launch(
             &spec,
             1,
@@ -784,11 +832,19 @@ fn check_release(b: &mut Bench, cp: u8, threads: u32, order: BlockOrder) {
                 KernelArg::Ptr(sb, 0),
                 KernelArg::Ptr(tb, 0),
                 KernelArg::U32(lane_cap),
+                KernelArg::Ptr(stb, 0),
             ],
         );
-        let (mut ws, mut wt) = (stacks.clone(), tops.clone());
-        reference::release_pages(cp, &pages, &mut ws, &mut wt, lane_cap).unwrap();
+        let (mut ws, mut wt, mut wst) = (stacks.clone(), tops.clone(), status.clone());
+        reference::release_pages(cp, &pages, &mut ws, &mut wt, lane_cap, &mut wst).unwrap();
         let ctx = format!("{spec} {order} trial {trial} n {n} cap {lane_cap}");
+        // The cases are what they claim to be (the reference says so).
+        if trial < 4 {
+            assert_eq!(wst, status, "{ctx}: the release fits");
+        } else {
+            assert_eq!((&ws, &wt), (&stacks, &tops), "{ctx}: refused");
+            assert_eq!(wst[0], status[0].saturating_add(1), "{ctx}: refused");
+        }
         let got_s = b.read(sb);
         assert_eq!(u32s(&got_s[..ws.len() * 4]), ws, "lane_stacks: {ctx}");
         assert!(
@@ -800,6 +856,12 @@ fn check_release(b: &mut Bench, cp: u8, threads: u32, order: BlockOrder) {
         assert!(
             got_t[wt.len() * 4..].iter().all(|&x| x == POISON),
             "tops guard: {ctx}"
+        );
+        let got_st = b.read(stb);
+        assert_eq!(u32s(&got_st[..wst.len() * 4]), wst, "status: {ctx}");
+        assert!(
+            got_st[wst.len() * 4..].iter().all(|&x| x == POISON),
+            "status guard: {ctx}"
         );
     }
 }
@@ -1007,6 +1069,113 @@ fn select_refuses_a_shortage_the_mirror_missed() {
                 a.check_status().unwrap();
                 a.debug_check_device().unwrap();
             }
+        }
+    }
+}
+
+/// The release kernel guards all or nothing itself, past the host mirror's check: one device
+/// lane is made to hold more pages than the mirror counts (its top raised to the lane's
+/// capacity behind the mirror's back, what pushes from another stream, a double free, would
+/// leave), and a free the mirror accepts runs: every page taken from the other lanes (more
+/// than a tile from CP 2 on), then one to three of that lane's.
+/// The launch leaves every lane stack and top as it was and its status words record that
+/// lane's overflow alone. The free neither read back nor synchronised; `check_status` and
+/// `debug_check_device` report the refusal as a typed error naming the lane and its
+/// overflow (beside a clear select status), and `restore` clears it.
+#[test]
+fn release_refuses_an_overflow_the_mirror_missed() {
+    let jit = support::jit();
+    libs(); // compiled in the same warm-up as everything else
+    for order in ORDERS {
+        for cp in CPS {
+            let ps = 16;
+            let ex: Arc<dyn Executor> = Arc::new(support::executor(order));
+            let layout = CpLayout::new(u32::from(cp), ps, 300 + 7 * u32::from(cp)).unwrap();
+            let mut a = KernelLaneAllocator::new(
+                layout,
+                Arc::clone(&ex),
+                jit,
+                KernelAllocOptions::default(),
+            )
+            .unwrap();
+            let mut rng = Rng::new(&[7, u64::from(cp), order_id(order)]);
+            // Most pages of every lane are taken, in a random order.
+            let free = a.lane_free_counts();
+            let mut owners: Vec<u8> = (0..cp)
+                .flat_map(|o| std::iter::repeat_n(o, free[usize::from(o)] as usize * 9 / 10))
+                .collect();
+            for i in (1..owners.len()).rev() {
+                owners.swap(i, rng.below(i as u64 + 1) as usize);
+            }
+            let run = a.alloc_pages_with_owners(&owners).unwrap();
+            a.debug_check_device().unwrap();
+            let full = rng.below(u64::from(cp)) as u8;
+            let read32 = |b, offset, n: usize| {
+                let mut v = vec![0u8; 4 * n];
+                ex.read(b, offset, &mut v).unwrap();
+                u32s(&v)
+            };
+            let cpn = usize::from(cp);
+            let mut tops = read32(a.tops_buffer(), 0, cpn);
+            tops[usize::from(full)] = a.lane_cap();
+            ex.upload(a.tops_buffer(), 0, &le32(&tops)).unwrap();
+            let stacks = read32(a.stacks_buffer(), 0, cpn * a.lane_cap() as usize);
+            // Free k pages of the full lane, after every other page taken.
+            let of_full = |p: &&cp_hicache::layout::PageId| layout.owner(**p).0 == full;
+            let mut freed: Vec<_> = run
+                .run
+                .pages()
+                .iter()
+                .filter(|p| !of_full(p))
+                .copied()
+                .collect();
+            let theirs: Vec<_> = run.run.pages().iter().filter(of_full).copied().collect();
+            let k = rng.range(1, 3).min(theirs.len() as u64) as usize;
+            assert!(k > 0, "lane {full} gave pages");
+            freed.extend(&theirs[..k]);
+            let ctx = format!("cp{cp} {order}: lane {full} over by {k}");
+            let before = ex.counters();
+            a.free(&freed).unwrap();
+            let d = ex.counters().since(&before);
+            assert_eq!((d.stalls(), d.launches), (0, 1), "{ctx}: {d:?}");
+            // Nothing moved on the device.
+            assert_eq!(
+                read32(a.stacks_buffer(), 0, stacks.len()),
+                stacks,
+                "stacks: {ctx}"
+            );
+            assert_eq!(read32(a.tops_buffer(), 0, cpn), tops, "tops: {ctx}");
+            let mut overflows = vec![0u32; cpn];
+            overflows[usize::from(full)] = k as u32;
+            let want = ReleaseStatus {
+                refused: 1,
+                lane_overflows: overflows,
+                bad_pages: 0,
+            };
+            let words = read32(a.status_buffer(), a.release_status_offset(), cpn + 2);
+            assert_eq!(words, want.to_words(), "status: {ctx}");
+            for err in [a.check_status(), a.debug_check_device()] {
+                match err {
+                    Err(KernelAllocError::DeviceRefusedRelease { status, select }) => {
+                        assert_eq!(status, want, "{ctx}");
+                        assert!(select.is_clear(), "{ctx}: {select}");
+                    }
+                    other => panic!("{ctx}: {other:?}"),
+                }
+            }
+            let shown = a.check_status().unwrap_err().to_string();
+            let pages = if k == 1 { "page" } else { "pages" };
+            assert!(
+                shown.contains(&format!(
+                    "1 release launch refused: lane {full} over its capacity by {k} {pages}; \
+                     no select launch refused"
+                )),
+                "{ctx}: {shown}"
+            );
+            // A known state clears it.
+            a.restore(a.mirror().clone()).unwrap();
+            a.check_status().unwrap();
+            a.debug_check_device().unwrap();
         }
     }
 }

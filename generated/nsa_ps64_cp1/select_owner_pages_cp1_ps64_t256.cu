@@ -51,7 +51,8 @@ static __device__ inline u32 chc_tile_rank(u32 o, u32* s_warp_cnt, u32* s_base)
     return rank;
 }
 
-// a + b, saturating at 2^32 - 1 (the status words count; they must not wrap back to "clear").
+// a + b, saturating at 2^32 - 1 (the allocator kernels' status words count; they must not
+// wrap back to "clear").
 static __device__ inline u32 chc_sat_add(u32 a, u32 b)
 {
     const u32 s = a + b;

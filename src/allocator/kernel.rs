@@ -25,6 +25,14 @@
 //! synchronises anyway (and [`KernelLaneAllocator::debug_check_device`] starts with it), and
 //! a refusal is [`KernelAllocError::DeviceRefused`].
 //!
+//! The release kernel guards the same way: if a free would push more pages onto a device
+//! lane than it has slots (the device lanes hold more pages than the mirror counts: a double
+//! free, or pages pushed behind the allocator's back), or names an invalid page, the launch
+//! changes no lane top and no stack slot and records the overflow in its own status words
+//! ([`ReleaseStatus`], beside the select's in the same buffer), which
+//! [`KernelLaneAllocator::check_status`] reads in the same read and reports as
+//! [`KernelAllocError::DeviceRefusedRelease`].
+//!
 //! One stream: every launch and upload that touches an allocator's lanes goes through the one
 //! executor it was built with (executors are one ordered stream, docs/KERNELS.md "One stream
 //! per rank's allocator"); the lane buffers and kernels are handles of that executor, which
@@ -35,7 +43,9 @@ use std::sync::Arc;
 use super::{AllocError, OwnerLaneAllocator, PageRun, StateDigest};
 use crate::exec::{BufferId, ExecError, Executor, KernelArg, KernelId, LaunchConfig, MemKind};
 use crate::jit::{spec_request, target_for, Arch, Jit, JitError, Sanitize};
-use crate::kernels::{AllocSpec, KernelError, KernelSpec, ReleaseSpec, SelectStatus};
+use crate::kernels::{
+    AllocSpec, KernelError, KernelSpec, ReleaseSpec, ReleaseStatus, SelectStatus,
+};
 use crate::layout::{CpLayout, PageId, Rank};
 
 /// Poison byte of freshly allocated output buffers (docs/KERNELS.md).
@@ -77,6 +87,24 @@ pub enum KernelAllocError {
     DeviceRefused {
         /// The status words: refused launches, each lane's deficit, bad owners.
         status: SelectStatus,
+    },
+    /// The release kernel refused frees that the host mirror had accepted (found by
+    /// [`KernelLaneAllocator::check_status`], which reports this before a select refusal:
+    /// a refused release leaves the device lanes short of pages the mirror counts free, so a
+    /// later select may be refused for it). A device lane had no room for the pages freed
+    /// onto it, so it held more pages than the mirror counted (a double free, or pages pushed
+    /// behind the allocator's back), or a page was invalid. The refused launches changed no
+    /// lane top and no stack slot; the status stays set until
+    /// [`KernelLaneAllocator::restore`] uploads a whole state.
+    #[error(
+        "the device refused frees its host mirror accepted ({status}; {select}); the device \
+         lanes and the mirror have drifted apart: restore the allocator from a known state"
+    )]
+    DeviceRefusedRelease {
+        /// The release status words: refused launches, each lane's overflow, invalid pages.
+        status: ReleaseStatus,
+        /// The select status words, read in the same read (often clear).
+        select: SelectStatus,
     },
     /// An earlier failure could not be undone on the device (re-uploading the mirror failed),
     /// so the device lanes may differ from the mirror; nothing is launched until
@@ -220,7 +248,8 @@ pub struct BufferSizes {
     pub stacks: u64,
     /// Lane tops: 4 bytes per lane.
     pub tops: u64,
-    /// The select kernel's status words: 4 bytes per lane, plus 8.
+    /// The status words of the select kernel, then of the release kernel: 4 bytes per lane,
+    /// plus 8, each.
     pub status: u64,
     /// Owners of a request: 1 byte per page.
     pub owners_in: u64,
@@ -240,7 +269,7 @@ impl BufferSizes {
         BufferSizes {
             stacks: 4 * cp * u64::from(layout.local_pages_per_rank()),
             tops: 4 * cp,
-            status: 4 * SelectStatus::words(layout.cp()) as u64,
+            status: 4 * status_words(layout.cp()) as u64,
             owners_in: growable(pages),
             pages_in: growable(4 * pages),
             out_pages: growable(4 * pages),
@@ -300,7 +329,8 @@ pub struct KernelLaneAllocator {
     lane_cap: u32,
     stacks: BufferId,
     tops: BufferId,
-    /// `u32 status[CP + 2]`, the select kernel's refusals ([`SelectStatus`]).
+    /// `u32 status[2 * (CP + 2)]`: the select kernel's refusals ([`SelectStatus`]), then the
+    /// release kernel's ([`ReleaseStatus`]).
     status: BufferId,
     owners_in: Growable,
     pages_in: Growable,
@@ -438,27 +468,43 @@ impl KernelLaneAllocator {
         self.tops
     }
 
-    /// `u32 status[CP + 2]` in executor memory: the select kernel's refusals
-    /// ([`SelectStatus`]).
+    /// `u32 status[2 * (CP + 2)]` in executor memory: the select kernel's refusals
+    /// ([`SelectStatus`]) from offset 0, then the release kernel's ([`ReleaseStatus`]) from
+    /// [`release_status_offset`](Self::release_status_offset). One buffer, so that
+    /// [`check_status`](Self::check_status) reads both in one read.
     pub fn status_buffer(&self) -> BufferId {
         self.status
     }
 
-    /// Reads the select kernel's status words back (one counted read, which waits for the
-    /// launches before it: call it where the caller synchronises anyway, never on the load
-    /// path) and returns [`KernelAllocError::DeviceRefused`] naming the lanes and their
-    /// deficits when some select launch was refused on the device. The status stays set until
-    /// [`restore`](Self::restore).
+    /// Byte offset of the release kernel's status words in
+    /// [`status_buffer`](Self::status_buffer).
+    pub fn release_status_offset(&self) -> u64 {
+        release_status_offset(self.layout().cp())
+    }
+
+    /// Reads the status words of the select and release kernels back (one counted read,
+    /// which waits for the launches before it: call it where the caller synchronises anyway,
+    /// never on the load path). Some release launch refused on the device is
+    /// [`KernelAllocError::DeviceRefusedRelease`], naming the lanes and their overflows;
+    /// otherwise some select launch refused is [`KernelAllocError::DeviceRefused`], naming the
+    /// lanes and their deficits. The status stays set until [`restore`](Self::restore).
     pub fn check_status(&self) -> Result<(), KernelAllocError> {
-        let words = self.read_u32(self.status, SelectStatus::words(self.layout().cp()))?;
-        let status =
-            SelectStatus::from_words(&words).ok_or_else(|| KernelAllocError::DeviceMismatch {
-                what: format!("the select status has {} words", words.len()),
-            })?;
-        if status.is_clear() {
-            Ok(())
+        let cp = self.layout().cp();
+        let words = self.read_u32(self.status, status_words(cp))?;
+        let (select, release) = words.split_at(SelectStatus::words(cp));
+        let malformed = |what: &str, n: usize| KernelAllocError::DeviceMismatch {
+            what: format!("the {what} status has {n} words"),
+        };
+        let select =
+            SelectStatus::from_words(select).ok_or_else(|| malformed("select", select.len()))?;
+        let status = ReleaseStatus::from_words(release)
+            .ok_or_else(|| malformed("release", release.len()))?;
+        if !status.is_clear() {
+            Err(KernelAllocError::DeviceRefusedRelease { status, select })
+        } else if !select.is_clear() {
+            Err(KernelAllocError::DeviceRefused { status: select })
         } else {
-            Err(KernelAllocError::DeviceRefused { status })
+            Ok(())
         }
     }
 
@@ -553,10 +599,11 @@ impl KernelLaneAllocator {
         Ok(())
     }
 
-    /// Reads the select kernel's status ([`check_status`](Self::check_status)), then the
-    /// device stacks and tops back (counted reads: tests, debugging, and once after a replay)
-    /// and compares them with the mirror. A refused launch is reported as
-    /// [`KernelAllocError::DeviceRefused`], before the difference it left in the lanes.
+    /// Reads the select and release kernels' status ([`check_status`](Self::check_status)),
+    /// then the device stacks and tops back (counted reads: tests, debugging, and once after a
+    /// replay) and compares them with the mirror. A refused launch is reported as
+    /// [`KernelAllocError::DeviceRefusedRelease`] or [`KernelAllocError::DeviceRefused`],
+    /// before the difference it left in the lanes.
     pub fn debug_check_device(&self) -> Result<(), KernelAllocError> {
         self.check_status()?;
         let cp = self.layout().cp();
@@ -657,6 +704,7 @@ impl KernelLaneAllocator {
                 KernelArg::Ptr(self.stacks, 0),
                 KernelArg::Ptr(self.tops, 0),
                 KernelArg::U32(self.lane_cap),
+                KernelArg::Ptr(self.status, self.release_status_offset()),
             ],
         )
     }
@@ -682,7 +730,8 @@ impl KernelLaneAllocator {
 
     /// Rolls the allocator back to `mirror` (an earlier state of this allocator, e.g. a
     /// snapshot taken before a request that failed) and re-uploads it to the device lanes,
-    /// and clears the select kernel's status (the lanes are a known state again).
+    /// and clears the select and release kernels' status (the lanes are a known state
+    /// again).
     /// A successful restore also heals a broken allocator; a failed upload leaves it broken.
     pub fn restore(&mut self, mirror: OwnerLaneAllocator) -> Result<(), KernelAllocError> {
         if mirror.layout() != self.mirror.layout() {
@@ -692,7 +741,7 @@ impl KernelLaneAllocator {
             });
         }
         self.mirror = mirror;
-        let clear = vec![0u8; 4 * SelectStatus::words(self.layout().cp())];
+        let clear = vec![0u8; 4 * status_words(self.layout().cp())];
         if let Err(e) = self
             .upload_state()
             .and_then(|()| self.exec.upload(self.status, 0, &clear))
@@ -719,6 +768,16 @@ impl KernelLaneAllocator {
             ));
         }
     }
+}
+
+/// Words of an allocator's status buffer: the select kernel's, then the release kernel's.
+fn status_words(cp: u8) -> usize {
+    SelectStatus::words(cp) + ReleaseStatus::words(cp)
+}
+
+/// Byte offset of the release kernel's words in an allocator's status buffer.
+fn release_status_offset(cp: u8) -> u64 {
+    4 * SelectStatus::words(cp) as u64
 }
 
 /// Reports an undo that failed after a failed launch (only a debug invariant check can fail

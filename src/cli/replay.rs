@@ -113,10 +113,12 @@ pub struct ReplayArgs {
     /// it exists (the report names the file), else the default launch shapes run.
     #[arg(long, value_name = "FILE")]
     pub tuning: Option<PathBuf>,
-    /// How pages move between host and device: `kernel` (the transfer kernel) or `dma`
-    /// (copy regions: batched cuMemcpyAsync on a GPU, memcpy on the CPU). Default: what the
-    /// tuning file chose, else the kernel.
-    #[arg(long, value_name = "kernel|dma", value_parser = parse_transfer_path)]
+    /// How pages move between host and device: `kernel` (the transfer kernel), `dma` (copy
+    /// regions: one cuMemcpyBatchAsync per batch on a GPU whose driver has it, else one
+    /// cuMemcpyAsync per merged region; memcpy on the CPU) or `dma-each` (one cuMemcpyAsync
+    /// per merged region even where the batch call exists). Default: what the tuning file
+    /// chose, else the kernel.
+    #[arg(long, value_name = "kernel|dma|dma-each", value_parser = parse_transfer_path)]
     pub transfer: Option<TransferPath>,
     /// Also write the report as JSON to FILE.
     #[arg(long, value_name = "FILE")]
@@ -1002,11 +1004,11 @@ mod tests {
         };
         let (cp, page) = (8u64, 64u64);
         let need = MemoryNeed::new(&config, Backend::Host).unwrap();
-        // Per rank: stacks, inputs and outputs per page; the lane tops; the select status
-        // words (CP + 2).
+        // Per rank: stacks, inputs and outputs per page; the lane tops; the select and the
+        // release status words (CP + 2 each).
         assert_eq!(
             need.allocators,
-            cp * (8 * page + 13) * 4096 + cp * 4 * cp + cp * 4 * (cp + 2)
+            cp * (8 * page + 13) * 4096 + cp * 4 * cp + cp * 2 * 4 * (cp + 2)
         );
         assert_eq!(need.mirrors, cp * (4 * 4096 + 4096 / 8));
         assert_eq!(

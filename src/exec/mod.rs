@@ -628,6 +628,29 @@ impl fmt::Display for CopyRegion {
     }
 }
 
+/// How an executor issues a merged DMA batch ([`Executor::copy_regions_with`]). `tune` times
+/// both on a GPU (candidates `dma` and `dma-each`), and a deployment's
+/// [`TransferPath`](crate::kernels::TransferPath) names the one it takes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum DmaMode {
+    /// The whole batch in one call where the executor has one (`cuMemcpyBatchAsync`, CUDA
+    /// 12.8+: [`Executor::batched_copies`]); elsewhere the same as [`DmaMode::PerRegion`].
+    #[default]
+    Batched,
+    /// One call per merged region (`cuMemcpyAsync` each on CUDA, `memcpy` each on the host
+    /// executor), even where a batch call exists.
+    PerRegion,
+}
+
+impl fmt::Display for DmaMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DmaMode::Batched => "batched",
+            DmaMode::PerRegion => "per-region",
+        })
+    }
+}
+
 /// The regions of a copy batch with neighbours merged: a region whose source and destination
 /// both start where another's end becomes one longer region, so a batch of page blobs issues
 /// one copy per contiguous run, not one per blob (2,048 pages × 61 layers would otherwise be
@@ -1020,12 +1043,38 @@ pub trait Executor: Send + Sync {
     /// host executor). Device and host buffers may be mixed freely. All regions are checked
     /// before any is copied ([`ExecError::OutOfBounds`], [`ExecError::OverlappingCopy`]), so a
     /// rejected batch changes nothing. Counted in [`Counters::copies`].
+    /// The same as [`copy_regions_with`](Executor::copy_regions_with) with
+    /// [`DmaMode::Batched`].
     fn copy_regions(
         &self,
         src: BufferId,
         dst: BufferId,
         regions: &[CopyRegion],
     ) -> Result<(), ExecError>;
+
+    /// [`copy_regions`](Executor::copy_regions), issuing the merged batch as `mode` says, so
+    /// that `tune` can time one batch call against one call per region on the same GPU. The
+    /// default ignores `mode`: right for an executor whose batch is one call per region
+    /// anyway ([`batched_copies`](Executor::batched_copies) false). An executor that batches,
+    /// and a wrapper around one, implements it (and `batched_copies`).
+    fn copy_regions_with(
+        &self,
+        src: BufferId,
+        dst: BufferId,
+        regions: &[CopyRegion],
+        mode: DmaMode,
+    ) -> Result<(), ExecError> {
+        let _ = mode;
+        self.copy_regions(src, dst, regions)
+    }
+
+    /// Whether [`DmaMode::Batched`] issues a batch of more than one merged region as one call
+    /// (the CUDA executor on a driver that exports `cuMemcpyBatchAsync`). When false both
+    /// modes issue one call per merged region, so `tune` times them once, not twice under
+    /// two names.
+    fn batched_copies(&self) -> bool {
+        false
+    }
 
     /// Writes `byte` over every `(offset, len)` range of `buffer`, stream-ordered after
     /// earlier work and without synchronising: `cuMemsetD8Async` on CUDA device memory,
@@ -1213,7 +1262,7 @@ mod tests {
         let spec = KernelSpec::ReleasePages(ReleaseSpec { cp: 2, threads: 32 });
         let sig = spec.signature();
         let resolve = |b: BufferId| match b.0 {
-            1..=3 => Ok((0x1000 * b.0, 64)),
+            1..=4 => Ok((0x1000 * b.0, 64)),
             _ => Err(ExecError::UnknownBuffer(b)),
         };
         let message = |r: Result<Vec<Vec<u8>>, ExecError>| match r {
@@ -1225,8 +1274,8 @@ mod tests {
             other => panic!("{other:?}"),
         };
         // Release of 2 pages over 2 lanes of `lane_cap` slots: 8 bytes of pages, 8 ×
-        // lane_cap bytes of stacks, 8 bytes of tops, each in a buffer of its own (the
-        // written stacks and tops must not alias another pointer).
+        // lane_cap bytes of stacks, 8 bytes of tops, 16 of status words, each in a buffer of
+        // its own (the written stacks, tops and status must not alias another pointer).
         let release = |stacks_offset: u64, lane_cap: u32| {
             [
                 KernelArg::Ptr(BufferId(2), 0),
@@ -1234,6 +1283,7 @@ mod tests {
                 KernelArg::Ptr(BufferId(1), stacks_offset),
                 KernelArg::Ptr(BufferId(3), 0),
                 KernelArg::U32(lane_cap),
+                KernelArg::Ptr(BufferId(4), 0),
             ]
         };
         assert_eq!(

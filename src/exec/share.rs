@@ -9,7 +9,7 @@
 //! executors already serialise their calls, so this costs no parallelism).
 
 use super::{
-    Backend, BufferId, CopyRegion, Counters, EventId, ExecError, Executor, KernelArg,
+    Backend, BufferId, CopyRegion, Counters, DmaMode, EventId, ExecError, Executor, KernelArg,
     KernelArtifact, KernelId, LaunchConfig, MemKind,
 };
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -116,6 +116,18 @@ impl Executor for RankView {
         regions: &[CopyRegion],
     ) -> Result<(), ExecError> {
         self.counted(|e| e.copy_regions(src, dst, regions))
+    }
+    fn copy_regions_with(
+        &self,
+        src: BufferId,
+        dst: BufferId,
+        regions: &[CopyRegion],
+        mode: DmaMode,
+    ) -> Result<(), ExecError> {
+        self.counted(|e| e.copy_regions_with(src, dst, regions, mode))
+    }
+    fn batched_copies(&self) -> bool {
+        self.inner.batched_copies()
     }
     fn fill(&self, buffer: BufferId, ranges: &[(u64, u64)], byte: u8) -> Result<(), ExecError> {
         self.counted(|e| e.fill(buffer, ranges, byte))

@@ -235,6 +235,7 @@ mod tests {
             KernelArg::Ptr(BufferId(2), 0),
             KernelArg::Ptr(BufferId(3), 0),
             KernelArg::U32(8),
+            KernelArg::Ptr(BufferId(4), 0),
         ]
     }
 
@@ -275,7 +276,7 @@ mod tests {
             crate::exec::marshal_args(&name, Some(sig), args, resolve).map(|_| ())
         };
         // pages (read, 4 × n = 12 bytes), lane_stacks (written, 4·CP × lane_cap = 128),
-        // lane_tops (written, 4·CP = 16).
+        // lane_tops (written, 4·CP = 16), status (written, 4·(CP + 2) = 24).
         let mut args = good_args();
         args[2] = KernelArg::Ptr(BufferId(1), 8);
         let msg = invalid(&name, marshal(&sig, &args));
@@ -295,6 +296,14 @@ mod tests {
             "{msg}"
         );
         args[3] = KernelArg::Ptr(BufferId(1), 140);
+        marshal(&sig, &args).unwrap();
+        args[5] = KernelArg::Ptr(BufferId(1), 152);
+        let msg = invalid(&name, marshal(&sig, &args));
+        assert!(
+            msg.starts_with("parameter 3 `lane_tops` (written) overlaps parameter 5 `status`"),
+            "{msg}"
+        );
+        args[5] = KernelArg::Ptr(BufferId(1), 156);
         marshal(&sig, &args).unwrap();
         // With n = 0 the pages reach nothing, so they may point into the stacks.
         args[0] = KernelArg::Ptr(BufferId(1), 20);
@@ -346,18 +355,18 @@ mod tests {
             .marshal(&fail, |_| Ok((0x1000, 1 << 20)))
             .map(|bytes| bytes.len())
         };
-        let msg = invalid(&name, run(None, false, 5).map(|_| ()));
+        let msg = invalid(&name, run(None, false, 6).map(|_| ()));
         assert!(msg.contains("only `launch_unchecked` runs it"), "{msg}");
-        let msg = invalid(&name, run(Some(&sig), false, 4).map(|_| ()));
+        let msg = invalid(&name, run(Some(&sig), false, 5).map(|_| ()));
         assert!(msg.contains("no argument given"), "{msg}");
         assert!(
             fail.load(Ordering::SeqCst),
             "refused launches leave the failure armed"
         );
-        let e = run(Some(&sig), false, 5).unwrap_err();
+        let e = run(Some(&sig), false, 6).unwrap_err();
         assert_eq!(e.launch_failure(), Some(LaunchFailure::Injected));
-        assert_eq!(run(Some(&sig), false, 5).unwrap(), 5);
-        assert_eq!(run(None, true, 5).unwrap(), 5);
+        assert_eq!(run(Some(&sig), false, 6).unwrap(), 6);
+        assert_eq!(run(None, true, 6).unwrap(), 6);
     }
 
     #[test]
@@ -371,7 +380,7 @@ mod tests {
         assert_eq!(
             msg,
             "parameter 4 `lane_cap` (u32) takes 4 bytes, no argument given \
-             (4 arguments for 5 parameters)"
+             (4 arguments for 6 parameters)"
         );
         let err = check_signature(&name, Some(&sig), &shape(&sig), args).unwrap_err();
         assert!(err.to_string().contains(&name), "{err}");
@@ -388,8 +397,8 @@ mod tests {
         );
         assert_eq!(
             msg,
-            "argument 5 (a u64 of 8 bytes) follows the last parameter 4 `lane_cap` \
-             (6 arguments for 5 parameters)"
+            "argument 6 (a u64 of 8 bytes) follows the last parameter 5 `status` \
+             (7 arguments for 6 parameters)"
         );
         let msg = invalid(
             "k",
@@ -434,7 +443,7 @@ mod tests {
     #[test]
     fn null_is_refused_for_every_pointer_parameter() {
         let (name, sig) = release();
-        for i in [0, 2, 3] {
+        for i in [0, 2, 3, 5] {
             let mut args = good_args();
             args[i] = KernelArg::Null;
             let msg = invalid(
@@ -463,7 +472,7 @@ mod tests {
         assert_eq!(
             msg,
             "parameter 1 `n` (u32) takes 4 bytes, argument 1 is a pointer of 8 bytes \
-             (4 arguments for 5 parameters)"
+             (5 arguments for 6 parameters)"
         );
     }
 

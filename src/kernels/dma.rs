@@ -13,7 +13,7 @@ use std::str::FromStr;
 
 use super::reference::{device_offset, host_offset};
 use super::{Direction, TransferSpec};
-use crate::exec::CopyRegion;
+use crate::exec::{CopyRegion, DmaMode};
 
 /// How a deployment moves pages between host and device pools.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -22,8 +22,23 @@ pub enum TransferPath {
     #[default]
     Kernel,
     /// Copy-engine transfers: the contiguous runs of page blobs in one `cuMemcpyBatchAsync`
-    /// (CUDA 12.8+), or one `cuMemcpyAsync` per run on older drivers.
+    /// (CUDA 12.8+), or one `cuMemcpyAsync` per run on older drivers ([`DmaMode::Batched`]).
     Dma,
+    /// Copy-engine transfers, one `cuMemcpyAsync` per contiguous run even where the driver
+    /// has `cuMemcpyBatchAsync` ([`DmaMode::PerRegion`]): what `tune` picks when its
+    /// candidate `dma-each` beats both the batch and the kernel.
+    DmaEach,
+}
+
+impl TransferPath {
+    /// How the DMA path issues its copies, or `None` for the kernel path.
+    pub fn dma_mode(self) -> Option<DmaMode> {
+        match self {
+            TransferPath::Kernel => None,
+            TransferPath::Dma => Some(DmaMode::Batched),
+            TransferPath::DmaEach => Some(DmaMode::PerRegion),
+        }
+    }
 }
 
 impl fmt::Display for TransferPath {
@@ -31,6 +46,7 @@ impl fmt::Display for TransferPath {
         f.write_str(match self {
             TransferPath::Kernel => "kernel",
             TransferPath::Dma => "dma",
+            TransferPath::DmaEach => "dma-each",
         })
     }
 }
@@ -41,8 +57,9 @@ impl FromStr for TransferPath {
         match s.trim().to_ascii_lowercase().as_str() {
             "kernel" => Ok(TransferPath::Kernel),
             "dma" => Ok(TransferPath::Dma),
+            "dma-each" => Ok(TransferPath::DmaEach),
             other => Err(format!(
-                "unknown transfer path `{other}`: expected kernel or dma"
+                "unknown transfer path `{other}`: expected kernel, dma or dma-each"
             )),
         }
     }
@@ -339,6 +356,15 @@ mod tests {
     fn transfer_path_parses() {
         assert_eq!("DMA".parse::<TransferPath>(), Ok(TransferPath::Dma));
         assert_eq!(TransferPath::default().to_string(), "kernel");
+        for p in [
+            TransferPath::Kernel,
+            TransferPath::Dma,
+            TransferPath::DmaEach,
+        ] {
+            assert_eq!(p.to_string().parse::<TransferPath>(), Ok(p));
+        }
+        assert_eq!(TransferPath::DmaEach.dma_mode(), Some(DmaMode::PerRegion));
+        assert_eq!(TransferPath::Kernel.dma_mode(), None);
         assert!("pcie".parse::<TransferPath>().is_err());
     }
 }

@@ -30,8 +30,8 @@ pub use render::{diff_tree, plan_tree, render_tree, sources_digest, TreeDiff, RE
 pub use spec::{
     AllocSpec, Arrangement, BufferKind, BusySpec, CopyLaunch, Direction, Dtype, Family,
     FieldLayout, HostLayout, KernelParam, KernelSignature, KernelSpec, LaunchDims, MaterialiseSpec,
-    Reach, ReachError, ReleaseSpec, SelectStatus, SynthSpec, TransferSpec, VecWidth, VerifySpec,
-    GPU_TRANSFER_BLOCKS, GPU_TRANSFER_THREADS, GPU_TRANSFER_UNROLL, TRANSFER_GRID_CAPS,
+    Reach, ReachError, ReleaseSpec, ReleaseStatus, SelectStatus, SynthSpec, TransferSpec, VecWidth,
+    VerifySpec, GPU_TRANSFER_BLOCKS, GPU_TRANSFER_THREADS, GPU_TRANSFER_UNROLL, TRANSFER_GRID_CAPS,
 };
 
 use std::path::PathBuf;

@@ -260,14 +260,22 @@ pub fn select_owner_pages(
     Ok((pages, locs))
 }
 
-/// `release_pages`: pushes each page onto lane `page % cp` in input order; page 0 and
-/// pushes past `lane_cap` are skipped; tops are clamped to `lane_cap`.
+/// `release_pages`: pushes each page onto lane `page % cp` in input order. Tops are first
+/// clamped to `lane_cap` (and written back clamped).
+///
+/// All or nothing: when some page is invalid (0, or a local index `page / cp >= lane_cap`)
+/// or some lane would hold more than `lane_cap` pages, the launch is refused: `lane_stacks`
+/// and `lane_tops` are left as they were, and `status` (the kernel's `u32[cp + 2]` status
+/// words, [`ReleaseStatus`](super::ReleaseStatus)) adds 1 refused launch, the pages each lane
+/// had no room for and the number of invalid pages, saturating. A launch that is not refused
+/// leaves `status` alone.
 pub fn release_pages(
     cp: u8,
     pages: &[u32],
     lane_stacks: &mut [u32],
     lane_tops: &mut [u32],
     lane_cap: u32,
+    status: &mut [u32],
 ) -> Result<(), ReferenceError> {
     let cpn = check_cp(cp)?;
     need("lane_tops", lane_tops, u64::from(cpn))?;
@@ -276,24 +284,42 @@ pub fn release_pages(
         lane_stacks,
         u64::from(cpn) * u64::from(lane_cap),
     )?;
+    need("status", status, u64::from(cpn) + 2)?;
     let tops: Vec<u32> = lane_tops[..cpn as usize]
         .iter()
         .map(|&t| t.min(lane_cap))
         .collect();
-    let mut pushed = vec![0u32; cpn as usize];
+    let lane = |p: u32| (p != 0 && p / cpn < lane_cap).then_some((p % cpn) as usize);
+    let mut counts = vec![0u32; cpn as usize];
+    let mut bad_pages = 0u32;
     for &p in pages {
-        if p == 0 {
-            continue;
+        match lane(p) {
+            Some(o) => counts[o] += 1,
+            None => bad_pages += 1,
         }
-        let o = (p % cpn) as usize;
-        let slot = u64::from(tops[o]) + u64::from(pushed[o]);
-        if slot < u64::from(lane_cap) {
-            lane_stacks[o * lane_cap as usize + slot as usize] = p;
+    }
+    let overflows: Vec<u32> = counts
+        .iter()
+        .zip(&tops)
+        .map(|(&c, &t)| c.saturating_sub(lane_cap - t))
+        .collect();
+    if bad_pages > 0 || overflows.iter().any(|&o| o > 0) {
+        status[0] = status[0].saturating_add(1);
+        for (w, o) in status[1..=cpn as usize].iter_mut().zip(&overflows) {
+            *w = w.saturating_add(*o);
         }
+        let last = cpn as usize + 1;
+        status[last] = status[last].saturating_add(bad_pages);
+        return Ok(());
+    }
+    let mut pushed = vec![0u32; cpn as usize];
+    for (o, p) in pages.iter().filter_map(|&p| lane(p).map(|o| (o, p))) {
+        let slot = tops[o] + pushed[o];
+        lane_stacks[o * lane_cap as usize + slot as usize] = p;
         pushed[o] += 1;
     }
     for o in 0..cpn as usize {
-        lane_tops[o] = (u64::from(tops[o]) + u64::from(pushed[o])).min(u64::from(lane_cap)) as u32;
+        lane_tops[o] = tops[o] + pushed[o];
     }
     Ok(())
 }
@@ -701,8 +727,39 @@ mod tests {
         assert_eq!(status, [0; 6], "a granted launch leaves the status alone");
         // Releasing in reverse order restores the stacks exactly.
         let rev: Vec<u32> = pages.iter().rev().copied().collect();
-        release_pages(cp, &rev, &mut stacks, &mut tops, cap).unwrap();
+        release_pages(cp, &rev, &mut stacks, &mut tops, cap, &mut status).unwrap();
         assert_eq!((stacks, tops), (stacks0, tops0));
+        assert_eq!(status, [0; 6], "a granted release leaves the status alone");
+    }
+
+    #[test]
+    fn an_overflowing_lane_or_an_invalid_page_refuses_the_whole_release() {
+        // Two lanes of 2 slots: lane 0 holds page 2 (one slot free), lane 1 is empty.
+        let stacks0 = vec![2u32, 7, 9, 9];
+        let tops0 = vec![1u32, 0];
+        let mut status = vec![0u32; 4];
+        // Lane 0 gets page 2 twice (a double free: it already holds it) and has room for
+        // one: lane 1's page is not pushed either.
+        let (mut stacks, mut tops) = (stacks0.clone(), tops0.clone());
+        release_pages(2, &[2, 1, 2], &mut stacks, &mut tops, 2, &mut status).unwrap();
+        assert_eq!((&stacks, &tops), (&stacks0, &tops0));
+        assert_eq!(status, [1, 1, 0, 0]);
+        // Page 0, and page 4 (local index 2 of a 2-slot lane), are invalid even where every
+        // lane has room; the words add up, saturating.
+        status[3] = u32::MAX - 1;
+        release_pages(2, &[3, 0, 4], &mut stacks, &mut tops, 2, &mut status).unwrap();
+        assert_eq!((&stacks, &tops), (&stacks0, &tops0));
+        assert_eq!(status, [2, 1, 0, u32::MAX]);
+        // What fits is pushed in input order, and the status stays as it was.
+        release_pages(2, &[1, 3], &mut stacks, &mut tops, 2, &mut status).unwrap();
+        assert_eq!(stacks, [2, 7, 1, 3]);
+        assert_eq!(tops, [1, 2]);
+        assert_eq!(status, [2, 1, 0, u32::MAX]);
+        // Tops beyond the capacity are clamped first: a full lane refuses one more page.
+        let mut tops = vec![5u32, 0];
+        release_pages(2, &[2], &mut stacks, &mut tops, 2, &mut status).unwrap();
+        assert_eq!(tops, [5, 0], "a refused release changes no top");
+        assert_eq!(status, [3, 2, 0, u32::MAX]);
     }
 
     #[test]

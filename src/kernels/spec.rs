@@ -578,8 +578,6 @@ impl fmt::Display for SelectStatus {
         if self.is_clear() {
             return f.write_str("no select launch refused");
         }
-        let plural =
-            |n: u32, one: &'static str, many: &'static str| if n == 1 { one } else { many };
         write!(
             f,
             "{} select {} refused",
@@ -612,6 +610,139 @@ pub struct ReleaseSpec {
     pub cp: u8,
     /// Threads of the single block.
     pub threads: u32,
+}
+
+impl ReleaseSpec {
+    /// Words of the kernel's `status` array: [`ReleaseStatus::words`] at this CP.
+    pub fn status_words(&self) -> usize {
+        ReleaseStatus::words(self.cp)
+    }
+}
+
+/// The release kernel's status words, `u32 status[CP + 2]` in device memory
+/// (docs/KERNELS.md "release_pages"), laid out like [`SelectStatus`]: what every refused
+/// release launch added up since the host last cleared them. A launch is refused, all or
+/// nothing, when a lane would hold more than `lane_cap` pages or a page is invalid (page 0,
+/// or a local index `page / CP >= lane_cap` that no lane of `lane_cap` slots owns); it then
+/// changes no lane top and no stack slot, so a drift between the host mirror and the device
+/// (a double free, a launch on the lanes behind the allocator's back) cannot overflow a lane
+/// or lose pages silently. The counts saturate at `u32::MAX`.
+///
+/// | word | meaning |
+/// | --- | --- |
+/// | `0` | launches refused |
+/// | `1 + o`, `o < CP` | pages lane `o` had no room for, summed over those launches |
+/// | `CP + 1` | invalid pages, summed over those launches |
+///
+/// All zero means no launch was refused.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct ReleaseStatus {
+    /// Launches refused (word 0).
+    pub refused: u32,
+    /// Pages each lane had no room for, summed over the refused launches (words `1..=CP`).
+    pub lane_overflows: Vec<u32>,
+    /// Invalid pages (0, or a local index past `lane_cap`), summed over the refused launches
+    /// (word `CP + 1`).
+    pub bad_pages: u32,
+}
+
+impl ReleaseStatus {
+    /// Words of the array at CP `cp`: `cp + 2`.
+    pub const fn words(cp: u8) -> usize {
+        cp as usize + 2
+    }
+
+    /// A clear status (no launch refused) at CP `cp`.
+    pub fn clear(cp: u8) -> ReleaseStatus {
+        ReleaseStatus {
+            refused: 0,
+            lane_overflows: vec![0; usize::from(cp)],
+            bad_pages: 0,
+        }
+    }
+
+    /// Decodes the words of a kernel's status array (`cp + 2` of them, so at least 2);
+    /// `None` for fewer than 2.
+    pub fn from_words(words: &[u32]) -> Option<ReleaseStatus> {
+        let (&refused, rest) = words.split_first()?;
+        let (&bad_pages, lanes) = rest.split_last()?;
+        Some(ReleaseStatus {
+            refused,
+            lane_overflows: lanes.to_vec(),
+            bad_pages,
+        })
+    }
+
+    /// The words as the kernel lays them out.
+    pub fn to_words(&self) -> Vec<u32> {
+        let mut w = Vec::with_capacity(self.lane_overflows.len() + 2);
+        w.push(self.refused);
+        w.extend_from_slice(&self.lane_overflows);
+        w.push(self.bad_pages);
+        w
+    }
+
+    /// Whether no launch was refused (every word zero).
+    pub fn is_clear(&self) -> bool {
+        self.refused == 0 && self.bad_pages == 0 && self.lane_overflows.iter().all(|&d| d == 0)
+    }
+
+    /// `(lane, pages it had no room for)` for every lane that would have overflowed.
+    pub fn full_lanes(&self) -> Vec<(u8, u32)> {
+        self.lane_overflows
+            .iter()
+            .enumerate()
+            .filter(|&(_, &d)| d > 0)
+            .map(|(o, &d)| (o as u8, d))
+            .collect()
+    }
+}
+
+impl fmt::Display for ReleaseStatus {
+    /// `2 release launches refused: lane 0 over its capacity by 3 pages, lane 2 over its
+    /// capacity by 1 page, 1 invalid page (0, or past the lanes)`, or `no release launch
+    /// refused`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.is_clear() {
+            return f.write_str("no release launch refused");
+        }
+        write!(
+            f,
+            "{} release {} refused",
+            self.refused,
+            plural(self.refused, "launch", "launches")
+        )?;
+        let mut what: Vec<String> = self
+            .full_lanes()
+            .into_iter()
+            .map(|(o, d)| {
+                format!(
+                    "lane {o} over its capacity by {d} {}",
+                    plural(d, "page", "pages")
+                )
+            })
+            .collect();
+        if self.bad_pages > 0 {
+            what.push(format!(
+                "{} invalid {} (0, or past the lanes)",
+                self.bad_pages,
+                plural(self.bad_pages, "page", "pages")
+            ));
+        }
+        if !what.is_empty() {
+            write!(f, ": {}", what.join(", "))?;
+        }
+        Ok(())
+    }
+}
+
+/// `one` for a count of 1, else `many`.
+fn plural(n: u32, one: &'static str, many: &'static str) -> &'static str {
+    if n == 1 {
+        one
+    } else {
+        many
+    }
 }
 
 /// Page transfer between device pools and host pools: one buffer kind, or two moved by one
@@ -1123,6 +1254,7 @@ impl KernelSpec {
                 ),
                 P::ptr("u32*", "lane_tops", 4, R::of(4 * s.cp as u64)),
                 P::u32("lane_cap"),
+                P::ptr("u32*", "status", 4, R::of(4 * s.status_words() as u64)),
             ],
             KernelSpec::TransferPages(s) => {
                 let reach = |pb: u64| {
@@ -1626,7 +1758,7 @@ mod tests {
         assert_eq!(
             render_params(&release.params()),
             "    const u32* __restrict__ pages, u32 n, u32* __restrict__ lane_stacks,\n    \
-             u32* __restrict__ lane_tops, u32 lane_cap)"
+             u32* __restrict__ lane_tops, u32 lane_cap, u32* __restrict__ status)"
         );
         assert_eq!(render_params(&[]), "    )");
         let long = [KernelParam {
@@ -1708,6 +1840,43 @@ mod tests {
         assert_eq!(
             SelectStatus::from_words(&[1, 0]).unwrap().to_string(),
             "1 select launch refused"
+        );
+    }
+
+    #[test]
+    fn release_status_words_round_trip_and_name_the_full_lanes() {
+        assert_eq!(ReleaseStatus::words(8), 10);
+        let spec = ReleaseSpec { cp: 8, threads: 32 };
+        assert_eq!(spec.status_words(), 10);
+        let clear = ReleaseStatus::clear(3);
+        assert!(clear.is_clear());
+        assert_eq!(clear.to_words(), [0, 0, 0, 0, 0]);
+        assert_eq!(clear.to_string(), "no release launch refused");
+        let s = ReleaseStatus::from_words(&[2, 3, 0, 1, 1]).unwrap();
+        assert_eq!(s.lane_overflows, [3, 0, 1]);
+        assert_eq!((s.refused, s.bad_pages), (2, 1));
+        assert!(!s.is_clear());
+        assert_eq!(s.full_lanes(), [(0, 3), (2, 1)]);
+        assert_eq!(s.to_words(), [2, 3, 0, 1, 1]);
+        assert_eq!(
+            s.to_string(),
+            "2 release launches refused: lane 0 over its capacity by 3 pages, lane 2 over its \
+             capacity by 1 page, 1 invalid page (0, or past the lanes)"
+        );
+        assert!(ReleaseStatus::from_words(&[1]).is_none());
+        assert_eq!(
+            ReleaseStatus::from_words(&[1, 0, 4]).unwrap().to_string(),
+            "1 release launch refused: 4 invalid pages (0, or past the lanes)"
+        );
+        let status = KernelSpec::ReleasePages(spec)
+            .params()
+            .into_iter()
+            .find(|p| p.name == "status")
+            .and_then(|p| p.reach)
+            .unwrap();
+        assert_eq!(
+            (status.to_string(), status.bytes(|_| None)),
+            ("40".into(), Ok(40))
         );
     }
 

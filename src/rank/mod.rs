@@ -71,7 +71,7 @@ use crate::hicache::tree::{Evicted, MatchResult, NodeId, RadixTree, TreeError};
 use crate::jit::Jit;
 use crate::kernels::{
     clamp_layer_range, layer_range_args, reference, transfer_regions, BufferKind, Direction,
-    PoolShape, TransferPath,
+    PoolShape,
 };
 use crate::layout::{zigzag_owners, CpLayout, PageId, Rank};
 use crate::metadata::{HostPage, NodeMetadata};
@@ -614,8 +614,8 @@ impl RankCache {
             host_pages: g.host_pages,
         };
         check_transfer_pages(dir, usize::from(self.rank.0), src, dst, &pools)?;
-        let dma = self.config.deployment.transfer_path == TransferPath::Dma;
-        let pairs = if dma {
+        let dma = self.config.deployment.transfer_path.dma_mode();
+        let pairs = if dma.is_some() {
             None
         } else {
             Some(self.pools.upload_pairs(src, dst)?)
@@ -643,7 +643,8 @@ impl RankCache {
                 None => {
                     for (d, &(from, to)) in spec.descriptors().iter().zip(&ends) {
                         let regions = transfer_regions(d, src, dst, pools, step.clone());
-                        self.exec.copy_regions(from, to, &regions)?;
+                        self.exec
+                            .copy_regions_with(from, to, &regions, dma.unwrap_or_default())?;
                     }
                 }
                 Some((sb, db)) => {
@@ -716,6 +717,7 @@ pub(crate) fn check_transfer_pages(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::TransferPath;
 
     #[test]
     fn transfers_outside_the_pools_are_refused() {
@@ -799,7 +801,11 @@ mod tests {
     /// launched or copied, on the kernel path and on the DMA path.
     #[test]
     fn a_transfer_naming_one_destination_twice_moves_nothing() {
-        for path in [TransferPath::Kernel, TransferPath::Dma] {
+        for path in [
+            TransferPath::Kernel,
+            TransferPath::Dma,
+            TransferPath::DmaEach,
+        ] {
             let mut r = one_rank(path);
             let before = r.exec.counters();
             let err = r

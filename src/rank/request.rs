@@ -309,6 +309,7 @@ mod tests {
     use super::super::tests::one_rank;
     use super::*;
     use crate::allocator::StateDigest;
+    use crate::kernels::TransferPath;
 
     fn prompt(pages: u32) -> Vec<u32> {
         (0..pages * 16).map(|t| t * 7 + 3).collect()

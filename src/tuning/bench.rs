@@ -11,16 +11,16 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::candidate::{host_copy_preset, HOST_ALLOC_THREADS_PRESET};
+use super::candidate::{host_copy_preset, LaunchChoice, HOST_ALLOC_THREADS_PRESET};
 use super::file::TuningFile;
 use super::key::{spec_key, DeviceKey};
 use super::measure::{
     baseline_name, compile_and_load, time_copy_baseline, AllocBench, CopyBench, Sizes,
 };
 use super::TuningError;
-use crate::exec::{Backend, Executor, KernelId};
+use crate::exec::{Backend, DmaMode, Executor, KernelId};
 use crate::jit::Jit;
-use crate::kernels::{Deployment, Direction, KernelError, KernelSpec, ModelShape, TransferPath};
+use crate::kernels::{Deployment, Direction, KernelError, KernelSpec, ModelShape};
 
 /// One measurement, as printed and written by `bench --json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -32,7 +32,9 @@ pub struct BenchRow {
     /// `host` or `cuda`.
     pub backend: String,
     /// `default` (GPU-shaped), `tuned`, or `dma` (the default configuration's transfers on
-    /// the DMA path; `kernel` then reads `dma(<uri>)`).
+    /// the DMA path; `kernel` then reads `dma(<uri>)`). A configuration whose transfers take
+    /// the DMA path (a tuning file chose it) names its transfer rows `dma(<uri>)` or
+    /// `dma-each(<uri>)` (one copy call per merged region).
     pub config: String,
     /// Where the launch shapes came from: `default` (the deployment's), `file` (a tuning
     /// file measured on this device) or `preset` (the built-in CPU shapes, which `tuned`
@@ -175,8 +177,8 @@ struct Job {
     deployment: String,
     spec: KernelSpec,
     alloc_pages: u32,
-    /// A transfer timed on the DMA path instead of its kernel.
-    dma: bool,
+    /// A transfer timed on the DMA path instead of its kernel, issued this way.
+    dma: Option<DmaMode>,
 }
 
 /// The kernels `bench` times for one configured deployment: transfer both ways (by kernel or
@@ -186,10 +188,10 @@ struct Job {
 fn jobs(c: &BenchConfig, opts: &BenchOptions) -> Vec<Job> {
     let (config, dep) = (c.name.as_str(), &c.deployment);
     let b = dep.model.buffers()[0];
-    let job = |config: &str, spec, alloc_pages, dma| Job {
+    let job = |config: &str, spec, alloc_pages, dma: Option<DmaMode>| Job {
         config: config.to_string(),
         // The DMA rows run the default configuration's transfers.
-        shapes: if dma && config == "dma" {
+        shapes: if dma.is_some() && config == "dma" {
             "default"
         } else {
             c.shapes
@@ -199,17 +201,21 @@ fn jobs(c: &BenchConfig, opts: &BenchOptions) -> Vec<Job> {
         alloc_pages,
         dma,
     };
-    let dma = dep.transfer_path == TransferPath::Dma;
+    let dma = dep.transfer_path.dma_mode();
     let transfers =
         [Direction::HostToDevice, Direction::DeviceToHost].map(|d| dep.transfer_spec(d));
     let mut out: Vec<Job> = transfers.iter().map(|&t| job(config, t, 0, dma)).collect();
-    out.push(job(config, dep.materialise_spec(b), 0, false));
+    out.push(job(config, dep.materialise_spec(b), 0, None));
     for &n in &opts.alloc_pages {
-        out.push(job(config, dep.select_spec(), n, false));
-        out.push(job(config, dep.release_spec(), n, false));
+        out.push(job(config, dep.select_spec(), n, None));
+        out.push(job(config, dep.release_spec(), n, None));
     }
-    if opts.dma_rows && config == "default" && !dma {
-        out.extend(transfers.iter().map(|&t| job("dma", t, 0, true)));
+    if opts.dma_rows && config == "default" && dma.is_none() {
+        out.extend(
+            transfers
+                .iter()
+                .map(|&t| job("dma", t, 0, Some(DmaMode::Batched))),
+        );
     }
     out
 }
@@ -288,7 +294,7 @@ pub fn run(
 ) -> Result<BenchOutcome, TuningError> {
     let plan: Vec<Job> = configs.iter().flat_map(|c| jobs(c, opts)).collect();
     let mut unique: Vec<KernelSpec> = Vec::new();
-    for j in plan.iter().filter(|j| !j.dma) {
+    for j in plan.iter().filter(|j| j.dma.is_none()) {
         if !unique.contains(&j.spec) {
             unique.push(j.spec);
         }
@@ -326,10 +332,9 @@ pub fn run(
     }
     let mut out = BenchOutcome::default();
     for (i, job) in plan.iter().enumerate() {
-        let kernel = if job.dma {
-            format!("dma({})", job.spec.uri())
-        } else {
-            job.spec.uri()
+        let kernel = match job.dma {
+            Some(mode) => format!("{}({})", LaunchChoice::of_dma(mode), job.spec.uri()),
+            None => job.spec.uri(),
         };
         match time_job(exec, job, i as u64 + 7, &opts.sizes, &kernel_of) {
             Ok((bytes, seconds, baseline, base_seconds)) => {
@@ -393,8 +398,8 @@ fn time_job(
         _ => {
             let (b, _) = CopyBench::new(exec, &job.spec, sizes, seed)?;
             let bytes = b.bytes();
-            let t = if job.dma {
-                b.time_dma(sizes)?
+            let t = if let Some(mode) = job.dma {
+                b.time_dma_with(sizes, mode)?
             } else {
                 let kernel = kernel_of(&job.spec)?;
                 b.time(kernel, &job.spec, sizes)?

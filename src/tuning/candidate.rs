@@ -1,11 +1,13 @@
 //! Launch-configuration candidates per kernel family (docs/DESIGN.md §3.6 "Tuning"): threads per
 //! block, pages per block, vector width, unroll and where the layer loop runs as kernel
-//! renders, plus the DMA path for transfers on a GPU (copy-engine DMA: `cuMemcpyBatchAsync`).
+//! renders, plus the DMA path for transfers on a GPU, both ways a driver can issue it: one
+//! `cuMemcpyBatchAsync` per batch (`dma`) and one `cuMemcpyAsync` per merged region
+//! (`dma-each`).
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
-use crate::exec::Backend;
+use crate::exec::{Backend, DmaMode};
 use crate::kernels::{
     AllocSpec, CopyLaunch, KernelSpec, MaterialiseSpec, ReleaseSpec, SynthSpec, TransferSpec,
     VecWidth, VerifySpec,
@@ -43,8 +45,12 @@ pub enum LaunchChoice {
         /// Threads per block.
         threads: u32,
     },
-    /// Copy-engine DMA of the page blobs (`cuMemcpyBatchAsync`) instead of a kernel (transfers only).
+    /// Copy-engine DMA of the page blobs instead of a kernel (transfers only), the batch in
+    /// one `cuMemcpyBatchAsync` ([`DmaMode::Batched`]).
     Dma,
+    /// Copy-engine DMA, one `cuMemcpyAsync` per merged run of page blobs
+    /// ([`DmaMode::PerRegion`]). Absent from files written before it existed.
+    DmaEach,
 }
 
 impl fmt::Display for LaunchChoice {
@@ -73,11 +79,34 @@ impl fmt::Display for LaunchChoice {
             }
             LaunchChoice::Threads { threads } => write!(f, "t{threads}"),
             LaunchChoice::Dma => f.write_str("dma"),
+            LaunchChoice::DmaEach => f.write_str("dma-each"),
         }
     }
 }
 
 impl LaunchChoice {
+    /// The DMA choice of `mode`.
+    pub fn of_dma(mode: DmaMode) -> LaunchChoice {
+        match mode {
+            DmaMode::Batched => LaunchChoice::Dma,
+            DmaMode::PerRegion => LaunchChoice::DmaEach,
+        }
+    }
+
+    /// How this choice issues DMA copies, or `None` for a kernel shape.
+    pub fn dma_mode(&self) -> Option<DmaMode> {
+        match self {
+            LaunchChoice::Dma => Some(DmaMode::Batched),
+            LaunchChoice::DmaEach => Some(DmaMode::PerRegion),
+            _ => None,
+        }
+    }
+
+    /// Whether this is a DMA choice (no kernel shape).
+    pub fn is_dma(&self) -> bool {
+        self.dma_mode().is_some()
+    }
+
     /// The copy shape, when this is one with a valid vector width.
     pub fn copy_launch(&self) -> Option<CopyLaunch> {
         match *self {
@@ -184,9 +213,9 @@ fn vec_width(bytes: u32) -> Option<VecWidth> {
 pub enum Candidate {
     /// A kernel render (compiled through the JIT and launched).
     Kernel(KernelSpec),
-    /// Copy-engine DMA of the merged page blobs (transfers only). Only the CUDA executor accepts
-    /// it; see [`Candidate::supported_by`].
-    Dma(KernelSpec),
+    /// Copy-engine DMA of the merged page blobs (transfers only), issued as the mode says.
+    /// Only the CUDA executor accepts it; see [`Candidate::supported_by`].
+    Dma(KernelSpec, DmaMode),
 }
 
 impl Candidate {
@@ -194,7 +223,7 @@ impl Candidate {
     pub fn choice(&self) -> LaunchChoice {
         match self {
             Candidate::Kernel(spec) => LaunchChoice::of_spec(spec),
-            Candidate::Dma(_) => LaunchChoice::Dma,
+            Candidate::Dma(_, mode) => LaunchChoice::of_dma(*mode),
         }
     }
 
@@ -204,8 +233,8 @@ impl Candidate {
     /// still forces that path for testing).
     pub fn supported_by(&self, backend: Backend) -> Result<(), Unsupported> {
         match (self, backend) {
-            (Candidate::Kernel(_), _) | (Candidate::Dma(_), Backend::Cuda) => Ok(()),
-            (Candidate::Dma(_), _) => Err(Unsupported {
+            (Candidate::Kernel(_), _) | (Candidate::Dma(..), Backend::Cuda) => Ok(()),
+            (Candidate::Dma(..), _) => Err(Unsupported {
                 what: "dma",
                 backend,
                 reason: "copy-engine DMA is a GPU candidate; on the CPU it would be plain memcpy",
@@ -274,7 +303,9 @@ pub const HOST_ALLOC_THREADS_PRESET: u32 = 32;
 /// with streaming stores and one wide GPU shape, plus on the CPU the CPU shape with plain
 /// stores, and on CUDA the default shape with streaming stores (whose worth only a GPU can
 /// tell; on the CPU it is many times slower) and, for transfers, a capped grid of 2 blocks of
-/// 512 threads (half the default transfer grid's blocks).
+/// 512 threads (half the default transfer grid's blocks). On CUDA a transfer also has both DMA
+/// candidates, `dma` and `dma-each` (the tuner times `dma-each` only once where the driver
+/// has no batch call: [`Executor::batched_copies`](crate::exec::Executor::batched_copies)).
 pub fn candidates_for(spec: &KernelSpec, backend: Backend, quick: bool) -> Vec<Candidate> {
     let mut specs: Vec<KernelSpec> = spec.candidates();
     let vec = match spec {
@@ -320,7 +351,7 @@ pub fn candidates_for(spec: &KernelSpec, backend: Backend, quick: bool) -> Vec<C
                     _ => false,
                 },
                 LaunchChoice::Threads { threads } => matches!(threads, 1 | 32 | 256),
-                LaunchChoice::Dma => false,
+                LaunchChoice::Dma | LaunchChoice::DmaEach => false,
             }
         };
         specs.retain(keep);
@@ -332,7 +363,8 @@ pub fn candidates_for(spec: &KernelSpec, backend: Backend, quick: bool) -> Vec<C
         }
     }
     if matches!(spec, KernelSpec::TransferPages(_)) && backend == Backend::Cuda {
-        out.push(Candidate::Dma(*spec));
+        out.push(Candidate::Dma(*spec, DmaMode::Batched));
+        out.push(Candidate::Dma(*spec, DmaMode::PerRegion));
     }
     out
 }
@@ -359,20 +391,37 @@ mod tests {
     fn dma_only_for_cuda_transfers() {
         let dep = Deployment::by_name("nsa_ps64_cp8").unwrap();
         let t = dep.transfer_spec(Direction::HostToDevice);
-        let cuda = candidates_for(&t, Backend::Cuda, true);
-        let dma = cuda
-            .iter()
-            .find(|c| matches!(c, Candidate::Dma(_)))
-            .unwrap();
-        assert!(dma.supported_by(Backend::Cuda).is_ok());
-        assert!(dma.supported_by(Backend::Host).is_err());
+        for quick in [true, false] {
+            let dma: Vec<LaunchChoice> = candidates_for(&t, Backend::Cuda, quick)
+                .iter()
+                .filter(|c| matches!(c, Candidate::Dma(..)))
+                .inspect(|c| {
+                    assert!(c.supported_by(Backend::Cuda).is_ok());
+                    assert!(c.supported_by(Backend::Host).is_err());
+                })
+                .map(Candidate::choice)
+                .collect();
+            assert_eq!(dma, [LaunchChoice::Dma, LaunchChoice::DmaEach]);
+        }
         assert!(!candidates_for(&t, Backend::Host, false)
             .iter()
-            .any(|c| matches!(c, Candidate::Dma(_))));
+            .any(|c| matches!(c, Candidate::Dma(..))));
         let m = dep.materialise_spec(BufferKind::NsaKv);
         assert!(!candidates_for(&m, Backend::Cuda, false)
             .iter()
-            .any(|c| matches!(c, Candidate::Dma(_))));
+            .any(|c| matches!(c, Candidate::Dma(..))));
+        for mode in [DmaMode::Batched, DmaMode::PerRegion] {
+            let c = LaunchChoice::of_dma(mode);
+            assert_eq!(c.dma_mode(), Some(mode));
+            assert_eq!(c.apply_to(&t), None, "no kernel shape");
+            let text = serde_json::to_string(&c).unwrap();
+            assert_eq!(serde_json::from_str::<LaunchChoice>(&text).unwrap(), c);
+        }
+        assert_eq!(LaunchChoice::DmaEach.to_string(), "dma-each");
+        assert_eq!(
+            serde_json::to_string(&LaunchChoice::DmaEach).unwrap(),
+            r#"{"kind":"dma_each"}"#
+        );
     }
 
     #[test]
@@ -383,8 +432,8 @@ mod tests {
                 let quick = candidates_for(&spec, backend, true);
                 let full = candidates_for(&spec, backend, false);
                 assert!(quick.contains(&Candidate::Kernel(spec)));
-                // At most 7: on CUDA a transfer adds a capped grid and DMA.
-                assert!(quick.len() <= 7 && quick.len() <= full.len(), "{backend}");
+                // At most 8: on CUDA a transfer adds a capped grid and both DMA candidates.
+                assert!(quick.len() <= 8 && quick.len() <= full.len(), "{backend}");
                 let plain_cpu_shape = quick.iter().any(|c| {
                     matches!(
                         c.choice(),

@@ -6,11 +6,12 @@
 use serde::Serialize;
 use std::ops::Range;
 
+use super::candidate::LaunchChoice;
 use super::measure::{
     compile_and_load, u32_bytes, AllocBench, BusyBench, CopyBench, Sizes, SourceHook, SplitMix,
 };
 use super::TuningError;
-use crate::exec::{BufferId, Executor, KernelArg, KernelId, LaunchConfig, MemKind};
+use crate::exec::{BufferId, DmaMode, Executor, KernelArg, KernelId, LaunchConfig, MemKind};
 use crate::jit::Jit;
 use crate::kernels::{reference, Deployment, KernelSpec};
 
@@ -131,12 +132,21 @@ unsafe fn check_specs(
         };
         rows.push(row(spec.uri(), spec.family().to_string(), outcome));
         if let (KernelSpec::TransferPages(_), true) = (spec, with_dma) {
-            // The DMA path of the same transfer, on the same random inputs.
-            rows.push(row(
-                format!("dma({})", spec.uri()),
-                format!("{} (dma)", spec.family()),
-                flatten(check_transfer(exec, spec, seed, |b| b.copy_dma())),
-            ));
+            // The DMA path of the same transfer, on the same random inputs; where a batch is
+            // one call (cuMemcpyBatchAsync), one call per merged region as well (`dma-each`,
+            // which tune weighs too). Elsewhere the two are the same calls: checked once.
+            let mut modes = vec![DmaMode::Batched];
+            if exec.batched_copies() {
+                modes.push(DmaMode::PerRegion);
+            }
+            for mode in modes {
+                let name = LaunchChoice::of_dma(mode);
+                rows.push(row(
+                    format!("{name}({})", spec.uri()),
+                    format!("{} ({name})", spec.family()),
+                    flatten(check_transfer(exec, spec, seed, |b| b.copy_dma_with(mode))),
+                ));
+            }
         }
     }
     Ok(rows)
@@ -365,18 +375,35 @@ pub(super) fn check_one(
         }
         KernelSpec::ReleasePages(s) => {
             let b = AllocBench::new(exec, s.cp, 1, alloc_check_requests(s.threads), seed)?;
-            b.reset_for_select()?;
-            b.reset_for_release()?;
-            b.run_release(kernel, spec)?;
-            let mut got = read_all(exec, b.stacks)?;
-            got.extend(read_all(exec, b.tops)?);
             let h = &b.host;
-            let mut stacks = h.stacks.clone();
-            let mut tops = h.tops_after.clone();
-            reference::release_pages(s.cp, &h.selected, &mut stacks, &mut tops, h.lane_cap)
+            // Accepted (the pages select took), then refused: pushed onto full lanes, every
+            // lane they belong to overflows, so the kernel must change no top and no stack
+            // slot and record the overflows in its status words.
+            let (mut got, mut want) = (Vec::new(), Vec::new());
+            for tops0 in [&h.tops_after, &h.tops_full] {
+                b.reset_for_select()?;
+                b.reset_for_release()?;
+                exec.upload(b.tops, 0, &u32_bytes(tops0))?;
+                b.run_release(kernel, spec)?;
+                for buffer in [b.stacks, b.tops, b.release_status] {
+                    got.extend(read_all(exec, buffer)?);
+                }
+                let mut stacks = h.stacks.clone();
+                let mut tops = tops0.clone();
+                let mut status = vec![0u32; s.status_words()];
+                reference::release_pages(
+                    s.cp,
+                    &h.selected,
+                    &mut stacks,
+                    &mut tops,
+                    h.lane_cap,
+                    &mut status,
+                )
                 .map_err(reference_err("release_pages"))?;
-            let mut want = u32_bytes(&stacks);
-            want.extend(u32_bytes(&tops));
+                want.extend(u32_bytes(&stacks));
+                want.extend(u32_bytes(&tops));
+                want.extend(u32_bytes(&status));
+            }
             Ok(compare(&got, &want))
         }
         KernelSpec::Synthesise(s) => {

@@ -573,7 +573,7 @@ fn copy_choice(
         .copied()
         .collect();
     let best = match path {
-        TransferPath::Dma if !rest.is_empty() => best_common(&rest),
+        TransferPath::Dma | TransferPath::DmaEach if !rest.is_empty() => best_common(&rest),
         _ => best_common(matched),
     };
     (best, path)
@@ -592,7 +592,7 @@ fn transfer_shape(transfers: &[&TuningEntry]) -> Option<LaunchChoice> {
     let choices: BTreeSet<LaunchChoice> = transfers
         .iter()
         .flat_map(|e| e.results.iter())
-        .filter(|r| r.seconds.is_some() && r.choice != LaunchChoice::Dma)
+        .filter(|r| r.seconds.is_some() && !r.choice.is_dma())
         .map(|r| r.choice)
         .collect();
     let costed: Vec<(LaunchChoice, f64)> = choices
@@ -611,13 +611,22 @@ fn transfer_shape(transfers: &[&TuningEntry]) -> Option<LaunchChoice> {
         .map(|(c, _)| c)
 }
 
-/// DMA when every transfer entry measured it and its cost ([`relative_cost`]) beats the given
-/// kernel shape's over the same entries; the kernel otherwise (also when some entry has no DMA
-/// time, e.g. a file tuned on the host executor).
+/// The cheaper DMA candidate ([`relative_cost`]), `dma` (one batch call) before `dma-each`
+/// (one call per merged region) on a tie, when every transfer entry measured it and it beats
+/// the given kernel shape's cost over the same entries; the kernel otherwise (also when no
+/// DMA candidate was measured for every entry, e.g. a file tuned on the host executor).
+/// `dma-each` is a candidate like the others: taken only when it is the fastest.
 fn transfer_path(transfers: &[&TuningEntry], kernel: &LaunchChoice) -> TransferPath {
     let cost = |c: &LaunchChoice| relative_cost(transfers, c);
-    match (cost(&LaunchChoice::Dma), cost(kernel)) {
-        (Some(dma), Some(k)) if !transfers.is_empty() && dma < k => TransferPath::Dma,
+    let dma = [
+        (TransferPath::Dma, LaunchChoice::Dma),
+        (TransferPath::DmaEach, LaunchChoice::DmaEach),
+    ]
+    .into_iter()
+    .filter_map(|(path, c)| cost(&c).map(|t| (path, t)))
+    .min_by(|a, b| a.1.total_cmp(&b.1));
+    match (dma, cost(kernel)) {
+        (Some((path, dma)), Some(k)) if !transfers.is_empty() && dma < k => path,
         _ => TransferPath::Kernel,
     }
 }
@@ -636,7 +645,7 @@ fn relative_cost(entries: &[&TuningEntry], choice: &LaunchChoice) -> Option<f64>
             let fastest = e
                 .results
                 .iter()
-                .filter(|r| r.choice != LaunchChoice::Dma)
+                .filter(|r| !r.choice.is_dma())
                 .filter_map(|r| r.seconds)
                 .filter(|s| *s > 0.0)
                 .min_by(f64::total_cmp)?;
@@ -651,7 +660,7 @@ fn best_common(entries: &[&TuningEntry]) -> Option<LaunchChoice> {
     let choices: BTreeSet<LaunchChoice> = entries
         .iter()
         .flat_map(|e| e.results.iter())
-        .filter(|r| r.seconds.is_some() && r.choice != LaunchChoice::Dma)
+        .filter(|r| r.seconds.is_some() && !r.choice.is_dma())
         .map(|r| r.choice)
         .collect();
     choices
@@ -787,6 +796,38 @@ mod tests {
         let partial = timed("partial", &[(32, 1.0)]);
         assert_eq!(best_common(&[&slow, &partial]), Some(t(32)));
         assert_eq!(relative_cost(&[&slow, &partial], &t(64)), None);
+    }
+
+    /// `dma-each` is a candidate like the others: the path takes it only when it beats both
+    /// the batched `dma` (a tie goes to `dma`) and the kernel shape; a dropped `dma` (a
+    /// driver without the batch call) leaves `dma-each` to compete with the kernel alone.
+    #[test]
+    fn dma_each_is_taken_only_when_it_is_the_fastest() {
+        let shape = LaunchChoice::Threads { threads: 64 };
+        let result = |choice, seconds: Option<f64>| CandidateResult {
+            choice,
+            seconds,
+            gbps: None,
+            dropped: seconds.is_none().then(|| "not timed".into()),
+            beside_busy: None,
+        };
+        let path = |kernel: f64, dma: Option<f64>, each: Option<f64>| {
+            let mut e = entry("t");
+            e.results = vec![
+                result(shape, Some(kernel)),
+                result(LaunchChoice::Dma, dma),
+                result(LaunchChoice::DmaEach, each),
+            ];
+            transfer_path(&[&e], &shape)
+        };
+        assert_eq!(path(1.0, Some(0.5), Some(0.6)), TransferPath::Dma);
+        assert_eq!(path(1.0, Some(0.5), Some(0.5)), TransferPath::Dma);
+        assert_eq!(path(1.0, Some(0.5), Some(0.4)), TransferPath::DmaEach);
+        assert_eq!(path(0.3, Some(0.5), Some(0.4)), TransferPath::Kernel);
+        assert_eq!(path(1.0, None, Some(0.4)), TransferPath::DmaEach);
+        assert_eq!(path(1.0, None, Some(1.0)), TransferPath::Kernel);
+        assert_eq!(path(1.0, Some(0.9), None), TransferPath::Dma);
+        assert_eq!(path(1.0, None, None), TransferPath::Kernel);
     }
 
     #[test]

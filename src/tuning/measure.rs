@@ -9,12 +9,13 @@ use std::time::Instant;
 
 use super::TuningError;
 use crate::exec::{
-    Backend, BufferId, CopyRegion, ExecError, Executor, KernelArg, KernelId, LaunchConfig, MemKind,
+    Backend, BufferId, CopyRegion, DmaMode, ExecError, Executor, KernelArg, KernelId, LaunchConfig,
+    MemKind,
 };
 use crate::jit::{spec_request, Arch, Jit, JitRequest, Sanitize, Target};
 use crate::kernels::{
     check_distinct_destinations, clamp_layer_range, layer_range_args, transfer_regions, BufferKind,
-    Direction, KernelSpec, PoolShape, SelectStatus, TransferSpec,
+    Direction, KernelSpec, PoolShape, ReleaseStatus, SelectStatus, TransferSpec,
 };
 
 /// Workload sizes of one measurement.
@@ -601,19 +602,32 @@ impl<'e> CopyBench<'e> {
     }
 
     /// Enqueues the transfer by DMA instead of a kernel (same pages, same bytes), without
-    /// synchronising. Materialise has no DMA path: a typed error.
+    /// synchronising, the batch issued as the executor's default ([`DmaMode::Batched`]).
+    /// Materialise has no DMA path: a typed error.
     pub fn copy_dma(&self) -> Result<(), ExecError> {
+        self.copy_dma_with(DmaMode::Batched)
+    }
+
+    /// [`copy_dma`](Self::copy_dma), the batch issued as `mode` says.
+    pub fn copy_dma_with(&self, mode: DmaMode) -> Result<(), ExecError> {
         match &self.kind {
-            CopyKind::Transfer { buffers, .. } => buffers
-                .iter()
-                .try_for_each(|b| self.mem.exec.copy_regions(b.src, b.dst, &b.regions)),
+            CopyKind::Transfer { buffers, .. } => buffers.iter().try_for_each(|b| {
+                self.mem
+                    .exec
+                    .copy_regions_with(b.src, b.dst, &b.regions, mode)
+            }),
             CopyKind::Materialise { .. } => Err(no_dma_path()),
         }
     }
 
     /// Times the DMA path: median of the repeats, like [`CopyBench::time`].
     pub fn time_dma(&self, sizes: &Sizes) -> Result<Timing, ExecError> {
-        time_sized(self.mem.exec, sizes, || self.copy_dma())
+        self.time_dma_with(sizes, DmaMode::Batched)
+    }
+
+    /// [`time_dma`](Self::time_dma), the batch issued as `mode` says.
+    pub fn time_dma_with(&self, sizes: &Sizes, mode: DmaMode) -> Result<Timing, ExecError> {
+        time_sized(self.mem.exec, sizes, || self.copy_dma_with(mode))
     }
 
     /// The memory kinds the copy reads and writes (for its baseline).
@@ -647,6 +661,8 @@ pub struct AllocBench<'e> {
     pub locs: BufferId,
     /// `u32[CP + 2]`, the select kernel's status words (zero before every select).
     pub status: BufferId,
+    /// `u32[CP + 2]`, the release kernel's status words (zero before every release).
+    pub release_status: BufferId,
     /// Host copies for the references.
     pub host: AllocInputs,
 }
@@ -688,18 +704,20 @@ impl<'e> AllocBench<'e> {
         // Owners rotate from a random start, so every lane's demand fits its capacity.
         let start = rng.below(u64::from(c)) as u32;
         let owners: Vec<u8> = (0..n).map(|i| ((i + start) % c) as u8).collect();
+        // Lane `o` owns pages `o + c * k`, `k < lane_cap` (a larger local index is invalid to
+        // the release kernel), page 0 excluded; each starts full.
         let mut stacks = vec![0u32; (c * lane_cap) as usize];
+        let mut tops_full = Vec::with_capacity(c as usize);
         for o in 0..c {
-            let lane: Vec<u32> = (0..=lane_cap)
+            let lane: Vec<u32> = (0..lane_cap)
                 .map(|k| o + c * k)
                 .filter(|&p| p != 0)
-                .take(lane_cap as usize)
                 .collect();
             for (slot, &p) in lane.iter().rev().enumerate() {
                 stacks[(o * lane_cap) as usize + slot] = p;
             }
+            tops_full.push(lane.len() as u32);
         }
-        let tops_full = vec![lane_cap; c as usize];
         let mut tops_after = tops_full.clone();
         let mut status = vec![0u32; SelectStatus::words(cp)];
         let (selected, _) = crate::kernels::reference::select_owner_pages(
@@ -725,6 +743,7 @@ impl<'e> AllocBench<'e> {
             0xA5,
         )?;
         let status = mem.alloc(MemKind::Device, 4 * SelectStatus::words(cp) as u64, 0)?;
+        let release_status = mem.alloc(MemKind::Device, 4 * ReleaseStatus::words(cp) as u64, 0)?;
         exec.upload(owners_buf, 0, &owners)?;
         exec.upload(stacks_buf, 0, &u32_bytes(&stacks))?;
         Ok(AllocBench {
@@ -738,6 +757,7 @@ impl<'e> AllocBench<'e> {
             pages,
             locs,
             status,
+            release_status,
             host: AllocInputs {
                 owners,
                 stacks,
@@ -792,6 +812,7 @@ impl<'e> AllocBench<'e> {
                 KernelArg::Ptr(self.stacks, 0),
                 KernelArg::Ptr(self.tops, 0),
                 KernelArg::U32(self.lane_cap),
+                KernelArg::Ptr(self.release_status, 0),
             ],
         )
     }
@@ -804,11 +825,17 @@ impl<'e> AllocBench<'e> {
         exec.upload(self.status, 0, &vec![0u8; 4 * SelectStatus::words(self.cp)])
     }
 
-    /// Restores the state release starts from (tops after select, selected pages).
+    /// Restores the state release starts from (tops after select, selected pages, a clear
+    /// status).
     pub fn reset_for_release(&self) -> Result<(), ExecError> {
         let exec = self.mem.exec;
         exec.upload(self.pages, 0, &u32_bytes(&self.host.selected))?;
-        exec.upload(self.tops, 0, &u32_bytes(&self.host.tops_after))
+        exec.upload(self.tops, 0, &u32_bytes(&self.host.tops_after))?;
+        exec.upload(
+            self.release_status,
+            0,
+            &vec![0u8; 4 * ReleaseStatus::words(self.cp)],
+        )
     }
 
     /// Times select or release (`spec`'s family decides), each repeat from a fresh state; the
@@ -893,6 +920,7 @@ impl<'e> AllocBench<'e> {
                         &mut stacks,
                         &mut tops,
                         h.lane_cap,
+                        &mut status,
                     )
                     .map_err(reference)?;
                     std::hint::black_box(&stacks);

@@ -10,7 +10,7 @@
 
 use std::collections::HashMap;
 
-use super::candidate::{candidates_for, Candidate};
+use super::candidate::{candidates_for, Candidate, LaunchChoice};
 use super::check::{check_one, check_transfer};
 use super::file::{BesideBusy, CandidateResult, TuningEntry};
 use super::key::{spec_key, DeviceKey};
@@ -19,7 +19,7 @@ use super::measure::{
     SynthBench,
 };
 use super::TuningError;
-use crate::exec::{Executor, KernelId};
+use crate::exec::{DmaMode, Executor, KernelId};
 use crate::jit::Jit;
 use crate::kernels::{Deployment, KernelSpec};
 
@@ -183,31 +183,20 @@ pub fn tune(
                 beside_busy: None,
             };
             match cand {
-                Candidate::Dma(_) => match cand
-                    .supported_by(backend)
-                    .map_err(|e| e.to_string())
-                    .and_then(|()| {
-                        checked(check_transfer(exec, base, seed as u64 + 1, |b| {
-                            b.copy_dma()
-                        }))
-                    }) {
-                    Err(why) => result.dropped = Some(why),
-                    Ok(()) => match bench.time_dma(&opts.sizes).and_then(|(seconds, bytes)| {
-                        let busy = match (&beside, &bench) {
-                            (Some(b), Workload::Copy(c)) => {
-                                Some(b.time_beside(exec, seconds, opts.sizes.repeats, &|| {
-                                    c.copy_dma()
-                                })?)
-                            }
-                            _ => None,
-                        };
-                        Ok((seconds, bytes, busy))
-                    }) {
-                        Ok((seconds, bytes, busy)) => {
-                            record(&mut result, seconds, Some(bytes), busy)
-                        }
-                        Err(e) => result.dropped = Some(format!("DMA copy failed: {e}")),
-                    },
+                Candidate::Dma(_, mode) => match (cand.supported_by(backend), &bench) {
+                    (Err(e), _) => result.dropped = Some(e.to_string()),
+                    (Ok(()), Workload::Copy(c)) => {
+                        result = time_dma_candidate(
+                            exec,
+                            base,
+                            c,
+                            beside.as_ref(),
+                            &opts.sizes,
+                            seed as u64 + 1,
+                            *mode,
+                        )
+                    }
+                    (Ok(()), _) => result.dropped = Some(super::measure::no_dma_path().to_string()),
                 },
                 Candidate::Kernel(spec) => match loaded.get(spec) {
                     Some(Ok(kernel)) => {
@@ -291,6 +280,56 @@ pub fn tune(
         failed,
         wrong_output,
     })
+}
+
+/// Why `dma` is not timed where the executor has no batch call: it would issue one call per
+/// merged region, exactly what `dma-each` times, and one measurement under two names would
+/// read as a comparison that was never made.
+pub const DMA_FALLBACK: &str = "not timed: no batch copy call here (cuMemcpyBatchAsync, CUDA \
+                                12.8+), so dma falls back to one call per merged region, which \
+                                dma-each times";
+
+/// Checks, then times the DMA path of transfer `base` on `bench` with its batch issued as
+/// `mode` (the tune candidates `dma` and `dma-each`): alone, and beside the busy kernel when
+/// `beside` is given, as the kernel shapes are. [`DmaMode::Batched`] on an executor that has
+/// no batch call ([`Executor::batched_copies`]) is not timed but dropped with
+/// [`DMA_FALLBACK`]. Output that differs from the reference drops the candidate, with the
+/// difference.
+pub fn time_dma_candidate(
+    exec: &dyn Executor,
+    base: &KernelSpec,
+    bench: &CopyBench<'_>,
+    beside: Option<&Beside>,
+    sizes: &Sizes,
+    seed: u64,
+    mode: DmaMode,
+) -> CandidateResult {
+    let mut result = CandidateResult {
+        choice: LaunchChoice::of_dma(mode),
+        seconds: None,
+        gbps: None,
+        dropped: None,
+        beside_busy: None,
+    };
+    if mode == DmaMode::Batched && !exec.batched_copies() {
+        result.dropped = Some(DMA_FALLBACK.into());
+        return result;
+    }
+    if let Err(why) = checked(check_transfer(exec, base, seed, |b| b.copy_dma_with(mode))) {
+        result.dropped = Some(why);
+        return result;
+    }
+    let timed = bench.time_dma_with(sizes, mode).and_then(|t| {
+        let busy = beside
+            .map(|b| b.time_beside(exec, t.median, sizes.repeats, &|| bench.copy_dma_with(mode)))
+            .transpose()?;
+        Ok((t.median, busy))
+    });
+    match timed {
+        Ok((seconds, busy)) => record(&mut result, seconds, Some(bench.bytes()), busy),
+        Err(e) => result.dropped = Some(format!("DMA copy failed: {e}")),
+    }
+    result
 }
 
 /// Fills a timed result: alone, or (on a GPU, for transfers) beside the busy kernel, whose
@@ -380,14 +419,6 @@ impl<'e> Workload<'e> {
             Workload::Copy(b) => Ok((b.time(kernel, spec, sizes)?.median, Some(b.bytes()))),
             Workload::Alloc(b) => Ok((b.time(kernel, spec, sizes)?.median, None)),
             Workload::Synth(b) => Ok((b.time(kernel, spec, sizes)?.median, None)),
-        }
-    }
-
-    /// Median seconds and bytes of the DMA path (transfers only; anything else is refused).
-    fn time_dma(&self, sizes: &Sizes) -> Result<(f64, u64), crate::exec::ExecError> {
-        match self {
-            Workload::Copy(b) => Ok((b.time_dma(sizes)?.median, b.bytes())),
-            _ => Err(super::measure::no_dma_path()),
         }
     }
 }

@@ -31,6 +31,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <map>
@@ -521,11 +522,15 @@ CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr s, size_t n, CUstream st) {
   memcpy(dst, (const void*)(uintptr_t)s, n);
   return OK;
 }
+// cuMemcpyAsync calls so far (test hook below): the executor issues one per merged region
+// where it does not batch.
+std::atomic<unsigned long long> g_copy_calls{0};
 CUresult cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) {
   (void)st;
   if (need_ctx() || !inside((uintptr_t)d, n, -1) || !inside((uintptr_t)s, n, -1)) {
     return INVALID_VALUE;
   }
+  ++g_copy_calls;
   enqueue([d, s, n] {
     memmove((void*)(uintptr_t)d, (const void*)(uintptr_t)s, n);
     return OK;
@@ -654,6 +659,9 @@ extern "C" unsigned long long fake_cuda_batch_calls(void) {
   return 0;
 #endif
 }
+
+// cuMemcpyAsync calls so far.
+extern "C" unsigned long long fake_cuda_copy_calls(void) { return g_copy_calls.load(); }
 
 extern "C" int fake_cuda_live_allocations(void) {
   std::lock_guard<std::mutex> g(g_mu);

@@ -220,18 +220,23 @@ impl Gpu {
     }
 
     /// Enqueues the copies `(dst, src, len)` on the executor's stream: one
-    /// `cuMemcpyBatchAsync` (CUDA 12.8+) when the driver exports it ([`batch_copies`]),
-    /// else one `cuMemcpyAsync` each. Addresses are unified (device memory, or the mapping of
+    /// `cuMemcpyBatchAsync` (CUDA 12.8+) when `batch` (the caller checked that the driver
+    /// exports it: [`batch_copies`]), else one `cuMemcpyAsync` each. Addresses are unified (device memory, or the mapping of
     /// pinned host memory), so the driver picks the copy engine's direction itself; pinned host
     /// memory makes these true DMA transfers.
     ///
     /// # Safety
     /// Every range must lie inside a live allocation of this context, and stay alive until
     /// the copies have run.
-    pub(crate) unsafe fn copy(&self, copies: &[(u64, u64, u64)]) -> Result<(), String> {
+    pub(crate) unsafe fn copy(
+        &self,
+        copies: &[(u64, u64, u64)],
+        batch: bool,
+    ) -> Result<(), String> {
         self.bind()?;
         let live: Vec<&(u64, u64, u64)> = copies.iter().filter(|c| c.2 > 0).collect();
-        if live.len() > 1 && batch_copies() {
+        // Checked here too: cudarc would panic on the missing symbol.
+        if live.len() > 1 && batch && batch_copies() {
             let mut dsts: Vec<sys::CUdeviceptr> = live.iter().map(|c| c.0).collect();
             let mut srcs: Vec<sys::CUdeviceptr> = live.iter().map(|c| c.1).collect();
             let mut sizes: Vec<usize> = live.iter().map(|c| c.2 as usize).collect();
@@ -763,10 +768,14 @@ pub(crate) fn read_in_bounds(gpu: &Gpu, src: u64, out: &mut [u8]) -> Result<(), 
 }
 
 /// [`Gpu::copy`] for regions the executor has bounds-checked against live buffers.
-pub(crate) fn copy_in_bounds(gpu: &Gpu, copies: &[(u64, u64, u64)]) -> Result<(), String> {
+pub(crate) fn copy_in_bounds(
+    gpu: &Gpu,
+    copies: &[(u64, u64, u64)],
+    batch: bool,
+) -> Result<(), String> {
     // SAFETY: the executor checked every range against a live buffer it keeps locked, and
     // freeing a buffer waits for the context's work (see `DeviceMem` / `PinnedMem` drops).
-    unsafe { gpu.copy(copies) }
+    unsafe { gpu.copy(copies, batch) }
 }
 
 /// [`Gpu::fill`] of ranges the executor checked against a live device buffer it keeps locked

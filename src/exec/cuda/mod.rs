@@ -30,8 +30,8 @@ use std::sync::{Mutex, MutexGuard};
 use super::registry::Registry;
 use super::PendingLaunch;
 use super::{
-    check_range, check_regions, Backend, BufferId, CopyRegion, Counters, EventId, ExecError,
-    Executor, KernelArg, KernelArtifact, KernelId, LaunchConfig, LaunchFailure, MemKind,
+    check_range, check_regions, Backend, BufferId, CopyRegion, Counters, DmaMode, EventId,
+    ExecError, Executor, KernelArg, KernelArtifact, KernelId, LaunchConfig, LaunchFailure, MemKind,
 };
 use crate::kernels::KernelSignature;
 
@@ -133,12 +133,6 @@ impl CudaExecutor {
             events: Mutex::new((0, std::collections::HashMap::new())),
             fail_next_launch: AtomicBool::new(false),
         })
-    }
-
-    /// Whether copy batches go out as one `cuMemcpyBatchAsync` (the driver exports it, CUDA
-    /// 12.8+) rather than one `cuMemcpyAsync` per merged region.
-    pub fn batched_copies(&self) -> bool {
-        driver::batch_copies()
     }
 
     /// The device ordinal this executor drives.
@@ -369,6 +363,19 @@ impl Executor for CudaExecutor {
         dst: BufferId,
         regions: &[CopyRegion],
     ) -> Result<(), ExecError> {
+        self.copy_regions_with(src, dst, regions, DmaMode::Batched)
+    }
+
+    /// One `cuMemcpyBatchAsync` for the merged batch with [`DmaMode::Batched`] when the
+    /// driver exports it, else (and always with [`DmaMode::PerRegion`]) one `cuMemcpyAsync`
+    /// per merged region.
+    fn copy_regions_with(
+        &self,
+        src: BufferId,
+        dst: BufferId,
+        regions: &[CopyRegion],
+        mode: DmaMode,
+    ) -> Result<(), ExecError> {
         let mut st = lock(&self.state);
         let (s, d) = (st.buffer(src)?, st.buffer(dst)?);
         let bytes = check_regions((src, s.len()), (dst, d.len()), regions)?;
@@ -377,7 +384,8 @@ impl Executor for CudaExecutor {
             .iter()
             .map(|r| (d.addr() + r.dst_offset, s.addr() + r.src_offset, r.len))
             .collect();
-        driver::copy_in_bounds(&self.gpu, &copies).map_err(driver_err("copy_regions"))?;
+        let batch = mode == DmaMode::Batched && driver::batch_copies();
+        driver::copy_in_bounds(&self.gpu, &copies, batch).map_err(driver_err("copy_regions"))?;
         st.counters.copies += 1;
         st.counters.bytes_copied += bytes;
         Ok(())
@@ -410,6 +418,12 @@ impl Executor for CudaExecutor {
         st.counters.fills += 1;
         st.counters.bytes_filled += bytes;
         Ok(())
+    }
+
+    /// Whether copy batches go out as one `cuMemcpyBatchAsync` (the driver exports it, CUDA
+    /// 12.8+) rather than one `cuMemcpyAsync` per merged region.
+    fn batched_copies(&self) -> bool {
+        driver::batch_copies()
     }
 
     fn synchronize(&self) -> Result<(), ExecError> {
