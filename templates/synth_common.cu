@@ -7,35 +7,39 @@ static __device__ inline u64 chc_mix64(u64 z)
     return z ^ (z >> 31);
 }
 
-// Random word d of field `field` of a token with prefix hash h in `layer`; it holds the
-// elements d * per_draw .. of the field, one lane each, low lane first.
-static __device__ inline u64 chc_draw(u64 h, u32 layer, u32 field, u32 e)
+// The mixed key of draw d of field `field` in `layer`: it does not depend on the token, so the
+// kernels mix it once and use it for every token they take with that draw. Draw d of the
+// token with prefix hash h is chc_mix64(h ^ chc_key(layer, field, d)).
+static __device__ inline u64 chc_key(u32 layer, u32 field, u32 d)
 {
-    const u64 key = ((u64)layer << 40) ^ ((u64)BUFFER_ID << 32) ^ ((u64)field << 24) ^ (u64)e;
-    return chc_mix64(h ^ chc_mix64(key));
+    return chc_mix64(((u64)layer << 40) ^ ((u64)BUFFER_ID << 32) ^ ((u64)field << 24) ^ (u64)d);
 }
 
-// The encoders are not static: a buffer kind may use only some of them, and unused
-// non-static functions draw no NVRTC warning.
+// The packers turn a draw into the 8 bytes of its encoded elements, element s in lane s
+// (bytes s * size ..), so a little-endian store of the word writes exactly the elements'
+// bytes. Each lane is encoded from its own bits only, with the same integer operations as
+// one element at a time (docs/KERNELS.md "Synthesised KV"). They are not static: a buffer
+// kind may use only some of them, and unused non-static functions draw no NVRTC warning.
 
-// Finite fp8-e4m3: any byte but the two NaN encodings.
-__device__ inline u8 chc_enc_fp8(u64 r)
+// 8 finite fp8-e4m3: any byte but the two NaN encodings (c ^= 1 where c & 0x7f == 0x7f).
+// Adding 1 to each byte's low 7 bits carries into its bit 7 exactly when they are all ones,
+// and never into the next byte.
+__device__ inline u64 chc_pack_fp8(u64 r)
 {
-    u32 c = (u32)(r & 0xffu);
-    if ((c & 0x7fu) == 0x7fu) {
-        c ^= 0x01u;
-    }
-    return (u8)c;
+    const u64 nan = ((r & 0x7f7f7f7f7f7f7f7full) + 0x0101010101010101ull) & 0x8080808080808080ull;
+    return r ^ (nan >> 7);
 }
 
-// Positive f32 scale in [2^-8, 2^-7).
-__device__ inline u32 chc_enc_f32(u64 r)
+// 2 positive f32 scales in [2^-8, 2^-7): ((127 - 8) << 23) | (lane & 0x7fffff).
+__device__ inline u64 chc_pack_f32(u64 r)
 {
-    return ((127u - 8u) << 23) | (u32)(r & 0x7fffffu);
+    return (r & 0x007fffff007fffffull) | 0x3b8000003b800000ull;
 }
 
-// Finite bf16 with a small exponent range.
-__device__ inline u16 chc_enc_bf16(u64 r)
+// 4 finite bf16 with a small exponent range: (lane & 0x8000) | ((120 + ((lane >> 8) & 15)) << 7)
+// | (lane & 0x7f). The biased exponent 120..135 fills lane bits 7..14 without a carry out.
+__device__ inline u64 chc_pack_bf16(u64 r)
 {
-    return (u16)((u32)(r & 0x8000u) | ((120u + (u32)((r >> 8) & 15u)) << 7) | (u32)(r & 0x7fu));
+    return (r & 0x807f807f807f807full)
+        | ((((r >> 8) & 0x000f000f000f000full) + 0x0078007800780078ull) << 7);
 }

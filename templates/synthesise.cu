@@ -4,7 +4,11 @@
 // Writes the synthesised {{ buffer }} bytes (docs/KERNELS.md) of the real tokens of sequence
 // pages [start_page, ceil(n_tokens / PAGE_SIZE)) that `rank` owns into its pool
 // [layer][local_page][PAGE_BYTES]; other pages and padding slots are left untouched.
-// Work item w = (layer, page); blocks stride over the items, threads over the elements.
+// Work item w = (layer, page); blocks stride over the items. Per field, the threads stride
+// over the flat pairs x -> (slot x / D, draw x % D) of the page's real tokens, each draw one
+// 8-byte store (a partial last draw: its bytes only). Thread i takes x = i + k * THREADS: every
+// PHASES-th of its pairs has the same draw, TOK_STEP slots on (PHASES * THREADS = TOK_STEP * D
+// = lcm(THREADS, D)), so it walks them phase by phase and mixes the draw's key once a phase.
 extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}({# parameters: KernelSpec::params() #}
 {{ params }}
 {
@@ -21,21 +25,31 @@ extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}({# parameters: K
         }
         u8* dst = pool + ((u64)layer * local_pages + local) * PAGE_BYTES;
         const u64 t0 = (u64)i << LOG2_PAGE_SIZE;
+        const u64* hashes = prefix_hash + t0;
         const u64 left = n_tokens - t0;
         const u32 real = left < PAGE_SIZE ? (u32)left : PAGE_SIZE;
 {%- for f in fields %}
-        // field {{ f.id }}: {{ f.count }} x {{ f.dtype }} per token, {{ f.per_draw }} per draw
-        for (u32 x = threadIdx.x; x < real * {{ f.draws }}u; x += THREADS) {
-            const u32 j = x / {{ f.draws }}u;
-            const u32 d = x % {{ f.draws }}u;
-            const u64 r = chc_draw(prefix_hash[t0 + j], layer, {{ f.id }}u, d);
-            for (u32 s = 0; s < {{ f.per_draw }}u; ++s) {
-                const u32 e = d * {{ f.per_draw }}u + s;
-                if (e < {{ f.count }}u) {
-                    *({{ f.ctype }}*)(dst + {{ f.base }}u + j * {{ f.tok_stride }}u + e * {{ f.size }}u) = {{ f.enc }}(r >> (s * {{ f.lane_bits }}u));
-                }
+        // Field {{ f.id }}: {{ f.count }} x {{ f.dtype }} per token at byte {{ f.base }} + slot * {{ f.tok_stride }}, {{ f.per_draw }} per draw.
+{%- for g in f.segments %}
+        // {{ g.what }}: D = {{ g.draws }}, PHASES = {{ g.phases }}, TOK_STEP = {{ g.tok_step }}.
+        for (u32 p = 0; p < {{ g.phases }}u; ++p) {
+            const u32 x = threadIdx.x + p * THREADS;
+            const u32 j0 = x / {{ g.draws }}u;
+            if (j0 >= real) {
+                break;
+            }
+            const u32 d = {{ g.first_draw }}u + x % {{ g.draws }}u;
+            const u64 key = chc_key(layer, {{ f.id }}u, d);
+            u8* at = dst + {{ f.base }}u + d * 8u;
+            for (u32 j = j0; j < real; j += {{ g.tok_step }}u) {
+                const u64 r = {{ f.pack }}(chc_mix64(hashes[j] ^ key));
+                u8* q = at + j * {{ f.tok_stride }}u;
+{%- for a in g.accesses %}
+                *({{ a.ctype }}*)(q + {{ a.off }}u) = {{ a.value }};
+{%- endfor %}
             }
         }
+{%- endfor %}
 {%- endfor %}
     }
 }

@@ -171,28 +171,60 @@ fn materialise_specs(cp: u8, ps: u32) -> [KernelSpec; 2] {
     })
 }
 
+/// Whether the synthesise and verify kernels take `buffer` at page size `ps`: all but nsa
+/// `index_k` at page size 1, whose 132-byte pages would misalign every other page's 8-byte
+/// draws (`BufferKind::check_access_alignment`; NSA deployments use page size 64).
+fn synth_takes(buffer: BufferKind, ps: u32) -> bool {
+    buffer.check_access_alignment(ps).is_ok()
+}
+
 /// Synthesis covers every (cp, page size) and, across CPs, every buffer kind at every page
-/// size, with one spec per (cp, page size).
+/// size the kernels take, with one spec per (cp, page size): the kinds rotate, and a kind
+/// the kernels do not take at that page size gives way to the next.
 fn synth_spec(ci: usize, pi: usize) -> KernelSpec {
-    synth_spec_of(BUFFERS[(ci + pi) % 3], CPS[ci], PSS[pi])
+    let ps = PSS[pi];
+    let buffer = (0..3)
+        .map(|k| BUFFERS[(ci + pi + k) % 3])
+        .find(|&b| synth_takes(b, ps))
+        .expect("nsa kv and mla kv take every page size");
+    synth_spec_of(buffer, CPS[ci], ps)
 }
 
 fn synth_spec_of(buffer: BufferKind, cp: u8, page_size: u32) -> KernelSpec {
+    synth_spec_threads(buffer, cp, page_size, 128)
+}
+
+fn synth_spec_threads(buffer: BufferKind, cp: u8, page_size: u32, threads: u32) -> KernelSpec {
     KernelSpec::Synthesise(SynthSpec {
         buffer,
         cp,
         page_size,
-        threads: 128,
+        threads,
     })
 }
 
 fn verify_spec(buffer: BufferKind, ps: u32) -> KernelSpec {
+    verify_spec_threads(buffer, ps, 128)
+}
+
+fn verify_spec_threads(buffer: BufferKind, ps: u32, threads: u32) -> KernelSpec {
     KernelSpec::Verify(VerifySpec {
         buffer,
         page_size: ps,
-        threads: 128,
+        threads,
     })
 }
+
+/// The other block sizes `tune` times for synthesise and verify (`KernelSpec::candidates`),
+/// each with a page size per buffer kind: the threads' pairs (token, draw) follow from the
+/// block size (one draw per phase, `lcm(threads, draws)` pairs a round), so each size runs
+/// its own mapping; mla's 144 draws per token make 9 phases at 32, 128 and 256 threads.
+const SYNTH_THREAD_SWEEP: [u32; 3] = [1, 32, 256];
+const SYNTH_SWEEP_SHAPES: [(BufferKind, u8, u32); 3] = [
+    (BufferKind::NsaKv, 8, 64),
+    (BufferKind::NsaIndexK, 3, 16),
+    (BufferKind::MlaKv, 4, 16),
+];
 
 fn all_specs() -> Vec<KernelSpec> {
     let mut v = transfer_specs();
@@ -206,7 +238,9 @@ fn all_specs() -> Vec<KernelSpec> {
     }
     for b in BUFFERS {
         for ps in PSS {
-            v.push(verify_spec(b, ps));
+            if synth_takes(b, ps) {
+                v.push(verify_spec(b, ps));
+            }
         }
     }
     v.sort();
@@ -228,6 +262,12 @@ fn odd_specs() -> Vec<KernelSpec> {
         for t in ALLOC_THREAD_SWEEP {
             v.push(select_spec(cp, ps, t));
             v.push(release_spec(cp, t));
+        }
+    }
+    for (buffer, cp, ps) in SYNTH_SWEEP_SHAPES {
+        for t in SYNTH_THREAD_SWEEP {
+            v.push(synth_spec_threads(buffer, cp, ps, t));
+            v.push(verify_spec_threads(buffer, ps, t));
         }
     }
     v.extend(big_page_transfer_specs());
@@ -886,6 +926,13 @@ fn odd_cps_big_pages_and_alloc_block_sizes_match_reference() {
                 check_release(&mut b, cp, t, order);
             }
         }
+        for (buffer, cp, ps) in SYNTH_SWEEP_SHAPES {
+            for t in SYNTH_THREAD_SWEEP {
+                check_synthesise(&mut b, synth_spec_threads(buffer, cp, ps, t), order);
+                check_verify(&mut b, verify_spec_threads(buffer, ps, t), order);
+                check_verify_field_bytes(&mut b, verify_spec_threads(buffer, ps, t), order);
+            }
+        }
         for spec in big_page_transfer_specs() {
             check_transfer(&mut b, spec, order);
         }
@@ -1502,10 +1549,17 @@ fn synthesise_matches_reference() {
     }
 }
 
+/// Tokens of a sequence of three pages whose last one is half full (at page size 1: three
+/// full pages), for the trials that must have a partial last page and a start page past 0.
+fn partial_tokens(ps: u32) -> u32 {
+    3 * ps - ps / 2
+}
+
 /// Synthesis into every rank's pool of random distinct pages (some beyond the pools) from a
 /// random start page matches the reference, rank by rank. Several trials, each launching at
-/// least one page (`start_page < n_pages`), and the combination must synthesise at least one
-/// page inside the pools, so it never degenerates into checking that poison stays poison.
+/// least one page (`start_page < n_pages`): from page 0, from page 1 of three with the last
+/// one partial, and random; the combination must synthesise at least one page inside the
+/// pools, so it never degenerates into checking that poison stays poison.
 fn check_synthesise(b: &mut Bench, spec: KernelSpec, order: BlockOrder) {
     let (layers, local_pages) = (2u32, 4u32);
     let KernelSpec::Synthesise(s) = spec else {
@@ -1517,15 +1571,18 @@ fn check_synthesise(b: &mut Bench, spec: KernelSpec, order: BlockOrder) {
     let pool_bytes = (u64::from(layers * local_pages) * s.buffer.page_bytes(ps)) as usize;
     let mut synthesised = 0usize;
     for trial in 0..3 {
-        let n_tokens = rng.range(1, u64::from(ps) * 4) as u32;
+        let n_tokens = match trial {
+            1 => partial_tokens(ps),
+            _ => rng.range(1, u64::from(ps) * 4) as u32,
+        };
         let n_pages = n_tokens.div_ceil(ps);
         // Distinct global pages (page 0 excluded), some beyond the pools (skipped).
         let perm = rng.permutation(cpn * (local_pages + 1) - 1);
         let seq: Vec<u32> = perm[..n_pages as usize].iter().map(|p| p + 1).collect();
-        let start_page = if trial == 0 {
-            0
-        } else {
-            rng.below(u64::from(n_pages)) as u32
+        let start_page = match trial {
+            0 => 0,
+            1 => 1,
+            _ => rng.below(u64::from(n_pages)) as u32,
         };
         // Pages of this launch that land in some rank's pool (the others are skipped).
         synthesised += seq[start_page as usize..]
@@ -1584,107 +1641,247 @@ fn check_synthesise(b: &mut Bench, spec: KernelSpec, order: BlockOrder) {
 
 #[test]
 fn verify_flags_exactly_the_corrupted_tokens() {
-    let layers = 2u32;
     for order in ORDERS {
         let mut b = Bench::new(order, libs());
         for buffer in BUFFERS {
             for ps in PSS {
-                let spec = verify_spec(buffer, ps);
-                let mut rng = Rng::new(&[
-                    7,
-                    u64::from(ps),
-                    buffer.id().into(),
-                    order_id(order),
-                    buffer.bytes_per_token().into(),
-                ]);
-                for trial in 0..3 {
-                    let n_tokens = rng.range(1, u64::from(ps) * 4) as u32;
-                    let n_pages = n_tokens.div_ceil(ps);
-                    let start_page = if trial == 0 {
-                        0
-                    } else {
-                        rng.below(u64::from(n_pages) + 1) as u32
-                    };
-                    let hashes = reference::prefix_hashes(&tokens(&mut rng, n_tokens));
-                    let pb = buffer.page_bytes(ps) as usize;
-                    // A correct dense buffer; padding slots stay poison.
-                    let mut dense = vec![POISON; layers as usize * n_pages as usize * pb];
-                    for l in 0..layers {
-                        for t in 0..n_tokens {
-                            let at = (l * n_pages + t / ps) as usize * pb;
-                            reference::synth_token(
-                                buffer,
-                                ps,
-                                hashes[t as usize],
-                                l,
-                                t % ps,
-                                &mut dense[at..at + pb],
-                            )
-                            .unwrap();
-                        }
-                    }
-                    // Trial 0: untouched. Others: flip bytes of random tokens (and of padding
-                    // slots, which must not count).
-                    let fields = buffer.field_layouts(ps);
-                    let mut bad = std::collections::BTreeSet::new();
-                    let mut touched = std::collections::HashSet::new();
-                    if trial > 0 {
-                        for _ in 0..rng.range(1, 6) {
-                            let l = rng.below(u64::from(layers)) as u32;
-                            let slot_space = u64::from(n_pages * ps);
-                            let t = rng.below(slot_space) as u32;
-                            let f = fields[rng.below(fields.len() as u64) as usize];
-                            let e = rng.below(u64::from(f.count)) as u32;
-                            let byte = rng.below(u64::from(f.dtype.size())) as usize;
-                            let at =
-                                (l * n_pages + t / ps) as usize * pb + f.offset(t % ps, e) + byte;
-                            if !touched.insert(at) {
-                                continue; // a second flip of the same byte could undo the first
-                            }
-                            dense[at] ^= rng.range(1, 255) as u8;
-                            if t < n_tokens && t >= start_page * ps {
-                                bad.insert(t);
-                            }
-                        }
-                    }
-                    let want = reference::verify(
-                        buffer, ps, &dense, &hashes, n_tokens, start_page, layers,
-                    )
-                    .unwrap();
-                    let want_bad: std::collections::BTreeSet<u32> = (0..32 * want.len() as u32)
-                        .filter(|&t| want[(t / 32) as usize] >> (t % 32) & 1 == 1)
-                        .collect();
-                    assert_eq!(want_bad, bad, "reference disagrees with the corruption");
-                    // The bitmap starts cleared, as replay uploads it; a guard follows it.
-                    let db = b.bytes(&dense, GUARD);
-                    let hb = b.bytes(&le64(&hashes), 0);
-                    let mb = b.bytes(&le32(&vec![0; want.len()]), GUARD);
-                    let g = grid(&mut rng, spec.launch_dims(n_tokens, layers).grid);
-                    b.launch(
-                        &spec,
-                        g,
-                        &[
-                            KernelArg::Ptr(db, 0),
-                            KernelArg::Ptr(hb, 0),
-                            KernelArg::U32(n_tokens),
-                            KernelArg::U32(start_page),
-                            KernelArg::U32(layers),
-                            KernelArg::Ptr(mb, 0),
-                        ],
-                    );
-                    let got = b.read(mb);
-                    let ctx = format!("{spec} {order} trial {trial} tokens {n_tokens} start {start_page} grid {g} bad {bad:?}");
-                    assert_eq!(u32s(&got[..4 * want.len()]), want, "{ctx}");
-                    assert!(
-                        got[4 * want.len()..].iter().all(|&x| x == POISON),
-                        "bitmap guard: {ctx}"
-                    );
-                    assert_eq!(
-                        b.read(db)[..dense.len()],
-                        dense[..],
-                        "verify wrote its input: {ctx}"
-                    );
+                if synth_takes(buffer, ps) {
+                    check_verify(&mut b, verify_spec(buffer, ps), order);
                 }
+            }
+        }
+    }
+}
+
+/// Every field of every buffer kind at every page size the kernels take, with one byte
+/// flipped at a time, flags exactly that token (`check_verify_field_bytes`).
+#[test]
+fn verify_flags_a_single_flipped_byte_in_every_field() {
+    for order in ORDERS {
+        let mut b = Bench::new(order, libs());
+        for buffer in BUFFERS {
+            for ps in PSS {
+                if synth_takes(buffer, ps) {
+                    check_verify_field_bytes(&mut b, verify_spec(buffer, ps), order);
+                }
+            }
+        }
+    }
+}
+
+/// A correct dense buffer `[layer][page][page_bytes]` of `n_tokens` tokens: every token
+/// synthesised in every layer, padding slots poison.
+fn synthesised_dense(
+    buffer: BufferKind,
+    ps: u32,
+    hashes: &[u64],
+    n_tokens: u32,
+    layers: u32,
+) -> Vec<u8> {
+    let n_pages = n_tokens.div_ceil(ps);
+    let pb = buffer.page_bytes(ps) as usize;
+    let mut dense = vec![POISON; layers as usize * n_pages as usize * pb];
+    for l in 0..layers {
+        for t in 0..n_tokens {
+            let at = (l * n_pages + t / ps) as usize * pb;
+            reference::synth_token(
+                buffer,
+                ps,
+                hashes[t as usize],
+                l,
+                t % ps,
+                &mut dense[at..at + pb],
+            )
+            .unwrap();
+        }
+    }
+    dense
+}
+
+/// Runs verify `spec` over `dense` on a cleared bitmap (as replay uploads it) followed by a
+/// guard, on the recommended grid or (a third of the time) a random smaller one; checks the
+/// guard and that the input is unchanged, and returns the bitmap's words.
+#[allow(clippy::too_many_arguments)]
+fn run_verify(
+    b: &mut Bench,
+    rng: &mut Rng,
+    spec: &KernelSpec,
+    dense: &[u8],
+    hashes: &[u64],
+    n_tokens: u32,
+    start_page: u32,
+    layers: u32,
+    ctx: &str,
+) -> Vec<u32> {
+    let words = n_tokens.div_ceil(32) as usize;
+    let db = b.bytes(dense, GUARD);
+    let hb = b.bytes(&le64(hashes), 0);
+    let mb = b.bytes(&le32(&vec![0; words]), GUARD);
+    let g = grid(rng, spec.launch_dims(n_tokens, layers).grid);
+    b.launch(
+        spec,
+        g,
+        &[
+            KernelArg::Ptr(db, 0),
+            KernelArg::Ptr(hb, 0),
+            KernelArg::U32(n_tokens),
+            KernelArg::U32(start_page),
+            KernelArg::U32(layers),
+            KernelArg::Ptr(mb, 0),
+        ],
+    );
+    let got = b.read(mb);
+    assert!(
+        got[4 * words..].iter().all(|&x| x == POISON),
+        "bitmap guard: {ctx} grid {g}"
+    );
+    assert_eq!(
+        b.read(db)[..dense.len()],
+        dense[..],
+        "verify wrote its input: {ctx} grid {g}"
+    );
+    u32s(&got[..4 * words])
+}
+
+/// The set bits of a bitmap.
+fn set_bits(words: &[u32]) -> std::collections::BTreeSet<u32> {
+    (0..32 * words.len() as u32)
+        .filter(|&t| words[(t / 32) as usize] >> (t % 32) & 1 == 1)
+        .collect()
+}
+
+/// Verify of a correct dense buffer with random bytes flipped (in real tokens and padding
+/// slots, before and after the start page) flags exactly the flipped real tokens from the
+/// start page on, as the reference does. Trials: untouched from page 0; from page 1 of three
+/// with the last one partial; random lengths and start pages (the start possibly past the
+/// last page).
+fn check_verify(b: &mut Bench, spec: KernelSpec, order: BlockOrder) {
+    let layers = 2u32;
+    let KernelSpec::Verify(s) = spec else {
+        unreachable!()
+    };
+    let (buffer, ps) = (s.buffer, s.page_size);
+    let mut rng = Rng::new(&[
+        7,
+        u64::from(ps),
+        buffer.id().into(),
+        order_id(order),
+        buffer.bytes_per_token().into(),
+        s.threads.into(),
+    ]);
+    for trial in 0..3 {
+        let n_tokens = match trial {
+            1 => partial_tokens(ps),
+            _ => rng.range(1, u64::from(ps) * 4) as u32,
+        };
+        let n_pages = n_tokens.div_ceil(ps);
+        let start_page = match trial {
+            0 => 0,
+            1 => 1,
+            _ => rng.below(u64::from(n_pages) + 1) as u32,
+        };
+        let hashes = reference::prefix_hashes(&tokens(&mut rng, n_tokens));
+        let pb = buffer.page_bytes(ps) as usize;
+        let mut dense = synthesised_dense(buffer, ps, &hashes, n_tokens, layers);
+        // Trial 0: untouched. Others: flip bytes of random tokens (and of padding slots,
+        // which must not count).
+        let fields = buffer.field_layouts(ps);
+        let mut bad = std::collections::BTreeSet::new();
+        let mut touched = std::collections::HashSet::new();
+        if trial > 0 {
+            for _ in 0..rng.range(1, 6) {
+                let l = rng.below(u64::from(layers)) as u32;
+                let slot_space = u64::from(n_pages * ps);
+                let t = rng.below(slot_space) as u32;
+                let f = fields[rng.below(fields.len() as u64) as usize];
+                let e = rng.below(u64::from(f.count)) as u32;
+                let byte = rng.below(u64::from(f.dtype.size())) as usize;
+                let at = (l * n_pages + t / ps) as usize * pb + f.offset(t % ps, e) + byte;
+                if !touched.insert(at) {
+                    continue; // a second flip of the same byte could undo the first
+                }
+                dense[at] ^= rng.range(1, 255) as u8;
+                if t < n_tokens && t >= start_page * ps {
+                    bad.insert(t);
+                }
+            }
+        }
+        let want =
+            reference::verify(buffer, ps, &dense, &hashes, n_tokens, start_page, layers).unwrap();
+        assert_eq!(
+            set_bits(&want),
+            bad,
+            "reference disagrees with the corruption"
+        );
+        let ctx = format!(
+            "{spec} {order} trial {trial} tokens {n_tokens} start {start_page} bad {bad:?}"
+        );
+        let got = run_verify(
+            b, &mut rng, &spec, &dense, &hashes, n_tokens, start_page, layers, &ctx,
+        );
+        assert_eq!(got, want, "{ctx}");
+    }
+}
+
+/// One byte flipped at a time, in every field: its first byte, its last byte (in a partial
+/// last draw where the field has one: nsa `index_k`'s scale) and a random one, each in a
+/// random token from the start page on and a random layer, flags exactly that token; the same
+/// flips in a token before the start page, and in a padding slot of the partial last page,
+/// flag nothing. Three pages, the last half full, from page 1 (page size 1: three tokens,
+/// from token 1).
+fn check_verify_field_bytes(b: &mut Bench, spec: KernelSpec, order: BlockOrder) {
+    let layers = 3u32;
+    let KernelSpec::Verify(s) = spec else {
+        unreachable!()
+    };
+    let (buffer, ps) = (s.buffer, s.page_size);
+    let mut rng = Rng::new(&[
+        8,
+        u64::from(ps),
+        buffer.id().into(),
+        order_id(order),
+        s.threads.into(),
+    ]);
+    let n_tokens = partial_tokens(ps);
+    let n_pages = n_tokens.div_ceil(ps);
+    let start_page = 1u32;
+    let hashes = reference::prefix_hashes(&tokens(&mut rng, n_tokens));
+    let pb = buffer.page_bytes(ps) as usize;
+    let correct = synthesised_dense(buffer, ps, &hashes, n_tokens, layers);
+    for f in buffer.field_layouts(ps) {
+        let size = f.dtype.size();
+        let last = f.count * size - 1;
+        let random = rng.below(u64::from(f.count * size)) as u32;
+        for byte in [0, last, random] {
+            let (e, within) = (byte / size, (byte % size) as usize);
+            // A real token to flag, one before the start page, and a padding slot.
+            let flagged = rng.range(u64::from(start_page * ps), u64::from(n_tokens - 1)) as u32;
+            let early = rng.below(u64::from(start_page * ps)) as u32;
+            let padding = (n_tokens < n_pages * ps).then_some(n_tokens);
+            for (t, flags) in [
+                (Some(flagged), true),
+                (Some(early), false),
+                (padding, false),
+            ] {
+                let Some(t) = t else { continue };
+                let l = rng.below(u64::from(layers)) as u32;
+                let mut dense = correct.clone();
+                let at = (l * n_pages + t / ps) as usize * pb + f.offset(t % ps, e) + within;
+                dense[at] ^= 1 << rng.below(8);
+                let want: std::collections::BTreeSet<u32> =
+                    flags.then_some(t).into_iter().collect();
+                let ctx = format!(
+                    "{spec} {order} field {} byte {byte} (element {e}) of token {t} in layer {l}: flags {want:?}",
+                    f.id
+                );
+                let reference =
+                    reference::verify(buffer, ps, &dense, &hashes, n_tokens, start_page, layers)
+                        .unwrap();
+                assert_eq!(set_bits(&reference), want, "reference: {ctx}");
+                let got = run_verify(
+                    b, &mut rng, &spec, &dense, &hashes, n_tokens, start_page, layers, &ctx,
+                );
+                assert_eq!(set_bits(&got), want, "{ctx}");
             }
         }
     }

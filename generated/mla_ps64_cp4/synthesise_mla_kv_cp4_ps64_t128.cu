@@ -23,43 +23,51 @@ static __device__ inline u64 chc_mix64(u64 z)
     return z ^ (z >> 31);
 }
 
-// Random word d of field `field` of a token with prefix hash h in `layer`; it holds the
-// elements d * per_draw .. of the field, one lane each, low lane first.
-static __device__ inline u64 chc_draw(u64 h, u32 layer, u32 field, u32 e)
+// The mixed key of draw d of field `field` in `layer`: it does not depend on the token, so the
+// kernels mix it once and use it for every token they take with that draw. Draw d of the
+// token with prefix hash h is chc_mix64(h ^ chc_key(layer, field, d)).
+static __device__ inline u64 chc_key(u32 layer, u32 field, u32 d)
 {
-    const u64 key = ((u64)layer << 40) ^ ((u64)BUFFER_ID << 32) ^ ((u64)field << 24) ^ (u64)e;
-    return chc_mix64(h ^ chc_mix64(key));
+    return chc_mix64(((u64)layer << 40) ^ ((u64)BUFFER_ID << 32) ^ ((u64)field << 24) ^ (u64)d);
 }
 
-// The encoders are not static: a buffer kind may use only some of them, and unused
-// non-static functions draw no NVRTC warning.
+// The packers turn a draw into the 8 bytes of its encoded elements, element s in lane s
+// (bytes s * size ..), so a little-endian store of the word writes exactly the elements'
+// bytes. Each lane is encoded from its own bits only, with the same integer operations as
+// one element at a time (docs/KERNELS.md "Synthesised KV"). They are not static: a buffer
+// kind may use only some of them, and unused non-static functions draw no NVRTC warning.
 
-// Finite fp8-e4m3: any byte but the two NaN encodings.
-__device__ inline u8 chc_enc_fp8(u64 r)
+// 8 finite fp8-e4m3: any byte but the two NaN encodings (c ^= 1 where c & 0x7f == 0x7f).
+// Adding 1 to each byte's low 7 bits carries into its bit 7 exactly when they are all ones,
+// and never into the next byte.
+__device__ inline u64 chc_pack_fp8(u64 r)
 {
-    u32 c = (u32)(r & 0xffu);
-    if ((c & 0x7fu) == 0x7fu) {
-        c ^= 0x01u;
-    }
-    return (u8)c;
+    const u64 nan = ((r & 0x7f7f7f7f7f7f7f7full) + 0x0101010101010101ull) & 0x8080808080808080ull;
+    return r ^ (nan >> 7);
 }
 
-// Positive f32 scale in [2^-8, 2^-7).
-__device__ inline u32 chc_enc_f32(u64 r)
+// 2 positive f32 scales in [2^-8, 2^-7): ((127 - 8) << 23) | (lane & 0x7fffff).
+__device__ inline u64 chc_pack_f32(u64 r)
 {
-    return ((127u - 8u) << 23) | (u32)(r & 0x7fffffu);
+    return (r & 0x007fffff007fffffull) | 0x3b8000003b800000ull;
 }
 
-// Finite bf16 with a small exponent range.
-__device__ inline u16 chc_enc_bf16(u64 r)
+// 4 finite bf16 with a small exponent range: (lane & 0x8000) | ((120 + ((lane >> 8) & 15)) << 7)
+// | (lane & 0x7f). The biased exponent 120..135 fills lane bits 7..14 without a carry out.
+__device__ inline u64 chc_pack_bf16(u64 r)
 {
-    return (u16)((u32)(r & 0x8000u) | ((120u + (u32)((r >> 8) & 15u)) << 7) | (u32)(r & 0x7fu));
+    return (r & 0x807f807f807f807full)
+        | ((((r >> 8) & 0x000f000f000f000full) + 0x0078007800780078ull) << 7);
 }
 
 // Writes the synthesised mla_kv bytes (docs/KERNELS.md) of the real tokens of sequence
 // pages [start_page, ceil(n_tokens / PAGE_SIZE)) that `rank` owns into its pool
 // [layer][local_page][PAGE_BYTES]; other pages and padding slots are left untouched.
-// Work item w = (layer, page); blocks stride over the items, threads over the elements.
+// Work item w = (layer, page); blocks stride over the items. Per field, the threads stride
+// over the flat pairs x -> (slot x / D, draw x % D) of the page's real tokens, each draw one
+// 8-byte store (a partial last draw: its bytes only). Thread i takes x = i + k * THREADS: every
+// PHASES-th of its pairs has the same draw, TOK_STEP slots on (PHASES * THREADS = TOK_STEP * D
+// = lcm(THREADS, D)), so it walks them phase by phase and mixes the draw's key once a phase.
 extern "C" __global__ void __launch_bounds__(THREADS) synthesise_mla_kv_cp4_ps64_t128(
     u8* __restrict__ pool, const u64* __restrict__ prefix_hash,
     const u32* __restrict__ seq_pages, u32 n_tokens, u32 start_page, u32 rank, u32 layers,
@@ -78,18 +86,24 @@ extern "C" __global__ void __launch_bounds__(THREADS) synthesise_mla_kv_cp4_ps64
         }
         u8* dst = pool + ((u64)layer * local_pages + local) * PAGE_BYTES;
         const u64 t0 = (u64)i << LOG2_PAGE_SIZE;
+        const u64* hashes = prefix_hash + t0;
         const u64 left = n_tokens - t0;
         const u32 real = left < PAGE_SIZE ? (u32)left : PAGE_SIZE;
-        // field 0: 576 x bf16 per token, 4 per draw
-        for (u32 x = threadIdx.x; x < real * 144u; x += THREADS) {
-            const u32 j = x / 144u;
-            const u32 d = x % 144u;
-            const u64 r = chc_draw(prefix_hash[t0 + j], layer, 0u, d);
-            for (u32 s = 0; s < 4u; ++s) {
-                const u32 e = d * 4u + s;
-                if (e < 576u) {
-                    *(u16*)(dst + 0u + j * 1152u + e * 2u) = chc_enc_bf16(r >> (s * 16u));
-                }
+        // Field 0: 576 x bf16 per token at byte 0 + slot * 1152, 4 per draw.
+        // Draws 0..144, full: one u64 each: D = 144, PHASES = 9, TOK_STEP = 8.
+        for (u32 p = 0; p < 9u; ++p) {
+            const u32 x = threadIdx.x + p * THREADS;
+            const u32 j0 = x / 144u;
+            if (j0 >= real) {
+                break;
+            }
+            const u32 d = 0u + x % 144u;
+            const u64 key = chc_key(layer, 0u, d);
+            u8* at = dst + 0u + d * 8u;
+            for (u32 j = j0; j < real; j += 8u) {
+                const u64 r = chc_pack_bf16(chc_mix64(hashes[j] ^ key));
+                u8* q = at + j * 1152u;
+                *(u64*)(q + 0u) = r;
             }
         }
     }

@@ -29,9 +29,10 @@ pub use dma::{
 pub use render::{diff_tree, plan_tree, render_tree, sources_digest, TreeDiff, REGENERATE_COMMAND};
 pub use spec::{
     AllocSpec, Arrangement, BufferKind, BusySpec, CopyLaunch, Direction, Dtype, Family,
-    FieldLayout, HostLayout, KernelParam, KernelSignature, KernelSpec, LaunchDims, MaterialiseSpec,
-    Reach, ReachError, ReleaseSpec, ReleaseStatus, SelectStatus, SynthSpec, TransferSpec, VecWidth,
-    VerifySpec, GPU_TRANSFER_BLOCKS, GPU_TRANSFER_THREADS, GPU_TRANSFER_UNROLL, TRANSFER_GRID_CAPS,
+    FieldLayout, FieldMisalignment, HostLayout, KernelParam, KernelSignature, KernelSpec,
+    LaunchDims, MaterialiseSpec, Reach, ReachError, ReleaseSpec, ReleaseStatus, SelectStatus,
+    SynthSpec, TransferSpec, VecWidth, VerifySpec, GPU_TRANSFER_BLOCKS, GPU_TRANSFER_THREADS,
+    GPU_TRANSFER_UNROLL, TRANSFER_GRID_CAPS,
 };
 
 use std::path::PathBuf;
@@ -77,6 +78,19 @@ pub enum KernelError {
         page_bytes: u64,
         /// Bytes of one vector access.
         vec_bytes: u32,
+    },
+    /// A buffer kind and page size at which the synthesise or verify kernels would make a
+    /// misaligned access ([`FieldLayout::check_access_alignment`]).
+    #[error("{family}: {buffer} field {} at page size {page_size}: its {}-byte accesses would be misaligned ({} {} is not a multiple of {})", misalignment.field, misalignment.width, misalignment.what, misalignment.value, misalignment.width)]
+    FieldMisaligned {
+        /// Kernel family being specified.
+        family: Family,
+        /// The buffer kind.
+        buffer: BufferKind,
+        /// The rejected page size.
+        page_size: u32,
+        /// Which access and why.
+        misalignment: FieldMisalignment,
     },
     /// A deployment whose model cannot use the requested page size.
     #[error("deployment {name}: {reason}")]

@@ -87,19 +87,42 @@ struct FieldTpl {
     id: u32,
     count: u32,
     dtype: String,
-    ctype: &'static str,
     base: u32,
     tok_stride: u32,
-    size: u32,
-    enc: &'static str,
     /// Elements per 64-bit draw ([`Dtype::per_draw`](super::Dtype::per_draw)).
     per_draw: u32,
-    /// Bits per element lane of a draw.
-    lane_bits: u32,
-    /// Draws per token: `ceil(count / per_draw)`.
-    draws: u32,
+    /// The packer of the dtype (`chc_pack_*` in templates/synth_common.cu).
+    pack: &'static str,
+    /// The full draws, then the partial last one (each present only when not empty).
+    segments: Vec<SegmentTpl>,
 }
 
+/// A run of a field's draws that the kernels access alike: the full draws (one `u64` each),
+/// or the partial last draw (its bytes only). The threads stride over the flat pairs
+/// `x -> (token x / draws, draw first_draw + x % draws)`; thread `i` takes `x = i + k *
+/// THREADS`, and every `phases`-th of those has the same draw, `tok_step` tokens on.
+struct SegmentTpl {
+    /// For the comment: what the segment is.
+    what: String,
+    first_draw: u32,
+    /// Draws in the segment (`D`).
+    draws: u32,
+    /// `D / gcd(THREADS, D)`: the distinct draws of one thread.
+    phases: u32,
+    /// `THREADS / gcd(THREADS, D)`: tokens between a thread's pairs of one draw.
+    tok_step: u32,
+    /// Each access of one draw of one token.
+    accesses: Vec<AccessTpl>,
+}
+
+/// One load or store of (part of) a packed draw `r`.
+struct AccessTpl {
+    ctype: &'static str,
+    /// Byte offset in the draw.
+    off: u32,
+    /// The C value of those bytes of `r`.
+    value: String,
+}
 #[derive(Template)]
 #[template(path = "select_owner_pages.cu", escape = "none")]
 struct SelectTpl<'a> {
@@ -220,22 +243,97 @@ fn synth_consts(
     v
 }
 
-fn fields(buffer: super::BufferKind, page_size: u32) -> Vec<FieldTpl> {
+fn gcd(a: u32, b: u32) -> u32 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+fn segment(
+    what: String,
+    first_draw: u32,
+    draws: u32,
+    threads: u32,
+    accesses: Vec<AccessTpl>,
+) -> SegmentTpl {
+    let g = gcd(threads, draws);
+    SegmentTpl {
+        what,
+        first_draw,
+        draws,
+        phases: draws / g,
+        tok_step: threads / g,
+        accesses,
+    }
+}
+
+/// The C type of an access of `width` bytes.
+fn access_type(width: u32) -> &'static str {
+    match width {
+        8 => "u64",
+        4 => "u32",
+        2 => "u16",
+        _ => "u8",
+    }
+}
+
+/// The fields of `buffer` at `page_size` for a block of `threads`. Alignment is checked by
+/// [`KernelSpec::validate`] before any render ([`BufferKind::check_access_alignment`](super::BufferKind::check_access_alignment)).
+fn fields(buffer: super::BufferKind, page_size: u32, threads: u32) -> Vec<FieldTpl> {
     buffer
         .field_layouts(page_size)
         .into_iter()
-        .map(|f| FieldTpl {
-            id: f.id,
-            count: f.count,
-            dtype: f.dtype.to_string(),
-            ctype: f.dtype.c_type(),
-            base: f.base,
-            tok_stride: f.tok_stride,
-            size: f.dtype.size(),
-            enc: f.dtype.encoder(),
-            per_draw: f.dtype.per_draw(),
-            lane_bits: 64 / f.dtype.per_draw(),
-            draws: f.count.div_ceil(f.dtype.per_draw()),
+        .map(|f| {
+            let mut segments = Vec::new();
+            let full = f.full_draws();
+            if full > 0 {
+                let word = AccessTpl {
+                    ctype: "u64",
+                    off: 0,
+                    value: "r".to_string(),
+                };
+                segments.push(segment(
+                    format!("Draws 0..{full}, full: one u64 each"),
+                    0,
+                    full,
+                    threads,
+                    vec![word],
+                ));
+            }
+            let tail = f.tail_accesses();
+            if !tail.is_empty() {
+                let bytes: u32 = tail.iter().map(|&(_, w)| w).sum();
+                let accesses = tail
+                    .into_iter()
+                    .map(|(off, width)| {
+                        let ctype = access_type(width);
+                        let value = match off {
+                            0 => format!("({ctype})r"),
+                            _ => format!("({ctype})(r >> {}u)", 8 * off),
+                        };
+                        AccessTpl { ctype, off, value }
+                    })
+                    .collect();
+                segments.push(segment(
+                    format!("Draw {full}, partial: its {bytes} bytes only"),
+                    full,
+                    1,
+                    threads,
+                    accesses,
+                ));
+            }
+            FieldTpl {
+                id: f.id,
+                count: f.count,
+                dtype: f.dtype.to_string(),
+                base: f.base,
+                tok_stride: f.tok_stride,
+                per_draw: f.dtype.per_draw(),
+                pack: f.dtype.packer(),
+                segments,
+            }
         })
         .collect()
 }
@@ -338,16 +436,20 @@ pub(crate) fn render_spec(spec: &KernelSpec) -> Result<String, KernelError> {
             params: &params,
             consts: synth_consts(Some(s.cp), s.buffer, s.page_size, s.threads),
             buffer: s.buffer.to_string(),
-            fields: fields(s.buffer, s.page_size),
+            fields: fields(s.buffer, s.page_size, s.threads),
         }
         .render(),
         KernelSpec::Verify(s) => VerifyTpl {
             uri: &uri,
             template,
             params: &params,
-            consts: synth_consts(None, s.buffer, s.page_size, s.threads),
+            consts: {
+                let mut c = synth_consts(None, s.buffer, s.page_size, s.threads);
+                c.push(self::c("ITEM_TOKENS", s.item_tokens()));
+                c
+            },
             buffer: s.buffer.to_string(),
-            fields: fields(s.buffer, s.page_size),
+            fields: fields(s.buffer, s.page_size, s.threads),
         }
         .render(),
         KernelSpec::Busy(s) => BusyTpl {

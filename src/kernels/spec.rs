@@ -182,21 +182,13 @@ impl Dtype {
         8 / self.size()
     }
 
-    /// The CUDA integer type an element is stored as.
-    pub(crate) fn c_type(self) -> &'static str {
+    /// The rendered packer (templates/synth_common.cu): the draw word with each of its
+    /// `per_draw` lanes encoded, so its little-endian bytes are the elements' bytes.
+    pub(crate) fn packer(self) -> &'static str {
         match self {
-            Dtype::Fp8E4m3 => "u8",
-            Dtype::F32 => "u32",
-            Dtype::Bf16 => "u16",
-        }
-    }
-
-    /// The rendered encoder function (templates/synth_common.cu).
-    pub(crate) fn encoder(self) -> &'static str {
-        match self {
-            Dtype::Fp8E4m3 => "chc_enc_fp8",
-            Dtype::F32 => "chc_enc_f32",
-            Dtype::Bf16 => "chc_enc_bf16",
+            Dtype::Fp8E4m3 => "chc_pack_fp8",
+            Dtype::F32 => "chc_pack_f32",
+            Dtype::Bf16 => "chc_pack_bf16",
         }
     }
 }
@@ -254,6 +246,84 @@ impl FieldLayout {
             + slot as usize * self.tok_stride as usize
             + (e * self.dtype.size()) as usize
     }
+
+    /// Draws per token: `ceil(count / per_draw)` (docs/KERNELS.md "Synthesised KV").
+    pub fn draws(&self) -> u32 {
+        self.count.div_ceil(self.dtype.per_draw())
+    }
+
+    /// Draws whose `per_draw` elements all exist. Their encoded elements fill all 8 bytes
+    /// of the draw word, so the synthesise and verify kernels store or compare each as one
+    /// `u64` (element `e` of the draw in its bytes `e * size ..`, little-endian).
+    pub fn full_draws(&self) -> u32 {
+        self.count / self.dtype.per_draw()
+    }
+
+    /// The accesses that cover the last, partial draw when `count` is not a multiple of
+    /// `per_draw` (empty otherwise): `(byte offset in the draw, width)`, widest first
+    /// (4, 2, 1), each taking the draw word's bytes at that offset. The kernels never touch a
+    /// byte past the field's last element, so a partial draw cannot be one 8-byte store
+    /// (nsa `index_k`'s single f32 scale per token is half a draw).
+    pub fn tail_accesses(&self) -> Vec<(u32, u32)> {
+        let mut left = (self.count % self.dtype.per_draw()) * self.dtype.size();
+        let mut off = 0;
+        let mut out = Vec::new();
+        for width in [4, 2, 1] {
+            if left >= width {
+                out.push((off, width));
+                off += width;
+                left -= width;
+            }
+        }
+        out
+    }
+
+    /// Checks that every access of the synthesise and verify kernels to this field is
+    /// aligned to its width (a GPU faults on a misaligned access that the CPU runs without
+    /// complaint), in every slot of every page of `page_bytes` bytes. Buffers start 16-byte
+    /// aligned ([`KernelParam::align`]) and pages follow each other, so the page size, the
+    /// token stride and the access's offset in slot 0 must all be multiples of the width:
+    /// 8 for the full draws, the width of each access of a partial last draw.
+    pub fn check_access_alignment(&self, page_bytes: u64) -> Result<(), FieldMisalignment> {
+        let full = (self.full_draws() > 0).then_some((0u32, 8u32));
+        let tail_start = self.full_draws() * 8;
+        let tail = self
+            .tail_accesses()
+            .into_iter()
+            .map(|(off, width)| (tail_start + off, width));
+        for (off, width) in full.into_iter().chain(tail) {
+            let at = u64::from(self.base) + u64::from(off);
+            let checks = [
+                ("page bytes", page_bytes),
+                ("token stride", u64::from(self.tok_stride)),
+                ("offset in the page", at),
+            ];
+            if let Some(&(what, value)) = checks.iter().find(|(_, v)| v % u64::from(width) != 0) {
+                return Err(FieldMisalignment {
+                    field: self.id,
+                    width,
+                    what,
+                    value,
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Why an access of the synthesise or verify kernels to a field would be misaligned
+/// ([`FieldLayout::check_access_alignment`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FieldMisalignment {
+    /// The field index.
+    pub field: u32,
+    /// Bytes of the access (8 for a full draw).
+    pub width: u32,
+    /// Which quantity is not a multiple of the width: `page bytes`, `token stride` or
+    /// `offset in the page`.
+    pub what: &'static str,
+    /// Its value.
+    pub value: u64,
 }
 
 impl BufferKind {
@@ -290,6 +360,16 @@ impl BufferKind {
     /// Bytes of one page of `page_size` tokens.
     pub fn page_bytes(self, page_size: u32) -> u64 {
         u64::from(self.bytes_per_token()) * u64::from(page_size)
+    }
+
+    /// Checks [`FieldLayout::check_access_alignment`] for every field at `page_size`. Every
+    /// buffer kind passes at every page size the kernels accept, except nsa `index_k` at page
+    /// size 1 (132-byte pages: every other page starts 4 bytes off an 8-byte boundary).
+    pub fn check_access_alignment(self, page_size: u32) -> Result<(), FieldMisalignment> {
+        let page_bytes = self.page_bytes(page_size);
+        self.field_layouts(page_size)
+            .iter()
+            .try_for_each(|f| f.check_access_alignment(page_bytes))
     }
 
     /// Byte placement of every field in a page of `page_size` tokens.
@@ -893,6 +973,16 @@ pub struct VerifySpec {
     pub threads: u32,
 }
 
+impl VerifySpec {
+    /// Tokens of one verify work item (a work item is a run of these tokens in one layer):
+    /// `max(64, threads)`, so that every field, even one of a single draw per token, has a
+    /// (token, draw) pair for every thread, and a draw key mixed once serves many tokens
+    /// even at one thread per block (docs/KERNELS.md "verify").
+    pub fn item_tokens(&self) -> u32 {
+        self.threads.max(64)
+    }
+}
+
 /// One parameter of a kernel's `extern "C"` signature (docs/KERNELS.md "Kernels").
 ///
 /// [`KernelSpec::params`] is the single source of truth for a rendered kernel's parameter
@@ -1143,10 +1233,11 @@ pub struct LaunchDims {
 /// add nothing.
 const MAX_GRID: u64 = 1 << 16;
 
-/// Verify blocks stride over tokens. On the CPU emulator every block starts a fiber per
-/// thread, so one block per token made starting fibers most of the work (a 20-30 % faster
-/// default replay with this cap); on an H200 it is about 8 blocks per SM, plenty for a check
-/// that is not on the serving path.
+/// Verify blocks stride over work items (a run of [`VerifySpec::item_tokens`] tokens in one
+/// layer). On the CPU emulator every block starts a fiber per thread, so when a block was one
+/// token, starting fibers was most of the work (a 20-30 % faster default replay with this
+/// cap); on an H200 it is about 8 blocks per SM, plenty for a check that is not on the
+/// serving path.
 const VERIFY_MAX_BLOCKS: u64 = 1024;
 
 impl KernelSpec {
@@ -1412,6 +1503,16 @@ impl KernelSpec {
                 ))
             }
         };
+        let check_fields = |buffer: BufferKind, page_size: u32| {
+            buffer
+                .check_access_alignment(page_size)
+                .map_err(|misalignment| KernelError::FieldMisaligned {
+                    family: fam,
+                    buffer,
+                    page_size,
+                    misalignment,
+                })
+        };
         let check_copy = |page_size: u32, bpt: u32, l: &CopyLaunch| {
             check_ps(page_size)?;
             check_block(l.threads)?;
@@ -1469,11 +1570,13 @@ impl KernelSpec {
             KernelSpec::Synthesise(s) => {
                 check_cp(s.cp)?;
                 check_ps(s.page_size)?;
-                check_block(s.threads)
+                check_block(s.threads)?;
+                check_fields(s.buffer, s.page_size)
             }
             KernelSpec::Verify(s) => {
                 check_ps(s.page_size)?;
-                check_block(s.threads)
+                check_block(s.threads)?;
+                check_fields(s.buffer, s.page_size)
             }
             KernelSpec::Busy(s) => check_block(s.threads),
         }
@@ -1533,8 +1636,8 @@ impl KernelSpec {
 
     /// Recommended launch for `items` units of work over `layers` layers. The unit is a
     /// request (select), a page (release), a page pair (transfer), a sequence page
-    /// (materialise, synthesise: pages after `start_page`), a token (verify; `layers` is
-    /// ignored) or an output word (busy: one per thread, `layers` ignored). For a transfer `layers` is the layer count of the launch (its layer range
+    /// (materialise, synthesise: pages after `start_page`), a token (verify: one block per
+    /// [`VerifySpec::item_tokens`] tokens and layer) or an output word (busy: one per thread, `layers` ignored). For a transfer `layers` is the layer count of the launch (its layer range
     /// clamped to the pools, [`clamp_layer_range`](super::clamp_layer_range)), not the
     /// pools' total: a per-layer load is sized for one layer. Select and release need exactly one block ([`KernelSignature::single_block`]);
     /// every other kernel strides over its work, so any grid is correct, and this one is
@@ -1559,7 +1662,9 @@ impl KernelSpec {
                 }
             }
             KernelSpec::Synthesise(_) => u64::from(items) * u64::from(layers),
-            KernelSpec::Verify(_) => u64::from(items).min(VERIFY_MAX_BLOCKS),
+            KernelSpec::Verify(s) => (u64::from(items).div_ceil(u64::from(s.item_tokens()))
+                * u64::from(layers))
+            .min(VERIFY_MAX_BLOCKS),
             KernelSpec::Busy(s) => u64::from(items).div_ceil(u64::from(s.threads.max(1))),
         };
         LaunchDims {
@@ -1604,6 +1709,114 @@ mod tests {
                 }
                 assert!(covered.iter().all(|&c| c == 1), "{b} ps{ps}");
             }
+        }
+    }
+
+    /// The synthesise and verify kernels store and compare a draw's 8 bytes as one `u64`:
+    /// every full draw of every field must be 8-byte aligned in every slot of every page, and
+    /// a partial last draw aligned to each of its narrower accesses. True for every buffer
+    /// kind at every page size the kernels accept but one: nsa `index_k` at page size 1 has
+    /// 132-byte pages, so it is refused with a typed error (NSA deployments use page size 64).
+    #[test]
+    fn every_synthesised_access_is_aligned_to_its_width() {
+        for b in [BufferKind::NsaKv, BufferKind::NsaIndexK, BufferKind::MlaKv] {
+            for ps in (0..=10).map(|k| 1u32 << k) {
+                let pb = b.page_bytes(ps);
+                let got = b.check_access_alignment(ps);
+                if b == BufferKind::NsaIndexK && ps == 1 {
+                    assert_eq!(
+                        got,
+                        Err(FieldMisalignment {
+                            field: 0,
+                            width: 8,
+                            what: "page bytes",
+                            value: 132
+                        })
+                    );
+                    continue;
+                }
+                assert_eq!(got, Ok(()), "{b} ps{ps}");
+                for f in b.field_layouts(ps) {
+                    if f.full_draws() > 0 {
+                        assert_eq!(f.base % 8, 0, "{b} ps{ps} field {}", f.id);
+                        assert_eq!(f.tok_stride % 8, 0, "{b} ps{ps} field {}", f.id);
+                        assert_eq!(pb % 8, 0, "{b} ps{ps}");
+                    }
+                }
+            }
+        }
+        // The partial draws: only nsa index_k's scale, one f32 of a draw of two, a u32.
+        let mut partial = Vec::new();
+        for b in [BufferKind::NsaKv, BufferKind::NsaIndexK, BufferKind::MlaKv] {
+            for f in b.field_layouts(64) {
+                if !f.tail_accesses().is_empty() {
+                    partial.push((b, f.id, f.tail_accesses()));
+                }
+            }
+        }
+        assert_eq!(partial, vec![(BufferKind::NsaIndexK, 1, vec![(0, 4)])]);
+        // Every reference deployment's synthesise and verify kernels validate.
+        for d in super::super::Deployment::reference() {
+            for spec in d.specs() {
+                assert_eq!(spec.validate().map_err(|e| e.to_string()), Ok(()), "{spec}");
+            }
+        }
+        for spec in [
+            KernelSpec::Synthesise(SynthSpec {
+                buffer: BufferKind::NsaIndexK,
+                cp: 1,
+                page_size: 1,
+                threads: 128,
+            }),
+            KernelSpec::Verify(VerifySpec {
+                buffer: BufferKind::NsaIndexK,
+                page_size: 1,
+                threads: 128,
+            }),
+        ] {
+            let err = spec.render().unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    KernelError::FieldMisaligned {
+                        buffer: BufferKind::NsaIndexK,
+                        page_size: 1,
+                        ..
+                    }
+                ),
+                "{err}"
+            );
+            assert!(err.is_invalid_spec());
+            assert!(
+                err.to_string()
+                    .contains("page bytes 132 is not a multiple of 8"),
+                "{err}"
+            );
+        }
+    }
+
+    /// The tail accesses cover exactly the bytes of a partial last draw, widest first, each
+    /// at an offset that is a multiple of its width.
+    #[test]
+    fn tail_accesses_cover_a_partial_draw() {
+        for (dtype, count, want) in [
+            (Dtype::Fp8E4m3, 16, vec![]),
+            (Dtype::Fp8E4m3, 7, vec![(0, 4), (4, 2), (6, 1)]),
+            (Dtype::Fp8E4m3, 13, vec![(0, 4), (4, 1)]),
+            (Dtype::Bf16, 3, vec![(0, 4), (4, 2)]),
+            (Dtype::Bf16, 5, vec![(0, 2)]),
+            (Dtype::F32, 1, vec![(0, 4)]),
+            (Dtype::F32, 4, vec![]),
+        ] {
+            let f = FieldLayout {
+                id: 0,
+                dtype,
+                count,
+                base: 0,
+                tok_stride: 64,
+            };
+            assert_eq!(f.tail_accesses(), want, "{count} x {dtype}");
+            assert_eq!(f.draws(), f.full_draws() + u32::from(!want.is_empty()));
         }
     }
 

@@ -973,8 +973,8 @@ pub fn time_copy_baseline(
     time_sized(exec, sizes, || exec.copy_regions(src, dst, &region))
 }
 
-/// Pages a synthesise or verify timing covers: those kernels compute two splitmix64 draws
-/// per element, so far fewer pages than a copy give a stable timing.
+/// Pages a synthesise or verify timing covers: those kernels compute a splitmix64 draw for
+/// every 8 bytes, so far fewer pages than a copy give a stable timing.
 const SYNTH_PAGES: u32 = 8;
 
 /// The pages a synthesise or verify bench of `sizes` really runs (a few: see [`SynthBench`]).
@@ -984,7 +984,9 @@ pub fn synth_pages(sizes: &Sizes) -> u32 {
 
 /// Buffers of one synthesise or verify kernel: a pool (or dense buffer) of
 /// a few (`SYNTH_PAGES`) pages, all owned by rank 0, and random prefix hashes. Verify runs over
-/// poison, which costs the same as matching bytes (it never stops early).
+/// the correctly synthesised bytes ([`SynthBench::for_verify`]), the path of every cache hit:
+/// a mismatch costs the kernel an atomic that a match does not, so timing it over poison
+/// would time the failure path.
 pub struct SynthBench<'e> {
     mem: Owned<'e>,
     target: BufferId,
@@ -998,8 +1000,8 @@ pub struct SynthBench<'e> {
 }
 
 impl<'e> SynthBench<'e> {
-    /// Allocates the buffers for a synthesise (pool of `cp` ranks) or verify (`cp` 1: a
-    /// dense buffer) kernel of `buffer` at `page_size`.
+    /// Allocates the buffers for a synthesise kernel of `buffer` at `page_size` (a pool of
+    /// one of `cp` ranks), poisoned.
     pub fn new(
         exec: &'e dyn Executor,
         buffer: BufferKind,
@@ -1007,6 +1009,31 @@ impl<'e> SynthBench<'e> {
         page_size: u32,
         sizes: &Sizes,
         seed: u64,
+    ) -> Result<SynthBench<'e>, TuningError> {
+        Self::build(exec, buffer, cp, page_size, sizes, seed, false)
+    }
+
+    /// Allocates the buffers for a verify kernel of `buffer` at `page_size`: a dense buffer
+    /// that holds the synthesised bytes of every token (`reference::synthesise`), so the
+    /// kernel finds no mismatch.
+    pub fn for_verify(
+        exec: &'e dyn Executor,
+        buffer: BufferKind,
+        page_size: u32,
+        sizes: &Sizes,
+        seed: u64,
+    ) -> Result<SynthBench<'e>, TuningError> {
+        Self::build(exec, buffer, 1, page_size, sizes, seed, true)
+    }
+
+    fn build(
+        exec: &'e dyn Executor,
+        buffer: BufferKind,
+        cp: u8,
+        page_size: u32,
+        sizes: &Sizes,
+        seed: u64,
+        synthesised: bool,
     ) -> Result<SynthBench<'e>, TuningError> {
         let mut mem = Owned {
             exec,
@@ -1024,11 +1051,26 @@ impl<'e> SynthBench<'e> {
         let seq_pages = mem.alloc(MemKind::Device, 4 * u64::from(n_pages), 0)?;
         let bad_tokens = mem.alloc(MemKind::Device, 4 * u64::from(n_tokens.div_ceil(32)), 0)?;
         let mut rng = SplitMix(seed);
-        let h: Vec<u8> = (0..n_tokens)
-            .flat_map(|_| rng.next_u64().to_le_bytes())
-            .collect();
+        let words: Vec<u64> = (0..n_tokens).map(|_| rng.next_u64()).collect();
+        let h: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
         exec.upload(hashes, 0, &h)?;
         exec.upload(seq_pages, 0, &u32_bytes(&pages))?;
+        if synthesised {
+            // Verify reads `target` as the dense [layer][n_pages][page bytes] from its start
+            // (the pool layout of one rank over sequence pages 0..n_pages).
+            let page_bytes = buffer.page_bytes(page_size);
+            let mut dense =
+                vec![0xA5u8; (u64::from(layers) * u64::from(n_pages) * page_bytes) as usize];
+            let seq: Vec<u32> = (0..n_pages).collect();
+            crate::kernels::reference::synthesise(
+                buffer, 1, page_size, &mut dense, &words, &seq, n_tokens, 0, 0, layers, n_pages,
+            )
+            .map_err(|e| TuningError::Reference {
+                what: "synthesise",
+                message: e.to_string(),
+            })?;
+            exec.upload(target, 0, &dense)?;
+        }
         Ok(SynthBench {
             mem,
             target,

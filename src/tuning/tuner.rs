@@ -396,10 +396,9 @@ impl<'e> Workload<'e> {
                 &opts.sizes,
                 seed,
             )?),
-            KernelSpec::Verify(s) => Workload::Synth(SynthBench::new(
+            KernelSpec::Verify(s) => Workload::Synth(SynthBench::for_verify(
                 exec,
                 s.buffer,
-                1,
                 s.page_size,
                 &opts.sizes,
                 seed,
