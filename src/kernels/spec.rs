@@ -859,6 +859,23 @@ impl TransferSpec {
             .sum()
     }
 
+    /// The uri without the launch shape, e.g. `transfer_pages_h2d_pf_ps64_b656_b132`: what
+    /// every launch shape of this transfer shares (the tuning key).
+    pub fn stem(&self) -> String {
+        let second = self
+            .second_bytes_per_token
+            .map(|b| format!("_b{b}"))
+            .unwrap_or_default();
+        format!(
+            "{}_{}_{}_ps{}_b{}{second}",
+            Family::TransferPages,
+            self.direction,
+            self.layout,
+            self.page_size,
+            self.bytes_per_token
+        )
+    }
+
     /// How many buffers (descriptors) one launch moves: 1 or 2.
     pub fn buffer_count(&self) -> u32 {
         1 + u32::from(self.second_bytes_per_token.is_some())
@@ -1263,16 +1280,7 @@ impl KernelSpec {
                 format!("{fam}_cp{}_ps{}_t{}", s.cp, s.page_size, s.threads)
             }
             KernelSpec::ReleasePages(s) => format!("{fam}_cp{}_t{}", s.cp, s.threads),
-            KernelSpec::TransferPages(s) => {
-                let second = s
-                    .second_bytes_per_token
-                    .map(|b| format!("_b{b}"))
-                    .unwrap_or_default();
-                format!(
-                    "{fam}_{}_{}_ps{}_b{}{second}_{}",
-                    s.direction, s.layout, s.page_size, s.bytes_per_token, s.launch
-                )
-            }
+            KernelSpec::TransferPages(s) => format!("{}_{}", s.stem(), s.launch),
             KernelSpec::Materialise(s) => format!(
                 "{fam}_cp{}_ps{}_b{}_{}",
                 s.cp, s.page_size, s.bytes_per_token, s.launch

@@ -155,16 +155,7 @@ pub fn spec_key(spec: &KernelSpec) -> String {
     match spec {
         KernelSpec::SelectOwnerPages(s) => format!("{fam}_cp{}_ps{}", s.cp, s.page_size),
         KernelSpec::ReleasePages(s) => format!("{fam}_cp{}", s.cp),
-        KernelSpec::TransferPages(s) => {
-            let second = s
-                .second_bytes_per_token
-                .map(|b| format!("_b{b}"))
-                .unwrap_or_default();
-            format!(
-                "{fam}_{}_{}_ps{}_b{}{second}",
-                s.direction, s.layout, s.page_size, s.bytes_per_token
-            )
-        }
+        KernelSpec::TransferPages(s) => s.stem(),
         KernelSpec::Materialise(s) => {
             format!("{fam}_cp{}_ps{}_b{}", s.cp, s.page_size, s.bytes_per_token)
         }
