@@ -352,7 +352,13 @@ fn spec_matrix_is_modest_and_valid() {
 /// The `(type, name)` pairs of the `extern "C"` parameter list of `uri` in a render, read
 /// from the text alone (whitespace collapsed), so the check below does not trust the renderer.
 fn rendered_params(src: &str, uri: &str) -> Vec<(String, String)> {
-    let head = format!("extern \"C\" __global__ void __launch_bounds__(THREADS) {uri}(");
+    // Materialise also bounds the blocks per SM (`THREADS, MIN_BLOCKS`).
+    let bounds = if uri.starts_with("materialise_") {
+        "THREADS, MIN_BLOCKS"
+    } else {
+        "THREADS"
+    };
+    let head = format!("extern \"C\" __global__ void __launch_bounds__({bounds}) {uri}(");
     assert_eq!(
         src.matches("extern \"C\"").count(),
         1,
