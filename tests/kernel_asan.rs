@@ -136,21 +136,21 @@ fn copy_family(
     ]
 }
 
-fn gcd(a: u32, b: u32) -> u32 {
-    if b == 0 {
-        a
-    } else {
-        gcd(b, a % b)
-    }
-}
-
 fn copy_specs() -> Vec<KernelSpec> {
     SHAPES
         .iter()
         .flat_map(|&(ps, bpt, second)| {
             // A vector width that divides both buffers' pages.
-            let common = second.map_or(bpt, |b| gcd(bpt, b));
-            launches(u64::from(ps * common)).map(|l| copy_family(ps, bpt, second, l))
+            let common = TransferSpec {
+                direction: Direction::DeviceToHost,
+                layout: HostLayout::PageFirst,
+                page_size: ps,
+                bytes_per_token: bpt,
+                second_bytes_per_token: second,
+                launch: CopyLaunch::default(),
+            }
+            .common_page_bytes();
+            launches(common).map(|l| copy_family(ps, bpt, second, l))
         })
         .flatten()
         .collect()

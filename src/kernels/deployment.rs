@@ -190,7 +190,7 @@ impl Deployment {
     /// buffers in order, one descriptor each, with a vector width that divides every page.
     pub fn transfer(&self, direction: Direction) -> TransferSpec {
         let buffers = self.model.buffers();
-        let mut spec = TransferSpec {
+        let spec = TransferSpec {
             direction,
             layout: self.host_layout,
             page_size: self.page_size,
@@ -198,8 +198,10 @@ impl Deployment {
             second_bytes_per_token: buffers.get(1).map(|b| b.bytes_per_token()),
             launch: self.transfer_copy,
         };
-        spec.launch = narrowed(self.transfer_copy, spec.common_page_bytes());
-        spec
+        TransferSpec {
+            launch: narrowed(self.transfer_copy, spec.common_page_bytes()),
+            ..spec
+        }
     }
 
     /// The materialise kernel of `buffer`.

@@ -13,7 +13,7 @@ use std::str::FromStr;
 
 use super::reference::{device_offset, host_offset};
 use super::{Direction, TransferSpec};
-use crate::exec::{CopyRegion, DmaMode};
+use crate::exec::{BufferId, CopyRegion, DmaMode, KernelArg};
 
 /// How a deployment moves pages between host and device pools.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -153,6 +153,39 @@ pub fn clamp_layer_range(first_layer: u32, layer_count: u32, layers: u32) -> Ran
 /// range gives a count of 0).
 pub fn layer_range_args(layers: &Range<u32>) -> (u32, u32) {
     (layers.start, layers.end.saturating_sub(layers.start))
+}
+
+/// The arguments of a `transfer_pages` launch, in [`KernelSpec::params`](super::KernelSpec::params)
+/// order: `buffers` holds each buffer's (source pool, destination pool) in the spec's
+/// descriptor order ([`TransferSpec::descriptors`]); the first pair leads, a second comes
+/// last (`src1`, `dst1`). `page_ids` are the uploaded (source, destination) page lists of
+/// `n` pairs, `(first_layer, layer_count)` the kernel's layer range as given (it clamps
+/// them; [`layer_range_args`] turns a `Range` into them), `pools` the sizes the kernel is
+/// told. The kernel path's one place for this order, as [`transfer_regions`] is
+/// the DMA path's.
+pub fn transfer_args(
+    buffers: &[(BufferId, BufferId)],
+    page_ids: (BufferId, BufferId),
+    n: u32,
+    pools: PoolShape,
+    (first_layer, layer_count): (u32, u32),
+) -> Vec<KernelArg<'static>> {
+    let mut args = vec![
+        KernelArg::Ptr(buffers[0].0, 0),
+        KernelArg::Ptr(buffers[0].1, 0),
+        KernelArg::Ptr(page_ids.0, 0),
+        KernelArg::Ptr(page_ids.1, 0),
+        KernelArg::U32(n),
+        KernelArg::U32(pools.layers),
+        KernelArg::U32(first_layer),
+        KernelArg::U32(layer_count),
+        KernelArg::U32(pools.device_pages),
+        KernelArg::U32(pools.host_pages),
+    ];
+    for &(src, dst) in &buffers[1..] {
+        args.extend([KernelArg::Ptr(src, 0), KernelArg::Ptr(dst, 0)]);
+    }
+    args
 }
 
 /// The copy regions that move page `src_pages[i]` to `dst_pages[i]` for every pair and every

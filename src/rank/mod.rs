@@ -70,8 +70,8 @@ use crate::hicache::host_pool::HostPagePool;
 use crate::hicache::tree::{Evicted, MatchResult, NodeId, RadixTree, TreeError};
 use crate::jit::Jit;
 use crate::kernels::{
-    clamp_layer_range, layer_range_args, reference, transfer_regions, BufferKind, Direction,
-    PoolShape,
+    clamp_layer_range, layer_range_args, reference, transfer_args, transfer_regions, BufferKind,
+    Direction, PoolShape,
 };
 use crate::layout::{zigzag_owners, CpLayout, PageId, Rank};
 use crate::metadata::{HostPage, NodeMetadata};
@@ -648,24 +648,15 @@ impl RankCache {
                     }
                 }
                 Some((sb, db)) => {
-                    // One launch moves every buffer: the second buffer's pools come last.
+                    // One launch moves every buffer.
                     let k = self.kernels.transfer(dir);
-                    let (first, count) = layer_range_args(&step);
-                    let mut args = vec![
-                        KernelArg::Ptr(ends[0].0, 0),
-                        KernelArg::Ptr(ends[0].1, 0),
-                        KernelArg::Ptr(sb, 0),
-                        KernelArg::Ptr(db, 0),
-                        KernelArg::U32(src.len() as u32),
-                        KernelArg::U32(g.layers),
-                        KernelArg::U32(first),
-                        KernelArg::U32(count),
-                        KernelArg::U32(g.local_pages),
-                        KernelArg::U32(g.host_pages),
-                    ];
-                    for &(from, to) in &ends[1..] {
-                        args.extend([KernelArg::Ptr(from, 0), KernelArg::Ptr(to, 0)]);
-                    }
+                    let args = transfer_args(
+                        &ends,
+                        (sb, db),
+                        src.len() as u32,
+                        pools,
+                        layer_range_args(&step),
+                    );
                     self.exec.launch(
                         k.id,
                         &k.launch(src.len() as u32, step.len() as u32),

@@ -14,8 +14,9 @@ use crate::exec::{
 };
 use crate::jit::{spec_request, Arch, Jit, JitRequest, Sanitize, Target};
 use crate::kernels::{
-    check_distinct_destinations, clamp_layer_range, layer_range_args, transfer_regions, BufferKind,
-    Direction, KernelSpec, PoolShape, ReleaseStatus, SelectStatus, TransferSpec,
+    check_distinct_destinations, clamp_layer_range, layer_range_args, transfer_args,
+    transfer_regions, BufferKind, Direction, KernelSpec, PoolShape, ReleaseStatus, SelectStatus,
+    TransferSpec,
 };
 
 /// Workload sizes of one measurement.
@@ -554,22 +555,20 @@ impl<'e> CopyBench<'e> {
                 dst_pages,
                 ..
             } => {
-                let mut args = vec![
-                    KernelArg::Ptr(buffers[0].src, 0),
-                    KernelArg::Ptr(buffers[0].dst, 0),
-                    KernelArg::Ptr(*src_pages, 0),
-                    KernelArg::Ptr(*dst_pages, 0),
-                    KernelArg::U32(self.n),
-                    KernelArg::U32(self.layers),
-                    KernelArg::U32(self.first_layer),
-                    KernelArg::U32(self.layer_count),
-                    KernelArg::U32(self.device_pages),
-                    KernelArg::U32(self.host_pages),
-                ];
-                // A second buffer's pools come last (KernelSpec::params).
-                for b in &buffers[1..] {
-                    args.extend([KernelArg::Ptr(b.src, 0), KernelArg::Ptr(b.dst, 0)]);
-                }
+                let ends: Vec<(BufferId, BufferId)> =
+                    buffers.iter().map(|b| (b.src, b.dst)).collect();
+                let pools = PoolShape {
+                    layers: self.layers,
+                    device_pages: self.device_pages,
+                    host_pages: self.host_pages,
+                };
+                let args = transfer_args(
+                    &ends,
+                    (*src_pages, *dst_pages),
+                    self.n,
+                    pools,
+                    (self.first_layer, self.layer_count),
+                );
                 exec.launch(kernel, &cfg, &args)
             }
             CopyKind::Materialise {

@@ -14,7 +14,7 @@ use cp_hicache::exec::{
 };
 use cp_hicache::jit::{Artifact, Jit, JitConfig, JitRequest, Sanitize, Target};
 use cp_hicache::kernels::reference;
-use cp_hicache::kernels::{CopyLaunch, Direction, KernelSpec, VecWidth};
+use cp_hicache::kernels::{transfer_args, CopyLaunch, Direction, KernelSpec, PoolShape, VecWidth};
 
 /// Poison byte of every output buffer: bytes a kernel should not write stay 0xA5.
 pub const POISON: u8 = 0xA5;
@@ -208,21 +208,18 @@ impl Bench {
             ));
             wants.push(want);
         }
-        let mut args = vec![
-            KernelArg::Ptr(bufs[0].0, 0),
-            KernelArg::Ptr(bufs[0].1, 0),
-            KernelArg::Ptr(spb, 0),
-            KernelArg::Ptr(dpb, 0),
-            KernelArg::U32(n),
-            KernelArg::U32(case.layers),
-            KernelArg::U32(case.first_layer),
-            KernelArg::U32(case.layer_count),
-            KernelArg::U32(case.device_pages),
-            KernelArg::U32(case.told_host_pages),
-        ];
-        for &(src, dst) in &bufs[1..] {
-            args.extend([KernelArg::Ptr(src, 0), KernelArg::Ptr(dst, 0)]);
-        }
+        let told = PoolShape {
+            layers: case.layers,
+            device_pages: case.device_pages,
+            host_pages: case.told_host_pages,
+        };
+        let args = transfer_args(
+            &bufs,
+            (spb, dpb),
+            n,
+            told,
+            (case.first_layer, case.layer_count),
+        );
         if case.told_host_pages == case.host_pages {
             self.launch(spec, grid, &args);
         } else {
