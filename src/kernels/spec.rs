@@ -2281,4 +2281,32 @@ mod tests {
         assert_eq!(m(1, 1).min_blocks_per_sm(), SM_MAX_BLOCKS);
         assert_eq!(m(256, 8).min_blocks_per_sm(), 1);
     }
+
+    #[test]
+    fn a_two_buffer_transfer_needs_a_vector_that_divides_both_pages() {
+        let t = |second, vec| {
+            KernelSpec::TransferPages(TransferSpec {
+                direction: Direction::HostToDevice,
+                layout: HostLayout::PageFirst,
+                page_size: 1,
+                bytes_per_token: 656,
+                second_bytes_per_token: second,
+                launch: CopyLaunch {
+                    vec,
+                    ..CopyLaunch::default()
+                },
+            })
+        };
+        assert!(t(None, VecWidth::V16).validate().is_ok());
+        assert!(matches!(
+            t(Some(33), VecWidth::V16).validate(),
+            Err(KernelError::VectorMisaligned { page_bytes: 33, .. })
+        ));
+        assert!(t(Some(33), VecWidth::V1).validate().is_ok());
+        let KernelSpec::TransferPages(s) = t(Some(33), VecWidth::V1) else {
+            unreachable!()
+        };
+        assert_eq!(s.common_page_bytes(), 1);
+        assert_eq!(s.total_page_bytes(), 656 + 33);
+    }
 }
