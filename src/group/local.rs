@@ -93,13 +93,25 @@ impl LocalMember {
         self.shared.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Leaves the group after this rank's last call: peers that still call fail at once
-    /// instead of waiting out the timeout.
+    /// Leaves the group after this rank's last call: peers that still call, or are waiting
+    /// in a round this rank will never join, fail at once with [`GroupError::Aborted`]
+    /// ("rank r left the group") instead of waiting out the timeout. A round this rank
+    /// completed before leaving still returns its result to every peer.
     pub fn leave(mut self) {
         self.left = true;
+        let me = usize::from(self.rank.0);
         let mut st = self.lock();
-        let step = st.last_step[usize::from(self.rank.0)].clone();
-        st.last_step[usize::from(self.rank.0)] = format!("gone (after {step})");
+        let step = st.last_step[me].clone();
+        st.last_step[me] = format!("gone (after {step})");
+        if st.aborted.is_none() {
+            st.aborted = Some((
+                self.rank.0,
+                step,
+                format!("rank {} left the group", self.rank.0),
+            ));
+        }
+        drop(st);
+        self.shared.cv.notify_all();
     }
 
     fn abort_with(&self, why: String) {
@@ -430,6 +442,41 @@ mod tests {
         assert_eq!(m.all_gather("x", b"ab").unwrap(), vec![b"ab".to_vec()]);
         assert_eq!(m.all_reduce("y", ReduceOp::Sum, &[4, 5]).unwrap(), [4, 5]);
         m.leave();
+    }
+
+    /// A member that leaves ends its peers' waits at once: one already waiting in a round
+    /// the leaver will never join, and one that calls later.
+    #[test]
+    fn a_member_that_leaves_aborts_its_peers_promptly() {
+        let start = Instant::now();
+        let out = on_threads(LocalGroup::members(3, Duration::from_secs(60)), |m| {
+            m.barrier("start").unwrap();
+            match m.rank().0 {
+                1 => {
+                    m.leave();
+                    None
+                }
+                r => {
+                    if r == 2 {
+                        thread::sleep(Duration::from_millis(200));
+                    }
+                    let e = m.all_gather("request 0 begin outcome", b"x").unwrap_err();
+                    m.leave();
+                    Some(e)
+                }
+            }
+        });
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "a peer waited out the timeout"
+        );
+        for (r, e) in out.into_iter().enumerate() {
+            let Some(e) = e.unwrap() else { continue };
+            assert!(
+                matches!(&e, GroupError::Aborted { by: 1, why, .. } if why == "rank 1 left the group"),
+                "rank {r}: {e}"
+            );
+        }
     }
 
     #[test]

@@ -188,7 +188,19 @@ pub trait Collective: Send {
         match self.exchange(what, Err(why)) {
             Err(GroupError::PeerFailed { failures }) => Ok(failures),
             Err(e) => Err(e),
-            Ok(_) => unreachable!("a round with a failure never succeeds"),
+            // A transport of someone else's (an engine's `exchange`) can break the contract:
+            // then the group cannot be trusted with anything more.
+            Ok(_) => {
+                let e = GroupError::Transport {
+                    rank: self.rank().0,
+                    what: what.to_string(),
+                    message: "the round this rank failed came back as a success: the \
+                              group's exchange does not keep the collective contract"
+                        .into(),
+                };
+                self.abort(&e.to_string());
+                Err(e)
+            }
         }
     }
 
@@ -245,9 +257,96 @@ pub trait Collective: Send {
     }
 }
 
+/// A member that counts the rounds it takes part in (every call is one round): what the
+/// replay reports as rounds per request.
+pub struct Counted {
+    inner: Box<dyn Collective>,
+    rounds: std::sync::atomic::AtomicU64,
+}
+
+impl Counted {
+    /// Counts `inner`'s rounds from now on.
+    pub fn new(inner: Box<dyn Collective>) -> Counted {
+        Counted {
+            inner,
+            rounds: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    /// Rounds so far.
+    pub fn rounds(&self) -> u64 {
+        self.rounds.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+impl Collective for Counted {
+    fn rank(&self) -> Rank {
+        self.inner.rank()
+    }
+
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+
+    fn exchange(&self, what: &str, mine: Result<&[u8], &str>) -> Result<Vec<Vec<u8>>, GroupError> {
+        self.rounds
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.inner.exchange(what, mine)
+    }
+
+    fn abort(&self, why: &str) {
+        self.inner.abort(why);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An engine's `exchange` that answers a failed round with a success: `fail` reports a
+    /// broken transport and aborts the member, instead of panicking.
+    #[test]
+    fn a_transport_that_loses_failures_is_an_error_not_a_panic() {
+        struct Liar(std::sync::Mutex<Option<String>>);
+        impl Collective for Liar {
+            fn rank(&self) -> Rank {
+                Rank(0)
+            }
+            fn size(&self) -> usize {
+                2
+            }
+            fn kind(&self) -> &'static str {
+                "liar"
+            }
+            fn exchange(
+                &self,
+                _: &str,
+                _: Result<&[u8], &str>,
+            ) -> Result<Vec<Vec<u8>>, GroupError> {
+                Ok(vec![Vec::new(), Vec::new()])
+            }
+            fn abort(&self, why: &str) {
+                *self.0.lock().unwrap() = Some(why.to_string());
+            }
+        }
+        let g = Liar(std::sync::Mutex::new(None));
+        let e = g.fail("request 3 end", "forward failed").unwrap_err();
+        assert!(
+            matches!(&e, GroupError::Transport { rank: 0, what, .. } if what == "request 3 end"),
+            "{e}"
+        );
+        assert!(g
+            .0
+            .lock()
+            .unwrap()
+            .as_deref()
+            .unwrap()
+            .contains("collective contract"));
+    }
 
     #[test]
     fn errors_name_the_ranks_and_steps() {
