@@ -913,6 +913,16 @@ pub trait Executor: Send + Sync {
         })
     }
 
+    /// Says that every peer has mapped `buffer` (made by [`Executor::alloc_shareable`]) and
+    /// no later import will come: an executor whose handles are names in a system-wide
+    /// namespace removes the name now, so that a process killed from here on leaks nothing
+    /// (the host executor unlinks its POSIX shared-memory object; existing mappings stay
+    /// valid). Nothing to do where handles die with their process (CUDA IPC), the default.
+    fn seal_shareable(&self, buffer: BufferId) -> Result<(), ExecError> {
+        let _ = buffer;
+        Ok(())
+    }
+
     /// How peers map this executor's shareable buffers (`"shared-memory"`, `"ipc"`), or
     /// `None` when they cannot.
     fn peer_mapping(&self) -> Option<&'static str> {

@@ -77,6 +77,9 @@ impl Executor for RankView {
     fn import(&self, handle: &[u8]) -> Result<BufferId, ExecError> {
         self.counted(|e| e.import(handle))
     }
+    fn seal_shareable(&self, buffer: BufferId) -> Result<(), ExecError> {
+        self.inner.seal_shareable(buffer)
+    }
     fn peer_mapping(&self) -> Option<&'static str> {
         self.inner.peer_mapping()
     }

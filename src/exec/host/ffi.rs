@@ -202,6 +202,22 @@ impl HostMem {
         }
     }
 
+    /// Removes the shared-memory object's name now, for a buffer this executor created
+    /// shared (peers keep their mappings, and so does this buffer; no one can map it any
+    /// more). Whether it was such a buffer; a second call does nothing more.
+    pub(crate) fn unlink_shared(&mut self) -> bool {
+        match &mut self.backing {
+            Backing::Shared { owned_name, .. } => {
+                if let Some(name) = owned_name.take() {
+                    // SAFETY: a valid C string naming our object; mappings survive.
+                    unsafe { libc::shm_unlink(name.as_ptr()) };
+                }
+                true
+            }
+            Backing::Heap(_) => false,
+        }
+    }
+
     /// Size in bytes.
     pub(crate) fn len(&self) -> usize {
         self.len

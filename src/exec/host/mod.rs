@@ -244,7 +244,10 @@ impl Executor for HostExecutor {
         let b = st.buffer(buffer)?;
         let name = b.mem.shared_name().ok_or_else(|| ExecError::Peer {
             op: "export",
-            message: format!("buffer {buffer:?} was not allocated shareable"),
+            message: format!(
+                "buffer {buffer:?} was not allocated shareable, or was sealed (every peer \
+                 has mapped it already)"
+            ),
         })?;
         Ok(format!("{SHM_HANDLE}{}:{name}", b.mem.len()).into_bytes())
     }
@@ -267,6 +270,18 @@ impl Executor for HostExecutor {
             mem,
             kind: MemKind::Device,
         }))
+    }
+
+    fn seal_shareable(&self, buffer: BufferId) -> Result<(), ExecError> {
+        let mut st = lock(&self.state);
+        let b = st.buffer_mut(buffer)?;
+        if !b.mem.unlink_shared() {
+            return Err(ExecError::Peer {
+                op: "seal",
+                message: format!("buffer {buffer:?} was not allocated shareable"),
+            });
+        }
+        Ok(())
     }
 
     fn peer_mapping(&self) -> Option<&'static str> {
@@ -606,6 +621,38 @@ mod tests {
         // The name is unlinked with the owner's buffer: a late import fails.
         let err = peer.import(&handle).unwrap_err();
         assert!(err.to_string().contains("shm_open"), "{err}");
+        peer.free(m).unwrap();
+    }
+
+    /// Sealing unlinks the name once every peer has mapped: nothing is left in /dev/shm
+    /// for a killed process to leak, the mappings still share bytes, and a late import or
+    /// export is refused.
+    #[test]
+    fn a_sealed_buffer_leaves_no_name_behind() {
+        let owner = HostExecutor::new(HostOptions::default());
+        let peer = HostExecutor::new(HostOptions::default());
+        let b = owner.alloc_shareable(4096, 0).unwrap();
+        let handle = owner.export(b).unwrap();
+        let name = String::from_utf8(handle.clone()).unwrap();
+        let path = format!("/dev/shm{}", name.rsplit(':').next().unwrap());
+        assert!(std::path::Path::new(&path).exists(), "{path}");
+        let m = peer.import(&handle).unwrap();
+        owner.seal_shareable(b).unwrap();
+        owner.seal_shareable(b).unwrap(); // idempotent
+        peer.seal_shareable(m).unwrap(); // a mapping has no name to remove
+        assert!(
+            !std::path::Path::new(&path).exists(),
+            "{path} is still linked"
+        );
+        owner.upload(b, 8, &[7]).unwrap();
+        let mut out = [0u8; 1];
+        peer.read(m, 8, &mut out).unwrap();
+        assert_eq!(out, [7]);
+        assert!(peer.import(&handle).is_err());
+        assert!(owner.export(b).is_err());
+        let heap = owner.alloc(MemKind::Device, 64, 0).unwrap();
+        assert!(owner.seal_shareable(heap).is_err());
+        owner.free(b).unwrap();
         peer.free(m).unwrap();
     }
 
