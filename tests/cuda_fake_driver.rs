@@ -1038,6 +1038,7 @@ fn rank_process() {
     let back = check(&mut me, &a);
     assert_eq!(back.host_hit_tokens, 5 * ps as u64, "{back:?}");
     check(&mut me, &cat(&a[..3 * ps], &tokens(2, 2 * ps + 1)));
+    begin_fences_loads_for_every_peer(&mut me, &tokens(4, 6 * ps));
     // Rank 1 reads rank 2's pools where rank 0's should be: only rank 1 sees mismatches.
     if rank == 1 {
         me.debug_view_peer_as(0, 2);
@@ -1056,6 +1057,61 @@ fn rank_process() {
     drop(gpu);
     assert_eq!(live_allocations(), 0, "rank {rank} leaked driver memory");
     println!("rank {rank} of {cp}: served and verified through CUDA IPC");
+}
+
+/// Every page of `req`, every layer and buffer kind, read through this rank's views of its
+/// owners' pools (its own, and its IPC mappings of its peers'), in sequence order.
+fn read_through_views(me: &RankCache, req: &cp_hicache::rank::Request) -> Vec<Vec<u8>> {
+    let g = me.pools().geometry();
+    let mut out = Vec::new();
+    for &p in req.pages() {
+        let owner = usize::from(me.layout().owner(p).0);
+        let local = u64::from(me.layout().local(p).0);
+        for &kind in me.config().deployment.model.buffers() {
+            let n = kind.page_bytes(me.layout().page_size());
+            for layer in 0..u64::from(g.layers) {
+                let mut bytes = vec![0u8; n as usize];
+                let at = (layer * u64::from(g.local_pages) + local) * n;
+                me.executor()
+                    .read(me.pools().views(kind)[owner], at, &mut bytes)
+                    .unwrap();
+                out.push(bytes);
+            }
+        }
+    }
+    out
+}
+
+/// Finding 1 of the engine-safety review: `begin` returned once this rank's load-back was
+/// queued, but a peer's copies run on the peer's own stream (another process): reading
+/// through the IPC mapping right after `begin` saw stale (poisoned) pages. Now `begin`
+/// returns only when every rank's loaded pages are in its pool.
+fn begin_fences_loads_for_every_peer(me: &mut RankCache, prompt: &[u32]) {
+    let rank = me.rank().0;
+    me.serve(prompt).unwrap();
+    let mut req = me.begin(prompt).unwrap();
+    assert_eq!(
+        req.cached_pages(),
+        req.pages().len(),
+        "rank {rank}: a device hit"
+    );
+    let want = read_through_views(me, &req);
+    me.abandon(&mut req).unwrap();
+    // Evicted pages are poisoned; every rank's poison has landed before anyone loads.
+    me.evict_device_lru(usize::MAX).unwrap();
+    me.executor().synchronize().unwrap();
+    me.group().barrier("poison landed").unwrap();
+    let mut req = me.begin(prompt).unwrap();
+    assert_eq!(req.stats().pages_loaded, req.pages().len() as u64);
+    // Straight after `begin`: no wait, no synchronisation of this rank's own.
+    let got = read_through_views(me, &req);
+    let stale = want.iter().zip(&got).filter(|(w, g)| w != g).count();
+    assert_eq!(
+        stale, 0,
+        "rank {rank}: {stale} page-layers read stale after begin"
+    );
+    assert_eq!(req.stats().fence_syncs, 1, "rank {rank}: {:?}", req.stats());
+    me.abandon(&mut req).unwrap();
 }
 
 #[test]

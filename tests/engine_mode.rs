@@ -159,9 +159,14 @@ fn ranks_sharing_an_executor_count_their_own_load_path() {
 /// waits orders its copies) whose host→device copies are held back until something waits for
 /// their layer's event. Returns the mismatched tokens of the load and the executor's log.
 fn load_with_held_copies(release: bool) -> (u64, Vec<String>) {
+    load_with_held_copies_at(1, release)
+}
+
+/// [`load_with_held_copies`] with `cp` ranks sharing the executor.
+fn load_with_held_copies_at(cp: u8, release: bool) -> (u64, Vec<String>) {
     let setup = Setup {
         layers: 3,
-        ..Setup::new(ModelShape::MlaBf16, 16, 1)
+        ..Setup::new(ModelShape::MlaBf16, 16, cp)
     };
     let spy = Spy::new();
     let mut c = setup.build_on(spy.clone());
@@ -203,4 +208,24 @@ fn verification_waits_for_each_layer_of_the_load() {
         6 * 16,
         "a layer read before its copy ran must mismatch: {log:?}"
     );
+}
+
+/// The per-layer wait at CP 4: every rank's layer-1 copies are held until a wait, and every
+/// rank materialises every owner's pages layer by layer after waiting for its own layer on
+/// the shared stream. The load verifies clean on every rank, and every held copy was
+/// released before the verification that read it. (Unlike at CP 1, a copy nobody waits for
+/// still runs here: the ranks' other work on the shared executor synchronises it.)
+#[test]
+fn verification_waits_for_each_layer_of_the_load_at_cp4() {
+    let (bad, log) = load_with_held_copies_at(4, true);
+    assert_eq!(bad, 0, "{log:?}");
+    let held = log.iter().filter(|l| *l == "h2d held").count();
+    let released = log.iter().filter(|l| *l == "h2d released").count();
+    assert!(
+        held == 4 && released == held,
+        "every rank's layer 1 held, then released: {log:?}"
+    );
+    let last_release = log.iter().rposition(|l| l == "h2d released");
+    let first_verify = log.iter().position(|l| l.starts_with("verify"));
+    assert!(last_release < first_verify, "{log:?}");
 }

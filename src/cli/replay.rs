@@ -788,8 +788,14 @@ fn drive(
             false
         }
     };
+    let served = requests - failed - skipped;
     let report = ReplayReport {
         requests,
+        rounds_per_request: if served > 0 {
+            totals.group_rounds as f64 / served as f64
+        } else {
+            0.0
+        },
         tokens_per_second: if wall > 0.0 {
             totals.prompt_tokens as f64 / wall
         } else {

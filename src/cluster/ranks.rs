@@ -9,7 +9,6 @@
 
 use super::{Cluster, GroupInfo};
 use crate::allocator::StateDigest;
-use crate::group::ReduceOp;
 use crate::rank::{
     ClusterError, DeploymentKernels, PeerErrorKind, RankCache, RequestStats, RollbackDrops,
 };
@@ -101,14 +100,9 @@ impl Ranks for RankCache {
             Err(e) if e.is_group_broken() => return Err(e),
             Err(e) => return Err(agree_on_error(self, n, e)?),
         };
-        // Every rank succeeded (a failure on any rank fails the request on every rank), so
-        // every rank makes this call.
-        let sums = self.group().all_reduce(
-            &format!("request {n} byte counts"),
-            ReduceOp::Sum,
-            &[stats.bytes_h2d, stats.bytes_d2h, stats.load_path_syncs],
-        )?;
-        (stats.bytes_h2d, stats.bytes_d2h, stats.load_path_syncs) = (sums[0], sums[1], sums[2]);
+        // Every rank succeeded (a failure on any rank fails the request on every rank); each
+        // rank's counts came with the outcome round.
+        (stats.bytes_h2d, stats.bytes_d2h, stats.load_path_syncs) = self.group_sums().into();
         Ok(stats)
     }
 

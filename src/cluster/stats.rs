@@ -19,6 +19,9 @@ pub struct ReplayReport {
     /// Whether every rank's device lane stacks equalled its allocator's host mirror after
     /// the run.
     pub device_lanes_agree: bool,
+    /// Group rounds per served request (`group_rounds` over the requests that were served;
+    /// every rank takes the same rounds).
+    pub rounds_per_request: f64,
     /// Wall time of the replay loop.
     pub wall_seconds: f64,
     /// Prompt tokens per second of wall time.
@@ -157,6 +160,10 @@ impl ReplayReport {
         );
         row("load-path syncs", t.load_path_syncs.to_string());
         row(
+            "group rounds / request",
+            format!("{:.2} ({} in all)", self.rounds_per_request, t.group_rounds),
+        );
+        row(
             "ranks",
             format!(
                 "{} {}, {} group, {} peer pools{}, {}",
@@ -247,6 +254,7 @@ mod tests {
             totals: RequestStats::default(),
             replicas_agree: true,
             device_lanes_agree: true,
+            rounds_per_request: 3.0,
             wall_seconds: 1.0,
             tokens_per_second: 0.0,
             backend: "host".into(),
@@ -298,6 +306,9 @@ mod tests {
             "replicas_agree",
             "device_lanes_agree",
             "load_path_syncs",
+            "fence_syncs",
+            "group_rounds",
+            "rounds_per_request",
             "failed_requests",
             "requests_skipped",
             "rollback_dropped_device_pages",

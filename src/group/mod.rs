@@ -3,9 +3,9 @@
 //!
 //! Everything a rank decides from replicated state (matching, allocation, device eviction)
 //! it decides alone, and every rank comes out the same by construction; digests prove it.
-//! What depends on more than one rank's state goes through a collective: a backup's host
-//! capacity (each rank's host pool differs), whether any rank failed a step (then all roll
-//! back), mismatch counts (summed) and the digests themselves.
+//! What depends on more than one rank's state goes through a collective: the settings and
+//! host capacities at start-up, whether any rank failed a step (then all roll back),
+//! mismatch counts (summed) and the digests of what each rank decided.
 //!
 //! The collective is a trait and not a transport of ours: in an engine it is the engine's own
 //! group (`torch.distributed` over gloo for the CPU control plane, as SGLang does), and in one

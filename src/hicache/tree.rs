@@ -499,6 +499,38 @@ impl RadixTree {
         self.held_device.len()
     }
 
+    /// A cheap digest of what every replica shares (the clock, node and slot counts, the
+    /// device pages held): what each step's decision digest covers, in O(1), where the full
+    /// [`RadixTree::digest`] reads every key.
+    pub fn summary_digest(&self) -> StateDigest {
+        let mut h = Sha256::new();
+        h.update(b"cp-hicache radix tree summary v1");
+        for v in [
+            self.clock,
+            self.live as u64,
+            self.slots.len() as u64,
+            self.free_slots.len() as u64,
+            self.held_device.len() as u64,
+        ] {
+            h.update(v.to_le_bytes());
+        }
+        StateDigest(h.finalize().into())
+    }
+
+    /// Host pages each rank's pool holds for the tree's host copies, in rank order: every
+    /// replica knows every rank's count, since host metadata records every page's owner.
+    pub fn host_pages_by_owner(&self) -> Vec<u32> {
+        let mut out = vec![0u32; usize::from(self.layout.cp())];
+        for (_, n) in self.live_nodes() {
+            for &o in n.host.as_ref().map_or(&[][..], |m| m.page_owners()) {
+                if let Some(c) = out.get_mut(usize::from(o)) {
+                    *c += 1;
+                }
+            }
+        }
+        out
+    }
+
     /// Device pages that device eviction could release: those of unlocked nodes (a node with
     /// a locked descendant is itself locked).
     pub fn evictable_device_pages(&self) -> usize {

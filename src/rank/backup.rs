@@ -1,12 +1,13 @@
-//! Backup (write-back / write-through): device pages to this rank's host pool, after the
-//! ranks agreed on the host capacity.
+//! Backup (write-back / write-through): device pages to this rank's host pool, on a plan
+//! every rank computes alike from the replicated tree and every rank's host capacity.
 
 use super::*;
 
 impl RankCache {
     /// Backs a device node up on every rank, or on none: host pages for each rank's owned
-    /// pages, the device→host transfer, and the validated metadata. The ranks all-gather
-    /// their host shortfalls, so they all take one plan: when some rank is short, host
+    /// pages, the device→host transfer, and the validated metadata. Every rank computes
+    /// every rank's host shortfall from the replicated tree and the capacities gathered at
+    /// start-up (no round), so they all take one plan: when some rank is short, host
     /// copies are evicted in LRU order, but only ones that free pages on a short rank, and
     /// only when that makes the backup fit; otherwise the backup is skipped (and counted)
     /// and no host copy is thrown away. SGLang: `HiRadixCache.write_backup` /
@@ -25,19 +26,25 @@ impl RankCache {
         let owners: Vec<u8> = pages.iter().map(|&p| self.layout.owner(p).0).collect();
         let me = self.rank.0;
         let need = owners.iter().filter(|&&o| o == me).count() as u32;
-        let mine = u64::from(need.saturating_sub(self.host.free_count()));
-        let short: Vec<u32> = self
-            .group
-            .all_gather(
-                &format!("backup of {node}: host shortfalls"),
-                &mine.to_le_bytes(),
-            )?
+        // Every rank's shortfall, known without a round: each rank's host pool holds
+        // exactly the pages of the tree's host copies it owns, and the start-up round gave
+        // every rank's capacity.
+        let used = self.tree.host_pages_by_owner();
+        let me_used = self.host.capacity() - self.host.free_count();
+        if used[usize::from(me)] != me_used {
+            return Err(ClusterError::ReplicasDiverged {
+                what: format!(
+                    "rank {me}'s host pool holds {me_used} pages, but the tree's host copies \
+                     hold {} of its pages",
+                    used[usize::from(me)]
+                ),
+            });
+        }
+        let short: Vec<u32> = owners_count(&owners, used.len())
             .iter()
-            .map(|v| {
-                v.as_slice()
-                    .try_into()
-                    .map_or(0, |b| u64::from_le_bytes(b) as u32)
-            })
+            .zip(&used)
+            .zip(&self.host_capacities)
+            .map(|((&n, &u), &cap)| n.saturating_sub(cap.saturating_sub(u)))
             .collect();
         if short.iter().any(|&d| d > 0) {
             // Evict host copies only if that makes the backup fit, and only those that free
@@ -88,4 +95,15 @@ impl RankCache {
         stats.pages_written += pages.len() as u64;
         Ok(())
     }
+}
+
+/// How many of `owners` each of `ranks` ranks owns.
+fn owners_count(owners: &[u8], ranks: usize) -> Vec<u32> {
+    let mut out = vec![0u32; ranks];
+    for &o in owners {
+        if let Some(c) = out.get_mut(usize::from(o)) {
+            *c += 1;
+        }
+    }
+    out
 }

@@ -250,6 +250,59 @@ pub enum ClusterError {
         /// What kind of error it was.
         kind: PeerErrorKind,
     },
+    /// A rank could not start (its settings, its kernels, its pools, or its peers' pools):
+    /// every rank learns of it in the group's first round, so none waits for a rank that
+    /// will never serve.
+    #[error(
+        "rank {rank}: the CP group cannot start: {}",
+        describe_start_failures(failures)
+    )]
+    StartFailed {
+        /// The rank reporting it.
+        rank: u8,
+        /// Each rank that could not start, and why.
+        failures: Vec<(u8, String)>,
+    },
+    /// The ranks were started with settings that cannot serve together (pool sizes, the
+    /// deployment and its kernels, the write policy, the layout): compared once at start-up,
+    /// so that replicas never drift apart from their first request.
+    #[error("rank {rank}: the ranks' configurations differ: {}", differences.join("; "))]
+    ConfigDiverged {
+        /// The rank reporting it.
+        rank: u8,
+        /// Each setting that differs, with every rank's value.
+        differences: Vec<String>,
+    },
+    /// The ranks decided one step differently (different prompts, or replicas that drifted):
+    /// the step was undone on every rank, and the group goes on.
+    #[error(
+        "rank {rank}: {step}: the ranks decided differently ({}); the step was undone on \
+         every rank",
+        describe_groups(groups)
+    )]
+    Diverged {
+        /// The rank reporting it.
+        rank: u8,
+        /// The step.
+        step: String,
+        /// The ranks, grouped by what they decided (the largest group first).
+        groups: Vec<Vec<u8>>,
+    },
+    /// A rank ended a request with `ok = false` (its forward failed) or abandoned it while
+    /// this rank finished it: every rank abandoned it.
+    #[error(
+        "rank {rank}: request {request} was abandoned on every rank: rank(s) {} could not \
+         finish it",
+        by.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+    )]
+    Abandoned {
+        /// The rank reporting it.
+        rank: u8,
+        /// The request.
+        request: usize,
+        /// The ranks that did not finish it.
+        by: Vec<u8>,
+    },
     /// A transfer named a page outside its pool, had unequal page lists, or named one
     /// destination page in two pairs. A bug (the pools hand out only their own pages, each
     /// once), refused before anything moves: the kernel and the DMA path would skip a pair
@@ -262,6 +315,25 @@ pub enum ClusterError {
         /// What is wrong with it.
         what: String,
     },
+}
+
+fn describe_start_failures(failures: &[(u8, String)]) -> String {
+    let each: Vec<String> = failures
+        .iter()
+        .map(|(r, why)| format!("rank {r}: {why}"))
+        .collect();
+    each.join("; ")
+}
+
+fn describe_groups(groups: &[Vec<u8>]) -> String {
+    let each: Vec<String> = groups
+        .iter()
+        .map(|g| {
+            let ranks: Vec<String> = g.iter().map(ToString::to_string).collect();
+            format!("rank(s) {}", ranks.join(", "))
+        })
+        .collect();
+    each.join(" vs ")
 }
 
 /// The kind of a peer's error ([`ClusterError::PeerReported`]), as the branches of a driver
@@ -342,7 +414,10 @@ impl ClusterError {
     /// request can be served.
     pub fn is_group_broken(&self) -> bool {
         matches!(self, ClusterError::Group(g) if !g.is_peer_failure())
-            || matches!(self, ClusterError::RankDied { .. })
+            || matches!(
+                self,
+                ClusterError::RankDied { .. } | ClusterError::StartFailed { .. }
+            )
     }
 
     /// Whether the error comes from the settings (exit status 2) rather than a failure.
@@ -352,6 +427,7 @@ impl ClusterError {
             ClusterError::Layout(_)
                 | ClusterError::PoolTooSmall { .. }
                 | ClusterError::Config(_)
+                | ClusterError::ConfigDiverged { .. }
                 | ClusterError::PeerReported {
                     kind: PeerErrorKind::PoolTooSmall | PeerErrorKind::Usage,
                     ..

@@ -4,9 +4,10 @@
 //! space (every rank must know every page's owner), its host page pool, its device pools
 //! (its owned pages only), its executor and the deployment's kernels. It agrees with its
 //! peers through a [`Collective`]: decisions that depend only on replicated state (matching,
-//! allocation, device eviction) are taken locally and come out identical on every rank;
-//! those that depend on per-rank state go through the group (a backup's host shortfalls,
-//! whether any rank failed a step, the mismatch bitmaps, the digests).
+//! allocation, device eviction, a backup's host plan, since every rank's host usage follows
+//! from the replicated tree and its capacity from start-up) are taken locally and come out
+//! identical on every rank; what depends on per-rank state goes through the group (whether
+//! any rank failed a step, the mismatch bitmaps, the digests of every step's decision).
 //!
 //! One request flows one way: match → load back → allocate → compute → materialise →
 //! verify → insert → back up → release ([`RankCache::serve`]). Attention on every rank reads
@@ -14,30 +15,27 @@
 //! sequence over its own view of all owners' pools ([`pools::PeerAccess`]); a wrong peer
 //! mapping shows as mismatches on the rank that has it.
 //!
-//! # Barriers, and why each is there
+//! # Rounds, fences, and why each is there
 //!
-//! - *Pools connected* (start-up): every rank has mapped every peer's pools before any
-//!   request can make a peer read them.
-//! - *Request N written* (after load-back and synthesis, before materialise): a rank's
-//!   loaded and computed pages are in its pool before any peer reads them.
-//! - *Request N verified* (after verify, before insert): no rank frees, poisons or reuses a
-//!   page of this sequence while a peer may still be reading it.
-//! - *Request N outcome* (the end): every rank's step succeeded, so none rolls back alone;
-//!   a rank whose step failed contributes its failure to whatever round its peers are in,
-//!   and every rank then rolls the request back.
-//!
-//! On a GPU a barrier of host threads does not order other streams: ranks that share one
-//! executor share its stream; ranks with executors of their own ([`PeerAccess::Mapped`]:
-//! shared memory on the host executor, CUDA IPC between processes) synchronise their stream
-//! after synthesis and before the *written* barrier, so everything they enqueued into their
-//! pools (the load-back's layers included) has run before any peer reads it. A peer's
-//! stream cannot wait on this rank's events (they belong to its process; CUDA's
-//! `cuIpcGetEventHandle` is not used), so the host waits instead: one synchronisation per
-//! request, after the load path and before materialise. It is not a load-path stall:
-//! `load_path_syncs` counts only what the load-back itself did (the executor's counters
-//! around it), and a rank's own materialisation still waits for each layer of its load on
-//! the device side. Per-layer readiness across ranks (a peer's attention on layer `l`
-//! waiting only for this rank's layer `l`) is not built.
+//! - *Start-up* ([`START_ROUND`]): every rank's settings (compared: ranks that differ never
+//!   start), host capacity and pool handles; a rank that cannot start contributes its
+//!   failure here, so its peers fail at once. *Pools connected*: every rank has mapped
+//!   every peer's pools before any request makes a peer read them, and before the names
+//!   are removed ([`Pools::seal`]).
+//! - Every agreed step ends with an *outcome* round carrying the rank's decision digest
+//!   ([`RankCache::decision`]): a failure on any rank rolls the step back everywhere, and
+//!   ranks that decided differently all undo it ([`ClusterError::Diverged`]).
+//! - *begin* fence: a rank with an executor of its own ([`PeerAccess::Mapped`]) synchronises
+//!   its stream after a load-back and before the outcome round, so when `begin` returns the
+//!   loaded pages are readable by every peer (a peer's stream cannot wait on this rank's
+//!   events; CUDA's `cuIpcGetEventHandle` is not used). One host wait per `begin` that
+//!   loaded something, counted in [`RequestStats::fence_syncs`]; `load_path_syncs` counts
+//!   only what the load-back itself did.
+//! - *end* fence ([`RankCache::end`]): `finish` and `abandon` free nothing a peer may still
+//!   read before every rank has reached the request's end round.
+//! - In [`RankCache::serve`]: *request N written* (after load-back and synthesis, with the
+//!   same stream synchronisation), *request N verified* (no rank frees, poisons or reuses a
+//!   page of this sequence while a peer may still read it), then the outcome.
 //!
 //! The SGLang call each method stands for is named in its documentation.
 
@@ -57,7 +55,7 @@ use evict::Eviction;
 pub use kernels::{DeploymentKernels, KernelLoadError, Loaded, SourceHook};
 pub use load::LoadHandle;
 pub use pools::{PeerAccess, PoolGeometry, Pools};
-pub use request::Request;
+pub use request::{Ending, Request};
 use rollback::Freed;
 pub use stats::{RequestStats, RollbackDrops};
 pub use verify::{Mismatches, Verdict};
@@ -65,7 +63,7 @@ pub use verify::{Mismatches, Verdict};
 use crate::allocator::kernel::{KernelAllocOptions, KernelLaneAllocator};
 use crate::allocator::{AllocError, OwnerLaneAllocator, StateDigest};
 use crate::exec::{EventId, Executor, KernelArg};
-use crate::group::Collective;
+use crate::group::{Collective, Counted, GroupError};
 use crate::hicache::host_pool::HostPagePool;
 use crate::hicache::tree::{Evicted, MatchResult, NodeId, RadixTree, TreeError};
 use crate::jit::Jit;
@@ -91,7 +89,10 @@ pub struct RankCache {
     tree: RadixTree,
     alloc: KernelLaneAllocator,
     host: HostPagePool,
-    group: Box<dyn Collective>,
+    group: Counted,
+    /// Every rank's host pool capacity (pages), from the start-up round: with the replicated
+    /// tree it tells every rank's host free count, so a backup's plan needs no round.
+    host_capacities: Vec<u32>,
     peer_access: PeerAccess,
     launch_failure_at: Option<usize>,
     panic_at: Option<usize>,
@@ -105,13 +106,93 @@ pub struct RankCache {
     digest_calls: std::cell::Cell<u64>,
     last_rollback: RollbackDrops,
     last_verdict: Verdict,
+    /// Bytes a step asks to piggyback on its outcome round (after the decision digest).
+    outcome_note: Vec<u8>,
+    /// Every rank's note from the last agreed outcome round, in rank order.
+    outcome_notes: Vec<Vec<u8>>,
+    /// After the disconnect round ([`RankCache::disconnect`]).
+    disconnected: bool,
+}
+
+/// The name of a group's first round (every rank's configuration, host capacity and pool
+/// handles). A rank that cannot start contributes its failure to it
+/// ([`RankCache::refuse_start`]), so its peers fail at once instead of at the group timeout.
+pub const START_ROUND: &str = "start-up";
+
+/// What a rank tells its peers in the start-up round.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct StartUp {
+    /// The settings every rank must share, by name, as text (compared, and shown when they
+    /// differ).
+    settings: Vec<(String, String)>,
+    /// This rank's host pool pages (may differ between ranks).
+    host_pages: u32,
+    /// Its device pool handle per buffer kind, in the deployment's order.
+    handles: Vec<Vec<u8>>,
+}
+
+impl StartUp {
+    fn settings(
+        config: &ClusterConfig,
+        layout: &CpLayout,
+        access: PeerAccess,
+    ) -> Vec<(String, String)> {
+        let dep = &config.deployment;
+        let fault = config.fault.map_or("none".to_string(), |f| f.to_string());
+        [
+            ("deployment", dep.name.clone()),
+            ("kernels", format!("{dep:?}")),
+            ("layers", config.layers.to_string()),
+            ("device pages", config.device_pages.to_string()),
+            ("layout", format!("{layout:?}")),
+            ("write policy", config.policy.to_string()),
+            ("fault", fault),
+            ("peer access", format!("{access:?}")),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect()
+    }
+
+    /// Each setting that differs between `all` (in rank order), with every rank's value.
+    fn differences(all: &[StartUp]) -> Vec<String> {
+        let mut out = Vec::new();
+        for (i, (name, value)) in all[0].settings.iter().enumerate() {
+            let values: Vec<Option<&String>> = all
+                .iter()
+                .map(|s| s.settings.get(i).filter(|(n, _)| n == name).map(|(_, v)| v))
+                .collect();
+            if values.iter().any(|v| *v != Some(value)) {
+                let each: Vec<String> = values
+                    .iter()
+                    .enumerate()
+                    .map(|(r, v)| format!("rank {r} {}", v.map_or("(missing)", |v| v.as_str())))
+                    .collect();
+                out.push(format!("{name}: {}", each.join(", ")));
+            }
+        }
+        if let Some((r, _)) = all
+            .iter()
+            .enumerate()
+            .find(|(_, s)| s.settings.len() != all[0].settings.len())
+        {
+            out.push(format!("rank {r} sends a different list of settings"));
+        }
+        out
+    }
 }
 
 impl RankCache {
     /// Builds rank `group.rank()`: its kernels on `exec`, its pools (poisoned), its tree,
-    /// allocator and host pool; then maps every peer's pools through `group` (every rank
-    /// must call this; a rank that fails aborts the group, so its peers fail too instead of
-    /// waiting). SGLang: `HiRadixCache.__init__` with its `HiCacheController` and host pool.
+    /// allocator and host pool; then, in one round, compares its settings with every peer's
+    /// and gathers their host capacities and pool handles, maps every peer's pools, and
+    /// confirms in a second round that every rank has. Every rank must call this. A rank
+    /// that fails contributes its failure to the round its peers are in, so every rank fails
+    /// at once ([`ClusterError::StartFailed`] naming it) instead of waiting for the group
+    /// timeout. Settings that differ fail every rank with [`ClusterError::ConfigDiverged`].
+    /// On the host executor the pools' shared-memory names are removed once every peer has
+    /// mapped them, so a rank killed later leaks nothing. SGLang: `HiRadixCache.__init__`
+    /// with its `HiCacheController` and host pool.
     pub fn new(
         config: ClusterConfig,
         exec: Arc<dyn Executor>,
@@ -119,37 +200,78 @@ impl RankCache {
         group: Box<dyn Collective>,
         peer_access: PeerAccess,
     ) -> Result<RankCache, ClusterError> {
-        let built = Self::build(config, exec, jit, &*group, peer_access);
-        let (layout, config, exec, kernels, mut pools, tree, alloc, host) = match built {
-            Ok(parts) => parts,
-            Err(e) => {
-                group.abort(&format!("rank {} could not start: {e}", group.rank().0));
-                return Err(e);
-            }
-        };
+        let group = Counted::new(group);
         let rank = group.rank();
-        for &b in config.deployment.model.buffers() {
-            let mine = match pools.handle(b) {
-                Ok(h) => h,
-                Err(e) => {
-                    group.abort(&format!("rank {} could not export its pools: {e}", rank.0));
-                    return Err(e.into());
-                }
-            };
-            let handles = group.all_gather(&format!("pool handles {b}"), &mine)?;
-            if let Err((peer, source)) = pools.connect(b, usize::from(rank.0), &handles) {
-                let e = ClusterError::PeerPool {
+        let refuse = |e: ClusterError| {
+            let _ = Self::refuse_start(&group, &e.to_string());
+            e
+        };
+        let (layout, config, exec, kernels, pools, tree, alloc, host) =
+            Self::build(config, exec, jit, &group, peer_access).map_err(refuse)?;
+        let buffers = config.deployment.model.buffers();
+        let handles = buffers
+            .iter()
+            .map(|&b| pools.handle(b))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| refuse(e.into()))?;
+        let mine = StartUp {
+            settings: StartUp::settings(&config, &layout, peer_access),
+            host_pages: pools.geometry().host_pages,
+            handles,
+        };
+        let mine = serde_json::to_vec(&mine).expect("plain data serialises");
+        let all = group
+            .all_gather(START_ROUND, &mine)
+            .map_err(|e| Self::start_error(rank, e))?;
+        let all: Vec<StartUp> = all
+            .iter()
+            .enumerate()
+            .map(|(r, bytes)| {
+                serde_json::from_slice(bytes).map_err(|e| ClusterError::ConfigDiverged {
+                    rank: rank.0,
+                    differences: vec![format!("rank {r} sent an unreadable start-up: {e}")],
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        // Every rank sees the same contributions, so every rank fails alike here.
+        let differences = StartUp::differences(&all);
+        if !differences.is_empty() {
+            return Err(ClusterError::ConfigDiverged {
+                rank: rank.0,
+                differences,
+            });
+        }
+        let mut pools = pools;
+        let connected = buffers.iter().enumerate().try_for_each(|(i, &b)| {
+            let handles: Vec<Vec<u8>> = all
+                .iter()
+                .map(|s| s.handles.get(i).cloned().unwrap_or_default())
+                .collect();
+            pools
+                .connect(b, usize::from(rank.0), &handles)
+                .map_err(|(peer, source)| ClusterError::PeerPool {
                     rank: rank.0,
                     peer: peer as u8,
                     buffer: b,
                     source,
-                };
-                group.abort(&e.to_string());
+                })
+        });
+        // Every rank has mapped every peer before any request makes a peer read them, and
+        // before any name is removed.
+        match connected {
+            Ok(()) => group
+                .barrier("pools connected")
+                .map_err(|e| Self::start_error(rank, e))?,
+            Err(e) => {
+                let _ = group.fail("pools connected", &format!("could not start: {e}"));
                 return Err(e);
             }
         }
-        // Every rank has mapped every peer before any request makes a peer read them.
-        group.barrier("pools connected")?;
+        pools.seal().map_err(|e| {
+            let e = ClusterError::from(e);
+            group.abort(&format!("rank {} could not seal its pools: {e}", rank.0));
+            e
+        })?;
         let size = group.size();
         Ok(RankCache {
             rank,
@@ -162,6 +284,7 @@ impl RankCache {
             alloc,
             host,
             group,
+            host_capacities: all.iter().map(|s| s.host_pages).collect(),
             peer_access,
             launch_failure_at: None,
             panic_at: None,
@@ -175,7 +298,68 @@ impl RankCache {
             digest_calls: std::cell::Cell::new(0),
             last_rollback: RollbackDrops::default(),
             last_verdict: Verdict::default(),
+            outcome_note: Vec::new(),
+            outcome_notes: Vec::new(),
+            disconnected: false,
         })
+    }
+
+    /// Leaves the group: one last round ("disconnect") in which every rank says it is done
+    /// with its peers' pools, then this rank's pools are freed. Over CUDA IPC a pool freed
+    /// while a peer still maps it is undefined behaviour; the round rules that out. Every rank
+    /// calls it; a rank that closes while its peers still serve fails their current round at
+    /// once (the calls differ), instead of leaving them to the group timeout.
+    ///
+    /// Dropping a cache without `close` makes no round (a drop cannot wait on peers, and may
+    /// run at interpreter shutdown): its shared-memory pools are unlinked already, so peers'
+    /// mappings stay valid on the host executor, but CUDA IPC peers must be done first.
+    pub fn close(mut self) -> Result<(), ClusterError> {
+        self.disconnect()
+    }
+
+    /// The round of [`RankCache::close`], for a caller that must keep the pools until the
+    /// last view of them is gone (Python tensors taken from them): every later step is
+    /// refused. Idempotent.
+    pub fn disconnect(&mut self) -> Result<(), ClusterError> {
+        if self.disconnected {
+            return Ok(());
+        }
+        self.disconnected = true;
+        Ok(self.group.barrier("disconnect")?)
+    }
+
+    /// Refuses a step after [`RankCache::disconnect`].
+    pub(super) fn check_connected(&self) -> Result<(), ClusterError> {
+        if self.disconnected {
+            return Err(ClusterError::Config(format!(
+                "rank {}: this cache was closed (it left its group)",
+                self.rank.0
+            )));
+        }
+        Ok(())
+    }
+
+    /// Tells the group that this rank cannot start, in its first round ([`START_ROUND`]):
+    /// every peer's start-up then fails at once with [`ClusterError::StartFailed`] naming
+    /// this rank and `why`. For a caller that fails before [`RankCache::new`] (an engine's
+    /// own checks, a wrapper's arguments); `new` does this itself for its own failures.
+    /// Waits for the peers to reach their first round. An error means the group itself
+    /// broke.
+    pub fn refuse_start(group: &dyn Collective, why: &str) -> Result<(), GroupError> {
+        group
+            .fail(START_ROUND, &format!("could not start: {why}"))
+            .map(drop)
+    }
+
+    /// A failed start-up round as this rank reports it.
+    fn start_error(rank: Rank, e: GroupError) -> ClusterError {
+        match e {
+            GroupError::PeerFailed { failures } => ClusterError::StartFailed {
+                rank: rank.0,
+                failures,
+            },
+            e => e.into(),
+        }
     }
 
     #[allow(clippy::type_complexity)]
@@ -306,6 +490,24 @@ impl RankCache {
         let mut h = Sha256::new();
         h.update(self.alloc.digest().0);
         h.update(self.tree.digest().0);
+        StateDigest(h.finalize().into())
+    }
+
+    /// A digest of this rank's own host state, which [`RankCache::digest`] leaves out (host
+    /// slots differ between ranks by design): its host pool (free stack and allocations) and
+    /// which host pages each node's copy holds. Equal before and after a request that was
+    /// rolled back without dropping anything.
+    pub fn host_digest(&self) -> StateDigest {
+        let mut h = Sha256::new();
+        h.update(self.host.digest().0);
+        for id in self.tree.node_ids() {
+            if let Some(meta) = self.tree.node(id).ok().and_then(|n| n.host()) {
+                h.update(id.to_bits().to_le_bytes());
+                for p in meta.host_pages() {
+                    h.update(p.0.to_le_bytes());
+                }
+            }
+        }
         StateDigest(h.finalize().into())
     }
 
@@ -470,7 +672,26 @@ impl RankCache {
 
     /// The group this rank agrees through.
     pub fn group(&self) -> &dyn Collective {
-        &*self.group
+        &self.group
+    }
+
+    /// The last served request's bytes host→device, device→host and load-path syncs,
+    /// summed over every rank: each rank's counts ride on the request's outcome round, so a
+    /// driver of one rank per process reports group totals without a round of its own.
+    /// Zeros before the first request, and after a request that failed.
+    pub fn group_sums(&self) -> [u64; 3] {
+        let mut out = [0u64; 3];
+        for note in &self.outcome_notes {
+            for (o, c) in out.iter_mut().zip(note.chunks_exact(8)) {
+                *o = o.saturating_add(u64::from_le_bytes(c.try_into().expect("8 bytes")));
+            }
+        }
+        out
+    }
+
+    /// Group rounds this rank has taken part in since it was built (start-up included).
+    pub fn rounds(&self) -> u64 {
+        self.group.rounds()
     }
 
     /// Points this rank's view of `peer`'s pools at `other`'s: a wrong peer mapping on
@@ -520,7 +741,7 @@ impl RankCache {
     /// Every rank makes the same call; on an error on any rank, every rank's state is
     /// restored. SGLang: `HiRadixCache.evict`.
     pub fn evict_device_lru(&mut self, pages: usize) -> Result<usize, ClusterError> {
-        self.agreed("eviction", |me| {
+        self.agreed("eviction", &(pages as u64).to_le_bytes(), |me| {
             me.evict(Eviction::Lru(pages), &mut RequestStats::default())
         })
     }
@@ -551,7 +772,9 @@ impl RankCache {
         }
         self.served += 1;
         let panic_here = self.panic_at == Some(n);
-        self.agreed(&format!("request {n}"), |me| {
+        let rounds = self.rounds();
+        let inputs = Self::request_inputs(tokens, &[], 0);
+        let mut stats = self.agreed(&format!("request {n}"), &inputs, |me| {
             let result = me.serve_inner(tokens, n, panic_here);
             if armed {
                 // A request that returned before its first launch did not consume the
@@ -559,7 +782,9 @@ impl RankCache {
                 me.exec.disarm_launch_failure();
             }
             result
-        })
+        })?;
+        stats.group_rounds = self.rounds() - rounds;
+        Ok(stats)
     }
 
     fn serve_inner(
@@ -571,7 +796,8 @@ impl RankCache {
         if tokens.is_empty() {
             return Ok(RequestStats::default());
         }
-        let mut req = self.begin_inner(tokens, n, panic_here)?;
+        // No fence after the load: compute_and_verify synchronises before its first round.
+        let mut req = self.begin_inner(tokens, n, panic_here, false)?;
         self.allocate_inner(&mut req)?;
         // 4-5. Synthesise the computed pages this rank owns, materialise everything from the
         // owners' pools, verify against the synthesised KV.
@@ -581,7 +807,20 @@ impl RankCache {
         req.stats.mismatched_tokens = bad.all.count;
         req.stats.first_mismatched_token = bad.all.first;
         self.last_verdict = bad;
-        self.finish_inner(&mut req)
+        // The "verified" round was the fence: no peer reads this sequence any more, so the
+        // pages the tree does not keep are freed at once.
+        let release = self.finish_inner(&mut req)?;
+        self.release_pages(release)?;
+        // This rank's byte counts ride on the outcome round ([`RankCache::group_sums`]).
+        self.outcome_note = [
+            req.stats.bytes_h2d,
+            req.stats.bytes_d2h,
+            req.stats.load_path_syncs,
+        ]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+        Ok(req.stats)
     }
 
     /// Copies this rank's page pairs for every buffer kind and every layer of `layers`

@@ -174,9 +174,37 @@ impl Pools {
                     }
                 }
             };
+            // Every view claims this rank's pool shape: a peer's mapping that is smaller
+            // would let a read through it run past the end.
+            let want = self.exec.size(self.device[&b]).map_err(|e| (r, e))?;
+            let have = self.exec.size(id).map_err(|e| (r, e))?;
+            if have < want {
+                return Err((
+                    r,
+                    ExecError::Peer {
+                        op: "import",
+                        message: format!(
+                            "rank {r}'s {b} pool is {have} bytes, smaller than the {want} \
+                             bytes of this rank's pool shape"
+                        ),
+                    },
+                ));
+            }
             view.push(id);
         }
         self.views.insert(b, view);
+        Ok(())
+    }
+
+    /// Tells the executor that every peer has mapped this rank's device pools
+    /// ([`Executor::seal_shareable`]): on the host executor their shared-memory names go
+    /// now, so a rank killed from here on leaves nothing in `/dev/shm`.
+    pub fn seal(&self) -> Result<(), ExecError> {
+        if self.access == PeerAccess::Mapped {
+            for &id in self.device.values() {
+                self.exec.seal_shareable(id)?;
+            }
+        }
         Ok(())
     }
 

@@ -75,17 +75,60 @@ impl Request {
     }
 }
 
+/// How a request ended ([`RankCache::end`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Ending {
+    /// Every rank finished it: inserted, backed up per the policy, released.
+    Finished(RequestStats),
+    /// Some rank ended it with `ok = false` (or abandoned it): every rank abandoned it.
+    Abandoned {
+        /// The ranks that did not finish it.
+        by: Vec<u8>,
+    },
+}
+
 impl RankCache {
-    /// Matches `tokens` (whole pages) and starts loading the host-only part of the match
-    /// back into pages with its recorded owners, layer by layer; the matched prefix is
-    /// locked until the request ends. Every rank calls it with the same tokens. SGLang:
-    /// `HiRadixCache.match_prefix` + `init_load_back` (`HiCacheController.load`).
+    /// Matches `tokens` (whole pages) and loads the host-only part of the match back into
+    /// pages with their recorded owners, layer by layer; the matched prefix is locked until
+    /// the request ends. Every rank calls it with the same tokens: the outcome round
+    /// compares what each rank decided, and ranks that differ fail with
+    /// [`ClusterError::Diverged`].
+    ///
+    /// Fence: when `begin` returns on any rank, the loaded pages are readable by every
+    /// peer. Ranks whose peers read their pools through their own executors
+    /// ([`PeerAccess::Mapped`]: other processes) synchronise their stream after the load and
+    /// before the outcome round, since a peer's stream cannot wait on this rank's events: one
+    /// host synchronisation per begin that loaded something, counted in
+    /// [`RequestStats::fence_syncs`]. Ranks that share one executor share its stream, where
+    /// [`LoadHandle::wait_layer`] orders layer by layer. SGLang: `HiRadixCache.match_prefix`
+    /// + `init_load_back` (`HiCacheController.load`).
     pub fn begin(&mut self, tokens: &[u32]) -> Result<Request, ClusterError> {
+        self.begin_with(tokens, false)
+    }
+
+    /// [`RankCache::begin`] and [`RankCache::allocate`] as one step, in one round: what an
+    /// engine that allocates right after matching (SGLang's scheduler, vLLM's
+    /// `allocate_slots`) calls, so that a request takes two rounds in all (this and its
+    /// end).
+    pub fn begin_allocated(&mut self, tokens: &[u32]) -> Result<Request, ClusterError> {
+        self.begin_with(tokens, true)
+    }
+
+    fn begin_with(&mut self, tokens: &[u32], allocate: bool) -> Result<Request, ClusterError> {
         let n = self.served;
         self.served += 1;
-        self.agreed(&format!("request {n} begin"), |me| {
-            me.begin_inner(tokens, n, false)
-        })
+        let rounds = self.rounds();
+        let inputs = Self::request_inputs(tokens, &[], 0);
+        let step = if allocate { "begin+allocate" } else { "begin" };
+        let mut req = self.agreed(&format!("request {n} {step}"), &inputs, |me| {
+            let mut req = me.begin_inner(tokens, n, false, true)?;
+            if allocate {
+                me.allocate_inner(&mut req)?;
+            }
+            Ok(req)
+        })?;
+        req.stats.group_rounds += self.rounds() - rounds;
+        Ok(req)
     }
 
     /// Allocates the pages of the tokens the cache does not hold, zigzag over the owners,
@@ -101,7 +144,9 @@ impl RankCache {
         }
         let n = req.n;
         let (len, stats) = (req.pages.len(), req.stats.clone());
-        let out = self.agreed(&format!("request {n} allocate"), |me| {
+        let rounds = self.rounds();
+        let inputs = Self::request_inputs(&req.tokens, &req.pages, req.cached);
+        let out = self.agreed(&format!("request {n} allocate"), &inputs, |me| {
             me.allocate_inner(req)
         });
         if out.is_err() {
@@ -110,6 +155,7 @@ impl RankCache {
             req.stats = stats;
             req.allocated = false;
         }
+        req.stats.group_rounds += self.rounds() - rounds;
         out
     }
 
@@ -126,7 +172,8 @@ impl RankCache {
             )));
         }
         let n = req.n;
-        let v = self.agreed(&format!("request {n} verify"), |me| {
+        let inputs = Self::request_inputs(&req.tokens, &req.pages, req.cached);
+        let v = self.agreed(&format!("request {n} verify"), &inputs, |me| {
             me.compute_and_verify(&req.tokens, &req.pages, req.cached, n, req.load.as_ref())
         })?;
         req.stats.mismatched_tokens += v.all.count;
@@ -135,48 +182,163 @@ impl RankCache {
         Ok(v)
     }
 
-    /// Inserts the request's whole pages into the tree (freeing what it already had and the
-    /// partial last page), backs the new nodes up per the write policy, and releases the
-    /// request's locks. The pages must hold the request's KV (the engine's forward has
-    /// written them). SGLang: `cache_finished_req` / `insert`, `write_backup`,
-    /// `dec_lock_ref`.
+    /// Inserts the request's whole pages into the tree, backs the new nodes up per the write
+    /// policy, and releases the request's locks; pages the tree does not keep (the partial
+    /// last page, pages it already had) are freed once every rank has reached this call.
+    /// The pages must hold the request's KV (the engine's forward has written them). If any
+    /// rank ends the request with `ok = false` instead ([`RankCache::end`],
+    /// [`RankCache::abandon`]), every rank abandons it and this returns
+    /// [`ClusterError::Abandoned`] naming those ranks. SGLang: `cache_finished_req` /
+    /// `insert`, `write_backup`, `dec_lock_ref`.
     pub fn finish(&mut self, req: &mut Request) -> Result<RequestStats, ClusterError> {
-        req.check_open("finish")?;
-        if !req.allocated {
+        match self.end(req, true)? {
+            Ending::Finished(stats) => Ok(stats),
+            Ending::Abandoned { by } => Err(ClusterError::Abandoned {
+                rank: self.rank.0,
+                request: req.n,
+                by,
+            }),
+        }
+    }
+
+    /// Gives a request up between its steps (its forward failed, or the engine aborted it):
+    /// unlocks its prefix and frees the pages allocated for it (its loaded pages stay
+    /// cached). The same step as [`RankCache::finish`] with `ok = false`
+    /// ([`RankCache::end`]), so a rank that abandons while its peers finish makes every
+    /// rank abandon. SGLang: `dec_lock_ref` and freeing an aborted request's KV.
+    pub fn abandon(&mut self, req: &mut Request) -> Result<(), ClusterError> {
+        self.end(req, false).map(drop)
+    }
+
+    /// Ends a request on every rank, in one round: finished when every rank says `ok`,
+    /// abandoned everywhere when any rank says not (its forward failed).
+    ///
+    /// A rank that says `ok` first does the finish locally (insert, back up; nothing freed
+    /// yet) and contributes its decision digest; one that does not contributes nothing but
+    /// its flag. Then:
+    /// - every rank `ok` and every digest equal: each rank frees the pages the tree does not
+    ///   keep, now that no peer reads them (fence: nothing is freed or poisoned before every
+    ///   rank has reached this round);
+    /// - some rank not `ok`: every rank undoes its local finish and abandons the request
+    ///   ([`Ending::Abandoned`]);
+    /// - digests differ: every rank undoes its local finish and fails with
+    ///   [`ClusterError::Diverged`]; the request stays open (abandon it);
+    /// - some rank's local finish failed: every rank undoes it and the request stays open,
+    ///   as after any failed step.
+    ///
+    /// Freeing after the round can only fail on a broken executor; the rank then aborts the
+    /// group, since its peers have moved on.
+    pub fn end(&mut self, req: &mut Request, ok: bool) -> Result<Ending, ClusterError> {
+        let step = if ok { "finish" } else { "abandon" };
+        self.check_connected()?;
+        req.check_open(step)?;
+        if ok && !req.allocated {
             return Err(ClusterError::Config(format!(
                 "request {} has no pages for its uncached tokens: allocate first",
                 req.n
             )));
         }
         let n = req.n;
+        let what = format!("request {n} end");
+        let rounds = self.rounds();
         let stats = req.stats.clone();
-        let out = self.agreed(&format!("request {n} finish"), |me| me.finish_inner(req));
-        match &out {
+        let snapshot = self.snapshot();
+        let local = if ok {
+            self.finish_inner(req).map(Some)
+        } else {
+            Ok(None)
+        };
+        let inputs = Self::request_inputs(&req.tokens, &req.pages, req.cached);
+        let mine = match &local {
             Ok(_) => {
-                req.done = true;
-                req.load = None;
+                let mut b = vec![u8::from(ok)];
+                b.extend(self.decision(&what, &inputs));
+                Ok(b)
             }
-            Err(_) => req.stats = stats,
+            Err(e) => Err(e.to_string()),
+        };
+        let round = self.group.exchange(
+            &what,
+            mine.as_ref().map(Vec::as_slice).map_err(String::as_str),
+        );
+        req.stats.group_rounds += self.rounds() - rounds;
+        let all = match (round, local) {
+            (Ok(all), Ok(local)) => Ok((all, local)),
+            (Err(e), local) => Err(match local {
+                // This rank's own failure is the one worth reporting.
+                Err(mine) if e.is_peer_failure() => mine,
+                _ => ClusterError::from(e),
+            }),
+            (Ok(_), Err(mine)) => Err(mine),
+        };
+        let (all, local) = match all {
+            Ok(x) => x,
+            Err(e) => {
+                if !e.is_group_broken() {
+                    self.restore(snapshot, &what)?;
+                    let rounds_so_far = req.stats.group_rounds;
+                    req.stats = stats;
+                    req.stats.group_rounds = rounds_so_far;
+                }
+                return Err(e);
+            }
+        };
+        let by: Vec<u8> = all
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.first() != Some(&1))
+            .map(|(r, _)| r as u8)
+            .collect();
+        if !by.is_empty() {
+            let rounds_before = self.rounds();
+            self.restore(snapshot, &what)?;
+            let fresh = req.pages[req.cached..].to_vec();
+            let locked = req.locked;
+            self.commit(&what, |me| {
+                me.alloc.free(&fresh)?;
+                me.poison_freed(fresh)?;
+                me.unlock(locked)
+            })?;
+            req.stats = stats;
+            req.stats.group_rounds += self.rounds() - rounds_before + 1;
+            req.done = true;
+            req.load = None;
+            return Ok(Ending::Abandoned { by });
         }
-        out
-    }
-
-    /// Gives a request up between its steps: unlocks its prefix and frees the pages
-    /// allocated for it (its loaded pages stay cached). SGLang: `dec_lock_ref` and freeing
-    /// an aborted request's KV.
-    pub fn abandon(&mut self, req: &mut Request) -> Result<(), ClusterError> {
-        req.check_open("abandon")?;
-        let n = req.n;
-        let fresh = req.pages[req.cached..].to_vec();
-        let locked = req.locked;
-        self.agreed(&format!("request {n} abandon"), |me| {
-            me.alloc.free(&fresh)?;
-            me.poison_freed(fresh)?;
-            me.unlock(locked)
-        })?;
+        let digests: Vec<Vec<u8>> = all.iter().map(|b| b[1..].to_vec()).collect();
+        if let Err(e) = self.check_agreement(&what, &digests) {
+            self.restore(snapshot, &what)?;
+            req.stats = stats;
+            return Err(e);
+        }
+        let release = local.expect("every rank said ok, this one included");
+        self.commit(&what, |me| me.release_pages(release))?;
         req.done = true;
         req.load = None;
-        Ok(())
+        Ok(Ending::Finished(req.stats.clone()))
+    }
+
+    /// Runs work every rank has committed to in the last round (frees a fence held back):
+    /// nothing can be undone together any more, so a failure aborts the group, naming this
+    /// rank.
+    fn commit(
+        &mut self,
+        what: &str,
+        work: impl FnOnce(&mut Self) -> Result<(), ClusterError>,
+    ) -> Result<(), ClusterError> {
+        work(self).inspect_err(|e| {
+            self.group.abort(&format!(
+                "rank {} failed after {what} was agreed, so the replicas can no longer agree: \
+                 {e}",
+                self.rank.0
+            ));
+        })
+    }
+
+    /// Frees device pages the tree does not keep (and poisons them), once no peer reads them.
+    pub(super) fn release_pages(&mut self, pages: Vec<PageId>) -> Result<(), ClusterError> {
+        self.alloc.free(&pages)?;
+        self.poison_freed(pages)
     }
 
     /// Steps 1-2 of a request: match, then load back host-only nodes.
@@ -185,6 +347,7 @@ impl RankCache {
         tokens: &[u32],
         n: usize,
         panic_here: bool,
+        fence: bool,
     ) -> Result<Request, ClusterError> {
         let ps = self.layout.page_size() as usize;
         let mut stats = RequestStats {
@@ -219,6 +382,17 @@ impl RankCache {
             // Allocations and frees synchronise on CUDA (cuMemAlloc, cuMemFree), so they
             // count too.
             stats.load_path_syncs += c.stalls();
+            if fence
+                && loaded.is_some()
+                && self.peer_access == PeerAccess::Mapped
+                && self.group.size() > 1
+            {
+                // Peers read this rank's pool through executors of their own (other
+                // processes on CUDA), which cannot wait on this rank's events: the host waits
+                // for the copies before the outcome round lets anyone read.
+                self.exec.synchronize()?;
+                stats.fence_syncs += 1;
+            }
             match loaded {
                 Some((run, handle)) => {
                     stats.host_hit_tokens = (run.len() * ps) as u64;
@@ -260,9 +434,11 @@ impl RankCache {
         Ok(())
     }
 
-    /// Steps 6-7: insert the whole pages, free what the tree already had and the partial
-    /// page, back up per the policy, release.
-    pub(super) fn finish_inner(&mut self, req: &mut Request) -> Result<RequestStats, ClusterError> {
+    /// Steps 6-7: insert the whole pages, back up per the policy, release the locks.
+    /// Returns the device pages to free (what the tree already had, and the partial page),
+    /// which peers may still be reading: the caller frees them once every rank is past its
+    /// reads ([`RankCache::release_pages`]).
+    pub(super) fn finish_inner(&mut self, req: &mut Request) -> Result<Vec<PageId>, ClusterError> {
         let ps = self.layout.page_size() as usize;
         let (tokens, pages, cached, locked) = (&req.tokens, &req.pages, req.cached, req.locked);
         let stats = &mut req.stats;
@@ -285,8 +461,6 @@ impl RankCache {
             .filter(|p| !ours.contains(p))
             .collect();
         to_free.extend_from_slice(&pages[full..]);
-        self.alloc.free(&to_free)?;
-        self.poison_freed(to_free)?;
         let node = ins.node;
         self.lock(node)?;
         self.unlock(locked)?;
@@ -300,7 +474,7 @@ impl RankCache {
         }
         // 7. Release.
         self.unlock(node)?;
-        Ok(stats.clone())
+        Ok(to_free)
     }
 }
 

@@ -3,6 +3,9 @@
 
 use super::*;
 
+/// Bytes of a decision digest ([`RankCache::decision`]).
+pub(super) const DIGEST: usize = 32;
+
 /// This rank's state as it was before an operation, to roll back to on error.
 pub(super) struct Snapshot {
     tree: RadixTree,
@@ -23,19 +26,41 @@ impl RankCache {
     /// Runs `step` as one operation every rank makes, all or nothing across the group: it
     /// succeeds on every rank, or every rank restores its state from before it. A rank
     /// whose step failed tells the group (its failure ends the round its peers are in); a
-    /// rank that learns of a peer's failure stops there. An error that broke the group is
+    /// rank that learns of a peer's failure stops there. The outcome round carries each
+    /// rank's decision digest ([`RankCache::decision`] over `inputs` and the state the step
+    /// left): ranks that decided differently all undo the step and fail with
+    /// [`ClusterError::Diverged`] naming the ranks. An error that broke the group is
     /// returned without a rollback: no agreement on one is possible.
     pub(super) fn agreed<T>(
         &mut self,
         what: &str,
+        inputs: &[u8],
         step: impl FnOnce(&mut Self) -> Result<T, ClusterError>,
     ) -> Result<T, ClusterError> {
+        self.check_connected()?;
         let snapshot = self.snapshot();
         let err = match step(self) {
-            Ok(v) => match self.group.barrier(&format!("{what} outcome")) {
-                Ok(()) => return Ok(v),
-                Err(e) => ClusterError::from(e),
-            },
+            Ok(v) => {
+                let mut mine = self.decision(what, inputs);
+                let note = std::mem::take(&mut self.outcome_note);
+                mine.extend(note);
+                match self.group.all_gather(&format!("{what} outcome"), &mine) {
+                    Ok(mut all) => {
+                        let notes: Vec<Vec<u8>> = all
+                            .iter_mut()
+                            .map(|b| b.split_off(b.len().min(DIGEST)))
+                            .collect();
+                        match self.check_agreement(what, &all) {
+                            Ok(()) => {
+                                self.outcome_notes = notes;
+                                return Ok(v);
+                            }
+                            Err(e) => e,
+                        }
+                    }
+                    Err(e) => ClusterError::from(e),
+                }
+            }
             Err(e) if e.is_peer_failure() || e.is_group_broken() => e,
             Err(e) => match self.group.fail(what, &e.to_string()) {
                 Ok(_) => e,
@@ -49,8 +74,59 @@ impl RankCache {
         Err(err)
     }
 
+    /// A digest of what this rank decided in step `what`: its inputs (a prompt, a request's
+    /// pages) and the replicated state the step left, the allocator's lanes and a summary of
+    /// the tree (its clock, nodes and device pages; cheap, unlike the full tree digest).
+    pub(super) fn decision(&self, what: &str, inputs: &[u8]) -> Vec<u8> {
+        let mut h = Sha256::new();
+        h.update(what.as_bytes());
+        h.update((inputs.len() as u64).to_le_bytes());
+        h.update(inputs);
+        h.update(self.alloc.digest().0);
+        h.update(self.tree.summary_digest().0);
+        h.finalize().to_vec()
+    }
+
+    /// Compares the decision digests of one round (every rank's, in rank order). Every rank
+    /// sees the same digests, so every rank comes to the same verdict.
+    pub(super) fn check_agreement(&self, what: &str, all: &[Vec<u8>]) -> Result<(), ClusterError> {
+        let mut groups: Vec<(&[u8], Vec<u8>)> = Vec::new();
+        for (r, d) in all.iter().enumerate() {
+            match groups.iter_mut().find(|(g, _)| *g == d.as_slice()) {
+                Some((_, ranks)) => ranks.push(r as u8),
+                None => groups.push((d, vec![r as u8])),
+            }
+        }
+        if groups.len() <= 1 {
+            return Ok(());
+        }
+        // The largest group first; ties in rank order.
+        groups.sort_by_key(|(_, ranks)| std::cmp::Reverse(ranks.len()));
+        Err(ClusterError::Diverged {
+            rank: self.rank.0,
+            step: what.to_string(),
+            groups: groups.into_iter().map(|(_, r)| r).collect(),
+        })
+    }
+
+    /// The bytes a step's decision digest covers for a request: its tokens and pages.
+    pub(super) fn request_inputs(tokens: &[u32], pages: &[PageId], cached: usize) -> Vec<u8> {
+        let mut h = Sha256::new();
+        h.update((tokens.len() as u64).to_le_bytes());
+        for t in tokens {
+            h.update(t.to_le_bytes());
+        }
+        h.update((cached as u64).to_le_bytes());
+        for p in pages {
+            h.update(p.0.to_le_bytes());
+        }
+        h.finalize().to_vec()
+    }
+
     pub(super) fn snapshot(&mut self) -> Snapshot {
         self.freed = Freed::default();
+        self.outcome_note.clear();
+        self.outcome_notes.clear();
         self.last_rollback = RollbackDrops::default();
         Snapshot {
             tree: self.tree.clone(),

@@ -51,6 +51,12 @@ pub struct RequestStats {
     /// Device→host reads, synchronisations, allocations and frees the executor counted on
     /// load paths ([`Counters::stalls`](crate::exec::Counters::stalls)).
     pub load_path_syncs: u64,
+    /// Host synchronisations made as cross-rank fences: after a step-API load-back, so that
+    /// every peer can read the loaded pages when `begin` returns (a peer's stream cannot wait
+    /// on this rank's events). Not on the load path itself (`load_path_syncs`).
+    pub fence_syncs: u64,
+    /// Group rounds the request took (every rank takes the same).
+    pub group_rounds: u64,
 }
 
 impl RequestStats {
@@ -74,6 +80,8 @@ impl RequestStats {
         self.mismatched_tokens += o.mismatched_tokens;
         self.first_mismatched_token = self.first_mismatched_token.or(o.first_mismatched_token);
         self.load_path_syncs += o.load_path_syncs;
+        self.fence_syncs += o.fence_syncs;
+        self.group_rounds += o.group_rounds;
     }
 }
 

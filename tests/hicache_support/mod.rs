@@ -420,6 +420,9 @@ impl Executor for Spy {
     fn export(&self, b: BufferId) -> Result<Vec<u8>, ExecError> {
         self.inner.export(b)
     }
+    fn seal_shareable(&self, b: BufferId) -> Result<(), ExecError> {
+        self.inner.seal_shareable(b)
+    }
     fn import(&self, h: &[u8]) -> Result<BufferId, ExecError> {
         self.inner.import(h)
     }
