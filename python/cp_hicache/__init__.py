@@ -26,9 +26,12 @@ from . import _native
 from ._collective import TorchCollective
 from ._native import (
     CacheError,
+    CacheFullError,
     Deployment,
+    DivergedError,
     GroupError,
     Pool,
+    RequestAbandoned,
     UsageError,
     WarmUpReport,
     __version__,
@@ -37,12 +40,15 @@ from ._native import (
 
 __all__ = [
     "CacheError",
+    "CacheFullError",
     "Deployment",
+    "DivergedError",
     "GroupError",
     "Match",
     "Pool",
     "RankCache",
     "Request",
+    "RequestAbandoned",
     "TorchCollective",
     "UsageError",
     "WarmUpReport",
@@ -133,11 +139,16 @@ class RankCache:
         fault: a fault to inject (``"plain-alloc-on-load"``, ...), for tests.
 
     Every rank of the group must make the same calls in the same order, as an engine's
-    ranks do for each scheduled batch. A rank that fails a step makes every rank roll the
-    request back (:class:`CacheError`); a broken group raises :class:`GroupError`. After a
-    :class:`GroupError`, or when building the cache fails, this process must leave the group
-    (exit, or destroy the process group): its peers' calls fail once its sockets close, and
-    otherwise only at the group's timeout.
+    ranks do for each scheduled batch. Each step's outcome round compares what every rank
+    decided: ranks handed different prompts fail that step with :class:`DivergedError` and
+    undo it. A rank that fails a step makes every rank roll it back (:class:`CacheError`); a
+    request too large for the pools raises :class:`CacheFullError`; a broken group raises
+    :class:`GroupError`. A rank that cannot start (bad arguments, a tuning file, its
+    kernels) tells its peers in the group's first round, so their constructors raise
+    :class:`GroupError` naming it at once. The settings (deployment, pool sizes, policy) are
+    compared at start-up; ranks that differ all raise :class:`UsageError`.
+
+    Use it as a context manager, or call :meth:`close`, so that the ranks leave together.
     """
 
     def __init__(
@@ -213,6 +224,12 @@ class RankCache:
         """A digest (hex) of this rank's allocator and tree; equal on every rank."""
         return self._native.digest()
 
+    def host_digest(self) -> str:
+        """A digest (hex) of this rank's own host state (its host pool and which host pages
+        each cached prefix's copy holds), which :meth:`digest` leaves out: it differs
+        between ranks by design."""
+        return self._native.host_digest()
+
     def all_digests(self) -> list:
         """Every rank's digest, in rank order (a collective call)."""
         return self._native.all_digests()
@@ -241,11 +258,13 @@ class RankCache:
         """Materialise and verify on the first ``n`` ranks only (default: all)."""
         self._native.set_verifying_ranks(n)
 
-    def begin(self, tokens: Tokens) -> Request:
-        """Starts a request in steps: matches ``tokens`` and starts loading the host-only
-        part of the match back (owners preserved, layer by layer). SGLang:
-        ``match_prefix`` + ``init_load_back``."""
-        return Request(self._native.begin(_u32_bytes(tokens, "tokens")))
+    def begin(self, tokens: Tokens, allocate: bool = False) -> Request:
+        """Starts a request in steps: matches ``tokens`` and loads the host-only part of the
+        match back (owners preserved, layer by layer). With ``allocate=True`` it also
+        allocates the pages to compute, in the same group round (then a request costs two
+        rounds: this and :meth:`finish`). When it returns, the loaded pages are readable by
+        every peer, not only by this rank. SGLang: ``match_prefix`` + ``init_load_back``."""
+        return Request(self._native.begin(_u32_bytes(tokens, "tokens"), allocate))
 
     def allocate(self, request: Request) -> None:
         """Allocates the pages of the tokens the cache does not hold (zigzag over the
@@ -258,15 +277,43 @@ class RankCache:
         harness. Returns the mismatched tokens."""
         return self._native.synthesise_and_verify(request._native)
 
-    def finish(self, request: Request) -> Dict[str, Any]:
-        """Inserts the request's pages (which must hold its KV), backs them up per the write
-        policy and releases its locks; returns its statistics. SGLang:
+    def finish(self, request: Request, ok: bool = True) -> Optional[Dict[str, Any]]:
+        """Ends a request on every rank, in one group round.
+
+        With ``ok=True`` (this rank's forward wrote its pages, and its stream was
+        synchronised): inserts the request's pages, backs them up per the write policy and
+        releases its locks; returns its statistics. If another rank said ``ok=False``, every
+        rank abandons the request instead and this raises :class:`RequestAbandoned` naming
+        it. With ``ok=False`` (this rank's forward failed): every rank abandons the request;
+        returns ``None``. Nothing is freed or poisoned before every rank has reached this
+        call, so a slow peer can still read the request's pages until then. SGLang:
         ``cache_finished_req``, ``write_backup``, ``dec_lock_ref``."""
-        return self._native.finish(request._native)
+        return self._native.finish(request._native, ok)
 
     def abandon(self, request: Request) -> None:
-        """Gives a request up: unlocks its prefix and frees the pages allocated for it."""
+        """Gives a request up on every rank (``finish(request, ok=False)``): unlocks its
+        prefix and frees the pages allocated for it, once every rank has ended it."""
         self._native.abandon(request._native)
+
+    def close(self) -> None:
+        """Leaves the group: a last round in which every rank says it is done with its
+        peers' pools (every rank calls it). Later calls raise :class:`CacheError`. The pools
+        stay mapped until the last tensor taken from them is gone. Idempotent."""
+        self._native.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._native.closed
+
+    def __enter__(self) -> "RankCache":
+        return self
+
+    def __exit__(self, kind: Any, value: Any, trace: Any) -> None:
+        # After an exception the peers may be in another round: leaving then would pair the
+        # disconnect with it. The group is failing anyway; only a clean exit says goodbye.
+        if kind is None:
+            self.close()
 
     def locate(self, pages: Tokens) -> Tuple[np.ndarray, np.ndarray]:
         """Each logical page's owner rank and local page in its owner's pool."""

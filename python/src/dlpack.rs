@@ -12,6 +12,7 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use std::ffi::{c_void, CStr};
 use std::os::raw::c_int;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -105,14 +106,32 @@ unsafe extern "C" fn delete_managed(managed: *mut DLManagedTensor) {
     // DLPack calls the deleter once.
     let managed = unsafe { Box::from_raw(managed) };
     let ctx = unsafe { Box::from_raw(managed.manager_ctx.cast::<Context>()) };
-    // Dropping the owner reference needs the interpreter. A tensor that outlives it (freed
-    // while the interpreter finalises) leaks its context: the process is ending anyway.
+    // Dropping the owner reference needs the interpreter. A tensor freed once the
+    // interpreter has begun to shut down (after its `atexit` handlers: `Py_IsInitialized`
+    // still says yes then, and attaching a thread there can hang or abort) leaks its context
+    // instead: the process is ending anyway.
     // SAFETY: a plain query of the runtime's state.
-    if unsafe { ffi::Py_IsInitialized() } == 0 {
+    if SHUTTING_DOWN.load(Ordering::Acquire) || unsafe { ffi::Py_IsInitialized() } == 0 {
         std::mem::forget(ctx);
         return;
     }
     Python::attach(|_| drop(ctx));
+}
+
+/// Set by an `atexit` handler the module registers ([`register_shutdown_hook`]): from then
+/// on the DLPack deleter never attaches to Python.
+static SHUTTING_DOWN: AtomicBool = AtomicBool::new(false);
+
+#[pyfunction]
+fn _interpreter_shutting_down() {
+    SHUTTING_DOWN.store(true, Ordering::Release);
+}
+
+/// Registers the `atexit` handler that tells the deleter the interpreter is shutting down.
+pub(crate) fn register_shutdown_hook(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let hook = wrap_pyfunction!(_interpreter_shutting_down, m)?;
+    m.py().import("atexit")?.call_method1("register", (hook,))?;
+    Ok(())
 }
 
 unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {

@@ -3,6 +3,13 @@
 //! - `CacheError` (a `RuntimeError`): a failure of the cache, an executor or the JIT.
 //! - `GroupError` (a `CacheError`): the CP group broke (a rank gone, a timeout, ranks that
 //!   diverged); nothing more can be served on it.
+//! - `CacheFullError` (a `CacheError`): a request needs more pages at once than the pools can
+//!   give it, even after evicting everything unlocked (memory pressure, not a bad argument:
+//!   the request was undone and smaller ones can still be served).
+//! - `DivergedError` (a `CacheError`): the ranks decided a step differently (different
+//!   prompts, say); the step was undone on every rank and the group goes on.
+//! - `RequestAbandoned` (a `CacheError`): `finish` found that another rank ended the
+//!   request with `ok=False` (its forward failed); every rank abandoned it.
 //! - `UsageError` (a `ValueError`): bad arguments or settings, what the command line refuses
 //!   with exit status 2.
 //!
@@ -27,6 +34,25 @@ create_exception!(
 );
 create_exception!(
     cp_hicache,
+    CacheFullError,
+    CacheError,
+    "A request needs more pages at once than the pools can give it (it was undone; smaller \
+     ones can still be served)."
+);
+create_exception!(
+    cp_hicache,
+    DivergedError,
+    CacheError,
+    "The ranks decided a step differently (different prompts?): it was undone on every rank."
+);
+create_exception!(
+    cp_hicache,
+    RequestAbandoned,
+    CacheError,
+    "Another rank ended the request with ok=False: every rank abandoned it."
+);
+create_exception!(
+    cp_hicache,
     UsageError,
     PyValueError,
     "Bad arguments or settings (what the command line refuses with exit status 2)."
@@ -37,6 +63,9 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CacheError", py.get_type::<CacheError>())?;
     m.add("GroupError", py.get_type::<GroupError>())?;
     m.add("UsageError", py.get_type::<UsageError>())?;
+    m.add("CacheFullError", py.get_type::<CacheFullError>())?;
+    m.add("DivergedError", py.get_type::<DivergedError>())?;
+    m.add("RequestAbandoned", py.get_type::<RequestAbandoned>())?;
     Ok(())
 }
 
@@ -47,7 +76,13 @@ pub(crate) fn usage(message: impl std::fmt::Display) -> PyErr {
 
 /// The exception for a cluster error: usage, a broken group, or a failure.
 pub(crate) fn cluster(e: ClusterError) -> PyErr {
-    if e.is_usage() {
+    if e.is_pool_too_small() {
+        CacheFullError::new_err(e.to_string())
+    } else if matches!(e, ClusterError::Diverged { .. }) {
+        DivergedError::new_err(e.to_string())
+    } else if matches!(e, ClusterError::Abandoned { .. }) {
+        RequestAbandoned::new_err(e.to_string())
+    } else if e.is_usage() {
         UsageError::new_err(e.to_string())
     } else if e.is_group_broken() {
         GroupError::new_err(e.to_string())

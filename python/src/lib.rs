@@ -223,6 +223,7 @@ fn warm_up(
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
+    dlpack::register_shutdown_hook(m)?;
     m.add_class::<Deployment>()?;
     m.add_class::<WarmUpReport>()?;
     m.add_class::<rank::RankCache>()?;

@@ -10,18 +10,19 @@ use crate::dlpack::Pool;
 use crate::errors::{cluster, to_py, usage, CacheError};
 use crate::Deployment;
 use cp_hicache::exec::open_executor;
+use cp_hicache::exec::Address;
 use cp_hicache::group::{Collective, LocalGroup, DEFAULT_TIMEOUT};
 use cp_hicache::jit::{Jit, JitConfig, Sanitize};
 use cp_hicache::kernels::BufferKind;
-use cp_hicache::layout::PageId;
+use cp_hicache::layout::{CpLayout, PageId};
 use cp_hicache::rank::{
-    ClusterConfig, Fault, PeerAccess, RankCache as CoreRank, Request as CoreRequest, RequestStats,
-    WritePolicy,
+    ClusterConfig, Fault, PeerAccess, PoolGeometry, RankCache as CoreRank, Request as CoreRequest,
+    RequestStats, WritePolicy,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// One CP rank's cache: its radix-tree and allocator replicas, its host pool, its device
@@ -33,6 +34,15 @@ pub struct RankCache {
     id: u64,
     deployment: Deployment,
     rank: u8,
+    /// Fixed at start-up, so that `locate` and `pool` never wait behind a step holding the
+    /// rank's lock (a step can sit in a collective round for as long as a peer is slow).
+    layout: CpLayout,
+    /// Every buffer kind's pool per owner (this rank's own at `rank`), as addresses.
+    pools: Vec<(BufferKind, Vec<Address>)>,
+    geometry: PoolGeometry,
+    /// After `close`: every call is refused, but the pools stay mapped until the last
+    /// tensor taken from them is gone (each holds this object).
+    closed: AtomicBool,
 }
 
 /// `u32` ids from little-endian bytes.
@@ -173,6 +183,12 @@ impl RankCache {
         py: Python<'_>,
         f: impl FnOnce(&mut CoreRank) -> R + Send,
     ) -> PyResult<R> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(CacheError::new_err(format!(
+                "rank {}: this RankCache was closed",
+                self.rank
+            )));
+        }
         py.detach(|| {
             // A call that panicked (a PanicException) may have left the rank half-changed:
             // refuse to go on from an unknown state.
@@ -210,9 +226,6 @@ impl RankCache {
         tuning: Option<PathBuf>,
         fault: Option<&str>,
     ) -> PyResult<Self> {
-        let policy: WritePolicy = policy.parse().map_err(usage)?;
-        let fault: Option<Fault> = fault.map(str::parse).transpose().map_err(usage)?;
-        let backend = crate::backend(backend)?;
         let cp = deployment.inner.cp;
         let group: Box<dyn Collective> = match collective {
             Some(obj) => Box::new(PyCollective::new(obj)?),
@@ -227,46 +240,87 @@ impl RankCache {
                 )))
             }
         };
-        if group.rank().0 != rank {
-            return Err(usage(format!(
-                "rank {rank} was asked for, but the group says this process is rank {}",
-                group.rank().0
-            )));
-        }
+        // From here on every failure is this rank's contribution to the group's first round,
+        // so its peers fail at once, naming it, instead of waiting for the group timeout.
+        let refuse = |group: &dyn Collective, e: PyErr| -> PyErr {
+            let why = Python::attach(|py| e.value(py).to_string());
+            let _ = CoreRank::refuse_start(group, &why);
+            e
+        };
+        let checked = (|| -> PyResult<(WritePolicy, Option<Fault>, cp_hicache::exec::Backend)> {
+            let policy: WritePolicy = policy.parse().map_err(usage)?;
+            let fault: Option<Fault> = fault.map(str::parse).transpose().map_err(usage)?;
+            let backend = crate::backend(backend)?;
+            if group.rank().0 != rank {
+                return Err(usage(format!(
+                    "rank {rank} was asked for, but the group says this process is rank {}",
+                    group.rank().0
+                )));
+            }
+            Ok((policy, fault, backend))
+        })();
+        let (policy, fault, backend) = match checked {
+            Ok(x) => x,
+            Err(e) => return Err(py.detach(move || refuse(&*group, e))),
+        };
         let dep = deployment.clone();
         let core = py.detach(move || -> PyResult<CoreRank> {
-            let exec: Arc<dyn cp_hicache::exec::Executor> =
-                Arc::from(open_executor(backend).map_err(to_py)?);
-            let access = if group.size() == 1 {
-                PeerAccess::Direct
-            } else if exec.peer_mapping().is_some() {
-                PeerAccess::Mapped
-            } else {
-                return Err(usage(format!(
-                    "the {} executor cannot map its peers' pools, so it cannot run one rank \
-                     per process",
-                    exec.backend()
-                )));
-            };
-            let jit = Jit::new(JitConfig::from_env().map_err(to_py)?);
-            let (tuned, _) = crate::tuned(&dep.inner, tuning, exec.as_ref(), &jit)?;
-            let config = ClusterConfig {
-                deployment: tuned,
-                layers: dep.layers,
-                device_pages,
-                host_pages,
-                policy,
-                fault,
-                sanitize: Sanitize::from_env().map_err(to_py)?,
+            let prepared = (|| {
+                let exec: Arc<dyn cp_hicache::exec::Executor> =
+                    Arc::from(open_executor(backend).map_err(to_py)?);
+                let access = if group.size() == 1 {
+                    PeerAccess::Direct
+                } else if exec.peer_mapping().is_some() {
+                    PeerAccess::Mapped
+                } else {
+                    return Err(usage(format!(
+                        "the {} executor cannot map its peers' pools, so it cannot run one \
+                         rank per process",
+                        exec.backend()
+                    )));
+                };
+                let jit = Jit::new(JitConfig::from_env().map_err(to_py)?);
+                let (tuned, _) = crate::tuned(&dep.inner, tuning, exec.as_ref(), &jit)?;
+                let config = ClusterConfig {
+                    deployment: tuned,
+                    layers: dep.layers,
+                    device_pages,
+                    host_pages,
+                    policy,
+                    fault,
+                    sanitize: Sanitize::from_env().map_err(to_py)?,
+                };
+                Ok((config, exec, jit, access))
+            })();
+            let (config, exec, jit, access) = match prepared {
+                Ok(x) => x,
+                Err(e) => return Err(refuse(&*group, e)),
             };
             CoreRank::new(config, exec, &jit, group, access).map_err(cluster)
         })?;
+        let layout = *core.layout();
+        let geometry = core.pools().geometry();
+        let mut pools = Vec::new();
+        for &kind in deployment.inner.model.buffers() {
+            let addresses = core
+                .pools()
+                .views(kind)
+                .iter()
+                .map(|&id| core.executor().address(id))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(to_py)?;
+            pools.push((kind, addresses));
+        }
         static NEXT_ID: AtomicU64 = AtomicU64::new(0);
         Ok(RankCache {
             inner: Mutex::new(core),
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             deployment: deployment.clone(),
             rank,
+            layout,
+            pools,
+            geometry,
+            closed: AtomicBool::new(false),
         })
     }
 
@@ -339,6 +393,12 @@ impl RankCache {
         self.with(py, |r| r.digest().to_string())
     }
 
+    /// A digest (hex) of this rank's own host state (its host pool, and the host pages of
+    /// each node's copy), which `digest` leaves out because it differs between ranks.
+    fn host_digest(&self, py: Python<'_>) -> PyResult<String> {
+        self.with(py, |r| r.host_digest().to_string())
+    }
+
     /// Every rank's digest, in rank order (a collective: every rank calls it).
     fn all_digests(&self, py: Python<'_>) -> PyResult<Vec<String>> {
         let d = self
@@ -402,15 +462,20 @@ impl RankCache {
         if let Some(o) = owner.filter(|&o| o >= cp) {
             return Err(usage(format!("owner {o} is not a rank of a CP {cp} group")));
         }
-        let (g, address) = me.with(slf.py(), |r| {
-            let pools = r.pools();
-            let id = match owner {
-                None => pools.device(kind),
-                Some(o) => pools.views(kind)[usize::from(o)],
-            };
-            (pools.geometry(), r.executor().address(id))
-        })?;
-        let address = address.map_err(to_py)?;
+        if me.closed.load(Ordering::Acquire) {
+            return Err(CacheError::new_err(format!(
+                "rank {}: this RankCache was closed",
+                me.rank
+            )));
+        }
+        let g = me.geometry;
+        let views = &me
+            .pools
+            .iter()
+            .find(|(k, _)| *k == kind)
+            .expect("every buffer kind has its pools")
+            .1;
+        let address = views[usize::from(owner.unwrap_or(me.rank))];
         let page_bytes = kind.page_bytes(me.deployment.inner.page_size);
         Ok(Pool::new(
             slf.clone().into_any().unbind(),
@@ -431,7 +496,7 @@ impl RankCache {
         pages: &[u8],
     ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
         let pages = ids(pages, "pages")?;
-        let layout = self.with(py, |r| *r.layout())?;
+        let layout = self.layout;
         if let Some(p) = pages.iter().find(|&&p| p >= layout.pages()) {
             return Err(usage(format!(
                 "page {p} is outside the {} logical pages",
@@ -447,11 +512,22 @@ impl RankCache {
         ))
     }
 
-    /// Starts a request in steps (match, then load back layer by layer): every rank calls
-    /// it with the same tokens. SGLang: `match_prefix` + `init_load_back`.
-    fn begin(&self, py: Python<'_>, tokens: &[u8]) -> PyResult<Request> {
+    /// Starts a request in steps (match, then load back layer by layer; with `allocate`,
+    /// also the pages to compute, in the same round): every rank calls it with the same
+    /// tokens. When it returns, the loaded pages are readable by every peer. SGLang:
+    /// `match_prefix` + `init_load_back`.
+    #[pyo3(signature = (tokens, allocate = false))]
+    fn begin(&self, py: Python<'_>, tokens: &[u8], allocate: bool) -> PyResult<Request> {
         let tokens = ids(tokens, "tokens")?;
-        let req = self.with(py, |r| r.begin(&tokens))?.map_err(cluster)?;
+        let req = self
+            .with(py, |r| {
+                if allocate {
+                    r.begin_allocated(&tokens)
+                } else {
+                    r.begin(&tokens)
+                }
+            })?
+            .map_err(cluster)?;
         Ok(Request {
             inner: Mutex::new(req),
             cache: self.id,
@@ -474,21 +550,52 @@ impl RankCache {
             .map_err(cluster)
     }
 
-    /// Inserts the request's pages, backs them up per the policy and releases its locks;
-    /// returns its statistics. SGLang: `cache_finished_req`, `write_backup`, `dec_lock_ref`.
-    fn finish(&self, py: Python<'_>, req: &Request) -> PyResult<Py<PyAny>> {
+    /// Ends a request on every rank in one round. With `ok` (this rank's forward wrote its
+    /// pages): inserts the request's pages, backs them up per the policy and releases its
+    /// locks; returns its statistics; raises `RequestAbandoned` when another rank said
+    /// `ok=False`, after every rank abandoned the request. With `ok=False` (this rank's
+    /// forward failed): every rank abandons it; returns None. Nothing is freed before every
+    /// rank has reached this call. SGLang: `cache_finished_req`, `write_backup`,
+    /// `dec_lock_ref`.
+    #[pyo3(signature = (req, ok = true))]
+    fn finish(&self, py: Python<'_>, req: &Request, ok: bool) -> PyResult<Option<Py<PyAny>>> {
         self.owns(req)?;
-        let stats = self
-            .with(py, |r| r.finish(&mut req.lock()))?
-            .map_err(cluster)?;
-        stats_object(py, &stats)
+        let ending = if ok {
+            self.with(py, |r| r.finish(&mut req.lock()))?
+                .map(Some)
+                .map_err(cluster)?
+        } else {
+            self.with(py, |r| r.abandon(&mut req.lock()))?
+                .map_err(cluster)?;
+            None
+        };
+        ending.map(|s| stats_object(py, &s)).transpose()
     }
 
-    /// Gives a request up: unlocks its prefix and frees the pages allocated for it.
+    /// Gives a request up: unlocks its prefix and frees the pages allocated for it, once
+    /// every rank has ended it (`finish(req, ok=False)`).
     fn abandon(&self, py: Python<'_>, req: &Request) -> PyResult<()> {
         self.owns(req)?;
         self.with(py, |r| r.abandon(&mut req.lock()))?
             .map_err(cluster)
+    }
+
+    /// Leaves the group: a last round in which every rank says it is done with its peers'
+    /// pools. Every later call is refused. The pools stay mapped until the last tensor
+    /// taken from them is gone. Idempotent.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        if self.closed.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let out = self.with(py, |r| r.disconnect())?;
+        self.closed.store(true, Ordering::Release);
+        out.map_err(cluster)
+    }
+
+    /// Whether `close` was called.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
     }
 
     /// Waits on the host until every copy and kernel this rank's cache enqueued has run.

@@ -30,3 +30,20 @@ def launch(args, timeout=600, **kw) -> subprocess.CompletedProcess:
         timeout=timeout,
         **kw,
     )
+
+
+def _our_segments() -> set:
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("cp-hicache-")}
+    except FileNotFoundError:
+        return set()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_shared_memory_left_behind():
+    """After the whole suite (killed ranks, terminated launchers, failed starts included),
+    /dev/shm holds no segment of ours that was not there before it."""
+    before = _our_segments()
+    yield
+    left = _our_segments() - before
+    assert not left, f"shared-memory segments left behind: {sorted(left)}"

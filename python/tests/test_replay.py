@@ -109,6 +109,11 @@ def test_a_killed_rank_ends_the_run_naming_it():
     assert "exit statuses by rank: [1, 1, -9, 1]" in err, err
     assert re.search(r"error: rank [013]: ", err), err  # each survivor says why it stopped
     assert time.monotonic() - killed_at < 60  # within the group timeout, no hang
+    # The killed rank's pools (and everyone's) were unlinked once every peer had mapped
+    # them: nothing of any rank is left in /dev/shm.
+    left = [n for n in os.listdir("/dev/shm")
+            if any(n.startswith(f"cp-hicache-{pid}-") for pid in pids.values())]
+    assert left == [], left
 
 
 @pytest.mark.parametrize(
