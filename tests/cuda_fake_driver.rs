@@ -1103,8 +1103,18 @@ fn begin_fences_loads_for_every_peer(me: &mut RankCache, prompt: &[u32]) {
     me.group().barrier("poison landed").unwrap();
     let mut req = me.begin(prompt).unwrap();
     assert_eq!(req.stats().pages_loaded, req.pages().len() as u64);
-    // Straight after `begin`: no wait, no synchronisation of this rank's own.
-    let got = read_through_views(me, &req);
+    // Straight after `begin`, with no wait or synchronisation of its own, rank 0 reads
+    // first, while no peer has read anything (a read flushes the reader's own stream, which
+    // would land its loads): every peer page it sees was made readable by `begin` alone.
+    // Then the others read.
+    let mut got = Vec::new();
+    if rank == 0 {
+        got = read_through_views(me, &req);
+    }
+    me.group().barrier("rank 0 read").unwrap();
+    if rank != 0 {
+        got = read_through_views(me, &req);
+    }
     let stale = want.iter().zip(&got).filter(|(w, g)| w != g).count();
     assert_eq!(
         stale, 0,
