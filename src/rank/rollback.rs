@@ -75,14 +75,25 @@ impl RankCache {
     }
 
     /// A digest of what this rank decided in step `what`: its inputs (a prompt, a request's
-    /// pages) and the replicated state the step left, the allocator's lanes and a summary of
-    /// the tree (its clock, nodes and device pages; cheap, unlike the full tree digest).
+    /// pages) and a summary of the replicated state the step left: each owner lane's free
+    /// count and the next few pages it would hand out, and the tree's clock, node, slot and
+    /// device-page counts. O(CP) beside the inputs: the full digests
+    /// ([`RankCache::digest`]) read every page and key, too much for every step.
     pub(super) fn decision(&self, what: &str, inputs: &[u8]) -> Vec<u8> {
+        /// Pages of each lane's top compared.
+        const TOP: usize = 4;
         let mut h = Sha256::new();
         h.update(what.as_bytes());
         h.update((inputs.len() as u64).to_le_bytes());
         h.update(inputs);
-        h.update(self.alloc.digest().0);
+        let mirror = self.alloc.mirror();
+        for r in 0..self.layout.cp() {
+            let lane = mirror.lane_stack(Rank(r));
+            h.update((lane.len() as u64).to_le_bytes());
+            for p in lane.iter().rev().take(TOP) {
+                h.update(p.0.to_le_bytes());
+            }
+        }
         h.update(self.tree.summary_digest().0);
         h.finalize().to_vec()
     }
