@@ -67,7 +67,11 @@ fn plain_alloc_on_load_is_caught_by_verification() {
     for i in 2..8 {
         serve(&mut c, &tokens(i, 400));
     }
-    let s = serve(&mut c, &a);
+    let s = c.serve(&a).unwrap();
     assert!(s.host_hit_tokens > 0);
     assert!(s.mismatched_tokens > 0, "the seed's bug must show: {s:?}");
+    // The debug check catches it too: loaded pages whose owners differ from the recorded
+    // ones (as SGLANG_DEBUG_MEMORY_POOL would), on every rank.
+    let err = c.check_invariants().unwrap_err().to_string();
+    assert!(err.contains("is owned by rank"), "{err}");
 }

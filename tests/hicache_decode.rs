@@ -67,8 +67,15 @@ fn cold_and_reloaded(setup: &Setup, n_tokens: usize) -> (Cluster, Dense, Dense, 
     assert_eq!(s.mismatched_tokens, 0);
     let cold = c.last_dense().to_vec();
     evict_all(&mut c);
-    let s = serve_checked(&mut c, &a);
+    let s = c.serve(&a).unwrap();
     assert!(s.host_hit_tokens > 0, "{s:?}");
+    // Under the seed's bug the invariants check catches the loaded pages' wrong owners.
+    let checked = c.check_invariants();
+    assert_eq!(
+        checked.is_err(),
+        setup.fault == Some(Fault::PlainAllocOnLoad),
+        "{checked:?}"
+    );
     let hit = c.last_dense().to_vec();
     (c, cold, hit, s.mismatched_tokens)
 }

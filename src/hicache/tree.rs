@@ -1290,6 +1290,11 @@ impl RadixTree {
                 if m.num_pages() != pages || m.rank() != self.rank {
                     return Err(invariant(format!("{id}: host metadata does not fit")));
                 }
+                // The seed's bug: device pages whose owners differ from those recorded at
+                // backup (`set_device` refuses them; only the injected fault gets past it).
+                if let Some(d) = &n.device {
+                    self.check_owners(id, d, m)?;
+                }
                 for &p in m.host_pages() {
                     if !host.insert(p) {
                         return Err(invariant(format!("host page {} is held twice", p.0)));

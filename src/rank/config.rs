@@ -303,6 +303,20 @@ pub enum ClusterError {
         /// The ranks that did not finish it.
         by: Vec<u8>,
     },
+    /// A peer's contribution to a round could not be what the round carries (a length, a
+    /// flag): the group's transport is broken or lies. The group was aborted: a replica
+    /// that believed it could differ from its peers.
+    #[error("rank {rank}: {round}: rank {peer} sent {what}; the group was aborted")]
+    Malformed {
+        /// The rank reporting it.
+        rank: u8,
+        /// The round.
+        round: String,
+        /// The rank whose contribution is malformed.
+        peer: u8,
+        /// What is wrong with it.
+        what: String,
+    },
     /// A transfer named a page outside its pool, had unequal page lists, or named one
     /// destination page in two pairs. A bug (the pools hand out only their own pages, each
     /// once), refused before anything moves: the kernel and the DMA path would skip a pair
@@ -416,7 +430,9 @@ impl ClusterError {
         matches!(self, ClusterError::Group(g) if !g.is_peer_failure())
             || matches!(
                 self,
-                ClusterError::RankDied { .. } | ClusterError::StartFailed { .. }
+                ClusterError::RankDied { .. }
+                    | ClusterError::StartFailed { .. }
+                    | ClusterError::Malformed { .. }
             )
     }
 

@@ -23,8 +23,9 @@
 //!   every peer's pools before any request makes a peer read them, and before the names
 //!   are removed ([`Pools::seal`]).
 //! - Every agreed step ends with an *outcome* round carrying the rank's decision digest
-//!   ([`RankCache::decision`]): a failure on any rank rolls the step back everywhere, and
-//!   ranks that decided differently all undo it ([`ClusterError::Diverged`]).
+//!   (its inputs and a summary of the state it left): a failure on any rank rolls the step
+//!   back everywhere, and ranks that decided differently all undo it
+//!   ([`ClusterError::Diverged`]).
 //! - *begin* fence: a rank with an executor of its own ([`PeerAccess::Mapped`]) synchronises
 //!   its stream after a load-back and before the outcome round, so when `begin` returns the
 //!   loaded pages are readable by every peer (a peer's stream cannot wait on this rank's
@@ -56,7 +57,7 @@ pub use kernels::{DeploymentKernels, KernelLoadError, Loaded, SourceHook};
 pub use load::LoadHandle;
 pub use pools::{PeerAccess, PoolGeometry, Pools};
 pub use request::{Ending, Request};
-use rollback::Freed;
+use rollback::{Freed, DIGEST};
 pub use stats::{RequestStats, RollbackDrops};
 pub use verify::{Mismatches, Verdict};
 
@@ -517,12 +518,14 @@ impl RankCache {
         // divergence at once instead of a later call.
         let seq = self.digest_calls.get();
         self.digest_calls.set(seq + 1);
-        let all = self
-            .group
-            .all_gather(&format!("{what} #{seq}"), &self.digest().0)?;
+        let round = format!("{what} #{seq}");
+        let all = self.group.all_gather(&round, &self.digest().0)?;
+        self.check_round(&round, &all, |b| {
+            (b.len() != 32).then(|| format!("a {}-byte digest", b.len()))
+        })?;
         Ok(all
             .into_iter()
-            .map(|d| StateDigest(d.try_into().unwrap_or([0; 32])))
+            .map(|d| StateDigest(d.try_into().expect("checked: 32 bytes")))
             .collect())
     }
 
@@ -750,7 +753,7 @@ impl RankCache {
     /// insert, back up, release; every rank of the group calls it with the same prompt. On
     /// an error on any rank, every rank restores its state to what it was, so a failed
     /// request leaves no trace but the error: this rank's own, or
-    /// [`GroupError::PeerFailed`](crate::group::GroupError::PeerFailed) naming the rank
+    /// [`GroupError::PeerFailed`] naming the rank
     /// that failed. An error that breaks the
     /// group (a timeout, a divergence) is returned as it is, without a rollback.
     ///

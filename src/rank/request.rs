@@ -271,11 +271,18 @@ impl RankCache {
             }),
             (Ok(_), Err(mine)) => Err(mine),
         };
+        let all = all.and_then(|(all, local)| {
+            self.check_round(&what, &all, |b| {
+                (b.len() != 1 + DIGEST || b[0] > 1)
+                    .then(|| format!("{} bytes, not an ok flag and a decision digest", b.len()))
+            })?;
+            Ok((all, local))
+        });
         let (all, local) = match all {
             Ok(x) => x,
             Err(e) => {
                 if !e.is_group_broken() {
-                    self.restore(snapshot, &what)?;
+                    self.roll_back(snapshot, &what)?;
                     let rounds_so_far = req.stats.group_rounds;
                     req.stats = stats;
                     req.stats.group_rounds = rounds_so_far;
@@ -291,7 +298,7 @@ impl RankCache {
             .collect();
         if !by.is_empty() {
             let rounds_before = self.rounds();
-            self.restore(snapshot, &what)?;
+            self.roll_back(snapshot, &what)?;
             let fresh = req.pages[req.cached..].to_vec();
             let locked = req.locked;
             self.commit(&what, |me| {
@@ -307,7 +314,7 @@ impl RankCache {
         }
         let digests: Vec<Vec<u8>> = all.iter().map(|b| b[1..].to_vec()).collect();
         if let Err(e) = self.check_agreement(&what, &digests) {
-            self.restore(snapshot, &what)?;
+            self.roll_back(snapshot, &what)?;
             req.stats = stats;
             return Err(e);
         }

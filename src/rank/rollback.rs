@@ -44,8 +44,14 @@ impl RankCache {
                 let mut mine = self.decision(what, inputs);
                 let note = std::mem::take(&mut self.outcome_note);
                 mine.extend(note);
-                match self.group.all_gather(&format!("{what} outcome"), &mine) {
+                let round = format!("{what} outcome");
+                match self.group.all_gather(&round, &mine) {
                     Ok(mut all) => {
+                        self.check_round(&round, &all, |b| {
+                            (b.len() < DIGEST || (b.len() - DIGEST) % 8 != 0).then(|| {
+                                format!("{} bytes, not a decision digest and counts", b.len())
+                            })
+                        })?;
                         let notes: Vec<Vec<u8>> = all
                             .iter_mut()
                             .map(|b| b.split_off(b.len().min(DIGEST)))
@@ -70,8 +76,55 @@ impl RankCache {
         if err.is_group_broken() {
             return Err(err);
         }
-        self.restore(snapshot, what)?;
+        self.roll_back(snapshot, what)?;
         Err(err)
+    }
+
+    /// Checks every rank's contribution to `round` with `valid` (`Some(what is wrong)`): a
+    /// malformed one aborts the group, naming the rank and the round, since a replica that
+    /// believed it could differ from its peers.
+    pub(super) fn check_round(
+        &self,
+        round: &str,
+        all: &[Vec<u8>],
+        valid: impl Fn(&[u8]) -> Option<String>,
+    ) -> Result<(), ClusterError> {
+        if let Some((peer, what)) = all
+            .iter()
+            .enumerate()
+            .find_map(|(r, b)| Some((r, valid(b)?)))
+        {
+            let e = ClusterError::Malformed {
+                rank: self.rank.0,
+                round: round.to_string(),
+                peer: peer as u8,
+                what,
+            };
+            self.group.abort(&e.to_string());
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Restores `snapshot` after a failed step; a rollback that itself fails leaves this
+    /// replica in an unknown state, so it aborts the group, naming this rank and the step.
+    pub(super) fn roll_back(&mut self, snapshot: Snapshot, what: &str) -> Result<(), ClusterError> {
+        self.restore(snapshot, what).map_err(|e| {
+            if e.is_group_broken() {
+                return e;
+            }
+            let why = format!(
+                "rank {} could not roll {what} back ({e}): its replica may differ from its \
+                 peers', so the group cannot serve any more",
+                self.rank.0
+            );
+            self.group.abort(&why);
+            ClusterError::Group(GroupError::Aborted {
+                by: self.rank.0,
+                what: what.to_string(),
+                why,
+            })
+        })
     }
 
     /// A digest of what this rank decided in step `what`: its inputs (a prompt, a request's
@@ -159,10 +212,12 @@ impl RankCache {
             .iter()
             .flat_map(|p| p.0.to_le_bytes())
             .collect();
-        for v in self
-            .group
-            .all_gather(&format!("{what} rollback: freed device pages"), &mine)?
-        {
+        let round = format!("{what} rollback: freed device pages");
+        let all = self.group.all_gather(&round, &mine)?;
+        self.check_round(&round, &all, |b| {
+            (b.len() % 4 != 0).then(|| format!("{} bytes, not a list of u32 pages", b.len()))
+        })?;
+        for v in all {
             freed.device.extend(
                 v.chunks_exact(4)
                     .map(|c| PageId(u32::from_le_bytes(c.try_into().expect("4 bytes")))),
@@ -178,9 +233,12 @@ impl RankCache {
             .into_iter()
             .flat_map(|id| id.to_bits().to_le_bytes())
             .collect();
-        let host_nodes: BTreeSet<NodeId> = self
-            .group
-            .all_gather(&format!("{what} rollback: stale host copies"), &mine)?
+        let round = format!("{what} rollback: stale host copies");
+        let all = self.group.all_gather(&round, &mine)?;
+        self.check_round(&round, &all, |b| {
+            (b.len() % 8 != 0).then(|| format!("{} bytes, not a list of u64 nodes", b.len()))
+        })?;
+        let host_nodes: BTreeSet<NodeId> = all
             .iter()
             .flat_map(|v| {
                 v.chunks_exact(8)

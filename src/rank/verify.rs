@@ -95,9 +95,12 @@ impl RankCache {
         };
         // The read-back waited for this rank's reads of its peers' pools; once every rank's
         // has, no rank frees, poisons or reuses a page of this sequence too early.
-        let all = self
-            .group
-            .all_gather(&format!("request {n} verified"), &mine)?;
+        let round = format!("request {n} verified");
+        let all = self.group.all_gather(&round, &mine)?;
+        self.check_round(&round, &all, |b| {
+            (b.len() != 4 * words)
+                .then(|| format!("a {}-byte bitmap for {} tokens", b.len(), tokens.len()))
+        })?;
         let mut union = vec![0u8; 4 * words];
         let mut by_rank = Vec::with_capacity(all.len());
         for bitmap in &all {

@@ -92,6 +92,25 @@ pub struct TuningFile {
     pub entries: Vec<TuningEntry>,
 }
 
+/// What kind of file system entry `t` is, for an error that refuses it.
+fn file_kind(t: &std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt as _;
+    if t.is_dir() {
+        "directory"
+    } else if t.is_fifo() {
+        "FIFO"
+    } else if t.is_char_device() || t.is_block_device() {
+        "device"
+    } else if t.is_socket() {
+        "socket"
+    } else {
+        "special file"
+    }
+}
+
+/// The largest tuning file read: thousands of entries take a few hundred KiB.
+pub const MAX_TUNING_BYTES: u64 = 16 << 20;
+
 impl Default for TuningFile {
     fn default() -> Self {
         TuningFile {
@@ -102,12 +121,38 @@ impl Default for TuningFile {
 }
 
 impl TuningFile {
-    /// Reads and checks a tuning file.
+    /// Reads and checks a tuning file: a regular file of at most [`MAX_TUNING_BYTES`] (a
+    /// FIFO would block the reader, and `/dev/zero` never ends).
     pub fn load(path: &Path) -> Result<TuningFile, TuningError> {
-        let text = std::fs::read_to_string(path).map_err(|source| TuningError::Read {
+        use std::io::Read as _;
+        let refuse = |source: std::io::Error| TuningError::Read {
             path: path.to_path_buf(),
             source,
-        })?;
+        };
+        let invalid =
+            |what: String| refuse(std::io::Error::new(std::io::ErrorKind::InvalidInput, what));
+        let meta = std::fs::metadata(path).map_err(refuse)?;
+        if !meta.is_file() {
+            return Err(invalid(format!(
+                "not a regular file (a {})",
+                file_kind(&meta.file_type())
+            )));
+        }
+        if meta.len() > MAX_TUNING_BYTES {
+            return Err(invalid(format!(
+                "{} bytes, more than the {MAX_TUNING_BYTES} a tuning file may have",
+                meta.len()
+            )));
+        }
+        let mut text = String::new();
+        std::fs::File::open(path)
+            .and_then(|f| f.take(MAX_TUNING_BYTES + 1).read_to_string(&mut text))
+            .map_err(refuse)?;
+        if text.len() as u64 > MAX_TUNING_BYTES {
+            return Err(invalid(format!(
+                "grew past the {MAX_TUNING_BYTES} bytes a tuning file may have while read"
+            )));
+        }
         TuningFile::parse(&text, path)
     }
 
@@ -719,6 +764,35 @@ mod tests {
             workload: "test".into(),
             results: Vec::new(),
         }
+    }
+
+    /// A FIFO, a device or an oversized file is refused before anything is read from it (a
+    /// FIFO would block the reader; `/dev/zero` never ends).
+    #[test]
+    fn only_regular_files_of_bounded_size_are_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo.json");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a valid C string; mkfifo only creates the node.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        for (path, want) in [
+            (fifo.as_path(), "not a regular file (a FIFO)"),
+            (Path::new("/dev/zero"), "not a regular file (a device)"),
+            (dir.path(), "not a regular file (a directory)"),
+        ] {
+            let e = TuningFile::load(path).unwrap_err();
+            assert!(e.is_usage() && e.to_string().contains(want), "{e}");
+        }
+        let big = dir.path().join("big.json");
+        std::fs::File::create(&big)
+            .unwrap()
+            .set_len(MAX_TUNING_BYTES + 1)
+            .unwrap();
+        let e = TuningFile::load(&big).unwrap_err().to_string();
+        assert!(
+            e.contains("more than the 16777216 a tuning file may have"),
+            "{e}"
+        );
     }
 
     #[test]
