@@ -419,3 +419,80 @@ fn refuse_start_pairs_with_the_start_up_round() {
         "{out:?}"
     );
 }
+
+/// A member whose answers are corrupted for rounds whose name contains `round`: rank 1's
+/// contribution, as this rank receives it, goes through `corrupt`.
+struct Liar {
+    inner: LocalMember,
+    round: &'static str,
+    corrupt: fn(&mut Vec<u8>),
+}
+
+impl Collective for Liar {
+    fn rank(&self) -> cp_hicache::layout::Rank {
+        self.inner.rank()
+    }
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+    fn kind(&self) -> &'static str {
+        "liar"
+    }
+    fn exchange(&self, what: &str, mine: Result<&[u8], &str>) -> Result<Vec<Vec<u8>>, GroupError> {
+        let mut all = self.inner.exchange(what, mine)?;
+        if what.contains(self.round) {
+            (self.corrupt)(&mut all[1]);
+        }
+        Ok(all)
+    }
+    fn abort(&self, why: &str) {
+        self.inner.abort(why);
+    }
+}
+
+/// A group that lies is not believed (issue 30, item 7): a 5-byte digest, an oversized
+/// verification bitmap or an end flag that is neither 0 nor 1 aborts the group with an error
+/// naming the rank and the round, instead of becoming a zero digest or a wrong verdict.
+#[test]
+fn malformed_answers_from_the_group_abort_it() {
+    let cases: [(&str, fn(&mut Vec<u8>), &str); 3] = [
+        ("digests", |b| b.truncate(5), "rank 1 sent a 5-byte digest"),
+        ("verified", |b| b.extend([0u8; 4000]), "-byte bitmap for"),
+        ("end", |b| b[0] = 7, "not an ok flag and a decision digest"),
+    ];
+    for (round, corrupt, want) in cases {
+        let out = on_ranks(2, move |r, m| {
+            let liar = Liar {
+                inner: m,
+                round,
+                corrupt,
+            };
+            let exec: Arc<dyn Executor> = Arc::new(host_executor());
+            let mut rc = RankCache::new(
+                config(2, 65),
+                exec,
+                &jit(),
+                Box::new(liar),
+                PeerAccess::Mapped,
+            )
+            .unwrap();
+            let prompt = tokens(5, 3 * PS);
+            let e = match round {
+                "digests" => rc.all_digests("digests").err(),
+                "verified" => rc.serve(&prompt).err(),
+                _ => {
+                    let mut req = rc.begin_allocated(&prompt).unwrap();
+                    rc.finish(&mut req).err()
+                }
+            };
+            let e = e.unwrap_or_else(|| panic!("rank {r}: {round}: believed"));
+            assert!(e.is_group_broken(), "{e}");
+            // Nothing more is served on the group.
+            assert!(rc.serve(&prompt).unwrap_err().is_group_broken());
+            e.to_string()
+        });
+        for e in out {
+            assert!(e.contains(round) && e.contains(want), "{round}: {e}");
+        }
+    }
+}
