@@ -455,7 +455,8 @@ impl Collective for Liar {
 /// naming the rank and the round, instead of becoming a zero digest or a wrong verdict.
 #[test]
 fn malformed_answers_from_the_group_abort_it() {
-    let cases: [(&str, fn(&mut Vec<u8>), &str); 3] = [
+    type Case = (&'static str, fn(&mut Vec<u8>), &'static str);
+    let cases: [Case; 3] = [
         ("digests", |b| b.truncate(5), "rank 1 sent a 5-byte digest"),
         ("verified", |b| b.extend([0u8; 4000]), "-byte bitmap for"),
         ("end", |b| b[0] = 7, "not an ok flag and a decision digest"),

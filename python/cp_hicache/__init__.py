@@ -60,11 +60,20 @@ Tokens = Union[Sequence[int], np.ndarray]
 
 
 def _u32_bytes(values: Tokens, what: str) -> bytes:
-    """Token or page ids as little-endian u32 bytes; anything else is a UsageError."""
+    """Token or page ids as little-endian u32 bytes: a sequence of ints or a one-dimensional
+    array of a signed or unsigned integer dtype, every value within u32. Anything else is a
+    UsageError naming the argument and what it got (bytes and strings are not token lists,
+    a masked array's mask would be ignored, booleans, floats and timedeltas are not ids)."""
+    if isinstance(values, (bytes, bytearray, memoryview, str)):
+        raise UsageError(
+            f"{what} must be a sequence or array of integers, not {type(values).__name__}"
+        )
+    if isinstance(values, np.ma.MaskedArray):
+        raise UsageError(f"{what} must not be a masked array: its mask would be ignored")
     arr = np.asarray(values)
     if arr.ndim != 1:
         raise UsageError(f"{what} must be one-dimensional, not of shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+    if arr.size and arr.dtype.kind not in "iu":
         raise UsageError(f"{what} must be integers, not {arr.dtype}")
     if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
         raise UsageError(f"{what} must fit in u32 (0..=4294967295)")
@@ -336,6 +345,7 @@ class RankCache:
         its slot in the owner's pool, ``local_page * page_size + offset`` (u32 arrays), the
         token index into ``pool.view(layers, local_pages * page_size, token_bytes)``, as an
         engine's ``out_cache_loc``."""
+        self._native._check_owns(request._native)
         ps = self.deployment.page_size
         pages = request.pages
         owners, local = self.locate(pages)

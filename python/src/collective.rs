@@ -16,9 +16,10 @@
 
 use cp_hicache::group::{Collective, GroupError};
 use cp_hicache::layout::Rank;
+use pyo3::exceptions::{PyKeyboardInterrupt, PySystemExit};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// The state of a collective that failed for good.
 #[derive(Clone)]
@@ -28,9 +29,19 @@ struct Broken {
     why: String,
 }
 
+/// The group object, shared with the `RankCache` that owns this collective so that the
+/// garbage collector can see it (`__traverse__`) and break a cycle through it (`__clear__`):
+/// an engine object that is its own group holds its cache, which holds it.
+pub(crate) type GroupSlot = Arc<Mutex<Option<Py<PyAny>>>>;
+
+/// A `KeyboardInterrupt` or `SystemExit` raised inside `exchange`, kept to be raised again
+/// as itself once the cache's call returns (the round fails with a transport error).
+pub(crate) type InterruptSlot = Arc<Mutex<Option<PyErr>>>;
+
 /// A `Collective` whose rounds are a Python object's `exchange`.
 pub(crate) struct PyCollective {
-    obj: Py<PyAny>,
+    obj: GroupSlot,
+    interrupt: InterruptSlot,
     rank: u8,
     size: usize,
     last: Mutex<String>,
@@ -49,12 +60,23 @@ impl PyCollective {
             )));
         }
         Ok(PyCollective {
-            obj: obj.clone().unbind(),
+            obj: Arc::new(Mutex::new(Some(obj.clone().unbind()))),
+            interrupt: Arc::new(Mutex::new(None)),
             rank: rank as u8,
             size,
             last: Mutex::new("start-up".into()),
             broken: Mutex::new(None),
         })
+    }
+
+    /// The group object's slot, for the owner's garbage-collector hooks.
+    pub(crate) fn group_slot(&self) -> GroupSlot {
+        self.obj.clone()
+    }
+
+    /// Where an interrupt raised inside `exchange` is kept.
+    pub(crate) fn interrupt_slot(&self) -> InterruptSlot {
+        self.interrupt.clone()
     }
 
     fn fail_for_good(&self, what: &str, why: String) {
@@ -78,10 +100,24 @@ impl PyCollective {
                 Ok(b) => (Some(PyBytes::new(py, b)), None),
                 Err(w) => (None, Some(w)),
             };
-            let out = self
+            let obj = self
                 .obj
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .as_ref()
+                .map(|o| o.clone_ref(py))
+                .ok_or("the group object was cleared by the garbage collector")?;
+            let out = obj
                 .call_method1(py, "exchange", (what, payload, why))
-                .map_err(|e| e.to_string())?;
+                .map_err(|e| {
+                    let message = e.to_string();
+                    if e.is_instance_of::<PyKeyboardInterrupt>(py)
+                        || e.is_instance_of::<PySystemExit>(py)
+                    {
+                        *self.interrupt.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                    }
+                    message
+                })?;
             let list = out
                 .bind(py)
                 .cast::<PyList>()

@@ -77,7 +77,15 @@ pub(crate) fn usage(message: impl std::fmt::Display) -> PyErr {
 /// The exception for a cluster error: usage, a broken group, or a failure.
 pub(crate) fn cluster(e: ClusterError) -> PyErr {
     if e.is_pool_too_small() {
-        CacheFullError::new_err(e.to_string())
+        // In Python's words: the pool sizes are `RankCache` arguments, not CLI flags.
+        let message = e
+            .to_string()
+            .replace("--device-pages", "device_pages")
+            .replace("--host-pages", "host_pages");
+        CacheFullError::new_err(message)
+    } else if let ClusterError::Config(message) = &e {
+        // A misuse (a step out of order, a finished request): the message says it all.
+        UsageError::new_err(message.clone())
     } else if matches!(e, ClusterError::Diverged { .. }) {
         DivergedError::new_err(e.to_string())
     } else if matches!(e, ClusterError::Abandoned { .. }) {

@@ -5,7 +5,7 @@
 //! back for each round. Token ids and page ids cross the boundary as little-endian `u32`
 //! bytes (the Python wrapper turns NumPy arrays into them and back).
 
-use crate::collective::PyCollective;
+use crate::collective::{GroupSlot, InterruptSlot, PyCollective};
 use crate::dlpack::Pool;
 use crate::errors::{cluster, to_py, usage, CacheError};
 use crate::Deployment;
@@ -43,6 +43,44 @@ pub struct RankCache {
     /// After `close`: every call is refused, but the pools stay mapped until the last
     /// tensor taken from them is gone (each holds this object).
     closed: AtomicBool,
+    /// The Python group object, visible to the garbage collector (`__traverse__`,
+    /// `__clear__`); `None` for a single rank's own group.
+    group: Option<GroupSlot>,
+    /// An interrupt raised inside the group's `exchange`, raised again as itself.
+    interrupt: Option<InterruptSlot>,
+}
+
+thread_local! {
+    /// The caches whose call is running on this thread: a call into one of them from inside
+    /// its own group's `exchange` would wait for the lock its caller holds.
+    static IN_CALL: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Takes a cache off [`IN_CALL`] when its call ends, however it ends.
+struct InCall(u64);
+
+impl Drop for InCall {
+    fn drop(&mut self) {
+        IN_CALL.with(|c| c.borrow_mut().retain(|&id| id != self.0));
+    }
+}
+
+/// A page count argument: a whole number in `1..=u32::MAX`, or a `UsageError` naming it.
+fn pages_arg(value: &Bound<'_, PyAny>, name: &str) -> PyResult<u32> {
+    let bad = || {
+        let shown = value
+            .repr()
+            .map_or_else(|_| "?".to_string(), |r| r.to_string());
+        usage(format!(
+            "{name}={shown}: a page count is a whole number from 1 to {}",
+            u32::MAX
+        ))
+    };
+    if value.is_instance_of::<pyo3::types::PyBool>() {
+        return Err(bad());
+    }
+    let n: i64 = value.extract().map_err(|_| bad())?;
+    u32::try_from(n).ok().filter(|&n| n > 0).ok_or_else(bad)
 }
 
 /// `u32` ids from little-endian bytes.
@@ -107,6 +145,8 @@ pub struct Request {
     inner: Mutex<CoreRequest>,
     /// The cache that began it: no other may take its steps.
     cache: u64,
+    /// The deployment's layers, the range of `wait_layer`.
+    layers: u32,
 }
 
 impl Request {
@@ -143,6 +183,12 @@ impl Request {
     /// device-side wait; immediate on the CPU). Without a load-back there is nothing to wait
     /// for.
     fn wait_layer(&self, py: Python<'_>, layer: u32) -> PyResult<()> {
+        if layer >= self.layers {
+            return Err(usage(format!(
+                "layer {layer} is outside the deployment's {} layers",
+                self.layers
+            )));
+        }
         py.detach(|| match self.lock().load() {
             Some(l) => l.wait_layer(layer).map_err(to_py),
             None => Ok(()),
@@ -189,6 +235,33 @@ impl RankCache {
                 self.rank
             )));
         }
+        if IN_CALL.with(|c| c.borrow().contains(&self.id)) {
+            return Err(usage(format!(
+                "rank {}: a call into this RankCache from inside its own group's exchange (a \
+                 round of a call still running) would wait for itself for ever: refused",
+                self.rank
+            )));
+        }
+        IN_CALL.with(|c| c.borrow_mut().push(self.id));
+        let _in_call = InCall(self.id);
+        let out = self.with_locked(py, f);
+        // An interrupt inside a round failed the call with a transport error; raise the
+        // interrupt itself, as Python would have.
+        if let Some(e) = self
+            .interrupt
+            .as_ref()
+            .and_then(|s| s.lock().unwrap_or_else(|p| p.into_inner()).take())
+        {
+            return Err(e);
+        }
+        out
+    }
+
+    fn with_locked<R: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut CoreRank) -> R + Send,
+    ) -> PyResult<R> {
         py.detach(|| {
             // A call that panicked (a PanicException) may have left the rank half-changed:
             // refuse to go on from an unknown state.
@@ -219,16 +292,22 @@ impl RankCache {
         deployment: &Deployment,
         rank: u8,
         collective: Option<&Bound<'_, PyAny>>,
-        device_pages: u32,
-        host_pages: u32,
+        device_pages: &Bound<'_, PyAny>,
+        host_pages: &Bound<'_, PyAny>,
         policy: &str,
         backend: &str,
         tuning: Option<PathBuf>,
         fault: Option<&str>,
     ) -> PyResult<Self> {
         let cp = deployment.inner.cp;
+        let (mut group_slot, mut interrupt) = (None, None);
         let group: Box<dyn Collective> = match collective {
-            Some(obj) => Box::new(PyCollective::new(obj)?),
+            Some(obj) => {
+                let c = PyCollective::new(obj)?;
+                group_slot = Some(c.group_slot());
+                interrupt = Some(c.interrupt_slot());
+                Box::new(c)
+            }
             None if cp == 1 => {
                 let mut m = LocalGroup::members(1, DEFAULT_TIMEOUT);
                 Box::new(m.remove(0))
@@ -247,7 +326,16 @@ impl RankCache {
             let _ = CoreRank::refuse_start(group, &why);
             e
         };
-        let checked = (|| -> PyResult<(WritePolicy, Option<Fault>, cp_hicache::exec::Backend)> {
+        type Checked = (
+            u32,
+            u32,
+            WritePolicy,
+            Option<Fault>,
+            cp_hicache::exec::Backend,
+        );
+        let checked = (|| -> PyResult<Checked> {
+            let device_pages = pages_arg(device_pages, "device_pages")?;
+            let host_pages = pages_arg(host_pages, "host_pages")?;
             let policy: WritePolicy = policy.parse().map_err(usage)?;
             let fault: Option<Fault> = fault.map(str::parse).transpose().map_err(usage)?;
             let backend = crate::backend(backend)?;
@@ -257,9 +345,9 @@ impl RankCache {
                     group.rank().0
                 )));
             }
-            Ok((policy, fault, backend))
+            Ok((device_pages, host_pages, policy, fault, backend))
         })();
-        let (policy, fault, backend) = match checked {
+        let (device_pages, host_pages, policy, fault, backend) = match checked {
             Ok(x) => x,
             Err(e) => return Err(py.detach(move || refuse(&*group, e))),
         };
@@ -290,6 +378,14 @@ impl RankCache {
                     fault,
                     sanitize: Sanitize::from_env().map_err(to_py)?,
                 };
+                // Before anything is allocated: a pool too large for this machine would
+                // take minutes of paging, then the process.
+                cp_hicache::cli::check_rank_memory(
+                    &config,
+                    exec.backend(),
+                    "device_pages, host_pages or the deployment's layers",
+                )
+                .map_err(to_py)?;
                 Ok((config, exec, jit, access))
             })();
             let (config, exec, jit, access) = match prepared {
@@ -321,7 +417,37 @@ impl RankCache {
             pools,
             geometry,
             closed: AtomicBool::new(false),
+            group: group_slot,
+            interrupt,
         })
+    }
+
+    /// The garbage collector's view of the group object this cache holds.
+    fn __traverse__(&self, visit: pyo3::gc::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
+        if let Some(slot) = &self.group {
+            // Never wait here: a round holding the slot is running Python code.
+            if let Ok(obj) = slot.try_lock() {
+                if let Some(obj) = obj.as_ref() {
+                    visit.call(obj)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Breaks a cycle through the group object (an engine that is its own group): the cache
+    /// can make no more rounds after this.
+    fn __clear__(&self) {
+        if let Some(slot) = &self.group {
+            if let Ok(mut obj) = slot.try_lock() {
+                obj.take();
+            }
+        }
+    }
+
+    /// Refuses a request another cache began (for steps written in Python).
+    fn _check_owns(&self, req: &Request) -> PyResult<()> {
+        self.owns(req)
     }
 
     /// This rank.
@@ -531,6 +657,7 @@ impl RankCache {
         Ok(Request {
             inner: Mutex::new(req),
             cache: self.id,
+            layers: self.deployment.layers,
         })
     }
 

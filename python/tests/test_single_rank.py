@@ -130,7 +130,7 @@ def test_bad_arguments_raise_usage_errors_with_the_reason(build, message):
 
 def test_too_small_a_pool_is_memory_pressure_and_the_cache_stays_usable():
     rc = make(device_pages=4)
-    with pytest.raises(cp_hicache.CacheFullError, match="device-pages"):
+    with pytest.raises(cp_hicache.CacheFullError, match="device_pages"):
         rc.serve(range(16 * 8))
     assert rc.serve(range(16))["mismatched_tokens"] == 0
 

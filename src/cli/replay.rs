@@ -433,6 +433,42 @@ fn check_memory(config: &ClusterConfig, backend: Backend) -> Result<(), crate::E
     )))
 }
 
+/// Refuses, before anything is allocated, one rank of `config` (an engine process's
+/// `RankCache`) whose pools, allocator and materialisation buffers do not fit in the memory
+/// available: the same check as the replay's, for one rank, in the words of an API (`what`
+/// names the arguments to lower). A rank holds its share of the pools and allocators, and a
+/// materialisation buffer as large as the whole sequence (every owner's pages).
+pub fn check_rank_memory(
+    config: &ClusterConfig,
+    backend: Backend,
+    what: &str,
+) -> Result<(), crate::Error> {
+    let all = MemoryNeed::new(config, backend)?;
+    let cp = u64::from(config.deployment.cp);
+    let share = |b: u64| b.div_ceil(cp);
+    let host = share(all.host_pools).saturating_add(share(all.mirrors));
+    let need = if all.on_gpu {
+        host
+    } else {
+        host.saturating_add(share(all.device_pools))
+            .saturating_add(all.device_pools)
+            .saturating_add(share(all.allocators))
+    };
+    let Some(available) = available_memory() else {
+        return Ok(());
+    };
+    if need <= available {
+        return Ok(());
+    }
+    let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
+    Err(crate::Error::Usage(format!(
+        "this rank needs about {:.1} GiB of host memory but {:.1} GiB is available: lower \
+         {what}",
+        gib(need),
+        gib(available)
+    )))
+}
+
 /// `MemAvailable` of `/proc/meminfo` in bytes; `None` where it cannot be read.
 fn available_memory() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;

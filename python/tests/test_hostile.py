@@ -1,0 +1,362 @@
+"""The Python face under hostile and careless input: every boundary defends itself with a
+clear error, nothing hangs and nothing crashes. Cases that could hang or crash the
+interpreter run in a subprocess with a timeout, so a regression fails instead of stalling."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import weakref
+
+import numpy as np
+import pytest
+
+import cp_hicache
+
+DEP = cp_hicache.Deployment(model="mla", page_size=16, cp=1, layers=2)
+
+
+def make(**kw) -> cp_hicache.RankCache:
+    args = dict(device_pages=64, host_pages=64, backend="host")
+    args.update(kw)
+    return cp_hicache.RankCache(DEP, **args)
+
+
+def run_isolated(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Runs `code` in a fresh interpreter; the last line of its stdout is its JSON verdict."""
+    prelude = "import json, sys, numpy as np, cp_hicache\n"
+    return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def verdict(out: subprocess.CompletedProcess) -> dict:
+    assert out.returncode == 0, (out.returncode, out.stderr[-3000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# --- Peer pools -----------------------------------------------------------------------------
+
+
+def test_a_peer_view_never_reaches_outside_its_mapping():
+    # A group that hands this rank its own handle for its peer: the view of "rank 1" is this
+    # rank's own pool, of the same size, and reading its last byte is in bounds.
+    out = run_isolated("""
+        import torch
+        class Echo:
+            rank, size = 0, 2
+            def exchange(self, what, payload, why):
+                return [(what, payload, why)] * 2
+        dep = cp_hicache.Deployment(model="mla", page_size=16, cp=2, layers=2)
+        rc = cp_hicache.RankCache(dep, 0, Echo(), device_pages=65, host_pages=16,
+                                  backend="host")
+        t = torch.from_dlpack(rc.pool("mla_kv", owner=1))
+        last = int(t[-1, -1, -1])
+        print(json.dumps({"shape": list(t.shape), "last": last}))
+    """)
+    v = verdict(out)
+    assert v["shape"] == [2, 33, 16 * 1152] and v["last"] == 0xA5
+
+
+# --- Re-entrancy, interrupts ----------------------------------------------------------------
+
+
+def test_a_call_back_into_the_cache_from_exchange_is_refused_not_deadlocked():
+    out = run_isolated("""
+        class CallsBack:
+            rank, size = 0, 1
+            rc = None
+            def exchange(self, what, payload, why):
+                if self.rc is not None:
+                    self.rc.digest()
+                return [(what, payload, why)]
+        dep = cp_hicache.Deployment(model="mla", page_size=16, cp=1, layers=1)
+        g = CallsBack()
+        rc = cp_hicache.RankCache(dep, 0, g, device_pages=32, host_pages=16, backend="host")
+        g.rc = rc
+        try:
+            rc.serve(range(64))
+            print(json.dumps({"error": None}))
+        except cp_hicache.CacheError as e:
+            print(json.dumps({"error": [type(e).__name__, str(e)]}))
+    """, timeout=60)
+    kind, message = verdict(out)["error"]
+    assert kind == "GroupError", message
+    assert "from inside its own group's exchange" in message, message
+
+
+def test_an_interrupt_inside_exchange_propagates_as_itself():
+    class Interrupts:
+        rank, size = 0, 1
+        armed = False
+
+        def exchange(self, what, payload, why):
+            if self.armed:
+                raise KeyboardInterrupt
+            return [(what, payload, why)]
+
+    g = Interrupts()
+    rc = cp_hicache.RankCache(DEP, 0, g, device_pages=32, host_pages=16, backend="host")
+    g.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        rc.serve(range(64))
+    # The group is broken for good: nothing more is served on it.
+    g.armed = False
+    with pytest.raises(cp_hicache.GroupError):
+        rc.serve(range(64))
+
+
+# --- Files and sizes ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "/dev/urandom"])
+def test_a_tuning_file_that_is_not_a_regular_file_is_refused_at_once(tmp_path, kind):
+    path = kind
+    if kind == "fifo":
+        path = str(tmp_path / "tuning.json")
+        os.mkfifo(path)
+    out = run_isolated(f"""
+        dep = cp_hicache.Deployment(model="mla", page_size=16, cp=1, layers=1)
+        try:
+            cp_hicache.RankCache(dep, device_pages=32, host_pages=16, backend="host",
+                                 tuning={path!r})
+            print(json.dumps({{"error": None}}))
+        except cp_hicache.UsageError as e:
+            print(json.dumps({{"error": str(e)}}))
+    """, timeout=60)
+    assert "not a regular file" in verdict(out)["error"]
+
+
+def test_a_huge_tuning_file_is_refused_without_reading_it(tmp_path):
+    big = tmp_path / "tuning.json"
+    with open(big, "wb") as f:
+        f.truncate(64 << 20)
+    start = time.monotonic()
+    with pytest.raises(cp_hicache.UsageError, match="more than the 16777216"):
+        make(tuning=str(big))
+    assert time.monotonic() - start < 10
+
+
+def test_pools_larger_than_memory_are_refused_up_front():
+    start = time.monotonic()
+    with pytest.raises(cp_hicache.UsageError, match="lower device_pages"):
+        make(device_pages=2**30)
+    assert time.monotonic() - start < 10  # nothing was allocated first
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(device_pages=2**40), "device_pages=1099511627776"),
+        (dict(device_pages=0), "device_pages=0"),
+        (dict(device_pages=-5), "device_pages=-5"),
+        (dict(device_pages=True), "device_pages=True"),
+        (dict(host_pages=2.5), "host_pages=2.5"),
+        (dict(host_pages="8"), "host_pages='8'"),
+    ],
+)
+def test_page_counts_are_whole_numbers_named_in_the_error(kw, message):
+    with pytest.raises(cp_hicache.UsageError, match=message.replace("(", r"\(")):
+        make(**kw)
+
+
+# --- Token input ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "tokens, message",
+    [
+        (bytearray(b"abcd"), "not bytearray"),
+        (b"abcd", "not bytes"),
+        (memoryview(b"abcd"), "not memoryview"),
+        ("abcd", "not str"),
+        (np.array([1, 2], "timedelta64[s]"), "must be integers"),
+        (np.ma.masked_array([1, 2, 3], mask=[0, 1, 0]), "masked array"),
+        ([True, False], "must be integers, not bool"),
+        (np.array([1.0, 2.0]), "must be integers, not float64"),
+        ([[1, 2]], "one-dimensional"),
+        ([-1], "fit in u32"),
+        ([2**32], "fit in u32"),
+    ],
+)
+def test_only_integer_tokens_are_served(tokens, message):
+    with pytest.raises(cp_hicache.UsageError, match=message):
+        make().serve(tokens)
+
+
+def test_integer_tokens_of_every_width_are_served():
+    rc = make()
+    for dtype in ("uint8", "int16", "uint32", "int64"):
+        assert rc.serve(np.arange(40, dtype=dtype))["mismatched_tokens"] == 0
+    assert rc.serve(range(40))["prompt_tokens"] == 40
+    assert rc.serve([])["prompt_tokens"] == 0
+
+
+# --- Cycles ---------------------------------------------------------------------------------
+
+
+class Engine:
+    """An engine object that is its own group and holds its cache: a reference cycle."""
+
+    rank, size = 0, 1
+
+    def __init__(self):
+        self.cache = cp_hicache.RankCache(DEP, 0, self, device_pages=32, host_pages=16,
+                                          backend="host")
+
+    def exchange(self, what, payload, why):
+        return [(what, payload, why)]
+
+
+def test_an_engine_that_is_its_own_group_is_collected():
+    refs = []
+    for _ in range(5):
+        e = Engine()
+        e.cache.serve(range(32))
+        refs.append(weakref.ref(e.cache._native))
+        del e
+    gc.collect()
+    assert all(r() is None for r in refs), "the native caches were never collected"
+
+
+# --- Lying groups ---------------------------------------------------------------------------
+
+
+def test_a_short_digest_from_the_group_aborts_it():
+    class ShortDigests:
+        rank, size = 0, 1
+
+        def exchange(self, what, payload, why):
+            if "digests" in what and payload is not None:
+                payload = payload[:5]
+            return [(what, payload, why)]
+
+    rc = cp_hicache.RankCache(DEP, 0, ShortDigests(), device_pages=32, host_pages=16,
+                              backend="host")
+    with pytest.raises(cp_hicache.GroupError, match="5-byte digest"):
+        rc.all_digests()
+    with pytest.raises(cp_hicache.GroupError):
+        rc.serve(range(32))
+
+
+def test_a_failure_in_the_rollback_round_aborts_the_group():
+    class BreaksRollbacks:
+        rank, size = 0, 1
+
+        def exchange(self, what, payload, why):
+            if "rollback" in what:
+                raise RuntimeError("the network went away")
+            return [(what, payload, why)]
+
+    rc = cp_hicache.RankCache(DEP, 0, BreaksRollbacks(), device_pages=32, host_pages=16,
+                              backend="host")
+    rc.serve(range(32))
+    rc.inject_launch_failure(1)
+    with pytest.raises(cp_hicache.GroupError, match="rollback"):
+        rc.serve(range(100, 164))
+    with pytest.raises(cp_hicache.GroupError):
+        rc.serve(range(32))
+
+
+# --- Lifecycle and messages -----------------------------------------------------------------
+
+
+def test_token_locations_refuse_another_caches_request():
+    a, b = make(), make()
+    req = a.begin(range(40), allocate=True)
+    with pytest.raises(cp_hicache.UsageError, match="another RankCache"):
+        b.token_locations(req)
+    a.abandon(req)
+
+
+def test_wait_layer_checks_its_range_with_or_without_a_load():
+    rc = make()
+    req = rc.begin(range(40), allocate=True)
+    assert req.loading_layers == 0
+    with pytest.raises(cp_hicache.UsageError, match="layer 5 is outside the deployment's 2"):
+        req.wait_layer(5)
+    req.wait_layer(1)
+    rc.abandon(req)
+
+
+def test_messages_speak_python():
+    rc = make(device_pages=4)
+    with pytest.raises(cp_hicache.CacheFullError) as full:
+        rc.serve(range(16 * 8))
+    assert "raise device_pages" in str(full.value) and "--" not in str(full.value)
+    req = rc.begin(range(16))
+    with pytest.raises(cp_hicache.UsageError) as misuse:
+        rc.finish(req)
+    assert "allocate first" in str(misuse.value)
+    assert "invalid cluster setting" not in str(misuse.value)
+    rc.abandon(req)
+
+
+def test_closing_twice_and_using_after_close():
+    with make() as rc:
+        rc.serve(range(32))
+        pool = rc.pool("mla_kv")
+    assert rc.closed
+    rc.close()  # idempotent
+    with pytest.raises(cp_hicache.CacheError, match="closed"):
+        rc.serve(range(32))
+    with pytest.raises(cp_hicache.CacheError, match="closed"):
+        rc.pool("mla_kv")
+    # A pool taken before close still reads its memory.
+    assert np.from_dlpack(pool).shape[0] == 2
+
+
+# --- The invariants check and the seed's bug ------------------------------------------------
+
+
+def test_check_invariants_catches_misowned_pages(tmp_path):
+    """Under ``fault="plain-alloc-on-load"`` (the seed's bug) the first load-back puts pages
+    under owners other than those recorded at backup: ``check_invariants`` says so on every
+    rank, as a debug check in the spirit of SGLang's ``SGLANG_DEBUG_MEMORY_POOL`` must."""
+    script = tmp_path / "seed_bug.py"
+    script.write_text("import json, cp_hicache\n" + textwrap.dedent(f"""
+        import os, socket
+        from datetime import timedelta
+        import torch.distributed as dist
+        import torch.multiprocessing as mp
+
+        def rank_main(rank, port, out):
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            dist.init_process_group("gloo", rank=rank, world_size=2,
+                                    timeout=timedelta(seconds=60))
+            dep = cp_hicache.Deployment(model="mla", page_size=16, cp=2, layers=1)
+            with cp_hicache.RankCache(dep, rank, dist.group.WORLD, device_pages=65,
+                                      host_pages=64, backend="host",
+                                      fault="plain-alloc-on-load") as rc:
+                prompt = list(range(16 * 8))
+                rc.serve(prompt)
+                rc.check_invariants()
+                rc.evict(1 << 30)
+                rc.serve(prompt)
+                try:
+                    rc.check_invariants()
+                    error = None
+                except cp_hicache.CacheError as e:
+                    error = str(e)
+            with open(os.path.join(out, f"rank{{rank}}.json"), "w") as f:
+                json.dump(error, f)
+
+        if __name__ == "__main__":
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            mp.start_processes(rank_main, args=(port, {str(tmp_path)!r}), nprocs=2,
+                               start_method="spawn")
+            print(json.dumps([json.load(open(os.path.join({str(tmp_path)!r},
+                                                          f"rank{{r}}.json")))
+                              for r in range(2)]))
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=300)
+    errors = verdict(out)
+    for e in errors:
+        assert e is not None and "is owned by rank" in e, errors
