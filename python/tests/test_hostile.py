@@ -360,3 +360,44 @@ def test_check_invariants_catches_misowned_pages(tmp_path):
     errors = verdict(out)
     for e in errors:
         assert e is not None and "is owned by rank" in e, errors
+
+
+def test_ranks_that_exit_without_closing_leave_nothing_in_dev_shm(tmp_path):
+    """Two ranks over gloo build their caches, serve, and leave with ``os._exit`` (no close,
+    no destructors): their pools' shared-memory names were removed once every peer had
+    mapped them, so nothing of theirs is left in /dev/shm."""
+    script = tmp_path / "exit.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, os, socket
+        from datetime import timedelta
+        import torch.distributed as dist
+        import torch.multiprocessing as mp
+        import cp_hicache
+
+        def rank_main(rank, port, out):
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            dist.init_process_group("gloo", rank=rank, world_size=2,
+                                    timeout=timedelta(seconds=60))
+            dep = cp_hicache.Deployment(model="mla", page_size=16, cp=2, layers=1)
+            rc = cp_hicache.RankCache(dep, rank, dist.group.WORLD, device_pages=65,
+                                      host_pages=16, backend="host")
+            rc.serve(list(range(64)))
+            with open(os.path.join(out, f"pid{{rank}}"), "w") as f:
+                f.write(str(os.getpid()))
+            dist.barrier()
+            os._exit(0)
+
+        if __name__ == "__main__":
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            mp.start_processes(rank_main, args=(port, {str(tmp_path)!r}), nprocs=2,
+                               start_method="spawn")
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    pids = [(tmp_path / f"pid{r}").read_text() for r in range(2)]
+    left = [n for n in os.listdir("/dev/shm")
+            if any(n.startswith(f"cp-hicache-{pid}-") for pid in pids)]
+    assert left == [], left
