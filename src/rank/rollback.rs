@@ -106,11 +106,16 @@ impl RankCache {
         Ok(())
     }
 
-    /// Restores `snapshot` after a failed step; a rollback that itself fails leaves this
-    /// replica in an unknown state, so it aborts the group, naming this rank and the step.
+    /// Restores `snapshot` after a failed step. A rollback that stops half-way (its tree,
+    /// allocator mirror or host pool could not be put back) leaves this replica in an unknown
+    /// state, so it aborts the group, naming this rank and the step. One that put the state
+    /// back but whose executor work failed (re-uploading the lanes, which leaves the
+    /// allocator refusing until a later rollback heals it; poisoning) returns its error, and
+    /// the group goes on.
     pub(super) fn roll_back(&mut self, snapshot: Snapshot, what: &str) -> Result<(), ClusterError> {
         self.restore(snapshot, what).map_err(|e| {
-            if e.is_group_broken() {
+            let state_restored = matches!(e, ClusterError::KernelAlloc(_) | ClusterError::Exec(_));
+            if e.is_group_broken() || state_restored {
                 return e;
             }
             let why = format!(
