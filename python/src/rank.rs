@@ -229,19 +229,7 @@ impl RankCache {
         py: Python<'_>,
         f: impl FnOnce(&mut CoreRank) -> R + Send,
     ) -> PyResult<R> {
-        if self.closed.load(Ordering::Acquire) {
-            return Err(CacheError::new_err(format!(
-                "rank {}: this RankCache was closed",
-                self.rank
-            )));
-        }
-        if IN_CALL.with(|c| c.borrow().contains(&self.id)) {
-            return Err(usage(format!(
-                "rank {}: a call into this RankCache from inside its own group's exchange (a \
-                 round of a call still running) would wait for itself for ever: refused",
-                self.rank
-            )));
-        }
+        self.check_callable()?;
         IN_CALL.with(|c| c.borrow_mut().push(self.id));
         let _in_call = InCall(self.id);
         let out = self.with_locked(py, f);
@@ -255,6 +243,45 @@ impl RankCache {
             return Err(e);
         }
         out
+    }
+
+    /// Refuses a call on a closed cache, or one made from inside this cache's own group's
+    /// `exchange` (a round of a call still running on this thread, which holds the rank).
+    fn check_callable(&self) -> PyResult<()> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(CacheError::new_err(format!(
+                "rank {}: this RankCache was closed",
+                self.rank
+            )));
+        }
+        if IN_CALL.with(|c| c.borrow().contains(&self.id)) {
+            return Err(usage(format!(
+                "rank {}: a call into this RankCache from inside its own group's exchange (a \
+                 round of a call still running) would wait for itself for ever: refused",
+                self.rank
+            )));
+        }
+        Ok(())
+    }
+
+    /// Runs `f` on the rank between its steps, without waiting: a read of its state while a
+    /// step runs on another thread (perhaps waiting on its peers for as long as the slowest
+    /// one) is refused at once, since the state mid-step is neither the old one nor the new.
+    fn between_steps<R>(&self, f: impl FnOnce(&CoreRank) -> R) -> PyResult<R> {
+        self.check_callable()?;
+        match self.inner.try_lock() {
+            Ok(rank) => Ok(f(&rank)),
+            Err(std::sync::TryLockError::WouldBlock) => Err(CacheError::new_err(format!(
+                "rank {}: a step is running on this cache (it may be waiting on its peers): its \
+                 state is read between steps, once that step returns",
+                self.rank
+            ))),
+            Err(std::sync::TryLockError::Poisoned(_)) => Err(CacheError::new_err(format!(
+                "rank {}: an earlier call panicked, so this rank's state is unknown; rebuild \
+                 the group's caches",
+                self.rank
+            ))),
+        }
     }
 
     fn with_locked<R: Send>(
@@ -464,14 +491,14 @@ impl RankCache {
 
     /// The group's transport (`local` for a single rank, `torch.distributed`).
     #[getter]
-    fn group_kind(&self, py: Python<'_>) -> PyResult<&'static str> {
-        self.with(py, |r| r.group_kind())
+    fn group_kind(&self) -> PyResult<&'static str> {
+        self.between_steps(|r| r.group_kind())
     }
 
     /// How this rank reaches its peers' pools (`direct`, `shared-memory`, `ipc`).
     #[getter]
-    fn peer_pools(&self, py: Python<'_>) -> PyResult<&'static str> {
-        self.with(py, |r| r.peer_pools())
+    fn peer_pools(&self) -> PyResult<&'static str> {
+        self.between_steps(|r| r.peer_pools())
     }
 
     /// Serves one prompt (token ids as little-endian u32 bytes): match, load back, compute,
@@ -515,14 +542,14 @@ impl RankCache {
     }
 
     /// A digest (hex) of this rank's allocator and tree; equal on every rank.
-    fn digest(&self, py: Python<'_>) -> PyResult<String> {
-        self.with(py, |r| r.digest().to_string())
+    fn digest(&self) -> PyResult<String> {
+        self.between_steps(|r| r.digest().to_string())
     }
 
     /// A digest (hex) of this rank's own host state (its host pool, and the host pages of
     /// each node's copy), which `digest` leaves out because it differs between ranks.
-    fn host_digest(&self, py: Python<'_>) -> PyResult<String> {
-        self.with(py, |r| r.host_digest().to_string())
+    fn host_digest(&self) -> PyResult<String> {
+        self.between_steps(|r| r.host_digest().to_string())
     }
 
     /// Every rank's digest, in rank order (a collective: every rank calls it).
@@ -540,13 +567,13 @@ impl RankCache {
     }
 
     /// Free device pages per owner lane.
-    fn lane_free_counts(&self, py: Python<'_>) -> PyResult<Vec<u32>> {
-        self.with(py, |r| r.lane_free_counts())
+    fn lane_free_counts(&self) -> PyResult<Vec<u32>> {
+        self.between_steps(|r| r.lane_free_counts())
     }
 
     /// What the last request's verification found: `{"mismatched_tokens", "by_rank"}`.
     fn last_verdict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let v = self.with(py, |r| r.last_verdict().clone())?;
+        let v = self.between_steps(|r| r.last_verdict().clone())?;
         let d = PyDict::new(py);
         d.set_item("mismatched_tokens", v.all.count)?;
         d.set_item("first_mismatched_token", v.all.first)?;

@@ -110,6 +110,36 @@ def test_an_interrupt_inside_exchange_propagates_as_itself():
         rc.serve(range(64))
 
 
+def test_reads_never_wait_behind_a_step_in_a_round():
+    """A step waiting on a slow peer holds the rank: `locate` and `pool` answer at once, and
+    `digest` (meaningless mid-step) says so at once instead of waiting for the round."""
+    import threading
+
+    class Slow:
+        rank, size = 0, 1
+        delay = 0.0
+
+        def exchange(self, what, payload, why):
+            time.sleep(self.delay)
+            return [(what, payload, why)]
+
+    g = Slow()
+    rc = cp_hicache.RankCache(DEP, 0, g, device_pages=32, host_pages=16, backend="host")
+    g.delay = 3.0  # every round of the step takes 3 s
+    step = threading.Thread(target=rc.serve, args=(range(64),))
+    step.start()
+    time.sleep(0.5)
+    start = time.monotonic()
+    owners, local = rc.locate([1, 2])
+    assert rc.pool("mla_kv").shape[0] == 2
+    with pytest.raises(cp_hicache.CacheError, match="a step is running"):
+        rc.digest()
+    assert time.monotonic() - start < 2.0, "a read waited behind the step's round"
+    step.join()
+    g.delay = 0.0
+    assert rc.digest()
+
+
 # --- Files and sizes ------------------------------------------------------------------------
 
 
