@@ -273,13 +273,20 @@ def test_a_short_digest_from_the_group_aborts_it():
         rc.serve(range(32))
 
 
-def test_a_failure_in_the_rollback_round_aborts_the_group():
+@pytest.mark.parametrize("how", ["a failure", "an exception"])
+def test_a_failure_in_the_rollback_round_aborts_the_group(how):
+    """A rollback stopped half-way (its round failed) leaves a replica that may differ from
+    its peers': the group is aborted, naming the rank and the step, and nothing more is
+    served (it used to be a plain CacheError, and serving went on)."""
+
     class BreaksRollbacks:
         rank, size = 0, 1
 
         def exchange(self, what, payload, why):
             if "rollback" in what:
-                raise RuntimeError("the network went away")
+                if how == "an exception":
+                    raise RuntimeError("the network went away")
+                return [(what, None, "a peer failed its rollback")]
             return [(what, payload, why)]
 
     rc = cp_hicache.RankCache(DEP, 0, BreaksRollbacks(), device_pages=32, host_pages=16,
