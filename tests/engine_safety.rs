@@ -293,7 +293,7 @@ fn a_rank_that_cannot_start_fails_its_peers_at_once() {
                 "compile"
             };
             assert!(
-                shown.contains("the CP group cannot start: rank 2: could not start")
+                shown.contains("the CP group cannot start: rank 2 failed: could not start")
                     && shown.contains(why),
                 "{shown}"
             );

@@ -83,7 +83,7 @@ def test_a_rank_that_cannot_start_fails_its_peers_at_once(tmp_path):
     assert kind == "UsageError" and "tuning" in message, logs[1]
     kind, message = logs[0]["error"]
     assert kind == "GroupError", logs[0]
-    assert "the CP group cannot start: rank 1: could not start" in message, message
+    assert "the CP group cannot start: rank 1 failed: could not start" in message, message
     assert "tuning" in message, message
     assert logs[0]["seconds"] < 20, logs[0]  # not the 60 s group timeout
 

@@ -347,54 +347,62 @@ def test_closing_twice_and_using_after_close():
     assert np.from_dlpack(pool).shape[0] == 2
 
 
-# --- The invariants check and the seed's bug ------------------------------------------------
+# --- Two ranks over gloo, in a script of their own ---------------------------------------
+
+#: What every two-rank script starts with: a gloo group over 127.0.0.1 (the rank's body
+#: follows, indented into ``rank_main(rank, out)``), and the launcher that runs it.
+TWO_RANKS = """
+import json, os, socket, sys
+from datetime import timedelta
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import cp_hicache
+
+def rank_main(rank, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    dep = cp_hicache.Deployment(model="mla", page_size=16, cp=2, layers=1)
+{body}
+
+if __name__ == "__main__":
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(rank_main, args=(port, sys.argv[1]), nprocs=2, start_method="spawn")
+"""
+
+
+def run_two_ranks(tmp_path, body: str) -> subprocess.CompletedProcess:
+    """Runs ``body`` (the rank's code: ``rank``, ``dep``, ``out`` and ``cp_hicache`` in
+    scope) on two ranks, each a process, in a fresh interpreter with a timeout."""
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS.format(body=textwrap.indent(textwrap.dedent(body), "    ")))
+    return subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True,
+                          text=True, timeout=300)
 
 
 def test_check_invariants_catches_misowned_pages(tmp_path):
     """Under ``fault="plain-alloc-on-load"`` (the seed's bug) the first load-back puts pages
     under owners other than those recorded at backup: ``check_invariants`` says so on every
     rank, as a debug check in the spirit of SGLang's ``SGLANG_DEBUG_MEMORY_POOL`` must."""
-    script = tmp_path / "seed_bug.py"
-    script.write_text("import json, cp_hicache\n" + textwrap.dedent(f"""
-        import os, socket
-        from datetime import timedelta
-        import torch.distributed as dist
-        import torch.multiprocessing as mp
-
-        def rank_main(rank, port, out):
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            dist.init_process_group("gloo", rank=rank, world_size=2,
-                                    timeout=timedelta(seconds=60))
-            dep = cp_hicache.Deployment(model="mla", page_size=16, cp=2, layers=1)
-            with cp_hicache.RankCache(dep, rank, dist.group.WORLD, device_pages=65,
-                                      host_pages=64, backend="host",
-                                      fault="plain-alloc-on-load") as rc:
-                prompt = list(range(16 * 8))
-                rc.serve(prompt)
+    out = run_two_ranks(tmp_path, """
+        with cp_hicache.RankCache(dep, rank, dist.group.WORLD, device_pages=65, host_pages=64,
+                                  backend="host", fault="plain-alloc-on-load") as rc:
+            prompt = list(range(16 * 8))
+            rc.serve(prompt)
+            rc.check_invariants()
+            rc.evict(1 << 30)
+            rc.serve(prompt)
+            try:
                 rc.check_invariants()
-                rc.evict(1 << 30)
-                rc.serve(prompt)
-                try:
-                    rc.check_invariants()
-                    error = None
-                except cp_hicache.CacheError as e:
-                    error = str(e)
-            with open(os.path.join(out, f"rank{{rank}}.json"), "w") as f:
-                json.dump(error, f)
-
-        if __name__ == "__main__":
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            mp.start_processes(rank_main, args=(port, {str(tmp_path)!r}), nprocs=2,
-                               start_method="spawn")
-            print(json.dumps([json.load(open(os.path.join({str(tmp_path)!r},
-                                                          f"rank{{r}}.json")))
-                              for r in range(2)]))
-    """))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=300)
-    errors = verdict(out)
+                error = None
+            except cp_hicache.CacheError as e:
+                error = str(e)
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump(error, f)
+    """)
+    assert out.returncode == 0, out.stderr[-3000:]
+    errors = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for e in errors:
         assert e is not None and "is owned by rank" in e, errors
 
@@ -403,36 +411,15 @@ def test_ranks_that_exit_without_closing_leave_nothing_in_dev_shm(tmp_path):
     """Two ranks over gloo build their caches, serve, and leave with ``os._exit`` (no close,
     no destructors): their pools' shared-memory names were removed once every peer had
     mapped them, so nothing of theirs is left in /dev/shm."""
-    script = tmp_path / "exit.py"
-    script.write_text(textwrap.dedent(f"""
-        import json, os, socket
-        from datetime import timedelta
-        import torch.distributed as dist
-        import torch.multiprocessing as mp
-        import cp_hicache
-
-        def rank_main(rank, port, out):
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            dist.init_process_group("gloo", rank=rank, world_size=2,
-                                    timeout=timedelta(seconds=60))
-            dep = cp_hicache.Deployment(model="mla", page_size=16, cp=2, layers=1)
-            rc = cp_hicache.RankCache(dep, rank, dist.group.WORLD, device_pages=65,
-                                      host_pages=16, backend="host")
-            rc.serve(list(range(64)))
-            with open(os.path.join(out, f"pid{{rank}}"), "w") as f:
-                f.write(str(os.getpid()))
-            dist.barrier()
-            os._exit(0)
-
-        if __name__ == "__main__":
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            mp.start_processes(rank_main, args=(port, {str(tmp_path)!r}), nprocs=2,
-                               start_method="spawn")
-    """))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=300)
+    out = run_two_ranks(tmp_path, """
+        rc = cp_hicache.RankCache(dep, rank, dist.group.WORLD, device_pages=65,
+                                  host_pages=16, backend="host")
+        rc.serve(list(range(64)))
+        with open(os.path.join(out, f"pid{rank}"), "w") as f:
+            f.write(str(os.getpid()))
+        dist.barrier()
+        os._exit(0)
+    """)
     assert out.returncode == 0, out.stderr[-3000:]
     pids = [(tmp_path / f"pid{r}").read_text() for r in range(2)]
     left = [n for n in os.listdir("/dev/shm")

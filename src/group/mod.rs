@@ -131,7 +131,8 @@ pub enum GroupError {
     },
 }
 
-fn describe_failures(failures: &[(u8, String)]) -> String {
+/// Each failed rank and why, as errors show them (`rank 3 failed: ...; rank 5 failed: ...`).
+pub(crate) fn describe_failures(failures: &[(u8, String)]) -> String {
     let each: Vec<String> = failures
         .iter()
         .map(|(r, why)| format!("rank {r} failed: {why}"))

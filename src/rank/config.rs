@@ -255,7 +255,7 @@ pub enum ClusterError {
     /// will never serve.
     #[error(
         "rank {rank}: the CP group cannot start: {}",
-        describe_start_failures(failures)
+        crate::group::describe_failures(failures)
     )]
     StartFailed {
         /// The rank reporting it.
@@ -329,14 +329,6 @@ pub enum ClusterError {
         /// What is wrong with it.
         what: String,
     },
-}
-
-fn describe_start_failures(failures: &[(u8, String)]) -> String {
-    let each: Vec<String> = failures
-        .iter()
-        .map(|(r, why)| format!("rank {r}: {why}"))
-        .collect();
-    each.join("; ")
 }
 
 fn describe_groups(groups: &[Vec<u8>]) -> String {
