@@ -16,8 +16,16 @@ fn mismatches_after_reload(model: ModelShape, ps: u32, cp: u8) -> u64 {
     let a = tokens(1, 10 * ps as usize + 3);
     assert_eq!(serve_checked(&mut c, &a).mismatched_tokens, 0);
     evict_all(&mut c);
-    let s = serve_checked(&mut c, &a);
+    let s = c.serve(&a).unwrap();
+    assert!(c.replicas_agree());
     assert_eq!(s.host_hit_tokens, 10 * u64::from(ps), "{s:?}");
+    // The invariants check catches the wrong owners too, wherever there are owners to lose.
+    let checked = c.check_invariants();
+    assert_eq!(
+        checked.is_err(),
+        s.mismatched_tokens > 0,
+        "cp {cp}: {checked:?}"
+    );
     // Only loaded tokens can be wrong, each counted once however many buffer kinds (NSA: kv
     // and index_k) differ, and the first one is named.
     assert!(s.mismatched_tokens <= s.host_hit_tokens, "{s:?}");
