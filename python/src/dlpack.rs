@@ -8,6 +8,7 @@
 //! taken from it. The DLPack structures are the stable C ABI of `dlpack.h` (v0.8), written
 //! out here since they are a few plain structs.
 
+use crate::rank::ViewToken;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use std::ffi::{c_void, CStr};
@@ -63,12 +64,16 @@ struct Context {
     strides: [i64; 3],
     /// Never read: holding it keeps the cache, hence the pool, alive.
     _owner: Py<PyAny>,
+    /// Keeps a closed cache's memory until this tensor is gone.
+    _view: ViewToken,
 }
 
 /// One rank's device pool of one buffer kind, as a DLPack producer.
 #[pyclass(module = "cp_hicache._native", frozen)]
 pub struct Pool {
     pub(crate) owner: Py<PyAny>,
+    /// Keeps a closed cache's memory while this object is alive.
+    pub(crate) view: ViewToken,
     pub(crate) buffer: String,
     pub(crate) ptr: u64,
     pub(crate) device: (c_int, c_int),
@@ -80,6 +85,7 @@ impl Pool {
     /// `owner`.
     pub(crate) fn new(
         owner: Py<PyAny>,
+        view: ViewToken,
         buffer: String,
         address: cp_hicache::exec::Address,
         shape: [i64; 3],
@@ -90,6 +96,7 @@ impl Pool {
         };
         Pool {
             owner,
+            view,
             buffer,
             ptr: address.ptr,
             device,
@@ -215,6 +222,7 @@ impl Pool {
             shape: self.shape,
             strides: [pages * bytes, bytes, 1],
             _owner: self.owner.clone_ref(py),
+            _view: self.view.another(),
         }));
         // SAFETY: `ctx` is a live allocation owned by the managed tensor until its deleter.
         let (shape, strides) = unsafe {

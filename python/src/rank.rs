@@ -22,14 +22,18 @@ use cp_hicache::rank::{
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// One CP rank's cache: its radix-tree and allocator replicas, its host pool, its device
 /// pools (shared with its peers) and its kernels.
 #[pyclass(module = "cp_hicache._native", frozen, weakref)]
 pub struct RankCache {
-    inner: Mutex<CoreRank>,
+    /// The rank; `None` once closed and no view of its pools is left (then its memory is
+    /// freed, at once, not when the garbage collector gets to this object).
+    inner: Arc<Mutex<Option<CoreRank>>>,
+    /// Pool objects and DLPack tensors taken from this cache and still alive.
+    views: Arc<AtomicUsize>,
     /// Tells this cache's requests from another's.
     id: u64,
     deployment: Deployment,
@@ -37,17 +41,54 @@ pub struct RankCache {
     /// Fixed at start-up, so that `locate` and `pool` never wait behind a step holding the
     /// rank's lock (a step can sit in a collective round for as long as a peer is slow).
     layout: CpLayout,
-    /// Every buffer kind's pool per owner (this rank's own at `rank`), as addresses.
-    pools: Vec<(BufferKind, Vec<Address>)>,
+    /// Every buffer kind's pool per owner (this rank's own at `rank`), as addresses, with
+    /// the size of each mapping (a peer's is the size it was imported with).
+    pools: Vec<(BufferKind, Vec<(Address, usize)>)>,
     geometry: PoolGeometry,
     /// After `close`: every call is refused, but the pools stay mapped until the last
     /// tensor taken from them is gone (each holds this object).
-    closed: AtomicBool,
+    closed: Arc<AtomicBool>,
     /// The Python group object, visible to the garbage collector (`__traverse__`,
     /// `__clear__`); `None` for a single rank's own group.
     group: Option<GroupSlot>,
     /// An interrupt raised inside the group's `exchange`, raised again as itself.
     interrupt: Option<InterruptSlot>,
+}
+
+/// A live view of a cache's pools (a `Pool` object, a DLPack tensor): while any is alive a
+/// closed cache keeps its memory; the last one to go frees it.
+pub(crate) struct ViewToken {
+    core: Arc<Mutex<Option<CoreRank>>>,
+    views: Arc<AtomicUsize>,
+    closed: Arc<AtomicBool>,
+}
+
+impl ViewToken {
+    fn new(
+        core: &Arc<Mutex<Option<CoreRank>>>,
+        views: &Arc<AtomicUsize>,
+        closed: &Arc<AtomicBool>,
+    ) -> ViewToken {
+        views.fetch_add(1, Ordering::AcqRel);
+        ViewToken {
+            core: core.clone(),
+            views: views.clone(),
+            closed: closed.clone(),
+        }
+    }
+
+    /// Another view of the same pools (a tensor taken from a `Pool`).
+    pub(crate) fn another(&self) -> ViewToken {
+        ViewToken::new(&self.core, &self.views, &self.closed)
+    }
+}
+
+impl Drop for ViewToken {
+    fn drop(&mut self) {
+        if self.views.fetch_sub(1, Ordering::AcqRel) == 1 && self.closed.load(Ordering::Acquire) {
+            drop(self.core.lock().unwrap_or_else(|p| p.into_inner()).take());
+        }
+    }
 }
 
 thread_local! {
@@ -245,14 +286,15 @@ impl RankCache {
         out
     }
 
+    fn closed_error(&self) -> PyErr {
+        CacheError::new_err(format!("rank {}: this RankCache was closed", self.rank))
+    }
+
     /// Refuses a call on a closed cache, or one made from inside this cache's own group's
     /// `exchange` (a round of a call still running on this thread, which holds the rank).
     fn check_callable(&self) -> PyResult<()> {
         if self.closed.load(Ordering::Acquire) {
-            return Err(CacheError::new_err(format!(
-                "rank {}: this RankCache was closed",
-                self.rank
-            )));
+            return Err(self.closed_error());
         }
         if IN_CALL.with(|c| c.borrow().contains(&self.id)) {
             return Err(usage(format!(
@@ -270,7 +312,7 @@ impl RankCache {
     fn between_steps<R>(&self, f: impl FnOnce(&CoreRank) -> R) -> PyResult<R> {
         self.check_callable()?;
         match self.inner.try_lock() {
-            Ok(rank) => Ok(f(&rank)),
+            Ok(rank) => rank.as_ref().map(f).ok_or_else(|| self.closed_error()),
             Err(std::sync::TryLockError::WouldBlock) => Err(CacheError::new_err(format!(
                 "rank {}: a step is running on this cache (it may be waiting on its peers): its \
                  state is read between steps, once that step returns",
@@ -299,7 +341,7 @@ impl RankCache {
                     self.rank
                 ))
             })?;
-            Ok(f(&mut rank))
+            rank.as_mut().map(f).ok_or_else(|| self.closed_error())
         })
     }
 }
@@ -425,25 +467,27 @@ impl RankCache {
         let geometry = core.pools().geometry();
         let mut pools = Vec::new();
         for &kind in deployment.inner.model.buffers() {
+            let exec = core.executor();
             let addresses = core
                 .pools()
                 .views(kind)
                 .iter()
-                .map(|&id| core.executor().address(id))
-                .collect::<Result<Vec<_>, _>>()
+                .map(|&id| Ok((exec.address(id)?, exec.size(id)?)))
+                .collect::<Result<Vec<_>, cp_hicache::exec::ExecError>>()
                 .map_err(to_py)?;
             pools.push((kind, addresses));
         }
         static NEXT_ID: AtomicU64 = AtomicU64::new(0);
         Ok(RankCache {
-            inner: Mutex::new(core),
+            inner: Arc::new(Mutex::new(Some(core))),
+            views: Arc::new(AtomicUsize::new(0)),
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             deployment: deployment.clone(),
             rank,
             layout,
             pools,
             geometry,
-            closed: AtomicBool::new(false),
+            closed: Arc::new(AtomicBool::new(false)),
             group: group_slot,
             interrupt,
         })
@@ -616,10 +660,7 @@ impl RankCache {
             return Err(usage(format!("owner {o} is not a rank of a CP {cp} group")));
         }
         if me.closed.load(Ordering::Acquire) {
-            return Err(CacheError::new_err(format!(
-                "rank {}: this RankCache was closed",
-                me.rank
-            )));
+            return Err(me.closed_error());
         }
         let g = me.geometry;
         let views = &me
@@ -628,17 +669,18 @@ impl RankCache {
             .find(|(k, _)| *k == kind)
             .expect("every buffer kind has its pools")
             .1;
-        let address = views[usize::from(owner.unwrap_or(me.rank))];
+        let (address, mapped) = views[usize::from(owner.unwrap_or(me.rank))];
         let page_bytes = kind.page_bytes(me.deployment.inner.page_size);
+        // The view never claims more than the mapping holds: its pages come from the size
+        // the pool was mapped with (start-up refused a peer's smaller than this rank's).
+        let row = page_bytes * u64::from(g.layers);
+        let local_pages = (mapped as u64 / row.max(1)).min(u64::from(g.local_pages));
         Ok(Pool::new(
             slf.clone().into_any().unbind(),
+            ViewToken::new(&me.inner, &me.views, &me.closed),
             buffer.to_string(),
             address,
-            [
-                i64::from(g.layers),
-                i64::from(g.local_pages),
-                page_bytes as i64,
-            ],
+            [i64::from(g.layers), local_pages as i64, page_bytes as i64],
         ))
     }
 
@@ -735,14 +777,18 @@ impl RankCache {
     }
 
     /// Leaves the group: a last round in which every rank says it is done with its peers'
-    /// pools. Every later call is refused. The pools stay mapped until the last tensor
-    /// taken from them is gone. Idempotent.
+    /// pools. Every later call is refused. The pools are freed now, or, while pool objects or
+    /// tensors taken from them are alive, when the last of them goes. Idempotent.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         if self.closed.load(Ordering::Acquire) {
             return Ok(());
         }
         let out = self.with(py, |r| r.disconnect())?;
         self.closed.store(true, Ordering::Release);
+        if self.views.load(Ordering::Acquire) == 0 {
+            // No view of the pools is left: free them now.
+            py.detach(|| drop(self.inner.lock().unwrap_or_else(|p| p.into_inner()).take()));
+        }
         out.map_err(cluster)
     }
 
