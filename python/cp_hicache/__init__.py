@@ -307,7 +307,8 @@ class RankCache:
     def close(self) -> None:
         """Leaves the group: a last round in which every rank says it is done with its
         peers' pools (every rank calls it). Later calls raise :class:`CacheError`. The pools
-        stay mapped until the last tensor taken from them is gone. Idempotent."""
+        are freed now, or, while pool objects or tensors taken from them are alive, when the
+        last of them goes. Idempotent."""
         self._native.close()
 
     @property
