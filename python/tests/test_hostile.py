@@ -352,7 +352,7 @@ def test_closing_twice_and_using_after_close():
 #: What every two-rank script starts with: a gloo group over 127.0.0.1 (the rank's body
 #: follows, indented into ``rank_main(rank, out)``), and the launcher that runs it.
 TWO_RANKS = """
-import json, os, socket, sys
+import json, os, socket, sys, time
 from datetime import timedelta
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -405,6 +405,42 @@ def test_check_invariants_catches_misowned_pages(tmp_path):
     errors = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for e in errors:
         assert e is not None and "is owned by rank" in e, errors
+
+
+def test_ctrl_c_interrupts_a_wait_for_a_late_peer(tmp_path):
+    """Rank 1 never makes the next round. Rank 0 waits in it; Ctrl-C (SIGINT) one second in
+    ends the wait at once with KeyboardInterrupt, not at the 60 s group timeout, and the group
+    is broken for good (the next call raises GroupError)."""
+    out = run_two_ranks(tmp_path, """
+        rc = cp_hicache.RankCache(dep, rank, dist.group.WORLD, device_pages=65,
+                                  host_pages=16, backend="host")
+        if rank == 1:
+            while not os.path.exists(os.path.join(out, "done")):
+                time.sleep(0.05)
+            os._exit(0)
+        import signal, threading
+        threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        start = time.monotonic()
+        try:
+            rc.serve(list(range(64)))
+            result = "served"
+        except KeyboardInterrupt:
+            result = "interrupted"
+        elapsed = time.monotonic() - start
+        try:
+            rc.serve(list(range(64)))
+            after = "served"
+        except cp_hicache.GroupError:
+            after = "GroupError"
+        with open(os.path.join(out, "rank0.json"), "w") as f:
+            json.dump([result, elapsed, after], f)
+        open(os.path.join(out, "done"), "w").close()
+        os._exit(0)
+    """)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result, elapsed, after = json.loads((tmp_path / "rank0.json").read_text())
+    assert result == "interrupted" and after == "GroupError", (result, after)
+    assert elapsed < 30, elapsed  # the group timeout is 60 s
 
 
 def test_ranks_that_exit_without_closing_leave_nothing_in_dev_shm(tmp_path):
