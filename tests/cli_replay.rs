@@ -186,6 +186,29 @@ fn a_closed_stdout_keeps_the_verdict_and_the_report() {
     assert!(!stderr(&out).contains("panicked"), "{}", stderr(&out));
 }
 
+/// Round-robin owners serve and verify like zigzag (the report and the JSON name the
+/// layout), and the seed's bug is caught under them too: loaded pages keep their recorded
+/// owners whatever the pattern.
+#[test]
+fn the_round_robin_layout_serves_verified_and_catches_the_seed_bug() {
+    let (out, report) = replay(&["--layout", "round-robin"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let r = report.unwrap();
+    assert_eq!(r["layout"], "round-robin");
+    assert_eq!(num(&r, "mismatched_tokens"), 0, "{r}");
+    assert!(num(&r, "host_hit_tokens") > 0, "{r}");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("layers · round-robin ·"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let (out, report) = replay(&["--layout", "round-robin", "--inject", "plain-alloc-on-load"]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(num(&report.unwrap(), "mismatched_tokens") > 0);
+    let (_, report) = replay(&[]);
+    assert_eq!(report.unwrap()["layout"], "zigzag");
+}
+
 #[test]
 fn plain_alloc_on_load_reports_mismatches() {
     let (out, report) = replay(&["--inject", "plain-alloc-on-load"]);

@@ -821,6 +821,7 @@ fn rank_config(deployment: Deployment) -> ClusterConfig {
         policy: WritePolicy::WriteThrough,
         fault: None,
         sanitize: Sanitize::None,
+        owner_pattern: Default::default(),
     }
 }
 

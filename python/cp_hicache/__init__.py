@@ -146,6 +146,9 @@ class RankCache:
         backend: ``"auto"``, ``"host"`` (CPU emulation) or ``"cuda"``.
         tuning: a tuning file of ``cp-hicache tune``.
         fault: a fault to inject (``"plain-alloc-on-load"``, ...), for tests.
+        layout: the owners a request's computed pages take: ``"zigzag"`` (2C chunks,
+            balancing causal attention) or ``"round-robin"`` (page ``i`` on rank ``i % C``).
+            Every rank must use the same one (compared at start-up).
 
     Every rank of the group must make the same calls in the same order, as an engine's
     ranks do for each scheduled batch. Each step's outcome round compares what every rank
@@ -172,6 +175,7 @@ class RankCache:
         backend: str = "auto",
         tuning: Optional[str] = None,
         fault: Optional[str] = None,
+        layout: str = "zigzag",
     ) -> None:
         collective = None
         if group is not None:
@@ -186,6 +190,7 @@ class RankCache:
             backend=backend,
             tuning=tuning,
             fault=fault,
+            layout=layout,
         )
 
     @property

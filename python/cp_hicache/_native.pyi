@@ -107,6 +107,7 @@ class RankCache:
         backend: str = "auto",
         tuning: Optional[Union[str, PathLike]] = None,
         fault: Optional[str] = None,
+        layout: str = "zigzag",
     ) -> None: ...
     @property
     def rank(self) -> int: ...

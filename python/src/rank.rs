@@ -14,7 +14,7 @@ use cp_hicache::exec::Address;
 use cp_hicache::group::{Collective, LocalGroup, DEFAULT_TIMEOUT};
 use cp_hicache::jit::{Jit, JitConfig, Sanitize};
 use cp_hicache::kernels::BufferKind;
-use cp_hicache::layout::{CpLayout, PageId};
+use cp_hicache::layout::{CpLayout, OwnerPattern, PageId};
 use cp_hicache::rank::{
     ClusterConfig, Fault, PeerAccess, PoolGeometry, RankCache as CoreRank, Request as CoreRequest,
     RequestStats, WritePolicy,
@@ -353,7 +353,8 @@ impl RankCache {
     #[new]
     #[pyo3(signature = (
         deployment, rank = 0, collective = None, *, device_pages, host_pages,
-        policy = "write_through", backend = "auto", tuning = None, fault = None
+        policy = "write_through", backend = "auto", tuning = None, fault = None,
+        layout = "zigzag"
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -367,6 +368,7 @@ impl RankCache {
         backend: &str,
         tuning: Option<PathBuf>,
         fault: Option<&str>,
+        layout: &str,
     ) -> PyResult<Self> {
         let cp = deployment.inner.cp;
         let (mut group_slot, mut interrupt) = (None, None);
@@ -401,6 +403,7 @@ impl RankCache {
             WritePolicy,
             Option<Fault>,
             cp_hicache::exec::Backend,
+            OwnerPattern,
         );
         let checked = (|| -> PyResult<Checked> {
             let device_pages = pages_arg(device_pages, "device_pages")?;
@@ -414,9 +417,18 @@ impl RankCache {
                     group.rank().0
                 )));
             }
-            Ok((device_pages, host_pages, policy, fault, backend))
+            let layout = match layout {
+                "zigzag" => OwnerPattern::Zigzag,
+                "round-robin" | "round_robin" => OwnerPattern::RoundRobin,
+                other => {
+                    return Err(usage(format!(
+                        "layout={other:?}: the layouts are \"zigzag\" and \"round-robin\""
+                    )))
+                }
+            };
+            Ok((device_pages, host_pages, policy, fault, backend, layout))
         })();
-        let (device_pages, host_pages, policy, fault, backend) = match checked {
+        let (device_pages, host_pages, policy, fault, backend, layout) = match checked {
             Ok(x) => x,
             Err(e) => return Err(py.detach(move || refuse(&*group, e))),
         };
@@ -446,6 +458,7 @@ impl RankCache {
                     policy,
                     fault,
                     sanitize: Sanitize::from_env().map_err(to_py)?,
+                    owner_pattern: layout,
                 };
                 // Before anything is allocated: a pool too large for this machine would
                 // take minutes of paging, then the process.

@@ -88,22 +88,33 @@ def test_a_rank_that_cannot_start_fails_its_peers_at_once(tmp_path):
     assert logs[0]["seconds"] < 20, logs[0]  # not the 60 s group timeout
 
 
-def _pool_size_rank(rank: int, size: int, port: int, out: str) -> None:
+def _differing_rank(rank: int, size: int, port: int, out: str, setting: str) -> None:
     _join(rank, size, port)
+    kw = dict(device_pages=65, host_pages=32, backend="host")
+    if setting == "device_pages":
+        kw["device_pages"] = 65 + rank
+    else:
+        kw["layout"] = ["zigzag", "round-robin"][rank]
     try:
-        cp_hicache.RankCache(_dep(size), rank, dist.group.WORLD, device_pages=65 + rank,
-                             host_pages=32, backend="host")
+        cp_hicache.RankCache(_dep(size), rank, dist.group.WORLD, **kw)
         log = {"error": None}
     except (cp_hicache.CacheError, ValueError) as e:
         log = {"error": _error(e)}
     _save(out, rank, log)
 
 
-def test_ranks_with_different_pool_sizes_refuse_to_start(tmp_path):
-    for log in _run(_pool_size_rank, 2, tmp_path):
-        kind, message = log["error"]
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ("device_pages", "device pages: rank 0 65, rank 1 66"),
+        ("layout", "owner pattern: rank 0 zigzag, rank 1 round-robin"),
+    ],
+)
+def test_ranks_with_different_settings_refuse_to_start(tmp_path, setting, message):
+    for log in _run(_differing_rank, 2, tmp_path, setting):
+        kind, shown = log["error"]
         assert kind == "UsageError", log
-        assert "device pages: rank 0 65, rank 1 66" in message, message
+        assert message in shown, shown
 
 
 def _steps_rank(rank: int, size: int, port: int, out: str) -> None:

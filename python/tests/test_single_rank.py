@@ -184,3 +184,9 @@ def test_token_locations_index_the_pool_by_token():
     by_token[0, int(slots[17])] = 42
     assert int(pool[0, int(pages[1]), 1152]) == 42
     rc.abandon(req)
+
+
+def test_the_layout_is_an_argument_checked_by_name():
+    assert make(layout="round-robin").serve(range(100))["mismatched_tokens"] == 0
+    with pytest.raises(cp_hicache.UsageError, match='layout="diagonal"'):
+        make(layout="diagonal")

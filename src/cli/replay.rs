@@ -11,6 +11,7 @@ use crate::exec::{open_executor, Backend, Executor};
 use crate::jit::{Jit, JitConfig, Sanitize};
 use crate::kernels::{Deployment, ModelShape, TransferPath};
 use crate::layout::CpLayout;
+use crate::layout::OwnerPattern;
 use crate::workload::{
     Conversations, ConversationsConfig, MooncakeTrace, Request, TraceConfig, WorkloadError,
     MAX_BLOCK_TOKENS,
@@ -106,6 +107,11 @@ pub struct ReplayArgs {
     /// When device pages are backed up to the host.
     #[arg(long, default_value = "write_through", value_parser = policy_parser())]
     pub policy: WritePolicy,
+    /// Which owners a request's computed pages take, in order. Loaded pages keep the
+    /// owners recorded at backup under either layout, so `--inject plain-alloc-on-load` is
+    /// caught under both.
+    #[arg(long, default_value = "zigzag", value_parser = layout_parser())]
+    pub layout: OwnerPattern,
     /// Executor that runs the kernels.
     #[arg(long, default_value = "auto", value_parser = backend_parser())]
     pub backend: Backend,
@@ -178,6 +184,23 @@ fn policy_parser() -> impl clap::builder::TypedValueParser<Value = WritePolicy> 
             .help("back up a node only when it is evicted from the device"),
     ])
     .try_map(|s| s.parse::<WritePolicy>())
+}
+
+/// `--layout` with each value's meaning in `--help`.
+fn layout_parser() -> impl clap::builder::TypedValueParser<Value = OwnerPattern> {
+    use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+    PossibleValuesParser::new([
+        PossibleValue::new("zigzag")
+            .help("2C chunks of pages, chunk k on rank k, then back (balances causal attention)"),
+        PossibleValue::new("round-robin").help("page i on rank i % C"),
+    ])
+    .map(|s| {
+        if s == "round-robin" {
+            OwnerPattern::RoundRobin
+        } else {
+            OwnerPattern::Zigzag
+        }
+    })
 }
 
 /// `--backend` with each value's meaning in `--help` (`cpu` and `gpu` stay accepted).
@@ -526,6 +549,7 @@ pub fn check_replay_args(args: &ReplayArgs) -> Result<(), crate::Error> {
         policy: args.policy,
         fault: args.inject,
         sanitize: Sanitize::None,
+        owner_pattern: args.layout,
     };
     check_memory(&config, args.backend.resolve())
 }
@@ -613,6 +637,7 @@ impl Setup {
             policy: args.policy,
             fault: args.inject,
             sanitize: Sanitize::from_env()?,
+            owner_pattern: args.layout,
         };
         Ok(Setup {
             config,
@@ -847,6 +872,7 @@ fn drive(
         model: deployment.model.to_string(),
         layers: args.layers,
         policy: args.policy.to_string(),
+        layout: args.layout.to_string(),
         workload: match &input_error {
             Some(e) => format!("{}, cut short by {e}", plan.workload_name),
             None => plan.workload_name,
@@ -1043,6 +1069,7 @@ mod tests {
             policy: WritePolicy::WriteThrough,
             fault: None,
             sanitize: Sanitize::default(),
+            owner_pattern: Default::default(),
         };
         let (cp, page) = (8u64, 64u64);
         let need = MemoryNeed::new(&config, Backend::Host).unwrap();

@@ -38,6 +38,8 @@ pub struct ReplayReport {
     pub layers: u32,
     /// Write policy.
     pub policy: String,
+    /// Owner pattern of computed pages (`zigzag`, `round-robin`).
+    pub layout: String,
     /// Workload description.
     pub workload: String,
     /// Requests that failed with an error (their state was rolled back).
@@ -95,8 +97,14 @@ impl ReplayReport {
         row(
             "deployment",
             format!(
-                "{} · CP {} · page {} · {} layers · {} · {}",
-                self.model, self.cp, self.page_size, self.layers, self.policy, self.backend
+                "{} · CP {} · page {} · {} layers · {} · {} · {}",
+                self.model,
+                self.cp,
+                self.page_size,
+                self.layers,
+                self.layout,
+                self.policy,
+                self.backend
             ),
         );
         row(
@@ -263,6 +271,7 @@ mod tests {
             model: "nsa".into(),
             layers: 4,
             policy: "write_through".into(),
+            layout: "zigzag".into(),
             workload: "built-in".into(),
             failed_requests: 0,
             requests_skipped: 0,
@@ -318,6 +327,7 @@ mod tests {
             "backend",
             "cp",
             "page_size",
+            "layout",
         ] {
             assert!(v.get(k).is_some(), "missing {k}");
         }

@@ -118,6 +118,9 @@ pub struct ClusterConfig {
     pub fault: Option<Fault>,
     /// Sanitizer build of host-emulation kernels.
     pub sanitize: Sanitize,
+    /// Which owners the freshly computed pages of a request take, in order (zigzag by
+    /// default; loaded pages keep the owners recorded at backup, whatever the pattern).
+    pub owner_pattern: crate::layout::OwnerPattern,
 }
 
 /// Host pages per rank left when [`Fault::HostPoolFull`] is injected.

@@ -429,11 +429,14 @@ impl RankCache {
         })
     }
 
-    /// Step 3: allocate the pages to compute, zigzag over the owners.
+    /// Step 3: allocate the pages to compute, their owners in the configured pattern.
     pub(super) fn allocate_inner(&mut self, req: &mut Request) -> Result<(), ClusterError> {
         let ps = self.layout.page_size() as usize;
         let n_pages = req.tokens.len().div_ceil(ps);
-        let owners = zigzag_owners(self.layout.cp(), n_pages - req.cached);
+        let owners = self
+            .config
+            .owner_pattern
+            .owners(self.layout.cp(), n_pages - req.cached);
         let run = self.alloc_with_eviction(&owners, &req.pages, &mut req.stats)?;
         req.pages.extend(run);
         req.stats.computed_tokens = (req.tokens.len() - req.cached * ps) as u64;
@@ -586,6 +589,7 @@ mod tests {
             policy: WritePolicy::WriteThrough,
             fault: None,
             sanitize: crate::jit::Sanitize::None,
+            owner_pattern: Default::default(),
         };
         let members = crate::group::LocalGroup::members(2, std::time::Duration::from_secs(60));
         std::thread::scope(|s| {
