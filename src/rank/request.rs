@@ -302,8 +302,7 @@ impl RankCache {
             let fresh = req.pages[req.cached..].to_vec();
             let locked = req.locked;
             self.commit(&what, |me| {
-                me.alloc.free(&fresh)?;
-                me.poison_freed(fresh)?;
+                me.release_pages(fresh)?;
                 me.unlock(locked)
             })?;
             req.stats = stats;
