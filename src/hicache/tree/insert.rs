@@ -1,0 +1,308 @@
+//! Putting things in the tree and taking them out again: inserting sequences, a node's device
+//! value and host copy, and the locks that keep a path from eviction.
+
+use super::{invariant, InsertResult, Node, NodeId, RadixTree, TreeError};
+use crate::layout::PageId;
+use crate::metadata::NodeMetadata;
+use std::collections::{BTreeMap, HashSet};
+
+impl RadixTree {
+    /// Inserts `tokens` with their device `pages` (`tokens.len() == pages.len() * page_size`).
+    /// Pages for tokens already on the device come back as duplicates, except the tree's own
+    /// pages passed back at their own positions; host-only nodes on the path adopt theirs;
+    /// the rest becomes a new leaf.
+    ///
+    /// A node's device pages and host copy must name the same owners (a later backup or
+    /// load relies on it). Pages adopted by a host-only node whose `page_owners` differ (a
+    /// prefix recomputed after its load-back degraded to a miss gets fresh zigzag owners)
+    /// therefore replace its host copy: the copy leaves the node and comes back in
+    /// [`InsertResult::dropped_host_copies`], for the caller to free its host pages.
+    pub fn insert(&mut self, tokens: &[u32], pages: &[PageId]) -> Result<InsertResult, TreeError> {
+        let ps = self.ps();
+        if pages.len().checked_mul(ps) != Some(tokens.len()) {
+            return Err(TreeError::LengthMismatch {
+                tokens: tokens.len(),
+                pages: pages.len(),
+                page_size: self.layout.page_size(),
+            });
+        }
+        // The caller may pass the tree's own pages for the prefix it matched (the usual case
+        // after a hit): those are neither new nor duplicates.
+        let existing = self.existing_device_pages(tokens)?;
+        let incoming: Vec<PageId> = pages
+            .iter()
+            .zip(existing.iter().chain(std::iter::repeat(&None)))
+            .filter(|(p, e)| e.as_ref() != Some(*p))
+            .map(|(&p, _)| p)
+            .collect();
+        self.check_new_pages(&incoming)?;
+        self.clock += 1;
+        let now = self.clock;
+        let (path, matched_pages) = self.descend(tokens, now)?;
+        let mut duplicate_pages = Vec::new();
+        let mut adopted_pages = 0;
+        let mut offset = 0;
+        let mut dropped_host_copies = Vec::new();
+        for &id in &path {
+            let n = self.get(id)?;
+            let np = n.key.len() / ps;
+            let mine = &pages[offset..offset + np];
+            offset += np;
+            if let Some(have) = &n.device {
+                duplicate_pages.extend(
+                    mine.iter()
+                        .zip(have)
+                        .filter(|(m, h)| m != h)
+                        .map(|(m, _)| *m),
+                );
+                continue;
+            }
+            let keeps_host = match &n.host {
+                Some(h) => self.check_owners(id, mine, h).is_ok(),
+                None => true,
+            };
+            let n = self.get_mut(id)?;
+            n.device = Some(mine.to_vec());
+            let dropped = if keeps_host { None } else { n.host.take() };
+            self.held_device.extend(mine.iter().copied());
+            adopted_pages += np;
+            if let Some(meta) = dropped {
+                for p in meta.host_pages() {
+                    self.held_host.remove(p);
+                }
+                dropped_host_copies.push(meta);
+            }
+        }
+        let mut node = path.last().copied().unwrap_or(NodeId::ROOT);
+        if offset < pages.len() {
+            let leaf = Node {
+                key: tokens[offset * ps..].to_vec(),
+                children: BTreeMap::new(),
+                parent: Some(node),
+                device: Some(pages[offset..].to_vec()),
+                host: None,
+                lock: 0,
+                stamp: now,
+            };
+            self.held_device.extend(pages[offset..].iter().copied());
+            let first = leaf.key[..ps].to_vec();
+            let id = self.alloc(leaf);
+            self.get_mut(node)?.children.insert(first, id);
+            node = id;
+        }
+        Ok(InsertResult {
+            node,
+            prefix_tokens: matched_pages * ps,
+            duplicate_pages,
+            adopted_pages,
+            dropped_host_copies,
+        })
+    }
+
+    /// Puts `node` on the device with `pages` (one per page of its key), for example after a
+    /// load-back. The parent must be on the device (set values top-down); when the node is
+    /// backed up, each page's owner must equal the recorded owner.
+    pub fn set_device(&mut self, node: NodeId, pages: Vec<PageId>) -> Result<(), TreeError> {
+        self.set_device_checked(node, pages, true)
+    }
+
+    /// Like [`RadixTree::set_device`] but without the owner check: it reproduces the seed's
+    /// bug on purpose, for the `plain-alloc-on-load` fault injection, so that the verifier can
+    /// show it catches what this check would otherwise have stopped. Crate-private: nothing
+    /// outside the fault injection may put pages on the device without the owner check.
+    pub(crate) fn set_device_ignoring_owners(
+        &mut self,
+        node: NodeId,
+        pages: Vec<PageId>,
+    ) -> Result<(), TreeError> {
+        self.set_device_checked(node, pages, false)
+    }
+
+    fn set_device_checked(
+        &mut self,
+        node: NodeId,
+        pages: Vec<PageId>,
+        check_owners: bool,
+    ) -> Result<(), TreeError> {
+        self.not_root(node, "set_device")?;
+        let ps = self.ps();
+        let n = self.get(node)?;
+        if n.device.is_some() {
+            return Err(TreeError::AlreadyOnDevice { node });
+        }
+        let expected = n.key.len() / ps;
+        if pages.len() != expected {
+            return Err(TreeError::PageCount {
+                node,
+                expected,
+                found: pages.len(),
+            });
+        }
+        let parent = n
+            .parent
+            .ok_or_else(|| invariant(format!("{node} has no parent")))?;
+        if parent != NodeId::ROOT && self.get(parent)?.device.is_none() {
+            return Err(TreeError::ParentNotOnDevice { node, parent });
+        }
+        if let (Some(h), true) = (&n.host, check_owners) {
+            self.check_owners(node, &pages, h)?;
+        }
+        self.check_new_pages(&pages)?;
+        self.held_device.extend(pages.iter().copied());
+        self.get_mut(node)?.device = Some(pages);
+        Ok(())
+    }
+
+    /// Records this rank's host metadata for `node` (after a backup). It must belong to this
+    /// tree's layout and rank, cover the node's pages, use host pages no other node holds,
+    /// and, when the node is on the device, record the device pages' owners.
+    pub fn set_host(&mut self, node: NodeId, meta: NodeMetadata) -> Result<(), TreeError> {
+        self.not_root(node, "set_host")?;
+        meta.check_layout(&self.layout)
+            .map_err(|source| TreeError::Metadata { node, source })?;
+        if meta.rank() != self.rank {
+            return Err(TreeError::RankMismatch {
+                expected: self.rank.0,
+                found: meta.rank().0,
+            });
+        }
+        let ps = self.ps();
+        let n = self.get(node)?;
+        if n.host.is_some() {
+            return Err(TreeError::AlreadyOnHost { node });
+        }
+        let expected = n.key.len() / ps;
+        if meta.num_pages() != expected {
+            return Err(TreeError::PageCount {
+                node,
+                expected,
+                found: meta.num_pages(),
+            });
+        }
+        if let Some(d) = &n.device {
+            self.check_owners(node, d, &meta)?;
+        }
+        if let Some(&page) = meta
+            .host_pages()
+            .iter()
+            .find(|p| self.held_host.contains(p))
+        {
+            return Err(TreeError::HostPageHeld { page });
+        }
+        self.held_host.extend(meta.host_pages().iter().copied());
+        self.get_mut(node)?.host = Some(meta);
+        Ok(())
+    }
+
+    /// Takes the device pages of a backed-up, unlocked node none of whose children is on the
+    /// device (the caller frees them); the node stays as host-only.
+    pub fn take_device(&mut self, node: NodeId) -> Result<Vec<PageId>, TreeError> {
+        self.not_root(node, "take_device")?;
+        let n = self.get(node)?;
+        if n.device.is_none() {
+            return Ok(Vec::new());
+        }
+        if n.host.is_none() {
+            return Err(TreeError::WouldEmpty {
+                node,
+                what: "device value",
+            });
+        }
+        if n.lock > 0 {
+            return Err(TreeError::Locked {
+                node,
+                count: n.lock,
+            });
+        }
+        for &child in n.children.values() {
+            if self.get(child)?.device.is_some() {
+                return Err(TreeError::ChildOnDevice { node, child });
+            }
+        }
+        let pages = self.get_mut(node)?.device.take().unwrap_or_default();
+        for p in &pages {
+            self.held_device.remove(p);
+        }
+        Ok(pages)
+    }
+
+    /// Takes the host metadata of a node that is on the device (the caller frees the host
+    /// pages); `None` when it had none.
+    pub fn take_host(&mut self, node: NodeId) -> Result<Option<NodeMetadata>, TreeError> {
+        self.not_root(node, "take_host")?;
+        let n = self.get(node)?;
+        if n.host.is_none() {
+            return Ok(None);
+        }
+        if n.device.is_none() {
+            return Err(TreeError::WouldEmpty {
+                node,
+                what: "host metadata",
+            });
+        }
+        let meta = self.get_mut(node)?.host.take();
+        for p in meta.iter().flat_map(|m| m.host_pages()) {
+            self.held_host.remove(p);
+        }
+        Ok(meta)
+    }
+
+    /// Locks `node` and its ancestors against eviction (the root is never counted).
+    pub fn lock(&mut self, node: NodeId) -> Result<(), TreeError> {
+        for id in self.path(node)? {
+            self.get_mut(id)?.lock += 1;
+        }
+        Ok(())
+    }
+
+    /// Releases one lock of `node` and its ancestors; all or nothing.
+    pub fn unlock(&mut self, node: NodeId) -> Result<(), TreeError> {
+        let path = self.path(node)?;
+        for &id in &path {
+            if self.get(id)?.lock == 0 {
+                return Err(TreeError::UnlockBelowZero { node, at: id });
+            }
+        }
+        for id in path {
+            self.get_mut(id)?.lock -= 1;
+        }
+        Ok(())
+    }
+
+    /// Rejects the null page, pages outside the layout (their owner and local slot would be
+    /// garbage), and pages already held or repeated.
+    fn check_new_pages(&self, pages: &[PageId]) -> Result<(), TreeError> {
+        let mut seen = HashSet::with_capacity(pages.len());
+        for (index, &page) in pages.iter().enumerate() {
+            if page == PageId::NULL {
+                return Err(TreeError::NullPage { index });
+            }
+            self.layout.check_page(page)?;
+            if self.held_device.contains(&page) || !seen.insert(page) {
+                return Err(TreeError::PageHeld { page });
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn check_owners(
+        &self,
+        node: NodeId,
+        pages: &[PageId],
+        meta: &NodeMetadata,
+    ) -> Result<(), TreeError> {
+        for (index, (&page, &expected)) in pages.iter().zip(meta.page_owners()).enumerate() {
+            let found = self.layout.owner(page).0;
+            if found != expected {
+                return Err(TreeError::OwnerMismatch {
+                    node,
+                    index,
+                    page,
+                    expected,
+                    found,
+                });
+            }
+        }
+        Ok(())
+    }
+}
