@@ -96,8 +96,8 @@ pub enum MetadataError {
         /// The repeated host page.
         page: u32,
     },
-    /// `split` at a token that is not a page boundary strictly inside the node.
-    #[error("cannot split a node of {len} tokens at token {at}: the split must be page-aligned (page size {page_size}) and strictly inside")]
+    /// `split` at a token that is not a granule boundary strictly inside the node.
+    #[error("cannot split a node of {len} tokens at token {at}: the split must be aligned to whole granules ({granule} pages of {page_size} tokens) and strictly inside")]
     BadSplit {
         /// Requested split token.
         at: u64,
@@ -105,6 +105,17 @@ pub enum MetadataError {
         len: u64,
         /// Page size.
         page_size: u32,
+        /// Pages per granule.
+        granule: u32,
+    },
+    /// Owners that break an interleaved layout's granule: not whole groups of `cp` pages,
+    /// or a page not owned by its position (`i % cp`).
+    #[error("owners do not follow the layout's granule of {granule} pages: {what}")]
+    Misaligned {
+        /// Pages per granule.
+        granule: u32,
+        /// What is wrong.
+        what: String,
     },
     /// `concat` of an empty list.
     #[error("cannot concatenate zero nodes")]
@@ -167,6 +178,9 @@ fn check_page_count(pages: u64) -> Result<(), MetadataError> {
 pub struct NodeMetadata {
     cp: u8,
     page_size: u32,
+    /// Pages per granule of the layout (1, or `cp` when ownership is positional): from the
+    /// layout, not encoded (a decoder is given the layout).
+    granule: u8,
     rank: Rank,
     page_owners: Vec<u8>,
     host_pages: Vec<HostPage>,
@@ -187,7 +201,35 @@ impl NodeMetadata {
             rank,
             page_owners,
             host_pages,
-        )
+        )?
+        .in_granule(layout.granule())
+    }
+
+    /// This metadata under a layout whose granule is `granule` pages: with a granule of `cp`
+    /// the node must be whole groups and page `i` owned by `i % cp` (ownership is positional).
+    fn in_granule(mut self, granule: u32) -> Result<Self, MetadataError> {
+        if granule > 1 {
+            let misaligned = |what: String| MetadataError::Misaligned { granule, what };
+            if self.page_owners.len() % granule as usize != 0 {
+                return Err(misaligned(format!(
+                    "{} pages are not whole granules",
+                    self.page_owners.len()
+                )));
+            }
+            if let Some((i, &o)) = self
+                .page_owners
+                .iter()
+                .enumerate()
+                .find(|(i, &o)| usize::from(o) != i % usize::from(self.cp))
+            {
+                return Err(misaligned(format!(
+                    "page {i} is owned by rank {o}, not by rank {}",
+                    i % usize::from(self.cp)
+                )));
+            }
+        }
+        self.granule = granule as u8;
+        Ok(self)
     }
 
     /// Builds metadata from raw parts, validating all of them (the decoder's last step; the
@@ -224,6 +266,7 @@ impl NodeMetadata {
         Ok(NodeMetadata {
             cp,
             page_size,
+            granule: 1,
             rank,
             page_owners,
             host_pages,
@@ -306,16 +349,18 @@ impl NodeMetadata {
             .flat_map(move |i| (i as u64 * ps)..((i as u64 + 1) * ps))
     }
 
-    /// Splits at a page-aligned token strictly inside the node. `page_owners` splits by page
+    /// Splits at a granule-aligned token strictly inside the node. `page_owners` splits by page
     /// index and `host_pages` by the number of owned pages on the left.
     pub fn split(&self, at_token: u64) -> Result<(NodeMetadata, NodeMetadata), MetadataError> {
         let len = self.len_tokens();
         let ps = u64::from(self.page_size);
-        if at_token == 0 || at_token >= len || at_token % ps != 0 {
+        let unit = ps * u64::from(self.granule);
+        if at_token == 0 || at_token >= len || at_token % unit != 0 {
             return Err(MetadataError::BadSplit {
                 at: at_token,
                 len,
                 page_size: self.page_size,
+                granule: u32::from(self.granule),
             });
         }
         let at_page = (at_token / ps) as usize;
@@ -358,6 +403,12 @@ impl NodeMetadata {
                     found: node.page_size,
                 });
             }
+            if node.granule != out.granule {
+                return Err(MetadataError::Misaligned {
+                    granule: u32::from(out.granule),
+                    what: format!("a node of granule {} joined to it", node.granule),
+                });
+            }
             if node.rank != out.rank {
                 return Err(MetadataError::RankMismatch {
                     expected: out.rank.0,
@@ -375,6 +426,7 @@ impl NodeMetadata {
         NodeMetadata {
             cp: self.cp,
             page_size: self.page_size,
+            granule: self.granule,
             rank: self.rank,
             page_owners: Vec::new(),
             host_pages: Vec::new(),
@@ -411,7 +463,7 @@ impl NodeMetadata {
     pub fn decode(bytes: &[u8], layout: &CpLayout) -> Result<NodeMetadata, MetadataError> {
         let m = Self::decode_any_layout(bytes)?;
         m.check_layout(layout)?;
-        Ok(m)
+        m.in_granule(layout.granule())
     }
 
     /// [`NodeMetadata::decode`] for the rank that reads it, whose host pool has `host_pool`

@@ -1,9 +1,12 @@
 {% include "prelude.cu" %}
 {% include "synth_common.cu" %}
-
-// Writes the synthesised {{ buffer }} bytes (docs/KERNELS.md) of the real tokens of sequence
+{% if interleaved %}{% include "interleave.cu" %}{% endif %}
+{% if interleaved %}// Writes the synthesised {{ buffer }} bytes (docs/KERNELS.md) of the real tokens of sequence
+// pages [start_page, CP * ceil(n_tokens / GRANULE_TOKENS)) that `rank` owns, token-interleaved
+// (chc_token_at), into its pool
+{% else %}// Writes the synthesised {{ buffer }} bytes (docs/KERNELS.md) of the real tokens of sequence
 // pages [start_page, ceil(n_tokens / PAGE_SIZE)) that `rank` owns into its pool
-// [layer][local_page][PAGE_BYTES]; other pages and padding slots are left untouched.
+{% endif %}// [layer][local_page][PAGE_BYTES]; other pages and padding slots are left untouched.
 // Work item w = (layer, page); blocks stride over the items. Per field, the threads stride
 // over the flat pairs x -> (slot x / D, draw x % D) of the page's real tokens, each draw one
 // 8-byte store (a partial last draw: its bytes only). Thread i takes x = i + k * THREADS: every
@@ -12,7 +15,11 @@
 extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}({# parameters: KernelSpec::params() #}
 {{ params }}
 {
+{%- if interleaved %}
+    const u32 n_pages = (u32)(((u64)n_tokens + GRANULE_TOKENS - 1u) / GRANULE_TOKENS * CP);
+{%- else %}
     const u32 n_pages = (u32)(((u64)n_tokens + PAGE_SIZE - 1u) >> LOG2_PAGE_SIZE);
+{%- endif %}
     const u32 span = n_pages > start_page ? n_pages - start_page : 0u;
     const u64 items = (u64)span * layers;
     for (u64 w = blockIdx.x; w < items; w += gridDim.x) {
@@ -24,10 +31,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}({# parameters: K
             continue;
         }
         u8* dst = pool + ((u64)layer * local_pages + local) * PAGE_BYTES;
+{%- if interleaved %}
+        const u32 real = chc_tokens_in_page(i, n_tokens);
+{%- else %}
         const u64 t0 = (u64)i << LOG2_PAGE_SIZE;
         const u64* hashes = prefix_hash + t0;
         const u64 left = n_tokens - t0;
         const u32 real = left < PAGE_SIZE ? (u32)left : PAGE_SIZE;
+{%- endif %}
 {%- for f in fields %}
         // Field {{ f.id }}: {{ f.count }} x {{ f.dtype }} per token at byte {{ f.base }} + slot * {{ f.tok_stride }}, {{ f.per_draw }} per draw.
 {%- for g in f.segments %}
@@ -42,7 +53,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}({# parameters: K
             const u64 key = chc_key(layer, {{ f.id }}u, d);
             u8* at = dst + {{ f.base }}u + d * 8u;
             for (u32 j = j0; j < real; j += {{ g.tok_step }}u) {
+{%- if interleaved %}
+                const u64 r = {{ f.pack }}(chc_mix64(prefix_hash[chc_token_at(i, j)] ^ key));
+{%- else %}
                 const u64 r = {{ f.pack }}(chc_mix64(hashes[j] ^ key));
+{%- endif %}
                 u8* q = at + j * {{ f.tok_stride }}u;
 {%- for a in g.accesses %}
                 *({{ a.ctype }}*)(q + {{ a.off }}u) = {{ a.value }};

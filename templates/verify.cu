@@ -1,6 +1,6 @@
 {% include "prelude.cu" %}
 {% include "synth_common.cu" %}
-
+{% if interleaved %}{% include "interleave.cu" %}{% endif %}
 // Sets bit t of the bitmap (word t / 32, bit t % 32). The word is read first: where a whole
 // sequence is wrong (a load that never happened) every pair of every token mismatches, and
 // one atomic per token and thread is enough. A stale read only costs one atomic more: bits
@@ -28,7 +28,12 @@ static __device__ inline void chc_flag_token(u32* bad_tokens, u32 t)
 extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}({# parameters: KernelSpec::params() #}
 {{ params }}
 {
+{%- if interleaved %}
+    // Token-interleaved: the dense buffer holds whole granules (chc_page_of, chc_slot_of).
+    const u64 n_pages = ((u64)n_tokens + GRANULE_TOKENS - 1u) / GRANULE_TOKENS * CP;
+{%- else %}
     const u64 n_pages = ((u64)n_tokens + PAGE_SIZE - 1u) >> LOG2_PAGE_SIZE;
+{%- endif %}
     const u64 first = (u64)start_page << LOG2_PAGE_SIZE;
     const u64 runs = first < n_tokens ? (n_tokens - first + ITEM_TOKENS - 1u) / ITEM_TOKENS : 0u;
     const u64 items = runs * layers;
@@ -53,7 +58,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}({# parameters: K
             for (u32 j = j0; j < nt; j += {{ g.tok_step }}u) {
                 const u32 t = t0 + j;
                 const u64 r = {{ f.pack }}(chc_mix64(prefix_hash[t] ^ key));
+{%- if interleaved %}
+                const u8* q = at + chc_page_of(t) * PAGE_BYTES + chc_slot_of(t) * {{ f.tok_stride }}u;
+{%- else %}
                 const u8* q = at + (u64)(t >> LOG2_PAGE_SIZE) * PAGE_BYTES + (t & (PAGE_SIZE - 1u)) * {{ f.tok_stride }}u;
+{%- endif %}
                 if ({% for a in g.accesses %}{% if !loop.first %} | {% endif %}(*(const {{ a.ctype }}*)(q + {{ a.off }}u) != {{ a.value }}){% endfor %}) {
                     chc_flag_token(bad_tokens, t);
                 }

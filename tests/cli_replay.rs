@@ -209,6 +209,78 @@ fn the_round_robin_layout_serves_verified_and_catches_the_seed_bug() {
     assert_eq!(report.unwrap()["layout"], "zigzag");
 }
 
+/// Every layout replays the built-in conversations and a Mooncake-format trace (a sample of
+/// the conversation trace, with repeated prefixes) with 0 mismatches on every rank, host
+/// hits, and agreeing replicas; the interleaved layouts refuse the faults that have no
+/// owners to lose, saying why.
+#[test]
+fn every_layout_replays_verified_with_host_hits() {
+    let trace = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/data/mooncake_sample.jsonl"
+    );
+    let layouts: [&[&str]; 5] = [
+        &["--layout", "zigzag"],
+        &["--layout", "round-robin"],
+        &["--layout", "page-interleave"],
+        &["--layout", "token-interleave"],
+        &["--layout", "token-interleave", "--interleave-size", "16"],
+    ];
+    for layout in layouts {
+        let trace_args = [
+            "replay",
+            "--trace",
+            trace,
+            "--replay-block-tokens",
+            "16",
+            "--model",
+            "mla",
+            "--page-size",
+            "16",
+            "--cp",
+            "4",
+            "--layers",
+            "1",
+            "--device-pages",
+            "129",
+            "--host-pages",
+            "256",
+            "--quiet",
+        ];
+        for (what, (out, report)) in [
+            ("built-in", replay(layout)),
+            ("trace", replay_with(&trace_args, layout)),
+        ] {
+            assert_eq!(
+                out.status.code(),
+                Some(0),
+                "{layout:?} {what}: {}",
+                stderr(&out)
+            );
+            let r = report.unwrap();
+            assert_eq!(num(&r, "mismatched_tokens"), 0, "{layout:?} {what}: {r}");
+            assert!(num(&r, "host_hit_tokens") > 0, "{layout:?} {what}: {r}");
+            assert_eq!(r["replicas_agree"], true, "{layout:?} {what}: {r}");
+            assert_eq!(r["device_lanes_agree"], true, "{layout:?} {what}: {r}");
+        }
+    }
+    for fault in ["plain-alloc-on-load", "lane-exhaustion"] {
+        let (out, _) = replay(&["--layout", "page-interleave", "--inject", fault]);
+        assert_eq!(out.status.code(), Some(2), "{fault}: {}", stderr(&out));
+        assert!(
+            stderr(&out).contains(&format!("--inject {fault}: under page-interleave")),
+            "{}",
+            stderr(&out)
+        );
+    }
+    let (out, _) = replay(&["--layout", "zigzag", "--interleave-size", "4"]);
+    assert!(
+        stderr(&out).contains("applies to token-interleave only"),
+        "{}",
+        stderr(&out)
+    );
+}
+
 #[test]
 fn plain_alloc_on_load_reports_mismatches() {
     let (out, report) = replay(&["--inject", "plain-alloc-on-load"]);

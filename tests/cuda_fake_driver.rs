@@ -821,7 +821,6 @@ fn rank_config(deployment: Deployment) -> ClusterConfig {
         policy: WritePolicy::WriteThrough,
         fault: None,
         sanitize: Sanitize::None,
-        owner_pattern: Default::default(),
     }
 }
 

@@ -22,7 +22,6 @@ fn per_rank(setup: &Setup) -> Cluster {
         policy: setup.policy,
         fault: setup.fault,
         sanitize: cp_hicache::jit::Sanitize::None,
-        owner_pattern: Default::default(),
     };
     let execs: Vec<Arc<dyn Executor>> = (0..setup.cp)
         .map(|_| Arc::new(host_executor()) as Arc<dyn Executor>)

@@ -29,7 +29,6 @@ fn config(cp: u8, device_pages: u32) -> ClusterConfig {
         policy: WritePolicy::WriteThrough,
         fault: None,
         sanitize: cp_hicache::jit::Sanitize::None,
-        owner_pattern: Default::default(),
     }
 }
 

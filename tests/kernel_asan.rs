@@ -179,11 +179,13 @@ fn other_specs() -> Vec<KernelSpec> {
             cp: 2,
             page_size: 4,
             threads: 32,
+            order: cp_hicache::kernels::TokenOrder::Paged,
         }));
         v.push(KernelSpec::Verify(VerifySpec {
             buffer,
             page_size: 4,
             threads: 32,
+            order: cp_hicache::kernels::TokenOrder::Paged,
         }));
     }
     v

@@ -23,9 +23,9 @@ use cp_hicache::kernels::reference;
 use cp_hicache::kernels::{
     transfer_regions, AllocSpec, BufferKind, CopyLaunch, Deployment, Direction, HostLayout,
     KernelSpec, MaterialiseSpec, PoolShape, ReleaseSpec, ReleaseStatus, SelectStatus, SynthSpec,
-    TransferSpec, VecWidth, VerifySpec,
+    TokenOrder, TransferSpec, VecWidth, VerifySpec,
 };
-use cp_hicache::layout::CpLayout;
+use cp_hicache::layout::{CpLayout, Layout, Placement};
 use support::{
     cpu_copy_launch, grid, i64s, le32, le64, u32s, uri_seed, Bench, MaterialiseCase, Rng,
     TransferCase, Twist, ORDERS, POISON,
@@ -200,6 +200,7 @@ fn synth_spec_threads(buffer: BufferKind, cp: u8, page_size: u32, threads: u32) 
         cp,
         page_size,
         threads,
+        order: TokenOrder::Paged,
     })
 }
 
@@ -212,6 +213,7 @@ fn verify_spec_threads(buffer: BufferKind, ps: u32, threads: u32) -> KernelSpec 
         buffer,
         page_size: ps,
         threads,
+        order: TokenOrder::Paged,
     })
 }
 
@@ -243,6 +245,7 @@ fn all_specs() -> Vec<KernelSpec> {
             }
         }
     }
+    v.extend(interleaved_specs().into_iter().flat_map(|(s, v)| [s, v]));
     v.sort();
     v.dedup();
     v
@@ -314,7 +317,7 @@ fn libs() -> &'static HashMap<KernelSpec, PathBuf> {
 #[test]
 fn spec_matrix_is_modest_and_valid() {
     let specs = all_specs();
-    assert!(specs.len() <= 110, "{} specs", specs.len());
+    assert!(specs.len() <= 120, "{} specs", specs.len());
     assert!(specs.iter().all(|s| s.validate().is_ok()));
     // Every vector width of the copy loops is compiled, and each shape with both store forms.
     for w in ["_v1_", "_v4_", "_v16_"] {
@@ -1581,9 +1584,9 @@ fn check_synthesise(b: &mut Bench, spec: KernelSpec, order: BlockOrder) {
             1 => partial_tokens(ps),
             _ => rng.range(1, u64::from(ps) * 4) as u32,
         };
-        let n_pages = n_tokens.div_ceil(ps);
+        let n_pages = placement(s.order, ps).pages_holding(n_tokens.into()) as u32;
         // Distinct global pages (page 0 excluded), some beyond the pools (skipped).
-        let perm = rng.permutation(cpn * (local_pages + 1) - 1);
+        let perm = rng.permutation((cpn * (local_pages + 1) - 1).max(n_pages));
         let seq: Vec<u32> = perm[..n_pages as usize].iter().map(|p| p + 1).collect();
         let start_page = match trial {
             0 => 0,
@@ -1621,6 +1624,7 @@ fn check_synthesise(b: &mut Bench, spec: KernelSpec, order: BlockOrder) {
                 s.buffer,
                 cp,
                 ps,
+                s.order,
                 &mut want,
                 &hashes,
                 &seq,
@@ -1680,28 +1684,86 @@ fn verify_flags_a_single_flipped_byte_in_every_field() {
 fn synthesised_dense(
     buffer: BufferKind,
     ps: u32,
+    order: TokenOrder,
     hashes: &[u64],
     n_tokens: u32,
     layers: u32,
 ) -> Vec<u8> {
-    let n_pages = n_tokens.div_ceil(ps);
+    let place = placement(order, ps);
+    let n_pages = place.pages_holding(n_tokens.into()) as u32;
     let pb = buffer.page_bytes(ps) as usize;
     let mut dense = vec![POISON; layers as usize * n_pages as usize * pb];
     for l in 0..layers {
         for t in 0..n_tokens {
-            let at = (l * n_pages + t / ps) as usize * pb;
+            let (page, slot) = place.place(t.into());
+            let at = (l as usize * n_pages as usize + page as usize) * pb;
             reference::synth_token(
                 buffer,
                 ps,
                 hashes[t as usize],
                 l,
-                t % ps,
+                slot,
                 &mut dense[at..at + pb],
             )
             .unwrap();
         }
     }
     dense
+}
+
+/// The placement of a kernel's token order (the layout arithmetic the references use).
+fn placement(order: TokenOrder, ps: u32) -> Placement {
+    match order {
+        TokenOrder::Paged => Layout::Zigzag.placement(1, ps),
+        TokenOrder::Interleaved { cp, run } => {
+            Layout::TokenInterleave { size: run }.placement(cp, ps)
+        }
+    }
+}
+
+/// Token-interleaved shapes: (buffer, cp, page size, run), runs of one token up to half a
+/// page, odd and even CP degrees.
+const INTERLEAVED: [(BufferKind, u8, u32, u32); 4] = [
+    (BufferKind::MlaKv, 4, 16, 1),
+    (BufferKind::MlaKv, 3, 16, 4),
+    (BufferKind::NsaKv, 8, 64, 1),
+    (BufferKind::NsaIndexK, 2, 64, 32),
+];
+
+/// The synthesise and verify specs of each [`INTERLEAVED`] shape.
+fn interleaved_specs() -> Vec<(KernelSpec, KernelSpec)> {
+    INTERLEAVED
+        .iter()
+        .map(|&(buffer, cp, ps, run)| {
+            let order = TokenOrder::Interleaved { cp, run };
+            (
+                KernelSpec::Synthesise(SynthSpec {
+                    buffer,
+                    cp,
+                    page_size: ps,
+                    threads: 128,
+                    order,
+                }),
+                KernelSpec::Verify(VerifySpec {
+                    buffer,
+                    page_size: ps,
+                    threads: 32,
+                    order,
+                }),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn interleaved_synthesise_and_verify_match_the_reference() {
+    for order in ORDERS {
+        let mut b = Bench::new(order, libs());
+        for (synth, verify) in interleaved_specs() {
+            check_synthesise(&mut b, synth, order);
+            check_verify(&mut b, verify, order);
+        }
+    }
 }
 
 /// Runs verify `spec` over `dense` on a cleared bitmap (as replay uploads it) followed by a
@@ -1780,7 +1842,8 @@ fn check_verify(b: &mut Bench, spec: KernelSpec, order: BlockOrder) {
             1 => partial_tokens(ps),
             _ => rng.range(1, u64::from(ps) * 4) as u32,
         };
-        let n_pages = n_tokens.div_ceil(ps);
+        let place = placement(s.order, ps);
+        let n_pages = place.pages_holding(n_tokens.into()) as u32;
         let start_page = match trial {
             0 => 0,
             1 => 1,
@@ -1788,7 +1851,7 @@ fn check_verify(b: &mut Bench, spec: KernelSpec, order: BlockOrder) {
         };
         let hashes = reference::prefix_hashes(&tokens(&mut rng, n_tokens));
         let pb = buffer.page_bytes(ps) as usize;
-        let mut dense = synthesised_dense(buffer, ps, &hashes, n_tokens, layers);
+        let mut dense = synthesised_dense(buffer, ps, s.order, &hashes, n_tokens, layers);
         // Trial 0: untouched. Others: flip bytes of random tokens (and of padding slots,
         // which must not count).
         let fields = buffer.field_layouts(ps);
@@ -1798,11 +1861,13 @@ fn check_verify(b: &mut Bench, spec: KernelSpec, order: BlockOrder) {
             for _ in 0..rng.range(1, 6) {
                 let l = rng.below(u64::from(layers)) as u32;
                 let slot_space = u64::from(n_pages * ps);
-                let t = rng.below(slot_space) as u32;
+                let x = rng.below(slot_space) as u32;
+                let (page, slot) = (x / ps, x % ps);
+                let t = place.token(page.into(), slot) as u32;
                 let f = fields[rng.below(fields.len() as u64) as usize];
                 let e = rng.below(u64::from(f.count)) as u32;
                 let byte = rng.below(u64::from(f.dtype.size())) as usize;
-                let at = (l * n_pages + t / ps) as usize * pb + f.offset(t % ps, e) + byte;
+                let at = (l * n_pages + page) as usize * pb + f.offset(slot, e) + byte;
                 if !touched.insert(at) {
                     continue; // a second flip of the same byte could undo the first
                 }
@@ -1812,8 +1877,10 @@ fn check_verify(b: &mut Bench, spec: KernelSpec, order: BlockOrder) {
                 }
             }
         }
-        let want =
-            reference::verify(buffer, ps, &dense, &hashes, n_tokens, start_page, layers).unwrap();
+        let want = reference::verify(
+            buffer, ps, s.order, &dense, &hashes, n_tokens, start_page, layers,
+        )
+        .unwrap();
         assert_eq!(
             set_bits(&want),
             bad,
@@ -1853,7 +1920,7 @@ fn check_verify_field_bytes(b: &mut Bench, spec: KernelSpec, order: BlockOrder) 
     let start_page = 1u32;
     let hashes = reference::prefix_hashes(&tokens(&mut rng, n_tokens));
     let pb = buffer.page_bytes(ps) as usize;
-    let correct = synthesised_dense(buffer, ps, &hashes, n_tokens, layers);
+    let correct = synthesised_dense(buffer, ps, TokenOrder::Paged, &hashes, n_tokens, layers);
     for f in buffer.field_layouts(ps) {
         let size = f.dtype.size();
         let last = f.count * size - 1;
@@ -1880,9 +1947,17 @@ fn check_verify_field_bytes(b: &mut Bench, spec: KernelSpec, order: BlockOrder) 
                     "{spec} {order} field {} byte {byte} (element {e}) of token {t} in layer {l}: flags {want:?}",
                     f.id
                 );
-                let reference =
-                    reference::verify(buffer, ps, &dense, &hashes, n_tokens, start_page, layers)
-                        .unwrap();
+                let reference = reference::verify(
+                    buffer,
+                    ps,
+                    TokenOrder::Paged,
+                    &dense,
+                    &hashes,
+                    n_tokens,
+                    start_page,
+                    layers,
+                )
+                .unwrap();
                 assert_eq!(set_bits(&reference), want, "reference: {ctx}");
                 let got = run_verify(
                     b, &mut rng, &spec, &dense, &hashes, n_tokens, start_page, layers, &ctx,

@@ -166,3 +166,11 @@ fn snapshot_synthesise_and_verify() {
     let mla = Deployment::by_name("mla_ps16_cp8").unwrap();
     snap("verify_mla_kv", mla.verify_spec(BufferKind::MlaKv));
 }
+
+/// Token-interleave changes only where synthesise and verify place each token.
+#[test]
+fn snapshot_token_interleaved_synthesise_and_verify() {
+    let ti = Deployment::by_name("nsa_ps64_cp8_ti1").unwrap();
+    snap("synthesise_nsa_kv_ti1", ti.synth_spec(BufferKind::NsaKv));
+    snap("verify_nsa_kv_ti1", ti.verify_spec(BufferKind::NsaKv));
+}

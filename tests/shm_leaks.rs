@@ -43,7 +43,6 @@ fn serving_ranks_leave_nothing_in_dev_shm() {
                     policy: WritePolicy::WriteThrough,
                     fault: None,
                     sanitize: cp_hicache::jit::Sanitize::None,
-                    owner_pattern: Default::default(),
                 };
                 let exec: Arc<dyn Executor> = Arc::new(host_executor());
                 let mut rc =

@@ -146,9 +146,10 @@ class RankCache:
         backend: ``"auto"``, ``"host"`` (CPU emulation) or ``"cuda"``.
         tuning: a tuning file of ``cp-hicache tune``.
         fault: a fault to inject (``"plain-alloc-on-load"``, ...), for tests.
-        layout: the owners a request's computed pages take: ``"zigzag"`` (2C chunks,
-            balancing causal attention) or ``"round-robin"`` (page ``i`` on rank ``i % C``).
-            Every rank must use the same one (compared at start-up).
+
+    The CP layout (who owns each token) is the deployment's
+    (``Deployment(layout=..., interleave_size=...)``); every rank must use the same one
+    (compared at start-up).
 
     Every rank of the group must make the same calls in the same order, as an engine's
     ranks do for each scheduled batch. Each step's outcome round compares what every rank
@@ -175,7 +176,6 @@ class RankCache:
         backend: str = "auto",
         tuning: Optional[str] = None,
         fault: Optional[str] = None,
-        layout: str = "zigzag",
     ) -> None:
         collective = None
         if group is not None:
@@ -190,7 +190,6 @@ class RankCache:
             backend=backend,
             tuning=tuning,
             fault=fault,
-            layout=layout,
         )
 
     @property
@@ -348,17 +347,18 @@ class RankCache:
 
     def token_locations(self, request: Request) -> Tuple[np.ndarray, np.ndarray]:
         """Where each token of ``request`` lives (after :meth:`allocate`): its owner rank and
-        its slot in the owner's pool, ``local_page * page_size + offset`` (u32 arrays), the
+        its slot in the owner's pool, ``local_page * page_size + slot`` (u32 arrays), the
         token index into ``pool.view(layers, local_pages * page_size, token_bytes)``, as an
-        engine's ``out_cache_loc``."""
+        engine's ``out_cache_loc``. The deployment's layout places the tokens: under
+        token-interleave a page holds only its owner's runs of tokens."""
         self._native._check_owns(request._native)
-        ps = self.deployment.page_size
         pages = request.pages
-        owners, local = self.locate(pages)
-        offsets = np.tile(np.arange(ps, dtype=np.uint32), len(pages))
-        slots = np.repeat(local, ps) * np.uint32(ps) + offsets
-        tokens = min(len(pages) * ps, request.stats()["prompt_tokens"])
-        return np.repeat(owners, ps)[:tokens], slots[:tokens].astype(np.uint32)
+        tokens = request.stats()["prompt_tokens"]
+        owners, slots = self._native.place_tokens(_u32_bytes(pages, "pages"), tokens)
+        return (
+            np.frombuffer(owners, dtype="<u4").copy(),
+            np.frombuffer(slots, dtype="<u4").copy(),
+        )
 
     def pool(self, buffer: str, owner: Optional[int] = None) -> Pool:
         """A device pool of ``buffer`` (``"kv"``, ``"index_k"``) as a DLPack producer,

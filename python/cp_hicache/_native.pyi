@@ -33,7 +33,11 @@ class Deployment:
         cp: int = 8,
         layers: int = 61,
         transfer: Optional[str] = None,
-    ) -> None: ...
+        interleave_size: Optional[int] = None,
+    ) -> None:
+        """``layout``: ``"zigzag"``, ``"round-robin"``, ``"page-interleave"`` (SGLang's
+        logical pages) or ``"token-interleave"`` (vLLM decode CP: token ``t`` on rank
+        ``(t // interleave_size) % cp``; ``interleave_size`` 1 when not given)."""
     @property
     def name(self) -> str:
         """The deployment's name, as ``cp-hicache compile`` prints it (``nsa_ps64_cp8``)."""
@@ -52,6 +56,12 @@ class Deployment:
     @property
     def buffers(self) -> List[str]:
         """The KV buffer kinds, one pool each."""
+    @property
+    def layout(self) -> str:
+        """The CP layout's name."""
+    @property
+    def interleave_size(self) -> Optional[int]:
+        """Tokens per run of token-interleave; ``None`` for the page layouts."""
 
 class WarmUpReport:
     """What :func:`warm_up` did."""
@@ -107,7 +117,6 @@ class RankCache:
         backend: str = "auto",
         tuning: Optional[Union[str, PathLike]] = None,
         fault: Optional[str] = None,
-        layout: str = "zigzag",
     ) -> None: ...
     @property
     def rank(self) -> int: ...
@@ -131,6 +140,7 @@ class RankCache:
     def set_verifying_ranks(self, n: int) -> None: ...
     def pool(self, buffer: str, owner: Optional[int] = None) -> Pool: ...
     def locate(self, pages: bytes) -> Tuple[bytes, bytes]: ...
+    def place_tokens(self, pages: bytes, n_tokens: int) -> Tuple[bytes, bytes]: ...
     def begin(self, tokens: bytes, allocate: bool = False) -> Request: ...
     def allocate(self, req: Request) -> None: ...
     def synthesise_and_verify(self, req: Request) -> int: ...

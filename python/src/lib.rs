@@ -34,13 +34,18 @@ pub struct Deployment {
 #[pymethods]
 impl Deployment {
     #[new]
-    #[pyo3(signature = (model = "nsa", page_size = 64, cp = 8, layers = 61, transfer = None))]
+    #[pyo3(signature = (
+        model = "nsa", page_size = 64, cp = 8, layers = 61, transfer = None,
+        layout = "zigzag", interleave_size = None
+    ))]
     fn new(
         model: &str,
         page_size: u32,
         cp: u8,
         layers: u32,
         transfer: Option<&str>,
+        layout: &str,
+        interleave_size: Option<u32>,
     ) -> PyResult<Self> {
         let shape = match model {
             "nsa" => ModelShape::Nsa,
@@ -55,8 +60,11 @@ impl Deployment {
         if !(1..=256).contains(&layers) {
             return Err(usage(format!("layers {layers} is not in 1..=256")));
         }
-        let mut inner =
-            CoreDeployment::new(shape, page_size, cp).map_err(|e| usage(e.to_string()))?;
+        let layout = cp_hicache::layout::Layout::parse(layout, interleave_size)
+            .map_err(|e| usage(format!("layout={layout:?}: {e}")))?;
+        let mut inner = CoreDeployment::new(shape, page_size, cp)
+            .and_then(|d| d.with_layout(layout))
+            .map_err(|e| usage(e.to_string()))?;
         if let Some(t) = transfer {
             inner.transfer_path = t.parse::<TransferPath>().map_err(usage)?;
         }
@@ -97,6 +105,21 @@ impl Deployment {
         self.layers
     }
 
+    /// The CP layout: `zigzag`, `round-robin`, `page-interleave` or `token-interleave`.
+    #[getter]
+    fn layout(&self) -> &'static str {
+        self.inner.layout.name()
+    }
+
+    /// Tokens per run of token-interleave (`None` for the page layouts).
+    #[getter]
+    fn interleave_size(&self) -> Option<u32> {
+        match self.inner.layout {
+            cp_hicache::layout::Layout::TokenInterleave { size } => Some(size),
+            _ => None,
+        }
+    }
+
     /// The KV buffer kinds, each a pool (`["kv", "index_k"]` for NSA).
     #[getter]
     fn buffers(&self) -> Vec<String> {
@@ -110,12 +133,15 @@ impl Deployment {
 
     fn __repr__(&self) -> String {
         format!(
-            "Deployment(model={:?}, page_size={}, cp={}, layers={}, transfer={:?})",
+            "Deployment(model={:?}, page_size={}, cp={}, layers={}, transfer={:?}, layout={:?}{})",
             self.model(),
             self.inner.page_size,
             self.inner.cp,
             self.layers,
-            self.inner.transfer_path.to_string()
+            self.inner.transfer_path.to_string(),
+            self.layout(),
+            self.interleave_size()
+                .map_or(String::new(), |i| format!(", interleave_size={i}"))
         )
     }
 }

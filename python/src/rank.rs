@@ -14,7 +14,7 @@ use cp_hicache::exec::Address;
 use cp_hicache::group::{Collective, LocalGroup, DEFAULT_TIMEOUT};
 use cp_hicache::jit::{Jit, JitConfig, Sanitize};
 use cp_hicache::kernels::BufferKind;
-use cp_hicache::layout::{CpLayout, OwnerPattern, PageId};
+use cp_hicache::layout::{CpLayout, PageId, Placement};
 use cp_hicache::rank::{
     ClusterConfig, Fault, PeerAccess, PoolGeometry, RankCache as CoreRank, Request as CoreRequest,
     RequestStats, WritePolicy,
@@ -353,8 +353,7 @@ impl RankCache {
     #[new]
     #[pyo3(signature = (
         deployment, rank = 0, collective = None, *, device_pages, host_pages,
-        policy = "write_through", backend = "auto", tuning = None, fault = None,
-        layout = "zigzag"
+        policy = "write_through", backend = "auto", tuning = None, fault = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -368,7 +367,6 @@ impl RankCache {
         backend: &str,
         tuning: Option<PathBuf>,
         fault: Option<&str>,
-        layout: &str,
     ) -> PyResult<Self> {
         let cp = deployment.inner.cp;
         let (mut group_slot, mut interrupt) = (None, None);
@@ -403,7 +401,6 @@ impl RankCache {
             WritePolicy,
             Option<Fault>,
             cp_hicache::exec::Backend,
-            OwnerPattern,
         );
         let checked = (|| -> PyResult<Checked> {
             let device_pages = pages_arg(device_pages, "device_pages")?;
@@ -417,18 +414,13 @@ impl RankCache {
                     group.rank().0
                 )));
             }
-            let layout = match layout {
-                "zigzag" => OwnerPattern::Zigzag,
-                "round-robin" | "round_robin" => OwnerPattern::RoundRobin,
-                other => {
-                    return Err(usage(format!(
-                        "layout={other:?}: the layouts are \"zigzag\" and \"round-robin\""
-                    )))
-                }
-            };
-            Ok((device_pages, host_pages, policy, fault, backend, layout))
+            if let Some(f) = fault {
+                f.check_layout(deployment.inner.layout)
+                    .map_err(|why| usage(format!("fault={:?}: {why}", f.to_string())))?;
+            }
+            Ok((device_pages, host_pages, policy, fault, backend))
         })();
-        let (device_pages, host_pages, policy, fault, backend, layout) = match checked {
+        let (device_pages, host_pages, policy, fault, backend) = match checked {
             Ok(x) => x,
             Err(e) => return Err(py.detach(move || refuse(&*group, e))),
         };
@@ -458,7 +450,6 @@ impl RankCache {
                     policy,
                     fault,
                     sanitize: Sanitize::from_env().map_err(to_py)?,
-                    owner_pattern: layout,
                 };
                 // Before anything is allocated: a pool too large for this machine would
                 // take minutes of paging, then the process.
@@ -695,6 +686,43 @@ impl RankCache {
             address,
             [i64::from(g.layers), local_pages as i64, page_bytes as i64],
         ))
+    }
+
+    /// Where each of the first `n_tokens` tokens of a sequence on `pages` lives, under the
+    /// deployment's layout: its owner rank and its slot in the owner's pool,
+    /// `local_page * page_size + slot` (u32 bytes each).
+    fn place_tokens<'py>(
+        &self,
+        py: Python<'py>,
+        pages: &[u8],
+        n_tokens: u64,
+    ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
+        let pages = ids(pages, "pages")?;
+        let layout = self.layout;
+        let ps = layout.page_size();
+        let place: Placement = self.deployment.inner.layout.placement(layout.cp(), ps);
+        if place.pages_holding(n_tokens) > pages.len() as u64 {
+            return Err(usage(format!(
+                "{n_tokens} tokens need {} pages under {}, not {}",
+                place.pages_holding(n_tokens),
+                self.deployment.inner.layout,
+                pages.len()
+            )));
+        }
+        if let Some(p) = pages.iter().find(|&&p| p >= layout.pages()) {
+            return Err(usage(format!(
+                "page {p} is outside the {} logical pages",
+                layout.pages()
+            )));
+        }
+        let (mut owners, mut slots) = (Vec::new(), Vec::new());
+        for t in 0..n_tokens {
+            let (i, j) = place.place(t);
+            let page = PageId(pages[i as usize]);
+            owners.push(u32::from(layout.owner(page).0));
+            slots.push(layout.local(page).0 * ps + j);
+        }
+        Ok((id_bytes(py, owners), id_bytes(py, slots)))
     }
 
     /// Each page's owner rank and local page in its owner's pool (u32 bytes each).

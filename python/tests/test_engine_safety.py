@@ -36,8 +36,8 @@ def _join(rank: int, size: int, port: int) -> None:
                             timeout=timedelta(seconds=TIMEOUT_S))
 
 
-def _dep(size: int) -> cp_hicache.Deployment:
-    return cp_hicache.Deployment(model="mla", page_size=16, cp=size, layers=2)
+def _dep(size: int, **kw) -> cp_hicache.Deployment:
+    return cp_hicache.Deployment(model="mla", page_size=16, cp=size, layers=2, **kw)
 
 
 def _error(e: BaseException) -> list:
@@ -91,12 +91,13 @@ def test_a_rank_that_cannot_start_fails_its_peers_at_once(tmp_path):
 def _differing_rank(rank: int, size: int, port: int, out: str, setting: str) -> None:
     _join(rank, size, port)
     kw = dict(device_pages=65, host_pages=32, backend="host")
+    layout = "zigzag"
     if setting == "device_pages":
         kw["device_pages"] = 65 + rank
     else:
-        kw["layout"] = ["zigzag", "round-robin"][rank]
+        layout = ["zigzag", "round-robin"][rank]
     try:
-        cp_hicache.RankCache(_dep(size), rank, dist.group.WORLD, **kw)
+        cp_hicache.RankCache(_dep(size, layout=layout), rank, dist.group.WORLD, **kw)
         log = {"error": None}
     except (cp_hicache.CacheError, ValueError) as e:
         log = {"error": _error(e)}
@@ -107,7 +108,7 @@ def _differing_rank(rank: int, size: int, port: int, out: str, setting: str) -> 
     "setting, message",
     [
         ("device_pages", "device pages: rank 0 65, rank 1 66"),
-        ("layout", "owner pattern: rank 0 zigzag, rank 1 round-robin"),
+        ("layout", "CP layout: rank 0 zigzag, rank 1 round-robin"),
     ],
 )
 def test_ranks_with_different_settings_refuse_to_start(tmp_path, setting, message):
@@ -191,3 +192,45 @@ def test_the_step_api_catches_divergence_and_agrees_on_how_requests_end(tmp_path
         assert log["served after"] == 0 and log["prefix after"] == 0, (r, log)
         assert log["closed"] and log["after close"][0] == "CacheError", (r, log)
         assert "closed" in log["after close"][1]
+
+
+def _layout_rank(rank: int, size: int, port: int, out: str, layout: str, run) -> None:
+    _join(rank, size, port)
+    log = {}
+    dep = _dep(size, layout=layout, interleave_size=run)
+    with cp_hicache.RankCache(dep, rank, dist.group.WORLD, device_pages=16 * size + size,
+                              host_pages=64, backend="host") as rc:
+        prompt = list(range(3 * 16 * size + 5))  # whole granules and a partial one
+        first = rc.serve(prompt)
+        # 15 granules of the 16 the pool has: evicts the prompt, which stays on the host.
+        big = rc.serve(list(range(10_000, 10_000 + 15 * 16 * size)))
+        again = rc.serve(prompt)
+        log["mismatched"] = sum(s["mismatched_tokens"] for s in [first, big, again])
+        log["host hit"] = again["host_hit_tokens"]
+        req = rc.begin(prompt, allocate=True)
+        owners, slots = rc.token_locations(req)
+        log["owners"] = owners.tolist()
+        log["pages"] = [int(p) for p in req.pages]
+        rc.abandon(req)
+        rc.check_invariants()
+        log["digests agree"] = len(set(rc.all_digests())) == 1
+    _save(out, rank, log)
+
+
+@pytest.mark.parametrize("layout, run", [("page-interleave", None), ("token-interleave", 4)])
+def test_interleaved_layouts_serve_verified_with_positional_owners(tmp_path, layout, run):
+    size = 2
+    logs = _run(_layout_rank, size, tmp_path, layout, run)
+    tokens = 3 * 16 * size + 5
+    per_run = run or 16
+    for log in logs:
+        assert log["mismatched"] == 0, log
+        assert log["host hit"] == 3 * 16 * size, log
+        assert log["digests agree"], log
+        assert log["owners"] == [(t // per_run) % size for t in range(tokens)], log
+        pages = log["pages"]
+        assert len(pages) % size == 0
+        # Aligned groups: granule g's pages are b*cp .. b*cp + cp - 1 for some b.
+        for g in range(0, len(pages), size):
+            base = pages[g] - pages[g] % size
+            assert pages[g:g + size] == [base + r for r in range(size)], pages

@@ -186,7 +186,29 @@ def test_token_locations_index_the_pool_by_token():
     rc.abandon(req)
 
 
-def test_the_layout_is_an_argument_checked_by_name():
-    assert make(layout="round-robin").serve(range(100))["mismatched_tokens"] == 0
+def test_the_layout_is_a_deployment_argument_checked_by_name():
+    rr = cp_hicache.Deployment(model="mla", page_size=16, cp=1, layers=2, layout="round-robin")
+    assert rr.layout == "round-robin" and rr.interleave_size is None
+    rc = cp_hicache.RankCache(rr, device_pages=64, host_pages=64, backend="host")
+    assert rc.serve(range(100))["mismatched_tokens"] == 0
     with pytest.raises(cp_hicache.UsageError, match='layout="diagonal"'):
-        make(layout="diagonal")
+        cp_hicache.Deployment(model="mla", page_size=16, cp=1, layout="diagonal")
+    with pytest.raises(cp_hicache.UsageError, match="token-interleave only"):
+        cp_hicache.Deployment(model="mla", page_size=16, cp=1, interleave_size=2)
+    with pytest.raises(cp_hicache.UsageError, match="interleave size 32"):
+        cp_hicache.Deployment(model="mla", page_size=16, cp=1, layout="token-interleave",
+                              interleave_size=32)
+    ti = cp_hicache.Deployment(model="mla", page_size=16, cp=1, layers=2,
+                               layout="token-interleave", interleave_size=4)
+    assert ti.name == "mla_ps16_cp1_ti4" and ti.interleave_size == 4
+    rc = cp_hicache.RankCache(ti, device_pages=64, host_pages=64, backend="host")
+    assert rc.serve(range(100))["mismatched_tokens"] == 0
+
+
+def test_faults_without_owners_to_lose_are_refused_under_interleaved_layouts():
+    pi = cp_hicache.Deployment(model="mla", page_size=16, cp=1, layers=2,
+                               layout="page-interleave")
+    for fault in ["plain-alloc-on-load", "lane-exhaustion"]:
+        with pytest.raises(cp_hicache.UsageError, match="positional|lockstep"):
+            cp_hicache.RankCache(pi, device_pages=64, host_pages=64, backend="host",
+                                 fault=fault)

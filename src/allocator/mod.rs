@@ -407,6 +407,21 @@ impl OwnerLaneAllocator {
                 )));
             }
         }
+        if self.layout.granule() > 1 {
+            // Allocations and frees are whole aligned groups, so every lane holds the same
+            // groups in the same order: popping one page per lane gives an aligned group.
+            let lane0 = &self.lanes[0];
+            for (r, lane) in self.lanes.iter().enumerate().skip(1) {
+                let lockstep = lane.len() == lane0.len()
+                    && lane.iter().zip(lane0).all(|(p, q)| p.0 == q.0 + r as u32);
+                if !lockstep {
+                    return Err(invariant(format!(
+                        "lane {r} is out of lockstep with lane 0: its free pages are not the \
+                         same groups in the same order"
+                    )));
+                }
+            }
+        }
         Ok(())
     }
 

@@ -11,7 +11,7 @@ use crate::exec::{open_executor, Backend, Executor};
 use crate::jit::{Jit, JitConfig, Sanitize};
 use crate::kernels::{Deployment, ModelShape, TransferPath};
 use crate::layout::CpLayout;
-use crate::layout::OwnerPattern;
+use crate::layout::Layout;
 use crate::workload::{
     Conversations, ConversationsConfig, MooncakeTrace, Request, TraceConfig, WorkloadError,
     MAX_BLOCK_TOKENS,
@@ -107,11 +107,20 @@ pub struct ReplayArgs {
     /// When device pages are backed up to the host.
     #[arg(long, default_value = "write_through", value_parser = policy_parser())]
     pub policy: WritePolicy,
-    /// Which owners a request's computed pages take, in order. Loaded pages keep the
-    /// owners recorded at backup under either layout, so `--inject plain-alloc-on-load` is
-    /// caught under both.
+    /// The CP layout: which rank owns each token. zigzag and round-robin record each
+    /// page's owner and a load-back must restore it, so `--inject plain-alloc-on-load` is
+    /// caught under both. Under page-interleave and token-interleave ownership is
+    /// positional (page i of a sequence is rank i % C's) and pages are allocated in aligned
+    /// groups of C, one per rank, kept in lockstep: a plain allocation gives the same
+    /// pages, and one lane cannot run short alone, so `plain-alloc-on-load` and
+    /// `lane-exhaustion` are refused there.
     #[arg(long, default_value = "zigzag", value_parser = layout_parser())]
-    pub layout: OwnerPattern,
+    pub layout: String,
+    /// Tokens per run of token-interleave (vLLM's cp_kv_cache_interleave_size): token t is
+    /// on rank (t / N) % C. A power of two no larger than --page-size; 1 (SGLang's NSA
+    /// round-robin token split) when not given. Refused with the other layouts.
+    #[arg(long, value_name = "N")]
+    pub interleave_size: Option<u32>,
     /// Executor that runs the kernels.
     #[arg(long, default_value = "auto", value_parser = backend_parser())]
     pub backend: Backend,
@@ -187,20 +196,18 @@ fn policy_parser() -> impl clap::builder::TypedValueParser<Value = WritePolicy> 
 }
 
 /// `--layout` with each value's meaning in `--help`.
-fn layout_parser() -> impl clap::builder::TypedValueParser<Value = OwnerPattern> {
-    use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+fn layout_parser() -> impl clap::builder::TypedValueParser<Value = String> {
+    use clap::builder::{PossibleValue, PossibleValuesParser};
     PossibleValuesParser::new([
         PossibleValue::new("zigzag")
             .help("2C chunks of pages, chunk k on rank k, then back (balances causal attention)"),
-        PossibleValue::new("round-robin").help("page i on rank i % C"),
+        PossibleValue::new("round-robin").help("computed page i on rank i % C"),
+        PossibleValue::new("page-interleave")
+            .help("SGLang's logical pages: groups of C pages, page i of a sequence on rank i % C"),
+        PossibleValue::new("token-interleave").help(
+            "vLLM decode CP: token t on rank (t / --interleave-size) % C, pages hold one rank's tokens",
+        ),
     ])
-    .map(|s| {
-        if s == "round-robin" {
-            OwnerPattern::RoundRobin
-        } else {
-            OwnerPattern::Zigzag
-        }
-    })
 }
 
 /// `--backend` with each value's meaning in `--help` (`cpu` and `gpu` stay accepted).
@@ -267,8 +274,16 @@ impl ReplayArgs {
             ModelArg::Nsa => ModelShape::Nsa,
             ModelArg::Mla => ModelShape::MlaBf16,
         };
+        let layout = Layout::parse(&self.layout, self.interleave_size)
+            .map_err(|e| crate::Error::Usage(format!("--layout: {e}")))?;
         let deployment = Deployment::new(model, self.page_size, self.cp)
+            .and_then(|d| d.with_layout(layout))
             .map_err(|e| crate::Error::Usage(e.to_string()))?;
+        if let Some(fault) = self.inject {
+            fault
+                .check_layout(layout)
+                .map_err(|why| crate::Error::Usage(format!("--inject {fault}: {why}")))?;
+        }
         if let Some(n) = self.verify_ranks {
             if n == 0 || n > self.cp {
                 return Err(crate::Error::Usage(format!(
@@ -549,7 +564,6 @@ pub fn check_replay_args(args: &ReplayArgs) -> Result<(), crate::Error> {
         policy: args.policy,
         fault: args.inject,
         sanitize: Sanitize::None,
-        owner_pattern: args.layout,
     };
     check_memory(&config, args.backend.resolve())
 }
@@ -637,7 +651,6 @@ impl Setup {
             policy: args.policy,
             fault: args.inject,
             sanitize: Sanitize::from_env()?,
-            owner_pattern: args.layout,
         };
         Ok(Setup {
             config,
@@ -872,7 +885,7 @@ fn drive(
         model: deployment.model.to_string(),
         layers: args.layers,
         policy: args.policy.to_string(),
-        layout: args.layout.to_string(),
+        layout: deployment.layout.to_string(),
         workload: match &input_error {
             Some(e) => format!("{}, cut short by {e}", plan.workload_name),
             None => plan.workload_name,
@@ -1069,7 +1082,6 @@ mod tests {
             policy: WritePolicy::WriteThrough,
             fault: None,
             sanitize: Sanitize::default(),
-            owner_pattern: Default::default(),
         };
         let (cp, page) = (8u64, 64u64);
         let need = MemoryNeed::new(&config, Backend::Host).unwrap();

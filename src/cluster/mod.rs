@@ -31,7 +31,6 @@
 //!     policy: WritePolicy::WriteThrough,
 //!     fault: None,
 //!     sanitize: Sanitize::None,
-//!     owner_pattern: Default::default(),
 //! };
 //! let execs = (0..2)
 //!     .map(|_| Arc::new(HostExecutor::new(HostOptions::default())) as _)

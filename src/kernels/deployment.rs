@@ -5,9 +5,10 @@ use std::fmt;
 
 use super::spec::{
     AllocSpec, BufferKind, BusySpec, CopyLaunch, Direction, HostLayout, KernelSpec,
-    MaterialiseSpec, ReleaseSpec, SynthSpec, TransferSpec, VecWidth, VerifySpec,
+    MaterialiseSpec, ReleaseSpec, SynthSpec, TokenOrder, TransferSpec, VecWidth, VerifySpec,
 };
 use super::{KernelError, TransferPath};
+use crate::layout::Layout;
 
 /// The model whose KV buffers a deployment caches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -54,6 +55,9 @@ pub struct Deployment {
     pub page_size: u32,
     /// CP degree.
     pub cp: u8,
+    /// The CP layout (who owns each token): [`Deployment::with_layout`] sets it, so that
+    /// the name follows. Only token-interleave changes kernels (synthesise and verify).
+    pub layout: Layout,
     /// NVRTC target of offline builds (`compile`, `bench --prebuild`); a CUDA executor
     /// builds for its own device's architecture instead (`jit::target_for`).
     pub arch: Arch,
@@ -92,6 +96,10 @@ const REFERENCE: &[(ModelShape, u32, &[u8])] = &[
     (ModelShape::MlaBf16, 64, &[4, 8]),
 ];
 
+/// The reference deployments of layouts whose kernels differ: (model, page size, CP, layout).
+const REFERENCE_LAYOUTS: &[(ModelShape, u32, u8, Layout)] =
+    &[(ModelShape::Nsa, 64, 8, Layout::TokenInterleave { size: 1 })];
+
 impl Deployment {
     /// A deployment with the default launch shapes, named `<model>_ps<page>_cp<cp>`. NSA
     /// uses the page-first host layout, MLA the layer-first one, so the reference render
@@ -109,6 +117,7 @@ impl Deployment {
             model,
             page_size,
             cp,
+            layout: Layout::default(),
             arch: Arch::default(),
             host_layout: match model {
                 ModelShape::Nsa => HostLayout::PageFirst,
@@ -124,13 +133,48 @@ impl Deployment {
         Ok(dep)
     }
 
+    /// This deployment under `layout`. A token-interleave layout whose runs are shorter
+    /// than a page changes the synthesise and verify kernels, so its name says so
+    /// (`mla_ps16_cp4_ti1`); the page layouts share their kernels and their name.
+    pub fn with_layout(mut self, layout: Layout) -> Result<Deployment, KernelError> {
+        layout
+            .validate(self.page_size)
+            .map_err(|e| KernelError::InvalidDeployment {
+                name: self.name.clone(),
+                reason: e.to_string(),
+            })?;
+        if self.layout.interleaves_tokens(self.page_size) {
+            let cut = self.name.rfind("_ti").unwrap_or(self.name.len());
+            self.name.truncate(cut);
+        }
+        self.layout = layout;
+        if layout.interleaves_tokens(self.page_size) {
+            self.name = format!("{}_ti{}", self.name, layout.interleave(self.page_size));
+        }
+        self.validate()?;
+        Ok(self)
+    }
+
+    /// How tokens fill the pages under this deployment's layout.
+    pub fn token_order(&self) -> TokenOrder {
+        if self.layout.interleaves_tokens(self.page_size) {
+            TokenOrder::Interleaved {
+                cp: self.cp,
+                run: self.layout.interleave(self.page_size),
+            }
+        } else {
+            TokenOrder::Paged
+        }
+    }
+
     /// Checks every spec of the deployment.
     pub fn validate(&self) -> Result<(), KernelError> {
         self.specs().iter().try_for_each(KernelSpec::validate)
     }
 
     /// Every reference deployment: NSA page 64 at CP 1, 2, 4, 8, 16; MLA bf16 at page 16
-    /// and 64, CP 4 and 8.
+    /// and 64, CP 4 and 8; then NSA page 64 at CP 8 token-interleaved one token at a time
+    /// (SGLang's NSA prefill split), whose synthesise and verify kernels differ.
     pub fn reference() -> Vec<Deployment> {
         REFERENCE
             .iter()
@@ -138,6 +182,15 @@ impl Deployment {
                 cps.iter()
                     .filter_map(move |&cp| Deployment::new(model, ps, cp).ok())
             })
+            .chain(
+                REFERENCE_LAYOUTS
+                    .iter()
+                    .filter_map(|&(model, ps, cp, layout)| {
+                        Deployment::new(model, ps, cp)
+                            .and_then(|d| d.with_layout(layout))
+                            .ok()
+                    }),
+            )
             .collect()
     }
 
@@ -221,6 +274,7 @@ impl Deployment {
             cp: self.cp,
             page_size: self.page_size,
             threads: self.synth_threads,
+            order: self.token_order(),
         })
     }
 
@@ -230,6 +284,7 @@ impl Deployment {
             buffer,
             page_size: self.page_size,
             threads: self.synth_threads,
+            order: self.token_order(),
         })
     }
 
@@ -285,7 +340,8 @@ mod tests {
                 "mla_ps16_cp4",
                 "mla_ps16_cp8",
                 "mla_ps64_cp4",
-                "mla_ps64_cp8"
+                "mla_ps64_cp8",
+                "nsa_ps64_cp8_ti1"
             ]
         );
     }
@@ -314,6 +370,43 @@ mod tests {
         assert_eq!(nsa.specs().len(), 2 + 2 + 2 * 3);
         let mla = Deployment::by_name("mla_ps16_cp4").unwrap();
         assert_eq!(mla.specs().len(), 2 + 2 + 3);
+    }
+
+    #[test]
+    fn token_interleave_renames_and_changes_only_the_placing_kernels() {
+        let base = Deployment::by_name("mla_ps16_cp4").unwrap();
+        let ti = base
+            .clone()
+            .with_layout(Layout::TokenInterleave { size: 2 })
+            .unwrap();
+        assert_eq!(ti.name, "mla_ps16_cp4_ti2");
+        let changed: Vec<String> = ti
+            .specs()
+            .iter()
+            .filter(|s| !base.specs().contains(s))
+            .map(KernelSpec::uri)
+            .collect();
+        assert_eq!(
+            changed,
+            [
+                "synthesise_mla_kv_cp4_ps16_t128_ti2",
+                "verify_mla_kv_ps16_t128_cp4ti2"
+            ]
+        );
+        let back = ti.with_layout(Layout::PageInterleave).unwrap();
+        assert_eq!(
+            (back.name.as_str(), back.specs()),
+            ("mla_ps16_cp4", base.specs())
+        );
+        // A run of a whole page is page order: nothing changes.
+        let whole = base
+            .clone()
+            .with_layout(Layout::TokenInterleave { size: 16 })
+            .unwrap();
+        assert_eq!(whole.name, "mla_ps16_cp4");
+        assert!(base
+            .with_layout(Layout::TokenInterleave { size: 32 })
+            .is_err());
     }
 
     #[test]

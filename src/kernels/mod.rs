@@ -31,8 +31,8 @@ pub use spec::{
     AllocSpec, Arrangement, BufferKind, BusySpec, CopyLaunch, Direction, Dtype, Family,
     FieldLayout, FieldMisalignment, HostLayout, KernelParam, KernelSignature, KernelSpec,
     LaunchDims, MaterialiseSpec, Reach, ReachError, ReleaseSpec, ReleaseStatus, SelectStatus,
-    SynthSpec, TransferSpec, VecWidth, VerifySpec, GPU_TRANSFER_BLOCKS, GPU_TRANSFER_THREADS,
-    GPU_TRANSFER_UNROLL, TRANSFER_GRID_CAPS,
+    SynthSpec, TokenOrder, TransferSpec, VecWidth, VerifySpec, GPU_TRANSFER_BLOCKS,
+    GPU_TRANSFER_THREADS, GPU_TRANSFER_UNROLL, TRANSFER_GRID_CAPS,
 };
 
 use std::path::PathBuf;

@@ -6,7 +6,8 @@
 //! skip them; slices too short for the declared geometry are a [`ReferenceError`], never a
 //! panic.
 
-use super::spec::{BufferKind, Direction, HostLayout};
+use super::spec::{BufferKind, Direction, HostLayout, TokenOrder};
+use crate::layout::{Layout, Placement};
 
 /// Slices that do not fit the geometry the call declares.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -447,18 +448,26 @@ pub fn materialise(
     Ok(())
 }
 
-fn page_count(n_tokens: u32, page_size: u32) -> u32 {
-    n_tokens.div_ceil(page_size)
+/// The placement arithmetic of a token order (the Rust side of templates/interleave.cu).
+fn placement(order: TokenOrder, page_size: u32) -> Placement {
+    match order {
+        TokenOrder::Paged => Layout::Zigzag.placement(1, page_size),
+        TokenOrder::Interleaved { cp, run } => {
+            Layout::TokenInterleave { size: run }.placement(cp, page_size)
+        }
+    }
 }
 
-/// `synthesise`: writes the synthesised bytes of the real tokens of sequence pages
-/// `[start_page, ceil(n_tokens / page_size))` that `rank` owns into `pool`
-/// (`[layer][local_page][page_bytes]`); other pages and padding slots stay untouched.
+/// `synthesise`: writes the synthesised bytes of the real tokens of the sequence pages from
+/// `start_page` on (those holding the first `n_tokens` tokens in `order`) that `rank` owns
+/// into `pool` (`[layer][local_page][page_bytes]`); other pages and padding slots stay
+/// untouched.
 #[allow(clippy::too_many_arguments)]
 pub fn synthesise(
     buffer: BufferKind,
     cp: u8,
     page_size: u32,
+    order: TokenOrder,
     pool: &mut [u8],
     prefix_hash: &[u64],
     seq_pages: &[u32],
@@ -470,7 +479,8 @@ pub fn synthesise(
 ) -> Result<(), ReferenceError> {
     let cpn = check_cp(cp)?;
     check_ps(page_size)?;
-    let n_pages = page_count(n_tokens, page_size);
+    let place = placement(order, page_size);
+    let n_pages = place.pages_holding(u64::from(n_tokens)) as u32;
     need("prefix_hash", prefix_hash, u64::from(n_tokens))?;
     need("seq_pages", seq_pages, u64::from(n_pages))?;
     let page_bytes = buffer.page_bytes(page_size);
@@ -486,24 +496,57 @@ pub fn synthesise(
         if p % cpn != rank || local >= local_pages {
             continue;
         }
-        let t0 = i * page_size;
-        let real = (n_tokens - t0).min(page_size);
+        let real = place.tokens_in_page(u64::from(i), u64::from(n_tokens));
         for l in 0..layers {
             let at = device_offset(local, l, local_pages, page_bytes) as usize;
             let page = &mut pool[at..at + pb];
             for j in 0..real {
-                synth_token(
-                    buffer,
-                    page_size,
-                    prefix_hash[(t0 + j) as usize],
-                    l,
-                    j,
-                    page,
-                )?;
+                let t = place.token(u64::from(i), j);
+                synth_token(buffer, page_size, prefix_hash[t as usize], l, j, page)?;
             }
         }
     }
     Ok(())
+}
+
+/// The dense buffer (`[layer][seq_page][page_bytes]`, bytes outside tokens `0xA5`) that
+/// materialising a sequence of `n_tokens` tokens placed in `order` from correctly
+/// synthesised pools gives: what [`verify`] accepts.
+pub fn dense(
+    buffer: BufferKind,
+    page_size: u32,
+    order: TokenOrder,
+    prefix_hash: &[u64],
+    n_tokens: u32,
+    layers: u32,
+) -> Result<Vec<u8>, ReferenceError> {
+    check_ps(page_size)?;
+    need("prefix_hash", prefix_hash, u64::from(n_tokens))?;
+    let place = placement(order, page_size);
+    let n_pages = place.pages_holding(u64::from(n_tokens)) as u32;
+    let page_bytes = buffer.page_bytes(page_size);
+    let mut out = vec![0xA5u8; extent("dense", layers, n_pages, page_bytes)? as usize];
+    let pb = page_bytes as usize;
+    for t in 0..u64::from(n_tokens) {
+        let (i, j) = place.place(t);
+        for l in 0..layers {
+            let at = ((u64::from(l) * u64::from(n_pages) + i) * page_bytes) as usize;
+            synth_token(
+                buffer,
+                page_size,
+                prefix_hash[t as usize],
+                l,
+                j,
+                &mut out[at..at + pb],
+            )?;
+        }
+    }
+    Ok(out)
+}
+
+/// The sequence page and slot of token `t` in `order` (the kernels' placement).
+pub fn place(order: TokenOrder, page_size: u32, t: u64) -> (u64, u32) {
+    placement(order, page_size).place(t)
 }
 
 /// `busy`: word `i` of `[0, n)` is `seed ^ (i * 0x9E3779B9)` (wrapping, 32 bits) after
@@ -522,11 +565,14 @@ pub fn busy(n: u32, rounds: u32, seed: u32) -> Vec<u32> {
 }
 
 /// `verify`: the tokens in `[start_page * page_size, n_tokens)` whose bytes in `dense`
-/// (`[layer][seq_page][page_bytes]`) differ from the synthesised ones in any layer, as the
-/// kernel's bitmap: bit `t % 32` of word `t / 32` (`n_tokens.div_ceil(32)` words).
+/// (`[layer][seq_page][page_bytes]`, tokens placed in `order`) differ from the synthesised
+/// ones in any layer, as the kernel's bitmap: bit `t % 32` of word `t / 32`
+/// (`n_tokens.div_ceil(32)` words).
+#[allow(clippy::too_many_arguments)]
 pub fn verify(
     buffer: BufferKind,
     page_size: u32,
+    order: TokenOrder,
     dense: &[u8],
     prefix_hash: &[u64],
     n_tokens: u32,
@@ -534,7 +580,8 @@ pub fn verify(
     layers: u32,
 ) -> Result<Vec<u32>, ReferenceError> {
     check_ps(page_size)?;
-    let n_pages = page_count(n_tokens, page_size);
+    let place = placement(order, page_size);
+    let n_pages = place.pages_holding(u64::from(n_tokens)) as u32;
     need("prefix_hash", prefix_hash, u64::from(n_tokens))?;
     let page_bytes = buffer.page_bytes(page_size);
     need(
@@ -547,10 +594,7 @@ pub fn verify(
     let mut bad = vec![0u32; n_tokens.div_ceil(32) as usize];
     let start = u64::from(start_page) * u64::from(page_size);
     for t in start..u64::from(n_tokens) {
-        let (i, j) = (
-            (t / u64::from(page_size)) as u32,
-            (t % u64::from(page_size)) as u32,
-        );
+        let (i, j) = place.place(t);
         let mut mismatch = false;
         for l in 0..layers {
             synth_token(
@@ -561,7 +605,7 @@ pub fn verify(
                 j,
                 &mut expect,
             )?;
-            let at = ((u64::from(l) * u64::from(n_pages) + u64::from(i)) * page_bytes) as usize;
+            let at = ((u64::from(l) * u64::from(n_pages) + i) * page_bytes) as usize;
             let got = &dense[at..at + pb];
             mismatch |= buffer.field_layouts(page_size).iter().any(|f| {
                 (0..f.count).any(|e| {
@@ -962,6 +1006,7 @@ mod tests {
                     b,
                     cp,
                     ps,
+                    TokenOrder::Paged,
                     pool,
                     &hashes,
                     &seq_pages,
@@ -984,7 +1029,9 @@ mod tests {
                     .collect()
             };
             assert_eq!(
-                bad_tokens(verify(b, ps, &dense, &hashes, 70, 0, layers).unwrap()),
+                bad_tokens(
+                    verify(b, ps, TokenOrder::Paged, &dense, &hashes, 70, 0, layers).unwrap()
+                ),
                 Vec::<u32>::new(),
                 "{b}"
             );
@@ -994,15 +1041,72 @@ mod tests {
             let views: Vec<&[u8]> = broken.iter().map(|p| p.as_slice()).collect();
             materialise(cp, pb, &views, &seq_pages, 5, layers, local, &mut dense).unwrap();
             assert_eq!(
-                bad_tokens(verify(b, ps, &dense, &hashes, 70, 0, layers).unwrap()),
+                bad_tokens(
+                    verify(b, ps, TokenOrder::Paged, &dense, &hashes, 70, 0, layers).unwrap()
+                ),
                 (32..48).chain(64..70).collect::<Vec<u32>>(),
                 "{b}"
             );
             assert_eq!(
-                bad_tokens(verify(b, ps, &dense, &hashes, 70, 3, layers).unwrap()),
+                bad_tokens(
+                    verify(b, ps, TokenOrder::Paged, &dense, &hashes, 70, 3, layers).unwrap()
+                ),
                 (64..70).collect::<Vec<u32>>(),
                 "{b}"
             );
+        }
+    }
+
+    /// Token-interleaved: each rank's pages hold its runs; materialised pages equal the
+    /// reference dense buffer, and a rank's lost pool flags exactly its tokens.
+    #[test]
+    fn interleaved_synthesise_materialise_verify_agree() {
+        let (cp, ps, layers, local, run) = (4u8, 8u32, 2u32, 4u32, 2u32);
+        let order = TokenOrder::Interleaved { cp, run };
+        for b in [BufferKind::MlaKv, BufferKind::NsaIndexK] {
+            let pb = b.page_bytes(ps);
+            let n = 45u32; // one whole granule of 32 tokens and 13 more
+            let tokens: Vec<u32> = (0..n).map(|i| i * 13 + 1).collect();
+            let hashes = prefix_hashes(&tokens);
+            // Two aligned groups: local pages 2 and 1 of every rank.
+            let seq_pages = [8u32, 9, 10, 11, 4, 5, 6, 7];
+            let mut pools: Vec<Vec<u8>> = (0..cp)
+                .map(|_| vec![0xA5u8; (u64::from(layers * local) * pb) as usize])
+                .collect();
+            for (rank, pool) in pools.iter_mut().enumerate() {
+                synthesise(
+                    b,
+                    cp,
+                    ps,
+                    order,
+                    pool,
+                    &hashes,
+                    &seq_pages,
+                    n,
+                    0,
+                    rank as u32,
+                    layers,
+                    local,
+                )
+                .unwrap();
+            }
+            let views: Vec<&[u8]> = pools.iter().map(|p| p.as_slice()).collect();
+            let mut got = vec![0u8; (u64::from(layers) * 8 * pb) as usize];
+            materialise(cp, pb, &views, &seq_pages, 8, layers, local, &mut got).unwrap();
+            assert_eq!(got, dense(b, ps, order, &hashes, n, layers).unwrap(), "{b}");
+            let ok = verify(b, ps, order, &got, &hashes, n, 0, layers).unwrap();
+            assert!(ok.iter().all(|&w| w == 0), "{b}");
+            let mut broken = pools.clone();
+            broken[1] = vec![0xA5u8; broken[1].len()];
+            let views: Vec<&[u8]> = broken.iter().map(|p| p.as_slice()).collect();
+            materialise(cp, pb, &views, &seq_pages, 8, layers, local, &mut got).unwrap();
+            let bad = verify(b, ps, order, &got, &hashes, n, 0, layers).unwrap();
+            let flagged: Vec<u32> = (0..n)
+                .filter(|&t| bad[(t / 32) as usize] >> (t % 32) & 1 == 1)
+                .collect();
+            // Rank 1 holds runs 1, 5, 9, ... of each granule: tokens 2,3 10,11 ... 34,35 42,43.
+            let want: Vec<u32> = (0..n).filter(|t| (t / run) % u32::from(cp) == 1).collect();
+            assert_eq!(flagged, want, "{b}");
         }
     }
 }

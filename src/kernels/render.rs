@@ -16,12 +16,13 @@ pub const REGENERATE_COMMAND: &str = "cargo run --release -- render --out genera
 
 /// The text of every file in `templates/` (the emulation header too: it is what the host
 /// executor's kernels run on), for [`sources_digest`].
-const TEMPLATE_TEXTS: [&str; 13] = [
+const TEMPLATE_TEXTS: [&str; 14] = [
     include_str!("../../templates/prelude.cu"),
     include_str!("../../templates/epilogue.cu"),
     include_str!("../../templates/copy_page.cu"),
     include_str!("../../templates/tile_rank.cu"),
     include_str!("../../templates/synth_common.cu"),
+    include_str!("../../templates/interleave.cu"),
     include_str!("../../templates/select_owner_pages.cu"),
     include_str!("../../templates/release_pages.cu"),
     include_str!("../../templates/transfer_pages.cu"),
@@ -188,6 +189,7 @@ struct SynthTpl<'a> {
     params: &'a str,
     buffer: String,
     fields: Vec<FieldTpl>,
+    interleaved: bool,
 }
 
 #[derive(Template)]
@@ -199,6 +201,27 @@ struct VerifyTpl<'a> {
     params: &'a str,
     buffer: String,
     fields: Vec<FieldTpl>,
+    interleaved: bool,
+}
+
+/// The constants of a token order: a token-interleaved one's run and granule (and its CP
+/// degree where the kernel has none of its own).
+fn order_consts(order: super::TokenOrder, page_size: u32, with_cp: bool) -> Vec<Const> {
+    match order {
+        super::TokenOrder::Paged => Vec::new(),
+        super::TokenOrder::Interleaved { cp, run } => {
+            let mut v = Vec::new();
+            if with_cp {
+                v.push(c("CP", cp));
+            }
+            v.extend([
+                c("RUN", run),
+                c("LOG2_RUN", run.trailing_zeros()),
+                c("GRANULE_TOKENS", u64::from(page_size) * u64::from(cp)),
+            ]);
+            v
+        }
+    }
 }
 
 fn copy_consts(cp: Option<u8>, page_size: u32, bpt: u32, l: &super::CopyLaunch) -> Vec<Const> {
@@ -434,9 +457,14 @@ pub(crate) fn render_spec(spec: &KernelSpec) -> Result<String, KernelError> {
             uri: &uri,
             template,
             params: &params,
-            consts: synth_consts(Some(s.cp), s.buffer, s.page_size, s.threads),
+            consts: {
+                let mut c = synth_consts(Some(s.cp), s.buffer, s.page_size, s.threads);
+                c.extend(order_consts(s.order, s.page_size, false));
+                c
+            },
             buffer: s.buffer.to_string(),
             fields: fields(s.buffer, s.page_size, s.threads),
+            interleaved: s.order != super::TokenOrder::Paged,
         }
         .render(),
         KernelSpec::Verify(s) => VerifyTpl {
@@ -446,10 +474,12 @@ pub(crate) fn render_spec(spec: &KernelSpec) -> Result<String, KernelError> {
             consts: {
                 let mut c = synth_consts(None, s.buffer, s.page_size, s.threads);
                 c.push(self::c("ITEM_TOKENS", s.item_tokens()));
+                c.extend(order_consts(s.order, s.page_size, true));
                 c
             },
             buffer: s.buffer.to_string(),
             fields: fields(s.buffer, s.page_size, s.threads),
+            interleaved: s.order != super::TokenOrder::Paged,
         }
         .render(),
         KernelSpec::Busy(s) => BusyTpl {

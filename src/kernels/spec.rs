@@ -966,6 +966,47 @@ impl MaterialiseSpec {
     }
 }
 
+/// How a sequence's tokens fill its pages, for the kernels that place tokens (synthesise,
+/// verify; docs/KERNELS.md "Layouts"). Copies move whole pages and do not care.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub enum TokenOrder {
+    /// Sequence page `i` holds tokens `i * page_size ..` (zigzag, round-robin and
+    /// page-interleave).
+    #[default]
+    Paged,
+    /// Token-interleave: granules of `cp` pages (one per rank); in granule `g`, token run
+    /// `k` (`run` tokens) goes to the page of rank `k % cp`, after that page's earlier runs.
+    Interleaved {
+        /// Pages per granule (the CP degree).
+        cp: u8,
+        /// Tokens per run: a power of two below the page size.
+        run: u32,
+    },
+}
+
+impl TokenOrder {
+    /// The suffix the order adds to a kernel's uri: nothing for pages of consecutive tokens.
+    fn uri_suffix(self) -> String {
+        match self {
+            TokenOrder::Paged => String::new(),
+            TokenOrder::Interleaved { cp, run } => format!("_cp{cp}ti{run}"),
+        }
+    }
+
+    /// `base` (bytes per sequence page) times the sequence pages the first `n` tokens span
+    /// (`n` being a parameter name): whole granules when interleaved.
+    fn pages_reach(self, base: Reach, n: &'static str, page_size: u32) -> Reach {
+        match self {
+            TokenOrder::Paged => base.times_ceil(n, page_size),
+            TokenOrder::Interleaved { cp, .. } => Reach {
+                unit: base.unit * u64::from(cp),
+                ..base
+            }
+            .times_ceil(n, page_size * u32::from(cp)),
+        }
+    }
+}
+
 /// Synthesis of one buffer kind into a rank's pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SynthSpec {
@@ -977,6 +1018,8 @@ pub struct SynthSpec {
     pub page_size: u32,
     /// Threads per block (1..=1024).
     pub threads: u32,
+    /// Where each token sits (an interleaved order's `cp` is this spec's).
+    pub order: TokenOrder,
 }
 
 /// Verification of a dense buffer of one buffer kind.
@@ -988,6 +1031,8 @@ pub struct VerifySpec {
     pub page_size: u32,
     /// Threads per block (1..=1024).
     pub threads: u32,
+    /// Where each token sits in the dense buffer's pages.
+    pub order: TokenOrder,
 }
 
 impl VerifySpec {
@@ -1286,13 +1331,23 @@ impl KernelSpec {
                 s.cp, s.page_size, s.bytes_per_token, s.launch
             ),
             KernelSpec::Synthesise(s) => {
+                let order = match s.order {
+                    TokenOrder::Paged => String::new(),
+                    TokenOrder::Interleaved { run, .. } => format!("_ti{run}"),
+                };
                 format!(
-                    "{fam}_{}_cp{}_ps{}_t{}",
+                    "{fam}_{}_cp{}_ps{}_t{}{order}",
                     s.buffer, s.cp, s.page_size, s.threads
                 )
             }
             KernelSpec::Verify(s) => {
-                format!("{fam}_{}_ps{}_t{}", s.buffer, s.page_size, s.threads)
+                format!(
+                    "{fam}_{}_ps{}_t{}{}",
+                    s.buffer,
+                    s.page_size,
+                    s.threads,
+                    s.order.uri_suffix()
+                )
             }
             KernelSpec::Busy(s) => format!("{fam}_t{}", s.threads),
         }
@@ -1410,7 +1465,7 @@ impl KernelSpec {
                     "const u32*",
                     "seq_pages",
                     4,
-                    R::of(4).times_ceil("n_tokens", s.page_size),
+                    s.order.pages_reach(R::of(4), "n_tokens", s.page_size),
                 ),
                 P::u32("n_tokens"),
                 P::u32("start_page"),
@@ -1422,9 +1477,11 @@ impl KernelSpec {
                 P::pages(
                     "const u8*",
                     "dense",
-                    R::of(s.buffer.page_bytes(s.page_size))
-                        .times("layers")
-                        .times_ceil("n_tokens", s.page_size),
+                    s.order.pages_reach(
+                        R::of(s.buffer.page_bytes(s.page_size)).times("layers"),
+                        "n_tokens",
+                        s.page_size,
+                    ),
                 ),
                 P::ptr("const u64*", "prefix_hash", 8, R::of(8).times("n_tokens")),
                 P::u32("n_tokens"),
@@ -1557,6 +1614,21 @@ impl KernelSpec {
             }
             Ok(())
         };
+        let check_order = |order: TokenOrder, page_size: u32| match order {
+            TokenOrder::Paged => Ok(()),
+            TokenOrder::Interleaved { cp, run } => {
+                check_cp(cp)?;
+                if run.is_power_of_two() && run < page_size {
+                    Ok(())
+                } else {
+                    Err(bad(
+                        "interleave run",
+                        run,
+                        "must be a power of two below the page size (a run of a whole page is Paged)",
+                    ))
+                }
+            }
+        };
         match self {
             KernelSpec::SelectOwnerPages(s) => {
                 check_cp(s.cp)?;
@@ -1579,11 +1651,22 @@ impl KernelSpec {
                 check_cp(s.cp)?;
                 check_ps(s.page_size)?;
                 check_block(s.threads)?;
+                check_order(s.order, s.page_size)?;
+                if let TokenOrder::Interleaved { cp, .. } = s.order {
+                    if cp != s.cp {
+                        return Err(bad(
+                            "order cp",
+                            u32::from(cp),
+                            "must equal the spec's CP degree",
+                        ));
+                    }
+                }
                 check_fields(s.buffer, s.page_size)
             }
             KernelSpec::Verify(s) => {
                 check_ps(s.page_size)?;
                 check_block(s.threads)?;
+                check_order(s.order, s.page_size)?;
                 check_fields(s.buffer, s.page_size)
             }
             KernelSpec::Busy(s) => check_block(s.threads),
@@ -1775,11 +1858,13 @@ mod tests {
                 cp: 1,
                 page_size: 1,
                 threads: 128,
+                order: TokenOrder::Paged,
             }),
             KernelSpec::Verify(VerifySpec {
                 buffer: BufferKind::NsaIndexK,
                 page_size: 1,
                 threads: 128,
+                order: TokenOrder::Paged,
             }),
         ] {
             let err = spec.render().unwrap_err();
@@ -1941,11 +2026,13 @@ mod tests {
                     cp,
                     page_size: 64,
                     threads: 128,
+                    order: TokenOrder::Paged,
                 }),
                 KernelSpec::Verify(VerifySpec {
                     buffer: BufferKind::MlaKv,
                     page_size: 16,
                     threads: 128,
+                    order: TokenOrder::Paged,
                 }),
             ];
             for spec in specs {
@@ -1999,6 +2086,7 @@ mod tests {
             buffer: BufferKind::NsaKv,
             page_size: 64,
             threads: 128,
+            order: TokenOrder::Paged,
         });
         let reach = |spec: &KernelSpec, name: &str| {
             spec.params()
@@ -2125,11 +2213,13 @@ mod tests {
                 cp: 2,
                 page_size: 64,
                 threads: 128,
+                order: TokenOrder::Paged,
             }),
             KernelSpec::Verify(VerifySpec {
                 buffer: BufferKind::MlaKv,
                 page_size: 1,
                 threads: 32,
+                order: TokenOrder::Paged,
             }),
         ];
         let families: std::collections::BTreeSet<_> = specs.iter().map(|s| s.family()).collect();
@@ -2252,6 +2342,7 @@ mod tests {
             buffer: BufferKind::MlaKv,
             page_size: 16,
             threads: 32,
+            order: TokenOrder::Paged,
         });
         assert_eq!(v.launch_dims(0, 4), LaunchDims { grid: 1, block: 32 });
         assert_eq!(v.launch_dims(u32::MAX, 4).grid, 1024);
@@ -2260,6 +2351,7 @@ mod tests {
             cp: 4,
             page_size: 16,
             threads: 32,
+            order: TokenOrder::Paged,
         });
         assert_eq!(s.launch_dims(u32::MAX, 4).grid, 1 << 16);
     }

@@ -10,7 +10,7 @@ use crate::hicache::host_pool::HostPoolError;
 use crate::hicache::tree::TreeError;
 use crate::jit::Sanitize;
 use crate::kernels::Deployment;
-use crate::layout::{CpLayout, LayoutError};
+use crate::layout::{CpLayout, Layout, LayoutError};
 use crate::metadata::MetadataError;
 use std::fmt;
 use std::str::FromStr;
@@ -73,6 +73,28 @@ impl Fault {
     ];
 }
 
+impl Fault {
+    /// Whether the fault means anything under `layout`; why not, when it does not.
+    pub fn check_layout(self, layout: Layout) -> Result<(), String> {
+        if layout.granule_pages(2) == 1 {
+            return Ok(());
+        }
+        match self {
+            Fault::PlainAllocOnLoad => Err(format!(
+                "under {layout} ownership is positional and pages are allocated in aligned \
+                 groups of one page per rank, from lanes kept in lockstep: a plain allocation \
+                 returns the very pages an owner-preserving one does, so there are no owners \
+                 to lose"
+            )),
+            Fault::LaneExhaustion => Err(format!(
+                "under {layout} pages are allocated in aligned groups of one page per rank, \
+                 from lanes kept in lockstep: one lane cannot run short alone"
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
 impl fmt::Display for Fault {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
@@ -118,24 +140,25 @@ pub struct ClusterConfig {
     pub fault: Option<Fault>,
     /// Sanitizer build of host-emulation kernels.
     pub sanitize: Sanitize,
-    /// Which owners the freshly computed pages of a request take, in order (zigzag by
-    /// default; loaded pages keep the owners recorded at backup, whatever the pattern).
-    pub owner_pattern: crate::layout::OwnerPattern,
 }
 
 /// Host pages per rank left when [`Fault::HostPoolFull`] is injected.
 const HOST_PAGES_UNDER_FAULT: u32 = 2;
 
 impl ClusterConfig {
-    /// The layout of the device pages (an invalid page size, CP degree or page count is an
-    /// error).
+    /// The layout of the device pages, allocated in the deployment layout's granule (an
+    /// invalid page size, CP degree or page count is an error).
     pub fn layout(&self) -> Result<CpLayout, ClusterError> {
         let dep = &self.deployment;
-        Ok(CpLayout::new(
-            u32::from(dep.cp),
-            dep.page_size,
-            self.device_pages,
-        )?)
+        if let Some(fault) = self.fault {
+            fault.check_layout(dep.layout).map_err(|why| {
+                ClusterError::Config(format!("fault {fault} under {}: {why}", dep.layout))
+            })?;
+        }
+        Ok(
+            CpLayout::new(u32::from(dep.cp), dep.page_size, self.device_pages)?
+                .with_granule(dep.layout.granule_pages(dep.cp))?,
+        )
     }
 
     /// The pools a cluster of this configuration allocates: each rank's share of the device

@@ -23,7 +23,19 @@ impl RankCache {
             self.alloc.alloc_pages_with_owners(owners)
         };
         match res {
-            Ok(k) => Ok(Some(k.run.into_pages())),
+            Ok(k) => {
+                let pages = k.run.into_pages();
+                if self.layout.granule() > 1 {
+                    // The lanes move in lockstep, so positional owners give aligned groups;
+                    // anything else is a bug that would put a granule's pages on the wrong
+                    // local pages of the engine's logical page: refuse it.
+                    if let Err(e) = crate::layout::check_aligned_groups(self.layout.cp(), &pages) {
+                        self.alloc.free(&pages)?;
+                        return Err(e.into());
+                    }
+                }
+                Ok(Some(pages))
+            }
             Err(e) if e.is_shortage() => Ok(None),
             Err(e) => Err(e.into()),
         }

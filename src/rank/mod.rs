@@ -146,7 +146,7 @@ impl StartUp {
             ("layers", config.layers.to_string()),
             ("device pages", config.device_pages.to_string()),
             ("layout", format!("{layout:?}")),
-            ("owner pattern", config.owner_pattern.to_string()),
+            ("CP layout", dep.layout.to_string()),
             ("write policy", config.policy.to_string()),
             ("fault", fault),
             ("peer access", format!("{access:?}")),
@@ -1021,7 +1021,6 @@ mod tests {
             policy: WritePolicy::WriteThrough,
             fault: None,
             sanitize: crate::jit::Sanitize::None,
-            owner_pattern: Default::default(),
         };
         let exec = Arc::new(crate::exec::HostExecutor::new(
             crate::exec::HostOptions::default(),

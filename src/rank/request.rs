@@ -347,6 +347,12 @@ impl RankCache {
         self.poison_freed(pages)
     }
 
+    /// Pages of the whole granules in `tokens` tokens: what the tree matches and keeps.
+    pub(super) fn whole_granule_pages(&self, tokens: usize) -> usize {
+        let granule = self.layout.granule() as usize;
+        tokens / (self.layout.page_size() as usize * granule) * granule
+    }
+
     /// Steps 1-2 of a request: match, then load back host-only nodes.
     pub(super) fn begin_inner(
         &mut self,
@@ -360,7 +366,7 @@ impl RankCache {
             prompt_tokens: tokens.len() as u64,
             ..RequestStats::default()
         };
-        let full = tokens.len() / ps;
+        let full = self.whole_granule_pages(tokens.len());
         let key = &tokens[..full * ps];
 
         // 1. Match (identical trees give identical results on every rank).
@@ -428,14 +434,13 @@ impl RankCache {
         })
     }
 
-    /// Step 3: allocate the pages to compute, their owners in the configured pattern.
+    /// Step 3: allocate the pages to compute (whole granules), their owners as the layout
+    /// says.
     pub(super) fn allocate_inner(&mut self, req: &mut Request) -> Result<(), ClusterError> {
         let ps = self.layout.page_size() as usize;
-        let n_pages = req.tokens.len().div_ceil(ps);
-        let owners = self
-            .config
-            .owner_pattern
-            .owners(self.layout.cp(), n_pages - req.cached);
+        let (layout, cp) = (self.config.deployment.layout, self.layout.cp());
+        let n_pages = layout.pages_for(cp, ps as u32, req.tokens.len());
+        let owners = layout.owners(cp, req.cached, n_pages - req.cached);
         let run = self.alloc_with_eviction(&owners, &req.pages, &mut req.stats)?;
         req.pages.extend(run);
         req.stats.computed_tokens = (req.tokens.len() - req.cached * ps) as u64;
@@ -451,7 +456,7 @@ impl RankCache {
         let ps = self.layout.page_size() as usize;
         let (tokens, pages, cached, locked) = (&req.tokens, &req.pages, req.cached, req.locked);
         let stats = &mut req.stats;
-        let full = tokens.len() / ps;
+        let full = self.whole_granule_pages(tokens.len());
         let key = &tokens[..full * ps];
         let ins = self.tree.insert(key, &pages[..full])?;
         // Every rank drops the same copies (owners are replicated).
@@ -588,7 +593,6 @@ mod tests {
             policy: WritePolicy::WriteThrough,
             fault: None,
             sanitize: crate::jit::Sanitize::None,
-            owner_pattern: Default::default(),
         };
         let members = crate::group::LocalGroup::members(2, std::time::Duration::from_secs(60));
         std::thread::scope(|s| {

@@ -127,7 +127,13 @@ impl RankCache {
     ) -> Result<Vec<u8>, ClusterError> {
         let g = self.pools.geometry();
         let n_tokens = tokens.len() as u32;
-        let n_pages = tokens.len().div_ceil(self.layout.page_size() as usize) as u32;
+        // The pages holding tokens: whole granules when tokens are interleaved.
+        let n_pages = self
+            .config
+            .deployment
+            .layout
+            .placement(self.layout.cp(), self.layout.page_size())
+            .pages_holding(tokens.len() as u64) as u32;
         let bad_tokens = self.pools.zeroed_words(words)?;
         let mut captured = Vec::new();
         for &b in self.config.deployment.model.buffers() {

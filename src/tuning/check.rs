@@ -408,7 +408,11 @@ pub(super) fn check_one(
         }
         KernelSpec::Synthesise(s) => {
             let cp = u32::from(s.cp);
-            let n_pages = 6u32;
+            // Whole granules when tokens are interleaved (the seq_pages the kernel reads).
+            let n_pages = match s.order {
+                crate::kernels::TokenOrder::Paged => 6u32,
+                crate::kernels::TokenOrder::Interleaved { .. } => 2 * cp.max(2),
+            };
             let n_tokens = n_pages * s.page_size - 3;
             let local_pages = n_pages + 2;
             let layers = 2;
@@ -455,6 +459,7 @@ pub(super) fn check_one(
                 s.buffer,
                 s.cp,
                 s.page_size,
+                s.order,
                 &mut want,
                 &hashes,
                 &seq,
@@ -475,22 +480,9 @@ pub(super) fn check_one(
             let hashes = reference::prefix_hashes(&tokens);
             let page_bytes = s.buffer.page_bytes(s.page_size);
             let mut dense =
-                vec![0xA5u8; (u64::from(layers) * u64::from(n_pages) * page_bytes) as usize];
-            let seq: Vec<u32> = (0..n_pages).collect();
-            reference::synthesise(
-                s.buffer,
-                1,
-                s.page_size,
-                &mut dense,
-                &hashes,
-                &seq,
-                n_tokens,
-                0,
-                0,
-                layers,
-                n_pages,
-            )
-            .map_err(reference_err("synthesise"))?;
+                reference::dense(s.buffer, s.page_size, s.order, &hashes, n_tokens, layers)
+                    .map_err(reference_err("synthesise"))?;
+            let n_pages = (dense.len() as u64 / page_bytes / u64::from(layers)) as u32;
             // One flipped byte in each of three distinct tokens past page 0 (which verify
             // skips here), in a random layer, field and element: three known mismatches.
             let fields = s.buffer.field_layouts(s.page_size);
@@ -501,13 +493,22 @@ pub(super) fn check_one(
                 let e = rng.below(u64::from(f.count)) as u32;
                 let byte = rng.below(u64::from(f.dtype.size())) as usize;
                 let layer = rng.below(u64::from(layers)) as u32;
-                let page = u64::from(layer * n_pages + t / s.page_size);
-                let at = (page * page_bytes) as usize + f.offset(t % s.page_size, e) + byte;
+                let (seq_page, slot) = reference::place(s.order, s.page_size, u64::from(t));
+                let page = u64::from(layer * n_pages) + seq_page;
+                let at = (page * page_bytes) as usize + f.offset(slot, e) + byte;
                 dense[at] ^= 0x40;
             }
-            let want =
-                reference::verify(s.buffer, s.page_size, &dense, &hashes, n_tokens, 1, layers)
-                    .map_err(reference_err("verify"))?;
+            let want = reference::verify(
+                s.buffer,
+                s.page_size,
+                s.order,
+                &dense,
+                &hashes,
+                n_tokens,
+                1,
+                layers,
+            )
+            .map_err(reference_err("verify"))?;
             let planted: u32 = want.iter().map(|w| w.count_ones()).sum();
             if planted != 3 {
                 return Err(TuningError::Reference {

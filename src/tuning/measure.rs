@@ -1062,7 +1062,19 @@ impl<'e> SynthBench<'e> {
                 vec![0xA5u8; (u64::from(layers) * u64::from(n_pages) * page_bytes) as usize];
             let seq: Vec<u32> = (0..n_pages).collect();
             crate::kernels::reference::synthesise(
-                buffer, 1, page_size, &mut dense, &words, &seq, n_tokens, 0, 0, layers, n_pages,
+                buffer,
+                1,
+                page_size,
+                // `tune` runs the reference deployments, whose pages hold consecutive tokens.
+                crate::kernels::TokenOrder::Paged,
+                &mut dense,
+                &words,
+                &seq,
+                n_tokens,
+                0,
+                0,
+                layers,
+                n_pages,
             )
             .map_err(|e| TuningError::Reference {
                 what: "synthesise",

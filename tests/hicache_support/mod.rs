@@ -68,7 +68,6 @@ impl Setup {
             policy: self.policy,
             fault: self.fault,
             sanitize: Sanitize::None,
-            owner_pattern: Default::default(),
         };
         Cluster::new(config, exec, &jit()).unwrap()
     }

@@ -77,7 +77,7 @@ impl RadixTree {
     /// Verifies the structure: links, page alignment, value sizes, unique pages, residency
     /// rules and lock counts (see the module doc).
     pub fn check_invariants(&self) -> Result<(), TreeError> {
-        let ps = self.ps();
+        let (ps, unit) = (self.ps(), self.unit());
         let mut device = HashSet::new();
         let mut host = HashSet::new();
         let mut reached = 0;
@@ -90,9 +90,9 @@ impl RadixTree {
                     return Err(invariant("the root holds a key, a value or a lock".into()));
                 }
             } else {
-                if n.key.is_empty() || n.key.len() % ps != 0 {
+                if n.key.is_empty() || n.key.len() % unit != 0 {
                     return Err(invariant(format!(
-                        "{id}: key of {} tokens is not whole pages",
+                        "{id}: key of {} tokens is not whole granules",
                         n.key.len()
                     )));
                 }
@@ -100,7 +100,7 @@ impl RadixTree {
                     .parent
                     .ok_or_else(|| invariant(format!("{id} has no parent")))?;
                 let pn = self.get(parent)?;
-                if pn.children.get(&n.key[..ps]) != Some(&id) {
+                if pn.children.get(&n.key[..unit]) != Some(&id) {
                     return Err(invariant(format!(
                         "{id} is not its parent's child for its first page"
                     )));
@@ -121,7 +121,7 @@ impl RadixTree {
             let mut child_locks: u64 = 0;
             for (first, &c) in &n.children {
                 let cn = self.get(c)?;
-                if cn.parent != Some(id) || cn.key.get(..ps) != Some(first.as_slice()) {
+                if cn.parent != Some(id) || cn.key.get(..unit) != Some(first.as_slice()) {
                     return Err(invariant(format!("{c} is badly linked under {id}")));
                 }
                 child_locks += u64::from(cn.lock);

@@ -322,7 +322,7 @@ impl RadixTree {
     /// Unlinks a childless node, frees its slot and its held pages, and returns it.
     pub(super) fn remove_leaf(&mut self, id: NodeId) -> Result<Node, TreeError> {
         self.not_root(id, "remove")?;
-        let ps = self.ps();
+        let unit = self.unit();
         let n = self.get(id)?;
         if !n.children.is_empty() {
             return Err(invariant(format!("removing {id}, which has children")));
@@ -330,7 +330,7 @@ impl RadixTree {
         let parent = n
             .parent
             .ok_or_else(|| invariant(format!("{id} has no parent")))?;
-        let first = n.key[..ps].to_vec();
+        let first = n.key[..unit].to_vec();
         self.get_mut(parent)?.children.remove(&first);
         let slot = &mut self.slots[id.index as usize];
         let n = slot

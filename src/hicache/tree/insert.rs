@@ -2,7 +2,7 @@
 //! value and host copy, and the locks that keep a path from eviction.
 
 use super::{invariant, InsertResult, Node, NodeId, RadixTree, TreeError};
-use crate::layout::PageId;
+use crate::layout::{LayoutError, PageId};
 use crate::metadata::NodeMetadata;
 use std::collections::{BTreeMap, HashSet};
 
@@ -18,13 +18,22 @@ impl RadixTree {
     /// therefore replace its host copy: the copy leaves the node and comes back in
     /// [`InsertResult::dropped_host_copies`], for the caller to free its host pages.
     pub fn insert(&mut self, tokens: &[u32], pages: &[PageId]) -> Result<InsertResult, TreeError> {
-        let ps = self.ps();
+        let (ps, unit) = (self.ps(), self.unit());
         if pages.len().checked_mul(ps) != Some(tokens.len()) {
             return Err(TreeError::LengthMismatch {
                 tokens: tokens.len(),
                 pages: pages.len(),
                 page_size: self.layout.page_size(),
             });
+        }
+        if tokens.len() % unit != 0 {
+            return Err(TreeError::Layout(LayoutError::Misaligned {
+                what: format!(
+                    "{} pages inserted, not whole granules of {} pages",
+                    pages.len(),
+                    self.granule()
+                ),
+            }));
         }
         // The caller may pass the tree's own pages for the prefix it matched (the usual case
         // after a hit): those are neither new nor duplicates.
@@ -35,6 +44,9 @@ impl RadixTree {
             .filter(|(p, e)| e.as_ref() != Some(*p))
             .map(|(&p, _)| p)
             .collect();
+        if self.granule() > 1 {
+            crate::layout::check_aligned_groups(self.layout.cp(), pages)?;
+        }
         self.check_new_pages(&incoming)?;
         self.clock += 1;
         let now = self.clock;
@@ -85,7 +97,7 @@ impl RadixTree {
                 stamp: now,
             };
             self.held_device.extend(pages[offset..].iter().copied());
-            let first = leaf.key[..ps].to_vec();
+            let first = leaf.key[..unit].to_vec();
             let id = self.alloc(leaf);
             self.get_mut(node)?.children.insert(first, id);
             node = id;
@@ -146,6 +158,9 @@ impl RadixTree {
         }
         if let (Some(h), true) = (&n.host, check_owners) {
             self.check_owners(node, &pages, h)?;
+        }
+        if self.granule() > 1 {
+            crate::layout::check_aligned_groups(self.layout.cp(), &pages)?;
         }
         self.check_new_pages(&pages)?;
         self.held_device.extend(pages.iter().copied());

@@ -5,10 +5,10 @@ use super::{invariant, MatchResult, Node, NodeId, RadixTree, TreeError};
 use crate::layout::PageId;
 use std::collections::BTreeMap;
 
-/// Leading whole pages on which `a` and `b` agree.
-fn common_pages(a: &[u32], b: &[u32], ps: usize) -> usize {
-    a.chunks_exact(ps)
-        .zip(b.chunks_exact(ps))
+/// Leading whole units (pages, or granules) on which `a` and `b` agree.
+fn common_units(a: &[u32], b: &[u32], unit: usize) -> usize {
+    a.chunks_exact(unit)
+        .zip(b.chunks_exact(unit))
         .take_while(|(x, y)| x == y)
         .count()
 }
@@ -38,11 +38,13 @@ impl RadixTree {
         Ok(out)
     }
 
-    /// Matches the longest whole-page prefix of `tokens`, splitting the last node when the
-    /// match ends inside it, and touches every node on the matched path.
+    /// Matches the longest whole-granule prefix of `tokens` (whole pages, or whole groups of
+    /// `cp` pages under the interleaved layouts), splitting the last node when the match ends
+    /// inside it, and touches every node on the matched path.
     pub fn match_prefix(&mut self, tokens: &[u32]) -> Result<MatchResult, TreeError> {
         let ps = self.ps();
-        let whole = tokens.len() / ps * ps;
+        let unit = self.unit();
+        let whole = tokens.len() / unit * unit;
         self.clock += 1;
         let (path, matched_pages) = self.descend(&tokens[..whole], self.clock)?;
         let mut device_pages = Vec::new();
@@ -80,19 +82,19 @@ impl RadixTree {
         &self,
         tokens: &[u32],
     ) -> Result<Vec<Option<PageId>>, TreeError> {
-        let ps = self.ps();
+        let (unit, granule) = (self.unit(), self.granule());
         let mut out = Vec::new();
         let mut node = NodeId::ROOT;
         let mut pos = 0;
-        while pos + ps <= tokens.len() {
-            let Some(&child) = self.get(node)?.children.get(&tokens[pos..pos + ps]) else {
+        while pos + unit <= tokens.len() {
+            let Some(&child) = self.get(node)?.children.get(&tokens[pos..pos + unit]) else {
                 break;
             };
             let c = self.get(child)?;
-            let k = common_pages(&c.key, &tokens[pos..], ps);
-            out.extend((0..k).map(|i| c.device.as_ref().map(|d| d[i])));
-            pos += k * ps;
-            if k < c.key.len() / ps {
+            let k = common_units(&c.key, &tokens[pos..], unit);
+            out.extend((0..k * granule).map(|i| c.device.as_ref().map(|d| d[i])));
+            pos += k * unit;
+            if k < c.key.len() / unit {
                 break;
             }
             node = child;
@@ -100,7 +102,7 @@ impl RadixTree {
         Ok(out)
     }
 
-    /// Follows `tokens` (whole pages) from the root, splitting the node where the match ends
+    /// Follows `tokens` (whole granules) from the root, splitting the node where the match ends
     /// inside one, and stamps the path with `now`. Returns the path (root excluded) and the
     /// matched page count.
     pub(super) fn descend(
@@ -108,27 +110,27 @@ impl RadixTree {
         tokens: &[u32],
         now: u64,
     ) -> Result<(Vec<NodeId>, usize), TreeError> {
-        let ps = self.ps();
+        let (ps, unit, granule) = (self.ps(), self.unit(), self.granule());
         let mut path = Vec::new();
         let mut node = NodeId::ROOT;
         let mut pos = 0;
         self.get_mut(node)?.stamp = now;
-        while pos + ps <= tokens.len() {
-            let Some(&child) = self.get(node)?.children.get(&tokens[pos..pos + ps]) else {
+        while pos + unit <= tokens.len() {
+            let Some(&child) = self.get(node)?.children.get(&tokens[pos..pos + unit]) else {
                 break;
             };
             let c = self.get(child)?;
-            let c_pages = c.key.len() / ps;
-            let k = common_pages(&c.key, &tokens[pos..], ps);
-            let partial = k < c_pages;
+            let c_units = c.key.len() / unit;
+            let k = common_units(&c.key, &tokens[pos..], unit);
+            let partial = k < c_units;
             let reached = if partial {
-                self.split(child, k)?
+                self.split(child, k * granule)?
             } else {
                 child
             };
             self.get_mut(reached)?.stamp = now;
             path.push(reached);
-            pos += k * ps;
+            pos += k * unit;
             node = reached;
             if partial {
                 break;
@@ -141,10 +143,10 @@ impl RadixTree {
     /// parent's link); `child` keeps its handle and the suffix, so outstanding handles (and
     /// locks) to it stay valid. Returns the new prefix node.
     fn split(&mut self, child: NodeId, at_pages: usize) -> Result<NodeId, TreeError> {
-        let ps = self.ps();
+        let (ps, unit) = (self.ps(), self.unit());
         let at = at_pages * ps;
         let c = self.get(child)?;
-        if at == 0 || at >= c.key.len() {
+        if at == 0 || at >= c.key.len() || at % unit != 0 {
             return Err(invariant(format!("split of {child} at token {at}")));
         }
         let host_halves = match &c.host {
@@ -170,7 +172,7 @@ impl RadixTree {
             None => (None, None),
         };
         n.host = suffix_host;
-        let suffix_first = n.key[..ps].to_vec();
+        let suffix_first = n.key[..unit].to_vec();
         let new_id = self.alloc(Node {
             key: prefix_key.clone(),
             children: BTreeMap::from([(suffix_first, child)]),
@@ -183,7 +185,7 @@ impl RadixTree {
         self.get_mut(child)?.parent = Some(new_id);
         self.get_mut(parent)?
             .children
-            .insert(prefix_key[..ps].to_vec(), new_id);
+            .insert(prefix_key[..unit].to_vec(), new_id);
         Ok(new_id)
     }
 }

@@ -496,6 +496,16 @@ impl RadixTree {
         self.layout.page_size() as usize
     }
 
+    /// Tokens per granule: keys are whole granules and children are keyed by their first.
+    fn unit(&self) -> usize {
+        self.ps() * self.granule()
+    }
+
+    /// Pages per granule (1, or `cp` under the interleaved layouts).
+    fn granule(&self) -> usize {
+        self.layout.granule() as usize
+    }
+
     fn get(&self, id: NodeId) -> Result<&Node, TreeError> {
         self.slots
             .get(id.index as usize)

@@ -1,11 +1,15 @@
 //! The CP page layout: which rank owns each logical page, where it lives in that rank's pool,
-//! and the owner patterns that freshly computed pages follow.
+//! and ([`contract`]) which rank owns each token under the engines' layouts.
 //!
 //! Everything here is pure arithmetic. The newtypes exist because mixing a logical page with
 //! a local page, or a rank with an owner index, is exactly the class of bug this crate was
 //! written to make impossible (see the seed: bytes loaded into a page another rank owns).
 
 use std::fmt;
+
+pub mod contract;
+
+pub use contract::{check_aligned_groups, Layout, LoadBack, Placement, LAYOUT_NAMES};
 
 /// Largest supported CP degree (owners are stored as 4-bit values on disk).
 pub const MAX_CP: u8 = 16;
@@ -96,36 +100,42 @@ pub enum LayoutError {
         /// The CP degree.
         cp: u8,
     },
-}
-
-/// The pattern freshly computed pages of one sequence follow across owners.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
-pub enum OwnerPattern {
-    /// `2C` near-equal chunks, chunk `k` owned by `k` for `k < C`, else `2C-1-k`; balances
-    /// causal-attention work across ranks.
-    #[default]
-    Zigzag,
-    /// Page `i` owned by `i % C`.
-    RoundRobin,
-}
-
-impl OwnerPattern {
-    /// Owners of `n` consecutive pages of one sequence under this pattern.
-    pub fn owners(self, cp: u8, n: usize) -> Vec<u8> {
-        match self {
-            OwnerPattern::Zigzag => zigzag_owners(cp, n),
-            OwnerPattern::RoundRobin => round_robin_owners(cp, n),
-        }
-    }
-}
-
-impl fmt::Display for OwnerPattern {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            OwnerPattern::Zigzag => "zigzag",
-            OwnerPattern::RoundRobin => "round-robin",
-        })
-    }
+    /// A layout name that is not one of [`LAYOUT_NAMES`].
+    #[error("unknown layout {name:?}: expected one of zigzag, round-robin, page-interleave, token-interleave")]
+    UnknownLayout {
+        /// The rejected name.
+        name: String,
+    },
+    /// An interleave size given to a layout that has none.
+    #[error("an interleave size ({size}) applies to token-interleave only, not to {layout}")]
+    InterleaveSizeUnused {
+        /// The layout named.
+        layout: Layout,
+        /// The size given.
+        size: u32,
+    },
+    /// A token-interleave run that is not a power of two dividing the page.
+    #[error("interleave size {size} is invalid: it must be a power of two no larger than the page size {page_size}")]
+    BadInterleaveSize {
+        /// The rejected size.
+        size: u32,
+        /// The page size it must divide.
+        page_size: u32,
+    },
+    /// A granule that is neither one page nor one page per rank.
+    #[error("a granule of {granule} pages is invalid for CP {cp}: it must be 1 or {cp}")]
+    BadGranule {
+        /// The rejected granule.
+        granule: u32,
+        /// The CP degree.
+        cp: u8,
+    },
+    /// Pages (or a split) that do not respect a layout's granule.
+    #[error("not aligned to the layout's granule: {what}")]
+    Misaligned {
+        /// What was misaligned.
+        what: String,
+    },
 }
 
 /// Zigzag owners for `n` pages (docs/DESIGN.md §2.1): `2C` chunks as equal as possible, the first
@@ -158,6 +168,9 @@ pub struct CpLayout {
     cp: u8,
     page_size: u32,
     pages: u32,
+    /// Pages per granule: 1, or `cp` for the interleaved layouts, whose lanes then hold
+    /// only whole aligned groups (group 0, which holds the null page, is never allocated).
+    granule: u8,
 }
 
 impl CpLayout {
@@ -182,7 +195,42 @@ impl CpLayout {
             cp,
             page_size,
             pages,
+            granule: 1,
         })
+    }
+
+    /// This layout with allocations in granules of `granule` pages (1, or `cp`: aligned
+    /// groups of one page per rank). A granule of `cp` needs at least two groups (group 0
+    /// holds the null page and is never allocated); pages past the last whole group are
+    /// never allocated either.
+    pub fn with_granule(self, granule: u32) -> Result<Self, LayoutError> {
+        if granule != 1 && granule != u32::from(self.cp) {
+            return Err(LayoutError::BadGranule {
+                granule,
+                cp: self.cp,
+            });
+        }
+        let min = if granule == 1 {
+            Self::min_pages(self.cp)
+        } else {
+            2 * granule
+        };
+        if self.pages < min {
+            return Err(LayoutError::TooFewPages {
+                pages: self.pages,
+                cp: self.cp,
+                min,
+            });
+        }
+        Ok(CpLayout {
+            granule: granule as u8,
+            ..self
+        })
+    }
+
+    /// Pages per granule (1, or `cp` for the interleaved layouts).
+    pub fn granule(&self) -> u32 {
+        u32::from(self.granule)
     }
 
     /// The smallest page count for which every lane has an allocatable page: the null page
@@ -263,24 +311,37 @@ impl CpLayout {
     /// Whether `page` belongs to the lane of `rank`: allocatable (not null), in range and
     /// owned by `rank`.
     pub fn in_lane(&self, page: PageId, rank: Rank) -> bool {
-        page != PageId::NULL && page.0 < self.pages && self.owner(page) == rank
+        page != PageId::NULL
+            && page.0 >= self.lane_first(rank)
+            && page.0 < self.lane_end()
+            && self.owner(page) == rank
     }
 
     /// All allocatable pages of a lane, ascending; none for a rank this layout does not have.
     pub fn lane_pages(&self, rank: Rank) -> impl DoubleEndedIterator<Item = PageId> + '_ {
         let start = self.lane_first(rank);
-        (start..self.pages)
+        (start..self.lane_end())
             .step_by(usize::from(self.cp))
             .map(PageId)
     }
 
     /// Number of allocatable pages in a lane (0 for a rank this layout does not have).
     pub fn lane_capacity(&self, rank: Rank) -> u32 {
-        let first = self.lane_first(rank);
-        if first >= self.pages {
+        let (first, end) = (self.lane_first(rank), self.lane_end());
+        if first >= end {
             0
         } else {
-            (self.pages - first).div_ceil(u32::from(self.cp))
+            (end - first).div_ceil(u32::from(self.cp))
+        }
+    }
+
+    /// One past the last allocatable page: every page, or the last whole group when
+    /// allocations are in groups.
+    fn lane_end(&self) -> u32 {
+        if self.granule > 1 {
+            self.pages - self.pages % u32::from(self.cp)
+        } else {
+            self.pages
         }
     }
 
@@ -289,7 +350,7 @@ impl CpLayout {
     fn lane_first(&self, rank: Rank) -> u32 {
         match rank.0 {
             r if r >= self.cp => self.pages,
-            0 => u32::from(self.cp),
+            r if r == 0 || self.granule > 1 => u32::from(self.cp) + u32::from(r),
             r => u32::from(r),
         }
     }
@@ -328,7 +389,22 @@ mod tests {
     #[test]
     fn round_robin_cycles() {
         assert_eq!(round_robin_owners(3, 7), vec![0, 1, 2, 0, 1, 2, 0]);
-        assert_eq!(OwnerPattern::RoundRobin.owners(2, 3), vec![0, 1, 0]);
+        assert_eq!(Layout::RoundRobin.owners(2, 5, 3), vec![0, 1, 0]);
+    }
+
+    #[test]
+    fn grouped_lanes_hold_whole_groups_in_lockstep() {
+        let l = CpLayout::new(3, 4, 14).unwrap().with_granule(3).unwrap();
+        let lanes: Vec<Vec<u32>> = (0..3)
+            .map(|r| l.lane_pages(Rank(r)).map(|p| p.0).collect())
+            .collect();
+        // Group 0 (the null page's) and pages 12, 13 (no whole group) are never allocated.
+        assert_eq!(lanes, [vec![3, 6, 9], vec![4, 7, 10], vec![5, 8, 11]]);
+        assert!((0..3).all(|r| l.lane_capacity(Rank(r)) == 3));
+        assert!(!l.in_lane(PageId(1), Rank(1)));
+        assert!(!l.in_lane(PageId(12), Rank(0)));
+        assert!(CpLayout::new(3, 4, 5).unwrap().with_granule(3).is_err());
+        assert!(CpLayout::new(3, 4, 6).unwrap().with_granule(2).is_err());
     }
 
     #[test]

@@ -1,0 +1,40 @@
+// busy_t256
+// Rendered by cp-hicache from templates/busy.cu; do not edit: regenerate instead.
+// Self-contained CUDA C: no headers; the integer names below are the only typedefs.
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef int i32;
+typedef long long i64;
+
+#define THREADS 256
+
+// One round of the busy chain: an LCG step and a xorshift, dependent on the last (so the
+// compiler can neither vectorise nor shorten the chain).
+static __device__ inline u32 chc_busy_round(u32 x)
+{
+    x = x * 1664525u + 1013904223u;
+    return x ^ (x >> 13);
+}
+
+// A compute-bound stand-in for the model's kernels: thread word i of [0, n) starts from
+// seed ^ (i * 0x9E3779B9), runs `rounds` dependent rounds and stores the result to out[i].
+// It holds registers and issue slots for as long as `rounds` says and touches almost no
+// memory, so timing a transfer beside it shows what the transfer costs the model and what
+// the model costs the transfer. Threads stride over the words, so any grid is correct.
+extern "C" __global__ void __launch_bounds__(THREADS) busy_t256(
+    u32* __restrict__ out, u32 n, u32 rounds, u32 seed)
+{
+    for (u64 i = (u64)blockIdx.x * THREADS + threadIdx.x; i < n; i += (u64)gridDim.x * THREADS) {
+        u32 x = seed ^ ((u32)i * 0x9E3779B9u);
+        for (u32 r = 0; r < rounds; ++r) {
+            x = chc_busy_round(x);
+        }
+        out[i] = x;
+    }
+}
+
+#ifdef CP_HICACHE_EMU
+CP_HICACHE_EMU_EXPORT(busy_t256)
+#endif
