@@ -451,6 +451,39 @@ fn quick_host_tune_all(hook: SourceHook<'_>) -> Option<(Deployment, tuning::Tune
     Some((dep, tuned))
 }
 
+/// A token-interleaved deployment (by its `_ti` name) tunes on the host: its synthesise and
+/// verify candidates are checked against the references in their own token order, and their
+/// entries have keys of their own, apart from the paged kernels'.
+#[test]
+fn a_token_interleaved_deployment_tunes_under_keys_of_its_own() {
+    let cache = tempfile::tempdir().unwrap();
+    let jit = Jit::new(JitConfig::new(cache.path()));
+    if let Err(e) = jit.host_compiler() {
+        skip_without_compiler(&e);
+        return;
+    }
+    let exec = HostExecutor::new(HostOptions::default());
+    let dep = cp_hicache::tuning::bench::deployment_by_name("mla_ps16_cp4_ti2").unwrap();
+    assert_eq!(dep.name, "mla_ps16_cp4_ti2");
+    let mut opts = TuneOptions::new(true);
+    opts.sizes = Sizes {
+        pages: 8,
+        layers: 1,
+        warmup: 0,
+        repeats: 1,
+    };
+    opts.alloc_pages = 32;
+    let tuned = tuning::tune(&dep, &exec, &jit, &opts, &|_| {}).unwrap();
+    assert!(tuned.failed.is_empty(), "{:?}", tuned.failed);
+    let keys: Vec<&str> = tuned.entries.iter().map(|e| e.spec_key.as_str()).collect();
+    for key in [
+        "synthesise_mla_kv_cp4_ps16_ti2",
+        "verify_mla_kv_ps16_cp4ti2",
+    ] {
+        assert!(keys.contains(&key), "{key} in {keys:?}");
+    }
+}
+
 /// A kernel none of whose candidates compiles is reported, and the other kernels keep their
 /// winners (they used to be lost with it).
 #[test]

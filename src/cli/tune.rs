@@ -14,7 +14,7 @@ use crate::tuning::{self, bench::deployment_by_name, tuner::TuneOptions, TuneEve
 /// Options of `tune`.
 #[derive(Debug, clap::Args)]
 pub struct TuneArgs {
-    /// Deployment to tune: a reference name or any `<nsa|mla>_ps<N>_cp<C>`.
+    /// Deployment to tune: a reference name or any `<nsa|mla>_ps<N>_cp<C>[_ti<I>]` (`_ti<I>`: token-interleaved).
     #[arg(long, value_name = "NAME", default_value = super::compile::DEFAULT_DEPLOYMENT)]
     pub deployment: String,
     /// `--backend`.

@@ -98,7 +98,8 @@ pub fn default_deployments() -> Result<Vec<Deployment>, KernelError> {
     .collect()
 }
 
-/// A deployment by name: a reference name, or any `<nsa|mla>_ps<N>_cp<C>`.
+/// A deployment by name: a reference name, or any `<nsa|mla>_ps<N>_cp<C>[_ti<I>]` (`_ti<I>`:
+/// token-interleaved `I` tokens at a time, the only layout whose kernels differ).
 pub fn deployment_by_name(name: &str) -> Result<Deployment, KernelError> {
     if let Ok(d) = Deployment::by_name(name) {
         return Ok(d);
@@ -112,10 +113,17 @@ pub fn deployment_by_name(name: &str) -> Result<Deployment, KernelError> {
         };
         let ps = it.next()?.strip_prefix("ps")?.parse().ok()?;
         let cp = it.next()?.strip_prefix("cp")?.parse().ok()?;
-        it.next().is_none().then_some((model, ps, cp))
+        let run = match it.next() {
+            None => None,
+            Some(ti) => Some(ti.strip_prefix("ti")?.parse().ok()?),
+        };
+        it.next().is_none().then_some((model, ps, cp, run))
     })();
     match parsed {
-        Some((m, ps, cp)) => Deployment::new(m, ps, cp),
+        Some((m, ps, cp, None)) => Deployment::new(m, ps, cp),
+        Some((m, ps, cp, Some(size))) => {
+            Deployment::new(m, ps, cp)?.with_layout(crate::layout::Layout::TokenInterleave { size })
+        }
         None => Deployment::by_name(name),
     }
 }

@@ -7,7 +7,7 @@ use std::fmt;
 use super::TuningError;
 use crate::exec::{Backend, Executor};
 use crate::jit::{Arch, Jit, Sanitize, Target};
-use crate::kernels::{sources_digest, KernelSpec};
+use crate::kernels::{sources_digest, KernelSpec, TokenOrder};
 
 /// The machine identity a tuning entry was measured on. An entry is applied only when every
 /// field matches the device at hand, so a file copied between machines, or kept across a
@@ -159,8 +159,21 @@ pub fn spec_key(spec: &KernelSpec) -> String {
         KernelSpec::Materialise(s) => {
             format!("{fam}_cp{}_ps{}_b{}", s.cp, s.page_size, s.bytes_per_token)
         }
-        KernelSpec::Synthesise(s) => format!("{fam}_{}_cp{}_ps{}", s.buffer, s.cp, s.page_size),
-        KernelSpec::Verify(s) => format!("{fam}_{}_ps{}", s.buffer, s.page_size),
+        // A token-interleaved kernel is other code than the paged one: its own key.
+        KernelSpec::Synthesise(s) => {
+            let order = match s.order {
+                TokenOrder::Paged => String::new(),
+                TokenOrder::Interleaved { run, .. } => format!("_ti{run}"),
+            };
+            format!("{fam}_{}_cp{}_ps{}{order}", s.buffer, s.cp, s.page_size)
+        }
+        KernelSpec::Verify(s) => {
+            let order = match s.order {
+                TokenOrder::Paged => String::new(),
+                TokenOrder::Interleaved { cp, run } => format!("_cp{cp}ti{run}"),
+            };
+            format!("{fam}_{}_ps{}{order}", s.buffer, s.page_size)
+        }
         KernelSpec::Busy(_) => fam.to_string(),
     }
 }
@@ -169,6 +182,26 @@ pub fn spec_key(spec: &KernelSpec) -> String {
 mod tests {
     use super::*;
     use crate::kernels::Deployment;
+
+    #[test]
+    fn token_interleaved_kernels_have_keys_of_their_own() {
+        let paged = Deployment::by_name("nsa_ps64_cp8").unwrap();
+        let ti = Deployment::by_name("nsa_ps64_cp8_ti1").unwrap();
+        let b = crate::kernels::BufferKind::NsaKv;
+        assert_eq!(
+            spec_key(&ti.synth_spec(b)),
+            "synthesise_nsa_kv_cp8_ps64_ti1"
+        );
+        assert_eq!(spec_key(&ti.verify_spec(b)), "verify_nsa_kv_ps64_cp8ti1");
+        assert_ne!(
+            spec_key(&paged.verify_spec(b)),
+            spec_key(&ti.verify_spec(b))
+        );
+        assert_eq!(
+            spec_key(&paged.materialise_spec(b)),
+            spec_key(&ti.materialise_spec(b))
+        );
+    }
 
     #[test]
     fn spec_key_is_shape_independent() {

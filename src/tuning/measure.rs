@@ -16,7 +16,7 @@ use crate::jit::{spec_request, Arch, Jit, JitRequest, Sanitize, Target};
 use crate::kernels::{
     check_distinct_destinations, clamp_layer_range, layer_range_args, transfer_args,
     transfer_regions, BufferKind, Direction, KernelSpec, PoolShape, ReleaseStatus, SelectStatus,
-    TransferSpec,
+    SynthSpec, TokenOrder, TransferSpec, VerifySpec,
 };
 
 /// Workload sizes of one measurement.
@@ -999,17 +999,16 @@ pub struct SynthBench<'e> {
 }
 
 impl<'e> SynthBench<'e> {
-    /// Allocates the buffers for a synthesise kernel of `buffer` at `page_size` (a pool of
-    /// one of `cp` ranks), poisoned.
+    /// Allocates the buffers for the synthesise kernel `spec` (a pool of one of its `cp`
+    /// ranks), poisoned.
     pub fn new(
         exec: &'e dyn Executor,
-        buffer: BufferKind,
-        cp: u8,
-        page_size: u32,
+        spec: &SynthSpec,
         sizes: &Sizes,
         seed: u64,
     ) -> Result<SynthBench<'e>, TuningError> {
-        Self::build(exec, buffer, cp, page_size, sizes, seed, false)
+        let shape = (spec.buffer, spec.cp, spec.page_size, spec.order);
+        Self::build(exec, shape, sizes, seed, false)
     }
 
     /// Allocates the buffers for a verify kernel of `buffer` at `page_size`: a dense buffer
@@ -1017,19 +1016,18 @@ impl<'e> SynthBench<'e> {
     /// kernel finds no mismatch.
     pub fn for_verify(
         exec: &'e dyn Executor,
-        buffer: BufferKind,
-        page_size: u32,
+        spec: &VerifySpec,
         sizes: &Sizes,
         seed: u64,
     ) -> Result<SynthBench<'e>, TuningError> {
-        Self::build(exec, buffer, 1, page_size, sizes, seed, true)
+        let shape = (spec.buffer, 1, spec.page_size, spec.order);
+        Self::build(exec, shape, sizes, seed, true)
     }
 
+    /// The buffers for (buffer kind, CP, page size, token order).
     fn build(
         exec: &'e dyn Executor,
-        buffer: BufferKind,
-        cp: u8,
-        page_size: u32,
+        (buffer, cp, page_size, order): (BufferKind, u8, u32, TokenOrder),
         sizes: &Sizes,
         seed: u64,
         synthesised: bool,
@@ -1038,7 +1036,12 @@ impl<'e> SynthBench<'e> {
             exec,
             ids: Vec::new(),
         };
-        let n_pages = synth_pages(sizes);
+        // Token-interleaved sequences are whole granules of `cp` pages.
+        let granule = match order {
+            TokenOrder::Paged => 1,
+            TokenOrder::Interleaved { cp, .. } => u32::from(cp),
+        };
+        let n_pages = synth_pages(sizes).div_ceil(granule) * granule;
         let layers = sizes.layers.max(1);
         let n_tokens = n_pages * page_size;
         // Page `(i + 1) * cp` is owned by rank 0 and sits at local page `i + 1`.
@@ -1055,26 +1058,10 @@ impl<'e> SynthBench<'e> {
         exec.upload(hashes, 0, &h)?;
         exec.upload(seq_pages, 0, &u32_bytes(&pages))?;
         if synthesised {
-            // Verify reads `target` as the dense [layer][n_pages][page bytes] from its start
-            // (the pool layout of one rank over sequence pages 0..n_pages).
-            let page_bytes = buffer.page_bytes(page_size);
-            let mut dense =
-                vec![0xA5u8; (u64::from(layers) * u64::from(n_pages) * page_bytes) as usize];
-            let seq: Vec<u32> = (0..n_pages).collect();
-            crate::kernels::reference::synthesise(
-                buffer,
-                1,
-                page_size,
-                // `tune` runs the reference deployments, whose pages hold consecutive tokens.
-                crate::kernels::TokenOrder::Paged,
-                &mut dense,
-                &words,
-                &seq,
-                n_tokens,
-                0,
-                0,
-                layers,
-                n_pages,
+            // Verify reads `target` as the dense [layer][n_pages][page bytes] from its start,
+            // holding every token's bytes where the token order places it.
+            let dense = crate::kernels::reference::dense(
+                buffer, page_size, order, &words, n_tokens, layers,
             )
             .map_err(|e| TuningError::Reference {
                 what: "synthesise",

@@ -388,21 +388,12 @@ impl<'e> Workload<'e> {
             KernelSpec::ReleasePages(s) => {
                 Workload::Alloc(AllocBench::new(exec, s.cp, 1, opts.alloc_pages, seed)?)
             }
-            KernelSpec::Synthesise(s) => Workload::Synth(SynthBench::new(
-                exec,
-                s.buffer,
-                s.cp,
-                s.page_size,
-                &opts.sizes,
-                seed,
-            )?),
-            KernelSpec::Verify(s) => Workload::Synth(SynthBench::for_verify(
-                exec,
-                s.buffer,
-                s.page_size,
-                &opts.sizes,
-                seed,
-            )?),
+            KernelSpec::Synthesise(s) => {
+                Workload::Synth(SynthBench::new(exec, s, &opts.sizes, seed)?)
+            }
+            KernelSpec::Verify(s) => {
+                Workload::Synth(SynthBench::for_verify(exec, s, &opts.sizes, seed)?)
+            }
             _ => Workload::Copy(CopyBench::new(exec, spec, &opts.sizes, seed)?.0),
         })
     }
