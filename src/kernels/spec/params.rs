@@ -1,0 +1,227 @@
+//! Kernel parameters: the `extern "C"` parameter list of every kernel, how far each pointer
+//! reaches, the launch contract executors check, and the parameter list as the render spells
+//! it.
+
+use std::fmt;
+
+/// One parameter of a kernel's `extern "C"` signature (docs/KERNELS.md "Kernels").
+///
+/// [`KernelSpec::params`](super::KernelSpec::params) is the single source of truth for a
+/// rendered kernel's parameter list: the render spells it from these values, and executors
+/// check every launch's arguments against the sizes, because `cuLaunchKernel` cannot tell a
+/// wrong argument list from a right one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct KernelParam {
+    /// The C parameter name, as the kernel body uses it.
+    pub name: &'static str,
+    /// The C type, spelled as in the render (`const u8*`, `u32`,
+    /// `const __grid_constant__ ChcPools`).
+    pub c_type: &'static str,
+    /// Bytes the launch passes for it: 8 for a pointer, 8 × CP for the pool struct.
+    pub size: usize,
+    /// For a pointer (or each pointer of the pool struct): the byte alignment the kernel
+    /// needs at it. Page buffers take 16-byte vector accesses, typed arrays their element
+    /// size. A GPU faults on a misaligned access the CPU emulator runs without complaint, so
+    /// both executors check it. 1 for scalars.
+    pub align: u64,
+    /// For a pointer (or each pointer of the pool struct): how far the kernel reaches through
+    /// it, from the launch's scalar arguments. `None` for scalars.
+    pub reach: Option<Reach>,
+}
+
+/// How many bytes from a pointer argument a kernel may read or write: `unit` times the
+/// product of `ceil(arg / per)` over `counts`, where each count is a `u32` parameter of the
+/// same launch (`4 × n`, `PAGE_BYTES × layers × local_pages`, ...).
+///
+/// The kernels bound every index by these arguments and nothing else (page ids read from
+/// memory are checked against the pool sizes passed in, docs/KERNELS.md), so when each
+/// pointer's buffer holds its reach, a launch stays inside its buffers whatever the values.
+/// Both executors check exactly that before a launch, which is what makes
+/// [`Executor::launch`](crate::exec::Executor::launch) safe for kernels loaded with a
+/// signature.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Reach {
+    /// Bytes per unit of the counts (the element size, or a page's bytes).
+    pub unit: u64,
+    /// Up to two scalar parameters the reach scales with, each as `(name, per)`: the count is
+    /// `ceil(value / per)` (`per` = 1 for a plain count).
+    pub counts: [Option<(&'static str, u32)>; 2],
+}
+
+impl Reach {
+    /// A fixed number of bytes (the counts are multiplied in with [`Reach::times`]).
+    pub(super) const fn of(unit: u64) -> Reach {
+        Reach {
+            unit,
+            counts: [None, None],
+        }
+    }
+
+    /// The reach times `ceil(name / per)`, in the first free count slot.
+    pub(super) const fn times_ceil(mut self, name: &'static str, per: u32) -> Reach {
+        if self.counts[0].is_none() {
+            self.counts[0] = Some((name, per));
+        } else {
+            assert!(self.counts[1].is_none(), "a reach has two counts at most");
+            self.counts[1] = Some((name, per));
+        }
+        self
+    }
+
+    /// The reach times `name`.
+    pub(super) const fn times(self, name: &'static str) -> Reach {
+        self.times_ceil(name, 1)
+    }
+
+    /// The reach in bytes, given each count parameter's value.
+    pub fn bytes(&self, value: impl Fn(&str) -> Option<u32>) -> Result<u64, ReachError> {
+        let mut bytes = self.unit;
+        for &(name, per) in self.counts.iter().flatten() {
+            let v = value(name).ok_or(ReachError::NoValue(name))?;
+            let count = u64::from(v).div_ceil(u64::from(per.max(1)));
+            bytes = bytes.checked_mul(count).ok_or(ReachError::Overflow)?;
+        }
+        Ok(bytes)
+    }
+}
+
+/// Why a [`Reach`] has no size in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum ReachError {
+    /// The launch has no `u32` value for this count parameter.
+    #[error("has no u32 argument for `{0}`")]
+    NoValue(&'static str),
+    /// The product overflows 64 bits.
+    #[error("overflows 64 bits for these arguments")]
+    Overflow,
+}
+
+impl fmt::Display for Reach {
+    /// `4 × n`, `656 × layers × local_pages`, `4 × ceil(n_tokens / 32)`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.unit)?;
+        for &(name, per) in self.counts.iter().flatten() {
+            if per > 1 {
+                write!(f, " × ceil({name} / {per})")?;
+            } else {
+                write!(f, " × {name}")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What every launch of a rendered kernel must match, checked by both executors before
+/// anything runs (a GPU would run a wrong launch and give wrong results, not an error).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct KernelSignature {
+    /// The `extern "C"` parameters in order ([`KernelSpec::params`](super::KernelSpec::params)).
+    pub params: Vec<KernelParam>,
+    /// Threads per block, in x only: the kernels stride by their compiled `THREADS`, never
+    /// by `blockDim`, so fewer threads would skip work (verify would pass unchecked tokens)
+    /// and more would exceed `__launch_bounds__`.
+    pub threads: u32,
+    /// Whether the grid must be exactly one block: select and release read and write the
+    /// lane tops from one block, and a second block would hand out or push pages twice.
+    pub single_block: bool,
+}
+
+/// Alignment of page buffers: the copy kernels move pages in 16-byte vectors.
+const PAGE_ALIGN: u64 = 16;
+
+impl KernelParam {
+    /// Whether the kernel writes through this pointer (a pointer type without `const`); the
+    /// pool struct's pointers are read only.
+    pub fn writes(&self) -> bool {
+        self.reach.is_some() && !self.c_type.starts_with("const ")
+    }
+
+    /// A pointer to a typed array (8 bytes on every supported target) whose elements are
+    /// `align` bytes, reaching `reach` bytes.
+    pub(super) const fn ptr(
+        c_type: &'static str,
+        name: &'static str,
+        align: u64,
+        reach: Reach,
+    ) -> KernelParam {
+        KernelParam {
+            name,
+            c_type,
+            size: 8,
+            align,
+            reach: Some(reach),
+        }
+    }
+
+    /// A pointer to page-organised bytes (a pool, a host pool or a dense buffer).
+    pub(super) const fn pages(
+        c_type: &'static str,
+        name: &'static str,
+        reach: Reach,
+    ) -> KernelParam {
+        KernelParam::ptr(c_type, name, PAGE_ALIGN, reach)
+    }
+
+    /// A `u32` parameter.
+    pub(super) const fn u32(name: &'static str) -> KernelParam {
+        KernelParam {
+            name,
+            c_type: "u32",
+            size: 4,
+            align: 1,
+            reach: None,
+        }
+    }
+
+    /// The `ChcPools` struct of `cp` device pointers to pools, passed by value; each pool
+    /// reaches `reach` bytes.
+    pub(super) const fn pools(cp: u8, reach: Reach) -> KernelParam {
+        KernelParam {
+            name: "pools",
+            c_type: "const __grid_constant__ ChcPools",
+            size: 8 * cp as usize,
+            align: PAGE_ALIGN,
+            reach: Some(reach),
+        }
+    }
+}
+
+/// Widest line of a rendered parameter list; the wrap reproduces the hand-wrapped lists the
+/// templates had before the lists came from [`KernelSpec::params`](super::KernelSpec::params),
+/// so renders did not change.
+const PARAM_LINE_WIDTH: usize = 96;
+
+/// The parameter list as the templates splice it in after `<uri>(`: `type name` items joined
+/// by `, `, wrapped greedily at [`PARAM_LINE_WIDTH`] columns with a 4-space indent, closed by
+/// `)`. Pointer parameters are `__restrict__`: the executors refuse a launch in which a
+/// written pointer shares bytes with another pointer parameter (`exec::signature`), so no
+/// two pointers a kernel writes through alias, and the compiler may keep loads in flight
+/// across stores.
+pub(crate) fn render_params(params: &[KernelParam]) -> String {
+    const INDENT: &str = "    ";
+    let mut out = String::new();
+    let mut line = String::from(INDENT);
+    for (i, p) in params.iter().enumerate() {
+        let end = if i + 1 == params.len() { ")" } else { "," };
+        let restrict = if p.c_type.ends_with('*') {
+            " __restrict__"
+        } else {
+            ""
+        };
+        let item = format!("{}{restrict} {}{end}", p.c_type, p.name);
+        let sep = if line.len() == INDENT.len() { "" } else { " " };
+        if line.len() > INDENT.len() && line.len() + sep.len() + item.len() > PARAM_LINE_WIDTH {
+            out.push_str(&line);
+            out.push('\n');
+            line = format!("{INDENT}{item}");
+        } else {
+            line.push_str(sep);
+            line.push_str(&item);
+        }
+    }
+    if params.is_empty() {
+        line.push(')');
+    }
+    out.push_str(&line);
+    out
+}
