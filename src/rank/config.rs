@@ -10,7 +10,7 @@ use crate::hicache::host_pool::HostPoolError;
 use crate::hicache::tree::TreeError;
 use crate::jit::Sanitize;
 use crate::kernels::Deployment;
-use crate::layout::{CpLayout, Layout, LayoutError};
+use crate::layout::{CpLayout, Layout, LayoutError, LoadBack};
 use crate::metadata::MetadataError;
 use std::fmt;
 use std::str::FromStr;
@@ -76,7 +76,7 @@ impl Fault {
 impl Fault {
     /// Whether the fault means anything under `layout`; why not, when it does not.
     pub fn check_layout(self, layout: Layout) -> Result<(), String> {
-        if layout.granule_pages(2) == 1 {
+        if layout.load_back() == LoadBack::RecordedOwners {
             return Ok(());
         }
         match self {
