@@ -1,12 +1,12 @@
 {% include "prelude.cu" %}
 {% include "synth_common.cu" %}
 {% if interleaved %}{% include "interleave.cu" %}{% endif %}
-{% if interleaved %}// Writes the synthesised {{ buffer }} bytes (docs/KERNELS.md) of the real tokens of sequence
-// pages [start_page, CP * ceil(n_tokens / GRANULE_TOKENS)) that `rank` owns, token-interleaved
-// (chc_token_at), into its pool
-{% else %}// Writes the synthesised {{ buffer }} bytes (docs/KERNELS.md) of the real tokens of sequence
-// pages [start_page, ceil(n_tokens / PAGE_SIZE)) that `rank` owns into its pool
-{% endif %}// [layer][local_page][PAGE_BYTES]; other pages and padding slots are left untouched.
+{% if interleaved %}// Writes the synthesised {{ buffer }} bytes (docs/KERNELS.md) of tokens [first_token, n_tokens)
+// of the sequence, token-interleaved (chc_token_at), that `rank` owns into its pool
+{% else %}// Writes the synthesised {{ buffer }} bytes (docs/KERNELS.md) of tokens [first_token, n_tokens)
+// of the sequence that `rank` owns into its pool
+{% endif %}// [layer][local_page][PAGE_BYTES]; other tokens (an extended request's earlier tokens in its
+// kept partial page), other pages and padding slots are left untouched.
 // Work item w = (layer, page); blocks stride over the items. Per field, the threads stride
 // over the flat pairs x -> (slot x / D, draw x % D) of the page's real tokens, each draw one
 // 8-byte store (a partial last draw: its bytes only). Thread i takes x = i + k * THREADS: every
@@ -17,8 +17,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}({# parameters: K
 {
 {%- if interleaved %}
     const u32 n_pages = (u32)(((u64)n_tokens + GRANULE_TOKENS - 1u) / GRANULE_TOKENS * CP);
+    // Every page of first_token's granule may hold later tokens.
+    const u32 start_page = (u32)((u64)first_token / GRANULE_TOKENS * CP);
 {%- else %}
     const u32 n_pages = (u32)(((u64)n_tokens + PAGE_SIZE - 1u) >> LOG2_PAGE_SIZE);
+    const u32 start_page = first_token >> LOG2_PAGE_SIZE;
 {%- endif %}
     const u32 span = n_pages > start_page ? n_pages - start_page : 0u;
     const u64 items = (u64)span * layers;
@@ -33,11 +36,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}({# parameters: K
         u8* dst = pool + ((u64)layer * local_pages + local) * PAGE_BYTES;
 {%- if interleaved %}
         const u32 real = chc_tokens_in_page(i, n_tokens);
+        // A page holds its tokens in order: its first `lo` slots are before first_token.
+        const u32 lo = chc_tokens_in_page(i, first_token);
 {%- else %}
         const u64 t0 = (u64)i << LOG2_PAGE_SIZE;
         const u64* hashes = prefix_hash + t0;
         const u64 left = n_tokens - t0;
         const u32 real = left < PAGE_SIZE ? (u32)left : PAGE_SIZE;
+        const u32 lo = first_token > t0 ? (u32)(first_token - t0) : 0u;
 {%- endif %}
 {%- for f in fields %}
         // Field {{ f.id }}: {{ f.count }} x {{ f.dtype }} per token at byte {{ f.base }} + slot * {{ f.tok_stride }}, {{ f.per_draw }} per draw.
@@ -52,7 +58,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}({# parameters: K
             const u32 d = {{ g.first_draw }}u + x % {{ g.draws }}u;
             const u64 key = chc_key(layer, {{ f.id }}u, d);
             u8* at = dst + {{ f.base }}u + d * 8u;
-            for (u32 j = j0; j < real; j += {{ g.tok_step }}u) {
+            // The first of this thread's slots (j0 + k * TOK_STEP) at or after lo.
+            const u32 j1 = j0 < lo ? j0 + (lo - j0 + {{ g.tok_step }}u - 1u) / {{ g.tok_step }}u * {{ g.tok_step }}u : j0;
+            for (u32 j = j1; j < real; j += {{ g.tok_step }}u) {
 {%- if interleaved %}
                 const u64 r = {{ f.pack }}(chc_mix64(prefix_hash[chc_token_at(i, j)] ^ key));
 {%- else %}

@@ -1565,10 +1565,11 @@ fn partial_tokens(ps: u32) -> u32 {
 }
 
 /// Synthesis into every rank's pool of random distinct pages (some beyond the pools) from a
-/// random start page matches the reference, rank by rank. Several trials, each launching at
-/// least one page (`start_page < n_pages`): from page 0, from page 1 of three with the last
-/// one partial, and random; the combination must synthesise at least one page inside the
-/// pools, so it never degenerates into checking that poison stays poison.
+/// first token on matches the reference, rank by rank: the tokens before it (an extended
+/// request's kept partial page) stay as they were. Several trials, each writing at least one
+/// token (`first_token < n_tokens`): from token 0, from a third into page 1 of three with the
+/// last one partial, and random; the combination must synthesise at least one page inside
+/// the pools, so it never degenerates into checking that poison stays poison.
 fn check_synthesise(b: &mut Bench, spec: KernelSpec, order: BlockOrder) {
     let (layers, local_pages) = (2u32, 4u32);
     let KernelSpec::Synthesise(s) = spec else {
@@ -1588,20 +1589,20 @@ fn check_synthesise(b: &mut Bench, spec: KernelSpec, order: BlockOrder) {
         // Distinct global pages (page 0 excluded), some beyond the pools (skipped).
         let perm = rng.permutation((cpn * (local_pages + 1) - 1).max(n_pages));
         let seq: Vec<u32> = perm[..n_pages as usize].iter().map(|p| p + 1).collect();
-        let start_page = match trial {
+        let first_token = match trial {
             0 => 0,
-            1 => 1,
-            _ => rng.below(u64::from(n_pages)) as u32,
+            1 => ps + ps / 3,
+            _ => rng.below(u64::from(n_tokens)) as u32,
         };
+        let items = reference::synthesise_items(s.order, ps, n_tokens, first_token);
         // Pages of this launch that land in some rank's pool (the others are skipped).
-        synthesised += seq[start_page as usize..]
+        synthesised += seq[(n_pages - items) as usize..]
             .iter()
             .filter(|&&p| p / cpn < local_pages)
             .count();
         let hashes = reference::prefix_hashes(&tokens(&mut rng, n_tokens));
         let hb = b.bytes(&le64(&hashes), 0);
         let sb = b.bytes(&le32(&seq), 0);
-        let items = n_pages - start_page;
         for rank in 0..cpn {
             let pool = b.poison(pool_bytes + GUARD);
             let g = grid(&mut rng, spec.launch_dims(items, layers).grid);
@@ -1613,7 +1614,7 @@ fn check_synthesise(b: &mut Bench, spec: KernelSpec, order: BlockOrder) {
                     KernelArg::Ptr(hb, 0),
                     KernelArg::Ptr(sb, 0),
                     KernelArg::U32(n_tokens),
-                    KernelArg::U32(start_page),
+                    KernelArg::U32(first_token),
                     KernelArg::U32(rank),
                     KernelArg::U32(layers),
                     KernelArg::U32(local_pages),
@@ -1629,7 +1630,7 @@ fn check_synthesise(b: &mut Bench, spec: KernelSpec, order: BlockOrder) {
                 &hashes,
                 &seq,
                 n_tokens,
-                start_page,
+                first_token,
                 rank,
                 layers,
                 local_pages,
@@ -1638,7 +1639,7 @@ fn check_synthesise(b: &mut Bench, spec: KernelSpec, order: BlockOrder) {
             let got = b.read(pool);
             assert!(
                 got == want,
-                "{spec} {order} trial {trial} rank {rank} grid {g} tokens {n_tokens} start {start_page} pages {seq:?}: first difference at byte {:?}",
+                "{spec} {order} trial {trial} rank {rank} grid {g} tokens {n_tokens} first {first_token} pages {seq:?}: first difference at byte {:?}",
                 got.iter().zip(&want).position(|(a, b)| a != b)
             );
         }

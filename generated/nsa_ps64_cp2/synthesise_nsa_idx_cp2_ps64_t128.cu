@@ -60,9 +60,10 @@ __device__ inline u64 chc_pack_bf16(u64 r)
         | ((((r >> 8) & 0x000f000f000f000full) + 0x0078007800780078ull) << 7);
 }
 
-// Writes the synthesised nsa_idx bytes (docs/KERNELS.md) of the real tokens of sequence
-// pages [start_page, ceil(n_tokens / PAGE_SIZE)) that `rank` owns into its pool
-// [layer][local_page][PAGE_BYTES]; other pages and padding slots are left untouched.
+// Writes the synthesised nsa_idx bytes (docs/KERNELS.md) of tokens [first_token, n_tokens)
+// of the sequence that `rank` owns into its pool
+// [layer][local_page][PAGE_BYTES]; other tokens (an extended request's earlier tokens in its
+// kept partial page), other pages and padding slots are left untouched.
 // Work item w = (layer, page); blocks stride over the items. Per field, the threads stride
 // over the flat pairs x -> (slot x / D, draw x % D) of the page's real tokens, each draw one
 // 8-byte store (a partial last draw: its bytes only). Thread i takes x = i + k * THREADS: every
@@ -70,10 +71,11 @@ __device__ inline u64 chc_pack_bf16(u64 r)
 // = lcm(THREADS, D)), so it walks them phase by phase and mixes the draw's key once a phase.
 extern "C" __global__ void __launch_bounds__(THREADS) synthesise_nsa_idx_cp2_ps64_t128(
     u8* __restrict__ pool, const u64* __restrict__ prefix_hash,
-    const u32* __restrict__ seq_pages, u32 n_tokens, u32 start_page, u32 rank, u32 layers,
+    const u32* __restrict__ seq_pages, u32 n_tokens, u32 first_token, u32 rank, u32 layers,
     u32 local_pages)
 {
     const u32 n_pages = (u32)(((u64)n_tokens + PAGE_SIZE - 1u) >> LOG2_PAGE_SIZE);
+    const u32 start_page = first_token >> LOG2_PAGE_SIZE;
     const u32 span = n_pages > start_page ? n_pages - start_page : 0u;
     const u64 items = (u64)span * layers;
     for (u64 w = blockIdx.x; w < items; w += gridDim.x) {
@@ -89,6 +91,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) synthesise_nsa_idx_cp2_ps6
         const u64* hashes = prefix_hash + t0;
         const u64 left = n_tokens - t0;
         const u32 real = left < PAGE_SIZE ? (u32)left : PAGE_SIZE;
+        const u32 lo = first_token > t0 ? (u32)(first_token - t0) : 0u;
         // Field 0: 128 x fp8_e4m3 per token at byte 0 + slot * 128, 8 per draw.
         // Draws 0..16, full: one u64 each: D = 16, PHASES = 1, TOK_STEP = 8.
         for (u32 p = 0; p < 1u; ++p) {
@@ -100,7 +103,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) synthesise_nsa_idx_cp2_ps6
             const u32 d = 0u + x % 16u;
             const u64 key = chc_key(layer, 0u, d);
             u8* at = dst + 0u + d * 8u;
-            for (u32 j = j0; j < real; j += 8u) {
+            // The first of this thread's slots (j0 + k * TOK_STEP) at or after lo.
+            const u32 j1 = j0 < lo ? j0 + (lo - j0 + 8u - 1u) / 8u * 8u : j0;
+            for (u32 j = j1; j < real; j += 8u) {
                 const u64 r = chc_pack_fp8(chc_mix64(hashes[j] ^ key));
                 u8* q = at + j * 128u;
                 *(u64*)(q + 0u) = r;
@@ -117,7 +122,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) synthesise_nsa_idx_cp2_ps6
             const u32 d = 0u + x % 1u;
             const u64 key = chc_key(layer, 1u, d);
             u8* at = dst + 8192u + d * 8u;
-            for (u32 j = j0; j < real; j += 128u) {
+            // The first of this thread's slots (j0 + k * TOK_STEP) at or after lo.
+            const u32 j1 = j0 < lo ? j0 + (lo - j0 + 128u - 1u) / 128u * 128u : j0;
+            for (u32 j = j1; j < real; j += 128u) {
                 const u64 r = chc_pack_f32(chc_mix64(hashes[j] ^ key));
                 u8* q = at + j * 4u;
                 *(u32*)(q + 0u) = (u32)r;

@@ -110,6 +110,24 @@ class Request:
         return self._native.cached_pages
 
     @property
+    def tokens(self) -> np.ndarray:
+        """The tokens so far (u32): the prompt (its first chunk, with ``begin(chunk=)``),
+        then what :meth:`RankCache.extend` added."""
+        return np.frombuffer(self._native.tokens, dtype="<u4").copy()
+
+    @property
+    def computed_from(self) -> int:
+        """The first token whose KV the engine's next forward writes: the first uncached
+        token after allocating, the first new token after :meth:`RankCache.extend`."""
+        return self._native.computed_from
+
+    @property
+    def pages_in_tree(self) -> int:
+        """Leading pages the cache's tree holds (the cached prefix, then pages that
+        :meth:`RankCache.extend` inserted unfinished); an abandon leaves them cached."""
+        return self._native.pages_in_tree
+
+    @property
     def loading_layers(self) -> int:
         """Layers of the load-back in flight (0 when nothing is loaded back)."""
         return self._native.loading_layers
@@ -271,13 +289,40 @@ class RankCache:
         """Materialise and verify on the first ``n`` ranks only (default: all)."""
         self._native.set_verifying_ranks(n)
 
-    def begin(self, tokens: Tokens, allocate: bool = False) -> Request:
+    def begin(
+        self, tokens: Tokens, allocate: bool = False, chunk: Optional[int] = None
+    ) -> Request:
         """Starts a request in steps: matches ``tokens`` and loads the host-only part of the
         match back (owners preserved, layer by layer). With ``allocate=True`` it also
         allocates the pages to compute, in the same group round (then a request costs two
-        rounds: this and :meth:`finish`). When it returns, the loaded pages are readable by
-        every peer, not only by this rank. SGLang: ``match_prefix`` + ``init_load_back``."""
-        return Request(self._native.begin(_u32_bytes(tokens, "tokens"), allocate))
+        rounds: this and :meth:`finish`). With ``chunk=N`` as well (chunked prefill), the
+        request takes only the cached prefix and the next ``N`` tokens; :meth:`extend` gives
+        it the rest. When it returns, the loaded pages are readable by every peer, not only
+        by this rank. SGLang: ``match_prefix`` + ``init_load_back``."""
+        return Request(self._native.begin(_u32_bytes(tokens, "tokens"), allocate, chunk))
+
+    def extend(self, request: Request, tokens: Tokens) -> None:
+        """Adds ``tokens`` to an open request: the next prefill chunk, or decode tokens.
+        Its forward has written every token so far; in one group round the whole pages
+        written so far go into the cache unfinished (locked by the request, backed up per
+        the policy; SGLang's ``cache_unfinished_req``), the partial last page is kept, and
+        pages for the tokens past it are allocated. Where another request inserted the same
+        tokens first, the request takes the cache's pages: read :attr:`Request.pages` again.
+        The next forward writes tokens from :attr:`Request.computed_from` on. A step that
+        fails on any rank leaves the request as it was."""
+        self._native.extend(request._native, _u32_bytes(tokens, "tokens"))
+
+    def synthesise(self, request: Request) -> None:
+        """Writes synthesised KV for this rank's share of the tokens from
+        :attr:`Request.computed_from` on (only those: a kept partial page keeps what earlier
+        steps wrote): the stand-in for a forward. No group round."""
+        self._native.synthesise(request._native)
+
+    def verify(self, request: Request) -> int:
+        """Materialises the whole sequence from every owner's pool (the partial last page
+        included) and verifies every token against the synthesised KV, on every rank.
+        Returns the mismatched tokens."""
+        return self._native.verify(request._native)
 
     def allocate(self, request: Request) -> None:
         """Allocates the pages of the tokens the cache does not hold (zigzag over the

@@ -214,6 +214,26 @@ impl Request {
         py.detach(|| self.lock().cached_pages())
     }
 
+    /// The tokens so far (u32 bytes): the prompt's taken part, then what `extend` added.
+    #[getter]
+    fn tokens<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        let tokens: Vec<u32> = py.detach(|| self.lock().tokens().to_vec());
+        id_bytes(py, tokens)
+    }
+
+    /// The first token whose KV the engine's next forward writes.
+    #[getter]
+    fn computed_from(&self, py: Python<'_>) -> usize {
+        py.detach(|| self.lock().computed_from())
+    }
+
+    /// Leading pages the tree holds (the cached prefix, then pages `extend` inserted
+    /// unfinished).
+    #[getter]
+    fn pages_in_tree(&self, py: Python<'_>) -> usize {
+        py.detach(|| self.lock().pages_in_tree())
+    }
+
     /// Layers of the load-back in flight (0 when nothing is loaded back).
     #[getter]
     fn loading_layers(&self, py: Python<'_>) -> u32 {
@@ -752,16 +772,28 @@ impl RankCache {
     /// also the pages to compute, in the same round): every rank calls it with the same
     /// tokens. When it returns, the loaded pages are readable by every peer. SGLang:
     /// `match_prefix` + `init_load_back`.
-    #[pyo3(signature = (tokens, allocate = false))]
-    fn begin(&self, py: Python<'_>, tokens: &[u8], allocate: bool) -> PyResult<Request> {
+    #[pyo3(signature = (tokens, allocate = false, chunk = None))]
+    fn begin(
+        &self,
+        py: Python<'_>,
+        tokens: &[u8],
+        allocate: bool,
+        chunk: Option<usize>,
+    ) -> PyResult<Request> {
         let tokens = ids(tokens, "tokens")?;
+        if chunk.is_some() && !allocate {
+            return Err(usage(
+                "chunk= takes the first chunk's pages at once: it needs allocate=True",
+            ));
+        }
+        if chunk == Some(0) {
+            return Err(usage("chunk must be at least one token"));
+        }
         let req = self
-            .with(py, |r| {
-                if allocate {
-                    r.begin_allocated(&tokens)
-                } else {
-                    r.begin(&tokens)
-                }
+            .with(py, |r| match (allocate, chunk) {
+                (true, Some(c)) => r.begin_chunk(&tokens, c),
+                (true, None) => r.begin_allocated(&tokens),
+                (false, _) => r.begin(&tokens),
             })?
             .map_err(cluster)?;
         Ok(Request {
@@ -775,6 +807,36 @@ impl RankCache {
     fn allocate(&self, py: Python<'_>, req: &Request) -> PyResult<()> {
         self.owns(req)?;
         self.with(py, |r| r.allocate(&mut req.lock()))?
+            .map_err(cluster)
+    }
+
+    /// Adds tokens to an open request (the next prefill chunk, decode tokens): inserts the
+    /// whole pages written so far unfinished, keeps the partial page, allocates the pages
+    /// past it. One round.
+    fn extend(&self, py: Python<'_>, req: &Request, tokens: &[u8]) -> PyResult<()> {
+        self.owns(req)?;
+        let tokens = ids(tokens, "tokens")?;
+        if tokens.is_empty() {
+            return Err(usage("extend needs at least one token"));
+        }
+        self.with(py, |r| r.extend(&mut req.lock(), &tokens))?
+            .map_err(cluster)
+    }
+
+    /// Synthesises this rank's share of the tokens from `computed_from` on (a forward's
+    /// stand-in). No round.
+    fn synthesise(&self, py: Python<'_>, req: &Request) -> PyResult<()> {
+        self.owns(req)?;
+        self.with(py, |r| r.synthesise(&mut req.lock()))?
+            .map_err(cluster)
+    }
+
+    /// Verifies the whole sequence from every owner's pool on every rank; returns
+    /// mismatched tokens.
+    fn verify(&self, py: Python<'_>, req: &Request) -> PyResult<u64> {
+        self.owns(req)?;
+        self.with(py, |r| r.verify(&mut req.lock()))?
+            .map(|v| v.all.count)
             .map_err(cluster)
     }
 

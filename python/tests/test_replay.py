@@ -22,14 +22,19 @@ ARGS = ["--cp", "4", "--model", "mla", "--page-size", "16", "--layers", "2",
         "--requests", "24", "--device-pages", "192"]
 
 
-def test_four_processes_replay_exactly_as_the_in_process_cluster(tmp_path, binary):
+@pytest.mark.parametrize(
+    "live",
+    [[], ["--chunk-tokens", "64", "--decode-tokens", "24"]],
+    ids=["whole-prompts", "chunked-prefill-and-decode"],
+)
+def test_four_processes_replay_exactly_as_the_in_process_cluster(tmp_path, binary, live):
     one = subprocess.run(
-        [str(binary), "replay", *ARGS, "-q", "--json", str(tmp_path / "threads.json"),
+        [str(binary), "replay", *ARGS, *live, "-q", "--json", str(tmp_path / "threads.json"),
          "--request-log", str(tmp_path / "threads.jsonl")],
         capture_output=True, text=True, timeout=600,
     )
     assert one.returncode == 0, one.stderr
-    many = launch(["--ranks", "4", *ARGS, "--json", str(tmp_path / "procs.json"),
+    many = launch(["--ranks", "4", *ARGS, *live, "--json", str(tmp_path / "procs.json"),
                    "--request-log", str(tmp_path / "procs.jsonl")])
     assert many.returncode == 0, many.stderr
     assert "cp-hicache replay" in many.stdout
@@ -52,6 +57,8 @@ def test_four_processes_replay_exactly_as_the_in_process_cluster(tmp_path, binar
     assert len(lines_a) == 24
     assert [json.loads(x) for x in lines_a] == [json.loads(x) for x in lines_b]
     assert any(json.loads(x)["outcome"] == "skipped" for x in lines_b)
+    if live:
+        assert b["extends"] > 24 and b["extended_tokens"] > 0
 
 
 def test_the_seed_bug_across_four_processes_mismatches_and_exits_1(tmp_path):

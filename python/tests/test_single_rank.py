@@ -212,3 +212,42 @@ def test_faults_without_owners_to_lose_are_refused_under_interleaved_layouts():
         with pytest.raises(cp_hicache.UsageError, match="positional|lockstep"):
             cp_hicache.RankCache(pi, device_pages=64, host_pages=64, backend="host",
                                  fault=fault)
+
+
+def test_a_live_request_grows_by_chunks_and_decode_tokens_keeping_its_partial_page():
+    rc = make()
+    prompt = np.arange(1000, 1100, dtype=np.uint32)
+    req = rc.begin(prompt, allocate=True, chunk=40)
+    assert len(req.tokens) == 40 and len(req.pages) == 3 and req.computed_from == 0
+    rc.synthesise(req)
+    for lo, hi in ((40, 70), (70, 100)):
+        partial = req.pages[lo // 16]  # tokens 32..40, then 64..70
+        rc.extend(req, prompt[lo:hi])
+        assert req.computed_from == lo
+        assert req.pages[lo // 16] == partial  # the partial page is kept
+        # Before the forward writes them, exactly the new tokens fail verification.
+        assert rc.verify(req) == hi - lo
+        rc.synthesise(req)
+    assert rc.verify(req) == 0
+    answer = np.arange(5000, 5020, dtype=np.uint32)
+    for t in answer:
+        rc.extend(req, [int(t)])
+        rc.synthesise(req)
+    assert req.pages_in_tree == 7  # whole pages written before the last extend
+    assert rc.verify(req) == 0
+    stats = rc.finish(req)
+    assert stats["extended_tokens"] == 80 and stats["extends"] == 22
+    # Only the two verifications made before the forward wrote their chunks found any.
+    assert stats["mismatched_tokens"] == 60
+    # The next turn hits the prompt and the whole pages of the answer.
+    turn = rc.serve(np.concatenate([prompt, answer, np.arange(9000, 9010, dtype=np.uint32)]))
+    assert turn["device_hit_tokens"] == 112 and turn["mismatched_tokens"] == 0
+    rc.check_invariants()
+    with pytest.raises(cp_hicache.UsageError, match="already finished"):
+        rc.extend(req, [1])
+    req = rc.begin(prompt, allocate=True)
+    with pytest.raises(cp_hicache.UsageError, match="at least one token"):
+        rc.extend(req, [])
+    with pytest.raises(cp_hicache.UsageError, match="allocate=True"):
+        rc.begin(prompt, chunk=16)
+    rc.abandon(req)

@@ -12,6 +12,7 @@ use crate::jit::{Jit, JitConfig, Sanitize};
 use crate::kernels::{Deployment, ModelShape, TransferPath};
 use crate::layout::CpLayout;
 use crate::layout::Layout;
+use crate::rank::LiveShape;
 use crate::workload::{
     Conversations, ConversationsConfig, MooncakeTrace, Request, TraceConfig, WorkloadError,
     MAX_BLOCK_TOKENS,
@@ -152,6 +153,20 @@ pub struct ReplayArgs {
     /// C times one verification on a CPU; a wrong mapping on a rank left out goes unseen.
     #[arg(long, value_name = "N")]
     pub verify_ranks: Option<u8>,
+    /// Prefill each prompt in chunks of N tokens, as an engine's chunked prefill does: the
+    /// first chunk begins the request, each later one extends it (the pages filled so far
+    /// are inserted unfinished, a partial page is kept and filled on). Such requests are
+    /// served step by step: a failed step abandons the request on every rank instead of
+    /// rolling it back. Default: each prompt in one step.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub chunk_tokens: Option<u32>,
+    /// After each prompt, decode tokens one step each (an extend per token, its KV written
+    /// into the kept partial page): N tokens, or `trace` for each request's own output
+    /// length (a trace's output_length; the built-in conversations' answers, which their
+    /// next turn appends, so later turns hit the decoded answer). The whole sequence is
+    /// verified after the prefill and again after the decode. Default: no decode.
+    #[arg(long, value_name = "N|trace", value_parser = parse_decode_tokens)]
+    pub decode_tokens: Option<DecodeTokens>,
     /// Inject a fault to exercise a failure path: plain-alloc-on-load (the seed's bug),
     /// lane-exhaustion, host-pool-full, compile-error, launch-error.
     #[arg(long, value_name = "FAULT", value_parser = parse_fault)]
@@ -167,6 +182,51 @@ impl Default for ReplayArgs {
             args: ReplayArgs,
         }
         Wrap::parse_from(["replay"]).args
+    }
+}
+
+/// How many tokens `replay --decode-tokens` decodes after each prompt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecodeTokens {
+    /// The same number after every prompt.
+    Count(u32),
+    /// Each request's own output length.
+    Trace,
+}
+
+impl std::fmt::Display for DecodeTokens {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DecodeTokens::Count(n) => write!(f, "{n}"),
+            DecodeTokens::Trace => f.write_str("trace"),
+        }
+    }
+}
+
+fn parse_decode_tokens(s: &str) -> Result<DecodeTokens, String> {
+    if s == "trace" {
+        return Ok(DecodeTokens::Trace);
+    }
+    match s.parse::<u32>() {
+        Ok(n) if u64::from(n) <= crate::workload::MAX_PROMPT_TOKENS => Ok(DecodeTokens::Count(n)),
+        _ => Err(format!(
+            "`{s}` is neither `trace` nor a token count in 0..={}",
+            crate::workload::MAX_PROMPT_TOKENS
+        )),
+    }
+}
+
+/// How `replay` feeds `req`: its chunks and decoded tokens (`--chunk-tokens`,
+/// `--decode-tokens`).
+fn live_shape(args: &ReplayArgs, req: &crate::workload::Request) -> LiveShape {
+    let decode = match args.decode_tokens {
+        None => 0,
+        Some(DecodeTokens::Count(n)) => n,
+        Some(DecodeTokens::Trace) => req.output_tokens,
+    };
+    LiveShape {
+        chunk_tokens: args.chunk_tokens.map(|c| c as usize),
+        output: req.output(decode as usize),
     }
 }
 
@@ -727,7 +787,13 @@ fn drive(
             }
         };
         let before = cluster.replica_digests().map_err(cluster_error)?;
-        let served = cluster.serve(&req.tokens);
+        let shape = live_shape(args, &req);
+        let live = !shape.is_plain(req.tokens.len());
+        let served = if live {
+            cluster.serve_live(&req.tokens, &shape)
+        } else {
+            cluster.serve(&req.tokens)
+        };
         let mut entry = serde_json::json!({
             "request": req.id,
             "outcome": match &served {
@@ -789,6 +855,9 @@ fn drive(
                 let agree = cluster.replicas_agree().map_err(cluster_error)?;
                 let state = match (unchanged, agree, drops.is_empty()) {
                     (true, _, _) => "unchanged".to_string(),
+                    // Steps are agreed one by one: a failed one abandons the request, and
+                    // what it inserted unfinished stays cached.
+                    (false, true, _) if live => "abandoned on every rank".to_string(),
                     (false, true, false) => format!(
                         "rolled back, dropping stale cache entries ({} device pages, {} host copies)",
                         drops.device_pages, drops.host_copies
@@ -803,7 +872,7 @@ fn drive(
                         .first()
                         .map_or("unknown".to_string(), ToString::to_string)
                 ));
-                if !agree || (!unchanged && drops.is_empty()) {
+                if !agree || (!unchanged && drops.is_empty() && !live) {
                     disagreed_at.get_or_insert(req.id);
                 }
             }
@@ -886,6 +955,8 @@ fn drive(
         layers: args.layers,
         policy: args.policy.to_string(),
         layout: deployment.layout.to_string(),
+        chunk_tokens: args.chunk_tokens,
+        decode_tokens: args.decode_tokens.map(|d| d.to_string()),
         workload: match &input_error {
             Some(e) => format!("{}, cut short by {e}", plan.workload_name),
             None => plan.workload_name,

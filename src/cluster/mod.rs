@@ -65,7 +65,7 @@ use crate::hicache::tree::NodeId;
 use crate::jit::Jit;
 use crate::kernels::BufferKind;
 use crate::layout::CpLayout;
-use crate::rank::RankCache;
+use crate::rank::{LiveShape, RankCache};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -568,6 +568,26 @@ impl Cluster {
     pub fn serve(&mut self, tokens: &[u32]) -> Result<RequestStats, ClusterError> {
         let tokens = Arc::new(tokens.to_vec());
         let all = Self::combine(self.on_all("serving a request", move |r| r.serve(&tokens))?)?;
+        let mut stats = all[0].clone();
+        stats.bytes_h2d = all.iter().map(|s| s.bytes_h2d).sum();
+        stats.bytes_d2h = all.iter().map(|s| s.bytes_d2h).sum();
+        stats.load_path_syncs = all.iter().map(|s| s.load_path_syncs).sum();
+        Ok(stats)
+    }
+
+    /// Serves one prompt as a live request on every rank at once
+    /// ([`RankCache::serve_live`]): chunked prefill and decode through the step API. A
+    /// failure abandons the request on every rank. The returned statistics are rank 0's,
+    /// with byte counts summed over the ranks.
+    pub fn serve_live(
+        &mut self,
+        tokens: &[u32],
+        shape: &LiveShape,
+    ) -> Result<RequestStats, ClusterError> {
+        let (tokens, shape) = (Arc::new(tokens.to_vec()), Arc::new(shape.clone()));
+        let all = Self::combine(self.on_all("serving a live request", move |r| {
+            r.serve_live(&tokens, &shape)
+        })?)?;
         let mut stats = all[0].clone();
         stats.bytes_h2d = all.iter().map(|s| s.bytes_h2d).sum();
         stats.bytes_d2h = all.iter().map(|s| s.bytes_d2h).sum();

@@ -10,7 +10,8 @@
 use super::{Cluster, GroupInfo};
 use crate::allocator::StateDigest;
 use crate::rank::{
-    ClusterError, DeploymentKernels, PeerErrorKind, RankCache, RequestStats, RollbackDrops,
+    ClusterError, DeploymentKernels, LiveShape, PeerErrorKind, RankCache, RequestStats,
+    RollbackDrops,
 };
 
 /// The CP group as a driver sees it. See the module documentation.
@@ -18,6 +19,14 @@ pub trait Ranks {
     /// Serves one prompt on every rank ([`RankCache::serve`]). Byte counts and load-path
     /// stalls are summed over the ranks; everything else is replicated.
     fn serve(&mut self, tokens: &[u32]) -> Result<RequestStats, ClusterError>;
+
+    /// Serves one prompt as a live request on every rank ([`RankCache::serve_live`]);
+    /// counts as [`Ranks::serve`].
+    fn serve_live(
+        &mut self,
+        tokens: &[u32],
+        shape: &LiveShape,
+    ) -> Result<RequestStats, ClusterError>;
 
     /// Every rank's digest, in rank order.
     fn replica_digests(&self) -> Result<Vec<StateDigest>, ClusterError>;
@@ -56,6 +65,14 @@ pub trait Ranks {
 impl Ranks for Cluster {
     fn serve(&mut self, tokens: &[u32]) -> Result<RequestStats, ClusterError> {
         Cluster::serve(self, tokens)
+    }
+
+    fn serve_live(
+        &mut self,
+        tokens: &[u32],
+        shape: &LiveShape,
+    ) -> Result<RequestStats, ClusterError> {
+        Cluster::serve_live(self, tokens, shape)
     }
 
     fn replica_digests(&self) -> Result<Vec<StateDigest>, ClusterError> {
@@ -103,6 +120,41 @@ impl Ranks for RankCache {
         // Every rank succeeded (a failure on any rank fails the request on every rank); each
         // rank's counts came with the outcome round.
         (stats.bytes_h2d, stats.bytes_d2h, stats.load_path_syncs) = self.group_sums().into();
+        Ok(stats)
+    }
+
+    fn serve_live(
+        &mut self,
+        tokens: &[u32],
+        shape: &LiveShape,
+    ) -> Result<RequestStats, ClusterError> {
+        let n = self.requests_served();
+        let mut stats = match RankCache::serve_live(self, tokens, shape) {
+            Ok(stats) => stats,
+            Err(e) if e.is_group_broken() => return Err(e),
+            Err(e) => return Err(agree_on_error(self, n, e)?),
+        };
+        // The steps' counts are this rank's: one round sums them for the report.
+        let mine: Vec<u8> = [stats.bytes_h2d, stats.bytes_d2h, stats.load_path_syncs]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let all = self
+            .group()
+            .all_gather(&format!("request {n} byte counts"), &mine)?;
+        let mut sums = [0u64; 3];
+        for b in &all {
+            if b.len() != 24 {
+                return Err(ClusterError::Config(format!(
+                    "request {n} byte counts: a peer sent {} bytes, not 3 counts",
+                    b.len()
+                )));
+            }
+            for (s, c) in sums.iter_mut().zip(b.chunks_exact(8)) {
+                *s += u64::from_le_bytes(c.try_into().expect("8 bytes"));
+            }
+        }
+        (stats.bytes_h2d, stats.bytes_d2h, stats.load_path_syncs) = sums.into();
         Ok(stats)
     }
 

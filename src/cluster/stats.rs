@@ -38,8 +38,13 @@ pub struct ReplayReport {
     pub layers: u32,
     /// Write policy.
     pub policy: String,
-    /// Owner pattern of computed pages (`zigzag`, `round-robin`).
+    /// The CP layout (`zigzag`, `round-robin`, `page-interleave`, `token-interleave(I)`).
     pub layout: String,
+    /// Prefill chunk in tokens (`--chunk-tokens`); none: whole prompts.
+    pub chunk_tokens: Option<u32>,
+    /// Tokens decoded after each prompt (`--decode-tokens`: a count or `trace`); none: no
+    /// decode.
+    pub decode_tokens: Option<String>,
     /// Workload description.
     pub workload: String,
     /// Requests that failed with an error (their state was rolled back).
@@ -82,11 +87,13 @@ impl ReplayReport {
     /// The human-readable summary table.
     pub fn to_table(&self) -> String {
         let t = &self.totals;
+        // Of every token the requests held: prompts and what extends added.
+        let all = t.prompt_tokens + t.extended_tokens;
         let pct = |n: u64| {
-            if t.prompt_tokens == 0 {
+            if all == 0 {
                 0.0
             } else {
-                100.0 * n as f64 / t.prompt_tokens as f64
+                100.0 * n as f64 / all as f64
             }
         };
         let mut s = String::new();
@@ -125,6 +132,19 @@ impl ReplayReport {
             );
         }
         row("prompt tokens", t.prompt_tokens.to_string());
+        if self.chunk_tokens.is_some() || self.decode_tokens.is_some() {
+            row(
+                "live requests",
+                format!(
+                    "prefill {} · decode {} · {} tokens added by {} extends",
+                    self.chunk_tokens
+                        .map_or("whole".to_string(), |c| format!("in {c}-token chunks")),
+                    self.decode_tokens.as_deref().unwrap_or("none"),
+                    t.extended_tokens,
+                    t.extends
+                ),
+            );
+        }
         row(
             "device hit tokens",
             format!("{} ({:.1}%)", t.device_hit_tokens, pct(t.device_hit_tokens)),
@@ -272,6 +292,8 @@ mod tests {
             layers: 4,
             policy: "write_through".into(),
             layout: "zigzag".into(),
+            chunk_tokens: None,
+            decode_tokens: None,
             workload: "built-in".into(),
             failed_requests: 0,
             requests_skipped: 0,

@@ -458,10 +458,24 @@ fn placement(order: TokenOrder, page_size: u32) -> Placement {
     }
 }
 
-/// `synthesise`: writes the synthesised bytes of the real tokens of the sequence pages from
-/// `start_page` on (those holding the first `n_tokens` tokens in `order`) that `rank` owns
-/// into `pool` (`[layer][local_page][page_bytes]`); other pages and padding slots stay
-/// untouched.
+/// Work items (sequence pages) of a `synthesise` launch writing tokens `[first_token,
+/// n_tokens)` in `order`: the pages from the one holding `first_token` (from its granule's
+/// first page when tokens are interleaved, since every page of a granule holds later tokens).
+pub fn synthesise_items(order: TokenOrder, page_size: u32, n_tokens: u32, first_token: u32) -> u32 {
+    let place = placement(order, page_size);
+    let n_pages = place.pages_holding(u64::from(n_tokens));
+    let granule = match order {
+        TokenOrder::Paged => 1,
+        TokenOrder::Interleaved { cp, .. } => u64::from(cp),
+    };
+    let start = u64::from(first_token) / (u64::from(page_size) * granule) * granule;
+    n_pages.saturating_sub(start) as u32
+}
+
+/// `synthesise`: writes the synthesised bytes of tokens `[first_token, n_tokens)` of the
+/// sequence (placed in `order`) that `rank` owns into `pool`
+/// (`[layer][local_page][page_bytes]`); other tokens (those before `first_token` in a kept
+/// partial page), other pages and padding slots stay untouched.
 #[allow(clippy::too_many_arguments)]
 pub fn synthesise(
     buffer: BufferKind,
@@ -472,7 +486,7 @@ pub fn synthesise(
     prefix_hash: &[u64],
     seq_pages: &[u32],
     n_tokens: u32,
-    start_page: u32,
+    first_token: u32,
     rank: u32,
     layers: u32,
     local_pages: u32,
@@ -490,17 +504,19 @@ pub fn synthesise(
         extent("pool", layers, local_pages, page_bytes)?,
     )?;
     let pb = page_bytes as usize;
-    for i in start_page..n_pages {
+    for i in 0..n_pages {
         let p = seq_pages[i as usize];
         let local = p / cpn;
         if p % cpn != rank || local >= local_pages {
             continue;
         }
         let real = place.tokens_in_page(u64::from(i), u64::from(n_tokens));
+        // A page holds its tokens in order: those before `first_token` come first.
+        let lo = place.tokens_in_page(u64::from(i), u64::from(first_token));
         for l in 0..layers {
             let at = device_offset(local, l, local_pages, page_bytes) as usize;
             let page = &mut pool[at..at + pb];
-            for j in 0..real {
+            for j in lo..real {
                 let t = place.token(u64::from(i), j);
                 synth_token(buffer, page_size, prefix_hash[t as usize], l, j, page)?;
             }

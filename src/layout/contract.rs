@@ -158,6 +158,16 @@ impl Layout {
         }
     }
 
+    /// Owners of `n` pages appended to an open request whose first `start` pages it already
+    /// holds (a prefill chunk or decode tokens past its last page): by position, page `i` to
+    /// rank `i % cp`, in every layout. Zigzag balances the pages of one prefill; a request
+    /// that grows a chunk or a token at a time would put every appended page on the first
+    /// ranks, so its appended pages go round by position instead (still recorded).
+    pub fn appended_owners(self, cp: u8, start: usize, n: usize) -> Vec<u8> {
+        let cp = usize::from(cp.max(1));
+        (start..start + n).map(|i| (i % cp) as u8).collect()
+    }
+
     /// Sequence pages a prompt of `tokens` tokens needs: whole pages, rounded up to whole
     /// granules where the layout allocates in granules.
     pub fn pages_for(self, cp: u8, page_size: u32, tokens: usize) -> usize {

@@ -44,6 +44,7 @@ mod backup;
 mod config;
 mod evict;
 mod kernels;
+mod live;
 mod load;
 pub mod pools;
 mod request;
@@ -54,6 +55,7 @@ mod verify;
 pub use config::{ClusterConfig, ClusterError, Fault, PeerErrorKind, WritePolicy};
 use evict::Eviction;
 pub use kernels::{DeploymentKernels, KernelLoadError, Loaded, SourceHook};
+pub use live::LiveShape;
 pub use load::LoadHandle;
 pub use pools::{PeerAccess, PoolGeometry, Pools};
 pub use request::{Ending, Request};
@@ -805,8 +807,13 @@ impl RankCache {
         self.allocate_inner(&mut req)?;
         // 4-5. Synthesise the computed pages this rank owns, materialise everything from the
         // owners' pools, verify against the synthesised KV.
-        let bad =
-            self.compute_and_verify(&req.tokens, &req.pages, req.cached, n, req.load.as_ref())?;
+        let bad = self.compute_and_verify(
+            &req.tokens,
+            &req.pages,
+            req.fresh_from,
+            n,
+            req.load.as_ref(),
+        )?;
         req.load = None;
         req.stats.mismatched_tokens = bad.all.count;
         req.stats.first_mismatched_token = bad.all.first;

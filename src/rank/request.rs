@@ -1,7 +1,9 @@
 //! A request in steps, as an engine drives it: [`RankCache::begin`] (match and load back),
 //! [`RankCache::allocate`] (pages for the tokens to compute), the engine's own forward
-//! writing KV into the pools, then [`RankCache::finish`] (insert, back up, release), or
-//! [`RankCache::abandon`]. [`RankCache::serve`] is these steps with synthesised KV and
+//! writing KV into the pools, any number of [`RankCache::extend`] (the next prefill chunk or
+//! decode token: the pages filled so far go into the tree unfinished, pages for the new
+//! tokens are allocated, the partial last page is kept), each followed by a forward, then
+//! [`RankCache::finish`] (insert, back up, release), or [`RankCache::abandon`]. [`RankCache::serve`] is these steps with synthesised KV and
 //! verification in between, as one all-or-nothing operation.
 //!
 //! Each step is agreed across the group on its own: it succeeds on every rank or every rank
@@ -24,7 +26,13 @@ pub struct Request {
     pub(super) pages: Vec<PageId>,
     /// How many leading pages came from the cache (device hits and loaded pages).
     pub(super) cached: usize,
-    /// The deepest locked node (holding the cached prefix).
+    /// How many leading pages the tree holds (the cached prefix, then pages
+    /// [`RankCache::extend`] inserted unfinished): the request locks them, and an abandon
+    /// leaves them cached.
+    pub(super) in_tree: usize,
+    /// The first token the engine's next forward computes (its KV is not written yet).
+    pub(super) fresh_from: usize,
+    /// The deepest locked node (holding the first `in_tree` pages).
     pub(super) locked: NodeId,
     pub(super) load: Option<LoadHandle>,
     pub(super) allocated: bool,
@@ -33,7 +41,43 @@ pub struct Request {
     pub(super) stats: RequestStats,
 }
 
+/// What a step may change in a request, to put back when the step fails on any rank.
+struct Saved {
+    tokens: usize,
+    pages: Vec<PageId>,
+    in_tree: usize,
+    fresh_from: usize,
+    locked: NodeId,
+    allocated: bool,
+    stats: RequestStats,
+}
+
 impl Request {
+    fn save(&self) -> Saved {
+        Saved {
+            tokens: self.tokens.len(),
+            pages: self.pages.clone(),
+            in_tree: self.in_tree,
+            fresh_from: self.fresh_from,
+            locked: self.locked,
+            allocated: self.allocated,
+            stats: self.stats.clone(),
+        }
+    }
+
+    /// Puts back what `saved` holds; the group rounds the failed step took stay counted.
+    fn restore(&mut self, saved: Saved) {
+        let rounds = self.stats.group_rounds;
+        self.tokens.truncate(saved.tokens);
+        self.pages = saved.pages;
+        self.in_tree = saved.in_tree;
+        self.fresh_from = saved.fresh_from;
+        self.locked = saved.locked;
+        self.allocated = saved.allocated;
+        self.stats = saved.stats;
+        self.stats.group_rounds = rounds;
+    }
+
     fn check_open(&self, step: &str) -> Result<(), ClusterError> {
         if self.done {
             return Err(ClusterError::Config(format!(
@@ -44,17 +88,32 @@ impl Request {
         Ok(())
     }
 
-    /// The prompt.
+    /// The tokens so far: the prompt, then whatever [`RankCache::extend`] added.
     pub fn tokens(&self) -> &[u32] {
         &self.tokens
     }
 
     /// Logical pages of the sequence so far: the cached prefix, then (after
-    /// [`RankCache::allocate`]) the pages to compute into. Page `i` holds tokens
-    /// `i * page_size ..`; its owner and local page are [`CpLayout::owner`] and
-    /// [`CpLayout::local`].
+    /// [`RankCache::allocate`]) the pages to compute into, the last one possibly partial.
+    /// Where each token sits is the layout's placement (page `i` holds tokens
+    /// `i * page_size ..` except under token-interleave); a page's owner and local page are
+    /// [`CpLayout::owner`] and [`CpLayout::local`]. [`RankCache::extend`] may replace pages
+    /// it inserts with the tree's own copies of the same tokens (another request inserted
+    /// them first): read the pages again after each extend.
     pub fn pages(&self) -> &[PageId] {
         &self.pages
+    }
+
+    /// The first token whose KV the engine's next forward writes: the first uncached token
+    /// after [`RankCache::allocate`], the first new token after [`RankCache::extend`].
+    pub fn computed_from(&self) -> usize {
+        self.fresh_from
+    }
+
+    /// Leading pages the tree holds (the cached prefix and the pages extends inserted
+    /// unfinished); the rest are the request's own until it finishes.
+    pub fn pages_in_tree(&self) -> usize {
+        self.in_tree
     }
 
     /// Leading pages that came from the cache (device hits, then loaded pages); the
@@ -103,7 +162,7 @@ impl RankCache {
     /// [`LoadHandle::wait_layer`] orders layer by layer. SGLang: `HiRadixCache.match_prefix`
     /// + `init_load_back` (`HiCacheController.load`).
     pub fn begin(&mut self, tokens: &[u32]) -> Result<Request, ClusterError> {
-        self.begin_with(tokens, false)
+        self.begin_with(tokens, false, None)
     }
 
     /// [`RankCache::begin`] and [`RankCache::allocate`] as one step, in one round: what an
@@ -111,17 +170,44 @@ impl RankCache {
     /// `allocate_slots`) calls, so that a request takes two rounds in all (this and its
     /// end).
     pub fn begin_allocated(&mut self, tokens: &[u32]) -> Result<Request, ClusterError> {
-        self.begin_with(tokens, true)
+        self.begin_with(tokens, true, None)
     }
 
-    fn begin_with(&mut self, tokens: &[u32], allocate: bool) -> Result<Request, ClusterError> {
+    /// The first step of a chunked prefill: matches (and loads back) the whole prompt, as
+    /// [`RankCache::begin_allocated`] does, but takes only the cached prefix and the next
+    /// `chunk` tokens into the request and allocates their pages; the engine gives it the
+    /// rest of the prompt with [`RankCache::extend`], chunk by chunk (SGLang's chunked
+    /// prefill schedules the same way: match once, then compute the uncached part in
+    /// chunks). [`Request::tokens`] says how far the request got.
+    pub fn begin_chunk(&mut self, tokens: &[u32], chunk: usize) -> Result<Request, ClusterError> {
+        if chunk == 0 {
+            return Err(ClusterError::Config(
+                "a prefill chunk needs at least one token".into(),
+            ));
+        }
+        self.begin_with(tokens, true, Some(chunk))
+    }
+
+    fn begin_with(
+        &mut self,
+        tokens: &[u32],
+        allocate: bool,
+        chunk: Option<usize>,
+    ) -> Result<Request, ClusterError> {
         let n = self.served;
         self.served += 1;
         let rounds = self.rounds();
-        let inputs = Self::request_inputs(tokens, &[], 0);
+        let mut inputs = Self::request_inputs(tokens, &[], 0);
+        inputs.extend(chunk.unwrap_or(0).to_le_bytes());
         let step = if allocate { "begin+allocate" } else { "begin" };
         let mut req = self.agreed(&format!("request {n} {step}"), &inputs, |me| {
             let mut req = me.begin_inner(tokens, n, false, true)?;
+            if let Some(chunk) = chunk {
+                let ps = me.layout.page_size() as usize;
+                let take = (req.cached * ps).saturating_add(chunk).min(tokens.len());
+                req.tokens.truncate(take);
+                req.stats.prompt_tokens = take as u64;
+            }
             if allocate {
                 me.allocate_inner(&mut req)?;
             }
@@ -143,20 +229,88 @@ impl RankCache {
             )));
         }
         let n = req.n;
-        let (len, stats) = (req.pages.len(), req.stats.clone());
+        let saved = req.save();
         let rounds = self.rounds();
         let inputs = Self::request_inputs(&req.tokens, &req.pages, req.cached);
         let out = self.agreed(&format!("request {n} allocate"), &inputs, |me| {
             me.allocate_inner(req)
         });
+        req.stats.group_rounds += self.rounds() - rounds;
         if out.is_err() {
             // Every rank restored its state from before the step: so does the request.
-            req.pages.truncate(len);
-            req.stats = stats;
-            req.allocated = false;
+            req.restore(saved);
         }
-        req.stats.group_rounds += self.rounds() - rounds;
         out
+    }
+
+    /// Adds `tokens` to an open request whose pages are allocated: the next chunk of a
+    /// chunked prefill, or decode tokens. The engine's forward has written the KV of every
+    /// token so far; its next forward writes the new ones (from
+    /// [`Request::computed_from`]) into [`Request::pages`]. In one round:
+    /// - the whole granules written so far go into the tree unfinished, locked by the request
+    ///   and backed up per the write policy (SGLang's `cache_unfinished_req`); where another
+    ///   request inserted the same tokens first, the request takes the tree's pages and its
+    ///   own are freed once every rank is past this round (re-read [`Request::pages`]);
+    /// - the partial last page is kept (its written tokens stay; the new ones go after them),
+    ///   and pages for the tokens past it are allocated, by position ([`Layout::appended_owners`]),
+    ///   evicting when short.
+    ///
+    /// A step that fails on any rank leaves the request as it was.
+    ///
+    /// [`Layout::appended_owners`]: crate::layout::Layout::appended_owners
+    pub fn extend(&mut self, req: &mut Request, tokens: &[u32]) -> Result<(), ClusterError> {
+        req.check_open("extend")?;
+        if !req.allocated {
+            return Err(ClusterError::Config(format!(
+                "request {} has no pages for its tokens yet: allocate before extending",
+                req.n
+            )));
+        }
+        if tokens.is_empty() {
+            return Err(ClusterError::Config(format!(
+                "request {}: extend needs at least one token",
+                req.n
+            )));
+        }
+        let n = req.n;
+        let what = format!("request {n} extend");
+        let saved = req.save();
+        let rounds = self.rounds();
+        let mut inputs = Self::request_inputs(&req.tokens, &req.pages, req.cached);
+        inputs.extend(Self::request_inputs(tokens, &[], 0));
+        let out = self.agreed(&what, &inputs, |me| me.extend_inner(req, tokens));
+        req.stats.group_rounds += self.rounds() - rounds;
+        match out {
+            // Every rank is past the round: no peer reads the pages the tree replaced.
+            Ok(release) => self.commit(&what, |me| me.release_pages(release)),
+            Err(e) => {
+                req.restore(saved);
+                Err(e)
+            }
+        }
+    }
+
+    /// Synthesises the tokens the engine's forward would write now (from
+    /// [`Request::computed_from`]) into this rank's pages: the stand-in for the model's
+    /// forward when driving the steps without a model. No group round; verify with
+    /// [`RankCache::verify`].
+    pub fn synthesise(&mut self, req: &mut Request) -> Result<(), ClusterError> {
+        req.check_open("synthesise")?;
+        if !req.allocated {
+            return Err(ClusterError::Config(format!(
+                "request {} has no pages to compute into yet: allocate first",
+                req.n
+            )));
+        }
+        self.synthesise_tokens(&req.tokens, &req.pages, req.fresh_from)
+    }
+
+    /// Materialises the request's whole sequence from every owner's pool (its partial last
+    /// page included) and verifies every token against the synthesised KV, on every rank:
+    /// the pages must hold what [`RankCache::synthesise`] (or an engine writing the same
+    /// bytes) wrote. Waits for the load-back layer by layer.
+    pub fn verify(&mut self, req: &mut Request) -> Result<Verdict, ClusterError> {
+        self.verify_step(req, false)
     }
 
     /// Synthesises this rank's computed pages (the stand-in for the model's forward),
@@ -164,6 +318,14 @@ impl RankCache {
     /// as [`RankCache::serve`] does; for an engine's own KV this is its test harness, not a
     /// serving step. Waits for the load-back layer by layer.
     pub fn synthesise_and_verify(&mut self, req: &mut Request) -> Result<Verdict, ClusterError> {
+        self.verify_step(req, true)
+    }
+
+    fn verify_step(
+        &mut self,
+        req: &mut Request,
+        synthesise: bool,
+    ) -> Result<Verdict, ClusterError> {
         req.check_open("verify")?;
         if !req.allocated {
             return Err(ClusterError::Config(format!(
@@ -173,8 +335,14 @@ impl RankCache {
         }
         let n = req.n;
         let inputs = Self::request_inputs(&req.tokens, &req.pages, req.cached);
+        let first = if synthesise {
+            req.fresh_from
+        } else {
+            req.tokens.len()
+        };
+        // The harness's rounds are not the request's: `group_rounds` counts serving steps.
         let v = self.agreed(&format!("request {n} verify"), &inputs, |me| {
-            me.compute_and_verify(&req.tokens, &req.pages, req.cached, n, req.load.as_ref())
+            me.compute_and_verify(&req.tokens, &req.pages, first, n, req.load.as_ref())
         })?;
         req.stats.mismatched_tokens += v.all.count;
         req.stats.first_mismatched_token = req.stats.first_mismatched_token.or(v.all.first);
@@ -241,7 +409,7 @@ impl RankCache {
         let n = req.n;
         let what = format!("request {n} end");
         let rounds = self.rounds();
-        let stats = req.stats.clone();
+        let saved = req.save();
         let snapshot = self.snapshot();
         let local = if ok {
             self.finish_inner(req).map(Some)
@@ -283,9 +451,7 @@ impl RankCache {
             Err(e) => {
                 if !e.is_group_broken() {
                     self.roll_back(snapshot, &what)?;
-                    let rounds_so_far = req.stats.group_rounds;
-                    req.stats = stats;
-                    req.stats.group_rounds = rounds_so_far;
+                    req.restore(saved);
                 }
                 return Err(e);
             }
@@ -299,14 +465,15 @@ impl RankCache {
         if !by.is_empty() {
             let rounds_before = self.rounds();
             self.roll_back(snapshot, &what)?;
-            let fresh = req.pages[req.cached..].to_vec();
+            req.restore(saved);
+            // What the tree holds (the cached prefix, pages inserted unfinished) stays cached.
+            let own = req.pages[req.in_tree..].to_vec();
             let locked = req.locked;
             self.commit(&what, |me| {
-                me.release_pages(fresh)?;
+                me.release_pages(own)?;
                 me.unlock(locked)
             })?;
-            req.stats = stats;
-            req.stats.group_rounds += self.rounds() - rounds_before + 1;
+            req.stats.group_rounds += self.rounds() - rounds_before;
             req.done = true;
             req.load = None;
             return Ok(Ending::Abandoned { by });
@@ -314,7 +481,7 @@ impl RankCache {
         let digests: Vec<Vec<u8>> = all.iter().map(|b| b[1..].to_vec()).collect();
         if let Err(e) = self.check_agreement(&what, &digests) {
             self.roll_back(snapshot, &what)?;
-            req.stats = stats;
+            req.restore(saved);
             return Err(e);
         }
         let release = local.expect("every rank said ok, this one included");
@@ -426,6 +593,8 @@ impl RankCache {
             tokens: tokens.to_vec(),
             pages,
             cached,
+            in_tree: cached,
+            fresh_from: cached * ps,
             locked,
             load,
             allocated: false,
@@ -448,19 +617,54 @@ impl RankCache {
         Ok(())
     }
 
-    /// Steps 6-7: insert the whole pages, back up per the policy, release the locks.
-    /// Returns the device pages to free (what the tree already had, and the partial page),
-    /// which peers may still be reading: the caller frees them once every rank is past its
-    /// reads ([`RankCache::release_pages`]).
-    pub(super) fn finish_inner(&mut self, req: &mut Request) -> Result<Vec<PageId>, ClusterError> {
+    /// Adds `tokens` to the request (after inserting what it has written, unfinished) and
+    /// allocates the pages past its partial last page. Returns the request's pages the
+    /// tree replaced with its own, to free once every rank is past the round.
+    fn extend_inner(
+        &mut self,
+        req: &mut Request,
+        tokens: &[u32],
+    ) -> Result<Vec<PageId>, ClusterError> {
+        let release = self.insert_written(req, false)?;
+        let ps = self.layout.page_size();
+        let (layout, cp) = (self.config.deployment.layout, self.layout.cp());
+        let written = req.tokens.len();
+        req.tokens.extend_from_slice(tokens);
+        let n_pages = layout.pages_for(cp, ps, req.tokens.len());
+        let have = req.pages.len();
+        if n_pages > have {
+            let owners = layout.appended_owners(cp, have, n_pages - have);
+            let run = self.alloc_with_eviction(&owners, &req.pages, &mut req.stats)?;
+            req.pages.extend(run);
+        }
+        req.fresh_from = written;
+        req.stats.computed_tokens += tokens.len() as u64;
+        req.stats.extended_tokens += tokens.len() as u64;
+        req.stats.extends += 1;
+        Ok(release)
+    }
+
+    /// Inserts the request's whole granules (KV the engine has written) into the tree and
+    /// backs the new nodes up per the write policy; the request then locks the deepest node
+    /// and holds the tree's pages (where the tree already had some of them on the device,
+    /// those replace the request's, which are returned to free once no peer reads them).
+    /// With `always`, inserts even when nothing is new (finish: it refreshes the path's
+    /// LRU stamps).
+    fn insert_written(
+        &mut self,
+        req: &mut Request,
+        always: bool,
+    ) -> Result<Vec<PageId>, ClusterError> {
         let ps = self.layout.page_size() as usize;
-        let (tokens, pages, cached, locked) = (&req.tokens, &req.pages, req.cached, req.locked);
-        let stats = &mut req.stats;
-        let full = self.whole_granule_pages(tokens.len());
-        let key = &tokens[..full * ps];
-        let ins = self.tree.insert(key, &pages[..full])?;
+        let full = self.whole_granule_pages(req.tokens.len());
+        if full <= req.in_tree && !always {
+            return Ok(Vec::new());
+        }
+        let ins = self
+            .tree
+            .insert(&req.tokens[..full * ps], &req.pages[..full])?;
         // Every rank drops the same copies (owners are replicated).
-        stats.host_copies_replaced = ins.dropped_host_copies.len() as u64;
+        req.stats.host_copies_replaced += ins.dropped_host_copies.len() as u64;
         let mut released_host = Vec::new();
         for meta in ins.dropped_host_copies {
             self.host.free(meta.host_pages())?;
@@ -468,26 +672,58 @@ impl RankCache {
             released_host.extend(meta.host_pages().iter().copied());
         }
         self.poison_freed_host(released_host)?;
-        let ours: std::collections::HashSet<PageId> = pages[..cached].iter().copied().collect();
-        let mut to_free: Vec<PageId> = ins
-            .duplicate_pages
-            .into_iter()
-            .filter(|p| !ours.contains(p))
-            .collect();
-        to_free.extend_from_slice(&pages[full..]);
         let node = ins.node;
+        let mut tree_pages = Vec::with_capacity(full);
+        if node != NodeId::ROOT {
+            for id in self.tree.path(node)? {
+                let n = self.tree.node(id)?;
+                let pages = n.device().ok_or_else(|| {
+                    ClusterError::Config(format!(
+                        "request {}: node {id} on the path just inserted is not on the device",
+                        req.n
+                    ))
+                })?;
+                tree_pages.extend_from_slice(pages);
+            }
+        }
+        if tree_pages.len() != full {
+            return Err(ClusterError::Config(format!(
+                "request {}: the tree holds {} pages for its {full} whole pages",
+                req.n,
+                tree_pages.len()
+            )));
+        }
+        let mut to_free = Vec::new();
+        for (mine, theirs) in req.pages[..full].iter_mut().zip(&tree_pages) {
+            if mine != theirs {
+                to_free.push(*mine);
+                *mine = *theirs;
+            }
+        }
         self.lock(node)?;
-        self.unlock(locked)?;
+        self.unlock(req.locked)?;
+        req.locked = node;
+        req.in_tree = full;
         if self.config.policy == WritePolicy::WriteThrough && node != NodeId::ROOT {
             for id in self.tree.path(node)? {
                 let n = self.tree.node(id)?;
                 if n.host().is_none() && n.device().is_some() {
-                    self.write_back(id, stats)?;
+                    self.write_back(id, &mut req.stats)?;
                 }
             }
         }
+        Ok(to_free)
+    }
+
+    /// Steps 6-7: insert the whole granules, back up per the policy, release the locks.
+    /// Returns the device pages to free (those the tree replaced, and the partial last
+    /// granule, which the tree cannot key), which peers may still be reading: the caller
+    /// frees them once every rank is past its reads ([`RankCache::release_pages`]).
+    pub(super) fn finish_inner(&mut self, req: &mut Request) -> Result<Vec<PageId>, ClusterError> {
+        let mut to_free = self.insert_written(req, true)?;
+        to_free.extend_from_slice(&req.pages[req.in_tree..]);
         // 7. Release.
-        self.unlock(node)?;
+        self.unlock(req.locked)?;
         Ok(to_free)
     }
 }
@@ -575,6 +811,134 @@ mod tests {
         let e = rc.finish(&mut req).unwrap_err();
         assert!(e.to_string().contains("allocate first"), "{e}");
         rc.abandon(&mut req).unwrap();
+        rc.check_invariants().unwrap();
+    }
+
+    fn tokens(range: std::ops::Range<u32>) -> Vec<u32> {
+        range.map(|t| t * 7 + 3).collect()
+    }
+
+    /// A request grows: its partial page is kept across extends (each step synthesises only
+    /// its new tokens, and every earlier token still verifies), filled pages go into the
+    /// tree unfinished and stay there, and a later request hits them.
+    #[test]
+    fn extend_keeps_the_partial_page_and_inserts_filled_pages_unfinished() {
+        let mut rc = one_rank(TransferPath::Kernel);
+        let mut req = rc.begin_allocated(&tokens(0..20)).unwrap();
+        assert_eq!((req.pages().len(), req.computed_from()), (2, 0));
+        rc.synthesise(&mut req).unwrap();
+        assert_eq!(rc.verify(&mut req).unwrap().all.count, 0);
+        let partial = req.pages()[1];
+        // A chunk that stays in the partial page: no new page, the filled one is inserted.
+        rc.extend(&mut req, &tokens(20..25)).unwrap();
+        assert_eq!(req.pages().len(), 2);
+        assert_eq!(req.pages()[1], partial, "the partial page is kept");
+        assert_eq!((req.pages_in_tree(), req.computed_from()), (1, 20));
+        // Before the forward writes the new tokens, verification sees exactly them missing.
+        let v = rc.verify(&mut req).unwrap();
+        assert_eq!((v.all.count, v.all.first), (5, Some(20)));
+        rc.synthesise(&mut req).unwrap();
+        assert_eq!(rc.verify(&mut req).unwrap().all.count, 0);
+        // Decode a token at a time across two page boundaries.
+        for t in 25..40 {
+            rc.extend(&mut req, &tokens(t..t + 1)).unwrap();
+            rc.synthesise(&mut req).unwrap();
+        }
+        assert_eq!(req.pages().len(), 3);
+        assert_eq!(req.pages()[1], partial);
+        assert_eq!(req.pages_in_tree(), 2);
+        assert_eq!(rc.verify(&mut req).unwrap().all.count, 0);
+        let stats = rc.finish(&mut req).unwrap();
+        assert_eq!((stats.prompt_tokens, stats.extended_tokens), (20, 20));
+        assert_eq!((stats.computed_tokens, stats.extends), (40, 16));
+        // The tree keeps whole pages: a longer request hits 32 tokens on the device.
+        let again = rc.serve(&tokens(0..48)).unwrap();
+        assert_eq!((again.device_hit_tokens, again.mismatched_tokens), (32, 0));
+        rc.check_invariants().unwrap();
+    }
+
+    /// Two requests compute the same prompt at once: the second one's extend finds the
+    /// first one's pages in the tree, takes them and frees its own, and still verifies.
+    #[test]
+    fn extend_takes_the_trees_pages_where_another_request_inserted_first() {
+        let mut rc = one_rank(TransferPath::Kernel);
+        let free = rc.lane_free_counts();
+        let p = tokens(0..36);
+        let mut a = rc.begin_allocated(&p).unwrap();
+        let mut b = rc.begin_allocated(&p).unwrap();
+        for r in [&mut a, &mut b] {
+            rc.synthesise(r).unwrap();
+        }
+        rc.extend(&mut a, &tokens(36..37)).unwrap();
+        let theirs = a.pages()[..2].to_vec();
+        let mine = b.pages()[..2].to_vec();
+        assert_ne!(theirs, mine);
+        rc.extend(&mut b, &tokens(36..37)).unwrap();
+        assert_eq!(b.pages()[..2], theirs[..], "b now reads the tree's pages");
+        assert_eq!(b.pages_in_tree(), 2);
+        for r in [&mut a, &mut b] {
+            rc.synthesise(r).unwrap();
+            assert_eq!(rc.verify(r).unwrap().all.count, 0);
+            rc.finish(r).unwrap();
+        }
+        rc.check_invariants().unwrap();
+        rc.evict_device_lru(usize::MAX).unwrap();
+        assert_eq!(rc.lane_free_counts(), free, "nothing leaked");
+    }
+
+    /// An abandoned request leaves the pages it inserted unfinished cached (SGLang keeps
+    /// them too) and frees the rest.
+    #[test]
+    fn abandoning_an_extended_request_keeps_what_it_inserted() {
+        let mut rc = one_rank(TransferPath::Kernel);
+        let free = rc.lane_free_counts();
+        let mut req = rc.begin_allocated(&tokens(0..40)).unwrap();
+        rc.synthesise(&mut req).unwrap();
+        rc.extend(&mut req, &tokens(40..60)).unwrap();
+        assert_eq!((req.pages().len(), req.pages_in_tree()), (4, 2));
+        rc.abandon(&mut req).unwrap();
+        rc.check_invariants().unwrap();
+        let hit = rc.serve(&tokens(0..40)).unwrap();
+        assert_eq!((hit.device_hit_tokens, hit.mismatched_tokens), (32, 0));
+        rc.evict_device_lru(usize::MAX).unwrap();
+        assert_eq!(rc.lane_free_counts(), free, "nothing leaked");
+        for e in [
+            rc.extend(&mut req, &tokens(0..1)).unwrap_err(),
+            rc.synthesise(&mut req).unwrap_err(),
+        ] {
+            assert!(e.to_string().contains("already finished"), "{e}");
+        }
+    }
+
+    /// Extending before allocating, or by nothing, is refused and changes nothing.
+    #[test]
+    fn extend_refuses_a_request_without_pages_and_an_empty_chunk() {
+        let mut rc = one_rank(TransferPath::Kernel);
+        let mut req = rc.begin(&tokens(0..20)).unwrap();
+        let e = rc.extend(&mut req, &tokens(20..21)).unwrap_err();
+        assert!(e.to_string().contains("allocate before extending"), "{e}");
+        rc.allocate(&mut req).unwrap();
+        let e = rc.extend(&mut req, &[]).unwrap_err();
+        assert!(e.to_string().contains("at least one token"), "{e}");
+        assert_eq!(req.tokens().len(), 20);
+        rc.abandon(&mut req).unwrap();
+        rc.check_invariants().unwrap();
+    }
+
+    /// When the pool cannot hold the extension, the step fails and the request is as it was:
+    /// still verifying, and it can finish.
+    #[test]
+    fn a_failed_extend_leaves_the_request_unchanged() {
+        let mut rc = one_rank(TransferPath::Kernel);
+        let mut req = rc.begin_allocated(&tokens(0..20)).unwrap();
+        rc.synthesise(&mut req).unwrap();
+        let pages = req.pages().to_vec();
+        let e = rc.extend(&mut req, &tokens(20..200)).unwrap_err();
+        assert!(e.is_pool_too_small(), "{e}");
+        assert_eq!(req.pages(), &pages[..]);
+        assert_eq!((req.tokens().len(), req.pages_in_tree()), (20, 0));
+        assert_eq!(rc.verify(&mut req).unwrap().all.count, 0);
+        rc.finish(&mut req).unwrap();
         rc.check_invariants().unwrap();
     }
 

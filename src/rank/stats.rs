@@ -6,8 +6,14 @@ use serde::Serialize;
 /// counts are that rank's, and the cluster sums them over all ranks.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct RequestStats {
-    /// Prompt tokens.
+    /// Prompt tokens (those `begin` took).
     pub prompt_tokens: u64,
+    /// Tokens added to the open request by `extend` (prefill chunks, decode tokens); also
+    /// counted in `computed_tokens`. `serve_live` counts its later prefill chunks as prompt
+    /// tokens and only the decoded tokens here.
+    pub extended_tokens: u64,
+    /// `extend` steps the request took.
+    pub extends: u64,
     /// Tokens served from device-resident cache.
     pub device_hit_tokens: u64,
     /// Tokens served by loading host copies back to the device.
@@ -63,6 +69,8 @@ impl RequestStats {
     /// Adds another request's counts.
     pub fn add(&mut self, o: &RequestStats) {
         self.prompt_tokens += o.prompt_tokens;
+        self.extended_tokens += o.extended_tokens;
+        self.extends += o.extends;
         self.device_hit_tokens += o.device_hit_tokens;
         self.host_hit_tokens += o.host_hit_tokens;
         self.computed_tokens += o.computed_tokens;

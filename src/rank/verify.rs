@@ -38,45 +38,79 @@ pub struct Verdict {
 }
 
 impl RankCache {
-    /// Synthesises the pages `[start, ..)` this rank owns into its pool, then (once every
-    /// rank has) materialises the whole sequence from the owners' pools over this rank's
-    /// view and verifies it: the verify kernels of every buffer kind set bits in one token
-    /// bitmap, so a token wrong in several counts once. The ranks' bitmaps are all-gathered:
-    /// the verdict counts each token once over all ranks and says what each rank saw.
-    pub(super) fn compute_and_verify(
+    /// Synthesises this rank's share of tokens `[first_token, ..)` of `tokens` into its pool
+    /// (the stand-in for the model's forward): only those tokens, so an extended request's
+    /// kept partial page keeps what earlier steps wrote. No group round.
+    pub(super) fn synthesise_tokens(
         &mut self,
         tokens: &[u32],
         pages: &[PageId],
-        start: usize,
-        n: usize,
-        load: Option<&LoadHandle>,
-    ) -> Result<Verdict, ClusterError> {
+        first_token: usize,
+    ) -> Result<(), ClusterError> {
+        if first_token >= tokens.len() {
+            return Ok(());
+        }
         let g = self.pools.geometry();
         let hashes = reference::prefix_hashes(tokens);
         let page_ids: Vec<u32> = pages.iter().map(|p| p.0).collect();
         let (hash_buf, page_buf) = self.pools.upload_sequence(&hashes, &page_ids)?;
         let n_tokens = tokens.len() as u32;
-        let n_pages = pages.len() as u32;
-        let buffers = self.config.deployment.model.buffers();
-        if (start as u32) < n_pages {
-            for &b in buffers {
-                let synth = self.kernels.synthesise(b);
-                self.exec.launch(
-                    synth.id,
-                    &synth.launch(n_pages - start as u32, g.layers),
-                    &[
-                        KernelArg::Ptr(self.pools.device(b), 0),
-                        KernelArg::Ptr(hash_buf, 0),
-                        KernelArg::Ptr(page_buf, 0),
-                        KernelArg::U32(n_tokens),
-                        KernelArg::U32(start as u32),
-                        KernelArg::U32(u32::from(self.rank.0)),
-                        KernelArg::U32(g.layers),
-                        KernelArg::U32(g.local_pages),
-                    ],
-                )?;
-            }
+        let ps = self.layout.page_size();
+        let items = reference::synthesise_items(
+            self.config.deployment.token_order(),
+            ps,
+            n_tokens,
+            first_token as u32,
+        );
+        for &b in self.config.deployment.model.buffers() {
+            let synth = self.kernels.synthesise(b);
+            self.exec.launch(
+                synth.id,
+                &synth.launch(items, g.layers),
+                &[
+                    KernelArg::Ptr(self.pools.device(b), 0),
+                    KernelArg::Ptr(hash_buf, 0),
+                    KernelArg::Ptr(page_buf, 0),
+                    KernelArg::U32(n_tokens),
+                    KernelArg::U32(first_token as u32),
+                    KernelArg::U32(u32::from(self.rank.0)),
+                    KernelArg::U32(g.layers),
+                    KernelArg::U32(g.local_pages),
+                ],
+            )?;
         }
+        Ok(())
+    }
+
+    /// Synthesises tokens `[first_token, ..)` this rank owns ([`RankCache::synthesise_tokens`]),
+    /// then verifies the whole sequence ([`RankCache::verify_sequence`]).
+    pub(super) fn compute_and_verify(
+        &mut self,
+        tokens: &[u32],
+        pages: &[PageId],
+        first_token: usize,
+        n: usize,
+        load: Option<&LoadHandle>,
+    ) -> Result<Verdict, ClusterError> {
+        self.synthesise_tokens(tokens, pages, first_token)?;
+        self.verify_sequence(tokens, pages, n, load)
+    }
+
+    /// Once every rank has written its pages, materialises the whole sequence from the
+    /// owners' pools over this rank's view and verifies every token (a kept partial page's
+    /// included): the verify kernels of every buffer kind set bits in one token bitmap, so a
+    /// token wrong in several counts once. The ranks' bitmaps are all-gathered: the verdict
+    /// counts each token once over all ranks and says what each rank saw. Two group rounds.
+    pub(super) fn verify_sequence(
+        &mut self,
+        tokens: &[u32],
+        pages: &[PageId],
+        n: usize,
+        load: Option<&LoadHandle>,
+    ) -> Result<Verdict, ClusterError> {
+        let hashes = reference::prefix_hashes(tokens);
+        let page_ids: Vec<u32> = pages.iter().map(|p| p.0).collect();
+        let (hash_buf, page_buf) = self.pools.upload_sequence(&hashes, &page_ids)?;
         if self.peer_access == PeerAccess::Mapped && self.group.size() > 1 {
             // Peers read this rank's pool through their own executors (other processes, on
             // CUDA), which cannot wait on this one's events: what it enqueued (its loads

@@ -420,7 +420,8 @@ pub(super) fn check_one(
             let hashes = reference::prefix_hashes(&tokens);
             let seq: Vec<u32> = rng.sample(cp * local_pages, n_pages);
             let rank = cp - 1;
-            let start_page = 1;
+            // Mid-way through the second page: an extended request's kept partial page.
+            let first_token = s.page_size + s.page_size / 3;
             let page_bytes = s.buffer.page_bytes(s.page_size);
             let pool_len = u64::from(layers) * u64::from(local_pages) * page_bytes;
             let pool = exec.alloc(MemKind::Device, pool_len as usize, 0xA5)?;
@@ -432,7 +433,8 @@ pub(super) fn check_one(
                     .collect::<Vec<_>>(),
             )?;
             let sb = upload_new(exec, &u32_bytes(&seq))?;
-            let d = spec.launch_dims(n_pages - start_page, layers);
+            let items = reference::synthesise_items(s.order, s.page_size, n_tokens, first_token);
+            let d = spec.launch_dims(items, layers);
             let run = exec.launch(
                 kernel,
                 &LaunchConfig::linear(d.grid, d.block),
@@ -441,7 +443,7 @@ pub(super) fn check_one(
                     KernelArg::Ptr(hb, 0),
                     KernelArg::Ptr(sb, 0),
                     KernelArg::U32(n_tokens),
-                    KernelArg::U32(start_page),
+                    KernelArg::U32(first_token),
                     KernelArg::U32(rank),
                     KernelArg::U32(layers),
                     KernelArg::U32(local_pages),
@@ -464,7 +466,7 @@ pub(super) fn check_one(
                 &hashes,
                 &seq,
                 n_tokens,
-                start_page,
+                first_token,
                 rank,
                 layers,
                 local_pages,

@@ -26,8 +26,51 @@ pub struct Request {
     pub tokens: Vec<u32>,
     /// Tokens the request would generate; conversations append them to the next turn.
     pub output_tokens: u32,
+    /// Where its generated tokens come from ([`Request::output`]).
+    pub answer: Answer,
     /// The 1-based line of the trace it was read from (none for generated workloads).
     pub line: Option<usize>,
+}
+
+impl Request {
+    /// The first `n` tokens it generates (`--decode-tokens`): deterministic, so every rank
+    /// and every run decodes the same ones; `n` may exceed [`Request::output_tokens`].
+    pub fn output(&self, n: usize) -> Vec<u32> {
+        (0..n as u64).map(|j| self.answer.token(j)).collect()
+    }
+}
+
+/// The generated tokens of a request, as a continuation of block contents: token `j` is
+/// token `offset + j` of a run of blocks of `block_tokens` tokens, the first named `block`
+/// and each later one derived from it.
+///
+/// A conversation's answer is one fresh block, the very block its next turn appends: a later
+/// turn hits the decoded answer. A trace's answer continues the request's last block (so
+/// the next turn's copy of that block hits), then blocks no trace names: the format does
+/// not say which hash ids hold a previous answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Answer {
+    /// The block the answer starts in.
+    pub block: u64,
+    /// Position of the answer's first token in that block.
+    pub offset: u64,
+    /// Tokens per block.
+    pub block_tokens: u64,
+}
+
+impl Answer {
+    /// Generated token `j`.
+    pub fn token(&self, j: u64) -> u32 {
+        let at = self.offset + j;
+        let bt = self.block_tokens.max(1);
+        let k = at / bt;
+        let block = if k == 0 {
+            self.block
+        } else {
+            mix64(self.block ^ k.wrapping_mul(GOLDEN)) | (1 << 63)
+        };
+        block_token(block, at % bt, VOCAB)
+    }
 }
 
 /// Why a workload could not be read.

@@ -3,7 +3,7 @@
 //! message, so later turns hit the cache; conversations are interleaved so that reuse
 //! distances are long enough to force eviction and host load-back.
 
-use super::{block_token, mix64, Request, WorkloadError, GOLDEN, MAX_PROMPT_TOKENS, VOCAB};
+use super::{block_token, mix64, Answer, Request, WorkloadError, GOLDEN, MAX_PROMPT_TOKENS, VOCAB};
 use std::collections::VecDeque;
 use std::ops::RangeInclusive;
 
@@ -111,6 +111,9 @@ struct Conversation {
     prompt: Vec<u32>,
     turns_left: usize,
     pending_output: usize,
+    /// The block of the pending answer: the last turn's generated tokens, which this turn
+    /// appends.
+    answer_block: u64,
 }
 
 /// Iterator over the built-in workload's requests.
@@ -159,12 +162,25 @@ impl Conversations {
             prompt,
             turns_left: c.turns,
             pending_output: 0,
+            answer_block: 0,
         }
     }
 
     fn append_fresh(&mut self, prompt: &mut Vec<u32>, n: usize) {
         let block = self.rng.fresh_block();
         prompt.extend((0..n as u64).map(|j| block_token(block, j, VOCAB)));
+    }
+
+    /// Appends the previous turn's answer (its own block, drawn when that turn was made)
+    /// and draws the block of this turn's answer, in the draw the answer always took.
+    fn append_answer(&mut self, conv: &mut Conversation, prompt: &mut Vec<u32>) {
+        let answer = Answer {
+            block: conv.answer_block,
+            offset: 0,
+            block_tokens: u64::MAX,
+        };
+        prompt.extend((0..conv.pending_output as u64).map(|j| answer.token(j)));
+        conv.answer_block = self.rng.fresh_block();
     }
 }
 
@@ -184,12 +200,9 @@ impl Iterator for Conversations {
         let pick = (self.rng.next() % self.active.len() as u64) as usize;
         let mut conv = self.active.remove(pick)?;
         // The previous answer, then a new user message.
-        let (answer, user) = (
-            conv.pending_output,
-            self.rng.in_range(&self.config.user_tokens.clone()),
-        );
+        let user = self.rng.in_range(&self.config.user_tokens.clone());
         let mut prompt = std::mem::take(&mut conv.prompt);
-        self.append_fresh(&mut prompt, answer);
+        self.append_answer(&mut conv, &mut prompt);
         self.append_fresh(&mut prompt, user);
         conv.pending_output = self.rng.in_range(&self.config.output_tokens.clone());
         conv.turns_left -= 1;
@@ -198,6 +211,11 @@ impl Iterator for Conversations {
             tokens: prompt.clone(),
             // At most MAX_PROMPT_TOKENS (`validate`), so it fits.
             output_tokens: u32::try_from(conv.pending_output).unwrap_or(u32::MAX),
+            answer: Answer {
+                block: conv.answer_block,
+                offset: 0,
+                block_tokens: u64::MAX,
+            },
             line: None,
         };
         conv.prompt = prompt;
@@ -247,6 +265,33 @@ mod tests {
             c[0].tokens,
             a[0].tokens[..c[0].tokens.len().min(a[0].tokens.len())].to_vec()
         );
+    }
+
+    /// A turn's decoded answer is exactly what its conversation's next turn appends, so a
+    /// decode replay's next turn hits it.
+    #[test]
+    fn the_next_turn_appends_the_decoded_answer() {
+        let all: Vec<_> = Conversations::new(ConversationsConfig::default(), None)
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        let mut checked = 0;
+        for (i, r) in all.iter().enumerate() {
+            let Some(next) = all[i + 1..]
+                .iter()
+                .find(|q| q.tokens.len() > r.tokens.len() && q.tokens.starts_with(&r.tokens))
+            else {
+                continue;
+            };
+            let n = r.output_tokens as usize;
+            assert_eq!(
+                next.tokens[r.tokens.len()..][..n],
+                r.output(n)[..],
+                "request {i}"
+            );
+            checked += 1;
+        }
+        assert!(checked > 100, "{checked}");
     }
 
     #[test]

@@ -11,7 +11,7 @@
 //! newline at all) costs bounded memory. [`MooncakeTrace::check`] reads a whole trace without
 //! expanding a token, so a replay can refuse a bad line before any work.
 
-use super::{block_token, Request, WorkloadError, MAX_PROMPT_TOKENS, VOCAB};
+use super::{block_token, Answer, Request, WorkloadError, MAX_PROMPT_TOKENS, VOCAB};
 use serde::Deserialize;
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read};
@@ -256,10 +256,17 @@ impl MooncakeTrace {
             .flat_map(|&h| (0..bt).map(move |j| block_token(h as u64, j, VOCAB)))
             .take(rec.input_length as usize)
             .collect();
+        let last = rec.hash_ids.last().copied().unwrap_or_default() as u64;
+        let answer = Answer {
+            block: last,
+            offset: rec.input_length - (rec.hash_ids.len() as u64).saturating_sub(1) * bt,
+            block_tokens: bt,
+        };
         Request {
             id: self.next_id - 1,
             tokens,
             output_tokens: rec.output_length,
+            answer,
             line: Some(self.line_no),
         }
     }
@@ -384,6 +391,22 @@ mod tests {
         MooncakeTrace::open(f.path(), config(block_tokens))
             .unwrap()
             .collect()
+    }
+
+    /// Decoded tokens continue the request's last block: the next turn, which names that
+    /// block again, holds them, so its prefix hit covers the decoded part of the block.
+    #[test]
+    fn the_answer_continues_the_last_block() {
+        let reqs = trace(
+            "{\"input_length\": 100, \"output_length\": 40, \"hash_ids\": [5, 6]}\n\
+             {\"input_length\": 180, \"output_length\": 0, \"hash_ids\": [5, 6, 7]}\n",
+            64,
+        );
+        let (a, b) = (reqs[0].as_ref().unwrap(), reqs[1].as_ref().unwrap());
+        // Tokens 100..128 finish block 6; the rest fall in blocks no record names.
+        assert_eq!(a.output(28), b.tokens[100..128]);
+        assert_ne!(a.output(40)[28..], b.tokens[128..140]);
+        assert_eq!(a.output(40), a.output(40), "deterministic");
     }
 
     /// A hash id stands for `block_tokens` tokens: a record of `input_length` tokens has

@@ -338,6 +338,7 @@ pub fn reach_case(
             // A few pages, and more than one 32-token word of the mismatch bitmap.
             "n_tokens" => rng.range(0, u64::from((3 * page).max(80) + 1)) as u32,
             "start_page" | "rank" => rng.range(0, 3) as u32,
+            "first_token" => rng.range(0, u64::from(3 * page)) as u32,
             // Layer ranges in, partly past and wholly past the pools, and sums past 2^32.
             "first_layer" | "layer_count" => [0, 1, 2, 3, u32::MAX][rng.below(5) as usize],
             _ => rng.range(0, 6) as u32,

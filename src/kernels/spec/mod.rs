@@ -265,7 +265,7 @@ impl KernelSpec {
                     s.order.pages_reach(R::of(4), "n_tokens", s.page_size),
                 ),
                 P::u32("n_tokens"),
-                P::u32("start_page"),
+                P::u32("first_token"),
                 P::u32("rank"),
                 P::u32("layers"),
                 P::u32("local_pages"),
@@ -524,7 +524,7 @@ impl KernelSpec {
 
     /// Recommended launch for `items` units of work over `layers` layers. The unit is a
     /// request (select), a page (release), a page pair (transfer), a sequence page
-    /// (materialise, synthesise: pages after `start_page`), a token (verify: one block per
+    /// (materialise; synthesise: the pages from the one holding `first_token`, or its granule), a token (verify: one block per
     /// [`VerifySpec::item_tokens`] tokens and layer) or an output word (busy: one per thread, `layers` ignored). For a transfer `layers` is the layer count of the launch (its layer range
     /// clamped to the pools, [`clamp_layer_range`](super::clamp_layer_range)), not the
     /// pools' total: a per-layer load is sized for one layer. Select and release need exactly one block ([`KernelSignature::single_block`]);
