@@ -35,6 +35,7 @@ pub mod jit;
 pub mod kernels;
 pub mod layout;
 pub mod metadata;
+pub mod ops;
 pub mod rank;
 pub mod tuning;
 pub mod workload;

@@ -102,6 +102,33 @@ class Pool:
         copy: Optional[bool] = None,
     ) -> Any: ...
 
+class Ops:
+    """A deployment's transfer and materialise kernels on the caller's tensors."""
+
+    def __init__(self, deployment: Deployment, backend: str = "host") -> None: ...
+    @property
+    def backend(self) -> str: ...
+    @property
+    def buffers(self) -> List[str]: ...
+    def page_bytes(self, buffer: str) -> int: ...
+    def transfer(
+        self,
+        direction: str,
+        device: List[Tuple[bool, List[Tuple[int, int]]]],
+        host: List[Tuple[bool, List[Tuple[int, int]]]],
+        src_pages: bytes,
+        dst_pages: bytes,
+        first_layer: int,
+        layer_end: int,
+    ) -> int: ...
+    def materialise(
+        self,
+        buffer: str,
+        pools: List[Tuple[bool, List[Tuple[int, int]]]],
+        seq_pages: bytes,
+        dense: Tuple[bool, List[Tuple[int, int]]],
+    ) -> None: ...
+
 class RankCache:
     """One CP rank's cache (see ``cp_hicache.RankCache``, which wraps this class)."""
 

@@ -11,6 +11,7 @@
 mod collective;
 mod dlpack;
 mod errors;
+mod ops;
 mod rank;
 mod replay;
 
@@ -255,6 +256,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<rank::RankCache>()?;
     m.add_class::<rank::Request>()?;
     m.add_class::<dlpack::Pool>()?;
+    m.add_class::<ops::Ops>()?;
     m.add_function(wrap_pyfunction!(warm_up, m)?)?;
     m.add_function(wrap_pyfunction!(replay::check_replay, m)?)?;
     m.add_function(wrap_pyfunction!(replay::replay_rank, m)?)?;

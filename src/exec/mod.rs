@@ -117,6 +117,15 @@ pub enum ExecError {
         /// The offending region.
         region: CopyRegion,
     },
+    /// The executor cannot do what was asked (adopting memory it did not allocate, on a
+    /// backend without that yet).
+    #[error("{backend} executor: {what} is not supported")]
+    NotSupported {
+        /// The executor's backend.
+        backend: Backend,
+        /// What was asked.
+        what: &'static str,
+    },
     /// A peer mapping could not be made: the executor has none, or a handle that does not
     /// name a live shareable buffer.
     #[error("peer mapping ({op}): {message}")]
@@ -910,6 +919,23 @@ pub trait Executor: Send + Sync {
         Err(ExecError::Peer {
             op: "import",
             message: format!("the {} executor has no peer mappings", self.backend()),
+        })
+    }
+
+    /// Registers `bytes` of memory at `addr` that the caller owns (an engine's tensor) as a
+    /// buffer kernels can be launched on; [`Executor::free`] forgets it without freeing the
+    /// memory. Backends that cannot address foreign memory say so.
+    ///
+    /// # Safety
+    /// `addr` must be memory of the executor's address space (host memory for the host
+    /// executor, device memory of its context for CUDA), valid for reads and writes of
+    /// `bytes` bytes until the buffer is freed, and not touched by anyone else while work on
+    /// it runs.
+    unsafe fn adopt(&self, addr: u64, bytes: usize) -> Result<BufferId, ExecError> {
+        let _ = (addr, bytes);
+        Err(ExecError::NotSupported {
+            backend: self.backend(),
+            what: "adopting memory it did not allocate",
         })
     }
 

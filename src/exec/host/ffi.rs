@@ -58,6 +58,8 @@ enum Backing {
         map_len: usize,
         owned_name: Option<std::ffi::CString>,
     },
+    /// Memory the caller owns (an engine's tensor): never freed or unmapped here.
+    Borrowed,
 }
 
 // SAFETY: HostMem exclusively owns its allocation or mapping (like a Box<[u8]>); the raw
@@ -90,6 +92,19 @@ impl HostMem {
             ptr,
             len,
             backing: Backing::Heap(layout),
+        })
+    }
+
+    /// Memory at `ptr` that the caller owns, as a buffer (`None` for a null pointer).
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads and writes of `len` bytes, and stay so (and be accessed
+    /// by nothing else while kernels run on it) until the buffer is dropped.
+    pub(crate) unsafe fn borrowed(ptr: *mut u8, len: usize) -> Option<HostMem> {
+        Some(HostMem {
+            ptr: NonNull::new(ptr)?,
+            len,
+            backing: Backing::Borrowed,
         })
     }
 
@@ -214,7 +229,7 @@ impl HostMem {
                 }
                 true
             }
-            Backing::Heap(_) => false,
+            Backing::Heap(_) | Backing::Borrowed => false,
         }
     }
 
@@ -282,6 +297,8 @@ impl Drop for HostMem {
                     unsafe { libc::shm_unlink(name.as_ptr()) };
                 }
             }
+            // The caller's memory: it frees it.
+            Backing::Borrowed => {}
         }
     }
 }

@@ -272,6 +272,22 @@ impl Executor for HostExecutor {
         }))
     }
 
+    unsafe fn adopt(&self, addr: u64, bytes: usize) -> Result<BufferId, ExecError> {
+        // SAFETY: the caller guarantees `addr` is host memory valid for `bytes` bytes until
+        // the buffer is freed.
+        let mem = unsafe { ffi::HostMem::borrowed(addr as *mut u8, bytes) }.ok_or_else(|| {
+            ExecError::Alloc {
+                bytes,
+                kind: MemKind::Device,
+                reason: "a null address cannot be adopted".into(),
+            }
+        })?;
+        Ok(lock(&self.state).add_buffer(HostBuffer {
+            mem,
+            kind: MemKind::Device,
+        }))
+    }
+
     fn seal_shareable(&self, buffer: BufferId) -> Result<(), ExecError> {
         let mut st = lock(&self.state);
         let b = st.buffer_mut(buffer)?;

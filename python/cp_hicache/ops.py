@@ -1,0 +1,166 @@
+"""The cache's kernels as ops on an engine's own tensors.
+
+An engine that keeps its own KV cache (its pools, page tables and requests) can still take
+cp-hicache's JIT'd kernels, the way FlashInfer and sgl-kernel serve engines::
+
+    from cp_hicache import Deployment
+    from cp_hicache.ops import Ops
+
+    ops = Ops(Deployment(model="mla", page_size=16, cp=4, layers=2))  # compiles once
+    ops.transfer("h2d", device=[kv_layers], host=[host_kv], src_pages=h, dst_pages=d)
+    ops.materialise("mla_kv", pools=[rank0, rank1, rank2, rank3], seq_pages=p, out=dense)
+
+A buffer kind's tensors are one cross-layer tensor (``[layers, pages, ...]``, vLLM) or a
+list with one tensor per layer (``[pages, ...]``, SGLang), C-contiguous, any dtype whose
+items tile a page. Device tensors are indexed by local page; a page-first host pool
+(``[pages, layers, ...]``, the NSA deployments') is one tensor. Every argument is checked
+before anything is launched; a bad one raises :class:`UsageError` naming it and the rule.
+
+The host backend runs the kernels on CPU tensors (torch or numpy). CUDA tensors and
+``stream=`` come with the CUDA backend; until then they are refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from . import _native
+from ._native import Deployment, UsageError
+
+__all__ = ["Ops"]
+
+Tensor = Any  # a torch.Tensor or a numpy.ndarray
+Tensors = Union[Tensor, Sequence[Tensor]]
+
+
+def _region(t: Tensor, what: str, page_bytes: int) -> Tuple[int, int]:
+    """(address, bytes) of a CPU tensor the kernels may read and write in place."""
+    if isinstance(t, np.ndarray):
+        if not t.flags["C_CONTIGUOUS"]:
+            raise UsageError(f"{what}: the array is not C-contiguous")
+        if not t.flags["WRITEABLE"]:
+            raise UsageError(f"{what}: the array is read-only")
+        addr, nbytes, itemsize = t.ctypes.data, t.nbytes, t.itemsize
+    elif hasattr(t, "data_ptr") and hasattr(t, "is_contiguous"):
+        if t.device.type != "cpu":
+            raise UsageError(
+                f"{what}: a {t.device.type} tensor; the host backend takes CPU tensors "
+                "(CUDA tensors need the CUDA backend's ops, not built yet)"
+            )
+        if not t.is_contiguous():
+            raise UsageError(f"{what}: the tensor is not contiguous")
+        addr, nbytes, itemsize = t.data_ptr(), t.numel() * t.element_size(), t.element_size()
+    else:
+        raise UsageError(f"{what}: {type(t).__name__} is not a torch tensor or numpy array")
+    if page_bytes % itemsize != 0:
+        raise UsageError(
+            f"{what}: {itemsize}-byte items do not tile a {page_bytes}-byte page (dtype)"
+        )
+    return int(addr), int(nbytes)
+
+
+def _tensors(t: Tensors, what: str, page_bytes: int) -> Tuple[bool, List[Tuple[int, int]]]:
+    if isinstance(t, (list, tuple)):
+        return True, [_region(x, f"{what} layer {i}", page_bytes) for i, x in enumerate(t)]
+    return False, [_region(t, what, page_bytes)]
+
+
+def _pages(p: Any, what: str) -> bytes:
+    a = np.asarray(p)
+    if a.ndim != 1:
+        raise UsageError(f"{what}: page ids are one-dimensional, got shape {a.shape}")
+    if a.size and (not np.issubdtype(a.dtype, np.integer) or a.min() < 0 or a.max() >= 2**32):
+        raise UsageError(f"{what}: page ids are integers in 0..2**32")
+    return a.astype("<u4").tobytes()
+
+
+def _no_stream(stream: Optional[Any]) -> None:
+    if stream is not None:
+        raise UsageError("stream= is for CUDA tensors on the CUDA backend; the host backend runs in order")
+
+
+class Ops:
+    """A deployment's transfer and materialise kernels, compiled (through the JIT cache) and
+    loaded once at construction, launched on the caller's tensors."""
+
+    def __init__(self, deployment: Deployment, backend: str = "host") -> None:
+        if backend != "host":
+            raise UsageError(
+                f"backend={backend!r}: ops run on the host backend for now (CUDA tensors and "
+                "stream= are not built yet)"
+            )
+        self._native = _native.Ops(deployment, backend)
+        self.deployment = deployment
+
+    @property
+    def buffers(self) -> List[str]:
+        """The buffer kinds, in the order :meth:`transfer` takes them."""
+        return list(self._native.buffers)
+
+    def page_bytes(self, buffer: str) -> int:
+        """Bytes of one page of ``buffer``."""
+        return self._native.page_bytes(buffer)
+
+    def _side(self, tensors: Sequence[Tensors], what: str) -> List[Tuple[bool, List[Tuple[int, int]]]]:
+        if not isinstance(tensors, (list, tuple)):
+            raise UsageError(f"{what}: one entry per buffer kind ({', '.join(self.buffers)})")
+        if len(tensors) != len(self.buffers):
+            raise UsageError(
+                f"{what}: {len(tensors)} entries for the buffer kinds {', '.join(self.buffers)}"
+            )
+        return [
+            _tensors(t, f"{what}[{b}]", self.page_bytes(b)) for t, b in zip(tensors, self.buffers)
+        ]
+
+    def transfer(
+        self,
+        direction: str,
+        device: Sequence[Tensors],
+        host: Sequence[Tensors],
+        src_pages: Any,
+        dst_pages: Any,
+        layers: Optional[range] = None,
+        stream: Optional[Any] = None,
+    ) -> int:
+        """Copies page ``src_pages[i]`` to page ``dst_pages[i]`` of every buffer kind, for
+        the layers in ``layers`` (all by default): ``"h2d"`` host → device or ``"d2h"``
+        device → host, one launch moving every buffer kind (one per layer when a side is
+        per-layer). ``device`` and ``host`` hold one entry per buffer kind (:attr:`buffers`;
+        NSA's ``kv`` and ``index_k`` move together). Destinations must be distinct. Returns
+        the bytes moved. SGLang: the host pool's ``load_to_device_per_layer`` /
+        ``backup_from_device_all_layer``."""
+        _no_stream(stream)
+        if layers is None:
+            layers = range(self.deployment.layers)
+        if not isinstance(layers, range) or layers.step != 1:
+            raise UsageError("layers: a range of consecutive layers")
+        dev = self._side(device, "device")
+        hst = self._side(host, "host")
+        return self._native.transfer(
+            direction, dev, hst, _pages(src_pages, "src_pages"), _pages(dst_pages, "dst_pages"),
+            layers.start, layers.stop,
+        )
+
+    def materialise(
+        self,
+        buffer: str,
+        pools: Sequence[Tensors],
+        seq_pages: Any,
+        out: Tensors,
+        stream: Optional[Any] = None,
+    ) -> None:
+        """Gathers sequence page ``i`` (page ``p = seq_pages[i]``, owned by rank ``p % cp`` at
+        its local page ``p // cp``) of ``buffer`` from ``pools[p % cp]`` into page ``i`` of
+        ``out`` (``[layers, len(seq_pages), ...]``, or per layer), for every layer: what
+        attention over the CP group reads. ``pools`` holds every rank's device tensors of
+        ``buffer``, in rank order."""
+        _no_stream(stream)
+        pb = self.page_bytes(buffer)
+        if not isinstance(pools, (list, tuple)):
+            raise UsageError("pools: one entry per rank")
+        ps = [_tensors(t, f"pools[{r}]", pb) for r, t in enumerate(pools)]
+        self._native.materialise(
+            buffer, ps, _pages(seq_pages, "seq_pages"), _tensors(out, "out", pb)
+        )

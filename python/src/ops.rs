@@ -1,0 +1,190 @@
+//! `cp_hicache.ops`: the cache's kernels on the caller's tensors ([`cp_hicache::ops`]). The
+//! Python side (`cp_hicache/ops.py`) checks what only it can see (tensor kinds, devices,
+//! contiguity, dtypes) and passes each tensor as its address and size; the Rust side checks
+//! shapes, alignment, pages and ranges before anything is launched.
+
+use crate::errors::{to_py, usage, CacheError};
+use crate::Deployment;
+use cp_hicache::exec::open_executor;
+use cp_hicache::jit::{Jit, JitConfig, Sanitize};
+use cp_hicache::kernels::{BufferKind, Direction};
+use cp_hicache::ops::{Ops as CoreOps, OpsError, Region, Tensors};
+use pyo3::prelude::*;
+use std::sync::Arc;
+
+/// One buffer kind's tensors as Python passes them: `(per_layer, [(addr, bytes), ...])`.
+type TensorsArg = (bool, Vec<(u64, u64)>);
+
+fn tensors((per_layer, regions): TensorsArg, what: &str) -> PyResult<Tensors> {
+    let regions: Vec<Region> = regions
+        .into_iter()
+        .map(|(addr, bytes)| Region { addr, bytes })
+        .collect();
+    if per_layer {
+        return Ok(Tensors::PerLayer(regions));
+    }
+    match regions.as_slice() {
+        [one] => Ok(Tensors::CrossLayer(*one)),
+        _ => Err(usage(format!(
+            "{what}: a cross-layer tensor is one region, not {}",
+            regions.len()
+        ))),
+    }
+}
+
+fn ops_err(e: OpsError) -> PyErr {
+    match e {
+        OpsError::BadArgument { .. } => usage(e.to_string()),
+        OpsError::Kernels(_) | OpsError::Exec(_) => CacheError::new_err(e.to_string()),
+    }
+}
+
+fn pages(bytes: &[u8], what: &str) -> PyResult<Vec<u32>> {
+    if bytes.len() % 4 != 0 {
+        return Err(usage(format!(
+            "{what}: {} bytes are not u32 page ids",
+            bytes.len()
+        )));
+    }
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect())
+}
+
+fn buffer_kind(ops: &CoreOps, name: &str) -> PyResult<BufferKind> {
+    let buffers = ops.deployment().model.buffers();
+    buffers
+        .iter()
+        .copied()
+        .find(|b| b.to_string() == name)
+        .ok_or_else(|| {
+            usage(format!(
+                "buffer {name:?} is not one of the deployment's: {}",
+                buffers
+                    .iter()
+                    .map(|b| format!("{:?}", b.to_string()))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))
+        })
+}
+
+/// A deployment's transfer and materialise kernels, compiled and loaded once, launched on the
+/// caller's tensors.
+#[pyclass(module = "cp_hicache._native", frozen)]
+pub struct Ops {
+    inner: CoreOps,
+}
+
+#[pymethods]
+impl Ops {
+    #[new]
+    #[pyo3(signature = (deployment, backend = "host"))]
+    fn new(py: Python<'_>, deployment: &Deployment, backend: &str) -> PyResult<Self> {
+        let backend = crate::backend(backend)?;
+        let (dep, layers) = (deployment.inner.clone(), deployment.layers);
+        py.detach(move || {
+            let exec: Arc<dyn cp_hicache::exec::Executor> =
+                Arc::from(open_executor(backend).map_err(to_py)?);
+            let jit = Jit::new(JitConfig::from_env().map_err(to_py)?);
+            let sanitize = Sanitize::from_env().map_err(to_py)?;
+            let inner = CoreOps::warm_up(dep, layers, exec, &jit, sanitize).map_err(ops_err)?;
+            Ok(Ops { inner })
+        })
+    }
+
+    /// The executor's backend (`host` or `cuda`).
+    #[getter]
+    fn backend(&self) -> String {
+        self.inner.executor().backend().to_string()
+    }
+
+    /// Bytes of one page of `buffer`.
+    fn page_bytes(&self, buffer: &str) -> PyResult<u64> {
+        let b = buffer_kind(&self.inner, buffer)?;
+        Ok(b.page_bytes(self.inner.deployment().page_size))
+    }
+
+    /// The buffer kinds, in the order `transfer` takes them.
+    #[getter]
+    fn buffers(&self) -> Vec<String> {
+        self.inner
+            .deployment()
+            .model
+            .buffers()
+            .iter()
+            .map(ToString::to_string)
+            .collect()
+    }
+
+    /// Moves pages between host and device tensors (see `cp_hicache.ops.Ops.transfer`).
+    #[allow(clippy::too_many_arguments)]
+    fn transfer(
+        &self,
+        py: Python<'_>,
+        direction: &str,
+        device: Vec<TensorsArg>,
+        host: Vec<TensorsArg>,
+        src_pages: &[u8],
+        dst_pages: &[u8],
+        first_layer: u32,
+        layer_end: u32,
+    ) -> PyResult<u64> {
+        let dir = match direction {
+            "h2d" => Direction::HostToDevice,
+            "d2h" => Direction::DeviceToHost,
+            other => {
+                return Err(usage(format!(
+                    "direction {other:?} is neither \"h2d\" nor \"d2h\""
+                )))
+            }
+        };
+        let device = device
+            .into_iter()
+            .map(|t| tensors(t, "device"))
+            .collect::<PyResult<Vec<_>>>()?;
+        let host = host
+            .into_iter()
+            .map(|t| tensors(t, "host"))
+            .collect::<PyResult<Vec<_>>>()?;
+        let (src, dst) = (
+            pages(src_pages, "src_pages")?,
+            pages(dst_pages, "dst_pages")?,
+        );
+        // The tensors stay alive in the caller's frame for the whole call (the Python wrapper
+        // holds them), and the host executor's launches finish before it returns.
+        py.detach(|| {
+            // SAFETY: see above; the wrapper passed CPU tensors' own addresses and sizes.
+            unsafe {
+                self.inner
+                    .transfer(dir, &device, &host, &src, &dst, first_layer..layer_end)
+            }
+        })
+        .map_err(ops_err)
+    }
+
+    /// Gathers a sequence's pages from every rank's pool (see
+    /// `cp_hicache.ops.Ops.materialise`).
+    fn materialise(
+        &self,
+        py: Python<'_>,
+        buffer: &str,
+        pools: Vec<TensorsArg>,
+        seq_pages: &[u8],
+        dense: TensorsArg,
+    ) -> PyResult<()> {
+        let b = buffer_kind(&self.inner, buffer)?;
+        let pools = pools
+            .into_iter()
+            .map(|t| tensors(t, "pools"))
+            .collect::<PyResult<Vec<_>>>()?;
+        let dense = tensors(dense, "out")?;
+        let seq = pages(seq_pages, "seq_pages")?;
+        py.detach(|| {
+            // SAFETY: as in `transfer`.
+            unsafe { self.inner.materialise(b, &pools, &seq, &dense) }
+        })
+        .map_err(ops_err)
+    }
+}

@@ -1,0 +1,526 @@
+//! The cache's kernels as ops on memory an engine owns: an engine that keeps its own KV
+//! cache (its own pools, page tables and request lifecycle) can still take our JIT'd
+//! kernels, the way FlashInfer and sgl-kernel serve engines. [`Ops::warm_up`] compiles and
+//! loads a deployment's kernels once; each op then launches on the caller's memory, adopted
+//! for the call ([`Executor::adopt`]) and checked first.
+//!
+//! Memory is described per buffer kind as [`Tensors`]: one tensor per layer (SGLang's
+//! per-layer `kv` buffers) or one cross-layer tensor (vLLM's `[layers, pages, page]`),
+//! pages contiguous within a layer (a page's bytes are `page_bytes` apart: any dtype whose
+//! items tile a page). Device pools are indexed by local page; host pools follow the
+//! deployment's host layout (page-first `[page][layer]` is one cross-layer tensor only).
+//!
+//! Every op checks its arguments before launching anything and fails with
+//! [`OpsError::BadArgument`] naming the argument and the rule it breaks.
+
+use crate::exec::{BufferId, Executor, KernelArg, MemKind};
+use crate::jit::{Jit, Sanitize};
+use crate::kernels::{BufferKind, Deployment, Direction, HostLayout};
+use crate::rank::{DeploymentKernels, KernelLoadError};
+use std::ops::Range;
+use std::sync::Arc;
+
+#[cfg(test)]
+mod tests;
+
+/// Bytes of memory the caller owns, at an address of the executor's address space.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Region {
+    /// Start address.
+    pub addr: u64,
+    /// Length in bytes.
+    pub bytes: u64,
+}
+
+/// One buffer kind's pages as an engine holds them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Tensors {
+    /// `[layers][pages][page_bytes]` in one tensor.
+    CrossLayer(Region),
+    /// One `[pages][page_bytes]` tensor per layer.
+    PerLayer(Vec<Region>),
+}
+
+/// The alignment every tensor's start needs: the kernels move pages in 16-byte vectors.
+pub const ALIGN: u64 = 16;
+
+/// Why an op refused or failed.
+#[derive(Debug, thiserror::Error)]
+pub enum OpsError {
+    /// An argument breaks a rule; nothing was launched.
+    #[error("{what}: {why}")]
+    BadArgument {
+        /// The argument (`device[kv] layer 3`, `dst_pages[7]`).
+        what: String,
+        /// The rule it breaks.
+        why: String,
+    },
+    /// The kernels could not be made ready.
+    #[error(transparent)]
+    Kernels(#[from] KernelLoadError),
+    /// The executor failed (a launch, adopting the memory).
+    #[error(transparent)]
+    Exec(#[from] crate::exec::ExecError),
+}
+
+fn bad(what: impl Into<String>, why: impl Into<String>) -> OpsError {
+    OpsError::BadArgument {
+        what: what.into(),
+        why: why.into(),
+    }
+}
+
+/// A deployment's kernels, loaded into an executor, as ops on the caller's memory.
+pub struct Ops {
+    deployment: Deployment,
+    layers: u32,
+    exec: Arc<dyn Executor>,
+    kernels: DeploymentKernels,
+}
+
+/// Regions adopted for one op, forgotten (never freed) when it ends.
+struct Adopted<'a> {
+    exec: &'a dyn Executor,
+    ids: Vec<BufferId>,
+}
+
+impl Adopted<'_> {
+    /// Adopts `t`'s regions; returns their ids in layer order (one for a cross-layer tensor).
+    ///
+    /// # Safety
+    /// As [`Executor::adopt`] for every region.
+    unsafe fn tensors(&mut self, t: &Tensors) -> Result<Vec<BufferId>, OpsError> {
+        let regions: &[Region] = match t {
+            Tensors::CrossLayer(r) => std::slice::from_ref(r),
+            Tensors::PerLayer(v) => v,
+        };
+        let mut out = Vec::with_capacity(regions.len());
+        for r in regions {
+            // SAFETY: the caller's contract.
+            let id = unsafe { self.exec.adopt(r.addr, r.bytes as usize) }?;
+            self.ids.push(id);
+            out.push(id);
+        }
+        Ok(out)
+    }
+
+    fn scratch(&mut self, words: &[u32]) -> Result<BufferId, OpsError> {
+        let id = self
+            .exec
+            .alloc(MemKind::Device, 4 * words.len().max(1), 0)?;
+        self.ids.push(id);
+        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        self.exec.upload(id, 0, &bytes)?;
+        Ok(id)
+    }
+}
+
+impl Drop for Adopted<'_> {
+    fn drop(&mut self) {
+        // The launches are done with the memory before it is forgotten.
+        let _ = self.exec.synchronize();
+        for &id in &self.ids {
+            let _ = self.exec.free(id);
+        }
+    }
+}
+
+/// Where layer `l` of a tensor starts: `(buffer, offset)`.
+fn layer_at(t: &Tensors, ids: &[BufferId], l: u32, layer_bytes: u64) -> (BufferId, u64) {
+    match t {
+        Tensors::CrossLayer(_) => (ids[0], u64::from(l) * layer_bytes),
+        Tensors::PerLayer(_) => (ids[l as usize], 0),
+    }
+}
+
+impl Ops {
+    /// Compiles (or loads from the JIT cache) and loads the transfer and materialise kernels
+    /// of `deployment` into `exec`, for pools of `layers` layers.
+    pub fn warm_up(
+        deployment: Deployment,
+        layers: u32,
+        exec: Arc<dyn Executor>,
+        jit: &Jit,
+        sanitize: Sanitize,
+    ) -> Result<Ops, OpsError> {
+        if layers == 0 {
+            return Err(bad("layers", "must be at least 1"));
+        }
+        let kernels = DeploymentKernels::load(&deployment, jit, exec.as_ref(), sanitize)?;
+        Ok(Ops {
+            deployment,
+            layers,
+            exec,
+            kernels,
+        })
+    }
+
+    /// The deployment the kernels were built for.
+    pub fn deployment(&self) -> &Deployment {
+        &self.deployment
+    }
+
+    /// Layers per buffer.
+    pub fn layers(&self) -> u32 {
+        self.layers
+    }
+
+    /// The executor the ops launch on.
+    pub fn executor(&self) -> &Arc<dyn Executor> {
+        &self.exec
+    }
+
+    /// Pages of a layer-indexed tensor of `buffer`, checked: the layer count, 16-byte
+    /// alignment, whole pages, the same pages in every layer.
+    fn pages_of(&self, what: &str, buffer: BufferKind, t: &Tensors) -> Result<u32, OpsError> {
+        let pb = buffer.page_bytes(self.deployment.page_size);
+        let layers = u64::from(self.layers);
+        let check_start = |what: &str, r: &Region| {
+            if r.addr % ALIGN != 0 {
+                return Err(bad(
+                    what,
+                    format!("starts at {:#x}, not {ALIGN}-byte aligned", r.addr),
+                ));
+            }
+            Ok(())
+        };
+        let pages = match t {
+            Tensors::CrossLayer(r) => {
+                check_start(what, r)?;
+                if r.bytes == 0 || r.bytes % (layers * pb) != 0 {
+                    return Err(bad(
+                        what,
+                        format!(
+                            "{} bytes are not {layers} layers of whole {pb}-byte {buffer} pages",
+                            r.bytes
+                        ),
+                    ));
+                }
+                r.bytes / (layers * pb)
+            }
+            Tensors::PerLayer(v) => {
+                if v.len() as u64 != layers {
+                    return Err(bad(
+                        what,
+                        format!("{} per-layer tensors for {layers} layers", v.len()),
+                    ));
+                }
+                let mut pages = None;
+                for (l, r) in v.iter().enumerate() {
+                    let what = format!("{what} layer {l}");
+                    check_start(&what, r)?;
+                    if r.bytes == 0 || r.bytes % pb != 0 {
+                        return Err(bad(
+                            what,
+                            format!("{} bytes are not whole {pb}-byte {buffer} pages", r.bytes),
+                        ));
+                    }
+                    let p = r.bytes / pb;
+                    match pages {
+                        None => pages = Some(p),
+                        Some(first) if first != p => {
+                            return Err(bad(
+                                what,
+                                format!("{p} pages, but layer 0 has {first}: layers must match"),
+                            ))
+                        }
+                        Some(_) => {}
+                    }
+                }
+                pages.unwrap_or_default()
+            }
+        };
+        u32::try_from(pages).map_err(|_| bad(what, format!("{pages} pages are too many")))
+    }
+
+    /// Pages of one side of a transfer: the same for every buffer kind.
+    fn side_pages(&self, side: &str, tensors: &[Tensors]) -> Result<u32, OpsError> {
+        let buffers = self.deployment.model.buffers();
+        if tensors.len() != buffers.len() {
+            return Err(bad(
+                side,
+                format!(
+                    "{} buffers given, the {} model has {} ({})",
+                    tensors.len(),
+                    self.deployment.model,
+                    buffers.len(),
+                    buffers
+                        .iter()
+                        .map(ToString::to_string)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            ));
+        }
+        let mut pages = None;
+        for (&b, t) in buffers.iter().zip(tensors) {
+            let p = self.pages_of(&format!("{side}[{b}]"), b, t)?;
+            match pages {
+                None => pages = Some(p),
+                Some(first) if first != p => {
+                    return Err(bad(
+                        format!("{side}[{b}]"),
+                        format!("{p} pages, but {side}[{}] has {first}", buffers[0]),
+                    ))
+                }
+                Some(_) => {}
+            }
+        }
+        Ok(pages.unwrap_or_default())
+    }
+
+    /// Copies page `src_pages[i]` to page `dst_pages[i]` of every buffer kind for the layers
+    /// in `layers`, device → host or host → device, with the transfer kernel (one launch
+    /// moving every buffer kind, one per layer when a side is per-layer). Device pages are
+    /// the device tensors' local pages. Returns the bytes moved. SGLang: `load_to_device_per_layer`
+    /// / `backup_from_device_all_layer` of its host pool; vLLM: a connector's `start_load_kv`.
+    ///
+    /// # Safety
+    /// Every region must be memory of the executor's address space, valid for reads and
+    /// writes, and not touched by anyone else until the call returns.
+    pub unsafe fn transfer(
+        &self,
+        dir: Direction,
+        device: &[Tensors],
+        host: &[Tensors],
+        src_pages: &[u32],
+        dst_pages: &[u32],
+        layers: Range<u32>,
+    ) -> Result<u64, OpsError> {
+        let device_pages = self.side_pages("device", device)?;
+        let host_pages = self.side_pages("host", host)?;
+        if src_pages.len() != dst_pages.len() {
+            return Err(bad(
+                "src_pages, dst_pages",
+                format!(
+                    "{} source pages but {} destinations",
+                    src_pages.len(),
+                    dst_pages.len()
+                ),
+            ));
+        }
+        if layers.start >= layers.end || layers.end > self.layers {
+            return Err(bad(
+                "layers",
+                format!(
+                    "{}..{} is not a non-empty range of the {} layers",
+                    layers.start, layers.end, self.layers
+                ),
+            ));
+        }
+        let (src_cap, dst_cap) = match dir {
+            Direction::DeviceToHost => (device_pages, host_pages),
+            Direction::HostToDevice => (host_pages, device_pages),
+        };
+        for (name, pages, cap) in [
+            ("src_pages", src_pages, src_cap),
+            ("dst_pages", dst_pages, dst_cap),
+        ] {
+            if let Some((i, p)) = pages.iter().enumerate().find(|(_, &p)| p >= cap) {
+                return Err(bad(
+                    format!("{name}[{i}]"),
+                    format!("page {p} is outside the {cap} pages of its tensors"),
+                ));
+            }
+        }
+        crate::kernels::check_distinct_destinations(dst_pages)
+            .map_err(|e| bad("dst_pages", e.to_string()))?;
+        let page_first = self.deployment.host_layout == HostLayout::PageFirst;
+        let cross = |ts: &[Tensors]| ts.iter().all(|t| matches!(t, Tensors::CrossLayer(_)));
+        let one_launch = cross(device) && cross(host);
+        if page_first && !one_launch {
+            return Err(bad(
+                "host, device",
+                format!(
+                    "the {} deployment's host pool is page-first ([page][layer]), which \
+                     per-layer tensors cannot address: pass one cross-layer tensor per buffer \
+                     on both sides",
+                    self.deployment.name
+                ),
+            ));
+        }
+        let spec = self.deployment.transfer(dir);
+        let bytes =
+            src_pages.len() as u64 * u64::from(layers.len() as u32) * spec.total_page_bytes();
+        if src_pages.is_empty() {
+            return Ok(0);
+        }
+        let mut held = Adopted {
+            exec: self.exec.as_ref(),
+            ids: Vec::new(),
+        };
+        let mut dev_ids = Vec::new();
+        let mut host_ids = Vec::new();
+        for (d, h) in device.iter().zip(host) {
+            // SAFETY: the caller's contract.
+            dev_ids.push(unsafe { held.tensors(d) }?);
+            host_ids.push(unsafe { held.tensors(h) }?);
+        }
+        let src_buf = held.scratch(src_pages)?;
+        let dst_buf = held.scratch(dst_pages)?;
+        let k = self.kernels.transfer(dir);
+        let n = src_pages.len() as u32;
+        let buffers = self.deployment.model.buffers();
+        let launches: Vec<(u32, u32, Option<u32>)> = if one_launch {
+            vec![(layers.start, layers.len() as u32, None)]
+        } else {
+            layers.clone().map(|l| (0, 1, Some(l))).collect()
+        };
+        for (first, count, layer) in launches {
+            let mut args = Vec::new();
+            for (i, &b) in buffers.iter().enumerate() {
+                let pb = b.page_bytes(self.deployment.page_size);
+                let at = |t: &Tensors, ids: &[BufferId], pages: u32| match layer {
+                    None => (ids[0], 0),
+                    Some(l) => layer_at(t, ids, l, u64::from(pages) * pb),
+                };
+                let d = at(&device[i], &dev_ids[i], device_pages);
+                let h = at(&host[i], &host_ids[i], host_pages);
+                let (s, t) = match dir {
+                    Direction::DeviceToHost => (d, h),
+                    Direction::HostToDevice => (h, d),
+                };
+                let pair = [KernelArg::Ptr(s.0, s.1), KernelArg::Ptr(t.0, t.1)];
+                if i == 0 {
+                    args.extend(pair);
+                    args.extend([
+                        KernelArg::Ptr(src_buf, 0),
+                        KernelArg::Ptr(dst_buf, 0),
+                        KernelArg::U32(n),
+                        KernelArg::U32(if layer.is_some() { 1 } else { self.layers }),
+                        KernelArg::U32(first),
+                        KernelArg::U32(count),
+                        KernelArg::U32(device_pages),
+                        KernelArg::U32(host_pages),
+                    ]);
+                } else {
+                    args.extend(pair);
+                }
+            }
+            self.exec.launch(k.id, &k.launch(n, count), &args)?;
+        }
+        Ok(bytes)
+    }
+
+    /// Gathers sequence page `i` (global page `p = seq_pages[i]`, owned by rank `p % cp` at
+    /// its local page `p / cp`) of `buffer` from `pools[p % cp]` into page `i` of `dense`,
+    /// for every layer: what attention over a CP group reads. `pools` holds every rank's
+    /// device tensors (mapped into this process), `dense` `seq_pages.len()` pages per layer.
+    ///
+    /// # Safety
+    /// As [`Ops::transfer`], for every pool and `dense`.
+    pub unsafe fn materialise(
+        &self,
+        buffer: BufferKind,
+        pools: &[Tensors],
+        seq_pages: &[u32],
+        dense: &Tensors,
+    ) -> Result<(), OpsError> {
+        if !self.deployment.model.buffers().contains(&buffer) {
+            return Err(bad(
+                "buffer",
+                format!("the {} model has no {buffer} buffer", self.deployment.model),
+            ));
+        }
+        let cp = self.deployment.cp;
+        if pools.len() != usize::from(cp) {
+            return Err(bad(
+                "pools",
+                format!(
+                    "{} pools given for {cp} ranks: one per rank, in rank order",
+                    pools.len()
+                ),
+            ));
+        }
+        let mut local_pages = None;
+        for (r, t) in pools.iter().enumerate() {
+            let p = self.pages_of(&format!("pools[{r}]"), buffer, t)?;
+            match local_pages {
+                None => local_pages = Some(p),
+                Some(first) if first != p => {
+                    return Err(bad(
+                        format!("pools[{r}]"),
+                        format!("{p} local pages, but pools[0] has {first}: ranks must match"),
+                    ))
+                }
+                Some(_) => {}
+            }
+        }
+        let local_pages = local_pages.unwrap_or_default();
+        let n = self.pages_of("dense", buffer, dense)?;
+        if n as usize != seq_pages.len() {
+            return Err(bad(
+                "dense",
+                format!("{n} pages per layer for {} sequence pages", seq_pages.len()),
+            ));
+        }
+        if let Some((i, p)) = seq_pages
+            .iter()
+            .enumerate()
+            .find(|(_, &p)| p / u32::from(cp) >= local_pages)
+        {
+            return Err(bad(
+                format!("seq_pages[{i}]"),
+                format!(
+                    "page {p} is local page {} of rank {}, outside its {local_pages} pages",
+                    p / u32::from(cp),
+                    p % u32::from(cp)
+                ),
+            ));
+        }
+        let mut held = Adopted {
+            exec: self.exec.as_ref(),
+            ids: Vec::new(),
+        };
+        let mut pool_ids = Vec::new();
+        for t in pools {
+            // SAFETY: the caller's contract.
+            pool_ids.push(unsafe { held.tensors(t) }?);
+        }
+        // SAFETY: the caller's contract.
+        let dense_ids = unsafe { held.tensors(dense) }?;
+        let pages = held.scratch(seq_pages)?;
+        let mat = self.kernels.materialise(buffer);
+        let pb = buffer.page_bytes(self.deployment.page_size);
+        let all_cross = pools
+            .iter()
+            .chain(std::iter::once(dense))
+            .all(|t| matches!(t, Tensors::CrossLayer(_)));
+        let launches: Vec<Option<u32>> = if all_cross {
+            vec![None]
+        } else {
+            (0..self.layers).map(Some).collect()
+        };
+        for layer in launches {
+            let (ptrs, out, layers): (Vec<(BufferId, u64)>, (BufferId, u64), u32) = match layer {
+                None => (
+                    pool_ids.iter().map(|ids| (ids[0], 0)).collect(),
+                    (dense_ids[0], 0),
+                    self.layers,
+                ),
+                Some(l) => (
+                    pools
+                        .iter()
+                        .zip(&pool_ids)
+                        .map(|(t, ids)| layer_at(t, ids, l, u64::from(local_pages) * pb))
+                        .collect(),
+                    layer_at(dense, &dense_ids, l, u64::from(n) * pb),
+                    1,
+                ),
+            };
+            self.exec.launch(
+                mat.id,
+                &mat.launch(n, layers),
+                &[
+                    KernelArg::PtrStruct(&ptrs),
+                    KernelArg::Ptr(pages, 0),
+                    KernelArg::U32(n),
+                    KernelArg::U32(layers),
+                    KernelArg::U32(local_pages),
+                    KernelArg::Ptr(out.0, out.1),
+                ],
+            )?;
+        }
+        Ok(())
+    }
+}

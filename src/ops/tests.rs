@@ -1,0 +1,265 @@
+//! The ops on caller-owned memory give exactly the reference kernels' bytes, per-layer and
+//! cross-layer alike, and refuse bad arguments before launching anything.
+
+use super::*;
+use crate::exec::HostExecutor;
+use crate::kernels::{reference, ModelShape};
+
+/// 16-byte-aligned memory the test owns, like an engine's tensor.
+struct Mem(Vec<u128>);
+
+impl Mem {
+    fn new(bytes: u64, seed: u64) -> Mem {
+        let mut m = Mem(vec![0u128; bytes.div_ceil(16) as usize]);
+        for (i, b) in m.bytes_mut().iter_mut().enumerate() {
+            *b = (reference::mix64(seed ^ i as u64) & 0xff) as u8;
+        }
+        m
+    }
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: u128s are plain bytes; the length is the vector's.
+        unsafe { std::slice::from_raw_parts(self.0.as_ptr().cast(), self.0.len() * 16) }
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as above, exclusively borrowed.
+        unsafe { std::slice::from_raw_parts_mut(self.0.as_mut_ptr().cast(), self.0.len() * 16) }
+    }
+    fn region(&mut self, at: u64, bytes: u64) -> Region {
+        Region {
+            addr: self.bytes_mut().as_mut_ptr() as u64 + at,
+            bytes,
+        }
+    }
+}
+
+fn ops(model: ModelShape, ps: u32, cp: u8, layers: u32) -> Ops {
+    let jit = Jit::new(crate::jit::JitConfig::new(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/target/tmp/jit-cache"
+    )));
+    let exec: Arc<dyn Executor> = Arc::new(HostExecutor::new(Default::default()));
+    let dep = Deployment::new(model, ps, cp).unwrap();
+    Ops::warm_up(dep, layers, exec, &jit, Sanitize::None).unwrap()
+}
+
+/// Tensors over `mem` for `pages` pages: cross-layer, or split into per-layer regions.
+fn tensors(mem: &mut Mem, per_layer: bool, layers: u32, pages: u32, pb: u64) -> Tensors {
+    let layer = u64::from(pages) * pb;
+    if per_layer {
+        Tensors::PerLayer(
+            (0..layers)
+                .map(|l| mem.region(u64::from(l) * layer, layer))
+                .collect(),
+        )
+    } else {
+        Tensors::CrossLayer(mem.region(0, u64::from(layers) * layer))
+    }
+}
+
+#[test]
+fn transfers_equal_the_reference_per_layer_and_cross_layer() {
+    // MLA's host pool is layer-first, so per-layer tensors work on both sides; NSA's is
+    // page-first, so it takes cross-layer tensors.
+    for (model, per_layer_ok) in [(ModelShape::MlaBf16, true), (ModelShape::Nsa, false)] {
+        let ps = if model == ModelShape::Nsa { 64 } else { 16 };
+        let ops = ops(model, ps, 2, 3);
+        let dep = ops.deployment().clone();
+        let (dev_pages, host_pages) = (6u32, 9u32);
+        for dir in [Direction::HostToDevice, Direction::DeviceToHost] {
+            for per_layer in [false, true] {
+                if per_layer && !per_layer_ok {
+                    continue;
+                }
+                let buffers = dep.model.buffers();
+                let mut dev: Vec<Mem> = Vec::new();
+                let mut host: Vec<Mem> = Vec::new();
+                for (i, &b) in buffers.iter().enumerate() {
+                    let pb = b.page_bytes(ps);
+                    dev.push(Mem::new(3 * u64::from(dev_pages) * pb, 1 + i as u64));
+                    host.push(Mem::new(3 * u64::from(host_pages) * pb, 7 + i as u64));
+                }
+                let want_dev: Vec<Vec<u8>> = dev.iter().map(|m| m.bytes().to_vec()).collect();
+                let want_host: Vec<Vec<u8>> = host.iter().map(|m| m.bytes().to_vec()).collect();
+                let dts: Vec<Tensors> = buffers
+                    .iter()
+                    .zip(&mut dev)
+                    .map(|(&b, m)| tensors(m, per_layer, 3, dev_pages, b.page_bytes(ps)))
+                    .collect();
+                let hts: Vec<Tensors> = buffers
+                    .iter()
+                    .zip(&mut host)
+                    .map(|(&b, m)| tensors(m, per_layer, 3, host_pages, b.page_bytes(ps)))
+                    .collect();
+                let (src, dst) = match dir {
+                    Direction::HostToDevice => (vec![8u32, 0, 3], vec![5u32, 1, 2]),
+                    Direction::DeviceToHost => (vec![5u32, 1, 2], vec![8u32, 0, 3]),
+                };
+                // SAFETY: the memory lives across the call and nothing else touches it.
+                let moved = unsafe { ops.transfer(dir, &dts, &hts, &src, &dst, 1..3) }.unwrap();
+                let spec = dep.transfer(dir);
+                assert_eq!(moved, 3 * 2 * spec.total_page_bytes());
+                for (i, &b) in buffers.iter().enumerate() {
+                    let pb = b.page_bytes(ps);
+                    let (mut want_d, mut want_h) = (want_dev[i].clone(), want_host[i].clone());
+                    let (s, d) = match dir {
+                        Direction::HostToDevice => (want_h.clone(), &mut want_d),
+                        Direction::DeviceToHost => (want_d.clone(), &mut want_h),
+                    };
+                    reference::transfer_pages(
+                        dir,
+                        dep.host_layout,
+                        pb,
+                        &s,
+                        d,
+                        &src,
+                        &dst,
+                        3,
+                        3,
+                        1,
+                        2,
+                        dev_pages,
+                        host_pages,
+                    )
+                    .unwrap();
+                    let what = format!("{model} {dir:?} per_layer {per_layer} {b}");
+                    assert!(dev[i].bytes() == want_d.as_slice(), "{what}: device");
+                    assert!(host[i].bytes() == want_h.as_slice(), "{what}: host");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn materialise_equals_the_reference_per_layer_and_cross_layer() {
+    let (cp, layers, local) = (4u8, 2u32, 5u32);
+    let ops = ops(ModelShape::MlaBf16, 16, cp, layers);
+    let b = BufferKind::MlaKv;
+    let pb = b.page_bytes(16);
+    let seq = [4u32, 1, 18, 7, 10];
+    for per_layer in [false, true] {
+        let mut pools: Vec<Mem> = (0..cp)
+            .map(|r| Mem::new(u64::from(layers * local) * pb, 40 + u64::from(r)))
+            .collect();
+        let want_in: Vec<Vec<u8>> = pools.iter().map(|m| m.bytes().to_vec()).collect();
+        let pts: Vec<Tensors> = pools
+            .iter_mut()
+            .map(|m| tensors(m, per_layer, layers, local, pb))
+            .collect();
+        let mut dense = Mem::new(u64::from(layers) * seq.len() as u64 * pb, 99);
+        let dt = tensors(&mut dense, per_layer, layers, seq.len() as u32, pb);
+        // SAFETY: as above.
+        unsafe { ops.materialise(b, &pts, &seq, &dt) }.unwrap();
+        let mut want = vec![0u8; dense.bytes().len()];
+        let refs: Vec<&[u8]> = want_in.iter().map(Vec::as_slice).collect();
+        reference::materialise(
+            cp,
+            pb,
+            &refs,
+            &seq,
+            seq.len() as u32,
+            layers,
+            local,
+            &mut want,
+        )
+        .unwrap();
+        assert!(dense.bytes() == want.as_slice(), "per_layer {per_layer}");
+    }
+}
+
+#[test]
+fn bad_arguments_are_refused_naming_the_argument_and_the_rule() {
+    let ops = ops(ModelShape::MlaBf16, 16, 2, 2);
+    let pb = BufferKind::MlaKv.page_bytes(16);
+    let mut dev = Mem::new(2 * 4 * pb + 16, 1);
+    let mut host = Mem::new(2 * 4 * pb, 2);
+    let h = vec![tensors(&mut host, false, 2, 4, pb)];
+    let good = vec![tensors(&mut dev, false, 2, 4, pb)];
+    let t = |d: &[Tensors], src: &[u32], dst: &[u32], l: Range<u32>| {
+        // SAFETY: as above; refusals launch nothing.
+        unsafe { ops.transfer(Direction::HostToDevice, d, &h, src, dst, l) }
+            .unwrap_err()
+            .to_string()
+    };
+    let cases = [
+        (t(&good, &[0, 1], &[2, 2], 0..2), "dst_pages"),
+        (
+            t(&good, &[0], &[4], 0..2),
+            "dst_pages[0]: page 4 is outside the 4 pages",
+        ),
+        (
+            t(&good, &[0, 1], &[2], 0..2),
+            "2 source pages but 1 destinations",
+        ),
+        (
+            t(&good, &[0], &[1], 1..3),
+            "not a non-empty range of the 2 layers",
+        ),
+        (
+            t(&[], &[0], &[1], 0..2),
+            "device: 0 buffers given, the mla model has 1",
+        ),
+        (
+            t(
+                &[Tensors::CrossLayer(dev.region(8, 2 * 4 * pb))],
+                &[0],
+                &[1],
+                0..2,
+            ),
+            "not 16-byte aligned",
+        ),
+        (
+            t(
+                &[Tensors::CrossLayer(dev.region(0, 2 * 4 * pb + 16))],
+                &[0],
+                &[1],
+                0..2,
+            ),
+            "are not 2 layers of whole",
+        ),
+        (
+            t(
+                &[Tensors::PerLayer(vec![
+                    dev.region(0, 4 * pb),
+                    dev.region(4 * pb, 3 * pb),
+                ])],
+                &[0],
+                &[1],
+                0..2,
+            ),
+            "device[mla_kv] layer 1: 3 pages, but layer 0 has 4",
+        ),
+        (
+            t(
+                &[Tensors::PerLayer(vec![dev.region(0, 4 * pb)])],
+                &[0],
+                &[1],
+                0..2,
+            ),
+            "1 per-layer tensors for 2 layers",
+        ),
+    ];
+    for (got, want) in cases {
+        assert!(got.contains(want), "{got:?} should say {want:?}");
+    }
+    let before = dev.bytes().to_vec();
+    assert_eq!(dev.bytes(), &before[..], "nothing was launched");
+    let dense = Tensors::CrossLayer(host.region(0, 2 * 2 * pb));
+    // SAFETY: as above.
+    let e = unsafe { ops.materialise(BufferKind::MlaKv, &good, &[0, 1], &dense) }.unwrap_err();
+    assert!(e.to_string().contains("1 pools given for 2 ranks"), "{e}");
+    let pools = [good[0].clone(), good[0].clone()];
+    // SAFETY: as above.
+    let e = unsafe { ops.materialise(BufferKind::MlaKv, &pools, &[0, 9], &dense) }.unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("seq_pages[1]: page 9 is local page 4 of rank 1"),
+        "{e}"
+    );
+    // SAFETY: as above.
+    let e = unsafe { ops.materialise(BufferKind::NsaIndexK, &pools, &[0, 1], &dense) }.unwrap_err();
+    assert!(
+        e.to_string().contains("no nsa_idx buffer") || e.to_string().contains("has no"),
+        "{e}"
+    );
+}
