@@ -128,6 +128,16 @@ class Ops:
         seq_pages: bytes,
         dense: Tuple[bool, List[Tuple[int, int]]],
     ) -> None: ...
+    def select(
+        self,
+        lanes: Tuple[Tuple[int, int], Tuple[int, int], Tuple[int, int]],
+        owners: bytes,
+        out_pages: Tuple[int, int],
+        out_locs: Tuple[int, int],
+    ) -> None: ...
+    def release(
+        self, lanes: Tuple[Tuple[int, int], Tuple[int, int], Tuple[int, int]], pages: bytes
+    ) -> None: ...
 
 class RankCache:
     """One CP rank's cache (see ``cp_hicache.RankCache``, which wraps this class)."""

@@ -29,7 +29,7 @@ import numpy as np
 from . import _native
 from ._native import Deployment, UsageError
 
-__all__ = ["Ops"]
+__all__ = ["Lanes", "Ops"]
 
 Tensor = Any  # a torch.Tensor or a numpy.ndarray
 Tensors = Union[Tensor, Sequence[Tensor]]
@@ -79,6 +79,45 @@ def _pages(p: Any, what: str) -> bytes:
 def _no_stream(stream: Optional[Any]) -> None:
     if stream is not None:
         raise UsageError("stream= is for CUDA tensors on the CUDA backend; the host backend runs in order")
+
+
+def _words(t: Tensor, what: str) -> Tuple[int, int]:
+    """(address, bytes) of a CPU tensor of 32-bit words."""
+    size = t.itemsize if isinstance(t, np.ndarray) else getattr(t, "element_size", lambda: 0)()
+    if size != 4:
+        raise UsageError(f"{what}: 32-bit words (uint32 or int32), not {getattr(t, 'dtype', type(t))}")
+    return _region(t, what, 4)
+
+
+class Lanes:
+    """An engine's owner lanes, held in its own tensors: lane ``r`` holds the free pages of
+    rank ``r`` (pages ``p`` with ``p % cp == r``) as a stack, ``stacks[r, :tops[r]]``, top
+    last; ``status`` holds the allocator kernels' status words (refused launches, per-lane
+    deficits or overflows, bad owners or pages). Any 32-bit CPU tensors will do."""
+
+    def __init__(self, stacks: Tensor, tops: Tensor, status: Tensor) -> None:
+        self.stacks, self.tops, self.status = stacks, tops, status
+
+    @classmethod
+    def of(cls, free_pages: Any, cp: int, lane_cap: int) -> "Lanes":
+        """Lanes (numpy) holding ``free_pages``, each pushed onto lane ``page % cp`` in
+        order."""
+        stacks = np.zeros((cp, lane_cap), dtype=np.uint32)
+        tops = np.zeros(cp, dtype=np.uint32)
+        for p in np.asarray(free_pages, dtype=np.int64):
+            r = int(p) % cp
+            if p <= 0 or p // cp >= lane_cap or tops[r] >= lane_cap:
+                raise UsageError(f"page {p} does not fit lanes of {lane_cap} pages per rank")
+            stacks[r, tops[r]] = p
+            tops[r] += 1
+        return cls(stacks, tops, np.zeros(cp + 2, dtype=np.uint32))
+
+    def _arg(self) -> Tuple[Tuple[int, int], Tuple[int, int], Tuple[int, int]]:
+        return (
+            _words(self.stacks, "lanes.stacks"),
+            _words(self.tops, "lanes.tops"),
+            _words(self.status, "lanes.status"),
+        )
 
 
 class Ops:
@@ -164,3 +203,25 @@ class Ops:
         self._native.materialise(
             buffer, ps, _pages(seq_pages, "seq_pages"), _tensors(out, "out", pb)
         )
+
+    def select(self, lanes: Lanes, owners: Any) -> Tuple[np.ndarray, np.ndarray]:
+        """Pops one page per entry of ``owners`` from lane ``owners[i]`` (the seed's
+        ``alloc_pages_with_owners``: a page loaded back gets its recorded owner). Returns
+        ``(pages, locs)``: ``uint32[n]`` pages and ``int64[n * page_size]`` token slots. All
+        or nothing: when a lane is short, no lane changes and :class:`CacheFullError` says
+        which lanes are short by how much."""
+        o = np.asarray(owners)
+        if o.ndim != 1 or (o.size and (o.min() < 0 or o.max() >= 256)):
+            raise UsageError("owners: one rank per page, integers in 0..256")
+        o = o.astype(np.uint8)
+        pages = np.zeros(len(o), dtype=np.uint32)
+        locs = np.zeros(len(o) * self.deployment.page_size, dtype=np.int64)
+        self._native.select(lanes._arg(), o.tobytes(), _region(pages, "pages", 4),
+                            _region(locs, "locs", 8))
+        return pages, locs
+
+    def release(self, lanes: Lanes, pages: Any) -> None:
+        """Pushes each page back onto lane ``page % cp``, in order. All or nothing: an invalid
+        page raises :class:`UsageError`, a lane without room :class:`CacheFullError`, and no
+        lane changes."""
+        self._native.release(lanes._arg(), _pages(pages, "pages"))

@@ -3,17 +3,32 @@
 //! contiguity, dtypes) and passes each tensor as its address and size; the Rust side checks
 //! shapes, alignment, pages and ranges before anything is launched.
 
-use crate::errors::{to_py, usage, CacheError};
+use crate::errors::{to_py, usage, CacheError, CacheFullError};
 use crate::Deployment;
 use cp_hicache::exec::open_executor;
 use cp_hicache::jit::{Jit, JitConfig, Sanitize};
 use cp_hicache::kernels::{BufferKind, Direction};
-use cp_hicache::ops::{Ops as CoreOps, OpsError, Region, Tensors};
+use cp_hicache::ops::{Lanes, Ops as CoreOps, OpsError, Region, Tensors};
 use pyo3::prelude::*;
 use std::sync::Arc;
 
 /// One buffer kind's tensors as Python passes them: `(per_layer, [(addr, bytes), ...])`.
 type TensorsArg = (bool, Vec<(u64, u64)>);
+
+/// An engine's lanes as Python passes them: `(stacks, tops, status)`, each `(addr, bytes)`.
+type LanesArg = ((u64, u64), (u64, u64), (u64, u64));
+
+fn region((addr, bytes): (u64, u64)) -> Region {
+    Region { addr, bytes }
+}
+
+fn lanes((stacks, tops, status): LanesArg) -> Lanes {
+    Lanes {
+        stacks: region(stacks),
+        tops: region(tops),
+        status: region(status),
+    }
+}
 
 fn tensors((per_layer, regions): TensorsArg, what: &str) -> PyResult<Tensors> {
     let regions: Vec<Region> = regions
@@ -35,6 +50,9 @@ fn tensors((per_layer, regions): TensorsArg, what: &str) -> PyResult<Tensors> {
 fn ops_err(e: OpsError) -> PyErr {
     match e {
         OpsError::BadArgument { .. } => usage(e.to_string()),
+        OpsError::LanesShort { .. } | OpsError::LanesFull { .. } => {
+            CacheFullError::new_err(e.to_string())
+        }
         OpsError::Kernels(_) | OpsError::Exec(_) => CacheError::new_err(e.to_string()),
     }
 }
@@ -184,6 +202,38 @@ impl Ops {
         py.detach(|| {
             // SAFETY: as in `transfer`.
             unsafe { self.inner.materialise(b, &pools, &seq, &dense) }
+        })
+        .map_err(ops_err)
+    }
+
+    /// Pops one page per owner from the engine's lanes into `out_pages` / `out_locs` (see
+    /// `cp_hicache.ops.Ops.select`).
+    fn select(
+        &self,
+        py: Python<'_>,
+        lanes_arg: LanesArg,
+        owners: &[u8],
+        out_pages: (u64, u64),
+        out_locs: (u64, u64),
+    ) -> PyResult<()> {
+        let l = lanes(lanes_arg);
+        py.detach(|| {
+            // SAFETY: as in `transfer`.
+            unsafe {
+                self.inner
+                    .select(&l, owners, region(out_pages), region(out_locs))
+            }
+        })
+        .map_err(ops_err)
+    }
+
+    /// Pushes pages back onto the engine's lanes (see `cp_hicache.ops.Ops.release`).
+    fn release(&self, py: Python<'_>, lanes_arg: LanesArg, pages_arg: &[u8]) -> PyResult<()> {
+        let l = lanes(lanes_arg);
+        let p = pages(pages_arg, "pages")?;
+        py.detach(|| {
+            // SAFETY: as in `transfer`.
+            unsafe { self.inner.release(&l, &p) }
         })
         .map_err(ops_err)
     }

@@ -101,3 +101,28 @@ def test_bad_arguments_raise_usage_errors_naming_them(call, message):
     with pytest.raises(cp_hicache.UsageError, match=message):
         call(ops, d, h)
     assert not d.any() and not h.any()  # nothing was launched
+
+
+def test_select_and_release_keep_owners_on_the_engines_lanes():
+    from cp_hicache.ops import Lanes
+
+    ops = Ops(MLA)
+    lanes = Lanes.of([2, 4, 6, 1, 3], cp=2, lane_cap=4)
+    # Torch int32 tensors work as well as numpy uint32 ones.
+    lanes.tops = torch.from_numpy(lanes.tops.astype(np.int32))
+    pages, locs = ops.select(lanes, [0, 1, 0])
+    assert pages.tolist() == [6, 3, 4]  # each page on its owner's lane, LIFO
+    assert (pages % 2 == [0, 1, 0]).all()
+    assert locs.tolist() == [p * 16 + j for p in (6, 3, 4) for j in range(16)]
+    assert lanes.tops.tolist() == [1, 1]
+    with pytest.raises(cp_hicache.CacheFullError, match="lane 1 is 2 short"):
+        ops.select(lanes, [1, 1, 1])
+    assert lanes.tops.tolist() == [1, 1]  # all or nothing
+    assert lanes.status[0] == 1  # the kernel counted the refusal
+    ops.release(lanes, [6, 3, 4])
+    assert lanes.tops.tolist() == [3, 2]
+    assert lanes.stacks[0, :3].tolist() == [2, 6, 4]
+    with pytest.raises(cp_hicache.UsageError, match="null page"):
+        ops.release(lanes, [0])
+    with pytest.raises(cp_hicache.UsageError, match="32-bit words"):
+        ops.select(Lanes(lanes.stacks.astype(np.uint64), lanes.tops, lanes.status), [0])

@@ -41,6 +41,19 @@ pub enum Tensors {
     PerLayer(Vec<Region>),
 }
 
+/// An engine's owner lanes, as the allocator kernels keep them: lane `r` holds the free
+/// pages of rank `r` (pages `p` with `p % cp == r`) as a stack.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lanes {
+    /// `u32[cp][lane_cap]`: lane `r`'s pages in `stacks[r][..tops[r]]`, top last.
+    pub stacks: Region,
+    /// `u32[cp]`: pages in each lane.
+    pub tops: Region,
+    /// `u32[cp + 2]`: refused launches, each lane's deficit (select) or overflow (release),
+    /// bad owners or pages: the kernels' status words, left alone by a granted launch.
+    pub status: Region,
+}
+
 /// The alignment every tensor's start needs: the kernels move pages in 16-byte vectors.
 pub const ALIGN: u64 = 16;
 
@@ -58,6 +71,26 @@ pub enum OpsError {
     /// The kernels could not be made ready.
     #[error(transparent)]
     Kernels(#[from] KernelLoadError),
+    /// A selection the lanes cannot give (all or nothing: no lane changed).
+    #[error(
+        "the lanes cannot give these owners' pages: {}; no lane changed",
+        short.iter().enumerate().filter(|(_, &d)| d > 0)
+            .map(|(r, d)| format!("lane {r} is {d} short")).collect::<Vec<_>>().join(", ")
+    )]
+    LanesShort {
+        /// Each lane's deficit.
+        short: Vec<u32>,
+    },
+    /// A release the lanes cannot take (all or nothing: no lane changed).
+    #[error(
+        "the lanes cannot take these pages back: {}; no lane changed",
+        over.iter().enumerate().filter(|(_, &d)| d > 0)
+            .map(|(r, d)| format!("lane {r} has no room for {d}")).collect::<Vec<_>>().join(", ")
+    )]
+    LanesFull {
+        /// Pages each lane had no room for.
+        over: Vec<u32>,
+    },
     /// The executor failed (a launch, adopting the memory).
     #[error(transparent)]
     Exec(#[from] crate::exec::ExecError),
@@ -76,6 +109,9 @@ pub struct Ops {
     layers: u32,
     exec: Arc<dyn Executor>,
     kernels: DeploymentKernels,
+    /// The owner-page selection and release kernels.
+    select: crate::exec::KernelId,
+    release: crate::exec::KernelId,
 }
 
 /// Regions adopted for one op, forgotten (never freed) when it ends.
@@ -147,11 +183,27 @@ impl Ops {
             return Err(bad("layers", "must be at least 1"));
         }
         let kernels = DeploymentKernels::load(&deployment, jit, exec.as_ref(), sanitize)?;
+        let target = crate::jit::target_for(exec.as_ref(), deployment.arch, sanitize)
+            .map_err(KernelLoadError::from)?;
+        let specs = [deployment.select_spec(), deployment.release_spec()];
+        let requests = specs
+            .iter()
+            .map(|spec| crate::jit::spec_request(spec, target, None))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(KernelLoadError::from)?;
+        let mut ids = Vec::new();
+        for (spec, built) in specs.iter().zip(jit.warm_up(&requests)) {
+            let built = built.map_err(KernelLoadError::from)?;
+            // SAFETY: `built` is the JIT's build of `spec` for `exec`'s target.
+            ids.push(unsafe { built.load_spec(exec.as_ref(), spec) }?);
+        }
         Ok(Ops {
             deployment,
             layers,
             exec,
             kernels,
+            select: ids[0],
+            release: ids[1],
         })
     }
 
@@ -520,6 +572,207 @@ impl Ops {
                     KernelArg::Ptr(out.0, out.1),
                 ],
             )?;
+        }
+        Ok(())
+    }
+
+    /// The lane capacity of `lanes`, checked: `u32` words, one top per rank, `cp + 2` status
+    /// words, 4-byte alignment.
+    fn lane_cap(&self, lanes: &Lanes) -> Result<u32, OpsError> {
+        let cp = u64::from(self.deployment.cp);
+        for (what, r) in [
+            ("stacks", lanes.stacks),
+            ("tops", lanes.tops),
+            ("status", lanes.status),
+        ] {
+            if r.addr % 4 != 0 {
+                return Err(bad(
+                    format!("lanes.{what}"),
+                    "not 4-byte aligned (u32 words)",
+                ));
+            }
+        }
+        if lanes.tops.bytes != 4 * cp {
+            return Err(bad(
+                "lanes.tops",
+                format!("{} bytes, not {cp} u32 tops", lanes.tops.bytes),
+            ));
+        }
+        if lanes.status.bytes != 4 * (cp + 2) {
+            return Err(bad(
+                "lanes.status",
+                format!(
+                    "{} bytes, not the {} u32 status words",
+                    lanes.status.bytes,
+                    cp + 2
+                ),
+            ));
+        }
+        let cap = lanes.stacks.bytes / (4 * cp);
+        if lanes.stacks.bytes == 0 || lanes.stacks.bytes % (4 * cp) != 0 {
+            return Err(bad(
+                "lanes.stacks",
+                format!(
+                    "{} bytes are not {cp} lanes of u32 pages",
+                    lanes.stacks.bytes
+                ),
+            ));
+        }
+        u32::try_from(cap).map_err(|_| bad("lanes.stacks", "too many pages per lane"))
+    }
+
+    /// Reads the status words of an adopted `lanes.status`.
+    fn status(&self, id: BufferId) -> Result<Vec<u32>, OpsError> {
+        let mut b = vec![0u8; 4 * (usize::from(self.deployment.cp) + 2)];
+        self.exec.read(id, 0, &mut b)?;
+        Ok(b.chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
+    }
+
+    /// Pops one page per entry of `owners` from lane `owners[i]`, owner preserved (the
+    /// seed's `alloc_pages_with_owners`): page `i` into `out_pages` (`u32[n]`) and its
+    /// token slots into `out_locs` (`i64[n * page_size]`). All or nothing: when a lane is
+    /// short, no lane changes and this fails with [`OpsError::LanesShort`] (the status words
+    /// count it too). Reads the status words back to tell (a host synchronisation).
+    ///
+    /// # Safety
+    /// As [`Ops::transfer`], for the lanes and both outputs.
+    pub unsafe fn select(
+        &self,
+        lanes: &Lanes,
+        owners: &[u8],
+        out_pages: Region,
+        out_locs: Region,
+    ) -> Result<(), OpsError> {
+        let lane_cap = self.lane_cap(lanes)?;
+        let cp = self.deployment.cp;
+        if let Some((i, o)) = owners.iter().enumerate().find(|(_, &o)| o >= cp) {
+            return Err(bad(
+                format!("owners[{i}]"),
+                format!("rank {o} is not below cp {cp}"),
+            ));
+        }
+        let n = owners.len() as u64;
+        let ps = u64::from(self.deployment.page_size);
+        if out_pages.bytes != 4 * n || out_pages.addr % 4 != 0 {
+            return Err(bad(
+                "out_pages",
+                format!("{} bytes, not {n} aligned u32 pages", out_pages.bytes),
+            ));
+        }
+        if out_locs.bytes != 8 * n * ps || out_locs.addr % 8 != 0 {
+            return Err(bad(
+                "out_locs",
+                format!(
+                    "{} bytes, not {n} pages of {ps} aligned i64 slots",
+                    out_locs.bytes
+                ),
+            ));
+        }
+        if owners.is_empty() {
+            return Ok(());
+        }
+        let mut held = Adopted {
+            exec: self.exec.as_ref(),
+            ids: Vec::new(),
+        };
+        // SAFETY: the caller's contract.
+        let ids: Vec<BufferId> = unsafe {
+            [lanes.stacks, lanes.tops, lanes.status, out_pages, out_locs]
+                .iter()
+                .map(|r| held.tensors(&Tensors::CrossLayer(*r)).map(|v| v[0]))
+                .collect::<Result<_, _>>()?
+        };
+        let owners_in = held.exec.alloc(MemKind::Device, owners.len(), 0)?;
+        held.ids.push(owners_in);
+        self.exec.upload(owners_in, 0, owners)?;
+        let before = self.status(ids[2])?;
+        let spec = self.deployment.select_spec();
+        let d = spec.launch_dims(owners.len() as u32, 1);
+        self.exec.launch(
+            self.select,
+            &crate::exec::LaunchConfig::linear(d.grid, d.block),
+            &[
+                KernelArg::Ptr(owners_in, 0),
+                KernelArg::U32(owners.len() as u32),
+                KernelArg::Ptr(ids[0], 0),
+                KernelArg::Ptr(ids[1], 0),
+                KernelArg::U32(lane_cap),
+                KernelArg::Ptr(ids[3], 0),
+                KernelArg::Ptr(ids[4], 0),
+                KernelArg::Ptr(ids[2], 0),
+            ],
+        )?;
+        let after = self.status(ids[2])?;
+        if after[0] != before[0] {
+            let short = after[1..=usize::from(cp)]
+                .iter()
+                .zip(&before[1..])
+                .map(|(a, b)| a.wrapping_sub(*b))
+                .collect();
+            return Err(OpsError::LanesShort { short });
+        }
+        Ok(())
+    }
+
+    /// Pushes each page back onto lane `page % cp`, in order. All or nothing: an invalid
+    /// page (0, or past the lanes' capacity) is refused before the launch; a lane without
+    /// room fails with [`OpsError::LanesFull`] and no lane changes.
+    ///
+    /// # Safety
+    /// As [`Ops::transfer`], for the lanes.
+    pub unsafe fn release(&self, lanes: &Lanes, pages: &[u32]) -> Result<(), OpsError> {
+        let lane_cap = self.lane_cap(lanes)?;
+        let cp = u32::from(self.deployment.cp);
+        if let Some((i, p)) = pages
+            .iter()
+            .enumerate()
+            .find(|(_, &p)| p == 0 || p / cp >= lane_cap)
+        {
+            return Err(bad(
+                format!("pages[{i}]"),
+                format!("page {p} is the null page or past the lanes' {lane_cap} pages per rank"),
+            ));
+        }
+        if pages.is_empty() {
+            return Ok(());
+        }
+        let mut held = Adopted {
+            exec: self.exec.as_ref(),
+            ids: Vec::new(),
+        };
+        // SAFETY: the caller's contract.
+        let ids: Vec<BufferId> = unsafe {
+            [lanes.stacks, lanes.tops, lanes.status]
+                .iter()
+                .map(|r| held.tensors(&Tensors::CrossLayer(*r)).map(|v| v[0]))
+                .collect::<Result<_, _>>()?
+        };
+        let pages_in = held.scratch(pages)?;
+        let before = self.status(ids[2])?;
+        let spec = self.deployment.release_spec();
+        let d = spec.launch_dims(pages.len() as u32, 1);
+        self.exec.launch(
+            self.release,
+            &crate::exec::LaunchConfig::linear(d.grid, d.block),
+            &[
+                KernelArg::Ptr(pages_in, 0),
+                KernelArg::U32(pages.len() as u32),
+                KernelArg::Ptr(ids[0], 0),
+                KernelArg::Ptr(ids[1], 0),
+                KernelArg::U32(lane_cap),
+                KernelArg::Ptr(ids[2], 0),
+            ],
+        )?;
+        let after = self.status(ids[2])?;
+        if after[0] != before[0] {
+            let over = after[1..=cp as usize]
+                .iter()
+                .zip(&before[1..])
+                .map(|(a, b)| a.wrapping_sub(*b))
+                .collect();
+            return Err(OpsError::LanesFull { over });
         }
         Ok(())
     }

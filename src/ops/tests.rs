@@ -263,3 +263,67 @@ fn bad_arguments_are_refused_naming_the_argument_and_the_rule() {
         "{e}"
     );
 }
+
+/// u32 words the test owns.
+fn words(w: &[u32]) -> Mem {
+    let mut m = Mem::new(4 * w.len() as u64, 0);
+    for (c, v) in m.bytes_mut().chunks_exact_mut(4).zip(w) {
+        c.copy_from_slice(&v.to_le_bytes());
+    }
+    m
+}
+
+fn read_words(m: &Mem, n: usize) -> Vec<u32> {
+    m.bytes()[..4 * n]
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+#[test]
+fn select_and_release_on_the_engines_lanes_equal_the_reference_all_or_nothing() {
+    let ops = ops(ModelShape::MlaBf16, 16, 2, 1);
+    let cap = 4u32;
+    // Lane 0 holds pages 2, 4, 6 (top last); lane 1 holds 1, 3.
+    let (stacks0, tops0) = (vec![2u32, 4, 6, 0, 1, 3, 0, 0], vec![3u32, 2]);
+    let (mut st, mut tp, mut ss) = (words(&stacks0), words(&tops0), words(&[0; 4]));
+    let lanes = Lanes {
+        stacks: st.region(0, 32),
+        tops: tp.region(0, 8),
+        status: ss.region(0, 16),
+    };
+    let owners = [0u8, 1, 0];
+    let (mut pages, mut locs) = (Mem::new(12, 0), Mem::new(8 * 3 * 16, 0));
+    let (pr, lr) = (pages.region(0, 12), locs.region(0, 8 * 3 * 16));
+    // SAFETY: the memory lives across the calls.
+    unsafe { ops.select(&lanes, &owners, pr, lr) }.unwrap();
+    let (mut rs, mut rt, mut rstat) = (stacks0.clone(), tops0.clone(), vec![0u32; 4]);
+    let (want_pages, want_locs) =
+        reference::select_owner_pages(2, 16, &owners, &rs, &mut rt, cap, &mut rstat).unwrap();
+    assert_eq!(read_words(&pages, 3), want_pages);
+    assert_eq!(want_pages, [6, 3, 4]);
+    let got_locs: Vec<i64> = locs.bytes()[..8 * 48]
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(got_locs, want_locs);
+    assert_eq!(read_words(&tp, 2), rt);
+    // Lane 1 is now 2 short of three more: refused, nothing changes.
+    let e = unsafe { ops.select(&lanes, &[1, 1, 1], pr, lr) }.unwrap_err();
+    assert!(e.to_string().contains("lane 1 is 2 short"), "{e}");
+    assert_eq!(read_words(&tp, 2), rt);
+    // Release them back in the reference's order.
+    unsafe { ops.release(&lanes, &[6, 3]) }.unwrap();
+    reference::release_pages(2, &[6, 3], &mut rs, &mut rt, cap, &mut rstat).unwrap();
+    assert_eq!((read_words(&st, 8), read_words(&tp, 2)), (rs, rt));
+    for (bad_pages, want) in [(&[0u32][..], "null page"), (&[9u32][..], "past the lanes")] {
+        let e = unsafe { ops.release(&lanes, bad_pages) }.unwrap_err();
+        assert!(e.to_string().contains(want), "{e}");
+    }
+    let e = unsafe { ops.select(&lanes, &[2], pr, lr) }.unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("owners[0]: rank 2 is not below cp 2"),
+        "{e}"
+    );
+}
