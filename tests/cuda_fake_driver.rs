@@ -317,6 +317,9 @@ impl Executor for StandInGpu {
     fn size(&self, b: BufferId) -> Result<usize, ExecError> {
         self.cuda.size(b)
     }
+    fn address(&self, b: BufferId) -> Result<cp_hicache::exec::Address, ExecError> {
+        self.cuda.address(b)
+    }
     fn upload(&self, b: BufferId, o: u64, d: &[u8]) -> Result<(), ExecError> {
         self.cuda.upload(b, o, d)
     }
@@ -408,6 +411,18 @@ impl Executor for StandInGpu {
     }
     fn synchronize(&self) -> Result<(), ExecError> {
         self.cuda.synchronize()
+    }
+    unsafe fn adopt(&self, addr: u64, bytes: usize) -> Result<BufferId, ExecError> {
+        // SAFETY: forwarded; the caller's guarantee is the CUDA executor's.
+        unsafe { self.cuda.adopt(addr, bytes) }
+    }
+    unsafe fn follow_stream(&self, s: u64) -> Result<(), ExecError> {
+        // SAFETY: as above.
+        unsafe { self.cuda.follow_stream(s) }
+    }
+    unsafe fn lead_stream(&self, s: u64) -> Result<(), ExecError> {
+        // SAFETY: as above.
+        unsafe { self.cuda.lead_stream(s) }
     }
     fn time_work(&self, w: &mut dyn FnMut() -> Result<(), ExecError>) -> Result<f64, ExecError> {
         self.cuda.time_work(w)
@@ -1124,6 +1139,92 @@ fn begin_fences_loads_for_every_peer(me: &mut RankCache, prompt: &[u32]) {
     me.abandon(&mut req).unwrap();
 }
 
+/// `cp_hicache::ops` on memory the caller allocated through the driver (device memory and
+/// pinned host memory, adopted for each call and never freed by the ops), with a stream of
+/// the caller's: the transfer's bytes are the reference's, and an op given the stream orders
+/// itself after the caller's work and the caller's stream after it (two cross-stream waits;
+/// none without a stream).
+fn ops_on_the_callers_memory_and_stream() {
+    use cp_hicache::kernels::{reference, BufferKind, Direction};
+    use cp_hicache::ops::{Ops, Region, Tensors};
+    let exec: Arc<dyn Executor> = Arc::new(StandInGpu {
+        cuda: CudaExecutor::new(0).unwrap(),
+    });
+    let dep = Deployment::new(ModelShape::MlaBf16, 16, 2).unwrap();
+    let ops = Ops::warm_up(dep.clone(), 2, exec.clone(), &jit(), Sanitize::None).unwrap();
+    let pb = BufferKind::MlaKv.page_bytes(16);
+    let (dev_bytes, host_bytes) = (2 * 4 * pb, 2 * 6 * pb);
+    let dev = exec
+        .alloc(MemKind::Device, dev_bytes as usize, 0x11)
+        .unwrap();
+    let host = exec.alloc(MemKind::Host, host_bytes as usize, 0).unwrap();
+    let pattern: Vec<u8> = (0..host_bytes).map(|i| (i * 7 % 251) as u8).collect();
+    exec.upload(host, 0, &pattern).unwrap();
+    let region = |b: BufferId, bytes: u64| Region {
+        addr: exec.address(b).unwrap().ptr,
+        bytes,
+    };
+    let device = [Tensors::CrossLayer(region(dev, dev_bytes))];
+    let hosts = [Tensors::CrossLayer(region(host, host_bytes))];
+    // A stream of the caller's, in the executor's context.
+    let mut stream: cudarc::driver::sys::CUstream = std::ptr::null_mut();
+    // SAFETY: the executor made its context current on this thread.
+    unsafe { cudarc::driver::sys::cuStreamCreate(&mut stream, 0) }
+        .result()
+        .unwrap();
+    let waits = || driver_count(b"fake_cuda_cross_stream_waits");
+    let before = waits();
+    let (src, dst) = ([5u32, 0, 2], [3u32, 1, 0]);
+    // SAFETY: the memory and the stream live across the call.
+    let moved = unsafe {
+        ops.on_stream(Some(stream as u64), |o| {
+            o.transfer(Direction::HostToDevice, &device, &hosts, &src, &dst, 0..2)
+        })
+    }
+    .unwrap();
+    assert_eq!(moved, 3 * 2 * pb);
+    assert_eq!(
+        waits() - before,
+        2,
+        "after the caller's stream, and it after the op"
+    );
+    let mut got = vec![0u8; dev_bytes as usize];
+    exec.read(dev, 0, &mut got).unwrap();
+    let mut want = vec![0x11u8; dev_bytes as usize];
+    reference::transfer_pages(
+        Direction::HostToDevice,
+        dep.host_layout,
+        pb,
+        &pattern,
+        &mut want,
+        &src,
+        &dst,
+        3,
+        2,
+        0,
+        2,
+        4,
+        6,
+    )
+    .unwrap();
+    assert!(got == want, "the transfer's bytes are the reference's");
+    let before = waits();
+    // SAFETY: as above.
+    unsafe {
+        ops.on_stream(None, |o| {
+            o.transfer(Direction::DeviceToHost, &device, &hosts, &[1], &[4], 0..1)
+        })
+    }
+    .unwrap();
+    assert_eq!(waits(), before, "no stream, no cross-stream wait");
+    // SAFETY: created above, no work pending on it after the op's synchronisation.
+    unsafe { cudarc::driver::sys::cuStreamDestroy_v2(stream) }
+        .result()
+        .unwrap();
+    exec.free(dev).unwrap();
+    exec.free(host).unwrap();
+}
+
 #[test]
 #[ignore = "run by cuda_executor_on_the_stand_in_driver, in a process that loads the stand-in libcuda"]
 fn child() {
@@ -1145,6 +1246,7 @@ fn child() {
         cache_on_the_gpu(ModelShape::Nsa, 64, 8, path);
     }
     every_family_matches_the_references();
+    ops_on_the_callers_memory_and_stream();
     ipc_in_one_process_is_refused();
     ipc_across_processes();
     assert_eq!(live_allocations(), 0);

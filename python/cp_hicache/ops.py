@@ -16,8 +16,13 @@ items tile a page. Device tensors are indexed by local page; a page-first host p
 (``[pages, layers, ...]``, the NSA deployments') is one tensor. Every argument is checked
 before anything is launched; a bad one raises :class:`UsageError` naming it and the rule.
 
-The host backend runs the kernels on CPU tensors (torch or numpy). CUDA tensors and
-``stream=`` come with the CUDA backend; until then they are refused.
+The host backend runs the kernels on CPU tensors (torch or numpy), in order. The CUDA
+backend (``Ops(dep, backend="cuda")``) runs :meth:`Ops.transfer` and :meth:`Ops.materialise`
+on CUDA tensors (and pinned host tensors the device can address) of the executor's device,
+ordered on the caller's stream (``stream=`` a raw ``CUstream`` handle, or an object with a
+``cuda_stream`` attribute such as ``torch.cuda.Stream``): the op waits on the device for the
+work enqueued there so far, and the stream for the op. Lanes on the CUDA backend are not
+built yet.
 """
 
 from __future__ import annotations
@@ -35,8 +40,9 @@ Tensor = Any  # a torch.Tensor or a numpy.ndarray
 Tensors = Union[Tensor, Sequence[Tensor]]
 
 
-def _region(t: Tensor, what: str, page_bytes: int) -> Tuple[int, int]:
-    """(address, bytes) of a CPU tensor the kernels may read and write in place."""
+def _region(t: Tensor, what: str, page_bytes: int, cuda: bool = False) -> Tuple[int, int]:
+    """(address, bytes) of a tensor the kernels may read and write in place: a CPU one, or
+    with ``cuda`` a CUDA one (or a pinned CPU one the device addresses)."""
     if isinstance(t, np.ndarray):
         if not t.flags["C_CONTIGUOUS"]:
             raise UsageError(f"{what}: the array is not C-contiguous")
@@ -44,16 +50,25 @@ def _region(t: Tensor, what: str, page_bytes: int) -> Tuple[int, int]:
             raise UsageError(f"{what}: the array is read-only")
         addr, nbytes, itemsize = t.ctypes.data, t.nbytes, t.itemsize
     elif hasattr(t, "data_ptr") and hasattr(t, "is_contiguous"):
-        if t.device.type != "cpu":
+        pass
+    else:
+        raise UsageError(f"{what}: {type(t).__name__} is not a torch tensor or numpy array")
+    if isinstance(t, np.ndarray):
+        if cuda:
+            raise UsageError(f"{what}: a numpy array on the CUDA backend (pinned torch tensors only)")
+    else:
+        if t.device.type == "cuda" and not cuda:
             raise UsageError(
-                f"{what}: a {t.device.type} tensor; the host backend takes CPU tensors "
-                "(CUDA tensors need the CUDA backend's ops, not built yet)"
+                f"{what}: a CUDA tensor; the host backend takes CPU tensors "
+                "(Ops(..., backend=\"cuda\") takes CUDA ones)"
             )
+        if t.device.type not in ("cpu", "cuda"):
+            raise UsageError(f"{what}: a {t.device.type} tensor is neither CPU nor CUDA")
+        if cuda and t.device.type == "cpu" and not t.is_pinned():
+            raise UsageError(f"{what}: a CPU tensor on the CUDA backend must be pinned")
         if not t.is_contiguous():
             raise UsageError(f"{what}: the tensor is not contiguous")
         addr, nbytes, itemsize = t.data_ptr(), t.numel() * t.element_size(), t.element_size()
-    else:
-        raise UsageError(f"{what}: {type(t).__name__} is not a torch tensor or numpy array")
     if page_bytes % itemsize != 0:
         raise UsageError(
             f"{what}: {itemsize}-byte items do not tile a {page_bytes}-byte page (dtype)"
@@ -61,10 +76,12 @@ def _region(t: Tensor, what: str, page_bytes: int) -> Tuple[int, int]:
     return int(addr), int(nbytes)
 
 
-def _tensors(t: Tensors, what: str, page_bytes: int) -> Tuple[bool, List[Tuple[int, int]]]:
+def _tensors(
+    t: Tensors, what: str, page_bytes: int, cuda: bool = False
+) -> Tuple[bool, List[Tuple[int, int]]]:
     if isinstance(t, (list, tuple)):
-        return True, [_region(x, f"{what} layer {i}", page_bytes) for i, x in enumerate(t)]
-    return False, [_region(t, what, page_bytes)]
+        return True, [_region(x, f"{what} layer {i}", page_bytes, cuda) for i, x in enumerate(t)]
+    return False, [_region(t, what, page_bytes, cuda)]
 
 
 def _pages(p: Any, what: str) -> bytes:
@@ -76,9 +93,18 @@ def _pages(p: Any, what: str) -> bytes:
     return a.astype("<u4").tobytes()
 
 
-def _no_stream(stream: Optional[Any]) -> None:
-    if stream is not None:
-        raise UsageError("stream= is for CUDA tensors on the CUDA backend; the host backend runs in order")
+def _stream(stream: Optional[Any], cuda: bool) -> Optional[int]:
+    """The raw stream handle of ``stream=`` (CUDA backend only)."""
+    if stream is None:
+        return None
+    if not cuda:
+        raise UsageError(
+            "stream= is for CUDA tensors on the CUDA backend; the host backend runs in order"
+        )
+    handle = getattr(stream, "cuda_stream", stream)
+    if not isinstance(handle, int) or handle < 0:
+        raise UsageError("stream=: a raw CUstream handle (int) or an object with .cuda_stream")
+    return handle
 
 
 def _words(t: Tensor, what: str) -> Tuple[int, int]:
@@ -125,12 +151,10 @@ class Ops:
     loaded once at construction, launched on the caller's tensors."""
 
     def __init__(self, deployment: Deployment, backend: str = "host") -> None:
-        if backend != "host":
-            raise UsageError(
-                f"backend={backend!r}: ops run on the host backend for now (CUDA tensors and "
-                "stream= are not built yet)"
-            )
+        if backend not in ("host", "cuda"):
+            raise UsageError(f"backend={backend!r}: \"host\" or \"cuda\"")
         self._native = _native.Ops(deployment, backend)
+        self._cuda = self._native.backend == "cuda"
         self.deployment = deployment
 
     @property
@@ -150,7 +174,8 @@ class Ops:
                 f"{what}: {len(tensors)} entries for the buffer kinds {', '.join(self.buffers)}"
             )
         return [
-            _tensors(t, f"{what}[{b}]", self.page_bytes(b)) for t, b in zip(tensors, self.buffers)
+            _tensors(t, f"{what}[{b}]", self.page_bytes(b), self._cuda)
+            for t, b in zip(tensors, self.buffers)
         ]
 
     def transfer(
@@ -170,7 +195,7 @@ class Ops:
         NSA's ``kv`` and ``index_k`` move together). Destinations must be distinct. Returns
         the bytes moved. SGLang: the host pool's ``load_to_device_per_layer`` /
         ``backup_from_device_all_layer``."""
-        _no_stream(stream)
+        handle = _stream(stream, self._cuda)
         if layers is None:
             layers = range(self.deployment.layers)
         if not isinstance(layers, range) or layers.step != 1:
@@ -179,7 +204,7 @@ class Ops:
         hst = self._side(host, "host")
         return self._native.transfer(
             direction, dev, hst, _pages(src_pages, "src_pages"), _pages(dst_pages, "dst_pages"),
-            layers.start, layers.stop,
+            layers.start, layers.stop, handle,
         )
 
     def materialise(
@@ -195,21 +220,27 @@ class Ops:
         ``out`` (``[layers, len(seq_pages), ...]``, or per layer), for every layer: what
         attention over the CP group reads. ``pools`` holds every rank's device tensors of
         ``buffer``, in rank order."""
-        _no_stream(stream)
+        handle = _stream(stream, self._cuda)
         pb = self.page_bytes(buffer)
         if not isinstance(pools, (list, tuple)):
             raise UsageError("pools: one entry per rank")
-        ps = [_tensors(t, f"pools[{r}]", pb) for r, t in enumerate(pools)]
+        ps = [_tensors(t, f"pools[{r}]", pb, self._cuda) for r, t in enumerate(pools)]
         self._native.materialise(
-            buffer, ps, _pages(seq_pages, "seq_pages"), _tensors(out, "out", pb)
+            buffer, ps, _pages(seq_pages, "seq_pages"), _tensors(out, "out", pb, self._cuda),
+            handle,
         )
+
+    def _host_lanes(self) -> None:
+        if self._cuda:
+            raise UsageError("lanes on the CUDA backend are not built yet: use backend=\"host\"")
 
     def select(self, lanes: Lanes, owners: Any) -> Tuple[np.ndarray, np.ndarray]:
         """Pops one page per entry of ``owners`` from lane ``owners[i]`` (the seed's
         ``alloc_pages_with_owners``: a page loaded back gets its recorded owner). Returns
         ``(pages, locs)``: ``uint32[n]`` pages and ``int64[n * page_size]`` token slots. All
         or nothing: when a lane is short, no lane changes and :class:`CacheFullError` says
-        which lanes are short by how much."""
+        which lanes are short by how much. Host backend only (for now)."""
+        self._host_lanes()
         o = np.asarray(owners)
         if o.ndim != 1 or (o.size and (o.min() < 0 or o.max() >= 256)):
             raise UsageError("owners: one rank per page, integers in 0..256")
@@ -223,5 +254,6 @@ class Ops:
     def release(self, lanes: Lanes, pages: Any) -> None:
         """Pushes each page back onto lane ``page % cp``, in order. All or nothing: an invalid
         page raises :class:`UsageError`, a lane without room :class:`CacheFullError`, and no
-        lane changes."""
+        lane changes. Host backend only (for now)."""
+        self._host_lanes()
         self._native.release(lanes._arg(), _pages(pages, "pages"))

@@ -136,7 +136,10 @@ impl Ops {
             .collect()
     }
 
-    /// Moves pages between host and device tensors (see `cp_hicache.ops.Ops.transfer`).
+    /// Moves pages between host and device tensors (see `cp_hicache.ops.Ops.transfer`);
+    /// `stream` is the caller's raw stream handle (CUDA), the op ordered after its work and
+    /// it after the op.
+    #[pyo3(signature = (direction, device, host, src_pages, dst_pages, first_layer, layer_end, stream = None))]
     #[allow(clippy::too_many_arguments)]
     fn transfer(
         &self,
@@ -148,6 +151,7 @@ impl Ops {
         dst_pages: &[u8],
         first_layer: u32,
         layer_end: u32,
+        stream: Option<u64>,
     ) -> PyResult<u64> {
         let dir = match direction {
             "h2d" => Direction::HostToDevice,
@@ -175,15 +179,17 @@ impl Ops {
         py.detach(|| {
             // SAFETY: see above; the wrapper passed CPU tensors' own addresses and sizes.
             unsafe {
-                self.inner
-                    .transfer(dir, &device, &host, &src, &dst, first_layer..layer_end)
+                self.inner.on_stream(stream, |o| {
+                    o.transfer(dir, &device, &host, &src, &dst, first_layer..layer_end)
+                })
             }
         })
         .map_err(ops_err)
     }
 
     /// Gathers a sequence's pages from every rank's pool (see
-    /// `cp_hicache.ops.Ops.materialise`).
+    /// `cp_hicache.ops.Ops.materialise`); `stream` as in `transfer`.
+    #[pyo3(signature = (buffer, pools, seq_pages, dense, stream = None))]
     fn materialise(
         &self,
         py: Python<'_>,
@@ -191,6 +197,7 @@ impl Ops {
         pools: Vec<TensorsArg>,
         seq_pages: &[u8],
         dense: TensorsArg,
+        stream: Option<u64>,
     ) -> PyResult<()> {
         let b = buffer_kind(&self.inner, buffer)?;
         let pools = pools
@@ -201,7 +208,10 @@ impl Ops {
         let seq = pages(seq_pages, "seq_pages")?;
         py.detach(|| {
             // SAFETY: as in `transfer`.
-            unsafe { self.inner.materialise(b, &pools, &seq, &dense) }
+            unsafe {
+                self.inner
+                    .on_stream(stream, |o| o.materialise(b, &pools, &seq, &dense))
+            }
         })
         .map_err(ops_err)
     }

@@ -126,3 +126,8 @@ def test_select_and_release_keep_owners_on_the_engines_lanes():
         ops.release(lanes, [0])
     with pytest.raises(cp_hicache.UsageError, match="32-bit words"):
         ops.select(Lanes(lanes.stacks.astype(np.uint64), lanes.tops, lanes.status), [0])
+
+
+def test_the_backend_is_checked():
+    with pytest.raises(cp_hicache.UsageError, match="\"host\" or \"cuda\""):
+        Ops(MLA, backend="tpu")

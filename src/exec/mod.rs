@@ -939,6 +939,31 @@ pub trait Executor: Send + Sync {
         })
     }
 
+    /// Makes the executor's work from now on wait for the work enqueued so far on the
+    /// caller's `stream` (a raw `CUstream` on CUDA): the device waits, the host does not.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of the executor's context.
+    unsafe fn follow_stream(&self, stream: u64) -> Result<(), ExecError> {
+        let _ = stream;
+        Err(ExecError::NotSupported {
+            backend: self.backend(),
+            what: "ordering against a caller's stream",
+        })
+    }
+
+    /// Makes the caller's `stream` wait for the executor's work enqueued so far.
+    ///
+    /// # Safety
+    /// As [`Executor::follow_stream`].
+    unsafe fn lead_stream(&self, stream: u64) -> Result<(), ExecError> {
+        let _ = stream;
+        Err(ExecError::NotSupported {
+            backend: self.backend(),
+            what: "ordering against a caller's stream",
+        })
+    }
+
     /// Says that every peer has mapped `buffer` (made by [`Executor::alloc_shareable`]) and
     /// no later import will come: an executor whose handles are names in a system-wide
     /// namespace removes the name now, so that a process killed from here on leaks nothing

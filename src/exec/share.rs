@@ -80,6 +80,18 @@ impl Executor for RankView {
     fn seal_shareable(&self, buffer: BufferId) -> Result<(), ExecError> {
         self.inner.seal_shareable(buffer)
     }
+    unsafe fn adopt(&self, addr: u64, bytes: usize) -> Result<BufferId, ExecError> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.inner.adopt(addr, bytes) }
+    }
+    unsafe fn follow_stream(&self, stream: u64) -> Result<(), ExecError> {
+        // SAFETY: as above.
+        unsafe { self.inner.follow_stream(stream) }
+    }
+    unsafe fn lead_stream(&self, stream: u64) -> Result<(), ExecError> {
+        // SAFETY: as above.
+        unsafe { self.inner.lead_stream(stream) }
+    }
     fn peer_mapping(&self) -> Option<&'static str> {
         self.inner.peer_mapping()
     }

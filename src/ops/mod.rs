@@ -222,6 +222,31 @@ impl Ops {
         &self.exec
     }
 
+    /// Runs `op` in order with the caller's `stream` (a raw `CUstream` handle on CUDA):
+    /// the executor's stream first waits for the work the caller enqueued on `stream` so far,
+    /// and `stream` then waits for the op's work, both on the device (events), never on the
+    /// host. `None` runs in the executor's own order (the host backend has no other).
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of the executor's context.
+    pub unsafe fn on_stream<T>(
+        &self,
+        stream: Option<u64>,
+        op: impl FnOnce(&Ops) -> Result<T, OpsError>,
+    ) -> Result<T, OpsError> {
+        let Some(s) = stream else {
+            return op(self);
+        };
+        // SAFETY: the caller's contract.
+        unsafe { self.exec.follow_stream(s) }?;
+        let out = op(self);
+        // SAFETY: as above.
+        let led = unsafe { self.exec.lead_stream(s) };
+        let out = out?;
+        led?;
+        Ok(out)
+    }
+
     /// Pages of a layer-indexed tensor of `buffer`, checked: the layer count, 16-byte
     /// alignment, whole pages, the same pages in every layer.
     fn pages_of(&self, what: &str, buffer: BufferKind, t: &Tensors) -> Result<u32, OpsError> {

@@ -88,6 +88,7 @@ struct FakeEvent {
   double seconds;
   bool recorded;
   bool pending;  // recorded on the stream, not reached yet
+  CUstream stream;  // where it was last recorded
 };
 struct FakeModule {
   void* lib;
@@ -319,6 +320,9 @@ CUresult cuCtxSetCurrent(CUcontext c) {
 }
 CUresult cuCtxSynchronize(void) { return need_ctx() ? INVALID_CONTEXT : flush(); }
 
+// cuStreamWaitEvent calls ordering one stream after another's event (a test hook reads it).
+std::atomic<unsigned long long> g_cross_waits{0};
+
 CUresult cuStreamCreate(CUstream* s, unsigned flags) {
   (void)flags;
   if (need_ctx()) return INVALID_CONTEXT;
@@ -347,6 +351,7 @@ CUresult cuEventRecord(CUevent e, CUstream s) {
   if (!e || (s && !s->alive)) return INVALID_HANDLE;
   e->recorded = false;
   e->pending = true;
+  e->stream = s;
   enqueue([e] {
     e->seconds = now();
     e->recorded = true;
@@ -361,6 +366,9 @@ CUresult cuEventSynchronize(CUevent e) { return e ? flush() : INVALID_HANDLE; }
 CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned flags) {
   if (need_ctx()) return INVALID_CONTEXT;
   if (!e || (s && !s->alive) || flags != 0) return INVALID_HANDLE;
+  // One queue runs every stream's work in order, so a wait is already met; what a test can
+  // check is that work on one stream was ordered after another's.
+  if (e->stream != s) g_cross_waits++;
   return OK;
 }
 // A query does not make the stream progress: like a GPU that is behind, an event stays
@@ -659,6 +667,9 @@ extern "C" unsigned long long fake_cuda_batch_calls(void) {
   return 0;
 #endif
 }
+
+// cuStreamWaitEvent calls whose event was recorded on another stream so far.
+extern "C" unsigned long long fake_cuda_cross_stream_waits(void) { return g_cross_waits.load(); }
 
 // cuMemcpyAsync calls so far.
 extern "C" unsigned long long fake_cuda_copy_calls(void) { return g_copy_calls.load(); }

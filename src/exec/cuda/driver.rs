@@ -101,6 +101,55 @@ impl Gpu {
         self.stream.wait(event).map_err(err("cuStreamWaitEvent"))
     }
 
+    /// Orders two streams of this context: work enqueued on `waiter` from now on waits for
+    /// the work enqueued on `done` so far (an event recorded on `done`, waited on by
+    /// `waiter`: the device waits, the host does not).
+    ///
+    /// # Safety
+    /// Both must be live streams of this executor's context.
+    unsafe fn order(&self, done: sys::CUstream, waiter: sys::CUstream) -> Result<(), String> {
+        self.bind()?;
+        let ev = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(err("cuEventCreate"))?;
+        // SAFETY: `ev` was just created; the streams are live (the caller's contract).
+        let out = unsafe {
+            result::event::record(ev, done)
+                .map_err(err("cuEventRecord"))
+                .and_then(|()| {
+                    result::stream::wait_event(
+                        waiter,
+                        ev,
+                        sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                    )
+                    .map_err(err("cuStreamWaitEvent"))
+                })
+        };
+        // SAFETY: recorded and waited on (or not); destroying after the wait is enqueued is
+        // allowed: the wait completes with the event's state at the time of the call.
+        let destroyed = unsafe { result::event::destroy(ev) }.map_err(err("cuEventDestroy"));
+        out.and(destroyed)
+    }
+
+    /// Makes the executor's stream wait for the work enqueued so far on `stream` (a raw
+    /// `CUstream` handle of the caller's).
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this executor's context.
+    pub(crate) unsafe fn follow(&self, stream: u64) -> Result<(), String> {
+        // SAFETY: the caller's contract; ours is alive as long as `self`.
+        unsafe { self.order(stream as sys::CUstream, self.stream.cu_stream()) }
+    }
+
+    /// Makes `stream` (a raw `CUstream` of the caller's) wait for the work enqueued so far on
+    /// the executor's stream.
+    ///
+    /// # Safety
+    /// As [`Gpu::follow`].
+    pub(crate) unsafe fn lead(&self, stream: u64) -> Result<(), String> {
+        // SAFETY: as in `follow`.
+        unsafe { self.order(self.stream.cu_stream(), stream as sys::CUstream) }
+    }
+
     /// Milliseconds between two recorded events, waiting for the second.
     pub(crate) fn elapsed_ms(
         start: &cudarc::driver::CudaEvent,

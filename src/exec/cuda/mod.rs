@@ -45,6 +45,13 @@ enum CudaBuffer {
     Host(driver::PinnedMem),
     /// A peer process's device buffer, opened from its IPC handle.
     Imported(driver::IpcMem),
+    /// Memory the caller owns (an engine's tensor; [`Executor::adopt`]): never freed here.
+    Borrowed {
+        /// Its device address.
+        addr: u64,
+        /// Its size in bytes.
+        len: usize,
+    },
 }
 
 impl CudaBuffer {
@@ -53,6 +60,7 @@ impl CudaBuffer {
             CudaBuffer::Device { mem, .. } => mem.addr(),
             CudaBuffer::Host(m) => m.addr(),
             CudaBuffer::Imported(m) => m.addr(),
+            CudaBuffer::Borrowed { addr, .. } => *addr,
         }
     }
     fn len(&self) -> usize {
@@ -60,6 +68,7 @@ impl CudaBuffer {
             CudaBuffer::Device { mem, .. } => mem.len(),
             CudaBuffer::Host(m) => m.len(),
             CudaBuffer::Imported(m) => m.len(),
+            CudaBuffer::Borrowed { len, .. } => *len,
         }
     }
 }
@@ -292,7 +301,7 @@ impl Executor for CudaExecutor {
         match buf {
             // Bounds checked above; the buffer stays alive while the lock is held, and freeing
             // it later waits for the copy (cuMemFree / cuIpcCloseMemHandle after a sync).
-            CudaBuffer::Device { .. } | CudaBuffer::Imported(_) => {
+            CudaBuffer::Device { .. } | CudaBuffer::Imported(_) | CudaBuffer::Borrowed { .. } => {
                 let dst = buf.addr() + off as u64;
                 let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
                 let rings = staging.rings();
@@ -400,7 +409,7 @@ impl Executor for CudaExecutor {
             bytes += len;
         }
         let synced = match buf {
-            CudaBuffer::Device { .. } | CudaBuffer::Imported(_) => {
+            CudaBuffer::Device { .. } | CudaBuffer::Imported(_) | CudaBuffer::Borrowed { .. } => {
                 let base = buf.addr();
                 let abs: Vec<(u64, u64)> = ranges.iter().map(|&(o, l)| (base + o, l)).collect();
                 driver::fill_in_bounds(&self.gpu, &abs, byte).map_err(driver_err("fill"))?;
@@ -424,6 +433,27 @@ impl Executor for CudaExecutor {
     /// 12.8+) rather than one `cuMemcpyAsync` per merged region.
     fn batched_copies(&self) -> bool {
         driver::batch_copies()
+    }
+
+    unsafe fn adopt(&self, addr: u64, bytes: usize) -> Result<BufferId, ExecError> {
+        if addr == 0 {
+            return Err(ExecError::Alloc {
+                bytes,
+                kind: MemKind::Device,
+                reason: "a null address cannot be adopted".into(),
+            });
+        }
+        Ok(lock(&self.state).add_buffer(CudaBuffer::Borrowed { addr, len: bytes }))
+    }
+
+    unsafe fn follow_stream(&self, stream: u64) -> Result<(), ExecError> {
+        // SAFETY: the caller's contract: a live stream of this context.
+        unsafe { self.gpu.follow(stream) }.map_err(driver_err("follow a stream"))
+    }
+
+    unsafe fn lead_stream(&self, stream: u64) -> Result<(), ExecError> {
+        // SAFETY: as in `follow_stream`.
+        unsafe { self.gpu.lead(stream) }.map_err(driver_err("lead a stream"))
     }
 
     fn synchronize(&self) -> Result<(), ExecError> {
