@@ -1,0 +1,431 @@
+//! `replay`'s options: their parsers, what each means in `--help`, and the checks that
+//! refuse bad combinations before any rank starts.
+
+use crate::cli::common::parse_backend;
+use crate::cluster::{Fault, WritePolicy};
+use crate::exec::Backend;
+use crate::kernels::{Deployment, ModelShape, TransferPath};
+use crate::layout::Layout;
+use crate::rank::LiveShape;
+use crate::workload::{
+    Conversations, ConversationsConfig, MooncakeTrace, Request, TraceConfig, WorkloadError,
+    MAX_BLOCK_TOKENS,
+};
+use std::path::PathBuf;
+
+/// Model buffer shapes selectable on the command line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ModelArg {
+    /// DeepSeek-V3.2 NSA: kv 656 B/token + index_k 132 B/token (page size 64).
+    Nsa,
+    /// Plain MLA with a bf16 cache: 1152 B/token.
+    Mla,
+}
+
+/// Options of `replay`. Parsing has no side effects; validation happens when it runs.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ReplayArgs {
+    /// A Mooncake-format trace (JSON lines with timestamp, input_length, output_length,
+    /// hash_ids). Without it, a built-in seeded multi-turn conversation workload runs. A
+    /// trace without a request is a usage error: there would be nothing to verify.
+    #[arg(long, value_name = "FILE.jsonl")]
+    pub trace: Option<PathBuf>,
+    /// Tokens one trace hash id stands for: the trace's block size, 1..=65536 (only with
+    /// --trace; the published Mooncake traces use 512). Each line must have
+    /// ceil(input_length / N) hash_ids and replays as input_length tokens.
+    #[arg(
+        long,
+        default_value_t = 512,
+        value_name = "N",
+        requires = "trace",
+        value_parser = clap::value_parser!(u32).range(1..=i64::from(MAX_BLOCK_TOKENS))
+    )]
+    pub block_tokens: u32,
+    /// Replay each hash id as N tokens instead of --block-tokens, scaling every prompt and
+    /// output length by N / --block-tokens (only with --trace; default: the trace's own
+    /// size). The prefix structure stays the trace's; a CPU replays e.g. 64 in a fraction of
+    /// the time of 512.
+    #[arg(
+        long,
+        value_name = "N",
+        requires = "trace",
+        value_parser = clap::value_parser!(u32).range(1..=i64::from(MAX_BLOCK_TOKENS))
+    )]
+    pub replay_block_tokens: Option<u32>,
+    /// Replay only the first N requests (N >= 1; default: all of them).
+    #[arg(
+        long,
+        value_name = "N",
+        value_parser = parse_requests
+    )]
+    pub requests: Option<usize>,
+    /// Seed of the built-in workload (not with --trace).
+    #[arg(long, default_value_t = 0, conflicts_with = "trace")]
+    pub seed: u64,
+    /// Conversations in the built-in workload (not with --trace): each is a few turns whose
+    /// prompts grow by the previous answer and a new message and start with one of three
+    /// shared system prompts; more conversations mean more requests and longer reuse
+    /// distances, hence more eviction and load-back.
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = ConversationsConfig::default().conversations,
+        conflicts_with = "trace",
+        value_parser = parse_conversations
+    )]
+    pub conversations: usize,
+    /// CP degree (1..=16).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u8).range(1..=16))]
+    pub cp: u8,
+    /// Tokens per page (a power of two, 1..=1024; NSA requires 64).
+    #[arg(long, default_value_t = 64, value_parser = parse_page_size)]
+    pub page_size: u32,
+    /// Layers per KV buffer, 1..=256 (small by default so the CPU run is quick).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=256))]
+    pub layers: u32,
+    /// Model buffer shapes.
+    #[arg(long, value_enum, default_value_t = ModelArg::Nsa)]
+    pub model: ModelArg,
+    /// Logical device pages across the CP group (each rank holds ceil(pages / cp)). A
+    /// request whose pages do not fit, even after evicting everything unlocked, is skipped
+    /// and counted; when every request is, nothing was verified: exit status 2.
+    #[arg(long, default_value_t = 256, value_name = "PAGES")]
+    pub device_pages: u32,
+    /// Host pages per rank.
+    #[arg(long, default_value_t = 512, value_name = "PAGES")]
+    pub host_pages: u32,
+    /// When device pages are backed up to the host.
+    #[arg(long, default_value = "write_through", value_parser = policy_parser())]
+    pub policy: WritePolicy,
+    /// The CP layout: which rank owns each token. zigzag and round-robin record each
+    /// page's owner and a load-back must restore it, so `--inject plain-alloc-on-load` is
+    /// caught under both. Under page-interleave and token-interleave ownership is
+    /// positional (page i of a sequence is rank i % C's) and pages are allocated in aligned
+    /// groups of C, one per rank, kept in lockstep: a plain allocation gives the same
+    /// pages, and one lane cannot run short alone, so `plain-alloc-on-load` and
+    /// `lane-exhaustion` are refused there.
+    #[arg(long, default_value = "zigzag", value_parser = layout_parser())]
+    pub layout: String,
+    /// Tokens per run of token-interleave (vLLM's cp_kv_cache_interleave_size): token t is
+    /// on rank (t / N) % C. A power of two no larger than --page-size; 1 (SGLang's NSA
+    /// round-robin token split) when not given. Refused with the other layouts.
+    #[arg(long, value_name = "N")]
+    pub interleave_size: Option<u32>,
+    /// Executor that runs the kernels.
+    #[arg(long, default_value = "auto", value_parser = backend_parser())]
+    pub backend: Backend,
+    /// A tuning file (see `cp-hicache tune`); without it `<cache>/tuning.json` is used when
+    /// it exists (the report names the file), else the default launch shapes run.
+    #[arg(long, value_name = "FILE")]
+    pub tuning: Option<PathBuf>,
+    /// How pages move between host and device: `kernel` (the transfer kernel), `dma` (copy
+    /// regions: one cuMemcpyBatchAsync per batch on a GPU whose driver has it, else one
+    /// cuMemcpyAsync per merged region; memcpy on the CPU) or `dma-each` (one cuMemcpyAsync
+    /// per merged region even where the batch call exists). Default: what the tuning file
+    /// chose, else the kernel.
+    #[arg(long, value_name = "kernel|dma|dma-each", value_parser = parse_transfer_path)]
+    pub transfer: Option<TransferPath>,
+    /// Also write the report as JSON to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// Also write one JSON line per request to FILE: its id, outcome (served, skipped,
+    /// failed), statistics and the replicas' digest after it, so that two runs (say the
+    /// in-process and the multi-process replay) can be compared request by request.
+    #[arg(long, value_name = "FILE.jsonl")]
+    pub request_log: Option<PathBuf>,
+    /// No progress bar.
+    #[arg(long, short)]
+    pub quiet: bool,
+    /// Materialise and verify each request on the first N ranks only (1..=--cp; default:
+    /// every rank). Attention on every rank reads every page through that rank's own
+    /// mappings of its peers' pools, so each rank verifies the whole sequence, which costs
+    /// C times one verification on a CPU; a wrong mapping on a rank left out goes unseen.
+    #[arg(long, value_name = "N")]
+    pub verify_ranks: Option<u8>,
+    /// Prefill each prompt in chunks of N tokens, as an engine's chunked prefill does: the
+    /// first chunk begins the request, each later one extends it (the pages filled so far
+    /// are inserted unfinished, a partial page is kept and filled on). Such requests are
+    /// served step by step: a failed step abandons the request on every rank instead of
+    /// rolling it back. Default: each prompt in one step.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub chunk_tokens: Option<u32>,
+    /// After each prompt, decode tokens one step each (an extend per token, its KV written
+    /// into the kept partial page): N tokens, or `trace` for each request's own output
+    /// length (a trace's output_length; the built-in conversations' answers, which their
+    /// next turn appends, so later turns hit the decoded answer). The whole sequence is
+    /// verified after the prefill and again after the decode. Default: no decode.
+    #[arg(long, value_name = "N|trace", value_parser = parse_decode_tokens)]
+    pub decode_tokens: Option<DecodeTokens>,
+    /// Inject a fault to exercise a failure path: plain-alloc-on-load (the seed's bug),
+    /// lane-exhaustion, host-pool-full, compile-error, launch-error.
+    #[arg(long, value_name = "FAULT", value_parser = parse_fault)]
+    pub inject: Option<Fault>,
+}
+
+impl Default for ReplayArgs {
+    fn default() -> Self {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Wrap {
+            #[command(flatten)]
+            args: ReplayArgs,
+        }
+        Wrap::parse_from(["replay"]).args
+    }
+}
+
+/// How many tokens `replay --decode-tokens` decodes after each prompt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecodeTokens {
+    /// The same number after every prompt.
+    Count(u32),
+    /// Each request's own output length.
+    Trace,
+}
+
+impl std::fmt::Display for DecodeTokens {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DecodeTokens::Count(n) => write!(f, "{n}"),
+            DecodeTokens::Trace => f.write_str("trace"),
+        }
+    }
+}
+
+fn parse_decode_tokens(s: &str) -> Result<DecodeTokens, String> {
+    if s == "trace" {
+        return Ok(DecodeTokens::Trace);
+    }
+    match s.parse::<u32>() {
+        Ok(n) if u64::from(n) <= crate::workload::MAX_PROMPT_TOKENS => Ok(DecodeTokens::Count(n)),
+        _ => Err(format!(
+            "`{s}` is neither `trace` nor a token count in 0..={}",
+            crate::workload::MAX_PROMPT_TOKENS
+        )),
+    }
+}
+
+/// How `replay` feeds `req`: its chunks and decoded tokens (`--chunk-tokens`,
+/// `--decode-tokens`).
+pub(super) fn live_shape(args: &ReplayArgs, req: &crate::workload::Request) -> LiveShape {
+    let decode = match args.decode_tokens {
+        None => 0,
+        Some(DecodeTokens::Count(n)) => n,
+        Some(DecodeTokens::Trace) => req.output_tokens,
+    };
+    LiveShape {
+        chunk_tokens: args.chunk_tokens.map(|c| c as usize),
+        output: req.output(decode as usize),
+    }
+}
+
+fn parse_page_size(s: &str) -> Result<u32, String> {
+    let v: u32 = s.parse().map_err(|_| format!("`{s}` is not a page size"))?;
+    if v == 0 || !v.is_power_of_two() || v > crate::layout::MAX_PAGE_SIZE {
+        return Err(format!(
+            "page size {v} must be a power of two between 1 and {}",
+            crate::layout::MAX_PAGE_SIZE
+        ));
+    }
+    Ok(v)
+}
+
+/// `--policy` with each value's meaning in `--help` (the `-` spellings stay accepted).
+fn policy_parser() -> impl clap::builder::TypedValueParser<Value = WritePolicy> {
+    use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+    PossibleValuesParser::new([
+        PossibleValue::new("write_through")
+            .alias("write-through")
+            .help("back up every node to the host when it is inserted"),
+        PossibleValue::new("write_back")
+            .alias("write-back")
+            .help("back up a node only when it is evicted from the device"),
+    ])
+    .try_map(|s| s.parse::<WritePolicy>())
+}
+
+/// `--layout` with each value's meaning in `--help`.
+fn layout_parser() -> impl clap::builder::TypedValueParser<Value = String> {
+    use clap::builder::{PossibleValue, PossibleValuesParser};
+    PossibleValuesParser::new([
+        PossibleValue::new("zigzag")
+            .help("2C chunks of pages, chunk k on rank k, then back (balances causal attention)"),
+        PossibleValue::new("round-robin").help("computed page i on rank i % C"),
+        PossibleValue::new("page-interleave")
+            .help("SGLang's logical pages: groups of C pages, page i of a sequence on rank i % C"),
+        PossibleValue::new("token-interleave").help(
+            "vLLM decode CP: token t on rank (t / --interleave-size) % C, pages hold one rank's tokens",
+        ),
+    ])
+}
+
+/// `--backend` with each value's meaning in `--help` (`cpu` and `gpu` stay accepted).
+fn backend_parser() -> impl clap::builder::TypedValueParser<Value = Backend> {
+    use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+    PossibleValuesParser::new([
+        PossibleValue::new("auto").help("CUDA when a GPU is usable, else the CPU emulation"),
+        PossibleValue::new("host")
+            .alias("cpu")
+            .help("the CPU emulation executor (kernels built with the host C++ compiler)"),
+        PossibleValue::new("cuda")
+            .alias("gpu")
+            .help("the CUDA driver on GPU 0 (NVRTC-compiled kernels)"),
+    ])
+    .try_map(|s| parse_backend(&s))
+}
+
+/// The most conversations of the built-in workload (4 million requests, far past a CPU run).
+const MAX_CONVERSATIONS: usize = 1_000_000;
+
+/// `--conversations N`, 1..=[`MAX_CONVERSATIONS`].
+fn parse_conversations(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if (1..=MAX_CONVERSATIONS).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "`{s}` is not a conversation count in 1..={MAX_CONVERSATIONS}"
+        )),
+    }
+}
+
+/// `--requests N`, N >= 1: replaying no request would verify nothing.
+fn parse_requests(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err(
+            "replaying 0 requests verifies nothing: give N >= 1, or leave --requests \
+             out to replay them all"
+                .into(),
+        ),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("`{s}` is not a request count")),
+    }
+}
+
+fn parse_transfer_path(s: &str) -> Result<TransferPath, String> {
+    s.parse()
+}
+
+fn parse_fault(s: &str) -> Result<Fault, String> {
+    s.parse()
+}
+
+/// A stream of requests, read or generated lazily.
+pub(super) type RequestStream = Box<dyn Iterator<Item = Result<Request, WorkloadError>>>;
+
+/// Everything replay needs, validated.
+pub(super) struct ReplayPlan {
+    pub(super) deployment: Deployment,
+    pub(super) workload_name: String,
+}
+
+impl ReplayArgs {
+    pub(super) fn validate(&self) -> Result<ReplayPlan, crate::Error> {
+        let model = match self.model {
+            ModelArg::Nsa => ModelShape::Nsa,
+            ModelArg::Mla => ModelShape::MlaBf16,
+        };
+        let layout = Layout::parse(&self.layout, self.interleave_size)
+            .map_err(|e| crate::Error::Usage(format!("--layout: {e}")))?;
+        let deployment = Deployment::new(model, self.page_size, self.cp)
+            .and_then(|d| d.with_layout(layout))
+            .map_err(|e| crate::Error::Usage(e.to_string()))?;
+        if let Some(fault) = self.inject {
+            fault
+                .check_layout(layout)
+                .map_err(|why| crate::Error::Usage(format!("--inject {fault}: {why}")))?;
+        }
+        if let Some(n) = self.verify_ranks {
+            if n == 0 || n > self.cp {
+                return Err(crate::Error::Usage(format!(
+                    "--verify-ranks {n} is not in 1..={} (--cp): at least one rank must \
+                     verify, and there are {} ranks",
+                    self.cp, self.cp
+                )));
+            }
+        }
+        if self.tuning.as_ref().is_some_and(|t| !t.exists()) {
+            return Err(crate::Error::Usage(format!(
+                "tuning file {} does not exist",
+                self.tuning
+                    .as_ref()
+                    .map_or(String::new(), |t| t.display().to_string())
+            )));
+        }
+        let workload_name = match &self.trace {
+            Some(t) => match self.replay_block_tokens {
+                Some(rb) if rb != self.block_tokens => format!(
+                    "trace {} ({} tokens per block, replayed as {rb})",
+                    t.display(),
+                    self.block_tokens
+                ),
+                _ => format!(
+                    "trace {} ({} tokens per block)",
+                    t.display(),
+                    self.block_tokens
+                ),
+            },
+            None => format!(
+                "built-in conversations (seed {}, {} conversations)",
+                self.seed, self.conversations
+            ),
+        };
+        Ok(ReplayPlan {
+            deployment,
+            workload_name,
+        })
+    }
+
+    /// Refuses output files that would overwrite an input or each other, or cannot be
+    /// written.
+    pub(super) fn check_files(&self) -> Result<(), crate::Error> {
+        crate::cli::common::check_outputs(
+            &[
+                ("--json", self.json.as_deref()),
+                ("--request-log", self.request_log.as_deref()),
+            ],
+            &[
+                ("--trace", self.trace.as_deref()),
+                ("--tuning", self.tuning.as_deref()),
+            ],
+        )
+    }
+
+    /// The request stream and, when known, its length (for the progress bar). A trace in a
+    /// regular file is read through and checked first, so a bad line is refused (exit
+    /// status 2, naming file:line) before any work; a pipe cannot be read twice, so its bad
+    /// line stops the replay where it is (see `run`).
+    pub(super) fn workload(&self) -> Result<(RequestStream, Option<u64>), crate::Error> {
+        match &self.trace {
+            Some(path) => {
+                let config = TraceConfig {
+                    block_tokens: self.block_tokens,
+                    replay_block_tokens: self.replay_block_tokens,
+                    max_requests: self.requests,
+                };
+                let trace = MooncakeTrace::open(path, config.clone())?;
+                let total = if path.is_file() {
+                    Some(MooncakeTrace::check(path, config)?)
+                } else {
+                    None
+                };
+                if total == Some(0) {
+                    // Refused before the kernels are built: an empty trace verifies nothing.
+                    return Err(crate::Error::Usage(format!(
+                        "trace {} has no request (it is empty or blank): nothing to verify",
+                        path.display()
+                    )));
+                }
+                Ok((Box::new(trace), total.map(|n| n as u64)))
+            }
+            None => {
+                let config = ConversationsConfig {
+                    seed: self.seed,
+                    conversations: self.conversations,
+                    ..ConversationsConfig::default()
+                };
+                let gen = Conversations::new(config, self.requests)?;
+                let total = gen.total_requests() as u64;
+                Ok((Box::new(gen), Some(total)))
+            }
+        }
+    }
+}
