@@ -293,3 +293,49 @@ fn a_step_a_peer_failed_is_rolled_back_and_can_be_retried() {
     assert_eq!(r0.3.pages_written, 4);
     assert_eq!(r0.4, r1.4, "the replicas agree");
 }
+
+/// Two ranks extend one request: with the same tokens they agree (appended pages by
+/// position, one on each rank's lane, and every token verifies on both ranks); with
+/// different tokens every rank fails the step with `Diverged`, the request stays as it was,
+/// and it can still be finished.
+#[test]
+fn ranks_that_extend_differently_diverge_and_the_request_stays_as_it_was() {
+    let ranks = two_ranks();
+    let results: Vec<(Vec<PageId>, String, usize)> = std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .into_iter()
+            .map(|mut rc| {
+                s.spawn(move || {
+                    let me = rc.rank().0;
+                    let mut req = rc.begin_chunk(&tokens(0..100), 40).unwrap();
+                    assert_eq!(req.tokens().len(), 40);
+                    rc.synthesise(&mut req).unwrap();
+                    rc.extend(&mut req, &tokens(40..100)).unwrap();
+                    rc.synthesise(&mut req).unwrap();
+                    assert_eq!(rc.verify(&mut req).unwrap().all.count, 0);
+                    let pages = req.pages().to_vec();
+                    // Rank 1 decodes another token than rank 0.
+                    let t = 500 + u32::from(me);
+                    let e = rc.extend(&mut req, &[t]).unwrap_err();
+                    assert_eq!(req.pages(), &pages[..], "unchanged after the failed step");
+                    assert_eq!(req.tokens().len(), 100);
+                    rc.extend(&mut req, &[500]).unwrap();
+                    rc.synthesise(&mut req).unwrap();
+                    assert_eq!(rc.verify(&mut req).unwrap().all.count, 0);
+                    rc.finish(&mut req).unwrap();
+                    rc.check_invariants().unwrap();
+                    (pages, e.to_string(), req.pages_in_tree())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(results[0].0, results[1].0, "the ranks hold the same pages");
+    // Pages past the first chunk are appended by position: page i on rank i % 2.
+    for (i, p) in results[0].0.iter().enumerate().skip(3) {
+        assert_eq!(p.0 % 2, i as u32 % 2, "page {i}");
+    }
+    for (_, e, _) in &results {
+        assert!(e.contains("diverged") || e.contains("differ"), "{e}");
+    }
+}
