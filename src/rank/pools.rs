@@ -286,6 +286,31 @@ impl Pools {
         Ok((h, p))
     }
 
+    /// Uploads what a synthesise launch from `first_token` reads: the hashes of tokens
+    /// `[first_token, ..)` and the pages from `first_page` on, each at its place in buffers
+    /// sized for the whole sequence (the bytes before are never read). A request growing a
+    /// token at a time so uploads O(1) per step, not the whole sequence.
+    pub fn upload_sequence_tail(
+        &mut self,
+        hashes: &[u64],
+        pages: &[u32],
+        first_token: usize,
+        first_page: usize,
+    ) -> Result<(BufferId, BufferId), ExecError> {
+        let h = self.scratch("seq.hashes", 8 * hashes.len(), 0)?;
+        let p = self.scratch("seq.pages", 4 * pages.len(), 0)?;
+        let first_token = first_token.min(hashes.len());
+        let first_page = first_page.min(pages.len());
+        let bytes: Vec<u8> = hashes[first_token..]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        self.exec.upload(h, 8 * first_token as u64, &bytes)?;
+        self.exec
+            .upload(p, 4 * first_page as u64, &u32_bytes(&pages[first_page..]))?;
+        Ok((h, p))
+    }
+
     /// `n` zeroed u32 words (verify's token bitmap).
     pub fn zeroed_words(&mut self, n: usize) -> Result<BufferId, ExecError> {
         let c = self.scratch("verify.bad_tokens", 4 * n, 0)?;

@@ -37,8 +37,29 @@ impl RankCache {
         inputs: &[u8],
         step: impl FnOnce(&mut Self) -> Result<T, ClusterError>,
     ) -> Result<T, ClusterError> {
+        self.agreed_with(what, inputs, true, step)
+    }
+
+    /// [`RankCache::agreed`], taking the snapshot up front only with `snapshot`. Without,
+    /// the caller promises that `step` changes no replicated state (tree, allocator, host
+    /// pool), so the state at a rollback is the state before the step: it is cloned then, and
+    /// only then. This spares a clone of the whole tree per step where most steps change
+    /// nothing (a decoded token that fits the kept partial page). Ranks that disagree on
+    /// whether a step is trivial still make the same rollback rounds.
+    pub(super) fn agreed_with<T>(
+        &mut self,
+        what: &str,
+        inputs: &[u8],
+        snapshot: bool,
+        step: impl FnOnce(&mut Self) -> Result<T, ClusterError>,
+    ) -> Result<T, ClusterError> {
         self.check_connected()?;
-        let snapshot = self.snapshot();
+        let snapshot = if snapshot {
+            Some(self.snapshot())
+        } else {
+            self.start_step();
+            None
+        };
         let err = match step(self) {
             Ok(v) => {
                 let mut mine = self.decision(what, inputs);
@@ -76,6 +97,7 @@ impl RankCache {
         if err.is_group_broken() {
             return Err(err);
         }
+        let snapshot = snapshot.unwrap_or_else(|| self.state_now());
         self.roll_back(snapshot, what)?;
         Err(err)
     }
@@ -193,10 +215,20 @@ impl RankCache {
     }
 
     pub(super) fn snapshot(&mut self) -> Snapshot {
+        self.start_step();
+        self.state_now()
+    }
+
+    /// Forgets what the last operation freed and noted: a new one starts.
+    fn start_step(&mut self) {
         self.freed = Freed::default();
         self.outcome_note.clear();
         self.outcome_notes.clear();
         self.last_rollback = RollbackDrops::default();
+    }
+
+    /// A copy of the replicated state as it is now.
+    fn state_now(&self) -> Snapshot {
         Snapshot {
             tree: self.tree.clone(),
             mirror: self.alloc.mirror().clone(),

@@ -38,30 +38,33 @@ pub struct Verdict {
 }
 
 impl RankCache {
-    /// Synthesises this rank's share of tokens `[first_token, ..)` of `tokens` into its pool
-    /// (the stand-in for the model's forward): only those tokens, so an extended request's
-    /// kept partial page keeps what earlier steps wrote. No group round.
+    /// Synthesises this rank's share of tokens `[first_token, ..)` of the sequence whose
+    /// prefix hashes are `hashes` into its pool (the stand-in for the model's forward): only
+    /// those tokens, so an extended request's kept partial page keeps what earlier steps
+    /// wrote. No group round.
     pub(super) fn synthesise_tokens(
         &mut self,
-        tokens: &[u32],
+        hashes: &[u64],
         pages: &[PageId],
         first_token: usize,
     ) -> Result<(), ClusterError> {
-        if first_token >= tokens.len() {
+        if first_token >= hashes.len() {
             return Ok(());
         }
         let g = self.pools.geometry();
-        let hashes = reference::prefix_hashes(tokens);
-        let page_ids: Vec<u32> = pages.iter().map(|p| p.0).collect();
-        let (hash_buf, page_buf) = self.pools.upload_sequence(&hashes, &page_ids)?;
-        let n_tokens = tokens.len() as u32;
-        let ps = self.layout.page_size();
+        let n_tokens = hashes.len() as u32;
+        let order = self.config.deployment.token_order();
         let items = reference::synthesise_items(
-            self.config.deployment.token_order(),
-            ps,
+            order,
+            self.layout.page_size(),
             n_tokens,
             first_token as u32,
         );
+        let first_page = pages.len().saturating_sub(items as usize);
+        let page_ids: Vec<u32> = pages.iter().map(|p| p.0).collect();
+        let (hash_buf, page_buf) =
+            self.pools
+                .upload_sequence_tail(hashes, &page_ids, first_token, first_page)?;
         for &b in self.config.deployment.model.buffers() {
             let synth = self.kernels.synthesise(b);
             self.exec.launch(
@@ -92,7 +95,7 @@ impl RankCache {
         n: usize,
         load: Option<&LoadHandle>,
     ) -> Result<Verdict, ClusterError> {
-        self.synthesise_tokens(tokens, pages, first_token)?;
+        self.synthesise_tokens(&reference::prefix_hashes(tokens), pages, first_token)?;
         self.verify_sequence(tokens, pages, n, load)
     }
 

@@ -114,14 +114,20 @@ pub const PREFIX_HASH_SEED: u64 = 0x6a09_e667_f3bc_c908;
 
 /// `prefix_hash[t]` for every position: a hash of `tokens[0..=t]` (docs/KERNELS.md).
 pub fn prefix_hashes(tokens: &[u32]) -> Vec<u64> {
-    let mut h = PREFIX_HASH_SEED;
-    tokens
-        .iter()
-        .map(|&t| {
-            h = mix64(h ^ u64::from(t).wrapping_mul(0x9e37_79b9_7f4a_7c15));
-            h
-        })
-        .collect()
+    let mut out = Vec::with_capacity(tokens.len());
+    extend_prefix_hashes(&mut out, tokens);
+    out
+}
+
+/// Appends the prefix hashes of `tokens` following the sequence whose hashes `hashes` holds
+/// (a chain: each hash depends on the one before), so a growing request hashes each token
+/// once.
+pub fn extend_prefix_hashes(hashes: &mut Vec<u64>, tokens: &[u32]) {
+    let mut h = hashes.last().copied().unwrap_or(PREFIX_HASH_SEED);
+    hashes.extend(tokens.iter().map(|&t| {
+        h = mix64(h ^ u64::from(t).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        h
+    }));
 }
 
 /// Random word `d` of field `field` of buffer `buffer_id`, for a token with prefix hash `h` in

@@ -22,6 +22,9 @@ use super::*;
 pub struct Request {
     pub(super) n: usize,
     pub(super) tokens: Vec<u32>,
+    /// The prefix hashes of `tokens` (the synthesised KV's seeds), kept as the request
+    /// grows so each token is hashed once.
+    pub(super) hashes: Vec<u64>,
     /// Logical pages of the sequence so far, in order.
     pub(super) pages: Vec<PageId>,
     /// How many leading pages came from the cache (device hits and loaded pages).
@@ -69,6 +72,7 @@ impl Request {
     fn restore(&mut self, saved: Saved) {
         let rounds = self.stats.group_rounds;
         self.tokens.truncate(saved.tokens);
+        self.hashes.truncate(saved.tokens);
         self.pages = saved.pages;
         self.in_tree = saved.in_tree;
         self.fresh_from = saved.fresh_from;
@@ -206,6 +210,7 @@ impl RankCache {
                 let ps = me.layout.page_size() as usize;
                 let take = (req.cached * ps).saturating_add(chunk).min(tokens.len());
                 req.tokens.truncate(take);
+                req.hashes.truncate(take);
                 req.stats.prompt_tokens = take as u64;
             }
             if allocate {
@@ -276,9 +281,27 @@ impl RankCache {
         let what = format!("request {n} extend");
         let saved = req.save();
         let rounds = self.rounds();
-        let mut inputs = Self::request_inputs(&req.tokens, &req.pages, req.cached);
-        inputs.extend(Self::request_inputs(tokens, &[], 0));
-        let out = self.agreed(&what, &inputs, |me| me.extend_inner(req, tokens));
+        // O(1) in the request's length: the last prefix hash covers every token so far (a
+        // decoded token must not cost a hash of the whole sequence), and the state summary in
+        // the decision covers the pages.
+        let mut inputs = Vec::with_capacity(48 + 4 * tokens.len());
+        for v in [
+            req.tokens.len() as u64,
+            req.hashes.last().copied().unwrap_or_default(),
+            req.pages.len() as u64,
+            req.pages.last().map_or(0, |p| u64::from(p.0)),
+            req.in_tree as u64,
+        ] {
+            inputs.extend(v.to_le_bytes());
+        }
+        inputs.extend(tokens.iter().flat_map(|t| t.to_le_bytes()));
+        // Nothing to insert and no page to allocate (a decoded token inside the kept partial
+        // page): the step changes no replicated state, so it needs no snapshot.
+        let ps = self.layout.page_size();
+        let (layout, cp) = (self.config.deployment.layout, self.layout.cp());
+        let trivial = self.whole_granule_pages(req.tokens.len()) <= req.in_tree
+            && layout.pages_for(cp, ps, req.tokens.len() + tokens.len()) <= req.pages.len();
+        let out = self.agreed_with(&what, &inputs, !trivial, |me| me.extend_inner(req, tokens));
         req.stats.group_rounds += self.rounds() - rounds;
         match out {
             // Every rank is past the round: no peer reads the pages the tree replaced.
@@ -302,7 +325,7 @@ impl RankCache {
                 req.n
             )));
         }
-        self.synthesise_tokens(&req.tokens, &req.pages, req.fresh_from)
+        self.synthesise_tokens(&req.hashes, &req.pages, req.fresh_from)
     }
 
     /// Materialises the request's whole sequence from every owner's pool (its partial last
@@ -591,6 +614,7 @@ impl RankCache {
         Ok(Request {
             n,
             tokens: tokens.to_vec(),
+            hashes: reference::prefix_hashes(tokens),
             pages,
             cached,
             in_tree: cached,
@@ -630,6 +654,7 @@ impl RankCache {
         let (layout, cp) = (self.config.deployment.layout, self.layout.cp());
         let written = req.tokens.len();
         req.tokens.extend_from_slice(tokens);
+        reference::extend_prefix_hashes(&mut req.hashes, tokens);
         let n_pages = layout.pages_for(cp, ps, req.tokens.len());
         let have = req.pages.len();
         if n_pages > have {
