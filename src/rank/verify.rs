@@ -60,7 +60,11 @@ impl RankCache {
             n_tokens,
             first_token as u32,
         );
-        let first_page = pages.len().saturating_sub(items as usize);
+        // Where the launch starts reading the page list (not `pages.len() - items`: a
+        // request's pages are whole granules, which may be more than the kernel visits).
+        let first_page =
+            reference::synthesise_first_page(order, self.layout.page_size(), first_token as u32)
+                as usize;
         let page_ids: Vec<u32> = pages.iter().map(|p| p.0).collect();
         let (hash_buf, page_buf) =
             self.pools

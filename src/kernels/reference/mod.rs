@@ -464,17 +464,23 @@ fn placement(order: TokenOrder, page_size: u32) -> Placement {
     }
 }
 
-/// Work items (sequence pages) of a `synthesise` launch writing tokens `[first_token,
-/// n_tokens)` in `order`: the pages from the one holding `first_token` (from its granule's
-/// first page when tokens are interleaved, since every page of a granule holds later tokens).
-pub fn synthesise_items(order: TokenOrder, page_size: u32, n_tokens: u32, first_token: u32) -> u32 {
-    let place = placement(order, page_size);
-    let n_pages = place.pages_holding(u64::from(n_tokens));
+/// The first sequence page a `synthesise` launch writing tokens from `first_token` in
+/// `order` visits: the page holding `first_token`, or its granule's first page when tokens
+/// are interleaved (every page of a granule holds later tokens).
+pub fn synthesise_first_page(order: TokenOrder, page_size: u32, first_token: u32) -> u32 {
     let granule = match order {
         TokenOrder::Paged => 1,
         TokenOrder::Interleaved { cp, .. } => u64::from(cp),
     };
-    let start = u64::from(first_token) / (u64::from(page_size) * granule) * granule;
+    (u64::from(first_token) / (u64::from(page_size) * granule) * granule) as u32
+}
+
+/// Work items (sequence pages) of a `synthesise` launch writing tokens `[first_token,
+/// n_tokens)` in `order`: the pages from [`synthesise_first_page`] to the last one holding a
+/// token (the kernel's `n_pages`, which may be fewer than a request's whole granules).
+pub fn synthesise_items(order: TokenOrder, page_size: u32, n_tokens: u32, first_token: u32) -> u32 {
+    let n_pages = placement(order, page_size).pages_holding(u64::from(n_tokens));
+    let start = u64::from(synthesise_first_page(order, page_size, first_token));
     n_pages.saturating_sub(start) as u32
 }
 

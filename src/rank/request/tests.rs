@@ -215,12 +215,18 @@ fn a_failed_extend_leaves_the_request_unchanged() {
 
 /// Two ranks, each on its own host executor and thread, mapping each other's pools.
 fn two_ranks() -> Vec<RankCache> {
+    two_ranks_in(crate::layout::Layout::Zigzag)
+}
+
+/// Two ranks under `layout`.
+fn two_ranks_in(layout: crate::layout::Layout) -> Vec<RankCache> {
     let jit = Jit::new(crate::jit::JitConfig::new(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/target/tmp/jit-cache"
     )));
     let config = ClusterConfig {
         deployment: crate::kernels::Deployment::new(crate::kernels::ModelShape::MlaBf16, 16, 2)
+            .and_then(|d| d.with_layout(layout))
             .unwrap(),
         layers: 1,
         device_pages: 17,
@@ -337,5 +343,40 @@ fn ranks_that_extend_differently_diverge_and_the_request_stays_as_it_was() {
     }
     for (_, e, _) in &results {
         assert!(e.contains("diverged") || e.contains("differ"), "{e}");
+    }
+}
+
+/// Under the interleaved layouts a request holds whole granules, more pages than the tokens
+/// fill: a token-by-token decode must still synthesise every token into the right page (the
+/// page list a synthesise uploads starts where its launch reads, not at `pages.len() - items`,
+/// which once scattered tokens across the wrong pages). No verification in between, so
+/// nothing refreshes the uploaded page list.
+#[test]
+fn a_decode_under_the_interleaved_layouts_writes_every_token_where_it_belongs() {
+    use crate::layout::Layout;
+    for layout in [Layout::PageInterleave, Layout::TokenInterleave { size: 4 }] {
+        let ranks = two_ranks_in(layout);
+        let bad: Vec<u64> = std::thread::scope(|s| {
+            let handles: Vec<_> = ranks
+                .into_iter()
+                .map(|mut rc| {
+                    s.spawn(move || {
+                        let mut req = rc.begin_chunk(&tokens(0..20), 20).unwrap();
+                        rc.synthesise(&mut req).unwrap();
+                        for t in 20..70 {
+                            rc.extend(&mut req, &[t * 7 + 3]).unwrap();
+                            rc.synthesise(&mut req).unwrap();
+                        }
+                        assert_eq!(req.pages().len() % 2, 0, "whole granules");
+                        let v = rc.verify(&mut req).unwrap();
+                        rc.finish(&mut req).unwrap();
+                        rc.check_invariants().unwrap();
+                        v.all.count
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(bad, [0, 0], "{layout:?}");
     }
 }
