@@ -6,6 +6,32 @@ use std::process::{Command, Output};
 
 mod support;
 
+/// `tests/data/mooncake_sample.jsonl` (48 records) replayed with 16 tokens per hash id on a
+/// small MLA deployment whose host pool holds it, so load-backs happen.
+const MOONCAKE_SAMPLE: &[&str] = &[
+    "replay",
+    "--trace",
+    concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/data/mooncake_sample.jsonl"
+    ),
+    "--replay-block-tokens",
+    "16",
+    "--model",
+    "mla",
+    "--page-size",
+    "16",
+    "--cp",
+    "4",
+    "--layers",
+    "1",
+    "--device-pages",
+    "129",
+    "--host-pages",
+    "256",
+    "--quiet",
+];
+
 const SMALL: &[&str] = &[
     "replay",
     "--model",
@@ -215,10 +241,6 @@ fn the_round_robin_layout_serves_verified_and_catches_the_seed_bug() {
 /// owners to lose, saying why.
 #[test]
 fn every_layout_replays_verified_with_host_hits() {
-    let trace = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/data/mooncake_sample.jsonl"
-    );
     let layouts: [&[&str]; 5] = [
         &["--layout", "zigzag"],
         &["--layout", "round-robin"],
@@ -227,29 +249,9 @@ fn every_layout_replays_verified_with_host_hits() {
         &["--layout", "token-interleave", "--interleave-size", "16"],
     ];
     for layout in layouts {
-        let trace_args = [
-            "replay",
-            "--trace",
-            trace,
-            "--replay-block-tokens",
-            "16",
-            "--model",
-            "mla",
-            "--page-size",
-            "16",
-            "--cp",
-            "4",
-            "--layers",
-            "1",
-            "--device-pages",
-            "129",
-            "--host-pages",
-            "256",
-            "--quiet",
-        ];
         for (what, (out, report)) in [
             ("built-in", replay(layout)),
-            ("trace", replay_with(&trace_args, layout)),
+            ("trace", replay_with(MOONCAKE_SAMPLE, layout)),
         ] {
             assert_eq!(
                 out.status.code(),
@@ -1128,30 +1130,6 @@ fn a_bad_line_in_a_pipe_stops_with_a_report() {
 #[test]
 fn chunked_prefill_and_decode_replay_verified_under_every_layout() {
     let live = ["--chunk-tokens", "256", "--decode-tokens", "trace"];
-    let trace = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/data/mooncake_sample.jsonl"
-    );
-    let trace_args = [
-        "replay",
-        "--trace",
-        trace,
-        "--replay-block-tokens",
-        "16",
-        "--model",
-        "mla",
-        "--page-size",
-        "16",
-        "--cp",
-        "4",
-        "--layers",
-        "1",
-        "--device-pages",
-        "129",
-        "--host-pages",
-        "256",
-        "--quiet",
-    ];
     for layout in [
         "zigzag",
         "round-robin",
@@ -1162,7 +1140,7 @@ fn chunked_prefill_and_decode_replay_verified_under_every_layout() {
         extra.extend(live);
         let mut runs = vec![("built-in", replay(&extra))];
         if layout == "zigzag" || layout == "token-interleave" {
-            runs.push(("trace", replay_with(&trace_args, &extra)));
+            runs.push(("trace", replay_with(MOONCAKE_SAMPLE, &extra)));
         }
         for (what, (out, report)) in runs {
             assert_eq!(

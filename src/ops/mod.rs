@@ -712,12 +712,10 @@ impl Ops {
         let owners_in = held.exec.alloc(MemKind::Device, owners.len(), 0)?;
         held.ids.push(owners_in);
         self.exec.upload(owners_in, 0, owners)?;
-        let before = self.status(ids[2])?;
-        let spec = self.deployment.select_spec();
-        let d = spec.launch_dims(owners.len() as u32, 1);
-        self.exec.launch(
-            self.select,
-            &crate::exec::LaunchConfig::linear(d.grid, d.block),
+        let refused = self.launch_on_lanes(
+            (self.select, self.deployment.select_spec()),
+            owners.len(),
+            ids[2],
             &[
                 KernelArg::Ptr(owners_in, 0),
                 KernelArg::U32(owners.len() as u32),
@@ -729,16 +727,10 @@ impl Ops {
                 KernelArg::Ptr(ids[2], 0),
             ],
         )?;
-        let after = self.status(ids[2])?;
-        if after[0] != before[0] {
-            let short = after[1..=usize::from(cp)]
-                .iter()
-                .zip(&before[1..])
-                .map(|(a, b)| a.wrapping_sub(*b))
-                .collect();
-            return Err(OpsError::LanesShort { short });
+        match refused {
+            Some(short) => Err(OpsError::LanesShort { short }),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// Pushes each page back onto lane `page % cp`, in order. All or nothing: an invalid
@@ -775,12 +767,10 @@ impl Ops {
                 .collect::<Result<_, _>>()?
         };
         let pages_in = held.scratch(pages)?;
-        let before = self.status(ids[2])?;
-        let spec = self.deployment.release_spec();
-        let d = spec.launch_dims(pages.len() as u32, 1);
-        self.exec.launch(
-            self.release,
-            &crate::exec::LaunchConfig::linear(d.grid, d.block),
+        let refused = self.launch_on_lanes(
+            (self.release, self.deployment.release_spec()),
+            pages.len(),
+            ids[2],
             &[
                 KernelArg::Ptr(pages_in, 0),
                 KernelArg::U32(pages.len() as u32),
@@ -790,15 +780,36 @@ impl Ops {
                 KernelArg::Ptr(ids[2], 0),
             ],
         )?;
-        let after = self.status(ids[2])?;
-        if after[0] != before[0] {
-            let over = after[1..=cp as usize]
+        match refused {
+            Some(over) => Err(OpsError::LanesFull { over }),
+            None => Ok(()),
+        }
+    }
+
+    /// Launches an allocator kernel (`n` items) whose status words are the adopted
+    /// `status`; `Some(per-lane counts)` when the launch was refused (all or nothing: its
+    /// refused-launch word grew, and each lane's word by its deficit or overflow).
+    fn launch_on_lanes(
+        &self,
+        (kernel, spec): (crate::exec::KernelId, crate::kernels::KernelSpec),
+        n: usize,
+        status: BufferId,
+        args: &[KernelArg<'_>],
+    ) -> Result<Option<Vec<u32>>, OpsError> {
+        let before = self.status(status)?;
+        let d = spec.launch_dims(n as u32, 1);
+        self.exec.launch(
+            kernel,
+            &crate::exec::LaunchConfig::linear(d.grid, d.block),
+            args,
+        )?;
+        let after = self.status(status)?;
+        Ok((after[0] != before[0]).then(|| {
+            after[1..=usize::from(self.deployment.cp)]
                 .iter()
                 .zip(&before[1..])
                 .map(|(a, b)| a.wrapping_sub(*b))
-                .collect();
-            return Err(OpsError::LanesFull { over });
-        }
-        Ok(())
+                .collect()
+        }))
     }
 }

@@ -92,6 +92,18 @@ impl Request {
         Ok(())
     }
 
+    /// Refuses a step that needs the request's pages before [`RankCache::allocate`] gave
+    /// them (`for_what`: what the pages are for).
+    fn check_allocated(&self, for_what: &str) -> Result<(), ClusterError> {
+        if !self.allocated {
+            return Err(ClusterError::Config(format!(
+                "request {} has no pages {for_what} yet: allocate first",
+                self.n
+            )));
+        }
+        Ok(())
+    }
+
     /// The tokens so far: the prompt, then whatever [`RankCache::extend`] added.
     pub fn tokens(&self) -> &[u32] {
         &self.tokens
@@ -265,12 +277,7 @@ impl RankCache {
     /// [`Layout::appended_owners`]: crate::layout::Layout::appended_owners
     pub fn extend(&mut self, req: &mut Request, tokens: &[u32]) -> Result<(), ClusterError> {
         req.check_open("extend")?;
-        if !req.allocated {
-            return Err(ClusterError::Config(format!(
-                "request {} has no pages for its tokens yet: allocate before extending",
-                req.n
-            )));
-        }
+        req.check_allocated("to extend")?;
         if tokens.is_empty() {
             return Err(ClusterError::Config(format!(
                 "request {}: extend needs at least one token",
@@ -319,12 +326,7 @@ impl RankCache {
     /// [`RankCache::verify`].
     pub fn synthesise(&mut self, req: &mut Request) -> Result<(), ClusterError> {
         req.check_open("synthesise")?;
-        if !req.allocated {
-            return Err(ClusterError::Config(format!(
-                "request {} has no pages to compute into yet: allocate first",
-                req.n
-            )));
-        }
+        req.check_allocated("to compute into")?;
         self.synthesise_tokens(&req.hashes, &req.pages, req.fresh_from)
     }
 
@@ -350,12 +352,7 @@ impl RankCache {
         synthesise: bool,
     ) -> Result<Verdict, ClusterError> {
         req.check_open("verify")?;
-        if !req.allocated {
-            return Err(ClusterError::Config(format!(
-                "request {} has no pages to compute into yet: allocate first",
-                req.n
-            )));
-        }
+        req.check_allocated("to compute into")?;
         let n = req.n;
         let inputs = Self::request_inputs(&req.tokens, &req.pages, req.cached);
         let first = if synthesise {
@@ -423,11 +420,8 @@ impl RankCache {
         let step = if ok { "finish" } else { "abandon" };
         self.check_connected()?;
         req.check_open(step)?;
-        if ok && !req.allocated {
-            return Err(ClusterError::Config(format!(
-                "request {} has no pages for its uncached tokens: allocate first",
-                req.n
-            )));
+        if ok {
+            req.check_allocated("for its uncached tokens")?;
         }
         let n = req.n;
         let what = format!("request {n} end");

@@ -187,7 +187,11 @@ fn extend_refuses_a_request_without_pages_and_an_empty_chunk() {
     let mut rc = one_rank(TransferPath::Kernel);
     let mut req = rc.begin(&tokens(0..20)).unwrap();
     let e = rc.extend(&mut req, &tokens(20..21)).unwrap_err();
-    assert!(e.to_string().contains("allocate before extending"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("no pages to extend yet: allocate first"),
+        "{e}"
+    );
     rc.allocate(&mut req).unwrap();
     let e = rc.extend(&mut req, &[]).unwrap_err();
     assert!(e.to_string().contains("at least one token"), "{e}");
