@@ -808,7 +808,7 @@ impl RankCache {
         // 4-5. Synthesise the computed pages this rank owns, materialise everything from the
         // owners' pools, verify against the synthesised KV.
         let bad = self.compute_and_verify(
-            &req.tokens,
+            &req.hashes,
             &req.pages,
             req.fresh_from,
             n,

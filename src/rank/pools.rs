@@ -278,12 +278,7 @@ impl Pools {
         hashes: &[u64],
         pages: &[u32],
     ) -> Result<(BufferId, BufferId), ExecError> {
-        let h = self.scratch("seq.hashes", 8 * hashes.len(), 0)?;
-        let p = self.scratch("seq.pages", 4 * pages.len(), 0)?;
-        let bytes: Vec<u8> = hashes.iter().flat_map(|x| x.to_le_bytes()).collect();
-        self.exec.upload(h, 0, &bytes)?;
-        self.exec.upload(p, 0, &u32_bytes(pages))?;
-        Ok((h, p))
+        self.upload_sequence_tail(hashes, pages, 0, 0)
     }
 
     /// Uploads what a synthesise launch from `first_token` reads: the hashes of tokens

@@ -93,14 +93,14 @@ impl RankCache {
     /// then verifies the whole sequence ([`RankCache::verify_sequence`]).
     pub(super) fn compute_and_verify(
         &mut self,
-        tokens: &[u32],
+        hashes: &[u64],
         pages: &[PageId],
         first_token: usize,
         n: usize,
         load: Option<&LoadHandle>,
     ) -> Result<Verdict, ClusterError> {
-        self.synthesise_tokens(&reference::prefix_hashes(tokens), pages, first_token)?;
-        self.verify_sequence(tokens, pages, n, load)
+        self.synthesise_tokens(hashes, pages, first_token)?;
+        self.verify_sequence(hashes, pages, n, load)
     }
 
     /// Once every rank has written its pages, materialises the whole sequence from the
@@ -110,14 +110,14 @@ impl RankCache {
     /// counts each token once over all ranks and says what each rank saw. Two group rounds.
     pub(super) fn verify_sequence(
         &mut self,
-        tokens: &[u32],
+        hashes: &[u64],
         pages: &[PageId],
         n: usize,
         load: Option<&LoadHandle>,
     ) -> Result<Verdict, ClusterError> {
-        let hashes = reference::prefix_hashes(tokens);
         let page_ids: Vec<u32> = pages.iter().map(|p| p.0).collect();
-        let (hash_buf, page_buf) = self.pools.upload_sequence(&hashes, &page_ids)?;
+        let (hash_buf, page_buf) = self.pools.upload_sequence(hashes, &page_ids)?;
+        let n_tokens = hashes.len();
         if self.peer_access == PeerAccess::Mapped && self.group.size() > 1 {
             // Peers read this rank's pool through their own executors (other processes, on
             // CUDA), which cannot wait on this one's events: what it enqueued (its loads
@@ -128,9 +128,9 @@ impl RankCache {
         }
         // Every rank's loaded and computed pages are in its pool before any peer reads them.
         self.group.barrier(&format!("request {n} written"))?;
-        let words = tokens.len().div_ceil(32);
+        let words = n_tokens.div_ceil(32);
         let mine = if self.verifies {
-            self.materialise_and_verify(tokens, (hash_buf, page_buf), words, load)?
+            self.materialise_and_verify(n_tokens as u32, (hash_buf, page_buf), words, load)?
         } else {
             vec![0u8; 4 * words]
         };
@@ -140,7 +140,7 @@ impl RankCache {
         let all = self.group.all_gather(&round, &mine)?;
         self.check_round(&round, &all, |b| {
             (b.len() != 4 * words)
-                .then(|| format!("a {}-byte bitmap for {} tokens", b.len(), tokens.len()))
+                .then(|| format!("a {}-byte bitmap for {n_tokens} tokens", b.len()))
         })?;
         let mut union = vec![0u8; 4 * words];
         let mut by_rank = Vec::with_capacity(all.len());
@@ -161,20 +161,19 @@ impl RankCache {
     /// attention would), and verifies it; returns this rank's mismatch bitmap.
     pub(super) fn materialise_and_verify(
         &mut self,
-        tokens: &[u32],
+        n_tokens: u32,
         (hash_buf, page_buf): (crate::exec::BufferId, crate::exec::BufferId),
         words: usize,
         load: Option<&LoadHandle>,
     ) -> Result<Vec<u8>, ClusterError> {
         let g = self.pools.geometry();
-        let n_tokens = tokens.len() as u32;
         // The pages holding tokens: whole granules when tokens are interleaved.
         let n_pages = self
             .config
             .deployment
             .layout
             .placement(self.layout.cp(), self.layout.page_size())
-            .pages_holding(tokens.len() as u64) as u32;
+            .pages_holding(u64::from(n_tokens)) as u32;
         let bad_tokens = self.pools.zeroed_words(words)?;
         let mut captured = Vec::new();
         for &b in self.config.deployment.model.buffers() {

@@ -116,6 +116,17 @@ struct Conversation {
     answer_block: u64,
 }
 
+impl Conversation {
+    /// The pending answer: one block of its own, however long.
+    fn answer(&self) -> Answer {
+        Answer {
+            block: self.answer_block,
+            offset: 0,
+            block_tokens: u64::MAX,
+        }
+    }
+}
+
 /// Iterator over the built-in workload's requests.
 pub struct Conversations {
     config: ConversationsConfig,
@@ -174,11 +185,7 @@ impl Conversations {
     /// Appends the previous turn's answer (its own block, drawn when that turn was made)
     /// and draws the block of this turn's answer, in the draw the answer always took.
     fn append_answer(&mut self, conv: &mut Conversation, prompt: &mut Vec<u32>) {
-        let answer = Answer {
-            block: conv.answer_block,
-            offset: 0,
-            block_tokens: u64::MAX,
-        };
+        let answer = conv.answer();
         prompt.extend((0..conv.pending_output as u64).map(|j| answer.token(j)));
         conv.answer_block = self.rng.fresh_block();
     }
@@ -211,11 +218,7 @@ impl Iterator for Conversations {
             tokens: prompt.clone(),
             // At most MAX_PROMPT_TOKENS (`validate`), so it fits.
             output_tokens: u32::try_from(conv.pending_output).unwrap_or(u32::MAX),
-            answer: Answer {
-                block: conv.answer_block,
-                offset: 0,
-                block_tokens: u64::MAX,
-            },
+            answer: conv.answer(),
             line: None,
         };
         conv.prompt = prompt;

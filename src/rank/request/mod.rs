@@ -358,11 +358,11 @@ impl RankCache {
         let first = if synthesise {
             req.fresh_from
         } else {
-            req.tokens.len()
+            req.hashes.len()
         };
         // The harness's rounds are not the request's: `group_rounds` counts serving steps.
         let v = self.agreed(&format!("request {n} verify"), &inputs, |me| {
-            me.compute_and_verify(&req.tokens, &req.pages, first, n, req.load.as_ref())
+            me.compute_and_verify(&req.hashes, &req.pages, first, n, req.load.as_ref())
         })?;
         req.stats.mismatched_tokens += v.all.count;
         req.stats.first_mismatched_token = req.stats.first_mismatched_token.or(v.all.first);
