@@ -1,13 +1,9 @@
 {% include "prelude.cu" %}
 {% include "copy_page.cu" %}
 
-// The CP rank pools of one buffer kind, passed by value so nothing needs uploading.
-struct ChcPools {
-    const u8* p[CP];
-};
-
 // Gathers sequence page i (global page p = seq_pages[i]) from rank p % CP, local page p / CP,
-// into dense[layer][i][PAGE_BYTES], for every layer. Work item w = (group of PAGES_PER_BLOCK
+// into dense[layer][i][PAGE_BYTES], for every layer. The pools are a page table: rank r's
+// layer l starts at pools[r * layers + l], its pages page_stride bytes apart. Work item w = (group of PAGES_PER_BLOCK
 // pages, layer), or with LAYERS_IN_BLOCK the group alone, whose pages are gathered for every
 // layer, page by page; blocks stride over the items. A block's pages, over all its items, are
 // one flat run of vectors (chc_copy_vecs). Pages beyond local_pages are skipped. MIN_BLOCKS
@@ -36,7 +32,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{ uri }}({# p
             }
             for (u32 layer = l0; layer < l1; ++layer) {
                 chc_copy_vecs(dense + ((u64)layer * n + i) * PAGE_BYTES,
-                              pools.p[owner] + ((u64)layer * local_pages + local) * PAGE_BYTES, v, PAGE_VECS);
+                              (const u8*)pools[owner * layers + layer] + (u64)local * page_stride, v, PAGE_VECS);
                 v = chc_next_start(v, PAGE_VECS);
             }
         }

@@ -5,7 +5,7 @@
 // of the sequence, token-interleaved (chc_token_at), that `rank` owns into its pool
 {% else %}// Writes the synthesised {{ buffer }} bytes (docs/KERNELS.md) of tokens [first_token, n_tokens)
 // of the sequence that `rank` owns into its pool
-{% endif %}// [layer][local_page][PAGE_BYTES]; other tokens (an extended request's earlier tokens in its
+{% endif %}// (a page table: layer l's local pages start at pool[l], page_stride bytes apart); other tokens (an extended request's earlier tokens in its
 // kept partial page), other pages and padding slots are left untouched.
 // Work item w = (layer, page); blocks stride over the items. Per field, the threads stride
 // over the flat pairs x -> (slot x / D, draw x % D) of the page's real tokens, each draw one
@@ -33,7 +33,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}({# parameters: K
         if (page % CP != rank || local >= local_pages) {
             continue;
         }
-        u8* dst = pool + ((u64)layer * local_pages + local) * PAGE_BYTES;
+        u8* dst = (u8*)pool[layer] + (u64)local * page_stride;
 {%- if interleaved %}
         const u32 real = chc_tokens_in_page(i, n_tokens);
         // A page holds its tokens in order: its first `lo` slots are before first_token.

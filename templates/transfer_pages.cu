@@ -1,26 +1,22 @@
 {% include "prelude.cu" %}
 {% include "copy_page.cu" %}
 
-// Byte offset of (page, layer) in a device pool of page_bytes pages: [layer][local_page][page_bytes].
-static __device__ inline u64 chc_device_off(u32 page, u32 layer, u32 layers, u32 device_pages, u32 host_pages, u64 page_bytes)
-{
-    return ((u64)layer * device_pages + page) * page_bytes;
-}
-
 // Byte offset of (page, layer) in a host pool of page_bytes pages: {{ host_layout_doc }}.
-static __device__ inline u64 chc_host_off(u32 page, u32 layer, u32 layers, u32 device_pages, u32 host_pages, u64 page_bytes)
+static __device__ inline u64 chc_host_off(u32 page, u32 layer, u32 layers, u32 host_pages, u64 page_bytes)
 {
     return {{ host_off_expr }};
 }
 
-// Copies work item w of one buffer (pools src → dst, pages of page_bytes = page_vecs
-// vectors): the pairs [first, first + np) for the layers [l0, l1), continuing this thread's
-// place `v` in the block's flat run; returns its place in the next page of the run. Pairs
-// whose page is outside its pool are skipped (not part of the run).
-static __device__ inline u32 chc_transfer_item(u8* __restrict__ dst, const u8* __restrict__ src,
+// Copies work item w of one buffer (device pool through its page table `device`, pages
+// page_stride bytes apart; host pool `host`; pages of page_bytes = page_vecs vectors): the
+// pairs [first, first + np) for the layers [l0, l1), continuing this thread's place `v` in
+// the block's flat run; returns its place in the next page of the run. Pairs whose page is
+// outside its pool are skipped (not part of the run).
+static __device__ inline u32 chc_transfer_item(const u64* __restrict__ device, {{ host_type }} __restrict__ host,
                                                const u32* __restrict__ src_pages, const u32* __restrict__ dst_pages,
                                                u32 first, u32 np, u32 l0, u32 l1, u32 layers,
-                                               u32 device_pages, u32 host_pages, u64 page_bytes, u32 page_vecs, u32 v)
+                                               u32 device_pages, u32 host_pages, u64 page_stride,
+                                               u64 page_bytes, u32 page_vecs, u32 v)
 {
     for (u32 q = 0; q < np; ++q) {
         const u32 sp = src_pages[first + q];
@@ -29,8 +25,9 @@ static __device__ inline u32 chc_transfer_item(u8* __restrict__ dst, const u8* _
             continue;
         }
         for (u32 layer = l0; layer < l1; ++layer) {
-            chc_copy_vecs(dst + {{ dst_off }}(dp, layer, layers, device_pages, host_pages, page_bytes),
-                          src + {{ src_off }}(sp, layer, layers, device_pages, host_pages, page_bytes), v, page_vecs);
+            {{ device_type }} dev = ({{ device_type }})device[layer] + (u64){{ device_page }} * page_stride;
+            {{ host_type }} h = host + chc_host_off({{ host_page }}, layer, layers, host_pages, page_bytes);
+            chc_copy_vecs({{ copy_args }}, v, page_vecs);
             v = chc_next_start(v, page_vecs);
         }
     }
@@ -39,13 +36,16 @@ static __device__ inline u32 chc_transfer_item(u8* __restrict__ dst, const u8* _
 
 // Copies page blobs {{ direction_doc }} for layers [first_layer, first_layer + layer_count)
 // of every pair, clamped to the pools' [0, layers) (`layers` stays the pools' total in the
-// offsets): pair i moves src_pages[i] to dst_pages[i]{% if second %}, in both buffers: src → dst ({{ first_doc }})
-// and src1 → dst1 ({{ second_doc }}), one launch for the page move{% endif %}. Work item w = (buffer,
-// group of PAGES_PER_BLOCK pairs, layer of the range), or with LAYERS_IN_BLOCK (buffer,
-// group), whose pages are copied for every layer of the range, page by page; blocks stride
-// over the items, so any grid is correct. A block's pages, over all its items, are one flat
-// run of vectors (chc_copy_vecs), so page tails do not idle threads. Pairs whose page is
-// outside its pool are skipped; an empty range (or one wholly past `layers`) copies nothing.
+// offsets): pair i moves src_pages[i] to dst_pages[i]{% if second %}, in both buffers: device/host
+// ({{ first_doc }}) and device1/host1 ({{ second_doc }}), one launch for the page move{% endif %}.
+// A device pool is a page table: layer l's pages start at device[l], page_stride bytes apart
+// (the cache's own pools, an engine's per-layer tensors, one cross-layer tensor in either
+// order). Work item w = (buffer, group of PAGES_PER_BLOCK pairs, layer of the range), or with
+// LAYERS_IN_BLOCK (buffer, group), whose pages are copied for every layer of the range, page
+// by page; blocks stride over the items, so any grid is correct. A block's pages, over all its
+// items, are one flat run of vectors (chc_copy_vecs), so page tails do not idle threads. Pairs
+// whose page is outside its pool are skipped; an empty range (or one wholly past `layers`)
+// copies nothing.
 extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}({# parameters: KernelSpec::params() #}
 {{ params }}
 {
@@ -67,13 +67,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}({# parameters: K
         const u32 np = (u64)first + PAGES_PER_BLOCK <= n ? PAGES_PER_BLOCK : n - first;
 {%- if second %}
         if (w >= per_buffer) {
-            v = chc_transfer_item(dst1, src1, src_pages, dst_pages, first, np, l0, l1, layers,
-                                  device_pages, host_pages, PAGE_BYTES_1, PAGE_VECS_1, v);
+            v = chc_transfer_item(device1, host1, src_pages, dst_pages, first, np, l0, l1, layers,
+                                  device_pages, host_pages, page_stride1, PAGE_BYTES_1, PAGE_VECS_1, v);
             continue;
         }
 {%- endif %}
-        v = chc_transfer_item(dst, src, src_pages, dst_pages, first, np, l0, l1, layers,
-                              device_pages, host_pages, PAGE_BYTES, PAGE_VECS, v);
+        v = chc_transfer_item(device, host, src_pages, dst_pages, first, np, l0, l1, layers,
+                              device_pages, host_pages, page_stride, PAGE_BYTES, PAGE_VECS, v);
     }
 }
 {% include "epilogue.cu" %}

@@ -1088,7 +1088,13 @@ fn read_through_views(me: &RankCache, req: &cp_hicache::rank::Request) -> Vec<Ve
                 let mut bytes = vec![0u8; n as usize];
                 let at = (layer * u64::from(g.local_pages) + local) * n;
                 me.executor()
-                    .read(me.pools().views(kind)[owner], at, &mut bytes)
+                    .read(
+                        me.pools().views(kind)[owner]
+                            .buffer
+                            .expect("the cache's own pool"),
+                        at,
+                        &mut bytes,
+                    )
                     .unwrap();
                 out.push(bytes);
             }

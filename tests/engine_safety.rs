@@ -84,7 +84,7 @@ fn forward(rc: &RankCache, req: &Request) {
             for layer in 0..rc.pools().geometry().layers {
                 rc.executor()
                     .upload(
-                        rc.pools().device(kind),
+                        rc.pools().device(kind).expect("the cache's own pool"),
                         offset(rc, kind, p, layer),
                         &forward_bytes(rc, kind, i, layer),
                     )
@@ -107,7 +107,9 @@ fn attention_mismatches(rc: &RankCache, req: &Request) -> usize {
                 let mut got = vec![0u8; want.len()];
                 rc.executor()
                     .read(
-                        rc.pools().views(kind)[owner],
+                        rc.pools().views(kind)[owner]
+                            .buffer
+                            .expect("the cache's own pool"),
                         offset(rc, kind, p, layer),
                         &mut got,
                     )

@@ -27,8 +27,8 @@ use cp_hicache::kernels::{
 };
 use cp_hicache::layout::{CpLayout, Layout, Placement};
 use support::{
-    cpu_copy_launch, grid, i64s, le32, le64, u32s, uri_seed, Bench, MaterialiseCase, Rng,
-    TransferCase, Twist, ORDERS, POISON,
+    cpu_copy_launch, grid, i64s, le32, le64, u32s, uri_seed, Bench, MaterialiseCase, PoolOrder,
+    Rng, TransferCase, Twist, ORDERS, POISON, POOL_ORDERS,
 };
 
 const CPS: [u8; 5] = [1, 2, 4, 8, 16];
@@ -554,9 +554,12 @@ fn every_kernel_takes_its_exact_reach_and_refuses_one_byte_less() {
 fn every_written_parameter_refuses_an_aliased_pointer() {
     let mut b = Bench::new(BlockOrder::Forward, libs());
     let mut refused = HashSet::new();
+    // A page table's pointers are written where the table says so (the table is read).
+    let writes =
+        |p: &cp_hicache::kernels::KernelParam| p.writes() || p.entries.is_some_and(|t| t.writes);
     for spec in all_specs() {
         let params = spec.params();
-        for (w, written) in params.iter().enumerate().filter(|(_, p)| p.writes()) {
+        for (w, written) in params.iter().enumerate().filter(|(_, p)| writes(p)) {
             for (o, other) in params.iter().enumerate() {
                 if o == w || other.reach.is_none() {
                     continue;
@@ -570,7 +573,7 @@ fn every_written_parameter_refuses_an_aliased_pointer() {
                     continue;
                 }
                 // The message names a written parameter first: the earlier one when both are.
-                let (first, second) = if other.writes() && o < w {
+                let (first, second) = if writes(other) && o < w {
                     (o, w)
                 } else {
                     (w, o)
@@ -599,7 +602,7 @@ fn every_written_parameter_refuses_an_aliased_pointer() {
         .flat_map(|s| {
             let params = s.params();
             let mut v = Vec::new();
-            for w in params.iter().filter(|p| p.writes()) {
+            for w in params.iter().filter(|p| writes(p)) {
                 for o in params
                     .iter()
                     .filter(|p| p.reach.is_some() && p.name != w.name)
@@ -1280,7 +1283,9 @@ fn check_transfer(b: &mut Bench, spec: KernelSpec, order: BlockOrder) {
     let descriptors = s.descriptors();
     let mut rng = Rng::new(&[4, order_id(order), uri_seed(&spec)]);
     let (_, src_cap, dst_cap) = transfer_pools(&s, layers, device_pages, host_pages);
-    for trial in 0..2 {
+    // A trial per device pool order: the kernel reaches each through its page table.
+    for (trial, pool_order) in POOL_ORDERS.into_iter().enumerate() {
+        b.pool_order = pool_order;
         // Distinct destination pages, one of them possibly out of range (skipped),
         // and source pages that may be out of range too.
         let perm = rng.permutation(dst_cap + 1);
@@ -1319,7 +1324,7 @@ fn check_transfer(b: &mut Bench, spec: KernelSpec, order: BlockOrder) {
         for (i, ((copied, src), d)) in copied.iter().zip(&srcs).zip(&descriptors).enumerate() {
             assert!(
                 copied.got == copied.want,
-                "{spec} {order} trial {trial} grid {g} buffer {i}: first difference at byte {:?}; src {src_pages:?} dst {dst_pages:?}",
+                "{spec} {order} trial {trial} ({pool_order:?}) grid {g} buffer {i}: first difference at byte {:?}; src {src_pages:?} dst {dst_pages:?}",
                 copied.first_difference()
             );
             assert_eq!(
@@ -1522,24 +1527,28 @@ fn check_materialise(b: &mut Bench, cp: u8, ps: u32, order: BlockOrder) {
         let seq: Vec<u32> = (0..n)
             .map(|_| rng.below(u64::from(cpn * (local_pages + 1))) as u32)
             .collect();
-        let g = grid(&mut rng, spec.launch_dims(n, layers).grid);
-        let copied = b.materialise(
-            &spec,
-            g,
-            &MaterialiseCase {
-                pools: &pools,
-                seq: &seq,
-                layers,
-                local_pages,
-                guard: GUARD,
-            },
-        );
-        assert!(
-            copied.got == copied.want,
-            "{spec} {order} grid {g} pages {seq:?}: first difference at byte {:?}",
-            copied.first_difference()
-        );
+        for pool_order in POOL_ORDERS {
+            b.pool_order = pool_order;
+            let g = grid(&mut rng, spec.launch_dims(n, layers).grid);
+            let copied = b.materialise(
+                &spec,
+                g,
+                &MaterialiseCase {
+                    pools: &pools,
+                    seq: &seq,
+                    layers,
+                    local_pages,
+                    guard: GUARD,
+                },
+            );
+            assert!(
+                copied.got == copied.want,
+                "{spec} {order} {pool_order:?} grid {g} pages {seq:?}: first difference at byte {:?}",
+                copied.first_difference()
+            );
+        }
     }
+    b.pool_order = PoolOrder::LayerMajor;
 }
 
 fn tokens(rng: &mut Rng, n: u32) -> Vec<u32> {
@@ -1604,13 +1613,16 @@ fn check_synthesise(b: &mut Bench, spec: KernelSpec, order: BlockOrder) {
         let hb = b.bytes(&le64(&hashes), 0);
         let sb = b.bytes(&le32(&seq), 0);
         for rank in 0..cpn {
-            let pool = b.poison(pool_bytes + GUARD);
+            // Each rank's pool in another order: the kernel reaches it through a page table.
+            let pool_order = POOL_ORDERS[(trial as usize + rank as usize) % POOL_ORDERS.len()];
+            let shape = (layers, local_pages, s.buffer.page_bytes(ps));
+            let pool = b.place_pool(pool_order, &vec![POISON; pool_bytes], shape, GUARD);
             let g = grid(&mut rng, spec.launch_dims(items, layers).grid);
             b.launch(
                 &spec,
                 g,
                 &[
-                    KernelArg::Ptr(pool, 0),
+                    pool.table.arg(),
                     KernelArg::Ptr(hb, 0),
                     KernelArg::Ptr(sb, 0),
                     KernelArg::U32(n_tokens),
@@ -1618,6 +1630,7 @@ fn check_synthesise(b: &mut Bench, spec: KernelSpec, order: BlockOrder) {
                     KernelArg::U32(rank),
                     KernelArg::U32(layers),
                     KernelArg::U32(local_pages),
+                    KernelArg::U32(pool.table.page_stride),
                 ],
             );
             let mut want = vec![POISON; pool_bytes + GUARD];
@@ -1636,10 +1649,10 @@ fn check_synthesise(b: &mut Bench, spec: KernelSpec, order: BlockOrder) {
                 local_pages,
             )
             .unwrap();
-            let got = b.read(pool);
+            let got = b.read_pool(&pool);
             assert!(
                 got == want,
-                "{spec} {order} trial {trial} rank {rank} grid {g} tokens {n_tokens} first {first_token} pages {seq:?}: first difference at byte {:?}",
+                "{spec} {order} {pool_order:?} trial {trial} rank {rank} grid {g} tokens {n_tokens} first {first_token} pages {seq:?}: first difference at byte {:?}",
                 got.iter().zip(&want).position(|(a, b)| a != b)
             );
         }

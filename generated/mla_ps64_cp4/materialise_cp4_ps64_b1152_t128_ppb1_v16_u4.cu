@@ -68,20 +68,16 @@ static __device__ inline u32 chc_next_start(u32 v, u32 page_vecs)
     return v + (page_vecs - v + THREADS - 1u) / THREADS * THREADS - page_vecs;
 }
 
-// The CP rank pools of one buffer kind, passed by value so nothing needs uploading.
-struct ChcPools {
-    const u8* p[CP];
-};
-
 // Gathers sequence page i (global page p = seq_pages[i]) from rank p % CP, local page p / CP,
-// into dense[layer][i][PAGE_BYTES], for every layer. Work item w = (group of PAGES_PER_BLOCK
+// into dense[layer][i][PAGE_BYTES], for every layer. The pools are a page table: rank r's
+// layer l starts at pools[r * layers + l], its pages page_stride bytes apart. Work item w = (group of PAGES_PER_BLOCK
 // pages, layer), or with LAYERS_IN_BLOCK the group alone, whose pages are gathered for every
 // layer, page by page; blocks stride over the items. A block's pages, over all its items, are
 // one flat run of vectors (chc_copy_vecs). Pages beyond local_pages are skipped. MIN_BLOCKS
 // blocks fit an SM (a full one): the gather is bound by HBM, so occupancy is bytes in flight.
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) materialise_cp4_ps64_b1152_t128_ppb1_v16_u4(
-    const __grid_constant__ ChcPools pools, const u32* __restrict__ seq_pages, u32 n,
-    u32 layers, u32 local_pages, u8* __restrict__ dense)
+    const u64* __restrict__ pools, const u32* __restrict__ seq_pages, u32 n, u32 layers,
+    u32 local_pages, u32 page_stride, u8* __restrict__ dense)
 {
     // In 64 bits: n near 2^32 must not wrap the rounding (or the pair index below) to 0.
     const u32 groups = (u32)(((u64)n + PAGES_PER_BLOCK - 1u) / PAGES_PER_BLOCK);
@@ -104,7 +100,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) materialise_cp
             }
             for (u32 layer = l0; layer < l1; ++layer) {
                 chc_copy_vecs(dense + ((u64)layer * n + i) * PAGE_BYTES,
-                              pools.p[owner] + ((u64)layer * local_pages + local) * PAGE_BYTES, v, PAGE_VECS);
+                              (const u8*)pools[owner * layers + layer] + (u64)local * page_stride, v, PAGE_VECS);
                 v = chc_next_start(v, PAGE_VECS);
             }
         }

@@ -67,26 +67,22 @@ static __device__ inline u32 chc_next_start(u32 v, u32 page_vecs)
     return v + (page_vecs - v + THREADS - 1u) / THREADS * THREADS - page_vecs;
 }
 
-// Byte offset of (page, layer) in a device pool of page_bytes pages: [layer][local_page][page_bytes].
-static __device__ inline u64 chc_device_off(u32 page, u32 layer, u32 layers, u32 device_pages, u32 host_pages, u64 page_bytes)
-{
-    return ((u64)layer * device_pages + page) * page_bytes;
-}
-
 // Byte offset of (page, layer) in a host pool of page_bytes pages: layer-first [layer][host_page][page_bytes].
-static __device__ inline u64 chc_host_off(u32 page, u32 layer, u32 layers, u32 device_pages, u32 host_pages, u64 page_bytes)
+static __device__ inline u64 chc_host_off(u32 page, u32 layer, u32 layers, u32 host_pages, u64 page_bytes)
 {
     return ((u64)layer * host_pages + page) * page_bytes;
 }
 
-// Copies work item w of one buffer (pools src → dst, pages of page_bytes = page_vecs
-// vectors): the pairs [first, first + np) for the layers [l0, l1), continuing this thread's
-// place `v` in the block's flat run; returns its place in the next page of the run. Pairs
-// whose page is outside its pool are skipped (not part of the run).
-static __device__ inline u32 chc_transfer_item(u8* __restrict__ dst, const u8* __restrict__ src,
+// Copies work item w of one buffer (device pool through its page table `device`, pages
+// page_stride bytes apart; host pool `host`; pages of page_bytes = page_vecs vectors): the
+// pairs [first, first + np) for the layers [l0, l1), continuing this thread's place `v` in
+// the block's flat run; returns its place in the next page of the run. Pairs whose page is
+// outside its pool are skipped (not part of the run).
+static __device__ inline u32 chc_transfer_item(const u64* __restrict__ device, u8* __restrict__ host,
                                                const u32* __restrict__ src_pages, const u32* __restrict__ dst_pages,
                                                u32 first, u32 np, u32 l0, u32 l1, u32 layers,
-                                               u32 device_pages, u32 host_pages, u64 page_bytes, u32 page_vecs, u32 v)
+                                               u32 device_pages, u32 host_pages, u64 page_stride,
+                                               u64 page_bytes, u32 page_vecs, u32 v)
 {
     for (u32 q = 0; q < np; ++q) {
         const u32 sp = src_pages[first + q];
@@ -95,8 +91,9 @@ static __device__ inline u32 chc_transfer_item(u8* __restrict__ dst, const u8* _
             continue;
         }
         for (u32 layer = l0; layer < l1; ++layer) {
-            chc_copy_vecs(dst + chc_host_off(dp, layer, layers, device_pages, host_pages, page_bytes),
-                          src + chc_device_off(sp, layer, layers, device_pages, host_pages, page_bytes), v, page_vecs);
+            const u8* dev = (const u8*)device[layer] + (u64)sp * page_stride;
+            u8* h = host + chc_host_off(dp, layer, layers, host_pages, page_bytes);
+            chc_copy_vecs(h, dev, v, page_vecs);
             v = chc_next_start(v, page_vecs);
         }
     }
@@ -105,16 +102,19 @@ static __device__ inline u32 chc_transfer_item(u8* __restrict__ dst, const u8* _
 
 // Copies page blobs device → host for layers [first_layer, first_layer + layer_count)
 // of every pair, clamped to the pools' [0, layers) (`layers` stays the pools' total in the
-// offsets): pair i moves src_pages[i] to dst_pages[i]. Work item w = (buffer,
-// group of PAGES_PER_BLOCK pairs, layer of the range), or with LAYERS_IN_BLOCK (buffer,
-// group), whose pages are copied for every layer of the range, page by page; blocks stride
-// over the items, so any grid is correct. A block's pages, over all its items, are one flat
-// run of vectors (chc_copy_vecs), so page tails do not idle threads. Pairs whose page is
-// outside its pool are skipped; an empty range (or one wholly past `layers`) copies nothing.
+// offsets): pair i moves src_pages[i] to dst_pages[i].
+// A device pool is a page table: layer l's pages start at device[l], page_stride bytes apart
+// (the cache's own pools, an engine's per-layer tensors, one cross-layer tensor in either
+// order). Work item w = (buffer, group of PAGES_PER_BLOCK pairs, layer of the range), or with
+// LAYERS_IN_BLOCK (buffer, group), whose pages are copied for every layer of the range, page
+// by page; blocks stride over the items, so any grid is correct. A block's pages, over all its
+// items, are one flat run of vectors (chc_copy_vecs), so page tails do not idle threads. Pairs
+// whose page is outside its pool are skipped; an empty range (or one wholly past `layers`)
+// copies nothing.
 extern "C" __global__ void __launch_bounds__(THREADS) transfer_pages_d2h_lf_ps64_b1152_t512_ppb1_v16_u8_g4(
-    const u8* __restrict__ src, u8* __restrict__ dst, const u32* __restrict__ src_pages,
+    const u64* __restrict__ device, u8* __restrict__ host, const u32* __restrict__ src_pages,
     const u32* __restrict__ dst_pages, u32 n, u32 layers, u32 first_layer, u32 layer_count,
-    u32 device_pages, u32 host_pages)
+    u32 device_pages, u32 host_pages, u32 page_stride)
 {
     // The range, clamped in 64 bits: first_layer + layer_count near 2^32 must not wrap.
     const u64 range_end = (u64)first_layer + layer_count;
@@ -132,8 +132,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) transfer_pages_d2h_lf_ps64
         const u32 l1 = LAYERS_IN_BLOCK ? l_end : l0 + 1u;
         const u32 first = (u32)(wb % groups) * PAGES_PER_BLOCK;
         const u32 np = (u64)first + PAGES_PER_BLOCK <= n ? PAGES_PER_BLOCK : n - first;
-        v = chc_transfer_item(dst, src, src_pages, dst_pages, first, np, l0, l1, layers,
-                              device_pages, host_pages, PAGE_BYTES, PAGE_VECS, v);
+        v = chc_transfer_item(device, host, src_pages, dst_pages, first, np, l0, l1, layers,
+                              device_pages, host_pages, page_stride, PAGE_BYTES, PAGE_VECS, v);
     }
 }
 

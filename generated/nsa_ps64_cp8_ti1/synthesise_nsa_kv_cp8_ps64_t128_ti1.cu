@@ -104,7 +104,7 @@ __device__ inline u32 chc_slot_of(u64 t)
 
 // Writes the synthesised nsa_kv bytes (docs/KERNELS.md) of tokens [first_token, n_tokens)
 // of the sequence, token-interleaved (chc_token_at), that `rank` owns into its pool
-// [layer][local_page][PAGE_BYTES]; other tokens (an extended request's earlier tokens in its
+// (a page table: layer l's local pages start at pool[l], page_stride bytes apart); other tokens (an extended request's earlier tokens in its
 // kept partial page), other pages and padding slots are left untouched.
 // Work item w = (layer, page); blocks stride over the items. Per field, the threads stride
 // over the flat pairs x -> (slot x / D, draw x % D) of the page's real tokens, each draw one
@@ -112,9 +112,9 @@ __device__ inline u32 chc_slot_of(u64 t)
 // PHASES-th of its pairs has the same draw, TOK_STEP slots on (PHASES * THREADS = TOK_STEP * D
 // = lcm(THREADS, D)), so it walks them phase by phase and mixes the draw's key once a phase.
 extern "C" __global__ void __launch_bounds__(THREADS) synthesise_nsa_kv_cp8_ps64_t128_ti1(
-    u8* __restrict__ pool, const u64* __restrict__ prefix_hash,
+    const u64* __restrict__ pool, const u64* __restrict__ prefix_hash,
     const u32* __restrict__ seq_pages, u32 n_tokens, u32 first_token, u32 rank, u32 layers,
-    u32 local_pages)
+    u32 local_pages, u32 page_stride)
 {
     const u32 n_pages = (u32)(((u64)n_tokens + GRANULE_TOKENS - 1u) / GRANULE_TOKENS * CP);
     // Every page of first_token's granule may hold later tokens.
@@ -129,7 +129,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) synthesise_nsa_kv_cp8_ps64
         if (page % CP != rank || local >= local_pages) {
             continue;
         }
-        u8* dst = pool + ((u64)layer * local_pages + local) * PAGE_BYTES;
+        u8* dst = (u8*)pool[layer] + (u64)local * page_stride;
         const u32 real = chc_tokens_in_page(i, n_tokens);
         // A page holds its tokens in order: its first `lo` slots are before first_token.
         const u32 lo = chc_tokens_in_page(i, first_token);

@@ -164,6 +164,16 @@ class RankCache:
         backend: ``"auto"``, ``"host"`` (CPU emulation) or ``"cuda"``.
         tuning: a tuning file of ``cp-hicache tune``.
         fault: a fault to inject (``"plain-alloc-on-load"``, ...), for tests.
+        device_buffers: the engine's own device KV, one entry per buffer kind of the
+            deployment (``deployment.buffers``), adopted as this rank's device pools instead of
+            allocating them: a list of per-layer tensors (``[pages, ...]``, SGLang), one
+            ``[layers, pages, ...]`` tensor, or :class:`cp_hicache.ops.PageMajor` of one
+            ``[pages, layers, ...]`` tensor (vLLM). Each holds at least the rank's
+            ``ceil(device_pages / cp)`` pages per layer, C-contiguous, CPU tensors on the host
+            backend and CUDA ones on the CUDA backend. The cache loads into and verifies the
+            engine's tensors, and keeps them alive while it lives. Ranks in separate
+            processes cannot map each other's engine memory yet, so with a group this is
+            refused; a single rank (``cp=1``) adopts.
 
     The CP layout (who owns each token) is the deployment's
     (``Deployment(layout=..., interleave_size=...)``); every rank must use the same one
@@ -194,10 +204,28 @@ class RankCache:
         backend: str = "auto",
         tuning: Optional[str] = None,
         fault: Optional[str] = None,
+        device_buffers: Optional[Sequence[Any]] = None,
     ) -> None:
         collective = None
         if group is not None:
             collective = group if hasattr(group, "exchange") else TorchCollective(group)
+        adopted = None
+        if device_buffers is not None:
+            from .ops import _tensors
+
+            if not isinstance(device_buffers, (list, tuple)):
+                raise UsageError("device_buffers: one entry per buffer kind of the deployment")
+            names = deployment.buffers
+            if len(device_buffers) != len(names):
+                raise UsageError(
+                    f"device_buffers: {len(device_buffers)} entries for the buffer kinds "
+                    f"{', '.join(names)}"
+                )
+            cuda = backend == "cuda"
+            adopted = [
+                _tensors(t, f"device_buffers[{b}]", deployment.page_bytes(b), cuda)
+                for t, b in zip(device_buffers, names)
+            ]
         self._native = _native.RankCache(
             deployment,
             rank,
@@ -208,7 +236,14 @@ class RankCache:
             backend=backend,
             tuning=tuning,
             fault=fault,
+            device_buffers=adopted,
+            keep=list(device_buffers) if device_buffers is not None else None,
         )
+
+    @property
+    def adopts_device(self) -> bool:
+        """Whether the device pools are the engine's tensors (``device_buffers=``)."""
+        return self._native.adopts_device
 
     @property
     def rank(self) -> int:

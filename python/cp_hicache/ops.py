@@ -10,10 +10,13 @@ cp-hicache's JIT'd kernels, the way FlashInfer and sgl-kernel serve engines::
     ops.transfer("h2d", device=[kv_layers], host=[host_kv], src_pages=h, dst_pages=d)
     ops.materialise("mla_kv", pools=[rank0, rank1, rank2, rank3], seq_pages=p, out=dense)
 
-A buffer kind's tensors are one cross-layer tensor (``[layers, pages, ...]``, vLLM) or a
-list with one tensor per layer (``[pages, ...]``, SGLang), C-contiguous, any dtype whose
-items tile a page. Device tensors are indexed by local page; a page-first host pool
-(``[pages, layers, ...]``, the NSA deployments') is one tensor. Every argument is checked
+A buffer kind's tensors are one cross-layer tensor (``[layers, pages, ...]``), a list with
+one tensor per layer (``[pages, ...]``, SGLang), or, for device tensors, one page-major
+tensor wrapped as :class:`PageMajor` (``[blocks, layers, ...]``, vLLM's cross-layer KV
+cache), C-contiguous, any dtype whose items tile a page. The kernels reach device tensors
+through page tables, so each order is one launch. Device tensors are indexed by local page;
+a host pool follows the deployment's host layout (page-first ``[pages, layers, ...]`` for the
+NSA deployments) and is one tensor or, layer-first, one per layer. Every argument is checked
 before anything is launched; a bad one raises :class:`UsageError` naming it and the rule.
 
 The host backend runs the kernels on CPU tensors (torch or numpy), in order. The CUDA
@@ -34,7 +37,7 @@ import numpy as np
 from . import _native
 from ._native import Deployment, UsageError
 
-__all__ = ["Lanes", "Ops"]
+__all__ = ["Lanes", "Ops", "PageMajor"]
 
 Tensor = Any  # a torch.Tensor or a numpy.ndarray
 Tensors = Union[Tensor, Sequence[Tensor]]
@@ -76,12 +79,24 @@ def _region(t: Tensor, what: str, page_bytes: int, cuda: bool = False) -> Tuple[
     return int(addr), int(nbytes)
 
 
+class PageMajor:
+    """A device tensor laid out ``[pages, layers, ...]`` (vLLM's cross-layer KV cache,
+    ``[num_blocks, num_layers, ...]``): layer ``l`` of page ``p`` at ``(p * layers + l)``
+    pages from its start. Device tensors and pools only."""
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor = tensor
+
+
 def _tensors(
     t: Tensors, what: str, page_bytes: int, cuda: bool = False
-) -> Tuple[bool, List[Tuple[int, int]]]:
+) -> Tuple[str, List[Tuple[int, int]]]:
+    if isinstance(t, PageMajor):
+        return "page_major", [_region(t.tensor, what, page_bytes, cuda)]
     if isinstance(t, (list, tuple)):
-        return True, [_region(x, f"{what} layer {i}", page_bytes, cuda) for i, x in enumerate(t)]
-    return False, [_region(t, what, page_bytes, cuda)]
+        regions = [_region(x, f"{what} layer {i}", page_bytes, cuda) for i, x in enumerate(t)]
+        return "per_layer", regions
+    return "cross_layer", [_region(t, what, page_bytes, cuda)]
 
 
 def _pages(p: Any, what: str) -> bytes:
@@ -166,7 +181,7 @@ class Ops:
         """Bytes of one page of ``buffer``."""
         return self._native.page_bytes(buffer)
 
-    def _side(self, tensors: Sequence[Tensors], what: str) -> List[Tuple[bool, List[Tuple[int, int]]]]:
+    def _side(self, tensors: Sequence[Tensors], what: str) -> List[Tuple[str, List[Tuple[int, int]]]]:
         if not isinstance(tensors, (list, tuple)):
             raise UsageError(f"{what}: one entry per buffer kind ({', '.join(self.buffers)})")
         if len(tensors) != len(self.buffers):
@@ -190,8 +205,8 @@ class Ops:
     ) -> int:
         """Copies page ``src_pages[i]`` to page ``dst_pages[i]`` of every buffer kind, for
         the layers in ``layers`` (all by default): ``"h2d"`` host → device or ``"d2h"``
-        device → host, one launch moving every buffer kind (one per layer when a side is
-        per-layer). ``device`` and ``host`` hold one entry per buffer kind (:attr:`buffers`;
+        device → host, one launch moving every buffer kind (one per layer when the host side
+        is per-layer). ``device`` and ``host`` hold one entry per buffer kind (:attr:`buffers`;
         NSA's ``kv`` and ``index_k`` move together). Destinations must be distinct. Returns
         the bytes moved. SGLang: the host pool's ``load_to_device_per_layer`` /
         ``backup_from_device_all_layer``."""

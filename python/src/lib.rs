@@ -132,6 +132,12 @@ impl Deployment {
             .collect()
     }
 
+    /// Bytes of one page of `buffer` (one of [`buffers`](Self::buffers)).
+    fn page_bytes(&self, buffer: &str) -> PyResult<u64> {
+        let b = ops::deployment_buffer(&self.inner, buffer)?;
+        Ok(b.page_bytes(self.inner.page_size))
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "Deployment(model={:?}, page_size={}, cp={}, layers={}, transfer={:?}, layout={:?}{})",

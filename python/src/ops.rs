@@ -12,8 +12,9 @@ use cp_hicache::ops::{Lanes, Ops as CoreOps, OpsError, Region, Tensors};
 use pyo3::prelude::*;
 use std::sync::Arc;
 
-/// One buffer kind's tensors as Python passes them: `(per_layer, [(addr, bytes), ...])`.
-type TensorsArg = (bool, Vec<(u64, u64)>);
+/// One buffer kind's tensors as Python passes them: `(kind, [(addr, bytes), ...])`, the kind
+/// `"cross_layer"`, `"per_layer"` or `"page_major"`.
+pub(crate) type TensorsArg = (String, Vec<(u64, u64)>);
 
 /// An engine's lanes as Python passes them: `(stacks, tops, status)`, each `(addr, bytes)`.
 type LanesArg = ((u64, u64), (u64, u64), (u64, u64));
@@ -30,19 +31,21 @@ fn lanes((stacks, tops, status): LanesArg) -> Lanes {
     }
 }
 
-fn tensors((per_layer, regions): TensorsArg, what: &str) -> PyResult<Tensors> {
+pub(crate) fn tensors((kind, regions): TensorsArg, what: &str) -> PyResult<Tensors> {
     let regions: Vec<Region> = regions
         .into_iter()
         .map(|(addr, bytes)| Region { addr, bytes })
         .collect();
-    if per_layer {
-        return Ok(Tensors::PerLayer(regions));
-    }
-    match regions.as_slice() {
-        [one] => Ok(Tensors::CrossLayer(*one)),
-        _ => Err(usage(format!(
-            "{what}: a cross-layer tensor is one region, not {}",
+    match (kind.as_str(), regions.as_slice()) {
+        ("per_layer", _) => Ok(Tensors::PerLayer(regions)),
+        ("cross_layer", [one]) => Ok(Tensors::CrossLayer(*one)),
+        ("page_major", [one]) => Ok(Tensors::PageMajor(*one)),
+        ("cross_layer" | "page_major", _) => Err(usage(format!(
+            "{what}: a {kind} tensor is one region, not {}",
             regions.len()
+        ))),
+        _ => Err(usage(format!(
+            "{what}: tensors are cross_layer, per_layer or page_major, not {kind:?}"
         ))),
     }
 }
@@ -71,7 +74,15 @@ fn pages(bytes: &[u8], what: &str) -> PyResult<Vec<u32>> {
 }
 
 fn buffer_kind(ops: &CoreOps, name: &str) -> PyResult<BufferKind> {
-    let buffers = ops.deployment().model.buffers();
+    deployment_buffer(ops.deployment(), name)
+}
+
+/// The buffer kind of `dep` named `name`, or a usage error listing its buffers.
+pub(crate) fn deployment_buffer(
+    dep: &cp_hicache::kernels::Deployment,
+    name: &str,
+) -> PyResult<BufferKind> {
+    let buffers = dep.model.buffers();
     buffers
         .iter()
         .copied()

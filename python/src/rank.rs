@@ -27,6 +27,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 /// One CP rank's cache: its radix-tree and allocator replicas, its host pool, its device
 /// pools (shared with its peers) and its kernels.
+/// Where a pool is mapped in this process, and how many bytes the mapping holds (`None` in
+/// [`RankCache::pools`] for an engine's adopted memory, which has no single mapping).
+type Mapping = (Address, usize);
+
 #[pyclass(module = "cp_hicache._native", frozen, weakref)]
 pub struct RankCache {
     /// The rank; `None` once closed and no view of its pools is left (then its memory is
@@ -43,7 +47,7 @@ pub struct RankCache {
     layout: CpLayout,
     /// Every buffer kind's pool per owner (this rank's own at `rank`), as addresses, with
     /// the size of each mapping (a peer's is the size it was imported with).
-    pools: Vec<(BufferKind, Vec<(Address, usize)>)>,
+    pools: Vec<(BufferKind, Vec<Option<Mapping>>)>,
     geometry: PoolGeometry,
     /// After `close`: every call is refused, but the pools stay mapped until the last
     /// tensor taken from them is gone (each holds this object).
@@ -53,6 +57,9 @@ pub struct RankCache {
     group: Option<GroupSlot>,
     /// An interrupt raised inside the group's `exchange`, raised again as itself.
     interrupt: Option<InterruptSlot>,
+    /// The engine tensors the pools adopted (`device_buffers=`), kept alive for as long as
+    /// this object, which outlives the rank (declared last: dropped after `inner`).
+    adopted: Option<Py<PyAny>>,
 }
 
 /// A live view of a cache's pools (a `Pool` object, a DLPack tensor): while any is alive a
@@ -373,7 +380,8 @@ impl RankCache {
     #[new]
     #[pyo3(signature = (
         deployment, rank = 0, collective = None, *, device_pages, host_pages,
-        policy = "write_through", backend = "auto", tuning = None, fault = None
+        policy = "write_through", backend = "auto", tuning = None, fault = None,
+        device_buffers = None, keep = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -387,6 +395,8 @@ impl RankCache {
         backend: &str,
         tuning: Option<PathBuf>,
         fault: Option<&str>,
+        device_buffers: Option<Vec<crate::ops::TensorsArg>>,
+        keep: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
         let cp = deployment.inner.cp;
         let (mut group_slot, mut interrupt) = (None, None);
@@ -440,6 +450,18 @@ impl RankCache {
             }
             Ok((device_pages, host_pages, policy, fault, backend))
         })();
+        let device = device_buffers
+            .map(|v| {
+                v.into_iter()
+                    .enumerate()
+                    .map(|(i, t)| crate::ops::tensors(t, &format!("device_buffers[{i}]")))
+                    .collect::<PyResult<Vec<_>>>()
+            })
+            .transpose();
+        let (checked, device) = match (checked, device) {
+            (Ok(c), Ok(d)) => (Ok(c), d),
+            (Err(e), _) | (_, Err(e)) => (Err(e), None),
+        };
         let (device_pages, host_pages, policy, fault, backend) = match checked {
             Ok(x) => x,
             Err(e) => return Err(py.detach(move || refuse(&*group, e))),
@@ -485,7 +507,14 @@ impl RankCache {
                 Ok(x) => x,
                 Err(e) => return Err(refuse(&*group, e)),
             };
-            CoreRank::new(config, exec, &jit, group, access).map_err(cluster)
+            match &device {
+                None => CoreRank::new(config, exec, &jit, group, access),
+                // SAFETY: the Python side checked each tensor (CPU or CUDA as the backend
+                // addresses, contiguous, writable, a dtype that tiles a page), and this object
+                // keeps them alive (`adopted`) for longer than the rank.
+                Some(d) => unsafe { CoreRank::adopting(config, exec, &jit, group, access, d) },
+            }
+            .map_err(cluster)
         })?;
         let layout = *core.layout();
         let geometry = core.pools().geometry();
@@ -496,7 +525,10 @@ impl RankCache {
                 .pools()
                 .views(kind)
                 .iter()
-                .map(|&id| Ok((exec.address(id)?, exec.size(id)?)))
+                .map(|v| match v.buffer {
+                    Some(id) => Ok(Some((exec.address(id)?, exec.size(id)?))),
+                    None => Ok(None),
+                })
                 .collect::<Result<Vec<_>, cp_hicache::exec::ExecError>>()
                 .map_err(to_py)?;
             pools.push((kind, addresses));
@@ -514,6 +546,7 @@ impl RankCache {
             closed: Arc::new(AtomicBool::new(false)),
             group: group_slot,
             interrupt,
+            adopted: keep,
         })
     }
 
@@ -561,6 +594,12 @@ impl RankCache {
     #[getter]
     fn group_kind(&self) -> PyResult<&'static str> {
         self.between_steps(|r| r.group_kind())
+    }
+
+    /// Whether the device pools are the engine's tensors (`device_buffers=`).
+    #[getter]
+    fn adopts_device(&self) -> bool {
+        self.adopted.is_some()
     }
 
     /// How this rank reaches its peers' pools (`direct`, `shared-memory`, `ipc`).
@@ -693,7 +732,12 @@ impl RankCache {
             .find(|(k, _)| *k == kind)
             .expect("every buffer kind has its pools")
             .1;
-        let (address, mapped) = views[usize::from(owner.unwrap_or(me.rank))];
+        let Some((address, mapped)) = views[usize::from(owner.unwrap_or(me.rank))] else {
+            return Err(usage(format!(
+                "the `{buffer}` pool is the engine's own memory: read it through the tensors \
+                 the cache adopted"
+            )));
+        };
         let page_bytes = kind.page_bytes(me.deployment.inner.page_size);
         // The view never claims more than the mapping holds: its pages come from the size
         // the pool was mapped with (start-up refused a peer's smaller than this rank's).

@@ -56,8 +56,43 @@ def test_nsa_moves_both_buffers_in_one_call_with_a_page_first_host_pool():
         for l in range(2):
             w[l][[3, 1]] = h[[5, 0], l]  # page-first: [page][layer]
         assert (d.numpy() == w).all()
+    # Per-layer device tensors (SGLang) take the same launch; a page-first host pool is one
+    # tensor per buffer.
+    ops.transfer("h2d", [list(dev[0]), list(dev[1])], host, [1], [0])
+    for w, h, d in zip(want, host, dev):
+        for l in range(2):
+            w[l][0] = h[1, l]
+        assert (d.numpy() == w).all()
     with pytest.raises(cp_hicache.UsageError, match="page-first"):
-        ops.transfer("h2d", [list(dev[0]), list(dev[1])], host, [0], [1])
+        ops.transfer("h2d", dev, [list(host[0].transpose(1, 0, 2).copy()), host[1]], [0], [1])
+
+
+def test_a_page_major_device_tensor_is_vllms_cross_layer_cache():
+    from cp_hicache.ops import PageMajor
+
+    ops = Ops(MLA)
+    pb = ops.page_bytes("mla_kv")
+    # vLLM's cross-layer KV cache: [num_blocks, num_layers, block bytes].
+    dev = torch.from_numpy(rand((5, 3, pb), 31))
+    host = rand((3, 8, pb), 32)  # layer-first host pool
+    want = dev.numpy().copy()
+    ops.transfer("h2d", [PageMajor(dev)], [host], [6, 2], [4, 0], layers=range(0, 2))
+    for l in range(2):
+        want[[4, 0], l] = host[l][[6, 2]]
+    assert (dev.numpy() == want).all()
+    back = host.copy()
+    ops.transfer("d2h", [PageMajor(dev)], [back], [4], [7])
+    for l in range(3):
+        assert (back[l][7] == dev.numpy()[4, l]).all()
+    # Every rank's pool page-major: materialise reads each page from its owner.
+    pools = [torch.from_numpy(rand((4, 3, pb), 40 + r)) for r in range(2)]
+    seq = np.array([3, 0, 6, 5])
+    out = torch.zeros((3, len(seq), pb), dtype=torch.uint8)
+    ops.materialise("mla_kv", [PageMajor(p) for p in pools], seq, out)
+    for i, p in enumerate(seq):
+        assert (out[:, i].numpy() == pools[p % 2][p // 2].numpy()).all()
+    with pytest.raises(cp_hicache.UsageError, match="host\\[mla_kv\\]: a page-major tensor"):
+        ops.transfer("h2d", [dev], [PageMajor(torch.from_numpy(host))], [0], [1])
 
 
 def test_materialise_gathers_every_page_from_its_owner():

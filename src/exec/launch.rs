@@ -94,19 +94,25 @@ pub enum KernelArg<'a> {
     I64(i64),
     /// A by-value struct: its exact bytes in the kernel's layout (`#[repr(C)]`).
     Bytes(&'a [u8]),
-    /// A by-value struct of pointers (`struct { const u8* p[N]; }`), each the address of a
-    /// buffer plus a byte offset; the executor fills in the addresses.
-    PtrStruct(&'a [(BufferId, u64)]),
+    /// A page table (`const u64*`, [`TableEntries`](crate::kernels::TableEntries)): the
+    /// table's buffer and byte offset, then its pointers, each a buffer plus a byte offset.
+    /// The executor checks every pointer like a [`KernelArg::Ptr`], writes their addresses into
+    /// the table in stream order, then passes the table's address: the kernel follows only
+    /// addresses that were checked for this launch.
+    Table(BufferId, u64, &'a [(BufferId, u64)]),
 }
 
 impl KernelArg<'_> {
     /// Size of the argument value in bytes, as the kernel sees it.
     pub fn size(&self) -> usize {
         match self {
-            KernelArg::Ptr(..) | KernelArg::Null | KernelArg::U64(_) | KernelArg::I64(_) => 8,
+            KernelArg::Ptr(..)
+            | KernelArg::Table(..)
+            | KernelArg::Null
+            | KernelArg::U64(_)
+            | KernelArg::I64(_) => 8,
             KernelArg::U32(_) | KernelArg::I32(_) => 4,
             KernelArg::Bytes(b) => b.len(),
-            KernelArg::PtrStruct(p) => 8 * p.len(),
         }
     }
 }
@@ -160,7 +166,7 @@ pub(crate) fn marshal_args(
     signature: Option<&KernelSignature>,
     args: &[KernelArg<'_>],
     resolve: impl Fn(BufferId) -> Result<(u64, usize), ExecError>,
-) -> Result<Vec<Vec<u8>>, ExecError> {
+) -> Result<Marshalled, ExecError> {
     // A count as the kernel sees it: the 32 bits of a u32 (or i32) argument.
     let scalar = |name: &str| {
         let i = signature?.params.iter().position(|p| p.name == name)?;
@@ -168,6 +174,16 @@ pub(crate) fn marshal_args(
             KernelArg::U32(v) => Some(*v),
             KernelArg::I32(v) => Some(*v as u32),
             _ => None,
+        }
+    };
+    let refuse = |i: usize, problem: String| {
+        let name = signature
+            .and_then(|s| s.params.get(i))
+            .map_or("?", |p| p.name);
+        ExecError::Launch {
+            kernel: kernel.to_string(),
+            cause: LaunchFailure::InvalidConfig,
+            message: format!("parameter {i} `{name}` {problem}"),
         }
     };
     // Bytes a pointer argument must have from its offset on: its parameter's reach. A signed
@@ -181,11 +197,7 @@ pub(crate) fn marshal_args(
             Some((r, Err(e))) => format!("reaches {r} bytes, which {e}"),
             None => "declares no reach, so nothing bounds what the kernel touches".into(),
         };
-        Err(ExecError::Launch {
-            kernel: kernel.to_string(),
-            cause: LaunchFailure::InvalidConfig,
-            message: format!("parameter {i} `{}` {problem}", p.name),
-        })
+        Err(refuse(i, problem))
     };
     let pointer = |b: BufferId, off: u64, reach: u64| -> Result<[u8; 8], ExecError> {
         let (addr, size) = resolve(b)?;
@@ -202,10 +214,16 @@ pub(crate) fn marshal_args(
             .map(|j| format!(", pointer {j}"))
             .unwrap_or_default();
         // A buffer shorter than the reach: say what the kernel needs from it.
-        let reach = match p.and_then(|p| p.reach) {
-            Some(r) if matches!(e, ExecError::OutOfBounds { len, .. } if len > 0) => {
-                format!(" (the kernel reaches {r} bytes from it)")
+        let short = matches!(e, ExecError::OutOfBounds { len, .. } if len > 0);
+        let reach = match (
+            p.and_then(|p| p.reach),
+            p.and_then(|p| p.entries),
+            element.is_empty(),
+        ) {
+            (_, Some(t), false) if short => {
+                format!(" (the kernel reaches {} bytes from it)", t.pages)
             }
+            (Some(r), _, true) if short => format!(" (the kernel reaches {r} bytes from it)"),
             _ => String::new(),
         };
         ExecError::Launch {
@@ -214,15 +232,20 @@ pub(crate) fn marshal_args(
             message: format!("{param}{element}: {e}{reach}"),
         }
     };
-    // What each pointer reaches, checked in bounds above: (parameter, buffer, byte range).
-    let mut spans: Vec<(usize, BufferId, std::ops::Range<u64>)> = Vec::new();
-    let mut out = Vec::with_capacity(args.len());
+    let writes = |i: usize| {
+        signature
+            .and_then(|s| s.params.get(i))
+            .is_some_and(|p| p.writes())
+    };
+    // What each pointer reaches, checked in bounds above.
+    let mut spans: Vec<Span> = Vec::new();
+    let mut out = Marshalled::default();
     for (i, arg) in args.iter().enumerate() {
-        out.push(match *arg {
+        out.params.push(match *arg {
             KernelArg::Ptr(b, off) => {
                 let reach = reach(i)?;
                 let bytes = pointer(b, off, reach).map_err(|e| invalid(i, None, e))?;
-                spans.push((i, b, off..off + reach));
+                spans.push(Span::plain(i, b, off, reach, writes(i)));
                 bytes.to_vec()
             }
             KernelArg::Null => vec![0; 8],
@@ -231,16 +254,55 @@ pub(crate) fn marshal_args(
             KernelArg::U64(v) => v.to_ne_bytes().to_vec(),
             KernelArg::I64(v) => v.to_ne_bytes().to_vec(),
             KernelArg::Bytes(b) => b.to_vec(),
-            KernelArg::PtrStruct(ptrs) => {
-                let mut out = Vec::with_capacity(8 * ptrs.len());
+            KernelArg::Table(table, off, entries) => {
                 let reach = reach(i)?;
-                for (j, &(b, off)) in ptrs.iter().enumerate() {
-                    out.extend_from_slice(
-                        &pointer(b, off, reach).map_err(|e| invalid(i, Some(j), e))?,
-                    );
-                    spans.push((i, b, off..off + reach));
+                let param = signature.and_then(|s| s.params.get(i));
+                let Some(t) = param.and_then(|p| p.entries) else {
+                    return Err(refuse(
+                        i,
+                        "is not a page table, so no rule bounds a table's pointers".into(),
+                    ));
+                };
+                // Every slot the kernel may read holds a checked address: no more, no fewer.
+                if entries.len() as u64 * 8 != reach {
+                    return Err(refuse(
+                        i,
+                        format!(
+                            "reads {} pointers ({}), but the table has {}",
+                            reach / 8,
+                            param
+                                .and_then(|p| p.reach)
+                                .map(|r| r.to_string())
+                                .unwrap_or_default(),
+                            entries.len()
+                        ),
+                    ));
                 }
-                out
+                let (each, stride) = t
+                    .pages
+                    .bytes(scalar)
+                    .map_err(|e| refuse(i, format!("(pointers reaching {}) {e}", t.pages)))?;
+                let at = pointer(table, off, reach).map_err(|e| invalid(i, None, e))?;
+                spans.push(Span::plain(i, table, off, reach, false));
+                let mut bytes = Vec::with_capacity(entries.len() * 8);
+                for (j, &(b, o)) in entries.iter().enumerate() {
+                    bytes.extend_from_slice(
+                        &pointer(b, o, each).map_err(|e| invalid(i, Some(j), e))?,
+                    );
+                    spans.push(Span {
+                        param: i,
+                        buffer: b,
+                        range: o..o + each,
+                        window: Some((stride, t.pages.unit)),
+                        writes: t.writes,
+                    });
+                }
+                out.tables.push(TableWrite {
+                    buffer: table,
+                    offset: off,
+                    bytes,
+                });
+                at.to_vec()
             }
         });
     }
@@ -250,42 +312,97 @@ pub(crate) fn marshal_args(
     Ok(out)
 }
 
+/// A launch's marshalled arguments: the bytes each `void**` entry points at, in parameter
+/// order, and the page tables the executor writes (in stream order) before the kernel runs.
+#[derive(Debug, Default)]
+pub(crate) struct Marshalled {
+    /// One vector per argument.
+    pub params: Vec<Vec<u8>>,
+    /// The checked addresses of every [`KernelArg::Table`].
+    pub tables: Vec<TableWrite>,
+}
+
+/// The addresses of one page table, to write at `offset` in `buffer` before the launch.
+#[derive(Debug)]
+pub(crate) struct TableWrite {
+    pub buffer: BufferId,
+    pub offset: u64,
+    pub bytes: Vec<u8>,
+}
+
+/// What one pointer of a launch reaches: `range` of `buffer`, touched everywhere or, for a
+/// page table's pointer, only in windows of `unit` bytes every `stride` bytes.
+struct Span {
+    param: usize,
+    buffer: BufferId,
+    range: std::ops::Range<u64>,
+    window: Option<(u64, u64)>,
+    writes: bool,
+}
+
+impl Span {
+    fn plain(param: usize, buffer: BufferId, off: u64, reach: u64, writes: bool) -> Span {
+        Span {
+            param,
+            buffer,
+            range: off..off + reach,
+            window: None,
+            writes,
+        }
+    }
+
+    /// Whether the two touch a common byte. Two page tables' pointers with one stride touch
+    /// only where their page windows meet (a cross-layer tensor's layers interleave page by
+    /// page without sharing a byte); anything else, wherever the ranges meet.
+    fn overlaps(&self, other: &Span) -> bool {
+        let (r, s) = (&self.range, &other.range);
+        let touch = !r.is_empty() && !s.is_empty();
+        if !touch || self.buffer != other.buffer || r.start >= s.end || s.start >= r.end {
+            return false;
+        }
+        match (self.window, other.window) {
+            (Some((stride, a)), Some((stride2, b))) if stride == stride2 && stride > 0 => {
+                // Where self's windows start within other's period.
+                let d = (r.start + stride - s.start % stride) % stride;
+                d < b || d + a > stride
+            }
+            _ => true,
+        }
+    }
+}
+
 /// Refuses a launch in which a written parameter's reach overlaps another pointer's
-/// ([`marshal_args`]). `spans` are (parameter index, buffer, byte range); empty ranges touch
-/// nothing.
+/// ([`marshal_args`]), a page table's pointers included (two of one written table must not
+/// share a byte either); empty ranges touch nothing.
 fn check_no_aliased_output(
     kernel: &str,
     sig: &KernelSignature,
-    spans: &[(usize, BufferId, std::ops::Range<u64>)],
+    spans: &[Span],
 ) -> Result<(), ExecError> {
-    let writes = |i: usize| sig.params.get(i).is_some_and(|p| p.writes());
-    for (k, (i, b, r)) in spans.iter().enumerate() {
-        for (j, c, s) in &spans[k + 1..] {
-            let touch = !r.is_empty() && !s.is_empty();
-            let overlap = touch && b == c && r.start < s.end && s.start < r.end;
-            if !overlap || !(writes(*i) || writes(*j)) {
+    for (k, x) in spans.iter().enumerate() {
+        for y in &spans[k + 1..] {
+            if !(x.writes || y.writes) || !x.overlaps(y) {
                 continue;
             }
             // Name the written one first.
-            let ((w, wr), (o, or)) = if writes(*i) {
-                ((i, r), (j, s))
-            } else {
-                ((j, s), (i, r))
-            };
+            let (w, o) = if x.writes { (x, y) } else { (y, x) };
             let name = |p: usize| sig.params.get(p).map_or("?", |p| p.name);
+            let b = w.buffer;
             return Err(ExecError::Launch {
                 kernel: kernel.to_string(),
                 cause: LaunchFailure::InvalidConfig,
                 message: format!(
-                    "parameter {w} `{}` (written) overlaps parameter {o} `{}` in buffer {b:?}: \
+                    "parameter {} `{}` (written) overlaps parameter {} `{}` in buffer {b:?}: \
                      bytes {}..{} and {}..{}; a kernel's output must not alias another of its \
                      pointers (threads would read what others write, in no fixed order)",
-                    name(*w),
-                    name(*o),
-                    wr.start,
-                    wr.end,
-                    or.start,
-                    or.end
+                    w.param,
+                    name(w.param),
+                    o.param,
+                    name(o.param),
+                    w.range.start,
+                    w.range.end,
+                    o.range.start,
+                    o.range.end
                 ),
             });
         }

@@ -23,23 +23,26 @@ fn arg_kind(arg: &KernelArg<'_>) -> &'static str {
         KernelArg::U64(_) => "u64",
         KernelArg::I64(_) => "i64",
         KernelArg::Bytes(_) => "bytes",
-        KernelArg::PtrStruct(_) => "pointer struct",
+        KernelArg::Table(..) => "page table",
     }
 }
 
-/// Whether an argument of the right size is also of the right kind: a pointer parameter takes
-/// a buffer pointer (never null: every rendered kernel dereferences every pointer it takes),
-/// the pool struct takes a pointer struct (never raw bytes, whose addresses no executor could
-/// check), a scalar takes a scalar (a `u64` and a pointer have the same size, but are not
-/// interchangeable).
+/// Whether an argument of the right size is also of the right kind: a page table takes a
+/// [`KernelArg::Table`] (never a plain pointer, whose addresses in memory no executor could
+/// check), another pointer parameter a buffer pointer (never null: every rendered kernel
+/// dereferences every pointer it takes), a scalar a scalar (a `u64` and a pointer have the
+/// same size, but are not interchangeable).
 fn kind_fits(p: &KernelParam, arg: &KernelArg<'_>) -> bool {
-    let pointer = matches!(arg, KernelArg::Ptr(..) | KernelArg::Null);
-    if p.c_type.ends_with('*') {
+    let pointer = matches!(
+        arg,
+        KernelArg::Ptr(..) | KernelArg::Null | KernelArg::Table(..)
+    );
+    if p.entries.is_some() {
+        matches!(arg, KernelArg::Table(..))
+    } else if p.c_type.ends_with('*') {
         matches!(arg, KernelArg::Ptr(..))
-    } else if p.c_type.contains("ChcPools") {
-        matches!(arg, KernelArg::PtrStruct(_))
     } else {
-        !pointer && !matches!(arg, KernelArg::PtrStruct(_))
+        !pointer
     }
 }
 
@@ -114,17 +117,35 @@ pub(crate) fn check_signature(
             )));
         }
         // Buffer bases are at least 64-byte aligned, so the offset decides the alignment.
-        let misaligned = |off: &u64| off % p.align.max(1) != 0;
+        let misaligned = |align: u64| move |off: &u64| off % align.max(1) != 0;
         let bad = match arg {
-            KernelArg::Ptr(_, off) => Some(*off).filter(misaligned),
-            KernelArg::PtrStruct(ptrs) => ptrs.iter().map(|&(_, off)| off).find(misaligned),
+            KernelArg::Ptr(_, off) => Some(*off).filter(misaligned(p.align)).map(|o| (o, None)),
+            KernelArg::Table(_, off, entries) => Some(*off)
+                .filter(misaligned(p.align))
+                .map(|o| (o, None))
+                .or_else(|| {
+                    let align = p.entries.map_or(p.align, |t| t.align);
+                    entries
+                        .iter()
+                        .map(|&(_, off)| off)
+                        .enumerate()
+                        .find(|(_, off)| misaligned(align)(off))
+                        .map(|(j, o)| (o, Some(j)))
+                }),
             _ => None,
         };
-        if let Some(off) = bad {
+        if let Some((off, entry)) = bad {
+            let (what, align) = match entry {
+                Some(j) => (
+                    format!("pointer {j} of argument {i}"),
+                    p.entries.map_or(p.align, |t| t.align),
+                ),
+                None => (format!("argument {i}"), p.align),
+            };
             return Err(invalid(format!(
-                "parameter {i} `{}` ({}) needs {}-byte alignment, argument {i} points {off} bytes \
+                "parameter {i} `{}` ({}) needs {align}-byte alignment, {what} points {off} bytes \
                  into its buffer (a GPU faults on the misaligned access)",
-                p.name, p.c_type, p.align
+                p.name, p.c_type
             )));
         }
     }
@@ -176,7 +197,7 @@ impl PendingLaunch<'_, '_> {
         &self,
         fail_next: &AtomicBool,
         resolve: impl Fn(BufferId) -> Result<(u64, usize), ExecError>,
-    ) -> Result<Vec<Vec<u8>>, ExecError> {
+    ) -> Result<super::launch::Marshalled, ExecError> {
         let (kernel, signature) = (self.kernel, self.signature);
         if signature.is_none() && !self.unsigned_ok {
             return Err(ExecError::Launch {
@@ -321,20 +342,60 @@ mod tests {
             bytes_per_token: 64,
             launch: Default::default(),
         });
-        let list = KernelArg::Ptr(BufferId(5), 0);
-        let targs = [
-            KernelArg::Ptr(BufferId(6), 0),
-            KernelArg::Ptr(BufferId(7), 0),
-            list,
-            list,
-            KernelArg::U32(4),
-            KernelArg::U32(2),
-            KernelArg::U32(0),
-            KernelArg::U32(2),
-            KernelArg::U32(8),
-            KernelArg::U32(8),
-        ];
-        marshal(&t.signature(), &targs).unwrap();
+        fn targs(layers: &[(BufferId, u64)], stride: u32) -> Vec<KernelArg<'_>> {
+            let list = KernelArg::Ptr(BufferId(5), 0);
+            vec![
+                KernelArg::Table(BufferId(8), 0, layers),
+                KernelArg::Ptr(BufferId(7), 0),
+                list,
+                list,
+                KernelArg::U32(4),
+                KernelArg::U32(2),
+                KernelArg::U32(0),
+                KernelArg::U32(2),
+                KernelArg::U32(4),
+                KernelArg::U32(4),
+                KernelArg::U32(stride),
+            ]
+        }
+        let layers = [(BufferId(6), 0), (BufferId(6), 4 * 1024)];
+        marshal(&t.signature(), &targs(&layers, 1024)).unwrap();
+        // The written layers of one pool must not share a byte: 4 pages of 1 KiB from 4 KiB
+        // apart fit, from 2 KiB apart they overlap.
+        let close = [(BufferId(6), 0), (BufferId(6), 2 * 1024)];
+        let msg = invalid("t", marshal_t(&t, &targs(&close, 1024)));
+        assert!(
+            msg.starts_with("parameter 0 `device` (written) overlaps parameter 0 `device`"),
+            "{msg}"
+        );
+        // Interleaved page by page (a cross-layer [page][layer] tensor): layer 1 one page
+        // after layer 0, pages two apart, never meet.
+        let interleaved = [(BufferId(6), 0), (BufferId(6), 1024)];
+        marshal(&t.signature(), &targs(&interleaved, 2048)).unwrap();
+        let msg = invalid("t", marshal_t(&t, &targs(&interleaved, 1024)));
+        assert!(msg.contains("overlaps"), "{msg}");
+        // A stride below a page, or not a multiple of 16 bytes, is refused.
+        for stride in [1008, 1030] {
+            let msg = invalid("t", marshal_t(&t, &targs(&layers, stride)));
+            assert!(
+                msg.contains(&format!("page stride of {stride} bytes")),
+                "{msg}"
+            );
+        }
+        // One pointer per layer, no more, no fewer.
+        let short = [(BufferId(6), 0)];
+        let msg = invalid("t", marshal_t(&t, &targs(&short, 1024)));
+        assert!(
+            msg.contains("reads 2 pointers (8 × layers), but the table has 1"),
+            "{msg}"
+        );
+    }
+
+    fn marshal_t(spec: &KernelSpec, args: &[KernelArg<'_>]) -> Result<(), ExecError> {
+        crate::exec::marshal_args("t", Some(&spec.signature()), args, |_| {
+            Ok((0x1000, 1 << 20))
+        })
+        .map(|_| ())
     }
 
     // A kernel without a signature runs only through `launch_unchecked`, and an armed
@@ -353,7 +414,7 @@ mod tests {
                 args: &args[..n],
             }
             .marshal(&fail, |_| Ok((0x1000, 1 << 20)))
-            .map(|bytes| bytes.len())
+            .map(|m| m.params.len())
         };
         let msg = invalid(&name, run(None, false, 6).map(|_| ()));
         assert!(msg.contains("only `launch_unchecked` runs it"), "{msg}");
@@ -477,7 +538,7 @@ mod tests {
     }
 
     #[test]
-    fn the_pool_struct_must_hold_one_pointer_per_rank() {
+    fn a_page_table_takes_a_table_and_nothing_else_does() {
         let spec = KernelSpec::Materialise(MaterialiseSpec {
             cp: 4,
             page_size: 16,
@@ -491,22 +552,33 @@ mod tests {
             KernelArg::U32(1),
             KernelArg::U32(1),
             KernelArg::U32(1),
+            KernelArg::U32(16 * 1152),
             KernelArg::Ptr(BufferId(3), 0),
         ];
-        let args: Vec<KernelArg<'_>> = std::iter::once(KernelArg::PtrStruct(&pools))
+        let args: Vec<KernelArg<'_>> = std::iter::once(KernelArg::Table(BufferId(4), 0, &pools))
             .chain(rest)
             .collect();
         check_signature(&name, Some(&sig), &shape(&sig), &args).unwrap();
-        let mut short = args.clone();
-        short[0] = KernelArg::PtrStruct(&pools[..3]);
+        let mut plain = args.clone();
+        plain[0] = KernelArg::Ptr(BufferId(4), 0);
         let msg = invalid(
             &name,
-            check_signature(&name, Some(&sig), &shape(&sig), &short),
+            check_signature(&name, Some(&sig), &shape(&sig), &plain),
         );
         assert_eq!(
             msg,
-            "parameter 0 `pools` (const __grid_constant__ ChcPools) takes 32 bytes, \
-             argument 0 is a pointer struct of 24 bytes"
+            "parameter 0 `pools` (const u64*) cannot take argument 0, a pointer of the same size"
+        );
+        let mut table = args.clone();
+        table[1] = KernelArg::Table(BufferId(2), 0, &pools);
+        let msg = invalid(
+            &name,
+            check_signature(&name, Some(&sig), &shape(&sig), &table),
+        );
+        assert_eq!(
+            msg,
+            "parameter 1 `seq_pages` (const u32*) cannot take argument 1, a page table of the \
+             same size"
         );
     }
 
@@ -584,17 +656,19 @@ mod tests {
             KernelArg::U32(1),
             KernelArg::U32(1),
             KernelArg::U32(1),
+            KernelArg::U32(16 * 1152),
             KernelArg::Ptr(BufferId(3), 32),
         ];
-        for (pools, ok) in [
-            ([(BufferId(1), 0), (BufferId(1), 48)], true),
-            ([(BufferId(1), 0), (BufferId(1), 8)], false),
+        for (pools, at, ok) in [
+            ([(BufferId(1), 0), (BufferId(1), 48)], 0, true),
+            ([(BufferId(1), 0), (BufferId(1), 8)], 0, false),
+            ([(BufferId(1), 0), (BufferId(1), 48)], 4, false),
         ] {
-            let args: Vec<_> = std::iter::once(KernelArg::PtrStruct(&pools))
+            let args: Vec<_> = std::iter::once(KernelArg::Table(BufferId(4), at, &pools))
                 .chain(rest)
                 .collect();
             let r = check_signature("m", Some(&sig), &shape(&sig), &args);
-            assert_eq!(r.is_ok(), ok, "{pools:?}: {r:?}");
+            assert_eq!(r.is_ok(), ok, "{pools:?} at {at}: {r:?}");
         }
     }
 }

@@ -115,7 +115,7 @@ fn a_bad_pointer_argument_names_the_kernel_and_the_parameter() {
         1..=4 => Ok((0x1000 * b.0, 64)),
         _ => Err(ExecError::UnknownBuffer(b)),
     };
-    let message = |r: Result<Vec<Vec<u8>>, ExecError>| match r {
+    let message = |r: Result<crate::exec::launch::Marshalled, ExecError>| match r {
         Err(ExecError::Launch {
             kernel,
             cause: LaunchFailure::InvalidConfig,
@@ -171,12 +171,12 @@ fn a_bad_pointer_argument_names_the_kernel_and_the_parameter() {
         message(marshal_args("k", None, &args, resolve)),
         "parameter 1: unknown buffer BufferId(7)"
     );
-    let ptrs = [(BufferId(1), 0), (BufferId(9), 0)];
-    let e = marshal_args("k", None, &[KernelArg::PtrStruct(&ptrs)], resolve).unwrap_err();
-    assert!(
-        e.to_string()
-            .ends_with("parameter 0, pointer 1: unknown buffer BufferId(9)"),
-        "{e}"
+    // A page table needs a signature: nothing else says how far its pointers reach.
+    let ptrs = [(BufferId(1), 0), (BufferId(2), 0)];
+    let table = [KernelArg::Table(BufferId(3), 0, &ptrs)];
+    assert_eq!(
+        message(marshal_args("k", None, &table, resolve)),
+        "parameter 0 `?` is not a page table, so no rule bounds a table's pointers"
     );
     // One past the end is a valid pointer for a parameter that reaches nothing (`n` = 0).
     let ok = marshal_args(
@@ -186,7 +186,7 @@ fn a_bad_pointer_argument_names_the_kernel_and_the_parameter() {
         resolve,
     );
     assert_eq!(
-        ok.unwrap(),
+        ok.unwrap().params,
         vec![
             (0x1000u64 + 64).to_ne_bytes().to_vec(),
             0u32.to_ne_bytes().to_vec()

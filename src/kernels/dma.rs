@@ -12,7 +12,7 @@ use std::ops::Range;
 use std::str::FromStr;
 
 use super::reference::{device_offset, host_offset};
-use super::{Direction, TransferSpec};
+use super::{Direction, PageTable, TransferSpec};
 use crate::exec::{BufferId, CopyRegion, DmaMode, KernelArg};
 
 /// How a deployment moves pages between host and device pools.
@@ -156,23 +156,23 @@ pub fn layer_range_args(layers: &Range<u32>) -> (u32, u32) {
 }
 
 /// The arguments of a `transfer_pages` launch, in [`KernelSpec::params`](super::KernelSpec::params)
-/// order: `buffers` holds each buffer's (source pool, destination pool) in the spec's
-/// descriptor order ([`TransferSpec::descriptors`]); the first pair leads, a second comes
-/// last (`src1`, `dst1`). `page_ids` are the uploaded (source, destination) page lists of
-/// `n` pairs, `(first_layer, layer_count)` the kernel's layer range as given (it clamps
-/// them; [`layer_range_args`] turns a `Range` into them), `pools` the sizes the kernel is
-/// told. The kernel path's one place for this order, as [`transfer_regions`] is
+/// order: `ends` holds each buffer's (device pool as a page table, host pool and offset) in the spec's
+/// descriptor order ([`TransferSpec::descriptors`]); the first leads, a second comes last
+/// (`device1`, `host1`, `page_stride1`). `page_ids` are the uploaded (source, destination)
+/// page lists of `n` pairs, `(first_layer, layer_count)` the kernel's layer range as given
+/// (it clamps them; [`layer_range_args`] turns a `Range` into them), `pools` the sizes the
+/// kernel is told. The kernel path's one place for this order, as [`transfer_regions`] is
 /// the DMA path's.
-pub fn transfer_args(
-    buffers: &[(BufferId, BufferId)],
+pub fn transfer_args<'a>(
+    ends: &'a [(&'a PageTable, (BufferId, u64))],
     page_ids: (BufferId, BufferId),
     n: u32,
     pools: PoolShape,
     (first_layer, layer_count): (u32, u32),
-) -> Vec<KernelArg<'static>> {
+) -> Vec<KernelArg<'a>> {
     let mut args = vec![
-        KernelArg::Ptr(buffers[0].0, 0),
-        KernelArg::Ptr(buffers[0].1, 0),
+        ends[0].0.arg(),
+        KernelArg::Ptr(ends[0].1 .0, ends[0].1 .1),
         KernelArg::Ptr(page_ids.0, 0),
         KernelArg::Ptr(page_ids.1, 0),
         KernelArg::U32(n),
@@ -181,9 +181,14 @@ pub fn transfer_args(
         KernelArg::U32(layer_count),
         KernelArg::U32(pools.device_pages),
         KernelArg::U32(pools.host_pages),
+        KernelArg::U32(ends[0].0.page_stride),
     ];
-    for &(src, dst) in &buffers[1..] {
-        args.extend([KernelArg::Ptr(src, 0), KernelArg::Ptr(dst, 0)]);
+    for &(device, host) in &ends[1..] {
+        args.extend([
+            device.arg(),
+            KernelArg::Ptr(host.0, host.1),
+            KernelArg::U32(device.page_stride),
+        ]);
     }
     args
 }

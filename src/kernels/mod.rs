@@ -20,6 +20,7 @@ mod dma;
 pub mod reference;
 mod render;
 mod spec;
+mod table;
 
 pub use deployment::{Arch, Deployment, ModelShape};
 pub use dma::{
@@ -31,9 +32,10 @@ pub use spec::{
     AllocSpec, Arrangement, BufferKind, BusySpec, CopyLaunch, Direction, Dtype, Family,
     FieldLayout, FieldMisalignment, HostLayout, KernelParam, KernelSignature, KernelSpec,
     LaunchDims, MaterialiseSpec, Reach, ReachError, ReleaseSpec, ReleaseStatus, SelectStatus,
-    SynthSpec, TokenOrder, TransferSpec, VecWidth, VerifySpec, GPU_TRANSFER_BLOCKS,
-    GPU_TRANSFER_THREADS, GPU_TRANSFER_UNROLL, TRANSFER_GRID_CAPS,
+    Strided, SynthSpec, TableEntries, TokenOrder, TransferSpec, VecWidth, VerifySpec,
+    GPU_TRANSFER_BLOCKS, GPU_TRANSFER_THREADS, GPU_TRANSFER_UNROLL, TRANSFER_GRID_CAPS,
 };
+pub use table::{page_stride, PageTable};
 
 use std::path::PathBuf;
 

@@ -161,10 +161,16 @@ struct TransferTpl<'a> {
     host_layout_doc: &'a str,
     host_off_expr: &'a str,
     direction_doc: &'a str,
-    src_off: &'a str,
-    dst_off: &'a str,
     src_cap: &'a str,
     dst_cap: &'a str,
+    /// The device page's pointer type (written on host → device).
+    device_type: &'a str,
+    host_type: &'a str,
+    /// Which pair index names the device page (`dp` on host → device).
+    device_page: &'a str,
+    host_page: &'a str,
+    /// chc_copy_vecs's (destination, source).
+    copy_args: &'a str,
     /// Whether a second buffer moves in the same launch (`src1`, `dst1`).
     second: bool,
     first_doc: String,
@@ -397,21 +403,11 @@ pub(crate) fn render_spec(spec: &KernelSpec) -> Result<String, KernelError> {
         }
         .render(),
         KernelSpec::TransferPages(s) => {
-            let (src_off, dst_off, src_cap, dst_cap, direction_doc) = match s.direction {
-                Direction::DeviceToHost => (
-                    "chc_device_off",
-                    "chc_host_off",
-                    "device_pages",
-                    "host_pages",
-                    "device → host",
-                ),
-                Direction::HostToDevice => (
-                    "chc_host_off",
-                    "chc_device_off",
-                    "host_pages",
-                    "device_pages",
-                    "host → device",
-                ),
+            let h2d = s.direction == Direction::HostToDevice;
+            let (src_cap, dst_cap, direction_doc) = if h2d {
+                ("host_pages", "device_pages", "host → device")
+            } else {
+                ("device_pages", "host_pages", "device → host")
             };
             let mut consts = copy_consts(None, s.page_size, s.bytes_per_token, &s.launch);
             consts.push(c("BUFFERS", s.buffer_count()));
@@ -435,10 +431,13 @@ pub(crate) fn render_spec(spec: &KernelSpec) -> Result<String, KernelError> {
                 host_layout_doc: s.layout.describe(),
                 host_off_expr: s.layout.offset_expr(),
                 direction_doc,
-                src_off,
-                dst_off,
                 src_cap,
                 dst_cap,
+                device_type: if h2d { "u8*" } else { "const u8*" },
+                host_type: if h2d { "const u8*" } else { "u8*" },
+                device_page: if h2d { "dp" } else { "sp" },
+                host_page: if h2d { "sp" } else { "dp" },
+                copy_args: if h2d { "dev, h" } else { "h, dev" },
             }
             .render()
         }

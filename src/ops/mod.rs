@@ -5,9 +5,10 @@
 //! for the call ([`Executor::adopt`]) and checked first.
 //!
 //! Memory is described per buffer kind as [`Tensors`]: one tensor per layer (SGLang's
-//! per-layer `kv` buffers) or one cross-layer tensor (vLLM's `[layers, pages, page]`),
-//! pages contiguous within a layer (a page's bytes are `page_bytes` apart: any dtype whose
-//! items tile a page). Device pools are indexed by local page; host pools follow the
+//! per-layer `kv` buffers), one layer-major cross-layer tensor (`[layers, pages, page]`), or
+//! one page-major tensor (vLLM's cross-layer `[blocks, layers, page]`), any dtype whose
+//! items tile a page. Device tensors reach the kernels as page tables
+//! ([`PageTable`]), so every order is one launch. Device pools are indexed by local page; host pools follow the
 //! deployment's host layout (page-first `[page][layer]` is one cross-layer tensor only).
 //!
 //! Every op checks its arguments before launching anything and fails with
@@ -15,7 +16,9 @@
 
 use crate::exec::{BufferId, Executor, KernelArg, MemKind};
 use crate::jit::{Jit, Sanitize};
-use crate::kernels::{BufferKind, Deployment, Direction, HostLayout};
+use crate::kernels::{
+    transfer_args, BufferKind, Deployment, Direction, HostLayout, PageTable, PoolShape,
+};
 use crate::rank::{DeploymentKernels, KernelLoadError};
 use std::ops::Range;
 use std::sync::Arc;
@@ -32,13 +35,39 @@ pub struct Region {
     pub bytes: u64,
 }
 
-/// One buffer kind's pages as an engine holds them.
+/// One buffer kind's pages as an engine holds them. Device tensors reach the kernels as page
+/// tables, so any of these serves; a host tensor follows the deployment's host layout and a
+/// dense output is layer-major.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Tensors {
-    /// `[layers][pages][page_bytes]` in one tensor.
+    /// `[layers][pages][page_bytes]` in one tensor (or, for a host pool, the deployment's
+    /// host layout).
     CrossLayer(Region),
-    /// One `[pages][page_bytes]` tensor per layer.
+    /// One `[pages][page_bytes]` tensor per layer (SGLang's per-layer buffers).
     PerLayer(Vec<Region>),
+    /// `[pages][layers][page_bytes]` in one tensor: vLLM's cross-layer KV cache
+    /// (`[num_blocks, num_layers, ...]`), pages `layers × page_bytes` apart. Device tensors
+    /// and pools only.
+    PageMajor(Region),
+}
+
+impl Tensors {
+    /// The memory regions, in layer order (one for a single tensor).
+    pub fn regions(&self) -> &[Region] {
+        match self {
+            Tensors::CrossLayer(r) | Tensors::PageMajor(r) => std::slice::from_ref(r),
+            Tensors::PerLayer(v) => v,
+        }
+    }
+
+    /// Bytes from one page of a layer to the next, for pages of `page_bytes` in `layers`
+    /// layers.
+    pub fn page_stride(&self, layers: u32, page_bytes: u64) -> u64 {
+        match self {
+            Tensors::PageMajor(_) => u64::from(layers) * page_bytes,
+            _ => page_bytes,
+        }
+    }
 }
 
 /// An engine's owner lanes, as the allocator kernels keep them: lane `r` holds the free
@@ -126,10 +155,7 @@ impl Adopted<'_> {
     /// # Safety
     /// As [`Executor::adopt`] for every region.
     unsafe fn tensors(&mut self, t: &Tensors) -> Result<Vec<BufferId>, OpsError> {
-        let regions: &[Region] = match t {
-            Tensors::CrossLayer(r) => std::slice::from_ref(r),
-            Tensors::PerLayer(v) => v,
-        };
+        let regions = t.regions();
         let mut out = Vec::with_capacity(regions.len());
         for r in regions {
             // SAFETY: the caller's contract.
@@ -138,6 +164,39 @@ impl Adopted<'_> {
             out.push(id);
         }
         Ok(out)
+    }
+
+    /// The page table of tensors `t` (adopted as `ids`), `layers` layers of `pages` pages:
+    /// several tables in a row, owner-major, when `t` holds several owners' tensors.
+    fn table(
+        &mut self,
+        t: &[(&Tensors, &[BufferId])],
+        layers: u32,
+        pages: u32,
+        page_bytes: u64,
+    ) -> Result<PageTable, OpsError> {
+        let at = self
+            .exec
+            .alloc(MemKind::Device, 8 * t.len() * layers as usize, 0)?;
+        self.ids.push(at);
+        let stride = t
+            .first()
+            .map_or(page_bytes, |(t, _)| t.page_stride(layers, page_bytes));
+        Ok(PageTable {
+            at: (at, 0),
+            entries: t
+                .iter()
+                .flat_map(|&(t, ids)| {
+                    (0..layers).map(move |l| layer_at(t, ids, l, pages, page_bytes))
+                })
+                .collect(),
+            page_stride: u32::try_from(stride).map_err(|_| {
+                bad(
+                    "tensors",
+                    format!("a page stride of {stride} bytes does not fit 32 bits"),
+                )
+            })?,
+        })
     }
 
     fn scratch(&mut self, words: &[u32]) -> Result<BufferId, OpsError> {
@@ -161,11 +220,19 @@ impl Drop for Adopted<'_> {
     }
 }
 
-/// Where layer `l` of a tensor starts: `(buffer, offset)`.
-fn layer_at(t: &Tensors, ids: &[BufferId], l: u32, layer_bytes: u64) -> (BufferId, u64) {
+/// Where layer `l`'s first page of a tensor of `pages` pages of `page_bytes` starts, given
+/// its regions adopted as `ids` (in order): `(buffer, offset)`.
+pub(crate) fn layer_at(
+    t: &Tensors,
+    ids: &[BufferId],
+    l: u32,
+    pages: u32,
+    page_bytes: u64,
+) -> (BufferId, u64) {
     match t {
-        Tensors::CrossLayer(_) => (ids[0], u64::from(l) * layer_bytes),
+        Tensors::CrossLayer(_) => (ids[0], u64::from(l) * u64::from(pages) * page_bytes),
         Tensors::PerLayer(_) => (ids[l as usize], 0),
+        Tensors::PageMajor(_) => (ids[0], u64::from(l) * page_bytes),
     }
 }
 
@@ -247,67 +314,10 @@ impl Ops {
         Ok(out)
     }
 
-    /// Pages of a layer-indexed tensor of `buffer`, checked: the layer count, 16-byte
-    /// alignment, whole pages, the same pages in every layer.
+    /// Pages of a layer-indexed tensor of `buffer`, checked ([`tensor_pages`]).
     fn pages_of(&self, what: &str, buffer: BufferKind, t: &Tensors) -> Result<u32, OpsError> {
         let pb = buffer.page_bytes(self.deployment.page_size);
-        let layers = u64::from(self.layers);
-        let check_start = |what: &str, r: &Region| {
-            if r.addr % ALIGN != 0 {
-                return Err(bad(
-                    what,
-                    format!("starts at {:#x}, not {ALIGN}-byte aligned", r.addr),
-                ));
-            }
-            Ok(())
-        };
-        let pages = match t {
-            Tensors::CrossLayer(r) => {
-                check_start(what, r)?;
-                if r.bytes == 0 || r.bytes % (layers * pb) != 0 {
-                    return Err(bad(
-                        what,
-                        format!(
-                            "{} bytes are not {layers} layers of whole {pb}-byte {buffer} pages",
-                            r.bytes
-                        ),
-                    ));
-                }
-                r.bytes / (layers * pb)
-            }
-            Tensors::PerLayer(v) => {
-                if v.len() as u64 != layers {
-                    return Err(bad(
-                        what,
-                        format!("{} per-layer tensors for {layers} layers", v.len()),
-                    ));
-                }
-                let mut pages = None;
-                for (l, r) in v.iter().enumerate() {
-                    let what = format!("{what} layer {l}");
-                    check_start(&what, r)?;
-                    if r.bytes == 0 || r.bytes % pb != 0 {
-                        return Err(bad(
-                            what,
-                            format!("{} bytes are not whole {pb}-byte {buffer} pages", r.bytes),
-                        ));
-                    }
-                    let p = r.bytes / pb;
-                    match pages {
-                        None => pages = Some(p),
-                        Some(first) if first != p => {
-                            return Err(bad(
-                                what,
-                                format!("{p} pages, but layer 0 has {first}: layers must match"),
-                            ))
-                        }
-                        Some(_) => {}
-                    }
-                }
-                pages.unwrap_or_default()
-            }
-        };
-        u32::try_from(pages).map_err(|_| bad(what, format!("{pages} pages are too many")))
+        tensor_pages(what, buffer, pb, self.layers, t)
     }
 
     /// Pages of one side of a transfer: the same for every buffer kind.
@@ -348,7 +358,7 @@ impl Ops {
 
     /// Copies page `src_pages[i]` to page `dst_pages[i]` of every buffer kind for the layers
     /// in `layers`, device → host or host → device, with the transfer kernel (one launch
-    /// moving every buffer kind, one per layer when a side is per-layer). Device pages are
+    /// moving every buffer kind, one per layer when the host side is per-layer). Device pages are
     /// the device tensors' local pages. Returns the bytes moved. SGLang: `load_to_device_per_layer`
     /// / `backup_from_device_all_layer` of its host pool; vLLM: a connector's `start_load_kv`.
     ///
@@ -402,16 +412,26 @@ impl Ops {
         }
         crate::kernels::check_distinct_destinations(dst_pages)
             .map_err(|e| bad("dst_pages", e.to_string()))?;
+        for (&b, t) in self.deployment.model.buffers().iter().zip(host) {
+            if matches!(t, Tensors::PageMajor(_)) {
+                return Err(bad(
+                    format!("host[{b}]"),
+                    "a page-major tensor is a device pool; a host pool follows the \
+                     deployment's host layout: pass it as one cross-layer tensor",
+                ));
+            }
+        }
         let page_first = self.deployment.host_layout == HostLayout::PageFirst;
-        let cross = |ts: &[Tensors]| ts.iter().all(|t| matches!(t, Tensors::CrossLayer(_)));
-        let one_launch = cross(device) && cross(host);
-        if page_first && !one_launch {
+        // Device tensors are page tables, whatever their order; the host side is one
+        // pointer, so per-layer host tensors take a launch per layer.
+        let host_cross = host.iter().all(|t| matches!(t, Tensors::CrossLayer(_)));
+        if page_first && !host_cross {
             return Err(bad(
-                "host, device",
+                "host",
                 format!(
                     "the {} deployment's host pool is page-first ([page][layer]), which \
-                     per-layer tensors cannot address: pass one cross-layer tensor per buffer \
-                     on both sides",
+                     per-layer tensors cannot address: pass one cross-layer host tensor per \
+                     buffer",
                     self.deployment.name
                 ),
             ));
@@ -426,54 +446,58 @@ impl Ops {
             exec: self.exec.as_ref(),
             ids: Vec::new(),
         };
-        let mut dev_ids = Vec::new();
+        let buffers = self.deployment.model.buffers();
+        let mut tables = Vec::new();
         let mut host_ids = Vec::new();
-        for (d, h) in device.iter().zip(host) {
+        for ((d, h), &b) in device.iter().zip(host).zip(buffers) {
+            let pb = b.page_bytes(self.deployment.page_size);
             // SAFETY: the caller's contract.
-            dev_ids.push(unsafe { held.tensors(d) }?);
+            let ids = unsafe { held.tensors(d) }?;
+            tables.push(held.table(&[(d, &ids)], self.layers, device_pages, pb)?);
+            // SAFETY: the caller's contract.
             host_ids.push(unsafe { held.tensors(h) }?);
         }
         let src_buf = held.scratch(src_pages)?;
         let dst_buf = held.scratch(dst_pages)?;
         let k = self.kernels.transfer(dir);
         let n = src_pages.len() as u32;
-        let buffers = self.deployment.model.buffers();
-        let launches: Vec<(u32, u32, Option<u32>)> = if one_launch {
+        let launches: Vec<(u32, u32, Option<u32>)> = if host_cross {
             vec![(layers.start, layers.len() as u32, None)]
         } else {
             layers.clone().map(|l| (0, 1, Some(l))).collect()
         };
         for (first, count, layer) in launches {
-            let mut args = Vec::new();
-            for (i, &b) in buffers.iter().enumerate() {
-                let pb = b.page_bytes(self.deployment.page_size);
-                let at = |t: &Tensors, ids: &[BufferId], pages: u32| match layer {
-                    None => (ids[0], 0),
-                    Some(l) => layer_at(t, ids, l, u64::from(pages) * pb),
-                };
-                let d = at(&device[i], &dev_ids[i], device_pages);
-                let h = at(&host[i], &host_ids[i], host_pages);
-                let (s, t) = match dir {
-                    Direction::DeviceToHost => (d, h),
-                    Direction::HostToDevice => (h, d),
-                };
-                let pair = [KernelArg::Ptr(s.0, s.1), KernelArg::Ptr(t.0, t.1)];
-                if i == 0 {
-                    args.extend(pair);
-                    args.extend([
-                        KernelArg::Ptr(src_buf, 0),
-                        KernelArg::Ptr(dst_buf, 0),
-                        KernelArg::U32(n),
-                        KernelArg::U32(if layer.is_some() { 1 } else { self.layers }),
-                        KernelArg::U32(first),
-                        KernelArg::U32(count),
-                        KernelArg::U32(device_pages),
-                        KernelArg::U32(host_pages),
-                    ]);
-                } else {
-                    args.extend(pair);
+            // One layer of each side, or all of them.
+            let one: Vec<PageTable>;
+            let device_tables: &[PageTable] = match layer {
+                None => &tables,
+                Some(l) => {
+                    one = tables
+                        .iter()
+                        .map(|t| t.layers(l as usize..l as usize + 1))
+                        .collect();
+                    &one
                 }
-            }
+            };
+            let ends: Vec<(&PageTable, (BufferId, u64))> = device_tables
+                .iter()
+                .zip(host)
+                .zip(&host_ids)
+                .zip(buffers)
+                .map(|(((t, h), ids), &b)| {
+                    let pb = b.page_bytes(self.deployment.page_size);
+                    (
+                        t,
+                        layer.map_or((ids[0], 0), |l| layer_at(h, ids, l, host_pages, pb)),
+                    )
+                })
+                .collect();
+            let told = PoolShape {
+                layers: if layer.is_some() { 1 } else { self.layers },
+                device_pages,
+                host_pages,
+            };
+            let args = transfer_args(&ends, (src_buf, dst_buf), n, told, (first, count));
             self.exec.launch(k.id, &k.launch(n, count), &args)?;
         }
         Ok(bytes)
@@ -524,6 +548,21 @@ impl Ops {
             }
         }
         let local_pages = local_pages.unwrap_or_default();
+        // One page table, one stride: every rank's pool in the same order.
+        let stride = |t: &Tensors| t.page_stride(self.layers, 1);
+        if let Some(r) = pools.iter().position(|t| stride(t) != stride(&pools[0])) {
+            return Err(bad(
+                format!("pools[{r}]"),
+                "ordered unlike pools[0] (page-major against layer-major or per-layer): \
+                 every rank's pool must be laid out alike",
+            ));
+        }
+        if matches!(dense, Tensors::PageMajor(_)) {
+            return Err(bad(
+                "dense",
+                "the dense output is layer-major ([layers][pages]), or one tensor per layer",
+            ));
+        }
         let n = self.pages_of("dense", buffer, dense)?;
         if n as usize != seq_pages.len() {
             return Err(bad(
@@ -559,41 +598,40 @@ impl Ops {
         let pages = held.scratch(seq_pages)?;
         let mat = self.kernels.materialise(buffer);
         let pb = buffer.page_bytes(self.deployment.page_size);
-        let all_cross = pools
+        let owners: Vec<(&Tensors, &[BufferId])> = pools
             .iter()
-            .chain(std::iter::once(dense))
-            .all(|t| matches!(t, Tensors::CrossLayer(_)));
-        let launches: Vec<Option<u32>> = if all_cross {
+            .zip(&pool_ids)
+            .map(|(t, ids)| (t, ids.as_slice()))
+            .collect();
+        let table = held.table(&owners, self.layers, local_pages, pb)?;
+        // The pools are a page table; a per-layer dense buffer takes a launch per layer.
+        let launches: Vec<Option<u32>> = if matches!(dense, Tensors::CrossLayer(_)) {
             vec![None]
         } else {
             (0..self.layers).map(Some).collect()
         };
         for layer in launches {
-            let (ptrs, out, layers): (Vec<(BufferId, u64)>, (BufferId, u64), u32) = match layer {
-                None => (
-                    pool_ids.iter().map(|ids| (ids[0], 0)).collect(),
-                    (dense_ids[0], 0),
-                    self.layers,
-                ),
-                Some(l) => (
-                    pools
-                        .iter()
-                        .zip(&pool_ids)
-                        .map(|(t, ids)| layer_at(t, ids, l, u64::from(local_pages) * pb))
-                        .collect(),
-                    layer_at(dense, &dense_ids, l, u64::from(n) * pb),
-                    1,
-                ),
+            let (pools, out, layers) = match layer {
+                None => (table.clone(), (dense_ids[0], 0), self.layers),
+                Some(l) => {
+                    let layers = self.layers as usize;
+                    let mut one = table.layers(0..0);
+                    one.entries = (0..usize::from(cp))
+                        .map(|r| table.entries[r * layers + l as usize])
+                        .collect();
+                    (one, layer_at(dense, &dense_ids, l, n, pb), 1)
+                }
             };
             self.exec.launch(
                 mat.id,
                 &mat.launch(n, layers),
                 &[
-                    KernelArg::PtrStruct(&ptrs),
+                    pools.arg(),
                     KernelArg::Ptr(pages, 0),
                     KernelArg::U32(n),
                     KernelArg::U32(layers),
                     KernelArg::U32(local_pages),
+                    KernelArg::U32(pools.page_stride),
                     KernelArg::Ptr(out.0, out.1),
                 ],
             )?;
@@ -812,4 +850,73 @@ impl Ops {
                 .collect()
         }))
     }
+}
+
+/// Pages of a layer-indexed tensor of `buffer` (pages of `pb` bytes, `layers` layers),
+/// checked: the layer count, 16-byte alignment, whole pages, the same pages in every layer.
+/// A refusal names `what` (and the layer) and the rule.
+pub fn tensor_pages(
+    what: &str,
+    buffer: BufferKind,
+    pb: u64,
+    layers: u32,
+    t: &Tensors,
+) -> Result<u32, OpsError> {
+    let layers = u64::from(layers);
+    let check_start = |what: &str, r: &Region| {
+        if r.addr % ALIGN != 0 {
+            return Err(bad(
+                what,
+                format!("starts at {:#x}, not {ALIGN}-byte aligned", r.addr),
+            ));
+        }
+        Ok(())
+    };
+    let pages = match t {
+        Tensors::CrossLayer(r) | Tensors::PageMajor(r) => {
+            check_start(what, r)?;
+            if r.bytes == 0 || r.bytes % (layers * pb) != 0 {
+                return Err(bad(
+                    what,
+                    format!(
+                        "{} bytes are not {layers} layers of whole {pb}-byte {buffer} pages",
+                        r.bytes
+                    ),
+                ));
+            }
+            r.bytes / (layers * pb)
+        }
+        Tensors::PerLayer(v) => {
+            if v.len() as u64 != layers {
+                return Err(bad(
+                    what,
+                    format!("{} per-layer tensors for {layers} layers", v.len()),
+                ));
+            }
+            let mut pages = None;
+            for (l, r) in v.iter().enumerate() {
+                let what = format!("{what} layer {l}");
+                check_start(&what, r)?;
+                if r.bytes == 0 || r.bytes % pb != 0 {
+                    return Err(bad(
+                        what,
+                        format!("{} bytes are not whole {pb}-byte {buffer} pages", r.bytes),
+                    ));
+                }
+                let p = r.bytes / pb;
+                match pages {
+                    None => pages = Some(p),
+                    Some(first) if first != p => {
+                        return Err(bad(
+                            what,
+                            format!("{p} pages, but layer 0 has {first}: layers must match"),
+                        ))
+                    }
+                    Some(_) => {}
+                }
+            }
+            pages.unwrap_or_default()
+        }
+    };
+    u32::try_from(pages).map_err(|_| bad(what, format!("{pages} pages are too many")))
 }

@@ -327,3 +327,172 @@ fn select_and_release_on_the_engines_lanes_equal_the_reference_all_or_nothing() 
         "{e}"
     );
 }
+
+/// `[layers][pages][pb]` bytes as `[pages][layers][pb]`, or back with `back`.
+fn reorder(bytes: &[u8], layers: u32, pages: u32, pb: u64, back: bool) -> Vec<u8> {
+    let (layers, pages, pb) = (layers as usize, pages as usize, pb as usize);
+    let mut out = bytes.to_vec();
+    for l in 0..layers {
+        for p in 0..pages {
+            let lm = (l * pages + p) * pb;
+            let pm = (p * layers + l) * pb;
+            let (from, to) = if back { (pm, lm) } else { (lm, pm) };
+            out[to..to + pb].copy_from_slice(&bytes[from..from + pb]);
+        }
+    }
+    out
+}
+
+/// vLLM's cross-layer device tensor (`[blocks, layers, page]`) and SGLang's per-layer
+/// device tensors beside a page-first host pool (NSA) take one launch each and move exactly
+/// the reference's bytes, read back in layer-major order.
+#[test]
+fn page_major_and_per_layer_device_tensors_transfer_like_the_reference() {
+    let (layers, dev_pages, host_pages) = (3u32, 6u32, 9u32);
+    for model in [ModelShape::Nsa, ModelShape::MlaBf16] {
+        let ps = if model == ModelShape::Nsa { 64 } else { 16 };
+        let ops = ops(model, ps, 2, layers);
+        let dep = ops.deployment().clone();
+        let buffers = dep.model.buffers();
+        for dir in [Direction::HostToDevice, Direction::DeviceToHost] {
+            for page_major in [true, false] {
+                let mut dev: Vec<Mem> = Vec::new();
+                let mut host: Vec<Mem> = Vec::new();
+                for (i, &b) in buffers.iter().enumerate() {
+                    let pb = b.page_bytes(ps);
+                    dev.push(Mem::new(u64::from(layers * dev_pages) * pb, 3 + i as u64));
+                    host.push(Mem::new(u64::from(layers * host_pages) * pb, 9 + i as u64));
+                }
+                // The device bytes as the reference sees them (layer-major).
+                let layer_major = |m: &Mem, pb: u64| {
+                    if page_major {
+                        reorder(m.bytes(), layers, dev_pages, pb, true)
+                    } else {
+                        m.bytes().to_vec()
+                    }
+                };
+                let want_dev: Vec<Vec<u8>> = dev
+                    .iter()
+                    .zip(buffers)
+                    .map(|(m, b)| layer_major(m, b.page_bytes(ps)))
+                    .collect();
+                let want_host: Vec<Vec<u8>> = host.iter().map(|m| m.bytes().to_vec()).collect();
+                let dts: Vec<Tensors> = buffers
+                    .iter()
+                    .zip(&mut dev)
+                    .map(|(&b, m)| {
+                        let pb = b.page_bytes(ps);
+                        if page_major {
+                            Tensors::PageMajor(m.region(0, u64::from(layers * dev_pages) * pb))
+                        } else {
+                            tensors(m, true, layers, dev_pages, pb)
+                        }
+                    })
+                    .collect();
+                let hts: Vec<Tensors> = buffers
+                    .iter()
+                    .zip(&mut host)
+                    .map(|(&b, m)| tensors(m, false, layers, host_pages, b.page_bytes(ps)))
+                    .collect();
+                let (src, dst) = match dir {
+                    Direction::HostToDevice => (vec![8u32, 0, 3], vec![5u32, 1, 2]),
+                    Direction::DeviceToHost => (vec![5u32, 1, 2], vec![8u32, 0, 3]),
+                };
+                let before = ops.executor().counters().launches;
+                // SAFETY: the memory lives across the call and nothing else touches it.
+                unsafe { ops.transfer(dir, &dts, &hts, &src, &dst, 0..layers) }.unwrap();
+                assert_eq!(ops.executor().counters().launches - before, 1, "one launch");
+                for (i, &b) in buffers.iter().enumerate() {
+                    let pb = b.page_bytes(ps);
+                    let (mut want_d, mut want_h) = (want_dev[i].clone(), want_host[i].clone());
+                    let (s, d) = match dir {
+                        Direction::HostToDevice => (want_h.clone(), &mut want_d),
+                        Direction::DeviceToHost => (want_d.clone(), &mut want_h),
+                    };
+                    reference::transfer_pages(
+                        dir,
+                        dep.host_layout,
+                        pb,
+                        &s,
+                        d,
+                        &src,
+                        &dst,
+                        3,
+                        layers,
+                        0,
+                        layers,
+                        dev_pages,
+                        host_pages,
+                    )
+                    .unwrap();
+                    let what = format!("{model} {dir:?} page_major {page_major} {b}");
+                    assert!(layer_major(&dev[i], pb) == want_d, "{what}: device");
+                    assert!(host[i].bytes() == want_h.as_slice(), "{what}: host");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn page_major_pools_materialise_like_the_reference_and_misuse_is_refused() {
+    let (cp, layers, local) = (4u8, 3u32, 5u32);
+    let ops = ops(ModelShape::MlaBf16, 16, cp, layers);
+    let b = BufferKind::MlaKv;
+    let pb = b.page_bytes(16);
+    let seq = [4u32, 1, 18, 7, 10, 3];
+    let mut pools: Vec<Mem> = (0..cp)
+        .map(|r| Mem::new(u64::from(layers * local) * pb, 60 + u64::from(r)))
+        .collect();
+    let refs: Vec<Vec<u8>> = pools
+        .iter()
+        .map(|m| reorder(m.bytes(), layers, local, pb, true))
+        .collect();
+    let pts: Vec<Tensors> = pools
+        .iter_mut()
+        .map(|m| Tensors::PageMajor(m.region(0, u64::from(layers * local) * pb)))
+        .collect();
+    let mut dense = Mem::new(u64::from(layers) * seq.len() as u64 * pb, 98);
+    let dt = tensors(&mut dense, false, layers, seq.len() as u32, pb);
+    // SAFETY: the memory lives across the calls and nothing else touches it.
+    unsafe { ops.materialise(b, &pts, &seq, &dt) }.unwrap();
+    let mut want = vec![0u8; dense.bytes().len()];
+    let views: Vec<&[u8]> = refs.iter().map(Vec::as_slice).collect();
+    let n = seq.len() as u32;
+    reference::materialise(cp, pb, &views, &seq, n, layers, local, &mut want).unwrap();
+    assert!(dense.bytes() == want.as_slice());
+
+    // Pools laid out unlike each other, a page-major dense output, a page-major host pool.
+    let mut other = Mem::new(u64::from(layers * local) * pb, 5);
+    let mut mixed = pts.clone();
+    mixed[2] = tensors(&mut other, false, layers, local, pb);
+    // SAFETY: refusals launch nothing.
+    let e = unsafe { ops.materialise(b, &mixed, &seq, &dt) }.unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("pools[2]: ordered unlike pools[0]"),
+        "{e}"
+    );
+    let pm_dense = Tensors::PageMajor(dense.region(0, u64::from(layers) * u64::from(n) * pb));
+    // SAFETY: as above.
+    let e = unsafe { ops.materialise(b, &pts, &seq, &pm_dense) }.unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("dense: the dense output is layer-major"),
+        "{e}"
+    );
+    let d = [Tensors::PageMajor(
+        pools[0].region(0, u64::from(layers * local) * pb),
+    )];
+    let h = [Tensors::PageMajor(
+        other.region(0, u64::from(layers * local) * pb),
+    )];
+    // SAFETY: as above.
+    let e = unsafe { ops.transfer(Direction::HostToDevice, &d, &h, &[0], &[1], 0..layers) }
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("host[mla_kv]: a page-major tensor is a device pool"),
+        "{e}"
+    );
+}

@@ -236,6 +236,15 @@ pub enum ClusterError {
     /// Settings that cannot work together.
     #[error("invalid cluster setting: {0}")]
     Config(String),
+    /// An engine's device buffer that the cache cannot adopt: which one (`device[kv] layer
+    /// 3`) and the rule it breaks.
+    #[error("engine buffer {what}: {why}")]
+    EngineBuffer {
+        /// The buffer (and layer).
+        what: String,
+        /// The rule it breaks.
+        why: String,
+    },
     /// The CP group failed: a peer's step failed (the request is rolled back on every
     /// rank, [`GroupError::PeerFailed`]), or the group broke (a timeout, a rank that
     /// diverged, left or panicked: nothing more can be served).
@@ -461,6 +470,7 @@ impl ClusterError {
             ClusterError::Layout(_)
                 | ClusterError::PoolTooSmall { .. }
                 | ClusterError::Config(_)
+                | ClusterError::EngineBuffer { .. }
                 | ClusterError::ConfigDiverged { .. }
                 | ClusterError::PeerReported {
                     kind: PeerErrorKind::PoolTooSmall | PeerErrorKind::Usage,

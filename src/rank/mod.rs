@@ -50,6 +50,11 @@ pub mod pools;
 mod request;
 mod rollback;
 mod stats;
+mod transfer;
+#[cfg(test)]
+use crate::kernels::PoolShape;
+#[cfg(test)]
+pub(crate) use transfer::check_transfer_pages;
 mod verify;
 
 pub use config::{ClusterConfig, ClusterError, Fault, PeerErrorKind, WritePolicy};
@@ -70,15 +75,11 @@ use crate::group::{Collective, Counted, GroupError};
 use crate::hicache::host_pool::HostPagePool;
 use crate::hicache::tree::{Evicted, MatchResult, NodeId, RadixTree, TreeError};
 use crate::jit::Jit;
-use crate::kernels::{
-    clamp_layer_range, layer_range_args, reference, transfer_args, transfer_regions, BufferKind,
-    Direction, PoolShape,
-};
+use crate::kernels::{reference, BufferKind, Direction};
 use crate::layout::{zigzag_owners, CpLayout, PageId, Rank};
 use crate::metadata::{HostPage, NodeMetadata};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeSet;
-use std::ops::Range;
 use std::sync::Arc;
 
 /// One CP rank's cache. See the module documentation.
@@ -204,6 +205,45 @@ impl RankCache {
         group: Box<dyn Collective>,
         peer_access: PeerAccess,
     ) -> Result<RankCache, ClusterError> {
+        // SAFETY: no engine memory is adopted.
+        unsafe { Self::start(config, exec, jit, group, peer_access, None) }
+    }
+
+    /// [`RankCache::new`] over an engine's device memory: `device` holds one [`Tensors`](crate::ops::Tensors)
+    /// per buffer kind, in the model's order (SGLang's per-layer tensors, one layer-major or
+    /// one page-major cross-layer tensor), adopted as this rank's device pools instead of
+    /// allocating them ([`Pools::adopting`]: what is checked, and what is refused). The
+    /// kernels reach it through page tables; every peer's pool must have the same page
+    /// stride, which start-up checks ([`Pools::connect`]). The engine reads the KV the cache
+    /// loads, and the cache verifies what the engine wrote, in the engine's own tensors.
+    ///
+    /// # Safety
+    /// Every region must be memory of `exec`'s address space, valid for reads and writes
+    /// while the cache lives, and left to the cache's kernels while a step runs.
+    pub unsafe fn adopting(
+        config: ClusterConfig,
+        exec: Arc<dyn Executor>,
+        jit: &Jit,
+        group: Box<dyn Collective>,
+        peer_access: PeerAccess,
+        device: &[crate::ops::Tensors],
+    ) -> Result<RankCache, ClusterError> {
+        // SAFETY: the caller's contract.
+        unsafe { Self::start(config, exec, jit, group, peer_access, Some(device)) }
+    }
+
+    /// [`RankCache::new`], adopting `device` when given.
+    ///
+    /// # Safety
+    /// As [`RankCache::adopting`] for `device`.
+    unsafe fn start(
+        config: ClusterConfig,
+        exec: Arc<dyn Executor>,
+        jit: &Jit,
+        group: Box<dyn Collective>,
+        peer_access: PeerAccess,
+        device: Option<&[crate::ops::Tensors]>,
+    ) -> Result<RankCache, ClusterError> {
         let group = Counted::new(group);
         let rank = group.rank();
         let refuse = |e: ClusterError| {
@@ -211,7 +251,9 @@ impl RankCache {
             e
         };
         let (layout, config, exec, kernels, pools, tree, alloc, host) =
-            Self::build(config, exec, jit, &group, peer_access).map_err(refuse)?;
+            // SAFETY: the caller's contract for `device`.
+            unsafe { Self::build(config, exec, jit, &group, peer_access, device) }
+                .map_err(refuse)?;
         let buffers = config.deployment.model.buffers();
         let handles = buffers
             .iter()
@@ -366,13 +408,18 @@ impl RankCache {
         }
     }
 
+    /// Everything start-up builds before its rounds.
+    ///
+    /// # Safety
+    /// As [`RankCache::adopting`] for `device`.
     #[allow(clippy::type_complexity)]
-    fn build(
+    unsafe fn build(
         config: ClusterConfig,
         exec: Arc<dyn Executor>,
         jit: &Jit,
         group: &dyn Collective,
         peer_access: PeerAccess,
+        device: Option<&[crate::ops::Tensors]>,
     ) -> Result<
         (
             CpLayout,
@@ -417,7 +464,13 @@ impl RankCache {
         let kernels = unsafe {
             DeploymentKernels::load_with_hook(dep, jit, exec.as_ref(), config.sanitize, hook)
         }?;
-        let pools = Pools::new(exec.clone(), dep, geometry, peer_access)?;
+        let pools = match device {
+            None => Pools::new(exec.clone(), dep, geometry, peer_access)?,
+            // SAFETY: the caller's contract.
+            Some(device) => {
+                unsafe { Pools::adopting(exec.clone(), dep, geometry, peer_access, device) }?
+            }
+        };
         let tree = RadixTree::new(layout, rank)?;
         let mut alloc = KernelLaneAllocator::new(
             layout,
@@ -833,126 +886,6 @@ impl RankCache {
         .collect();
         Ok(req.stats)
     }
-
-    /// Copies this rank's page pairs for every buffer kind and every layer of `layers`
-    /// (clamped to the pools' layers; `0..layers` for all of them), with the transfer kernel
-    /// or by DMA as the deployment says; returns bytes moved. With `events`, the layers move
-    /// one at a time, each followed by an event pushed there (a layer-wise load); the pairs
-    /// are checked and uploaded once either way.
-    fn transfer(
-        &mut self,
-        dir: Direction,
-        src: &[u32],
-        dst: &[u32],
-        layers: Range<u32>,
-        mut events: Option<&mut Vec<EventId>>,
-    ) -> Result<u64, ClusterError> {
-        let g = self.pools.geometry();
-        let (first_layer, layer_count) = layer_range_args(&layers);
-        let moved = clamp_layer_range(first_layer, layer_count, g.layers);
-        if src.is_empty() {
-            if let Some(events) = events.as_deref_mut() {
-                for _ in moved {
-                    events.push(self.exec.record_event()?);
-                }
-            }
-            return Ok(0);
-        }
-        let pools = PoolShape {
-            layers: g.layers,
-            device_pages: g.local_pages,
-            host_pages: g.host_pages,
-        };
-        check_transfer_pages(dir, usize::from(self.rank.0), src, dst, &pools)?;
-        let dma = self.config.deployment.transfer_path.dma_mode();
-        let pairs = if dma.is_some() {
-            None
-        } else {
-            Some(self.pools.upload_pairs(src, dst)?)
-        };
-        let steps: Vec<Range<u32>> = match events {
-            Some(_) => moved.clone().map(|l| l..l + 1).collect(),
-            None => vec![moved.clone()],
-        };
-        let spec = self.config.deployment.transfer(dir);
-        // (source pool, destination pool) of each buffer, in the spec's descriptor order.
-        let ends: Vec<(crate::exec::BufferId, crate::exec::BufferId)> = self
-            .config
-            .deployment
-            .model
-            .buffers()
-            .iter()
-            .map(|&b| match dir {
-                Direction::HostToDevice => (self.pools.host(b), self.pools.device(b)),
-                Direction::DeviceToHost => (self.pools.device(b), self.pools.host(b)),
-            })
-            .collect();
-        let mut bytes = 0;
-        for step in steps {
-            match pairs {
-                None => {
-                    for (d, &(from, to)) in spec.descriptors().iter().zip(&ends) {
-                        let regions = transfer_regions(d, src, dst, pools, step.clone());
-                        self.exec
-                            .copy_regions_with(from, to, &regions, dma.unwrap_or_default())?;
-                    }
-                }
-                Some((sb, db)) => {
-                    // One launch moves every buffer.
-                    let k = self.kernels.transfer(dir);
-                    let args = transfer_args(
-                        &ends,
-                        (sb, db),
-                        src.len() as u32,
-                        pools,
-                        layer_range_args(&step),
-                    );
-                    self.exec.launch(
-                        k.id,
-                        &k.launch(src.len() as u32, step.len() as u32),
-                        &args,
-                    )?;
-                }
-            }
-            bytes += src.len() as u64 * step.len() as u64 * spec.total_page_bytes();
-            if let Some(events) = events.as_deref_mut() {
-                events.push(self.exec.record_event()?);
-            }
-        }
-        Ok(bytes)
-    }
-}
-
-/// Refuses a transfer whose page lists differ in length, name a page outside its pool
-/// (`pools`' device pages per rank, host pages), or name one destination page twice (on a GPU
-/// the two copies would interleave: `kernels::check_distinct_destinations`).
-pub(crate) fn check_transfer_pages(
-    dir: Direction,
-    rank: usize,
-    src: &[u32],
-    dst: &[u32],
-    pools: &PoolShape,
-) -> Result<(), ClusterError> {
-    let bad = |what: String| Err(ClusterError::BadTransfer { rank, what });
-    if src.len() != dst.len() {
-        return bad(format!(
-            "{dir} transfer of {} source pages to {} destination pages",
-            src.len(),
-            dst.len()
-        ));
-    }
-    let [src_pool, dst_pool] = pools.ends(dir);
-    for (pages, (pool, cap)) in [(src, src_pool), (dst, dst_pool)] {
-        if let Some(p) = pages.iter().find(|&&p| p >= cap) {
-            return bad(format!(
-                "{dir} transfer names {pool} page {p}, outside the {pool} pool of {cap} pages"
-            ));
-        }
-    }
-    if let Err(e) = crate::kernels::check_distinct_destinations(dst) {
-        return bad(format!("{dir} transfer: {e}"));
-    }
-    Ok(())
 }
 
 #[cfg(test)]

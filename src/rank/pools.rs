@@ -2,8 +2,10 @@
 //! owner's device pool (its own and its peers', as attention reads them), and the scratch
 //! buffers a request uploads its control data into.
 
+use super::ClusterError;
 use crate::exec::{BufferId, ExecError, Executor, MemKind};
-use crate::kernels::{reference, BufferKind, Deployment, HostLayout};
+use crate::kernels::{page_stride, reference, BufferKind, Deployment, HostLayout, PageTable};
+use crate::ops::Tensors;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -69,19 +71,39 @@ impl PeerAccess {
     }
 }
 
+/// Where one device pool's layers are, as a rank reaches it: each layer's first page, pages
+/// `page_stride` bytes apart (a [`PageTable`]'s entries), and the whole pool's buffer when it
+/// is the cache's own layer-major one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoolView {
+    /// The `[layers][local_pages][page_bytes]` buffer the cache allocated (or mapped); `None`
+    /// for an engine's adopted memory.
+    pub buffer: Option<BufferId>,
+    /// Each layer's first page.
+    pub layers: Vec<(BufferId, u64)>,
+}
+
 /// One rank's pools and scratch buffers; freed (and peer mappings unmapped) when dropped.
 pub struct Pools {
     exec: Arc<dyn Executor>,
     geometry: PoolGeometry,
     page_size: u32,
     access: PeerAccess,
-    device: HashMap<BufferKind, BufferId>,
+    /// This rank's device pool per buffer kind.
+    device: HashMap<BufferKind, PoolView>,
+    /// Bytes from page to page of the device pools (the same on every rank).
+    strides: HashMap<BufferKind, u32>,
+    /// An engine's regions this rank adopted (forgotten, never freed, on drop).
+    adopted: Vec<BufferId>,
     host: HashMap<BufferKind, BufferId>,
     /// Every owner's device pool per buffer kind, in rank order, as this executor reaches
     /// it; empty until [`Pools::connect`].
-    views: HashMap<BufferKind, Vec<BufferId>>,
+    views: HashMap<BufferKind, Vec<PoolView>>,
     /// Peer mappings this rank made (unmapped on drop; direct handles are the peer's).
     imported: Vec<BufferId>,
+    /// Per buffer kind, where launches write their page tables ([`PageTable::at`]): room
+    /// for every layer, or every owner of one layer.
+    tables: HashMap<BufferKind, BufferId>,
     scratch: HashMap<&'static str, (BufferId, usize)>,
 }
 
@@ -94,15 +116,152 @@ impl Pools {
         geometry: PoolGeometry,
         access: PeerAccess,
     ) -> Result<Pools, ExecError> {
+        let mut pools = Pools::without_device(exec, dep, geometry, access)?;
+        for &b in dep.model.buffers() {
+            let page = b.page_bytes(dep.page_size);
+            let bytes = page as usize * geometry.layers as usize * geometry.local_pages as usize;
+            let d = match access {
+                PeerAccess::Direct => pools.exec.alloc(MemKind::Device, bytes, POISON)?,
+                PeerAccess::Mapped => pools.exec.alloc_shareable(bytes, POISON)?,
+            };
+            pools.device.insert(b, own_view(d, geometry, page));
+            pools.strides.insert(b, page_stride(page));
+        }
+        Ok(pools)
+    }
+
+    /// This rank's pools over an engine's device memory, one [`Tensors`] per buffer kind in
+    /// the model's order (SGLang's per-layer tensors, a layer-major or page-major cross-layer
+    /// tensor), adopted instead of allocated; host pools and scratch are the cache's own.
+    /// Every tensor is checked first: the layer count, 16-byte alignment, whole pages, the
+    /// same pages in every layer, at least `local_pages` of them (the cache uses the first
+    /// `local_pages`), and a stride that fits the kernels; a refusal names the buffer, the
+    /// layer and the rule ([`ClusterError::EngineBuffer`]). The pages are poisoned, as the
+    /// cache's own pools start. The DMA transfer path, which copies layer-major pools, is
+    /// refused, and so are peers in other processes ([`PeerAccess::Mapped`]): they cannot
+    /// map an engine's memory, and verification that gathers through the group instead is
+    /// not built yet.
+    ///
+    /// # Safety
+    /// Every region must be memory of the executor's address space, valid for reads and
+    /// writes for as long as the pools live, and left to the cache's kernels while they run
+    /// ([`Executor::adopt`]).
+    pub unsafe fn adopting(
+        exec: Arc<dyn Executor>,
+        dep: &Deployment,
+        geometry: PoolGeometry,
+        access: PeerAccess,
+        device: &[Tensors],
+    ) -> Result<Pools, ClusterError> {
+        let bad = |what: String, why: String| ClusterError::EngineBuffer { what, why };
+        let buffers = dep.model.buffers();
+        if device.len() != buffers.len() {
+            let names: Vec<String> = buffers.iter().map(ToString::to_string).collect();
+            return Err(bad(
+                "device".into(),
+                format!(
+                    "{} buffers given, the {} model has {} ({})",
+                    device.len(),
+                    dep.model,
+                    buffers.len(),
+                    names.join(", ")
+                ),
+            ));
+        }
+        if dep.transfer_path.dma_mode().is_some() {
+            return Err(bad(
+                "device".into(),
+                format!(
+                    "the {} transfer path copies the cache's own layer-major pools; an \
+                     engine's memory moves with the transfer kernel (transfer path `kernel`)",
+                    dep.transfer_path
+                ),
+            ));
+        }
+        if access == PeerAccess::Mapped && dep.cp > 1 {
+            return Err(bad(
+                "device".into(),
+                "peers in other processes cannot map an engine's memory, and verification \
+                 that gathers through the group instead is not built yet: adopt buffers with \
+                 every rank in one process (or CP 1)"
+                    .into(),
+            ));
+        }
+        let mut checked = Vec::with_capacity(buffers.len());
+        for (&b, t) in buffers.iter().zip(device) {
+            let what = format!("device[{b}]");
+            let pb = b.page_bytes(dep.page_size);
+            let pages = crate::ops::tensor_pages(&what, b, pb, geometry.layers, t).map_err(
+                |e| match e {
+                    crate::ops::OpsError::BadArgument { what, why } => bad(what, why),
+                    other => bad(what.clone(), other.to_string()),
+                },
+            )?;
+            if pages < geometry.local_pages {
+                return Err(bad(
+                    what,
+                    format!(
+                        "{pages} pages per layer, fewer than the {} local pages of this \
+                         rank's pool",
+                        geometry.local_pages
+                    ),
+                ));
+            }
+            let stride = t.page_stride(geometry.layers, pb);
+            let stride = u32::try_from(stride).map_err(|_| {
+                bad(
+                    what.clone(),
+                    format!("a page stride of {stride} bytes does not fit 32 bits"),
+                )
+            })?;
+            checked.push((b, t, pages, stride));
+        }
+        let mut pools = Pools::without_device(exec, dep, geometry, access)?;
+        for (b, t, pages, stride) in checked {
+            let mut ids = Vec::new();
+            for r in t.regions() {
+                // SAFETY: the caller's contract.
+                let id = unsafe { pools.exec.adopt(r.addr, r.bytes as usize) }?;
+                pools.adopted.push(id);
+                ids.push(id);
+            }
+            let pb = b.page_bytes(dep.page_size);
+            let layers = (0..geometry.layers)
+                .map(|l| crate::ops::layer_at(t, &ids, l, pages, pb))
+                .collect();
+            pools.device.insert(
+                b,
+                PoolView {
+                    buffer: None,
+                    layers,
+                },
+            );
+            pools.strides.insert(b, stride);
+            let all: Vec<u32> = (0..geometry.local_pages).collect();
+            pools.poison_device_pages(b, &all)?;
+        }
+        Ok(pools)
+    }
+
+    /// Everything but the device pools: host pools (poisoned), page tables and scratch.
+    fn without_device(
+        exec: Arc<dyn Executor>,
+        dep: &Deployment,
+        geometry: PoolGeometry,
+        access: PeerAccess,
+    ) -> Result<Pools, ExecError> {
         let mut pools = Pools {
             exec,
             geometry,
             page_size: dep.page_size,
             access,
             device: HashMap::new(),
+            strides: HashMap::new(),
+            adopted: Vec::new(),
             host: HashMap::new(),
             views: HashMap::new(),
             imported: Vec::new(),
+            tables: HashMap::new(),
             scratch: HashMap::new(),
         };
         // Transfer page pairs never exceed a pool, so these never grow on the load path
@@ -113,12 +272,6 @@ impl Pools {
         for &b in dep.model.buffers() {
             let page = b.page_bytes(dep.page_size) as usize;
             let layers = geometry.layers as usize;
-            let bytes = page * layers * geometry.local_pages as usize;
-            let d = match access {
-                PeerAccess::Direct => pools.exec.alloc(MemKind::Device, bytes, POISON)?,
-                PeerAccess::Mapped => pools.exec.alloc_shareable(bytes, POISON)?,
-            };
-            pools.device.insert(b, d);
             // A zero-page host pool still gets a buffer so kernels have a valid pointer.
             let h = pools.exec.alloc(
                 MemKind::Host,
@@ -126,71 +279,103 @@ impl Pools {
                 POISON,
             )?;
             pools.host.insert(b, h);
+            let entries = geometry.layers.max(u32::from(dep.cp)) as usize;
+            let t = pools.exec.alloc(MemKind::Device, 8 * entries.max(1), 0)?;
+            pools.tables.insert(b, t);
         }
         Ok(pools)
     }
 
-    /// What peers need to reach this rank's device pool of `b` (to all-gather).
+    /// What peers need to reach this rank's device pool of `b` (to all-gather): under
+    /// [`PeerAccess::Direct`] its page stride and each layer's first page; under
+    /// [`PeerAccess::Mapped`] the executor's export of the pool buffer.
     pub fn handle(&self, b: BufferKind) -> Result<Vec<u8>, ExecError> {
-        let id = self.device[&b];
+        let view = &self.device[&b];
         match self.access {
-            PeerAccess::Direct => Ok(id.0.to_le_bytes().to_vec()),
-            PeerAccess::Mapped => self.exec.export(id),
+            PeerAccess::Direct => {
+                let mut out = self.strides[&b].to_le_bytes().to_vec();
+                for &(id, off) in &view.layers {
+                    out.extend(id.0.to_le_bytes());
+                    out.extend(off.to_le_bytes());
+                }
+                Ok(out)
+            }
+            PeerAccess::Mapped => match view.buffer {
+                Some(id) => self.exec.export(id),
+                None => Err(ExecError::Peer {
+                    op: "export",
+                    message: format!(
+                        "this rank's {b} pool is an engine's memory, which peers in other \
+                         processes cannot map"
+                    ),
+                }),
+            },
         }
     }
 
     /// Reaches every owner's device pool of `b` from its handle (`handles[r]` is rank `r`'s,
     /// `me` this rank): this rank's own pool as it is, each peer's mapped or, under
-    /// [`PeerAccess::Direct`], used directly. `Err((peer, error))` names the peer whose pool
-    /// could not be reached.
+    /// [`PeerAccess::Direct`], used directly. Every owner's pool must have this rank's page
+    /// stride (one page table serves them all) and hold this rank's pool shape.
+    /// `Err((peer, error))` names the peer whose pool could not be reached.
     pub fn connect(
         &mut self,
         b: BufferKind,
         me: usize,
         handles: &[Vec<u8>],
     ) -> Result<(), (usize, ExecError)> {
+        let g = self.geometry;
+        let pb = b.page_bytes(self.page_size);
+        let stride = self.strides[&b];
+        let peer = |message: String| ExecError::Peer {
+            op: "import",
+            message,
+        };
         let mut view = Vec::with_capacity(handles.len());
         for (r, h) in handles.iter().enumerate() {
-            let id = if r == me {
-                self.device[&b]
+            let v = if r == me {
+                self.device[&b].clone()
             } else {
                 match self.access {
                     PeerAccess::Direct => {
-                        let raw: [u8; 8] = h.as_slice().try_into().map_err(|_| {
-                            (
-                                r,
-                                ExecError::Peer {
-                                    op: "import",
-                                    message: format!("a direct handle of {} bytes", h.len()),
-                                },
-                            )
+                        let (theirs, v) = parse_direct(h, g.layers).ok_or_else(|| {
+                            (r, peer(format!("a direct handle of {} bytes", h.len())))
                         })?;
-                        BufferId(u64::from_le_bytes(raw))
+                        if theirs != stride {
+                            return Err((
+                                r,
+                                peer(format!(
+                                    "rank {r}'s {b} pool has pages {theirs} bytes apart, this \
+                                     rank's {stride}: every rank's pool must be laid out alike"
+                                )),
+                            ));
+                        }
+                        v
                     }
                     PeerAccess::Mapped => {
                         let id = self.exec.import(h).map_err(|e| (r, e))?;
                         self.imported.push(id);
-                        id
+                        own_view(id, g, pb)
                     }
                 }
             };
-            // Every view claims this rank's pool shape: a peer's mapping that is smaller
-            // would let a read through it run past the end.
-            let want = self.exec.size(self.device[&b]).map_err(|e| (r, e))?;
-            let have = self.exec.size(id).map_err(|e| (r, e))?;
-            if have < want {
-                return Err((
-                    r,
-                    ExecError::Peer {
-                        op: "import",
-                        message: format!(
-                            "rank {r}'s {b} pool is {have} bytes, smaller than the {want} \
-                             bytes of this rank's pool shape"
-                        ),
-                    },
-                ));
+            // Every view holds this rank's pool shape: a peer's that is smaller would let a
+            // read through it run past the end.
+            let reach = u64::from(g.local_pages.saturating_sub(1)) * u64::from(stride) + pb;
+            for (l, &(id, off)) in v.layers.iter().enumerate() {
+                let have = self.exec.size(id).map_err(|e| (r, e))? as u64;
+                if g.local_pages > 0 && have < off.saturating_add(reach) {
+                    return Err((
+                        r,
+                        peer(format!(
+                            "rank {r}'s {b} pool holds {} bytes of layer {l}, fewer than the \
+                             {reach} of this rank's pool shape",
+                            have.saturating_sub(off)
+                        )),
+                    ));
+                }
             }
-            view.push(id);
+            view.push(v);
         }
         self.views.insert(b, view);
         Ok(())
@@ -201,7 +386,7 @@ impl Pools {
     /// now, so a rank killed from here on leaves nothing in `/dev/shm`.
     pub fn seal(&self) -> Result<(), ExecError> {
         if self.access == PeerAccess::Mapped {
-            for &id in self.device.values() {
+            for id in self.device.values().filter_map(|v| v.buffer) {
                 self.exec.seal_shareable(id)?;
             }
         }
@@ -213,14 +398,43 @@ impl Pools {
         self.geometry
     }
 
-    /// This rank's device pool of buffer `b`.
-    pub fn device(&self, b: BufferKind) -> BufferId {
-        self.device[&b]
+    /// This rank's device pool of buffer `b`, when it is the cache's own layer-major buffer
+    /// (`None` for an engine's adopted memory).
+    pub fn device(&self, b: BufferKind) -> Option<BufferId> {
+        self.device[&b].buffer
+    }
+
+    /// This rank's device pool of buffer `b` as a page table of every layer.
+    pub fn device_table(&self, b: BufferKind) -> PageTable {
+        PageTable {
+            at: (self.tables[&b], 0),
+            entries: self.device[&b].layers.clone(),
+            page_stride: self.strides[&b],
+        }
+    }
+
+    /// Layer `layer` of every owner's device pool of buffer `b`, in rank order, as this rank
+    /// reaches them: the page table of a one-layer materialise.
+    pub fn views_table(&self, b: BufferKind, layer: u32) -> PageTable {
+        PageTable {
+            at: (self.tables[&b], 0),
+            entries: self
+                .views(b)
+                .iter()
+                .map(|v| v.layers[layer as usize])
+                .collect(),
+            page_stride: self.strides[&b],
+        }
     }
 
     /// Every owner's device pool of buffer `b`, in rank order, as this rank reaches it.
-    pub fn views(&self, b: BufferKind) -> &[BufferId] {
+    pub fn views(&self, b: BufferKind) -> &[PoolView] {
         self.views.get(&b).map_or(&[], Vec::as_slice)
+    }
+
+    /// Whether the device pools are an engine's adopted memory.
+    pub fn adopted(&self) -> bool {
+        self.device.values().any(|v| v.buffer.is_none())
     }
 
     /// Points this rank's view of `peer`'s pools at `other`'s instead: a wrong peer mapping,
@@ -229,7 +443,7 @@ impl Pools {
     pub fn debug_view_peer_as(&mut self, peer: usize, other: usize) {
         for v in self.views.values_mut() {
             if peer < v.len() && other < v.len() {
-                v[peer] = v[other];
+                v[peer] = v[other].clone();
             }
         }
     }
@@ -345,25 +559,30 @@ impl Pools {
     pub fn poison_device_pages(&mut self, b: BufferKind, locals: &[u32]) -> Result<(), ExecError> {
         let g = self.geometry;
         let page_bytes = b.page_bytes(self.page_size);
+        let stride = u64::from(self.strides[&b]);
+        // Runs of consecutive pages are contiguous only where pages are packed.
         let mut runs: Vec<(u32, u32)> = Vec::new();
         for &p in locals.iter().filter(|&&p| p < g.local_pages) {
             match runs.last_mut() {
-                Some((start, len)) if *start + *len == p => *len += 1,
+                Some((start, len)) if *start + *len == p && stride == page_bytes => *len += 1,
                 _ => runs.push((p, 1)),
             }
         }
-        let ranges: Vec<(u64, u64)> = (0..g.layers)
-            .flat_map(|l| {
-                runs.iter().map(move |&(start, len)| {
-                    (
-                        reference::device_offset(start, l, g.local_pages, page_bytes),
-                        u64::from(len) * page_bytes,
-                    )
-                })
-            })
-            .collect();
-        let id = self.device(b);
-        self.fill_poison(id, &ranges)
+        // One fill per buffer: a layer-major pool is one, per-layer tensors one each.
+        let mut fills: Vec<(BufferId, Vec<(u64, u64)>)> = Vec::new();
+        for &(id, off) in &self.device[&b].layers {
+            let ranges = runs.iter().map(|&(start, len)| {
+                (off + u64::from(start) * stride, u64::from(len) * page_bytes)
+            });
+            match fills.iter_mut().find(|(f, _)| *f == id) {
+                Some((_, r)) => r.extend(ranges),
+                None => fills.push((id, ranges.collect())),
+            }
+        }
+        for (id, ranges) in fills {
+            self.fill_poison(id, &ranges)?;
+        }
+        Ok(())
     }
 
     /// Writes the poison byte over host pages `pages` of this rank's host pool of buffer `b`, every
@@ -403,11 +622,14 @@ impl Pools {
 
 impl Drop for Pools {
     fn drop(&mut self) {
+        // Adopted regions are forgotten, not freed: the engine owns that memory.
         let ids = self
             .imported
             .iter()
-            .chain(self.device.values())
+            .chain(self.device.values().filter_map(|v| v.buffer.as_ref()))
+            .chain(&self.adopted)
             .chain(self.host.values())
+            .chain(self.tables.values())
             .copied()
             .chain(self.scratch.values().map(|&(id, _)| id))
             .collect::<Vec<_>>();
@@ -420,4 +642,37 @@ impl Drop for Pools {
 
 fn u32_bytes(v: &[u32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// The view of a `[layers][local_pages][page_bytes]` pool in `id`.
+fn own_view(id: BufferId, g: PoolGeometry, page_bytes: u64) -> PoolView {
+    PoolView {
+        buffer: Some(id),
+        layers: PageTable::layer_major((id, 0), id, g.layers, g.local_pages, page_bytes).entries,
+    }
+}
+
+/// A [`PeerAccess::Direct`] handle ([`Pools::handle`]): the stride and `layers` entries.
+fn parse_direct(h: &[u8], layers: u32) -> Option<(u32, PoolView)> {
+    let (stride, rest) = h.split_first_chunk::<4>()?;
+    if rest.len() != 16 * layers as usize {
+        return None;
+    }
+    let layers = rest
+        .chunks_exact(16)
+        .map(|c| {
+            let (id, off) = c.split_at(8);
+            (
+                BufferId(u64::from_le_bytes(id.try_into().expect("8 bytes"))),
+                u64::from_le_bytes(off.try_into().expect("8 bytes")),
+            )
+        })
+        .collect();
+    Some((
+        u32::from_le_bytes(*stride),
+        PoolView {
+            buffer: None,
+            layers,
+        },
+    ))
 }

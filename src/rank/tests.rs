@@ -122,3 +122,360 @@ fn mismatches_count_bits_once_and_find_the_first() {
     );
     assert_eq!(Mismatches::from_bitmap(&[0; 8]), Mismatches::default());
 }
+
+/// An engine's device memory for a test: 16-byte aligned, poisoned differently than the
+/// cache poisons, so adopting has to write the cache's poison.
+struct EngineMemory(Vec<u128>);
+
+impl EngineMemory {
+    fn new(bytes: u64) -> EngineMemory {
+        EngineMemory(vec![
+            0x5a5a_5a5a_5a5a_5a5a_5a5a_5a5a_5a5a_5a5a;
+            bytes.div_ceil(16) as usize
+        ])
+    }
+
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: u128s are plain bytes; the length is the vector's.
+        unsafe { std::slice::from_raw_parts(self.0.as_ptr().cast(), self.0.len() * 16) }
+    }
+
+    fn region(&mut self, at: u64, bytes: u64) -> crate::ops::Region {
+        crate::ops::Region {
+            addr: self.0.as_mut_ptr() as u64 + at,
+            bytes,
+        }
+    }
+}
+
+/// How an engine lays out its device KV.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum EngineOrder {
+    /// SGLang: one `[pages, page]` tensor per layer.
+    PerLayer,
+    /// One `[layers, pages, page]` tensor.
+    LayerMajor,
+    /// vLLM: one `[pages, layers, page]` tensor.
+    PageMajor,
+}
+
+/// `layers × pages` pages of `pb` bytes in `order`, as memory and the tensors over it.
+fn engine_pool(
+    order: EngineOrder,
+    layers: u32,
+    pages: u32,
+    pb: u64,
+) -> (Vec<EngineMemory>, crate::ops::Tensors) {
+    use crate::ops::Tensors;
+    let all = u64::from(layers * pages) * pb;
+    match order {
+        EngineOrder::PerLayer => {
+            let mut mems: Vec<EngineMemory> = (0..layers)
+                .map(|_| EngineMemory::new(u64::from(pages) * pb))
+                .collect();
+            let regions = mems
+                .iter_mut()
+                .map(|m| m.region(0, u64::from(pages) * pb))
+                .collect();
+            (mems, Tensors::PerLayer(regions))
+        }
+        EngineOrder::LayerMajor | EngineOrder::PageMajor => {
+            let mut m = EngineMemory::new(all);
+            let r = m.region(0, all);
+            let t = if order == EngineOrder::LayerMajor {
+                Tensors::CrossLayer(r)
+            } else {
+                Tensors::PageMajor(r)
+            };
+            (vec![m], t)
+        }
+    }
+}
+
+/// The engine's bytes of local page `p`, layer `l`.
+fn engine_page(
+    mems: &[EngineMemory],
+    order: EngineOrder,
+    layers: u32,
+    pages: u32,
+    pb: u64,
+    l: u32,
+    p: u32,
+) -> Vec<u8> {
+    let pb = pb as usize;
+    let (mem, at) = match order {
+        EngineOrder::PerLayer => (&mems[l as usize], p as usize * pb),
+        EngineOrder::LayerMajor => (&mems[0], (l * pages + p) as usize * pb),
+        EngineOrder::PageMajor => (&mems[0], (p * layers + l) as usize * pb),
+    };
+    mem.bytes()[at..at + pb].to_vec()
+}
+
+fn adopting_config(cp: u8, layers: u32) -> ClusterConfig {
+    ClusterConfig {
+        deployment: crate::kernels::Deployment::new(crate::kernels::ModelShape::MlaBf16, 16, cp)
+            .unwrap(),
+        layers,
+        device_pages: 9 * u32::from(cp),
+        host_pages: 4,
+        policy: WritePolicy::WriteThrough,
+        fault: None,
+        sanitize: crate::jit::Sanitize::None,
+    }
+}
+
+fn test_jit() -> Jit {
+    Jit::new(crate::jit::JitConfig::new(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/target/tmp/jit-cache"
+    )))
+}
+
+/// A cache over an engine's memory, in each order the engines use, serves exactly as a
+/// cache over its own pools (the same statistics and state, 0 mismatches, host hits after an
+/// eviction), and the engine's tensors hold byte for byte what the cache's own pool holds:
+/// the engine reads the KV the cache loaded where it keeps it.
+#[test]
+fn a_cache_over_an_engines_tensors_serves_like_one_over_its_own_pools() {
+    let (layers, pages) = (2u32, 9u32);
+    let pb = crate::kernels::BufferKind::MlaKv.page_bytes(16);
+    let prompt = |n: u32, s: u32| -> Vec<u32> { (0..n * 16).map(|t| t * 7 + s).collect() };
+    for order in [
+        EngineOrder::PerLayer,
+        EngineOrder::LayerMajor,
+        EngineOrder::PageMajor,
+    ] {
+        let (mems, tensors) = engine_pool(order, layers, pages, pb);
+        let start = |device: Option<&[crate::ops::Tensors]>| {
+            let exec = Arc::new(crate::exec::HostExecutor::new(Default::default()));
+            let m = crate::group::LocalGroup::members(1, std::time::Duration::from_secs(60))
+                .pop()
+                .unwrap();
+            let (config, jit) = (adopting_config(1, layers), test_jit());
+            match device {
+                None => RankCache::new(config, exec, &jit, Box::new(m), PeerAccess::Direct),
+                // SAFETY: `mems` outlives the cache, and nothing else touches it.
+                Some(d) => unsafe {
+                    RankCache::adopting(config, exec, &jit, Box::new(m), PeerAccess::Direct, d)
+                },
+            }
+            .unwrap()
+        };
+        let mut own = start(None);
+        let mut engine = start(Some(std::slice::from_ref(&tensors)));
+        assert!(engine.pools().adopted() && !own.pools().adopted());
+        let mut host_hits = 0;
+        for round in 0..3 {
+            for p in [prompt(3, 1), prompt(5, 2), prompt(2, 1)] {
+                let (a, b) = (own.serve(&p).unwrap(), engine.serve(&p).unwrap());
+                assert_eq!(a, b, "{order:?} round {round}");
+                assert_eq!(b.mismatched_tokens, 0, "{order:?}");
+                host_hits += b.host_hit_tokens;
+            }
+            assert_eq!(own.digest(), engine.digest(), "{order:?}");
+            own.evict_device_lru(usize::MAX).unwrap();
+            engine.evict_device_lru(usize::MAX).unwrap();
+        }
+        assert!(host_hits > 0, "{order:?}: nothing was loaded back");
+        // Byte for byte: the cache's own pool and the engine's tensors.
+        let id = own
+            .pools()
+            .device(crate::kernels::BufferKind::MlaKv)
+            .unwrap();
+        let mut mine = vec![0u8; own.executor().size(id).unwrap()];
+        own.executor().read(id, 0, &mut mine).unwrap();
+        for l in 0..layers {
+            for p in 0..pages {
+                let at = ((l * pages + p) as u64 * pb) as usize;
+                let theirs = engine_page(&mems, order, layers, pages, pb, l, p);
+                assert!(
+                    mine[at..at + pb as usize] == theirs[..],
+                    "{order:?}: layer {l} page {p} differs"
+                );
+            }
+        }
+        drop(engine);
+    }
+}
+
+/// Two ranks in one process, each over its own engine tensors (page-major, vLLM's), read
+/// every page from its owner through each other's tables: 0 mismatches. A peer whose pages
+/// are laid out with another stride is refused at start-up, naming it.
+#[test]
+fn two_ranks_over_engine_tensors_read_each_others_pages() {
+    let (layers, pages) = (2u32, 9u32);
+    let pb = crate::kernels::BufferKind::MlaKv.page_bytes(16);
+    let exec: Arc<dyn Executor> = Arc::new(crate::exec::HostExecutor::new(Default::default()));
+    let run = |orders: [EngineOrder; 2]| {
+        let pools: Vec<_> = orders
+            .iter()
+            .map(|&o| engine_pool(o, layers, pages, pb))
+            .collect();
+        let members = crate::group::LocalGroup::members(2, std::time::Duration::from_secs(60));
+        let jit = test_jit();
+        std::thread::scope(|s| {
+            let handles: Vec<_> = members
+                .into_iter()
+                .zip(&pools)
+                .map(|(m, (_, t))| {
+                    let (exec, jit) = (exec.clone(), &jit);
+                    s.spawn(move || {
+                        // SAFETY: `pools` outlives the scope, and only the cache touches it.
+                        let rc = unsafe {
+                            RankCache::adopting(
+                                adopting_config(2, layers),
+                                exec,
+                                jit,
+                                Box::new(m),
+                                PeerAccess::Direct,
+                                std::slice::from_ref(t),
+                            )
+                        };
+                        let mut rc = rc?;
+                        let mut mismatched = 0;
+                        for n in [3u32, 6, 3] {
+                            let p: Vec<u32> = (0..n * 16).map(|t| t * 5 + 1).collect();
+                            mismatched += rc.serve(&p)?.mismatched_tokens;
+                            rc.evict_device_lru(usize::MAX)?;
+                        }
+                        Ok::<u64, ClusterError>(mismatched)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap())
+                .collect::<Vec<_>>()
+        })
+    };
+    for r in run([EngineOrder::PageMajor; 2]) {
+        assert_eq!(r.unwrap(), 0);
+    }
+    let mixed = run([EngineOrder::PageMajor, EngineOrder::PerLayer]);
+    let shown: Vec<String> = mixed
+        .into_iter()
+        .map(|r| r.unwrap_err().to_string())
+        .collect();
+    assert!(
+        shown
+            .iter()
+            .any(|e| e.contains("pages 18432 bytes apart, this rank's 36864")
+                || e.contains("pages 36864 bytes apart, this rank's 18432")),
+        "{shown:?}"
+    );
+}
+
+/// Buffers the cache cannot adopt are refused before anything is adopted, naming the
+/// buffer, the layer and the rule.
+#[test]
+fn engine_buffers_that_break_a_rule_are_refused_naming_it() {
+    use crate::ops::Tensors;
+    let (layers, pages) = (2u32, 9u32);
+    let pb = crate::kernels::BufferKind::MlaKv.page_bytes(16);
+    let mut m = EngineMemory::new(u64::from(layers * pages) * pb + 64);
+    let try_adopt = |device: &[Tensors], path: crate::kernels::TransferPath, access| {
+        let exec = Arc::new(crate::exec::HostExecutor::new(Default::default()));
+        let m = crate::group::LocalGroup::members(1, std::time::Duration::from_secs(60))
+            .pop()
+            .unwrap();
+        let mut config = adopting_config(1, layers);
+        config.deployment.transfer_path = path;
+        // SAFETY: `m` outlives the attempt; refusals adopt nothing.
+        unsafe { RankCache::adopting(config, exec, &test_jit(), Box::new(m), access, device) }
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default()
+    };
+    let kernel = crate::kernels::TransferPath::Kernel;
+    let layer = u64::from(pages) * pb;
+    let cases = [
+        (
+            vec![Tensors::PerLayer(vec![m.region(0, layer)])],
+            kernel,
+            "engine buffer device[mla_kv]: 1 per-layer tensors for 2 layers",
+        ),
+        (
+            vec![Tensors::PerLayer(vec![
+                m.region(8, layer),
+                m.region(layer + 16, layer),
+            ])],
+            kernel,
+            "engine buffer device[mla_kv] layer 0: starts at",
+        ),
+        (
+            vec![Tensors::PerLayer(vec![
+                m.region(0, layer),
+                m.region(layer, layer - pb),
+            ])],
+            kernel,
+            "engine buffer device[mla_kv] layer 1: 8 pages, but layer 0 has 9",
+        ),
+        (
+            vec![Tensors::CrossLayer(m.region(0, 2 * 8 * pb))],
+            kernel,
+            "engine buffer device[mla_kv]: 8 pages per layer, fewer than the 9 local pages",
+        ),
+        (
+            vec![Tensors::CrossLayer(m.region(0, 2 * layer)); 2],
+            kernel,
+            "engine buffer device: 2 buffers given, the mla model has 1",
+        ),
+        (
+            vec![Tensors::CrossLayer(m.region(0, 2 * layer))],
+            crate::kernels::TransferPath::Dma,
+            "transfer path copies the cache's own layer-major pools",
+        ),
+    ];
+    for (device, path, want) in cases {
+        let got = try_adopt(&device, path, PeerAccess::Direct);
+        assert!(got.contains(want), "want {want:?}, got {got:?}");
+    }
+    // The memory is untouched by every refusal.
+    assert!(m.bytes().iter().all(|&b| b == 0x5a));
+}
+
+/// Ranks with executors of their own (processes) cannot map an engine's memory: adopting is
+/// refused on every rank, saying so, rather than leaving verification without the pages.
+#[test]
+fn ranks_that_map_each_others_pools_refuse_engine_buffers() {
+    let (layers, pages) = (2u32, 9u32);
+    let pb = crate::kernels::BufferKind::MlaKv.page_bytes(16);
+    let pools: Vec<_> = (0..2)
+        .map(|_| engine_pool(EngineOrder::LayerMajor, layers, pages, pb))
+        .collect();
+    let members = crate::group::LocalGroup::members(2, std::time::Duration::from_secs(60));
+    let jit = test_jit();
+    let errors: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = members
+            .into_iter()
+            .zip(&pools)
+            .map(|(m, (_, t))| {
+                let jit = &jit;
+                s.spawn(move || {
+                    let exec = Arc::new(crate::exec::HostExecutor::new(Default::default()));
+                    // SAFETY: `pools` outlives the scope; the refusal adopts nothing.
+                    unsafe {
+                        RankCache::adopting(
+                            adopting_config(2, layers),
+                            exec,
+                            jit,
+                            Box::new(m),
+                            PeerAccess::Mapped,
+                            std::slice::from_ref(t),
+                        )
+                    }
+                    .err()
+                    .map(|e| e.to_string())
+                    .unwrap_or_default()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for e in &errors {
+        assert!(
+            e.contains("peers in other processes cannot map an engine's memory"),
+            "{errors:?}"
+        );
+    }
+}

@@ -71,11 +71,12 @@ impl RankCache {
                 .upload_sequence_tail(hashes, &page_ids, first_token, first_page)?;
         for &b in self.config.deployment.model.buffers() {
             let synth = self.kernels.synthesise(b);
+            let table = self.pools.device_table(b);
             self.exec.launch(
                 synth.id,
                 &synth.launch(items, g.layers),
                 &[
-                    KernelArg::Ptr(self.pools.device(b), 0),
+                    table.arg(),
                     KernelArg::Ptr(hash_buf, 0),
                     KernelArg::Ptr(page_buf, 0),
                     KernelArg::U32(n_tokens),
@@ -83,6 +84,7 @@ impl RankCache {
                     KernelArg::U32(u32::from(self.rank.0)),
                     KernelArg::U32(g.layers),
                     KernelArg::U32(g.local_pages),
+                    KernelArg::U32(table.page_stride),
                 ],
             )?;
         }
@@ -179,30 +181,25 @@ impl RankCache {
         for &b in self.config.deployment.model.buffers() {
             let dense = self.pools.dense(b, n_pages, self.repoison)?;
             let mat = self.kernels.materialise(b);
-            // Pools and the dense buffer are layer-major, so one layer is a one-layer launch
-            // at that layer's offset in each.
+            // The dense buffer is layer-major, so one layer is a one-layer launch over that
+            // layer of every owner's pool.
             let page_bytes = b.page_bytes(self.layout.page_size());
             for layer in 0..g.layers {
                 if let Some(load) = load {
                     load.wait_layer(layer)?;
                 }
-                let pool_off = u64::from(layer) * u64::from(g.local_pages) * page_bytes;
                 let dense_off = u64::from(layer) * u64::from(n_pages) * page_bytes;
-                let pool_ptrs: Vec<_> = self
-                    .pools
-                    .views(b)
-                    .iter()
-                    .map(|&id| (id, pool_off))
-                    .collect();
+                let pools = self.pools.views_table(b, layer);
                 self.exec.launch(
                     mat.id,
                     &mat.launch(n_pages, 1),
                     &[
-                        KernelArg::PtrStruct(&pool_ptrs),
+                        pools.arg(),
                         KernelArg::Ptr(page_buf, 0),
                         KernelArg::U32(n_pages),
                         KernelArg::U32(1),
                         KernelArg::U32(g.local_pages),
+                        KernelArg::U32(pools.page_stride),
                         KernelArg::Ptr(dense, dense_off),
                     ],
                 )?;

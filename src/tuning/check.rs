@@ -13,7 +13,7 @@ use super::measure::{
 use super::TuningError;
 use crate::exec::{BufferId, DmaMode, Executor, KernelArg, KernelId, LaunchConfig, MemKind};
 use crate::jit::Jit;
-use crate::kernels::{reference, Deployment, KernelSpec};
+use crate::kernels::{reference, Deployment, KernelSpec, PageTable};
 
 /// The outcome of one kernel's check.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -425,6 +425,8 @@ pub(super) fn check_one(
             let page_bytes = s.buffer.page_bytes(s.page_size);
             let pool_len = u64::from(layers) * u64::from(local_pages) * page_bytes;
             let pool = exec.alloc(MemKind::Device, pool_len as usize, 0xA5)?;
+            let at = exec.alloc(MemKind::Device, 8 * layers as usize, 0)?;
+            let table = PageTable::layer_major((at, 0), pool, layers, local_pages, page_bytes);
             let hb = upload_new(
                 exec,
                 &hashes
@@ -439,7 +441,7 @@ pub(super) fn check_one(
                 kernel,
                 &LaunchConfig::linear(d.grid, d.block),
                 &[
-                    KernelArg::Ptr(pool, 0),
+                    table.arg(),
                     KernelArg::Ptr(hb, 0),
                     KernelArg::Ptr(sb, 0),
                     KernelArg::U32(n_tokens),
@@ -447,12 +449,13 @@ pub(super) fn check_one(
                     KernelArg::U32(rank),
                     KernelArg::U32(layers),
                     KernelArg::U32(local_pages),
+                    KernelArg::U32(table.page_stride),
                 ],
             );
             let got = run
                 .map_err(TuningError::from)
                 .and_then(|()| read_all(exec, pool));
-            for b in [pool, hb, sb] {
+            for b in [pool, at, hb, sb] {
                 let _ = exec.free(b);
             }
             let got = got?;

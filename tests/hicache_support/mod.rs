@@ -179,10 +179,11 @@ struct HoldH2d {
 type Held = (u64, KernelId, LaunchConfig, Vec<Owned>);
 
 /// A transfer argument, owned so that the launch can run later.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 enum Owned {
     Ptr(BufferId, u64),
     U32(u32),
+    Table(BufferId, u64, Vec<(BufferId, u64)>),
 }
 
 impl Spy {
@@ -239,7 +240,7 @@ impl Spy {
             .get(&k)
             .cloned()
             .unwrap_or_default();
-        // transfer_pages(src, dst, src_pages, dst_pages, n, layers, first_layer, ...)
+        // transfer_pages(device, host, src_pages, dst_pages, n, layers, first_layer, ...)
         if entry.starts_with("transfer_pages_h2d")
             && matches!(a.get(6), Some(KernelArg::U32(l)) if *l == h.layer)
         {
@@ -248,7 +249,8 @@ impl Spy {
                 .map(|x| match x {
                     KernelArg::Ptr(b, o) => Owned::Ptr(*b, *o),
                     KernelArg::U32(v) => Owned::U32(*v),
-                    _ => panic!("a transfer takes pointers and u32s"),
+                    KernelArg::Table(b, o, e) => Owned::Table(*b, *o, e.to_vec()),
+                    _ => panic!("a transfer takes pointers, page tables and u32s"),
                 })
                 .collect();
             h.held.push((h.events, k, *c, owned));
@@ -275,9 +277,10 @@ impl Spy {
         for (_, k, c, args) in ready {
             let args: Vec<KernelArg<'_>> = args
                 .iter()
-                .map(|x| match *x {
-                    Owned::Ptr(b, o) => KernelArg::Ptr(b, o),
-                    Owned::U32(v) => KernelArg::U32(v),
+                .map(|x| match x {
+                    Owned::Ptr(b, o) => KernelArg::Ptr(*b, *o),
+                    Owned::U32(v) => KernelArg::U32(*v),
+                    Owned::Table(b, o, e) => KernelArg::Table(*b, *o, e),
                 })
                 .collect();
             self.inner.launch(k, &c, &args)?;

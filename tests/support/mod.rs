@@ -14,7 +14,9 @@ use cp_hicache::exec::{
 };
 use cp_hicache::jit::{Artifact, Jit, JitConfig, JitRequest, Sanitize, Target};
 use cp_hicache::kernels::reference;
-use cp_hicache::kernels::{transfer_args, CopyLaunch, Direction, KernelSpec, PoolShape, VecWidth};
+use cp_hicache::kernels::{
+    page_stride, transfer_args, CopyLaunch, Direction, KernelSpec, PageTable, PoolShape, VecWidth,
+};
 
 /// Poison byte of every output buffer: bytes a kernel should not write stay 0xA5.
 pub const POISON: u8 = 0xA5;
@@ -83,6 +85,44 @@ pub struct Bench {
     libs: &'static HashMap<KernelSpec, PathBuf>,
     /// Kernels by spec and whether they were loaded with the spec's signature.
     loaded: HashMap<(KernelSpec, bool), KernelId>,
+    /// How [`Bench::transfer`] and [`Bench::materialise`] lay out device pools.
+    pub pool_order: PoolOrder,
+}
+
+/// How a test lays out a device pool of `layers × pages` pages. The kernels reach each
+/// through a page table; the references read the layer-major bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PoolOrder {
+    /// `[layer][page][page_bytes]` in one buffer (the cache's own pools).
+    LayerMajor,
+    /// One `[page][page_bytes]` buffer per layer (SGLang's per-layer tensors).
+    PerLayer,
+    /// `[page][layer][page_bytes]` in one buffer, `gap` poison bytes after each page's
+    /// layers (vLLM's cross-layer tensor; a gap is a page stride wider than the page).
+    PageMajor {
+        /// Bytes after each page's layers, a multiple of 16.
+        gap: u64,
+    },
+}
+
+/// Every pool order the tests cycle through.
+pub const POOL_ORDERS: [PoolOrder; 3] = [
+    PoolOrder::LayerMajor,
+    PoolOrder::PerLayer,
+    PoolOrder::PageMajor { gap: 32 },
+];
+
+/// A device pool placed in a [`PoolOrder`]: its page table and what to check on read-back.
+pub struct PlacedPool {
+    /// The pool as a kernel argument.
+    pub table: PageTable,
+    order: PoolOrder,
+    layers: u32,
+    pages: u32,
+    page_bytes: u64,
+    guard: usize,
+    /// The one buffer of a layer-major or page-major pool.
+    pool: BufferId,
 }
 
 impl Bench {
@@ -92,6 +132,120 @@ impl Bench {
             ex: executor(order),
             libs,
             loaded: HashMap::new(),
+            pool_order: PoolOrder::LayerMajor,
+        }
+    }
+
+    /// Places layer-major pool bytes (`layers × pages × page_bytes`, each buffer followed by
+    /// `guard` poison bytes) in `order`, with a page table of every layer.
+    pub fn place_pool(
+        &self,
+        order: PoolOrder,
+        layer_major: &[u8],
+        (layers, pages, page_bytes): (u32, u32, u64),
+        guard: usize,
+    ) -> PlacedPool {
+        let pb = page_bytes as usize;
+        let layer_bytes = pages as usize * pb;
+        assert_eq!(layer_major.len(), layers as usize * layer_bytes);
+        let at = (self.poison(8 * layers.max(1) as usize), 0);
+        let mut one = at.0;
+        let table = match order {
+            PoolOrder::LayerMajor => {
+                one = self.bytes(layer_major, guard);
+                PageTable::layer_major(at, one, layers, pages, page_bytes)
+            }
+            PoolOrder::PerLayer => PageTable {
+                at,
+                entries: layer_major
+                    .chunks(layer_bytes.max(1))
+                    .take(layers as usize)
+                    .map(|l| (self.bytes(l, guard), 0))
+                    .chain(
+                        // Layers of no pages still need a pointer each.
+                        (0..if layer_bytes == 0 { layers } else { 0 })
+                            .map(|_| (self.poison(guard), 0)),
+                    )
+                    .collect(),
+                page_stride: page_stride(page_bytes),
+            },
+            PoolOrder::PageMajor { gap } => {
+                let stride = layers as usize * pb + gap as usize;
+                let mut bytes = vec![POISON; pages as usize * stride];
+                for l in 0..layers as usize {
+                    for p in 0..pages as usize {
+                        let from = l * layer_bytes + p * pb;
+                        bytes[p * stride + l * pb..][..pb]
+                            .copy_from_slice(&layer_major[from..from + pb]);
+                    }
+                }
+                one = self.bytes(&bytes, guard);
+                PageTable {
+                    at,
+                    entries: (0..u64::from(layers))
+                        .map(|l| (one, l * page_bytes))
+                        .collect(),
+                    page_stride: stride as u32,
+                }
+            }
+        };
+        PlacedPool {
+            table,
+            order,
+            layers,
+            pages,
+            page_bytes,
+            guard,
+            pool: one,
+        }
+    }
+
+    /// A placed pool's bytes, layer-major, then the guard bytes after it: every other byte a
+    /// placement adds (per-layer guards, page gaps) must still be poison, or this panics.
+    pub fn read_pool(&self, p: &PlacedPool) -> Vec<u8> {
+        let pb = p.page_bytes as usize;
+        let layer_bytes = p.pages as usize * pb;
+        let untouched = |bytes: &[u8], what: &str| {
+            assert!(
+                bytes.iter().all(|&b| b == POISON),
+                "{:?} pool: a kernel wrote {what}",
+                p.order
+            );
+        };
+        match p.order {
+            PoolOrder::LayerMajor => self.read(p.pool),
+            PoolOrder::PerLayer => {
+                let mut out = Vec::new();
+                let mut guard = Vec::new();
+                for &(id, _) in &p.table.entries {
+                    let all = self.read(id);
+                    out.extend_from_slice(&all[..layer_bytes]);
+                    untouched(
+                        &all[layer_bytes..layer_bytes + p.guard],
+                        "past a layer's pages",
+                    );
+                    guard = all[layer_bytes..].to_vec();
+                }
+                out.extend(guard);
+                out
+            }
+            PoolOrder::PageMajor { gap } => {
+                let stride = p.layers as usize * pb + gap as usize;
+                let all = self.read(p.pool);
+                let mut out = vec![0u8; p.layers as usize * layer_bytes];
+                for page in 0..p.pages as usize {
+                    for l in 0..p.layers as usize {
+                        out[l * layer_bytes + page * pb..][..pb]
+                            .copy_from_slice(&all[page * stride + l * pb..][..pb]);
+                    }
+                    untouched(
+                        &all[page * stride + p.layers as usize * pb..][..gap as usize],
+                        "in a page gap",
+                    );
+                }
+                out.extend_from_slice(&all[p.pages as usize * stride..]);
+                out
+            }
         }
     }
 
@@ -202,10 +356,18 @@ impl Bench {
                 case.host_pages,
             )
             .unwrap();
-            bufs.push((
-                self.bytes(src, case.guard),
-                self.poison(dst_bytes + case.guard),
-            ));
+            // The device side placed in the bench's pool order, the host side as it is.
+            let shape = (case.layers, case.device_pages, pb);
+            bufs.push(match s.direction {
+                Direction::DeviceToHost => (
+                    self.place_pool(self.pool_order, src, shape, case.guard),
+                    self.poison(dst_bytes + case.guard),
+                ),
+                Direction::HostToDevice => (
+                    self.place_pool(self.pool_order, &vec![POISON; dst_bytes], shape, case.guard),
+                    self.bytes(src, case.guard),
+                ),
+            });
             wants.push(want);
         }
         let told = PoolShape {
@@ -213,8 +375,12 @@ impl Bench {
             device_pages: case.device_pages,
             host_pages: case.told_host_pages,
         };
+        let ends: Vec<(&PageTable, (BufferId, u64))> = bufs
+            .iter()
+            .map(|(dev, host)| (&dev.table, (*host, 0)))
+            .collect();
         let args = transfer_args(
-            &bufs,
+            &ends,
             (spb, dpb),
             n,
             told,
@@ -235,10 +401,17 @@ impl Bench {
         }
         bufs.iter()
             .zip(wants)
-            .map(|(&(sbuf, dbuf), want)| Copied {
-                got: self.read(dbuf),
-                want,
-                src_after: self.read(sbuf),
+            .map(|((dev, host), want)| {
+                let (dev, host) = (self.read_pool(dev), self.read(*host));
+                let (got, src_after) = match s.direction {
+                    Direction::DeviceToHost => (host, dev),
+                    Direction::HostToDevice => (dev, host),
+                };
+                Copied {
+                    got,
+                    want,
+                    src_after,
+                }
             })
             .collect()
     }
@@ -257,11 +430,24 @@ impl Bench {
         };
         let pb = u64::from(s.page_size) * u64::from(s.bytes_per_token);
         let n = case.seq.len() as u32;
-        let ptrs: Vec<_> = case
-            .pools
-            .iter()
-            .map(|p| (self.bytes(p, case.guard), 0u64))
-            .collect();
+        // Every owner's pool placed in the bench's pool order, in one owner-major table.
+        let at = self.poison(8 * case.pools.len() * case.layers.max(1) as usize);
+        let mut table = PageTable {
+            at: (at, 0),
+            entries: Vec::new(),
+            page_stride: 0,
+        };
+        let layer_major = (u64::from(case.layers * case.local_pages) * pb) as usize;
+        for p in case.pools {
+            // The reference's pools may be longer than the layers it reads.
+            let bytes = &p[..layer_major.min(p.len())];
+            let mut bytes = bytes.to_vec();
+            bytes.resize(layer_major, POISON);
+            let shape = (case.layers, case.local_pages, pb);
+            let placed = self.place_pool(self.pool_order, &bytes, shape, case.guard);
+            table.entries.extend(placed.table.entries);
+            table.page_stride = placed.table.page_stride;
+        }
         let dense_bytes = (u64::from(case.layers * n) * pb) as usize;
         let dense = self.poison(dense_bytes + case.guard);
         let seqb = self.bytes(&le32(case.seq), 0);
@@ -283,11 +469,12 @@ impl Bench {
             spec,
             grid,
             &[
-                KernelArg::PtrStruct(&ptrs),
+                table.arg(),
                 KernelArg::Ptr(seqb, 0),
                 KernelArg::U32(n),
                 KernelArg::U32(case.layers),
                 KernelArg::U32(case.local_pages),
+                KernelArg::U32(table.page_stride),
                 KernelArg::Ptr(dense, 0),
             ],
         );
@@ -344,11 +531,21 @@ pub fn reach_case(
             _ => rng.range(0, 6) as u32,
         }
     };
-    let values: Vec<Option<u32>> = sig
+    let mut values: Vec<Option<u32>> = sig
         .params
         .iter()
         .map(|p| p.reach.is_none().then(|| scalar(p.name, rng)))
         .collect();
+    // A page table's stride: a page, or a few vectors more (pages with gaps between them).
+    for t in sig.params.iter().filter_map(|p| p.entries) {
+        let i = sig.params.iter().position(|p| p.name == t.pages.stride);
+        let gap = 16 * rng.below(3);
+        values[i.expect("the stride is a parameter")] = Some((t.pages.unit + gap) as u32);
+        // At least a page, so a table's pointers reach something (aliasing them can overlap).
+        let c = sig.params.iter().position(|p| p.name == t.pages.count);
+        let count = &mut values[c.expect("the page count is a parameter")];
+        *count = count.map(|v| v.max(1));
+    }
     let value = |name: &str| {
         let i = sig.params.iter().position(|p| p.name == name)?;
         values[i]
@@ -360,6 +557,7 @@ pub fn reach_case(
         .iter()
         .zip(&values)
         .filter(|(p, _)| !matches!(p.name, "first_layer" | "layer_count"))
+        .filter(|(p, _)| !p.name.starts_with("page_stride"))
         .filter_map(|(_, v)| *v)
         .max()
         .unwrap_or(1)
@@ -373,50 +571,71 @@ pub fn reach_case(
         data.truncate(bytes);
         b.bytes(&data, 0)
     };
-    // Each parameter's argument: a scalar, a buffer, or the pool struct's buffers.
+    // Each parameter's argument: a scalar, a buffer, or a page table and its pointers.
     enum Arg {
         Scalar(u32),
         Buffer(BufferId),
-        Pools(Vec<(BufferId, u64)>),
+        Table(BufferId, Vec<(BufferId, u64)>),
     }
     let reach_bytes = |i: usize| {
         sig.params[i]
             .reach
             .map(|r| r.bytes(value).expect("small arguments") as usize)
     };
+    // What one pointer of a page table reaches.
+    let entry_bytes = |i: usize| {
+        sig.params[i]
+            .entries
+            .map(|t| t.pages.bytes(value).expect("small arguments").0 as usize)
+    };
+    // What an aliased parameter's pointer reaches (a table's: its first pointer's).
+    let alias_bytes = |i: usize| entry_bytes(i).or(reach_bytes(i));
     // The buffer both aliased parameters point at.
     let shared = match twist {
         Twist::Alias(w, o) => {
-            let bytes = reach_bytes(w).max(reach_bytes(o)).expect("two pointers");
+            let bytes = alias_bytes(w).max(alias_bytes(o)).expect("two pointers");
             Some(fill(bytes, rng))
         }
         _ => None,
     };
     let mut owned = Vec::new();
-    for (i, p) in sig.params.iter().enumerate() {
+    for (i, value) in values.iter().enumerate() {
         let Some(mut bytes) = reach_bytes(i) else {
-            owned.push(Arg::Scalar(values[i].expect("a scalar")));
+            owned.push(Arg::Scalar(value.expect("a scalar")));
             continue;
         };
-        if bytes > 0 {
+        let entry = entry_bytes(i);
+        if bytes > 0 || entry.is_some_and(|e| e > 0) {
             reaching.push(i);
         }
-        if twist == Twist::Short(i) {
-            bytes = bytes
-                .checked_sub(1)
-                .expect("a parameter with a nonzero reach");
-        }
+        let short = twist == Twist::Short(i);
         let aliased = matches!(twist, Twist::Alias(w, o) if w == i || o == i);
-        owned.push(if p.c_type.contains("ChcPools") {
-            let mut pools: Vec<_> = (0..p.size / 8).map(|_| (fill(bytes, rng), 0)).collect();
-            if let (true, Some(s)) = (aliased, shared) {
-                pools[0].0 = s;
+        owned.push(match entry {
+            Some(mut each) => {
+                // One byte short: the first pointer's buffer, or the table when its pointers
+                // reach nothing.
+                if short && each > 0 {
+                    each -= 1;
+                } else if short {
+                    bytes -= 1;
+                }
+                let count = reach_bytes(i).unwrap_or_default() / 8;
+                let mut entries: Vec<_> = (0..count).map(|_| (fill(each, rng), 0)).collect();
+                if let (true, Some(s), Some(first)) = (aliased, shared, entries.first_mut()) {
+                    first.0 = s;
+                }
+                Arg::Table(fill(bytes, rng), entries)
             }
-            Arg::Pools(pools)
-        } else {
-            match (aliased, shared) {
-                (true, Some(s)) => Arg::Buffer(s),
-                _ => Arg::Buffer(fill(bytes, rng)),
+            None => {
+                if short {
+                    bytes = bytes
+                        .checked_sub(1)
+                        .expect("a parameter with a nonzero reach");
+                }
+                match (aliased, shared) {
+                    (true, Some(s)) => Arg::Buffer(s),
+                    _ => Arg::Buffer(fill(bytes, rng)),
+                }
             }
         });
     }
@@ -425,7 +644,7 @@ pub fn reach_case(
         .map(|a| match a {
             Arg::Scalar(v) => KernelArg::U32(*v),
             Arg::Buffer(id) => KernelArg::Ptr(*id, 0),
-            Arg::Pools(p) => KernelArg::PtrStruct(p),
+            Arg::Table(at, entries) => KernelArg::Table(*at, 0, entries),
         })
         .collect();
     let items = bound;

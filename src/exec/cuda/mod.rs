@@ -107,6 +107,43 @@ fn driver_err(op: &'static str) -> impl FnOnce(String) -> ExecError {
 }
 
 impl CudaExecutor {
+    /// Writes `data` at `offset` in `buffer` in stream order ([`Executor::upload`]), under the
+    /// state lock the caller holds (a launch writes its page tables this way).
+    fn write_locked(
+        &self,
+        st: &mut State,
+        buffer: BufferId,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<(), ExecError> {
+        let buf = st.buffer_mut(buffer)?;
+        let off = check_range("upload", buffer, buf.len(), offset, data.len() as u64)?.start;
+        match buf {
+            // Bounds checked above; the buffer stays alive while the lock is held, and freeing
+            // it later waits for the copy (cuMemFree / cuIpcCloseMemHandle after a sync).
+            CudaBuffer::Device { .. } | CudaBuffer::Imported(_) | CudaBuffer::Borrowed { .. } => {
+                let dst = buf.addr() + off as u64;
+                let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+                let rings = staging.rings();
+                driver::upload_in_bounds(&self.gpu, &mut staging, dst, data)
+                    .map_err(driver_err("upload"))?;
+                // A new staging ring is a page-locked allocation: counted, so that a load
+                // path that needed one shows it.
+                st.counters.allocs += (staging.rings() - rings) as u64;
+            }
+            // Pinned host memory is written by the CPU once the stream is idle: a counted
+            // synchronisation (host buffers are never uploaded to on the load path).
+            CudaBuffer::Host(m) => {
+                m.write_after(&self.gpu, off, data)
+                    .map_err(driver_err("upload"))?;
+                st.counters.syncs += 1;
+            }
+        }
+        st.counters.uploads += 1;
+        st.counters.bytes_uploaded += data.len() as u64;
+        Ok(())
+    }
+
     /// True when the CUDA driver library is present and reports at least one device.
     /// Never panics (cudarc panics when libcuda is missing, so this checks first).
     pub fn usable() -> bool {
@@ -296,32 +333,7 @@ impl Executor for CudaExecutor {
 
     fn upload(&self, buffer: BufferId, offset: u64, data: &[u8]) -> Result<(), ExecError> {
         let mut st = lock(&self.state);
-        let buf = st.buffer_mut(buffer)?;
-        let off = check_range("upload", buffer, buf.len(), offset, data.len() as u64)?.start;
-        match buf {
-            // Bounds checked above; the buffer stays alive while the lock is held, and freeing
-            // it later waits for the copy (cuMemFree / cuIpcCloseMemHandle after a sync).
-            CudaBuffer::Device { .. } | CudaBuffer::Imported(_) | CudaBuffer::Borrowed { .. } => {
-                let dst = buf.addr() + off as u64;
-                let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
-                let rings = staging.rings();
-                driver::upload_in_bounds(&self.gpu, &mut staging, dst, data)
-                    .map_err(driver_err("upload"))?;
-                // A new staging ring is a page-locked allocation: counted, so that a load
-                // path that needed one shows it.
-                st.counters.allocs += (staging.rings() - rings) as u64;
-            }
-            // Pinned host memory is written by the CPU once the stream is idle: a counted
-            // synchronisation (host buffers are never uploaded to on the load path).
-            CudaBuffer::Host(m) => {
-                m.write_after(&self.gpu, off, data)
-                    .map_err(driver_err("upload"))?;
-                st.counters.syncs += 1;
-            }
-        }
-        st.counters.uploads += 1;
-        st.counters.bytes_uploaded += data.len() as u64;
-        Ok(())
+        self.write_locked(&mut st, buffer, offset, data)
     }
 
     fn read(&self, buffer: BufferId, offset: u64, out: &mut [u8]) -> Result<(), ExecError> {
@@ -521,20 +533,28 @@ impl Executor for CudaExecutor {
     ) -> Result<(), ExecError> {
         let mut st = lock(&self.state);
         st.counters.launches += 1;
+        let marshalled = {
+            let st = &*st;
+            let k = st.kernel(kernel)?;
+            PendingLaunch {
+                kernel: &k.name,
+                signature: k.signature.as_ref(),
+                unsigned_ok,
+                config,
+                args,
+            }
+            .marshal(&self.fail_next_launch, |b| {
+                let buf = st.buffer(b)?;
+                Ok((buf.addr(), buf.len()))
+            })?
+        };
+        // The page tables' checked addresses go in first, on the launch's stream.
+        for t in &marshalled.tables {
+            self.write_locked(&mut st, t.buffer, t.offset, &t.bytes)?;
+        }
         let st = &*st;
         let k = st.kernel(kernel)?;
-        let launch = PendingLaunch {
-            kernel: &k.name,
-            signature: k.signature.as_ref(),
-            unsigned_ok,
-            config,
-            args,
-        };
-        let bytes = launch.marshal(&self.fail_next_launch, |b| {
-            let buf = st.buffer(b)?;
-            Ok((buf.addr(), buf.len()))
-        })?;
-        let views: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
+        let views: Vec<&[u8]> = marshalled.params.iter().map(Vec::as_slice).collect();
         // SAFETY: pointer arguments are addresses of live buffers of this executor, checked
         // to start inside them; the signature (when given) matched the arguments and each
         // buffer holds its parameter's reach; without a signature, the buffers being large

@@ -455,11 +455,23 @@ impl Executor for HostExecutor {
             config,
             args,
         };
-        let bytes = launch.marshal(&self.fail_next_launch, |b| {
+        let marshalled = launch.marshal(&self.fail_next_launch, |b| {
             let buf = st.buffer(b)?;
             Ok((buf.mem.addr(), buf.mem.len()))
         })?;
-        let views: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
+        // The page tables' addresses, checked in bounds by `marshal`.
+        for t in &marshalled.tables {
+            let buf = st.buffer_mut(t.buffer)?;
+            let r = check_range(
+                "page table",
+                t.buffer,
+                buf.mem.len(),
+                t.offset,
+                t.bytes.len() as u64,
+            )?;
+            buf.mem.as_mut_slice()[r].copy_from_slice(&t.bytes);
+        }
+        let views: Vec<&[u8]> = marshalled.params.iter().map(Vec::as_slice).collect();
         let shape = ffi::LaunchShape {
             grid: config.grid,
             block: config.block,

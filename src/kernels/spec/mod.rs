@@ -27,7 +27,7 @@ pub use launch::{
     GPU_TRANSFER_UNROLL, TRANSFER_GRID_CAPS,
 };
 pub(crate) use params::render_params;
-pub use params::{KernelParam, KernelSignature, Reach, ReachError};
+pub use params::{KernelParam, KernelSignature, Reach, ReachError, Strided, TableEntries};
 pub use status::{ReleaseStatus, SelectStatus};
 
 use std::fmt;
@@ -208,18 +208,24 @@ impl KernelSpec {
                 P::ptr("u32*", "status", 4, R::of(4 * s.status_words() as u64)),
             ],
             KernelSpec::TransferPages(s) => {
-                let reach = |pb: u64| {
-                    let device = R::of(pb).times("layers").times("device_pages");
-                    let host = R::of(pb).times("layers").times("host_pages");
-                    match s.direction {
-                        Direction::DeviceToHost => (device, host),
-                        Direction::HostToDevice => (host, device),
-                    }
+                let h2d = s.direction == Direction::HostToDevice;
+                // The device pools through page tables, the host pool as one buffer.
+                let ends = |pb: u64, table: &'static str, host: &'static str, stride| {
+                    let pages = Strided {
+                        unit: pb,
+                        count: "device_pages",
+                        stride,
+                    };
+                    let host_reach = R::of(pb).times("layers").times("host_pages");
+                    let host = if h2d {
+                        P::pages("const u8*", host, host_reach)
+                    } else {
+                        P::pages("u8*", host, host_reach)
+                    };
+                    [P::table(table, 1, pages, h2d), host]
                 };
-                let (src, dst) = reach(s.page_bytes());
-                let mut params = vec![
-                    P::pages("const u8*", "src", src),
-                    P::pages("u8*", "dst", dst),
+                let mut params = ends(s.page_bytes(), "device", "host", "page_stride").to_vec();
+                params.extend([
                     P::ptr("const u32*", "src_pages", 4, R::of(4).times("n")),
                     P::ptr("const u32*", "dst_pages", 4, R::of(4).times("n")),
                     P::u32("n"),
@@ -228,34 +234,48 @@ impl KernelSpec {
                     P::u32("layer_count"),
                     P::u32("device_pages"),
                     P::u32("host_pages"),
-                ];
+                    P::u32("page_stride"),
+                ]);
                 // The second buffer's pools come last, so a one-buffer launch's arguments
                 // are a prefix of a two-buffer one's.
                 if let Some(second) = s.descriptors().get(1) {
-                    let (src1, dst1) = reach(second.page_bytes());
-                    params.push(P::pages("const u8*", "src1", src1));
-                    params.push(P::pages("u8*", "dst1", dst1));
+                    params.extend(ends(
+                        second.page_bytes(),
+                        "device1",
+                        "host1",
+                        "page_stride1",
+                    ));
+                    params.push(P::u32("page_stride1"));
                 }
                 params
             }
             KernelSpec::Materialise(s) => {
                 let pb = s.page_bytes();
+                let pages = Strided {
+                    unit: pb,
+                    count: "local_pages",
+                    stride: "page_stride",
+                };
                 vec![
-                    P::pools(s.cp, R::of(pb).times("layers").times("local_pages")),
+                    P::table("pools", u64::from(s.cp), pages, false),
                     P::ptr("const u32*", "seq_pages", 4, R::of(4).times("n")),
                     P::u32("n"),
                     P::u32("layers"),
                     P::u32("local_pages"),
+                    P::u32("page_stride"),
                     P::pages("u8*", "dense", R::of(pb).times("layers").times("n")),
                 ]
             }
             KernelSpec::Synthesise(s) => vec![
-                P::pages(
-                    "u8*",
+                P::table(
                     "pool",
-                    R::of(s.buffer.page_bytes(s.page_size))
-                        .times("layers")
-                        .times("local_pages"),
+                    1,
+                    Strided {
+                        unit: s.buffer.page_bytes(s.page_size),
+                        count: "local_pages",
+                        stride: "page_stride",
+                    },
+                    true,
                 ),
                 P::ptr("const u64*", "prefix_hash", 8, R::of(8).times("n_tokens")),
                 P::ptr(
@@ -269,6 +289,7 @@ impl KernelSpec {
                 P::u32("rank"),
                 P::u32("layers"),
                 P::u32("local_pages"),
+                P::u32("page_stride"),
             ],
             KernelSpec::Verify(s) => vec![
                 P::pages(

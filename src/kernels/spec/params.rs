@@ -24,9 +24,88 @@ pub struct KernelParam {
     /// size. A GPU faults on a misaligned access the CPU emulator runs without complaint, so
     /// both executors check it. 1 for scalars.
     pub align: u64,
-    /// For a pointer (or each pointer of the pool struct): how far the kernel reaches through
-    /// it, from the launch's scalar arguments. `None` for scalars.
+    /// For a pointer: how far the kernel reaches through it, from the launch's scalar
+    /// arguments (for a page table, the table's own bytes). `None` for scalars.
     pub reach: Option<Reach>,
+    /// For a page table: what each of its pointers reaches, and whether the kernel writes
+    /// through them. `None` for every other parameter.
+    pub entries: Option<TableEntries>,
+}
+
+/// The pointers of a page table (`const u64*`, one address per layer, or per owner and
+/// layer): each is the base of one layer's pages, `stride` bytes apart, so an engine's
+/// per-layer tensors, one cross-layer tensor in either order, and the cache's own pools are
+/// all one kernel. The executor writes the table at launch from checked buffer addresses
+/// ([`KernelArg::Table`](crate::exec::KernelArg::Table)), so a kernel never follows an address
+/// nobody checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct TableEntries {
+    /// What each pointer reaches.
+    pub pages: Strided,
+    /// Whether the kernel writes through the pointers (the table itself is read only).
+    pub writes: bool,
+    /// The alignment each pointer and the stride need: what page offsets in one buffer
+    /// would have, the largest power of two dividing a page's bytes, at most 16 (the widest
+    /// vector).
+    pub align: u64,
+}
+
+impl TableEntries {
+    /// The alignment of pages of `unit` bytes laid end to end.
+    pub const fn align_of(unit: u64) -> u64 {
+        let low = unit & unit.wrapping_neg();
+        if low == 0 || low > PAGE_ALIGN {
+            PAGE_ALIGN
+        } else {
+            low
+        }
+    }
+}
+
+/// `count` pages of `unit` bytes, `stride` bytes apart (both `u32` parameters of the same
+/// launch): `(count − 1) × stride + unit` bytes from the pointer, nothing when `count` is 0.
+/// The stride must keep every page as aligned as the first ([`TableEntries::align_of`]) and,
+/// with more than one page, be at least a page: smaller, pages would overlap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Strided {
+    /// Bytes of one page.
+    pub unit: u64,
+    /// The parameter holding the page count.
+    pub count: &'static str,
+    /// The parameter holding the stride in bytes.
+    pub stride: &'static str,
+}
+
+impl Strided {
+    /// The reach in bytes and the stride, given each count parameter's value; a stride that
+    /// breaks the rule above is [`ReachError::Stride`].
+    pub fn bytes(&self, value: impl Fn(&str) -> Option<u32>) -> Result<(u64, u64), ReachError> {
+        let count = u64::from(value(self.count).ok_or(ReachError::NoValue(self.count))?);
+        let stride = u64::from(value(self.stride).ok_or(ReachError::NoValue(self.stride))?);
+        let align = TableEntries::align_of(self.unit);
+        if stride % align != 0 || (count > 1 && stride < self.unit) {
+            return Err(ReachError::Stride {
+                stride,
+                unit: self.unit,
+                align,
+            });
+        }
+        if count == 0 {
+            return Ok((0, stride));
+        }
+        let bytes = (count - 1)
+            .checked_mul(stride)
+            .and_then(|b| b.checked_add(self.unit))
+            .ok_or(ReachError::Overflow)?;
+        Ok((bytes, stride))
+    }
+}
+
+impl fmt::Display for Strided {
+    /// `(local_pages - 1) × page_stride + 656`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "({} - 1) × {} + {}", self.count, self.stride, self.unit)
+    }
 }
 
 /// How many bytes from a pointer argument a kernel may read or write: `unit` times the
@@ -94,6 +173,20 @@ pub enum ReachError {
     /// The product overflows 64 bits.
     #[error("overflows 64 bits for these arguments")]
     Overflow,
+    /// A page table's stride is not a whole number of 16-byte vectors, or is smaller than a
+    /// page.
+    #[error(
+        "has a page stride of {stride} bytes: it must be a multiple of {align} and at least a \
+         page ({unit} bytes), or pages would be misaligned or overlap"
+    )]
+    Stride {
+        /// The stride given.
+        stride: u64,
+        /// The page's bytes.
+        unit: u64,
+        /// The alignment pages need.
+        align: u64,
+    },
 }
 
 impl fmt::Display for Reach {
@@ -130,8 +223,9 @@ pub struct KernelSignature {
 const PAGE_ALIGN: u64 = 16;
 
 impl KernelParam {
-    /// Whether the kernel writes through this pointer (a pointer type without `const`); the
-    /// pool struct's pointers are read only.
+    /// Whether the kernel writes through this pointer (a pointer type without `const`); a
+    /// page table is read only (whether its pointers are written is
+    /// [`TableEntries::writes`]).
     pub fn writes(&self) -> bool {
         self.reach.is_some() && !self.c_type.starts_with("const ")
     }
@@ -150,6 +244,7 @@ impl KernelParam {
             size: 8,
             align,
             reach: Some(reach),
+            entries: None,
         }
     }
 
@@ -170,18 +265,29 @@ impl KernelParam {
             size: 4,
             align: 1,
             reach: None,
+            entries: None,
         }
     }
 
-    /// The `ChcPools` struct of `cp` device pointers to pools, passed by value; each pool
-    /// reaches `reach` bytes.
-    pub(super) const fn pools(cp: u8, reach: Reach) -> KernelParam {
+    /// A page table of `per_layer × layers` pointers (`layers` being the launch's parameter
+    /// of that name), each reaching `pages` and 16-byte aligned.
+    pub(super) const fn table(
+        name: &'static str,
+        per_layer: u64,
+        pages: Strided,
+        writes: bool,
+    ) -> KernelParam {
         KernelParam {
-            name: "pools",
-            c_type: "const __grid_constant__ ChcPools",
-            size: 8 * cp as usize,
-            align: PAGE_ALIGN,
-            reach: Some(reach),
+            name,
+            c_type: "const u64*",
+            size: 8,
+            align: 8,
+            reach: Some(Reach::of(8 * per_layer).times("layers")),
+            entries: Some(TableEntries {
+                pages,
+                writes,
+                align: TableEntries::align_of(pages.unit),
+            }),
         }
     }
 }

@@ -211,12 +211,11 @@ fn candidates_are_valid_and_include_a_cpu_shape() {
 }
 
 /// The bytes a C type spelling occupies as a kernel parameter on a 64-bit target.
-fn c_size(c_type: &str, cp: usize) -> usize {
+fn c_size(c_type: &str) -> usize {
     match c_type {
         t if t.ends_with('*') => 8,
         "u32" | "i32" => 4,
         "u64" | "i64" => 8,
-        "const __grid_constant__ ChcPools" => 8 * cp,
         t => panic!("unexpected parameter type {t}"),
     }
 }
@@ -264,7 +263,7 @@ fn param_sizes_follow_their_c_types() {
             let params = spec.params();
             assert!(!params.is_empty(), "{spec}");
             for p in &params {
-                assert_eq!(p.size, c_size(p.c_type, cp.into()), "{spec}: {}", p.name);
+                assert_eq!(p.size, c_size(p.c_type), "{spec}: {}", p.name);
             }
             let mut names: Vec<_> = params.iter().map(|p| p.name).collect();
             names.sort_unstable();
@@ -300,6 +299,7 @@ fn param_lists_wrap_like_the_hand_written_ones() {
         size: 8,
         align: 1,
         reach: None,
+        entries: None,
     }; 2];
     let text = render_params(&long);
     assert_eq!(text.lines().count(), 2, "{text}");
@@ -452,9 +452,18 @@ fn every_pointer_of_every_family_has_a_reach_over_its_own_u32_parameters() {
     for spec in specs {
         let params = spec.params();
         for p in &params {
-            let pointer = p.c_type.ends_with('*') || p.c_type.contains("ChcPools");
+            let pointer = p.c_type.ends_with('*');
             assert_eq!(p.reach.is_some(), pointer, "{spec}: {}", p.name);
-            for &(name, per) in p.reach.iter().flat_map(|r| r.counts.iter().flatten()) {
+            // A page table's pointers reach over a page count and a stride, both u32.
+            let table = p
+                .entries
+                .iter()
+                .flat_map(|t| [(t.pages.count, 1), (t.pages.stride, 1)]);
+            let counts = p
+                .reach
+                .iter()
+                .flat_map(|r| r.counts.iter().flatten().copied());
+            for (name, per) in counts.chain(table) {
                 assert!(per >= 1, "{spec}: {}", p.name);
                 assert!(
                     params.iter().any(|q| q.name == name && q.c_type == "u32"),
@@ -547,8 +556,8 @@ fn transfer_grids_follow_the_launch_layer_count() {
     assert_eq!(
         names,
         [
-            "src",
-            "dst",
+            "device",
+            "host",
             "src_pages",
             "dst_pages",
             "n",
@@ -556,7 +565,8 @@ fn transfer_grids_follow_the_launch_layer_count() {
             "first_layer",
             "layer_count",
             "device_pages",
-            "host_pages"
+            "host_pages",
+            "page_stride"
         ]
     );
 }

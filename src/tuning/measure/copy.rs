@@ -10,8 +10,8 @@ use crate::exec::{
     MemKind,
 };
 use crate::kernels::{
-    check_distinct_destinations, clamp_layer_range, layer_range_args, transfer_args,
-    transfer_regions, Direction, KernelSpec, PoolShape, TransferSpec,
+    check_distinct_destinations, clamp_layer_range, layer_range_args, page_stride, transfer_args,
+    transfer_regions, Direction, KernelSpec, PageTable, PoolShape, TransferSpec,
 };
 use crate::tuning::TuningError;
 
@@ -43,7 +43,9 @@ enum CopyKind {
         direction: Direction,
     },
     Materialise {
-        pools: Vec<(BufferId, u64)>,
+        pools: Vec<BufferId>,
+        /// The pools as the kernel's page table.
+        table: PageTable,
         seq_pages: BufferId,
         dense: BufferId,
     },
@@ -59,6 +61,8 @@ pub struct TransferBuffers {
     pub dst: BufferId,
     /// The page pairs as copy regions.
     pub regions: Vec<CopyRegion>,
+    /// The device pool as the kernel's page table.
+    pub table: PageTable,
 }
 
 /// The page ids a copy workload uses, also needed by the references in `--check`.
@@ -122,8 +126,21 @@ impl<'e> CopyBench<'e> {
                 let pool_bytes = u64::from(layers) * u64::from(local_pages) * page_bytes;
                 let mut pools = Vec::with_capacity(cp as usize);
                 for _ in 0..cp {
-                    pools.push((mem.alloc(MemKind::Device, pool_bytes, 0xA5)?, 0));
+                    pools.push(mem.alloc(MemKind::Device, pool_bytes, 0xA5)?);
                 }
+                // Owner-major, as the kernel reads it: rank r's layer l at r × layers + l.
+                let at = mem.alloc(MemKind::Device, 8 * u64::from(cp * layers.max(1)), 0)?;
+                let table = PageTable {
+                    at: (at, 0),
+                    entries: pools
+                        .iter()
+                        .flat_map(|&p| {
+                            PageTable::layer_major((at, 0), p, layers, local_pages, page_bytes)
+                                .entries
+                        })
+                        .collect(),
+                    page_stride: page_stride(page_bytes),
+                };
                 // Distinct global pages, page 0 (null) excluded.
                 let seq: Vec<u32> = rng
                     .sample(cp * local_pages - 1, n)
@@ -142,6 +159,7 @@ impl<'e> CopyBench<'e> {
                         mem,
                         kind: CopyKind::Materialise {
                             pools,
+                            table,
                             seq_pages,
                             dense,
                         },
@@ -215,7 +233,14 @@ impl<'e> CopyBench<'e> {
                 Direction::HostToDevice => (host, dev),
             };
             let regions = transfer_regions(&d, &src_pages, &dst_pages, pools, layer_range.clone());
-            buffers.push(TransferBuffers { src, dst, regions });
+            let at = mem.alloc(MemKind::Device, 8 * u64::from(layers.max(1)), 0)?;
+            let table = PageTable::layer_major((at, 0), dev, layers, device_pages, page_bytes);
+            buffers.push(TransferBuffers {
+                src,
+                dst,
+                regions,
+                table,
+            });
         }
         let page_bytes = s.total_page_bytes();
         let src_buf = mem.alloc(MemKind::Device, 4 * u64::from(n), 0)?;
@@ -266,9 +291,7 @@ impl<'e> CopyBench<'e> {
     pub fn buffers(&self) -> (Vec<BufferId>, BufferId) {
         match &self.kind {
             CopyKind::Transfer { buffers, .. } => (vec![buffers[0].src], buffers[0].dst),
-            CopyKind::Materialise { pools, dense, .. } => {
-                (pools.iter().map(|p| p.0).collect(), *dense)
-            }
+            CopyKind::Materialise { pools, dense, .. } => (pools.clone(), *dense),
         }
     }
 
@@ -292,10 +315,18 @@ impl<'e> CopyBench<'e> {
                 buffers,
                 src_pages,
                 dst_pages,
-                ..
+                direction,
             } => {
-                let ends: Vec<(BufferId, BufferId)> =
-                    buffers.iter().map(|b| (b.src, b.dst)).collect();
+                let ends: Vec<(&PageTable, (BufferId, u64))> = buffers
+                    .iter()
+                    .map(|b| {
+                        let host = match direction {
+                            Direction::DeviceToHost => b.dst,
+                            Direction::HostToDevice => b.src,
+                        };
+                        (&b.table, (host, 0))
+                    })
+                    .collect();
                 let pools = PoolShape {
                     layers: self.layers,
                     device_pages: self.device_pages,
@@ -311,18 +342,20 @@ impl<'e> CopyBench<'e> {
                 exec.launch(kernel, &cfg, &args)
             }
             CopyKind::Materialise {
-                pools,
+                table,
                 seq_pages,
                 dense,
+                ..
             } => exec.launch(
                 kernel,
                 &cfg,
                 &[
-                    KernelArg::PtrStruct(pools),
+                    table.arg(),
                     KernelArg::Ptr(*seq_pages, 0),
                     KernelArg::U32(self.n),
                     KernelArg::U32(self.layers),
                     KernelArg::U32(self.device_pages),
+                    KernelArg::U32(table.page_stride),
                     KernelArg::Ptr(*dense, 0),
                 ],
             ),

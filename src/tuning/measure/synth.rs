@@ -4,7 +4,7 @@
 use super::timing::{time_sized, Sizes, Timing};
 use super::workload::{u32_bytes, Owned, SplitMix};
 use crate::exec::{BufferId, ExecError, Executor, KernelArg, KernelId, LaunchConfig, MemKind};
-use crate::kernels::{BufferKind, KernelSpec, SynthSpec, TokenOrder, VerifySpec};
+use crate::kernels::{BufferKind, KernelSpec, PageTable, SynthSpec, TokenOrder, VerifySpec};
 use crate::tuning::TuningError;
 
 /// Pages a synthesise or verify timing covers: those kernels compute a splitmix64 draw for
@@ -24,6 +24,8 @@ pub fn synth_pages(sizes: &Sizes) -> u32 {
 pub struct SynthBench<'e> {
     mem: Owned<'e>,
     target: BufferId,
+    /// `target` as synthesise's page table (a layer-major pool).
+    table: PageTable,
     hashes: BufferId,
     seq_pages: BufferId,
     /// Verify's bitmap of mismatched tokens (one bit per token).
@@ -84,6 +86,9 @@ impl<'e> SynthBench<'e> {
         let local_pages = n_pages + 1;
         let bytes = u64::from(layers) * u64::from(local_pages) * buffer.page_bytes(page_size);
         let target = mem.alloc(MemKind::Device, bytes, 0xA5)?;
+        let at = mem.alloc(MemKind::Device, 8 * u64::from(layers), 0)?;
+        let page_bytes = buffer.page_bytes(page_size);
+        let table = PageTable::layer_major((at, 0), target, layers, local_pages, page_bytes);
         let hashes = mem.alloc(MemKind::Device, 8 * u64::from(n_tokens), 0)?;
         let seq_pages = mem.alloc(MemKind::Device, 4 * u64::from(n_pages), 0)?;
         let bad_tokens = mem.alloc(MemKind::Device, 4 * u64::from(n_tokens.div_ceil(32)), 0)?;
@@ -107,6 +112,7 @@ impl<'e> SynthBench<'e> {
         Ok(SynthBench {
             mem,
             target,
+            table,
             hashes,
             seq_pages,
             bad_tokens,
@@ -136,7 +142,7 @@ impl<'e> SynthBench<'e> {
                 KernelArg::Ptr(self.bad_tokens, 0),
             ],
             _ => vec![
-                KernelArg::Ptr(self.target, 0),
+                self.table.arg(),
                 KernelArg::Ptr(self.hashes, 0),
                 KernelArg::Ptr(self.seq_pages, 0),
                 KernelArg::U32(self.n_tokens),
@@ -144,6 +150,7 @@ impl<'e> SynthBench<'e> {
                 KernelArg::U32(0),
                 KernelArg::U32(self.layers),
                 KernelArg::U32(self.n_pages + 1),
+                KernelArg::U32(self.table.page_stride),
             ],
         };
         self.mem.exec.launch(kernel, &cfg, &args)

@@ -1,0 +1,148 @@
+//! The transfer path of a rank: its page pairs between its host and device pools, by the
+//! transfer kernel (the device pools as page tables) or by DMA (the cache's own layer-major
+//! pools), and the checks every transfer passes first.
+
+use super::{ClusterError, RankCache};
+use crate::exec::EventId;
+use crate::kernels::{
+    clamp_layer_range, layer_range_args, transfer_args, transfer_regions, Direction, PoolShape,
+};
+use std::ops::Range;
+
+impl RankCache {
+    /// Copies this rank's page pairs for every buffer kind and every layer of `layers`
+    /// (clamped to the pools' layers; `0..layers` for all of them), with the transfer kernel
+    /// or by DMA as the deployment says; returns bytes moved. With `events`, the layers move
+    /// one at a time, each followed by an event pushed there (a layer-wise load); the pairs
+    /// are checked and uploaded once either way.
+    pub(super) fn transfer(
+        &mut self,
+        dir: Direction,
+        src: &[u32],
+        dst: &[u32],
+        layers: Range<u32>,
+        mut events: Option<&mut Vec<EventId>>,
+    ) -> Result<u64, ClusterError> {
+        let g = self.pools.geometry();
+        let (first_layer, layer_count) = layer_range_args(&layers);
+        let moved = clamp_layer_range(first_layer, layer_count, g.layers);
+        if src.is_empty() {
+            if let Some(events) = events.as_deref_mut() {
+                for _ in moved {
+                    events.push(self.exec.record_event()?);
+                }
+            }
+            return Ok(0);
+        }
+        let pools = PoolShape {
+            layers: g.layers,
+            device_pages: g.local_pages,
+            host_pages: g.host_pages,
+        };
+        check_transfer_pages(dir, usize::from(self.rank.0), src, dst, &pools)?;
+        let dma = self.config.deployment.transfer_path.dma_mode();
+        let pairs = if dma.is_some() {
+            None
+        } else {
+            Some(self.pools.upload_pairs(src, dst)?)
+        };
+        let steps: Vec<Range<u32>> = match events {
+            Some(_) => moved.clone().map(|l| l..l + 1).collect(),
+            None => vec![moved.clone()],
+        };
+        let spec = self.config.deployment.transfer(dir);
+        let buffers = self.config.deployment.model.buffers();
+        // (source pool, destination pool) of each buffer, in the spec's descriptor order, for
+        // the DMA path: the cache's own layer-major pools (adopting refuses the DMA path).
+        let ends: Vec<(crate::exec::BufferId, crate::exec::BufferId)> = buffers
+            .iter()
+            .filter_map(|&b| {
+                let device = self.pools.device(b)?;
+                Some(match dir {
+                    Direction::HostToDevice => (self.pools.host(b), device),
+                    Direction::DeviceToHost => (device, self.pools.host(b)),
+                })
+            })
+            .collect();
+        if dma.is_some() && ends.len() != buffers.len() {
+            return Err(ClusterError::Config(
+                "the DMA transfer path needs the cache's own pools, not an engine's".into(),
+            ));
+        }
+        let tables: Vec<_> = buffers
+            .iter()
+            .map(|&b| self.pools.device_table(b))
+            .collect();
+        // (device pool's page table, host pool) of each buffer, for the kernel.
+        let kernel_ends: Vec<_> = tables
+            .iter()
+            .zip(buffers)
+            .map(|(t, &b)| (t, (self.pools.host(b), 0)))
+            .collect();
+        let mut bytes = 0;
+        for step in steps {
+            match pairs {
+                None => {
+                    for (d, &(from, to)) in spec.descriptors().iter().zip(&ends) {
+                        let regions = transfer_regions(d, src, dst, pools, step.clone());
+                        self.exec
+                            .copy_regions_with(from, to, &regions, dma.unwrap_or_default())?;
+                    }
+                }
+                Some((sb, db)) => {
+                    // One launch moves every buffer.
+                    let k = self.kernels.transfer(dir);
+                    let args = transfer_args(
+                        &kernel_ends,
+                        (sb, db),
+                        src.len() as u32,
+                        pools,
+                        layer_range_args(&step),
+                    );
+                    self.exec.launch(
+                        k.id,
+                        &k.launch(src.len() as u32, step.len() as u32),
+                        &args,
+                    )?;
+                }
+            }
+            bytes += src.len() as u64 * step.len() as u64 * spec.total_page_bytes();
+            if let Some(events) = events.as_deref_mut() {
+                events.push(self.exec.record_event()?);
+            }
+        }
+        Ok(bytes)
+    }
+}
+
+/// Refuses a transfer whose page lists differ in length, name a page outside its pool
+/// (`pools`' device pages per rank, host pages), or name one destination page twice (on a GPU
+/// the two copies would interleave: `kernels::check_distinct_destinations`).
+pub(crate) fn check_transfer_pages(
+    dir: Direction,
+    rank: usize,
+    src: &[u32],
+    dst: &[u32],
+    pools: &PoolShape,
+) -> Result<(), ClusterError> {
+    let bad = |what: String| Err(ClusterError::BadTransfer { rank, what });
+    if src.len() != dst.len() {
+        return bad(format!(
+            "{dir} transfer of {} source pages to {} destination pages",
+            src.len(),
+            dst.len()
+        ));
+    }
+    let [src_pool, dst_pool] = pools.ends(dir);
+    for (pages, (pool, cap)) in [(src, src_pool), (dst, dst_pool)] {
+        if let Some(p) = pages.iter().find(|&&p| p >= cap) {
+            return bad(format!(
+                "{dir} transfer names {pool} page {p}, outside the {pool} pool of {cap} pages"
+            ));
+        }
+    }
+    if let Err(e) = crate::kernels::check_distinct_destinations(dst) {
+        return bad(format!("{dir} transfer: {e}"));
+    }
+    Ok(())
+}
