@@ -234,7 +234,15 @@ impl MaterialiseSpec {
         if u64::from(self.launch.unroll) * u64::from(self.launch.vec.bytes()) > 64 {
             return 1;
         }
-        (SM_MAX_THREADS / self.launch.threads.max(1)).clamp(1, SM_MAX_BLOCKS)
+        let full = (SM_MAX_THREADS / self.launch.threads.max(1)).clamp(1, SM_MAX_BLOCKS);
+        // With the layer loop in the block, a page's owner table row and offset stay live
+        // across its layers: at a full SM's 32 registers the `_lb` shapes spilled 80 bytes
+        // (sm_90, NVRTC), so they ask for half the blocks.
+        if self.launch.layers_in_block {
+            (full / 2).max(1)
+        } else {
+            full
+        }
     }
 }
 
