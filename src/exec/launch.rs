@@ -257,14 +257,25 @@ pub(crate) fn marshal_args(
             KernelArg::Table(table, off, entries) => {
                 let reach = reach(i)?;
                 let param = signature.and_then(|s| s.params.get(i));
-                let Some(t) = param.and_then(|p| p.entries) else {
-                    return Err(refuse(
-                        i,
-                        "is not a page table, so no rule bounds a table's pointers".into(),
-                    ));
+                let t = match (signature, param.and_then(|p| p.entries)) {
+                    (_, Some(t)) => Some(t),
+                    // Unchecked (`launch_unchecked`): the pointers only start inside their
+                    // buffers, as for a plain pointer; the reach is the caller's contract.
+                    (None, None) => None,
+                    (Some(_), None) => {
+                        return Err(refuse(
+                            i,
+                            "is not a page table, so no rule bounds a table's pointers".into(),
+                        ))
+                    }
+                };
+                let reach = if t.is_some() {
+                    reach
+                } else {
+                    8 * entries.len() as u64
                 };
                 // Every slot the kernel may read holds a checked address: no more, no fewer.
-                if entries.len() as u64 * 8 != reach {
+                if t.is_some() && entries.len() as u64 * 8 != reach {
                     return Err(refuse(
                         i,
                         format!(
@@ -278,10 +289,14 @@ pub(crate) fn marshal_args(
                         ),
                     ));
                 }
-                let (each, stride) = t
-                    .pages
-                    .bytes(scalar)
-                    .map_err(|e| refuse(i, format!("(pointers reaching {}) {e}", t.pages)))?;
+                let (each, stride) = match t {
+                    Some(t) => t
+                        .pages
+                        .bytes(scalar)
+                        .map_err(|e| refuse(i, format!("(pointers reaching {}) {e}", t.pages)))?,
+                    None => (0, 0),
+                };
+                let (unit, writes) = t.map_or((0, false), |t| (t.pages.unit, t.writes));
                 let at = pointer(table, off, reach).map_err(|e| invalid(i, None, e))?;
                 spans.push(Span::plain(i, table, off, reach, false));
                 let mut bytes = Vec::with_capacity(entries.len() * 8);
@@ -293,8 +308,8 @@ pub(crate) fn marshal_args(
                         param: i,
                         buffer: b,
                         range: o..o + each,
-                        window: Some((stride, t.pages.unit)),
-                        writes: t.writes,
+                        window: Some((stride, unit)),
+                        writes,
                     });
                 }
                 out.tables.push(TableWrite {

@@ -171,12 +171,20 @@ fn a_bad_pointer_argument_names_the_kernel_and_the_parameter() {
         message(marshal_args("k", None, &args, resolve)),
         "parameter 1: unknown buffer BufferId(7)"
     );
-    // A page table needs a signature: nothing else says how far its pointers reach.
-    let ptrs = [(BufferId(1), 0), (BufferId(2), 0)];
-    let table = [KernelArg::Table(BufferId(3), 0, &ptrs)];
-    assert_eq!(
-        message(marshal_args("k", None, &table, resolve)),
-        "parameter 0 `?` is not a page table, so no rule bounds a table's pointers"
+    // Without a signature a table's pointers only start inside their buffers (as a plain
+    // pointer's do), and an unknown one is still refused.
+    let ptrs = [(BufferId(1), 0), (BufferId(9), 0)];
+    let e = marshal_args(
+        "k",
+        None,
+        &[KernelArg::Table(BufferId(3), 0, &ptrs)],
+        resolve,
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string()
+            .ends_with("parameter 0, pointer 1: unknown buffer BufferId(9)"),
+        "{e}"
     );
     // One past the end is a valid pointer for a parameter that reaches nothing (`n` = 0).
     let ok = marshal_args(
