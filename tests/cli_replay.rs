@@ -283,6 +283,59 @@ fn every_layout_replays_verified_with_host_hits() {
     );
 }
 
+/// With `--peer-pools gathered` no rank reads a peer's pool: each sends its pages through
+/// the group. The replay serves exactly as with mapped pools (the same hits and tokens, 0
+/// mismatches, under a positional layout with chunked prefill and decode too), reports what
+/// it gathered, and still catches the seed's bug.
+#[test]
+fn gathered_peer_pools_serve_like_mapped_ones_and_catch_the_seed_bug() {
+    for extra in [
+        &[][..],
+        &[
+            "--layout",
+            "token-interleave",
+            "--chunk-tokens",
+            "100",
+            "--decode-tokens",
+            "7",
+        ][..],
+    ] {
+        let (out, mapped) = replay(extra);
+        assert_eq!(out.status.code(), Some(0), "{extra:?}: {}", stderr(&out));
+        let mapped = mapped.unwrap();
+        let (out, gathered) = replay(&[extra, &["--peer-pools", "gathered"]].concat());
+        assert_eq!(out.status.code(), Some(0), "{extra:?}: {}", stderr(&out));
+        let gathered = gathered.unwrap();
+        for k in [
+            "prompt_tokens",
+            "device_hit_tokens",
+            "host_hit_tokens",
+            "computed_tokens",
+            "group_rounds",
+        ] {
+            assert_eq!(num(&mapped, k), num(&gathered, k), "{extra:?} {k}");
+        }
+        assert!(num(&gathered, "host_hit_tokens") > 0, "{gathered}");
+        assert_eq!(num(&gathered, "mismatched_tokens"), 0, "{gathered}");
+        assert_eq!(num(&mapped, "bytes_gathered"), 0);
+        assert!(num(&gathered, "bytes_gathered") > 0, "{gathered}");
+        assert_eq!(gathered["group"]["peer_pools"], "gathered");
+        assert!(
+            String::from_utf8_lossy(&out.stdout).contains("bytes gathered to verify"),
+            "{}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
+    let (out, report) = replay(&[
+        "--peer-pools",
+        "gathered",
+        "--inject",
+        "plain-alloc-on-load",
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(num(&report.unwrap(), "mismatched_tokens") > 0);
+}
+
 #[test]
 fn plain_alloc_on_load_reports_mismatches() {
     let (out, report) = replay(&["--inject", "plain-alloc-on-load"]);

@@ -1090,7 +1090,8 @@ fn read_through_views(me: &RankCache, req: &cp_hicache::rank::Request) -> Vec<Ve
                 me.executor()
                     .read(
                         me.pools().views(kind)[owner]
-                            .buffer
+                            .as_ref()
+                            .and_then(|v| v.buffer)
                             .expect("the cache's own pool"),
                         at,
                         &mut bytes,

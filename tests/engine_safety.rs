@@ -108,7 +108,8 @@ fn attention_mismatches(rc: &RankCache, req: &Request) -> usize {
                 rc.executor()
                     .read(
                         rc.pools().views(kind)[owner]
-                            .buffer
+                            .as_ref()
+                            .and_then(|v| v.buffer)
                             .expect("the cache's own pool"),
                         offset(rc, kind, p, layer),
                         &mut got,

@@ -473,6 +473,10 @@ impl RankCache {
                     Arc::from(open_executor(backend).map_err(to_py)?);
                 let access = if group.size() == 1 {
                     PeerAccess::Direct
+                } else if device.is_some() {
+                    // Peers in other processes cannot map the engine's memory: verification
+                    // gathers each rank's pages through the group instead.
+                    PeerAccess::Gathered
                 } else if exec.peer_mapping().is_some() {
                     PeerAccess::Mapped
                 } else {
@@ -525,7 +529,7 @@ impl RankCache {
                 .pools()
                 .views(kind)
                 .iter()
-                .map(|v| match v.buffer {
+                .map(|v| match v.as_ref().and_then(|v| v.buffer) {
                     Some(id) => Ok(Some((exec.address(id)?, exec.size(id)?))),
                     None => Ok(None),
                 })
@@ -678,13 +682,15 @@ impl RankCache {
         self.between_steps(|r| r.lane_free_counts())
     }
 
-    /// What the last request's verification found: `{"mismatched_tokens", "by_rank"}`.
+    /// What the last request's verification found: `{"mismatched_tokens",
+    /// "first_mismatched_token", "by_rank", "bytes_gathered"}`.
     fn last_verdict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let v = self.between_steps(|r| r.last_verdict().clone())?;
         let d = PyDict::new(py);
         d.set_item("mismatched_tokens", v.all.count)?;
         d.set_item("first_mismatched_token", v.all.first)?;
         d.set_item("by_rank", v.by_rank)?;
+        d.set_item("bytes_gathered", v.bytes_gathered)?;
         Ok(d)
     }
 

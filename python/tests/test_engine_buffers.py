@@ -80,3 +80,70 @@ def test_engine_buffers_that_break_a_rule_are_refused(buffers, message):
         cp_hicache.RankCache(
             DEP, device_pages=PAGES, host_pages=4, backend="host", device_buffers=buffers(pb)
         )
+
+
+def _engine_rank(rank, size, port, out, order):
+    """One engine process: its own torch tensors adopted as this rank's pools."""
+    import json
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=size, timeout=timedelta(seconds=60))
+    dep = cp_hicache.Deployment(model="mla", page_size=16, cp=size, layers=2)
+    pb = dep.page_bytes("mla_kv")
+    tensors, layer = engine(order, pb)
+    log = {}
+    with cp_hicache.RankCache(dep, rank, dist.group.WORLD, device_pages=PAGES * size,
+                              host_pages=8, backend="host", device_buffers=[tensors]) as rc:
+        stats = []
+        for p in (prompt(3, 1), prompt(6, 2), prompt(3, 1)):
+            stats.append(rc.serve(p))
+            rc.evict(1 << 30)
+        stats.append(rc.serve(prompt(4, 3)))
+        log["mismatched"] = sum(s["mismatched_tokens"] for s in stats)
+        log["host hits"] = sum(s["host_hit_tokens"] for s in stats)
+        log["gathered"] = sum(s["bytes_gathered"] for s in stats)
+        log["peer pools"] = rc.peer_pools
+        if rank == 1:
+            # The engine overwrites its own pages: both ranks must see it.
+            for l in range(2):
+                layer(l).fill_(0)
+        again = rc.serve(prompt(4, 3))
+        log["device hit"] = again["device_hit_tokens"]
+        log["after"] = rc.last_verdict()["by_rank"]
+        log["digests agree"] = len(set(rc.all_digests())) == 1
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(log, f)
+
+
+@pytest.mark.parametrize("order", ["per_layer", "page_major"])
+def test_engine_tensors_in_separate_processes_verify_through_the_group(tmp_path, order):
+    """Two engine processes over gloo, each with its own torch tensors as its pools: no
+    process can map the other's memory, so each sends the pages it owns through the group
+    and both verify every token; an engine that overwrites its pages is seen by both."""
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    size = 2
+    mp.start_processes(_engine_rank, args=(size, port, str(tmp_path), order), nprocs=size,
+                       start_method="spawn")
+    logs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(size)]
+    pb = DEP.page_bytes("mla_kv")
+    for log in logs:
+        assert log["mismatched"] == 0, log
+        assert log["host hits"] > 0, log
+        assert log["peer pools"] == "gathered", log
+        assert log["digests agree"], log
+        assert log["device hit"] == 4 * 16, log
+        # Rank 1's half of the 4 pages were overwritten: both ranks count their 32 tokens.
+        assert log["after"] == [32, 32], log
+    # Every page of the 16 served went through the group once, in both layers.
+    assert sum(log["gathered"] for log in logs) == 16 * 2 * pb

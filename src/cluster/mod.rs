@@ -174,6 +174,26 @@ impl Cluster {
         Ok(cluster)
     }
 
+    /// C ranks sharing `exec` that never reach each other's pools
+    /// ([`PeerAccess::Gathered`]): to verify, each rank's pages of a sequence go through the
+    /// group, as ranks over an engine's own memory in separate processes verify.
+    pub fn gathered(
+        config: ClusterConfig,
+        exec: Arc<dyn Executor>,
+        jit: &Jit,
+    ) -> Result<Cluster, ClusterError> {
+        let cp = usize::from(config.deployment.cp);
+        let mut cluster = Self::start(
+            config,
+            RankView::split(exec.clone(), cp.max(1)),
+            PeerAccess::Gathered,
+            false,
+            jit,
+        )?;
+        cluster.exec = exec;
+        Ok(cluster)
+    }
+
     /// C ranks, rank `r` on `execs[r]`, as C engine processes each hold their own executor;
     /// every executor must map peers' pools ([`Executor::peer_mapping`]). The ranks run as
     /// threads of this process, so their executors must also map in-process
@@ -569,9 +589,7 @@ impl Cluster {
         let tokens = Arc::new(tokens.to_vec());
         let all = Self::combine(self.on_all("serving a request", move |r| r.serve(&tokens))?)?;
         let mut stats = all[0].clone();
-        stats.bytes_h2d = all.iter().map(|s| s.bytes_h2d).sum();
-        stats.bytes_d2h = all.iter().map(|s| s.bytes_d2h).sum();
-        stats.load_path_syncs = all.iter().map(|s| s.load_path_syncs).sum();
+        stats.set_rank_counts(RequestStats::sum_rank_counts(&all));
         Ok(stats)
     }
 
@@ -589,9 +607,7 @@ impl Cluster {
             r.serve_live(&tokens, &shape)
         })?)?;
         let mut stats = all[0].clone();
-        stats.bytes_h2d = all.iter().map(|s| s.bytes_h2d).sum();
-        stats.bytes_d2h = all.iter().map(|s| s.bytes_d2h).sum();
-        stats.load_path_syncs = all.iter().map(|s| s.load_path_syncs).sum();
+        stats.set_rank_counts(RequestStats::sum_rank_counts(&all));
         Ok(stats)
     }
 

@@ -11,7 +11,7 @@ use super::{Cluster, GroupInfo};
 use crate::allocator::StateDigest;
 use crate::rank::{
     ClusterError, DeploymentKernels, LiveShape, PeerErrorKind, RankCache, RequestStats,
-    RollbackDrops,
+    RollbackDrops, RANK_COUNTS,
 };
 
 /// The CP group as a driver sees it. See the module documentation.
@@ -119,7 +119,7 @@ impl Ranks for RankCache {
         };
         // Every rank succeeded (a failure on any rank fails the request on every rank); each
         // rank's counts came with the outcome round.
-        (stats.bytes_h2d, stats.bytes_d2h, stats.load_path_syncs) = self.group_sums().into();
+        stats.set_rank_counts(self.group_sums());
         Ok(stats)
     }
 
@@ -135,18 +135,19 @@ impl Ranks for RankCache {
             Err(e) => return Err(agree_on_error(self, n, e)?),
         };
         // The steps' counts are this rank's: one round sums them for the report.
-        let mine: Vec<u8> = [stats.bytes_h2d, stats.bytes_d2h, stats.load_path_syncs]
+        let mine: Vec<u8> = stats
+            .rank_counts()
             .iter()
             .flat_map(|v| v.to_le_bytes())
             .collect();
         let all = self
             .group()
             .all_gather(&format!("request {n} byte counts"), &mine)?;
-        let mut sums = [0u64; 3];
+        let mut sums = [0u64; RANK_COUNTS];
         for b in &all {
-            if b.len() != 24 {
+            if b.len() != 8 * RANK_COUNTS {
                 return Err(ClusterError::Config(format!(
-                    "request {n} byte counts: a peer sent {} bytes, not 3 counts",
+                    "request {n} byte counts: a peer sent {} bytes, not {RANK_COUNTS} counts",
                     b.len()
                 )));
             }
@@ -154,7 +155,7 @@ impl Ranks for RankCache {
                 *s += u64::from_le_bytes(c.try_into().expect("8 bytes"));
             }
         }
-        (stats.bytes_h2d, stats.bytes_d2h, stats.load_path_syncs) = sums.into();
+        stats.set_rank_counts(sums);
         Ok(stats)
     }
 

@@ -186,6 +186,9 @@ impl ReplayReport {
                 human_bytes(t.bytes_d2h)
             ),
         );
+        if t.bytes_gathered > 0 {
+            row("bytes gathered to verify", human_bytes(t.bytes_gathered));
+        }
         row("load-path syncs", t.load_path_syncs.to_string());
         row(
             "group rounds / request",
@@ -339,6 +342,7 @@ mod tests {
             "load_path_syncs",
             "fence_syncs",
             "group_rounds",
+            "bytes_gathered",
             "rounds_per_request",
             "failed_requests",
             "requests_skipped",

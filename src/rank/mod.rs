@@ -65,7 +65,7 @@ pub use load::LoadHandle;
 pub use pools::{PeerAccess, PoolGeometry, Pools};
 pub use request::{Ending, Request};
 use rollback::{Freed, DIGEST};
-pub use stats::{RequestStats, RollbackDrops};
+pub use stats::{RequestStats, RollbackDrops, RANK_COUNTS};
 pub use verify::{Mismatches, Verdict};
 
 use crate::allocator::kernel::{KernelAllocOptions, KernelLaneAllocator};
@@ -576,7 +576,7 @@ impl RankCache {
         self.digest_calls.set(seq + 1);
         let round = format!("{what} #{seq}");
         let all = self.group.all_gather(&round, &self.digest().0)?;
-        self.check_round(&round, &all, |b| {
+        self.check_round(&round, &all, |_, b| {
             (b.len() != 32).then(|| format!("a {}-byte digest", b.len()))
         })?;
         Ok(all
@@ -734,12 +734,12 @@ impl RankCache {
         &self.group
     }
 
-    /// The last served request's bytes host→device, device→host and load-path syncs,
-    /// summed over every rank: each rank's counts ride on the request's outcome round, so a
-    /// driver of one rank per process reports group totals without a round of its own.
-    /// Zeros before the first request, and after a request that failed.
-    pub fn group_sums(&self) -> [u64; 3] {
-        let mut out = [0u64; 3];
+    /// The last served request's [`RequestStats::rank_counts`] summed over every rank:
+    /// each rank's counts ride on the request's outcome round, so a driver of one rank per
+    /// process reports group totals without a round of its own. Zeros before the first
+    /// request, and after a request that failed.
+    pub fn group_sums(&self) -> [u64; RANK_COUNTS] {
+        let mut out = [0u64; RANK_COUNTS];
         for note in &self.outcome_notes {
             for (o, c) in out.iter_mut().zip(note.chunks_exact(8)) {
                 *o = o.saturating_add(u64::from_le_bytes(c.try_into().expect("8 bytes")));
@@ -870,20 +870,19 @@ impl RankCache {
         req.load = None;
         req.stats.mismatched_tokens = bad.all.count;
         req.stats.first_mismatched_token = bad.all.first;
+        req.stats.bytes_gathered += bad.bytes_gathered;
         self.last_verdict = bad;
         // The "verified" round was the fence: no peer reads this sequence any more, so the
         // pages the tree does not keep are freed at once.
         let release = self.finish_inner(&mut req)?;
         self.release_pages(release)?;
         // This rank's byte counts ride on the outcome round ([`RankCache::group_sums`]).
-        self.outcome_note = [
-            req.stats.bytes_h2d,
-            req.stats.bytes_d2h,
-            req.stats.load_path_syncs,
-        ]
-        .iter()
-        .flat_map(|v| v.to_le_bytes())
-        .collect();
+        self.outcome_note = req
+            .stats
+            .rank_counts()
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
         Ok(req.stats)
     }
 }

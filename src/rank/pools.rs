@@ -59,6 +59,13 @@ pub enum PeerAccess {
     /// memory on the host executor, in one process or across processes; CUDA IPC on the
     /// CUDA executor, across processes only ([`Executor::maps_in_process`]).
     Mapped,
+    /// No rank reaches a peer's pool. To verify, each rank reads back the sequence's pages it
+    /// owns from its own pool and all-gathers them through the group, and every rank checks
+    /// the whole sequence from what its peers sent. For memory peers cannot map: an
+    /// engine's tensors in other processes (plain CPU tensors, torch CUDA memory). The cost:
+    /// every verified page crosses the group once per peer (`bytes_gathered`), and the
+    /// read-back waits for the rank's stream.
+    Gathered,
 }
 
 impl PeerAccess {
@@ -67,6 +74,7 @@ impl PeerAccess {
         match self {
             PeerAccess::Direct => "direct",
             PeerAccess::Mapped => exec.peer_mapping().unwrap_or("none"),
+            PeerAccess::Gathered => "gathered",
         }
     }
 }
@@ -97,8 +105,9 @@ pub struct Pools {
     adopted: Vec<BufferId>,
     host: HashMap<BufferKind, BufferId>,
     /// Every owner's device pool per buffer kind, in rank order, as this executor reaches
-    /// it; empty until [`Pools::connect`].
-    views: HashMap<BufferKind, Vec<PoolView>>,
+    /// it (`None`: a peer's pool under [`PeerAccess::Gathered`]); empty until
+    /// [`Pools::connect`].
+    views: HashMap<BufferKind, Vec<Option<PoolView>>>,
     /// Peer mappings this rank made (unmapped on drop; direct handles are the peer's).
     imported: Vec<BufferId>,
     /// Per buffer kind, where launches write their page tables ([`PageTable::at`]): room
@@ -121,7 +130,9 @@ impl Pools {
             let page = b.page_bytes(dep.page_size);
             let bytes = page as usize * geometry.layers as usize * geometry.local_pages as usize;
             let d = match access {
-                PeerAccess::Direct => pools.exec.alloc(MemKind::Device, bytes, POISON)?,
+                PeerAccess::Direct | PeerAccess::Gathered => {
+                    pools.exec.alloc(MemKind::Device, bytes, POISON)?
+                }
                 PeerAccess::Mapped => pools.exec.alloc_shareable(bytes, POISON)?,
             };
             pools.device.insert(b, own_view(d, geometry, page));
@@ -138,9 +149,8 @@ impl Pools {
     /// `local_pages`), and a stride that fits the kernels; a refusal names the buffer, the
     /// layer and the rule ([`ClusterError::EngineBuffer`]). The pages are poisoned, as the
     /// cache's own pools start. The DMA transfer path, which copies layer-major pools, is
-    /// refused, and so are peers in other processes ([`PeerAccess::Mapped`]): they cannot
-    /// map an engine's memory, and verification that gathers through the group instead is
-    /// not built yet.
+    /// refused, and so is [`PeerAccess::Mapped`] with peers: they cannot map an engine's
+    /// memory. Ranks in other processes adopt under [`PeerAccess::Gathered`].
     ///
     /// # Safety
     /// Every region must be memory of the executor's address space, valid for reads and
@@ -181,9 +191,9 @@ impl Pools {
         if access == PeerAccess::Mapped && dep.cp > 1 {
             return Err(bad(
                 "device".into(),
-                "peers in other processes cannot map an engine's memory, and verification \
-                 that gathers through the group instead is not built yet: adopt buffers with \
-                 every rank in one process (or CP 1)"
+                "peers in other processes cannot map an engine's memory: adopt it with peer \
+                 access `gathered` (verification then moves each rank's pages through the \
+                 group), or with every rank in one process (`direct`)"
                     .into(),
             ));
         }
@@ -288,10 +298,12 @@ impl Pools {
 
     /// What peers need to reach this rank's device pool of `b` (to all-gather): under
     /// [`PeerAccess::Direct`] its page stride and each layer's first page; under
-    /// [`PeerAccess::Mapped`] the executor's export of the pool buffer.
+    /// [`PeerAccess::Mapped`] the executor's export of the pool buffer; under
+    /// [`PeerAccess::Gathered`] its page stride alone (peers check the pools are alike).
     pub fn handle(&self, b: BufferKind) -> Result<Vec<u8>, ExecError> {
         let view = &self.device[&b];
         match self.access {
+            PeerAccess::Gathered => Ok(self.strides[&b].to_le_bytes().to_vec()),
             PeerAccess::Direct => {
                 let mut out = self.strides[&b].to_le_bytes().to_vec();
                 for &(id, off) in &view.layers {
@@ -315,8 +327,9 @@ impl Pools {
 
     /// Reaches every owner's device pool of `b` from its handle (`handles[r]` is rank `r`'s,
     /// `me` this rank): this rank's own pool as it is, each peer's mapped or, under
-    /// [`PeerAccess::Direct`], used directly. Every owner's pool must have this rank's page
-    /// stride (one page table serves them all) and hold this rank's pool shape.
+    /// [`PeerAccess::Direct`], used directly; under [`PeerAccess::Gathered`] no peer's. Every
+    /// owner's pool must have this rank's page stride (one page table serves them all) and
+    /// hold this rank's pool shape.
     /// `Err((peer, error))` names the peer whose pool could not be reached.
     pub fn connect(
         &mut self,
@@ -331,6 +344,15 @@ impl Pools {
             op: "import",
             message,
         };
+        let mismatch = |r: usize, theirs: u32| {
+            (
+                r,
+                peer(format!(
+                    "rank {r}'s {b} pool has pages {theirs} bytes apart, this rank's \
+                     {stride}: every rank's pool must be laid out alike"
+                )),
+            )
+        };
         let mut view = Vec::with_capacity(handles.len());
         for (r, h) in handles.iter().enumerate() {
             let v = if r == me {
@@ -342,13 +364,7 @@ impl Pools {
                             (r, peer(format!("a direct handle of {} bytes", h.len())))
                         })?;
                         if theirs != stride {
-                            return Err((
-                                r,
-                                peer(format!(
-                                    "rank {r}'s {b} pool has pages {theirs} bytes apart, this \
-                                     rank's {stride}: every rank's pool must be laid out alike"
-                                )),
-                            ));
+                            return Err(mismatch(r, theirs));
                         }
                         v
                     }
@@ -356,6 +372,17 @@ impl Pools {
                         let id = self.exec.import(h).map_err(|e| (r, e))?;
                         self.imported.push(id);
                         own_view(id, g, pb)
+                    }
+                    PeerAccess::Gathered => {
+                        let theirs = <[u8; 4]>::try_from(h.as_slice()).map_err(|_| {
+                            (r, peer(format!("a gathered handle of {} bytes", h.len())))
+                        })?;
+                        let theirs = u32::from_le_bytes(theirs);
+                        if theirs != stride {
+                            return Err(mismatch(r, theirs));
+                        }
+                        view.push(None);
+                        continue;
                     }
                 }
             };
@@ -375,7 +402,7 @@ impl Pools {
                     ));
                 }
             }
-            view.push(v);
+            view.push(Some(v));
         }
         self.views.insert(b, view);
         Ok(())
@@ -414,21 +441,35 @@ impl Pools {
     }
 
     /// Layer `layer` of every owner's device pool of buffer `b`, in rank order, as this rank
-    /// reaches them: the page table of a one-layer materialise.
-    pub fn views_table(&self, b: BufferKind, layer: u32) -> PageTable {
-        PageTable {
+    /// reaches them: the page table of a one-layer materialise. `None` when a peer's pool is
+    /// out of reach ([`PeerAccess::Gathered`]).
+    pub fn views_table(&self, b: BufferKind, layer: u32) -> Option<PageTable> {
+        Some(PageTable {
             at: (self.tables[&b], 0),
             entries: self
                 .views(b)
                 .iter()
-                .map(|v| v.layers[layer as usize])
-                .collect(),
+                .map(|v| v.as_ref().map(|v| v.layers[layer as usize]))
+                .collect::<Option<_>>()?,
+            page_stride: self.strides[&b],
+        })
+    }
+
+    /// Layer `layer` of this rank's own device pool of buffer `b`, in every owner's entry of
+    /// a one-layer materialise's page table: for a launch over pages this rank owns only
+    /// (the other entries are never read), as [`PeerAccess::Gathered`] verification reads
+    /// back its share.
+    pub fn own_table(&self, b: BufferKind, layer: u32, owners: usize) -> PageTable {
+        PageTable {
+            at: (self.tables[&b], 0),
+            entries: vec![self.device[&b].layers[layer as usize]; owners],
             page_stride: self.strides[&b],
         }
     }
 
-    /// Every owner's device pool of buffer `b`, in rank order, as this rank reaches it.
-    pub fn views(&self, b: BufferKind) -> &[PoolView] {
+    /// Every owner's device pool of buffer `b`, in rank order, as this rank reaches it
+    /// (`None`: a peer's, under [`PeerAccess::Gathered`]).
+    pub fn views(&self, b: BufferKind) -> &[Option<PoolView>] {
         self.views.get(&b).map_or(&[], Vec::as_slice)
     }
 
@@ -484,6 +525,14 @@ impl Pools {
         self.exec.upload(s, 0, &u32_bytes(src))?;
         self.exec.upload(d, 0, &u32_bytes(dst))?;
         Ok((s, d))
+    }
+
+    /// Uploads the page ids of a launch over some of a sequence's pages (a
+    /// [`PeerAccess::Gathered`] rank's own share).
+    pub fn upload_share(&mut self, pages: &[u32]) -> Result<BufferId, ExecError> {
+        let s = self.scratch("share.pages", 4 * pages.len(), 0)?;
+        self.exec.upload(s, 0, &u32_bytes(pages))?;
+        Ok(s)
     }
 
     /// Uploads a sequence's prefix hashes and page ids.

@@ -68,7 +68,7 @@ impl RankCache {
                 let round = format!("{what} outcome");
                 match self.group.all_gather(&round, &mine) {
                     Ok(mut all) => {
-                        self.check_round(&round, &all, |b| {
+                        self.check_round(&round, &all, |_, b| {
                             (b.len() < DIGEST || (b.len() - DIGEST) % 8 != 0).then(|| {
                                 format!("{} bytes, not a decision digest and counts", b.len())
                             })
@@ -109,12 +109,12 @@ impl RankCache {
         &self,
         round: &str,
         all: &[Vec<u8>],
-        valid: impl Fn(&[u8]) -> Option<String>,
+        valid: impl Fn(usize, &[u8]) -> Option<String>,
     ) -> Result<(), ClusterError> {
         if let Some((peer, what)) = all
             .iter()
             .enumerate()
-            .find_map(|(r, b)| Some((r, valid(b)?)))
+            .find_map(|(r, b)| Some((r, valid(r, b)?)))
         {
             let e = ClusterError::Malformed {
                 rank: self.rank.0,
@@ -251,7 +251,7 @@ impl RankCache {
             .collect();
         let round = format!("{what} rollback: freed device pages");
         let all = self.group.all_gather(&round, &mine)?;
-        self.check_round(&round, &all, |b| {
+        self.check_round(&round, &all, |_, b| {
             (b.len() % 4 != 0).then(|| format!("{} bytes, not a list of u32 pages", b.len()))
         })?;
         for v in all {
@@ -272,7 +272,7 @@ impl RankCache {
             .collect();
         let round = format!("{what} rollback: stale host copies");
         let all = self.group.all_gather(&round, &mine)?;
-        self.check_round(&round, &all, |b| {
+        self.check_round(&round, &all, |_, b| {
             (b.len() % 8 != 0).then(|| format!("{} bytes, not a list of u64 nodes", b.len()))
         })?;
         let host_nodes: BTreeSet<NodeId> = all

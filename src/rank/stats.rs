@@ -63,7 +63,15 @@ pub struct RequestStats {
     pub fence_syncs: u64,
     /// Group rounds the request took (every rank takes the same).
     pub group_rounds: u64,
+    /// Bytes of pages the ranks sent through the group for their peers to verify
+    /// ([`PeerAccess::Gathered`](crate::rank::PeerAccess::Gathered); 0 where peers map each
+    /// other's pools).
+    pub bytes_gathered: u64,
 }
+
+/// How many of a request's counts are per rank, summed over the ranks for a report
+/// ([`RequestStats::rank_counts`]).
+pub const RANK_COUNTS: usize = 4;
 
 impl RequestStats {
     /// Adds another request's counts.
@@ -90,6 +98,40 @@ impl RequestStats {
         self.load_path_syncs += o.load_path_syncs;
         self.fence_syncs += o.fence_syncs;
         self.group_rounds += o.group_rounds;
+        self.bytes_gathered += o.bytes_gathered;
+    }
+
+    /// The counts that are this rank's own (bytes host→device, device→host, load-path syncs,
+    /// bytes gathered), which a report sums over the ranks; the rest are the same on every
+    /// rank.
+    pub fn rank_counts(&self) -> [u64; RANK_COUNTS] {
+        [
+            self.bytes_h2d,
+            self.bytes_d2h,
+            self.load_path_syncs,
+            self.bytes_gathered,
+        ]
+    }
+
+    /// Sets the [`rank_counts`](Self::rank_counts), summed over the ranks.
+    pub fn set_rank_counts(&mut self, [h2d, d2h, syncs, gathered]: [u64; RANK_COUNTS]) {
+        self.bytes_h2d = h2d;
+        self.bytes_d2h = d2h;
+        self.load_path_syncs = syncs;
+        self.bytes_gathered = gathered;
+    }
+
+    /// The [`rank_counts`](Self::rank_counts) of `all`, summed.
+    pub fn sum_rank_counts<'a>(
+        all: impl IntoIterator<Item = &'a RequestStats>,
+    ) -> [u64; RANK_COUNTS] {
+        let mut out = [0u64; RANK_COUNTS];
+        for s in all {
+            for (o, c) in out.iter_mut().zip(s.rank_counts()) {
+                *o = o.saturating_add(c);
+            }
+        }
+        out
     }
 }
 

@@ -298,15 +298,21 @@ fn a_cache_over_an_engines_tensors_serves_like_one_over_its_own_pools() {
     }
 }
 
-/// Two ranks in one process, each over its own engine tensors (page-major, vLLM's), read
-/// every page from its owner through each other's tables: 0 mismatches. A peer whose pages
-/// are laid out with another stride is refused at start-up, naming it.
+/// Two ranks, each over its own engine tensors (page-major, vLLM's), verify every page of
+/// its owner: sharing one executor, through each other's tables ([`PeerAccess::Direct`]);
+/// with executors of their own, as processes, through the group
+/// ([`PeerAccess::Gathered`]). 0 mismatches; then rank 1 overwrites its engine's pages and
+/// both ranks see the tokens on them wrong. A peer whose pages are laid out with another
+/// stride is refused at start-up, naming it.
 #[test]
-fn two_ranks_over_engine_tensors_read_each_others_pages() {
+fn two_ranks_over_engine_tensors_verify_each_others_pages() {
     let (layers, pages) = (2u32, 9u32);
     let pb = crate::kernels::BufferKind::MlaKv.page_bytes(16);
-    let exec: Arc<dyn Executor> = Arc::new(crate::exec::HostExecutor::new(Default::default()));
-    let run = |orders: [EngineOrder; 2]| {
+    let shared: Arc<dyn Executor> = Arc::new(crate::exec::HostExecutor::new(Default::default()));
+    let prompt = |n: u32| -> Vec<u32> { (0..n * 16).map(|t| t * 5 + 1).collect() };
+    // Per rank: mismatches before the overwrite, each rank's count after it, bytes gathered.
+    type Seen = (u64, Vec<u64>, u64);
+    let run = |orders: [EngineOrder; 2], access: PeerAccess| {
         let pools: Vec<_> = orders
             .iter()
             .map(|&o| engine_pool(o, layers, pages, pb))
@@ -317,28 +323,51 @@ fn two_ranks_over_engine_tensors_read_each_others_pages() {
             let handles: Vec<_> = members
                 .into_iter()
                 .zip(&pools)
-                .map(|(m, (_, t))| {
-                    let (exec, jit) = (exec.clone(), &jit);
+                .enumerate()
+                .map(|(r, (m, (_, t)))| {
+                    let (shared, jit) = (shared.clone(), &jit);
                     s.spawn(move || {
-                        // SAFETY: `pools` outlives the scope, and only the cache touches it.
+                        let exec: Arc<dyn Executor> = match access {
+                            PeerAccess::Direct => shared,
+                            _ => Arc::new(crate::exec::HostExecutor::new(Default::default())),
+                        };
+                        // SAFETY: `pools` outlives the scope, and only the cache touches it
+                        // (but for the overwrite below, between steps).
                         let rc = unsafe {
                             RankCache::adopting(
                                 adopting_config(2, layers),
                                 exec,
                                 jit,
                                 Box::new(m),
-                                PeerAccess::Direct,
+                                access,
                                 std::slice::from_ref(t),
                             )
                         };
                         let mut rc = rc?;
-                        let mut mismatched = 0;
+                        let mut before = 0;
+                        let mut gathered = 0;
                         for n in [3u32, 6, 3] {
-                            let p: Vec<u32> = (0..n * 16).map(|t| t * 5 + 1).collect();
-                            mismatched += rc.serve(&p)?.mismatched_tokens;
+                            let st = rc.serve(&prompt(n))?;
+                            before += st.mismatched_tokens;
+                            gathered += st.bytes_gathered;
                             rc.evict_device_lru(usize::MAX)?;
                         }
-                        Ok::<u64, ClusterError>(mismatched)
+                        rc.serve(&prompt(4))?;
+                        if r == 1 {
+                            for g in t.regions() {
+                                // SAFETY: this rank's engine memory, between two steps.
+                                unsafe {
+                                    std::ptr::write_bytes(g.addr as *mut u8, 0, g.bytes as usize)
+                                };
+                            }
+                        }
+                        let after = rc.serve(&prompt(4))?;
+                        assert_eq!(after.device_hit_tokens, 4 * 16);
+                        Ok::<Seen, ClusterError>((
+                            before,
+                            rc.last_verdict().by_rank.clone(),
+                            gathered,
+                        ))
                     })
                 })
                 .collect();
@@ -348,21 +377,37 @@ fn two_ranks_over_engine_tensors_read_each_others_pages() {
                 .collect::<Vec<_>>()
         })
     };
-    for r in run([EngineOrder::PageMajor; 2]) {
-        assert_eq!(r.unwrap(), 0);
+    for access in [PeerAccess::Direct, PeerAccess::Gathered] {
+        let seen: Vec<Seen> = run([EngineOrder::PageMajor; 2], access)
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+        for (r, (before, after, _)) in seen.iter().enumerate() {
+            assert_eq!(*before, 0, "{access:?} rank {r}");
+            // Half the 4 pages are rank 1's: 32 tokens, seen by both ranks.
+            assert_eq!(after, &[32, 32], "{access:?} rank {r}");
+        }
+        // Each of the 12 pages served went through the group once (2 layers each).
+        let gathered: u64 = seen.iter().map(|s| s.2).sum();
+        let want = if access == PeerAccess::Gathered {
+            12 * 2 * pb
+        } else {
+            0
+        };
+        assert_eq!(gathered, want, "{access:?}");
+        let mixed = run([EngineOrder::PageMajor, EngineOrder::PerLayer], access);
+        let shown: Vec<String> = mixed
+            .into_iter()
+            .map(|r| r.unwrap_err().to_string())
+            .collect();
+        assert!(
+            shown
+                .iter()
+                .any(|e| e.contains("pages 18432 bytes apart, this rank's 36864")
+                    || e.contains("pages 36864 bytes apart, this rank's 18432")),
+            "{access:?}: {shown:?}"
+        );
     }
-    let mixed = run([EngineOrder::PageMajor, EngineOrder::PerLayer]);
-    let shown: Vec<String> = mixed
-        .into_iter()
-        .map(|r| r.unwrap_err().to_string())
-        .collect();
-    assert!(
-        shown
-            .iter()
-            .any(|e| e.contains("pages 18432 bytes apart, this rank's 36864")
-                || e.contains("pages 36864 bytes apart, this rank's 18432")),
-        "{shown:?}"
-    );
 }
 
 /// Buffers the cache cannot adopt are refused before anything is adopted, naming the
@@ -474,7 +519,10 @@ fn ranks_that_map_each_others_pools_refuse_engine_buffers() {
     });
     for e in &errors {
         assert!(
-            e.contains("peers in other processes cannot map an engine's memory"),
+            e.contains(
+                "peers in other processes cannot map an engine's memory: adopt it with \
+                        peer access `gathered`"
+            ),
             "{errors:?}"
         );
     }

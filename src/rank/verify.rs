@@ -35,6 +35,9 @@ pub struct Verdict {
     pub all: Mismatches,
     /// Per rank, in rank order.
     pub by_rank: Vec<u64>,
+    /// Bytes of its own pages this rank sent through the group for its peers to verify
+    /// ([`PeerAccess::Gathered`]; 0 otherwise).
+    pub bytes_gathered: u64,
 }
 
 impl RankCache {
@@ -120,27 +123,56 @@ impl RankCache {
         let page_ids: Vec<u32> = pages.iter().map(|p| p.0).collect();
         let (hash_buf, page_buf) = self.pools.upload_sequence(hashes, &page_ids)?;
         let n_tokens = hashes.len();
-        if self.peer_access == PeerAccess::Mapped && self.group.size() > 1 {
-            // Peers read this rank's pool through their own executors (other processes, on
-            // CUDA), which cannot wait on this one's events: what it enqueued (its loads
-            // included) must have run before they do. After the load path, so not counted
-            // in `load_path_syncs` (module documentation); removing it makes the
-            // multi-process test of the stand-in driver read stale pools.
-            self.exec.synchronize()?;
-        }
-        // Every rank's loaded and computed pages are in its pool before any peer reads them.
-        self.group.barrier(&format!("request {n} written"))?;
         let words = n_tokens.div_ceil(32);
-        let mine = if self.verifies {
-            self.materialise_and_verify(n_tokens as u32, (hash_buf, page_buf), words, load)?
+        let mut bytes_gathered = 0;
+        let mine = if self.peer_access == PeerAccess::Gathered && self.group.size() > 1 {
+            // No rank reaches a peer's pool: each reads back the pages it owns and the
+            // group carries them to every rank. The round is the *written* barrier too.
+            let n_pages = self.pages_holding(n_tokens as u32);
+            let share = self.read_own_share(&page_ids[..n_pages as usize], load)?;
+            bytes_gathered = share.len() as u64;
+            let round = format!("request {n} written");
+            let all = self.group.all_gather(&round, &share)?;
+            let owners = self.share_positions(&page_ids[..n_pages as usize]);
+            let want = |r: usize| self.share_bytes(owners[r].len());
+            self.check_round(&round, &all, |r, b| {
+                (b.len() as u64 != want(r)).then(|| {
+                    format!(
+                        "{} bytes of its {} pages of the sequence, not {}",
+                        b.len(),
+                        owners[r].len(),
+                        want(r)
+                    )
+                })
+            })?;
+            if self.verifies {
+                self.verify_gathered(n_tokens as u32, hash_buf, words, &owners, &all)?
+            } else {
+                vec![0u8; 4 * words]
+            }
         } else {
-            vec![0u8; 4 * words]
+            if self.peer_access == PeerAccess::Mapped && self.group.size() > 1 {
+                // Peers read this rank's pool through their own executors (other processes,
+                // on CUDA), which cannot wait on this one's events: what it enqueued (its
+                // loads included) must have run before they do. After the load path, so not
+                // counted in `load_path_syncs` (module documentation); removing it makes the
+                // multi-process test of the stand-in driver read stale pools.
+                self.exec.synchronize()?;
+            }
+            // Every rank's loaded and computed pages are in its pool before any peer reads
+            // them.
+            self.group.barrier(&format!("request {n} written"))?;
+            if self.verifies {
+                self.materialise_and_verify(n_tokens as u32, (hash_buf, page_buf), words, load)?
+            } else {
+                vec![0u8; 4 * words]
+            }
         };
         // The read-back waited for this rank's reads of its peers' pools; once every rank's
         // has, no rank frees, poisons or reuses a page of this sequence too early.
         let round = format!("request {n} verified");
         let all = self.group.all_gather(&round, &mine)?;
-        self.check_round(&round, &all, |b| {
+        self.check_round(&round, &all, |_, b| {
             (b.len() != 4 * words)
                 .then(|| format!("a {}-byte bitmap for {n_tokens} tokens", b.len()))
         })?;
@@ -155,7 +187,149 @@ impl RankCache {
         Ok(Verdict {
             all: Mismatches::from_bitmap(&union),
             by_rank,
+            bytes_gathered,
         })
+    }
+
+    /// The pages holding a sequence's `n_tokens` tokens: whole granules when tokens are
+    /// interleaved.
+    fn pages_holding(&self, n_tokens: u32) -> u32 {
+        self.config
+            .deployment
+            .layout
+            .placement(self.layout.cp(), self.layout.page_size())
+            .pages_holding(u64::from(n_tokens)) as u32
+    }
+
+    /// Per owner, in rank order, the positions in the sequence of the pages it owns (global
+    /// page `p` is rank `p % cp`'s, as the kernels read it).
+    fn share_positions(&self, page_ids: &[u32]) -> Vec<Vec<usize>> {
+        let cp = self.group.size();
+        let mut owners = vec![Vec::new(); cp];
+        for (i, &p) in page_ids.iter().enumerate() {
+            owners[p as usize % cp].push(i);
+        }
+        owners
+    }
+
+    /// Bytes of `pages` pages in every layer of every buffer kind: one rank's share.
+    fn share_bytes(&self, pages: usize) -> u64 {
+        let per_page: u64 = self
+            .config
+            .deployment
+            .model
+            .buffers()
+            .iter()
+            .map(|b| b.page_bytes(self.layout.page_size()))
+            .sum();
+        per_page * u64::from(self.pools.geometry().layers) * pages as u64
+    }
+
+    /// Under [`PeerAccess::Gathered`]: the sequence's pages this rank owns (among
+    /// `page_ids`), read from its own pool by the materialise kernel (each layer after its
+    /// load-back) and read back; per buffer kind in the model's order, `[layer][page][bytes]`.
+    fn read_own_share(
+        &mut self,
+        page_ids: &[u32],
+        load: Option<&LoadHandle>,
+    ) -> Result<Vec<u8>, ClusterError> {
+        let g = self.pools.geometry();
+        let me = usize::from(self.rank.0);
+        let owners = self.share_positions(page_ids);
+        let share: Vec<u32> = owners[me].iter().map(|&i| page_ids[i]).collect();
+        let mut out = Vec::with_capacity(self.share_bytes(share.len()) as usize);
+        if share.is_empty() {
+            return Ok(out);
+        }
+        let k = share.len() as u32;
+        let list = self.pools.upload_share(&share)?;
+        for &b in self.config.deployment.model.buffers() {
+            let compact = self.pools.dense(b, k, false)?;
+            let mat = self.kernels.materialise(b);
+            let page_bytes = b.page_bytes(self.layout.page_size());
+            for layer in 0..g.layers {
+                if let Some(load) = load {
+                    load.wait_layer(layer)?;
+                }
+                let pools = self.pools.own_table(b, layer, owners.len());
+                self.exec.launch(
+                    mat.id,
+                    &mat.launch(k, 1),
+                    &[
+                        pools.arg(),
+                        KernelArg::Ptr(list, 0),
+                        KernelArg::U32(k),
+                        KernelArg::U32(1),
+                        KernelArg::U32(g.local_pages),
+                        KernelArg::U32(pools.page_stride),
+                        KernelArg::Ptr(compact, u64::from(layer) * u64::from(k) * page_bytes),
+                    ],
+                )?;
+            }
+            let at = out.len();
+            out.resize(at + (page_bytes * u64::from(k * g.layers)) as usize, 0);
+            self.exec.read(compact, 0, &mut out[at..])?;
+        }
+        Ok(out)
+    }
+
+    /// Under [`PeerAccess::Gathered`]: lays every owner's share (`shares[r]`, its pages at
+    /// `owners[r]`) out as the dense sequence, uploads it and verifies every token; returns
+    /// this rank's mismatch bitmap.
+    fn verify_gathered(
+        &mut self,
+        n_tokens: u32,
+        hash_buf: crate::exec::BufferId,
+        words: usize,
+        owners: &[Vec<usize>],
+        shares: &[Vec<u8>],
+    ) -> Result<Vec<u8>, ClusterError> {
+        let g = self.pools.geometry();
+        let layers = g.layers as usize;
+        let n_pages = owners.iter().map(Vec::len).sum::<usize>();
+        let bad_tokens = self.pools.zeroed_words(words)?;
+        let mut captured = Vec::new();
+        // Where each owner's share of the current buffer kind starts.
+        let mut at = vec![0usize; owners.len()];
+        for &b in self.config.deployment.model.buffers() {
+            let pb = b.page_bytes(self.layout.page_size()) as usize;
+            let mut dense = vec![0u8; pb * n_pages * layers];
+            for (r, positions) in owners.iter().enumerate() {
+                let k = positions.len();
+                for layer in 0..layers {
+                    for (j, &i) in positions.iter().enumerate() {
+                        let from = at[r] + (layer * k + j) * pb;
+                        let to = (layer * n_pages + i) * pb;
+                        dense[to..to + pb].copy_from_slice(&shares[r][from..from + pb]);
+                    }
+                }
+                at[r] += k * layers * pb;
+            }
+            let buf = self.pools.dense(b, n_pages as u32, false)?;
+            self.exec.upload(buf, 0, &dense)?;
+            let ver = self.kernels.verify(b);
+            self.exec.launch(
+                ver.id,
+                &ver.launch(n_tokens, g.layers),
+                &[
+                    KernelArg::Ptr(buf, 0),
+                    KernelArg::Ptr(hash_buf, 0),
+                    KernelArg::U32(n_tokens),
+                    KernelArg::U32(0),
+                    KernelArg::U32(g.layers),
+                    KernelArg::Ptr(bad_tokens, 0),
+                ],
+            )?;
+            if self.capture_dense {
+                captured.push((b, dense));
+            }
+        }
+        if self.capture_dense {
+            self.last_dense = captured;
+        }
+        let mut mine = vec![0u8; 4 * words];
+        self.exec.read(bad_tokens, 0, &mut mine)?;
+        Ok(mine)
     }
 
     /// Materialises the sequence from every owner's pool through this rank's views, layer
@@ -169,13 +343,7 @@ impl RankCache {
         load: Option<&LoadHandle>,
     ) -> Result<Vec<u8>, ClusterError> {
         let g = self.pools.geometry();
-        // The pages holding tokens: whole granules when tokens are interleaved.
-        let n_pages = self
-            .config
-            .deployment
-            .layout
-            .placement(self.layout.cp(), self.layout.page_size())
-            .pages_holding(u64::from(n_tokens)) as u32;
+        let n_pages = self.pages_holding(n_tokens);
         let bad_tokens = self.pools.zeroed_words(words)?;
         let mut captured = Vec::new();
         for &b in self.config.deployment.model.buffers() {
@@ -189,7 +357,12 @@ impl RankCache {
                     load.wait_layer(layer)?;
                 }
                 let dense_off = u64::from(layer) * u64::from(n_pages) * page_bytes;
-                let pools = self.pools.views_table(b, layer);
+                let pools = self.pools.views_table(b, layer).ok_or_else(|| {
+                    ClusterError::Config(format!(
+                        "rank {}: a peer's {b} pool is out of this rank's reach",
+                        self.rank.0
+                    ))
+                })?;
                 self.exec.launch(
                     mat.id,
                     &mat.launch(n_pages, 1),

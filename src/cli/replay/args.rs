@@ -22,6 +22,15 @@ pub enum ModelArg {
     Mla,
 }
 
+/// How a replay's ranks read each other's pages to verify (`--peer-pools`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum PeerPools {
+    /// Each rank maps (or directly reaches) its peers' pools.
+    Mapped,
+    /// Each rank's pages of a sequence go through the group to every rank.
+    Gathered,
+}
+
 /// Options of `replay`. Parsing has no side effects; validation happens when it runs.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ReplayArgs {
@@ -142,6 +151,13 @@ pub struct ReplayArgs {
     /// C times one verification on a CPU; a wrong mapping on a rank left out goes unseen.
     #[arg(long, value_name = "N")]
     pub verify_ranks: Option<u8>,
+    /// How a rank reads its peers' pages to verify: `mapped` (default: it maps their pools,
+    /// shared memory on the CPU, or reaches them directly where ranks share one GPU) or
+    /// `gathered` (no rank reaches a peer's pool: each reads back the sequence's pages it
+    /// owns and sends them through the group, the way ranks over an engine's own memory in
+    /// separate processes verify; the report's `bytes_gathered` is what that moves).
+    #[arg(long, value_name = "mapped|gathered", default_value = "mapped")]
+    pub peer_pools: PeerPools,
     /// Prefill each prompt in chunks of N tokens, as an engine's chunked prefill does: the
     /// first chunk begins the request, each later one extends it (the pages filled so far
     /// are inserted unfinished, a partial page is kept and filled on). Such requests are

@@ -33,7 +33,9 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
     // One executor per rank where peers in this process can map each other's pools (shared
     // memory on the CPU), as engine processes each hold their own; on one GPU the ranks share
     // it (CUDA IPC handles cannot be opened by the process that made them).
-    let mut cluster = if exec.maps_in_process() {
+    let mut cluster = if args.peer_pools == PeerPools::Gathered {
+        Cluster::gathered(setup.config.clone(), exec, &jit)
+    } else if exec.maps_in_process() {
         let mut execs = vec![exec];
         for _ in 1..args.cp {
             execs.push(Arc::from(open_executor(args.backend)?));
@@ -98,7 +100,7 @@ pub fn replay_rank(
         )));
     }
     let exec: Arc<dyn Executor> = Arc::from(open_executor(args.backend)?);
-    if exec.peer_mapping().is_none() {
+    if exec.peer_mapping().is_none() && args.peer_pools == PeerPools::Mapped {
         return Err(crate::Error::Usage(format!(
             "the {} executor cannot map peers' pools across processes",
             exec.backend()
@@ -112,7 +114,10 @@ pub fn replay_rank(
         exec,
         &jit,
         group,
-        crate::rank::PeerAccess::Mapped,
+        match args.peer_pools {
+            PeerPools::Mapped => crate::rank::PeerAccess::Mapped,
+            PeerPools::Gathered => crate::rank::PeerAccess::Gathered,
+        },
     )
     .map_err(cluster_error)?;
     drive(&mut rank, args, plan, setup, workload, total)

@@ -365,6 +365,7 @@ impl RankCache {
             me.compute_and_verify(&req.hashes, &req.pages, first, n, req.load.as_ref())
         })?;
         req.stats.mismatched_tokens += v.all.count;
+        req.stats.bytes_gathered += v.bytes_gathered;
         req.stats.first_mismatched_token = req.stats.first_mismatched_token.or(v.all.first);
         self.last_verdict = v.clone();
         Ok(v)
@@ -457,7 +458,7 @@ impl RankCache {
             (Ok(_), Err(mine)) => Err(mine),
         };
         let all = all.and_then(|(all, local)| {
-            self.check_round(&what, &all, |b| {
+            self.check_round(&what, &all, |_, b| {
                 (b.len() != 1 + DIGEST || b[0] > 1)
                     .then(|| format!("{} bytes, not an ok flag and a decision digest", b.len()))
             })?;
