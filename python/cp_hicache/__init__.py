@@ -172,8 +172,9 @@ class RankCache:
             ``ceil(device_pages / cp)`` pages per layer, C-contiguous, CPU tensors on the host
             backend and CUDA ones on the CUDA backend. The cache loads into and verifies the
             engine's tensors, and keeps them alive while it lives. Ranks in separate
-            processes cannot map each other's engine memory yet, so with a group this is
-            refused; a single rank (``cp=1``) adopts.
+            processes cannot map each other's engine memory, so in a group each rank verifies
+            by sending the pages it owns through the group (``peer_pools == "gathered"``;
+            each request's ``bytes_gathered`` says how much moved).
 
     The CP layout (who owns each token) is the deployment's
     (``Deployment(layout=..., interleave_size=...)``); every rank must use the same one
@@ -262,7 +263,8 @@ class RankCache:
 
     @property
     def peer_pools(self) -> str:
-        """How this rank reaches its peers' pools (``direct``, ``shared-memory``, ``ipc``)."""
+        """How this rank reaches its peers' pools (``direct``, ``shared-memory``, ``ipc``, or
+        ``gathered``: it does not, and verification moves pages through the group)."""
         return self._native.peer_pools
 
     def serve(self, tokens: Tokens) -> Dict[str, Any]:

@@ -606,7 +606,7 @@ impl RankCache {
         self.adopted.is_some()
     }
 
-    /// How this rank reaches its peers' pools (`direct`, `shared-memory`, `ipc`).
+    /// How this rank reaches its peers' pools (`direct`, `shared-memory`, `ipc`, `gathered`).
     #[getter]
     fn peer_pools(&self) -> PyResult<&'static str> {
         self.between_steps(|r| r.peer_pools())

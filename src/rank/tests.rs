@@ -479,8 +479,9 @@ fn engine_buffers_that_break_a_rule_are_refused_naming_it() {
     assert!(m.bytes().iter().all(|&b| b == 0x5a));
 }
 
-/// Ranks with executors of their own (processes) cannot map an engine's memory: adopting is
-/// refused on every rank, saying so, rather than leaving verification without the pages.
+/// Ranks with executors of their own (processes) cannot map an engine's memory: adopting
+/// with mapped peer pools is refused on every rank, naming the access that works, rather
+/// than leaving verification without the pages.
 #[test]
 fn ranks_that_map_each_others_pools_refuse_engine_buffers() {
     let (layers, pages) = (2u32, 9u32);
