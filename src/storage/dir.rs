@@ -1,0 +1,404 @@
+//! The embedded store: one file per record in a directory that every rank's process (and
+//! later runs) share. A record is written aside and renamed into place, so a reader sees a
+//! whole record or none; the byte budget is kept under a file lock, evicting the least
+//! recently used records (a record's modification time is its last use).
+
+use super::record::{self, RecordError, Refusal, HEADER_BYTES};
+use super::{Fingerprint, Lookup, PageStore, Put, RecordKey, StorageError, StoreStats};
+use fs4::fs_std::FileExt;
+use std::fs::{self, File, OpenOptions};
+use std::io::{ErrorKind, Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::SystemTime;
+
+/// A record file as a scan finds it: its last use, path and size.
+type Found = (SystemTime, PathBuf, u64);
+
+/// Where a store's time comes from: the wall clock, or a test's.
+pub type Clock = Box<dyn Fn() -> SystemTime + Send + Sync>;
+
+/// A [`PageStore`] over a directory:
+/// - `records/<first two hex digits>/<key>.rec`, one file per record;
+/// - `tmp/`, where records are written before they are renamed into place;
+/// - `lock`, locked exclusively while the byte count (`usage`, 8 bytes) is updated and
+///   while records are evicted;
+/// - `FINGERPRINT`, the deployment whose records these are, in words (a store holds one
+///   deployment's records; a record of another is refused when read).
+pub struct DirStore {
+    root: PathBuf,
+    fp: Fingerprint,
+    payload_bytes: u64,
+    budget: u64,
+    clock: Clock,
+    stats: Counters,
+    /// A unique suffix for this process's files written aside.
+    nonce: AtomicU64,
+    /// Held while this store updates the usage count (the file lock serialises processes,
+    /// this the threads of one).
+    lock: Mutex<File>,
+}
+
+#[derive(Default)]
+struct Counters {
+    records_written: AtomicU64,
+    bytes_written: AtomicU64,
+    already_present: AtomicU64,
+    records_read: AtomicU64,
+    bytes_read: AtomicU64,
+    misses: AtomicU64,
+    refused_torn: AtomicU64,
+    refused_checksum: AtomicU64,
+    refused_fingerprint: AtomicU64,
+    evictions: AtomicU64,
+    evicted_bytes: AtomicU64,
+}
+
+impl DirStore {
+    /// Opens (creating it if need be) the store in `root` for deployment `fp`, whose
+    /// records hold `payload_bytes` bytes, keeping at most `budget` bytes of records.
+    pub fn open(
+        root: &Path,
+        fp: Fingerprint,
+        payload_bytes: u64,
+        budget: u64,
+    ) -> Result<DirStore, StorageError> {
+        Self::with_clock(root, fp, payload_bytes, budget, Box::new(SystemTime::now))
+    }
+
+    /// [`DirStore::open`] with the time of every use taken from `clock`.
+    pub fn with_clock(
+        root: &Path,
+        fp: Fingerprint,
+        payload_bytes: u64,
+        budget: u64,
+        clock: Clock,
+    ) -> Result<DirStore, StorageError> {
+        let io = |what: &str, path: &Path, e: std::io::Error| StorageError::Io {
+            what: format!("{what} {}", path.display()),
+            source: e,
+        };
+        let record = HEADER_BYTES as u64 + payload_bytes;
+        if budget < record {
+            return Err(StorageError::Config(format!(
+                "a storage budget of {budget} bytes holds no record of {record} bytes"
+            )));
+        }
+        for d in [root.to_path_buf(), root.join("records"), root.join("tmp")] {
+            fs::create_dir_all(&d).map_err(|e| io("create", &d, e))?;
+        }
+        let marker = root.join("FINGERPRINT");
+        match fs::read_to_string(&marker) {
+            Ok(_) => {}
+            Err(e) if e.kind() == ErrorKind::NotFound => {
+                // Informational only (records carry their own fingerprint): written aside.
+                let tmp = root
+                    .join("tmp")
+                    .join(format!("FINGERPRINT.{}", std::process::id()));
+                fs::write(&tmp, format!("{}\n{}\n", fp, fp.describe()))
+                    .and_then(|()| fs::rename(&tmp, &marker))
+                    .map_err(|e| io("write", &marker, e))?;
+            }
+            Err(e) => return Err(io("read", &marker, e)),
+        }
+        let lock_path = root.join("lock");
+        let lock = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&lock_path)
+            .map_err(|e| io("open", &lock_path, e))?;
+        let store = DirStore {
+            root: root.to_path_buf(),
+            fp,
+            payload_bytes,
+            budget,
+            clock,
+            stats: Counters::default(),
+            nonce: AtomicU64::new(0),
+            lock: Mutex::new(lock),
+        };
+        // Count what is there (a run killed between a rename and its count leaves it off),
+        // and keep to this store's budget.
+        store.locked(|s, f| {
+            let (mut records, total) = s.scan()?;
+            let total = s.evict_to(&mut records, total, s.budget)?;
+            write_usage(f, total)
+        })?;
+        Ok(store)
+    }
+
+    /// The directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Where the record of `key` lives.
+    pub fn path_of(&self, key: &RecordKey) -> PathBuf {
+        let hex = key.hex();
+        self.root
+            .join("records")
+            .join(&hex[..2])
+            .join(format!("{hex}.rec"))
+    }
+
+    /// Bytes of one record on disk.
+    pub fn record_bytes(&self) -> u64 {
+        HEADER_BYTES as u64 + self.payload_bytes
+    }
+
+    /// Runs `f` with the usage file locked against every process sharing the directory.
+    fn locked<T>(
+        &self,
+        f: impl FnOnce(&Self, &mut File) -> Result<T, StorageError>,
+    ) -> Result<T, StorageError> {
+        let mut file = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        file.lock_exclusive().map_err(|e| StorageError::Io {
+            what: format!("lock {}", self.root.join("lock").display()),
+            source: e,
+        })?;
+        let out = f(self, &mut file);
+        let _ = FileExt::unlock(&*file);
+        out
+    }
+
+    /// Every record file with its last use and size, and their total size.
+    fn scan(&self) -> Result<(Vec<Found>, u64), StorageError> {
+        let mut out = Vec::new();
+        let mut total = 0u64;
+        let records = self.root.join("records");
+        let io = |p: &Path, e: std::io::Error| StorageError::Io {
+            what: format!("scan {}", p.display()),
+            source: e,
+        };
+        for dir in fs::read_dir(&records).map_err(|e| io(&records, e))? {
+            let dir = dir.map_err(|e| io(&records, e))?.path();
+            if !dir.is_dir() {
+                continue;
+            }
+            for f in fs::read_dir(&dir).map_err(|e| io(&dir, e))? {
+                let f = f.map_err(|e| io(&dir, e))?;
+                // A file removed meanwhile (another process evicted it) is skipped.
+                let Ok(meta) = f.metadata() else { continue };
+                if !meta.is_file() {
+                    continue;
+                }
+                let used = meta.modified().unwrap_or(SystemTime::UNIX_EPOCH);
+                total += meta.len();
+                out.push((used, f.path(), meta.len()));
+            }
+        }
+        Ok((out, total))
+    }
+
+    /// Removes the least recently used of `records` until `total` is at most `limit`;
+    /// returns the new total.
+    fn evict_to(
+        &self,
+        records: &mut [Found],
+        mut total: u64,
+        limit: u64,
+    ) -> Result<u64, StorageError> {
+        if total <= limit {
+            return Ok(total);
+        }
+        records.sort();
+        for (_, path, bytes) in records.iter() {
+            if total <= limit {
+                break;
+            }
+            match fs::remove_file(path) {
+                Ok(()) => {
+                    self.stats.evictions.fetch_add(1, Ordering::Relaxed);
+                    self.stats
+                        .evicted_bytes
+                        .fetch_add(*bytes, Ordering::Relaxed);
+                }
+                Err(e) if e.kind() == ErrorKind::NotFound => {}
+                Err(e) => {
+                    return Err(StorageError::Io {
+                        what: format!("evict {}", path.display()),
+                        source: e,
+                    })
+                }
+            }
+            total = total.saturating_sub(*bytes);
+        }
+        Ok(total)
+    }
+
+    /// Adds `delta` bytes to the shared count; over budget, evicts least recently used
+    /// records (never `keep`, the one just written) down to it.
+    fn account(&self, delta: u64, keep: &Path) -> Result<(), StorageError> {
+        self.locked(|s, f| {
+            let total = read_usage(f)?.saturating_add(delta);
+            if total <= s.budget {
+                return write_usage(f, total);
+            }
+            let (mut records, scanned) = s.scan()?;
+            records.retain(|(_, p, _)| p != keep);
+            let total = s.evict_to(&mut records, scanned, s.budget)?;
+            write_usage(f, total)
+        })
+    }
+
+    /// Marks a record used now (its modification time), for the LRU order.
+    fn touch(&self, path: &Path) {
+        if let Ok(f) = File::options().write(true).open(path) {
+            let _ = f.set_modified((self.clock)());
+        }
+    }
+}
+
+fn read_usage(f: &mut File) -> Result<u64, StorageError> {
+    let mut b = [0u8; 8];
+    f.seek(SeekFrom::Start(0))
+        .and_then(|_| match f.read_exact(&mut b) {
+            Err(e) if e.kind() == ErrorKind::UnexpectedEof => Ok(()),
+            r => r,
+        })
+        .map_err(|e| StorageError::Io {
+            what: "read the store's usage".into(),
+            source: e,
+        })?;
+    Ok(u64::from_le_bytes(b))
+}
+
+fn write_usage(f: &mut File, total: u64) -> Result<(), StorageError> {
+    f.seek(SeekFrom::Start(0))
+        .and_then(|_| f.write_all(&total.to_le_bytes()))
+        .map_err(|e| StorageError::Io {
+            what: "write the store's usage".into(),
+            source: e,
+        })
+}
+
+impl PageStore for DirStore {
+    fn fingerprint(&self) -> &Fingerprint {
+        &self.fp
+    }
+
+    fn payload_bytes(&self) -> u64 {
+        self.payload_bytes
+    }
+
+    fn put(&self, key: &RecordKey, payload: &[u8]) -> Result<Put, StorageError> {
+        if payload.len() as u64 != self.payload_bytes {
+            return Err(StorageError::Config(format!(
+                "a {}-byte payload for record {key}, this deployment's pages are {} bytes",
+                payload.len(),
+                self.payload_bytes
+            )));
+        }
+        let path = self.path_of(key);
+        if path.exists() {
+            self.touch(&path);
+            self.stats.already_present.fetch_add(1, Ordering::Relaxed);
+            return Ok(Put::Present);
+        }
+        let io = |what: &str, p: &Path, e: std::io::Error| StorageError::Io {
+            what: format!("{what} {}", p.display()),
+            source: e,
+        };
+        let bytes = record::encode(&self.fp, key, payload);
+        let n = self.nonce.fetch_add(1, Ordering::Relaxed);
+        let aside = self
+            .root
+            .join("tmp")
+            .join(format!("{}.{}.{n}", key.hex(), std::process::id()));
+        let parent = path.parent().expect("records/xx");
+        fs::create_dir_all(parent).map_err(|e| io("create", parent, e))?;
+        let written = File::create(&aside)
+            .and_then(|mut f| {
+                f.write_all(&bytes)?;
+                f.set_modified((self.clock)())
+            })
+            .and_then(|()| fs::rename(&aside, &path));
+        if let Err(e) = written {
+            let _ = fs::remove_file(&aside);
+            return Err(io("write", &path, e));
+        }
+        self.stats.records_written.fetch_add(1, Ordering::Relaxed);
+        self.stats
+            .bytes_written
+            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        self.account(bytes.len() as u64, &path)?;
+        Ok(Put::Written)
+    }
+
+    fn get(&self, key: &RecordKey) -> Result<Lookup, StorageError> {
+        let path = self.path_of(key);
+        let bytes = match fs::read(&path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == ErrorKind::NotFound => {
+                self.stats.misses.fetch_add(1, Ordering::Relaxed);
+                return Ok(Lookup::Miss);
+            }
+            Err(e) => {
+                return Err(StorageError::Io {
+                    what: format!("read {}", path.display()),
+                    source: e,
+                })
+            }
+        };
+        match record::decode(&bytes, &self.fp, key, self.payload_bytes) {
+            Ok(payload) => {
+                self.touch(&path);
+                self.stats.records_read.fetch_add(1, Ordering::Relaxed);
+                self.stats
+                    .bytes_read
+                    .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+                Ok(Lookup::Hit(payload.to_vec()))
+            }
+            Err(why) => {
+                self.refused(&why);
+                // The bad file goes, so the record can be written again; its bytes leave
+                // the count at the next scan.
+                let _ = fs::remove_file(&path);
+                Ok(Lookup::Refused(why))
+            }
+        }
+    }
+
+    fn present_run(&self, keys: &[RecordKey]) -> Result<usize, StorageError> {
+        Ok(keys
+            .iter()
+            .position(|k| !self.path_of(k).exists())
+            .unwrap_or(keys.len()))
+    }
+
+    fn stats(&self) -> StoreStats {
+        let s = &self.stats;
+        let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        StoreStats {
+            records_written: g(&s.records_written),
+            bytes_written: g(&s.bytes_written),
+            already_present: g(&s.already_present),
+            records_read: g(&s.records_read),
+            bytes_read: g(&s.bytes_read),
+            misses: g(&s.misses),
+            refused_torn: g(&s.refused_torn),
+            refused_checksum: g(&s.refused_checksum),
+            refused_fingerprint: g(&s.refused_fingerprint),
+            evictions: g(&s.evictions),
+            evicted_bytes: g(&s.evicted_bytes),
+        }
+    }
+
+    fn usage(&self) -> Result<u64, StorageError> {
+        self.locked(|_, f| read_usage(f))
+    }
+}
+
+impl DirStore {
+    fn refused(&self, why: &RecordError) {
+        let c = match why.refusal() {
+            Refusal::Torn => &self.stats.refused_torn,
+            Refusal::Fingerprint => &self.stats.refused_fingerprint,
+            Refusal::Checksum => &self.stats.refused_checksum,
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+}

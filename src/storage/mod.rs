@@ -1,0 +1,116 @@
+//! The third tier: a page store under device and host memory that outlives the process.
+//!
+//! Records are *canonical*: one per sequence page (`page_size` consecutive tokens of a
+//! prompt), holding every layer of every buffer kind of the deployment (NSA's `kv` and
+//! `index_k` together, never one without the other), each page in the layout of a page
+//! that holds consecutive tokens. A record's key ([`RecordKey`]) chains the tokens up to and
+//! including its page, salted with the deployment's [`Fingerprint`], which leaves out the
+//! CP degree, the rank and the layout: a store written by CP 8 is read by CP 1. Synthesised
+//! KV is a function of a token's prefix hash and layer alone (its slot places the bytes, it
+//! does not change them), so a record verifies under any topology.
+//!
+//! [`PageStore`] is what the rank needs from a store; [`DirStore`] is the embedded one, a
+//! directory shared by every rank's process and by later runs. A store over an existing
+//! distributed engine (Mooncake Store, 3FS) implements the same trait.
+
+mod dir;
+mod key;
+pub mod record;
+
+pub use dir::{Clock, DirStore};
+pub use key::{Fingerprint, RecordKey};
+pub use record::{RecordError, Refusal};
+use serde::Serialize;
+
+/// Why a store could not do what was asked (not a refused record: that is a [`Lookup`]).
+#[derive(Debug, thiserror::Error)]
+pub enum StorageError {
+    /// The file system failed.
+    #[error("storage: cannot {what}: {source}")]
+    Io {
+        /// What was being done, and to which path.
+        what: String,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The store was set up or called wrongly.
+    #[error("storage: {0}")]
+    Config(String),
+}
+
+/// What [`PageStore::put`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Put {
+    /// The record was written.
+    Written,
+    /// A record of this key was there already (its writer wrote the same bytes).
+    Present,
+}
+
+/// What [`PageStore::get`] found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Lookup {
+    /// The record's payload, its header and checksum checked.
+    Hit(Vec<u8>),
+    /// No record of this key.
+    Miss,
+    /// A record whose bytes were refused (served as a miss, counted).
+    Refused(RecordError),
+}
+
+/// What a store has done since it was opened (this process's view).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct StoreStats {
+    /// Records written.
+    pub records_written: u64,
+    /// Bytes written (headers included).
+    pub bytes_written: u64,
+    /// Writes skipped: the record was there.
+    pub already_present: u64,
+    /// Records read and accepted.
+    pub records_read: u64,
+    /// Bytes of them (headers included).
+    pub bytes_read: u64,
+    /// Reads that found no record.
+    pub misses: u64,
+    /// Records refused as torn.
+    pub refused_torn: u64,
+    /// Records refused by their checksum (or misfiled).
+    pub refused_checksum: u64,
+    /// Records of another deployment or format refused.
+    pub refused_fingerprint: u64,
+    /// Records evicted to keep the byte budget.
+    pub evictions: u64,
+    /// Bytes evicted.
+    pub evicted_bytes: u64,
+}
+
+/// What a rank needs from a page store. Every call may run beside other processes using
+/// the same store.
+pub trait PageStore: Send + Sync {
+    /// The deployment whose records this store reads and writes.
+    fn fingerprint(&self) -> &Fingerprint;
+
+    /// Bytes of one record's payload.
+    fn payload_bytes(&self) -> u64;
+
+    /// Stores `payload` as the record of `key`, visible whole or not at all.
+    fn put(&self, key: &RecordKey, payload: &[u8]) -> Result<Put, StorageError>;
+
+    /// The record of `key`, checked.
+    fn get(&self, key: &RecordKey) -> Result<Lookup, StorageError>;
+
+    /// How many of `keys`, from the first, have a record (a prefix's run in the store),
+    /// without reading them.
+    fn present_run(&self, keys: &[RecordKey]) -> Result<usize, StorageError>;
+
+    /// This process's counts.
+    fn stats(&self) -> StoreStats;
+
+    /// Bytes of records the store holds now, over every process.
+    fn usage(&self) -> Result<u64, StorageError>;
+}
+
+#[cfg(test)]
+mod tests;

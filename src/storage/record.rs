@@ -1,0 +1,174 @@
+//! One record on disk: a fixed header (magic, version, fingerprint, key, payload length,
+//! checksum) then the payload, every layer of every buffer kind of one sequence page. Any
+//! bytes decode to a record or a typed refusal, never a panic.
+
+use super::{Fingerprint, RecordKey};
+use xxhash_rust::xxh3::Xxh3;
+
+/// The first 8 bytes of every record.
+pub const MAGIC: [u8; 8] = *b"CPHCPAGE";
+/// The format version this build writes and reads.
+pub const VERSION: u32 = 1;
+/// Bytes of the header: magic 8, version 4, header length 4, fingerprint 16, key 16,
+/// payload length 8, checksum 8.
+pub const HEADER_BYTES: usize = 64;
+
+/// Why a record's bytes were refused. Each is served as a miss and counted.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RecordError {
+    /// Fewer bytes than the header says (a write cut short: a torn record).
+    #[error("torn: {have} bytes, the header needs {want}")]
+    Torn {
+        /// Bytes present.
+        have: u64,
+        /// Bytes the header (or the header itself) needs.
+        want: u64,
+    },
+    /// Not a record of this format.
+    #[error("not a cp-hicache page record (magic {0:02x?})")]
+    Magic([u8; 8]),
+    /// A record of another format version.
+    #[error("format version {0}, this build reads {VERSION}")]
+    Version(u32),
+    /// A record of another deployment (same key, other model, layers or page size).
+    #[error("written for deployment {theirs}, this one is {ours}")]
+    Fingerprint {
+        /// The record's.
+        theirs: String,
+        /// The reader's.
+        ours: String,
+    },
+    /// A record filed under another key.
+    #[error("holds key {theirs}, filed as {ours}")]
+    Key {
+        /// The record's.
+        theirs: RecordKey,
+        /// The one it was read as.
+        ours: RecordKey,
+    },
+    /// A payload of another size than this deployment's page.
+    #[error("a {have}-byte payload, this deployment's pages are {want} bytes")]
+    Length {
+        /// The record's payload length.
+        have: u64,
+        /// The deployment's.
+        want: u64,
+    },
+    /// The bytes are not the ones written (a flipped bit).
+    #[error("checksum {have:016x}, the header says {want:016x}")]
+    Checksum {
+        /// Of the bytes read.
+        have: u64,
+        /// Recorded at write time.
+        want: u64,
+    },
+}
+
+/// The counters refusals go to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// A record cut short.
+    Torn,
+    /// Another deployment's record, or another format's.
+    Fingerprint,
+    /// Anything else that is not what was written (a flipped bit, a misfiled record).
+    Checksum,
+}
+
+impl RecordError {
+    /// The counter this refusal goes to.
+    pub fn refusal(&self) -> Refusal {
+        match self {
+            RecordError::Torn { .. } => Refusal::Torn,
+            RecordError::Fingerprint { .. } | RecordError::Version(_) => Refusal::Fingerprint,
+            _ => Refusal::Checksum,
+        }
+    }
+}
+
+/// The checksum of a record: over the header's bytes before the checksum field, then the
+/// payload, so a flipped bit anywhere but in the checksum itself changes it.
+fn checksum(head: &[u8], payload: &[u8]) -> u64 {
+    let mut h = Xxh3::new();
+    h.update(&head[..HEADER_BYTES - 8]);
+    h.update(payload);
+    h.digest()
+}
+
+/// A record's header followed by `payload`.
+pub fn encode(fp: &Fingerprint, key: &RecordKey, payload: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HEADER_BYTES + payload.len());
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&VERSION.to_le_bytes());
+    out.extend_from_slice(&(HEADER_BYTES as u32).to_le_bytes());
+    out.extend_from_slice(&fp.digest());
+    out.extend_from_slice(&key.0);
+    out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+    let sum = checksum(&out, payload);
+    out.extend_from_slice(&sum.to_le_bytes());
+    out.extend_from_slice(payload);
+    out
+}
+
+/// The payload of `bytes`, read as the record of `key` for deployment `fp` whose pages are
+/// `payload_bytes` long; every header field and the checksum are checked first.
+pub fn decode<'a>(
+    bytes: &'a [u8],
+    fp: &Fingerprint,
+    key: &RecordKey,
+    payload_bytes: u64,
+) -> Result<&'a [u8], RecordError> {
+    let torn = |want: u64| RecordError::Torn {
+        have: bytes.len() as u64,
+        want,
+    };
+    let head = bytes.get(..HEADER_BYTES).ok_or(torn(HEADER_BYTES as u64))?;
+    let u32_at = |at: usize| u32::from_le_bytes(head[at..at + 4].try_into().expect("4 bytes"));
+    let u64_at = |at: usize| u64::from_le_bytes(head[at..at + 8].try_into().expect("8 bytes"));
+    let magic: [u8; 8] = head[..8].try_into().expect("8 bytes");
+    if magic != MAGIC {
+        return Err(RecordError::Magic(magic));
+    }
+    let version = u32_at(8);
+    if version != VERSION || u32_at(12) as usize != HEADER_BYTES {
+        return Err(RecordError::Version(version));
+    }
+    let theirs: [u8; 16] = head[16..32].try_into().expect("16 bytes");
+    if theirs != fp.digest() {
+        return Err(RecordError::Fingerprint {
+            theirs: hex::encode(theirs),
+            ours: fp.to_string(),
+        });
+    }
+    let filed = RecordKey(head[32..48].try_into().expect("16 bytes"));
+    if filed != *key {
+        return Err(RecordError::Key {
+            theirs: filed,
+            ours: *key,
+        });
+    }
+    let len = u64_at(48);
+    if len != payload_bytes {
+        return Err(RecordError::Length {
+            have: len,
+            want: payload_bytes,
+        });
+    }
+    let want = HEADER_BYTES as u64 + len;
+    if (bytes.len() as u64) < want {
+        return Err(torn(want));
+    }
+    if (bytes.len() as u64) > want {
+        // More than the header says: not what was written either.
+        return Err(RecordError::Length {
+            have: bytes.len() as u64 - HEADER_BYTES as u64,
+            want: len,
+        });
+    }
+    let payload = &bytes[HEADER_BYTES..];
+    let (have, want) = (checksum(head, payload), u64_at(56));
+    if have != want {
+        return Err(RecordError::Checksum { have, want });
+    }
+    Ok(payload)
+}

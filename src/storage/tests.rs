@@ -1,0 +1,195 @@
+use super::*;
+use crate::kernels::{Deployment, ModelShape};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+fn fp(layers: u32) -> Fingerprint {
+    Fingerprint::of(
+        &Deployment::new(ModelShape::MlaBf16, 16, 4).unwrap(),
+        layers,
+    )
+}
+
+/// A clock that moves one second per call, so every use has its own time.
+fn ticking() -> (Clock, Arc<AtomicU64>) {
+    let t = Arc::new(AtomicU64::new(1));
+    let c = t.clone();
+    (
+        Box::new(move || {
+            SystemTime::UNIX_EPOCH + Duration::from_secs(c.fetch_add(1, Ordering::Relaxed))
+        }),
+        t,
+    )
+}
+
+fn payload(seed: u8, n: u64) -> Vec<u8> {
+    (0..n).map(|i| (i as u8).wrapping_mul(31) ^ seed).collect()
+}
+
+#[test]
+fn the_fingerprint_leaves_out_the_topology_but_not_the_bytes() {
+    let a = Fingerprint::of(&Deployment::new(ModelShape::MlaBf16, 16, 4).unwrap(), 2);
+    for cp in [1u8, 2, 8] {
+        let mut d = Deployment::new(ModelShape::MlaBf16, 16, cp).unwrap();
+        d.layout = crate::layout::Layout::PageInterleave;
+        assert_eq!(Fingerprint::of(&d, 2), a, "cp {cp}");
+    }
+    assert_ne!(
+        Fingerprint::of(&Deployment::new(ModelShape::MlaBf16, 16, 4).unwrap(), 3),
+        a
+    );
+    assert_ne!(
+        Fingerprint::of(&Deployment::new(ModelShape::MlaBf16, 32, 4).unwrap(), 2),
+        a
+    );
+    assert_ne!(
+        Fingerprint::of(&Deployment::new(ModelShape::Nsa, 64, 4).unwrap(), 2),
+        a
+    );
+    assert!(
+        a.describe().contains("mla_kv:1152B/token"),
+        "{}",
+        a.describe()
+    );
+}
+
+#[test]
+fn a_store_round_trips_records_and_refuses_bad_ones_as_misses() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = 3 * 1152 * 16;
+    let s = DirStore::open(dir.path(), fp(3), n, 1 << 30).unwrap();
+    let keys = RecordKey::chain(s.fingerprint(), &(0..64).collect::<Vec<u32>>(), 16);
+    assert_eq!(keys.len(), 4);
+    assert_eq!(s.present_run(&keys).unwrap(), 0);
+    for (i, k) in keys.iter().enumerate() {
+        assert_eq!(s.put(k, &payload(i as u8, n)).unwrap(), Put::Written);
+    }
+    assert_eq!(s.put(&keys[0], &payload(0, n)).unwrap(), Put::Present);
+    assert_eq!(s.present_run(&keys).unwrap(), 4);
+    for (i, k) in keys.iter().enumerate() {
+        assert_eq!(s.get(k).unwrap(), Lookup::Hit(payload(i as u8, n)));
+    }
+    assert_eq!(s.usage().unwrap(), 4 * s.record_bytes());
+    // A flipped byte, a torn record, another deployment's record: each refused and gone.
+    let path = s.path_of(&keys[1]);
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[100] ^= 0x40;
+    std::fs::write(&path, &bytes).unwrap();
+    assert!(matches!(
+        s.get(&keys[1]).unwrap(),
+        Lookup::Refused(RecordError::Checksum { .. })
+    ));
+    assert_eq!(s.get(&keys[1]).unwrap(), Lookup::Miss);
+    let path = s.path_of(&keys[2]);
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
+    assert!(matches!(
+        s.get(&keys[2]).unwrap(),
+        Lookup::Refused(RecordError::Torn { .. })
+    ));
+    let other = record::encode(&fp(4), &keys[3], &payload(3, n));
+    std::fs::write(s.path_of(&keys[3]), other).unwrap();
+    assert!(matches!(
+        s.get(&keys[3]).unwrap(),
+        Lookup::Refused(RecordError::Fingerprint { .. })
+    ));
+    assert_eq!(s.present_run(&keys).unwrap(), 1);
+    let st = s.stats();
+    assert_eq!(
+        (st.refused_checksum, st.refused_torn, st.refused_fingerprint),
+        (1, 1, 1)
+    );
+    assert_eq!((st.records_written, st.already_present), (4, 1));
+    // A wrong payload size is the caller's error, not a record.
+    assert!(matches!(
+        s.put(&keys[1], &[0u8; 3]),
+        Err(StorageError::Config(_))
+    ));
+}
+
+#[test]
+fn the_budget_evicts_the_least_recently_used_records() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = 4096u64;
+    let (clock, _) = ticking();
+    let rec = record::HEADER_BYTES as u64 + n;
+    let s = DirStore::with_clock(dir.path(), fp(1), n, 3 * rec, clock).unwrap();
+    let keys: Vec<RecordKey> = (0..5u8).map(|i| RecordKey([i; 16])).collect();
+    for k in &keys[..3] {
+        s.put(k, &payload(k.0[0], n)).unwrap();
+    }
+    // Key 0 is used again, so key 1 is the least recently used when key 3 arrives.
+    assert!(matches!(s.get(&keys[0]).unwrap(), Lookup::Hit(_)));
+    s.put(&keys[3], &payload(3, n)).unwrap();
+    assert_eq!(s.get(&keys[1]).unwrap(), Lookup::Miss);
+    for k in [0, 2, 3] {
+        assert!(
+            matches!(s.get(&keys[k]).unwrap(), Lookup::Hit(_)),
+            "key {k}"
+        );
+    }
+    assert_eq!(s.usage().unwrap(), 3 * rec);
+    assert_eq!(s.stats().evictions, 1);
+    // A store reopened with a smaller budget keeps to it, the most recently used first.
+    drop(s);
+    let (clock, _) = ticking();
+    let s = DirStore::with_clock(dir.path(), fp(1), n, rec, clock).unwrap();
+    assert_eq!(s.usage().unwrap(), rec);
+    assert!(matches!(s.get(&keys[3]).unwrap(), Lookup::Hit(_)));
+    assert!(DirStore::open(dir.path(), fp(1), n, rec - 1).is_err());
+}
+
+/// Several stores (as processes would) writing the same records into one directory at once:
+/// every record reads back whole, and the budget holds.
+#[test]
+fn concurrent_writers_leave_whole_records_within_the_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = 8192u64;
+    let rec = record::HEADER_BYTES as u64 + n;
+    let budget = 40 * rec;
+    let keys: Vec<RecordKey> = (0..64u8).map(|i| RecordKey([i; 16])).collect();
+    std::thread::scope(|s| {
+        for w in 0..4 {
+            let (dir, keys) = (dir.path(), &keys);
+            s.spawn(move || {
+                let st = DirStore::open(dir, fp(1), n, budget).unwrap();
+                for i in 0..keys.len() {
+                    let k = &keys[(i * 7 + w * 13) % keys.len()];
+                    st.put(k, &payload(k.0[0], n)).unwrap();
+                    if let Lookup::Refused(why) = st.get(k).unwrap() {
+                        panic!("writer {w}: {why}");
+                    }
+                }
+            });
+        }
+    });
+    let s = DirStore::open(dir.path(), fp(1), n, budget).unwrap();
+    let mut present = 0;
+    for k in &keys {
+        match s.get(k).unwrap() {
+            Lookup::Hit(p) => {
+                assert_eq!(p, payload(k.0[0], n));
+                present += 1;
+            }
+            Lookup::Miss => {}
+            Lookup::Refused(why) => panic!("{k}: {why}"),
+        }
+    }
+    assert!(present > 0 && present as u64 * rec <= budget, "{present}");
+    assert!(s.usage().unwrap() <= budget);
+    assert_eq!(
+        std::fs::read_dir(dir.path().join("tmp"))
+            .unwrap()
+            .filter(|e| {
+                !e.as_ref()
+                    .unwrap()
+                    .file_name()
+                    .to_string_lossy()
+                    .starts_with("FINGERPRINT")
+            })
+            .count(),
+        0,
+        "nothing left aside"
+    );
+}
