@@ -191,6 +191,32 @@ impl RankCache {
         })
     }
 
+    /// Verifies the dense sequence of buffer kind `b` in `dense` (every layer), setting the
+    /// bits of mismatched tokens in `bad_tokens`.
+    fn launch_verify(
+        &self,
+        b: BufferKind,
+        dense: crate::exec::BufferId,
+        hash_buf: crate::exec::BufferId,
+        n_tokens: u32,
+        bad_tokens: crate::exec::BufferId,
+    ) -> Result<(), ClusterError> {
+        let ver = self.kernels.verify(b);
+        self.exec.launch(
+            ver.id,
+            &ver.launch(n_tokens, self.pools.geometry().layers),
+            &[
+                KernelArg::Ptr(dense, 0),
+                KernelArg::Ptr(hash_buf, 0),
+                KernelArg::U32(n_tokens),
+                KernelArg::U32(0),
+                KernelArg::U32(self.pools.geometry().layers),
+                KernelArg::Ptr(bad_tokens, 0),
+            ],
+        )?;
+        Ok(())
+    }
+
     /// The pages holding a sequence's `n_tokens` tokens: whole granules when tokens are
     /// interleaved.
     fn pages_holding(&self, n_tokens: u32) -> u32 {
@@ -307,19 +333,7 @@ impl RankCache {
             }
             let buf = self.pools.dense(b, n_pages as u32, false)?;
             self.exec.upload(buf, 0, &dense)?;
-            let ver = self.kernels.verify(b);
-            self.exec.launch(
-                ver.id,
-                &ver.launch(n_tokens, g.layers),
-                &[
-                    KernelArg::Ptr(buf, 0),
-                    KernelArg::Ptr(hash_buf, 0),
-                    KernelArg::U32(n_tokens),
-                    KernelArg::U32(0),
-                    KernelArg::U32(g.layers),
-                    KernelArg::Ptr(bad_tokens, 0),
-                ],
-            )?;
+            self.launch_verify(b, buf, hash_buf, n_tokens, bad_tokens)?;
             if self.capture_dense {
                 captured.push((b, dense));
             }
@@ -377,19 +391,7 @@ impl RankCache {
                     ],
                 )?;
             }
-            let ver = self.kernels.verify(b);
-            self.exec.launch(
-                ver.id,
-                &ver.launch(n_tokens, g.layers),
-                &[
-                    KernelArg::Ptr(dense, 0),
-                    KernelArg::Ptr(hash_buf, 0),
-                    KernelArg::U32(n_tokens),
-                    KernelArg::U32(0),
-                    KernelArg::U32(g.layers),
-                    KernelArg::Ptr(bad_tokens, 0),
-                ],
-            )?;
+            self.launch_verify(b, dense, hash_buf, n_tokens, bad_tokens)?;
             if self.capture_dense {
                 let bytes = b.page_bytes(self.layout.page_size()) as usize
                     * n_pages as usize
