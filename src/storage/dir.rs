@@ -93,12 +93,19 @@ impl DirStore {
             Ok(_) => {}
             Err(e) if e.kind() == ErrorKind::NotFound => {
                 // Informational only (records carry their own fingerprint): written aside.
-                let tmp = root
-                    .join("tmp")
-                    .join(format!("FINGERPRINT.{}", std::process::id()));
-                fs::write(&tmp, format!("{}\n{}\n", fp, fp.describe()))
-                    .and_then(|()| fs::rename(&tmp, &marker))
-                    .map_err(|e| io("write", &marker, e))?;
+                // A name of its own per opening: threads of one process open stores too.
+                static OPENINGS: AtomicU64 = AtomicU64::new(0);
+                let tmp = root.join("tmp").join(format!(
+                    "FINGERPRINT.{}.{}",
+                    std::process::id(),
+                    OPENINGS.fetch_add(1, Ordering::Relaxed)
+                ));
+                let written = fs::write(&tmp, format!("{}\n{}\n", fp, fp.describe()))
+                    .and_then(|()| fs::rename(&tmp, &marker));
+                if let Err(e) = written {
+                    let _ = fs::remove_file(&tmp);
+                    return Err(io("write", &marker, e));
+                }
             }
             Err(e) => return Err(io("read", &marker, e)),
         }
