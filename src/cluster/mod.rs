@@ -155,23 +155,12 @@ impl Cluster {
         exec: Arc<dyn Executor>,
         jit: &Jit,
     ) -> Result<Cluster, ClusterError> {
-        let cp = usize::from(config.deployment.cp);
         let access = if exec.maps_in_process() {
             PeerAccess::Mapped
         } else {
             PeerAccess::Direct
         };
-        // Each rank counts its own calls, so a rank's load path is not charged for its
-        // peers' read-backs.
-        let mut cluster = Self::start(
-            config,
-            RankView::split(exec.clone(), cp.max(1)),
-            access,
-            false,
-            jit,
-        )?;
-        cluster.exec = exec;
-        Ok(cluster)
+        Self::sharing(config, exec, access, jit)
     }
 
     /// C ranks sharing `exec` that never reach each other's pools
@@ -182,11 +171,23 @@ impl Cluster {
         exec: Arc<dyn Executor>,
         jit: &Jit,
     ) -> Result<Cluster, ClusterError> {
+        Self::sharing(config, exec, PeerAccess::Gathered, jit)
+    }
+
+    /// C ranks sharing `exec`, reaching each other's pools by `access`.
+    fn sharing(
+        config: ClusterConfig,
+        exec: Arc<dyn Executor>,
+        access: PeerAccess,
+        jit: &Jit,
+    ) -> Result<Cluster, ClusterError> {
         let cp = usize::from(config.deployment.cp);
+        // Each rank counts its own calls, so a rank's load path is not charged for its
+        // peers' read-backs.
         let mut cluster = Self::start(
             config,
             RankView::split(exec.clone(), cp.max(1)),
-            PeerAccess::Gathered,
+            access,
             false,
             jit,
         )?;

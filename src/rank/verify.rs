@@ -2,6 +2,7 @@
 //! whole sequence from every owner's pool through its own views and checks every token.
 
 use super::*;
+use crate::kernels::PageTable;
 
 /// The mismatched tokens one rank's verify found.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -129,11 +130,15 @@ impl RankCache {
             // No rank reaches a peer's pool: each reads back the pages it owns and the
             // group carries them to every rank. The round is the *written* barrier too.
             let n_pages = self.pages_holding(n_tokens as u32);
-            let share = self.read_own_share(&page_ids[..n_pages as usize], load)?;
+            let owners = self.share_positions(&page_ids[..n_pages as usize]);
+            let mine: Vec<u32> = owners[usize::from(self.rank.0)]
+                .iter()
+                .map(|&i| page_ids[i])
+                .collect();
+            let share = self.read_own_share(&mine, load)?;
             bytes_gathered = share.len() as u64;
             let round = format!("request {n} written");
             let all = self.group.all_gather(&round, &share)?;
-            let owners = self.share_positions(&page_ids[..n_pages as usize]);
             let want = |r: usize| self.share_bytes(owners[r].len());
             self.check_round(&round, &all, |r, b| {
                 (b.len() as u64 != want(r)).then(|| {
@@ -189,6 +194,59 @@ impl RankCache {
             by_rank,
             bytes_gathered,
         })
+    }
+
+    /// Gathers the `n` pages listed in `pages` of buffer kind `b` into `dense`
+    /// (`[layer][page][bytes]`), one one-layer launch per layer over that layer's page table
+    /// (`table`), each after waiting for that layer of the load-back (the way attention
+    /// would).
+    fn materialise_layers(
+        &self,
+        b: BufferKind,
+        (pages, n): (crate::exec::BufferId, u32),
+        dense: crate::exec::BufferId,
+        load: Option<&LoadHandle>,
+        table: impl Fn(&Pools, u32) -> Result<PageTable, ClusterError>,
+    ) -> Result<(), ClusterError> {
+        let g = self.pools.geometry();
+        let mat = self.kernels.materialise(b);
+        let page_bytes = b.page_bytes(self.layout.page_size());
+        for layer in 0..g.layers {
+            if let Some(load) = load {
+                load.wait_layer(layer)?;
+            }
+            let pools = table(&self.pools, layer)?;
+            self.exec.launch(
+                mat.id,
+                &mat.launch(n, 1),
+                &[
+                    pools.arg(),
+                    KernelArg::Ptr(pages, 0),
+                    KernelArg::U32(n),
+                    KernelArg::U32(1),
+                    KernelArg::U32(g.local_pages),
+                    KernelArg::U32(pools.page_stride),
+                    KernelArg::Ptr(dense, u64::from(layer) * u64::from(n) * page_bytes),
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Reads back this rank's mismatch bitmap of `words` words once every buffer kind is
+    /// verified, keeping the dense buffers captured (dense capture).
+    fn verified(
+        &mut self,
+        bad_tokens: crate::exec::BufferId,
+        words: usize,
+        captured: Vec<(BufferKind, Vec<u8>)>,
+    ) -> Result<Vec<u8>, ClusterError> {
+        if self.capture_dense {
+            self.last_dense = captured;
+        }
+        let mut mine = vec![0u8; 4 * words];
+        self.exec.read(bad_tokens, 0, &mut mine)?;
+        Ok(mine)
     }
 
     /// Verifies the dense sequence of buffer kind `b` in `dense` (every layer), setting the
@@ -251,47 +309,29 @@ impl RankCache {
         per_page * u64::from(self.pools.geometry().layers) * pages as u64
     }
 
-    /// Under [`PeerAccess::Gathered`]: the sequence's pages this rank owns (among
-    /// `page_ids`), read from its own pool by the materialise kernel (each layer after its
-    /// load-back) and read back; per buffer kind in the model's order, `[layer][page][bytes]`.
+    /// Under [`PeerAccess::Gathered`]: the sequence's pages this rank owns (`share`, global
+    /// page ids in sequence order), read from its own pool by the materialise kernel (each
+    /// layer after its load-back) and read back; per buffer kind in the model's order,
+    /// `[layer][page][bytes]`.
     fn read_own_share(
         &mut self,
-        page_ids: &[u32],
+        share: &[u32],
         load: Option<&LoadHandle>,
     ) -> Result<Vec<u8>, ClusterError> {
         let g = self.pools.geometry();
-        let me = usize::from(self.rank.0);
-        let owners = self.share_positions(page_ids);
-        let share: Vec<u32> = owners[me].iter().map(|&i| page_ids[i]).collect();
         let mut out = Vec::with_capacity(self.share_bytes(share.len()) as usize);
         if share.is_empty() {
             return Ok(out);
         }
         let k = share.len() as u32;
-        let list = self.pools.upload_share(&share)?;
+        let list = self.pools.upload_share(share)?;
+        let owners = self.group.size();
         for &b in self.config.deployment.model.buffers() {
             let compact = self.pools.dense(b, k, false)?;
-            let mat = self.kernels.materialise(b);
             let page_bytes = b.page_bytes(self.layout.page_size());
-            for layer in 0..g.layers {
-                if let Some(load) = load {
-                    load.wait_layer(layer)?;
-                }
-                let pools = self.pools.own_table(b, layer, owners.len());
-                self.exec.launch(
-                    mat.id,
-                    &mat.launch(k, 1),
-                    &[
-                        pools.arg(),
-                        KernelArg::Ptr(list, 0),
-                        KernelArg::U32(k),
-                        KernelArg::U32(1),
-                        KernelArg::U32(g.local_pages),
-                        KernelArg::U32(pools.page_stride),
-                        KernelArg::Ptr(compact, u64::from(layer) * u64::from(k) * page_bytes),
-                    ],
-                )?;
-            }
+            self.materialise_layers(b, (list, k), compact, load, |pools, layer| {
+                Ok(pools.own_table(b, layer, owners))
+            })?;
             let at = out.len();
             out.resize(at + (page_bytes * u64::from(k * g.layers)) as usize, 0);
             self.exec.read(compact, 0, &mut out[at..])?;
@@ -338,12 +378,7 @@ impl RankCache {
                 captured.push((b, dense));
             }
         }
-        if self.capture_dense {
-            self.last_dense = captured;
-        }
-        let mut mine = vec![0u8; 4 * words];
-        self.exec.read(bad_tokens, 0, &mut mine)?;
-        Ok(mine)
+        self.verified(bad_tokens, words, captured)
     }
 
     /// Materialises the sequence from every owner's pool through this rank's views, layer
@@ -362,35 +397,14 @@ impl RankCache {
         let mut captured = Vec::new();
         for &b in self.config.deployment.model.buffers() {
             let dense = self.pools.dense(b, n_pages, self.repoison)?;
-            let mat = self.kernels.materialise(b);
-            // The dense buffer is layer-major, so one layer is a one-layer launch over that
-            // layer of every owner's pool.
-            let page_bytes = b.page_bytes(self.layout.page_size());
-            for layer in 0..g.layers {
-                if let Some(load) = load {
-                    load.wait_layer(layer)?;
-                }
-                let dense_off = u64::from(layer) * u64::from(n_pages) * page_bytes;
-                let pools = self.pools.views_table(b, layer).ok_or_else(|| {
+            let rank = self.rank.0;
+            self.materialise_layers(b, (page_buf, n_pages), dense, load, |pools, layer| {
+                pools.views_table(b, layer).ok_or_else(|| {
                     ClusterError::Config(format!(
-                        "rank {}: a peer's {b} pool is out of this rank's reach",
-                        self.rank.0
+                        "rank {rank}: a peer's {b} pool is out of this rank's reach"
                     ))
-                })?;
-                self.exec.launch(
-                    mat.id,
-                    &mat.launch(n_pages, 1),
-                    &[
-                        pools.arg(),
-                        KernelArg::Ptr(page_buf, 0),
-                        KernelArg::U32(n_pages),
-                        KernelArg::U32(1),
-                        KernelArg::U32(g.local_pages),
-                        KernelArg::U32(pools.page_stride),
-                        KernelArg::Ptr(dense, dense_off),
-                    ],
-                )?;
-            }
+                })
+            })?;
             self.launch_verify(b, dense, hash_buf, n_tokens, bad_tokens)?;
             if self.capture_dense {
                 let bytes = b.page_bytes(self.layout.page_size()) as usize
@@ -401,11 +415,6 @@ impl RankCache {
                 captured.push((b, out));
             }
         }
-        if self.capture_dense {
-            self.last_dense = captured;
-        }
-        let mut mine = vec![0u8; 4 * words];
-        self.exec.read(bad_tokens, 0, &mut mine)?;
-        Ok(mine)
+        self.verified(bad_tokens, words, captured)
     }
 }
