@@ -625,3 +625,38 @@ fn bench_prebuild_refuses_options_it_would_ignore() {
     }
     assert!(!dir.path().join("cache").exists(), "something was compiled");
 }
+
+/// `bench --storage DIR`: a put and a get row per record shape against plain files of the
+/// same bytes, and nothing left behind in DIR.
+#[test]
+fn bench_storage_times_the_store_against_plain_files() {
+    let cache = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let json = cache.path().join("rows.json");
+    run(bin(cache.path())
+        .args(["bench", "--deployment", "nsa_ps64_cp8", "--pages", "8"])
+        .args(["--layers", "2", "--repeats", "1", "--storage"])
+        .arg(dir.path())
+        .arg("--json")
+        .arg(&json));
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let kinds: Vec<(&str, &str)> = rows
+        .iter()
+        .map(|r| {
+            (
+                r["kernel"].as_str().unwrap(),
+                r["baseline"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(kinds.len(), 2, "{rows:?}");
+    assert!(kinds[0].0.starts_with("store_put(8x") && kinds[0].1 == "file_write");
+    assert!(kinds[1].0.starts_with("store_get(8x") && kinds[1].1 == "file_read");
+    for r in &rows {
+        for k in ["gbps", "baseline_gbps", "ratio"] {
+            assert!(r[k].as_f64().unwrap() > 0.0, "{k}: {r}");
+        }
+    }
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+}

@@ -81,6 +81,14 @@ pub struct BenchArgs {
         "pages", "layers", "repeats",
     ])]
     pub prebuild: bool,
+    /// Instead of the kernels, time the page store (the storage tier) in a scratch folder
+    /// under DIR (made and removed): `--pages` records of every layer (`--layers`) of each
+    /// deployment, put into and got from the store, against plain file writes and reads of
+    /// the same bytes in the same run. Put DIR on the file system the store will use.
+    #[arg(long, value_name = "DIR", conflicts_with_all = [
+        "check", "prebuild", "inject", "tuning", "dma", "alloc_pages",
+    ])]
+    pub storage: Option<PathBuf>,
 }
 
 pub(super) fn run(args: &BenchArgs) -> Result<ExitCode, crate::Error> {
@@ -101,6 +109,9 @@ pub(super) fn run(args: &BenchArgs) -> Result<ExitCode, crate::Error> {
     args.sizes.apply(&mut opts.sizes, &deps)?;
     if !args.alloc_pages.is_empty() {
         opts.alloc_pages = args.alloc_pages.clone();
+    }
+    if let Some(dir) = &args.storage {
+        return bench_storage(args, dir, &deps, &opts);
     }
     let jit = Jit::new(JitConfig::from_env()?);
     if args.prebuild {
@@ -186,6 +197,85 @@ pub(super) fn run(args: &BenchArgs) -> Result<ExitCode, crate::Error> {
         eprintln!("bench: {} kernel(s) failed", outcome.failures.len());
         ExitCode::FAILURE
     })
+}
+
+/// `bench --storage DIR`: the store against plain files, per deployment (the CP degree
+/// does not change a record, so each shape is timed once).
+fn bench_storage(
+    args: &BenchArgs,
+    dir: &std::path::Path,
+    deps: &[crate::kernels::Deployment],
+    opts: &BenchOptions,
+) -> Result<ExitCode, crate::Error> {
+    let scratch = dir.join(format!("cp-hicache-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch).map_err(|e| {
+        crate::Error::Usage(format!(
+            "--storage {}: cannot make a scratch folder there: {e}",
+            dir.display()
+        ))
+    })?;
+    let result = bench_storage_in(&scratch, deps, opts);
+    let _ = std::fs::remove_dir_all(&scratch);
+    let rows = result?;
+    outln!(
+        "store: {} ({} records of {} layers, median of {})",
+        dir.display(),
+        opts.sizes.pages,
+        opts.sizes.layers,
+        opts.sizes.repeats
+    );
+    print_table(&rows)?;
+    if let Some(path) = &args.json {
+        write_json(path, &rows)?;
+    }
+    if let Some(path) = &args.plot {
+        write_output(path, &svg_chart(&rows))?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The rows of [`bench_storage`], timed in `scratch`.
+fn bench_storage_in(
+    scratch: &std::path::Path,
+    deps: &[crate::kernels::Deployment],
+    opts: &BenchOptions,
+) -> Result<Vec<BenchRow>, crate::Error> {
+    let mut shapes: Vec<&crate::kernels::Deployment> = Vec::new();
+    for dep in deps {
+        if !shapes
+            .iter()
+            .any(|d| d.model == dep.model && d.page_size == dep.page_size)
+        {
+            shapes.push(dep);
+        }
+    }
+    let sizes = &opts.sizes;
+    let bar = progress_bar(format!("bench --storage {}", scratch.display()));
+    if let Some(b) = &bar {
+        b.set_length((shapes.len() * sizes.repeats as usize) as u64);
+    }
+    let mut rows = Vec::new();
+    for dep in shapes {
+        rows.extend(
+            crate::storage::bench_store(
+                scratch,
+                dep,
+                sizes.layers,
+                sizes.pages as usize,
+                sizes.repeats as usize,
+                &|| {
+                    if let Some(b) = &bar {
+                        b.inc(1);
+                    }
+                },
+            )
+            .map_err(crate::cluster::ClusterError::from)?,
+        );
+    }
+    if let Some(b) = &bar {
+        b.finish_and_clear();
+    }
+    Ok(rows)
 }
 
 fn parse_bench_fault(s: &str) -> Result<BenchFault, String> {

@@ -612,6 +612,19 @@ impl Cluster {
         Ok(stats)
     }
 
+    /// Attaches `store` as every rank's third tier, written per `policy`
+    /// ([`RankCache::attach_storage`]).
+    pub fn attach_storage(
+        &mut self,
+        store: Arc<dyn crate::storage::PageStore>,
+        policy: crate::rank::StoragePolicy,
+    ) -> Result<(), ClusterError> {
+        Self::combine(self.on_all("attaching the store", move |r| {
+            r.attach_storage(store.clone(), policy)
+        })?)
+        .map(drop)
+    }
+
     /// What the rollback of the last failed operation dropped (empty until one fails, and
     /// reset when the next operation starts).
     pub fn last_rollback(&self) -> RollbackDrops {

@@ -76,6 +76,8 @@ pub struct ReplayReport {
     pub transfer_path: String,
     /// Threads per block of the synthesise and verify kernels.
     pub synth_threads: u32,
+    /// The storage tier (`--storage`): its directory, policy and byte budget; none without.
+    pub storage: Option<String>,
 }
 
 impl ReplayReport {
@@ -153,6 +155,50 @@ impl ReplayReport {
             "host hit tokens (loaded)",
             format!("{} ({:.1}%)", t.host_hit_tokens, pct(t.host_hit_tokens)),
         );
+        if let Some(storage) = &self.storage {
+            row("storage", storage.clone());
+            row(
+                "storage hit tokens (read)",
+                format!(
+                    "{} ({:.1}%)",
+                    t.storage_hit_tokens,
+                    pct(t.storage_hit_tokens)
+                ),
+            );
+            row(
+                "storage records read",
+                format!(
+                    "{} ({})",
+                    t.storage_records_read,
+                    human_bytes(t.storage_bytes_read)
+                ),
+            );
+            row(
+                "storage records written",
+                format!(
+                    "{} ({})",
+                    t.storage_records_written,
+                    human_bytes(t.storage_bytes_written)
+                ),
+            );
+            row(
+                "storage records refused",
+                format!(
+                    "{} (torn {} · checksum {} · fingerprint {})",
+                    t.storage_refused(),
+                    t.storage_refused_torn,
+                    t.storage_refused_checksum,
+                    t.storage_refused_fingerprint
+                ),
+            );
+            row("storage evictions", t.storage_evictions.to_string());
+            if t.storage_reads_skipped > 0 {
+                row(
+                    "storage reads skipped",
+                    format!("{} (no host room)", t.storage_reads_skipped),
+                );
+            }
+        }
         row(
             "computed tokens",
             format!("{} ({:.1}%)", t.computed_tokens, pct(t.computed_tokens)),
@@ -316,6 +362,7 @@ mod tests {
             },
             transfer_path: "kernel".into(),
             synth_threads: 1,
+            storage: None,
         }
     }
 
@@ -354,6 +401,11 @@ mod tests {
             "cp",
             "page_size",
             "layout",
+            "storage_hit_tokens",
+            "storage_records_read",
+            "storage_records_written",
+            "storage_refused_checksum",
+            "storage_evictions",
         ] {
             assert!(v.get(k).is_some(), "missing {k}");
         }
@@ -372,6 +424,7 @@ mod tests {
             fault: Some("plain-alloc-on-load".into()),
             fault_fired: Some(false),
             fault_not_fired_because: Some("no load-back".into()),
+            storage: Some("/tmp/store · with-host · 16.0 GiB".into()),
             ..sample()
         };
         let table = r.to_table();

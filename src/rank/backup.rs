@@ -26,54 +26,9 @@ impl RankCache {
         let owners: Vec<u8> = pages.iter().map(|&p| self.layout.owner(p).0).collect();
         let me = self.rank.0;
         let need = owners.iter().filter(|&&o| o == me).count() as u32;
-        // Every rank's shortfall, known without a round: each rank's host pool holds
-        // exactly the pages of the tree's host copies it owns, and the start-up round gave
-        // every rank's capacity.
-        let used = self.tree.host_pages_by_owner();
-        let me_used = self.host.capacity() - self.host.free_count();
-        if used[usize::from(me)] != me_used {
-            return Err(ClusterError::ReplicasDiverged {
-                what: format!(
-                    "rank {me}'s host pool holds {me_used} pages, but the tree's host copies \
-                     hold {} of its pages",
-                    used[usize::from(me)]
-                ),
-            });
-        }
-        let short: Vec<u32> = owners_count(&owners, used.len())
-            .iter()
-            .zip(&used)
-            .zip(&self.host_capacities)
-            .map(|((&n, &u), &cap)| n.saturating_sub(cap.saturating_sub(u)))
-            .collect();
-        if short.iter().any(|&d| d > 0) {
-            // Evict host copies only if that makes the backup fit, and only those that free
-            // host pages on the short ranks: decide on the plan first (every rank evicts the
-            // same nodes, so the replicated tree tells what each rank would get back).
-            let mut gained = vec![0u32; short.len()];
-            for id in self.tree.host_eviction_plan_for_ranks(&short)? {
-                let owners = self.tree.node(id)?.host().map(NodeMetadata::page_owners);
-                for o in owners.unwrap_or_default() {
-                    if let Some(g) = gained.get_mut(usize::from(*o)) {
-                        *g += 1;
-                    }
-                }
-            }
-            if short.iter().zip(&gained).any(|(s, g)| g < s) {
-                stats.backups_skipped += 1;
-                return Ok(());
-            }
-            let gone = self.tree.evict_host_for_ranks(&short)?;
-            let evicted = gone.len();
-            let mut released = Vec::new();
-            for meta in gone {
-                self.host.free(meta.host_pages())?;
-                self.freed.host.extend(meta.host_pages().iter().copied());
-                released.extend(meta.host_pages().iter().copied());
-            }
-            self.poison_freed_host(released)?;
-            stats.evictions_lru += evicted as u64;
-            stats.host_evictions_for_backup += evicted as u64;
+        if !self.make_host_room(&owners, stats)? {
+            stats.backups_skipped += 1;
+            return Ok(());
         }
         let host_pages = self.host.alloc(need as usize)?;
         let (src, dst): (Vec<u32>, Vec<u32>) = owners
@@ -93,7 +48,74 @@ impl RankCache {
         let meta = NodeMetadata::new(&self.layout, self.rank, owners, host_pages)?;
         self.tree.set_host(node, meta)?;
         stats.pages_written += pages.len() as u64;
-        Ok(())
+        self.store_backup(node, stats)
+    }
+
+    /// Makes room in every rank's host pool for pages owned as `owners` (one per page),
+    /// alike on every rank and without a round: each rank's host pool holds exactly the
+    /// pages of the tree's host copies it owns, and the start-up round gave every rank's
+    /// capacity. When some rank is short, host copies are evicted in LRU order, but only
+    /// ones that free pages on a short rank, and only when that makes everything fit;
+    /// otherwise nothing is evicted and the answer is `false`. Evicted copies go to the
+    /// store first under [`StoragePolicy::OnHostEvict`](super::StoragePolicy::OnHostEvict).
+    pub(super) fn make_host_room(
+        &mut self,
+        owners: &[u8],
+        stats: &mut RequestStats,
+    ) -> Result<bool, ClusterError> {
+        let me = self.rank.0;
+        let used = self.tree.host_pages_by_owner();
+        let me_used = self.host.capacity() - self.host.free_count();
+        if used[usize::from(me)] != me_used {
+            return Err(ClusterError::ReplicasDiverged {
+                what: format!(
+                    "rank {me}'s host pool holds {me_used} pages, but the tree's host copies \
+                     hold {} of its pages",
+                    used[usize::from(me)]
+                ),
+            });
+        }
+        let short: Vec<u32> = owners_count(owners, used.len())
+            .iter()
+            .zip(&used)
+            .zip(&self.host_capacities)
+            .map(|((&n, &u), &cap)| n.saturating_sub(cap.saturating_sub(u)))
+            .collect();
+        if short.iter().all(|&d| d == 0) {
+            return Ok(true);
+        }
+        // Decide on the plan first (every rank evicts the same nodes, so the replicated tree
+        // tells what each rank would get back).
+        let plan = self.tree.host_eviction_plan_for_ranks(&short)?;
+        let mut gained = vec![0u32; short.len()];
+        for &id in &plan {
+            let owners = self.tree.node(id)?.host().map(NodeMetadata::page_owners);
+            for o in owners.unwrap_or_default() {
+                if let Some(g) = gained.get_mut(usize::from(*o)) {
+                    *g += 1;
+                }
+            }
+        }
+        if short.iter().zip(&gained).any(|(s, g)| g < s) {
+            return Ok(false);
+        }
+        if self.stores_on_host_evict() {
+            for &id in &plan {
+                self.store_node(id, stats)?;
+            }
+        }
+        let gone = self.tree.evict_host_for_ranks(&short)?;
+        let evicted = gone.len();
+        let mut released = Vec::new();
+        for meta in gone {
+            self.host.free(meta.host_pages())?;
+            self.freed.host.extend(meta.host_pages().iter().copied());
+            released.extend(meta.host_pages().iter().copied());
+        }
+        self.poison_freed_host(released)?;
+        stats.evictions_lru += evicted as u64;
+        stats.host_evictions_for_backup += evicted as u64;
+        Ok(true)
     }
 }
 

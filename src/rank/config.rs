@@ -60,17 +60,43 @@ pub enum Fault {
     CompileError,
     /// The executor fails one launch (of the request given to [`RankCache::inject_launch_failure`](crate::rank::RankCache::inject_launch_failure)).
     LaunchError,
+    /// One storage record read in three is torn first (cut short): refused, a miss.
+    StorageTorn,
+    /// One storage record read in three has a payload byte flipped first: refused, a miss.
+    StorageFlip,
+    /// One storage record read in three is replaced first by another deployment's record
+    /// under the same key: refused, a miss.
+    StorageForeign,
+    /// One storage record read in three is served with a byte changed after the store's
+    /// checksum passed: only verification catches it (mismatches, exit status 1).
+    StorageUnchecked,
 }
 
 impl Fault {
     /// Every fault, for help texts.
-    pub const ALL: [Fault; 5] = [
+    pub const ALL: [Fault; 9] = [
         Fault::PlainAllocOnLoad,
         Fault::LaneExhaustion,
         Fault::HostPoolFull,
         Fault::CompileError,
         Fault::LaunchError,
+        Fault::StorageTorn,
+        Fault::StorageFlip,
+        Fault::StorageForeign,
+        Fault::StorageUnchecked,
     ];
+
+    /// The damage a storage fault does to the records it reads.
+    pub fn storage_damage(self) -> Option<crate::storage::Damage> {
+        use crate::storage::Damage;
+        match self {
+            Fault::StorageTorn => Some(Damage::Torn),
+            Fault::StorageFlip => Some(Damage::Flip),
+            Fault::StorageForeign => Some(Damage::Foreign),
+            Fault::StorageUnchecked => Some(Damage::Unchecked),
+            _ => None,
+        }
+    }
 }
 
 impl Fault {
@@ -103,6 +129,10 @@ impl fmt::Display for Fault {
             Fault::HostPoolFull => "host-pool-full",
             Fault::CompileError => "compile-error",
             Fault::LaunchError => "launch-error",
+            Fault::StorageTorn => "storage-torn",
+            Fault::StorageFlip => "storage-flip",
+            Fault::StorageForeign => "storage-foreign",
+            Fault::StorageUnchecked => "storage-unchecked",
         })
     }
 }
@@ -185,6 +215,9 @@ pub enum ClusterError {
     /// Invalid layout settings.
     #[error(transparent)]
     Layout(#[from] LayoutError),
+    /// The storage tier failed (its file system, not a refused record: those are misses).
+    #[error(transparent)]
+    Storage(#[from] crate::storage::StorageError),
     /// The kernels could not be made ready.
     #[error(transparent)]
     Kernels(#[from] KernelLoadError),

@@ -50,6 +50,7 @@ pub mod pools;
 mod request;
 mod rollback;
 mod stats;
+mod storage;
 mod transfer;
 #[cfg(test)]
 use crate::kernels::PoolShape;
@@ -66,6 +67,7 @@ pub use pools::{PeerAccess, PoolGeometry, Pools};
 pub use request::{Ending, Request};
 use rollback::{Freed, DIGEST};
 pub use stats::{RequestStats, RollbackDrops, RANK_COUNTS};
+pub use storage::{StoragePolicy, STORAGE_ROUND};
 pub use verify::{Mismatches, Verdict};
 
 use crate::allocator::kernel::{KernelAllocOptions, KernelLaneAllocator};
@@ -116,6 +118,8 @@ pub struct RankCache {
     outcome_notes: Vec<Vec<u8>>,
     /// After the disconnect round ([`RankCache::disconnect`]).
     disconnected: bool,
+    /// The third tier, once attached ([`RankCache::attach_storage`]).
+    storage: Option<storage::Tier>,
 }
 
 /// The name of a group's first round (every rank's configuration, host capacity and pool
@@ -347,6 +351,7 @@ impl RankCache {
             outcome_note: Vec::new(),
             outcome_notes: Vec::new(),
             disconnected: false,
+            storage: None,
         })
     }
 

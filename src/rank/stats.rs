@@ -18,6 +18,11 @@ pub struct RequestStats {
     pub device_hit_tokens: u64,
     /// Tokens served by loading host copies back to the device.
     pub host_hit_tokens: u64,
+    /// Tokens served by reading the storage tier's records (then host→device like host
+    /// hits; not counted in `host_hit_tokens`).
+    pub storage_hit_tokens: u64,
+    /// Storage reads skipped because the host pools could not take the agreed run.
+    pub storage_reads_skipped: u64,
     /// Tokens computed (synthesised) this request.
     pub computed_tokens: u64,
     /// Pages loaded host→device (logical pages, whatever their owners).
@@ -67,11 +72,27 @@ pub struct RequestStats {
     /// ([`PeerAccess::Gathered`](crate::rank::PeerAccess::Gathered); 0 where peers map each
     /// other's pools).
     pub bytes_gathered: u64,
+    /// Records this rank read from the store and accepted.
+    pub storage_records_read: u64,
+    /// Payload bytes of them.
+    pub storage_bytes_read: u64,
+    /// Records this rank wrote to the store (records already there are not written again).
+    pub storage_records_written: u64,
+    /// Payload bytes of them.
+    pub storage_bytes_written: u64,
+    /// Records refused as torn (a short file: a writer killed mid-record), served as misses.
+    pub storage_refused_torn: u64,
+    /// Records refused by their checksum (a changed byte) or misfiled, served as misses.
+    pub storage_refused_checksum: u64,
+    /// Records of another deployment or format refused, served as misses.
+    pub storage_refused_fingerprint: u64,
+    /// Records the store evicted to keep its byte budget while this rank wrote.
+    pub storage_evictions: u64,
 }
 
 /// How many of a request's counts are per rank, summed over the ranks for a report
 /// ([`RequestStats::rank_counts`]).
-pub const RANK_COUNTS: usize = 4;
+pub const RANK_COUNTS: usize = 12;
 
 impl RequestStats {
     /// Adds another request's counts.
@@ -81,6 +102,8 @@ impl RequestStats {
         self.extends += o.extends;
         self.device_hit_tokens += o.device_hit_tokens;
         self.host_hit_tokens += o.host_hit_tokens;
+        self.storage_hit_tokens += o.storage_hit_tokens;
+        self.storage_reads_skipped += o.storage_reads_skipped;
         self.computed_tokens += o.computed_tokens;
         self.pages_loaded += o.pages_loaded;
         self.pages_written += o.pages_written;
@@ -99,26 +122,57 @@ impl RequestStats {
         self.fence_syncs += o.fence_syncs;
         self.group_rounds += o.group_rounds;
         self.bytes_gathered += o.bytes_gathered;
+        self.storage_records_read += o.storage_records_read;
+        self.storage_bytes_read += o.storage_bytes_read;
+        self.storage_records_written += o.storage_records_written;
+        self.storage_bytes_written += o.storage_bytes_written;
+        self.storage_refused_torn += o.storage_refused_torn;
+        self.storage_refused_checksum += o.storage_refused_checksum;
+        self.storage_refused_fingerprint += o.storage_refused_fingerprint;
+        self.storage_evictions += o.storage_evictions;
     }
 
     /// The counts that are this rank's own (bytes host→device, device→host, load-path syncs,
-    /// bytes gathered), which a report sums over the ranks; the rest are the same on every
-    /// rank.
+    /// bytes gathered, and what it read from, wrote to and had refused by the store), which
+    /// a report sums over the ranks; the rest are the same on every rank.
     pub fn rank_counts(&self) -> [u64; RANK_COUNTS] {
         [
             self.bytes_h2d,
             self.bytes_d2h,
             self.load_path_syncs,
             self.bytes_gathered,
+            self.storage_records_read,
+            self.storage_bytes_read,
+            self.storage_records_written,
+            self.storage_bytes_written,
+            self.storage_refused_torn,
+            self.storage_refused_checksum,
+            self.storage_refused_fingerprint,
+            self.storage_evictions,
         ]
     }
 
     /// Sets the [`rank_counts`](Self::rank_counts), summed over the ranks.
-    pub fn set_rank_counts(&mut self, [h2d, d2h, syncs, gathered]: [u64; RANK_COUNTS]) {
+    pub fn set_rank_counts(&mut self, counts: [u64; RANK_COUNTS]) {
+        let [h2d, d2h, syncs, gathered, read, bytes_read, written, bytes_written, torn, checksum, fingerprint, evictions] =
+            counts;
         self.bytes_h2d = h2d;
         self.bytes_d2h = d2h;
         self.load_path_syncs = syncs;
         self.bytes_gathered = gathered;
+        self.storage_records_read = read;
+        self.storage_bytes_read = bytes_read;
+        self.storage_records_written = written;
+        self.storage_bytes_written = bytes_written;
+        self.storage_refused_torn = torn;
+        self.storage_refused_checksum = checksum;
+        self.storage_refused_fingerprint = fingerprint;
+        self.storage_evictions = evictions;
+    }
+
+    /// Records refused by the store, of every kind.
+    pub fn storage_refused(&self) -> u64 {
+        self.storage_refused_torn + self.storage_refused_checksum + self.storage_refused_fingerprint
     }
 
     /// The [`rank_counts`](Self::rank_counts) of `all`, summed.

@@ -67,6 +67,21 @@ impl DirStore {
         Self::with_clock(root, fp, payload_bytes, budget, Box::new(SystemTime::now))
     }
 
+    /// [`DirStore::open`] for the records of `dep` with `layers` layers.
+    pub fn for_deployment(
+        root: &Path,
+        dep: &crate::kernels::Deployment,
+        layers: u32,
+        budget: u64,
+    ) -> Result<DirStore, StorageError> {
+        Self::open(
+            root,
+            Fingerprint::of(dep, layers),
+            super::payload_bytes(dep, layers),
+            budget,
+        )
+    }
+
     /// [`DirStore::open`] with the time of every use taken from `clock`.
     pub fn with_clock(
         root: &Path,
@@ -131,7 +146,7 @@ impl DirStore {
         // and keep to this store's budget.
         store.locked(|s, f| {
             let (mut records, total) = s.scan()?;
-            let total = s.evict_to(&mut records, total, s.budget)?;
+            let (total, _) = s.evict_to(&mut records, total, s.budget)?;
             write_usage(f, total)
         })?;
         Ok(store)
@@ -201,15 +216,16 @@ impl DirStore {
     }
 
     /// Removes the least recently used of `records` until `total` is at most `limit`;
-    /// returns the new total.
+    /// returns the new total and how many records this call removed.
     fn evict_to(
         &self,
         records: &mut [Found],
         mut total: u64,
         limit: u64,
-    ) -> Result<u64, StorageError> {
+    ) -> Result<(u64, u64), StorageError> {
+        let mut removed = 0;
         if total <= limit {
-            return Ok(total);
+            return Ok((total, removed));
         }
         records.sort();
         for (_, path, bytes) in records.iter() {
@@ -218,6 +234,7 @@ impl DirStore {
             }
             match fs::remove_file(path) {
                 Ok(()) => {
+                    removed += 1;
                     self.stats.evictions.fetch_add(1, Ordering::Relaxed);
                     self.stats
                         .evicted_bytes
@@ -233,28 +250,41 @@ impl DirStore {
             }
             total = total.saturating_sub(*bytes);
         }
-        Ok(total)
+        Ok((total, removed))
     }
 
     /// Adds `delta` bytes to the shared count; over budget, evicts least recently used
-    /// records (never `keep`, the one just written) down to it.
-    fn account(&self, delta: u64, keep: &Path) -> Result<(), StorageError> {
+    /// records (never `keep`, the one just written) down to it. Returns the records evicted.
+    fn account(&self, delta: u64, keep: &Path) -> Result<u64, StorageError> {
         self.locked(|s, f| {
             let total = read_usage(f)?.saturating_add(delta);
             if total <= s.budget {
-                return write_usage(f, total);
+                return write_usage(f, total).map(|()| 0);
             }
             let (mut records, scanned) = s.scan()?;
             records.retain(|(_, p, _)| p != keep);
-            let total = s.evict_to(&mut records, scanned, s.budget)?;
-            write_usage(f, total)
+            let (total, evicted) = s.evict_to(&mut records, scanned, s.budget)?;
+            write_usage(f, total).map(|()| evicted)
         })
     }
 
     /// Marks a record used now (its modification time), for the LRU order.
     fn touch(&self, path: &Path) {
         if let Ok(f) = File::options().write(true).open(path) {
-            let _ = f.set_modified((self.clock)());
+            self.stamp(&f, None);
+        }
+    }
+
+    /// Sets an open record's LRU stamp to now, unless it was `last` set within the second:
+    /// the order is kept to the second, which spares a metadata write on most hits of a
+    /// busy record.
+    fn stamp(&self, file: &File, last: Option<SystemTime>) {
+        let now = (self.clock)();
+        let recent = last
+            .and_then(|l| now.duration_since(l).ok())
+            .is_some_and(|d| d < std::time::Duration::from_secs(1));
+        if !recent {
+            let _ = file.set_modified(now);
         }
     }
 }
@@ -309,7 +339,8 @@ impl PageStore for DirStore {
             what: format!("{what} {}", p.display()),
             source: e,
         };
-        let bytes = record::encode(&self.fp, key, payload);
+        let head = record::header(&self.fp, key, payload);
+        let bytes = (HEADER_BYTES + payload.len()) as u64;
         let n = self.nonce.fetch_add(1, Ordering::Relaxed);
         let aside = self
             .root
@@ -319,7 +350,10 @@ impl PageStore for DirStore {
         fs::create_dir_all(parent).map_err(|e| io("create", parent, e))?;
         let written = File::create(&aside)
             .and_then(|mut f| {
-                f.write_all(&bytes)?;
+                // Header and payload as they are: a copy of a page's size costs more than
+                // the write.
+                f.write_all(&head)?;
+                f.write_all(payload)?;
                 f.set_modified((self.clock)())
             })
             .and_then(|()| fs::rename(&aside, &path));
@@ -328,41 +362,70 @@ impl PageStore for DirStore {
             return Err(io("write", &path, e));
         }
         self.stats.records_written.fetch_add(1, Ordering::Relaxed);
-        self.stats
-            .bytes_written
-            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
-        self.account(bytes.len() as u64, &path)?;
-        Ok(Put::Written)
+        self.stats.bytes_written.fetch_add(bytes, Ordering::Relaxed);
+        let evicted = self.account(bytes, &path)?;
+        Ok(Put::Written { evicted })
     }
 
     fn get(&self, key: &RecordKey) -> Result<Lookup, StorageError> {
         let path = self.path_of(key);
-        let bytes = match fs::read(&path) {
-            Ok(b) => b,
+        let io = |e: std::io::Error| StorageError::Io {
+            what: format!("read {}", path.display()),
+            source: e,
+        };
+        // Opened for writing too: the LRU stamp is set through the same handle.
+        let mut file = match File::options().read(true).write(true).open(&path) {
+            Ok(f) => f,
             Err(e) if e.kind() == ErrorKind::NotFound => {
                 self.stats.misses.fetch_add(1, Ordering::Relaxed);
                 return Ok(Lookup::Miss);
             }
-            Err(e) => {
-                return Err(StorageError::Io {
-                    what: format!("read {}", path.display()),
-                    source: e,
-                })
-            }
+            Err(e) => return Err(io(e)),
         };
-        match record::decode(&bytes, &self.fp, key, self.payload_bytes) {
-            Ok(payload) => {
-                self.touch(&path);
+        let meta = file.metadata().map_err(io)?;
+        // The header first, then the payload straight into the buffer handed out: a copy
+        // of a page's size costs more than the read (a fresh mapping, faulted in page by
+        // page).
+        let mut head = [0u8; HEADER_BYTES];
+        let checked = match file.read_exact(&mut head) {
+            Ok(()) => record::check_header(&head, meta.len(), &self.fp, key, self.payload_bytes),
+            Err(e) if e.kind() == ErrorKind::UnexpectedEof => Err(RecordError::Torn {
+                have: meta.len(),
+                want: HEADER_BYTES as u64,
+            }),
+            Err(e) => return Err(io(e)),
+        };
+        let read = checked.and_then(|()| {
+            // Zeroed by the allocator (fresh pages), filled by one read.
+            let mut payload = vec![0u8; self.payload_bytes as usize];
+            match file.read_exact(&mut payload) {
+                Ok(()) => {}
+                Err(e) if e.kind() == ErrorKind::UnexpectedEof => {
+                    // The file shrank since its length was checked: a torn record.
+                    return Err(RecordError::Torn {
+                        have: meta.len(),
+                        want: HEADER_BYTES as u64 + self.payload_bytes,
+                    });
+                }
+                Err(e) => return Ok(Err(io(e))),
+            }
+            record::check_payload(&head, &payload).map(|()| Ok(payload))
+        });
+        match read {
+            Ok(Ok(payload)) => {
+                self.stamp(&file, meta.modified().ok());
                 self.stats.records_read.fetch_add(1, Ordering::Relaxed);
                 self.stats
                     .bytes_read
-                    .fetch_add(bytes.len() as u64, Ordering::Relaxed);
-                Ok(Lookup::Hit(payload.to_vec()))
+                    .fetch_add(meta.len(), Ordering::Relaxed);
+                Ok(Lookup::Hit(payload))
             }
+            Ok(Err(e)) => Err(e),
             Err(why) => {
                 self.refused(&why);
                 // The bad file goes, so the record can be written again; its bytes leave
                 // the count at the next scan.
+                drop(file);
                 let _ = fs::remove_file(&path);
                 Ok(Lookup::Refused(why))
             }

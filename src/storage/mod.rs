@@ -13,14 +13,28 @@
 //! directory shared by every rank's process and by later runs. A store over an existing
 //! distributed engine (Mooncake Store, 3FS) implements the same trait.
 
+mod bench;
 mod dir;
+mod fault;
 mod key;
 pub mod record;
 
+pub use bench::bench_store;
 pub use dir::{Clock, DirStore};
+pub use fault::{Damage, DamagingStore};
 pub use key::{Fingerprint, RecordKey};
 pub use record::{RecordError, Refusal};
 use serde::Serialize;
+
+/// Bytes of one record's payload for `dep` with `layers` layers: every layer of every
+/// buffer kind of one page, buffer kinds in the model's order, layers in order.
+pub fn payload_bytes(dep: &crate::kernels::Deployment, layers: u32) -> u64 {
+    dep.model
+        .buffers()
+        .iter()
+        .map(|b| b.page_bytes(dep.page_size) * u64::from(layers))
+        .sum()
+}
 
 /// Why a store could not do what was asked (not a refused record: that is a [`Lookup`]).
 #[derive(Debug, thiserror::Error)]
@@ -42,8 +56,11 @@ pub enum StorageError {
 /// What [`PageStore::put`] did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Put {
-    /// The record was written.
-    Written,
+    /// The record was written; keeping the byte budget evicted `evicted` older records.
+    Written {
+        /// Records evicted to make room.
+        evicted: u64,
+    },
     /// A record of this key was there already (its writer wrote the same bytes).
     Present,
 }

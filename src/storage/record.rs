@@ -98,15 +98,23 @@ fn checksum(head: &[u8], payload: &[u8]) -> u64 {
 /// A record's header followed by `payload`.
 pub fn encode(fp: &Fingerprint, key: &RecordKey, payload: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(HEADER_BYTES + payload.len());
-    out.extend_from_slice(&MAGIC);
-    out.extend_from_slice(&VERSION.to_le_bytes());
-    out.extend_from_slice(&(HEADER_BYTES as u32).to_le_bytes());
-    out.extend_from_slice(&fp.digest());
-    out.extend_from_slice(&key.0);
-    out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
-    let sum = checksum(&out, payload);
-    out.extend_from_slice(&sum.to_le_bytes());
+    out.extend_from_slice(&header(fp, key, payload));
     out.extend_from_slice(payload);
+    out
+}
+
+/// The header of the record of `payload`: what [`encode`] puts before it, for a writer that
+/// writes the two without copying the payload.
+pub fn header(fp: &Fingerprint, key: &RecordKey, payload: &[u8]) -> [u8; HEADER_BYTES] {
+    let mut out = [0u8; HEADER_BYTES];
+    out[..8].copy_from_slice(&MAGIC);
+    out[8..12].copy_from_slice(&VERSION.to_le_bytes());
+    out[12..16].copy_from_slice(&(HEADER_BYTES as u32).to_le_bytes());
+    out[16..32].copy_from_slice(&fp.digest());
+    out[32..48].copy_from_slice(&key.0);
+    out[48..56].copy_from_slice(&(payload.len() as u64).to_le_bytes());
+    let sum = checksum(&out, payload);
+    out[56..64].copy_from_slice(&sum.to_le_bytes());
     out
 }
 
@@ -118,11 +126,31 @@ pub fn decode<'a>(
     key: &RecordKey,
     payload_bytes: u64,
 ) -> Result<&'a [u8], RecordError> {
-    let torn = |want: u64| RecordError::Torn {
+    let head = bytes.get(..HEADER_BYTES).ok_or(RecordError::Torn {
         have: bytes.len() as u64,
-        want,
-    };
-    let head = bytes.get(..HEADER_BYTES).ok_or(torn(HEADER_BYTES as u64))?;
+        want: HEADER_BYTES as u64,
+    })?;
+    check_header(head, bytes.len() as u64, fp, key, payload_bytes)?;
+    let payload = &bytes[HEADER_BYTES..];
+    check_payload(head, payload)?;
+    Ok(payload)
+}
+
+/// Checks a record's header (its first [`HEADER_BYTES`]) for a record of `have` bytes in
+/// all, read as the record of `key` for deployment `fp` whose pages are `payload_bytes`
+/// long: everything but the checksum, which [`check_payload`] checks once the payload is
+/// read. A reader can so read the payload straight into a buffer of its own.
+pub fn check_header(
+    head: &[u8],
+    have: u64,
+    fp: &Fingerprint,
+    key: &RecordKey,
+    payload_bytes: u64,
+) -> Result<(), RecordError> {
+    let head = head.get(..HEADER_BYTES).ok_or(RecordError::Torn {
+        have: head.len() as u64,
+        want: HEADER_BYTES as u64,
+    })?;
     let u32_at = |at: usize| u32::from_le_bytes(head[at..at + 4].try_into().expect("4 bytes"));
     let u64_at = |at: usize| u64::from_le_bytes(head[at..at + 8].try_into().expect("8 bytes"));
     let magic: [u8; 8] = head[..8].try_into().expect("8 bytes");
@@ -155,20 +183,29 @@ pub fn decode<'a>(
         });
     }
     let want = HEADER_BYTES as u64 + len;
-    if (bytes.len() as u64) < want {
-        return Err(torn(want));
+    if have < want {
+        return Err(RecordError::Torn { have, want });
     }
-    if (bytes.len() as u64) > want {
+    if have > want {
         // More than the header says: not what was written either.
         return Err(RecordError::Length {
-            have: bytes.len() as u64 - HEADER_BYTES as u64,
+            have: have - HEADER_BYTES as u64,
             want: len,
         });
     }
-    let payload = &bytes[HEADER_BYTES..];
-    let (have, want) = (checksum(head, payload), u64_at(56));
+    Ok(())
+}
+
+/// Checks `payload` against the checksum of `head`, a header [`check_header`] accepted.
+pub fn check_payload(head: &[u8], payload: &[u8]) -> Result<(), RecordError> {
+    let head = head.get(..HEADER_BYTES).ok_or(RecordError::Torn {
+        have: head.len() as u64,
+        want: HEADER_BYTES as u64,
+    })?;
+    let want = u64::from_le_bytes(head[56..64].try_into().expect("8 bytes"));
+    let have = checksum(head, payload);
     if have != want {
         return Err(RecordError::Checksum { have, want });
     }
-    Ok(payload)
+    Ok(())
 }

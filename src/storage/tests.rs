@@ -63,7 +63,10 @@ fn a_store_round_trips_records_and_refuses_bad_ones_as_misses() {
     assert_eq!(keys.len(), 4);
     assert_eq!(s.present_run(&keys).unwrap(), 0);
     for (i, k) in keys.iter().enumerate() {
-        assert_eq!(s.put(k, &payload(i as u8, n)).unwrap(), Put::Written);
+        assert_eq!(
+            s.put(k, &payload(i as u8, n)).unwrap(),
+            Put::Written { evicted: 0 }
+        );
     }
     assert_eq!(s.put(&keys[0], &payload(0, n)).unwrap(), Put::Present);
     assert_eq!(s.present_run(&keys).unwrap(), 4);

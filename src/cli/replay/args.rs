@@ -6,7 +6,7 @@ use crate::cluster::{Fault, WritePolicy};
 use crate::exec::Backend;
 use crate::kernels::{Deployment, ModelShape, TransferPath};
 use crate::layout::Layout;
-use crate::rank::LiveShape;
+use crate::rank::{LiveShape, StoragePolicy};
 use crate::workload::{
     Conversations, ConversationsConfig, MooncakeTrace, Request, TraceConfig, WorkloadError,
     MAX_BLOCK_TOKENS,
@@ -172,8 +172,32 @@ pub struct ReplayArgs {
     /// verified after the prefill and again after the decode. Default: no decode.
     #[arg(long, value_name = "N|trace", value_parser = parse_decode_tokens)]
     pub decode_tokens: Option<DecodeTokens>,
+    /// A page store in directory DIR (created if need be), the third tier under device and
+    /// host memory: pages go there from the host tier (--storage-policy), and a prefix that
+    /// misses in device and host memory is read back from it, then verified like any
+    /// load-back. Records are named by the model, layers and page size and by their
+    /// prefix's tokens, never by the CP degree, rank or layout, so a later run with another
+    /// --cp (or ranks in other processes) reads what this one wrote. Several runs may share
+    /// the directory at once. Not with --layout token-interleave (a sequence page is split
+    /// across ranks there; records in parts are not built yet).
+    #[arg(long, value_name = "DIR")]
+    pub storage: Option<PathBuf>,
+    /// The store's capacity in bytes (a number, or with a K/M/G/T suffix, binary): over it,
+    /// the least recently used records are evicted, whichever run wrote them.
+    #[arg(long, value_name = "BYTES", requires = "storage", default_value = "16G", value_parser = parse_bytes)]
+    pub storage_bytes: u64,
+    /// When a rank writes its pages to the store: `with-host` (with every host backup) or
+    /// `on-host-evict` (when a host copy is evicted to make room).
+    #[arg(long, value_name = "POLICY", requires = "storage", default_value = "with-host", value_parser = parse_storage_policy)]
+    pub storage_policy: StoragePolicy,
     /// Inject a fault to exercise a failure path: plain-alloc-on-load (the seed's bug),
-    /// lane-exhaustion, host-pool-full, compile-error, launch-error.
+    /// lane-exhaustion, host-pool-full, compile-error, launch-error. With --storage, one
+    /// record read in three is damaged first: storage-torn (cut short, as after a power
+    /// loss), storage-flip (a payload byte flipped), storage-foreign (another deployment's
+    /// record under the same key): each is refused and counted, served as a miss, with 0
+    /// mismatches; storage-unchecked serves a changed byte as if the store skipped its
+    /// checksum, which verification must catch (mismatches, exit status 1). The records
+    /// read come from an earlier run with the same --storage.
     #[arg(long, value_name = "FAULT", value_parser = parse_fault)]
     pub inject: Option<Fault>,
 }
@@ -320,6 +344,40 @@ fn parse_transfer_path(s: &str) -> Result<TransferPath, String> {
     s.parse()
 }
 
+fn parse_storage_policy(s: &str) -> Result<StoragePolicy, String> {
+    s.parse()
+}
+
+/// A byte count: digits, optionally followed by K, M, G or T (powers of 1024; a trailing
+/// `B` or `iB` is accepted).
+pub(crate) fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let t = t
+        .strip_suffix("iB")
+        .or_else(|| t.strip_suffix('B'))
+        .unwrap_or(t);
+    let (digits, shift) = match t.char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => {
+            let shift = match c.to_ascii_uppercase() {
+                'K' => 10,
+                'M' => 20,
+                'G' => 30,
+                'T' => 40,
+                _ => return Err(format!("`{s}`: unknown unit `{c}` (expected K, M, G or T)")),
+            };
+            (&t[..i], shift)
+        }
+        _ => (t, 0),
+    };
+    digits
+        .trim()
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(1u64 << shift))
+        .filter(|&n| n > 0)
+        .ok_or_else(|| format!("`{s}` is not a positive byte count (e.g. 512M, 16G)"))
+}
+
 fn parse_fault(s: &str) -> Result<Fault, String> {
     s.parse()
 }
@@ -348,6 +406,18 @@ impl ReplayArgs {
             fault
                 .check_layout(layout)
                 .map_err(|why| crate::Error::Usage(format!("--inject {fault}: {why}")))?;
+            if fault.storage_damage().is_some() && self.storage.is_none() {
+                return Err(crate::Error::Usage(format!(
+                    "--inject {fault} damages records of the storage tier: give --storage DIR \
+                     (holding records an earlier run wrote)"
+                )));
+            }
+        }
+        if self.storage.is_some() && layout.interleaves_tokens(self.page_size) {
+            return Err(crate::Error::Usage(format!(
+                "--storage under --layout {layout}: a sequence page is split across ranks \
+                 there, and records written in parts are not built yet"
+            )));
         }
         if let Some(n) = self.verify_ranks {
             if n == 0 || n > self.cp {

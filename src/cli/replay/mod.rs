@@ -45,7 +45,33 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
         Cluster::new(setup.config.clone(), exec, &jit)
     }
     .map_err(cluster_error)?;
+    if let Some(store) = open_store(args, &setup.config)? {
+        cluster
+            .attach_storage(store, args.storage_policy)
+            .map_err(cluster_error)?;
+    }
     drive(&mut cluster, args, plan, setup, workload, total)
+}
+
+/// The store of `--storage`, if any, opened for this deployment's records.
+fn open_store(
+    args: &ReplayArgs,
+    config: &ClusterConfig,
+) -> Result<Option<Arc<dyn crate::storage::PageStore>>, crate::Error> {
+    let Some(dir) = &args.storage else {
+        return Ok(None);
+    };
+    let store = crate::storage::DirStore::for_deployment(
+        dir,
+        &config.deployment,
+        config.layers,
+        args.storage_bytes,
+    )
+    .map_err(|e| cluster_error(e.into()))?;
+    Ok(Some(match args.inject.and_then(Fault::storage_damage) {
+        Some(damage) => Arc::new(crate::storage::DamagingStore::new(store, damage, 3)),
+        None => Arc::new(store),
+    }))
 }
 
 /// Checks a replay's arguments as [`replay_rank`] will, before any rank starts: everything
@@ -120,6 +146,20 @@ pub fn replay_rank(
         },
     )
     .map_err(cluster_error)?;
+    // Every rank attaches (a collective), even one whose store failed to open: its failure
+    // then ends its peers' round at once.
+    match open_store(args, &setup.config) {
+        Ok(Some(store)) => rank
+            .attach_storage(store, args.storage_policy)
+            .map_err(cluster_error)?,
+        Ok(None) => {}
+        Err(e) => {
+            let _ = rank
+                .group()
+                .fail(crate::rank::STORAGE_ROUND, &e.to_string());
+            return Err(e);
+        }
+    }
     drive(&mut rank, args, plan, setup, workload, total)
 }
 
@@ -424,6 +464,14 @@ fn drive(
         group: cluster.group_info(),
         transfer_path: deployment.transfer_path.to_string(),
         synth_threads: deployment.synth_threads,
+        storage: args.storage.as_ref().map(|dir| {
+            format!(
+                "{} · {} · {}",
+                dir.display(),
+                args.storage_policy,
+                crate::cluster::stats::human_bytes(args.storage_bytes)
+            )
+        }),
     };
     if reports {
         outln!("cp-hicache replay");
@@ -475,6 +523,11 @@ fn fault_exercised(
         // The kernels are built before the first request, so a run that got here failed.
         Fault::CompileError => true,
         Fault::LaunchError => failed > 0,
+        Fault::StorageTorn => totals.storage_refused_torn > 0,
+        Fault::StorageFlip => totals.storage_refused_checksum > 0,
+        Fault::StorageForeign => totals.storage_refused_fingerprint > 0,
+        // Verification is what must catch it.
+        Fault::StorageUnchecked => totals.mismatched_tokens > 0,
     };
     if fired {
         return Ok(());
@@ -506,6 +559,21 @@ fn fault_exercised(
         Fault::LaunchError => "no request from the middle of the workload on launched a \
              kernel (each was skipped as too large, or empty)"
             .into(),
+        Fault::StorageTorn | Fault::StorageFlip | Fault::StorageForeign
+            if totals.storage_records_read == 0 =>
+        {
+            "no record was read from the store: a run before this one with the same \
+             --storage writes the records a later run reads"
+                .into()
+        }
+        Fault::StorageTorn | Fault::StorageFlip | Fault::StorageForeign => format!(
+            "none of the {} records read was one the fault damaged",
+            totals.storage_records_read
+        ),
+        Fault::StorageUnchecked => format!(
+            "no damaged record was served into a hit that was verified ({} records read)",
+            totals.storage_records_read
+        ),
     })
 }
 

@@ -209,6 +209,74 @@ impl RadixTree {
         Ok(())
     }
 
+    /// Adds a host-only leaf under `parent` holding `key` (whole granules), whose copy is
+    /// `meta`: pages read from the storage tier, which a load-back then brings to the
+    /// device like any host copy. `parent` must be the root or a node whose prefix `key`
+    /// continues, with no child starting like `key` (the caller matched up to `parent`).
+    pub fn insert_host_leaf(
+        &mut self,
+        parent: NodeId,
+        key: &[u32],
+        meta: NodeMetadata,
+    ) -> Result<NodeId, TreeError> {
+        let (ps, unit) = (self.ps(), self.unit());
+        if key.is_empty() || key.len() % unit != 0 {
+            return Err(TreeError::Layout(LayoutError::Misaligned {
+                what: format!(
+                    "a host-only leaf of {} tokens, not whole granules of {unit} tokens",
+                    key.len()
+                ),
+            }));
+        }
+        if self.get(parent)?.children.contains_key(&key[..unit]) {
+            return Err(invariant(format!(
+                "{parent} already has a child starting like the leaf added under it"
+            )));
+        }
+        meta.check_layout(&self.layout)
+            .map_err(|source| TreeError::Metadata {
+                node: parent,
+                source,
+            })?;
+        if meta.rank() != self.rank {
+            return Err(TreeError::RankMismatch {
+                expected: self.rank.0,
+                found: meta.rank().0,
+            });
+        }
+        if meta.num_pages() != key.len() / ps {
+            return Err(TreeError::PageCount {
+                node: parent,
+                expected: key.len() / ps,
+                found: meta.num_pages(),
+            });
+        }
+        if let Some(&page) = meta
+            .host_pages()
+            .iter()
+            .find(|p| self.held_host.contains(p))
+        {
+            return Err(TreeError::HostPageHeld { page });
+        }
+        self.clock += 1;
+        let leaf = Node {
+            key: key.to_vec(),
+            children: BTreeMap::new(),
+            parent: Some(parent),
+            device: None,
+            host: None,
+            lock: 0,
+            stamp: self.clock,
+        };
+        self.held_host.extend(meta.host_pages().iter().copied());
+        let id = self.alloc(leaf);
+        self.get_mut(id)?.host = Some(meta);
+        self.get_mut(parent)?
+            .children
+            .insert(key[..unit].to_vec(), id);
+        Ok(id)
+    }
+
     /// Takes the device pages of a backed-up, unlocked node none of whose children is on the
     /// device (the caller frees them); the node stays as host-only.
     pub fn take_device(&mut self, node: NodeId) -> Result<Vec<PageId>, TreeError> {

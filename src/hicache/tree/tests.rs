@@ -507,3 +507,43 @@ fn long_path_matches_in_one_walk() {
     assert_eq!(m.matched_tokens, tokens.len());
     assert_eq!(m.device_pages, p);
 }
+
+/// A run read from the storage tier becomes a host-only leaf that matches like any host
+/// copy, then goes to the device with its recorded owners; bad leaves are refused.
+#[test]
+fn a_host_only_leaf_matches_and_loads_like_a_backed_up_node() {
+    let (mut t, node, key) = host_only_node();
+    let meta = |owners: Vec<u8>, host: Vec<u32>| {
+        NodeMetadata::new(
+            &CpLayout::new(2, 2, 1024).unwrap(),
+            Rank(0),
+            owners,
+            host.into_iter().map(HostPage).collect(),
+        )
+        .unwrap()
+    };
+    let leaf = t
+        .insert_host_leaf(node, &[5, 6, 7, 8], meta(vec![1, 0], vec![9]))
+        .unwrap();
+    t.check_invariants().unwrap();
+    let whole: Vec<u32> = key.iter().copied().chain([5, 6, 7, 8]).collect();
+    let m = t.match_prefix(&whole).unwrap();
+    assert_eq!(m.host_nodes, vec![node, leaf]);
+    // The same child again, a partial page, an empty key and a held host page: refused.
+    assert!(t
+        .insert_host_leaf(node, &[5, 6], meta(vec![0], vec![11]))
+        .is_err());
+    assert!(t
+        .insert_host_leaf(node, &[9], meta(vec![0], vec![11]))
+        .is_err());
+    assert!(t.insert_host_leaf(node, &[], meta(vec![], vec![])).is_err());
+    assert!(t
+        .insert_host_leaf(NodeId::ROOT, &[20, 21], meta(vec![0], vec![9]))
+        .is_err());
+    t.check_invariants().unwrap();
+    t.set_device(node, pages(&[4, 5])).unwrap();
+    // Owners preserved: page 3 is rank 1's, page 2 rank 0's.
+    assert!(t.set_device(leaf, pages(&[2, 3])).is_err());
+    t.set_device(leaf, pages(&[3, 2])).unwrap();
+    t.check_invariants().unwrap();
+}

@@ -154,7 +154,7 @@ impl Request {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Ending {
     /// Every rank finished it: inserted, backed up per the policy, released.
-    Finished(RequestStats),
+    Finished(Box<RequestStats>),
     /// Some rank ended it with `ok = false` (or abandoned it): every rank abandoned it.
     Abandoned {
         /// The ranks that did not finish it.
@@ -381,7 +381,7 @@ impl RankCache {
     /// `insert`, `write_backup`, `dec_lock_ref`.
     pub fn finish(&mut self, req: &mut Request) -> Result<RequestStats, ClusterError> {
         match self.end(req, true)? {
-            Ending::Finished(stats) => Ok(stats),
+            Ending::Finished(stats) => Ok(*stats),
             Ending::Abandoned { by } => Err(ClusterError::Abandoned {
                 rank: self.rank.0,
                 request: req.n,
@@ -506,7 +506,7 @@ impl RankCache {
         self.commit(&what, |me| me.release_pages(release))?;
         req.done = true;
         req.load = None;
-        Ok(Ending::Finished(req.stats.clone()))
+        Ok(Ending::Finished(Box::new(req.stats.clone())))
     }
 
     /// Runs work every rank has committed to in the last round (frees a fence held back):
@@ -567,14 +567,35 @@ impl RankCache {
             );
         }
 
-        // 2. Load back host-only nodes, owners preserved, layer by layer.
+        // 2. Past what the tree matched, the storage tier's run becomes one more host-only
+        // node (one round, when pages are left to read).
+        let mut host_nodes = m.host_nodes.clone();
+        let mut storage_tokens = 0;
+        if self.storage.is_some() {
+            let parent = host_nodes.last().copied().unwrap_or(locked);
+            let matched = pages.len()
+                + host_nodes
+                    .iter()
+                    .map(|&id| Ok(self.tree.node(id)?.num_pages(ps as u32)))
+                    .sum::<Result<usize, TreeError>>()?;
+            // The parent's path stays put while host room is made for the run.
+            self.lock(parent)?;
+            let read = self.read_from_storage(key, matched, parent, n, &mut stats);
+            self.unlock(parent)?;
+            if let Some(leaf) = read? {
+                storage_tokens = self.tree.node(leaf)?.key().len() as u64;
+                host_nodes.push(leaf);
+            }
+        }
+
+        // 3. Load back host-only nodes, owners preserved, layer by layer.
         let mut load = None;
-        if let Some(&last) = m.host_nodes.last() {
+        if let Some(&last) = host_nodes.last() {
             // Lock the host-only nodes too: evictions on the load path (and write-back
             // backups, which may evict host LRU) must not remove the nodes being loaded.
             self.lock(last)?;
             let before = self.exec.counters();
-            let loaded = self.load_back(&m.host_nodes, &mut stats)?;
+            let loaded = self.load_back(&host_nodes, &mut stats)?;
             let c = self.exec.counters().since(&before);
             // Allocations and frees synchronise on CUDA (cuMemAlloc, cuMemFree), so they
             // count too.
@@ -592,7 +613,8 @@ impl RankCache {
             }
             match loaded {
                 Some((run, handle)) => {
-                    stats.host_hit_tokens = (run.len() * ps) as u64;
+                    stats.storage_hit_tokens = storage_tokens;
+                    stats.host_hit_tokens = (run.len() * ps) as u64 - storage_tokens;
                     stats.pages_loaded += run.len() as u64;
                     pages.extend(run);
                     self.unlock(locked)?;

@@ -1,0 +1,329 @@
+//! The rank's third tier: pages backed up to a [`PageStore`] that outlives the process, and
+//! prefixes that miss in device and host memory read back from it under any CP degree.
+//!
+//! - *Writes.* Each record has one writer: the rank that owns the page under this run's
+//!   layout writes it from its host copy, when the page is backed up to the host
+//!   ([`StoragePolicy::WithHost`]) or when its host copy is evicted
+//!   ([`StoragePolicy::OnHostEvict`]). A record already present is left alone (its writer
+//!   wrote the same bytes: a key names its whole prefix).
+//! - *Reads.* Past the pages the tree matched, every rank reads the records of the pages it
+//!   will own, in one batch, up to its first miss or refused record; the group agrees on
+//!   the shortest run (one round), in whole granules. The run becomes a host-only node of
+//!   the tree (each rank's records in its own host pool), which the ordinary load-back then
+//!   brings to the device with its owners preserved and verifies like any page.
+
+use super::*;
+use crate::kernels::HostLayout;
+use crate::storage::{Fingerprint, Lookup, PageStore, Put, RecordError, RecordKey, Refusal};
+use std::fmt;
+use std::str::FromStr;
+
+/// When a rank writes its pages to the store.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum StoragePolicy {
+    /// With every host backup (the store holds everything the host tier ever held).
+    #[default]
+    WithHost,
+    /// When a host copy is evicted (the store holds what the host tier let go).
+    OnHostEvict,
+}
+
+impl StoragePolicy {
+    /// Every policy, for help texts.
+    pub const ALL: [StoragePolicy; 2] = [StoragePolicy::WithHost, StoragePolicy::OnHostEvict];
+}
+
+impl fmt::Display for StoragePolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            StoragePolicy::WithHost => "with-host",
+            StoragePolicy::OnHostEvict => "on-host-evict",
+        })
+    }
+}
+
+impl FromStr for StoragePolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        StoragePolicy::ALL
+            .into_iter()
+            .find(|p| p.to_string() == s)
+            .ok_or_else(|| {
+                format!("unknown storage policy `{s}` (expected with-host or on-host-evict)")
+            })
+    }
+}
+
+/// A rank's store and when it writes to it.
+pub(super) struct Tier {
+    store: Arc<dyn PageStore>,
+    policy: StoragePolicy,
+}
+
+/// The name of the round in which every rank attaches its store
+/// ([`RankCache::attach_storage`]); a rank that cannot open its store fails this round.
+pub const STORAGE_ROUND: &str = "storage attached";
+
+impl RankCache {
+    /// Attaches the third tier: `store` (every rank's over the same records, typically one
+    /// directory) written per `policy`. A collective: every rank calls it, and every rank
+    /// fails alike when a rank's store does not hold this deployment's records, when the
+    /// ranks' stores or policies differ, or when the layout splits a sequence page across
+    /// ranks (records in parts are not built yet). SGLang: `HiCacheController`'s storage
+    /// backend (`--hicache-storage-backend`).
+    pub fn attach_storage(
+        &mut self,
+        store: Arc<dyn PageStore>,
+        policy: StoragePolicy,
+    ) -> Result<(), ClusterError> {
+        self.check_connected()?;
+        let mine = match self.storage_problem(store.as_ref()) {
+            Some(why) => {
+                let e = ClusterError::Config(format!("rank {}: {why}", self.rank.0));
+                let _ = self.group.fail(STORAGE_ROUND, &e.to_string());
+                return Err(e);
+            }
+            None => format!("{} {policy}", hex::encode(store.fingerprint().digest())),
+        };
+        let all = self.group.all_gather(STORAGE_ROUND, mine.as_bytes())?;
+        let differences: Vec<String> = all
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.as_slice() != all[0].as_slice())
+            .map(|(r, b)| {
+                format!(
+                    "rank {r} attaches `{}`, rank 0 `{}` (fingerprint and policy)",
+                    String::from_utf8_lossy(b),
+                    String::from_utf8_lossy(&all[0])
+                )
+            })
+            .collect();
+        if !differences.is_empty() {
+            return Err(ClusterError::ConfigDiverged {
+                rank: self.rank.0,
+                differences,
+            });
+        }
+        self.storage = Some(Tier { store, policy });
+        Ok(())
+    }
+
+    /// Why `store` cannot be this rank's third tier, if it cannot.
+    fn storage_problem(&self, store: &dyn PageStore) -> Option<String> {
+        let dep = &self.config.deployment;
+        if dep.layout.interleaves_tokens(dep.page_size) {
+            return Some(format!(
+                "the storage tier under {}: a sequence page is split across ranks, and \
+                 records written in parts are not built yet",
+                dep.layout
+            ));
+        }
+        let fp = Fingerprint::of(dep, self.config.layers);
+        if store.fingerprint() != &fp {
+            return Some(format!(
+                "the store holds records of {}, this deployment's are {}",
+                store.fingerprint().describe(),
+                fp.describe()
+            ));
+        }
+        let want = crate::storage::payload_bytes(dep, self.config.layers);
+        (store.payload_bytes() != want).then(|| {
+            format!(
+                "the store's records hold {} bytes, this deployment's pages {want}",
+                store.payload_bytes()
+            )
+        })
+    }
+
+    /// The attached store, if any.
+    pub fn storage(&self) -> Option<&Arc<dyn PageStore>> {
+        self.storage.as_ref().map(|t| &t.store)
+    }
+
+    /// Whether pages are written to the store when their host copies are evicted.
+    pub(super) fn stores_on_host_evict(&self) -> bool {
+        self.storage
+            .as_ref()
+            .is_some_and(|t| t.policy == StoragePolicy::OnHostEvict)
+    }
+
+    /// Writes node `id`'s pages this rank owns from its host copy to the store, when the
+    /// policy writes with every host backup.
+    pub(super) fn store_backup(
+        &mut self,
+        id: NodeId,
+        stats: &mut RequestStats,
+    ) -> Result<(), ClusterError> {
+        if self
+            .storage
+            .as_ref()
+            .is_some_and(|t| t.policy == StoragePolicy::WithHost)
+        {
+            self.store_node(id, stats)?;
+        }
+        Ok(())
+    }
+
+    /// Writes node `id`'s pages this rank owns, from its host copy, to the store.
+    pub(super) fn store_node(
+        &mut self,
+        id: NodeId,
+        stats: &mut RequestStats,
+    ) -> Result<(), ClusterError> {
+        let Some(tier) = &self.storage else {
+            return Ok(());
+        };
+        let store = tier.store.clone();
+        let ps = self.layout.page_size();
+        let tokens = self.tree.prefix_tokens(id)?;
+        let meta = self
+            .tree
+            .node(id)?
+            .host()
+            .ok_or(TreeError::NotBackedUp { node: id })?
+            .clone();
+        let keys = RecordKey::chain(store.fingerprint(), &tokens, ps);
+        let first = keys.len() - meta.num_pages();
+        for (i, host) in meta.owned_pages() {
+            let payload = self.read_host_page(host)?;
+            match store.put(&keys[first + i], &payload)? {
+                Put::Written { evicted } => {
+                    stats.storage_records_written += 1;
+                    stats.storage_bytes_written += payload.len() as u64;
+                    stats.storage_evictions += evicted;
+                }
+                Put::Present => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// A host page's record payload: every layer of every buffer kind, in the model's order.
+    fn read_host_page(&self, page: HostPage) -> Result<Vec<u8>, ClusterError> {
+        let mut out = Vec::new();
+        for (b, offset, len) in self.host_page_ranges(page) {
+            let at = out.len();
+            out.resize(at + len, 0);
+            self.exec.read(self.pools.host(b), offset, &mut out[at..])?;
+        }
+        Ok(out)
+    }
+
+    /// Writes a record's payload into host page `page`.
+    fn write_host_page(&self, page: HostPage, payload: &[u8]) -> Result<(), ClusterError> {
+        let mut at = 0;
+        for (b, offset, len) in self.host_page_ranges(page) {
+            self.exec
+                .upload(self.pools.host(b), offset, &payload[at..at + len])?;
+            at += len;
+        }
+        Ok(())
+    }
+
+    /// Where host page `page` lies in the host pools, in payload order: `(buffer, offset,
+    /// bytes)`, one range per buffer kind where the host layout keeps a page's layers
+    /// together, one per layer otherwise.
+    fn host_page_ranges(&self, page: HostPage) -> Vec<(BufferKind, u64, usize)> {
+        let g = self.pools.geometry();
+        let host_layout = self.config.deployment.host_layout;
+        let mut out = Vec::new();
+        for &b in self.config.deployment.model.buffers() {
+            let pb = b.page_bytes(self.layout.page_size());
+            let at = |l| reference::host_offset(host_layout, page.0, l, g.layers, g.host_pages, pb);
+            match host_layout {
+                HostLayout::PageFirst => out.push((b, at(0), (pb * u64::from(g.layers)) as usize)),
+                HostLayout::LayerFirst => {
+                    out.extend((0..g.layers).map(|l| (b, at(l), pb as usize)));
+                }
+            }
+        }
+        out
+    }
+
+    /// Reads the run of `key`'s pages past the first `matched` from the store into a new
+    /// host-only leaf under `parent` (see the module documentation), or `None` when the
+    /// group's run is empty or does not fit in the host pools. `key` is whole granules.
+    /// Makes one round when pages are left to read, which every rank knows alike.
+    pub(super) fn read_from_storage(
+        &mut self,
+        key: &[u32],
+        matched: usize,
+        parent: NodeId,
+        n: usize,
+        stats: &mut RequestStats,
+    ) -> Result<Option<NodeId>, ClusterError> {
+        let Some(tier) = &self.storage else {
+            return Ok(None);
+        };
+        let store = tier.store.clone();
+        let ps = self.layout.page_size() as usize;
+        let total = key.len() / ps;
+        if total <= matched {
+            return Ok(None);
+        }
+        let keys = RecordKey::chain(store.fingerprint(), key, ps as u32);
+        let (layout, cp) = (self.config.deployment.layout, self.layout.cp());
+        let owners = layout.owners(cp, matched, total - matched);
+        // This rank's records, in one batch, up to its first miss or refusal.
+        let me = self.rank.0;
+        let mut payloads = Vec::new();
+        let mut run = owners.len();
+        for (i, _) in owners.iter().enumerate().filter(|(_, &o)| o == me) {
+            match store.get(&keys[matched + i])? {
+                Lookup::Hit(p) => {
+                    stats.storage_records_read += 1;
+                    stats.storage_bytes_read += p.len() as u64;
+                    payloads.push(p);
+                }
+                Lookup::Miss => {
+                    run = i;
+                    break;
+                }
+                Lookup::Refused(e) => {
+                    self.count_refusal(&e, stats);
+                    run = i;
+                    break;
+                }
+            }
+        }
+        let round = format!("request {n} storage");
+        let all = self.group.all_gather(&round, &(run as u32).to_le_bytes())?;
+        self.check_round(&round, &all, |_, b| {
+            (b.len() != 4).then(|| format!("{} bytes, not a page count", b.len()))
+        })?;
+        let granule = self.layout.granule() as usize;
+        let agreed = all
+            .iter()
+            .map(|b| u32::from_le_bytes(b[..4].try_into().expect("checked: 4 bytes")) as usize)
+            .min()
+            .unwrap_or(0)
+            .min(owners.len())
+            / granule
+            * granule;
+        if agreed == 0 {
+            return Ok(None);
+        }
+        let owners = owners[..agreed].to_vec();
+        if !self.make_host_room(&owners, stats)? {
+            stats.storage_reads_skipped += 1;
+            return Ok(None);
+        }
+        let mine = owners.iter().filter(|&&o| o == me).count();
+        let host_pages = self.host.alloc(mine)?;
+        for (page, payload) in host_pages.iter().zip(&payloads) {
+            self.write_host_page(*page, payload)?;
+        }
+        let meta = NodeMetadata::new(&self.layout, self.rank, owners, host_pages)?;
+        let leaf = &key[matched * ps..(matched + agreed) * ps];
+        Ok(Some(self.tree.insert_host_leaf(parent, leaf, meta)?))
+    }
+
+    /// Counts a refused record by its kind.
+    fn count_refusal(&self, e: &RecordError, stats: &mut RequestStats) {
+        match e.refusal() {
+            Refusal::Torn => stats.storage_refused_torn += 1,
+            Refusal::Checksum => stats.storage_refused_checksum += 1,
+            Refusal::Fingerprint => stats.storage_refused_fingerprint += 1,
+        }
+    }
+}

@@ -1,0 +1,248 @@
+//! `cp-hicache replay --storage`: a store one run writes is read back by fresh processes
+//! under other CP degrees and layouts with 0 mismatches; every damaged record is refused
+//! and counted, and one that gets past the store's checks is caught by verification; two
+//! runs share one directory at once and leave only whole records.
+
+use cp_hicache::kernels::{Deployment, ModelShape};
+use cp_hicache::storage::{record, Fingerprint, RecordKey};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// A small MLA deployment whose prompts fit the device pool at every CP degree used here.
+const BASE: &[&str] = &[
+    "replay",
+    "--model",
+    "mla",
+    "--page-size",
+    "64",
+    "--layers",
+    "2",
+    "--conversations",
+    "6",
+    "--device-pages",
+    "256",
+    "--quiet",
+];
+
+fn replay(store: &Path, extra: &[&str]) -> (Output, Option<serde_json::Value>) {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("report.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+        .args(BASE)
+        .arg("--storage")
+        .arg(store)
+        .args(extra)
+        .arg("--json")
+        .arg(&json)
+        .env("CP_HICACHE_CACHE_DIR", cache_dir())
+        .env_remove("CP_HICACHE_JIT")
+        .output()
+        .unwrap();
+    let report = std::fs::read_to_string(&json)
+        .ok()
+        .map(|t| serde_json::from_str(&t).unwrap());
+    (out, report)
+}
+
+fn cache_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cli-storage-cache")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn num(r: &serde_json::Value, k: &str) -> u64 {
+    r[k].as_u64()
+        .unwrap_or_else(|| panic!("{k} missing in {r}"))
+}
+
+/// A store written by a CP 8 run.
+fn written_at_cp8() -> tempfile::TempDir {
+    let store = tempfile::tempdir().unwrap();
+    let (out, r) = replay(store.path(), &["--cp", "8"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let r = r.unwrap();
+    assert!(num(&r, "storage_records_written") > 0, "{r}");
+    assert_eq!(num(&r, "mismatched_tokens"), 0);
+    store
+}
+
+/// Copies a store (a fault damages the records it reads; each test gets its own).
+fn copy_of(store: &Path) -> tempfile::TempDir {
+    let to = tempfile::tempdir().unwrap();
+    let status = Command::new("cp")
+        .arg("-r")
+        .arg(format!("{}/.", store.display()))
+        .arg(to.path())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    to
+}
+
+#[test]
+fn a_store_written_at_cp8_reads_back_at_cp4_cp2_cp1_and_under_another_layout() {
+    let store = written_at_cp8();
+    for extra in [
+        &["--cp", "4"][..],
+        &["--cp", "2"],
+        &["--cp", "1"],
+        &["--cp", "2", "--layout", "page-interleave"],
+        &["--cp", "4", "--layout", "round-robin"],
+    ] {
+        let (out, r) = replay(store.path(), extra);
+        assert_eq!(out.status.code(), Some(0), "{extra:?}: {}", stderr(&out));
+        let r = r.unwrap();
+        assert!(num(&r, "storage_hit_tokens") > 0, "{extra:?}: {r}");
+        assert!(num(&r, "storage_records_read") > 0, "{extra:?}: {r}");
+        assert_eq!(num(&r, "storage_refused_checksum"), 0, "{extra:?}: {r}");
+        assert_eq!(num(&r, "mismatched_tokens"), 0, "{extra:?}: {r}");
+        assert_eq!(r["replicas_agree"], true);
+        assert!(r["storage"].as_str().unwrap().contains("with-host"), "{r}");
+        // Each rank reads its own pages: as many records as pages the hits cover.
+        assert_eq!(
+            num(&r, "storage_records_read") * 64,
+            num(&r, "storage_hit_tokens"),
+            "{extra:?}: {r}"
+        );
+    }
+}
+
+#[test]
+fn the_seed_bug_is_caught_on_pages_read_from_the_store() {
+    let store = written_at_cp8();
+    let (out, r) = replay(
+        store.path(),
+        &["--cp", "4", "--inject", "plain-alloc-on-load"],
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let r = r.unwrap();
+    assert!(num(&r, "storage_hit_tokens") > 0, "{r}");
+    assert!(num(&r, "pages_loaded_misowned") > 0, "{r}");
+    assert!(num(&r, "mismatched_tokens") > 0, "{r}");
+}
+
+#[test]
+fn damaged_records_are_refused_counted_and_served_as_misses() {
+    let store = written_at_cp8();
+    for (fault, counter) in [
+        ("storage-torn", "storage_refused_torn"),
+        ("storage-flip", "storage_refused_checksum"),
+        ("storage-foreign", "storage_refused_fingerprint"),
+    ] {
+        let copy = copy_of(store.path());
+        let (out, r) = replay(copy.path(), &["--cp", "4", "--inject", fault]);
+        assert_eq!(out.status.code(), Some(0), "{fault}: {}", stderr(&out));
+        let r = r.unwrap();
+        assert!(num(&r, counter) > 0, "{fault}: {r}");
+        assert_eq!(r["fault_fired"], true, "{fault}: {r}");
+        assert_eq!(num(&r, "mismatched_tokens"), 0, "{fault}: {r}");
+        // Refused records were recomputed and written again: a clean run reads them all.
+        let (out, r) = replay(copy.path(), &["--cp", "4"]);
+        assert_eq!(out.status.code(), Some(0), "{fault}: {}", stderr(&out));
+        let r = r.unwrap();
+        for k in [
+            "storage_refused_torn",
+            "storage_refused_checksum",
+            "storage_refused_fingerprint",
+        ] {
+            assert_eq!(num(&r, k), 0, "{fault} then clean: {r}");
+        }
+    }
+}
+
+#[test]
+fn a_record_past_the_stores_checks_is_caught_by_verification() {
+    let store = written_at_cp8();
+    let (out, r) = replay(
+        store.path(),
+        &["--cp", "4", "--inject", "storage-unchecked"],
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let r = r.unwrap();
+    assert!(num(&r, "mismatched_tokens") > 0, "{r}");
+    assert_eq!(r["fault_fired"], true, "{r}");
+}
+
+#[test]
+fn two_runs_sharing_a_directory_at_once_leave_only_whole_records() {
+    let store = tempfile::tempdir().unwrap();
+    let runs: Vec<_> = [("8", "1"), ("4", "2")]
+        .into_iter()
+        .map(|(cp, seed)| {
+            let store = store.path().to_path_buf();
+            std::thread::spawn(move || replay(&store, &["--cp", cp, "--seed", seed]))
+        })
+        .collect();
+    for run in runs {
+        let (out, r) = run.join().unwrap();
+        assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+        assert_eq!(num(&r.unwrap(), "mismatched_tokens"), 0);
+    }
+    // Every record at its final name decodes whole, under the key it is filed as.
+    let dep = Deployment::new(ModelShape::MlaBf16, 64, 1).unwrap();
+    let fp = Fingerprint::of(&dep, 2);
+    let payload = cp_hicache::storage::payload_bytes(&dep, 2);
+    let mut records = 0;
+    for dir in std::fs::read_dir(store.path().join("records")).unwrap() {
+        for f in std::fs::read_dir(dir.unwrap().path()).unwrap() {
+            let path = f.unwrap().path();
+            let name = path.file_stem().unwrap().to_str().unwrap();
+            let key = RecordKey(hex_key(name));
+            let bytes = std::fs::read(&path).unwrap();
+            record::decode(&bytes, &fp, &key, payload)
+                .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            records += 1;
+        }
+    }
+    assert!(records > 0);
+    // Both workloads read back in full by fresh runs: nothing refused.
+    for seed in ["1", "2"] {
+        let (out, r) = replay(store.path(), &["--cp", "2", "--seed", seed]);
+        assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+        let r = r.unwrap();
+        assert!(num(&r, "storage_hit_tokens") > 0, "{r}");
+        assert_eq!(num(&r, "storage_refused_torn"), 0, "{r}");
+        assert_eq!(num(&r, "storage_refused_checksum"), 0, "{r}");
+        assert_eq!(num(&r, "mismatched_tokens"), 0, "{r}");
+    }
+}
+
+fn hex_key(name: &str) -> [u8; 16] {
+    let mut out = [0u8; 16];
+    for (i, b) in out.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&name[2 * i..2 * i + 2], 16).unwrap();
+    }
+    out
+}
+
+#[test]
+fn storage_settings_that_cannot_work_are_refused_before_the_run() {
+    let store = tempfile::tempdir().unwrap();
+    for (extra, says) in [
+        (
+            &["--layout", "token-interleave"][..],
+            "records written in parts are not built yet",
+        ),
+        (&["--storage-bytes", "0"], "not a positive byte count"),
+        (&["--storage-bytes", "12X"], "unknown unit `X`"),
+        (&["--storage-policy", "sometimes"], "unknown storage policy"),
+    ] {
+        let (out, _) = replay(store.path(), extra);
+        assert_eq!(out.status.code(), Some(2), "{extra:?}: {}", stderr(&out));
+        assert!(stderr(&out).contains(says), "{extra:?}: {}", stderr(&out));
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+        .args(BASE)
+        .args(["--inject", "storage-flip"])
+        .env("CP_HICACHE_CACHE_DIR", cache_dir())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("give --storage DIR"),
+        "{}",
+        stderr(&out)
+    );
+}
