@@ -24,14 +24,24 @@ const BASE: &[&str] = &[
     "--quiet",
 ];
 
+/// [`BASE`] with `--storage store` and `extra` (option-value pairs; one that [`BASE`] has
+/// replaces its value there).
 fn replay(store: &Path, extra: &[&str]) -> (Output, Option<serde_json::Value>) {
+    let mut base = BASE.to_vec();
+    let mut rest = Vec::new();
+    for pair in extra.chunks(2) {
+        match base.iter().position(|&a| a == pair[0]) {
+            Some(at) if pair.len() == 2 => base[at + 1] = pair[1],
+            _ => rest.extend_from_slice(pair),
+        }
+    }
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("report.json");
     let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
-        .args(BASE)
+        .args(&base)
         .arg("--storage")
         .arg(store)
-        .args(extra)
+        .args(&rest)
         .arg("--json")
         .arg(&json)
         .env("CP_HICACHE_CACHE_DIR", cache_dir())
@@ -233,6 +243,15 @@ fn storage_settings_that_cannot_work_are_refused_before_the_run() {
         assert_eq!(out.status.code(), Some(2), "{extra:?}: {}", stderr(&out));
         assert!(stderr(&out).contains(says), "{extra:?}: {}", stderr(&out));
     }
+    let file = store.path().join("a-file");
+    std::fs::write(&file, b"not a store").unwrap();
+    let (out, _) = replay(&file, &[]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("is not a directory"),
+        "{}",
+        stderr(&out)
+    );
     let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
         .args(BASE)
         .args(["--inject", "storage-flip"])
@@ -245,4 +264,36 @@ fn storage_settings_that_cannot_work_are_refused_before_the_run() {
         "{}",
         stderr(&out)
     );
+}
+
+/// `on-host-evict` writes a page when its host copy is evicted: with a small host pool the
+/// store fills as copies go, the same run reads some back, and a later run reads them.
+#[test]
+fn on_host_evict_writes_evicted_host_copies() {
+    let store = tempfile::tempdir().unwrap();
+    let small_host = [
+        "--cp",
+        "4",
+        "--conversations",
+        "12",
+        "--host-pages",
+        "64",
+        "--storage-policy",
+        "on-host-evict",
+    ];
+    let (out, r) = replay(store.path(), &small_host);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let r = r.unwrap();
+    assert!(num(&r, "host_evictions_for_backup") > 0, "{r}");
+    assert!(num(&r, "storage_records_written") > 0, "{r}");
+    assert_eq!(num(&r, "mismatched_tokens"), 0, "{r}");
+    assert!(
+        r["storage"].as_str().unwrap().contains("on-host-evict"),
+        "{r}"
+    );
+    let (out, r) = replay(store.path(), &["--cp", "2", "--conversations", "12"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let r = r.unwrap();
+    assert!(num(&r, "storage_hit_tokens") > 0, "{r}");
+    assert_eq!(num(&r, "mismatched_tokens"), 0, "{r}");
 }

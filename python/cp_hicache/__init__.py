@@ -316,6 +316,22 @@ class RankCache:
         """What the last request's verification found, over all ranks and per rank."""
         return self._native.last_verdict()
 
+    def attach_storage(
+        self, path: Any, *, capacity_bytes: int = 16 << 30, policy: str = "with-host"
+    ) -> None:
+        """Attaches the storage tier: a page store in directory ``path`` (created if need
+        be), shared by every rank and by later processes, holding at most
+        ``capacity_bytes`` (least recently used records go first). Pages are written by
+        their owner rank with every host backup (``policy="with-host"``) or when a host
+        copy is evicted (``"on-host-evict"``). A prefix that misses in device and host
+        memory is read back from it, under any CP degree or layout, and verified; a
+        request's stats then count ``storage_hit_tokens`` and ``storage_records_read``.
+        Records are keyed by the model, layers, page size and the prefix's tokens, never
+        by the CP degree, rank or layout. A collective: every rank calls it."""
+        self._native.attach_storage(
+            str(path), capacity_bytes=capacity_bytes, policy=policy
+        )
+
     def inject_launch_failure(self, request: int) -> None:
         """Makes this rank's first launch of request number ``request`` fail (every rank
         then rolls it back): for testing the failure path. Requests are numbered over

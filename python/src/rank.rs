@@ -682,6 +682,49 @@ impl RankCache {
         self.between_steps(|r| r.lane_free_counts())
     }
 
+    /// Attaches the storage tier: a page store in directory `path` (created if need be),
+    /// shared by every rank and by later runs, holding at most `capacity_bytes` (least
+    /// recently used records go first), written per `policy` (`"with-host"`: with every host
+    /// backup; `"on-host-evict"`: when a host copy is evicted). A prefix that misses in
+    /// device and host memory is then read back from it, under any CP degree, and verified.
+    /// A collective: every rank calls it, and a rank whose store cannot open fails every
+    /// rank's call.
+    #[pyo3(signature = (path, *, capacity_bytes = 16 << 30, policy = "with-host"))]
+    fn attach_storage(
+        &self,
+        py: Python<'_>,
+        path: PathBuf,
+        capacity_bytes: u64,
+        policy: &str,
+    ) -> PyResult<()> {
+        let policy: cp_hicache::rank::StoragePolicy = policy.parse().map_err(usage)?;
+        self.with(py, move |r| {
+            let config = r.config();
+            let opened = if capacity_bytes == 0 {
+                Err("capacity_bytes must be positive".to_string())
+            } else {
+                cp_hicache::storage::DirStore::for_deployment(
+                    &path,
+                    &config.deployment,
+                    config.layers,
+                    capacity_bytes,
+                )
+                .map_err(|e| e.to_string())
+            };
+            match opened {
+                Ok(store) => r.attach_storage(Arc::new(store), policy).map_err(cluster),
+                Err(why) => {
+                    let _ = r.group().fail(cp_hicache::rank::STORAGE_ROUND, &why);
+                    Err(usage(format!(
+                        "rank {}: storage at {}: {why}",
+                        r.rank().0,
+                        path.display()
+                    )))
+                }
+            }
+        })?
+    }
+
     /// What the last request's verification found: `{"mismatched_tokens",
     /// "first_mismatched_token", "by_rank", "bytes_gathered"}`.
     fn last_verdict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {

@@ -105,7 +105,20 @@ impl DirStore {
         }
         let marker = root.join("FINGERPRINT");
         match fs::read_to_string(&marker) {
-            Ok(_) => {}
+            Ok(text) => {
+                // One deployment's records per store: another's would never hit (its keys are
+                // salted with its fingerprint) and would only share the byte budget.
+                let mut lines = text.lines();
+                if lines.next() != Some(fp.to_string().as_str()) {
+                    return Err(StorageError::Config(format!(
+                        "{} holds records of {}, this deployment's are {}: give each \
+                         deployment a directory of its own",
+                        root.display(),
+                        lines.next().unwrap_or("another deployment"),
+                        fp.describe()
+                    )));
+                }
+            }
             Err(e) if e.kind() == ErrorKind::NotFound => {
                 // Informational only (records carry their own fingerprint): written aside.
                 // A name of its own per opening: threads of one process open stores too.

@@ -196,3 +196,21 @@ fn concurrent_writers_leave_whole_records_within_the_budget() {
         "nothing left aside"
     );
 }
+
+/// A directory holds one deployment's records: opening it for another is refused, naming
+/// both, and changes nothing; the same deployment opens it again.
+#[test]
+fn a_store_of_another_deployment_is_refused_at_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = 2 * 1152 * 16;
+    drop(DirStore::open(dir.path(), fp(2), n, 1 << 30).unwrap());
+    let err = DirStore::open(dir.path(), fp(3), 3 * 1152 * 16, 1 << 30)
+        .err()
+        .expect("another deployment's store");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("layers=2") && msg.contains("layers=3"),
+        "{msg}"
+    );
+    DirStore::open(dir.path(), fp(2), n, 1 << 30).unwrap();
+}

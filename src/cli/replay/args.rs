@@ -472,7 +472,14 @@ impl ReplayArgs {
                 ("--trace", self.trace.as_deref()),
                 ("--tuning", self.tuning.as_deref()),
             ],
-        )
+        )?;
+        match &self.storage {
+            Some(dir) if dir.exists() && !dir.is_dir() => Err(crate::Error::Usage(format!(
+                "--storage {} is not a directory (the store is a directory of records)",
+                dir.display()
+            ))),
+            _ => Ok(()),
+        }
     }
 
     /// The request stream and, when known, its length (for the progress bar). A trace in a
