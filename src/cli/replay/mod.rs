@@ -3,23 +3,22 @@
 //! traffic, throughput, replica agreement and mismatched tokens.
 
 mod args;
+mod drive;
 mod memory;
+mod report;
 
-use crate::cluster::{
-    Cluster, ClusterConfig, Fault, Ranks, ReplayReport, RequestStats, RollbackDrops,
-};
+use crate::cluster::{Cluster, ClusterConfig, Fault, Ranks};
 use crate::exec::{open_executor, Executor};
 use crate::jit::{Jit, JitConfig, Sanitize};
 use crate::kernels::Deployment;
 pub use args::*;
-use args::{live_shape, ReplayPlan, RequestStream};
+use args::{ReplayPlan, RequestStream};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 pub use memory::*;
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::Instant;
 
 /// Runs the replay and prints the report; the exit status says whether it was correct.
 pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
@@ -213,7 +212,8 @@ impl Setup {
 }
 
 /// The replay itself, over every rank in this process or this process's one rank: the same
-/// calls either way (see [`Ranks`]), so both report the same.
+/// calls either way (see [`Ranks`]), so both report the same: the requests
+/// ([`drive::replay_all`]), then the verdict and the report ([`report::conclude`]).
 fn drive(
     cluster: &mut dyn Ranks,
     args: &ReplayArgs,
@@ -222,13 +222,6 @@ fn drive(
     workload: RequestStream,
     total: Option<u64>,
 ) -> Result<ExitCode, crate::Error> {
-    let Setup {
-        deployment,
-        backend,
-        tuning_file,
-        ..
-    } = setup;
-    let reports = cluster.reports();
     if let Some(n) = args.verify_ranks {
         cluster.set_verifying_ranks(usize::from(n));
     }
@@ -237,344 +230,8 @@ fn drive(
         cache_hits = cluster.kernels().cache_hits,
         "kernels ready"
     );
-    // The request the injected launch failure is aimed at (on the last rank).
-    let last = usize::from(args.cp) - 1;
-    let mut launch_failure_at = None;
-    if args.inject == Some(Fault::LaunchError) {
-        // Fail a request in the middle, once the cache holds something worth protecting.
-        let at = total.map_or(1, |t| (t / 2) as usize);
-        cluster.inject_launch_failure_on(last, at);
-        launch_failure_at = Some(at);
-    }
-
-    // Only the reporting process draws and notes; every rank still makes every call.
-    let bar = if reports {
-        progress_bar(total, args.quiet)
-    } else {
-        ProgressBar::hidden()
-    };
-    let say = |line: String| {
-        if reports {
-            note(&bar, line);
-        }
-    };
-    let start = Instant::now();
-    let mut totals = RequestStats::default();
-    let mut requests = 0u64;
-    let mut disagreed_at = None;
-    let mut failed = 0u64;
-    let mut dropped = RollbackDrops::default();
-    let mut skipped = 0u64;
-    // A bad line the up-front check could not see (a pipe, or a file changed since) stops
-    // the replay there; what ran is still reported.
-    let mut input_error = None;
-    let mut log = String::new();
-    for req in workload {
-        let req = match req {
-            Ok(req) => req,
-            Err(e) => {
-                input_error = Some(e);
-                break;
-            }
-        };
-        let before = cluster.replica_digests().map_err(cluster_error)?;
-        let shape = live_shape(args, &req);
-        let live = !shape.is_plain(req.tokens.len());
-        let served = if live {
-            cluster.serve_live(&req.tokens, &shape)
-        } else {
-            cluster.serve(&req.tokens)
-        };
-        let mut entry = serde_json::json!({
-            "request": req.id,
-            "outcome": match &served {
-                Ok(_) => "served",
-                Err(e) if e.is_pool_too_small() => "skipped",
-                Err(_) => "failed",
-            },
-        });
-        if let Ok(stats) = &served {
-            entry["stats"] = serde_json::to_value(stats).unwrap_or_default();
-        }
-        match served {
-            Ok(stats) => {
-                totals.add(&stats);
-                if let Some(first) = stats.first_mismatched_token {
-                    say(format!(
-                        "request {}: {} mismatched tokens, the first at token {first}",
-                        req.id, stats.mismatched_tokens
-                    ));
-                }
-            }
-            Err(e) if e.is_pool_too_small() => {
-                // The cluster rolled the request back; smaller ones can still be served. The
-                // error says which lanes were short and why, not just a page count.
-                if skipped == 0 {
-                    let at = req
-                        .line
-                        .map_or(String::new(), |l| format!(" (trace line {l})"));
-                    say(format!(
-                        "warning: request {}{at} skipped: {e}; later requests that do not \
-                             fit are skipped and counted too",
-                        req.id
-                    ));
-                }
-                skipped += 1;
-                if launch_failure_at == Some(requests as usize) {
-                    // The launch failure aimed at this request went with it (it launched
-                    // nothing): aim at the next one, so the fault is still exercised.
-                    let next = requests as usize + 1;
-                    cluster.inject_launch_failure_on(last, next);
-                    launch_failure_at = Some(next);
-                }
-            }
-            Err(e) if e.is_usage() || e.is_group_broken() => {
-                // A broken group (a rank gone, a timeout, diverged ranks) serves no more.
-                bar.finish_and_clear();
-                return Err(cluster_error(e));
-            }
-            Err(e) => {
-                failed += 1;
-                // The rollback may legitimately drop cache entries whose pages the failed
-                // request had evicted (and may have reused): then the state differs from
-                // before, but the replicas must still agree, and something must have been
-                // dropped to explain the difference.
-                let drops = cluster.last_rollback();
-                dropped.device_pages += drops.device_pages;
-                dropped.host_copies += drops.host_copies;
-                let unchanged = cluster.replica_digests().map_err(cluster_error)? == before;
-                let agree = cluster.replicas_agree().map_err(cluster_error)?;
-                let state = match (unchanged, agree, drops.is_empty()) {
-                    (true, _, _) => "unchanged".to_string(),
-                    // Steps are agreed one by one: a failed one abandons the request, and
-                    // what it inserted unfinished stays cached.
-                    (false, true, _) if live => "abandoned on every rank".to_string(),
-                    (false, true, false) => format!(
-                        "rolled back, dropping stale cache entries ({} device pages, {} host copies)",
-                        drops.device_pages, drops.host_copies
-                    ),
-                    (false, true, true) => "CHANGED although the rollback dropped nothing".into(),
-                    (false, false, _) => "CHANGED and the replicas DISAGREE".into(),
-                };
-                say(format!(
-                    "request {} failed: {e}\n  allocator and tree state {state} (digest before {})",
-                    req.id,
-                    before
-                        .first()
-                        .map_or("unknown".to_string(), ToString::to_string)
-                ));
-                if !agree || (!unchanged && drops.is_empty() && !live) {
-                    disagreed_at.get_or_insert(req.id);
-                }
-            }
-        }
-        requests += 1;
-        let after = cluster.replica_digests().map_err(cluster_error)?;
-        let agree = !after.is_empty() && after.windows(2).all(|w| w[0] == w[1]);
-        if disagreed_at.is_none() && !agree {
-            disagreed_at = Some(req.id);
-            say(format!("request {}: replicas disagree", req.id));
-        }
-        if args.request_log.is_some() {
-            entry["digests"] = after.iter().map(ToString::to_string).collect();
-            log.push_str(&entry.to_string());
-            log.push('\n');
-        }
-        bar.inc(1);
-        bar.set_message(format!("{} mismatched", totals.mismatched_tokens));
-    }
-    bar.finish_and_clear();
-    // A run that verified nothing must not read as a pass.
-    if requests == 0 {
-        if let Some(e) = input_error {
-            return Err(e.into());
-        }
-        return Err(crate::Error::Usage(format!(
-            "{} has no request: nothing to verify",
-            plan.workload_name
-        )));
-    }
-    if skipped == requests {
-        if let Some(e) = &input_error {
-            eprintln!("error: {e}");
-        }
-        return Err(crate::Error::Usage(format!(
-            "no request fits in the device pool: all {skipped} were skipped, nothing was \
-             verified; raise --device-pages"
-        )));
-    }
-    let fault_exercised = args
-        .inject
-        .map(|f| fault_exercised(f, &totals, failed, args.cp, args.device_pages));
-    if let (true, Some(f), Some(Err(why))) = (reports, args.inject, &fault_exercised) {
-        eprintln!("warning: the injected fault {f} never fired: {why}");
-    }
-    let wall = start.elapsed().as_secs_f64();
-    // The allocator kernels' output is never read on the serving path (the host mirror
-    // decides); compare the device lane stacks with the mirrors once now, off that path.
-    let device_lanes_agree = match cluster.check_device_lanes() {
-        Ok(()) => true,
-        Err(e) if e.is_group_broken() => return Err(cluster_error(e)),
-        Err(e) => {
-            if reports {
-                eprintln!("device lane stacks disagree with the allocator's host mirror: {e}");
-            }
-            false
-        }
-    };
-    let served = requests - failed - skipped;
-    let report = ReplayReport {
-        requests,
-        rounds_per_request: if served > 0 {
-            totals.group_rounds as f64 / served as f64
-        } else {
-            0.0
-        },
-        tokens_per_second: if wall > 0.0 {
-            totals.prompt_tokens as f64 / wall
-        } else {
-            0.0
-        },
-        totals,
-        replicas_agree: disagreed_at.is_none() && device_lanes_agree,
-        device_lanes_agree,
-        wall_seconds: wall,
-        backend,
-        cp: args.cp,
-        page_size: args.page_size,
-        model: deployment.model.to_string(),
-        layers: args.layers,
-        policy: args.policy.to_string(),
-        layout: deployment.layout.to_string(),
-        chunk_tokens: args.chunk_tokens,
-        decode_tokens: args.decode_tokens.map(|d| d.to_string()),
-        workload: match &input_error {
-            Some(e) => format!("{}, cut short by {e}", plan.workload_name),
-            None => plan.workload_name,
-        },
-        failed_requests: failed,
-        requests_skipped: skipped,
-        rollback_dropped_device_pages: dropped.device_pages,
-        rollback_dropped_host_copies: dropped.host_copies,
-        fault: args.inject.map(|f| f.to_string()),
-        fault_fired: fault_exercised.as_ref().map(Result::is_ok),
-        fault_not_fired_because: fault_exercised.and_then(Result::err),
-        tuning_file: tuning_file.map(|p| p.display().to_string()),
-        copy_launch: deployment.copy.to_string(),
-        group: cluster.group_info(),
-        transfer_path: deployment.transfer_path.to_string(),
-        synth_threads: deployment.synth_threads,
-        storage: args.storage.as_ref().map(|dir| {
-            format!(
-                "{} · {} · {}",
-                dir.display(),
-                args.storage_policy,
-                crate::cluster::stats::human_bytes(args.storage_bytes)
-            )
-        }),
-    };
-    if reports {
-        outln!("cp-hicache replay");
-        out!("{}", report.to_table());
-        if let Some(path) = &args.json {
-            super::common::write_json(path, &report)?;
-        }
-        if let Some(path) = &args.request_log {
-            super::common::write_output(path, &log)?;
-        }
-    }
-    if let Some(e) = input_error {
-        if reports {
-            eprintln!(
-            "error: {e}\n  the replay stopped there: the report covers the {requests} requests \
-             before it"
-            );
-        }
-        // A failure in what ran is the stronger verdict; otherwise the input is at fault.
-        return Ok(if report.ok() && failed == 0 {
-            ExitCode::from(2)
-        } else {
-            ExitCode::FAILURE
-        });
-    }
-    if report.ok() && failed == 0 {
-        Ok(ExitCode::SUCCESS)
-    } else {
-        Ok(ExitCode::FAILURE)
-    }
-}
-
-/// Whether an injected fault did anything in this run, judged from what it must cause;
-/// otherwise why not. A fault that never fired tested nothing, and a clean report would
-/// read as if the failure path had been exercised.
-fn fault_exercised(
-    fault: Fault,
-    totals: &RequestStats,
-    failed: u64,
-    cp: u8,
-    device_pages: u32,
-) -> Result<(), String> {
-    let fired = match fault {
-        // Only a page loaded into another owner's page tests anything: at CP 1, or when
-        // the plain allocation happens to give the recorded owners, the bug is invisible.
-        Fault::PlainAllocOnLoad => totals.pages_loaded_misowned > 0,
-        Fault::LaneExhaustion => totals.evictions_lane + totals.load_degraded_to_miss > 0,
-        Fault::HostPoolFull => totals.backups_skipped + totals.host_evictions_for_backup > 0,
-        // The kernels are built before the first request, so a run that got here failed.
-        Fault::CompileError => true,
-        Fault::LaunchError => failed > 0,
-        Fault::StorageTorn => totals.storage_refused_torn > 0,
-        Fault::StorageFlip => totals.storage_refused_checksum > 0,
-        Fault::StorageForeign => totals.storage_refused_fingerprint > 0,
-        // Verification is what must catch it.
-        Fault::StorageUnchecked => totals.mismatched_tokens > 0,
-    };
-    if fired {
-        return Ok(());
-    }
-    Err(match fault {
-        Fault::PlainAllocOnLoad if totals.pages_loaded == 0 => format!(
-            "no page was loaded back from the host, every prefix hit was still on the \
-             device; a smaller --device-pages (now {device_pages}) forces load-backs"
-        ),
-        Fault::PlainAllocOnLoad if cp == 1 => format!(
-            "at CP 1 every page has the one owner, so the {} pages loaded back could not \
-             land on another owner's page; a CP above 1 makes the bug visible",
-            totals.pages_loaded
-        ),
-        Fault::PlainAllocOnLoad => format!(
-            "each of the {} pages loaded back happened to get the owner it was backed up \
-             from, so the plain allocation matched the owner-preserving one",
-            totals.pages_loaded
-        ),
-        Fault::LaneExhaustion => format!(
-            "no allocation ran short of a lane: no lane-targeted eviction, no load-back \
-             degraded to a miss; a smaller --device-pages (now {device_pages}) or more \
-             requests make one"
-        ),
-        Fault::HostPoolFull => "no backup found the host pool full (none was skipped, no host \
-             copy was evicted for one); longer or more requests make it"
-            .into(),
-        Fault::CompileError => "the kernels compiled".into(),
-        Fault::LaunchError => "no request from the middle of the workload on launched a \
-             kernel (each was skipped as too large, or empty)"
-            .into(),
-        Fault::StorageTorn | Fault::StorageFlip | Fault::StorageForeign
-            if totals.storage_records_read == 0 =>
-        {
-            "no record was read from the store: a run before this one with the same \
-             --storage writes the records a later run reads"
-                .into()
-        }
-        Fault::StorageTorn | Fault::StorageFlip | Fault::StorageForeign => format!(
-            "none of the {} records read was one the fault damaged",
-            totals.storage_records_read
-        ),
-        Fault::StorageUnchecked => format!(
-            "no damaged record was served into a hit that was verified ({} records read)",
-            totals.storage_records_read
-        ),
-    })
+    let tally = drive::replay_all(cluster, args, workload, total)?;
+    report::conclude(cluster, args, plan, setup, tally)
 }
 
 pub(super) fn cluster_error(e: crate::cluster::ClusterError) -> crate::Error {

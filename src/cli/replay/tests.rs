@@ -1,8 +1,9 @@
 //! The fault verdicts and the memory check.
 
 use super::memory::MemoryNeed;
+use super::report::fault_exercised;
 use super::*;
-use crate::cluster::WritePolicy;
+use crate::cluster::{RequestStats, WritePolicy};
 use crate::exec::Backend;
 
 #[test]
