@@ -7,7 +7,8 @@ use super::record::{self, RecordError, Refusal, HEADER_BYTES};
 use super::{Fingerprint, Lookup, PageStore, Put, RecordKey, StorageError, StoreStats};
 use fs4::fs_std::FileExt;
 use std::fs::{self, File, OpenOptions};
-use std::io::{ErrorKind, Read, Seek, SeekFrom, Write};
+use std::io::{ErrorKind, Read, Write};
+use std::os::unix::fs::FileExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -32,6 +33,8 @@ pub struct DirStore {
     payload_bytes: u64,
     budget: u64,
     clock: Clock,
+    /// Whether `clock` is the wall clock (then a new file's time needs no setting).
+    wall_clock: bool,
     stats: Counters,
     /// A unique suffix for this process's files written aside.
     nonce: AtomicU64,
@@ -64,7 +67,10 @@ impl DirStore {
         payload_bytes: u64,
         budget: u64,
     ) -> Result<DirStore, StorageError> {
-        Self::with_clock(root, fp, payload_bytes, budget, Box::new(SystemTime::now))
+        let mut store =
+            Self::with_clock(root, fp, payload_bytes, budget, Box::new(SystemTime::now))?;
+        store.wall_clock = true;
+        Ok(store)
     }
 
     /// [`DirStore::open`] for the records of `dep` with `layers` layers.
@@ -151,6 +157,7 @@ impl DirStore {
             payload_bytes,
             budget,
             clock,
+            wall_clock: false,
             stats: Counters::default(),
             nonce: AtomicU64::new(0),
             lock: Mutex::new(lock),
@@ -304,11 +311,10 @@ impl DirStore {
 
 fn read_usage(f: &mut File) -> Result<u64, StorageError> {
     let mut b = [0u8; 8];
-    f.seek(SeekFrom::Start(0))
-        .and_then(|_| match f.read_exact(&mut b) {
-            Err(e) if e.kind() == ErrorKind::UnexpectedEof => Ok(()),
-            r => r,
-        })
+    match f.read_exact_at(&mut b, 0) {
+        Err(e) if e.kind() == ErrorKind::UnexpectedEof => Ok(()),
+        r => r,
+    }
         .map_err(|e| StorageError::Io {
             what: "read the store's usage".into(),
             source: e,
@@ -317,8 +323,7 @@ fn read_usage(f: &mut File) -> Result<u64, StorageError> {
 }
 
 fn write_usage(f: &mut File, total: u64) -> Result<(), StorageError> {
-    f.seek(SeekFrom::Start(0))
-        .and_then(|_| f.write_all(&total.to_le_bytes()))
+    f.write_all_at(&total.to_le_bytes(), 0)
         .map_err(|e| StorageError::Io {
             what: "write the store's usage".into(),
             source: e,
@@ -359,17 +364,26 @@ impl PageStore for DirStore {
             .root
             .join("tmp")
             .join(format!("{}.{}.{n}", key.hex(), std::process::id()));
-        let parent = path.parent().expect("records/xx");
-        fs::create_dir_all(parent).map_err(|e| io("create", parent, e))?;
         let written = File::create(&aside)
             .and_then(|mut f| {
                 // Header and payload as they are: a copy of a page's size costs more than
                 // the write.
                 f.write_all(&head)?;
                 f.write_all(payload)?;
-                f.set_modified((self.clock)())
+                // A new file's time is the wall clock's already; a test's clock sets it.
+                if !self.wall_clock {
+                    f.set_modified((self.clock)())?;
+                }
+                Ok(())
             })
-            .and_then(|()| fs::rename(&aside, &path));
+            .and_then(|()| match fs::rename(&aside, &path) {
+                // Its folder (`records/xx`) is made by the first record that needs it.
+                Err(e) if e.kind() == ErrorKind::NotFound => {
+                    fs::create_dir_all(path.parent().expect("records/xx"))?;
+                    fs::rename(&aside, &path)
+                }
+                r => r,
+            });
         if let Err(e) = written {
             let _ = fs::remove_file(&aside);
             return Err(io("write", &path, e));
