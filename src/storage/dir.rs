@@ -315,10 +315,10 @@ fn read_usage(f: &mut File) -> Result<u64, StorageError> {
         Err(e) if e.kind() == ErrorKind::UnexpectedEof => Ok(()),
         r => r,
     }
-        .map_err(|e| StorageError::Io {
-            what: "read the store's usage".into(),
-            source: e,
-        })?;
+    .map_err(|e| StorageError::Io {
+        what: "read the store's usage".into(),
+        source: e,
+    })?;
     Ok(u64::from_le_bytes(b))
 }
 
