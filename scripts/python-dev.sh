@@ -9,6 +9,9 @@ if [ ! -x "$venv/bin/python" ]; then
   /usr/bin/python3 -m venv --system-site-packages "$venv"
 fi
 "$venv/bin/python" -m pip install -q "maturin>=1.9.4,<2" "numpy>=1.22" "pytest>=7"
+# SGLang's published wheel, for its storage backend interface (its engine is not loaded, so
+# its dependencies are not installed).
+"$venv/bin/python" -m pip install -q --no-deps -r python/tests/requirements.txt
 rm -rf python/dist
 (cd python && "../$venv/bin/maturin" build --release -q -o dist -i "../$venv/bin/python")
 "$venv/bin/python" -m pip install -q --force-reinstall --no-deps python/dist/cp_hicache-*.whl

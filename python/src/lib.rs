@@ -14,6 +14,7 @@ mod errors;
 mod ops;
 mod rank;
 mod replay;
+mod storage;
 
 use cp_hicache::exec::{open_executor, Backend};
 use cp_hicache::jit::{Jit, JitConfig, Sanitize};
@@ -263,6 +264,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<rank::Request>()?;
     m.add_class::<dlpack::Pool>()?;
     m.add_class::<ops::Ops>()?;
+    m.add_class::<storage::PageStore>()?;
     m.add_function(wrap_pyfunction!(warm_up, m)?)?;
     m.add_function(wrap_pyfunction!(replay::check_replay, m)?)?;
     m.add_function(wrap_pyfunction!(replay::replay_rank, m)?)?;

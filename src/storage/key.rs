@@ -54,6 +54,18 @@ impl Fingerprint {
         }
     }
 
+    /// The fingerprint of records whose layout `description` names in full, for a store
+    /// whose pages are another engine's (SGLang's host pool pages: its model, dtype, layers,
+    /// page size and layout); the same words give the same fingerprint.
+    pub fn named(description: &str) -> Fingerprint {
+        let digest =
+            Sha256::digest(format!("cp-hicache fingerprint v1 (named)\n{description}").as_bytes());
+        Fingerprint {
+            digest: digest[..16].try_into().expect("32 bytes"),
+            text: description.to_string(),
+        }
+    }
+
     /// A fingerprint given by its digest alone (as a record header carries it).
     pub fn from_digest(digest: [u8; 16]) -> Fingerprint {
         Fingerprint {
@@ -115,6 +127,17 @@ impl RecordKey {
             prev = h.finalize()[..16].try_into().expect("32 bytes");
             keys.push(RecordKey(prev));
         }
+    }
+
+    /// The key of a page another engine names with its own chained hash `name` (SGLang's
+    /// per-page prefix hashes, which already cover every token before and in the page),
+    /// salted with the deployment's fingerprint.
+    pub fn of_name(fp: &Fingerprint, name: &str) -> RecordKey {
+        let mut h = Sha256::new();
+        h.update(b"cp-hicache named page v1");
+        h.update(fp.digest);
+        h.update(name.as_bytes());
+        RecordKey(h.finalize()[..16].try_into().expect("32 bytes"))
     }
 
     /// The key as 32 hex digits (the record's file name).

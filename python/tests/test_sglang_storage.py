@@ -1,0 +1,166 @@
+"""`cp_hicache.sglang.CpHiCacheStorage` through SGLang's own `StorageBackendFactory` and
+`HiCacheStorage` (the published sglang wheel, `python/tests/requirements.txt`): built from a
+`dynamic` config, pages of a host pool round-trip byte for byte through `batch_set_v1` /
+`batch_get_v1` as CP ranks call them, each record has one writer, another CP degree reads
+them, and a damaged record is refused.
+
+SGLang's package `__init__` imports the whole engine, and its host pool classes need its
+engine dependencies (msgspec, ...), so only the storage modules are loaded, under their own
+names, and the host pool is ours (`FlatHostPool`), following `get_page_buffer_meta`'s
+contract: token indices in, one `(address, bytes)` list per page of the `page_first` layout
+(one buffer per page for MLA, `k` and `v` for MHA)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+def _load_sglang_storage():
+    """SGLang's storage modules without running `sglang/__init__` (the whole engine)."""
+    spec = importlib.util.find_spec("sglang")
+    if spec is None:
+        pytest.skip("the sglang wheel (python/tests/requirements.txt) is not installed")
+    if "sglang" not in sys.modules or not hasattr(sys.modules["sglang"], "__path__"):
+        stub = types.ModuleType("sglang")
+        stub.__path__ = list(spec.submodule_search_locations)
+        sys.modules["sglang"] = stub
+    from sglang.srt.mem_cache import hicache_storage
+    from sglang.srt.mem_cache.storage import backend_factory
+
+    return hicache_storage, backend_factory
+
+
+hicache_storage, backend_factory = _load_sglang_storage()
+HiCacheStorageConfig = hicache_storage.HiCacheStorageConfig
+
+PAGE = 16
+LAYERS = 3
+
+
+class FlatHostPool:
+    """A host pool of `pages` pages in SGLang's `page_first` layout: MLA, one
+    `[layers, page_size, dim]` buffer per page; MHA, `k` then `v` per page."""
+
+    layout = "page_first"
+
+    def __init__(self, pages: int, dim: int, mla: bool = True, seed: int = 0):
+        self.page_size = PAGE
+        self.layer_num = LAYERS
+        self.dtype = torch.bfloat16
+        self.mla = mla
+        parts = 1 if mla else 2
+        g = torch.Generator().manual_seed(seed)
+        self.kv = torch.randint(-30000, 30000, (pages, parts, LAYERS, PAGE, dim),
+                                generator=g, dtype=torch.int16).view(torch.bfloat16)
+        self.part_bytes = LAYERS * PAGE * dim * 2
+
+    def page(self, i: int) -> torch.Tensor:
+        return self.kv[i]
+
+    def get_page_buffer_meta(self, indices):
+        assert len(indices) % self.page_size == 0
+        base = self.kv.data_ptr()
+        ptrs, sizes = [], []
+        for first in indices[:: self.page_size]:
+            page = int(first) // self.page_size
+            for part in range(self.kv.shape[1]):
+                ptrs.append(base + (page * self.kv.shape[1] + part) * self.part_bytes)
+                sizes.append(self.part_bytes)
+        return ptrs, sizes
+
+
+def config(path, cp_rank=0, cp_size=1, mla=True, tp_rank=0, tp_size=1):
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1,
+        attn_cp_rank=cp_rank, attn_cp_size=cp_size, is_mla_model=mla,
+        enable_storage_metrics=False, is_page_first_layout=True, model_name="tiny-mla",
+        extra_config={
+            "backend_name": "cp_hicache", "module_path": "cp_hicache.sglang",
+            "class_name": "CpHiCacheStorage", "interface_v1": 1, "path": str(path),
+            "capacity_bytes": 1 << 30,
+        },
+    )
+
+
+def backend(path, pool, **kw):
+    """Built as SGLang's HiCacheController builds it, then given its host pool."""
+    b = backend_factory.StorageBackendFactory.create_backend(
+        "dynamic", config(path, **kw), pool)
+    assert isinstance(b, hicache_storage.HiCacheStorage)
+    b.register_mem_pool_host(pool)
+    return b
+
+
+def indices(pages):
+    return torch.tensor([p * PAGE + t for p in pages for t in range(PAGE)], dtype=torch.int64)
+
+
+KEYS = [f"{i:064x}" for i in range(1, 9)]  # SGLang's keys: hex page hashes
+
+
+@pytest.mark.parametrize("mla", [True, False], ids=["mla-one-buffer", "mha-k-and-v"])
+def test_cp_ranks_write_each_record_once_and_another_cp_degree_reads_it(tmp_path, mla):
+    store = tmp_path / "store"
+    # Two attention-CP ranks whose host pools hold the same pages (the KV they attend).
+    pools = [FlatHostPool(16, 64, mla=mla, seed=1) for _ in range(2)]
+    ranks = [backend(store, pools[r], cp_rank=r, cp_size=2, mla=mla) for r in range(2)]
+    for r, b in enumerate(ranks):
+        assert type(b).__name__ == "CpHiCacheStorage"
+        assert all(b.batch_set_v1(KEYS, indices(range(8))))
+    written = [b.get_stats()["records_written"] for b in ranks]
+    assert sum(written) == len(KEYS) and all(w > 0 for w in written), written
+    assert all(b.get_stats()["already_present"] == 0 for b in ranks)
+    # A fresh process at CP 1 (another degree), its host pool empty, reads every page.
+    fresh = FlatHostPool(16, 64, mla=mla, seed=2)
+    one = backend(store, fresh, mla=mla)
+    assert one.batch_exists(KEYS) == len(KEYS)
+    dst = list(range(8, 16))
+    assert one.batch_get_v1(KEYS, indices(dst)) == [True] * len(KEYS)
+    for src, d in zip(range(8), dst):
+        assert torch.equal(fresh.page(d).view(torch.int16), pools[0].page(src).view(torch.int16))
+    # The legacy per-page interface reads the same bytes.
+    flat = torch.zeros_like(pools[0].page(0)).flatten()
+    assert one.get(KEYS[3], flat) is flat
+    assert torch.equal(flat.view(torch.int16), pools[0].page(3).flatten().view(torch.int16))
+    assert one.exists(KEYS[0]) and not one.exists("f" * 64)
+
+
+def test_a_missing_or_damaged_record_ends_the_run_and_is_counted(tmp_path):
+    store = tmp_path / "store"
+    pool = FlatHostPool(16, 32)
+    b = backend(store, pool)
+    assert all(b.batch_set_v1(KEYS, indices(range(8))))
+    # A flipped payload byte in page 5's record: refused, removed, and the run stops there.
+    path = b.store.path_of(KEYS[5])
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x5A
+    path.write_bytes(bytes(data))
+    fresh = FlatHostPool(16, 32, seed=3)
+    reader = backend(store, fresh)
+    got = reader.batch_get_v1(KEYS, indices(range(8, 16)))
+    assert got == [True] * 5 + [False] * 3
+    assert reader.get_stats()["refused_checksum"] == 1
+    assert reader.batch_exists(KEYS) == 5  # the refused record is gone
+    for i in range(5):
+        assert torch.equal(fresh.page(8 + i).view(torch.int16), pool.page(i).view(torch.int16))
+
+
+def test_bad_configurations_are_refused_clearly(tmp_path):
+    pool = FlatHostPool(4, 32)
+    cfg = config(tmp_path / "s")
+    del cfg.extra_config["path"]
+    with pytest.raises(ValueError, match="extra_config\\['path'\\]"):
+        backend_factory.StorageBackendFactory.create_backend("dynamic", cfg, pool)
+    b = backend(tmp_path / "s", pool)
+    with pytest.raises(ValueError, match="host indices"):
+        b.batch_set_v1(KEYS[:2], indices([0]))
+    # The same directory for pages of another format: refused, naming both.
+    other = FlatHostPool(4, 64)
+    with pytest.raises(ValueError, match="holds records of"):
+        backend(tmp_path / "s", other)
