@@ -25,13 +25,20 @@ What it does differently from SGLang's file and Mooncake backends under context 
 - **Every read is checked.** A torn, changed or foreign record is refused, removed and
   counted (``get_stats()``), and served as a miss.
 
-Not built yet: the v2 pool transfers (``batch_get_v2``/``batch_set_v2``, the ``indexer``
-pool committed with ``kv``); until then a deployment with sidecar pools keeps them out of
-this store.
+- **``indexer`` pages go with their ``kv`` page, in one record.** SGLang backs a page's
+  KV-derived sidecar (DSA's ``indexer`` pool) up through ``batch_set_v2`` just before the
+  page's KV through ``batch_set_v1``, and reads them back in the same order. The backend
+  holds the ``indexer`` bytes until the ``kv`` page comes and writes one record with both,
+  so no reader ever finds one without the other; a ``kv`` page whose ``indexer`` part never
+  came is not written (``False``). Reading the record fills the ``kv`` page and holds its
+  ``indexer`` part for the ``batch_get_v2`` that follows.
+
+Other sidecar pools (Mamba or SWA states) are refused when registered: they are not built.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 from typing import Any, List, Optional
 
@@ -72,22 +79,55 @@ class CpHiCacheStorage(HiCacheStorage):
         self.store: Optional[_native.PageStore] = None
         self.mem_pool_host: Any = None
         self.registered_pools: dict = {}
+        # ``indexer`` bytes by page key: written with the page's ``kv`` (backups), or read
+        # with it and waiting for ``batch_get_v2`` (loads).
+        self._indexer_bytes = 0
+        self._indexer_to_write: dict = {}
+        self._indexer_read: dict = {}
 
     # -- set-up ---------------------------------------------------------------------------
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """Takes the host pool whose pages this backend reads and writes, and opens the
-        store for its page format."""
+        """Takes the host pool whose ``kv`` pages this backend reads and writes."""
         super().register_mem_pool_host(mem_pool_host)
-        page_size = int(mem_pool_host.page_size)
-        ptrs, sizes = mem_pool_host.get_page_buffer_meta(_indices(range(page_size)))
+        self.store = None
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Takes a sidecar host pool: only the ``indexer`` pool (its pages go into the
+        records of their ``kv`` pages); any other is refused."""
+        name = str(getattr(host_pool_name, "value", host_pool_name))
+        if name == "kv":
+            self.registered_pools["kv"] = host_pool
+            return
+        if name != "indexer":
+            raise ValueError(
+                f"CpHiCacheStorage stores kv pages and their indexer pages; the {name!r} "
+                "pool is not built"
+            )
+        self.registered_pools["indexer"] = host_pool
+        self.store = None
+
+    def on_host_pools_registered(self) -> None:
+        """Opens the store once every pool is known (a record holds a page of each)."""
+        self._store()
+
+    @staticmethod
+    def _page_bytes(pool: Any) -> int:
+        ptrs, sizes = pool.get_page_buffer_meta(_indices(range(int(pool.page_size))))
         if len(ptrs) != len(sizes) or not sizes:
-            raise ValueError("the host pool's get_page_buffer_meta gave no page buffers")
-        page_bytes = int(sum(sizes))
-        self._parts_per_page = len(ptrs)
-        self.store = _native.PageStore(
-            self.path, self._fingerprint(mem_pool_host, page_bytes), page_bytes,
-            self.capacity_bytes,
+            raise ValueError("a host pool's get_page_buffer_meta gave no page buffers")
+        return int(sum(sizes))
+
+    def _open(self) -> "_native.PageStore":
+        kv = self.mem_pool_host
+        kv_bytes = self._page_bytes(kv)
+        indexer = self.registered_pools.get("indexer")
+        self._indexer_bytes = 0 if indexer is None else self._page_bytes(indexer)
+        fingerprint = self._fingerprint(kv, kv_bytes)
+        if indexer is not None:
+            fingerprint += f";indexer_page_bytes={self._indexer_bytes}"
+        return _native.PageStore(
+            self.path, fingerprint, kv_bytes + self._indexer_bytes, self.capacity_bytes
         )
 
     def _fingerprint(self, pool: Any, page_bytes: int) -> str:
@@ -111,9 +151,11 @@ class CpHiCacheStorage(HiCacheStorage):
 
     def _store(self) -> "_native.PageStore":
         if self.store is None:
-            raise RuntimeError(
-                "CpHiCacheStorage: no host pool registered yet (register_mem_pool_host)"
-            )
+            if self.mem_pool_host is None:
+                raise RuntimeError(
+                    "CpHiCacheStorage: no host pool registered yet (register_mem_pool_host)"
+                )
+            self.store = self._open()
         return self.store
 
     # -- who writes ----------------------------------------------------------------------
@@ -131,8 +173,8 @@ class CpHiCacheStorage(HiCacheStorage):
 
     # -- the zero-copy interface (interface_v1) --------------------------------------------
 
-    def _pages(self, keys: List[str], host_indices: Any) -> List[list]:
-        pool = self.mem_pool_host
+    def _pages(self, keys: List[str], host_indices: Any, pool: Any = None) -> List[list]:
+        pool = self.mem_pool_host if pool is None else pool
         n = len(keys)
         if n == 0:
             return []
@@ -154,24 +196,102 @@ class CpHiCacheStorage(HiCacheStorage):
 
     def batch_set_v1(self, keys: List[str], host_indices: Any,
                      extra_info: Any = None) -> List[bool]:
-        """Writes the pages this rank is the writer of from the host pool, in place; the
-        others are reported backed up (their writer writes them)."""
+        """Writes the pages this rank is the writer of from the host pool, in place (with
+        their ``indexer`` part, which ``batch_set_v2`` handed over first); the others are
+        reported backed up (their writer writes them)."""
         store = self._store()
-        return [
-            store.put(k, parts) if self.writes(k) else True
-            for k, parts in zip(keys, self._pages(keys, host_indices))
-        ]
+        out = []
+        for k, parts in zip(keys, self._pages(keys, host_indices)):
+            indexer = self._indexer_to_write.pop(k, None)
+            if not self.writes(k):
+                out.append(True)
+            elif self._indexer_bytes and indexer is None:
+                out.append(False)  # never a kv page without its indexer page
+            elif indexer is not None:
+                out.append(store.put(k, parts + [_buffer_part(indexer)]))
+            else:
+                out.append(store.put(k, parts))
+        return out
 
     def batch_get_v1(self, keys: List[str], host_indices: Any,
                      extra_info: Any = None) -> List[bool]:
         """Reads pages into the host pool in place, up to the first miss (the controller
-        keeps the leading run)."""
+        keeps the leading run); each page's ``indexer`` part waits for ``batch_get_v2``."""
+        import numpy as np
+
         store = self._store()
         out: List[bool] = []
         for k, parts in zip(keys, self._pages(keys, host_indices)):
-            ok = bool(out[-1]) if out else True
-            out.append(ok and store.get(k, parts))
+            if out and not out[-1]:
+                out.append(False)
+                continue
+            indexer = np.empty(self._indexer_bytes, dtype=np.uint8) if self._indexer_bytes else None
+            extra = [] if indexer is None else [_buffer_part(indexer)]
+            ok = store.get(k, parts + extra)
+            if ok and indexer is not None:
+                self._indexer_read[k] = indexer
+            out.append(ok)
         return out
+
+    def batch_set_v2(self, transfers: List[Any], extra_info: Any = None) -> dict:
+        """Takes each page's ``indexer`` bytes, to be written in one record with the page's
+        ``kv`` by the ``batch_set_v1`` that follows."""
+        import numpy as np
+
+        out = {}
+        for t in transfers:
+            name, pool, keys = self._transfer(t)
+            for k, parts in zip(keys, self._pages(keys, t.host_indices, pool)):
+                buf = np.empty(sum(n for _, n in parts), dtype=np.uint8)
+                at = 0
+                for addr, n in parts:
+                    buf[at:at + n] = np.ctypeslib.as_array(
+                        (ctypes.c_uint8 * n).from_address(addr))
+                    at += n
+                self._indexer_to_write[k] = buf
+            out[name] = [True] * len(keys)
+        return out
+
+    def batch_get_v2(self, transfers: List[Any], extra_info: Any = None) -> dict:
+        """Fills the ``indexer`` pages that ``batch_get_v1`` read with their ``kv``."""
+        out = {}
+        for t in transfers:
+            name, pool, keys = self._transfer(t)
+            got = []
+            for k, parts in zip(keys, self._pages(keys, t.host_indices, pool)):
+                buf = self._indexer_read.pop(k, None)
+                if buf is None or (got and not got[-1]):
+                    got.append(False)
+                    continue
+                at = 0
+                for addr, n in parts:
+                    ctypes.memmove(addr, buf[at:at + n].ctypes.data, n)
+                    at += n
+                got.append(True)
+            out[name] = got
+        return out
+
+    def batch_exists_v2(self, keys: List[str], pool_transfers: Any = None,
+                        extra_info: Any = None) -> Any:
+        """The run of pages whose records exist; a record holds the ``indexer`` page too."""
+        from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
+
+        hit = self.batch_exists(keys, extra_info)
+        for t in pool_transfers or []:
+            self._transfer(t)
+        extra = {self._name(t): hit for t in pool_transfers or []} if hit else {}
+        return PoolTransferResult(hit, extra, list(range(1, hit + 1)))
+
+    @staticmethod
+    def _name(t: Any) -> str:
+        return str(getattr(t.name, "value", t.name))
+
+    def _transfer(self, t: Any) -> tuple:
+        name = self._name(t)
+        pool = self.registered_pools.get(name)
+        if name != "indexer" or pool is None:
+            raise ValueError(f"CpHiCacheStorage: no {name!r} pool is registered with it")
+        return name, pool, list(t.keys or [])
 
     def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:
         """How many of ``keys``, from the first, have a record."""
@@ -222,6 +342,11 @@ def _indices(seq: Any) -> Any:
         return torch.tensor(list(seq), dtype=torch.int64)
     except ImportError:  # pragma: no cover
         return list(seq)
+
+
+def _buffer_part(a: Any) -> tuple:
+    """A numpy byte buffer's ``(address, bytes)``."""
+    return (int(a.ctypes.data), int(a.nbytes))
 
 
 def _tensor_part(t: Any) -> tuple:

@@ -89,11 +89,13 @@ def config(path, cp_rank=0, cp_size=1, mla=True, tp_rank=0, tp_size=1):
 
 
 def backend(path, pool, **kw):
-    """Built as SGLang's HiCacheController builds it, then given its host pool."""
+    """Built as SGLang's HiCacheController builds it: the factory, the host pool, then the
+    end of the pools' registration."""
     b = backend_factory.StorageBackendFactory.create_backend(
         "dynamic", config(path, **kw), pool)
     assert isinstance(b, hicache_storage.HiCacheStorage)
     b.register_mem_pool_host(pool)
+    b.on_host_pools_registered()
     return b
 
 
@@ -164,3 +166,49 @@ def test_bad_configurations_are_refused_clearly(tmp_path):
     other = FlatHostPool(4, 64)
     with pytest.raises(ValueError, match="holds records of"):
         backend(tmp_path / "s", other)
+
+
+def test_indexer_pages_are_committed_in_the_record_of_their_kv_page(tmp_path):
+    """As SGLang's controller calls a backend for DSA: the indexer pool through v2 just
+    before the kv pages through v1 (backup), and kv then indexer (load)."""
+    PoolTransfer = hicache_storage.PoolTransfer
+    INDEXER = hicache_storage.PoolName.INDEXER
+
+    def rank(store, seed, **kw):
+        kv, idx = FlatHostPool(16, 64, seed=seed), FlatHostPool(16, 8, seed=seed + 100)
+        b = backend_factory.StorageBackendFactory.create_backend(
+            "dynamic", config(store, **kw), kv)
+        b.register_mem_pool_host(kv)
+        b.register_mem_host_pool_v2(idx, INDEXER)
+        b.on_host_pools_registered()
+        return b, kv, idx
+
+    store = tmp_path / "store"
+    writers = [rank(store, 1, cp_rank=r, cp_size=2) for r in range(2)]
+    for b, kv, idx in writers:
+        src = indices(range(8))
+        assert b.batch_set_v2([PoolTransfer(name=INDEXER, host_indices=src, keys=KEYS)]) == {
+            "indexer": [True] * 8}
+        assert all(b.batch_set_v1(KEYS, src))
+    assert sum(b.get_stats()["records_written"] for b, _, _ in writers) == 8
+    # A kv page whose indexer page never came is not written.
+    b0 = writers[0][0]
+    lone = [k for k in ("a" * 64, "b" * 64, "c" * 64, "d" * 64) if b0.writes(k)][:1]
+    assert lone and b0.batch_set_v1(lone, indices([9])) == [False]
+
+    reader, kv, idx = rank(store, 7)
+    hit = reader.batch_exists_v2(KEYS, [PoolTransfer(name=INDEXER, keys=KEYS)])
+    assert hit.kv_hit_pages == 8 and hit.extra_pool_hit_pages["indexer"] == 8
+    dst = indices(range(8, 16))
+    assert reader.batch_get_v1(KEYS, dst) == [True] * 8
+    got = reader.batch_get_v2([PoolTransfer(name=INDEXER, host_indices=dst, keys=KEYS)])
+    assert got == {"indexer": [True] * 8}
+    _, kv0, idx0 = writers[0]
+    for i in range(8):
+        assert torch.equal(kv.page(8 + i).view(torch.int16), kv0.page(i).view(torch.int16))
+        assert torch.equal(idx.page(8 + i).view(torch.int16), idx0.page(i).view(torch.int16))
+    # A kv-only store is another format: its directory refuses this one.
+    with pytest.raises(ValueError, match="holds records of"):
+        backend(store, FlatHostPool(4, 64))
+    with pytest.raises(ValueError, match="'mamba' pool is not built"):
+        reader.register_mem_host_pool_v2(FlatHostPool(4, 8), hicache_storage.PoolName.MAMBA)
