@@ -100,6 +100,16 @@ fn a_store_written_at_cp8_reads_back_at_cp4_cp2_cp1_and_under_another_layout() {
         &["--cp", "1"],
         &["--cp", "2", "--layout", "page-interleave"],
         &["--cp", "4", "--layout", "round-robin"],
+        &["--cp", "4", "--peer-pools", "gathered"],
+        &["--cp", "2", "--chunk-tokens", "100", "--decode-tokens", "7"],
+        &[
+            "--cp",
+            "4",
+            "--policy",
+            "write_back",
+            "--device-pages",
+            "128",
+        ],
     ] {
         let (out, r) = replay(store.path(), extra);
         assert_eq!(out.status.code(), Some(0), "{extra:?}: {}", stderr(&out));
