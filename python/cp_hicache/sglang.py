@@ -57,6 +57,10 @@ __all__ = ["CpHiCacheStorage"]
 #: The default capacity of the store, in bytes.
 DEFAULT_CAPACITY = 16 << 30
 
+#: The most ``indexer`` bytes held for ``kv`` pages not written yet (a backup that
+#: stopped part-way leaves some).
+DEFAULT_INDEXER_STASH = 1 << 30
+
 
 class CpHiCacheStorage(HiCacheStorage):
     """SGLang ``HiCacheStorage`` over a ``cp_hicache`` page store in a directory shared by
@@ -84,6 +88,7 @@ class CpHiCacheStorage(HiCacheStorage):
         self._indexer_bytes = 0
         self._indexer_to_write: dict = {}
         self._indexer_read: dict = {}
+        self.indexer_stash_bytes = int(extra.get("indexer_stash_bytes", DEFAULT_INDEXER_STASH))
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -220,6 +225,9 @@ class CpHiCacheStorage(HiCacheStorage):
         import numpy as np
 
         store = self._store()
+        # The batch_get_v2 that follows each batch_get_v1 takes what it read; what an
+        # earlier batch left (its batch_get_v2 never came) goes.
+        self._indexer_read.clear()
         out: List[bool] = []
         for k, parts in zip(keys, self._pages(keys, host_indices)):
             if out and not out[-1]:
@@ -241,15 +249,26 @@ class CpHiCacheStorage(HiCacheStorage):
         out = {}
         for t in transfers:
             name, pool, keys = self._transfer(t)
+            got = []
             for k, parts in zip(keys, self._pages(keys, t.host_indices, pool)):
-                buf = np.empty(sum(n for _, n in parts), dtype=np.uint8)
+                if sum(n for _, n in parts) != self._indexer_bytes:
+                    got.append(False)
+                    continue
+                buf = np.empty(self._indexer_bytes, dtype=np.uint8)
                 at = 0
                 for addr, n in parts:
                     buf[at:at + n] = np.ctypeslib.as_array(
                         (ctypes.c_uint8 * n).from_address(addr))
                     at += n
+                self._indexer_to_write.pop(k, None)
                 self._indexer_to_write[k] = buf
-            out[name] = [True] * len(keys)
+                got.append(True)
+            out[name] = got
+        # A backup that stopped before its kv pages leaves their indexer bytes here: the
+        # oldest go past the bound (their kv pages, should they come, are then not
+        # written). What is kept is the page's own bytes, never a stale host location.
+        while len(self._indexer_to_write) * max(self._indexer_bytes, 1) > self.indexer_stash_bytes:
+            self._indexer_to_write.pop(next(iter(self._indexer_to_write)))
         return out
 
     def batch_get_v2(self, transfers: List[Any], extra_info: Any = None) -> dict:
@@ -263,6 +282,11 @@ class CpHiCacheStorage(HiCacheStorage):
                 if buf is None or (got and not got[-1]):
                     got.append(False)
                     continue
+                if sum(n for _, n in parts) != buf.nbytes:
+                    raise ValueError(
+                        f"the indexer pool's page buffers hold {sum(n for _, n in parts)} "
+                        f"bytes, its pages in the store {buf.nbytes}"
+                    )
                 at = 0
                 for addr, n in parts:
                     ctypes.memmove(addr, buf[at:at + n].ctypes.data, n)

@@ -23,16 +23,19 @@ impl PageStore {
     }
 
     fn check_parts(&self, parts: &Parts) -> PyResult<()> {
-        let total: usize = parts.iter().map(|&(_, n)| n).sum();
-        if total as u64 != self.store.payload_bytes() {
+        if parts.iter().any(|&(p, _)| p == 0) {
+            return Err(usage("a null page buffer address"));
+        }
+        let total = parts
+            .iter()
+            .try_fold(0u64, |sum, &(_, n)| sum.checked_add(n as u64));
+        if total != Some(self.store.payload_bytes()) {
+            let total = total.map_or("more than 2^64".to_string(), |t| t.to_string());
             return Err(usage(format!(
                 "a page of {total} bytes in {} buffers, this store's pages are {} bytes",
                 parts.len(),
                 self.store.payload_bytes()
             )));
-        }
-        if parts.iter().any(|&(p, n)| p == 0 && n > 0) {
-            return Err(usage("a null page buffer address"));
         }
         Ok(())
     }

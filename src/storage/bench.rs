@@ -29,6 +29,11 @@ pub fn bench_store(
         what: format!("{what} {}", p.display()),
         source: e,
     };
+    if records == 0 {
+        return Err(StorageError::Config(
+            "a store bench needs at least one record to time".into(),
+        ));
+    }
     let payload = payload_bytes(dep, layers) as usize;
     let tokens: Vec<u32> = (0..(records as u32) * dep.page_size).collect();
     let fp = super::Fingerprint::of(dep, layers);

@@ -8,7 +8,7 @@ use super::{Fingerprint, Lookup, PageStore, Put, RecordKey, StorageError, StoreS
 use fs4::fs_std::FileExt;
 use std::fs::{self, File, OpenOptions};
 use std::io::{ErrorKind, Read, Write};
-use std::os::unix::fs::FileExt as _;
+use std::os::unix::fs::{FileExt as _, MetadataExt as _};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -400,8 +400,21 @@ impl PageStore for DirStore {
             what: format!("read {}", path.display()),
             source: e,
         };
-        // Opened for writing too: the LRU stamp is set through the same handle.
-        let mut file = match File::options().read(true).write(true).open(&path) {
+        // Opened for writing too: the LRU stamp is set through the same handle. A store
+        // this process may only read (a read-only mount, another user's files) is still
+        // read, without stamps.
+        let opened = match File::options().read(true).write(true).open(&path) {
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::PermissionDenied | ErrorKind::ReadOnlyFilesystem
+                ) =>
+            {
+                File::open(&path)
+            }
+            r => r,
+        };
+        let mut file = match opened {
             Ok(f) => f,
             Err(e) if e.kind() == ErrorKind::NotFound => {
                 self.stats.misses.fetch_add(1, Ordering::Relaxed);
@@ -451,9 +464,14 @@ impl PageStore for DirStore {
             Err(why) => {
                 self.refused(&why);
                 // The bad file goes, so the record can be written again; its bytes leave
-                // the count at the next scan.
+                // the count at the next scan. Only if it is still the file that was read:
+                // a writer may have renamed a good record over it meanwhile.
                 drop(file);
-                let _ = fs::remove_file(&path);
+                let same = fs::symlink_metadata(&path)
+                    .is_ok_and(|now| now.dev() == meta.dev() && now.ino() == meta.ino());
+                if same {
+                    let _ = fs::remove_file(&path);
+                }
                 Ok(Lookup::Refused(why))
             }
         }

@@ -58,7 +58,7 @@ impl DamagingStore {
         match self.damage {
             Damage::Torn => bytes.truncate(bytes.len() / 2),
             Damage::Flip => {
-                let at = HEADER_BYTES + (bytes.len() - HEADER_BYTES) / 3;
+                let at = HEADER_BYTES + bytes.len().saturating_sub(HEADER_BYTES) / 3;
                 match bytes.get_mut(at) {
                     Some(b) => *b ^= 0x5a,
                     None => return Ok(false),

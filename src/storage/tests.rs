@@ -214,3 +214,22 @@ fn a_store_of_another_deployment_is_refused_at_open() {
     );
     DirStore::open(dir.path(), fp(2), n, 1 << 30).unwrap();
 }
+
+/// Damage that cannot apply (a record shorter than its header) and a bench of no records
+/// are errors or no-ops, never a panic or a NaN.
+#[test]
+fn degenerate_damage_and_benches_are_refused_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let dep = Deployment::new(ModelShape::MlaBf16, 16, 4).unwrap();
+    let err = bench_store(dir.path(), &dep, 2, 0, 1, &|| {}).unwrap_err();
+    assert!(err.to_string().contains("at least one record"), "{err}");
+
+    let n = 2 * 1152 * 16;
+    let inner = DirStore::open(&dir.path().join("s"), fp(2), n, 1 << 30).unwrap();
+    let key = RecordKey::of_name(inner.fingerprint(), "short");
+    let path = inner.path_of(&key);
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    std::fs::write(&path, b"tiny").unwrap();
+    let store = DamagingStore::new(inner, Damage::Flip, 1);
+    assert!(matches!(store.get(&key).unwrap(), Lookup::Refused(_)));
+}
