@@ -150,6 +150,7 @@ fn damaged_records_are_refused_counted_and_served_as_misses() {
         ("storage-torn", "storage_refused_torn"),
         ("storage-flip", "storage_refused_checksum"),
         ("storage-foreign", "storage_refused_fingerprint"),
+        ("storage-io", "storage_io_errors"),
     ] {
         let copy = copy_of(store.path());
         let (out, r) = replay(copy.path(), &["--cp", "4", "--inject", fault]);
@@ -166,6 +167,7 @@ fn damaged_records_are_refused_counted_and_served_as_misses() {
             "storage_refused_torn",
             "storage_refused_checksum",
             "storage_refused_fingerprint",
+            "storage_io_errors",
         ] {
             assert_eq!(num(&r, k), 0, "{fault} then clean: {r}");
         }

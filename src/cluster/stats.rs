@@ -192,6 +192,15 @@ impl ReplayReport {
                 ),
             );
             row("storage evictions", t.storage_evictions.to_string());
+            if t.storage_io_errors > 0 {
+                row(
+                    "storage I/O errors",
+                    format!(
+                        "{} (served as misses or left unwritten)",
+                        t.storage_io_errors
+                    ),
+                );
+            }
             if t.storage_reads_skipped > 0 {
                 row(
                     "storage reads skipped",

@@ -70,11 +70,14 @@ pub enum Fault {
     /// One storage record read in three is served with a byte changed after the store's
     /// checksum passed: only verification catches it (mismatches, exit status 1).
     StorageUnchecked,
+    /// One storage read and one write in three fail with an I/O error: each is counted,
+    /// the read served as a miss, the record left out; the request goes on.
+    StorageIo,
 }
 
 impl Fault {
     /// Every fault, for help texts.
-    pub const ALL: [Fault; 9] = [
+    pub const ALL: [Fault; 10] = [
         Fault::PlainAllocOnLoad,
         Fault::LaneExhaustion,
         Fault::HostPoolFull,
@@ -84,6 +87,7 @@ impl Fault {
         Fault::StorageFlip,
         Fault::StorageForeign,
         Fault::StorageUnchecked,
+        Fault::StorageIo,
     ];
 
     /// The damage a storage fault does to the records it reads.
@@ -94,6 +98,7 @@ impl Fault {
             Fault::StorageFlip => Some(Damage::Flip),
             Fault::StorageForeign => Some(Damage::Foreign),
             Fault::StorageUnchecked => Some(Damage::Unchecked),
+            Fault::StorageIo => Some(Damage::Io),
             _ => None,
         }
     }
@@ -133,6 +138,7 @@ impl fmt::Display for Fault {
             Fault::StorageFlip => "storage-flip",
             Fault::StorageForeign => "storage-foreign",
             Fault::StorageUnchecked => "storage-unchecked",
+            Fault::StorageIo => "storage-io",
         })
     }
 }

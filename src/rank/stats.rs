@@ -88,11 +88,15 @@ pub struct RequestStats {
     pub storage_refused_fingerprint: u64,
     /// Records the store evicted to keep its byte budget while this rank wrote.
     pub storage_evictions: u64,
+    /// Store reads and writes that failed (an I/O error: a full disk, a lost mount): a read
+    /// ends this rank's run there and is served as a miss, a write leaves the record out.
+    /// Neither fails the request, so no rank leaves the group's rounds.
+    pub storage_io_errors: u64,
 }
 
 /// How many of a request's counts are per rank, summed over the ranks for a report
 /// ([`RequestStats::rank_counts`]).
-pub const RANK_COUNTS: usize = 12;
+pub const RANK_COUNTS: usize = 13;
 
 impl RequestStats {
     /// Adds another request's counts.
@@ -130,6 +134,7 @@ impl RequestStats {
         self.storage_refused_checksum += o.storage_refused_checksum;
         self.storage_refused_fingerprint += o.storage_refused_fingerprint;
         self.storage_evictions += o.storage_evictions;
+        self.storage_io_errors += o.storage_io_errors;
     }
 
     /// The counts that are this rank's own (bytes host→device, device→host, load-path syncs,
@@ -149,12 +154,13 @@ impl RequestStats {
             self.storage_refused_checksum,
             self.storage_refused_fingerprint,
             self.storage_evictions,
+            self.storage_io_errors,
         ]
     }
 
     /// Sets the [`rank_counts`](Self::rank_counts), summed over the ranks.
     pub fn set_rank_counts(&mut self, counts: [u64; RANK_COUNTS]) {
-        let [h2d, d2h, syncs, gathered, read, bytes_read, written, bytes_written, torn, checksum, fingerprint, evictions] =
+        let [h2d, d2h, syncs, gathered, read, bytes_read, written, bytes_written, torn, checksum, fingerprint, evictions, io_errors] =
             counts;
         self.bytes_h2d = h2d;
         self.bytes_d2h = d2h;
@@ -168,6 +174,7 @@ impl RequestStats {
         self.storage_refused_checksum = checksum;
         self.storage_refused_fingerprint = fingerprint;
         self.storage_evictions = evictions;
+        self.storage_io_errors = io_errors;
     }
 
     /// Records refused by the store, of every kind.

@@ -186,13 +186,20 @@ impl RankCache {
         let first = keys.len() - meta.num_pages();
         for (i, host) in meta.owned_pages() {
             let payload = self.read_host_page(host)?;
-            match store.put(&keys[first + i], &payload)? {
-                Put::Written { evicted } => {
+            match store.put(&keys[first + i], &payload) {
+                Ok(Put::Written { evicted }) => {
                     stats.storage_records_written += 1;
                     stats.storage_bytes_written += payload.len() as u64;
                     stats.storage_evictions += evicted;
                 }
-                Put::Present => {}
+                Ok(Put::Present) => {}
+                Err(e) => {
+                    // A record left out is a later miss; failing here would leave this
+                    // rank out of the request's next round.
+                    tracing::warn!(rank = self.rank.0, error = %e, "storage write failed");
+                    stats.storage_io_errors += 1;
+                    break;
+                }
             }
         }
         Ok(())
@@ -269,17 +276,25 @@ impl RankCache {
         let mut payloads = Vec::new();
         let mut run = owners.len();
         for (i, _) in owners.iter().enumerate().filter(|(_, &o)| o == me) {
-            match store.get(&keys[matched + i])? {
-                Lookup::Hit(p) => {
+            match store.get(&keys[matched + i]) {
+                Err(e) => {
+                    // Served as a miss: this rank still takes the round below, and the group
+                    // agrees on the shorter run.
+                    tracing::warn!(rank = me, error = %e, "storage read failed");
+                    stats.storage_io_errors += 1;
+                    run = i;
+                    break;
+                }
+                Ok(Lookup::Hit(p)) => {
                     stats.storage_records_read += 1;
                     stats.storage_bytes_read += p.len() as u64;
                     payloads.push(p);
                 }
-                Lookup::Miss => {
+                Ok(Lookup::Miss) => {
                     run = i;
                     break;
                 }
-                Lookup::Refused(e) => {
+                Ok(Lookup::Refused(e)) => {
                     self.count_refusal(&e, stats);
                     run = i;
                     break;

@@ -20,6 +20,9 @@ pub enum Damage {
     /// One payload byte changed after the store's checks passed, as a store that skipped
     /// its checksum would serve it: only verification can catch this one.
     Unchecked,
+    /// The read (and one write in `every`) fails with an I/O error, as on a full disk or a
+    /// lost mount: the rank serves it as a miss (or leaves the record out) and goes on.
+    Io,
 }
 
 /// A [`DirStore`] that damages one record read in `every` (the first read included) as
@@ -29,6 +32,7 @@ pub struct DamagingStore {
     damage: Damage,
     every: u64,
     reads: AtomicU64,
+    writes: AtomicU64,
     damaged: AtomicU64,
 }
 
@@ -40,6 +44,7 @@ impl DamagingStore {
             damage,
             every: every.max(1),
             reads: AtomicU64::new(0),
+            writes: AtomicU64::new(0),
             damaged: AtomicU64::new(0),
         }
     }
@@ -74,7 +79,7 @@ impl DamagingStore {
                 let payload = bytes.get(HEADER_BYTES..).unwrap_or_default().to_vec();
                 bytes = record::encode(&other, key, &payload);
             }
-            Damage::Unchecked => return Ok(true),
+            Damage::Unchecked | Damage::Io => return Ok(true),
         }
         fs::write(&path, &bytes).map_err(|e| StorageError::Io {
             what: format!("damage {}", path.display()),
@@ -94,12 +99,22 @@ impl PageStore for DamagingStore {
     }
 
     fn put(&self, key: &RecordKey, payload: &[u8]) -> Result<Put, StorageError> {
+        if self.damage == Damage::Io
+            && self.writes.fetch_add(1, Ordering::Relaxed) % self.every == 0
+        {
+            self.damaged.fetch_add(1, Ordering::Relaxed);
+            return Err(injected_io("write", key));
+        }
         self.inner.put(key, payload)
     }
 
     fn get(&self, key: &RecordKey) -> Result<Lookup, StorageError> {
         let n = self.reads.fetch_add(1, Ordering::Relaxed);
         let damaged = n % self.every == 0 && self.damage_on_disk(key)?;
+        if damaged && self.damage == Damage::Io {
+            self.damaged.fetch_add(1, Ordering::Relaxed);
+            return Err(injected_io("read", key));
+        }
         let found = self.inner.get(key)?;
         if !damaged {
             return Ok(found);
@@ -127,5 +142,13 @@ impl PageStore for DamagingStore {
 
     fn usage(&self) -> Result<u64, StorageError> {
         self.inner.usage()
+    }
+}
+
+/// The error a [`Damage::Io`] store gives.
+fn injected_io(what: &str, key: &RecordKey) -> StorageError {
+    StorageError::Io {
+        what: format!("{what} record {key} (injected)"),
+        source: std::io::Error::other("an injected I/O error"),
     }
 }

@@ -196,8 +196,10 @@ pub struct ReplayArgs {
     /// loss), storage-flip (a payload byte flipped), storage-foreign (another deployment's
     /// record under the same key): each is refused and counted, served as a miss, with 0
     /// mismatches; storage-unchecked serves a changed byte as if the store skipped its
-    /// checksum, which verification must catch (mismatches, exit status 1). The records
-    /// read come from an earlier run with the same --storage.
+    /// checksum, which verification must catch (mismatches, exit status 1); storage-io fails
+    /// one read and one write in three with an I/O error (counted, served as a miss or left
+    /// unwritten, 0 mismatches). The records read come from an earlier run with the same
+    /// --storage.
     #[arg(long, value_name = "FAULT", value_parser = parse_fault)]
     pub inject: Option<Fault>,
 }

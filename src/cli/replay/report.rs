@@ -170,6 +170,7 @@ pub(super) fn fault_exercised(
         Fault::StorageForeign => totals.storage_refused_fingerprint > 0,
         // Verification is what must catch it.
         Fault::StorageUnchecked => totals.mismatched_tokens > 0,
+        Fault::StorageIo => totals.storage_io_errors > 0,
     };
     if fired {
         return Ok(());
@@ -212,6 +213,7 @@ pub(super) fn fault_exercised(
             "none of the {} records read was one the fault damaged",
             totals.storage_records_read
         ),
+        Fault::StorageIo => "no record was read from or written to the store".into(),
         Fault::StorageUnchecked => format!(
             "no damaged record was served into a hit that was verified ({} records read)",
             totals.storage_records_read
