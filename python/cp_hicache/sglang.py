@@ -6,6 +6,11 @@ Loaded by SGLang's own factory with ``--hicache-storage-backend dynamic`` and::
         "module_path": "cp_hicache.sglang", "class_name": "CpHiCacheStorage",
         "interface_v1": 1, "path": "/shared/kv-store", "capacity_bytes": 1099511627776}'
 
+``capacity_bytes`` bounds this deployment's records, shared evenly among its shards (MHA
+head shards, PP stages), each in a directory of its own under ``path``. ``attention_dp``
+(default false) says whether attention DP is on where SGLang's parallel context is not
+published in this process.
+
 ``interface_v1`` makes SGLang's controller call the zero-copy ``batch_get_v1`` /
 ``batch_set_v1``, which read and write the host pool's page buffers in place
 (``get_page_buffer_meta``).
@@ -13,15 +18,24 @@ Loaded by SGLang's own factory with ``--hicache-storage-backend dynamic`` and::
 What it does differently from SGLang's file and Mooncake backends under context parallelism:
 
 - **Keys are canonical.** A record is named by SGLang's chained page hash alone, salted with
-  a fingerprint of the pages' format (model, dtype, layers, page size, host layout; the TP
-  rank only where heads are split across it, and the PP stage, which holds other layers).
-  The attention-CP rank and size are left out, so every CP rank reads the same record, and a
-  store written under one CP degree serves another: no rank-scoped copy that only some ranks
-  wrote (a MIN-reduced hit count of 0), and no copy per rank.
-- **One writer per record.** Among the attention-CP ranks, page ``key`` is written by rank
-  ``int(sha256(key)) % attn_cp_size`` only; the others report it backed up. Under MLA only
-  SGLang's storage writer of the TP group writes (``is_storage_writer``). No two ranks ever
-  write one record, and records become visible whole (written aside, then renamed).
+  a fingerprint of the pages' format (model, dtype, layers, page size, host layout; for MHA
+  the attention-TP head shard, and the PP stage, which holds other layers). The
+  attention-CP rank and size are left out: SGLang's attention-CP ranks all hold the whole
+  page (prefill CP all-gathers the KV, and the indexer keys, before writing them), so every
+  CP rank reads the same record, and a store written under one CP degree serves another.
+  No rank-scoped copy that only some ranks wrote (a MIN-reduced hit count of 0), and no
+  copy per rank. Each shard's records live in a directory of their own under ``path``.
+- **One writer per record.** SGLang calls ``batch_set_v1`` only on its storage writers
+  (``is_storage_writer``: every rank for MHA; for MLA, TP rank 0 of each attention-DP
+  group). Where every attention-CP rank is a writer of the same bytes (MHA, or MLA under
+  attention DP), page ``key`` is written by CP rank ``int(sha256(key)) % attn_cp_size`` only,
+  and the others report it backed up. Where one rank is the writer (MLA without attention
+  DP: CP rank 0), it writes every page. Writers of replicated pages in different
+  attention-DP groups may write the same record; the store keeps it whole (each record is
+  written aside, then renamed over; a record already there is not written again).
+- **Not built, refused at construction:** decode context parallel (``dcp_size > 1``: each
+  rank holds a token-interleaved part of every page; SGLang too refuses a ``dynamic``
+  backend there) and heads split across heterogeneous TP (``should_split_heads``).
 - **Every read is checked.** A torn, changed or foreign record is refused, removed and
   counted (``get_stats()``), and served as a miss.
 
@@ -40,6 +54,8 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
+import sys
 from typing import Any, List, Optional
 
 try:
@@ -77,6 +93,19 @@ class CpHiCacheStorage(HiCacheStorage):
         capacity = int(extra.get("capacity_bytes", DEFAULT_CAPACITY))
         if capacity <= 0:
             raise ValueError(f"extra_config['capacity_bytes'] = {capacity} is not positive")
+        if int(getattr(storage_config, "dcp_size", 1) or 1) > 1:
+            raise ValueError(
+                "CpHiCacheStorage does not store decode-context-parallel pages "
+                f"(dcp_size={storage_config.dcp_size}): each rank holds a token-interleaved "
+                "part of every page, and records in parts are not built"
+            )
+        if getattr(storage_config, "should_split_heads", False):
+            raise ValueError(
+                "CpHiCacheStorage does not split heads across heterogeneous TP "
+                "(tp_lcm_size): give every TP size its own store"
+            )
+        self.extra = extra
+        self._topology: Optional[tuple] = None
         self.config = storage_config
         self.path = str(path)
         self.capacity_bytes = capacity
@@ -131,25 +160,69 @@ class CpHiCacheStorage(HiCacheStorage):
         fingerprint = self._fingerprint(kv, kv_bytes)
         if indexer is not None:
             fingerprint += f";indexer_page_bytes={self._indexer_bytes}"
+        # A directory per shard (its records are other bytes under the same keys), each
+        # with its share of the capacity.
+        digest = hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
+        shards = int(getattr(self.config, "pp_size", 1) or 1)
+        if not self._replicated():
+            shards *= self.topology()[1]
+        self.store_path = os.path.join(self.path, f"sglang-{digest}")
         return _native.PageStore(
-            self.path, fingerprint, kv_bytes + self._indexer_bytes, self.capacity_bytes
+            self.store_path, fingerprint, kv_bytes + self._indexer_bytes,
+            max(self.capacity_bytes // shards, 1),
         )
+
+    def _replicated(self) -> bool:
+        """Whether every TP rank holds the same page (MLA, DSA: SGLang's ``is_mla_model``)."""
+        return bool(getattr(self.config, "is_mla_model", False))
+
+    def topology(self) -> tuple:
+        """``(attn_tp_rank, attn_tp_size, attention_dp)``: the head shard this rank holds and
+        whether attention DP is on (then the config's TP rank and size are attention TP's).
+
+        Read from SGLang's published parallel context where this process has one; else from
+        ``extra_config['attention_dp']`` (default off) and the config, whose TP group is then
+        ``attn_cp_size`` attention-TP groups."""
+        if self._topology is None:
+            self._topology = self._read_topology()
+        return self._topology
+
+    def _read_topology(self) -> tuple:
+        rc = sys.modules.get("sglang.srt.runtime_context")
+        try:
+            p = rc.get_parallel()
+            return int(p.attn_tp_rank), int(p.attn_tp_size), int(p.attn_dp_size) > 1
+        except Exception:  # not an SGLang process, or its context is not published
+            pass
+        c = self.config
+        if bool(self.extra.get("attention_dp", False)):
+            return int(c.tp_rank), int(c.tp_size), True
+        cp = int(getattr(c, "attn_cp_size", 1) or 1)
+        if c.tp_size % cp:
+            raise ValueError(
+                f"tp_size {c.tp_size} is not a multiple of attn_cp_size {cp}: set "
+                "extra_config['attention_dp'] if attention DP is on"
+            )
+        attn_tp = c.tp_size // cp
+        return int(c.tp_rank) % attn_tp, attn_tp, False
 
     def _fingerprint(self, pool: Any, page_bytes: int) -> str:
         c = self.config
         words = [
             "sglang",
             f"model={getattr(c, 'model_name', None)}",
-            f"mla={bool(getattr(c, 'is_mla_model', False))}",
+            f"mla={self._replicated()}",
             f"layout={getattr(pool, 'layout', None)}",
             f"dtype={getattr(pool, 'dtype', None)}",
             f"layers={getattr(pool, 'layer_num', None)}",
             f"page_size={pool.page_size}",
             f"page_bytes={page_bytes}",
         ]
-        if not getattr(c, "is_mla_model", False):
-            # Heads are split across TP ranks: each rank's page holds other bytes.
-            words.append(f"tp={c.tp_rank}/{c.tp_size}")
+        if not self._replicated():
+            # Heads are split across attention-TP ranks: each shard's page holds other
+            # bytes. Attention-CP ranks of one shard hold the same ones.
+            rank, size, _ = self.topology()
+            words.append(f"heads={rank}/{size}")
         if getattr(c, "pp_size", 1) > 1:
             words.append(f"pp={c.pp_rank}/{c.pp_size}")
         return ";".join(words)
@@ -165,13 +238,20 @@ class CpHiCacheStorage(HiCacheStorage):
 
     # -- who writes ----------------------------------------------------------------------
 
+    def is_writer(self) -> bool:
+        """SGLang's storage writer election (``HiCacheStorageConfig.is_storage_writer``)."""
+        w = getattr(self.config, "is_storage_writer", True)
+        return bool(w() if callable(w) else w)
+
     def writes(self, key: str) -> bool:
-        """Whether this rank is page ``key``'s one writer."""
+        """Whether this rank is page ``key``'s one writer (see the module documentation)."""
         c = self.config
-        if not getattr(c, "is_storage_writer", True):
+        if not self.is_writer():
             return False
         size = int(getattr(c, "attn_cp_size", 1) or 1)
-        if size <= 1:
+        # Every CP peer is a writer of the same bytes for MHA, and for MLA only where the
+        # config's TP rank is attention TP's (attention DP on): only then split.
+        if size <= 1 or (self._replicated() and not self.topology()[2]):
             return True
         owner = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") % size
         return owner == int(getattr(c, "attn_cp_rank", 0))

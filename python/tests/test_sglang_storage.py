@@ -75,7 +75,7 @@ class FlatHostPool:
         return ptrs, sizes
 
 
-def config(path, cp_rank=0, cp_size=1, mla=True, tp_rank=0, tp_size=1):
+def config(path, cp_rank=0, cp_size=1, mla=True, tp_rank=0, tp_size=1, **extra):
     return HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1,
         attn_cp_rank=cp_rank, attn_cp_size=cp_size, is_mla_model=mla,
@@ -83,7 +83,7 @@ def config(path, cp_rank=0, cp_size=1, mla=True, tp_rank=0, tp_size=1):
         extra_config={
             "backend_name": "cp_hicache", "module_path": "cp_hicache.sglang",
             "class_name": "CpHiCacheStorage", "interface_v1": 1, "path": str(path),
-            "capacity_bytes": 1 << 30,
+            "capacity_bytes": 1 << 30, **extra,
         },
     )
 
@@ -106,31 +106,75 @@ def indices(pages):
 KEYS = [f"{i:064x}" for i in range(1, 9)]  # SGLang's keys: hex page hashes
 
 
-@pytest.mark.parametrize("mla", [True, False], ids=["mla-one-buffer", "mha-k-and-v"])
-def test_cp_ranks_write_each_record_once_and_another_cp_degree_reads_it(tmp_path, mla):
+# SGLang's rank layout (dp, cp, tp), tp fastest: with attention DP off the config's TP rank
+# is the global one, (cp_rank * attn_tp + attn_tp_rank); with it on, attention TP's.
+TOPOLOGIES = {
+    # MLA, prefill CP 2 without attention DP: only TP rank 0 (CP rank 0) is a writer.
+    "mla-cp2": dict(mla=True, cp=2, attn_tp=1, attention_dp=False),
+    # MLA under attention DP: attention-TP rank 0 of every CP rank is a writer.
+    "mla-cp2-attention-dp": dict(mla=True, cp=2, attn_tp=1, attention_dp=True),
+    # MHA, TP 4 = CP 2 x attention TP 2: every rank writes, CP peers share a head shard.
+    "mha-cp2-tp2": dict(mla=False, cp=2, attn_tp=2, attention_dp=False),
+}
+
+
+def ranks_of(store, mla, cp, attn_tp, attention_dp, seed=1):
+    """Every rank of the group: its backend, its host pool (bytes of its head shard), and
+    its head shard."""
+    out = []
+    for cp_rank in range(cp):
+        for shard in range(attn_tp):
+            tp_rank, tp_size = (shard, attn_tp) if attention_dp else (
+                cp_rank * attn_tp + shard, cp * attn_tp)
+            pool = FlatHostPool(16, 64, mla=mla, seed=seed + (0 if mla else 10 * shard))
+            extra = {"attention_dp": True} if attention_dp else {}
+            b = backend(store, pool, cp_rank=cp_rank, cp_size=cp, mla=mla,
+                        tp_rank=tp_rank, tp_size=tp_size, **extra)
+            out.append((b, pool, shard))
+    return out
+
+
+@pytest.mark.parametrize("topology", list(TOPOLOGIES), ids=list(TOPOLOGIES))
+def test_cp_ranks_write_each_record_once_and_another_cp_degree_reads_it(tmp_path, topology):
+    t = TOPOLOGIES[topology]
     store = tmp_path / "store"
-    # Two attention-CP ranks whose host pools hold the same pages (the KV they attend).
-    pools = [FlatHostPool(16, 64, mla=mla, seed=1) for _ in range(2)]
-    ranks = [backend(store, pools[r], cp_rank=r, cp_size=2, mla=mla) for r in range(2)]
-    for r, b in enumerate(ranks):
+    # Attention-CP ranks' host pools hold the same pages (the KV they attend).
+    ranks = ranks_of(store, **t)
+    for b, _, _ in ranks:
         assert type(b).__name__ == "CpHiCacheStorage"
-        assert all(b.batch_set_v1(KEYS, indices(range(8))))
-    written = [b.get_stats()["records_written"] for b in ranks]
-    assert sum(written) == len(KEYS) and all(w > 0 for w in written), written
-    assert all(b.get_stats()["already_present"] == 0 for b in ranks)
-    # A fresh process at CP 1 (another degree), its host pool empty, reads every page.
-    fresh = FlatHostPool(16, 64, mla=mla, seed=2)
-    one = backend(store, fresh, mla=mla)
-    assert one.batch_exists(KEYS) == len(KEYS)
-    dst = list(range(8, 16))
-    assert one.batch_get_v1(KEYS, indices(dst)) == [True] * len(KEYS)
-    for src, d in zip(range(8), dst):
-        assert torch.equal(fresh.page(d).view(torch.int16), pools[0].page(src).view(torch.int16))
-    # The legacy per-page interface reads the same bytes.
-    flat = torch.zeros_like(pools[0].page(0)).flatten()
-    assert one.get(KEYS[3], flat) is flat
-    assert torch.equal(flat.view(torch.int16), pools[0].page(3).flatten().view(torch.int16))
-    assert one.exists(KEYS[0]) and not one.exists("f" * 64)
+        # As SGLang's backup thread: only its storage writers call batch_set_v1.
+        if b.is_writer():
+            assert all(b.batch_set_v1(KEYS, indices(range(8))))
+    writers = [b for b, _, _ in ranks if b.is_writer()]
+    if t["mla"] and not t["attention_dp"]:
+        assert len(writers) == 1
+    written = [b.get_stats()["records_written"] for b in writers]
+    shards = 1 if t["mla"] else t["attn_tp"]
+    assert sum(written) == len(KEYS) * shards and all(w > 0 for w in written), written
+    assert all(b.get_stats()["already_present"] == 0 for b in writers)
+    # Every rank reads every page of its shard, those written by its CP peers included.
+    for b, pool, _ in ranks:
+        assert b.batch_exists(KEYS) == len(KEYS)
+    # A fresh group at CP 1 (another degree), host pools empty, reads every page.
+    for one, fresh, shard in ranks_of(store, t["mla"], 1, t["attn_tp"], False, seed=99):
+        src = next(pool for b, pool, s in ranks if s == shard)
+        assert one.batch_exists(KEYS) == len(KEYS)
+        dst = list(range(8, 16))
+        assert one.batch_get_v1(KEYS, indices(dst)) == [True] * len(KEYS)
+        for i, d in zip(range(8), dst):
+            assert torch.equal(fresh.page(d).view(torch.int16), src.page(i).view(torch.int16))
+        # The legacy per-page interface reads the same bytes.
+        flat = torch.zeros_like(src.page(0)).flatten()
+        assert one.get(KEYS[3], flat) is flat
+        assert torch.equal(flat.view(torch.int16), src.page(3).flatten().view(torch.int16))
+        assert one.exists(KEYS[0]) and not one.exists("f" * 64)
+
+
+def test_decode_context_parallel_is_refused(tmp_path):
+    cfg = config(tmp_path / "s", tp_rank=1, tp_size=2)
+    cfg.dcp_size, cfg.dcp_rank = 2, 1
+    with pytest.raises(ValueError, match="decode-context-parallel"):
+        backend_factory.StorageBackendFactory.create_backend("dynamic", cfg, FlatHostPool(4, 32))
 
 
 def test_a_missing_or_damaged_record_ends_the_run_and_is_counted(tmp_path):
@@ -162,10 +206,11 @@ def test_bad_configurations_are_refused_clearly(tmp_path):
     b = backend(tmp_path / "s", pool)
     with pytest.raises(ValueError, match="host indices"):
         b.batch_set_v1(KEYS[:2], indices([0]))
-    # The same directory for pages of another format: refused, naming both.
-    other = FlatHostPool(4, 64)
-    with pytest.raises(ValueError, match="holds records of"):
-        backend(tmp_path / "s", other)
+    # Pages of another format under the same path: a store of their own beside it.
+    other = backend(tmp_path / "s", FlatHostPool(4, 64))
+    assert other.store_path != b.store_path
+    assert all(other.batch_set_v1(KEYS[:2], indices([0, 1])))
+    assert b.batch_exists(KEYS[:2]) == 0
 
 
 def test_indexer_pages_are_committed_in_the_record_of_their_kv_page(tmp_path):
@@ -184,7 +229,7 @@ def test_indexer_pages_are_committed_in_the_record_of_their_kv_page(tmp_path):
         return b, kv, idx
 
     store = tmp_path / "store"
-    writers = [rank(store, 1, cp_rank=r, cp_size=2) for r in range(2)]
+    writers = [rank(store, 1, cp_rank=r, cp_size=2, attention_dp=True) for r in range(2)]
     for b, kv, idx in writers:
         src = indices(range(8))
         assert b.batch_set_v2([PoolTransfer(name=INDEXER, host_indices=src, keys=KEYS)]) == {
@@ -207,8 +252,7 @@ def test_indexer_pages_are_committed_in_the_record_of_their_kv_page(tmp_path):
     for i in range(8):
         assert torch.equal(kv.page(8 + i).view(torch.int16), kv0.page(i).view(torch.int16))
         assert torch.equal(idx.page(8 + i).view(torch.int16), idx0.page(i).view(torch.int16))
-    # A kv-only store is another format: its directory refuses this one.
-    with pytest.raises(ValueError, match="holds records of"):
-        backend(store, FlatHostPool(4, 64))
+    # A kv-only store is another format: none of these records are its.
+    assert backend(store, FlatHostPool(16, 64)).batch_exists(KEYS) == 0
     with pytest.raises(ValueError, match="'mamba' pool is not built"):
         reader.register_mem_host_pool_v2(FlatHostPool(4, 8), hicache_storage.PoolName.MAMBA)
