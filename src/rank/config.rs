@@ -73,11 +73,15 @@ pub enum Fault {
     /// One storage read and one write in three fail with an I/O error: each is counted,
     /// the read served as a miss, the record left out; the request goes on.
     StorageIo,
+    /// One storage record read in three is replaced first by all but one of its parts, as
+    /// when a rank died before writing its part of a split page: refused as incomplete
+    /// (counted as torn), a miss.
+    StoragePartMissing,
 }
 
 impl Fault {
     /// Every fault, for help texts.
-    pub const ALL: [Fault; 10] = [
+    pub const ALL: [Fault; 11] = [
         Fault::PlainAllocOnLoad,
         Fault::LaneExhaustion,
         Fault::HostPoolFull,
@@ -88,6 +92,7 @@ impl Fault {
         Fault::StorageForeign,
         Fault::StorageUnchecked,
         Fault::StorageIo,
+        Fault::StoragePartMissing,
     ];
 
     /// The damage a storage fault does to the records it reads.
@@ -99,6 +104,7 @@ impl Fault {
             Fault::StorageForeign => Some(Damage::Foreign),
             Fault::StorageUnchecked => Some(Damage::Unchecked),
             Fault::StorageIo => Some(Damage::Io),
+            Fault::StoragePartMissing => Some(Damage::PartMissing),
             _ => None,
         }
     }
@@ -139,6 +145,7 @@ impl fmt::Display for Fault {
             Fault::StorageForeign => "storage-foreign",
             Fault::StorageUnchecked => "storage-unchecked",
             Fault::StorageIo => "storage-io",
+            Fault::StoragePartMissing => "storage-part-missing",
         })
     }
 }

@@ -6,6 +6,10 @@
 //!   ([`StoragePolicy::WithHost`]) or when its host copy is evicted
 //!   ([`StoragePolicy::OnHostEvict`]). A record already present is left alone (its writer
 //!   wrote the same bytes: a key names its whole prefix).
+//! - *Parts.* Where the layout splits a sequence page across ranks (`token-interleave`),
+//!   each rank holding tokens of a record writes them as a part; the record is assembled
+//!   when its last part comes, and a reader takes its tokens out of the records its page's
+//!   tokens come from ([`crate::storage::PageSlots`]).
 //! - *Reads.* Past the pages the tree matched, every rank reads the records of the pages it
 //!   will own, in one batch, up to its first miss or refused record; the group agrees on
 //!   the shortest run (one round), in whole granules. The run becomes a host-only node of
@@ -14,7 +18,9 @@
 
 use super::*;
 use crate::kernels::HostLayout;
-use crate::storage::{Fingerprint, Lookup, PageStore, Put, RecordError, RecordKey, Refusal};
+use crate::storage::{
+    Fingerprint, Lookup, PageSlots, PageStore, PartPut, Put, RecordError, RecordKey, Refusal,
+};
 use std::fmt;
 use std::str::FromStr;
 
@@ -68,8 +74,8 @@ impl RankCache {
     /// Attaches the third tier: `store` (every rank's over the same records, typically one
     /// directory) written per `policy`. A collective: every rank calls it, and every rank
     /// fails alike when a rank's store does not hold this deployment's records, when the
-    /// ranks' stores or policies differ, or when the layout splits a sequence page across
-    /// ranks (records in parts are not built yet). SGLang: `HiCacheController`'s storage
+    /// ranks' stores or policies differ. Where the layout splits a sequence page across
+    /// ranks, records are written in parts ([`PageStore::put_part`]). SGLang: `HiCacheController`'s storage
     /// backend (`--hicache-storage-backend`).
     pub fn attach_storage(
         &mut self,
@@ -111,13 +117,6 @@ impl RankCache {
     /// Why `store` cannot be this rank's third tier, if it cannot.
     fn storage_problem(&self, store: &dyn PageStore) -> Option<String> {
         let dep = &self.config.deployment;
-        if dep.layout.interleaves_tokens(dep.page_size) {
-            return Some(format!(
-                "the storage tier under {}: a sequence page is split across ranks, and \
-                 records written in parts are not built yet",
-                dep.layout
-            ));
-        }
         let fp = Fingerprint::of(dep, self.config.layers);
         if store.fingerprint() != &fp {
             return Some(format!(
@@ -184,6 +183,9 @@ impl RankCache {
             .clone();
         let keys = RecordKey::chain(store.fingerprint(), &tokens, ps);
         let first = keys.len() - meta.num_pages();
+        if self.split_pages() {
+            return self.store_parts(&store, &keys, first, &meta, stats);
+        }
         for (i, host) in meta.owned_pages() {
             let payload = self.read_host_page(host)?;
             match store.put(&keys[first + i], &payload) {
@@ -199,6 +201,125 @@ impl RankCache {
                     tracing::warn!(rank = self.rank.0, error = %e, "storage write failed");
                     stats.storage_io_errors += 1;
                     break;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the layout splits a sequence page across ranks, so records are written in
+    /// parts and read by every rank of a granule.
+    fn split_pages(&self) -> bool {
+        let dep = &self.config.deployment;
+        dep.layout.interleaves_tokens(dep.page_size) && self.layout.cp() > 1
+    }
+
+    /// The records this rank's pages hold tokens of, and which: for each sequence page `q`
+    /// of a granule, the tokens in its slots come from the granule's records
+    /// (`(record, slot in it)` per slot).
+    fn slot_sources(&self, q: usize) -> Vec<(usize, u32)> {
+        let ps = self.layout.page_size();
+        let pl = self
+            .config
+            .deployment
+            .layout
+            .placement(self.layout.cp(), ps);
+        (0..ps)
+            .map(|s| {
+                let t = pl.token(q as u64, s);
+                ((t / u64::from(ps)) as usize, (t % u64::from(ps)) as u32)
+            })
+            .collect()
+    }
+
+    /// Writes this rank's tokens of the records of node `meta`'s granules as parts (see
+    /// [`crate::storage::PageSlots`]): part `r` of a record is rank `r`'s tokens of it, in
+    /// the record's slot order; the last part to come assembles the record.
+    fn store_parts(
+        &self,
+        store: &Arc<dyn PageStore>,
+        keys: &[RecordKey],
+        first: usize,
+        meta: &NodeMetadata,
+        stats: &mut RequestStats,
+    ) -> Result<(), ClusterError> {
+        let cp = usize::from(self.layout.cp());
+        let ps = self.layout.page_size();
+        let layers = self.config.layers;
+        let dep = &self.config.deployment;
+        let full = PageSlots::new(dep, layers, ps);
+        // Which rank holds each slot of record `c` (records of a granule share the pattern).
+        let holder = |c: usize, slot: u32| -> usize {
+            let pl = dep.layout.placement(cp as u8, ps);
+            (pl.place(c as u64 * u64::from(ps) + u64::from(slot)).0 as usize) % cp
+        };
+        for (i, host) in meta.owned_pages() {
+            let q = first + i;
+            let payload = self.read_host_page(host)?;
+            let sources = self.slot_sources(q);
+            let granule = q / cp * cp;
+            for (c, key) in keys.iter().enumerate().skip(granule).take(cp) {
+                let mine: Vec<(u32, u32)> = (0..ps)
+                    .filter(|&s| sources[s as usize].0 == c)
+                    .map(|s| (s, sources[s as usize].1))
+                    .collect();
+                // Slots of the record in order: the packed part's order.
+                let mut mine = mine;
+                mine.sort_by_key(|&(_, at)| at);
+                let part_slots = PageSlots::new(dep, layers, mine.len() as u32);
+                let mut part = vec![0u8; part_slots.bytes()];
+                for (j, &(s, _)) in mine.iter().enumerate() {
+                    full.copy(&payload, s, &part_slots, &mut part, j as u32);
+                }
+                if mine.is_empty() {
+                    continue;
+                }
+                // The ranks holding tokens of record `c`, in rank order: its parts.
+                let holders: Vec<usize> = (0..cp)
+                    .filter(|&r| (0..ps).any(|s| holder(c, s) == r))
+                    .collect();
+                let me = holders
+                    .iter()
+                    .position(|&r| r == usize::from(self.rank.0))
+                    .expect("this rank holds tokens of the record");
+                let assemble = |parts: &[Vec<u8>]| -> Option<Vec<u8>> {
+                    let slots: Vec<PageSlots> = holders
+                        .iter()
+                        .map(|&r| {
+                            let n = (0..ps).filter(|&s| holder(c, s) == r).count();
+                            PageSlots::new(dep, layers, n as u32)
+                        })
+                        .collect();
+                    if parts.len() != holders.len()
+                        || parts
+                            .iter()
+                            .zip(&slots)
+                            .any(|(p, sl)| p.len() != sl.bytes())
+                    {
+                        return None;
+                    }
+                    let mut out = vec![0u8; full.bytes()];
+                    let mut next = vec![0u32; holders.len()];
+                    for slot in 0..ps {
+                        let h = holders.iter().position(|&r| r == holder(c, slot))?;
+                        slots[h].copy(&parts[h], next[h], &full, &mut out, slot);
+                        next[h] += 1;
+                    }
+                    Some(out)
+                };
+                let (part_no, parts) = (me as u32, holders.len() as u32);
+                match store.put_part(key, part_no, parts, &part, &assemble) {
+                    Ok(PartPut::Completed { evicted }) => {
+                        stats.storage_records_written += 1;
+                        stats.storage_bytes_written += full.bytes() as u64;
+                        stats.storage_evictions += evicted;
+                    }
+                    Ok(PartPut::Held | PartPut::Present) => {}
+                    Err(e) => {
+                        tracing::warn!(rank = self.rank.0, error = %e, "storage part write failed");
+                        stats.storage_io_errors += 1;
+                        return Ok(());
+                    }
                 }
             }
         }
@@ -275,27 +396,17 @@ impl RankCache {
         let me = self.rank.0;
         let mut payloads = Vec::new();
         let mut run = owners.len();
+        let split = self.split_pages();
         for (i, _) in owners.iter().enumerate().filter(|(_, &o)| o == me) {
-            match store.get(&keys[matched + i]) {
-                Err(e) => {
-                    // Served as a miss: this rank still takes the round below, and the group
-                    // agrees on the shorter run.
-                    tracing::warn!(rank = me, error = %e, "storage read failed");
-                    stats.storage_io_errors += 1;
-                    run = i;
-                    break;
-                }
-                Ok(Lookup::Hit(p)) => {
-                    stats.storage_records_read += 1;
-                    stats.storage_bytes_read += p.len() as u64;
-                    payloads.push(p);
-                }
-                Ok(Lookup::Miss) => {
-                    run = i;
-                    break;
-                }
-                Ok(Lookup::Refused(e)) => {
-                    self.count_refusal(&e, stats);
+            let q = matched + i;
+            let page = if split {
+                self.read_split_page(store.as_ref(), &keys, q, stats)
+            } else {
+                self.fetch(store.as_ref(), &keys[q], stats)
+            };
+            match page {
+                Some(p) => payloads.push(p),
+                None => {
                     run = i;
                     break;
                 }
@@ -331,6 +442,63 @@ impl RankCache {
         let meta = NodeMetadata::new(&self.layout, self.rank, owners, host_pages)?;
         let leaf = &key[matched * ps..(matched + agreed) * ps];
         Ok(Some(self.tree.insert_host_leaf(parent, leaf, meta)?))
+    }
+
+    /// The record of `key`, counted; `None` for a miss, a refused record or a failed read
+    /// (each ends this rank's run there; a failed read is served as a miss so that this
+    /// rank still takes the round that agrees on the run).
+    fn fetch(
+        &self,
+        store: &dyn PageStore,
+        key: &RecordKey,
+        stats: &mut RequestStats,
+    ) -> Option<Vec<u8>> {
+        match store.get(key) {
+            Ok(Lookup::Hit(p)) => {
+                stats.storage_records_read += 1;
+                stats.storage_bytes_read += p.len() as u64;
+                Some(p)
+            }
+            Ok(Lookup::Miss) => None,
+            Ok(Lookup::Refused(e)) => {
+                self.count_refusal(&e, stats);
+                None
+            }
+            Err(e) => {
+                tracing::warn!(rank = self.rank.0, error = %e, "storage read failed");
+                stats.storage_io_errors += 1;
+                None
+            }
+        }
+    }
+
+    /// Sequence page `q` of a layout that splits pages across ranks, taken out of the
+    /// whole records its tokens come from.
+    fn read_split_page(
+        &self,
+        store: &dyn PageStore,
+        keys: &[RecordKey],
+        q: usize,
+        stats: &mut RequestStats,
+    ) -> Option<Vec<u8>> {
+        let sources = self.slot_sources(q);
+        let mut records: Vec<(usize, Vec<u8>)> = Vec::new();
+        for &(c, _) in &sources {
+            if records.iter().all(|(have, _)| *have != c) {
+                records.push((c, self.fetch(store, keys.get(c)?, stats)?));
+            }
+        }
+        let full = PageSlots::new(
+            &self.config.deployment,
+            self.config.layers,
+            self.layout.page_size(),
+        );
+        let mut out = vec![0u8; full.bytes()];
+        for (slot, &(c, at)) in sources.iter().enumerate() {
+            let (_, record) = records.iter().find(|(have, _)| *have == c)?;
+            full.copy(record, at, &full, &mut out, slot as u32);
+        }
+        Some(out)
     }
 
     /// Counts a refused record by its kind.

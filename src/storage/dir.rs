@@ -4,8 +4,13 @@
 //! recently used records (a record's modification time is its last use).
 
 use super::record::{self, RecordError, Refusal, HEADER_BYTES};
-use super::{Fingerprint, Lookup, PageStore, Put, RecordKey, StorageError, StoreStats};
+use super::{
+    Assemble, Fingerprint, Lookup, PageStore, PartPut, Put, RecordKey, StorageError, StoreStats,
+};
 use fs4::fs_std::FileExt;
+
+/// A record's parts, read and checked in part order, or why one was refused.
+type TakenParts = Result<Vec<Vec<u8>>, RecordError>;
 use std::fs::{self, File, OpenOptions};
 use std::io::{ErrorKind, Read, Write};
 use std::os::unix::fs::{FileExt as _, MetadataExt as _};
@@ -164,6 +169,7 @@ impl DirStore {
         };
         // Count what is there (a run killed between a rename and its count leaves it off),
         // and keep to this store's budget.
+        store.sweep_parts();
         store.locked(|s, f| {
             let (mut records, total) = s.scan()?;
             let (total, _) = s.evict_to(&mut records, total, s.budget)?;
@@ -184,6 +190,97 @@ impl DirStore {
             .join("records")
             .join(&hex[..2])
             .join(format!("{hex}.rec"))
+    }
+
+    /// The folder of the parts of `key`'s record written so far (a record written in
+    /// parts: [`PageStore::put_part`]).
+    pub fn parts_dir(&self, key: &RecordKey) -> PathBuf {
+        self.root.join("parts").join(key.hex())
+    }
+
+    /// The key a part's own header carries, so a part filed under another record, or as
+    /// another part, is refused.
+    fn part_key(&self, key: &RecordKey, part: u32, parts: u32) -> RecordKey {
+        RecordKey::of_name(&self.fp, &format!("{}/part {part} of {parts}", key.hex()))
+    }
+
+    /// Parts of `key`'s record present, and of how many, if any part is.
+    fn parts_present(&self, key: &RecordKey) -> Option<(u32, u32)> {
+        let entries = fs::read_dir(self.parts_dir(key)).ok()?;
+        let mut have = 0;
+        let mut of = 0;
+        for e in entries.flatten() {
+            let name = e.file_name();
+            let Some((_, n)) = name.to_str().and_then(|n| n.split_once("-of-")) else {
+                continue;
+            };
+            if let Ok(n) = n.parse::<u32>() {
+                have += 1;
+                of = n;
+            }
+        }
+        (have > 0).then_some((have, of))
+    }
+
+    /// Removes the parts of records left incomplete for an hour (their writer died): a
+    /// record's parts are written within one backup, seconds apart.
+    fn sweep_parts(&self) {
+        let Ok(entries) = fs::read_dir(self.root.join("parts")) else {
+            return;
+        };
+        let now = SystemTime::now();
+        for e in entries.flatten() {
+            let old = e
+                .metadata()
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| now.duration_since(t).ok())
+                .is_some_and(|age| age > std::time::Duration::from_secs(3600));
+            if old {
+                let _ = fs::remove_dir_all(e.path());
+            }
+        }
+    }
+
+    /// Reads and checks the `parts` parts of `key`'s record, if all are there, and removes
+    /// them; under the store's lock, so one writer alone finds them complete.
+    fn take_parts(&self, key: &RecordKey, parts: u32) -> Result<Option<TakenParts>, StorageError> {
+        self.locked(|s, _| {
+            let dir = s.parts_dir(key);
+            let paths: Vec<PathBuf> = (0..parts)
+                .map(|p| dir.join(format!("{p}-of-{parts}")))
+                .collect();
+            if !paths.iter().all(|p| p.exists()) {
+                return Ok(None);
+            }
+            let mut out = Vec::with_capacity(paths.len());
+            let mut bad = None;
+            for (p, path) in paths.iter().enumerate() {
+                let bytes = fs::read(path).map_err(|e| StorageError::Io {
+                    what: format!("read {}", path.display()),
+                    source: e,
+                })?;
+                let pk = s.part_key(key, p as u32, parts);
+                let head = &bytes[..bytes.len().min(HEADER_BYTES)];
+                // A part is as long as its writer's tokens: its header's length is checked
+                // against the file, its key and checksum against the rest.
+                let len = (bytes.len() as u64).saturating_sub(HEADER_BYTES as u64);
+                let checked = record::check_header(head, bytes.len() as u64, &s.fp, &pk, len)
+                    .and_then(|()| record::check_payload(head, &bytes[HEADER_BYTES..]));
+                match checked {
+                    Ok(()) => out.push(bytes[HEADER_BYTES..].to_vec()),
+                    Err(e) => {
+                        bad = Some(e);
+                        break;
+                    }
+                }
+            }
+            let _ = fs::remove_dir_all(&dir);
+            Ok(Some(match bad {
+                Some(e) => Err(e),
+                None => Ok(out),
+            }))
+        })
     }
 
     /// Bytes of one record on disk.
@@ -394,6 +491,82 @@ impl PageStore for DirStore {
         Ok(Put::Written { evicted })
     }
 
+    fn put_part(
+        &self,
+        key: &RecordKey,
+        part: u32,
+        parts: u32,
+        payload: &[u8],
+        assemble: Assemble<'_>,
+    ) -> Result<PartPut, StorageError> {
+        if payload.is_empty() || payload.len() as u64 > self.payload_bytes || part >= parts {
+            return Err(StorageError::Config(format!(
+                "part {part} of {parts} of record {key} with a {}-byte payload, this \
+                 deployment's pages are {} bytes (a part holds some of a page's tokens)",
+                payload.len(),
+                self.payload_bytes
+            )));
+        }
+        if self.path_of(key).exists() {
+            // Written whole meanwhile (by a run of another layout): parts that came before
+            // are of no use.
+            let _ = fs::remove_dir_all(self.parts_dir(key));
+            self.stats.already_present.fetch_add(1, Ordering::Relaxed);
+            return Ok(PartPut::Present);
+        }
+        // Written aside, then renamed into the record's parts folder: a part is whole or
+        // absent, like a record.
+        let dir = self.parts_dir(key);
+        let path = dir.join(format!("{part}-of-{parts}"));
+        let n = self.nonce.fetch_add(1, Ordering::Relaxed);
+        let aside = self.root.join("tmp").join(format!(
+            "{}.part{part}.{}.{n}",
+            key.hex(),
+            std::process::id()
+        ));
+        let bytes = record::encode(&self.fp, &self.part_key(key, part, parts), payload);
+        let written = fs::write(&aside, &bytes).and_then(|()| match fs::rename(&aside, &path) {
+            Err(e) if e.kind() == ErrorKind::NotFound => {
+                fs::create_dir_all(&dir)?;
+                fs::rename(&aside, &path)
+            }
+            r => r,
+        });
+        if let Err(e) = written {
+            let _ = fs::remove_file(&aside);
+            return Err(StorageError::Io {
+                what: format!("write {}", path.display()),
+                source: e,
+            });
+        }
+        match self.take_parts(key, parts)? {
+            None if self.path_of(key).exists() => {
+                let _ = fs::remove_dir_all(&dir);
+                Ok(PartPut::Present)
+            }
+            None => Ok(PartPut::Held),
+            Some(Err(why)) => {
+                // A damaged part: the record cannot be assembled; its parts are gone, so
+                // the next writers start it again.
+                self.refused(&why);
+                Ok(PartPut::Held)
+            }
+            Some(Ok(all)) => {
+                let Some(payload) = assemble(&all) else {
+                    let sizes: Vec<usize> = all.iter().map(Vec::len).collect();
+                    return Err(StorageError::Config(format!(
+                        "the parts of record {key} ({sizes:?} bytes) are not of this \
+                         layout's sizes: two layouts write parts of one record"
+                    )));
+                };
+                match self.put(key, &payload)? {
+                    Put::Written { evicted } => Ok(PartPut::Completed { evicted }),
+                    Put::Present => Ok(PartPut::Present),
+                }
+            }
+        }
+    }
+
     fn get(&self, key: &RecordKey) -> Result<Lookup, StorageError> {
         let path = self.path_of(key);
         let io = |e: std::io::Error| StorageError::Io {
@@ -417,6 +590,12 @@ impl PageStore for DirStore {
         let mut file = match opened {
             Ok(f) => f,
             Err(e) if e.kind() == ErrorKind::NotFound => {
+                // Parts of it without the record: a part never came.
+                if let Some((have, parts)) = self.parts_present(key) {
+                    let why = RecordError::Incomplete { have, parts };
+                    self.refused(&why);
+                    return Ok(Lookup::Refused(why));
+                }
                 self.stats.misses.fetch_add(1, Ordering::Relaxed);
                 return Ok(Lookup::Miss);
             }

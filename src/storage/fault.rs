@@ -3,7 +3,10 @@
 //! catches a wrong record that got past the store's own checks.
 
 use super::record::{self, HEADER_BYTES};
-use super::{DirStore, Fingerprint, Lookup, PageStore, Put, RecordKey, StorageError, StoreStats};
+use super::{
+    Assemble, DirStore, Fingerprint, Lookup, PageStore, PartPut, Put, RecordKey, StorageError,
+    StoreStats,
+};
 use std::fs;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -20,6 +23,10 @@ pub enum Damage {
     /// One payload byte changed after the store's checks passed, as a store that skipped
     /// its checksum would serve it: only verification can catch this one.
     Unchecked,
+    /// Replaced by all but one of the parts it would be written in, as when one rank of a
+    /// layout that splits pages across ranks died before writing its part: refused as
+    /// incomplete (counted as torn).
+    PartMissing,
     /// The read (and one write in `every`) fails with an I/O error, as on a full disk or a
     /// lost mount: the rank serves it as a miss (or leaves the record out) and goes on.
     Io,
@@ -79,6 +86,28 @@ impl DamagingStore {
                 let payload = bytes.get(HEADER_BYTES..).unwrap_or_default().to_vec();
                 bytes = record::encode(&other, key, &payload);
             }
+            Damage::PartMissing => {
+                // The record goes; parts 1.. of 4 stay, part 0 never came.
+                for part in 1..4 {
+                    let pk = RecordKey::of_name(
+                        self.inner.fingerprint(),
+                        &format!("{}/part {part} of 4", key.hex()),
+                    );
+                    let payload = bytes.get(HEADER_BYTES..).unwrap_or_default();
+                    let dir = self.inner.parts_dir(key);
+                    let p = dir.join(format!("{part}-of-4"));
+                    fs::create_dir_all(&dir)
+                        .and_then(|()| {
+                            fs::write(&p, record::encode(self.inner.fingerprint(), &pk, payload))
+                        })
+                        .map_err(|e| StorageError::Io {
+                            what: format!("damage {}", p.display()),
+                            source: e,
+                        })?;
+                }
+                let _ = fs::remove_file(&path);
+                return Ok(true);
+            }
             Damage::Unchecked | Damage::Io => return Ok(true),
         }
         fs::write(&path, &bytes).map_err(|e| StorageError::Io {
@@ -106,6 +135,23 @@ impl PageStore for DamagingStore {
             return Err(injected_io("write", key));
         }
         self.inner.put(key, payload)
+    }
+
+    fn put_part(
+        &self,
+        key: &RecordKey,
+        part: u32,
+        parts: u32,
+        payload: &[u8],
+        assemble: Assemble<'_>,
+    ) -> Result<PartPut, StorageError> {
+        if self.damage == Damage::Io
+            && self.writes.fetch_add(1, Ordering::Relaxed) % self.every == 0
+        {
+            self.damaged.fetch_add(1, Ordering::Relaxed);
+            return Err(injected_io("write a part of", key));
+        }
+        self.inner.put_part(key, part, parts, payload, assemble)
     }
 
     fn get(&self, key: &RecordKey) -> Result<Lookup, StorageError> {

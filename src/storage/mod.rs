@@ -17,12 +17,15 @@ mod bench;
 mod dir;
 mod fault;
 mod key;
+mod parts;
 pub mod record;
 
 pub use bench::bench_store;
 pub use dir::{Clock, DirStore};
+
 pub use fault::{Damage, DamagingStore};
 pub use key::{Fingerprint, RecordKey};
+pub use parts::PageSlots;
 pub use record::{RecordError, Refusal};
 use serde::Serialize;
 
@@ -64,6 +67,24 @@ pub enum Put {
     /// A record of this key was there already (its writer wrote the same bytes).
     Present,
 }
+
+/// What [`PageStore::put_part`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PartPut {
+    /// The part is kept until the record's other parts come.
+    Held,
+    /// This part completed the record, which was assembled and written.
+    Completed {
+        /// Records evicted to make room.
+        evicted: u64,
+    },
+    /// The record was there already (whole); the part was not kept.
+    Present,
+}
+
+/// Builds a record's payload from its parts' payloads, in part order; `None` when a part
+/// is not of the size its writer's layout gives it.
+pub type Assemble<'a> = &'a dyn Fn(&[Vec<u8>]) -> Option<Vec<u8>>;
 
 /// What [`PageStore::get`] found.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -114,6 +135,20 @@ pub trait PageStore: Send + Sync {
 
     /// Stores `payload` as the record of `key`, visible whole or not at all.
     fn put(&self, key: &RecordKey, payload: &[u8]) -> Result<Put, StorageError>;
+
+    /// Stores `payload` as part `part` of the `parts` parts of `key`'s record, for a layout
+    /// that splits a sequence page across ranks (each rank writes its tokens, packed: at
+    /// most a record's payload). The record
+    /// becomes visible, whole, when its last part comes: that writer assembles the parts
+    /// with `assemble` and writes the record as [`put`](Self::put) does.
+    fn put_part(
+        &self,
+        key: &RecordKey,
+        part: u32,
+        parts: u32,
+        payload: &[u8],
+        assemble: Assemble<'_>,
+    ) -> Result<PartPut, StorageError>;
 
     /// The record of `key`, checked.
     fn get(&self, key: &RecordKey) -> Result<Lookup, StorageError>;

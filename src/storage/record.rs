@@ -24,6 +24,15 @@ pub enum RecordError {
         /// Bytes the header (or the header itself) needs.
         want: u64,
     },
+    /// No record yet, but `have` of its `parts` parts: a record written in parts whose
+    /// last part has not come (its writer died, or is still writing). Counted as torn.
+    #[error("incomplete: {have} of its {parts} parts written")]
+    Incomplete {
+        /// Parts present.
+        have: u32,
+        /// Parts the record is written in.
+        parts: u32,
+    },
     /// Not a record of this format.
     #[error("not a cp-hicache page record (magic {0:02x?})")]
     Magic([u8; 8]),
@@ -79,7 +88,7 @@ impl RecordError {
     /// The counter this refusal goes to.
     pub fn refusal(&self) -> Refusal {
         match self {
-            RecordError::Torn { .. } => Refusal::Torn,
+            RecordError::Torn { .. } | RecordError::Incomplete { .. } => Refusal::Torn,
             RecordError::Fingerprint { .. } | RecordError::Version(_) => Refusal::Fingerprint,
             _ => Refusal::Checksum,
         }

@@ -233,3 +233,51 @@ fn degenerate_damage_and_benches_are_refused_cleanly() {
     let store = DamagingStore::new(inner, Damage::Flip, 1);
     assert!(matches!(store.get(&key).unwrap(), Lookup::Refused(_)));
 }
+
+/// A record written in parts is visible only when its last part comes, assembled once; a
+/// record with a part missing reads as incomplete; a damaged part is refused.
+#[test]
+fn records_in_parts_appear_whole_when_the_last_part_comes() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = 2 * 1152 * 16;
+    let store = DirStore::open(dir.path(), fp(2), n, 1 << 30).unwrap();
+    let key = RecordKey::of_name(store.fingerprint(), "split");
+    let halves = [payload(1, n / 2), payload(2, n / 2)];
+    let join = |parts: &[Vec<u8>]| (parts.len() == 2).then(|| parts.concat());
+    assert_eq!(
+        store.put_part(&key, 1, 2, &halves[1], &join).unwrap(),
+        PartPut::Held
+    );
+    match store.get(&key).unwrap() {
+        Lookup::Refused(RecordError::Incomplete { have: 1, parts: 2 }) => {}
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        store.put_part(&key, 0, 2, &halves[0], &join).unwrap(),
+        PartPut::Completed { .. }
+    ));
+    assert_eq!(store.get(&key).unwrap(), Lookup::Hit(halves.concat()));
+    assert!(!store.parts_dir(&key).exists());
+    // A part of a record already whole is dropped.
+    assert_eq!(
+        store.put_part(&key, 0, 2, &halves[0], &join).unwrap(),
+        PartPut::Present
+    );
+    // A damaged part: the record is not assembled, its parts go.
+    let other = RecordKey::of_name(store.fingerprint(), "damaged");
+    store.put_part(&other, 0, 2, &halves[0], &join).unwrap();
+    let part = store.parts_dir(&other).join("0-of-2");
+    let mut bytes = std::fs::read(&part).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 1;
+    std::fs::write(&part, bytes).unwrap();
+    assert_eq!(
+        store.put_part(&other, 1, 2, &halves[1], &join).unwrap(),
+        PartPut::Held
+    );
+    assert_eq!(store.get(&other).unwrap(), Lookup::Miss);
+    assert_eq!(store.stats().refused_checksum, 1);
+    // Bad part numbers and sizes are errors.
+    assert!(store.put_part(&other, 2, 2, &halves[0], &join).is_err());
+    assert!(store.put_part(&other, 0, 2, &[], &join).is_err());
+}

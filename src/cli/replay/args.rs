@@ -198,8 +198,9 @@ pub struct ReplayArgs {
     /// mismatches; storage-unchecked serves a changed byte as if the store skipped its
     /// checksum, which verification must catch (mismatches, exit status 1); storage-io fails
     /// one read and one write in three with an I/O error (counted, served as a miss or left
-    /// unwritten, 0 mismatches). The records read come from an earlier run with the same
-    /// --storage.
+    /// unwritten, 0 mismatches); storage-part-missing leaves a record as all but one of its
+    /// parts (a rank of a split page died before writing its part): refused as incomplete.
+    /// The records read come from an earlier run with the same --storage.
     #[arg(long, value_name = "FAULT", value_parser = parse_fault)]
     pub inject: Option<Fault>,
 }
@@ -414,12 +415,6 @@ impl ReplayArgs {
                      (holding records an earlier run wrote)"
                 )));
             }
-        }
-        if self.storage.is_some() && layout.interleaves_tokens(self.page_size) {
-            return Err(crate::Error::Usage(format!(
-                "--storage under --layout {layout}: a sequence page is split across ranks \
-                 there, and records written in parts are not built yet"
-            )));
         }
         if let Some(n) = self.verify_ranks {
             if n == 0 || n > self.cp {

@@ -165,7 +165,7 @@ pub(super) fn fault_exercised(
         // The kernels are built before the first request, so a run that got here failed.
         Fault::CompileError => true,
         Fault::LaunchError => failed > 0,
-        Fault::StorageTorn => totals.storage_refused_torn > 0,
+        Fault::StorageTorn | Fault::StoragePartMissing => totals.storage_refused_torn > 0,
         Fault::StorageFlip => totals.storage_refused_checksum > 0,
         Fault::StorageForeign => totals.storage_refused_fingerprint > 0,
         // Verification is what must catch it.
@@ -202,14 +202,20 @@ pub(super) fn fault_exercised(
         Fault::LaunchError => "no request from the middle of the workload on launched a \
              kernel (each was skipped as too large, or empty)"
             .into(),
-        Fault::StorageTorn | Fault::StorageFlip | Fault::StorageForeign
+        Fault::StorageTorn
+        | Fault::StorageFlip
+        | Fault::StorageForeign
+        | Fault::StoragePartMissing
             if totals.storage_records_read == 0 =>
         {
             "no record was read from the store: a run before this one with the same \
              --storage writes the records a later run reads"
                 .into()
         }
-        Fault::StorageTorn | Fault::StorageFlip | Fault::StorageForeign => format!(
+        Fault::StorageTorn
+        | Fault::StorageFlip
+        | Fault::StorageForeign
+        | Fault::StoragePartMissing => format!(
             "none of the {} records read was one the fault damaged",
             totals.storage_records_read
         ),
