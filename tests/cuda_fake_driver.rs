@@ -1154,9 +1154,11 @@ fn begin_fences_loads_for_every_peer(me: &mut RankCache, prompt: &[u32]) {
 fn ops_on_the_callers_memory_and_stream() {
     use cp_hicache::kernels::{reference, BufferKind, Direction};
     use cp_hicache::ops::{Ops, Region, Tensors};
-    let exec: Arc<dyn Executor> = Arc::new(StandInGpu {
-        cuda: CudaExecutor::new(0).unwrap(),
-    });
+    // The plain CUDA executor: it finds the stand-in driver and builds host libraries for
+    // it (as `cp_hicache.ops` with backend="cuda" does from Python).
+    let cuda = CudaExecutor::new(0).unwrap();
+    assert!(cuda.runs_emulated_kernels());
+    let exec: Arc<dyn Executor> = Arc::new(cuda);
     let dep = Deployment::new(ModelShape::MlaBf16, 16, 2).unwrap();
     let ops = Ops::warm_up(dep.clone(), 2, exec.clone(), &jit(), Sanitize::None).unwrap();
     let pb = BufferKind::MlaKv.page_bytes(16);

@@ -45,6 +45,14 @@ pub trait Executor: Send + Sync {
         None
     }
 
+    /// Whether the device runs kernels built for the host emulator instead of CUBINs: only
+    /// the stand-in CUDA driver of the tests (`tests/fake_cuda/libcuda.cpp`), whose
+    /// "modules" are host libraries. `jit::target_for` then builds host libraries for it, so
+    /// the CUDA executor's plumbing can be driven from Python and Rust without a GPU.
+    fn runs_emulated_kernels(&self) -> bool {
+        false
+    }
+
     /// Allocates `bytes` of `kind` memory filled with `fill` (the poison byte, `0xA5` for pools).
     fn alloc(&self, kind: MemKind, bytes: usize, fill: u8) -> Result<BufferId, ExecError>;
 

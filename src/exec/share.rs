@@ -62,6 +62,9 @@ impl Executor for RankView {
     fn compute_capability(&self) -> Option<(u32, u32)> {
         self.inner.compute_capability()
     }
+    fn runs_emulated_kernels(&self) -> bool {
+        self.inner.runs_emulated_kernels()
+    }
     fn alloc(&self, kind: MemKind, bytes: usize, fill: u8) -> Result<BufferId, ExecError> {
         self.counted(|e| e.alloc(kind, bytes, fill))
     }

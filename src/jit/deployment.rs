@@ -29,13 +29,18 @@ pub fn target_for(
     arch: Arch,
     sanitize: Sanitize,
 ) -> Result<Target, ExecError> {
-    let target = target_of(
+    let mut target = target_of(
         exec.backend(),
         exec.compute_capability(),
         arch,
         sanitize,
         || exec.device_name(),
     )?;
+    // The stand-in driver runs host libraries behind `cuLaunchKernel` (once its device has
+    // passed the architecture check a real one would).
+    if exec.runs_emulated_kernels() {
+        target = Target::Host { sanitize };
+    }
     if target
         == (Target::Host {
             sanitize: Sanitize::Address,

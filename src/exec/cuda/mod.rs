@@ -83,6 +83,8 @@ type State = Registry<CudaBuffer, LoadedKernel>;
 
 /// The CUDA executor for one device.
 pub struct CudaExecutor {
+    /// The driver is the tests' stand-in, which runs host libraries as its modules.
+    emulated: bool,
     ordinal: usize,
     name: String,
     capability: (u32, u32),
@@ -170,6 +172,7 @@ impl CudaExecutor {
         let gpu = driver::Gpu::open(ordinal).map_err(unavailable)?;
         let capability = gpu.compute_capability().map_err(unavailable)?;
         Ok(CudaExecutor {
+            emulated: stand_in_driver(),
             ordinal,
             capability,
             name: gpu.name(),
@@ -187,9 +190,29 @@ impl CudaExecutor {
     }
 }
 
+/// Whether the libcuda this process loaded is the tests' stand-in driver
+/// (`tests/fake_cuda/libcuda.cpp`, which exports its own counters): a real driver never
+/// has `fake_cuda_live_allocations`.
+fn stand_in_driver() -> bool {
+    ["libcuda.so", "libcuda.so.1"].into_iter().any(|name| {
+        // SAFETY: loading the driver library the process already uses (dlopen returns the
+        // same handle) runs no new initialisers; only a symbol's presence is looked up.
+        unsafe {
+            libloading::Library::new(name).is_ok_and(|lib| {
+                lib.get::<unsafe extern "C" fn() -> i32>(b"fake_cuda_live_allocations")
+                    .is_ok()
+            })
+        }
+    })
+}
+
 impl Executor for CudaExecutor {
     fn backend(&self) -> Backend {
         Backend::Cuda
+    }
+
+    fn runs_emulated_kernels(&self) -> bool {
+        self.emulated
     }
 
     fn device_name(&self) -> String {
@@ -352,16 +375,37 @@ impl Executor for CudaExecutor {
     }
 
     unsafe fn load_kernel(&self, artifact: &KernelArtifact<'_>) -> Result<KernelId, ExecError> {
-        let KernelArtifact::Cubin {
-            image,
-            entry,
-            signature,
-        } = *artifact
-        else {
-            return Err(ExecError::WrongArtifact {
-                backend: Backend::Cuda,
-                artifact: "a host library",
-            });
+        let stand_in;
+        let (image, entry, signature) = match *artifact {
+            KernelArtifact::Cubin {
+                image,
+                entry,
+                signature,
+            } => (image, entry, signature),
+            // The stand-in driver's module image names the host library it runs.
+            KernelArtifact::HostLibrary {
+                path,
+                entry,
+                signature: Some(signature),
+            } if self.emulated => {
+                let sizes: Vec<String> = signature
+                    .params
+                    .iter()
+                    .map(|p| p.size.to_string())
+                    .collect();
+                stand_in = format!(
+                    "CPHEMU1\n{}\n{entry}\n{}\n",
+                    path.display(),
+                    sizes.join(",")
+                );
+                (stand_in.as_bytes(), entry, Some(signature))
+            }
+            KernelArtifact::HostLibrary { .. } => {
+                return Err(ExecError::WrongArtifact {
+                    backend: Backend::Cuda,
+                    artifact: "a host library",
+                })
+            }
         };
         let module = self
             .gpu
