@@ -1,0 +1,139 @@
+"""`cp_hicache.ops` with `backend="cuda"` from Python, without a GPU: on the repository's
+stand-in CUDA driver (`tests/fake_cuda/libcuda.cpp`, built here), which keeps device memory
+on the host, queues work per stream and runs it only when something waits for it, and runs
+host-built kernels behind `cuLaunchKernel`. The memory and the stream are the caller's
+(allocated through the driver, wrapped in tensor-like objects as a CUDA torch tensor would
+be), and the bytes are the host backend's on the same inputs.
+
+What this shows: the Python ops reach the CUDA executor with the caller's device and
+pinned addresses and stream, and order themselves after the caller's queued work and the
+caller's stream after them. What it cannot show: the CUBINs and the hardware."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def stand_in_driver(tmp: Path) -> Path:
+    """Builds the stand-in driver as `libcuda.so` and `libcuda.so.1` in `tmp`."""
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        if os.environ.get("CP_HICACHE_REQUIRE_HOSTCC"):
+            pytest.fail(f"no C++ compiler ({cxx}) and CP_HICACHE_REQUIRE_HOSTCC is set")
+        pytest.skip(f"no C++ compiler ({cxx}) to build the stand-in driver")
+    out = tmp / "libcuda.so"
+    subprocess.run(
+        [cxx, "-std=c++17", "-O1", "-fPIC", "-shared", "-o", str(out),
+         str(ROOT / "tests" / "fake_cuda" / "libcuda.cpp"), "-ldl"],
+        check=True, capture_output=True,
+    )
+    shutil.copy(out, tmp / "libcuda.so.1")
+    return tmp
+
+
+# Runs in a process of its own whose libcuda is the stand-in.
+SCRIPT = textwrap.dedent(
+    """
+    import ctypes, json, sys, types
+    import numpy as np
+    import cp_hicache
+    from cp_hicache.ops import Ops
+
+    dep = cp_hicache.Deployment(model="mla", page_size=16, cp=2, layers=2)
+    ops = Ops(dep, backend="cuda")  # opens the device; its context is current here
+    cu = ctypes.CDLL("libcuda.so")
+    cu.fake_cuda_cross_stream_waits.restype = ctypes.c_ulonglong
+
+    def check(r, what):
+        if r != 0:
+            raise RuntimeError(f"{what}: CUresult {r}")
+
+    class Memory:
+        '''The parts of a torch tensor that cp_hicache.ops reads.'''
+        def __init__(self, ptr, nbytes, device):
+            self.ptr, self.nbytes = ptr, nbytes
+            self.device = types.SimpleNamespace(type=device)
+        def data_ptr(self): return self.ptr
+        def is_contiguous(self): return True
+        def is_pinned(self): return self.device.type == "cpu"
+        def numel(self): return self.nbytes
+        def element_size(self): return 1
+
+    pb = ops.page_bytes("mla_kv")
+    dev_bytes, host_bytes = 2 * 4 * pb, 2 * 6 * pb
+    dptr = ctypes.c_uint64()
+    check(cu.cuMemAlloc_v2(ctypes.byref(dptr), ctypes.c_size_t(dev_bytes)), "cuMemAlloc")
+    hptr = ctypes.c_void_p()
+    check(cu.cuMemHostAlloc(ctypes.byref(hptr), ctypes.c_size_t(host_bytes), 2),  # DEVICEMAP
+          "cuMemHostAlloc")
+    stream = ctypes.c_void_p()
+    check(cu.cuStreamCreate(ctypes.byref(stream), 0), "cuStreamCreate")
+
+    rng = np.random.default_rng(7)
+    host = rng.integers(0, 256, host_bytes, dtype=np.uint8)
+    ctypes.memmove(hptr.value, host.ctypes.data, host_bytes)
+    # The caller's work queued on its stream and not run yet: the device's first bytes.
+    first = rng.integers(0, 256, dev_bytes, dtype=np.uint8)
+    check(cu.cuMemcpyHtoDAsync_v2(ctypes.c_uint64(dptr.value), first.ctypes.data_as(ctypes.c_void_p),
+                                  ctypes.c_size_t(dev_bytes), stream), "upload")
+
+    before = cu.fake_cuda_cross_stream_waits()
+    src, dst = [5, 0, 2], [3, 1, 0]
+    moved = ops.transfer("h2d", [Memory(dptr.value, dev_bytes, "cuda")],
+                         [Memory(hptr.value, host_bytes, "cpu")], src, dst,
+                         stream=stream.value)
+    waits = cu.fake_cuda_cross_stream_waits() - before
+    # Read back on the caller's stream: after the op, as the caller's own next work is.
+    got = np.empty(dev_bytes, dtype=np.uint8)
+    check(cu.cuMemcpyDtoHAsync_v2(got.ctypes.data_as(ctypes.c_void_p), ctypes.c_uint64(dptr.value),
+                                  ctypes.c_size_t(dev_bytes), stream), "read back")
+    check(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
+
+    # The host backend on the same inputs.
+    want = first.copy()
+    Ops(dep, backend="host").transfer("h2d", [want], [host.copy()], src, dst)
+
+    # A torch-style stream object (.cuda_stream) names the same stream.
+    later = Ops(dep, backend="cuda").transfer(
+        "d2h", [Memory(dptr.value, dev_bytes, "cuda")], [Memory(hptr.value, host_bytes, "cpu")],
+        [3], [4], stream=types.SimpleNamespace(cuda_stream=stream.value))
+    check(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
+    back = np.ctypeslib.as_array((ctypes.c_uint8 * host_bytes).from_address(hptr.value)).copy()
+    want_host = host.copy()
+    Ops(dep, backend="host").transfer("d2h", [want.copy()], [want_host], [3], [4])
+    print(json.dumps({
+        "moved": moved, "expected_moved": 3 * 2 * pb, "waits": waits,
+        "same": bool((got == want).all()), "changed": bool((got != first).any()),
+        "later": later, "back_same": bool((back == want_host).all()),
+        "backend": ops._native.backend,
+    }))
+    """
+)
+
+
+def test_cuda_ops_run_on_the_callers_memory_and_stream(tmp_path):
+    lib = stand_in_driver(tmp_path)
+    env = dict(os.environ, LD_LIBRARY_PATH=f"{lib}:{os.environ.get('LD_LIBRARY_PATH', '')}")
+    env.setdefault("CP_HICACHE_CACHE_DIR", str(tmp_path / "jit"))
+    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    import json
+
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["backend"] == "cuda"
+    assert r["moved"] == r["expected_moved"]
+    # After the caller's queued upload (else the upload would overwrite the op's pages), and
+    # the caller's stream after the op: two cross-stream waits.
+    assert r["waits"] == 2, r
+    assert r["same"] and r["changed"], r
+    assert r["back_same"], r
