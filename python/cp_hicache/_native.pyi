@@ -134,9 +134,13 @@ class Ops:
         owners: bytes,
         out_pages: Tuple[int, int],
         out_locs: Tuple[int, int],
+        stream: Optional[int] = None,
     ) -> None: ...
     def release(
-        self, lanes: Tuple[Tuple[int, int], Tuple[int, int], Tuple[int, int]], pages: bytes
+        self,
+        lanes: Tuple[Tuple[int, int], Tuple[int, int], Tuple[int, int]],
+        pages: bytes,
+        stream: Optional[int] = None,
     ) -> None: ...
 
 class RankCache:

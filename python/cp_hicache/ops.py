@@ -24,8 +24,8 @@ backend (``Ops(dep, backend="cuda")``) runs :meth:`Ops.transfer` and :meth:`Ops.
 on CUDA tensors (and pinned host tensors the device can address) of the executor's device,
 ordered on the caller's stream (``stream=`` a raw ``CUstream`` handle, or an object with a
 ``cuda_stream`` attribute such as ``torch.cuda.Stream``): the op waits on the device for the
-work enqueued there so far, and the stream for the op. Lanes on the CUDA backend are not
-built yet.
+work enqueued there so far, and the stream for the op. :meth:`Ops.select` and
+:meth:`Ops.release` take CUDA lanes there, and ``select`` the caller's CUDA output tensors.
 """
 
 from __future__ import annotations
@@ -122,19 +122,20 @@ def _stream(stream: Optional[Any], cuda: bool) -> Optional[int]:
     return handle
 
 
-def _words(t: Tensor, what: str) -> Tuple[int, int]:
-    """(address, bytes) of a CPU tensor of 32-bit words."""
+def _words(t: Tensor, what: str, cuda: bool = False) -> Tuple[int, int]:
+    """(address, bytes) of a tensor of 32-bit words (CPU, or with ``cuda`` a CUDA one)."""
     size = t.itemsize if isinstance(t, np.ndarray) else getattr(t, "element_size", lambda: 0)()
     if size != 4:
         raise UsageError(f"{what}: 32-bit words (uint32 or int32), not {getattr(t, 'dtype', type(t))}")
-    return _region(t, what, 4)
+    return _region(t, what, 4, cuda)
 
 
 class Lanes:
     """An engine's owner lanes, held in its own tensors: lane ``r`` holds the free pages of
     rank ``r`` (pages ``p`` with ``p % cp == r``) as a stack, ``stacks[r, :tops[r]]``, top
     last; ``status`` holds the allocator kernels' status words (refused launches, per-lane
-    deficits or overflows, bad owners or pages). Any 32-bit CPU tensors will do."""
+    deficits or overflows, bad owners or pages). Any 32-bit CPU tensors will do on the host
+    backend; on the CUDA backend, CUDA tensors (or pinned CPU ones)."""
 
     def __init__(self, stacks: Tensor, tops: Tensor, status: Tensor) -> None:
         self.stacks, self.tops, self.status = stacks, tops, status
@@ -153,11 +154,11 @@ class Lanes:
             tops[r] += 1
         return cls(stacks, tops, np.zeros(cp + 2, dtype=np.uint32))
 
-    def _arg(self) -> Tuple[Tuple[int, int], Tuple[int, int], Tuple[int, int]]:
+    def _arg(self, cuda: bool = False) -> Tuple[Tuple[int, int], Tuple[int, int], Tuple[int, int]]:
         return (
-            _words(self.stacks, "lanes.stacks"),
-            _words(self.tops, "lanes.tops"),
-            _words(self.status, "lanes.status"),
+            _words(self.stacks, "lanes.stacks", cuda),
+            _words(self.tops, "lanes.tops", cuda),
+            _words(self.status, "lanes.status", cuda),
         )
 
 
@@ -245,30 +246,48 @@ class Ops:
             handle,
         )
 
-    def _host_lanes(self) -> None:
-        if self._cuda:
-            raise UsageError("lanes on the CUDA backend are not built yet: use backend=\"host\"")
-
-    def select(self, lanes: Lanes, owners: Any) -> Tuple[np.ndarray, np.ndarray]:
+    def select(
+        self,
+        lanes: Lanes,
+        owners: Any,
+        out_pages: Optional[Tensor] = None,
+        out_locs: Optional[Tensor] = None,
+        stream: Optional[Any] = None,
+    ) -> Tuple[Any, Any]:
         """Pops one page per entry of ``owners`` from lane ``owners[i]`` (the seed's
         ``alloc_pages_with_owners``: a page loaded back gets its recorded owner). Returns
-        ``(pages, locs)``: ``uint32[n]`` pages and ``int64[n * page_size]`` token slots. All
-        or nothing: when a lane is short, no lane changes and :class:`CacheFullError` says
-        which lanes are short by how much. Host backend only (for now)."""
-        self._host_lanes()
+        ``(pages, locs)``: ``uint32[n]`` pages and ``int64[n * page_size]`` token slots, in
+        ``out_pages`` / ``out_locs`` where given (on the CUDA backend they must be: CUDA
+        tensors, as the lanes are), else new numpy arrays. All or nothing: when a lane is
+        short, no lane changes and :class:`CacheFullError` says which lanes are short by how
+        much (the status words are read back: a host synchronisation). ``stream`` as in
+        :meth:`transfer`."""
+        handle = _stream(stream, self._cuda)
         o = np.asarray(owners)
         if o.ndim != 1 or (o.size and (o.min() < 0 or o.max() >= 256)):
             raise UsageError("owners: one rank per page, integers in 0..256")
         o = o.astype(np.uint8)
-        pages = np.zeros(len(o), dtype=np.uint32)
-        locs = np.zeros(len(o) * self.deployment.page_size, dtype=np.int64)
-        self._native.select(lanes._arg(), o.tobytes(), _region(pages, "pages", 4),
-                            _region(locs, "locs", 8))
-        return pages, locs
+        n, ps = len(o), self.deployment.page_size
+        if (out_pages is None) != (out_locs is None):
+            raise UsageError("out_pages and out_locs: both or neither")
+        if out_pages is None:
+            if self._cuda:
+                raise UsageError(
+                    "select on the CUDA backend writes into out_pages and out_locs: CUDA "
+                    "tensors of uint32[n] and int64[n * page_size]"
+                )
+            out_pages = np.zeros(n, dtype=np.uint32)
+            out_locs = np.zeros(n * ps, dtype=np.int64)
+        self._native.select(
+            lanes._arg(self._cuda), o.tobytes(),
+            _region(out_pages, "out_pages", 4, self._cuda),
+            _region(out_locs, "out_locs", 8, self._cuda), handle,
+        )
+        return out_pages, out_locs
 
-    def release(self, lanes: Lanes, pages: Any) -> None:
+    def release(self, lanes: Lanes, pages: Any, stream: Optional[Any] = None) -> None:
         """Pushes each page back onto lane ``page % cp``, in order. All or nothing: an invalid
         page raises :class:`UsageError`, a lane without room :class:`CacheFullError`, and no
-        lane changes. Host backend only (for now)."""
-        self._host_lanes()
-        self._native.release(lanes._arg(), _pages(pages, "pages"))
+        lane changes. ``stream`` as in :meth:`transfer`."""
+        handle = _stream(stream, self._cuda)
+        self._native.release(lanes._arg(self._cuda), _pages(pages, "pages"), handle)

@@ -228,7 +228,8 @@ impl Ops {
     }
 
     /// Pops one page per owner from the engine's lanes into `out_pages` / `out_locs` (see
-    /// `cp_hicache.ops.Ops.select`).
+    /// `cp_hicache.ops.Ops.select`); `stream` as in `transfer`.
+    #[pyo3(signature = (lanes_arg, owners, out_pages, out_locs, stream = None))]
     fn select(
         &self,
         py: Python<'_>,
@@ -236,25 +237,35 @@ impl Ops {
         owners: &[u8],
         out_pages: (u64, u64),
         out_locs: (u64, u64),
+        stream: Option<u64>,
     ) -> PyResult<()> {
         let l = lanes(lanes_arg);
         py.detach(|| {
             // SAFETY: as in `transfer`.
             unsafe {
-                self.inner
-                    .select(&l, owners, region(out_pages), region(out_locs))
+                self.inner.on_stream(stream, |o| {
+                    o.select(&l, owners, region(out_pages), region(out_locs))
+                })
             }
         })
         .map_err(ops_err)
     }
 
-    /// Pushes pages back onto the engine's lanes (see `cp_hicache.ops.Ops.release`).
-    fn release(&self, py: Python<'_>, lanes_arg: LanesArg, pages_arg: &[u8]) -> PyResult<()> {
+    /// Pushes pages back onto the engine's lanes (see `cp_hicache.ops.Ops.release`);
+    /// `stream` as in `transfer`.
+    #[pyo3(signature = (lanes_arg, pages_arg, stream = None))]
+    fn release(
+        &self,
+        py: Python<'_>,
+        lanes_arg: LanesArg,
+        pages_arg: &[u8],
+        stream: Option<u64>,
+    ) -> PyResult<()> {
         let l = lanes(lanes_arg);
         let p = pages(pages_arg, "pages")?;
         py.detach(|| {
             // SAFETY: as in `transfer`.
-            unsafe { self.inner.release(&l, &p) }
+            unsafe { self.inner.on_stream(stream, |o| o.release(&l, &p)) }
         })
         .map_err(ops_err)
     }

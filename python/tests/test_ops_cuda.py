@@ -5,8 +5,8 @@ host-built kernels behind `cuLaunchKernel`. The memory and the stream are the ca
 (allocated through the driver, wrapped in tensor-like objects as a CUDA torch tensor would
 be), and the bytes are the host backend's on the same inputs.
 
-What this shows: the Python ops reach the CUDA executor with the caller's device and
-pinned addresses and stream, and order themselves after the caller's queued work and the
+What this shows: the Python ops (transfer, and select/release on owner lanes held in device
+memory) reach the CUDA executor with the caller's device and pinned addresses and stream, and order themselves after the caller's queued work and the
 caller's stream after them. What it cannot show: the CUBINs and the hardware."""
 
 from __future__ import annotations
@@ -59,14 +59,29 @@ SCRIPT = textwrap.dedent(
 
     class Memory:
         '''The parts of a torch tensor that cp_hicache.ops reads.'''
-        def __init__(self, ptr, nbytes, device):
-            self.ptr, self.nbytes = ptr, nbytes
+        def __init__(self, ptr, nbytes, device, itemsize=1):
+            self.ptr, self.nbytes, self.itemsize = ptr, nbytes, itemsize
             self.device = types.SimpleNamespace(type=device)
         def data_ptr(self): return self.ptr
         def is_contiguous(self): return True
         def is_pinned(self): return self.device.type == "cpu"
-        def numel(self): return self.nbytes
-        def element_size(self): return 1
+        def numel(self): return self.nbytes // self.itemsize
+        def element_size(self): return self.itemsize
+
+    def on_device(a):
+        '''A device copy of numpy array `a` (uploaded on the caller's stream).'''
+        p = ctypes.c_uint64()
+        check(cu.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(a.nbytes)), "cuMemAlloc")
+        check(cu.cuMemcpyHtoDAsync_v2(ctypes.c_uint64(p.value), a.ctypes.data_as(ctypes.c_void_p),
+                                      ctypes.c_size_t(a.nbytes), stream), "upload")
+        return Memory(p.value, a.nbytes, "cuda", a.itemsize)
+
+    def fetch(m, dtype):
+        out = np.empty(m.nbytes // np.dtype(dtype).itemsize, dtype=dtype)
+        check(cu.cuMemcpyDtoHAsync_v2(out.ctypes.data_as(ctypes.c_void_p), ctypes.c_uint64(m.ptr),
+                                      ctypes.c_size_t(m.nbytes), stream), "read back")
+        check(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
+        return out
 
     pb = ops.page_bytes("mla_kv")
     dev_bytes, host_bytes = 2 * 4 * pb, 2 * 6 * pb
@@ -110,7 +125,39 @@ SCRIPT = textwrap.dedent(
     back = np.ctypeslib.as_array((ctypes.c_uint8 * host_bytes).from_address(hptr.value)).copy()
     want_host = host.copy()
     Ops(dep, backend="host").transfer("d2h", [want.copy()], [want_host], [3], [4])
+
+    # The engine's owner lanes in device memory: select and release against the host
+    # backend on the same lanes.
+    from cp_hicache.ops import Lanes
+    host_lanes = Lanes.of([2, 4, 6, 1, 3, 5, 7, 9], cp=2, lane_cap=8)
+    lanes = Lanes(on_device(host_lanes.stacks), on_device(host_lanes.tops),
+                  on_device(host_lanes.status))
+    owners = [1, 0, 1, 1]
+    n = len(owners)
+    out_pages = on_device(np.zeros(n, dtype=np.uint32))
+    out_locs = on_device(np.zeros(n * 16, dtype=np.int64))
+    before = cu.fake_cuda_cross_stream_waits()
+    ops.select(lanes, owners, out_pages=out_pages, out_locs=out_locs, stream=stream.value)
+    select_waits = cu.fake_cuda_cross_stream_waits() - before
+    host_ops = Ops(dep, backend="host")
+    want_pages, want_locs = host_ops.select(host_lanes, owners)
+    got_pages, got_locs = fetch(out_pages, np.uint32), fetch(out_locs, np.int64)
+    selected = bool((got_pages == want_pages).all() and (got_locs == want_locs).all())
+    # A short lane: all or nothing, on the device as on the host.
+    short = None
+    try:
+        ops.select(lanes, [0] * 5, out_pages=on_device(np.zeros(5, dtype=np.uint32)),
+                   out_locs=on_device(np.zeros(80, dtype=np.int64)), stream=stream.value)
+    except cp_hicache.CacheFullError as e:
+        short = str(e)
+    ops.release(lanes, got_pages[::-1], stream=stream.value)
+    host_ops.release(host_lanes, want_pages[::-1])
+    released = bool((fetch(lanes.tops, np.uint32) == host_lanes.tops).all()
+                    and (fetch(lanes.stacks, np.uint32) == host_lanes.stacks.ravel()).all())
+
     print(json.dumps({
+        "selected": selected, "select_waits": select_waits, "short": short,
+        "released": released, "pages": got_pages.tolist(),
         "moved": moved, "expected_moved": 3 * 2 * pb, "waits": waits,
         "same": bool((got == want).all()), "changed": bool((got != first).any()),
         "later": later, "back_same": bool((back == want_host).all()),
@@ -137,3 +184,8 @@ def test_cuda_ops_run_on_the_callers_memory_and_stream(tmp_path):
     assert r["waits"] == 2, r
     assert r["same"] and r["changed"], r
     assert r["back_same"], r
+    # Owner lanes in device memory: the host backend's pages and slots, all or nothing.
+    assert r["selected"] and r["select_waits"] == 2, r
+    assert r["pages"] and all(p % 2 == o for p, o in zip(r["pages"], [1, 0, 1, 1])), r
+    assert r["short"] and "lane 0" in r["short"], r
+    assert r["released"], r
