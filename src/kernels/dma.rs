@@ -213,12 +213,29 @@ pub fn transfer_regions(
     layer_range: Range<u32>,
 ) -> Vec<CopyRegion> {
     let page_bytes = spec.page_bytes();
+    let device_pages = pools.device_pages;
+    transfer_regions_at(spec, src_pages, dst_pages, pools, layer_range, |p, l| {
+        device_offset(p, l, device_pages, page_bytes)
+    })
+}
+
+/// [`transfer_regions`] with the device side wherever `dev(page, layer)` says: an engine's
+/// memory, one buffer per layer, pages a stride apart (a [`PageTable`](super::PageTable)'s
+/// entry and stride), one layer per call.
+pub fn transfer_regions_at(
+    spec: &TransferSpec,
+    src_pages: &[u32],
+    dst_pages: &[u32],
+    pools: PoolShape,
+    layer_range: Range<u32>,
+    dev: impl Fn(u32, u32) -> u64,
+) -> Vec<CopyRegion> {
+    let page_bytes = spec.page_bytes();
     let PoolShape {
         layers,
-        device_pages,
+        device_pages: _,
         host_pages,
     } = pools;
-    let dev = |p, l| device_offset(p, l, device_pages, page_bytes);
     let host = |p, l| host_offset(spec.layout, p, l, layers, host_pages, page_bytes);
     let [(_, src_cap), (_, dst_cap)] = pools.ends(spec.direction);
     let mut out: Vec<CopyRegion> = Vec::new();

@@ -25,7 +25,7 @@ mod table;
 pub use deployment::{Arch, Deployment, ModelShape};
 pub use dma::{
     check_distinct_destinations, clamp_layer_range, layer_range_args, transfer_args,
-    transfer_regions, DuplicateDestination, PoolShape, TransferPath,
+    transfer_regions, transfer_regions_at, DuplicateDestination, PoolShape, TransferPath,
 };
 pub use render::{diff_tree, plan_tree, render_tree, sources_digest, TreeDiff, REGENERATE_COMMAND};
 pub use spec::{

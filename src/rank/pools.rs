@@ -178,16 +178,6 @@ impl Pools {
                 ),
             ));
         }
-        if dep.transfer_path.dma_mode().is_some() {
-            return Err(bad(
-                "device".into(),
-                format!(
-                    "the {} transfer path copies the cache's own layer-major pools; an \
-                     engine's memory moves with the transfer kernel (transfer path `kernel`)",
-                    dep.transfer_path
-                ),
-            ));
-        }
         if access == PeerAccess::Mapped && dep.cp > 1 {
             return Err(bad(
                 "device".into(),

@@ -231,27 +231,34 @@ fn test_jit() -> Jit {
     )))
 }
 
-/// A cache over an engine's memory, in each order the engines use, serves exactly as a
+/// A cache over an engine's memory, in each order the engines use and on each transfer path
+/// (the kernel, and DMA layer by layer through the engine's page table), serves exactly as a
 /// cache over its own pools (the same statistics and state, 0 mismatches, host hits after an
 /// eviction), and the engine's tensors hold byte for byte what the cache's own pool holds:
 /// the engine reads the KV the cache loaded where it keeps it.
 #[test]
 fn a_cache_over_an_engines_tensors_serves_like_one_over_its_own_pools() {
+    use crate::kernels::TransferPath;
     let (layers, pages) = (2u32, 9u32);
     let pb = crate::kernels::BufferKind::MlaKv.page_bytes(16);
     let prompt = |n: u32, s: u32| -> Vec<u32> { (0..n * 16).map(|t| t * 7 + s).collect() };
-    for order in [
-        EngineOrder::PerLayer,
-        EngineOrder::LayerMajor,
-        EngineOrder::PageMajor,
+    for (order, path) in [
+        (EngineOrder::PerLayer, TransferPath::Kernel),
+        (EngineOrder::LayerMajor, TransferPath::Kernel),
+        (EngineOrder::PageMajor, TransferPath::Kernel),
+        (EngineOrder::PerLayer, TransferPath::Dma),
+        (EngineOrder::PageMajor, TransferPath::Dma),
+        (EngineOrder::LayerMajor, TransferPath::DmaEach),
     ] {
+        let order_path = format!("{order:?} {path}");
         let (mems, tensors) = engine_pool(order, layers, pages, pb);
         let start = |device: Option<&[crate::ops::Tensors]>| {
             let exec = Arc::new(crate::exec::HostExecutor::new(Default::default()));
             let m = crate::group::LocalGroup::members(1, std::time::Duration::from_secs(60))
                 .pop()
                 .unwrap();
-            let (config, jit) = (adopting_config(1, layers), test_jit());
+            let (mut config, jit) = (adopting_config(1, layers), test_jit());
+            config.deployment.transfer_path = path;
             match device {
                 None => RankCache::new(config, exec, &jit, Box::new(m), PeerAccess::Direct),
                 // SAFETY: `mems` outlives the cache, and nothing else touches it.
@@ -268,15 +275,15 @@ fn a_cache_over_an_engines_tensors_serves_like_one_over_its_own_pools() {
         for round in 0..3 {
             for p in [prompt(3, 1), prompt(5, 2), prompt(2, 1)] {
                 let (a, b) = (own.serve(&p).unwrap(), engine.serve(&p).unwrap());
-                assert_eq!(a, b, "{order:?} round {round}");
-                assert_eq!(b.mismatched_tokens, 0, "{order:?}");
+                assert_eq!(a, b, "{order_path} round {round}");
+                assert_eq!(b.mismatched_tokens, 0, "{order_path}");
                 host_hits += b.host_hit_tokens;
             }
-            assert_eq!(own.digest(), engine.digest(), "{order:?}");
+            assert_eq!(own.digest(), engine.digest(), "{order_path}");
             own.evict_device_lru(usize::MAX).unwrap();
             engine.evict_device_lru(usize::MAX).unwrap();
         }
-        assert!(host_hits > 0, "{order:?}: nothing was loaded back");
+        assert!(host_hits > 0, "{order_path}: nothing was loaded back");
         // Byte for byte: the cache's own pool and the engine's tensors.
         let id = own
             .pools()
@@ -290,7 +297,7 @@ fn a_cache_over_an_engines_tensors_serves_like_one_over_its_own_pools() {
                 let theirs = engine_page(&mems, order, layers, pages, pb, l, p);
                 assert!(
                     mine[at..at + pb as usize] == theirs[..],
-                    "{order:?}: layer {l} page {p} differs"
+                    "{order_path}: layer {l} page {p} differs"
                 );
             }
         }
@@ -464,11 +471,6 @@ fn engine_buffers_that_break_a_rule_are_refused_naming_it() {
             vec![Tensors::CrossLayer(m.region(0, 2 * layer)); 2],
             kernel,
             "engine buffer device: 2 buffers given, the mla model has 1",
-        ),
-        (
-            vec![Tensors::CrossLayer(m.region(0, 2 * layer))],
-            crate::kernels::TransferPath::Dma,
-            "transfer path copies the cache's own layer-major pools",
         ),
     ];
     for (device, path, want) in cases {

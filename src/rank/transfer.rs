@@ -1,11 +1,13 @@
 //! The transfer path of a rank: its page pairs between its host and device pools, by the
-//! transfer kernel (the device pools as page tables) or by DMA (the cache's own layer-major
-//! pools), and the checks every transfer passes first.
+//! transfer kernel (the device pools as page tables) or by DMA (regions of the cache's own
+//! layer-major pools, or of an engine's memory layer by layer through its page table), and
+//! the checks every transfer passes first.
 
 use super::{ClusterError, RankCache};
 use crate::exec::EventId;
 use crate::kernels::{
-    clamp_layer_range, layer_range_args, transfer_args, transfer_regions, Direction, PoolShape,
+    clamp_layer_range, layer_range_args, transfer_args, transfer_regions, transfer_regions_at,
+    Direction, PoolShape,
 };
 use std::ops::Range;
 
@@ -53,10 +55,11 @@ impl RankCache {
         let spec = self.config.deployment.transfer(dir);
         let buffers = self.config.deployment.model.buffers();
         // (source pool, destination pool) of each buffer, in the spec's descriptor order, for
-        // the DMA path: the cache's own layer-major pools (adopting refuses the DMA path).
-        let ends: Vec<(crate::exec::BufferId, crate::exec::BufferId)> = buffers
+        // the DMA path over the cache's own layer-major pools; `None` for an engine's memory,
+        // reached layer by layer through its page table.
+        let ends: Vec<Option<(crate::exec::BufferId, crate::exec::BufferId)>> = buffers
             .iter()
-            .filter_map(|&b| {
+            .map(|&b| {
                 let device = self.pools.device(b)?;
                 Some(match dir {
                     Direction::HostToDevice => (self.pools.host(b), device),
@@ -64,11 +67,6 @@ impl RankCache {
                 })
             })
             .collect();
-        if dma.is_some() && ends.len() != buffers.len() {
-            return Err(ClusterError::Config(
-                "the DMA transfer path needs the cache's own pools, not an engine's".into(),
-            ));
-        }
         let tables: Vec<_> = buffers
             .iter()
             .map(|&b| self.pools.device_table(b))
@@ -83,10 +81,33 @@ impl RankCache {
         for step in steps {
             match pairs {
                 None => {
-                    for (d, &(from, to)) in spec.descriptors().iter().zip(&ends) {
-                        let regions = transfer_regions(d, src, dst, pools, step.clone());
-                        self.exec
-                            .copy_regions_with(from, to, &regions, dma.unwrap_or_default())?;
+                    let mode = dma.unwrap_or_default();
+                    for ((d, end), (table, &b)) in spec
+                        .descriptors()
+                        .iter()
+                        .zip(&ends)
+                        .zip(tables.iter().zip(buffers))
+                    {
+                        if let Some((from, to)) = *end {
+                            let regions = transfer_regions(d, src, dst, pools, step.clone());
+                            self.exec.copy_regions_with(from, to, &regions, mode)?;
+                            continue;
+                        }
+                        // An engine's memory: each layer's pages from its table entry.
+                        let host = self.pools.host(b);
+                        let stride = u64::from(table.page_stride);
+                        for l in clamp_layer_range(step.start, step.len() as u32, g.layers) {
+                            let (layer, base) = table.entries[l as usize];
+                            let regions =
+                                transfer_regions_at(d, src, dst, pools, l..l + 1, |p, _| {
+                                    base + u64::from(p) * stride
+                                });
+                            let (from, to) = match dir {
+                                Direction::HostToDevice => (host, layer),
+                                Direction::DeviceToHost => (layer, host),
+                            };
+                            self.exec.copy_regions_with(from, to, &regions, mode)?;
+                        }
                     }
                 }
                 Some((sb, db)) => {
