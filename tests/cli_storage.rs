@@ -192,6 +192,33 @@ fn records_written_in_parts_read_back_under_any_layout_and_degree() {
     }
 }
 
+/// Reading the next request's records ahead changes when records are read, never what a
+/// request sees: the same hits, records and digests as without, most records read ahead.
+#[test]
+fn records_read_ahead_serve_exactly_as_records_read_at_the_request() {
+    let store = written_at_cp8();
+    let (out, ahead) = replay(store.path(), &["--cp", "4"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let (out, now) = replay(store.path(), &["--cp", "4", "--no-prefetch"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let (ahead, now) = (ahead.unwrap(), now.unwrap());
+    for k in [
+        "storage_hit_tokens",
+        "storage_records_read",
+        "computed_tokens",
+        "device_hit_tokens",
+        "group_rounds",
+        "mismatched_tokens",
+    ] {
+        assert_eq!(ahead[k], now[k], "{k}");
+    }
+    assert_eq!(num(&now, "storage_records_prefetched"), 0);
+    assert!(
+        num(&ahead, "storage_records_prefetched") * 2 > num(&ahead, "storage_records_read"),
+        "{ahead}"
+    );
+}
+
 #[test]
 fn damaged_records_are_refused_counted_and_served_as_misses() {
     let store = written_at_cp8();

@@ -332,6 +332,18 @@ class RankCache:
             str(path), capacity_bytes=capacity_bytes, policy=policy
         )
 
+    def prefetch(self, tokens: Tokens, skip_tokens: int = 0) -> int:
+        """Starts reading ahead, in a thread of this rank's, the records it would read from
+        the storage tier for ``tokens`` (a request still to come: SGLang's prefetch of a
+        waiting request), past what the cache holds and past the first ``skip_tokens``
+        (a prefix the requests before it will have cached). The request's read then takes
+        them (``storage_records_prefetched``) and waits only for one still being read.
+        Local to this rank (no round; each rank asks for its own records); returns how many
+        it asked for, 0 without a store."""
+        if skip_tokens < 0:
+            raise UsageError(f"skip_tokens = {skip_tokens} is negative")
+        return self._native.prefetch(_u32_bytes(tokens, "tokens"), skip_tokens)
+
     def inject_launch_failure(self, request: int) -> None:
         """Makes this rank's first launch of request number ``request`` fail (every rank
         then rolls it back): for testing the failure path. Requests are numbered over

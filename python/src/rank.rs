@@ -725,6 +725,16 @@ impl RankCache {
         })?
     }
 
+    /// Starts reading ahead, in a thread of this rank's, the records it would read from the
+    /// store for `tokens` (a request still to come) past what the tree holds and past the
+    /// first `skip_tokens`; how many records it asked for. Local (no round).
+    #[pyo3(signature = (tokens, skip_tokens = 0))]
+    fn prefetch(&self, py: Python<'_>, tokens: &[u8], skip_tokens: usize) -> PyResult<usize> {
+        let tokens = ids(tokens, "tokens")?;
+        self.with(py, move |r| r.prefetch(&tokens, skip_tokens))?
+            .map_err(cluster)
+    }
+
     /// What the last request's verification found: `{"mismatched_tokens",
     /// "first_mismatched_token", "by_rank", "bytes_gathered"}`.
     fn last_verdict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {

@@ -99,10 +99,14 @@ def test_a_rank_cache_reads_back_what_another_process_stored(tmp_path):
 import numpy as np, cp_hicache
 dep = cp_hicache.Deployment(model="mla", page_size=16, cp=1, layers=2)
 rc = cp_hicache.RankCache(dep, device_pages=64, host_pages=64, backend="host")
+assert rc.prefetch(np.arange(160, dtype=np.uint32)) == 0  # no store yet
 rc.attach_storage({str(tmp_path / "store")!r}, policy="on-host-evict")
+# The first 96 tokens read now, the rest ahead (as for a request still waiting).
+assert rc.prefetch(np.arange(160, dtype=np.uint32), skip_tokens=96) == 4
 s = rc.serve(np.arange(160, dtype=np.uint32))
 assert s["storage_hit_tokens"] == 160, s
 assert s["storage_records_read"] == 10 and s["mismatched_tokens"] == 0, s
+assert s["storage_records_prefetched"] == 4, s
 rc.check_invariants()
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -612,6 +612,16 @@ impl Cluster {
         Ok(stats)
     }
 
+    /// Starts every rank reading ahead the records it would read for `prompt`
+    /// ([`RankCache::prefetch`]); returns how many records the ranks asked for, in all.
+    pub fn prefetch(&mut self, prompt: &[u32], skip_tokens: usize) -> Result<usize, ClusterError> {
+        let prompt = Arc::new(prompt.to_vec());
+        let all = Self::combine(
+            self.on_all("reading ahead", move |r| r.prefetch(&prompt, skip_tokens))?,
+        )?;
+        Ok(all.into_iter().sum())
+    }
+
     /// Attaches `store` as every rank's third tier, written per `policy`
     /// ([`RankCache::attach_storage`]).
     pub fn attach_storage(

@@ -28,6 +28,10 @@ pub trait Ranks {
         shape: &LiveShape,
     ) -> Result<RequestStats, ClusterError>;
 
+    /// Starts every rank reading ahead the records it would read for `prompt`, a request
+    /// still to come, past its first `skip_tokens` ([`RankCache::prefetch`]; no round).
+    fn prefetch(&mut self, prompt: &[u32], skip_tokens: usize) -> Result<usize, ClusterError>;
+
     /// Every rank's digest, in rank order.
     fn replica_digests(&self) -> Result<Vec<StateDigest>, ClusterError>;
 
@@ -73,6 +77,10 @@ impl Ranks for Cluster {
         shape: &LiveShape,
     ) -> Result<RequestStats, ClusterError> {
         Cluster::serve_live(self, tokens, shape)
+    }
+
+    fn prefetch(&mut self, prompt: &[u32], skip_tokens: usize) -> Result<usize, ClusterError> {
+        Cluster::prefetch(self, prompt, skip_tokens)
     }
 
     fn replica_digests(&self) -> Result<Vec<StateDigest>, ClusterError> {
@@ -157,6 +165,10 @@ impl Ranks for RankCache {
         }
         stats.set_rank_counts(sums);
         Ok(stats)
+    }
+
+    fn prefetch(&mut self, prompt: &[u32], skip_tokens: usize) -> Result<usize, ClusterError> {
+        RankCache::prefetch(self, prompt, skip_tokens)
     }
 
     fn replica_digests(&self) -> Result<Vec<StateDigest>, ClusterError> {

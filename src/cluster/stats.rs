@@ -168,9 +168,10 @@ impl ReplayReport {
             row(
                 "storage records read",
                 format!(
-                    "{} ({})",
+                    "{} ({}; {} read ahead)",
                     t.storage_records_read,
-                    human_bytes(t.storage_bytes_read)
+                    human_bytes(t.storage_bytes_read),
+                    t.storage_records_prefetched
                 ),
             );
             row(

@@ -47,6 +47,7 @@ mod kernels;
 mod live;
 mod load;
 pub mod pools;
+mod prefetch;
 mod request;
 mod rollback;
 mod stats;
@@ -64,6 +65,7 @@ pub use kernels::{DeploymentKernels, KernelLoadError, Loaded, SourceHook};
 pub use live::LiveShape;
 pub use load::LoadHandle;
 pub use pools::{PeerAccess, PoolGeometry, Pools};
+pub use prefetch::PREFETCH_BYTES;
 pub use request::{Ending, Request};
 use rollback::{Freed, DIGEST};
 pub use stats::{RequestStats, RollbackDrops, RANK_COUNTS};
@@ -120,6 +122,8 @@ pub struct RankCache {
     disconnected: bool,
     /// The third tier, once attached ([`RankCache::attach_storage`]).
     storage: Option<storage::Tier>,
+    /// The thread reading records ahead of requests ([`RankCache::prefetch`]), once asked.
+    prefetcher: Option<prefetch::Prefetcher>,
 }
 
 /// The name of a group's first round (every rank's configuration, host capacity and pool
@@ -352,6 +356,7 @@ impl RankCache {
             outcome_notes: Vec::new(),
             disconnected: false,
             storage: None,
+            prefetcher: None,
         })
     }
 

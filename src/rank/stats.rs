@@ -92,11 +92,15 @@ pub struct RequestStats {
     /// ends this rank's run there and is served as a miss, a write leaves the record out.
     /// Neither fails the request, so no rank leaves the group's rounds.
     pub storage_io_errors: u64,
+    /// Of the records read, those read ahead of the request ([`RankCache::prefetch`]).
+    ///
+    /// [`RankCache::prefetch`]: crate::rank::RankCache::prefetch
+    pub storage_records_prefetched: u64,
 }
 
 /// How many of a request's counts are per rank, summed over the ranks for a report
 /// ([`RequestStats::rank_counts`]).
-pub const RANK_COUNTS: usize = 13;
+pub const RANK_COUNTS: usize = 14;
 
 impl RequestStats {
     /// Adds another request's counts.
@@ -135,6 +139,7 @@ impl RequestStats {
         self.storage_refused_fingerprint += o.storage_refused_fingerprint;
         self.storage_evictions += o.storage_evictions;
         self.storage_io_errors += o.storage_io_errors;
+        self.storage_records_prefetched += o.storage_records_prefetched;
     }
 
     /// The counts that are this rank's own (bytes host→device, device→host, load-path syncs,
@@ -155,12 +160,13 @@ impl RequestStats {
             self.storage_refused_fingerprint,
             self.storage_evictions,
             self.storage_io_errors,
+            self.storage_records_prefetched,
         ]
     }
 
     /// Sets the [`rank_counts`](Self::rank_counts), summed over the ranks.
     pub fn set_rank_counts(&mut self, counts: [u64; RANK_COUNTS]) {
-        let [h2d, d2h, syncs, gathered, read, bytes_read, written, bytes_written, torn, checksum, fingerprint, evictions, io_errors] =
+        let [h2d, d2h, syncs, gathered, read, bytes_read, written, bytes_written, torn, checksum, fingerprint, evictions, io_errors, prefetched] =
             counts;
         self.bytes_h2d = h2d;
         self.bytes_d2h = d2h;
@@ -175,6 +181,7 @@ impl RequestStats {
         self.storage_refused_fingerprint = fingerprint;
         self.storage_evictions = evictions;
         self.storage_io_errors = io_errors;
+        self.storage_records_prefetched = prefetched;
     }
 
     /// Records refused by the store, of every kind.

@@ -453,7 +453,7 @@ impl RankCache {
         key: &RecordKey,
         stats: &mut RequestStats,
     ) -> Option<Vec<u8>> {
-        match store.get(key) {
+        match self.read_record(store, key, stats) {
             Ok(Lookup::Hit(p)) => {
                 stats.storage_records_read += 1;
                 stats.storage_bytes_read += p.len() as u64;
@@ -470,6 +470,41 @@ impl RankCache {
                 None
             }
         }
+    }
+
+    /// The records this rank reads for the `n` pages of `keys` past the first `matched`,
+    /// in the order it reads them (its own pages; under a split layout, the whole records
+    /// its pages' tokens come from).
+    pub(super) fn records_for(
+        &self,
+        keys: &[RecordKey],
+        matched: usize,
+        n: usize,
+    ) -> Vec<RecordKey> {
+        let (layout, cp) = (self.config.deployment.layout, self.layout.cp());
+        let me = self.rank.0;
+        let split = self.split_pages();
+        let mut out: Vec<RecordKey> = Vec::new();
+        for (i, _) in layout
+            .owners(cp, matched, n)
+            .iter()
+            .enumerate()
+            .filter(|(_, &o)| o == me)
+        {
+            let q = matched + i;
+            if split {
+                for (c, _) in self.slot_sources(q) {
+                    if let Some(k) = keys.get(c) {
+                        if !out.contains(k) {
+                            out.push(*k);
+                        }
+                    }
+                }
+            } else if let Some(k) = keys.get(q) {
+                out.push(*k);
+            }
+        }
+        out
     }
 
     /// Sequence page `q` of a layout that splits pages across ranks, taken out of the

@@ -190,6 +190,12 @@ pub struct ReplayArgs {
     /// `on-host-evict` (when a host copy is evicted to make room).
     #[arg(long, value_name = "POLICY", requires = "storage", default_value = "with-host", value_parser = parse_storage_policy)]
     pub storage_policy: StoragePolicy,
+    /// Read no records ahead: by default each rank starts reading the next request's
+    /// records (past what the current one will cache) while the current one is served, as
+    /// HiCache's prefetch thread does, and a request waits only for records still being
+    /// read.
+    #[arg(long, requires = "storage")]
+    pub no_prefetch: bool,
     /// Inject a fault to exercise a failure path: plain-alloc-on-load (the seed's bug),
     /// lane-exhaustion, host-pool-full, compile-error, launch-error. With --storage, one
     /// record read in three is damaged first: storage-torn (cut short, as after a power

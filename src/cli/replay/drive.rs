@@ -79,7 +79,9 @@ pub(super) fn replay_all(
         log: String::new(),
         wall_seconds: 0.0,
     };
-    for req in workload {
+    let prefetch = args.storage.is_some() && !args.no_prefetch;
+    let mut workload = workload.peekable();
+    while let Some(req) = workload.next() {
         let req = match req {
             Ok(req) => req,
             Err(e) => {
@@ -87,6 +89,20 @@ pub(super) fn replay_all(
                 break;
             }
         };
+        // The next request's records, past what this one will cache, are read while this
+        // one is served.
+        if let (true, Some(Ok(next))) = (prefetch, workload.peek()) {
+            let shared = req
+                .tokens
+                .iter()
+                .zip(&next.tokens)
+                .take_while(|(a, b)| a == b)
+                .count();
+            if let Err(e) = cluster.prefetch(&next.tokens, shared) {
+                bar.finish_and_clear();
+                return Err(cluster_error(e));
+            }
+        }
         if let Err(e) = tally.serve(cluster, args, &req, &mut aim, &say) {
             bar.finish_and_clear();
             return Err(e);

@@ -76,6 +76,12 @@ impl RadixTree {
         })
     }
 
+    /// Pages of the longest whole-granule prefix of `tokens` the tree holds (on the device or
+    /// the host), without changing anything (no split, no stamp).
+    pub fn matched_pages(&self, tokens: &[u32]) -> Result<usize, TreeError> {
+        Ok(self.existing_device_pages(tokens)?.len())
+    }
+
     /// The device page the tree holds at each page position of the longest matching path,
     /// without changing anything (no split, no stamp).
     pub(super) fn existing_device_pages(

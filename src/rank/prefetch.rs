@@ -1,0 +1,206 @@
+//! Reading records ahead of the request that needs them (SGLang HiCache's prefetch thread):
+//! [`RankCache::prefetch`] hands a prompt's records this rank will read to a thread of the
+//! rank's own, which reads them in order while the rank serves other requests; the
+//! request's storage read ([`RankCache::read_from_storage`]) then takes each record from
+//! there, waits only for one still being read, and reads the rest itself.
+//!
+//! A record read ahead is the same bytes a read at the request would get (a key names its
+//! prefix), so reading ahead changes only when bytes are read, never what a request sees:
+//! it is checked the same way, counted when the request takes it, and a record the
+//! request never takes ages out of a bounded buffer. Local to the rank: no round.
+
+use super::{ClusterError, RankCache, RequestStats};
+use crate::storage::{Lookup, PageStore, RecordKey, StorageError};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::mpsc::{channel, Sender};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+
+/// Bytes of records held read ahead and not taken yet, at most: past it the oldest go.
+pub const PREFETCH_BYTES: u64 = 256 << 20;
+
+/// A read's outcome, kept until a request takes it.
+type Read = Result<Lookup, StorageError>;
+
+#[derive(Default)]
+struct State {
+    /// Records read, by key, and the order they came in (the oldest go first).
+    done: HashMap<RecordKey, Read>,
+    order: VecDeque<RecordKey>,
+    bytes: u64,
+    /// Records handed to the thread and not read yet.
+    pending: HashSet<RecordKey>,
+}
+
+#[derive(Default)]
+struct Shared {
+    state: Mutex<State>,
+    read: Condvar,
+}
+
+fn lock(s: &Shared) -> MutexGuard<'_, State> {
+    s.state.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn payload_len(r: &Read) -> u64 {
+    match r {
+        Ok(Lookup::Hit(p)) => p.len() as u64,
+        _ => 0,
+    }
+}
+
+/// A rank's read-ahead thread and what it has read.
+pub(super) struct Prefetcher {
+    jobs: Option<Sender<Vec<RecordKey>>>,
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Prefetcher {
+    /// Starts the thread reading from `store`.
+    pub(super) fn start(store: Arc<dyn PageStore>, rank: u8) -> Prefetcher {
+        let shared = Arc::new(Shared::default());
+        let (tx, rx) = channel::<Vec<RecordKey>>();
+        let s = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("cp-hicache-prefetch-{rank}"))
+            .spawn(move || {
+                for job in rx {
+                    // In order, up to the first record that is not a hit: the request would
+                    // stop there too.
+                    let mut rest = job.into_iter();
+                    for key in rest.by_ref() {
+                        let read = store.get(&key);
+                        let hit = matches!(read, Ok(Lookup::Hit(_)));
+                        let mut st = lock(&s);
+                        st.pending.remove(&key);
+                        st.bytes += payload_len(&read);
+                        if st.done.insert(key, read).is_none() {
+                            st.order.push_back(key);
+                        }
+                        while st.bytes > PREFETCH_BYTES {
+                            let Some(old) = st.order.pop_front() else {
+                                break;
+                            };
+                            if let Some(r) = st.done.remove(&old) {
+                                st.bytes -= payload_len(&r);
+                            }
+                        }
+                        drop(st);
+                        s.read.notify_all();
+                        if !hit {
+                            break;
+                        }
+                    }
+                    let mut st = lock(&s);
+                    for key in rest {
+                        st.pending.remove(&key);
+                    }
+                    drop(st);
+                    s.read.notify_all();
+                }
+            })
+            .expect("spawn the prefetch thread");
+        Prefetcher {
+            jobs: Some(tx),
+            shared,
+            thread: Some(thread),
+        }
+    }
+
+    /// Hands `keys` to the thread (those neither read nor being read already); how many.
+    fn ask(&self, keys: Vec<RecordKey>) -> usize {
+        let mut st = lock(&self.shared);
+        let new: Vec<RecordKey> = keys
+            .into_iter()
+            .filter(|k| !st.done.contains_key(k) && st.pending.insert(*k))
+            .collect();
+        drop(st);
+        let n = new.len();
+        if n > 0 {
+            if let Some(jobs) = &self.jobs {
+                if jobs.send(new.clone()).is_err() {
+                    let mut st = lock(&self.shared);
+                    for k in &new {
+                        st.pending.remove(k);
+                    }
+                }
+            }
+        }
+        n
+    }
+
+    /// The read of `key` if it was asked for: taken when read, waited for while being read;
+    /// `None` when it was never asked for (or aged out).
+    pub(super) fn take(&self, key: &RecordKey) -> Option<Read> {
+        let mut st = lock(&self.shared);
+        loop {
+            if let Some(r) = st.done.remove(key) {
+                st.bytes -= payload_len(&r);
+                st.order.retain(|k| k != key);
+                return Some(r);
+            }
+            if !st.pending.contains(key) {
+                return None;
+            }
+            st = self.shared.read.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+}
+
+impl Drop for Prefetcher {
+    fn drop(&mut self) {
+        // Closing the channel ends the thread after its current job.
+        self.jobs.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl RankCache {
+    /// Starts reading, in the background, the records this rank would read for `prompt`
+    /// from the store: its pages past what the tree holds now and past the first
+    /// `skip_tokens` tokens (a prefix the requests served before this one will have
+    /// cached: a driver that knows the next prompt shares its beginning with the current
+    /// one says so). Returns how many records were asked for. Local to this rank (no
+    /// round), and changes nothing a request sees: without a store it does nothing.
+    pub fn prefetch(&mut self, prompt: &[u32], skip_tokens: usize) -> Result<usize, ClusterError> {
+        let Some(store) = self.storage().cloned() else {
+            return Ok(0);
+        };
+        let ps = self.layout.page_size() as usize;
+        let full = self.whole_granule_pages(prompt.len());
+        let key = &prompt[..full * ps];
+        let granule = self.layout.granule() as usize;
+        let matched = self.tree.matched_pages(key)?;
+        let skip = (skip_tokens / ps) / granule * granule;
+        let from = matched.max(skip).min(full);
+        if from >= full {
+            return Ok(0);
+        }
+        let keys = RecordKey::chain(store.fingerprint(), key, ps as u32);
+        let wanted = self.records_for(&keys, from, full - from);
+        let prefetcher = self
+            .prefetcher
+            .get_or_insert_with(|| Prefetcher::start(store, self.rank.0));
+        Ok(prefetcher.ask(wanted))
+    }
+
+    /// A record for the request's read: read ahead if it was ([`RankCache::prefetch`],
+    /// counted), else read now.
+    pub(super) fn read_record(
+        &self,
+        store: &dyn PageStore,
+        key: &RecordKey,
+        stats: &mut RequestStats,
+    ) -> Read {
+        if let Some(read) = self.prefetcher.as_ref().and_then(|p| p.take(key)) {
+            if matches!(read, Ok(Lookup::Hit(_))) {
+                stats.storage_records_prefetched += 1;
+            }
+            return read;
+        }
+        store.get(key)
+    }
+}
