@@ -140,10 +140,19 @@ impl Prefetcher {
                 st.order.retain(|k| k != key);
                 return Some(r);
             }
+            // A thread that ended (it panicked) reads nothing more: read it now.
+            if self.thread.as_ref().is_none_or(|t| t.is_finished()) {
+                st.pending.clear();
+            }
             if !st.pending.contains(key) {
                 return None;
             }
-            st = self.shared.read.wait(st).unwrap_or_else(|p| p.into_inner());
+            st = self
+                .shared
+                .read
+                .wait_timeout(st, std::time::Duration::from_millis(100))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
     }
 }
@@ -202,5 +211,40 @@ impl RankCache {
             return read;
         }
         store.get(key)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::{Deployment, ModelShape};
+    use crate::storage::{DirStore, Fingerprint};
+
+    /// A record asked for is read once and taken once (the bytes put); one never asked for
+    /// is not there; reading stops at the first miss; a store's records go as they came.
+    #[test]
+    fn records_read_ahead_are_taken_once_and_stop_at_a_miss() {
+        let dir = tempfile::tempdir().unwrap();
+        let dep = Deployment::new(ModelShape::MlaBf16, 16, 2).unwrap();
+        let n = crate::storage::payload_bytes(&dep, 1);
+        let store: Arc<dyn PageStore> =
+            Arc::new(DirStore::open(dir.path(), Fingerprint::of(&dep, 1), n, 1 << 30).unwrap());
+        let key = |s: &str| RecordKey::of_name(store.fingerprint(), s);
+        let (a, b, missing, after) = (key("a"), key("b"), key("missing"), key("after"));
+        for (k, byte) in [(a, 1u8), (b, 2), (after, 3)] {
+            store.put(&k, &vec![byte; n as usize]).unwrap();
+        }
+        let p = Prefetcher::start(store.clone(), 0);
+        assert_eq!(p.ask(vec![a, b, missing, after]), 4);
+        assert_eq!(p.ask(vec![a]), 0, "asked for already");
+        let got = p.take(&b).unwrap().unwrap();
+        assert_eq!(got, Lookup::Hit(vec![2u8; n as usize]));
+        assert!(p.take(&b).is_none(), "taken once");
+        assert!(matches!(p.take(&missing), Some(Ok(Lookup::Miss))));
+        // Past the miss nothing was read.
+        assert!(p.take(&after).is_none());
+        assert!(matches!(p.take(&a), Some(Ok(Lookup::Hit(_)))));
+        assert!(p.take(&key("never")).is_none());
+        assert_eq!(store.stats().records_read, 2);
     }
 }
