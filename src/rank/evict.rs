@@ -196,6 +196,28 @@ impl RankCache {
                 }
             }
         }
+        if self.stores_on_host_evict() {
+            // A node not backed up leaves the tree with its subtree, whose host copies go
+            // with it: under `on-host-evict` they are stored first, as any host copy the
+            // host tier lets go is.
+            let plan = match &how {
+                Eviction::Lru(n) => self.tree.device_eviction_plan_lru(*n)?,
+                Eviction::Lanes(d) => self.tree.device_eviction_plan_for_lanes(d)?,
+            };
+            for node in plan {
+                if self.tree.node(node)?.host().is_some() {
+                    continue;
+                }
+                let mut stack: Vec<NodeId> = self.tree.node(node)?.children().collect();
+                while let Some(d) = stack.pop() {
+                    let n = self.tree.node(d)?;
+                    stack.extend(n.children());
+                    if n.host().is_some() {
+                        self.store_node(d, stats)?;
+                    }
+                }
+            }
+        }
         let evicted: Vec<Evicted> = match &how {
             Eviction::Lru(n) => self.tree.evict_device_lru(*n)?,
             Eviction::Lanes(d) => self.tree.evict_device_for_lanes(d)?,

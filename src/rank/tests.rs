@@ -530,3 +530,48 @@ fn ranks_that_map_each_others_pools_refuse_engine_buffers() {
         );
     }
 }
+
+/// Under `on-host-evict`, a device eviction that removes a node never backed up also drops
+/// its host-only subtree: those host copies are stored first, as any the host tier lets go.
+#[test]
+fn host_copies_a_device_eviction_drops_are_stored_under_on_host_evict() {
+    use crate::storage::PageStore as _;
+    let dir = tempfile::tempdir().unwrap();
+    let exec = Arc::new(crate::exec::HostExecutor::new(Default::default()));
+    let m = crate::group::LocalGroup::members(1, std::time::Duration::from_secs(60))
+        .pop()
+        .unwrap();
+    // Two host pages: a 3-page prompt's backup does not fit, its 1-page extension's does.
+    let mut config = adopting_config(1, 2);
+    config.host_pages = 2;
+    let mut rank = RankCache::new(
+        config.clone(),
+        exec,
+        &test_jit(),
+        Box::new(m),
+        PeerAccess::Direct,
+    )
+    .unwrap();
+    let store = Arc::new(
+        crate::storage::DirStore::for_deployment(
+            dir.path(),
+            &config.deployment,
+            config.layers,
+            1 << 30,
+        )
+        .unwrap(),
+    );
+    rank.attach_storage(store.clone(), StoragePolicy::OnHostEvict)
+        .unwrap();
+    let prompt: Vec<u32> = (0..4 * 16).map(|t| t * 3 + 1).collect();
+    let first = rank.serve(&prompt[..3 * 16]).unwrap();
+    assert_eq!(first.backups_skipped, 1, "{first:?}");
+    let second = rank.serve(&prompt).unwrap();
+    assert_eq!(second.device_hit_tokens, 48, "{second:?}");
+    assert_eq!(store.stats().records_written, 0);
+    // The extension (backed up) leaves the device first and stays as a host copy; then its
+    // parent (never backed up) goes with its subtree, and the host copy with it.
+    rank.evict_device_lru(usize::MAX).unwrap();
+    assert_eq!(store.stats().records_written, 1);
+    rank.check_invariants().unwrap();
+}
