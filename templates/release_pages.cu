@@ -9,7 +9,7 @@ static __device__ inline u32 chc_release_lane(u32 page, u32 lane_cap)
 }
 
 // Pushes pages back onto their owner's lane free stack (owner = page % CP) in input order
-// (docs/KERNELS.md). Launch: 1 block of THREADS.
+// (docs/KERNELS.md). Launch: 1 block of THREADS (more are refused: chc_refuse_grid).
 // All or nothing, whatever the host checked: when any lane would hold more than lane_cap
 // pages, or any page is invalid (chc_release_lane), no lane top and no stack slot changes,
 // and the status words add up the refusal:
@@ -18,6 +18,9 @@ static __device__ inline u32 chc_release_lane(u32 page, u32 lane_cap)
 extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}({# parameters: KernelSpec::params() #}
 {{ params }}
 {
+    if (chc_refuse_grid(status)) {
+        return;
+    }
     __shared__ u32 s_warp_cnt[WARPS * CP];
     __shared__ u32 s_base[CP];
     __shared__ u32 s_top[CP];

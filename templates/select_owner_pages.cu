@@ -2,7 +2,8 @@
 {% include "tile_rank.cu" %}
 
 // Pops one page per requested owner from the lane free stacks (LIFO, docs/KERNELS.md) and
-// writes the pages and their page-contiguous token locations. Launch: 1 block of THREADS.
+// writes the pages and their page-contiguous token locations. Launch: 1 block of THREADS
+// (more are refused: chc_refuse_grid).
 // All or nothing, whatever the host checked: when any lane holds fewer pages than requested,
 // or an owner is >= CP, no lane top changes, every output page is 0 (the null page, so the
 // locations are its slots), and the status words add up the refusal:
@@ -11,6 +12,9 @@
 extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}({# parameters: KernelSpec::params() #}
 {{ params }}
 {
+    if (chc_refuse_grid(status)) {
+        return;
+    }
     __shared__ u32 s_warp_cnt[WARPS * CP];
     __shared__ u32 s_base[CP];
     __shared__ u32 s_top[CP];

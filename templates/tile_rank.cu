@@ -43,3 +43,19 @@ static __device__ inline u32 chc_sat_add(u32 a, u32 b)
     const u32 s = a + b;
     return s < a ? 0xffffffffu : s;
 }
+
+// One block only: the tiles count through one block's shared memory and barriers, and a
+// second block would pop or push the same stack slots. A launch of more blocks refuses
+// itself: block 0's first thread counts one refused launch (status[0], saturating) and
+// nothing else is touched, no lane, no output. The host reads a refused launch with no
+// lane and no item counted as a grid refusal. True when refused (every thread returns).
+static __device__ inline bool chc_refuse_grid(u32* status)
+{
+    if (gridDim.x == 1u && gridDim.y == 1u && gridDim.z == 1u) {
+        return false;
+    }
+    if (blockIdx.x == 0u && blockIdx.y == 0u && blockIdx.z == 0u && threadIdx.x == 0u) {
+        status[0] = chc_sat_add(status[0], 1u);
+    }
+    return true;
+}

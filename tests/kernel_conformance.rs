@@ -1981,3 +1981,98 @@ fn check_verify_field_bytes(b: &mut Bench, spec: KernelSpec, order: BlockOrder) 
         }
     }
 }
+
+/// Select and release run as one block (their tiles share one block's counts and barriers;
+/// a second block would pop or push the same stack slots). Launched with more, which the
+/// host never does, each refuses itself in both block orders: one refused launch counted in
+/// its status (not one per block), and nothing else touched, no lane top, no stack slot, no
+/// output; the status decodes as a grid refusal.
+#[test]
+fn allocator_kernels_refuse_a_grid_of_more_than_one_block() {
+    let (cp, ps, lane_cap) = (4u8, 16u32, 8u32);
+    let cpn = u32::from(cp);
+    let stacks: Vec<u32> = (0..cpn * lane_cap)
+        .map(|i| (i % lane_cap + 1) * cpn + i / lane_cap)
+        .collect();
+    let tops = vec![5u32, 3, 8, 0];
+    for order in ORDERS {
+        for blocks in [2u32, 3] {
+            let ctx = format!("{order} grid {blocks}");
+            let mut b = Bench::new(order, libs());
+            let owners = [0u8, 1, 2, 0];
+            let n = owners.len();
+            let spec = select_spec(cp, ps, ALLOC_THREADS);
+            let (ob, sb) = (b.bytes(&owners, 0), b.bytes(&le32(&stacks), 0));
+            let tb = b.bytes(&le32(&tops), 0);
+            let stb = b.bytes(&le32(&vec![0u32; usize::from(cp) + 2]), 0);
+            let (pb, lb) = (b.poison(4 * n), b.poison(8 * n * ps as usize));
+            let args = [
+                KernelArg::Ptr(ob, 0),
+                KernelArg::U32(n as u32),
+                KernelArg::Ptr(sb, 0),
+                KernelArg::Ptr(tb, 0),
+                KernelArg::U32(lane_cap),
+                KernelArg::Ptr(pb, 0),
+                KernelArg::Ptr(lb, 0),
+                KernelArg::Ptr(stb, 0),
+            ];
+            // The executor refuses such a grid for a signed kernel, before it runs...
+            let k = b.kernel(&spec);
+            let refused =
+                b.ex.launch(k, &LaunchConfig::linear(blocks, spec.threads()), &args)
+                    .unwrap_err();
+            assert!(
+                refused.to_string().contains("exactly one block"),
+                "{refused}"
+            );
+            // ...and unsigned, the kernel's own guard is what stands.
+            // SAFETY: the arguments are the select kernel's, in buffers of the sizes it
+            // reads and writes for `n` requests at this CP and capacity.
+            unsafe { b.launch_unsigned(&spec, blocks, &args) };
+            assert_eq!(u32s(&b.read(tb)), tops, "select tops: {ctx}");
+            assert_eq!(u32s(&b.read(sb)), stacks, "select stacks: {ctx}");
+            assert!(b.read(pb).iter().all(|&x| x == POISON), "out_pages: {ctx}");
+            assert!(b.read(lb).iter().all(|&x| x == POISON), "out_locs: {ctx}");
+            let status = SelectStatus::from_words(&u32s(&b.read(stb))).unwrap();
+            assert_eq!(
+                status.to_words(),
+                vec![1, 0, 0, 0, 0, 0],
+                "select status: {ctx}"
+            );
+            assert!(status.is_grid_refusal(), "{ctx}");
+            assert!(
+                status.to_string().contains("more than one block"),
+                "{status}"
+            );
+
+            let spec = release_spec(cp, ALLOC_THREADS);
+            let pages = [7u32, 13, 2];
+            let rb = b.bytes(&le32(&pages), 0);
+            let stb = b.bytes(&le32(&vec![0u32; usize::from(cp) + 2]), 0);
+            // SAFETY: as above, for the release kernel.
+            unsafe {
+                b.launch_unsigned(
+                    &spec,
+                    blocks,
+                    &[
+                        KernelArg::Ptr(rb, 0),
+                        KernelArg::U32(pages.len() as u32),
+                        KernelArg::Ptr(sb, 0),
+                        KernelArg::Ptr(tb, 0),
+                        KernelArg::U32(lane_cap),
+                        KernelArg::Ptr(stb, 0),
+                    ],
+                )
+            };
+            assert_eq!(u32s(&b.read(tb)), tops, "release tops: {ctx}");
+            assert_eq!(u32s(&b.read(sb)), stacks, "release stacks: {ctx}");
+            let status = ReleaseStatus::from_words(&u32s(&b.read(stb))).unwrap();
+            assert_eq!(
+                status.to_words(),
+                vec![1, 0, 0, 0, 0, 0],
+                "release status: {ctx}"
+            );
+            assert!(status.is_grid_refusal(), "{ctx}");
+        }
+    }
+}

@@ -57,6 +57,22 @@ static __device__ inline u32 chc_sat_add(u32 a, u32 b)
     return s < a ? 0xffffffffu : s;
 }
 
+// One block only: the tiles count through one block's shared memory and barriers, and a
+// second block would pop or push the same stack slots. A launch of more blocks refuses
+// itself: block 0's first thread counts one refused launch (status[0], saturating) and
+// nothing else is touched, no lane, no output. The host reads a refused launch with no
+// lane and no item counted as a grid refusal. True when refused (every thread returns).
+static __device__ inline bool chc_refuse_grid(u32* status)
+{
+    if (gridDim.x == 1u && gridDim.y == 1u && gridDim.z == 1u) {
+        return false;
+    }
+    if (blockIdx.x == 0u && blockIdx.y == 0u && blockIdx.z == 0u && threadIdx.x == 0u) {
+        status[0] = chc_sat_add(status[0], 1u);
+    }
+    return true;
+}
+
 // The lane a released page goes back to, or CP for an invalid page: page 0 (null), or a
 // local index page / CP >= lane_cap, which no lane of lane_cap slots owns.
 static __device__ inline u32 chc_release_lane(u32 page, u32 lane_cap)
@@ -65,7 +81,7 @@ static __device__ inline u32 chc_release_lane(u32 page, u32 lane_cap)
 }
 
 // Pushes pages back onto their owner's lane free stack (owner = page % CP) in input order
-// (docs/KERNELS.md). Launch: 1 block of THREADS.
+// (docs/KERNELS.md). Launch: 1 block of THREADS (more are refused: chc_refuse_grid).
 // All or nothing, whatever the host checked: when any lane would hold more than lane_cap
 // pages, or any page is invalid (chc_release_lane), no lane top and no stack slot changes,
 // and the status words add up the refusal:
@@ -75,6 +91,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) release_pages_cp8_t256(
     const u32* __restrict__ pages, u32 n, u32* __restrict__ lane_stacks,
     u32* __restrict__ lane_tops, u32 lane_cap, u32* __restrict__ status)
 {
+    if (chc_refuse_grid(status)) {
+        return;
+    }
     __shared__ u32 s_warp_cnt[WARPS * CP];
     __shared__ u32 s_base[CP];
     __shared__ u32 s_top[CP];

@@ -59,8 +59,25 @@ static __device__ inline u32 chc_sat_add(u32 a, u32 b)
     return s < a ? 0xffffffffu : s;
 }
 
+// One block only: the tiles count through one block's shared memory and barriers, and a
+// second block would pop or push the same stack slots. A launch of more blocks refuses
+// itself: block 0's first thread counts one refused launch (status[0], saturating) and
+// nothing else is touched, no lane, no output. The host reads a refused launch with no
+// lane and no item counted as a grid refusal. True when refused (every thread returns).
+static __device__ inline bool chc_refuse_grid(u32* status)
+{
+    if (gridDim.x == 1u && gridDim.y == 1u && gridDim.z == 1u) {
+        return false;
+    }
+    if (blockIdx.x == 0u && blockIdx.y == 0u && blockIdx.z == 0u && threadIdx.x == 0u) {
+        status[0] = chc_sat_add(status[0], 1u);
+    }
+    return true;
+}
+
 // Pops one page per requested owner from the lane free stacks (LIFO, docs/KERNELS.md) and
-// writes the pages and their page-contiguous token locations. Launch: 1 block of THREADS.
+// writes the pages and their page-contiguous token locations. Launch: 1 block of THREADS
+// (more are refused: chc_refuse_grid).
 // All or nothing, whatever the host checked: when any lane holds fewer pages than requested,
 // or an owner is >= CP, no lane top changes, every output page is 0 (the null page, so the
 // locations are its slots), and the status words add up the refusal:
@@ -71,6 +88,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) select_owner_pages_cp4_ps6
     u32* __restrict__ lane_tops, u32 lane_cap, u32* __restrict__ out_pages,
     i64* __restrict__ out_locs, u32* __restrict__ status)
 {
+    if (chc_refuse_grid(status)) {
+        return;
+    }
     __shared__ u32 s_warp_cnt[WARPS * CP];
     __shared__ u32 s_base[CP];
     __shared__ u32 s_top[CP];

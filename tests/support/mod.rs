@@ -279,6 +279,19 @@ impl Bench {
         k
     }
 
+    /// Launches `spec` loaded without its signature, so the executor does not check the
+    /// launch shape (the kernel's own guards are what is tested); panics with the diagnostic.
+    ///
+    /// # Safety
+    /// As [`Executor::launch_unchecked`]: the arguments must be what `spec`'s kernel takes.
+    pub unsafe fn launch_unsigned(&mut self, spec: &KernelSpec, grid: u32, args: &[KernelArg<'_>]) {
+        let k = self.load(spec, false);
+        let config = LaunchConfig::linear(grid, spec.threads());
+        // SAFETY: the caller's contract.
+        unsafe { self.ex.launch_unchecked(k, &config, args) }
+            .unwrap_or_else(|e| panic!("launch {spec} grid {grid}: {e}"));
+    }
+
     /// Launches `spec` on a `grid` of its own block size; panics with the diagnostic.
     pub fn launch(&mut self, spec: &KernelSpec, grid: u32, args: &[KernelArg<'_>]) {
         let k = self.kernel(spec);

@@ -67,6 +67,12 @@ impl SelectStatus {
         self.refused == 0 && self.bad_owners == 0 && self.lane_deficits.iter().all(|&d| d == 0)
     }
 
+    /// Whether the launches refused counted nothing else: what a launch of more than one
+    /// block leaves (the kernel refuses such a grid before reading anything).
+    pub fn is_grid_refusal(&self) -> bool {
+        self.refused > 0 && self.bad_owners == 0 && self.lane_deficits.iter().all(|&d| d == 0)
+    }
+
     /// `(lane, pages it lacked)` for every lane that came up short.
     pub fn short_lanes(&self) -> Vec<(u8, u32)> {
         self.lane_deficits
@@ -103,10 +109,10 @@ impl fmt::Display for SelectStatus {
                 plural(self.bad_owners, "owner", "owners")
             ));
         }
-        if !what.is_empty() {
-            write!(f, ": {}", what.join(", "))?;
+        if what.is_empty() {
+            what.push("no lane or item counted (launched with more than one block)".into());
         }
-        Ok(())
+        write!(f, ": {}", what.join(", "))
     }
 }
 
@@ -178,6 +184,12 @@ impl ReleaseStatus {
         self.refused == 0 && self.bad_pages == 0 && self.lane_overflows.iter().all(|&d| d == 0)
     }
 
+    /// Whether the launches refused counted nothing else: what a launch of more than one
+    /// block leaves (the kernel refuses such a grid before reading anything).
+    pub fn is_grid_refusal(&self) -> bool {
+        self.refused > 0 && self.bad_pages == 0 && self.lane_overflows.iter().all(|&d| d == 0)
+    }
+
     /// `(lane, pages it had no room for)` for every lane that would have overflowed.
     pub fn full_lanes(&self) -> Vec<(u8, u32)> {
         self.lane_overflows
@@ -220,10 +232,10 @@ impl fmt::Display for ReleaseStatus {
                 plural(self.bad_pages, "page", "pages")
             ));
         }
-        if !what.is_empty() {
-            write!(f, ": {}", what.join(", "))?;
+        if what.is_empty() {
+            what.push("no lane or item counted (launched with more than one block)".into());
         }
-        Ok(())
+        write!(f, ": {}", what.join(", "))
     }
 }
 
