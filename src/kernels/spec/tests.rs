@@ -371,9 +371,12 @@ fn select_status_words_round_trip_and_name_the_short_lanes() {
          1 owner out of range"
     );
     assert!(SelectStatus::from_words(&[1]).is_none());
+    // A refused launch that counted no lane and no owner: a grid of more than one block.
+    let grid = SelectStatus::from_words(&[1, 0]).unwrap();
+    assert!(grid.is_grid_refusal() && !s.is_grid_refusal());
     assert_eq!(
-        SelectStatus::from_words(&[1, 0]).unwrap().to_string(),
-        "1 select launch refused"
+        grid.to_string(),
+        "1 select launch refused: no lane or item counted (launched with more than one block)"
     );
 }
 
@@ -401,6 +404,12 @@ fn release_status_words_round_trip_and_name_the_full_lanes() {
     assert_eq!(
         ReleaseStatus::from_words(&[1, 0, 4]).unwrap().to_string(),
         "1 release launch refused: 4 invalid pages (0, or past the lanes)"
+    );
+    let grid = ReleaseStatus::from_words(&[3, 0, 0]).unwrap();
+    assert!(grid.is_grid_refusal() && !s.is_grid_refusal());
+    assert_eq!(
+        grid.to_string(),
+        "3 release launches refused: no lane or item counted (launched with more than one block)"
     );
     let status = KernelSpec::ReleasePages(spec)
         .params()
