@@ -248,9 +248,9 @@ impl RankCache {
         let layers = self.config.layers;
         let dep = &self.config.deployment;
         let full = PageSlots::new(dep, layers, ps);
+        let pl = dep.layout.placement(cp as u8, ps);
         // Which rank holds each slot of record `c` (records of a granule share the pattern).
         let holder = |c: usize, slot: u32| -> usize {
-            let pl = dep.layout.placement(cp as u8, ps);
             (pl.place(c as u64 * u64::from(ps) + u64::from(slot)).0 as usize) % cp
         };
         for (i, host) in meta.owned_pages() {
@@ -259,20 +259,19 @@ impl RankCache {
             let sources = self.slot_sources(q);
             let granule = q / cp * cp;
             for (c, key) in keys.iter().enumerate().skip(granule).take(cp) {
-                let mine: Vec<(u32, u32)> = (0..ps)
+                let mut mine: Vec<(u32, u32)> = (0..ps)
                     .filter(|&s| sources[s as usize].0 == c)
                     .map(|s| (s, sources[s as usize].1))
                     .collect();
+                if mine.is_empty() {
+                    continue;
+                }
                 // Slots of the record in order: the packed part's order.
-                let mut mine = mine;
                 mine.sort_by_key(|&(_, at)| at);
                 let part_slots = PageSlots::new(dep, layers, mine.len() as u32);
                 let mut part = vec![0u8; part_slots.bytes()];
                 for (j, &(s, _)) in mine.iter().enumerate() {
                     full.copy(&payload, s, &part_slots, &mut part, j as u32);
-                }
-                if mine.is_empty() {
-                    continue;
                 }
                 // The ranks holding tokens of record `c`, in rank order: its parts.
                 let holders: Vec<usize> = (0..cp)

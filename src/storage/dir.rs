@@ -261,14 +261,11 @@ impl DirStore {
                     source: e,
                 })?;
                 let pk = s.part_key(key, p as u32, parts);
-                let head = &bytes[..bytes.len().min(HEADER_BYTES)];
                 // A part is as long as its writer's tokens: its header's length is checked
                 // against the file, its key and checksum against the rest.
                 let len = (bytes.len() as u64).saturating_sub(HEADER_BYTES as u64);
-                let checked = record::check_header(head, bytes.len() as u64, &s.fp, &pk, len)
-                    .and_then(|()| record::check_payload(head, &bytes[HEADER_BYTES..]));
-                match checked {
-                    Ok(()) => out.push(bytes[HEADER_BYTES..].to_vec()),
+                match record::decode(&bytes, &s.fp, &pk, len) {
+                    Ok(payload) => out.push(payload.to_vec()),
                     Err(e) => {
                         bad = Some(e);
                         break;
