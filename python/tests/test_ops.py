@@ -154,6 +154,11 @@ def test_select_and_release_keep_owners_on_the_engines_lanes():
         ops.select(lanes, [1, 1, 1])
     assert lanes.tops.tolist() == [1, 1]  # all or nothing
     assert lanes.status[0] == 1  # the kernel counted the refusal
+    # Outputs of the caller's: both or neither, and then those are what comes back.
+    with pytest.raises(cp_hicache.UsageError, match="both or neither"):
+        ops.select(lanes, [0], out_pages=np.zeros(1, dtype=np.uint32))
+    out = (np.zeros(0, dtype=np.uint32), np.zeros(0, dtype=np.int64))
+    assert ops.select(lanes, [], out_pages=out[0], out_locs=out[1])[0] is out[0]
     ops.release(lanes, [6, 3, 4])
     assert lanes.tops.tolist() == [3, 2]
     assert lanes.stacks[0, :3].tolist() == [2, 6, 4]

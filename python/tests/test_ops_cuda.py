@@ -150,6 +150,12 @@ SCRIPT = textwrap.dedent(
                    out_locs=on_device(np.zeros(80, dtype=np.int64)), stream=stream.value)
     except cp_hicache.CacheFullError as e:
         short = str(e)
+    # On the CUDA backend the outputs are the caller's device tensors: none given is refused.
+    try:
+        ops.select(lanes, owners, stream=stream.value)
+        no_outputs = None
+    except cp_hicache.UsageError as e:
+        no_outputs = str(e)
     ops.release(lanes, got_pages[::-1], stream=stream.value)
     host_ops.release(host_lanes, want_pages[::-1])
     released = bool((fetch(lanes.tops, np.uint32) == host_lanes.tops).all()
@@ -157,7 +163,7 @@ SCRIPT = textwrap.dedent(
 
     print(json.dumps({
         "selected": selected, "select_waits": select_waits, "short": short,
-        "released": released, "pages": got_pages.tolist(),
+        "released": released, "pages": got_pages.tolist(), "no_outputs": no_outputs,
         "moved": moved, "expected_moved": 3 * 2 * pb, "waits": waits,
         "same": bool((got == want).all()), "changed": bool((got != first).any()),
         "later": later, "back_same": bool((back == want_host).all()),
@@ -189,3 +195,4 @@ def test_cuda_ops_run_on_the_callers_memory_and_stream(tmp_path):
     assert r["pages"] and all(p % 2 == o for p, o in zip(r["pages"], [1, 0, 1, 1])), r
     assert r["short"] and "lane 0" in r["short"], r
     assert r["released"], r
+    assert r["no_outputs"] and "out_pages and out_locs" in r["no_outputs"], r

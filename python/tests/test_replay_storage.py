@@ -94,6 +94,8 @@ def test_a_rank_cache_reads_back_what_another_process_stored(tmp_path):
     cold = first.serve(prompt)
     assert cold["computed_tokens"] == 160
     assert cold["storage_records_written"] == 10
+    with pytest.raises(cp_hicache.UsageError, match="negative"):
+        first.prefetch(prompt, skip_tokens=-1)
     del first
     code = f"""
 import numpy as np, cp_hicache
