@@ -25,6 +25,11 @@ type Found = (SystemTime, PathBuf, u64);
 /// Where a store's time comes from: the wall clock, or a test's.
 pub type Clock = Box<dyn Fn() -> SystemTime + Send + Sync>;
 
+/// The suffix of a file written aside, unique in this process (with its id, unique on the
+/// host): one counter for every store, since several stores of one directory live in one
+/// process (the ranks of a cluster) and may write the same record at once.
+static ASIDE_NONCE: AtomicU64 = AtomicU64::new(0);
+
 /// A [`PageStore`] over a directory:
 /// - `records/<first two hex digits>/<key>.rec`, one file per record;
 /// - `tmp/`, where records are written before they are renamed into place;
@@ -41,8 +46,6 @@ pub struct DirStore {
     /// Whether `clock` is the wall clock (then a new file's time needs no setting).
     wall_clock: bool,
     stats: Counters,
-    /// A unique suffix for this process's files written aside.
-    nonce: AtomicU64,
     /// Held while this store updates the usage count (the file lock serialises processes,
     /// this the threads of one).
     lock: Mutex<File>,
@@ -114,6 +117,15 @@ impl DirStore {
         for d in [root.to_path_buf(), root.join("records"), root.join("tmp")] {
             fs::create_dir_all(&d).map_err(|e| io("create", &d, e))?;
         }
+        // Every record folder now, not at its first record: a folder made on a write costs
+        // more than the record (a journal commit on most file systems).
+        for b in 0..=255u8 {
+            let d = root.join("records").join(format!("{b:02x}"));
+            match fs::create_dir(&d) {
+                Err(e) if e.kind() != ErrorKind::AlreadyExists => return Err(io("create", &d, e)),
+                _ => {}
+            }
+        }
         let marker = root.join("FINGERPRINT");
         match fs::read_to_string(&marker) {
             Ok(text) => {
@@ -164,7 +176,6 @@ impl DirStore {
             clock,
             wall_clock: false,
             stats: Counters::default(),
-            nonce: AtomicU64::new(0),
             lock: Mutex::new(lock),
         };
         // Count what is there (a run killed between a rename and its count leaves it off),
@@ -453,7 +464,7 @@ impl PageStore for DirStore {
         };
         let head = record::header(&self.fp, key, payload);
         let bytes = (HEADER_BYTES + payload.len()) as u64;
-        let n = self.nonce.fetch_add(1, Ordering::Relaxed);
+        let n = ASIDE_NONCE.fetch_add(1, Ordering::Relaxed);
         let aside = self
             .root
             .join("tmp")
@@ -471,7 +482,7 @@ impl PageStore for DirStore {
                 Ok(())
             })
             .and_then(|()| match fs::rename(&aside, &path) {
-                // Its folder (`records/xx`) is made by the first record that needs it.
+                // Its folder (`records/xx`), made at open, was removed since.
                 Err(e) if e.kind() == ErrorKind::NotFound => {
                     fs::create_dir_all(path.parent().expect("records/xx"))?;
                     fs::rename(&aside, &path)
@@ -515,7 +526,7 @@ impl PageStore for DirStore {
         // absent, like a record.
         let dir = self.parts_dir(key);
         let path = dir.join(format!("{part}-of-{parts}"));
-        let n = self.nonce.fetch_add(1, Ordering::Relaxed);
+        let n = ASIDE_NONCE.fetch_add(1, Ordering::Relaxed);
         let aside = self.root.join("tmp").join(format!(
             "{}.part{part}.{}.{n}",
             key.hex(),
@@ -612,11 +623,15 @@ impl PageStore for DirStore {
             Err(e) => return Err(io(e)),
         };
         let read = checked.and_then(|()| {
-            // Zeroed by the allocator (fresh pages), filled by one read.
-            let mut payload = vec![0u8; self.payload_bytes as usize];
-            match file.read_exact(&mut payload) {
-                Ok(()) => {}
-                Err(e) if e.kind() == ErrorKind::UnexpectedEof => {
+            // Read into the buffer's spare capacity, never zeroed first: zeroing a page's
+            // size costs as much as the checksum.
+            let mut payload = Vec::with_capacity(self.payload_bytes as usize);
+            match (&mut file)
+                .take(self.payload_bytes)
+                .read_to_end(&mut payload)
+            {
+                Ok(n) if n as u64 == self.payload_bytes => {}
+                Ok(_) => {
                     // The file shrank since its length was checked: a torn record.
                     return Err(RecordError::Torn {
                         have: meta.len(),

@@ -3,7 +3,8 @@
 //! bytes decode to a record or a typed refusal, never a panic.
 
 use super::{Fingerprint, RecordKey};
-use xxhash_rust::xxh3::Xxh3;
+use std::hash::Hasher;
+use twox_hash::XxHash3_64;
 
 /// The first 8 bytes of every record.
 pub const MAGIC: [u8; 8] = *b"CPHCPAGE";
@@ -97,11 +98,13 @@ impl RecordError {
 
 /// The checksum of a record: over the header's bytes before the checksum field, then the
 /// payload, so a flipped bit anywhere but in the checksum itself changes it.
-fn checksum(head: &[u8], payload: &[u8]) -> u64 {
-    let mut h = Xxh3::new();
-    h.update(&head[..HEADER_BYTES - 8]);
-    h.update(payload);
-    h.digest()
+pub(super) fn checksum(head: &[u8], payload: &[u8]) -> u64 {
+    // XXH3-64; this crate picks AVX2 at run time where the CPU has it, which a read of a
+    // record from the page cache needs to keep up with the copy.
+    let mut h = XxHash3_64::new();
+    h.write(&head[..HEADER_BYTES - 8]);
+    h.write(payload);
+    h.finish()
 }
 
 /// A record's header followed by `payload`.
