@@ -30,7 +30,7 @@ use cp_hicache::cluster::{Cluster, ClusterConfig, ClusterError, WritePolicy};
 use cp_hicache::exec::cuda::CudaExecutor;
 use cp_hicache::exec::{
     open_executor, Backend, BufferId, CopyRegion, Counters, DmaMode, EventId, ExecError, Executor,
-    KernelArg, KernelArtifact, KernelId, LaunchConfig, LaunchFailure, MemKind,
+    KernelArg, KernelArtifact, KernelId, LaunchConfig, LaunchFailure, LoadOp, MemKind,
 };
 use cp_hicache::jit::{spec_request, target_for, Arch, Sanitize, Target};
 use cp_hicache::kernels::{Deployment, KernelSpec, ModelShape, ReleaseSpec, TransferPath};
@@ -117,6 +117,27 @@ fn copy_batches_with_and_without_cu_memcpy_batch_async() {
     run_child(
         &build_fake_driver_with("fake-cuda-nobatch", false),
         "child_region_copies",
+    );
+    // A driver that has the call but refuses every batch as NOT_SUPPORTED.
+    let dir = build_fake_driver_with("fake-cuda-batch", true);
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            "child_batch_refused",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("LD_LIBRARY_PATH", &dir)
+        .env(CHILD_ENV, "1")
+        .env("FAKE_CUDA_BATCH_NOT_SUPPORTED", "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "child_batch_refused failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
     );
 }
 
@@ -206,6 +227,48 @@ fn child_batch_copies() {
     assert_eq!(std::env::var(CHILD_ENV).as_deref(), Ok("1"));
     copies_land(true);
     dma_candidates(true);
+}
+
+/// Issue 29: a `cuMemcpyBatchAsync` that refuses the whole batch as `NOT_SUPPORTED` (no copy
+/// named, nothing queued) falls back to one `cuMemcpyAsync` per merged region, the bytes
+/// land, and later batches are not tried again.
+#[test]
+#[ignore = "run by copy_batches_with_and_without_cu_memcpy_batch_async"]
+fn child_batch_refused() {
+    assert_eq!(std::env::var(CHILD_ENV).as_deref(), Ok("1"));
+    let ex = CudaExecutor::new(0).unwrap();
+    assert!(ex.batched_copies(), "the driver exports the call");
+    let r = |src_offset, dst_offset, len| CopyRegion {
+        src_offset,
+        dst_offset,
+        len,
+    };
+    let host = ex.alloc(MemKind::Host, 64, 0).unwrap();
+    let dev = ex.alloc(MemKind::Device, 64, 0xA5).unwrap();
+    let data: Vec<u8> = (0..64).collect();
+    ex.upload(host, 0, &data).unwrap();
+    for round in 0..2 {
+        let (refused, before) = (driver_count(b"fake_cuda_batch_refusals"), copy_calls());
+        ex.copy_regions_with(host, dev, &[r(0, 32, 16), r(32, 0, 16)], DmaMode::Batched)
+            .unwrap();
+        let after = copy_calls();
+        assert_eq!(
+            (
+                driver_count(b"fake_cuda_batch_refusals") - refused,
+                after.0 - before.0,
+                after.1 - before.1
+            ),
+            (u64::from(round == 0), 0, 2),
+            "round {round}: (refusals, batches, cuMemcpyAsync calls)"
+        );
+        let mut out = [0u8; 64];
+        ex.read(dev, 0, &mut out).unwrap();
+        assert_eq!(&out[..16], &data[32..48], "round {round}");
+        assert_eq!(&out[32..48], &data[..16], "round {round}");
+    }
+    assert!(!ex.batched_copies(), "not tried again after the refusal");
+    ex.free(host).unwrap();
+    ex.free(dev).unwrap();
 }
 
 #[test]
@@ -399,6 +462,9 @@ impl Executor for StandInGpu {
     }
     fn maps_in_process(&self) -> bool {
         self.cuda.maps_in_process()
+    }
+    fn load_layers(&self, l: &[Vec<LoadOp<'_>>]) -> Result<Vec<EventId>, ExecError> {
+        self.cuda.load_layers(l)
     }
     fn record_event(&self) -> Result<EventId, ExecError> {
         self.cuda.record_event()
@@ -1146,6 +1212,139 @@ fn begin_fences_loads_for_every_peer(me: &mut RankCache, prompt: &[u32]) {
     me.abandon(&mut req).unwrap();
 }
 
+/// The stand-in driver's counters of streams and events, in one snapshot.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct StreamCounts {
+    /// Launches and copies enqueued on a stream of greater priority.
+    prioritised_work: u64,
+    /// Waits issued on a stream of greater priority.
+    waits_on_prioritised: u64,
+    /// Waits issued on another stream for an event recorded on one.
+    waits_for_prioritised: u64,
+    events_created: u64,
+}
+
+impl StreamCounts {
+    fn now() -> StreamCounts {
+        StreamCounts {
+            prioritised_work: driver_count(b"fake_cuda_prioritised_work"),
+            waits_on_prioritised: driver_count(b"fake_cuda_waits_on_prioritised"),
+            waits_for_prioritised: driver_count(b"fake_cuda_waits_for_prioritised"),
+            events_created: driver_count(b"fake_cuda_events_created"),
+        }
+    }
+
+    fn since(self, before: StreamCounts) -> StreamCounts {
+        StreamCounts {
+            prioritised_work: self.prioritised_work - before.prioritised_work,
+            waits_on_prioritised: self.waits_on_prioritised - before.waits_on_prioritised,
+            waits_for_prioritised: self.waits_for_prioritised - before.waits_for_prioritised,
+            events_created: self.events_created - before.events_created,
+        }
+    }
+}
+
+/// Issue 29's load stream: a load whose reader waits per layer runs on a stream of its own
+/// at the greatest priority (the transfer's launches there, nothing else), its reader
+/// waits for each layer on the cache's stream (never on the load stream, which waits once
+/// per load, for the work before it), and its events come from a pool: none is created
+/// after the first loads, over 1,000 layer loads. Without per-layer readers, a load is one
+/// all-layer launch on the cache's stream.
+fn loads_run_on_a_prioritised_stream_of_their_own() {
+    let gpu: Arc<dyn Executor> = Arc::new(CudaExecutor::new(0).unwrap());
+    let layers = 8u32;
+    let mut config = rank_config(Deployment::new(ModelShape::MlaBf16, 16, 1).unwrap());
+    config.layers = layers;
+    let group = cp_hicache::group::LocalGroup::members(1, Duration::from_secs(60))
+        .pop()
+        .unwrap();
+    let mut me = RankCache::new(
+        config,
+        gpu.clone(),
+        &jit(),
+        Box::new(group),
+        PeerAccess::Direct,
+    )
+    .unwrap();
+    let prompt = tokens(7, 4 * 16);
+    me.serve(&prompt).unwrap();
+
+    // The engine's path, its reader waiting per layer.
+    me.set_layer_waits(true);
+    let load_once = |me: &mut RankCache| {
+        me.evict_device_lru(usize::MAX).unwrap();
+        let before = StreamCounts::now();
+        let launches = gpu.counters().launches;
+        let mut req = me.begin(&prompt).unwrap();
+        let load = req.load().expect("a host hit loads back");
+        assert_eq!(load.layers(), layers);
+        let loaded = StreamCounts::now().since(before);
+        for l in 0..layers {
+            load.wait_layer(l).unwrap();
+        }
+        let waited = StreamCounts::now().since(before);
+        me.abandon(&mut req).unwrap();
+        // The stand-in runs queued work only when something waits: without this, every
+        // staged upload (page lists) would still be in flight and its ring event unreusable,
+        // as no GPU would leave it.
+        gpu.synchronize().unwrap();
+        (loaded, waited, gpu.counters().launches - launches)
+    };
+    let (loaded, waited, by_layer) = load_once(&mut me);
+    // Page tables and the transfer: one launch per layer, on the load stream, which waits
+    // once, for the work before the load.
+    assert!(loaded.prioritised_work >= u64::from(layers), "{loaded:?}");
+    assert_eq!(loaded.waits_on_prioritised, 1, "{loaded:?}");
+    assert_eq!(loaded.waits_for_prioritised, 0, "{loaded:?}");
+    // The reader's waits, one per layer, on the cache's stream.
+    assert_eq!(waited.waits_on_prioritised, 1, "{waited:?}");
+    assert_eq!(
+        waited.waits_for_prioritised,
+        u64::from(layers),
+        "{waited:?}"
+    );
+    let created = StreamCounts::now().events_created;
+    let mut layer_loads = u64::from(layers);
+    while layer_loads < 1000 {
+        let (loaded, waited, _) = load_once(&mut me);
+        assert_eq!(loaded.waits_on_prioritised, 1, "{loaded:?}");
+        assert_eq!(waited.waits_for_prioritised, u64::from(layers));
+        layer_loads += u64::from(layers);
+    }
+    assert_eq!(
+        StreamCounts::now().events_created,
+        created,
+        "{layer_loads} layer loads created events"
+    );
+
+    // Without per-layer readers: one all-layer launch, none of it on the load stream.
+    me.set_layer_waits(false);
+    let (loaded, waited, launches) = load_once(&mut me);
+    assert_eq!(loaded, StreamCounts::default(), "{loaded:?}");
+    assert_eq!(waited.waits_for_prioritised, 0, "{waited:?}");
+    assert_eq!(
+        by_layer - launches,
+        u64::from(layers - 1),
+        "one transfer launch for every layer, not one per layer"
+    );
+
+    // The serving cycle's reader (verification) waits per layer: its loads go to the load
+    // stream, and every byte still verifies.
+    me.evict_device_lru(usize::MAX).unwrap();
+    let before = StreamCounts::now();
+    let s = me.serve(&prompt).unwrap();
+    let after = StreamCounts::now().since(before);
+    assert_eq!(s.host_hit_tokens, prompt.len() as u64, "{s:?}");
+    assert_eq!(s.mismatched_tokens, 0, "{s:?}");
+    assert!(
+        after.waits_for_prioritised >= u64::from(layers),
+        "{after:?}"
+    );
+    drop(me);
+    drop(gpu);
+    assert_eq!(live_allocations(), 0, "leaked driver memory");
+}
+
 /// `cp_hicache::ops` on memory the caller allocated through the driver (device memory and
 /// pinned host memory, adopted for each call and never freed by the ops), with a stream of
 /// the caller's: the transfer's bytes are the reference's, and an op given the stream orders
@@ -1255,6 +1454,7 @@ fn child() {
         cache_on_the_gpu(ModelShape::Nsa, 64, 8, path);
     }
     every_family_matches_the_references();
+    loads_run_on_a_prioritised_stream_of_their_own();
     ops_on_the_callers_memory_and_stream();
     ipc_in_one_process_is_refused();
     ipc_across_processes();

@@ -178,6 +178,9 @@ fn begin_returns_only_when_every_peer_can_read_the_loaded_pages() {
         rc.finish(&mut req).unwrap();
         rc.evict_device_lru(usize::MAX).unwrap();
         spy.hold_h2d_layer(1, true);
+        // Layer by layer (one launch per layer, so one can be held), as for an engine
+        // whose attention waits per layer.
+        rc.set_layer_waits(true);
         let mut req = rc.begin_allocated(&prompt).unwrap();
         assert_eq!(req.cached_pages(), 6, "rank {r}");
         forward(&rc, &req);

@@ -110,3 +110,47 @@ pub(crate) fn check_regions(
     }
     Ok(bytes)
 }
+
+/// One piece of a layer's work in a layer-wise load ([`Executor::load_layers`]).
+#[derive(Debug, Clone)]
+pub enum LoadOp<'a> {
+    /// A checked kernel launch ([`Executor::launch`]).
+    Launch {
+        /// The kernel.
+        kernel: super::KernelId,
+        /// Its shape.
+        config: super::LaunchConfig,
+        /// Its arguments.
+        args: Vec<super::KernelArg<'a>>,
+    },
+    /// Copies between two buffers ([`Executor::copy_regions_with`]).
+    Copy {
+        /// The source buffer.
+        src: super::BufferId,
+        /// The destination buffer.
+        dst: super::BufferId,
+        /// What goes where.
+        regions: Vec<CopyRegion>,
+        /// How the copies are submitted.
+        mode: DmaMode,
+    },
+}
+
+impl LoadOp<'_> {
+    /// Enqueues this work on `exec`'s own stream.
+    pub fn run<E: super::Executor + ?Sized>(&self, exec: &E) -> Result<(), super::ExecError> {
+        match self {
+            LoadOp::Launch {
+                kernel,
+                config,
+                args,
+            } => exec.launch(*kernel, config, args),
+            LoadOp::Copy {
+                src,
+                dst,
+                regions,
+                mode,
+            } => exec.copy_regions_with(*src, *dst, regions, *mode),
+        }
+    }
+}

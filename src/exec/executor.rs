@@ -5,7 +5,7 @@
 use super::{merge_regions, LaunchFailure};
 use super::{
     Address, Backend, BufferId, CopyRegion, Counters, DmaMode, EventId, ExecError, KernelArg,
-    KernelArtifact, KernelId, LaunchConfig, MemKind,
+    KernelArtifact, KernelId, LaunchConfig, LoadOp, MemKind,
 };
 
 /// A kernel executor.
@@ -357,6 +357,25 @@ pub trait Executor: Send + Sync {
     /// event that has already happened.
     fn record_event(&self) -> Result<EventId, ExecError> {
         Ok(EventId(0))
+    }
+
+    /// Enqueues a layer-wise load: `layers[l]`'s work, then an event marking layer `l`
+    /// loaded, for each layer in order; returns the events. The work runs after everything
+    /// enqueued before the call. Work enqueued after the call is ordered after layer `l`
+    /// only by a [`Executor::wait_event`] on its event: executors with a stream of their own
+    /// for loads (CUDA: the greatest priority, so a load does not queue behind a model's
+    /// kernels) run the layers there, so that layer `l + 1` copies while a consumer that
+    /// waited for layer `l` reads it. The default, for executors that run work as it is
+    /// enqueued, runs it in order and records [`Executor::record_event`] after each layer.
+    fn load_layers(&self, layers: &[Vec<LoadOp<'_>>]) -> Result<Vec<EventId>, ExecError> {
+        let mut events = Vec::with_capacity(layers.len());
+        for ops in layers {
+            for op in ops {
+                op.run(self)?;
+            }
+            events.push(self.record_event()?);
+        }
+        Ok(events)
     }
 
     /// Makes work enqueued from now on wait for `event`: a wait on the device side

@@ -31,7 +31,7 @@ use std::fmt;
 
 pub use backend::{open_executor, Backend};
 pub(crate) use copy::check_regions;
-pub use copy::{merge_regions, CopyRegion, DmaMode};
+pub use copy::{merge_regions, CopyRegion, DmaMode, LoadOp};
 pub use counters::Counters;
 pub use error::{ExecError, LaunchFailure};
 pub use executor::Executor;

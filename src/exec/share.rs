@@ -10,7 +10,7 @@
 
 use super::{
     Backend, BufferId, CopyRegion, Counters, DmaMode, EventId, ExecError, Executor, KernelArg,
-    KernelArtifact, KernelId, LaunchConfig, MemKind,
+    KernelArtifact, KernelId, LaunchConfig, LoadOp, MemKind,
 };
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -158,6 +158,9 @@ impl Executor for RankView {
     }
     fn record_event(&self) -> Result<EventId, ExecError> {
         self.counted(|e| e.record_event())
+    }
+    fn load_layers(&self, layers: &[Vec<LoadOp<'_>>]) -> Result<Vec<EventId>, ExecError> {
+        self.counted(|e| e.load_layers(layers))
     }
     fn wait_event(&self, event: EventId) -> Result<(), ExecError> {
         self.counted(|e| e.wait_event(event))

@@ -5,10 +5,12 @@ use super::*;
 
 /// A load-back in flight (step 2 of [`RankCache::serve`]): one executor event per layer, recorded
 /// once that layer's copies are enqueued, so the work that reads layer `l` (attention, or
-/// here materialisation) waits for layer `l` only, while later layers still load, as
-/// SGLang's `layer_transfer_counter` lets a layer's forward wait for its KV. Waiting is a
-/// device-side wait (no host synchronisation): the load path still reads nothing back.
-/// Events are released when the handle is dropped.
+/// here materialisation) waits for layer `l` only, while later layers still load on the
+/// executor's load stream, as SGLang's `layer_transfer_counter` lets a layer's forward wait
+/// for its KV ([`RankCache::set_layer_waits`]; without it one event marks every layer).
+/// Waiting is a device-side wait (no host synchronisation): the load path still reads
+/// nothing back. Dropping the handle orders the cache's stream after the whole load and
+/// gives the events back to the executor's pool.
 pub struct LoadHandle {
     exec: Arc<dyn Executor>,
     layers: Vec<EventId>,
@@ -35,14 +37,24 @@ impl LoadHandle {
         self.exec.wait_event(event)
     }
 
-    /// Makes work enqueued from now on wait until every layer has loaded.
+    /// Makes work enqueued from now on wait until every layer has loaded: the last layer's
+    /// event, since the layers load in order on one stream.
     pub fn wait_all(&self) -> Result<(), crate::exec::ExecError> {
-        (0..self.layers()).try_for_each(|l| self.wait_layer(l))
+        match self.layers() {
+            0 => Ok(()),
+            n => self.wait_layer(n - 1),
+        }
     }
 }
 
 impl Drop for LoadHandle {
+    /// Work enqueued after the handle is gone (releases, poison fills, the next request's
+    /// writes to these pages) runs after the whole load; then the events go back to the
+    /// executor's pool.
     fn drop(&mut self) {
+        if let Err(e) = self.wait_all() {
+            tracing::warn!("a load's last layer could not be waited for: {e}");
+        }
         let distinct: BTreeSet<EventId> = self.layers.iter().copied().collect();
         for e in distinct {
             self.exec.release_event(e);
@@ -60,6 +72,7 @@ impl RankCache {
         &mut self,
         nodes: &[NodeId],
         stats: &mut RequestStats,
+        layer_wise: bool,
     ) -> Result<Option<(Vec<PageId>, LoadHandle)>, ClusterError> {
         let metas: Vec<&NodeMetadata> = nodes
             .iter()
@@ -113,8 +126,9 @@ impl RankCache {
             }
             at += n;
         }
-        // Layer by layer, each followed by its event, so a layer's reader waits for that
-        // layer only.
+        // Layer by layer on the load stream when the reader waits per layer, each layer
+        // followed by its event, so a layer's reader waits for that layer only; else one
+        // transfer, one event for every layer.
         let layers = self.pools.geometry().layers;
         let mut handle = LoadHandle {
             exec: self.exec.clone(),
@@ -125,7 +139,7 @@ impl RankCache {
             &src,
             &dst,
             0..layers,
-            Some(&mut handle.layers),
+            Some((&mut handle.layers, layer_wise)),
         )?;
         Ok(Some((run, handle)))
     }

@@ -124,6 +124,8 @@ pub struct RankCache {
     storage: Option<storage::Tier>,
     /// The thread reading records ahead of requests ([`RankCache::prefetch`]), once asked.
     prefetcher: Option<prefetch::Prefetcher>,
+    /// Whether a load's reader waits for each layer ([`RankCache::set_layer_waits`]).
+    layer_waits: bool,
 }
 
 /// The name of a group's first round (every rank's configuration, host capacity and pool
@@ -357,6 +359,7 @@ impl RankCache {
             disconnected: false,
             storage: None,
             prefetcher: None,
+            layer_waits: false,
         })
     }
 
@@ -706,6 +709,18 @@ impl RankCache {
     /// host copies.
     pub fn set_repoison(&mut self, on: bool) {
         self.repoison = on;
+    }
+
+    /// Whether whoever reads a load-back waits for each layer with
+    /// [`LoadHandle::wait_layer`] first (off by default). On, a load runs layer by layer on
+    /// the executor's load stream (CUDA: a stream of its own at the greatest priority), each
+    /// layer followed by its event, so that layer `l + 1` copies while layer `l` is read;
+    /// verification waits so. Off, a load is one all-layer transfer on the cache's stream,
+    /// in order with all other work, so a reader that orders its stream after the cache's
+    /// ([`Executor::lead_stream`]) sees it whole. Turn it on only where every reader of
+    /// loaded pages waits per layer.
+    pub fn set_layer_waits(&mut self, on: bool) {
+        self.layer_waits = on;
     }
 
     /// Whether this rank materialises and verifies every request (on by default). A rank

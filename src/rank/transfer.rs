@@ -4,7 +4,7 @@
 //! the checks every transfer passes first.
 
 use super::{ClusterError, RankCache};
-use crate::exec::EventId;
+use crate::exec::{EventId, LoadOp};
 use crate::kernels::{
     clamp_layer_range, layer_range_args, transfer_args, transfer_regions, transfer_regions_at,
     Direction, PoolShape,
@@ -14,25 +14,26 @@ use std::ops::Range;
 impl RankCache {
     /// Copies this rank's page pairs for every buffer kind and every layer of `layers`
     /// (clamped to the pools' layers; `0..layers` for all of them), with the transfer kernel
-    /// or by DMA as the deployment says; returns bytes moved. With `events`, the layers move
-    /// one at a time, each followed by an event pushed there (a layer-wise load); the pairs
-    /// are checked and uploaded once either way.
+    /// or by DMA as the deployment says; returns bytes moved. With `events` (a load's), an
+    /// event per layer is pushed there: with `(_, true)` the layers move one at a time on the
+    /// executor's load stream ([`crate::exec::Executor::load_layers`]), each followed by its
+    /// event; with `(_, false)` they move at once on the cache's stream and one event marks
+    /// them all. The pairs are checked and uploaded once either way.
     pub(super) fn transfer(
         &mut self,
         dir: Direction,
         src: &[u32],
         dst: &[u32],
         layers: Range<u32>,
-        mut events: Option<&mut Vec<EventId>>,
+        events: Option<(&mut Vec<EventId>, bool)>,
     ) -> Result<u64, ClusterError> {
         let g = self.pools.geometry();
         let (first_layer, layer_count) = layer_range_args(&layers);
         let moved = clamp_layer_range(first_layer, layer_count, g.layers);
         if src.is_empty() {
-            if let Some(events) = events.as_deref_mut() {
-                for _ in moved {
-                    events.push(self.exec.record_event()?);
-                }
+            if let Some((events, _)) = events {
+                let all = self.exec.record_event()?;
+                events.extend(moved.map(|_| all));
             }
             return Ok(0);
         }
@@ -48,9 +49,13 @@ impl RankCache {
         } else {
             Some(self.pools.upload_pairs(src, dst)?)
         };
-        let steps: Vec<Range<u32>> = match events {
-            Some(_) => moved.clone().map(|l| l..l + 1).collect(),
-            None => vec![moved.clone()],
+        // Layer by layer when the load has a consumer that waits for each layer (on the
+        // executor's load stream); otherwise one step for every layer.
+        let layer_wise = events.as_ref().is_some_and(|&(_, by_layer)| by_layer);
+        let steps: Vec<Range<u32>> = if layer_wise {
+            moved.clone().map(|l| l..l + 1).collect()
+        } else {
+            vec![moved.clone()]
         };
         let spec = self.config.deployment.transfer(dir);
         let buffers = self.config.deployment.model.buffers();
@@ -78,7 +83,9 @@ impl RankCache {
             .map(|(t, &b)| (t, (self.pools.host(b), 0)))
             .collect();
         let mut bytes = 0;
+        let mut work: Vec<Vec<LoadOp<'_>>> = Vec::with_capacity(steps.len());
         for step in steps {
+            let mut ops = Vec::new();
             match pairs {
                 None => {
                     let mode = dma.unwrap_or_default();
@@ -90,7 +97,12 @@ impl RankCache {
                     {
                         if let Some((from, to)) = *end {
                             let regions = transfer_regions(d, src, dst, pools, step.clone());
-                            self.exec.copy_regions_with(from, to, &regions, mode)?;
+                            ops.push(LoadOp::Copy {
+                                src: from,
+                                dst: to,
+                                regions,
+                                mode,
+                            });
                             continue;
                         }
                         // An engine's memory: each layer's pages from its table entry.
@@ -106,30 +118,46 @@ impl RankCache {
                                 Direction::HostToDevice => (host, layer),
                                 Direction::DeviceToHost => (layer, host),
                             };
-                            self.exec.copy_regions_with(from, to, &regions, mode)?;
+                            ops.push(LoadOp::Copy {
+                                src: from,
+                                dst: to,
+                                regions,
+                                mode,
+                            });
                         }
                     }
                 }
                 Some((sb, db)) => {
                     // One launch moves every buffer.
                     let k = self.kernels.transfer(dir);
-                    let args = transfer_args(
-                        &kernel_ends,
-                        (sb, db),
-                        src.len() as u32,
-                        pools,
-                        layer_range_args(&step),
-                    );
-                    self.exec.launch(
-                        k.id,
-                        &k.launch(src.len() as u32, step.len() as u32),
-                        &args,
-                    )?;
+                    ops.push(LoadOp::Launch {
+                        kernel: k.id,
+                        config: k.launch(src.len() as u32, step.len() as u32),
+                        args: transfer_args(
+                            &kernel_ends,
+                            (sb, db),
+                            src.len() as u32,
+                            pools,
+                            layer_range_args(&step),
+                        ),
+                    });
                 }
             }
             bytes += src.len() as u64 * step.len() as u64 * spec.total_page_bytes();
-            if let Some(events) = events.as_deref_mut() {
-                events.push(self.exec.record_event()?);
+            work.push(ops);
+        }
+        match events {
+            Some((events, true)) => events.extend(self.exec.load_layers(&work)?),
+            events => {
+                // On the executor's own stream, in order with everything else; one event
+                // marks every layer.
+                for op in work.iter().flatten() {
+                    op.run(self.exec.as_ref())?;
+                }
+                if let Some((events, _)) = events {
+                    let all = self.exec.record_event()?;
+                    events.extend(moved.map(|_| all));
+                }
             }
         }
         Ok(bytes)

@@ -126,6 +126,12 @@ impl RankCache {
         let n_tokens = hashes.len();
         let words = n_tokens.div_ceil(32);
         let mut bytes_gathered = 0;
+        if let (Some(load), true) = (load, self.group.size() > 1) {
+            // Peers read this rank's loaded pages (or it reads them back for them) after
+            // waiting for their own loads' layers only: the whole load first (a wait on the
+            // device; with peers of their own executors, the synchronisation below).
+            load.wait_all()?;
+        }
         let mine = if self.peer_access == PeerAccess::Gathered && self.group.size() > 1 {
             // No rank reaches a peer's pool: each reads back the pages it owns and the
             // group carries them to every rank. The round is the *written* barrier too.

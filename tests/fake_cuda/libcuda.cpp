@@ -61,6 +61,7 @@ enum : CUresult {
   NOT_FOUND = 500,
   NOT_READY = 600,
   LAUNCH_FAILED = 719,
+  NOT_SUPPORTED = 801,
 };
 
 // Mirrors CpEmuLaunch in templates/cuda_emu.h (ABI version 1).
@@ -83,6 +84,7 @@ struct FakeCtx {
 };
 struct FakeStream {
   int alive;
+  int priority;  // 0, or negative for a stream made at a greater priority
 };
 struct FakeEvent {
   double seconds;
@@ -323,10 +325,36 @@ CUresult cuCtxSynchronize(void) { return need_ctx() ? INVALID_CONTEXT : flush();
 // cuStreamWaitEvent calls ordering one stream after another's event (a test hook reads it).
 std::atomic<unsigned long long> g_cross_waits{0};
 
+// Work (launches and copies) enqueued on a stream of greater priority, waits issued on one,
+// and waits on another stream for an event last recorded on one (test hooks read them).
+std::atomic<unsigned long long> g_prioritised_work{0};
+std::atomic<unsigned long long> g_waits_on_prioritised{0};
+std::atomic<unsigned long long> g_waits_for_prioritised{0};
+// cuEventCreate calls (a test hook reads it: pooled events keep it constant).
+std::atomic<unsigned long long> g_events_created{0};
+
+void count_work(CUstream s) {
+  if (s && s->priority < 0) g_prioritised_work++;
+}
+
 CUresult cuStreamCreate(CUstream* s, unsigned flags) {
   (void)flags;
   if (need_ctx()) return INVALID_CONTEXT;
-  *s = new FakeStream{1};
+  *s = new FakeStream{1, 0};
+  return OK;
+}
+// As on current GPUs: priorities 0 (least) to -5 (greatest).
+CUresult cuCtxGetStreamPriorityRange(int* least, int* greatest) {
+  if (need_ctx()) return INVALID_CONTEXT;
+  if (least) *least = 0;
+  if (greatest) *greatest = -5;
+  return OK;
+}
+CUresult cuStreamCreateWithPriority(CUstream* s, unsigned flags, int priority) {
+  (void)flags;
+  if (need_ctx()) return INVALID_CONTEXT;
+  if (priority < -5 || priority > 0) return INVALID_VALUE;
+  *s = new FakeStream{1, priority};
   return OK;
 }
 CUresult cuStreamDestroy_v2(CUstream s) {
@@ -344,6 +372,7 @@ CUresult cuStreamSynchronize(CUstream s) {
 CUresult cuEventCreate(CUevent* e, unsigned flags) {
   (void)flags;
   if (need_ctx()) return INVALID_CONTEXT;
+  g_events_created++;
   *e = new FakeEvent{0.0, false, false};
   return OK;
 }
@@ -369,6 +398,8 @@ CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned flags) {
   // One queue runs every stream's work in order, so a wait is already met; what a test can
   // check is that work on one stream was ordered after another's.
   if (e->stream != s) g_cross_waits++;
+  if (s && s->priority < 0) g_waits_on_prioritised++;
+  if (e->stream && e->stream->priority < 0 && e->stream != s) g_waits_for_prioritised++;
   return OK;
 }
 // A query does not make the stream progress: like a GPU that is behind, an event stays
@@ -501,8 +532,8 @@ CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, CUstream s) {
   return OK;
 }
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* src, size_t n, CUstream s) {
-  (void)s;
   if (need_ctx() || !inside((uintptr_t)d, n, DEVICE)) return INVALID_VALUE;
+  count_work(s);
   if (inside((uintptr_t)src, n, HOST)) {
     // Pinned source: read by DMA when the copy runs, so overwriting it before then is a bug
     // that shows as wrong bytes on the device.
@@ -534,11 +565,11 @@ CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr s, size_t n, CUstream st) {
 // where it does not batch.
 std::atomic<unsigned long long> g_copy_calls{0};
 CUresult cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) {
-  (void)st;
   if (need_ctx() || !inside((uintptr_t)d, n, -1) || !inside((uintptr_t)s, n, -1)) {
     return INVALID_VALUE;
   }
   ++g_copy_calls;
+  count_work(st);
   enqueue([d, s, n] {
     memmove((void*)(uintptr_t)d, (const void*)(uintptr_t)s, n);
     return OK;
@@ -557,14 +588,22 @@ struct CUmemcpyAttributes_fake {
   unsigned flags;
 };
 unsigned long long g_batch_calls = 0;
+unsigned long long g_batch_refusals = 0;
 CUresult cuMemcpyBatchAsync(CUdeviceptr* dsts, CUdeviceptr* srcs, size_t* sizes, size_t count,
                             CUmemcpyAttributes_fake* attrs, size_t* attr_idxs, size_t num_attrs,
                             size_t* fail_idx, CUstream st) {
-  (void)st;
   if (need_ctx()) return INVALID_CONTEXT;
   if (!dsts || !srcs || !sizes || count == 0 || !attrs || !attr_idxs || num_attrs == 0 ||
       num_attrs > count || attr_idxs[0] != 0 || attrs[0].src_access_order == 0) {
     return INVALID_VALUE;
+  }
+  // A platform without batched copies for these memory kinds: the whole batch is refused,
+  // no copy named, nothing queued (set by a test).
+  const char* unsupported = getenv("FAKE_CUDA_BATCH_NOT_SUPPORTED");
+  if (unsupported && unsupported[0] == '1') {
+    g_batch_refusals++;
+    if (fail_idx) *fail_idx = SIZE_MAX;
+    return NOT_SUPPORTED;
   }
   for (size_t i = 0; i < count; ++i) {
     if (!inside((uintptr_t)dsts[i], sizes[i], -1) || !inside((uintptr_t)srcs[i], sizes[i], -1)) {
@@ -581,6 +620,7 @@ CUresult cuMemcpyBatchAsync(CUdeviceptr* dsts, CUdeviceptr* srcs, size_t* sizes,
     });
   }
   ++g_batch_calls;
+  count_work(st);
   return OK;
 }
 #endif
@@ -625,6 +665,7 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
                         void** extra) {
   if (need_ctx()) return INVALID_CONTEXT;
   if (!f || extra || (s && !s->alive)) return INVALID_VALUE;
+  count_work(s);
   // Parameter values are copied at launch, as the driver does; the kernel runs later.
   const std::vector<uint64_t>& sizes = f->module->sizes;
   auto values = std::make_shared<std::vector<std::vector<unsigned char>>>();
@@ -668,11 +709,37 @@ extern "C" unsigned long long fake_cuda_batch_calls(void) {
 #endif
 }
 
+// cuMemcpyBatchAsync calls refused as NOT_SUPPORTED so far.
+extern "C" unsigned long long fake_cuda_batch_refusals(void) {
+#ifndef FAKE_CUDA_NO_BATCH
+  return g_batch_refusals;
+#else
+  return 0;
+#endif
+}
+
 // cuStreamWaitEvent calls whose event was recorded on another stream so far.
 extern "C" unsigned long long fake_cuda_cross_stream_waits(void) { return g_cross_waits.load(); }
 
 // cuMemcpyAsync calls so far.
 extern "C" unsigned long long fake_cuda_copy_calls(void) { return g_copy_calls.load(); }
+
+// Launches and copies enqueued on a stream of greater priority so far.
+extern "C" unsigned long long fake_cuda_prioritised_work(void) { return g_prioritised_work.load(); }
+
+// cuStreamWaitEvent calls issued on a stream of greater priority so far.
+extern "C" unsigned long long fake_cuda_waits_on_prioritised(void) {
+  return g_waits_on_prioritised.load();
+}
+
+// cuStreamWaitEvent calls issued on another stream for an event recorded on a stream of
+// greater priority so far (a consumer waiting for a load's layer).
+extern "C" unsigned long long fake_cuda_waits_for_prioritised(void) {
+  return g_waits_for_prioritised.load();
+}
+
+// cuEventCreate calls so far.
+extern "C" unsigned long long fake_cuda_events_created(void) { return g_events_created.load(); }
 
 extern "C" int fake_cuda_live_allocations(void) {
   std::lock_guard<std::mutex> g(g_mu);

@@ -34,21 +34,33 @@ pub(crate) fn device_count() -> Result<usize, String> {
     Ok(n.max(0) as usize)
 }
 
-/// A device context and the executor's stream. Only created after [`device_count`] succeeded.
+/// A device context, the stream work goes to, and the executor's load stream. Only created
+/// after [`device_count`] succeeded.
 pub(crate) struct Gpu {
     ctx: Arc<CudaContext>,
+    /// Where this handle's work goes: the executor's stream, or in a [`Gpu::load_lane`] the
+    /// load stream.
     stream: Arc<CudaStream>,
+    /// Layer-wise loads run here, at the context's greatest priority, so that a load does
+    /// not queue behind a model's kernels launched earlier.
+    load: Arc<CudaStream>,
 }
 
-/// Whether the driver exports `cuMemcpyBatchAsync` (CUDA 12.8+). cudarc resolves driver
-/// symbols lazily and panics on a missing one, so this looks it up first, once.
+/// Whether copy batches go out as `cuMemcpyBatchAsync`: the driver exports it (CUDA 12.8+;
+/// cudarc resolves driver symbols lazily and panics on a missing one, so this looks it up
+/// first, once), and it has not refused a whole batch as `NOT_SUPPORTED` in this process.
 pub(crate) fn batch_copies() -> bool {
     static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *HAS.get_or_init(|| {
+    let has = *HAS.get_or_init(|| {
         // SAFETY: only looks the symbol up (the library is loaded: a context is open).
         unsafe { sys::culib().get::<unsafe extern "C" fn()>(b"cuMemcpyBatchAsync\0") }.is_ok()
-    })
+    });
+    has && !BATCH_REFUSED.load(std::sync::atomic::Ordering::Relaxed)
 }
+
+/// Set once `cuMemcpyBatchAsync` refused a whole batch as `NOT_SUPPORTED` (a driver or
+/// platform without batched copies for these memory kinds): copies go one by one since.
+static BATCH_REFUSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 fn err(op: &str) -> impl FnOnce(result::DriverError) -> String + '_ {
     move |e| format!("{op}: {e:?}")
@@ -59,7 +71,43 @@ impl Gpu {
     pub(crate) fn open(ordinal: usize) -> Result<Gpu, String> {
         let ctx = CudaContext::new(ordinal).map_err(err("cuCtxCreate"))?;
         let stream = ctx.new_stream().map_err(err("cuStreamCreate"))?;
-        Ok(Gpu { ctx, stream })
+        ctx.bind_to_thread().map_err(err("cuCtxSetCurrent"))?;
+        // Numerically lowest is greatest: (0, -5) on current GPUs.
+        let (_, greatest) =
+            result::stream::get_priority_range().map_err(err("cuCtxGetStreamPriorityRange"))?;
+        let load = ctx
+            .new_stream_with_priority(greatest)
+            .map_err(err("cuStreamCreateWithPriority"))?;
+        Ok(Gpu { ctx, stream, load })
+    }
+
+    /// This context with the load stream as the stream work goes to.
+    pub(crate) fn load_lane(&self) -> Gpu {
+        Gpu {
+            ctx: Arc::clone(&self.ctx),
+            stream: Arc::clone(&self.load),
+            load: Arc::clone(&self.load),
+        }
+    }
+
+    /// A new event without timing, for [`Gpu::record_into`] and [`Gpu::order`] to reuse.
+    pub(crate) fn new_event(&self) -> Result<CudaEvent, String> {
+        self.ctx
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+            .map_err(err("cuEventCreate"))
+    }
+
+    /// Records the current end of this handle's stream into `event` (a pooled one: an
+    /// earlier recording's waits already took its state).
+    pub(crate) fn record_into(&self, event: &CudaEvent) -> Result<(), String> {
+        self.bind()?;
+        event.record(&self.stream).map_err(err("cuEventRecord"))
+    }
+
+    /// Makes the load stream wait for the work enqueued so far on this handle's stream.
+    pub(crate) fn load_after(&self, event: &CudaEvent) -> Result<(), String> {
+        // SAFETY: both streams are this context's and alive as long as `self`.
+        unsafe { self.order(self.stream.cu_stream(), self.load.cu_stream(), event) }
     }
 
     /// The device name.
@@ -85,15 +133,6 @@ impl Gpu {
             .map_err(err("cuEventRecord"))
     }
 
-    /// An event without timing recorded at the current end of the executor's stream (a
-    /// layer of a load, for later work to wait on).
-    pub(crate) fn mark(&self) -> Result<cudarc::driver::CudaEvent, String> {
-        self.bind()?;
-        self.stream
-            .record_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
-            .map_err(err("cuEventRecord"))
-    }
-
     /// Makes work enqueued on the executor's stream from now on wait for `event`
     /// (`cuStreamWaitEvent`: the device waits, the host does not).
     pub(crate) fn wait_event(&self, event: &cudarc::driver::CudaEvent) -> Result<(), String> {
@@ -102,17 +141,23 @@ impl Gpu {
     }
 
     /// Orders two streams of this context: work enqueued on `waiter` from now on waits for
-    /// the work enqueued on `done` so far (an event recorded on `done`, waited on by
-    /// `waiter`: the device waits, the host does not).
+    /// the work enqueued on `done` so far (`event`, a pooled one of this context, recorded on
+    /// `done` and waited on by `waiter`: the device waits, the host does not). The event may
+    /// be recorded again at once: the wait takes its state at the time of the call.
     ///
     /// # Safety
     /// Both must be live streams of this executor's context.
-    unsafe fn order(&self, done: sys::CUstream, waiter: sys::CUstream) -> Result<(), String> {
+    unsafe fn order(
+        &self,
+        done: sys::CUstream,
+        waiter: sys::CUstream,
+        event: &CudaEvent,
+    ) -> Result<(), String> {
         self.bind()?;
-        let ev = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-            .map_err(err("cuEventCreate"))?;
-        // SAFETY: `ev` was just created; the streams are live (the caller's contract).
-        let out = unsafe {
+        let ev = event.cu_event();
+        // SAFETY: `ev` is alive as long as `event`; the streams are live (the caller's
+        // contract).
+        unsafe {
             result::event::record(ev, done)
                 .map_err(err("cuEventRecord"))
                 .and_then(|()| {
@@ -123,11 +168,7 @@ impl Gpu {
                     )
                     .map_err(err("cuStreamWaitEvent"))
                 })
-        };
-        // SAFETY: recorded and waited on (or not); destroying after the wait is enqueued is
-        // allowed: the wait completes with the event's state at the time of the call.
-        let destroyed = unsafe { result::event::destroy(ev) }.map_err(err("cuEventDestroy"));
-        out.and(destroyed)
+        }
     }
 
     /// Makes the executor's stream wait for the work enqueued so far on `stream` (a raw
@@ -135,9 +176,9 @@ impl Gpu {
     ///
     /// # Safety
     /// `stream` must be a live stream of this executor's context.
-    pub(crate) unsafe fn follow(&self, stream: u64) -> Result<(), String> {
+    pub(crate) unsafe fn follow(&self, stream: u64, event: &CudaEvent) -> Result<(), String> {
         // SAFETY: the caller's contract; ours is alive as long as `self`.
-        unsafe { self.order(stream as sys::CUstream, self.stream.cu_stream()) }
+        unsafe { self.order(stream as sys::CUstream, self.stream.cu_stream(), event) }
     }
 
     /// Makes `stream` (a raw `CUstream` of the caller's) wait for the work enqueued so far on
@@ -145,9 +186,9 @@ impl Gpu {
     ///
     /// # Safety
     /// As [`Gpu::follow`].
-    pub(crate) unsafe fn lead(&self, stream: u64) -> Result<(), String> {
+    pub(crate) unsafe fn lead(&self, stream: u64, event: &CudaEvent) -> Result<(), String> {
         // SAFETY: as in `follow`.
-        unsafe { self.order(self.stream.cu_stream(), stream as sys::CUstream) }
+        unsafe { self.order(self.stream.cu_stream(), stream as sys::CUstream, event) }
     }
 
     /// Milliseconds between two recorded events, waiting for the second.
@@ -312,12 +353,25 @@ impl Gpu {
                     self.stream.cu_stream(),
                 )
             };
-            return r.result().map_err(|e| {
-                format!(
-                    "cuMemcpyBatchAsync ({} copies, failed at {fail_idx}): {e:?}",
+            // NOT_SUPPORTED for the whole batch (no copy named) queued nothing: the same
+            // copies go one by one, now and from now on.
+            let refused =
+                r == sys::cudaError_enum::CUDA_ERROR_NOT_SUPPORTED && fail_idx == usize::MAX;
+            if !refused {
+                return r.result().map_err(|e| {
+                    format!(
+                        "cuMemcpyBatchAsync ({} copies, failed at {fail_idx}): {e:?}",
+                        live.len()
+                    )
+                });
+            }
+            if !BATCH_REFUSED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                tracing::warn!(
+                    "cuMemcpyBatchAsync refused a batch of {} copies as NOT_SUPPORTED; copies \
+                     go one cuMemcpyAsync each from now on",
                     live.len()
-                )
-            });
+                );
+            }
         }
         for &&(dst, src, len) in &live {
             // SAFETY: both ranges are inside live allocations (caller).
@@ -343,11 +397,17 @@ impl Gpu {
         Ok(())
     }
 
-    /// Waits for all work on the executor's stream.
+    /// Waits for all work on the executor's stream and on its load stream.
     pub(crate) fn synchronize(&self) -> Result<(), String> {
         self.bind()?;
-        // SAFETY: the stream is alive as long as `self`.
+        // SAFETY: the streams are alive as long as `self`.
         unsafe { result::stream::synchronize(self.stream.cu_stream()) }
+            .map_err(err("cuStreamSynchronize"))?;
+        if Arc::ptr_eq(&self.stream, &self.load) {
+            return Ok(());
+        }
+        // SAFETY: as above.
+        unsafe { result::stream::synchronize(self.load.cu_stream()) }
             .map_err(err("cuStreamSynchronize"))
     }
 

@@ -31,7 +31,8 @@ use super::registry::Registry;
 use super::PendingLaunch;
 use super::{
     check_range, check_regions, Backend, BufferId, CopyRegion, Counters, DmaMode, EventId,
-    ExecError, Executor, KernelArg, KernelArtifact, KernelId, LaunchConfig, LaunchFailure, MemKind,
+    ExecError, Executor, KernelArg, KernelArtifact, KernelId, LaunchConfig, LaunchFailure, LoadOp,
+    MemKind,
 };
 use crate::kernels::KernelSignature;
 
@@ -92,11 +93,9 @@ pub struct CudaExecutor {
     state: Mutex<State>,
     /// Pinned memory uploads pass through; locked after `state`.
     staging: Mutex<driver::Staging>,
-    /// Events recorded for later waits ([`Executor::record_event`]), by id.
-    events: Mutex<(
-        u64,
-        std::collections::HashMap<u64, cudarc::driver::CudaEvent>,
-    )>,
+    /// Events recorded for later waits ([`Executor::record_event`]), and released ones
+    /// kept for reuse.
+    events: Mutex<EventPool>,
     fail_next_launch: AtomicBool,
 }
 
@@ -113,6 +112,7 @@ impl CudaExecutor {
     /// state lock the caller holds (a launch writes its page tables this way).
     fn write_locked(
         &self,
+        gpu: &driver::Gpu,
         st: &mut State,
         buffer: BufferId,
         offset: u64,
@@ -127,7 +127,7 @@ impl CudaExecutor {
                 let dst = buf.addr() + off as u64;
                 let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
                 let rings = staging.rings();
-                driver::upload_in_bounds(&self.gpu, &mut staging, dst, data)
+                driver::upload_in_bounds(gpu, &mut staging, dst, data)
                     .map_err(driver_err("upload"))?;
                 // A new staging ring is a page-locked allocation: counted, so that a load
                 // path that needed one shows it.
@@ -136,7 +136,7 @@ impl CudaExecutor {
             // Pinned host memory is written by the CPU once the stream is idle: a counted
             // synchronisation (host buffers are never uploaded to on the load path).
             CudaBuffer::Host(m) => {
-                m.write_after(&self.gpu, off, data)
+                m.write_after(gpu, off, data)
                     .map_err(driver_err("upload"))?;
                 st.counters.syncs += 1;
             }
@@ -179,7 +179,7 @@ impl CudaExecutor {
             gpu,
             state: Mutex::new(Registry::new()),
             staging: Mutex::new(driver::Staging::default()),
-            events: Mutex::new((0, std::collections::HashMap::new())),
+            events: Mutex::new(EventPool::default()),
             fail_next_launch: AtomicBool::new(false),
         })
     }
@@ -356,7 +356,7 @@ impl Executor for CudaExecutor {
 
     fn upload(&self, buffer: BufferId, offset: u64, data: &[u8]) -> Result<(), ExecError> {
         let mut st = lock(&self.state);
-        self.write_locked(&mut st, buffer, offset, data)
+        self.write_locked(&self.gpu, &mut st, buffer, offset, data)
     }
 
     fn read(&self, buffer: BufferId, offset: u64, out: &mut [u8]) -> Result<(), ExecError> {
@@ -441,19 +441,7 @@ impl Executor for CudaExecutor {
         regions: &[CopyRegion],
         mode: DmaMode,
     ) -> Result<(), ExecError> {
-        let mut st = lock(&self.state);
-        let (s, d) = (st.buffer(src)?, st.buffer(dst)?);
-        let bytes = check_regions((src, s.len()), (dst, d.len()), regions)?;
-        // One copy per contiguous run (super::merge_regions), not per page blob.
-        let copies: Vec<(u64, u64, u64)> = super::merge_regions(regions, src == dst)
-            .iter()
-            .map(|r| (d.addr() + r.dst_offset, s.addr() + r.src_offset, r.len))
-            .collect();
-        let batch = mode == DmaMode::Batched && driver::batch_copies();
-        driver::copy_in_bounds(&self.gpu, &copies, batch).map_err(driver_err("copy_regions"))?;
-        st.counters.copies += 1;
-        st.counters.bytes_copied += bytes;
-        Ok(())
+        self.copy_on(&self.gpu, src, dst, regions, mode)
     }
 
     fn fill(&self, buffer: BufferId, ranges: &[(u64, u64)], byte: u8) -> Result<(), ExecError> {
@@ -504,12 +492,20 @@ impl Executor for CudaExecutor {
 
     unsafe fn follow_stream(&self, stream: u64) -> Result<(), ExecError> {
         // SAFETY: the caller's contract: a live stream of this context.
-        unsafe { self.gpu.follow(stream) }.map_err(driver_err("follow a stream"))
+        let ev = self.spare_event()?;
+        // SAFETY: as above.
+        let out = unsafe { self.gpu.follow(stream, &ev) }.map_err(driver_err("follow a stream"));
+        self.events().spare.push(ev);
+        out
     }
 
     unsafe fn lead_stream(&self, stream: u64) -> Result<(), ExecError> {
         // SAFETY: as in `follow_stream`.
-        unsafe { self.gpu.lead(stream) }.map_err(driver_err("lead a stream"))
+        let ev = self.spare_event()?;
+        // SAFETY: as above.
+        let out = unsafe { self.gpu.lead(stream, &ev) }.map_err(driver_err("lead a stream"));
+        self.events().spare.push(ev);
+        out
     }
 
     fn synchronize(&self) -> Result<(), ExecError> {
@@ -536,17 +532,55 @@ impl Executor for CudaExecutor {
     }
 
     fn record_event(&self) -> Result<EventId, ExecError> {
-        let event = self.gpu.mark().map_err(driver_err("record_event"))?;
-        let mut ev = self.events.lock().unwrap_or_else(|p| p.into_inner());
-        ev.0 += 1;
-        let id = ev.0;
-        ev.1.insert(id, event);
-        Ok(EventId(id))
+        self.record_on(&self.gpu)
+    }
+
+    fn load_layers(&self, layers: &[Vec<LoadOp<'_>>]) -> Result<Vec<EventId>, ExecError> {
+        let lane = self.gpu.load_lane();
+        let mut events = Vec::with_capacity(layers.len());
+        let out = (|| {
+            // The load reads what was enqueued before it (page lists, allocations).
+            let ev = self.spare_event()?;
+            let ordered = self.gpu.load_after(&ev).map_err(driver_err("load_layers"));
+            self.events().spare.push(ev);
+            ordered?;
+            for ops in layers {
+                for op in ops {
+                    match op {
+                        LoadOp::Launch {
+                            kernel,
+                            config,
+                            args,
+                        } => {
+                            // SAFETY: not `unsigned_ok`: every check of `launch` is made.
+                            unsafe { self.launch_on(&lane, *kernel, config, args, false) }?
+                        }
+                        LoadOp::Copy {
+                            src,
+                            dst,
+                            regions,
+                            mode,
+                        } => self.copy_on(&lane, *src, *dst, regions, *mode)?,
+                    }
+                }
+                events.push(self.record_on(&lane)?);
+            }
+            Ok(())
+        })();
+        match out {
+            Ok(()) => Ok(events),
+            Err(e) => {
+                for ev in events {
+                    self.release_event(ev);
+                }
+                Err(e)
+            }
+        }
     }
 
     fn wait_event(&self, event: EventId) -> Result<(), ExecError> {
-        let ev = self.events.lock().unwrap_or_else(|p| p.into_inner());
-        let e = ev.1.get(&event.0).ok_or(ExecError::Driver {
+        let pool = self.events();
+        let e = pool.live.get(&event.0).ok_or(ExecError::Driver {
             op: "wait_event",
             message: format!("{event:?} is not an event of this executor (or was released)"),
         })?;
@@ -554,8 +588,10 @@ impl Executor for CudaExecutor {
     }
 
     fn release_event(&self, event: EventId) {
-        let mut ev = self.events.lock().unwrap_or_else(|p| p.into_inner());
-        ev.1.remove(&event.0);
+        let mut pool = self.events();
+        if let Some(ev) = pool.live.remove(&event.0) {
+            pool.spare.push(ev);
+        }
     }
 
     fn inject_launch_failure(&self) {
@@ -570,6 +606,61 @@ impl Executor for CudaExecutor {
     /// `unsigned_ok`), resolves and bounds the pointers, then calls `cuLaunchKernel`.
     unsafe fn launch_with(
         &self,
+        kernel: KernelId,
+        config: &LaunchConfig,
+        args: &[KernelArg<'_>],
+        unsigned_ok: bool,
+    ) -> Result<(), ExecError> {
+        // SAFETY: the caller's contract.
+        unsafe { self.launch_on(&self.gpu, kernel, config, args, unsigned_ok) }
+    }
+}
+
+/// Events of one executor: those recorded for later waits, by id, and released ones kept
+/// for reuse, so that a layer-wise load creates no event once the pool holds enough.
+#[derive(Default)]
+struct EventPool {
+    next: u64,
+    live: std::collections::HashMap<u64, cudarc::driver::CudaEvent>,
+    spare: Vec<cudarc::driver::CudaEvent>,
+}
+
+impl CudaExecutor {
+    fn events(&self) -> MutexGuard<'_, EventPool> {
+        self.events.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A released event, or a new one when none is.
+    fn spare_event(&self) -> Result<cudarc::driver::CudaEvent, ExecError> {
+        let spare = self.events().spare.pop();
+        match spare {
+            Some(ev) => Ok(ev),
+            None => self.gpu.new_event().map_err(driver_err("record_event")),
+        }
+    }
+
+    /// An event recorded at the current end of `gpu`'s stream, kept for waits by its id.
+    fn record_on(&self, gpu: &driver::Gpu) -> Result<EventId, ExecError> {
+        let ev = self.spare_event()?;
+        if let Err(e) = gpu.record_into(&ev) {
+            self.events().spare.push(ev);
+            return Err(driver_err("record_event")(e));
+        }
+        let mut pool = self.events();
+        pool.next += 1;
+        let id = pool.next;
+        pool.live.insert(id, ev);
+        Ok(EventId(id))
+    }
+
+    /// Checks the launch against the kernel's signature (refusing an unsigned kernel unless
+    /// `unsigned_ok`), resolves and bounds the pointers, then calls `cuLaunchKernel`.
+    ///
+    /// # Safety
+    /// As [`Executor::launch_with`]; the work goes to `gpu`'s stream.
+    unsafe fn launch_on(
+        &self,
+        gpu: &driver::Gpu,
         kernel: KernelId,
         config: &LaunchConfig,
         args: &[KernelArg<'_>],
@@ -594,7 +685,7 @@ impl Executor for CudaExecutor {
         };
         // The page tables' checked addresses go in first, on the launch's stream.
         for t in &marshalled.tables {
-            self.write_locked(&mut st, t.buffer, t.offset, &t.bytes)?;
+            self.write_locked(gpu, &mut st, t.buffer, t.offset, &t.bytes)?;
         }
         let st = &*st;
         let k = st.kernel(kernel)?;
@@ -603,7 +694,7 @@ impl Executor for CudaExecutor {
         // to start inside them; the signature (when given) matched the arguments and each
         // buffer holds its parameter's reach; without a signature, the buffers being large
         // enough is the caller's contract (`Executor::launch_unchecked`).
-        let launched = unsafe { launch_checked(&self.gpu, &k.module, config, &views) };
+        let launched = unsafe { launch_checked(gpu, &k.module, config, &views) };
         launched.map_err(|message| ExecError::Launch {
             kernel: k.name.clone(),
             // A bad shape or a block too large for the kernel's registers is rejected at launch;
@@ -619,6 +710,30 @@ impl Executor for CudaExecutor {
             },
             message,
         })
+    }
+
+    /// [`Executor::copy_regions_with`] on `gpu`'s stream.
+    fn copy_on(
+        &self,
+        gpu: &driver::Gpu,
+        src: BufferId,
+        dst: BufferId,
+        regions: &[CopyRegion],
+        mode: DmaMode,
+    ) -> Result<(), ExecError> {
+        let mut st = lock(&self.state);
+        let (s, d) = (st.buffer(src)?, st.buffer(dst)?);
+        let bytes = check_regions((src, s.len()), (dst, d.len()), regions)?;
+        // One copy per contiguous run (super::merge_regions), not per page blob.
+        let copies: Vec<(u64, u64, u64)> = super::merge_regions(regions, src == dst)
+            .iter()
+            .map(|r| (d.addr() + r.dst_offset, s.addr() + r.src_offset, r.len))
+            .collect();
+        let batch = mode == DmaMode::Batched && driver::batch_copies();
+        driver::copy_in_bounds(gpu, &copies, batch).map_err(driver_err("copy_regions"))?;
+        st.counters.copies += 1;
+        st.counters.bytes_copied += bytes;
+        Ok(())
     }
 }
 

@@ -421,6 +421,8 @@ impl RankCache {
         let step = if ok { "finish" } else { "abandon" };
         self.check_connected()?;
         req.check_open(step)?;
+        // Whatever comes next (releases, poison fills, a roll-back) runs after the load.
+        req.load = None;
         if ok {
             req.check_allocated("for its uncached tokens")?;
         }
@@ -595,7 +597,9 @@ impl RankCache {
             // backups, which may evict host LRU) must not remove the nodes being loaded.
             self.lock(last)?;
             let before = self.exec.counters();
-            let loaded = self.load_back(&host_nodes, &mut stats)?;
+            // The serving cycle's reader is verification, which waits per layer; an engine's
+            // readers do when it says so.
+            let loaded = self.load_back(&host_nodes, &mut stats, !fence || self.layer_waits)?;
             let c = self.exec.counters().since(&before);
             // Allocations and frees synchronise on CUDA (cuMemAlloc, cuMemFree), so they
             // count too.
@@ -610,6 +614,16 @@ impl RankCache {
                 // for the copies before the outcome round lets anyone read.
                 self.exec.synchronize()?;
                 stats.fence_syncs += 1;
+            }
+            if let (true, true, Some((_, handle))) = (
+                fence && self.layer_waits,
+                self.peer_access == PeerAccess::Direct && self.group.size() > 1,
+                &loaded,
+            ) {
+                // Peers on this executor read these pages after waiting for their own
+                // loads' layers only: the cache's stream waits for this whole load (a wait on
+                // the device, not the host).
+                handle.wait_all()?;
             }
             match loaded {
                 Some((run, handle)) => {
