@@ -262,6 +262,22 @@ class RankCache:
         return self._native.group_kind
 
     @property
+    def layer_waits(self) -> bool:
+        """Whether the engine's attention calls :meth:`Request.wait_layer` before it reads
+        each layer of loaded pages (``False`` by default). ``True``: a load runs layer by
+        layer on a stream of its own at the greatest priority (CUDA), so layer ``l + 1``
+        copies while layer ``l`` is read. ``False``: a load is one transfer on the cache's
+        stream, in order with its other work. Set it only where every reader of loaded pages
+        waits per layer."""
+        return self._native.layer_waits
+
+    @layer_waits.setter
+    def layer_waits(self, on: bool) -> None:
+        if not isinstance(on, bool):
+            raise UsageError(f"layer_waits is True or False, not {on!r}")
+        self._native.layer_waits = on
+
+    @property
     def peer_pools(self) -> str:
         """How this rank reaches its peers' pools (``direct``, ``shared-memory``, ``ipc``, or
         ``gathered``: it does not, and verification moves pages through the group)."""

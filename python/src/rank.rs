@@ -871,6 +871,21 @@ impl RankCache {
         ))
     }
 
+    /// Whether the engine's attention calls `Request.wait_layer(l)` before it reads layer `l`
+    /// of loaded pages (False by default). True, a load runs layer by layer on a stream of
+    /// its own at the greatest priority (CUDA), so layer `l + 1` copies while layer `l` is
+    /// read. False, a load is one transfer on the cache's stream, in order with all its
+    /// other work. Set it True only where every reader of loaded pages waits per layer.
+    #[getter]
+    fn layer_waits(&self, py: Python<'_>) -> PyResult<bool> {
+        self.with(py, |r| r.layer_waits())
+    }
+
+    #[setter]
+    fn set_layer_waits(&self, py: Python<'_>, on: bool) -> PyResult<()> {
+        self.with(py, |r| r.set_layer_waits(on))
+    }
+
     /// Starts a request in steps (match, then load back layer by layer; with `allocate`,
     /// also the pages to compute, in the same round): every rank calls it with the same
     /// tokens. When it returns, the loaded pages are readable by every peer. SGLang:

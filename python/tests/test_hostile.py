@@ -320,6 +320,23 @@ def test_wait_layer_checks_its_range_with_or_without_a_load():
     rc.abandon(req)
 
 
+def test_layer_waits_loads_layer_by_layer_and_refuses_non_booleans():
+    rc = make()
+    assert rc.layer_waits is False
+    with pytest.raises(cp_hicache.UsageError, match="True or False"):
+        rc.layer_waits = 1
+    rc.serve(range(64))
+    rc.evict(64)
+    rc.layer_waits = True
+    assert rc.layer_waits is True
+    req = rc.begin(range(64), allocate=True)
+    assert req.cached_pages == 4 and req.loading_layers == 2
+    for layer in range(2):
+        req.wait_layer(layer)
+    rc.finish(req)
+    assert rc.serve(range(64))["mismatched_tokens"] == 0
+
+
 def test_messages_speak_python():
     rc = make(device_pages=4)
     with pytest.raises(cp_hicache.CacheFullError) as full:

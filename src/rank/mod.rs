@@ -723,6 +723,12 @@ impl RankCache {
         self.layer_waits = on;
     }
 
+    /// Whether loads go layer by layer for readers that wait per layer
+    /// ([`RankCache::set_layer_waits`]).
+    pub fn layer_waits(&self) -> bool {
+        self.layer_waits
+    }
+
     /// Whether this rank materialises and verifies every request (on by default). A rank
     /// that does not still takes part in every collective, with an empty bitmap.
     pub fn set_verifies(&mut self, on: bool) {
