@@ -403,8 +403,10 @@ fn print_table(rows: &[BenchRow]) -> Result<(), crate::Error> {
         .max()
         .unwrap_or(6)
         .max(6);
+    // DMA rows say how long the host took to submit their copies too.
+    let submits = rows.iter().any(|r| r.submit_seconds.is_some());
     outln!(
-        "{:<13}  {:<7}  {:<w$}  {:>10}  {:>9}  {:>8}  {:>8}  {:>6}  baseline",
+        "{:<13}  {:<7}  {:<w$}  {:>10}  {:>9}  {:>8}  {:>8}  {:>6}  baseline{}",
         "deployment",
         "config",
         "kernel",
@@ -412,11 +414,17 @@ fn print_table(rows: &[BenchRow]) -> Result<(), crate::Error> {
         "ms",
         "GB/s",
         "base",
-        "ratio"
+        "ratio",
+        if submits { "  submit ms" } else { "" }
     );
     for r in rows {
+        let submit = match (submits, r.submit_seconds) {
+            (true, Some(s)) => format!("  {:.3}", s * 1e3),
+            (true, None) => "  -".into(),
+            (false, _) => String::new(),
+        };
         outln!(
-            "{:<13}  {:<7}  {:<w$}  {:>10}  {:>9.3}  {:>8.2}  {:>8.2}  {:>6.2}  {}",
+            "{:<13}  {:<7}  {:<w$}  {:>10}  {:>9.3}  {:>8.2}  {:>8.2}  {:>6.2}  {}{}",
             r.deployment,
             r.config,
             r.kernel,
@@ -425,7 +433,8 @@ fn print_table(rows: &[BenchRow]) -> Result<(), crate::Error> {
             r.gbps,
             r.baseline_gbps,
             r.ratio,
-            r.baseline
+            r.baseline,
+            submit
         );
     }
     Ok(())

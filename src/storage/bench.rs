@@ -159,6 +159,7 @@ pub fn bench_store(
             baseline: baseline.into(),
             baseline_gbps,
             ratio,
+            submit_seconds: None,
         }
     };
     Ok(vec![

@@ -56,6 +56,11 @@ pub struct BenchRow {
     pub baseline_gbps: f64,
     /// `gbps / baseline_gbps`: above 1 the kernel beats the baseline.
     pub ratio: f64,
+    /// DMA rows: median host seconds the submission took (the copy calls, as the host clock
+    /// sees them). A batch of many small copies can keep the host busier than the copy
+    /// engines: `seconds` is the device's time only. Absent for kernels.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub submit_seconds: Option<f64>,
 }
 
 /// What `bench` measures.
@@ -345,7 +350,7 @@ pub fn run(
             None => job.spec.uri(),
         };
         match time_job(exec, job, i as u64 + 7, &opts.sizes, &kernel_of) {
-            Ok((bytes, seconds, baseline, base_seconds)) => {
+            Ok((bytes, (seconds, submit_seconds), baseline, base_seconds)) => {
                 let gbps = bytes as f64 / seconds.max(1e-12) / 1e9;
                 let baseline_gbps = bytes as f64 / base_seconds.max(1e-12) / 1e9;
                 out.rows.push(BenchRow {
@@ -361,6 +366,7 @@ pub fn run(
                     baseline: baseline.to_string(),
                     baseline_gbps,
                     ratio: gbps / baseline_gbps,
+                    submit_seconds,
                 });
             }
             Err(e) => out.failures.push(BenchFailure {
@@ -377,14 +383,15 @@ pub fn run(
     Ok(out)
 }
 
-/// Times one job: bytes, median seconds, baseline name and baseline median seconds.
+/// Times one job: bytes, median seconds (and for DMA the median host submission seconds),
+/// baseline name and baseline median seconds.
 fn time_job(
     exec: &dyn Executor,
     job: &Job,
     seed: u64,
     sizes: &Sizes,
     kernel_of: &dyn Fn(&KernelSpec) -> Result<KernelId, TuningError>,
-) -> Result<(u64, f64, &'static str, f64), TuningError> {
+) -> Result<(u64, (f64, Option<f64>), &'static str, f64), TuningError> {
     match job.spec {
         KernelSpec::SelectOwnerPages(_) | KernelSpec::ReleasePages(_) => {
             let (cp, ps) = match job.spec {
@@ -398,7 +405,7 @@ fn time_job(
             let r = b.time_reference(&job.spec, sizes)?;
             Ok((
                 4 * u64::from(job.alloc_pages),
-                t.median,
+                (t.median, None),
                 "rust_reference",
                 r.median,
             ))
@@ -407,15 +414,16 @@ fn time_job(
             let (b, _) = CopyBench::new(exec, &job.spec, sizes, seed)?;
             let bytes = b.bytes();
             let t = if let Some(mode) = job.dma {
-                b.time_dma_with(sizes, mode)?
+                let (t, submit) = b.time_dma_submitted(sizes, mode)?;
+                (t.median, Some(submit.median))
             } else {
                 let kernel = kernel_of(&job.spec)?;
-                b.time(kernel, &job.spec, sizes)?
+                (b.time(kernel, &job.spec, sizes)?.median, None)
             };
             let (from, to) = b.memory();
             drop(b);
             let base = time_copy_baseline(exec, from, to, bytes, sizes)?;
-            Ok((bytes, t.median, baseline_name(exec.backend()), base.median))
+            Ok((bytes, t, baseline_name(exec.backend()), base.median))
         }
     }
 }

@@ -401,6 +401,26 @@ impl<'e> CopyBench<'e> {
         time_sized(self.mem.exec, sizes, || self.copy_dma_with(mode))
     }
 
+    /// [`time_dma_with`](Self::time_dma_with), and the host's time submitting each timed
+    /// repeat (the copy calls alone, on the host clock), both as medians of the repeats.
+    pub fn time_dma_submitted(
+        &self,
+        sizes: &Sizes,
+        mode: DmaMode,
+    ) -> Result<(Timing, Timing), ExecError> {
+        let submits = std::cell::RefCell::new(Vec::new());
+        let device = time_sized(self.mem.exec, sizes, || {
+            let t = std::time::Instant::now();
+            let out = self.copy_dma_with(mode);
+            submits.borrow_mut().push(t.elapsed().as_secs_f64());
+            out
+        })?;
+        // The warm-ups ran first: the last `repeats` submissions are the timed ones.
+        let mut s = submits.into_inner();
+        let timed = s.split_off(s.len().saturating_sub(sizes.repeats.max(1) as usize));
+        Ok((device, Timing::of(timed)))
+    }
+
     /// The memory kinds the copy reads and writes (for its baseline).
     pub fn memory(&self) -> (MemKind, MemKind) {
         match &self.kind {
