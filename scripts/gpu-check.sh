@@ -12,14 +12,17 @@
 # `bench --backend cuda --json` with that tuning file (baseline: pinned cuMemcpyAsync; select
 # and release at 2,048 and 16,384 pages against the Rust reference); a short `replay --backend
 # cuda` with the kernel and the DMA transfer path; compute-sanitizer memcheck of the check
-# when compute-sanitizer is on PATH. Before the summary it prints again (format: BENCHMARKS.md
+# when compute-sanitizer is on PATH, and its racecheck and synccheck of the allocator kernels
+# (`bench --check --family`). Before the summary it prints again (format: BENCHMARKS.md
 # "gpu-check transfers", so the rows can be pasted there unchanged):
 #   - the tune step's transfer rows (capped-grid kernels, uncapped kernels, `dma` and
 #     `dma-each`, each timed while the busy kernel occupies the SMs, with the GB/s alone and
 #     the busy kernel's slowdown), also saved as transfers.txt, with a note for a DMA row
 #     that is missing;
 #   - the bench step's select and release rows at 2,048 pages (8,192 bytes: 4 per requested
-#     page), also saved as allocator.txt.
+#     page), also saved as allocator.txt;
+#   - the bench step's DMA transfer rows (`dma`, `dma-each`, with the host's submission time)
+#     and the link's ceiling rows (config `link`), also saved as dma.txt.
 #
 # Prepare on the build machine (has cargo and network; no GPU needed):
 #   cargo build --release
@@ -126,8 +129,17 @@ step replay-dma "$bin" replay --backend cuda --requests 96 --quiet --transfer dm
 if command -v compute-sanitizer >/dev/null 2>&1; then
   step memcheck compute-sanitizer --tool memcheck --error-exitcode 3 \
     "$bin" bench --check --backend cuda --deployment nsa_ps64_cp8
+  # Shared-memory races and barrier misuse where kernels share memory and barriers: the
+  # allocator's one-block kernels (select and release); the others share neither.
+  for tool in racecheck synccheck; do
+    step "$tool" compute-sanitizer --tool "$tool" --error-exitcode 3 \
+      "$bin" bench --check --backend cuda --deployment nsa_ps64_cp8 \
+      --family select_owner_pages --family release_pages
+  done
 else
-  skip memcheck "compute-sanitizer not on PATH"
+  for tool in memcheck racecheck synccheck; do
+    skip "$tool" "compute-sanitizer not on PATH"
+  done
 fi
 
 # Transfers on the GPU: each candidate's GB/s beside the busy kernel, alone, and the busy
@@ -151,6 +163,15 @@ if [[ -f "$out/bench.log" ]]; then
   echo "allocator at 2,048 pages (bench): deployment  config  kernel  bytes  ms  GB/s  base  ratio  baseline"
   awk '$3 ~ /^(select_owner_pages|release_pages)_/ && $4 == 8192' "$out/bench.log" \
     | tee "$out/allocator.txt" || true
+fi
+
+# The DMA path against the link: bench's dma and dma-each transfer rows (GB/s of the copy
+# engines, and the host's time submitting the copies, the last column) and the link's
+# ceiling (one 256 MiB pinned cuMemcpyAsync each way, config `link`).
+if [[ -f "$out/bench.log" ]]; then
+  echo
+  echo "dma and the link (bench): deployment  config  kernel  bytes  ms  GB/s  base  ratio  baseline  submit-ms"
+  awk '$3 ~ /^dma(-each)?\(/ || $2 == "link"' "$out/bench.log" | tee "$out/dma.txt" || true
 fi
 
 echo

@@ -42,6 +42,12 @@ if [[ "$1" == bench && " $* " != *" --check "* ]]; then
   bench_row deployment config kernel bytes ms GB/s base ratio baseline
   bench_row nsa_ps64_cp8 default transfer_pages_h2d_pf_ps64_b656_t512_ppb1_v16_u8_g4 \
     8192 1.000 1.00 1.00 1.00 cuMemcpyAsync
+  bench_row nsa_ps64_cp8 dma "dma(transfer_pages_h2d_pf_ps64_b656_t512_ppb1_v16_u8_g4)" \
+    8192 2.000 0.50 1.00 0.50 "cuMemcpyAsync  0.300"
+  bench_row nsa_ps64_cp8 dma "dma-each(transfer_pages_h2d_pf_ps64_b656_t512_ppb1_v16_u8_g4)" \
+    8192 3.000 0.33 1.00 0.33 "cuMemcpyAsync  2.500"
+  bench_row - link "link(h2d,256MiB)" 268435456 5.000 53.69 53.69 1.00 "cuMemcpyAsync  -"
+  bench_row - link "link(d2h,256MiB)" 268435456 5.100 52.63 52.63 1.00 "cuMemcpyAsync  -"
   for n in 8192 65536; do
     bench_row nsa_ps64_cp8 default select_owner_pages_cp8_ps64_t256 "$n" 0.010 0.82 0.16 5.12 \
       rust_reference
@@ -67,6 +73,18 @@ struct Call {
     jit: String,
 }
 
+/// A stand-in `compute-sanitizer`: records its `--tool` in `$STUB_LOG` as a call of its own
+/// (`sanitizer <tool>`), then runs the command after its options.
+const SANITIZER_STUB: &str = r#"#!/usr/bin/env bash
+tool=""
+while [[ "$1" == --* ]]; do
+  if [[ "$1" == --tool ]]; then tool="$2"; fi
+  shift 2
+done
+printf 'sanitizer\n%s\nJIT=\n--END--\n' "$tool" >>"$STUB_LOG"
+exec "$@"
+"#;
+
 fn run_script(dir: &Path, stub_env: &[(&str, &str)]) -> (std::process::Output, Vec<Call>) {
     let tag: String = stub_env.iter().map(|(k, _)| *k).collect();
     let stub = dir.join("cp-hicache-stub");
@@ -81,8 +99,19 @@ fn run_script(dir: &Path, stub_env: &[(&str, &str)]) -> (std::process::Output, V
         .env("STUB_LOG", &log)
         .env("GPU_CHECK_OUT", dir.join(format!("out-{tag}")))
         .env("GPU_CHECK_TIMEOUT", "60")
-        // No compute-sanitizer or nvidia-smi here, whatever the machine has.
+        // No compute-sanitizer or nvidia-smi here, whatever the machine has, unless the
+        // sanitizer stub is asked for.
         .env("PATH", "/usr/bin:/bin");
+    if stub_env.iter().any(|(k, _)| *k == "STUB_SANITIZER") {
+        let bin = dir.join("sanitizer-bin");
+        std::fs::create_dir_all(&bin).unwrap();
+        let path = bin.join("compute-sanitizer");
+        std::fs::write(&path, SANITIZER_STUB).unwrap();
+        let mut perm = std::fs::metadata(&path).unwrap().permissions();
+        std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
+        std::fs::set_permissions(&path, perm).unwrap();
+        cmd.env("PATH", format!("{}:/usr/bin:/bin", bin.display()));
+    }
     cmd.envs(stub_env.iter().copied());
     let out = cmd.output().unwrap();
     let text = std::fs::read_to_string(&log).unwrap_or_default();
@@ -118,6 +147,8 @@ fn a_failing_step_is_reported_and_the_others_still_run() {
         ("replay", "ok"),
         ("replay-dma", "ok"),
         ("memcheck", "skipped"),
+        ("racecheck", "skipped"),
+        ("synccheck", "skipped"),
     ] {
         assert!(
             table
@@ -209,7 +240,11 @@ fn transfers_and_allocator_rows_come_before_the_summary() {
         "{rows:?}"
     );
     assert!(!stdout.contains("note: tune printed no"), "{stdout}");
-    let alloc = section(allocator, summary);
+    let dma = stdout
+        .find("\ndma and the link (bench)")
+        .expect("dma header");
+    assert!(allocator < dma && dma < summary, "{stdout}");
+    let alloc = section(allocator, dma);
     let saved = std::fs::read_to_string(dir.path().join("out-/allocator.txt")).unwrap();
     assert_eq!(alloc, saved.lines().collect::<Vec<_>>(), "{stdout}");
     let kernels: Vec<(&str, &str)> = alloc
@@ -260,4 +295,98 @@ fn no_nvrtc_runs_everything_with_the_jit_off() {
     for c in after {
         assert_eq!(c.jit, "off", "{:?} ran with the JIT on", c.args);
     }
+}
+
+/// With compute-sanitizer on PATH: memcheck of the whole check, and racecheck and synccheck
+/// of the allocator kernels alone (`--family`), each a step of its own, their command lines
+/// accepted by the real binary.
+#[test]
+fn sanitizer_steps_check_the_allocator_for_races_and_barriers() {
+    let dir = tempfile::tempdir().unwrap();
+    let (out, calls) = run_script(dir.path(), &[("STUB_SANITIZER", "1")]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    let table = &stdout[stdout.find("step       result").expect("table")..];
+    for step in ["memcheck", "racecheck", "synccheck"] {
+        assert!(
+            table
+                .lines()
+                .any(|l| l.split_whitespace().take(2).eq([step, "ok"])),
+            "{step} missing in\n{table}"
+        );
+    }
+    let tools: Vec<&str> = calls
+        .iter()
+        .filter(|c| c.args.first().map(String::as_str) == Some("sanitizer"))
+        .map(|c| c.args[1].as_str())
+        .collect();
+    assert_eq!(tools, ["memcheck", "racecheck", "synccheck"]);
+    // Each sanitizer call is followed by the binary's own call.
+    let families: Vec<Vec<&str>> = calls
+        .windows(2)
+        .filter(|w| w[0].args.first().map(String::as_str) == Some("sanitizer"))
+        .map(|w| {
+            w[1].args
+                .windows(2)
+                .filter(|a| a[0] == "--family")
+                .map(|a| a[1].as_str())
+                .collect()
+        })
+        .collect();
+    assert_eq!(
+        families,
+        [
+            vec![],
+            vec!["select_owner_pages", "release_pages"],
+            vec!["select_owner_pages", "release_pages"]
+        ]
+    );
+    for c in calls
+        .iter()
+        .filter(|c| c.args.first().map(String::as_str) != Some("sanitizer"))
+    {
+        let parsed = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+            .args(&c.args)
+            .arg("--help")
+            .output()
+            .unwrap();
+        assert!(parsed.status.success(), "rejected: {:?}", c.args);
+    }
+}
+
+/// Bench's DMA rows (with the host's submission time) and the link's ceiling rows come
+/// before the summary, unchanged, and are saved as dma.txt.
+#[test]
+fn dma_and_link_rows_come_before_the_summary() {
+    let dir = tempfile::tempdir().unwrap();
+    let (out, _) = run_script(dir.path(), &[]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let summary = stdout.find("step       result").expect("table");
+    let header = "\ndma and the link (bench): deployment  config  kernel  bytes  ms  GB/s  base  \
+                  ratio  baseline  submit-ms\n";
+    let at = stdout.find(header).expect("dma header");
+    assert!(at < summary, "{stdout}");
+    let rows: Vec<&str> = stdout[at + header.len()..summary]
+        .lines()
+        .filter(|l| !l.is_empty())
+        .collect();
+    let saved = std::fs::read_to_string(dir.path().join("out-/dma.txt")).unwrap();
+    assert_eq!(rows, saved.lines().collect::<Vec<_>>(), "{stdout}");
+    let kinds: Vec<(&str, &str)> = rows
+        .iter()
+        .map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f[1], *f.last().unwrap())
+        })
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            ("dma", "0.300"),
+            ("dma", "2.500"),
+            ("link", "-"),
+            ("link", "-")
+        ],
+        "{stdout}"
+    );
 }

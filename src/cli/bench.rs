@@ -11,7 +11,7 @@ use super::common::{check_outputs, write_json, write_output, BackendArg, SizeArg
 use super::tune::progress_bar;
 use crate::exec::{open_executor, Backend};
 use crate::jit::{Jit, JitConfig};
-use crate::kernels::KernelSpec;
+use crate::kernels::{Family, KernelSpec};
 use crate::tuning::bench::{
     self, default_deployments, deployment_by_name, BenchConfig, BenchFault, BenchOptions, BenchRow,
 };
@@ -67,6 +67,12 @@ pub struct BenchArgs {
         "json", "plot", "tuning", "quick", "dma", "alloc_pages", "pages", "layers", "repeats",
     ])]
     pub check: bool,
+    /// With --check, check only the kernels of FAMILY (repeatable): select_owner_pages,
+    /// release_pages, transfer_pages, materialise, synthesise or verify. For a sanitizer
+    /// tool that is slow on the others (scripts/gpu-check.sh runs racecheck and synccheck on
+    /// the allocator kernels).
+    #[arg(long = "family", value_name = "FAMILY", requires = "check", value_parser = parse_family)]
+    pub families: Vec<Family>,
     /// Inject a fault to exercise a failure path: compile-error (the first kernel's source is
     /// broken) or launch-error (the first launch fails). The failing kernel is reported, the
     /// others are still measured, and the exit status is 1.
@@ -131,7 +137,7 @@ pub(super) fn run(args: &BenchArgs) -> Result<ExitCode, crate::Error> {
     // architecture runs) is one error up front, not one per kernel.
     crate::tuning::measure::target_for(exec.as_ref())?;
     if args.check {
-        return run_check(exec.as_ref(), &jit, &deps, args.inject);
+        return run_check(exec.as_ref(), &jit, &deps, args.inject, &args.families);
     }
     let device = DeviceKey::for_executor(exec.as_ref(), &jit)?;
     let mut configs = Vec::new();
@@ -324,6 +330,7 @@ fn run_check(
     jit: &Jit,
     deps: &[crate::kernels::Deployment],
     inject: Option<BenchFault>,
+    families: &[Family],
 ) -> Result<ExitCode, crate::Error> {
     // compile-error breaks the first kernel of the first deployment; launch-error fails the
     // first launch. Either shows as a FAIL row; the other kernels are still checked.
@@ -361,8 +368,21 @@ fn run_check(
         }
         // SAFETY: the only hook is the compile-error fault, which makes a source fail to
         // compile; nothing it touches is launched.
-        let mut rows = unsafe { check::check_deployment_with(exec, jit, dep, hook) }?;
-        rows.extend(unsafe { check::check_specs_with(exec, jit, &extra, hook) }?);
+        let rows = if families.is_empty() {
+            let mut rows = unsafe { check::check_deployment_with(exec, jit, dep, hook) }?;
+            rows.extend(unsafe { check::check_specs_with(exec, jit, &extra, hook) }?);
+            rows
+        } else {
+            // The families asked for, without the DMA rows (no family's kernel).
+            let chosen: Vec<KernelSpec> = defaults
+                .iter()
+                .chain(&extra)
+                .copied()
+                .filter(|s| families.contains(&s.family()))
+                .collect();
+            // SAFETY: as above.
+            unsafe { check::check_specs_with(exec, jit, &chosen, hook) }?
+        };
         for r in rows {
             bad += usize::from(!r.ok);
             let mut lines = r.detail.lines();
@@ -477,4 +497,24 @@ fn svg_chart(rows: &[BenchRow]) -> String {
     }
     s.push_str("</svg>\n");
     s
+}
+
+/// A kernel family by its name (the names kernel uris start with); `busy` is no deployment's
+/// kernel, so it is not one to check.
+fn parse_family(s: &str) -> Result<Family, String> {
+    const CHECKED: [Family; 6] = [
+        Family::SelectOwnerPages,
+        Family::ReleasePages,
+        Family::TransferPages,
+        Family::Materialise,
+        Family::Synthesise,
+        Family::Verify,
+    ];
+    CHECKED
+        .into_iter()
+        .find(|f| f.to_string() == s)
+        .ok_or_else(|| {
+            let names: Vec<String> = CHECKED.iter().map(Family::to_string).collect();
+            format!("unknown kernel family {s:?}; one of {}", names.join(", "))
+        })
 }

@@ -18,7 +18,7 @@ use super::measure::{
     baseline_name, compile_and_load, time_copy_baseline, AllocBench, CopyBench, Sizes,
 };
 use super::TuningError;
-use crate::exec::{Backend, DmaMode, Executor, KernelId};
+use crate::exec::{Backend, DmaMode, Executor, KernelId, MemKind};
 use crate::jit::Jit;
 use crate::kernels::{Deployment, Direction, KernelError, KernelSpec, ModelShape};
 
@@ -271,6 +271,10 @@ impl BenchFault {
     }
 }
 
+/// Bytes of the link-ceiling rows on CUDA (`config` `link`): one pinned copy this large
+/// each way.
+pub const LINK_BYTES: u64 = 256 << 20;
+
 /// A timed kernel that failed; the others were still measured.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct BenchFailure {
@@ -350,7 +354,13 @@ pub fn run(
             None => job.spec.uri(),
         };
         match time_job(exec, job, i as u64 + 7, &opts.sizes, &kernel_of) {
-            Ok((bytes, (seconds, submit_seconds), baseline, base_seconds)) => {
+            Ok(Timed {
+                bytes,
+                seconds,
+                submit_seconds,
+                baseline,
+                base_seconds,
+            }) => {
                 let gbps = bytes as f64 / seconds.max(1e-12) / 1e9;
                 let baseline_gbps = bytes as f64 / base_seconds.max(1e-12) / 1e9;
                 out.rows.push(BenchRow {
@@ -380,18 +390,64 @@ pub fn run(
     }
     // An injected failure that found no launch (every kernel failed earlier) goes with the run.
     exec.disarm_launch_failure();
+    if exec.backend() == Backend::Cuda {
+        // The link's ceiling: one large pinned copy each way, what no page transfer can beat.
+        for (name, from, to) in [
+            ("h2d", MemKind::Host, MemKind::Device),
+            ("d2h", MemKind::Device, MemKind::Host),
+        ] {
+            let kernel = format!("link({name},256MiB)");
+            match time_copy_baseline(exec, from, to, LINK_BYTES, &opts.sizes) {
+                Ok(t) => {
+                    let gbps = LINK_BYTES as f64 / t.median.max(1e-12) / 1e9;
+                    out.rows.push(BenchRow {
+                        kernel,
+                        spec: "link".into(),
+                        backend: exec.backend().to_string(),
+                        config: "link".into(),
+                        shapes: "default".into(),
+                        deployment: "-".into(),
+                        bytes: LINK_BYTES,
+                        seconds: t.median,
+                        gbps,
+                        baseline: baseline_name(exec.backend()).into(),
+                        baseline_gbps: gbps,
+                        ratio: 1.0,
+                        submit_seconds: None,
+                    });
+                }
+                Err(e) => out.failures.push(BenchFailure {
+                    kernel,
+                    config: "link".into(),
+                    deployment: "-".into(),
+                    error: e.to_string(),
+                }),
+            }
+        }
+    }
     Ok(out)
 }
 
-/// Times one job: bytes, median seconds (and for DMA the median host submission seconds),
-/// baseline name and baseline median seconds.
+/// What [`time_job`] measured.
+struct Timed {
+    bytes: u64,
+    /// Median seconds.
+    seconds: f64,
+    /// DMA: the host's median submission seconds.
+    submit_seconds: Option<f64>,
+    baseline: &'static str,
+    /// The baseline's median seconds.
+    base_seconds: f64,
+}
+
+/// Times one job.
 fn time_job(
     exec: &dyn Executor,
     job: &Job,
     seed: u64,
     sizes: &Sizes,
     kernel_of: &dyn Fn(&KernelSpec) -> Result<KernelId, TuningError>,
-) -> Result<(u64, (f64, Option<f64>), &'static str, f64), TuningError> {
+) -> Result<Timed, TuningError> {
     match job.spec {
         KernelSpec::SelectOwnerPages(_) | KernelSpec::ReleasePages(_) => {
             let (cp, ps) = match job.spec {
@@ -403,17 +459,18 @@ fn time_job(
             let kernel = kernel_of(&job.spec)?;
             let t = b.time(kernel, &job.spec, sizes)?;
             let r = b.time_reference(&job.spec, sizes)?;
-            Ok((
-                4 * u64::from(job.alloc_pages),
-                (t.median, None),
-                "rust_reference",
-                r.median,
-            ))
+            Ok(Timed {
+                bytes: 4 * u64::from(job.alloc_pages),
+                seconds: t.median,
+                submit_seconds: None,
+                baseline: "rust_reference",
+                base_seconds: r.median,
+            })
         }
         _ => {
             let (b, _) = CopyBench::new(exec, &job.spec, sizes, seed)?;
             let bytes = b.bytes();
-            let t = if let Some(mode) = job.dma {
+            let (seconds, submit_seconds) = if let Some(mode) = job.dma {
                 let (t, submit) = b.time_dma_submitted(sizes, mode)?;
                 (t.median, Some(submit.median))
             } else {
@@ -423,7 +480,13 @@ fn time_job(
             let (from, to) = b.memory();
             drop(b);
             let base = time_copy_baseline(exec, from, to, bytes, sizes)?;
-            Ok((bytes, t, baseline_name(exec.backend()), base.median))
+            Ok(Timed {
+                bytes,
+                seconds,
+                submit_seconds,
+                baseline: baseline_name(exec.backend()),
+                base_seconds: base.median,
+            })
         }
     }
 }
