@@ -367,6 +367,15 @@ fn fields(buffer: super::BufferKind, page_size: u32, threads: u32) -> Vec<FieldT
         .collect()
 }
 
+// Here rather than beside the spec: specs know nothing of templates, so imports run one way
+// (render uses spec).
+impl KernelSpec {
+    /// Renders the self-contained CUDA C source (docs/KERNELS.md), validating first.
+    pub fn render(&self) -> Result<String, KernelError> {
+        render_spec(self)
+    }
+}
+
 /// Renders one spec (see [`KernelSpec::render`]).
 pub(crate) fn render_spec(spec: &KernelSpec) -> Result<String, KernelError> {
     spec.validate()?;

@@ -491,11 +491,6 @@ impl KernelSpec {
         }
     }
 
-    /// Renders the self-contained CUDA C source (docs/KERNELS.md), validating first.
-    pub fn render(&self) -> Result<String, KernelError> {
-        super::render::render_spec(self)
-    }
-
     /// This spec with each launch configuration worth timing (docs/DESIGN.md §3.6 "Tuning"): same
     /// family and constants, different launch shape; invalid shapes are left out. Always
     /// includes a CPU-friendly shape (1 thread per block for the copy and synthesis
