@@ -29,10 +29,10 @@ use std::time::Duration;
 use cp_hicache::cluster::{Cluster, ClusterConfig, ClusterError, WritePolicy};
 use cp_hicache::exec::cuda::CudaExecutor;
 use cp_hicache::exec::{
-    open_executor, Backend, BufferId, CopyRegion, Counters, DmaMode, EventId, ExecError, Executor,
-    KernelArg, KernelArtifact, KernelId, LaunchConfig, LaunchFailure, LoadOp, MemKind,
+    Backend, BufferId, CopyRegion, Counters, DmaMode, EventId, ExecError, Executor, KernelArg,
+    KernelArtifact, KernelId, LaunchConfig, LaunchFailure, LoadOp, MemKind,
 };
-use cp_hicache::jit::{spec_request, target_for, Arch, Sanitize, Target};
+use cp_hicache::jit::{open_executor, spec_request, target_for, Arch, Sanitize, Target};
 use cp_hicache::kernels::{Deployment, KernelSpec, ModelShape, ReleaseSpec, TransferPath};
 use cp_hicache::rank::{PeerAccess, RankCache};
 use hicache_support::{cat, evict_all, jit, serve, tokens, Setup};

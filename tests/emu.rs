@@ -1218,7 +1218,8 @@ fn backend_selection_without_a_gpu() {
         eprintln!("skipped: a CUDA device is usable here");
         return;
     }
-    use cp_hicache::exec::{open_executor, Backend};
+    use cp_hicache::exec::Backend;
+    use cp_hicache::jit::open_executor;
     assert_eq!(Backend::Auto.resolve(), Backend::Host);
     let ex = open_executor(Backend::Auto).unwrap();
     assert_eq!(ex.backend(), Backend::Host);

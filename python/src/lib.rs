@@ -16,7 +16,8 @@ mod rank;
 mod replay;
 mod storage;
 
-use cp_hicache::exec::{open_executor, Backend};
+use cp_hicache::exec::Backend;
+use cp_hicache::jit::open_executor;
 use cp_hicache::jit::{Jit, JitConfig, Sanitize};
 use cp_hicache::kernels::{Deployment as CoreDeployment, ModelShape, TransferPath};
 use cp_hicache::rank::DeploymentKernels;

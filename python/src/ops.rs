@@ -5,7 +5,7 @@
 
 use crate::errors::{to_py, usage, CacheError, CacheFullError};
 use crate::Deployment;
-use cp_hicache::exec::open_executor;
+use cp_hicache::jit::open_executor;
 use cp_hicache::jit::{Jit, JitConfig, Sanitize};
 use cp_hicache::kernels::{BufferKind, Direction};
 use cp_hicache::ops::{Lanes, Ops as CoreOps, OpsError, Region, Tensors};

@@ -9,7 +9,8 @@ use std::process::ExitCode;
 
 use super::common::{check_outputs, write_json, write_output, BackendArg, SizeArgs};
 use super::tune::progress_bar;
-use crate::exec::{open_executor, Backend};
+use crate::exec::Backend;
+use crate::jit::open_executor;
 use crate::jit::{Jit, JitConfig};
 use crate::kernels::{Family, KernelSpec};
 use crate::tuning::bench::{

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use super::common::{check_merge_target, BackendArg, SizeArgs};
-use crate::exec::open_executor;
+use crate::jit::open_executor;
 use crate::jit::{Jit, JitConfig};
 use crate::tuning::{self, bench::deployment_by_name, tuner::TuneOptions, TuneEvent, TuningFile};
 

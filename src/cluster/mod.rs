@@ -8,7 +8,7 @@
 //! pools. After every request the ranks' digests must agree
 //! ([`Cluster::replicas_agree`]).
 //!
-//! Driving it from Rust (the CPU emulation executor here; `exec::open_executor` picks a GPU
+//! Driving it from Rust (the CPU emulation executor here; `jit::open_executor` picks a GPU
 //! when there is one): a prompt is computed, evicted from the device to the host, and loaded
 //! back with its owners on the next hit, every token verified on every rank.
 //!

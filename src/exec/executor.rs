@@ -188,7 +188,7 @@ pub trait Executor: Send + Sync {
     /// # Safety
     ///
     /// The artifact must be one the JIT built for this executor's backend (as
-    /// [`CompiledKernel::load_spec`](crate::jit::CompiledKernel::load_spec) passes it): a host
+    /// the JIT's `CompiledKernel::load_spec` passes it): a host
     /// library is `dlopen`ed, which runs its initialisers, and its `<entry>__emu_launch` is
     /// later called with the `CpEmuLaunch` ABI; a CUBIN's entry is later launched with
     /// arguments laid out for the kernel's signature. Any other library or image is arbitrary

@@ -12,7 +12,7 @@ use crate::kernels::KernelSignature;
 ///
 /// `signature` is the kernel's launch contract when it was rendered from a spec
 /// ([`KernelSpec::signature`](crate::kernels::KernelSpec::signature); the JIT's
-/// [`CompiledKernel::load_spec`](crate::jit::CompiledKernel::load_spec) passes it). The executor
+/// `CompiledKernel::load_spec` passes it). The executor
 /// keeps it with the loaded kernel and checks every launch's shape and arguments against it.
 /// A kernel loaded with `None` (hand-written test kernels) is refused by
 /// [`Executor::launch`] and runs only through [`Executor::launch_unchecked`].

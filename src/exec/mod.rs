@@ -29,7 +29,7 @@ mod tests;
 
 use std::fmt;
 
-pub use backend::{open_executor, Backend};
+pub use backend::Backend;
 pub(crate) use copy::check_regions;
 pub use copy::{merge_regions, CopyRegion, DmaMode, LoadOp};
 pub use counters::Counters;

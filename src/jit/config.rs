@@ -4,8 +4,9 @@ use super::{hostcc, key, DiskCache, HostCcOptions, JitError, NvrtcOptions};
 use std::path::PathBuf;
 
 /// The CUDA-emulation header force-included in host builds (`templates/cuda_emu.h`), compiled
-/// into the binary so a deployment never reads the source tree at run time.
-pub const EMU_HEADER: &str = include_str!("../../templates/cuda_emu.h");
+/// into the binary so a deployment never reads the source tree at run time; the host
+/// executor's, whose ABI it is.
+pub use crate::exec::host::EMU_HEADER;
 
 /// Environment variable that turns compiling off (`CP_HICACHE_JIT=off`).
 pub const JIT_ENV: &str = "CP_HICACHE_JIT";

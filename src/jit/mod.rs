@@ -40,6 +40,7 @@ mod driver;
 mod error;
 mod identity;
 mod kernel;
+mod open;
 mod request;
 
 pub use config::{JitConfig, JitMode, EMU_HEADER, JIT_ENV};
@@ -47,6 +48,7 @@ pub use driver::Jit;
 pub use error::JitError;
 pub use identity::NVRTC_IDENTITY_FILE;
 pub use kernel::{Artifact, CacheHit, CompiledKernel};
+pub use open::open_executor;
 pub use request::{validate_uri, JitRequest, Target};
 
 #[cfg(test)]

@@ -77,8 +77,9 @@ impl fmt::Display for Sanitize {
     }
 }
 
-/// Environment variable selecting the sanitizer mode of host builds (`address` or `none`).
-pub const SANITIZE_ENV: &str = "CP_HICACHE_EMU_SANITIZE";
+/// Environment variable selecting the sanitizer mode of host builds (`address` or `none`),
+/// named with the host executor's other settings.
+pub use crate::exec::host::SANITIZE_ENV;
 
 impl FromStr for Sanitize {
     type Err = JitError;

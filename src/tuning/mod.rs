@@ -9,7 +9,7 @@
 //! ```no_run
 //! use cp_hicache::{kernels::Deployment, tuning};
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! let exec = cp_hicache::exec::open_executor(cp_hicache::exec::Backend::Auto)?;
+//! let exec = cp_hicache::jit::open_executor(cp_hicache::exec::Backend::Auto)?;
 //! let jit = cp_hicache::jit::Jit::new(cp_hicache::jit::JitConfig::from_env()?);
 //! let device = tuning::DeviceKey::for_executor(exec.as_ref(), &jit)?;
 //! let mut dep = Deployment::by_name("nsa_ps64_cp8")?;

@@ -8,7 +8,8 @@ mod memory;
 mod report;
 
 use crate::cluster::{Cluster, ClusterConfig, Fault, Ranks};
-use crate::exec::{open_executor, Executor};
+use crate::exec::Executor;
+use crate::jit::open_executor;
 use crate::jit::{Jit, JitConfig, Sanitize};
 use crate::kernels::Deployment;
 pub use args::*;

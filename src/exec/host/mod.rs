@@ -25,16 +25,17 @@ use super::{
 };
 use crate::kernels::KernelSignature;
 
-/// The CUDA-emulation header; the JIT owns it because it force-includes it when compiling a
-/// render for this executor (and hashes it into the cache key).
-pub use crate::jit::EMU_HEADER;
+/// The CUDA-emulation header: the ABI this executor loads kernels by (`CpEmuLaunch`) and the
+/// CUDA built-ins it emulates. The JIT force-includes it when compiling a render for this
+/// executor (and hashes it into the cache key).
+pub const EMU_HEADER: &str = include_str!("../../../templates/cuda_emu.h");
 
 /// Environment variable selecting the block order (`forward` or `reverse`).
 pub const ORDER_ENV: &str = "CP_HICACHE_EMU_ORDER";
 
 /// Environment variable selecting a sanitizer build of emulation libraries; the JIT reads it
-/// ([`Sanitize::from_env`](crate::jit::Sanitize::from_env)) because the mode is a compile option.
-pub use crate::jit::SANITIZE_ENV;
+/// (its `Sanitize::from_env`) because the mode is a compile option.
+pub const SANITIZE_ENV: &str = "CP_HICACHE_EMU_SANITIZE";
 
 /// How to run a process that loads AddressSanitizer builds of the kernels.
 pub const ASAN_HINT: &str = "run with LD_PRELOAD=$(c++ -print-file-name=libasan.so) \
