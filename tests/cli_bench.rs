@@ -59,8 +59,9 @@ fn bench_json_rows_have_every_field_and_positive_numbers() {
     let rows: Vec<serde_json::Value> =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     // default + tuned (the host preset), 3 copies + select + release each, and both
-    // transfers of the default configuration on the DMA path.
-    assert_eq!(rows.len(), 12, "{rows:#?}");
+    // transfers of the default configuration on the DMA path three ways (dma, dma-each,
+    // dma-staged).
+    assert_eq!(rows.len(), 16, "{rows:#?}");
     for r in &rows {
         for k in ["kernel", "spec", "backend", "config"] {
             assert!(r[k].as_str().is_some_and(|s| !s.is_empty()), "{k} in {r}");
@@ -87,11 +88,11 @@ fn bench_json_rows_have_every_field_and_positive_numbers() {
         assert_eq!(r["shapes"], want, "{r}");
     }
     for r in rows.iter().filter(|r| r["config"] == "dma") {
+        let k = r["kernel"].as_str().unwrap();
         assert!(
-            r["kernel"]
-                .as_str()
-                .unwrap()
-                .starts_with("dma(transfer_pages"),
+            ["dma(", "dma-each(", "dma-staged("]
+                .iter()
+                .any(|p| k.starts_with(&format!("{p}transfer_pages"))),
             "{r}"
         );
         assert_eq!(r["baseline"], "memcpy", "{r}");
@@ -116,9 +117,14 @@ fn bench_check_matches_the_references() {
     // 3 per buffer (materialise, synthesise, verify), 2 buffers; then the CPU preset bench
     // times as tuned: 2 allocator kernels, 2 transfers and a materialise per buffer; then the
     // default copy shape with streaming stores: 2 transfers and a materialise per buffer.
-    assert_eq!(stdout.matches("  ok  ").count(), 12 + 6 + 4, "{stdout}");
+    assert_eq!(stdout.matches("  ok  ").count(), 14 + 6 + 4, "{stdout}");
     assert_eq!(stdout.matches("dma(transfer_pages").count(), 2, "{stdout}");
-    assert_eq!(stdout.matches("_b656_b132_").count(), 2 * 4, "{stdout}");
+    assert_eq!(
+        stdout.matches("dma-staged(transfer_pages").count(),
+        2,
+        "{stdout}"
+    );
+    assert_eq!(stdout.matches("_b656_b132_").count(), 2 * 5, "{stdout}");
     for shape in ["_t1_ppb16_v16_u1_cs ", "_t128_ppb1_v16_u4_cs "] {
         assert_eq!(stdout.matches(shape).count(), 4, "{shape}: {stdout}");
     }
@@ -292,11 +298,11 @@ fn bench_check_inject_fails_one_row() {
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert_eq!(out.status.code(), Some(1), "{fault}: {stdout}");
         assert_eq!(stdout.matches("  FAIL  ").count(), 1, "{fault}: {stdout}");
-        // The 12 rows of the defaults, 6 of the CPU preset and 4 streaming (see above), one
+        // The 14 rows of the defaults, 6 of the CPU preset and 4 streaming (see above), one
         // failed.
         assert_eq!(
             stdout.matches("  ok  ").count(),
-            11 + 6 + 4,
+            13 + 6 + 4,
             "{fault}: {stdout}"
         );
         assert!(stdout.contains(": 1 failure\n"), "{stdout}");
@@ -307,7 +313,7 @@ fn bench_check_inject_fails_one_row() {
             .skip(1)
             .take_while(|l| !l.is_empty() && !l.starts_with("check on "))
             .collect();
-        assert_eq!(table.len(), 12 + 6 + 4, "{fault}: {stdout}");
+        assert_eq!(table.len(), 14 + 6 + 4, "{fault}: {stdout}");
         for row in &table {
             assert!(
                 row.starts_with("nsa_ps64_cp2 "),

@@ -192,6 +192,9 @@ struct Job {
     alloc_pages: u32,
     /// A transfer timed on the DMA path instead of its kernel, issued this way.
     dma: Option<DmaMode>,
+    /// With `dma`: the staged path (contiguous runs by DMA to a device staging buffer, the
+    /// kernel between it and the device pools: [`CopyBench::copy_staged`]).
+    staged: bool,
 }
 
 /// The kernels `bench` times for one configured deployment: transfer both ways (by kernel or
@@ -213,6 +216,7 @@ fn jobs(c: &BenchConfig, opts: &BenchOptions) -> Vec<Job> {
         spec,
         alloc_pages,
         dma,
+        staged: false,
     };
     let dma = dep.transfer_path.dma_mode();
     let transfers =
@@ -224,11 +228,15 @@ fn jobs(c: &BenchConfig, opts: &BenchOptions) -> Vec<Job> {
         out.push(job(config, dep.release_spec(), n, None));
     }
     if opts.dma_rows && config == "default" && dma.is_none() {
-        out.extend(
-            transfers
-                .iter()
-                .map(|&t| job("dma", t, 0, Some(DmaMode::Batched))),
-        );
+        // Both ways of issuing the direct copies, and the staged path.
+        for t in transfers {
+            out.push(job("dma", t, 0, Some(DmaMode::Batched)));
+            out.push(job("dma", t, 0, Some(DmaMode::PerRegion)));
+            out.push(Job {
+                staged: true,
+                ..job("dma", t, 0, Some(DmaMode::Batched))
+            });
+        }
     }
     out
 }
@@ -349,9 +357,10 @@ pub fn run(
     }
     let mut out = BenchOutcome::default();
     for (i, job) in plan.iter().enumerate() {
-        let kernel = match job.dma {
-            Some(mode) => format!("{}({})", LaunchChoice::of_dma(mode), job.spec.uri()),
-            None => job.spec.uri(),
+        let kernel = match (job.dma, job.staged) {
+            (Some(_), true) => format!("dma-staged({})", job.spec.uri()),
+            (Some(mode), false) => format!("{}({})", LaunchChoice::of_dma(mode), job.spec.uri()),
+            (None, _) => job.spec.uri(),
         };
         match time_job(exec, job, i as u64 + 7, &opts.sizes, &kernel_of) {
             Ok(Timed {
@@ -471,7 +480,12 @@ fn time_job(
             let (b, _) = CopyBench::new(exec, &job.spec, sizes, seed)?;
             let bytes = b.bytes();
             let (seconds, submit_seconds) = if let Some(mode) = job.dma {
-                let (t, submit) = b.time_dma_submitted(sizes, mode)?;
+                let (t, submit) = if job.staged {
+                    let kernel = kernel_of(&job.spec)?;
+                    b.time_staged_submitted(kernel, &job.spec, sizes, mode)?
+                } else {
+                    b.time_dma_submitted(sizes, mode)?
+                };
                 (t.median, Some(submit.median))
             } else {
                 let kernel = kernel_of(&job.spec)?;

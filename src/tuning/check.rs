@@ -126,9 +126,9 @@ unsafe fn check_specs(
         |r: Result<Result<String, String>, TuningError>| r.unwrap_or_else(|e| Err(e.to_string()));
     for (i, (spec, k)) in specs.iter().zip(loaded).enumerate() {
         let seed = 0xC0FFEE + i as u64;
-        let outcome = match k {
+        let outcome = match &k {
             Err(e) => Err(format!("compile/load: {e}")),
-            Ok(kernel) => flatten(check_one(exec, spec, kernel, seed)),
+            Ok(kernel) => flatten(check_one(exec, spec, *kernel, seed)),
         };
         rows.push(row(spec.uri(), spec.family().to_string(), outcome));
         if let (KernelSpec::TransferPages(_), true) = (spec, with_dma) {
@@ -145,6 +145,18 @@ unsafe fn check_specs(
                     format!("{name}({})", spec.uri()),
                     format!("{} ({name})", spec.family()),
                     flatten(check_transfer(exec, spec, seed, |b| b.copy_dma_with(mode))),
+                ));
+            }
+            // The staged path: the same kernel between the device pools and a staging
+            // buffer, the host's pages copied to or from it as contiguous runs.
+            if let Ok(kernel) = &k {
+                let kernel = *kernel;
+                rows.push(row(
+                    format!("dma-staged({})", spec.uri()),
+                    format!("{} (dma-staged)", spec.family()),
+                    flatten(check_transfer(exec, spec, seed, |b| {
+                        b.copy_staged(kernel, spec, DmaMode::Batched)
+                    })),
                 ));
             }
         }

@@ -9,9 +9,11 @@ use crate::exec::{
     Backend, BufferId, CopyRegion, DmaMode, ExecError, Executor, KernelArg, KernelId, LaunchConfig,
     MemKind,
 };
+use crate::kernels::reference::host_offset;
 use crate::kernels::{
     check_distinct_destinations, clamp_layer_range, layer_range_args, page_stride, transfer_args,
-    transfer_regions, Direction, KernelSpec, PageTable, PoolShape, TransferSpec,
+    transfer_regions, transfer_regions_at, Direction, KernelSpec, PageTable, PoolShape,
+    TransferSpec,
 };
 use crate::tuning::TuningError;
 
@@ -41,6 +43,9 @@ enum CopyKind {
         src_pages: BufferId,
         dst_pages: BufferId,
         direction: Direction,
+        /// Staging page of each pair (its index; `u32::MAX` where the host page is outside
+        /// its pool, so the kernel skips the pair as the direct path does).
+        staged_pages: BufferId,
     },
     Materialise {
         pools: Vec<BufferId>,
@@ -63,6 +68,11 @@ pub struct TransferBuffers {
     pub regions: Vec<CopyRegion>,
     /// The device pool as the kernel's page table.
     pub table: PageTable,
+    /// The staged path's device buffer: the transfer's pages, one after another, in the
+    /// host pool's layout ([`CopyBench::copy_staged`]).
+    pub staging: BufferId,
+    /// The staged path's copies: host pool pages to staging pages (host → device), or back.
+    pub staged_regions: Vec<CopyRegion>,
 }
 
 /// The page ids a copy workload uses, also needed by the references in `--check`.
@@ -221,6 +231,27 @@ impl<'e> CopyBench<'e> {
             device_pages,
             host_pages,
         } = pools;
+        // The staged path's page of each pair: its index, unless a page of the pair is
+        // outside its pool (the pair is skipped both ways, as the direct paths skip it: no
+        // staging page of poison reaches the host).
+        let [(_, src_cap), (_, dst_cap)] = pools.ends(s.direction);
+        let staged: Vec<u32> = src_pages
+            .iter()
+            .zip(&dst_pages)
+            .enumerate()
+            .map(|(i, (&sp, &dp))| {
+                if sp < src_cap && dp < dst_cap {
+                    i as u32
+                } else {
+                    u32::MAX
+                }
+            })
+            .collect();
+        let staging_pools = PoolShape {
+            layers,
+            device_pages: n,
+            host_pages,
+        };
         let mut buffers = Vec::new();
         for d in s.descriptors() {
             let page_bytes = d.page_bytes();
@@ -235,11 +266,38 @@ impl<'e> CopyBench<'e> {
             let regions = transfer_regions(&d, &src_pages, &dst_pages, pools, layer_range.clone());
             let at = mem.alloc(MemKind::Device, 8 * u64::from(layers.max(1)), 0)?;
             let table = PageTable::layer_major((at, 0), dev, layers, device_pages, page_bytes);
+            let staging = mem.alloc(
+                MemKind::Device,
+                u64::from(layers) * u64::from(n.max(1)) * page_bytes,
+                0xA5,
+            )?;
+            // Staging page i sits where host page i of an n-page pool would.
+            let at_staging = |p: u32, l: u32| host_offset(d.layout, p, l, layers, n, page_bytes);
+            let staged_regions = match s.direction {
+                Direction::HostToDevice => transfer_regions_at(
+                    &d,
+                    &src_pages,
+                    &staged,
+                    staging_pools,
+                    layer_range.clone(),
+                    at_staging,
+                ),
+                Direction::DeviceToHost => transfer_regions_at(
+                    &d,
+                    &staged,
+                    &dst_pages,
+                    staging_pools,
+                    layer_range.clone(),
+                    at_staging,
+                ),
+            };
             buffers.push(TransferBuffers {
                 src,
                 dst,
                 regions,
                 table,
+                staging,
+                staged_regions,
             });
         }
         let page_bytes = s.total_page_bytes();
@@ -247,6 +305,8 @@ impl<'e> CopyBench<'e> {
         let dst_buf = mem.alloc(MemKind::Device, 4 * u64::from(n), 0)?;
         exec.upload(src_buf, 0, &u32_bytes(&src_pages))?;
         exec.upload(dst_buf, 0, &u32_bytes(&dst_pages))?;
+        let staged_buf = mem.alloc(MemKind::Device, 4 * u64::from(n), 0)?;
+        exec.upload(staged_buf, 0, &u32_bytes(&staged))?;
         let (first_layer, layer_count) = layer_range_args(&layer_range);
         Ok((
             CopyBench {
@@ -256,6 +316,7 @@ impl<'e> CopyBench<'e> {
                     src_pages: src_buf,
                     dst_pages: dst_buf,
                     direction: s.direction,
+                    staged_pages: staged_buf,
                 },
                 n,
                 layers,
@@ -311,36 +372,7 @@ impl<'e> CopyBench<'e> {
         let cfg = LaunchConfig::linear(d.grid, d.block);
         let exec = self.mem.exec;
         match &self.kind {
-            CopyKind::Transfer {
-                buffers,
-                src_pages,
-                dst_pages,
-                direction,
-            } => {
-                let ends: Vec<(&PageTable, (BufferId, u64))> = buffers
-                    .iter()
-                    .map(|b| {
-                        let host = match direction {
-                            Direction::DeviceToHost => b.dst,
-                            Direction::HostToDevice => b.src,
-                        };
-                        (&b.table, (host, 0))
-                    })
-                    .collect();
-                let pools = PoolShape {
-                    layers: self.layers,
-                    device_pages: self.device_pages,
-                    host_pages: self.host_pages,
-                };
-                let args = transfer_args(
-                    &ends,
-                    (*src_pages, *dst_pages),
-                    self.n,
-                    pools,
-                    (self.first_layer, self.layer_count),
-                );
-                exec.launch(kernel, &cfg, &args)
-            }
+            CopyKind::Transfer { .. } => self.launch_transfer(kernel, &cfg, false),
             CopyKind::Materialise {
                 table,
                 seq_pages,
@@ -360,6 +392,118 @@ impl<'e> CopyBench<'e> {
                 ],
             ),
         }
+    }
+
+    /// Launches a transfer kernel between the device pools and the host pools, or with
+    /// `staged` the staging buffers (an n-page pool in the host layout, pair i at page i).
+    fn launch_transfer(
+        &self,
+        kernel: KernelId,
+        cfg: &LaunchConfig,
+        staged: bool,
+    ) -> Result<(), ExecError> {
+        let CopyKind::Transfer {
+            buffers,
+            src_pages,
+            dst_pages,
+            direction,
+            staged_pages,
+        } = &self.kind
+        else {
+            return Err(no_dma_path());
+        };
+        let ends: Vec<(&PageTable, (BufferId, u64))> = buffers
+            .iter()
+            .map(|b| {
+                let host = match (staged, direction) {
+                    (true, _) => b.staging,
+                    (false, Direction::DeviceToHost) => b.dst,
+                    (false, Direction::HostToDevice) => b.src,
+                };
+                (&b.table, (host, 0))
+            })
+            .collect();
+        let pools = PoolShape {
+            layers: self.layers,
+            device_pages: self.device_pages,
+            host_pages: if staged { self.n } else { self.host_pages },
+        };
+        let pages = match (staged, direction) {
+            (false, _) => (*src_pages, *dst_pages),
+            (true, Direction::HostToDevice) => (*staged_pages, *dst_pages),
+            (true, Direction::DeviceToHost) => (*src_pages, *staged_pages),
+        };
+        let args = transfer_args(
+            &ends,
+            pages,
+            self.n,
+            pools,
+            (self.first_layer, self.layer_count),
+        );
+        self.mem.exec.launch(kernel, cfg, &args)
+    }
+
+    /// Enqueues the staged path of the transfer (`kernel` compiled from `spec`): the host
+    /// pool's pages as contiguous runs by DMA (`mode`) to or from a device staging buffer
+    /// that holds them one after another, and the transfer kernel between that buffer and the
+    /// device pools (device to device). Host → device copies then scatters; device → host
+    /// gathers then copies. On the page-first host layout each pair is one run of every
+    /// layer, where the direct DMA path makes one copy per page and layer.
+    pub fn copy_staged(
+        &self,
+        kernel: KernelId,
+        spec: &KernelSpec,
+        mode: DmaMode,
+    ) -> Result<(), ExecError> {
+        let CopyKind::Transfer {
+            buffers, direction, ..
+        } = &self.kind
+        else {
+            return Err(no_dma_path());
+        };
+        let d = spec.launch_dims(self.n, self.launch_layers());
+        let cfg = LaunchConfig::linear(d.grid, d.block);
+        let exec = self.mem.exec;
+        let copies = || {
+            buffers.iter().try_for_each(|b| {
+                let (from, to) = match direction {
+                    Direction::HostToDevice => (b.src, b.staging),
+                    Direction::DeviceToHost => (b.staging, b.dst),
+                };
+                exec.copy_regions_with(from, to, &b.staged_regions, mode)
+            })
+        };
+        match direction {
+            Direction::HostToDevice => {
+                copies()?;
+                self.launch_transfer(kernel, &cfg, true)
+            }
+            Direction::DeviceToHost => {
+                self.launch_transfer(kernel, &cfg, true)?;
+                copies()
+            }
+        }
+    }
+
+    /// Times the staged path ([`CopyBench::copy_staged`]) and the host's time submitting it,
+    /// like [`CopyBench::time_dma_submitted`].
+    pub fn time_staged_submitted(
+        &self,
+        kernel: KernelId,
+        spec: &KernelSpec,
+        sizes: &Sizes,
+        mode: DmaMode,
+    ) -> Result<(Timing, Timing), ExecError> {
+        let submits = std::cell::RefCell::new(Vec::new());
+        let device = time_sized(self.mem.exec, sizes, || {
+            let t = std::time::Instant::now();
+            let out = self.copy_staged(kernel, spec, mode);
+            submits.borrow_mut().push(t.elapsed().as_secs_f64());
+            out
+        })?;
+        let mut s = submits.into_inner();
+        let timed = s.split_off(s.len().saturating_sub(sizes.repeats.max(1) as usize));
+        Ok((device, Timing::of(timed)))
     }
 
     /// Times `kernel`: launch and synchronise, median of the repeats.
