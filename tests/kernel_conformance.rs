@@ -355,9 +355,11 @@ fn spec_matrix_is_modest_and_valid() {
 /// The `(type, name)` pairs of the `extern "C"` parameter list of `uri` in a render, read
 /// from the text alone (whitespace collapsed), so the check below does not trust the renderer.
 fn rendered_params(src: &str, uri: &str) -> Vec<(String, String)> {
-    // Materialise also bounds the blocks per SM (`THREADS, MIN_BLOCKS`).
+    // Materialise also bounds the blocks per SM (`THREADS, MIN_BLOCKS`), transfers ask for one.
     let bounds = if uri.starts_with("materialise_") {
         "THREADS, MIN_BLOCKS"
+    } else if uri.starts_with("transfer_pages_") {
+        "THREADS, 1"
     } else {
         "THREADS"
     };
@@ -1356,6 +1358,117 @@ fn transfer_of_a_layer_range_moves_exactly_those_layers() {
         let mut b = Bench::new(order, libs());
         for spec in transfer_specs() {
             check_transfer_layers(&mut b, spec, order);
+        }
+    }
+}
+
+/// Block sizes of [`group_transfer_specs`]: one thread (a group that walks every page in
+/// order), one warp, and blocks of 2, 4 and 16 warp groups.
+const GROUP_THREADS: [u32; 5] = [1, 32, 64, 128, 512];
+
+/// Transfers under the warp-group mapping (issue 29: a warp per page item, buffers
+/// interleaved, page ids loaded a pair ahead), at each of [`GROUP_THREADS`], each with two
+/// buffers whose pages differ: NSA's 41,984- and 8,448-byte pages at `v16` (82 and 16.5
+/// vectors per lane, 8 in flight) and byte-wide 33- and 132-byte pages at `v1` (just over a
+/// warp and four warps, 3 in flight), one and three pairs per item, the layer loop in the
+/// grid and in the block, both store forms, both directions and host layouts.
+fn group_transfer_specs() -> Vec<KernelSpec> {
+    let mut v = Vec::new();
+    for (i, &threads) in GROUP_THREADS.iter().enumerate() {
+        for (j, &(page_size, bpt, second, pages_per_block, unroll)) in
+            [(64, 656, 132, 1, 8), (1, 33, 132, 3, 3)]
+                .iter()
+                .enumerate()
+        {
+            let k = i + j;
+            let spec = |launch| TransferSpec {
+                direction: [Direction::DeviceToHost, Direction::HostToDevice][k % 2],
+                layout: [HostLayout::PageFirst, HostLayout::LayerFirst][i % 2],
+                page_size,
+                bytes_per_token: bpt,
+                second_bytes_per_token: Some(second),
+                launch,
+            };
+            let vec = VecWidth::widest_for(spec(CopyLaunch::default()).common_page_bytes());
+            v.push(KernelSpec::TransferPages(spec(CopyLaunch {
+                threads,
+                pages_per_block,
+                vec,
+                unroll,
+                layers_in_block: k % 2 == 1,
+                streaming_stores: i % 2 == 1,
+                max_blocks: 0,
+            })));
+        }
+    }
+    v
+}
+
+fn group_libs() -> &'static HashMap<KernelSpec, PathBuf> {
+    static LIBS: OnceLock<HashMap<KernelSpec, PathBuf>> = OnceLock::new();
+    LIBS.get_or_init(|| support::compile(&group_transfer_specs(), Sanitize::None))
+}
+
+/// Issue 29: a transfer's groups cover every page of every buffer exactly once at any grid:
+/// one block, three, the recommended grid and more groups than items, for the whole layer
+/// range and a clamped one, in both block orders.
+#[test]
+fn r29_transfer_groups_copy_every_page_at_any_grid() {
+    let (layers, device_pages, host_pages) = (3u32, 12u32, 10u32);
+    for order in ORDERS {
+        let mut b = Bench::new(order, group_libs());
+        for spec in group_transfer_specs() {
+            let KernelSpec::TransferPages(s) = spec else {
+                unreachable!()
+            };
+            let mut rng = Rng::new(&[29, order_id(order), uri_seed(&spec)]);
+            let (_, src_cap, dst_cap) = transfer_pools(&s, layers, device_pages, host_pages);
+            // Nine pairs, one destination and some sources possibly out of range (skipped).
+            let dst_pages: Vec<u32> = rng.permutation(dst_cap + 1)[..9].to_vec();
+            let src_pages: Vec<u32> = (0..9)
+                .map(|_| rng.below(u64::from(src_cap) + 1) as u32)
+                .collect();
+            let srcs: Vec<Vec<u8>> = s
+                .descriptors()
+                .iter()
+                .map(|d| rng.bytes(transfer_pools(d, layers, device_pages, host_pages).0))
+                .collect();
+            for (first_layer, layer_count) in [(0, layers), (1, u32::MAX)] {
+                let span = layers - first_layer;
+                let recommended = spec.launch_dims(9, span).grid;
+                // More groups than items: 9 pairs × 3 layers × 2 buffers at most.
+                for g in [1, 3, recommended, 54 + 7] {
+                    let copied = b.transfer(
+                        &spec,
+                        g,
+                        &TransferCase {
+                            src: &srcs[0],
+                            src1: &srcs[1],
+                            src_pages: &src_pages,
+                            dst_pages: &dst_pages,
+                            layers,
+                            first_layer,
+                            layer_count,
+                            device_pages,
+                            host_pages,
+                            told_host_pages: host_pages,
+                            guard: GUARD,
+                        },
+                    );
+                    for (i, (copied, src)) in copied.iter().zip(&srcs).enumerate() {
+                        assert!(
+                            copied.got == copied.want,
+                            "{spec} {order} layers {first_layer}+{layer_count} grid {g} buffer {i}: first difference at byte {:?}",
+                            copied.first_difference()
+                        );
+                        assert_eq!(
+                            copied.src_after[..src.len()],
+                            src[..],
+                            "{spec} buffer {i}: source changed"
+                        );
+                    }
+                }
+            }
         }
     }
 }

@@ -63,9 +63,11 @@ fn renders_are_self_contained_and_named_by_uri() {
             let src = spec.render().unwrap();
             let uri = spec.uri();
             assert!(!src.contains("#include"), "{uri}");
-            // Materialise also bounds the blocks per SM (a full SM: HBM-bound).
+            // Materialise also bounds the blocks per SM (a full SM: HBM-bound); transfers ask
+            // for one (a capped grid: registers over occupancy).
             let bounds = match spec {
                 KernelSpec::Materialise(_) => "THREADS, MIN_BLOCKS",
+                KernelSpec::TransferPages(_) => "THREADS, 1",
                 _ => "THREADS",
             };
             assert!(

@@ -19,36 +19,42 @@ typedef long long i64;
 #define UNROLL 8
 #define LAYERS_IN_BLOCK 0
 #define STREAM_STORES 0
+#define GROUP_LANES 32
+#define GROUPS_PER_BLOCK 16
 #define BUFFERS 2
 #define BYTES_PER_TOKEN_1 132
 #define PAGE_BYTES_1 8448
 #define PAGE_VECS_1 528
 
-// The block's work is one flat run of vectors: its pages one after another, `page_vecs`
-// VEC_T vectors each, and thread t takes the vectors t, t + THREADS, t + 2 * THREADS, ... of
-// the run. `v` is this thread's first vector in the current page; chc_copy_vecs copies this
-// thread's vectors of one page from there, UNROLL loads in flight (all loads of a round
-// issued before its stores), and chc_next_start carries `v` into the next page (whatever its
-// size: `v` stays below THREADS). So a page's tail does not idle the threads past it: they
-// start on the next page where the run goes on. With THREADS == 1 one thread walks every
-// page in order. Callers pass `page_vecs` as a constant, so each inlined copy loop has a
+// Byte offset of (page, layer) in a host pool of page_bytes pages: page-first [host_page][layer][page_bytes].
+static __device__ inline u64 chc_host_off(u32 page, u32 layer, u32 layers, u32 host_pages, u64 page_bytes)
+{
+    return ((u64)page * layers + layer) * page_bytes;
+}
+
+// Copies one page of page_vecs VEC_T vectors with the GROUP_LANES lanes of a group: lane
+// `lane` takes vectors lane, lane + GROUP_LANES, ..., UNROLL loads in flight (a round's loads
+// issued before its stores). A lane has page_vecs / GROUP_LANES vectors of each page, so
+// even a small page keeps UNROLL loads per lane in flight until its last round (a block-wide
+// stride left each thread page_vecs / THREADS). With THREADS == 1 one thread walks the page
+// in order. A one-buffer launch passes page_vecs as a constant, so its copy loop has a
 // constant bound.
-static __device__ inline void chc_copy_vecs(u8* __restrict__ dst, const u8* __restrict__ src, u32 v, u32 page_vecs)
+static __device__ inline void chc_copy_page(u8* __restrict__ dst, const u8* __restrict__ src, u32 lane, u32 page_vecs)
 {
     VEC_T* d = (VEC_T*)dst;
     const VEC_T* s = (const VEC_T*)src;
-    for (u32 i = v; i < page_vecs; i += THREADS * UNROLL) {
+    for (u32 i = lane; i < page_vecs; i += GROUP_LANES * UNROLL) {
         VEC_T r[UNROLL];
 #pragma unroll
         for (u32 u = 0; u < UNROLL; ++u) {
-            const u32 j = i + u * THREADS;
+            const u32 j = i + u * GROUP_LANES;
             if (j < page_vecs) {
                 r[u] = s[j];
             }
         }
 #pragma unroll
         for (u32 u = 0; u < UNROLL; ++u) {
-            const u32 j = i + u * THREADS;
+            const u32 j = i + u * GROUP_LANES;
             if (j < page_vecs) {
                 if (STREAM_STORES) {
                     __stcs(&d[j], r[u]);
@@ -60,47 +66,18 @@ static __device__ inline void chc_copy_vecs(u8* __restrict__ dst, const u8* __re
     }
 }
 
-// This thread's first vector of the next page of the run, given its first `v` of this one
-// and this page's `page_vecs`.
-static __device__ inline u32 chc_next_start(u32 v, u32 page_vecs)
+// Copies the pair (sp, dp) of one buffer (device pool through its page table `device`, pages
+// page_stride bytes apart; host pool `host`; pages of page_bytes = page_vecs vectors) for the
+// layers [l0, l1), in order, with this group's lanes.
+static __device__ inline void chc_transfer_pair(const u64* __restrict__ device, u8* __restrict__ host,
+                                                u32 sp, u32 dp, u32 l0, u32 l1, u32 layers, u32 host_pages,
+                                                u64 page_stride, u64 page_bytes, u32 page_vecs, u32 lane)
 {
-    if (v >= page_vecs) {
-        return v - page_vecs;
+    for (u32 layer = l0; layer < l1; ++layer) {
+        const u8* dev = (const u8*)device[layer] + (u64)sp * page_stride;
+        u8* h = host + chc_host_off(dp, layer, layers, host_pages, page_bytes);
+        chc_copy_page(h, dev, lane, page_vecs);
     }
-    return v + (page_vecs - v + THREADS - 1u) / THREADS * THREADS - page_vecs;
-}
-
-// Byte offset of (page, layer) in a host pool of page_bytes pages: page-first [host_page][layer][page_bytes].
-static __device__ inline u64 chc_host_off(u32 page, u32 layer, u32 layers, u32 host_pages, u64 page_bytes)
-{
-    return ((u64)page * layers + layer) * page_bytes;
-}
-
-// Copies work item w of one buffer (device pool through its page table `device`, pages
-// page_stride bytes apart; host pool `host`; pages of page_bytes = page_vecs vectors): the
-// pairs [first, first + np) for the layers [l0, l1), continuing this thread's place `v` in
-// the block's flat run; returns its place in the next page of the run. Pairs whose page is
-// outside its pool are skipped (not part of the run).
-static __device__ inline u32 chc_transfer_item(const u64* __restrict__ device, u8* __restrict__ host,
-                                               const u32* __restrict__ src_pages, const u32* __restrict__ dst_pages,
-                                               u32 first, u32 np, u32 l0, u32 l1, u32 layers,
-                                               u32 device_pages, u32 host_pages, u64 page_stride,
-                                               u64 page_bytes, u32 page_vecs, u32 v)
-{
-    for (u32 q = 0; q < np; ++q) {
-        const u32 sp = src_pages[first + q];
-        const u32 dp = dst_pages[first + q];
-        if (sp >= device_pages || dp >= host_pages) {
-            continue;
-        }
-        for (u32 layer = l0; layer < l1; ++layer) {
-            const u8* dev = (const u8*)device[layer] + (u64)sp * page_stride;
-            u8* h = host + chc_host_off(dp, layer, layers, host_pages, page_bytes);
-            chc_copy_vecs(h, dev, v, page_vecs);
-            v = chc_next_start(v, page_vecs);
-        }
-    }
-    return v;
 }
 
 // Copies page blobs device → host for layers [first_layer, first_layer + layer_count)
@@ -109,13 +86,15 @@ static __device__ inline u32 chc_transfer_item(const u64* __restrict__ device, u
 // (656 B/token, 41984 B pages) and device1/host1 (132 B/token, 8448 B pages), one launch for the page move.
 // A device pool is a page table: layer l's pages start at device[l], page_stride bytes apart
 // (the cache's own pools, an engine's per-layer tensors, one cross-layer tensor in either
-// order). Work item w = (buffer, group of PAGES_PER_BLOCK pairs, layer of the range), or with
-// LAYERS_IN_BLOCK (buffer, group), whose pages are copied for every layer of the range, page
-// by page; blocks stride over the items, so any grid is correct. A block's pages, over all its
-// items, are one flat run of vectors (chc_copy_vecs), so page tails do not idle threads. Pairs
-// whose page is outside its pool are skipped; an empty range (or one wholly past `layers`)
-// copies nothing.
-extern "C" __global__ void __launch_bounds__(THREADS) transfer_pages_d2h_pf_ps64_b656_b132_t512_ppb1_v16_u8_g4(
+// order). Work item w = (pair group of PAGES_PER_BLOCK pairs, layer of the range, buffer),
+// or with LAYERS_IN_BLOCK (pair group, buffer), whose pages are copied for every layer of
+// the range, page by page. Each group of GROUP_LANES threads (a warp, or the whole block when
+// smaller) copies an item at a time, GROUPS_PER_BLOCK groups a block; the grid's groups
+// stride over the items, so any grid is correct. Pairs whose page is outside its pool are
+// skipped; an empty range (or one wholly past `layers`) copies nothing. One block per SM is
+// all the launch bound asks: a capped grid uses a few SMs, and without the second bound ptxas
+// held small blocks to about 48 registers and spilled the walk's state.
+extern "C" __global__ void __launch_bounds__(THREADS, 1) transfer_pages_d2h_pf_ps64_b656_b132_t512_ppb1_v16_u8_g4(
     const u64* __restrict__ device, u8* __restrict__ host, const u32* __restrict__ src_pages,
     const u32* __restrict__ dst_pages, u32 n, u32 layers, u32 first_layer, u32 layer_count,
     u32 device_pages, u32 host_pages, u32 page_stride, const u64* __restrict__ device1,
@@ -127,23 +106,76 @@ extern "C" __global__ void __launch_bounds__(THREADS) transfer_pages_d2h_pf_ps64
     const u32 span = first_layer < l_end ? l_end - first_layer : 0u;
     // In 64 bits: n near 2^32 must not wrap the rounding (or the pair index below) to 0.
     const u32 groups = (u32)(((u64)n + PAGES_PER_BLOCK - 1u) / PAGES_PER_BLOCK);
-    const u64 per_buffer = span == 0u ? 0u : (u64)groups * (LAYERS_IN_BLOCK ? 1u : span);
-    const u64 items = per_buffer * BUFFERS;
-    // This thread's first vector in the next page of the block's flat run (chc_copy_vecs).
-    u32 v = threadIdx.x;
-    for (u64 w = blockIdx.x; w < items; w += gridDim.x) {
-        const u64 wb = w % per_buffer;
-        const u32 l0 = LAYERS_IN_BLOCK ? first_layer : first_layer + (u32)(wb / groups);
+    if (groups == 0u || span == 0u) {
+        return;
+    }
+    // Items per (pair group, buffer): one per layer of the range, one with LAYERS_IN_BLOCK.
+    const u32 layer_items = LAYERS_IN_BLOCK ? 1u : span;
+    const u32 lane = threadIdx.x % GROUP_LANES;
+    // Group g's k-th item is w = g + k * all: pair group and layer x % groups and
+    // x / groups of x = w / BUFFERS, buffer (g + k) % BUFFERS. For BUFFERS = 2 that is a
+    // bijection (an even `all` puts both items of each x in one wave, where they get both
+    // buffers; with an odd one it is w % 2), and a group alternates buffers, so the groups
+    // do not split into kv ones and index_k ones that finish first and idle.
+    const u64 all = (u64)gridDim.x * GROUPS_PER_BLOCK;
+    const u64 g = (u64)blockIdx.x * GROUPS_PER_BLOCK + threadIdx.x / GROUP_LANES;
+    // The walk is carried in 32 bits (wider state spilled under ptxas) and moved by `all`
+    // items a step without dividing: x as (layer, pair group), w % BUFFERS, the buffer.
+    const u64 first_layer_index = g / BUFFERS / groups;
+    bool more = first_layer_index < layer_items;
+    u32 layer = (u32)first_layer_index;
+    u32 group = (u32)(g / BUFFERS % groups);
+    u32 parity = (u32)(g % BUFFERS);
+    u32 b = parity;
+    const u64 step_x = all / BUFFERS;
+    const u64 step_layers = step_x / groups;
+    const u32 step_groups = (u32)(step_x % groups);
+    const u32 all_parity = (u32)(all % BUFFERS);
+    // The page ids of the first pair of this group's item, loaded an item ahead.
+    u32 first_sp = 0u;
+    u32 first_dp = 0u;
+    if (more) {
+        first_sp = src_pages[group * PAGES_PER_BLOCK];
+        first_dp = dst_pages[group * PAGES_PER_BLOCK];
+    }
+    while (more) {
+        const u32 l0 = LAYERS_IN_BLOCK ? first_layer : first_layer + layer;
         const u32 l1 = LAYERS_IN_BLOCK ? l_end : l0 + 1u;
-        const u32 first = (u32)(wb % groups) * PAGES_PER_BLOCK;
+        const u32 first = group * PAGES_PER_BLOCK;
         const u32 np = (u64)first + PAGES_PER_BLOCK <= n ? PAGES_PER_BLOCK : n - first;
-        if (w >= per_buffer) {
-            v = chc_transfer_item(device1, host1, src_pages, dst_pages, first, np, l0, l1, layers,
-                                  device_pages, host_pages, page_stride1, PAGE_BYTES_1, PAGE_VECS_1, v);
-            continue;
+        // The next item: x moves by (w % BUFFERS + all) / BUFFERS, step_layers layers and
+        // `add` <= groups pair groups (compared, not summed, so that nothing overflows).
+        const u32 add = step_groups + (parity + all_parity) / BUFFERS;
+        const bool carry = group >= groups - add;
+        const u32 next_group = carry ? group - (groups - add) : group + add;
+        const u64 next_layer = layer + step_layers + (carry ? 1u : 0u);
+        more = next_layer < layer_items;
+        // Its first pair's page ids, loaded before this item's copies: their latency
+        // overlaps them instead of stalling the next item.
+        u32 next_sp = 0u;
+        u32 next_dp = 0u;
+        if (more) {
+            next_sp = src_pages[next_group * PAGES_PER_BLOCK];
+            next_dp = dst_pages[next_group * PAGES_PER_BLOCK];
         }
-        v = chc_transfer_item(device, host, src_pages, dst_pages, first, np, l0, l1, layers,
-                              device_pages, host_pages, page_stride, PAGE_BYTES, PAGE_VECS, v);
+        for (u32 q = 0u; q < np; ++q) {
+            const u32 sp = q == 0u ? first_sp : src_pages[first + q];
+            const u32 dp = q == 0u ? first_dp : dst_pages[first + q];
+            if (sp < device_pages && dp < host_pages) {
+                // One copy loop for both buffers, the buffer's pools and page size chosen by b
+                // (a loop per buffer, each at a constant page size, spilled under ptxas).
+                const bool one = b == 1u;
+                chc_transfer_pair(one ? device1 : device, one ? host1 : host, sp, dp, l0, l1, layers,
+                                  host_pages, one ? page_stride1 : page_stride,
+                                  one ? PAGE_BYTES_1 : PAGE_BYTES, one ? PAGE_VECS_1 : PAGE_VECS, lane);
+            }
+        }
+        b = (b + 1u) % BUFFERS;
+        parity = (parity + all_parity) % BUFFERS;
+        layer = (u32)next_layer;
+        group = next_group;
+        first_sp = next_sp;
+        first_dp = next_dp;
     }
 }
 

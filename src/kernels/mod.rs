@@ -29,11 +29,11 @@ pub use dma::{
 };
 pub use render::{diff_tree, plan_tree, render_tree, sources_digest, TreeDiff, REGENERATE_COMMAND};
 pub use spec::{
-    AllocSpec, Arrangement, BufferKind, BusySpec, CopyLaunch, Direction, Dtype, Family,
-    FieldLayout, FieldMisalignment, HostLayout, KernelParam, KernelSignature, KernelSpec,
-    LaunchDims, MaterialiseSpec, Reach, ReachError, ReleaseSpec, ReleaseStatus, SelectStatus,
-    Strided, SynthSpec, TableEntries, TokenOrder, TransferSpec, VecWidth, VerifySpec,
-    GPU_TRANSFER_BLOCKS, GPU_TRANSFER_THREADS, GPU_TRANSFER_UNROLL, TRANSFER_GRID_CAPS,
+    AllocSpec, Arrangement, BufferKind, BusySpec, CopyLaunch, CopyMapping, Direction, Dtype,
+    Family, FieldLayout, FieldMisalignment, HostLayout, InFlight, KernelParam, KernelSignature,
+    KernelSpec, LaunchDims, MaterialiseSpec, Reach, ReachError, ReleaseSpec, ReleaseStatus,
+    SelectStatus, Strided, SynthSpec, TableEntries, TokenOrder, TransferSpec, VecWidth, VerifySpec,
+    GPU_TRANSFER_BLOCKS, GPU_TRANSFER_THREADS, GPU_TRANSFER_UNROLL, TRANSFER_GRID_CAPS, WARP_LANES,
 };
 pub use table::{page_stride, PageTable};
 

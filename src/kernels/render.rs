@@ -169,7 +169,7 @@ struct TransferTpl<'a> {
     /// Which pair index names the device page (`dp` on host → device).
     device_page: &'a str,
     host_page: &'a str,
-    /// chc_copy_vecs's (destination, source).
+    /// chc_copy_page's (destination, source).
     copy_args: &'a str,
     /// Whether a second buffer moves in the same launch (`src1`, `dst1`).
     second: bool,
@@ -419,7 +419,11 @@ pub(crate) fn render_spec(spec: &KernelSpec) -> Result<String, KernelError> {
                 ("device_pages", "host_pages", "device → host")
             };
             let mut consts = copy_consts(None, s.page_size, s.bytes_per_token, &s.launch);
-            consts.push(c("BUFFERS", s.buffer_count()));
+            consts.extend([
+                c("GROUP_LANES", s.launch.group_lanes()),
+                c("GROUPS_PER_BLOCK", s.launch.groups_per_block()),
+                c("BUFFERS", s.buffer_count()),
+            ]);
             if let Some(bpt) = s.second_bytes_per_token {
                 let page_bytes = u64::from(s.page_size) * u64::from(bpt);
                 consts.extend([

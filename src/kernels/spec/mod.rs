@@ -23,8 +23,8 @@ pub use families::{
 #[allow(unused_imports)]
 pub use families::{SM_MAX_BLOCKS, SM_MAX_THREADS};
 pub use launch::{
-    CopyLaunch, LaunchDims, VecWidth, GPU_TRANSFER_BLOCKS, GPU_TRANSFER_THREADS,
-    GPU_TRANSFER_UNROLL, TRANSFER_GRID_CAPS,
+    CopyLaunch, CopyMapping, InFlight, LaunchDims, VecWidth, GPU_TRANSFER_BLOCKS,
+    GPU_TRANSFER_THREADS, GPU_TRANSFER_UNROLL, TRANSFER_GRID_CAPS, WARP_LANES,
 };
 pub(crate) use params::render_params;
 pub use params::{KernelParam, KernelSignature, Reach, ReachError, Strided, TableEntries};
@@ -457,10 +457,21 @@ impl KernelSpec {
                 check_cp(s.cp)?;
                 check_warp_block(s.threads)
             }
-            KernelSpec::TransferPages(s) => s
-                .descriptors()
-                .iter()
-                .try_for_each(|d| check_copy(d.page_size, d.bytes_per_token, &d.launch)),
+            KernelSpec::TransferPages(s) => {
+                // A warp (or a smaller block) copies each page item: a partial warp would
+                // be a group with another stride.
+                let t = s.launch.threads;
+                if t > WARP_LANES && t % WARP_LANES != 0 {
+                    return Err(bad(
+                        "threads",
+                        t,
+                        "transfers need at most 32 threads or a multiple of 32",
+                    ));
+                }
+                s.descriptors()
+                    .iter()
+                    .try_for_each(|d| check_copy(d.page_size, d.bytes_per_token, &d.launch))
+            }
             KernelSpec::Materialise(s) => {
                 check_cp(s.cp)?;
                 check_copy(s.page_size, s.bytes_per_token, &s.launch)
@@ -543,7 +554,9 @@ impl KernelSpec {
     /// (materialise; synthesise: the pages from the one holding `first_token`, or its granule), a token (verify: one block per
     /// [`VerifySpec::item_tokens`] tokens and layer) or an output word (busy: one per thread, `layers` ignored). For a transfer `layers` is the layer count of the launch (its layer range
     /// clamped to the pools, [`clamp_layer_range`](super::clamp_layer_range)), not the
-    /// pools' total: a per-layer load is sized for one layer. Select and release need exactly one block ([`KernelSignature::single_block`]);
+    /// pools' total: a per-layer load is sized for one layer. A transfer gets a group
+    /// ([`CopyLaunch::group_lanes`]) per work item, [`CopyLaunch::groups_per_block`] to a
+    /// block; materialise a block per work item. Select and release need exactly one block ([`KernelSignature::single_block`]);
     /// every other kernel strides over its work, so any grid is correct, and this one is
     /// never 0 and at most 65536 (verify: 1024; a copy launch with
     /// [`CopyLaunch::max_blocks`]: that many).
@@ -553,13 +566,15 @@ impl KernelSpec {
             KernelSpec::TransferPages(TransferSpec { launch, .. })
             | KernelSpec::Materialise(MaterialiseSpec { launch, .. }) => {
                 let layer_items = if launch.layers_in_block { 1 } else { layers };
-                let buffers = match self {
-                    KernelSpec::TransferPages(s) => s.buffer_count(),
-                    _ => 1,
+                // A transfer's work item goes to a group, so a block takes several.
+                let (buffers, items_per_block) = match self {
+                    KernelSpec::TransferPages(s) => (s.buffer_count(), launch.groups_per_block()),
+                    _ => (1, 1),
                 };
-                let all = u64::from(items).div_ceil(u64::from(launch.pages_per_block.max(1)))
+                let all = (u64::from(items).div_ceil(u64::from(launch.pages_per_block.max(1)))
                     * u64::from(layer_items)
-                    * u64::from(buffers);
+                    * u64::from(buffers))
+                .div_ceil(u64::from(items_per_block));
                 match launch.max_blocks {
                     0 => all,
                     cap => all.min(u64::from(cap)),

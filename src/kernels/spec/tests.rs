@@ -509,12 +509,15 @@ fn a_capped_copy_grid_is_at_most_its_cap_and_named_by_it() {
             },
         })
     };
-    // 2,048 NSA pages × 61 layers: 65,536 blocks uncapped (the grid limit), 4 capped.
-    assert_eq!(spec(0).launch_dims(2048, 61).grid, 65536);
+    // 2,048 NSA pages × 61 layers: 7,808 blocks of 16 warp groups uncapped, 4 capped; 16
+    // times the pages reach the grid limit.
+    assert_eq!(spec(0).launch_dims(2048, 61).grid, 7808);
+    assert_eq!(spec(0).launch_dims(16 * 2048, 61).grid, 65536);
     let d = spec(4).launch_dims(2048, 61);
     assert_eq!((d.grid, d.block), (4, 512));
-    // Less work than the cap: one block per item.
-    assert_eq!(spec(4).launch_dims(3, 1).grid, 3);
+    // Less work than the cap: a group per item, 16 groups a block.
+    assert_eq!(spec(4).launch_dims(3, 1).grid, 1);
+    assert_eq!(spec(4).launch_dims(40, 1).grid, 3);
     assert_eq!(spec(4).launch_dims(0, 0).grid, 1);
     assert!(
         spec(4).uri().ends_with("_t512_ppb1_v16_u8_g4"),
@@ -556,11 +559,12 @@ fn transfer_grids_follow_the_launch_layer_count() {
             },
         })
     };
-    assert_eq!(t(false).launch_dims(10, 61).grid, 5 * 61);
-    assert_eq!(t(false).launch_dims(10, 1).grid, 5);
+    // 5 pair groups per layer, a warp group each, 4 groups a block.
+    assert_eq!(t(false).launch_dims(10, 61).grid, (5 * 61_u32).div_ceil(4));
+    assert_eq!(t(false).launch_dims(10, 1).grid, 2);
     assert_eq!(t(false).launch_dims(10, 0).grid, 1);
-    assert_eq!(t(true).launch_dims(10, 61).grid, 5);
-    assert_eq!(t(true).launch_dims(10, 1).grid, 5);
+    assert_eq!(t(true).launch_dims(10, 61).grid, 2);
+    assert_eq!(t(true).launch_dims(10, 1).grid, 2);
     let names: Vec<&str> = t(false).params().iter().map(|p| p.name).collect();
     assert_eq!(
         names,
@@ -644,4 +648,175 @@ fn a_two_buffer_transfer_needs_a_vector_that_divides_both_pages() {
     };
     assert_eq!(s.common_page_bytes(), 1);
     assert_eq!(s.total_page_bytes(), 656 + 33);
+}
+
+/// A transfer's copy groups are warps, or the whole block below a warp; a block of a partial
+/// warp group is refused.
+#[test]
+fn transfer_groups_are_warps() {
+    let spec = |threads| {
+        KernelSpec::TransferPages(TransferSpec {
+            second_bytes_per_token: Some(132),
+            direction: Direction::HostToDevice,
+            layout: HostLayout::PageFirst,
+            page_size: 64,
+            bytes_per_token: 656,
+            launch: CopyLaunch {
+                threads,
+                ..CopyLaunch::gpu_transfer()
+            },
+        })
+    };
+    for (threads, lanes, groups) in [
+        (1, 1, 1),
+        (17, 17, 1),
+        (32, 32, 1),
+        (64, 32, 2),
+        (512, 32, 16),
+    ] {
+        let l = CopyLaunch {
+            threads,
+            ..CopyLaunch::default()
+        };
+        assert_eq!(
+            (l.group_lanes(), l.groups_per_block()),
+            (lanes, groups),
+            "t{threads}"
+        );
+        assert!(spec(threads).validate().is_ok(), "t{threads}");
+    }
+    for threads in [33, 48, 1000] {
+        assert!(matches!(
+            spec(threads).validate(),
+            Err(KernelError::InvalidLaunch {
+                what: "threads",
+                ..
+            })
+        ));
+    }
+    // Materialise keeps the block-wide run: any block size.
+    let m = KernelSpec::Materialise(MaterialiseSpec {
+        cp: 4,
+        page_size: 64,
+        bytes_per_token: 656,
+        launch: CopyLaunch {
+            threads: 48,
+            ..CopyLaunch::default()
+        },
+    });
+    assert!(m.validate().is_ok());
+    // 2,048 NSA pages of one layer, both buffers: 4,096 items, 256 blocks of 16 groups.
+    let uncapped = |threads| {
+        let KernelSpec::TransferPages(s) = spec(threads) else {
+            unreachable!()
+        };
+        KernelSpec::TransferPages(TransferSpec {
+            launch: CopyLaunch {
+                max_blocks: 0,
+                ..s.launch
+            },
+            ..s
+        })
+    };
+    assert_eq!(uncapped(512).launch_dims(2048, 1).grid, 256);
+    assert_eq!(uncapped(1).launch_dims(2048, 1).grid, 4096);
+}
+
+#[test]
+fn capped_candidates_have_64_to_512_threads_at_every_cap() {
+    let c = CopyLaunch::capped_candidates(8448);
+    assert_eq!(c.len(), 4 * TRANSFER_GRID_CAPS.len());
+    for threads in [64, 128, 256, 512] {
+        for cap in TRANSFER_GRID_CAPS {
+            assert!(
+                c.iter()
+                    .any(|l| l.threads == threads && l.max_blocks == cap && l.unroll == 8),
+                "t{threads} g{cap}"
+            );
+        }
+    }
+}
+
+/// The issue-29 figures: the GPU default (4 blocks × 512 threads × 8 × 16 B) kept 168 KB in
+/// flight on NSA `kv` pages, 34 KB on `index_k` and 74 KB on MLA page-16 pages under the
+/// block-wide run; a warp per item keeps the full 256 KiB on each.
+#[test]
+fn bytes_in_flight_of_the_default_transfer() {
+    let l = CopyLaunch::gpu_transfer();
+    let old = |page_bytes| l.bytes_in_flight(page_bytes, CopyMapping::BlockRun);
+    let new = |page_bytes| l.bytes_in_flight(page_bytes, CopyMapping::Groups);
+    for (page_bytes, old_launch) in [
+        (41_984, 167_936),
+        (8_448, 33_792),
+        (18_432, 73_728),
+        (73_728, 262_144),
+    ] {
+        assert_eq!(old(page_bytes).per_launch, Some(old_launch), "{page_bytes}");
+        assert_eq!(
+            old(page_bytes).per_warp,
+            old_launch / 4 / 16,
+            "{page_bytes}"
+        );
+        assert_eq!(
+            new(page_bytes),
+            InFlight {
+                per_warp: 4096,
+                per_block: 65_536,
+                per_launch: Some(262_144),
+            },
+            "{page_bytes}"
+        );
+    }
+    // A page under a warp's round (32 lanes × 8 × 16 B) keeps only the page in flight.
+    assert_eq!(new(2048).per_warp, 2048);
+    // One thread: the group is the block, one vector in flight per round at u1.
+    let cpu = CopyLaunch {
+        threads: 1,
+        unroll: 1,
+        ..CopyLaunch::default()
+    };
+    for mapping in [CopyMapping::BlockRun, CopyMapping::Groups] {
+        assert_eq!(
+            cpu.bytes_in_flight(8448, mapping),
+            InFlight {
+                per_warp: 16,
+                per_block: 16,
+                per_launch: None,
+            }
+        );
+    }
+    // Materialise's default (128 threads, 4 in flight) on an NSA `index_k` page: 528 of
+    // the block's 512 vectors, then 16; 128 per warp.
+    let m = CopyLaunch::default().bytes_in_flight(8448, CopyMapping::BlockRun);
+    assert_eq!((m.per_warp, m.per_block), (2048, 8192));
+}
+
+/// BENCHMARKS.md "Bytes in flight per warp and per launch": every reference deployment's
+/// transfer buffers under its default transfer shape, old (block-wide run) and new (a warp
+/// per item). `cargo test --release --lib bytes_in_flight_table -- --nocapture` prints it.
+#[test]
+fn bytes_in_flight_table() {
+    let mut out = String::from(
+        "| deployment | buffer | page bytes | shape | old per warp | old per launch | new per warp | new per launch |\n|---|---|---:|---|---:|---:|---:|---:|\n",
+    );
+    for dep in crate::kernels::Deployment::reference() {
+        let t = dep.transfer(Direction::HostToDevice);
+        for (buffer, d) in dep.model.buffers().iter().zip(t.descriptors()) {
+            let l = d.launch;
+            let old = l.bytes_in_flight(d.page_bytes(), CopyMapping::BlockRun);
+            let new = l.bytes_in_flight(d.page_bytes(), CopyMapping::Groups);
+            let launch = |f: InFlight| f.per_launch.map_or("-".to_string(), |b| b.to_string());
+            out += &format!(
+                "| {} | `{buffer}` | {} | `{l}` | {} | {} | {} | {} |\n",
+                dep.name,
+                d.page_bytes(),
+                old.per_warp,
+                launch(old),
+                new.per_warp,
+                launch(new),
+            );
+            assert!(new.per_launch >= old.per_launch, "{}", dep.name);
+        }
+    }
+    println!("{out}");
 }
