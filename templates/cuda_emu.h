@@ -961,6 +961,16 @@ static inline T __ldg(const T* p) {
   return *p;
 }
 
+// __ldcs ("cache streaming" load: L2 evicts the line first): a plain load on the CPU, whose
+// caches take no such hint from a load. CUDA declares it for built-in scalars and vectors.
+template <class T>
+static inline T __ldcs(const T* p) {
+  static_assert(std::is_arithmetic<T>::value || std::is_same<T, uint4>::value || std::is_same<T, int4>::value ||
+                    std::is_same<T, uint2>::value || std::is_same<T, ulonglong2>::value,
+                "__ldcs takes a built-in scalar or vector type");
+  return *p;
+}
+
 // __stcs ("cache streaming": the data will not be read again soon) as a non-temporal store on
 // x86-64, which skips the read-for-ownership of the destination line: page copies larger
 // than the cache reach memcpy's bandwidth only this way. Callers align as CUDA requires

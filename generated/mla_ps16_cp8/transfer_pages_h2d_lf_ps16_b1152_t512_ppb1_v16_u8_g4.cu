@@ -35,7 +35,7 @@ static __device__ inline u64 chc_host_off(u32 page, u32 layer, u32 layers, u32 h
 // even a small page keeps UNROLL loads per lane in flight until its last round (a block-wide
 // stride left each thread page_vecs / THREADS). With THREADS == 1 one thread walks the page
 // in order. A one-buffer launch passes page_vecs as a constant, so its copy loop has a
-// constant bound.
+// constant bound. Source vectors are read as s[j].
 static __device__ inline void chc_copy_page(u8* __restrict__ dst, const u8* __restrict__ src, u32 lane, u32 page_vecs)
 {
     VEC_T* d = (VEC_T*)dst;

@@ -38,7 +38,7 @@ static __device__ inline u64 chc_host_off(u32 page, u32 layer, u32 layers, u32 h
 // even a small page keeps UNROLL loads per lane in flight until its last round (a block-wide
 // stride left each thread page_vecs / THREADS). With THREADS == 1 one thread walks the page
 // in order. A one-buffer launch passes page_vecs as a constant, so its copy loop has a
-// constant bound.
+// constant bound. Source vectors are read as __ldcs(&s[j]).
 static __device__ inline void chc_copy_page(u8* __restrict__ dst, const u8* __restrict__ src, u32 lane, u32 page_vecs)
 {
     VEC_T* d = (VEC_T*)dst;
@@ -49,7 +49,7 @@ static __device__ inline void chc_copy_page(u8* __restrict__ dst, const u8* __re
         for (u32 u = 0; u < UNROLL; ++u) {
             const u32 j = i + u * GROUP_LANES;
             if (j < page_vecs) {
-                r[u] = s[j];
+                r[u] = __ldcs(&s[j]);
             }
         }
 #pragma unroll

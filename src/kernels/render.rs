@@ -171,6 +171,8 @@ struct TransferTpl<'a> {
     host_page: &'a str,
     /// chc_copy_page's (destination, source).
     copy_args: &'a str,
+    /// How a source vector `s[j]` is read.
+    src_load: &'a str,
     /// Whether a second buffer moves in the same launch (`src1`, `dst1`).
     second: bool,
     first_doc: String,
@@ -451,6 +453,10 @@ pub(crate) fn render_spec(spec: &KernelSpec) -> Result<String, KernelError> {
                 device_page: if h2d { "dp" } else { "sp" },
                 host_page: if h2d { "sp" } else { "dp" },
                 copy_args: if h2d { "dev, h" } else { "h, dev" },
+                // Device → host reads each device byte once: with L2's evict-first policy
+                // (`ld.global.cs`), so a backup streaming through L2 leaves the model's
+                // working set there.
+                src_load: if h2d { "s[j]" } else { "__ldcs(&s[j])" },
             }
             .render()
         }
