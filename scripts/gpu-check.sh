@@ -16,9 +16,9 @@
 # (`bench --check --family`). Before the summary it prints again (format: BENCHMARKS.md
 # "gpu-check transfers", so the rows can be pasted there unchanged):
 #   - the tune step's transfer rows (capped-grid kernels, uncapped kernels, `dma` and
-#     `dma-each`, each timed while the busy kernel occupies the SMs, with the GB/s alone and
-#     the busy kernel's slowdown), also saved as transfers.txt, with a note for a DMA row
-#     that is missing;
+#     `dma-each`, each timed beside the ALU busy kernel, with the GB/s alone and beside the
+#     HBM busy kernel, each busy kernel's slowdown and where each ran against the transfers),
+#     also saved as transfers.txt, with a note for a DMA row that is missing;
 #   - the bench step's select and release rows at 2,048 pages (8,192 bytes: 4 per requested
 #     page), also saved as allocator.txt;
 #   - the bench step's DMA transfer rows (`dma`, `dma-each`, with the host's submission time)
@@ -142,12 +142,13 @@ else
   done
 fi
 
-# Transfers on the GPU: each candidate's GB/s beside the busy kernel, alone, and the busy
-# kernel's slowdown (tune's rows for transfer_pages; docs/KERNELS.md "busy"). Both DMA
+# Transfers on the GPU: each candidate's GB/s beside the ALU busy kernel, alone and beside
+# the HBM one, each busy kernel's slowdown, and in the note where each ran against the
+# transfers (tune's rows for transfer_pages; docs/KERNELS.md "busy"). Both DMA
 # candidates have a row: `dma` says so itself where the driver lacks cuMemcpyBatchAsync.
 if [[ -f "$out/tune.log" ]]; then
   echo
-  echo "transfers (tune): kernel  candidate  ms  GB/s-beside-busy  note"
+  echo "transfers (tune): kernel  candidate  ms  GB/s-beside-alu  GB/s-alone  GB/s-beside-hbm  alu-slowdown  hbm-slowdown  note"
   grep -E '^transfer_pages' "$out/tune.log" | tee "$out/transfers.txt" || true
   for candidate in dma dma-each; do
     if ! awk -v c="$candidate" '$2 == c { found = 1 } END { exit !found }' "$out/transfers.txt"; then

@@ -1,21 +1,17 @@
 {% include "prelude.cu" %}
 
-// One round of the busy chain: an LCG step and a xorshift, dependent on the last (so the
-// compiler can neither vectorise nor shorten the chain).
-static __device__ inline u32 chc_busy_round(u32 x)
-{
-    x = x * 1664525u + 1013904223u;
-    return x ^ (x >> 13);
-}
+{% include "busy_common.cu" %}
 
 // A compute-bound stand-in for the model's kernels: thread word i of [0, n) starts from
 // seed ^ (i * 0x9E3779B9), runs `rounds` dependent rounds and stores the result to out[i].
 // It holds registers and issue slots for as long as `rounds` says and touches almost no
 // memory, so timing a transfer beside it shows what the transfer costs the model and what
 // the model costs the transfer. Threads stride over the words, so any grid is correct.
+// `stamps` gets the launch's first block start and last block end (chc_stamp_*).
 extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}({# parameters: KernelSpec::params() #}
 {{ params }}
 {
+    chc_stamp_start(stamps);
     for (u64 i = (u64)blockIdx.x * THREADS + threadIdx.x; i < n; i += (u64)gridDim.x * THREADS) {
         u32 x = seed ^ ((u32)i * 0x9E3779B9u);
         for (u32 r = 0; r < rounds; ++r) {
@@ -23,5 +19,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}({# parameters: K
         }
         out[i] = x;
     }
+    chc_stamp_end(stamps);
 }
 {% include "epilogue.cu" %}

@@ -45,6 +45,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <csetjmp>
+#include <ctime>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -930,6 +931,14 @@ static inline unsigned match_any_sync(int line, unsigned mask, T v) {
   err_begin("__trap() called");
   err_append("; thread %u (line %d)", g.cur ? g.cur->linear : 0u, line);
   fail_from_fiber(CP_EMU_ETRAP);
+}
+
+// %globaltimer's stand-in: nanoseconds of CLOCK_MONOTONIC, one clock for every thread and
+// library of the process, as %globaltimer is one for every SM.
+static inline uint64_t globaltimer_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1000000000u + static_cast<uint64_t>(ts.tv_nsec);
 }
 
 }  // namespace

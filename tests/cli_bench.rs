@@ -145,12 +145,35 @@ fn tune_writes_a_file_and_a_foreign_file_is_ignored_with_a_warning() {
         .copied()
         .filter(|a| *a != "--alloc-pages" && *a != "64")
         .collect();
-    run(bin(&cache)
+    let out = run(bin(&cache)
         .arg("tune")
         .args(&tiny)
         .arg("--quick")
         .arg("--out")
         .arg(&file));
+    // The busy companions' columns (docs/CLI.md "tune"): `-` on the host, which has none.
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let header = stdout.lines().find(|l| l.starts_with("kernel ")).unwrap();
+    let columns: Vec<&str> = header.split_whitespace().collect();
+    assert_eq!(
+        columns,
+        [
+            "kernel",
+            "candidate",
+            "ms",
+            "GB/s",
+            "alone",
+            "hbm",
+            "alu-x",
+            "hbm-x",
+            "note"
+        ]
+    );
+    let transfer = stdout
+        .lines()
+        .find(|l| l.starts_with("transfer_pages_"))
+        .unwrap();
+    assert_eq!(transfer.split_whitespace().nth(4), Some("-"), "{stdout}");
     assert!(
         !dir.path().join(".tuning.json.lock").exists(),
         "the merge lock file was left beside the tuning file"

@@ -307,7 +307,8 @@ fn dma_candidates(batched: bool) {
         let (bench, _) = CopyBench::new(&gpu, &spec, &sizes, 11).unwrap();
         for mode in [DmaMode::Batched, DmaMode::PerRegion] {
             let before = copy_calls();
-            let r = time_dma_candidate(&gpu, &spec, &bench, None, &sizes, 5, mode);
+            let none = cp_hicache::tuning::tuner::Companions::default();
+            let r = time_dma_candidate(&gpu, &spec, &bench, &none, &sizes, 5, mode);
             let after = copy_calls();
             let (batches, each) = (after.0 - before.0, after.1 - before.1);
             assert_eq!(r.choice, LaunchChoice::of_dma(mode));
@@ -367,6 +368,9 @@ struct StandInGpu {
 impl Executor for StandInGpu {
     fn backend(&self) -> Backend {
         Backend::Host
+    }
+    fn multiprocessors(&self) -> Option<u32> {
+        self.cuda.multiprocessors()
     }
     fn device_name(&self) -> String {
         self.cuda.device_name()
@@ -791,6 +795,43 @@ fn staged_uploads_never_overwrite_a_copy_in_flight() {
         );
         ex.free(*b).unwrap();
     }
+}
+
+/// Issue 29: tune's busy companions on the stand-in driver: a second CUDA executor (its own
+/// stream) runs each busy kernel beside fills on the first, the block stamps of the busy
+/// kernel (its stream) and of the marker (the work's) are read back, and the device's SM
+/// count, which sizes the companions' grid on a GPU, comes from the driver. Timings and
+/// the overlap itself are not asserted: the stand-in runs kernels on the CPU.
+fn busy_companions_on_a_second_stream() {
+    use cp_hicache::kernels::{BusyKind, BusySpec};
+    use cp_hicache::tuning::measure::{Beside, CompanionShape};
+    let gpu = StandInGpu {
+        cuda: CudaExecutor::new(0).unwrap(),
+    };
+    assert_eq!(gpu.cuda.multiprocessors(), Some(132));
+    let jit = jit();
+    const BYTES: u64 = 1 << 16;
+    let buf = gpu.alloc(MemKind::Device, BYTES as usize, 0).unwrap();
+    let shape = CompanionShape {
+        grid: 2,
+        hbm_words: 1 << 14,
+    };
+    for kind in [BusyKind::Alu, BusyKind::Hbm] {
+        let comp = Box::new(StandInGpu {
+            cuda: CudaExecutor::new(0).unwrap(),
+        });
+        let b = Beside::with_companion(&gpu, comp, &jit, BusySpec::of(kind), shape).unwrap();
+        let t = b
+            .time_beside(1e-4, 2, &|| gpu.fill(buf, &[(0, BYTES)], 3))
+            .unwrap();
+        assert!(t.seconds >= 0.0 && t.busy_slowdown > 0.0, "{kind}: {t:?}");
+        assert!(
+            t.overlap.start_lag_ns.abs() < 60_000_000_000,
+            "{kind}: stamps a minute apart: {t:?}"
+        );
+        assert!((0.0..=1.0).contains(&t.overlap.covered), "{kind}: {t:?}");
+    }
+    gpu.free(buf).unwrap();
 }
 
 fn every_family_matches_the_references() {
@@ -1454,6 +1495,7 @@ fn child() {
         cache_on_the_gpu(ModelShape::Nsa, 64, 8, path);
     }
     every_family_matches_the_references();
+    busy_companions_on_a_second_stream();
     loads_run_on_a_prioritised_stream_of_their_own();
     ops_on_the_callers_memory_and_stream();
     ipc_in_one_process_is_refused();

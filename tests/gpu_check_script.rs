@@ -19,22 +19,24 @@ const STUB: &str = r#"#!/usr/bin/env bash
 printf '%s\n' "$@" >>"$STUB_LOG"
 echo "JIT=${CP_HICACHE_JIT:-}" >>"$STUB_LOG"
 echo --END-- >>"$STUB_LOG"
-tune_row() { printf '%-44s  %-22s  %10s  %8s  %s\n' "$@"; }
+tune_row() { printf '%-44s  %-22s  %10s  %8s  %8s  %8s  %7s  %7s  %s\n' "$@"; }
 bench_row() {
   printf '%-13s  %-7s  %-38s  %10s  %9s  %8s  %8s  %6s  %s\n' "$@"
 }
 if [[ "$1" == tune ]]; then
   echo "device: cuda stub"
-  tune_row kernel candidate ms GB/s note
+  tune_row kernel candidate ms GB/s alone hbm alu-x hbm-x note
   for k in transfer_pages_h2d_pf_ps64_b656 transfer_pages_d2h_pf_ps64_b656; do
-    tune_row "$k" t512_ppb1_v16_u8_g4 1.000 1.00 \
-      "best beside busy; alone 1.10 GB/s; busy slowdown 1.010x"
-    tune_row "$k" dma 2.000 0.50 " beside busy; alone 0.60 GB/s; busy slowdown 1.000x"
+    tune_row "$k" t512_ppb1_v16_u8_g4 1.000 1.00 1.10 0.80 1.010 1.050 \
+      "best; start, overlap: alu +3.2us 100%, hbm +4.1us 100%"
+    tune_row "$k" dma 2.000 0.50 0.60 0.45 1.000 1.020 \
+      "start, overlap: alu +2.0us 100%, hbm +2.5us 100%"
     if [[ -z "${STUB_NO_DMA_EACH:-}" ]]; then
-      tune_row "$k" dma-each 3.000 0.33 " beside busy; alone 0.40 GB/s; busy slowdown 1.000x"
+      tune_row "$k" dma-each 3.000 0.33 0.40 0.30 1.000 1.010 \
+        "start, overlap: alu +2.2us 100%, hbm +2.6us 100%"
     fi
   done
-  tune_row select_owner_pages_cp8_ps64 t256 0.010 - best
+  tune_row select_owner_pages_cp8_ps64 t256 0.010 - - - - - best
   exit 0
 fi
 if [[ "$1" == bench && " $* " != *" --check "* ]]; then
@@ -201,7 +203,10 @@ fn transfers_and_allocator_rows_come_before_the_summary() {
     assert_eq!(out.status.code(), Some(0), "{stdout}");
     let summary = stdout.find("step       result").expect("table");
     let transfers = stdout
-        .find("\ntransfers (tune): kernel  candidate  ms  GB/s-beside-busy  note\n")
+        .find(
+            "\ntransfers (tune): kernel  candidate  ms  GB/s-beside-alu  GB/s-alone  \
+             GB/s-beside-hbm  alu-slowdown  hbm-slowdown  note\n",
+        )
         .expect("transfers header");
     let allocator = stdout
         .find(

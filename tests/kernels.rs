@@ -40,8 +40,8 @@ fn render_tree_rewrites_only_changed_files() {
     let tmp = tempfile::tempdir().unwrap();
     let deps = vec![Deployment::by_name("mla_ps16_cp4").unwrap()];
     let first = render_tree(tmp.path(), &deps).unwrap();
-    // The kernels, the busy kernel and the index.
-    assert_eq!(first.len(), deps[0].specs().len() + 2);
+    // The kernels, the two busy kernels and the index.
+    assert_eq!(first.len(), deps[0].specs().len() + 3);
     assert!(render_tree(tmp.path(), &deps).unwrap().is_empty());
     let victim = &first[0];
     std::fs::write(victim, "stale").unwrap();
@@ -59,7 +59,7 @@ fn render_tree_rewrites_only_changed_files() {
 #[test]
 fn renders_are_self_contained_and_named_by_uri() {
     for dep in Deployment::reference() {
-        for spec in dep.specs().into_iter().chain([dep.busy_spec()]) {
+        for spec in dep.specs().into_iter().chain(dep.busy_specs()) {
             let src = spec.render().unwrap();
             let uri = spec.uri();
             assert!(!src.contains("#include"), "{uri}");
@@ -121,10 +121,9 @@ fn snapshot_select_owner_pages() {
 
 #[test]
 fn snapshot_busy() {
-    snap(
-        "busy",
-        Deployment::by_name("nsa_ps64_cp8").unwrap().busy_spec(),
-    );
+    let [alu, hbm] = Deployment::by_name("nsa_ps64_cp8").unwrap().busy_specs();
+    snap("busy", alu);
+    snap("busy_hbm", hbm);
 }
 
 #[test]

@@ -76,9 +76,10 @@ fn every_reference_kernel_compiles_for_sm90_without_spills_or_stack() {
             }
         }
     }
-    // The busy kernel `tune` runs beside transfers on a GPU.
-    let busy = Deployment::reference()[0].busy_spec();
-    requests.push(spec_request(&busy, SM90, None).unwrap());
+    // The busy kernels `tune` runs beside transfers on a GPU.
+    for busy in Deployment::reference()[0].busy_specs() {
+        requests.push(spec_request(&busy, SM90, None).unwrap());
+    }
     assert_all_compile_without_spills_or_stack(&requests);
     println!("{} unique kernels compiled for sm_90", requests.len());
 }

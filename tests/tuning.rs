@@ -700,22 +700,15 @@ fn dma_timing_is_for_transfers_only() {
     assert_eq!(c.bytes_copied, 2 * b.bytes());
 }
 
-/// The busy kernel `tune` runs beside transfers on a GPU computes exactly the reference's
-/// words on the host executor (its own check, as `bench --check` runs for any kernel), in both
-/// block orders, and the host executor has no companion stream, so a host tune times
-/// transfers alone.
+/// The busy kernels `tune` runs beside transfers on a GPU (ALU and HBM) compute exactly the
+/// reference's words on the host executor and stamp their block start and end (their own
+/// check, as `bench --check` runs for any kernel), in both block orders, and the host
+/// executor has no companion stream, so a host tune times transfers alone.
 #[test]
-fn the_busy_kernel_runs_on_the_host_executor_and_matches_its_reference() {
-    let jit = Jit::new(JitConfig::new(concat!(
-        env!("CARGO_TARGET_TMPDIR"),
-        "/jit-cache"
-    )));
-    if let Err(e) = jit.host_compiler() {
-        skip_without_compiler(&e);
-        return;
-    }
-    let busy = Deployment::by_name("nsa_ps64_cp8").unwrap().busy_spec();
-    assert_eq!(busy.uri(), "busy_t256");
+fn the_busy_kernels_run_on_the_host_executor_and_match_their_reference() {
+    let Some(jit) = host_jit() else { return };
+    let busy = Deployment::by_name("nsa_ps64_cp8").unwrap().busy_specs();
+    assert_eq!(busy.map(|s| s.uri()), ["busy_alu_t256", "busy_hbm_t256"]);
     for order in [
         cp_hicache::exec::BlockOrder::Forward,
         cp_hicache::exec::BlockOrder::Reverse,
@@ -725,18 +718,145 @@ fn the_busy_kernel_runs_on_the_host_executor_and_matches_its_reference() {
             ..HostOptions::default()
         });
         // SAFETY: no hook.
-        let rows = unsafe { tuning::check::check_specs_with(&exec, &jit, &[busy], None) }.unwrap();
-        assert_eq!(rows.len(), 1);
-        assert!(rows[0].ok, "{order:?}: {}", rows[0].detail);
-        assert!(
-            rows[0].detail.contains("4004 bytes equal"),
-            "{}",
-            rows[0].detail
-        );
+        let rows = unsafe { tuning::check::check_specs_with(&exec, &jit, &busy, None) }.unwrap();
+        assert_eq!(rows.len(), 2);
+        for row in &rows {
+            assert!(row.ok, "{order:?} {}: {}", row.kernel, row.detail);
+            assert!(row.detail.contains("4004 bytes equal"), "{}", row.detail);
+        }
         use cp_hicache::exec::Executor;
         assert!(exec.companion().unwrap().is_none());
     }
     let words = cp_hicache::kernels::reference::busy(3, 2, 7);
     assert_eq!(words.len(), 3);
     assert_ne!(words[0], words[1]);
+}
+
+/// The JIT of the host tests; `None` (after saying so) without a C++ compiler.
+fn host_jit() -> Option<Jit> {
+    let jit = Jit::new(JitConfig::new(concat!(
+        env!("CARGO_TARGET_TMPDIR"),
+        "/jit-cache"
+    )));
+    match jit.host_compiler() {
+        Ok(_) => Some(jit),
+        Err(e) => {
+            skip_without_compiler(&e);
+            None
+        }
+    }
+}
+
+/// Each busy kernel runs as a companion on a second host executor (another OS thread, as a
+/// second stream on a GPU) and is timed beside work on the first: the work's time, the busy
+/// kernel's slowdown and its stamps against the marker's come back sane. The work's first
+/// run is enqueued before the busy kernel; on the host that run has finished by then, so the
+/// busy kernel starts after the work (a positive lag). Whether the two overlap is not
+/// asserted: the host has two cores shared with other builds.
+#[test]
+fn the_busy_companions_run_and_are_timed_beside_work_on_the_host_executor() {
+    use cp_hicache::exec::{Executor, MemKind};
+    use cp_hicache::kernels::{BusyKind, BusySpec};
+    use cp_hicache::tuning::measure::{Beside, CompanionShape};
+    let Some(jit) = host_jit() else { return };
+    let exec = HostExecutor::new(HostOptions::default());
+    const BYTES: u64 = 1 << 20;
+    let buf = exec.alloc(MemKind::Device, BYTES as usize, 0).unwrap();
+    // 1 MiB of HBM words: small enough for a fast test.
+    let shape = CompanionShape {
+        grid: 4,
+        hbm_words: 1 << 18,
+    };
+    for kind in [BusyKind::Alu, BusyKind::Hbm] {
+        let comp = Box::new(HostExecutor::new(HostOptions::default()));
+        let b = Beside::with_companion(&exec, comp, &jit, BusySpec::of(kind), shape).unwrap();
+        assert_eq!(b.kind(), kind);
+        let t = b
+            .time_beside(1e-3, 3, &|| exec.fill(buf, &[(0, BYTES)], 7))
+            .unwrap();
+        assert!(t.seconds > 0.0 && t.seconds.is_finite(), "{kind}: {t:?}");
+        assert!(
+            t.busy_slowdown > 0.0 && t.busy_slowdown.is_finite(),
+            "{kind}: {t:?}"
+        );
+        assert!(t.overlap.start_lag_ns > 0, "{kind}: {t:?}");
+        assert!(
+            t.overlap.start_lag_ns < 60_000_000_000,
+            "{kind}: stamps a minute apart: {t:?}"
+        );
+        assert!((0.0..=1.0).contains(&t.overlap.covered), "{kind}: {t:?}");
+    }
+    exec.free(buf).unwrap();
+}
+
+/// A DMA candidate timed beside both companions on the host records what tune's table
+/// prints: the time beside the ALU kernel as the candidate's, the one alone, the HBM
+/// kernel's time and both slowdowns and overlaps.
+#[test]
+fn a_transfer_timed_beside_both_companions_records_each() {
+    use cp_hicache::exec::DmaMode;
+    use cp_hicache::kernels::{BusyKind, BusySpec, Direction};
+    use cp_hicache::tuning::measure::{Beside, CompanionShape, CopyBench};
+    use cp_hicache::tuning::tuner::{time_dma_candidate, Companions};
+    let Some(jit) = host_jit() else { return };
+    let exec = HostExecutor::new(HostOptions::default());
+    let shape = CompanionShape {
+        grid: 2,
+        hbm_words: 1 << 16,
+    };
+    let open = |kind| {
+        let comp = Box::new(HostExecutor::new(HostOptions::default()));
+        Some(Beside::with_companion(&exec, comp, &jit, BusySpec::of(kind), shape).unwrap())
+    };
+    let companions = Companions {
+        alu: open(BusyKind::Alu),
+        hbm: open(BusyKind::Hbm),
+    };
+    let sizes = Sizes {
+        pages: 8,
+        layers: 2,
+        warmup: 0,
+        repeats: 2,
+    };
+    let spec = Deployment::by_name("nsa_ps64_cp8")
+        .unwrap()
+        .transfer_spec(Direction::HostToDevice);
+    let (bench, _) = CopyBench::new(&exec, &spec, &sizes, 3).unwrap();
+    let r = time_dma_candidate(
+        &exec,
+        &spec,
+        &bench,
+        &companions,
+        &sizes,
+        3,
+        DmaMode::PerRegion,
+    );
+    assert!(r.dropped.is_none(), "{:?}", r.dropped);
+    let b = r.beside_busy.expect("timed beside the companions");
+    let hbm = b.hbm.expect("and beside the HBM one");
+    assert!(b.alone_seconds > 0.0 && hbm.seconds > 0.0, "{b:?}");
+    assert!(b.busy_slowdown > 0.0 && hbm.slowdown > 0.0, "{b:?}");
+    assert!(b.alu_overlap.unwrap().start_lag_ns > 0, "{b:?}");
+    assert!(hbm.overlap.start_lag_ns > 0, "{b:?}");
+    // The file keeps them, and an older file without them still reads.
+    let json = serde_json::to_string(&r).unwrap();
+    // (serde_json may read a float back one ulp off: the integers compare exactly.)
+    let back = serde_json::from_str::<CandidateResult>(&json)
+        .unwrap()
+        .beside_busy
+        .unwrap();
+    assert_eq!(
+        back.alu_overlap.map(|o| o.start_lag_ns),
+        b.alu_overlap.map(|o| o.start_lag_ns)
+    );
+    assert_eq!(
+        back.hbm.map(|h| h.overlap.start_lag_ns),
+        Some(hbm.overlap.start_lag_ns)
+    );
+    assert!((back.hbm.unwrap().slowdown / hbm.slowdown - 1.0).abs() < 1e-12);
+    let mut old = serde_json::to_value(&r).unwrap();
+    old["beside_busy"] = serde_json::json!({"alone_seconds": 0.5, "busy_slowdown": 1.01});
+    let old: CandidateResult = serde_json::from_value(old).unwrap();
+    let b = old.beside_busy.unwrap();
+    assert_eq!((b.alu_overlap, b.hbm), (None, None));
 }

@@ -82,32 +82,36 @@ pub(super) fn run(args: &TuneArgs) -> Result<ExitCode, crate::Error> {
 
     outln!("device: {device}");
     outln!(
-        "{:<44}  {:<22}  {:>10}  {:>8}  note",
+        "{:<44}  {:<22}  {:>10}  {:>8}  {:>8}  {:>8}  {:>7}  {:>7}  note",
         "kernel",
         "candidate",
         "ms",
-        "GB/s"
+        "GB/s",
+        "alone",
+        "hbm",
+        "alu-x",
+        "hbm-x"
     );
     for e in &entries {
         for r in &e.results {
             let mark = if r.choice == e.best { "best" } else { "" };
-            // On a GPU a transfer's time is beside the busy kernel (docs/KERNELS.md "busy").
-            let beside = match (r.beside_busy, r.gbps, r.seconds) {
-                (Some(b), Some(g), Some(s)) if r.dropped.is_none() => format!(
-                    " beside busy; alone {:.2} GB/s; busy slowdown {:.3}x",
-                    g * s / b.alone_seconds.max(1e-12),
-                    b.busy_slowdown
-                ),
-                _ => String::new(),
-            };
+            let c = BesideColumns::of(r);
             outln!(
-                "{:<44}  {:<22}  {:>10}  {:>8}  {}{beside}",
+                "{:<44}  {:<22}  {:>10}  {:>8}  {:>8}  {:>8}  {:>7}  {:>7}  {}",
                 e.spec_key,
                 r.choice.to_string(),
                 r.seconds
                     .map_or_else(|| "-".into(), |s| format!("{:.3}", s * 1e3)),
                 r.gbps.map_or_else(|| "-".into(), |g| format!("{g:.2}")),
-                r.dropped.as_deref().unwrap_or(mark),
+                c.alone,
+                c.hbm,
+                c.alu_slowdown,
+                c.hbm_slowdown,
+                [r.dropped.as_deref().unwrap_or(mark), &c.overlap]
+                    .into_iter()
+                    .filter(|n| !n.is_empty())
+                    .collect::<Vec<_>>()
+                    .join("; "),
             );
         }
     }
@@ -150,4 +154,57 @@ pub(super) fn run(args: &TuneArgs) -> Result<ExitCode, crate::Error> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// The columns of a transfer timed beside the busy kernels (docs/KERNELS.md "busy"), `-`
+/// otherwise: GB/s alone and beside the HBM kernel (the `GB/s` column is beside the ALU
+/// one), each kernel's slowdown, and in the note where each ran against the transfers.
+struct BesideColumns {
+    alone: String,
+    hbm: String,
+    alu_slowdown: String,
+    hbm_slowdown: String,
+    overlap: String,
+}
+
+impl BesideColumns {
+    fn of(r: &tuning::CandidateResult) -> BesideColumns {
+        let none = || "-".to_string();
+        let (Some(b), Some(g), Some(s), None) = (r.beside_busy, r.gbps, r.seconds, &r.dropped)
+        else {
+            return BesideColumns {
+                alone: none(),
+                hbm: none(),
+                alu_slowdown: none(),
+                hbm_slowdown: none(),
+                overlap: String::new(),
+            };
+        };
+        // GB/s at another time for the same bytes.
+        let gbps_at = |t: f64| format!("{:.2}", g * s / t.max(1e-12));
+        let overlap = |name: &str, o: tuning::Overlap| {
+            format!(
+                "{name} {:+.1}us {:.0}%",
+                o.start_lag_ns as f64 / 1e3,
+                o.covered * 100.0
+            )
+        };
+        let overlaps: Vec<String> = b
+            .alu_overlap
+            .map(|o| overlap("alu", o))
+            .into_iter()
+            .chain(b.hbm.map(|h| overlap("hbm", h.overlap)))
+            .collect();
+        BesideColumns {
+            alone: gbps_at(b.alone_seconds),
+            hbm: b.hbm.map_or_else(none, |h| gbps_at(h.seconds)),
+            alu_slowdown: format!("{:.3}", b.busy_slowdown),
+            hbm_slowdown: b.hbm.map_or_else(none, |h| format!("{:.3}", h.slowdown)),
+            overlap: if overlaps.is_empty() {
+                String::new()
+            } else {
+                format!("start, overlap: {}", overlaps.join(", "))
+            },
+        }
+    }
 }

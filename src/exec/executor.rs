@@ -340,6 +340,12 @@ pub trait Executor: Send + Sync {
         Ok(None)
     }
 
+    /// The device's SM count, where it has SMs and says: `tune` sizes its busy companions
+    /// to leave each SM room for a transfer block (docs/KERNELS.md "busy").
+    fn multiprocessors(&self) -> Option<u32> {
+        None
+    }
+
     /// A snapshot of the operation counters.
     fn counters(&self) -> Counters;
 

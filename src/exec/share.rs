@@ -65,6 +65,9 @@ impl Executor for RankView {
     fn runs_emulated_kernels(&self) -> bool {
         self.inner.runs_emulated_kernels()
     }
+    fn multiprocessors(&self) -> Option<u32> {
+        self.inner.multiprocessors()
+    }
     fn alloc(&self, kind: MemKind, bytes: usize, fill: u8) -> Result<BufferId, ExecError> {
         self.counted(|e| e.alloc(kind, bytes, fill))
     }

@@ -4,7 +4,7 @@
 use std::fmt;
 
 use super::spec::{
-    AllocSpec, BufferKind, BusySpec, CopyLaunch, Direction, HostLayout, KernelSpec,
+    AllocSpec, BufferKind, BusyKind, BusySpec, CopyLaunch, Direction, HostLayout, KernelSpec,
     MaterialiseSpec, ReleaseSpec, SynthSpec, TokenOrder, TransferSpec, VecWidth, VerifySpec,
 };
 use super::{KernelError, TransferPath};
@@ -288,10 +288,10 @@ impl Deployment {
         })
     }
 
-    /// The busy kernel `tune` runs beside this deployment's transfers on a GPU (not one of
-    /// [`Deployment::specs`]: serving never runs it).
-    pub fn busy_spec(&self) -> KernelSpec {
-        KernelSpec::Busy(BusySpec::default())
+    /// The busy kernels `tune` runs beside this deployment's transfers on a GPU, ALU then
+    /// HBM (not among [`Deployment::specs`]: serving never runs them).
+    pub fn busy_specs(&self) -> [KernelSpec; 2] {
+        [BusyKind::Alu, BusyKind::Hbm].map(|k| KernelSpec::Busy(BusySpec::of(k)))
     }
 
     /// Every kernel the deployment needs, without duplicates, in a stable order: select,

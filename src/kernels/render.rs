@@ -16,7 +16,7 @@ pub const REGENERATE_COMMAND: &str = "cargo run --release -- render --out genera
 
 /// The text of every file in `templates/` (the emulation header too: it is what the host
 /// executor's kernels run on), for [`sources_digest`].
-const TEMPLATE_TEXTS: [&str; 14] = [
+const TEMPLATE_TEXTS: [&str; 16] = [
     include_str!("../../templates/prelude.cu"),
     include_str!("../../templates/epilogue.cu"),
     include_str!("../../templates/copy_page.cu"),
@@ -29,7 +29,9 @@ const TEMPLATE_TEXTS: [&str; 14] = [
     include_str!("../../templates/materialise.cu"),
     include_str!("../../templates/synthesise.cu"),
     include_str!("../../templates/verify.cu"),
+    include_str!("../../templates/busy_common.cu"),
     include_str!("../../templates/busy.cu"),
+    include_str!("../../templates/busy_hbm.cu"),
     include_str!("../../templates/cuda_emu.h"),
 ];
 
@@ -136,6 +138,15 @@ struct SelectTpl<'a> {
 #[derive(Template)]
 #[template(path = "busy.cu", escape = "none")]
 struct BusyTpl<'a> {
+    uri: &'a str,
+    template: &'a str,
+    consts: Vec<Const>,
+    params: &'a str,
+}
+
+#[derive(Template)]
+#[template(path = "busy_hbm.cu", escape = "none")]
+struct BusyHbmTpl<'a> {
     uri: &'a str,
     template: &'a str,
     consts: Vec<Const>,
@@ -500,13 +511,22 @@ pub(crate) fn render_spec(spec: &KernelSpec) -> Result<String, KernelError> {
             interleaved: s.order != super::TokenOrder::Paged,
         }
         .render(),
-        KernelSpec::Busy(s) => BusyTpl {
-            uri: &uri,
-            template,
-            params: &params,
-            consts: vec![c("THREADS", s.threads)],
-        }
-        .render(),
+        KernelSpec::Busy(s) => match s.kind {
+            super::BusyKind::Alu => BusyTpl {
+                uri: &uri,
+                template,
+                params: &params,
+                consts: vec![c("THREADS", s.threads)],
+            }
+            .render(),
+            super::BusyKind::Hbm => BusyHbmTpl {
+                uri: &uri,
+                template,
+                params: &params,
+                consts: vec![c("THREADS", s.threads)],
+            }
+            .render(),
+        },
     };
     out.map_err(wrap)
 }
@@ -540,14 +560,14 @@ fn index_json(dep: &Deployment, specs: &[KernelSpec]) -> String {
 
 /// Every file of the render tree of `deployments`: relative path
 /// (`<deployment>/<uri>.cu`, `<deployment>/index.json`) → content. Each deployment's
-/// directory has its kernels and the busy kernel `tune` runs beside its transfers.
+/// directory has its kernels and the busy kernels `tune` runs beside its transfers.
 pub fn plan_tree(deployments: &[Deployment]) -> Result<BTreeMap<PathBuf, String>, KernelError> {
     let mut files = BTreeMap::new();
     for dep in deployments {
         let dir = PathBuf::from(&dep.name);
         let mut specs = dep.specs();
-        // The busy kernel `tune` runs beside transfers on a GPU, so a reviewer sees it too.
-        specs.push(dep.busy_spec());
+        // The busy kernels `tune` runs beside transfers on a GPU, so a reviewer sees them too.
+        specs.extend(dep.busy_specs());
         for spec in &specs {
             files.insert(dir.join(format!("{}.cu", spec.uri())), spec.render()?);
         }

@@ -517,7 +517,7 @@ pub fn with_streaming_stores(dep: &Deployment) -> Deployment {
 
 /// Every kernel that `bench`, `bench --check` and `tune --quick` may load for `deps` on a GPU:
 /// all kernels of each deployment and of its [`with_streaming_stores`] twin, every quick
-/// CUDA candidate of its tuned kernels, and the busy kernel `tune` runs beside transfers. A
+/// CUDA candidate of its tuned kernels, and the busy kernels `tune` runs beside transfers. A
 /// machine without a compiler (`CP_HICACHE_JIT=off`) can run those commands from a cache
 /// prebuilt with these specs (`bench --prebuild`; see scripts/gpu-check.sh).
 pub fn prebuild_specs(deps: &[Deployment]) -> Vec<KernelSpec> {
@@ -529,7 +529,7 @@ pub fn prebuild_specs(deps: &[Deployment]) -> Vec<KernelSpec> {
     };
     for dep in deps {
         dep.specs().into_iter().for_each(&mut push);
-        push(dep.busy_spec());
+        dep.busy_specs().into_iter().for_each(&mut push);
         with_streaming_stores(dep)
             .specs()
             .into_iter()

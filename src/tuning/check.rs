@@ -307,6 +307,11 @@ pub(super) fn check_one(
             let (rounds, seed) = (37, rng.next_u64() as u32);
             b.launch(kernel, spec, rounds, seed)?;
             let got = read_all(exec, b.out())?;
+            let stamps = b.stamps()?;
+            if !stamps.is_sane() {
+                return Ok(Err(format!("block stamps not written: {stamps:?}")));
+            }
+            // ALU and HBM compute the same words, in registers or through memory.
             Ok(compare(
                 &got,
                 &u32_bytes(&reference::busy(b.n, rounds, seed)),

@@ -45,13 +45,44 @@ pub struct CandidateResult {
     pub beside_busy: Option<BesideBusy>,
 }
 
-/// A transfer candidate timed beside the busy kernel ([`CandidateResult::beside_busy`]).
+/// A transfer candidate timed beside the busy kernels ([`CandidateResult::beside_busy`]):
+/// the ALU one, whose time is the candidate's, and the HBM one.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct BesideBusy {
     /// Median seconds per launch with the GPU to itself.
     pub alone_seconds: f64,
-    /// The busy kernel's seconds beside the transfers over its seconds alone.
+    /// The ALU busy kernel's seconds beside the transfers over its seconds alone.
     pub busy_slowdown: f64,
+    /// Where the ALU busy kernel ran against the transfers. Absent in older files.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub alu_overlap: Option<Overlap>,
+    /// The transfers beside the HBM busy kernel. Absent where it could not run (its buffer
+    /// did not fit), and in older files.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hbm: Option<BesideCompanion>,
+}
+
+/// Transfers timed beside one busy kernel other than the one that sets their time.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct BesideCompanion {
+    /// Median seconds per launch of the transfer beside it.
+    pub seconds: f64,
+    /// The busy kernel's seconds beside the transfers over its seconds alone.
+    pub slowdown: f64,
+    /// Where it ran against the transfers.
+    pub overlap: Overlap,
+}
+
+/// Where a busy kernel ran against the transfers timed beside it, by the device's clock
+/// (`%globaltimer` stamps at block start and end; docs/KERNELS.md "busy"): whether "beside"
+/// was beside, or one after the other.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Overlap {
+    /// The busy kernel's first block start minus the transfers' start, in ns (positive: the
+    /// transfers started first, as `tune` orders them).
+    pub start_lag_ns: i64,
+    /// The share of the transfers' span the busy kernel ran beside (0 to 1).
+    pub covered: f64,
 }
 
 /// The tuning result of one kernel on one device.

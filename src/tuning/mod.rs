@@ -29,8 +29,8 @@ pub mod tuner;
 
 pub use candidate::{candidates_for, Candidate, LaunchChoice, Unsupported};
 pub use file::{
-    apply, default_path, warning_lines, Applied, BesideBusy, CandidateResult, TuningEntry,
-    TuningFile, TuningWarning, WarningKind, TUNING_FORMAT,
+    apply, default_path, warning_lines, Applied, BesideBusy, BesideCompanion, CandidateResult,
+    Overlap, TuningEntry, TuningFile, TuningWarning, WarningKind, TUNING_FORMAT,
 };
 pub use key::{spec_key, DeviceKey, KeyMatch};
 pub use measure::Sizes;

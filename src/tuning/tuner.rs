@@ -12,7 +12,7 @@ use std::collections::HashMap;
 
 use super::candidate::{candidates_for, Candidate, LaunchChoice};
 use super::check::{check_one, check_transfer};
-use super::file::{BesideBusy, CandidateResult, TuningEntry};
+use super::file::{BesideBusy, BesideCompanion, CandidateResult, TuningEntry};
 use super::key::{spec_key, DeviceKey};
 use super::measure::{
     compile_and_load, synth_pages, AllocBench, Beside, BesideTiming, CopyBench, Sizes, SourceHook,
@@ -21,7 +21,7 @@ use super::measure::{
 use super::TuningError;
 use crate::exec::{DmaMode, Executor, KernelId};
 use crate::jit::Jit;
-use crate::kernels::{Deployment, KernelSpec};
+use crate::kernels::{BusyKind, Deployment, KernelSpec};
 
 /// Options of a tuning run.
 #[derive(Clone, Copy)]
@@ -149,22 +149,25 @@ pub fn tune(
     let loaded: HashMap<KernelSpec, Result<KernelId, String>> =
         unique.into_iter().zip(compiled).collect();
 
-    // On a GPU, transfers are timed while the busy kernel occupies the SMs beside them
-    // (docs/KERNELS.md "busy"): what an engine's copies see while the model runs. Without a
-    // companion stream (the host executor) they are timed alone.
-    let beside = if plans
+    // On a GPU, transfers are timed while a busy kernel keeps the SMs (ALU) or HBM busy
+    // beside them (docs/KERNELS.md "busy"): what an engine's copies see while the model
+    // runs. Without a companion stream (the host executor) they are timed alone.
+    let transfers = plans
         .iter()
-        .any(|(b, _)| matches!(b, KernelSpec::TransferPages(_)))
-    {
-        match Beside::open(exec, jit) {
-            Ok(b) => b,
-            Err(why) => {
-                tracing::warn!(target: "cp_hicache::tuning", "transfers timed alone: {why}");
-                None
-            }
+        .any(|(b, _)| matches!(b, KernelSpec::TransferPages(_)));
+    let open = |kind| {
+        if !transfers {
+            return None;
         }
-    } else {
-        None
+        Beside::open(exec, jit, kind).unwrap_or_else(|why| {
+            tracing::warn!(target: "cp_hicache::tuning", "transfers not timed beside {kind}: {why}");
+            None
+        })
+    };
+    let alu = open(BusyKind::Alu);
+    let companions = Companions {
+        hbm: alu.as_ref().and_then(|_| open(BusyKind::Hbm)),
+        alu,
     };
     let mut entries = Vec::with_capacity(plans.len());
     let mut failed = Vec::new();
@@ -190,7 +193,7 @@ pub fn tune(
                             exec,
                             base,
                             c,
-                            beside.as_ref(),
+                            &companions,
                             &opts.sizes,
                             seed as u64 + 1,
                             *mode,
@@ -206,18 +209,12 @@ pub fn tune(
                                 let (seconds, bytes) = bench
                                     .time(*kernel, spec, &opts.sizes)
                                     .map_err(launch_failed)?;
-                                let busy = match (&beside, &bench, spec) {
-                                    (Some(b), Workload::Copy(c), KernelSpec::TransferPages(_)) => {
-                                        Some(
-                                            b.time_beside(
-                                                exec,
-                                                seconds,
-                                                opts.sizes.repeats,
-                                                &|| c.launch(*kernel, spec),
-                                            )
-                                            .map_err(launch_failed)?,
-                                        )
-                                    }
+                                let busy = match (&bench, spec) {
+                                    (Workload::Copy(c), KernelSpec::TransferPages(_)) => companions
+                                        .time(seconds, opts.sizes.repeats, &|| {
+                                            c.launch(*kernel, spec)
+                                        })
+                                        .map_err(launch_failed)?,
                                     _ => None,
                                 };
                                 Ok((seconds, bytes, busy))
@@ -289,9 +286,50 @@ pub const DMA_FALLBACK: &str = "not timed: no batch copy call here (cuMemcpyBatc
                                 12.8+), so dma falls back to one call per merged region, which \
                                 dma-each times";
 
+/// The busy kernels transfers are timed beside on a GPU (docs/KERNELS.md "busy"): none on
+/// the host executor; the HBM one only beside the ALU one, whose time is the candidate's.
+#[derive(Default)]
+pub struct Companions<'e> {
+    /// The ALU busy kernel: the candidate's time is the one beside it.
+    pub alu: Option<Beside<'e>>,
+    /// The HBM busy kernel.
+    pub hbm: Option<Beside<'e>>,
+}
+
+/// A candidate timed beside the ALU busy kernel, and the HBM one when it runs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BesideBoth {
+    /// Beside the ALU busy kernel.
+    pub alu: BesideTiming,
+    /// Beside the HBM busy kernel.
+    pub hbm: Option<BesideTiming>,
+}
+
+impl Companions<'_> {
+    /// Times `repeats` runs of `work` (about `expected` seconds each) beside each companion,
+    /// ALU first; `Ok(None)` without an ALU companion.
+    pub fn time(
+        &self,
+        expected: f64,
+        repeats: u32,
+        work: &(dyn Fn() -> Result<(), crate::exec::ExecError> + Sync),
+    ) -> Result<Option<BesideBoth>, crate::exec::ExecError> {
+        let Some(alu) = &self.alu else {
+            return Ok(None);
+        };
+        let alu = alu.time_beside(expected, repeats, work)?;
+        let hbm = self
+            .hbm
+            .as_ref()
+            .map(|h| h.time_beside(expected, repeats, work))
+            .transpose()?;
+        Ok(Some(BesideBoth { alu, hbm }))
+    }
+}
+
 /// Checks, then times the DMA path of transfer `base` on `bench` with its batch issued as
-/// `mode` (the tune candidates `dma` and `dma-each`): alone, and beside the busy kernel when
-/// `beside` is given, as the kernel shapes are. [`DmaMode::Batched`] on an executor that has
+/// `mode` (the tune candidates `dma` and `dma-each`): alone, and beside the busy kernels in
+/// `companions`, as the kernel shapes are. [`DmaMode::Batched`] on an executor that has
 /// no batch call ([`Executor::batched_copies`]) is not timed but dropped with
 /// [`DMA_FALLBACK`]. Output that differs from the reference drops the candidate, with the
 /// difference.
@@ -299,7 +337,7 @@ pub fn time_dma_candidate(
     exec: &dyn Executor,
     base: &KernelSpec,
     bench: &CopyBench<'_>,
-    beside: Option<&Beside>,
+    companions: &Companions<'_>,
     sizes: &Sizes,
     seed: u64,
     mode: DmaMode,
@@ -320,9 +358,7 @@ pub fn time_dma_candidate(
         return result;
     }
     let timed = bench.time_dma_with(sizes, mode).and_then(|t| {
-        let busy = beside
-            .map(|b| b.time_beside(exec, t.median, sizes.repeats, &|| bench.copy_dma_with(mode)))
-            .transpose()?;
+        let busy = companions.time(t.median, sizes.repeats, &|| bench.copy_dma_with(mode))?;
         Ok((t.median, busy))
     });
     match timed {
@@ -332,20 +368,22 @@ pub fn time_dma_candidate(
     result
 }
 
-/// Fills a timed result: alone, or (on a GPU, for transfers) beside the busy kernel, whose
-/// time is then the candidate's (docs/KERNELS.md "busy") and the one alone is kept with it.
-fn record(
-    result: &mut CandidateResult,
-    alone: f64,
-    bytes: Option<u64>,
-    busy: Option<BesideTiming>,
-) {
-    let seconds = busy.map_or(alone, |b| b.seconds);
+/// Fills a timed result: alone, or (on a GPU, for transfers) beside the busy kernels, where
+/// the time beside the ALU one is the candidate's (docs/KERNELS.md "busy") and the others
+/// are kept with it.
+fn record(result: &mut CandidateResult, alone: f64, bytes: Option<u64>, busy: Option<BesideBoth>) {
+    let seconds = busy.map_or(alone, |b| b.alu.seconds);
     result.seconds = Some(seconds);
     result.gbps = bytes.map(|b| b as f64 / seconds / 1e9);
     result.beside_busy = busy.map(|b| BesideBusy {
         alone_seconds: alone,
-        busy_slowdown: b.busy_slowdown,
+        busy_slowdown: b.alu.busy_slowdown,
+        alu_overlap: Some(b.alu.overlap),
+        hbm: b.hbm.map(|h| BesideCompanion {
+            seconds: h.seconds,
+            slowdown: h.busy_slowdown,
+            overlap: h.overlap,
+        }),
     });
 }
 

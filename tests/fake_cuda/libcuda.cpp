@@ -294,6 +294,7 @@ CUresult cuDeviceGetAttribute(int* v, int attrib, CUdevice d) {
   switch (attrib) {
     case 75: *v = major; break;  // COMPUTE_CAPABILITY_MAJOR
     case 76: *v = minor; break;  // COMPUTE_CAPABILITY_MINOR
+    case 16: *v = 132; break;  // MULTIPROCESSOR_COUNT
     case 115: *v = 1; break;  // MEMORY_POOLS_SUPPORTED
     default: *v = 0;
   }

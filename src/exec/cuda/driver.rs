@@ -126,6 +126,15 @@ impl Gpu {
         Ok((major.max(0) as u32, minor.max(0) as u32))
     }
 
+    /// The device's SM count; `None` where the driver does not say (or says 0).
+    pub(crate) fn multiprocessors(&self) -> Option<u32> {
+        let attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
+        match self.ctx.attribute(attr) {
+            Ok(n) if n > 0 => Some(n as u32),
+            _ => None,
+        }
+    }
+
     /// An event (with timing) recorded at the current end of the executor's stream.
     pub(crate) fn record_event(&self) -> Result<cudarc::driver::CudaEvent, String> {
         self.stream

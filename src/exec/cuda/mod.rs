@@ -527,6 +527,10 @@ impl Executor for CudaExecutor {
         Ok(Some(Box::new(CudaExecutor::new(self.ordinal)?)))
     }
 
+    fn multiprocessors(&self) -> Option<u32> {
+        self.gpu.multiprocessors()
+    }
+
     fn counters(&self) -> Counters {
         lock(&self.state).counters
     }

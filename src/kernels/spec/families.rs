@@ -184,17 +184,42 @@ fn gcd(a: u64, b: u64) -> u64 {
     }
 }
 
+/// What a busy kernel keeps busy (docs/KERNELS.md "busy"): the two halves of a model's
+/// kernels a transfer competes with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum BusyKind {
+    /// Issue slots and registers: a dependent integer chain in registers per word.
+    Alu,
+    /// HBM and L2: the same chain, each round read from and written back to its word in
+    /// device memory, so a buffer larger than L2 streams through HBM every round.
+    Hbm,
+}
+
+impl fmt::Display for BusyKind {
+    /// `alu`, `hbm`: the uri's spelling.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            BusyKind::Alu => "alu",
+            BusyKind::Hbm => "hbm",
+        })
+    }
+}
+
 /// The busy kernel: `threads` per block, each thread running `rounds` dependent integer
-/// multiply-adds per output word (docs/KERNELS.md "busy").
+/// multiply-adds per output word, in registers or through memory as `kind` says
+/// (docs/KERNELS.md "busy").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct BusySpec {
+    /// What it keeps busy.
+    pub kind: BusyKind,
     /// Threads per block (1..=1024).
     pub threads: u32,
 }
 
-impl Default for BusySpec {
-    fn default() -> Self {
-        BusySpec { threads: 256 }
+impl BusySpec {
+    /// The busy kernel of `kind` at 256 threads per block.
+    pub const fn of(kind: BusyKind) -> BusySpec {
+        BusySpec { kind, threads: 256 }
     }
 }
 

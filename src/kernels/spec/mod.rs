@@ -15,11 +15,11 @@ mod status;
 
 pub use buffer::{Arrangement, BufferKind, Dtype, FieldLayout, FieldMisalignment};
 pub use families::{
-    AllocSpec, BusySpec, Direction, HostLayout, MaterialiseSpec, ReleaseSpec, SynthSpec,
+    AllocSpec, BusyKind, BusySpec, Direction, HostLayout, MaterialiseSpec, ReleaseSpec, SynthSpec,
     TokenOrder, TransferSpec, VerifySpec,
 };
-// The sm_90 occupancy limits stay at their old path, though only materialise's own module
-// (and the tests) use them.
+// The sm_90 occupancy limits stay at their old path, though only materialise's own module,
+// the busy companions' shape (`SM_MAX_THREADS`) and the tests use them.
 #[allow(unused_imports)]
 pub use families::{SM_MAX_BLOCKS, SM_MAX_THREADS};
 pub use launch::{
@@ -146,7 +146,7 @@ impl KernelSpec {
                     s.order.uri_suffix()
                 )
             }
-            KernelSpec::Busy(s) => format!("{fam}_t{}", s.threads),
+            KernelSpec::Busy(s) => format!("{fam}_{}_t{}", s.kind, s.threads),
         }
     }
 
@@ -312,12 +312,20 @@ impl KernelSpec {
                 P::u32("n"),
                 P::u32("rounds"),
                 P::u32("seed"),
+                P::ptr("u64*", "stamps", 8, R::of(16)),
             ],
         }
     }
 
     /// Template file (under `templates/`) this spec renders from.
     pub fn template(&self) -> &'static str {
+        if let KernelSpec::Busy(BusySpec {
+            kind: BusyKind::Hbm,
+            ..
+        }) = self
+        {
+            return "busy_hbm.cu";
+        }
         match self.family() {
             Family::SelectOwnerPages => "select_owner_pages.cu",
             Family::ReleasePages => "release_pages.cu",

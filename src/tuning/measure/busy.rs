@@ -1,33 +1,77 @@
-//! The busy kernel: its bench, and running it on a companion executor to time other work
-//! while the SMs are busy, as an engine's transfers run while the model computes.
+//! The busy kernels: their bench, and running one on a companion executor to time other work
+//! while the SMs (ALU) or HBM are busy, as an engine's transfers run while the model computes.
 
 use super::compile::compile_and_load;
 use super::workload::Owned;
 use crate::exec::{BufferId, ExecError, Executor, KernelArg, KernelId, LaunchConfig, MemKind};
 use crate::jit::Jit;
-use crate::kernels::KernelSpec;
+use crate::kernels::{BusyKind, BusySpec, KernelSpec, GPU_TRANSFER_THREADS, SM_MAX_THREADS};
+use crate::tuning::file::Overlap;
 
-/// The busy kernel's output buffer: `n` words on the device, each thread computing one
-/// (docs/KERNELS.md "busy").
+/// Bytes of a busy kernel's `stamps`: its first block start and last block end, in
+/// nanoseconds of `%globaltimer` (templates/busy_common.cu).
+const STAMP_BYTES: usize = 16;
+
+/// What `stamps` holds before a launch: no block has started (`~0`) or ended (`0`), so
+/// every block's `atomicMin` / `atomicMax` lands.
+fn unstamped() -> [u8; STAMP_BYTES] {
+    let mut b = [0u8; STAMP_BYTES];
+    b[..8].copy_from_slice(&u64::MAX.to_le_bytes());
+    b
+}
+
+/// When a busy launch ran, by the device's clock (`%globaltimer`, CLOCK_MONOTONIC in the
+/// emulation): nanoseconds of its first block start and its last block end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stamps {
+    /// The earliest block start.
+    pub start_ns: u64,
+    /// The latest block end.
+    pub end_ns: u64,
+}
+
+impl Stamps {
+    fn read(exec: &dyn Executor, buf: BufferId) -> Result<Stamps, ExecError> {
+        let mut b = [0u8; STAMP_BYTES];
+        exec.read(buf, 0, &mut b)?;
+        let word = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or_default());
+        Ok(Stamps {
+            start_ns: word(0),
+            end_ns: word(8),
+        })
+    }
+
+    /// Whether a block started and ended, in that order (a launch that ran).
+    pub fn is_sane(&self) -> bool {
+        self.start_ns != u64::MAX && self.end_ns != 0 && self.start_ns <= self.end_ns
+    }
+}
+
+/// A busy kernel's buffers: `n` words on the device, each computed by one thread, and its
+/// stamps (docs/KERNELS.md "busy").
 pub struct BusyBench<'e> {
     mem: Owned<'e>,
     out: BufferId,
-    /// Output words: one per thread of the launch.
+    stamps: BufferId,
+    /// Output words.
     pub n: u32,
 }
 
 impl<'e> BusyBench<'e> {
-    /// Words enough to fill an H200's 132 SMs at 2048 resident threads each, twice over.
-    pub const GPU_WORDS: u32 = 132 * 2048 * 2;
-
-    /// Allocates `n` output words on `exec`'s device, poisoned.
+    /// Allocates `n` output words on `exec`'s device, poisoned, and the stamps.
     pub fn new(exec: &'e dyn Executor, n: u32) -> Result<BusyBench<'e>, ExecError> {
         let mut mem = Owned {
             exec,
             ids: Vec::new(),
         };
         let out = mem.alloc(MemKind::Device, 4 * u64::from(n), 0xA5)?;
-        Ok(BusyBench { mem, out, n })
+        let stamps = mem.alloc(MemKind::Device, STAMP_BYTES as u64, 0)?;
+        Ok(BusyBench {
+            mem,
+            out,
+            stamps,
+            n,
+        })
     }
 
     /// The output buffer.
@@ -35,8 +79,8 @@ impl<'e> BusyBench<'e> {
         self.out
     }
 
-    /// Launches `kernel` (compiled from the busy `spec`) for `rounds` rounds per word,
-    /// without synchronising.
+    /// Launches `kernel` (compiled from the busy `spec`) for `rounds` rounds per word on the
+    /// grid that gives each word a thread, resetting the stamps first, without synchronising.
     pub fn launch(
         &self,
         kernel: KernelId,
@@ -45,29 +89,102 @@ impl<'e> BusyBench<'e> {
         seed: u32,
     ) -> Result<(), ExecError> {
         let d = spec.launch_dims(self.n, 1);
-        let cfg = LaunchConfig::linear(d.grid, d.block);
-        self.mem.exec.launch(
+        launch_busy(
+            self.mem.exec,
             kernel,
-            &cfg,
-            &[
-                KernelArg::Ptr(self.out, 0),
-                KernelArg::U32(self.n),
-                KernelArg::U32(rounds),
-                KernelArg::U32(seed),
-            ],
+            LaunchConfig::linear(d.grid, d.block),
+            (self.out, self.n),
+            self.stamps,
+            rounds,
+            seed,
         )
+    }
+
+    /// The stamps of the last launch (after it finished).
+    pub fn stamps(&self) -> Result<Stamps, ExecError> {
+        Stamps::read(self.mem.exec, self.stamps)
     }
 }
 
-/// The busy kernel on a companion executor ([`Executor::companion`]: the same GPU, its own
-/// stream), to time work on the main executor while the SMs are busy, as an engine's
-/// transfers run while the model computes.
-pub struct Beside {
+/// Resets `stamps`, then launches a busy kernel over `out` (buffer and words).
+fn launch_busy(
+    exec: &dyn Executor,
+    kernel: KernelId,
+    cfg: LaunchConfig,
+    out: (BufferId, u32),
+    stamps: BufferId,
+    rounds: u32,
+    seed: u32,
+) -> Result<(), ExecError> {
+    exec.upload(stamps, 0, &unstamped())?;
+    exec.launch(
+        kernel,
+        &cfg,
+        &[
+            KernelArg::Ptr(out.0, 0),
+            KernelArg::U32(out.1),
+            KernelArg::U32(rounds),
+            KernelArg::U32(seed),
+            KernelArg::Ptr(stamps, 0),
+        ],
+    )
+}
+
+/// How big a companion's launch is: its grid, and the words of the HBM kernel's buffer (the
+/// ALU kernel has one word per thread: its rounds, not its words, set how long it runs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CompanionShape {
+    /// Blocks of the busy launch: one wave, all resident at once.
+    pub grid: u32,
+    /// Words of the HBM kernel's buffer.
+    pub hbm_words: u32,
+}
+
+impl CompanionShape {
+    /// SMs assumed where the device does not say ([`Executor::multiprocessors`]): an H100
+    /// SXM's or an H200's.
+    pub const GPU_SMS: u32 = 132;
+
+    /// 64 Mi words: a 256 MiB buffer, five times an H100's or H200's 50 MiB L2, so every
+    /// round of the HBM kernel streams from HBM.
+    pub const GPU_HBM_WORDS: u32 = 64 << 20;
+
+    /// The shape on a GPU of `sms` SMs: per SM, as many busy blocks of `threads` as leave a
+    /// transfer block of up to [`GPU_TRANSFER_THREADS`] room beside them (6 of 256 threads:
+    /// 1,536 of an SM's 2,048), so a transfer launched first keeps its blocks resident
+    /// between repeats rather than queueing behind the busy kernel's.
+    pub fn gpu(sms: u32, threads: u32) -> CompanionShape {
+        let per_sm = ((SM_MAX_THREADS - GPU_TRANSFER_THREADS) / threads.max(1)).max(1);
+        CompanionShape {
+            grid: sms.max(1) * per_sm,
+            hbm_words: Self::GPU_HBM_WORDS,
+        }
+    }
+
+    fn words(&self, kind: BusyKind, threads: u32) -> u32 {
+        match kind {
+            BusyKind::Alu => self.grid.saturating_mul(threads),
+            BusyKind::Hbm => self.hbm_words,
+        }
+    }
+}
+
+/// A busy kernel on a companion executor ([`Executor::companion`]: the same GPU, its own
+/// stream), to time work on the main executor while the SMs or HBM are busy, as an engine's
+/// transfers run while the model computes. A one-block launch of the ALU kernel on the main
+/// executor, just before the work, stamps where the work started.
+pub struct Beside<'e> {
+    exec: &'e dyn Executor,
+    marker: BusyBench<'e>,
+    marker_kernel: KernelId,
+    marker_spec: KernelSpec,
     comp: Box<dyn Executor>,
     kernel: KernelId,
-    spec: KernelSpec,
+    spec: BusySpec,
     out: BufferId,
+    stamps: BufferId,
     n: u32,
+    grid: u32,
     /// Seconds of one round over every word, measured alone.
     round_seconds: f64,
 }
@@ -79,54 +196,103 @@ pub struct BesideTiming {
     pub seconds: f64,
     /// Busy kernel seconds beside the work over its seconds alone (same rounds).
     pub busy_slowdown: f64,
+    /// Where the busy kernel ran against the work, by the device's clock.
+    pub overlap: Overlap,
 }
 
-impl Beside {
-    /// Opens `exec`'s companion and compiles the busy kernel for it. `Ok(None)` when
-    /// `exec` has none (the host executor); `Err` says why the busy kernel cannot run.
-    pub fn open(exec: &dyn Executor, jit: &Jit) -> Result<Option<Beside>, String> {
+impl<'e> Beside<'e> {
+    /// Opens `exec`'s companion and compiles the busy kernel of `kind` for it, at
+    /// [`CompanionShape::gpu`] of the device's SMs. `Ok(None)` when `exec` has none (the
+    /// host executor); `Err` says why the busy kernel cannot run.
+    pub fn open(
+        exec: &'e dyn Executor,
+        jit: &Jit,
+        kind: BusyKind,
+    ) -> Result<Option<Beside<'e>>, String> {
         let comp = match exec.companion() {
             Ok(Some(c)) => c,
             Ok(None) => return Ok(None),
             Err(e) => return Err(format!("no companion executor: {e}")),
         };
-        let spec = KernelSpec::Busy(crate::kernels::BusySpec::default());
-        // SAFETY: no hook: the JIT's build of the busy spec's render.
-        let kernel = unsafe { compile_and_load(comp.as_ref(), jit, &[spec], true, None, &|| {}) }
-            .pop()
-            .unwrap_or_else(|| Err("internal: no compile result".into()))
-            .map_err(|e| format!("busy kernel: {e}"))?;
-        let n = BusyBench::GPU_WORDS;
+        let spec = BusySpec::of(kind);
+        let sms = exec.multiprocessors().unwrap_or(CompanionShape::GPU_SMS);
+        let shape = CompanionShape::gpu(sms, spec.threads);
+        Beside::with_companion(exec, comp, jit, spec, shape).map(Some)
+    }
+
+    /// [`Beside::open`] with a companion and a shape of the caller's: tests run the host
+    /// executor beside another (two OS threads) on small buffers.
+    pub fn with_companion(
+        exec: &'e dyn Executor,
+        comp: Box<dyn Executor>,
+        jit: &Jit,
+        spec: BusySpec,
+        shape: CompanionShape,
+    ) -> Result<Beside<'e>, String> {
+        let what = format!("busy kernel {}", KernelSpec::Busy(spec).uri());
+        let load = |on: &dyn Executor, spec: KernelSpec| {
+            // SAFETY: no hook: the JIT's build of the busy spec's render.
+            unsafe { compile_and_load(on, jit, &[spec], true, None, &|| {}) }
+                .pop()
+                .unwrap_or_else(|| Err("internal: no compile result".into()))
+                .map_err(|e| format!("{what}: {e}"))
+        };
+        let kernel = load(comp.as_ref(), KernelSpec::Busy(spec))?;
+        let marker_spec = KernelSpec::Busy(BusySpec::of(BusyKind::Alu));
+        let marker_kernel = load(exec, marker_spec)?;
+        let marker = BusyBench::new(exec, 1).map_err(|e| format!("{what}: marker: {e}"))?;
+        let n = shape.words(spec.kind, spec.threads);
         let out = comp
             .alloc(MemKind::Device, 4 * n as usize, 0)
-            .map_err(|e| format!("busy kernel buffer: {e}"))?;
+            .map_err(|e| format!("{what}: buffer: {e}"))?;
+        let stamps = match comp.alloc(MemKind::Device, STAMP_BYTES, 0) {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = comp.free(out);
+                return Err(format!("{what}: stamps: {e}"));
+            }
+        };
         let mut b = Beside {
+            exec,
+            marker,
+            marker_kernel,
+            marker_spec,
             comp,
             kernel,
             spec,
             out,
+            stamps,
             n,
+            grid: shape.grid.max(1),
             round_seconds: 0.0,
         };
-        const CALIBRATION_ROUNDS: u32 = 4096;
+        // A fixed work of calibration: ≈ 4 ms of the ALU kernel on an H200, ≈ 9 ms of the
+        // HBM kernel (16 sweeps of 512 MiB read and written at ≈ 1 TB/s).
+        let calibration_rounds = match spec.kind {
+            BusyKind::Alu => 4096,
+            BusyKind::Hbm => 16,
+        };
         let alone = b
-            .time_alone(CALIBRATION_ROUNDS)
-            .map_err(|e| format!("busy kernel calibration: {e}"))?;
-        b.round_seconds = alone / f64::from(CALIBRATION_ROUNDS);
-        Ok(Some(b))
+            .time_alone(calibration_rounds)
+            .map_err(|e| format!("{what}: calibration: {e}"))?;
+        b.round_seconds = alone / f64::from(calibration_rounds);
+        Ok(b)
+    }
+
+    /// What this companion keeps busy.
+    pub fn kind(&self) -> BusyKind {
+        self.spec.kind
     }
 
     fn launch(&self, rounds: u32) -> Result<(), ExecError> {
-        let d = self.spec.launch_dims(self.n, 1);
-        self.comp.launch(
+        launch_busy(
+            self.comp.as_ref(),
             self.kernel,
-            &LaunchConfig::linear(d.grid, d.block),
-            &[
-                KernelArg::Ptr(self.out, 0),
-                KernelArg::U32(self.n),
-                KernelArg::U32(rounds),
-                KernelArg::U32(0x5EED),
-            ],
+            LaunchConfig::linear(self.grid, self.spec.threads),
+            (self.out, self.n),
+            self.stamps,
+            rounds,
+            0x5EED,
         )
     }
 
@@ -134,12 +300,14 @@ impl Beside {
         self.comp.time_work(&mut || self.launch(rounds))
     }
 
-    /// Runs the busy kernel for about twice `expected` seconds on the companion and times
-    /// `repeats` runs of `work` on `exec` meanwhile: the work's seconds per run, and how much
-    /// it slowed the busy kernel (timed alone at the same rounds afterwards).
+    /// Times `repeats` runs of `work` on the main executor with the busy kernel beside them:
+    /// the work's first run is enqueued first (so its blocks are resident), then the busy
+    /// kernel on the companion, for about twice `expected` seconds per run. Returns the
+    /// work's seconds per run, how much it slowed the busy kernel (timed alone at the same
+    /// rounds afterwards), and where the two ran by the device's clock: the busy kernel's
+    /// block stamps against the marker's, launched just before the work.
     pub fn time_beside(
         &self,
-        exec: &dyn Executor,
         expected: f64,
         repeats: u32,
         work: &(dyn Fn() -> Result<(), ExecError> + Sync),
@@ -150,15 +318,28 @@ impl Beside {
         let (tx, rx) = std::sync::mpsc::channel::<()>();
         let (busy, timed) = std::thread::scope(|s| {
             let busy = s.spawn(move || {
-                self.comp.time_work(&mut || {
-                    let r = self.launch(rounds);
-                    // The work starts once the busy kernel is enqueued (or failed to be).
-                    let _ = tx.send(());
-                    r
-                })
+                // The work's first run was enqueued, or it failed (`tx` dropped).
+                rx.recv().map_err(|_| ExecError::Driver {
+                    op: "busy kernel",
+                    message: "not launched: the timed work failed first".into(),
+                })?;
+                self.comp.time_work(&mut || self.launch(rounds))
             });
-            let _ = rx.recv();
-            let timed = exec.time_work(&mut || (0..repeats).try_for_each(|_| work()));
+            let timed = self
+                .marker
+                .launch(self.marker_kernel, &self.marker_spec, 0, 0)
+                .and_then(|()| {
+                    self.exec.time_work(&mut || {
+                        for i in 0..repeats {
+                            work()?;
+                            if i == 0 {
+                                let _ = tx.send(());
+                            }
+                        }
+                        Ok(())
+                    })
+                });
+            drop(tx);
             let busy = busy.join().unwrap_or_else(|_| {
                 Err(ExecError::Driver {
                     op: "busy kernel",
@@ -167,17 +348,42 @@ impl Beside {
             });
             (busy, timed)
         });
-        let (busy, timed) = (busy?, timed?);
+        let (timed, busy) = (timed?, busy?);
+        let work_start = self.marker.stamps()?.end_ns;
+        let companion = Stamps::read(self.comp.as_ref(), self.stamps)?;
         let alone = self.time_alone(rounds)?;
         Ok(BesideTiming {
             seconds: timed / f64::from(repeats),
             busy_slowdown: busy / alone.max(1e-12),
+            overlap: Overlap::of(work_start, timed, companion),
         })
     }
 }
 
-impl Drop for Beside {
+impl Overlap {
+    /// Where a companion launch ran (`companion`) against work that started at `work_start`
+    /// ns and took `work_seconds`.
+    pub fn of(work_start: u64, work_seconds: f64, companion: Stamps) -> Overlap {
+        let work_end = work_start.saturating_add((work_seconds.max(0.0) * 1e9) as u64);
+        let (from, to) = (
+            work_start.max(companion.start_ns),
+            work_end.min(companion.end_ns),
+        );
+        let span = work_end.saturating_sub(work_start).max(1);
+        Overlap {
+            start_lag_ns: companion.start_ns as i64 - work_start as i64,
+            covered: if companion.is_sane() {
+                to.saturating_sub(from) as f64 / span as f64
+            } else {
+                0.0
+            },
+        }
+    }
+}
+
+impl Drop for Beside<'_> {
     fn drop(&mut self) {
+        let _ = self.comp.free(self.stamps);
         let _ = self.comp.free(self.out);
     }
 }

@@ -1,4 +1,4 @@
-// busy_t256
+// busy_alu_t256
 // Rendered by cp-hicache from templates/busy.cu; do not edit: regenerate instead.
 // Self-contained CUDA C: no headers; the integer names below are the only typedefs.
 typedef unsigned char u8;
@@ -18,14 +18,46 @@ static __device__ inline u32 chc_busy_round(u32 x)
     return x ^ (x >> 13);
 }
 
+// Nanoseconds on a clock every SM shares, so block starts of kernels on different streams
+// compare: %globaltimer on the GPU, CLOCK_MONOTONIC in the emulation.
+static __device__ inline u64 chc_globaltimer()
+{
+#ifdef CP_HICACHE_EMU
+    return cp_emu::globaltimer_ns();
+#else
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+#endif
+}
+
+// stamps[0] becomes the earliest block start of the launch, stamps[1] its latest block end
+// (the caller sets them to ~0 and 0): where the kernel ran, to compare with another's.
+static __device__ inline void chc_stamp_start(u64* stamps)
+{
+    if (threadIdx.x == 0) {
+        atomicMin(&stamps[0], chc_globaltimer());
+    }
+}
+
+static __device__ inline void chc_stamp_end(u64* stamps)
+{
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        atomicMax(&stamps[1], chc_globaltimer());
+    }
+}
+
 // A compute-bound stand-in for the model's kernels: thread word i of [0, n) starts from
 // seed ^ (i * 0x9E3779B9), runs `rounds` dependent rounds and stores the result to out[i].
 // It holds registers and issue slots for as long as `rounds` says and touches almost no
 // memory, so timing a transfer beside it shows what the transfer costs the model and what
 // the model costs the transfer. Threads stride over the words, so any grid is correct.
-extern "C" __global__ void __launch_bounds__(THREADS) busy_t256(
-    u32* __restrict__ out, u32 n, u32 rounds, u32 seed)
+// `stamps` gets the launch's first block start and last block end (chc_stamp_*).
+extern "C" __global__ void __launch_bounds__(THREADS) busy_alu_t256(
+    u32* __restrict__ out, u32 n, u32 rounds, u32 seed, u64* __restrict__ stamps)
 {
+    chc_stamp_start(stamps);
     for (u64 i = (u64)blockIdx.x * THREADS + threadIdx.x; i < n; i += (u64)gridDim.x * THREADS) {
         u32 x = seed ^ ((u32)i * 0x9E3779B9u);
         for (u32 r = 0; r < rounds; ++r) {
@@ -33,8 +65,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) busy_t256(
         }
         out[i] = x;
     }
+    chc_stamp_end(stamps);
 }
 
 #ifdef CP_HICACHE_EMU
-CP_HICACHE_EMU_EXPORT(busy_t256)
+CP_HICACHE_EMU_EXPORT(busy_alu_t256)
 #endif
