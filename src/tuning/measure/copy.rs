@@ -3,7 +3,7 @@
 
 use std::ops::Range;
 
-use super::timing::{time_sized, Sizes, Timing};
+use super::timing::{time_sized, time_submitted, Sizes, Timing};
 use super::workload::{u32_bytes, Owned, SplitMix};
 use crate::exec::{
     Backend, BufferId, CopyRegion, DmaMode, ExecError, Executor, KernelArg, KernelId, LaunchConfig,
@@ -494,16 +494,9 @@ impl<'e> CopyBench<'e> {
         sizes: &Sizes,
         mode: DmaMode,
     ) -> Result<(Timing, Timing), ExecError> {
-        let submits = std::cell::RefCell::new(Vec::new());
-        let device = time_sized(self.mem.exec, sizes, || {
-            let t = std::time::Instant::now();
-            let out = self.copy_staged(kernel, spec, mode);
-            submits.borrow_mut().push(t.elapsed().as_secs_f64());
-            out
-        })?;
-        let mut s = submits.into_inner();
-        let timed = s.split_off(s.len().saturating_sub(sizes.repeats.max(1) as usize));
-        Ok((device, Timing::of(timed)))
+        time_submitted(self.mem.exec, sizes, || {
+            self.copy_staged(kernel, spec, mode)
+        })
     }
 
     /// Times `kernel`: launch and synchronise, median of the repeats.
@@ -552,17 +545,7 @@ impl<'e> CopyBench<'e> {
         sizes: &Sizes,
         mode: DmaMode,
     ) -> Result<(Timing, Timing), ExecError> {
-        let submits = std::cell::RefCell::new(Vec::new());
-        let device = time_sized(self.mem.exec, sizes, || {
-            let t = std::time::Instant::now();
-            let out = self.copy_dma_with(mode);
-            submits.borrow_mut().push(t.elapsed().as_secs_f64());
-            out
-        })?;
-        // The warm-ups ran first: the last `repeats` submissions are the timed ones.
-        let mut s = submits.into_inner();
-        let timed = s.split_off(s.len().saturating_sub(sizes.repeats.max(1) as usize));
-        Ok((device, Timing::of(timed)))
+        time_submitted(self.mem.exec, sizes, || self.copy_dma_with(mode))
     }
 
     /// The memory kinds the copy reads and writes (for its baseline).

@@ -128,3 +128,23 @@ pub(super) fn time_sized(
 ) -> Result<Timing, ExecError> {
     time_device(exec, sizes.warmup, sizes.repeats, || Ok(()), run)
 }
+
+/// [`time_sized`], and the host's time submitting each timed repeat (`run` alone, on the
+/// host clock): the device's median and the submissions' median. A batch of many copies can
+/// keep the host busier than the device.
+pub(super) fn time_submitted(
+    exec: &dyn Executor,
+    sizes: &Sizes,
+    mut run: impl FnMut() -> Result<(), ExecError>,
+) -> Result<(Timing, Timing), ExecError> {
+    let mut submits = Vec::new();
+    let device = time_sized(exec, sizes, || {
+        let t = Instant::now();
+        let out = run();
+        submits.push(t.elapsed().as_secs_f64());
+        out
+    })?;
+    // The warm-ups ran first: the last `repeats` submissions are the timed ones.
+    let timed = submits.split_off(submits.len().saturating_sub(sizes.repeats.max(1) as usize));
+    Ok((device, Timing::of(timed)))
+}
