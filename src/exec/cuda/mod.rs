@@ -491,21 +491,17 @@ impl Executor for CudaExecutor {
     }
 
     unsafe fn follow_stream(&self, stream: u64) -> Result<(), ExecError> {
-        // SAFETY: the caller's contract: a live stream of this context.
-        let ev = self.spare_event()?;
-        // SAFETY: as above.
-        let out = unsafe { self.gpu.follow(stream, &ev) }.map_err(driver_err("follow a stream"));
-        self.events().spare.push(ev);
-        out
+        self.ordered_by("follow a stream", |ev| {
+            // SAFETY: the caller's contract: a live stream of this context.
+            unsafe { self.gpu.follow(stream, ev) }
+        })
     }
 
     unsafe fn lead_stream(&self, stream: u64) -> Result<(), ExecError> {
-        // SAFETY: as in `follow_stream`.
-        let ev = self.spare_event()?;
-        // SAFETY: as above.
-        let out = unsafe { self.gpu.lead(stream, &ev) }.map_err(driver_err("lead a stream"));
-        self.events().spare.push(ev);
-        out
+        self.ordered_by("lead a stream", |ev| {
+            // SAFETY: as in `follow_stream`.
+            unsafe { self.gpu.lead(stream, ev) }
+        })
     }
 
     fn synchronize(&self) -> Result<(), ExecError> {
@@ -544,10 +540,7 @@ impl Executor for CudaExecutor {
         let mut events = Vec::with_capacity(layers.len());
         let out = (|| {
             // The load reads what was enqueued before it (page lists, allocations).
-            let ev = self.spare_event()?;
-            let ordered = self.gpu.load_after(&ev).map_err(driver_err("load_layers"));
-            self.events().spare.push(ev);
-            ordered?;
+            self.ordered_by("load_layers", |ev| self.gpu.load_after(ev))?;
             for ops in layers {
                 for op in ops {
                     match op {
@@ -641,6 +634,19 @@ impl CudaExecutor {
             Some(ev) => Ok(ev),
             None => self.gpu.new_event().map_err(driver_err("record_event")),
         }
+    }
+
+    /// Orders two streams with a pooled event (`order`: record on one, wait on the other),
+    /// then gives the event back at once: the wait took its state at the call.
+    fn ordered_by(
+        &self,
+        op: &'static str,
+        order: impl FnOnce(&cudarc::driver::CudaEvent) -> Result<(), String>,
+    ) -> Result<(), ExecError> {
+        let ev = self.spare_event()?;
+        let out = order(&ev).map_err(driver_err(op));
+        self.events().spare.push(ev);
+        out
     }
 
     /// An event recorded at the current end of `gpu`'s stream, kept for waits by its id.

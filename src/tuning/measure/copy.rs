@@ -343,6 +343,13 @@ impl<'e> CopyBench<'e> {
         clamp_layer_range(self.first_layer, self.layer_count, self.layers)
     }
 
+    /// The recommended grid of `spec` (a candidate of this bench's spec key) for this
+    /// workload.
+    fn launch_config(&self, spec: &KernelSpec) -> LaunchConfig {
+        let d = spec.launch_dims(self.n, self.launch_layers());
+        LaunchConfig::linear(d.grid, d.block)
+    }
+
     fn launch_layers(&self) -> u32 {
         self.layer_range().len() as u32
     }
@@ -368,8 +375,7 @@ impl<'e> CopyBench<'e> {
     /// Launches `kernel` (compiled from `spec`, a candidate of this bench's spec key) with the
     /// recommended grid, without synchronising.
     pub fn launch(&self, kernel: KernelId, spec: &KernelSpec) -> Result<(), ExecError> {
-        let d = spec.launch_dims(self.n, self.launch_layers());
-        let cfg = LaunchConfig::linear(d.grid, d.block);
+        let cfg = self.launch_config(spec);
         let exec = self.mem.exec;
         match &self.kind {
             CopyKind::Transfer { .. } => self.launch_transfer(kernel, &cfg, false),
@@ -461,8 +467,7 @@ impl<'e> CopyBench<'e> {
         else {
             return Err(no_dma_path());
         };
-        let d = spec.launch_dims(self.n, self.launch_layers());
-        let cfg = LaunchConfig::linear(d.grid, d.block);
+        let cfg = self.launch_config(spec);
         let exec = self.mem.exec;
         let copies = || {
             buffers.iter().try_for_each(|b| {
