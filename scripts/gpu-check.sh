@@ -9,7 +9,10 @@
 # random inputs with poisoned outputs, plus each transfer's DMA path (`bench --check --backend
 # cuda`); `tune --backend cuda --quick` (two DMA transfer candidates: `dma`, one
 # cuMemcpyBatchAsync per batch, and `dma-each`, one cuMemcpyAsync per merged run of pages);
-# `bench --backend cuda --json` with that tuning file (baseline: pinned cuMemcpyAsync; select
+# `tune --sweep --backend cuda` on nsa_ps64_cp8 (each buffer alone and both, both ways, at
+# 128/256/512 threads x 1/2/4/8/16 blocks and on the three DMA paths, each alone and beside
+# the ALU and HBM busy kernels, with where each ran); `bench --backend cuda --json` with that
+# tuning file (baseline: pinned cuMemcpyAsync; select
 # and release at 2,048 and 16,384 pages against the Rust reference); a short `replay --backend
 # cuda` with the kernel and the DMA transfer path; compute-sanitizer memcheck of the check
 # when compute-sanitizer is on PATH, and its racecheck and synccheck of the allocator kernels
@@ -19,10 +22,12 @@
 #     `dma-each`, each timed beside the ALU busy kernel, with the GB/s alone and beside the
 #     HBM busy kernel, each busy kernel's slowdown and where each ran against the transfers),
 #     also saved as transfers.txt, with a note for a DMA row that is missing;
+#   - the sweep step's rows, also saved as sweep.txt, with a note for a buffer set, shape or
+#     DMA path that has no row;
 #   - the bench step's select and release rows at 2,048 pages (8,192 bytes: 4 per requested
 #     page), also saved as allocator.txt;
-#   - the bench step's DMA transfer rows (`dma`, `dma-each`, with the host's submission time)
-#     and the link's ceiling rows (config `link`), also saved as dma.txt.
+#   - the bench step's DMA transfer rows (`dma`, `dma-each`, `dma-staged`, with the host's
+#     submission time) and the link's ceiling rows (config `link`), also saved as dma.txt.
 #
 # Prepare on the build machine (has cargo and network; no GPU needed):
 #   cargo build --release
@@ -57,6 +62,8 @@ if ! command -v timeout >/dev/null 2>&1; then
 fi
 
 export RUST_LOG="${RUST_LOG:-warn}"
+# The sweep's deployment: NSA has two buffers of different page sizes.
+sweep_deployment=nsa_ps64_cp8
 rows=()
 failed=0
 
@@ -115,6 +122,9 @@ fi
 
 step check "$bin" bench --check --backend cuda
 step tune "$bin" tune --backend cuda --quick --out "$out/tuning.json"
+# What the transfer mapping rests on: each buffer alone and both, both ways, at 128/256/512
+# threads x 1-16 blocks, and dma / dma-each / dma-staged, alone and beside both busy kernels.
+step sweep "$bin" tune --sweep --backend cuda --deployment "$sweep_deployment"
 tuning_args=()
 if [[ -f "$out/tuning.json" ]]; then
   tuning_args=(--tuning "$out/tuning.json")
@@ -157,6 +167,21 @@ if [[ -f "$out/tune.log" ]]; then
   done
 fi
 
+# The sweep (tune --sweep): every row, and a note for a buffer set or path with no row.
+if [[ -f "$out/sweep.log" ]]; then
+  echo
+  echo "sweep ($sweep_deployment): kernel  buffers  candidate  ms  GB/s-beside-alu  GB/s-alone  GB/s-beside-hbm  alu-slowdown  hbm-slowdown  note"
+  grep -E '^transfer_pages' "$out/sweep.log" | tee "$out/sweep.txt" || true
+  for buffers in nsa_kv nsa_idx nsa_kv+nsa_idx; do
+    for candidate in t128_ppb1_v16_u8_g1 t256_ppb1_v16_u8_g4 t512_ppb1_v16_u8_g16 dma dma-each dma-staged; do
+      if ! awk -v b="$buffers" -v c="$candidate" '$2 == b && $3 == c { found = 1 } END { exit !found }' \
+        "$out/sweep.txt"; then
+        echo "note: the sweep printed no '$buffers' '$candidate' row"
+      fi
+    done
+  done
+fi
+
 # Select and release at 2,048 pages: bench's table rows whose kernel is select_owner_pages_* or
 # release_pages_* and whose bytes column is 8192 (4 bytes per requested page).
 if [[ -f "$out/bench.log" ]]; then
@@ -166,13 +191,13 @@ if [[ -f "$out/bench.log" ]]; then
     | tee "$out/allocator.txt" || true
 fi
 
-# The DMA path against the link: bench's dma and dma-each transfer rows (GB/s of the copy
-# engines, and the host's time submitting the copies, the last column) and the link's
+# The DMA path against the link: bench's dma, dma-each and dma-staged transfer rows (GB/s of
+# the copy engines, and the host's time submitting the copies, the last column) and the link's
 # ceiling (one 256 MiB pinned cuMemcpyAsync each way, config `link`).
 if [[ -f "$out/bench.log" ]]; then
   echo
   echo "dma and the link (bench): deployment  config  kernel  bytes  ms  GB/s  base  ratio  baseline  submit-ms"
-  awk '$3 ~ /^dma(-each)?\(/ || $2 == "link"' "$out/bench.log" | tee "$out/dma.txt" || true
+  awk '$3 ~ /^dma(-each|-staged)?\(/ || $2 == "link"' "$out/bench.log" | tee "$out/dma.txt" || true
 fi
 
 echo

@@ -689,3 +689,101 @@ fn bench_storage_times_the_store_against_plain_files() {
     }
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
 }
+
+/// Issue 29: `tune --sweep` times each buffer alone and both together, both ways, at every
+/// thread count × grid cap asked for, plus one row per DMA path (which say why not on the
+/// host), and writes no tuning file.
+#[test]
+fn tune_sweep_covers_every_buffer_direction_and_shape_and_writes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let out = run(bin(&cache).args([
+        "tune",
+        "--sweep",
+        "--backend",
+        "host",
+        "--deployment",
+        "nsa_ps64_cp8",
+        "--sweep-threads",
+        "32,128",
+        "--sweep-grids",
+        "1,3",
+        "--pages",
+        "6",
+        "--layers",
+        "2",
+        "--repeats",
+        "1",
+    ]));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let header: Vec<&str> = stdout
+        .lines()
+        .find(|l| l.starts_with("kernel "))
+        .unwrap()
+        .split_whitespace()
+        .collect();
+    assert_eq!(
+        header[..4],
+        ["kernel", "buffers", "candidate", "ms"],
+        "{stdout}"
+    );
+    let rows: Vec<Vec<&str>> = stdout
+        .lines()
+        .filter(|l| l.starts_with("transfer_pages_"))
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    // 2 directions × 3 buffer sets × (4 shapes + 3 DMA paths).
+    assert_eq!(rows.len(), 2 * 3 * 7, "{stdout}");
+    for dir in ["h2d", "d2h"] {
+        for (buffers, stem) in [
+            ("nsa_kv+nsa_idx", "b656_b132"),
+            ("nsa_kv", "b656"),
+            ("nsa_idx", "b132"),
+        ] {
+            let of: Vec<&Vec<&str>> = rows
+                .iter()
+                .filter(|r| {
+                    r[0] == format!("transfer_pages_{dir}_pf_ps64_{stem}") && r[1] == buffers
+                })
+                .collect();
+            let candidates: Vec<&str> = of.iter().map(|r| r[2]).collect();
+            assert_eq!(
+                candidates,
+                [
+                    "t32_ppb1_v16_u8_g1",
+                    "t32_ppb1_v16_u8_g3",
+                    "t128_ppb1_v16_u8_g1",
+                    "t128_ppb1_v16_u8_g3",
+                    "dma",
+                    "dma-each",
+                    "dma-staged"
+                ],
+                "{dir} {buffers}: {stdout}"
+            );
+            for r in &of[..4] {
+                let gbps: f64 = r[4].parse().unwrap_or_else(|_| panic!("{r:?}"));
+                assert!(gbps > 0.0, "{r:?}");
+            }
+            for r in &of[4..] {
+                assert_eq!(r[3], "-", "{r:?}");
+                assert!(
+                    r.join(" ").contains("unsupported by the host executor"),
+                    "{r:?}"
+                );
+            }
+        }
+    }
+    assert!(
+        !cache.join("tuning.json").exists(),
+        "a sweep wrote a tuning file"
+    );
+    // A sweep has no tuning file to write, so --out is refused rather than ignored.
+    let refused = output(bin(&cache).args(["tune", "--sweep", "--out", "x.json"]));
+    assert_eq!(refused.status.code(), Some(2));
+    let usage = output(bin(&cache).args(["tune", "--sweep-threads", "128"]));
+    assert_eq!(
+        usage.status.code(),
+        Some(2),
+        "--sweep-threads needs --sweep"
+    );
+}

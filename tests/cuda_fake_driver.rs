@@ -332,6 +332,39 @@ fn dma_candidates(batched: bool) {
                 );
             }
         }
+        // The sweep's staged path: contiguous runs by DMA to a device staging buffer and
+        // the transfer kernel between it and the pools, checked against the reference, then
+        // timed. One batch per buffer where the driver has the call.
+        // SAFETY: no source hook; the kernel is the rendered transfer.
+        let kernel = unsafe {
+            cp_hicache::tuning::measure::compile_and_load(
+                &gpu,
+                &jit(),
+                &[spec],
+                false,
+                None,
+                &|| {},
+            )
+        }
+        .remove(0)
+        .unwrap();
+        let none = cp_hicache::tuning::tuner::Companions::default();
+        let before = copy_calls();
+        let r = cp_hicache::tuning::sweep::time_staged_candidate(
+            &gpu, &spec, kernel, &bench, &none, &sizes, 5,
+        );
+        let after = copy_calls();
+        assert!(r.dropped.is_none(), "{dir} staged: {:?}", r.dropped);
+        assert!(r.seconds.is_some() && r.gbps.is_some(), "{dir} staged");
+        let (batches, each) = (after.0 - before.0, after.1 - before.1);
+        assert!(
+            if batched {
+                batches > 0
+            } else {
+                batches == 0 && each > 0
+            },
+            "{dir} staged: {batches} batches, {each} calls"
+        );
     }
 }
 

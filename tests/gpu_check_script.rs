@@ -23,6 +23,24 @@ tune_row() { printf '%-44s  %-22s  %10s  %8s  %8s  %8s  %7s  %7s  %s\n' "$@"; }
 bench_row() {
   printf '%-13s  %-7s  %-38s  %10s  %9s  %8s  %8s  %6s  %s\n' "$@"
 }
+sweep_row() { printf '%-44s  %-16s  %-26s  %10s  %8s  %8s  %8s  %7s  %7s  %s\n' "$@"; }
+if [[ "$1" == tune && " $* " == *" --sweep "* ]]; then
+  echo "device: cuda stub"
+  echo "sizes: pages=256 layers=4 warmup=1 repeats=7"
+  sweep_row kernel buffers candidate ms GB/s alone hbm alu-x hbm-x note
+  for d in h2d d2h; do
+    for b in "nsa_kv+nsa_idx b656_b132" "nsa_kv b656" "nsa_idx b132"; do
+      set -- $b
+      for c in t128_ppb1_v16_u8_g1 t256_ppb1_v16_u8_g4 t512_ppb1_v16_u8_g16 dma dma-each \
+        dma-staged; do
+        if [[ -n "${STUB_NO_STAGED:-}" && "$c" == dma-staged ]]; then continue; fi
+        sweep_row "transfer_pages_${d}_pf_ps64_$2" "$1" "$c" 1.000 40.00 45.00 38.00 1.010 \
+          1.050 "start, overlap: alu +3.2us 100%, hbm +4.1us 100%"
+      done
+    done
+  done
+  exit 0
+fi
 if [[ "$1" == tune ]]; then
   echo "device: cuda stub"
   tune_row kernel candidate ms GB/s alone hbm alu-x hbm-x note
@@ -48,6 +66,8 @@ if [[ "$1" == bench && " $* " != *" --check "* ]]; then
     8192 2.000 0.50 1.00 0.50 "cuMemcpyAsync  0.300"
   bench_row nsa_ps64_cp8 dma "dma-each(transfer_pages_h2d_pf_ps64_b656_t512_ppb1_v16_u8_g4)" \
     8192 3.000 0.33 1.00 0.33 "cuMemcpyAsync  2.500"
+  bench_row nsa_ps64_cp8 dma "dma-staged(transfer_pages_h2d_pf_ps64_b656_t512_ppb1_v16_u8_g4)" \
+    8192 1.500 0.66 1.00 0.66 "cuMemcpyAsync  0.020"
   bench_row - link "link(h2d,256MiB)" 268435456 5.000 53.69 53.69 1.00 "cuMemcpyAsync  -"
   bench_row - link "link(d2h,256MiB)" 268435456 5.100 52.63 52.63 1.00 "cuMemcpyAsync  -"
   for n in 8192 65536; do
@@ -145,6 +165,7 @@ fn a_failing_step_is_reported_and_the_others_still_run() {
         ("compile", "ok"),
         ("check", "FAIL(1)"),
         ("tune", "ok"),
+        ("sweep", "ok"),
         ("bench", "ok"),
         ("replay", "ok"),
         ("replay-dma", "ok"),
@@ -208,13 +229,17 @@ fn transfers_and_allocator_rows_come_before_the_summary() {
              GB/s-beside-hbm  alu-slowdown  hbm-slowdown  note\n",
         )
         .expect("transfers header");
+    let sweep = stdout.find("\nsweep (nsa_ps64_cp8)").expect("sweep header");
     let allocator = stdout
         .find(
             "\nallocator at 2,048 pages (bench): deployment  config  kernel  bytes  ms  GB/s  \
              base  ratio  baseline\n",
         )
         .expect("allocator header");
-    assert!(transfers < allocator && allocator < summary, "{stdout}");
+    assert!(
+        transfers < sweep && sweep < allocator && allocator < summary,
+        "{stdout}"
+    );
     let section = |from: usize, to: usize| -> Vec<String> {
         stdout[from..to]
             .lines()
@@ -223,7 +248,7 @@ fn transfers_and_allocator_rows_come_before_the_summary() {
             .map(str::to_string)
             .collect()
     };
-    let rows = section(transfers, allocator);
+    let rows = section(transfers, sweep);
     let saved = std::fs::read_to_string(dir.path().join("out-/transfers.txt")).unwrap();
     assert_eq!(rows, saved.lines().collect::<Vec<_>>(), "{stdout}");
     for dir_ in ["h2d", "d2h"] {
@@ -359,6 +384,52 @@ fn sanitizer_steps_check_the_allocator_for_races_and_barriers() {
     }
 }
 
+/// The sweep step (`tune --sweep` on nsa_ps64_cp8): its rows come before the summary
+/// unchanged under their header, are saved as sweep.txt, and a buffer set × path the sweep
+/// printed no row for is named.
+#[test]
+fn sweep_rows_cover_each_buffer_set_and_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let (out, calls) = run_script(dir.path(), &[]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    let sweeps: Vec<&Call> = calls
+        .iter()
+        .filter(|c| c.args.iter().any(|a| a == "--sweep"))
+        .collect();
+    assert_eq!(sweeps.len(), 1);
+    let args = &sweeps[0].args;
+    assert_eq!(args[0], "tune");
+    assert!(
+        args.windows(2)
+            .any(|w| w == ["--deployment", "nsa_ps64_cp8"]),
+        "{args:?}"
+    );
+    let header = "\nsweep (nsa_ps64_cp8): kernel  buffers  candidate  ms  GB/s-beside-alu  \
+                  GB/s-alone  GB/s-beside-hbm  alu-slowdown  hbm-slowdown  note\n";
+    let at = stdout.find(header).expect("sweep header");
+    let end = stdout[at + 1..].find("\n\n").map(|e| at + 1 + e).unwrap();
+    let rows: Vec<&str> = stdout[at + header.len()..end]
+        .lines()
+        .filter(|l| !l.is_empty())
+        .collect();
+    let saved = std::fs::read_to_string(dir.path().join("out-/sweep.txt")).unwrap();
+    assert_eq!(rows, saved.lines().collect::<Vec<_>>(), "{stdout}");
+    assert_eq!(rows.len(), 2 * 3 * 6, "{stdout}");
+    assert!(!stdout.contains("note: the sweep printed no"), "{stdout}");
+    let (out, _) = run_script(dir.path(), &[("STUB_NO_STAGED", "1")]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for buffers in ["nsa_kv", "nsa_idx", "nsa_kv+nsa_idx"] {
+        assert!(
+            stdout.contains(&format!(
+                "note: the sweep printed no '{buffers}' 'dma-staged' row"
+            )),
+            "{stdout}"
+        );
+    }
+    assert!(!stdout.contains("'dma-each' row"), "{stdout}");
+}
+
 /// Bench's DMA rows (with the host's submission time) and the link's ceiling rows come
 /// before the summary, unchanged, and are saved as dma.txt.
 #[test]
@@ -389,6 +460,7 @@ fn dma_and_link_rows_come_before_the_summary() {
         [
             ("dma", "0.300"),
             ("dma", "2.500"),
+            ("dma", "0.020"),
             ("link", "-"),
             ("link", "-")
         ],

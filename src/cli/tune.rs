@@ -9,6 +9,7 @@ use std::process::ExitCode;
 use super::common::{check_merge_target, BackendArg, SizeArgs};
 use crate::jit::open_executor;
 use crate::jit::{Jit, JitConfig};
+use crate::tuning::sweep::SweepOptions;
 use crate::tuning::{self, bench::deployment_by_name, tuner::TuneOptions, TuneEvent, TuningFile};
 
 /// Options of `tune`.
@@ -30,6 +31,22 @@ pub struct TuneArgs {
     /// `--pages`, `--layers`, `--repeats`.
     #[command(flatten)]
     pub sizes: SizeArgs,
+    /// Instead of tuning, sweep the deployment's transfers (docs/KERNELS.md "Transfer
+    /// sweep"): each buffer alone and all together, in both directions, at every
+    /// `--sweep-threads` × `--sweep-grids` shape and on the DMA paths (`dma`, `dma-each`,
+    /// `dma-staged`; CUDA only), each timed alone and beside the ALU and HBM busy kernels on
+    /// a GPU. It writes no tuning file: the one-buffer transfers are not kernels the cache
+    /// runs.
+    #[arg(long, conflicts_with = "out")]
+    pub sweep: bool,
+    /// Threads per block the sweep times (comma-separated; default 128,256,512).
+    #[arg(long, value_name = "N,..", value_delimiter = ',', requires = "sweep",
+          value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub sweep_threads: Vec<u32>,
+    /// Grid caps in blocks the sweep times (comma-separated; default 1,2,4,8,16).
+    #[arg(long, value_name = "N,..", value_delimiter = ',', requires = "sweep",
+          value_parser = clap::value_parser!(u32).range(1..=65536))]
+    pub sweep_grids: Vec<u32>,
 }
 
 pub(super) fn progress_bar(prefix: String) -> Option<indicatif::ProgressBar> {
@@ -49,6 +66,9 @@ pub(super) fn progress_bar(prefix: String) -> Option<indicatif::ProgressBar> {
 pub(super) fn run(args: &TuneArgs) -> Result<ExitCode, crate::Error> {
     let dep =
         deployment_by_name(&args.deployment).map_err(|e| crate::Error::Usage(e.to_string()))?;
+    if args.sweep {
+        return run_sweep(args, &dep);
+    }
     let mut opts = TuneOptions::new(args.quick);
     args.sizes
         .apply(&mut opts.sizes, std::slice::from_ref(&dep))?;
@@ -81,37 +101,15 @@ pub(super) fn run(args: &TuneArgs) -> Result<ExitCode, crate::Error> {
     }
 
     outln!("device: {device}");
-    outln!(
-        "{:<44}  {:<22}  {:>10}  {:>8}  {:>8}  {:>8}  {:>7}  {:>7}  note",
-        "kernel",
-        "candidate",
-        "ms",
-        "GB/s",
-        "alone",
-        "hbm",
-        "alu-x",
-        "hbm-x"
-    );
+    outln!("{:<44}  {:<22}  {}", "kernel", "candidate", RESULT_HEADER);
     for e in &entries {
         for r in &e.results {
             let mark = if r.choice == e.best { "best" } else { "" };
-            let c = BesideColumns::of(r);
             outln!(
-                "{:<44}  {:<22}  {:>10}  {:>8}  {:>8}  {:>8}  {:>7}  {:>7}  {}",
+                "{:<44}  {:<22}  {}",
                 e.spec_key,
                 r.choice.to_string(),
-                r.seconds
-                    .map_or_else(|| "-".into(), |s| format!("{:.3}", s * 1e3)),
-                r.gbps.map_or_else(|| "-".into(), |g| format!("{g:.2}")),
-                c.alone,
-                c.hbm,
-                c.alu_slowdown,
-                c.hbm_slowdown,
-                [r.dropped.as_deref().unwrap_or(mark), &c.overlap]
-                    .into_iter()
-                    .filter(|n| !n.is_empty())
-                    .collect::<Vec<_>>()
-                    .join("; "),
+                result_columns(r, mark)
             );
         }
     }
@@ -154,6 +152,98 @@ pub(super) fn run(args: &TuneArgs) -> Result<ExitCode, crate::Error> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// `tune --sweep`: the table of [`tuning::sweep::sweep`]; exit status 1 when a candidate
+/// computed wrong bytes (a kernel bug at that shape), as in `tune`.
+fn run_sweep(args: &TuneArgs, dep: &crate::kernels::Deployment) -> Result<ExitCode, crate::Error> {
+    let mut opts = SweepOptions::new(args.quick);
+    args.sizes
+        .apply(&mut opts.sizes, std::slice::from_ref(dep))?;
+    if !args.sweep_threads.is_empty() {
+        opts.threads = args.sweep_threads.clone();
+    }
+    if !args.sweep_grids.is_empty() {
+        opts.grids = args.sweep_grids.clone();
+    }
+    let exec = open_executor(args.executor.backend)?;
+    crate::tuning::measure::target_for(exec.as_ref())?;
+    let jit = Jit::new(JitConfig::from_env()?);
+    let bar = progress_bar(format!("sweeping {} on {}", dep.name, exec.backend()));
+    let on_event = |ev: TuneEvent| {
+        if let Some(b) = &bar {
+            match ev {
+                TuneEvent::Planned { steps } => b.set_length(steps),
+                TuneEvent::Step { what } => {
+                    b.set_message(what);
+                    b.inc(1);
+                }
+            }
+        }
+    };
+    let swept = tuning::sweep::sweep(dep, exec.as_ref(), &jit, &opts, &on_event)?;
+    if let Some(b) = &bar {
+        b.finish_and_clear();
+    }
+    outln!("device: {}", swept.device);
+    outln!("sizes: {}", opts.sizes.describe());
+    outln!(
+        "{:<44}  {:<16}  {:<26}  {}",
+        "kernel",
+        "buffers",
+        "candidate",
+        RESULT_HEADER
+    );
+    let mut wrong = 0;
+    for r in &swept.rows {
+        if r.result
+            .dropped
+            .as_deref()
+            .is_some_and(tuning::tuner::is_wrong_output)
+        {
+            wrong += 1;
+        }
+        outln!(
+            "{:<44}  {:<16}  {:<26}  {}",
+            r.spec_key,
+            r.buffers,
+            r.candidate,
+            result_columns(&r.result, "")
+        );
+    }
+    Ok(if wrong == 0 {
+        ExitCode::SUCCESS
+    } else {
+        eprintln!(
+            "error: {wrong} sweep candidate(s) computed wrong bytes (kernel bugs at those shapes)"
+        );
+        ExitCode::FAILURE
+    })
+}
+
+/// The measurement columns of a tune or sweep row (after kernel and candidate).
+const RESULT_HEADER: &str = "        ms      GB/s     alone       hbm    alu-x    hbm-x  note";
+
+/// A candidate's measurement columns under [`RESULT_HEADER`]: ms, GB/s (beside the ALU busy
+/// kernel on a GPU), then [`BesideColumns`], then the note (`mark`, or why it was dropped,
+/// and where the busy kernels ran).
+fn result_columns(r: &tuning::CandidateResult, mark: &str) -> String {
+    let c = BesideColumns::of(r);
+    format!(
+        "{:>10}  {:>8}  {:>8}  {:>8}  {:>7}  {:>7}  {}",
+        r.seconds
+            .map_or_else(|| "-".into(), |s| format!("{:.3}", s * 1e3)),
+        r.gbps.map_or_else(|| "-".into(), |g| format!("{g:.2}")),
+        c.alone,
+        c.hbm,
+        c.alu_slowdown,
+        c.hbm_slowdown,
+        [r.dropped.as_deref().unwrap_or(mark), &c.overlap]
+            .into_iter()
+            .filter(|n| !n.is_empty())
+            .collect::<Vec<_>>()
+            .join("; "),
+    )
 }
 
 /// The columns of a transfer timed beside the busy kernels (docs/KERNELS.md "busy"), `-`

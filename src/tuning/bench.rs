@@ -515,9 +515,10 @@ pub fn with_streaming_stores(dep: &Deployment) -> Deployment {
     d
 }
 
-/// Every kernel that `bench`, `bench --check` and `tune --quick` may load for `deps` on a GPU:
-/// all kernels of each deployment and of its [`with_streaming_stores`] twin, every quick
-/// CUDA candidate of its tuned kernels, and the busy kernels `tune` runs beside transfers. A
+/// Every kernel that `bench`, `bench --check`, `tune --quick` and `tune --sweep` (its default
+/// shapes) may load for `deps` on a GPU: all kernels of each deployment and of its
+/// [`with_streaming_stores`] twin, every quick CUDA candidate of its tuned kernels, the
+/// busy kernels `tune` runs beside transfers, and the sweep's transfers. A
 /// machine without a compiler (`CP_HICACHE_JIT=off`) can run those commands from a cache
 /// prebuilt with these specs (`bench --prebuild`; see scripts/gpu-check.sh).
 pub fn prebuild_specs(deps: &[Deployment]) -> Vec<KernelSpec> {
@@ -541,6 +542,9 @@ pub fn prebuild_specs(deps: &[Deployment]) -> Vec<KernelSpec> {
                 }
             }
         }
+        super::sweep::sweep_specs(dep, &super::sweep::SweepOptions::new(true))
+            .into_iter()
+            .for_each(&mut push);
     }
     out
 }

@@ -25,6 +25,7 @@ pub mod check;
 pub mod file;
 pub mod key;
 pub mod measure;
+pub mod sweep;
 pub mod tuner;
 
 pub use candidate::{candidates_for, Candidate, LaunchChoice, Unsupported};

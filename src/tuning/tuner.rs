@@ -155,19 +155,10 @@ pub fn tune(
     let transfers = plans
         .iter()
         .any(|(b, _)| matches!(b, KernelSpec::TransferPages(_)));
-    let open = |kind| {
-        if !transfers {
-            return None;
-        }
-        Beside::open(exec, jit, kind).unwrap_or_else(|why| {
-            tracing::warn!(target: "cp_hicache::tuning", "transfers not timed beside {kind}: {why}");
-            None
-        })
-    };
-    let alu = open(BusyKind::Alu);
-    let companions = Companions {
-        hbm: alu.as_ref().and_then(|_| open(BusyKind::Hbm)),
-        alu,
+    let companions = if transfers {
+        Companions::open(exec, jit)
+    } else {
+        Companions::default()
     };
     let mut entries = Vec::with_capacity(plans.len());
     let mut failed = Vec::new();
@@ -305,7 +296,24 @@ pub struct BesideBoth {
     pub hbm: Option<BesideTiming>,
 }
 
-impl Companions<'_> {
+impl<'e> Companions<'e> {
+    /// The ALU busy kernel beside `exec` and, when it runs, the HBM one; none where `exec`
+    /// has no companion stream (the host executor) or a busy kernel cannot run there (a
+    /// warning says why: the transfers are then timed alone).
+    pub fn open(exec: &'e dyn Executor, jit: &Jit) -> Companions<'e> {
+        let open = |kind| {
+            Beside::open(exec, jit, kind).unwrap_or_else(|why| {
+                tracing::warn!(target: "cp_hicache::tuning", "transfers not timed beside {kind}: {why}");
+                None
+            })
+        };
+        let alu = open(BusyKind::Alu);
+        Companions {
+            hbm: alu.as_ref().and_then(|_| open(BusyKind::Hbm)),
+            alu,
+        }
+    }
+
     /// Times `repeats` runs of `work` (about `expected` seconds each) beside each companion,
     /// ALU first; `Ok(None)` without an ALU companion.
     pub fn time(
@@ -371,7 +379,12 @@ pub fn time_dma_candidate(
 /// Fills a timed result: alone, or (on a GPU, for transfers) beside the busy kernels, where
 /// the time beside the ALU one is the candidate's (docs/KERNELS.md "busy") and the others
 /// are kept with it.
-fn record(result: &mut CandidateResult, alone: f64, bytes: Option<u64>, busy: Option<BesideBoth>) {
+pub(super) fn record(
+    result: &mut CandidateResult,
+    alone: f64,
+    bytes: Option<u64>,
+    busy: Option<BesideBoth>,
+) {
     let seconds = busy.map_or(alone, |b| b.alu.seconds);
     result.seconds = Some(seconds);
     result.gbps = bytes.map(|b| b as f64 / seconds / 1e9);
@@ -390,10 +403,16 @@ fn record(result: &mut CandidateResult, alone: f64, bytes: Option<u64>, busy: Op
 /// How the drop note of a candidate with wrong output starts.
 const WRONG_OUTPUT: &str = "output differs from the reference: ";
 
+/// Whether a drop note says the candidate computed wrong bytes (a kernel bug at its shape,
+/// not a shape the device cannot run).
+pub fn is_wrong_output(dropped: &str) -> bool {
+    dropped.starts_with(WRONG_OUTPUT)
+}
+
 /// Why a candidate whose output was checked against the reference (`bench --check`'s
 /// inputs) must be dropped: a fast candidate that computes the wrong bytes, or skips work,
 /// must never become the tuned shape.
-fn checked(outcome: Result<Result<String, String>, TuningError>) -> Result<(), String> {
+pub(super) fn checked(outcome: Result<Result<String, String>, TuningError>) -> Result<(), String> {
     match outcome {
         Ok(Ok(_)) => Ok(()),
         Ok(Err(diff)) => Err(format!("{WRONG_OUTPUT}{diff}")),
