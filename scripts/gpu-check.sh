@@ -44,11 +44,16 @@
 #   CP_HICACHE_NVRTC      libnvrtc.so.12 to compile with (optional)
 #   GPU_CHECK_OUT         output folder for logs and JSON (default: $OUT, else a temp dir)
 #   GPU_CHECK_TIMEOUT     seconds per step (default 240)
+#   GPU_CHECK_BUDGET      seconds for the whole run (default 540, so one run fits a 10-minute
+#                         lease with room to fetch the output): a step gets at most what is
+#                         left, and a step with under 10 s left is not started (its row
+#                         says so, and the run fails as incomplete)
 set -euo pipefail
 
 bin="${1:-${CP_HICACHE_BIN:-target/release/cp-hicache}}"
 out="${GPU_CHECK_OUT:-${OUT:-$(mktemp -d -t cp-hicache-gpu-check.XXXXXX)}}"
 step_timeout="${GPU_CHECK_TIMEOUT:-240}"
+deadline=$(($(date +%s) + ${GPU_CHECK_BUDGET:-540}))
 mkdir -p "$out"
 
 if [[ ! -x "$bin" ]]; then
@@ -71,11 +76,19 @@ failed=0
 step() {
   local name="$1"
   shift
-  local log="$out/$name.log" start end rc status
-  echo "== $name: $*"
+  local log="$out/$name.log" start end rc status limit
   start=$(date +%s)
+  limit=$((deadline - start))
+  if ((limit < 10)); then
+    rows+=("$(printf '%-10s %-9s %5s   %s' "$name" "NO-TIME" "-" "GPU_CHECK_BUDGET spent")")
+    echo "== $name: not started (GPU_CHECK_BUDGET spent)"
+    failed=1
+    return
+  fi
+  ((limit < step_timeout)) || limit="$step_timeout"
+  echo "== $name: $*"
   set +e
-  timeout --kill-after=10 "$step_timeout" "$@" >"$log" 2>&1
+  timeout --kill-after=10 "$limit" "$@" >"$log" 2>&1
   rc=$?
   set -e
   end=$(date +%s)

@@ -467,3 +467,31 @@ fn dma_and_link_rows_come_before_the_summary() {
         "{stdout}"
     );
 }
+
+/// The whole run keeps to `GPU_CHECK_BUDGET`: with none left, no step starts, each says so
+/// in the summary, and the run fails as incomplete rather than passing.
+#[test]
+fn a_spent_budget_starts_no_step_and_fails_the_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let (out, calls) = run_script(dir.path(), &[("GPU_CHECK_BUDGET", "0")]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    let table = &stdout[stdout.find("step       result").expect("table")..];
+    for step in ["info", "check", "tune", "sweep", "bench", "replay"] {
+        assert!(
+            table
+                .lines()
+                .any(|l| l.split_whitespace().take(2).eq([step, "NO-TIME"])),
+            "{step} in\n{table}"
+        );
+    }
+    // Only the script's own `info` probe (for NVRTC) ran.
+    assert!(
+        calls
+            .iter()
+            .all(|c| c.args.first().map(String::as_str) == Some("info")),
+        "{:?}",
+        calls.iter().map(|c| c.args.join(" ")).collect::<Vec<_>>()
+    );
+    assert!(stdout.contains("gpu-check: FAILED"), "{stdout}");
+}
