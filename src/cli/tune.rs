@@ -63,6 +63,19 @@ pub(super) fn progress_bar(prefix: String) -> Option<indicatif::ProgressBar> {
     Some(bar)
 }
 
+/// Moves `bar` (when there is one) on a tune or sweep event.
+fn show_progress(bar: Option<&indicatif::ProgressBar>, ev: TuneEvent) {
+    if let Some(b) = bar {
+        match ev {
+            TuneEvent::Planned { steps } => b.set_length(steps),
+            TuneEvent::Step { what } => {
+                b.set_message(what);
+                b.inc(1);
+            }
+        }
+    }
+}
+
 pub(super) fn run(args: &TuneArgs) -> Result<ExitCode, crate::Error> {
     let dep =
         deployment_by_name(&args.deployment).map_err(|e| crate::Error::Usage(e.to_string()))?;
@@ -79,17 +92,7 @@ pub(super) fn run(args: &TuneArgs) -> Result<ExitCode, crate::Error> {
     crate::tuning::measure::target_for(exec.as_ref())?;
     let jit = Jit::new(JitConfig::from_env()?);
     let bar = progress_bar(format!("tuning {} on {}", dep.name, exec.backend()));
-    let on_event = |ev: TuneEvent| {
-        if let Some(b) = &bar {
-            match ev {
-                TuneEvent::Planned { steps } => b.set_length(steps),
-                TuneEvent::Step { what } => {
-                    b.set_message(what);
-                    b.inc(1);
-                }
-            }
-        }
-    };
+    let on_event = |ev: TuneEvent| show_progress(bar.as_ref(), ev);
     let tuning::Tuned {
         device,
         entries,
@@ -170,17 +173,7 @@ fn run_sweep(args: &TuneArgs, dep: &crate::kernels::Deployment) -> Result<ExitCo
     crate::tuning::measure::target_for(exec.as_ref())?;
     let jit = Jit::new(JitConfig::from_env()?);
     let bar = progress_bar(format!("sweeping {} on {}", dep.name, exec.backend()));
-    let on_event = |ev: TuneEvent| {
-        if let Some(b) = &bar {
-            match ev {
-                TuneEvent::Planned { steps } => b.set_length(steps),
-                TuneEvent::Step { what } => {
-                    b.set_message(what);
-                    b.inc(1);
-                }
-            }
-        }
-    };
+    let on_event = |ev: TuneEvent| show_progress(bar.as_ref(), ev);
     let swept = tuning::sweep::sweep(dep, exec.as_ref(), &jit, &opts, &on_event)?;
     if let Some(b) = &bar {
         b.finish_and_clear();

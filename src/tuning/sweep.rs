@@ -10,9 +10,9 @@ use super::check::{check_one, check_transfer};
 use super::file::CandidateResult;
 use super::key::{spec_key, DeviceKey};
 use super::measure::{compile_and_load, CopyBench, Sizes};
-use super::tuner::{checked, record, time_dma_candidate, Companions, TuneEvent};
+use super::tuner::{checked, record, time_dma_candidate, BesideBoth, Companions, TuneEvent};
 use super::TuningError;
-use crate::exec::{Backend, DmaMode, Executor, KernelId};
+use crate::exec::{Backend, DmaMode, ExecError, Executor, KernelId};
 use crate::jit::Jit;
 use crate::kernels::{
     CopyLaunch, Deployment, Direction, KernelSpec, TransferSpec, VecWidth, TRANSFER_GRID_CAPS,
@@ -259,20 +259,12 @@ fn time_kernel(
     sizes: &Sizes,
     seed: u64,
 ) -> CandidateResult {
-    let mut result = unmeasured(LaunchChoice::of_spec(spec), None);
     let run = checked(check_one(exec, spec, kernel, seed)).and_then(|()| {
-        let failed = |e| format!("launch failed: {e}");
-        let alone = bench.time(kernel, spec, sizes).map_err(failed)?;
-        let busy = companions
-            .time(alone.median, sizes.repeats, &|| bench.launch(kernel, spec))
-            .map_err(failed)?;
-        Ok((alone.median, busy))
+        let alone = bench.time(kernel, spec, sizes).map(|t| t.median);
+        alone_then_beside(companions, sizes, alone, &|| bench.launch(kernel, spec))
+            .map_err(|e| format!("launch failed: {e}"))
     });
-    match run {
-        Ok((alone, busy)) => record(&mut result, alone, Some(bench.bytes()), busy),
-        Err(why) => result.dropped = Some(why),
-    }
-    result
+    measured(LaunchChoice::of_spec(spec), bench.bytes(), run)
 }
 
 /// Checks, then times the staged path ([`CopyBench::copy_staged`]: contiguous runs by one
@@ -290,20 +282,37 @@ pub fn time_staged_candidate(
     seed: u64,
 ) -> CandidateResult {
     let mode = DmaMode::Batched;
-    let mut result = unmeasured(LaunchChoice::of_dma(mode), None);
     let stage = |b: &CopyBench<'_>| b.copy_staged(kernel, spec, mode);
     let run = checked(check_transfer(exec, spec, seed, stage)).and_then(|()| {
-        let failed = |e| format!("staged copy failed: {e}");
-        let (alone, _) = bench
+        let alone = bench
             .time_staged_submitted(kernel, spec, sizes, mode)
-            .map_err(failed)?;
-        let busy = companions
-            .time(alone.median, sizes.repeats, &|| stage(bench))
-            .map_err(failed)?;
-        Ok((alone.median, busy))
+            .map(|(t, _)| t.median);
+        alone_then_beside(companions, sizes, alone, &|| stage(bench))
+            .map_err(|e| format!("staged copy failed: {e}"))
     });
+    measured(LaunchChoice::of_dma(mode), bench.bytes(), run)
+}
+
+/// The seconds of one run alone (`alone`), then `work` timed beside the busy kernels.
+fn alone_then_beside(
+    companions: &Companions<'_>,
+    sizes: &Sizes,
+    alone: Result<f64, ExecError>,
+    work: &(dyn Fn() -> Result<(), ExecError> + Sync),
+) -> Result<(f64, Option<BesideBoth>), ExecError> {
+    let alone = alone?;
+    Ok((alone, companions.time(alone, sizes.repeats, work)?))
+}
+
+/// The result of `choice` moving `bytes`: measured, or dropped with why.
+fn measured(
+    choice: LaunchChoice,
+    bytes: u64,
+    run: Result<(f64, Option<BesideBoth>), String>,
+) -> CandidateResult {
+    let mut result = unmeasured(choice, None);
     match run {
-        Ok((alone, busy)) => record(&mut result, alone, Some(bench.bytes()), busy),
+        Ok((alone, busy)) => record(&mut result, alone, Some(bytes), busy),
         Err(why) => result.dropped = Some(why),
     }
     result
