@@ -21,6 +21,7 @@ mod error;
 mod executor;
 pub mod host;
 mod launch;
+mod params;
 mod registry;
 mod share;
 mod signature;
@@ -38,6 +39,8 @@ pub use executor::Executor;
 pub use host::{BlockOrder, HostExecutor, HostOptions};
 pub(crate) use launch::{check_range, marshal_args};
 pub use launch::{KernelArg, KernelArtifact, LaunchConfig};
+pub(crate) use params::PAGE_ALIGN;
+pub use params::{KernelParam, KernelSignature, Reach, ReachError, Strided, TableEntries};
 pub use share::RankView;
 pub(crate) use signature::PendingLaunch;
 

@@ -10,8 +10,9 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use super::{BufferId, ExecError, KernelArg, LaunchConfig, LaunchFailure};
-use crate::kernels::{KernelParam, KernelSignature};
+use super::{
+    BufferId, ExecError, KernelArg, KernelParam, KernelSignature, LaunchConfig, LaunchFailure,
+};
 
 /// How an argument was passed, for the diagnostic.
 fn arg_kind(arg: &KernelArg<'_>) -> &'static str {

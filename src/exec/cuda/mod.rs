@@ -31,10 +31,9 @@ use super::registry::Registry;
 use super::PendingLaunch;
 use super::{
     check_range, check_regions, Backend, BufferId, CopyRegion, Counters, DmaMode, EventId,
-    ExecError, Executor, KernelArg, KernelArtifact, KernelId, LaunchConfig, LaunchFailure, LoadOp,
-    MemKind,
+    ExecError, Executor, KernelArg, KernelArtifact, KernelId, KernelSignature, LaunchConfig,
+    LaunchFailure, LoadOp, MemKind,
 };
-use crate::kernels::KernelSignature;
 
 enum CudaBuffer {
     /// `cuMemAlloc`; `shareable` when [`Executor::alloc_shareable`] made it (it may be
