@@ -43,6 +43,11 @@ pub(crate) use params::PAGE_ALIGN;
 pub use params::{KernelParam, KernelSignature, Reach, ReachError, Strided, TableEntries};
 pub use share::RankView;
 pub(crate) use signature::PendingLaunch;
+// For the launch-check tests in `kernels::exec_checks`, which build real kernel specs.
+#[cfg(test)]
+pub(crate) use launch::Marshalled;
+#[cfg(test)]
+pub(crate) use signature::check_signature;
 
 /// Where a buffer lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

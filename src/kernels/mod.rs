@@ -17,6 +17,8 @@
 
 mod deployment;
 mod dma;
+#[cfg(test)]
+mod exec_checks;
 pub mod reference;
 mod render;
 mod spec;
