@@ -803,7 +803,7 @@ pub(crate) mod ipc {
                 .map_or(0, |d| d.as_nanos() as u64);
             let here = &TOKEN as *const _ as u64;
             let x = nanos ^ u64::from(std::process::id()).rotate_left(32) ^ here.rotate_left(17);
-            crate::kernels::reference::mix64(x) | 1
+            crate::splitmix::mix64(x) | 1
         })
     }
 
