@@ -15,6 +15,7 @@
 //! }
 //! ```
 
+mod arch;
 mod deployment;
 mod dma;
 #[cfg(test)]
@@ -24,7 +25,8 @@ mod render;
 mod spec;
 mod table;
 
-pub use deployment::{Arch, Deployment, ModelShape};
+pub use arch::Arch;
+pub use deployment::{Deployment, ModelShape};
 pub use dma::{
     check_distinct_destinations, clamp_layer_range, layer_range_args, transfer_args,
     transfer_regions, transfer_regions_at, DuplicateDestination, PoolShape, TransferPath,
