@@ -12,6 +12,10 @@
 //! memory on the host executor, which maps in this process or another, and CUDA IPC on the
 //! CUDA executor, which maps only across processes ([`Executor::maps_in_process`],
 //! [`ExecError::IpcSameProcess`]).
+//!
+//! The executors are the bottom of the one-way order `exec` ← `kernels` ← `jit` (DESIGN.md
+//! §1.2): they own the kernel signatures they check ([`KernelSignature`], which the kernel
+//! specs build) and import nothing from the kernels or the JIT (`tests/layering.rs`).
 
 mod backend;
 mod copy;

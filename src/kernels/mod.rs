@@ -5,6 +5,10 @@
 //! The binary contract (parameter lists, layouts, synthesised bytes) is `docs/KERNELS.md`.
 //! Compiling and running the renders is the job of the JIT and the executors.
 //!
+//! Imports run one way, `exec` ← `kernels` ← `jit` (DESIGN.md §1.2): the kernels use the
+//! executors' signature types ([`KernelSignature`] and the others are re-exported from
+//! [`crate::exec`]) and import nothing from the JIT, which takes the target [`Arch`] from here.
+//!
 //! ```
 //! use cp_hicache::kernels::Deployment;
 //! let dep = Deployment::by_name("nsa_ps64_cp8").unwrap();
