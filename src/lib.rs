@@ -37,6 +37,7 @@ pub mod layout;
 pub mod metadata;
 pub mod ops;
 pub mod rank;
+mod splitmix;
 pub mod storage;
 pub mod tuning;
 pub mod workload;

@@ -196,7 +196,7 @@ pub trait Executor: Send + Sync {
     /// from the unedited render of the spec that signature came from
     /// ([`KernelSpec::signature`](crate::kernels::KernelSpec::signature)): the safe
     /// [`launch`](Executor::launch) trusts the kernel to stay within each parameter's
-    /// [`Reach`](crate::kernels::Reach).
+    /// [`Reach`](crate::exec::Reach).
     unsafe fn load_kernel(&self, artifact: &KernelArtifact<'_>) -> Result<KernelId, ExecError>;
 
     /// Launches a kernel loaded with a signature (every kernel rendered from a spec is) with
@@ -208,7 +208,7 @@ pub trait Executor: Send + Sync {
     /// - the argument count, and every argument's size and kind (a pointer, a pointer struct or
     ///   a scalar; never [`KernelArg::Null`] or raw bytes where pointers belong);
     /// - every pointer's alignment, and that its buffer holds the parameter's
-    ///   [`Reach`](crate::kernels::Reach) from the offset on, computed from this launch's
+    ///   [`Reach`](crate::exec::Reach) from the offset on, computed from this launch's
     ///   scalar arguments (`4 × n`, a page's bytes × `layers` × `local_pages`, ...).
     ///
     /// A mismatch, or a kernel loaded without a signature, is [`ExecError::Launch`] with

@@ -5,8 +5,7 @@ use std::path::{Path, PathBuf};
 
 #[cfg(doc)]
 use super::{signature, Executor};
-use super::{BufferId, ExecError, LaunchFailure};
-use crate::kernels::KernelSignature;
+use super::{BufferId, ExecError, KernelSignature, LaunchFailure};
 
 /// A compiled kernel, as produced by the JIT for one backend.
 ///
@@ -94,7 +93,7 @@ pub enum KernelArg<'a> {
     I64(i64),
     /// A by-value struct: its exact bytes in the kernel's layout (`#[repr(C)]`).
     Bytes(&'a [u8]),
-    /// A page table (`const u64*`, [`TableEntries`](crate::kernels::TableEntries)): the
+    /// A page table (`const u64*`, [`TableEntries`](crate::exec::TableEntries)): the
     /// table's buffer and byte offset, then its pointers, each a buffer plus a byte offset.
     /// The executor checks every pointer like a [`KernelArg::Ptr`], writes their addresses into
     /// the table in stream order, then passes the table's address: the kernel follows only
@@ -144,7 +143,7 @@ pub(crate) fn check_range(
 /// offsets may be one past the end, never beyond.
 ///
 /// With a `signature` (checked by [`signature::check_signature`] first), every pointer must
-/// also have its parameter's [`Reach`](crate::kernels::Reach) left in its buffer after the
+/// also have its parameter's [`Reach`](crate::exec::Reach) left in its buffer after the
 /// offset, the reach computed from this launch's scalar arguments (the 32 bits the kernel
 /// sees): that is what keeps a launch inside its buffers. A pointer parameter that declares
 /// no reach is refused.
@@ -160,7 +159,7 @@ pub(crate) fn check_range(
 /// the result would depend on the order they run in (different on a GPU and in each
 /// emulated block order). Such a launch is refused the same way, naming both parameters.
 ///
-/// [`KernelParam::writes`]: crate::kernels::KernelParam::writes
+/// [`KernelParam::writes`]: crate::exec::KernelParam::writes
 pub(crate) fn marshal_args(
     kernel: &str,
     signature: Option<&KernelSignature>,

@@ -12,6 +12,10 @@
 //! memory on the host executor, which maps in this process or another, and CUDA IPC on the
 //! CUDA executor, which maps only across processes ([`Executor::maps_in_process`],
 //! [`ExecError::IpcSameProcess`]).
+//!
+//! The executors are the bottom of the one-way order `exec` ← `kernels` ← `jit` (DESIGN.md
+//! §1.2): they own the kernel signatures they check ([`KernelSignature`], which the kernel
+//! specs build) and import nothing from the kernels or the JIT (`tests/layering.rs`).
 
 mod backend;
 mod copy;
@@ -21,6 +25,7 @@ mod error;
 mod executor;
 pub mod host;
 mod launch;
+mod params;
 mod registry;
 mod share;
 mod signature;
@@ -38,8 +43,15 @@ pub use executor::Executor;
 pub use host::{BlockOrder, HostExecutor, HostOptions};
 pub(crate) use launch::{check_range, marshal_args};
 pub use launch::{KernelArg, KernelArtifact, LaunchConfig};
+pub(crate) use params::PAGE_ALIGN;
+pub use params::{KernelParam, KernelSignature, Reach, ReachError, Strided, TableEntries};
 pub use share::RankView;
 pub(crate) use signature::PendingLaunch;
+// For the launch-check tests in `kernels::exec_checks`, which build real kernel specs.
+#[cfg(test)]
+pub(crate) use launch::Marshalled;
+#[cfg(test)]
+pub(crate) use signature::check_signature;
 
 /// Where a buffer lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -1,5 +1,6 @@
 //! Unit tests of the executor vocabulary: backend parsing, counters, copy-region merging
-//! and checks, and kernel-argument marshalling, kept out of `mod.rs` to keep it short.
+//! and checks, and kernel-argument sizes, kept out of `mod.rs` to keep it short. The launch
+//! checks against real kernel signatures are tested above, in `kernels::exec_checks`.
 
 use super::*;
 
@@ -103,102 +104,6 @@ fn regions_are_checked_before_copying() {
     assert_eq!(
         check_regions((a, 64), (a, 64), &[r(0, 16, 16), r(8, 8, 0)]).unwrap(),
         16
-    );
-}
-
-#[test]
-fn a_bad_pointer_argument_names_the_kernel_and_the_parameter() {
-    use crate::kernels::{KernelSpec, ReleaseSpec};
-    let spec = KernelSpec::ReleasePages(ReleaseSpec { cp: 2, threads: 32 });
-    let sig = spec.signature();
-    let resolve = |b: BufferId| match b.0 {
-        1..=4 => Ok((0x1000 * b.0, 64)),
-        _ => Err(ExecError::UnknownBuffer(b)),
-    };
-    let message = |r: Result<crate::exec::launch::Marshalled, ExecError>| match r {
-        Err(ExecError::Launch {
-            kernel,
-            cause: LaunchFailure::InvalidConfig,
-            message,
-        }) if kernel == "k" => message,
-        other => panic!("{other:?}"),
-    };
-    // Release of 2 pages over 2 lanes of `lane_cap` slots: 8 bytes of pages, 8 ×
-    // lane_cap bytes of stacks, 8 bytes of tops, 16 of status words, each in a buffer of
-    // its own (the written stacks, tops and status must not alias another pointer).
-    let release = |stacks_offset: u64, lane_cap: u32| {
-        [
-            KernelArg::Ptr(BufferId(2), 0),
-            KernelArg::U32(2),
-            KernelArg::Ptr(BufferId(1), stacks_offset),
-            KernelArg::Ptr(BufferId(3), 0),
-            KernelArg::U32(lane_cap),
-            KernelArg::Ptr(BufferId(4), 0),
-        ]
-    };
-    assert_eq!(
-        message(marshal_args("k", Some(&sig), &release(65, 0), resolve)),
-        "parameter 2 `lane_stacks` (u32*): kernel argument of 0 bytes at offset 65 is \
-         outside buffer BufferId(1) of 64 bytes"
-    );
-    // The stacks reach 8 × lane_cap bytes: 64 fit from offset 0, not one byte more.
-    marshal_args("k", Some(&sig), &release(0, 8), resolve).unwrap();
-    marshal_args("k", Some(&sig), &release(8, 7), resolve).unwrap();
-    assert_eq!(
-        message(marshal_args("k", Some(&sig), &release(8, 8), resolve)),
-        "parameter 2 `lane_stacks` (u32*): kernel argument of 64 bytes at offset 8 is \
-         outside buffer BufferId(1) of 64 bytes (the kernel reaches 8 × lane_cap bytes \
-         from it)"
-    );
-    assert_eq!(
-        message(marshal_args(
-            "k",
-            Some(&sig),
-            &release(0, u32::MAX),
-            resolve
-        )),
-        "parameter 2 `lane_stacks` (u32*): kernel argument of 34359738360 bytes at offset \
-         0 is outside buffer BufferId(1) of 64 bytes (the kernel reaches 8 × lane_cap \
-         bytes from it)"
-    );
-    assert_eq!(
-        message(marshal_args("k", Some(&sig), &release(0, 8)[..4], resolve)),
-        "parameter 2 `lane_stacks` reaches 8 × lane_cap bytes, which has no u32 argument \
-         for `lane_cap`"
-    );
-    let args = [KernelArg::U32(2), KernelArg::Ptr(BufferId(7), 0)];
-    assert_eq!(
-        message(marshal_args("k", None, &args, resolve)),
-        "parameter 1: unknown buffer BufferId(7)"
-    );
-    // Without a signature a table's pointers only start inside their buffers (as a plain
-    // pointer's do), and an unknown one is still refused.
-    let ptrs = [(BufferId(1), 0), (BufferId(9), 0)];
-    let e = marshal_args(
-        "k",
-        None,
-        &[KernelArg::Table(BufferId(3), 0, &ptrs)],
-        resolve,
-    )
-    .unwrap_err();
-    assert!(
-        e.to_string()
-            .ends_with("parameter 0, pointer 1: unknown buffer BufferId(9)"),
-        "{e}"
-    );
-    // One past the end is a valid pointer for a parameter that reaches nothing (`n` = 0).
-    let ok = marshal_args(
-        "k",
-        Some(&sig),
-        &[KernelArg::Ptr(BufferId(1), 64), KernelArg::U32(0)],
-        resolve,
-    );
-    assert_eq!(
-        ok.unwrap().params,
-        vec![
-            (0x1000u64 + 64).to_ne_bytes().to_vec(),
-            0u32.to_ne_bytes().to_vec()
-        ]
     );
 }
 

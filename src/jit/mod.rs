@@ -17,6 +17,10 @@
 //!
 //! Thread-safety: [`Jit`] is `Send + Sync`; share it by reference or `Arc`. Concurrent requests
 //! for the same entry, from threads or processes, compile it once (per-entry `flock`).
+//!
+//! The JIT is the top of the one-way order `exec` ← `kernels` ← `jit` (DESIGN.md §1.2): it
+//! compiles the kernels' renders for the executors and uses both; neither imports it
+//! ([`Arch`] is the kernels', re-exported here).
 
 pub mod cache;
 pub mod deployment;

@@ -7,7 +7,7 @@ use super::spec::{
     AllocSpec, BufferKind, BusyKind, BusySpec, CopyLaunch, Direction, HostLayout, KernelSpec,
     MaterialiseSpec, ReleaseSpec, SynthSpec, TokenOrder, TransferSpec, VecWidth, VerifySpec,
 };
-use super::{KernelError, TransferPath};
+use super::{Arch, KernelError, TransferPath};
 use crate::layout::Layout;
 
 /// The model whose KV buffers a deployment caches.
@@ -38,10 +38,6 @@ impl ModelShape {
         }
     }
 }
-
-/// Target GPU architecture of the NVRTC build (the render itself is arch-independent); one
-/// enum shared with the JIT so a deployment's arch needs no translation.
-pub use crate::jit::Arch;
 
 /// One serving configuration: model, page size, CP degree, target and launch shapes. It
 /// decides every `KernelSpec` the cache uses.

@@ -5,6 +5,10 @@
 //! The binary contract (parameter lists, layouts, synthesised bytes) is `docs/KERNELS.md`.
 //! Compiling and running the renders is the job of the JIT and the executors.
 //!
+//! Imports run one way, `exec` ← `kernels` ← `jit` (DESIGN.md §1.2): the kernels use the
+//! executors' signature types ([`KernelSignature`] and the others are re-exported from
+//! [`crate::exec`]) and import nothing from the JIT, which takes the target [`Arch`] from here.
+//!
 //! ```
 //! use cp_hicache::kernels::Deployment;
 //! let dep = Deployment::by_name("nsa_ps64_cp8").unwrap();
@@ -15,14 +19,18 @@
 //! }
 //! ```
 
+mod arch;
 mod deployment;
 mod dma;
+#[cfg(test)]
+mod exec_checks;
 pub mod reference;
 mod render;
 mod spec;
 mod table;
 
-pub use deployment::{Arch, Deployment, ModelShape};
+pub use arch::Arch;
+pub use deployment::{Deployment, ModelShape};
 pub use dma::{
     check_distinct_destinations, clamp_layer_range, layer_range_args, transfer_args,
     transfer_regions, transfer_regions_at, DuplicateDestination, PoolShape, TransferPath,

@@ -31,10 +31,9 @@ use super::registry::Registry;
 use super::PendingLaunch;
 use super::{
     check_range, check_regions, Backend, BufferId, CopyRegion, Counters, DmaMode, EventId,
-    ExecError, Executor, KernelArg, KernelArtifact, KernelId, LaunchConfig, LaunchFailure, LoadOp,
-    MemKind,
+    ExecError, Executor, KernelArg, KernelArtifact, KernelId, KernelSignature, LaunchConfig,
+    LaunchFailure, LoadOp, MemKind,
 };
-use crate::kernels::KernelSignature;
 
 enum CudaBuffer {
     /// `cuMemAlloc`; `shareable` when [`Executor::alloc_shareable`] made it (it may be
@@ -804,7 +803,7 @@ pub(crate) mod ipc {
                 .map_or(0, |d| d.as_nanos() as u64);
             let here = &TOKEN as *const _ as u64;
             let x = nanos ^ u64::from(std::process::id()).rotate_left(32) ^ here.rotate_left(17);
-            crate::kernels::reference::mix64(x) | 1
+            crate::splitmix::mix64(x) | 1
         })
     }
 

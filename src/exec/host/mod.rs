@@ -21,9 +21,8 @@ use super::registry::Registry;
 use super::PendingLaunch;
 use super::{
     check_range, check_regions, Backend, BufferId, CopyRegion, Counters, ExecError, Executor,
-    KernelArg, KernelArtifact, KernelId, LaunchConfig, LaunchFailure, MemKind,
+    KernelArg, KernelArtifact, KernelId, KernelSignature, LaunchConfig, LaunchFailure, MemKind,
 };
-use crate::kernels::KernelSignature;
 
 /// The CUDA-emulation header: the ABI this executor loads kernels by (`CpEmuLaunch`) and the
 /// CUDA built-ins it emulates. The JIT force-includes it when compiling a render for this

@@ -9,6 +9,10 @@
 use super::spec::{BufferKind, Direction, HostLayout, TokenOrder};
 use crate::layout::{Layout, Placement};
 
+/// The splitmix64 finaliser the synthesised bytes are drawn with (defined below the
+/// executors, which use it too).
+pub use crate::splitmix::mix64;
+
 /// Slices that do not fit the geometry the call declares.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ReferenceError {
@@ -100,13 +104,6 @@ fn check_ps(page_size: u32) -> Result<(), ReferenceError> {
             value: u64::from(page_size),
         })
     }
-}
-
-/// The splitmix64 finaliser.
-pub fn mix64(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 /// Seed of the prefix-hash chain (`h[-1]`).
