@@ -44,7 +44,7 @@ use super::{AllocError, OwnerLaneAllocator, PageRun, StateDigest};
 use crate::exec::{BufferId, ExecError, Executor, KernelArg, KernelId, LaunchConfig, MemKind};
 use crate::jit::{spec_request, target_for, Arch, Jit, JitError, Sanitize};
 use crate::kernels::{
-    AllocSpec, KernelError, KernelSpec, ReleaseSpec, ReleaseStatus, SelectStatus,
+    AllocSpec, KernelError, KernelSpec, ReleaseSpec, ReleaseStatus, SelectOutput, SelectStatus,
 };
 use crate::layout::{CpLayout, PageId, Rank};
 
@@ -377,6 +377,7 @@ impl KernelLaneAllocator {
                 cp: layout.cp(),
                 page_size: layout.page_size(),
                 threads: options.threads,
+                output: SelectOutput::PagesAndLocs,
             }),
             KernelSpec::ReleasePages(ReleaseSpec {
                 cp: layout.cp(),
