@@ -1,12 +1,22 @@
 {% include "prelude.cu" %}
 {% include "tile_rank.cu" %}
 
+{% if locs -%}
 // Pops one page per requested owner from the lane free stacks (LIFO, docs/KERNELS.md) and
 // writes the pages and their page-contiguous token locations. Launch: 1 block of THREADS
 // (more are refused: chc_refuse_grid).
 // All or nothing, whatever the host checked: when any lane holds fewer pages than requested,
 // or an owner is >= CP, no lane top changes, every output page is 0 (the null page, so the
 // locations are its slots), and the status words add up the refusal:
+{%- else -%}
+// Pops one page per requested owner from the lane free stacks (LIFO, docs/KERNELS.md) and
+// writes the pages only: the consumer derives the token locations (page * PAGE_SIZE + j),
+// which would be 8 * PAGE_SIZE bytes per page from this one block. Launch: 1 block of
+// THREADS (more are refused: chc_refuse_grid).
+// All or nothing, whatever the host checked: when any lane holds fewer pages than requested,
+// or an owner is >= CP, no lane top changes, every output page is 0 (the null page), and the
+// status words add up the refusal:
+{%- endif %}
 //   status[0] += 1, status[1 + o] += deficit of lane o, status[CP + 1] += owners >= CP
 // (saturating). The host reads them back only when it synchronises anyway.
 extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}({# parameters: KernelSpec::params() #}
@@ -74,11 +84,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) {{ uri }}({# parameters: K
             status[CP + 1u] = chc_sat_add(status[CP + 1u], s_bad_owners);
         }
     }
+{%- if locs %}
     const u64 locs = (u64)n << LOG2_PAGE_SIZE;
     for (u64 j = threadIdx.x; j < locs; j += THREADS) {
         const u64 page = refused ? 0u : out_pages[j >> LOG2_PAGE_SIZE];
         out_locs[j] = (i64)((page << LOG2_PAGE_SIZE) | (j & (PAGE_SIZE - 1u)));
     }
+{%- endif %}
     if (!refused && threadIdx.x < CP) {
         // No deficit: every lane holds at least what was taken from it.
         lane_tops[threadIdx.x] = s_top[threadIdx.x] - s_base[threadIdx.x];

@@ -113,11 +113,12 @@ fn bench_check_matches_the_references() {
         "nsa_ps64_cp2",
     ]));
     let stdout = String::from_utf8_lossy(&out.stdout);
-    // 2 allocator kernels, 2 transfers (each moving both buffers) and their DMA paths, and
-    // 3 per buffer (materialise, synthesise, verify), 2 buffers; then the CPU preset bench
-    // times as tuned: 2 allocator kernels, 2 transfers and a materialise per buffer; then the
-    // default copy shape with streaming stores: 2 transfers and a materialise per buffer.
-    assert_eq!(stdout.matches("  ok  ").count(), 14 + 6 + 4, "{stdout}");
+    // 3 allocator kernels (select with and without token locations, release), 2 transfers
+    // (each moving both buffers) and their DMA paths, and 3 per buffer (materialise,
+    // synthesise, verify), 2 buffers; then the CPU preset bench times as tuned: 3 allocator
+    // kernels, 2 transfers and a materialise per buffer; then the default copy shape with
+    // streaming stores: 2 transfers and a materialise per buffer.
+    assert_eq!(stdout.matches("  ok  ").count(), 15 + 7 + 4, "{stdout}");
     assert_eq!(stdout.matches("dma(transfer_pages").count(), 2, "{stdout}");
     assert_eq!(
         stdout.matches("dma-staged(transfer_pages").count(),
@@ -128,10 +129,12 @@ fn bench_check_matches_the_references() {
     for shape in ["_t1_ppb16_v16_u1_cs ", "_t128_ppb1_v16_u4_cs "] {
         assert_eq!(stdout.matches(shape).count(), 4, "{shape}: {stdout}");
     }
-    assert!(
-        stdout.contains("select_owner_pages_cp2_ps64_t32 "),
-        "{stdout}"
-    );
+    for select in [
+        "select_owner_pages_cp2_ps64_t32 ",
+        "select_owner_pages_cp2_ps64_nolocs_t32 ",
+    ] {
+        assert!(stdout.contains(select), "{select}: {stdout}");
+    }
     assert!(stdout.contains("0 failures"), "{stdout}");
 }
 
@@ -181,8 +184,9 @@ fn tune_writes_a_file_and_a_foreign_file_is_ignored_with_a_warning() {
     let mut json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
     let entries = json["entries"].as_array_mut().unwrap();
-    // select, release, transfer d2h and h2d, materialise, synthesise, verify.
-    assert_eq!(entries.len(), 7);
+    // select with and without token locations, release, transfer d2h and h2d, materialise,
+    // synthesise, verify.
+    assert_eq!(entries.len(), 8);
     for e in entries.iter_mut() {
         e["device"]["device"] = "NVIDIA H200".into();
     }
@@ -321,11 +325,11 @@ fn bench_check_inject_fails_one_row() {
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert_eq!(out.status.code(), Some(1), "{fault}: {stdout}");
         assert_eq!(stdout.matches("  FAIL  ").count(), 1, "{fault}: {stdout}");
-        // The 14 rows of the defaults, 6 of the CPU preset and 4 streaming (see above), one
+        // The 15 rows of the defaults, 7 of the CPU preset and 4 streaming (see above), one
         // failed.
         assert_eq!(
             stdout.matches("  ok  ").count(),
-            13 + 6 + 4,
+            14 + 7 + 4,
             "{fault}: {stdout}"
         );
         assert!(stdout.contains(": 1 failure\n"), "{stdout}");
@@ -336,7 +340,7 @@ fn bench_check_inject_fails_one_row() {
             .skip(1)
             .take_while(|l| !l.is_empty() && !l.starts_with("check on "))
             .collect();
-        assert_eq!(table.len(), 14 + 6 + 4, "{fault}: {stdout}");
+        assert_eq!(table.len(), 15 + 7 + 4, "{fault}: {stdout}");
         for row in &table {
             assert!(
                 row.starts_with("nsa_ps64_cp2 "),

@@ -474,7 +474,7 @@ fn emu_sanitize_env_selects_the_asan_host_build() {
         .into_iter()
         .filter(|(p, _)| p.extension().is_some_and(|e| e == "so"))
         .collect();
-    assert_eq!(libs.len(), 7, "{libs:?}");
+    assert_eq!(libs.len(), 8, "{libs:?}");
     for (path, flags) in &libs {
         assert!(
             text(flags).contains("-fsanitize=address"),

@@ -71,7 +71,7 @@ if [[ "$1" == bench && " $* " != *" --check "* ]]; then
   bench_row - link "link(h2d,256MiB)" 268435456 5.000 53.69 53.69 1.00 "cuMemcpyAsync  -"
   bench_row - link "link(d2h,256MiB)" 268435456 5.100 52.63 52.63 1.00 "cuMemcpyAsync  -"
   for n in 8192 65536; do
-    bench_row nsa_ps64_cp8 default select_owner_pages_cp8_ps64_t256 "$n" 0.010 0.82 0.16 5.12 \
+    bench_row nsa_ps64_cp8 default select_owner_pages_cp8_ps64_nolocs_t256 "$n" 0.010 0.82 0.16 5.12 \
       rust_reference
     bench_row nsa_ps64_cp8 tuned release_pages_cp8_t32 "$n" 0.011 0.74 1.60 0.46 rust_reference
   done
@@ -287,7 +287,7 @@ fn transfers_and_allocator_rows_come_before_the_summary() {
     assert_eq!(
         kernels,
         [
-            ("select_owner_pages_cp8_ps64_t256", "8192"),
+            ("select_owner_pages_cp8_ps64_nolocs_t256", "8192"),
             ("release_pages_cp8_t32", "8192")
         ],
         "{stdout}"

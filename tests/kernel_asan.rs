@@ -27,7 +27,7 @@ use cp_hicache::exec::BlockOrder;
 use cp_hicache::jit::Sanitize;
 use cp_hicache::kernels::{
     AllocSpec, BufferKind, CopyLaunch, Direction, HostLayout, KernelSpec, MaterialiseSpec,
-    ReleaseSpec, SynthSpec, TransferSpec, VecWidth, VerifySpec,
+    ReleaseSpec, SelectOutput, SynthSpec, TransferSpec, VecWidth, VerifySpec,
 };
 use support::{cpu_copy_launch, Bench, MaterialiseCase, Rng, TransferCase, Twist, ORDERS};
 
@@ -170,6 +170,13 @@ fn other_specs() -> Vec<KernelSpec> {
             cp: 3,
             page_size: 16,
             threads: 32,
+            output: SelectOutput::PagesAndLocs,
+        }),
+        KernelSpec::SelectOwnerPages(AllocSpec {
+            cp: 3,
+            page_size: 16,
+            threads: 32,
+            output: SelectOutput::Pages,
         }),
         KernelSpec::ReleasePages(ReleaseSpec { cp: 3, threads: 32 }),
     ]);

@@ -22,8 +22,8 @@ use cp_hicache::jit::Sanitize;
 use cp_hicache::kernels::reference;
 use cp_hicache::kernels::{
     transfer_regions, AllocSpec, BufferKind, CopyLaunch, Deployment, Direction, HostLayout,
-    KernelSpec, MaterialiseSpec, PoolShape, ReleaseSpec, ReleaseStatus, SelectStatus, SynthSpec,
-    TokenOrder, TransferSpec, VecWidth, VerifySpec,
+    KernelSpec, MaterialiseSpec, PoolShape, ReleaseSpec, ReleaseStatus, SelectOutput, SelectStatus,
+    SynthSpec, TokenOrder, TransferSpec, VecWidth, VerifySpec,
 };
 use cp_hicache::layout::{CpLayout, Layout, Placement};
 use support::{
@@ -53,10 +53,15 @@ fn order_id(o: BlockOrder) -> u64 {
 }
 
 fn select_spec(cp: u8, page_size: u32, threads: u32) -> KernelSpec {
+    select_spec_out(cp, page_size, threads, SelectOutput::PagesAndLocs)
+}
+
+fn select_spec_out(cp: u8, page_size: u32, threads: u32, output: SelectOutput) -> KernelSpec {
     KernelSpec::SelectOwnerPages(AllocSpec {
         cp,
         page_size,
         threads,
+        output,
     })
 }
 
@@ -234,6 +239,8 @@ fn all_specs() -> Vec<KernelSpec> {
         v.push(release_spec(cp, ALLOC_THREADS));
         for (pi, &ps) in PSS.iter().enumerate() {
             v.push(select_spec(cp, ps, ALLOC_THREADS));
+            // The cache's allocator runs this one (the allocator tests below load it too).
+            v.push(select_spec_out(cp, ps, ALLOC_THREADS, SelectOutput::Pages));
             v.extend(materialise_specs(cp, ps));
             v.push(synth_spec(ci, pi));
         }
@@ -317,7 +324,8 @@ fn libs() -> &'static HashMap<KernelSpec, PathBuf> {
 #[test]
 fn spec_matrix_is_modest_and_valid() {
     let specs = all_specs();
-    assert!(specs.len() <= 120, "{} specs", specs.len());
+    // 15 of them are the selects without token locations the allocator tests load anyway.
+    assert!(specs.len() <= 130, "{} specs", specs.len());
     assert!(specs.iter().all(|s| s.validate().is_ok()));
     // Every vector width of the copy loops is compiled, and each shape with both store forms.
     for w in ["_v1_", "_v4_", "_v16_"] {
@@ -630,6 +638,36 @@ fn select_matches_reference() {
     }
 }
 
+/// The select without token locations (what the cache's allocator runs) against the Rust
+/// reference in both block orders, on the same random cases as the select with them: the same
+/// `out_pages`, granted or refused (trials 4 and 5 refuse: every page 0, no top moved, the
+/// deficits and bad owners added to the status words), and nothing written past them.
+#[test]
+fn select_without_locations_matches_reference_and_the_select_with_them() {
+    for order in ORDERS {
+        for cp in CPS {
+            for ps in PSS {
+                let mut b = Bench::new(order, libs());
+                let with = check_select_out(
+                    &mut b,
+                    cp,
+                    ps,
+                    ALLOC_THREADS,
+                    order,
+                    SelectOutput::PagesAndLocs,
+                );
+                let without =
+                    check_select_out(&mut b, cp, ps, ALLOC_THREADS, order, SelectOutput::Pages);
+                assert_eq!(without, with, "cp{cp} ps{ps} {order}: out_pages");
+                assert!(
+                    without.iter().skip(4).all(|p| p.iter().all(|&x| x == 0)),
+                    "cp{cp} ps{ps} {order}: the refused trials hand out page 0"
+                );
+            }
+        }
+    }
+}
+
 /// Select on random stacks, tops (some beyond the capacity) and owner requests (empty, one
 /// partial tile, several tiles) against the reference, with a status array that may already
 /// hold counts: requests that fit, a lane short by a page or more (after full tiles, so
@@ -637,7 +675,21 @@ fn select_matches_reference() {
 /// lane tops and the status carry guard words, so a thread that writes the top of a lane that
 /// does not exist is caught.
 fn check_select(b: &mut Bench, cp: u8, ps: u32, threads: u32, order: BlockOrder) {
-    let spec = select_spec(cp, ps, threads);
+    check_select_out(b, cp, ps, threads, order, SelectOutput::PagesAndLocs);
+}
+
+/// [`check_select`] of the select writing `output`, returning the pages it wrote, trial by
+/// trial: the cases depend on the shape and block order only, so both outputs see the same.
+fn check_select_out(
+    b: &mut Bench,
+    cp: u8,
+    ps: u32,
+    threads: u32,
+    order: BlockOrder,
+    output: SelectOutput,
+) -> Vec<Vec<u32>> {
+    let spec = select_spec_out(cp, ps, threads, output);
+    let mut written = Vec::new();
     let mut rng = Rng::new(&[
         1,
         u64::from(cp),
@@ -708,21 +760,20 @@ fn check_select(b: &mut Bench, cp: u8, ps: u32, threads: u32, order: BlockOrder)
         let tb = b.bytes(&le32(&tops), 4 * GUARD);
         let stb = b.bytes(&le32(&status), 4 * GUARD);
         let pb = b.poison(4 * (n + GUARD));
-        let lb = b.poison(8 * (n * psz + GUARD));
-        b.launch(
-            &spec,
-            spec.launch_dims(n as u32, 1).grid,
-            &[
-                KernelArg::Ptr(ob, 0),
-                KernelArg::U32(n as u32),
-                KernelArg::Ptr(sb, 0),
-                KernelArg::Ptr(tb, 0),
-                KernelArg::U32(lane_cap),
-                KernelArg::Ptr(pb, 0),
-                KernelArg::Ptr(lb, 0),
-                KernelArg::Ptr(stb, 0),
-            ],
-        );
+        let lb = output
+            .writes_locs()
+            .then(|| b.poison(8 * (n * psz + GUARD)));
+        let mut args = vec![
+            KernelArg::Ptr(ob, 0),
+            KernelArg::U32(n as u32),
+            KernelArg::Ptr(sb, 0),
+            KernelArg::Ptr(tb, 0),
+            KernelArg::U32(lane_cap),
+            KernelArg::Ptr(pb, 0),
+        ];
+        args.extend(lb.map(|lb| KernelArg::Ptr(lb, 0)));
+        args.push(KernelArg::Ptr(stb, 0));
+        b.launch(&spec, spec.launch_dims(n as u32, 1).grid, &args);
         let (mut want_tops, mut want_status) = (tops.clone(), status.clone());
         let (want_pages, want_locs) = reference::select_owner_pages(
             cp,
@@ -748,12 +799,15 @@ fn check_select(b: &mut Bench, cp: u8, ps: u32, threads: u32, order: BlockOrder)
             pages[4 * n..].iter().all(|&x| x == POISON),
             "out_pages guard: {ctx}"
         );
-        let locs = b.read(lb);
-        assert_eq!(i64s(&locs[..8 * n * psz]), want_locs, "out_locs: {ctx}");
-        assert!(
-            locs[8 * n * psz..].iter().all(|&x| x == POISON),
-            "out_locs guard: {ctx}"
-        );
+        written.push(u32s(&pages[..4 * n]));
+        if let Some(lb) = lb {
+            let locs = b.read(lb);
+            assert_eq!(i64s(&locs[..8 * n * psz]), want_locs, "out_locs: {ctx}");
+            assert!(
+                locs[8 * n * psz..].iter().all(|&x| x == POISON),
+                "out_locs guard: {ctx}"
+            );
+        }
         let got_t = b.read(tb);
         assert_eq!(
             u32s(&got_t[..4 * tops.len()]),
@@ -780,6 +834,7 @@ fn check_select(b: &mut Bench, cp: u8, ps: u32, threads: u32, order: BlockOrder)
             "lane_stacks must not change: {ctx}"
         );
     }
+    written
 }
 
 #[test]
@@ -1026,7 +1081,7 @@ fn select_is_all_or_nothing_through_the_allocator() {
 /// lanes are made to hold fewer pages than the mirror counts (one lane's top lowered behind
 /// the mirror's back, the drift a second stream popping pages would cause), and an
 /// allocation the mirror grants runs. The launch leaves every lane stack and top as it was,
-/// hands out page 0 (and page 0's token locations) for every request, and its status words
+/// hands out page 0 for every request, and its status words
 /// record the deficit of that lane alone. The allocation neither read back nor synchronised;
 /// `check_status` and `debug_check_device` report the refusal as a typed error naming the
 /// lane and its deficit, and `restore` clears it.
@@ -1093,11 +1148,6 @@ fn select_refuses_a_shortage_the_mirror_missed() {
                 ex.read(run.pages.buffer, run.pages.offset, &mut got)
                     .unwrap();
                 assert!(u32s(&got).iter().all(|&p| p == 0), "out_pages: {ctx}");
-                let mut locs = vec![0u8; 8 * owners.len() * ps as usize];
-                ex.read(run.locs.buffer, run.locs.offset, &mut locs)
-                    .unwrap();
-                let page0: Vec<i64> = (0..owners.len()).flat_map(|_| 0..i64::from(ps)).collect();
-                assert_eq!(i64s(&locs), page0, "out_locs: {ctx}");
                 // The status names the lane and its deficit, and nothing else.
                 let mut deficits = vec![0u32; usize::from(cp)];
                 deficits[usize::from(short)] = k;
@@ -2114,49 +2164,56 @@ fn allocator_kernels_refuse_a_grid_of_more_than_one_block() {
             let mut b = Bench::new(order, libs());
             let owners = [0u8, 1, 2, 0];
             let n = owners.len();
-            let spec = select_spec(cp, ps, ALLOC_THREADS);
             let (ob, sb) = (b.bytes(&owners, 0), b.bytes(&le32(&stacks), 0));
             let tb = b.bytes(&le32(&tops), 0);
-            let stb = b.bytes(&le32(&vec![0u32; usize::from(cp) + 2]), 0);
-            let (pb, lb) = (b.poison(4 * n), b.poison(8 * n * ps as usize));
-            let args = [
-                KernelArg::Ptr(ob, 0),
-                KernelArg::U32(n as u32),
-                KernelArg::Ptr(sb, 0),
-                KernelArg::Ptr(tb, 0),
-                KernelArg::U32(lane_cap),
-                KernelArg::Ptr(pb, 0),
-                KernelArg::Ptr(lb, 0),
-                KernelArg::Ptr(stb, 0),
-            ];
-            // The executor refuses such a grid for a signed kernel, before it runs...
-            let k = b.kernel(&spec);
-            let refused =
-                b.ex.launch(k, &LaunchConfig::linear(blocks, spec.threads()), &args)
-                    .unwrap_err();
-            assert!(
-                refused.to_string().contains("exactly one block"),
-                "{refused}"
-            );
-            // ...and unsigned, the kernel's own guard is what stands.
-            // SAFETY: the arguments are the select kernel's, in buffers of the sizes it
-            // reads and writes for `n` requests at this CP and capacity.
-            unsafe { b.launch_unsigned(&spec, blocks, &args) };
-            assert_eq!(u32s(&b.read(tb)), tops, "select tops: {ctx}");
-            assert_eq!(u32s(&b.read(sb)), stacks, "select stacks: {ctx}");
-            assert!(b.read(pb).iter().all(|&x| x == POISON), "out_pages: {ctx}");
-            assert!(b.read(lb).iter().all(|&x| x == POISON), "out_locs: {ctx}");
-            let status = SelectStatus::from_words(&u32s(&b.read(stb))).unwrap();
-            assert_eq!(
-                status.to_words(),
-                vec![1, 0, 0, 0, 0, 0],
-                "select status: {ctx}"
-            );
-            assert!(status.is_grid_refusal(), "{ctx}");
-            assert!(
-                status.to_string().contains("more than one block"),
-                "{status}"
-            );
+            // With token locations and without them: the same guard, the same words.
+            for output in [SelectOutput::PagesAndLocs, SelectOutput::Pages] {
+                let spec = select_spec_out(cp, ps, ALLOC_THREADS, output);
+                let ctx = format!("{spec} {ctx}");
+                let stb = b.bytes(&le32(&vec![0u32; usize::from(cp) + 2]), 0);
+                let pb = b.poison(4 * n);
+                let lb = output.writes_locs().then(|| b.poison(8 * n * ps as usize));
+                let mut args = vec![
+                    KernelArg::Ptr(ob, 0),
+                    KernelArg::U32(n as u32),
+                    KernelArg::Ptr(sb, 0),
+                    KernelArg::Ptr(tb, 0),
+                    KernelArg::U32(lane_cap),
+                    KernelArg::Ptr(pb, 0),
+                ];
+                args.extend(lb.map(|lb| KernelArg::Ptr(lb, 0)));
+                args.push(KernelArg::Ptr(stb, 0));
+                // The executor refuses such a grid for a signed kernel, before it runs...
+                let k = b.kernel(&spec);
+                let refused =
+                    b.ex.launch(k, &LaunchConfig::linear(blocks, spec.threads()), &args)
+                        .unwrap_err();
+                assert!(
+                    refused.to_string().contains("exactly one block"),
+                    "{refused}"
+                );
+                // ...and unsigned, the kernel's own guard is what stands.
+                // SAFETY: the arguments are the select kernel's, in buffers of the sizes it
+                // reads and writes for `n` requests at this CP and capacity.
+                unsafe { b.launch_unsigned(&spec, blocks, &args) };
+                assert_eq!(u32s(&b.read(tb)), tops, "select tops: {ctx}");
+                assert_eq!(u32s(&b.read(sb)), stacks, "select stacks: {ctx}");
+                assert!(b.read(pb).iter().all(|&x| x == POISON), "out_pages: {ctx}");
+                if let Some(lb) = lb {
+                    assert!(b.read(lb).iter().all(|&x| x == POISON), "out_locs: {ctx}");
+                }
+                let status = SelectStatus::from_words(&u32s(&b.read(stb))).unwrap();
+                assert_eq!(
+                    status.to_words(),
+                    vec![1, 0, 0, 0, 0, 0],
+                    "select status: {ctx}"
+                );
+                assert!(status.is_grid_refusal(), "{ctx}");
+                assert!(
+                    status.to_string().contains("more than one block"),
+                    "{status}"
+                );
+            }
 
             let spec = release_spec(cp, ALLOC_THREADS);
             let pages = [7u32, 13, 2];

@@ -4,7 +4,8 @@
 use std::path::{Path, PathBuf};
 
 use cp_hicache::kernels::{
-    diff_tree, render_tree, BufferKind, Deployment, Direction, KernelSpec, REGENERATE_COMMAND,
+    diff_tree, render_tree, BufferKind, Deployment, Direction, KernelSpec, SelectOutput,
+    REGENERATE_COMMAND,
 };
 
 fn generated_dir() -> PathBuf {
@@ -113,9 +114,14 @@ fn snap(name: &str, spec: KernelSpec) {
 
 #[test]
 fn snapshot_select_owner_pages() {
+    let nsa = Deployment::by_name("nsa_ps64_cp8").unwrap();
     snap(
         "select_owner_pages",
-        Deployment::by_name("nsa_ps64_cp8").unwrap().select_spec(),
+        nsa.select_spec(SelectOutput::PagesAndLocs),
+    );
+    snap(
+        "select_owner_pages_nolocs",
+        nsa.select_spec(SelectOutput::Pages),
     );
 }
 

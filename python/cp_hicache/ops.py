@@ -256,33 +256,47 @@ class Ops:
     ) -> Tuple[Any, Any]:
         """Pops one page per entry of ``owners`` from lane ``owners[i]`` (the seed's
         ``alloc_pages_with_owners``: a page loaded back gets its recorded owner). Returns
-        ``(pages, locs)``: ``uint32[n]`` pages and ``int64[n * page_size]`` token slots, in
-        ``out_pages`` / ``out_locs`` where given (on the CUDA backend they must be: CUDA
-        tensors, as the lanes are), else new numpy arrays. All or nothing: when a lane is
-        short, no lane changes and :class:`CacheFullError` says which lanes are short by how
-        much (the status words are read back: a host synchronisation). ``stream`` as in
-        :meth:`transfer`."""
+        ``(pages, locs)``: ``uint32[n]`` pages and ``int64[n * page_size]`` token slots
+        (``locs[i * page_size + j] == pages[i] * page_size + j``).
+
+        - ``out_pages`` and ``out_locs`` given: the kernel writes both into them.
+        - ``out_pages`` alone: the kernel writes the pages only and ``locs`` is ``None``; an
+          engine that derives its slots from the pages (SGLang's ``out_cache_loc``) spares
+          the kernel's one block ``8 * page_size`` bytes per page.
+        - neither (host backend only): new numpy arrays, the slots computed on the host from
+          the pages.
+
+        On the CUDA backend ``out_pages`` (and ``out_locs``, if given) must be CUDA tensors,
+        as the lanes are; ``out_locs`` without ``out_pages`` is refused. All or nothing: when
+        a lane is short, no lane changes, the pages written are 0, and
+        :class:`CacheFullError` says which lanes are short by how much (the status words are
+        read back: a host synchronisation). ``stream`` as in :meth:`transfer`."""
         handle = _stream(stream, self._cuda)
         o = np.asarray(owners)
         if o.ndim != 1 or (o.size and (o.min() < 0 or o.max() >= 256)):
             raise UsageError("owners: one rank per page, integers in 0..256")
         o = o.astype(np.uint8)
         n, ps = len(o), self.deployment.page_size
-        if (out_pages is None) != (out_locs is None):
-            raise UsageError("out_pages and out_locs: both or neither")
-        if out_pages is None:
+        if out_pages is None and out_locs is not None:
+            raise UsageError(
+                "out_locs: given without out_pages; pass out_pages too (or out_pages alone, "
+                "and derive the slots from the pages)"
+            )
+        host_locs = out_pages is None
+        if host_locs:
             if self._cuda:
                 raise UsageError(
-                    "select on the CUDA backend writes into out_pages and out_locs: CUDA "
-                    "tensors of uint32[n] and int64[n * page_size]"
+                    "select on the CUDA backend writes into out_pages (and out_locs, if "
+                    "given): CUDA tensors of uint32[n] and int64[n * page_size]"
                 )
             out_pages = np.zeros(n, dtype=np.uint32)
-            out_locs = np.zeros(n * ps, dtype=np.int64)
-        self._native.select(
-            lanes._arg(self._cuda), o.tobytes(),
-            _region(out_pages, "out_pages", 4, self._cuda),
-            _region(out_locs, "out_locs", 8, self._cuda), handle,
-        )
+        pages_arg = _region(out_pages, "out_pages", 4, self._cuda)
+        locs_arg = None if out_locs is None else _region(out_locs, "out_locs", 8, self._cuda)
+        self._native.select(lanes._arg(self._cuda), o.tobytes(), pages_arg, locs_arg, handle)
+        if host_locs:
+            # Raised above when refused, so these are the pages granted.
+            pages = out_pages.astype(np.int64)
+            out_locs = (pages[:, None] * ps + np.arange(ps, dtype=np.int64)).reshape(-1)
         return out_pages, out_locs
 
     def release(self, lanes: Lanes, pages: Any, stream: Optional[Any] = None) -> None:

@@ -227,25 +227,26 @@ impl Ops {
         .map_err(ops_err)
     }
 
-    /// Pops one page per owner from the engine's lanes into `out_pages` / `out_locs` (see
+    /// Pops one page per owner from the engine's lanes into `out_pages`, and their token
+    /// slots into `out_locs` when given (`None` runs the kernel that writes pages only; see
     /// `cp_hicache.ops.Ops.select`); `stream` as in `transfer`.
-    #[pyo3(signature = (lanes_arg, owners, out_pages, out_locs, stream = None))]
+    #[pyo3(signature = (lanes_arg, owners, out_pages, out_locs = None, stream = None))]
     fn select(
         &self,
         py: Python<'_>,
         lanes_arg: LanesArg,
         owners: &[u8],
         out_pages: (u64, u64),
-        out_locs: (u64, u64),
+        out_locs: Option<(u64, u64)>,
         stream: Option<u64>,
     ) -> PyResult<()> {
         let l = lanes(lanes_arg);
+        let locs = out_locs.map(region);
         py.detach(|| {
             // SAFETY: as in `transfer`.
             unsafe {
-                self.inner.on_stream(stream, |o| {
-                    o.select(&l, owners, region(out_pages), region(out_locs))
-                })
+                self.inner
+                    .on_stream(stream, |o| o.select(&l, owners, region(out_pages), locs))
             }
         })
         .map_err(ops_err)

@@ -154,9 +154,9 @@ def test_select_and_release_keep_owners_on_the_engines_lanes():
         ops.select(lanes, [1, 1, 1])
     assert lanes.tops.tolist() == [1, 1]  # all or nothing
     assert lanes.status[0] == 1  # the kernel counted the refusal
-    # Outputs of the caller's: both or neither, and then those are what comes back.
-    with pytest.raises(cp_hicache.UsageError, match="both or neither"):
-        ops.select(lanes, [0], out_pages=np.zeros(1, dtype=np.uint32))
+    # Outputs of the caller's are what comes back; out_locs needs out_pages.
+    with pytest.raises(cp_hicache.UsageError, match="without out_pages"):
+        ops.select(lanes, [0], out_locs=np.zeros(16, dtype=np.int64))
     out = (np.zeros(0, dtype=np.uint32), np.zeros(0, dtype=np.int64))
     assert ops.select(lanes, [], out_pages=out[0], out_locs=out[1])[0] is out[0]
     ops.release(lanes, [6, 3, 4])
@@ -166,6 +166,37 @@ def test_select_and_release_keep_owners_on_the_engines_lanes():
         ops.release(lanes, [0])
     with pytest.raises(cp_hicache.UsageError, match="32-bit words"):
         ops.select(Lanes(lanes.stacks.astype(np.uint64), lanes.tops, lanes.status), [0])
+
+
+def test_select_with_out_pages_alone_leaves_the_slots_to_the_engine():
+    from cp_hicache.ops import Lanes
+
+    ops = Ops(MLA)
+    lanes = Lanes.of([2, 4, 6, 1, 3], cp=2, lane_cap=4)
+    # The pages-only kernel: the same pages as with slots, and no slots written or returned.
+    pages = np.full(4, 0xA5A5A5A5, dtype=np.uint32)
+    got, locs = ops.select(lanes, [0, 1, 0], out_pages=pages[:3])
+    assert got is not None and locs is None
+    assert pages.tolist() == [6, 3, 4, 0xA5A5A5A5]  # nothing past the pages asked for
+    assert lanes.tops.tolist() == [1, 1]
+    # The engine derives the slots; the kernel that writes them agrees.
+    ops.release(lanes, [4, 3, 6])
+    both = (np.zeros(3, dtype=np.uint32), np.zeros(3 * 16, dtype=np.int64))
+    ops.select(lanes, [0, 1, 0], out_pages=both[0], out_locs=both[1])
+    assert both[0].tolist() == [6, 3, 4]
+    derived = (both[0].astype(np.int64)[:, None] * 16 + np.arange(16)).reshape(-1)
+    assert (both[1] == derived).all()
+    # Refused: every page written is 0, no lane moves, typed error.
+    pages[:] = 7
+    with pytest.raises(cp_hicache.CacheFullError, match="lane 1 is 2 short"):
+        ops.select(lanes, [1, 1, 1], out_pages=pages[:3])
+    assert pages.tolist() == [0, 0, 0, 7]
+    assert lanes.tops.tolist() == [1, 1]
+    # Bad outputs are usage errors, never crashes.
+    with pytest.raises(cp_hicache.UsageError, match="out_pages"):
+        ops.select(lanes, [0], out_pages=np.zeros(2, dtype=np.uint32))
+    with pytest.raises(cp_hicache.UsageError, match="out_locs"):
+        ops.select(lanes, [0], out_pages=pages[:1], out_locs=np.zeros(8, dtype=np.int64))
 
 
 def test_the_backend_is_checked():

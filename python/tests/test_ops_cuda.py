@@ -160,10 +160,15 @@ SCRIPT = textwrap.dedent(
     host_ops.release(host_lanes, want_pages[::-1])
     released = bool((fetch(lanes.tops, np.uint32) == host_lanes.tops).all()
                     and (fetch(lanes.stacks, np.uint32) == host_lanes.stacks.ravel()).all())
+    # From the same lanes, out_pages alone runs the kernel without slots: the same pages.
+    only_pages = on_device(np.zeros(n, dtype=np.uint32))
+    _, no_locs = ops.select(lanes, owners, out_pages=only_pages, stream=stream.value)
+    pages_only = bool(no_locs is None and (fetch(only_pages, np.uint32) == want_pages).all())
 
     print(json.dumps({
         "selected": selected, "select_waits": select_waits, "short": short,
         "released": released, "pages": got_pages.tolist(), "no_outputs": no_outputs,
+        "pages_only": pages_only,
         "moved": moved, "expected_moved": 3 * 2 * pb, "waits": waits,
         "same": bool((got == want).all()), "changed": bool((got != first).any()),
         "later": later, "back_same": bool((back == want_host).all()),
@@ -195,4 +200,5 @@ def test_cuda_ops_run_on_the_callers_memory_and_stream(tmp_path):
     assert r["pages"] and all(p % 2 == o for p, o in zip(r["pages"], [1, 0, 1, 1])), r
     assert r["short"] and "lane 0" in r["short"], r
     assert r["released"], r
-    assert r["no_outputs"] and "out_pages and out_locs" in r["no_outputs"], r
+    assert r["no_outputs"] and "writes into out_pages" in r["no_outputs"], r
+    assert r["pages_only"], r

@@ -44,7 +44,7 @@ use super::{AllocError, OwnerLaneAllocator, PageRun, StateDigest};
 use crate::exec::{BufferId, ExecError, Executor, KernelArg, KernelId, LaunchConfig, MemKind};
 use crate::jit::{spec_request, target_for, Arch, Jit, JitError, Sanitize};
 use crate::kernels::{
-    AllocSpec, KernelError, KernelSpec, ReleaseSpec, ReleaseStatus, SelectStatus,
+    AllocSpec, KernelError, KernelSpec, ReleaseSpec, ReleaseStatus, SelectOutput, SelectStatus,
 };
 use crate::layout::{CpLayout, PageId, Rank};
 
@@ -179,16 +179,18 @@ pub struct DeviceSlice {
 }
 
 /// The result of a kernel-backed allocation: the mirror's pages, and where the select kernel
-/// wrote them in executor memory. The device arrays stay valid until the next allocation
-/// call on the same allocator (which reuses, and may reallocate, the output buffers).
+/// wrote them in executor memory. The device array stays valid until the next allocation
+/// call on the same allocator (which reuses, and may reallocate, the output buffer).
+///
+/// The kernel writes no token locations ([`SelectOutput::Pages`]): nothing in the cache reads
+/// them on the device, and they would be `8 × page_size` bytes per page from the kernel's one
+/// block. [`PageRun::locs`] derives them from the pages on the host.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KernelRun {
     /// The pages, in request order, as predicted by the host mirror.
     pub run: PageRun,
     /// `u32 out_pages[n]`: the same pages, written by the select kernel.
     pub pages: DeviceSlice,
-    /// `i64 out_locs[n * page_size]`: their page-contiguous token locations.
-    pub locs: DeviceSlice,
 }
 
 /// An executor buffer that grows on demand (contents are not preserved).
@@ -240,8 +242,8 @@ const MIN_GROWABLE: usize = 64;
 /// (every lane fits, at most `ceil(pages / cp)` pages each) and tops, then the inputs and
 /// outputs, sized for the largest possible call (every page at once) so that an allocation
 /// or a free never grows a buffer: on CUDA that would be a synchronising
-/// cuMemFree/cuMemAlloc on the load path. `out_locs` is 8 bytes per token, a few percent of
-/// the KV pools themselves.
+/// cuMemFree/cuMemAlloc on the load path. No token locations: the select kernel writes
+/// pages only ([`KernelRun`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BufferSizes {
     /// Lane free stacks: 4 bytes per slot.
@@ -257,8 +259,6 @@ pub struct BufferSizes {
     pub pages_in: u64,
     /// Pages a select hands out: 4 bytes per page.
     pub out_pages: u64,
-    /// Token locations a select hands out: 8 bytes per token.
-    pub out_locs: u64,
 }
 
 impl BufferSizes {
@@ -273,19 +273,12 @@ impl BufferSizes {
             owners_in: growable(pages),
             pages_in: growable(4 * pages),
             out_pages: growable(4 * pages),
-            out_locs: growable(8 * pages * u64::from(layout.page_size())),
         }
     }
 
     /// All of them.
     pub fn total(&self) -> u64 {
-        self.stacks
-            + self.tops
-            + self.status
-            + self.owners_in
-            + self.pages_in
-            + self.out_pages
-            + self.out_locs
+        self.stacks + self.tops + self.status + self.owners_in + self.pages_in + self.out_pages
     }
 }
 
@@ -335,7 +328,6 @@ pub struct KernelLaneAllocator {
     owners_in: Growable,
     pages_in: Growable,
     out_pages: Growable,
-    out_locs: Growable,
     /// Set when the device lanes could not be brought back in step with the mirror.
     broken: Option<String>,
 }
@@ -377,6 +369,7 @@ impl KernelLaneAllocator {
                 cp: layout.cp(),
                 page_size: layout.page_size(),
                 threads: options.threads,
+                output: SelectOutput::Pages,
             }),
             KernelSpec::ReleasePages(ReleaseSpec {
                 cp: layout.cp(),
@@ -416,7 +409,6 @@ impl KernelLaneAllocator {
         let owners_in = mem.growable(size(sizes.owners_in)?)?;
         let pages_in = mem.growable(size(sizes.pages_in)?)?;
         let out_pages = mem.growable(size(sizes.out_pages)?)?;
-        let out_locs = mem.growable(size(sizes.out_locs)?)?;
         mem.keep();
         let me = KernelLaneAllocator {
             select: (specs[0], ids[0]),
@@ -428,7 +420,6 @@ impl KernelLaneAllocator {
             owners_in,
             pages_in,
             out_pages,
-            out_locs,
             mirror,
             exec,
             broken: None,
@@ -545,7 +536,7 @@ impl KernelLaneAllocator {
     }
 
     /// Allocates pages whose owners equal `owners`, in input order, and launches the select
-    /// kernel that writes them (and their token locations) to executor memory. All or
+    /// kernel that writes them to executor memory (their token locations: [`PageRun::locs`]). All or
     /// nothing: a shortage is [`AllocError::LanesShort`] with nothing launched. Uploads the
     /// owners once; never reads back or synchronises.
     pub fn alloc_pages_with_owners(
@@ -648,11 +639,6 @@ impl KernelLaneAllocator {
                 offset: 0,
                 len: n,
             },
-            locs: DeviceSlice {
-                buffer: self.out_locs.id,
-                offset: 0,
-                len: n * u64::from(self.layout().page_size()),
-            },
             run,
         }
     }
@@ -663,10 +649,8 @@ impl KernelLaneAllocator {
         }
         let ex = self.exec.as_ref();
         let n = owners.len();
-        let ps = self.mirror.layout().page_size() as usize;
         self.owners_in.ensure(ex, n)?;
         self.out_pages.ensure(ex, 4 * n)?;
-        self.out_locs.ensure(ex, 8 * n * ps)?;
         ex.upload(self.owners_in.id, 0, owners)?;
         let d = self.select.0.launch_dims(n as u32, 1);
         ex.launch(
@@ -679,7 +663,6 @@ impl KernelLaneAllocator {
                 KernelArg::Ptr(self.tops, 0),
                 KernelArg::U32(self.lane_cap),
                 KernelArg::Ptr(self.out_pages.id, 0),
-                KernelArg::Ptr(self.out_locs.id, 0),
                 KernelArg::Ptr(self.status, 0),
             ],
         )
@@ -802,7 +785,6 @@ impl Drop for KernelLaneAllocator {
             self.owners_in.id,
             self.pages_in.id,
             self.out_pages.id,
-            self.out_locs.id,
         ] {
             // Nothing useful can be done about a failed free while dropping.
             let _ = self.exec.free(b);

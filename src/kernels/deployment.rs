@@ -5,7 +5,8 @@ use std::fmt;
 
 use super::spec::{
     AllocSpec, BufferKind, BusyKind, BusySpec, CopyLaunch, Direction, HostLayout, KernelSpec,
-    MaterialiseSpec, ReleaseSpec, SynthSpec, TokenOrder, TransferSpec, VecWidth, VerifySpec,
+    MaterialiseSpec, ReleaseSpec, SelectOutput, SynthSpec, TokenOrder, TransferSpec, VecWidth,
+    VerifySpec,
 };
 use super::{Arch, KernelError, TransferPath};
 use crate::layout::Layout;
@@ -212,12 +213,16 @@ impl Deployment {
         )
     }
 
-    /// The owner-page selection kernel.
-    pub fn select_spec(&self) -> KernelSpec {
+    /// The owner-page selection kernel writing `output`: the cache's own allocator runs
+    /// [`SelectOutput::Pages`] ([`KernelLaneAllocator`](crate::allocator::KernelLaneAllocator)),
+    /// an engine asking for token locations [`SelectOutput::PagesAndLocs`]
+    /// ([`Ops::select`](crate::ops::Ops::select)).
+    pub fn select_spec(&self, output: SelectOutput) -> KernelSpec {
         KernelSpec::SelectOwnerPages(AllocSpec {
             cp: self.cp,
             page_size: self.page_size,
             threads: self.alloc_threads,
+            output,
         })
     }
 
@@ -290,12 +295,13 @@ impl Deployment {
         [BusyKind::Alu, BusyKind::Hbm].map(|k| KernelSpec::Busy(BusySpec::of(k)))
     }
 
-    /// Every kernel the deployment needs, without duplicates, in a stable order: select,
-    /// release, transfer d2h, transfer h2d (every buffer in one launch), then per buffer
-    /// materialise, synthesise, verify.
+    /// Every kernel the deployment needs, without duplicates, in a stable order: select with
+    /// token locations, select without them, release, transfer d2h, transfer h2d (every
+    /// buffer in one launch), then per buffer materialise, synthesise, verify.
     pub fn specs(&self) -> Vec<KernelSpec> {
         let mut out = vec![
-            self.select_spec(),
+            self.select_spec(SelectOutput::PagesAndLocs),
+            self.select_spec(SelectOutput::Pages),
             self.release_spec(),
             self.transfer_spec(Direction::DeviceToHost),
             self.transfer_spec(Direction::HostToDevice),
@@ -363,9 +369,18 @@ mod tests {
     #[test]
     fn specs_cover_every_family_per_buffer() {
         let nsa = Deployment::by_name("nsa_ps64_cp8").unwrap();
-        assert_eq!(nsa.specs().len(), 2 + 2 + 2 * 3);
+        // Select with and without token locations, release, two transfers, then per buffer.
+        assert_eq!(nsa.specs().len(), 3 + 2 + 2 * 3);
         let mla = Deployment::by_name("mla_ps16_cp4").unwrap();
-        assert_eq!(mla.specs().len(), 2 + 2 + 3);
+        assert_eq!(mla.specs().len(), 3 + 2 + 3);
+        let uris: Vec<String> = mla.specs()[..2].iter().map(KernelSpec::uri).collect();
+        assert_eq!(
+            uris,
+            [
+                "select_owner_pages_cp4_ps16_t256",
+                "select_owner_pages_cp4_ps16_nolocs_t256"
+            ]
+        );
     }
 
     #[test]

@@ -40,9 +40,9 @@ pub use spec::{
     AllocSpec, Arrangement, BufferKind, BusyKind, BusySpec, CopyLaunch, CopyMapping, Direction,
     Dtype, Family, FieldLayout, FieldMisalignment, HostLayout, InFlight, KernelParam,
     KernelSignature, KernelSpec, LaunchDims, MaterialiseSpec, Reach, ReachError, ReleaseSpec,
-    ReleaseStatus, SelectStatus, Strided, SynthSpec, TableEntries, TokenOrder, TransferSpec,
-    VecWidth, VerifySpec, GPU_TRANSFER_BLOCKS, GPU_TRANSFER_THREADS, GPU_TRANSFER_UNROLL,
-    TRANSFER_GRID_CAPS, WARP_LANES,
+    ReleaseStatus, SelectOutput, SelectStatus, Strided, SynthSpec, TableEntries, TokenOrder,
+    TransferSpec, VecWidth, VerifySpec, GPU_TRANSFER_BLOCKS, GPU_TRANSFER_THREADS,
+    GPU_TRANSFER_UNROLL, TRANSFER_GRID_CAPS, WARP_LANES,
 };
 // An SM's thread limit: `tune` sizes its busy companions by it.
 pub(crate) use spec::SM_MAX_THREADS;

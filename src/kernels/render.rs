@@ -133,6 +133,8 @@ struct SelectTpl<'a> {
     template: &'a str,
     consts: Vec<Const>,
     params: &'a str,
+    /// Whether the kernel writes `out_locs` ([`SelectOutput`](super::SelectOutput)).
+    locs: bool,
 }
 
 #[derive(Template)]
@@ -411,6 +413,7 @@ pub(crate) fn render_spec(spec: &KernelSpec) -> Result<String, KernelError> {
                 c("THREADS", s.threads),
                 c("WARPS", s.threads / 32),
             ],
+            locs: s.output.writes_locs(),
         }
         .render(),
         KernelSpec::ReleasePages(s) => ReleaseTpl {

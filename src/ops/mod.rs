@@ -17,7 +17,8 @@
 use crate::exec::{BufferId, Executor, KernelArg, MemKind};
 use crate::jit::{Jit, Sanitize};
 use crate::kernels::{
-    transfer_args, BufferKind, Deployment, Direction, HostLayout, PageTable, PoolShape,
+    transfer_args, BufferKind, Deployment, Direction, HostLayout, KernelSpec, PageTable, PoolShape,
+    SelectOutput,
 };
 use crate::rank::{DeploymentKernels, KernelLoadError};
 use std::ops::Range;
@@ -138,8 +139,10 @@ pub struct Ops {
     layers: u32,
     exec: Arc<dyn Executor>,
     kernels: DeploymentKernels,
-    /// The owner-page selection and release kernels.
-    select: crate::exec::KernelId,
+    /// The owner-page selection kernels, with token locations and without them.
+    select_locs: crate::exec::KernelId,
+    select_pages: crate::exec::KernelId,
+    /// The lane release kernel.
     release: crate::exec::KernelId,
 }
 
@@ -252,7 +255,11 @@ impl Ops {
         let kernels = DeploymentKernels::load(&deployment, jit, exec.as_ref(), sanitize)?;
         let target = crate::jit::target_for(exec.as_ref(), deployment.arch, sanitize)
             .map_err(KernelLoadError::from)?;
-        let specs = [deployment.select_spec(), deployment.release_spec()];
+        let specs = [
+            deployment.select_spec(SelectOutput::PagesAndLocs),
+            deployment.select_spec(SelectOutput::Pages),
+            deployment.release_spec(),
+        ];
         let requests = specs
             .iter()
             .map(|spec| crate::jit::spec_request(spec, target, None))
@@ -269,8 +276,9 @@ impl Ops {
             layers,
             exec,
             kernels,
-            select: ids[0],
-            release: ids[1],
+            select_locs: ids[0],
+            select_pages: ids[1],
+            release: ids[2],
         })
     }
 
@@ -694,19 +702,23 @@ impl Ops {
     }
 
     /// Pops one page per entry of `owners` from lane `owners[i]`, owner preserved (the
-    /// seed's `alloc_pages_with_owners`): page `i` into `out_pages` (`u32[n]`) and its
-    /// token slots into `out_locs` (`i64[n * page_size]`). All or nothing: when a lane is
-    /// short, no lane changes and this fails with [`OpsError::LanesShort`] (the status words
-    /// count it too). Reads the status words back to tell (a host synchronisation).
+    /// seed's `alloc_pages_with_owners`): page `i` into `out_pages` (`u32[n]`) and, when
+    /// `out_locs` is given, its token slots into it (`i64[n * page_size]`,
+    /// `page * page_size + j`). `None` runs the kernel without token locations
+    /// ([`SelectOutput::Pages`]): an engine that derives its slots from the pages (SGLang's
+    /// `out_cache_loc`) saves the kernel's one block `8 × page_size` bytes per page. All or
+    /// nothing: when a lane is short, no lane changes, every page written is 0 (and the
+    /// slots page 0's), and this fails with [`OpsError::LanesShort`] (the status words count
+    /// it too). Reads the status words back to tell (a host synchronisation).
     ///
     /// # Safety
-    /// As [`Ops::transfer`], for the lanes and both outputs.
+    /// As [`Ops::transfer`], for the lanes and the outputs.
     pub unsafe fn select(
         &self,
         lanes: &Lanes,
         owners: &[u8],
         out_pages: Region,
-        out_locs: Region,
+        out_locs: Option<Region>,
     ) -> Result<(), OpsError> {
         let lane_cap = self.lane_cap(lanes)?;
         let cp = self.deployment.cp;
@@ -724,14 +736,16 @@ impl Ops {
                 format!("{} bytes, not {n} aligned u32 pages", out_pages.bytes),
             ));
         }
-        if out_locs.bytes != 8 * n * ps || out_locs.addr % 8 != 0 {
-            return Err(bad(
-                "out_locs",
-                format!(
-                    "{} bytes, not {n} pages of {ps} aligned i64 slots",
-                    out_locs.bytes
-                ),
-            ));
+        if let Some(locs) = out_locs {
+            if locs.bytes != 8 * n * ps || locs.addr % 8 != 0 {
+                return Err(bad(
+                    "out_locs",
+                    format!(
+                        "{} bytes, not {n} pages of {ps} aligned i64 slots",
+                        locs.bytes
+                    ),
+                ));
+            }
         }
         if owners.is_empty() {
             return Ok(());
@@ -742,28 +756,36 @@ impl Ops {
         };
         // SAFETY: the caller's contract.
         let ids: Vec<BufferId> = unsafe {
-            [lanes.stacks, lanes.tops, lanes.status, out_pages, out_locs]
+            [lanes.stacks, lanes.tops, lanes.status, out_pages]
                 .iter()
+                .chain(out_locs.as_ref())
                 .map(|r| held.tensors(&Tensors::CrossLayer(*r)).map(|v| v[0]))
                 .collect::<Result<_, _>>()?
         };
         let owners_in = held.exec.alloc(MemKind::Device, owners.len(), 0)?;
         held.ids.push(owners_in);
         self.exec.upload(owners_in, 0, owners)?;
+        let (kernel, output) = match out_locs {
+            Some(_) => (self.select_locs, SelectOutput::PagesAndLocs),
+            None => (self.select_pages, SelectOutput::Pages),
+        };
+        // The parameters of `select_spec(output)`: `out_locs` sits between the pages and
+        // the status words, and only in the kernel that writes it.
+        let mut args = vec![
+            KernelArg::Ptr(owners_in, 0),
+            KernelArg::U32(owners.len() as u32),
+            KernelArg::Ptr(ids[0], 0),
+            KernelArg::Ptr(ids[1], 0),
+            KernelArg::U32(lane_cap),
+            KernelArg::Ptr(ids[3], 0),
+        ];
+        args.extend(ids.get(4).map(|&locs| KernelArg::Ptr(locs, 0)));
+        args.push(KernelArg::Ptr(ids[2], 0));
         let refused = self.launch_on_lanes(
-            (self.select, self.deployment.select_spec()),
+            (kernel, self.deployment.select_spec(output)),
             owners.len(),
             ids[2],
-            &[
-                KernelArg::Ptr(owners_in, 0),
-                KernelArg::U32(owners.len() as u32),
-                KernelArg::Ptr(ids[0], 0),
-                KernelArg::Ptr(ids[1], 0),
-                KernelArg::U32(lane_cap),
-                KernelArg::Ptr(ids[3], 0),
-                KernelArg::Ptr(ids[4], 0),
-                KernelArg::Ptr(ids[2], 0),
-            ],
+            &args,
         )?;
         match refused {
             Some(short) => Err(OpsError::LanesShort { short }),
@@ -829,7 +851,7 @@ impl Ops {
     /// refused-launch word grew, and each lane's word by its deficit or overflow).
     fn launch_on_lanes(
         &self,
-        (kernel, spec): (crate::exec::KernelId, crate::kernels::KernelSpec),
+        (kernel, spec): (crate::exec::KernelId, KernelSpec),
         n: usize,
         status: BufferId,
         args: &[KernelArg<'_>],

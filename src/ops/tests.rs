@@ -296,7 +296,7 @@ fn select_and_release_on_the_engines_lanes_equal_the_reference_all_or_nothing() 
     let (mut pages, mut locs) = (Mem::new(12, 0), Mem::new(8 * 3 * 16, 0));
     let (pr, lr) = (pages.region(0, 12), locs.region(0, 8 * 3 * 16));
     // SAFETY: the memory lives across the calls.
-    unsafe { ops.select(&lanes, &owners, pr, lr) }.unwrap();
+    unsafe { ops.select(&lanes, &owners, pr, Some(lr)) }.unwrap();
     let (mut rs, mut rt, mut rstat) = (stacks0.clone(), tops0.clone(), vec![0u32; 4]);
     let (want_pages, want_locs) =
         reference::select_owner_pages(2, 16, &owners, &rs, &mut rt, cap, &mut rstat).unwrap();
@@ -309,7 +309,7 @@ fn select_and_release_on_the_engines_lanes_equal_the_reference_all_or_nothing() 
     assert_eq!(got_locs, want_locs);
     assert_eq!(read_words(&tp, 2), rt);
     // Lane 1 is now 2 short of three more: refused, nothing changes.
-    let e = unsafe { ops.select(&lanes, &[1, 1, 1], pr, lr) }.unwrap_err();
+    let e = unsafe { ops.select(&lanes, &[1, 1, 1], pr, Some(lr)) }.unwrap_err();
     assert!(e.to_string().contains("lane 1 is 2 short"), "{e}");
     assert_eq!(read_words(&tp, 2), rt);
     // Release them back in the reference's order.
@@ -320,12 +320,60 @@ fn select_and_release_on_the_engines_lanes_equal_the_reference_all_or_nothing() 
         let e = unsafe { ops.release(&lanes, bad_pages) }.unwrap_err();
         assert!(e.to_string().contains(want), "{e}");
     }
-    let e = unsafe { ops.select(&lanes, &[2], pr, lr) }.unwrap_err();
+    let e = unsafe { ops.select(&lanes, &[2], pr, Some(lr)) }.unwrap_err();
     assert!(
         e.to_string()
             .contains("owners[0]: rank 2 is not below cp 2"),
         "{e}"
     );
+}
+
+/// Without `out_locs` the select runs the kernel that writes pages only: the same pages,
+/// tops and status words as the reference (granted, then refused with every page 0), and
+/// nothing beyond `out_pages` written; a wrong `out_locs` is refused before any launch.
+#[test]
+fn select_without_out_locs_writes_the_same_pages_and_nothing_else() {
+    let ops = ops(ModelShape::MlaBf16, 16, 2, 1);
+    let cap = 4u32;
+    let (stacks0, tops0) = (vec![2u32, 4, 6, 0, 1, 3, 0, 0], vec![3u32, 2]);
+    let (mut st, mut tp, mut ss) = (words(&stacks0), words(&tops0), words(&[0; 4]));
+    let lanes = Lanes {
+        stacks: st.region(0, 32),
+        tops: tp.region(0, 8),
+        status: ss.region(0, 16),
+    };
+    let (mut rs, mut rt, mut rstat) = (stacks0.clone(), tops0.clone(), vec![0u32; 4]);
+    // Four words of poison: the select may write the first three only.
+    let mut pages = words(&[0xA5A5_A5A5; 4]);
+    let pr = pages.region(0, 12);
+    let owners = [0u8, 1, 0];
+    // SAFETY: the memory lives across the calls.
+    unsafe { ops.select(&lanes, &owners, pr, None) }.unwrap();
+    let want = reference::select_pages(2, &owners, &rs, &mut rt, cap, &mut rstat).unwrap();
+    assert_eq!(want, [6, 3, 4]);
+    assert_eq!(read_words(&pages, 4), [6, 3, 4, 0xA5A5_A5A5]);
+    assert_eq!(read_words(&tp, 2), rt);
+    // Lane 1 holds one page: three more are refused, every page is 0, nothing changes.
+    // SAFETY: as above.
+    let e = unsafe { ops.select(&lanes, &[1, 1, 1], pr, None) }.unwrap_err();
+    assert!(e.to_string().contains("lane 1 is 2 short"), "{e}");
+    reference::select_pages(2, &[1, 1, 1], &rs, &mut rt, cap, &mut rstat).unwrap();
+    assert_eq!(read_words(&pages, 4), [0, 0, 0, 0xA5A5_A5A5]);
+    assert_eq!(read_words(&tp, 2), rt);
+    assert_eq!(read_words(&ss, 4), rstat);
+    // Locations one page short, or misaligned, name `out_locs`; nothing runs.
+    let mut locs = Mem::new(8 * 3 * 16 + 8, 0);
+    for bad in [locs.region(0, 8 * 2 * 16), locs.region(4, 8 * 3 * 16)] {
+        // SAFETY: as above.
+        let e = unsafe { ops.select(&lanes, &owners, pr, Some(bad)) }.unwrap_err();
+        assert!(e.to_string().contains("out_locs"), "{e}");
+    }
+    assert_eq!(read_words(&tp, 2), rt);
+    // Released back, the lanes are the reference's again.
+    // SAFETY: as above.
+    unsafe { ops.release(&lanes, &[4, 3, 6]) }.unwrap();
+    reference::release_pages(2, &[4, 3, 6], &mut rs, &mut rt, cap, &mut rstat).unwrap();
+    assert_eq!((read_words(&st, 8), read_words(&tp, 2)), (rs, rt));
 }
 
 /// `[layers][pages][pb]` bytes as `[pages][layers][pb]`, or back with `back`.

@@ -20,7 +20,7 @@ use super::measure::{
 use super::TuningError;
 use crate::exec::{Backend, DmaMode, Executor, KernelId, MemKind};
 use crate::jit::Jit;
-use crate::kernels::{Deployment, Direction, KernelError, KernelSpec, ModelShape};
+use crate::kernels::{Deployment, Direction, KernelError, KernelSpec, ModelShape, SelectOutput};
 
 /// One measurement, as printed and written by `bench --json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -223,8 +223,9 @@ fn jobs(c: &BenchConfig, opts: &BenchOptions) -> Vec<Job> {
         [Direction::HostToDevice, Direction::DeviceToHost].map(|d| dep.transfer_spec(d));
     let mut out: Vec<Job> = transfers.iter().map(|&t| job(config, t, 0, dma)).collect();
     out.push(job(config, dep.materialise_spec(b), 0, None));
+    // The select the cache's allocator runs: pages only, its consumers derive the slots.
     for &n in &opts.alloc_pages {
-        out.push(job(config, dep.select_spec(), n, None));
+        out.push(job(config, dep.select_spec(SelectOutput::Pages), n, None));
         out.push(job(config, dep.release_spec(), n, None));
     }
     if opts.dma_rows && config == "default" && dma.is_none() {
@@ -459,12 +460,13 @@ fn time_job(
 ) -> Result<Timed, TuningError> {
     match job.spec {
         KernelSpec::SelectOwnerPages(_) | KernelSpec::ReleasePages(_) => {
-            let (cp, ps) = match job.spec {
-                KernelSpec::SelectOwnerPages(s) => (s.cp, s.page_size),
-                KernelSpec::ReleasePages(s) => (s.cp, 1),
-                _ => (1, 1),
+            let cp = match job.spec {
+                KernelSpec::SelectOwnerPages(s) => s.cp,
+                KernelSpec::ReleasePages(s) => s.cp,
+                _ => 1,
             };
-            let b = AllocBench::new(exec, cp, ps, job.alloc_pages, seed)?;
+            let locs = AllocBench::locs_page_size(&job.spec);
+            let b = AllocBench::new(exec, cp, locs, job.alloc_pages, seed)?;
             let kernel = kernel_of(&job.spec)?;
             let t = b.time(kernel, &job.spec, sizes)?;
             let r = b.time_reference(&job.spec, sizes)?;

@@ -351,7 +351,7 @@ pub(super) fn check_one(
             let b = AllocBench::new(
                 exec,
                 s.cp,
-                s.page_size,
+                AllocBench::locs_page_size(spec),
                 alloc_check_requests(s.threads),
                 seed,
             )?;
@@ -368,14 +368,17 @@ pub(super) fn check_one(
                 b.reset_for_select()?;
                 exec.upload(b.tops, 0, &u32_bytes(tops0))?;
                 b.run_select(kernel, spec)?;
-                for buffer in [b.pages, b.locs, b.tops, b.status] {
+                // `out_locs` only where the kernel writes it.
+                for buffer in [Some(b.pages), b.locs, Some(b.tops), Some(b.status)]
+                    .into_iter()
+                    .flatten()
+                {
                     got.extend(read_all(exec, buffer)?);
                 }
                 let mut tops = tops0.clone();
                 let mut status = vec![0u32; s.status_words()];
-                let (pages, locs) = reference::select_owner_pages(
+                let pages = reference::select_pages(
                     s.cp,
-                    s.page_size,
                     &h.owners,
                     &h.stacks,
                     &mut tops,
@@ -384,14 +387,18 @@ pub(super) fn check_one(
                 )
                 .map_err(reference_err("select_owner_pages"))?;
                 want.extend(u32_bytes(&pages));
-                want.extend(locs.iter().flat_map(|l| l.to_le_bytes()));
+                if s.output.writes_locs() {
+                    let locs = reference::page_locs(s.page_size, &pages)
+                        .map_err(reference_err("select_owner_pages"))?;
+                    want.extend(locs.iter().flat_map(|l| l.to_le_bytes()));
+                }
                 want.extend(u32_bytes(&tops));
                 want.extend(u32_bytes(&status));
             }
             Ok(compare(&got, &want))
         }
         KernelSpec::ReleasePages(s) => {
-            let b = AllocBench::new(exec, s.cp, 1, alloc_check_requests(s.threads), seed)?;
+            let b = AllocBench::new(exec, s.cp, None, alloc_check_requests(s.threads), seed)?;
             let h = &b.host;
             // Accepted (the pages select took), then refused: pushed onto full lanes, every
             // lane they belong to overflows, so the kernel must change no top and no stack

@@ -153,7 +153,13 @@ pub fn parse_cpu_model(cpuinfo: &str) -> Option<String> {
 pub fn spec_key(spec: &KernelSpec) -> String {
     let fam = spec.family();
     match spec {
-        KernelSpec::SelectOwnerPages(s) => format!("{fam}_cp{}_ps{}", s.cp, s.page_size),
+        // Without token locations the select is other code (its own best block size).
+        KernelSpec::SelectOwnerPages(s) => format!(
+            "{fam}_cp{}_ps{}{}",
+            s.cp,
+            s.page_size,
+            s.output.uri_suffix()
+        ),
         KernelSpec::ReleasePages(s) => format!("{fam}_cp{}", s.cp),
         KernelSpec::TransferPages(s) => s.stem(),
         KernelSpec::Materialise(s) => {
@@ -200,6 +206,22 @@ mod tests {
         assert_eq!(
             spec_key(&paged.materialise_spec(b)),
             spec_key(&ti.materialise_spec(b))
+        );
+    }
+
+    /// The select without token locations is tuned on its own: its best block size need
+    /// not be the other's.
+    #[test]
+    fn the_selects_with_and_without_locations_have_keys_of_their_own() {
+        use crate::kernels::SelectOutput;
+        let dep = Deployment::by_name("nsa_ps64_cp8").unwrap();
+        assert_eq!(
+            spec_key(&dep.select_spec(SelectOutput::PagesAndLocs)),
+            "select_owner_pages_cp8_ps64"
+        );
+        assert_eq!(
+            spec_key(&dep.select_spec(SelectOutput::Pages)),
+            "select_owner_pages_cp8_ps64_nolocs"
         );
     }
 

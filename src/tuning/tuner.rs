@@ -438,12 +438,12 @@ impl<'e> Workload<'e> {
             KernelSpec::SelectOwnerPages(s) => Workload::Alloc(AllocBench::new(
                 exec,
                 s.cp,
-                s.page_size,
+                AllocBench::locs_page_size(spec),
                 opts.alloc_pages,
                 seed,
             )?),
             KernelSpec::ReleasePages(s) => {
-                Workload::Alloc(AllocBench::new(exec, s.cp, 1, opts.alloc_pages, seed)?)
+                Workload::Alloc(AllocBench::new(exec, s.cp, None, opts.alloc_pages, seed)?)
             }
             KernelSpec::Synthesise(s) => {
                 Workload::Synth(SynthBench::new(exec, s, &opts.sizes, seed)?)

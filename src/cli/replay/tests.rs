@@ -46,10 +46,10 @@ fn plain_alloc_on_load_fired_only_when_a_page_got_another_owner() {
         .contains("happened to get the owner"));
 }
 
-/// The memory check counts the kernel-backed lane allocators: per rank 8 bytes per
-/// token of every logical page (out_locs) and 13 per page (pages_in, out_pages, stacks,
-/// owners_in), about cp × (8 · page_size + 13) bytes per logical page in all, plus the
-/// host mirrors. They used to be left out.
+/// The memory check counts the kernel-backed lane allocators: per rank 13 bytes per page
+/// (pages_in, out_pages, stacks, owners_in; the select kernel writes no token locations),
+/// about cp × 13 bytes per logical page in all, plus the host mirrors. They used to be left
+/// out.
 #[test]
 fn the_memory_check_counts_the_lane_allocators() {
     let args = ReplayArgs::default();
@@ -63,13 +63,13 @@ fn the_memory_check_counts_the_lane_allocators() {
         fault: None,
         sanitize: Sanitize::default(),
     };
-    let (cp, page) = (8u64, 64u64);
+    let cp = 8u64;
     let need = MemoryNeed::new(&config, Backend::Host).unwrap();
     // Per rank: stacks, inputs and outputs per page; the lane tops; the select and the
     // release status words (CP + 2 each).
     assert_eq!(
         need.allocators,
-        cp * (8 * page + 13) * 4096 + cp * 4 * cp + cp * 2 * 4 * (cp + 2)
+        cp * 13 * 4096 + cp * 4 * cp + cp * 2 * 4 * (cp + 2)
     );
     assert_eq!(need.mirrors, cp * (4 * 4096 + 4096 / 8));
     assert_eq!(

@@ -196,6 +196,9 @@ pub fn synth_token(
 /// locations are page 0's slots), and `status` (the kernel's `u32[cp + 2]` status words,
 /// [`SelectStatus`](super::SelectStatus)) adds 1 refused launch, each lane's deficit and the
 /// number of bad owners, saturating. A launch that is not refused leaves `status` alone.
+///
+/// The kernel without token locations ([`SelectOutput::Pages`](super::SelectOutput)) is
+/// [`select_pages`]; this is it followed by [`page_locs`].
 pub fn select_owner_pages(
     cp: u8,
     page_size: u32,
@@ -205,8 +208,37 @@ pub fn select_owner_pages(
     lane_cap: u32,
     status: &mut [u32],
 ) -> Result<(Vec<u32>, Vec<i64>), ReferenceError> {
-    let cpn = check_cp(cp)?;
+    check_cp(cp)?;
     check_ps(page_size)?;
+    let pages = select_pages(cp, owners, lane_stacks, lane_tops, lane_cap, status)?;
+    let locs = page_locs(page_size, &pages)?;
+    Ok((pages, locs))
+}
+
+/// The page-contiguous token locations of `pages`: `page * page_size + j` for `j` in
+/// `0..page_size`, page after page (what the select kernel with locations writes to
+/// `out_locs`, and what a consumer of the kernel without them derives).
+pub fn page_locs(page_size: u32, pages: &[u32]) -> Result<Vec<i64>, ReferenceError> {
+    check_ps(page_size)?;
+    Ok(pages
+        .iter()
+        .flat_map(|&p| {
+            (0..page_size).map(move |j| (i64::from(p) * i64::from(page_size)) + i64::from(j))
+        })
+        .collect())
+}
+
+/// `select_owner_pages` without token locations ([`SelectOutput::Pages`](super::SelectOutput)):
+/// the pages, lane tops and status words exactly as [`select_owner_pages`].
+pub fn select_pages(
+    cp: u8,
+    owners: &[u8],
+    lane_stacks: &[u32],
+    lane_tops: &mut [u32],
+    lane_cap: u32,
+    status: &mut [u32],
+) -> Result<Vec<u32>, ReferenceError> {
+    let cpn = check_cp(cp)?;
     need("lane_tops", lane_tops, u64::from(cpn))?;
     need(
         "lane_stacks",
@@ -255,13 +287,7 @@ pub fn select_owner_pages(
             lane_tops[o] = tops[o] - used[o];
         }
     }
-    let locs = pages
-        .iter()
-        .flat_map(|&p| {
-            (0..page_size).map(move |j| (i64::from(p) * i64::from(page_size)) + i64::from(j))
-        })
-        .collect();
-    Ok((pages, locs))
+    Ok(pages)
 }
 
 /// `release_pages`: pushes each page onto lane `page % cp` in input order. Tops are first

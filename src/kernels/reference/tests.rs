@@ -219,6 +219,25 @@ fn a_short_lane_or_a_bad_owner_refuses_the_whole_launch() {
     assert!(select_owner_pages(2, 1, &[0], &stacks, &mut tops, 2, &mut status[..3]).is_err());
 }
 
+/// The select without token locations is the select with them, less the locations: the
+/// same pages, tops and status words, granted or refused; the locations follow from the
+/// pages alone.
+#[test]
+fn select_pages_is_select_owner_pages_without_the_locations() {
+    let stacks = vec![2u32, 4, 1, 3];
+    for owners in [&[1u8, 0, 1][..], &[0, 1, 0], &[1, 7]] {
+        let (mut tops_a, mut status_a) = (vec![1u32, 2], vec![0u32; 4]);
+        let (mut tops_b, mut status_b) = (tops_a.clone(), status_a.clone());
+        let (pages, locs) =
+            select_owner_pages(2, 4, owners, &stacks, &mut tops_a, 2, &mut status_a).unwrap();
+        let only = select_pages(2, owners, &stacks, &mut tops_b, 2, &mut status_b).unwrap();
+        assert_eq!(only, pages, "{owners:?}");
+        assert_eq!((tops_b, status_b), (tops_a, status_a), "{owners:?}");
+        assert_eq!(page_locs(4, &only).unwrap(), locs, "{owners:?}");
+    }
+    assert!(page_locs(3, &[1]).is_err());
+}
+
 #[test]
 fn transfer_round_trips_in_both_layouts() {
     let (pb, layers, dev_pages, host_pages) = (32u64, 3u32, 5u32, 4u32);

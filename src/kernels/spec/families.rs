@@ -5,16 +5,50 @@ use std::fmt;
 
 use super::{BufferKind, CopyLaunch, Family, Reach, ReleaseStatus, SelectStatus};
 
+/// What the select kernel writes for each request besides its page.
+///
+/// Token locations are a pure function of the pages (`page * page_size + offset`), and one
+/// block writing `8 × page_size` bytes per page is most of the launch (1 MiB at 2,048 pages of
+/// 64), so a consumer that derives them itself (the cache, an engine computing its own
+/// `out_cache_loc`) runs the kernel without them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub enum SelectOutput {
+    /// `out_pages` and `out_locs` (`i64[n * page_size]`, page-contiguous token slots).
+    #[default]
+    PagesAndLocs,
+    /// `out_pages` alone: the kernel has no `out_locs` parameter.
+    Pages,
+}
+
+impl SelectOutput {
+    /// Whether the kernel writes `out_locs`.
+    pub fn writes_locs(self) -> bool {
+        self == SelectOutput::PagesAndLocs
+    }
+
+    /// What the output adds to the uri (before the block size, so that the tuning key, the
+    /// uri less its launch shape, is a prefix of it): nothing for the kernel that writes
+    /// locations (the uri it always had), `_nolocs` for the one that does not.
+    pub fn uri_suffix(self) -> &'static str {
+        match self {
+            SelectOutput::PagesAndLocs => "",
+            SelectOutput::Pages => "_nolocs",
+        }
+    }
+}
+
 /// Owner-page selection: one block of `threads` (a multiple of 32) pops pages for a
 /// sequence of owners.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct AllocSpec {
     /// CP degree.
     pub cp: u8,
-    /// Tokens per page (the kernel also writes token locations).
+    /// Tokens per page (of the token locations, when the kernel writes them).
     pub page_size: u32,
     /// Threads of the single block.
     pub threads: u32,
+    /// Whether the kernel writes token locations besides the pages.
+    pub output: SelectOutput,
 }
 
 impl AllocSpec {

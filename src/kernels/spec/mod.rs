@@ -15,8 +15,8 @@ mod status;
 
 pub use buffer::{Arrangement, BufferKind, Dtype, FieldLayout, FieldMisalignment};
 pub use families::{
-    AllocSpec, BusyKind, BusySpec, Direction, HostLayout, MaterialiseSpec, ReleaseSpec, SynthSpec,
-    TokenOrder, TransferSpec, VerifySpec,
+    AllocSpec, BusyKind, BusySpec, Direction, HostLayout, MaterialiseSpec, ReleaseSpec,
+    SelectOutput, SynthSpec, TokenOrder, TransferSpec, VerifySpec,
 };
 // The sm_90 occupancy limits stay at their old path, though only materialise's own module,
 // the busy companions' shape (`SM_MAX_THREADS`) and the tests use them.
@@ -118,9 +118,13 @@ impl KernelSpec {
     pub fn uri(&self) -> String {
         let fam = self.family();
         match self {
-            KernelSpec::SelectOwnerPages(s) => {
-                format!("{fam}_cp{}_ps{}_t{}", s.cp, s.page_size, s.threads)
-            }
+            KernelSpec::SelectOwnerPages(s) => format!(
+                "{fam}_cp{}_ps{}{}_t{}",
+                s.cp,
+                s.page_size,
+                s.output.uri_suffix(),
+                s.threads
+            ),
             KernelSpec::ReleasePages(s) => format!("{fam}_cp{}_t{}", s.cp, s.threads),
             KernelSpec::TransferPages(s) => format!("{}_{}", s.stem(), s.launch),
             KernelSpec::Materialise(s) => format!(
@@ -174,26 +178,36 @@ impl KernelSpec {
         use KernelParam as P;
         use Reach as R;
         match self {
-            KernelSpec::SelectOwnerPages(s) => vec![
-                P::ptr("const u8*", "owners", 1, R::of(1).times("n")),
-                P::u32("n"),
-                P::ptr(
-                    "const u32*",
-                    "lane_stacks",
+            KernelSpec::SelectOwnerPages(s) => {
+                let mut params = vec![
+                    P::ptr("const u8*", "owners", 1, R::of(1).times("n")),
+                    P::u32("n"),
+                    P::ptr(
+                        "const u32*",
+                        "lane_stacks",
+                        4,
+                        R::of(4 * s.cp as u64).times("lane_cap"),
+                    ),
+                    P::ptr("u32*", "lane_tops", 4, R::of(4 * s.cp as u64)),
+                    P::u32("lane_cap"),
+                    P::ptr("u32*", "out_pages", 4, R::of(4).times("n")),
+                ];
+                if s.output.writes_locs() {
+                    params.push(P::ptr(
+                        "i64*",
+                        "out_locs",
+                        8,
+                        R::of(8 * u64::from(s.page_size)).times("n"),
+                    ));
+                }
+                params.push(P::ptr(
+                    "u32*",
+                    "status",
                     4,
-                    R::of(4 * s.cp as u64).times("lane_cap"),
-                ),
-                P::ptr("u32*", "lane_tops", 4, R::of(4 * s.cp as u64)),
-                P::u32("lane_cap"),
-                P::ptr("u32*", "out_pages", 4, R::of(4).times("n")),
-                P::ptr(
-                    "i64*",
-                    "out_locs",
-                    8,
-                    R::of(8 * u64::from(s.page_size)).times("n"),
-                ),
-                P::ptr("u32*", "status", 4, R::of(4 * s.status_words() as u64)),
-            ],
+                    R::of(4 * s.status_words() as u64),
+                ));
+                params
+            }
             KernelSpec::ReleasePages(s) => vec![
                 P::ptr("const u32*", "pages", 4, R::of(4).times("n")),
                 P::u32("n"),

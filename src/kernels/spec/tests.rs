@@ -159,6 +159,7 @@ fn validation_rejects_bad_constants_without_panicking() {
             cp,
             page_size,
             threads,
+            output: SelectOutput::PagesAndLocs,
         })
         .validate()
     };
@@ -229,6 +230,13 @@ fn param_sizes_follow_their_c_types() {
                 cp,
                 page_size: 64,
                 threads: 256,
+                output: SelectOutput::PagesAndLocs,
+            }),
+            KernelSpec::SelectOwnerPages(AllocSpec {
+                cp,
+                page_size: 64,
+                threads: 256,
+                output: SelectOutput::Pages,
             }),
             KernelSpec::ReleasePages(ReleaseSpec { cp, threads: 256 }),
             KernelSpec::TransferPages(TransferSpec {
@@ -275,16 +283,18 @@ fn param_sizes_follow_their_c_types() {
 
 #[test]
 fn param_lists_wrap_like_the_hand_written_ones() {
-    let select = KernelSpec::SelectOwnerPages(AllocSpec {
-        cp: 8,
-        page_size: 64,
-        threads: 256,
-    });
+    let select = select_spec_for_tests();
     assert_eq!(
         render_params(&select.params()),
         "    const u8* __restrict__ owners, u32 n, const u32* __restrict__ lane_stacks,\n    \
          u32* __restrict__ lane_tops, u32 lane_cap, u32* __restrict__ out_pages,\n    \
          i64* __restrict__ out_locs, u32* __restrict__ status)"
+    );
+    assert_eq!(
+        render_params(&select_pages_spec_for_tests().params()),
+        "    const u8* __restrict__ owners, u32 n, const u32* __restrict__ lane_stacks,\n    \
+         u32* __restrict__ lane_tops, u32 lane_cap, u32* __restrict__ out_pages,\n    \
+         u32* __restrict__ status)"
     );
     let release = KernelSpec::ReleasePages(ReleaseSpec { cp: 8, threads: 32 });
     assert_eq!(
@@ -427,6 +437,7 @@ fn release_status_words_round_trip_and_name_the_full_lanes() {
 fn every_pointer_of_every_family_has_a_reach_over_its_own_u32_parameters() {
     let specs = [
         select_spec_for_tests(),
+        select_pages_spec_for_tests(),
         KernelSpec::ReleasePages(ReleaseSpec { cp: 8, threads: 32 }),
         KernelSpec::TransferPages(TransferSpec {
             second_bytes_per_token: None,
@@ -457,7 +468,11 @@ fn every_pointer_of_every_family_has_a_reach_over_its_own_u32_parameters() {
         }),
     ];
     let families: std::collections::BTreeSet<_> = specs.iter().map(|s| s.family()).collect();
-    assert_eq!(families.len(), 6, "one spec per family");
+    assert_eq!(
+        families.len(),
+        6,
+        "every family but busy (select both ways)"
+    );
     for spec in specs {
         let params = spec.params();
         for p in &params {
@@ -489,7 +504,50 @@ fn select_spec_for_tests() -> KernelSpec {
         cp: 8,
         page_size: 64,
         threads: 256,
+        output: SelectOutput::PagesAndLocs,
     })
+}
+
+fn select_pages_spec_for_tests() -> KernelSpec {
+    KernelSpec::SelectOwnerPages(AllocSpec {
+        output: SelectOutput::Pages,
+        ..select_alloc_spec_for_tests()
+    })
+}
+
+fn select_alloc_spec_for_tests() -> AllocSpec {
+    match select_spec_for_tests() {
+        KernelSpec::SelectOwnerPages(s) => s,
+        _ => unreachable!("a select spec"),
+    }
+}
+
+/// The select without token locations: its own uri (the one with them keeps its old one),
+/// no `out_locs` parameter, and a render without the locations loop; the rest of the
+/// signature is the same, so both launch from the same arguments less `out_locs`.
+#[test]
+fn the_select_without_locations_drops_out_locs_from_its_uri_params_and_render() {
+    let (locs, pages) = (select_spec_for_tests(), select_pages_spec_for_tests());
+    assert_eq!(locs.uri(), "select_owner_pages_cp8_ps64_t256");
+    assert_eq!(pages.uri(), "select_owner_pages_cp8_ps64_nolocs_t256");
+    let names = |s: &KernelSpec| s.params().iter().map(|p| p.name).collect::<Vec<_>>();
+    let mut without = names(&locs);
+    without.retain(|&n| n != "out_locs");
+    assert_eq!(names(&pages), without);
+    let (sl, sp) = (locs.signature(), pages.signature());
+    assert!(sl.single_block && sp.single_block);
+    assert_eq!(sl.threads, sp.threads);
+    let (rl, rp) = (locs.render().unwrap(), pages.render().unwrap());
+    assert!(rl.contains("out_locs[j]"), "{rl}");
+    assert!(!rp.contains("out_locs"), "{rp}");
+    assert!(
+        rp.contains("select_owner_pages_cp8_ps64_nolocs_t256("),
+        "{rp}"
+    );
+    assert!(pages
+        .candidates()
+        .iter()
+        .all(|c| matches!(c, KernelSpec::SelectOwnerPages(s) if s.output == SelectOutput::Pages)));
 }
 
 /// A transfer's grid is sized by the layer count of the launch: one layer of a per-layer

@@ -4,7 +4,7 @@
 use super::timing::{time_device, time_with, Sizes, Timing};
 use super::workload::{u32_bytes, Owned, SplitMix};
 use crate::exec::{BufferId, ExecError, Executor, KernelArg, KernelId, LaunchConfig, MemKind};
-use crate::kernels::{KernelSpec, ReleaseStatus, SelectStatus};
+use crate::kernels::{KernelSpec, ReleaseStatus, SelectOutput, SelectStatus};
 use crate::tuning::TuningError;
 
 /// Buffers of the allocator kernels for `n` requests: fresh lane stacks, round-robin owners,
@@ -21,8 +21,9 @@ pub struct AllocBench<'e> {
     pub tops: BufferId,
     /// Output pages of select; input of release.
     pub pages: BufferId,
-    /// `i64[n * page_size]`.
-    pub locs: BufferId,
+    /// `i64[n * page_size]`, for a select that writes token locations
+    /// ([`SelectOutput::PagesAndLocs`]); `None` otherwise.
+    pub locs: Option<BufferId>,
     /// `u32[CP + 2]`, the select kernel's status words (zero before every select).
     pub status: BufferId,
     /// `u32[CP + 2]`, the release kernel's status words (zero before every release).
@@ -49,11 +50,13 @@ pub struct AllocInputs {
 }
 
 impl<'e> AllocBench<'e> {
-    /// Allocates and uploads everything for `n` requests at CP `cp` and `page_size`.
+    /// Allocates and uploads everything for `n` requests at CP `cp`, with an `out_locs`
+    /// buffer of `locs_page_size` tokens per page when the select to run writes token
+    /// locations ([`AllocBench::locs_page_size`]).
     pub fn new(
         exec: &'e dyn Executor,
         cp: u8,
-        page_size: u32,
+        locs_page_size: Option<u32>,
         n: u32,
         seed: u64,
     ) -> Result<AllocBench<'e>, TuningError> {
@@ -84,9 +87,8 @@ impl<'e> AllocBench<'e> {
         }
         let mut tops_after = tops_full.clone();
         let mut status = vec![0u32; SelectStatus::words(cp)];
-        let (selected, _) = crate::kernels::reference::select_owner_pages(
+        let selected = crate::kernels::reference::select_pages(
             cp,
-            page_size,
             &owners,
             &stacks,
             &mut tops_after,
@@ -101,11 +103,9 @@ impl<'e> AllocBench<'e> {
         let stacks_buf = mem.alloc(MemKind::Device, 4 * u64::from(c * lane_cap), 0)?;
         let tops = mem.alloc(MemKind::Device, 4 * u64::from(c), 0)?;
         let pages = mem.alloc(MemKind::Device, 4 * u64::from(n), 0xA5)?;
-        let locs = mem.alloc(
-            MemKind::Device,
-            8 * u64::from(n) * u64::from(page_size),
-            0xA5,
-        )?;
+        let locs = locs_page_size
+            .map(|ps| mem.alloc(MemKind::Device, 8 * u64::from(n) * u64::from(ps), 0xA5))
+            .transpose()?;
         let status = mem.alloc(MemKind::Device, 4 * SelectStatus::words(cp) as u64, 0)?;
         let release_status = mem.alloc(MemKind::Device, 4 * ReleaseStatus::words(cp) as u64, 0)?;
         exec.upload(owners_buf, 0, &owners)?;
@@ -133,6 +133,17 @@ impl<'e> AllocBench<'e> {
         })
     }
 
+    /// The tokens per page of `spec`'s `out_locs` when it is a select that writes token
+    /// locations: what [`AllocBench::new`] needs to run it.
+    pub fn locs_page_size(spec: &KernelSpec) -> Option<u32> {
+        match spec {
+            KernelSpec::SelectOwnerPages(s) if s.output == SelectOutput::PagesAndLocs => {
+                Some(s.page_size)
+            }
+            _ => None,
+        }
+    }
+
     /// Requests per launch.
     pub fn n(&self) -> u32 {
         self.n
@@ -143,24 +154,23 @@ impl<'e> AllocBench<'e> {
         self.cp
     }
 
-    /// Uploads full tops (and fresh stacks), then launches select (not synchronised).
+    /// Launches select (not synchronised): `out_locs` is passed when this bench has it, so
+    /// a select that writes token locations needs a bench built with
+    /// [`AllocBench::locs_page_size`] (the executor refuses the launch otherwise).
     pub fn run_select(&self, kernel: KernelId, spec: &KernelSpec) -> Result<(), ExecError> {
         let exec = self.mem.exec;
         let d = spec.launch_dims(self.n, 1);
-        exec.launch(
-            kernel,
-            &LaunchConfig::linear(d.grid, d.block),
-            &[
-                KernelArg::Ptr(self.owners, 0),
-                KernelArg::U32(self.n),
-                KernelArg::Ptr(self.stacks, 0),
-                KernelArg::Ptr(self.tops, 0),
-                KernelArg::U32(self.lane_cap),
-                KernelArg::Ptr(self.pages, 0),
-                KernelArg::Ptr(self.locs, 0),
-                KernelArg::Ptr(self.status, 0),
-            ],
-        )
+        let mut args = vec![
+            KernelArg::Ptr(self.owners, 0),
+            KernelArg::U32(self.n),
+            KernelArg::Ptr(self.stacks, 0),
+            KernelArg::Ptr(self.tops, 0),
+            KernelArg::U32(self.lane_cap),
+            KernelArg::Ptr(self.pages, 0),
+        ];
+        args.extend(self.locs.map(|l| KernelArg::Ptr(l, 0)));
+        args.push(KernelArg::Ptr(self.status, 0));
+        exec.launch(kernel, &LaunchConfig::linear(d.grid, d.block), &args)
     }
 
     /// Launches release of the selected pages (not synchronised).
@@ -235,13 +245,11 @@ impl<'e> AllocBench<'e> {
     }
 
     /// Times the Rust reference of select or release on the same inputs (the allocator
-    /// baseline: what the host-side allocator does per request).
+    /// baseline: what the host-side allocator does per request), the select with token
+    /// locations exactly when `spec` writes them.
     pub fn time_reference(&self, spec: &KernelSpec, sizes: &Sizes) -> Result<Timing, TuningError> {
         let h = &self.host;
-        let page_size = match spec {
-            KernelSpec::SelectOwnerPages(s) => s.page_size,
-            _ => 1,
-        };
+        let locs_page_size = AllocBench::locs_page_size(spec);
         let mut stacks = h.stacks.clone();
         let mut tops = h.tops_full.clone();
         let mut status = vec![0u32; SelectStatus::words(self.cp)];
@@ -257,9 +265,8 @@ impl<'e> AllocBench<'e> {
                 || {
                     // Resetting CP tops is negligible next to the selection itself.
                     tops.copy_from_slice(&h.tops_full);
-                    let out = crate::kernels::reference::select_owner_pages(
+                    let pages = crate::kernels::reference::select_pages(
                         self.cp,
-                        page_size,
                         &h.owners,
                         &h.stacks,
                         &mut tops,
@@ -267,7 +274,12 @@ impl<'e> AllocBench<'e> {
                         &mut status,
                     )
                     .map_err(reference)?;
-                    std::hint::black_box(out);
+                    if let Some(ps) = locs_page_size {
+                        let locs =
+                            crate::kernels::reference::page_locs(ps, &pages).map_err(reference)?;
+                        std::hint::black_box(locs);
+                    }
+                    std::hint::black_box(pages);
                     Ok(())
                 },
             )
