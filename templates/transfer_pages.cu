@@ -1,4 +1,8 @@
 {% include "prelude.cu" %}
+{%- if stamps %}
+
+{% include "stamps.cu" %}
+{%- endif %}
 
 // Byte offset of (page, layer) in a host pool of page_bytes pages: {{ host_layout_doc }}.
 static __device__ inline u64 chc_host_off(u32 page, u32 layer, u32 layers, u32 host_pages, u64 page_bytes)
@@ -67,10 +71,16 @@ static __device__ inline void chc_transfer_pair(const u64* __restrict__ device, 
 // stride over the items, so any grid is correct. Pairs whose page is outside its pool are
 // skipped; an empty range (or one wholly past `layers`) copies nothing. One block per SM is
 // all the launch bound asks: a capped grid uses a few SMs, and without the second bound ptxas
-// held small blocks to about 48 registers and spilled the walk's state.
+// held small blocks to about 48 registers and spilled the walk's state.{% if stamps %}
+// `stamps` (tune's stamped twin, never served): the launch's first block start, last block
+// end and last block start by the device's clock (chc_stamp_*), to tell where the transfer
+// ran against a busy kernel beside it.{% endif %}
 extern "C" __global__ void __launch_bounds__(THREADS, 1) {{ uri }}({# parameters: KernelSpec::params() #}
 {{ params }}
 {
+{%- if stamps %}
+    chc_stamp_start_and_last(stamps);
+{%- endif %}
     // The range, clamped in 64 bits: first_layer + layer_count near 2^32 must not wrap.
     const u64 range_end = (u64)first_layer + layer_count;
     const u32 l_end = range_end < layers ? (u32)range_end : layers;
@@ -78,6 +88,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {{ uri }}({# parameters
     // In 64 bits: n near 2^32 must not wrap the rounding (or the pair index below) to 0.
     const u32 groups = (u32)(((u64)n + PAGES_PER_BLOCK - 1u) / PAGES_PER_BLOCK);
     if (groups == 0u || span == 0u) {
+{%- if stamps %}
+        chc_stamp_end(stamps);
+{%- endif %}
         return;
     }
     // Items per (pair group, buffer): one per layer of the range, one with LAYERS_IN_BLOCK.
@@ -153,5 +166,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {{ uri }}({# parameters
         first_sp = next_sp;
         first_dp = next_dp;
     }
+{%- if stamps %}
+    chc_stamp_end(stamps);
+{%- endif %}
 }
 {% include "epilogue.cu" %}

@@ -833,11 +833,13 @@ fn staged_uploads_never_overwrite_a_copy_in_flight() {
 /// Issue 29: tune's busy companions on the stand-in driver: a second CUDA executor (its own
 /// stream) runs each busy kernel beside fills on the first, the block stamps of the busy
 /// kernel (its stream) and of the marker (the work's) are read back, and the device's SM
-/// count, which sizes the companions' grid on a GPU, comes from the driver. Timings and
-/// the overlap itself are not asserted: the stand-in runs kernels on the CPU.
+/// count, which sizes the companions' grid on a GPU, comes from the driver. A transfer's
+/// stamped twin stamps its own blocks through the CUDA executor. Timings and the overlap
+/// itself are not asserted: the stand-in runs kernels on the CPU.
 fn busy_companions_on_a_second_stream() {
-    use cp_hicache::kernels::{BusyKind, BusySpec};
-    use cp_hicache::tuning::measure::{Beside, CompanionShape};
+    use cp_hicache::kernels::{BusyKind, BusySpec, Direction};
+    use cp_hicache::tuning::measure::{compile_and_load, Beside, CompanionShape, CopyBench, Sizes};
+    use cp_hicache::tuning::tuner::Companions;
     let gpu = StandInGpu {
         cuda: CudaExecutor::new(0).unwrap(),
     };
@@ -855,7 +857,7 @@ fn busy_companions_on_a_second_stream() {
         });
         let b = Beside::with_companion(&gpu, comp, &jit, BusySpec::of(kind), shape).unwrap();
         let t = b
-            .time_beside(1e-4, 2, &|| gpu.fill(buf, &[(0, BYTES)], 3))
+            .time_beside(1e-4, 2, &|| gpu.fill(buf, &[(0, BYTES)], 3), None)
             .unwrap();
         assert!(t.seconds >= 0.0 && t.busy_slowdown > 0.0, "{kind}: {t:?}");
         assert!(
@@ -865,6 +867,47 @@ fn busy_companions_on_a_second_stream() {
         assert!((0.0..=1.0).contains(&t.overlap.covered), "{kind}: {t:?}");
     }
     gpu.free(buf).unwrap();
+    // A transfer's first run beside the busy kernel is its stamped twin, launched through
+    // the CUDA executor with its `stamps`: where it ran comes from its own blocks.
+    let companions = Companions {
+        alu: Some(
+            Beside::with_companion(
+                &gpu,
+                Box::new(StandInGpu {
+                    cuda: CudaExecutor::new(0).unwrap(),
+                }),
+                &jit,
+                BusySpec::of(BusyKind::Alu),
+                shape,
+            )
+            .unwrap(),
+        ),
+        hbm: None,
+    };
+    let spec = Deployment::by_name("nsa_ps64_cp8")
+        .unwrap()
+        .transfer_spec(Direction::HostToDevice);
+    let twin = spec.stamped().unwrap();
+    // SAFETY: no hook: the rendered sources.
+    let k = unsafe { compile_and_load(&gpu, &jit, &[spec, twin], true, None, &|| {}) };
+    let (kernel, twin_kernel) = (*k[0].as_ref().unwrap(), *k[1].as_ref().unwrap());
+    let sizes = Sizes {
+        pages: 4,
+        layers: 2,
+        warmup: 0,
+        repeats: 2,
+    };
+    let (bench, _) = CopyBench::new(&gpu, &spec, &sizes, 3).unwrap();
+    let both = companions
+        .time_transfer(&bench, (&spec, kernel), Some((twin, twin_kernel)), 1e-4, 2)
+        .unwrap()
+        .expect("timed beside the ALU kernel");
+    let lead = both
+        .alu
+        .overlap
+        .resident_lead_ns
+        .expect("the twin's stamps");
+    assert!(lead.abs() < 60_000_000_000, "{both:?}");
 }
 
 fn every_family_matches_the_references() {

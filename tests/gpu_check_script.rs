@@ -46,7 +46,7 @@ if [[ "$1" == tune ]]; then
   tune_row kernel candidate ms GB/s alone hbm alu-x hbm-x note
   for k in transfer_pages_h2d_pf_ps64_b656 transfer_pages_d2h_pf_ps64_b656; do
     tune_row "$k" t512_ppb1_v16_u8_g4 1.000 1.00 1.10 0.80 1.010 1.050 \
-      "best; start, overlap: alu +3.2us 100%, hbm +4.1us 100%"
+      "best; start, overlap: alu +3.2us 100% resident +1.0us, hbm +4.1us 100% resident +1.9us"
     tune_row "$k" dma 2.000 0.50 0.60 0.45 1.000 1.020 \
       "start, overlap: alu +2.0us 100%, hbm +2.5us 100%"
     if [[ -z "${STUB_NO_DMA_EACH:-}" ]]; then

@@ -121,6 +121,7 @@ fn copy_family(
             page_size,
             bytes_per_token,
             second_bytes_per_token: second,
+            stamps: false,
             launch,
         })
     };
@@ -147,6 +148,7 @@ fn copy_specs() -> Vec<KernelSpec> {
                 page_size: ps,
                 bytes_per_token: bpt,
                 second_bytes_per_token: second,
+                stamps: false,
                 launch: CopyLaunch::default(),
             }
             .common_page_bytes();

@@ -144,6 +144,7 @@ fn transfer_specs() -> Vec<KernelSpec> {
                         page_size: ps,
                         bytes_per_token: bpt,
                         second_bytes_per_token: second,
+                        stamps: false,
                         launch,
                     };
                     let page_bytes = spec(CopyLaunch::default()).common_page_bytes();
@@ -235,6 +236,17 @@ const SYNTH_SWEEP_SHAPES: [(BufferKind, u8, u32); 3] = [
 
 fn all_specs() -> Vec<KernelSpec> {
     let mut v = transfer_specs();
+    // `tune`'s stamped twins of a transfer each way: their last parameter, `stamps`, has
+    // its reach and aliasing checked with the rest (their copies: the r29 test).
+    let twins: Vec<KernelSpec> = [Direction::DeviceToHost, Direction::HostToDevice]
+        .into_iter()
+        .filter_map(|d| {
+            v.iter()
+                .find(|s| matches!(s, KernelSpec::TransferPages(t) if t.direction == d))
+                .and_then(KernelSpec::stamped)
+        })
+        .collect();
+    v.extend(twins);
     for (ci, &cp) in CPS.iter().enumerate() {
         v.push(release_spec(cp, ALLOC_THREADS));
         for (pi, &ps) in PSS.iter().enumerate() {
@@ -298,6 +310,7 @@ fn big_page_transfer_specs() -> Vec<KernelSpec> {
                     page_size: 1024,
                     bytes_per_token: BIG_PAGE_BPT,
                     second_bytes_per_token: None,
+                    stamps: false,
                     launch,
                 }));
             }
@@ -1437,6 +1450,7 @@ fn group_transfer_specs() -> Vec<KernelSpec> {
                 page_size,
                 bytes_per_token: bpt,
                 second_bytes_per_token: Some(second),
+                stamps: false,
                 launch,
             };
             let vec = VecWidth::widest_for(spec(CopyLaunch::default()).common_page_bytes());
@@ -1451,6 +1465,13 @@ fn group_transfer_specs() -> Vec<KernelSpec> {
             })));
         }
     }
+    // The stamped twins `tune` times beside its busy kernels: the same copy, plus stamps.
+    let twins: Vec<KernelSpec> = v
+        .iter()
+        .filter(|s| s.threads() >= 128)
+        .filter_map(KernelSpec::stamped)
+        .collect();
+    v.extend(twins);
     v
 }
 
@@ -1461,7 +1482,8 @@ fn group_libs() -> &'static HashMap<KernelSpec, PathBuf> {
 
 /// Issue 29: a transfer's groups cover every page of every buffer exactly once at any grid:
 /// one block, three, the recommended grid and more groups than items, for the whole layer
-/// range and a clamped one, in both block orders.
+/// range and a clamped one, in both block orders. The stamped twins copy the same and stamp
+/// their first block start, last block start and last block end in that order.
 #[test]
 fn r29_transfer_groups_copy_every_page_at_any_grid() {
     let (layers, device_pages, host_pages) = (3u32, 12u32, 10u32);
@@ -1505,6 +1527,14 @@ fn r29_transfer_groups_copy_every_page_at_any_grid() {
                             guard: GUARD,
                         },
                     );
+                    if s.stamps {
+                        // First block start <= last block start <= last block end, all set.
+                        let [start, end, last_start] = b.last_stamps.expect("stamped");
+                        assert!(
+                            start != u64::MAX && start <= last_start && last_start <= end,
+                            "{spec} {order} grid {g}: stamps {start} {end} {last_start}"
+                        );
+                    }
                     for (i, (copied, src)) in copied.iter().zip(&srcs).enumerate() {
                         assert!(
                             copied.got == copied.want,

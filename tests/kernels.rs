@@ -152,6 +152,13 @@ fn snapshot_transfer_pages() {
         "transfer_pages_h2d_lf",
         mla.transfer_spec(Direction::HostToDevice),
     );
+    // `tune`'s twin that stamps where it ran beside the busy kernels.
+    snap(
+        "transfer_pages_h2d_pf_stamped",
+        nsa.transfer_spec(Direction::HostToDevice)
+            .stamped()
+            .unwrap(),
+    );
 }
 
 #[test]

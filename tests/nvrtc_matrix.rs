@@ -69,10 +69,17 @@ fn every_reference_kernel_compiles_for_sm90_without_spills_or_stack() {
     }
     // Unique kernels across all deployments (several are shared, e.g. transfer and verify).
     let mut requests: Vec<JitRequest> = Vec::new();
+    let mut push = |req: JitRequest| {
+        if !requests.iter().any(|r| r.uri == req.uri) {
+            requests.push(req);
+        }
+    };
     for dep in Deployment::reference() {
-        for (_, req) in deployment_requests(&dep, SM90).unwrap() {
-            if !requests.iter().any(|r| r.uri == req.uri) {
-                requests.push(req);
+        for (spec, req) in deployment_requests(&dep, SM90).unwrap() {
+            push(req);
+            // `tune`'s stamped twin of each transfer, timed beside the busy kernels.
+            if let Some(twin) = spec.stamped() {
+                push(spec_request(&twin, SM90, None).unwrap());
             }
         }
     }

@@ -772,7 +772,7 @@ fn the_busy_companions_run_and_are_timed_beside_work_on_the_host_executor() {
         let b = Beside::with_companion(&exec, comp, &jit, BusySpec::of(kind), shape).unwrap();
         assert_eq!(b.kind(), kind);
         let t = b
-            .time_beside(1e-3, 3, &|| exec.fill(buf, &[(0, BYTES)], 7))
+            .time_beside(1e-3, 3, &|| exec.fill(buf, &[(0, BYTES)], 7), None)
             .unwrap();
         assert!(t.seconds > 0.0 && t.seconds.is_finite(), "{kind}: {t:?}");
         assert!(
@@ -859,4 +859,103 @@ fn a_transfer_timed_beside_both_companions_records_each() {
     let old: CandidateResult = serde_json::from_value(old).unwrap();
     let b = old.beside_busy.unwrap();
     assert_eq!((b.alu_overlap, b.hbm), (None, None));
+}
+
+/// A transfer kernel timed beside both companions runs its first run as its stamped twin,
+/// so where it ran comes from its own blocks: on the host that run has finished before the
+/// busy kernel is launched, so every transfer block started before the busy kernel's first
+/// (a positive resident lead, no later than the start lag, since the first block start
+/// comes no later than the last). The twin copies what the kernel copies (the stamped render
+/// only adds the stamps), and the file keeps the lead.
+#[test]
+fn a_transfer_kernel_timed_beside_the_companions_stamps_its_own_blocks() {
+    use cp_hicache::kernels::{BusyKind, BusySpec, Direction};
+    use cp_hicache::tuning::measure::{compile_and_load, Beside, CompanionShape, CopyBench};
+    use cp_hicache::tuning::tuner::Companions;
+    let Some(jit) = host_jit() else { return };
+    let exec = HostExecutor::new(HostOptions::default());
+    let shape = CompanionShape {
+        grid: 2,
+        hbm_words: 1 << 16,
+    };
+    let open = |kind| {
+        let comp = Box::new(HostExecutor::new(HostOptions::default()));
+        Some(Beside::with_companion(&exec, comp, &jit, BusySpec::of(kind), shape).unwrap())
+    };
+    let companions = Companions {
+        alu: open(BusyKind::Alu),
+        hbm: open(BusyKind::Hbm),
+    };
+    assert!(companions.present());
+    let sizes = Sizes {
+        pages: 8,
+        layers: 2,
+        warmup: 0,
+        repeats: 2,
+    };
+    for direction in [Direction::HostToDevice, Direction::DeviceToHost] {
+        let spec = Deployment::by_name("nsa_ps64_cp8")
+            .unwrap()
+            .transfer_spec(direction);
+        let twin = spec.stamped().expect("a transfer has a stamped twin");
+        assert_eq!(twin.uri(), format!("{}_stamped", spec.uri()));
+        // SAFETY: no hook: the rendered sources.
+        let kernels = unsafe { compile_and_load(&exec, &jit, &[spec, twin], true, None, &|| {}) };
+        let (kernel, twin_kernel) = (*kernels[0].as_ref().unwrap(), *kernels[1].as_ref().unwrap());
+        let (bench, _) = CopyBench::new(&exec, &spec, &sizes, 5).unwrap();
+        let both = companions
+            .time_transfer(
+                &bench,
+                (&spec, kernel),
+                Some((twin, twin_kernel)),
+                1e-3,
+                sizes.repeats,
+            )
+            .unwrap()
+            .expect("timed beside the companions");
+        for (name, o) in [
+            ("alu", both.alu.overlap),
+            ("hbm", both.hbm.unwrap().overlap),
+        ] {
+            let lead = o.resident_lead_ns.expect("the stamped twin's own stamps");
+            assert!(lead > 0, "{direction} {name}: {o:?}");
+            assert!(o.start_lag_ns >= lead, "{direction} {name}: {o:?}");
+            assert!(o.start_lag_ns < 60_000_000_000, "{direction} {name}: {o:?}");
+            assert!(
+                (0.0..=1.0).contains(&o.covered),
+                "{direction} {name}: {o:?}"
+            );
+        }
+        // Without the twin the marker stamps the start, and there is no lead.
+        let marked = companions
+            .time_transfer(&bench, (&spec, kernel), None, 1e-3, sizes.repeats)
+            .unwrap()
+            .unwrap();
+        assert_eq!(marked.alu.overlap.resident_lead_ns, None);
+        assert!(marked.alu.overlap.start_lag_ns > 0);
+        // The file keeps the lead.
+        let mut r = CandidateResult {
+            choice: cp_hicache::tuning::LaunchChoice::of_spec(&spec),
+            seconds: None,
+            gbps: None,
+            dropped: None,
+            beside_busy: None,
+        };
+        r.beside_busy = Some(cp_hicache::tuning::BesideBusy {
+            alone_seconds: 1e-3,
+            busy_slowdown: both.alu.busy_slowdown,
+            alu_overlap: Some(both.alu.overlap),
+            hbm: None,
+        });
+        let back: CandidateResult =
+            serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
+        assert_eq!(
+            back.beside_busy
+                .unwrap()
+                .alu_overlap
+                .unwrap()
+                .resident_lead_ns,
+            both.alu.overlap.resident_lead_ns
+        );
+    }
 }

@@ -40,11 +40,24 @@ static __device__ inline void chc_stamp_start(u64* stamps)
     }
 }
 
+// Every thread of the block must call it (it synchronises the block).
 static __device__ inline void chc_stamp_end(u64* stamps)
 {
     __syncthreads();
     if (threadIdx.x == 0) {
         atomicMax(&stamps[1], chc_globaltimer());
+    }
+}
+
+// chc_stamp_start, and stamps[2] becomes the latest block start (the caller sets it to 0): a
+// kernel whose every block started before another kernel's first block start was resident
+// before that one, not queued behind it.
+static __device__ inline void chc_stamp_start_and_last(u64* stamps)
+{
+    if (threadIdx.x == 0) {
+        const u64 t = chc_globaltimer();
+        atomicMin(&stamps[0], t);
+        atomicMax(&stamps[2], t);
     }
 }
 

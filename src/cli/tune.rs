@@ -266,8 +266,12 @@ impl BesideColumns {
         // GB/s at another time for the same bytes.
         let gbps_at = |t: f64| format!("{:.2}", g * s / t.max(1e-12));
         let overlap = |name: &str, o: tuning::Overlap| {
+            let resident = o
+                .resident_lead_ns
+                .map(|ns| format!(" resident {:+.1}us", ns as f64 / 1e3))
+                .unwrap_or_default();
             format!(
-                "{name} {:+.1}us {:.0}%",
+                "{name} {:+.1}us {:.0}%{resident}",
                 o.start_lag_ns as f64 / 1e3,
                 o.covered * 100.0
             )
@@ -289,5 +293,44 @@ impl BesideColumns {
                 format!("start, overlap: {}", overlaps.join(", "))
             },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tuning::{BesideBusy, BesideCompanion, CandidateResult, LaunchChoice, Overlap};
+
+    /// The note says where each busy kernel ran; a kernel row (stamped twin) adds how long
+    /// after the transfer's last block start the busy kernel began, a DMA row cannot.
+    #[test]
+    fn the_note_gives_each_start_overlap_and_the_resident_lead_where_measured() {
+        let overlap = |lag, lead| Overlap {
+            start_lag_ns: lag,
+            covered: 0.98,
+            resident_lead_ns: lead,
+        };
+        let result = CandidateResult {
+            choice: LaunchChoice::Dma,
+            seconds: Some(1e-3),
+            gbps: Some(40.0),
+            dropped: None,
+            beside_busy: Some(BesideBusy {
+                alone_seconds: 0.5e-3,
+                busy_slowdown: 1.01,
+                alu_overlap: Some(overlap(3_200, Some(1_000))),
+                hbm: Some(BesideCompanion {
+                    seconds: 2e-3,
+                    slowdown: 1.05,
+                    overlap: overlap(-4_100, None),
+                }),
+            }),
+        };
+        let c = BesideColumns::of(&result);
+        assert_eq!(
+            c.overlap,
+            "start, overlap: alu +3.2us 98% resident +1.0us, hbm -4.1us 98%"
+        );
+        assert_eq!((c.alone.as_str(), c.hbm.as_str()), ("80.00", "20.00"));
     }
 }

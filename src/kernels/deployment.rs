@@ -251,6 +251,7 @@ impl Deployment {
             bytes_per_token: buffers[0].bytes_per_token(),
             second_bytes_per_token: buffers.get(1).map(|b| b.bytes_per_token()),
             launch: self.transfer_copy,
+            stamps: false,
         };
         TransferSpec {
             launch: narrowed(self.transfer_copy, spec.common_page_bytes()),

@@ -274,6 +274,7 @@ mod tests {
     fn spec(direction: Direction, layout: HostLayout) -> TransferSpec {
         TransferSpec {
             second_bytes_per_token: None,
+            stamps: false,
             direction,
             layout,
             page_size: 4,

@@ -119,6 +119,7 @@ fn written_parameters_must_not_alias_other_pointers() {
     // Two read-only page lists on the same bytes.
     let t = KernelSpec::TransferPages(TransferSpec {
         second_bytes_per_token: None,
+        stamps: false,
         direction: Direction::HostToDevice,
         layout: HostLayout::PageFirst,
         page_size: 16,

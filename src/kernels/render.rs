@@ -16,7 +16,7 @@ pub const REGENERATE_COMMAND: &str = "cargo run --release -- render --out genera
 
 /// The text of every file in `templates/` (the emulation header too: it is what the host
 /// executor's kernels run on), for [`sources_digest`].
-const TEMPLATE_TEXTS: [&str; 16] = [
+const TEMPLATE_TEXTS: [&str; 17] = [
     include_str!("../../templates/prelude.cu"),
     include_str!("../../templates/epilogue.cu"),
     include_str!("../../templates/copy_page.cu"),
@@ -30,6 +30,7 @@ const TEMPLATE_TEXTS: [&str; 16] = [
     include_str!("../../templates/synthesise.cu"),
     include_str!("../../templates/verify.cu"),
     include_str!("../../templates/busy_common.cu"),
+    include_str!("../../templates/stamps.cu"),
     include_str!("../../templates/busy.cu"),
     include_str!("../../templates/busy_hbm.cu"),
     include_str!("../../templates/cuda_emu.h"),
@@ -188,6 +189,8 @@ struct TransferTpl<'a> {
     src_load: &'a str,
     /// Whether a second buffer moves in the same launch (`src1`, `dst1`).
     second: bool,
+    /// Whether the kernel stamps where it ran (`stamps`).
+    stamps: bool,
     first_doc: String,
     second_doc: String,
 }
@@ -455,6 +458,7 @@ pub(crate) fn render_spec(spec: &KernelSpec) -> Result<String, KernelError> {
                 params: &params,
                 consts,
                 second: s.second_bytes_per_token.is_some(),
+                stamps: s.stamps,
                 first_doc: doc(s.bytes_per_token),
                 second_doc: s.second_bytes_per_token.map(doc).unwrap_or_default(),
                 host_layout_doc: s.layout.describe(),

@@ -520,7 +520,8 @@ pub fn with_streaming_stores(dep: &Deployment) -> Deployment {
 /// Every kernel that `bench`, `bench --check`, `tune --quick` and `tune --sweep` (its default
 /// shapes) may load for `deps` on a GPU: all kernels of each deployment and of its
 /// [`with_streaming_stores`] twin, every quick CUDA candidate of its tuned kernels, the
-/// busy kernels `tune` runs beside transfers, and the sweep's transfers. A
+/// busy kernels `tune` runs beside transfers, the sweep's transfers, and the stamped twin of
+/// every transfer among them. A
 /// machine without a compiler (`CP_HICACHE_JIT=off`) can run those commands from a cache
 /// prebuilt with these specs (`bench --prebuild`; see scripts/gpu-check.sh).
 pub fn prebuild_specs(deps: &[Deployment]) -> Vec<KernelSpec> {
@@ -548,6 +549,10 @@ pub fn prebuild_specs(deps: &[Deployment]) -> Vec<KernelSpec> {
             .into_iter()
             .for_each(&mut push);
     }
+    // On a GPU `tune` times each transfer's first run beside the busy kernels by its
+    // stamped twin (docs/KERNELS.md "busy").
+    let twins: Vec<KernelSpec> = out.iter().filter_map(KernelSpec::stamped).collect();
+    out.extend(twins);
     out
 }
 
@@ -571,6 +576,12 @@ mod tests {
                         .contains(&super::super::Candidate::Kernel(s))
                 });
                 assert!(plain.contains(&s) || candidate, "{s}");
+            }
+        }
+        // Every transfer `tune` may time beside the busy kernels has its stamped twin.
+        for s in &all {
+            if let (KernelSpec::TransferPages(t), Some(twin)) = (s, s.stamped()) {
+                assert!(t.stamps || all.contains(&twin), "{s}");
             }
         }
     }

@@ -83,6 +83,14 @@ pub struct Overlap {
     pub start_lag_ns: i64,
     /// The share of the transfers' span the busy kernel ran beside (0 to 1).
     pub covered: f64,
+    /// The busy kernel's first block start minus the transfers' last block start, in ns, in
+    /// their first run: positive when every transfer block had started before any busy
+    /// block did (the transfer was resident, not queued behind the busy kernel). Measured
+    /// where the transfer kernel stamps its own blocks (`tune`'s stamped twin); absent for
+    /// DMA, which has no blocks, and in older files. With it, `start_lag_ns` counts from the
+    /// transfers' first block start rather than from a marker launched just before them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resident_lead_ns: Option<i64>,
 }
 
 /// The tuning result of one kernel on one device.

@@ -10,7 +10,9 @@ use super::check::{check_one, check_transfer};
 use super::file::CandidateResult;
 use super::key::{spec_key, DeviceKey};
 use super::measure::{compile_and_load, CopyBench, Sizes};
-use super::tuner::{checked, record, time_dma_candidate, BesideBoth, Companions, TuneEvent};
+use super::tuner::{
+    checked, record, stamped_twins, time_dma_candidate, BesideBoth, Companions, TuneEvent,
+};
 use super::TuningError;
 use crate::exec::{Backend, DmaMode, ExecError, Executor, KernelId};
 use crate::jit::Jit;
@@ -145,7 +147,11 @@ pub fn sweep(
             plans.push((name, base, shapes));
         }
     }
-    let unique = sweep_specs(dep, opts);
+    // Beside the busy kernels (a GPU) each shape's first run is its stamped twin's.
+    let companions = Companions::open(exec, jit);
+    let mut unique = sweep_specs(dep, opts);
+    let twins = stamped_twins(&unique, &companions);
+    unique.extend(twins);
     let dma_rows = 3;
     let timed: usize = plans.iter().map(|(_, _, s)| s.len() + dma_rows).sum();
     progress(TuneEvent::Planned {
@@ -166,7 +172,6 @@ pub fn sweep(
             None => Err("not compiled".into()),
         }
     };
-    let companions = Companions::open(exec, jit);
     let mut rows = Vec::new();
     for (seed, (buffers, base, shapes)) in plans.iter().enumerate() {
         let seed = seed as u64 + 1;
@@ -188,7 +193,16 @@ pub fn sweep(
             let spec = KernelSpec::TransferPages(*s);
             let result = match kernel_of(&spec) {
                 Ok(kernel) => {
-                    time_kernel(exec, &spec, kernel, &bench, &companions, &opts.sizes, seed)
+                    // A twin that did not load leaves the row timed with the marker's stamp.
+                    let twin = spec
+                        .stamped()
+                        .and_then(|t| kernel_of(&t).ok().map(|k| (t, k)));
+                    let kernels = Kernels {
+                        spec: &spec,
+                        kernel,
+                        twin,
+                    };
+                    time_kernel(exec, kernels, &bench, &companions, &opts.sizes, seed)
                 }
                 Err(why) => dropped(LaunchChoice::of_spec(&spec), why),
             };
@@ -249,22 +263,38 @@ fn dropped(choice: LaunchChoice, why: String) -> CandidateResult {
     unmeasured(choice, Some(why))
 }
 
-/// Checks, then times one kernel shape alone and beside the busy kernels.
+/// One transfer shape's kernel and, where it loaded, its stamped twin's.
+struct Kernels<'a> {
+    spec: &'a KernelSpec,
+    kernel: KernelId,
+    twin: Option<(KernelSpec, KernelId)>,
+}
+
+/// Checks, then times one kernel shape alone and beside the busy kernels (its first run
+/// beside them by its stamped twin, where given).
 fn time_kernel(
     exec: &dyn Executor,
-    spec: &KernelSpec,
-    kernel: KernelId,
+    k: Kernels<'_>,
     bench: &CopyBench<'_>,
     companions: &Companions<'_>,
     sizes: &Sizes,
     seed: u64,
 ) -> CandidateResult {
-    let run = checked(check_one(exec, spec, kernel, seed)).and_then(|()| {
-        let alone = bench.time(kernel, spec, sizes).map(|t| t.median);
-        alone_then_beside(companions, sizes, alone, &|| bench.launch(kernel, spec))
-            .map_err(|e| format!("launch failed: {e}"))
+    let run = checked(check_one(exec, k.spec, k.kernel, seed)).and_then(|()| {
+        let timed = bench.time(k.kernel, k.spec, sizes).and_then(|t| {
+            let alone = t.median;
+            let busy = companions.time_transfer(
+                bench,
+                (k.spec, k.kernel),
+                k.twin,
+                alone,
+                sizes.repeats,
+            )?;
+            Ok((alone, busy))
+        });
+        timed.map_err(|e| format!("launch failed: {e}"))
     });
-    measured(LaunchChoice::of_spec(spec), bench.bytes(), run)
+    measured(LaunchChoice::of_spec(k.spec), bench.bytes(), run)
 }
 
 /// Checks, then times the staged path ([`CopyBench::copy_staged`]: contiguous runs by one
@@ -301,7 +331,7 @@ fn alone_then_beside(
     work: &(dyn Fn() -> Result<(), ExecError> + Sync),
 ) -> Result<(f64, Option<BesideBoth>), ExecError> {
     let alone = alone?;
-    Ok((alone, companions.time(alone, sizes.repeats, work)?))
+    Ok((alone, companions.time(alone, sizes.repeats, work, None)?))
 }
 
 /// The result of `choice` moving `bytes`: measured, or dropped with why.

@@ -16,10 +16,10 @@ use super::file::{BesideBusy, BesideCompanion, CandidateResult, TuningEntry};
 use super::key::{spec_key, DeviceKey};
 use super::measure::{
     compile_and_load, synth_pages, AllocBench, Beside, BesideTiming, CopyBench, Sizes, SourceHook,
-    SynthBench,
+    StampedRun, SynthBench,
 };
 use super::TuningError;
-use crate::exec::{DmaMode, Executor, KernelId};
+use crate::exec::{DmaMode, ExecError, Executor, KernelId};
 use crate::jit::Jit;
 use crate::kernels::{BusyKind, Deployment, KernelSpec};
 
@@ -134,6 +134,20 @@ pub fn tune(
             }
         }
     }
+    // On a GPU, transfers are timed while a busy kernel keeps the SMs (ALU) or HBM busy
+    // beside them (docs/KERNELS.md "busy"): what an engine's copies see while the model
+    // runs, each candidate's first run by its stamped twin. Without a companion stream (the
+    // host executor) they are timed alone.
+    let transfers = plans
+        .iter()
+        .any(|(b, _)| matches!(b, KernelSpec::TransferPages(_)));
+    let companions = if transfers {
+        Companions::open(exec, jit)
+    } else {
+        Companions::default()
+    };
+    let twins = stamped_twins(&unique, &companions);
+    unique.extend(twins);
     let timed: usize = plans.iter().map(|(_, c)| c.len()).sum();
     progress(TuneEvent::Planned {
         steps: (unique.len() + timed) as u64,
@@ -149,17 +163,6 @@ pub fn tune(
     let loaded: HashMap<KernelSpec, Result<KernelId, String>> =
         unique.into_iter().zip(compiled).collect();
 
-    // On a GPU, transfers are timed while a busy kernel keeps the SMs (ALU) or HBM busy
-    // beside them (docs/KERNELS.md "busy"): what an engine's copies see while the model
-    // runs. Without a companion stream (the host executor) they are timed alone.
-    let transfers = plans
-        .iter()
-        .any(|(b, _)| matches!(b, KernelSpec::TransferPages(_)));
-    let companions = if transfers {
-        Companions::open(exec, jit)
-    } else {
-        Companions::default()
-    };
     let mut entries = Vec::with_capacity(plans.len());
     let mut failed = Vec::new();
     let mut wrong_output = Vec::new();
@@ -202,9 +205,13 @@ pub fn tune(
                                     .map_err(launch_failed)?;
                                 let busy = match (&bench, spec) {
                                     (Workload::Copy(c), KernelSpec::TransferPages(_)) => companions
-                                        .time(seconds, opts.sizes.repeats, &|| {
-                                            c.launch(*kernel, spec)
-                                        })
+                                        .time_transfer(
+                                            c,
+                                            (spec, *kernel),
+                                            loaded_twin(&loaded, spec),
+                                            seconds,
+                                            opts.sizes.repeats,
+                                        )
                                         .map_err(launch_failed)?,
                                     _ => None,
                                 };
@@ -315,24 +322,85 @@ impl<'e> Companions<'e> {
     }
 
     /// Times `repeats` runs of `work` (about `expected` seconds each) beside each companion,
-    /// ALU first; `Ok(None)` without an ALU companion.
+    /// ALU first, the first run by `stamped` where given ([`Beside::time_beside`]);
+    /// `Ok(None)` without an ALU companion.
     pub fn time(
         &self,
         expected: f64,
         repeats: u32,
-        work: &(dyn Fn() -> Result<(), crate::exec::ExecError> + Sync),
-    ) -> Result<Option<BesideBoth>, crate::exec::ExecError> {
+        work: &(dyn Fn() -> Result<(), ExecError> + Sync),
+        stamped: Option<StampedRun<'_>>,
+    ) -> Result<Option<BesideBoth>, ExecError> {
         let Some(alu) = &self.alu else {
             return Ok(None);
         };
-        let alu = alu.time_beside(expected, repeats, work)?;
+        let alu = alu.time_beside(expected, repeats, work, stamped)?;
         let hbm = self
             .hbm
             .as_ref()
-            .map(|h| h.time_beside(expected, repeats, work))
+            .map(|h| h.time_beside(expected, repeats, work, stamped))
             .transpose()?;
         Ok(Some(BesideBoth { alu, hbm }))
     }
+
+    /// Whether transfers are timed beside a busy kernel here (a GPU), so their stamped twins
+    /// ([`KernelSpec::stamped`]) are worth compiling.
+    pub fn present(&self) -> bool {
+        self.alu.is_some()
+    }
+
+    /// Times transfer `kernel` (compiled from `spec`) on `bench` beside each companion
+    /// (about `expected` seconds a run), its first run by the stamped twin `twin` where that
+    /// loaded, so its own block stamps say where it ran (docs/KERNELS.md "busy").
+    pub fn time_transfer(
+        &self,
+        bench: &CopyBench<'_>,
+        (spec, kernel): (&KernelSpec, KernelId),
+        twin: Option<(KernelSpec, KernelId)>,
+        expected: f64,
+        repeats: u32,
+    ) -> Result<Option<BesideBoth>, ExecError> {
+        let stamped = twin.map(|(twin_spec, twin_kernel)| {
+            move |stamps| bench.launch_stamped(twin_kernel, &twin_spec, stamps)
+        });
+        self.time(
+            expected,
+            repeats,
+            &|| bench.launch(kernel, spec),
+            stamped.as_ref().map(|f| f as StampedRun<'_>),
+        )
+    }
+}
+
+/// `spec`'s stamped twin and its kernel, where it compiled and loaded (a twin that did not
+/// leaves the candidate timed with the marker's stamp, and says why in the log).
+pub(super) fn loaded_twin(
+    loaded: &HashMap<KernelSpec, Result<KernelId, String>>,
+    spec: &KernelSpec,
+) -> Option<(KernelSpec, KernelId)> {
+    let twin = spec.stamped()?;
+    match loaded.get(&twin)? {
+        Ok(kernel) => Some((twin, *kernel)),
+        Err(why) => {
+            tracing::warn!(target: "cp_hicache::tuning", kernel = %twin, "stamped twin not loaded: {why}");
+            None
+        }
+    }
+}
+
+/// The stamped twin of each transfer in `specs` not already among them (none where
+/// `companions` has no busy kernel: transfers are then timed alone).
+pub(super) fn stamped_twins(specs: &[KernelSpec], companions: &Companions<'_>) -> Vec<KernelSpec> {
+    if !companions.present() {
+        return Vec::new();
+    }
+    let mut twins: Vec<KernelSpec> = Vec::new();
+    for twin in specs.iter().filter_map(KernelSpec::stamped) {
+        if !specs.contains(&twin) && !twins.contains(&twin) {
+            twins.push(twin);
+        }
+    }
+    twins
 }
 
 /// Checks, then times the DMA path of transfer `base` on `bench` with its batch issued as
@@ -366,7 +434,7 @@ pub fn time_dma_candidate(
         return result;
     }
     let timed = bench.time_dma_with(sizes, mode).and_then(|t| {
-        let busy = companions.time(t.median, sizes.repeats, &|| bench.copy_dma_with(mode))?;
+        let busy = companions.time(t.median, sizes.repeats, &|| bench.copy_dma_with(mode), None)?;
         Ok((t.median, busy))
     });
     match timed {

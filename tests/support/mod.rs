@@ -16,6 +16,7 @@ use cp_hicache::jit::{Artifact, Jit, JitConfig, JitRequest, Sanitize, Target};
 use cp_hicache::kernels::reference;
 use cp_hicache::kernels::{
     page_stride, transfer_args, CopyLaunch, Direction, KernelSpec, PageTable, PoolShape, VecWidth,
+    TRANSFER_STAMP_BYTES,
 };
 
 /// Poison byte of every output buffer: bytes a kernel should not write stay 0xA5.
@@ -87,6 +88,9 @@ pub struct Bench {
     loaded: HashMap<(KernelSpec, bool), KernelId>,
     /// How [`Bench::transfer`] and [`Bench::materialise`] lay out device pools.
     pub pool_order: PoolOrder,
+    /// What the last stamped transfer ([`TransferSpec::stamps`](cp_hicache::kernels::TransferSpec::stamps))
+    /// wrote to its `stamps`: first block start, last block end, last block start.
+    pub last_stamps: Option<[u64; 3]>,
 }
 
 /// How a test lays out a device pool of `layers × pages` pages. The kernels reach each
@@ -133,6 +137,7 @@ impl Bench {
             libs,
             loaded: HashMap::new(),
             pool_order: PoolOrder::LayerMajor,
+            last_stamps: None,
         }
     }
 
@@ -392,13 +397,20 @@ impl Bench {
             .iter()
             .map(|(dev, host)| (&dev.table, (*host, 0)))
             .collect();
-        let args = transfer_args(
+        let mut args = transfer_args(
             &ends,
             (spb, dpb),
             n,
             told,
             (case.first_layer, case.layer_count),
         );
+        // A stamped transfer's stamps start as no block started (~0) or ended (0).
+        let stamps = s.stamps.then(|| {
+            let mut reset = u64::MAX.to_le_bytes().to_vec();
+            reset.resize(TRANSFER_STAMP_BYTES as usize, 0);
+            self.bytes(&reset, 0)
+        });
+        args.extend(stamps.map(|b| KernelArg::Ptr(b, 0)));
         if case.told_host_pages == case.host_pages {
             self.launch(spec, grid, &args);
         } else {
@@ -412,6 +424,10 @@ impl Bench {
             unsafe { self.ex.launch_unchecked(k, &config, &args) }
                 .unwrap_or_else(|e| panic!("launch {spec} grid {grid}: {e}"));
         }
+        self.last_stamps = stamps.map(|b| {
+            let words = self.read(b);
+            std::array::from_fn(|i| u64::from_le_bytes(words[8 * i..8 * i + 8].try_into().unwrap()))
+        });
         bufs.iter()
             .zip(wants)
             .map(|((dev, host), want)| {

@@ -149,9 +149,23 @@ pub struct TransferSpec {
     pub second_bytes_per_token: Option<u32>,
     /// Launch shape.
     pub launch: CopyLaunch,
+    /// Whether the kernel takes a last parameter `u64* stamps` and writes its first block
+    /// start, last block end and last block start there by the device's clock: `tune`'s
+    /// twin of a transfer, timed beside a busy kernel to show where each ran
+    /// (docs/KERNELS.md "busy"). Serving never runs it; the copy is the same.
+    pub stamps: bool,
 }
 
 impl TransferSpec {
+    /// This transfer with `stamps` ([`TransferSpec::stamps`]): the same copy, and where it
+    /// ran.
+    pub fn stamped(self) -> TransferSpec {
+        TransferSpec {
+            stamps: true,
+            ..self
+        }
+    }
+
     /// Bytes of one page of the first buffer kind.
     pub fn page_bytes(&self) -> u64 {
         u64::from(self.page_size) * u64::from(self.bytes_per_token)

@@ -92,6 +92,10 @@ pub enum KernelSpec {
 /// add nothing.
 const MAX_GRID: u64 = 1 << 16;
 
+/// Bytes of a stamped transfer's `stamps` ([`TransferSpec::stamps`]): its first block start,
+/// last block end and last block start, in nanoseconds of the device's clock.
+pub const TRANSFER_STAMP_BYTES: u64 = 24;
+
 /// Verify blocks stride over work items (a run of [`VerifySpec::item_tokens`] tokens in one
 /// layer). On the CPU emulator every block starts a fiber per thread, so when a block was one
 /// token, starting fibers was most of the work (a 20-30 % faster default replay with this
@@ -113,6 +117,15 @@ impl KernelSpec {
         }
     }
 
+    /// `tune`'s twin of this kernel that stamps where it ran on the device's clock
+    /// ([`TransferSpec::stamps`]): transfers only, `None` for the other families.
+    pub fn stamped(&self) -> Option<KernelSpec> {
+        match self {
+            KernelSpec::TransferPages(s) => Some(KernelSpec::TransferPages(s.stamped())),
+            _ => None,
+        }
+    }
+
     /// Readable unique name spelling every parameter, e.g.
     /// `transfer_pages_h2d_pf_ps64_b656_t128_ppb1_v16_u4`. It is also the entry name.
     pub fn uri(&self) -> String {
@@ -126,7 +139,12 @@ impl KernelSpec {
                 s.threads
             ),
             KernelSpec::ReleasePages(s) => format!("{fam}_cp{}_t{}", s.cp, s.threads),
-            KernelSpec::TransferPages(s) => format!("{}_{}", s.stem(), s.launch),
+            KernelSpec::TransferPages(s) => format!(
+                "{}_{}{}",
+                s.stem(),
+                s.launch,
+                if s.stamps { "_stamped" } else { "" }
+            ),
             KernelSpec::Materialise(s) => format!(
                 "{fam}_cp{}_ps{}_b{}_{}",
                 s.cp, s.page_size, s.bytes_per_token, s.launch
@@ -260,6 +278,9 @@ impl KernelSpec {
                         "page_stride1",
                     ));
                     params.push(P::u32("page_stride1"));
+                }
+                if s.stamps {
+                    params.push(P::ptr("u64*", "stamps", 8, R::of(TRANSFER_STAMP_BYTES)));
                 }
                 params
             }

@@ -142,6 +142,7 @@ fn tail_accesses_cover_a_partial_draw() {
 fn uri_spells_every_parameter() {
     let s = KernelSpec::TransferPages(TransferSpec {
         second_bytes_per_token: None,
+        stamps: false,
         direction: Direction::HostToDevice,
         layout: HostLayout::PageFirst,
         page_size: 64,
@@ -182,6 +183,7 @@ fn validation_rejects_bad_constants_without_panicking() {
     ));
     let t = KernelSpec::TransferPages(TransferSpec {
         second_bytes_per_token: None,
+        stamps: false,
         direction: Direction::DeviceToHost,
         layout: HostLayout::LayerFirst,
         page_size: 1,
@@ -241,6 +243,7 @@ fn param_sizes_follow_their_c_types() {
             KernelSpec::ReleasePages(ReleaseSpec { cp, threads: 256 }),
             KernelSpec::TransferPages(TransferSpec {
                 second_bytes_per_token: None,
+                stamps: false,
                 direction: Direction::HostToDevice,
                 layout: HostLayout::LayerFirst,
                 page_size: 64,
@@ -441,6 +444,7 @@ fn every_pointer_of_every_family_has_a_reach_over_its_own_u32_parameters() {
         KernelSpec::ReleasePages(ReleaseSpec { cp: 8, threads: 32 }),
         KernelSpec::TransferPages(TransferSpec {
             second_bytes_per_token: None,
+            stamps: false,
             direction: Direction::HostToDevice,
             layout: HostLayout::LayerFirst,
             page_size: 16,
@@ -557,6 +561,7 @@ fn a_capped_copy_grid_is_at_most_its_cap_and_named_by_it() {
     let spec = |max_blocks| {
         KernelSpec::TransferPages(TransferSpec {
             second_bytes_per_token: None,
+            stamps: false,
             direction: Direction::HostToDevice,
             layout: HostLayout::PageFirst,
             page_size: 64,
@@ -606,6 +611,7 @@ fn transfer_grids_follow_the_launch_layer_count() {
     let t = |layers_in_block| {
         KernelSpec::TransferPages(TransferSpec {
             second_bytes_per_token: None,
+            stamps: false,
             direction: Direction::HostToDevice,
             layout: HostLayout::LayerFirst,
             page_size: 16,
@@ -689,6 +695,7 @@ fn a_two_buffer_transfer_needs_a_vector_that_divides_both_pages() {
             page_size: 1,
             bytes_per_token: 656,
             second_bytes_per_token: second,
+            stamps: false,
             launch: CopyLaunch {
                 vec,
                 ..CopyLaunch::default()
@@ -715,6 +722,7 @@ fn transfer_groups_are_warps() {
     let spec = |threads| {
         KernelSpec::TransferPages(TransferSpec {
             second_bytes_per_token: Some(132),
+            stamps: false,
             direction: Direction::HostToDevice,
             layout: HostLayout::PageFirst,
             page_size: 64,

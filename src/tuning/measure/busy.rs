@@ -5,7 +5,9 @@ use super::compile::compile_and_load;
 use super::workload::Owned;
 use crate::exec::{BufferId, ExecError, Executor, KernelArg, KernelId, LaunchConfig, MemKind};
 use crate::jit::Jit;
-use crate::kernels::{BusyKind, BusySpec, KernelSpec, GPU_TRANSFER_THREADS, SM_MAX_THREADS};
+use crate::kernels::{
+    BusyKind, BusySpec, KernelSpec, GPU_TRANSFER_THREADS, SM_MAX_THREADS, TRANSFER_STAMP_BYTES,
+};
 use crate::tuning::file::Overlap;
 
 /// Bytes of a busy kernel's `stamps`: its first block start and last block end, in
@@ -13,9 +15,10 @@ use crate::tuning::file::Overlap;
 const STAMP_BYTES: usize = 16;
 
 /// What `stamps` holds before a launch: no block has started (`~0`) or ended (`0`), so
-/// every block's `atomicMin` / `atomicMax` lands.
-fn unstamped() -> [u8; STAMP_BYTES] {
-    let mut b = [0u8; STAMP_BYTES];
+/// every block's `atomicMin` / `atomicMax` lands. A stamped transfer's third word, its last
+/// block start, starts at 0 too.
+fn unstamped() -> [u8; TRANSFER_STAMP_BYTES as usize] {
+    let mut b = [0u8; TRANSFER_STAMP_BYTES as usize];
     b[..8].copy_from_slice(&u64::MAX.to_le_bytes());
     b
 }
@@ -32,13 +35,30 @@ pub struct Stamps {
 
 impl Stamps {
     fn read(exec: &dyn Executor, buf: BufferId) -> Result<Stamps, ExecError> {
-        let mut b = [0u8; STAMP_BYTES];
-        exec.read(buf, 0, &mut b)?;
-        let word = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or_default());
-        Ok(Stamps {
-            start_ns: word(0),
-            end_ns: word(8),
-        })
+        Ok(Stamps::read_words::<2>(exec, buf)?.0)
+    }
+
+    /// The stamps of a stamped transfer ([`TransferSpec::stamps`](crate::kernels::TransferSpec::stamps)),
+    /// and its last block start.
+    pub fn read_transfer(exec: &dyn Executor, buf: BufferId) -> Result<(Stamps, u64), ExecError> {
+        let (stamps, words) = Stamps::read_words::<3>(exec, buf)?;
+        Ok((stamps, words[2]))
+    }
+
+    fn read_words<const N: usize>(
+        exec: &dyn Executor,
+        buf: BufferId,
+    ) -> Result<(Stamps, [u64; N]), ExecError> {
+        let mut b = [[0u8; 8]; N];
+        exec.read(buf, 0, b.as_flattened_mut())?;
+        let words = b.map(u64::from_le_bytes);
+        Ok((
+            Stamps {
+                start_ns: words[0],
+                end_ns: words[1],
+            },
+            words,
+        ))
     }
 
     /// Whether a block started and ended, in that order (a launch that ran).
@@ -116,7 +136,7 @@ fn launch_busy(
     rounds: u32,
     seed: u32,
 ) -> Result<(), ExecError> {
-    exec.upload(stamps, 0, &unstamped())?;
+    exec.upload(stamps, 0, &unstamped()[..STAMP_BYTES])?;
     exec.launch(
         kernel,
         &cfg,
@@ -169,12 +189,21 @@ impl CompanionShape {
     }
 }
 
+/// Work whose first run can stamp where it ran: given a buffer of
+/// [`TRANSFER_STAMP_BYTES`] on the main executor, already reset, it enqueues one run that
+/// writes its first block start, last block end and last block start there (a stamped
+/// transfer, [`CopyBench::launch_stamped`](super::CopyBench::launch_stamped)).
+pub type StampedRun<'a> = &'a (dyn Fn(BufferId) -> Result<(), ExecError> + Sync);
+
 /// A busy kernel on a companion executor ([`Executor::companion`]: the same GPU, its own
 /// stream), to time work on the main executor while the SMs or HBM are busy, as an engine's
-/// transfers run while the model computes. A one-block launch of the ALU kernel on the main
-/// executor, just before the work, stamps where the work started.
+/// transfers run while the model computes. Where the work is a kernel that stamps its own
+/// blocks ([`StampedRun`]) its first run does; otherwise a one-block launch of the ALU kernel
+/// on the main executor, just before the work, stamps where the work started.
 pub struct Beside<'e> {
     exec: &'e dyn Executor,
+    /// A stamped run's stamps, on `exec`.
+    work_stamps: BufferId,
     marker: BusyBench<'e>,
     marker_kernel: KernelId,
     marker_spec: KernelSpec,
@@ -240,7 +269,11 @@ impl<'e> Beside<'e> {
         let kernel = load(comp.as_ref(), KernelSpec::Busy(spec))?;
         let marker_spec = KernelSpec::Busy(BusySpec::of(BusyKind::Alu));
         let marker_kernel = load(exec, marker_spec)?;
-        let marker = BusyBench::new(exec, 1).map_err(|e| format!("{what}: marker: {e}"))?;
+        let mut marker = BusyBench::new(exec, 1).map_err(|e| format!("{what}: marker: {e}"))?;
+        let work_stamps = marker
+            .mem
+            .alloc(MemKind::Device, TRANSFER_STAMP_BYTES, 0)
+            .map_err(|e| format!("{what}: the work's stamps: {e}"))?;
         let n = shape.words(spec.kind, spec.threads);
         let out = comp
             .alloc(MemKind::Device, 4 * n as usize, 0)
@@ -254,6 +287,7 @@ impl<'e> Beside<'e> {
         };
         let mut b = Beside {
             exec,
+            work_stamps,
             marker,
             marker_kernel,
             marker_spec,
@@ -304,13 +338,17 @@ impl<'e> Beside<'e> {
     /// the work's first run is enqueued first (so its blocks are resident), then the busy
     /// kernel on the companion, for about twice `expected` seconds per run. Returns the
     /// work's seconds per run, how much it slowed the busy kernel (timed alone at the same
-    /// rounds afterwards), and where the two ran by the device's clock: the busy kernel's
-    /// block stamps against the marker's, launched just before the work.
+    /// rounds afterwards), and where the two ran by the device's clock. With `stamped` the
+    /// first run is that one, and the work's own block stamps say where it started and
+    /// whether every block of it started before the busy kernel's first
+    /// ([`Overlap::resident_lead_ns`]); without, the marker's stamp, launched just before the
+    /// work, says where it started.
     pub fn time_beside(
         &self,
         expected: f64,
         repeats: u32,
         work: &(dyn Fn() -> Result<(), ExecError> + Sync),
+        stamped: Option<StampedRun<'_>>,
     ) -> Result<BesideTiming, ExecError> {
         let repeats = repeats.max(1);
         let span = 2.0 * expected * f64::from(repeats) + 1e-3;
@@ -325,20 +363,26 @@ impl<'e> Beside<'e> {
                 })?;
                 self.comp.time_work(&mut || self.launch(rounds))
             });
-            let timed = self
-                .marker
-                .launch(self.marker_kernel, &self.marker_spec, 0, 0)
-                .and_then(|()| {
-                    self.exec.time_work(&mut || {
-                        for i in 0..repeats {
-                            work()?;
-                            if i == 0 {
-                                let _ = tx.send(());
-                            }
+            let start = match stamped {
+                Some(_) => self.exec.upload(self.work_stamps, 0, &unstamped()),
+                None => self
+                    .marker
+                    .launch(self.marker_kernel, &self.marker_spec, 0, 0),
+            };
+            let timed = start.and_then(|()| {
+                self.exec.time_work(&mut || {
+                    for i in 0..repeats {
+                        match stamped {
+                            Some(first) if i == 0 => first(self.work_stamps)?,
+                            _ => work()?,
                         }
-                        Ok(())
-                    })
-                });
+                        if i == 0 {
+                            let _ = tx.send(());
+                        }
+                    }
+                    Ok(())
+                })
+            });
             drop(tx);
             let busy = busy.join().unwrap_or_else(|_| {
                 Err(ExecError::Driver {
@@ -349,13 +393,23 @@ impl<'e> Beside<'e> {
             (busy, timed)
         });
         let (timed, busy) = (timed?, busy?);
-        let work_start = self.marker.stamps()?.end_ns;
         let companion = Stamps::read(self.comp.as_ref(), self.stamps)?;
+        let overlap = match stamped {
+            Some(_) => {
+                let (work, last_start) = Stamps::read_transfer(self.exec, self.work_stamps)?;
+                Overlap {
+                    resident_lead_ns: (work.is_sane() && companion.is_sane())
+                        .then(|| companion.start_ns as i64 - last_start as i64),
+                    ..Overlap::of(work.start_ns, timed, companion)
+                }
+            }
+            None => Overlap::of(self.marker.stamps()?.end_ns, timed, companion),
+        };
         let alone = self.time_alone(rounds)?;
         Ok(BesideTiming {
             seconds: timed / f64::from(repeats),
             busy_slowdown: busy / alone.max(1e-12),
-            overlap: Overlap::of(work_start, timed, companion),
+            overlap,
         })
     }
 }
@@ -371,6 +425,7 @@ impl Overlap {
         );
         let span = work_end.saturating_sub(work_start).max(1);
         Overlap {
+            resident_lead_ns: None,
             start_lag_ns: companion.start_ns as i64 - work_start as i64,
             covered: if companion.is_sane() {
                 to.saturating_sub(from) as f64 / span as f64

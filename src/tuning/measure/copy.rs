@@ -378,7 +378,7 @@ impl<'e> CopyBench<'e> {
         let cfg = self.launch_config(spec);
         let exec = self.mem.exec;
         match &self.kind {
-            CopyKind::Transfer { .. } => self.launch_transfer(kernel, &cfg, false),
+            CopyKind::Transfer { .. } => self.launch_transfer(kernel, &cfg, false, None),
             CopyKind::Materialise {
                 table,
                 seq_pages,
@@ -400,13 +400,28 @@ impl<'e> CopyBench<'e> {
         }
     }
 
+    /// [`CopyBench::launch`] of a stamped transfer ([`TransferSpec::stamps`]), whose block
+    /// stamps go to `stamps` (on this bench's executor,
+    /// [`TRANSFER_STAMP_BYTES`](crate::kernels::TRANSFER_STAMP_BYTES) long; the
+    /// caller resets them).
+    pub fn launch_stamped(
+        &self,
+        kernel: KernelId,
+        spec: &KernelSpec,
+        stamps: BufferId,
+    ) -> Result<(), ExecError> {
+        self.launch_transfer(kernel, &self.launch_config(spec), false, Some(stamps))
+    }
+
     /// Launches a transfer kernel between the device pools and the host pools, or with
-    /// `staged` the staging buffers (an n-page pool in the host layout, pair i at page i).
+    /// `staged` the staging buffers (an n-page pool in the host layout, pair i at page i);
+    /// a stamped one with its `stamps`.
     fn launch_transfer(
         &self,
         kernel: KernelId,
         cfg: &LaunchConfig,
         staged: bool,
+        stamps: Option<BufferId>,
     ) -> Result<(), ExecError> {
         let CopyKind::Transfer {
             buffers,
@@ -439,13 +454,14 @@ impl<'e> CopyBench<'e> {
             (true, Direction::HostToDevice) => (*staged_pages, *dst_pages),
             (true, Direction::DeviceToHost) => (*src_pages, *staged_pages),
         };
-        let args = transfer_args(
+        let mut args = transfer_args(
             &ends,
             pages,
             self.n,
             pools,
             (self.first_layer, self.layer_count),
         );
+        args.extend(stamps.map(|b| KernelArg::Ptr(b, 0)));
         self.mem.exec.launch(kernel, cfg, &args)
     }
 
@@ -481,10 +497,10 @@ impl<'e> CopyBench<'e> {
         match direction {
             Direction::HostToDevice => {
                 copies()?;
-                self.launch_transfer(kernel, &cfg, true)
+                self.launch_transfer(kernel, &cfg, true, None)
             }
             Direction::DeviceToHost => {
-                self.launch_transfer(kernel, &cfg, true)?;
+                self.launch_transfer(kernel, &cfg, true, None)?;
                 copies()
             }
         }

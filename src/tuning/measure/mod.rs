@@ -15,7 +15,7 @@ mod timing;
 mod workload;
 
 pub use allocator::{AllocBench, AllocInputs};
-pub use busy::{Beside, BesideTiming, BusyBench, CompanionShape, Stamps};
+pub use busy::{Beside, BesideTiming, BusyBench, CompanionShape, StampedRun, Stamps};
 pub use compile::{compile_and_load, target_for, SourceHook};
 pub use copy::{
     baseline_name, no_dma_path, time_copy_baseline, CopyBench, CopyPages, TransferBuffers,

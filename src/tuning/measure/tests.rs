@@ -29,6 +29,7 @@ fn a_transfer_workload_with_one_destination_twice_is_refused() {
     let exec = HostExecutor::new(HostOptions::default());
     let spec = TransferSpec {
         second_bytes_per_token: None,
+        stamps: false,
         direction: Direction::HostToDevice,
         layout: HostLayout::PageFirst,
         page_size: 4,
