@@ -789,35 +789,49 @@ fn the_busy_companions_run_and_are_timed_beside_work_on_the_host_executor() {
     exec.free(buf).unwrap();
 }
 
-/// A DMA candidate timed beside both companions on the host records what tune's table
-/// prints: the time beside the ALU kernel as the candidate's, the one alone, the HBM
-/// kernel's time and both slowdowns and overlaps.
-#[test]
-fn a_transfer_timed_beside_both_companions_records_each() {
-    use cp_hicache::exec::DmaMode;
-    use cp_hicache::kernels::{BusyKind, BusySpec, Direction};
-    use cp_hicache::tuning::measure::{Beside, CompanionShape, CopyBench};
-    use cp_hicache::tuning::tuner::{time_dma_candidate, Companions};
-    let Some(jit) = host_jit() else { return };
-    let exec = HostExecutor::new(HostOptions::default());
+/// Workload of the transfers timed beside the companions on the host: small, for fast tests.
+const BESIDE_SIZES: Sizes = Sizes {
+    pages: 8,
+    layers: 2,
+    warmup: 0,
+    repeats: 2,
+};
+
+/// Both busy companions, each on a host executor of its own (another OS thread, as a second
+/// stream on a GPU), on small buffers.
+fn host_companions<'e>(
+    exec: &'e HostExecutor,
+    jit: &Jit,
+) -> cp_hicache::tuning::tuner::Companions<'e> {
+    use cp_hicache::kernels::{BusyKind, BusySpec};
+    use cp_hicache::tuning::measure::{Beside, CompanionShape};
     let shape = CompanionShape {
         grid: 2,
         hbm_words: 1 << 16,
     };
     let open = |kind| {
         let comp = Box::new(HostExecutor::new(HostOptions::default()));
-        Some(Beside::with_companion(&exec, comp, &jit, BusySpec::of(kind), shape).unwrap())
+        Some(Beside::with_companion(exec, comp, jit, BusySpec::of(kind), shape).unwrap())
     };
-    let companions = Companions {
+    cp_hicache::tuning::tuner::Companions {
         alu: open(BusyKind::Alu),
         hbm: open(BusyKind::Hbm),
-    };
-    let sizes = Sizes {
-        pages: 8,
-        layers: 2,
-        warmup: 0,
-        repeats: 2,
-    };
+    }
+}
+
+/// A DMA candidate timed beside both companions on the host records what tune's table
+/// prints: the time beside the ALU kernel as the candidate's, the one alone, the HBM
+/// kernel's time and both slowdowns and overlaps.
+#[test]
+fn a_transfer_timed_beside_both_companions_records_each() {
+    use cp_hicache::exec::DmaMode;
+    use cp_hicache::kernels::Direction;
+    use cp_hicache::tuning::measure::CopyBench;
+    use cp_hicache::tuning::tuner::time_dma_candidate;
+    let Some(jit) = host_jit() else { return };
+    let exec = HostExecutor::new(HostOptions::default());
+    let companions = host_companions(&exec, &jit);
+    let sizes = BESIDE_SIZES;
     let spec = Deployment::by_name("nsa_ps64_cp8")
         .unwrap()
         .transfer_spec(Direction::HostToDevice);
@@ -869,30 +883,13 @@ fn a_transfer_timed_beside_both_companions_records_each() {
 /// only adds the stamps), and the file keeps the lead.
 #[test]
 fn a_transfer_kernel_timed_beside_the_companions_stamps_its_own_blocks() {
-    use cp_hicache::kernels::{BusyKind, BusySpec, Direction};
-    use cp_hicache::tuning::measure::{compile_and_load, Beside, CompanionShape, CopyBench};
-    use cp_hicache::tuning::tuner::Companions;
+    use cp_hicache::kernels::Direction;
+    use cp_hicache::tuning::measure::{compile_and_load, CopyBench};
     let Some(jit) = host_jit() else { return };
     let exec = HostExecutor::new(HostOptions::default());
-    let shape = CompanionShape {
-        grid: 2,
-        hbm_words: 1 << 16,
-    };
-    let open = |kind| {
-        let comp = Box::new(HostExecutor::new(HostOptions::default()));
-        Some(Beside::with_companion(&exec, comp, &jit, BusySpec::of(kind), shape).unwrap())
-    };
-    let companions = Companions {
-        alu: open(BusyKind::Alu),
-        hbm: open(BusyKind::Hbm),
-    };
+    let companions = host_companions(&exec, &jit);
     assert!(companions.present());
-    let sizes = Sizes {
-        pages: 8,
-        layers: 2,
-        warmup: 0,
-        repeats: 2,
-    };
+    let sizes = BESIDE_SIZES;
     for direction in [Direction::HostToDevice, Direction::DeviceToHost] {
         let spec = Deployment::by_name("nsa_ps64_cp8")
             .unwrap()
