@@ -1365,7 +1365,8 @@ impl StreamCounts {
 /// at the greatest priority (the transfer's launches there, nothing else), its reader
 /// waits for each layer on the cache's stream (never on the load stream, which waits once
 /// per load, for the work before it), and its events come from a pool: none is created
-/// after the first loads, over 1,000 layer loads. Without per-layer readers, a load is one
+/// after the first loads, over 1,000 layer loads. An engine's stream handed in gets the
+/// per-layer waits instead of the cache's. Without per-layer readers, a load is one
 /// all-layer launch on the cache's stream.
 fn loads_run_on_a_prioritised_stream_of_their_own() {
     let gpu: Arc<dyn Executor> = Arc::new(CudaExecutor::new(0).unwrap());
@@ -1433,6 +1434,47 @@ fn loads_run_on_a_prioritised_stream_of_their_own() {
         created,
         "{layer_loads} layer loads created events"
     );
+
+    // An engine's attention waits per layer on its own stream, handed in: each wait is
+    // issued on that stream, for an event of the load stream, and none on the cache's.
+    me.evict_device_lru(usize::MAX).unwrap();
+    let mut engine: cudarc::driver::sys::CUstream = std::ptr::null_mut();
+    // SAFETY: the executor made its context current on this thread.
+    unsafe { cudarc::driver::sys::cuStreamCreate(&mut engine, 0) }
+        .result()
+        .unwrap();
+    let engine_waits = || {
+        // SAFETY: the stand-in driver's hook reads the counter of a live stream of its own.
+        unsafe {
+            let lib = libloading::Library::new("libcuda.so").unwrap();
+            let f: libloading::Symbol<
+                unsafe extern "C" fn(cudarc::driver::sys::CUstream) -> u64,
+            > = lib.get(b"fake_cuda_stream_waits").unwrap();
+            f(engine)
+        }
+    };
+    let mut req = me.begin(&prompt).unwrap();
+    let load = req.load().expect("a host hit loads back");
+    let before = (StreamCounts::now(), engine_waits());
+    for l in 0..layers {
+        // SAFETY: `engine` is a live stream of the executor's context.
+        unsafe { load.wait_layer_on(l, engine as u64) }.unwrap();
+    }
+    let after = StreamCounts::now().since(before.0);
+    assert_eq!(engine_waits() - before.1, u64::from(layers));
+    assert_eq!(after.waits_for_prioritised, u64::from(layers), "{after:?}");
+    assert_eq!(after.waits_on_prioritised, 0, "{after:?}");
+    // A layer outside the load is refused before the driver is called.
+    // SAFETY: as above.
+    let err = unsafe { load.wait_layer_on(layers, engine as u64) }.unwrap_err();
+    assert!(err.to_string().contains("layer"), "{err}");
+    assert_eq!(engine_waits() - before.1, u64::from(layers));
+    me.abandon(&mut req).unwrap();
+    gpu.synchronize().unwrap();
+    // SAFETY: nothing is enqueued on it any more.
+    unsafe { cudarc::driver::sys::cuStreamDestroy_v2(engine) }
+        .result()
+        .unwrap();
 
     // Without per-layer readers: one all-layer launch, none of it on the load stream.
     me.set_layer_waits(false);

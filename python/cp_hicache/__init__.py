@@ -132,11 +132,30 @@ class Request:
         """Layers of the load-back in flight (0 when nothing is loaded back)."""
         return self._native.loading_layers
 
-    def wait_layer(self, layer: int) -> None:
+    def wait_layer(self, layer: int, stream: Optional[Any] = None) -> None:
         """Makes work enqueued from now on wait until layer ``layer`` of the load-back is in
         the pools (a device-side wait on a GPU; immediate on the CPU). Attention on a layer
-        calls it first, as SGLang's ``layer_transfer_counter.wait_until(layer)``."""
-        self._native.wait_layer(layer)
+        calls it first, as SGLang's ``layer_transfer_counter.wait_until(layer)``.
+
+        Without ``stream`` the wait orders the cache's own stream. With ``stream``, the
+        engine's CUDA stream (a ``torch.cuda.Stream`` or anything with ``.cuda_stream``, or
+        its raw ``CUstream`` handle; 0 is the legacy default stream), it orders that stream:
+        the engine's kernels enqueued there from now on wait for the layer on the device,
+        while later layers still load, with no host synchronisation. It must be a live
+        stream of the cache's device (its primary context, as torch's streams are): the
+        driver dereferences the handle. On the CPU nothing needs ordering and the handle is
+        not used."""
+        handle = getattr(stream, "cuda_stream", stream)
+        if stream is not None and (
+            isinstance(handle, bool)
+            or not isinstance(handle, (int, np.integer))
+            or not 0 <= int(handle) < 2**64
+        ):
+            raise UsageError(
+                f"stream: a CUDA stream (torch.cuda.current_stream()) or its CUstream handle, "
+                f"an int from 0 to 2**64 - 1, not {stream!r}"
+            )
+        self._native.wait_layer(layer, None if stream is None else int(handle))
 
     def wait_all(self) -> None:
         """Waits for every layer of the load-back."""
@@ -465,10 +484,11 @@ class RankCache:
 
     def synchronize(self) -> None:
         """Waits until every copy and kernel the cache enqueued has run. On a GPU the cache
-        works on its own stream: :meth:`Request.wait_layer` orders that stream only. An
-        engine whose kernels run on another stream calls this before reading pages the
-        cache loaded, and synchronises its own stream before :meth:`finish` backs up the
-        pages it wrote. Immediate on the CPU."""
+        works on its own stream: :meth:`Request.wait_layer` orders that stream, or the
+        engine's when it is handed in (``wait_layer(l, stream=...)``, no host wait). An
+        engine whose kernels run on another stream and does not hand it in calls this before
+        reading pages the cache loaded, and synchronises its own stream before
+        :meth:`finish` backs up the pages it wrote. Immediate on the CPU."""
         self._native.synchronize()
 
     def token_locations(self, request: Request) -> Tuple[np.ndarray, np.ndarray]:

@@ -248,18 +248,25 @@ impl Request {
     }
 
     /// Makes work enqueued from now on wait for layer `layer` of the load-back (a
-    /// device-side wait; immediate on the CPU). Without a load-back there is nothing to wait
+    /// device-side wait; immediate on the CPU): the cache's own work, or with `stream` (a raw
+    /// `CUstream` of the device's primary context, the Python wrapper checked it is an int in
+    /// u64) the engine's work on that stream. Without a load-back there is nothing to wait
     /// for.
-    fn wait_layer(&self, py: Python<'_>, layer: u32) -> PyResult<()> {
+    #[pyo3(signature = (layer, stream=None))]
+    fn wait_layer(&self, py: Python<'_>, layer: u32, stream: Option<u64>) -> PyResult<()> {
         if layer >= self.layers {
             return Err(usage(format!(
                 "layer {layer} is outside the deployment's {} layers",
                 self.layers
             )));
         }
-        py.detach(|| match self.lock().load() {
-            Some(l) => l.wait_layer(layer).map_err(to_py),
-            None => Ok(()),
+        py.detach(|| match (self.lock().load(), stream) {
+            (Some(l), None) => l.wait_layer(layer).map_err(to_py),
+            // SAFETY: the engine hands in a live stream of the cache's device context
+            // (`Request.wait_layer` says so: a handle the driver can dereference, as any raw
+            // pointer an engine passes).
+            (Some(l), Some(s)) => unsafe { l.wait_layer_on(layer, s) }.map_err(to_py),
+            (None, _) => Ok(()),
         })
     }
 

@@ -337,6 +337,30 @@ def test_layer_waits_loads_layer_by_layer_and_refuses_non_booleans():
     assert rc.serve(range(64))["mismatched_tokens"] == 0
 
 
+def test_wait_layer_on_the_engines_stream_takes_only_a_stream_handle():
+    rc = make()
+    rc.serve(range(64))
+    rc.evict(64)
+    rc.layer_waits = True
+    req = rc.begin(range(64), allocate=True)
+    assert req.loading_layers == 2
+    class Stream:
+        def __init__(self, handle):
+            self.cuda_stream = handle
+
+    for bad in (-1, 2**64, True, 1.5, "0", object(), Stream(-3), Stream("s")):
+        with pytest.raises(cp_hicache.UsageError, match="CUstream handle"):
+            req.wait_layer(0, stream=bad)
+    # On the CPU the copies ran before begin returned: any handle orders nothing.
+    req.wait_layer(0, stream=0)
+    req.wait_layer(1, stream=np.uint64(2**64 - 1))
+    req.wait_layer(1, stream=Stream(12345))
+    with pytest.raises(cp_hicache.UsageError, match="layer 2 is outside"):
+        req.wait_layer(2, stream=0)
+    rc.finish(req)
+    assert rc.serve(range(64))["mismatched_tokens"] == 0
+
+
 def test_messages_speak_python():
     rc = make(device_pages=4)
     with pytest.raises(cp_hicache.CacheFullError) as full:

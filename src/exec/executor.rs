@@ -393,6 +393,21 @@ pub trait Executor: Send + Sync {
         Ok(())
     }
 
+    /// [`Executor::wait_event`] issued on the caller's `stream` (a raw `CUstream` on CUDA,
+    /// an engine's, as in [`Executor::follow_stream`]): work the caller enqueues there from
+    /// now on waits for `event` on the device, so its kernels read what the executor loaded
+    /// without a host synchronisation. Executors whose work has run by the time a call
+    /// returns (the host executor) have nothing to order: `Ok`, the handle unused. An event
+    /// of another executor, or one released, is refused.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of the executor's context (or 0, the legacy default
+    /// stream): the driver dereferences the handle.
+    unsafe fn wait_event_on(&self, event: EventId, stream: u64) -> Result<(), ExecError> {
+        let _ = (event, stream);
+        Ok(())
+    }
+
     /// Releases an event once nothing will wait for it any more.
     fn release_event(&self, event: EventId) {
         let _ = event;

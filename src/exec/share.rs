@@ -168,6 +168,10 @@ impl Executor for RankView {
     fn wait_event(&self, event: EventId) -> Result<(), ExecError> {
         self.counted(|e| e.wait_event(event))
     }
+    unsafe fn wait_event_on(&self, event: EventId, stream: u64) -> Result<(), ExecError> {
+        // SAFETY: the caller's contract, passed on.
+        self.counted(|e| unsafe { e.wait_event_on(event, stream) })
+    }
     fn release_event(&self, event: EventId) {
         self.counted(|e| e.release_event(event))
     }

@@ -25,16 +25,38 @@ impl LoadHandle {
     /// Makes work enqueued from now on wait until layer `layer` has loaded. A layer outside
     /// the load is an error.
     pub fn wait_layer(&self, layer: u32) -> Result<(), crate::exec::ExecError> {
-        let event =
-            *self
-                .layers
-                .get(layer as usize)
-                .ok_or_else(|| crate::exec::ExecError::Config {
-                    name: "layer",
-                    value: layer.to_string(),
-                    reason: format!("the load covers {} layers", self.layers.len()),
-                })?;
-        self.exec.wait_event(event)
+        self.exec.wait_event(self.event(layer)?)
+    }
+
+    /// [`LoadHandle::wait_layer`] for work the engine enqueues on its own `stream` (its
+    /// attention's; a raw `CUstream` handle, as in [`Executor::follow_stream`]): that work
+    /// waits on the device until layer `layer` has loaded, while later layers still load,
+    /// with no host synchronisation. The host executor has nothing to order (its copies ran
+    /// before the load returned).
+    ///
+    /// # Safety
+    ///
+    /// `stream` must be a live stream of the cache's device context (on CUDA a `CUstream`
+    /// of the device's primary context, or 0): the driver dereferences the handle.
+    pub unsafe fn wait_layer_on(
+        &self,
+        layer: u32,
+        stream: u64,
+    ) -> Result<(), crate::exec::ExecError> {
+        let event = self.event(layer)?;
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.exec.wait_event_on(event, stream) }
+    }
+
+    fn event(&self, layer: u32) -> Result<EventId, crate::exec::ExecError> {
+        self.layers
+            .get(layer as usize)
+            .copied()
+            .ok_or_else(|| crate::exec::ExecError::Config {
+                name: "layer",
+                value: layer.to_string(),
+                reason: format!("the load covers {} layers", self.layers.len()),
+            })
     }
 
     /// Makes work enqueued from now on wait until every layer has loaded: the last layer's

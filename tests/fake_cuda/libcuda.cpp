@@ -85,6 +85,7 @@ struct FakeCtx {
 struct FakeStream {
   int alive;
   int priority;  // 0, or negative for a stream made at a greater priority
+  unsigned long long waits;  // cuStreamWaitEvent calls issued on it (a test hook reads it)
 };
 struct FakeEvent {
   double seconds;
@@ -341,7 +342,7 @@ void count_work(CUstream s) {
 CUresult cuStreamCreate(CUstream* s, unsigned flags) {
   (void)flags;
   if (need_ctx()) return INVALID_CONTEXT;
-  *s = new FakeStream{1, 0};
+  *s = new FakeStream{1, 0, 0};
   return OK;
 }
 // As on current GPUs: priorities 0 (least) to -5 (greatest).
@@ -355,7 +356,7 @@ CUresult cuStreamCreateWithPriority(CUstream* s, unsigned flags, int priority) {
   (void)flags;
   if (need_ctx()) return INVALID_CONTEXT;
   if (priority < -5 || priority > 0) return INVALID_VALUE;
-  *s = new FakeStream{1, priority};
+  *s = new FakeStream{1, priority, 0};
   return OK;
 }
 CUresult cuStreamDestroy_v2(CUstream s) {
@@ -399,6 +400,7 @@ CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned flags) {
   // One queue runs every stream's work in order, so a wait is already met; what a test can
   // check is that work on one stream was ordered after another's.
   if (e->stream != s) g_cross_waits++;
+  if (s) s->waits++;
   if (s && s->priority < 0) g_waits_on_prioritised++;
   if (e->stream && e->stream->priority < 0 && e->stream != s) g_waits_for_prioritised++;
   return OK;
@@ -727,6 +729,9 @@ extern "C" unsigned long long fake_cuda_copy_calls(void) { return g_copy_calls.l
 
 // Launches and copies enqueued on a stream of greater priority so far.
 extern "C" unsigned long long fake_cuda_prioritised_work(void) { return g_prioritised_work.load(); }
+
+// cuStreamWaitEvent calls issued on stream `s` so far (an engine's, handed to the cache).
+extern "C" unsigned long long fake_cuda_stream_waits(CUstream s) { return s ? s->waits : 0; }
 
 // cuStreamWaitEvent calls issued on a stream of greater priority so far.
 extern "C" unsigned long long fake_cuda_waits_on_prioritised(void) {

@@ -149,6 +149,28 @@ impl Gpu {
         self.stream.wait(event).map_err(err("cuStreamWaitEvent"))
     }
 
+    /// Makes work enqueued on `stream`, a stream of this context that is not the executor's
+    /// (an engine's raw `CUstream`; 0 the legacy default stream), wait for `event`.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this executor's context, or 0.
+    pub(crate) unsafe fn wait_event_on(
+        &self,
+        event: &cudarc::driver::CudaEvent,
+        stream: u64,
+    ) -> Result<(), String> {
+        self.bind()?;
+        // SAFETY: the event is live (pooled by the executor); the caller vouches for `stream`.
+        unsafe {
+            result::stream::wait_event(
+                stream as usize as sys::CUstream,
+                event.cu_event(),
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .map_err(err("cuStreamWaitEvent"))
+    }
+
     /// Orders two streams of this context: work enqueued on `waiter` from now on waits for
     /// the work enqueued on `done` so far (`event`, a pooled one of this context, recorded on
     /// `done` and waited on by `waiter`: the device waits, the host does not). The event may

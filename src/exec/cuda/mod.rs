@@ -583,6 +583,16 @@ impl Executor for CudaExecutor {
         self.gpu.wait_event(e).map_err(driver_err("wait_event"))
     }
 
+    unsafe fn wait_event_on(&self, event: EventId, stream: u64) -> Result<(), ExecError> {
+        let pool = self.events();
+        let e = pool.live.get(&event.0).ok_or(ExecError::Driver {
+            op: "wait_event_on",
+            message: format!("{event:?} is not an event of this executor (or was released)"),
+        })?;
+        // SAFETY: the caller vouches that `stream` is a live stream of this context.
+        unsafe { self.gpu.wait_event_on(e, stream) }.map_err(driver_err("wait_event_on"))
+    }
+
     fn release_event(&self, event: EventId) {
         let mut pool = self.events();
         if let Some(ev) = pool.live.remove(&event.0) {
