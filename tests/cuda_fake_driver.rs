@@ -1447,9 +1447,8 @@ fn loads_run_on_a_prioritised_stream_of_their_own() {
         // SAFETY: the stand-in driver's hook reads the counter of a live stream of its own.
         unsafe {
             let lib = libloading::Library::new("libcuda.so").unwrap();
-            let f: libloading::Symbol<
-                unsafe extern "C" fn(cudarc::driver::sys::CUstream) -> u64,
-            > = lib.get(b"fake_cuda_stream_waits").unwrap();
+            let f: libloading::Symbol<unsafe extern "C" fn(cudarc::driver::sys::CUstream) -> u64> =
+                lib.get(b"fake_cuda_stream_waits").unwrap();
             f(engine)
         }
     };

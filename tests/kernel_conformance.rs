@@ -1505,8 +1505,9 @@ fn r29_transfer_groups_copy_every_page_at_any_grid() {
                 .iter()
                 .map(|d| rng.bytes(transfer_pools(d, layers, device_pages, host_pages).0))
                 .collect();
-            for (first_layer, layer_count) in [(0, layers), (1, u32::MAX)] {
-                let span = layers - first_layer;
+            // And an empty range: nothing copied, a stamped twin's early return still stamps.
+            for (first_layer, layer_count) in [(0, layers), (1, u32::MAX), (0, 0)] {
+                let span = layer_count.min(layers - first_layer);
                 let recommended = spec.launch_dims(9, span).grid;
                 // More groups than items: 9 pairs × 3 layers × 2 buffers at most.
                 for g in [1, 3, recommended, 54 + 7] {

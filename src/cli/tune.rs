@@ -301,8 +301,9 @@ mod tests {
     use super::*;
     use crate::tuning::{BesideBusy, BesideCompanion, CandidateResult, LaunchChoice, Overlap};
 
-    /// The note says where each busy kernel ran; a kernel row (stamped twin) adds how long
-    /// after the transfer's last block start the busy kernel began, a DMA row cannot.
+    /// The note says where each busy kernel ran, and where the transfer's own stamps
+    /// measured it (a kernel row's stamped twin) how long after the transfer's last block
+    /// start the busy kernel began; where they did not (here the HBM one), nothing.
     #[test]
     fn the_note_gives_each_start_overlap_and_the_resident_lead_where_measured() {
         let overlap = |lag, lead| Overlap {
@@ -311,7 +312,7 @@ mod tests {
             resident_lead_ns: lead,
         };
         let result = CandidateResult {
-            choice: LaunchChoice::Dma,
+            choice: LaunchChoice::of_copy(&crate::kernels::CopyLaunch::gpu_transfer()),
             seconds: Some(1e-3),
             gbps: Some(40.0),
             dropped: None,

@@ -194,9 +194,14 @@ pub fn sweep(
             let result = match kernel_of(&spec) {
                 Ok(kernel) => {
                     // A twin that did not load leaves the row timed with the marker's stamp.
-                    let twin = spec
-                        .stamped()
-                        .and_then(|t| kernel_of(&t).ok().map(|k| (t, k)));
+                    let twin = spec.stamped().and_then(|t| match kernel_of(&t) {
+                        Ok(k) => Some((t, k)),
+                        Err(why) if companions.present() => {
+                            tracing::warn!(target: "cp_hicache::tuning", kernel = %t, "stamped twin not loaded: {why}");
+                            None
+                        }
+                        Err(_) => None,
+                    });
                     let kernels = Kernels {
                         spec: &spec,
                         kernel,

@@ -537,3 +537,34 @@ impl<'e> Workload<'e> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::Direction;
+
+    /// A transfer's stamped twin is used where it loaded, and not where it failed (the
+    /// marker stamps the start instead); other families have none.
+    #[test]
+    fn a_twin_is_used_only_where_it_loaded() {
+        let dep = Deployment::by_name("nsa_ps64_cp8").unwrap();
+        let spec = dep.transfer_spec(Direction::HostToDevice);
+        let twin = spec.stamped().unwrap();
+        let mut loaded = HashMap::new();
+        assert_eq!(loaded_twin(&loaded, &spec), None);
+        loaded.insert(twin, Ok(KernelId(7)));
+        assert_eq!(loaded_twin(&loaded, &spec), Some((twin, KernelId(7))));
+        loaded.insert(twin, Err("spilled".into()));
+        assert_eq!(loaded_twin(&loaded, &spec), None);
+        let select = dep.specs()[0];
+        assert!(select.stamped().is_none());
+        assert_eq!(loaded_twin(&loaded, &select), None);
+    }
+
+    /// Without a busy companion (the host executor) no twin is compiled.
+    #[test]
+    fn no_twins_are_compiled_without_companions() {
+        let dep = Deployment::by_name("nsa_ps64_cp8").unwrap();
+        assert!(stamped_twins(&dep.specs(), &Companions::default()).is_empty());
+    }
+}

@@ -364,7 +364,11 @@ impl<'e> Beside<'e> {
                 self.comp.time_work(&mut || self.launch(rounds))
             });
             let start = match stamped {
-                Some(_) => self.exec.upload(self.work_stamps, 0, &unstamped()),
+                // A run first, untimed, so the twin's first launch (its module's lazy load
+                // on a GPU) is not in the timed runs; then its stamps are reset.
+                Some(first) => first(self.work_stamps)
+                    .and_then(|()| self.exec.synchronize())
+                    .and_then(|()| self.exec.upload(self.work_stamps, 0, &unstamped())),
                 None => self
                     .marker
                     .launch(self.marker_kernel, &self.marker_spec, 0, 0),
@@ -397,10 +401,21 @@ impl<'e> Beside<'e> {
         let overlap = match stamped {
             Some(_) => {
                 let (work, last_start) = Stamps::read_transfer(self.exec, self.work_stamps)?;
-                Overlap {
-                    resident_lead_ns: (work.is_sane() && companion.is_sane())
-                        .then(|| companion.start_ns as i64 - last_start as i64),
-                    ..Overlap::of(work.start_ns, timed, companion)
+                if work.is_sane() {
+                    Overlap {
+                        resident_lead_ns: companion
+                            .is_sane()
+                            .then(|| companion.start_ns as i64 - last_start as i64),
+                        ..Overlap::of(work.start_ns, timed, companion)
+                    }
+                } else {
+                    // A twin that wrote no stamps: say nothing rather than something wrong.
+                    tracing::warn!(target: "cp_hicache::tuning", "the stamped transfer left no stamps: {work:?}");
+                    Overlap {
+                        start_lag_ns: 0,
+                        covered: 0.0,
+                        resident_lead_ns: None,
+                    }
                 }
             }
             None => Overlap::of(self.marker.stamps()?.end_ns, timed, companion),
