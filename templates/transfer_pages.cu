@@ -75,7 +75,7 @@ static __device__ inline void chc_transfer_pair(const u64* __restrict__ device, 
 // `stamps` (tune's stamped twin, never served): the launch's first block start, last block
 // end and last block start by the device's clock (chc_stamp_*), to tell where the transfer
 // ran against a busy kernel beside it.{% endif %}
-extern "C" __global__ void __launch_bounds__(THREADS, 1) {{ uri }}({# parameters: KernelSpec::params() #}
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{ uri }}({# parameters: KernelSpec::params() #}
 {{ params }}
 {
 {%- if stamps %}

@@ -376,11 +376,9 @@ fn spec_matrix_is_modest_and_valid() {
 /// The `(type, name)` pairs of the `extern "C"` parameter list of `uri` in a render, read
 /// from the text alone (whitespace collapsed), so the check below does not trust the renderer.
 fn rendered_params(src: &str, uri: &str) -> Vec<(String, String)> {
-    // Materialise also bounds the blocks per SM (`THREADS, MIN_BLOCKS`), transfers ask for one.
-    let bounds = if uri.starts_with("materialise_") {
+    // Materialise and transfers also bound the blocks per SM (`THREADS, MIN_BLOCKS`).
+    let bounds = if uri.starts_with("materialise_") || uri.starts_with("transfer_pages_") {
         "THREADS, MIN_BLOCKS"
-    } else if uri.starts_with("transfer_pages_") {
-        "THREADS, 1"
     } else {
         "THREADS"
     };

@@ -65,12 +65,18 @@ fn renders_are_self_contained_and_named_by_uri() {
             let uri = spec.uri();
             assert!(!src.contains("#include"), "{uri}");
             // Materialise also bounds the blocks per SM (a full SM: HBM-bound); transfers ask
-            // for one (a capped grid: registers over occupancy).
+            // for one or two (a capped grid: registers over occupancy, at most half an SM's
+            // registers a block where its loop allows, TransferSpec::min_blocks).
             let bounds = match spec {
-                KernelSpec::Materialise(_) => "THREADS, MIN_BLOCKS",
-                KernelSpec::TransferPages(_) => "THREADS, 1",
+                KernelSpec::Materialise(_) | KernelSpec::TransferPages(_) => "THREADS, MIN_BLOCKS",
                 _ => "THREADS",
             };
+            if let KernelSpec::TransferPages(t) = spec {
+                assert!(
+                    src.contains(&format!("#define MIN_BLOCKS {}\n", t.min_blocks())),
+                    "{uri}"
+                );
+            }
             assert!(
                 src.contains(&format!(
                     "extern \"C\" __global__ void __launch_bounds__({bounds}) {uri}("

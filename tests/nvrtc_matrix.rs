@@ -40,8 +40,8 @@ fn jit_in(dir: &Path, mode: JitMode, nvrtc_enabled: bool) -> Jit {
 const SM90: Target = Target::Nvrtc { arch: Arch::Sm90 };
 
 /// Compiles `requests` for sm_90 in parallel and asserts that each has a resource report
-/// with no spills and no stack frame.
-fn assert_all_compile_without_spills_or_stack(requests: &[JitRequest]) {
+/// with no spills and no stack frame; returns each one's registers per thread.
+fn assert_all_compile_without_spills_or_stack(requests: &[JitRequest]) -> Vec<u32> {
     let dir = tempfile::tempdir().unwrap();
     let jit = jit_in(dir.path(), JitMode::On, true);
     let results = jit.warm_up(requests);
@@ -60,6 +60,15 @@ fn assert_all_compile_without_spills_or_stack(requests: &[JitRequest]) {
         }
     }
     assert!(problems.is_empty(), "{}", problems.join("\n"));
+    results
+        .iter()
+        .map(|r| {
+            r.as_ref()
+                .ok()
+                .and_then(|k| k.report)
+                .map_or(0, |r| r.registers)
+        })
+        .collect()
 }
 
 #[test]
@@ -69,6 +78,7 @@ fn every_reference_kernel_compiles_for_sm90_without_spills_or_stack() {
     }
     // Unique kernels across all deployments (several are shared, e.g. transfer and verify).
     let mut requests: Vec<JitRequest> = Vec::new();
+    let mut transfers: Vec<(String, u32)> = Vec::new();
     let mut push = |req: JitRequest| {
         if !requests.iter().any(|r| r.uri == req.uri) {
             requests.push(req);
@@ -80,6 +90,9 @@ fn every_reference_kernel_compiles_for_sm90_without_spills_or_stack() {
             // `tune`'s stamped twin of each transfer, timed beside the busy kernels.
             if let Some(twin) = spec.stamped() {
                 push(spec_request(&twin, SM90, None).unwrap());
+                for s in [spec, twin] {
+                    transfers.push((s.uri(), s.threads()));
+                }
             }
         }
     }
@@ -87,7 +100,20 @@ fn every_reference_kernel_compiles_for_sm90_without_spills_or_stack() {
     for busy in Deployment::reference()[0].busy_specs() {
         requests.push(spec_request(&busy, SM90, None).unwrap());
     }
-    assert_all_compile_without_spills_or_stack(&requests);
+    let registers = assert_all_compile_without_spills_or_stack(&requests);
+    let regs = |uri: &str| registers[requests.iter().position(|r| r.uri == uri).unwrap()];
+    // One transfer block and the busy kernel's blocks fit in an SM's 65,536 registers, as in
+    // a model's: the busy grid leaves each SM room for a 512-thread transfer block, so it
+    // runs (2,048 - 512) / 256 = 6 blocks of 256 threads per SM (docs/KERNELS.md "busy").
+    let busy = (2048 - 512) / 256 * 256 * regs("busy_hbm_t256").max(regs("busy_alu_t256"));
+    for (uri, threads) in &transfers {
+        let block = regs(uri) * threads;
+        assert!(
+            block + busy <= 65_536,
+            "{uri}: {} registers x {threads} threads leave no room for the busy blocks ({busy})",
+            regs(uri)
+        );
+    }
     println!("{} unique kernels compiled for sm_90", requests.len());
 }
 
@@ -110,11 +136,23 @@ fn every_tuning_candidate_compiles_for_sm90_without_spills_or_stack() {
             }
         }
     }
+    // And `tune --sweep`'s shapes (gpu-check's): each buffer alone and both, 128 to 512
+    // threads, 1 to 16 blocks.
+    let sweep = cp_hicache::tuning::sweep::sweep_specs(
+        &Deployment::by_name("nsa_ps64_cp8").unwrap(),
+        &cp_hicache::tuning::sweep::SweepOptions::new(true),
+    );
+    for k in sweep {
+        let req = spec_request(&k, SM90, None).unwrap();
+        if !requests.iter().any(|r| r.uri == req.uri) {
+            requests.push(req);
+        }
+    }
     assert!(
         requests.iter().any(|r| r.uri.ends_with("_cs")),
         "the candidates include streaming stores"
     );
-    assert_all_compile_without_spills_or_stack(&requests);
+    let _ = assert_all_compile_without_spills_or_stack(&requests);
     println!(
         "{} unique tuning candidates compiled for sm_90",
         requests.len()

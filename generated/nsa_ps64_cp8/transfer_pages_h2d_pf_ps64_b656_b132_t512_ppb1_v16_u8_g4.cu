@@ -22,6 +22,7 @@ typedef long long i64;
 #define GROUP_LANES 32
 #define GROUPS_PER_BLOCK 16
 #define BUFFERS 2
+#define MIN_BLOCKS 1
 #define BYTES_PER_TOKEN_1 132
 #define PAGE_BYTES_1 8448
 #define PAGE_VECS_1 528
@@ -94,7 +95,7 @@ static __device__ inline void chc_transfer_pair(const u64* __restrict__ device, 
 // skipped; an empty range (or one wholly past `layers`) copies nothing. One block per SM is
 // all the launch bound asks: a capped grid uses a few SMs, and without the second bound ptxas
 // held small blocks to about 48 registers and spilled the walk's state.
-extern "C" __global__ void __launch_bounds__(THREADS, 1) transfer_pages_h2d_pf_ps64_b656_b132_t512_ppb1_v16_u8_g4(
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) transfer_pages_h2d_pf_ps64_b656_b132_t512_ppb1_v16_u8_g4(
     const u64* __restrict__ device, const u8* __restrict__ host,
     const u32* __restrict__ src_pages, const u32* __restrict__ dst_pages, u32 n, u32 layers,
     u32 first_layer, u32 layer_count, u32 device_pages, u32 host_pages, u32 page_stride,

@@ -442,6 +442,7 @@ pub(crate) fn render_spec(spec: &KernelSpec) -> Result<String, KernelError> {
                 c("GROUP_LANES", s.launch.group_lanes()),
                 c("GROUPS_PER_BLOCK", s.launch.groups_per_block()),
                 c("BUFFERS", s.buffer_count()),
+                c("MIN_BLOCKS", s.min_blocks()),
             ]);
             if let Some(bpt) = s.second_bytes_per_token {
                 let page_bytes = u64::from(s.page_size) * u64::from(bpt);

@@ -196,6 +196,21 @@ impl TransferSpec {
         )
     }
 
+    /// The kernel's `__launch_bounds__` minimum of resident blocks per SM: 2 for a
+    /// one-buffer launch, so a block takes at most half an SM's registers (at 512 threads,
+    /// 64 a thread) and a model's blocks fit beside it (docs/KERNELS.md "busy"). Its copy
+    /// loop has a constant bound that ptxas unrolls: MLA page 64 at 512 threads took 126
+    /// registers, the whole register file, under a minimum of 1. A two-buffer launch keeps
+    /// 1: its loop already stays within 64 at 512 threads (NSA: 63), and bounded to 2 its
+    /// device → host form spilled.
+    pub fn min_blocks(&self) -> u32 {
+        if self.second_bytes_per_token.is_some() {
+            1
+        } else {
+            2
+        }
+    }
+
     /// How many buffers (descriptors) one launch moves: 1 or 2.
     pub fn buffer_count(&self) -> u32 {
         1 + u32::from(self.second_bytes_per_token.is_some())
