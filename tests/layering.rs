@@ -56,6 +56,43 @@ fn exec_kernels_and_jit_import_only_the_layers_below_them() {
     );
 }
 
+/// Inside `kernels`, the specs sit below the renders (issue 29 closed the circle between
+/// them): no file of `kernels::spec` names `render`, in a path (`super::render::…`,
+/// `crate::kernels::render`) or a `use` group, only as a method (`.render()`). The render
+/// helpers the specs need (`render_params`) live in `spec` itself.
+#[test]
+fn kernel_specs_do_not_import_the_renders() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/kernels/spec");
+    let mut files = Vec::new();
+    rust_files(&dir, &mut files);
+    assert!(!files.is_empty(), "no sources under src/kernels/spec");
+    let mut violations = Vec::new();
+    for file in files {
+        let text = fs::read_to_string(&file).unwrap();
+        for line in render_uses(&text) {
+            violations.push(format!("{}:{line}", file.display()));
+        }
+    }
+    assert!(
+        violations.is_empty(),
+        "kernels::spec must not use kernels::render (specs -> render -> jit -> exec):\n{}",
+        violations.join("\n")
+    );
+    // The check finds a path and a group item, and passes a method call and a longer name.
+    let planted = "use super::render::X;\nuse super::{params, render};\n\
+                   fn f() { s.render(); render_params(); } // super::render";
+    assert_eq!(render_uses(planted), [1, 2]);
+}
+
+/// The lines where `text` names `render` other than as a method (`.render()`).
+fn render_uses(text: &str) -> Vec<usize> {
+    let toks = tokens(&code_only(text));
+    (0..toks.len())
+        .filter(|&i| toks[i].text == "render" && (i == 0 || toks[i - 1].text != "."))
+        .map(|i| toks[i].line)
+        .collect()
+}
+
 /// The scanner itself finds what it must and ignores comments and literals.
 #[test]
 fn the_scanner_finds_each_kind_of_path_and_nothing_in_comments_or_literals() {
