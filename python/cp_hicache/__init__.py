@@ -145,17 +145,9 @@ class Request:
         stream of the cache's device (its primary context, as torch's streams are): the
         driver dereferences the handle. On the CPU nothing needs ordering and the handle is
         not used."""
-        handle = getattr(stream, "cuda_stream", stream)
-        if stream is not None and (
-            isinstance(handle, bool)
-            or not isinstance(handle, (int, np.integer))
-            or not 0 <= int(handle) < 2**64
-        ):
-            raise UsageError(
-                f"stream: a CUDA stream (torch.cuda.current_stream()) or its CUstream handle, "
-                f"an int from 0 to 2**64 - 1, not {stream!r}"
-            )
-        self._native.wait_layer(layer, None if stream is None else int(handle))
+        from .ops import _stream_handle
+
+        self._native.wait_layer(layer, None if stream is None else _stream_handle(stream))
 
     def wait_all(self) -> None:
         """Waits for every layer of the load-back."""

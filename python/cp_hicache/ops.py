@@ -116,10 +116,23 @@ def _stream(stream: Optional[Any], cuda: bool) -> Optional[int]:
         raise UsageError(
             "stream= is for CUDA tensors on the CUDA backend; the host backend runs in order"
         )
+    return _stream_handle(stream)
+
+
+def _stream_handle(stream: Any) -> int:
+    """The raw ``CUstream`` handle of a stream object (``.cuda_stream``, as
+    ``torch.cuda.Stream``) or of a handle given as an int, checked to fit a u64."""
     handle = getattr(stream, "cuda_stream", stream)
-    if not isinstance(handle, int) or handle < 0:
-        raise UsageError("stream=: a raw CUstream handle (int) or an object with .cuda_stream")
-    return handle
+    if (
+        isinstance(handle, bool)
+        or not isinstance(handle, (int, np.integer))
+        or not 0 <= int(handle) < 2**64
+    ):
+        raise UsageError(
+            "stream=: a raw CUstream handle (an int from 0 to 2**64 - 1) or an object with "
+            f".cuda_stream (torch.cuda.current_stream()), not {stream!r}"
+        )
+    return int(handle)
 
 
 def _words(t: Tensor, what: str, cuda: bool = False) -> Tuple[int, int]:

@@ -11,7 +11,8 @@ use super::file::CandidateResult;
 use super::key::{spec_key, DeviceKey};
 use super::measure::{compile_and_load, CopyBench, Sizes};
 use super::tuner::{
-    checked, record, stamped_twins, time_dma_candidate, BesideBoth, Companions, TuneEvent,
+    checked, loaded_twin, record, stamped_twins, time_dma_candidate, BesideBoth, Companions,
+    TuneEvent,
 };
 use super::TuningError;
 use crate::exec::{Backend, DmaMode, ExecError, Executor, KernelId};
@@ -165,8 +166,10 @@ pub fn sweep(
             })
         })
     };
+    let compiled_of =
+        |spec: &KernelSpec| unique.iter().position(|s| s == spec).map(|i| &compiled[i]);
     let kernel_of = |spec: &KernelSpec| -> Result<KernelId, String> {
-        match unique.iter().position(|s| s == spec).map(|i| &compiled[i]) {
+        match compiled_of(spec) {
             Some(Ok(k)) => Ok(*k),
             Some(Err(e)) => Err(e.clone()),
             None => Err("not compiled".into()),
@@ -194,14 +197,7 @@ pub fn sweep(
             let result = match kernel_of(&spec) {
                 Ok(kernel) => {
                     // A twin that did not load leaves the row timed with the marker's stamp.
-                    let twin = spec.stamped().and_then(|t| match kernel_of(&t) {
-                        Ok(k) => Some((t, k)),
-                        Err(why) if companions.present() => {
-                            tracing::warn!(target: "cp_hicache::tuning", kernel = %t, "stamped twin not loaded: {why}");
-                            None
-                        }
-                        Err(_) => None,
-                    });
+                    let twin = loaded_twin(compiled_of, &spec);
                     let kernels = Kernels {
                         spec: &spec,
                         kernel,

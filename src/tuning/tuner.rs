@@ -208,7 +208,7 @@ pub fn tune(
                                         .time_transfer(
                                             c,
                                             (spec, *kernel),
-                                            loaded_twin(&loaded, spec),
+                                            loaded_twin(|t| loaded.get(t), spec),
                                             seconds,
                                             opts.sizes.repeats,
                                         )
@@ -374,12 +374,14 @@ impl<'e> Companions<'e> {
 
 /// `spec`'s stamped twin and its kernel, where it compiled and loaded (a twin that did not
 /// leaves the candidate timed with the marker's stamp, and says why in the log).
-pub(super) fn loaded_twin(
-    loaded: &HashMap<KernelSpec, Result<KernelId, String>>,
+/// `loaded` says what compiling a spec gave, `None` where it was not compiled (no twins
+/// without companions).
+pub(super) fn loaded_twin<'a>(
+    loaded: impl Fn(&KernelSpec) -> Option<&'a Result<KernelId, String>>,
     spec: &KernelSpec,
 ) -> Option<(KernelSpec, KernelId)> {
     let twin = spec.stamped()?;
-    match loaded.get(&twin)? {
+    match loaded(&twin)? {
         Ok(kernel) => Some((twin, *kernel)),
         Err(why) => {
             tracing::warn!(target: "cp_hicache::tuning", kernel = %twin, "stamped twin not loaded: {why}");
@@ -551,14 +553,17 @@ mod tests {
         let spec = dep.transfer_spec(Direction::HostToDevice);
         let twin = spec.stamped().unwrap();
         let mut loaded = HashMap::new();
-        assert_eq!(loaded_twin(&loaded, &spec), None);
+        assert_eq!(loaded_twin(|t| loaded.get(t), &spec), None);
         loaded.insert(twin, Ok(KernelId(7)));
-        assert_eq!(loaded_twin(&loaded, &spec), Some((twin, KernelId(7))));
+        assert_eq!(
+            loaded_twin(|t| loaded.get(t), &spec),
+            Some((twin, KernelId(7)))
+        );
         loaded.insert(twin, Err("spilled".into()));
-        assert_eq!(loaded_twin(&loaded, &spec), None);
+        assert_eq!(loaded_twin(|t| loaded.get(t), &spec), None);
         let select = dep.specs()[0];
         assert!(select.stamped().is_none());
-        assert_eq!(loaded_twin(&loaded, &select), None);
+        assert_eq!(loaded_twin(|t| loaded.get(t), &select), None);
     }
 
     /// Without a busy companion (the host executor) no twin is compiled.

@@ -575,22 +575,14 @@ impl Executor for CudaExecutor {
     }
 
     fn wait_event(&self, event: EventId) -> Result<(), ExecError> {
-        let pool = self.events();
-        let e = pool.live.get(&event.0).ok_or(ExecError::Driver {
-            op: "wait_event",
-            message: format!("{event:?} is not an event of this executor (or was released)"),
-        })?;
-        self.gpu.wait_event(e).map_err(driver_err("wait_event"))
+        self.on_live_event("wait_event", event, |e| self.gpu.wait_event(e))
     }
 
     unsafe fn wait_event_on(&self, event: EventId, stream: u64) -> Result<(), ExecError> {
-        let pool = self.events();
-        let e = pool.live.get(&event.0).ok_or(ExecError::Driver {
-            op: "wait_event_on",
-            message: format!("{event:?} is not an event of this executor (or was released)"),
-        })?;
-        // SAFETY: the caller vouches that `stream` is a live stream of this context.
-        unsafe { self.gpu.wait_event_on(e, stream) }.map_err(driver_err("wait_event_on"))
+        self.on_live_event("wait_event_on", event, |e| {
+            // SAFETY: the caller vouches that `stream` is a live stream of this context.
+            unsafe { self.gpu.wait_event_on(e, stream) }
+        })
     }
 
     fn release_event(&self, event: EventId) {
@@ -634,6 +626,22 @@ struct EventPool {
 impl CudaExecutor {
     fn events(&self) -> MutexGuard<'_, EventPool> {
         self.events.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs `f` on `event` of this executor's pool, or refuses an event that is not one (of
+    /// another executor, or released) for `op`.
+    fn on_live_event(
+        &self,
+        op: &'static str,
+        event: EventId,
+        f: impl FnOnce(&cudarc::driver::CudaEvent) -> Result<(), String>,
+    ) -> Result<(), ExecError> {
+        let pool = self.events();
+        let e = pool.live.get(&event.0).ok_or(ExecError::Driver {
+            op,
+            message: format!("{event:?} is not an event of this executor (or was released)"),
+        })?;
+        f(e).map_err(driver_err(op))
     }
 
     /// A released event, or a new one when none is.
