@@ -323,7 +323,35 @@ pub(crate) fn marshal_args(
     if let Some(sig) = signature {
         check_no_aliased_output(kernel, sig, &spans)?;
     }
+    // Page-organised memory (a table's pointers, a pool or dense page buffer) is reached at
+    // the pages the launch's page ids name, which only the kernel knows: sparse.
+    let paged = |p: usize| {
+        signature
+            .and_then(|s| s.params.get(p))
+            .is_some_and(|p| p.align == crate::exec::PAGE_ALIGN)
+    };
+    out.accesses = spans
+        .iter()
+        .map(|s| Access {
+            buffer: s.buffer,
+            range: s.range.clone(),
+            writes: s.writes,
+            sparse: s.window.is_some() || paged(s.param),
+        })
+        .collect();
     Ok(out)
+}
+
+/// A byte range of a buffer that a launch reads or writes, as its signature bounds it: what
+/// the CUDA executor declares to the stand-in driver's race checker
+/// (`tests/fake_cuda/streams.h`).
+#[derive(Debug, Clone)]
+pub(crate) struct Access {
+    pub buffer: BufferId,
+    pub range: std::ops::Range<u64>,
+    pub writes: bool,
+    /// Reached only at some pages inside `range` (through page ids the kernel reads).
+    pub sparse: bool,
 }
 
 /// A launch's marshalled arguments: the bytes each `void**` entry points at, in parameter
@@ -334,6 +362,8 @@ pub(crate) struct Marshalled {
     pub params: Vec<Vec<u8>>,
     /// The checked addresses of every [`KernelArg::Table`].
     pub tables: Vec<TableWrite>,
+    /// What each pointer reaches.
+    pub accesses: Vec<Access>,
 }
 
 /// The addresses of one page table, to write at `offset` in `buffer` before the launch.

@@ -6,10 +6,12 @@
 // - calls that need a context fail with CUDA_ERROR_INVALID_CONTEXT when none is current on
 //   the calling thread;
 // - work is asynchronous as on a GPU: copies, memsets, launches and event records are queued
-//   and run, in order, only when something waits for them (a stream, context or event
+//   on their stream and run only when something waits for them (a stream, context or event
 //   synchronisation, a copy into pageable host memory, a free). A caller that reads pinned
 //   memory, or reuses an input, before waiting sees what a GPU would give it: stale data.
 //   Pageable sources are staged at enqueue, as the driver does.
+// - each stream has a queue of its own, and a happens-before race checker watches them
+//   (streams.h: scheduling modes, vector clocks, race reports).
 // - device memory is POSIX shared memory (one object per cuMemAlloc, unlinked on cuMemFree),
 //   so that CUDA IPC is real: cuIpcGetMemHandle names the object, and cuIpcOpenMemHandle in
 //   another process maps the same bytes. As on CUDA, a handle cannot be opened in the process
@@ -86,12 +88,15 @@ struct FakeStream {
   int alive;
   int priority;  // 0, or negative for a stream made at a greater priority
   unsigned long long waits;  // cuStreamWaitEvent calls issued on it (a test hook reads it)
+  uint32_t slot;  // its queue and clock (streams.h)
 };
 struct FakeEvent {
   double seconds;
   bool recorded;
-  bool pending;  // recorded on the stream, not reached yet
   CUstream stream;  // where it was last recorded
+  uint32_t slot = 0;  // the recording's stream slot and work id (0: never recorded)
+  uint64_t id = 0;
+  std::vector<uint64_t> clock;  // the recording stream's vector clock then
 };
 struct FakeModule {
   void* lib;
@@ -120,34 +125,51 @@ bool g_init = false;
 FakeCtx g_primary{0};
 int g_primary_refs = 0;
 thread_local CUcontext t_current = nullptr;
-// The queued work of the (one) stream, and the first error it met (sticky, like a fault).
-std::vector<std::function<CUresult()>> g_queue;
+// The first error queued work met (sticky, like a fault).
 CUresult g_sticky = OK;
+}  // namespace
 
-void enqueue(std::function<CUresult()> op) {
-  std::lock_guard<std::mutex> g(g_mu);
-  g_queue.push_back(std::move(op));
+#include "streams.h"
+
+uint32_t sched::slot_of(CUstream h) {
+  // 0 is the legacy default stream; 1 and 2 (CU_STREAM_LEGACY, CU_STREAM_PER_THREAD) are
+  // taken as it too.
+  return (uintptr_t)h <= 2 ? sched::LEGACY : h->slot;
 }
 
-// Held for a whole flush: a synchronisation returns only once every earlier piece of work
-// has run, including work another thread's flush took off the queue and is running now (a
-// free on one thread while another synchronises must not unmap memory still in use).
-std::mutex g_flush_mu;
+namespace {
+// Runs every queued piece of work (frees, unloads: nothing may touch memory after it goes);
+// returns the sticky error, if any. The host's clock does not move: a free must still be
+// ordered after the work by the program itself (the checker reports it otherwise).
+CUresult flush() { return sched::drive({}, true, &g_sticky); }
 
-// Runs the queued work in order; returns the sticky error, if any.
-CUresult flush() {
-  std::lock_guard<std::mutex> serial(g_flush_mu);
-  std::vector<std::function<CUresult()>> work;
+// Runs the work a wait on stream `s` needs, then the host has seen all of it.
+CUresult sync_stream(CUstream s) {
+  auto& state = sched::st();
+  uint32_t slot = sched::slot_of(s);
+  uint64_t last;
   {
-    std::lock_guard<std::mutex> g(g_mu);
-    work.swap(g_queue);
+    std::lock_guard<std::mutex> g(state.mu);
+    last = state.queues[slot].last;
   }
-  for (auto& op : work) {
-    CUresult r = op();
-    if (r != OK && g_sticky == OK) g_sticky = r;
-  }
-  return g_sticky;
+  CUresult r = sched::drive({{slot, last}}, false, &g_sticky);
+  std::lock_guard<std::mutex> g(state.mu);
+  state.host.join(state.queues[slot].clock);
+  return r;
 }
+
+using Accesses = std::vector<sched::Access>;
+sched::Access reads(uintptr_t a, size_t n) { return {a, n, false, false}; }
+sched::Access writes(uintptr_t a, size_t n) { return {a, n, true, false}; }
+
+// Queues `op` on stream `s` with the bytes it reads and writes.
+uint64_t queue_work(CUstream s, std::function<CUresult()> op, Accesses accesses, std::string what) {
+  return sched::enqueue(s, std::move(op), accesses, std::move(what));
+}
+
+// Accesses a launch declared (fake_cuda_declare_accesses), for the next launch of this thread.
+thread_local Accesses t_declared;
+thread_local bool t_has_declared = false;
 
 // The allocation [addr, addr + len) lies in, if any, of kind `kind` (or any kind when < 0).
 bool inside(uintptr_t addr, size_t len, int kind) {
@@ -199,6 +221,10 @@ CUresult alloc(size_t len, Kind kind, void** out) {
   if (kind == HOST) {
     void* p = aligned_alloc(256, (len + 255) / 256 * 256);
     if (!p) return OUT_OF_MEMORY;
+    {
+      std::lock_guard<std::mutex> g(sched::st().mu);
+      sched::forget((uintptr_t)p, (uintptr_t)p + len, false, "");
+    }
     std::lock_guard<std::mutex> g(g_mu);
     g_allocs[(uintptr_t)p] = Alloc{len, kind};
     *out = p;
@@ -224,6 +250,10 @@ CUresult alloc(size_t len, Kind kind, void** out) {
   a.map_len = map_len;
   a.serial = serial;
   g_allocs[(uintptr_t)p] = a;
+  {
+    std::lock_guard<std::mutex> s(sched::st().mu);
+    sched::forget((uintptr_t)p, (uintptr_t)p + len, false, "");
+  }
   *out = p;
   return OK;
 }
@@ -239,6 +269,11 @@ CUresult release(uintptr_t p, Kind kind) {
   }
   Alloc a = it->second;
   g_allocs.erase(it);
+  {
+    // A free is the host writing the memory: everything that used it must be ordered first.
+    std::lock_guard<std::mutex> s(sched::st().mu);
+    sched::forget(p, p + a.len, true, kind == HOST ? "cuMemFreeHost" : "cuMemFree");
+  }
   if (kind == HOST) {
     free((void*)p);
   } else {
@@ -322,7 +357,15 @@ CUresult cuCtxSetCurrent(CUcontext c) {
   t_current = c;
   return OK;
 }
-CUresult cuCtxSynchronize(void) { return need_ctx() ? INVALID_CONTEXT : flush(); }
+CUresult cuCtxSynchronize(void) {
+  if (need_ctx()) return INVALID_CONTEXT;
+  auto& state = sched::st();
+  state.ctx_syncs++;
+  CUresult r = flush();
+  std::lock_guard<std::mutex> g(state.mu);
+  for (auto& q : state.queues) state.host.join(q.clock);
+  return r;
+}
 
 // cuStreamWaitEvent calls ordering one stream after another's event (a test hook reads it).
 std::atomic<unsigned long long> g_cross_waits{0};
@@ -340,9 +383,8 @@ void count_work(CUstream s) {
 }
 
 CUresult cuStreamCreate(CUstream* s, unsigned flags) {
-  (void)flags;
   if (need_ctx()) return INVALID_CONTEXT;
-  *s = new FakeStream{1, 0, 0};
+  *s = new FakeStream{1, 0, 0, sched::add_stream(0, !(flags & 1))};
   return OK;
 }
 // As on current GPUs: priorities 0 (least) to -5 (greatest).
@@ -353,65 +395,95 @@ CUresult cuCtxGetStreamPriorityRange(int* least, int* greatest) {
   return OK;
 }
 CUresult cuStreamCreateWithPriority(CUstream* s, unsigned flags, int priority) {
-  (void)flags;
   if (need_ctx()) return INVALID_CONTEXT;
   if (priority < -5 || priority > 0) return INVALID_VALUE;
-  *s = new FakeStream{1, priority, 0};
+  *s = new FakeStream{1, priority, 0, sched::add_stream(priority, !(flags & 1))};
   return OK;
 }
 CUresult cuStreamDestroy_v2(CUstream s) {
   if (!s || !s->alive) return INVALID_HANDLE;
+  // The stream's work still runs (as on a GPU), before its queue goes.
   flush();
+  {
+    auto& state = sched::st();
+    std::lock_guard<std::mutex> g(state.mu);
+    state.queues[s->slot].alive = false;
+  }
   s->alive = 0;
   delete s;
   return OK;
 }
 CUresult cuStreamSynchronize(CUstream s) {
-  if (s && !s->alive) return INVALID_HANDLE;
-  return need_ctx() ? INVALID_CONTEXT : flush();
+  if ((uintptr_t)s > 2 && !s->alive) return INVALID_HANDLE;
+  return need_ctx() ? INVALID_CONTEXT : sync_stream(s);
 }
 
 CUresult cuEventCreate(CUevent* e, unsigned flags) {
   (void)flags;
   if (need_ctx()) return INVALID_CONTEXT;
   g_events_created++;
-  *e = new FakeEvent{0.0, false, false};
+  *e = new FakeEvent{0.0, false, nullptr};
   return OK;
 }
 CUresult cuEventRecord(CUevent e, CUstream s) {
-  if (!e || (s && !s->alive)) return INVALID_HANDLE;
+  if (!e || ((uintptr_t)s > 2 && !s->alive)) return INVALID_HANDLE;
   e->recorded = false;
-  e->pending = true;
   e->stream = s;
-  enqueue([e] {
-    e->seconds = now();
-    e->recorded = true;
-    e->pending = false;
-    return OK;
-  });
+  sched::Clock clock;
+  uint64_t id = sched::enqueue(
+      s,
+      [e]() {
+        e->seconds = now();
+        e->recorded = true;
+        return OK;
+      },
+      {}, "cuEventRecord", &clock, &e->slot);
+  e->id = id;
+  e->clock = clock.v;
   return OK;
 }
-CUresult cuEventSynchronize(CUevent e) { return e ? flush() : INVALID_HANDLE; }
-// One in-order queue serves every stream, so work enqueued after the wait already runs after
-// the event; the wait only checks its arguments, as the driver does.
+// Whether the event's last recording has run (a never-recorded event counts as complete).
+bool event_reached(CUevent e) {
+  auto& state = sched::st();
+  std::lock_guard<std::mutex> g(state.mu);
+  return e->id == 0 || sched::ran(state, e->slot, e->id);
+}
+// The host has seen the event's recording complete: what came before it is ordered before
+// everything the host does from now on.
+void host_saw(CUevent e) {
+  auto& state = sched::st();
+  std::lock_guard<std::mutex> g(state.mu);
+  state.host.join(sched::Clock{e->clock});
+}
+CUresult cuEventSynchronize(CUevent e) {
+  if (!e) return INVALID_HANDLE;
+  CUresult r = g_sticky;
+  if (e->id != 0) r = sched::drive({{e->slot, e->id}}, false, &g_sticky);
+  host_saw(e);
+  return r;
+}
 CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned flags) {
   if (need_ctx()) return INVALID_CONTEXT;
-  if (!e || (s && !s->alive) || flags != 0) return INVALID_HANDLE;
-  // One queue runs every stream's work in order, so a wait is already met; what a test can
-  // check is that work on one stream was ordered after another's.
+  if (!e || ((uintptr_t)s > 2 && !s->alive) || flags != 0) return INVALID_HANDLE;
   if (e->stream != s) g_cross_waits++;
-  if (s) s->waits++;
-  if (s && s->priority < 0) g_waits_on_prioritised++;
-  if (e->stream && e->stream->priority < 0 && e->stream != s) g_waits_for_prioritised++;
+  bool real = (uintptr_t)s > 2;
+  if (real) s->waits++;
+  if (real && s->priority < 0) g_waits_on_prioritised++;
+  if ((uintptr_t)e->stream > 2 && e->stream->priority < 0 && e->stream != s) {
+    g_waits_for_prioritised++;
+  }
+  // Work enqueued on `s` from now on waits for the event's recording (if it was recorded).
+  if (e->id != 0) sched::wait_for(s, e->slot, e->id, sched::Clock{e->clock});
   return OK;
 }
 // A query does not make the stream progress: like a GPU that is behind, an event stays
 // NOT_READY until something waits for the work before it.
 CUresult cuEventQuery(CUevent e) {
   if (!e) return INVALID_HANDLE;
-  std::lock_guard<std::mutex> g(g_mu);
   if (g_sticky != OK) return g_sticky;
-  return e->pending ? NOT_READY : OK;
+  if (!event_reached(e)) return NOT_READY;
+  host_saw(e);
+  return OK;
 }
 CUresult cuEventElapsedTime(float* ms, CUevent a, CUevent b) {
   // Like the driver: both events must have completed (the caller waits on them first).
@@ -520,18 +592,24 @@ CUresult cuIpcCloseMemHandle(CUdeviceptr d) {
   auto it = g_allocs.find((uintptr_t)d);
   if (it == g_allocs.end() || !it->second.imported) return INVALID_VALUE;
   if (--it->second.opens > 0) return OK;
+  {
+    std::lock_guard<std::mutex> s(sched::st().mu);
+    sched::forget((uintptr_t)d, (uintptr_t)d + it->second.len, true, "cuIpcCloseMemHandle");
+  }
   munmap((void*)d, it->second.map_len);
   g_allocs.erase(it);
   return OK;
 }
 
 CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, CUstream s) {
-  (void)s;
   if (need_ctx() || !inside((uintptr_t)d, n, DEVICE)) return INVALID_VALUE;
-  enqueue([d, v, n] {
-    memset((void*)(uintptr_t)d, v, n);
-    return OK;
-  });
+  queue_work(
+      s,
+      [d, v, n] {
+        memset((void*)(uintptr_t)d, v, n);
+        return OK;
+      },
+      {writes(d, n)}, "cuMemsetD8Async " + std::to_string(n) + " B");
   return OK;
 }
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* src, size_t n, CUstream s) {
@@ -540,29 +618,41 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* src, size_t n, CUstream
   if (inside((uintptr_t)src, n, HOST)) {
     // Pinned source: read by DMA when the copy runs, so overwriting it before then is a bug
     // that shows as wrong bytes on the device.
-    enqueue([d, src, n] {
-      memcpy((void*)(uintptr_t)d, src, n);
-      return OK;
-    });
+    queue_work(
+        s,
+        [d, src, n] {
+          memcpy((void*)(uintptr_t)d, src, n);
+          return OK;
+        },
+        {reads((uintptr_t)src, n), writes(d, n)},
+        "cuMemcpyHtoDAsync " + std::to_string(n) + " B from pinned memory");
     return OK;
   }
   // Pageable source: staged now, so the caller may reuse it when this returns.
   auto staged = std::make_shared<std::vector<unsigned char>>((const unsigned char*)src,
                                                               (const unsigned char*)src + n);
-  enqueue([d, staged] {
-    memcpy((void*)(uintptr_t)d, staged->data(), staged->size());
-    return OK;
-  });
+  queue_work(
+      s,
+      [d, staged] {
+        memcpy((void*)(uintptr_t)d, staged->data(), staged->size());
+        return OK;
+      },
+      {writes(d, n)}, "cuMemcpyHtoDAsync " + std::to_string(n) + " B");
   return OK;
 }
 CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr s, size_t n, CUstream st) {
-  (void)st;
   if (need_ctx() || !inside((uintptr_t)s, n, DEVICE)) return INVALID_VALUE;
-  // Pageable destination: the copy completes, after all earlier work, before this returns.
-  CUresult r = flush();
-  if (r != OK) return r;
-  memcpy(dst, (const void*)(uintptr_t)s, n);
-  return OK;
+  // Pageable destination: the copy runs after the stream's earlier work and completes before
+  // this returns (the host has then seen the stream up to it).
+  auto out = std::make_shared<CUresult>(OK);
+  queue_work(
+      st,
+      [dst, s, n] {
+        memcpy(dst, (const void*)(uintptr_t)s, n);
+        return OK;
+      },
+      {reads(s, n)}, "cuMemcpyDtoHAsync " + std::to_string(n) + " B to pageable memory");
+  return sync_stream(st);
 }
 // cuMemcpyAsync calls so far (test hook below): the executor issues one per merged region
 // where it does not batch.
@@ -573,10 +663,13 @@ CUresult cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) {
   }
   ++g_copy_calls;
   count_work(st);
-  enqueue([d, s, n] {
-    memmove((void*)(uintptr_t)d, (const void*)(uintptr_t)s, n);
-    return OK;
-  });
+  queue_work(
+      st,
+      [d, s, n] {
+        memmove((void*)(uintptr_t)d, (const void*)(uintptr_t)s, n);
+        return OK;
+      },
+      {reads(s, n), writes(d, n)}, "cuMemcpyAsync " + std::to_string(n) + " B");
   return OK;
 }
 
@@ -617,10 +710,15 @@ CUresult cuMemcpyBatchAsync(CUdeviceptr* dsts, CUdeviceptr* srcs, size_t* sizes,
   for (size_t i = 0; i < count; ++i) {
     CUdeviceptr d = dsts[i], s = srcs[i];
     size_t n = sizes[i];
-    enqueue([d, s, n] {
-      memmove((void*)(uintptr_t)d, (const void*)(uintptr_t)s, n);
-      return OK;
-    });
+    queue_work(
+        st,
+        [d, s, n] {
+          memmove((void*)(uintptr_t)d, (const void*)(uintptr_t)s, n);
+          return OK;
+        },
+        {reads(s, n), writes(d, n)},
+        "cuMemcpyBatchAsync copy " + std::to_string(i) + " of " + std::to_string(count) + ", " +
+            std::to_string(n) + " B");
   }
   ++g_batch_calls;
   count_work(st);
@@ -679,7 +777,14 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
   const unsigned grid[3] = {gx, gy, gz}, block[3] = {bx, by, bz};
   std::vector<unsigned> shape(grid, grid + 3);
   shape.insert(shape.end(), block, block + 3);
-  enqueue([f, values, shape, shared] {
+  Accesses accesses;
+  if (t_has_declared) {
+    accesses.swap(t_declared);
+    t_has_declared = false;
+  } else {
+    sched::st().undeclared++;
+  }
+  queue_work(s, [f, values, shape, shared] {
     char err[4096] = {0};
     std::vector<void*> ptrs;
     for (auto& v : *values) ptrs.push_back(v.data());
@@ -696,13 +801,59 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
     fprintf(stderr, "fake libcuda: kernel %s failed (%d): %s\n", f->module->entry.c_str(),
             status, err);
     return LAUNCH_FAILED;
-  });
+  }, accesses, "cuLaunchKernel " + f->module->entry);
   return OK;
 }
 
 }  // extern "C"
 
-// Test hooks (not driver API): live allocations, to check that the executor frees everything.
+// Test hooks (not driver API).
+
+// The accesses of this thread's next cuLaunchKernel, as `n` triples (address, bytes, flags:
+// 1 written, 2 sparse: pages reached through page ids, checked against frees only). The CUDA
+// executor declares each launch's reaches here when it runs on the stand-in.
+extern "C" void fake_cuda_declare_accesses(const uint64_t* triples, size_t n) {
+  t_declared.clear();
+  for (size_t i = 0; i < n; ++i) {
+    const uint64_t* t = triples + 3 * i;
+    t_declared.push_back({(uintptr_t)t[0], (size_t)t[1], (t[2] & 1) != 0, (t[2] & 2) != 0});
+  }
+  t_has_declared = true;
+}
+
+// Races found so far (see streams.h).
+extern "C" unsigned long long fake_cuda_races(void) { return sched::st().races.load(); }
+
+// Races found so far, forgotten: a test that races on purpose takes them, so that the
+// process does not exit with status 86 for them.
+extern "C" unsigned long long fake_cuda_take_races(void) { return sched::st().races.exchange(0); }
+
+// Launches that declared no accesses (their bytes went unchecked).
+extern "C" unsigned long long fake_cuda_undeclared_launches(void) {
+  return sched::st().undeclared.load();
+}
+
+// cuCtxSynchronize calls so far.
+extern "C" unsigned long long fake_cuda_ctx_syncs(void) { return sched::st().ctx_syncs.load(); }
+
+// The scheduling mode in force: 0 eager, 1 lazy, 2 adversarial, 3 random.
+extern "C" int fake_cuda_sched_mode(void) { return (int)sched::st().mode; }
+
+namespace {
+// A process that raced fails, whatever its tests said.
+struct RaceExit {
+  ~RaceExit() {
+    unsigned long long n = sched::st().races.load();
+    if (n > 0) {
+      fprintf(stderr, "fake libcuda: %llu race(s) between streams in this process (see above)\n", n);
+      fflush(stderr);
+      _exit(86);
+    }
+  }
+} g_race_exit;
+}  // namespace
+
+// Live allocations, to check that the executor frees everything.
 // Batched copy calls so far (0 when built without cuMemcpyBatchAsync).
 extern "C" unsigned long long fake_cuda_batch_calls(void) {
 #ifndef FAKE_CUDA_NO_BATCH

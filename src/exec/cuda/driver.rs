@@ -890,6 +890,32 @@ impl Drop for Module {
     }
 }
 
+/// Tells the tests' stand-in driver what the next launch on this thread reads and writes
+/// (`(address, bytes, flags)`: 1 written, 2 sparse), for its race checker
+/// (`tests/fake_cuda/streams.h`). A real driver has no such hook; the executor calls this
+/// only on the stand-in.
+pub(crate) fn declare_accesses(accesses: &[[u64; 3]]) {
+    type Declare = unsafe extern "C" fn(*const u64, usize);
+    static HOOK: std::sync::OnceLock<Option<Declare>> = std::sync::OnceLock::new();
+    let hook = HOOK.get_or_init(|| {
+        ["libcuda.so.1", "libcuda.so"].into_iter().find_map(|name| {
+            // SAFETY: the driver library this process already loaded (dlopen returns the
+            // same handle, no new initialisers); only a symbol is looked up, and the library
+            // is leaked so that the pointer stays valid.
+            unsafe {
+                let lib = libloading::Library::new(name).ok()?;
+                let f = *lib.get::<Declare>(b"fake_cuda_declare_accesses").ok()?;
+                std::mem::forget(lib);
+                Some(f)
+            }
+        })
+    });
+    if let Some(f) = hook {
+        // SAFETY: the hook reads `3 × len` u64s from the pointer, which the slice holds.
+        unsafe { f(accesses.as_ptr().cast(), accesses.len()) }
+    }
+}
+
 /// [`Gpu::upload`] for a range the executor has bounds-checked against a live buffer.
 pub(crate) fn upload_in_bounds(
     gpu: &Gpu,

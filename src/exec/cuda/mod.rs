@@ -716,6 +716,18 @@ impl CudaExecutor {
         }
         let st = &*st;
         let k = st.kernel(kernel)?;
+        if self.emulated {
+            let accesses: Vec<[u64; 3]> = marshalled
+                .accesses
+                .iter()
+                .filter_map(|a| {
+                    let base = st.buffer(a.buffer).ok()?.addr();
+                    let flags = u64::from(a.writes) | 2 * u64::from(a.sparse);
+                    Some([base + a.range.start, a.range.end - a.range.start, flags])
+                })
+                .collect();
+            driver::declare_accesses(&accesses);
+        }
         let views: Vec<&[u8]> = marshalled.params.iter().map(Vec::as_slice).collect();
         // SAFETY: pointer arguments are addresses of live buffers of this executor, checked
         // to start inside them; the signature (when given) matched the arguments and each
