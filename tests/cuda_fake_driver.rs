@@ -1591,6 +1591,246 @@ fn ops_on_the_callers_memory_and_stream() {
     exec.free(host).unwrap();
 }
 
+/// The race checker (tests/fake_cuda/streams.h) and the three stream races of issue 42, under
+/// every scheduling mode: `child_streams` in a process of its own per mode (a process whose
+/// races were not taken exits with status 86, so an unexpected race fails here too).
+#[test]
+fn streams_race_checker_and_the_load_races() {
+    let dir = build_fake_driver();
+    for (mode, seed) in [
+        ("lazy", "0"),
+        ("eager", "0"),
+        ("adversarial", "0"),
+        ("random", "1"),
+        ("random", "2"),
+    ] {
+        let out = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--ignored",
+                "--exact",
+                "child_streams",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("LD_LIBRARY_PATH", &dir)
+            .env(CHILD_ENV, "1")
+            .env("FAKE_CUDA_SCHED", mode)
+            .env("FAKE_CUDA_SEED", seed)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains("1 passed"),
+            "child_streams under FAKE_CUDA_SCHED={mode} FAKE_CUDA_SEED={seed} failed \
+             ({}):\n{stdout}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+#[test]
+#[ignore = "run by streams_race_checker_and_the_load_races, in a process that loads the stand-in libcuda"]
+fn child_streams() {
+    assert_eq!(std::env::var(CHILD_ENV).as_deref(), Ok("1"));
+    race_checker_self_tests();
+    failed_load_orders_the_cache_stream_after_its_layers();
+    back_to_back_loads_keep_their_page_ids();
+    assert_eq!(driver_count(b"fake_cuda_races"), 0);
+    assert_eq!(live_allocations(), 0);
+}
+
+/// Races found so far, forgotten (the process would exit 86 for them otherwise).
+fn take_races() -> u64 {
+    driver_count(b"fake_cuda_take_races")
+}
+
+/// A stream of the executor's context, as an engine would make one.
+fn engine_stream() -> cudarc::driver::sys::CUstream {
+    let mut s: cudarc::driver::sys::CUstream = std::ptr::null_mut();
+    // SAFETY: the caller's executor made its context current on this thread.
+    unsafe { cudarc::driver::sys::cuStreamCreate(&mut s, 1) }
+        .result()
+        .unwrap();
+    s
+}
+
+/// The checker's self-tests: work on two streams that touches the same bytes, unordered, is
+/// a race (a write against a write, a read against a write, a free against pending work);
+/// the same work ordered by an event, or touching other bytes, or only reading, is not.
+fn race_checker_self_tests() {
+    use cudarc::driver::{result, sys};
+    let ex = CudaExecutor::new(0).unwrap();
+    let buf = ex.alloc(MemKind::Device, 4096, 0).unwrap();
+    let addr = ex.address(buf).unwrap().ptr;
+    ex.synchronize().unwrap();
+    let engine = engine_stream();
+    let memset = |at: u64, n: usize, v: u8| {
+        // SAFETY: inside the live buffer; the engine stream is live.
+        unsafe { result::memset_d8_async(at, v, n, engine) }.unwrap()
+    };
+    assert_eq!(take_races(), 0);
+
+    // A write on the cache's stream and one on the engine's, unordered: caught.
+    ex.fill(buf, &[(0, 256)], 1).unwrap();
+    memset(addr + 128, 16, 2);
+    assert_eq!(take_races(), 1, "an unordered write pair");
+    // Ordered through an event (the engine's stream waits for the cache's): not a race.
+    ex.fill(buf, &[(1024, 256)], 1).unwrap();
+    // SAFETY: a live stream of the context.
+    unsafe { ex.lead_stream(engine as u64) }.unwrap();
+    memset(addr + 1024, 16, 2);
+    assert_eq!(take_races(), 0, "an ordered pair");
+    // Other bytes, unordered: not a race.
+    ex.fill(buf, &[(2048, 64)], 1).unwrap();
+    memset(addr + 3072, 64, 2);
+    assert_eq!(take_races(), 0, "disjoint bytes");
+    // A read against a write, unordered: caught (the engine's write, then the cache reads the
+    // bytes in a copy without waiting for it).
+    memset(addr + 512, 64, 3);
+    ex.copy_regions(
+        buf,
+        buf,
+        &[CopyRegion {
+            src_offset: 512,
+            dst_offset: 3584,
+            len: 64,
+        }],
+    )
+    .unwrap();
+    assert_eq!(take_races(), 1, "an unordered read of a write");
+    // After a synchronisation of both, the host has seen everything: no race.
+    ex.synchronize().unwrap();
+    // SAFETY: a live stream.
+    unsafe { sys::cuStreamSynchronize(engine) }
+        .result()
+        .unwrap();
+    memset(addr, 4096, 4);
+    ex.synchronize().unwrap();
+    assert_eq!(take_races(), 0, "work ordered by host synchronisations");
+
+    // A free of memory that unordered work still writes: caught.
+    // SAFETY: plain driver calls on this context; the memory is freed once.
+    unsafe {
+        let raw = result::malloc_sync(1024).unwrap();
+        result::memset_d8_async(raw, 7, 1024, engine).unwrap();
+        result::free_sync(raw).unwrap();
+        assert_eq!(take_races(), 1, "a free of memory pending work writes");
+        let raw = result::malloc_sync(1024).unwrap();
+        result::memset_d8_async(raw, 7, 1024, engine).unwrap();
+        sys::cuStreamSynchronize(engine).result().unwrap();
+        result::free_sync(raw).unwrap();
+        assert_eq!(take_races(), 0, "a free after the stream's work");
+    }
+    // Every launch of the cache declared what it reaches.
+    assert_eq!(driver_count(b"fake_cuda_undeclared_launches"), 0);
+    ex.free(buf).unwrap();
+    // SAFETY: nothing is enqueued on it any more.
+    unsafe { sys::cuStreamDestroy_v2(engine) }.result().unwrap();
+    assert_eq!(take_races(), 0);
+}
+
+/// C3 of issue 42: a layer-wise load that fails part-way (here its second layer's copy is
+/// refused) must leave the cache's stream ordered after the layers it did enqueue, which
+/// still run: a rollback then poisons and frees their pages. Before the fix the poison fill
+/// raced the first layer's copy (the checker's report), and under `adversarial` scheduling
+/// the copy landed after the fill: the poisoned bytes read back as the load's.
+fn failed_load_orders_the_cache_stream_after_its_layers() {
+    let ex = CudaExecutor::new(0).unwrap();
+    let host = ex.alloc(MemKind::Host, 4096, 0x11).unwrap();
+    let dev = ex.alloc(MemKind::Device, 4096, 0).unwrap();
+    ex.synchronize().unwrap();
+    let region = |len| CopyRegion {
+        src_offset: 0,
+        dst_offset: 0,
+        len,
+    };
+    let layers = vec![
+        vec![LoadOp::Copy {
+            src: host,
+            dst: dev,
+            regions: vec![region(4096)],
+            mode: DmaMode::Batched,
+        }],
+        vec![LoadOp::Copy {
+            src: host,
+            dst: dev,
+            regions: vec![region(8192)],
+            mode: DmaMode::Batched,
+        }],
+    ];
+    let err = ex.load_layers(&layers).unwrap_err();
+    assert!(matches!(err, ExecError::OutOfBounds { .. }), "{err}");
+    // The rollback's poison on the cache's stream.
+    ex.fill(dev, &[(0, 4096)], 0xA5).unwrap();
+    let mut back = vec![0u8; 4096];
+    ex.read(dev, 0, &mut back).unwrap();
+    assert_eq!(
+        take_races(),
+        0,
+        "the poison raced the failed load's first layer"
+    );
+    assert!(
+        back.iter().all(|&b| b == 0xA5),
+        "the failed load's first layer landed after the poison"
+    );
+    ex.free(dev).unwrap();
+    ex.free(host).unwrap();
+}
+
+/// C1 and C2 of issue 42: two requests' loads back to back on one rank (SGLang's
+/// `init_load_back` for a batch), each layer-wise on the load stream, then both verified.
+/// Before the fix the second `begin` rewrote the page ids the first load's later layers
+/// still read (one scratch buffer, written on the cache's stream: C1), and materialise
+/// rewrote the page table the loads read (C2): the checker reported both, and under
+/// `adversarial` scheduling the first request's pages read back poisoned.
+fn back_to_back_loads_keep_their_page_ids() {
+    for path in [TransferPath::Kernel, TransferPath::Dma] {
+        let gpu: Arc<dyn Executor> = Arc::new(CudaExecutor::new(0).unwrap());
+        let layers = 4u32;
+        let mut dep = Deployment::new(ModelShape::MlaBf16, 16, 1).unwrap();
+        dep.transfer_path = path;
+        let mut config = rank_config(dep);
+        config.layers = layers;
+        let group = cp_hicache::group::LocalGroup::members(1, Duration::from_secs(60))
+            .pop()
+            .unwrap();
+        let mut me = RankCache::new(
+            config,
+            gpu.clone(),
+            &jit(),
+            Box::new(group),
+            PeerAccess::Direct,
+        )
+        .unwrap();
+        let (a, b) = (tokens(21, 6 * 16), tokens(22, 5 * 16));
+        for p in [&a, &b] {
+            let s = me.serve(p).unwrap();
+            assert_eq!(s.mismatched_tokens, 0, "{s:?}");
+        }
+        me.set_layer_waits(true);
+        for round in 0..3 {
+            me.evict_device_lru(usize::MAX).unwrap();
+            let mut ra = me.begin_allocated(&a).unwrap();
+            assert!(ra.load().is_some(), "a host hit loads back");
+            let mut rb = me.begin_allocated(&b).unwrap();
+            assert!(rb.load().is_some(), "a host hit loads back");
+            let va = me.synthesise_and_verify(&mut ra).unwrap();
+            let vb = me.synthesise_and_verify(&mut rb).unwrap();
+            assert_eq!(
+                (va.all.count, vb.all.count),
+                (0, 0),
+                "{path:?} round {round}: mismatched tokens of the first and second load"
+            );
+            me.finish(&mut ra).unwrap();
+            me.finish(&mut rb).unwrap();
+            assert_eq!(take_races(), 0, "{path:?} round {round}: races");
+        }
+        drop(me);
+        drop(gpu);
+    }
+}
+
 #[test]
 #[ignore = "run by cuda_executor_on_the_stand_in_driver, in a process that loads the stand-in libcuda"]
 fn child() {

@@ -134,6 +134,18 @@ pub enum LoadOp<'a> {
         /// How the copies are submitted.
         mode: DmaMode,
     },
+    /// Bytes for `buffer` at `offset` ([`Executor::upload`](super::Executor::upload)), in
+    /// order with the load's other work: a load's own page ids, which then need nothing
+    /// ordered against the cache's stream (another stream rewriting them while the load
+    /// still reads them would hand its later layers another request's pages).
+    Upload {
+        /// The buffer written.
+        buffer: super::BufferId,
+        /// Where in it.
+        offset: u64,
+        /// What.
+        data: &'a [u8],
+    },
 }
 
 impl LoadOp<'_> {
@@ -151,6 +163,11 @@ impl LoadOp<'_> {
                 regions,
                 mode,
             } => exec.copy_regions_with(*src, *dst, regions, *mode),
+            LoadOp::Upload {
+                buffer,
+                offset,
+                data,
+            } => exec.upload(*buffer, *offset, data),
         }
     }
 }

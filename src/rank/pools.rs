@@ -110,9 +110,14 @@ pub struct Pools {
     views: HashMap<BufferKind, Vec<Option<PoolView>>>,
     /// Peer mappings this rank made (unmapped on drop; direct handles are the peer's).
     imported: Vec<BufferId>,
-    /// Per buffer kind, where launches write their page tables ([`PageTable::at`]): room
-    /// for every layer, or every owner of one layer.
+    /// Per buffer kind, where launches write their page tables ([`PageTable::at`]), each
+    /// table at a place of its own, so that its bytes never change once written and no
+    /// stream rewrites a table another stream's launch may still read: the transfer's
+    /// (every layer), then per layer every owner's pool ([`Pools::views_table`]), then per
+    /// layer this rank's pool in every owner's entry ([`Pools::own_table`]).
     tables: HashMap<BufferKind, BufferId>,
+    /// Owners (the CP degree): entries of a one-layer materialise table.
+    owners: u32,
     scratch: HashMap<&'static str, (BufferId, usize)>,
 }
 
@@ -262,6 +267,7 @@ impl Pools {
             views: HashMap::new(),
             imported: Vec::new(),
             tables: HashMap::new(),
+            owners: u32::from(dep.cp),
             scratch: HashMap::new(),
         };
         // Transfer page pairs never exceed a pool, so these never grow on the load path
@@ -269,6 +275,9 @@ impl Pools {
         let max_pairs = 4 * geometry.local_pages.max(geometry.host_pages) as usize;
         pools.scratch("pairs.src", max_pairs, 0)?;
         pools.scratch("pairs.dst", max_pairs, 0)?;
+        // A layer-wise load's own page ids, written on the load stream (`load_pairs`).
+        pools.scratch("load.src", max_pairs, 0)?;
+        pools.scratch("load.dst", max_pairs, 0)?;
         for &b in dep.model.buffers() {
             let page = b.page_bytes(dep.page_size) as usize;
             let layers = geometry.layers as usize;
@@ -279,7 +288,7 @@ impl Pools {
                 POISON,
             )?;
             pools.host.insert(b, h);
-            let entries = geometry.layers.max(u32::from(dep.cp)) as usize;
+            let entries = layers * (1 + 2 * usize::from(dep.cp));
             let t = pools.exec.alloc(MemKind::Device, 8 * entries.max(1), 0)?;
             pools.tables.insert(b, t);
         }
@@ -435,7 +444,7 @@ impl Pools {
     /// out of reach ([`PeerAccess::Gathered`]).
     pub fn views_table(&self, b: BufferKind, layer: u32) -> Option<PageTable> {
         Some(PageTable {
-            at: (self.tables[&b], 0),
+            at: (self.tables[&b], self.table_at(1 + layer)),
             entries: self
                 .views(b)
                 .iter()
@@ -450,8 +459,16 @@ impl Pools {
     /// (the other entries are never read), as [`PeerAccess::Gathered`] verification reads
     /// back its share.
     pub fn own_table(&self, b: BufferKind, layer: u32, owners: usize) -> PageTable {
+        debug_assert!(
+            owners <= self.owners as usize,
+            "{owners} owners of {}",
+            self.owners
+        );
         PageTable {
-            at: (self.tables[&b], 0),
+            at: (
+                self.tables[&b],
+                self.table_at(1 + self.geometry.layers + layer),
+            ),
             entries: vec![self.device[&b].layers[layer as usize]; owners],
             page_stride: self.strides[&b],
         }
@@ -484,6 +501,12 @@ impl Pools {
         self.host[&b]
     }
 
+    /// Where one-layer materialise table `k` (1-based; 0 is the transfer's) starts in a
+    /// table buffer: after every layer's entry and `k − 1` tables of `owners` entries.
+    fn table_at(&self, k: u32) -> u64 {
+        8 * (u64::from(self.geometry.layers) + u64::from(k - 1) * u64::from(self.owners))
+    }
+
     /// A scratch buffer of at least `bytes`, grown by doubling.
     fn scratch(
         &mut self,
@@ -502,6 +525,16 @@ impl Pools {
         let id = self.exec.alloc(MemKind::Device, size, fill)?;
         self.scratch.insert(name, (id, size));
         Ok(id)
+    }
+
+    /// A layer-wise load's page-id buffers, with room for `n` pairs (never grown on the load
+    /// path: they hold a whole pool). The load writes them itself, on its own stream
+    /// ([`LoadOp::Upload`](crate::exec::LoadOp::Upload)), so the cache's stream never
+    /// rewrites page ids a load still reads.
+    pub fn load_pairs(&mut self, n: usize) -> Result<(BufferId, BufferId), ExecError> {
+        let s = self.scratch("load.src", 4 * n, 0)?;
+        let d = self.scratch("load.dst", 4 * n, 0)?;
+        Ok((s, d))
     }
 
     /// Uploads transfer page pairs; returns the (source, destination) arrays.
@@ -679,7 +712,7 @@ impl Drop for Pools {
     }
 }
 
-fn u32_bytes(v: &[u32]) -> Vec<u8> {
+pub(super) fn u32_bytes(v: &[u32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 

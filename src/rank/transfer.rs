@@ -44,14 +44,18 @@ impl RankCache {
         };
         check_transfer_pages(dir, usize::from(self.rank.0), src, dst, &pools)?;
         let dma = self.config.deployment.transfer_path.dma_mode();
-        let pairs = if dma.is_some() {
-            None
-        } else {
-            Some(self.pools.upload_pairs(src, dst)?)
-        };
         // Layer by layer when the load has a consumer that waits for each layer (on the
         // executor's load stream); otherwise one step for every layer.
         let layer_wise = events.as_ref().is_some_and(|&(_, by_layer)| by_layer);
+        // A layer-wise load's page ids are its own, written first on its stream; every other
+        // transfer's go through the cache's stream's scratch.
+        let load_ids = (dma.is_none() && layer_wise)
+            .then(|| (super::pools::u32_bytes(src), super::pools::u32_bytes(dst)));
+        let pairs = match (&load_ids, dma) {
+            (_, Some(_)) => None,
+            (Some(_), None) => Some(self.pools.load_pairs(src.len())?),
+            (None, None) => Some(self.pools.upload_pairs(src, dst)?),
+        };
         let steps: Vec<Range<u32>> = if layer_wise {
             moved.clone().map(|l| l..l + 1).collect()
         } else {
@@ -86,6 +90,18 @@ impl RankCache {
         let mut work: Vec<Vec<LoadOp<'_>>> = Vec::with_capacity(steps.len());
         for step in steps {
             let mut ops = Vec::new();
+            if let (Some((s, d)), Some((sb, db)), true) = (&load_ids, pairs, work.is_empty()) {
+                ops.push(LoadOp::Upload {
+                    buffer: sb,
+                    offset: 0,
+                    data: s,
+                });
+                ops.push(LoadOp::Upload {
+                    buffer: db,
+                    offset: 0,
+                    data: d,
+                });
+            }
             match pairs {
                 None => {
                     let mode = dma.unwrap_or_default();

@@ -395,6 +395,16 @@ uint64_t enqueue(CUstream h, std::function<CUresult()> run, const std::vector<Ac
   }
   uint64_t id = ++s.next_id;
   q.clock.set(slot, id);
+  static const bool trace = getenv("FAKE_CUDA_TRACE") != nullptr;
+  if (trace) {
+    fprintf(stderr, "fake libcuda: #%llu on slot %u: %s", (unsigned long long)id, slot,
+            what.c_str());
+    for (const Access& a : accesses) {
+      fprintf(stderr, " %s[%#lx,+%zu)", a.sparse ? "sparse-" : a.write ? "w" : "r",
+              (unsigned long)a.addr, a.len);
+    }
+    fprintf(stderr, "\n");
+  }
   auto info = std::make_shared<Info>(Info{id, slot, std::move(what), std::move(site)});
   Epoch now{slot, id, info};
   for (const Access& a : accesses) check(a, now, q.clock);
@@ -414,6 +424,10 @@ void wait_for(CUstream h, uint32_t slot, uint64_t id, const Clock& c) {
   Queue& q = s.queues[me];
   q.clock.join(c);
   uint64_t marker = ++s.next_id;
+  if (getenv("FAKE_CUDA_TRACE")) {
+    fprintf(stderr, "fake libcuda: #%llu on slot %u: wait for #%llu of slot %u\n",
+            (unsigned long long)marker, me, (unsigned long long)id, slot);
+  }
   q.clock.set(me, marker);
   q.work.push_back(Work{marker, {}, {{slot, id}}});
   q.last = marker;

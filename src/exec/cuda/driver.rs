@@ -104,6 +104,17 @@ impl Gpu {
         event.record(&self.stream).map_err(err("cuEventRecord"))
     }
 
+    /// Whether this handle's work goes to the load stream ([`Gpu::load_lane`]).
+    pub(crate) fn is_load_lane(&self) -> bool {
+        Arc::ptr_eq(&self.stream, &self.load)
+    }
+
+    /// Makes this handle's stream wait for the work enqueued so far on the load stream.
+    pub(crate) fn after_load(&self, event: &CudaEvent) -> Result<(), String> {
+        // SAFETY: both streams are this context's and alive as long as `self`.
+        unsafe { self.order(self.load.cu_stream(), self.stream.cu_stream(), event) }
+    }
+
     /// Makes the load stream wait for the work enqueued so far on this handle's stream.
     pub(crate) fn load_after(&self, event: &CudaEvent) -> Result<(), String> {
         // SAFETY: both streams are this context's and alive as long as `self`.
@@ -898,17 +909,11 @@ pub(crate) fn declare_accesses(accesses: &[[u64; 3]]) {
     type Declare = unsafe extern "C" fn(*const u64, usize);
     static HOOK: std::sync::OnceLock<Option<Declare>> = std::sync::OnceLock::new();
     let hook = HOOK.get_or_init(|| {
-        ["libcuda.so.1", "libcuda.so"].into_iter().find_map(|name| {
-            // SAFETY: the driver library this process already loaded (dlopen returns the
-            // same handle, no new initialisers); only a symbol is looked up, and the library
-            // is leaked so that the pointer stays valid.
-            unsafe {
-                let lib = libloading::Library::new(name).ok()?;
-                let f = *lib.get::<Declare>(b"fake_cuda_declare_accesses").ok()?;
-                std::mem::forget(lib);
-                Some(f)
-            }
-        })
+        // SAFETY: only a symbol is looked up in the driver library cudarc loaded (the same
+        // copy: a second dlopen by another name could load a second copy of the stand-in).
+        unsafe { sys::culib().get::<Declare>(b"fake_cuda_declare_accesses\0") }
+            .ok()
+            .map(|f| *f)
     });
     if let Some(f) = hook {
         // SAFETY: the hook reads `3 × len` u64s from the pointer, which the slice holds.

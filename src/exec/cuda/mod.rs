@@ -24,9 +24,11 @@
 
 mod driver;
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
+use super::launch::{Marshalled, TableWrite};
 use super::registry::Registry;
 use super::PendingLaunch;
 use super::{
@@ -95,6 +97,8 @@ pub struct CudaExecutor {
     /// Events recorded for later waits ([`Executor::record_event`]), and released ones
     /// kept for reuse.
     events: Mutex<EventPool>,
+    /// Page tables as last written, per buffer; locked after `state`.
+    tables: Mutex<HashMap<BufferId, Vec<CachedTable>>>,
     fail_next_launch: AtomicBool,
 }
 
@@ -119,6 +123,7 @@ impl CudaExecutor {
     ) -> Result<(), ExecError> {
         let buf = st.buffer_mut(buffer)?;
         let off = check_range("upload", buffer, buf.len(), offset, data.len() as u64)?.start;
+        self.forget_tables(buffer);
         match buf {
             // Bounds checked above; the buffer stays alive while the lock is held, and freeing
             // it later waits for the copy (cuMemFree / cuIpcCloseMemHandle after a sync).
@@ -179,6 +184,7 @@ impl CudaExecutor {
             state: Mutex::new(Registry::new()),
             staging: Mutex::new(driver::Staging::default()),
             events: Mutex::new(EventPool::default()),
+            tables: Mutex::new(HashMap::new()),
             fail_next_launch: AtomicBool::new(false),
         })
     }
@@ -241,6 +247,7 @@ impl Executor for CudaExecutor {
     fn free(&self, buffer: BufferId) -> Result<(), ExecError> {
         let mut st = lock(&self.state);
         let buf = st.remove_buffer(buffer)?;
+        self.forget_tables(buffer);
         // Releasing the memory waits for all work of the context (`DeviceMem` / `PinnedMem`
         // drops synchronise before cuMemFree / cuMemFreeHost); `remove_buffer` counted it
         // in `frees`, which `Counters::stalls` includes (the load-path check).
@@ -451,6 +458,7 @@ impl Executor for CudaExecutor {
             check_range("fill", buffer, buf.len(), offset, len)?;
             bytes += len;
         }
+        self.forget_tables(buffer);
         let synced = match buf {
             CudaBuffer::Device { .. } | CudaBuffer::Imported(_) | CudaBuffer::Borrowed { .. } => {
                 let base = buf.addr();
@@ -537,12 +545,36 @@ impl Executor for CudaExecutor {
     fn load_layers(&self, layers: &[Vec<LoadOp<'_>>]) -> Result<Vec<EventId>, ExecError> {
         let lane = self.gpu.load_lane();
         let mut events = Vec::with_capacity(layers.len());
+        // Whether any of the load's work reached the load stream.
+        let mut started = false;
         let out = (|| {
-            // The load reads what was enqueued before it (page lists, allocations).
+            // The launches' page tables are written on the cache's stream first (they hold
+            // the same bytes every time, so the launches below find them written and the
+            // load stream never writes a table another stream reads).
+            for op in layers.iter().flatten() {
+                if let LoadOp::Launch {
+                    kernel,
+                    config,
+                    args,
+                } = op
+                {
+                    self.prewrite_tables(*kernel, config, args)?;
+                }
+            }
+            // The load reads what was enqueued before it (page lists, allocations, tables).
             self.ordered_by("load_layers", |ev| self.gpu.load_after(ev))?;
             for ops in layers {
                 for op in ops {
+                    started = true;
                     match op {
+                        LoadOp::Upload {
+                            buffer,
+                            offset,
+                            data,
+                        } => {
+                            let mut st = lock(&self.state);
+                            self.write_locked(&lane, &mut st, *buffer, *offset, data)?;
+                        }
                         LoadOp::Launch {
                             kernel,
                             config,
@@ -566,6 +598,16 @@ impl Executor for CudaExecutor {
         match out {
             Ok(()) => Ok(events),
             Err(e) => {
+                // Layers enqueued before the failure still run: the cache's stream waits for
+                // them before anything the caller does next (a rollback frees and poisons
+                // the pages they write), since no event of theirs reaches the caller.
+                if started {
+                    if let Err(order) = self.ordered_by("load_layers", |ev| self.gpu.after_load(ev))
+                    {
+                        tracing::warn!("a failed load could not be ordered: {order}");
+                        let _ = self.gpu.synchronize();
+                    }
+                }
                 for ev in events {
                     self.release_event(ev);
                 }
@@ -695,24 +737,21 @@ impl CudaExecutor {
     ) -> Result<(), ExecError> {
         let mut st = lock(&self.state);
         st.counters.launches += 1;
-        let marshalled = {
-            let st = &*st;
-            let k = st.kernel(kernel)?;
-            PendingLaunch {
-                kernel: &k.name,
-                signature: k.signature.as_ref(),
-                unsigned_ok,
-                config,
-                args,
-            }
-            .marshal(&self.fail_next_launch, |b| {
-                let buf = st.buffer(b)?;
-                Ok((buf.addr(), buf.len()))
-            })?
-        };
-        // The page tables' checked addresses go in first, on the launch's stream.
+        let marshalled = marshal_locked(
+            &st,
+            kernel,
+            config,
+            args,
+            unsigned_ok,
+            &self.fail_next_launch,
+        )?;
+        // The page tables' checked addresses go in first, on the launch's stream, unless
+        // they are there already.
         for t in &marshalled.tables {
-            self.write_locked(gpu, &mut st, t.buffer, t.offset, &t.bytes)?;
+            self.write_table_locked(gpu, &mut st, t)?;
+        }
+        for a in marshalled.accesses.iter().filter(|a| a.writes) {
+            self.forget_tables(a.buffer);
         }
         let st = &*st;
         let k = st.kernel(kernel)?;
@@ -722,7 +761,7 @@ impl CudaExecutor {
                 .iter()
                 .filter_map(|a| {
                     let base = st.buffer(a.buffer).ok()?.addr();
-                    let flags = u64::from(a.writes) | 2 * u64::from(a.sparse);
+                    let flags = u64::from(a.writes) | (u64::from(a.sparse) << 1);
                     Some([base + a.range.start, a.range.end - a.range.start, flags])
                 })
                 .collect();
@@ -751,6 +790,79 @@ impl CudaExecutor {
         })
     }
 
+    /// Writes the page tables of a launch the load stream is about to run, on the cache's
+    /// stream ([`Executor::load_layers`]); a launch that would be refused writes nothing
+    /// here (it is refused when it is enqueued), and an armed injected failure stays armed.
+    fn prewrite_tables(
+        &self,
+        kernel: KernelId,
+        config: &LaunchConfig,
+        args: &[KernelArg<'_>],
+    ) -> Result<(), ExecError> {
+        let mut st = lock(&self.state);
+        let not_armed = AtomicBool::new(false);
+        let Ok(marshalled) = marshal_locked(&st, kernel, config, args, false, &not_armed) else {
+            return Ok(());
+        };
+        for t in &marshalled.tables {
+            self.write_table_locked(&self.gpu, &mut st, t)?;
+        }
+        Ok(())
+    }
+
+    /// Writes page table `t` on `gpu`'s stream, unless the bytes there are the ones it holds
+    /// (tables are written once and read by every later launch: no stream rewrites what
+    /// another stream's launch may be reading). A table that does change, after the load
+    /// stream read it, is rewritten once the load stream's work so far has run.
+    fn write_table_locked(
+        &self,
+        gpu: &driver::Gpu,
+        st: &mut State,
+        t: &TableWrite,
+    ) -> Result<(), ExecError> {
+        let for_load = gpu.is_load_lane();
+        let mut cache = self.tables();
+        let entries = cache.entry(t.buffer).or_default();
+        if let Some(e) = entries
+            .iter_mut()
+            .find(|e| e.offset == t.offset && e.bytes == t.bytes)
+        {
+            e.read_by_load |= for_load;
+            return Ok(());
+        }
+        let end = t.offset + t.bytes.len() as u64;
+        let overlaps =
+            |e: &CachedTable| e.offset < end && t.offset < e.offset + e.bytes.len() as u64;
+        let after_load = entries.iter().any(|e| overlaps(e) && e.read_by_load) && !for_load;
+        entries.retain(|e| !overlaps(e));
+        drop(cache);
+        if after_load {
+            self.ordered_by("write a page table", |ev| self.gpu.after_load(ev))?;
+        }
+        self.write_locked(gpu, st, t.buffer, t.offset, &t.bytes)?;
+        self.tables()
+            .entry(t.buffer)
+            .or_default()
+            .push(CachedTable {
+                offset: t.offset,
+                bytes: t.bytes.clone(),
+                read_by_load: for_load,
+            });
+        Ok(())
+    }
+
+    fn tables(&self) -> MutexGuard<'_, HashMap<BufferId, Vec<CachedTable>>> {
+        self.tables.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Forgets the tables written in `buffer`: something else wrote (or freed) it.
+    fn forget_tables(&self, buffer: BufferId) {
+        let mut cache = self.tables();
+        if !cache.is_empty() {
+            cache.remove(&buffer);
+        }
+    }
+
     /// [`Executor::copy_regions_with`] on `gpu`'s stream.
     fn copy_on(
         &self,
@@ -763,6 +875,7 @@ impl CudaExecutor {
         let mut st = lock(&self.state);
         let (s, d) = (st.buffer(src)?, st.buffer(dst)?);
         let bytes = check_regions((src, s.len()), (dst, d.len()), regions)?;
+        self.forget_tables(dst);
         // One copy per contiguous run (super::merge_regions), not per page blob.
         let copies: Vec<(u64, u64, u64)> = super::merge_regions(regions, src == dst)
             .iter()
@@ -774,6 +887,38 @@ impl CudaExecutor {
         st.counters.bytes_copied += bytes;
         Ok(())
     }
+}
+
+/// A launch's arguments checked and laid out ([`PendingLaunch::marshal`]), under the state
+/// lock the caller holds; `fail_next` is the armed injected failure it may consume.
+fn marshal_locked(
+    st: &State,
+    kernel: KernelId,
+    config: &LaunchConfig,
+    args: &[KernelArg<'_>],
+    unsigned_ok: bool,
+    fail_next: &AtomicBool,
+) -> Result<Marshalled, ExecError> {
+    let k = st.kernel(kernel)?;
+    PendingLaunch {
+        kernel: &k.name,
+        signature: k.signature.as_ref(),
+        unsigned_ok,
+        config,
+        args,
+    }
+    .marshal(fail_next, |b| {
+        let buf = st.buffer(b)?;
+        Ok((buf.addr(), buf.len()))
+    })
+}
+
+/// A page table as the executor last wrote it ([`CudaExecutor::write_table_locked`]).
+struct CachedTable {
+    offset: u64,
+    bytes: Vec<u8>,
+    /// Read by a launch on the load stream since it was written.
+    read_by_load: bool,
 }
 
 // Forwarders to `driver`'s checked entry points; their preconditions (ranges inside live
