@@ -1636,6 +1636,7 @@ fn child_streams() {
     race_checker_self_tests();
     failed_load_orders_the_cache_stream_after_its_layers();
     back_to_back_loads_keep_their_page_ids();
+    serving_makes_no_context_wide_synchronisation();
     assert_eq!(driver_count(b"fake_cuda_races"), 0);
     assert_eq!(live_allocations(), 0);
 }
@@ -1829,6 +1830,81 @@ fn back_to_back_loads_keep_their_page_ids() {
         drop(me);
         drop(gpu);
     }
+}
+
+/// D1 of issue 42: `cuCtxSynchronize` waits on every stream of the context (an engine's
+/// NCCL stream included, which can deadlock, and is illegal under graph capture). An
+/// engine's loop (begin with a load, its forward, extend, finish, an ops call with its
+/// stream, scratch that grows and is freed) makes none: frees go back to the driver once the
+/// executor's events say its streams are past them.
+fn serving_makes_no_context_wide_synchronisation() {
+    use cp_hicache::kernels::{BufferKind, Direction};
+    use cp_hicache::ops::{Ops, Region, Tensors};
+    let gpu: Arc<dyn Executor> = Arc::new(CudaExecutor::new(0).unwrap());
+    let mut config = rank_config(Deployment::new(ModelShape::MlaBf16, 16, 1).unwrap());
+    config.layers = 4;
+    let group = cp_hicache::group::LocalGroup::members(1, Duration::from_secs(60))
+        .pop()
+        .unwrap();
+    let mut me = RankCache::new(
+        config,
+        gpu.clone(),
+        &jit(),
+        Box::new(group),
+        PeerAccess::Direct,
+    )
+    .unwrap();
+    let dep = Deployment::new(ModelShape::MlaBf16, 16, 1).unwrap();
+    let ops = Ops::warm_up(dep, 4, gpu.clone(), &jit(), Sanitize::None).unwrap();
+    let pb = BufferKind::MlaKv.page_bytes(16);
+    let dev = gpu
+        .alloc(MemKind::Device, (4 * 8 * pb) as usize, 0)
+        .unwrap();
+    let host = gpu.alloc(MemKind::Host, (4 * 8 * pb) as usize, 0).unwrap();
+    let region = |b: BufferId| Region {
+        addr: gpu.address(b).unwrap().ptr,
+        bytes: 4 * 8 * pb,
+    };
+    let device = [Tensors::CrossLayer(region(dev))];
+    let hosts = [Tensors::CrossLayer(region(host))];
+    let engine = engine_stream();
+    let prompt = tokens(31, 5 * 16);
+    me.serve(&prompt).unwrap();
+    me.set_layer_waits(true);
+    let before = driver_count(b"fake_cuda_ctx_syncs");
+    for step in 0..4u32 {
+        me.evict_device_lru(usize::MAX).unwrap();
+        let mut req = me.begin_allocated(&prompt).unwrap();
+        let v = me.synthesise_and_verify(&mut req).unwrap();
+        assert_eq!(v.all.count, 0, "step {step}");
+        me.extend(&mut req, &tokens(40 + step, 16 + 3)).unwrap();
+        me.synthesise(&mut req).unwrap();
+        me.finish(&mut req).unwrap();
+        let n = 2 + step as usize;
+        let (src, dst): (Vec<u32>, Vec<u32>) = (0..n as u32).map(|i| (i, 7 - i)).unzip();
+        // SAFETY: the memory and the stream live across the call.
+        unsafe {
+            ops.on_stream(Some(engine as u64), |o| {
+                o.transfer(Direction::HostToDevice, &device, &hosts, &src, &dst, 0..4)
+            })
+        }
+        .unwrap();
+    }
+    assert_eq!(
+        driver_count(b"fake_cuda_ctx_syncs") - before,
+        0,
+        "context-wide synchronisations on the serving path"
+    );
+    drop(ops);
+    drop(me);
+    gpu.free(dev).unwrap();
+    gpu.free(host).unwrap();
+    drop(gpu);
+    // SAFETY: nothing is enqueued on it any more.
+    unsafe { cudarc::driver::sys::cuStreamDestroy_v2(engine) }
+        .result()
+        .unwrap();
+    assert_eq!(take_races(), 0);
 }
 
 #[test]

@@ -26,7 +26,9 @@ pub struct Counters {
     /// (a page-locked allocation stalls concurrent streams, as a device allocation does).
     pub allocs: u64,
     /// Buffers freed ([`Executor::free`]), on every backend (as `allocs` counts allocations);
-    /// on CUDA each one waits for the context's work (`cuCtxSynchronize` before `cuMemFree`).
+    /// on CUDA the memory goes back to the driver once the executor's streams are past the
+    /// free (events, queried later; never a context-wide synchronisation), and `cuMemFree`
+    /// itself may still stall the device.
     pub frees: u64,
     /// Copy batches ([`Executor::copy_regions`]).
     pub copies: u64,

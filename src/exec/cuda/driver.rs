@@ -716,11 +716,10 @@ impl Drop for DeviceMem {
     fn drop(&mut self) {
         let ptr = std::mem::replace(&mut self.ptr, 0);
         if ptr != 0 && bind_for_drop(&self.ctx) {
-            // Pending kernels may still use the memory: wait explicitly rather than rely on
-            // cuMemFree's implicit synchronisation.
-            let _ = result::ctx::synchronize();
             // SAFETY: `ptr` came from cuMemAlloc in this context and is freed exactly once
-            // (null-swapped above), after the context finished all work.
+            // (null-swapped above); the executor drops it only after its streams passed the
+            // work enqueued before the free (`CudaExecutor::free`'s events, or its drop's
+            // stream synchronisation).
             let _ = unsafe { result::free_sync(ptr) };
         }
     }
@@ -753,10 +752,9 @@ impl Drop for IpcMem {
     fn drop(&mut self) {
         let ptr = std::mem::replace(&mut self.ptr, 0);
         if ptr != 0 && bind_for_drop(&self.ctx) {
-            // Kernels of this context may still read the peer's memory: wait first.
-            let _ = result::ctx::synchronize();
             // SAFETY: `ptr` came from cuIpcOpenMemHandle in this context and is closed
-            // exactly once (null-swapped above), after the context finished all work.
+            // exactly once (null-swapped above), once the executor's streams passed the work
+            // that read the peer's memory (as for `DeviceMem`).
             let _ = unsafe { sys::cuIpcCloseMemHandle(ptr) };
         }
     }
@@ -869,9 +867,9 @@ impl Drop for PinnedMem {
     fn drop(&mut self) {
         let host = std::mem::replace(&mut self.host, std::ptr::null_mut());
         if !host.is_null() && bind_for_drop(&self.ctx) {
-            // Pending kernels may still read the mapping: wait before freeing it.
-            let _ = result::ctx::synchronize();
-            // SAFETY: `host` came from cuMemHostAlloc and is freed exactly once.
+            // SAFETY: `host` came from cuMemHostAlloc and is freed exactly once, once the
+            // executor's streams passed the work that used the mapping (as for `DeviceMem`;
+            // a staging ring is dropped with the executor, after its streams finished).
             let _ = unsafe { result::free_host(host) };
         }
     }
@@ -894,8 +892,9 @@ impl Drop for Module {
     fn drop(&mut self) {
         let module = std::mem::replace(&mut self.module, std::ptr::null_mut());
         if !module.is_null() && bind_for_drop(&self.ctx) {
-            let _ = result::ctx::synchronize();
-            // SAFETY: `module` was loaded by cuModuleLoadData and is unloaded exactly once.
+            // SAFETY: `module` was loaded by cuModuleLoadData and is unloaded exactly once,
+            // with the executor, after its streams finished (kernels are never unloaded
+            // while it lives).
             let _ = unsafe { result::module::unload(module) };
         }
     }

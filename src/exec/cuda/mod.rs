@@ -99,6 +99,8 @@ pub struct CudaExecutor {
     events: Mutex<EventPool>,
     /// Page tables as last written, per buffer; locked after `state`.
     tables: Mutex<HashMap<BufferId, Vec<CachedTable>>>,
+    /// Freed buffers whose memory goes back to the driver once their events complete.
+    reaper: Mutex<Vec<Doomed>>,
     fail_next_launch: AtomicBool,
 }
 
@@ -185,6 +187,7 @@ impl CudaExecutor {
             staging: Mutex::new(driver::Staging::default()),
             events: Mutex::new(EventPool::default()),
             tables: Mutex::new(HashMap::new()),
+            reaper: Mutex::new(Vec::new()),
             fail_next_launch: AtomicBool::new(false),
         })
     }
@@ -234,6 +237,7 @@ impl Executor for CudaExecutor {
             kind,
             reason,
         };
+        self.reap();
         let buf = match kind {
             MemKind::Device => CudaBuffer::Device {
                 mem: self.gpu.alloc_device(bytes, fill).map_err(alloc_err)?,
@@ -245,13 +249,21 @@ impl Executor for CudaExecutor {
     }
 
     fn free(&self, buffer: BufferId) -> Result<(), ExecError> {
-        let mut st = lock(&self.state);
-        let buf = st.remove_buffer(buffer)?;
+        let buf = lock(&self.state).remove_buffer(buffer)?;
         self.forget_tables(buffer);
-        // Releasing the memory waits for all work of the context (`DeviceMem` / `PinnedMem`
-        // drops synchronise before cuMemFree / cuMemFreeHost); `remove_buffer` counted it
-        // in `frees`, which `Counters::stalls` includes (the load-path check).
-        drop(buf);
+        // The memory goes back to the driver once both of the executor's streams have passed
+        // the work enqueued so far (events, queried later: no host wait, and never a
+        // context-wide synchronisation, which would wait on an engine's streams too).
+        // `remove_buffer` counted it in `frees`, which `Counters::stalls` includes (the
+        // load-path check: cuMemFree may still stall the device).
+        let mut marks = Vec::with_capacity(2);
+        for gpu in [&self.gpu, &self.gpu.load_lane()] {
+            let ev = self.spare_event()?;
+            gpu.record_into(&ev).map_err(driver_err("free"))?;
+            marks.push(ev);
+        }
+        self.reaper().push(Doomed { buf, marks });
+        self.reap();
         Ok(())
     }
 
@@ -911,6 +923,56 @@ fn marshal_locked(
         let buf = st.buffer(b)?;
         Ok((buf.addr(), buf.len()))
     })
+}
+
+/// A freed buffer and the events after which nothing of the executor's uses it.
+struct Doomed {
+    buf: CudaBuffer,
+    marks: Vec<cudarc::driver::CudaEvent>,
+}
+
+impl CudaExecutor {
+    fn reaper(&self) -> MutexGuard<'_, Vec<Doomed>> {
+        self.reaper.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Returns to the driver the freed buffers whose events have completed (queried, never
+    /// waited for), oldest first; their events go back to the pool.
+    fn reap(&self) {
+        let done: Vec<Doomed> = {
+            let mut doomed = self.reaper();
+            let mut done = Vec::new();
+            let mut i = 0;
+            while i < doomed.len() {
+                let complete = doomed[i]
+                    .marks
+                    .iter()
+                    .all(|e| e.try_is_complete().unwrap_or(false));
+                if complete {
+                    done.push(doomed.remove(i));
+                } else {
+                    i += 1;
+                }
+            }
+            done
+        };
+        for d in done {
+            drop(d.buf);
+            self.events().spare.extend(d.marks);
+        }
+    }
+}
+
+impl Drop for CudaExecutor {
+    /// The executor's own streams finish their work before its memory goes (never a
+    /// context-wide synchronisation: other executors and an engine share the context).
+    fn drop(&mut self) {
+        if let Err(e) = self.gpu.synchronize() {
+            tracing::warn!("the CUDA executor's streams did not finish cleanly: {e}");
+        }
+        let doomed = std::mem::take(&mut *self.reaper());
+        drop(doomed);
+    }
 }
 
 /// A page table as the executor last wrote it ([`CudaExecutor::write_table_locked`]).
