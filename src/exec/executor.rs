@@ -15,7 +15,9 @@ use super::{
 ///   state, so one executor may be shared by threads. Launches are stream-ordered: a launch,
 ///   upload or read observes every earlier call on the same executor.
 /// - One executor is one stream: launches, uploads, copies and fills run in the order they
-///   were called, never on several streams; wrappers forward to one inner executor. Work on
+///   were called, never on several streams (a layer-wise load, [`Executor::load_layers`],
+///   may run on a stream of its own, ordered by its events); wrappers forward to one inner
+///   executor. Work on
 ///   another executor is another stream, unordered with this one, and buffer and kernel
 ///   handles of one executor are refused by every other ([`ExecError::UnknownBuffer`],
 ///   [`ExecError::UnknownKernel`]).

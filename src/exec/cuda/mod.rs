@@ -1,6 +1,7 @@
 //! The CUDA executor (cudarc driver API): device pools with `cuMemAlloc`, host pools pinned and
 //! device-mapped (kernels read them directly), modules from CUBIN images, `cuLaunchKernel` with
-//! `void**` parameters on one stream.
+//! `void**` parameters on the executor's stream; layer-wise loads on a second stream of
+//! greatest priority (docs/DESIGN.md §4.4 says which stream does what).
 //!
 //! The driver is probed before cudarc is touched (cudarc panics when libcuda is missing), so a
 //! machine without a driver or device gets [`ExecError::Unavailable`].
@@ -20,7 +21,9 @@
 //! development machine has none).
 //!
 //! Thread-safety: `Send + Sync`; one mutex serialises buffer bookkeeping and launches, and all
-//! work goes to one stream, so operations are stream-ordered in call order.
+//! work but a layer-wise load's goes to the executor's stream, so operations are
+//! stream-ordered in call order; a load's work is ordered after what came before it, and
+//! later work after it only through its events.
 
 mod driver;
 
