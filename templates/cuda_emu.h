@@ -141,7 +141,8 @@ static constexpr int warpSize = 32;
 #define CP_EMU_MAX_STACK_BYTES (64ull << 20)
 // madvise(MADV_GUARD_INSTALL), from Linux 6.13's <linux/mman.h>; older headers lack it.
 #define CP_EMU_MADV_GUARD_INSTALL 102
-// Fiber stacks a thread's pool keeps between launches (see the end of `launch`).
+// Fiber stacks a thread's pool keeps between launches where guards split mappings (see the end
+// of `launch`); with guard regions every pool is kept.
 #define CP_EMU_KEEP_STACKS 256u
 // Inaccessible bytes below every fiber stack (rounded up to whole pages).
 #define CP_EMU_GUARD_BYTES (64u << 10)
@@ -159,6 +160,19 @@ struct CpEmuLaunch {
   const uint64_t* param_sizes;  // optional: byte size of each parameter (checked)
   char* err_buf;              // optional: receives a NUL-terminated diagnostic
   uint64_t err_cap;           // size of err_buf in bytes
+};
+
+/// The calling OS thread's fiber-stack pool in this library, as `cp_emu_stack_stats` reports
+/// it (mirrored by src/exec/host/ffi.rs). Counts cover the thread's lifetime.
+struct CpEmuStackStats {
+  uint64_t maps;           // chunks of stacks mapped (one mmap each)
+  uint64_t unmaps;         // chunks unmapped (one munmap each)
+  uint64_t stacks_mapped;  // stacks mapped, all chunks together
+  uint64_t stacks_live;    // stacks held now
+  uint64_t stack_bytes;    // size of every stack: the largest a launch asked so far (0: none)
+  uint32_t guard_regions;  // 1: guards are MADV_GUARD_INSTALL regions, every pool is kept;
+                           // 0: PROT_NONE ranges (or nothing mapped yet)
+  uint32_t reserved;       // 0
 };
 }
 
@@ -302,32 +316,78 @@ struct Fiber {
 };
 
 // Fiber stacks and descriptors, reused across blocks and launches on this OS thread.
+//
+// Stacks only grow: they keep the largest size any launch on this thread asked of this library
+// (a launch asking less runs on the larger stacks), and a launch with more threads per block
+// maps the stacks it lacks in one more chunk. So kernels that alternate on a thread (another
+// stack size, another block size) map nothing once the pool is large enough: unmapping and
+// remapping the stacks per launch made the CPU executor spend most of its time in mmap,
+// munmap, TLB shootdowns and first-touch page clearing. A chunk is one mapping holding
+// `count` slots of [guard][stack], the guard at the low end of every stack.
+struct Chunk {
+  char* base;
+  size_t bytes;
+  unsigned count;  // stacks in the chunk
+};
+
+enum GuardMode : uint8_t { G_UNKNOWN, G_REGIONS, G_PROT_NONE };
+
 struct Pool {
   Fiber* fibers = nullptr;
   char** stacks = nullptr;
-  unsigned cap = 0;       // descriptors allocated
-  unsigned nstacks = 0;   // stacks mapped
-  size_t stack_bytes = 0;
+  Chunk* chunks = nullptr;
+  unsigned cap = 0;        // descriptors (and stack slots) allocated
+  unsigned nstacks = 0;    // stacks mapped
+  unsigned nchunks = 0;    // chunks mapped
+  unsigned chunk_cap = 0;  // chunk descriptors allocated
+  size_t stack_bytes = 0;  // size of every mapped stack: the largest asked so far
   size_t guard = 0;
+  GuardMode guard_mode = G_UNKNOWN;
+  uint64_t n_maps = 0;           // chunks mapped, over the thread's lifetime
+  uint64_t n_unmaps = 0;         // chunks unmapped
+  uint64_t n_stacks_mapped = 0;  // stacks mapped
+  void unmap_last_chunk() {
+    Chunk& c = chunks[--nchunks];
+    munmap(c.base, c.bytes);
+    nstacks -= c.count;
+    n_unmaps++;
+  }
   void release_stacks() {
-    for (unsigned i = 0; i < nstacks; ++i) munmap(stacks[i] - guard, stack_bytes + guard);
-    nstacks = 0;
+    while (nchunks > 0) unmap_last_chunk();
   }
   ~Pool() {
     release_stacks();
+    free(chunks);
     free(stacks);
     free(fibers);
   }
-  // Ensures n fibers with stacks of `bytes` each; false when out of memory.
+  // Guard at the low end of the stack slot at `lo`: a stack overflow faults instead of
+  // corrupting a neighbour. A guard region (Linux 6.13+) does not split the mapping, so a chunk
+  // stays one mapping however many stacks it holds, and neighbouring chunks merge: pools of
+  // many kernels on many threads stay far below vm.max_map_count. Older kernels refuse it;
+  // then the guard is a PROT_NONE range, two mappings per stack (see the end of `launch`).
+  bool install_guard(char* lo) {
+    if (guard_mode != G_PROT_NONE) {
+      if (madvise(lo, guard, CP_EMU_MADV_GUARD_INSTALL) == 0) {
+        guard_mode = G_REGIONS;
+        return true;
+      }
+      if (guard_mode == G_REGIONS) return false;  // worked before: a real failure
+    }
+    guard_mode = G_PROT_NONE;
+    return mprotect(lo, guard, PROT_NONE) == 0;
+  }
+  // Ensures n fibers with stacks of at least `bytes` each; false when out of memory.
   bool ensure(unsigned n, size_t bytes) {
     const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
     // The guard spans CP_EMU_GUARD_BYTES (whole pages): a frame that skips past a single
     // page without touching it (code built without -fstack-clash-protection) still lands in
-    // it. It is address space only (PROT_NONE, never committed).
+    // it. It is address space only (never committed).
     if (guard == 0) guard = (CP_EMU_GUARD_BYTES + page - 1) & ~(page - 1);
     if (bytes > CP_EMU_MAX_STACK_BYTES) return false;  // also keeps the rounding from wrapping
     bytes = (bytes + page - 1) & ~(page - 1);
-    if (bytes != stack_bytes) {
+    if (bytes > stack_bytes) {
+      // Grow only: the smaller stacks go, every later launch asking up to `bytes` reuses these.
       release_stacks();
       stack_bytes = bytes;
     }
@@ -340,16 +400,31 @@ struct Pool {
       stacks = ns;
       cap = n;
     }
-    while (nstacks < n) {
-      void* p = mmap(nullptr, stack_bytes + guard, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-      if (p == MAP_FAILED) return false;
-      // Guard at the low end: a stack overflow faults instead of corrupting a neighbour. A
-      // guard region (Linux 6.13+) does not split the mapping, so a stack stays one mapping
-      // and neighbouring stacks merge: pools of many kernels on many threads stay far below
-      // vm.max_map_count. Older kernels refuse it; then the guard is a PROT_NONE mapping.
-      if (madvise(p, guard, CP_EMU_MADV_GUARD_INSTALL) != 0) mprotect(p, guard, PROT_NONE);
-      stacks[nstacks++] = static_cast<char*>(p) + guard;
+    if (nstacks >= n) return true;
+    if (nchunks == chunk_cap) {
+      unsigned nc = chunk_cap ? chunk_cap * 2 : 4;
+      Chunk* cs = static_cast<Chunk*>(realloc(chunks, sizeof(Chunk) * nc));
+      if (!cs) return false;
+      chunks = cs;
+      chunk_cap = nc;
     }
+    const unsigned count = n - nstacks;
+    const size_t slot = stack_bytes + guard;  // at most 64 MiB + guard: no overflow below
+    const size_t total = slot * count;        // count <= 1024 threads per block
+    void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return false;
+    n_maps++;
+    char* base = static_cast<char*>(p);
+    for (unsigned i = 0; i < count; ++i) {
+      if (!install_guard(base + i * slot)) {
+        munmap(p, total);
+        n_unmaps++;
+        return false;
+      }
+    }
+    chunks[nchunks++] = Chunk{base, total, count};
+    for (unsigned i = 0; i < count; ++i) stacks[nstacks++] = base + i * slot + guard;
+    n_stacks_mapped += count;
     return true;
   }
 };
@@ -814,11 +889,13 @@ static int launch(const char* kernel, const CpEmuLaunch* cfg, unsigned arity, co
   g.cur = nullptr;
   g.in_launch = false;
   g.direct = false;
-  // Every kernel library has its own pool per OS thread (this header is compiled into each),
-  // and each stack is two mappings (guard and stack). Kept for every large-block kernel on
-  // every thread, they exhaust vm.max_map_count (65,530 by default) once a few ranks'
-  // threads have run 512-thread transfers: so large pools are given back after the launch.
-  if (g_pool.nstacks > CP_EMU_KEEP_STACKS) g_pool.release_stacks();
+  // Every kernel library has its own pool per OS thread (this header is compiled into each).
+  // With guard regions a chunk of stacks is one mapping, so every pool is kept. Where guards
+  // are PROT_NONE ranges (kernels before 6.13) each stack is two mappings: kept for every
+  // large-block kernel on every thread, they exhaust vm.max_map_count (65,530 by default)
+  // once a few ranks' threads have run 512-thread transfers, so there the chunks past
+  // CP_EMU_KEEP_STACKS stacks are given back after the launch.
+  while (g_pool.guard_mode == G_PROT_NONE && g_pool.nstacks > CP_EMU_KEEP_STACKS) g_pool.unmap_last_chunk();
   return status;
 }
 
@@ -1084,6 +1161,20 @@ static inline T atomicXor(T* p, cp_emu_same_t<T> v) {
   T o = *p;
   *p = o ^ v;
   return o;
+}
+
+// Statistics of the calling OS thread's fiber-stack pool in this library (each library has its
+// own pools). Exported next to the launch entries for tests and diagnostics; nothing inside
+// the library calls it, so it cannot be interposed.
+extern "C" __attribute__((visibility("default"))) void cp_emu_stack_stats(CpEmuStackStats* out) {
+  const ::cp_emu::Pool& p = ::cp_emu::g_pool;
+  out->maps = p.n_maps;
+  out->unmaps = p.n_unmaps;
+  out->stacks_mapped = p.n_stacks_mapped;
+  out->stacks_live = p.nstacks;
+  out->stack_bytes = p.stack_bytes;
+  out->guard_regions = p.guard_mode == ::cp_emu::G_REGIONS ? 1u : 0u;
+  out->reserved = 0;
 }
 
 // Exports `extern "C" int <name>__emu_launch(const CpEmuLaunch*, void**)` for kernel `name`,

@@ -13,7 +13,7 @@ use std::sync::OnceLock;
 
 use cp_hicache::exec::host::EMU_HEADER;
 use cp_hicache::exec::{
-    BlockOrder, BufferId, ExecError, Executor, HostExecutor, HostOptions, KernelArg,
+    BlockOrder, BufferId, EmuStackStats, ExecError, Executor, HostExecutor, HostOptions, KernelArg,
     KernelArtifact, KernelId, LaunchConfig, LaunchFailure, MemKind,
 };
 use cp_hicache::jit::{HostCcOptions, HostCompiler, Sanitize};
@@ -811,6 +811,108 @@ fn large_thread_stacks_work() {
     for (t, &g) in got.iter().enumerate() {
         let want: u32 = (0..4096u32).map(|i| i ^ t as u32).sum();
         assert_eq!(g, want);
+    }
+}
+
+/// The fiber-stack pool is never remapped per launch: kernels alternating on one thread with
+/// other stack sizes (two executors over one library share its pool on this thread) and other
+/// block sizes map stacks only while the pool grows to the largest of each, then not again.
+/// Remapping per launch made the replay spend most of its time in mmap and munmap.
+#[test]
+fn fiber_stacks_are_not_remapped_per_launch() {
+    // A library of its own (the define only changes the cache key): each library has its own
+    // pool per thread, so no other test's launches count here, whichever thread runs this.
+    let mut extra = sanitize_flags();
+    extra.push("-DCP_EMU_POOL_TEST=1".into());
+    let so = compile_with(KERNELS, &extra);
+    let with_stack = |bytes: u64| {
+        HostExecutor::new(HostOptions {
+            stack_bytes: bytes,
+            ..HostOptions::default()
+        })
+    };
+    let (small, big) = (with_stack(64 << 10), with_stack(256 << 10));
+    let input: Vec<u32> = (0..512).collect();
+    let (inb, out) = (
+        alloc_u32(&small, &input),
+        small.alloc(MemKind::Device, 8, POISON).unwrap(),
+    );
+    let sum_small = load(&small, &so, "block_sum");
+    let frames_big = load(&big, &so, "big_stack");
+    let empty_big = load(&big, &so, "empty_kernel");
+    let big_out = big.alloc(MemKind::Device, 128 * 4, POISON).unwrap();
+    let stats = || {
+        small
+            .stack_stats(sum_small)
+            .unwrap()
+            .expect("cp_emu_stack_stats exported")
+    };
+    assert_eq!(
+        stats(),
+        EmuStackStats::default(),
+        "nothing launched on this thread yet"
+    );
+    let round = |threads: u32| {
+        small
+            .run(
+                sum_small,
+                &LaunchConfig::linear(2, threads),
+                &[KernelArg::Ptr(inb, 0), KernelArg::Ptr(out, 0)],
+            )
+            .unwrap();
+        let want = |b: u32| (b * threads..(b + 1) * threads).sum::<u32>();
+        assert_eq!(read_u32(&small, out), [want(0), want(1)]);
+        big.run(
+            frames_big,
+            &LaunchConfig::linear(2, 128),
+            &[KernelArg::Ptr(big_out, 0)],
+        )
+        .unwrap();
+        assert_eq!(
+            read_u32(&big, big_out)[127],
+            (0..4096u32).map(|i| i ^ 127).sum::<u32>()
+        );
+    };
+    // 256 stacks of 64 KiB, then 256 KiB ones for big_stack's 128 threads: the only unmap,
+    // as the size grows; block_sum then runs on them and adds the 128 stacks it lacks.
+    round(256);
+    let first = stats();
+    assert_eq!(
+        (first.maps, first.unmaps, first.stacks_live),
+        (2, 1, 128),
+        "{first:?}"
+    );
+    assert_eq!(first.stack_bytes, 256 << 10, "{first:?}");
+    round(256);
+    let grown = stats();
+    assert_eq!(
+        (grown.maps, grown.unmaps, grown.stacks_live),
+        (3, 1, 256),
+        "{grown:?}"
+    );
+    for i in 0..50 {
+        round(if i % 2 == 0 { 64 } else { 256 });
+    }
+    assert_eq!(stats(), grown, "launches that fit the pool remapped stacks");
+    // More threads per block: one more chunk for the stacks the pool lacks, kept where guards
+    // are guard regions. With PROT_NONE guards (kernels before 6.13) the stacks past 256 are
+    // given back after each launch, to stay under vm.max_map_count.
+    big.run(empty_big, &LaunchConfig::linear(1, 512), &[])
+        .unwrap();
+    let wide = stats();
+    assert_eq!(wide.stacks_mapped, grown.stacks_mapped + 256, "{wide:?}");
+    for _ in 0..20 {
+        big.run(empty_big, &LaunchConfig::linear(3, 512), &[])
+            .unwrap();
+        round(128);
+    }
+    let after = stats();
+    if after.guard_regions {
+        assert_eq!(after, wide, "512-thread launches remapped stacks");
+        assert_eq!(after.stacks_live, 512, "{after:?}");
+    } else {
+        eprintln!("PROT_NONE guards (no MADV_GUARD_INSTALL): stacks past 256 are not kept");
+        assert_eq!(after.stacks_live, 256, "{after:?}");
     }
 }
 

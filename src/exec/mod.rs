@@ -40,7 +40,7 @@ pub use copy::{merge_regions, CopyRegion, DmaMode, LoadOp};
 pub use counters::Counters;
 pub use error::{ExecError, LaunchFailure};
 pub use executor::Executor;
-pub use host::{BlockOrder, HostExecutor, HostOptions};
+pub use host::{BlockOrder, EmuStackStats, HostExecutor, HostOptions};
 pub(crate) use launch::{check_range, marshal_args};
 pub use launch::{KernelArg, KernelArtifact, LaunchConfig};
 pub(crate) use params::PAGE_ALIGN;

@@ -194,11 +194,12 @@ extern "C" __global__ void big_stack(u32* out) {
   out[threadIdx.x] = s;
 }
 
-// Thread 0 calls a frame of 160 KiB, more than the fiber stack the guard test gives it (64
-// KiB) and the 64 KiB guard below together. Built with -fstack-clash-protection, allocating it
-// probes every page on the way down and faults in the guard. Without, the one byte written
-// lands in the mapping below the guard, another fiber's stack, and the launch "succeeds"
-// (the test's child then exits normally, which the test reports).
+// The last thread calls a frame of 160 KiB, more than the fiber stack the guard test gives it
+// (64 KiB) and the 64 KiB guard below together. The stacks of a block lie in one mapping, each
+// above its guard, so below this thread's guard is the previous thread's stack. Built with
+// -fstack-clash-protection, allocating the frame probes every page on the way down and faults
+// in the guard. Without a guard, the one byte written lands in the stack below, and the launch
+// "succeeds" (the test's child then exits normally, which the test reports).
 __device__ __attribute__((noinline)) u32 huge_frame_body(u32 t) {
   volatile unsigned char frame[160 * 1024];
   frame[0] = static_cast<unsigned char>(t);
@@ -207,7 +208,7 @@ __device__ __attribute__((noinline)) u32 huge_frame_body(u32 t) {
 
 extern "C" __global__ void huge_frame(u32* out) {
   __syncthreads();
-  out[threadIdx.x] = threadIdx.x == 0 ? huge_frame_body(threadIdx.x) : threadIdx.x;
+  out[threadIdx.x] = threadIdx.x == blockDim.x - 1 ? huge_frame_body(threadIdx.x) : threadIdx.x;
 }
 
 // Writes one element past `n` (an out-of-bounds access for the ASan test).

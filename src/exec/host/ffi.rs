@@ -41,6 +41,21 @@ struct CpEmuLaunch {
 
 type LaunchFn = unsafe extern "C" fn(*const CpEmuLaunch, *mut *mut c_void) -> c_int;
 
+/// The calling thread's fiber-stack pool in one library (layout of `CpEmuStackStats`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct CpEmuStackStats {
+    pub(crate) maps: u64,
+    pub(crate) unmaps: u64,
+    pub(crate) stacks_mapped: u64,
+    pub(crate) stacks_live: u64,
+    pub(crate) stack_bytes: u64,
+    pub(crate) guard_regions: u32,
+    pub(crate) _reserved: u32,
+}
+
+type StatsFn = unsafe extern "C" fn(*mut CpEmuStackStats);
+
 /// A 64-byte-aligned, zero-length-safe allocation whose address kernels use as a device
 /// pointer: heap memory, or a POSIX shared-memory object that other executors (other ranks,
 /// in this process or another) map too ([`HostMem::new_shared`], [`HostMem::open_shared`]).
@@ -307,6 +322,8 @@ impl Drop for HostMem {
 /// kernel exists; it is closed in `Drop`.
 pub(crate) struct EmuKernel {
     entry: LaunchFn,
+    /// `cp_emu_stack_stats`, absent from libraries built from an older header.
+    stats: Option<StatsFn>,
     lib: Option<libloading::Library>,
 }
 
@@ -329,10 +346,27 @@ impl EmuKernel {
             *lib.get::<LaunchFn>(symbol.as_bytes())
                 .map_err(|e| format!("entry `{symbol}` not found: {e}"))?
         };
+        // SAFETY: as above: a library built with cuda_emu.h exports `cp_emu_stack_stats` with
+        // this signature (an older one may lack it); the pointer is called only while `lib`
+        // keeps the library loaded.
+        let stats: Option<StatsFn> =
+            unsafe { lib.get::<StatsFn>(b"cp_emu_stack_stats").ok().map(|s| *s) };
         Ok(EmuKernel {
             entry: f,
+            stats,
             lib: Some(lib),
         })
+    }
+
+    /// The calling OS thread's fiber-stack pool in this kernel's library (`None` for a
+    /// library built from a header without `cp_emu_stack_stats`).
+    pub(crate) fn stack_stats(&self) -> Option<CpEmuStackStats> {
+        let f = self.stats?;
+        let mut out = CpEmuStackStats::default();
+        // SAFETY: `f` is the library's `cp_emu_stack_stats` (see `load`), which writes one
+        // `CpEmuStackStats` to `out`; the library stays loaded while `self` exists.
+        unsafe { f(&mut out) };
+        Some(out)
     }
 
     /// Runs the kernel to completion on the calling thread. `args[i]` holds the exact bytes of
@@ -424,6 +458,8 @@ mod tests {
         assert_eq!(std::mem::size_of::<CpEmuLaunch>(), 72);
         assert_eq!(std::mem::offset_of!(CpEmuLaunch, stack_bytes), 40);
         assert_eq!(std::mem::offset_of!(CpEmuLaunch, err_cap), 64);
+        assert_eq!(std::mem::size_of::<CpEmuStackStats>(), 48);
+        assert_eq!(std::mem::offset_of!(CpEmuStackStats, guard_regions), 40);
     }
 
     #[test]

@@ -132,6 +132,28 @@ fn block_order_from(var: Result<String, std::env::VarError>) -> Result<BlockOrde
     }
 }
 
+/// The fiber-stack pool of the calling OS thread in one kernel library
+/// ([`HostExecutor::stack_stats`]). The emulator keeps each pool's stacks at the largest size
+/// asked so far and maps more only for a launch with more threads per block than before, so
+/// `maps` stays constant over launches that fit.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EmuStackStats {
+    /// Chunks of stacks mapped over the thread's lifetime (one `mmap` each).
+    pub maps: u64,
+    /// Chunks unmapped (one `munmap` each): when the stack size grows, or, without guard
+    /// regions, the stacks past 256 after a launch.
+    pub unmaps: u64,
+    /// Stacks mapped over the thread's lifetime.
+    pub stacks_mapped: u64,
+    /// Stacks held now.
+    pub stacks_live: u64,
+    /// Size of every stack: the largest a launch on this thread asked so far.
+    pub stack_bytes: u64,
+    /// Whether guards are `MADV_GUARD_INSTALL` regions (Linux 6.13+), with which every pool is
+    /// kept; false with `PROT_NONE` guards, or before anything was mapped.
+    pub guard_regions: bool,
+}
+
 /// What an exported buffer's handle starts with (then `<bytes>:<shm name>`).
 const SHM_HANDLE: &str = "cp-hicache-shm:";
 
@@ -178,6 +200,21 @@ impl HostExecutor {
     /// The current options.
     pub fn options(&self) -> HostOptions {
         *lock(&self.options)
+    }
+
+    /// The calling OS thread's fiber-stack pool in `kernel`'s library (every library has a
+    /// pool per thread; launches run on the calling thread). `None` for a library built from
+    /// an emulation header that does not report it.
+    pub fn stack_stats(&self, kernel: KernelId) -> Result<Option<EmuStackStats>, ExecError> {
+        let emu = Arc::clone(&lock(&self.state).kernel(kernel)?.kernel);
+        Ok(emu.stack_stats().map(|s| EmuStackStats {
+            maps: s.maps,
+            unmaps: s.unmaps,
+            stacks_mapped: s.stacks_mapped,
+            stacks_live: s.stacks_live,
+            stack_bytes: s.stack_bytes,
+            guard_regions: s.guard_regions != 0,
+        }))
     }
 
     /// The memory kind a buffer was allocated as.
