@@ -1066,7 +1066,8 @@ fn ipc_across_processes() {
     let owner = CudaExecutor::new(0).unwrap();
     let b = owner.alloc_shareable(8192, 0xA5).unwrap();
     owner.upload(b, 1000, &ipc_pattern()).unwrap();
-    // A buffer freed before the peer opens it (a free waits for the stream).
+    // A buffer freed before the peer opens it (its memory goes back to the driver once the
+    // executor's streams are past the free: at the synchronisation below).
     let gone = owner.alloc_shareable(64, 0).unwrap();
     let gone_handle = owner.export(gone).unwrap();
     owner.free(gone).unwrap();

@@ -528,7 +528,10 @@ impl Executor for CudaExecutor {
 
     fn synchronize(&self) -> Result<(), ExecError> {
         lock(&self.state).counters.syncs += 1;
-        self.gpu.synchronize().map_err(driver_err("synchronize"))
+        self.gpu.synchronize().map_err(driver_err("synchronize"))?;
+        // Both streams are idle: every freed buffer can go now.
+        self.reap();
+        Ok(())
     }
 
     fn time_work(&self, work: &mut dyn FnMut() -> Result<(), ExecError>) -> Result<f64, ExecError> {
