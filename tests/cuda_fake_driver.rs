@@ -1936,3 +1936,53 @@ fn child() {
     ipc_across_processes();
     assert_eq!(live_allocations(), 0);
 }
+
+/// BENCHMARKS.md "Load submission on the stand-in": the host's cost of submitting a
+/// layer-wise load, per layer (61-layer NSA at page 64 against 1 layer, the difference over
+/// 60), with the stand-in's call sites off (`FAKE_CUDA_SITES=0`) and `lazy` scheduling, so
+/// that no queued work runs while `begin` submits. Run by hand:
+/// `LD_LIBRARY_PATH=<stand-in> CP_HICACHE_FAKE_CUDA_CHILD=1 FAKE_CUDA_SITES=0
+/// cuda_fake_driver --ignored --exact submission_cost_per_layer --nocapture`.
+#[test]
+#[ignore = "a measurement, run by hand on the stand-in driver"]
+fn submission_cost_per_layer() {
+    assert_eq!(std::env::var(CHILD_ENV).as_deref(), Ok("1"));
+    let begin_ms = |layers: u32| {
+        let gpu: Arc<dyn Executor> = Arc::new(CudaExecutor::new(0).unwrap());
+        let mut config = rank_config(Deployment::new(ModelShape::Nsa, 64, 1).unwrap());
+        config.layers = layers;
+        let group = cp_hicache::group::LocalGroup::members(1, Duration::from_secs(60))
+            .pop()
+            .unwrap();
+        let mut me = RankCache::new(
+            config,
+            gpu.clone(),
+            &jit(),
+            Box::new(group),
+            PeerAccess::Direct,
+        )
+        .unwrap();
+        let prompt = tokens(51, 8 * 64);
+        me.serve(&prompt).unwrap();
+        me.set_layer_waits(true);
+        let mut times = Vec::new();
+        for _ in 0..15 {
+            me.evict_device_lru(usize::MAX).unwrap();
+            gpu.synchronize().unwrap();
+            let t = std::time::Instant::now();
+            let mut req = me.begin(&prompt).unwrap();
+            times.push(t.elapsed().as_secs_f64() * 1e3);
+            assert!(req.load().is_some());
+            me.abandon(&mut req).unwrap();
+            gpu.synchronize().unwrap();
+        }
+        times.sort_by(f64::total_cmp);
+        times[times.len() / 2]
+    };
+    let (one, many) = (begin_ms(1), begin_ms(61));
+    println!(
+        "begin with a layer-wise load: 1 layer {one:.3} ms, 61 layers {many:.3} ms, \
+         {:.1} us per layer",
+        (many - one) / 60.0 * 1e3
+    );
+}

@@ -821,6 +821,9 @@ extern "C" void fake_cuda_declare_accesses(const uint64_t* triples, size_t n) {
   t_has_declared = true;
 }
 
+// Whether the race checker wants launches' accesses (not under FAKE_CUDA_RACES=off).
+extern "C" int fake_cuda_checks_races(void) { return sched::st().check ? 1 : 0; }
+
 // Races found so far (see streams.h).
 extern "C" unsigned long long fake_cuda_races(void) { return sched::st().races.load(); }
 

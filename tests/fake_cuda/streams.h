@@ -20,7 +20,9 @@
 // enqueued by the host is ordered after what the host has seen. Two accesses of overlapping
 // bytes, at least one a write, neither ordered before the other, are a race: reported on
 // stderr with both streams and the host call sites that enqueued them (symbolised with
-// addr2line), and counted. A free of memory that unordered work still uses is one too. A
+// addr2line), and counted. A free of memory that unordered work still uses is one too.
+// FAKE_CUDA_SITES=0 records no call sites; FAKE_CUDA_RACES=off checks nothing (timings of the
+// executor's host side only). A
 // process that ends with races it did not take (`fake_cuda_take_races`) exits with status 86,
 // so a test that raced fails even when its verification passed.
 //
@@ -123,6 +125,8 @@ struct State {
   std::atomic<unsigned long long> undeclared{0};
   std::atomic<unsigned long long> ctx_syncs{0};
   bool capture_sites = true;
+  // FAKE_CUDA_RACES=off: no access is checked (to time the executor's host side alone).
+  bool check = true;
 };
 
 State& st() {
@@ -143,6 +147,9 @@ State& st() {
     if (const char* seed = getenv("FAKE_CUDA_SEED")) s->rng.seed(strtoull(seed, nullptr, 0));
     const char* sites = getenv("FAKE_CUDA_SITES");
     s->capture_sites = !(sites && sites[0] == '0');
+    const char* races = getenv("FAKE_CUDA_RACES");
+    s->check = !(races && std::string(races) == "off");
+    if (!s->check) s->capture_sites = false;
     return s;
   }();
   return *s;
@@ -309,7 +316,7 @@ void check(const Access& a, const Epoch& now, const Clock& c) {
 // by the host). Caller holds the state lock.
 void forget(uintptr_t lo, uintptr_t hi, bool check_free, const char* what) {
   State& s = st();
-  if (check_free) {
+  if (check_free && s.check) {
     uint64_t id = ++s.next_id;
     s.host.set(HOST, id);
     auto info = std::make_shared<Info>(Info{id, HOST, what, {}});
@@ -407,7 +414,9 @@ uint64_t enqueue(CUstream h, std::function<CUresult()> run, const std::vector<Ac
   }
   auto info = std::make_shared<Info>(Info{id, slot, std::move(what), std::move(site)});
   Epoch now{slot, id, info};
-  for (const Access& a : accesses) check(a, now, q.clock);
+  if (s.check) {
+    for (const Access& a : accesses) check(a, now, q.clock);
+  }
   q.work.push_back(Work{id, std::move(run), std::move(deps)});
   q.last = id;
   if (clock_out) *clock_out = q.clock;

@@ -905,19 +905,34 @@ impl Drop for Module {
 /// (`tests/fake_cuda/streams.h`). A real driver has no such hook; the executor calls this
 /// only on the stand-in.
 pub(crate) fn declare_accesses(accesses: &[[u64; 3]]) {
-    type Declare = unsafe extern "C" fn(*const u64, usize);
-    static HOOK: std::sync::OnceLock<Option<Declare>> = std::sync::OnceLock::new();
-    let hook = HOOK.get_or_init(|| {
-        // SAFETY: only a symbol is looked up in the driver library cudarc loaded (the same
-        // copy: a second dlopen by another name could load a second copy of the stand-in).
-        unsafe { sys::culib().get::<Declare>(b"fake_cuda_declare_accesses\0") }
-            .ok()
-            .map(|f| *f)
-    });
-    if let Some(f) = hook {
+    if let Some(f) = declare_hook() {
         // SAFETY: the hook reads `3 × len` u64s from the pointer, which the slice holds.
         unsafe { f(accesses.as_ptr().cast(), accesses.len()) }
     }
+}
+
+/// Whether the stand-in's race checker wants launches' accesses ([`declare_accesses`]).
+pub(crate) fn declares_accesses() -> bool {
+    declare_hook().is_some()
+}
+
+type Declare = unsafe extern "C" fn(*const u64, usize);
+
+fn declare_hook() -> Option<Declare> {
+    static HOOK: std::sync::OnceLock<Option<Declare>> = std::sync::OnceLock::new();
+    *HOOK.get_or_init(|| {
+        // SAFETY: the driver library cudarc loaded (a context is open, so it is loaded);
+        // only symbols are looked up in it (the same copy: a second dlopen by another name
+        // could load a second copy of the stand-in).
+        let culib = unsafe { sys::culib() };
+        // SAFETY: as above; the hook takes no arguments and reads one flag.
+        let checks =
+            unsafe { culib.get::<unsafe extern "C" fn() -> i32>(b"fake_cuda_checks_races\0") }
+                .is_ok_and(|f| unsafe { f() } != 0);
+        // SAFETY: as above.
+        let declare = unsafe { culib.get::<Declare>(b"fake_cuda_declare_accesses\0") };
+        declare.ok().filter(|_| checks).map(|f| *f)
+    })
 }
 
 /// [`Gpu::upload`] for a range the executor has bounds-checked against a live buffer.

@@ -569,6 +569,9 @@ impl Executor for CudaExecutor {
             // The launches' page tables are written on the cache's stream first (they hold
             // the same bytes every time, so the launches below find them written and the
             // load stream never writes a table another stream reads).
+            // Once per distinct set of tables: a layer-wise transfer's launches all name the
+            // same one.
+            let mut written: Vec<Vec<&KernelArg<'_>>> = Vec::new();
             for op in layers.iter().flatten() {
                 if let LoadOp::Launch {
                     kernel,
@@ -576,7 +579,15 @@ impl Executor for CudaExecutor {
                     args,
                 } = op
                 {
+                    let tables: Vec<&KernelArg<'_>> = args
+                        .iter()
+                        .filter(|a| matches!(a, KernelArg::Table(..)))
+                        .collect();
+                    if tables.is_empty() || written.contains(&tables) {
+                        continue;
+                    }
                     self.prewrite_tables(*kernel, config, args)?;
+                    written.push(tables);
                 }
             }
             // The load reads what was enqueued before it (page lists, allocations, tables).
@@ -768,12 +779,18 @@ impl CudaExecutor {
         for t in &marshalled.tables {
             self.write_table_locked(gpu, &mut st, t)?;
         }
-        for a in marshalled.accesses.iter().filter(|a| a.writes) {
-            self.forget_tables(a.buffer);
+        {
+            // Tables in a buffer the kernel writes are not what was written any more.
+            let mut cache = self.tables();
+            if !cache.is_empty() {
+                for a in marshalled.accesses.iter().filter(|a| a.writes) {
+                    cache.remove(&a.buffer);
+                }
+            }
         }
         let st = &*st;
         let k = st.kernel(kernel)?;
-        if self.emulated {
+        if self.emulated && driver::declares_accesses() {
             let accesses: Vec<[u64; 3]> = marshalled
                 .accesses
                 .iter()
