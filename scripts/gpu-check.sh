@@ -148,16 +148,21 @@ step bench "$bin" bench --backend cuda "${tuning_args[@]}" --json "$out/bench.js
 step replay "$bin" replay --backend cuda --requests 96 --quiet --json "$out/replay.json"
 step replay-dma "$bin" replay --backend cuda --requests 96 --quiet --transfer dma \
   --json "$out/replay-dma.json"
+# Write-back with a small device pool: evictions back pages up on the cache's stream while
+# loads are in flight on the load stream, and loads begin back to back (issue 42's C1 shape).
+step replay-writeback "$bin" replay --backend cuda --requests 48 --quiet --policy write_back \
+  --device-pages 96 --json "$out/replay-writeback.json"
 
 if command -v compute-sanitizer >/dev/null 2>&1; then
   step memcheck compute-sanitizer --tool memcheck --error-exitcode 3 \
     "$bin" bench --check --backend cuda --deployment nsa_ps64_cp8
   # Shared-memory races and barrier misuse where kernels share memory and barriers: the
-  # allocator's one-block kernels (select and release); the others share neither.
+  # allocator's one-block kernels (select and release), and the transfer (its groups of
+  # lanes walk shared work items); the others share neither.
   for tool in racecheck synccheck; do
     step "$tool" compute-sanitizer --tool "$tool" --error-exitcode 3 \
       "$bin" bench --check --backend cuda --deployment nsa_ps64_cp8 \
-      --family select_owner_pages --family release_pages
+      --family select_owner_pages --family release_pages --family transfer_pages
   done
 else
   for tool in memcheck racecheck synccheck; do

@@ -171,6 +171,7 @@ fn a_failing_step_is_reported_and_the_others_still_run() {
         ("bench", "ok"),
         ("replay", "ok"),
         ("replay-dma", "ok"),
+        ("replay-writeback", "ok"),
         ("memcheck", "skipped"),
         ("racecheck", "skipped"),
         ("synccheck", "skipped"),
@@ -369,8 +370,8 @@ fn sanitizer_steps_check_the_allocator_for_races_and_barriers() {
         families,
         [
             vec![],
-            vec!["select_owner_pages", "release_pages"],
-            vec!["select_owner_pages", "release_pages"]
+            vec!["select_owner_pages", "release_pages", "transfer_pages"],
+            vec!["select_owner_pages", "release_pages", "transfer_pages"]
         ]
     );
     for c in calls
