@@ -1711,6 +1711,23 @@ fn race_checker_self_tests() {
     ex.synchronize().unwrap();
     assert_eq!(take_races(), 0, "work ordered by host synchronisations");
 
+    // A CPU read of pinned memory that an unordered copy writes: caught (the executor's read
+    // waits for its own streams, not the engine's); after the engine's stream, not.
+    let pinned = ex.alloc(MemKind::Host, 256, 0).unwrap();
+    let pin = ex.address(pinned).unwrap().ptr;
+    // SAFETY: both ranges are inside live allocations; the stream is live.
+    unsafe { sys::cuMemcpyAsync(pin, addr, 256, engine) }
+        .result()
+        .unwrap();
+    let mut out = [0u8; 256];
+    ex.read(pinned, 0, &mut out).unwrap();
+    assert_eq!(take_races(), 1, "a CPU read of pinned memory a pending copy writes");
+    // SAFETY: a live stream.
+    unsafe { sys::cuStreamSynchronize(engine) }.result().unwrap();
+    ex.read(pinned, 0, &mut out).unwrap();
+    assert_eq!(take_races(), 0, "a CPU read after the copy");
+    ex.free(pinned).unwrap();
+
     // A free of memory that unordered work still writes: caught.
     // SAFETY: plain driver calls on this context; the memory is freed once.
     unsafe {

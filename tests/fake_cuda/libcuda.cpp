@@ -821,6 +821,22 @@ extern "C" void fake_cuda_declare_accesses(const uint64_t* triples, size_t n) {
   t_has_declared = true;
 }
 
+// The host is about to read (write) `n` bytes of pinned memory at `p` from the CPU: work that
+// touches them and that the host has not seen complete is a race.
+extern "C" void fake_cuda_host_access(uint64_t p, uint64_t n, int write) {
+  auto& state = sched::st();
+  if (!state.check || n == 0) return;
+  std::vector<void*> site = sched::capture();
+  std::lock_guard<std::mutex> g(state.mu);
+  uint64_t id = ++state.next_id;
+  state.host.set(sched::HOST, id);
+  auto info = std::make_shared<sched::Info>(
+      sched::Info{id, sched::HOST, write ? "a CPU write of pinned memory" : "a CPU read of pinned memory",
+                  std::move(site)});
+  sched::check({(uintptr_t)p, (size_t)n, write != 0, false}, sched::Epoch{sched::HOST, id, info},
+               state.host);
+}
+
 // Whether the race checker wants launches' accesses (not under FAKE_CUDA_RACES=off).
 extern "C" int fake_cuda_checks_races(void) { return sched::st().check ? 1 : 0; }
 

@@ -303,6 +303,7 @@ impl Gpu {
         }
         self.bind()?;
         let (ring, start) = staging.reserve(self, data.len())?;
+        host_access(ring.host as u64 + start as u64, data.len(), true);
         // SAFETY: `reserve` returned `data.len()` bytes inside `ring` that no copy in flight
         // reads, and the executor's lock excludes other CPU access.
         let src = unsafe {
@@ -793,6 +794,7 @@ impl PinnedMem {
     ) -> Result<(), String> {
         check_inside(offset, data.len(), self.len)?;
         gpu.synchronize()?;
+        host_access(self.host as u64 + offset as u64, data.len(), true);
         // SAFETY: the range is inside the allocation (checked above), `&mut self` excludes
         // other CPU access, and the stream is idle, so no kernel touches the mapping.
         unsafe {
@@ -818,6 +820,7 @@ impl PinnedMem {
         }
         gpu.synchronize()?;
         for &(offset, len) in ranges {
+            host_access(self.host as u64 + offset, len as usize, true);
             // SAFETY: as in `write_after`: inside the allocation, no other CPU access, and
             // the stream is idle.
             unsafe {
@@ -841,6 +844,7 @@ impl PinnedMem {
     ) -> Result<(), String> {
         check_inside(offset, out.len(), self.len)?;
         gpu.synchronize()?;
+        host_access(self.host as u64 + offset as u64, out.len(), false);
         // SAFETY: the range is inside the allocation (checked above) and the stream is idle,
         // so no kernel writes the mapping while it is copied.
         unsafe {
@@ -917,6 +921,27 @@ pub(crate) fn declares_accesses() -> bool {
 }
 
 type Declare = unsafe extern "C" fn(*const u64, usize);
+type HostAccess = unsafe extern "C" fn(u64, u64, i32);
+
+/// Tells the stand-in's race checker that the host is about to read (or write) `len` bytes
+/// of pinned memory at `addr`: work still in flight on them is a race. A real driver has no
+/// such hook (nothing is called).
+pub(crate) fn host_access(addr: u64, len: usize, write: bool) {
+    static HOOK: std::sync::OnceLock<Option<HostAccess>> = std::sync::OnceLock::new();
+    let hook = HOOK.get_or_init(|| {
+        declare_hook()?;
+        // SAFETY: as in `declare_hook`: a symbol of the driver library cudarc loaded.
+        let culib = unsafe { sys::culib() };
+        // SAFETY: as above.
+        unsafe { culib.get::<HostAccess>(b"fake_cuda_host_access\0") }
+            .ok()
+            .map(|f| *f)
+    });
+    if let Some(f) = hook {
+        // SAFETY: the hook only records the range; it dereferences nothing.
+        unsafe { f(addr, len as u64, i32::from(write)) }
+    }
+}
 
 fn declare_hook() -> Option<Declare> {
     static HOOK: std::sync::OnceLock<Option<Declare>> = std::sync::OnceLock::new();
