@@ -1721,9 +1721,15 @@ fn race_checker_self_tests() {
         .unwrap();
     let mut out = [0u8; 256];
     ex.read(pinned, 0, &mut out).unwrap();
-    assert_eq!(take_races(), 1, "a CPU read of pinned memory a pending copy writes");
+    assert_eq!(
+        take_races(),
+        1,
+        "a CPU read of pinned memory a pending copy writes"
+    );
     // SAFETY: a live stream.
-    unsafe { sys::cuStreamSynchronize(engine) }.result().unwrap();
+    unsafe { sys::cuStreamSynchronize(engine) }
+        .result()
+        .unwrap();
     ex.read(pinned, 0, &mut out).unwrap();
     assert_eq!(take_races(), 0, "a CPU read after the copy");
     ex.free(pinned).unwrap();
@@ -1895,9 +1901,17 @@ fn serving_makes_no_context_wide_synchronisation() {
         let mut req = me.begin_allocated(&prompt).unwrap();
         let v = me.synthesise_and_verify(&mut req).unwrap();
         assert_eq!(v.all.count, 0, "step {step}");
+        // The engine hands its stream to extend and finish (P5): the cache's backups wait on
+        // the device for its forward, with no host synchronisation.
+        let waits = driver_count(b"fake_cuda_cross_stream_waits");
+        // SAFETY: a live stream of the context.
+        unsafe { me.follow_engine_stream(engine as u64) }.unwrap();
         me.extend(&mut req, &tokens(40 + step, 16 + 3)).unwrap();
         me.synthesise(&mut req).unwrap();
+        // SAFETY: as above.
+        unsafe { me.follow_engine_stream(engine as u64) }.unwrap();
         me.finish(&mut req).unwrap();
+        assert!(driver_count(b"fake_cuda_cross_stream_waits") - waits >= 2);
         let n = 2 + step as usize;
         let (src, dst): (Vec<u32>, Vec<u32>) = (0..n as u32).map(|i| (i, 7 - i)).unzip();
         // SAFETY: the memory and the stream live across the call.

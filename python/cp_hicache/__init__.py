@@ -59,6 +59,13 @@ __all__ = [
 Tokens = Union[Sequence[int], np.ndarray]
 
 
+def _maybe_stream(stream: Any) -> Optional[int]:
+    """The raw ``CUstream`` handle of an engine's stream object, or ``None``."""
+    from .ops import _stream_handle
+
+    return None if stream is None else _stream_handle(stream)
+
+
 def _u32_bytes(values: Tokens, what: str) -> bytes:
     """Token or page ids as little-endian u32 bytes: a sequence of ints or a one-dimensional
     array of a signed or unsigned integer dtype, every value within u32. Anything else is a
@@ -393,7 +400,7 @@ class RankCache:
         by this rank. SGLang: ``match_prefix`` + ``init_load_back``."""
         return Request(self._native.begin(_u32_bytes(tokens, "tokens"), allocate, chunk))
 
-    def extend(self, request: Request, tokens: Tokens) -> None:
+    def extend(self, request: Request, tokens: Tokens, stream: Any = None) -> None:
         """Adds ``tokens`` to an open request: the next prefill chunk, or decode tokens.
         Its forward has written every token so far; in one group round the whole pages
         written so far go into the cache unfinished (locked by the request, backed up per
@@ -401,8 +408,11 @@ class RankCache:
         pages for the tokens past it are allocated. Where another request inserted the same
         tokens first, the request takes the cache's pages: read :attr:`Request.pages` again.
         The next forward writes tokens from :attr:`Request.computed_from` on. A step that
-        fails on any rank leaves the request as it was."""
-        self._native.extend(request._native, _u32_bytes(tokens, "tokens"))
+        fails on any rank leaves the request as it was. With ``stream`` (the engine's CUDA
+        stream, as for :meth:`Request.wait_layer`), the cache's work, the backups of the
+        pages written included, first waits on the device for the engine's work there, so
+        the engine need not synchronise its stream before the call."""
+        self._native.extend(request._native, _u32_bytes(tokens, "tokens"), _maybe_stream(stream))
 
     def synthesise(self, request: Request) -> None:
         """Writes synthesised KV for this rank's share of the tokens from
@@ -427,18 +437,22 @@ class RankCache:
         harness. Returns the mismatched tokens."""
         return self._native.synthesise_and_verify(request._native)
 
-    def finish(self, request: Request, ok: bool = True) -> Optional[Dict[str, Any]]:
+    def finish(
+        self, request: Request, ok: bool = True, stream: Any = None
+    ) -> Optional[Dict[str, Any]]:
         """Ends a request on every rank, in one group round.
 
         With ``ok=True`` (this rank's forward wrote its pages, and its stream was
-        synchronised): inserts the request's pages, backs them up per the write policy and
+        synchronised, or handed in as ``stream``: the engine's CUDA stream, as for
+        :meth:`Request.wait_layer`, on which the cache's work then waits on the device
+        before the backups copy the pages): inserts the request's pages, backs them up per the write policy and
         releases its locks; returns its statistics. If another rank said ``ok=False``, every
         rank abandons the request instead and this raises :class:`RequestAbandoned` naming
         it. With ``ok=False`` (this rank's forward failed): every rank abandons the request;
         returns ``None``. Nothing is freed or poisoned before every rank has reached this
         call, so a slow peer can still read the request's pages until then. SGLang:
         ``cache_finished_req``, ``write_backup``, ``dec_lock_ref``."""
-        return self._native.finish(request._native, ok)
+        return self._native.finish(request._native, ok, _maybe_stream(stream))
 
     def abandon(self, request: Request) -> None:
         """Gives a request up on every rank (``finish(request, ok=False)``): unlocks its

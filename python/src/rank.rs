@@ -937,15 +937,35 @@ impl RankCache {
 
     /// Adds tokens to an open request (the next prefill chunk, decode tokens): inserts the
     /// whole pages written so far unfinished, keeps the partial page, allocates the pages
-    /// past it. One round.
-    fn extend(&self, py: Python<'_>, req: &Request, tokens: &[u8]) -> PyResult<()> {
+    /// past it. One round. With `stream` (the engine's raw `CUstream`, checked by the
+    /// wrapper), the cache's work (the backups of the pages written) first waits on the
+    /// device for the engine's work on it.
+    #[pyo3(signature = (req, tokens, stream=None))]
+    fn extend(
+        &self,
+        py: Python<'_>,
+        req: &Request,
+        tokens: &[u8],
+        stream: Option<u64>,
+    ) -> PyResult<()> {
         self.owns(req)?;
         let tokens = ids(tokens, "tokens")?;
         if tokens.is_empty() {
             return Err(usage("extend needs at least one token"));
         }
+        self.follow(py, stream)?;
         self.with(py, |r| r.extend(&mut req.lock(), &tokens))?
             .map_err(cluster)
+    }
+
+    /// Orders the cache's stream after the engine's `stream` (a device-side wait; nothing
+    /// on the CPU).
+    fn follow(&self, py: Python<'_>, stream: Option<u64>) -> PyResult<()> {
+        let Some(s) = stream else { return Ok(()) };
+        // SAFETY: the engine hands in a live stream of the cache's device context (`finish`
+        // and `extend` say so, as `Request.wait_layer` does).
+        self.with(py, |r| unsafe { r.follow_engine_stream(s) })?
+            .map_err(to_py)
     }
 
     /// Synthesises this rank's share of the tokens from `computed_from` on (a forward's
@@ -981,9 +1001,18 @@ impl RankCache {
     /// forward failed): every rank abandons it; returns None. Nothing is freed before every
     /// rank has reached this call. SGLang: `cache_finished_req`, `write_backup`,
     /// `dec_lock_ref`.
-    #[pyo3(signature = (req, ok = true))]
-    fn finish(&self, py: Python<'_>, req: &Request, ok: bool) -> PyResult<Option<Py<PyAny>>> {
+    /// With `stream`, the cache's work first waits on the device for the engine's work on
+    /// it (its forward's writes), instead of the engine synchronising its stream first.
+    #[pyo3(signature = (req, ok = true, stream = None))]
+    fn finish(
+        &self,
+        py: Python<'_>,
+        req: &Request,
+        ok: bool,
+        stream: Option<u64>,
+    ) -> PyResult<Option<Py<PyAny>>> {
         self.owns(req)?;
+        self.follow(py, stream)?;
         let ending = if ok {
             self.with(py, |r| r.finish(&mut req.lock()))?
                 .map(Some)
@@ -1028,9 +1057,10 @@ impl RankCache {
 
     /// Waits on the host until every copy and kernel this rank's cache enqueued has run.
     /// On a GPU the cache works on its own stream: an engine whose kernels run on another
-    /// stream calls this before reading pages the cache loaded (after `begin`), and
-    /// synchronises its own stream before `finish` backs up pages it wrote. Immediate on the
-    /// CPU, where every call has run when it returns.
+    /// stream calls this before reading pages the cache loaded (after `begin`), unless it
+    /// waits per layer with `Request.wait_layer(l, stream=)`; before `finish` backs up pages
+    /// it wrote, it hands its stream to `finish(stream=)` (or synchronises it). Immediate on
+    /// the CPU, where every call has run when it returns.
     fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
         self.with(py, |r| r.executor().synchronize())?
             .map_err(to_py)

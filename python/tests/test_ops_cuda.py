@@ -202,3 +202,62 @@ def test_cuda_ops_run_on_the_callers_memory_and_stream(tmp_path):
     assert r["released"], r
     assert r["no_outputs"] and "writes into out_pages" in r["no_outputs"], r
     assert r["pages_only"], r
+
+
+# An engine's loop on the stand-in: a RankCache on the CUDA backend whose forward's stream is
+# handed to extend and finish, so the backups wait for it on the device (no host sync).
+ENGINE_SCRIPT = textwrap.dedent(
+    """
+    import ctypes, json
+    import cp_hicache
+
+    dep = cp_hicache.Deployment(model="mla", page_size=16, cp=1, layers=2)
+    rc = cp_hicache.RankCache(dep, device_pages=32, host_pages=64, backend="cuda")
+    cu = ctypes.CDLL("libcuda.so")
+    for hook in ("fake_cuda_cross_stream_waits", "fake_cuda_ctx_syncs", "fake_cuda_races"):
+        getattr(cu, hook).restype = ctypes.c_ulonglong
+    stream = ctypes.c_void_p()
+    assert cu.cuStreamCreate(ctypes.byref(stream), 1) == 0
+    before = (cu.fake_cuda_cross_stream_waits(), cu.fake_cuda_ctx_syncs())
+    req = rc.begin(list(range(40)), allocate=True)
+    rc.synthesise(req)
+    rc.extend(req, list(range(40, 60)), stream=stream.value)
+    rc.synthesise(req)
+    stats = rc.finish(req, stream=stream.value)
+    again = rc.begin(list(range(60)), allocate=True)
+    mismatched = rc.synthesise_and_verify(again)
+    rc.finish(again)
+    try:
+        rc.finish(again, stream="not a stream")
+        refused = None
+    except cp_hicache.UsageError as e:
+        refused = str(e)
+    print(json.dumps({
+        "waits": cu.fake_cuda_cross_stream_waits() - before[0],
+        "ctx_syncs": cu.fake_cuda_ctx_syncs() - before[1],
+        "races": cu.fake_cuda_races(),
+        "cached": again.cached_pages,
+        "mismatched": mismatched,
+        "refused": refused,
+    }))
+    """
+)
+
+
+def test_finish_and_extend_order_the_cache_after_the_engines_stream(tmp_path):
+    lib = stand_in_driver(tmp_path)
+    env = dict(os.environ, LD_LIBRARY_PATH=f"{lib}:{os.environ.get('LD_LIBRARY_PATH', '')}")
+    env.setdefault("CP_HICACHE_CACHE_DIR", str(tmp_path / "jit"))
+    env["FAKE_CUDA_SCHED"] = "adversarial"
+    out = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    import json
+
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    # One wait of the cache's stream on the engine's for extend, one for finish.
+    assert r["waits"] >= 2, r
+    assert r["ctx_syncs"] == 0, r
+    assert r["races"] == 0, r
+    assert r["cached"] > 0 and r["mismatched"] == 0, r
+    assert r["refused"] and "stream=" in r["refused"], r

@@ -723,6 +723,23 @@ impl RankCache {
         self.layer_waits = on;
     }
 
+    /// Makes the cache's work from now on wait, on the device, for the work the engine has
+    /// enqueued so far on its `stream` (a raw `CUstream`): what an engine hands to `finish`
+    /// and `extend` so that the backups of the pages its forward wrote copy what it wrote,
+    /// with no host synchronisation. Executors that run every call before it returns (the
+    /// host executor) have nothing to order.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of the cache's device context (or 0, the legacy
+    /// default stream): the driver dereferences the handle.
+    pub unsafe fn follow_engine_stream(&self, stream: u64) -> Result<(), crate::exec::ExecError> {
+        if self.exec.backend() != crate::exec::Backend::Cuda {
+            return Ok(());
+        }
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.exec.follow_stream(stream) }
+    }
+
     /// Whether loads go layer by layer for readers that wait per layer
     /// ([`RankCache::set_layer_waits`]).
     pub fn layer_waits(&self) -> bool {
