@@ -706,7 +706,8 @@ fn cache_on_the_gpu(model: ModelShape, page_size: u32, cp: u8, path: TransferPat
     assert_eq!(live_allocations(), 0, "the cluster leaked driver memory");
 }
 
-/// `cp-hicache info` describes the device and what `--backend auto` picks.
+/// `cp-hicache info` describes the device, where its pinned host memory goes (the stand-in's
+/// PCI bus id, whose sysfs entry here has no NUMA node), and what `--backend auto` picks.
 fn info_names_the_device() {
     let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
         .arg("info")
@@ -716,8 +717,12 @@ fn info_names_the_device() {
     assert!(out.status.success(), "{text}");
     assert!(
         text.contains(
-            "Fake H200 (cp-hicache test driver), compute capability 9.0, kernels for sm_90"
+            "Fake H200 (cp-hicache test driver), compute capability 9.0, PCI 0000:00:00.0, "
         ),
+        "{text}"
+    );
+    assert!(
+        text.contains("NUMA node") && text.contains("kernels for sm_90"),
         "{text}"
     );
     assert!(

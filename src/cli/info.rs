@@ -178,8 +178,17 @@ fn cuda_detail(devices: usize) -> String {
     let first = match crate::exec::cuda::CudaExecutor::new(0) {
         Ok(gpu) => match gpu.compute_capability() {
             Some((major, minor)) => format!(
-                "; device 0: {}, compute capability {major}.{minor}, kernels for {}",
+                "; device 0: {}, compute capability {major}.{minor}, {}, kernels for {}",
                 gpu.device_name(),
+                match gpu.host_numa() {
+                    (Some(bus), Some(node)) => {
+                        format!("PCI {bus}, pinned host memory on NUMA node {node}")
+                    }
+                    (Some(bus), None) => {
+                        format!("PCI {bus}, no NUMA node known (host memory not bound)")
+                    }
+                    _ => "no PCI bus id (host memory not bound)".to_string(),
+                },
                 match crate::jit::target_for(&gpu, crate::jit::Arch::default(), Default::default())
                 {
                     Err(_) => "no supported target".into(),

@@ -317,6 +317,14 @@ CUresult cuDeviceGet(CUdevice* d, int ordinal) {
   *d = 0;
   return OK;
 }
+// Test hook: FAKE_CUDA_PCI_BUS_ID (default 0000:00:00.0).
+CUresult cuDeviceGetPCIBusId(char* id, int len, CUdevice d) {
+  if (d != 0) return INVALID_DEVICE;
+  if (!id || len <= 0) return INVALID_VALUE;
+  const char* b = getenv("FAKE_CUDA_PCI_BUS_ID");
+  snprintf(id, (size_t)len, "%s", b ? b : "0000:00:00.0");
+  return OK;
+}
 CUresult cuDeviceGetName(char* name, int len, CUdevice d) {
   if (d != 0) return INVALID_DEVICE;
   snprintf(name, (size_t)len, "Fake H200 (cp-hicache test driver)");

@@ -44,6 +44,9 @@ pub(crate) struct Gpu {
     /// Layer-wise loads run here, at the context's greatest priority, so that a load does
     /// not queue behind a model's kernels launched earlier.
     load: Arc<CudaStream>,
+    /// The device's PCI bus id, and the NUMA node it hangs off (where the pinned host pool
+    /// is allocated), where known.
+    place: Arc<(Option<String>, Option<u32>)>,
 }
 
 /// Whether copy batches go out as `cuMemcpyBatchAsync`: the driver exports it (CUDA 12.8+;
@@ -78,7 +81,28 @@ impl Gpu {
         let load = ctx
             .new_stream_with_priority(greatest)
             .map_err(err("cuStreamCreateWithPriority"))?;
-        Ok(Gpu { ctx, stream, load })
+        let mut id = [0 as std::ffi::c_char; 32];
+        // SAFETY: `id` holds 32 bytes, which the driver fills with a NUL-terminated string.
+        let bus_id = unsafe { sys::cuDeviceGetPCIBusId(id.as_mut_ptr(), 32, ctx.cu_device()) }
+            .result()
+            .ok()
+            // SAFETY: NUL-terminated by the driver (and by the zeroed array's last byte).
+            .map(|()| unsafe { std::ffi::CStr::from_ptr(id.as_ptr()) })
+            .map(|s| s.to_string_lossy().into_owned());
+        let node = bus_id
+            .as_deref()
+            .and_then(|b| super::numa::node_of(b, std::path::Path::new("/sys")));
+        Ok(Gpu {
+            ctx,
+            stream,
+            load,
+            place: Arc::new((bus_id, node)),
+        })
+    }
+
+    /// The device's PCI bus id and its NUMA node, where known.
+    pub(crate) fn place(&self) -> (Option<String>, Option<u32>) {
+        (*self.place).clone()
     }
 
     /// This context with the load stream as the stream work goes to.
@@ -87,6 +111,7 @@ impl Gpu {
             ctx: Arc::clone(&self.ctx),
             stream: Arc::clone(&self.load),
             load: Arc::clone(&self.load),
+            place: Arc::clone(&self.place),
         }
     }
 
@@ -265,9 +290,12 @@ impl Gpu {
     pub(crate) fn alloc_host(&self, len: usize, fill: u8) -> Result<PinnedMem, String> {
         self.bind()?;
         let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
+        // On the GPU's NUMA node: the driver touches and pins the pages in the call.
+        let preferred = self.place.1.and_then(super::numa::prefer);
         // SAFETY: the context is current; a zero-byte request is rounded up to one byte.
-        let host =
-            unsafe { result::malloc_host(len.max(1), flags) }.map_err(err("cuMemHostAlloc"))?;
+        let host = unsafe { result::malloc_host(len.max(1), flags) };
+        drop(preferred);
+        let host = host.map_err(err("cuMemHostAlloc"))?;
         let mut mem = PinnedMem {
             host,
             dev: 0,

@@ -26,6 +26,7 @@
 //! later work after it only through its events.
 
 mod driver;
+mod numa;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -198,6 +199,12 @@ impl CudaExecutor {
     /// The device ordinal this executor drives.
     pub fn ordinal(&self) -> usize {
         self.ordinal
+    }
+
+    /// The device's PCI bus id and the NUMA node it hangs off, where known: pinned host
+    /// memory (the host pools, staging) is allocated on that node (`info` says so).
+    pub fn host_numa(&self) -> (Option<String>, Option<u32>) {
+        self.gpu.place()
     }
 }
 
