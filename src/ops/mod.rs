@@ -215,8 +215,9 @@ impl Adopted<'_> {
 
 impl Drop for Adopted<'_> {
     fn drop(&mut self) {
-        // The launches are done with the memory before it is forgotten.
-        let _ = self.exec.synchronize();
+        // No wait: the launches took the adopted addresses by value, and the tables and
+        // scratch go back to the driver only once the executor's streams are past them
+        // (`Executor::free`).
         for &id in &self.ids {
             let _ = self.exec.free(id);
         }
@@ -300,7 +301,8 @@ impl Ops {
     /// Runs `op` in order with the caller's `stream` (a raw `CUstream` handle on CUDA):
     /// the executor's stream first waits for the work the caller enqueued on `stream` so far,
     /// and `stream` then waits for the op's work, both on the device (events), never on the
-    /// host. `None` runs in the executor's own order (the host backend has no other).
+    /// host. `None` runs in the executor's own order (the host backend has no other), and
+    /// the op has run when this returns (a host synchronisation of the executor's streams).
     ///
     /// # Safety
     /// `stream` must be a live stream of the executor's context.
@@ -310,7 +312,9 @@ impl Ops {
         op: impl FnOnce(&Ops) -> Result<T, OpsError>,
     ) -> Result<T, OpsError> {
         let Some(s) = stream else {
-            return op(self);
+            let out = op(self)?;
+            self.exec.synchronize()?;
+            return Ok(out);
         };
         // SAFETY: the caller's contract.
         unsafe { self.exec.follow_stream(s) }?;
