@@ -1377,19 +1377,11 @@ impl StreamCounts {
 fn loads_run_on_a_prioritised_stream_of_their_own() {
     let gpu: Arc<dyn Executor> = Arc::new(CudaExecutor::new(0).unwrap());
     let layers = 8u32;
-    let mut config = rank_config(Deployment::new(ModelShape::MlaBf16, 16, 1).unwrap());
-    config.layers = layers;
-    let group = cp_hicache::group::LocalGroup::members(1, Duration::from_secs(60))
-        .pop()
-        .unwrap();
-    let mut me = RankCache::new(
-        config,
-        gpu.clone(),
-        &jit(),
-        Box::new(group),
-        PeerAccess::Direct,
-    )
-    .unwrap();
+    let mut me = one_rank(
+        &gpu,
+        Deployment::new(ModelShape::MlaBf16, 16, 1).unwrap(),
+        layers,
+    );
     let prompt = tokens(7, 4 * 16);
     me.serve(&prompt).unwrap();
 
@@ -1595,6 +1587,23 @@ fn ops_on_the_callers_memory_and_stream() {
         .unwrap();
     exec.free(dev).unwrap();
     exec.free(host).unwrap();
+}
+
+/// A one-rank cache (`PeerAccess::Direct`, a local group of one) of `layers` layers on `gpu`.
+fn one_rank(gpu: &Arc<dyn Executor>, dep: Deployment, layers: u32) -> RankCache {
+    let mut config = rank_config(dep);
+    config.layers = layers;
+    let group = cp_hicache::group::LocalGroup::members(1, Duration::from_secs(60))
+        .pop()
+        .unwrap();
+    RankCache::new(
+        config,
+        gpu.clone(),
+        &jit(),
+        Box::new(group),
+        PeerAccess::Direct,
+    )
+    .unwrap()
 }
 
 /// The race checker (tests/fake_cuda/streams.h) and the three stream races of issue 42, under
@@ -1820,19 +1829,7 @@ fn back_to_back_loads_keep_their_page_ids() {
         let layers = 4u32;
         let mut dep = Deployment::new(ModelShape::MlaBf16, 16, 1).unwrap();
         dep.transfer_path = path;
-        let mut config = rank_config(dep);
-        config.layers = layers;
-        let group = cp_hicache::group::LocalGroup::members(1, Duration::from_secs(60))
-            .pop()
-            .unwrap();
-        let mut me = RankCache::new(
-            config,
-            gpu.clone(),
-            &jit(),
-            Box::new(group),
-            PeerAccess::Direct,
-        )
-        .unwrap();
+        let mut me = one_rank(&gpu, dep, layers);
         let (a, b) = (tokens(21, 6 * 16), tokens(22, 5 * 16));
         for p in [&a, &b] {
             let s = me.serve(p).unwrap();
@@ -1870,19 +1867,11 @@ fn serving_makes_no_context_wide_synchronisation() {
     use cp_hicache::kernels::{BufferKind, Direction};
     use cp_hicache::ops::{Ops, Region, Tensors};
     let gpu: Arc<dyn Executor> = Arc::new(CudaExecutor::new(0).unwrap());
-    let mut config = rank_config(Deployment::new(ModelShape::MlaBf16, 16, 1).unwrap());
-    config.layers = 4;
-    let group = cp_hicache::group::LocalGroup::members(1, Duration::from_secs(60))
-        .pop()
-        .unwrap();
-    let mut me = RankCache::new(
-        config,
-        gpu.clone(),
-        &jit(),
-        Box::new(group),
-        PeerAccess::Direct,
-    )
-    .unwrap();
+    let mut me = one_rank(
+        &gpu,
+        Deployment::new(ModelShape::MlaBf16, 16, 1).unwrap(),
+        4,
+    );
     let dep = Deployment::new(ModelShape::MlaBf16, 16, 1).unwrap();
     let ops = Ops::warm_up(dep, 4, gpu.clone(), &jit(), Sanitize::None).unwrap();
     let pb = BufferKind::MlaKv.page_bytes(16);
@@ -1985,19 +1974,11 @@ fn submission_cost_per_layer() {
     assert_eq!(std::env::var(CHILD_ENV).as_deref(), Ok("1"));
     let begin_ms = |layers: u32| {
         let gpu: Arc<dyn Executor> = Arc::new(CudaExecutor::new(0).unwrap());
-        let mut config = rank_config(Deployment::new(ModelShape::Nsa, 64, 1).unwrap());
-        config.layers = layers;
-        let group = cp_hicache::group::LocalGroup::members(1, Duration::from_secs(60))
-            .pop()
-            .unwrap();
-        let mut me = RankCache::new(
-            config,
-            gpu.clone(),
-            &jit(),
-            Box::new(group),
-            PeerAccess::Direct,
-        )
-        .unwrap();
+        let mut me = one_rank(
+            &gpu,
+            Deployment::new(ModelShape::Nsa, 64, 1).unwrap(),
+            layers,
+        );
         let prompt = tokens(51, 8 * 64);
         me.serve(&prompt).unwrap();
         me.set_layer_waits(true);
