@@ -457,7 +457,7 @@ impl Collective for Liar {
 }
 
 /// A group that lies is not believed (issue 30, item 7): a 5-byte digest, an oversized
-/// verification bitmap or an end flag that is neither 0 nor 1 aborts the group with an error
+/// verification bitmap or an end's mode that is not a mode aborts the group with an error
 /// naming the rank and the round, instead of becoming a zero digest or a wrong verdict.
 #[test]
 fn malformed_answers_from_the_group_abort_it() {
@@ -465,7 +465,13 @@ fn malformed_answers_from_the_group_abort_it() {
     let cases: [Case; 3] = [
         ("digests", |b| b.truncate(5), "rank 1 sent a 5-byte digest"),
         ("verified", |b| b.extend([0u8; 4000]), "-byte bitmap for"),
-        ("end", |b| b[0] = 7, "not an ok flag and a decision digest"),
+        // A step's report: a 32-byte digest, the operation count, then per operation its
+        // mode (0, 1 or 2) and status.
+        (
+            "end outcome",
+            |b| b[36] = 7,
+            "not a step report of 1 operations",
+        ),
     ];
     for (round, corrupt, want) in cases {
         let out = on_ranks(2, move |r, m| {

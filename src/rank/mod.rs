@@ -66,7 +66,8 @@ pub use live::LiveShape;
 pub use load::LoadHandle;
 pub use pools::{PeerAccess, PoolGeometry, Pools};
 pub use prefetch::PREFETCH_BYTES;
-pub use request::{Ending, Request};
+use request::StorageRead;
+pub use request::{Ending, Request, Step, StepOutcome};
 use rollback::{Freed, DIGEST};
 pub use stats::{RequestStats, RollbackDrops, RANK_COUNTS};
 pub use storage::{StoragePolicy, STORAGE_ROUND};
@@ -126,6 +127,11 @@ pub struct RankCache {
     prefetcher: Option<prefetch::Prefetcher>,
     /// Whether a load's reader waits for each layer ([`RankCache::set_layer_waits`]).
     layer_waits: bool,
+    /// A digest chained over the steps decided without a round since the last one
+    /// ([`RankCache::step`]): the next decision digest covers them.
+    unagreed: Vec<u8>,
+    /// Steps called so far: names a batch's rounds.
+    steps: u64,
 }
 
 /// The name of a group's first round (every rank's configuration, host capacity and pool
@@ -360,6 +366,8 @@ impl RankCache {
             storage: None,
             prefetcher: None,
             layer_waits: false,
+            unagreed: Vec::new(),
+            steps: 0,
         })
     }
 
@@ -904,7 +912,7 @@ impl RankCache {
             return Ok(RequestStats::default());
         }
         // No fence after the load: compute_and_verify synchronises before its first round.
-        let mut req = self.begin_inner(tokens, n, panic_here, false)?;
+        let mut req = self.begin_inner(tokens, n, panic_here, false, StorageRead::Round)?;
         self.allocate_inner(&mut req)?;
         // 4-5. Synthesise the computed pages this rank owns, materialise everything from the
         // owners' pools, verify against the synthesised KV.

@@ -66,7 +66,10 @@ impl RankCache {
                 let note = std::mem::take(&mut self.outcome_note);
                 mine.extend(note);
                 let round = format!("{what} outcome");
-                match self.group.all_gather(&round, &mine) {
+                let gathered = self.group.all_gather(&round, &mine);
+                // Whatever the outcome, the roundless steps before it were compared.
+                self.unagreed.clear();
+                match gathered {
                     Ok(mut all) => {
                         self.check_round(&round, &all, |_, b| {
                             (b.len() < DIGEST || (b.len() - DIGEST) % 8 != 0).then(|| {
@@ -175,6 +178,8 @@ impl RankCache {
             }
         }
         h.update(self.tree.summary_digest().0);
+        // Steps decided without a round since the last one ride on this one.
+        h.update(&self.unagreed);
         h.finalize().to_vec()
     }
 

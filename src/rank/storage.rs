@@ -379,19 +379,44 @@ impl RankCache {
         n: usize,
         stats: &mut RequestStats,
     ) -> Result<Option<NodeId>, ClusterError> {
-        let Some(tier) = &self.storage else {
+        let Some(mut probe) = self.probe_storage(key, matched, stats) else {
             return Ok(None);
         };
+        let round = format!("request {n} storage");
+        let all = self
+            .group
+            .all_gather(&round, &(probe.run as u32).to_le_bytes())?;
+        self.check_round(&round, &all, |_, b| {
+            (b.len() != 4).then(|| format!("{} bytes, not a page count", b.len()))
+        })?;
+        probe.agree(
+            all.iter()
+                .map(|b| u32::from_le_bytes(b[..4].try_into().expect("checked: 4 bytes")) as usize),
+            self.layout.granule() as usize,
+        );
+        self.install_storage_run(key, matched, parent, &probe, stats)
+    }
+
+    /// This rank's records of `key`'s pages past the first `matched`, up to its first miss
+    /// or refusal, read in one batch; `None` without a store or when nothing is left to
+    /// read (which every rank knows alike). Changes no replicated state: the group agrees on
+    /// the run ([`StorageRun::agree`]) before anything is installed.
+    pub(super) fn probe_storage(
+        &self,
+        key: &[u32],
+        matched: usize,
+        stats: &mut RequestStats,
+    ) -> Option<StorageRun> {
+        let tier = self.storage.as_ref()?;
         let store = tier.store.clone();
         let ps = self.layout.page_size() as usize;
         let total = key.len() / ps;
         if total <= matched {
-            return Ok(None);
+            return None;
         }
         let keys = RecordKey::chain(store.fingerprint(), key, ps as u32);
         let (layout, cp) = (self.config.deployment.layout, self.layout.cp());
         let owners = layout.owners(cp, matched, total - matched);
-        // This rank's records, in one batch, up to its first miss or refusal.
         let me = self.rank.0;
         let mut payloads = Vec::new();
         let mut run = owners.len();
@@ -411,35 +436,52 @@ impl RankCache {
                 }
             }
         }
-        let round = format!("request {n} storage");
-        let all = self.group.all_gather(&round, &(run as u32).to_le_bytes())?;
-        self.check_round(&round, &all, |_, b| {
-            (b.len() != 4).then(|| format!("{} bytes, not a page count", b.len()))
-        })?;
-        let granule = self.layout.granule() as usize;
-        let agreed = all
-            .iter()
-            .map(|b| u32::from_le_bytes(b[..4].try_into().expect("checked: 4 bytes")) as usize)
-            .min()
-            .unwrap_or(0)
-            .min(owners.len())
-            / granule
-            * granule;
-        if agreed == 0 {
+        Some(StorageRun {
+            matched,
+            run,
+            agreed: 0,
+            owners,
+            payloads,
+        })
+    }
+
+    /// Installs the agreed part of `probe` past the first `matched` pages of `key` (the
+    /// tree's match now, which earlier steps of a batch may have moved) as a host-only
+    /// leaf under `parent`; `None` when nothing agreed is left past `matched`, when the
+    /// probe started past `matched` (the pages between were not read), or when the run
+    /// does not fit in the host pools. Every input is replicated, so every rank installs
+    /// the same leaf.
+    pub(super) fn install_storage_run(
+        &mut self,
+        key: &[u32],
+        matched: usize,
+        parent: NodeId,
+        probe: &StorageRun,
+        stats: &mut RequestStats,
+    ) -> Result<Option<NodeId>, ClusterError> {
+        let end = probe.matched + probe.agreed;
+        if matched < probe.matched || end <= matched {
             return Ok(None);
         }
-        let owners = owners[..agreed].to_vec();
+        let ps = self.layout.page_size() as usize;
+        let me = self.rank.0;
+        // The owners the records were read for (a layout's owners of a run depend on its
+        // length, so they are the probe's, not recomputed); this rank's payloads start at
+        // the probe's first page.
+        let (from, to) = (matched - probe.matched, end - probe.matched);
+        let skip = probe.owners[..from].iter().filter(|&&o| o == me).count();
+        let owners = probe.owners[from..to].to_vec();
         if !self.make_host_room(&owners, stats)? {
             stats.storage_reads_skipped += 1;
             return Ok(None);
         }
         let mine = owners.iter().filter(|&&o| o == me).count();
         let host_pages = self.host.alloc(mine)?;
-        for (page, payload) in host_pages.iter().zip(&payloads) {
+        for (page, payload) in host_pages.iter().zip(&probe.payloads[skip..]) {
             self.write_host_page(*page, payload)?;
         }
         let meta = NodeMetadata::new(&self.layout, self.rank, owners, host_pages)?;
-        let leaf = &key[matched * ps..(matched + agreed) * ps];
+        let leaf = &key[matched * ps..end * ps];
         Ok(Some(self.tree.insert_host_leaf(parent, leaf, meta)?))
     }
 
@@ -542,5 +584,28 @@ impl RankCache {
             Refusal::Checksum => stats.storage_refused_checksum += 1,
             Refusal::Fingerprint => stats.storage_refused_fingerprint += 1,
         }
+    }
+}
+
+/// What one rank read from the store for one request ([`RankCache::probe_storage`]), and
+/// the run the group agreed on.
+pub(super) struct StorageRun {
+    /// The pages the tree matched when the store was read: the run starts there.
+    pub(super) matched: usize,
+    /// How many pages past `matched` this rank found, in a row.
+    pub(super) run: usize,
+    /// How many pages past `matched` every rank found, in whole granules (after
+    /// [`StorageRun::agree`]).
+    pub(super) agreed: usize,
+    /// Each page's owner past `matched`, as the records were read for them.
+    owners: Vec<u8>,
+    /// This rank's own pages' payloads, in page order.
+    payloads: Vec<Vec<u8>>,
+}
+
+impl StorageRun {
+    /// Sets the agreed run from every rank's `run`: the shortest, in whole granules.
+    pub(super) fn agree(&mut self, runs: impl Iterator<Item = usize>, granule: usize) {
+        self.agreed = runs.min().unwrap_or(0) / granule * granule;
     }
 }

@@ -11,6 +11,19 @@
 //! and the engine may retry the step or abandon the request).
 
 use super::*;
+use crate::rank::storage::StorageRun;
+
+mod step;
+pub use step::{Step, StepOutcome};
+
+/// Where a begin's storage run comes from.
+pub(super) enum StorageRead<'a> {
+    /// Read now, agreed in a round of the begin's own (a request served whole).
+    Round,
+    /// Read and agreed before the step's passes ([`RankCache::step`]); `None`: nothing to
+    /// read.
+    Agreed(Option<&'a StorageRun>),
+}
 
 /// A request between its steps: the pages it holds so far (the cached prefix, then those
 /// allocated to compute) and its load-back, if any. Every rank holds the same pages.
@@ -45,6 +58,7 @@ pub struct Request {
 }
 
 /// What a step may change in a request, to put back when the step fails on any rank.
+#[derive(Clone)]
 struct Saved {
     tokens: usize,
     pages: Vec<PageId>,
@@ -210,28 +224,13 @@ impl RankCache {
         allocate: bool,
         chunk: Option<usize>,
     ) -> Result<Request, ClusterError> {
-        let n = self.served;
-        self.served += 1;
-        let rounds = self.rounds();
-        let mut inputs = Self::request_inputs(tokens, &[], 0);
-        inputs.extend(chunk.unwrap_or(0).to_le_bytes());
-        let step = if allocate { "begin+allocate" } else { "begin" };
-        let mut req = self.agreed(&format!("request {n} {step}"), &inputs, |me| {
-            let mut req = me.begin_inner(tokens, n, false, true)?;
-            if let Some(chunk) = chunk {
-                let ps = me.layout.page_size() as usize;
-                let take = (req.cached * ps).saturating_add(chunk).min(tokens.len());
-                req.tokens.truncate(take);
-                req.hashes.truncate(take);
-                req.stats.prompt_tokens = take as u64;
-            }
-            if allocate {
-                me.allocate_inner(&mut req)?;
-            }
-            Ok(req)
+        let out = self.step(Step {
+            begin: vec![tokens],
+            allocate,
+            chunk,
+            ..Step::default()
         })?;
-        req.stats.group_rounds += self.rounds() - rounds;
-        Ok(req)
+        out.begun.into_iter().next().expect("a step of one begin")
     }
 
     /// Allocates the pages of the tokens the cache does not hold, zigzag over the owners,
@@ -276,48 +275,14 @@ impl RankCache {
     ///
     /// [`Layout::appended_owners`]: crate::layout::Layout::appended_owners
     pub fn extend(&mut self, req: &mut Request, tokens: &[u32]) -> Result<(), ClusterError> {
-        req.check_open("extend")?;
-        req.check_allocated("to extend")?;
-        if tokens.is_empty() {
-            return Err(ClusterError::Config(format!(
-                "request {}: extend needs at least one token",
-                req.n
-            )));
-        }
-        let n = req.n;
-        let what = format!("request {n} extend");
-        let saved = req.save();
-        let rounds = self.rounds();
-        // O(1) in the request's length: the last prefix hash covers every token so far (a
-        // decoded token must not cost a hash of the whole sequence), and the state summary in
-        // the decision covers the pages.
-        let mut inputs = Vec::with_capacity(48 + 4 * tokens.len());
-        for v in [
-            req.tokens.len() as u64,
-            req.hashes.last().copied().unwrap_or_default(),
-            req.pages.len() as u64,
-            req.pages.last().map_or(0, |p| u64::from(p.0)),
-            req.in_tree as u64,
-        ] {
-            inputs.extend(v.to_le_bytes());
-        }
-        inputs.extend(tokens.iter().flat_map(|t| t.to_le_bytes()));
-        // Nothing to insert and no page to allocate (a decoded token inside the kept partial
-        // page): the step changes no replicated state, so it needs no snapshot.
-        let ps = self.layout.page_size();
-        let (layout, cp) = (self.config.deployment.layout, self.layout.cp());
-        let trivial = self.whole_granule_pages(req.tokens.len()) <= req.in_tree
-            && layout.pages_for(cp, ps, req.tokens.len() + tokens.len()) <= req.pages.len();
-        let out = self.agreed_with(&what, &inputs, !trivial, |me| me.extend_inner(req, tokens));
-        req.stats.group_rounds += self.rounds() - rounds;
-        match out {
-            // Every rank is past the round: no peer reads the pages the tree replaced.
-            Ok(release) => self.commit(&what, |me| me.release_pages(release)),
-            Err(e) => {
-                req.restore(saved);
-                Err(e)
-            }
-        }
+        let out = self.step(Step {
+            extend: vec![(req, tokens)],
+            ..Step::default()
+        })?;
+        out.extended
+            .into_iter()
+            .next()
+            .expect("a step of one extend")
     }
 
     /// Synthesises the tokens the engine's forward would write now (from
@@ -418,97 +383,11 @@ impl RankCache {
     /// Freeing after the round can only fail on a broken executor; the rank then aborts the
     /// group, since its peers have moved on.
     pub fn end(&mut self, req: &mut Request, ok: bool) -> Result<Ending, ClusterError> {
-        let step = if ok { "finish" } else { "abandon" };
-        self.check_connected()?;
-        req.check_open(step)?;
-        // Whatever comes next (releases, poison fills, a roll-back) runs after the load.
-        req.load = None;
-        if ok {
-            req.check_allocated("for its uncached tokens")?;
-        }
-        let n = req.n;
-        let what = format!("request {n} end");
-        let rounds = self.rounds();
-        let saved = req.save();
-        let snapshot = self.snapshot();
-        let local = if ok {
-            self.finish_inner(req).map(Some)
-        } else {
-            Ok(None)
-        };
-        let inputs = Self::request_inputs(&req.tokens, &req.pages, req.cached);
-        let mine = match &local {
-            Ok(_) => {
-                let mut b = vec![u8::from(ok)];
-                b.extend(self.decision(&what, &inputs));
-                Ok(b)
-            }
-            Err(e) => Err(e.to_string()),
-        };
-        let round = self.group.exchange(
-            &what,
-            mine.as_ref().map(Vec::as_slice).map_err(String::as_str),
-        );
-        req.stats.group_rounds += self.rounds() - rounds;
-        let all = match (round, local) {
-            (Ok(all), Ok(local)) => Ok((all, local)),
-            (Err(e), local) => Err(match local {
-                // This rank's own failure is the one worth reporting.
-                Err(mine) if e.is_peer_failure() => mine,
-                _ => ClusterError::from(e),
-            }),
-            (Ok(_), Err(mine)) => Err(mine),
-        };
-        let all = all.and_then(|(all, local)| {
-            self.check_round(&what, &all, |_, b| {
-                (b.len() != 1 + DIGEST || b[0] > 1)
-                    .then(|| format!("{} bytes, not an ok flag and a decision digest", b.len()))
-            })?;
-            Ok((all, local))
-        });
-        let (all, local) = match all {
-            Ok(x) => x,
-            Err(e) => {
-                if !e.is_group_broken() {
-                    self.roll_back(snapshot, &what)?;
-                    req.restore(saved);
-                }
-                return Err(e);
-            }
-        };
-        let by: Vec<u8> = all
-            .iter()
-            .enumerate()
-            .filter(|(_, b)| b.first() != Some(&1))
-            .map(|(r, _)| r as u8)
-            .collect();
-        if !by.is_empty() {
-            let rounds_before = self.rounds();
-            self.roll_back(snapshot, &what)?;
-            req.restore(saved);
-            // What the tree holds (the cached prefix, pages inserted unfinished) stays cached.
-            let own = req.pages[req.in_tree..].to_vec();
-            let locked = req.locked;
-            self.commit(&what, |me| {
-                me.release_pages(own)?;
-                me.unlock(locked)
-            })?;
-            req.stats.group_rounds += self.rounds() - rounds_before;
-            req.done = true;
-            req.load = None;
-            return Ok(Ending::Abandoned { by });
-        }
-        let digests: Vec<Vec<u8>> = all.iter().map(|b| b[1..].to_vec()).collect();
-        if let Err(e) = self.check_agreement(&what, &digests) {
-            self.roll_back(snapshot, &what)?;
-            req.restore(saved);
-            return Err(e);
-        }
-        let release = local.expect("every rank said ok, this one included");
-        self.commit(&what, |me| me.release_pages(release))?;
-        req.done = true;
-        req.load = None;
-        Ok(Ending::Finished(Box::new(req.stats.clone())))
+        let out = self.step(Step {
+            finish: vec![(req, ok)],
+            ..Step::default()
+        })?;
+        out.finished.into_iter().next().expect("a step of one end")
     }
 
     /// Runs work every rank has committed to in the last round (frees a fence held back):
@@ -547,6 +426,7 @@ impl RankCache {
         n: usize,
         panic_here: bool,
         fence: bool,
+        from_storage: StorageRead<'_>,
     ) -> Result<Request, ClusterError> {
         let ps = self.layout.page_size() as usize;
         let mut stats = RequestStats {
@@ -582,7 +462,13 @@ impl RankCache {
                     .sum::<Result<usize, TreeError>>()?;
             // The parent's path stays put while host room is made for the run.
             self.lock(parent)?;
-            let read = self.read_from_storage(key, matched, parent, n, &mut stats);
+            let read = match from_storage {
+                StorageRead::Round => self.read_from_storage(key, matched, parent, n, &mut stats),
+                StorageRead::Agreed(None) => Ok(None),
+                StorageRead::Agreed(Some(run)) => {
+                    self.install_storage_run(key, matched, parent, run, &mut stats)
+                }
+            };
             self.unlock(parent)?;
             if let Some(leaf) = read? {
                 storage_tokens = self.tree.node(leaf)?.key().len() as u64;

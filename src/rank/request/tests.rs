@@ -85,7 +85,7 @@ fn a_failed_allocation_leaves_the_request_unchanged() {
     rc.check_invariants().unwrap();
 }
 
-fn tokens(range: std::ops::Range<u32>) -> Vec<u32> {
+pub(super) fn tokens(range: std::ops::Range<u32>) -> Vec<u32> {
     range.map(|t| t * 7 + 3).collect()
 }
 
@@ -224,22 +224,36 @@ fn two_ranks() -> Vec<RankCache> {
 
 /// Two ranks under `layout`.
 fn two_ranks_in(layout: crate::layout::Layout) -> Vec<RankCache> {
+    ranks_in(2, layout, 17)
+}
+
+/// `n` ranks under `layout`, each on its own host executor and thread, mapping each
+/// other's pools, with `device_pages` pages a lane (write-through, 1 layer, MLA, page 16).
+pub(super) fn ranks_in(
+    n: usize,
+    layout: crate::layout::Layout,
+    device_pages: u32,
+) -> Vec<RankCache> {
     let jit = Jit::new(crate::jit::JitConfig::new(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/target/tmp/jit-cache"
     )));
     let config = ClusterConfig {
-        deployment: crate::kernels::Deployment::new(crate::kernels::ModelShape::MlaBf16, 16, 2)
-            .and_then(|d| d.with_layout(layout))
-            .unwrap(),
+        deployment: crate::kernels::Deployment::new(
+            crate::kernels::ModelShape::MlaBf16,
+            16,
+            n as u8,
+        )
+        .and_then(|d| d.with_layout(layout))
+        .unwrap(),
         layers: 1,
-        device_pages: 17,
+        device_pages,
         host_pages: 8,
         policy: WritePolicy::WriteThrough,
         fault: None,
         sanitize: crate::jit::Sanitize::None,
     };
-    let members = crate::group::LocalGroup::members(2, std::time::Duration::from_secs(60));
+    let members = crate::group::LocalGroup::members(n as u8, std::time::Duration::from_secs(60));
     std::thread::scope(|s| {
         let handles: Vec<_> = members
             .into_iter()
@@ -324,12 +338,15 @@ fn ranks_that_extend_differently_diverge_and_the_request_stays_as_it_was() {
                     rc.synthesise(&mut req).unwrap();
                     assert_eq!(rc.verify(&mut req).unwrap().all.count, 0);
                     let pages = req.pages().to_vec();
-                    // Rank 1 decodes another token than rank 0.
-                    let t = 500 + u32::from(me);
-                    let e = rc.extend(&mut req, &[t]).unwrap_err();
+                    // Rank 1 is given other tokens than rank 0, enough to need a page (a
+                    // step that allocates makes its round at once; see the step tests for
+                    // decode tokens in a kept partial page).
+                    let t: Vec<u32> = (500..520).map(|t| t + u32::from(me)).collect();
+                    let e = rc.extend(&mut req, &t).unwrap_err();
                     assert_eq!(req.pages(), &pages[..], "unchanged after the failed step");
                     assert_eq!(req.tokens().len(), 100);
-                    rc.extend(&mut req, &[500]).unwrap();
+                    rc.extend(&mut req, &(500..520).collect::<Vec<_>>())
+                        .unwrap();
                     rc.synthesise(&mut req).unwrap();
                     assert_eq!(rc.verify(&mut req).unwrap().all.count, 0);
                     rc.finish(&mut req).unwrap();
