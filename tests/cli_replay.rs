@@ -1241,3 +1241,61 @@ fn chunked_prefill_and_decode_replay_verified_under_every_layout() {
         assert!(stderr(&out).contains(why), "{bad:?}: {}", stderr(&out));
     }
 }
+
+/// Batches (`--batch 8`) under every layout: requests admitted, grown and ended together
+/// through steps of at most one round (most decode steps none), every token verified, the
+/// replicas agreeing; far fewer rounds a request than one at a time. A launch failure aimed
+/// into a batch fails one request on every rank and the batch goes on; the seed's fault is
+/// still caught.
+#[test]
+fn batched_requests_take_at_most_a_round_a_step_and_verify_under_every_layout() {
+    let live = ["--chunk-tokens", "256", "--decode-tokens", "24"];
+    // Room for eight requests at once.
+    let big =
+        |extra: &[&str]| replay_set(&[("--device-pages", "640"), ("--host-pages", "256")], extra);
+    for layout in [
+        "zigzag",
+        "round-robin",
+        "page-interleave",
+        "token-interleave",
+    ] {
+        let mut extra = vec!["--layout", layout];
+        extra.extend(live);
+        let one = big(&extra).1.unwrap();
+        extra.extend(["--batch", "8"]);
+        let (out, r) = big(&extra);
+        assert_eq!(out.status.code(), Some(0), "{layout}: {}", stderr(&out));
+        let r = r.unwrap();
+        assert_eq!(num(&r, "mismatched_tokens"), 0, "{layout}: {r}");
+        assert_eq!(r["replicas_agree"], true, "{layout}: {r}");
+        assert_eq!(r["device_lanes_agree"], true, "{layout}: {r}");
+        assert_eq!(r["batch"], 8, "{r}");
+        assert_eq!(num(&r, "requests_skipped"), 0, "{layout}: {r}");
+        assert!(num(&r, "steps") > num(&r, "requests"), "{layout}: {r}");
+        let per_step = r["rounds_per_step"].as_f64().unwrap();
+        assert!(per_step > 0.0 && per_step <= 1.0, "{layout}: {r}");
+        let per_request = |r: &serde_json::Value| r["rounds_per_request"].as_f64().unwrap();
+        assert!(
+            per_request(&r) * 2.0 < per_request(&one),
+            "{layout}: {r}\n{one}"
+        );
+        assert!(
+            String::from_utf8_lossy(&out.stdout).contains("group rounds / step"),
+            "{layout}"
+        );
+    }
+    let mut faulty = vec!["--batch", "8", "--inject", "launch-error"];
+    faulty.extend(live);
+    let (out, r) = big(&faulty);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let r = r.unwrap();
+    assert_eq!(num(&r, "failed_requests"), 1, "{r}");
+    assert_eq!(num(&r, "mismatched_tokens"), 0, "{r}");
+    assert_eq!(r["replicas_agree"], true, "{r}");
+    // A small device pool, so that pages are loaded back from the host.
+    let mut seed = vec!["--batch", "4", "--inject", "plain-alloc-on-load"];
+    seed.extend(live);
+    let (out, r) = replay(&seed);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(num(&r.unwrap(), "mismatched_tokens") > 0);
+}

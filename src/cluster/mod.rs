@@ -612,6 +612,54 @@ impl Cluster {
         Ok(stats)
     }
 
+    /// Serves `prompts` together on every rank at once, batched as a scheduler steps them
+    /// ([`RankCache::serve_batch`]). Each request's statistics are rank 0's, with byte
+    /// counts summed over the ranks; a failed request's error is the one of the rank that
+    /// caused it.
+    pub fn serve_batch(
+        &mut self,
+        prompts: &[Vec<u32>],
+        shapes: &[LiveShape],
+    ) -> Result<crate::rank::BatchServed, ClusterError> {
+        let (prompts, shapes) = (Arc::new(prompts.to_vec()), Arc::new(shapes.to_vec()));
+        let all = Self::combine(self.on_all("serving a batch", move |r| {
+            let views: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+            r.serve_batch(&views, &shapes)
+        })?)?;
+        let mut ranks = all.into_iter();
+        let mut out = ranks
+            .next()
+            .ok_or_else(|| ClusterError::Config("no ranks".into()))?;
+        let others: Vec<_> = ranks.collect();
+        for (i, r) in out.requests.iter_mut().enumerate() {
+            let peers = others.iter().map(|o| &o.requests[i]);
+            match r {
+                Ok(stats) => {
+                    let oks: Vec<RequestStats> = std::iter::once(stats.clone())
+                        .chain(peers.filter_map(|p| p.as_ref().ok().cloned()))
+                        .collect();
+                    stats.set_rank_counts(RequestStats::sum_rank_counts(&oks));
+                }
+                Err(e) if e.is_peer_failure() => {
+                    // The rank that failed it says why.
+                    let own = peers.enumerate().find_map(|(k, p)| match p {
+                        Err(own) if !own.is_peer_failure() => Some((k + 1, own)),
+                        _ => None,
+                    });
+                    if let Some((rank, own)) = own {
+                        *e = ClusterError::PeerReported {
+                            rank,
+                            message: own.to_string(),
+                            kind: crate::rank::PeerErrorKind::of(own),
+                        };
+                    }
+                }
+                Err(_) => {}
+            }
+        }
+        Ok(out)
+    }
+
     /// Starts every rank reading ahead the records it would read for `prompt`
     /// ([`RankCache::prefetch`]); returns how many records the ranks asked for, in all.
     pub fn prefetch(&mut self, prompt: &[u32], skip_tokens: usize) -> Result<usize, ClusterError> {

@@ -10,8 +10,8 @@
 use super::{Cluster, GroupInfo};
 use crate::allocator::StateDigest;
 use crate::rank::{
-    ClusterError, DeploymentKernels, LiveShape, PeerErrorKind, RankCache, RequestStats,
-    RollbackDrops, RANK_COUNTS,
+    BatchServed, ClusterError, DeploymentKernels, LiveShape, PeerErrorKind, RankCache,
+    RequestStats, RollbackDrops, RANK_COUNTS,
 };
 
 /// The CP group as a driver sees it. See the module documentation.
@@ -27,6 +27,15 @@ pub trait Ranks {
         tokens: &[u32],
         shape: &LiveShape,
     ) -> Result<RequestStats, ClusterError>;
+
+    /// Serves `prompts` together, batched as a scheduler steps them
+    /// ([`RankCache::serve_batch`]); each request's counts as [`Ranks::serve`], and each
+    /// failed request's error the rank's that caused it.
+    fn serve_batch(
+        &mut self,
+        prompts: &[Vec<u32>],
+        shapes: &[LiveShape],
+    ) -> Result<BatchServed, ClusterError>;
 
     /// Starts every rank reading ahead the records it would read for `prompt`, a request
     /// still to come, past its first `skip_tokens` ([`RankCache::prefetch`]; no round).
@@ -77,6 +86,14 @@ impl Ranks for Cluster {
         shape: &LiveShape,
     ) -> Result<RequestStats, ClusterError> {
         Cluster::serve_live(self, tokens, shape)
+    }
+
+    fn serve_batch(
+        &mut self,
+        prompts: &[Vec<u32>],
+        shapes: &[LiveShape],
+    ) -> Result<BatchServed, ClusterError> {
+        Cluster::serve_batch(self, prompts, shapes)
     }
 
     fn prefetch(&mut self, prompt: &[u32], skip_tokens: usize) -> Result<usize, ClusterError> {
@@ -165,6 +182,86 @@ impl Ranks for RankCache {
         }
         stats.set_rank_counts(sums);
         Ok(stats)
+    }
+
+    fn serve_batch(
+        &mut self,
+        prompts: &[Vec<u32>],
+        shapes: &[LiveShape],
+    ) -> Result<BatchServed, ClusterError> {
+        let n = self.requests_served();
+        let views: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+        let mut out = RankCache::serve_batch(self, &views, shapes)?;
+        // One round for the whole batch: each request's counts, or this rank's error.
+        let mut mine = Vec::new();
+        for r in &out.requests {
+            match r {
+                Ok(stats) => {
+                    mine.push(0);
+                    mine.extend(stats.rank_counts().iter().flat_map(|v| v.to_le_bytes()));
+                }
+                Err(e) if e.is_peer_failure() => mine.push(1),
+                Err(e) => {
+                    let why = e.to_string();
+                    mine.push(2 + PeerErrorKind::of(e).to_byte());
+                    mine.extend((why.len() as u32).to_le_bytes());
+                    mine.extend(why.into_bytes());
+                }
+            }
+        }
+        let round = format!("requests {n}.. of a batch: byte counts and errors");
+        let all = self.group().all_gather(&round, &mine)?;
+        let me = usize::from(self.rank().0);
+        let malformed = |peer: usize| {
+            ClusterError::Config(format!("{round}: rank {peer} sent a malformed report"))
+        };
+        let mut at = vec![0usize; all.len()];
+        for r in &mut out.requests {
+            let mut sums = [0u64; RANK_COUNTS];
+            let mut reported: Option<(usize, PeerErrorKind, String)> = None;
+            for (peer, b) in all.iter().enumerate() {
+                let p = &mut at[peer];
+                let kind = *b.get(*p).ok_or_else(|| malformed(peer))?;
+                *p += 1;
+                match kind {
+                    0 => {
+                        let c = b
+                            .get(*p..*p + 8 * RANK_COUNTS)
+                            .ok_or_else(|| malformed(peer))?;
+                        *p += 8 * RANK_COUNTS;
+                        for (s, v) in sums.iter_mut().zip(c.chunks_exact(8)) {
+                            *s += u64::from_le_bytes(v.try_into().expect("8 bytes"));
+                        }
+                    }
+                    1 => {}
+                    k => {
+                        let len = b.get(*p..*p + 4).ok_or_else(|| malformed(peer))?;
+                        let len = u32::from_le_bytes(len.try_into().expect("4 bytes")) as usize;
+                        let msg = b.get(*p + 4..*p + 4 + len).ok_or_else(|| malformed(peer))?;
+                        *p += 4 + len;
+                        if reported.is_none() {
+                            let msg = String::from_utf8_lossy(msg).into_owned();
+                            reported = Some((peer, PeerErrorKind::from_byte(k - 2), msg));
+                        }
+                    }
+                }
+            }
+            match r {
+                Ok(stats) => stats.set_rank_counts(sums),
+                Err(e) => {
+                    if let Some((peer, kind, message)) = reported {
+                        if peer != me {
+                            *e = ClusterError::PeerReported {
+                                rank: peer,
+                                message,
+                                kind,
+                            };
+                        }
+                    }
+                }
+            }
+        }
+        Ok(out)
     }
 
     fn prefetch(&mut self, prompt: &[u32], skip_tokens: usize) -> Result<usize, ClusterError> {

@@ -22,6 +22,12 @@ pub struct ReplayReport {
     /// Group rounds per served request (`group_rounds` over the requests that were served;
     /// every rank takes the same rounds).
     pub rounds_per_request: f64,
+    /// Requests served together (`replay --batch`); 1: one at a time.
+    pub batch: u32,
+    /// Serving steps of the batches (`RankCache::step` calls; 0 without `--batch`).
+    pub steps: u64,
+    /// Group rounds per serving step of the batches (0 without `--batch`).
+    pub rounds_per_step: f64,
     /// Wall time of the replay loop.
     pub wall_seconds: f64,
     /// Prompt tokens per second of wall time.
@@ -250,6 +256,15 @@ impl ReplayReport {
             "group rounds / request",
             format!("{:.2} ({} in all)", self.rounds_per_request, t.group_rounds),
         );
+        if self.batch > 1 {
+            row(
+                "group rounds / step",
+                format!(
+                    "{:.2} ({} steps of batches of {})",
+                    self.rounds_per_step, self.steps, self.batch
+                ),
+            );
+        }
         row(
             "ranks",
             format!(
@@ -342,6 +357,9 @@ mod tests {
             replicas_agree: true,
             device_lanes_agree: true,
             rounds_per_request: 3.0,
+            batch: 1,
+            steps: 0,
+            rounds_per_step: 0.0,
             wall_seconds: 1.0,
             tokens_per_second: 0.0,
             backend: "host".into(),

@@ -96,3 +96,239 @@ impl RankCache {
         Ok(())
     }
 }
+
+/// What [`RankCache::serve_batch`] did.
+#[derive(Debug)]
+pub struct BatchServed {
+    /// Per request, in order: its statistics (`mismatched_tokens` sums its verifications),
+    /// or why it failed (then it was abandoned on every rank, or never admitted).
+    pub requests: Vec<Result<RequestStats, ClusterError>>,
+    /// Serving steps made ([`RankCache::step`] calls).
+    pub steps: u64,
+    /// Group rounds those steps took (verification's rounds, a test harness's, not counted).
+    pub step_rounds: u64,
+}
+
+/// One request of a batch in flight.
+struct InFlight<'p> {
+    req: Request,
+    prompt: &'p [u32],
+    output: &'p [u32],
+    decoded: usize,
+    prefill_verified: bool,
+    bad: Mismatches,
+    /// A step or verification failed it, on every rank alike: it takes no more steps.
+    failed: Option<ClusterError>,
+    /// This rank's forward (the synthesis) failed: the request goes on with the others (its
+    /// steps are agreed), and this rank ends it with `ok = false`, so every rank abandons it.
+    forward_failed: Option<ClusterError>,
+}
+
+impl RankCache {
+    /// Serves `prompts` together as a scheduler batches them: one step admits them all (a
+    /// chunked prefill's first chunk each), then every step gives each request its next
+    /// prompt chunk or decoded token ([`RankCache::step`]: one round where something is
+    /// decided, none for decode tokens in kept partial pages), each followed by the
+    /// synthesised forward; every request is verified after its prefill and after its
+    /// decode, and one step ends them all. A request whose step fails is abandoned on every
+    /// rank at the end; the others go on. Every shape must prefill in the same chunks (a
+    /// step's begins share one chunk size).
+    pub fn serve_batch(
+        &mut self,
+        prompts: &[&[u32]],
+        shapes: &[LiveShape],
+    ) -> Result<BatchServed, ClusterError> {
+        if prompts.len() != shapes.len() {
+            return Err(ClusterError::Config(format!(
+                "a batch of {} prompts came with {} shapes",
+                prompts.len(),
+                shapes.len()
+            )));
+        }
+        let chunk = shapes.first().and_then(|s| s.chunk_tokens);
+        if shapes.iter().any(|s| s.chunk_tokens != chunk) {
+            return Err(ClusterError::Config(
+                "a batch's requests prefill in one chunk size".into(),
+            ));
+        }
+        let n0 = self.served;
+        let armed = self
+            .launch_failure_at
+            .is_some_and(|a| (n0..n0 + prompts.len()).contains(&a));
+        if armed {
+            self.exec.inject_launch_failure();
+        }
+        let out = self.serve_batch_steps(prompts, shapes, chunk);
+        if armed {
+            self.exec.disarm_launch_failure();
+        }
+        out
+    }
+
+    fn serve_batch_steps(
+        &mut self,
+        prompts: &[&[u32]],
+        shapes: &[LiveShape],
+        chunk: Option<usize>,
+    ) -> Result<BatchServed, ClusterError> {
+        let mut steps = 1;
+        let begun = self.step(Step {
+            begin: prompts.to_vec(),
+            allocate: true,
+            chunk,
+            ..Step::default()
+        })?;
+        let mut rounds = begun.rounds;
+        let mut results: Vec<Option<Result<RequestStats, ClusterError>>> =
+            (0..prompts.len()).map(|_| None).collect();
+        let mut live: Vec<(usize, InFlight<'_>)> = Vec::new();
+        for (i, r) in begun.begun.into_iter().enumerate() {
+            match r {
+                Ok(req) => live.push((
+                    i,
+                    InFlight {
+                        req,
+                        prompt: prompts[i],
+                        output: &shapes[i].output,
+                        decoded: 0,
+                        prefill_verified: false,
+                        bad: Mismatches::default(),
+                        failed: None,
+                        forward_failed: None,
+                    },
+                )),
+                Err(e) => results[i] = Some(Err(e)),
+            }
+        }
+        for (_, f) in &mut live {
+            if let Err(e) = self.synthesise(&mut f.req) {
+                f.forward_failed.get_or_insert(e);
+            }
+        }
+        let chunk = chunk.unwrap_or(usize::MAX).max(1);
+        loop {
+            // Each request's next tokens: its next prompt chunk, else (its prefill verified)
+            // its next decoded token.
+            let mut next: Vec<Option<Vec<u32>>> = Vec::with_capacity(live.len());
+            for (_, f) in &mut live {
+                next.push(self.next_tokens(f, chunk)?);
+            }
+            if next.iter().all(Option::is_none) {
+                break;
+            }
+            let out = self.step(Step {
+                extend: live
+                    .iter_mut()
+                    .zip(&next)
+                    .filter_map(|((_, f), t)| Some((&mut f.req, t.as_deref()?)))
+                    .collect(),
+                ..Step::default()
+            })?;
+            steps += 1;
+            rounds += out.rounds;
+            let grown = live
+                .iter_mut()
+                .zip(&next)
+                .filter(|(_, t)| t.is_some())
+                .map(|((_, f), _)| f);
+            for (f, r) in grown.zip(out.extended) {
+                match r {
+                    Ok(()) => {
+                        if let Err(e) = self.synthesise(&mut f.req) {
+                            f.forward_failed.get_or_insert(e);
+                        }
+                    }
+                    Err(e) => f.failed = Some(e),
+                }
+            }
+        }
+        for (_, f) in &mut live {
+            if f.failed.is_none() && !f.output.is_empty() {
+                self.verify_into(f)?;
+            }
+        }
+        let done = self.step(Step {
+            finish: live
+                .iter_mut()
+                .map(|(_, f)| {
+                    let ok = f.failed.is_none() && f.forward_failed.is_none();
+                    (&mut f.req, ok)
+                })
+                .collect(),
+            ..Step::default()
+        })?;
+        steps += 1;
+        rounds += done.rounds;
+        for ((i, f), ending) in live.into_iter().zip(done.finished) {
+            results[i] = Some(match (f.failed.or(f.forward_failed), ending) {
+                (Some(e), _) | (None, Err(e)) => Err(e),
+                (None, Ok(Ending::Finished(stats))) => {
+                    let mut stats = *stats;
+                    stats.mismatched_tokens = f.bad.count;
+                    stats.first_mismatched_token = f.bad.first;
+                    stats.prompt_tokens = f.prompt.len() as u64;
+                    stats.extended_tokens = f.output.len() as u64;
+                    Ok(stats)
+                }
+                (None, Ok(Ending::Abandoned { by })) => Err(ClusterError::Abandoned {
+                    rank: self.rank.0,
+                    request: f.req.n,
+                    by,
+                }),
+            });
+        }
+        Ok(BatchServed {
+            requests: results
+                .into_iter()
+                .map(|r| r.expect("every request has a result"))
+                .collect(),
+            steps,
+            step_rounds: rounds,
+        })
+    }
+
+    /// The tokens a batch gives `f` next (`None`: it is failed or has nothing left),
+    /// verifying its prefill once the prompt is in.
+    fn next_tokens(
+        &mut self,
+        f: &mut InFlight<'_>,
+        chunk: usize,
+    ) -> Result<Option<Vec<u32>>, ClusterError> {
+        if f.failed.is_some() {
+            return Ok(None);
+        }
+        let have = f.req.tokens.len();
+        if have < f.prompt.len() {
+            let end = have.saturating_add(chunk).min(f.prompt.len());
+            return Ok(Some(f.prompt[have..end].to_vec()));
+        }
+        if !f.prefill_verified {
+            f.prefill_verified = true;
+            self.verify_into(f)?;
+            if f.failed.is_some() {
+                return Ok(None);
+            }
+        }
+        Ok(f.output.get(f.decoded).map(|&t| {
+            f.decoded += 1;
+            vec![t]
+        }))
+    }
+
+    /// Verifies `f`'s whole sequence on every rank and counts its mismatches; a failed
+    /// verification fails the request (an error that broke the group ends the batch).
+    fn verify_into(&mut self, f: &mut InFlight<'_>) -> Result<(), ClusterError> {
+        match self.verify(&mut f.req) {
+            Ok(v) => {
+                f.bad.count += v.all.count;
+                f.bad.first = f.bad.first.or(v.all.first);
+                Ok(())
+            }
+            Err(e) if e.is_group_broken() => Err(e),
+            Err(e) => {
+                f.failed = Some(e);
+                Ok(())
+            }
+        }
+    }
+}

@@ -62,7 +62,7 @@ mod verify;
 pub use config::{ClusterConfig, ClusterError, Fault, PeerErrorKind, WritePolicy};
 use evict::Eviction;
 pub use kernels::{DeploymentKernels, KernelLoadError, Loaded, SourceHook};
-pub use live::LiveShape;
+pub use live::{BatchServed, LiveShape};
 pub use load::LoadHandle;
 pub use pools::{PeerAccess, PoolGeometry, Pools};
 pub use prefetch::PREFETCH_BYTES;

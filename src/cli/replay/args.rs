@@ -172,6 +172,15 @@ pub struct ReplayArgs {
     /// verified after the prefill and again after the decode. Default: no decode.
     #[arg(long, value_name = "N|trace", value_parser = parse_decode_tokens)]
     pub decode_tokens: Option<DecodeTokens>,
+    /// Serve N requests at a time, as a scheduler batches them: one step admits the N (a
+    /// chunked prefill's first chunk each), each later step gives every request its next
+    /// chunk or decoded token, one step ends them all. A step takes at most one group round
+    /// whatever N (none where every token lands in a kept partial page); the report adds
+    /// group rounds per step. A request whose step fails is abandoned on every rank, the
+    /// others go on. Requests of one batch do not hit each other's KV (a conversation's
+    /// next turn in the same batch misses). Default: 1, one request at a time.
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub batch: u32,
     /// A page store in directory DIR (created if need be), the third tier under device and
     /// host memory: pages go there from the host tier (--storage-policy), and a prefix that
     /// misses in device and host memory is read back from it, then verified like any

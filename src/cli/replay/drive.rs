@@ -30,6 +30,9 @@ pub(super) struct Tally {
     pub(super) log: String,
     /// Wall time of the loop.
     pub(super) wall_seconds: f64,
+    /// Serving steps of the batches (`--batch`), and the group rounds they took.
+    pub(super) steps: u64,
+    pub(super) step_rounds: u64,
 }
 
 /// Where the injected launch failure is aimed (`--inject launch-error`): a request in the
@@ -78,10 +81,40 @@ pub(super) fn replay_all(
         input_error: None,
         log: String::new(),
         wall_seconds: 0.0,
+        steps: 0,
+        step_rounds: 0,
     };
     let prefetch = args.storage.is_some() && !args.no_prefetch;
     let mut workload = workload.peekable();
-    while let Some(req) = workload.next() {
+    if args.batch > 1 {
+        let mut batch = Vec::with_capacity(args.batch as usize);
+        loop {
+            batch.clear();
+            while batch.len() < args.batch as usize {
+                match workload.next() {
+                    Some(Ok(req)) => batch.push(req),
+                    Some(Err(e)) => {
+                        tally.input_error = Some(e);
+                        break;
+                    }
+                    None => break,
+                }
+            }
+            if batch.is_empty() {
+                break;
+            }
+            if let Err(e) = tally.serve_batch(cluster, args, &batch, &say) {
+                bar.finish_and_clear();
+                return Err(e);
+            }
+            bar.inc(batch.len() as u64);
+            bar.set_message(format!("{} mismatched", tally.totals.mismatched_tokens));
+            if tally.input_error.is_some() {
+                break;
+            }
+        }
+    }
+    while let Some(req) = workload.next().filter(|_| args.batch == 1) {
         let req = match req {
             Ok(req) => req,
             Err(e) => {
@@ -116,6 +149,87 @@ pub(super) fn replay_all(
 }
 
 impl Tally {
+    /// Serves `reqs` together (`--batch`) and counts each: served, skipped (it does not
+    /// fit), or failed (abandoned on every rank; the others went on). An error for the whole
+    /// batch ends the replay: the group broke or the ranks diverged.
+    fn serve_batch(
+        &mut self,
+        cluster: &mut dyn Ranks,
+        args: &ReplayArgs,
+        reqs: &[Request],
+        say: &dyn Fn(String),
+    ) -> Result<(), crate::Error> {
+        let shapes: Vec<_> = reqs.iter().map(|r| live_shape(args, r)).collect();
+        let prompts: Vec<Vec<u32>> = reqs.iter().map(|r| r.tokens.clone()).collect();
+        let out = cluster
+            .serve_batch(&prompts, &shapes)
+            .map_err(cluster_error)?;
+        self.steps += out.steps;
+        self.step_rounds += out.step_rounds;
+        // The batch's rounds, counted once (each request's own count holds every round of
+        // every step it was in, shared with the others).
+        self.totals.group_rounds += out.step_rounds;
+        let mut entries = Vec::new();
+        for (req, served) in reqs.iter().zip(out.requests) {
+            let mut entry = serde_json::json!({
+                "request": req.id,
+                "outcome": match &served {
+                    Ok(_) => "served",
+                    Err(e) if e.is_pool_too_small() => "skipped",
+                    Err(_) => "failed",
+                },
+            });
+            match served {
+                Ok(mut stats) => {
+                    stats.group_rounds = 0;
+                    entry["stats"] = serde_json::to_value(&stats).unwrap_or_default();
+                    self.totals.add(&stats);
+                    if let Some(first) = stats.first_mismatched_token {
+                        say(format!(
+                            "request {}: {} mismatched tokens, the first at token {first}",
+                            req.id, stats.mismatched_tokens
+                        ));
+                    }
+                }
+                Err(e) if e.is_pool_too_small() => {
+                    if self.skipped == 0 {
+                        say(format!(
+                            "warning: request {} skipped: {e}; later requests that do not fit \
+                             are skipped and counted too",
+                            req.id
+                        ));
+                    }
+                    self.skipped += 1;
+                }
+                Err(e) if e.is_usage() => return Err(cluster_error(e)),
+                Err(e) => {
+                    self.failed += 1;
+                    say(format!(
+                        "request {} failed: {e}\n  abandoned on every rank; the batch went on",
+                        req.id
+                    ));
+                }
+            }
+            self.requests += 1;
+            entries.push(entry);
+        }
+        let after = cluster.replica_digests().map_err(cluster_error)?;
+        let agree = !after.is_empty() && after.windows(2).all(|w| w[0] == w[1]);
+        if self.disagreed_at.is_none() && !agree {
+            let id = reqs.last().map_or(0, |r| r.id);
+            self.disagreed_at = Some(id);
+            say(format!("after request {id}: replicas disagree"));
+        }
+        if args.request_log.is_some() {
+            for mut entry in entries {
+                entry["digests"] = after.iter().map(ToString::to_string).collect();
+                self.log.push_str(&entry.to_string());
+                self.log.push('\n');
+            }
+        }
+        Ok(())
+    }
+
     /// Serves one request and counts what it did: served, skipped (it does not fit), or
     /// failed (rolled back on every rank, the state checked against the digests from
     /// before). An error ends the replay: a broken group serves no more.

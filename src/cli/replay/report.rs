@@ -79,6 +79,13 @@ pub(super) fn conclude(
         totals: tally.totals,
         replicas_agree: tally.disagreed_at.is_none() && device_lanes_agree,
         device_lanes_agree,
+        batch: args.batch,
+        steps: tally.steps,
+        rounds_per_step: if tally.steps > 0 {
+            tally.step_rounds as f64 / tally.steps as f64
+        } else {
+            0.0
+        },
         wall_seconds: wall,
         backend,
         cp: args.cp,
