@@ -191,3 +191,49 @@ def test_a_tensor_freed_with_the_gil_released_inside_a_call_keeps_the_cache_safe
         print(json.dumps({"segments": segments()}))
     """)
     assert v["segments"] == [], v
+
+
+class _Echo:
+    """A group of two whose peer is this rank itself: a CP 2 cache (shared pools) in one
+    process."""
+
+    rank, size = 0, 2
+
+    def exchange(self, what, payload, why):
+        return [(what, payload, why)] * 2
+
+
+def test_a_new_cache_removes_the_segments_of_processes_that_are_gone():
+    """A process that crashed before its pools were sealed leaves ``cp-hicache-<pid>-*`` in
+    /dev/shm for good; the next cache to make shared pools removes them, and nothing else:
+    a live process's (this one's, its parent's), names of another shape, other programs'."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead = int(gone.stdout)  # reaped: no process has this pid now (unless reused at once)
+    names = {
+        "dead": f"cp-hicache-{dead}-3-1f2e",
+        "mine": f"cp-hicache-{os.getpid()}-999999-ab",
+        "parent": f"cp-hicache-{os.getppid()}-999999-cd",
+        "odd": "cp-hicache-notapid-1-ef",
+        "other": f"fake-cuda-{dead}-999999",
+    }
+    made = []
+    try:
+        for n in names.values():
+            path = os.path.join("/dev/shm", n)
+            with open(path, "xb") as f:
+                f.write(b"left behind")
+            made.append(path)
+        dep = cp_hicache.Deployment(model="mla", page_size=16, cp=2, layers=2)
+        rc = cp_hicache.RankCache(dep, 0, _Echo(), device_pages=64, host_pages=16,
+                                  backend="host")
+        rc.close()
+        there = {k: os.path.exists(os.path.join("/dev/shm", n)) for k, n in names.items()}
+        assert there == {"dead": False, "mine": True, "parent": True, "odd": True,
+                         "other": True}, there
+    finally:
+        for path in made:
+            if os.path.exists(path):
+                os.unlink(path)
