@@ -82,3 +82,16 @@ pub(super) fn stats_object(py: Python<'_>, stats: &RequestStats) -> PyResult<Py<
         .set_item("first_mismatched_token", stats.first_mismatched_token)?;
     Ok(out)
 }
+
+/// A request's statistics as a dict, with `tokens`: the request's tokens so far (what `begin`
+/// took, then every token `extend` added), which an engine sizes its views of the request
+/// by (`token_locations`); `prompt_tokens` stays what `begin` took.
+pub(super) fn request_stats_object(
+    py: Python<'_>,
+    stats: &RequestStats,
+    tokens: usize,
+) -> PyResult<Py<PyAny>> {
+    let out = stats_object(py, stats)?;
+    out.bind(py).set_item("tokens", tokens)?;
+    Ok(out)
+}

@@ -1,6 +1,6 @@
 //! `Request`: a request between its steps, as `RankCache.begin` returns it.
 
-use super::convert::{id_bytes, stats_object};
+use super::convert::{id_bytes, request_stats_object};
 use crate::errors::{to_py, usage};
 use cp_hicache::rank::Request as CoreRequest;
 use pyo3::prelude::*;
@@ -98,9 +98,12 @@ impl Request {
         })
     }
 
-    /// The request's statistics so far.
+    /// The request's statistics so far, with `tokens`, the request's tokens so far.
     fn stats(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        let s = py.detach(|| self.lock().stats().clone());
-        stats_object(py, &s)
+        let (s, tokens) = py.detach(|| {
+            let req = self.lock();
+            (req.stats().clone(), req.tokens().len())
+        });
+        request_stats_object(py, &s, tokens)
     }
 }

@@ -3,7 +3,7 @@
 //! stand-ins (`synthesise`, `verify`), `finish` and `abandon`; and `serve`, every step of one
 //! prompt at once, with `match_prefix`, `evict` and `prefetch`.
 
-use super::convert::{id_bytes, ids, stats_object, to_object};
+use super::convert::{id_bytes, ids, request_stats_object};
 use super::{RankCache, Request};
 use crate::errors::{cluster, to_py, usage};
 use pyo3::prelude::*;
@@ -23,12 +23,8 @@ impl RankCache {
     fn serve(&self, py: Python<'_>, tokens: &[u8]) -> PyResult<Py<PyAny>> {
         let tokens = ids(tokens, "tokens")?;
         let stats = self.with(py, |r| r.serve(&tokens))?.map_err(cluster)?;
-        let v = serde_json::to_value(&stats)
-            .map_err(|e| to_py(cp_hicache::Error::Usage(e.to_string())))?;
-        let out = to_object(py, &v)?;
-        out.bind(py)
-            .set_item("first_mismatched_token", stats.first_mismatched_token)?;
-        Ok(out)
+        // The prompt is the whole request: `tokens` as a request's `finish` counts them.
+        request_stats_object(py, &stats, tokens.len())
     }
 
     /// The longest cached prefix of `tokens` (whole pages): `(matched_tokens,
@@ -188,15 +184,19 @@ impl RankCache {
         self.owns(req)?;
         self.follow(py, stream)?;
         let ending = if ok {
-            self.with(py, |r| r.finish(&mut req.lock()))?
-                .map(Some)
-                .map_err(cluster)?
+            self.with(py, |r| {
+                let mut req = req.lock();
+                r.finish(&mut req).map(|s| Some((s, req.tokens().len())))
+            })?
+            .map_err(cluster)?
         } else {
             self.with(py, |r| r.abandon(&mut req.lock()))?
                 .map_err(cluster)?;
             None
         };
-        ending.map(|s| stats_object(py, &s)).transpose()
+        ending
+            .map(|(s, tokens)| request_stats_object(py, &s, tokens))
+            .transpose()
     }
 
     /// Gives a request up: unlocks its prefix and frees the pages allocated for it, once
