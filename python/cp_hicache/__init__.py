@@ -432,8 +432,11 @@ class RankCache:
         return self._native.verify(request._native)
 
     def allocate(self, request: Request) -> None:
-        """Allocates the pages of the tokens the cache does not hold (zigzag over the
-        owners, evicting when short). SGLang: the KV pool allocator's ``alloc``."""
+        """Allocates the pages of the tokens the cache does not hold, evicting when short.
+        Their owners follow the deployment's layout: zigzag over the ranks under
+        ``layout="zigzag"``, round by round from the first computed page under
+        ``"round-robin"``, page ``i`` on rank ``i % cp`` under the interleaved layouts (whole
+        granules of ``cp`` pages). SGLang: the KV pool allocator's ``alloc``."""
         self._native.allocate(request._native)
 
     def synthesise_and_verify(self, request: Request) -> int:
@@ -521,7 +524,8 @@ class RankCache:
         )
 
     def pool(self, buffer: str, owner: Optional[int] = None) -> Pool:
-        """A device pool of ``buffer`` (``"kv"``, ``"index_k"``) as a DLPack producer,
+        """A device pool of ``buffer``, one of :attr:`Deployment.buffers` (``"mla_kv"``;
+        NSA: ``"nsa_kv"``, ``"nsa_idx"``), as a DLPack producer,
         ``uint8[layers, local_pages, page_bytes]``: ``torch.from_dlpack(pool)`` reads and
         writes it in place (NumPy's view is read-only). ``owner=None`` is this rank's own
         pool; ``owner=r`` this rank's mapping of rank ``r``'s, how CP attention reads every

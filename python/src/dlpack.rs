@@ -179,7 +179,7 @@ unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
 
 #[pymethods]
 impl Pool {
-    /// The buffer kind (`kv`, `index_k`).
+    /// The buffer kind (`mla_kv`; NSA: `nsa_kv`, `nsa_idx`).
     #[getter]
     fn buffer(&self) -> &str {
         &self.buffer

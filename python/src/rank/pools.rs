@@ -13,7 +13,7 @@ use std::sync::atomic::Ordering;
 
 #[pymethods]
 impl RankCache {
-    /// A device pool of `buffer` (`kv`, `index_k`) as a DLPack producer,
+    /// A device pool of `buffer` (`mla_kv`; NSA: `nsa_kv`, `nsa_idx`) as a DLPack producer,
     /// `uint8[layers, local_pages, page_bytes]`, read and written in place: this rank's own
     /// (`owner=None`), or this rank's mapping of rank `owner`'s pool (how CP attention reads
     /// every page from its owner).

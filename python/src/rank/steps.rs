@@ -98,7 +98,8 @@ impl RankCache {
         })
     }
 
-    /// Allocates the pages of the tokens to compute (zigzag owners, evicting when short).
+    /// Allocates the pages of the tokens to compute, evicting when short, with the owners the
+    /// deployment's layout gives (zigzag only under `zigzag`).
     fn allocate(&self, py: Python<'_>, req: &Request) -> PyResult<()> {
         self.owns(req)?;
         self.with(py, |r| r.allocate(&mut req.lock()))?
