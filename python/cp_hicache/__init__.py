@@ -161,7 +161,12 @@ class Request:
         self._native.wait_all()
 
     def stats(self) -> Dict[str, Any]:
-        """The request's statistics so far."""
+        """The request's statistics so far (:meth:`RankCache.finish` returns the same keys).
+        ``tokens`` counts the request's tokens so far, ``len(request.tokens)``: what
+        :meth:`RankCache.begin` took, then every token :meth:`RankCache.extend` added
+        (prefill chunks and decode tokens). ``prompt_tokens`` counts what ``begin`` took
+        (with ``chunk=``, the cached prefix and the first chunk); ``extended_tokens`` what the
+        ``extend`` calls added since, so ``tokens == prompt_tokens + extended_tokens``."""
         return self._native.stats()
 
 
@@ -427,8 +432,11 @@ class RankCache:
         return self._native.verify(request._native)
 
     def allocate(self, request: Request) -> None:
-        """Allocates the pages of the tokens the cache does not hold (zigzag over the
-        owners, evicting when short). SGLang: the KV pool allocator's ``alloc``."""
+        """Allocates the pages of the tokens the cache does not hold, evicting when short.
+        Their owners follow the deployment's layout: zigzag over the ranks under
+        ``layout="zigzag"``, round by round from the first computed page under
+        ``"round-robin"``, page ``i`` on rank ``i % cp`` under the interleaved layouts (whole
+        granules of ``cp`` pages). SGLang: the KV pool allocator's ``alloc``."""
         self._native.allocate(request._native)
 
     def synthesise_and_verify(self, request: Request) -> int:
@@ -498,14 +506,17 @@ class RankCache:
         self._native.synchronize()
 
     def token_locations(self, request: Request) -> Tuple[np.ndarray, np.ndarray]:
-        """Where each token of ``request`` lives (after :meth:`allocate`): its owner rank and
-        its slot in the owner's pool, ``local_page * page_size + slot`` (u32 arrays), the
-        token index into ``pool.view(layers, local_pages * page_size, token_bytes)``, as an
-        engine's ``out_cache_loc``. The deployment's layout places the tokens: under
-        token-interleave a page holds only its owner's runs of tokens."""
+        """Where each token of ``request`` so far lives (after :meth:`allocate`, or a
+        ``begin(allocate=True)``; after every :meth:`extend`, the tokens it added too): its
+        owner rank and its slot in the owner's pool, ``local_page * page_size + slot`` (u32
+        arrays, one entry per token of :attr:`Request.tokens`), the token index into
+        ``pool.view(layers, local_pages * page_size, token_bytes)``, as an engine's
+        ``out_cache_loc``; a forward writes entries from :attr:`Request.computed_from` on.
+        The deployment's layout places the tokens: under token-interleave a page holds only
+        its owner's runs of tokens."""
         self._native._check_owns(request._native)
         pages = request.pages
-        tokens = request.stats()["prompt_tokens"]
+        tokens = request.stats()["tokens"]
         owners, slots = self._native.place_tokens(_u32_bytes(pages, "pages"), tokens)
         return (
             np.frombuffer(owners, dtype="<u4").copy(),
@@ -513,7 +524,8 @@ class RankCache:
         )
 
     def pool(self, buffer: str, owner: Optional[int] = None) -> Pool:
-        """A device pool of ``buffer`` (``"kv"``, ``"index_k"``) as a DLPack producer,
+        """A device pool of ``buffer``, one of :attr:`Deployment.buffers` (``"mla_kv"``;
+        NSA: ``"nsa_kv"``, ``"nsa_idx"``), as a DLPack producer,
         ``uint8[layers, local_pages, page_bytes]``: ``torch.from_dlpack(pool)`` reads and
         writes it in place (NumPy's view is read-only). ``owner=None`` is this rank's own
         pool; ``owner=r`` this rank's mapping of rank ``r``'s, how CP attention reads every

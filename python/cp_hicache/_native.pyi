@@ -33,6 +33,7 @@ class Deployment:
         cp: int = 8,
         layers: int = 61,
         transfer: Optional[str] = None,
+        layout: str = "zigzag",
         interleave_size: Optional[int] = None,
     ) -> None:
         """``layout``: ``"zigzag"``, ``"round-robin"``, ``"page-interleave"`` (SGLang's
@@ -55,7 +56,8 @@ class Deployment:
         """Layers per KV buffer."""
     @property
     def buffers(self) -> List[str]:
-        """The KV buffer kinds, one pool each."""
+        """The KV buffer kinds, one pool each: ``["mla_kv"]``, or ``["nsa_kv", "nsa_idx"]``
+        for NSA."""
     @property
     def layout(self) -> str:
         """The CP layout's name."""

@@ -221,7 +221,7 @@ class Ops:
         the layers in ``layers`` (all by default): ``"h2d"`` host → device or ``"d2h"``
         device → host, one launch moving every buffer kind (one per layer when the host side
         is per-layer). ``device`` and ``host`` hold one entry per buffer kind (:attr:`buffers`;
-        NSA's ``kv`` and ``index_k`` move together). Destinations must be distinct. Returns
+        NSA's ``nsa_kv`` and ``nsa_idx`` move together). Destinations must be distinct. Returns
         the bytes moved. SGLang: the host pool's ``load_to_device_per_layer`` /
         ``backup_from_device_all_layer``."""
         handle = _stream(stream, self._cuda)

@@ -122,7 +122,20 @@ unsafe extern "C" fn delete_managed(managed: *mut DLManagedTensor) {
         std::mem::forget(ctx);
         return;
     }
+    // The GIL is taken from the interpreter itself, never from PyO3's record of this thread:
+    // torch runs this deleter with the GIL released (a tensor freed by the garbage
+    // collector), and when that happens inside one of this module's calls (another cache's
+    // collective round, which runs Python: the collector may run there), PyO3 still counts
+    // the thread as attached, so `Python::attach` alone would not take the GIL. Freeing the
+    // cache object without it (this may be its last reference) crashed the process in
+    // `PyObject_GC_Del` (issue 45). `PyGILState_Ensure` takes the GIL when this thread does
+    // not hold it, does nothing when it does, and gives a thread that never ran Python a
+    // thread state; `PyGILState_Release` puts back what was.
+    // SAFETY: the interpreter is initialised and not shutting down (checked above).
+    let state = unsafe { ffi::PyGILState_Ensure() };
     Python::attach(|_| drop(ctx));
+    // SAFETY: pairs the `PyGILState_Ensure` above, on the same thread.
+    unsafe { ffi::PyGILState_Release(state) };
 }
 
 /// Set by an `atexit` handler the module registers ([`register_shutdown_hook`]): from then
@@ -166,7 +179,7 @@ unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
 
 #[pymethods]
 impl Pool {
-    /// The buffer kind (`kv`, `index_k`).
+    /// The buffer kind (`mla_kv`; NSA: `nsa_kv`, `nsa_idx`).
     #[getter]
     fn buffer(&self) -> &str {
         &self.buffer

@@ -55,7 +55,7 @@ impl Deployment {
             "mla" => ModelShape::MlaBf16,
             other => {
                 return Err(usage(format!(
-                    "unknown model `{other}` (expected `nsa`, DeepSeek-V3.2's kv + index_k, or \
+                    "unknown model `{other}` (expected `nsa`, DeepSeek-V3.2's nsa_kv + nsa_idx, or \
                      `mla`, a bf16 MLA cache)"
                 )))
             }
@@ -123,7 +123,7 @@ impl Deployment {
         }
     }
 
-    /// The KV buffer kinds, each a pool (`["kv", "index_k"]` for NSA).
+    /// The KV buffer kinds, each a pool (`["mla_kv"]`; `["nsa_kv", "nsa_idx"]` for NSA).
     #[getter]
     fn buffers(&self) -> Vec<String> {
         self.inner

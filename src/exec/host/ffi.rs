@@ -88,6 +88,59 @@ unsafe impl Sync for HostMem {}
 /// Serial of this process's shared-memory objects, for unique names.
 static NEXT_SHM: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
+/// What every shared-memory object of this crate is named after: `cp-hicache-<pid>-<serial>-
+/// <nanos>`, the pid being the creator's.
+const SHM_PREFIX: &str = "cp-hicache-";
+
+/// Removes from `dir` (`/dev/shm` on Linux) the shared-memory objects whose creator process
+/// is gone: `cp-hicache-<pid>-…` with no process `<pid>`. A process that ends normally
+/// unlinks its objects (as soon as every peer mapped them, or when its pools are freed); one
+/// that dies before that (killed, crashed) leaves them for good, each as large as a pool, and
+/// only a later process can take them away. Only those go: objects of a live process
+/// (this one included), names of another shape and anything that cannot be removed (another
+/// user's) stay. Peers that still map a removed object keep their mappings. A pid the
+/// system reused for a new process keeps its objects (the check errs on the side of keeping).
+/// Returns the names removed.
+pub(crate) fn remove_orphaned_segments(dir: &std::path::Path) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let me = std::process::id();
+    let mut removed = Vec::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let Some(pid) = name
+            .strip_prefix(SHM_PREFIX)
+            .and_then(|rest| rest.split_once('-'))
+            .and_then(|(pid, _)| pid.parse::<u32>().ok())
+            .filter(|&pid| pid != 0 && pid != me)
+        else {
+            continue;
+        };
+        if process_exists(pid) {
+            continue;
+        }
+        if std::fs::remove_file(entry.path()).is_ok() {
+            removed.push(name.to_string());
+        }
+    }
+    removed
+}
+
+/// Whether a process `pid` exists (signal 0 delivers nothing: only the checks run). One that
+/// exists but is another user's answers `EPERM`: it exists.
+fn process_exists(pid: u32) -> bool {
+    let Ok(pid) = libc::pid_t::try_from(pid) else {
+        return true;
+    };
+    // SAFETY: signal 0 sends nothing; it only asks whether `pid` could be signalled.
+    if unsafe { libc::kill(pid, 0) } == 0 {
+        return true;
+    }
+    std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
 /// The last OS error, as text.
 fn os_error(what: &str) -> String {
     format!("{what}: {}", std::io::Error::last_os_error())
@@ -127,7 +180,7 @@ impl HostMem {
     /// its name ([`HostMem::shared_name`]) lets other executors map the same bytes.
     pub(crate) fn new_shared(len: usize, fill: u8) -> Result<HostMem, String> {
         let name = format!(
-            "/cp-hicache-{}-{}-{:x}",
+            "/{SHM_PREFIX}{}-{}-{:x}",
             std::process::id(),
             NEXT_SHM.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             std::time::SystemTime::now()
@@ -460,6 +513,40 @@ mod tests {
         assert_eq!(std::mem::offset_of!(CpEmuLaunch, err_cap), 64);
         assert_eq!(std::mem::size_of::<CpEmuStackStats>(), 48);
         assert_eq!(std::mem::offset_of!(CpEmuStackStats, guard_regions), 40);
+    }
+
+    #[test]
+    fn only_the_segments_of_processes_that_are_gone_are_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        // A process that ran and was reaped: its pid names no process now.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let gone = child.id();
+        child.wait().unwrap();
+        let me = std::process::id();
+        let parent = std::os::unix::process::parent_id();
+        let names = [
+            format!("cp-hicache-{gone}-3-1f2e"),
+            format!("cp-hicache-{me}-1-ab"),
+            format!("cp-hicache-{parent}-2-cd"),
+            "cp-hicache-notapid-1-ef".to_string(),
+            "cp-hicache-0-1-ef".to_string(),
+            format!("fake-cuda-{gone}-1"),
+            format!("other-{gone}-1"),
+        ];
+        for n in &names {
+            std::fs::write(dir.path().join(n), b"x").unwrap();
+        }
+        assert_eq!(remove_orphaned_segments(dir.path()), vec![names[0].clone()]);
+        let mut left: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        left.sort();
+        let mut want = names[1..].to_vec();
+        want.sort();
+        assert_eq!(left, want);
+        // A directory that does not exist (no /dev/shm) removes nothing.
+        assert!(remove_orphaned_segments(&dir.path().join("absent")).is_empty());
     }
 
     #[test]

@@ -175,6 +175,9 @@ pub struct HostExecutor {
     options: Mutex<HostOptions>,
     state: Mutex<State>,
     fail_next_launch: AtomicBool,
+    /// Whether this executor removed the shared memory of processes that are gone, before
+    /// its first shared pool ([`ffi::remove_orphaned_segments`]).
+    swept: AtomicBool,
 }
 
 impl HostExecutor {
@@ -184,6 +187,7 @@ impl HostExecutor {
             options: Mutex::new(options),
             state: Mutex::new(Registry::new()),
             fail_next_launch: AtomicBool::new(false),
+            swept: AtomicBool::new(false),
         }
     }
 
@@ -265,6 +269,18 @@ impl Executor for HostExecutor {
     }
 
     fn alloc_shareable(&self, bytes: usize, fill: u8) -> Result<BufferId, ExecError> {
+        // A new cache's first shared pool: first take away what crashed processes left in
+        // /dev/shm (their pools stay there for good otherwise).
+        if !self.swept.swap(true, Ordering::AcqRel) {
+            let removed = ffi::remove_orphaned_segments(std::path::Path::new("/dev/shm"));
+            if !removed.is_empty() {
+                tracing::info!(
+                    "removed {} shared-memory objects of processes that are gone: {}",
+                    removed.len(),
+                    removed.join(", ")
+                );
+            }
+        }
         let mem = ffi::HostMem::new_shared(bytes, fill).map_err(|reason| ExecError::Alloc {
             bytes,
             kind: MemKind::Device,
