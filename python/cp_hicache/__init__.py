@@ -18,7 +18,7 @@ prints the report of ``cp-hicache replay``.
 
 from __future__ import annotations
 
-from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -49,6 +49,7 @@ __all__ = [
     "RankCache",
     "Request",
     "RequestAbandoned",
+    "StepError",
     "TorchCollective",
     "UsageError",
     "WarmUpReport",
@@ -85,6 +86,27 @@ def _u32_bytes(values: Tokens, what: str) -> bytes:
     if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
         raise UsageError(f"{what} must fit in u32 (0..=4294967295)")
     return np.ascontiguousarray(arr, dtype="<u4").tobytes()
+
+
+class StepError(CacheError):
+    """Some operations of a :meth:`RankCache.step` failed (the step itself went through:
+    every other operation took effect). A failed operation failed its request on every rank:
+    a failed ``extend`` or ``finish`` left its request as it was (retry it, or end it with
+    ``ok=False``), a ``finish`` another rank said not ok abandoned the request everywhere,
+    and a failed ``begin`` admitted nothing.
+
+    ``requests`` is what the step returns otherwise: the admitted requests, ``None`` where
+    a prompt was not admitted. ``failures`` lists ``(kind, index, exception)``: which list
+    the operation was in (``"finish"``, ``"extend"``, ``"begin"``), its index there, and its
+    exception (a :class:`CacheFullError`, a :class:`RequestAbandoned`, ...)."""
+
+    def __init__(
+        self, requests: List[Optional["Request"]], failures: List[Tuple[str, int, BaseException]]
+    ) -> None:
+        self.requests = requests
+        self.failures = failures
+        each = "; ".join(f"{kind} {i}: {e}" for kind, i, e in failures)
+        super().__init__(f"{len(failures)} operation(s) of the step failed: {each}")
 
 
 class Match(NamedTuple):
@@ -418,6 +440,50 @@ class RankCache:
         pages written included, first waits on the device for the engine's work there, so
         the engine need not synchronise its stream before the call."""
         self._native.extend(request._native, _u32_bytes(tokens, "tokens"), _maybe_stream(stream))
+
+    def step(
+        self,
+        begin: Sequence[Tokens] = (),
+        extend: Sequence[Tuple[Request, Tokens]] = (),
+        finish: Sequence[Union[Request, Tuple[Request, bool]]] = (),
+        allocate: bool = True,
+        chunk: Optional[int] = None,
+        stream: Any = None,
+    ) -> List[Request]:
+        """One scheduler step, what an engine calls once per batch: ``finish`` (requests,
+        or ``(request, ok)`` pairs as for :meth:`finish`), then ``extend`` (``(request,
+        tokens)`` pairs as for :meth:`extend`), then ``begin`` (prompts, each as
+        :meth:`begin` with ``allocate`` and ``chunk``). Returns the new requests, in the
+        order of ``begin``.
+
+        At most one group round, whatever the batch: every rank runs the step on its replica
+        and one round compares the step's decision digest and carries every rank's
+        failures. A step of decode tokens that land in kept partial pages (nothing inserted,
+        nothing allocated) takes no round at all; the next round's digest covers it. Pages a
+        step frees (finished requests') are freed after the round, when no peer reads them.
+
+        One request's failure fails that request on every rank, not the step (at the cost of
+        a rollback and another round): the others take effect, and the call raises
+        :class:`StepError` listing the failures, with the admitted requests. An error for the
+        whole step (:class:`DivergedError`, :class:`GroupError`) leaves every request as it
+        was. With ``stream`` (the engine's CUDA stream), the cache's work first waits on the
+        device for the engine's work there."""
+        fin = []
+        for f in finish:
+            if isinstance(f, Request):
+                fin.append((f._native, True))
+            else:
+                req, ok = f
+                fin.append((req._native, bool(ok)))
+        ext = [(req._native, _u32_bytes(t, "extend tokens")) for req, t in extend]
+        beg = [_u32_bytes(t, "begin tokens") for t in begin]
+        begun, failures = self._native.step(
+            beg, ext, fin, allocate, chunk, _maybe_stream(stream)
+        )
+        requests = [None if r is None else Request(r) for r in begun]
+        if failures:
+            raise StepError(requests, [(kind, i, e) for kind, i, e in failures])
+        return requests
 
     def synthesise(self, request: Request) -> None:
         """Writes synthesised KV for this rank's share of the tokens from

@@ -17,6 +17,7 @@
 //! - [`request`]: the `Request` class a step returns;
 //! - [`convert`]: arguments and results across the boundary.
 
+mod batch;
 mod config;
 mod construct;
 mod convert;

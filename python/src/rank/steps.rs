@@ -131,7 +131,7 @@ impl RankCache {
 
     /// Orders the cache's stream after the engine's `stream` (a device-side wait; nothing
     /// on the CPU).
-    fn follow(&self, py: Python<'_>, stream: Option<u64>) -> PyResult<()> {
+    pub(super) fn follow(&self, py: Python<'_>, stream: Option<u64>) -> PyResult<()> {
         let Some(s) = stream else { return Ok(()) };
         // SAFETY: the engine hands in a live stream of the cache's device context (`finish`
         // and `extend` say so, as `Request.wait_layer` does).
