@@ -447,3 +447,35 @@ fn identical_writers_at_once_count_each_record_once() {
     );
     assert_eq!(counted, keys.len() as u64 * bytes);
 }
+
+/// A link or a FIFO where the store keeps its own folders or lock refuses the store, naming
+/// what is there, without following or reading it.
+#[test]
+fn a_link_or_fifo_for_the_stores_own_folder_or_lock_refuses_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let outside = tempfile::tempdir().unwrap();
+    std::os::unix::fs::symlink(outside.path(), dir.path().join("records")).unwrap();
+    let err = DirStore::open(dir.path(), fp(), N, 1 << 30).err().unwrap();
+    assert!(
+        matches!(
+            err,
+            StorageError::NotOurs {
+                found: "a symbolic link",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(names(outside.path()).is_empty(), "the link was followed");
+
+    let dir = tempfile::tempdir().unwrap();
+    mkfifo(&dir.path().join("lock"));
+    let root = dir.path().to_path_buf();
+    let err = within_deadline("opening a store whose lock is a FIFO", move || {
+        DirStore::open(&root, fp(), N, 1 << 30)
+            .err()
+            .map(|e| e.to_string())
+    });
+    let err = err.expect("a FIFO as the lock refuses the store");
+    assert!(err.contains("a FIFO") && err.contains("lock"), "{err}");
+}
