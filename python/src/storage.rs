@@ -3,7 +3,9 @@
 //! chained page hashes, read from and written to the host pool's page buffers in place.
 
 use crate::errors::usage;
-use cp_hicache::storage::{DirStore, Fingerprint, Lookup, PageStore as _, Put, RecordKey};
+use cp_hicache::storage::{
+    DirStore, Fingerprint, Lookup, PageStore as _, Put, RecordKey, StorageError,
+};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::path::PathBuf;
@@ -75,7 +77,8 @@ impl PageStore {
 
     /// Writes page `name` from its buffers `parts` (`[(address, bytes), ...]`, host memory
     /// the caller keeps alive and unchanged for the call); `True` once the record is whole on
-    /// disk (written now, or there already).
+    /// disk (written now, or there already), `False` when the store is read-only to this
+    /// process (another user's, a read-only mount: `stats()['read_only']`).
     ///
     /// The addresses are trusted: they must be readable host memory of that many bytes, as
     /// SGLang's `get_page_buffer_meta` gives them.
@@ -96,6 +99,8 @@ impl PageStore {
         });
         match put {
             Ok(Put::Written { .. } | Put::Present) => Ok(true),
+            // Another user's store, or a read-only mount: read, never written.
+            Err(StorageError::ReadOnly(_)) => Ok(false),
             Err(e) => Err(usage(e)),
         }
     }
@@ -137,7 +142,7 @@ impl PageStore {
     }
 
     /// What this store did since it was opened: records written, read, refused by kind,
-    /// evicted, and their bytes.
+    /// evicted, and their bytes; and whether it is read-only to this process.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.store.stats();
         let d = PyDict::new(py);
@@ -152,6 +157,7 @@ impl PageStore {
         d.set_item("refused_fingerprint", s.refused_fingerprint)?;
         d.set_item("evictions", s.evictions)?;
         d.set_item("usage_bytes", self.store.usage().map_err(usage)?)?;
+        d.set_item("read_only", self.store.is_read_only())?;
         Ok(d)
     }
 

@@ -349,6 +349,16 @@ mod tests {
         arg.get_help().map(ToString::to_string).unwrap_or_default()
     }
 
+    /// `--storage` works under every layout (records in parts where a page is split).
+    #[test]
+    fn storage_help_refuses_no_layout() {
+        let h = help("replay", "storage");
+        assert!(h.contains("token-interleave"), "{h}");
+        for stale in ["Not with --layout", "not built yet"] {
+            assert!(!h.contains(stale), "{stale:?} in {h}");
+        }
+    }
+
     #[test]
     fn output_checks_leave_files_as_they_were() {
         let dir = tempfile::tempdir().unwrap();

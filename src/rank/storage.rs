@@ -169,7 +169,8 @@ impl RankCache {
         id: NodeId,
         stats: &mut RequestStats,
     ) -> Result<(), ClusterError> {
-        let Some(tier) = &self.storage else {
+        // A store this process may only read is read, never written.
+        let Some(tier) = self.storage.as_ref().filter(|t| !t.store.read_only()) else {
             return Ok(());
         };
         let store = tier.store.clone();

@@ -127,6 +127,10 @@ impl PageStore for DamagingStore {
         self.inner.payload_bytes()
     }
 
+    fn read_only(&self) -> bool {
+        self.inner.is_read_only()
+    }
+
     fn put(&self, key: &RecordKey, payload: &[u8]) -> Result<Put, StorageError> {
         if self.damage == Damage::Io
             && self.writes.fetch_add(1, Ordering::Relaxed) % self.every == 0

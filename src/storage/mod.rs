@@ -16,6 +16,7 @@
 mod bench;
 mod dir;
 mod fault;
+mod fsx;
 mod key;
 mod parts;
 pub mod record;
@@ -54,6 +55,25 @@ pub enum StorageError {
     /// The store was set up or called wrongly.
     #[error("storage: {0}")]
     Config(String),
+    /// Something else is where the store keeps a file or folder of its own (a link, a
+    /// FIFO): the store follows and reads none, so it cannot be used until that is moved.
+    #[error(
+        "storage: {} is {found}, not the {want} the store keeps there (the store follows no \
+         link and reads no FIFO): move it away",
+        path.display()
+    )]
+    NotOurs {
+        /// Where.
+        path: std::path::PathBuf,
+        /// What is there, in words.
+        found: &'static str,
+        /// What the store keeps there: `file` or `folder`.
+        want: &'static str,
+    },
+    /// A write to a store this process may only read (a read-only mount, another user's
+    /// store).
+    #[error("storage: {} is read-only to this process: its records are read, none written", .0.display())]
+    ReadOnly(std::path::PathBuf),
 }
 
 /// What [`PageStore::put`] did.
@@ -133,6 +153,12 @@ pub trait PageStore: Send + Sync {
     /// Bytes of one record's payload.
     fn payload_bytes(&self) -> u64;
 
+    /// Whether this process may only read the store: its writes are refused
+    /// ([`StorageError::ReadOnly`]), so a rank makes none.
+    fn read_only(&self) -> bool {
+        false
+    }
+
     /// Stores `payload` as the record of `key`, visible whole or not at all.
     fn put(&self, key: &RecordKey, payload: &[u8]) -> Result<Put, StorageError>;
 
@@ -164,5 +190,7 @@ pub trait PageStore: Send + Sync {
     fn usage(&self) -> Result<u64, StorageError>;
 }
 
+#[cfg(test)]
+mod hostile_tests;
 #[cfg(test)]
 mod tests;

@@ -64,6 +64,10 @@ pub enum RecordError {
         /// The deployment's.
         want: u64,
     },
+    /// Not a regular file where a record should be (a link, a FIFO, a folder): neither
+    /// followed nor read. Counted with the checksum refusals (not what was written).
+    #[error("{0} where a record should be")]
+    NotRegular(&'static str),
     /// The bytes are not the ones written (a flipped bit).
     #[error("checksum {have:016x}, the header says {want:016x}")]
     Checksum {

@@ -187,8 +187,11 @@ pub struct ReplayArgs {
     /// load-back. Records are named by the model, layers and page size and by their
     /// prefix's tokens, never by the CP degree, rank or layout, so a later run with another
     /// --cp (or ranks in other processes) reads what this one wrote. Several runs may share
-    /// the directory at once. Not with --layout token-interleave (a sequence page is split
-    /// across ranks there; records in parts are not built yet).
+    /// the directory at once. Under --layout token-interleave, where a sequence page is split
+    /// across ranks, each rank writes its tokens of a record as a part and the record
+    /// appears whole when its last part comes; a rank reads the whole records its tokens
+    /// come from. A store this process may only read (a read-only mount, another user's) is
+    /// read and never written.
     #[arg(long, value_name = "DIR")]
     pub storage: Option<PathBuf>,
     /// The store's capacity in bytes (a number, or with a K/M/G/T suffix, binary): over it,

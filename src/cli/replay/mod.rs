@@ -28,7 +28,7 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
     let (workload, total) = args.workload()?;
     let exec: Arc<dyn Executor> = Arc::from(open_executor(args.backend)?);
     let jit = Jit::new(JitConfig::from_env()?);
-    let setup = Setup::new(args, &plan, exec.as_ref(), &jit)?;
+    let mut setup = Setup::new(args, &plan, exec.as_ref(), &jit)?;
     check_memory(&setup.config, exec.backend())?;
     // One executor per rank where peers in this process can map each other's pools (shared
     // memory on the CPU), as engine processes each hold their own; on one GPU the ranks share
@@ -46,6 +46,7 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
     }
     .map_err(cluster_error)?;
     if let Some(store) = open_store(args, &setup.config)? {
+        setup.storage_read_only = store.read_only();
         cluster
             .attach_storage(store, args.storage_policy)
             .map_err(cluster_error)?;
@@ -134,7 +135,7 @@ pub fn replay_rank(
     }
     let jit = Jit::new(JitConfig::from_env()?);
     // Memory was checked once for the group (`check_replay_args`), not per rank.
-    let setup = Setup::new(args, &plan, exec.as_ref(), &jit)?;
+    let mut setup = Setup::new(args, &plan, exec.as_ref(), &jit)?;
     let mut rank = crate::rank::RankCache::new(
         setup.config.clone(),
         exec,
@@ -149,9 +150,11 @@ pub fn replay_rank(
     // Every rank attaches (a collective), even one whose store failed to open: its failure
     // then ends its peers' round at once.
     match open_store(args, &setup.config) {
-        Ok(Some(store)) => rank
-            .attach_storage(store, args.storage_policy)
-            .map_err(cluster_error)?,
+        Ok(Some(store)) => {
+            setup.storage_read_only = store.read_only();
+            rank.attach_storage(store, args.storage_policy)
+                .map_err(cluster_error)?
+        }
         Ok(None) => {}
         Err(e) => {
             let _ = rank
@@ -169,6 +172,8 @@ struct Setup {
     deployment: Deployment,
     backend: String,
     tuning_file: Option<PathBuf>,
+    /// Whether the store (`--storage`) could only be read: records are read, none written.
+    storage_read_only: bool,
 }
 
 impl Setup {
@@ -208,6 +213,7 @@ impl Setup {
             deployment,
             backend: exec.backend().to_string(),
             tuning_file,
+            storage_read_only: false,
         })
     }
 }

@@ -21,6 +21,7 @@ pub(super) fn conclude(
         deployment,
         backend,
         tuning_file,
+        storage_read_only,
         ..
     } = setup;
     let reports = cluster.reports();
@@ -114,10 +115,15 @@ pub(super) fn conclude(
         synth_threads: deployment.synth_threads,
         storage: args.storage.as_ref().map(|dir| {
             format!(
-                "{} · {} · {}",
+                "{} · {} · {}{}",
                 dir.display(),
                 args.storage_policy,
-                crate::cluster::stats::human_bytes(args.storage_bytes)
+                crate::cluster::stats::human_bytes(args.storage_bytes),
+                if storage_read_only {
+                    " · read-only (records read, none written)"
+                } else {
+                    ""
+                }
             )
         }),
     };
