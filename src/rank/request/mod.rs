@@ -118,6 +118,12 @@ impl Request {
         Ok(())
     }
 
+    /// The request's number on this rank (requests are numbered as they begin; every rank
+    /// numbers alike): what errors and rounds name it by.
+    pub fn number(&self) -> usize {
+        self.n
+    }
+
     /// The tokens so far: the prompt, then whatever [`RankCache::extend`] added.
     pub fn tokens(&self) -> &[u32] {
         &self.tokens
