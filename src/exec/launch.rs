@@ -418,13 +418,22 @@ impl Span {
 /// Refuses a launch in which a written parameter's reach overlaps another pointer's
 /// ([`marshal_args`]), a page table's pointers included (two of one written table must not
 /// share a byte either); empty ranges touch nothing.
+///
+/// Sorted by buffer and start, a span is compared only with those that start before it ends
+/// in the same buffer: O(n log n) plus the pairs whose ranges meet, where a layer-wise load
+/// names a table of one span per layer and page (every pair once made it quadratic).
 fn check_no_aliased_output(
     kernel: &str,
     sig: &KernelSignature,
     spans: &[Span],
 ) -> Result<(), ExecError> {
-    for (k, x) in spans.iter().enumerate() {
-        for y in &spans[k + 1..] {
+    let mut order: Vec<&Span> = spans.iter().filter(|s| !s.range.is_empty()).collect();
+    order.sort_by_key(|s| (s.buffer, s.range.start, s.param));
+    for (k, x) in order.iter().enumerate() {
+        let meeting = order[k + 1..]
+            .iter()
+            .take_while(|y| y.buffer == x.buffer && y.range.start < x.range.end);
+        for y in meeting {
             if !(x.writes || y.writes) || !x.overlaps(y) {
                 continue;
             }
