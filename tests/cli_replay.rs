@@ -283,6 +283,31 @@ fn every_layout_replays_verified_with_host_hits() {
     );
 }
 
+/// The seed's bug in the positional layouts' form: `granule-shift-on-load` puts each loaded
+/// granule's pages one rank on, every page loaded back is read from another rank's slot,
+/// and verification catches it (mismatches, exit status 1) as it catches
+/// `plain-alloc-on-load` under zigzag; where a granule is one page it is refused.
+#[test]
+fn granule_shift_on_load_is_caught_under_the_positional_layouts() {
+    for layout in [
+        &["--layout", "page-interleave"][..],
+        &["--layout", "token-interleave", "--interleave-size", "4"],
+    ] {
+        let (out, report) = replay(&[layout, &["--inject", "granule-shift-on-load"]].concat());
+        assert_eq!(out.status.code(), Some(1), "{layout:?}: {}", stderr(&out));
+        let r = report.unwrap();
+        assert!(num(&r, "mismatched_tokens") > 0, "{layout:?}: {r}");
+        assert!(num(&r, "pages_loaded_misowned") > 0, "{layout:?}: {r}");
+    }
+    let (out, _) = replay(&["--layout", "zigzag", "--inject", "granule-shift-on-load"]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("nothing to shift"),
+        "{}",
+        stderr(&out)
+    );
+}
+
 /// With `--peer-pools gathered` no rank reads a peer's pool: each sends its pages through
 /// the group. The replay serves exactly as with mapped pools (the same hits and tokens, 0
 /// mismatches, under a positional layout with chunked prefill and decode too), reports what

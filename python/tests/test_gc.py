@@ -237,3 +237,74 @@ def test_a_new_cache_removes_the_segments_of_processes_that_are_gone():
         for path in made:
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def _gloo_rank(rank, size, port, out):
+    """One engine process over gloo: its first cache's forward raises (the cache, an open
+    request and tensors of every pool it reaches left in a traceback cycle); the collector
+    runs inside each round of the next cache's constructor and begin."""
+    import gc
+    import weakref
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=size, timeout=timedelta(seconds=60))
+    dep = cp_hicache.Deployment(model="mla", page_size=16, cp=size, layers=2)
+    exchange = cp_hicache.TorchCollective.exchange
+    collect = [False]
+
+    def collecting(self, *args):
+        if collect[0]:
+            gc.collect()
+        return exchange(self, *args)
+
+    cp_hicache.TorchCollective.exchange = collecting
+
+    def failing(group):
+        rc = cp_hicache.RankCache(dep, rank, group, device_pages=64 * size, host_pages=64,
+                                  backend="host")
+        req = rc.begin(list(range(200)), allocate=True)  # noqa: F841 - open when abandoned
+        tensors = [torch.from_dlpack(rc.pool("mla_kv", owner=o))  # noqa: F841
+                   for o in range(size)]
+        holder = {}
+        try:
+            raise RuntimeError("the forward failed")
+        except RuntimeError as e:
+            holder["error"] = e
+        return weakref.ref(rc._native)
+
+    gc.disable()
+    log = {"collected": [], "mismatched": []}
+    for _ in range(2):
+        ref = failing(dist.new_group(backend="gloo"))
+        collect[0] = True
+        rc = cp_hicache.RankCache(dep, rank, dist.new_group(backend="gloo"),
+                                  device_pages=64 * size, host_pages=64, backend="host")
+        req = rc.begin(list(range(300)), allocate=True)
+        rc.synthesise(req)
+        log["mismatched"].append(rc.finish(req)["mismatched_tokens"])
+        collect[0] = False
+        log["collected"].append(ref() is None)
+        rc.close()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(log, f)
+
+
+def test_a_cache_collected_inside_another_caches_rounds_over_gloo(tmp_path):
+    """The case as reported: ranks as gloo processes, the abandoned cache collected inside
+    the rounds of the cache an engine builds next (it died with SIGSEGV, 3 runs in 3)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_gloo_rank, args=(2, port, str(tmp_path)), nprocs=2,
+                       start_method="spawn")
+    for r in range(2):
+        log = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert log == {"collected": [True, True], "mismatched": [0, 0]}, log

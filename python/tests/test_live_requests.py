@@ -341,3 +341,53 @@ def test_a_real_model_through_the_cache_gives_the_logits_of_no_cache(layout, int
     for other in results[1:]:
         for (t0, l0, _), (t1, l1, _) in zip(results[0], other):
             assert (t0 == t1).all() and torch.equal(l0, l1)
+
+
+# --- The owner rule under the positional layouts ------------------------------------------
+
+
+@pytest.mark.parametrize("layout, interleave",
+                         [("page-interleave", None), ("token-interleave", 1),
+                          ("token-interleave", 4)])
+def test_a_load_onto_another_ranks_slot_is_caught_in_the_positional_layouts(layout, interleave):
+    """``granule-shift-on-load`` is the seed's bug in the positional layouts' form: a
+    load-back puts each granule's pages one rank on, so every page loaded back is read from
+    another rank's slot. Verification counts the mismatches and ``check_invariants`` names
+    the owner it broke, as ``plain-alloc-on-load`` under zigzag; without the fault the same
+    requests verify clean."""
+    dep = deployment(layout, interleave)
+
+    def rank_main(fault, member, rank):
+        rc = cache(dep, rank, member, fault=fault)
+        first = rc.serve(PROMPT)
+        rc.evict(1 << 30)  # every prefix to host memory: the next hit is a load-back
+        again = rc.serve(PROMPT)
+        try:
+            rc.check_invariants()
+            audit = None
+        except cp_hicache.CacheError as e:
+            audit = str(e)
+        return first, again, audit
+
+    for fault in (None, "granule-shift-on-load"):
+        ranks = Ranks()
+        member = ranks.group()
+        for first, again, audit in ranks.run(lambda r: rank_main(fault, member, r)):
+            assert first["mismatched_tokens"] == 0
+            assert again["host_hit_tokens"] == 64  # two granules of CP 2 x 16 tokens
+            if fault is None:
+                assert again["mismatched_tokens"] == 0 and audit is None, (again, audit)
+                assert again["pages_loaded_misowned"] == 0
+            else:
+                # Every loaded token is read from the wrong rank's slot.
+                assert again["mismatched_tokens"] == 64, again
+                assert again["pages_loaded_misowned"] == 4, again
+                assert audit is not None and "owned by rank" in audit, audit
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "round-robin"])
+def test_the_granule_shift_fault_is_refused_where_a_granule_is_one_page(layout):
+    with pytest.raises(cp_hicache.UsageError, match="nothing to shift"):
+        cp_hicache.RankCache(
+            cp_hicache.Deployment(model="mla", page_size=16, cp=1, layers=2, layout=layout),
+            device_pages=64, host_pages=64, backend="host", fault="granule-shift-on-load")

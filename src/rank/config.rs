@@ -52,6 +52,10 @@ impl FromStr for WritePolicy {
 pub enum Fault {
     /// The seed's bug: load-back allocates with plain `alloc_pages`, ignoring owners.
     PlainAllocOnLoad,
+    /// The seed's bug in the positional layouts' form: a load-back puts sequence page `i`
+    /// of each granule on the page of the next rank (`(i + 1) % cp`), while rank `i % cp`
+    /// loads its bytes, so the page is read from another rank's slot.
+    GranuleShiftOnLoad,
     /// Half of lane 0 is reserved for ever, so lane 0 runs short first.
     LaneExhaustion,
     /// The host pools hold almost nothing, so backups evict host LRU or are skipped.
@@ -81,8 +85,9 @@ pub enum Fault {
 
 impl Fault {
     /// Every fault, for help texts.
-    pub const ALL: [Fault; 11] = [
+    pub const ALL: [Fault; 12] = [
         Fault::PlainAllocOnLoad,
+        Fault::GranuleShiftOnLoad,
         Fault::LaneExhaustion,
         Fault::HostPoolFull,
         Fault::CompileError,
@@ -114,7 +119,13 @@ impl Fault {
     /// Whether the fault means anything under `layout`; why not, when it does not.
     pub fn check_layout(self, layout: Layout) -> Result<(), String> {
         if layout.load_back() == LoadBack::RecordedOwners {
-            return Ok(());
+            return match self {
+                Fault::GranuleShiftOnLoad => Err(format!(
+                    "under {layout} a granule is one page, so there is nothing to shift: \
+                     plain-alloc-on-load loses the recorded owners there"
+                )),
+                _ => Ok(()),
+            };
         }
         match self {
             Fault::PlainAllocOnLoad => Err(format!(
@@ -136,6 +147,7 @@ impl fmt::Display for Fault {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             Fault::PlainAllocOnLoad => "plain-alloc-on-load",
+            Fault::GranuleShiftOnLoad => "granule-shift-on-load",
             Fault::LaneExhaustion => "lane-exhaustion",
             Fault::HostPoolFull => "host-pool-full",
             Fault::CompileError => "compile-error",

@@ -109,9 +109,19 @@ impl RankCache {
         let plain = self.config.fault == Some(Fault::PlainAllocOnLoad);
         // The same evictions as for computed pages, in the same order: a miss here would
         // only make the compute path evict the same nodes to recompute these pages.
-        let Some(run) = self.alloc_evicting(&owners, plain, stats)? else {
+        let Some(mut run) = self.alloc_evicting(&owners, plain, stats)? else {
             return Ok(None);
         };
+        let shift = self.config.fault == Some(Fault::GranuleShiftOnLoad);
+        if shift {
+            // Each granule's pages move one rank on: sequence page i gets the page of rank
+            // (i + 1) % cp, whose local page is the same, so each rank still loads its bytes
+            // into its own pool, and readers go to the next rank's.
+            let cp = usize::from(self.layout.cp());
+            for group in run.chunks_mut(cp) {
+                group.rotate_left(1);
+            }
+        }
         stats.pages_loaded_misowned += owners
             .iter()
             .zip(&run)
@@ -141,7 +151,7 @@ impl RankCache {
             }
             let n = self.tree.node(id)?.num_pages(self.layout.page_size());
             let slice = run[at..at + n].to_vec();
-            if plain {
+            if plain || shift {
                 self.tree.set_device_ignoring_owners(id, slice)?;
             } else {
                 self.tree.set_device(id, slice)?;

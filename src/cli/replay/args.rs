@@ -112,7 +112,8 @@ pub struct ReplayArgs {
     /// positional (page i of a sequence is rank i % C's) and pages are allocated in aligned
     /// groups of C, one per rank, kept in lockstep: a plain allocation gives the same
     /// pages, and one lane cannot run short alone, so `plain-alloc-on-load` and
-    /// `lane-exhaustion` are refused there.
+    /// `lane-exhaustion` are refused there; `granule-shift-on-load` (each loaded granule's
+    /// pages one rank on) is the seed's bug in their form, refused under the other two.
     #[arg(long, default_value = "zigzag", value_parser = layout_parser())]
     pub layout: String,
     /// Tokens per run of token-interleave (vLLM's cp_kv_cache_interleave_size): token t is
@@ -209,7 +210,7 @@ pub struct ReplayArgs {
     #[arg(long, requires = "storage")]
     pub no_prefetch: bool,
     /// Inject a fault to exercise a failure path: plain-alloc-on-load (the seed's bug),
-    /// lane-exhaustion, host-pool-full, compile-error, launch-error. With --storage, one
+    /// granule-shift-on-load (the same under page- and token-interleave), lane-exhaustion, host-pool-full, compile-error, launch-error. With --storage, one
     /// record read in three is damaged first: storage-torn (cut short, as after a power
     /// loss), storage-flip (a payload byte flipped), storage-foreign (another deployment's
     /// record under the same key): each is refused and counted, served as a miss, with 0

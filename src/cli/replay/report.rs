@@ -172,7 +172,7 @@ pub(super) fn fault_exercised(
     let fired = match fault {
         // Only a page loaded into another owner's page tests anything: at CP 1, or when
         // the plain allocation happens to give the recorded owners, the bug is invisible.
-        Fault::PlainAllocOnLoad => totals.pages_loaded_misowned > 0,
+        Fault::PlainAllocOnLoad | Fault::GranuleShiftOnLoad => totals.pages_loaded_misowned > 0,
         Fault::LaneExhaustion => totals.evictions_lane + totals.load_degraded_to_miss > 0,
         Fault::HostPoolFull => totals.backups_skipped + totals.host_evictions_for_backup > 0,
         // The kernels are built before the first request, so a run that got here failed.
@@ -189,9 +189,18 @@ pub(super) fn fault_exercised(
         return Ok(());
     }
     Err(match fault {
-        Fault::PlainAllocOnLoad if totals.pages_loaded == 0 => format!(
+        Fault::PlainAllocOnLoad | Fault::GranuleShiftOnLoad if totals.pages_loaded == 0 => format!(
             "no page was loaded back from the host, every prefix hit was still on the \
              device; a smaller --device-pages (now {device_pages}) forces load-backs"
+        ),
+        Fault::GranuleShiftOnLoad if cp == 1 => format!(
+            "at CP 1 a granule is one page, so the {} pages loaded back could not move to \
+             another rank's page; a CP above 1 makes the bug visible",
+            totals.pages_loaded
+        ),
+        Fault::GranuleShiftOnLoad => format!(
+            "the {} pages loaded back all kept their owners",
+            totals.pages_loaded
         ),
         Fault::PlainAllocOnLoad if cp == 1 => format!(
             "at CP 1 every page has the one owner, so the {} pages loaded back could not \

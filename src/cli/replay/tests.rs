@@ -46,6 +46,26 @@ fn plain_alloc_on_load_fired_only_when_a_page_got_another_owner() {
         .contains("happened to get the owner"));
 }
 
+/// The positional layouts' form of the seed's bug fired only when a loaded page moved to
+/// another rank's page (never at CP 1, where a granule is one page).
+#[test]
+fn granule_shift_on_load_fired_only_when_a_page_moved() {
+    let check = |cp, loaded, misowned| {
+        let totals = RequestStats {
+            pages_loaded: loaded,
+            pages_loaded_misowned: misowned,
+            ..RequestStats::default()
+        };
+        fault_exercised(Fault::GranuleShiftOnLoad, &totals, 0, cp, 64)
+    };
+    assert!(check(4, 8, 8).is_ok());
+    assert!(check(4, 0, 0)
+        .unwrap_err()
+        .contains("no page was loaded back"));
+    assert!(check(1, 4, 0).unwrap_err().contains("at CP 1"));
+    assert!(check(4, 4, 0).unwrap_err().contains("kept their owners"));
+}
+
 /// The memory check counts the kernel-backed lane allocators: per rank 13 bytes per page
 /// (pages_in, out_pages, stacks, owners_in; the select kernel writes no token locations),
 /// about cp × 13 bytes per logical page in all, plus the host mirrors. They used to be left

@@ -45,7 +45,28 @@ impl RadixTree {
             .map(|(&p, _)| p)
             .collect();
         if self.granule() > 1 {
-            crate::layout::check_aligned_groups(self.layout.cp(), pages)?;
+            // Every granule must be an aligned group, except one made of the tree's own pages
+            // at their own positions: those were checked when they were put on the device
+            // (only an injected fault, `set_device_ignoring_owners`, puts others there, and
+            // verification and the audit are what must catch it).
+            let cp = self.granule();
+            for (g, group) in pages.chunks(cp).enumerate() {
+                let own = group
+                    .iter()
+                    .enumerate()
+                    .all(|(r, p)| existing.get(g * cp + r) == Some(&Some(*p)));
+                if !own {
+                    crate::layout::check_aligned_groups(self.layout.cp(), group).map_err(|e| {
+                        match e {
+                            // Named as the whole sequence's granule, not the group's.
+                            LayoutError::Misaligned { what } => LayoutError::Misaligned {
+                                what: what.replacen("granule 0:", &format!("granule {g}:"), 1),
+                            },
+                            other => other,
+                        }
+                    })?;
+                }
+            }
         }
         self.check_new_pages(&incoming)?;
         self.clock += 1;
@@ -118,10 +139,12 @@ impl RadixTree {
         self.set_device_checked(node, pages, true)
     }
 
-    /// Like [`RadixTree::set_device`] but without the owner check: it reproduces the seed's
-    /// bug on purpose, for the `plain-alloc-on-load` fault injection, so that the verifier can
-    /// show it catches what this check would otherwise have stopped. Crate-private: nothing
-    /// outside the fault injection may put pages on the device without the owner check.
+    /// Like [`RadixTree::set_device`] but without the owner checks (the recorded owners, and
+    /// under the positional layouts the aligned groups that are their owners): it reproduces
+    /// the seed's bug on purpose, for the `plain-alloc-on-load` and `granule-shift-on-load`
+    /// fault injections, so that the verifier can show it catches what these checks would
+    /// otherwise have stopped. Crate-private: nothing outside the fault injection may put
+    /// pages on the device without the owner checks.
     pub(crate) fn set_device_ignoring_owners(
         &mut self,
         node: NodeId,
@@ -159,7 +182,7 @@ impl RadixTree {
         if let (Some(h), true) = (&n.host, check_owners) {
             self.check_owners(node, &pages, h)?;
         }
-        if self.granule() > 1 {
+        if self.granule() > 1 && check_owners {
             crate::layout::check_aligned_groups(self.layout.cp(), &pages)?;
         }
         self.check_new_pages(&pages)?;
