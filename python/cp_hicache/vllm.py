@@ -52,9 +52,12 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+import numpy as np
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -110,13 +113,16 @@ def extend_block_names(names: List[str], tokens: Sequence[int], block_size: int,
         prev = bytes.fromhex(names[-1])
     else:
         prev = hashlib.sha256(b"cp-hicache vllm block v1\0" + salt.encode()).digest()[:16]
-    for i in range(len(names), len(tokens) // block_size):
-        h = hashlib.sha256(prev)
-        for t in tokens[i * block_size:(i + 1) * block_size]:
-            if not 0 <= int(t) <= 0xFFFFFFFF:
-                raise ValueError(f"token id {t} does not fit in u32")
-            h.update(int(t).to_bytes(4, "little"))
-        prev = h.digest()[:16]
+    first, end = len(names), len(tokens) // block_size
+    if end <= first:
+        return
+    arr = np.asarray(tokens[first * block_size:end * block_size], dtype=np.int64)
+    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+        raise ValueError("token ids must fit in u32")
+    raw = arr.astype("<u4").tobytes()
+    step = 4 * block_size
+    for i in range(end - first):
+        prev = hashlib.sha256(prev + raw[i * step:(i + 1) * step]).digest()[:16]
         names.append(prev.hex())
 
 
@@ -229,8 +235,6 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             f"page_bytes={self.page_bytes}",
         ])
         digest = hashlib.sha256(self.fingerprint.encode()).hexdigest()[:16]
-        import os
-
         self.path = str(path)
         self.store_path = os.path.join(self.path, f"vllm-{digest}")
         self.store = _native.PageStore(self.store_path, self.fingerprint, self.page_bytes, capacity)
