@@ -7,7 +7,7 @@ Loaded out of tree by vLLM's own connector factory, no fork::
         "kv_connector_extra_config": {"path": "/shared/kv-store",
                                       "capacity_bytes": 1099511627776}}'
 
-What it does (the first step of issue 43; docs/ENGINES.md "vLLM" is the how-to):
+What it does (issue 43; docs/ENGINES.md "vLLM" is the how-to):
 
 - **One planner, on the scheduler.** vLLM's scheduler asks the scheduler-side connector how
   many tokens past its own prefix cache the store holds (:meth:`get_num_new_matched_tokens`):
@@ -20,7 +20,7 @@ What it does (the first step of issue 43; docs/ENGINES.md "vLLM" is the how-to):
   is made once and every worker executes the same one: no group rounds (docs/DESIGN.md
   §12 says how this relates to ``RankCache``'s replicated decisions).
 - **Executors, on the workers.** A worker reads and writes records straight from and into
-  the blocks of vLLM's KV tensors (:meth:`register_kv_caches`): a block's record is its
+  the blocks of vLLM's KV tensors (:meth:`register_kv_caches`): a record is a block's
   bytes in every layer, in the order of vLLM's KV cache groups. Loads run before the
   forward (:meth:`start_load_kv`); a record that is missing, torn, changed or of another
   deployment (checksums and the fingerprint, checked by the store) is not copied, and its
@@ -30,21 +30,31 @@ What it does (the first step of issue 43; docs/ENGINES.md "vLLM" is the how-to):
   blocks in place; :meth:`request_finished` keeps a request's blocks from being freed until
   its writes are done (:meth:`get_finished`), and a preempted request's writes are waited
   for before its blocks can be reused (:meth:`handle_preemptions`).
-- **Records are canonical.** A record's name is a chain over the tokens up to and
-  including its block (salted with the store's fingerprint: the model, dtype, block size,
+- **Records are canonical.** A record holds ``block_size`` consecutive tokens of a
+  prompt (every layer), as a DCP-1 block holds them. Its name is a chain over the tokens up
+  to and including it (salted with the store's fingerprint: the model, dtype, block size,
   layers and their page bytes), not vLLM's per-process block hashes (seeded at random
   unless ``PYTHONHASHSEED`` is set), so a store written by one vLLM process serves a later
-  one.
+  one, at any DCP degree.
+- **Decode context parallelism.** vLLM's scheduler works in virtual blocks of
+  ``block_size * dcp`` tokens: each names ``dcp`` records, and every DCP rank uses the same
+  block id for its block, which holds its interleaved tokens (token ``t`` of a virtual block
+  on rank ``(t // I) % dcp``, ``I`` = ``cp_kv_cache_interleave_size``; vLLM's
+  ``block_table.py``). A worker finds its rank in vLLM's DCP group. With ``I`` a whole block,
+  each rank's block is one record, read and written in place; with a smaller ``I`` each rank
+  reads the records its tokens come from and takes its tokens out, and writes its tokens of
+  each record as a part (``PageStore.put_part``): the last part to come assembles the record.
+  So a store written at DCP 4 is read at DCP 2 and at DCP 1, and the other way round.
 
-Not built yet, refused at construction with a ``ValueError`` naming the setting: tensor,
-pipeline, prefill- or decode-context parallelism (``tensor_parallel_size``,
-``pipeline_parallel_size``, ``prefill_context_parallel_size``,
-``decode_context_parallel_size`` > 1), KV cache groups of more than one kind (hybrid
-models). Requests with multimodal inputs, LoRA adapters or prompt embeddings are neither
-looked up nor saved (their KV is not a function of the token ids alone). Loads and saves
-are whole-request, not layer by layer: :meth:`wait_for_layer_load` and
-:meth:`save_kv_layer` return at once. The host tier (pinned pools per worker) is not built:
-every hit is read from the store.
+Not built yet, refused at construction with a ``ValueError`` naming the setting: pipeline
+or prefill-context parallelism, tensor parallelism other than ``tensor_parallel_size ==
+decode_context_parallel_size`` (where every rank holds every KV head of its tokens; records
+split by heads are not built), KV cache groups of more than one kind (hybrid models).
+Requests with multimodal inputs, LoRA adapters or prompt embeddings are neither looked up
+nor saved (their KV is not a function of the token ids alone). Loads and saves are
+whole-block, not layer by layer: :meth:`wait_for_layer_load` and :meth:`save_kv_layer`
+return at once. Device (GPU) tensors are refused by :meth:`register_kv_caches`. The host
+tier (pinned pools per worker) is not built: every hit is read from the store.
 """
 
 from __future__ import annotations
@@ -87,8 +97,22 @@ logger = logging.getLogger(__name__)
 #: The default capacity of the store, in bytes.
 DEFAULT_CAPACITY = 16 << 30
 
-#: A block to load or save: its record's name and vLLM's block id.
-Job = Tuple[str, int]
+#: A block of vLLM's scheduler to load or save: the names of the records its tokens are in
+#: (one per ``block_size`` tokens: ``dcp`` of them under decode context parallelism, where
+#: the scheduler's blocks are virtual blocks of ``block_size * dcp`` tokens) and its block id,
+#: the same on every rank.
+Job = Tuple[List[str], int]
+
+
+def dcp_rank_and_size() -> Tuple[int, int]:
+    """This worker's decode-context-parallel rank and degree, from vLLM's DCP group
+    (``get_dcp_group()``); ``(0, 1)`` where vLLM has not set one up (no DCP)."""
+    from vllm.distributed import parallel_state
+
+    group = getattr(parallel_state, "_DCP", None)
+    if group is None:
+        return 0, 1
+    return int(group.rank_in_group), int(group.world_size)
 
 
 def block_names(tokens: Sequence[int], block_size: int, salt: str = "") -> List[str]:
@@ -141,10 +165,11 @@ class CpHiCacheMetadata(KVConnectorMetadata):
 @dataclass
 class CpHiCacheStats(KVConnectorStats):
     """The worker's counters since the last report, summed over workers by vLLM:
-    ``records_loaded``, ``records_saved`` (written, or there already), ``load_errors``
-    (records refused or missing at load time: their blocks were recomputed),
-    ``save_errors`` (writes that failed: a later miss, nothing wrong served),
-    ``bytes_loaded``, ``bytes_saved``."""
+    ``records_loaded`` (this rank's blocks filled from the store: a record each, or under
+    DCP with a small interleave this rank's tokens of several), ``records_saved`` (records
+    or parts written, or there already), ``load_errors`` (blocks whose record was refused
+    or missing at load time: recomputed), ``save_errors`` (writes that failed: a later
+    miss, nothing wrong served), ``bytes_loaded``, ``bytes_saved``."""
 
     def aggregate(self, other: KVConnectorStats) -> "CpHiCacheStats":
         for k, v in (other.data or {}).items():
@@ -203,7 +228,11 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         capacity = int(extra.get("capacity_bytes", DEFAULT_CAPACITY))
         if capacity <= 0:
             raise ValueError(f"kv_connector_extra_config['capacity_bytes'] = {capacity} is not positive")
-        self._check_parallel(vllm_config)
+        pc = vllm_config.parallel_config
+        #: The DCP degree and interleave size (vLLM's ``cp_kv_cache_interleave_size``).
+        self.dcp = int(getattr(pc, "decode_context_parallel_size", 1) or 1)
+        self.interleave = int(getattr(pc, "cp_kv_cache_interleave_size", 1) or 1)
+        self._check_parallel(vllm_config, self.dcp)
         if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
             raise ValueError("CpHiCacheConnector needs vLLM's KV cache config (kv_cache_groups)")
         groups = kv_cache_config.kv_cache_groups
@@ -221,6 +250,14 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                 f"the KV cache spec's block size {self.block_size} is not the scheduler's "
                 f"{vllm_config.cache_config.block_size}"
             )
+        if self.dcp > 1 and (self.block_size % self.interleave
+                             or not getattr(spec, "dcp_sharded", True)):
+            raise ValueError(
+                f"CpHiCacheConnector: cp_kv_cache_interleave_size {self.interleave} does not "
+                f"divide the block size {self.block_size}, or the KV cache is not DCP-sharded"
+            )
+        #: Tokens per scheduler block: a virtual block of ``dcp`` ranks' blocks.
+        self.sched_block = self.block_size * self.dcp
         #: Layer names, in record order: every group's layers, in order.
         self.layer_names: List[str] = [n for g in groups for n in g.layer_names]
         self.layer_page_bytes = int(spec.page_size_bytes)
@@ -245,6 +282,19 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         self._planner_stats = {"lookups": 0, "hit_tokens": 0, "finished_sending": 0,
                                "invalid_blocks": 0}
         # Worker side.
+        self.dcp_rank = 0
+        if role == KVConnectorRole.WORKER:
+            rank, size = dcp_rank_and_size()
+            if size != self.dcp:
+                raise ValueError(
+                    f"CpHiCacheConnector: vLLM's DCP group has {size} ranks, the config says "
+                    f"decode_context_parallel_size = {self.dcp}"
+                )
+            self.dcp_rank = rank
+        self._slots: List[Tuple[int, int]] = self._local_slots(self.dcp_rank)
+        # Per layer, under DCP with a small interleave: a uint8 view [blocks, rows, tokens,
+        # bytes per token] of vLLM's tensor.
+        self._geometry: Optional[List[Any]] = None
         self._regions: Optional[List[Tuple[int, int, int]]] = None  # (base, stride, bytes)
         self._num_blocks = 0
         self._writer: Optional[concurrent.futures.ThreadPoolExecutor] = None
@@ -256,17 +306,24 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         self._stats_lock = threading.Lock()
 
     @staticmethod
-    def _check_parallel(vllm_config: Any) -> None:
+    def _check_parallel(vllm_config: Any, dcp: int) -> None:
         pc = getattr(vllm_config, "parallel_config", None)
-        for name in ("tensor_parallel_size", "pipeline_parallel_size",
-                     "prefill_context_parallel_size", "decode_context_parallel_size"):
+        for name in ("pipeline_parallel_size", "prefill_context_parallel_size"):
             n = int(getattr(pc, name, 1) or 1)
             if n > 1:
                 raise ValueError(
-                    f"CpHiCacheConnector: {name} = {n} is not built yet (the first step "
-                    "serves one worker: each TP, PP or DCP rank would hold other bytes of "
-                    "a block, and records in shards are not built)"
+                    f"CpHiCacheConnector: {name} = {n} is not built yet (each PP stage or "
+                    "PCP rank would hold other bytes of a block; records in shards are not "
+                    "built)"
                 )
+        tp = int(getattr(pc, "tensor_parallel_size", 1) or 1)
+        if tp != dcp:
+            raise ValueError(
+                f"CpHiCacheConnector: tensor_parallel_size = {tp} with "
+                f"decode_context_parallel_size = {dcp} is not built yet: only TP = DCP, "
+                "where every rank holds every KV head of its tokens (records hold whole "
+                "heads; head-split records are not built)"
+            )
 
     # ======================================================================================
     # Scheduler side: the planner
@@ -296,6 +353,10 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             extend_block_names(st.names, tokens, self.block_size, salt)
         return st.names
 
+    def _block_names(self, st: _ReqState, block: int) -> List[str]:
+        """The record names of scheduler block ``block`` (computed already)."""
+        return st.names[block * self.dcp:(block + 1) * self.dcp]
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> Tuple[int, bool]:
         """How many tokens past ``num_computed_tokens`` (vLLM's own prefix-cache hit, block
@@ -305,19 +366,20 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         st = self._state(request)
         st.planned = None
         self._planner_stats["lookups"] += 1
-        if not self._cacheable(request) or num_computed_tokens % self.block_size:
+        sb, d = self.sched_block, self.dcp
+        if not self._cacheable(request) or num_computed_tokens % sb:
             return 0, False
-        limit = (request.num_tokens - 1) // self.block_size
-        first = num_computed_tokens // self.block_size
+        limit = (request.num_tokens - 1) // sb  # scheduler blocks
+        first = num_computed_tokens // sb
         if limit <= first:
             return 0, False
-        names = self._names(st, limit)
-        run = self.store.present_run(names[first:limit])
+        names = self._names(st, limit * d)
+        run = self.store.present_run(names[first * d:limit * d]) // d
         if run == 0:
             return 0, False
         st.planned = (first, run)
-        self._planner_stats["hit_tokens"] += run * self.block_size
-        return run * self.block_size, False
+        self._planner_stats["hit_tokens"] += run * sb
+        return run * sb, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
                                  ) -> None:
@@ -332,12 +394,13 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                 f"{request.request_id} that get_num_new_matched_tokens did not offer"
             )
         first, run = planned
-        if num_external_tokens % self.block_size or num_external_tokens > run * self.block_size:
+        sb = self.sched_block
+        if num_external_tokens % sb or num_external_tokens > run * sb:
             raise RuntimeError(
                 f"request {request.request_id}: {num_external_tokens} external tokens, "
-                f"the plan offered {run} whole blocks of {self.block_size}"
+                f"the plan offered {run} whole blocks of {sb}"
             )
-        n = num_external_tokens // self.block_size
+        n = num_external_tokens // sb
         (block_ids,) = blocks.get_block_ids()
         if len(block_ids) < first + n:
             raise RuntimeError(
@@ -345,7 +408,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                 f"needs blocks {first}..{first + n}"
             )
         self._pending_loads[request.request_id] = [
-            (st.names[first + k], int(block_ids[first + k])) for k in range(n)
+            (self._block_names(st, first + k), int(block_ids[first + k])) for k in range(n)
         ]
         # Those blocks are in the store already: no need to save them again.
         st.saved_upto = max(st.saved_upto, first + n)
@@ -377,11 +440,12 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             # num_computed_tokens is still the step's start here (vLLM advances it after
             # building the metadata); tokens past num_tokens are speculative drafts.
             end = min(req.num_computed_tokens + n, req.num_tokens)
-            full = min(end // self.block_size, len(st.block_ids))
+            full = min(end // self.sched_block, len(st.block_ids))
             if full <= st.saved_upto:
                 continue
-            names = self._names(st, full)
-            jobs = [(names[k], int(st.block_ids[k])) for k in range(st.saved_upto, full)]
+            self._names(st, full * self.dcp)
+            jobs = [(self._block_names(st, k), int(st.block_ids[k]))
+                    for k in range(st.saved_upto, full)]
             st.saved_upto = full
             meta.saves[rid] = jobs
             st.has_saves = True
@@ -427,11 +491,31 @@ class CpHiCacheConnector(KVConnectorBase_V1):
     # Worker side: the executor
     # ======================================================================================
 
+    def _local_slots(self, rank: int) -> List[Tuple[int, int]]:
+        """Where each slot of ``rank``'s block of a scheduler block comes from: ``(record
+        within the scheduler block, token within the record)``, vLLM's DCP layout
+        (``block_table.py``): slot ``s`` holds the virtual block's token ``(s // I) * I * dcp
+        + rank * I + s % I``, with ``I`` the interleave size."""
+        i, d, bs = self.interleave, self.dcp, self.block_size
+        out = []
+        for s in range(bs):
+            o = (s // i) * i * d + rank * i + s % i
+            out.append((o // bs, o % bs))
+        return out
+
+    def _direct(self) -> bool:
+        """Whether this rank's block holds one record's tokens, in order (DCP 1, or an
+        interleave of a whole block): records then go straight between the store and the
+        block."""
+        return self.dcp == 1 or self.interleave == self.block_size
+
     def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
         """Takes vLLM's per-layer KV tensors, blocks first (``[num_blocks, ...]``, vLLM
         0.34's standard ``[B, H, N, C]`` view, or kernel blocks ``[num_blocks * k, ...]``),
         CPU tensors, each block's bytes contiguous and of the spec's page size. Records are
-        read and written in place from the blocks."""
+        read and written in place from the blocks. Under DCP with an interleave smaller
+        than a block, a block's token dimension (the one dimension of ``block_size``) is
+        where this rank's tokens are picked from and put into."""
         import torch
 
         missing = [n for n in self.layer_names if n not in kv_caches]
@@ -439,6 +523,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             raise ValueError(f"register_kv_caches: no KV tensor for layers {missing}")
         num_blocks = int(self._kv_cache_config.num_blocks)
         regions = []
+        geometry = []
         for name in self.layer_names:
             t = kv_caches[name]
             if not isinstance(t, torch.Tensor):
@@ -466,8 +551,28 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                 )
             stride = t.stride(0) * t.element_size()
             regions.append((int(t.data_ptr()), int(stride), nbytes))
+            if not self._direct():
+                dims = [k for k, n in enumerate(block.shape) if n == self.block_size]
+                if len(dims) != 1:
+                    raise ValueError(
+                        f"register_kv_caches: layer {name}'s blocks {tuple(block.shape)} have "
+                        f"{len(dims)} dimensions of block_size {self.block_size}; the token "
+                        "dimension must be the only one, to place DCP's interleaved tokens"
+                    )
+                k = dims[0]
+                rows = int(torch.Size(block.shape[:k]).numel())
+                # [blocks, rows, tokens, bytes per token] over the tensor's bytes.
+                try:
+                    u8 = t.view(torch.uint8) if t.dtype != torch.uint8 else t
+                    geometry.append(u8.view(num_blocks, rows, self.block_size, -1))
+                except RuntimeError as e:
+                    raise ValueError(
+                        f"register_kv_caches: layer {name} cannot be viewed as [blocks, "
+                        f"rows, tokens, bytes] in place ({e})"
+                    ) from e
         self._kv_caches_kept = kv_caches  # the addresses stay valid while vLLM's tensors live
         self._regions = regions
+        self._geometry = geometry or None
         self._num_blocks = num_blocks
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cp-hicache-save")
 
@@ -490,6 +595,31 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             for f in self._writes.get(rid, ()):
                 f.exception()
 
+    def _load_block(self, names: List[str], block_id: int) -> bool:
+        """Reads this rank's tokens of scheduler block ``block_id`` from its records; False
+        when one is missing or refused (then nothing of that record was written)."""
+        if self._direct():
+            return self.store.get(names[self.dcp_rank % len(names)], self._parts(block_id))
+        import torch
+
+        self._parts(block_id)  # checks the block id
+        by_record: Dict[int, Tuple[List[int], List[int]]] = {}
+        for s, (k, tok) in enumerate(self._slots):
+            slots, toks = by_record.setdefault(k, ([], []))
+            slots.append(s)
+            toks.append(tok)
+        ok = True
+        for k, (slots, toks) in sorted(by_record.items()):
+            rec = np.empty(self.page_bytes, dtype=np.uint8)
+            if not self.store.get(names[k], [(int(rec.ctypes.data), rec.nbytes)]):
+                ok = False
+                continue
+            layers = torch.from_numpy(rec).view(len(self.layer_names), -1)
+            for view, layer in zip(self._geometry, layers):
+                src = layer.view(view.shape[1], self.block_size, view.shape[3])
+                view[block_id][:, slots, :] = src[:, toks, :]
+        return ok
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Reads every planned record into its block, before the forward. A record that
         is missing or refused, and every later block of its request, is not served: the
@@ -497,12 +627,12 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         for rid, jobs in meta.loads.items():
             failed = False
-            for name, block_id in jobs:
+            for names, block_id in jobs:
                 if failed:
                     self._load_errors.add(block_id)
                     continue
                 try:
-                    ok = self.store.get(name, self._parts(block_id))
+                    ok = self._load_block(names, block_id)
                 except (_native.UsageError, OSError) as e:  # an I/O error of the store
                     logger.warning("cp_hicache: loading block %d of %s failed: %s",
                                    block_id, rid, e)
@@ -532,7 +662,11 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         """Hands the step's planned saves to the writer thread, which writes each block's
         record from vLLM's tensors in place. vLLM keeps the blocks until the request's
         writes are reported done (:meth:`request_finished`, :meth:`get_finished`); a
-        preemption waits for them (:meth:`handle_preemptions`)."""
+        preemption waits for them (:meth:`handle_preemptions`). Under DCP with an interleave
+        of a whole block each rank writes the records its block holds; with a smaller one
+        every rank holds part of each record and writes it as a part
+        (``PageStore.put_part``): the last part to come assembles and writes the record,
+        the same bytes a DCP-1 block holds."""
         meta = self._get_connector_metadata()
         if self._writer is None and meta.saves:
             raise RuntimeError(
@@ -541,14 +675,66 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                 else "CpHiCacheConnector: register_kv_caches was not called"
             )
         for rid, jobs in meta.saves.items():
-            parts = [(name, self._parts(b)) for name, b in jobs]
+            if self._direct():
+                work = [(names[self.dcp_rank % len(names)], self._parts(b), None)
+                        for names, b in jobs]
+            else:
+                # Each rank holds part of each record: its part is copied out now (the
+                # block may be reused once the step is over), written as a part after.
+                work = [w for names, b in jobs for w in self._part_payloads(names, b)]
             self._saving_reqs.add(rid)
-            self._writes.setdefault(rid, []).append(self._writer.submit(self._write, rid, parts))
+            self._writes.setdefault(rid, []).append(self._writer.submit(self._write, rid, work))
 
-    def _write(self, rid: str, jobs: List[Tuple[str, List[Tuple[int, int]]]]) -> None:
-        for name, parts in jobs:
+    def _owners(self, record: int) -> List[int]:
+        """The ranks holding tokens of record ``record`` of a scheduler block, in order."""
+        i, d, bs = self.interleave, self.dcp, self.block_size
+        return sorted({(o // i) % d for o in range(record * bs, (record + 1) * bs)})
+
+    def _part_payloads(self, names: List[str], block_id: int) -> List[Tuple[str, Any, Any]]:
+        """This rank's part of each record of scheduler block ``block_id`` it holds tokens
+        of: ``(name, payload, (part, parts, record))``, the payload its tokens of the record
+        packed ``[layers][rows][its tokens][bytes per token]``."""
+        import torch
+
+        self._parts(block_id)  # checks the block id
+        out = []
+        for k, name in enumerate(names):
+            slots = [s for s, (rec, _) in enumerate(self._slots) if rec == k]
+            if not slots:
+                continue
+            owners = self._owners(k)
+            payload = torch.cat([view[block_id][:, slots, :].reshape(-1)
+                                 for view in self._geometry]).numpy()
+            out.append((name, payload, (owners.index(self.dcp_rank), len(owners), k)))
+        return out
+
+    def _assemble(self, record: int, payloads: List[bytes]) -> bytes:
+        """A record's payload from its owners' parts (in owner order), each rank's tokens
+        put back in their places: the record as a DCP-1 block holds it."""
+        rows, width = self._geometry[0].shape[1], self._geometry[0].shape[3]
+        layers = len(self.layer_names)
+        rec = np.empty((layers, rows, self.block_size, width), dtype=np.uint8)
+        for owner, payload in zip(self._owners(record), payloads):
+            toks = [t for rec_k, t in self._local_slots(owner) if rec_k == record]
+            part = np.frombuffer(payload, dtype=np.uint8)
+            if part.size != layers * rows * len(toks) * width:
+                raise ValueError(
+                    f"a part of {part.size} bytes from rank {owner}, this layout's parts "
+                    f"hold {layers * rows * len(toks) * width}"
+                )
+            rec[:, :, toks, :] = part.reshape(layers, rows, len(toks), width)
+        return rec.tobytes()
+
+    def _write(self, rid: str, jobs: List[Tuple[str, Any, Any]]) -> None:
+        for name, data, part in jobs:
             try:
-                self.store.put(name, parts)
+                if part is None:
+                    self.store.put(name, data)
+                else:
+                    index, count, record = part
+                    self.store.put_part(
+                        name, index, count, [(int(data.ctypes.data), int(data.nbytes))],
+                        lambda ps, record=record: self._assemble(record, ps))
                 self._count(records_saved=1, bytes_saved=self.page_bytes)
             except Exception as e:  # a failed write is a later miss, counted and logged
                 logger.warning("cp_hicache: saving a block of %s failed: %s", rid, e)

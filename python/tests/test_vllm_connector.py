@@ -92,24 +92,78 @@ def slot_bytes(tokens, pos: int, layer: int, kv: int) -> bytes:
     return h.digest()[:SLOT_BYTES]
 
 
-class Engine:
-    """vLLM's real scheduler, with a worker-side connector on CPU KV tensors and a
-    stand-in forward, stepped as vLLM's engine core and model runner step them."""
+def rank_position(vblock: int, rank: int, slot: int, dcp: int, interleave: int) -> int:
+    """The token a DCP rank's slot holds (vLLM's ``block_table.py``): slot ``s`` of the
+    rank's block of virtual block ``v`` holds token ``v * BS * dcp + (s // I) * I * dcp +
+    rank * I + s % I``."""
+    i = interleave
+    return vblock * BS * dcp + (slot // i) * i * dcp + rank * i + slot % i
 
-    def __init__(self, path, policy="recompute", num_blocks=NUM_BLOCKS, verify=False):
+
+class Engine:
+    """vLLM's real scheduler, with ``dcp`` worker-side connectors (one per DCP rank) on CPU
+    KV tensors and a stand-in forward, stepped as vLLM's engine core and model runner step
+    them. Under DCP the scheduler works in virtual blocks of ``BS * dcp`` tokens, built as
+    vLLM's ``EngineCore`` builds it (``resolve_kv_cache_block_sizes``: vLLM's stock
+    ``create_scheduler`` asserts there), and each rank's block of a virtual block holds its
+    interleaved tokens."""
+
+    def __init__(self, path, policy="recompute", num_blocks=NUM_BLOCKS, verify=False,
+                 dcp=1, interleave=1, ranks=None, monkeypatch=None):
         self.cfg = vllm_config(path, policy)
         self.kcc = kv_cache_config(num_blocks)
-        self.sched = create_scheduler(self.cfg, num_blocks=num_blocks, kv_cache_config=self.kcc)
+        self.dcp, self.interleave = dcp, interleave
         self.verify = verify
-        self.worker = KVConnectorFactory.create_connector(
-            self.cfg, KVConnectorRole.WORKER, self.kcc)
-        # vLLM 0.34's per-layer view is blocks first: [blocks, K/V, block_size, heads, head].
-        self.kv = {n: torch.zeros((num_blocks, 2, BS, HEADS, HEAD_SIZE), dtype=torch.float16)
-                   for n in LAYERS}
-        self.worker.register_kv_caches(self.kv)
+        if dcp == 1:
+            self.sched = create_scheduler(self.cfg, num_blocks=num_blocks,
+                                          kv_cache_config=self.kcc)
+        else:
+            from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+            from vllm.v1.core.sched.scheduler import Scheduler
+            from vllm.v1.structured_output import StructuredOutputManager
+
+            pc = self.cfg.parallel_config
+            pc.decode_context_parallel_size = dcp
+            pc.tensor_parallel_size = dcp
+            pc.cp_kv_cache_interleave_size = interleave
+            self.cfg.cache_config.num_gpu_blocks = num_blocks
+            block_size, hash_block_size = resolve_kv_cache_block_sizes(self.kcc, self.cfg)
+            assert block_size == BS * dcp
+            self.sched = Scheduler(
+                vllm_config=self.cfg, kv_cache_config=self.kcc, log_stats=True,
+                structured_output_manager=StructuredOutputManager(self.cfg),
+                block_size=block_size, hash_block_size=hash_block_size)
+        self.sblock = BS * dcp
+        # Worker w believes it is DCP rank ranks[w] (the identity unless a test says).
+        self.ranks = list(ranks or range(dcp))
+        self.workers = []
+        self.kvs = []
+        for w in range(dcp):
+            if monkeypatch is not None:
+                import cp_hicache.vllm as cv
+
+                monkeypatch.setattr(cv, "dcp_rank_and_size",
+                                    lambda r=self.ranks[w]: (r, dcp))
+            worker = KVConnectorFactory.create_connector(
+                self.cfg, KVConnectorRole.WORKER, self.kcc)
+            # vLLM 0.34's per-layer view is blocks first: [blocks, K/V, block_size, heads,
+            # head].
+            kv = {n: torch.zeros((num_blocks, 2, BS, HEADS, HEAD_SIZE), dtype=torch.float16)
+                  for n in LAYERS}
+            worker.register_kv_caches(kv)
+            self.workers.append(worker)
+            self.kvs.append(kv)
         self.metas = []
         self.outputs = []
-        self.forwarded = []  # (req_id, first token, tokens) per forward
+        self._sending = {}  # request -> workers that reported its saves done
+
+    @property
+    def worker(self) -> CpHiCacheConnector:
+        return self.workers[0]
+
+    @property
+    def kv(self):
+        return self.kvs[0]
 
     @property
     def connector(self) -> CpHiCacheConnector:
@@ -117,20 +171,23 @@ class Engine:
 
     def poison(self) -> None:
         """Fills every block with garbage, so a block a load did not write shows."""
-        for t in self.kv.values():
-            t.view(torch.uint8).fill_(0xA5)
+        for kv in self.kvs:
+            for t in kv.values():
+                t.view(torch.uint8).fill_(0xA5)
 
-    def block(self, block_id: int) -> bytes:
+    def block(self, block_id: int, rank: int = 0) -> bytes:
         return b"".join(bytes(t[block_id].contiguous().view(torch.uint8).numpy())
-                        for t in self.kv.values())
+                        for t in self.kvs[rank].values())
 
-    def expected_block(self, tokens, index: int) -> bytes:
-        """The bytes the stand-in forward gives block ``index`` of ``tokens``."""
+    def expected_block(self, tokens, index: int, rank: int = 0) -> bytes:
+        """The bytes the stand-in forward gives DCP rank ``rank``'s block of scheduler
+        block ``index`` of ``tokens`` (at DCP 1: block ``index``)."""
         out = []
         for li in range(len(LAYERS)):
             for kv in (0, 1):
                 for j in range(BS):
-                    out.append(slot_bytes(tokens, index * BS + j, li, kv))
+                    pos = rank_position(index, rank, j, self.dcp, self.interleave)
+                    out.append(slot_bytes(tokens, pos, li, kv))
         # [K/V, block_size, ...] per layer: K's slots then V's.
         return b"".join(out)
 
@@ -138,53 +195,67 @@ class Engine:
         starts = {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
         c = so.scheduled_cached_reqs
         starts.update(zip(c.req_ids, c.num_computed_tokens))
+        d, i = self.dcp, self.interleave
         for rid, n in so.num_scheduled_tokens.items():
             req = self.sched.requests[rid]
             tokens = list(req.all_token_ids)
             (block_ids,) = self.sched.kv_cache_manager.get_block_ids(rid)
             first = starts[rid]
-            self.forwarded.append((rid, first, n))
             for pos in range(first, min(first + n, len(tokens))):
-                b, off = block_ids[pos // BS], pos % BS
+                vo = pos % self.sblock
+                owner = (vo // i) % d
+                b, off = block_ids[pos // self.sblock], (vo // (i * d)) * i + vo % i
                 for li, name in enumerate(LAYERS):
-                    u8 = self.kv[name].view(torch.uint8)
+                    u8 = self.kvs[owner][name].view(torch.uint8)
                     for kv in (0, 1):
                         u8[b, kv, off].view(-1)[:] = torch.frombuffer(
                             bytearray(slot_bytes(tokens, pos, li, kv)), dtype=torch.uint8)
 
     def _verify(self, so) -> None:
         """Every whole block a scheduled request has computed (loaded, or written by a
-        forward) holds the KV the forward gives its tokens."""
+        forward) holds, on every rank, the KV the forward gives its tokens."""
         for rid in so.num_scheduled_tokens:
             req = self.sched.requests[rid]
             tokens = list(req.all_token_ids)
             (block_ids,) = self.sched.kv_cache_manager.get_block_ids(rid)
-            for i in range(min(req.num_computed_tokens, len(tokens)) // BS):
-                assert self.block(block_ids[i]) == self.expected_block(tokens, i), (
-                    f"{rid} block {i} (block id {block_ids[i]}) holds other KV")
+            for v in range(min(req.num_computed_tokens, len(tokens)) // self.sblock):
+                for r in range(self.dcp):
+                    assert self.block(block_ids[v], r) == self.expected_block(tokens, v, r), (
+                        f"{rid} block {v} (block id {block_ids[v]}) holds other KV on rank {r}")
 
     def step(self, on_loaded=None):
-        """One engine step; returns the scheduler output."""
+        """One engine step (every worker executes the one plan); returns the scheduler
+        output. The workers' outputs are aggregated as vLLM's ``KVOutputAggregator`` does:
+        a request's saves are done once every worker says so."""
         so = self.sched.schedule()
         meta = so.kv_connector_metadata
         assert isinstance(meta, CpHiCacheMetadata)
         self.metas.append(meta)
-        w = self.worker
-        w.handle_preemptions(meta)
-        w.bind_connector_metadata(meta)
-        w.start_load_kv(None)
+        for w in self.workers:
+            w.handle_preemptions(meta)
+            w.bind_connector_metadata(meta)
+            w.start_load_kv(None)
         if on_loaded is not None:
             on_loaded(so, meta)
         self._forward(so)
         if self.verify:
             self._verify(so)
-        w.wait_for_save()
-        sending, recving = w.get_finished(so.finished_req_ids)
-        out = KVConnectorOutput(
-            finished_sending=sending, finished_recving=recving,
-            invalid_block_ids=w.get_block_ids_with_load_errors(),
-            kv_connector_stats=w.get_kv_connector_stats())
-        w.clear_connector_metadata()
+        sending, invalid, stats = set(), set(), None
+        for w in self.workers:
+            w.wait_for_save()
+            done, _ = w.get_finished(so.finished_req_ids)
+            for rid in done or ():
+                self._sending[rid] = self._sending.get(rid, 0) + 1
+                if self._sending[rid] == len(self.workers):
+                    sending.add(rid)
+                    del self._sending[rid]
+            invalid |= w.get_block_ids_with_load_errors()
+            st = w.get_kv_connector_stats()
+            if st is not None:
+                stats = st if stats is None else stats.aggregate(st)
+            w.clear_connector_metadata()
+        out = KVConnectorOutput(finished_sending=sending or None, finished_recving=None,
+                                invalid_block_ids=invalid, kv_connector_stats=stats)
         self.outputs.append(out)
         reqs = [self.sched.requests[r] for r in so.num_scheduled_tokens]
         mro = create_model_runner_output(reqs)
@@ -241,7 +312,7 @@ def test_a_miss_is_computed_and_saved_and_nothing_is_left_behind(tmp_path):
     assert e.metas[0].loads == {}
     # The forward completes blocks 0 and 1 of the prompt: both are saved.
     names = block_names(req.all_token_ids, BS)
-    assert [n for n, _ in e.metas[0].saves["id-1"]] == names[:2]
+    assert [ns for ns, _ in e.metas[0].saves["id-1"]] == [[n] for n in names[:2]]
     e.run()
     assert_clean(e)
     assert e.worker.store.present_run(names[:2]) == 2
@@ -294,7 +365,7 @@ def test_shared_prefix_is_loaded_byte_for_byte(tmp_path, restart):
     so = e.step(check)
     # 64 of the 80 tokens come from the connector: only 16 are computed.
     assert so.num_scheduled_tokens == {"id-2": 16}
-    assert [n for n, _ in loaded["jobs"]] == block_names(b.all_token_ids, BS)[:4]
+    assert [ns for ns, _ in loaded["jobs"]] == [[n] for n in block_names(b.all_token_ids, BS)[:4]]
     assert [blk for _, blk in loaded["jobs"]] == loaded["ids"]
     for i in range(4):
         assert loaded[i] == a_bytes[i], f"block {i} differs from request 1's saved KV"
@@ -399,10 +470,75 @@ def test_preemption_resumes_from_the_store_and_every_block_holds_its_kv(tmp_path
     assert st.get("records_loaded", 0) >= 1 and not st.get("load_errors"), st
 
 
+# (dcp, interleave) of the run that writes the store, then of the run that reads it after a
+# restart: records are canonical, so any DCP degree and interleave reads any other's.
+DCP_RUNS = [
+    ((2, BS), (2, BS)),
+    ((2, 1), (2, 1)),
+    ((2, BS), (1, 1)),
+    ((1, 1), (2, 1)),
+    ((2, 1), (1, 1)),
+    ((4, 1), (2, 1)),
+    ((4, 1), (2, BS)),
+    ((2, 1), (4, 4)),
+]
+
+
+@pytest.mark.parametrize("write,read", DCP_RUNS,
+                         ids=[f"dcp{w[0]}i{w[1]}-to-dcp{r[0]}i{r[1]}" for w, r in DCP_RUNS])
+def test_dcp_store_is_read_under_any_degree_byte_for_byte(tmp_path, monkeypatch, write, read):
+    """Request 1 runs at one DCP degree and interleave size (each rank computes and saves
+    only its interleaved tokens: whole records, or parts assembled into them); after a
+    restart at another, request 2 shares its 128-token prefix and gets it from the
+    connector, each rank loading only its tokens into the slots vLLM's block table gives
+    them. Every computed block of every rank is checked after every step."""
+    a = Engine(tmp_path / "store", dcp=write[0], interleave=write[1], verify=True,
+               monkeypatch=monkeypatch)
+    a.sched.add_request(create_request(request_id=1, num_tokens=136, common_prefix_len=128,
+                                       max_tokens=2, block_size=a.sblock))
+    a.run()
+    assert_clean(a)
+    assert a.stats().get("records_saved", 0) >= 128 // BS and not a.stats().get("save_errors")
+
+    b = Engine(tmp_path / "store", dcp=read[0], interleave=read[1], verify=True,
+               monkeypatch=monkeypatch)
+    b.poison()
+    b.sched.add_request(create_request(request_id=2, num_tokens=144, common_prefix_len=128,
+                                       max_tokens=2, block_size=b.sblock))
+    so = b.step()
+    assert so.num_scheduled_tokens == {"id-2": 144 - 128}, so.num_scheduled_tokens
+    b.run()
+    assert_clean(b)
+    st = b.stats()
+    assert st.get("records_loaded") == read[0] * 128 // b.sblock, st
+    assert not st.get("load_errors"), st
+
+
+def test_loading_into_another_ranks_slots_is_caught(tmp_path, monkeypatch):
+    """The seed's bug in vLLM's form: DCP workers that load each other's interleaved
+    tokens (ranks swapped) fill their blocks with KV of the wrong tokens; the check of every
+    block against the KV its slots' tokens give catches it on the first load."""
+    a = Engine(tmp_path / "store", dcp=2, interleave=1, monkeypatch=monkeypatch)
+    a.sched.add_request(create_request(request_id=1, num_tokens=72, common_prefix_len=64,
+                                       max_tokens=1, block_size=a.sblock))
+    a.run()
+    b = Engine(tmp_path / "store", dcp=2, interleave=1, verify=True, ranks=[1, 0],
+               monkeypatch=monkeypatch)
+    b.sched.add_request(create_request(request_id=2, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=1, block_size=b.sblock))
+    with pytest.raises(AssertionError, match="holds other KV on rank 0"):
+        b.step()
+
+
 def test_refuses_what_is_not_built(tmp_path):
     cfg = vllm_config(tmp_path / "store")
     cfg.parallel_config.decode_context_parallel_size = 2
-    with pytest.raises(ValueError, match="decode_context_parallel_size = 2 is not built"):
+    with pytest.raises(ValueError, match="tensor_parallel_size = 1 with "
+                                         "decode_context_parallel_size = 2 is not built"):
+        CpHiCacheConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
+    cfg = vllm_config(tmp_path / "store")
+    cfg.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(ValueError, match="pipeline_parallel_size = 2 is not built"):
         CpHiCacheConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
     cfg = create_vllm_config(block_size=BS, kv_connector="CpHiCacheConnector",
                              kv_connector_module_path="cp_hicache.vllm", kv_role="kv_both")
