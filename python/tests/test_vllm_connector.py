@@ -438,6 +438,43 @@ def test_a_failed_load_is_reported_and_recomputed_never_served(tmp_path, fault):
     assert e.stats().get("load_errors") == 1
 
 
+@pytest.mark.parametrize("interleave", [1, BS], ids=["i1", "i16"])
+def test_a_failed_load_at_dcp2_is_recomputed_on_every_rank(tmp_path, monkeypatch, interleave):
+    """At DCP 2 a damaged record of virtual block 1 fails its load on the ranks that read
+    it; the block is reported once, vLLM recomputes from it, and every rank's blocks end
+    with the KV their tokens give (checked after every step)."""
+    a = Engine(tmp_path / "store", dcp=2, interleave=interleave, monkeypatch=monkeypatch)
+    req = create_request(request_id=1, num_tokens=70, common_prefix_len=64, max_tokens=1,
+                         block_size=a.sblock)
+    a.sched.add_request(req)
+    a.run()
+    names = block_names(req.all_token_ids, BS)
+    _damage(str(a.worker.store.path_of(names[2])))  # record 2: virtual block 1's first
+
+    b = Engine(tmp_path / "store", dcp=2, interleave=interleave, verify=True,
+               monkeypatch=monkeypatch)
+    b.poison()
+    b.sched.add_request(create_request(request_id=2, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=b.sblock))
+    seen = {}
+
+    def ids(so, meta):
+        if meta.loads:
+            seen["ids"] = list(b.sched.kv_cache_manager.get_block_ids("id-2")[0][:2])
+
+    b.verify = False  # the failed block is recomputed in the next step, not this one
+    so = b.step(ids)
+    assert so.num_scheduled_tokens == {"id-2": 16}
+    assert b.outputs[-1].invalid_block_ids == {seen["ids"][1]}
+    b.verify = True
+    so = b.step()
+    assert so.num_scheduled_tokens == {"id-2": 48}, so.num_scheduled_tokens  # from token 32
+    b.run()
+    assert_clean(b)
+    # Interleave 1: both ranks read record 2; a whole block: only rank 0 holds it.
+    assert b.stats().get("load_errors") == (2 if interleave == 1 else 1)
+
+
 def test_abort_while_saving_leaves_nothing_behind(tmp_path):
     """An aborted request's blocks are freed only once its writes are reported done."""
     from vllm.v1.request import RequestStatus
