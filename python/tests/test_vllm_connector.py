@@ -2,12 +2,12 @@
 
 vLLM's own ``Scheduler`` loads the connector by module path (``kv_connector_module_path=
 "cp_hicache.vllm"``) through its connector factory; a worker-side connector, made by the same
-factory, executes each step's metadata on CPU KV tensors, with a stand-in forward that writes
-KV as a function of each token's prefix and layer (what a model's forward would write for the
-same prefix), in the order vLLM's model runner calls the hooks (``ActiveKVConnector``:
-``handle_preemptions``, ``bind_connector_metadata``, ``start_load_kv``, forward,
-``wait_for_save``, ``get_finished``, ``get_block_ids_with_load_errors``,
-``get_kv_connector_stats``).
+factory, executes each step's metadata on CPU KV tensors, driven by vLLM's own model-runner
+glue (``ActiveKVConnector``: ``register_kv_caches``, then per step ``handle_preemptions``,
+``bind_connector_metadata``, ``start_load_kv``, the forward, ``wait_for_save``,
+``get_finished``, ``get_block_ids_with_load_errors``, ``get_kv_connector_stats``), with a
+stand-in forward that writes KV as a function of each token's prefix and layer (what a
+model's forward would write for the same prefix).
 
 Needs vLLM 0.34 and its test helpers (``tests.v1.kv_connector.unit.utils``), which
 ``scripts/vllm-env.sh`` installs into a cached environment; ``scripts/test-vllm.sh`` runs this
@@ -45,10 +45,12 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         allow_module_level=True,
     )
 
+from vllm.distributed.kv_transfer import kv_transfer_state
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 
 from cp_hicache.vllm import CpHiCacheConnector, CpHiCacheMetadata, block_names
 
@@ -137,6 +139,7 @@ class Engine:
         # Worker w believes it is DCP rank ranks[w] (the identity unless a test says).
         self.ranks = list(ranks or range(dcp))
         self.workers = []
+        self.runners = []
         self.kvs = []
         for w in range(dcp):
             if monkeypatch is not None:
@@ -150,7 +153,14 @@ class Engine:
             # head].
             kv = {n: torch.zeros((num_blocks, 2, BS, HEADS, HEAD_SIZE), dtype=torch.float16)
                   for n in LAYERS}
-            worker.register_kv_caches(kv)
+            # vLLM's own model-runner glue drives each worker's connector (it registers the
+            # KV tensors, and calls the hooks around each forward); it takes the process's
+            # connector when built, so each worker gets its own.
+            kv_transfer_state._KV_CONNECTOR_AGENT = worker
+            try:
+                self.runners.append(ActiveKVConnector(self.cfg, kv))
+            finally:
+                kv_transfer_state._KV_CONNECTOR_AGENT = None
             self.workers.append(worker)
             self.kvs.append(kv)
         self.metas = []
@@ -224,36 +234,37 @@ class Engine:
                         f"{rid} block {v} (block id {block_ids[v]}) holds other KV on rank {r}")
 
     def step(self, on_loaded=None):
-        """One engine step (every worker executes the one plan); returns the scheduler
-        output. The workers' outputs are aggregated as vLLM's ``KVOutputAggregator`` does:
-        a request's saves are done once every worker says so."""
+        """One engine step, every worker's connector driven by vLLM's model-runner glue
+        (``ActiveKVConnector``: ``pre_forward`` runs ``handle_preemptions``, binds the
+        metadata and, when the step has synchronous loads, ``start_load_kv``; after the
+        forward, ``post_forward`` runs ``wait_for_save``, ``get_finished``,
+        ``get_block_ids_with_load_errors`` and ``get_kv_connector_stats``). The workers'
+        outputs are aggregated as vLLM's ``KVOutputAggregator`` does: a request's saves are
+        done once every worker has said so. Returns the scheduler output."""
         so = self.sched.schedule()
         meta = so.kv_connector_metadata
         assert isinstance(meta, CpHiCacheMetadata)
         self.metas.append(meta)
-        for w in self.workers:
-            w.handle_preemptions(meta)
-            w.bind_connector_metadata(meta)
-            w.start_load_kv(None)
+        for r in self.runners:
+            r.pre_forward(so)
         if on_loaded is not None:
             on_loaded(so, meta)
         self._forward(so)
         if self.verify:
             self._verify(so)
         sending, invalid, stats = set(), set(), None
-        for w in self.workers:
-            w.wait_for_save()
-            done, _ = w.get_finished(so.finished_req_ids)
-            for rid in done or ():
+        for r in self.runners:
+            r.finish_forward()
+            out = r.post_forward(so.finished_req_ids)
+            for rid in out.finished_sending or ():
                 self._sending[rid] = self._sending.get(rid, 0) + 1
-                if self._sending[rid] == len(self.workers):
+                if self._sending[rid] == len(self.runners):
                     sending.add(rid)
                     del self._sending[rid]
-            invalid |= w.get_block_ids_with_load_errors()
-            st = w.get_kv_connector_stats()
-            if st is not None:
+            invalid |= out.invalid_block_ids
+            if out.kv_connector_stats is not None:
+                st = out.kv_connector_stats
                 stats = st if stats is None else stats.aggregate(st)
-            w.clear_connector_metadata()
         out = KVConnectorOutput(finished_sending=sending or None, finished_recving=None,
                                 invalid_block_ids=invalid, kv_connector_stats=stats)
         self.outputs.append(out)
