@@ -4,6 +4,7 @@ Loaded out of tree by vLLM's own connector factory, no fork::
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "CpHiCacheConnector",
         "kv_connector_module_path": "cp_hicache.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"path": "/shared/kv-store",
                                       "capacity_bytes": 1099511627776}}'
 
@@ -275,6 +276,11 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         self.path = str(path)
         self.store_path = os.path.join(self.path, f"vllm-{digest}")
         self.store = _native.PageStore(self.store_path, self.fingerprint, self.page_bytes, capacity)
+        policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", None)
+        if role == KVConnectorRole.SCHEDULER and policy != "recompute":
+            logger.warning(
+                "cp_hicache: kv_load_failure_policy is %r: a record that fails to load ends "
+                "its request with an error; \"recompute\" recomputes its blocks instead", policy)
         # Scheduler side.
         self._reqs: Dict[str, _ReqState] = {}
         self._pending_loads: Dict[str, List[Job]] = {}

@@ -449,6 +449,30 @@ def test_a_failed_load_is_reported_and_recomputed_never_served(tmp_path, fault):
     assert e.stats().get("load_errors") == 1
 
 
+def test_under_the_fail_policy_a_failed_load_ends_the_request_with_an_error(tmp_path):
+    """With vLLM's default ``kv_load_failure_policy="fail"`` a refused record ends its
+    request with an error (its output is never served) and leaves nothing behind."""
+    from vllm.v1.engine import FinishReason
+    from vllm.v1.request import RequestStatus
+
+    e = Engine(tmp_path / "store")
+    a = create_request(request_id=1, num_tokens=70, common_prefix_len=64, max_tokens=2,
+                       block_size=BS)
+    e.sched.add_request(a)
+    e.run()
+    _damage(str(e.worker.store.path_of(block_names(a.all_token_ids, BS)[2])))
+    e = Engine(tmp_path / "store", policy="fail")
+    b = create_request(request_id=2, num_tokens=80, common_prefix_len=64, max_tokens=2,
+                       block_size=BS)
+    e.sched.add_request(b)
+    e.step()
+    assert len(e.outputs[-1].invalid_block_ids) == 2
+    assert b.status == RequestStatus.FINISHED_ERROR
+    assert b.get_finished_reason() == FinishReason.ERROR
+    e.run()
+    assert_clean(e)
+
+
 @pytest.mark.parametrize("interleave", [1, BS], ids=["i1", "i16"])
 def test_a_failed_load_at_dcp2_is_recomputed_on_every_rank(tmp_path, monkeypatch, interleave):
     """At DCP 2 a damaged record of virtual block 1 fails its load on the ranks that read
