@@ -38,7 +38,9 @@ ls "$V"/dl/vllm-$VER-*.whl >/dev/null 2>&1 \
   || "$py" -m pip download -q vllm==$VER --no-deps --only-binary :all: -d "$V/dl"
 "${pipq[@]}" --no-deps "$V"/dl/vllm-$VER-*.whl
 echo "== its runtime dependencies minus GPU-only kernels and codecs" >&2
-unzip -p "$V"/dl/vllm-$VER-*.whl "vllm-$VER.dist-info/METADATA" | sed -n 's/^Requires-Dist: //p' \
+"$py" -c 'import sys, zipfile; sys.stdout.write(zipfile.ZipFile(sys.argv[1]).read(sys.argv[2]).decode())' \
+  "$(ls "$V"/dl/vllm-$VER-*.whl | head -n1)" "vllm-$VER.dist-info/METADATA" \
+  | sed -n 's/^Requires-Dist: //p' \
   | grep -v 'extra ==' \
   | grep -v -E '^(PyNvVideoCodec|flashinfer-python|apache-tvm-ffi|tilelang|nvidia-cudnn-frontend|fastsafetensors|instanttensor|nvidia-cutlass-dsl|quack-kernels|tokenspeed-mla|humming-kernels|torchcodec|torchaudio)' \
   >"$V/reqs-cpu.txt"
