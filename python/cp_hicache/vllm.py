@@ -424,6 +424,13 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         step's forward completes (to save), the requests preempted since the last step."""
         meta = CpHiCacheMetadata(loads=self._pending_loads)
         self._pending_loads = {}
+        # Preempted requests lost their blocks (first: one may be resumed in the same step,
+        # with its new blocks among the new requests').
+        meta.preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        for rid in meta.preempted:
+            st = self._reqs.get(rid)
+            if st is not None:
+                st.block_ids = []
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is None:
@@ -455,11 +462,6 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             st.saved_upto = full
             meta.saves[rid] = jobs
             st.has_saves = True
-        meta.preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
-        for rid in meta.preempted:
-            st = self._reqs.get(rid)
-            if st is not None:
-                st.block_ids = []
         return meta
 
     def request_finished(self, request: Any, block_ids: List[int]
@@ -485,7 +487,16 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                 )
             self._delayed.discard(rid)
             self._planner_stats["finished_sending"] += 1
-        self._planner_stats["invalid_blocks"] += len(connector_output.invalid_block_ids or ())
+        invalid = set(connector_output.invalid_block_ids or ())
+        self._planner_stats["invalid_blocks"] += len(invalid)
+        if invalid:
+            # vLLM recomputes from a request's first invalid block: save the recomputed
+            # blocks again (the store removed the refused record).
+            for st in self._reqs.values():
+                for k, b in enumerate(st.block_ids[:st.saved_upto]):
+                    if b in invalid:
+                        st.saved_upto = k
+                        break
 
     def planner_stats(self) -> Dict[str, int]:
         """The scheduler side's counters: lookups, tokens offered, requests whose saves
