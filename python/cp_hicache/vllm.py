@@ -170,7 +170,8 @@ class CpHiCacheStats(KVConnectorStats):
     DCP with a small interleave this rank's tokens of several), ``records_saved`` (records
     or parts written, or there already), ``load_errors`` (blocks whose record was refused
     or missing at load time: recomputed), ``save_errors`` (writes that failed: a later
-    miss, nothing wrong served), ``bytes_loaded``, ``bytes_saved``."""
+    miss, nothing wrong served), ``saves_read_only`` (not written: the store is read-only to
+    this process), ``bytes_loaded``, ``bytes_saved``."""
 
     def aggregate(self, other: KVConnectorStats) -> "CpHiCacheStats":
         for k, v in (other.data or {}).items():
@@ -746,13 +747,16 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         for name, data, part in jobs:
             try:
                 if part is None:
-                    self.store.put(name, data)
+                    written = self.store.put(name, data)
                 else:
                     index, count, record = part
-                    self.store.put_part(
+                    written = self.store.put_part(
                         name, index, count, [(int(data.ctypes.data), int(data.nbytes))],
-                        lambda ps, record=record: self._assemble(record, ps))
-                self._count(records_saved=1, bytes_saved=self.page_bytes)
+                        lambda ps, record=record: self._assemble(record, ps)) != "read_only"
+                if written:
+                    self._count(records_saved=1, bytes_saved=self.page_bytes)
+                else:  # a store this process may only read (another user's, a read-only
+                    self._count(saves_read_only=1)  # mount): read, never written
             except Exception as e:  # a failed write is a later miss, counted and logged
                 logger.warning("cp_hicache: saving a block of %s failed: %s", rid, e)
                 self._count(save_errors=1)

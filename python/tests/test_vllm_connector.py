@@ -397,13 +397,41 @@ def _damage(path):
         f.write(bytes([byte[0] ^ 0xFF]))
 
 
-def _io_error(path):
-    """Makes the record unreadable: a directory where its file was (EISDIR on read)."""
-    os.remove(path)
-    os.mkdir(path)
+def _on_disk(damage):
+    """A fault applied to the record's file after the writing run."""
+    def fault(engine, name, when):
+        if when == "written":
+            damage(str(engine.worker.store.path_of(name)))
+    return fault
 
 
-@pytest.mark.parametrize("fault", [_damage, _io_error], ids=["corrupted", "io-error"])
+class _FailingReads:
+    """The worker's store, whose reads of one record fail with the I/O error the native
+    store raises for a read the file system fails (``UsageError``: ``storage: cannot
+    read ...``); present_run still finds the record."""
+
+    def __init__(self, store, name):
+        self._store, self._name = store, name
+
+    def get(self, name, parts):
+        if name == self._name:
+            from cp_hicache import UsageError
+
+            raise UsageError(f"storage: cannot read records/{name}.rec: Input/output error "
+                             "(os error 5)")
+        return self._store.get(name, parts)
+
+    def __getattr__(self, attr):
+        return getattr(self._store, attr)
+
+
+def _io_error(engine, name, when):
+    if when == "reading":
+        for w in engine.workers:
+            w.store = _FailingReads(w.store, name)
+
+
+@pytest.mark.parametrize("fault", [_on_disk(_damage), _io_error], ids=["corrupted", "io-error"])
 def test_a_failed_load_is_reported_and_recomputed_never_served(tmp_path, fault):
     """Block 2 of a 4-block hit is refused: blocks 2 and 3 are reported by
     get_block_ids_with_load_errors, vLLM's scheduler recomputes from block 2, and every
@@ -414,9 +442,10 @@ def test_a_failed_load_is_reported_and_recomputed_never_served(tmp_path, fault):
     e.sched.add_request(a)
     e.run()
     names = block_names(a.all_token_ids, BS)
-    fault(str(e.worker.store.path_of(names[2])))
+    fault(e, names[2], "written")
 
     e = Engine(tmp_path / "store")
+    fault(e, names[2], "reading")
     e.poison()
     b = create_request(request_id=2, num_tokens=80, common_prefix_len=64, max_tokens=2,
                        block_size=BS)
@@ -447,7 +476,7 @@ def test_a_failed_load_is_reported_and_recomputed_never_served(tmp_path, fault):
     e.run()
     assert_clean(e)
     assert e.stats().get("load_errors") == 1
-    if fault is _damage:
+    if fault is not _io_error:
         # The store removed the refused record; the recomputed block was saved again.
         out = torch.empty(e.worker.page_bytes, dtype=torch.uint8)
         assert e.worker.store.get(names[2], [(out.data_ptr(), out.numel())])
