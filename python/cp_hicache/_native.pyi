@@ -104,6 +104,34 @@ class Pool:
         copy: Optional[bool] = None,
     ) -> Any: ...
 
+class PageStore:
+    """A page store in a directory shared by processes (``cp_hicache.sglang`` and
+    ``cp_hicache.vllm`` use it): records named by the engine's own names, salted with the
+    fingerprint, read and written from ``[(address, bytes), ...]`` buffers in place."""
+
+    def __init__(
+        self, path: Union[str, PathLike], fingerprint: str, page_bytes: int, capacity_bytes: int
+    ) -> None: ...
+    @property
+    def page_bytes(self) -> int: ...
+    def put(self, name: str, parts: List[Tuple[int, int]]) -> bool: ...
+    def put_part(
+        self,
+        name: str,
+        part: int,
+        parts: int,
+        payload: List[Tuple[int, int]],
+        assemble: Any,
+    ) -> str:
+        """Part ``part`` of ``parts`` of the record; the writer of the last part calls
+        ``assemble(list of the parts' payloads)`` for the record's payload. ``"held"``,
+        ``"completed"``, ``"present"`` or ``"read_only"`` (nothing written)."""
+    def get(self, name: str, parts: List[Tuple[int, int]]) -> bool: ...
+    def exists(self, name: str) -> bool: ...
+    def present_run(self, names: List[str]) -> int: ...
+    def stats(self) -> Dict[str, int]: ...
+    def path_of(self, name: str) -> str: ...
+
 class Ops:
     """A deployment's transfer and materialise kernels on the caller's tensors."""
 

@@ -4,10 +4,10 @@
 
 use crate::errors::usage;
 use cp_hicache::storage::{
-    DirStore, Fingerprint, Lookup, PageStore as _, Put, RecordKey, StorageError,
+    DirStore, Fingerprint, Lookup, PageStore as _, PartPut, Put, RecordKey, StorageError,
 };
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBytes, PyDict, PyList};
 use std::path::PathBuf;
 
 /// A page store in a directory, shared by processes (every CP rank's, and later runs').
@@ -128,6 +128,79 @@ impl PageStore {
             Ok(Lookup::Miss | Lookup::Refused(_)) => Ok(false),
             Err(e) => Err(usage(e)),
         })
+    }
+
+    /// Writes part `part` of the `parts` parts of page `name`'s record, for an engine whose
+    /// ranks each hold some of a page's tokens (vLLM's decode context parallelism): the
+    /// part's payload is read from `payload` (`[(address, bytes), ...]`, host memory as for
+    /// `put`; at most a page). The record becomes visible, whole, when its last part comes:
+    /// that writer calls `assemble(list of the parts' payloads as bytes, in part order)`,
+    /// which returns the record's payload (bytes of a page), and writes it. Returns
+    /// `"held"` (kept until the other parts come), `"completed"` (this part completed the
+    /// record), `"present"` (the record was there already) or `"read_only"` (the store is
+    /// read-only to this process: nothing written).
+    ///
+    /// An `assemble` that raises, or returns anything but a page of bytes, fails the call
+    /// (the parts are gone; the next writers start the record again).
+    fn put_part(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        part: u32,
+        parts: u32,
+        payload: Parts,
+        assemble: Py<PyAny>,
+    ) -> PyResult<&'static str> {
+        if payload.iter().any(|&(p, _)| p == 0) {
+            return Err(usage("a null part buffer address"));
+        }
+        let key = self.key(name);
+        let page = self.store.payload_bytes();
+        // Why assembling failed, when it was the callable's doing.
+        let failure: std::sync::Mutex<Option<PyErr>> = std::sync::Mutex::new(None);
+        let put = py.detach(|| {
+            // SAFETY: the caller's contract above: each buffer is readable for its length
+            // during this call.
+            let bytes: Vec<u8> = payload
+                .iter()
+                .flat_map(|&(p, n)| unsafe { std::slice::from_raw_parts(p as *const u8, n) })
+                .copied()
+                .collect();
+            let build = |all: &[Vec<u8>]| -> Option<Vec<u8>> {
+                Python::attach(|py| {
+                    let built = (|| -> PyResult<Vec<u8>> {
+                        let list = PyList::new(py, all.iter().map(|b| PyBytes::new(py, b)))?;
+                        let out = assemble.bind(py).call1((list,))?;
+                        let out = out.cast::<PyBytes>().map_err(|_| {
+                            usage("assemble must return the record's payload as bytes")
+                        })?;
+                        let v = out.as_bytes().to_vec();
+                        if v.len() as u64 != page {
+                            return Err(usage(format!(
+                                "assemble returned {} bytes, this store's pages are {page}",
+                                v.len()
+                            )));
+                        }
+                        Ok(v)
+                    })();
+                    built
+                        .map_err(|e| *failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(e))
+                        .ok()
+                })
+            };
+            self.store.put_part(&key, part, parts, &bytes, &build)
+        });
+        if let Some(e) = failure.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            return Err(e);
+        }
+        match put {
+            Ok(PartPut::Held) => Ok("held"),
+            Ok(PartPut::Completed { .. }) => Ok("completed"),
+            Ok(PartPut::Present) => Ok("present"),
+            // Another user's store, or a read-only mount: read, never written.
+            Err(StorageError::ReadOnly(_)) => Ok("read_only"),
+            Err(e) => Err(usage(e)),
+        }
     }
 
     /// Whether page `name` has a record (not read: a later `get` may still refuse it).

@@ -1,0 +1,652 @@
+"""cp_hicache.vllm.CpHiCacheConnector driven by vLLM 0.34's real scheduler on the CPU.
+
+vLLM's own ``Scheduler`` loads the connector by module path (``kv_connector_module_path=
+"cp_hicache.vllm"``) through its connector factory; a worker-side connector, made by the same
+factory, executes each step's metadata on CPU KV tensors, driven by vLLM's own model-runner
+glue (``ActiveKVConnector``: ``register_kv_caches``, then per step ``handle_preemptions``,
+``bind_connector_metadata``, ``start_load_kv``, the forward, ``wait_for_save``,
+``get_finished``, ``get_block_ids_with_load_errors``, ``get_kv_connector_stats``), with a
+stand-in forward that writes KV as a function of each token's prefix and layer (what a
+model's forward would write for the same prefix).
+
+Needs vLLM 0.34 and its test helpers (``tests.v1.kv_connector.unit.utils``), which
+``scripts/vllm-env.sh`` installs into a cached environment; ``scripts/test-vllm.sh`` runs this
+file there. Elsewhere the whole file is skipped, saying so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import time
+
+import pytest
+
+_vllm_env = os.environ.get("CP_HICACHE_VLLM_TESTS")
+if _vllm_env and _vllm_env not in sys.path:
+    sys.path.insert(0, _vllm_env)  # the folder whose tests/ is vLLM's own test package
+
+try:
+    import torch
+    import vllm  # noqa: F401
+    from tests.v1.kv_connector.unit.utils import (
+        assert_scheduler_empty,
+        create_model_runner_output,
+        create_request,
+        create_scheduler,
+        create_vllm_config,
+    )
+except ImportError as e:  # pragma: no cover - depends on the environment
+    pytest.skip(
+        f"vLLM 0.34 and its test helpers are not importable here ({e}): "
+        "scripts/test-vllm.sh builds their environment (scripts/vllm-env.sh) and runs "
+        "this file in it",
+        allow_module_level=True,
+    )
+
+from vllm.distributed.kv_transfer import kv_transfer_state
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
+
+from cp_hicache.vllm import CpHiCacheConnector, CpHiCacheMetadata, block_names
+
+BS = 16
+NUM_BLOCKS = 48
+LAYERS = ["model.layers.0.attn", "model.layers.1.attn"]
+HEADS, HEAD_SIZE = 2, 8
+SLOT_BYTES = HEADS * HEAD_SIZE * 2  # one token's K (or V) in one layer, float16
+
+
+def kv_cache_config(num_blocks: int = NUM_BLOCKS) -> KVCacheConfig:
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                list(LAYERS),
+                FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD_SIZE,
+                                  dtype=torch.float16),
+            )
+        ],
+    )
+
+
+def vllm_config(path, policy="recompute", **extra):
+    return create_vllm_config(
+        block_size=BS,
+        kv_connector="CpHiCacheConnector",
+        kv_connector_module_path="cp_hicache.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config={"path": str(path), **extra},
+        kv_load_failure_policy=policy,
+    )
+
+
+def slot_bytes(tokens, pos: int, layer: int, kv: int) -> bytes:
+    """What the stand-in forward writes for token ``pos`` of ``tokens`` in ``layer`` (K for
+    ``kv`` 0, V for 1): a function of the prefix up to and including the token."""
+    h = hashlib.sha256(f"{layer}/{kv}/".encode())
+    h.update(bytes(memoryview(torch.tensor(tokens[:pos + 1], dtype=torch.int64).numpy())))
+    return h.digest()[:SLOT_BYTES]
+
+
+def rank_position(vblock: int, rank: int, slot: int, dcp: int, interleave: int) -> int:
+    """The token a DCP rank's slot holds (vLLM's ``block_table.py``): slot ``s`` of the
+    rank's block of virtual block ``v`` holds token ``v * BS * dcp + (s // I) * I * dcp +
+    rank * I + s % I``."""
+    i = interleave
+    return vblock * BS * dcp + (slot // i) * i * dcp + rank * i + slot % i
+
+
+class Engine:
+    """vLLM's real scheduler, with ``dcp`` worker-side connectors (one per DCP rank) on CPU
+    KV tensors and a stand-in forward, stepped as vLLM's engine core and model runner step
+    them. Under DCP the scheduler works in virtual blocks of ``BS * dcp`` tokens, built as
+    vLLM's ``EngineCore`` builds it (``resolve_kv_cache_block_sizes``: vLLM's stock
+    ``create_scheduler`` asserts there), and each rank's block of a virtual block holds its
+    interleaved tokens."""
+
+    def __init__(self, path, policy="recompute", num_blocks=NUM_BLOCKS, verify=False,
+                 dcp=1, interleave=1, ranks=None, monkeypatch=None):
+        self.cfg = vllm_config(path, policy)
+        self.kcc = kv_cache_config(num_blocks)
+        self.dcp, self.interleave = dcp, interleave
+        self.verify = verify
+        if dcp == 1:
+            self.sched = create_scheduler(self.cfg, num_blocks=num_blocks,
+                                          kv_cache_config=self.kcc)
+        else:
+            from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+            from vllm.v1.core.sched.scheduler import Scheduler
+            from vllm.v1.structured_output import StructuredOutputManager
+
+            pc = self.cfg.parallel_config
+            pc.decode_context_parallel_size = dcp
+            pc.tensor_parallel_size = dcp
+            pc.cp_kv_cache_interleave_size = interleave
+            self.cfg.cache_config.num_gpu_blocks = num_blocks
+            block_size, hash_block_size = resolve_kv_cache_block_sizes(self.kcc, self.cfg)
+            assert block_size == BS * dcp
+            self.sched = Scheduler(
+                vllm_config=self.cfg, kv_cache_config=self.kcc, log_stats=True,
+                structured_output_manager=StructuredOutputManager(self.cfg),
+                block_size=block_size, hash_block_size=hash_block_size)
+        self.sblock = BS * dcp
+        # Worker w believes it is DCP rank ranks[w] (the identity unless a test says).
+        self.ranks = list(ranks or range(dcp))
+        self.workers = []
+        self.runners = []
+        self.kvs = []
+        for w in range(dcp):
+            if monkeypatch is not None:
+                import cp_hicache.vllm as cv
+
+                monkeypatch.setattr(cv, "dcp_rank_and_size",
+                                    lambda r=self.ranks[w]: (r, dcp))
+            worker = KVConnectorFactory.create_connector(
+                self.cfg, KVConnectorRole.WORKER, self.kcc)
+            # vLLM 0.34's per-layer view is blocks first: [blocks, K/V, block_size, heads,
+            # head].
+            kv = {n: torch.zeros((num_blocks, 2, BS, HEADS, HEAD_SIZE), dtype=torch.float16)
+                  for n in LAYERS}
+            # vLLM's own model-runner glue drives each worker's connector (it registers the
+            # KV tensors, and calls the hooks around each forward); it takes the process's
+            # connector when built, so each worker gets its own.
+            kv_transfer_state._KV_CONNECTOR_AGENT = worker
+            try:
+                self.runners.append(ActiveKVConnector(self.cfg, kv))
+            finally:
+                kv_transfer_state._KV_CONNECTOR_AGENT = None
+            self.workers.append(worker)
+            self.kvs.append(kv)
+        self.metas = []
+        self.outputs = []
+        self._sending = {}  # request -> workers that reported its saves done
+
+    @property
+    def worker(self) -> CpHiCacheConnector:
+        return self.workers[0]
+
+    @property
+    def kv(self):
+        return self.kvs[0]
+
+    @property
+    def connector(self) -> CpHiCacheConnector:
+        return self.sched.connector
+
+    def poison(self) -> None:
+        """Fills every block with garbage, so a block a load did not write shows."""
+        for kv in self.kvs:
+            for t in kv.values():
+                t.view(torch.uint8).fill_(0xA5)
+
+    def block(self, block_id: int, rank: int = 0) -> bytes:
+        return b"".join(bytes(t[block_id].contiguous().view(torch.uint8).numpy())
+                        for t in self.kvs[rank].values())
+
+    def expected_block(self, tokens, index: int, rank: int = 0) -> bytes:
+        """The bytes the stand-in forward gives DCP rank ``rank``'s block of scheduler
+        block ``index`` of ``tokens`` (at DCP 1: block ``index``)."""
+        out = []
+        for li in range(len(LAYERS)):
+            for kv in (0, 1):
+                for j in range(BS):
+                    pos = rank_position(index, rank, j, self.dcp, self.interleave)
+                    out.append(slot_bytes(tokens, pos, li, kv))
+        # [K/V, block_size, ...] per layer: K's slots then V's.
+        return b"".join(out)
+
+    def _forward(self, so) -> None:
+        starts = {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
+        c = so.scheduled_cached_reqs
+        starts.update(zip(c.req_ids, c.num_computed_tokens))
+        d, i = self.dcp, self.interleave
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self.sched.requests[rid]
+            tokens = list(req.all_token_ids)
+            (block_ids,) = self.sched.kv_cache_manager.get_block_ids(rid)
+            first = starts[rid]
+            for pos in range(first, min(first + n, len(tokens))):
+                vo = pos % self.sblock
+                owner = (vo // i) % d
+                b, off = block_ids[pos // self.sblock], (vo // (i * d)) * i + vo % i
+                for li, name in enumerate(LAYERS):
+                    u8 = self.kvs[owner][name].view(torch.uint8)
+                    for kv in (0, 1):
+                        u8[b, kv, off].view(-1)[:] = torch.frombuffer(
+                            bytearray(slot_bytes(tokens, pos, li, kv)), dtype=torch.uint8)
+
+    def _verify(self, so) -> None:
+        """Every whole block a scheduled request has computed (loaded, or written by a
+        forward) holds, on every rank, the KV the forward gives its tokens."""
+        for rid in so.num_scheduled_tokens:
+            req = self.sched.requests[rid]
+            tokens = list(req.all_token_ids)
+            (block_ids,) = self.sched.kv_cache_manager.get_block_ids(rid)
+            for v in range(min(req.num_computed_tokens, len(tokens)) // self.sblock):
+                for r in range(self.dcp):
+                    assert self.block(block_ids[v], r) == self.expected_block(tokens, v, r), (
+                        f"{rid} block {v} (block id {block_ids[v]}) holds other KV on rank {r}")
+
+    def step(self, on_loaded=None):
+        """One engine step, every worker's connector driven by vLLM's model-runner glue
+        (``ActiveKVConnector``: ``pre_forward`` runs ``handle_preemptions``, binds the
+        metadata and, when the step has synchronous loads, ``start_load_kv``; after the
+        forward, ``post_forward`` runs ``wait_for_save``, ``get_finished``,
+        ``get_block_ids_with_load_errors`` and ``get_kv_connector_stats``). The workers'
+        outputs are aggregated as vLLM's ``KVOutputAggregator`` does: a request's saves are
+        done once every worker has said so. Returns the scheduler output."""
+        so = self.sched.schedule()
+        meta = so.kv_connector_metadata
+        assert isinstance(meta, CpHiCacheMetadata)
+        self.metas.append(meta)
+        for r in self.runners:
+            r.pre_forward(so)
+        if on_loaded is not None:
+            on_loaded(so, meta)
+        self._forward(so)
+        if self.verify:
+            self._verify(so)
+        sending, invalid, stats = set(), set(), None
+        for r in self.runners:
+            r.finish_forward()
+            out = r.post_forward(so.finished_req_ids)
+            for rid in out.finished_sending or ():
+                self._sending[rid] = self._sending.get(rid, 0) + 1
+                if self._sending[rid] == len(self.runners):
+                    sending.add(rid)
+                    del self._sending[rid]
+            invalid |= out.invalid_block_ids
+            if out.kv_connector_stats is not None:
+                st = out.kv_connector_stats
+                stats = st if stats is None else stats.aggregate(st)
+        out = KVConnectorOutput(finished_sending=sending or None, finished_recving=None,
+                                invalid_block_ids=invalid, kv_connector_stats=stats)
+        self.outputs.append(out)
+        reqs = [self.sched.requests[r] for r in so.num_scheduled_tokens]
+        mro = create_model_runner_output(reqs)
+        mro.kv_connector_output = out
+        self.sched.update_from_output(so, mro)
+        return so
+
+    def run(self, timeout_s=60.0, on_loaded=None):
+        """Steps until every request finished and every block is free (vLLM's engine core
+        keeps stepping while requests wait for their saves: so does this, pausing briefly
+        on steps that scheduled nothing)."""
+        deadline = time.monotonic() + timeout_s
+        while self.sched.requests:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"requests still there after {timeout_s} s: "
+                                     f"{list(self.sched.requests)}")
+            so = self.step(on_loaded)
+            if not so.num_scheduled_tokens:
+                time.sleep(0.01)
+        # One more (empty) step: the scheduler hands the last finished ids to the worker.
+        self.step()
+
+    def stats(self):
+        total = {}
+        for o in self.outputs:
+            if o.kv_connector_stats is not None:
+                for k, v in o.kv_connector_stats.data.items():
+                    total[k] = total.get(k, 0) + v
+        return total
+
+
+def assert_clean(engine: Engine) -> None:
+    assert_scheduler_empty(engine.sched)
+    ps = engine.connector.planner_stats()
+    assert ps["tracked"] == 0 and ps["delayed"] == 0, ps
+
+
+def test_vllm_loads_the_connector_by_module_path(tmp_path):
+    e = Engine(tmp_path / "store")
+    assert type(e.connector) is CpHiCacheConnector
+    assert e.connector.role == KVConnectorRole.SCHEDULER
+    assert type(e.worker) is CpHiCacheConnector and e.worker.role == KVConnectorRole.WORKER
+    # Scheduler and worker open the same store (the same fingerprint).
+    assert e.connector.store_path == e.worker.store_path
+    assert e.connector.page_bytes == len(LAYERS) * 2 * BS * SLOT_BYTES
+
+
+def test_a_miss_is_computed_and_saved_and_nothing_is_left_behind(tmp_path):
+    e = Engine(tmp_path / "store")
+    req = create_request(request_id=1, num_tokens=40, max_tokens=2, block_size=BS)
+    e.sched.add_request(req)
+    so = e.step()
+    assert so.num_scheduled_tokens == {"id-1": 40}
+    assert e.metas[0].loads == {}
+    # The forward completes blocks 0 and 1 of the prompt: both are saved.
+    names = block_names(req.all_token_ids, BS)
+    assert [ns for ns, _ in e.metas[0].saves["id-1"]] == [[n] for n in names[:2]]
+    e.run()
+    assert_clean(e)
+    assert e.worker.store.present_run(names[:2]) == 2
+    assert e.stats().get("records_saved") == 2
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["same-engine", "after-restart"])
+def test_shared_prefix_is_loaded_byte_for_byte(tmp_path, restart):
+    """Request 1 computes a 64-token prefix (chunked: 64 + 6 tokens) and saves its 4 blocks;
+    request 2, sharing the prefix, gets 64 matched tokens from the connector, and its blocks
+    hold request 1's saved KV byte for byte, in other blocks of a poisoned cache."""
+    e = Engine(tmp_path / "store")
+    a = create_request(request_id=1, num_tokens=70, common_prefix_len=64, max_tokens=3,
+                       block_size=BS)
+    e.sched.add_request(a)
+    saved = {}
+
+    def snapshot(so, meta):
+        for rid, jobs in meta.saves.items():
+            for _, b in jobs:
+                saved[b] = None
+
+    e.step(snapshot)  # the first chunk: 64 tokens, blocks 0..3 complete
+    (a_blocks,) = e.sched.kv_cache_manager.get_block_ids("id-1")
+    a_bytes = [e.block(b) for b in a_blocks[:4]]
+    assert sorted(saved) == sorted(a_blocks[:4])
+    for i, got in enumerate(a_bytes):
+        assert got == e.expected_block(list(a.all_token_ids), i)
+    e.run()
+    assert_clean(e)
+
+    if restart:
+        e = Engine(tmp_path / "store")
+    else:
+        assert e.sched.reset_prefix_cache()  # vLLM's own prefix cache would hit first
+        e.outputs.clear()
+    e.poison()
+    b = create_request(request_id=2, num_tokens=80, common_prefix_len=64, max_tokens=2,
+                       block_size=BS)
+    e.sched.add_request(b)
+    loaded = {}
+
+    def check(so, meta):
+        if meta.loads:
+            (bb,) = e.sched.kv_cache_manager.get_block_ids("id-2")
+            loaded.update({i: e.block(bb[i]) for i in range(4)})
+            loaded["jobs"] = meta.loads["id-2"]
+            loaded["ids"] = bb[:4]
+
+    so = e.step(check)
+    # 64 of the 80 tokens come from the connector: only 16 are computed.
+    assert so.num_scheduled_tokens == {"id-2": 16}
+    assert [ns for ns, _ in loaded["jobs"]] == [[n] for n in block_names(b.all_token_ids, BS)[:4]]
+    assert [blk for _, blk in loaded["jobs"]] == loaded["ids"]
+    for i in range(4):
+        assert loaded[i] == a_bytes[i], f"block {i} differs from request 1's saved KV"
+    e.run()
+    assert_clean(e)
+    st = e.stats()
+    assert st.get("records_loaded") == 4 and not st.get("load_errors"), st
+    # Only the new block (tokens 64..79) was saved; the loaded ones were not written again.
+    assert st.get("records_saved") == 1, st
+
+
+def _damage(path):
+    """Flips a byte in the middle of a record file."""
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _on_disk(damage):
+    """A fault applied to the record's file after the writing run."""
+    def fault(engine, name, when):
+        if when == "written":
+            damage(str(engine.worker.store.path_of(name)))
+    return fault
+
+
+class _FailingReads:
+    """The worker's store, whose reads of one record fail with the I/O error the native
+    store raises for a read the file system fails (``UsageError``: ``storage: cannot
+    read ...``); present_run still finds the record."""
+
+    def __init__(self, store, name):
+        self._store, self._name = store, name
+
+    def get(self, name, parts):
+        if name == self._name:
+            from cp_hicache import UsageError
+
+            raise UsageError(f"storage: cannot read records/{name}.rec: Input/output error "
+                             "(os error 5)")
+        return self._store.get(name, parts)
+
+    def __getattr__(self, attr):
+        return getattr(self._store, attr)
+
+
+def _io_error(engine, name, when):
+    if when == "reading":
+        for w in engine.workers:
+            w.store = _FailingReads(w.store, name)
+
+
+@pytest.mark.parametrize("fault", [_on_disk(_damage), _io_error], ids=["corrupted", "io-error"])
+def test_a_failed_load_is_reported_and_recomputed_never_served(tmp_path, fault):
+    """Block 2 of a 4-block hit is refused: blocks 2 and 3 are reported by
+    get_block_ids_with_load_errors, vLLM's scheduler recomputes from block 2, and every
+    block ends with the KV the forward gives it (never the damaged record's bytes)."""
+    e = Engine(tmp_path / "store")
+    a = create_request(request_id=1, num_tokens=70, common_prefix_len=64, max_tokens=2,
+                       block_size=BS)
+    e.sched.add_request(a)
+    e.run()
+    names = block_names(a.all_token_ids, BS)
+    fault(e, names[2], "written")
+
+    e = Engine(tmp_path / "store")
+    fault(e, names[2], "reading")
+    e.poison()
+    b = create_request(request_id=2, num_tokens=80, common_prefix_len=64, max_tokens=2,
+                       block_size=BS)
+    e.sched.add_request(b)
+    seen = {}
+
+    def after_load(so, meta):
+        if meta.loads and "ids" not in seen:
+            (bb,) = e.sched.kv_cache_manager.get_block_ids("id-2")
+            seen["ids"] = list(bb[:4])
+            seen["blocks"] = [e.block(x) for x in bb[:4]]
+
+    so = e.step(after_load)
+    assert so.num_scheduled_tokens == {"id-2": 16}  # the planner offered 4 blocks
+    out = e.outputs[-1]
+    assert out.invalid_block_ids == set(seen["ids"][2:])
+    # Blocks 0 and 1 were loaded; 2 and 3 were not written (still poisoned).
+    for i in (0, 1):
+        assert seen["blocks"][i] == e.expected_block(list(b.all_token_ids), i)
+    for i in (2, 3):
+        assert seen["blocks"][i] == b"\xa5" * len(seen["blocks"][i])
+    so = e.step()
+    # vLLM recomputes from block 2: tokens 32..79.
+    assert so.num_scheduled_tokens == {"id-2": 48}, so.num_scheduled_tokens
+    (bb,) = e.sched.kv_cache_manager.get_block_ids("id-2")
+    for i in range(5):
+        assert e.block(bb[i]) == e.expected_block(list(b.all_token_ids), i)
+    e.run()
+    assert_clean(e)
+    assert e.stats().get("load_errors") == 1
+    if fault is not _io_error:
+        # The store removed the refused record; the recomputed block was saved again.
+        out = torch.empty(e.worker.page_bytes, dtype=torch.uint8)
+        assert e.worker.store.get(names[2], [(out.data_ptr(), out.numel())])
+        assert bytes(out.numpy()) == e.expected_block(list(b.all_token_ids), 2)
+
+
+def test_under_the_fail_policy_a_failed_load_ends_the_request_with_an_error(tmp_path):
+    """With vLLM's default ``kv_load_failure_policy="fail"`` a refused record ends its
+    request with an error (its output is never served) and leaves nothing behind."""
+    from vllm.v1.engine import FinishReason
+    from vllm.v1.request import RequestStatus
+
+    e = Engine(tmp_path / "store")
+    a = create_request(request_id=1, num_tokens=70, common_prefix_len=64, max_tokens=2,
+                       block_size=BS)
+    e.sched.add_request(a)
+    e.run()
+    _damage(str(e.worker.store.path_of(block_names(a.all_token_ids, BS)[2])))
+    e = Engine(tmp_path / "store", policy="fail")
+    b = create_request(request_id=2, num_tokens=80, common_prefix_len=64, max_tokens=2,
+                       block_size=BS)
+    e.sched.add_request(b)
+    e.step()
+    assert len(e.outputs[-1].invalid_block_ids) == 2
+    assert b.status == RequestStatus.FINISHED_ERROR
+    assert b.get_finished_reason() == FinishReason.ERROR
+    e.run()
+    assert_clean(e)
+
+
+@pytest.mark.parametrize("interleave", [1, BS], ids=["i1", "i16"])
+def test_a_failed_load_at_dcp2_is_recomputed_on_every_rank(tmp_path, monkeypatch, interleave):
+    """At DCP 2 a damaged record of virtual block 1 fails its load on the ranks that read
+    it; the block is reported once, vLLM recomputes from it, and every rank's blocks end
+    with the KV their tokens give (checked after every step)."""
+    a = Engine(tmp_path / "store", dcp=2, interleave=interleave, monkeypatch=monkeypatch)
+    req = create_request(request_id=1, num_tokens=70, common_prefix_len=64, max_tokens=1,
+                         block_size=a.sblock)
+    a.sched.add_request(req)
+    a.run()
+    names = block_names(req.all_token_ids, BS)
+    _damage(str(a.worker.store.path_of(names[2])))  # record 2: virtual block 1's first
+
+    b = Engine(tmp_path / "store", dcp=2, interleave=interleave, verify=True,
+               monkeypatch=monkeypatch)
+    b.poison()
+    b.sched.add_request(create_request(request_id=2, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=b.sblock))
+    seen = {}
+
+    def ids(so, meta):
+        if meta.loads:
+            seen["ids"] = list(b.sched.kv_cache_manager.get_block_ids("id-2")[0][:2])
+
+    b.verify = False  # the failed block is recomputed in the next step, not this one
+    so = b.step(ids)
+    assert so.num_scheduled_tokens == {"id-2": 16}
+    assert b.outputs[-1].invalid_block_ids == {seen["ids"][1]}
+    b.verify = True
+    so = b.step()
+    assert so.num_scheduled_tokens == {"id-2": 48}, so.num_scheduled_tokens  # from token 32
+    b.run()
+    assert_clean(b)
+    # Interleave 1: both ranks read record 2; a whole block: only rank 0 holds it.
+    assert b.stats().get("load_errors") == (2 if interleave == 1 else 1)
+
+
+def test_abort_while_saving_leaves_nothing_behind(tmp_path):
+    """An aborted request's blocks are freed only once its writes are reported done."""
+    from vllm.v1.request import RequestStatus
+
+    e = Engine(tmp_path / "store")
+    a = create_request(request_id=1, num_tokens=64, max_tokens=10, block_size=BS)
+    e.sched.add_request(a)
+    e.step()
+    e.sched.finish_requests(["id-1"], RequestStatus.FINISHED_ABORTED)
+    assert e.connector.planner_stats()["delayed"] == 1  # its writes may still run
+    e.run()
+    assert_clean(e)
+    assert e.connector.planner_stats()["finished_sending"] == 1
+
+
+def test_preemption_resumes_from_the_store_and_every_block_holds_its_kv(tmp_path):
+    """Two requests outgrow 9 usable blocks while decoding: vLLM preempts one, whose
+    writes are waited for before its blocks are reused; resumed, it gets its blocks back
+    from its local prefix cache and the store. After every step every computed block of
+    every scheduled request holds the KV its tokens give (loads included)."""
+    e = Engine(tmp_path / "store", num_blocks=10, verify=True)
+    for rid in (1, 2):
+        e.sched.add_request(create_request(request_id=rid, num_tokens=48, max_tokens=40,
+                                           block_size=BS))
+    e.run()
+    assert_clean(e)
+    assert any(m.preempted for m in e.metas), "no request was preempted"
+    st = e.stats()
+    # The resumed request got at least one block back from the store, verified above.
+    assert st.get("records_loaded", 0) >= 1 and not st.get("load_errors"), st
+
+
+# (dcp, interleave) of the run that writes the store, then of the run that reads it after a
+# restart: records are canonical, so any DCP degree and interleave reads any other's.
+DCP_RUNS = [
+    ((2, BS), (2, BS)),
+    ((2, 1), (2, 1)),
+    ((2, BS), (1, 1)),
+    ((1, 1), (2, 1)),
+    ((2, 1), (1, 1)),
+    ((4, 1), (2, 1)),
+    ((4, 1), (2, BS)),
+    ((2, 1), (4, 4)),
+]
+
+
+@pytest.mark.parametrize("write,read", DCP_RUNS,
+                         ids=[f"dcp{w[0]}i{w[1]}-to-dcp{r[0]}i{r[1]}" for w, r in DCP_RUNS])
+def test_dcp_store_is_read_under_any_degree_byte_for_byte(tmp_path, monkeypatch, write, read):
+    """Request 1 runs at one DCP degree and interleave size (each rank computes and saves
+    only its interleaved tokens: whole records, or parts assembled into them); after a
+    restart at another, request 2 shares its 128-token prefix and gets it from the
+    connector, each rank loading only its tokens into the slots vLLM's block table gives
+    them. Every computed block of every rank is checked after every step."""
+    a = Engine(tmp_path / "store", dcp=write[0], interleave=write[1], verify=True,
+               monkeypatch=monkeypatch)
+    a.sched.add_request(create_request(request_id=1, num_tokens=136, common_prefix_len=128,
+                                       max_tokens=2, block_size=a.sblock))
+    a.run()
+    assert_clean(a)
+    assert a.stats().get("records_saved", 0) >= 128 // BS and not a.stats().get("save_errors")
+
+    b = Engine(tmp_path / "store", dcp=read[0], interleave=read[1], verify=True,
+               monkeypatch=monkeypatch)
+    b.poison()
+    b.sched.add_request(create_request(request_id=2, num_tokens=144, common_prefix_len=128,
+                                       max_tokens=2, block_size=b.sblock))
+    so = b.step()
+    assert so.num_scheduled_tokens == {"id-2": 144 - 128}, so.num_scheduled_tokens
+    b.run()
+    assert_clean(b)
+    st = b.stats()
+    assert st.get("records_loaded") == read[0] * 128 // b.sblock, st
+    assert not st.get("load_errors"), st
+
+
+def test_loading_into_another_ranks_slots_is_caught(tmp_path, monkeypatch):
+    """The seed's bug in vLLM's form: DCP workers that load each other's interleaved
+    tokens (ranks swapped) fill their blocks with KV of the wrong tokens; the check of every
+    block against the KV its slots' tokens give catches it on the first load."""
+    a = Engine(tmp_path / "store", dcp=2, interleave=1, monkeypatch=monkeypatch)
+    a.sched.add_request(create_request(request_id=1, num_tokens=72, common_prefix_len=64,
+                                       max_tokens=1, block_size=a.sblock))
+    a.run()
+    b = Engine(tmp_path / "store", dcp=2, interleave=1, verify=True, ranks=[1, 0],
+               monkeypatch=monkeypatch)
+    b.sched.add_request(create_request(request_id=2, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=1, block_size=b.sblock))
+    with pytest.raises(AssertionError, match="holds other KV on rank 0"):
+        b.step()
+
+
+def test_refuses_what_is_not_built(tmp_path):
+    cfg = vllm_config(tmp_path / "store")
+    cfg.parallel_config.decode_context_parallel_size = 2
+    with pytest.raises(ValueError, match="tensor_parallel_size = 1 with "
+                                         "decode_context_parallel_size = 2 is not built"):
+        CpHiCacheConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
+    cfg = vllm_config(tmp_path / "store")
+    cfg.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(ValueError, match="pipeline_parallel_size = 2 is not built"):
+        CpHiCacheConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
+    cfg = create_vllm_config(block_size=BS, kv_connector="CpHiCacheConnector",
+                             kv_connector_module_path="cp_hicache.vllm", kv_role="kv_both")
+    with pytest.raises(ValueError, match=r"needs kv_connector_extra_config\['path'\]"):
+        CpHiCacheConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
