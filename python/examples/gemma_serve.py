@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import queue
 import socket
 import subprocess
 import sys
@@ -335,7 +336,8 @@ def generate_without_cache(model: Gemma3, prompts: Sequence[Sequence[int]],
     tensors of its own (bf16, as in the pools)."""
     out = []
     for prompt in prompts:
-        keys: List[torch.Tensor] = [torch.empty(0, model.hp.head_dim, dtype=KV_DTYPE)] * model.hp.layers
+        width = model.hp.kv_heads * model.hp.head_dim
+        keys = [torch.empty(0, width, dtype=KV_DTYPE)] * model.hp.layers
         values = list(keys)
         seq, gen = list(prompt), []
         lo = 0
@@ -374,7 +376,7 @@ def forward_step(model: Gemma3, rc, rank: int, pools: List[torch.Tensor],
     request's tokens from ``lo`` that this rank owns, their K and V written into this rank's
     pool and every token's read from its owner's; returns every request's greedy next token
     (the same on every rank)."""
-    d = model.hp.head_dim
+    d = model.hp.kv_heads * model.hp.head_dim  # K in [:d], V in [d:2 * d]
     ids, pos, seg, where = [], [], [], []
     for s, (req, lo) in enumerate(items):
         tokens = req.tokens
@@ -495,9 +497,20 @@ def serve(model: Gemma3, rounds: List[Tuple[str, List[List[int]]]], ranks: int,
     for p in procs:
         p.start()
     got = {}
+    deadline = time.monotonic() + 1800
     try:
-        for _ in range(ranks):
-            rank, res = out.get(timeout=900)
+        while len(got) < ranks:
+            try:
+                rank, res = out.get(timeout=2)
+            except queue.Empty:
+                # A rank that died without a word (a crash) must not leave us waiting.
+                dead = [(r, p.exitcode) for r, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and r not in got]
+                if dead:
+                    raise RuntimeError(f"rank processes died: (rank, exit code) {dead}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the ranks did not finish in 30 minutes")
+                continue
             if isinstance(res, str):
                 raise RuntimeError(f"rank {rank} failed: {res}")
             got[rank] = res
