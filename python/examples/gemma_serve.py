@@ -9,7 +9,8 @@ head of 256 dims**, q/k RMSNorm, RoPE (NeoX halves) with base 1e6 on the global 
 on the sliding-window ones (window 512; every 6th layer global), GeGLU (tanh GELU) MLP, four
 RMSNorms per layer, embeddings scaled by sqrt(hidden), logits from the tied embedding, and a
 final logit soft-cap only when the GGUF names one (this one does not). The GGUF's norm weights
-already hold Gemma's ``1 + w`` (llama.cpp's converter adds the 1), so they multiply as stored.
+already hold Gemma's ``1 + w`` (llama.cpp's converter adds the 1), so they multiply as stored
+(adding 1 again turns the text into noise).
 What the GGUF does not record, Gemma 3 fixes: the sliding pattern, the local RoPE base and the
 attention scale ``1/sqrt(head_dim)`` (``query_pre_attn_scalar`` = 256 for this size).
 
