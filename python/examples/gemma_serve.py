@@ -36,7 +36,8 @@ The prompts share a prefix. Round ``cold`` computes everything; round ``device``
 prefix's pages in device memory; then every device page is evicted to the host tier
 (``rc.evict``) and round ``host`` loads the prefix back from host memory (owners preserved).
 The example prints the generated text, the hit rates and the time to first token of each
-round.
+round. Every prompt generates exactly ``--new-tokens`` greedy tokens (no stop at ``<eos>``),
+so the cached and the no-cache runs compare the same number.
 
     scripts/python-dev.sh && scripts/gemma-env.sh
     .venv/bin/python python/examples/gemma_serve.py --ranks 2 --new-tokens 16 --check
