@@ -2,8 +2,8 @@
 # The whole cache on the CUDA executor, over the stand-in driver (tests/fake_cuda/libcuda.cpp)
 # with its streams scheduled adversarially (the lowest-priority ready stream first, so the
 # load stream is held back as long as allowed) and its happens-before race checker on: the
-# replay in every layout, write-back (evictions during loads), chunked prefill with decode,
-# the storage tier, and every peer-pool mode. A race makes the process exit with status 86;
+# replay in every layout, write-back (evictions during loads), chunked prefill with decode, batches
+# through `step`, the storage tier, and every peer-pool mode. A race makes the process exit with status 86;
 # every request is verified byte for byte, and a mismatch fails the run too.
 #
 # Usage: scripts/stand-in-check.sh [path to cp-hicache] (default: target/release/cp-hicache,
@@ -29,6 +29,7 @@ runs=(
   "page-interleave layout, one DMA call per region|--layout page-interleave --transfer dma-each --requests 40"
   "token-interleave layout (vLLM decode CP)|--layout token-interleave --interleave-size 16 --requests 40"
   "chunked prefill and decode (live requests)|--chunk-tokens 256 --decode-tokens 32 --requests 32"
+  "batches of 4 through step, write-back: loads and evictions inside steps|--batch 4 --chunk-tokens 256 --decode-tokens 16 --policy write_back --requests 48"
   "the storage tier, written then read back|--storage $storage --requests 40"
   "gathered peer pools, CP 4, MLA|--peer-pools gathered --cp 4 --model mla --page-size 16 --requests 40"
 )

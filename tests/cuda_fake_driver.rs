@@ -1651,6 +1651,7 @@ fn child_streams() {
     race_checker_self_tests();
     failed_load_orders_the_cache_stream_after_its_layers();
     back_to_back_loads_keep_their_page_ids();
+    a_step_of_loads_rolled_back_by_a_failed_admission();
     serving_makes_no_context_wide_synchronisation();
     assert_eq!(driver_count(b"fake_cuda_races"), 0);
     assert_eq!(live_allocations(), 0);
@@ -1856,6 +1857,68 @@ fn back_to_back_loads_keep_their_page_ids() {
         drop(me);
         drop(gpu);
     }
+}
+
+/// A scheduler's step (issue 45) admits prompts whose prefixes are on the host, each with a
+/// layer-wise load. Then again with a third prompt the pool cannot hold: two loads are in
+/// flight when its allocation fails, so the step rolls back (poisoning what it allocated) and
+/// runs again without it. The rollback must wait for the loads it undoes, and the second
+/// pass's loads own their page ids: no race, and every token of the admitted requests
+/// verifies.
+fn a_step_of_loads_rolled_back_by_a_failed_admission() {
+    use cp_hicache::rank::Step;
+    let gpu: Arc<dyn Executor> = Arc::new(CudaExecutor::new(0).unwrap());
+    let mut me = one_rank(
+        &gpu,
+        Deployment::new(ModelShape::MlaBf16, 16, 1).unwrap(),
+        4,
+    );
+    // 3, 2 and 2 cached pages, each with one more to compute: 10 of the pool's 17.
+    let prompts = [tokens(31, 3 * 16), tokens(32, 2 * 16), tokens(33, 2 * 16)];
+    for p in &prompts {
+        assert_eq!(me.serve(p).unwrap().mismatched_tokens, 0);
+    }
+    let longer: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| p.iter().copied().chain(900..916).collect())
+        .collect();
+    let huge = tokens(34, 20 * 16);
+    me.set_layer_waits(true);
+    for (round, third) in [&longer[2], &huge].into_iter().enumerate() {
+        me.evict_device_lru(usize::MAX).unwrap();
+        let begin = vec![longer[0].as_slice(), longer[1].as_slice(), third.as_slice()];
+        let out = me
+            .step(Step {
+                begin,
+                allocate: true,
+                ..Step::default()
+            })
+            .unwrap();
+        // The failure costs a rollback (2 rounds) and another pass's round.
+        assert_eq!(out.rounds, if round == 0 { 1 } else { 4 }, "round {round}");
+        let mut reqs = Vec::new();
+        for (i, r) in out.begun.into_iter().enumerate() {
+            match r {
+                Ok(r) => reqs.push(r),
+                Err(e) => assert!(round == 1 && i == 2 && e.is_pool_too_small(), "{e}"),
+            }
+        }
+        assert_eq!(reqs.len(), 3 - round);
+        for r in &mut reqs {
+            assert!(r.load().is_some(), "round {round}: a host hit loads back");
+            let v = me.synthesise_and_verify(r).unwrap();
+            assert_eq!(v.all.count, 0, "round {round}: mismatched tokens");
+        }
+        me.step(Step {
+            finish: reqs.iter_mut().map(|r| (r, true)).collect(),
+            ..Step::default()
+        })
+        .unwrap();
+        me.check_invariants().unwrap();
+        assert_eq!(take_races(), 0, "round {round}: races");
+    }
+    drop(me);
+    drop(gpu);
 }
 
 /// D1 of issue 42: `cuCtxSynchronize` waits on every stream of the context (an engine's

@@ -129,7 +129,10 @@ impl CudaExecutor {
     ) -> Result<(), ExecError> {
         let buf = st.buffer_mut(buffer)?;
         let off = check_range("upload", buffer, buf.len(), offset, data.len() as u64)?.start;
-        self.forget_tables(buffer);
+        // Only the tables these bytes overwrite: forgetting the buffer's others would forget
+        // which of them the load stream read, and a later rewrite of one would not wait for it
+        // (a step's second load-back, then a verify's table, raced that way).
+        self.forget_tables_in(buffer, off as u64..(off + data.len()) as u64);
         match buf {
             // Bounds checked above; the buffer stays alive while the lock is held, and freeing
             // it later waits for the copy (cuMemFree / cuIpcCloseMemHandle after a sync).
@@ -895,6 +898,17 @@ impl CudaExecutor {
 
     fn tables(&self) -> MutexGuard<'_, HashMap<BufferId, Vec<CachedTable>>> {
         self.tables.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Forgets the tables written in `buffer` that overlap `range`: something else wrote
+    /// those bytes.
+    fn forget_tables_in(&self, buffer: BufferId, range: std::ops::Range<u64>) {
+        let mut cache = self.tables();
+        if let Some(entries) = cache.get_mut(&buffer) {
+            entries.retain(|e| {
+                e.offset + e.bytes.len() as u64 <= range.start || range.end <= e.offset
+            });
+        }
     }
 
     /// Forgets the tables written in `buffer`: something else wrote (or freed) it.

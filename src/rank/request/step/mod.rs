@@ -230,8 +230,11 @@ impl RankCache {
                 Err(e) => {
                     if !e.is_group_broken() {
                         drop(pass.begun);
-                        self.roll_back(snapshot, &what)?;
+                        // The requests follow the state back even when the rollback's own
+                        // executor work failed (the state itself was restored).
+                        let rolled = self.roll_back(snapshot, &what);
                         Self::restore_requests(&mut step, saved);
+                        rolled?;
                     }
                     return Err(e);
                 }
@@ -263,16 +266,18 @@ impl RankCache {
             first = false;
             if !settled {
                 drop(pass.begun);
-                self.roll_back(snapshot, &what)?;
+                let rolled = self.roll_back(snapshot, &what);
                 Self::restore_requests(&mut step, saved.clone());
+                rolled?;
                 modes = next;
                 continue;
             }
             let digests: Vec<Vec<u8>> = reports.into_iter().map(|r| r.digest).collect();
             if let Err(e) = self.check_agreement(&what, &digests) {
                 drop(pass.begun);
-                self.roll_back(snapshot, &what)?;
+                let rolled = self.roll_back(snapshot, &what);
                 Self::restore_requests(&mut step, saved);
+                rolled?;
                 return Err(e);
             }
             // Every rank is past the round: no peer reads these pages any more.
