@@ -149,6 +149,17 @@ pub(super) fn replay_all(
 }
 
 impl Tally {
+    /// Adds a served request's statistics, saying where its first mismatch is.
+    fn count_served(&mut self, req: &Request, stats: &RequestStats, say: &dyn Fn(String)) {
+        self.totals.add(stats);
+        if let Some(first) = stats.first_mismatched_token {
+            say(format!(
+                "request {}: {} mismatched tokens, the first at token {first}",
+                req.id, stats.mismatched_tokens
+            ));
+        }
+    }
+
     /// Serves `reqs` together (`--batch`) and counts each: served, skipped (it does not
     /// fit), or failed (abandoned on every rank; the others went on). An error for the whole
     /// batch ends the replay: the group broke or the ranks diverged.
@@ -183,13 +194,7 @@ impl Tally {
                 Ok(mut stats) => {
                     stats.group_rounds = 0;
                     entry["stats"] = serde_json::to_value(&stats).unwrap_or_default();
-                    self.totals.add(&stats);
-                    if let Some(first) = stats.first_mismatched_token {
-                        say(format!(
-                            "request {}: {} mismatched tokens, the first at token {first}",
-                            req.id, stats.mismatched_tokens
-                        ));
-                    }
+                    self.count_served(req, &stats, say);
                 }
                 Err(e) if e.is_pool_too_small() => {
                     if self.skipped == 0 {
@@ -261,15 +266,7 @@ impl Tally {
             entry["stats"] = serde_json::to_value(stats).unwrap_or_default();
         }
         match served {
-            Ok(stats) => {
-                self.totals.add(&stats);
-                if let Some(first) = stats.first_mismatched_token {
-                    say(format!(
-                        "request {}: {} mismatched tokens, the first at token {first}",
-                        req.id, stats.mismatched_tokens
-                    ));
-                }
-            }
+            Ok(stats) => self.count_served(req, &stats, say),
             Err(e) if e.is_pool_too_small() => {
                 // The cluster rolled the request back; smaller ones can still be served. The
                 // error says which lanes were short and why, not just a page count.
