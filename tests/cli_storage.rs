@@ -390,3 +390,33 @@ fn on_host_evict_writes_evicted_host_copies() {
     assert!(num(&r, "storage_hit_tokens") > 0, "{r}");
     assert_eq!(num(&r, "mismatched_tokens"), 0, "{r}");
 }
+
+/// Batches through `step` read the store too (issue 45): each rank installs the run it found
+/// and the outcome round compares them, so a clean read takes a round a step, and records
+/// refused on one rank only (a damaged record) make the step run again with the shortest run:
+/// storage hits, 0 mismatches, the replicas agreeing.
+#[test]
+fn batched_steps_read_the_store_and_agree_on_runs_that_differ() {
+    let store = written_at_cp8();
+    let copy = copy_of(store.path());
+    let (out, clean) = replay(copy.path(), &["--cp", "4", "--batch", "4"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let clean = clean.unwrap();
+    assert!(num(&clean, "storage_hit_tokens") > 0, "{clean}");
+    assert_eq!(num(&clean, "mismatched_tokens"), 0, "{clean}");
+    assert!(clean["rounds_per_step"].as_f64().unwrap() <= 1.0, "{clean}");
+    let copy = copy_of(store.path());
+    let (out, torn) = replay(
+        copy.path(),
+        &["--cp", "4", "--batch", "4", "--inject", "storage-torn"],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let torn = torn.unwrap();
+    assert!(num(&torn, "storage_refused_torn") > 0, "{torn}");
+    assert_eq!(num(&torn, "mismatched_tokens"), 0, "{torn}");
+    assert_eq!(torn["replicas_agree"], true, "{torn}");
+    assert!(
+        num(&torn, "group_rounds") > num(&clean, "group_rounds"),
+        "{torn}\n{clean}"
+    );
+}

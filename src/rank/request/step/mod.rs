@@ -78,6 +78,8 @@ enum Status {
 struct Report {
     digest: Vec<u8>,
     ops: Vec<(Mode, Status)>,
+    /// The store's run (pages) each admitted prompt that read the store installed.
+    runs: Vec<u32>,
 }
 
 impl Report {
@@ -96,11 +98,13 @@ impl Report {
                 }
             }
         }
+        b.extend((self.runs.len() as u32).to_le_bytes());
+        b.extend(self.runs.iter().flat_map(|r| r.to_le_bytes()));
         b
     }
 
     /// `None` for bytes no rank of this step could have sent.
-    fn decode(b: &[u8], ops: usize) -> Option<Report> {
+    fn decode(b: &[u8], ops: usize, runs: usize) -> Option<Report> {
         let digest = b.get(..DIGEST)?.to_vec();
         let mut at = DIGEST;
         let mut take = |n: usize| {
@@ -126,7 +130,17 @@ impl Report {
             };
             out.push((mode, status));
         }
-        (at == b.len()).then_some(Report { digest, ops: out })
+        if u32_at(take(4)?) != runs {
+            return None;
+        }
+        let runs = (0..runs)
+            .map(|_| Some(u32_at(take(4)?) as u32))
+            .collect::<Option<Vec<u32>>>()?;
+        (at == b.len()).then_some(Report {
+            digest,
+            ops: out,
+            runs,
+        })
     }
 }
 
@@ -151,7 +165,9 @@ impl RankCache {
     /// (nothing inserted, nothing allocated) takes no round; the next round's digest covers
     /// it. Pages the step frees (finished requests', pages the tree replaced) are freed after
     /// the round, when no peer reads them. With a store attached, admitted prompts past the
-    /// tree's match read it first and agree on their runs in one round of their own.
+    /// tree's match read it first; each rank installs the run it found, the outcome round
+    /// compares them, and only where ranks found different runs does the step run again with
+    /// the shortest.
     ///
     /// An error for the whole step (the group broke, or the ranks decided differently:
     /// [`ClusterError::Diverged`]) leaves every request as it was and admits nothing.
@@ -188,7 +204,8 @@ impl RankCache {
             .chain(step.extend.iter().map(|(r, _)| r.save()))
             .collect();
         let rounds = self.rounds();
-        let (runs, probe_stats) = self.probe_begins(&step, &what)?;
+        let (mut runs, probe_stats) = self.probe_begins(&step)?;
+        let probed = runs.iter().flatten().count();
         let ops = nf + ne + nb;
         let mut modes: Vec<Mode> = step
             .finish
@@ -211,18 +228,19 @@ impl RankCache {
             let report = Report {
                 digest: self.decision(&what, &inputs),
                 ops: pass.ops,
+                runs: runs.iter().flatten().map(|r| r.agreed as u32).collect(),
             };
             let gathered = self.group.exchange(&round, Ok(&report.encode()));
             self.unagreed.clear();
             let reports = gathered.map_err(ClusterError::from).and_then(|all| {
                 self.check_round(&round, &all, |_, b| {
-                    Report::decode(b, ops).is_none().then(|| {
+                    Report::decode(b, ops, probed).is_none().then(|| {
                         format!("{} bytes, not a step report of {ops} operations", b.len())
                     })
                 })?;
                 Ok(all
                     .iter()
-                    .map(|b| Report::decode(b, ops).expect("checked"))
+                    .map(|b| Report::decode(b, ops, probed).expect("checked"))
                     .collect::<Vec<_>>())
             });
             let reports = match reports {
@@ -264,6 +282,15 @@ impl RankCache {
                 }
             }
             first = false;
+            // The store's runs: each rank installed what it found; where they differ, every
+            // rank takes the shortest (whole granules, as every rank rounded) and runs again.
+            for (k, run) in runs.iter_mut().flatten().enumerate() {
+                let shortest = reports.iter().map(|r| r.runs[k]).min().unwrap_or(0);
+                if reports.iter().any(|r| r.runs[k] != shortest) {
+                    settled = false;
+                    run.agreed = shortest as usize;
+                }
+            }
             if !settled {
                 drop(pass.begun);
                 let rolled = self.roll_back(snapshot, &what);
@@ -415,14 +442,14 @@ impl RankCache {
         })
     }
 
-    /// Reads the store for every admitted prompt the tree does not match to its end, and
-    /// agrees on each run in one round (none when no prompt needs it, which every rank
-    /// knows alike), so that the passes need no round of their own. Returns each prompt's
-    /// run and the counts its reads made.
+    /// Reads the store for every admitted prompt the tree does not match to its end (which
+    /// every rank knows alike), before the passes. Each rank first installs the run it found
+    /// (whole granules); the outcome round carries every rank's, and where they differ the
+    /// step runs again with the shortest ([`RankCache::step`]). Returns each prompt's run and
+    /// the counts its reads made.
     fn probe_begins(
         &mut self,
         step: &Step<'_>,
-        what: &str,
     ) -> Result<(Vec<Option<StorageRun>>, Vec<RequestStats>), ClusterError> {
         let nb = step.begin.len();
         let mut stats = vec![RequestStats::default(); nb];
@@ -430,34 +457,17 @@ impl RankCache {
             return Ok(((0..nb).map(|_| None).collect(), stats));
         }
         let ps = self.layout.page_size() as usize;
+        let granule = self.layout.granule() as usize;
         let mut runs = Vec::with_capacity(nb);
         for (tokens, stats) in step.begin.iter().zip(&mut stats) {
             let key = &tokens[..self.whole_granule_pages(tokens.len()) * ps];
             let matched = self.tree.matched_pages(key)?;
-            runs.push(self.probe_storage(key, matched, stats));
-        }
-        if runs.iter().all(Option::is_none) {
-            return Ok((runs, stats));
-        }
-        let mine: Vec<u8> = runs
-            .iter()
-            .flatten()
-            .flat_map(|r| (r.run as u32).to_le_bytes())
-            .collect();
-        let round = format!("{what} storage");
-        let all = self.group.all_gather(&round, &mine)?;
-        self.check_round(&round, &all, |_, b| {
-            (b.len() != mine.len())
-                .then(|| format!("{} bytes, not {} page counts", b.len(), mine.len() / 4))
-        })?;
-        let granule = self.layout.granule() as usize;
-        for (i, run) in runs.iter_mut().flatten().enumerate() {
-            run.agree(
-                all.iter().map(|b| {
-                    u32::from_le_bytes(b[4 * i..4 * i + 4].try_into().expect("checked")) as usize
-                }),
-                granule,
-            );
+            let mut run = self.probe_storage(key, matched, stats);
+            if let Some(run) = &mut run {
+                let mine = run.run;
+                run.agree(std::iter::once(mine), granule);
+            }
+            runs.push(run);
         }
         Ok((runs, stats))
     }
