@@ -29,8 +29,9 @@
 //! - *begin* fence: a rank with an executor of its own ([`PeerAccess::Mapped`]) synchronises
 //!   its stream after a load-back and before the outcome round, so when `begin` returns the
 //!   loaded pages are readable by every peer (a peer's stream cannot wait on this rank's
-//!   events; CUDA's `cuIpcGetEventHandle` is not used). One host wait per `begin` that
-//!   loaded something, counted in [`RequestStats::fence_syncs`]; `load_path_syncs` counts
+//!   events; CUDA's `cuIpcGetEventHandle` is not used). One host wait per step
+//!   ([`RankCache::step`]) whose admissions loaded something, counted in
+//!   [`RequestStats::fence_syncs`]; `load_path_syncs` counts
 //!   only what the load-back itself did.
 //! - *end* fence ([`RankCache::end`]): `finish` and `abandon` free nothing a peer may still
 //!   read before every rank has reached the request's end round.

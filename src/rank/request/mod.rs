@@ -193,8 +193,8 @@ impl RankCache {
     /// peer. Ranks whose peers read their pools through their own executors
     /// ([`PeerAccess::Mapped`]: other processes) synchronise their stream after the load and
     /// before the outcome round, since a peer's stream cannot wait on this rank's events: one
-    /// host synchronisation per begin that loaded something, counted in
-    /// [`RequestStats::fence_syncs`]. Ranks that share one executor share its stream, where
+    /// host synchronisation per step that loaded something ([`RankCache::step`]), counted in
+    /// [`RequestStats::fence_syncs`] of its first request that loaded. Ranks that share one executor share its stream, where
     /// [`LoadHandle::wait_layer`] orders layer by layer. SGLang: `HiRadixCache.match_prefix`
     /// + `init_load_back` (`HiCacheController.load`).
     pub fn begin(&mut self, tokens: &[u32]) -> Result<Request, ClusterError> {
@@ -496,17 +496,8 @@ impl RankCache {
             // Allocations and frees synchronise on CUDA (cuMemAlloc, cuMemFree), so they
             // count too.
             stats.load_path_syncs += c.stalls();
-            if fence
-                && loaded.is_some()
-                && self.peer_access == PeerAccess::Mapped
-                && self.group.size() > 1
-            {
-                // Peers read this rank's pool through executors of their own (other
-                // processes on CUDA), which cannot wait on this rank's events: the host waits
-                // for the copies before the outcome round lets anyone read.
-                self.exec.synchronize()?;
-                stats.fence_syncs += 1;
-            }
+            // (Where peers read this rank's pool through executors of their own, the step
+            // waits for its loads on the host once, before its outcome round: `RankCache::step`.)
             if let (true, true, Some((_, handle))) = (
                 fence && self.layer_waits,
                 self.peer_access == PeerAccess::Direct && self.group.size() > 1,

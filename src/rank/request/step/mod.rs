@@ -221,6 +221,7 @@ impl RankCache {
         loop {
             let snapshot = self.snapshot();
             let mut pass = self.run_pass(&mut step, &modes, &runs, &probe_stats, base_n, &what)?;
+            self.fence_loads(&mut pass, nf + ne);
             if let Some((j, e)) = pass.error.take() {
                 mine[j].get_or_insert(e);
             }
@@ -312,6 +313,35 @@ impl RankCache {
             self.commit(&what, |me| me.release_pages(release))?;
             let taken = self.rounds() - rounds;
             return Ok(self.step_outcome(step, &modes, pass.begun, mine, failures, by, taken));
+        }
+    }
+
+    /// The fence of a step's loads where peers read this rank's pools through executors of
+    /// their own ([`PeerAccess::Mapped`]: other processes on CUDA), which cannot wait on this
+    /// rank's events: the host waits for the copies once, before the outcome round lets
+    /// anyone read, counted on the first request that loaded. A failed wait fails that
+    /// admission (the round still comes, so the peers learn it).
+    fn fence_loads(&mut self, pass: &mut Pass, first_begin: usize) {
+        if self.peer_access != PeerAccess::Mapped || self.group.size() < 2 {
+            return;
+        }
+        let Some((i, req)) = pass
+            .begun
+            .iter_mut()
+            .enumerate()
+            .find_map(|(i, r)| r.as_mut().filter(|r| r.load.is_some()).map(|r| (i, r)))
+        else {
+            return;
+        };
+        match self.exec.synchronize() {
+            Ok(()) => req.stats.fence_syncs += 1,
+            Err(e) if pass.error.is_none() => {
+                let j = first_begin + i;
+                let e = ClusterError::from(e);
+                pass.ops[j].1 = Status::Failed(e.to_string());
+                pass.error = Some((j, e));
+            }
+            Err(_) => {}
         }
     }
 
