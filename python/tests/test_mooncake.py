@@ -143,3 +143,24 @@ def test_a_record_damaged_in_mooncake_is_refused_and_counted(mooncake_master):
     assert s["computed_tokens"] == 80 and s["mismatched_tokens"] == 0, s
     rc.close()
     holder.close()
+
+
+def test_the_master_killed_mid_run_degrades_to_recompute(mooncake_master):
+    """The master gone: the next request's storage calls fail (counted as I/O errors) and
+    it is computed and verified, in seconds, not hung."""
+    import signal
+    import time
+
+    from cp_hicache.mooncake import MooncakeStore
+
+    dep = cp_hicache.Deployment(model="mla", page_size=PAGE, cp=1, layers=LAYERS)
+    rc = cp_hicache.RankCache(dep, device_pages=64, host_pages=64, backend="host")
+    rc.attach_storage(MooncakeStore(mooncake_master.url, **mooncake_master.options))
+    assert rc.serve(PROMPTS[0])["storage_records_written"] == 10
+    os.kill(mooncake_master.pid, signal.SIGKILL)
+    t = time.monotonic()
+    s = rc.serve(PROMPTS[1])
+    assert time.monotonic() - t < 60
+    assert s["computed_tokens"] == 160 and s["mismatched_tokens"] == 0, s
+    assert s["storage_io_errors"] >= 1 and s["storage_records_written"] == 0, s
+    rc.close()
