@@ -378,7 +378,12 @@ class RankCache:
         return self._native.last_verdict()
 
     def attach_storage(
-        self, path: Any, *, capacity_bytes: int = 16 << 30, policy: str = "with-host"
+        self,
+        path: Any,
+        *,
+        capacity_bytes: int = 16 << 30,
+        policy: str = "with-host",
+        options: Optional[Dict[str, Any]] = None,
     ) -> None:
         """Attaches the storage tier: a page store in directory ``path`` (created if need
         be), shared by every rank and by later processes, holding at most
@@ -388,10 +393,23 @@ class RankCache:
         memory is read back from it, under any CP degree or layout, and verified; a
         request's stats then count ``storage_hit_tokens`` and ``storage_records_read``.
         Records are keyed by the model, layers, page size and the prefix's tokens, never
-        by the CP degree, rank or layout. A collective: every rank calls it."""
-        self._native.attach_storage(
-            str(path), capacity_bytes=capacity_bytes, policy=policy
-        )
+        by the CP degree, rank or layout. A collective: every rank calls it.
+
+        ``path`` may be ``mooncake://HOST:PORT`` (a Mooncake Store master: each rank opens a
+        :class:`cp_hicache.mooncake.MooncakeStore` with ``options``, its keyword arguments,
+        ``metadata_server`` first), or an object keeping a store's objects (such a
+        ``MooncakeStore``, or anything with its ``put_object``, ``get_object``,
+        ``objects_exist`` and ``remove_object``). The records are the same bytes and are
+        checked the same way; the store's own capacity applies, not ``capacity_bytes``."""
+        if isinstance(path, str) and path.startswith("mooncake://"):
+            from .mooncake import open_store
+
+            path = open_store(path, options)
+        elif options:
+            raise UsageError("options are for a mooncake:// store")
+        if not hasattr(path, "get_object"):
+            path = str(path)
+        self._native.attach_storage(path, capacity_bytes=capacity_bytes, policy=policy)
 
     def prefetch(self, tokens: Tokens, skip_tokens: int = 0) -> int:
         """Starts reading ahead, in a thread of this rank's, the records it would read from

@@ -11,6 +11,11 @@ head shards, PP stages), each in a directory of its own under ``path``. ``attent
 (default false) says whether attention DP is on where SGLang's parallel context is not
 published in this process.
 
+``"path": "mooncake://HOST:PORT"`` (a Mooncake Store master) keeps the records in Mooncake
+Store instead, the same bytes, checked the same way; ``"mooncake": {...}`` gives the
+client's options (``cp_hicache.mooncake.MooncakeStore``: ``metadata_server``,
+``segment_bytes``, ...), and Mooncake's capacity applies, not ``capacity_bytes``.
+
 ``interface_v1`` makes SGLang's controller call the zero-copy ``batch_get_v1`` /
 ``batch_set_v1``, which read and write the host pool's page buffers in place
 (``get_page_buffer_meta``).
@@ -88,7 +93,8 @@ class CpHiCacheStorage(HiCacheStorage):
         if not path:
             raise ValueError(
                 "CpHiCacheStorage needs extra_config['path']: the store's directory, shared "
-                "by every rank (a shared file system on a cluster)"
+                "by every rank (a shared file system on a cluster), or mooncake://HOST:PORT "
+                "(a Mooncake Store master; its client options in extra_config['mooncake'])"
             )
         capacity = int(extra.get("capacity_bytes", DEFAULT_CAPACITY))
         if capacity <= 0:
@@ -166,6 +172,15 @@ class CpHiCacheStorage(HiCacheStorage):
         shards = int(getattr(self.config, "pp_size", 1) or 1)
         if not self._replicated():
             shards *= self.topology()[1]
+        if self.path.startswith("mooncake://"):
+            # One Mooncake Store for every shard: the fingerprint salts each page's key.
+            from .mooncake import open_store
+
+            self.store_path = self.path
+            return _native.PageStore.over(
+                open_store(self.path, self.extra.get("mooncake")), fingerprint,
+                kv_bytes + self._indexer_bytes,
+            )
         self.store_path = os.path.join(self.path, f"sglang-{digest}")
         return _native.PageStore(
             self.store_path, fingerprint, kv_bytes + self._indexer_bytes,

@@ -11,6 +11,7 @@
 mod collective;
 mod dlpack;
 mod errors;
+mod object_store;
 mod ops;
 mod rank;
 mod replay;

@@ -3,17 +3,62 @@
 //! chained page hashes, read from and written to the host pool's page buffers in place.
 
 use crate::errors::usage;
+use crate::object_store::PyBackend;
 use cp_hicache::storage::{
-    DirStore, Fingerprint, Lookup, PageStore as _, PartPut, Put, RecordKey, StorageError,
+    DirStore, Fingerprint, Lookup, ObjectStore, PageStore as Store, PartPut, Put, RecordKey,
+    StorageError,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use std::path::PathBuf;
 
-/// A page store in a directory, shared by processes (every CP rank's, and later runs').
+/// A page store in a directory, shared by processes (every CP rank's, and later runs'), or
+/// over a Python object keeping its objects (`PageStore.over`: Mooncake Store).
 #[pyclass(module = "cp_hicache._native", frozen)]
 pub struct PageStore {
-    store: DirStore,
+    store: Box<dyn Store>,
+    /// The directory store, when it is one (for `path_of`).
+    dir: Option<std::sync::Arc<DirStore>>,
+}
+
+/// A directory store shared with [`PageStore::dir`].
+struct Shared(std::sync::Arc<DirStore>);
+
+impl Store for Shared {
+    fn fingerprint(&self) -> &Fingerprint {
+        self.0.fingerprint()
+    }
+    fn payload_bytes(&self) -> u64 {
+        self.0.payload_bytes()
+    }
+    fn read_only(&self) -> bool {
+        self.0.is_read_only()
+    }
+    fn put(&self, key: &RecordKey, payload: &[u8]) -> Result<Put, StorageError> {
+        self.0.put(key, payload)
+    }
+    fn put_part(
+        &self,
+        key: &RecordKey,
+        part: u32,
+        parts: u32,
+        payload: &[u8],
+        assemble: cp_hicache::storage::Assemble<'_>,
+    ) -> Result<PartPut, StorageError> {
+        self.0.put_part(key, part, parts, payload, assemble)
+    }
+    fn get(&self, key: &RecordKey) -> Result<Lookup, StorageError> {
+        self.0.get(key)
+    }
+    fn present_run(&self, keys: &[RecordKey]) -> Result<usize, StorageError> {
+        self.0.present_run(keys)
+    }
+    fn stats(&self) -> cp_hicache::storage::StoreStats {
+        self.0.stats()
+    }
+    fn usage(&self) -> Result<u64, StorageError> {
+        self.0.usage()
+    }
 }
 
 /// One page's buffers: `(address, bytes)` each, in the order of the page's payload.
@@ -66,7 +111,30 @@ impl PageStore {
             capacity_bytes,
         )
         .map_err(usage)?;
-        Ok(PageStore { store })
+        let dir = std::sync::Arc::new(store);
+        Ok(PageStore {
+            store: Box::new(Shared(dir.clone())),
+            dir: Some(dir),
+        })
+    }
+
+    /// A store whose records are objects kept by `objects` (a
+    /// `cp_hicache.mooncake.MooncakeStore`, or any object with `put_object`, `get_object`,
+    /// `objects_exist` and `remove_object`), for pages described by `fingerprint` of
+    /// `page_bytes` bytes: the records are a directory store's bytes, checked here on every
+    /// read; the engine's capacity applies.
+    #[staticmethod]
+    fn over(objects: &Bound<'_, PyAny>, fingerprint: &str, page_bytes: u64) -> PyResult<Self> {
+        let store = ObjectStore::new(
+            PyBackend::new(objects)?,
+            Fingerprint::named(fingerprint),
+            page_bytes,
+        )
+        .map_err(usage)?;
+        Ok(PageStore {
+            store: Box::new(store),
+            dir: None,
+        })
     }
 
     /// Bytes of one page.
@@ -230,12 +298,16 @@ impl PageStore {
         d.set_item("refused_fingerprint", s.refused_fingerprint)?;
         d.set_item("evictions", s.evictions)?;
         d.set_item("usage_bytes", self.store.usage().map_err(usage)?)?;
-        d.set_item("read_only", self.store.is_read_only())?;
+        d.set_item("read_only", self.store.read_only())?;
         Ok(d)
     }
 
     /// The file of page `name`'s record (for tests that damage one).
-    fn path_of(&self, name: &str) -> PathBuf {
-        self.store.path_of(&self.key(name))
+    fn path_of(&self, name: &str) -> PyResult<PathBuf> {
+        let dir = self
+            .dir
+            .as_ref()
+            .ok_or_else(|| usage("path_of: this store is not in a directory"))?;
+        Ok(dir.path_of(&self.key(name)))
     }
 }

@@ -39,6 +39,8 @@ def _load_sglang_storage():
 hicache_storage, backend_factory = _load_sglang_storage()
 HiCacheStorageConfig = hicache_storage.HiCacheStorageConfig
 
+from mooncake_fixture import mooncake_master  # noqa: E402,F401  (the fixture)
+
 PAGE = 16
 LAYERS = 3
 
@@ -256,3 +258,26 @@ def test_indexer_pages_are_committed_in_the_record_of_their_kv_page(tmp_path):
     assert backend(store, FlatHostPool(16, 64)).batch_exists(KEYS) == 0
     with pytest.raises(ValueError, match="'mamba' pool is not built"):
         reader.register_mem_host_pool_v2(FlatHostPool(4, 8), hicache_storage.PoolName.MAMBA)
+
+
+def test_sglang_pages_in_mooncake_are_read_back_under_another_cp_degree(mooncake_master):
+    """`"path": "mooncake://HOST:PORT"`: SGLang's factory builds the backend over Mooncake
+    Store (issue 44); CP rank 0 of CP 2 writes, a fresh CP 1 backend reads byte for byte."""
+    from cp_hicache.mooncake import MooncakeStore
+
+    # The holder's segment keeps the objects; the backends contribute none.
+    holder = MooncakeStore(mooncake_master.url, **mooncake_master.options)
+    opts = dict(mooncake_master.options, segment_bytes=0)
+    pool = FlatHostPool(16, 64, seed=1)
+    w = backend(mooncake_master.url, pool, cp_rank=0, cp_size=2, tp_size=2, mooncake=opts)
+    assert w.is_writer()
+    assert all(w.batch_set_v1(KEYS, indices(range(8))))
+    assert w.get_stats()["records_written"] == 8
+    fresh = FlatHostPool(16, 64, seed=99)
+    r = backend(mooncake_master.url, fresh, mooncake=opts)
+    assert r.batch_exists(KEYS) == len(KEYS)
+    assert r.batch_get_v1(KEYS, indices(range(8, 16))) == [True] * len(KEYS)
+    for i in range(8):
+        assert torch.equal(fresh.page(8 + i).view(torch.int16), pool.page(i).view(torch.int16))
+    assert r.get_stats()["records_read"] == 8
+    holder.close()

@@ -18,6 +18,7 @@ mod dir;
 mod fault;
 mod fsx;
 mod key;
+mod object;
 mod parts;
 pub mod record;
 
@@ -26,6 +27,7 @@ pub use dir::{Clock, DirStore};
 
 pub use fault::{Damage, DamagingStore};
 pub use key::{Fingerprint, RecordKey};
+pub use object::{object_name, ObjectBackend, ObjectStore};
 pub use parts::PageSlots;
 pub use record::{RecordError, Refusal};
 use serde::Serialize;
@@ -55,6 +57,10 @@ pub enum StorageError {
     /// The store was set up or called wrongly.
     #[error("storage: {0}")]
     Config(String),
+    /// The engine under an [`ObjectStore`] failed (Mooncake Store's master gone, a client
+    /// call raised).
+    #[error("storage: {0}")]
+    Backend(String),
     /// Something else is where the store keeps a file or folder of its own (a link, a
     /// FIFO): the store follows and reads none, so it cannot be used until that is moved.
     #[error(

@@ -16,36 +16,63 @@ impl RankCache {
     /// device and host memory is then read back from it, under any CP degree, and verified.
     /// A collective: every rank calls it, and a rank whose store cannot open fails every
     /// rank's call.
+    ///
+    /// `path` may instead be an object keeping the store's objects (`put_object`,
+    /// `get_object`, `objects_exist`, `remove_object`: `cp_hicache.mooncake.MooncakeStore`);
+    /// the records are then written and checked here, as in a directory, and its engine's
+    /// capacity applies (`capacity_bytes` is not used).
     #[pyo3(signature = (path, *, capacity_bytes = 16 << 30, policy = "with-host"))]
     fn attach_storage(
         &self,
         py: Python<'_>,
-        path: PathBuf,
+        path: &Bound<'_, PyAny>,
         capacity_bytes: u64,
         policy: &str,
     ) -> PyResult<()> {
         let policy: cp_hicache::rank::StoragePolicy = policy.parse().map_err(usage)?;
+        let backend = if path.hasattr("get_object")? {
+            Some(crate::object_store::PyBackend::new(path)?)
+        } else {
+            None
+        };
+        let (where_, dir) = match &backend {
+            Some(_) => (path.repr()?.to_string(), None),
+            None => {
+                let p: PathBuf = path.extract()?;
+                (p.display().to_string(), Some(p))
+            }
+        };
         self.with(py, move |r| {
             let config = r.config();
-            let opened = if capacity_bytes == 0 {
-                Err("capacity_bytes must be positive".to_string())
-            } else {
-                cp_hicache::storage::DirStore::for_deployment(
-                    &path,
-                    &config.deployment,
-                    config.layers,
-                    capacity_bytes,
-                )
-                .map_err(|e| e.to_string())
-            };
+            let opened: Result<Arc<dyn cp_hicache::storage::PageStore>, String> =
+                match (backend, dir) {
+                    (Some(b), _) => cp_hicache::storage::ObjectStore::new(
+                        b,
+                        cp_hicache::storage::Fingerprint::of(&config.deployment, config.layers),
+                        cp_hicache::storage::payload_bytes(&config.deployment, config.layers),
+                    )
+                    .map(|s| Arc::new(s) as _)
+                    .map_err(|e| e.to_string()),
+                    (None, _) if capacity_bytes == 0 => {
+                        Err("capacity_bytes must be positive".to_string())
+                    }
+                    (None, Some(dir)) => cp_hicache::storage::DirStore::for_deployment(
+                        &dir,
+                        &config.deployment,
+                        config.layers,
+                        capacity_bytes,
+                    )
+                    .map(|s| Arc::new(s) as _)
+                    .map_err(|e| e.to_string()),
+                    (None, None) => unreachable!("a path or an object"),
+                };
             match opened {
-                Ok(store) => r.attach_storage(Arc::new(store), policy).map_err(cluster),
+                Ok(store) => r.attach_storage(store, policy).map_err(cluster),
                 Err(why) => {
                     let _ = r.group().fail(cp_hicache::rank::STORAGE_ROUND, &why);
                     Err(usage(format!(
-                        "rank {}: storage at {}: {why}",
-                        r.rank().0,
-                        path.display()
+                        "rank {}: storage at {where_}: {why}",
+                        r.rank().0
                     )))
                 }
             }

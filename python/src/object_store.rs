@@ -1,0 +1,119 @@
+//! A page store whose objects a Python object keeps (`cp_hicache.mooncake.MooncakeStore`
+//! over Mooncake Store, or any object with the same four methods): the rank's
+//! `ObjectStore` writes and checks the records (the bytes `DirStore` writes: header,
+//! checksum, canonical key), the Python object only moves whole objects by name, the GIL
+//! taken per call.
+//!
+//! The object's methods:
+//! - `put_object(name: str, data: bytes) -> bool`: stores `data` unless `name` is there
+//!   (True when written, False when it was there);
+//! - `get_object(name: str) -> bytes | None`;
+//! - `objects_exist(names: list[str]) -> list[bool]`;
+//! - `remove_object(name: str) -> None`;
+//! - optionally `usage() -> int` (bytes the store holds).
+
+use cp_hicache::storage::{ObjectBackend, StorageError};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+/// The methods a Python object must have to keep a page store's objects.
+pub const METHODS: [&str; 4] = ["put_object", "get_object", "objects_exist", "remove_object"];
+
+/// An [`ObjectBackend`] calling a Python object's methods.
+pub struct PyBackend {
+    obj: Py<PyAny>,
+    /// The object's class, for error messages.
+    what: String,
+}
+
+impl PyBackend {
+    /// `obj`, checked to have [`METHODS`].
+    pub fn new(obj: &Bound<'_, PyAny>) -> PyResult<PyBackend> {
+        let missing: Vec<&str> = METHODS
+            .iter()
+            .copied()
+            .filter(|m| !obj.hasattr(*m).unwrap_or(false))
+            .collect();
+        let what = obj
+            .get_type()
+            .name()
+            .map(|n| n.to_string())
+            .unwrap_or_else(|_| "?".into());
+        if !missing.is_empty() {
+            return Err(crate::errors::usage(format!(
+                "a store object needs the methods {}; a {what} lacks {}",
+                METHODS.join(", "),
+                missing.join(", ")
+            )));
+        }
+        Ok(PyBackend {
+            obj: obj.clone().unbind(),
+            what,
+        })
+    }
+
+    fn call<T>(
+        &self,
+        method: &str,
+        f: impl FnOnce(&Bound<'_, PyAny>) -> PyResult<T>,
+    ) -> Result<T, StorageError> {
+        Python::attach(|py| {
+            f(self.obj.bind(py))
+                .map_err(|e| StorageError::Backend(format!("{}.{method} failed: {e}", self.what)))
+        })
+    }
+}
+
+impl ObjectBackend for PyBackend {
+    fn put_if_absent(&self, name: &str, bytes: &[u8]) -> Result<bool, StorageError> {
+        self.call("put_object", |o| {
+            let data = PyBytes::new(o.py(), bytes);
+            o.call_method1("put_object", (name, data))?.is_truthy()
+        })
+    }
+
+    fn get(&self, name: &str) -> Result<Option<Vec<u8>>, StorageError> {
+        self.call("get_object", |o| {
+            let got = o.call_method1("get_object", (name,))?;
+            if got.is_none() {
+                return Ok(None);
+            }
+            let b = got
+                .cast::<PyBytes>()
+                .map_err(|_| crate::errors::usage("get_object must return bytes or None"))?;
+            Ok(Some(b.as_bytes().to_vec()))
+        })
+    }
+
+    fn exist(&self, names: &[String]) -> Result<Vec<bool>, StorageError> {
+        self.call("objects_exist", |o| {
+            let got: Vec<bool> = o
+                .call_method1("objects_exist", (names.to_vec(),))?
+                .extract()?;
+            if got.len() != names.len() {
+                return Err(crate::errors::usage(format!(
+                    "objects_exist returned {} answers for {} names",
+                    got.len(),
+                    names.len()
+                )));
+            }
+            Ok(got)
+        })
+    }
+
+    fn remove(&self, name: &str) -> Result<(), StorageError> {
+        self.call("remove_object", |o| {
+            o.call_method1("remove_object", (name,)).map(|_| ())
+        })
+    }
+
+    fn usage(&self) -> Result<u64, StorageError> {
+        self.call("usage", |o| {
+            if o.hasattr("usage")? {
+                o.call_method0("usage")?.extract()
+            } else {
+                Ok(0)
+            }
+        })
+    }
+}

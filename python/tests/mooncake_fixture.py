@@ -1,0 +1,107 @@
+"""A real Mooncake Store master on loopback for the tests (issue 44): installed by
+scripts/mooncake-env.sh into this Python's environment (skipped only when the install is
+impossible here: no network, no wheel for the platform), started on free ports, stopped by
+its pid."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_install = {}
+
+
+def mooncake_master_binary() -> str:
+    """The `mooncake_master` binary, installing the wheel first if need be."""
+    if "master" not in _install:
+        out = subprocess.run(
+            [str(ROOT / "scripts" / "mooncake-env.sh"), sys.executable],
+            capture_output=True, text=True, timeout=600,
+        )
+        if out.returncode == 3:
+            _install["skip"] = f"Mooncake cannot be installed here: {out.stderr.strip()[-400:]}"
+        elif out.returncode != 0:
+            raise RuntimeError(f"scripts/mooncake-env.sh failed:\n{out.stderr}")
+        else:
+            _install["master"] = out.stdout.split()[-1]
+    if "skip" in _install:
+        pytest.skip(_install["skip"])
+    return _install["master"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@dataclass
+class Master:
+    """A running master: its URL for `attach_storage`, and the client options."""
+
+    pid: int
+    rpc_port: int
+    http_port: int
+
+    @property
+    def url(self) -> str:
+        return f"mooncake://127.0.0.1:{self.rpc_port}"
+
+    @property
+    def options(self) -> dict:
+        return {
+            "metadata_server": f"http://127.0.0.1:{self.http_port}/metadata",
+            "segment_bytes": 64 << 20,
+            "buffer_bytes": 16 << 20,
+        }
+
+
+@pytest.fixture
+def mooncake_master(tmp_path):
+    """Starts a master on free loopback ports; stops it (SIGTERM, then SIGKILL) by pid."""
+    binary = mooncake_master_binary()
+    rpc, http, metrics = _free_port(), _free_port(), _free_port()
+    log = open(tmp_path / "mooncake_master.log", "w")
+    proc = subprocess.Popen(
+        [binary, "--rpc_address=127.0.0.1", f"--rpc_port={rpc}",
+         "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+         f"--http_metadata_server_port={http}", "--metrics_host=127.0.0.1",
+         f"--metrics_port={metrics}", "--default_kv_lease_ttl=500"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not (_listening(rpc) and _listening(http)):
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"mooncake_master exited ({proc.returncode}):\n"
+                    f"{(tmp_path / 'mooncake_master.log').read_text()[-2000:]}"
+                )
+            if time.monotonic() > deadline:
+                raise RuntimeError("mooncake_master did not listen within 30 s")
+            time.sleep(0.1)
+        yield Master(proc.pid, rpc, http)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.close()

@@ -1,0 +1,166 @@
+"""The storage tier over a real Mooncake Store (issue 44): a master started from the wheel
+on loopback (mooncake_fixture), ranks writing records through `RankCache.attach_storage(
+"mooncake://...")`, fresh caches of another CP degree reading them back verified, and a
+record damaged in the store refused and counted."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from datetime import timedelta
+
+import numpy as np
+import pytest
+
+import cp_hicache
+from mooncake_fixture import mooncake_master  # noqa: F401  (the fixture)
+
+LAYERS = 2
+PAGE = 16
+PROMPTS = [np.arange(i * 1000, i * 1000 + 160, dtype=np.uint32) for i in range(3)]  # 10 pages
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _holder(master):
+    """A client that holds the records: its segment outlives the writer processes (a
+    client's segment, and the objects in it, leave the cluster with the client)."""
+    from cp_hicache.mooncake import MooncakeStore
+
+    return MooncakeStore(master.url, **master.options)
+
+
+class Recording:
+    """A MooncakeStore that remembers the names it wrote (to damage one)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.names = []
+
+    def put_object(self, name, data):
+        self.names.append(name)
+        return self.inner.put_object(name, data)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_mooncake_store_moves_whole_objects(mooncake_master):
+    from cp_hicache.mooncake import parse_url
+
+    s = _holder(mooncake_master)
+    assert s.objects_exist(["a", "b"]) == [False, False]
+    assert s.put_object("a", b"first") is True
+    assert s.put_object("a", b"second") is False  # one writer: the first stays
+    assert s.get_object("a") == b"first" and s.get_object("b") is None
+    assert s.objects_exist(["a", "b"]) == [True, False]
+    s.remove_object("a")
+    s.remove_object("a")
+    assert s.objects_exist(["a"]) == [False]
+    s.close()
+    with pytest.raises(cp_hicache.UsageError, match="mooncake://HOST:PORT"):
+        parse_url("mooncake://nowhere")
+
+
+def _writer(rank: int, port: int, url: str, options: dict, out: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    dep = cp_hicache.Deployment(model="mla", page_size=PAGE, cp=2, layers=LAYERS)
+    rc = cp_hicache.RankCache(
+        dep, rank, dist.group.WORLD, device_pages=64, host_pages=64, backend="host"
+    )
+    # Writers contribute no memory: the records go to the holder's segment.
+    rc.attach_storage(url, options=dict(options, segment_bytes=0))
+    stats = [rc.serve(p) for p in PROMPTS]
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(stats, f)
+    dist.barrier()
+    rc.close()
+
+
+def test_cp2_rank_processes_write_and_a_fresh_cp1_cache_reads_back(mooncake_master, tmp_path):
+    pytest.importorskip("torch")
+    import torch.multiprocessing as mp
+
+    holder = _holder(mooncake_master)
+    mp.start_processes(
+        _writer,
+        args=(_port(), mooncake_master.url, mooncake_master.options, str(tmp_path)),
+        nprocs=2, start_method="spawn",
+    )
+    for r in range(2):
+        stats = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert all(s["mismatched_tokens"] == 0 for s in stats), stats
+    written = sum(
+        s["storage_records_written"]
+        for r in range(2)
+        for s in json.loads((tmp_path / f"rank{r}.json").read_text())
+    )
+    assert written == 30, written  # every page once, by its owner
+
+    dep = cp_hicache.Deployment(model="mla", page_size=PAGE, cp=1, layers=LAYERS)
+    rc = cp_hicache.RankCache(dep, device_pages=64, host_pages=64, backend="host")
+    rc.attach_storage(mooncake_master.url, options=dict(mooncake_master.options, segment_bytes=0))
+    for p in PROMPTS:
+        s = rc.serve(p)
+        assert s["storage_hit_tokens"] == 160 and s["storage_records_read"] == 10, s
+        assert s["mismatched_tokens"] == 0, s
+    rc.close()
+    holder.close()
+
+
+def test_a_record_damaged_in_mooncake_is_refused_and_counted(mooncake_master):
+    from cp_hicache.mooncake import MooncakeStore
+
+    holder = _holder(mooncake_master)
+    dep = cp_hicache.Deployment(model="mla", page_size=PAGE, cp=1, layers=LAYERS)
+    store = Recording(
+        MooncakeStore(mooncake_master.url, **dict(mooncake_master.options, segment_bytes=0))
+    )
+    first = cp_hicache.RankCache(dep, device_pages=64, host_pages=64, backend="host")
+    first.attach_storage(store)
+    assert first.serve(PROMPTS[0])["storage_records_written"] == 10
+    first.close()
+    assert len(store.names) == 10
+    # Page 5's record: one payload byte flipped, put back under its key.
+    damaged = bytearray(store.get_object(store.names[5]))
+    damaged[100] ^= 0xFF
+    store.damage(store.names[5], bytes(damaged))
+
+    rc = cp_hicache.RankCache(dep, device_pages=64, host_pages=64, backend="host")
+    rc.attach_storage(store)
+    s = rc.serve(PROMPTS[0])
+    # The first five pages read back, the damaged sixth refused (the rest recomputed).
+    assert s["storage_records_read"] == 5 and s["storage_hit_tokens"] == 80, s
+    assert s["storage_refused_checksum"] == 1, s
+    assert s["computed_tokens"] == 80 and s["mismatched_tokens"] == 0, s
+    rc.close()
+    holder.close()
+
+
+def test_the_master_killed_mid_run_degrades_to_recompute(mooncake_master):
+    """The master gone: the next request's storage calls fail (counted as I/O errors) and
+    it is computed and verified, in seconds, not hung."""
+    import signal
+    import time
+
+    from cp_hicache.mooncake import MooncakeStore
+
+    dep = cp_hicache.Deployment(model="mla", page_size=PAGE, cp=1, layers=LAYERS)
+    rc = cp_hicache.RankCache(dep, device_pages=64, host_pages=64, backend="host")
+    rc.attach_storage(MooncakeStore(mooncake_master.url, **mooncake_master.options))
+    assert rc.serve(PROMPTS[0])["storage_records_written"] == 10
+    os.kill(mooncake_master.pid, signal.SIGKILL)
+    t = time.monotonic()
+    s = rc.serve(PROMPTS[1])
+    assert time.monotonic() - t < 60
+    assert s["computed_tokens"] == 160 and s["mismatched_tokens"] == 0, s
+    assert s["storage_io_errors"] >= 1 and s["storage_records_written"] == 0, s
+    rc.close()
