@@ -880,13 +880,7 @@ impl PageStore for DirStore {
     }
 
     fn put(&self, key: &RecordKey, payload: &[u8]) -> Result<Put, StorageError> {
-        if payload.len() as u64 != self.payload_bytes {
-            return Err(StorageError::Config(format!(
-                "a {}-byte payload for record {key}, this deployment's pages are {} bytes",
-                payload.len(),
-                self.payload_bytes
-            )));
-        }
+        super::check_payload(key, payload, self.payload_bytes)?;
         if self.is_read_only() {
             return Err(self.read_only_error());
         }
@@ -927,14 +921,7 @@ impl PageStore for DirStore {
         payload: &[u8],
         assemble: Assemble<'_>,
     ) -> Result<PartPut, StorageError> {
-        if payload.is_empty() || payload.len() as u64 > self.payload_bytes || part >= parts {
-            return Err(StorageError::Config(format!(
-                "part {part} of {parts} of record {key} with a {}-byte payload, this \
-                 deployment's pages are {} bytes (a part holds some of a page's tokens)",
-                payload.len(),
-                self.payload_bytes
-            )));
-        }
+        super::check_part(key, part, parts, payload, self.payload_bytes)?;
         if self.is_read_only() {
             return Err(self.read_only_error());
         }

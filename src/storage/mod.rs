@@ -32,6 +32,42 @@ pub use parts::PageSlots;
 pub use record::{RecordError, Refusal};
 use serde::Serialize;
 
+/// Refuses a whole record's payload that is not `payload_bytes` long (a store's `put`).
+pub(crate) fn check_payload(
+    key: &RecordKey,
+    payload: &[u8],
+    payload_bytes: u64,
+) -> Result<(), StorageError> {
+    if payload.len() as u64 != payload_bytes {
+        return Err(StorageError::Config(format!(
+            "a {}-byte payload for record {key}, this deployment's pages are {payload_bytes} \
+             bytes",
+            payload.len()
+        )));
+    }
+    Ok(())
+}
+
+/// Refuses a part that cannot be part `part` of `parts` of a record of `payload_bytes`
+/// (a store's `put_part`): empty, longer than a record, or numbered past the parts.
+pub(crate) fn check_part(
+    key: &RecordKey,
+    part: u32,
+    parts: u32,
+    payload: &[u8],
+    payload_bytes: u64,
+) -> Result<(), StorageError> {
+    if payload.is_empty() || payload.len() as u64 > payload_bytes || part >= parts {
+        return Err(StorageError::Config(format!(
+            "part {part} of {parts} of record {key} with a {}-byte payload, this \
+             deployment's pages are {payload_bytes} bytes (a part holds some of a page's \
+             tokens)",
+            payload.len()
+        )));
+    }
+    Ok(())
+}
+
 /// Bytes of one record's payload for `dep` with `layers` layers: every layer of every
 /// buffer kind of one page, buffer kinds in the model's order, layers in order.
 pub fn payload_bytes(dep: &crate::kernels::Deployment, layers: u32) -> u64 {

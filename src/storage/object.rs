@@ -142,13 +142,7 @@ impl<B: ObjectBackend> PageStore for ObjectStore<B> {
     }
 
     fn put(&self, key: &RecordKey, payload: &[u8]) -> Result<Put, StorageError> {
-        if payload.len() as u64 != self.payload_bytes {
-            return Err(StorageError::Config(format!(
-                "a {}-byte payload for record {key}, this deployment's pages are {} bytes",
-                payload.len(),
-                self.payload_bytes
-            )));
-        }
+        super::check_payload(key, payload, self.payload_bytes)?;
         let name = object_name(key);
         if self.backend.exist(std::slice::from_ref(&name))? == [true] {
             self.stats.already_present.fetch_add(1, Ordering::Relaxed);
@@ -175,14 +169,7 @@ impl<B: ObjectBackend> PageStore for ObjectStore<B> {
         payload: &[u8],
         assemble: Assemble<'_>,
     ) -> Result<PartPut, StorageError> {
-        if payload.is_empty() || payload.len() as u64 > self.payload_bytes || part >= parts {
-            return Err(StorageError::Config(format!(
-                "part {part} of {parts} of record {key} with a {}-byte payload, this \
-                 deployment's pages are {} bytes (a part holds some of a page's tokens)",
-                payload.len(),
-                self.payload_bytes
-            )));
-        }
+        super::check_part(key, part, parts, payload, self.payload_bytes)?;
         let whole = object_name(key);
         if self.backend.exist(std::slice::from_ref(&whole))? == [true] {
             self.stats.already_present.fetch_add(1, Ordering::Relaxed);
