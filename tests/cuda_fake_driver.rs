@@ -503,6 +503,12 @@ impl Executor for StandInGpu {
     fn load_layers(&self, l: &[Vec<LoadOp<'_>>]) -> Result<Vec<EventId>, ExecError> {
         self.cuda.load_layers(l)
     }
+    fn backup(&self, ops: &[LoadOp<'_>]) -> Result<EventId, ExecError> {
+        self.cuda.backup(ops)
+    }
+    fn event_done(&self, e: EventId) -> Result<bool, ExecError> {
+        self.cuda.event_done(e)
+    }
     fn record_event(&self) -> Result<EventId, ExecError> {
         self.cuda.record_event()
     }
@@ -1653,8 +1659,117 @@ fn child_streams() {
     back_to_back_loads_keep_their_page_ids();
     a_step_of_loads_rolled_back_by_a_failed_admission();
     serving_makes_no_context_wide_synchronisation();
+    loads_do_not_wait_for_backups();
+    freed_pages_wait_for_their_backup();
     assert_eq!(driver_count(b"fake_cuda_races"), 0);
     assert_eq!(live_allocations(), 0);
+}
+
+/// The bytes of a pinned host buffer as they are now, read from the CPU without waiting for
+/// any stream (undeclared to the race checker: a test's look at what has run).
+fn host_bytes_now(gpu: &Arc<dyn Executor>, buf: BufferId) -> Vec<u8> {
+    let a = gpu.address(buf).unwrap();
+    let len = gpu.size(buf).unwrap();
+    // SAFETY: a live pinned allocation of `len` bytes whose device address is its host
+    // address (the stand-in's memory is host memory); only read.
+    unsafe { std::slice::from_raw_parts(a.ptr as *const u8, len) }.to_vec()
+}
+
+/// P1 of issue 42: backups run on a stream of their own (the least priority), so a request's
+/// load does not queue behind another's write-through backup. Under `lazy` and
+/// `adversarial` the stand-in runs only what a wait needs: when the load has been waited
+/// for and read, the backup has not run (the host pool still holds what it held), and a
+/// synchronisation then runs it; the backed-up copy loads back and verifies.
+fn loads_do_not_wait_for_backups() {
+    use cp_hicache::kernels::BufferKind;
+    // 1 = lazy, 2 = adversarial (tests/fake_cuda/streams.h `Mode`).
+    let only_what_is_needed = matches!(driver_count(b"fake_cuda_sched_mode") & 0xffff_ffff, 1 | 2);
+    for path in [TransferPath::Kernel, TransferPath::Dma] {
+        let gpu: Arc<dyn Executor> = Arc::new(CudaExecutor::new(0).unwrap());
+        let mut dep = Deployment::new(ModelShape::MlaBf16, 16, 1).unwrap();
+        dep.transfer_path = path;
+        let mut me = one_rank(&gpu, dep, 4);
+        let (a, b) = (tokens(41, 6 * 16), tokens(42, 5 * 16));
+        assert_eq!(me.serve(&b).unwrap().mismatched_tokens, 0);
+        me.evict_device_lru(usize::MAX).unwrap();
+        gpu.synchronize().unwrap();
+        let host = me.pools().host(BufferKind::MlaKv);
+        let before = host_bytes_now(&gpu, host);
+        // A's prefill: finishing it backs it up (write-through), on the backup stream.
+        let mut ra = me.begin_allocated(&a).unwrap();
+        me.synthesise(&mut ra).unwrap();
+        me.finish(&mut ra).unwrap();
+        // B's prefix loads back layer by layer and is read (a device read: the cache's
+        // stream only).
+        me.set_layer_waits(true);
+        let mut rb = me.begin_allocated(&b).unwrap();
+        assert!(rb.load().is_some(), "{path:?}: a host hit loads back");
+        let v = me.synthesise_and_verify(&mut rb).unwrap();
+        assert_eq!(v.all.count, 0, "{path:?}: B's tokens");
+        if only_what_is_needed {
+            assert!(
+                host_bytes_now(&gpu, host) == before,
+                "{path:?}: A's backup ran before B's load was read: the load waited for it"
+            );
+        }
+        me.finish(&mut rb).unwrap();
+        gpu.synchronize().unwrap();
+        assert!(
+            host_bytes_now(&gpu, host) != before,
+            "{path:?}: A's backup never ran"
+        );
+        // A's copy is A's.
+        me.evict_device_lru(usize::MAX).unwrap();
+        let mut ra = me.begin_allocated(&a).unwrap();
+        assert!(ra.load().is_some(), "{path:?}: A's host copy loads back");
+        let v = me.synthesise_and_verify(&mut ra).unwrap();
+        assert_eq!(v.all.count, 0, "{path:?}: A's tokens from its backup");
+        me.finish(&mut ra).unwrap();
+        assert_eq!(take_races(), 0, "{path:?}: races");
+        drop(me);
+        drop(gpu);
+    }
+}
+
+/// The other half of P1: pages a pending backup reads are freed only after it. A's backup
+/// is enqueued; at once A's pages are evicted from the device and handed to C (it needs more
+/// pages than A left unused), whose prefill writes them. The eviction orders the cache's stream after A's backup (a device
+/// wait), so A's host copy holds A's bytes, not C's, and loads back clean; the checker sees
+/// no race between the backup's reads and C's writes.
+fn freed_pages_wait_for_their_backup() {
+    for path in [TransferPath::Kernel, TransferPath::Dma] {
+        let gpu: Arc<dyn Executor> = Arc::new(CudaExecutor::new(0).unwrap());
+        let mut dep = Deployment::new(ModelShape::MlaBf16, 16, 1).unwrap();
+        dep.transfer_path = path;
+        let mut me = one_rank(&gpu, dep, 4);
+        for round in 0..2u32 {
+            let (a, c) = (
+                tokens(51 + 2 * round, 8 * 16),
+                tokens(52 + 2 * round, 15 * 16),
+            );
+            let mut ra = me.begin_allocated(&a).unwrap();
+            me.synthesise(&mut ra).unwrap();
+            me.finish(&mut ra).unwrap();
+            me.evict_device_lru(usize::MAX).unwrap();
+            let mut rc = me.begin_allocated(&c).unwrap();
+            me.synthesise(&mut rc).unwrap();
+            me.finish(&mut rc).unwrap();
+            me.evict_device_lru(usize::MAX).unwrap();
+            me.set_layer_waits(round == 1);
+            let mut ra = me.begin_allocated(&a).unwrap();
+            assert!(ra.load().is_some(), "{path:?} round {round}: A loads back");
+            let v = me.synthesise_and_verify(&mut ra).unwrap();
+            assert_eq!(
+                v.all.count, 0,
+                "{path:?} round {round}: A's host copy holds another request's bytes"
+            );
+            me.finish(&mut ra).unwrap();
+            me.evict_device_lru(usize::MAX).unwrap();
+            assert_eq!(take_races(), 0, "{path:?} round {round}: races");
+        }
+        drop(me);
+        drop(gpu);
+    }
 }
 
 /// Races found so far, forgotten (the process would exit 86 for them otherwise).

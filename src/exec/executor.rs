@@ -16,7 +16,8 @@ use super::{
 ///   upload or read observes every earlier call on the same executor.
 /// - One executor is one stream: launches, uploads, copies and fills run in the order they
 ///   were called, never on several streams (a layer-wise load, [`Executor::load_layers`],
-///   may run on a stream of its own, ordered by its events); wrappers forward to one inner
+///   and a backup, [`Executor::backup`], may run on streams of their own, ordered by their
+///   events); wrappers forward to one inner
 ///   executor. Work on
 ///   another executor is another stream, unordered with this one, and buffer and kernel
 ///   handles of one executor are refused by every other ([`ExecError::UnknownBuffer`],
@@ -384,6 +385,32 @@ pub trait Executor: Send + Sync {
             events.push(self.record_event()?);
         }
         Ok(events)
+    }
+
+    /// Enqueues a backup (device→host copies of pages nobody writes any more, and the page
+    /// ids they read, as [`LoadOp`]s) and returns an event marking its end. The work runs
+    /// after everything enqueued before the call; work enqueued after it is ordered after the
+    /// backup only by a [`Executor::wait_event`] on the event. Executors with a stream for
+    /// backups (CUDA: the least priority) run it there, so a load never queues behind a
+    /// backup and the link's two directions are busy at once: whoever frees or rewrites the
+    /// backup's pages waits for its event first. Host reads and writes of memory it writes
+    /// ([`Executor::read`], [`Executor::upload`], [`Executor::fill`] on host buffers) wait for
+    /// it as for all the executor's work. The default, for executors that run work as it is
+    /// enqueued, runs it in order and records [`Executor::record_event`].
+    fn backup(&self, ops: &[LoadOp<'_>]) -> Result<EventId, ExecError> {
+        for op in ops {
+            op.run(self)?;
+        }
+        self.record_event()
+    }
+
+    /// Whether the work before `event` has run (queried, never waited for: `cuEventQuery`),
+    /// so that whoever keeps events of pending work can let go of finished ones. An event of
+    /// another executor, or one released, is refused. The default, for executors whose
+    /// events have happened when recorded, is true.
+    fn event_done(&self, event: EventId) -> Result<bool, ExecError> {
+        let _ = event;
+        Ok(true)
     }
 
     /// Makes work enqueued from now on wait for `event`: a wait on the device side

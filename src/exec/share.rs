@@ -165,6 +165,12 @@ impl Executor for RankView {
     fn load_layers(&self, layers: &[Vec<LoadOp<'_>>]) -> Result<Vec<EventId>, ExecError> {
         self.counted(|e| e.load_layers(layers))
     }
+    fn backup(&self, ops: &[LoadOp<'_>]) -> Result<EventId, ExecError> {
+        self.counted(|e| e.backup(ops))
+    }
+    fn event_done(&self, event: EventId) -> Result<bool, ExecError> {
+        self.counted(|e| e.event_done(event))
+    }
     fn wait_event(&self, event: EventId) -> Result<(), ExecError> {
         self.counted(|e| e.wait_event(event))
     }

@@ -3,6 +3,21 @@
 
 use super::*;
 
+/// A backup that may still run on the executor's backup stream: the event after it, and the
+/// device pages (this rank's local ids, sorted) it reads. Its event goes back to the
+/// executor when it is dropped.
+pub(super) struct PendingBackup {
+    exec: Arc<dyn Executor>,
+    event: EventId,
+    locals: Vec<u32>,
+}
+
+impl Drop for PendingBackup {
+    fn drop(&mut self) {
+        self.exec.release_event(self.event);
+    }
+}
+
 impl RankCache {
     /// Backs a device node up on every rank, or on none: host pages for each rank's owned
     /// pages, the device→host transfer, and the validated metadata. Every rank computes
@@ -38,13 +53,28 @@ impl RankCache {
             .zip(&host_pages)
             .map(|((_, &p), h)| (self.layout.local(p).0, h.0))
             .unzip();
+        // On the executor's backup stream: a later load does not wait for it, and whoever
+        // frees these device pages waits for its event first (`after_backups`). Readers of
+        // the host pages come after it: a load of them only once the device copy is evicted
+        // (which waited), and host reads wait for all the executor's streams.
+        self.prune_backups();
+        let mut done = None;
         stats.bytes_d2h += self.transfer(
             Direction::DeviceToHost,
             &src,
             &dst,
             0..self.pools.geometry().layers,
-            None,
+            On::Backup(&mut done),
         )?;
+        if let Some(event) = done {
+            let mut locals = src;
+            locals.sort_unstable();
+            self.backups.push(PendingBackup {
+                exec: self.exec.clone(),
+                event,
+                locals,
+            });
+        }
         let meta = NodeMetadata::new(&self.layout, self.rank, owners, host_pages)?;
         self.tree.set_host(node, meta)?;
         stats.pages_written += pages.len() as u64;
@@ -117,6 +147,66 @@ impl RankCache {
         stats.host_evictions_for_backup += evicted as u64;
         Ok(true)
     }
+}
+
+impl RankCache {
+    /// Orders the cache's stream after every pending backup that reads one of `pages` (all
+    /// of them with `None`), before those pages are freed: a freed page is poisoned, handed
+    /// out again and written, all ordered after the cache's stream (a load waits for it at
+    /// its start). A device-side wait, never a host one; backups of other pages go on.
+    pub(super) fn after_backups(&mut self, pages: Option<&[PageId]>) -> Result<(), ClusterError> {
+        if self.backups.is_empty() {
+            return Ok(());
+        }
+        let mine: Option<Vec<u32>> = pages.map(|pages| {
+            let mut v: Vec<u32> = pages
+                .iter()
+                .filter(|&&p| self.layout.owner(p) == self.rank)
+                .map(|&p| self.layout.local(p).0)
+                .collect();
+            v.sort_unstable();
+            v
+        });
+        let mut kept = Vec::with_capacity(self.backups.len());
+        for b in std::mem::take(&mut self.backups) {
+            let reads = match &mine {
+                None => true,
+                Some(m) => intersects(m, &b.locals),
+            };
+            if !reads {
+                kept.push(b);
+                continue;
+            }
+            if let Err(e) = self.exec.wait_event(b.event) {
+                // The rest stay pending (and are waited for again by a later free).
+                kept.push(b);
+                self.backups.append(&mut kept);
+                return Err(e.into());
+            }
+        }
+        self.backups = kept;
+        Ok(())
+    }
+
+    /// Lets go of the pending backups whose events say they have run (queried, no wait).
+    fn prune_backups(&mut self) {
+        let exec = self.exec.clone();
+        self.backups
+            .retain(|b| !exec.event_done(b.event).unwrap_or(false));
+    }
+}
+
+/// Whether two sorted lists share an element.
+fn intersects(a: &[u32], b: &[u32]) -> bool {
+    let (mut i, mut j) = (0, 0);
+    while i < a.len() && j < b.len() {
+        match a[i].cmp(&b[j]) {
+            std::cmp::Ordering::Less => i += 1,
+            std::cmp::Ordering::Greater => j += 1,
+            std::cmp::Ordering::Equal => return true,
+        }
+    }
+    false
 }
 
 /// How many of `owners` each of `ranks` ranks owns.

@@ -223,6 +223,12 @@ impl RankCache {
             Eviction::Lanes(d) => self.tree.evict_device_for_lanes(d)?,
         };
         let count = evicted.len();
+        // Backups still reading these pages finish first (their event, on the device).
+        let pages: Vec<PageId> = evicted
+            .iter()
+            .flat_map(|e| e.device_pages.iter().copied())
+            .collect();
+        self.after_backups(Some(&pages))?;
         let mut released = BTreeSet::new();
         let mut released_host = Vec::new();
         for e in evicted {

@@ -171,7 +171,11 @@ impl RankCache {
             &src,
             &dst,
             0..layers,
-            Some((&mut handle.layers, layer_wise)),
+            if layer_wise {
+                On::LayerWise(&mut handle.layers)
+            } else {
+                On::Cache(Some(&mut handle.layers))
+            },
         )?;
         Ok(Some((run, handle)))
     }

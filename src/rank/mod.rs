@@ -58,6 +58,7 @@ mod transfer;
 use crate::kernels::PoolShape;
 #[cfg(test)]
 pub(crate) use transfer::check_transfer_pages;
+use transfer::On;
 mod verify;
 
 pub use config::{ClusterConfig, ClusterError, Fault, PeerErrorKind, WritePolicy};
@@ -133,6 +134,9 @@ pub struct RankCache {
     unagreed: Vec<u8>,
     /// Steps called so far: names a batch's rounds.
     steps: u64,
+    /// Backups that may still run on the executor's backup stream ([`RankCache::write_back`]):
+    /// their pages are freed only after them.
+    backups: Vec<backup::PendingBackup>,
 }
 
 /// The name of a group's first round (every rank's configuration, host capacity and pool
@@ -368,6 +372,7 @@ impl RankCache {
             prefetcher: None,
             layer_waits: false,
             unagreed: Vec::new(),
+            backups: Vec::new(),
             steps: 0,
         })
     }

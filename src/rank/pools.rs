@@ -278,6 +278,9 @@ impl Pools {
         // A layer-wise load's own page ids, written on the load stream (`load_pairs`).
         pools.scratch("load.src", max_pairs, 0)?;
         pools.scratch("load.dst", max_pairs, 0)?;
+        // A backup's own page ids, written on the backup stream (`backup_pairs`).
+        pools.scratch("backup.src", max_pairs, 0)?;
+        pools.scratch("backup.dst", max_pairs, 0)?;
         for &b in dep.model.buffers() {
             let page = b.page_bytes(dep.page_size) as usize;
             let layers = geometry.layers as usize;
@@ -534,6 +537,14 @@ impl Pools {
     pub fn load_pairs(&mut self, n: usize) -> Result<(BufferId, BufferId), ExecError> {
         let s = self.scratch("load.src", 4 * n, 0)?;
         let d = self.scratch("load.dst", 4 * n, 0)?;
+        Ok((s, d))
+    }
+
+    /// A backup's page-id buffers, with room for `n` pairs (never grown: they hold a whole
+    /// pool). The backup writes them itself, on its own stream, as a layer-wise load does.
+    pub fn backup_pairs(&mut self, n: usize) -> Result<(BufferId, BufferId), ExecError> {
+        let s = self.scratch("backup.src", 4 * n, 0)?;
+        let d = self.scratch("backup.dst", 4 * n, 0)?;
         Ok((s, d))
     }
 

@@ -315,6 +315,9 @@ impl RankCache {
             .map(HostPage)
             .filter(|&p| self.host.is_allocated(p) && !host.is_allocated(p))
             .collect();
+        // Pages the rollback frees may be read by a backup the failed operation started (of a
+        // node it inserted): every pending backup finishes first (rare: a device-side wait).
+        let waited = self.after_backups(None);
         self.tree = tree;
         self.host = host;
         let restored = self.alloc.restore(mirror);
@@ -323,6 +326,7 @@ impl RankCache {
             .poison_freed(released)
             .and_then(|()| self.poison_freed_host(released_host));
         restored?;
+        waited?;
         poisoned
     }
 }

@@ -94,7 +94,13 @@ fn a_transfer_naming_one_destination_twice_moves_nothing() {
         let mut r = one_rank(path);
         let before = r.exec.counters();
         let err = r
-            .transfer(Direction::HostToDevice, &[0, 1], &[2, 2], 0..1, None)
+            .transfer(
+                Direction::HostToDevice,
+                &[0, 1],
+                &[2, 2],
+                0..1,
+                On::Cache(None),
+            )
             .unwrap_err();
         assert!(
             matches!(&err, ClusterError::BadTransfer { rank: 0, what }
@@ -104,8 +110,14 @@ fn a_transfer_naming_one_destination_twice_moves_nothing() {
         let d = r.exec.counters().since(&before);
         assert_eq!((d.uploads, d.launches, d.copies), (0, 0, 0), "{path}");
         // Distinct pages move.
-        r.transfer(Direction::HostToDevice, &[0, 1], &[2, 3], 0..1, None)
-            .unwrap();
+        r.transfer(
+            Direction::HostToDevice,
+            &[0, 1],
+            &[2, 3],
+            0..1,
+            On::Cache(None),
+        )
+        .unwrap();
     }
 }
 

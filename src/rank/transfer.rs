@@ -11,29 +11,45 @@ use crate::kernels::{
 };
 use std::ops::Range;
 
+/// Where a transfer runs, and what marks its end.
+pub(super) enum On<'a> {
+    /// The cache's stream, in order with everything else; with a list, one event marking
+    /// every layer is pushed there once per layer.
+    Cache(Option<&'a mut Vec<EventId>>),
+    /// A load with a reader per layer: one layer at a time on the executor's load stream
+    /// ([`crate::exec::Executor::load_layers`]), each followed by its event, pushed there.
+    LayerWise(&'a mut Vec<EventId>),
+    /// A backup: on the executor's backup stream ([`crate::exec::Executor::backup`]); the
+    /// event after it is put there.
+    Backup(&'a mut Option<EventId>),
+}
+
 impl RankCache {
     /// Copies this rank's page pairs for every buffer kind and every layer of `layers`
     /// (clamped to the pools' layers; `0..layers` for all of them), with the transfer kernel
-    /// or by DMA as the deployment says; returns bytes moved. With `events` (a load's), an
-    /// event per layer is pushed there: with `(_, true)` the layers move one at a time on the
-    /// executor's load stream ([`crate::exec::Executor::load_layers`]), each followed by its
-    /// event; with `(_, false)` they move at once on the cache's stream and one event marks
-    /// them all. The pairs are checked and uploaded once either way.
+    /// or by DMA as the deployment says, where `on` says; returns bytes moved. The pairs are
+    /// checked and uploaded once either way: by the cache's stream into its scratch, or, for
+    /// work on a stream of its own, by that stream into buffers only such work uses (so the
+    /// cache's stream never rewrites page ids it still reads).
     pub(super) fn transfer(
         &mut self,
         dir: Direction,
         src: &[u32],
         dst: &[u32],
         layers: Range<u32>,
-        events: Option<(&mut Vec<EventId>, bool)>,
+        on: On<'_>,
     ) -> Result<u64, ClusterError> {
         let g = self.pools.geometry();
         let (first_layer, layer_count) = layer_range_args(&layers);
         let moved = clamp_layer_range(first_layer, layer_count, g.layers);
         if src.is_empty() {
-            if let Some((events, _)) = events {
-                let all = self.exec.record_event()?;
-                events.extend(moved.map(|_| all));
+            match on {
+                On::Cache(None) => {}
+                On::Cache(Some(events)) | On::LayerWise(events) => {
+                    let all = self.exec.record_event()?;
+                    events.extend(moved.map(|_| all));
+                }
+                On::Backup(event) => *event = Some(self.exec.record_event()?),
             }
             return Ok(0);
         }
@@ -46,15 +62,16 @@ impl RankCache {
         let dma = self.config.deployment.transfer_path.dma_mode();
         // Layer by layer when the load has a consumer that waits for each layer (on the
         // executor's load stream); otherwise one step for every layer.
-        let layer_wise = events.as_ref().is_some_and(|&(_, by_layer)| by_layer);
-        // A layer-wise load's page ids are its own, written first on its stream; every other
-        // transfer's go through the cache's stream's scratch.
-        let load_ids = (dma.is_none() && layer_wise)
+        let layer_wise = matches!(on, On::LayerWise(_));
+        // The page ids of work on a stream of its own are its own, written first on that
+        // stream; every other transfer's go through the cache's stream's scratch.
+        let own_ids = (dma.is_none() && !matches!(on, On::Cache(_)))
             .then(|| (super::pools::u32_bytes(src), super::pools::u32_bytes(dst)));
-        let pairs = match (&load_ids, dma) {
-            (_, Some(_)) => None,
-            (Some(_), None) => Some(self.pools.load_pairs(src.len())?),
-            (None, None) => Some(self.pools.upload_pairs(src, dst)?),
+        let pairs = match (&own_ids, &on, dma) {
+            (_, _, Some(_)) => None,
+            (Some(_), On::Backup(_), None) => Some(self.pools.backup_pairs(src.len())?),
+            (Some(_), _, None) => Some(self.pools.load_pairs(src.len())?),
+            (None, _, None) => Some(self.pools.upload_pairs(src, dst)?),
         };
         let steps: Vec<Range<u32>> = if layer_wise {
             moved.clone().map(|l| l..l + 1).collect()
@@ -90,7 +107,7 @@ impl RankCache {
         let mut work: Vec<Vec<LoadOp<'_>>> = Vec::with_capacity(steps.len());
         for step in steps {
             let mut ops = Vec::new();
-            if let (Some((s, d)), Some((sb, db)), true) = (&load_ids, pairs, work.is_empty()) {
+            if let (Some((s, d)), Some((sb, db)), true) = (&own_ids, pairs, work.is_empty()) {
                 ops.push(LoadOp::Upload {
                     buffer: sb,
                     offset: 0,
@@ -162,15 +179,19 @@ impl RankCache {
             bytes += src.len() as u64 * step.len() as u64 * spec.total_page_bytes();
             work.push(ops);
         }
-        match events {
-            Some((events, true)) => events.extend(self.exec.load_layers(&work)?),
-            events => {
+        match on {
+            On::LayerWise(events) => events.extend(self.exec.load_layers(&work)?),
+            On::Backup(event) => {
+                let ops: Vec<LoadOp<'_>> = work.into_iter().flatten().collect();
+                *event = Some(self.exec.backup(&ops)?);
+            }
+            On::Cache(events) => {
                 // On the executor's own stream, in order with everything else; one event
                 // marks every layer.
                 for op in work.iter().flatten() {
                     op.run(self.exec.as_ref())?;
                 }
-                if let Some((events, _)) = events {
+                if let Some(events) = events {
                     let all = self.exec.record_event()?;
                     events.extend(moved.map(|_| all));
                 }

@@ -34,19 +34,34 @@ pub(crate) fn device_count() -> Result<usize, String> {
     Ok(n.max(0) as usize)
 }
 
-/// A device context, the stream work goes to, and the executor's load stream. Only created
-/// after [`device_count`] succeeded.
+/// A device context, the stream work goes to, and the executor's three streams. Only
+/// created after [`device_count`] succeeded.
 pub(crate) struct Gpu {
     ctx: Arc<CudaContext>,
-    /// Where this handle's work goes: the executor's stream, or in a [`Gpu::load_lane`] the
-    /// load stream.
+    /// Where this handle's work goes: one of the three below ([`Gpu::lane`]).
     stream: Arc<CudaStream>,
+    /// The executor's own stream (the cache's): everything but loads and backups.
+    main: Arc<CudaStream>,
     /// Layer-wise loads run here, at the context's greatest priority, so that a load does
     /// not queue behind a model's kernels launched earlier.
     load: Arc<CudaStream>,
+    /// Backups (device to host write-back) run here, at the context's least priority, so
+    /// that a load never queues behind one and the link's two directions are used at once.
+    backup: Arc<CudaStream>,
     /// The device's PCI bus id, and the NUMA node it hangs off (where the pinned host pool
     /// is allocated), where known.
     place: Arc<(Option<String>, Option<u32>)>,
+}
+
+/// The executor's streams ([`Gpu::lane`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Lane {
+    /// The cache's own stream.
+    Main,
+    /// Layer-wise loads, at the greatest priority.
+    Load,
+    /// Backups, at the least priority.
+    Backup,
 }
 
 /// Whether copy batches go out as `cuMemcpyBatchAsync`: the driver exports it (CUDA 12.8+;
@@ -76,10 +91,13 @@ impl Gpu {
         let stream = ctx.new_stream().map_err(err("cuStreamCreate"))?;
         ctx.bind_to_thread().map_err(err("cuCtxSetCurrent"))?;
         // Numerically lowest is greatest: (0, -5) on current GPUs.
-        let (_, greatest) =
+        let (least, greatest) =
             result::stream::get_priority_range().map_err(err("cuCtxGetStreamPriorityRange"))?;
         let load = ctx
             .new_stream_with_priority(greatest)
+            .map_err(err("cuStreamCreateWithPriority"))?;
+        let backup = ctx
+            .new_stream_with_priority(least)
             .map_err(err("cuStreamCreateWithPriority"))?;
         let mut id = [0 as std::ffi::c_char; 32];
         // SAFETY: `id` holds 32 bytes, which the driver fills with a NUL-terminated string.
@@ -94,8 +112,10 @@ impl Gpu {
             .and_then(|b| super::numa::node_of(b, std::path::Path::new("/sys")));
         Ok(Gpu {
             ctx,
+            main: Arc::clone(&stream),
             stream,
             load,
+            backup,
             place: Arc::new((bus_id, node)),
         })
     }
@@ -105,13 +125,31 @@ impl Gpu {
         (*self.place).clone()
     }
 
-    /// This context with the load stream as the stream work goes to.
-    pub(crate) fn load_lane(&self) -> Gpu {
+    /// This context with `lane`'s stream as the stream work goes to.
+    pub(crate) fn lane(&self, lane: Lane) -> Gpu {
+        let stream = match lane {
+            Lane::Main => &self.main,
+            Lane::Load => &self.load,
+            Lane::Backup => &self.backup,
+        };
         Gpu {
             ctx: Arc::clone(&self.ctx),
-            stream: Arc::clone(&self.load),
+            stream: Arc::clone(stream),
+            main: Arc::clone(&self.main),
             load: Arc::clone(&self.load),
+            backup: Arc::clone(&self.backup),
             place: Arc::clone(&self.place),
+        }
+    }
+
+    /// Which of the executor's streams this handle's work goes to.
+    pub(crate) fn which(&self) -> Lane {
+        if Arc::ptr_eq(&self.stream, &self.load) {
+            Lane::Load
+        } else if Arc::ptr_eq(&self.stream, &self.backup) {
+            Lane::Backup
+        } else {
+            Lane::Main
         }
     }
 
@@ -129,21 +167,11 @@ impl Gpu {
         event.record(&self.stream).map_err(err("cuEventRecord"))
     }
 
-    /// Whether this handle's work goes to the load stream ([`Gpu::load_lane`]).
-    pub(crate) fn is_load_lane(&self) -> bool {
-        Arc::ptr_eq(&self.stream, &self.load)
-    }
-
-    /// Makes this handle's stream wait for the work enqueued so far on the load stream.
-    pub(crate) fn after_load(&self, event: &CudaEvent) -> Result<(), String> {
+    /// Makes this handle's stream wait for the work enqueued so far on `lane`'s stream.
+    pub(crate) fn after(&self, lane: Lane, event: &CudaEvent) -> Result<(), String> {
+        let done = self.lane(lane).stream;
         // SAFETY: both streams are this context's and alive as long as `self`.
-        unsafe { self.order(self.load.cu_stream(), self.stream.cu_stream(), event) }
-    }
-
-    /// Makes the load stream wait for the work enqueued so far on this handle's stream.
-    pub(crate) fn load_after(&self, event: &CudaEvent) -> Result<(), String> {
-        // SAFETY: both streams are this context's and alive as long as `self`.
-        unsafe { self.order(self.stream.cu_stream(), self.load.cu_stream(), event) }
+        unsafe { self.order(done.cu_stream(), self.stream.cu_stream(), event) }
     }
 
     /// The device name.
@@ -468,18 +496,15 @@ impl Gpu {
         Ok(())
     }
 
-    /// Waits for all work on the executor's stream and on its load stream.
+    /// Waits for all work on the executor's three streams (never the context's others).
     pub(crate) fn synchronize(&self) -> Result<(), String> {
         self.bind()?;
-        // SAFETY: the streams are alive as long as `self`.
-        unsafe { result::stream::synchronize(self.stream.cu_stream()) }
-            .map_err(err("cuStreamSynchronize"))?;
-        if Arc::ptr_eq(&self.stream, &self.load) {
-            return Ok(());
+        for s in [&self.main, &self.load, &self.backup] {
+            // SAFETY: the streams are alive as long as `self`.
+            unsafe { result::stream::synchronize(s.cu_stream()) }
+                .map_err(err("cuStreamSynchronize"))?;
         }
-        // SAFETY: as above.
-        unsafe { result::stream::synchronize(self.load.cu_stream()) }
-            .map_err(err("cuStreamSynchronize"))
+        Ok(())
     }
 
     /// Loads a CUBIN (or NUL-terminated PTX) image and resolves `entry`.

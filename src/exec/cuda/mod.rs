@@ -1,7 +1,8 @@
 //! The CUDA executor (cudarc driver API): device pools with `cuMemAlloc`, host pools pinned and
 //! device-mapped (kernels read them directly), modules from CUBIN images, `cuLaunchKernel` with
 //! `void**` parameters on the executor's stream; layer-wise loads on a second stream of
-//! greatest priority (docs/DESIGN.md §4.4 says which stream does what).
+//! greatest priority, backups on a third of least priority (docs/DESIGN.md §4.4 says which
+//! stream does what).
 //!
 //! The driver is probed before cudarc is touched (cudarc panics when libcuda is missing), so a
 //! machine without a driver or device gets [`ExecError::Unavailable`].
@@ -21,11 +22,12 @@
 //! development machine has none).
 //!
 //! Thread-safety: `Send + Sync`; one mutex serialises buffer bookkeeping and launches, and all
-//! work but a layer-wise load's goes to the executor's stream, so operations are
-//! stream-ordered in call order; a load's work is ordered after what came before it, and
-//! later work after it only through its events.
+//! work but a layer-wise load's and a backup's goes to the executor's stream, so operations
+//! are stream-ordered in call order; a load's or backup's work is ordered after what came
+//! before it, and later work after it only through its events.
 
 mod driver;
+use driver::Lane;
 mod numa;
 
 use std::collections::HashMap;
@@ -264,13 +266,13 @@ impl Executor for CudaExecutor {
     fn free(&self, buffer: BufferId) -> Result<(), ExecError> {
         let buf = lock(&self.state).remove_buffer(buffer)?;
         self.forget_tables(buffer);
-        // The memory goes back to the driver once both of the executor's streams have passed
+        // The memory goes back to the driver once the executor's three streams have passed
         // the work enqueued so far (events, queried later: no host wait, and never a
         // context-wide synchronisation, which would wait on an engine's streams too).
         // `remove_buffer` counted it in `frees`, which `Counters::stalls` includes (the
         // load-path check: cuMemFree may still stall the device).
-        let mut marks = Vec::with_capacity(2);
-        for gpu in [&self.gpu, &self.gpu.load_lane()] {
+        let mut marks = Vec::with_capacity(3);
+        for gpu in [Lane::Main, Lane::Load, Lane::Backup].map(|l| self.gpu.lane(l)) {
             let ev = self.spare_event()?;
             gpu.record_into(&ev).map_err(driver_err("free"))?;
             marks.push(ev);
@@ -571,88 +573,23 @@ impl Executor for CudaExecutor {
     }
 
     fn load_layers(&self, layers: &[Vec<LoadOp<'_>>]) -> Result<Vec<EventId>, ExecError> {
-        let lane = self.gpu.load_lane();
-        let mut events = Vec::with_capacity(layers.len());
-        // Whether any of the load's work reached the load stream.
-        let mut started = false;
-        let out = (|| {
-            // The launches' page tables are written on the cache's stream first (they hold
-            // the same bytes every time, so the launches below find them written and the
-            // load stream never writes a table another stream reads).
-            // Once per distinct set of tables: a layer-wise transfer's launches all name the
-            // same one.
-            let mut written: Vec<Vec<&KernelArg<'_>>> = Vec::new();
-            for op in layers.iter().flatten() {
-                if let LoadOp::Launch {
-                    kernel,
-                    config,
-                    args,
-                } = op
-                {
-                    let tables: Vec<&KernelArg<'_>> = args
-                        .iter()
-                        .filter(|a| matches!(a, KernelArg::Table(..)))
-                        .collect();
-                    if tables.is_empty() || written.contains(&tables) {
-                        continue;
-                    }
-                    self.prewrite_tables(*kernel, config, args)?;
-                    written.push(tables);
-                }
-            }
-            // The load reads what was enqueued before it (page lists, allocations, tables).
-            self.ordered_by("load_layers", |ev| self.gpu.load_after(ev))?;
-            for ops in layers {
-                for op in ops {
-                    started = true;
-                    match op {
-                        LoadOp::Upload {
-                            buffer,
-                            offset,
-                            data,
-                        } => {
-                            let mut st = lock(&self.state);
-                            self.write_locked(&lane, &mut st, *buffer, *offset, data)?;
-                        }
-                        LoadOp::Launch {
-                            kernel,
-                            config,
-                            args,
-                        } => {
-                            // SAFETY: not `unsigned_ok`: every check of `launch` is made.
-                            unsafe { self.launch_on(&lane, *kernel, config, args, false) }?
-                        }
-                        LoadOp::Copy {
-                            src,
-                            dst,
-                            regions,
-                            mode,
-                        } => self.copy_on(&lane, *src, *dst, regions, *mode)?,
-                    }
-                }
-                events.push(self.record_on(&lane)?);
-            }
-            Ok(())
-        })();
-        match out {
-            Ok(()) => Ok(events),
-            Err(e) => {
-                // Layers enqueued before the failure still run: the cache's stream waits for
-                // them before anything the caller does next (a rollback frees and poisons
-                // the pages they write), since no event of theirs reaches the caller.
-                if started {
-                    if let Err(order) = self.ordered_by("load_layers", |ev| self.gpu.after_load(ev))
-                    {
-                        tracing::warn!("a failed load could not be ordered: {order}");
-                        let _ = self.gpu.synchronize();
-                    }
-                }
-                for ev in events {
-                    self.release_event(ev);
-                }
-                Err(e)
-            }
-        }
+        let steps: Vec<&[LoadOp<'_>]> = layers.iter().map(Vec::as_slice).collect();
+        self.run_on_lane(Lane::Load, "load_layers", &steps)
+    }
+
+    fn backup(&self, ops: &[LoadOp<'_>]) -> Result<EventId, ExecError> {
+        let mut events = self.run_on_lane(Lane::Backup, "backup", &[ops])?;
+        Ok(events.pop().expect("one step, one event"))
+    }
+
+    fn event_done(&self, event: EventId) -> Result<bool, ExecError> {
+        let pool = self.events();
+        let e = pool.live.get(&event.0).ok_or(ExecError::Driver {
+            op: "event_done",
+            message: format!("{event:?} is not an event of this executor (or was released)"),
+        })?;
+        e.try_is_complete()
+            .map_err(|e| driver_err("event_done")(format!("cuEventQuery: {e:?}")))
     }
 
     fn wait_event(&self, event: EventId) -> Result<(), ExecError> {
@@ -705,6 +642,99 @@ struct EventPool {
 }
 
 impl CudaExecutor {
+    /// Enqueues `steps` on `lane`'s stream, each followed by an event (returned): what
+    /// [`Executor::load_layers`] and [`Executor::backup`] do. The steps' page tables are
+    /// written on the cache's stream first, and the lane waits for the cache's stream once,
+    /// at the start (the page lists, allocations and tables it reads). If a step fails, the
+    /// cache's stream waits for the steps already enqueued before the error returns: no
+    /// event of theirs reaches the caller, and what the caller does next (a rollback frees
+    /// and poisons the pages they touch) must come after them.
+    fn run_on_lane(
+        &self,
+        which: Lane,
+        op_name: &'static str,
+        steps: &[&[LoadOp<'_>]],
+    ) -> Result<Vec<EventId>, ExecError> {
+        let lane = self.gpu.lane(which);
+        let mut events = Vec::with_capacity(steps.len());
+        // Whether any of the work reached the lane's stream.
+        let mut started = false;
+        let out = (|| {
+            // The launches' page tables are written on the cache's stream first (they hold
+            // the same bytes every time, so the launches below find them written and the
+            // lane never writes a table another stream reads).
+            // Once per distinct set of tables: a layer-wise transfer's launches all name the
+            // same one.
+            let mut written: Vec<Vec<&KernelArg<'_>>> = Vec::new();
+            for op in steps.iter().flat_map(|s| s.iter()) {
+                if let LoadOp::Launch {
+                    kernel,
+                    config,
+                    args,
+                } = op
+                {
+                    let tables: Vec<&KernelArg<'_>> = args
+                        .iter()
+                        .filter(|a| matches!(a, KernelArg::Table(..)))
+                        .collect();
+                    if tables.is_empty() || written.contains(&tables) {
+                        continue;
+                    }
+                    self.prewrite_tables(*kernel, config, args)?;
+                    written.push(tables);
+                }
+            }
+            // The lane reads what was enqueued before it (page lists, allocations, tables).
+            self.ordered_by(op_name, |ev| lane.after(Lane::Main, ev))?;
+            for ops in steps {
+                for op in ops.iter() {
+                    started = true;
+                    match op {
+                        LoadOp::Upload {
+                            buffer,
+                            offset,
+                            data,
+                        } => {
+                            let mut st = lock(&self.state);
+                            self.write_locked(&lane, &mut st, *buffer, *offset, data)?;
+                        }
+                        LoadOp::Launch {
+                            kernel,
+                            config,
+                            args,
+                        } => {
+                            // SAFETY: not `unsigned_ok`: every check of `launch` is made.
+                            unsafe { self.launch_on(&lane, *kernel, config, args, false) }?
+                        }
+                        LoadOp::Copy {
+                            src,
+                            dst,
+                            regions,
+                            mode,
+                        } => self.copy_on(&lane, *src, *dst, regions, *mode)?,
+                    }
+                }
+                events.push(self.record_on(&lane)?);
+            }
+            Ok(())
+        })();
+        match out {
+            Ok(()) => Ok(events),
+            Err(e) => {
+                if started {
+                    if let Err(order) = self.ordered_by(op_name, |ev| self.gpu.after(which, ev)) {
+                        tracing::warn!("a failed {op_name} could not be ordered: {order}");
+                        let _ = self.gpu.synchronize();
+                    }
+                }
+                for ev in events {
+                    self.release_event(ev);
+                }
+                Err(e)
+            }
+        }
+    }
+
     fn events(&self) -> MutexGuard<'_, EventPool> {
         self.events.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -836,7 +866,7 @@ impl CudaExecutor {
     }
 
     /// Writes the page tables of a launch the load stream is about to run, on the cache's
-    /// stream ([`Executor::load_layers`]); a launch that would be refused writes nothing
+    /// stream ([`CudaExecutor::run_on_lane`]); a launch that would be refused writes nothing
     /// here (it is refused when it is enqueued), and an armed injected failure stays armed.
     fn prewrite_tables(
         &self,
@@ -865,24 +895,34 @@ impl CudaExecutor {
         st: &mut State,
         t: &TableWrite,
     ) -> Result<(), ExecError> {
-        let for_load = gpu.is_load_lane();
+        let lane = gpu.which();
         let mut cache = self.tables();
         let entries = cache.entry(t.buffer).or_default();
         if let Some(e) = entries
             .iter_mut()
             .find(|e| e.offset == t.offset && e.bytes == t.bytes)
         {
-            e.read_by_load |= for_load;
+            if lane != Lane::Main && !e.read_by.contains(&lane) {
+                e.read_by.push(lane);
+            }
             return Ok(());
         }
         let end = t.offset + t.bytes.len() as u64;
         let overlaps =
             |e: &CachedTable| e.offset < end && t.offset < e.offset + e.bytes.len() as u64;
-        let after_load = entries.iter().any(|e| overlaps(e) && e.read_by_load) && !for_load;
+        // The side lanes that read a table these bytes overwrite, other than the writer's.
+        let mut after: Vec<Lane> = Vec::new();
+        for e in entries.iter().filter(|e| overlaps(e)) {
+            for &l in &e.read_by {
+                if l != lane && !after.contains(&l) {
+                    after.push(l);
+                }
+            }
+        }
         entries.retain(|e| !overlaps(e));
         drop(cache);
-        if after_load {
-            self.ordered_by("write a page table", |ev| self.gpu.after_load(ev))?;
+        for l in after {
+            self.ordered_by("write a page table", |ev| gpu.after(l, ev))?;
         }
         self.write_locked(gpu, st, t.buffer, t.offset, &t.bytes)?;
         self.tables()
@@ -891,7 +931,11 @@ impl CudaExecutor {
             .push(CachedTable {
                 offset: t.offset,
                 bytes: t.bytes.clone(),
-                read_by_load: for_load,
+                read_by: if lane == Lane::Main {
+                    Vec::new()
+                } else {
+                    vec![lane]
+                },
             });
         Ok(())
     }
@@ -1023,8 +1067,8 @@ impl Drop for CudaExecutor {
 struct CachedTable {
     offset: u64,
     bytes: Vec<u8>,
-    /// Read by a launch on the load stream since it was written.
-    read_by_load: bool,
+    /// The side lanes (load, backup) whose launches read it since it was written.
+    read_by: Vec<Lane>,
 }
 
 // Forwarders to `driver`'s checked entry points; their preconditions (ranges inside live

@@ -415,6 +415,7 @@ impl RankCache {
 
     /// Frees device pages the tree does not keep (and poisons them), once no peer reads them.
     pub(super) fn release_pages(&mut self, pages: Vec<PageId>) -> Result<(), ClusterError> {
+        self.after_backups(Some(&pages))?;
         self.alloc.free(&pages)?;
         self.poison_freed(pages)
     }
