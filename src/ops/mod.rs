@@ -22,7 +22,7 @@ use crate::kernels::{
 };
 use crate::rank::{DeploymentKernels, KernelLoadError};
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 #[cfg(test)]
 mod tests;
@@ -144,12 +144,35 @@ pub struct Ops {
     select_pages: crate::exec::KernelId,
     /// The lane release kernel.
     release: crate::exec::KernelId,
+    /// Page tables and scratch kept from call to call; locked for a whole op.
+    kept: Mutex<Kept>,
 }
 
-/// Regions adopted for one op, forgotten (never freed) when it ends.
+/// What ops keep between calls, so that a warm call allocates and frees nothing (on CUDA a
+/// `cuMemAlloc` or `cuMemFree` can stall every stream of the device), and a table whose
+/// bytes did not change is not uploaded again (the executor skips a table it finds written).
+/// Every op's work goes to the executor's one stream, in order, so one buffer per scratch
+/// place is reused safely: a later call's upload runs after the earlier call's launches.
+#[derive(Default)]
+struct Kept {
+    /// Page tables by the tensor set they describe (see [`Adopted::table`]), oldest first.
+    tables: Vec<(Vec<u64>, BufferId)>,
+    /// Scratch buffers (page ids, owners) by their place in a call, with their sizes; grown,
+    /// never shrunk.
+    scratch: Vec<(BufferId, usize)>,
+}
+
+/// The most page tables kept: an engine passes the same few tensor sets over and over.
+const KEPT_TABLES: usize = 32;
+
+/// Regions adopted for one op, forgotten (never freed) when it ends, and the tables and
+/// scratch it uses from [`Kept`].
 struct Adopted<'a> {
     exec: &'a dyn Executor,
     ids: Vec<BufferId>,
+    kept: std::sync::MutexGuard<'a, Kept>,
+    /// The next scratch place of this call.
+    next_scratch: usize,
 }
 
 impl Adopted<'_> {
@@ -178,10 +201,38 @@ impl Adopted<'_> {
         pages: u32,
         page_bytes: u64,
     ) -> Result<PageTable, OpsError> {
-        let at = self
-            .exec
-            .alloc(MemKind::Device, 8 * t.len() * layers as usize, 0)?;
-        self.ids.push(at);
+        // The table's bytes follow from the tensors' regions and kinds and these three.
+        let mut key = vec![u64::from(layers), u64::from(pages), page_bytes];
+        for (tensors, _) in t {
+            key.push(match tensors {
+                Tensors::CrossLayer(_) => 0,
+                Tensors::PerLayer(_) => 1,
+                Tensors::PageMajor(_) => 2,
+            });
+            for r in tensors.regions() {
+                key.extend([r.addr, r.bytes]);
+            }
+        }
+        let tables = &mut self.kept.tables;
+        let at = match tables.iter().position(|(k, _)| *k == key) {
+            Some(i) => {
+                let hit = tables.remove(i);
+                let at = hit.1;
+                tables.push(hit);
+                at
+            }
+            None => {
+                let at = self
+                    .exec
+                    .alloc(MemKind::Device, 8 * t.len() * layers as usize, 0)?;
+                if tables.len() >= KEPT_TABLES {
+                    let (_, old) = tables.remove(0);
+                    self.exec.free(old)?;
+                }
+                tables.push((key, at));
+                at
+            }
+        };
         let stride = t
             .first()
             .map_or(page_bytes, |(t, _)| t.page_stride(layers, page_bytes));
@@ -203,22 +254,55 @@ impl Adopted<'_> {
     }
 
     fn scratch(&mut self, words: &[u32]) -> Result<BufferId, OpsError> {
-        let id = self
-            .exec
-            .alloc(MemKind::Device, 4 * words.len().max(1), 0)?;
-        self.ids.push(id);
         let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
-        self.exec.upload(id, 0, &bytes)?;
+        self.scratch_bytes(&bytes)
+    }
+
+    /// `bytes` uploaded into this call's next scratch place (kept from call to call).
+    fn scratch_bytes(&mut self, bytes: &[u8]) -> Result<BufferId, OpsError> {
+        let place = self.next_scratch;
+        self.next_scratch += 1;
+        let need = bytes.len().max(4);
+        let id = match self.kept.scratch.get(place) {
+            Some(&(id, size)) if size >= need => id,
+            old => {
+                let old = old.map(|&(id, _)| id);
+                let size = need.next_power_of_two().max(256);
+                let id = self.exec.alloc(MemKind::Device, size, 0)?;
+                match old {
+                    Some(old) => {
+                        self.kept.scratch[place] = (id, size);
+                        // Back to the driver once the executor's streams are past it.
+                        self.exec.free(old)?;
+                    }
+                    None => self.kept.scratch.push((id, size)),
+                }
+                id
+            }
+        };
+        self.exec.upload(id, 0, bytes)?;
         Ok(id)
     }
 }
 
 impl Drop for Adopted<'_> {
     fn drop(&mut self) {
-        // No wait: the launches took the adopted addresses by value, and the tables and
-        // scratch go back to the driver only once the executor's streams are past them
-        // (`Executor::free`).
+        // No wait: the launches took the adopted addresses by value (freeing an adopted
+        // region only forgets it).
         for &id in &self.ids {
+            let _ = self.exec.free(id);
+        }
+    }
+}
+
+impl Drop for Ops {
+    fn drop(&mut self) {
+        // Back to the driver once the executor's streams are past them (no wait).
+        let kept = self.kept.get_mut().unwrap_or_else(|p| p.into_inner());
+        for (_, id) in kept.tables.drain(..) {
+            let _ = self.exec.free(id);
+        }
+        for (id, _) in kept.scratch.drain(..) {
             let _ = self.exec.free(id);
         }
     }
@@ -280,7 +364,18 @@ impl Ops {
             select_locs: ids[0],
             select_pages: ids[1],
             release: ids[2],
+            kept: Mutex::new(Kept::default()),
         })
+    }
+
+    /// A call's adopted regions, with the kept tables and scratch locked for it.
+    fn held(&self) -> Adopted<'_> {
+        Adopted {
+            exec: self.exec.as_ref(),
+            ids: Vec::new(),
+            kept: self.kept.lock().unwrap_or_else(|p| p.into_inner()),
+            next_scratch: 0,
+        }
     }
 
     /// The deployment the kernels were built for.
@@ -454,10 +549,7 @@ impl Ops {
         if src_pages.is_empty() {
             return Ok(0);
         }
-        let mut held = Adopted {
-            exec: self.exec.as_ref(),
-            ids: Vec::new(),
-        };
+        let mut held = self.held();
         let buffers = self.deployment.model.buffers();
         let mut tables = Vec::new();
         let mut host_ids = Vec::new();
@@ -596,10 +688,7 @@ impl Ops {
                 ),
             ));
         }
-        let mut held = Adopted {
-            exec: self.exec.as_ref(),
-            ids: Vec::new(),
-        };
+        let mut held = self.held();
         let mut pool_ids = Vec::new();
         for t in pools {
             // SAFETY: the caller's contract.
@@ -754,10 +843,7 @@ impl Ops {
         if owners.is_empty() {
             return Ok(());
         }
-        let mut held = Adopted {
-            exec: self.exec.as_ref(),
-            ids: Vec::new(),
-        };
+        let mut held = self.held();
         // SAFETY: the caller's contract.
         let ids: Vec<BufferId> = unsafe {
             [lanes.stacks, lanes.tops, lanes.status, out_pages]
@@ -766,9 +852,7 @@ impl Ops {
                 .map(|r| held.tensors(&Tensors::CrossLayer(*r)).map(|v| v[0]))
                 .collect::<Result<_, _>>()?
         };
-        let owners_in = held.exec.alloc(MemKind::Device, owners.len(), 0)?;
-        held.ids.push(owners_in);
-        self.exec.upload(owners_in, 0, owners)?;
+        let owners_in = held.scratch_bytes(owners)?;
         let (kernel, output) = match out_locs {
             Some(_) => (self.select_locs, SelectOutput::PagesAndLocs),
             None => (self.select_pages, SelectOutput::Pages),
@@ -819,10 +903,7 @@ impl Ops {
         if pages.is_empty() {
             return Ok(());
         }
-        let mut held = Adopted {
-            exec: self.exec.as_ref(),
-            ids: Vec::new(),
-        };
+        let mut held = self.held();
         // SAFETY: the caller's contract.
         let ids: Vec<BufferId> = unsafe {
             [lanes.stacks, lanes.tops, lanes.status]

@@ -544,3 +544,83 @@ fn page_major_pools_materialise_like_the_reference_and_misuse_is_refused() {
         "{e}"
     );
 }
+
+/// An engine calls the ops with the same tensors over and over: a warm call allocates and
+/// frees nothing but the adoption of the caller's regions (each a bookkeeping entry, counted
+/// in `allocs` and `frees`), keeping its page table and scratch from the calls before; other
+/// tensors get a table of their own, and a call with more pages grows its scratch once.
+/// Every call moves what the reference moves.
+#[test]
+fn warm_calls_keep_their_tables_and_scratch() {
+    let ps = 16;
+    let ops = ops(ModelShape::MlaBf16, ps, 2, 3);
+    let dep = ops.deployment().clone();
+    let pb = BufferKind::MlaKv.page_bytes(ps);
+    let (dev_pages, host_pages) = (6u32, 40u32);
+    let mut host = Mem::new(3 * u64::from(host_pages) * pb, 3);
+    let hts = [tensors(&mut host, false, 3, host_pages, pb)];
+    let mut devs = [1, 2].map(|seed| Mem::new(3 * u64::from(dev_pages) * pb, seed));
+    let calls: [(usize, Vec<u32>, Vec<u32>); 5] = [
+        (0, vec![8, 0, 3], vec![5, 1, 2]),
+        (0, vec![9, 4], vec![0, 3]),
+        (1, vec![1, 2, 3], vec![4, 5, 0]),
+        (0, vec![30, 31, 32, 33, 34, 35], vec![0, 1, 2, 3, 4, 5]),
+        (0, vec![7], vec![2]),
+    ];
+    let mut kept_allocs = Vec::new();
+    for (i, (d, src, dst)) in calls.iter().enumerate() {
+        let mut want = devs[*d].bytes().to_vec();
+        reference::transfer_pages(
+            Direction::HostToDevice,
+            dep.host_layout,
+            pb,
+            host.bytes(),
+            &mut want,
+            src,
+            dst,
+            src.len() as u32,
+            3,
+            0,
+            3,
+            dev_pages,
+            host_pages,
+        )
+        .unwrap();
+        let dts = [tensors(&mut devs[*d], false, 3, dev_pages, pb)];
+        let before = ops.executor().counters();
+        // SAFETY: the memory lives across the call and nothing else touches it.
+        unsafe { ops.transfer(Direction::HostToDevice, &dts, &hts, src, dst, 0..3) }.unwrap();
+        let c = ops.executor().counters().since(&before);
+        assert!(
+            devs[*d].bytes() == want.as_slice(),
+            "call {i}: device bytes"
+        );
+        // Two regions adopted (device and host) and let go; the rest is kept.
+        assert_eq!(c.frees, 2, "call {i}: {c:?}");
+        kept_allocs.push(c.allocs - 2);
+    }
+    // A table and two scratch places, then nothing; a table for the other tensors; then
+    // nothing (six pages fit the scratch kept).
+    assert_eq!(kept_allocs, vec![3, 0, 1, 0, 0]);
+    // More pages than the scratch holds (256 bytes: 64 ids): both places grow once.
+    let n = 100u32;
+    let mut src_host = Mem::new(3 * u64::from(n) * pb, 5);
+    let sts = [tensors(&mut src_host, false, 3, n, pb)];
+    let mut big = Mem::new(3 * u64::from(n) * pb, 4);
+    let bts = [tensors(&mut big, false, 3, n, pb)];
+    let all: Vec<u32> = (0..n).collect();
+    for round in 0..2 {
+        let before = ops.executor().counters();
+        // SAFETY: as above.
+        unsafe { ops.transfer(Direction::HostToDevice, &bts, &sts, &all, &all, 0..3) }.unwrap();
+        let c = ops.executor().counters().since(&before);
+        assert!(
+            big.bytes() == src_host.bytes(),
+            "round {round}: every page, every layer"
+        );
+        // Adopted 2 and let go; then a table and two grown scratch places (the old ones
+        // freed) the first time, nothing the second.
+        let want = if round == 0 { (5, 4) } else { (2, 2) };
+        assert_eq!((c.allocs, c.frees), want, "round {round}: {c:?}");
+    }
+}
