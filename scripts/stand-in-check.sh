@@ -7,7 +7,8 @@
 # every request is verified byte for byte, and a mismatch fails the run too.
 #
 # Usage: scripts/stand-in-check.sh [path to cp-hicache] (default: target/release/cp-hicache,
-# built if missing). FAKE_CUDA_SCHED and FAKE_CUDA_SEED may be set to override the mode.
+# built if missing). FAKE_CUDA_SCHED and FAKE_CUDA_SEED may be set to override the mode;
+# STAND_IN_ONE_MODE=1 skips the second pass under `lazy`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,21 +34,35 @@ runs=(
   "the storage tier, written then read back|--storage $storage --requests 40"
   "gathered peer pools, CP 4, MLA|--peer-pools gathered --cp 4 --model mla --page-size 16 --requests 40"
 )
-for run in "${runs[@]}"; do
-  what="${run%%|*}"
-  args="${run#*|}"
+# One replay under the scheduling mode in FAKE_CUDA_SCHED.
+replay() {
+  local what="$1" args="$2"
   echo "== stand-in CUDA ($FAKE_CUDA_SCHED): $what"
+  local out
   # shellcheck disable=SC2086
   out="$("$bin" replay --backend cuda $args 2>&1)" || {
     echo "$out" | tail -40
-    echo "FAILED (exit status $?): cp-hicache replay --backend cuda $args" >&2
+    echo "FAILED (exit status $?): FAKE_CUDA_SCHED=$FAKE_CUDA_SCHED cp-hicache replay --backend cuda $args" >&2
     exit 1
   }
   echo "$out" | grep -E "pages loaded|mismatched tokens|throughput" | sed 's/^/  /'
   if ! echo "$out" | grep -qE "mismatched tokens +0$"; then
     echo "$out" | tail -40
-    echo "FAILED: mismatches (cp-hicache replay --backend cuda $args)" >&2
+    echo "FAILED: mismatches (FAKE_CUDA_SCHED=$FAKE_CUDA_SCHED cp-hicache replay --backend cuda $args)" >&2
     exit 1
   fi
+}
+for run in "${runs[@]}"; do
+  replay "${run%%|*}" "${run#*|}"
 done
 echo "stand-in CUDA ($FAKE_CUDA_SCHED): ${#runs[@]} replays, 0 races, 0 mismatched tokens"
+# `adversarial` runs the least-priority ready stream first, which puts backups (on a stream
+# of least priority) early; `lazy` runs a stream's work only when something waits for it,
+# so a backup is as late as allowed and a free or load that does not wait for it shows.
+# The replays where backups meet evictions and loads, again under `lazy`.
+if [ -z "${STAND_IN_ONE_MODE:-}" ]; then
+  FAKE_CUDA_SCHED=lazy
+  replay "${runs[1]%%|*}" "${runs[1]#*|}"
+  replay "${runs[6]%%|*}" "${runs[6]#*|}"
+  echo "stand-in CUDA (lazy): 2 replays, 0 races, 0 mismatched tokens"
+fi
