@@ -46,11 +46,24 @@ What it does (issue 43; docs/ENGINES.md "vLLM" is the how-to):
   reads the records its tokens come from and takes its tokens out, and writes its tokens of
   each record as a part (``PageStore.put_part``): the last part to come assembles the record.
   So a store written at DCP 4 is read at DCP 2 and at DCP 1, and the other way round.
+- **Tensor parallelism.** GQA/MHA KV heads are split across the TP ranks as vLLM splits
+  them (``min(tp, KV heads)`` shards; where TP exceeds the heads, neighbouring ranks hold
+  copies, and a DCP group lies within one shard's ranks). A record then holds one head
+  shard's bytes and its key names the shard (:func:`head_shard_key`), so two shards never
+  share a key and each rank reads only its own; the planner counts a block as a hit only
+  when every shard's record is there. MLA's latent KV is the same on every TP rank: its
+  keys name no shard. Only the first DCP group of ranks holding a shard (or MLA's KV)
+  writes it; the copies load it and write nothing.
+- **KV tensors.** A record holds each layer's block as ``[heads, tokens, bytes per token]``
+  (vLLM 0.34's ``[B, H, N, C]`` view: a head's K then V, or MLA's latent entry), whatever
+  the shape and strides of the tensors: GQA's ``[2, B, N, H, D]`` (K and V apart) and
+  every vLLM KV cache layout give the same record (:meth:`register_kv_caches`).
 
 Not built yet, refused at construction with a ``ValueError`` naming the setting: pipeline
-or prefill-context parallelism, tensor parallelism other than ``tensor_parallel_size ==
-decode_context_parallel_size`` (where every rank holds every KV head of its tokens; records
-split by heads are not built), KV cache groups of more than one kind (hybrid models).
+or prefill-context parallelism, head splits vLLM does not make (a DCP group across two head
+shards, a spec whose heads do not match the model's over TP), KV cache groups of more than
+one kind (hybrid models). A store written at one TP degree is not read at another with a
+different head split (its records hold other heads: another fingerprint, a miss).
 Requests with multimodal inputs, LoRA adapters or prompt embeddings are neither looked up
 nor saved (their KV is not a function of the token ids alone). Loads and saves are
 whole-block, not layer by layer: :meth:`wait_for_layer_load` and :meth:`save_kv_layer`
@@ -114,6 +127,24 @@ def dcp_rank_and_size() -> Tuple[int, int]:
     if group is None:
         return 0, 1
     return int(group.rank_in_group), int(group.world_size)
+
+
+def tp_rank_and_size() -> Tuple[int, int]:
+    """This worker's tensor-parallel rank and degree, from vLLM's TP group; ``(0, 1)``
+    where vLLM has not set one up."""
+    from vllm.distributed import parallel_state
+
+    group = getattr(parallel_state, "_TP", None)
+    if group is None:
+        return 0, 1
+    return int(group.rank_in_group), int(group.world_size)
+
+
+def head_shard_key(name: str, shard: int, shards: int) -> str:
+    """The store name of TP head shard ``shard`` (of ``shards``) of record ``name``: the
+    record's name itself where the KV is not split by heads (``shards == 1``: MLA's latent
+    KV, replicated on every TP rank, or a model whose every rank holds every KV head)."""
+    return name if shards == 1 else f"{name}~kvh{shard}of{shards}"
 
 
 def block_names(tokens: Sequence[int], block_size: int, salt: str = "") -> List[str]:
@@ -200,6 +231,100 @@ class _ReqState:
     has_saves: bool = False
 
 
+#: Runs per layer up to which a block is read and written in place (more: gathered).
+MAX_RUNS_IN_PLACE = 8
+
+
+class _LayerBlocks:
+    """Where a record's bytes of one layer are in vLLM's tensor for that layer: for each
+    byte of the record's ``[heads, tokens, bytes per token]`` block, its offset from the
+    block's start (``index``), the blocks' stride, and the contiguous runs those offsets
+    make (``runs``, or None when there are more than ``MAX_RUNS_IN_PLACE``)."""
+
+    def __init__(self, storage: Any, base: int, stride: int, index: Any, num_blocks: int):
+        self.storage = storage  # the tensor's bytes, a flat uint8 tensor
+        self.base = base  # block 0's offset in ``storage``
+        self.stride = stride
+        self.index = index  # int64 [heads, tokens, width]
+        self.heads, _, self.width = index.shape
+        self.num_blocks = num_blocks
+        flat = index.reshape(-1).numpy()
+        cuts = np.flatnonzero(np.diff(flat) != 1) + 1
+        starts = np.concatenate(([0], cuts))
+        ends = np.concatenate((cuts, [flat.size]))
+        self.runs = ([(int(flat[a]), int(b - a)) for a, b in zip(starts, ends)]
+                     if starts.size <= MAX_RUNS_IN_PLACE else None)
+        self.addr = int(storage.data_ptr()) + base
+
+    @classmethod
+    def of(cls, name: str, t: Any, num_blocks: int, block_size: int,
+           page_bytes: int) -> "_LayerBlocks":
+        """The layout of layer ``name``'s tensor ``t`` (see ``register_kv_caches``)."""
+        import torch
+
+        def refuse(why: str) -> ValueError:
+            return ValueError(f"register_kv_caches: layer {name}'s KV tensor "
+                              f"{tuple(t.shape)}: {why}")
+
+        v = t
+        if v.dim() == 5:
+            kv_first = v.shape[0] == 2 and v.shape[1] % num_blocks == 0
+            blocks_first = v.shape[1] == 2 and v.shape[0] % num_blocks == 0
+            if kv_first and blocks_first:
+                raise refuse("K/V first or blocks first is ambiguous with "
+                             f"{num_blocks} blocks")
+            if kv_first:
+                v = v.movedim(0, 1)
+            elif not blocks_first:
+                raise refuse(f"neither [2, blocks, tokens, heads, head] nor [blocks, 2, "
+                             f"tokens, heads, head] with {num_blocks} blocks")
+            v = v.permute(0, 3, 2, 1, 4)  # [blocks, heads, tokens, K/V, head]
+        elif v.dim() == 3:
+            v = v.unsqueeze(1)  # [blocks, 1, tokens, entry]
+        elif v.dim() != 4:
+            raise refuse("not [blocks, heads, tokens, bytes], K and V apart or MLA's "
+                         "[blocks, tokens, entry]")
+        if v.shape[0] % num_blocks:
+            raise refuse(f"{v.shape[0]} blocks, the KV cache config {num_blocks}")
+        k = v.shape[0] // num_blocks
+        # [blocks, heads, kernel blocks, tokens of a kernel block, ...]
+        v = v.unflatten(0, (num_blocks, k)).movedim(1, 2)
+        if k * v.shape[3] != block_size:
+            raise refuse(f"{k} x {v.shape[3]} tokens a block, the spec {block_size}")
+        es = t.element_size()
+        shape, strides = v.shape[1:], v.stride()[1:]
+        index = torch.zeros(tuple(shape) + (es,), dtype=torch.int64)
+        for d, (n, st) in enumerate(zip(shape, strides)):
+            view = [1] * (len(shape) + 1)
+            view[d] = n
+            index += torch.arange(n, dtype=torch.int64).view(view) * (st * es)
+        index += torch.arange(es, dtype=torch.int64)
+        index = index.reshape(shape[0], block_size, -1)
+        if index.numel() != page_bytes:
+            raise refuse(f"a block holds {index.numel()} bytes, the KV cache spec says "
+                         f"{page_bytes}")
+        if torch.unique(index).numel() != index.numel():
+            raise refuse("its blocks' elements overlap")
+        storage = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+        base = (int(v.data_ptr()) - int(storage.data_ptr()))
+        stride = v.stride(0) * es
+        if base < 0 or base + (num_blocks - 1) * stride + int(index.max()) >= storage.numel():
+            raise refuse("its blocks reach outside its storage")
+        return cls(storage, base, stride, index, num_blocks)
+
+    def parts(self, block: int) -> List[Tuple[int, int]]:
+        at = self.addr + block * self.stride
+        return [(at + off, n) for off, n in self.runs]
+
+    def gather(self, block: int, slots: Optional[List[int]]) -> Any:
+        idx = self.index if slots is None else self.index[:, slots, :]
+        return self.storage[self.base + block * self.stride + idx]
+
+    def scatter(self, block: int, src: Any, slots: Optional[List[int]]) -> None:
+        idx = self.index if slots is None else self.index[:, slots, :]
+        self.storage[self.base + block * self.stride + idx] = src
+
+
 def _spec_words(spec: Any) -> str:
     """A KV cache spec's words for the fingerprint (its kind, shape and dtype)."""
     words = [type(spec).__name__]
@@ -260,19 +385,23 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             )
         #: Tokens per scheduler block: a virtual block of ``dcp`` ranks' blocks.
         self.sched_block = self.block_size * self.dcp
+        #: The TP degree, and how many distinct KV head shards its ranks hold: records are
+        #: per head shard (``head_shard_key``) when it is more than 1.
+        self.tp = int(getattr(pc, "tensor_parallel_size", 1) or 1)
+        self.head_shards = self._head_shards(vllm_config, spec, self.tp, self.dcp)
         #: Layer names, in record order: every group's layers, in order.
         self.layer_names: List[str] = [n for g in groups for n in g.layer_names]
         self.layer_page_bytes = int(spec.page_size_bytes)
         self.page_bytes = self.layer_page_bytes * len(self.layer_names)
         model = getattr(getattr(vllm_config, "model_config", None), "model", None)
         self.fingerprint = ";".join([
-            "vllm-kv-connector v1",
+            "vllm-kv-connector v2",
             f"model={model}",
             f"block_size={self.block_size}",
             f"spec={_spec_words(spec)}",
             f"layers={len(self.layer_names)}",
             f"page_bytes={self.page_bytes}",
-        ])
+        ] + ([f"kv_head_shards={self.head_shards}"] if self.head_shards > 1 else []))
         digest = hashlib.sha256(self.fingerprint.encode()).hexdigest()[:16]
         self.path = str(path)
         self.store_path = os.path.join(self.path, f"vllm-{digest}")
@@ -290,6 +419,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                                "invalid_blocks": 0}
         # Worker side.
         self.dcp_rank = 0
+        self.tp_rank = self.head_shard = self.copy = 0
         if role == KVConnectorRole.WORKER:
             rank, size = dcp_rank_and_size()
             if size != self.dcp:
@@ -298,11 +428,22 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                     f"decode_context_parallel_size = {self.dcp}"
                 )
             self.dcp_rank = rank
+            tp_rank, tp_size = tp_rank_and_size()
+            if tp_size != self.tp:
+                raise ValueError(
+                    f"CpHiCacheConnector: vLLM's TP group has {tp_size} ranks, the config "
+                    f"says tensor_parallel_size = {self.tp}"
+                )
+            self.tp_rank = tp_rank
+            per_shard = self.tp // self.head_shards
+            self.head_shard = tp_rank // per_shard
+            # The TP ranks beyond the first DCP group of a shard hold copies of its KV:
+            # they load it, but only the first group writes it.
+            self.copy = (tp_rank % per_shard) // self.dcp
         self._slots: List[Tuple[int, int]] = self._local_slots(self.dcp_rank)
-        # Per layer, under DCP with a small interleave: a uint8 view [blocks, rows, tokens,
-        # bytes per token] of vLLM's tensor.
-        self._geometry: Optional[List[Any]] = None
-        self._regions: Optional[List[Tuple[int, int, int]]] = None  # (base, stride, bytes)
+        # Per layer: where each byte of a record's layer is in vLLM's tensor.
+        self._layers: Optional[List[_LayerBlocks]] = None
+        self._in_place = False
         self._num_blocks = 0
         self._writer: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._writes: Dict[str, List[concurrent.futures.Future]] = {}
@@ -324,13 +465,61 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                     "built)"
                 )
         tp = int(getattr(pc, "tensor_parallel_size", 1) or 1)
-        if tp != dcp:
+        if tp % dcp:
             raise ValueError(
-                f"CpHiCacheConnector: tensor_parallel_size = {tp} with "
-                f"decode_context_parallel_size = {dcp} is not built yet: only TP = DCP, "
-                "where every rank holds every KV head of its tokens (records hold whole "
-                "heads; head-split records are not built)"
+                f"CpHiCacheConnector: tensor_parallel_size = {tp} is not a multiple of "
+                f"decode_context_parallel_size = {dcp} (vLLM's DCP groups are TP ranks)"
             )
+
+    @staticmethod
+    def _head_shards(vllm_config: Any, spec: Any, tp: int, dcp: int) -> int:
+        """How many distinct KV head shards the TP ranks hold (1: every rank holds the same
+        heads). MLA's latent KV (``MLAAttentionSpec``, or a spec whose ``max_tp_shards`` is
+        1) is the same on every TP rank. GQA/MHA KV heads are split across the TP ranks as
+        vLLM's ``QKVParallelLinear`` splits them: ``min(tp, total KV heads)`` shards of
+        ``spec.num_kv_heads`` heads, rank ``r`` holding shard ``r // (tp / shards)`` (its
+        neighbours hold copies when TP exceeds the heads). A DCP group (``dcp``
+        consecutive TP ranks) must lie within one shard's ranks: they split one shard's
+        tokens."""
+        try:
+            from vllm.v1.kv_cache_interface import MLAAttentionSpec
+        except ImportError:  # pragma: no cover - depends on vLLM's version
+            MLAAttentionSpec = ()
+        declared = getattr(spec, "max_tp_shards", None)
+        if isinstance(spec, MLAAttentionSpec) or declared == 1:
+            return 1
+        per_rank = int(getattr(spec, "num_kv_heads", 0) or 0)
+        if declared is not None:
+            shards = min(tp, int(declared))
+        else:
+            mc = getattr(vllm_config, "model_config", None)
+            total = None
+            if mc is not None and hasattr(mc, "get_total_num_kv_heads"):
+                try:
+                    total = int(mc.get_total_num_kv_heads())
+                except Exception:  # a model config without head counts: assume none split
+                    total = None
+            if total is None:
+                return 1 if tp == 1 else tp
+            shards = min(tp, total)
+            if shards > 1 and per_rank and per_rank * shards != total:
+                raise ValueError(
+                    f"CpHiCacheConnector: the KV cache spec holds {per_rank} KV heads per "
+                    f"rank, the model has {total} KV heads over tensor_parallel_size = {tp} "
+                    f"({shards} shards): the head split is not vLLM's"
+                )
+        if shards < 1 or tp % shards:
+            raise ValueError(
+                f"CpHiCacheConnector: {shards} KV head shards over tensor_parallel_size = "
+                f"{tp}: the TP ranks do not split the heads evenly"
+            )
+        if (tp // shards) % dcp:
+            raise ValueError(
+                f"CpHiCacheConnector: {tp // shards} TP ranks hold each of {shards} KV head "
+                f"shards; a DCP group of {dcp} ranks would span two shards (vLLM needs "
+                "tensor_parallel_size / KV heads to be a multiple of the DCP size)"
+            )
+        return shards
 
     # ======================================================================================
     # Scheduler side: the planner
@@ -381,7 +570,11 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         if limit <= first:
             return 0, False
         names = self._names(st, limit * d)
-        run = self.store.present_run(names[first * d:limit * d]) // d
+        h = self.head_shards
+        wanted = names[first * d:limit * d]
+        if h > 1:  # every head shard of every record of a block: one TP rank's each
+            wanted = [head_shard_key(n, s, h) for n in wanted for s in range(h)]
+        run = self.store.present_run(wanted) // (d * h)
         if run == 0:
             return 0, False
         st.planned = (first, run)
@@ -528,20 +721,28 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         return self.dcp == 1 or self.interleave == self.block_size
 
     def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
-        """Takes vLLM's per-layer KV tensors, blocks first (``[num_blocks, ...]``, vLLM
-        0.34's standard ``[B, H, N, C]`` view, or kernel blocks ``[num_blocks * k, ...]``),
-        CPU tensors, each block's bytes contiguous and of the spec's page size. Records are
-        read and written in place from the blocks. Under DCP with an interleave smaller
-        than a block, a block's token dimension (the one dimension of ``block_size``) is
-        where this rank's tokens are picked from and put into."""
+        """Takes vLLM's per-layer KV tensors (CPU tensors), in any of these shapes:
+
+        - ``[B, H, N, C]``: vLLM 0.34's per-layer view of every KV cache layout (``H`` the
+          rank's KV heads, 1 for MLA; ``N`` the block's tokens; ``C`` a head's K then V, or
+          MLA's latent entry), whatever its strides (``LBHNC``, ``LBNHC``, ``LHBNC``, ...);
+        - ``[2, B, N, H, D]`` (K and V apart: the GQA/MHA shape of FlashAttention-style
+          backends) or ``[B, 2, N, H, D]``;
+        - ``[B, N, C]`` (MLA's latent KV);
+
+        ``B`` the KV cache config's blocks, or kernel blocks (``num_blocks * k`` blocks of
+        ``N / k`` tokens). A record holds each layer's block as ``[H, N, C]`` (a head's K then
+        V for every token), in layer order: the same bytes whatever the shape or strides of
+        the tensors it came from, so every layout reads every other's records. Blocks whose
+        bytes are a few contiguous runs in that order are read and written in place; others
+        (and DCP's interleaved tokens) are gathered and scattered through byte indices."""
         import torch
 
         missing = [n for n in self.layer_names if n not in kv_caches]
         if missing:
             raise ValueError(f"register_kv_caches: no KV tensor for layers {missing}")
         num_blocks = int(self._kv_cache_config.num_blocks)
-        regions = []
-        geometry = []
+        layers = []
         for name in self.layer_names:
             t = kv_caches[name]
             if not isinstance(t, torch.Tensor):
@@ -551,55 +752,50 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                     f"register_kv_caches: layer {name} is on {t.device}; the first step reads "
                     "and writes CPU tensors only (the staging of device blocks is not built)"
                 )
-            if t.shape[0] != num_blocks:
-                if t.shape[0] % num_blocks:
-                    raise ValueError(
-                        f"register_kv_caches: layer {name} has {t.shape[0]} blocks in its "
-                        f"first dimension, the KV cache config {num_blocks}"
-                    )
-                t = t.unflatten(0, (num_blocks, -1))
-            block = t[0]
-            nbytes = block.numel() * block.element_size()
-            if not block.is_contiguous():
-                raise ValueError(f"register_kv_caches: layer {name}'s blocks are not contiguous")
-            if nbytes != self.layer_page_bytes:
-                raise ValueError(
-                    f"register_kv_caches: layer {name}'s blocks hold {nbytes} bytes, its KV "
-                    f"cache spec says {self.layer_page_bytes}"
-                )
-            stride = t.stride(0) * t.element_size()
-            regions.append((int(t.data_ptr()), int(stride), nbytes))
-            if not self._direct():
-                dims = [k for k, n in enumerate(block.shape) if n == self.block_size]
-                if len(dims) != 1:
-                    raise ValueError(
-                        f"register_kv_caches: layer {name}'s blocks {tuple(block.shape)} have "
-                        f"{len(dims)} dimensions of block_size {self.block_size}; the token "
-                        "dimension must be the only one, to place DCP's interleaved tokens"
-                    )
-                k = dims[0]
-                rows = int(torch.Size(block.shape[:k]).numel())
-                # [blocks, rows, tokens, bytes per token] over the tensor's bytes.
-                try:
-                    u8 = t.view(torch.uint8) if t.dtype != torch.uint8 else t
-                    geometry.append(u8.view(num_blocks, rows, self.block_size, -1))
-                except RuntimeError as e:
-                    raise ValueError(
-                        f"register_kv_caches: layer {name} cannot be viewed as [blocks, "
-                        f"rows, tokens, bytes] in place ({e})"
-                    ) from e
+            layers.append(_LayerBlocks.of(name, t, num_blocks, self.block_size,
+                                          self.layer_page_bytes))
+        if len({(g.heads, g.width) for g in layers}) != 1:
+            raise ValueError("register_kv_caches: the layers' blocks differ in heads or bytes "
+                             "per token")
         self._kv_caches_kept = kv_caches  # the addresses stay valid while vLLM's tensors live
-        self._regions = regions
-        self._geometry = geometry or None
+        self._layers = layers
+        self._in_place = all(g.runs is not None for g in layers)
         self._num_blocks = num_blocks
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cp-hicache-save")
 
-    def _parts(self, block_id: int) -> List[Tuple[int, int]]:
-        if self._regions is None:
+    def _check_block(self, block_id: int) -> None:
+        if self._layers is None:
             raise RuntimeError("CpHiCacheConnector: register_kv_caches was not called")
         if not 0 <= block_id < self._num_blocks:
             raise ValueError(f"block id {block_id} is outside 0..{self._num_blocks}")
-        return [(base + block_id * stride, n) for base, stride, n in self._regions]
+
+    def _parts(self, block_id: int) -> Optional[List[Tuple[int, int]]]:
+        """The block's record as ``(address, bytes)`` runs of vLLM's tensors, in record
+        order; None when its bytes are too scattered to be read and written in place."""
+        self._check_block(block_id)
+        if not self._in_place:
+            return None
+        return [run for g in self._layers for run in g.parts(block_id)]
+
+    def _gather(self, block_id: int, slots: Optional[List[int]] = None) -> Any:
+        """The block's bytes (of its slots ``slots``, or all), ``[layers][heads][tokens]
+        [bytes]``, copied out of vLLM's tensors (a uint8 tensor)."""
+        import torch
+
+        return torch.cat([g.gather(block_id, slots).reshape(-1) for g in self._layers])
+
+    def _scatter(self, block_id: int, record: Any, slots: Optional[List[int]] = None,
+                 toks: Optional[List[int]] = None) -> None:
+        """Puts a record's tokens ``toks`` (or all) into the block's slots ``slots`` (or
+        all, in order)."""
+        per_layer = record.view(len(self._layers), -1)
+        for g, layer in zip(self._layers, per_layer):
+            src = layer.view(g.heads, self.block_size, g.width)
+            g.scatter(block_id, src if toks is None else src[:, toks, :], slots)
+
+    def _key(self, name: str) -> str:
+        """The store name of this worker's head shard of record ``name``."""
+        return head_shard_key(name, self.head_shard, self.head_shards)
 
     def _count(self, **kv: int) -> None:
         with self._stats_lock:
@@ -614,13 +810,22 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                 f.exception()
 
     def _load_block(self, names: List[str], block_id: int) -> bool:
-        """Reads this rank's tokens of scheduler block ``block_id`` from its records; False
-        when one is missing or refused (then nothing of that record was written)."""
-        if self._direct():
-            return self.store.get(names[self.dcp_rank % len(names)], self._parts(block_id))
+        """Reads this rank's tokens of scheduler block ``block_id`` (of its head shard) from
+        their records; False when one is missing or refused (then nothing of that record
+        was written)."""
         import torch
 
-        self._parts(block_id)  # checks the block id
+        if self._direct():
+            key = self._key(names[self.dcp_rank % len(names)])
+            parts = self._parts(block_id)
+            if parts is not None:
+                return self.store.get(key, parts)
+            rec = np.empty(self.page_bytes, dtype=np.uint8)
+            if not self.store.get(key, [(int(rec.ctypes.data), rec.nbytes)]):
+                return False
+            self._scatter(block_id, torch.from_numpy(rec))
+            return True
+        self._check_block(block_id)
         by_record: Dict[int, Tuple[List[int], List[int]]] = {}
         for s, (k, tok) in enumerate(self._slots):
             slots, toks = by_record.setdefault(k, ([], []))
@@ -629,13 +834,10 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         ok = True
         for k, (slots, toks) in sorted(by_record.items()):
             rec = np.empty(self.page_bytes, dtype=np.uint8)
-            if not self.store.get(names[k], [(int(rec.ctypes.data), rec.nbytes)]):
+            if not self.store.get(self._key(names[k]), [(int(rec.ctypes.data), rec.nbytes)]):
                 ok = False
                 continue
-            layers = torch.from_numpy(rec).view(len(self.layer_names), -1)
-            for view, layer in zip(self._geometry, layers):
-                src = layer.view(view.shape[1], self.block_size, view.shape[3])
-                view[block_id][:, slots, :] = src[:, toks, :]
+            self._scatter(block_id, torch.from_numpy(rec), slots, toks)
         return ok
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -689,18 +891,28 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         if self._writer is None and meta.saves:
             raise RuntimeError(
                 "CpHiCacheConnector: saves planned on a worker that was shut down"
-                if self._regions is not None
+                if self._layers is not None
                 else "CpHiCacheConnector: register_kv_caches was not called"
             )
         for rid, jobs in meta.saves.items():
+            self._saving_reqs.add(rid)  # reported by get_finished once its writes are done
+            if self.copy:
+                # This rank's KV is a copy of another DCP group's (TP ranks beyond the
+                # heads, or MLA's replicated latent KV): that group writes it.
+                continue
             if self._direct():
-                work = [(names[self.dcp_rank % len(names)], self._parts(b), None)
-                        for names, b in jobs]
+                work = []
+                for names, b in jobs:
+                    key = self._key(names[self.dcp_rank % len(names)])
+                    parts = self._parts(b)
+                    # Scattered blocks are copied out now (the block may be reused once
+                    # the step is over); contiguous ones are read in place by the writer.
+                    work.append((key, parts if parts is not None
+                                 else self._gather(b).numpy(), None))
             else:
                 # Each rank holds part of each record: its part is copied out now (the
                 # block may be reused once the step is over), written as a part after.
                 work = [w for names, b in jobs for w in self._part_payloads(names, b)]
-            self._saving_reqs.add(rid)
             self._writes.setdefault(rid, []).append(self._writer.submit(self._write, rid, work))
 
     def _owners(self, record: int) -> List[int]:
@@ -711,25 +923,22 @@ class CpHiCacheConnector(KVConnectorBase_V1):
     def _part_payloads(self, names: List[str], block_id: int) -> List[Tuple[str, Any, Any]]:
         """This rank's part of each record of scheduler block ``block_id`` it holds tokens
         of: ``(name, payload, (part, parts, record))``, the payload its tokens of the record
-        packed ``[layers][rows][its tokens][bytes per token]``."""
-        import torch
-
-        self._parts(block_id)  # checks the block id
+        packed ``[layers][heads][its tokens][bytes per token]``."""
+        self._check_block(block_id)
         out = []
         for k, name in enumerate(names):
             slots = [s for s, (rec, _) in enumerate(self._slots) if rec == k]
             if not slots:
                 continue
             owners = self._owners(k)
-            payload = torch.cat([view[block_id][:, slots, :].reshape(-1)
-                                 for view in self._geometry]).numpy()
-            out.append((name, payload, (owners.index(self.dcp_rank), len(owners), k)))
+            payload = self._gather(block_id, slots).numpy()
+            out.append((self._key(name), payload, (owners.index(self.dcp_rank), len(owners), k)))
         return out
 
     def _assemble(self, record: int, payloads: List[bytes]) -> bytes:
         """A record's payload from its owners' parts (in owner order), each rank's tokens
         put back in their places: the record as a DCP-1 block holds it."""
-        rows, width = self._geometry[0].shape[1], self._geometry[0].shape[3]
+        rows, width = self._layers[0].heads, self._layers[0].width
         layers = len(self.layer_names)
         rec = np.empty((layers, rows, self.block_size, width), dtype=np.uint8)
         for owner, payload in zip(self._owners(record), payloads):
@@ -747,6 +956,8 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         for name, data, part in jobs:
             try:
                 if part is None:
+                    if isinstance(data, np.ndarray):
+                        data = [(int(data.ctypes.data), int(data.nbytes))]
                     written = self.store.put(name, data)
                 else:
                     index, count, record = part

@@ -48,11 +48,21 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from vllm.distributed.kv_transfer import kv_transfer_state
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MLAAttentionSpec,
+)
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 
-from cp_hicache.vllm import CpHiCacheConnector, CpHiCacheMetadata, block_names
+from cp_hicache.vllm import (
+    CpHiCacheConnector,
+    CpHiCacheMetadata,
+    block_names,
+    head_shard_key,
+)
 
 BS = 16
 NUM_BLOCKS = 48
@@ -60,19 +70,55 @@ LAYERS = ["model.layers.0.attn", "model.layers.1.attn"]
 HEADS, HEAD_SIZE = 2, 8
 SLOT_BYTES = HEADS * HEAD_SIZE * 2  # one token's K (or V) in one layer, float16
 
+#: The per-layer KV tensor shapes the worker is given, each as the tensor and the view of it
+#: as ``[blocks, K/V, tokens, heads, head]`` the stand-in forward writes through:
+#: ``blocks_first`` ``[B, 2, N, H, D]``; ``kv_first`` ``[2, B, N, H, D]`` (K and V apart:
+#: FlashAttention-style GQA/MHA); vLLM 0.34's ``[B, H, N, C]`` view (``C`` a head's K then V)
+#: with the layouts ``LBHNC`` (``bhnc``: blocks contiguous), ``LBNHC`` (``bnhc``: tokens
+#: outside heads) and ``LHBNC`` (``hbnc``: heads outside blocks, a block in pieces); and
+#: MLA's ``[B, N, C]`` (``mla``: one latent entry per token, here ``K|V`` of one head).
+LAYOUTS = ["blocks_first", "kv_first", "bhnc", "bnhc", "hbnc", "mla"]
 
-def kv_cache_config(num_blocks: int = NUM_BLOCKS) -> KVCacheConfig:
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                list(LAYERS),
-                FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD_SIZE,
-                                  dtype=torch.float16),
-            )
-        ],
-    )
+
+def make_kv(layout: str, num_blocks: int, heads: int):
+    """A zeroed layer tensor of ``layout`` and its ``[B, 2, N, H, D]`` view."""
+    nb, h, d = num_blocks, heads, HEAD_SIZE
+    f16 = torch.float16
+    if layout == "blocks_first":
+        t = torch.zeros((nb, 2, BS, h, d), dtype=f16)
+        return t, t
+    if layout == "kv_first":
+        t = torch.zeros((2, nb, BS, h, d), dtype=f16)
+        return t, t.movedim(0, 1)
+    if layout == "bhnc":
+        t = torch.zeros((nb, h, BS, 2 * d), dtype=f16)
+    elif layout == "bnhc":
+        t = torch.zeros((nb, BS, h, 2 * d), dtype=f16).permute(0, 2, 1, 3)
+    elif layout == "hbnc":
+        t = torch.zeros((h, nb, BS, 2 * d), dtype=f16).permute(1, 0, 2, 3)
+    elif layout == "mla":
+        assert h == 1
+        t = torch.zeros((nb, BS, 2 * d), dtype=f16)
+        return t, t.view(nb, BS, 1, 2, d).permute(0, 3, 1, 2, 4)
+    else:
+        raise ValueError(layout)
+    return t, t.view(nb, h, BS, 2, d).permute(0, 3, 2, 1, 4)
+
+
+def kv_cache_config(num_blocks: int = NUM_BLOCKS, heads: int = HEADS,
+                    replicated: bool = True, mla: bool = False) -> KVCacheConfig:
+    """One KV cache group of ``LAYERS``: GQA/MHA blocks of ``heads`` KV heads a rank
+    (``replicated``: the spec declares every TP rank holds the same heads, vLLM's
+    ``max_tp_shards = 1``), or MLA's latent KV."""
+    if mla:
+        spec = MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=2 * HEAD_SIZE,
+                                dtype=torch.float16)
+    else:
+        spec = FullAttentionSpec(block_size=BS, num_kv_heads=heads, head_size=HEAD_SIZE,
+                                 dtype=torch.float16,
+                                 max_tp_shards=1 if replicated else None)
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)])
 
 
 def vllm_config(path, policy="recompute", **extra):
@@ -86,12 +132,15 @@ def vllm_config(path, policy="recompute", **extra):
     )
 
 
-def slot_bytes(tokens, pos: int, layer: int, kv: int) -> bytes:
+def slot_bytes(tokens, pos: int, layer: int, kv: int, shard: int = 0,
+               heads: int = HEADS) -> bytes:
     """What the stand-in forward writes for token ``pos`` of ``tokens`` in ``layer`` (K for
-    ``kv`` 0, V for 1): a function of the prefix up to and including the token."""
-    h = hashlib.sha256(f"{layer}/{kv}/".encode())
+    ``kv`` 0, V for 1) on a rank holding KV head shard ``shard`` (``heads`` heads): a
+    function of the prefix up to and including the token, and of the heads."""
+    h = hashlib.sha256(f"{layer}/{kv}/{shard}/".encode())
     h.update(bytes(memoryview(torch.tensor(tokens[:pos + 1], dtype=torch.int64).numpy())))
-    return h.digest()[:SLOT_BYTES]
+    n = heads * HEAD_SIZE * 2
+    return (h.digest() * (n // 32 + 1))[:n]
 
 
 def rank_position(vblock: int, rank: int, slot: int, dcp: int, interleave: int) -> int:
@@ -103,19 +152,33 @@ def rank_position(vblock: int, rank: int, slot: int, dcp: int, interleave: int) 
 
 
 class Engine:
-    """vLLM's real scheduler, with ``dcp`` worker-side connectors (one per DCP rank) on CPU
-    KV tensors and a stand-in forward, stepped as vLLM's engine core and model runner step
-    them. Under DCP the scheduler works in virtual blocks of ``BS * dcp`` tokens, built as
-    vLLM's ``EngineCore`` builds it (``resolve_kv_cache_block_sizes``: vLLM's stock
+    """vLLM's real scheduler, with ``tp`` worker-side connectors (one per TP rank; TP rank
+    ``w`` is DCP rank ``w % dcp``, as vLLM groups them) on CPU KV tensors and a stand-in
+    forward, stepped as vLLM's engine core and model runner step them. Under DCP the
+    scheduler works in virtual blocks of ``BS * dcp`` tokens, built as vLLM's
+    ``EngineCore`` builds it (``resolve_kv_cache_block_sizes``: vLLM's stock
     ``create_scheduler`` asserts there), and each rank's block of a virtual block holds its
-    interleaved tokens."""
+    interleaved tokens. ``shards`` is how many KV head shards the TP ranks hold (vLLM's
+    split: the model has ``heads * shards`` KV heads, TP rank ``w`` holds shard ``w // (tp /
+    shards)``); 1 with ``mla`` or by default (the spec declares the KV the same on every TP
+    rank). Several TP ranks run in one process here: each worker's ranks are given to it
+    as vLLM's TP and DCP groups would (``tp_rank_and_size``, ``dcp_rank_and_size``)."""
 
     def __init__(self, path, policy="recompute", num_blocks=NUM_BLOCKS, verify=False,
-                 dcp=1, interleave=1, ranks=None, monkeypatch=None):
+                 dcp=1, interleave=1, ranks=None, monkeypatch=None, tp=None, shards=1,
+                 heads=HEADS, layout="blocks_first", mla=False, tp_ranks=None):
         self.cfg = vllm_config(path, policy)
-        self.kcc = kv_cache_config(num_blocks)
-        self.dcp, self.interleave = dcp, interleave
+        tp = dcp if tp is None else tp
+        if mla:
+            heads, layout = 1, "mla"
+        self.kcc = kv_cache_config(num_blocks, heads, replicated=shards == 1, mla=mla)
+        self.dcp, self.interleave, self.tp = dcp, interleave, tp
+        self.heads, self.shards, self.layout = heads, shards, layout
+        # The model's KV heads, as vLLM's model config gives them.
+        self.cfg.model_config.model_arch_config.total_num_kv_heads = heads * shards
         self.verify = verify
+        pc = self.cfg.parallel_config
+        pc.tensor_parallel_size = tp
         if dcp == 1:
             self.sched = create_scheduler(self.cfg, num_blocks=num_blocks,
                                           kv_cache_config=self.kcc)
@@ -124,9 +187,7 @@ class Engine:
             from vllm.v1.core.sched.scheduler import Scheduler
             from vllm.v1.structured_output import StructuredOutputManager
 
-            pc = self.cfg.parallel_config
             pc.decode_context_parallel_size = dcp
-            pc.tensor_parallel_size = dcp
             pc.cp_kv_cache_interleave_size = interleave
             self.cfg.cache_config.num_gpu_blocks = num_blocks
             block_size, hash_block_size = resolve_kv_cache_block_sizes(self.kcc, self.cfg)
@@ -136,23 +197,28 @@ class Engine:
                 structured_output_manager=StructuredOutputManager(self.cfg),
                 block_size=block_size, hash_block_size=hash_block_size)
         self.sblock = BS * dcp
-        # Worker w believes it is DCP rank ranks[w] (the identity unless a test says).
-        self.ranks = list(ranks or range(dcp))
+        # Worker w believes it is DCP rank ranks[w] and TP rank tp_ranks[w] (vLLM's
+        # grouping unless a test says).
+        self.ranks = list(ranks or [w % dcp for w in range(tp)])
+        self.tp_ranks = list(tp_ranks or range(tp))
         self.workers = []
         self.runners = []
         self.kvs = []
-        for w in range(dcp):
+        self.views = []  # per worker: {layer: [blocks, K/V, tokens, heads, head] view}
+        for w in range(tp):
             if monkeypatch is not None:
                 import cp_hicache.vllm as cv
 
                 monkeypatch.setattr(cv, "dcp_rank_and_size",
                                     lambda r=self.ranks[w]: (r, dcp))
+                monkeypatch.setattr(cv, "tp_rank_and_size",
+                                    lambda r=self.tp_ranks[w]: (r, tp))
+            else:
+                assert tp == 1, "more than one worker needs monkeypatch"
             worker = KVConnectorFactory.create_connector(
                 self.cfg, KVConnectorRole.WORKER, self.kcc)
-            # vLLM 0.34's per-layer view is blocks first: [blocks, K/V, block_size, heads,
-            # head].
-            kv = {n: torch.zeros((num_blocks, 2, BS, HEADS, HEAD_SIZE), dtype=torch.float16)
-                  for n in LAYERS}
+            made = {n: make_kv(layout, num_blocks, heads) for n in LAYERS}
+            kv = {n: t for n, (t, _) in made.items()}
             # vLLM's own model-runner glue drives each worker's connector (it registers the
             # KV tensors, and calls the hooks around each forward); it takes the process's
             # connector when built, so each worker gets its own.
@@ -163,6 +229,7 @@ class Engine:
                 kv_transfer_state._KV_CONNECTOR_AGENT = None
             self.workers.append(worker)
             self.kvs.append(kv)
+            self.views.append({n: v for n, (_, v) in made.items()})
         self.metas = []
         self.outputs = []
         self._sending = {}  # request -> workers that reported its saves done
@@ -179,6 +246,10 @@ class Engine:
     def connector(self) -> CpHiCacheConnector:
         return self.sched.connector
 
+    def shard(self, w: int) -> int:
+        """The KV head shard TP rank ``w`` holds (vLLM's split)."""
+        return w // (self.tp // self.shards)
+
     def poison(self) -> None:
         """Fills every block with garbage, so a block a load did not write shows."""
         for kv in self.kvs:
@@ -186,19 +257,35 @@ class Engine:
                 t.view(torch.uint8).fill_(0xA5)
 
     def block(self, block_id: int, rank: int = 0) -> bytes:
-        return b"".join(bytes(t[block_id].contiguous().view(torch.uint8).numpy())
-                        for t in self.kvs[rank].values())
+        """Worker ``rank``'s block ``block_id``, ``[K/V, tokens, heads, head]`` per layer."""
+        return b"".join(bytes(v[block_id].contiguous().view(torch.uint8).numpy())
+                        for v in self.views[rank].values())
 
     def expected_block(self, tokens, index: int, rank: int = 0) -> bytes:
-        """The bytes the stand-in forward gives DCP rank ``rank``'s block of scheduler
-        block ``index`` of ``tokens`` (at DCP 1: block ``index``)."""
+        """The bytes the stand-in forward gives worker ``rank``'s block of scheduler block
+        ``index`` of ``tokens`` (at DCP 1: block ``index``), as :meth:`block` reads them."""
         out = []
+        # The tokens and heads rank ``rank`` holds in vLLM's layout (whatever the worker
+        # believes its ranks are).
+        dr, shard = rank % self.dcp, self.shard(rank)
         for li in range(len(LAYERS)):
             for kv in (0, 1):
                 for j in range(BS):
-                    pos = rank_position(index, rank, j, self.dcp, self.interleave)
-                    out.append(slot_bytes(tokens, pos, li, kv))
+                    pos = rank_position(index, dr, j, self.dcp, self.interleave)
+                    out.append(slot_bytes(tokens, pos, li, kv, shard, self.heads))
         # [K/V, block_size, ...] per layer: K's slots then V's.
+        return b"".join(out)
+
+    def expected_record(self, tokens, record: int, shard: int = 0) -> bytes:
+        """The bytes of the store's record ``record`` of ``tokens`` (head shard
+        ``shard``): each layer's ``[heads, tokens, K then V of a head]``."""
+        out = []
+        for li in range(len(LAYERS)):
+            kvb = torch.tensor([[list(slot_bytes(tokens, record * BS + j, li, kv, shard,
+                                                 self.heads)) for j in range(BS)]
+                                for kv in (0, 1)], dtype=torch.uint8)
+            kvb = kvb.view(2, BS, self.heads, HEAD_SIZE * 2)
+            out.append(bytes(kvb.permute(2, 1, 0, 3).contiguous().numpy()))
         return b"".join(out)
 
     def _forward(self, so) -> None:
@@ -215,11 +302,15 @@ class Engine:
                 vo = pos % self.sblock
                 owner = (vo // i) % d
                 b, off = block_ids[pos // self.sblock], (vo // (i * d)) * i + vo % i
-                for li, name in enumerate(LAYERS):
-                    u8 = self.kvs[owner][name].view(torch.uint8)
-                    for kv in (0, 1):
-                        u8[b, kv, off].view(-1)[:] = torch.frombuffer(
-                            bytearray(slot_bytes(tokens, pos, li, kv)), dtype=torch.uint8)
+                for w in range(self.tp):
+                    if w % d != owner:
+                        continue
+                    for li, name in enumerate(LAYERS):
+                        view = self.views[w][name]
+                        for kv in (0, 1):
+                            data = slot_bytes(tokens, pos, li, kv, self.shard(w), self.heads)
+                            view[b, kv, off] = torch.frombuffer(
+                                bytearray(data), dtype=torch.float16).view(self.heads, -1)
 
     def _verify(self, so) -> None:
         """Every whole block a scheduled request has computed (loaded, or written by a
@@ -229,7 +320,7 @@ class Engine:
             tokens = list(req.all_token_ids)
             (block_ids,) = self.sched.kv_cache_manager.get_block_ids(rid)
             for v in range(min(req.num_computed_tokens, len(tokens)) // self.sblock):
-                for r in range(self.dcp):
+                for r in range(self.tp):
                     assert self.block(block_ids[v], r) == self.expected_block(tokens, v, r), (
                         f"{rid} block {v} (block id {block_ids[v]}) holds other KV on rank {r}")
 
@@ -480,7 +571,7 @@ def test_a_failed_load_is_reported_and_recomputed_never_served(tmp_path, fault):
         # The store removed the refused record; the recomputed block was saved again.
         out = torch.empty(e.worker.page_bytes, dtype=torch.uint8)
         assert e.worker.store.get(names[2], [(out.data_ptr(), out.numel())])
-        assert bytes(out.numpy()) == e.expected_block(list(b.all_token_ids), 2)
+        assert bytes(out.numpy()) == e.expected_record(list(b.all_token_ids), 2)
 
 
 def test_under_the_fail_policy_a_failed_load_ends_the_request_with_an_error(tmp_path):
@@ -636,11 +727,189 @@ def test_loading_into_another_ranks_slots_is_caught(tmp_path, monkeypatch):
         b.step()
 
 
+# The KV tensor shape the store is written from, then the one it is read into after a
+# restart (records hold [heads, tokens, K|V] per layer whatever the shape), at DCP 1 and at
+# DCP 2 with an interleave of 1 (tokens placed through the layout's byte indices).
+LAYOUT_RUNS = [("blocks_first", "kv_first"), ("kv_first", "bhnc"), ("bhnc", "bnhc"),
+               ("bnhc", "hbnc"), ("hbnc", "blocks_first"), ("mla", "mla")]
+IN_PLACE = {"bhnc", "hbnc", "mla"}  # a block's record in <= 8 runs a layer (K|V apart: gathered)
+
+
+@pytest.mark.parametrize("dcp", [1, 2], ids=["dcp1", "dcp2i1"])
+@pytest.mark.parametrize("write,read", LAYOUT_RUNS, ids=[f"{w}-to-{r}" for w, r in LAYOUT_RUNS])
+def test_kv_layouts_round_trip_byte_for_byte(tmp_path, monkeypatch, write, read, dcp):
+    """GQA/MHA KV (K and V of 2 heads a token) and MLA's latent KV: a shared prefix saved
+    from one tensor shape and layout is loaded into another after a restart, every rank's
+    every computed block checked against the KV its tokens give after every step; the
+    record holds the canonical bytes."""
+    mla = write == "mla"
+    kw = dict(dcp=dcp, interleave=1, verify=True, monkeypatch=monkeypatch, mla=mla)
+    a = Engine(tmp_path / "store", layout=write, **kw)
+    assert a.worker._in_place == (write in IN_PLACE)
+    req = create_request(request_id=1, num_tokens=72, common_prefix_len=64, max_tokens=2,
+                         block_size=a.sblock)
+    a.sched.add_request(req)
+    a.run()
+    assert_clean(a)
+    names = block_names(req.all_token_ids, BS)
+    out = torch.empty(a.worker.page_bytes, dtype=torch.uint8)
+    assert a.worker.store.get(names[1], [(out.data_ptr(), out.numel())])
+    assert bytes(out.numpy()) == a.expected_record(list(req.all_token_ids), 1)
+
+    b = Engine(tmp_path / "store", layout=read, **kw)
+    b.poison()
+    b.sched.add_request(create_request(request_id=2, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=b.sblock))
+    so = b.step()
+    assert so.num_scheduled_tokens == {"id-2": 16}, so.num_scheduled_tokens
+    b.run()
+    assert_clean(b)
+    st = b.stats()
+    assert st.get("records_loaded") == dcp * 64 // b.sblock and not st.get("load_errors"), st
+
+
+def test_kernel_blocks_and_kv_apart_map_to_the_canonical_record():
+    """The byte map of a layer (``register_kv_caches``) for kernel blocks (2 kernel blocks
+    of BS / 2 tokens a block, ``[2B, H, N/2, C]``) and for K and V apart (``[2, B, N, H,
+    D]``): a block's gathered bytes are ``[heads, tokens, K then V]``, and scattering them
+    into another block copies it."""
+    from cp_hicache.vllm import _LayerBlocks
+
+    nb, h, d = 6, HEADS, HEAD_SIZE
+    page = h * BS * 2 * d * 2
+    kernel = torch.randn((nb * 2, h, BS // 2, 2 * d), dtype=torch.float16)
+    g = _LayerBlocks.of("k", kernel, nb, BS, page)
+    want = kernel.view(nb, 2, h, BS // 2, 2 * d)[3].permute(1, 0, 2, 3).reshape(h, BS, -1)
+    assert bytes(g.gather(3, None).numpy()) == bytes(want.contiguous().view(torch.uint8).numpy())
+    assert g.runs is not None and len(g.runs) == 2 * h  # in place: a run a kernel block a head
+    kv = torch.randn((2, nb, BS, h, d), dtype=torch.float16)
+    g = _LayerBlocks.of("kv", kv, nb, BS, page)
+    want = kv[:, 4].permute(2, 1, 0, 3).contiguous()  # [H, N, K/V, D]
+    assert bytes(g.gather(4, None).numpy()) == bytes(want.view(torch.uint8).numpy())
+    assert g.runs is None  # scattered: gathered, not read in place
+    g.scatter(1, g.gather(4, None), None)
+    assert torch.equal(kv[:, 1], kv[:, 4])
+    with pytest.raises(ValueError, match="ambiguous"):
+        _LayerBlocks.of("x", torch.zeros((2, 2, BS, h, d), dtype=torch.float16), 2, BS, page)
+
+
+# (tp, dcp, interleave, head shards, mla): TP above DCP. GQA/MHA KV heads are split over the
+# TP ranks as vLLM splits them (the model has heads x shards KV heads; where TP exceeds
+# them, neighbouring ranks hold copies), a DCP group within one shard's ranks; MLA's latent
+# KV is the same on every TP rank.
+TP_RUNS = [
+    (2, 1, 1, 2, False),   # two head shards of 2 heads
+    (4, 1, 1, 2, False),   # 2 KV heads over TP 4: ranks 1 and 3 hold copies
+    (4, 2, 1, 2, False),   # TP 4, DCP 2: a DCP group per KV head
+    (4, 2, BS, 2, False),
+    (2, 1, 1, 1, True),    # MLA at TP 2: rank 1's KV is a copy
+    (4, 2, 1, 1, True),    # MLA at TP 4, DCP 2: the second DCP group's is a copy
+]
+
+
+@pytest.mark.parametrize("tp,dcp,interleave,shards,mla", TP_RUNS,
+                         ids=[f"tp{t}dcp{d}i{i}{'mla' if m else f'h{h}'}"
+                              for t, d, i, h, m in TP_RUNS])
+def test_tp_above_dcp_records_per_head_shard(tmp_path, monkeypatch, tp, dcp, interleave,
+                                            shards, mla):
+    """Each TP rank saves and loads only its own head shard's records (keys name the
+    shard; MLA's are shard-less), only the first DCP group of each shard writes, and after a
+    restart every rank's blocks hold their own heads' KV (checked after every step)."""
+    heads = HEADS if shards == tp else 1  # vLLM: max(1, KV heads // TP) a rank
+    kw = dict(tp=tp, dcp=dcp, interleave=interleave, shards=shards, heads=heads, mla=mla,
+              verify=True, monkeypatch=monkeypatch)
+    a = Engine(tmp_path / "store", **kw)
+    assert [w.head_shard for w in a.workers] == [a.shard(w) for w in range(tp)]
+    req = create_request(request_id=1, num_tokens=72, common_prefix_len=64, max_tokens=2,
+                         block_size=a.sblock)
+    a.sched.add_request(req)
+    a.run()
+    assert_clean(a)
+    names = block_names(req.all_token_ids, BS)[:4]
+    store = a.worker.store
+    if shards > 1:
+        for h in range(shards):
+            assert store.present_run([head_shard_key(n, h, shards) for n in names]) == 4
+        assert store.present_run(names) == 0  # no shard-less record
+        out = torch.empty(a.worker.page_bytes, dtype=torch.uint8)
+        assert store.get(head_shard_key(names[2], 1, shards), [(out.data_ptr(), out.numel())])
+        assert bytes(out.numpy()) == a.expected_record(list(req.all_token_ids), 2, shard=1)
+    else:
+        assert store.present_run(names) == 4
+    # Written once per shard (records, or DCP parts of them): copies write nothing.
+    direct = dcp == 1 or interleave == BS
+    assert a.stats().get("records_saved") == 4 * shards * (1 if direct else dcp), a.stats()
+
+    b = Engine(tmp_path / "store", **kw)
+    b.poison()
+    b.sched.add_request(create_request(request_id=2, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=b.sblock))
+    so = b.step()
+    assert so.num_scheduled_tokens == {"id-2": 16}, so.num_scheduled_tokens
+    b.run()
+    assert_clean(b)
+    st = b.stats()
+    assert st.get("records_loaded") == tp * 64 // b.sblock and not st.get("load_errors"), st
+
+
+def test_a_block_is_a_hit_only_with_every_head_shard(tmp_path, monkeypatch):
+    """At TP 2 over two head shards, record 2's shard 1 gone: the planner offers the two
+    blocks before it, not four (a partial hit would fail on one rank and be recomputed)."""
+    kw = dict(tp=2, shards=2, verify=True, monkeypatch=monkeypatch)
+    a = Engine(tmp_path / "store", **kw)
+    req = create_request(request_id=1, num_tokens=72, common_prefix_len=64, max_tokens=1,
+                         block_size=BS)
+    a.sched.add_request(req)
+    a.run()
+    names = block_names(req.all_token_ids, BS)
+    os.remove(a.worker.store.path_of(head_shard_key(names[2], 1, 2)))
+    b = Engine(tmp_path / "store", **kw)
+    b.sched.add_request(create_request(request_id=2, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=1, block_size=BS))
+    so = b.step()
+    assert so.num_scheduled_tokens == {"id-2": 80 - 32}, so.num_scheduled_tokens
+    b.run()
+    assert_clean(b)
+    assert not b.stats().get("load_errors")
+
+
+def test_loading_another_tp_ranks_heads_is_caught(tmp_path, monkeypatch):
+    """Workers that take each other's TP rank (so each other's head shard) fill their
+    blocks with the other heads' KV; the check of every block catches it."""
+    a = Engine(tmp_path / "store", tp=2, shards=2, monkeypatch=monkeypatch)
+    a.sched.add_request(create_request(request_id=1, num_tokens=72, common_prefix_len=64,
+                                       max_tokens=1, block_size=BS))
+    a.run()
+    b = Engine(tmp_path / "store", tp=2, shards=2, verify=True, tp_ranks=[1, 0],
+               monkeypatch=monkeypatch)
+    b.sched.add_request(create_request(request_id=2, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=1, block_size=BS))
+    with pytest.raises(AssertionError, match="holds other KV on rank 0"):
+        b.step()
+
+
+def test_refuses_head_splits_vllm_does_not_make(tmp_path):
+    # A DCP group of 2 over TP 4 with 4 KV heads (one a rank): the group would span shards.
+    cfg = vllm_config(tmp_path / "store")
+    cfg.parallel_config.tensor_parallel_size = 4
+    cfg.parallel_config.decode_context_parallel_size = 2
+    cfg.model_config.model_arch_config.total_num_kv_heads = 4
+    with pytest.raises(ValueError, match="would span two shards"):
+        CpHiCacheConnector(cfg, KVConnectorRole.SCHEDULER,
+                           kv_cache_config(heads=1, replicated=False))
+    # A spec of 2 heads a rank at TP 2 for a model of 12 KV heads (vLLM would give 6).
+    cfg = vllm_config(tmp_path / "store")
+    cfg.parallel_config.tensor_parallel_size = 2
+    with pytest.raises(ValueError, match="the head split is not vLLM's"):
+        CpHiCacheConnector(cfg, KVConnectorRole.SCHEDULER,
+                           kv_cache_config(heads=2, replicated=False))
+
+
 def test_refuses_what_is_not_built(tmp_path):
     cfg = vllm_config(tmp_path / "store")
     cfg.parallel_config.decode_context_parallel_size = 2
-    with pytest.raises(ValueError, match="tensor_parallel_size = 1 with "
-                                         "decode_context_parallel_size = 2 is not built"):
+    with pytest.raises(ValueError, match="tensor_parallel_size = 1 is not a multiple of "
+                                         "decode_context_parallel_size = 2"):
         CpHiCacheConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
     cfg = vllm_config(tmp_path / "store")
     cfg.parallel_config.pipeline_parallel_size = 2
