@@ -20,17 +20,26 @@ What it does (issue 43; docs/ENGINES.md "vLLM" is the how-to):
   (:meth:`build_connector_meta`). vLLM hands the same metadata to every worker, so the plan
   is made once and every worker executes the same one: no group rounds (docs/DESIGN.md
   §12 says how this relates to ``RankCache``'s replicated decisions).
-- **Executors, on the workers.** A worker reads and writes records straight from and into
+- **Executors, on the workers.** A worker moves records between the store and
   the blocks of vLLM's KV tensors (:meth:`register_kv_caches`): a record is a block's
-  bytes in every layer, in the order of vLLM's KV cache groups. Loads run before the
-  forward (:meth:`start_load_kv`); a record that is missing, torn, changed or of another
-  deployment (checksums and the fingerprint, checked by the store) is not copied, and its
-  block and every later block of the request are reported by
-  :meth:`get_block_ids_with_load_errors`, so vLLM recomputes them: a failed load is never
-  served. Saves run in a writer thread after the step (:meth:`wait_for_save`), reading the
-  blocks in place; :meth:`request_finished` keeps a request's blocks from being freed until
-  its writes are done (:meth:`get_finished`), and a preempted request's writes are waited
-  for before its blocks can be reused (:meth:`handle_preemptions`).
+  bytes in every layer, in the order of vLLM's KV cache groups.
+- **Layer-wise loads.** :meth:`start_load_kv` hands the step's loads to the worker's loader
+  thread and returns. The loader reads every planned record into host memory first (each
+  checked whole by the store: checksums and the fingerprint), then fills the blocks layer
+  by layer, in layer order; :meth:`wait_for_layer_load` blocks the forward until its layer
+  is in every loaded block. A record that is missing, torn, changed or of another
+  deployment is not copied, and its block and every later block of the request are
+  reported by :meth:`get_block_ids_with_load_errors`, which waits for the step's loads to
+  end: a block any layer of which could not be filled is reported whole in that step, even
+  where its earlier layers were already waited for, so vLLM discards what the step computed
+  over it and recomputes it: a failed load is never served.
+- **Asynchronous, layer-wise saves.** :meth:`save_kv_layer`, called by each attention
+  layer after its forward, copies that layer's bytes of the step's blocks to save into host
+  buffers; a block whose every layer is in goes to the writer thread at once
+  (:meth:`wait_for_save` copies the layers a forward did not hand over, and waits for no
+  write). :meth:`request_finished` keeps a finished request's blocks from being freed until
+  the workers report its writes done (``finished_sending`` from :meth:`get_finished`); the
+  writer's failures are counted (``save_errors``), never lost.
 - **Records are canonical.** A record holds ``block_size`` consecutive tokens of a
   prompt (every layer), as a DCP-1 block holds them. Its name is a chain over the tokens up
   to and including it (salted with the store's fingerprint: the model, dtype, block size,
@@ -66,8 +75,8 @@ one kind (hybrid models). A store written at one TP degree is not read at anothe
 different head split (its records hold other heads: another fingerprint, a miss).
 Requests with multimodal inputs, LoRA adapters or prompt embeddings are neither looked up
 nor saved (their KV is not a function of the token ids alone). Loads and saves are
-whole-block, not layer by layer: :meth:`wait_for_layer_load` and :meth:`save_kv_layer`
-return at once. Device (GPU) tensors are refused by :meth:`register_kv_caches`. The host
+staged through host memory by threads of the worker (no CUDA stream yet). Device (GPU)
+tensors are refused by :meth:`register_kv_caches`. The host
 tier (pinned pools per worker) is not built: every hit is read from the store.
 """
 
@@ -231,6 +240,29 @@ class _ReqState:
     has_saves: bool = False
 
 
+class _LoadTask:
+    """One step's loads on the loader thread: an event per layer (set once every loaded
+    block holds that layer, or has failed), the blocks that failed, and the end."""
+
+    def __init__(self, layers: int) -> None:
+        self.events = [threading.Event() for _ in range(layers)]
+        self.done = threading.Event()
+        self.errors: Set[int] = set()
+        self.filled_layers = 0
+
+
+class _SaveBlock:
+    """A block to save this step: what it writes (``items``: ``(key, slots, bytes per
+    layer, part)``), a host buffer per item its layers are copied into, which layers are
+    in, and whether it went to the writer."""
+
+    def __init__(self, rid: str, block_id: int, items: List[Any], layers: int) -> None:
+        self.rid, self.block_id, self.items = rid, block_id, items
+        self.bufs = [np.empty(lsz * layers, dtype=np.uint8) for _, _, lsz, _ in items]
+        self.have = [False] * layers
+        self.submitted = False
+
+
 #: Runs per layer up to which a block is read and written in place (more: gathered).
 MAX_RUNS_IN_PLACE = 8
 
@@ -312,9 +344,28 @@ class _LayerBlocks:
             raise refuse("its blocks reach outside its storage")
         return cls(storage, base, stride, index, num_blocks)
 
-    def parts(self, block: int) -> List[Tuple[int, int]]:
-        at = self.addr + block * self.stride
-        return [(at + off, n) for off, n in self.runs]
+    def fill(self, block: int, src: Any, slots: Optional[List[int]]) -> None:
+        """Puts ``src`` (uint8 ``[heads, tokens, width]``: a record's layer, or its tokens
+        for ``slots``) into the block (its slots ``slots``, or all)."""
+        if slots is None and self.runs is not None:
+            flat = src.reshape(-1)
+            at, pos = self.base + block * self.stride, 0
+            for off, n in self.runs:
+                self.storage[at + off:at + off + n] = flat[pos:pos + n]
+                pos += n
+        else:
+            self.scatter(block, src, slots)
+
+    def take(self, block: int, slots: Optional[List[int]], out: Any) -> None:
+        """Copies the block's bytes (of its slots ``slots``, or all), ``[heads, tokens,
+        width]``, into ``out`` (a flat uint8 tensor of that many bytes)."""
+        if slots is None and self.runs is not None:
+            at, pos = self.base + block * self.stride, 0
+            for off, n in self.runs:
+                out[pos:pos + n] = self.storage[at + off:at + off + n]
+                pos += n
+        else:
+            out[:] = self.gather(block, slots).reshape(-1)
 
     def gather(self, block: int, slots: Optional[List[int]]) -> Any:
         idx = self.index if slots is None else self.index[:, slots, :]
@@ -445,7 +496,16 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         self._layers: Optional[List[_LayerBlocks]] = None
         self._in_place = False
         self._num_blocks = 0
+        self._layer_index: Dict[str, int] = {n: i for i, n in enumerate(self.layer_names)}
         self._writer: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._loader: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._load: Optional[_LoadTask] = None  # the step's loads, until collected
+        #: Called by the loader thread with a layer's index before it fills that layer (a
+        #: test's instrument; None in service).
+        self._load_layer_hook: Optional[Any] = None
+        self._saves_meta: Any = None  # the metadata _saves was made for
+        self._saves: List[_SaveBlock] = []
+        self._saves_done = False
         self._writes: Dict[str, List[concurrent.futures.Future]] = {}
         self._saving_reqs: Set[str] = set()
         self._finished_waiting: Set[str] = set()
@@ -558,7 +618,8 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         """How many tokens past ``num_computed_tokens`` (vLLM's own prefix-cache hit, block
         aligned) the store holds, in whole blocks, leaving the last prompt token to be
         computed. Only records on disk count (a write in flight is not one yet). Loads are
-        synchronous (``False``): they run before the step's forward."""
+        synchronous to vLLM (``False``): they end within the step that plans them, layer by
+        layer ahead of the forward (:meth:`wait_for_layer_load`)."""
         st = self._state(request)
         st.planned = None
         self._planner_stats["lookups"] += 1
@@ -762,36 +823,13 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         self._in_place = all(g.runs is not None for g in layers)
         self._num_blocks = num_blocks
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cp-hicache-save")
+        self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cp-hicache-load")
 
     def _check_block(self, block_id: int) -> None:
         if self._layers is None:
             raise RuntimeError("CpHiCacheConnector: register_kv_caches was not called")
         if not 0 <= block_id < self._num_blocks:
             raise ValueError(f"block id {block_id} is outside 0..{self._num_blocks}")
-
-    def _parts(self, block_id: int) -> Optional[List[Tuple[int, int]]]:
-        """The block's record as ``(address, bytes)`` runs of vLLM's tensors, in record
-        order; None when its bytes are too scattered to be read and written in place."""
-        self._check_block(block_id)
-        if not self._in_place:
-            return None
-        return [run for g in self._layers for run in g.parts(block_id)]
-
-    def _gather(self, block_id: int, slots: Optional[List[int]] = None) -> Any:
-        """The block's bytes (of its slots ``slots``, or all), ``[layers][heads][tokens]
-        [bytes]``, copied out of vLLM's tensors (a uint8 tensor)."""
-        import torch
-
-        return torch.cat([g.gather(block_id, slots).reshape(-1) for g in self._layers])
-
-    def _scatter(self, block_id: int, record: Any, slots: Optional[List[int]] = None,
-                 toks: Optional[List[int]] = None) -> None:
-        """Puts a record's tokens ``toks`` (or all) into the block's slots ``slots`` (or
-        all, in order)."""
-        per_layer = record.view(len(self._layers), -1)
-        for g, layer in zip(self._layers, per_layer):
-            src = layer.view(g.heads, self.block_size, g.width)
-            g.scatter(block_id, src if toks is None else src[:, toks, :], slots)
 
     def _key(self, name: str) -> str:
         """The store name of this worker's head shard of record ``name``."""
@@ -803,137 +841,267 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                 self._stats[k] = self._stats.get(k, 0) + v
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
-        """Waits for the writes of requests preempted since the last step: vLLM freed their
-        blocks, and this step may write other KV into them."""
-        for rid in getattr(kv_connector_metadata, "preempted", ()) or ():
-            for f in self._writes.get(rid, ()):
-                f.exception()
+        """Nothing to wait for: a save copies its blocks' bytes out of vLLM's tensors within
+        the step that computed them (:meth:`save_kv_layer`, :meth:`wait_for_save`), and a
+        step's loads are joined before the step ends (:meth:`get_block_ids_with_load_errors`),
+        so a preempted request's blocks are free for vLLM to reuse at once."""
+        return
 
-    def _load_block(self, names: List[str], block_id: int) -> bool:
-        """Reads this rank's tokens of scheduler block ``block_id`` (of its head shard) from
-        their records; False when one is missing or refused (then nothing of that record
-        was written)."""
+    def _read_block(self, names: List[str], block_id: int
+                    ) -> Optional[List[Tuple[Any, Optional[List[int]], Optional[List[int]]]]]:
+        """Reads this rank's records of scheduler block ``block_id`` (of its head shard) into
+        host buffers, each checked whole by the store (checksums, fingerprint) before
+        anything of it reaches a block: ``(record [layers, heads, tokens, width], slots,
+        tokens)`` per record (slots and tokens None: the whole record, in order, into the
+        whole block); None when one is missing or refused."""
         import torch
 
-        if self._direct():
-            key = self._key(names[self.dcp_rank % len(names)])
-            parts = self._parts(block_id)
-            if parts is not None:
-                return self.store.get(key, parts)
+        self._check_block(block_id)
+        g = self._layers[0]
+        shape = (len(self._layers), g.heads, self.block_size, g.width)
+
+        def read(key: str) -> Optional[Any]:
             rec = np.empty(self.page_bytes, dtype=np.uint8)
             if not self.store.get(key, [(int(rec.ctypes.data), rec.nbytes)]):
-                return False
-            self._scatter(block_id, torch.from_numpy(rec))
-            return True
-        self._check_block(block_id)
+                return None
+            return torch.from_numpy(rec).view(shape)
+
+        if self._direct():
+            rec = read(self._key(names[self.dcp_rank % len(names)]))
+            return None if rec is None else [(rec, None, None)]
         by_record: Dict[int, Tuple[List[int], List[int]]] = {}
         for s, (k, tok) in enumerate(self._slots):
             slots, toks = by_record.setdefault(k, ([], []))
             slots.append(s)
             toks.append(tok)
-        ok = True
+        out = []
         for k, (slots, toks) in sorted(by_record.items()):
-            rec = np.empty(self.page_bytes, dtype=np.uint8)
-            if not self.store.get(self._key(names[k]), [(int(rec.ctypes.data), rec.nbytes)]):
-                ok = False
-                continue
-            self._scatter(block_id, torch.from_numpy(rec), slots, toks)
-        return ok
+            rec = read(self._key(names[k]))
+            if rec is None:
+                return None
+            out.append((rec, slots, toks))
+        return out
+
+    def _run_load(self, task: "_LoadTask", loads: Dict[str, List[Job]]) -> None:
+        """The loader thread's work for one step: reads and checks every planned record
+        first (a refused one fails its block and every later block of its request), then
+        fills the blocks layer by layer, in layer order, setting each layer's event once
+        every block of the step holds that layer (or has failed). Whatever goes wrong ends
+        as load errors, never as an exception in the engine's thread: every event is set
+        and the task marked done on every path."""
+        staged: List[Tuple[int, List[Any]]] = []
+        filled: Set[int] = set()
+        try:
+            for rid, jobs in loads.items():
+                failed = False
+                for names, block_id in jobs:
+                    if failed:
+                        task.errors.add(block_id)
+                        continue
+                    try:
+                        items = self._read_block(names, block_id)
+                    except (_native.UsageError, OSError, ValueError) as e:
+                        logger.warning("cp_hicache: loading block %d of %s failed: %s",
+                                       block_id, rid, e)
+                        items = None
+                    if items is None:
+                        failed = True
+                        task.errors.add(block_id)
+                        self._count(load_errors=1)
+                    else:
+                        staged.append((block_id, items))
+                if failed:
+                    logger.warning("cp_hicache: request %s: a planned record could not be "
+                                   "loaded; vLLM recomputes from its block", rid)
+            for li, g in enumerate(self._layers):
+                hook = self._load_layer_hook
+                if hook is not None:
+                    hook(li)
+                for block_id, items in staged:
+                    if block_id in task.errors:
+                        continue
+                    try:
+                        for rec, slots, toks in items:
+                            src = rec[li]
+                            g.fill(block_id, src if toks is None else src[:, toks, :], slots)
+                    except Exception as e:  # the block is incomplete: reported, recomputed
+                        logger.warning("cp_hicache: filling layer %d of block %d failed: %s",
+                                       li, block_id, e)
+                        task.errors.add(block_id)
+                        self._count(load_errors=1)
+                task.filled_layers = li + 1
+                task.events[li].set()
+            filled = {b for b, _ in staged if b not in task.errors}
+            self._count(records_loaded=len(filled), bytes_loaded=len(filled) * self.page_bytes)
+        except BaseException as e:  # pragma: no cover - a bug: fail every block, loudly
+            logger.error("cp_hicache: the loader failed: %r", e)
+            lost = {b for b, _ in staged} - task.errors - filled
+            task.errors |= lost
+            self._count(load_errors=len(lost), loader_failures=1)
+        finally:
+            for ev in task.events:
+                ev.set()
+            task.done.set()
+
+    def _join_load(self) -> Set[int]:
+        """Waits for the step's load (if any) and returns its failed blocks."""
+        task, self._load = self._load, None
+        if task is None:
+            return set()
+        task.done.wait()
+        return task.errors
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Reads every planned record into its block, before the forward. A record that
-        is missing or refused, and every later block of its request, is not served: the
-        blocks go to :meth:`get_block_ids_with_load_errors` and vLLM recomputes them."""
+        """Starts the step's planned loads on the loader thread and returns: the records
+        are read and checked there, then the blocks filled layer by layer
+        (:meth:`wait_for_layer_load` waits for a layer). A record that is missing or refused,
+        and every later block of its request, is not served: the blocks go to
+        :meth:`get_block_ids_with_load_errors` and vLLM recomputes them."""
         meta = self._get_connector_metadata()
-        for rid, jobs in meta.loads.items():
-            failed = False
-            for names, block_id in jobs:
-                if failed:
-                    self._load_errors.add(block_id)
-                    continue
-                try:
-                    ok = self._load_block(names, block_id)
-                except (_native.UsageError, OSError) as e:  # an I/O error of the store
-                    logger.warning("cp_hicache: loading block %d of %s failed: %s",
-                                   block_id, rid, e)
-                    ok = False
-                if ok:
-                    self._count(records_loaded=1, bytes_loaded=self.page_bytes)
-                else:
-                    failed = True
-                    self._load_errors.add(block_id)
-                    self._count(load_errors=1)
-            if failed:
-                logger.warning("cp_hicache: request %s: a planned record could not be "
-                               "loaded; vLLM recomputes from its block", rid)
+        self._load_errors |= self._join_load()  # a step whose errors were not collected
+        if not meta.loads:
+            return
+        if self._loader is None:
+            raise RuntimeError(
+                "CpHiCacheConnector: loads planned on a worker that was shut down"
+                if self._layers is not None
+                else "CpHiCacheConnector: register_kv_caches was not called"
+            )
+        task = _LoadTask(len(self._layers))
+        self._load = task
+        loads = {rid: list(jobs) for rid, jobs in meta.loads.items()}
+        self._loader.submit(self._run_load, task, loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Returns at once: :meth:`start_load_kv` has loaded every layer (loads are not
-        layer by layer yet)."""
-        return
+        """Blocks until the step's loads have filled layer ``layer_name`` of every loaded
+        block (or failed it: then the block is reported by
+        :meth:`get_block_ids_with_load_errors` and its tokens recomputed). Raises nothing;
+        returns at once when the step loads nothing or the layer is not the connector's."""
+        task = self._load
+        li = self._layer_index.get(layer_name)
+        if task is None or li is None:
+            return
+        task.events[li].wait()
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
-                      **kwargs: Any) -> None:
-        """Returns at once: saves take a block's every layer after the step
-        (:meth:`wait_for_save`), not layer by layer yet."""
-        return
-
-    def wait_for_save(self) -> None:
-        """Hands the step's planned saves to the writer thread, which writes each block's
-        record from vLLM's tensors in place. vLLM keeps the blocks until the request's
-        writes are reported done (:meth:`request_finished`, :meth:`get_finished`); a
-        preemption waits for them (:meth:`handle_preemptions`). Under DCP with an interleave
-        of a whole block each rank writes the records its block holds; with a smaller one
-        every rank holds part of each record and writes it as a part
-        (``PageStore.put_part``): the last part to come assembles and writes the record,
-        the same bytes a DCP-1 block holds."""
-        meta = self._get_connector_metadata()
-        if self._writer is None and meta.saves:
+    def _step_saves(self, meta: Any) -> List["_SaveBlock"]:
+        """The step's blocks to save (made once per step's metadata): for each, the record
+        (or, under DCP with a small interleave, this rank's part of each record) it writes,
+        with a host buffer its layers are copied into as the forward computes them."""
+        if self._saves_meta is meta:
+            return self._saves
+        self._saves_meta, self._saves, self._saves_done = meta, [], False
+        if meta.saves and self._writer is None:
             raise RuntimeError(
                 "CpHiCacheConnector: saves planned on a worker that was shut down"
                 if self._layers is not None
                 else "CpHiCacheConnector: register_kv_caches was not called"
             )
+        layers = len(self._layers or ())
         for rid, jobs in meta.saves.items():
             self._saving_reqs.add(rid)  # reported by get_finished once its writes are done
             if self.copy:
                 # This rank's KV is a copy of another DCP group's (TP ranks beyond the
                 # heads, or MLA's replicated latent KV): that group writes it.
                 continue
-            if self._direct():
-                work = []
-                for names, b in jobs:
+            g = self._layers[0]
+            for names, b in jobs:
+                self._check_block(b)
+                items = []
+                if self._direct():
                     key = self._key(names[self.dcp_rank % len(names)])
-                    parts = self._parts(b)
-                    # Scattered blocks are copied out now (the block may be reused once
-                    # the step is over); contiguous ones are read in place by the writer.
-                    work.append((key, parts if parts is not None
-                                 else self._gather(b).numpy(), None))
-            else:
-                # Each rank holds part of each record: its part is copied out now (the
-                # block may be reused once the step is over), written as a part after.
-                work = [w for names, b in jobs for w in self._part_payloads(names, b)]
-            self._writes.setdefault(rid, []).append(self._writer.submit(self._write, rid, work))
+                    items.append((key, None, self.layer_page_bytes, None))
+                else:
+                    # Each rank holds part of each record: it writes its tokens of each
+                    # record it holds tokens of, packed [layers][heads][its tokens][width].
+                    for k, name in enumerate(names):
+                        slots = [s for s, (rec, _) in enumerate(self._slots) if rec == k]
+                        if not slots:
+                            continue
+                        owners = self._owners(k)
+                        items.append((self._key(name), slots, g.heads * len(slots) * g.width,
+                                      (owners.index(self.dcp_rank), len(owners), k)))
+                self._saves.append(_SaveBlock(rid, b, items, layers))
+        return self._saves
+
+    def _take_layer(self, sb: "_SaveBlock", li: int) -> None:
+        """Copies layer ``li`` of a block to save into its host buffers."""
+        import torch
+
+        g = self._layers[li]
+        for (_, slots, lsz, _), buf in zip(sb.items, sb.bufs):
+            g.take(sb.block_id, slots, torch.from_numpy(buf[li * lsz:(li + 1) * lsz]))
+        sb.have[li] = True
+
+    def _submit(self, blocks: List["_SaveBlock"]) -> None:
+        """Hands blocks whose every layer is copied to the writer thread (a task per
+        request)."""
+        by_req: Dict[str, List[Tuple[str, Any, Any]]] = {}
+        for sb in blocks:
+            sb.submitted = True
+            by_req.setdefault(sb.rid, []).extend(
+                (key, buf, part) for (key, _, _, part), buf in zip(sb.items, sb.bufs))
+        for rid, work in by_req.items():
+            f = self._writer.submit(self._write, rid, work)
+            f.add_done_callback(self._write_done)
+            self._writes.setdefault(rid, []).append(f)
+
+    def _write_done(self, f: concurrent.futures.Future) -> None:
+        """A writer task that raised (``_write`` counts its records' failures itself; this
+        is anything else): counted and logged, never lost."""
+        if not f.cancelled() and f.exception() is not None:
+            logger.error("cp_hicache: a writer task failed: %r", f.exception())
+            self._count(save_errors=1, writer_failures=1)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        """Called by each attention layer after its forward: copies that layer's bytes of
+        the step's blocks to save (this rank's tokens of them) out of vLLM's tensor into
+        host buffers, since vLLM may reuse a block once the step is over; a block whose
+        every layer is copied goes to the writer thread at once. Layers that are not the
+        connector's (a draft model's) are ignored."""
+        li = self._layer_index.get(layer_name)
+        meta = getattr(self, "_connector_metadata", None)
+        if li is None or meta is None or self._layers is None:
+            return
+        ready = []
+        for sb in self._step_saves(meta):
+            if sb.submitted or sb.have[li]:
+                continue
+            self._take_layer(sb, li)
+            if all(sb.have):
+                ready.append(sb)
+        if ready:
+            self._submit(ready)
+
+    def wait_for_save(self) -> None:
+        """Completes the step's saves without waiting for any write: a block some layer of
+        which :meth:`save_kv_layer` did not copy (a forward that does not call it) has those
+        layers copied now, and goes to the writer thread. vLLM keeps a finished request's
+        blocks until its writes are reported done (:meth:`request_finished`,
+        :meth:`get_finished`). Under DCP with an interleave of a whole block each rank
+        writes the records its block holds; with a smaller one every rank holds part of each
+        record and writes it as a part (``PageStore.put_part``): the last part to come
+        assembles and writes the record, the same bytes a DCP-1 block holds."""
+        meta = self._get_connector_metadata()
+        saves = self._step_saves(meta)
+        if self._saves_done:
+            return
+        self._saves_done = True
+        ready = []
+        for sb in saves:
+            if sb.submitted:
+                continue
+            for li, have in enumerate(sb.have):
+                if not have:
+                    self._take_layer(sb, li)
+            ready.append(sb)
+        if ready:
+            self._submit(ready)
 
     def _owners(self, record: int) -> List[int]:
         """The ranks holding tokens of record ``record`` of a scheduler block, in order."""
         i, d, bs = self.interleave, self.dcp, self.block_size
         return sorted({(o // i) % d for o in range(record * bs, (record + 1) * bs)})
-
-    def _part_payloads(self, names: List[str], block_id: int) -> List[Tuple[str, Any, Any]]:
-        """This rank's part of each record of scheduler block ``block_id`` it holds tokens
-        of: ``(name, payload, (part, parts, record))``, the payload its tokens of the record
-        packed ``[layers][heads][its tokens][bytes per token]``."""
-        self._check_block(block_id)
-        out = []
-        for k, name in enumerate(names):
-            slots = [s for s, (rec, _) in enumerate(self._slots) if rec == k]
-            if not slots:
-                continue
-            owners = self._owners(k)
-            payload = self._gather(block_id, slots).numpy()
-            out.append((self._key(name), payload, (owners.index(self.dcp_rank), len(owners), k)))
-        return out
 
     def _assemble(self, record: int, payloads: List[bytes]) -> bytes:
         """A record's payload from its owners' parts (in owner order), each rank's tokens
@@ -984,14 +1152,21 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                 self._finished_waiting.discard(rid)
                 self._saving_reqs.discard(rid)
                 self._writes.pop(rid, None)
-        # Writes of requests still running that are done need no tracking.
-        for rid, fs in self._writes.items():
+        # Writes of requests still running that are done need no tracking (a task that
+        # raised was counted by _write_done).
+        for rid, fs in list(self._writes.items()):
             fs[:] = [f for f in fs if not f.done()]
+            if not fs and rid not in self._saving_reqs:
+                del self._writes[rid]
         return (done or None), None
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
         """Blocks whose planned record could not be loaded since the last call (vLLM
-        recomputes them)."""
+        recomputes them). Waits for the step's loads to end first (they have, where the
+        forward waited for every layer), so a step's failures are reported in that step,
+        as vLLM asks of synchronous loads: a block any layer of which was not filled from a
+        checked record is reported whole, even if earlier layers were served."""
+        self._load_errors |= self._join_load()
         out, self._load_errors = self._load_errors, set()
         return out
 
@@ -1011,7 +1186,11 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         return self.store.stats()
 
     def shutdown(self) -> None:
-        """Waits for every write in flight, then stops the writer thread."""
-        if self._writer is not None:
-            self._writer.shutdown(wait=True)
-            self._writer = None
+        """Drains: waits for the step's loads and every write in flight, then stops the
+        loader and writer threads (none is left behind). Idempotent."""
+        self._load_errors |= self._join_load()
+        for attr in ("_loader", "_writer"):
+            ex = getattr(self, attr)
+            if ex is not None:
+                ex.shutdown(wait=True)
+                setattr(self, attr, None)

@@ -4,7 +4,8 @@ vLLM's own ``Scheduler`` loads the connector by module path (``kv_connector_modu
 "cp_hicache.vllm"``) through its connector factory; a worker-side connector, made by the same
 factory, executes each step's metadata on CPU KV tensors, driven by vLLM's own model-runner
 glue (``ActiveKVConnector``: ``register_kv_caches``, then per step ``handle_preemptions``,
-``bind_connector_metadata``, ``start_load_kv``, the forward, ``wait_for_save``,
+``bind_connector_metadata``, ``start_load_kv``, the forward (``wait_for_layer_load`` before
+each layer, ``save_kv_layer`` after it), ``wait_for_save``,
 ``get_finished``, ``get_block_ids_with_load_errors``, ``get_kv_connector_stats``), with a
 stand-in forward that writes KV as a function of each token's prefix and layer (what a
 model's forward would write for the same prefix).
@@ -19,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import threading
 import time
 
 import pytest
@@ -166,7 +168,9 @@ class Engine:
 
     def __init__(self, path, policy="recompute", num_blocks=NUM_BLOCKS, verify=False,
                  dcp=1, interleave=1, ranks=None, monkeypatch=None, tp=None, shards=1,
-                 heads=HEADS, layout="blocks_first", mla=False, tp_ranks=None):
+                 heads=HEADS, layout="blocks_first", mla=False, tp_ranks=None,
+                 layerwise=True):
+        self.layerwise = layerwise
         self.cfg = vllm_config(path, policy)
         tp = dcp if tp is None else tp
         if mla:
@@ -288,7 +292,9 @@ class Engine:
             out.append(bytes(kvb.permute(2, 1, 0, 3).contiguous().numpy()))
         return b"".join(out)
 
-    def _forward(self, so) -> None:
+    def _forward(self, so, layer: int) -> None:
+        """Writes layer ``layer``'s KV of every scheduled token, as the model's attention
+        layer ``layer`` would."""
         starts = {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
         c = so.scheduled_cached_reqs
         starts.update(zip(c.req_ids, c.num_computed_tokens))
@@ -306,6 +312,8 @@ class Engine:
                     if w % d != owner:
                         continue
                     for li, name in enumerate(LAYERS):
+                        if li != layer:
+                            continue
                         view = self.views[w][name]
                         for kv in (0, 1):
                             data = slot_bytes(tokens, pos, li, kv, self.shard(w), self.heads)
@@ -324,10 +332,12 @@ class Engine:
                     assert self.block(block_ids[v], r) == self.expected_block(tokens, v, r), (
                         f"{rid} block {v} (block id {block_ids[v]}) holds other KV on rank {r}")
 
-    def step(self, on_loaded=None):
+    def step(self, on_loaded=None, before_forward=None):
         """One engine step, every worker's connector driven by vLLM's model-runner glue
         (``ActiveKVConnector``: ``pre_forward`` runs ``handle_preemptions``, binds the
-        metadata and, when the step has synchronous loads, ``start_load_kv``; after the
+        metadata and, when the step has synchronous loads, ``start_load_kv``; the forward
+        calls ``wait_for_layer_load`` before each layer and ``save_kv_layer`` after it (not
+        with ``layerwise=False``: ``wait_for_save`` then copies the saved blocks); after the
         forward, ``post_forward`` runs ``wait_for_save``, ``get_finished``,
         ``get_block_ids_with_load_errors`` and ``get_kv_connector_stats``). The workers'
         outputs are aggregated as vLLM's ``KVOutputAggregator`` does: a request's saves are
@@ -338,9 +348,20 @@ class Engine:
         self.metas.append(meta)
         for r in self.runners:
             r.pre_forward(so)
+        if before_forward is not None:
+            before_forward(so, meta)
         if on_loaded is not None:
+            for w in self.workers:
+                for name in LAYERS:
+                    w.wait_for_layer_load(name)
             on_loaded(so, meta)
-        self._forward(so)
+        for li, name in enumerate(LAYERS):
+            for w in self.workers:
+                w.wait_for_layer_load(name)
+            self._forward(so, li)
+            if self.layerwise:
+                for w, kv in zip(self.workers, self.kvs):
+                    w.save_kv_layer(name, kv[name], None)
         if self.verify:
             self._verify(so)
         sending, invalid, stats = set(), set(), None
@@ -652,7 +673,7 @@ def test_abort_while_saving_leaves_nothing_behind(tmp_path):
 
 def test_preemption_resumes_from_the_store_and_every_block_holds_its_kv(tmp_path):
     """Two requests outgrow 9 usable blocks while decoding: vLLM preempts one, whose
-    writes are waited for before its blocks are reused; resumed, it gets its blocks back
+    blocks are reused at once (its saves copied them out within their step); resumed, it gets its blocks back
     from its local prefix cache and the store. After every step every computed block of
     every scheduled request holds the KV its tokens give (loads included)."""
     e = Engine(tmp_path / "store", num_blocks=10, verify=True)
@@ -919,3 +940,311 @@ def test_refuses_what_is_not_built(tmp_path):
                              kv_connector_module_path="cp_hicache.vllm", kv_role="kv_both")
     with pytest.raises(ValueError, match=r"needs kv_connector_extra_config\['path'\]"):
         CpHiCacheConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
+
+
+# ------------------------------------------------------------------------------------------
+# Layer-wise loads and asynchronous saves
+# ------------------------------------------------------------------------------------------
+
+
+def _save_prefix(path) -> None:
+    """Fills a store with request 1's four 16-token blocks (a 64-token prefix)."""
+    e = Engine(path)
+    e.sched.add_request(create_request(request_id=1, num_tokens=70, common_prefix_len=64,
+                                       max_tokens=2, block_size=BS))
+    e.run()
+    assert_clean(e)
+
+
+def _prefix_hit():
+    """Request 2: 80 tokens sharing request 1's prefix (64 of them hit the store)."""
+    return create_request(request_id=2, num_tokens=80, common_prefix_len=64, max_tokens=2,
+                          block_size=BS)
+
+
+def _layer(block: bytes, li: int) -> bytes:
+    """Layer ``li``'s bytes of a block as ``Engine.block`` gives it."""
+    n = len(block) // len(LAYERS)
+    return block[li * n:(li + 1) * n]
+
+
+class _RecordingReads:
+    """The worker's store, noting each record read in ``events``."""
+
+    def __init__(self, store, events):
+        self._store, self._events = store, events
+
+    def get(self, name, parts):
+        self._events.append(("read", name))
+        return self._store.get(name, parts)
+
+    def __getattr__(self, attr):
+        return getattr(self._store, attr)
+
+
+def test_wait_for_layer_load_waits_for_its_layer_and_records_are_checked_first(tmp_path):
+    """start_load_kv returns at once; the loader thread reads (and checks) every record of
+    the step before it fills any block, then fills layer by layer: wait_for_layer_load(0)
+    returns with layer 0 of every loaded block filled while layer 1 is not yet (its wait
+    blocks until the loader fills it), and the blocks end byte for byte as saved."""
+    _save_prefix(tmp_path / "store")
+    e = Engine(tmp_path / "store")
+    e.poison()
+    w = e.worker
+    events = []
+    w.store = _RecordingReads(w.store, events)
+    gate = threading.Event()
+
+    def hook(li):
+        events.append(("layer", li))
+        if li == 1:
+            assert gate.wait(30)
+
+    w._load_layer_hook = hook
+    b = _prefix_hit()
+    e.sched.add_request(b)
+    tokens = list(b.all_token_ids)
+    seen = {}
+
+    def before_forward(so, meta):
+        if not meta.loads:
+            return
+        (bb,) = e.sched.kv_cache_manager.get_block_ids("id-2")
+        ids = bb[:4]
+        w.wait_for_layer_load(LAYERS[0])
+        poison = b"\xa5" * len(_layer(e.block(ids[0]), 1))
+        for i, x in enumerate(ids):
+            assert _layer(e.block(x), 0) == _layer(e.expected_block(tokens, i), 0)
+            assert _layer(e.block(x), 1) == poison, "layer 1 filled before its turn"
+        waiter = threading.Thread(target=w.wait_for_layer_load, args=(LAYERS[1],))
+        waiter.start()
+        waiter.join(0.3)
+        seen["blocked"] = waiter.is_alive()
+        assert all(_layer(e.block(x), 1) == poison for x in ids)
+        gate.set()
+        waiter.join(30)
+        assert not waiter.is_alive()
+        for i, x in enumerate(ids):
+            assert e.block(x) == e.expected_block(tokens, i)
+        seen["ok"] = True
+
+    try:
+        so = e.step(before_forward=before_forward)
+    finally:
+        gate.set()
+    assert seen.get("ok") and seen["blocked"], seen
+    assert so.num_scheduled_tokens == {"id-2": 16}
+    first_fill = events.index(("layer", 0))
+    reads = [i for i, ev in enumerate(events) if ev[0] == "read"]
+    assert len(reads) == 4 and max(reads) < first_fill, events
+    assert events[first_fill:] == [("layer", 0), ("layer", 1)], events
+    e.run()
+    assert_clean(e)
+    st = e.stats()
+    assert st.get("records_loaded") == 4 and not st.get("load_errors"), st
+
+
+def test_a_block_failing_after_a_layer_was_served_is_reported_whole(tmp_path):
+    """Layer 0 of block 2 is filled and waited for, then filling its layer 1 fails: block
+    2 is reported whole by get_block_ids_with_load_errors in the same step, vLLM recomputes
+    from it, and every block ends with the KV its tokens give."""
+    _save_prefix(tmp_path / "store")
+    e = Engine(tmp_path / "store")
+    e.poison()
+    w = e.worker
+    layer1 = w._layers[1]
+    orig, seen_blocks = layer1.fill, []
+
+    def failing_fill(block, src, slots):
+        if block not in seen_blocks:
+            seen_blocks.append(block)
+        if len(seen_blocks) == 3 and block == seen_blocks[2]:
+            raise OSError("injected: the copy of layer 1 failed")
+        return orig(block, src, slots)
+
+    layer1.fill = failing_fill
+    b = _prefix_hit()
+    e.sched.add_request(b)
+    tokens = list(b.all_token_ids)
+    served = {}
+
+    def before_forward(so, meta):
+        if meta.loads:
+            (bb,) = e.sched.kv_cache_manager.get_block_ids("id-2")
+            w.wait_for_layer_load(LAYERS[0])
+            served["layer0"] = _layer(e.block(bb[2]), 0)
+            served["ids"] = list(bb[:4])
+
+    so = e.step(before_forward=before_forward)
+    assert so.num_scheduled_tokens == {"id-2": 16}
+    # Layer 0 of block 2 was served (waited for) before the block failed ...
+    assert served["layer0"] == _layer(e.expected_block(tokens, 2), 0)
+    # ... and the whole block is reported in that step.
+    assert e.outputs[-1].invalid_block_ids == {served["ids"][2]}
+    layer1.fill = orig
+    so = e.step()
+    assert so.num_scheduled_tokens == {"id-2": 48}, so.num_scheduled_tokens
+    (bb,) = e.sched.kv_cache_manager.get_block_ids("id-2")
+    for i in range(5):
+        assert e.block(bb[i]) == e.expected_block(tokens, i)
+    e.run()
+    assert_clean(e)
+    st = e.stats()
+    assert st.get("load_errors") == 1 and st.get("records_loaded") == 3, st
+
+
+@pytest.mark.parametrize("layout,dcp", [("blocks_first", 1), ("hbnc", 1), ("kv_first", 2)],
+                         ids=["in-place", "gathered", "dcp2-parts"])
+def test_layerwise_saves_write_the_records_the_whole_step_path_writes(tmp_path, monkeypatch,
+                                                                      layout, dcp):
+    """Records saved layer by layer (save_kv_layer after each layer's forward) and records
+    saved with no save_kv_layer call (wait_for_save copies every layer) are byte for byte
+    the same, and the canonical record of their tokens."""
+    records = {}
+    for layerwise in (True, False):
+        path = tmp_path / f"store-{layerwise}"
+        e = Engine(path, dcp=dcp, layout=layout, layerwise=layerwise,
+                   monkeypatch=monkeypatch if dcp > 1 else None)
+        req = create_request(request_id=1, num_tokens=70, max_tokens=2, block_size=BS)
+        e.sched.add_request(req)
+        e.run()
+        assert_clean(e)
+        tokens = list(req.all_token_ids)
+        names = block_names(tokens, BS)[:64 // BS]
+        got = []
+        for k, name in enumerate(names):
+            out = torch.empty(e.worker.page_bytes, dtype=torch.uint8)
+            assert e.worker.store.get(name, [(out.data_ptr(), out.numel())]), (layerwise, k)
+            got.append(bytes(out.numpy()))
+            assert got[-1] == e.expected_record(tokens, k), (layerwise, k)
+        records[layerwise] = got
+        assert not e.stats().get("save_errors")
+    assert records[True] == records[False]
+
+
+class _GatedWrites:
+    """The worker's store, whose writes wait for ``gate``."""
+
+    def __init__(self, store, gate):
+        self._store, self._gate = store, gate
+
+    def put(self, *a, **k):
+        assert self._gate.wait(60)
+        return self._store.put(*a, **k)
+
+    def put_part(self, *a, **k):
+        assert self._gate.wait(60)
+        return self._store.put_part(*a, **k)
+
+    def __getattr__(self, attr):
+        return getattr(self._store, attr)
+
+
+def test_saves_are_asynchronous_and_reported_only_once_written(tmp_path):
+    """The writes wait on a gate: every step (wait_for_save included) returns meanwhile;
+    the finished request's blocks stay allocated (request_finished delayed their freeing)
+    and get_finished does not report it; vLLM reuses the blocks after each layer's save
+    (here: garbage over every layer once save_kv_layer copied it), yet the records hold
+    the forward's KV. Once the gate opens, the request is reported done and freed."""
+    e = Engine(tmp_path / "store")
+    w = e.worker
+    gate = threading.Event()
+    w.store = _GatedWrites(w.store, gate)
+    orig_save = w.save_kv_layer
+
+    def save_then_clobber(name, kv_layer, attn_metadata, **kw):
+        orig_save(name, kv_layer, attn_metadata, **kw)
+        kv_layer.view(torch.uint8).fill_(0x5A)  # vLLM may reuse the blocks now
+
+    w.save_kv_layer = save_then_clobber
+    req = create_request(request_id=1, num_tokens=64, max_tokens=2, block_size=BS)
+    e.sched.add_request(req)
+    names = block_names(req.all_token_ids, BS)[:4]
+    try:
+        for _ in range(6):
+            t0 = time.monotonic()
+            e.step()
+            assert time.monotonic() - t0 < 20, "a step waited for the writes"
+        assert "id-1" in e.sched.requests  # finished, its blocks kept for its writes
+        ps = e.connector.planner_stats()
+        assert ps["delayed"] == 1 and ps["finished_sending"] == 0, ps
+        assert not any(o.finished_sending for o in e.outputs)
+        assert w.store.present_run(names) == 0
+    finally:
+        gate.set()
+    e.run()
+    assert_clean(e)
+    assert e.connector.planner_stats()["finished_sending"] == 1
+    assert w.store.present_run(names) == 4
+    tokens = list(req.all_token_ids)
+    for k, name in enumerate(names):
+        out = torch.empty(w.page_bytes, dtype=torch.uint8)
+        assert w.store.get(name, [(out.data_ptr(), out.numel())])
+        assert bytes(out.numpy()) == e.expected_record(tokens, k)
+
+
+def test_a_failing_writer_is_counted_and_its_request_still_ends(tmp_path):
+    """A store write that raises is a save error (a later miss); a writer task that raises
+    outside it is counted too (``writer_failures``); neither is lost, and the request is
+    still reported done and freed."""
+    e = Engine(tmp_path / "store")
+    w = e.worker
+
+    class FailingPut:
+        def __init__(self, store):
+            self._store = store
+
+        def put(self, *a, **k):
+            raise OSError("injected: no space left on device")
+
+        def __getattr__(self, attr):
+            return getattr(self._store, attr)
+
+    w.store = FailingPut(w.store)
+    e.sched.add_request(create_request(request_id=1, num_tokens=40, max_tokens=2,
+                                       block_size=BS))
+    e.run()
+    assert_clean(e)
+    st = e.stats()
+    assert st.get("save_errors") == 2 and not st.get("records_saved"), st
+
+    e = Engine(tmp_path / "store2")
+
+    def broken_write(rid, jobs):
+        raise RuntimeError("injected: a bug in the writer")
+
+    e.worker._write = broken_write
+    e.sched.add_request(create_request(request_id=1, num_tokens=40, max_tokens=2,
+                                       block_size=BS))
+    e.run()
+    assert_clean(e)
+    st = e.stats()
+    assert st.get("writer_failures") == 1 and st.get("save_errors") == 1, st
+
+
+def test_shutdown_drains_the_writes_and_leaves_no_thread(tmp_path):
+    """shutdown waits for the writes in flight, then stops the loader and the writer: no
+    thread of the connector is left, and it may be called again."""
+    _save_prefix(tmp_path / "store")
+    e = Engine(tmp_path / "store")
+    w = e.worker
+    gate = threading.Event()
+    w.store = _GatedWrites(w.store, gate)
+    b = _prefix_hit()
+    e.sched.add_request(b)
+    e.step()  # loads 4 blocks, computes and saves block 4
+    e.step()
+    threads = list(w._writer._threads) + list(w._loader._threads)
+    assert threads and all(t.is_alive() for t in threads)
+    opener = threading.Timer(0.3, gate.set)
+    opener.start()
+    try:
+        w.shutdown()
+    finally:
+        gate.set()
+        opener.join()
+    assert not any(t.is_alive() for t in threads)
+    assert w.store.present_run(block_names(b.all_token_ids, BS)[:5]) == 5
+    w.shutdown()  # idempotent
+    w.wait_for_layer_load(LAYERS[0])  # nothing to wait for
+    assert w.get_block_ids_with_load_errors() == set()
