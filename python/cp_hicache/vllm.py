@@ -51,7 +51,7 @@ What it does (issue 43; docs/ENGINES.md "vLLM" is the how-to):
   block id for its block, which holds its interleaved tokens (token ``t`` of a virtual block
   on rank ``(t // I) % dcp``, ``I`` = ``cp_kv_cache_interleave_size``; vLLM's
   ``block_table.py``). A worker finds its rank in vLLM's DCP group. With ``I`` a whole block,
-  each rank's block is one record, read and written in place; with a smaller ``I`` each rank
+  each rank's block is one record, loaded and saved whole; with a smaller ``I`` each rank
   reads the records its tokens come from and takes its tokens out, and writes its tokens of
   each record as a part (``PageStore.put_part``): the last part to come assembles the record.
   So a store written at DCP 4 is read at DCP 2 and at DCP 1, and the other way round.
