@@ -513,6 +513,13 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         self._stats: Dict[str, int] = {}
         self._stats_lock = threading.Lock()
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: Dict[str, Any]) -> bool:
+        """True: the forward must call :meth:`wait_for_layer_load` and :meth:`save_kv_layer`
+        in every attention layer, which a full CUDA graph would skip on replay (vLLM then
+        runs piecewise CUDA graphs, attention outside them)."""
+        return True
+
     @staticmethod
     def _check_parallel(vllm_config: Any, dcp: int) -> None:
         pc = getattr(vllm_config, "parallel_config", None)

@@ -1044,6 +1044,12 @@ def test_wait_for_layer_load_waits_for_its_layer_and_records_are_checked_first(t
     assert st.get("records_loaded") == 4 and not st.get("load_errors"), st
 
 
+def test_layer_wise_hooks_need_piecewise_cuda_graphs():
+    """A full CUDA graph would skip wait_for_layer_load and save_kv_layer on replay: the
+    connector asks vLLM for piecewise graphs."""
+    assert CpHiCacheConnector.requires_piecewise_for_cudagraph({}) is True
+
+
 def test_a_block_failing_after_a_layer_was_served_is_reported_whole(tmp_path):
     """Layer 0 of block 2 is filled and waited for, then filling its layer 1 fails: block
     2 is reported whole by get_block_ids_with_load_errors in the same step, vLLM recomputes
