@@ -210,8 +210,10 @@ class CpHiCacheStats(KVConnectorStats):
     DCP with a small interleave this rank's tokens of several), ``records_saved`` (records
     or parts written, or there already), ``load_errors`` (blocks whose record was refused
     or missing at load time: recomputed), ``save_errors`` (writes that failed: a later
-    miss, nothing wrong served), ``saves_read_only`` (not written: the store is read-only to
-    this process), ``bytes_loaded``, ``bytes_saved``."""
+    miss, nothing wrong served; ``writer_failures`` of them are writer tasks that raised
+    outside the store), ``saves_read_only`` (not written: the store is read-only to this
+    process), ``bytes_loaded``, ``bytes_saved``; ``loader_failures`` (the loader thread
+    failed a step's loads outright: a bug, its blocks reported as load errors)."""
 
     def aggregate(self, other: KVConnectorStats) -> "CpHiCacheStats":
         for k, v in (other.data or {}).items():
@@ -1104,6 +1106,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             ready.append(sb)
         if ready:
             self._submit(ready)
+        self._saves = []  # the writer holds the buffers it still needs
 
     def _owners(self, record: int) -> List[int]:
         """The ranks holding tokens of record ``record`` of a scheduler block, in order."""

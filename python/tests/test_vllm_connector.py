@@ -153,6 +153,10 @@ def rank_position(vblock: int, rank: int, slot: int, dcp: int, interleave: int) 
     return vblock * BS * dcp + (slot // i) * i * dcp + rank * i + slot % i
 
 
+#: The engines the running test made (shut down after it: ``_no_thread_left_behind``).
+_ENGINES = []
+
+
 class Engine:
     """vLLM's real scheduler, with ``tp`` worker-side connectors (one per TP rank; TP rank
     ``w`` is DCP rank ``w % dcp``, as vLLM groups them) on CPU KV tensors and a stand-in
@@ -236,6 +240,7 @@ class Engine:
             self.views.append({n: v for n, (_, v) in made.items()})
         self.metas = []
         self.outputs = []
+        _ENGINES.append(self)
         self._sending = {}  # request -> workers that reported its saves done
 
     @property
@@ -408,6 +413,19 @@ class Engine:
                 for k, v in o.kv_connector_stats.data.items():
                     total[k] = total.get(k, 0) + v
         return total
+
+
+@pytest.fixture(autouse=True)
+def _no_thread_left_behind():
+    """After each test: every worker of every engine it made shuts down (draining its loads
+    and writes), and no thread of a connector is left."""
+    yield
+    engines, _ENGINES[:] = list(_ENGINES), []
+    for e in engines:
+        for w in e.workers:
+            w.shutdown()
+    left = [t.name for t in threading.enumerate() if t.name.startswith("cp-hicache-")]
+    assert not left, f"connector threads left behind: {left}"
 
 
 def assert_clean(engine: Engine) -> None:
