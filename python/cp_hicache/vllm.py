@@ -250,7 +250,6 @@ class _LoadTask:
         self.events = [threading.Event() for _ in range(layers)]
         self.done = threading.Event()
         self.errors: Set[int] = set()
-        self.filled_layers = 0
 
 
 class _SaveBlock:
@@ -288,7 +287,6 @@ class _LayerBlocks:
         ends = np.concatenate((cuts, [flat.size]))
         self.runs = ([(int(flat[a]), int(b - a)) for a, b in zip(starts, ends)]
                      if starts.size <= MAX_RUNS_IN_PLACE else None)
-        self.addr = int(storage.data_ptr()) + base
 
     @classmethod
     def of(cls, name: str, t: Any, num_blocks: int, block_size: int,
@@ -938,7 +936,6 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                                        li, block_id, e)
                         task.errors.add(block_id)
                         self._count(load_errors=1)
-                task.filled_layers = li + 1
                 task.events[li].set()
             filled = {b for b, _ in staged if b not in task.errors}
             self._count(records_loaded=len(filled), bytes_loaded=len(filled) * self.page_bytes)
