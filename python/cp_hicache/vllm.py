@@ -20,17 +20,26 @@ What it does (issue 43; docs/ENGINES.md "vLLM" is the how-to):
   (:meth:`build_connector_meta`). vLLM hands the same metadata to every worker, so the plan
   is made once and every worker executes the same one: no group rounds (docs/DESIGN.md
   §12 says how this relates to ``RankCache``'s replicated decisions).
-- **Executors, on the workers.** A worker reads and writes records straight from and into
+- **Executors, on the workers.** A worker moves records between the store and
   the blocks of vLLM's KV tensors (:meth:`register_kv_caches`): a record is a block's
-  bytes in every layer, in the order of vLLM's KV cache groups. Loads run before the
-  forward (:meth:`start_load_kv`); a record that is missing, torn, changed or of another
-  deployment (checksums and the fingerprint, checked by the store) is not copied, and its
-  block and every later block of the request are reported by
-  :meth:`get_block_ids_with_load_errors`, so vLLM recomputes them: a failed load is never
-  served. Saves run in a writer thread after the step (:meth:`wait_for_save`), reading the
-  blocks in place; :meth:`request_finished` keeps a request's blocks from being freed until
-  its writes are done (:meth:`get_finished`), and a preempted request's writes are waited
-  for before its blocks can be reused (:meth:`handle_preemptions`).
+  bytes in every layer, in the order of vLLM's KV cache groups.
+- **Layer-wise loads.** :meth:`start_load_kv` hands the step's loads to the worker's loader
+  thread and returns. The loader reads every planned record into host memory first (each
+  checked whole by the store: checksums and the fingerprint), then fills the blocks layer
+  by layer, in layer order; :meth:`wait_for_layer_load` blocks the forward until its layer
+  is in every loaded block. A record that is missing, torn, changed or of another
+  deployment is not copied, and its block and every later block of the request are
+  reported by :meth:`get_block_ids_with_load_errors`, which waits for the step's loads to
+  end: a block any layer of which could not be filled is reported whole in that step, even
+  where its earlier layers were already waited for, so vLLM discards what the step computed
+  over it and recomputes it: a failed load is never served.
+- **Asynchronous, layer-wise saves.** :meth:`save_kv_layer`, called by each attention
+  layer after its forward, copies that layer's bytes of the step's blocks to save into host
+  buffers; a block whose every layer is in goes to the writer thread at once
+  (:meth:`wait_for_save` copies the layers a forward did not hand over, and waits for no
+  write). :meth:`request_finished` keeps a finished request's blocks from being freed until
+  the workers report its writes done (``finished_sending`` from :meth:`get_finished`); the
+  writer's failures are counted (``save_errors``), never lost.
 - **Records are canonical.** A record holds ``block_size`` consecutive tokens of a
   prompt (every layer), as a DCP-1 block holds them. Its name is a chain over the tokens up
   to and including it (salted with the store's fingerprint: the model, dtype, block size,
@@ -42,19 +51,32 @@ What it does (issue 43; docs/ENGINES.md "vLLM" is the how-to):
   block id for its block, which holds its interleaved tokens (token ``t`` of a virtual block
   on rank ``(t // I) % dcp``, ``I`` = ``cp_kv_cache_interleave_size``; vLLM's
   ``block_table.py``). A worker finds its rank in vLLM's DCP group. With ``I`` a whole block,
-  each rank's block is one record, read and written in place; with a smaller ``I`` each rank
+  each rank's block is one record, loaded and saved whole; with a smaller ``I`` each rank
   reads the records its tokens come from and takes its tokens out, and writes its tokens of
   each record as a part (``PageStore.put_part``): the last part to come assembles the record.
   So a store written at DCP 4 is read at DCP 2 and at DCP 1, and the other way round.
+- **Tensor parallelism.** GQA/MHA KV heads are split across the TP ranks as vLLM splits
+  them (``min(tp, KV heads)`` shards; where TP exceeds the heads, neighbouring ranks hold
+  copies, and a DCP group lies within one shard's ranks). A record then holds one head
+  shard's bytes and its key names the shard (:func:`head_shard_key`), so two shards never
+  share a key and each rank reads only its own; the planner counts a block as a hit only
+  when every shard's record is there. MLA's latent KV is the same on every TP rank: its
+  keys name no shard. Only the first DCP group of ranks holding a shard (or MLA's KV)
+  writes it; the copies load it and write nothing.
+- **KV tensors.** A record holds each layer's block as ``[heads, tokens, bytes per token]``
+  (vLLM 0.34's ``[B, H, N, C]`` view: a head's K then V, or MLA's latent entry), whatever
+  the shape and strides of the tensors: GQA's ``[2, B, N, H, D]`` (K and V apart) and
+  every vLLM KV cache layout give the same record (:meth:`register_kv_caches`).
 
 Not built yet, refused at construction with a ``ValueError`` naming the setting: pipeline
-or prefill-context parallelism, tensor parallelism other than ``tensor_parallel_size ==
-decode_context_parallel_size`` (where every rank holds every KV head of its tokens; records
-split by heads are not built), KV cache groups of more than one kind (hybrid models).
+or prefill-context parallelism, head splits vLLM does not make (a DCP group across two head
+shards, a spec whose heads do not match the model's over TP), KV cache groups of more than
+one kind (hybrid models). A store written at one TP degree is not read at another with a
+different head split (its records hold other heads: another fingerprint, a miss).
 Requests with multimodal inputs, LoRA adapters or prompt embeddings are neither looked up
 nor saved (their KV is not a function of the token ids alone). Loads and saves are
-whole-block, not layer by layer: :meth:`wait_for_layer_load` and :meth:`save_kv_layer`
-return at once. Device (GPU) tensors are refused by :meth:`register_kv_caches`. The host
+staged through host memory by threads of the worker (no CUDA stream yet). Device (GPU)
+tensors are refused by :meth:`register_kv_caches`. The host
 tier (pinned pools per worker) is not built: every hit is read from the store.
 """
 
@@ -116,6 +138,24 @@ def dcp_rank_and_size() -> Tuple[int, int]:
     return int(group.rank_in_group), int(group.world_size)
 
 
+def tp_rank_and_size() -> Tuple[int, int]:
+    """This worker's tensor-parallel rank and degree, from vLLM's TP group; ``(0, 1)``
+    where vLLM has not set one up."""
+    from vllm.distributed import parallel_state
+
+    group = getattr(parallel_state, "_TP", None)
+    if group is None:
+        return 0, 1
+    return int(group.rank_in_group), int(group.world_size)
+
+
+def head_shard_key(name: str, shard: int, shards: int) -> str:
+    """The store name of TP head shard ``shard`` (of ``shards``) of record ``name``: the
+    record's name itself where the KV is not split by heads (``shards == 1``: MLA's latent
+    KV, replicated on every TP rank, or a model whose every rank holds every KV head)."""
+    return name if shards == 1 else f"{name}~kvh{shard}of{shards}"
+
+
 def block_names(tokens: Sequence[int], block_size: int, salt: str = "") -> List[str]:
     """The record names of the whole blocks of ``tokens``: block ``i``'s name hashes block
     ``i - 1``'s with block ``i``'s tokens (little-endian u32), so equal names mean equal
@@ -170,8 +210,10 @@ class CpHiCacheStats(KVConnectorStats):
     DCP with a small interleave this rank's tokens of several), ``records_saved`` (records
     or parts written, or there already), ``load_errors`` (blocks whose record was refused
     or missing at load time: recomputed), ``save_errors`` (writes that failed: a later
-    miss, nothing wrong served), ``saves_read_only`` (not written: the store is read-only to
-    this process), ``bytes_loaded``, ``bytes_saved``."""
+    miss, nothing wrong served; ``writer_failures`` of them are writer tasks that raised
+    outside the store), ``saves_read_only`` (not written: the store is read-only to this
+    process), ``bytes_loaded``, ``bytes_saved``; ``loader_failures`` (the loader thread
+    failed a step's loads outright: a bug, its blocks reported as load errors)."""
 
     def aggregate(self, other: KVConnectorStats) -> "CpHiCacheStats":
         for k, v in (other.data or {}).items():
@@ -198,6 +240,140 @@ class _ReqState:
     planned: Optional[Tuple[int, int]] = None  # (first block, blocks) to load
     saved_upto: int = 0  # blocks already saved, or known to be in the store
     has_saves: bool = False
+
+
+class _LoadTask:
+    """One step's loads on the loader thread: an event per layer (set once every loaded
+    block holds that layer, or has failed), the blocks that failed, and the end."""
+
+    def __init__(self, layers: int) -> None:
+        self.events = [threading.Event() for _ in range(layers)]
+        self.done = threading.Event()
+        self.errors: Set[int] = set()
+
+
+class _SaveBlock:
+    """A block to save this step: what it writes (``items``: ``(key, slots, bytes per
+    layer, part)``), a host buffer per item its layers are copied into, which layers are
+    in, and whether it went to the writer."""
+
+    def __init__(self, rid: str, block_id: int, items: List[Any], layers: int) -> None:
+        self.rid, self.block_id, self.items = rid, block_id, items
+        self.bufs = [np.empty(lsz * layers, dtype=np.uint8) for _, _, lsz, _ in items]
+        self.have = [False] * layers
+        self.submitted = False
+
+
+#: Runs per layer up to which a block is read and written in place (more: gathered).
+MAX_RUNS_IN_PLACE = 8
+
+
+class _LayerBlocks:
+    """Where a record's bytes of one layer are in vLLM's tensor for that layer: for each
+    byte of the record's ``[heads, tokens, bytes per token]`` block, its offset from the
+    block's start (``index``), the blocks' stride, and the contiguous runs those offsets
+    make (``runs``, or None when there are more than ``MAX_RUNS_IN_PLACE``)."""
+
+    def __init__(self, storage: Any, base: int, stride: int, index: Any, num_blocks: int):
+        self.storage = storage  # the tensor's bytes, a flat uint8 tensor
+        self.base = base  # block 0's offset in ``storage``
+        self.stride = stride
+        self.index = index  # int64 [heads, tokens, width]
+        self.heads, _, self.width = index.shape
+        self.num_blocks = num_blocks
+        flat = index.reshape(-1).numpy()
+        cuts = np.flatnonzero(np.diff(flat) != 1) + 1
+        starts = np.concatenate(([0], cuts))
+        ends = np.concatenate((cuts, [flat.size]))
+        self.runs = ([(int(flat[a]), int(b - a)) for a, b in zip(starts, ends)]
+                     if starts.size <= MAX_RUNS_IN_PLACE else None)
+
+    @classmethod
+    def of(cls, name: str, t: Any, num_blocks: int, block_size: int,
+           page_bytes: int) -> "_LayerBlocks":
+        """The layout of layer ``name``'s tensor ``t`` (see ``register_kv_caches``)."""
+        import torch
+
+        def refuse(why: str) -> ValueError:
+            return ValueError(f"register_kv_caches: layer {name}'s KV tensor "
+                              f"{tuple(t.shape)}: {why}")
+
+        v = t
+        if v.dim() == 5:
+            kv_first = v.shape[0] == 2 and v.shape[1] % num_blocks == 0
+            blocks_first = v.shape[1] == 2 and v.shape[0] % num_blocks == 0
+            if kv_first and blocks_first:
+                raise refuse("K/V first or blocks first is ambiguous with "
+                             f"{num_blocks} blocks")
+            if kv_first:
+                v = v.movedim(0, 1)
+            elif not blocks_first:
+                raise refuse(f"neither [2, blocks, tokens, heads, head] nor [blocks, 2, "
+                             f"tokens, heads, head] with {num_blocks} blocks")
+            v = v.permute(0, 3, 2, 1, 4)  # [blocks, heads, tokens, K/V, head]
+        elif v.dim() == 3:
+            v = v.unsqueeze(1)  # [blocks, 1, tokens, entry]
+        elif v.dim() != 4:
+            raise refuse("not [blocks, heads, tokens, bytes], K and V apart or MLA's "
+                         "[blocks, tokens, entry]")
+        if v.shape[0] % num_blocks:
+            raise refuse(f"{v.shape[0]} blocks, the KV cache config {num_blocks}")
+        k = v.shape[0] // num_blocks
+        # [blocks, heads, kernel blocks, tokens of a kernel block, ...]
+        v = v.unflatten(0, (num_blocks, k)).movedim(1, 2)
+        if k * v.shape[3] != block_size:
+            raise refuse(f"{k} x {v.shape[3]} tokens a block, the spec {block_size}")
+        es = t.element_size()
+        shape, strides = v.shape[1:], v.stride()[1:]
+        index = torch.zeros(tuple(shape) + (es,), dtype=torch.int64)
+        for d, (n, st) in enumerate(zip(shape, strides)):
+            view = [1] * (len(shape) + 1)
+            view[d] = n
+            index += torch.arange(n, dtype=torch.int64).view(view) * (st * es)
+        index += torch.arange(es, dtype=torch.int64)
+        index = index.reshape(shape[0], block_size, -1)
+        if index.numel() != page_bytes:
+            raise refuse(f"a block holds {index.numel()} bytes, the KV cache spec says "
+                         f"{page_bytes}")
+        if torch.unique(index).numel() != index.numel():
+            raise refuse("its blocks' elements overlap")
+        storage = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+        base = (int(v.data_ptr()) - int(storage.data_ptr()))
+        stride = v.stride(0) * es
+        if base < 0 or base + (num_blocks - 1) * stride + int(index.max()) >= storage.numel():
+            raise refuse("its blocks reach outside its storage")
+        return cls(storage, base, stride, index, num_blocks)
+
+    def fill(self, block: int, src: Any, slots: Optional[List[int]]) -> None:
+        """Puts ``src`` (uint8 ``[heads, tokens, width]``: a record's layer, or its tokens
+        for ``slots``) into the block (its slots ``slots``, or all)."""
+        if slots is None and self.runs is not None:
+            flat = src.reshape(-1)
+            at, pos = self.base + block * self.stride, 0
+            for off, n in self.runs:
+                self.storage[at + off:at + off + n] = flat[pos:pos + n]
+                pos += n
+        else:
+            self.scatter(block, src, slots)
+
+    def take(self, block: int, slots: Optional[List[int]], out: Any) -> None:
+        """Copies the block's bytes (of its slots ``slots``, or all), ``[heads, tokens,
+        width]``, into ``out`` (a flat uint8 tensor of that many bytes)."""
+        if slots is None and self.runs is not None:
+            at, pos = self.base + block * self.stride, 0
+            for off, n in self.runs:
+                out[pos:pos + n] = self.storage[at + off:at + off + n]
+                pos += n
+        else:
+            out[:] = self.gather(block, slots).reshape(-1)
+
+    def gather(self, block: int, slots: Optional[List[int]]) -> Any:
+        idx = self.index if slots is None else self.index[:, slots, :]
+        return self.storage[self.base + block * self.stride + idx]
+
+    def scatter(self, block: int, src: Any, slots: Optional[List[int]]) -> None:
+        idx = self.index if slots is None else self.index[:, slots, :]
+        self.storage[self.base + block * self.stride + idx] = src
 
 
 def _spec_words(spec: Any) -> str:
@@ -260,19 +436,23 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             )
         #: Tokens per scheduler block: a virtual block of ``dcp`` ranks' blocks.
         self.sched_block = self.block_size * self.dcp
+        #: The TP degree, and how many distinct KV head shards its ranks hold: records are
+        #: per head shard (``head_shard_key``) when it is more than 1.
+        self.tp = int(getattr(pc, "tensor_parallel_size", 1) or 1)
+        self.head_shards = self._head_shards(vllm_config, spec, self.tp, self.dcp)
         #: Layer names, in record order: every group's layers, in order.
         self.layer_names: List[str] = [n for g in groups for n in g.layer_names]
         self.layer_page_bytes = int(spec.page_size_bytes)
         self.page_bytes = self.layer_page_bytes * len(self.layer_names)
         model = getattr(getattr(vllm_config, "model_config", None), "model", None)
         self.fingerprint = ";".join([
-            "vllm-kv-connector v1",
+            "vllm-kv-connector v2",
             f"model={model}",
             f"block_size={self.block_size}",
             f"spec={_spec_words(spec)}",
             f"layers={len(self.layer_names)}",
             f"page_bytes={self.page_bytes}",
-        ])
+        ] + ([f"kv_head_shards={self.head_shards}"] if self.head_shards > 1 else []))
         digest = hashlib.sha256(self.fingerprint.encode()).hexdigest()[:16]
         self.path = str(path)
         self.store_path = os.path.join(self.path, f"vllm-{digest}")
@@ -290,6 +470,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                                "invalid_blocks": 0}
         # Worker side.
         self.dcp_rank = 0
+        self.tp_rank = self.head_shard = self.copy = 0
         if role == KVConnectorRole.WORKER:
             rank, size = dcp_rank_and_size()
             if size != self.dcp:
@@ -298,19 +479,46 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                     f"decode_context_parallel_size = {self.dcp}"
                 )
             self.dcp_rank = rank
+            tp_rank, tp_size = tp_rank_and_size()
+            if tp_size != self.tp:
+                raise ValueError(
+                    f"CpHiCacheConnector: vLLM's TP group has {tp_size} ranks, the config "
+                    f"says tensor_parallel_size = {self.tp}"
+                )
+            self.tp_rank = tp_rank
+            per_shard = self.tp // self.head_shards
+            self.head_shard = tp_rank // per_shard
+            # The TP ranks beyond the first DCP group of a shard hold copies of its KV:
+            # they load it, but only the first group writes it.
+            self.copy = (tp_rank % per_shard) // self.dcp
         self._slots: List[Tuple[int, int]] = self._local_slots(self.dcp_rank)
-        # Per layer, under DCP with a small interleave: a uint8 view [blocks, rows, tokens,
-        # bytes per token] of vLLM's tensor.
-        self._geometry: Optional[List[Any]] = None
-        self._regions: Optional[List[Tuple[int, int, int]]] = None  # (base, stride, bytes)
+        # Per layer: where each byte of a record's layer is in vLLM's tensor.
+        self._layers: Optional[List[_LayerBlocks]] = None
+        self._in_place = False
         self._num_blocks = 0
+        self._layer_index: Dict[str, int] = {n: i for i, n in enumerate(self.layer_names)}
         self._writer: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._loader: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._load: Optional[_LoadTask] = None  # the step's loads, until collected
+        #: Called by the loader thread with a layer's index before it fills that layer (a
+        #: test's instrument; None in service).
+        self._load_layer_hook: Optional[Any] = None
+        self._saves_meta: Any = None  # the metadata _saves was made for
+        self._saves: List[_SaveBlock] = []
+        self._saves_done = False
         self._writes: Dict[str, List[concurrent.futures.Future]] = {}
         self._saving_reqs: Set[str] = set()
         self._finished_waiting: Set[str] = set()
         self._load_errors: Set[int] = set()
         self._stats: Dict[str, int] = {}
         self._stats_lock = threading.Lock()
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: Dict[str, Any]) -> bool:
+        """True: the forward must call :meth:`wait_for_layer_load` and :meth:`save_kv_layer`
+        in every attention layer, which a full CUDA graph would skip on replay (vLLM then
+        runs piecewise CUDA graphs, attention outside them)."""
+        return True
 
     @staticmethod
     def _check_parallel(vllm_config: Any, dcp: int) -> None:
@@ -324,13 +532,61 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                     "built)"
                 )
         tp = int(getattr(pc, "tensor_parallel_size", 1) or 1)
-        if tp != dcp:
+        if tp % dcp:
             raise ValueError(
-                f"CpHiCacheConnector: tensor_parallel_size = {tp} with "
-                f"decode_context_parallel_size = {dcp} is not built yet: only TP = DCP, "
-                "where every rank holds every KV head of its tokens (records hold whole "
-                "heads; head-split records are not built)"
+                f"CpHiCacheConnector: tensor_parallel_size = {tp} is not a multiple of "
+                f"decode_context_parallel_size = {dcp} (vLLM's DCP groups are TP ranks)"
             )
+
+    @staticmethod
+    def _head_shards(vllm_config: Any, spec: Any, tp: int, dcp: int) -> int:
+        """How many distinct KV head shards the TP ranks hold (1: every rank holds the same
+        heads). MLA's latent KV (``MLAAttentionSpec``, or a spec whose ``max_tp_shards`` is
+        1) is the same on every TP rank. GQA/MHA KV heads are split across the TP ranks as
+        vLLM's ``QKVParallelLinear`` splits them: ``min(tp, total KV heads)`` shards of
+        ``spec.num_kv_heads`` heads, rank ``r`` holding shard ``r // (tp / shards)`` (its
+        neighbours hold copies when TP exceeds the heads). A DCP group (``dcp``
+        consecutive TP ranks) must lie within one shard's ranks: they split one shard's
+        tokens."""
+        try:
+            from vllm.v1.kv_cache_interface import MLAAttentionSpec
+        except ImportError:  # pragma: no cover - depends on vLLM's version
+            MLAAttentionSpec = ()
+        declared = getattr(spec, "max_tp_shards", None)
+        if isinstance(spec, MLAAttentionSpec) or declared == 1:
+            return 1
+        per_rank = int(getattr(spec, "num_kv_heads", 0) or 0)
+        if declared is not None:
+            shards = min(tp, int(declared))
+        else:
+            mc = getattr(vllm_config, "model_config", None)
+            total = None
+            if mc is not None and hasattr(mc, "get_total_num_kv_heads"):
+                try:
+                    total = int(mc.get_total_num_kv_heads())
+                except Exception:  # a model config without head counts: assume none split
+                    total = None
+            if total is None:
+                return 1 if tp == 1 else tp
+            shards = min(tp, total)
+            if shards > 1 and per_rank and per_rank * shards != total:
+                raise ValueError(
+                    f"CpHiCacheConnector: the KV cache spec holds {per_rank} KV heads per "
+                    f"rank, the model has {total} KV heads over tensor_parallel_size = {tp} "
+                    f"({shards} shards): the head split is not vLLM's"
+                )
+        if shards < 1 or tp % shards:
+            raise ValueError(
+                f"CpHiCacheConnector: {shards} KV head shards over tensor_parallel_size = "
+                f"{tp}: the TP ranks do not split the heads evenly"
+            )
+        if (tp // shards) % dcp:
+            raise ValueError(
+                f"CpHiCacheConnector: {tp // shards} TP ranks hold each of {shards} KV head "
+                f"shards; a DCP group of {dcp} ranks would span two shards (vLLM needs "
+                "tensor_parallel_size / KV heads to be a multiple of the DCP size)"
+            )
+        return shards
 
     # ======================================================================================
     # Scheduler side: the planner
@@ -369,7 +625,8 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         """How many tokens past ``num_computed_tokens`` (vLLM's own prefix-cache hit, block
         aligned) the store holds, in whole blocks, leaving the last prompt token to be
         computed. Only records on disk count (a write in flight is not one yet). Loads are
-        synchronous (``False``): they run before the step's forward."""
+        synchronous to vLLM (``False``): they end within the step that plans them, layer by
+        layer ahead of the forward (:meth:`wait_for_layer_load`)."""
         st = self._state(request)
         st.planned = None
         self._planner_stats["lookups"] += 1
@@ -381,7 +638,11 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         if limit <= first:
             return 0, False
         names = self._names(st, limit * d)
-        run = self.store.present_run(names[first * d:limit * d]) // d
+        h = self.head_shards
+        wanted = names[first * d:limit * d]
+        if h > 1:  # every head shard of every record of a block: one TP rank's each
+            wanted = [head_shard_key(n, s, h) for n in wanted for s in range(h)]
+        run = self.store.present_run(wanted) // (d * h)
         if run == 0:
             return 0, False
         st.planned = (first, run)
@@ -528,20 +789,28 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         return self.dcp == 1 or self.interleave == self.block_size
 
     def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
-        """Takes vLLM's per-layer KV tensors, blocks first (``[num_blocks, ...]``, vLLM
-        0.34's standard ``[B, H, N, C]`` view, or kernel blocks ``[num_blocks * k, ...]``),
-        CPU tensors, each block's bytes contiguous and of the spec's page size. Records are
-        read and written in place from the blocks. Under DCP with an interleave smaller
-        than a block, a block's token dimension (the one dimension of ``block_size``) is
-        where this rank's tokens are picked from and put into."""
+        """Takes vLLM's per-layer KV tensors (CPU tensors), in any of these shapes:
+
+        - ``[B, H, N, C]``: vLLM 0.34's per-layer view of every KV cache layout (``H`` the
+          rank's KV heads, 1 for MLA; ``N`` the block's tokens; ``C`` a head's K then V, or
+          MLA's latent entry), whatever its strides (``LBHNC``, ``LBNHC``, ``LHBNC``, ...);
+        - ``[2, B, N, H, D]`` (K and V apart: the GQA/MHA shape of FlashAttention-style
+          backends) or ``[B, 2, N, H, D]``;
+        - ``[B, N, C]`` (MLA's latent KV);
+
+        ``B`` the KV cache config's blocks, or kernel blocks (``num_blocks * k`` blocks of
+        ``N / k`` tokens). A record holds each layer's block as ``[H, N, C]`` (a head's K then
+        V for every token), in layer order: the same bytes whatever the shape or strides of
+        the tensors it came from, so every layout reads every other's records. Blocks whose
+        bytes are a few contiguous runs in that order are read and written in place; others
+        (and DCP's interleaved tokens) are gathered and scattered through byte indices."""
         import torch
 
         missing = [n for n in self.layer_names if n not in kv_caches]
         if missing:
             raise ValueError(f"register_kv_caches: no KV tensor for layers {missing}")
         num_blocks = int(self._kv_cache_config.num_blocks)
-        regions = []
-        geometry = []
+        layers = []
         for name in self.layer_names:
             t = kv_caches[name]
             if not isinstance(t, torch.Tensor):
@@ -551,55 +820,27 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                     f"register_kv_caches: layer {name} is on {t.device}; the first step reads "
                     "and writes CPU tensors only (the staging of device blocks is not built)"
                 )
-            if t.shape[0] != num_blocks:
-                if t.shape[0] % num_blocks:
-                    raise ValueError(
-                        f"register_kv_caches: layer {name} has {t.shape[0]} blocks in its "
-                        f"first dimension, the KV cache config {num_blocks}"
-                    )
-                t = t.unflatten(0, (num_blocks, -1))
-            block = t[0]
-            nbytes = block.numel() * block.element_size()
-            if not block.is_contiguous():
-                raise ValueError(f"register_kv_caches: layer {name}'s blocks are not contiguous")
-            if nbytes != self.layer_page_bytes:
-                raise ValueError(
-                    f"register_kv_caches: layer {name}'s blocks hold {nbytes} bytes, its KV "
-                    f"cache spec says {self.layer_page_bytes}"
-                )
-            stride = t.stride(0) * t.element_size()
-            regions.append((int(t.data_ptr()), int(stride), nbytes))
-            if not self._direct():
-                dims = [k for k, n in enumerate(block.shape) if n == self.block_size]
-                if len(dims) != 1:
-                    raise ValueError(
-                        f"register_kv_caches: layer {name}'s blocks {tuple(block.shape)} have "
-                        f"{len(dims)} dimensions of block_size {self.block_size}; the token "
-                        "dimension must be the only one, to place DCP's interleaved tokens"
-                    )
-                k = dims[0]
-                rows = int(torch.Size(block.shape[:k]).numel())
-                # [blocks, rows, tokens, bytes per token] over the tensor's bytes.
-                try:
-                    u8 = t.view(torch.uint8) if t.dtype != torch.uint8 else t
-                    geometry.append(u8.view(num_blocks, rows, self.block_size, -1))
-                except RuntimeError as e:
-                    raise ValueError(
-                        f"register_kv_caches: layer {name} cannot be viewed as [blocks, "
-                        f"rows, tokens, bytes] in place ({e})"
-                    ) from e
+            layers.append(_LayerBlocks.of(name, t, num_blocks, self.block_size,
+                                          self.layer_page_bytes))
+        if len({(g.heads, g.width) for g in layers}) != 1:
+            raise ValueError("register_kv_caches: the layers' blocks differ in heads or bytes "
+                             "per token")
         self._kv_caches_kept = kv_caches  # the addresses stay valid while vLLM's tensors live
-        self._regions = regions
-        self._geometry = geometry or None
+        self._layers = layers
+        self._in_place = all(g.runs is not None for g in layers)
         self._num_blocks = num_blocks
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cp-hicache-save")
+        self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cp-hicache-load")
 
-    def _parts(self, block_id: int) -> List[Tuple[int, int]]:
-        if self._regions is None:
+    def _check_block(self, block_id: int) -> None:
+        if self._layers is None:
             raise RuntimeError("CpHiCacheConnector: register_kv_caches was not called")
         if not 0 <= block_id < self._num_blocks:
             raise ValueError(f"block id {block_id} is outside 0..{self._num_blocks}")
-        return [(base + block_id * stride, n) for base, stride, n in self._regions]
+
+    def _key(self, name: str) -> str:
+        """The store name of this worker's head shard of record ``name``."""
+        return head_shard_key(name, self.head_shard, self.head_shards)
 
     def _count(self, **kv: int) -> None:
         with self._stats_lock:
@@ -607,129 +848,272 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                 self._stats[k] = self._stats.get(k, 0) + v
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
-        """Waits for the writes of requests preempted since the last step: vLLM freed their
-        blocks, and this step may write other KV into them."""
-        for rid in getattr(kv_connector_metadata, "preempted", ()) or ():
-            for f in self._writes.get(rid, ()):
-                f.exception()
+        """Nothing to wait for: a save copies its blocks' bytes out of vLLM's tensors within
+        the step that computed them (:meth:`save_kv_layer`, :meth:`wait_for_save`), and a
+        step's loads are joined before the step ends (:meth:`get_block_ids_with_load_errors`),
+        so a preempted request's blocks are free for vLLM to reuse at once."""
+        return
 
-    def _load_block(self, names: List[str], block_id: int) -> bool:
-        """Reads this rank's tokens of scheduler block ``block_id`` from its records; False
-        when one is missing or refused (then nothing of that record was written)."""
-        if self._direct():
-            return self.store.get(names[self.dcp_rank % len(names)], self._parts(block_id))
+    def _read_block(self, names: List[str], block_id: int
+                    ) -> Optional[List[Tuple[Any, Optional[List[int]], Optional[List[int]]]]]:
+        """Reads this rank's records of scheduler block ``block_id`` (of its head shard) into
+        host buffers, each checked whole by the store (checksums, fingerprint) before
+        anything of it reaches a block: ``(record [layers, heads, tokens, width], slots,
+        tokens)`` per record (slots and tokens None: the whole record, in order, into the
+        whole block); None when one is missing or refused."""
         import torch
 
-        self._parts(block_id)  # checks the block id
+        self._check_block(block_id)
+        g = self._layers[0]
+        shape = (len(self._layers), g.heads, self.block_size, g.width)
+
+        def read(key: str) -> Optional[Any]:
+            rec = np.empty(self.page_bytes, dtype=np.uint8)
+            if not self.store.get(key, [(int(rec.ctypes.data), rec.nbytes)]):
+                return None
+            return torch.from_numpy(rec).view(shape)
+
+        if self._direct():
+            rec = read(self._key(names[self.dcp_rank % len(names)]))
+            return None if rec is None else [(rec, None, None)]
         by_record: Dict[int, Tuple[List[int], List[int]]] = {}
         for s, (k, tok) in enumerate(self._slots):
             slots, toks = by_record.setdefault(k, ([], []))
             slots.append(s)
             toks.append(tok)
-        ok = True
+        out = []
         for k, (slots, toks) in sorted(by_record.items()):
-            rec = np.empty(self.page_bytes, dtype=np.uint8)
-            if not self.store.get(names[k], [(int(rec.ctypes.data), rec.nbytes)]):
-                ok = False
-                continue
-            layers = torch.from_numpy(rec).view(len(self.layer_names), -1)
-            for view, layer in zip(self._geometry, layers):
-                src = layer.view(view.shape[1], self.block_size, view.shape[3])
-                view[block_id][:, slots, :] = src[:, toks, :]
-        return ok
+            rec = read(self._key(names[k]))
+            if rec is None:
+                return None
+            out.append((rec, slots, toks))
+        return out
+
+    def _run_load(self, task: "_LoadTask", loads: Dict[str, List[Job]]) -> None:
+        """The loader thread's work for one step: reads and checks every planned record
+        first (a refused one fails its block and every later block of its request), then
+        fills the blocks layer by layer, in layer order, setting each layer's event once
+        every block of the step holds that layer (or has failed). Whatever goes wrong ends
+        as load errors, never as an exception in the engine's thread: every event is set
+        and the task marked done on every path."""
+        staged: List[Tuple[int, List[Any]]] = []
+        filled: Set[int] = set()
+        try:
+            for rid, jobs in loads.items():
+                failed = False
+                for names, block_id in jobs:
+                    if failed:
+                        task.errors.add(block_id)
+                        continue
+                    try:
+                        items = self._read_block(names, block_id)
+                    except (_native.UsageError, OSError, ValueError) as e:
+                        logger.warning("cp_hicache: loading block %d of %s failed: %s",
+                                       block_id, rid, e)
+                        items = None
+                    if items is None:
+                        failed = True
+                        task.errors.add(block_id)
+                        self._count(load_errors=1)
+                    else:
+                        staged.append((block_id, items))
+                if failed:
+                    logger.warning("cp_hicache: request %s: a planned record could not be "
+                                   "loaded; vLLM recomputes from its block", rid)
+            for li, g in enumerate(self._layers):
+                hook = self._load_layer_hook
+                if hook is not None:
+                    hook(li)
+                for block_id, items in staged:
+                    if block_id in task.errors:
+                        continue
+                    try:
+                        for rec, slots, toks in items:
+                            src = rec[li]
+                            g.fill(block_id, src if toks is None else src[:, toks, :], slots)
+                    except Exception as e:  # the block is incomplete: reported, recomputed
+                        logger.warning("cp_hicache: filling layer %d of block %d failed: %s",
+                                       li, block_id, e)
+                        task.errors.add(block_id)
+                        self._count(load_errors=1)
+                task.events[li].set()
+            filled = {b for b, _ in staged if b not in task.errors}
+            self._count(records_loaded=len(filled), bytes_loaded=len(filled) * self.page_bytes)
+        except BaseException as e:  # pragma: no cover - a bug: fail every block, loudly
+            logger.error("cp_hicache: the loader failed: %r", e)
+            lost = {b for b, _ in staged} - task.errors - filled
+            task.errors |= lost
+            self._count(load_errors=len(lost), loader_failures=1)
+        finally:
+            for ev in task.events:
+                ev.set()
+            task.done.set()
+
+    def _join_load(self) -> Set[int]:
+        """Waits for the step's load (if any) and returns its failed blocks."""
+        task, self._load = self._load, None
+        if task is None:
+            return set()
+        task.done.wait()
+        return task.errors
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Reads every planned record into its block, before the forward. A record that
-        is missing or refused, and every later block of its request, is not served: the
-        blocks go to :meth:`get_block_ids_with_load_errors` and vLLM recomputes them."""
+        """Starts the step's planned loads on the loader thread and returns: the records
+        are read and checked there, then the blocks filled layer by layer
+        (:meth:`wait_for_layer_load` waits for a layer). A record that is missing or refused,
+        and every later block of its request, is not served: the blocks go to
+        :meth:`get_block_ids_with_load_errors` and vLLM recomputes them."""
         meta = self._get_connector_metadata()
-        for rid, jobs in meta.loads.items():
-            failed = False
-            for names, block_id in jobs:
-                if failed:
-                    self._load_errors.add(block_id)
-                    continue
-                try:
-                    ok = self._load_block(names, block_id)
-                except (_native.UsageError, OSError) as e:  # an I/O error of the store
-                    logger.warning("cp_hicache: loading block %d of %s failed: %s",
-                                   block_id, rid, e)
-                    ok = False
-                if ok:
-                    self._count(records_loaded=1, bytes_loaded=self.page_bytes)
-                else:
-                    failed = True
-                    self._load_errors.add(block_id)
-                    self._count(load_errors=1)
-            if failed:
-                logger.warning("cp_hicache: request %s: a planned record could not be "
-                               "loaded; vLLM recomputes from its block", rid)
+        self._load_errors |= self._join_load()  # a step whose errors were not collected
+        if not meta.loads:
+            return
+        if self._loader is None:
+            raise RuntimeError(
+                "CpHiCacheConnector: loads planned on a worker that was shut down"
+                if self._layers is not None
+                else "CpHiCacheConnector: register_kv_caches was not called"
+            )
+        task = _LoadTask(len(self._layers))
+        self._load = task
+        loads = {rid: list(jobs) for rid, jobs in meta.loads.items()}
+        self._loader.submit(self._run_load, task, loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Returns at once: :meth:`start_load_kv` has loaded every layer (loads are not
-        layer by layer yet)."""
-        return
+        """Blocks until the step's loads have filled layer ``layer_name`` of every loaded
+        block (or failed it: then the block is reported by
+        :meth:`get_block_ids_with_load_errors` and its tokens recomputed). Raises nothing;
+        returns at once when the step loads nothing or the layer is not the connector's."""
+        task = self._load
+        li = self._layer_index.get(layer_name)
+        if task is None or li is None:
+            return
+        task.events[li].wait()
+
+    def _step_saves(self, meta: Any) -> List["_SaveBlock"]:
+        """The step's blocks to save (made once per step's metadata): for each, the record
+        (or, under DCP with a small interleave, this rank's part of each record) it writes,
+        with a host buffer its layers are copied into as the forward computes them."""
+        if self._saves_meta is meta:
+            return self._saves
+        self._saves_meta, self._saves, self._saves_done = meta, [], False
+        if meta.saves and self._writer is None:
+            raise RuntimeError(
+                "CpHiCacheConnector: saves planned on a worker that was shut down"
+                if self._layers is not None
+                else "CpHiCacheConnector: register_kv_caches was not called"
+            )
+        layers = len(self._layers or ())
+        for rid, jobs in meta.saves.items():
+            self._saving_reqs.add(rid)  # reported by get_finished once its writes are done
+            if self.copy:
+                # This rank's KV is a copy of another DCP group's (TP ranks beyond the
+                # heads, or MLA's replicated latent KV): that group writes it.
+                continue
+            g = self._layers[0]
+            for names, b in jobs:
+                self._check_block(b)
+                items = []
+                if self._direct():
+                    key = self._key(names[self.dcp_rank % len(names)])
+                    items.append((key, None, self.layer_page_bytes, None))
+                else:
+                    # Each rank holds part of each record: it writes its tokens of each
+                    # record it holds tokens of, packed [layers][heads][its tokens][width].
+                    for k, name in enumerate(names):
+                        slots = [s for s, (rec, _) in enumerate(self._slots) if rec == k]
+                        if not slots:
+                            continue
+                        owners = self._owners(k)
+                        items.append((self._key(name), slots, g.heads * len(slots) * g.width,
+                                      (owners.index(self.dcp_rank), len(owners), k)))
+                self._saves.append(_SaveBlock(rid, b, items, layers))
+        return self._saves
+
+    def _take_layer(self, sb: "_SaveBlock", li: int) -> None:
+        """Copies layer ``li`` of a block to save into its host buffers."""
+        import torch
+
+        g = self._layers[li]
+        for (_, slots, lsz, _), buf in zip(sb.items, sb.bufs):
+            g.take(sb.block_id, slots, torch.from_numpy(buf[li * lsz:(li + 1) * lsz]))
+        sb.have[li] = True
+
+    def _submit(self, blocks: List["_SaveBlock"]) -> None:
+        """Hands blocks whose every layer is copied to the writer thread (a task per
+        request)."""
+        by_req: Dict[str, List[Tuple[str, Any, Any]]] = {}
+        for sb in blocks:
+            sb.submitted = True
+            by_req.setdefault(sb.rid, []).extend(
+                (key, buf, part) for (key, _, _, part), buf in zip(sb.items, sb.bufs))
+        for rid, work in by_req.items():
+            f = self._writer.submit(self._write, rid, work)
+            f.add_done_callback(self._write_done)
+            self._writes.setdefault(rid, []).append(f)
+
+    def _write_done(self, f: concurrent.futures.Future) -> None:
+        """A writer task that raised (``_write`` counts its records' failures itself; this
+        is anything else): counted and logged, never lost."""
+        if not f.cancelled() and f.exception() is not None:
+            logger.error("cp_hicache: a writer task failed: %r", f.exception())
+            self._count(save_errors=1, writer_failures=1)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        """Returns at once: saves take a block's every layer after the step
-        (:meth:`wait_for_save`), not layer by layer yet."""
-        return
+        """Called by each attention layer after its forward: copies that layer's bytes of
+        the step's blocks to save (this rank's tokens of them) out of vLLM's tensor into
+        host buffers, since vLLM may reuse a block once the step is over; a block whose
+        every layer is copied goes to the writer thread at once. Layers that are not the
+        connector's (a draft model's) are ignored."""
+        li = self._layer_index.get(layer_name)
+        meta = getattr(self, "_connector_metadata", None)
+        if li is None or meta is None or self._layers is None:
+            return
+        ready = []
+        for sb in self._step_saves(meta):
+            if sb.submitted or sb.have[li]:
+                continue
+            self._take_layer(sb, li)
+            if all(sb.have):
+                ready.append(sb)
+        if ready:
+            self._submit(ready)
 
     def wait_for_save(self) -> None:
-        """Hands the step's planned saves to the writer thread, which writes each block's
-        record from vLLM's tensors in place. vLLM keeps the blocks until the request's
-        writes are reported done (:meth:`request_finished`, :meth:`get_finished`); a
-        preemption waits for them (:meth:`handle_preemptions`). Under DCP with an interleave
-        of a whole block each rank writes the records its block holds; with a smaller one
-        every rank holds part of each record and writes it as a part
-        (``PageStore.put_part``): the last part to come assembles and writes the record,
-        the same bytes a DCP-1 block holds."""
+        """Completes the step's saves without waiting for any write: a block some layer of
+        which :meth:`save_kv_layer` did not copy (a forward that does not call it) has those
+        layers copied now, and goes to the writer thread. vLLM keeps a finished request's
+        blocks until its writes are reported done (:meth:`request_finished`,
+        :meth:`get_finished`). Under DCP with an interleave of a whole block each rank
+        writes the records its block holds; with a smaller one every rank holds part of each
+        record and writes it as a part (``PageStore.put_part``): the last part to come
+        assembles and writes the record, the same bytes a DCP-1 block holds."""
         meta = self._get_connector_metadata()
-        if self._writer is None and meta.saves:
-            raise RuntimeError(
-                "CpHiCacheConnector: saves planned on a worker that was shut down"
-                if self._regions is not None
-                else "CpHiCacheConnector: register_kv_caches was not called"
-            )
-        for rid, jobs in meta.saves.items():
-            if self._direct():
-                work = [(names[self.dcp_rank % len(names)], self._parts(b), None)
-                        for names, b in jobs]
-            else:
-                # Each rank holds part of each record: its part is copied out now (the
-                # block may be reused once the step is over), written as a part after.
-                work = [w for names, b in jobs for w in self._part_payloads(names, b)]
-            self._saving_reqs.add(rid)
-            self._writes.setdefault(rid, []).append(self._writer.submit(self._write, rid, work))
+        saves = self._step_saves(meta)
+        if self._saves_done:
+            return
+        self._saves_done = True
+        ready = []
+        for sb in saves:
+            if sb.submitted:
+                continue
+            for li, have in enumerate(sb.have):
+                if not have:
+                    self._take_layer(sb, li)
+            ready.append(sb)
+        if ready:
+            self._submit(ready)
+        self._saves = []  # the writer holds the buffers it still needs
 
     def _owners(self, record: int) -> List[int]:
         """The ranks holding tokens of record ``record`` of a scheduler block, in order."""
         i, d, bs = self.interleave, self.dcp, self.block_size
         return sorted({(o // i) % d for o in range(record * bs, (record + 1) * bs)})
 
-    def _part_payloads(self, names: List[str], block_id: int) -> List[Tuple[str, Any, Any]]:
-        """This rank's part of each record of scheduler block ``block_id`` it holds tokens
-        of: ``(name, payload, (part, parts, record))``, the payload its tokens of the record
-        packed ``[layers][rows][its tokens][bytes per token]``."""
-        import torch
-
-        self._parts(block_id)  # checks the block id
-        out = []
-        for k, name in enumerate(names):
-            slots = [s for s, (rec, _) in enumerate(self._slots) if rec == k]
-            if not slots:
-                continue
-            owners = self._owners(k)
-            payload = torch.cat([view[block_id][:, slots, :].reshape(-1)
-                                 for view in self._geometry]).numpy()
-            out.append((name, payload, (owners.index(self.dcp_rank), len(owners), k)))
-        return out
-
     def _assemble(self, record: int, payloads: List[bytes]) -> bytes:
         """A record's payload from its owners' parts (in owner order), each rank's tokens
         put back in their places: the record as a DCP-1 block holds it."""
-        rows, width = self._geometry[0].shape[1], self._geometry[0].shape[3]
+        rows, width = self._layers[0].heads, self._layers[0].width
         layers = len(self.layer_names)
         rec = np.empty((layers, rows, self.block_size, width), dtype=np.uint8)
         for owner, payload in zip(self._owners(record), payloads):
@@ -747,6 +1131,8 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         for name, data, part in jobs:
             try:
                 if part is None:
+                    if isinstance(data, np.ndarray):
+                        data = [(int(data.ctypes.data), int(data.nbytes))]
                     written = self.store.put(name, data)
                 else:
                     index, count, record = part
@@ -773,14 +1159,21 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                 self._finished_waiting.discard(rid)
                 self._saving_reqs.discard(rid)
                 self._writes.pop(rid, None)
-        # Writes of requests still running that are done need no tracking.
-        for rid, fs in self._writes.items():
+        # Writes of requests still running that are done need no tracking (a task that
+        # raised was counted by _write_done).
+        for rid, fs in list(self._writes.items()):
             fs[:] = [f for f in fs if not f.done()]
+            if not fs and rid not in self._saving_reqs:
+                del self._writes[rid]
         return (done or None), None
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
         """Blocks whose planned record could not be loaded since the last call (vLLM
-        recomputes them)."""
+        recomputes them). Waits for the step's loads to end first (they have, where the
+        forward waited for every layer), so a step's failures are reported in that step,
+        as vLLM asks of synchronous loads: a block any layer of which was not filled from a
+        checked record is reported whole, even if earlier layers were served."""
+        self._load_errors |= self._join_load()
         out, self._load_errors = self._load_errors, set()
         return out
 
@@ -800,7 +1193,11 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         return self.store.stats()
 
     def shutdown(self) -> None:
-        """Waits for every write in flight, then stops the writer thread."""
-        if self._writer is not None:
-            self._writer.shutdown(wait=True)
-            self._writer = None
+        """Drains: waits for the step's loads and every write in flight, then stops the
+        loader and writer threads (none is left behind). Idempotent."""
+        self._load_errors |= self._join_load()
+        for attr in ("_loader", "_writer"):
+            ex = getattr(self, attr)
+            if ex is not None:
+                ex.shutdown(wait=True)
+                setattr(self, attr, None)

@@ -4,7 +4,8 @@ vLLM's own ``Scheduler`` loads the connector by module path (``kv_connector_modu
 "cp_hicache.vllm"``) through its connector factory; a worker-side connector, made by the same
 factory, executes each step's metadata on CPU KV tensors, driven by vLLM's own model-runner
 glue (``ActiveKVConnector``: ``register_kv_caches``, then per step ``handle_preemptions``,
-``bind_connector_metadata``, ``start_load_kv``, the forward, ``wait_for_save``,
+``bind_connector_metadata``, ``start_load_kv``, the forward (``wait_for_layer_load`` before
+each layer, ``save_kv_layer`` after it), ``wait_for_save``,
 ``get_finished``, ``get_block_ids_with_load_errors``, ``get_kv_connector_stats``), with a
 stand-in forward that writes KV as a function of each token's prefix and layer (what a
 model's forward would write for the same prefix).
@@ -19,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import threading
 import time
 
 import pytest
@@ -48,11 +50,21 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from vllm.distributed.kv_transfer import kv_transfer_state
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MLAAttentionSpec,
+)
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 
-from cp_hicache.vllm import CpHiCacheConnector, CpHiCacheMetadata, block_names
+from cp_hicache.vllm import (
+    CpHiCacheConnector,
+    CpHiCacheMetadata,
+    block_names,
+    head_shard_key,
+)
 
 BS = 16
 NUM_BLOCKS = 48
@@ -60,19 +72,55 @@ LAYERS = ["model.layers.0.attn", "model.layers.1.attn"]
 HEADS, HEAD_SIZE = 2, 8
 SLOT_BYTES = HEADS * HEAD_SIZE * 2  # one token's K (or V) in one layer, float16
 
+#: The per-layer KV tensor shapes the worker is given, each as the tensor and the view of it
+#: as ``[blocks, K/V, tokens, heads, head]`` the stand-in forward writes through:
+#: ``blocks_first`` ``[B, 2, N, H, D]``; ``kv_first`` ``[2, B, N, H, D]`` (K and V apart:
+#: FlashAttention-style GQA/MHA); vLLM 0.34's ``[B, H, N, C]`` view (``C`` a head's K then V)
+#: with the layouts ``LBHNC`` (``bhnc``: blocks contiguous), ``LBNHC`` (``bnhc``: tokens
+#: outside heads) and ``LHBNC`` (``hbnc``: heads outside blocks, a block in pieces); and
+#: MLA's ``[B, N, C]`` (``mla``: one latent entry per token, here ``K|V`` of one head).
+LAYOUTS = ["blocks_first", "kv_first", "bhnc", "bnhc", "hbnc", "mla"]
 
-def kv_cache_config(num_blocks: int = NUM_BLOCKS) -> KVCacheConfig:
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                list(LAYERS),
-                FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD_SIZE,
-                                  dtype=torch.float16),
-            )
-        ],
-    )
+
+def make_kv(layout: str, num_blocks: int, heads: int):
+    """A zeroed layer tensor of ``layout`` and its ``[B, 2, N, H, D]`` view."""
+    nb, h, d = num_blocks, heads, HEAD_SIZE
+    f16 = torch.float16
+    if layout == "blocks_first":
+        t = torch.zeros((nb, 2, BS, h, d), dtype=f16)
+        return t, t
+    if layout == "kv_first":
+        t = torch.zeros((2, nb, BS, h, d), dtype=f16)
+        return t, t.movedim(0, 1)
+    if layout == "bhnc":
+        t = torch.zeros((nb, h, BS, 2 * d), dtype=f16)
+    elif layout == "bnhc":
+        t = torch.zeros((nb, BS, h, 2 * d), dtype=f16).permute(0, 2, 1, 3)
+    elif layout == "hbnc":
+        t = torch.zeros((h, nb, BS, 2 * d), dtype=f16).permute(1, 0, 2, 3)
+    elif layout == "mla":
+        assert h == 1
+        t = torch.zeros((nb, BS, 2 * d), dtype=f16)
+        return t, t.view(nb, BS, 1, 2, d).permute(0, 3, 1, 2, 4)
+    else:
+        raise ValueError(layout)
+    return t, t.view(nb, h, BS, 2, d).permute(0, 3, 2, 1, 4)
+
+
+def kv_cache_config(num_blocks: int = NUM_BLOCKS, heads: int = HEADS,
+                    replicated: bool = True, mla: bool = False) -> KVCacheConfig:
+    """One KV cache group of ``LAYERS``: GQA/MHA blocks of ``heads`` KV heads a rank
+    (``replicated``: the spec declares every TP rank holds the same heads, vLLM's
+    ``max_tp_shards = 1``), or MLA's latent KV."""
+    if mla:
+        spec = MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=2 * HEAD_SIZE,
+                                dtype=torch.float16)
+    else:
+        spec = FullAttentionSpec(block_size=BS, num_kv_heads=heads, head_size=HEAD_SIZE,
+                                 dtype=torch.float16,
+                                 max_tp_shards=1 if replicated else None)
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)])
 
 
 def vllm_config(path, policy="recompute", **extra):
@@ -86,12 +134,15 @@ def vllm_config(path, policy="recompute", **extra):
     )
 
 
-def slot_bytes(tokens, pos: int, layer: int, kv: int) -> bytes:
+def slot_bytes(tokens, pos: int, layer: int, kv: int, shard: int = 0,
+               heads: int = HEADS) -> bytes:
     """What the stand-in forward writes for token ``pos`` of ``tokens`` in ``layer`` (K for
-    ``kv`` 0, V for 1): a function of the prefix up to and including the token."""
-    h = hashlib.sha256(f"{layer}/{kv}/".encode())
+    ``kv`` 0, V for 1) on a rank holding KV head shard ``shard`` (``heads`` heads): a
+    function of the prefix up to and including the token, and of the heads."""
+    h = hashlib.sha256(f"{layer}/{kv}/{shard}/".encode())
     h.update(bytes(memoryview(torch.tensor(tokens[:pos + 1], dtype=torch.int64).numpy())))
-    return h.digest()[:SLOT_BYTES]
+    n = heads * HEAD_SIZE * 2
+    return (h.digest() * (n // 32 + 1))[:n]
 
 
 def rank_position(vblock: int, rank: int, slot: int, dcp: int, interleave: int) -> int:
@@ -102,20 +153,40 @@ def rank_position(vblock: int, rank: int, slot: int, dcp: int, interleave: int) 
     return vblock * BS * dcp + (slot // i) * i * dcp + rank * i + slot % i
 
 
+#: The engines the running test made (shut down after it: ``_no_thread_left_behind``).
+_ENGINES = []
+
+
 class Engine:
-    """vLLM's real scheduler, with ``dcp`` worker-side connectors (one per DCP rank) on CPU
-    KV tensors and a stand-in forward, stepped as vLLM's engine core and model runner step
-    them. Under DCP the scheduler works in virtual blocks of ``BS * dcp`` tokens, built as
-    vLLM's ``EngineCore`` builds it (``resolve_kv_cache_block_sizes``: vLLM's stock
+    """vLLM's real scheduler, with ``tp`` worker-side connectors (one per TP rank; TP rank
+    ``w`` is DCP rank ``w % dcp``, as vLLM groups them) on CPU KV tensors and a stand-in
+    forward, stepped as vLLM's engine core and model runner step them. Under DCP the
+    scheduler works in virtual blocks of ``BS * dcp`` tokens, built as vLLM's
+    ``EngineCore`` builds it (``resolve_kv_cache_block_sizes``: vLLM's stock
     ``create_scheduler`` asserts there), and each rank's block of a virtual block holds its
-    interleaved tokens."""
+    interleaved tokens. ``shards`` is how many KV head shards the TP ranks hold (vLLM's
+    split: the model has ``heads * shards`` KV heads, TP rank ``w`` holds shard ``w // (tp /
+    shards)``); 1 with ``mla`` or by default (the spec declares the KV the same on every TP
+    rank). Several TP ranks run in one process here: each worker's ranks are given to it
+    as vLLM's TP and DCP groups would (``tp_rank_and_size``, ``dcp_rank_and_size``)."""
 
     def __init__(self, path, policy="recompute", num_blocks=NUM_BLOCKS, verify=False,
-                 dcp=1, interleave=1, ranks=None, monkeypatch=None):
+                 dcp=1, interleave=1, ranks=None, monkeypatch=None, tp=None, shards=1,
+                 heads=HEADS, layout="blocks_first", mla=False, tp_ranks=None,
+                 layerwise=True):
+        self.layerwise = layerwise
         self.cfg = vllm_config(path, policy)
-        self.kcc = kv_cache_config(num_blocks)
-        self.dcp, self.interleave = dcp, interleave
+        tp = dcp if tp is None else tp
+        if mla:
+            heads, layout = 1, "mla"
+        self.kcc = kv_cache_config(num_blocks, heads, replicated=shards == 1, mla=mla)
+        self.dcp, self.interleave, self.tp = dcp, interleave, tp
+        self.heads, self.shards, self.layout = heads, shards, layout
+        # The model's KV heads, as vLLM's model config gives them.
+        self.cfg.model_config.model_arch_config.total_num_kv_heads = heads * shards
         self.verify = verify
+        pc = self.cfg.parallel_config
+        pc.tensor_parallel_size = tp
         if dcp == 1:
             self.sched = create_scheduler(self.cfg, num_blocks=num_blocks,
                                           kv_cache_config=self.kcc)
@@ -124,9 +195,7 @@ class Engine:
             from vllm.v1.core.sched.scheduler import Scheduler
             from vllm.v1.structured_output import StructuredOutputManager
 
-            pc = self.cfg.parallel_config
             pc.decode_context_parallel_size = dcp
-            pc.tensor_parallel_size = dcp
             pc.cp_kv_cache_interleave_size = interleave
             self.cfg.cache_config.num_gpu_blocks = num_blocks
             block_size, hash_block_size = resolve_kv_cache_block_sizes(self.kcc, self.cfg)
@@ -136,23 +205,28 @@ class Engine:
                 structured_output_manager=StructuredOutputManager(self.cfg),
                 block_size=block_size, hash_block_size=hash_block_size)
         self.sblock = BS * dcp
-        # Worker w believes it is DCP rank ranks[w] (the identity unless a test says).
-        self.ranks = list(ranks or range(dcp))
+        # Worker w believes it is DCP rank ranks[w] and TP rank tp_ranks[w] (vLLM's
+        # grouping unless a test says).
+        self.ranks = list(ranks or [w % dcp for w in range(tp)])
+        self.tp_ranks = list(tp_ranks or range(tp))
         self.workers = []
         self.runners = []
         self.kvs = []
-        for w in range(dcp):
+        self.views = []  # per worker: {layer: [blocks, K/V, tokens, heads, head] view}
+        for w in range(tp):
             if monkeypatch is not None:
                 import cp_hicache.vllm as cv
 
                 monkeypatch.setattr(cv, "dcp_rank_and_size",
                                     lambda r=self.ranks[w]: (r, dcp))
+                monkeypatch.setattr(cv, "tp_rank_and_size",
+                                    lambda r=self.tp_ranks[w]: (r, tp))
+            else:
+                assert tp == 1, "more than one worker needs monkeypatch"
             worker = KVConnectorFactory.create_connector(
                 self.cfg, KVConnectorRole.WORKER, self.kcc)
-            # vLLM 0.34's per-layer view is blocks first: [blocks, K/V, block_size, heads,
-            # head].
-            kv = {n: torch.zeros((num_blocks, 2, BS, HEADS, HEAD_SIZE), dtype=torch.float16)
-                  for n in LAYERS}
+            made = {n: make_kv(layout, num_blocks, heads) for n in LAYERS}
+            kv = {n: t for n, (t, _) in made.items()}
             # vLLM's own model-runner glue drives each worker's connector (it registers the
             # KV tensors, and calls the hooks around each forward); it takes the process's
             # connector when built, so each worker gets its own.
@@ -163,8 +237,10 @@ class Engine:
                 kv_transfer_state._KV_CONNECTOR_AGENT = None
             self.workers.append(worker)
             self.kvs.append(kv)
+            self.views.append({n: v for n, (_, v) in made.items()})
         self.metas = []
         self.outputs = []
+        _ENGINES.append(self)
         self._sending = {}  # request -> workers that reported its saves done
 
     @property
@@ -179,6 +255,10 @@ class Engine:
     def connector(self) -> CpHiCacheConnector:
         return self.sched.connector
 
+    def shard(self, w: int) -> int:
+        """The KV head shard TP rank ``w`` holds (vLLM's split)."""
+        return w // (self.tp // self.shards)
+
     def poison(self) -> None:
         """Fills every block with garbage, so a block a load did not write shows."""
         for kv in self.kvs:
@@ -186,22 +266,40 @@ class Engine:
                 t.view(torch.uint8).fill_(0xA5)
 
     def block(self, block_id: int, rank: int = 0) -> bytes:
-        return b"".join(bytes(t[block_id].contiguous().view(torch.uint8).numpy())
-                        for t in self.kvs[rank].values())
+        """Worker ``rank``'s block ``block_id``, ``[K/V, tokens, heads, head]`` per layer."""
+        return b"".join(bytes(v[block_id].contiguous().view(torch.uint8).numpy())
+                        for v in self.views[rank].values())
 
     def expected_block(self, tokens, index: int, rank: int = 0) -> bytes:
-        """The bytes the stand-in forward gives DCP rank ``rank``'s block of scheduler
-        block ``index`` of ``tokens`` (at DCP 1: block ``index``)."""
+        """The bytes the stand-in forward gives worker ``rank``'s block of scheduler block
+        ``index`` of ``tokens`` (at DCP 1: block ``index``), as :meth:`block` reads them."""
         out = []
+        # The tokens and heads rank ``rank`` holds in vLLM's layout (whatever the worker
+        # believes its ranks are).
+        dr, shard = rank % self.dcp, self.shard(rank)
         for li in range(len(LAYERS)):
             for kv in (0, 1):
                 for j in range(BS):
-                    pos = rank_position(index, rank, j, self.dcp, self.interleave)
-                    out.append(slot_bytes(tokens, pos, li, kv))
+                    pos = rank_position(index, dr, j, self.dcp, self.interleave)
+                    out.append(slot_bytes(tokens, pos, li, kv, shard, self.heads))
         # [K/V, block_size, ...] per layer: K's slots then V's.
         return b"".join(out)
 
-    def _forward(self, so) -> None:
+    def expected_record(self, tokens, record: int, shard: int = 0) -> bytes:
+        """The bytes of the store's record ``record`` of ``tokens`` (head shard
+        ``shard``): each layer's ``[heads, tokens, K then V of a head]``."""
+        out = []
+        for li in range(len(LAYERS)):
+            kvb = torch.tensor([[list(slot_bytes(tokens, record * BS + j, li, kv, shard,
+                                                 self.heads)) for j in range(BS)]
+                                for kv in (0, 1)], dtype=torch.uint8)
+            kvb = kvb.view(2, BS, self.heads, HEAD_SIZE * 2)
+            out.append(bytes(kvb.permute(2, 1, 0, 3).contiguous().numpy()))
+        return b"".join(out)
+
+    def _forward(self, so, layer: int) -> None:
+        """Writes layer ``layer``'s KV of every scheduled token, as the model's attention
+        layer ``layer`` would."""
         starts = {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
         c = so.scheduled_cached_reqs
         starts.update(zip(c.req_ids, c.num_computed_tokens))
@@ -215,11 +313,17 @@ class Engine:
                 vo = pos % self.sblock
                 owner = (vo // i) % d
                 b, off = block_ids[pos // self.sblock], (vo // (i * d)) * i + vo % i
-                for li, name in enumerate(LAYERS):
-                    u8 = self.kvs[owner][name].view(torch.uint8)
-                    for kv in (0, 1):
-                        u8[b, kv, off].view(-1)[:] = torch.frombuffer(
-                            bytearray(slot_bytes(tokens, pos, li, kv)), dtype=torch.uint8)
+                for w in range(self.tp):
+                    if w % d != owner:
+                        continue
+                    for li, name in enumerate(LAYERS):
+                        if li != layer:
+                            continue
+                        view = self.views[w][name]
+                        for kv in (0, 1):
+                            data = slot_bytes(tokens, pos, li, kv, self.shard(w), self.heads)
+                            view[b, kv, off] = torch.frombuffer(
+                                bytearray(data), dtype=torch.float16).view(self.heads, -1)
 
     def _verify(self, so) -> None:
         """Every whole block a scheduled request has computed (loaded, or written by a
@@ -229,14 +333,16 @@ class Engine:
             tokens = list(req.all_token_ids)
             (block_ids,) = self.sched.kv_cache_manager.get_block_ids(rid)
             for v in range(min(req.num_computed_tokens, len(tokens)) // self.sblock):
-                for r in range(self.dcp):
+                for r in range(self.tp):
                     assert self.block(block_ids[v], r) == self.expected_block(tokens, v, r), (
                         f"{rid} block {v} (block id {block_ids[v]}) holds other KV on rank {r}")
 
-    def step(self, on_loaded=None):
+    def step(self, on_loaded=None, before_forward=None):
         """One engine step, every worker's connector driven by vLLM's model-runner glue
         (``ActiveKVConnector``: ``pre_forward`` runs ``handle_preemptions``, binds the
-        metadata and, when the step has synchronous loads, ``start_load_kv``; after the
+        metadata and, when the step has synchronous loads, ``start_load_kv``; the forward
+        calls ``wait_for_layer_load`` before each layer and ``save_kv_layer`` after it (not
+        with ``layerwise=False``: ``wait_for_save`` then copies the saved blocks); after the
         forward, ``post_forward`` runs ``wait_for_save``, ``get_finished``,
         ``get_block_ids_with_load_errors`` and ``get_kv_connector_stats``). The workers'
         outputs are aggregated as vLLM's ``KVOutputAggregator`` does: a request's saves are
@@ -247,9 +353,20 @@ class Engine:
         self.metas.append(meta)
         for r in self.runners:
             r.pre_forward(so)
+        if before_forward is not None:
+            before_forward(so, meta)
         if on_loaded is not None:
+            for w in self.workers:
+                for name in LAYERS:
+                    w.wait_for_layer_load(name)
             on_loaded(so, meta)
-        self._forward(so)
+        for li, name in enumerate(LAYERS):
+            for w in self.workers:
+                w.wait_for_layer_load(name)
+            self._forward(so, li)
+            if self.layerwise:
+                for w, kv in zip(self.workers, self.kvs):
+                    w.save_kv_layer(name, kv[name], None)
         if self.verify:
             self._verify(so)
         sending, invalid, stats = set(), set(), None
@@ -296,6 +413,19 @@ class Engine:
                 for k, v in o.kv_connector_stats.data.items():
                     total[k] = total.get(k, 0) + v
         return total
+
+
+@pytest.fixture(autouse=True)
+def _no_thread_left_behind():
+    """After each test: every worker of every engine it made shuts down (draining its loads
+    and writes), and no thread of a connector is left."""
+    yield
+    engines, _ENGINES[:] = list(_ENGINES), []
+    for e in engines:
+        for w in e.workers:
+            w.shutdown()
+    left = [t.name for t in threading.enumerate() if t.name.startswith("cp-hicache-")]
+    assert not left, f"connector threads left behind: {left}"
 
 
 def assert_clean(engine: Engine) -> None:
@@ -480,7 +610,7 @@ def test_a_failed_load_is_reported_and_recomputed_never_served(tmp_path, fault):
         # The store removed the refused record; the recomputed block was saved again.
         out = torch.empty(e.worker.page_bytes, dtype=torch.uint8)
         assert e.worker.store.get(names[2], [(out.data_ptr(), out.numel())])
-        assert bytes(out.numpy()) == e.expected_block(list(b.all_token_ids), 2)
+        assert bytes(out.numpy()) == e.expected_record(list(b.all_token_ids), 2)
 
 
 def test_under_the_fail_policy_a_failed_load_ends_the_request_with_an_error(tmp_path):
@@ -561,7 +691,7 @@ def test_abort_while_saving_leaves_nothing_behind(tmp_path):
 
 def test_preemption_resumes_from_the_store_and_every_block_holds_its_kv(tmp_path):
     """Two requests outgrow 9 usable blocks while decoding: vLLM preempts one, whose
-    writes are waited for before its blocks are reused; resumed, it gets its blocks back
+    blocks are reused at once (its saves copied them out within their step); resumed, it gets its blocks back
     from its local prefix cache and the store. After every step every computed block of
     every scheduled request holds the KV its tokens give (loads included)."""
     e = Engine(tmp_path / "store", num_blocks=10, verify=True)
@@ -636,11 +766,189 @@ def test_loading_into_another_ranks_slots_is_caught(tmp_path, monkeypatch):
         b.step()
 
 
+# The KV tensor shape the store is written from, then the one it is read into after a
+# restart (records hold [heads, tokens, K|V] per layer whatever the shape), at DCP 1 and at
+# DCP 2 with an interleave of 1 (tokens placed through the layout's byte indices).
+LAYOUT_RUNS = [("blocks_first", "kv_first"), ("kv_first", "bhnc"), ("bhnc", "bnhc"),
+               ("bnhc", "hbnc"), ("hbnc", "blocks_first"), ("mla", "mla")]
+IN_PLACE = {"bhnc", "hbnc", "mla"}  # a block's record in <= 8 runs a layer (K|V apart: gathered)
+
+
+@pytest.mark.parametrize("dcp", [1, 2], ids=["dcp1", "dcp2i1"])
+@pytest.mark.parametrize("write,read", LAYOUT_RUNS, ids=[f"{w}-to-{r}" for w, r in LAYOUT_RUNS])
+def test_kv_layouts_round_trip_byte_for_byte(tmp_path, monkeypatch, write, read, dcp):
+    """GQA/MHA KV (K and V of 2 heads a token) and MLA's latent KV: a shared prefix saved
+    from one tensor shape and layout is loaded into another after a restart, every rank's
+    every computed block checked against the KV its tokens give after every step; the
+    record holds the canonical bytes."""
+    mla = write == "mla"
+    kw = dict(dcp=dcp, interleave=1, verify=True, monkeypatch=monkeypatch, mla=mla)
+    a = Engine(tmp_path / "store", layout=write, **kw)
+    assert a.worker._in_place == (write in IN_PLACE)
+    req = create_request(request_id=1, num_tokens=72, common_prefix_len=64, max_tokens=2,
+                         block_size=a.sblock)
+    a.sched.add_request(req)
+    a.run()
+    assert_clean(a)
+    names = block_names(req.all_token_ids, BS)
+    out = torch.empty(a.worker.page_bytes, dtype=torch.uint8)
+    assert a.worker.store.get(names[1], [(out.data_ptr(), out.numel())])
+    assert bytes(out.numpy()) == a.expected_record(list(req.all_token_ids), 1)
+
+    b = Engine(tmp_path / "store", layout=read, **kw)
+    b.poison()
+    b.sched.add_request(create_request(request_id=2, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=b.sblock))
+    so = b.step()
+    assert so.num_scheduled_tokens == {"id-2": 16}, so.num_scheduled_tokens
+    b.run()
+    assert_clean(b)
+    st = b.stats()
+    assert st.get("records_loaded") == dcp * 64 // b.sblock and not st.get("load_errors"), st
+
+
+def test_kernel_blocks_and_kv_apart_map_to_the_canonical_record():
+    """The byte map of a layer (``register_kv_caches``) for kernel blocks (2 kernel blocks
+    of BS / 2 tokens a block, ``[2B, H, N/2, C]``) and for K and V apart (``[2, B, N, H,
+    D]``): a block's gathered bytes are ``[heads, tokens, K then V]``, and scattering them
+    into another block copies it."""
+    from cp_hicache.vllm import _LayerBlocks
+
+    nb, h, d = 6, HEADS, HEAD_SIZE
+    page = h * BS * 2 * d * 2
+    kernel = torch.randn((nb * 2, h, BS // 2, 2 * d), dtype=torch.float16)
+    g = _LayerBlocks.of("k", kernel, nb, BS, page)
+    want = kernel.view(nb, 2, h, BS // 2, 2 * d)[3].permute(1, 0, 2, 3).reshape(h, BS, -1)
+    assert bytes(g.gather(3, None).numpy()) == bytes(want.contiguous().view(torch.uint8).numpy())
+    assert g.runs is not None and len(g.runs) == 2 * h  # in place: a run a kernel block a head
+    kv = torch.randn((2, nb, BS, h, d), dtype=torch.float16)
+    g = _LayerBlocks.of("kv", kv, nb, BS, page)
+    want = kv[:, 4].permute(2, 1, 0, 3).contiguous()  # [H, N, K/V, D]
+    assert bytes(g.gather(4, None).numpy()) == bytes(want.view(torch.uint8).numpy())
+    assert g.runs is None  # scattered: gathered, not read in place
+    g.scatter(1, g.gather(4, None), None)
+    assert torch.equal(kv[:, 1], kv[:, 4])
+    with pytest.raises(ValueError, match="ambiguous"):
+        _LayerBlocks.of("x", torch.zeros((2, 2, BS, h, d), dtype=torch.float16), 2, BS, page)
+
+
+# (tp, dcp, interleave, head shards, mla): TP above DCP. GQA/MHA KV heads are split over the
+# TP ranks as vLLM splits them (the model has heads x shards KV heads; where TP exceeds
+# them, neighbouring ranks hold copies), a DCP group within one shard's ranks; MLA's latent
+# KV is the same on every TP rank.
+TP_RUNS = [
+    (2, 1, 1, 2, False),   # two head shards of 2 heads
+    (4, 1, 1, 2, False),   # 2 KV heads over TP 4: ranks 1 and 3 hold copies
+    (4, 2, 1, 2, False),   # TP 4, DCP 2: a DCP group per KV head
+    (4, 2, BS, 2, False),
+    (2, 1, 1, 1, True),    # MLA at TP 2: rank 1's KV is a copy
+    (4, 2, 1, 1, True),    # MLA at TP 4, DCP 2: the second DCP group's is a copy
+]
+
+
+@pytest.mark.parametrize("tp,dcp,interleave,shards,mla", TP_RUNS,
+                         ids=[f"tp{t}dcp{d}i{i}{'mla' if m else f'h{h}'}"
+                              for t, d, i, h, m in TP_RUNS])
+def test_tp_above_dcp_records_per_head_shard(tmp_path, monkeypatch, tp, dcp, interleave,
+                                            shards, mla):
+    """Each TP rank saves and loads only its own head shard's records (keys name the
+    shard; MLA's are shard-less), only the first DCP group of each shard writes, and after a
+    restart every rank's blocks hold their own heads' KV (checked after every step)."""
+    heads = HEADS if shards == tp else 1  # vLLM: max(1, KV heads // TP) a rank
+    kw = dict(tp=tp, dcp=dcp, interleave=interleave, shards=shards, heads=heads, mla=mla,
+              verify=True, monkeypatch=monkeypatch)
+    a = Engine(tmp_path / "store", **kw)
+    assert [w.head_shard for w in a.workers] == [a.shard(w) for w in range(tp)]
+    req = create_request(request_id=1, num_tokens=72, common_prefix_len=64, max_tokens=2,
+                         block_size=a.sblock)
+    a.sched.add_request(req)
+    a.run()
+    assert_clean(a)
+    names = block_names(req.all_token_ids, BS)[:4]
+    store = a.worker.store
+    if shards > 1:
+        for h in range(shards):
+            assert store.present_run([head_shard_key(n, h, shards) for n in names]) == 4
+        assert store.present_run(names) == 0  # no shard-less record
+        out = torch.empty(a.worker.page_bytes, dtype=torch.uint8)
+        assert store.get(head_shard_key(names[2], 1, shards), [(out.data_ptr(), out.numel())])
+        assert bytes(out.numpy()) == a.expected_record(list(req.all_token_ids), 2, shard=1)
+    else:
+        assert store.present_run(names) == 4
+    # Written once per shard (records, or DCP parts of them): copies write nothing.
+    direct = dcp == 1 or interleave == BS
+    assert a.stats().get("records_saved") == 4 * shards * (1 if direct else dcp), a.stats()
+
+    b = Engine(tmp_path / "store", **kw)
+    b.poison()
+    b.sched.add_request(create_request(request_id=2, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=b.sblock))
+    so = b.step()
+    assert so.num_scheduled_tokens == {"id-2": 16}, so.num_scheduled_tokens
+    b.run()
+    assert_clean(b)
+    st = b.stats()
+    assert st.get("records_loaded") == tp * 64 // b.sblock and not st.get("load_errors"), st
+
+
+def test_a_block_is_a_hit_only_with_every_head_shard(tmp_path, monkeypatch):
+    """At TP 2 over two head shards, record 2's shard 1 gone: the planner offers the two
+    blocks before it, not four (a partial hit would fail on one rank and be recomputed)."""
+    kw = dict(tp=2, shards=2, verify=True, monkeypatch=monkeypatch)
+    a = Engine(tmp_path / "store", **kw)
+    req = create_request(request_id=1, num_tokens=72, common_prefix_len=64, max_tokens=1,
+                         block_size=BS)
+    a.sched.add_request(req)
+    a.run()
+    names = block_names(req.all_token_ids, BS)
+    os.remove(a.worker.store.path_of(head_shard_key(names[2], 1, 2)))
+    b = Engine(tmp_path / "store", **kw)
+    b.sched.add_request(create_request(request_id=2, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=1, block_size=BS))
+    so = b.step()
+    assert so.num_scheduled_tokens == {"id-2": 80 - 32}, so.num_scheduled_tokens
+    b.run()
+    assert_clean(b)
+    assert not b.stats().get("load_errors")
+
+
+def test_loading_another_tp_ranks_heads_is_caught(tmp_path, monkeypatch):
+    """Workers that take each other's TP rank (so each other's head shard) fill their
+    blocks with the other heads' KV; the check of every block catches it."""
+    a = Engine(tmp_path / "store", tp=2, shards=2, monkeypatch=monkeypatch)
+    a.sched.add_request(create_request(request_id=1, num_tokens=72, common_prefix_len=64,
+                                       max_tokens=1, block_size=BS))
+    a.run()
+    b = Engine(tmp_path / "store", tp=2, shards=2, verify=True, tp_ranks=[1, 0],
+               monkeypatch=monkeypatch)
+    b.sched.add_request(create_request(request_id=2, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=1, block_size=BS))
+    with pytest.raises(AssertionError, match="holds other KV on rank 0"):
+        b.step()
+
+
+def test_refuses_head_splits_vllm_does_not_make(tmp_path):
+    # A DCP group of 2 over TP 4 with 4 KV heads (one a rank): the group would span shards.
+    cfg = vllm_config(tmp_path / "store")
+    cfg.parallel_config.tensor_parallel_size = 4
+    cfg.parallel_config.decode_context_parallel_size = 2
+    cfg.model_config.model_arch_config.total_num_kv_heads = 4
+    with pytest.raises(ValueError, match="would span two shards"):
+        CpHiCacheConnector(cfg, KVConnectorRole.SCHEDULER,
+                           kv_cache_config(heads=1, replicated=False))
+    # A spec of 2 heads a rank at TP 2 for a model of 12 KV heads (vLLM would give 6).
+    cfg = vllm_config(tmp_path / "store")
+    cfg.parallel_config.tensor_parallel_size = 2
+    with pytest.raises(ValueError, match="the head split is not vLLM's"):
+        CpHiCacheConnector(cfg, KVConnectorRole.SCHEDULER,
+                           kv_cache_config(heads=2, replicated=False))
+
+
 def test_refuses_what_is_not_built(tmp_path):
     cfg = vllm_config(tmp_path / "store")
     cfg.parallel_config.decode_context_parallel_size = 2
-    with pytest.raises(ValueError, match="tensor_parallel_size = 1 with "
-                                         "decode_context_parallel_size = 2 is not built"):
+    with pytest.raises(ValueError, match="tensor_parallel_size = 1 is not a multiple of "
+                                         "decode_context_parallel_size = 2"):
         CpHiCacheConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
     cfg = vllm_config(tmp_path / "store")
     cfg.parallel_config.pipeline_parallel_size = 2
@@ -650,3 +958,317 @@ def test_refuses_what_is_not_built(tmp_path):
                              kv_connector_module_path="cp_hicache.vllm", kv_role="kv_both")
     with pytest.raises(ValueError, match=r"needs kv_connector_extra_config\['path'\]"):
         CpHiCacheConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
+
+
+# ------------------------------------------------------------------------------------------
+# Layer-wise loads and asynchronous saves
+# ------------------------------------------------------------------------------------------
+
+
+def _save_prefix(path) -> None:
+    """Fills a store with request 1's four 16-token blocks (a 64-token prefix)."""
+    e = Engine(path)
+    e.sched.add_request(create_request(request_id=1, num_tokens=70, common_prefix_len=64,
+                                       max_tokens=2, block_size=BS))
+    e.run()
+    assert_clean(e)
+
+
+def _prefix_hit():
+    """Request 2: 80 tokens sharing request 1's prefix (64 of them hit the store)."""
+    return create_request(request_id=2, num_tokens=80, common_prefix_len=64, max_tokens=2,
+                          block_size=BS)
+
+
+def _layer(block: bytes, li: int) -> bytes:
+    """Layer ``li``'s bytes of a block as ``Engine.block`` gives it."""
+    n = len(block) // len(LAYERS)
+    return block[li * n:(li + 1) * n]
+
+
+class _RecordingReads:
+    """The worker's store, noting each record read in ``events``."""
+
+    def __init__(self, store, events):
+        self._store, self._events = store, events
+
+    def get(self, name, parts):
+        self._events.append(("read", name))
+        return self._store.get(name, parts)
+
+    def __getattr__(self, attr):
+        return getattr(self._store, attr)
+
+
+def test_wait_for_layer_load_waits_for_its_layer_and_records_are_checked_first(tmp_path):
+    """start_load_kv returns at once; the loader thread reads (and checks) every record of
+    the step before it fills any block, then fills layer by layer: wait_for_layer_load(0)
+    returns with layer 0 of every loaded block filled while layer 1 is not yet (its wait
+    blocks until the loader fills it), and the blocks end byte for byte as saved."""
+    _save_prefix(tmp_path / "store")
+    e = Engine(tmp_path / "store")
+    e.poison()
+    w = e.worker
+    events = []
+    w.store = _RecordingReads(w.store, events)
+    gate = threading.Event()
+
+    def hook(li):
+        events.append(("layer", li))
+        if li == 1:
+            assert gate.wait(30)
+
+    w._load_layer_hook = hook
+    b = _prefix_hit()
+    e.sched.add_request(b)
+    tokens = list(b.all_token_ids)
+    seen = {}
+
+    def before_forward(so, meta):
+        if not meta.loads:
+            return
+        (bb,) = e.sched.kv_cache_manager.get_block_ids("id-2")
+        ids = bb[:4]
+        w.wait_for_layer_load(LAYERS[0])
+        poison = b"\xa5" * len(_layer(e.block(ids[0]), 1))
+        for i, x in enumerate(ids):
+            assert _layer(e.block(x), 0) == _layer(e.expected_block(tokens, i), 0)
+            assert _layer(e.block(x), 1) == poison, "layer 1 filled before its turn"
+        waiter = threading.Thread(target=w.wait_for_layer_load, args=(LAYERS[1],))
+        waiter.start()
+        waiter.join(0.3)
+        seen["blocked"] = waiter.is_alive()
+        assert all(_layer(e.block(x), 1) == poison for x in ids)
+        gate.set()
+        waiter.join(30)
+        assert not waiter.is_alive()
+        for i, x in enumerate(ids):
+            assert e.block(x) == e.expected_block(tokens, i)
+        seen["ok"] = True
+
+    try:
+        so = e.step(before_forward=before_forward)
+    finally:
+        gate.set()
+    assert seen.get("ok") and seen["blocked"], seen
+    assert so.num_scheduled_tokens == {"id-2": 16}
+    first_fill = events.index(("layer", 0))
+    reads = [i for i, ev in enumerate(events) if ev[0] == "read"]
+    assert len(reads) == 4 and max(reads) < first_fill, events
+    assert events[first_fill:] == [("layer", 0), ("layer", 1)], events
+    e.run()
+    assert_clean(e)
+    st = e.stats()
+    assert st.get("records_loaded") == 4 and not st.get("load_errors"), st
+
+
+def test_layer_wise_hooks_need_piecewise_cuda_graphs():
+    """A full CUDA graph would skip wait_for_layer_load and save_kv_layer on replay: the
+    connector asks vLLM for piecewise graphs."""
+    assert CpHiCacheConnector.requires_piecewise_for_cudagraph({}) is True
+
+
+def test_a_block_failing_after_a_layer_was_served_is_reported_whole(tmp_path):
+    """Layer 0 of block 2 is filled and waited for, then filling its layer 1 fails: block
+    2 is reported whole by get_block_ids_with_load_errors in the same step, vLLM recomputes
+    from it, and every block ends with the KV its tokens give."""
+    _save_prefix(tmp_path / "store")
+    e = Engine(tmp_path / "store")
+    e.poison()
+    w = e.worker
+    layer1 = w._layers[1]
+    orig, seen_blocks = layer1.fill, []
+
+    def failing_fill(block, src, slots):
+        if block not in seen_blocks:
+            seen_blocks.append(block)
+        if len(seen_blocks) == 3 and block == seen_blocks[2]:
+            raise OSError("injected: the copy of layer 1 failed")
+        return orig(block, src, slots)
+
+    layer1.fill = failing_fill
+    b = _prefix_hit()
+    e.sched.add_request(b)
+    tokens = list(b.all_token_ids)
+    served = {}
+
+    def before_forward(so, meta):
+        if meta.loads:
+            (bb,) = e.sched.kv_cache_manager.get_block_ids("id-2")
+            w.wait_for_layer_load(LAYERS[0])
+            served["layer0"] = _layer(e.block(bb[2]), 0)
+            served["ids"] = list(bb[:4])
+
+    so = e.step(before_forward=before_forward)
+    assert so.num_scheduled_tokens == {"id-2": 16}
+    # Layer 0 of block 2 was served (waited for) before the block failed ...
+    assert served["layer0"] == _layer(e.expected_block(tokens, 2), 0)
+    # ... and the whole block is reported in that step.
+    assert e.outputs[-1].invalid_block_ids == {served["ids"][2]}
+    layer1.fill = orig
+    so = e.step()
+    assert so.num_scheduled_tokens == {"id-2": 48}, so.num_scheduled_tokens
+    (bb,) = e.sched.kv_cache_manager.get_block_ids("id-2")
+    for i in range(5):
+        assert e.block(bb[i]) == e.expected_block(tokens, i)
+    e.run()
+    assert_clean(e)
+    st = e.stats()
+    assert st.get("load_errors") == 1 and st.get("records_loaded") == 3, st
+
+
+@pytest.mark.parametrize("layout,dcp", [("blocks_first", 1), ("hbnc", 1), ("kv_first", 2)],
+                         ids=["in-place", "gathered", "dcp2-parts"])
+def test_layerwise_saves_write_the_records_the_whole_step_path_writes(tmp_path, monkeypatch,
+                                                                      layout, dcp):
+    """Records saved layer by layer (save_kv_layer after each layer's forward) and records
+    saved with no save_kv_layer call (wait_for_save copies every layer) are byte for byte
+    the same, and the canonical record of their tokens."""
+    records = {}
+    for layerwise in (True, False):
+        path = tmp_path / f"store-{layerwise}"
+        e = Engine(path, dcp=dcp, layout=layout, layerwise=layerwise,
+                   monkeypatch=monkeypatch if dcp > 1 else None)
+        req = create_request(request_id=1, num_tokens=70, max_tokens=2, block_size=BS)
+        e.sched.add_request(req)
+        e.run()
+        assert_clean(e)
+        tokens = list(req.all_token_ids)
+        names = block_names(tokens, BS)[:64 // BS]
+        got = []
+        for k, name in enumerate(names):
+            out = torch.empty(e.worker.page_bytes, dtype=torch.uint8)
+            assert e.worker.store.get(name, [(out.data_ptr(), out.numel())]), (layerwise, k)
+            got.append(bytes(out.numpy()))
+            assert got[-1] == e.expected_record(tokens, k), (layerwise, k)
+        records[layerwise] = got
+        assert not e.stats().get("save_errors")
+    assert records[True] == records[False]
+
+
+class _GatedWrites:
+    """The worker's store, whose writes wait for ``gate``."""
+
+    def __init__(self, store, gate):
+        self._store, self._gate = store, gate
+
+    def put(self, *a, **k):
+        assert self._gate.wait(60)
+        return self._store.put(*a, **k)
+
+    def put_part(self, *a, **k):
+        assert self._gate.wait(60)
+        return self._store.put_part(*a, **k)
+
+    def __getattr__(self, attr):
+        return getattr(self._store, attr)
+
+
+def test_saves_are_asynchronous_and_reported_only_once_written(tmp_path):
+    """The writes wait on a gate: every step (wait_for_save included) returns meanwhile;
+    the finished request's blocks stay allocated (request_finished delayed their freeing)
+    and get_finished does not report it; vLLM reuses the blocks after each layer's save
+    (here: garbage over every layer once save_kv_layer copied it), yet the records hold
+    the forward's KV. Once the gate opens, the request is reported done and freed."""
+    e = Engine(tmp_path / "store")
+    w = e.worker
+    gate = threading.Event()
+    w.store = _GatedWrites(w.store, gate)
+    orig_save = w.save_kv_layer
+
+    def save_then_clobber(name, kv_layer, attn_metadata, **kw):
+        orig_save(name, kv_layer, attn_metadata, **kw)
+        kv_layer.view(torch.uint8).fill_(0x5A)  # vLLM may reuse the blocks now
+
+    w.save_kv_layer = save_then_clobber
+    req = create_request(request_id=1, num_tokens=64, max_tokens=2, block_size=BS)
+    e.sched.add_request(req)
+    names = block_names(req.all_token_ids, BS)[:4]
+    try:
+        for _ in range(6):
+            t0 = time.monotonic()
+            e.step()
+            assert time.monotonic() - t0 < 20, "a step waited for the writes"
+        assert "id-1" in e.sched.requests  # finished, its blocks kept for its writes
+        ps = e.connector.planner_stats()
+        assert ps["delayed"] == 1 and ps["finished_sending"] == 0, ps
+        assert not any(o.finished_sending for o in e.outputs)
+        assert w.store.present_run(names) == 0
+    finally:
+        gate.set()
+    e.run()
+    assert_clean(e)
+    assert e.connector.planner_stats()["finished_sending"] == 1
+    assert w.store.present_run(names) == 4
+    tokens = list(req.all_token_ids)
+    for k, name in enumerate(names):
+        out = torch.empty(w.page_bytes, dtype=torch.uint8)
+        assert w.store.get(name, [(out.data_ptr(), out.numel())])
+        assert bytes(out.numpy()) == e.expected_record(tokens, k)
+
+
+def test_a_failing_writer_is_counted_and_its_request_still_ends(tmp_path):
+    """A store write that raises is a save error (a later miss); a writer task that raises
+    outside it is counted too (``writer_failures``); neither is lost, and the request is
+    still reported done and freed."""
+    e = Engine(tmp_path / "store")
+    w = e.worker
+
+    class FailingPut:
+        def __init__(self, store):
+            self._store = store
+
+        def put(self, *a, **k):
+            raise OSError("injected: no space left on device")
+
+        def __getattr__(self, attr):
+            return getattr(self._store, attr)
+
+    w.store = FailingPut(w.store)
+    e.sched.add_request(create_request(request_id=1, num_tokens=40, max_tokens=2,
+                                       block_size=BS))
+    e.run()
+    assert_clean(e)
+    st = e.stats()
+    assert st.get("save_errors") == 2 and not st.get("records_saved"), st
+
+    e = Engine(tmp_path / "store2")
+
+    def broken_write(rid, jobs):
+        raise RuntimeError("injected: a bug in the writer")
+
+    e.worker._write = broken_write
+    e.sched.add_request(create_request(request_id=1, num_tokens=40, max_tokens=2,
+                                       block_size=BS))
+    e.run()
+    assert_clean(e)
+    st = e.stats()
+    assert st.get("writer_failures") == 1 and st.get("save_errors") == 1, st
+
+
+def test_shutdown_drains_the_writes_and_leaves_no_thread(tmp_path):
+    """shutdown waits for the writes in flight, then stops the loader and the writer: no
+    thread of the connector is left, and it may be called again."""
+    _save_prefix(tmp_path / "store")
+    e = Engine(tmp_path / "store")
+    w = e.worker
+    gate = threading.Event()
+    w.store = _GatedWrites(w.store, gate)
+    b = _prefix_hit()
+    e.sched.add_request(b)
+    e.step()  # loads 4 blocks, computes and saves block 4
+    e.step()
+    threads = list(w._writer._threads) + list(w._loader._threads)
+    assert threads and all(t.is_alive() for t in threads)
+    opener = threading.Timer(0.3, gate.set)
+    opener.start()
+    try:
+        w.shutdown()
+    finally:
+        gate.set()
+        opener.join()
+    assert not any(t.is_alive() for t in threads)
+    assert w.store.present_run(block_names(b.all_token_ids, BS)[:5]) == 5
+    w.shutdown()  # idempotent
+    w.wait_for_layer_load(LAYERS[0])  # nothing to wait for
+    assert w.get_block_ids_with_load_errors() == set()
