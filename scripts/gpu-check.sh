@@ -148,10 +148,14 @@ step bench "$bin" bench --backend cuda "${tuning_args[@]}" --json "$out/bench.js
 step replay "$bin" replay --backend cuda --requests 96 --quiet --json "$out/replay.json"
 step replay-dma "$bin" replay --backend cuda --requests 96 --quiet --transfer dma \
   --json "$out/replay-dma.json"
-# Write-back with a small device pool: evictions back pages up on the cache's stream while
+# Write-back with a small device pool: evictions back pages up on the backup stream while
 # loads are in flight on the load stream, and loads begin back to back (issue 42's C1 shape).
 step replay-writeback "$bin" replay --backend cuda --requests 48 --quiet --policy write_back \
   --device-pages 96 --json "$out/replay-writeback.json"
+# The same inside a scheduler's steps: several loads, evictions and backups per step.
+step replay-batch "$bin" replay --backend cuda --requests 48 --quiet --policy write_back \
+  --device-pages 96 --batch 4 --chunk-tokens 256 --decode-tokens 16 \
+  --json "$out/replay-batch.json"
 
 if command -v compute-sanitizer >/dev/null 2>&1; then
   step memcheck compute-sanitizer --tool memcheck --error-exitcode 3 \

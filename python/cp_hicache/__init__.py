@@ -434,7 +434,11 @@ class RankCache:
         self._native.set_verifying_ranks(n)
 
     def begin(
-        self, tokens: Tokens, allocate: bool = False, chunk: Optional[int] = None
+        self,
+        tokens: Tokens,
+        allocate: bool = False,
+        chunk: Optional[int] = None,
+        stream: Any = None,
     ) -> Request:
         """Starts a request in steps: matches ``tokens`` and loads the host-only part of the
         match back (owners preserved, layer by layer). With ``allocate=True`` it also
@@ -442,8 +446,18 @@ class RankCache:
         rounds: this and :meth:`finish`). With ``chunk=N`` as well (chunked prefill), the
         request takes only the cached prefix and the next ``N`` tokens; :meth:`extend` gives
         it the rest. When it returns, the loaded pages are readable by every peer, not only
-        by this rank. SGLang: ``match_prefix`` + ``init_load_back``."""
-        return Request(self._native.begin(_u32_bytes(tokens, "tokens"), allocate, chunk))
+        by this rank. SGLang: ``match_prefix`` + ``init_load_back``.
+
+        The pages handed out may still have the cache's work queued on them (a freed page's
+        poison, on a GPU a load that is not layer-wise): with ``stream`` (the engine's CUDA
+        stream, as for :meth:`Request.wait_layer`) that stream waits for it on the device, so
+        the forward's writes come after it; without, an engine on a GPU calls
+        :meth:`synchronize` before writing them. Nothing to order on the CPU."""
+        return Request(
+            self._native.begin(
+                _u32_bytes(tokens, "tokens"), allocate, chunk, _maybe_stream(stream)
+            )
+        )
 
     def extend(self, request: Request, tokens: Tokens, stream: Any = None) -> None:
         """Adds ``tokens`` to an open request: the next prefill chunk, or decode tokens.
@@ -456,7 +470,8 @@ class RankCache:
         fails on any rank leaves the request as it was. With ``stream`` (the engine's CUDA
         stream, as for :meth:`Request.wait_layer`), the cache's work, the backups of the
         pages written included, first waits on the device for the engine's work there, so
-        the engine need not synchronise its stream before the call."""
+        the engine need not synchronise its stream before the call, and the stream then
+        waits for the cache's work on the pages allocated (as in :meth:`begin`)."""
         self._native.extend(request._native, _u32_bytes(tokens, "tokens"), _maybe_stream(stream))
 
     def step(
@@ -485,7 +500,8 @@ class RankCache:
         :class:`StepError` listing the failures, with the admitted requests. An error for the
         whole step (:class:`DivergedError`, :class:`GroupError`) leaves every request as it
         was. With ``stream`` (the engine's CUDA stream), the cache's work first waits on the
-        device for the engine's work there."""
+        device for the engine's work there, and the stream then waits for the cache's work
+        on the pages the step handed out (as in :meth:`begin`)."""
         fin = []
         for f in finish:
             if isinstance(f, Request):
@@ -515,13 +531,14 @@ class RankCache:
         Returns the mismatched tokens."""
         return self._native.verify(request._native)
 
-    def allocate(self, request: Request) -> None:
+    def allocate(self, request: Request, stream: Any = None) -> None:
         """Allocates the pages of the tokens the cache does not hold, evicting when short.
         Their owners follow the deployment's layout: zigzag over the ranks under
         ``layout="zigzag"``, round by round from the first computed page under
         ``"round-robin"``, page ``i`` on rank ``i % cp`` under the interleaved layouts (whole
-        granules of ``cp`` pages). SGLang: the KV pool allocator's ``alloc``."""
-        self._native.allocate(request._native)
+        granules of ``cp`` pages). SGLang: the KV pool allocator's ``alloc``. ``stream``
+        orders the engine's writes to the new pages as in :meth:`begin`."""
+        self._native.allocate(request._native, _maybe_stream(stream))
 
     def synthesise_and_verify(self, request: Request) -> int:
         """Writes synthesised KV into this rank's computed pages and verifies the whole

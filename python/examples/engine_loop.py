@@ -95,6 +95,10 @@ def rank_main(rank: int, size: int, port: int, backend: str, fault, slow_rank, s
         if i == len(prompts(1)):
             rc.evict(1 << 30)  # memory pressure: every prefix goes to host memory
         req = rc.begin(tokens, allocate=True)      # 1. match + load-back + allocate
+        # The forward writes the new pages after the cache's work on them (a freed page's
+        # poison): an engine on a GPU hands its stream in, begin(..., stream=s); this one
+        # writes from the CPU, so it waits (immediate on the CPU backend).
+        rc.synchronize()
         pages = req.pages
         owners, local = rc.locate(pages)
         for layer in range(dep.layers):            # 2. the forward, layer by layer

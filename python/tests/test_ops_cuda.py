@@ -227,6 +227,15 @@ ENGINE_SCRIPT = textwrap.dedent(
     again = rc.begin(list(range(60)), allocate=True)
     mismatched = rc.synthesise_and_verify(again)
     rc.finish(again)
+    # begin hands pages out with the cache's work on them queued (poison of freed pages):
+    # with the engine's stream, that stream waits for it on the device.
+    w0 = cu.fake_cuda_cross_stream_waits()
+    plain = rc.begin(list(range(300, 340)), allocate=True)
+    w1 = cu.fake_cuda_cross_stream_waits()
+    led = rc.begin(list(range(400, 440)), allocate=True, stream=stream.value)
+    w2 = cu.fake_cuda_cross_stream_waits()
+    rc.finish(plain, ok=False)
+    rc.finish(led, ok=False)
     try:
         rc.finish(again, stream="not a stream")
         refused = None
@@ -239,6 +248,7 @@ ENGINE_SCRIPT = textwrap.dedent(
         "cached": again.cached_pages,
         "mismatched": mismatched,
         "refused": refused,
+        "begin_waits": [w1 - w0, w2 - w1],
     }))
     """
 )
@@ -261,3 +271,5 @@ def test_finish_and_extend_order_the_cache_after_the_engines_stream(tmp_path):
     assert r["races"] == 0, r
     assert r["cached"] > 0 and r["mismatched"] == 0, r
     assert r["refused"] and "stream=" in r["refused"], r
+    # Only the begin given the stream orders it.
+    assert r["begin_waits"][1] == r["begin_waits"][0] + 1, r

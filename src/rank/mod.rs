@@ -754,6 +754,22 @@ impl RankCache {
         unsafe { self.exec.follow_stream(stream) }
     }
 
+    /// Makes the engine's `stream` (a raw `CUstream`) wait, on the device, for the work the
+    /// cache has enqueued so far: what an engine hands to `begin`, `allocate`, `extend` and
+    /// `step` so that its forward writes the pages they handed out only after the cache's
+    /// work on them (a freed page's poison, a load that is not layer-wise). Executors that
+    /// run every call before it returns have nothing to order.
+    ///
+    /// # Safety
+    /// As [`RankCache::follow_engine_stream`].
+    pub unsafe fn lead_engine_stream(&self, stream: u64) -> Result<(), crate::exec::ExecError> {
+        if self.exec.backend() != crate::exec::Backend::Cuda {
+            return Ok(());
+        }
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.exec.lead_stream(stream) }
+    }
+
     /// Whether loads go layer by layer for readers that wait per layer
     /// ([`RankCache::set_layer_waits`]).
     pub fn layer_waits(&self) -> bool {

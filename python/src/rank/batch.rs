@@ -21,7 +21,8 @@ impl RankCache {
     /// a prompt not admitted) and the failures: a failed operation fails its request on every
     /// rank (an extend or finish leaves it as it was, an end some rank said not ok abandons
     /// it), never the step. With `stream`, the cache's work first waits on the device for
-    /// the engine's work on it.
+    /// the engine's work on it, and the stream then waits for the cache's work on the pages
+    /// the step handed out.
     #[pyo3(signature = (begin, extend, finish, allocate = true, chunk = None, stream = None))]
     #[allow(clippy::too_many_arguments, clippy::type_complexity)]
     fn step(
@@ -91,6 +92,7 @@ impl RankCache {
                 })
             })?
             .map_err(cluster)?;
+        self.lead(py, stream)?;
         let rank = self.rank;
         let mut failures: Failures = Vec::new();
         let mut fail = |what: &'static str, i: usize, e: ClusterError| {

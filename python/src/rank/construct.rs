@@ -172,7 +172,10 @@ impl RankCache {
                 .views(kind)
                 .iter()
                 .map(|v| match v.as_ref().and_then(|v| v.buffer) {
-                    Some(id) => Ok(Some((exec.address(id)?, exec.size(id)?))),
+                    Some(id) => Ok(Some((
+                        host_addressable(exec.as_ref(), exec.address(id)?),
+                        exec.size(id)?,
+                    ))),
                     None => Ok(None),
                 })
                 .collect::<Result<Vec<_>, cp_hicache::exec::ExecError>>()
@@ -276,5 +279,24 @@ impl RankCache {
             "RankCache(rank={}, deployment={})",
             self.rank, self.deployment.inner.name
         )
+    }
+}
+
+/// `address` as a consumer may reach it: the stand-in CUDA driver of the tests
+/// (`tests/fake_cuda/`, the one executor that runs emulated kernels on a CUDA backend) keeps
+/// its "device" memory in this process's host memory, so its pools are handed out as CPU
+/// tensors. A CPU build of torch then reads and writes them in place, and the engine loop
+/// runs on the CUDA executor without a GPU; a real GPU's pools stay CUDA tensors.
+fn host_addressable(
+    exec: &dyn cp_hicache::exec::Executor,
+    address: cp_hicache::exec::Address,
+) -> cp_hicache::exec::Address {
+    if exec.runs_emulated_kernels() {
+        cp_hicache::exec::Address {
+            space: cp_hicache::exec::AddressSpace::Host,
+            ..address
+        }
+    } else {
+        address
     }
 }

@@ -66,14 +66,16 @@ impl RankCache {
     /// Starts a request in steps (match, then load back layer by layer; with `allocate`,
     /// also the pages to compute, in the same round): every rank calls it with the same
     /// tokens. When it returns, the loaded pages are readable by every peer. SGLang:
-    /// `match_prefix` + `init_load_back`.
-    #[pyo3(signature = (tokens, allocate = false, chunk = None))]
+    /// `match_prefix` + `init_load_back`. With `stream` (the engine's raw `CUstream`), that
+    /// stream then waits on the device for the cache's work on the pages handed out.
+    #[pyo3(signature = (tokens, allocate = false, chunk = None, stream = None))]
     fn begin(
         &self,
         py: Python<'_>,
         tokens: &[u8],
         allocate: bool,
         chunk: Option<usize>,
+        stream: Option<u64>,
     ) -> PyResult<Request> {
         let tokens = ids(tokens, "tokens")?;
         if chunk.is_some() && !allocate {
@@ -91,6 +93,7 @@ impl RankCache {
                 (false, _) => r.begin(&tokens),
             })?
             .map_err(cluster)?;
+        self.lead(py, stream)?;
         Ok(Request {
             inner: Mutex::new(req),
             cache: self.id,
@@ -99,18 +102,21 @@ impl RankCache {
     }
 
     /// Allocates the pages of the tokens to compute, evicting when short, with the owners the
-    /// deployment's layout gives (zigzag only under `zigzag`).
-    fn allocate(&self, py: Python<'_>, req: &Request) -> PyResult<()> {
+    /// deployment's layout gives (zigzag only under `zigzag`). With `stream`, as in `begin`.
+    #[pyo3(signature = (req, stream = None))]
+    fn allocate(&self, py: Python<'_>, req: &Request, stream: Option<u64>) -> PyResult<()> {
         self.owns(req)?;
         self.with(py, |r| r.allocate(&mut req.lock()))?
-            .map_err(cluster)
+            .map_err(cluster)?;
+        self.lead(py, stream)
     }
 
     /// Adds tokens to an open request (the next prefill chunk, decode tokens): inserts the
     /// whole pages written so far unfinished, keeps the partial page, allocates the pages
     /// past it. One round. With `stream` (the engine's raw `CUstream`, checked by the
     /// wrapper), the cache's work (the backups of the pages written) first waits on the
-    /// device for the engine's work on it.
+    /// device for the engine's work on it, and the stream then waits for the cache's work on
+    /// the pages allocated.
     #[pyo3(signature = (req, tokens, stream=None))]
     fn extend(
         &self,
@@ -126,7 +132,8 @@ impl RankCache {
         }
         self.follow(py, stream)?;
         self.with(py, |r| r.extend(&mut req.lock(), &tokens))?
-            .map_err(cluster)
+            .map_err(cluster)?;
+        self.lead(py, stream)
     }
 
     /// Orders the cache's stream after the engine's `stream` (a device-side wait; nothing
@@ -136,6 +143,14 @@ impl RankCache {
         // SAFETY: the engine hands in a live stream of the cache's device context (`finish`
         // and `extend` say so, as `Request.wait_layer` does).
         self.with(py, |r| unsafe { r.follow_engine_stream(s) })?
+            .map_err(to_py)
+    }
+
+    /// Orders the engine's `stream` after the cache's work so far (a device-side wait).
+    pub(super) fn lead(&self, py: Python<'_>, stream: Option<u64>) -> PyResult<()> {
+        let Some(s) = stream else { return Ok(()) };
+        // SAFETY: as in `follow`.
+        self.with(py, |r| unsafe { r.lead_engine_stream(s) })?
             .map_err(to_py)
     }
 
