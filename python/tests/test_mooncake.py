@@ -46,6 +46,10 @@ class Recording:
         self.names.append(name)
         return self.inner.put_object(name, data)
 
+    def put_objects_from(self, names, addrs, sizes):
+        self.names.extend(names)
+        return self.inner.put_objects_from(names, addrs, sizes)
+
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
@@ -164,3 +168,44 @@ def test_the_master_killed_mid_run_degrades_to_recompute(mooncake_master):
     assert s["computed_tokens"] == 160 and s["mismatched_tokens"] == 0, s
     assert s["storage_io_errors"] >= 1 and s["storage_records_written"] == 0, s
     rc.close()
+
+
+def test_batches_and_usage_counts_what_this_client_put(mooncake_master):
+    """`PageStore.put_many`/`get_many` over a MooncakeStore (one batch_put_from and one
+    batch_get_into of the records, at the page store's addresses), byte for byte; `usage` reports the bytes of
+    the records this client put and the cluster still holds; an object longer than a
+    record under a record's name is refused (not read) and counted."""
+    from cp_hicache import _native
+    from cp_hicache.mooncake import MooncakeStore
+
+    store = MooncakeStore(mooncake_master.url, **mooncake_master.options)
+    page = 4096
+    ps = _native.PageStore.over(store, "usage-test", page)
+    src = np.random.default_rng(1).integers(0, 256, size=8 * page, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    names = [f"page-{i}" for i in range(8)]
+    at = lambda a, i: [(a.ctypes.data + i * page, page)]  # noqa: E731
+    assert ps.put_many(names, [at(src, i) for i in range(8)]) == [True] * 8
+    assert ps.put_many(names[:2], [at(src, i) for i in range(2)]) == [True] * 2  # there
+    st = ps.stats()
+    assert st["records_written"] == 8 and st["already_present"] == 2, st
+    assert st["usage_bytes"] == 8 * (64 + page), st
+    assert ps.get_many(names + ["absent"], [at(dst, i) for i in range(8)] + [at(dst, 0)]) == (
+        [True] * 8 + [False]
+    )
+    assert np.array_equal(src, dst)
+    # Another client removes two records: this one no longer counts them.
+    other = MooncakeStore(mooncake_master.url, **dict(mooncake_master.options, segment_bytes=0))
+    objects = [n for n in store._put_sizes]
+    other.remove_object(objects[0])
+    other.remove_object(objects[1])
+    assert ps.stats()["usage_bytes"] == 6 * (64 + page)
+    # A longer object under a record's name: refused, counted, removed.
+    other.damage(objects[2], b"x" * (2 * page))
+    got = ps.get_many(names, [at(dst, i) for i in range(8)])
+    assert got.count(False) == 3, got
+    st = ps.stats()
+    assert st["refused_checksum"] == 1 and st["misses"] == 3, st
+    assert other.objects_exist([objects[2]]) == [False]
+    other.close()
+    store.close()
