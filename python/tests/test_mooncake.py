@@ -238,14 +238,22 @@ def test_a_cp8_replay_writes_and_fresh_cp4_rank_processes_read_back(mooncake_mas
     holder.close()
 
 
-def test_the_rust_cli_replay_says_it_reaches_mooncake_only_through_python(tmp_path):
-    """The launcher's checks pass a mooncake:// store (no directory is made for it)."""
+def test_the_rust_cli_replay_says_it_reaches_mooncake_only_through_python(tmp_path, binary):
+    """The launcher's checks pass a mooncake:// store; the in-process CLI, which has no
+    Python, refuses it (exit status 2) naming the launcher, and makes no directory."""
+    import subprocess
+
     from cp_hicache import _native
 
-    args = ["--ranks", "1", "--cp", "1", "--model", "mla", "--page-size", "64",
-            "--layers", "2", "--storage", "mooncake://127.0.0.1:1"]
-    status, text, ranks, _ = _native.check_replay(args)
+    args = ["--model", "mla", "--page-size", "64", "--layers", "2", "--conversations", "2",
+            "--storage", "mooncake://127.0.0.1:1"]
+    status, text, ranks, _ = _native.check_replay(["--ranks", "1", "--cp", "1", *args])
     assert status is None, text
+    out = subprocess.run([str(binary), "replay", "--cp", "2", *args, "-q"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "only through Python (python -m cp_hicache.replay" in out.stderr
+    assert not any(tmp_path.iterdir())
 
 
 _HOLDER = """
