@@ -263,13 +263,17 @@ class MooncakeStore:
         """Bytes of the objects this client put that the cluster still holds (one
         ``batch_is_exist`` per 4,096 of them; those gone, evicted or removed by another
         client or with their segment, are forgotten). Other clients' objects are theirs
-        to count: Mooncake's client reports no cluster-wide total."""
+        to count: Mooncake's client reports no cluster-wide total. With the master
+        unreachable, the last count (nothing forgotten), not an error: a statistic."""
         with self._lock:
             names = list(self._put_sizes)
         gone = []
-        for at in range(0, len(names), _USAGE_BATCH):
-            chunk = names[at : at + _USAGE_BATCH]
-            gone += [n for n, e in zip(chunk, self.objects_exist(chunk)) if not e]
+        try:
+            for at in range(0, len(names), _USAGE_BATCH):
+                chunk = names[at : at + _USAGE_BATCH]
+                gone += [n for n, e in zip(chunk, self.objects_exist(chunk)) if not e]
+        except MooncakeError:
+            gone = []
         self._gone(gone)
         with self._lock:
             return sum(self._put_sizes.values())

@@ -353,6 +353,7 @@ def test_the_master_restarted_under_a_running_client_is_used_again(mooncake_mast
     assert s["storage_io_errors"] >= 1 and s["storage_records_written"] == 0, s
     with pytest.raises(MooncakeError, match=mooncake_master.url.split("//")[1]):
         store.objects_exist(["x"])
+    assert store.usage() > 0  # the last count, not an error, while the master is down
     proc = restart_master(
         mooncake_master_binary(), mooncake_master, tmp_path / "mooncake_master.log"
     )
