@@ -12,13 +12,20 @@ in Mooncake is refused and counted as one damaged on disk. Pass it (or its URL,
 
 One writer per record: Mooncake's ``put`` of a key that is there keeps the first object;
 presence is ``batch_is_exist``. Leases, eviction and capacity are Mooncake's.
+
+Batches move without Python copies: the page store hands
+:meth:`MooncakeStore.put_objects_from` and :meth:`MooncakeStore.get_objects_into` the
+addresses of its records, one ``batch_put_from``/``batch_get_into`` each (the TCP transport
+reads and writes any memory of this process; other transports go through ``put``/``get``
+of bytes, since their buffers would have to be registered).
 """
 
 from __future__ import annotations
 
+import ctypes
 import threading
-from typing import Any, Dict, List, Optional
-from urllib.parse import urlparse
+from typing import Any, Dict, List, Optional, Sequence
+from urllib.parse import parse_qsl, urlparse
 
 from ._native import UsageError
 
@@ -26,14 +33,42 @@ SCHEME = "mooncake"
 
 # Mooncake's error code for an object that is not there (a get, a remove).
 _OBJECT_NOT_FOUND = -704
+# Names per batch_is_exist when usage() checks what this client put.
+_USAGE_BATCH = 4096
 
 
 def parse_url(url: str) -> str:
-    """The master's ``HOST:PORT`` in ``mooncake://HOST:PORT``."""
+    """The master's ``HOST:PORT`` in ``mooncake://HOST:PORT[?OPTION=VALUE&...]``."""
+    return _parse(url)[0]
+
+
+def _parse(url: str) -> "tuple[str, Dict[str, Any]]":
     u = urlparse(url)
     if u.scheme != SCHEME or not u.hostname or not u.port or u.path not in ("", "/"):
-        raise UsageError(f"{url!r}: a Mooncake store is named mooncake://HOST:PORT (the master)")
-    return f"{u.hostname}:{u.port}"
+        raise UsageError(
+            f"{url!r}: a Mooncake store is named mooncake://HOST:PORT (the master), with "
+            "its client's options as ?OPTION=VALUE&..."
+        )
+    options: Dict[str, Any] = {}
+    for k, v in parse_qsl(u.query, keep_blank_values=True, strict_parsing=bool(u.query)):
+        if k not in _OPTIONS:
+            raise UsageError(f"{url!r}: no option {k!r} (the options: {', '.join(_OPTIONS)})")
+        try:
+            options[k] = _OPTIONS[k](v)
+        except ValueError as e:
+            raise UsageError(f"{url!r}: option {k}={v!r}: {e}") from None
+    return f"{u.hostname}:{u.port}", options
+
+
+# The options a URL may give (MooncakeStore's keyword arguments), and their types.
+_OPTIONS = {
+    "metadata_server": str,
+    "local_host": str,
+    "segment_bytes": int,
+    "buffer_bytes": int,
+    "protocol": str,
+    "device": str,
+}
 
 
 class MooncakeError(RuntimeError):
@@ -80,7 +115,10 @@ class MooncakeStore:
                 f"Mooncake Store: setup failed ({rc}) with the master at {master} and the "
                 f"metadata server {metadata_server}"
             )
+        self.protocol = protocol
         self._lock = threading.Lock()
+        # Bytes of each object this client put and has not seen go (for usage()).
+        self._put_sizes: Dict[str, int] = {}
         self._closed = False
 
     def __repr__(self) -> str:
@@ -95,13 +133,115 @@ class MooncakeStore:
         if self.objects_exist([name])[0]:
             return False
         self._check(f"put {name}", self._store.put(name, data))
+        self._wrote([name], [len(data)])
         return True
+
+    def put_objects_from(
+        self,
+        names: Sequence[str],
+        addrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+    ) -> List[bool]:
+        """Stores object ``names[i]``, unless it is there, as the bytes of the buffers of
+        this process's memory at ``addrs[i]`` (``sizes[i]`` bytes each, in order), in one
+        ``batch_is_exist`` and one ``batch_put_from`` (one buffer per object) or
+        ``batch_put_from_multi_buffers``; whether each was written. The memory must stay
+        unchanged for the call."""
+        there = self.objects_exist(list(names))
+        todo = [i for i, t in enumerate(there) if not t]
+        if todo:
+            keys = [names[i] for i in todo]
+            if self.protocol == "tcp" and all(len(addrs[i]) == 1 for i in todo):
+                rcs = self._store.batch_put_from(
+                    keys, [addrs[i][0] for i in todo], [sizes[i][0] for i in todo]
+                )
+            elif self.protocol == "tcp":
+                rcs = self._store.batch_put_from_multi_buffers(
+                    keys, [list(addrs[i]) for i in todo], [list(sizes[i]) for i in todo]
+                )
+            else:
+                rcs = [
+                    self._store.put(
+                        names[i],
+                        b"".join(ctypes.string_at(a, n) for a, n in zip(addrs[i], sizes[i])),
+                    )
+                    for i in todo
+                ]
+            for k, rc in zip(keys, rcs):
+                self._check(f"put {k}", rc)
+            self._wrote(keys, [sum(sizes[i]) for i in todo])
+        return [not t for t in there]
 
     def get_object(self, name: str) -> Optional[bytes]:
         """Object ``name``'s bytes, None when there is none."""
         data = self._store.get(name)
         # Mooncake's get answers b"" for a key it does not hold; a record is never empty.
-        return bytes(data) if data else None
+        if not data:
+            self._gone([name])
+            return None
+        return bytes(data)
+
+    def get_objects_into(
+        self,
+        names: Sequence[str],
+        addrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+    ) -> List[Optional[int]]:
+        """Reads object ``names[i]`` into the buffers of this process's memory at
+        ``addrs[i]`` (``sizes[i]`` bytes each, in order), in one ``batch_get_into`` (one
+        buffer per object) or ``batch_get_into_multi_buffers``: for each, its length (read
+        when it fits in the buffers, its bytes first; a longer object is not read), or
+        None when there is none."""
+        if not names:
+            return []
+        if self.protocol != "tcp":
+            return [self._get_bytes_into(n, a, s) for n, a, s in zip(names, addrs, sizes)]
+        single = all(len(a) == 1 for a in addrs)
+        if single:
+            rcs = self._store.batch_get_into(
+                list(names), [a[0] for a in addrs], [s[0] for s in sizes]
+            )
+        else:
+            rcs = self._store.batch_get_into_multi_buffers(
+                list(names), [list(a) for a in addrs], [list(s) for s in sizes]
+            )
+        out: List[Optional[int]] = []
+        for n, rc, a, s in zip(names, rcs, addrs, sizes):
+            if rc > 0:
+                out.append(rc)
+                continue
+            if rc == _OBJECT_NOT_FOUND:
+                self._gone([n])
+                out.append(None)
+                continue
+            # Mooncake refuses buffers smaller than the object (-600), and several buffers
+            # of another total (a failed transfer): its length says which.
+            size = self._store.get_size(n)
+            if size == _OBJECT_NOT_FOUND:
+                self._gone([n])
+                out.append(None)
+            elif size > sum(s):
+                out.append(size)  # longer than the buffers: not read
+            elif size >= 0 and not single:
+                out.append(self._get_bytes_into(n, a, s))
+            else:
+                self._check(f"get {n}", rc if rc < 0 else -1)
+        return out
+
+    def _get_bytes_into(
+        self, name: str, addrs: Sequence[int], sizes: Sequence[int]
+    ) -> Optional[int]:
+        """``get_objects_into`` of one object through ``get`` (bytes)."""
+        data = self.get_object(name)
+        if data is not None and len(data) <= sum(sizes):
+            view = memoryview(data)
+            at = 0
+            for p, k in zip(addrs, sizes):
+                k = min(k, len(data) - at)
+                if k > 0:
+                    ctypes.memmove(p, bytes(view[at : at + k]), k)
+                at += k
+        return None if data is None else len(data)
 
     def objects_exist(self, names: List[str]) -> List[bool]:
         """Whether each of ``names`` is there (``batch_is_exist``)."""
@@ -117,6 +257,35 @@ class MooncakeStore:
         rc = self._store.remove(name, True)
         if rc != _OBJECT_NOT_FOUND:
             self._check(f"remove {name}", rc)
+        self._gone([name])
+
+    def usage(self) -> int:
+        """Bytes of the objects this client put that the cluster still holds (one
+        ``batch_is_exist`` per 4,096 of them; those gone, evicted or removed by another
+        client or with their segment, are forgotten). Other clients' objects are theirs
+        to count: Mooncake's client reports no cluster-wide total. With the master
+        unreachable, the last count (nothing forgotten), not an error: a statistic."""
+        with self._lock:
+            names = list(self._put_sizes)
+        gone = []
+        try:
+            for at in range(0, len(names), _USAGE_BATCH):
+                chunk = names[at : at + _USAGE_BATCH]
+                gone += [n for n, e in zip(chunk, self.objects_exist(chunk)) if not e]
+        except MooncakeError:
+            gone = []
+        self._gone(gone)
+        with self._lock:
+            return sum(self._put_sizes.values())
+
+    def _wrote(self, names: Sequence[str], sizes: Sequence[int]) -> None:
+        with self._lock:
+            self._put_sizes.update(zip(names, sizes))
+
+    def _gone(self, names: Sequence[str]) -> None:
+        with self._lock:
+            for n in names:
+                self._put_sizes.pop(n, None)
 
     def damage(self, name: str, data: bytes) -> None:
         """Replaces object ``name`` by ``data`` (for tests that damage a record)."""
@@ -130,9 +299,12 @@ class MooncakeStore:
 
 
 def open_store(url: str, options: Optional[Dict[str, Any]] = None) -> MooncakeStore:
-    """The :class:`MooncakeStore` of ``mooncake://HOST:PORT`` with ``options`` (its keyword
-    arguments; ``metadata_server`` defaults to ``http://HOST:8080/metadata``)."""
-    opts = dict(options or {})
-    master = parse_url(url)
+    """The :class:`MooncakeStore` of ``mooncake://HOST:PORT[?OPTION=VALUE&...]`` with
+    ``options`` (its keyword arguments; they override the URL's, and ``metadata_server``
+    defaults to ``http://HOST:8080/metadata``). ``python -m cp_hicache.replay --storage``
+    takes such a URL, e.g.
+    ``mooncake://127.0.0.1:50051?metadata_server=http://127.0.0.1:8080/metadata&segment_bytes=0``."""
+    master, opts = _parse(url)
+    opts.update(options or {})
     opts.setdefault("metadata_server", f"http://{master.rsplit(':', 1)[0]}:8080/metadata")
     return MooncakeStore(master, **opts)

@@ -300,17 +300,25 @@ class CpHiCacheStorage(HiCacheStorage):
         their ``indexer`` part, which ``batch_set_v2`` handed over first); the others are
         reported backed up (their writer writes them)."""
         store = self._store()
-        out = []
+        out: List[bool] = []
+        # The pages to write, in one put_many (one batch of the engine's for Mooncake).
+        names: List[str] = []
+        pages: List[Any] = []
+        at: List[int] = []
         for k, parts in zip(keys, self._pages(keys, host_indices)):
             indexer = self._indexer_to_write.pop(k, None)
             if not self.writes(k):
                 out.append(True)
             elif self._indexer_bytes and indexer is None:
                 out.append(False)  # never a kv page without its indexer page
-            elif indexer is not None:
-                out.append(store.put(k, parts + [_buffer_part(indexer)]))
             else:
-                out.append(store.put(k, parts))
+                at.append(len(out))
+                out.append(False)
+                names.append(k)
+                pages.append(parts if indexer is None else parts + [_buffer_part(indexer)])
+        if names:
+            for i, ok in zip(at, store.put_many(names, pages)):
+                out[i] = ok
         return out
 
     def batch_get_v1(self, keys: List[str], host_indices: Any,
@@ -323,14 +331,19 @@ class CpHiCacheStorage(HiCacheStorage):
         # The batch_get_v2 that follows each batch_get_v1 takes what it read; what an
         # earlier batch left (its batch_get_v2 never came) goes.
         self._indexer_read.clear()
-        out: List[bool] = []
-        for k, parts in zip(keys, self._pages(keys, host_indices)):
-            if out and not out[-1]:
-                out.append(False)
-                continue
+        names = list(keys)
+        pages = self._pages(keys, host_indices)
+        indexers = []
+        for i in range(len(names)):
             indexer = np.empty(self._indexer_bytes, dtype=np.uint8) if self._indexer_bytes else None
-            extra = [] if indexer is None else [_buffer_part(indexer)]
-            ok = store.get(k, parts + extra)
+            indexers.append(indexer)
+            if indexer is not None:
+                pages[i] = pages[i] + [_buffer_part(indexer)]
+        # One get_many (one batch of the engine's for Mooncake); what follows a miss is
+        # not kept.
+        out: List[bool] = []
+        for k, ok, indexer in zip(names, store.get_many(names, pages) if names else [], indexers):
+            ok = ok and not (out and not out[-1])
             if ok and indexer is not None:
                 self._indexer_read[k] = indexer
             out.append(ok)

@@ -10,20 +10,32 @@
 //! - `get_object(name: str) -> bytes | None`;
 //! - `objects_exist(names: list[str]) -> list[bool]`;
 //! - `remove_object(name: str) -> None`;
-//! - optionally `usage() -> int` (bytes the store holds).
+//! - optionally `usage() -> int` (bytes the store holds);
+//! - optionally, both or neither, the batch calls that read and write this process's memory
+//!   at addresses given (no `bytes` made): `put_objects_from(names, addrs, sizes) -> list[bool]`
+//!   (object `names[i]` stored, unless there, as the bytes of the buffers `addrs[i][j]` of
+//!   `sizes[i][j]` bytes, in order; whether written) and `get_objects_into(names, addrs,
+//!   sizes) -> list[int | None]` (each read into its buffers, in order: its length, read
+//!   when it fits in them, its bytes first, or None when there is none). The addresses
+//!   are valid for the call only.
 
-use cp_hicache::storage::{ObjectBackend, StorageError};
+use cp_hicache::storage::{get_each_into, put_each, ObjectBackend, StorageError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 /// The methods a Python object must have to keep a page store's objects.
 pub const METHODS: [&str; 4] = ["put_object", "get_object", "objects_exist", "remove_object"];
 
+/// The optional batch methods at addresses (both, or neither, are used).
+pub const BATCH_METHODS: [&str; 2] = ["put_objects_from", "get_objects_into"];
+
 /// An [`ObjectBackend`] calling a Python object's methods.
 pub struct PyBackend {
     obj: Py<PyAny>,
     /// The object's class, for error messages.
     what: String,
+    /// Whether it has [`BATCH_METHODS`].
+    batched: bool,
 }
 
 impl PyBackend {
@@ -46,9 +58,13 @@ impl PyBackend {
                 missing.join(", ")
             )));
         }
+        let batched = BATCH_METHODS
+            .iter()
+            .all(|m| obj.hasattr(*m).unwrap_or(false));
         Ok(PyBackend {
             obj: obj.clone().unbind(),
             what,
+            batched,
         })
     }
 
@@ -115,5 +131,81 @@ impl ObjectBackend for PyBackend {
                 Ok(0)
             }
         })
+    }
+
+    fn put_many(&self, items: &[(String, Vec<&[u8]>)]) -> Vec<Result<bool, StorageError>> {
+        if !self.batched {
+            return put_each(self, items);
+        }
+        let names: Vec<&str> = items.iter().map(|(n, _)| n.as_str()).collect();
+        let addrs: Vec<Vec<usize>> = items
+            .iter()
+            .map(|(_, s)| s.iter().map(|b| b.as_ptr() as usize).collect())
+            .collect();
+        let sizes: Vec<Vec<usize>> = items
+            .iter()
+            .map(|(_, s)| s.iter().map(|b| b.len()).collect())
+            .collect();
+        // The slices stay borrowed, unchanged, for the call.
+        let got = self.call("put_objects_from", |o| {
+            let got: Vec<bool> = o
+                .call_method1("put_objects_from", (names, addrs, sizes))?
+                .extract()?;
+            if got.len() != items.len() {
+                return Err(crate::errors::usage(format!(
+                    "put_objects_from returned {} answers for {} objects",
+                    got.len(),
+                    items.len()
+                )));
+            }
+            Ok(got)
+        });
+        spread(got, items.len())
+    }
+
+    fn get_many_into(
+        &self,
+        names: &[String],
+        dsts: &mut [Vec<&mut [u8]>],
+    ) -> Vec<Result<Option<usize>, StorageError>> {
+        if !self.batched {
+            return get_each_into(self, names, dsts);
+        }
+        let addrs: Vec<Vec<usize>> = dsts
+            .iter_mut()
+            .map(|d| d.iter_mut().map(|s| s.as_mut_ptr() as usize).collect())
+            .collect();
+        let sizes: Vec<Vec<usize>> = dsts
+            .iter()
+            .map(|d| d.iter().map(|s| s.len()).collect())
+            .collect();
+        // The slices stay borrowed, written only by the callee, for the call.
+        let got = self.call("get_objects_into", |o| {
+            let got: Vec<Option<usize>> = o
+                .call_method1("get_objects_into", (names.to_vec(), addrs, sizes))?
+                .extract()?;
+            if got.len() != names.len() {
+                return Err(crate::errors::usage(format!(
+                    "get_objects_into returned {} answers for {} objects",
+                    got.len(),
+                    names.len()
+                )));
+            }
+            Ok(got)
+        });
+        spread(got, names.len())
+    }
+}
+
+/// One answer per item: the call's, or its error for every item.
+fn spread<T>(got: Result<Vec<T>, StorageError>, n: usize) -> Vec<Result<T, StorageError>> {
+    match got {
+        Ok(v) => v.into_iter().map(Ok).collect(),
+        Err(e) => {
+            let why = e.to_string();
+            (0..n)
+                .map(|_| Err(StorageError::Backend(why.clone())))
+                .collect()
+        }
     }
 }

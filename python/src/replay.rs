@@ -79,6 +79,33 @@ pub(crate) fn check_replay(py: Python<'_>, argv: Vec<String>) -> (Option<i32>, S
     }
 }
 
+/// A `--storage mooncake://HOST:PORT[?OPTION=VALUE&...]`: a `cp_hicache.mooncake.MooncakeStore`
+/// (`cp_hicache.mooncake.open_store`), under a page store that writes and checks the
+/// records here.
+fn open_objects(
+    url: &str,
+    config: &cp_hicache::cluster::ClusterConfig,
+) -> Result<std::sync::Arc<dyn cp_hicache::storage::PageStore>, cp_hicache::Error> {
+    let backend = Python::attach(|py| {
+        let obj = py
+            .import("cp_hicache.mooncake")?
+            .call_method1("open_store", (url,))?;
+        crate::object_store::PyBackend::new(&obj)
+    })
+    .map_err(|e| {
+        cp_hicache::Error::Cluster(
+            cp_hicache::storage::StorageError::Backend(format!("--storage {url}: {e}")).into(),
+        )
+    })?;
+    let store = cp_hicache::storage::ObjectStore::new(
+        backend,
+        cp_hicache::storage::Fingerprint::of(&config.deployment, config.layers),
+        cp_hicache::storage::payload_bytes(&config.deployment, config.layers),
+    )
+    .map_err(|e| cp_hicache::Error::Cluster(e.into()))?;
+    Ok(std::sync::Arc::new(store))
+}
+
 /// Runs one rank of the replay (`collective.rank`); rank 0 prints the report. Returns the
 /// exit status and, on an error, its message.
 #[pyfunction]
@@ -93,7 +120,9 @@ pub(crate) fn replay_rank(
     };
     let group = PyCollective::new(collective)?;
     let rank = cp_hicache::group::Collective::rank(&group).0;
-    let out = py.detach(move || cp_hicache::cli::replay_rank(&cli.replay, Box::new(group)));
+    let out = py.detach(move || {
+        cp_hicache::cli::replay_rank_with(&cli.replay, Box::new(group), Some(&open_objects))
+    });
     Ok(match out {
         Ok(code) if code == ExitCode::SUCCESS => (0, None),
         // The replay's own statuses are 0, 1 (a failure in what ran) and 2 (the input).

@@ -5,8 +5,8 @@
 use crate::errors::usage;
 use crate::object_store::PyBackend;
 use cp_hicache::storage::{
-    DirStore, Fingerprint, Lookup, ObjectStore, PageStore as Store, PartPut, Put, RecordKey,
-    StorageError,
+    DirStore, Filled, Fingerprint, Lookup, ObjectStore, PageStore as Store, PartPut, Put,
+    RecordKey, StorageError,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
@@ -177,24 +177,109 @@ impl PageStore {
     /// `False` for a miss or a refused record (torn, changed, another deployment's), which
     /// is removed and counted.
     fn get(&self, py: Python<'_>, name: &str, parts: Parts) -> PyResult<bool> {
-        self.check_parts(&parts)?;
-        let key = self.key(name);
-        py.detach(|| match self.store.get(&key) {
-            Ok(Lookup::Hit(payload)) => {
-                let mut at = 0;
-                for &(p, n) in &parts {
-                    // SAFETY: the caller's contract: each part is writable for its length
-                    // during this call, and the payload holds their total (checked above
-                    // against the store's page size, which the store checked on read).
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(payload[at..].as_ptr(), p as *mut u8, n)
-                    };
-                    at += n;
+        Ok(self.get_many(py, vec![name.to_string()], vec![parts])?[0])
+    }
+
+    /// `put` of each page of `names` from its buffers in `parts` (one list of
+    /// `(address, bytes)` per page), in one batch where the store has one (a Mooncake
+    /// store: one `batch_put_from`); whether each record is whole in the store. An error
+    /// of any page raises it, after the others were written.
+    fn put_many(
+        &self,
+        py: Python<'_>,
+        names: Vec<String>,
+        parts: Vec<Parts>,
+    ) -> PyResult<Vec<bool>> {
+        if names.len() != parts.len() {
+            return Err(usage(format!(
+                "{} names for {} pages' buffers",
+                names.len(),
+                parts.len()
+            )));
+        }
+        for p in &parts {
+            self.check_parts(p)?;
+        }
+        let keys: Vec<RecordKey> = names.iter().map(|n| self.key(n)).collect();
+        let puts = py.detach(|| {
+            // SAFETY: as `put`: each part is readable for its length during this call.
+            let joined: Vec<std::borrow::Cow<'_, [u8]>> = parts
+                .iter()
+                .map(|page| {
+                    let slices: Vec<&[u8]> = page
+                        .iter()
+                        .map(|&(p, n)| unsafe { std::slice::from_raw_parts(p as *const u8, n) })
+                        .collect();
+                    match slices.as_slice() {
+                        [one] => std::borrow::Cow::Borrowed(*one),
+                        many => std::borrow::Cow::Owned(many.concat()),
+                    }
+                })
+                .collect();
+            let items: Vec<(RecordKey, &[u8])> = keys
+                .iter()
+                .zip(&joined)
+                .map(|(k, p)| (*k, &p[..]))
+                .collect();
+            self.store.put_many(&items)
+        });
+        let mut out = Vec::with_capacity(puts.len());
+        let mut first_error = None;
+        for put in puts {
+            out.push(match put {
+                Ok(Put::Written { .. } | Put::Present) => true,
+                Err(StorageError::ReadOnly(_)) => false,
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                    false
                 }
-                Ok(true)
+            });
+        }
+        match first_error {
+            Some(e) => Err(usage(e)),
+            None => Ok(out),
+        }
+    }
+
+    /// `get` of each page of `names` into its buffers in `parts`, in one batch where the
+    /// store has one (a Mooncake store: one `batch_get_into`); whether each was read (a
+    /// miss or a refused record is `False`). An error of any page raises it.
+    fn get_many(
+        &self,
+        py: Python<'_>,
+        names: Vec<String>,
+        parts: Vec<Parts>,
+    ) -> PyResult<Vec<bool>> {
+        if names.len() != parts.len() {
+            return Err(usage(format!(
+                "{} names for {} pages' buffers",
+                names.len(),
+                parts.len()
+            )));
+        }
+        for p in &parts {
+            self.check_parts(p)?;
+        }
+        let keys: Vec<RecordKey> = names.iter().map(|n| self.key(n)).collect();
+        py.detach(|| {
+            // SAFETY: as documented for `get`: each part is writable host memory of its
+            // length during this call, not otherwise used meanwhile.
+            let mut dsts: Vec<Vec<&mut [u8]>> = parts
+                .iter()
+                .map(|page| {
+                    page.iter()
+                        .map(|&(p, n)| unsafe { std::slice::from_raw_parts_mut(p as *mut u8, n) })
+                        .collect()
+                })
+                .collect();
+            let mut out = Vec::with_capacity(keys.len());
+            for got in self.store.get_many_into(&keys, &mut dsts) {
+                out.push(match got.map_err(usage)? {
+                    Filled::Hit => true,
+                    Filled::Miss | Filled::Refused(_) => false,
+                });
             }
-            Ok(Lookup::Miss | Lookup::Refused(_)) => Ok(false),
-            Err(e) => Err(usage(e)),
+            Ok(out)
         })
     }
 

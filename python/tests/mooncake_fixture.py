@@ -71,12 +71,11 @@ class Master:
         }
 
 
-@pytest.fixture
-def mooncake_master(tmp_path):
-    """Starts a master on free loopback ports; stops it (SIGTERM, then SIGKILL) by pid."""
-    binary = mooncake_master_binary()
+def start_master(binary: str, log_path) -> "tuple[subprocess.Popen, Master]":
+    """Starts `binary` (a mooncake_master) on free loopback ports, its output to
+    `log_path`; returns once it listens. Stop it with :func:`stop_master`."""
     rpc, http, metrics = _free_port(), _free_port(), _free_port()
-    log = open(tmp_path / "mooncake_master.log", "w")
+    log = open(log_path, "w")
     proc = subprocess.Popen(
         [binary, "--rpc_address=127.0.0.1", f"--rpc_port={rpc}",
          "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
@@ -84,24 +83,65 @@ def mooncake_master(tmp_path):
          f"--metrics_port={metrics}", "--default_kv_lease_ttl=500"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
+    log.close()
     try:
-        deadline = time.monotonic() + 30
-        while not (_listening(rpc) and _listening(http)):
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"mooncake_master exited ({proc.returncode}):\n"
-                    f"{(tmp_path / 'mooncake_master.log').read_text()[-2000:]}"
-                )
-            if time.monotonic() > deadline:
-                raise RuntimeError("mooncake_master did not listen within 30 s")
-            time.sleep(0.1)
-        yield Master(proc.pid, rpc, http)
+        wait_listening(proc, rpc, http, log_path)
+    except BaseException:
+        stop_master(proc)
+        raise
+    return proc, Master(proc.pid, rpc, http)
+
+
+def restart_master(binary: str, master: Master, log_path) -> subprocess.Popen:
+    """Starts `binary` again on `master`'s ports (after it was killed)."""
+    metrics = _free_port()
+    log = open(log_path, "a")
+    proc = subprocess.Popen(
+        [binary, "--rpc_address=127.0.0.1", f"--rpc_port={master.rpc_port}",
+         "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+         f"--http_metadata_server_port={master.http_port}", "--metrics_host=127.0.0.1",
+         f"--metrics_port={metrics}", "--default_kv_lease_ttl=500"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    log.close()
+    try:
+        wait_listening(proc, master.rpc_port, master.http_port, log_path)
+    except BaseException:
+        stop_master(proc)
+        raise
+    master.pid = proc.pid
+    return proc
+
+
+def wait_listening(proc: subprocess.Popen, rpc: int, http: int, log_path) -> None:
+    deadline = time.monotonic() + 30
+    while not (_listening(rpc) and _listening(http)):
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"mooncake_master exited ({proc.returncode}):\n"
+                f"{Path(log_path).read_text()[-2000:]}"
+            )
+        if time.monotonic() > deadline:
+            raise RuntimeError("mooncake_master did not listen within 30 s")
+        time.sleep(0.1)
+
+
+def stop_master(proc: subprocess.Popen) -> None:
+    """Stops a master started here (SIGTERM, then SIGKILL), by its pid."""
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture
+def mooncake_master(tmp_path):
+    """Starts a master on free loopback ports; stops it (SIGTERM, then SIGKILL) by pid."""
+    proc, master = start_master(mooncake_master_binary(), tmp_path / "mooncake_master.log")
+    try:
+        yield master
     finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait()
-        log.close()
+        stop_master(proc)

@@ -46,6 +46,10 @@ class Recording:
         self.names.append(name)
         return self.inner.put_object(name, data)
 
+    def put_objects_from(self, names, addrs, sizes):
+        self.names.extend(names)
+        return self.inner.put_objects_from(names, addrs, sizes)
+
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
@@ -164,3 +168,213 @@ def test_the_master_killed_mid_run_degrades_to_recompute(mooncake_master):
     assert s["computed_tokens"] == 160 and s["mismatched_tokens"] == 0, s
     assert s["storage_io_errors"] >= 1 and s["storage_records_written"] == 0, s
     rc.close()
+
+
+def test_batches_and_usage_counts_what_this_client_put(mooncake_master):
+    """`PageStore.put_many`/`get_many` over a MooncakeStore (one batch_put_from and one
+    batch_get_into of the records, at the page store's addresses), byte for byte; `usage` reports the bytes of
+    the records this client put and the cluster still holds; an object longer than a
+    record under a record's name is refused (not read) and counted."""
+    from cp_hicache import _native
+    from cp_hicache.mooncake import MooncakeStore
+
+    store = MooncakeStore(mooncake_master.url, **mooncake_master.options)
+    page = 4096
+    ps = _native.PageStore.over(store, "usage-test", page)
+    src = np.random.default_rng(1).integers(0, 256, size=8 * page, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    names = [f"page-{i}" for i in range(8)]
+    at = lambda a, i: [(a.ctypes.data + i * page, page)]  # noqa: E731
+    assert ps.put_many(names, [at(src, i) for i in range(8)]) == [True] * 8
+    assert ps.put_many(names[:2], [at(src, i) for i in range(2)]) == [True] * 2  # there
+    st = ps.stats()
+    assert st["records_written"] == 8 and st["already_present"] == 2, st
+    assert st["usage_bytes"] == 8 * (64 + page), st
+    assert ps.get_many(names + ["absent"], [at(dst, i) for i in range(8)] + [at(dst, 0)]) == (
+        [True] * 8 + [False]
+    )
+    assert np.array_equal(src, dst)
+    # Another client removes two records: this one no longer counts them.
+    other = MooncakeStore(mooncake_master.url, **dict(mooncake_master.options, segment_bytes=0))
+    objects = [n for n in store._put_sizes]
+    other.remove_object(objects[0])
+    other.remove_object(objects[1])
+    assert ps.stats()["usage_bytes"] == 6 * (64 + page)
+    # A longer object under a record's name: refused, counted, removed.
+    other.damage(objects[2], b"x" * (2 * page))
+    got = ps.get_many(names, [at(dst, i) for i in range(8)])
+    assert got.count(False) == 3, got
+    st = ps.stats()
+    assert st["refused_checksum"] == 1 and st["misses"] == 3, st
+    assert other.objects_exist([objects[2]]) == [False]
+    other.close()
+    store.close()
+
+
+def test_a_cp8_replay_writes_and_fresh_cp4_rank_processes_read_back(mooncake_master, tmp_path):
+    """`python -m cp_hicache.replay --storage mooncake://...`: eight rank processes at CP 8
+    write the records (contributing no memory: a holder client keeps them); four fresh
+    rank processes at CP 4 read them back with storage hits and 0 mismatches."""
+    pytest.importorskip("torch")
+    from conftest import launch
+
+    holder = _holder(mooncake_master)
+    url = (f"{mooncake_master.url}?metadata_server="
+           f"{mooncake_master.options['metadata_server']}&segment_bytes=0&buffer_bytes=4194304")
+    args = ["--model", "mla", "--page-size", "64", "--layers", "2", "--conversations", "6"]
+    w = launch(["--ranks", "8", "--cp", "8", *args, "--storage", url,
+                "--json", str(tmp_path / "w.json")])
+    assert w.returncode == 0, w.stderr[-3000:]
+    wj = json.loads((tmp_path / "w.json").read_text())
+    assert wj["storage_records_written"] > 0 and wj["mismatched_tokens"] == 0, wj
+    r = launch(["--ranks", "4", "--cp", "4", *args, "--storage", url,
+                "--json", str(tmp_path / "r.json")])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "4 processes, torch.distributed group" in r.stdout
+    rj = json.loads((tmp_path / "r.json").read_text())
+    assert rj["storage_hit_tokens"] > 0 and rj["mismatched_tokens"] == 0, rj
+    assert rj["storage_records_read"] * 64 == rj["storage_hit_tokens"], rj
+    assert rj["storage_refused_checksum"] == 0 and rj["storage_refused_torn"] == 0, rj
+    holder.close()
+
+
+def test_the_rust_cli_replay_says_it_reaches_mooncake_only_through_python(tmp_path, binary):
+    """The launcher's checks pass a mooncake:// store; the in-process CLI, which has no
+    Python, refuses it (exit status 2) naming the launcher, and makes no directory."""
+    import subprocess
+
+    from cp_hicache import _native
+
+    args = ["--model", "mla", "--page-size", "64", "--layers", "2", "--conversations", "2",
+            "--storage", "mooncake://127.0.0.1:1"]
+    status, text, ranks, _ = _native.check_replay(["--ranks", "1", "--cp", "1", *args])
+    assert status is None, text
+    out = subprocess.run([str(binary), "replay", "--cp", "2", *args, "-q"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "only through Python (python -m cp_hicache.replay" in out.stderr
+    assert not any(tmp_path.iterdir())
+
+
+_HOLDER = """
+import sys, time
+from cp_hicache.mooncake import MooncakeStore
+s = MooncakeStore(sys.argv[1], metadata_server=sys.argv[2], segment_bytes=int(sys.argv[3]),
+                  buffer_bytes=4 << 20)
+print("ready", flush=True)
+sys.stdin.read()  # until the test closes our stdin
+s.close()
+"""
+
+
+LAYERS_BIG = 16
+
+
+def test_two_client_processes_contribute_segments(mooncake_master, tmp_path):
+    """Two holder processes each contribute a 24 MiB segment; a writer contributing none
+    writes more records than one segment holds, so both hold some; a fresh reader reads
+    every page back. When one holder leaves, its records go with it: the reader's misses
+    are computed and verified, never served wrong."""
+    import subprocess
+    import sys
+
+    from cp_hicache.mooncake import MooncakeStore
+
+    holders = [
+        subprocess.Popen(
+            [sys.executable, "-c", _HOLDER, mooncake_master.url,
+             mooncake_master.options["metadata_server"], str(24 << 20)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        for _ in range(2)
+    ]
+    try:
+        for h in holders:
+            assert h.stdout.readline().strip() == "ready"
+        opts = dict(mooncake_master.options, segment_bytes=0)
+        # 120 records of about 300 KB: more than one segment holds, 3/4 of both.
+        dep = cp_hicache.Deployment(model="mla", page_size=PAGE, cp=1, layers=LAYERS_BIG)
+        prompts = [np.arange(i * 5000, i * 5000 + 640, dtype=np.uint32) for i in range(3)]
+        store = Recording(MooncakeStore(mooncake_master.url, **opts))
+        w = cp_hicache.RankCache(dep, device_pages=256, host_pages=256, backend="host")
+        w.attach_storage(store)
+        stats = [w.serve(p) for p in prompts]
+        w.close()
+        assert sum(s["storage_records_written"] for s in stats) == 120, stats
+        assert 24 << 20 < sum(s["storage_bytes_written"] for s in stats) < 40 << 20, stats
+        r = cp_hicache.RankCache(dep, device_pages=256, host_pages=256, backend="host")
+        r.attach_storage(store)
+        s = r.serve(prompts[0])
+        assert s["storage_hit_tokens"] == 640 and s["mismatched_tokens"] == 0, s
+        r.close()
+        # One holder leaves, and its segment's records with it; the other's stay.
+        holders[0].stdin.close()
+        holders[0].wait(timeout=60)
+        left = sum(store.objects_exist(store.names))
+        assert 0 < left < 120, left
+        r = cp_hicache.RankCache(dep, device_pages=256, host_pages=256, backend="host")
+        r.attach_storage(store)
+        got = [r.serve(p) for p in prompts]
+        r.close()
+        hits = sum(s["storage_hit_tokens"] for s in got)
+        assert all(s["mismatched_tokens"] == 0 for s in got), got
+        assert sum(s["computed_tokens"] for s in got) == 3 * 640 - hits, got
+    finally:
+        for h in holders:
+            if h.poll() is None:
+                h.stdin.close()
+                try:
+                    h.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    h.kill()
+                    h.wait()
+
+
+def test_the_master_restarted_under_a_running_client_is_used_again(mooncake_master, tmp_path):
+    """The master killed: requests fail their storage calls (counted I/O errors, a clear
+    error naming the master) and are computed, in seconds; started again on its ports, the
+    same client (the same RankCache) writes and reads records again."""
+    import signal
+    import time
+
+    from cp_hicache.mooncake import MooncakeError, MooncakeStore
+    from mooncake_fixture import mooncake_master_binary, restart_master, stop_master
+
+    dep = cp_hicache.Deployment(model="mla", page_size=PAGE, cp=1, layers=LAYERS)
+    store = MooncakeStore(mooncake_master.url, **mooncake_master.options)
+    rc = cp_hicache.RankCache(dep, device_pages=64, host_pages=64, backend="host")
+    rc.attach_storage(store)
+    assert rc.serve(PROMPTS[0])["storage_records_written"] == 10
+    os.kill(mooncake_master.pid, signal.SIGKILL)
+    t = time.monotonic()
+    s = rc.serve(PROMPTS[1])
+    assert time.monotonic() - t < 60
+    assert s["computed_tokens"] == 160 and s["mismatched_tokens"] == 0, s
+    assert s["storage_io_errors"] >= 1 and s["storage_records_written"] == 0, s
+    with pytest.raises(MooncakeError, match=mooncake_master.url.split("//")[1]):
+        store.objects_exist(["x"])
+    assert store.usage() > 0  # the last count, not an error, while the master is down
+    proc = restart_master(
+        mooncake_master_binary(), mooncake_master, tmp_path / "mooncake_master.log"
+    )
+    try:
+        # The client finds the new master: a fresh prompt is written and read back.
+        deadline = time.monotonic() + 60
+        while True:
+            s = rc.serve(PROMPTS[2])
+            if s["storage_records_written"] == 10 or time.monotonic() > deadline:
+                break
+            rc.close()
+            rc = cp_hicache.RankCache(dep, device_pages=64, host_pages=64, backend="host")
+            rc.attach_storage(store)
+            time.sleep(1)
+        assert s["storage_records_written"] == 10 and s["mismatched_tokens"] == 0, s
+        fresh = cp_hicache.RankCache(dep, device_pages=64, host_pages=64, backend="host")
+        fresh.attach_storage(store)
+        s = fresh.serve(PROMPTS[2])
+        assert s["storage_hit_tokens"] == 160 and s["mismatched_tokens"] == 0, s
+        fresh.close()
+        rc.close()
+        store.close()
+    finally:
+        stop_master(proc)

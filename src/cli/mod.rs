@@ -27,7 +27,10 @@ mod render;
 mod replay;
 mod tune;
 
-pub use replay::{check_rank_memory, check_replay_args, replay_rank, ModelArg, ReplayArgs};
+pub use replay::{
+    check_rank_memory, check_replay_args, replay_rank, replay_rank_with, ModelArg,
+    ObjectStoreOpener, ReplayArgs, OBJECT_STORE_SCHEME,
+};
 
 /// Set once standard output's reader has gone away: later output is dropped.
 static STDOUT_CLOSED: AtomicBool = AtomicBool::new(false);

@@ -27,7 +27,7 @@ pub use dir::{Clock, DirStore};
 
 pub use fault::{Damage, DamagingStore};
 pub use key::{Fingerprint, RecordKey};
-pub use object::{object_name, ObjectBackend, ObjectStore};
+pub use object::{get_each_into, object_name, put_each, ObjectBackend, ObjectStore};
 pub use parts::PageSlots;
 pub use record::{RecordError, Refusal};
 use serde::Serialize;
@@ -159,6 +159,27 @@ pub enum Lookup {
     Refused(RecordError),
 }
 
+/// Copies `bytes` into `dst`'s slices in order, as far as both go.
+pub(crate) fn scatter(bytes: &[u8], dst: &mut [&mut [u8]]) {
+    let mut at = 0;
+    for d in dst.iter_mut() {
+        let n = d.len().min(bytes.len().saturating_sub(at));
+        d[..n].copy_from_slice(&bytes[at..at + n]);
+        at += n;
+    }
+}
+
+/// What [`PageStore::get_many_into`] found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Filled {
+    /// The record's payload is in the caller's buffers, its header and checksum checked.
+    Hit,
+    /// No record of this key.
+    Miss,
+    /// A record whose bytes were refused (served as a miss, counted).
+    Refused(RecordError),
+}
+
 /// What a store has done since it was opened (this process's view).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct StoreStats {
@@ -220,6 +241,42 @@ pub trait PageStore: Send + Sync {
 
     /// The record of `key`, checked.
     fn get(&self, key: &RecordKey) -> Result<Lookup, StorageError>;
+
+    /// [`put`](Self::put) of each `(key, payload)`, in one batch where the store can (an
+    /// [`ObjectStore`] makes one call of its engine): one answer per item, in order.
+    fn put_many(&self, items: &[(RecordKey, &[u8])]) -> Vec<Result<Put, StorageError>> {
+        items.iter().map(|(k, p)| self.put(k, p)).collect()
+    }
+
+    /// [`get`](Self::get) of each of `keys`, in one batch where the store can: one answer
+    /// per key, in order.
+    fn get_many(&self, keys: &[RecordKey]) -> Vec<Result<Lookup, StorageError>> {
+        keys.iter().map(|k| self.get(k)).collect()
+    }
+
+    /// [`get_many`](Self::get_many) into the caller's memory: record `keys[i]`'s payload
+    /// goes to the slices of `dsts[i]`, in order (their lengths add up to a payload). A
+    /// miss or a refusal leaves them as they were.
+    fn get_many_into(
+        &self,
+        keys: &[RecordKey],
+        dsts: &mut [Vec<&mut [u8]>],
+    ) -> Vec<Result<Filled, StorageError>> {
+        self.get_many(keys)
+            .into_iter()
+            .zip(dsts.iter_mut())
+            .map(|(got, dst)| {
+                Ok(match got? {
+                    Lookup::Hit(payload) => {
+                        scatter(&payload, dst);
+                        Filled::Hit
+                    }
+                    Lookup::Miss => Filled::Miss,
+                    Lookup::Refused(e) => Filled::Refused(e),
+                })
+            })
+            .collect()
+    }
 
     /// How many of `keys`, from the first, have a record (a prefix's run in the store),
     /// without reading them.

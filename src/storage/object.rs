@@ -13,10 +13,16 @@
 
 use super::record::{self, HEADER_BYTES};
 use super::{
-    Assemble, Fingerprint, Lookup, PageStore, PartPut, Put, RecordError, RecordKey, Refusal,
-    StorageError, StoreStats,
+    Assemble, Filled, Fingerprint, Lookup, PageStore, PartPut, Put, RecordError, RecordKey,
+    Refusal, StorageError, StoreStats,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+/// Bytes of record buffers an [`ObjectStore`] keeps for its next batch: memory fresh from
+/// the allocator costs a page fault per 4 KiB at its first touch, which every batch of
+/// records paid again (a third of a batch read's time for 200 KB records here).
+const SPARE_BYTES: usize = 128 << 20;
 
 /// What a store of objects must do for [`ObjectStore`]: put, get, test and remove whole
 /// objects by name. Every call may run beside other processes using the same store.
@@ -34,6 +40,58 @@ pub trait ObjectBackend: Send + Sync {
     fn usage(&self) -> Result<u64, StorageError> {
         Ok(0)
     }
+    /// [`put_if_absent`](Self::put_if_absent) of each `(name, slices)` (the object is the
+    /// slices' bytes, in order), in one call of the engine where it has one: one answer
+    /// per item, in order.
+    fn put_many(&self, items: &[(String, Vec<&[u8]>)]) -> Vec<Result<bool, StorageError>> {
+        put_each(self, items)
+    }
+    /// Reads object `names[i]` into the slices of `dsts[i]`, in order, in one call of the
+    /// engine where it has one: for each, `Some(len)`, its length (read when it fits in the
+    /// slices, its bytes first; a longer object is not read), or `None` when there is
+    /// none.
+    fn get_many_into(
+        &self,
+        names: &[String],
+        dsts: &mut [Vec<&mut [u8]>],
+    ) -> Vec<Result<Option<usize>, StorageError>> {
+        get_each_into(self, names, dsts)
+    }
+}
+
+/// [`ObjectBackend::put_many`] as a `put_if_absent` of each item's bytes.
+pub fn put_each<B: ObjectBackend + ?Sized>(
+    backend: &B,
+    items: &[(String, Vec<&[u8]>)],
+) -> Vec<Result<bool, StorageError>> {
+    items
+        .iter()
+        .map(|(n, slices)| match slices.as_slice() {
+            [one] => backend.put_if_absent(n, one),
+            many => backend.put_if_absent(n, &many.concat()),
+        })
+        .collect()
+}
+
+/// [`ObjectBackend::get_many_into`] as a `get` of each object, copied into its slices.
+pub fn get_each_into<B: ObjectBackend + ?Sized>(
+    backend: &B,
+    names: &[String],
+    dsts: &mut [Vec<&mut [u8]>],
+) -> Vec<Result<Option<usize>, StorageError>> {
+    names
+        .iter()
+        .zip(dsts.iter_mut())
+        .map(|(n, dst)| {
+            let Some(bytes) = backend.get(n)? else {
+                return Ok(None);
+            };
+            if bytes.len() <= dst.iter().map(|d| d.len()).sum::<usize>() {
+                super::scatter(&bytes, dst);
+            }
+            Ok(Some(bytes.len()))
+        })
+        .collect()
 }
 
 #[derive(Default)]
@@ -55,6 +113,8 @@ pub struct ObjectStore<B> {
     fp: Fingerprint,
     payload_bytes: u64,
     stats: Counters,
+    /// Record buffers for the next batch, at most [`SPARE_BYTES`].
+    spare: Mutex<Vec<Vec<u8>>>,
 }
 
 /// The object name of `key`'s record.
@@ -79,7 +139,37 @@ impl<B: ObjectBackend> ObjectStore<B> {
             fp,
             payload_bytes,
             stats: Counters::default(),
+            spare: Mutex::new(Vec::new()),
         })
+    }
+
+    /// `n` record buffers, kept ones first: of `len` bytes (holding anything) when `len`
+    /// is given, else empty.
+    fn take_buffers(&self, n: usize, len: Option<usize>) -> Vec<Vec<u8>> {
+        let mut spare = self.spare.lock().unwrap_or_else(|p| p.into_inner());
+        (0..n)
+            .map(|_| {
+                let mut b = spare.pop().unwrap_or_default();
+                match len {
+                    Some(len) => b.resize(len, 0),
+                    None => b.clear(),
+                }
+                b
+            })
+            .collect()
+    }
+
+    /// Keeps `bufs` for the next batch, up to [`SPARE_BYTES`] in all.
+    fn give_back(&self, bufs: Vec<Vec<u8>>) {
+        let mut spare = self.spare.lock().unwrap_or_else(|p| p.into_inner());
+        let mut held: usize = spare.iter().map(Vec::capacity).sum();
+        for b in bufs {
+            if held + b.capacity() > SPARE_BYTES {
+                break;
+            }
+            held += b.capacity();
+            spare.push(b);
+        }
     }
 
     /// The backend.
@@ -142,23 +232,66 @@ impl<B: ObjectBackend> PageStore for ObjectStore<B> {
     }
 
     fn put(&self, key: &RecordKey, payload: &[u8]) -> Result<Put, StorageError> {
-        super::check_payload(key, payload, self.payload_bytes)?;
-        let name = object_name(key);
-        if self.backend.exist(std::slice::from_ref(&name))? == [true] {
-            self.stats.already_present.fetch_add(1, Ordering::Relaxed);
-            return Ok(Put::Present);
+        self.put_many(&[(*key, payload)])
+            .pop()
+            .expect("one answer per item")
+    }
+
+    /// One [`ObjectBackend::put_many`] of the records, each whole in one buffer (one copy
+    /// of the payload behind its header: an engine moves one buffer per object faster than
+    /// two, Mooncake Store's batch put by about 2× on records of 200 KB): the backend's
+    /// put-if-absent says which were there (no test of presence first, which would cost
+    /// the engine a second call per batch).
+    fn put_many(&self, items: &[(RecordKey, &[u8])]) -> Vec<Result<Put, StorageError>> {
+        let mut out: Vec<Option<Result<Put, StorageError>>> = items.iter().map(|_| None).collect();
+        let mut records = self.take_buffers(items.len(), None);
+        let mut at = Vec::with_capacity(items.len());
+        for (i, (key, payload)) in items.iter().enumerate() {
+            match super::check_payload(key, payload, self.payload_bytes) {
+                Ok(()) => {
+                    let rec = &mut records[at.len()];
+                    rec.extend_from_slice(&record::header(&self.fp, key, payload));
+                    rec.extend_from_slice(payload);
+                    at.push(i);
+                }
+                Err(e) => out[i] = Some(Err(e)),
+            }
         }
-        let bytes = record::encode(&self.fp, key, payload);
-        if self.backend.put_if_absent(&name, &bytes)? {
-            self.stats.records_written.fetch_add(1, Ordering::Relaxed);
-            self.stats
-                .bytes_written
-                .fetch_add(bytes.len() as u64, Ordering::Relaxed);
-            Ok(Put::Written { evicted: 0 })
+        let batch: Vec<(String, Vec<&[u8]>)> = at
+            .iter()
+            .zip(&records)
+            .map(|(&i, rec)| (object_name(&items[i].0), vec![&rec[..]]))
+            .collect();
+        let answers = self.backend.put_many(&batch);
+        drop(batch);
+        self.give_back(records);
+        if answers.len() != at.len() {
+            let why = format!(
+                "the backend answered {} of {} puts",
+                answers.len(),
+                at.len()
+            );
+            for &i in &at {
+                out[i] = Some(Err(StorageError::Backend(why.clone())));
+            }
         } else {
-            self.stats.already_present.fetch_add(1, Ordering::Relaxed);
-            Ok(Put::Present)
+            for (&i, answer) in at.iter().zip(answers) {
+                let bytes = (HEADER_BYTES + items[i].1.len()) as u64;
+                out[i] = Some(answer.map(|written| {
+                    if written {
+                        self.stats.records_written.fetch_add(1, Ordering::Relaxed);
+                        self.stats.bytes_written.fetch_add(bytes, Ordering::Relaxed);
+                        Put::Written { evicted: 0 }
+                    } else {
+                        self.stats.already_present.fetch_add(1, Ordering::Relaxed);
+                        Put::Present
+                    }
+                }));
+            }
         }
+        out.into_iter()
+            .map(|o| o.expect("every item answered"))
+            .collect()
     }
 
     fn put_part(
@@ -216,25 +349,115 @@ impl<B: ObjectBackend> PageStore for ObjectStore<B> {
     }
 
     fn get(&self, key: &RecordKey) -> Result<Lookup, StorageError> {
-        let Some(bytes) = self.backend.get(&object_name(key))? else {
-            self.stats.misses.fetch_add(1, Ordering::Relaxed);
-            return Ok(Lookup::Miss);
+        self.get_many(std::slice::from_ref(key))
+            .pop()
+            .expect("one answer per key")
+    }
+
+    /// [`get_many_into`](PageStore::get_many_into) buffers of a payload's size.
+    fn get_many(&self, keys: &[RecordKey]) -> Vec<Result<Lookup, StorageError>> {
+        let mut bufs: Vec<Vec<u8>> = keys
+            .iter()
+            .map(|_| vec![0u8; self.payload_bytes as usize])
+            .collect();
+        let got = {
+            let mut dsts: Vec<Vec<&mut [u8]>> = bufs.iter_mut().map(|b| vec![&mut b[..]]).collect();
+            self.get_many_into(keys, &mut dsts)
         };
-        match record::decode(&bytes, &self.fp, key, self.payload_bytes) {
-            Ok(payload) => {
-                self.stats.records_read.fetch_add(1, Ordering::Relaxed);
-                self.stats
-                    .bytes_read
-                    .fetch_add(bytes.len() as u64, Ordering::Relaxed);
-                Ok(Lookup::Hit(payload.to_vec()))
-            }
-            Err(why) => {
-                self.refused(&why);
-                // Removed, so the record can be written again.
-                let _ = self.backend.remove(&object_name(key));
-                Ok(Lookup::Refused(why))
-            }
+        got.into_iter()
+            .zip(bufs)
+            .map(|(got, buf)| {
+                got.map(|f| match f {
+                    Filled::Hit => Lookup::Hit(buf),
+                    Filled::Miss => Lookup::Miss,
+                    Filled::Refused(e) => Lookup::Refused(e),
+                })
+            })
+            .collect()
+    }
+
+    /// One [`ObjectBackend::get_many_into`] of the records, each whole into a buffer of a
+    /// record's size (one buffer per object, as for puts), checked as
+    /// [`get`](PageStore::get) checks it, its payload then copied into the caller's slices
+    /// (an object longer than a record is not read: refused as of another length).
+    fn get_many_into(
+        &self,
+        keys: &[RecordKey],
+        dsts: &mut [Vec<&mut [u8]>],
+    ) -> Vec<Result<Filled, StorageError>> {
+        let names: Vec<String> = keys.iter().map(object_name).collect();
+        let whole = HEADER_BYTES + self.payload_bytes as usize;
+        if let Some(t) = dsts
+            .iter()
+            .map(|d| d.iter().map(|s| s.len()).sum::<usize>())
+            .find(|&t| t as u64 != self.payload_bytes)
+        {
+            let why = format!(
+                "buffers of {t} bytes for a {}-byte payload",
+                self.payload_bytes
+            );
+            return keys
+                .iter()
+                .map(|_| Err(StorageError::Config(why.clone())))
+                .collect();
         }
+        let mut bufs = self.take_buffers(keys.len(), Some(whole));
+        let answers = {
+            let mut whole_bufs: Vec<Vec<&mut [u8]>> =
+                bufs.iter_mut().map(|b| vec![&mut b[..]]).collect();
+            self.backend.get_many_into(&names, &mut whole_bufs)
+        };
+        if answers.len() != keys.len() {
+            let why = format!(
+                "the backend answered {} of {} gets",
+                answers.len(),
+                keys.len()
+            );
+            return keys
+                .iter()
+                .map(|_| Err(StorageError::Backend(why.clone())))
+                .collect();
+        }
+        let out: Vec<Result<Filled, StorageError>> = keys
+            .iter()
+            .zip(&names)
+            .zip(&bufs)
+            .zip(dsts.iter_mut())
+            .zip(answers)
+            .map(|((((key, name), buf), dst), answer)| {
+                let Some(len) = answer? else {
+                    self.stats.misses.fetch_add(1, Ordering::Relaxed);
+                    return Ok(Filled::Miss);
+                };
+                let checked = if len > whole {
+                    // Longer than any record of this deployment: not read.
+                    Err(RecordError::Length {
+                        have: (len - HEADER_BYTES) as u64,
+                        want: self.payload_bytes,
+                    })
+                } else {
+                    record::decode(&buf[..len], &self.fp, key, self.payload_bytes)
+                };
+                match checked {
+                    Ok(payload) => {
+                        super::scatter(payload, dst);
+                        self.stats.records_read.fetch_add(1, Ordering::Relaxed);
+                        self.stats
+                            .bytes_read
+                            .fetch_add(len as u64, Ordering::Relaxed);
+                        Ok(Filled::Hit)
+                    }
+                    Err(why) => {
+                        self.refused(&why);
+                        // Removed, so the record can be written again.
+                        let _ = self.backend.remove(name);
+                        Ok(Filled::Refused(why))
+                    }
+                }
+            })
+            .collect();
+        self.give_back(bufs);
+        out
     }
 
     fn present_run(&self, keys: &[RecordKey]) -> Result<usize, StorageError> {

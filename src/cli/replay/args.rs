@@ -192,7 +192,9 @@ pub struct ReplayArgs {
     /// across ranks, each rank writes its tokens of a record as a part and the record
     /// appears whole when its last part comes; a rank reads the whole records its tokens
     /// come from. A store this process may only read (a read-only mount, another user's) is
-    /// read and never written.
+    /// read and never written. Under `python -m cp_hicache.replay`, DIR may instead be
+    /// mooncake://HOST:PORT?metadata_server=URL&segment_bytes=N (a Mooncake Store master,
+    /// the client's options as the query): the same records, in Mooncake's memory.
     #[arg(long, value_name = "DIR")]
     pub storage: Option<PathBuf>,
     /// The store's capacity in bytes (a number, or with a K/M/G/T suffix, binary): over it,

@@ -45,7 +45,7 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
         Cluster::new(setup.config.clone(), exec, &jit)
     }
     .map_err(cluster_error)?;
-    if let Some(store) = open_store(args, &setup.config)? {
+    if let Some(store) = open_store(args, &setup.config, None)? {
         setup.storage_read_only = store.read_only();
         cluster
             .attach_storage(store, args.storage_policy)
@@ -54,14 +54,39 @@ pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
     drive(&mut cluster, args, plan, setup, workload, total)
 }
 
-/// The store of `--storage`, if any, opened for this deployment's records.
+/// Opens the store of a `--storage` that names a store of objects
+/// ([`OBJECT_STORE_SCHEME`], Mooncake Store), for the deployment of the config: given by a
+/// process that can reach one (`python -m cp_hicache.replay`, through Python).
+pub type ObjectStoreOpener<'a> =
+    &'a dyn Fn(&str, &ClusterConfig) -> Result<Arc<dyn crate::storage::PageStore>, crate::Error>;
+
+/// How a `--storage` names a Mooncake Store (its master) instead of a directory.
+pub const OBJECT_STORE_SCHEME: &str = "mooncake://";
+
+/// The store of `--storage`, if any, opened for this deployment's records: a directory, or
+/// a `mooncake://` store opened by `objects` (`None`: this process cannot reach one).
 fn open_store(
     args: &ReplayArgs,
     config: &ClusterConfig,
+    objects: Option<ObjectStoreOpener<'_>>,
 ) -> Result<Option<Arc<dyn crate::storage::PageStore>>, crate::Error> {
     let Some(dir) = &args.storage else {
         return Ok(None);
     };
+    if let Some(url) = dir.to_str().filter(|s| s.starts_with(OBJECT_STORE_SCHEME)) {
+        let Some(open) = objects else {
+            return Err(crate::Error::Usage(format!(
+                "--storage {url}: this process reaches Mooncake Store only through Python \
+                 (python -m cp_hicache.replay --ranks N ... --storage {url})"
+            )));
+        };
+        if let Some(fault) = args.inject.filter(|f| f.storage_damage().is_some()) {
+            return Err(crate::Error::Usage(format!(
+                "--inject {fault} damages records in a directory store, not in {url}"
+            )));
+        }
+        return open(url, config).map(Some);
+    }
     let store = crate::storage::DirStore::for_deployment(
         dir,
         &config.deployment,
@@ -116,6 +141,15 @@ pub fn replay_rank(
     args: &ReplayArgs,
     group: Box<dyn crate::group::Collective>,
 ) -> Result<ExitCode, crate::Error> {
+    replay_rank_with(args, group, None)
+}
+
+/// [`replay_rank`] where a `--storage mooncake://...` is opened by `objects`.
+pub fn replay_rank_with(
+    args: &ReplayArgs,
+    group: Box<dyn crate::group::Collective>,
+    objects: Option<ObjectStoreOpener<'_>>,
+) -> Result<ExitCode, crate::Error> {
     let plan = args.validate()?;
     let (workload, total) = args.workload()?;
     if group.size() != usize::from(args.cp) {
@@ -149,7 +183,7 @@ pub fn replay_rank(
     .map_err(cluster_error)?;
     // Every rank attaches (a collective), even one whose store failed to open: its failure
     // then ends its peers' round at once.
-    match open_store(args, &setup.config) {
+    match open_store(args, &setup.config, objects) {
         Ok(Some(store)) => {
             setup.storage_read_only = store.read_only();
             rank.attach_storage(store, args.storage_policy)
