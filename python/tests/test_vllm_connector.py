@@ -297,9 +297,42 @@ class Engine:
             out.append(bytes(kvb.permute(2, 1, 0, 3).contiguous().numpy()))
         return b"".join(out)
 
+    def _where(self, pos: int, block_ids):
+        """Where token ``pos`` is: its block id, its slot, and the DCP rank holding it."""
+        d, i = self.dcp, self.interleave
+        vo = pos % self.sblock
+        return block_ids[pos // self.sblock], (vo // (i * d)) * i + vo % i, (vo // i) % d
+
+    def _prefix_intact(self, tokens, block_ids, upto: int, layer: int) -> bool:
+        """Whether layer ``layer`` of every rank's blocks holds, for each token before
+        ``upto`` (what attention reads: computed in earlier steps, or loaded), the KV the
+        forward gives it."""
+        name = LAYERS[layer]
+        n = self.heads * HEAD_SIZE * 2
+        blocks = {}
+        for pos in range(upto):
+            b, off, owner = self._where(pos, block_ids)
+            for w in range(self.tp):
+                if w % self.dcp != owner:
+                    continue
+                if (w, b) not in blocks:
+                    blocks[(w, b)] = bytes(
+                        self.views[w][name][b].contiguous().view(torch.uint8).numpy())
+                raw = blocks[(w, b)]
+                for kv in (0, 1):
+                    at = (kv * BS + off) * n
+                    if raw[at:at + n] != slot_bytes(tokens, pos, layer, kv, self.shard(w),
+                                                    self.heads):
+                        return False
+        return True
+
     def _forward(self, so, layer: int) -> None:
         """Writes layer ``layer``'s KV of every scheduled token, as the model's attention
-        layer ``layer`` would."""
+        layer ``layer`` would: a function of the token's prefix and of the KV attention
+        reads, that of the tokens before the step's (loaded, or computed by earlier steps).
+        Where that KV is not the forward's for those tokens (a block a load did not fill,
+        computed over garbage), every token of the step gets other KV (``slot_bytes`` of
+        a tainted prefix), as a model's would: a save over garbage shows on a later read."""
         starts = {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
         c = so.scheduled_cached_reqs
         starts.update(zip(c.req_ids, c.num_computed_tokens))
@@ -309,6 +342,7 @@ class Engine:
             tokens = list(req.all_token_ids)
             (block_ids,) = self.sched.kv_cache_manager.get_block_ids(rid)
             first = starts[rid]
+            intact = self._prefix_intact(tokens, block_ids, first, layer)
             for pos in range(first, min(first + n, len(tokens))):
                 vo = pos % self.sblock
                 owner = (vo // i) % d
@@ -322,6 +356,9 @@ class Engine:
                         view = self.views[w][name]
                         for kv in (0, 1):
                             data = slot_bytes(tokens, pos, li, kv, self.shard(w), self.heads)
+                            if not intact:
+                                bad = hashlib.sha256(b"over garbage" + data).digest()
+                                data = (bad * (len(data) // 32 + 1))[:len(data)]
                             view[b, kv, off] = torch.frombuffer(
                                 bytearray(data), dtype=torch.float16).view(self.heads, -1)
 
