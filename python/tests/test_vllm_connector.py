@@ -650,6 +650,128 @@ def test_a_failed_load_is_reported_and_recomputed_never_served(tmp_path, fault):
         assert bytes(out.numpy()) == e.expected_record(list(b.all_token_ids), 2)
 
 
+def _stored(engine, name):
+    """The bytes of record ``name`` in the engine's store, or None."""
+    out = torch.empty(engine.worker.page_bytes, dtype=torch.uint8)
+    if not engine.worker.store.get(name, [(out.data_ptr(), out.numel())]):
+        return None
+    return bytes(out.numpy())
+
+
+@pytest.mark.parametrize("sharer", [False, True], ids=["alone", "prefix-cache-sharer"])
+def test_kv_computed_over_a_failed_load_is_never_saved(tmp_path, sharer):
+    """Block 2 of request 2's 4-block hit is refused: the step's forward computes block 4
+    over blocks 2 and 3, which were not filled, so its KV is wrong (the stand-in forward's
+    KV depends on the KV it reads). Nothing of that step is saved: vLLM recomputes from
+    block 2, and the store (which keeps a record's first writer) ends with every block's
+    right KV. With ``sharer``, request 3 shares request 2's blocks through vLLM's prefix
+    cache in the same step, and computes its own blocks over them: none of its blocks of
+    that step is saved either, the failed block 2 above all."""
+    _save_prefix(tmp_path / "store")
+    a_names = block_names(_prefix_hit().all_token_ids, BS)
+    _damage(str(Engine(tmp_path / "store").worker.store.path_of(a_names[2])))
+    e = Engine(tmp_path / "store")
+    e.poison()
+    b = _prefix_hit()
+    e.sched.add_request(b)
+    reqs = [b]
+    if sharer:
+        c = create_request(request_id=3, num_tokens=96, common_prefix_len=64, max_tokens=2,
+                           block_size=BS)
+        e.sched.add_request(c)
+        reqs.append(c)
+    so = e.step()
+    assert so.num_scheduled_tokens["id-2"] == 16
+    if sharer:  # request 3's 64-token prefix hit request 2's blocks in vLLM's prefix cache
+        assert so.num_scheduled_tokens["id-3"] == 32, so.num_scheduled_tokens
+    assert e.outputs[-1].invalid_block_ids, "the load of block 2 did not fail"
+    e.run()
+    assert_clean(e)
+    for r in reqs:
+        tokens = list(r.all_token_ids)
+        names = block_names(tokens, BS)
+        for k in range(len(tokens) // BS):
+            got = _stored(e, names[k])
+            assert got is None or got == e.expected_record(tokens, k), (
+                f"{r.request_id}: block {k}'s record holds KV computed over a failed load")
+        # The recompute saved every block again.
+        assert e.worker.store.present_run(names) == len(tokens) // BS
+    assert e.stats().get("saves_dropped"), e.stats()
+
+
+def _check_all_blocks_recomputed(e, b, ids):
+    """After a step whose loads all failed: every block of the hit was reported, vLLM
+    recomputes them, and every block and record ends with its tokens' KV."""
+    assert e.outputs[-1].invalid_block_ids == set(ids)
+    so = e.step()
+    # From token 0, within vLLM's token budget of 64.
+    assert so.num_scheduled_tokens == {"id-2": 64}, so.num_scheduled_tokens
+    assert e.sched.requests["id-2"].num_computed_tokens == 64
+    e.run()
+    assert_clean(e)
+    tokens = list(b.all_token_ids)
+    names = block_names(tokens, BS)
+    for k in range(5):
+        got = _stored(e, names[k])
+        assert got is None or got == e.expected_record(tokens, k), k
+    st = e.stats()
+    assert st.get("loader_failures") == 1 and st.get("load_errors") == 4, st
+
+
+def test_a_loader_failing_while_reading_fails_every_block_not_filled(tmp_path, monkeypatch):
+    """An unexpected exception in the loader's read phase (a bug) after one block was read:
+    every block of the step's loads is reported, not only those staged (the others' layer
+    events are set all the same, so they would be served unfilled)."""
+    _save_prefix(tmp_path / "store")
+    e = Engine(tmp_path / "store")
+    e.poison()
+    w = e.worker
+    orig, reads = w._read_block, []
+
+    def read_block(names, block_id):
+        reads.append(block_id)
+        if len(reads) == 2:
+            raise RuntimeError("injected: a bug in the read phase")
+        return orig(names, block_id)
+
+    monkeypatch.setattr(w, "_read_block", read_block)
+    b = _prefix_hit()
+    e.sched.add_request(b)
+    ids = {}
+
+    def before_forward(so, meta):
+        ids["load"] = [blk for _, blk in meta.loads["id-2"]]
+
+    e.step(before_forward=before_forward)
+    monkeypatch.setattr(w, "_read_block", orig)
+    _check_all_blocks_recomputed(e, b, ids["load"])
+
+
+def test_loads_that_cannot_be_started_fail_every_block_and_nothing_waits(tmp_path,
+                                                                        monkeypatch):
+    """The loader refuses the step's task (``submit`` raises): every block of the step's
+    loads is reported, and no wait for a layer (or for the step's end) hangs."""
+    _save_prefix(tmp_path / "store")
+    e = Engine(tmp_path / "store")
+    e.poison()
+    w = e.worker
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("injected: cannot schedule new futures")
+
+    monkeypatch.setattr(w._loader, "submit", refuse)
+    b = _prefix_hit()
+    e.sched.add_request(b)
+    ids = {}
+
+    def before_forward(so, meta):
+        ids["load"] = [blk for _, blk in meta.loads["id-2"]]
+
+    e.step(before_forward=before_forward)
+    monkeypatch.undo()
+    _check_all_blocks_recomputed(e, b, ids["load"])
+
+
 def test_under_the_fail_policy_a_failed_load_ends_the_request_with_an_error(tmp_path):
     """With vLLM's default ``kv_load_failure_policy="fail"`` a refused record ends its
     request with an error (its output is never served) and leaves nothing behind."""
@@ -995,6 +1117,7 @@ def test_refuses_what_is_not_built(tmp_path):
                              kv_connector_module_path="cp_hicache.vllm", kv_role="kv_both")
     with pytest.raises(ValueError, match=r"needs kv_connector_extra_config\['path'\]"):
         CpHiCacheConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
+
 
 
 # ------------------------------------------------------------------------------------------
