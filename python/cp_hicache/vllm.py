@@ -76,7 +76,8 @@ What it does (issue 43; docs/ENGINES.md "vLLM" is the how-to):
 Not built yet, refused at construction with a ``ValueError`` naming the setting: pipeline
 or prefill-context parallelism, head splits vLLM does not make (a DCP group across two head
 shards, a spec whose heads do not match the model's over TP), KV cache groups of more than
-one kind (hybrid models). A store written at one TP degree is not read at another with a
+one kind (hybrid models), windowed attention (sliding window, chunked local: vLLM gives
+the blocks out of the window the null block, which would be loaded into and saved from). A store written at one TP degree is not read at another with a
 different head split (its records hold other heads: another fingerprint, a miss).
 Requests with multimodal inputs, LoRA adapters or prompt embeddings are neither looked up
 nor saved (their KV is not a function of the token ids alone). Loads and saves are
@@ -217,7 +218,8 @@ class CpHiCacheStats(KVConnectorStats):
     """The worker's counters since the last report, summed over workers by vLLM:
     ``records_loaded`` (this rank's blocks filled from the store: a record each, or under
     DCP with a small interleave this rank's tokens of several), ``records_saved`` (records
-    or parts written, or there already), ``load_errors`` (blocks whose record was refused
+    written, or there already: a record written in parts counted once, by the rank whose part
+    completed it; ``parts_saved`` counts the parts), ``load_errors`` (blocks whose record was refused
     or missing at load time: recomputed), ``save_errors`` (writes that failed: a later
     miss, nothing wrong served; ``writer_failures`` of them are writer tasks that raised
     outside the store), ``saves_read_only`` (not written: the store is read-only to this
@@ -447,6 +449,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                 "are not built"
             )
         spec = groups[0].kv_cache_spec
+        self._check_window(spec)
         self.block_size = int(spec.block_size)
         if self.block_size != int(vllm_config.cache_config.block_size):
             raise ValueError(
@@ -546,12 +549,37 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         self._stats: Dict[str, int] = {}
         self._stats_lock = threading.Lock()
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: a best-effort cache; a save dropped (a request preempted while its writes
+        are pending) is a later miss, so vLLM need not recompute the request for it."""
+        return False
+
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: Dict[str, Any]) -> bool:
         """True: the forward must call :meth:`wait_for_layer_load` and :meth:`save_kv_layer`
         in every attention layer, which a full CUDA graph would skip on replay (vLLM then
         runs piecewise CUDA graphs, attention outside them)."""
         return True
+
+    #: KV cache specs of attention over a window of the tokens: vLLM gives the blocks out of
+    #: the window the null block (id 0), so a load would fill it and a save copy it under a
+    #: real record's name.
+    _WINDOWED_SPECS = ("SlidingWindowSpec", "SlidingWindowMLASpec",
+                       "ChunkedLocalAttentionSpec", "CircularBufferSpec")
+
+    @classmethod
+    def _check_window(cls, spec: Any) -> None:
+        kinds = {c.__name__ for c in type(spec).__mro__}
+        window = (getattr(spec, "sliding_window", None)
+                  or getattr(spec, "attention_chunk_size", None))
+        if kinds & set(cls._WINDOWED_SPECS) or window:
+            raise ValueError(
+                f"CpHiCacheConnector: the KV cache spec {type(spec).__name__} is windowed "
+                f"(sliding window or chunked local attention: {window}): not built (vLLM "
+                "gives out-of-window blocks the null block, which would be loaded into and "
+                "saved from)"
+            )
 
     @staticmethod
     def _check_parallel(vllm_config: Any, dcp: int) -> None:
@@ -777,10 +805,10 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         freed by vLLM now) and blocks that failed to load (vLLM recomputes them)."""
         for rid in connector_output.finished_sending or ():
             if rid not in self._delayed:
-                raise RuntimeError(
-                    f"a worker reported request {rid}'s saves done, but its freeing was "
-                    "not delayed"
-                )
+                # Raising here would end the engine; a report of no consequence.
+                logger.warning("cp_hicache: a worker reported request %s's saves done, but "
+                               "its freeing was not delayed", rid)
+                continue
             self._delayed.discard(rid)
             self._planner_stats["finished_sending"] += 1
         invalid = set(connector_output.invalid_block_ids or ())
@@ -867,6 +895,13 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         if len({(g.heads, g.width) for g in layers}) != 1:
             raise ValueError("register_kv_caches: the layers' blocks differ in heads or bytes "
                              "per token")
+        if self._loader is not None or self._writer is not None:
+            # Registered again (vLLM re-creates its KV tensors): the old threads are drained
+            # and stopped, none left behind.
+            self._load_errors |= self._join_load()
+            for ex in (self._loader, self._writer):
+                if ex is not None:
+                    ex.shutdown(wait=True)
         self._kv_caches_kept = kv_caches  # the addresses stay valid while vLLM's tensors live
         self._layers = layers
         self._in_place = all(g.runs is not None for g in layers)
@@ -1220,19 +1255,26 @@ class CpHiCacheConnector(KVConnectorBase_V1):
     def _write(self, rid: str, jobs: List[Tuple[str, Any, Any]]) -> None:
         for name, data, part in jobs:
             try:
+                whole = True  # counted as a record (a part: counted once, by one rank)
                 if part is None:
                     if isinstance(data, np.ndarray):
                         data = [(int(data.ctypes.data), int(data.nbytes))]
                     written = self.store.put(name, data)
                 else:
                     index, count, record = part
-                    written = self.store.put_part(
+                    got = self.store.put_part(
                         name, index, count, [(int(data.ctypes.data), int(data.nbytes))],
-                        lambda ps, record=record: self._assemble(record, ps)) != "read_only"
-                if written:
+                        lambda ps, record=record: self._assemble(record, ps))
+                    written = got != "read_only"
+                    if written:
+                        self._count(parts_saved=1)
+                    # The rank that assembled it counts the record; one already there is
+                    # counted by its first part's rank.
+                    whole = got == "completed" or (got == "present" and index == 0)
+                if not written:  # a store this process may only read (another user's,
+                    self._count(saves_read_only=1)  # a read-only mount): never written
+                elif whole:
                     self._count(records_saved=1, bytes_saved=self.page_bytes)
-                else:  # a store this process may only read (another user's, a read-only
-                    self._count(saves_read_only=1)  # mount): read, never written
             except Exception as e:  # a failed write is a later miss, counted and logged
                 logger.warning("cp_hicache: saving a block of %s failed: %s", rid, e)
                 self._count(save_errors=1)

@@ -1036,7 +1036,8 @@ def test_tp_above_dcp_records_per_head_shard(tmp_path, monkeypatch, tp, dcp, int
         assert store.present_run(names) == 4
     # Written once per shard (records, or DCP parts of them): copies write nothing.
     direct = dcp == 1 or interleave == BS
-    assert a.stats().get("records_saved") == 4 * shards * (1 if direct else dcp), a.stats()
+    assert a.stats().get("records_saved") == 4 * shards, a.stats()
+    assert a.stats().get("parts_saved", 0) == (0 if direct else 4 * shards * dcp), a.stats()
 
     b = Engine(tmp_path / "store", **kw)
     b.poison()
@@ -1118,6 +1119,38 @@ def test_refuses_what_is_not_built(tmp_path):
     with pytest.raises(ValueError, match=r"needs kv_connector_extra_config\['path'\]"):
         CpHiCacheConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
 
+
+@pytest.mark.parametrize("kind", ["sliding_window", "chunked_local", "full_with_window"])
+def test_refuses_windowed_attention(tmp_path, kind):
+    """vLLM gives the blocks out of a sliding window (or an attention chunk) the null block
+    id 0: a load would fill it and a save copy it under a real record's name."""
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
+
+    common = dict(block_size=BS, num_kv_heads=HEADS, head_size=HEAD_SIZE,
+                  dtype=torch.float16)
+    if kind == "sliding_window":
+        spec = SlidingWindowSpec(sliding_window=64, **common)
+    elif kind == "chunked_local":
+        spec = ChunkedLocalAttentionSpec(attention_chunk_size=64, **common)
+    else:
+        spec = FullAttentionSpec(sliding_window=64, max_tp_shards=1, **common)
+    kcc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)])
+    with pytest.raises(ValueError, match="is windowed"):
+        CpHiCacheConnector(vllm_config(tmp_path / "store"), KVConnectorRole.SCHEDULER, kcc)
+
+
+def test_is_a_best_effort_cache_and_ignores_stray_reports(tmp_path):
+    """A dropped save is a later miss (``requires_kv_delivery`` False); a report of saves
+    done for a request whose freeing was not delayed is logged, not raised (it would end
+    the engine); registering the KV tensors again stops the old threads."""
+    e = Engine(tmp_path / "store")
+    assert e.connector.requires_kv_delivery is False
+    e.connector.update_connector_output(KVConnectorOutput(finished_sending={"nobody"}))
+    old = (e.worker._loader, e.worker._writer)
+    e.worker.register_kv_caches(e.kv)
+    assert all(ex._shutdown for ex in old)
+    assert (e.worker._loader, e.worker._writer) != old
 
 
 # ------------------------------------------------------------------------------------------
