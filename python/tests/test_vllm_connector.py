@@ -1255,6 +1255,39 @@ def test_wait_for_layer_load_waits_for_its_layer_and_records_are_checked_first(t
     assert st.get("records_loaded") == 4 and not st.get("load_errors"), st
 
 
+def test_wait_for_save_copies_no_block_the_loader_is_still_filling(tmp_path):
+    """A forward that hands no layer over (nor waits for one): ``wait_for_save`` copies the
+    step's blocks to save itself, among them blocks the step loads (request 3 shares
+    request 2's loaded blocks through vLLM's prefix cache and saves them); it joins the
+    step's load first, so no layer is copied while the loader is still filling it."""
+    _save_prefix(tmp_path / "store")
+    e = Engine(tmp_path / "store", layerwise=False)
+    e.poison()
+    w = e.worker
+    w._load_layer_hook = lambda li: time.sleep(0.3) if li == 1 else None
+    copied = []
+    orig = w._take_layer
+
+    def take_layer(sb, li):
+        task = w._load
+        copied.append((sb.block_id, li, task is None or task.done.is_set()))
+        return orig(sb, li)
+
+    w._take_layer = take_layer
+    e.sched.add_request(_prefix_hit())
+    e.sched.add_request(create_request(request_id=3, num_tokens=96, common_prefix_len=64,
+                                       max_tokens=2, block_size=BS))
+    so = e.sched.schedule()
+    meta = so.kv_connector_metadata
+    loaded = {blk for _, blk in meta.loads["id-2"]}
+    assert loaded & {blk for _, blk in meta.saves["id-3"]}, "no loaded block is saved"
+    for r in e.runners:
+        r.pre_forward(so)
+        r.finish_forward()
+        r.post_forward(so.finished_req_ids)
+    assert copied and all(done for _, _, done in copied), copied
+
+
 def test_layer_wise_hooks_need_piecewise_cuda_graphs():
     """A full CUDA graph would skip wait_for_layer_load and save_kv_layer on replay: the
     connector asks vLLM for piecewise graphs."""
