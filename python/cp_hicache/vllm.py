@@ -77,7 +77,8 @@ Not built yet, refused at construction with a ``ValueError`` naming the setting:
 or prefill-context parallelism, head splits vLLM does not make (a DCP group across two head
 shards, a spec whose heads do not match the model's over TP), KV cache groups of more than
 one kind (hybrid models), windowed attention (sliding window, chunked local: vLLM gives
-the blocks out of the window the null block, which would be loaded into and saved from). A store written at one TP degree is not read at another with a
+the blocks out of the window the null block, which would be loaded into and saved from).
+A store written at one TP degree is not read at another with a
 different head split (its records hold other heads: another fingerprint, a miss).
 Requests with multimodal inputs, LoRA adapters or prompt embeddings are neither looked up
 nor saved (their KV is not a function of the token ids alone). Loads and saves are
@@ -218,15 +219,15 @@ class CpHiCacheStats(KVConnectorStats):
     """The worker's counters since the last report, summed over workers by vLLM:
     ``records_loaded`` (this rank's blocks filled from the store: a record each, or under
     DCP with a small interleave this rank's tokens of several), ``records_saved`` (records
-    written, or there already: a record written in parts counted once, by the rank whose part
-    completed it; ``parts_saved`` counts the parts), ``load_errors`` (blocks whose record was refused
-    or missing at load time: recomputed), ``save_errors`` (writes that failed: a later
-    miss, nothing wrong served; ``writer_failures`` of them are writer tasks that raised
-    outside the store), ``saves_read_only`` (not written: the store is read-only to this
-    process), ``bytes_loaded``, ``bytes_saved``; ``saves_dropped`` (blocks not saved
-    because a load of their step failed: computed over a block that was not filled);
-    ``loader_failures`` (the loader thread
-    failed a step's loads outright: a bug, its blocks reported as load errors)."""
+    written, or there already: a record written in parts counted once, by the rank whose
+    part completed it; ``parts_saved`` counts the parts), ``load_errors`` (blocks whose
+    record was refused or missing at load time: recomputed), ``save_errors`` (writes that
+    failed: a later miss, nothing wrong served; ``writer_failures`` of them are writer
+    tasks that raised outside the store), ``saves_read_only`` (not written: the store is
+    read-only to this process), ``bytes_loaded``, ``bytes_saved``; ``saves_dropped``
+    (blocks not saved because a load of their step failed: computed over a block that was
+    not filled); ``loader_failures`` (the loader thread failed a step's loads outright: a
+    bug, its blocks reported as load errors)."""
 
     def aggregate(self, other: KVConnectorStats) -> "CpHiCacheStats":
         for k, v in (other.data or {}).items():
