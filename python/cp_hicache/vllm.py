@@ -33,6 +33,11 @@ What it does (issue 43; docs/ENGINES.md "vLLM" is the how-to):
   end: a block any layer of which could not be filled is reported whole in that step, even
   where its earlier layers were already waited for, so vLLM discards what the step computed
   over it and recomputes it: a failed load is never served.
+  **A failed load taints saves:** the forward computed the step's blocks over the failed
+  block as if it were loaded, so where any block of a step failed, no save of that step is
+  written, nor any later save of the requests that failed or saved in that step until the
+  scheduler has handled the failure (``CpHiCacheMetadata.cleared``); the planner plans
+  those saves again.
 - **Asynchronous, layer-wise saves.** :meth:`save_kv_layer`, called by each attention
   layer after its forward, copies that layer's bytes of the step's blocks to save into host
   buffers; a block whose every layer is in goes to the writer thread at once
@@ -71,7 +76,9 @@ What it does (issue 43; docs/ENGINES.md "vLLM" is the how-to):
 Not built yet, refused at construction with a ``ValueError`` naming the setting: pipeline
 or prefill-context parallelism, head splits vLLM does not make (a DCP group across two head
 shards, a spec whose heads do not match the model's over TP), KV cache groups of more than
-one kind (hybrid models). A store written at one TP degree is not read at another with a
+one kind (hybrid models), windowed attention (sliding window, chunked local: vLLM gives
+the blocks out of the window the null block, which would be loaded into and saved from).
+A store written at one TP degree is not read at another with a
 different head split (its records hold other heads: another fingerprint, a miss).
 Requests with multimodal inputs, LoRA adapters or prompt embeddings are neither looked up
 nor saved (their KV is not a function of the token ids alone). Loads and saves are
@@ -201,6 +208,10 @@ class CpHiCacheMetadata(KVConnectorMetadata):
     loads: Dict[str, List[Job]] = field(default_factory=dict)
     saves: Dict[str, List[Job]] = field(default_factory=dict)
     preempted: Set[str] = field(default_factory=set)
+    #: Requests whose failed loads the scheduler has handled since the last step (their
+    #: saves start again from their first invalid block): the workers, which dropped their
+    #: saves since the failure, save them again from this step on.
+    cleared: Set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -208,12 +219,15 @@ class CpHiCacheStats(KVConnectorStats):
     """The worker's counters since the last report, summed over workers by vLLM:
     ``records_loaded`` (this rank's blocks filled from the store: a record each, or under
     DCP with a small interleave this rank's tokens of several), ``records_saved`` (records
-    or parts written, or there already), ``load_errors`` (blocks whose record was refused
-    or missing at load time: recomputed), ``save_errors`` (writes that failed: a later
-    miss, nothing wrong served; ``writer_failures`` of them are writer tasks that raised
-    outside the store), ``saves_read_only`` (not written: the store is read-only to this
-    process), ``bytes_loaded``, ``bytes_saved``; ``loader_failures`` (the loader thread
-    failed a step's loads outright: a bug, its blocks reported as load errors)."""
+    written, or there already: a record written in parts counted once, by the rank whose
+    part completed it; ``parts_saved`` counts the parts), ``load_errors`` (blocks whose
+    record was refused or missing at load time: recomputed), ``save_errors`` (writes that
+    failed: a later miss, nothing wrong served; ``writer_failures`` of them are writer
+    tasks that raised outside the store), ``saves_read_only`` (not written: the store is
+    read-only to this process), ``bytes_loaded``, ``bytes_saved``; ``saves_dropped``
+    (blocks not saved because a load of their step failed: computed over a block that was
+    not filled); ``loader_failures`` (the loader thread failed a step's loads outright: a
+    bug, its blocks reported as load errors)."""
 
     def aggregate(self, other: KVConnectorStats) -> "CpHiCacheStats":
         for k, v in (other.data or {}).items():
@@ -250,6 +264,20 @@ class _LoadTask:
         self.events = [threading.Event() for _ in range(layers)]
         self.done = threading.Event()
         self.errors: Set[int] = set()
+        self.failed_reqs: Set[str] = set()  # requests with a block in ``errors``
+
+    def fail_all(self, loads: Dict[str, List[Job]]) -> Set[int]:
+        """Marks every block of ``loads`` not yet failed as failed (and every request);
+        returns those newly failed."""
+        lost = {b for jobs in loads.values() for _, b in jobs} - self.errors
+        self.errors |= lost
+        self.failed_reqs |= set(loads)
+        return lost
+
+    def finish(self) -> None:
+        for ev in self.events:
+            ev.set()
+        self.done.set()
 
 
 class _SaveBlock:
@@ -422,6 +450,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                 "are not built"
             )
         spec = groups[0].kv_cache_spec
+        self._check_window(spec)
         self.block_size = int(spec.block_size)
         if self.block_size != int(vllm_config.cache_config.block_size):
             raise ValueError(
@@ -466,6 +495,10 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         self._reqs: Dict[str, _ReqState] = {}
         self._pending_loads: Dict[str, List[Job]] = {}
         self._delayed: Set[str] = set()
+        #: The first block of each request's saves in the last step's plan, and the requests
+        #: whose plans were reset after failed loads (sent as ``cleared``).
+        self._last_saves: Dict[str, int] = {}
+        self._cleared: Set[str] = set()
         self._planner_stats = {"lookups": 0, "hit_tokens": 0, "finished_sending": 0,
                                "invalid_blocks": 0}
         # Worker side.
@@ -510,8 +543,18 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         self._saving_reqs: Set[str] = set()
         self._finished_waiting: Set[str] = set()
         self._load_errors: Set[int] = set()
+        #: Requests a load of which failed, whose saves are dropped until the scheduler has
+        #: handled the failure (``CpHiCacheMetadata.cleared``): their blocks after the
+        #: failed one were computed over blocks that were not filled.
+        self._tainted: Set[str] = set()
         self._stats: Dict[str, int] = {}
         self._stats_lock = threading.Lock()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: a best-effort cache; a save dropped (a request preempted while its writes
+        are pending) is a later miss, so vLLM need not recompute the request for it."""
+        return False
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: Dict[str, Any]) -> bool:
@@ -519,6 +562,25 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         in every attention layer, which a full CUDA graph would skip on replay (vLLM then
         runs piecewise CUDA graphs, attention outside them)."""
         return True
+
+    #: KV cache specs of attention over a window of the tokens: vLLM gives the blocks out of
+    #: the window the null block (id 0), so a load would fill it and a save copy it under a
+    #: real record's name.
+    _WINDOWED_SPECS = ("SlidingWindowSpec", "SlidingWindowMLASpec",
+                       "ChunkedLocalAttentionSpec", "CircularBufferSpec")
+
+    @classmethod
+    def _check_window(cls, spec: Any) -> None:
+        kinds = {c.__name__ for c in type(spec).__mro__}
+        window = (getattr(spec, "sliding_window", None)
+                  or getattr(spec, "attention_chunk_size", None))
+        if kinds & set(cls._WINDOWED_SPECS) or window:
+            raise ValueError(
+                f"CpHiCacheConnector: the KV cache spec {type(spec).__name__} is windowed "
+                f"(sliding window or chunked local attention: {window}): not built (vLLM "
+                "gives out-of-window blocks the null block, which would be loaded into and "
+                "saved from)"
+            )
 
     @staticmethod
     def _check_parallel(vllm_config: Any, dcp: int) -> None:
@@ -684,8 +746,8 @@ class CpHiCacheConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: Any) -> CpHiCacheMetadata:
         """The step's plan: the loads planned since the last step, the full blocks this
         step's forward completes (to save), the requests preempted since the last step."""
-        meta = CpHiCacheMetadata(loads=self._pending_loads)
-        self._pending_loads = {}
+        meta = CpHiCacheMetadata(loads=self._pending_loads, cleared=self._cleared)
+        self._pending_loads, self._cleared, self._last_saves = {}, set(), {}
         # Preempted requests lost their blocks (first: one may be resumed in the same step,
         # with its new blocks among the new requests').
         meta.preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
@@ -721,6 +783,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             self._names(st, full * self.dcp)
             jobs = [(self._block_names(st, k), int(st.block_ids[k]))
                     for k in range(st.saved_upto, full)]
+            self._last_saves[rid] = st.saved_upto
             st.saved_upto = full
             meta.saves[rid] = jobs
             st.has_saves = True
@@ -743,22 +806,30 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         freed by vLLM now) and blocks that failed to load (vLLM recomputes them)."""
         for rid in connector_output.finished_sending or ():
             if rid not in self._delayed:
-                raise RuntimeError(
-                    f"a worker reported request {rid}'s saves done, but its freeing was "
-                    "not delayed"
-                )
+                # Raising here would end the engine; a report of no consequence.
+                logger.warning("cp_hicache: a worker reported request %s's saves done, but "
+                               "its freeing was not delayed", rid)
+                continue
             self._delayed.discard(rid)
             self._planner_stats["finished_sending"] += 1
         invalid = set(connector_output.invalid_block_ids or ())
         self._planner_stats["invalid_blocks"] += len(invalid)
         if invalid:
             # vLLM recomputes from a request's first invalid block: save the recomputed
-            # blocks again (the store removed the refused record).
-            for st in self._reqs.values():
+            # blocks again (the store removed the refused record). The workers dropped
+            # every save of the step that failed (the last planned: with vLLM's
+            # asynchronous scheduling, the step after it, so that step's saves of requests
+            # not recomputed are lost, a later miss) and drop the failed requests' saves
+            # until told their plans were reset (``cleared``).
+            for rid, st in self._reqs.items():
                 for k, b in enumerate(st.block_ids[:st.saved_upto]):
                     if b in invalid:
                         st.saved_upto = k
                         break
+                if rid in self._last_saves:
+                    st.saved_upto = min(st.saved_upto, self._last_saves[rid])
+                self._cleared.add(rid)
+            self._last_saves = {}
 
     def planner_stats(self) -> Dict[str, int]:
         """The scheduler side's counters: lookups, tokens offered, requests whose saves
@@ -825,6 +896,13 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         if len({(g.heads, g.width) for g in layers}) != 1:
             raise ValueError("register_kv_caches: the layers' blocks differ in heads or bytes "
                              "per token")
+        if self._loader is not None or self._writer is not None:
+            # Registered again (vLLM re-creates its KV tensors): the old threads are drained
+            # and stopped, none left behind.
+            self._load_errors |= self._join_load()
+            for ex in (self._loader, self._writer):
+                if ex is not None:
+                    ex.shutdown(wait=True)
         self._kv_caches_kept = kv_caches  # the addresses stay valid while vLLM's tensors live
         self._layers = layers
         self._in_place = all(g.runs is not None for g in layers)
@@ -896,7 +974,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         every block of the step holds that layer (or has failed). Whatever goes wrong ends
         as load errors, never as an exception in the engine's thread: every event is set
         and the task marked done on every path."""
-        staged: List[Tuple[int, List[Any]]] = []
+        staged: List[Tuple[str, int, List[Any]]] = []
         filled: Set[int] = set()
         try:
             for rid, jobs in loads.items():
@@ -914,9 +992,10 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                     if items is None:
                         failed = True
                         task.errors.add(block_id)
+                        task.failed_reqs.add(rid)
                         self._count(load_errors=1)
                     else:
-                        staged.append((block_id, items))
+                        staged.append((rid, block_id, items))
                 if failed:
                     logger.warning("cp_hicache: request %s: a planned record could not be "
                                    "loaded; vLLM recomputes from its block", rid)
@@ -924,7 +1003,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                 hook = self._load_layer_hook
                 if hook is not None:
                     hook(li)
-                for block_id, items in staged:
+                for rid, block_id, items in staged:
                     if block_id in task.errors:
                         continue
                     try:
@@ -935,19 +1014,22 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                         logger.warning("cp_hicache: filling layer %d of block %d failed: %s",
                                        li, block_id, e)
                         task.errors.add(block_id)
+                        task.failed_reqs.add(rid)
                         self._count(load_errors=1)
                 task.events[li].set()
-            filled = {b for b, _ in staged if b not in task.errors}
+            filled = {b for _, b, _ in staged if b not in task.errors}
             self._count(records_loaded=len(filled), bytes_loaded=len(filled) * self.page_bytes)
-        except BaseException as e:  # pragma: no cover - a bug: fail every block, loudly
+        except BaseException as e:  # a bug: fail every block not filled, loudly
             logger.error("cp_hicache: the loader failed: %r", e)
-            lost = {b for b, _ in staged} - task.errors - filled
-            task.errors |= lost
+            # Every block of the step's loads not filled in every layer: those staged and
+            # those not read yet (this request's later blocks, later requests'), whose
+            # layers' events are set below as if loaded.
+            left = {rid: [j for j in jobs if j[1] not in filled]
+                    for rid, jobs in loads.items()}
+            lost = task.fail_all({rid: jobs for rid, jobs in left.items() if jobs})
             self._count(load_errors=len(lost), loader_failures=1)
         finally:
-            for ev in task.events:
-                ev.set()
-            task.done.set()
+            task.finish()
 
     def _join_load(self) -> Set[int]:
         """Waits for the step's load (if any) and returns its failed blocks."""
@@ -974,9 +1056,15 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                 else "CpHiCacheConnector: register_kv_caches was not called"
             )
         task = _LoadTask(len(self._layers))
-        self._load = task
         loads = {rid: list(jobs) for rid, jobs in meta.loads.items()}
-        self._loader.submit(self._run_load, task, loads)
+        try:
+            self._loader.submit(self._run_load, task, loads)
+        except Exception as e:  # no load runs: every block is a load error, no wait hangs
+            logger.error("cp_hicache: the step's loads could not be started: %r", e)
+            lost = task.fail_all(loads)
+            self._count(load_errors=len(lost), loader_failures=1)
+            task.finish()
+        self._load = task
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Blocks until the step's loads have filled layer ``layer_name`` of every loaded
@@ -996,6 +1084,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         if self._saves_meta is meta:
             return self._saves
         self._saves_meta, self._saves, self._saves_done = meta, [], False
+        self._tainted -= set(getattr(meta, "cleared", ()) or ())
         if meta.saves and self._writer is None:
             raise RuntimeError(
                 "CpHiCacheConnector: saves planned on a worker that was shut down"
@@ -1008,6 +1097,11 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             if self.copy:
                 # This rank's KV is a copy of another DCP group's (TP ranks beyond the
                 # heads, or MLA's replicated latent KV): that group writes it.
+                continue
+            if rid in self._tainted:
+                # Computed over a block whose load failed in an earlier step, before the
+                # scheduler recomputes it: never written (the planner saves it again).
+                self._count(saves_dropped=len(jobs))
                 continue
             g = self._layers[0]
             for names, b in jobs:
@@ -1076,8 +1170,37 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             self._take_layer(sb, li)
             if all(sb.have):
                 ready.append(sb)
-        if ready:
+        # A block goes to the writer only once the step's loads are known to have all
+        # succeeded (or there were none): else :meth:`wait_for_save` decides.
+        task = self._load
+        if ready and (task is None or (task.done.is_set() and not task.errors)):
             self._submit(ready)
+
+    def _drop_saves_after_failed_loads(self, saves: List["_SaveBlock"]) -> List["_SaveBlock"]:
+        """Waits for the step's loads; where any block failed, drops every save of the
+        step not yet written (none is while a load is unsettled: :meth:`save_kv_layer`
+        holds them back) and taints the requests whose loads failed until the scheduler
+        has handled it. The forward ran over the failed blocks as if loaded: a block it
+        computed after one (this request's later blocks, another request's sharing it
+        through vLLM's prefix cache) holds KV computed over garbage, and the store keeps
+        a record's first writer, so one written now would outlive the recompute."""
+        task = self._load
+        if task is None:
+            return saves
+        task.done.wait()
+        if not task.errors:
+            return saves
+        # Tainted too: every request saving this step, which may have computed over a
+        # failed block shared through vLLM's prefix cache.
+        meta = self._saves_meta
+        self._tainted |= task.failed_reqs | set(getattr(meta, "saves", None) or ())
+        kept = [sb for sb in saves if sb.submitted]
+        dropped = len(saves) - len(kept)
+        if dropped:
+            logger.warning("cp_hicache: %d block(s) of this step not saved: the step had "
+                           "failed loads", dropped)
+            self._count(saves_dropped=dropped)
+        return kept
 
     def wait_for_save(self) -> None:
         """Completes the step's saves without waiting for any write: a block some layer of
@@ -1093,6 +1216,9 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         if self._saves_done:
             return
         self._saves_done = True
+        # Joined first: a layer the forward did not hand over may be one the loader is
+        # still filling, and a failed load drops the step's saves.
+        saves = self._drop_saves_after_failed_loads(saves)
         ready = []
         for sb in saves:
             if sb.submitted:
@@ -1130,19 +1256,26 @@ class CpHiCacheConnector(KVConnectorBase_V1):
     def _write(self, rid: str, jobs: List[Tuple[str, Any, Any]]) -> None:
         for name, data, part in jobs:
             try:
+                whole = True  # counted as a record (a part: counted once, by one rank)
                 if part is None:
                     if isinstance(data, np.ndarray):
                         data = [(int(data.ctypes.data), int(data.nbytes))]
                     written = self.store.put(name, data)
                 else:
                     index, count, record = part
-                    written = self.store.put_part(
+                    got = self.store.put_part(
                         name, index, count, [(int(data.ctypes.data), int(data.nbytes))],
-                        lambda ps, record=record: self._assemble(record, ps)) != "read_only"
-                if written:
+                        lambda ps, record=record: self._assemble(record, ps))
+                    written = got != "read_only"
+                    if written:
+                        self._count(parts_saved=1)
+                    # The rank that assembled it counts the record; one already there is
+                    # counted by its first part's rank.
+                    whole = got == "completed" or (got == "present" and index == 0)
+                if not written:  # a store this process may only read (another user's,
+                    self._count(saves_read_only=1)  # a read-only mount): never written
+                elif whole:
                     self._count(records_saved=1, bytes_saved=self.page_bytes)
-                else:  # a store this process may only read (another user's, a read-only
-                    self._count(saves_read_only=1)  # mount): read, never written
             except Exception as e:  # a failed write is a later miss, counted and logged
                 logger.warning("cp_hicache: saving a block of %s failed: %s", rid, e)
                 self._count(save_errors=1)
@@ -1152,6 +1285,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         """Requests that finished and whose writes are all done (``finished_sending``:
         vLLM frees their blocks now). Loads are synchronous: nothing is received."""
         self._finished_waiting |= set(finished_req_ids) & self._saving_reqs
+        self._tainted -= set(finished_req_ids)
         done = set()
         for rid in list(self._finished_waiting):
             if all(f.done() for f in self._writes.get(rid, ())):
