@@ -167,25 +167,27 @@ impl RankCache {
             v.sort_unstable();
             v
         });
-        let mut kept = Vec::with_capacity(self.backups.len());
-        for b in std::mem::take(&mut self.backups) {
-            let reads = match &mine {
-                None => true,
-                Some(m) => intersects(m, &b.locals),
-            };
-            if !reads {
-                kept.push(b);
-                continue;
+        // A backup that reads none of the pages, or whose wait failed, stays pending (a
+        // later free waits for it again).
+        let exec = self.exec.clone();
+        let mut failed = None;
+        self.backups.retain(|b| {
+            let reads = mine.as_ref().is_none_or(|m| intersects(m, &b.locals));
+            if !reads || failed.is_some() {
+                return true;
             }
-            if let Err(e) = self.exec.wait_event(b.event) {
-                // The rest stay pending (and are waited for again by a later free).
-                kept.push(b);
-                self.backups.append(&mut kept);
-                return Err(e.into());
+            match exec.wait_event(b.event) {
+                Ok(()) => false,
+                Err(e) => {
+                    failed = Some(e);
+                    true
+                }
             }
+        });
+        match failed {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
         }
-        self.backups = kept;
-        Ok(())
     }
 
     /// Lets go of the pending backups whose events say they have run (queried, no wait).

@@ -583,13 +583,10 @@ impl Executor for CudaExecutor {
     }
 
     fn event_done(&self, event: EventId) -> Result<bool, ExecError> {
-        let pool = self.events();
-        let e = pool.live.get(&event.0).ok_or(ExecError::Driver {
-            op: "event_done",
-            message: format!("{event:?} is not an event of this executor (or was released)"),
-        })?;
-        e.try_is_complete()
-            .map_err(|e| driver_err("event_done")(format!("cuEventQuery: {e:?}")))
+        self.on_live_event("event_done", event, |e| {
+            e.try_is_complete()
+                .map_err(|e| format!("cuEventQuery: {e:?}"))
+        })
     }
 
     fn wait_event(&self, event: EventId) -> Result<(), ExecError> {
@@ -741,12 +738,12 @@ impl CudaExecutor {
 
     /// Runs `f` on `event` of this executor's pool, or refuses an event that is not one (of
     /// another executor, or released) for `op`.
-    fn on_live_event(
+    fn on_live_event<T>(
         &self,
         op: &'static str,
         event: EventId,
-        f: impl FnOnce(&cudarc::driver::CudaEvent) -> Result<(), String>,
-    ) -> Result<(), ExecError> {
+        f: impl FnOnce(&cudarc::driver::CudaEvent) -> Result<T, String>,
+    ) -> Result<T, ExecError> {
         let pool = self.events();
         let e = pool.live.get(&event.0).ok_or(ExecError::Driver {
             op,
