@@ -37,7 +37,7 @@ runs=(
 # One replay under the scheduling mode in FAKE_CUDA_SCHED.
 replay() {
   local what="$1" args="$2"
-  echo "== stand-in CUDA ($FAKE_CUDA_SCHED): $what"
+  echo "== [${SECONDS}s in] stand-in CUDA ($FAKE_CUDA_SCHED): $what"
   local out
   # shellcheck disable=SC2086
   out="$("$bin" replay --backend cuda $args 2>&1)" || {

@@ -5,8 +5,9 @@
 # holding maturin, the built wheel and pytest. Arguments go to `cargo test`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+step() { echo "== [$(date -u +%T), ${SECONDS}s in] $*"; }
 
-echo "== cargo test"
+step "cargo test"
 cargo test "$@"
 
 need_apt=()
@@ -21,13 +22,13 @@ if [ "${#need_apt[@]}" -gt 0 ]; then
     || { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q "${need_apt[@]}" >/dev/null; }
 fi
 
-echo "== the Python package: build the wheel (maturin) into .venv, then pytest"
+step "the Python package: build the wheel (maturin) into .venv, then pytest"
 # The release binary is the in-process replay the multi-process one is compared with.
 cargo build --release --quiet
 scripts/python-dev.sh
-CP_HICACHE_BIN="$PWD/target/release/cp-hicache" .venv/bin/python -m pytest -q python/tests
+CP_HICACHE_BIN="$PWD/target/release/cp-hicache" .venv/bin/python -m pytest -q --durations=12 python/tests
 
-echo "== the wheel installs and serves in a fresh virtual environment (numpy from PyPI)"
+step "the wheel installs and serves in a fresh virtual environment (numpy from PyPI)"
 fresh="$(mktemp -d)"
 trap 'rm -rf "$fresh"' EXIT
 /usr/bin/python3 -m venv "$fresh/venv"
@@ -41,7 +42,7 @@ print(f"fresh venv: cp_hicache {cp_hicache.__version__} served and verified 64 t
 PY
 )
 
-echo "== the vLLM KV connector against vLLM 0.34.0's real scheduler (CPU)"
+step "the vLLM KV connector against vLLM 0.34.0's real scheduler (CPU)"
 # Builds the cached environment (.venv-vllm: 2 to 3 minutes and 3.8 GB downloaded the first
 # time, seconds after), installs the wheel there, runs python/tests/test_vllm_connector.py
 # (about 30 s).
