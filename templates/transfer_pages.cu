@@ -44,17 +44,27 @@ static __device__ inline void chc_copy_page(u8* __restrict__ dst, const u8* __re
     }
 }
 
-// Copies the pair (sp, dp) of one buffer (device pool through its page table `device`, pages
-// page_stride bytes apart; host pool `host`; pages of page_bytes = page_vecs vectors) for the
-// layers [l0, l1), in order, with this group's lanes.
+// Copies the pair (sp, dp) of one buffer at one layer: the device pool's pages of that layer
+// start at `base` (its page-table entry), page_stride bytes apart; host pool `host`; pages
+// of page_bytes = page_vecs vectors; with this group's lanes.
+static __device__ inline void chc_transfer_layer(u64 base, {{ host_type }} __restrict__ host,
+                                                 u32 sp, u32 dp, u32 layer, u32 layers, u32 host_pages,
+                                                 u64 page_stride, u64 page_bytes, u32 page_vecs, u32 lane)
+{
+    {{ device_type }} dev = ({{ device_type }})base + (u64){{ device_page }} * page_stride;
+    {{ host_type }} h = host + chc_host_off({{ host_page }}, layer, layers, host_pages, page_bytes);
+    chc_copy_page({{ copy_args }}, lane, page_vecs);
+}
+
+// The pair (sp, dp) of one buffer (device pool through its page table `device`) for the
+// layers [l0, l1), in order, each layer's base read from the table.
 static __device__ inline void chc_transfer_pair(const u64* __restrict__ device, {{ host_type }} __restrict__ host,
                                                 u32 sp, u32 dp, u32 l0, u32 l1, u32 layers, u32 host_pages,
                                                 u64 page_stride, u64 page_bytes, u32 page_vecs, u32 lane)
 {
     for (u32 layer = l0; layer < l1; ++layer) {
-        {{ device_type }} dev = ({{ device_type }})device[layer] + (u64){{ device_page }} * page_stride;
-        {{ host_type }} h = host + chc_host_off({{ host_page }}, layer, layers, host_pages, page_bytes);
-        chc_copy_page({{ copy_args }}, lane, page_vecs);
+        chc_transfer_layer(device[layer], host, sp, dp, layer, layers, host_pages, page_stride, page_bytes,
+                           page_vecs, lane);
     }
 }
 
@@ -101,8 +111,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{ uri }}({# p
     // bijection (an even `all` puts both items of each x in one wave, where they get both
     // buffers; with an odd one it is w % 2), and a group alternates buffers, so the groups
     // do not split into kv ones and index_k ones that finish first and idle.
+    // Groups are numbered block-minor (group j of block b is g = j * gridDim.x + b), so a
+    // load of fewer items than groups still spreads over every block of the grid, one SM
+    // each, instead of filling the first block's warps.
     const u64 all = (u64)gridDim.x * GROUPS_PER_BLOCK;
-    const u64 g = (u64)blockIdx.x * GROUPS_PER_BLOCK + threadIdx.x / GROUP_LANES;
+    const u64 g = (u64)(threadIdx.x / GROUP_LANES) * gridDim.x + blockIdx.x;
     // The walk is carried in 32 bits (wider state spilled under ptxas) and moved by `all`
     // items a step without dividing: x as (layer, pair group), w % BUFFERS, the buffer.
     const u64 first_layer_index = g / BUFFERS / groups;
@@ -115,12 +128,21 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{ uri }}({# p
     const u64 step_layers = step_x / groups;
     const u32 step_groups = (u32)(step_x % groups);
     const u32 all_parity = (u32)(all % BUFFERS);
-    // The page ids of the first pair of this group's item, loaded an item ahead.
+    // The page ids of the first pair of this group's item{% if second %} and (the layer loop in
+    // the grid) its layer's device base{% endif %}, loaded an item ahead.
     u32 first_sp = 0u;
     u32 first_dp = 0u;
+{%- if second %}
+    u64 first_base = 0u;
+{%- endif %}
     if (more) {
         first_sp = src_pages[group * PAGES_PER_BLOCK];
         first_dp = dst_pages[group * PAGES_PER_BLOCK];
+{%- if second %}
+        if (!LAYERS_IN_BLOCK) {
+            first_base = (b == 1u ? device1 : device)[first_layer + layer];
+        }
+{%- endif %}
     }
     while (more) {
         const u32 l0 = LAYERS_IN_BLOCK ? first_layer : first_layer + layer;
@@ -134,13 +156,25 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{ uri }}({# p
         const u32 next_group = carry ? group - (groups - add) : group + add;
         const u64 next_layer = layer + step_layers + (carry ? 1u : 0u);
         more = next_layer < layer_items;
-        // Its first pair's page ids, loaded before this item's copies: their latency
-        // overlaps them instead of stalling the next item.
+        // Its first pair's page ids{% if second %} and layer base{% endif %}, loaded before this item's copies:
+        // their latency overlaps them instead of stalling the next item.
+{%- if second %}
+        const u32 next_b = (b + 1u) % BUFFERS;
+{%- endif %}
         u32 next_sp = 0u;
         u32 next_dp = 0u;
+{%- if second %}
+        u64 next_base = 0u;
+{%- endif %}
         if (more) {
             next_sp = src_pages[next_group * PAGES_PER_BLOCK];
             next_dp = dst_pages[next_group * PAGES_PER_BLOCK];
+{%- if second %}
+            // (The base depends on nothing but the walk, yet every pair waited for it.)
+            if (!LAYERS_IN_BLOCK) {
+                next_base = (next_b == 1u ? device1 : device)[first_layer + (u32)next_layer];
+            }
+{%- endif %}
         }
         for (u32 q = 0u; q < np; ++q) {
             const u32 sp = q == 0u ? first_sp : src_pages[first + q];
@@ -150,21 +184,33 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{ uri }}({# p
                 // One copy loop for both buffers, the buffer's pools and page size chosen by b
                 // (a loop per buffer, each at a constant page size, spilled under ptxas).
                 const bool one = b == 1u;
-                chc_transfer_pair(one ? device1 : device, one ? host1 : host, sp, dp, l0, l1, layers,
-                                  host_pages, one ? page_stride1 : page_stride,
-                                  one ? PAGE_BYTES_1 : PAGE_BYTES, one ? PAGE_VECS_1 : PAGE_VECS, lane);
+                if (LAYERS_IN_BLOCK) {
+                    chc_transfer_pair(one ? device1 : device, one ? host1 : host, sp, dp, l0, l1, layers,
+                                      host_pages, one ? page_stride1 : page_stride,
+                                      one ? PAGE_BYTES_1 : PAGE_BYTES, one ? PAGE_VECS_1 : PAGE_VECS, lane);
+                } else {
+                    chc_transfer_layer(first_base, one ? host1 : host, sp, dp, l0, layers, host_pages,
+                                       one ? page_stride1 : page_stride, one ? PAGE_BYTES_1 : PAGE_BYTES,
+                                       one ? PAGE_VECS_1 : PAGE_VECS, lane);
+                }
 {%- else %}
+                // The layer's base read with each pair: carried an item ahead, as a
+                // two-buffer launch does, it spilled under a one-buffer launch's bound of 2
+                // blocks an SM.
                 chc_transfer_pair(device, host, sp, dp, l0, l1, layers, host_pages, page_stride,
                                   PAGE_BYTES, PAGE_VECS, lane);
 {%- endif %}
             }
         }
-        b = (b + 1u) % BUFFERS;
+        b = {% if second %}next_b{% else %}0u{% endif %};
         parity = (parity + all_parity) % BUFFERS;
         layer = (u32)next_layer;
         group = next_group;
         first_sp = next_sp;
         first_dp = next_dp;
+{%- if second %}
+        first_base = next_base;
+{%- endif %}
     }
 {%- if stamps %}
     chc_stamp_end(stamps);

@@ -33,7 +33,9 @@ use cp_hicache::exec::{
     KernelArtifact, KernelId, LaunchConfig, LaunchFailure, LoadOp, MemKind,
 };
 use cp_hicache::jit::{open_executor, spec_request, target_for, Arch, Sanitize, Target};
-use cp_hicache::kernels::{Deployment, KernelSpec, ModelShape, ReleaseSpec, TransferPath};
+use cp_hicache::kernels::{
+    Deployment, KernelSpec, ModelShape, ReleaseSpec, TransferPath, MAX_LAYERS_PER_LAUNCH,
+};
 use cp_hicache::rank::{PeerAccess, RankCache};
 use hicache_support::{cat, evict_all, jit, serve, tokens, Setup};
 
@@ -1413,9 +1415,12 @@ fn loads_run_on_a_prioritised_stream_of_their_own() {
         (loaded, waited, gpu.counters().launches - launches)
     };
     let (loaded, waited, by_layer) = load_once(&mut me);
-    // Page tables and the transfer: one launch per layer, on the load stream, which waits
-    // once, for the work before the load.
-    assert!(loaded.prioritised_work >= u64::from(layers), "{loaded:?}");
+    // 4 pages are 4 of the default launch's 64 warp groups: 4 layers a launch
+    // (`KernelSpec::layers_per_launch`), each layer with its event.
+    let launches_by_layer = u64::from(layers.div_ceil(MAX_LAYERS_PER_LAUNCH));
+    // The page lists and the transfer, a launch per 4 layers, on the load stream, which
+    // waits once, for the work before the load.
+    assert!(loaded.prioritised_work >= launches_by_layer, "{loaded:?}");
     assert_eq!(loaded.waits_on_prioritised, 1, "{loaded:?}");
     assert_eq!(loaded.waits_for_prioritised, 0, "{loaded:?}");
     // The reader's waits, one per layer, on the cache's stream.
@@ -1486,8 +1491,8 @@ fn loads_run_on_a_prioritised_stream_of_their_own() {
     assert_eq!(waited.waits_for_prioritised, 0, "{waited:?}");
     assert_eq!(
         by_layer - launches,
-        u64::from(layers - 1),
-        "one transfer launch for every layer, not one per layer"
+        launches_by_layer - 1,
+        "one transfer launch for every layer, not one per 4 layers"
     );
 
     // The serving cycle's reader (verification) waits per layer: its loads go to the load

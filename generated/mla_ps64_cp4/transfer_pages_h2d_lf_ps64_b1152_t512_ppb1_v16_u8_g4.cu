@@ -64,17 +64,27 @@ static __device__ inline void chc_copy_page(u8* __restrict__ dst, const u8* __re
     }
 }
 
-// Copies the pair (sp, dp) of one buffer (device pool through its page table `device`, pages
-// page_stride bytes apart; host pool `host`; pages of page_bytes = page_vecs vectors) for the
-// layers [l0, l1), in order, with this group's lanes.
+// Copies the pair (sp, dp) of one buffer at one layer: the device pool's pages of that layer
+// start at `base` (its page-table entry), page_stride bytes apart; host pool `host`; pages
+// of page_bytes = page_vecs vectors; with this group's lanes.
+static __device__ inline void chc_transfer_layer(u64 base, const u8* __restrict__ host,
+                                                 u32 sp, u32 dp, u32 layer, u32 layers, u32 host_pages,
+                                                 u64 page_stride, u64 page_bytes, u32 page_vecs, u32 lane)
+{
+    u8* dev = (u8*)base + (u64)dp * page_stride;
+    const u8* h = host + chc_host_off(sp, layer, layers, host_pages, page_bytes);
+    chc_copy_page(dev, h, lane, page_vecs);
+}
+
+// The pair (sp, dp) of one buffer (device pool through its page table `device`) for the
+// layers [l0, l1), in order, each layer's base read from the table.
 static __device__ inline void chc_transfer_pair(const u64* __restrict__ device, const u8* __restrict__ host,
                                                 u32 sp, u32 dp, u32 l0, u32 l1, u32 layers, u32 host_pages,
                                                 u64 page_stride, u64 page_bytes, u32 page_vecs, u32 lane)
 {
     for (u32 layer = l0; layer < l1; ++layer) {
-        u8* dev = (u8*)device[layer] + (u64)dp * page_stride;
-        const u8* h = host + chc_host_off(sp, layer, layers, host_pages, page_bytes);
-        chc_copy_page(dev, h, lane, page_vecs);
+        chc_transfer_layer(device[layer], host, sp, dp, layer, layers, host_pages, page_stride, page_bytes,
+                           page_vecs, lane);
     }
 }
 
@@ -113,8 +123,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) transfer_pages
     // bijection (an even `all` puts both items of each x in one wave, where they get both
     // buffers; with an odd one it is w % 2), and a group alternates buffers, so the groups
     // do not split into kv ones and index_k ones that finish first and idle.
+    // Groups are numbered block-minor (group j of block b is g = j * gridDim.x + b), so a
+    // load of fewer items than groups still spreads over every block of the grid, one SM
+    // each, instead of filling the first block's warps.
     const u64 all = (u64)gridDim.x * GROUPS_PER_BLOCK;
-    const u64 g = (u64)blockIdx.x * GROUPS_PER_BLOCK + threadIdx.x / GROUP_LANES;
+    const u64 g = (u64)(threadIdx.x / GROUP_LANES) * gridDim.x + blockIdx.x;
     // The walk is carried in 32 bits (wider state spilled under ptxas) and moved by `all`
     // items a step without dividing: x as (layer, pair group), w % BUFFERS, the buffer.
     const u64 first_layer_index = g / BUFFERS / groups;
@@ -146,8 +159,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) transfer_pages
         const u32 next_group = carry ? group - (groups - add) : group + add;
         const u64 next_layer = layer + step_layers + (carry ? 1u : 0u);
         more = next_layer < layer_items;
-        // Its first pair's page ids, loaded before this item's copies: their latency
-        // overlaps them instead of stalling the next item.
+        // Its first pair's page ids, loaded before this item's copies:
+        // their latency overlaps them instead of stalling the next item.
         u32 next_sp = 0u;
         u32 next_dp = 0u;
         if (more) {
@@ -158,11 +171,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) transfer_pages
             const u32 sp = q == 0u ? first_sp : src_pages[first + q];
             const u32 dp = q == 0u ? first_dp : dst_pages[first + q];
             if (sp < host_pages && dp < device_pages) {
+                // The layer's base read with each pair: carried an item ahead, as a
+                // two-buffer launch does, it spilled under a one-buffer launch's bound of 2
+                // blocks an SM.
                 chc_transfer_pair(device, host, sp, dp, l0, l1, layers, host_pages, page_stride,
                                   PAGE_BYTES, PAGE_VECS, lane);
             }
         }
-        b = (b + 1u) % BUFFERS;
+        b = 0u;
         parity = (parity + all_parity) % BUFFERS;
         layer = (u32)next_layer;
         group = next_group;

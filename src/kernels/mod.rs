@@ -42,7 +42,8 @@ pub use spec::{
     KernelSignature, KernelSpec, LaunchDims, MaterialiseSpec, Reach, ReachError, ReleaseSpec,
     ReleaseStatus, SelectOutput, SelectStatus, Strided, SynthSpec, TableEntries, TokenOrder,
     TransferSpec, VecWidth, VerifySpec, GPU_TRANSFER_BLOCKS, GPU_TRANSFER_THREADS,
-    GPU_TRANSFER_UNROLL, TRANSFER_GRID_CAPS, TRANSFER_STAMP_BYTES, WARP_LANES,
+    GPU_TRANSFER_UNROLL, MAX_LAYERS_PER_LAUNCH, TRANSFER_GRID_CAPS, TRANSFER_STAMP_BYTES,
+    WARP_LANES,
 };
 // An SM's thread limit: `tune` sizes its busy companions by it.
 pub(crate) use spec::SM_MAX_THREADS;

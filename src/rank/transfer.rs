@@ -16,8 +16,10 @@ pub(super) enum On<'a> {
     /// The cache's stream, in order with everything else; with a list, one event marking
     /// every layer is pushed there once per layer.
     Cache(Option<&'a mut Vec<EventId>>),
-    /// A load with a reader per layer: one layer at a time on the executor's load stream
-    /// ([`crate::exec::Executor::load_layers`]), each followed by its event, pushed there.
+    /// A load with a reader per layer: a layer at a time on the executor's load stream
+    /// ([`crate::exec::Executor::load_layers`]), or a few when the pages are few
+    /// ([`crate::kernels::KernelSpec::layers_per_launch`]), each launch followed by its
+    /// event, pushed there once per layer it covers.
     LayerWise(&'a mut Vec<EventId>),
     /// A backup: on the executor's backup stream ([`crate::exec::Executor::backup`]); the
     /// event after it is put there.
@@ -73,12 +75,26 @@ impl RankCache {
             (Some(_), _, None) => Some(self.pools.load_pairs(src.len())?),
             (None, _, None) => Some(self.pools.upload_pairs(src, dst)?),
         };
+        let spec = self.config.deployment.transfer(dir);
+        // A layer-wise kernel load of few pages takes a few layers a launch (each layer
+        // still gets an event: its launch's).
+        let per_step = match pairs {
+            Some(_) if layer_wise => self
+                .kernels
+                .transfer(dir)
+                .spec
+                .layers_per_launch(src.len() as u32),
+            _ => 1,
+        };
         let steps: Vec<Range<u32>> = if layer_wise {
-            moved.clone().map(|l| l..l + 1).collect()
+            moved
+                .clone()
+                .step_by(per_step as usize)
+                .map(|l| l..(l + per_step).min(moved.end))
+                .collect()
         } else {
             vec![moved.clone()]
         };
-        let spec = self.config.deployment.transfer(dir);
         let buffers = self.config.deployment.model.buffers();
         // (source pool, destination pool) of each buffer, in the spec's descriptor order, for
         // the DMA path over the cache's own layer-major pools; `None` for an engine's memory,
@@ -105,7 +121,7 @@ impl RankCache {
             .collect();
         let mut bytes = 0;
         let mut work: Vec<Vec<LoadOp<'_>>> = Vec::with_capacity(steps.len());
-        for step in steps {
+        for step in steps.iter().cloned() {
             let mut ops = Vec::new();
             if let (Some((s, d)), Some((sb, db)), true) = (&own_ids, pairs, work.is_empty()) {
                 ops.push(LoadOp::Upload {
@@ -180,7 +196,13 @@ impl RankCache {
             work.push(ops);
         }
         match on {
-            On::LayerWise(events) => events.extend(self.exec.load_layers(&work)?),
+            On::LayerWise(events) => {
+                // One event a step, given to each of its layers.
+                let done = self.exec.load_layers(&work)?;
+                for (event, step) in done.into_iter().zip(&steps) {
+                    events.extend(step.clone().map(|_| event));
+                }
+            }
             On::Backup(event) => {
                 let ops: Vec<LoadOp<'_>> = work.into_iter().flatten().collect();
                 *event = Some(self.exec.backup(&ops)?);

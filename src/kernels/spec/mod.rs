@@ -92,6 +92,10 @@ pub enum KernelSpec {
 /// add nothing.
 const MAX_GRID: u64 = 1 << 16;
 
+/// Most layers a layer-wise load puts in one transfer launch
+/// ([`KernelSpec::layers_per_launch`]): the first layer's reader waits for this many.
+pub const MAX_LAYERS_PER_LAUNCH: u32 = 4;
+
 /// Bytes of a stamped transfer's `stamps` ([`TransferSpec::stamps`]): its first block start,
 /// last block end and last block start, in nanoseconds of the device's clock.
 pub const TRANSFER_STAMP_BYTES: u64 = 24;
@@ -592,6 +596,26 @@ impl KernelSpec {
         out
     }
 
+    /// Layers a layer-wise load of `pairs` page pairs puts in one launch of this transfer:
+    /// up to [`MAX_LAYERS_PER_LAUNCH`] when a layer's items fill at most half of a capped
+    /// grid's groups, else 1. A layer of a few pages is a few warps on one launch and one
+    /// event, its time mostly their fixed cost, and its layer's reader waits no longer for
+    /// a few of them together. Uncapped grids, layer loops in the block and other kernels
+    /// keep a launch per layer.
+    pub fn layers_per_launch(&self, pairs: u32) -> u32 {
+        let KernelSpec::TransferPages(s) = self else {
+            return 1;
+        };
+        let l = &s.launch;
+        if l.max_blocks == 0 || l.layers_in_block || pairs == 0 {
+            return 1;
+        }
+        let items =
+            u64::from(pairs.div_ceil(l.pages_per_block.max(1))) * u64::from(s.buffer_count());
+        let groups = u64::from(l.max_blocks) * u64::from(l.groups_per_block());
+        (groups / items).clamp(1, u64::from(MAX_LAYERS_PER_LAUNCH)) as u32
+    }
+
     /// Recommended launch for `items` units of work over `layers` layers. The unit is a
     /// request (select), a page (release), a page pair (transfer), a sequence page
     /// (materialise; synthesise: the pages from the one holding `first_token`, or its granule), a token (verify: one block per
@@ -599,7 +623,8 @@ impl KernelSpec {
     /// clamped to the pools, [`clamp_layer_range`](super::clamp_layer_range)), not the
     /// pools' total: a per-layer load is sized for one layer. A transfer gets a group
     /// ([`CopyLaunch::group_lanes`]) per work item, [`CopyLaunch::groups_per_block`] to a
-    /// block; materialise a block per work item. Select and release need exactly one block ([`KernelSignature::single_block`]);
+    /// block (a capped transfer grid: a block per item up to the cap, so that few items still
+    /// spread over the cap's blocks); materialise a block per work item. Select and release need exactly one block ([`KernelSignature::single_block`]);
     /// every other kernel strides over its work, so any grid is correct, and this one is
     /// never 0 and at most 65536 (verify: 1024; a copy launch with
     /// [`CopyLaunch::max_blocks`]: that many).
@@ -614,13 +639,15 @@ impl KernelSpec {
                     KernelSpec::TransferPages(s) => (s.buffer_count(), launch.groups_per_block()),
                     _ => (1, 1),
                 };
-                let all = (u64::from(items).div_ceil(u64::from(launch.pages_per_block.max(1)))
+                let work = u64::from(items).div_ceil(u64::from(launch.pages_per_block.max(1)))
                     * u64::from(layer_items)
-                    * u64::from(buffers))
-                .div_ceil(u64::from(items_per_block));
+                    * u64::from(buffers);
                 match launch.max_blocks {
-                    0 => all,
-                    cap => all.min(u64::from(cap)),
+                    0 => work.div_ceil(u64::from(items_per_block)),
+                    // A capped grid takes a block per item up to the cap, so a small load
+                    // spreads over the cap's SMs: the transfer numbers its groups
+                    // block-minor, item i in block i mod grid.
+                    cap => work.min(u64::from(cap)),
                 }
             }
             KernelSpec::Synthesise(_) => u64::from(items) * u64::from(layers),

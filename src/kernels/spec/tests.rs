@@ -578,9 +578,11 @@ fn a_capped_copy_grid_is_at_most_its_cap_and_named_by_it() {
     assert_eq!(spec(0).launch_dims(16 * 2048, 61).grid, 65536);
     let d = spec(4).launch_dims(2048, 61);
     assert_eq!((d.grid, d.block), (4, 512));
-    // Less work than the cap: a group per item, 16 groups a block.
-    assert_eq!(spec(4).launch_dims(3, 1).grid, 1);
-    assert_eq!(spec(4).launch_dims(40, 1).grid, 3);
+    // Less work than the cap: a block per item up to the cap (the groups are numbered
+    // block-minor, so 3 items take 3 SMs, not 3 warps of one block).
+    assert_eq!(spec(4).launch_dims(1, 1).grid, 1);
+    assert_eq!(spec(4).launch_dims(3, 1).grid, 3);
+    assert_eq!(spec(4).launch_dims(40, 1).grid, 4);
     assert_eq!(spec(4).launch_dims(0, 0).grid, 1);
     assert!(
         spec(4).uri().ends_with("_t512_ppb1_v16_u8_g4"),
@@ -604,6 +606,53 @@ fn a_capped_copy_grid_is_at_most_its_cap_and_named_by_it() {
         launch: CopyLaunch::default(),
     });
     assert!(!m.candidates().iter().any(|c| c.uri().contains("_g")));
+}
+
+#[test]
+fn layer_wise_loads_of_few_pages_share_a_launch_across_layers() {
+    let spec = |second: Option<u32>, launch: CopyLaunch| {
+        KernelSpec::TransferPages(TransferSpec {
+            second_bytes_per_token: second,
+            stamps: false,
+            direction: Direction::HostToDevice,
+            layout: HostLayout::PageFirst,
+            page_size: 64,
+            bytes_per_token: 656,
+            launch,
+        })
+    };
+    // The default GPU launch: 4 blocks of 16 warps, 64 groups.
+    let nsa = spec(Some(132), CopyLaunch::gpu_transfer());
+    // 8 NSA pages, two buffers: 16 items a layer, 4 layers fill the groups.
+    assert_eq!(nsa.layers_per_launch(8), MAX_LAYERS_PER_LAUNCH);
+    assert_eq!(nsa.layers_per_launch(1), MAX_LAYERS_PER_LAUNCH);
+    assert_eq!(nsa.layers_per_launch(16), 2);
+    // 20 items: 3 of them fit, then a launch per layer from half the groups on.
+    assert_eq!(nsa.layers_per_launch(10), 3);
+    assert_eq!(nsa.layers_per_launch(17), 1);
+    assert_eq!(nsa.layers_per_launch(4096), 1);
+    assert_eq!(nsa.layers_per_launch(0), 1);
+    let mla = spec(None, CopyLaunch::gpu_transfer());
+    assert_eq!(mla.layers_per_launch(20), 3);
+    // Uncapped grids grow with the work, and a layer loop in the group walks the layers
+    // in turn: a launch per layer.
+    let uncapped = CopyLaunch {
+        max_blocks: 0,
+        ..CopyLaunch::gpu_transfer()
+    };
+    assert_eq!(spec(None, uncapped).layers_per_launch(1), 1);
+    let in_block = CopyLaunch {
+        layers_in_block: true,
+        ..CopyLaunch::gpu_transfer()
+    };
+    assert_eq!(spec(None, in_block).layers_per_launch(1), 1);
+    let m = KernelSpec::Materialise(MaterialiseSpec {
+        cp: 4,
+        page_size: 64,
+        bytes_per_token: 656,
+        launch: CopyLaunch::gpu_transfer(),
+    });
+    assert_eq!(m.layers_per_launch(1), 1);
 }
 
 #[test]
