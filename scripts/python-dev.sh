@@ -5,6 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=.venv
+# The Cargo profile of the wheel: release by default; scripts/test.sh builds it with the test
+# profile, whose artifacts `cargo test` has just built (a release build would compile the
+# crate and its dependencies again).
+profile="${CP_HICACHE_WHEEL_PROFILE:-release}"
 if [ ! -x "$venv/bin/python" ]; then
   /usr/bin/python3 -m venv --system-site-packages "$venv"
 fi
@@ -13,5 +17,5 @@ fi
 # its dependencies are not installed).
 "$venv/bin/python" -m pip install -q --no-deps -r python/tests/requirements.txt
 rm -rf python/dist
-(cd python && "../$venv/bin/maturin" build --release -q -o dist -i "../$venv/bin/python")
+(cd python && "../$venv/bin/maturin" build --profile "$profile" -q -o dist -i "../$venv/bin/python")
 "$venv/bin/python" -m pip install -q --force-reinstall --no-deps python/dist/cp_hicache-*.whl

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # cp_hicache.vllm's tests against vLLM 0.34.0's real scheduler, on the CPU: builds (or reuses)
 # the cached vLLM environment (scripts/vllm-env.sh, <repo>/.venv-vllm), builds the package's
-# wheel (maturin, incremental after scripts/test.sh), installs it there, and runs
+# wheel (maturin, incremental after scripts/test.sh; the profile in CP_HICACHE_WHEEL_PROFILE,
+# default release), installs it there, and runs
 # python/tests/test_vllm_connector.py in it. Arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +17,7 @@ echo "== the cp_hicache wheel, into the vLLM environment ($py)"
 build_py="$py"
 [ -x .venv/bin/python ] && build_py="$PWD/.venv/bin/python"
 rm -rf python/dist
-(cd python && maturin build --release -q -o dist -i "$build_py")
+(cd python && maturin build --profile "${CP_HICACHE_WHEEL_PROFILE:-release}" -q -o dist -i "$build_py")
 "$py" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps python/dist/cp_hicache-*.whl
 "$py" -m pip install -q --disable-pip-version-check "numpy>=1.22"
 echo "== python/tests/test_vllm_connector.py on vLLM $("$py" -c 'import vllm; print(vllm.__version__)')"

@@ -1623,13 +1623,12 @@ fn one_rank(gpu: &Arc<dyn Executor>, dep: Deployment, layers: u32) -> RankCache 
 #[test]
 fn streams_race_checker_and_the_load_races() {
     let dir = build_fake_driver();
-    for (mode, seed) in [
-        ("lazy", "0"),
-        ("eager", "0"),
-        ("adversarial", "0"),
-        ("random", "1"),
-        ("random", "2"),
-    ] {
+    // The race checker orders by happens-before, not by what ran first, so every mode
+    // reports the same races; the modes differ in the mismatches a missing wait shows.
+    // `eager` (one queue, the stand-in as it was) shows none of them, and a second random
+    // seed found nothing the first had not (`.ci/run` runs the driver's other tests under a
+    // third).
+    for (mode, seed) in [("lazy", "0"), ("adversarial", "0"), ("random", "1")] {
         let out = Command::new(std::env::current_exe().unwrap())
             .args([
                 "--ignored",

@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="session")
 def binary() -> Path:
-    """The release `cp-hicache` binary (built by scripts/test.sh; built here if missing)."""
+    """The `cp-hicache` binary: CP_HICACHE_BIN (scripts/test.sh hands in the one `cargo test`
+    built), else the release one, built here if missing."""
     path = Path(os.environ.get("CP_HICACHE_BIN", ROOT / "target" / "release" / "cp-hicache"))
     if not path.exists():
         subprocess.run(["cargo", "build", "--release", "--quiet"], cwd=ROOT, check=True)
