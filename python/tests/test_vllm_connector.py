@@ -22,6 +22,7 @@ import os
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -49,6 +50,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from vllm.distributed.kv_transfer import kv_transfer_state
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -123,9 +125,12 @@ def kv_cache_config(num_blocks: int = NUM_BLOCKS, heads: int = HEADS,
                          kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)])
 
 
-def vllm_config(path, policy="recompute", **extra):
+def vllm_config(path, policy="recompute", budget=64, **extra):
+    """vLLM's config with the connector over a store in ``path``, ``extra`` its
+    ``kv_connector_extra_config`` keys, and ``budget`` tokens a step."""
     return create_vllm_config(
         block_size=BS,
+        max_num_batched_tokens=budget,
         kv_connector="CpHiCacheConnector",
         kv_connector_module_path="cp_hicache.vllm",
         kv_role="kv_both",
@@ -173,9 +178,9 @@ class Engine:
     def __init__(self, path, policy="recompute", num_blocks=NUM_BLOCKS, verify=False,
                  dcp=1, interleave=1, ranks=None, monkeypatch=None, tp=None, shards=1,
                  heads=HEADS, layout="blocks_first", mla=False, tp_ranks=None,
-                 layerwise=True):
+                 layerwise=True, budget=64, extra=None):
         self.layerwise = layerwise
-        self.cfg = vllm_config(path, policy)
+        self.cfg = vllm_config(path, policy, budget, **(extra or {}))
         tp = dcp if tp is None else tp
         if mla:
             heads, layout = 1, "mla"
@@ -241,7 +246,10 @@ class Engine:
         self.metas = []
         self.outputs = []
         _ENGINES.append(self)
-        self._sending = {}  # request -> workers that reported its saves done
+        # The workers' outputs of a step are merged as vLLM's executor merges them: a
+        # request's saves are done once every worker has said so; failed blocks, stats and
+        # the workers' reports to the planner are merged.
+        self.aggregator = KVOutputAggregator(len(self.workers))
 
     @property
     def worker(self) -> CpHiCacheConnector:
@@ -381,9 +389,10 @@ class Engine:
         calls ``wait_for_layer_load`` before each layer and ``save_kv_layer`` after it (not
         with ``layerwise=False``: ``wait_for_save`` then copies the saved blocks); after the
         forward, ``post_forward`` runs ``wait_for_save``, ``get_finished``,
-        ``get_block_ids_with_load_errors`` and ``get_kv_connector_stats``). The workers'
-        outputs are aggregated as vLLM's ``KVOutputAggregator`` does: a request's saves are
-        done once every worker has said so. Returns the scheduler output."""
+        ``get_block_ids_with_load_errors``, ``get_kv_connector_stats`` and
+        ``build_connector_worker_meta``). The workers' outputs are merged by vLLM's own
+        ``KVOutputAggregator``: a request's saves are done once every worker has said so.
+        Returns the scheduler output."""
         so = self.sched.schedule()
         meta = so.kv_connector_metadata
         assert isinstance(meta, CpHiCacheMetadata)
@@ -406,21 +415,11 @@ class Engine:
                     w.save_kv_layer(name, kv[name], None)
         if self.verify:
             self._verify(so)
-        sending, invalid, stats = set(), set(), None
+        outs = []
         for r in self.runners:
             r.finish_forward()
-            out = r.post_forward(so.finished_req_ids)
-            for rid in out.finished_sending or ():
-                self._sending[rid] = self._sending.get(rid, 0) + 1
-                if self._sending[rid] == len(self.runners):
-                    sending.add(rid)
-                    del self._sending[rid]
-            invalid |= out.invalid_block_ids
-            if out.kv_connector_stats is not None:
-                st = out.kv_connector_stats
-                stats = st if stats is None else stats.aggregate(st)
-        out = KVConnectorOutput(finished_sending=sending or None, finished_recving=None,
-                                invalid_block_ids=invalid, kv_connector_stats=stats)
+            outs.append(SimpleNamespace(kv_connector_output=r.post_forward(so.finished_req_ids)))
+        out = self.aggregator.aggregate(outs).kv_connector_output
         self.outputs.append(out)
         reqs = [self.sched.requests[r] for r in so.num_scheduled_tokens]
         mro = create_model_runner_output(reqs)
@@ -468,7 +467,9 @@ def _no_thread_left_behind():
 def assert_clean(engine: Engine) -> None:
     assert_scheduler_empty(engine.sched)
     ps = engine.connector.planner_stats()
-    assert ps["tracked"] == 0 and ps["delayed"] == 0, ps
+    assert ps["tracked"] == 0 and ps["delayed"] == 0 and ps["unsettled"] == 0, ps
+    for w in engine.workers:
+        assert not w._held, "saves still held after every request was freed"
 
 
 def test_vllm_loads_the_connector_by_module_path(tmp_path):
@@ -772,9 +773,6 @@ def test_loads_that_cannot_be_started_fail_every_block_and_nothing_waits(tmp_pat
     _check_all_blocks_recomputed(e, b, ids["load"])
 
 
-@pytest.mark.xfail(strict=True, reason="not built: each worker drops saves on its own "
-                   "loads' failures; a rank whose load succeeded still writes the blocks it "
-                   "computed over another rank's failed block (docs/DESIGN.md §12)")
 def test_a_rank_whose_load_succeeded_saves_nothing_computed_over_another_ranks_failure(
         tmp_path, monkeypatch):
     """TP 2 with two KV head shards: rank 0's record of block 2 is refused, rank 1's loads.
@@ -797,6 +795,98 @@ def test_a_rank_whose_load_succeeded_saves_nothing_computed_over_another_ranks_f
     for shard in range(2):
         got = _stored(e, head_shard_key(names[4], shard, 2))
         assert got is None or got == e.expected_record(tokens, 4, shard=shard), shard
+
+
+class _RecordingWrites:
+    """The worker's store, noting the bytes of every record (or part) it is asked to
+    write, in ``log`` as ``(rank, name, bytes)``: what a write carried, not only what the
+    store kept (it keeps a record's first writer)."""
+
+    def __init__(self, store, rank, log):
+        self._store, self._rank, self._log = store, rank, log
+
+    def _note(self, name, parts):
+        import ctypes
+
+        data = (b"".join(ctypes.string_at(a, n) for a, n in parts)
+                if isinstance(parts, list) else bytes(parts))
+        self._log.append((self._rank, name, data))
+
+    def put(self, name, parts):
+        self._note(name, parts)
+        return self._store.put(name, parts)
+
+    def put_part(self, name, index, count, parts, assemble):
+        self._note(f"{name}#part{index}", parts)
+        return self._store.put_part(name, index, count, parts, assemble)
+
+    def __getattr__(self, attr):
+        return getattr(self._store, attr)
+
+
+@pytest.mark.parametrize("kw", [dict(tp=2, shards=2), dict(dcp=2, interleave=BS)],
+                         ids=["tp2-head-shards", "dcp2-i16"])
+def test_a_load_failing_on_one_rank_keeps_every_rank_from_saving_over_it(tmp_path, monkeypatch,
+                                                                        kw):
+    """Rank 0's record of request 2's block 2 is refused, rank 1's loads (TP 2 over two KV
+    head shards, or DCP 2 where each rank holds its own records of a virtual block). Both
+    ranks compute request 2's next block over rank 0's unfilled block. In the same step
+    request 3, a miss that shares nothing with it, computes and saves two blocks and
+    finishes. Every write any rank is asked to make carries its record's right bytes (no
+    rank writes what it computed over the failed block); request 3's records are all
+    written (it finished in that step: its saves were not dropped with request 2's, nor
+    planned again); request 2's are written after the recompute."""
+    kw = dict(kw, monkeypatch=monkeypatch, budget=128)
+    a = Engine(tmp_path / "store", **kw)
+    sb, shards = a.sblock, a.shards
+    a.sched.add_request(create_request(request_id=1, num_tokens=70, common_prefix_len=64,
+                                       max_tokens=1, block_size=sb))
+    a.run()
+    b = create_request(request_id=2, num_tokens=64 + sb, common_prefix_len=64, max_tokens=2,
+                       block_size=sb)
+    c = create_request(request_id=3, num_tokens=2 * sb, max_tokens=1, block_size=sb)
+    b_names = block_names(b.all_token_ids, BS)
+    _damage(str(a.worker.store.path_of(head_shard_key(b_names[2], 0, shards))))
+
+    e = Engine(tmp_path / "store", **kw)
+    e.poison()
+    log = []
+    for r, w in enumerate(e.workers):
+        w.store = _RecordingWrites(w.store, r, log)
+    e.sched.add_request(b)
+    e.sched.add_request(c)
+    seen = {}
+
+    def ids(so, meta):
+        seen["b"] = list(e.sched.kv_cache_manager.get_block_ids("id-2")[0])
+
+    so = e.step(before_forward=ids)
+    assert so.num_scheduled_tokens == {"id-2": sb, "id-3": 2 * sb}, so.num_scheduled_tokens
+    # Only rank 0's load failed (its block 2 and every later loaded block); vLLM was told
+    # by the merged output.
+    assert e.outputs[-1].invalid_block_ids == set(seen["b"][2 // e.dcp:4 // e.dcp])
+    assert "id-3" not in e.sched.running  # finished in that step
+    e.run()
+    assert_clean(e)
+    # What every write carried, against the canonical record of its name.
+    want = {}
+    for req in (b, c):
+        tokens = list(req.all_token_ids)
+        for k, name in enumerate(block_names(tokens, BS)[:len(tokens) // BS]):
+            for s in range(shards):
+                want[head_shard_key(name, s, shards)] = (tokens, k, s)
+    assert log
+    for rank, key, data in log:
+        assert key in want, f"rank {rank} wrote an unplanned record {key}"
+        tokens, k, s = want[key]
+        assert data == e.expected_record(tokens, k, shard=s), (
+            f"rank {rank} wrote record {k} (shard {s}) computed over the failed load")
+    # Every record of request 3 (saved in the failed step) and of request 2 is there.
+    for key, (tokens, k, s) in want.items():
+        assert _stored(e, key) == e.expected_record(tokens, k, shard=s), key
+    st = e.stats()
+    assert st.get("saves_dropped") == 2 and st.get("load_errors") == 1, st
+    assert e.connector.planner_stats()["saves_rejected"] == 1
 
 
 def test_under_the_fail_policy_a_failed_load_ends_the_request_with_an_error(tmp_path):
@@ -1525,3 +1615,4 @@ def test_shutdown_drains_the_writes_and_leaves_no_thread(tmp_path):
     w.shutdown()  # idempotent
     w.wait_for_layer_load(LAYERS[0])  # nothing to wait for
     assert w.get_block_ids_with_load_errors() == set()
+
