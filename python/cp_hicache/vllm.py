@@ -25,7 +25,8 @@ What it does (issue 43; docs/ENGINES.md "vLLM" is the how-to):
   bytes in every layer, in the order of vLLM's KV cache groups.
 - **Layer-wise loads.** :meth:`start_load_kv` hands the step's loads to the worker's loader
   thread and returns. The loader reads the planned records into host memory first (each
-  checked whole by the store: checksums and the fingerprint), then fills the blocks layer by layer,
+  checked whole by the store: checksums and the fingerprint; at most
+  ``load_buffer_bytes`` at once, in batches past it), then fills the blocks layer by layer,
   in layer order; :meth:`wait_for_layer_load` blocks the forward until its layer is in
   every loaded block. A record that is missing, torn, changed or of another
   deployment is not copied, and its block and every later block of the request are
@@ -45,7 +46,8 @@ What it does (issue 43; docs/ENGINES.md "vLLM" is the how-to):
   layer after its forward, copies that layer's bytes of the step's blocks to save into host
   buffers (:meth:`wait_for_save` copies the layers a forward did not hand over, and waits
   for no write); once the planner has settled the step, the blocks go to the writer
-  thread. :meth:`request_finished` keeps a finished request's blocks from being freed until
+  thread, whose queue holds at most ``save_buffer_bytes`` (handing over more waits for
+  room). :meth:`request_finished` keeps a finished request's blocks from being freed until
   the workers report its saves written or dropped (``finished_sending`` from
   :meth:`get_finished`); the writer's failures are counted (``save_errors``), never lost.
 - **Records are canonical.** A record holds ``block_size`` consecutive tokens of a
@@ -131,6 +133,12 @@ logger = logging.getLogger(__name__)
 
 #: The default capacity of the store, in bytes.
 DEFAULT_CAPACITY = 16 << 30
+
+#: The default bound on a worker's host memory for records read and not yet filled into
+#: their blocks (``load_buffer_bytes``), and for copied blocks handed to the writer and not
+#: yet written (``save_buffer_bytes``).
+DEFAULT_LOAD_BUFFER = 256 << 20
+DEFAULT_SAVE_BUFFER = 256 << 20
 
 #: A block of vLLM's scheduler to load or save: the names of the records its tokens are in
 #: (one per ``block_size`` tokens: ``dcp`` of them under decode context parallelism, where
@@ -250,9 +258,9 @@ class CpHiCacheStats(KVConnectorStats):
     tasks that raised outside the store), ``saves_read_only`` (not written: the store is
     read-only to this process), ``bytes_loaded``, ``bytes_saved``; ``saves_dropped``
     (blocks not saved: the planner rejected them, computed over a block that failed to
-    load on some rank, or shutdown came before their verdict); ``loader_failures`` (the
-    loader thread failed a step's loads outright: a bug, its blocks reported as load
-    errors)."""
+    load on some rank, or shutdown came before their verdict); ``save_waits`` (hand-overs
+    to the writer that waited for room in its queue); ``loader_failures`` (the loader
+    thread failed a step's loads outright: a bug, its blocks reported as load errors)."""
 
     def aggregate(self, other: KVConnectorStats) -> "CpHiCacheStats":
         for k, v in (other.data or {}).items():
@@ -456,6 +464,13 @@ class CpHiCacheConnector(KVConnectorBase_V1):
     - ``path`` (required): the store's directory, shared by every worker and by later runs.
     - ``capacity_bytes`` (default 16 GiB): the store's byte budget; least recently used
       records go first.
+    - ``load_buffer_bytes`` (default 256 MiB): the most bytes of records a worker's loader
+      holds read and not yet filled into their blocks. A step's loads beyond it are read
+      and filled in batches, in order; at least one block's reads.
+    - ``save_buffer_bytes`` (default 256 MiB): the most bytes of copied blocks a worker
+      queues for its writer thread. Handing over more blocks waits (in the engine's
+      thread) until writes have freed room: back-pressure, nothing is dropped. At least a
+      block's bytes.
     """
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
@@ -562,6 +577,17 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             # they load it, but only the first group writes it.
             self.copy = (tp_rank % per_shard) // self.dcp
         self._slots: List[Tuple[int, int]] = self._local_slots(self.dcp_rank)
+        # Host memory bounds: a block's reads are every record its slots take tokens from
+        # (one, but for DCP with a small interleave); its save is one record's bytes.
+        self._block_read_bytes = len({k for k, _ in self._slots}) * self.page_bytes
+        self.load_buffer_bytes = self._bound(extra, "load_buffer_bytes", DEFAULT_LOAD_BUFFER,
+                                             self._block_read_bytes)
+        self.save_buffer_bytes = self._bound(extra, "save_buffer_bytes", DEFAULT_SAVE_BUFFER,
+                                             self.page_bytes)
+        #: Bytes of copied blocks handed to the writer and not yet written (at most
+        #: ``save_buffer_bytes``), and the condition the save path waits on for room.
+        self._queued_bytes = 0
+        self._queue_cv = threading.Condition()
         # Per layer: where each byte of a record's layer is in vLLM's tensor.
         self._layers: Optional[List[_LayerBlocks]] = None
         self._in_place = False
@@ -589,6 +615,18 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         self._load_errors: Set[int] = set()
         self._stats: Dict[str, int] = {}
         self._stats_lock = threading.Lock()
+
+    @staticmethod
+    def _bound(extra: Dict[str, Any], key: str, default: int, least: int) -> int:
+        """A host memory bound from ``kv_connector_extra_config[key]``: at least ``least``
+        bytes (one block's), so that every step can make progress."""
+        n = int(extra.get(key, max(default, least)))
+        if n < least:
+            raise ValueError(
+                f"kv_connector_extra_config['{key}'] = {n}: less than one block's {least} "
+                "bytes (a worker must hold at least one block's records)"
+            )
+        return n
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -1041,21 +1079,28 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         return out
 
     def _run_load(self, task: "_LoadTask", loads: Dict[str, List[Job]]) -> None:
-        """The loader thread's work for one step: reads and checks every planned record
-        first (a refused one fails its block and every later block of its request), then
-        fills the blocks layer by layer, in layer order, setting each layer's event once
-        every block of the step holds that layer (or has failed). Whatever goes wrong ends
-        as load errors, never as an exception in the engine's thread: every event is set
-        and the task marked done on every path."""
-        staged: List[Tuple[str, int, List[Any]]] = []
-        filled: Set[int] = set()
+        """The loader thread's work for one step: reads and checks the planned records
+        (a refused one fails its block and every later block of its request), then fills
+        their blocks, in batches of at most ``load_buffer_bytes`` of records, in the plan's
+        order. Every batch but the last is filled whole; the last is filled layer by layer,
+        in layer order, setting each layer's event once every block of the step holds that
+        layer (or has failed): with one batch (the step's reads within the bound) every
+        record is read and checked before any block is filled. Whatever goes wrong ends as
+        load errors, never as an exception in the engine's thread: every event is set and
+        the task marked done on every path."""
+        filled: Set[int] = set()  # blocks filled in every layer
         try:
+            batch: List[Tuple[str, int, List[Any]]] = []
+            held = 0
             for rid, jobs in loads.items():
                 failed = False
                 for names, block_id in jobs:
                     if failed:
                         task.errors.add(block_id)
                         continue
+                    if batch and held + self._block_read_bytes > self.load_buffer_bytes:
+                        self._fill(task, batch, filled, last=False)
+                        batch, held = [], 0
                     try:
                         items = self._read_block(names, block_id)
                     except (_native.UsageError, OSError, ValueError) as e:
@@ -1068,29 +1113,12 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                         task.failed_reqs.add(rid)
                         self._count(load_errors=1)
                     else:
-                        staged.append((rid, block_id, items))
+                        batch.append((rid, block_id, items))
+                        held += self._block_read_bytes
                 if failed:
                     logger.warning("cp_hicache: request %s: a planned record could not be "
                                    "loaded; vLLM recomputes from its block", rid)
-            for li, g in enumerate(self._layers):
-                hook = self._load_layer_hook
-                if hook is not None:
-                    hook(li)
-                for rid, block_id, items in staged:
-                    if block_id in task.errors:
-                        continue
-                    try:
-                        for rec, slots, toks in items:
-                            src = rec[li]
-                            g.fill(block_id, src if toks is None else src[:, toks, :], slots)
-                    except Exception as e:  # the block is incomplete: reported, recomputed
-                        logger.warning("cp_hicache: filling layer %d of block %d failed: %s",
-                                       li, block_id, e)
-                        task.errors.add(block_id)
-                        task.failed_reqs.add(rid)
-                        self._count(load_errors=1)
-                task.events[li].set()
-            filled = {b for _, b, _ in staged if b not in task.errors}
+            self._fill(task, batch, filled, last=True)
             self._count(records_loaded=len(filled), bytes_loaded=len(filled) * self.page_bytes)
         except BaseException as e:  # a bug: fail every block not filled, loudly
             logger.error("cp_hicache: the loader failed: %r", e)
@@ -1103,6 +1131,33 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             self._count(load_errors=len(lost), loader_failures=1)
         finally:
             task.finish()
+
+    def _fill(self, task: "_LoadTask", batch: List[Tuple[str, int, List[Any]]],
+              filled: Set[int], last: bool) -> None:
+        """Fills the blocks of a batch of checked records, layer by layer, adding those
+        filled in every layer to ``filled``; with ``last`` sets each layer's event once the
+        layer is in (every earlier batch is filled whole by then). A block whose copy fails
+        is an error (reported whole, recomputed)."""
+        for li, g in enumerate(self._layers):
+            hook = self._load_layer_hook
+            if hook is not None:
+                hook(li)
+            for rid, block_id, items in batch:
+                if block_id in task.errors:
+                    continue
+                try:
+                    for rec, slots, toks in items:
+                        src = rec[li]
+                        g.fill(block_id, src if toks is None else src[:, toks, :], slots)
+                except Exception as e:  # the block is incomplete: reported, recomputed
+                    logger.warning("cp_hicache: filling layer %d of block %d failed: %s",
+                                   li, block_id, e)
+                    task.errors.add(block_id)
+                    task.failed_reqs.add(rid)
+                    self._count(load_errors=1)
+            if last:
+                task.events[li].set()
+        filled |= {b for _, b, _ in batch if b not in task.errors}
 
     def _join_load(self) -> Set[int]:
         """Waits for the step's load (if any) and returns its failed blocks."""
@@ -1200,17 +1255,54 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         sb.have[li] = True
 
     def _submit(self, blocks: List["_SaveBlock"]) -> None:
-        """Hands blocks whose every layer is copied to the writer thread (a task per
-        request)."""
-        by_req: Dict[str, List[Tuple[str, Any, Any]]] = {}
+        """Hands blocks whose every layer is copied to the writer thread: a task per
+        request and at most ``save_buffer_bytes`` of blocks, each waiting (in the calling
+        thread: the engine's) until the writer's queue has room for it."""
+        by_req: Dict[str, List[_SaveBlock]] = {}
         for sb in blocks:
+            by_req.setdefault(sb.rid, []).append(sb)
+        for rid, sbs in by_req.items():
+            chunk: List[_SaveBlock] = []
+            size = 0
+            for sb in sbs:
+                n = sum(buf.nbytes for buf in sb.bufs)
+                if chunk and size + n > self.save_buffer_bytes:
+                    self._enqueue(rid, chunk, size)
+                    chunk, size = [], 0
+                chunk.append(sb)
+                size += n
+            if chunk:
+                self._enqueue(rid, chunk, size)
+
+    def _enqueue(self, rid: str, chunk: List["_SaveBlock"], size: int) -> None:
+        """Queues one writer task of ``size`` bytes, first waiting until the bytes queued
+        and not yet written leave room for it (``save_waits`` counts the waits)."""
+        with self._queue_cv:
+            if self._queued_bytes and self._queued_bytes + size > self.save_buffer_bytes:
+                self._count(save_waits=1)
+                while self._queued_bytes and self._queued_bytes + size > self.save_buffer_bytes:
+                    self._queue_cv.wait()
+            self._queued_bytes += size
+        work = []
+        for sb in chunk:
             sb.submitted = True
-            by_req.setdefault(sb.rid, []).extend(
-                (key, buf, part) for (key, _, _, part), buf in zip(sb.items, sb.bufs))
-        for rid, work in by_req.items():
+            work.extend((key, buf, part) for (key, _, _, part), buf in zip(sb.items, sb.bufs))
+        try:
             f = self._writer.submit(self._write, rid, work)
-            f.add_done_callback(self._write_done)
-            self._writes.setdefault(rid, []).append(f)
+        except Exception as e:  # no write runs: counted and logged, the room given back
+            logger.error("cp_hicache: a write could not be queued: %r", e)
+            self._count(save_errors=len(work), writer_failures=1)
+            self._dequeue(size)
+            return
+        f.add_done_callback(lambda f, size=size: self._dequeue(size))
+        f.add_done_callback(self._write_done)
+        self._writes.setdefault(rid, []).append(f)
+
+    def _dequeue(self, size: int) -> None:
+        """A writer task ended (written or not): its bytes leave the queue."""
+        with self._queue_cv:
+            self._queued_bytes -= size
+            self._queue_cv.notify_all()
 
     def _write_done(self, f: concurrent.futures.Future) -> None:
         """A writer task that raised (``_write`` counts its records' failures itself; this

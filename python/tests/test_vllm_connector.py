@@ -1616,3 +1616,106 @@ def test_shutdown_drains_the_writes_and_leaves_no_thread(tmp_path):
     w.wait_for_layer_load(LAYERS[0])  # nothing to wait for
     assert w.get_block_ids_with_load_errors() == set()
 
+
+# ------------------------------------------------------------------------------------------
+# Bounds on host memory
+# ------------------------------------------------------------------------------------------
+
+
+def test_the_writers_queue_is_bounded_and_nothing_is_lost(tmp_path):
+    """``save_buffer_bytes`` of two blocks, slow writes, a request completing 8 blocks in
+    one step: the bytes handed to the writer and not yet written (counted from outside, at
+    every hand-over and end of a writer task) never exceed two blocks; the save path waits
+    for room instead (``save_waits``), and every record is written byte for byte."""
+    page = len(LAYERS) * 2 * BS * SLOT_BYTES
+    e = Engine(tmp_path / "store", budget=128, extra={"save_buffer_bytes": 2 * page})
+    w = e.worker
+    assert w.save_buffer_bytes == 2 * page == 2 * w.page_bytes
+
+    class SlowPut:
+        def __init__(self, store):
+            self._store = store
+
+        def put(self, *a, **k):
+            time.sleep(0.01)
+            return self._store.put(*a, **k)
+
+        def __getattr__(self, attr):
+            return getattr(self._store, attr)
+
+    w.store = SlowPut(w.store)
+    queued = {"now": 0, "peak": 0}
+    lock = threading.Lock()
+    submit = w._writer.submit
+
+    def counting_submit(fn, rid, work, *a, **k):
+        n = sum(buf.nbytes for _, buf, _ in work)
+        with lock:
+            queued["now"] += n
+            queued["peak"] = max(queued["peak"], queued["now"])
+        f = submit(fn, rid, work, *a, **k)
+
+        def done(_f, n=n):
+            with lock:
+                queued["now"] -= n
+
+        f.add_done_callback(done)
+        return f
+
+    w._writer.submit = counting_submit
+    req = create_request(request_id=1, num_tokens=128, max_tokens=1, block_size=BS)
+    e.sched.add_request(req)
+    so = e.step()
+    assert so.num_scheduled_tokens == {"id-1": 128}
+    e.run()
+    assert_clean(e)
+    assert queued["peak"] == 2 * page, queued  # filled to the bound, never past it
+    st = e.stats()
+    assert st.get("records_saved") == 8 and st.get("save_waits"), st
+    assert not st.get("save_errors") and not st.get("saves_dropped"), st
+    tokens = list(req.all_token_ids)
+    for k, name in enumerate(block_names(tokens, BS)):
+        assert _stored(e, name) == e.expected_record(tokens, k), k
+
+
+def test_the_loaders_reads_are_bounded_and_every_block_is_loaded(tmp_path):
+    """``load_buffer_bytes`` of two records and a four-block hit: the loader never holds
+    more than two records read and not yet filled into their blocks (reads and fills
+    counted from outside), reads in batches of two, and every block ends byte for byte as
+    saved (checked after every step)."""
+    _save_prefix(tmp_path / "store")
+    page = len(LAYERS) * 2 * BS * SLOT_BYTES
+    e = Engine(tmp_path / "store", verify=True, extra={"load_buffer_bytes": 2 * page})
+    e.poison()
+    w = e.worker
+    events = []
+    w.store = _RecordingReads(w.store, events)
+    last = w._layers[-1]
+    orig = last.fill
+
+    def fill(block, src, slots):
+        orig(block, src, slots)
+        events.append(("filled", block))
+
+    last.fill = fill
+    e.sched.add_request(_prefix_hit())
+    so = e.step()
+    assert so.num_scheduled_tokens == {"id-2": 16}
+    held = peak = 0
+    for ev, _ in events:
+        held += 1 if ev == "read" else -1
+        peak = max(peak, held)
+    assert peak == 2 and held == 0, events
+    assert [ev for ev, _ in events] == ["read", "read", "filled", "filled"] * 2, events
+    e.run()
+    assert_clean(e)
+    st = e.stats()
+    assert st.get("records_loaded") == 4 and not st.get("load_errors"), st
+
+
+def test_host_memory_bounds_below_one_block_are_refused(tmp_path):
+    page = len(LAYERS) * 2 * BS * SLOT_BYTES
+    for key in ("load_buffer_bytes", "save_buffer_bytes"):
+        with pytest.raises(ValueError, match=rf"{key}'\] = {page - 1}: less than one block"):
+            CpHiCacheConnector(vllm_config(tmp_path / "store", **{key: page - 1}),
+                               KVConnectorRole.SCHEDULER, kv_cache_config())
