@@ -64,6 +64,7 @@ from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 from cp_hicache.vllm import (
     CpHiCacheConnector,
     CpHiCacheMetadata,
+    CpHiCacheWorkerMeta,
     block_names,
     head_shard_key,
 )
@@ -887,6 +888,57 @@ def test_a_load_failing_on_one_rank_keeps_every_rank_from_saving_over_it(tmp_pat
     st = e.stats()
     assert st.get("saves_dropped") == 2 and st.get("load_errors") == 1, st
     assert e.connector.planner_stats()["saves_rejected"] == 1
+
+
+def _sched_output(new=(), cached=(), tokens=None):
+    """What build_connector_meta reads of vLLM's ``SchedulerOutput``: ``new`` requests
+    ``(id, block ids)``, ``cached`` request ids (no new blocks), tokens a request."""
+    return SimpleNamespace(
+        preempted_req_ids=set(),
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(ids,)) for r, ids in new],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=list(cached),
+                                              new_block_ids=[None] * len(cached)),
+        num_scheduled_tokens=dict(tokens or {}))
+
+
+def test_steps_in_flight_when_a_failure_is_reported_are_settled_by_it(tmp_path):
+    """vLLM's asynchronous scheduling plans a step before it has the last one's output.
+    Steps 1 and 2 are planned, then step 1's output reports request 2's block 2 failed:
+    request 2's saves of both steps (step 2 computed over the same block) are rejected,
+    request 3's (no failed block) kept, and request 2's saves are planned again from its
+    first. A step whose report never comes (step 3: the next report names step 4) has its
+    saves rejected: nothing is known of its loads."""
+    p = CpHiCacheConnector(vllm_config(tmp_path / "store"), KVConnectorRole.SCHEDULER,
+                           kv_cache_config())
+    b = create_request(request_id=2, num_tokens=160, block_size=BS)
+    c = create_request(request_id=3, num_tokens=160, block_size=BS)
+    for r in (b, c):
+        assert p.get_num_new_matched_tokens(r, 0) == (0, False)
+    m1 = p.build_connector_meta(_sched_output(
+        new=[("id-2", list(range(10))), ("id-3", list(range(10, 20)))],
+        tokens={"id-2": 64, "id-3": 64}))
+    b.num_computed_tokens = c.num_computed_tokens = 64  # vLLM advances them after planning
+    m2 = p.build_connector_meta(_sched_output(cached=["id-2", "id-3"],
+                                              tokens={"id-2": 64, "id-3": 64}))
+    assert (m1.step, m2.step) == (1, 2)
+    assert [b for _, b in m2.saves["id-2"]] == [4, 5, 6, 7]
+    p.update_connector_output(KVConnectorOutput(
+        invalid_block_ids={2}, kv_connector_worker_meta=CpHiCacheWorkerMeta(steps={1})))
+    p.update_connector_output(KVConnectorOutput(
+        kv_connector_worker_meta=CpHiCacheWorkerMeta(steps={2})))
+    b.num_computed_tokens, c.num_computed_tokens = 32, 128  # vLLM recomputes b from block 2
+    m3 = p.build_connector_meta(_sched_output(cached=["id-3"], tokens={"id-3": 32}))
+    assert m3.settled == {1: {"id-2"}, 2: {"id-2"}}, m3.settled
+    assert p._reqs["id-2"].saved_upto == 0 and p._reqs["id-3"].saved_upto == 10
+    m4 = p.build_connector_meta(_sched_output(cached=["id-2"], tokens={"id-2": 32}))
+    assert [b for _, b in m4.saves["id-2"]] == [0, 1, 2, 3]  # planned again
+    p.update_connector_output(KVConnectorOutput(
+        kv_connector_worker_meta=CpHiCacheWorkerMeta(steps={4})))
+    m5 = p.build_connector_meta(_sched_output())
+    assert m5.settled == {3: {"id-3"}, 4: set()}, m5.settled
+    assert p._reqs["id-3"].saved_upto == 8
+    ps = p.planner_stats()
+    assert ps["saves_rejected"] == 3 and ps["saves_settled"] == 3, ps
 
 
 def test_under_the_fail_policy_a_failed_load_ends_the_request_with_an_error(tmp_path):
