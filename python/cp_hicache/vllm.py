@@ -235,14 +235,16 @@ class CpHiCacheMetadata(KVConnectorMetadata):
 @dataclass
 class CpHiCacheWorkerMeta(KVConnectorWorkerMetadata):
     """A worker's report to the planner (vLLM's worker-to-scheduler metadata, merged over
-    every worker of the step by vLLM's ``KVOutputAggregator``): the steps it ran since its
-    last report. With the step's ``invalid_block_ids`` in the same output, it tells the
-    planner that it has seen every rank's failed loads of those steps."""
+    the workers of the step by vLLM's ``KVOutputAggregator``): the steps it ran since its
+    last report, each with the number of workers reporting it (1 from a worker, summed when
+    merged). It comes with the worker's ``invalid_block_ids`` of those steps, so once every
+    worker has reported a step the planner has seen every rank's failed loads of it."""
 
-    steps: Set[int] = field(default_factory=set)
+    steps: Dict[int, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "CpHiCacheWorkerMeta":
-        self.steps |= set(getattr(other, "steps", ()) or ())
+        for t, n in (getattr(other, "steps", None) or {}).items():
+            self.steps[t] = self.steps.get(t, 0) + n
         return self
 
 
@@ -550,6 +552,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         #: report of the step not seen yet); the verdicts to send in the next metadata.
         self._step = 0
         self._inflight: Dict[int, _StepPlan] = {}
+        self._reports: Dict[int, int] = {}  # step -> workers that reported it so far
         self._settled: Dict[int, Set[str]] = {}
         self._planner_stats = {"lookups": 0, "hit_tokens": 0, "finished_sending": 0,
                                "invalid_blocks": 0, "saves_settled": 0, "saves_rejected": 0}
@@ -912,24 +915,29 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             # it sees this one's output).
             for plan in self._inflight.values():
                 plan.bad |= invalid
-        ran = set(getattr(connector_output.kv_connector_worker_meta, "steps", None) or ())
-        if ran:
-            self._settle(ran)
+        meta = connector_output.kv_connector_worker_meta
+        for t, n in (getattr(meta, "steps", None) or {}).items():
+            self._reports[t] = self._reports.get(t, 0) + n
+        # vLLM's executor runs every step on every worker (TP ranks; PP is refused).
+        whole = [t for t, n in self._reports.items() if n >= self.tp]
+        if whole:
+            self._settle(max(whole))
 
-    def _settle(self, ran: Set[int]) -> None:
-        """Gives the verdict on the saves of every step up to the last in ``ran`` (the steps
-        whose workers' reports, with every rank's failed loads, are in): a request's saves
-        of a step are dropped where its blocks include one that failed on any rank while
-        the step was in flight (its KV was computed over that block), or where the step's
-        report never came (nothing is known of it); the others are written. The workers
-        learn the verdicts from the next step's metadata (``settled``). A dropped request
-        still running has its saves planned again from the step's first block."""
-        last = max(ran)
+    def _settle(self, last: int) -> None:
+        """Gives the verdict on the saves of every step up to ``last`` (the latest step every
+        worker has reported, with its failed loads): a request's saves of a step are
+        dropped where its blocks include one that failed on any rank while the step was in
+        flight (its KV was computed over that block), or where not every worker reported
+        the step (nothing is known of its loads); the others are written. The workers learn
+        the verdicts from the next step's metadata (``settled``). A dropped request still
+        running has its saves planned again from the step's first block."""
+        whole = {t for t, n in self._reports.items() if t <= last and n >= self.tp}
+        self._reports = {t: n for t, n in self._reports.items() if t > last}
         for t in sorted(t for t in self._inflight if t <= last):
             plan = self._inflight.pop(t)
             dropped = set()
             for rid, (first, block_ids) in plan.saves.items():
-                if t not in ran or not plan.bad.isdisjoint(block_ids):
+                if t not in whole or not plan.bad.isdisjoint(block_ids):
                     dropped.add(rid)
                     st = self._reqs.get(rid)
                     if st is not None:
@@ -1400,7 +1408,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         if not self._ran:
             return None
         ran, self._ran = self._ran, set()
-        return CpHiCacheWorkerMeta(steps=ran)
+        return CpHiCacheWorkerMeta(steps={t: 1 for t in sorted(ran)})
 
     def _owners(self, record: int) -> List[int]:
         """The ranks holding tokens of record ``record`` of a scheduler block, in order."""

@@ -923,9 +923,9 @@ def test_steps_in_flight_when_a_failure_is_reported_are_settled_by_it(tmp_path):
     assert (m1.step, m2.step) == (1, 2)
     assert [b for _, b in m2.saves["id-2"]] == [4, 5, 6, 7]
     p.update_connector_output(KVConnectorOutput(
-        invalid_block_ids={2}, kv_connector_worker_meta=CpHiCacheWorkerMeta(steps={1})))
+        invalid_block_ids={2}, kv_connector_worker_meta=CpHiCacheWorkerMeta(steps={1: 1})))
     p.update_connector_output(KVConnectorOutput(
-        kv_connector_worker_meta=CpHiCacheWorkerMeta(steps={2})))
+        kv_connector_worker_meta=CpHiCacheWorkerMeta(steps={2: 1})))
     b.num_computed_tokens, c.num_computed_tokens = 32, 128  # vLLM recomputes b from block 2
     m3 = p.build_connector_meta(_sched_output(cached=["id-3"], tokens={"id-3": 32}))
     assert m3.settled == {1: {"id-2"}, 2: {"id-2"}}, m3.settled
@@ -933,12 +933,29 @@ def test_steps_in_flight_when_a_failure_is_reported_are_settled_by_it(tmp_path):
     m4 = p.build_connector_meta(_sched_output(cached=["id-2"], tokens={"id-2": 32}))
     assert [b for _, b in m4.saves["id-2"]] == [0, 1, 2, 3]  # planned again
     p.update_connector_output(KVConnectorOutput(
-        kv_connector_worker_meta=CpHiCacheWorkerMeta(steps={4})))
+        kv_connector_worker_meta=CpHiCacheWorkerMeta(steps={4: 1})))
     m5 = p.build_connector_meta(_sched_output())
     assert m5.settled == {3: {"id-3"}, 4: set()}, m5.settled
     assert p._reqs["id-3"].saved_upto == 8
     ps = p.planner_stats()
     assert ps["saves_rejected"] == 3 and ps["saves_settled"] == 3, ps
+
+    # At TP 2 a step is settled once both workers have reported it, in one output or two
+    # (the second worker's failed blocks may come with its own report).
+    cfg = vllm_config(tmp_path / "store")
+    cfg.parallel_config.tensor_parallel_size = 2
+    p = CpHiCacheConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
+    b = create_request(request_id=4, num_tokens=64, block_size=BS)
+    p.get_num_new_matched_tokens(b, 0)
+    p.build_connector_meta(_sched_output(new=[("id-4", list(range(4)))], tokens={"id-4": 64}))
+    p.update_connector_output(KVConnectorOutput(
+        kv_connector_worker_meta=CpHiCacheWorkerMeta(steps={1: 1})))
+    assert p.build_connector_meta(_sched_output()).settled == {}
+    p.update_connector_output(KVConnectorOutput(
+        invalid_block_ids={1}, kv_connector_worker_meta=CpHiCacheWorkerMeta(steps={1: 1})))
+    assert p.build_connector_meta(_sched_output()).settled == {1: {"id-4"}}
+    merged = CpHiCacheWorkerMeta(steps={5: 1}).aggregate(CpHiCacheWorkerMeta(steps={5: 1}))
+    assert merged.steps == {5: 2}
 
 
 def test_under_the_fail_policy_a_failed_load_ends_the_request_with_an_error(tmp_path):
