@@ -1219,6 +1219,13 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         with a host buffer its layers are copied into as the forward computes them."""
         if self._saves_meta is meta:
             return self._saves
+        if self._saves and not self._saves_done:
+            # The last step's wait_for_save never came: its blocks may have been reused
+            # since, so its copies cannot be completed. Dropped, counted and logged.
+            logger.warning("cp_hicache: %d block(s) of step %s not saved: the step ended "
+                           "without wait_for_save", len(self._saves),
+                           getattr(self._saves_meta, "step", None))
+            self._count(saves_dropped=len(self._saves))
         self._saves_meta, self._saves, self._saves_done = meta, [], False
         if meta.saves and self._writer is None:
             raise RuntimeError(

@@ -1658,6 +1658,23 @@ def test_a_failing_writer_is_counted_and_its_request_still_ends(tmp_path):
     assert st.get("writer_failures") == 1 and st.get("save_errors") == 1, st
 
 
+def test_a_step_that_never_completed_its_saves_is_counted_not_written(tmp_path):
+    """A step whose ``wait_for_save`` never came (its blocks may be reused since): when the
+    next step's saves begin, its half-copied blocks are dropped and counted, never held or
+    written."""
+    e = Engine(tmp_path / "store")
+    e.sched.add_request(create_request(request_id=1, num_tokens=32, max_tokens=1,
+                                       block_size=BS))
+    so = e.sched.schedule()
+    w = e.worker
+    e.runners[0].pre_forward(so)
+    w.save_kv_layer(LAYERS[0], e.kv[LAYERS[0]], None)  # layer 0 of the step's 2 blocks
+    w.bind_connector_metadata(CpHiCacheMetadata(step=so.kv_connector_metadata.step + 1))
+    w.wait_for_save()
+    assert w.get_kv_connector_stats().data.get("saves_dropped") == 2
+    assert not w._held and not w._writes
+
+
 def test_shutdown_drains_the_writes_and_leaves_no_thread(tmp_path):
     """shutdown waits for the writes in flight, then stops the loader and the writer: no
     thread of the connector is left, and it may be called again."""
