@@ -473,6 +473,12 @@ class CpHiCacheConnector(KVConnectorBase_V1):
       queues for its writer thread. Handing over more blocks waits (in the engine's
       thread) until writes have freed room: back-pressure, nothing is dropped. At least a
       block's bytes.
+    - ``load_async`` (default False): loads span steps (vLLM's ``load_kv_async``): a hit's
+      request waits (``WAITING_FOR_REMOTE_KVS``) while its records are read and filled,
+      the forward never waits for them, and the worker reports the request in
+      ``finished_recving`` once its blocks are in (with its failed blocks, if any, in the
+      same step's ``invalid_block_ids``). Otherwise loads are synchronous, layer by layer
+      ahead of the forward.
     """
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
@@ -485,6 +491,9 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                 "directory, shared by every worker (a shared file system on a cluster)"
             )
         capacity = int(extra.get("capacity_bytes", DEFAULT_CAPACITY))
+        #: Whether loads span steps (vLLM's ``load_kv_async``) instead of running ahead of
+        #: the forward of the step that plans them.
+        self.load_async = bool(extra.get("load_async", False))
         if capacity <= 0:
             raise ValueError(f"kv_connector_extra_config['capacity_bytes'] = {capacity} is not positive")
         pc = vllm_config.parallel_config
@@ -599,10 +608,14 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         self._writer: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._loader: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._load: Optional[_LoadTask] = None  # the step's loads, until collected
+        #: Loads that span steps (``load_async``): each task and the requests it loads,
+        #: until reported in ``finished_recving``.
+        self._async_loads: List[Tuple[_LoadTask, Set[str]]] = []
         #: Called by the loader thread with a layer's index before it fills that layer (a
         #: test's instrument; None in service).
         self._load_layer_hook: Optional[Any] = None
         self._saves_meta: Any = None  # the metadata _saves was made for
+        self._started_meta: Any = None  # the metadata whose loads were started
         self._saves: List[_SaveBlock] = []
         self._saves_done = False
         #: Steps whose saves are copied and wait for the planner's verdict (step -> blocks),
@@ -769,7 +782,9 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         aligned) the store holds, in whole blocks, leaving the last prompt token to be
         computed. Only records on disk count (a write in flight is not one yet). Loads are
         synchronous to vLLM (``False``): they end within the step that plans them, layer by
-        layer ahead of the forward (:meth:`wait_for_layer_load`)."""
+        layer ahead of the forward (:meth:`wait_for_layer_load`); with ``load_async`` they
+        span steps (``True``): vLLM holds the request back until the workers report its
+        blocks in (``finished_recving``)."""
         st = self._state(request)
         st.planned = None
         self._planner_stats["lookups"] += 1
@@ -790,7 +805,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             return 0, False
         st.planned = (first, run)
         self._planner_stats["hit_tokens"] += run * sb
-        return run * sb, False
+        return run * sb, self.load_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
                                  ) -> None:
@@ -821,6 +836,10 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         self._pending_loads[request.request_id] = [
             (self._block_names(st, first + k), int(block_ids[first + k])) for k in range(n)
         ]
+        if self.load_async:
+            # Not scheduled until its loads are in: a failed one is mapped back to the
+            # request through these (its saves then start at the failed block).
+            st.block_ids = [int(b) for b in block_ids]
         # Those blocks are in the store already: no need to save them again.
         st.saved_upto = max(st.saved_upto, first + n)
 
@@ -1180,11 +1199,15 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         are read and checked there, then the blocks filled layer by layer
         (:meth:`wait_for_layer_load` waits for a layer). A record that is missing or refused,
         and every later block of its request, is not served: the blocks go to
-        :meth:`get_block_ids_with_load_errors` and vLLM recomputes them."""
+        :meth:`get_block_ids_with_load_errors` and vLLM recomputes them. With ``load_async``
+        (vLLM calls this after the forward then) nothing of the step waits for the loads:
+        :meth:`get_finished` reports their requests received once they end, and their
+        failed blocks go out in the same step."""
         meta = self._get_connector_metadata()
         self._load_errors |= self._join_load()  # a step whose errors were not collected
-        if not meta.loads:
+        if not meta.loads or self._started_meta is meta:
             return
+        self._started_meta = meta
         if self._loader is None:
             raise RuntimeError(
                 "CpHiCacheConnector: loads planned on a worker that was shut down"
@@ -1200,7 +1223,11 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             lost = task.fail_all(loads)
             self._count(load_errors=len(lost), loader_failures=1)
             task.finish()
-        self._load = task
+        if self.load_async:
+            # Nothing of this step waits for it: reported by get_finished once done.
+            self._async_loads.append((task, set(loads)))
+        else:
+            self._load = task
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Blocks until the step's loads have filled layer ``layer_name`` of every loaded
@@ -1469,8 +1496,9 @@ class CpHiCacheConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: Set[str]
                      ) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         """Requests that finished and whose saves are all settled and written or dropped
-        (``finished_sending``: vLLM frees their blocks now). Loads are synchronous: nothing
-        is received."""
+        (``finished_sending``: vLLM frees their blocks now), and with ``load_async`` the
+        requests whose loads have ended (``finished_recving``: filled, or failed, their
+        failed blocks reported in the same step)."""
         self._finished_waiting |= set(finished_req_ids) & self._saving_reqs
         done = set()
         # Requests with saves not yet settled (held, or copied this step): not done.
@@ -1482,13 +1510,21 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                 self._finished_waiting.discard(rid)
                 self._saving_reqs.discard(rid)
                 self._writes.pop(rid, None)
+        # Loads that span steps and have ended: their requests are received, and their
+        # failed blocks go out with them (get_block_ids_with_load_errors comes next).
+        recving: Set[str] = set()
+        for task, rids in list(self._async_loads):
+            if task.done.is_set():
+                self._async_loads.remove((task, rids))
+                recving |= rids
+                self._load_errors |= task.errors
         # Writes of requests still running that are done need no tracking (a task that
         # raised was counted by _write_done).
         for rid, fs in list(self._writes.items()):
             fs[:] = [f for f in fs if not f.done()]
             if not fs and rid not in self._saving_reqs:
                 del self._writes[rid]
-        return (done or None), None
+        return (done or None), (recving or None)
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
         """Blocks whose planned record could not be loaded since the last call (vLLM
@@ -1521,6 +1557,8 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         planner's verdict are dropped (counted as ``saves_dropped``, logged): whether
         another rank's load failed under them is not known. Idempotent."""
         self._load_errors |= self._join_load()
+        for task, _ in self._async_loads:
+            task.done.wait()
         held = sum(len(blocks) for blocks in self._held.values())
         if held:
             logger.warning("cp_hicache: shutdown: %d block(s) not saved: the planner's "

@@ -1704,6 +1704,94 @@ def test_shutdown_drains_the_writes_and_leaves_no_thread(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------
+# Loads that span steps (load_kv_async)
+# ------------------------------------------------------------------------------------------
+
+
+def test_loads_that_span_steps_hold_the_request_until_its_blocks_are_in(tmp_path):
+    """With ``load_async`` the planner answers vLLM's lookup with an asynchronous load: the
+    request waits (``WAITING_FOR_REMOTE_KVS``) while the loader, held back here, reads and
+    fills its blocks; steps run meanwhile without it and nothing waits for the loads. Once
+    they end, the worker reports it in ``finished_recving``; vLLM schedules it with the 64
+    loaded tokens computed (its first saves start at block 4), and every block holds its
+    tokens' KV byte for byte (checked after every step)."""
+    from vllm.v1.request import RequestStatus
+
+    _save_prefix(tmp_path / "store")
+    e = Engine(tmp_path / "store", verify=True, extra={"load_async": True})
+    e.poison()
+    gate = threading.Event()
+    e.worker._load_layer_hook = lambda li: gate.wait(30)
+    b = _prefix_hit()
+    e.sched.add_request(b)
+    try:
+        for _ in range(3):
+            t0 = time.monotonic()
+            so = e.step()
+            assert time.monotonic() - t0 < 20, "a step waited for the loads"
+            assert not so.num_scheduled_tokens, so.num_scheduled_tokens
+        assert b.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert [blk for _, blk in e.metas[0].loads["id-2"]] == list(
+            e.sched.kv_cache_manager.get_block_ids("id-2")[0][:4])
+        assert not any(o.finished_recving for o in e.outputs)
+    finally:
+        gate.set()
+    e.run()
+    assert_clean(e)
+    assert [o.finished_recving for o in e.outputs if o.finished_recving] == [{"id-2"}]
+    first_saves = next(m.saves["id-2"] for m in e.metas if "id-2" in m.saves)
+    assert [names for names, _ in first_saves] == [[block_names(b.all_token_ids, BS)[4]]]
+    st = e.stats()
+    assert st.get("records_loaded") == 4 and not st.get("load_errors"), st
+
+
+def test_a_load_spanning_steps_that_fails_is_reported_with_its_request_and_recomputed(
+        tmp_path):
+    """With ``load_async``, block 2 of the hit refused: the request is reported received
+    with blocks 2 and 3 invalid in the same step; vLLM schedules it from block 2, and every
+    block and record ends with its tokens' KV."""
+    _save_prefix(tmp_path / "store")
+    b = _prefix_hit()
+    names = block_names(b.all_token_ids, BS)
+    e = Engine(tmp_path / "store", verify=True, extra={"load_async": True})
+    _damage(str(e.worker.store.path_of(names[2])))
+    e.poison()
+    e.sched.add_request(b)
+    e.run()
+    assert_clean(e)
+    (out,) = [o for o in e.outputs if o.finished_recving]
+    assert out.finished_recving == {"id-2"} and len(out.invalid_block_ids) == 2, out
+    first_saves = next(m.saves["id-2"] for m in e.metas if "id-2" in m.saves)
+    assert [ns for ns, _ in first_saves] == [[n] for n in names[2:5]]  # recomputed from 2
+    tokens = list(b.all_token_ids)
+    for k in range(5):
+        assert _stored(e, names[k]) == e.expected_record(tokens, k), k
+    assert e.stats().get("load_errors") == 1
+
+
+def test_an_abort_while_its_load_spans_steps_frees_its_blocks_once_the_load_ends(tmp_path):
+    """A request aborted while its asynchronous load runs keeps its blocks (the loader is
+    still filling them) until the worker reports the load ended; then nothing is left."""
+    from vllm.v1.request import RequestStatus
+
+    _save_prefix(tmp_path / "store")
+    e = Engine(tmp_path / "store", extra={"load_async": True})
+    gate = threading.Event()
+    e.worker._load_layer_hook = lambda li: gate.wait(30)
+    e.sched.add_request(_prefix_hit())
+    try:
+        e.step()
+        e.sched.finish_requests(["id-2"], RequestStatus.FINISHED_ABORTED)
+        e.step()
+        assert "id-2" in e.sched.requests  # its blocks wait for the load
+    finally:
+        gate.set()
+    e.run()
+    assert_clean(e)
+    assert [o.finished_recving for o in e.outputs if o.finished_recving] == [{"id-2"}]
+
+
+# ------------------------------------------------------------------------------------------
 # Bounds on host memory
 # ------------------------------------------------------------------------------------------
 
