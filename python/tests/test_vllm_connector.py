@@ -1769,6 +1769,28 @@ def test_a_load_spanning_steps_that_fails_is_reported_with_its_request_and_recom
     assert e.stats().get("load_errors") == 1
 
 
+@pytest.mark.parametrize("kw", [dict(tp=2, shards=2), dict(dcp=2, interleave=1)],
+                         ids=["tp2-head-shards", "dcp2-i1"])
+def test_loads_that_span_steps_under_tp_and_dcp(tmp_path, monkeypatch, kw):
+    """With ``load_async`` at TP 2 over head shards and at DCP 2 (interleave 1): each rank
+    loads its own records into its slots, the request is received once every worker has
+    said so, and every rank's blocks hold their KV byte for byte (checked every step)."""
+    kw = dict(kw, monkeypatch=monkeypatch, verify=True)
+    a = Engine(tmp_path / "store", **kw)
+    a.sched.add_request(create_request(request_id=1, num_tokens=72, common_prefix_len=64,
+                                       max_tokens=1, block_size=a.sblock))
+    a.run()
+    e = Engine(tmp_path / "store", extra={"load_async": True}, **kw)
+    e.poison()
+    e.sched.add_request(create_request(request_id=2, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=e.sblock))
+    e.run()
+    assert_clean(e)
+    assert [o.finished_recving for o in e.outputs if o.finished_recving] == [{"id-2"}]
+    st = e.stats()
+    assert st.get("records_loaded") == 2 * 64 // e.sblock and not st.get("load_errors"), st
+
+
 def test_an_abort_while_its_load_spans_steps_frees_its_blocks_once_the_load_ends(tmp_path):
     """A request aborted while its asynchronous load runs keeps its blocks (the loader is
     still filling them) until the worker reports the load ended; then nothing is left."""
