@@ -33,7 +33,9 @@ What it does (issue 43; docs/ENGINES.md "vLLM" is the how-to):
   reported by :meth:`get_block_ids_with_load_errors`, which waits for the step's loads to
   end: a block any layer of which could not be filled is reported whole in that step, even
   where its earlier layers were already waited for, so vLLM discards what the step computed
-  over it and recomputes it: a failed load is never served.
+  over it and recomputes it: a failed load is never served. With ``load_async`` loads span
+  steps instead (vLLM's ``load_kv_async``): the request waits out of the batch, and
+  :meth:`get_finished` reports it received once its blocks are in (or failed).
   **A failed load taints saves, on every rank:** the forward computed the step's blocks
   over the failed block as if it were loaded, on every rank (attention mixes the ranks'
   KV), and only the planner sees every rank's failures. So a worker holds each step's
