@@ -867,6 +867,17 @@ def test_a_load_failing_on_one_rank_keeps_every_rank_from_saving_over_it(tmp_pat
     # by the merged output.
     assert e.outputs[-1].invalid_block_ids == set(seen["b"][2 // e.dcp:4 // e.dcp])
     assert "id-3" not in e.sched.running  # finished in that step
+    c_tokens = list(c.all_token_ids)
+    c_keys = [head_shard_key(n, s, shards) for n in block_names(c_tokens, BS)[:2 * sb // BS]
+              for s in range(shards)]
+    for _ in range(20):  # request 3 is freed only once its held saves are written
+        if any("id-3" in (o.finished_sending or ()) for o in e.outputs):
+            break
+        assert "id-3" in e.sched.requests
+        e.step()
+    else:
+        raise AssertionError("request 3 was never reported done")
+    assert all(_stored(e, k) is not None for k in c_keys), "reported done before written"
     e.run()
     assert_clean(e)
     # What every write carried, against the canonical record of its name.
