@@ -291,6 +291,9 @@ class _ReqState:
     planned: Optional[Tuple[int, int]] = None  # (first block, blocks) to load
     saved_upto: int = 0  # blocks already saved, or known to be in the store
     has_saves: bool = False
+    #: The first of its blocks whose load failed: never offered to this request again (a
+    #: record that is there but cannot be read would fail again, for ever).
+    load_cap: Optional[int] = None
 
 
 @dataclass
@@ -794,6 +797,8 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         if not self._cacheable(request) or num_computed_tokens % sb:
             return 0, False
         limit = (request.num_tokens - 1) // sb  # scheduler blocks
+        if st.load_cap is not None:
+            limit = min(limit, st.load_cap)
         first = num_computed_tokens // sb
         if limit <= first:
             return 0, False
@@ -925,11 +930,14 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         self._planner_stats["invalid_blocks"] += len(invalid)
         if invalid:
             # vLLM recomputes from a request's first invalid block: save the recomputed
-            # blocks again (the store removed the refused record).
+            # blocks again (the store removed the refused record), and offer the request
+            # no block from there again (vLLM may look a request up again when its load
+            # failed at the first block).
             for st in self._reqs.values():
                 for k, b in enumerate(st.block_ids[:st.saved_upto]):
                     if b in invalid:
                         st.saved_upto = k
+                        st.load_cap = k if st.load_cap is None else min(st.load_cap, k)
                         break
             # Every step in flight was planned before this report: its forward may have
             # read these blocks (vLLM's asynchronous scheduling plans the next step before

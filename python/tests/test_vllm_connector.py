@@ -1780,6 +1780,28 @@ def test_a_load_spanning_steps_that_fails_is_reported_with_its_request_and_recom
     assert e.stats().get("load_errors") == 1
 
 
+def test_a_block_whose_load_failed_is_not_offered_again_to_its_request(tmp_path):
+    """With ``load_async``, block 0's record is there but cannot be read (an I/O error).
+    The failed load leaves the request with nothing computed, so vLLM looks it up again;
+    the planner does not offer that block to the request again (it would fail again, for
+    ever): the request is computed from token 0 (verified every step), and the records
+    after it end right."""
+    _save_prefix(tmp_path / "store")
+    b = _prefix_hit()
+    names = block_names(b.all_token_ids, BS)
+    e = Engine(tmp_path / "store", verify=True, extra={"load_async": True})
+    _io_error(e, names[0], "reading")
+    e.poison()
+    e.sched.add_request(b)
+    e.run(timeout_s=15)
+    assert_clean(e)
+    assert e.stats().get("load_errors") == 1
+    assert [o.finished_recving for o in e.outputs if o.finished_recving] == [{"id-2"}]
+    tokens = list(b.all_token_ids)
+    for k in range(1, 5):  # record 0 still cannot be read
+        assert _stored(e, names[k]) == e.expected_record(tokens, k), k
+
+
 @pytest.mark.parametrize("kw", [dict(tp=2, shards=2), dict(dcp=2, interleave=1)],
                          ids=["tp2-head-shards", "dcp2-i1"])
 def test_loads_that_span_steps_under_tp_and_dcp(tmp_path, monkeypatch, kw):
