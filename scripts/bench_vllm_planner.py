@@ -4,8 +4,9 @@ request, against a store that holds the records of N earlier requests (issue 43)
 Each timed request (a prompt of 8 blocks of 16 tokens and one token more, 4 layers) goes
 through what vLLM's scheduler calls on the connector for one
 request: ``get_num_new_matched_tokens``, ``update_state_after_alloc``, then
-``build_connector_meta`` for a step that runs it (its prompt's saves planned) and
-``request_finished``. Half the requests share a cached prefix (a hit of every whole block but
+``build_connector_meta`` for a step that runs it (its prompt's saves planned),
+``request_finished`` and ``update_connector_output`` with the workers' report of the step
+(its saves settled). Half the requests share a cached prefix (a hit of every whole block but
 the last); the others miss. Run in the vLLM environment::
 
     source "$(scripts/vllm-env.sh | tail -n1)"
@@ -32,7 +33,8 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     KVCacheGroupSpec,
 )
 
-from cp_hicache.vllm import CpHiCacheConnector, block_names  # noqa: E402
+from cp_hicache.vllm import CpHiCacheConnector, CpHiCacheWorkerMeta, block_names  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 
 BS = 16
 
@@ -100,10 +102,15 @@ def bench(cached: int, timed: int, prompt_blocks: int, layers: int) -> dict:
         hits += n > 0
         ids = list(range(k * (prompt_blocks + 1), (k + 1) * (prompt_blocks + 1)))
         c.update_state_after_alloc(r, _Blocks(ids), n)
-        c.build_connector_meta(_Out([_NewReq(r.request_id, ids)],
-                                    {r.request_id: n_tokens - n}))
+        meta = c.build_connector_meta(_Out([_NewReq(r.request_id, ids)],
+                                           {r.request_id: n_tokens - n}))
         c.request_finished(r, ids)
+        c.update_connector_output(KVConnectorOutput(
+            kv_connector_worker_meta=CpHiCacheWorkerMeta(steps={meta.step: 1})))
     dt = time.perf_counter() - t0
+    ps = c.planner_stats()
+    # Every step's saves settled (the last verdict waits for a next step's metadata).
+    assert ps["saves_rejected"] == 0 and ps["unsettled"] <= 1, ps
     return {"cached_requests": cached, "records": cached * prompt_blocks,
             "timed_requests": timed, "hits": hits, "fill_s": round(fill_s, 2),
             "us_per_request": round(dt / timed * 1e6, 1),

@@ -24,27 +24,34 @@ What it does (issue 43; docs/ENGINES.md "vLLM" is the how-to):
   the blocks of vLLM's KV tensors (:meth:`register_kv_caches`): a record is a block's
   bytes in every layer, in the order of vLLM's KV cache groups.
 - **Layer-wise loads.** :meth:`start_load_kv` hands the step's loads to the worker's loader
-  thread and returns. The loader reads every planned record into host memory first (each
-  checked whole by the store: checksums and the fingerprint), then fills the blocks layer
-  by layer, in layer order; :meth:`wait_for_layer_load` blocks the forward until its layer
-  is in every loaded block. A record that is missing, torn, changed or of another
+  thread and returns. The loader reads the planned records into host memory first (each
+  checked whole by the store: checksums and the fingerprint; at most
+  ``load_buffer_bytes`` at once, in batches past it), then fills the blocks layer by layer,
+  in layer order; :meth:`wait_for_layer_load` blocks the forward until its layer is in
+  every loaded block. A record that is missing, torn, changed or of another
   deployment is not copied, and its block and every later block of the request are
   reported by :meth:`get_block_ids_with_load_errors`, which waits for the step's loads to
   end: a block any layer of which could not be filled is reported whole in that step, even
   where its earlier layers were already waited for, so vLLM discards what the step computed
-  over it and recomputes it: a failed load is never served.
-  **A failed load taints saves:** the forward computed the step's blocks over the failed
-  block as if it were loaded, so where any block of a step failed, no save of that step is
-  written, nor any later save of the requests that failed or saved in that step until the
-  scheduler has handled the failure (``CpHiCacheMetadata.cleared``); the planner plans
-  those saves again.
+  over it and recomputes it: a failed load is never served. With ``load_async`` loads span
+  steps instead (vLLM's ``load_kv_async``): the request waits out of the batch, and
+  :meth:`get_finished` reports it received once its blocks are in (or failed).
+  **A failed load taints saves, on every rank:** the forward computed the step's blocks
+  over the failed block as if it were loaded, on every rank (attention mixes the ranks'
+  KV), and only the planner sees every rank's failures. So a worker holds each step's
+  saves until the planner, having the step's report from every worker
+  (:class:`CpHiCacheWorkerMeta`, with the failed blocks merged by vLLM), settles the step
+  in a later step's metadata (``CpHiCacheMetadata.settled``): the saves of requests whose
+  blocks include a failed one are dropped on every rank (and planned again where the
+  request still runs), the others written.
 - **Asynchronous, layer-wise saves.** :meth:`save_kv_layer`, called by each attention
   layer after its forward, copies that layer's bytes of the step's blocks to save into host
-  buffers; a block whose every layer is in goes to the writer thread at once
-  (:meth:`wait_for_save` copies the layers a forward did not hand over, and waits for no
-  write). :meth:`request_finished` keeps a finished request's blocks from being freed until
-  the workers report its writes done (``finished_sending`` from :meth:`get_finished`); the
-  writer's failures are counted (``save_errors``), never lost.
+  buffers (:meth:`wait_for_save` copies the layers a forward did not hand over, and waits
+  for no write); once the planner has settled the step, the blocks go to the writer
+  thread, whose queue holds at most ``save_buffer_bytes`` (handing over more waits for
+  room). :meth:`request_finished` keeps a finished request's blocks from being freed until
+  the workers report its saves written or dropped (``finished_sending`` from
+  :meth:`get_finished`); the writer's failures are counted (``save_errors``), never lost.
 - **Records are canonical.** A record holds ``block_size`` consecutive tokens of a
   prompt (every layer), as a DCP-1 block holds them. Its name is a chain over the tokens up
   to and including it (salted with the store's fingerprint: the model, dtype, block size,
@@ -104,6 +111,7 @@ try:
         KVConnectorBase_V1,
         KVConnectorMetadata,
         KVConnectorRole,
+        KVConnectorWorkerMetadata,
     )
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 except ImportError as e:  # pragma: no cover - depends on the environment
@@ -118,6 +126,7 @@ __all__ = [
     "CpHiCacheConnector",
     "CpHiCacheMetadata",
     "CpHiCacheStats",
+    "CpHiCacheWorkerMeta",
     "block_names",
     "extend_block_names",
 ]
@@ -126,6 +135,12 @@ logger = logging.getLogger(__name__)
 
 #: The default capacity of the store, in bytes.
 DEFAULT_CAPACITY = 16 << 30
+
+#: The default bound on a worker's host memory for records read and not yet filled into
+#: their blocks (``load_buffer_bytes``), and for copied blocks handed to the writer and not
+#: yet written (``save_buffer_bytes``).
+DEFAULT_LOAD_BUFFER = 256 << 20
+DEFAULT_SAVE_BUFFER = 256 << 20
 
 #: A block of vLLM's scheduler to load or save: the names of the records its tokens are in
 #: (one per ``block_size`` tokens: ``dcp`` of them under decode context parallelism, where
@@ -208,10 +223,31 @@ class CpHiCacheMetadata(KVConnectorMetadata):
     loads: Dict[str, List[Job]] = field(default_factory=dict)
     saves: Dict[str, List[Job]] = field(default_factory=dict)
     preempted: Set[str] = field(default_factory=set)
-    #: Requests whose failed loads the scheduler has handled since the last step (their
-    #: saves start again from their first invalid block): the workers, which dropped their
-    #: saves since the failure, save them again from this step on.
-    cleared: Set[str] = field(default_factory=set)
+    #: This step's number (1, 2, ...: the planner counts the steps it plans). The workers
+    #: hold this step's saves until a later step's ``settled`` names it, and report the
+    #: steps they ran back to the planner (:class:`CpHiCacheWorkerMeta`).
+    step: int = 0
+    #: The planner's verdicts on earlier steps' saves, given once it has seen every
+    #: worker's report of that step (so every rank's failed loads): step -> the requests
+    #: whose saves of that step are dropped (computed over a block that failed to load on
+    #: some rank); the step's other saves are written.
+    settled: Dict[int, Set[str]] = field(default_factory=dict)
+
+
+@dataclass
+class CpHiCacheWorkerMeta(KVConnectorWorkerMetadata):
+    """A worker's report to the planner (vLLM's worker-to-scheduler metadata, merged over
+    the workers of the step by vLLM's ``KVOutputAggregator``): the steps it ran since its
+    last report, each with the number of workers reporting it (1 from a worker, summed when
+    merged). It comes with the worker's ``invalid_block_ids`` of those steps, so once every
+    worker has reported a step the planner has seen every rank's failed loads of it."""
+
+    steps: Dict[int, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "CpHiCacheWorkerMeta":
+        for t, n in (getattr(other, "steps", None) or {}).items():
+            self.steps[t] = self.steps.get(t, 0) + n
+        return self
 
 
 @dataclass
@@ -225,9 +261,10 @@ class CpHiCacheStats(KVConnectorStats):
     failed: a later miss, nothing wrong served; ``writer_failures`` of them are writer
     tasks that raised outside the store), ``saves_read_only`` (not written: the store is
     read-only to this process), ``bytes_loaded``, ``bytes_saved``; ``saves_dropped``
-    (blocks not saved because a load of their step failed: computed over a block that was
-    not filled); ``loader_failures`` (the loader thread failed a step's loads outright: a
-    bug, its blocks reported as load errors)."""
+    (blocks not saved: the planner rejected them, computed over a block that failed to
+    load on some rank, or shutdown came before their verdict); ``save_waits`` (hand-overs
+    to the writer that waited for room in its queue); ``loader_failures`` (the loader
+    thread failed a step's loads outright: a bug, its blocks reported as load errors)."""
 
     def aggregate(self, other: KVConnectorStats) -> "CpHiCacheStats":
         for k, v in (other.data or {}).items():
@@ -254,6 +291,20 @@ class _ReqState:
     planned: Optional[Tuple[int, int]] = None  # (first block, blocks) to load
     saved_upto: int = 0  # blocks already saved, or known to be in the store
     has_saves: bool = False
+    #: The first of its blocks whose load failed: never offered to this request again (a
+    #: record that is there but cannot be read would fail again, for ever).
+    load_cap: Optional[int] = None
+
+
+@dataclass
+class _StepPlan:
+    """The saves of a step the planner has planned and not yet settled: per request, the
+    first block it saves and its block ids (the list the request had then: a preemption
+    gives it a new one); and the blocks reported failed by any step while this one was in
+    flight (its own, and earlier steps' reported after it was planned)."""
+
+    saves: Dict[str, Tuple[int, List[int]]] = field(default_factory=dict)
+    bad: Set[int] = field(default_factory=set)
 
 
 class _LoadTask:
@@ -420,6 +471,19 @@ class CpHiCacheConnector(KVConnectorBase_V1):
     - ``path`` (required): the store's directory, shared by every worker and by later runs.
     - ``capacity_bytes`` (default 16 GiB): the store's byte budget; least recently used
       records go first.
+    - ``load_buffer_bytes`` (default 256 MiB): the most bytes of records a worker's loader
+      holds read and not yet filled into their blocks. A step's loads beyond it are read
+      and filled in batches, in order; at least one block's reads.
+    - ``save_buffer_bytes`` (default 256 MiB): the most bytes of copied blocks a worker
+      queues for its writer thread. Handing over more blocks waits (in the engine's
+      thread) until writes have freed room: back-pressure, nothing is dropped. At least a
+      block's bytes.
+    - ``load_async`` (default False): loads span steps (vLLM's ``load_kv_async``): a hit's
+      request waits (``WAITING_FOR_REMOTE_KVS``) while its records are read and filled,
+      the forward never waits for them, and the worker reports the request in
+      ``finished_recving`` once its blocks are in (with its failed blocks, if any, in the
+      same step's ``invalid_block_ids``). Otherwise loads are synchronous, layer by layer
+      ahead of the forward.
     """
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
@@ -432,6 +496,9 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                 "directory, shared by every worker (a shared file system on a cluster)"
             )
         capacity = int(extra.get("capacity_bytes", DEFAULT_CAPACITY))
+        #: Whether loads span steps (vLLM's ``load_kv_async``) instead of running ahead of
+        #: the forward of the step that plans them.
+        self.load_async = bool(extra.get("load_async", False))
         if capacity <= 0:
             raise ValueError(f"kv_connector_extra_config['capacity_bytes'] = {capacity} is not positive")
         pc = vllm_config.parallel_config
@@ -495,12 +562,14 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         self._reqs: Dict[str, _ReqState] = {}
         self._pending_loads: Dict[str, List[Job]] = {}
         self._delayed: Set[str] = set()
-        #: The first block of each request's saves in the last step's plan, and the requests
-        #: whose plans were reset after failed loads (sent as ``cleared``).
-        self._last_saves: Dict[str, int] = {}
-        self._cleared: Set[str] = set()
+        #: The steps planned so far; the saves of those not yet settled (every worker's
+        #: report of the step not seen yet); the verdicts to send in the next metadata.
+        self._step = 0
+        self._inflight: Dict[int, _StepPlan] = {}
+        self._reports: Dict[int, int] = {}  # step -> workers that reported it so far
+        self._settled: Dict[int, Set[str]] = {}
         self._planner_stats = {"lookups": 0, "hit_tokens": 0, "finished_sending": 0,
-                               "invalid_blocks": 0}
+                               "invalid_blocks": 0, "saves_settled": 0, "saves_rejected": 0}
         # Worker side.
         self.dcp_rank = 0
         self.tp_rank = self.head_shard = self.copy = 0
@@ -525,6 +594,17 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             # they load it, but only the first group writes it.
             self.copy = (tp_rank % per_shard) // self.dcp
         self._slots: List[Tuple[int, int]] = self._local_slots(self.dcp_rank)
+        # Host memory bounds: a block's reads are every record its slots take tokens from
+        # (one, but for DCP with a small interleave); its save is one record's bytes.
+        self._block_read_bytes = len({k for k, _ in self._slots}) * self.page_bytes
+        self.load_buffer_bytes = self._bound(extra, "load_buffer_bytes", DEFAULT_LOAD_BUFFER,
+                                             self._block_read_bytes)
+        self.save_buffer_bytes = self._bound(extra, "save_buffer_bytes", DEFAULT_SAVE_BUFFER,
+                                             self.page_bytes)
+        #: Bytes of copied blocks handed to the writer and not yet written (at most
+        #: ``save_buffer_bytes``), and the condition the save path waits on for room.
+        self._queued_bytes = 0
+        self._queue_cv = threading.Condition()
         # Per layer: where each byte of a record's layer is in vLLM's tensor.
         self._layers: Optional[List[_LayerBlocks]] = None
         self._in_place = False
@@ -533,22 +613,41 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         self._writer: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._loader: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._load: Optional[_LoadTask] = None  # the step's loads, until collected
+        #: Loads that span steps (``load_async``): each task and the requests it loads,
+        #: until reported in ``finished_recving``.
+        self._async_loads: List[Tuple[_LoadTask, Set[str]]] = []
         #: Called by the loader thread with a layer's index before it fills that layer (a
         #: test's instrument; None in service).
         self._load_layer_hook: Optional[Any] = None
         self._saves_meta: Any = None  # the metadata _saves was made for
+        self._started_meta: Any = None  # the metadata whose loads were started
         self._saves: List[_SaveBlock] = []
         self._saves_done = False
+        #: Steps whose saves are copied and wait for the planner's verdict (step -> blocks),
+        #: the verdicts received for steps not held yet, the last step whose saves were
+        #: completed, and the steps run since the last report to the planner.
+        self._held: Dict[int, List[_SaveBlock]] = {}
+        self._verdicts: Dict[int, Set[str]] = {}
+        self._last_saved_step = 0
+        self._ran: Set[int] = set()
         self._writes: Dict[str, List[concurrent.futures.Future]] = {}
         self._saving_reqs: Set[str] = set()
         self._finished_waiting: Set[str] = set()
         self._load_errors: Set[int] = set()
-        #: Requests a load of which failed, whose saves are dropped until the scheduler has
-        #: handled the failure (``CpHiCacheMetadata.cleared``): their blocks after the
-        #: failed one were computed over blocks that were not filled.
-        self._tainted: Set[str] = set()
         self._stats: Dict[str, int] = {}
         self._stats_lock = threading.Lock()
+
+    @staticmethod
+    def _bound(extra: Dict[str, Any], key: str, default: int, least: int) -> int:
+        """A host memory bound from ``kv_connector_extra_config[key]``: at least ``least``
+        bytes (one block's), so that every step can make progress."""
+        n = int(extra.get(key, max(default, least)))
+        if n < least:
+            raise ValueError(
+                f"kv_connector_extra_config['{key}'] = {n}: less than one block's {least} "
+                "bytes (a worker must hold at least one block's records)"
+            )
+        return n
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -688,7 +787,9 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         aligned) the store holds, in whole blocks, leaving the last prompt token to be
         computed. Only records on disk count (a write in flight is not one yet). Loads are
         synchronous to vLLM (``False``): they end within the step that plans them, layer by
-        layer ahead of the forward (:meth:`wait_for_layer_load`)."""
+        layer ahead of the forward (:meth:`wait_for_layer_load`); with ``load_async`` they
+        span steps (``True``): vLLM holds the request back until the workers report its
+        blocks in (``finished_recving``)."""
         st = self._state(request)
         st.planned = None
         self._planner_stats["lookups"] += 1
@@ -696,6 +797,8 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         if not self._cacheable(request) or num_computed_tokens % sb:
             return 0, False
         limit = (request.num_tokens - 1) // sb  # scheduler blocks
+        if st.load_cap is not None:
+            limit = min(limit, st.load_cap)
         first = num_computed_tokens // sb
         if limit <= first:
             return 0, False
@@ -709,7 +812,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             return 0, False
         st.planned = (first, run)
         self._planner_stats["hit_tokens"] += run * sb
-        return run * sb, False
+        return run * sb, self.load_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
                                  ) -> None:
@@ -740,14 +843,21 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         self._pending_loads[request.request_id] = [
             (self._block_names(st, first + k), int(block_ids[first + k])) for k in range(n)
         ]
+        if self.load_async:
+            # Not scheduled until its loads are in: a failed one is mapped back to the
+            # request through these (its saves then start at the failed block).
+            st.block_ids = [int(b) for b in block_ids]
         # Those blocks are in the store already: no need to save them again.
         st.saved_upto = max(st.saved_upto, first + n)
 
     def build_connector_meta(self, scheduler_output: Any) -> CpHiCacheMetadata:
         """The step's plan: the loads planned since the last step, the full blocks this
         step's forward completes (to save), the requests preempted since the last step."""
-        meta = CpHiCacheMetadata(loads=self._pending_loads, cleared=self._cleared)
-        self._pending_loads, self._cleared, self._last_saves = {}, set(), {}
+        self._step += 1
+        meta = CpHiCacheMetadata(loads=self._pending_loads, step=self._step,
+                                 settled=self._settled)
+        self._pending_loads, self._settled = {}, {}
+        plan = _StepPlan()
         # Preempted requests lost their blocks (first: one may be resumed in the same step,
         # with its new blocks among the new requests').
         meta.preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
@@ -783,10 +893,12 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             self._names(st, full * self.dcp)
             jobs = [(self._block_names(st, k), int(st.block_ids[k]))
                     for k in range(st.saved_upto, full)]
-            self._last_saves[rid] = st.saved_upto
+            plan.saves[rid] = (st.saved_upto, st.block_ids)
             st.saved_upto = full
             meta.saves[rid] = jobs
             st.has_saves = True
+        if plan.saves:
+            self._inflight[meta.step] = plan
         return meta
 
     def request_finished(self, request: Any, block_ids: List[int]
@@ -803,7 +915,9 @@ class CpHiCacheConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Takes the workers' reports: requests whose writes are done (their blocks are
-        freed by vLLM now) and blocks that failed to load (vLLM recomputes them)."""
+        freed by vLLM now), blocks that failed to load on any rank (vLLM recomputes them),
+        and the steps the workers ran (:class:`CpHiCacheWorkerMeta`), whose saves it then
+        settles (:meth:`_settle`)."""
         for rid in connector_output.finished_sending or ():
             if rid not in self._delayed:
                 # Raising here would end the engine; a report of no consequence.
@@ -816,26 +930,60 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         self._planner_stats["invalid_blocks"] += len(invalid)
         if invalid:
             # vLLM recomputes from a request's first invalid block: save the recomputed
-            # blocks again (the store removed the refused record). The workers dropped
-            # every save of the step that failed (the last planned: with vLLM's
-            # asynchronous scheduling, the step after it, so that step's saves of requests
-            # not recomputed are lost, a later miss) and drop the failed requests' saves
-            # until told their plans were reset (``cleared``).
-            for rid, st in self._reqs.items():
+            # blocks again (the store removed the refused record), and offer the request
+            # no block from there again (vLLM may look a request up again when its load
+            # failed at the first block).
+            for st in self._reqs.values():
                 for k, b in enumerate(st.block_ids[:st.saved_upto]):
                     if b in invalid:
                         st.saved_upto = k
+                        st.load_cap = k if st.load_cap is None else min(st.load_cap, k)
                         break
-                if rid in self._last_saves:
-                    st.saved_upto = min(st.saved_upto, self._last_saves[rid])
-                self._cleared.add(rid)
-            self._last_saves = {}
+            # Every step in flight was planned before this report: its forward may have
+            # read these blocks (vLLM's asynchronous scheduling plans the next step before
+            # it sees this one's output).
+            for plan in self._inflight.values():
+                plan.bad |= invalid
+        meta = connector_output.kv_connector_worker_meta
+        for t, n in (getattr(meta, "steps", None) or {}).items():
+            self._reports[t] = self._reports.get(t, 0) + n
+        # vLLM's executor runs every step on every worker (TP ranks; PP is refused).
+        whole = [t for t, n in self._reports.items() if n >= self.tp]
+        if whole:
+            self._settle(max(whole))
+
+    def _settle(self, last: int) -> None:
+        """Gives the verdict on the saves of every step up to ``last`` (the latest step every
+        worker has reported, with its failed loads): a request's saves of a step are
+        dropped where its blocks include one that failed on any rank while the step was in
+        flight (its KV was computed over that block), or where not every worker reported
+        the step (nothing is known of its loads); the others are written. The workers learn
+        the verdicts from the next step's metadata (``settled``). A dropped request still
+        running has its saves planned again from the step's first block."""
+        whole = {t for t, n in self._reports.items() if t <= last and n >= self.tp}
+        self._reports = {t: n for t, n in self._reports.items() if t > last}
+        for t in sorted(t for t in self._inflight if t <= last):
+            plan = self._inflight.pop(t)
+            dropped = set()
+            for rid, (first, block_ids) in plan.saves.items():
+                if t not in whole or not plan.bad.isdisjoint(block_ids):
+                    dropped.add(rid)
+                    st = self._reqs.get(rid)
+                    if st is not None:
+                        st.saved_upto = min(st.saved_upto, first)
+            self._settled[t] = dropped
+            self._planner_stats["saves_settled"] += len(plan.saves) - len(dropped)
+            self._planner_stats["saves_rejected"] += len(dropped)
 
     def planner_stats(self) -> Dict[str, int]:
         """The scheduler side's counters: lookups, tokens offered, requests whose saves
-        were reported done, blocks reported invalid; and ``tracked`` requests, ``delayed``
-        frees (both 0 once every request has finished and been freed)."""
-        return dict(self._planner_stats, tracked=len(self._reqs), delayed=len(self._delayed))
+        were reported done, blocks reported invalid, a request's saves of a step settled
+        (to be written) or rejected (dropped: computed over a failed load); and ``tracked``
+        requests, ``delayed`` frees and ``unsettled`` steps (planned saves without a
+        verdict, or verdicts not yet sent; all 0 once every request has finished and been
+        freed)."""
+        return dict(self._planner_stats, tracked=len(self._reqs), delayed=len(self._delayed),
+                    unsettled=len(self._inflight) + len(self._settled))
 
     # ======================================================================================
     # Worker side: the executor
@@ -968,21 +1116,28 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         return out
 
     def _run_load(self, task: "_LoadTask", loads: Dict[str, List[Job]]) -> None:
-        """The loader thread's work for one step: reads and checks every planned record
-        first (a refused one fails its block and every later block of its request), then
-        fills the blocks layer by layer, in layer order, setting each layer's event once
-        every block of the step holds that layer (or has failed). Whatever goes wrong ends
-        as load errors, never as an exception in the engine's thread: every event is set
-        and the task marked done on every path."""
-        staged: List[Tuple[str, int, List[Any]]] = []
-        filled: Set[int] = set()
+        """The loader thread's work for one step: reads and checks the planned records
+        (a refused one fails its block and every later block of its request), then fills
+        their blocks, in batches of at most ``load_buffer_bytes`` of records, in the plan's
+        order. Every batch but the last is filled whole; the last is filled layer by layer,
+        in layer order, setting each layer's event once every block of the step holds that
+        layer (or has failed): with one batch (the step's reads within the bound) every
+        record is read and checked before any block is filled. Whatever goes wrong ends as
+        load errors, never as an exception in the engine's thread: every event is set and
+        the task marked done on every path."""
+        filled: Set[int] = set()  # blocks filled in every layer
         try:
+            batch: List[Tuple[str, int, List[Any]]] = []
+            held = 0
             for rid, jobs in loads.items():
                 failed = False
                 for names, block_id in jobs:
                     if failed:
                         task.errors.add(block_id)
                         continue
+                    if batch and held + self._block_read_bytes > self.load_buffer_bytes:
+                        self._fill(task, batch, filled, last=False)
+                        batch, held = [], 0
                     try:
                         items = self._read_block(names, block_id)
                     except (_native.UsageError, OSError, ValueError) as e:
@@ -995,29 +1150,12 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                         task.failed_reqs.add(rid)
                         self._count(load_errors=1)
                     else:
-                        staged.append((rid, block_id, items))
+                        batch.append((rid, block_id, items))
+                        held += self._block_read_bytes
                 if failed:
                     logger.warning("cp_hicache: request %s: a planned record could not be "
                                    "loaded; vLLM recomputes from its block", rid)
-            for li, g in enumerate(self._layers):
-                hook = self._load_layer_hook
-                if hook is not None:
-                    hook(li)
-                for rid, block_id, items in staged:
-                    if block_id in task.errors:
-                        continue
-                    try:
-                        for rec, slots, toks in items:
-                            src = rec[li]
-                            g.fill(block_id, src if toks is None else src[:, toks, :], slots)
-                    except Exception as e:  # the block is incomplete: reported, recomputed
-                        logger.warning("cp_hicache: filling layer %d of block %d failed: %s",
-                                       li, block_id, e)
-                        task.errors.add(block_id)
-                        task.failed_reqs.add(rid)
-                        self._count(load_errors=1)
-                task.events[li].set()
-            filled = {b for _, b, _ in staged if b not in task.errors}
+            self._fill(task, batch, filled, last=True)
             self._count(records_loaded=len(filled), bytes_loaded=len(filled) * self.page_bytes)
         except BaseException as e:  # a bug: fail every block not filled, loudly
             logger.error("cp_hicache: the loader failed: %r", e)
@@ -1030,6 +1168,33 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             self._count(load_errors=len(lost), loader_failures=1)
         finally:
             task.finish()
+
+    def _fill(self, task: "_LoadTask", batch: List[Tuple[str, int, List[Any]]],
+              filled: Set[int], last: bool) -> None:
+        """Fills the blocks of a batch of checked records, layer by layer, adding those
+        filled in every layer to ``filled``; with ``last`` sets each layer's event once the
+        layer is in (every earlier batch is filled whole by then). A block whose copy fails
+        is an error (reported whole, recomputed)."""
+        for li, g in enumerate(self._layers):
+            hook = self._load_layer_hook
+            if hook is not None:
+                hook(li)
+            for rid, block_id, items in batch:
+                if block_id in task.errors:
+                    continue
+                try:
+                    for rec, slots, toks in items:
+                        src = rec[li]
+                        g.fill(block_id, src if toks is None else src[:, toks, :], slots)
+                except Exception as e:  # the block is incomplete: reported, recomputed
+                    logger.warning("cp_hicache: filling layer %d of block %d failed: %s",
+                                   li, block_id, e)
+                    task.errors.add(block_id)
+                    task.failed_reqs.add(rid)
+                    self._count(load_errors=1)
+            if last:
+                task.events[li].set()
+        filled |= {b for _, b, _ in batch if b not in task.errors}
 
     def _join_load(self) -> Set[int]:
         """Waits for the step's load (if any) and returns its failed blocks."""
@@ -1044,11 +1209,15 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         are read and checked there, then the blocks filled layer by layer
         (:meth:`wait_for_layer_load` waits for a layer). A record that is missing or refused,
         and every later block of its request, is not served: the blocks go to
-        :meth:`get_block_ids_with_load_errors` and vLLM recomputes them."""
+        :meth:`get_block_ids_with_load_errors` and vLLM recomputes them. With ``load_async``
+        (vLLM calls this after the forward then) nothing of the step waits for the loads:
+        :meth:`get_finished` reports their requests received once they end, and their
+        failed blocks go out in the same step."""
         meta = self._get_connector_metadata()
         self._load_errors |= self._join_load()  # a step whose errors were not collected
-        if not meta.loads:
+        if not meta.loads or self._started_meta is meta:
             return
+        self._started_meta = meta
         if self._loader is None:
             raise RuntimeError(
                 "CpHiCacheConnector: loads planned on a worker that was shut down"
@@ -1064,7 +1233,11 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             lost = task.fail_all(loads)
             self._count(load_errors=len(lost), loader_failures=1)
             task.finish()
-        self._load = task
+        if self.load_async:
+            # Nothing of this step waits for it: reported by get_finished once done.
+            self._async_loads.append((task, set(loads)))
+        else:
+            self._load = task
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Blocks until the step's loads have filled layer ``layer_name`` of every loaded
@@ -1083,8 +1256,14 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         with a host buffer its layers are copied into as the forward computes them."""
         if self._saves_meta is meta:
             return self._saves
+        if self._saves and not self._saves_done:
+            # The last step's wait_for_save never came: its blocks may have been reused
+            # since, so its copies cannot be completed. Dropped, counted and logged.
+            logger.warning("cp_hicache: %d block(s) of step %s not saved: the step ended "
+                           "without wait_for_save", len(self._saves),
+                           getattr(self._saves_meta, "step", None))
+            self._count(saves_dropped=len(self._saves))
         self._saves_meta, self._saves, self._saves_done = meta, [], False
-        self._tainted -= set(getattr(meta, "cleared", ()) or ())
         if meta.saves and self._writer is None:
             raise RuntimeError(
                 "CpHiCacheConnector: saves planned on a worker that was shut down"
@@ -1097,11 +1276,6 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             if self.copy:
                 # This rank's KV is a copy of another DCP group's (TP ranks beyond the
                 # heads, or MLA's replicated latent KV): that group writes it.
-                continue
-            if rid in self._tainted:
-                # Computed over a block whose load failed in an earlier step, before the
-                # scheduler recomputes it: never written (the planner saves it again).
-                self._count(saves_dropped=len(jobs))
                 continue
             g = self._layers[0]
             for names, b in jobs:
@@ -1133,17 +1307,54 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         sb.have[li] = True
 
     def _submit(self, blocks: List["_SaveBlock"]) -> None:
-        """Hands blocks whose every layer is copied to the writer thread (a task per
-        request)."""
-        by_req: Dict[str, List[Tuple[str, Any, Any]]] = {}
+        """Hands blocks whose every layer is copied to the writer thread: a task per
+        request and at most ``save_buffer_bytes`` of blocks, each waiting (in the calling
+        thread: the engine's) until the writer's queue has room for it."""
+        by_req: Dict[str, List[_SaveBlock]] = {}
         for sb in blocks:
+            by_req.setdefault(sb.rid, []).append(sb)
+        for rid, sbs in by_req.items():
+            chunk: List[_SaveBlock] = []
+            size = 0
+            for sb in sbs:
+                n = sum(buf.nbytes for buf in sb.bufs)
+                if chunk and size + n > self.save_buffer_bytes:
+                    self._enqueue(rid, chunk, size)
+                    chunk, size = [], 0
+                chunk.append(sb)
+                size += n
+            if chunk:
+                self._enqueue(rid, chunk, size)
+
+    def _enqueue(self, rid: str, chunk: List["_SaveBlock"], size: int) -> None:
+        """Queues one writer task of ``size`` bytes, first waiting until the bytes queued
+        and not yet written leave room for it (``save_waits`` counts the waits)."""
+        with self._queue_cv:
+            if self._queued_bytes and self._queued_bytes + size > self.save_buffer_bytes:
+                self._count(save_waits=1)
+                while self._queued_bytes and self._queued_bytes + size > self.save_buffer_bytes:
+                    self._queue_cv.wait()
+            self._queued_bytes += size
+        work = []
+        for sb in chunk:
             sb.submitted = True
-            by_req.setdefault(sb.rid, []).extend(
-                (key, buf, part) for (key, _, _, part), buf in zip(sb.items, sb.bufs))
-        for rid, work in by_req.items():
+            work.extend((key, buf, part) for (key, _, _, part), buf in zip(sb.items, sb.bufs))
+        try:
             f = self._writer.submit(self._write, rid, work)
-            f.add_done_callback(self._write_done)
-            self._writes.setdefault(rid, []).append(f)
+        except Exception as e:  # no write runs: counted and logged, the room given back
+            logger.error("cp_hicache: a write could not be queued: %r", e)
+            self._count(save_errors=len(work), writer_failures=1)
+            self._dequeue(size)
+            return
+        f.add_done_callback(lambda f, size=size: self._dequeue(size))
+        f.add_done_callback(self._write_done)
+        self._writes.setdefault(rid, []).append(f)
+
+    def _dequeue(self, size: int) -> None:
+        """A writer task ended (written or not): its bytes leave the queue."""
+        with self._queue_cv:
+            self._queued_bytes -= size
+            self._queue_cv.notify_all()
 
     def _write_done(self, f: concurrent.futures.Future) -> None:
         """A writer task that raised (``_write`` counts its records' failures itself; this
@@ -1156,80 +1367,92 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                       **kwargs: Any) -> None:
         """Called by each attention layer after its forward: copies that layer's bytes of
         the step's blocks to save (this rank's tokens of them) out of vLLM's tensor into
-        host buffers, since vLLM may reuse a block once the step is over; a block whose
-        every layer is copied goes to the writer thread at once. Layers that are not the
-        connector's (a draft model's) are ignored."""
+        host buffers, since vLLM may reuse a block once the step is over (they are written
+        once the planner has settled the step: :meth:`wait_for_save`). Layers that are not
+        the connector's (a draft model's) are ignored."""
         li = self._layer_index.get(layer_name)
         meta = getattr(self, "_connector_metadata", None)
         if li is None or meta is None or self._layers is None:
             return
-        ready = []
         for sb in self._step_saves(meta):
-            if sb.submitted or sb.have[li]:
-                continue
-            self._take_layer(sb, li)
-            if all(sb.have):
-                ready.append(sb)
-        # A block goes to the writer only once the step's loads are known to have all
-        # succeeded (or there were none): else :meth:`wait_for_save` decides.
-        task = self._load
-        if ready and (task is None or (task.done.is_set() and not task.errors)):
-            self._submit(ready)
-
-    def _drop_saves_after_failed_loads(self, saves: List["_SaveBlock"]) -> List["_SaveBlock"]:
-        """Waits for the step's loads; where any block failed, drops every save of the
-        step not yet written (none is while a load is unsettled: :meth:`save_kv_layer`
-        holds them back) and taints the requests whose loads failed until the scheduler
-        has handled it. The forward ran over the failed blocks as if loaded: a block it
-        computed after one (this request's later blocks, another request's sharing it
-        through vLLM's prefix cache) holds KV computed over garbage, and the store keeps
-        a record's first writer, so one written now would outlive the recompute."""
-        task = self._load
-        if task is None:
-            return saves
-        task.done.wait()
-        if not task.errors:
-            return saves
-        # Tainted too: every request saving this step, which may have computed over a
-        # failed block shared through vLLM's prefix cache.
-        meta = self._saves_meta
-        self._tainted |= task.failed_reqs | set(getattr(meta, "saves", None) or ())
-        kept = [sb for sb in saves if sb.submitted]
-        dropped = len(saves) - len(kept)
-        if dropped:
-            logger.warning("cp_hicache: %d block(s) of this step not saved: the step had "
-                           "failed loads", dropped)
-            self._count(saves_dropped=dropped)
-        return kept
+            if not sb.have[li]:
+                self._take_layer(sb, li)
 
     def wait_for_save(self) -> None:
         """Completes the step's saves without waiting for any write: a block some layer of
         which :meth:`save_kv_layer` did not copy (a forward that does not call it) has those
-        layers copied now, and goes to the writer thread. vLLM keeps a finished request's
-        blocks until its writes are reported done (:meth:`request_finished`,
-        :meth:`get_finished`). Under DCP with an interleave of a whole block each rank
-        writes the records its block holds; with a smaller one every rank holds part of each
-        record and writes it as a part (``PageStore.put_part``): the last part to come
-        assembles and writes the record, the same bytes a DCP-1 block holds."""
+        layers copied now (after the step's loads have ended: a layer the forward did not
+        hand over may be one the loader is still filling). The step's copied blocks are then
+        held until the planner's verdict on the step comes in a later step's metadata
+        (:meth:`bind_connector_metadata`): only the planner sees every rank's failed loads,
+        and a rank whose own loads succeeded computed over another rank's failed block all
+        the same. vLLM keeps a finished request's blocks until its writes are reported done
+        (:meth:`request_finished`, :meth:`get_finished`). Under DCP with an interleave of a
+        whole block each rank writes the records its block holds; with a smaller one every
+        rank holds part of each record and writes it as a part (``PageStore.put_part``): the
+        last part to come assembles and writes the record, the same bytes a DCP-1 block
+        holds."""
         meta = self._get_connector_metadata()
         saves = self._step_saves(meta)
         if self._saves_done:
             return
         self._saves_done = True
-        # Joined first: a layer the forward did not hand over may be one the loader is
-        # still filling, and a failed load drops the step's saves.
-        saves = self._drop_saves_after_failed_loads(saves)
-        ready = []
-        for sb in saves:
-            if sb.submitted:
+        if saves and any(not all(sb.have) for sb in saves):
+            task = self._load
+            if task is not None:
+                task.done.wait()
+            for sb in saves:
+                for li, have in enumerate(sb.have):
+                    if not have:
+                        self._take_layer(sb, li)
+        step = int(getattr(meta, "step", 0) or 0)
+        if saves:
+            self._held.setdefault(step, []).extend(saves)
+        self._last_saved_step = max(self._last_saved_step, step)
+        self._saves = []  # held (or written) from here on
+        self._release()
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Binds the step's metadata (vLLM calls it before the step's loads) and, on a
+        worker, takes the planner's verdicts on earlier steps' saves (``settled``): the
+        blocks of a step settled are written, but those of the requests the planner
+        rejected (computed over a block that failed to load on some rank), which are
+        dropped (``saves_dropped``)."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._role != KVConnectorRole.WORKER:
+            return
+        step = int(getattr(connector_metadata, "step", 0) or 0)
+        if step:
+            self._ran.add(step)
+        self._verdicts.update(getattr(connector_metadata, "settled", None) or {})
+        self._release()
+
+    def _release(self) -> None:
+        """Applies the verdicts received to the steps held: writes the blocks settled,
+        drops those rejected. A verdict on a step this worker does not hold (it saved
+        nothing in it, or holds copies) is forgotten once the step's saves are done."""
+        for t in sorted(self._held):
+            dropped = self._verdicts.pop(t, None)
+            if dropped is None:
                 continue
-            for li, have in enumerate(sb.have):
-                if not have:
-                    self._take_layer(sb, li)
-            ready.append(sb)
-        if ready:
-            self._submit(ready)
-        self._saves = []  # the writer holds the buffers it still needs
+            blocks = self._held.pop(t)
+            keep = [sb for sb in blocks if sb.rid not in dropped]
+            if len(keep) < len(blocks):
+                logger.warning("cp_hicache: %d block(s) of step %d not saved: computed over "
+                               "a block that failed to load", len(blocks) - len(keep), t)
+                self._count(saves_dropped=len(blocks) - len(keep))
+            if keep:
+                self._submit(keep)
+        for t in [t for t in self._verdicts if t <= self._last_saved_step]:
+            del self._verdicts[t]
+
+    def build_connector_worker_meta(self) -> Optional[CpHiCacheWorkerMeta]:
+        """The steps this worker ran since its last report (:class:`CpHiCacheWorkerMeta`),
+        sent to the planner with the step's failed loads."""
+        if not self._ran:
+            return None
+        ran, self._ran = self._ran, set()
+        return CpHiCacheWorkerMeta(steps={t: 1 for t in sorted(ran)})
 
     def _owners(self, record: int) -> List[int]:
         """The ranks holding tokens of record ``record`` of a scheduler block, in order."""
@@ -1282,24 +1505,36 @@ class CpHiCacheConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: Set[str]
                      ) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
-        """Requests that finished and whose writes are all done (``finished_sending``:
-        vLLM frees their blocks now). Loads are synchronous: nothing is received."""
+        """Requests that finished and whose saves are all settled and written or dropped
+        (``finished_sending``: vLLM frees their blocks now), and with ``load_async`` the
+        requests whose loads have ended (``finished_recving``: filled, or failed, their
+        failed blocks reported in the same step)."""
         self._finished_waiting |= set(finished_req_ids) & self._saving_reqs
-        self._tainted -= set(finished_req_ids)
         done = set()
+        # Requests with saves not yet settled (held, or copied this step): not done.
+        pending = {sb.rid for blocks in self._held.values() for sb in blocks}
+        pending |= {sb.rid for sb in self._saves}
         for rid in list(self._finished_waiting):
-            if all(f.done() for f in self._writes.get(rid, ())):
+            if rid not in pending and all(f.done() for f in self._writes.get(rid, ())):
                 done.add(rid)
                 self._finished_waiting.discard(rid)
                 self._saving_reqs.discard(rid)
                 self._writes.pop(rid, None)
+        # Loads that span steps and have ended: their requests are received, and their
+        # failed blocks go out with them (get_block_ids_with_load_errors comes next).
+        recving: Set[str] = set()
+        for task, rids in list(self._async_loads):
+            if task.done.is_set():
+                self._async_loads.remove((task, rids))
+                recving |= rids
+                self._load_errors |= task.errors
         # Writes of requests still running that are done need no tracking (a task that
         # raised was counted by _write_done).
         for rid, fs in list(self._writes.items()):
             fs[:] = [f for f in fs if not f.done()]
             if not fs and rid not in self._saving_reqs:
                 del self._writes[rid]
-        return (done or None), None
+        return (done or None), (recving or None)
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
         """Blocks whose planned record could not be loaded since the last call (vLLM
@@ -1328,8 +1563,19 @@ class CpHiCacheConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         """Drains: waits for the step's loads and every write in flight, then stops the
-        loader and writer threads (none is left behind). Idempotent."""
+        loader and writer threads (none is left behind). Saves still waiting for the
+        planner's verdict are dropped (counted as ``saves_dropped``, logged): whether
+        another rank's load failed under them is not known. Idempotent."""
         self._load_errors |= self._join_load()
+        for task, _ in self._async_loads:
+            task.done.wait()
+        held = sum(len(blocks) for blocks in self._held.values())
+        if held:
+            logger.warning("cp_hicache: shutdown: %d block(s) not saved: the planner's "
+                           "verdict on their steps had not come", held)
+            self._count(saves_dropped=held)
+        self._held.clear()
+        self._verdicts.clear()
         for attr in ("_loader", "_writer"):
             ex = getattr(self, attr)
             if ex is not None:

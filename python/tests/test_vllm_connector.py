@@ -22,6 +22,7 @@ import os
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -49,6 +50,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from vllm.distributed.kv_transfer import kv_transfer_state
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -62,6 +64,7 @@ from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 from cp_hicache.vllm import (
     CpHiCacheConnector,
     CpHiCacheMetadata,
+    CpHiCacheWorkerMeta,
     block_names,
     head_shard_key,
 )
@@ -123,9 +126,12 @@ def kv_cache_config(num_blocks: int = NUM_BLOCKS, heads: int = HEADS,
                          kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)])
 
 
-def vllm_config(path, policy="recompute", **extra):
+def vllm_config(path, policy="recompute", budget=64, **extra):
+    """vLLM's config with the connector over a store in ``path``, ``extra`` its
+    ``kv_connector_extra_config`` keys, and ``budget`` tokens a step."""
     return create_vllm_config(
         block_size=BS,
+        max_num_batched_tokens=budget,
         kv_connector="CpHiCacheConnector",
         kv_connector_module_path="cp_hicache.vllm",
         kv_role="kv_both",
@@ -173,9 +179,9 @@ class Engine:
     def __init__(self, path, policy="recompute", num_blocks=NUM_BLOCKS, verify=False,
                  dcp=1, interleave=1, ranks=None, monkeypatch=None, tp=None, shards=1,
                  heads=HEADS, layout="blocks_first", mla=False, tp_ranks=None,
-                 layerwise=True):
+                 layerwise=True, budget=64, extra=None):
         self.layerwise = layerwise
-        self.cfg = vllm_config(path, policy)
+        self.cfg = vllm_config(path, policy, budget, **(extra or {}))
         tp = dcp if tp is None else tp
         if mla:
             heads, layout = 1, "mla"
@@ -241,7 +247,10 @@ class Engine:
         self.metas = []
         self.outputs = []
         _ENGINES.append(self)
-        self._sending = {}  # request -> workers that reported its saves done
+        # The workers' outputs of a step are merged as vLLM's executor merges them: a
+        # request's saves are done once every worker has said so; failed blocks, stats and
+        # the workers' reports to the planner are merged.
+        self.aggregator = KVOutputAggregator(len(self.workers))
 
     @property
     def worker(self) -> CpHiCacheConnector:
@@ -381,9 +390,10 @@ class Engine:
         calls ``wait_for_layer_load`` before each layer and ``save_kv_layer`` after it (not
         with ``layerwise=False``: ``wait_for_save`` then copies the saved blocks); after the
         forward, ``post_forward`` runs ``wait_for_save``, ``get_finished``,
-        ``get_block_ids_with_load_errors`` and ``get_kv_connector_stats``). The workers'
-        outputs are aggregated as vLLM's ``KVOutputAggregator`` does: a request's saves are
-        done once every worker has said so. Returns the scheduler output."""
+        ``get_block_ids_with_load_errors``, ``get_kv_connector_stats`` and
+        ``build_connector_worker_meta``). The workers' outputs are merged by vLLM's own
+        ``KVOutputAggregator``: a request's saves are done once every worker has said so.
+        Returns the scheduler output."""
         so = self.sched.schedule()
         meta = so.kv_connector_metadata
         assert isinstance(meta, CpHiCacheMetadata)
@@ -406,21 +416,11 @@ class Engine:
                     w.save_kv_layer(name, kv[name], None)
         if self.verify:
             self._verify(so)
-        sending, invalid, stats = set(), set(), None
+        outs = []
         for r in self.runners:
             r.finish_forward()
-            out = r.post_forward(so.finished_req_ids)
-            for rid in out.finished_sending or ():
-                self._sending[rid] = self._sending.get(rid, 0) + 1
-                if self._sending[rid] == len(self.runners):
-                    sending.add(rid)
-                    del self._sending[rid]
-            invalid |= out.invalid_block_ids
-            if out.kv_connector_stats is not None:
-                st = out.kv_connector_stats
-                stats = st if stats is None else stats.aggregate(st)
-        out = KVConnectorOutput(finished_sending=sending or None, finished_recving=None,
-                                invalid_block_ids=invalid, kv_connector_stats=stats)
+            outs.append(SimpleNamespace(kv_connector_output=r.post_forward(so.finished_req_ids)))
+        out = self.aggregator.aggregate(outs).kv_connector_output
         self.outputs.append(out)
         reqs = [self.sched.requests[r] for r in so.num_scheduled_tokens]
         mro = create_model_runner_output(reqs)
@@ -468,7 +468,9 @@ def _no_thread_left_behind():
 def assert_clean(engine: Engine) -> None:
     assert_scheduler_empty(engine.sched)
     ps = engine.connector.planner_stats()
-    assert ps["tracked"] == 0 and ps["delayed"] == 0, ps
+    assert ps["tracked"] == 0 and ps["delayed"] == 0 and ps["unsettled"] == 0, ps
+    for w in engine.workers:
+        assert not w._held, "saves still held after every request was freed"
 
 
 def test_vllm_loads_the_connector_by_module_path(tmp_path):
@@ -772,9 +774,6 @@ def test_loads_that_cannot_be_started_fail_every_block_and_nothing_waits(tmp_pat
     _check_all_blocks_recomputed(e, b, ids["load"])
 
 
-@pytest.mark.xfail(strict=True, reason="not built: each worker drops saves on its own "
-                   "loads' failures; a rank whose load succeeded still writes the blocks it "
-                   "computed over another rank's failed block (docs/DESIGN.md §12)")
 def test_a_rank_whose_load_succeeded_saves_nothing_computed_over_another_ranks_failure(
         tmp_path, monkeypatch):
     """TP 2 with two KV head shards: rank 0's record of block 2 is refused, rank 1's loads.
@@ -797,6 +796,177 @@ def test_a_rank_whose_load_succeeded_saves_nothing_computed_over_another_ranks_f
     for shard in range(2):
         got = _stored(e, head_shard_key(names[4], shard, 2))
         assert got is None or got == e.expected_record(tokens, 4, shard=shard), shard
+
+
+class _RecordingWrites:
+    """The worker's store, noting the bytes of every record (or part) it is asked to
+    write, in ``log`` as ``(rank, name, bytes)``: what a write carried, not only what the
+    store kept (it keeps a record's first writer)."""
+
+    def __init__(self, store, rank, log):
+        self._store, self._rank, self._log = store, rank, log
+
+    def _note(self, name, parts):
+        import ctypes
+
+        data = (b"".join(ctypes.string_at(a, n) for a, n in parts)
+                if isinstance(parts, list) else bytes(parts))
+        self._log.append((self._rank, name, data))
+
+    def put(self, name, parts):
+        self._note(name, parts)
+        return self._store.put(name, parts)
+
+    def put_part(self, name, index, count, parts, assemble):
+        self._note(f"{name}#part{index}", parts)
+        return self._store.put_part(name, index, count, parts, assemble)
+
+    def __getattr__(self, attr):
+        return getattr(self._store, attr)
+
+
+@pytest.mark.parametrize("kw", [dict(tp=2, shards=2), dict(dcp=2, interleave=BS)],
+                         ids=["tp2-head-shards", "dcp2-i16"])
+def test_a_load_failing_on_one_rank_keeps_every_rank_from_saving_over_it(tmp_path, monkeypatch,
+                                                                        kw):
+    """Rank 0's record of request 2's block 2 is refused, rank 1's loads (TP 2 over two KV
+    head shards, or DCP 2 where each rank holds its own records of a virtual block). Both
+    ranks compute request 2's next block over rank 0's unfilled block. In the same step
+    request 3, a miss that shares nothing with it, computes and saves two blocks and
+    finishes. Every write any rank is asked to make carries its record's right bytes (no
+    rank writes what it computed over the failed block); request 3's records are all
+    written (it finished in that step: its saves were not dropped with request 2's, nor
+    planned again); request 2's are written after the recompute."""
+    kw = dict(kw, monkeypatch=monkeypatch, budget=128)
+    a = Engine(tmp_path / "store", **kw)
+    sb, shards = a.sblock, a.shards
+    a.sched.add_request(create_request(request_id=1, num_tokens=70, common_prefix_len=64,
+                                       max_tokens=1, block_size=sb))
+    a.run()
+    b = create_request(request_id=2, num_tokens=64 + sb, common_prefix_len=64, max_tokens=2,
+                       block_size=sb)
+    c = create_request(request_id=3, num_tokens=2 * sb, max_tokens=1, block_size=sb)
+    b_names = block_names(b.all_token_ids, BS)
+    _damage(str(a.worker.store.path_of(head_shard_key(b_names[2], 0, shards))))
+
+    e = Engine(tmp_path / "store", **kw)
+    e.poison()
+    log = []
+    for r, w in enumerate(e.workers):
+        w.store = _RecordingWrites(w.store, r, log)
+    e.sched.add_request(b)
+    e.sched.add_request(c)
+    seen = {}
+
+    def ids(so, meta):
+        seen["b"] = list(e.sched.kv_cache_manager.get_block_ids("id-2")[0])
+
+    so = e.step(before_forward=ids)
+    assert so.num_scheduled_tokens == {"id-2": sb, "id-3": 2 * sb}, so.num_scheduled_tokens
+    # Only rank 0's load failed (its block 2 and every later loaded block); vLLM was told
+    # by the merged output.
+    assert e.outputs[-1].invalid_block_ids == set(seen["b"][2 // e.dcp:4 // e.dcp])
+    assert "id-3" not in e.sched.running  # finished in that step
+    c_tokens = list(c.all_token_ids)
+    c_keys = [head_shard_key(n, s, shards) for n in block_names(c_tokens, BS)[:2 * sb // BS]
+              for s in range(shards)]
+    for _ in range(20):  # request 3 is freed only once its held saves are written
+        if any("id-3" in (o.finished_sending or ()) for o in e.outputs):
+            break
+        assert "id-3" in e.sched.requests
+        e.step()
+    else:
+        raise AssertionError("request 3 was never reported done")
+    assert all(_stored(e, k) is not None for k in c_keys), "reported done before written"
+    e.run()
+    assert_clean(e)
+    # What every write carried, against the canonical record of its name.
+    want = {}
+    for req in (b, c):
+        tokens = list(req.all_token_ids)
+        for k, name in enumerate(block_names(tokens, BS)[:len(tokens) // BS]):
+            for s in range(shards):
+                want[head_shard_key(name, s, shards)] = (tokens, k, s)
+    assert log
+    for rank, key, data in log:
+        assert key in want, f"rank {rank} wrote an unplanned record {key}"
+        tokens, k, s = want[key]
+        assert data == e.expected_record(tokens, k, shard=s), (
+            f"rank {rank} wrote record {k} (shard {s}) computed over the failed load")
+    # Every record of request 3 (saved in the failed step) and of request 2 is there.
+    for key, (tokens, k, s) in want.items():
+        assert _stored(e, key) == e.expected_record(tokens, k, shard=s), key
+    st = e.stats()
+    assert st.get("saves_dropped") == 2 and st.get("load_errors") == 1, st
+    assert e.connector.planner_stats()["saves_rejected"] == 1
+
+
+def _sched_output(new=(), cached=(), tokens=None):
+    """What build_connector_meta reads of vLLM's ``SchedulerOutput``: ``new`` requests
+    ``(id, block ids)``, ``cached`` request ids (no new blocks), tokens a request."""
+    return SimpleNamespace(
+        preempted_req_ids=set(),
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(ids,)) for r, ids in new],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=list(cached),
+                                              new_block_ids=[None] * len(cached)),
+        num_scheduled_tokens=dict(tokens or {}))
+
+
+def test_steps_in_flight_when_a_failure_is_reported_are_settled_by_it(tmp_path):
+    """vLLM's asynchronous scheduling plans a step before it has the last one's output.
+    Steps 1 and 2 are planned, then step 1's output reports request 2's block 2 failed:
+    request 2's saves of both steps (step 2 computed over the same block) are rejected,
+    request 3's (no failed block) kept, and request 2's saves are planned again from its
+    first. A step whose report never comes (step 3: the next report names step 4) has its
+    saves rejected: nothing is known of its loads."""
+    p = CpHiCacheConnector(vllm_config(tmp_path / "store"), KVConnectorRole.SCHEDULER,
+                           kv_cache_config())
+    b = create_request(request_id=2, num_tokens=160, block_size=BS)
+    c = create_request(request_id=3, num_tokens=160, block_size=BS)
+    for r in (b, c):
+        assert p.get_num_new_matched_tokens(r, 0) == (0, False)
+    m1 = p.build_connector_meta(_sched_output(
+        new=[("id-2", list(range(10))), ("id-3", list(range(10, 20)))],
+        tokens={"id-2": 64, "id-3": 64}))
+    b.num_computed_tokens = c.num_computed_tokens = 64  # vLLM advances them after planning
+    m2 = p.build_connector_meta(_sched_output(cached=["id-2", "id-3"],
+                                              tokens={"id-2": 64, "id-3": 64}))
+    assert (m1.step, m2.step) == (1, 2)
+    assert [b for _, b in m2.saves["id-2"]] == [4, 5, 6, 7]
+    p.update_connector_output(KVConnectorOutput(
+        invalid_block_ids={2}, kv_connector_worker_meta=CpHiCacheWorkerMeta(steps={1: 1})))
+    p.update_connector_output(KVConnectorOutput(
+        kv_connector_worker_meta=CpHiCacheWorkerMeta(steps={2: 1})))
+    b.num_computed_tokens, c.num_computed_tokens = 32, 128  # vLLM recomputes b from block 2
+    m3 = p.build_connector_meta(_sched_output(cached=["id-3"], tokens={"id-3": 32}))
+    assert m3.settled == {1: {"id-2"}, 2: {"id-2"}}, m3.settled
+    assert p._reqs["id-2"].saved_upto == 0 and p._reqs["id-3"].saved_upto == 10
+    m4 = p.build_connector_meta(_sched_output(cached=["id-2"], tokens={"id-2": 32}))
+    assert [b for _, b in m4.saves["id-2"]] == [0, 1, 2, 3]  # planned again
+    p.update_connector_output(KVConnectorOutput(
+        kv_connector_worker_meta=CpHiCacheWorkerMeta(steps={4: 1})))
+    m5 = p.build_connector_meta(_sched_output())
+    assert m5.settled == {3: {"id-3"}, 4: set()}, m5.settled
+    assert p._reqs["id-3"].saved_upto == 8
+    ps = p.planner_stats()
+    assert ps["saves_rejected"] == 3 and ps["saves_settled"] == 3, ps
+
+    # At TP 2 a step is settled once both workers have reported it, in one output or two
+    # (the second worker's failed blocks may come with its own report).
+    cfg = vllm_config(tmp_path / "store")
+    cfg.parallel_config.tensor_parallel_size = 2
+    p = CpHiCacheConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
+    b = create_request(request_id=4, num_tokens=64, block_size=BS)
+    p.get_num_new_matched_tokens(b, 0)
+    p.build_connector_meta(_sched_output(new=[("id-4", list(range(4)))], tokens={"id-4": 64}))
+    p.update_connector_output(KVConnectorOutput(
+        kv_connector_worker_meta=CpHiCacheWorkerMeta(steps={1: 1})))
+    assert p.build_connector_meta(_sched_output()).settled == {}
+    p.update_connector_output(KVConnectorOutput(
+        invalid_block_ids={1}, kv_connector_worker_meta=CpHiCacheWorkerMeta(steps={1: 1})))
+    assert p.build_connector_meta(_sched_output()).settled == {1: {"id-4"}}
+    merged = CpHiCacheWorkerMeta(steps={5: 1}).aggregate(CpHiCacheWorkerMeta(steps={5: 1}))
+    assert merged.steps == {5: 2}
 
 
 def test_under_the_fail_policy_a_failed_load_ends_the_request_with_an_error(tmp_path):
@@ -1499,6 +1669,23 @@ def test_a_failing_writer_is_counted_and_its_request_still_ends(tmp_path):
     assert st.get("writer_failures") == 1 and st.get("save_errors") == 1, st
 
 
+def test_a_step_that_never_completed_its_saves_is_counted_not_written(tmp_path):
+    """A step whose ``wait_for_save`` never came (its blocks may be reused since): when the
+    next step's saves begin, its half-copied blocks are dropped and counted, never held or
+    written."""
+    e = Engine(tmp_path / "store")
+    e.sched.add_request(create_request(request_id=1, num_tokens=32, max_tokens=1,
+                                       block_size=BS))
+    so = e.sched.schedule()
+    w = e.worker
+    e.runners[0].pre_forward(so)
+    w.save_kv_layer(LAYERS[0], e.kv[LAYERS[0]], None)  # layer 0 of the step's 2 blocks
+    w.bind_connector_metadata(CpHiCacheMetadata(step=so.kv_connector_metadata.step + 1))
+    w.wait_for_save()
+    assert w.get_kv_connector_stats().data.get("saves_dropped") == 2
+    assert not w._held and not w._writes
+
+
 def test_shutdown_drains_the_writes_and_leaves_no_thread(tmp_path):
     """shutdown waits for the writes in flight, then stops the loader and the writer: no
     thread of the connector is left, and it may be called again."""
@@ -1525,3 +1712,239 @@ def test_shutdown_drains_the_writes_and_leaves_no_thread(tmp_path):
     w.shutdown()  # idempotent
     w.wait_for_layer_load(LAYERS[0])  # nothing to wait for
     assert w.get_block_ids_with_load_errors() == set()
+
+
+# ------------------------------------------------------------------------------------------
+# Loads that span steps (load_kv_async)
+# ------------------------------------------------------------------------------------------
+
+
+def test_loads_that_span_steps_hold_the_request_until_its_blocks_are_in(tmp_path):
+    """With ``load_async`` the planner answers vLLM's lookup with an asynchronous load: the
+    request waits (``WAITING_FOR_REMOTE_KVS``) while the loader, held back here, reads and
+    fills its blocks; steps run meanwhile without it and nothing waits for the loads. Once
+    they end, the worker reports it in ``finished_recving``; vLLM schedules it with the 64
+    loaded tokens computed (its first saves start at block 4), and every block holds its
+    tokens' KV byte for byte (checked after every step)."""
+    from vllm.v1.request import RequestStatus
+
+    _save_prefix(tmp_path / "store")
+    e = Engine(tmp_path / "store", verify=True, extra={"load_async": True})
+    e.poison()
+    gate = threading.Event()
+    e.worker._load_layer_hook = lambda li: gate.wait(30)
+    b = _prefix_hit()
+    e.sched.add_request(b)
+    try:
+        for _ in range(3):
+            t0 = time.monotonic()
+            so = e.step()
+            assert time.monotonic() - t0 < 20, "a step waited for the loads"
+            assert not so.num_scheduled_tokens, so.num_scheduled_tokens
+        assert b.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert [blk for _, blk in e.metas[0].loads["id-2"]] == list(
+            e.sched.kv_cache_manager.get_block_ids("id-2")[0][:4])
+        assert not any(o.finished_recving for o in e.outputs)
+    finally:
+        gate.set()
+    e.run()
+    assert_clean(e)
+    assert [o.finished_recving for o in e.outputs if o.finished_recving] == [{"id-2"}]
+    first_saves = next(m.saves["id-2"] for m in e.metas if "id-2" in m.saves)
+    assert [names for names, _ in first_saves] == [[block_names(b.all_token_ids, BS)[4]]]
+    st = e.stats()
+    assert st.get("records_loaded") == 4 and not st.get("load_errors"), st
+
+
+def test_a_load_spanning_steps_that_fails_is_reported_with_its_request_and_recomputed(
+        tmp_path):
+    """With ``load_async``, block 2 of the hit refused: the request is reported received
+    with blocks 2 and 3 invalid in the same step; vLLM schedules it from block 2, and every
+    block and record ends with its tokens' KV."""
+    _save_prefix(tmp_path / "store")
+    b = _prefix_hit()
+    names = block_names(b.all_token_ids, BS)
+    e = Engine(tmp_path / "store", verify=True, extra={"load_async": True})
+    _damage(str(e.worker.store.path_of(names[2])))
+    e.poison()
+    e.sched.add_request(b)
+    e.run()
+    assert_clean(e)
+    (out,) = [o for o in e.outputs if o.finished_recving]
+    assert out.finished_recving == {"id-2"} and len(out.invalid_block_ids) == 2, out
+    first_saves = next(m.saves["id-2"] for m in e.metas if "id-2" in m.saves)
+    assert [ns for ns, _ in first_saves] == [[n] for n in names[2:5]]  # recomputed from 2
+    tokens = list(b.all_token_ids)
+    for k in range(5):
+        assert _stored(e, names[k]) == e.expected_record(tokens, k), k
+    assert e.stats().get("load_errors") == 1
+
+
+def test_a_block_whose_load_failed_is_not_offered_again_to_its_request(tmp_path):
+    """With ``load_async``, block 0's record is there but cannot be read (an I/O error).
+    The failed load leaves the request with nothing computed, so vLLM looks it up again;
+    the planner does not offer that block to the request again (it would fail again, for
+    ever): the request is computed from token 0 (verified every step), and the records
+    after it end right."""
+    _save_prefix(tmp_path / "store")
+    b = _prefix_hit()
+    names = block_names(b.all_token_ids, BS)
+    e = Engine(tmp_path / "store", verify=True, extra={"load_async": True})
+    _io_error(e, names[0], "reading")
+    e.poison()
+    e.sched.add_request(b)
+    e.run(timeout_s=15)
+    assert_clean(e)
+    assert e.stats().get("load_errors") == 1
+    assert [o.finished_recving for o in e.outputs if o.finished_recving] == [{"id-2"}]
+    tokens = list(b.all_token_ids)
+    for k in range(1, 5):  # record 0 still cannot be read
+        assert _stored(e, names[k]) == e.expected_record(tokens, k), k
+
+
+@pytest.mark.parametrize("kw", [dict(tp=2, shards=2), dict(dcp=2, interleave=1)],
+                         ids=["tp2-head-shards", "dcp2-i1"])
+def test_loads_that_span_steps_under_tp_and_dcp(tmp_path, monkeypatch, kw):
+    """With ``load_async`` at TP 2 over head shards and at DCP 2 (interleave 1): each rank
+    loads its own records into its slots, the request is received once every worker has
+    said so, and every rank's blocks hold their KV byte for byte (checked every step)."""
+    kw = dict(kw, monkeypatch=monkeypatch, verify=True)
+    a = Engine(tmp_path / "store", **kw)
+    a.sched.add_request(create_request(request_id=1, num_tokens=72, common_prefix_len=64,
+                                       max_tokens=1, block_size=a.sblock))
+    a.run()
+    e = Engine(tmp_path / "store", extra={"load_async": True}, **kw)
+    e.poison()
+    e.sched.add_request(create_request(request_id=2, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=e.sblock))
+    e.run()
+    assert_clean(e)
+    assert [o.finished_recving for o in e.outputs if o.finished_recving] == [{"id-2"}]
+    st = e.stats()
+    assert st.get("records_loaded") == 2 * 64 // e.sblock and not st.get("load_errors"), st
+
+
+def test_an_abort_while_its_load_spans_steps_frees_its_blocks_once_the_load_ends(tmp_path):
+    """A request aborted while its asynchronous load runs keeps its blocks (the loader is
+    still filling them) until the worker reports the load ended; then nothing is left."""
+    from vllm.v1.request import RequestStatus
+
+    _save_prefix(tmp_path / "store")
+    e = Engine(tmp_path / "store", extra={"load_async": True})
+    gate = threading.Event()
+    e.worker._load_layer_hook = lambda li: gate.wait(30)
+    e.sched.add_request(_prefix_hit())
+    try:
+        e.step()
+        e.sched.finish_requests(["id-2"], RequestStatus.FINISHED_ABORTED)
+        e.step()
+        assert "id-2" in e.sched.requests  # its blocks wait for the load
+    finally:
+        gate.set()
+    e.run()
+    assert_clean(e)
+    assert [o.finished_recving for o in e.outputs if o.finished_recving] == [{"id-2"}]
+
+
+# ------------------------------------------------------------------------------------------
+# Bounds on host memory
+# ------------------------------------------------------------------------------------------
+
+
+def test_the_writers_queue_is_bounded_and_nothing_is_lost(tmp_path):
+    """``save_buffer_bytes`` of two blocks, slow writes, a request completing 8 blocks in
+    one step: the bytes handed to the writer and not yet written (counted from outside, at
+    every hand-over and end of a writer task) never exceed two blocks; the save path waits
+    for room instead (``save_waits``), and every record is written byte for byte."""
+    page = len(LAYERS) * 2 * BS * SLOT_BYTES
+    e = Engine(tmp_path / "store", budget=128, extra={"save_buffer_bytes": 2 * page})
+    w = e.worker
+    assert w.save_buffer_bytes == 2 * page == 2 * w.page_bytes
+
+    class SlowPut:
+        def __init__(self, store):
+            self._store = store
+
+        def put(self, *a, **k):
+            time.sleep(0.01)
+            return self._store.put(*a, **k)
+
+        def __getattr__(self, attr):
+            return getattr(self._store, attr)
+
+    w.store = SlowPut(w.store)
+    queued = {"now": 0, "peak": 0}
+    lock = threading.Lock()
+    submit = w._writer.submit
+
+    def counting_submit(fn, rid, work, *a, **k):
+        n = sum(buf.nbytes for _, buf, _ in work)
+        with lock:
+            queued["now"] += n
+            queued["peak"] = max(queued["peak"], queued["now"])
+        f = submit(fn, rid, work, *a, **k)
+
+        def done(_f, n=n):
+            with lock:
+                queued["now"] -= n
+
+        f.add_done_callback(done)
+        return f
+
+    w._writer.submit = counting_submit
+    req = create_request(request_id=1, num_tokens=128, max_tokens=1, block_size=BS)
+    e.sched.add_request(req)
+    so = e.step()
+    assert so.num_scheduled_tokens == {"id-1": 128}
+    e.run()
+    assert_clean(e)
+    assert queued["peak"] == 2 * page, queued  # filled to the bound, never past it
+    st = e.stats()
+    assert st.get("records_saved") == 8 and st.get("save_waits"), st
+    assert not st.get("save_errors") and not st.get("saves_dropped"), st
+    tokens = list(req.all_token_ids)
+    for k, name in enumerate(block_names(tokens, BS)):
+        assert _stored(e, name) == e.expected_record(tokens, k), k
+
+
+def test_the_loaders_reads_are_bounded_and_every_block_is_loaded(tmp_path):
+    """``load_buffer_bytes`` of two records and a four-block hit: the loader never holds
+    more than two records read and not yet filled into their blocks (reads and fills
+    counted from outside), reads in batches of two, and every block ends byte for byte as
+    saved (checked after every step)."""
+    _save_prefix(tmp_path / "store")
+    page = len(LAYERS) * 2 * BS * SLOT_BYTES
+    e = Engine(tmp_path / "store", verify=True, extra={"load_buffer_bytes": 2 * page})
+    e.poison()
+    w = e.worker
+    events = []
+    w.store = _RecordingReads(w.store, events)
+    last = w._layers[-1]
+    orig = last.fill
+
+    def fill(block, src, slots):
+        orig(block, src, slots)
+        events.append(("filled", block))
+
+    last.fill = fill
+    e.sched.add_request(_prefix_hit())
+    so = e.step()
+    assert so.num_scheduled_tokens == {"id-2": 16}
+    held = peak = 0
+    for ev, _ in events:
+        held += 1 if ev == "read" else -1
+        peak = max(peak, held)
+    assert peak == 2 and held == 0, events
+    assert [ev for ev, _ in events] == ["read", "read", "filled", "filled"] * 2, events
+    e.run()
+    assert_clean(e)
+    st = e.stats()
+    assert st.get("records_loaded") == 4 and not st.get("load_errors"), st
+
+
+def test_host_memory_bounds_below_one_block_are_refused(tmp_path):
+    page = len(LAYERS) * 2 * BS * SLOT_BYTES
+    for key in ("load_buffer_bytes", "save_buffer_bytes"):
+        with pytest.raises(ValueError, match=rf"{key}'\] = {page - 1}: less than one block"):
+            CpHiCacheConnector(vllm_config(tmp_path / "store", **{key: page - 1}),
+                               KVConnectorRole.SCHEDULER, kv_cache_config())
