@@ -1665,6 +1665,7 @@ fn child_streams() {
     serving_makes_no_context_wide_synchronisation();
     loads_do_not_wait_for_backups();
     freed_pages_wait_for_their_backup();
+    a_refused_backup_wait_waits_on_the_host();
     assert_eq!(driver_count(b"fake_cuda_races"), 0);
     assert_eq!(live_allocations(), 0);
 }
@@ -1773,6 +1774,61 @@ fn freed_pages_wait_for_their_backup() {
         }
         drop(me);
         drop(gpu);
+    }
+}
+
+/// A free whose backup wait the device refuses: the host waits instead, the eviction
+/// completes (its pages back in the allocator, not lost between the tree and it), and the
+/// backup's copy is whole when the pages are written again. Under `lazy` the backup has
+/// not run when the wait is refused, so freeing without any wait would let C's prefill
+/// overwrite A's pages before they are copied; returning the error left the evicted pages
+/// out of both the tree and the allocator.
+fn a_refused_backup_wait_waits_on_the_host() {
+    let gpu: Arc<dyn Executor> = Arc::new(CudaExecutor::new(0).unwrap());
+    let mut me = one_rank(
+        &gpu,
+        Deployment::new(ModelShape::MlaBf16, 16, 1).unwrap(),
+        4,
+    );
+    let free_pages = |me: &RankCache| me.lane_free_counts().iter().sum::<u32>();
+    let empty = free_pages(&me);
+    let (a, c) = (tokens(71, 8 * 16), tokens(72, 15 * 16));
+    let mut ra = me.begin_allocated(&a).unwrap();
+    me.synthesise(&mut ra).unwrap();
+    me.finish(&mut ra).unwrap();
+    // A's backup is pending; the device refuses the eviction's wait for it.
+    set_failed_stream_waits(1);
+    me.evict_device_lru(usize::MAX).unwrap();
+    set_failed_stream_waits(0);
+    assert_eq!(
+        free_pages(&me),
+        empty,
+        "the evicted pages went back to the allocator"
+    );
+    me.check_invariants().unwrap();
+    let mut rc = me.begin_allocated(&c).unwrap();
+    me.synthesise(&mut rc).unwrap();
+    me.finish(&mut rc).unwrap();
+    me.evict_device_lru(usize::MAX).unwrap();
+    let mut ra = me.begin_allocated(&a).unwrap();
+    assert!(ra.load().is_some(), "A loads back");
+    let v = me.synthesise_and_verify(&mut ra).unwrap();
+    assert_eq!(v.all.count, 0, "A's host copy holds C's bytes");
+    me.finish(&mut ra).unwrap();
+    me.evict_device_lru(usize::MAX).unwrap();
+    assert_eq!(take_races(), 0);
+    drop(me);
+    drop(gpu);
+}
+
+/// Makes the stand-in refuse the next `n` cuStreamWaitEvent calls.
+fn set_failed_stream_waits(n: i32) {
+    // SAFETY: the stand-in driver's hook sets a counter.
+    unsafe {
+        let lib = libloading::Library::new("libcuda.so").unwrap();
+        let f: libloading::Symbol<unsafe extern "C" fn(i32)> =
+            lib.get(b"fake_cuda_fail_stream_waits").unwrap();
+        f(n)
     }
 }
 

@@ -153,7 +153,8 @@ impl RankCache {
     /// Orders the cache's stream after every pending backup that reads one of `pages` (all
     /// of them with `None`), before those pages are freed: a freed page is poisoned, handed
     /// out again and written, all ordered after the cache's stream (a load waits for it at
-    /// its start). A device-side wait, never a host one; backups of other pages go on.
+    /// its start). A device-side wait; backups of other pages go on. Only where the device
+    /// refuses a wait does the host wait instead (for all of the executor's streams).
     pub(super) fn after_backups(&mut self, pages: Option<&[PageId]>) -> Result<(), ClusterError> {
         if self.backups.is_empty() {
             return Ok(());
@@ -167,8 +168,7 @@ impl RankCache {
             v.sort_unstable();
             v
         });
-        // A backup that reads none of the pages, or whose wait failed, stays pending (a
-        // later free waits for it again).
+        // A backup that reads none of the pages stays pending (a later free waits for it).
         let exec = self.exec.clone();
         let mut failed = None;
         self.backups.retain(|b| {
@@ -184,9 +184,24 @@ impl RankCache {
                 }
             }
         });
-        match failed {
-            Some(e) => Err(e.into()),
-            None => Ok(()),
+        let Some(e) = failed else {
+            return Ok(());
+        };
+        // The device could not be told to wait: the host waits instead, for everything the
+        // executor's streams hold, so the free still comes after every backup (and none is
+        // pending any more). Returning the error would leave the caller's pages out of
+        // the tree and not yet freed.
+        tracing::warn!(
+            "a backup's event could not be waited for on the device ({e}); the host waits for it"
+        );
+        match self.exec.synchronize() {
+            Ok(()) => {
+                self.backups.clear();
+                Ok(())
+            }
+            // The device is gone: every backup stays pending, and the first error is the
+            // one that says why.
+            Err(_) => Err(e.into()),
         }
     }
 

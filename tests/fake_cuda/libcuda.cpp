@@ -385,6 +385,9 @@ std::atomic<unsigned long long> g_waits_on_prioritised{0};
 std::atomic<unsigned long long> g_waits_for_prioritised{0};
 // cuEventCreate calls (a test hook reads it: pooled events keep it constant).
 std::atomic<unsigned long long> g_events_created{0};
+// cuStreamWaitEvent calls still to refuse (fake_cuda_fail_stream_waits): a wait that the
+// device could not take, for the paths that must then order another way.
+std::atomic<int> g_fail_waits{0};
 
 void count_work(CUstream s) {
   if (s && s->priority < 0) g_prioritised_work++;
@@ -473,6 +476,10 @@ CUresult cuEventSynchronize(CUevent e) {
 CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned flags) {
   if (need_ctx()) return INVALID_CONTEXT;
   if (!e || ((uintptr_t)s > 2 && !s->alive) || flags != 0) return INVALID_HANDLE;
+  // Refused with no effect: nothing enqueued on `s` waits for the event.
+  for (int left = g_fail_waits.load(); left > 0;) {
+    if (g_fail_waits.compare_exchange_weak(left, left - 1)) return NOT_SUPPORTED;
+  }
   if (e->stream != s) g_cross_waits++;
   bool real = (uintptr_t)s > 2;
   if (real) s->waits++;
@@ -924,6 +931,8 @@ extern "C" unsigned long long fake_cuda_waits_for_prioritised(void) {
 
 // cuEventCreate calls so far.
 extern "C" unsigned long long fake_cuda_events_created(void) { return g_events_created.load(); }
+// The next `n` cuStreamWaitEvent calls fail (NOT_SUPPORTED) and order nothing.
+extern "C" void fake_cuda_fail_stream_waits(int n) { g_fail_waits.store(n); }
 
 extern "C" int fake_cuda_live_allocations(void) {
   std::lock_guard<std::mutex> g(g_mu);
