@@ -40,6 +40,11 @@ pub trait ObjectBackend: Send + Sync {
     fn usage(&self) -> Result<u64, StorageError> {
         Ok(0)
     }
+    /// Whether [`put_many`](Self::put_many) and [`get_many_into`](Self::get_many_into) are
+    /// one call of the engine (not the per-object defaults).
+    fn batches(&self) -> bool {
+        false
+    }
     /// [`put_if_absent`](Self::put_if_absent) of each `(name, slices)` (the object is the
     /// slices' bytes, in order), in one call of the engine where it has one: one answer
     /// per item, in order.
@@ -229,6 +234,10 @@ impl<B: ObjectBackend> PageStore for ObjectStore<B> {
 
     fn payload_bytes(&self) -> u64 {
         self.payload_bytes
+    }
+
+    fn batches(&self) -> bool {
+        self.backend.batches()
     }
 
     fn put(&self, key: &RecordKey, payload: &[u8]) -> Result<Put, StorageError> {
