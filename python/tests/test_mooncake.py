@@ -76,7 +76,12 @@ def _writer(rank: int, port: int, url: str, options: dict, out: str) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
-    dep = cp_hicache.Deployment(model="mla", page_size=PAGE, cp=2, layers=LAYERS)
+    # vLLM's decode-CP layout: each rank holds runs of 4 tokens of every page, so each
+    # record is written as two parts, and the writer of the last one assembles it.
+    dep = cp_hicache.Deployment(
+        model="mla", page_size=PAGE, cp=2, layers=LAYERS, layout="token-interleave",
+        interleave_size=4,
+    )
     rc = cp_hicache.RankCache(
         dep, rank, dist.group.WORLD, device_pages=64, host_pages=64, backend="host"
     )
@@ -90,6 +95,9 @@ def _writer(rank: int, port: int, url: str, options: dict, out: str) -> None:
 
 
 def test_cp2_rank_processes_write_and_a_fresh_cp1_cache_reads_back(mooncake_master, tmp_path):
+    """Two rank processes at CP 2 under token-interleave write every record in two parts
+    (one per rank; the last part's writer assembles it, no lock); a fresh CP 1 cache reads
+    every page back, byte for byte."""
     pytest.importorskip("torch")
     import torch.multiprocessing as mp
 
@@ -107,7 +115,7 @@ def test_cp2_rank_processes_write_and_a_fresh_cp1_cache_reads_back(mooncake_mast
         for r in range(2)
         for s in json.loads((tmp_path / f"rank{r}.json").read_text())
     )
-    assert written == 30, written  # every page once, by its owner
+    assert written == 30, written  # every record once, by the writer of its last part
 
     dep = cp_hicache.Deployment(model="mla", page_size=PAGE, cp=1, layers=LAYERS)
     rc = cp_hicache.RankCache(dep, device_pages=64, host_pages=64, backend="host")
