@@ -1,6 +1,7 @@
 //! Criterion benches of the host-side hot paths that run per request: owner-preserving page
 //! allocation (2,048 pages, then free), node metadata split/concat/encode, a radix-tree match
-//! over a 128k-token path, and planning a DMA transfer's copy regions. Goals (BENCHMARKS.md):
+//! over a 128k-token path, planning a DMA transfer's copy regions, and building a 1 MiB
+//! storage record (copy and checksum: two passes, and one). Goals (BENCHMARKS.md):
 //! alloc < 20 µs, match < 50 µs.
 //!
 //! `cargo bench --bench host_paths -- --quick` for a short run; `cargo test` runs each once.
@@ -108,6 +109,54 @@ fn dma_regions(c: &mut Criterion) {
     });
 }
 
+/// Storage records of 1 MiB payloads built as an object store puts a batch of them: each
+/// payload copied behind its header, the checksum taken in a pass of its own
+/// (`record::header`, then the copy), or in the same pass (`record::encode_into`). 64
+/// payloads into 64 kept buffers in turn (128 MiB, past the caches), as in a batch.
+fn record_encode(c: &mut Criterion) {
+    use cp_hicache::storage::{record, Fingerprint, RecordKey};
+    const N: usize = 64;
+    let fp = Fingerprint::named("bench");
+    let key = RecordKey::of_name(&fp, "page");
+    let payloads: Vec<Vec<u8>> = (0..N)
+        .map(|p| {
+            (0..1u32 << 20)
+                .map(|i| (i * 31 % 251) as u8 ^ p as u8)
+                .collect()
+        })
+        .collect();
+    let mut outs: Vec<Vec<u8>> = (0..N)
+        .map(|_| vec![0u8; (1 << 20) + record::HEADER_BYTES])
+        .collect();
+    let mut at = 0;
+    c.bench_function("record of 1 MiB, cold: header (checksum), then copy", |b| {
+        b.iter(|| {
+            at = (at + 1) % N;
+            let (out, payload) = (&mut outs[at], &payloads[at]);
+            out.clear();
+            out.extend_from_slice(&record::header(&fp, &key, black_box(payload)));
+            out.extend_from_slice(payload);
+            black_box(out.len())
+        })
+    });
+    c.bench_function("record of 1 MiB, cold: encode_into (one pass)", |b| {
+        b.iter(|| {
+            at = (at + 1) % N;
+            record::encode_into(&fp, &key, black_box(&payloads[at]), &mut outs[at]);
+            black_box(outs[at].len())
+        })
+    });
+    c.bench_function("record of 1 MiB, cold: copy alone", |b| {
+        b.iter(|| {
+            at = (at + 1) % N;
+            let (out, payload) = (&mut outs[at], &payloads[at]);
+            out.clear();
+            out.extend_from_slice(black_box(payload));
+            black_box(out.len())
+        })
+    });
+}
+
 fn config() -> Criterion {
     Criterion::default()
         .warm_up_time(Duration::from_millis(300))
@@ -118,6 +167,6 @@ fn config() -> Criterion {
 criterion_group! {
     name = host_paths;
     config = config();
-    targets = alloc, metadata, radix_match, dma_regions
+    targets = alloc, metadata, radix_match, dma_regions, record_encode
 }
 criterion_main!(host_paths);

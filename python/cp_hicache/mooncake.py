@@ -17,7 +17,7 @@ Batches move without Python copies: the page store hands
 :meth:`MooncakeStore.put_objects_from` and :meth:`MooncakeStore.get_objects_into` the
 addresses of its records, one ``batch_put_from``/``batch_get_into`` each (the TCP transport
 reads and writes any memory of this process; other transports go through ``put``/``get``
-of bytes, since their buffers would have to be registered).
+of bytes, since their buffers would have to be registered: ``zero_copy``).
 """
 
 from __future__ import annotations
@@ -82,7 +82,11 @@ class MooncakeStore:
 
     ``metadata_server`` is the transfer engine's metadata URL (the master's HTTP metadata
     server: ``http://HOST:PORT/metadata``); ``local_host`` the address this client is
-    reached at; ``protocol`` ``"tcp"`` (or ``"rdma"`` with ``device``).
+    reached at; ``protocol`` ``"tcp"`` (or ``"rdma"`` with ``device``). ``zero_copy``:
+    whether batches move by address (``batch_put_from``/``batch_get_into`` at the page
+    store's own buffers, which the TCP transport reads and writes wherever they are); by
+    default for ``"tcp"`` only: another transport would need them registered, so its
+    objects go through ``put``/``get`` of bytes, one call each.
     """
 
     def __init__(
@@ -95,6 +99,7 @@ class MooncakeStore:
         buffer_bytes: int = 64 << 20,
         protocol: str = "tcp",
         device: str = "",
+        zero_copy: Optional[bool] = None,
     ) -> None:
         if master.startswith(SCHEME + "://"):
             master = parse_url(master)
@@ -116,6 +121,7 @@ class MooncakeStore:
                 f"metadata server {metadata_server}"
             )
         self.protocol = protocol
+        self.zero_copy = protocol == "tcp" if zero_copy is None else bool(zero_copy)
         self._lock = threading.Lock()
         # Bytes of each object this client put and has not seen go (for usage()).
         self._put_sizes: Dict[str, int] = {}
@@ -151,11 +157,11 @@ class MooncakeStore:
         todo = [i for i, t in enumerate(there) if not t]
         if todo:
             keys = [names[i] for i in todo]
-            if self.protocol == "tcp" and all(len(addrs[i]) == 1 for i in todo):
+            if self.zero_copy and all(len(addrs[i]) == 1 for i in todo):
                 rcs = self._store.batch_put_from(
                     keys, [addrs[i][0] for i in todo], [sizes[i][0] for i in todo]
                 )
-            elif self.protocol == "tcp":
+            elif self.zero_copy:
                 rcs = self._store.batch_put_from_multi_buffers(
                     keys, [list(addrs[i]) for i in todo], [list(sizes[i]) for i in todo]
                 )
@@ -194,7 +200,7 @@ class MooncakeStore:
         None when there is none."""
         if not names:
             return []
-        if self.protocol != "tcp":
+        if not self.zero_copy:
             return [self._get_bytes_into(n, a, s) for n, a, s in zip(names, addrs, sizes)]
         single = all(len(a) == 1 for a in addrs)
         if single:

@@ -9,6 +9,10 @@ host memory:
 - ``mooncake``: ``batch_put_from`` then ``batch_get_into`` of the pages, from and into a
   buffer registered with ``register_buffer`` (the zero-copy calls SGLang's Mooncake backend
   makes);
+- ``mooncake multi-buffer``: ``batch_put_from_multi_buffers`` then
+  ``batch_get_into_multi_buffers`` of each page as two buffers, a 64-byte header and the
+  page in place (what a record with no copy would be: whether Mooncake moves two buffers
+  per object as fast as one);
 - ``page store put_many / get_many``: ``_native.PageStore.over(MooncakeStore)`` batches of
   the same pages from and into the same host memory (records: header, checksum, canonical
   key; every read checked): one ``batch_put_from`` and one ``batch_get_into`` of the
@@ -125,7 +129,9 @@ def main(argv=None) -> int:
             raw = store._store  # the MooncakeDistributedStore client, for the baseline
             src = np.random.default_rng(0).integers(0, 256, size=total, dtype=np.uint8)
             dst = np.zeros(total, dtype=np.uint8)
-            for buf in (src, dst):
+            heads = np.zeros(n * 64, dtype=np.uint8)
+            heads_dst = np.zeros(n * 64, dtype=np.uint8)
+            for buf in (src, dst, heads, heads_dst):
                 rc = raw.register_buffer(buf.ctypes.data, buf.nbytes)
                 assert rc == 0, f"register_buffer failed ({rc})"
             ptrs_src = [src.ctypes.data + i * size for i in range(n)]
@@ -158,6 +164,24 @@ def main(argv=None) -> int:
                     assert all(r == size for r in rcs), rcs
 
                 record("mooncake batch_put_from / batch_get_into", _timed(put_raw), _timed(get_raw))
+                assert np.array_equal(src, dst)
+                raw.remove_all(True)
+
+                keys = [f"multi-{rep}-{i}" for i in range(n)]
+                dst[:] = 0
+                two = [[heads.ctypes.data + i * 64, p] for i, p in enumerate(ptrs_src)]
+                two_dst = [[heads_dst.ctypes.data + i * 64, p] for i, p in enumerate(ptrs_dst)]
+
+                def put_multi():
+                    rcs = raw.batch_put_from_multi_buffers(keys, two, [[64, size]] * n)
+                    assert all(r == 0 for r in rcs), rcs
+
+                def get_multi():
+                    rcs = raw.batch_get_into_multi_buffers(keys, two_dst, [[64, size]] * n)
+                    assert all(r == size + 64 for r in rcs), rcs
+
+                record("mooncake multi-buffer (64-byte header + page)", _timed(put_multi),
+                       _timed(get_multi))
                 assert np.array_equal(src, dst)
                 raw.remove_all(True)
 

@@ -133,6 +133,10 @@ impl ObjectBackend for PyBackend {
         })
     }
 
+    fn batches(&self) -> bool {
+        self.batched
+    }
+
     fn put_many(&self, items: &[(String, Vec<&[u8]>)]) -> Vec<Result<bool, StorageError>> {
         if !self.batched {
             return put_each(self, items);

@@ -86,6 +86,22 @@ impl PageStore {
         }
         Ok(())
     }
+
+    /// The keys of the pages `names`, their buffers `parts` (one list per page) checked
+    /// first: the prologue of `put_many` and `get_many`.
+    fn batch_keys(&self, names: &[String], parts: &[Parts]) -> PyResult<Vec<RecordKey>> {
+        if names.len() != parts.len() {
+            return Err(usage(format!(
+                "{} names for {} pages' buffers",
+                names.len(),
+                parts.len()
+            )));
+        }
+        for p in parts {
+            self.check_parts(p)?;
+        }
+        Ok(names.iter().map(|n| self.key(n)).collect())
+    }
 }
 
 #[pymethods]
@@ -190,17 +206,7 @@ impl PageStore {
         names: Vec<String>,
         parts: Vec<Parts>,
     ) -> PyResult<Vec<bool>> {
-        if names.len() != parts.len() {
-            return Err(usage(format!(
-                "{} names for {} pages' buffers",
-                names.len(),
-                parts.len()
-            )));
-        }
-        for p in &parts {
-            self.check_parts(p)?;
-        }
-        let keys: Vec<RecordKey> = names.iter().map(|n| self.key(n)).collect();
+        let keys = self.batch_keys(&names, &parts)?;
         let puts = py.detach(|| {
             // SAFETY: as `put`: each part is readable for its length during this call.
             let joined: Vec<std::borrow::Cow<'_, [u8]>> = parts
@@ -250,17 +256,7 @@ impl PageStore {
         names: Vec<String>,
         parts: Vec<Parts>,
     ) -> PyResult<Vec<bool>> {
-        if names.len() != parts.len() {
-            return Err(usage(format!(
-                "{} names for {} pages' buffers",
-                names.len(),
-                parts.len()
-            )));
-        }
-        for p in &parts {
-            self.check_parts(p)?;
-        }
-        let keys: Vec<RecordKey> = names.iter().map(|n| self.key(n)).collect();
+        let keys = self.batch_keys(&names, &parts)?;
         py.detach(|| {
             // SAFETY: as documented for `get`: each part is writable host memory of its
             // length during this call, not otherwise used meanwhile.

@@ -9,7 +9,7 @@
 //! it is checked the same way, counted when the request takes it, and a record the
 //! request never takes ages out of a bounded buffer. Local to the rank: no round.
 
-use super::{ClusterError, RankCache, RequestStats};
+use super::{ClusterError, RankCache};
 use crate::storage::{Lookup, PageStore, RecordKey, StorageError};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::mpsc::{channel, Sender};
@@ -20,7 +20,7 @@ use std::thread::JoinHandle;
 pub const PREFETCH_BYTES: u64 = 256 << 20;
 
 /// A read's outcome, kept until a request takes it.
-type Read = Result<Lookup, StorageError>;
+pub(super) type Read = Result<Lookup, StorageError>;
 
 #[derive(Default)]
 struct State {
@@ -65,25 +65,44 @@ impl Prefetcher {
         let thread = std::thread::Builder::new()
             .name(format!("cp-hicache-prefetch-{rank}"))
             .spawn(move || {
+                // In batches where the store batches (one call each), else one record at a
+                // time: in order, up to the first record that is not a hit (the request
+                // would stop there too; the rest of its batch is dropped).
+                let batch = super::storage::batch_records(store.as_ref());
                 for job in rx {
-                    // In order, up to the first record that is not a hit: the request would
-                    // stop there too.
-                    let mut rest = job.into_iter();
-                    for key in rest.by_ref() {
-                        let read = store.get(&key);
-                        let hit = matches!(read, Ok(Lookup::Hit(_)));
-                        let mut st = lock(&s);
-                        st.pending.remove(&key);
-                        st.bytes += payload_len(&read);
-                        if st.done.insert(key, read).is_none() {
-                            st.order.push_back(key);
+                    let mut rest = job.as_slice();
+                    while !rest.is_empty() {
+                        let (chunk, tail) = rest.split_at(batch.min(rest.len()));
+                        rest = tail;
+                        let mut reads = match chunk {
+                            [one] => vec![store.get(one)],
+                            many => store.get_many(many),
                         }
-                        while st.bytes > PREFETCH_BYTES {
-                            let Some(old) = st.order.pop_front() else {
-                                break;
-                            };
-                            if let Some(r) = st.done.remove(&old) {
-                                st.bytes -= payload_len(&r);
+                        .into_iter();
+                        let mut hit = true;
+                        let mut st = lock(&s);
+                        for key in chunk {
+                            st.pending.remove(key);
+                            let read = reads.next().unwrap_or_else(|| {
+                                Err(StorageError::Backend(
+                                    "the store answered fewer reads than it was given".into(),
+                                ))
+                            });
+                            if !hit {
+                                continue;
+                            }
+                            hit = matches!(read, Ok(Lookup::Hit(_)));
+                            st.bytes += payload_len(&read);
+                            if st.done.insert(*key, read).is_none() {
+                                st.order.push_back(*key);
+                            }
+                            while st.bytes > PREFETCH_BYTES {
+                                let Some(old) = st.order.pop_front() else {
+                                    break;
+                                };
+                                if let Some(r) = st.done.remove(&old) {
+                                    st.bytes -= payload_len(&r);
+                                }
                             }
                         }
                         drop(st);
@@ -94,7 +113,7 @@ impl Prefetcher {
                     }
                     let mut st = lock(&s);
                     for key in rest {
-                        st.pending.remove(&key);
+                        st.pending.remove(key);
                     }
                     drop(st);
                     s.read.notify_all();
@@ -194,23 +213,6 @@ impl RankCache {
             .prefetcher
             .get_or_insert_with(|| Prefetcher::start(store, self.rank.0));
         Ok(prefetcher.ask(wanted))
-    }
-
-    /// A record for the request's read: read ahead if it was ([`RankCache::prefetch`],
-    /// counted), else read now.
-    pub(super) fn read_record(
-        &self,
-        store: &dyn PageStore,
-        key: &RecordKey,
-        stats: &mut RequestStats,
-    ) -> Read {
-        if let Some(read) = self.prefetcher.as_ref().and_then(|p| p.take(key)) {
-            if matches!(read, Ok(Lookup::Hit(_))) {
-                stats.storage_records_prefetched += 1;
-            }
-            return read;
-        }
-        store.get(key)
     }
 }
 

@@ -5,22 +5,28 @@
 //!   layout writes it from its host copy, when the page is backed up to the host
 //!   ([`StoragePolicy::WithHost`]) or when its host copy is evicted
 //!   ([`StoragePolicy::OnHostEvict`]). A record already present is left alone (its writer
-//!   wrote the same bytes: a key names its whole prefix).
+//!   wrote the same bytes: a key names its whole prefix). A node's records go to the store
+//!   in batches ([`PageStore::put_many`], [`BATCH_BYTES`] at most), one engine call each
+//!   where the store batches.
 //! - *Parts.* Where the layout splits a sequence page across ranks (`token-interleave`),
 //!   each rank holding tokens of a record writes them as a part; the record is assembled
 //!   when its last part comes, and a reader takes its tokens out of the records its page's
 //!   tokens come from ([`crate::storage::PageSlots`]).
 //! - *Reads.* Past the pages the tree matched, every rank reads the records of the pages it
-//!   will own, in one batch, up to its first miss or refused record; the group agrees on
-//!   the shortest run (one round), in whole granules. The run becomes a host-only node of
+//!   will own, up to its first miss or refused record (in batches where the store batches,
+//!   one record at a time where it does not: `RankCache::read_records`); the group agrees
+//!   on the shortest run (one round), in whole granules. The run becomes a host-only node of
 //!   the tree (each rank's records in its own host pool), which the ordinary load-back then
 //!   brings to the device with its owners preserved and verifies like any page.
 
+use super::prefetch::Read;
 use super::*;
 use crate::kernels::HostLayout;
 use crate::storage::{
     Fingerprint, Lookup, PageSlots, PageStore, PartPut, Put, RecordError, RecordKey, Refusal,
+    StorageError,
 };
+use std::collections::HashMap;
 use std::fmt;
 use std::str::FromStr;
 
@@ -187,22 +193,44 @@ impl RankCache {
         if self.split_pages() {
             return self.store_parts(&store, &keys, first, &meta, stats);
         }
-        for (i, host) in meta.owned_pages() {
-            let payload = self.read_host_page(host)?;
-            match store.put(&keys[first + i], &payload) {
-                Ok(Put::Written { evicted }) => {
-                    stats.storage_records_written += 1;
-                    stats.storage_bytes_written += payload.len() as u64;
-                    stats.storage_evictions += evicted;
+        // The node's records this rank owns, in batches (one call each of a store that
+        // batches; a record at a time of one that does not), up to the first batch that
+        // fails.
+        let owned: Vec<(usize, HostPage)> = meta.owned_pages().collect();
+        for chunk in owned.chunks(batch_records(store.as_ref())) {
+            let mut payloads = Vec::with_capacity(chunk.len());
+            for &(_, host) in chunk {
+                payloads.push(self.read_host_page(host)?);
+            }
+            let items: Vec<(RecordKey, &[u8])> = chunk
+                .iter()
+                .zip(&payloads)
+                .map(|(&(i, _), p)| (keys[first + i], &p[..]))
+                .collect();
+            let mut puts = store.put_many(&items).into_iter();
+            let (mut failed, mut why) = (0u64, None);
+            for (_, payload) in &items {
+                match puts.next().unwrap_or_else(unanswered) {
+                    Ok(Put::Written { evicted }) => {
+                        stats.storage_records_written += 1;
+                        stats.storage_bytes_written += payload.len() as u64;
+                        stats.storage_evictions += evicted;
+                    }
+                    Ok(Put::Present) => {}
+                    Err(e) => {
+                        failed += 1;
+                        why.get_or_insert(e);
+                    }
                 }
-                Ok(Put::Present) => {}
-                Err(e) => {
-                    // A record left out is a later miss; failing here would leave this
-                    // rank out of the request's next round.
-                    tracing::warn!(rank = self.rank.0, error = %e, "storage write failed");
-                    stats.storage_io_errors += 1;
-                    break;
-                }
+            }
+            if let Some(e) = why {
+                // A record left out is a later miss; failing here would leave this rank
+                // out of the request's next round. Each record of the batch that failed is
+                // counted; the node's later batches are not tried (a store that failed
+                // once, its master gone, may take seconds to fail each call).
+                tracing::warn!(rank = self.rank.0, records = failed, error = %e, "storage write failed");
+                stats.storage_io_errors += failed;
+                break;
             }
         }
         Ok(())
@@ -419,15 +447,20 @@ impl RankCache {
         let (layout, cp) = (self.config.deployment.layout, self.layout.cp());
         let owners = layout.owners(cp, matched, total - matched);
         let me = self.rank.0;
+        let mut records = self.read_records(
+            store.as_ref(),
+            &self.records_for(&keys, matched, total - matched),
+            stats,
+        );
         let mut payloads = Vec::new();
         let mut run = owners.len();
         let split = self.split_pages();
         for (i, _) in owners.iter().enumerate().filter(|(_, &o)| o == me) {
             let q = matched + i;
             let page = if split {
-                self.read_split_page(store.as_ref(), &keys, q, stats)
+                self.split_page(&records, &keys, q)
             } else {
-                self.fetch(store.as_ref(), &keys[q], stats)
+                records.remove(&keys[q])
             };
             match page {
                 Some(p) => payloads.push(p),
@@ -486,32 +519,81 @@ impl RankCache {
         Ok(Some(self.tree.insert_host_leaf(parent, leaf, meta)?))
     }
 
-    /// The record of `key`, counted; `None` for a miss, a refused record or a failed read
-    /// (each ends this rank's run there; a failed read is served as a miss so that this
-    /// rank still takes the round that agrees on the run).
-    fn fetch(
+    /// The records of `wanted` (in the order a rank reads them: [`Self::records_for`]) up
+    /// to the first that is not a hit, by key, counted. A store that batches is handed
+    /// them in batches of [`batch_records`] (one call each, the records read ahead
+    /// ([`RankCache::prefetch`]) taken out first), and stops after the batch holding the
+    /// first miss, refused record or failed read; any other is read one record at a time,
+    /// up to it. In a batch, a record past the first that is not a hit is not used: a
+    /// refused one is still counted (the store removed it), and so is each failed read
+    /// (a batch whose call failed counts every record), but its hits are not. A failed
+    /// read is served as a miss, so that this rank still takes the round that agrees on
+    /// the run.
+    fn read_records(
         &self,
         store: &dyn PageStore,
-        key: &RecordKey,
+        wanted: &[RecordKey],
         stats: &mut RequestStats,
-    ) -> Option<Vec<u8>> {
-        match self.read_record(store, key, stats) {
-            Ok(Lookup::Hit(p)) => {
-                stats.storage_records_read += 1;
-                stats.storage_bytes_read += p.len() as u64;
-                Some(p)
+    ) -> HashMap<RecordKey, Vec<u8>> {
+        let mut out = HashMap::new();
+        for chunk in wanted.chunks(batch_records(store)) {
+            // Read ahead first, up to the first that is not a hit (the rest need no read).
+            let mut ahead: Vec<Option<Read>> = Vec::with_capacity(chunk.len());
+            for key in chunk {
+                let read = self.prefetcher.as_ref().and_then(|p| p.take(key));
+                let stop = read
+                    .as_ref()
+                    .is_some_and(|r| !matches!(r, Ok(Lookup::Hit(_))));
+                ahead.push(read);
+                if stop {
+                    break;
+                }
             }
-            Ok(Lookup::Miss) => None,
-            Ok(Lookup::Refused(e)) => {
-                self.count_refusal(&e, stats);
-                None
+            let ask: Vec<RecordKey> = chunk
+                .iter()
+                .zip(&ahead)
+                .filter(|(_, r)| r.is_none())
+                .map(|(k, _)| *k)
+                .collect();
+            let mut got = match ask.as_slice() {
+                [] => Vec::new(),
+                [one] => vec![store.get(one)],
+                many => store.get_many(many),
             }
-            Err(e) => {
-                tracing::warn!(rank = self.rank.0, error = %e, "storage read failed");
-                stats.storage_io_errors += 1;
-                None
+            .into_iter();
+            let (mut open, mut failed, mut why) = (true, 0u64, None);
+            for (key, read) in chunk.iter().zip(ahead) {
+                let prefetched = read.is_some();
+                match read.unwrap_or_else(|| got.next().unwrap_or_else(unanswered)) {
+                    Ok(Lookup::Hit(p)) if open => {
+                        stats.storage_records_read += 1;
+                        stats.storage_bytes_read += p.len() as u64;
+                        if prefetched {
+                            stats.storage_records_prefetched += 1;
+                        }
+                        out.insert(*key, p);
+                    }
+                    Ok(Lookup::Hit(_) | Lookup::Miss) => open = false,
+                    Ok(Lookup::Refused(e)) => {
+                        self.count_refusal(&e, stats);
+                        open = false;
+                    }
+                    Err(e) => {
+                        failed += 1;
+                        why.get_or_insert(e);
+                        open = false;
+                    }
+                }
+            }
+            if let Some(e) = why {
+                tracing::warn!(rank = self.rank.0, records = failed, error = %e, "storage read failed");
+                stats.storage_io_errors += failed;
+            }
+            if !open {
+                break;
             }
         }
+        out
     }
 
     /// The records this rank reads for the `n` pages of `keys` past the first `matched`,
@@ -550,21 +632,14 @@ impl RankCache {
     }
 
     /// Sequence page `q` of a layout that splits pages across ranks, taken out of the
-    /// whole records its tokens come from.
-    fn read_split_page(
+    /// whole records its tokens come from (`None` when one of them was not read).
+    fn split_page(
         &self,
-        store: &dyn PageStore,
+        records: &HashMap<RecordKey, Vec<u8>>,
         keys: &[RecordKey],
         q: usize,
-        stats: &mut RequestStats,
     ) -> Option<Vec<u8>> {
         let sources = self.slot_sources(q);
-        let mut records: Vec<(usize, Vec<u8>)> = Vec::new();
-        for &(c, _) in &sources {
-            if records.iter().all(|(have, _)| *have != c) {
-                records.push((c, self.fetch(store, keys.get(c)?, stats)?));
-            }
-        }
         let full = PageSlots::new(
             &self.config.deployment,
             self.config.layers,
@@ -572,7 +647,7 @@ impl RankCache {
         );
         let mut out = vec![0u8; full.bytes()];
         for (slot, &(c, at)) in sources.iter().enumerate() {
-            let (_, record) = records.iter().find(|(have, _)| *have == c)?;
+            let record = records.get(keys.get(c)?)?;
             full.copy(record, at, &full, &mut out, slot as u32);
         }
         Some(out)
@@ -586,6 +661,28 @@ impl RankCache {
             Refusal::Fingerprint => stats.storage_refused_fingerprint += 1,
         }
     }
+}
+
+/// Records per batch a rank hands `store`: as many as fit in [`BATCH_BYTES`] (at least
+/// one) where it batches, else one.
+pub(super) fn batch_records(store: &dyn PageStore) -> usize {
+    if store.batches() {
+        (BATCH_BYTES / store.payload_bytes().max(1)).max(1) as usize
+    } else {
+        1
+    }
+}
+
+/// Payload bytes a rank hands a store that batches in one call, at most (a record more
+/// than that goes alone): the records are copied out of the host pool for the call, and a
+/// prompt of thousands of pages would otherwise hold all of them at once.
+pub const BATCH_BYTES: u64 = 64 << 20;
+
+/// The answer for an item a store left unanswered (it must answer each).
+fn unanswered<T>() -> Result<T, StorageError> {
+    Err(StorageError::Backend(
+        "the store answered fewer items than it was given".into(),
+    ))
 }
 
 /// What one rank read from the store for one request ([`RankCache::probe_storage`]), and

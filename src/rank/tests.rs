@@ -587,3 +587,221 @@ fn host_copies_a_device_eviction_drops_are_stored_under_on_host_evict() {
     assert_eq!(store.stats().records_written, 1);
     rank.check_invariants().unwrap();
 }
+
+/// An object store with batch calls, as Mooncake Store's client has: it records each call
+/// (`(method, objects)`), and the objects named in `failing` fail their puts and gets.
+#[derive(Default)]
+struct BatchingObjects {
+    objects: std::sync::Mutex<std::collections::HashMap<String, Vec<u8>>>,
+    calls: std::sync::Mutex<Vec<(&'static str, usize)>>,
+    failing: std::sync::Mutex<std::collections::HashSet<String>>,
+}
+
+impl BatchingObjects {
+    fn call(&self, method: &'static str, n: usize) {
+        self.calls.lock().unwrap().push((method, n));
+    }
+    fn fails(&self, name: &str) -> Result<(), crate::storage::StorageError> {
+        match self.failing.lock().unwrap().contains(name) {
+            true => Err(crate::storage::StorageError::Backend(format!(
+                "{name}: injected"
+            ))),
+            false => Ok(()),
+        }
+    }
+    fn take_calls(&self) -> Vec<(&'static str, usize)> {
+        std::mem::take(&mut *self.calls.lock().unwrap())
+    }
+}
+
+impl crate::storage::ObjectBackend for BatchingObjects {
+    fn put_if_absent(
+        &self,
+        name: &str,
+        bytes: &[u8],
+    ) -> Result<bool, crate::storage::StorageError> {
+        self.call("put", 1);
+        self.fails(name)?;
+        let mut m = self.objects.lock().unwrap();
+        Ok(m.insert(name.to_string(), bytes.to_vec()).is_none())
+    }
+    fn get(&self, name: &str) -> Result<Option<Vec<u8>>, crate::storage::StorageError> {
+        self.call("get", 1);
+        self.fails(name)?;
+        Ok(self.objects.lock().unwrap().get(name).cloned())
+    }
+    fn exist(&self, names: &[String]) -> Result<Vec<bool>, crate::storage::StorageError> {
+        self.call("exist", names.len());
+        let m = self.objects.lock().unwrap();
+        Ok(names.iter().map(|n| m.contains_key(n)).collect())
+    }
+    fn remove(&self, name: &str) -> Result<(), crate::storage::StorageError> {
+        self.objects.lock().unwrap().remove(name);
+        Ok(())
+    }
+    fn batches(&self) -> bool {
+        true
+    }
+    fn put_many(
+        &self,
+        items: &[(String, Vec<&[u8]>)],
+    ) -> Vec<Result<bool, crate::storage::StorageError>> {
+        self.call("put_many", items.len());
+        items
+            .iter()
+            .map(|(name, slices)| {
+                self.fails(name)?;
+                let mut m = self.objects.lock().unwrap();
+                if m.contains_key(name) {
+                    return Ok(false);
+                }
+                m.insert(name.clone(), slices.concat());
+                Ok(true)
+            })
+            .collect()
+    }
+    fn get_many_into(
+        &self,
+        names: &[String],
+        dsts: &mut [Vec<&mut [u8]>],
+    ) -> Vec<Result<Option<usize>, crate::storage::StorageError>> {
+        self.call("get_many", names.len());
+        names
+            .iter()
+            .zip(dsts.iter_mut())
+            .map(|(name, dst)| {
+                self.fails(name)?;
+                let m = self.objects.lock().unwrap();
+                let Some(bytes) = m.get(name) else {
+                    return Ok(None);
+                };
+                if bytes.len() <= dst.iter().map(|d| d.len()).sum::<usize>() {
+                    crate::storage::scatter(bytes, dst);
+                }
+                Ok(Some(bytes.len()))
+            })
+            .collect()
+    }
+}
+
+/// Over a store that batches (Mooncake Store's shape), a rank hands a request's records to
+/// it in one call each way; a record refused or failing in a batch is counted alone, the
+/// records before it still serve, and what follows is recomputed and verified.
+#[test]
+fn a_request_s_records_go_to_a_batching_store_in_one_call_each_way() {
+    use crate::storage::{object_name, ObjectStore, PageStore as _, RecordKey};
+    let exec = Arc::new(crate::exec::HostExecutor::new(Default::default()));
+    let mut config = adopting_config(1, 2);
+    config.host_pages = 32;
+    config.device_pages = 32;
+    let dep = config.deployment.clone();
+    let store = Arc::new(
+        ObjectStore::new(
+            BatchingObjects::default(),
+            crate::storage::Fingerprint::of(&dep, config.layers),
+            crate::storage::payload_bytes(&dep, config.layers),
+        )
+        .unwrap(),
+    );
+    let objects = store.backend();
+    let fresh = || {
+        let m = crate::group::LocalGroup::members(1, std::time::Duration::from_secs(60))
+            .pop()
+            .unwrap();
+        let mut rank = RankCache::new(
+            config.clone(),
+            exec.clone(),
+            &test_jit(),
+            Box::new(m),
+            PeerAccess::Direct,
+        )
+        .unwrap();
+        rank.attach_storage(store.clone(), StoragePolicy::WithHost)
+            .unwrap();
+        rank
+    };
+    let prompt: Vec<u32> = (0..8 * 16).map(|t| t * 7 + 3).collect();
+    let names: Vec<String> = RecordKey::chain(store.fingerprint(), &prompt, 16)
+        .iter()
+        .map(object_name)
+        .collect();
+
+    // Probed in one batch (all missing), written in one batch; record 3's put fails alone
+    // (counted), the others are written. Its read failed in the probe too: past the first
+    // miss, but a failed read is counted wherever it is in its batch.
+    objects.failing.lock().unwrap().insert(names[3].clone());
+    let w = fresh().serve(&prompt).unwrap();
+    assert_eq!(objects.take_calls(), [("get_many", 8), ("put_many", 8)]);
+    assert_eq!(
+        (w.storage_records_written, w.storage_io_errors),
+        (7, 2),
+        "{w:?}"
+    );
+    objects.failing.lock().unwrap().clear();
+
+    // Read in one batch: up to the missing record 3; pages 3.. recomputed and their
+    // records written in one batch (only record 3 is new).
+    let r = fresh().serve(&prompt).unwrap();
+    assert_eq!(objects.take_calls(), [("get_many", 8), ("put_many", 5)]);
+    assert_eq!(
+        (r.storage_records_read, r.storage_hit_tokens),
+        (3, 48),
+        "{r:?}"
+    );
+    assert_eq!((r.computed_tokens, r.mismatched_tokens), (80, 0), "{r:?}");
+    assert_eq!(r.storage_records_written, 1, "{r:?}");
+
+    // A damaged record 5 in the batch: refused and counted, 0..5 served.
+    let mut bytes = objects.objects.lock().unwrap()[&names[5]].clone();
+    bytes[100] ^= 1;
+    objects
+        .objects
+        .lock()
+        .unwrap()
+        .insert(names[5].clone(), bytes);
+    let r = fresh().serve(&prompt).unwrap();
+    assert_eq!(objects.take_calls(), [("get_many", 8), ("put_many", 3)]);
+    assert_eq!(
+        (r.storage_records_read, r.storage_refused_checksum),
+        (5, 1),
+        "{r:?}"
+    );
+    assert_eq!((r.computed_tokens, r.mismatched_tokens), (48, 0), "{r:?}");
+
+    // Record 2's read fails in the batch: counted alone; a failed batch call (every
+    // record failing) counts each of its records.
+    objects.failing.lock().unwrap().insert(names[2].clone());
+    let r = fresh().serve(&prompt).unwrap();
+    assert_eq!(
+        (r.storage_records_read, r.storage_io_errors),
+        (2, 2),
+        "{r:?}"
+    );
+    assert_eq!(r.mismatched_tokens, 0, "{r:?}");
+    objects
+        .failing
+        .lock()
+        .unwrap()
+        .extend(names.iter().cloned());
+    let r = fresh().serve(&prompt).unwrap();
+    assert_eq!(
+        (r.storage_records_read, r.storage_io_errors),
+        (0, 16),
+        "{r:?}"
+    );
+    assert_eq!((r.computed_tokens, r.mismatched_tokens), (128, 0), "{r:?}");
+    objects.failing.lock().unwrap().clear();
+    objects.take_calls();
+
+    // Read ahead: one batch too, taken whole by the request (no read of its own).
+    let mut rank = fresh();
+    assert_eq!(rank.prefetch(&prompt, 0).unwrap(), 8);
+    let r = rank.serve(&prompt).unwrap();
+    assert_eq!(objects.take_calls(), [("get_many", 8)]);
+    assert_eq!(
+        (r.storage_records_read, r.storage_records_prefetched),
+        (8, 8),
+        "{r:?}"
+    );
+    assert_eq!(r.mismatched_tokens, 0, "{r:?}");
+}

@@ -242,6 +242,14 @@ pub trait PageStore: Send + Sync {
     /// The record of `key`, checked.
     fn get(&self, key: &RecordKey) -> Result<Lookup, StorageError>;
 
+    /// Whether [`put_many`](Self::put_many) and [`get_many`](Self::get_many) make one call
+    /// of an engine for a whole batch (an [`ObjectStore`] whose backend has batch calls), so
+    /// that a rank hands them a request's records at once. Otherwise (a directory: a file
+    /// per record either way) a rank reads one record at a time, up to its first miss.
+    fn batches(&self) -> bool {
+        false
+    }
+
     /// [`put`](Self::put) of each `(key, payload)`, in one batch where the store can (an
     /// [`ObjectStore`] makes one call of its engine): one answer per item, in order.
     fn put_many(&self, items: &[(RecordKey, &[u8])]) -> Vec<Result<Put, StorageError>> {

@@ -40,6 +40,11 @@ pub trait ObjectBackend: Send + Sync {
     fn usage(&self) -> Result<u64, StorageError> {
         Ok(0)
     }
+    /// Whether [`put_many`](Self::put_many) and [`get_many_into`](Self::get_many_into) are
+    /// one call of the engine (not the per-object defaults).
+    fn batches(&self) -> bool {
+        false
+    }
     /// [`put_if_absent`](Self::put_if_absent) of each `(name, slices)` (the object is the
     /// slices' bytes, in order), in one call of the engine where it has one: one answer
     /// per item, in order.
@@ -231,6 +236,10 @@ impl<B: ObjectBackend> PageStore for ObjectStore<B> {
         self.payload_bytes
     }
 
+    fn batches(&self) -> bool {
+        self.backend.batches()
+    }
+
     fn put(&self, key: &RecordKey, payload: &[u8]) -> Result<Put, StorageError> {
         self.put_many(&[(*key, payload)])
             .pop()
@@ -238,7 +247,8 @@ impl<B: ObjectBackend> PageStore for ObjectStore<B> {
     }
 
     /// One [`ObjectBackend::put_many`] of the records, each whole in one buffer (one copy
-    /// of the payload behind its header: an engine moves one buffer per object faster than
+    /// of the payload behind its header, its checksum taken in the same pass
+    /// ([`record::encode_into`]): an engine moves one buffer per object faster than
     /// two, Mooncake Store's batch put by about 2× on records of 200 KB): the backend's
     /// put-if-absent says which were there (no test of presence first, which would cost
     /// the engine a second call per batch).
@@ -249,9 +259,7 @@ impl<B: ObjectBackend> PageStore for ObjectStore<B> {
         for (i, (key, payload)) in items.iter().enumerate() {
             match super::check_payload(key, payload, self.payload_bytes) {
                 Ok(()) => {
-                    let rec = &mut records[at.len()];
-                    rec.extend_from_slice(&record::header(&self.fp, key, payload));
-                    rec.extend_from_slice(payload);
+                    record::encode_into(&self.fp, key, payload, &mut records[at.len()]);
                     at.push(i);
                 }
                 Err(e) => out[i] = Some(Err(e)),

@@ -119,6 +119,32 @@ pub fn encode(fp: &Fingerprint, key: &RecordKey, payload: &[u8]) -> Vec<u8> {
     out
 }
 
+/// [`encode`] into `out` (cleared first; a buffer kept between records costs no page
+/// faults), copying the payload and taking its checksum in one pass: a piece at a time,
+/// hashed while it is still in the cache, so the payload is read from memory once, not
+/// twice (the copy's pass and the checksum's).
+pub fn encode_into(fp: &Fingerprint, key: &RecordKey, payload: &[u8], out: &mut Vec<u8>) {
+    /// Bytes per piece: well inside a core's first-level cache.
+    const PIECE: usize = 16 << 10;
+    out.clear();
+    out.reserve(HEADER_BYTES + payload.len());
+    let mut head = [0u8; HEADER_BYTES];
+    head[..8].copy_from_slice(&MAGIC);
+    head[8..12].copy_from_slice(&VERSION.to_le_bytes());
+    head[12..16].copy_from_slice(&(HEADER_BYTES as u32).to_le_bytes());
+    head[16..32].copy_from_slice(&fp.digest());
+    head[32..48].copy_from_slice(&key.0);
+    head[48..56].copy_from_slice(&(payload.len() as u64).to_le_bytes());
+    out.extend_from_slice(&head);
+    let mut h = XxHash3_64::new();
+    h.write(&head[..HEADER_BYTES - 8]);
+    for piece in payload.chunks(PIECE) {
+        out.extend_from_slice(piece);
+        h.write(piece);
+    }
+    out[56..64].copy_from_slice(&h.finish().to_le_bytes());
+}
+
 /// The header of the record of `payload`: what [`encode`] puts before it, for a writer that
 /// writes the two without copying the payload.
 pub fn header(fp: &Fingerprint, key: &RecordKey, payload: &[u8]) -> [u8; HEADER_BYTES] {
