@@ -7,7 +7,7 @@ mod hicache_support;
 
 use cp_hicache::cluster::{Cluster, ClusterConfig, ClusterError};
 use cp_hicache::exec::Executor;
-use cp_hicache::kernels::{Deployment, ModelShape};
+use cp_hicache::kernels::{CopyLaunch, Deployment, ModelShape};
 use hicache_support::{evict_all, host_executor, jit, serve, serve_checked, tokens, Setup, Spy};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -164,8 +164,26 @@ fn load_with_held_copies(release: bool) -> (u64, Vec<String>) {
 
 /// [`load_with_held_copies`] with `cp` ranks sharing the executor.
 fn load_with_held_copies_at(cp: u8, release: bool) -> (u64, Vec<String>) {
+    // An uncapped grid: a launch per layer, so layer 1's copy is one of its own (the default
+    // capped launch puts the 3 layers of so few pages in one, `KernelSpec::layers_per_launch`).
+    let per_layer = CopyLaunch {
+        max_blocks: 0,
+        ..CopyLaunch::gpu_transfer()
+    };
+    load_with_held_launch(cp, Some(per_layer), 1, release)
+}
+
+/// Loads back 6 pages of 3 layers at `cp` under the transfer launch `launch` (the default
+/// when `None`), the launch whose range starts at `layer` held back until a wait.
+fn load_with_held_launch(
+    cp: u8,
+    launch: Option<CopyLaunch>,
+    layer: u32,
+    release: bool,
+) -> (u64, Vec<String>) {
     let setup = Setup {
         layers: 3,
+        transfer_launch: launch,
         ..Setup::new(ModelShape::MlaBf16, 16, cp)
     };
     let spy = Spy::new();
@@ -173,7 +191,7 @@ fn load_with_held_copies_at(cp: u8, release: bool) -> (u64, Vec<String>) {
     let a = tokens(1, 6 * 16);
     serve(&mut c, &a);
     evict_all(&mut c);
-    spy.hold_h2d_layer(1, release);
+    spy.hold_h2d_layer(layer, release);
     let s = serve_checked(&mut c, &a);
     assert_eq!(s.host_hit_tokens, 6 * 16, "{s:?}");
     (s.mismatched_tokens, spy.hold_log())
@@ -208,6 +226,27 @@ fn verification_waits_for_each_layer_of_the_load() {
         6 * 16,
         "a layer read before its copy ran must mismatch: {log:?}"
     );
+}
+
+/// A layer-wise load of few pages puts its layers in one launch (6 pages of the default
+/// launch's 64 warp groups: up to 4 layers a launch), and each layer's event is that
+/// launch's: with the launch held until a wait, layer 0's read waits for it (every layer
+/// verifies), and nobody waiting leaves every loaded token mismatched.
+#[test]
+fn layers_sharing_a_launch_share_its_event() {
+    let (bad, log) = load_with_held_launch(1, None, 0, true);
+    assert_eq!(bad, 0, "{log:?}");
+    let transfers = log
+        .iter()
+        .filter(|l| l.starts_with("transfer_pages_h2d"))
+        .count()
+        + log.iter().filter(|l| *l == "h2d held").count();
+    assert_eq!(transfers, 1, "one launch for the 3 layers: {log:?}");
+    let released = log.iter().position(|l| l == "h2d released");
+    let first_read = log.iter().position(|l| l.starts_with("materialise"));
+    assert!(released.is_some() && released < first_read, "{log:?}");
+    let (bad, log) = load_with_held_launch(1, None, 0, false);
+    assert_eq!(bad, 6 * 16, "{log:?}");
 }
 
 /// The per-layer wait at CP 4: every rank's layer-1 copies are held until a wait, and every

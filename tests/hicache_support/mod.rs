@@ -10,7 +10,7 @@ use cp_hicache::exec::{
     HostOptions, KernelArg, KernelArtifact, KernelId, LaunchConfig, MemKind,
 };
 use cp_hicache::jit::{Jit, JitConfig, Sanitize};
-use cp_hicache::kernels::{Deployment, ModelShape, TransferPath};
+use cp_hicache::kernels::{CopyLaunch, Deployment, ModelShape, TransferPath};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -34,6 +34,8 @@ pub struct Setup {
     pub policy: WritePolicy,
     pub fault: Option<Fault>,
     pub transfer_path: TransferPath,
+    /// The transfer kernel's launch shape, when not the deployment's default.
+    pub transfer_launch: Option<CopyLaunch>,
 }
 
 impl Setup {
@@ -48,6 +50,7 @@ impl Setup {
             policy: WritePolicy::WriteThrough,
             fault: None,
             transfer_path: TransferPath::Kernel,
+            transfer_launch: None,
         }
     }
 
@@ -60,6 +63,9 @@ impl Setup {
     pub fn build_on(&self, exec: Arc<dyn Executor>) -> Cluster {
         let mut deployment = Deployment::new(self.model, self.page_size, self.cp).unwrap();
         deployment.transfer_path = self.transfer_path;
+        if let Some(launch) = self.transfer_launch {
+            deployment.transfer_copy = launch;
+        }
         let config = ClusterConfig {
             deployment,
             layers: self.layers,
