@@ -442,6 +442,48 @@ pub trait Executor: Send + Sync {
         let _ = event;
     }
 
+    /// An event that executors in other processes can wait on (CUDA: `CU_EVENT_INTERPROCESS`),
+    /// and the handle (bytes, to be all-gathered) they open it with
+    /// ([`Executor::open_shared_event`]). Its owner records it with
+    /// [`Executor::record_shared`]; [`Executor::release_event`] destroys it. Executors with no
+    /// such events refuse ([`ExecError::Peer`]), and their ranks fence on the host instead.
+    fn shared_event(&self) -> Result<(EventId, Vec<u8>), ExecError> {
+        Err(ExecError::Peer {
+            op: "shared_event",
+            message: format!("the {} executor has no interprocess events", self.backend()),
+        })
+    }
+
+    /// Records `event`, one of this executor's [`Executor::shared_event`]s, at the current end
+    /// of the cache's stream: a peer's wait issued after this call waits for everything
+    /// enqueued on that stream before it (and what that stream waited for).
+    fn record_shared(&self, event: EventId) -> Result<(), ExecError> {
+        let _ = event;
+        Err(ExecError::Peer {
+            op: "record_shared",
+            message: format!("the {} executor has no interprocess events", self.backend()),
+        })
+    }
+
+    /// Waits on the host until the work before `event` has run: the fallback where the device
+    /// refused [`Executor::wait_event`]. The default, for executors whose events have
+    /// happened when recorded, returns at once.
+    fn sync_event(&self, event: EventId) -> Result<(), ExecError> {
+        let _ = event;
+        Ok(())
+    }
+
+    /// Opens a peer's [`Executor::shared_event`] from its handle: [`Executor::wait_event`],
+    /// [`Executor::wait_event_on`] and [`Executor::event_done`] on the returned event wait
+    /// for (or query) the owner's last recording before the call.
+    fn open_shared_event(&self, handle: &[u8]) -> Result<EventId, ExecError> {
+        let _ = handle;
+        Err(ExecError::Peer {
+            op: "open_shared_event",
+            message: format!("the {} executor has no interprocess events", self.backend()),
+        })
+    }
+
     /// Cancels a failure armed by [`Executor::inject_launch_failure`] that no launch has
     /// consumed yet; returns whether one was armed. Executors that arm failures override
     /// this (wrappers forward it); the default, for executors that cannot be armed, does

@@ -181,6 +181,18 @@ impl Executor for RankView {
     fn release_event(&self, event: EventId) {
         self.counted(|e| e.release_event(event))
     }
+    fn shared_event(&self) -> Result<(EventId, Vec<u8>), ExecError> {
+        self.counted(|e| e.shared_event())
+    }
+    fn record_shared(&self, event: EventId) -> Result<(), ExecError> {
+        self.counted(|e| e.record_shared(event))
+    }
+    fn open_shared_event(&self, handle: &[u8]) -> Result<EventId, ExecError> {
+        self.counted(|e| e.open_shared_event(handle))
+    }
+    fn sync_event(&self, event: EventId) -> Result<(), ExecError> {
+        self.counted(|e| e.sync_event(event))
+    }
     fn inject_launch_failure(&self) {
         let _gate = Self::lock(&self.gate);
         self.inner.inject_launch_failure()

@@ -331,6 +331,17 @@ pub enum ClusterError {
         /// Why.
         source: crate::exec::ExecError,
     },
+    /// A rank could not open a peer's fence events (interprocess events, under
+    /// [`PeerAccess::Mapped`](crate::rank::PeerAccess::Mapped)).
+    #[error("rank {rank}: cannot open rank {peer}'s fence events: {source}")]
+    PeerFence {
+        /// The rank opening them.
+        rank: u8,
+        /// The peer.
+        peer: u8,
+        /// Why.
+        source: crate::exec::ExecError,
+    },
     /// A peer process reported a failure this rank can only relay (its device lanes disagree
     /// with its mirror, or its step of a request failed first): the peer's own message, and
     /// what kind of error it was, so that every rank takes the same branch on it.

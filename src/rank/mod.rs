@@ -44,6 +44,7 @@
 mod backup;
 mod config;
 mod evict;
+mod fence;
 mod kernels;
 mod live;
 mod load;
@@ -137,6 +138,9 @@ pub struct RankCache {
     /// Backups that may still run on the executor's backup stream ([`RankCache::write_back`]):
     /// their pages are freed only after them.
     backups: Vec<backup::PendingBackup>,
+    /// The interprocess fence of a [`PeerAccess::Mapped`] group on an executor that has one
+    /// (`None`: fence on the host).
+    fences: Option<fence::Fences>,
 }
 
 /// The name of a group's first round (every rank's configuration, host capacity and pool
@@ -154,6 +158,10 @@ struct StartUp {
     host_pages: u32,
     /// Its device pool handle per buffer kind, in the deployment's order.
     handles: Vec<Vec<u8>>,
+    /// Its fence's interprocess event handles ([`fence`]), none where the executor has no
+    /// such events or peers share this rank's executor.
+    #[serde(default)]
+    fences: Vec<Vec<u8>>,
 }
 
 impl StartUp {
@@ -281,10 +289,22 @@ impl RankCache {
             .map(|&b| pools.handle(b))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| refuse(e.into()))?;
+        // Interprocess events for the fence, where peers read this rank's pools through
+        // executors of their own.
+        let own_fences = if peer_access == PeerAccess::Mapped && group.size() > 1 {
+            fence::Fences::create(&exec).map_err(|e| refuse(e.into()))?
+        } else {
+            None
+        };
+        let (own_fences, fence_handles) = match own_fences {
+            Some((events, handles)) => (Some(events), handles),
+            None => (None, Vec::new()),
+        };
         let mine = StartUp {
             settings: StartUp::settings(&config, &layout, peer_access),
             host_pages: pools.geometry().host_pages,
             handles,
+            fences: fence_handles,
         };
         let mine = serde_json::to_vec(&mine).expect("plain data serialises");
         let all = group
@@ -309,6 +329,8 @@ impl RankCache {
             });
         }
         let mut pools = pools;
+        let fence_handles: Vec<Vec<Vec<u8>>> = all.iter().map(|s| s.fences.clone()).collect();
+        let mut fences = None;
         let connected = buffers.iter().enumerate().try_for_each(|(i, &b)| {
             let handles: Vec<Vec<u8>> = all
                 .iter()
@@ -323,6 +345,22 @@ impl RankCache {
                     source,
                 })
         });
+        // Every peer's fence events, opened (this rank's go back when that fails).
+        let connected = match connected {
+            Ok(()) => fence::Fences::open(&exec, own_fences, &fence_handles, usize::from(rank.0))
+                .map(|f| fences = f)
+                .map_err(|(peer, source)| ClusterError::PeerFence {
+                    rank: rank.0,
+                    peer: peer as u8,
+                    source,
+                }),
+            Err(e) => {
+                for event in own_fences.into_iter().flatten() {
+                    exec.release_event(event);
+                }
+                Err(e)
+            }
+        };
         // Every rank has mapped every peer before any request makes a peer read them, and
         // before any name is removed.
         match connected {
@@ -373,6 +411,7 @@ impl RankCache {
             layer_waits: false,
             unagreed: Vec::new(),
             backups: Vec::new(),
+            fences,
             steps: 0,
         })
     }

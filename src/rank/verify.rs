@@ -162,17 +162,32 @@ impl RankCache {
                 vec![0u8; 4 * words]
             }
         } else {
+            // Peers read this rank's pool through their own executors (other processes, on
+            // CUDA), which cannot wait on this one's ordinary events: what it enqueued (its
+            // loads included) must have run before they read. With interprocess events the
+            // cache's stream waits for the load and records this rank's fence; after the
+            // barrier each rank's stream waits for its peers' (on the device). Otherwise
+            // the host synchronises, after the load path, so not counted in
+            // `load_path_syncs` (module documentation); removing both makes the
+            // multi-process test of the stand-in driver read stale pools.
+            let mut fence = None;
             if self.peer_access == PeerAccess::Mapped && self.group.size() > 1 {
-                // Peers read this rank's pool through their own executors (other processes,
-                // on CUDA), which cannot wait on this one's events: what it enqueued (its
-                // loads included) must have run before they do. After the load path, so not
-                // counted in `load_path_syncs` (module documentation); removing it makes the
-                // multi-process test of the stand-in driver read stale pools.
-                self.exec.synchronize()?;
+                match self.fences.as_mut() {
+                    Some(fences) => {
+                        if let Some(load) = load {
+                            load.wait_all()?;
+                        }
+                        fence = Some(fences.signal()?);
+                    }
+                    None => self.exec.synchronize()?,
+                }
             }
             // Every rank's loaded and computed pages are in its pool before any peer reads
             // them.
             self.group.barrier(&format!("request {n} written"))?;
+            if let (Some(slot), Some(fences)) = (fence, &self.fences) {
+                fences.wait_peers(slot)?;
+            }
             if self.verifies {
                 self.materialise_and_verify(n_tokens as u32, (hash_buf, page_buf), words, load)?
             } else {

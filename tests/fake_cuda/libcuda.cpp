@@ -62,6 +62,7 @@ enum : CUresult {
   INVALID_HANDLE = 400,
   NOT_FOUND = 500,
   NOT_READY = 600,
+  LAUNCH_TIMEOUT = 702,
   LAUNCH_FAILED = 719,
   NOT_SUPPORTED = 801,
 };
@@ -90,6 +91,12 @@ struct FakeStream {
   unsigned long long waits;  // cuStreamWaitEvent calls issued on it (a test hook reads it)
   uint32_t slot;  // its queue and clock (streams.h)
 };
+// What processes share of an interprocess event (CU_EVENT_INTERPROCESS), in a shared-memory
+// object: how many times its owner has recorded it, and how many of those have run.
+struct IpcEventState {
+  std::atomic<uint64_t> recorded;
+  std::atomic<uint64_t> completed;
+};
 struct FakeEvent {
   double seconds;
   bool recorded;
@@ -97,6 +104,11 @@ struct FakeEvent {
   uint32_t slot = 0;  // the recording's stream slot and work id (0: never recorded)
   uint64_t id = 0;
   std::vector<uint64_t> clock;  // the recording stream's vector clock then
+  // Interprocess: the shared state (null for a plain event), its object's serial, and
+  // whether this process opened another's handle (it may only wait on it then).
+  IpcEventState* ipc = nullptr;
+  uint64_t ipc_serial = 0;
+  bool imported = false;
 };
 struct FakeModule {
   void* lib;
@@ -429,15 +441,93 @@ CUresult cuStreamSynchronize(CUstream s) {
   return need_ctx() ? INVALID_CONTEXT : sync_stream(s);
 }
 
+// An interprocess event's shared object: "/fake-cuda-ev-<pid>-<serial>".
+std::string ipc_event_name(uint64_t pid, uint64_t serial) {
+  return "/fake-cuda-ev-" + std::to_string(pid) + "-" + std::to_string(serial);
+}
+// Maps an interprocess event's shared object (creating it when `create`), or null.
+IpcEventState* map_ipc_event(const std::string& name, bool create) {
+  int fd = shm_open(name.c_str(), create ? (O_CREAT | O_EXCL | O_RDWR) : O_RDWR, 0600);
+  if (fd < 0) return nullptr;
+  void* p = MAP_FAILED;
+  if (!create || ftruncate(fd, (off_t)sizeof(IpcEventState)) == 0) {
+    p = mmap(nullptr, sizeof(IpcEventState), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  }
+  close(fd);
+  if (p == MAP_FAILED) {
+    if (create) shm_unlink(name.c_str());
+    return nullptr;
+  }
+  return (IpcEventState*)p;
+}
+std::atomic<unsigned long long> g_ipc_event_waits{0};
+
 CUresult cuEventCreate(CUevent* e, unsigned flags) {
-  (void)flags;
   if (need_ctx()) return INVALID_CONTEXT;
+  constexpr unsigned DISABLE_TIMING = 0x2, INTERPROCESS = 0x4;
+  // As on CUDA: an interprocess event must not take timing.
+  if ((flags & INTERPROCESS) && !(flags & DISABLE_TIMING)) return INVALID_VALUE;
+  auto* ev = new FakeEvent{0.0, false, nullptr};
+  if (flags & INTERPROCESS) {
+    {
+      std::lock_guard<std::mutex> g(g_mu);
+      ev->ipc_serial = g_next_serial++;
+    }
+    ev->ipc = map_ipc_event(ipc_event_name((uint64_t)getpid(), ev->ipc_serial), true);
+    if (!ev->ipc) {
+      delete ev;
+      return OUT_OF_MEMORY;
+    }
+  }
   g_events_created++;
-  *e = new FakeEvent{0.0, false, nullptr};
+  *e = ev;
+  return OK;
+}
+// A CUipcEventHandle of the stand-in: which process's which event.
+struct CUipcEventHandle_st {
+  char reserved[64];
+};
+CUresult cuIpcGetEventHandle(CUipcEventHandle_st* handle, CUevent e) {
+  if (need_ctx()) return INVALID_CONTEXT;
+  if (!handle || !e || !e->ipc || e->imported) return INVALID_HANDLE;
+  IpcHandle h{};
+  memcpy(h.magic, "FAKEEVT", 8);
+  h.pid = (uint64_t)getpid();
+  h.serial = e->ipc_serial;
+  memcpy(handle->reserved, &h, sizeof h);
+  return OK;
+}
+CUresult cuIpcOpenEventHandle(CUevent* e, CUipcEventHandle_st handle) {
+  if (need_ctx()) return INVALID_CONTEXT;
+  if (!e) return INVALID_VALUE;
+  IpcHandle h;
+  memcpy(&h, handle.reserved, sizeof h);
+  if (memcmp(h.magic, "FAKEEVT", 8) != 0) return INVALID_VALUE;
+  // As for memory: a handle is for another process.
+  if (h.pid == (uint64_t)getpid()) return INVALID_CONTEXT;
+  IpcEventState* st = map_ipc_event(ipc_event_name(h.pid, h.serial), false);
+  if (!st) return INVALID_VALUE;
+  auto* ev = new FakeEvent{0.0, false, nullptr};
+  ev->ipc = st;
+  ev->imported = true;
+  *e = ev;
+  return OK;
+}
+// Waits on the host until the owner's recording `target` of an interprocess event has run.
+CUresult wait_ipc(IpcEventState* st, uint64_t target) {
+  for (int i = 0; st->completed.load() < target; ++i) {
+    if (i == 60000) {
+      fprintf(stderr, "fake libcuda: an interprocess event's recording %llu never ran (60 s)\n",
+              (unsigned long long)target);
+      return LAUNCH_TIMEOUT;
+    }
+    usleep(1000);
+  }
   return OK;
 }
 CUresult cuEventRecord(CUevent e, CUstream s) {
   if (!e || ((uintptr_t)s > 2 && !s->alive)) return INVALID_HANDLE;
+  if (e->imported) return INVALID_HANDLE;  // only its owner records an interprocess event
   e->recorded = false;
   e->stream = s;
   sched::Clock clock;
@@ -451,6 +541,17 @@ CUresult cuEventRecord(CUevent e, CUstream s) {
       {}, "cuEventRecord", &clock, &e->slot);
   e->id = id;
   e->clock = clock.v;
+  if (e->ipc) {
+    // Another process may wait for this recording, and this process's queues run only when
+    // something here waits: the work up to the recording runs now (later work stays
+    // queued, so a recording made before the work it should cover still shows).
+    uint64_t seq = e->ipc->recorded.fetch_add(1) + 1;
+    CUresult r = sched::drive({{e->slot, id}}, false, &g_sticky);
+    if (r != OK) return r;
+    uint64_t done = e->ipc->completed.load();
+    while (done < seq && !e->ipc->completed.compare_exchange_weak(done, seq)) {
+    }
+  }
   return OK;
 }
 // Whether the event's last recording has run (a never-recorded event counts as complete).
@@ -468,6 +569,7 @@ void host_saw(CUevent e) {
 }
 CUresult cuEventSynchronize(CUevent e) {
   if (!e) return INVALID_HANDLE;
+  if (e->imported) return wait_ipc(e->ipc, e->ipc->recorded.load());
   CUresult r = g_sticky;
   if (e->id != 0) r = sched::drive({{e->slot, e->id}}, false, &g_sticky);
   host_saw(e);
@@ -479,6 +581,17 @@ CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned flags) {
   // Refused with no effect: nothing enqueued on `s` waits for the event.
   for (int left = g_fail_waits.load(); left > 0;) {
     if (g_fail_waits.compare_exchange_weak(left, left - 1)) return NOT_SUPPORTED;
+  }
+  if (e->imported) {
+    // Another process's event: work enqueued on `s` from now on runs after the owner's
+    // recordings so far have run.
+    g_ipc_event_waits++;
+    if ((uintptr_t)s > 2) s->waits++;
+    IpcEventState* st = e->ipc;
+    uint64_t target = st->recorded.load();
+    sched::enqueue(s, [st, target]() { return wait_ipc(st, target); }, {},
+                   "cuStreamWaitEvent (another process's event)");
+    return OK;
   }
   if (e->stream != s) g_cross_waits++;
   bool real = (uintptr_t)s > 2;
@@ -495,6 +608,7 @@ CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned flags) {
 // NOT_READY until something waits for the work before it.
 CUresult cuEventQuery(CUevent e) {
   if (!e) return INVALID_HANDLE;
+  if (e->imported) return e->ipc->completed.load() >= e->ipc->recorded.load() ? OK : NOT_READY;
   if (g_sticky != OK) return g_sticky;
   if (!event_reached(e)) return NOT_READY;
   host_saw(e);
@@ -510,6 +624,10 @@ CUresult cuEventElapsedTime_v2(float* ms, CUevent a, CUevent b) { return cuEvent
 CUresult cuEventDestroy_v2(CUevent e) {
   if (!e) return INVALID_HANDLE;
   flush();
+  if (e->ipc) {
+    munmap(e->ipc, sizeof(IpcEventState));
+    if (!e->imported) shm_unlink(ipc_event_name((uint64_t)getpid(), e->ipc_serial).c_str());
+  }
   delete e;
   return OK;
 }
@@ -931,6 +1049,8 @@ extern "C" unsigned long long fake_cuda_waits_for_prioritised(void) {
 
 // cuEventCreate calls so far.
 extern "C" unsigned long long fake_cuda_events_created(void) { return g_events_created.load(); }
+// Waits enqueued on another process's (interprocess) event.
+extern "C" unsigned long long fake_cuda_ipc_event_waits(void) { return g_ipc_event_waits.load(); }
 // The next `n` cuStreamWaitEvent calls fail (NOT_SUPPORTED) and order nothing.
 extern "C" void fake_cuda_fail_stream_waits(int n) { g_fail_waits.store(n); }
 

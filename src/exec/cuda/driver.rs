@@ -584,6 +584,104 @@ impl Gpu {
         Ok(handle.reserved.map(|c| c as u8))
     }
 
+    /// A new interprocess event (`CU_EVENT_INTERPROCESS`, without timing, as the driver
+    /// requires) and its handle (`cuIpcGetEventHandle`), which another process opens with
+    /// [`Gpu::ipc_open_event`].
+    pub(crate) fn ipc_event(&self) -> Result<(IpcEvent, [u8; IPC_HANDLE_BYTES]), String> {
+        self.bind()?;
+        let flags = sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32
+            | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+        let mut raw: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: the context is current; `raw` is a valid out slot.
+        unsafe { sys::cuEventCreate(&mut raw, flags) }
+            .result()
+            .map_err(err("cuEventCreate"))?;
+        // Owned from here: an error below destroys it.
+        let event = IpcEvent {
+            raw,
+            ctx: Arc::clone(&self.ctx),
+        };
+        let mut handle = sys::CUipcEventHandle_st {
+            reserved: [0; IPC_HANDLE_BYTES],
+        };
+        // SAFETY: a live interprocess event of this context; `handle` is a valid out slot.
+        unsafe { sys::cuIpcGetEventHandle(&mut handle, event.raw) }
+            .result()
+            .map_err(err("cuIpcGetEventHandle"))?;
+        Ok((event, handle.reserved.map(|c| c as u8)))
+    }
+
+    /// Opens another process's interprocess event from its handle (`cuIpcOpenEventHandle`):
+    /// waits on it wait for the owner's recordings.
+    pub(crate) fn ipc_open_event(
+        &self,
+        handle: &[u8; IPC_HANDLE_BYTES],
+    ) -> Result<IpcEvent, String> {
+        self.bind()?;
+        let handle = sys::CUipcEventHandle_st {
+            reserved: handle.map(|b| b as std::ffi::c_char),
+        };
+        let mut raw: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: `raw` is a valid out slot; the driver checks the handle.
+        unsafe { sys::cuIpcOpenEventHandle(&mut raw, handle) }
+            .result()
+            .map_err(err("cuIpcOpenEventHandle"))?;
+        Ok(IpcEvent {
+            raw,
+            ctx: Arc::clone(&self.ctx),
+        })
+    }
+
+    /// Records `event` (this process's) at the current end of the executor's stream.
+    pub(crate) fn record_ipc(&self, event: &IpcEvent) -> Result<(), String> {
+        self.bind()?;
+        // SAFETY: both are live objects of this context.
+        unsafe { sys::cuEventRecord(event.raw, self.stream.cu_stream()) }
+            .result()
+            .map_err(err("cuEventRecord"))
+    }
+
+    /// Makes work enqueued on `stream` (the executor's with `None`; else a live stream of this
+    /// context, or 0) from now on wait for `event`'s last recording.
+    ///
+    /// # Safety
+    /// A `stream` given must be a live stream of this context, or 0.
+    pub(crate) unsafe fn wait_ipc(
+        &self,
+        event: &IpcEvent,
+        stream: Option<u64>,
+    ) -> Result<(), String> {
+        self.bind()?;
+        let on = match stream {
+            Some(s) => s as usize as sys::CUstream,
+            None => self.stream.cu_stream(),
+        };
+        // SAFETY: the event is live; the caller vouches for `stream`.
+        unsafe { sys::cuStreamWaitEvent(on, event.raw, 0) }
+            .result()
+            .map_err(err("cuStreamWaitEvent"))
+    }
+
+    /// Waits on the host until `event`'s last recording has run (`cuEventSynchronize`).
+    pub(crate) fn sync_ipc(&self, event: &IpcEvent) -> Result<(), String> {
+        self.bind()?;
+        // SAFETY: a live event of this context.
+        unsafe { sys::cuEventSynchronize(event.raw) }
+            .result()
+            .map_err(err("cuEventSynchronize"))
+    }
+
+    /// Whether `event`'s last recording has run (`cuEventQuery`, never waited for).
+    pub(crate) fn ipc_done(&self, event: &IpcEvent) -> Result<bool, String> {
+        self.bind()?;
+        // SAFETY: a live event of this context.
+        match unsafe { sys::cuEventQuery(event.raw) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            e => Err(format!("cuEventQuery: {e:?}")),
+        }
+    }
+
     /// Maps another process's device allocation of `len` bytes from its IPC handle
     /// (`cuIpcOpenMemHandle` with `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`). The driver refuses a
     /// handle this process exported (`CUDA_ERROR_INVALID_CONTEXT`); the executor checks that
@@ -746,6 +844,28 @@ fn bind_for_drop(ctx: &CudaContext) -> bool {
     // SAFETY: the context is alive (`ctx` holds a reference); making it current has no other
     // precondition.
     unsafe { result::ctx::set_current(ctx.cu_ctx()) }.is_ok()
+}
+
+/// An interprocess event (`CU_EVENT_INTERPROCESS`): this process's, which peers open by its
+/// handle, or a peer's opened here. Destroyed in `Drop`.
+pub(crate) struct IpcEvent {
+    raw: sys::CUevent,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: the event is owned exclusively by this value and used only through the executor,
+// which serialises its calls.
+unsafe impl Send for IpcEvent {}
+
+impl Drop for IpcEvent {
+    fn drop(&mut self) {
+        let raw = std::mem::replace(&mut self.raw, std::ptr::null_mut());
+        if !raw.is_null() && bind_for_drop(&self.ctx) {
+            // SAFETY: created or opened in this context and destroyed exactly once (swapped
+            // out above); work waiting on it keeps its own reference in the driver.
+            let _ = unsafe { sys::cuEventDestroy_v2(raw) };
+        }
+    }
 }
 
 /// Device memory from `cuMemAlloc`, freed in `Drop`.

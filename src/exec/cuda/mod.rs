@@ -583,6 +583,9 @@ impl Executor for CudaExecutor {
     }
 
     fn event_done(&self, event: EventId) -> Result<bool, ExecError> {
+        if let Some(done) = self.on_shared_event("event_done", event, |e| self.gpu.ipc_done(e)) {
+            return done;
+        }
         self.on_live_event("event_done", event, |e| {
             e.try_is_complete()
                 .map_err(|e| format!("cuEventQuery: {e:?}"))
@@ -590,10 +593,24 @@ impl Executor for CudaExecutor {
     }
 
     fn wait_event(&self, event: EventId) -> Result<(), ExecError> {
+        // SAFETY: the executor's own stream.
+        let shared = self.on_shared_event("wait_event", event, |e| unsafe {
+            self.gpu.wait_ipc(e, None)
+        });
+        if let Some(waited) = shared {
+            return waited;
+        }
         self.on_live_event("wait_event", event, |e| self.gpu.wait_event(e))
     }
 
     unsafe fn wait_event_on(&self, event: EventId, stream: u64) -> Result<(), ExecError> {
+        let shared = self.on_shared_event("wait_event_on", event, |e| {
+            // SAFETY: the caller vouches that `stream` is a live stream of this context.
+            unsafe { self.gpu.wait_ipc(e, Some(stream)) }
+        });
+        if let Some(waited) = shared {
+            return waited;
+        }
         self.on_live_event("wait_event_on", event, |e| {
             // SAFETY: the caller vouches that `stream` is a live stream of this context.
             unsafe { self.gpu.wait_event_on(e, stream) }
@@ -604,7 +621,59 @@ impl Executor for CudaExecutor {
         let mut pool = self.events();
         if let Some(ev) = pool.live.remove(&event.0) {
             pool.spare.push(ev);
+        } else if let Some(shared) = pool.shared.remove(&event.0) {
+            drop(pool);
+            drop(shared);
         }
+    }
+
+    fn shared_event(&self) -> Result<(EventId, Vec<u8>), ExecError> {
+        let (event, handle) = self.gpu.ipc_event().map_err(driver_err("shared_event"))?;
+        let id = self.keep_shared(SharedEvent { event, own: true });
+        Ok((id, handle.to_vec()))
+    }
+
+    fn record_shared(&self, event: EventId) -> Result<(), ExecError> {
+        let pool = self.events();
+        match pool.shared.get(&event.0) {
+            Some(s) if s.own => self
+                .gpu
+                .record_ipc(&s.event)
+                .map_err(driver_err("record_shared")),
+            _ => Err(ExecError::Driver {
+                op: "record_shared",
+                message: format!(
+                    "{event:?} is not an interprocess event of this executor (a peer's opened \
+                     here is only waited on)"
+                ),
+            }),
+        }
+    }
+
+    fn sync_event(&self, event: EventId) -> Result<(), ExecError> {
+        if let Some(done) = self.on_shared_event("sync_event", event, |e| self.gpu.sync_ipc(e)) {
+            return done;
+        }
+        self.on_live_event("sync_event", event, |e| {
+            e.synchronize()
+                .map_err(|e| format!("cuEventSynchronize: {e:?}"))
+        })
+    }
+
+    fn open_shared_event(&self, handle: &[u8]) -> Result<EventId, ExecError> {
+        let h: [u8; driver::IPC_HANDLE_BYTES] = handle.try_into().map_err(|_| ExecError::Peer {
+            op: "open_shared_event",
+            message: format!(
+                "an event handle of {} bytes, not the {} of a CUipcEventHandle",
+                handle.len(),
+                driver::IPC_HANDLE_BYTES
+            ),
+        })?;
+        let event = self
+            .gpu
+            .ipc_open_event(&h)
+            .map_err(driver_err("open_shared_event"))?;
+        Ok(self.keep_shared(SharedEvent { event, own: false }))
     }
 
     fn inject_launch_failure(&self) {
@@ -636,6 +705,14 @@ struct EventPool {
     next: u64,
     live: std::collections::HashMap<u64, cudarc::driver::CudaEvent>,
     spare: Vec<cudarc::driver::CudaEvent>,
+    /// Interprocess events, by id from the same count: this executor's (`own`, which peers
+    /// open) and peers' opened here. Never reused: released, they are destroyed.
+    shared: std::collections::HashMap<u64, SharedEvent>,
+}
+
+struct SharedEvent {
+    event: driver::IpcEvent,
+    own: bool,
 }
 
 impl CudaExecutor {
@@ -750,6 +827,27 @@ impl CudaExecutor {
             message: format!("{event:?} is not an event of this executor (or was released)"),
         })?;
         f(e).map_err(driver_err(op))
+    }
+
+    /// Keeps an interprocess event under a new id.
+    fn keep_shared(&self, event: SharedEvent) -> EventId {
+        let mut pool = self.events();
+        pool.next += 1;
+        let id = pool.next;
+        pool.shared.insert(id, event);
+        EventId(id)
+    }
+
+    /// Runs `f` on `event` when it is an interprocess one (`None` otherwise).
+    fn on_shared_event<T>(
+        &self,
+        op: &'static str,
+        event: EventId,
+        f: impl FnOnce(&driver::IpcEvent) -> Result<T, String>,
+    ) -> Option<Result<T, ExecError>> {
+        let pool = self.events();
+        let shared = pool.shared.get(&event.0)?;
+        Some(f(&shared.event).map_err(driver_err(op)))
     }
 
     /// A released event, or a new one when none is.

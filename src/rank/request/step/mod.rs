@@ -221,7 +221,7 @@ impl RankCache {
         loop {
             let snapshot = self.snapshot();
             let mut pass = self.run_pass(&mut step, &modes, &runs, &probe_stats, base_n, &what)?;
-            self.fence_loads(&mut pass, nf + ne);
+            let fence = self.fence_loads(&mut pass, nf + ne);
             if let Some((j, e)) = pass.error.take() {
                 mine[j].get_or_insert(e);
             }
@@ -308,6 +308,8 @@ impl RankCache {
                 rolled?;
                 return Err(e);
             }
+            // The peers' loads, before anything reads them.
+            self.after_peer_fences(fence)?;
             // Every rank is past the round: no peer reads these pages any more.
             let release = std::mem::take(&mut pass.release);
             self.commit(&what, |me| me.release_pages(release))?;
@@ -318,23 +320,37 @@ impl RankCache {
 
     /// The fence of a step's loads where peers read this rank's pools through executors of
     /// their own ([`PeerAccess::Mapped`]: other processes on CUDA), which cannot wait on this
-    /// rank's events: the host waits for the copies once, before the outcome round lets
-    /// anyone read, counted on the first request that loaded. A failed wait fails that
-    /// admission (the round still comes, so the peers learn it).
-    fn fence_loads(&mut self, pass: &mut Pass, first_begin: usize) {
+    /// rank's ordinary events. With interprocess events ([`super::super::fence`]) the cache's
+    /// stream waits for every load of the step on the device and records this rank's
+    /// fence after them; the step waits for the peers' after the outcome round
+    /// (`Some(slot)`). Otherwise the host waits for the copies once, before the outcome
+    /// round lets anyone read, counted on the first request that loaded. Whether a step
+    /// loaded is replicated (every rank loads its part of the same nodes), so every rank
+    /// fences alike. A failure fails that admission (the round still comes, so the peers
+    /// learn it).
+    fn fence_loads(&mut self, pass: &mut Pass, first_begin: usize) -> Option<usize> {
         if self.peer_access != PeerAccess::Mapped || self.group.size() < 2 {
-            return;
+            return None;
         }
-        let Some((i, req)) = pass
+        let i = pass
             .begun
-            .iter_mut()
-            .enumerate()
-            .find_map(|(i, r)| r.as_mut().filter(|r| r.load.is_some()).map(|r| (i, r)))
-        else {
-            return;
+            .iter()
+            .position(|r| r.as_ref().is_some_and(|r| r.load.is_some()))?;
+        let fenced = match self.fences.as_mut() {
+            Some(fences) => pass
+                .begun
+                .iter()
+                .flatten()
+                .filter_map(|r| r.load.as_ref())
+                .try_for_each(|load| load.wait_all())
+                .and_then(|()| fences.signal())
+                .map(Some),
+            None => self.exec.synchronize().map(|()| None),
         };
-        match self.exec.synchronize() {
-            Ok(()) => req.stats.fence_syncs += 1,
+        let req = pass.begun[i].as_mut().expect("found above");
+        match fenced {
+            Ok(Some(slot)) => return Some(slot),
+            Ok(None) => req.stats.fence_syncs += 1,
             Err(e) if pass.error.is_none() => {
                 let j = first_begin + i;
                 let e = ClusterError::from(e);
@@ -342,6 +358,18 @@ impl RankCache {
                 pass.error = Some((j, e));
             }
             Err(_) => {}
+        }
+        None
+    }
+
+    /// After the outcome round of a pass that signalled `slot`: the cache's stream waits for
+    /// every peer's fence (their loads), before anything this rank or its engine enqueues
+    /// next reads their pools. A failure here (the device refused the wait and the host
+    /// could not wait either: the device is gone) is the step's error.
+    fn after_peer_fences(&self, slot: Option<usize>) -> Result<(), ClusterError> {
+        match (slot, &self.fences) {
+            (Some(slot), Some(fences)) => Ok(fences.wait_peers(slot)?),
+            _ => Ok(()),
         }
     }
 
