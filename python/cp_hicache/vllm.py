@@ -232,6 +232,11 @@ class CpHiCacheMetadata(KVConnectorMetadata):
     #: whose saves of that step are dropped (computed over a block that failed to load on
     #: some rank); the step's other saves are written.
     settled: Dict[int, Set[str]] = field(default_factory=dict)
+    #: Requests that finished without the planner delaying the freeing of their blocks
+    #: (aborted while their asynchronous load ran: vLLM itself frees their blocks once the
+    #: load is reported ended): the workers report no ``finished_sending`` for them (vLLM
+    #: would free the blocks a second time), their saves are written or dropped all the same.
+    unreported: Set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -562,6 +567,11 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         self._reqs: Dict[str, _ReqState] = {}
         self._pending_loads: Dict[str, List[Job]] = {}
         self._delayed: Set[str] = set()
+        #: Requests whose asynchronous load (``load_async``) runs: started, not yet reported
+        #: received; and those finished meanwhile, to name in the next metadata
+        #: (``CpHiCacheMetadata.unreported``).
+        self._loading: Set[str] = set()
+        self._unreported: Set[str] = set()
         #: The steps planned so far; the saves of those not yet settled (every worker's
         #: report of the step not seen yet); the verdicts to send in the next metadata.
         self._step = 0
@@ -847,6 +857,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             # Not scheduled until its loads are in: a failed one is mapped back to the
             # request through these (its saves then start at the failed block).
             st.block_ids = [int(b) for b in block_ids]
+            self._loading.add(request.request_id)
         # Those blocks are in the store already: no need to save them again.
         st.saved_upto = max(st.saved_upto, first + n)
 
@@ -855,8 +866,8 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         step's forward completes (to save), the requests preempted since the last step."""
         self._step += 1
         meta = CpHiCacheMetadata(loads=self._pending_loads, step=self._step,
-                                 settled=self._settled)
-        self._pending_loads, self._settled = {}, {}
+                                 settled=self._settled, unreported=self._unreported)
+        self._pending_loads, self._settled, self._unreported = {}, {}, set()
         plan = _StepPlan()
         # Preempted requests lost their blocks (first: one may be resumed in the same step,
         # with its new blocks among the new requests').
@@ -905,12 +916,20 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                          ) -> Tuple[bool, Optional[Dict[str, Any]]]:
         """Frees the planner's state of the request; keeps vLLM from freeing its blocks
         (``True``) when saves were planned for it, until the workers report its writes done
-        (``finished_sending`` from :meth:`get_finished`)."""
-        st = self._reqs.pop(request.request_id, None)
-        self._pending_loads.pop(request.request_id, None)
+        (``finished_sending`` from :meth:`get_finished`). A request whose asynchronous load
+        still runs (aborted meanwhile) is not delayed: vLLM keeps its blocks until the load
+        is reported ended and frees them then; a delay here too would have them freed twice
+        (or under the loader, were the writes reported done first), so the workers are told
+        to report nothing for it (``CpHiCacheMetadata.unreported``)."""
+        rid = request.request_id
+        st = self._reqs.pop(rid, None)
+        self._pending_loads.pop(rid, None)
         delay = st is not None and st.has_saves
+        if delay and rid in self._loading:
+            delay = False
+            self._unreported.add(rid)
         if delay:
-            self._delayed.add(request.request_id)
+            self._delayed.add(rid)
         return delay, None
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -926,6 +945,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                 continue
             self._delayed.discard(rid)
             self._planner_stats["finished_sending"] += 1
+        self._loading.difference_update(connector_output.finished_recving or ())
         invalid = set(connector_output.invalid_block_ids or ())
         self._planner_stats["invalid_blocks"] += len(invalid)
         if invalid:
@@ -982,7 +1002,8 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         requests, ``delayed`` frees and ``unsettled`` steps (planned saves without a
         verdict, or verdicts not yet sent; all 0 once every request has finished and been
         freed)."""
-        return dict(self._planner_stats, tracked=len(self._reqs), delayed=len(self._delayed),
+        return dict(self._planner_stats, tracked=len(self._reqs) + len(self._loading),
+                    delayed=len(self._delayed),
                     unsettled=len(self._inflight) + len(self._settled))
 
     # ======================================================================================
@@ -1425,6 +1446,10 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         if step:
             self._ran.add(step)
         self._verdicts.update(getattr(connector_metadata, "settled", None) or {})
+        for rid in getattr(connector_metadata, "unreported", None) or ():
+            # vLLM frees its blocks itself (its load ended): nothing to report.
+            self._saving_reqs.discard(rid)
+            self._finished_waiting.discard(rid)
         self._release()
 
     def _release(self) -> None:

@@ -1846,6 +1846,41 @@ def test_an_abort_while_its_load_spans_steps_frees_its_blocks_once_the_load_ends
     assert [o.finished_recving for o in e.outputs if o.finished_recving] == [{"id-2"}]
 
 
+def test_an_abort_while_a_resumed_request_loads_frees_its_blocks_once_and_after_the_load(
+        tmp_path):
+    """A request that saved blocks, preempted (vLLM's ``reset_prefix_cache`` preempts every
+    running one), resumed with an asynchronous load of its own records and aborted while
+    the loader (held back here) still fills its blocks: vLLM itself keeps the blocks until
+    the load is reported ended (``finished_recving``) and frees them then, so the connector
+    must not delay their freeing too nor report the request's saves done
+    (``finished_sending``): that would free the blocks under the loader, and free them twice
+    (vLLM's scheduler asserts)."""
+    from vllm.v1.request import RequestStatus
+
+    e = Engine(tmp_path / "store", extra={"load_async": True})
+    a = create_request(request_id=1, num_tokens=70, max_tokens=20, block_size=BS)
+    e.sched.add_request(a)
+    for _ in range(3):
+        e.step()
+    e.worker._writer.submit(lambda: None).result()  # its 4 records are written
+    assert e.sched.reset_prefix_cache(reset_running_requests=True)
+    gate = threading.Event()
+    e.worker._load_layer_hook = lambda li: gate.wait(30)
+    try:
+        e.step()
+        assert a.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        e.sched.finish_requests(["id-1"], RequestStatus.FINISHED_ABORTED)
+        for _ in range(3):
+            e.step()
+            assert "id-1" in e.sched.requests, "its blocks were freed under the loader"
+            assert not any(o.finished_sending for o in e.outputs[-1:])
+    finally:
+        gate.set()
+    e.run(timeout_s=15)
+    assert_clean(e)
+    assert [o.finished_recving for o in e.outputs if o.finished_recving] == [{"id-1"}]
+
+
 # ------------------------------------------------------------------------------------------
 # Bounds on host memory
 # ------------------------------------------------------------------------------------------
