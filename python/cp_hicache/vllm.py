@@ -299,6 +299,8 @@ class _ReqState:
     #: The first of its blocks whose load failed: never offered to this request again (a
     #: record that is there but cannot be read would fail again, for ever).
     load_cap: Optional[int] = None
+    #: The first block of the loads planned last (``update_state_after_alloc``).
+    planned_first: Optional[int] = None
 
 
 @dataclass
@@ -310,6 +312,10 @@ class _StepPlan:
 
     saves: Dict[str, Tuple[int, List[int]]] = field(default_factory=dict)
     bad: Set[int] = field(default_factory=set)
+    #: The step's synchronous loads: per request, ``(its block, block id)``. A failed one
+    #: is reported after the step, when vLLM's asynchronous scheduling may have preempted
+    #: the request since (its block ids are gone then): mapped back through these.
+    loads: Dict[str, List[Tuple[int, int]]] = field(default_factory=dict)
 
 
 class _LoadTask:
@@ -844,6 +850,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                 f"the plan offered {run} whole blocks of {sb}"
             )
         n = num_external_tokens // sb
+        st.planned_first = first
         (block_ids,) = blocks.get_block_ids()
         if len(block_ids) < first + n:
             raise RuntimeError(
@@ -869,6 +876,12 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                                  settled=self._settled, unreported=self._unreported)
         self._pending_loads, self._settled, self._unreported = {}, {}, set()
         plan = _StepPlan()
+        if not self.load_async:
+            for rid, jobs in meta.loads.items():
+                st = self._reqs.get(rid)
+                if st is not None and st.planned_first is not None:
+                    plan.loads[rid] = [(st.planned_first + k, b)
+                                       for k, (_, b) in enumerate(jobs)]
         # Preempted requests lost their blocks (first: one may be resumed in the same step,
         # with its new blocks among the new requests').
         meta.preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
@@ -908,7 +921,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             st.saved_upto = full
             meta.saves[rid] = jobs
             st.has_saves = True
-        if plan.saves:
+        if plan.saves or plan.loads:
             self._inflight[meta.step] = plan
         return meta
 
@@ -953,12 +966,23 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             # blocks again (the store removed the refused record), and offer the request
             # no block from there again (vLLM may look a request up again when its load
             # failed at the first block).
-            for st in self._reqs.values():
+            failed: Dict[str, int] = {}  # request -> its first failed block
+            for rid, st in self._reqs.items():
                 for k, b in enumerate(st.block_ids[:st.saved_upto]):
                     if b in invalid:
-                        st.saved_upto = k
-                        st.load_cap = k if st.load_cap is None else min(st.load_cap, k)
+                        failed[rid] = k
                         break
+            # A request preempted since its failed load (its block ids are gone).
+            for plan in self._inflight.values():
+                for rid, loaded in plan.loads.items():
+                    for k, b in loaded:
+                        if b in invalid and rid in self._reqs:
+                            failed[rid] = min(failed.get(rid, k), k)
+                            break
+            for rid, k in failed.items():
+                st = self._reqs[rid]
+                st.saved_upto = min(st.saved_upto, k)
+                st.load_cap = k if st.load_cap is None else min(st.load_cap, k)
             # Every step in flight was planned before this report: its forward may have
             # read these blocks (vLLM's asynchronous scheduling plans the next step before
             # it sees this one's output).
@@ -991,7 +1015,8 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                     st = self._reqs.get(rid)
                     if st is not None:
                         st.saved_upto = min(st.saved_upto, first)
-            self._settled[t] = dropped
+            if plan.saves:  # a step of loads only has no verdict to send
+                self._settled[t] = dropped
             self._planner_stats["saves_settled"] += len(plan.saves) - len(dropped)
             self._planner_stats["saves_rejected"] += len(dropped)
 
