@@ -232,6 +232,11 @@ class CpHiCacheMetadata(KVConnectorMetadata):
     #: whose saves of that step are dropped (computed over a block that failed to load on
     #: some rank); the step's other saves are written.
     settled: Dict[int, Set[str]] = field(default_factory=dict)
+    #: Requests that finished without the planner delaying the freeing of their blocks
+    #: (aborted while their asynchronous load ran: vLLM itself frees their blocks once the
+    #: load is reported ended): the workers report no ``finished_sending`` for them (vLLM
+    #: would free the blocks a second time), their saves are written or dropped all the same.
+    unreported: Set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -294,6 +299,8 @@ class _ReqState:
     #: The first of its blocks whose load failed: never offered to this request again (a
     #: record that is there but cannot be read would fail again, for ever).
     load_cap: Optional[int] = None
+    #: The first block of the loads planned last (``update_state_after_alloc``).
+    planned_first: Optional[int] = None
 
 
 @dataclass
@@ -305,6 +312,10 @@ class _StepPlan:
 
     saves: Dict[str, Tuple[int, List[int]]] = field(default_factory=dict)
     bad: Set[int] = field(default_factory=set)
+    #: The step's synchronous loads: per request, ``(its block, block id)``. A failed one
+    #: is reported after the step, when vLLM's asynchronous scheduling may have preempted
+    #: the request since (its block ids are gone then): mapped back through these.
+    loads: Dict[str, List[Tuple[int, int]]] = field(default_factory=dict)
 
 
 class _LoadTask:
@@ -562,6 +573,11 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         self._reqs: Dict[str, _ReqState] = {}
         self._pending_loads: Dict[str, List[Job]] = {}
         self._delayed: Set[str] = set()
+        #: Requests whose asynchronous load (``load_async``) runs: started, not yet reported
+        #: received; and those finished meanwhile, to name in the next metadata
+        #: (``CpHiCacheMetadata.unreported``).
+        self._loading: Set[str] = set()
+        self._unreported: Set[str] = set()
         #: The steps planned so far; the saves of those not yet settled (every worker's
         #: report of the step not seen yet); the verdicts to send in the next metadata.
         self._step = 0
@@ -834,6 +850,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                 f"the plan offered {run} whole blocks of {sb}"
             )
         n = num_external_tokens // sb
+        st.planned_first = first
         (block_ids,) = blocks.get_block_ids()
         if len(block_ids) < first + n:
             raise RuntimeError(
@@ -847,6 +864,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             # Not scheduled until its loads are in: a failed one is mapped back to the
             # request through these (its saves then start at the failed block).
             st.block_ids = [int(b) for b in block_ids]
+            self._loading.add(request.request_id)
         # Those blocks are in the store already: no need to save them again.
         st.saved_upto = max(st.saved_upto, first + n)
 
@@ -855,9 +873,15 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         step's forward completes (to save), the requests preempted since the last step."""
         self._step += 1
         meta = CpHiCacheMetadata(loads=self._pending_loads, step=self._step,
-                                 settled=self._settled)
-        self._pending_loads, self._settled = {}, {}
+                                 settled=self._settled, unreported=self._unreported)
+        self._pending_loads, self._settled, self._unreported = {}, {}, set()
         plan = _StepPlan()
+        if not self.load_async:
+            for rid, jobs in meta.loads.items():
+                st = self._reqs.get(rid)
+                if st is not None and st.planned_first is not None:
+                    plan.loads[rid] = [(st.planned_first + k, b)
+                                       for k, (_, b) in enumerate(jobs)]
         # Preempted requests lost their blocks (first: one may be resumed in the same step,
         # with its new blocks among the new requests').
         meta.preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
@@ -897,7 +921,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             st.saved_upto = full
             meta.saves[rid] = jobs
             st.has_saves = True
-        if plan.saves:
+        if plan.saves or plan.loads:
             self._inflight[meta.step] = plan
         return meta
 
@@ -905,12 +929,20 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                          ) -> Tuple[bool, Optional[Dict[str, Any]]]:
         """Frees the planner's state of the request; keeps vLLM from freeing its blocks
         (``True``) when saves were planned for it, until the workers report its writes done
-        (``finished_sending`` from :meth:`get_finished`)."""
-        st = self._reqs.pop(request.request_id, None)
-        self._pending_loads.pop(request.request_id, None)
+        (``finished_sending`` from :meth:`get_finished`). A request whose asynchronous load
+        still runs (aborted meanwhile) is not delayed: vLLM keeps its blocks until the load
+        is reported ended and frees them then; a delay here too would have them freed twice
+        (or under the loader, were the writes reported done first), so the workers are told
+        to report nothing for it (``CpHiCacheMetadata.unreported``)."""
+        rid = request.request_id
+        st = self._reqs.pop(rid, None)
+        self._pending_loads.pop(rid, None)
         delay = st is not None and st.has_saves
+        if delay and rid in self._loading:
+            delay = False
+            self._unreported.add(rid)
         if delay:
-            self._delayed.add(request.request_id)
+            self._delayed.add(rid)
         return delay, None
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -926,6 +958,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                 continue
             self._delayed.discard(rid)
             self._planner_stats["finished_sending"] += 1
+        self._loading.difference_update(connector_output.finished_recving or ())
         invalid = set(connector_output.invalid_block_ids or ())
         self._planner_stats["invalid_blocks"] += len(invalid)
         if invalid:
@@ -933,12 +966,23 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             # blocks again (the store removed the refused record), and offer the request
             # no block from there again (vLLM may look a request up again when its load
             # failed at the first block).
-            for st in self._reqs.values():
+            failed: Dict[str, int] = {}  # request -> its first failed block
+            for rid, st in self._reqs.items():
                 for k, b in enumerate(st.block_ids[:st.saved_upto]):
                     if b in invalid:
-                        st.saved_upto = k
-                        st.load_cap = k if st.load_cap is None else min(st.load_cap, k)
+                        failed[rid] = k
                         break
+            # A request preempted since its failed load (its block ids are gone).
+            for plan in self._inflight.values():
+                for rid, loaded in plan.loads.items():
+                    for k, b in loaded:
+                        if b in invalid and rid in self._reqs:
+                            failed[rid] = min(failed.get(rid, k), k)
+                            break
+            for rid, k in failed.items():
+                st = self._reqs[rid]
+                st.saved_upto = min(st.saved_upto, k)
+                st.load_cap = k if st.load_cap is None else min(st.load_cap, k)
             # Every step in flight was planned before this report: its forward may have
             # read these blocks (vLLM's asynchronous scheduling plans the next step before
             # it sees this one's output).
@@ -971,7 +1015,8 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                     st = self._reqs.get(rid)
                     if st is not None:
                         st.saved_upto = min(st.saved_upto, first)
-            self._settled[t] = dropped
+            if plan.saves:  # a step of loads only has no verdict to send
+                self._settled[t] = dropped
             self._planner_stats["saves_settled"] += len(plan.saves) - len(dropped)
             self._planner_stats["saves_rejected"] += len(dropped)
 
@@ -982,7 +1027,8 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         requests, ``delayed`` frees and ``unsettled`` steps (planned saves without a
         verdict, or verdicts not yet sent; all 0 once every request has finished and been
         freed)."""
-        return dict(self._planner_stats, tracked=len(self._reqs), delayed=len(self._delayed),
+        return dict(self._planner_stats, tracked=len(self._reqs) + len(self._loading),
+                    delayed=len(self._delayed),
                     unsettled=len(self._inflight) + len(self._settled))
 
     # ======================================================================================
@@ -1425,6 +1471,10 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         if step:
             self._ran.add(step)
         self._verdicts.update(getattr(connector_metadata, "settled", None) or {})
+        for rid in getattr(connector_metadata, "unreported", None) or ():
+            # vLLM frees its blocks itself (its load ended): nothing to report.
+            self._saving_reqs.discard(rid)
+            self._finished_waiting.discard(rid)
         self._release()
 
     def _release(self) -> None:

@@ -969,6 +969,36 @@ def test_steps_in_flight_when_a_failure_is_reported_are_settled_by_it(tmp_path):
     assert merged.steps == {5: 2}
 
 
+def test_a_failed_load_reported_after_its_request_was_preempted_still_caps_it(tmp_path):
+    """vLLM's asynchronous scheduling plans step 2 (preempting request 2, whose block ids
+    are then gone) before step 1's output reports request 2's loaded block 2 failed. The
+    planner still maps the failure back to the request (through step 1's loads): block 2
+    is not offered to it again, and its saves restart there (before, the resumed request
+    was offered the failed block again, and its saves restarted only at block 4: records
+    2 and 3 were never saved again by it)."""
+    _save_prefix(tmp_path / "store")
+    p = CpHiCacheConnector(vllm_config(tmp_path / "store"), KVConnectorRole.SCHEDULER,
+                           kv_cache_config())
+    b = _prefix_hit()
+    ids = list(range(10, 15))
+    assert p.get_num_new_matched_tokens(b, 0) == (64, False)
+    p.update_state_after_alloc(b, SimpleNamespace(get_block_ids=lambda: (ids,)), 64)
+    b.num_computed_tokens = 64
+    m1 = p.build_connector_meta(_sched_output(new=[("id-2", ids)], tokens={"id-2": 16}))
+    assert [blk for _, blk in m1.loads["id-2"]] == ids[:4]
+    assert [blk for _, blk in m1.saves["id-2"]] == [14]
+    so = _sched_output()
+    so.preempted_req_ids = {"id-2"}
+    p.build_connector_meta(so)  # step 2, planned before step 1's output
+    b.num_computed_tokens = 0
+    p.update_connector_output(KVConnectorOutput(
+        invalid_block_ids={12, 13}, kv_connector_worker_meta=CpHiCacheWorkerMeta(steps={1: 1})))
+    assert p._reqs["id-2"].saved_upto == 2 and p._reqs["id-2"].load_cap == 2
+    assert p.get_num_new_matched_tokens(b, 0) == (32, False)  # blocks 0 and 1 only
+    m3 = p.build_connector_meta(_sched_output())
+    assert m3.settled == {1: {"id-2"}}, m3.settled
+
+
 def test_under_the_fail_policy_a_failed_load_ends_the_request_with_an_error(tmp_path):
     """With vLLM's default ``kv_load_failure_policy="fail"`` a refused record ends its
     request with an error (its output is never served) and leaves nothing behind."""
@@ -1844,6 +1874,41 @@ def test_an_abort_while_its_load_spans_steps_frees_its_blocks_once_the_load_ends
     e.run()
     assert_clean(e)
     assert [o.finished_recving for o in e.outputs if o.finished_recving] == [{"id-2"}]
+
+
+def test_an_abort_while_a_resumed_request_loads_frees_its_blocks_once_and_after_the_load(
+        tmp_path):
+    """A request that saved blocks, preempted (vLLM's ``reset_prefix_cache`` preempts every
+    running one), resumed with an asynchronous load of its own records and aborted while
+    the loader (held back here) still fills its blocks: vLLM itself keeps the blocks until
+    the load is reported ended (``finished_recving``) and frees them then, so the connector
+    must not delay their freeing too nor report the request's saves done
+    (``finished_sending``): that would free the blocks under the loader, and free them twice
+    (vLLM's scheduler asserts)."""
+    from vllm.v1.request import RequestStatus
+
+    e = Engine(tmp_path / "store", extra={"load_async": True})
+    a = create_request(request_id=1, num_tokens=70, max_tokens=20, block_size=BS)
+    e.sched.add_request(a)
+    for _ in range(3):
+        e.step()
+    e.worker._writer.submit(lambda: None).result()  # its 4 records are written
+    assert e.sched.reset_prefix_cache(reset_running_requests=True)
+    gate = threading.Event()
+    e.worker._load_layer_hook = lambda li: gate.wait(30)
+    try:
+        e.step()
+        assert a.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        e.sched.finish_requests(["id-1"], RequestStatus.FINISHED_ABORTED)
+        for _ in range(3):
+            e.step()
+            assert "id-1" in e.sched.requests, "its blocks were freed under the loader"
+            assert not any(o.finished_sending for o in e.outputs[-1:])
+    finally:
+        gate.set()
+    e.run(timeout_s=15)
+    assert_clean(e)
+    assert [o.finished_recving for o in e.outputs if o.finished_recving] == [{"id-1"}]
 
 
 # ------------------------------------------------------------------------------------------
