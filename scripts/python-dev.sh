@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=.venv
-# The Cargo profile of the wheel: release by default; scripts/test.sh builds it with the test
+# The Cargo profile of the wheel: release by default; scripts/test.sh builds it with the dev
 # profile, whose artifacts `cargo test` has just built (a release build would compile the
 # crate and its dependencies again).
 profile="${CP_HICACHE_WHEEL_PROFILE:-release}"

@@ -24,10 +24,12 @@ fi
 
 step "the Python package: build the wheel (maturin) into .venv, then pytest"
 # The wheel and the binary (the in-process replay the multi-process one is compared with) are
-# what `cargo test` built, its test profile (optimised: the default replay runs as fast as a
-# release build's), not a release build of everything again (4 to 5 minutes on 2 cores).
-export CP_HICACHE_WHEEL_PROFILE=test
-cargo build --profile test --bin cp-hicache --quiet
+# built with the dev profile, whose artifacts `cargo test` has just built (Cargo.toml: the
+# test profile is the dev one; optimised, so the default replay runs as fast as a release
+# build's), not a release build of everything again (4 to 5 minutes on 2 cores). Not
+# `--profile test`: maturin would build the extension as a test harness.
+export CP_HICACHE_WHEEL_PROFILE=dev
+cargo build --bin cp-hicache --quiet
 scripts/python-dev.sh
 CP_HICACHE_BIN="$PWD/target/debug/cp-hicache" .venv/bin/python -m pytest -q --durations=12 python/tests
 

@@ -10,7 +10,7 @@ mod hicache_support;
 use cp_hicache::cluster::{ClusterConfig, ClusterError};
 use cp_hicache::exec::Executor;
 use cp_hicache::group::{Collective, GroupError, LocalGroup, LocalMember};
-use cp_hicache::kernels::{BufferKind, Deployment, ModelShape};
+use cp_hicache::kernels::{BufferKind, CopyLaunch, Deployment, ModelShape};
 use cp_hicache::layout::PageId;
 use cp_hicache::rank::{Ending, PeerAccess, RankCache, Request, WritePolicy, START_ROUND};
 use hicache_support::{host_executor, jit, tokens, Spy};
@@ -168,8 +168,14 @@ fn begin_returns_only_when_every_peer_can_read_the_loaded_pages() {
     let out = on_ranks(2, move |r, m| {
         let spy = Spy::new();
         let exec: Arc<dyn Executor> = spy.clone();
-        let mut rc =
-            RankCache::new(config(2, 65), exec, &jit(), Box::new(m), PeerAccess::Mapped).unwrap();
+        // An uncapped transfer grid: a launch per layer, so layer 1's can be held (the
+        // default capped one puts the layers of so few pages in one launch).
+        let mut cfg = config(2, 65);
+        cfg.deployment.transfer_copy = CopyLaunch {
+            max_blocks: 0,
+            ..CopyLaunch::gpu_transfer()
+        };
+        let mut rc = RankCache::new(cfg, exec, &jit(), Box::new(m), PeerAccess::Mapped).unwrap();
         let prompt = tokens(11, 6 * PS + 2);
         let mut req = rc.begin_allocated(&prompt).unwrap();
         forward(&rc, &req);

@@ -18,6 +18,9 @@ use std::sync::Arc;
 /// Slots of the ring (see the module documentation for why two suffice).
 pub(super) const FENCE_SLOTS: usize = 2;
 
+/// This rank's fence events and the handles its peers open them by.
+pub(super) type OwnFences = (Vec<EventId>, Vec<Vec<u8>>);
+
 /// This rank's interprocess events and its peers', opened here.
 pub(super) struct Fences {
     exec: Arc<dyn Executor>,
@@ -31,9 +34,7 @@ pub(super) struct Fences {
 impl Fences {
     /// This rank's events and their handles (for the start-up round), or `None` where the
     /// executor has no interprocess events.
-    pub(super) fn create(
-        exec: &Arc<dyn Executor>,
-    ) -> Result<Option<(Vec<EventId>, Vec<Vec<u8>>)>, ExecError> {
+    pub(super) fn create(exec: &Arc<dyn Executor>) -> Result<Option<OwnFences>, ExecError> {
         let mut own = Vec::with_capacity(FENCE_SLOTS);
         let mut handles = Vec::with_capacity(FENCE_SLOTS);
         for _ in 0..FENCE_SLOTS {

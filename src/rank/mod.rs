@@ -26,17 +26,19 @@
 //!   (its inputs and a summary of the state it left): a failure on any rank rolls the step
 //!   back everywhere, and ranks that decided differently all undo it
 //!   ([`ClusterError::Diverged`]).
-//! - *begin* fence: a rank with an executor of its own ([`PeerAccess::Mapped`]) synchronises
-//!   its stream after a load-back and before the outcome round, so when `begin` returns the
-//!   loaded pages are readable by every peer (a peer's stream cannot wait on this rank's
-//!   events; CUDA's `cuIpcGetEventHandle` is not used). One host wait per step
-//!   ([`RankCache::step`]) whose admissions loaded something, counted in
-//!   [`RequestStats::fence_syncs`]; `load_path_syncs` counts
-//!   only what the load-back itself did.
+//! - *begin* fence: a rank with an executor of its own ([`PeerAccess::Mapped`]) records an
+//!   interprocess event (CUDA: `CU_EVENT_INTERPROCESS`, its handle exchanged at start-up)
+//!   after a step's load-backs and before the outcome round; after the round every rank's
+//!   cache stream waits for each peer's on the device (`src/rank/fence.rs`). So when `begin` returns,
+//!   work ordered after the cache's stream (its own, an engine stream handed in) reads
+//!   every peer's loaded pages. Executors without such events (the host executor)
+//!   synchronise their stream instead: one host wait per step ([`RankCache::step`]) whose
+//!   admissions loaded something, counted in [`RequestStats::fence_syncs`];
+//!   `load_path_syncs` counts only what the load-back itself did.
 //! - *end* fence ([`RankCache::end`]): `finish` and `abandon` free nothing a peer may still
 //!   read before every rank has reached the request's end round.
 //! - In [`RankCache::serve`]: *request N written* (after load-back and synthesis, with the
-//!   same stream synchronisation), *request N verified* (no rank frees, poisons or reuses a
+//!   same fence), *request N verified* (no rank frees, poisons or reuses a
 //!   page of this sequence while a peer may still read it), then the outcome.
 //!
 //! The SGLang call each method stands for is named in its documentation.

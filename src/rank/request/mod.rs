@@ -189,12 +189,14 @@ impl RankCache {
     /// compares what each rank decided, and ranks that differ fail with
     /// [`ClusterError::Diverged`].
     ///
-    /// Fence: when `begin` returns on any rank, the loaded pages are readable by every
-    /// peer. Ranks whose peers read their pools through their own executors
-    /// ([`PeerAccess::Mapped`]: other processes) synchronise their stream after the load and
-    /// before the outcome round, since a peer's stream cannot wait on this rank's events: one
-    /// host synchronisation per step that loaded something ([`RankCache::step`]), counted in
-    /// [`RequestStats::fence_syncs`] of its first request that loaded. Ranks that share one executor share its stream, where
+    /// Fence: when `begin` returns on any rank, work ordered after its cache's stream reads
+    /// every peer's loaded pages. Ranks whose peers read their pools through their own
+    /// executors ([`PeerAccess::Mapped`]: other processes) record an interprocess event
+    /// after the load and before the outcome round, and after it their cache stream waits
+    /// for every peer's, on the device. Executors without interprocess events synchronise
+    /// their stream instead: one host synchronisation per step that loaded something
+    /// ([`RankCache::step`]), counted in [`RequestStats::fence_syncs`] of its first request
+    /// that loaded. Ranks that share one executor share its stream, where
     /// [`LoadHandle::wait_layer`] orders layer by layer. SGLang: `HiRadixCache.match_prefix`
     /// + `init_load_back` (`HiCacheController.load`).
     pub fn begin(&mut self, tokens: &[u32]) -> Result<Request, ClusterError> {

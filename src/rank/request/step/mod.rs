@@ -320,7 +320,7 @@ impl RankCache {
 
     /// The fence of a step's loads where peers read this rank's pools through executors of
     /// their own ([`PeerAccess::Mapped`]: other processes on CUDA), which cannot wait on this
-    /// rank's ordinary events. With interprocess events ([`super::super::fence`]) the cache's
+    /// rank's ordinary events. With interprocess events (`src/rank/fence.rs`) the cache's
     /// stream waits for every load of the step on the device and records this rank's
     /// fence after them; the step waits for the peers' after the outcome round
     /// (`Some(slot)`). Otherwise the host waits for the copies once, before the outcome
