@@ -130,9 +130,12 @@ class MooncakeStore:
     def __repr__(self) -> str:
         return f"MooncakeStore(mooncake://{self.master})"
 
+    def _error(self, what: str, rc: int) -> MooncakeError:
+        return MooncakeError(f"Mooncake Store: {what} failed ({rc}), master {self.master}")
+
     def _check(self, what: str, rc: int) -> None:
         if rc < 0:
-            raise MooncakeError(f"Mooncake Store: {what} failed ({rc}), master {self.master}")
+            raise self._error(what, rc)
 
     def put_object(self, name: str, data: bytes) -> bool:
         """Stores ``data`` as ``name`` unless it is there; True when written."""
@@ -147,13 +150,15 @@ class MooncakeStore:
         names: Sequence[str],
         addrs: Sequence[Sequence[int]],
         sizes: Sequence[Sequence[int]],
-    ) -> List[bool]:
+    ) -> "List[bool | MooncakeError]":
         """Stores object ``names[i]``, unless it is there, as the bytes of the buffers of
         this process's memory at ``addrs[i]`` (``sizes[i]`` bytes each, in order), in one
         ``batch_is_exist`` and one ``batch_put_from`` (one buffer per object) or
-        ``batch_put_from_multi_buffers``; whether each was written. The memory must stay
-        unchanged for the call."""
+        ``batch_put_from_multi_buffers``; whether each was written, or the error of an object
+        whose put failed (the others' answers stand). The memory must stay unchanged for
+        the call."""
         there = self.objects_exist(list(names))
+        out: List[Any] = [not t for t in there]
         todo = [i for i, t in enumerate(there) if not t]
         if todo:
             keys = [names[i] for i in todo]
@@ -173,10 +178,15 @@ class MooncakeStore:
                     )
                     for i in todo
                 ]
-            for k, rc in zip(keys, rcs):
-                self._check(f"put {k}", rc)
-            self._wrote(keys, [sum(sizes[i]) for i in todo])
-        return [not t for t in there]
+            written = []
+            for i, k, rc in zip(todo, keys, rcs):
+                if rc < 0:
+                    # This object's put failed; the batch's others stand.
+                    out[i] = self._error(f"put {k}", rc)
+                else:
+                    written.append(i)
+            self._wrote([names[i] for i in written], [sum(sizes[i]) for i in written])
+        return out
 
     def get_object(self, name: str) -> Optional[bytes]:
         """Object ``name``'s bytes, None when there is none."""
@@ -192,12 +202,13 @@ class MooncakeStore:
         names: Sequence[str],
         addrs: Sequence[Sequence[int]],
         sizes: Sequence[Sequence[int]],
-    ) -> List[Optional[int]]:
+    ) -> "List[Optional[int] | MooncakeError]":
         """Reads object ``names[i]`` into the buffers of this process's memory at
         ``addrs[i]`` (``sizes[i]`` bytes each, in order), in one ``batch_get_into`` (one
         buffer per object) or ``batch_get_into_multi_buffers``: for each, its length (read
         when it fits in the buffers, its bytes first; a longer object is not read), or
-        None when there is none."""
+        None when there is none, or the error of an object whose read failed (the others'
+        answers stand)."""
         if not names:
             return []
         if not self.zero_copy:
@@ -211,7 +222,7 @@ class MooncakeStore:
             rcs = self._store.batch_get_into_multi_buffers(
                 list(names), [list(a) for a in addrs], [list(s) for s in sizes]
             )
-        out: List[Optional[int]] = []
+        out: "List[Optional[int] | MooncakeError]" = []
         for n, rc, a, s in zip(names, rcs, addrs, sizes):
             if rc > 0:
                 out.append(rc)
@@ -231,7 +242,8 @@ class MooncakeStore:
             elif size >= 0 and not single:
                 out.append(self._get_bytes_into(n, a, s))
             else:
-                self._check(f"get {n}", rc if rc < 0 else -1)
+                # This object's read failed; the batch's others stand.
+                out.append(self._error(f"get {n}", rc if rc < 0 else -1))
         return out
 
     def _get_bytes_into(

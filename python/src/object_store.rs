@@ -17,9 +17,13 @@
 //!   `sizes[i][j]` bytes, in order; whether written) and `get_objects_into(names, addrs,
 //!   sizes) -> list[int | None]` (each read into its buffers, in order: its length, read
 //!   when it fits in them, its bytes first, or None when there is none). The addresses
-//!   are valid for the call only.
+//!   are valid for the call only. In either list an exception instance in place of an
+//!   answer says that object's call failed (the others' answers stand: a batch holds a
+//!   node's or a request's records, and one failed object must not take the others'
+//!   writes or hits with it); an exception raised fails the whole batch.
 
 use cp_hicache::storage::{get_each_into, put_each, ObjectBackend, StorageError};
+use pyo3::exceptions::PyBaseException;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -152,17 +156,8 @@ impl ObjectBackend for PyBackend {
             .collect();
         // The slices stay borrowed, unchanged, for the call.
         let got = self.call("put_objects_from", |o| {
-            let got: Vec<bool> = o
-                .call_method1("put_objects_from", (names, addrs, sizes))?
-                .extract()?;
-            if got.len() != items.len() {
-                return Err(crate::errors::usage(format!(
-                    "put_objects_from returned {} answers for {} objects",
-                    got.len(),
-                    items.len()
-                )));
-            }
-            Ok(got)
+            let got = o.call_method1("put_objects_from", (names, addrs, sizes))?;
+            self.answers("put_objects_from", &got, items.len())
         });
         spread(got, items.len())
     }
@@ -185,26 +180,48 @@ impl ObjectBackend for PyBackend {
             .collect();
         // The slices stay borrowed, written only by the callee, for the call.
         let got = self.call("get_objects_into", |o| {
-            let got: Vec<Option<usize>> = o
-                .call_method1("get_objects_into", (names.to_vec(), addrs, sizes))?
-                .extract()?;
-            if got.len() != names.len() {
-                return Err(crate::errors::usage(format!(
-                    "get_objects_into returned {} answers for {} objects",
-                    got.len(),
-                    names.len()
-                )));
-            }
-            Ok(got)
+            let got = o.call_method1("get_objects_into", (names.to_vec(), addrs, sizes))?;
+            self.answers("get_objects_into", &got, names.len())
         });
         spread(got, names.len())
     }
 }
 
-/// One answer per item: the call's, or its error for every item.
-fn spread<T>(got: Result<Vec<T>, StorageError>, n: usize) -> Vec<Result<T, StorageError>> {
+impl PyBackend {
+    /// The `n` answers of a batch method in `got`: each extracted, or the error of an
+    /// exception instance in its place (that object's call failed).
+    fn answers<'py, T: FromPyObjectOwned<'py>>(
+        &self,
+        method: &str,
+        got: &Bound<'py, PyAny>,
+        n: usize,
+    ) -> PyResult<Vec<Result<T, StorageError>>> {
+        let got: Vec<Bound<'py, PyAny>> = got.extract()?;
+        if got.len() != n {
+            return Err(crate::errors::usage(format!(
+                "{method} returned {} answers for {n} objects",
+                got.len()
+            )));
+        }
+        got.iter()
+            .map(|a| match a.cast::<PyBaseException>() {
+                Ok(e) => Ok(Err(StorageError::Backend(format!(
+                    "{}.{method} failed: {e}",
+                    self.what
+                )))),
+                Err(_) => a.extract::<T>().map(Ok).map_err(Into::into),
+            })
+            .collect()
+    }
+}
+
+/// One answer per item: the call's (each its own), or its error for every item.
+fn spread<T>(
+    got: Result<Vec<Result<T, StorageError>>, StorageError>,
+    n: usize,
+) -> Vec<Result<T, StorageError>> {
     match got {
-        Ok(v) => v.into_iter().map(Ok).collect(),
+        Ok(v) => v,
         Err(e) => {
             let why = e.to_string();
             (0..n)

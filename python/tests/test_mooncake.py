@@ -71,6 +71,44 @@ def test_a_mooncake_store_moves_whole_objects(mooncake_master):
         parse_url("mooncake://nowhere")
 
 
+def test_one_failed_object_of_a_batch_fails_alone(mooncake_master):
+    """An object whose put or get fails in a batch is answered by an exception instance in
+    its place (not raised): the batch's others are written, counted for usage, and read."""
+    from cp_hicache.mooncake import MooncakeError
+
+    s = _holder(mooncake_master)
+    real = s._store
+
+    class SecondFails:
+        """The engine, whose second object of each batch call fails."""
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def batch_put_from(self, keys, addrs, sizes):
+            rcs = real.batch_put_from(keys[:1] + keys[2:], addrs[:1] + addrs[2:],
+                                      sizes[:1] + sizes[2:])
+            return list(rcs[:1]) + [-1] + list(rcs[1:])
+
+        def batch_get_into(self, keys, addrs, sizes):
+            return list(real.batch_get_into(keys, addrs, sizes)[:1]) + [-1] * (len(keys) - 1)
+
+    s._store = SecondFails()
+    src = np.arange(300, dtype=np.uint8)
+    dst = np.zeros(300, dtype=np.uint8)
+    names = ["x0", "x1", "x2"]
+    got = s.put_objects_from(names, [[src.ctypes.data + 100 * i] for i in range(3)], [[100]] * 3)
+    assert got[0] is True and isinstance(got[1], MooncakeError) and got[2] is True, got
+    assert s.objects_exist(names) == [True, False, True]
+    assert sorted(s._put_sizes) == ["x0", "x2"]
+    got = s.get_objects_into(["x0", "x2"], [[dst.ctypes.data], [dst.ctypes.data + 200]],
+                             [[100], [100]])
+    assert got[0] == 100 and isinstance(got[1], MooncakeError), got
+    assert dst[:100].tobytes() == src[:100].tobytes()
+    s._store = real
+    s.close()
+
+
 def _writer(rank: int, port: int, url: str, options: dict, out: str, layout: dict) -> None:
     import torch.distributed as dist
 

@@ -5,6 +5,7 @@ under a key are refused and counted whatever keeps them."""
 
 from __future__ import annotations
 
+import ctypes
 import threading
 
 import numpy as np
@@ -89,4 +90,69 @@ def test_an_object_without_the_methods_is_refused():
     rc = _cache()
     with pytest.raises(cp_hicache.UsageError, match="lacks put_object"):
         rc.attach_storage(type("Half", (), {"get_object": lambda self, n: None})())
+    rc.close()
+
+
+class BatchDictStore(DictStore):
+    """A DictStore with the batch calls at addresses, whose object at position
+    `fail_put`/`fail_get` of each batch fails: an exception instance in its answer's place,
+    as MooncakeStore answers for one object whose put or get failed."""
+
+    def __init__(self, fail_put=None, fail_get=None):
+        super().__init__()
+        self.fail_put, self.fail_get = fail_put, fail_get
+
+    def put_objects_from(self, names, addrs, sizes):
+        out = []
+        for i, (n, a, s) in enumerate(zip(names, addrs, sizes)):
+            if i == self.fail_put:
+                out.append(RuntimeError(f"put {n} failed"))
+                continue
+            data = b"".join(ctypes.string_at(p, k) for p, k in zip(a, s))
+            out.append(self.put_object(n, data))
+        return out
+
+    def get_objects_into(self, names, addrs, sizes):
+        out = []
+        for i, (n, a, s) in enumerate(zip(names, addrs, sizes)):
+            data = self.objects.get(n)
+            if i == self.fail_get:
+                out.append(RuntimeError(f"get {n} failed"))
+            elif data is None:
+                out.append(None)
+            else:
+                at = 0
+                for p, k in zip(a, s):
+                    k = min(k, len(data) - at)
+                    if k > 0:
+                        ctypes.memmove(p, data[at : at + k], k)
+                    at += max(k, 0)
+                out.append(len(data))
+        return out
+
+
+def test_one_failed_object_of_a_batch_fails_alone():
+    # A node's ten records go in one batch; the fourth's put fails: the other nine are
+    # written and counted, one I/O error.
+    store = BatchDictStore(fail_put=3)
+    first = _cache()
+    first.attach_storage(store)
+    s = first.serve(PROMPT)
+    assert s["storage_records_written"] == 9 and s["storage_io_errors"] == 1, s
+    first.close()
+    assert len(store.objects) == 9
+
+    # A request's ten reads go in one batch; the sixth's get fails: the five before it
+    # are a hit (a failed read ends the run as a miss does), one I/O error.
+    store.fail_put = None
+    full = _cache()
+    full.attach_storage(store)
+    full.serve(PROMPT)
+    full.close()
+    store.fail_get = 5
+    rc = _cache()
+    rc.attach_storage(store)
+    s = rc.serve(PROMPT)
+    assert s["storage_records_read"] == 5 and s["storage_io_errors"] == 1, s
+    assert s["mismatched_tokens"] == 0, s
     rc.close()
