@@ -37,7 +37,6 @@ bytes. Run::
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,23 +47,16 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "python" / "tests"))
 
-from mooncake_fixture import mooncake_master_binary, start_master, stop_master  # noqa: E402
+from mooncake_fixture import (  # noqa: E402
+    mooncake_master_binary,
+    spawn_segment_holder,
+    start_master,
+    stop_master,
+)
 
 import cp_hicache  # noqa: E402
 from cp_hicache import _native  # noqa: E402
 from cp_hicache.mooncake import MooncakeStore  # noqa: E402
-
-
-# A client that only contributes the segment, until its stdin closes.
-_HOLDER = """
-import sys
-from cp_hicache.mooncake import MooncakeStore
-s = MooncakeStore(sys.argv[1], metadata_server=sys.argv[2], segment_bytes=int(sys.argv[3]),
-                  buffer_bytes=16 << 20)
-print("ready", flush=True)
-sys.stdin.read()
-s.close()
-"""
 
 
 class BytesOnly:
@@ -115,10 +107,7 @@ def main(argv=None) -> int:
             meta = master.options["metadata_server"]
             holder = None
             if a.holder == "process":
-                holder = subprocess.Popen(
-                    [sys.executable, "-c", _HOLDER, master.url, meta, str(segment)],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                )
+                holder = spawn_segment_holder(master.url, meta, segment)
                 assert holder.stdout.readline().strip() == "ready"
             store = MooncakeStore(
                 master.url,

@@ -137,6 +137,30 @@ def stop_master(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+# A client that only contributes a segment to the master, until its stdin closes.
+_HOLDER = """
+import sys
+from cp_hicache.mooncake import MooncakeStore
+s = MooncakeStore(sys.argv[1], metadata_server=sys.argv[2], segment_bytes=int(sys.argv[3]),
+                  buffer_bytes=int(sys.argv[4]))
+print("ready", flush=True)
+sys.stdin.read()
+s.close()
+"""
+
+
+def spawn_segment_holder(url: str, metadata_server: str, segment_bytes: int,
+                         buffer_bytes: int = 16 << 20) -> subprocess.Popen:
+    """Starts a client process that holds a segment of ``segment_bytes`` for the master at
+    ``url`` (so the bytes other clients put cross TCP). It prints ``ready`` on its stdout
+    once the segment is mounted, and leaves when its stdin closes."""
+    return subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, url, metadata_server, str(segment_bytes),
+         str(buffer_bytes)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+
+
 @pytest.fixture
 def mooncake_master(tmp_path):
     """Starts a master on free loopback ports; stops it (SIGTERM, then SIGKILL) by pid."""

@@ -15,6 +15,7 @@ import pytest
 
 import cp_hicache
 from mooncake_fixture import mooncake_master  # noqa: F401  (the fixture)
+from mooncake_fixture import spawn_segment_holder
 
 LAYERS = 2
 PAGE = 16
@@ -311,17 +312,6 @@ def test_the_rust_cli_replay_says_it_reaches_mooncake_only_through_python(tmp_pa
     assert not any(tmp_path.iterdir())
 
 
-_HOLDER = """
-import sys, time
-from cp_hicache.mooncake import MooncakeStore
-s = MooncakeStore(sys.argv[1], metadata_server=sys.argv[2], segment_bytes=int(sys.argv[3]),
-                  buffer_bytes=4 << 20)
-print("ready", flush=True)
-sys.stdin.read()  # until the test closes our stdin
-s.close()
-"""
-
-
 LAYERS_BIG = 16
 
 
@@ -331,16 +321,12 @@ def test_two_client_processes_contribute_segments(mooncake_master, tmp_path):
     every page back. When one holder leaves, its records go with it: the reader's misses
     are computed and verified, never served wrong."""
     import subprocess
-    import sys
 
     from cp_hicache.mooncake import MooncakeStore
 
     holders = [
-        subprocess.Popen(
-            [sys.executable, "-c", _HOLDER, mooncake_master.url,
-             mooncake_master.options["metadata_server"], str(24 << 20)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )
+        spawn_segment_holder(mooncake_master.url, mooncake_master.options["metadata_server"],
+                             24 << 20, buffer_bytes=4 << 20)
         for _ in range(2)
     ]
     try:
