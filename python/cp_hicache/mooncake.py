@@ -223,6 +223,10 @@ class MooncakeStore:
                 list(names), [list(a) for a in addrs], [list(s) for s in sizes]
             )
         out: "List[Optional[int] | MooncakeError]" = []
+        # Once the master did not answer an object's length, the batch's other failed
+        # objects are not asked for theirs: each would wait out the same timeout (about 4 s
+        # with the master down, ten of them a minute).
+        unanswered = False
         for n, rc, a, s in zip(names, rcs, addrs, sizes):
             if rc > 0:
                 out.append(rc)
@@ -233,7 +237,8 @@ class MooncakeStore:
                 continue
             # Mooncake refuses buffers smaller than the object (-600), and several buffers
             # of another total (a failed transfer): its length says which.
-            size = self._store.get_size(n)
+            size = -1 if unanswered else self._store.get_size(n)
+            unanswered = unanswered or (size < 0 and size != _OBJECT_NOT_FOUND)
             if size == _OBJECT_NOT_FOUND:
                 self._gone([n])
                 out.append(None)
