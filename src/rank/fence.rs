@@ -12,6 +12,7 @@
 //! recording than the one it was for. Executors without interprocess events (the host
 //! executor, whose work has run when a call returns) fence on the host as before.
 
+use super::{ClusterError, LoadHandle, RankCache};
 use crate::exec::{EventId, ExecError, Executor};
 use std::sync::Arc;
 
@@ -115,6 +116,39 @@ impl Fences {
             }
         }
         Ok(())
+    }
+}
+
+impl RankCache {
+    /// The fence before a round after which peers read what this rank enqueued (only for a
+    /// [`PeerAccess::Mapped`](super::PeerAccess::Mapped) group of several ranks): with
+    /// interprocess events, the cache's stream waits for `loads` on the device and this
+    /// rank's next slot is recorded (returned, for [`RankCache::after_peer_fences`] after
+    /// the round); otherwise the host synchronises the executor (`None`).
+    pub(super) fn fence_own_work<'a>(
+        &mut self,
+        loads: impl IntoIterator<Item = &'a LoadHandle>,
+    ) -> Result<Option<usize>, ExecError> {
+        match self.fences.as_mut() {
+            Some(fences) => {
+                for load in loads {
+                    load.wait_all()?;
+                }
+                fences.signal().map(Some)
+            }
+            None => self.exec.synchronize().map(|()| None),
+        }
+    }
+
+    /// After the round that follows [`RankCache::fence_own_work`]'s `slot`: the cache's
+    /// stream waits for every peer's fence, before anything this rank or its engine
+    /// enqueues next reads their pools. A failure here (the device refused the wait and
+    /// the host could not wait either: the device is gone) is the caller's error.
+    pub(super) fn after_peer_fences(&self, slot: Option<usize>) -> Result<(), ClusterError> {
+        match (slot, &self.fences) {
+            (Some(slot), Some(fences)) => Ok(fences.wait_peers(slot)?),
+            _ => Ok(()),
+        }
     }
 }
 

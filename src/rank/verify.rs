@@ -172,22 +172,12 @@ impl RankCache {
             // multi-process test of the stand-in driver read stale pools.
             let mut fence = None;
             if self.peer_access == PeerAccess::Mapped && self.group.size() > 1 {
-                match self.fences.as_mut() {
-                    Some(fences) => {
-                        if let Some(load) = load {
-                            load.wait_all()?;
-                        }
-                        fence = Some(fences.signal()?);
-                    }
-                    None => self.exec.synchronize()?,
-                }
+                fence = self.fence_own_work(load)?;
             }
             // Every rank's loaded and computed pages are in its pool before any peer reads
             // them.
             self.group.barrier(&format!("request {n} written"))?;
-            if let (Some(slot), Some(fences)) = (fence, &self.fences) {
-                fences.wait_peers(slot)?;
-            }
+            self.after_peer_fences(fence)?;
             if self.verifies {
                 self.materialise_and_verify(n_tokens as u32, (hash_buf, page_buf), words, load)?
             } else {

@@ -583,38 +583,35 @@ impl Executor for CudaExecutor {
     }
 
     fn event_done(&self, event: EventId) -> Result<bool, ExecError> {
-        if let Some(done) = self.on_shared_event("event_done", event, |e| self.gpu.ipc_done(e)) {
-            return done;
-        }
-        self.on_live_event("event_done", event, |e| {
-            e.try_is_complete()
-                .map_err(|e| format!("cuEventQuery: {e:?}"))
-        })
+        self.on_event(
+            "event_done",
+            event,
+            |e| {
+                e.try_is_complete()
+                    .map_err(|e| format!("cuEventQuery: {e:?}"))
+            },
+            |e| self.gpu.ipc_done(e),
+        )
     }
 
     fn wait_event(&self, event: EventId) -> Result<(), ExecError> {
-        // SAFETY: the executor's own stream.
-        let shared = self.on_shared_event("wait_event", event, |e| unsafe {
-            self.gpu.wait_ipc(e, None)
-        });
-        if let Some(waited) = shared {
-            return waited;
-        }
-        self.on_live_event("wait_event", event, |e| self.gpu.wait_event(e))
+        self.on_event(
+            "wait_event",
+            event,
+            |e| self.gpu.wait_event(e),
+            // SAFETY: the executor's own stream.
+            |e| unsafe { self.gpu.wait_ipc(e, None) },
+        )
     }
 
     unsafe fn wait_event_on(&self, event: EventId, stream: u64) -> Result<(), ExecError> {
-        let shared = self.on_shared_event("wait_event_on", event, |e| {
-            // SAFETY: the caller vouches that `stream` is a live stream of this context.
-            unsafe { self.gpu.wait_ipc(e, Some(stream)) }
-        });
-        if let Some(waited) = shared {
-            return waited;
-        }
-        self.on_live_event("wait_event_on", event, |e| {
-            // SAFETY: the caller vouches that `stream` is a live stream of this context.
-            unsafe { self.gpu.wait_event_on(e, stream) }
-        })
+        self.on_event(
+            "wait_event_on",
+            event,
+            // SAFETY (both): the caller vouches that `stream` is a live stream of this context.
+            |e| unsafe { self.gpu.wait_event_on(e, stream) },
+            |e| unsafe { self.gpu.wait_ipc(e, Some(stream)) },
+        )
     }
 
     fn release_event(&self, event: EventId) {
@@ -651,13 +648,15 @@ impl Executor for CudaExecutor {
     }
 
     fn sync_event(&self, event: EventId) -> Result<(), ExecError> {
-        if let Some(done) = self.on_shared_event("sync_event", event, |e| self.gpu.sync_ipc(e)) {
-            return done;
-        }
-        self.on_live_event("sync_event", event, |e| {
-            e.synchronize()
-                .map_err(|e| format!("cuEventSynchronize: {e:?}"))
-        })
+        self.on_event(
+            "sync_event",
+            event,
+            |e| {
+                e.synchronize()
+                    .map_err(|e| format!("cuEventSynchronize: {e:?}"))
+            },
+            |e| self.gpu.sync_ipc(e),
+        )
     }
 
     fn open_shared_event(&self, handle: &[u8]) -> Result<EventId, ExecError> {
@@ -813,20 +812,30 @@ impl CudaExecutor {
         self.events.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Runs `f` on `event` of this executor's pool, or refuses an event that is not one (of
+    /// Runs `live` on `event` of this executor's pool, or `shared` when it is an interprocess
+    /// one (this executor's or a peer's opened here); refuses an event that is neither (of
     /// another executor, or released) for `op`.
-    fn on_live_event<T>(
+    fn on_event<T>(
         &self,
         op: &'static str,
         event: EventId,
-        f: impl FnOnce(&cudarc::driver::CudaEvent) -> Result<T, String>,
+        live: impl FnOnce(&cudarc::driver::CudaEvent) -> Result<T, String>,
+        shared: impl FnOnce(&driver::IpcEvent) -> Result<T, String>,
     ) -> Result<T, ExecError> {
         let pool = self.events();
-        let e = pool.live.get(&event.0).ok_or(ExecError::Driver {
-            op,
-            message: format!("{event:?} is not an event of this executor (or was released)"),
-        })?;
-        f(e).map_err(driver_err(op))
+        let out = match (pool.live.get(&event.0), pool.shared.get(&event.0)) {
+            (Some(e), _) => live(e),
+            (None, Some(s)) => shared(&s.event),
+            (None, None) => {
+                return Err(ExecError::Driver {
+                    op,
+                    message: format!(
+                        "{event:?} is not an event of this executor (or was released)"
+                    ),
+                })
+            }
+        };
+        out.map_err(driver_err(op))
     }
 
     /// Keeps an interprocess event under a new id.
@@ -836,18 +845,6 @@ impl CudaExecutor {
         let id = pool.next;
         pool.shared.insert(id, event);
         EventId(id)
-    }
-
-    /// Runs `f` on `event` when it is an interprocess one (`None` otherwise).
-    fn on_shared_event<T>(
-        &self,
-        op: &'static str,
-        event: EventId,
-        f: impl FnOnce(&driver::IpcEvent) -> Result<T, String>,
-    ) -> Option<Result<T, ExecError>> {
-        let pool = self.events();
-        let shared = pool.shared.get(&event.0)?;
-        Some(f(&shared.event).map_err(driver_err(op)))
     }
 
     /// A released event, or a new one when none is.

@@ -336,17 +336,8 @@ impl RankCache {
             .begun
             .iter()
             .position(|r| r.as_ref().is_some_and(|r| r.load.is_some()))?;
-        let fenced = match self.fences.as_mut() {
-            Some(fences) => pass
-                .begun
-                .iter()
-                .flatten()
-                .filter_map(|r| r.load.as_ref())
-                .try_for_each(|load| load.wait_all())
-                .and_then(|()| fences.signal())
-                .map(Some),
-            None => self.exec.synchronize().map(|()| None),
-        };
+        let fenced =
+            self.fence_own_work(pass.begun.iter().flatten().filter_map(|r| r.load.as_ref()));
         let req = pass.begun[i].as_mut().expect("found above");
         match fenced {
             Ok(Some(slot)) => return Some(slot),
@@ -360,17 +351,6 @@ impl RankCache {
             Err(_) => {}
         }
         None
-    }
-
-    /// After the outcome round of a pass that signalled `slot`: the cache's stream waits for
-    /// every peer's fence (their loads), before anything this rank or its engine enqueues
-    /// next reads their pools. A failure here (the device refused the wait and the host
-    /// could not wait either: the device is gone) is the step's error.
-    fn after_peer_fences(&self, slot: Option<usize>) -> Result<(), ClusterError> {
-        match (slot, &self.fences) {
-            (Some(slot), Some(fences)) => Ok(fences.wait_peers(slot)?),
-            _ => Ok(()),
-        }
     }
 
     /// Refuses a step its requests cannot take, before any round: every rank's engine
