@@ -14,7 +14,9 @@
 # the ALU and HBM busy kernels, with where each ran); `bench --backend cuda --json` with that
 # tuning file (baseline: pinned cuMemcpyAsync; select
 # and release at 2,048 and 16,384 pages against the Rust reference); a short `replay --backend
-# cuda` with the kernel and the DMA transfer path; compute-sanitizer memcheck of the check
+# cuda` with the kernel and the DMA transfer path; the same with each of 4 ranks in a
+# process of its own (`--processes`: CUDA IPC pools and interprocess-event fences, with and
+# without a scheduler's batches); compute-sanitizer memcheck of the check
 # when compute-sanitizer is on PATH, and its racecheck and synccheck of the allocator kernels
 # (`bench --check --family`). Before the summary it prints again (format: BENCHMARKS.md
 # "gpu-check transfers", so the rows can be pasted there unchanged):
@@ -156,6 +158,17 @@ step replay-writeback "$bin" replay --backend cuda --requests 48 --quiet --polic
 step replay-batch "$bin" replay --backend cuda --requests 48 --quiet --policy write_back \
   --device-pages 96 --batch 4 --chunk-tokens 256 --decode-tokens 16 \
   --json "$out/replay-batch.json"
+# Each rank a process of its own (`--processes`), as engines run them: pools mapped through
+# CUDA IPC, fences as interprocess events (serve's and, with --batch, the step's), every
+# rank verifying through its mappings of its peers' pools; in batches, loads layer by layer
+# with a per-layer interprocess fence (`--layer-waits`). Four ranks share the one GPU.
+step replay-procs "$bin" replay --backend cuda --processes --cp 4 --model mla \
+  --page-size 16 --layers 4 --requests 32 --device-pages 512 --quiet \
+  --json "$out/replay-procs.json"
+step replay-procs-batch "$bin" replay --backend cuda --processes --cp 4 --model mla \
+  --page-size 16 --layers 4 --requests 48 --device-pages 512 --quiet --policy write_back \
+  --batch 4 --chunk-tokens 256 --decode-tokens 16 --layer-waits \
+  --json "$out/replay-procs-batch.json"
 
 if command -v compute-sanitizer >/dev/null 2>&1; then
   step memcheck compute-sanitizer --tool memcheck --error-exitcode 3 \

@@ -3,7 +3,7 @@
 # with its streams scheduled adversarially (the lowest-priority ready stream first, so the
 # load stream is held back as long as allowed) and its happens-before race checker on: the
 # replay in every layout, write-back (evictions during loads), chunked prefill with decode, batches
-# through `step`, the storage tier, and every peer-pool mode. A race makes the process exit with status 86;
+# through `step`, the storage tier, every peer-pool mode, and ranks in processes of their own. A race makes the process exit with status 86;
 # every request is verified byte for byte, and a mismatch fails the run too.
 #
 # Usage: scripts/stand-in-check.sh [path to cp-hicache] (default: target/release/cp-hicache,
@@ -33,6 +33,8 @@ runs=(
   "batches of 4 through step, write-back: loads and evictions inside steps|--batch 4 --chunk-tokens 256 --decode-tokens 16 --policy write_back --requests 48"
   "the storage tier, written then read back|--storage $storage --requests 40"
   "gathered peer pools, CP 4, MLA|--peer-pools gathered --cp 4 --model mla --page-size 16 --requests 40"
+  "ranks as processes: CUDA IPC pools, interprocess-event fences (gpu-check's replay-procs)|--processes --cp 4 --model mla --page-size 16 --layers 4 --requests 32 --device-pages 512"
+  "ranks as processes in batches, write-back, per-layer fences (gpu-check's replay-procs-batch)|--processes --cp 4 --model mla --page-size 16 --layers 4 --requests 48 --device-pages 512 --policy write_back --batch 4 --chunk-tokens 256 --decode-tokens 16 --layer-waits"
 )
 # One replay under the scheduling mode in FAKE_CUDA_SCHED.
 replay() {

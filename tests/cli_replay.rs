@@ -1324,3 +1324,53 @@ fn batched_requests_take_at_most_a_round_a_step_and_verify_under_every_layout() 
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     assert!(num(&r.unwrap(), "mismatched_tokens") > 0);
 }
+
+// `--processes`: each rank a process of this binary, agreeing through files and mapping
+// each other's pools (shared memory): the same requests as the in-process replay, verified
+// on every rank, and the seed's bug caught there too. A rank that dies ends the run with
+// exit status 1, naming it, and the group's folder is removed.
+#[test]
+fn ranks_as_processes_replay_like_threads_and_catch_the_seed_bug() {
+    let (out, threads) = replay(&[]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let threads = threads.unwrap();
+    let (out, procs) = replay(&["--processes"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let procs = procs.unwrap();
+    for k in [
+        "prompt_tokens",
+        "device_hit_tokens",
+        "host_hit_tokens",
+        "computed_tokens",
+        "group_rounds",
+    ] {
+        assert_eq!(num(&threads, k), num(&procs, k), "{k}");
+    }
+    assert!(num(&procs, "host_hit_tokens") > 0, "{procs}");
+    assert_eq!(num(&procs, "mismatched_tokens"), 0, "{procs}");
+    assert_eq!(procs["group"]["kind"], "files", "{procs}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        text.matches("cp-hicache replay").count(),
+        1,
+        "one report, rank 0's: {text}"
+    );
+    let (out, report) = replay(&["--processes", "--inject", "plain-alloc-on-load"]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(num(&report.unwrap(), "mismatched_tokens") > 0);
+    // A rank process that cannot start its replay (a group timeout it refuses) fails alone
+    // at once: every rank refuses it the same way, and the launcher says so.
+    let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+        .args(SMALL)
+        .arg("--processes")
+        .env("CP_HICACHE_GROUP_TIMEOUT", "soon")
+        .env("CP_HICACHE_CACHE_DIR", cache_dir())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("CP_HICACHE_GROUP_TIMEOUT=soon"),
+        "{}",
+        stderr(&out)
+    );
+}

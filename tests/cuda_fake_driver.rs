@@ -15,10 +15,8 @@
 //! The stand-in must be found before any real libcuda, so the checks run in child processes
 //! (this test binary again, with LD_LIBRARY_PATH set) as ignored tests: `child` (which starts
 //! `ipc_peer` as a process of its own), and one `rank_process` per CP rank for the
-//! multi-process cache, whose ranks agree through `fake_cuda/file_group.rs`.
+//! multi-process cache, whose ranks agree through `cp_hicache::group::FileGroup`.
 
-#[path = "fake_cuda/file_group.rs"]
-mod file_group;
 mod hicache_support;
 
 use std::path::{Path, PathBuf};
@@ -502,8 +500,12 @@ impl Executor for StandInGpu {
     fn maps_in_process(&self) -> bool {
         self.cuda.maps_in_process()
     }
-    fn load_layers(&self, l: &[Vec<LoadOp<'_>>]) -> Result<Vec<EventId>, ExecError> {
-        self.cuda.load_layers(l)
+    fn load_layers(
+        &self,
+        l: &[Vec<LoadOp<'_>>],
+        s: &[&[EventId]],
+    ) -> Result<Vec<EventId>, ExecError> {
+        self.cuda.load_layers(l, s)
     }
     fn backup(&self, ops: &[LoadOp<'_>]) -> Result<EventId, ExecError> {
         self.cuda.backup(ops)
@@ -1185,7 +1187,7 @@ const RANK_ENV: &str = "CP_HICACHE_FAKE_CUDA_RANK";
 
 /// The headline of engine mode on the stand-in driver: CP ranks as separate processes, each
 /// with its own CUDA executor, agreeing through a collective over files
-/// (`fake_cuda/file_group.rs`) and reading each other's device pools through CUDA IPC
+/// (`cp_hicache::group::FileGroup`) and reading each other's device pools through CUDA IPC
 /// mappings. Every rank serves the same requests (computed, device hits, loaded back from
 /// host after an eviction) and verifies the whole sequence over its own mappings with no
 /// mismatch; then one rank maps a peer wrongly on purpose, and the mismatches show on that
@@ -1228,7 +1230,8 @@ fn rank_process() {
     let rank: u8 = parts.next().unwrap().parse().unwrap();
     let cp: u8 = parts.next().unwrap().parse().unwrap();
     let dir = PathBuf::from(parts.next().unwrap());
-    let group = file_group::FileGroup::new(dir, rank, usize::from(cp), Duration::from_secs(120));
+    let group =
+        cp_hicache::group::FileGroup::new(dir, rank, usize::from(cp), Duration::from_secs(120));
     let gpu: Arc<dyn Executor> = Arc::new(StandInGpu {
         cuda: CudaExecutor::new(0).unwrap(),
     });
@@ -1263,6 +1266,7 @@ fn rank_process() {
     assert_eq!(back.host_hit_tokens, 5 * ps as u64, "{back:?}");
     check(&mut me, &cat(&a[..3 * ps], &tokens(2, 2 * ps + 1)));
     begin_fences_loads_for_every_peer(&mut me, &tokens(4, 6 * ps));
+    begin_fences_each_layer_for_every_peer(&mut me, &tokens(5, 6 * ps));
     // Rank 1 reads rank 2's pools where rank 0's should be: only rank 1 sees mismatches.
     if rank == 1 {
         me.debug_view_peer_as(0, 2);
@@ -1319,6 +1323,51 @@ fn read_through_views(me: &RankCache, req: &cp_hicache::rank::Request) -> Vec<Ve
 /// returns only when every rank's loaded pages are in its pool.
 fn begin_fences_loads_for_every_peer(me: &mut RankCache, prompt: &[u32]) {
     let rank = me.rank().0;
+    let cp = me.group().size() as u64;
+    let want = served_then_evicted(me, prompt);
+    let waits = driver_count(b"fake_cuda_ipc_event_waits");
+    let mut req = me.begin(prompt).unwrap();
+    assert_eq!(req.stats().pages_loaded, req.pages().len() as u64);
+    assert_eq!(
+        driver_count(b"fake_cuda_ipc_event_waits") - waits,
+        cp - 1,
+        "rank {rank}: one wait on each peer's fence"
+    );
+    // Straight after `begin`, with no wait or synchronisation of its own: every peer page
+    // a rank sees was made readable by `begin` alone.
+    let stale = stale_reads(me, &req, &want);
+    assert_eq!(
+        stale, 0,
+        "rank {rank}: {stale} page-layers read stale after begin"
+    );
+    // The fence was interprocess events, not a host synchronisation: the cache's stream
+    // waited for each peer's on the device.
+    assert_eq!(req.stats().fence_syncs, 0, "rank {rank}: {:?}", req.stats());
+    me.abandon(&mut req).unwrap();
+    // The device refuses the waits on the peers' fences: the host waits for each instead,
+    // and the pages are as current.
+    let want = served_then_evicted(me, prompt);
+    let syncs = driver_count(b"fake_cuda_ipc_event_syncs");
+    set_driver_count(b"fake_cuda_fail_ipc_waits", cp as i32 - 1);
+    let mut req = me.begin(prompt).unwrap();
+    assert_eq!(
+        driver_count(b"fake_cuda_ipc_event_syncs") - syncs,
+        cp - 1,
+        "rank {rank}: a host wait for each peer's refused fence"
+    );
+    let stale = stale_reads(me, &req, &want);
+    assert_eq!(
+        stale, 0,
+        "rank {rank}: {stale} page-layers read stale after refused waits"
+    );
+    me.abandon(&mut req).unwrap();
+}
+
+/// Serves `prompt`, then evicts it from every rank's device pool (poisoned, the poison
+/// landed everywhere): what each rank reads through its views of the owners' pools after
+/// the next load must be `want`, the pages as they were.
+fn served_then_evicted(me: &mut RankCache, prompt: &[u32]) -> Vec<Vec<u8>> {
+    let rank = me.rank().0;
     me.serve(prompt).unwrap();
     let mut req = me.begin(prompt).unwrap();
     assert_eq!(
@@ -1328,40 +1377,83 @@ fn begin_fences_loads_for_every_peer(me: &mut RankCache, prompt: &[u32]) {
     );
     let want = read_through_views(me, &req);
     me.abandon(&mut req).unwrap();
-    // Evicted pages are poisoned; every rank's poison has landed before anyone loads.
     me.evict_device_lru(usize::MAX).unwrap();
     me.executor().synchronize().unwrap();
     me.group().barrier("poison landed").unwrap();
-    let waits = driver_count(b"fake_cuda_ipc_event_waits");
-    let mut req = me.begin(prompt).unwrap();
-    assert_eq!(req.stats().pages_loaded, req.pages().len() as u64);
-    let cp = me.group().size() as u64;
-    assert_eq!(
-        driver_count(b"fake_cuda_ipc_event_waits") - waits,
-        cp - 1,
-        "rank {rank}: one wait on each peer's fence"
-    );
-    // Straight after `begin`, with no wait or synchronisation of its own, rank 0 reads
-    // first, while no peer has read anything (a read flushes the reader's own stream, which
-    // would land its loads): every peer page it sees was made readable by `begin` alone.
-    // Then the others read.
+    want
+}
+
+/// Rank 0 reads every page of `req` through its views first, while no peer has read
+/// anything (a read flushes the reader's own stream, which would land its loads), then
+/// the others: the page-layers that differ from `want`.
+fn stale_reads(me: &RankCache, req: &cp_hicache::rank::Request, want: &[Vec<u8>]) -> usize {
+    let rank = me.rank().0;
     let mut got = Vec::new();
     if rank == 0 {
-        got = read_through_views(me, &req);
+        got = read_through_views(me, req);
     }
     me.group().barrier("rank 0 read").unwrap();
     if rank != 0 {
-        got = read_through_views(me, &req);
+        got = read_through_views(me, req);
     }
-    let stale = want.iter().zip(&got).filter(|(w, g)| w != g).count();
+    want.iter().zip(&got).filter(|(w, g)| w != g).count()
+}
+
+/// With the engine waiting per layer (`set_layer_waits`), `begin` in a group of processes
+/// waits for no peer: each load records its rank's per-layer interprocess events as it is
+/// enqueued, and `wait_layer(l)` waits, on the device, for layer `l` of every peer's load
+/// of the step (one event a peer, a different one each layer), with its own. A wait the
+/// device refuses falls back to the host.
+fn begin_fences_each_layer_for_every_peer(me: &mut RankCache, prompt: &[u32]) {
+    let rank = me.rank().0;
+    let cp = me.group().size() as u64;
+    let layers = me.pools().geometry().layers;
+    me.set_layer_waits(true);
+    let want = served_then_evicted(me, prompt);
+    let (waits, events) = (
+        driver_count(b"fake_cuda_ipc_event_waits"),
+        driver_count(b"fake_cuda_ipc_events_waited"),
+    );
+    let mut req = me.begin(prompt).unwrap();
+    assert_eq!(req.stats().pages_loaded, req.pages().len() as u64);
+    assert_eq!(
+        driver_count(b"fake_cuda_ipc_event_waits"),
+        waits,
+        "rank {rank}: begin waited for a peer's whole load"
+    );
+    let load = req.load().expect("a load-back");
+    for l in 0..layers {
+        let (w, e) = (
+            driver_count(b"fake_cuda_ipc_event_waits"),
+            driver_count(b"fake_cuda_ipc_events_waited"),
+        );
+        load.wait_layer(l).unwrap();
+        assert_eq!(
+            (
+                driver_count(b"fake_cuda_ipc_event_waits") - w,
+                driver_count(b"fake_cuda_ipc_events_waited") - e
+            ),
+            (cp - 1, cp - 1),
+            "rank {rank}, layer {l}: one wait on each peer's own event of the layer"
+        );
+    }
+    assert_eq!(
+        driver_count(b"fake_cuda_ipc_events_waited") - events,
+        (cp - 1) * u64::from(layers)
+    );
+    // A wait the device refuses: the host waits for that peer's layer instead.
+    let syncs = driver_count(b"fake_cuda_ipc_event_syncs");
+    set_driver_count(b"fake_cuda_fail_ipc_waits", cp as i32 - 1);
+    load.wait_layer(layers - 1).unwrap();
+    assert_eq!(driver_count(b"fake_cuda_ipc_event_syncs") - syncs, cp - 1);
+    let stale = stale_reads(me, &req, &want);
     assert_eq!(
         stale, 0,
-        "rank {rank}: {stale} page-layers read stale after begin"
+        "rank {rank}: {stale} page-layers read stale after waiting for every layer"
     );
-    // The fence was interprocess events, not a host synchronisation: the cache's stream
-    // waited for each peer's on the device.
     assert_eq!(req.stats().fence_syncs, 0, "rank {rank}: {:?}", req.stats());
     me.abandon(&mut req).unwrap();
+    me.set_layer_waits(false);
 }
 
 /// The stand-in driver's counters of streams and events, in one snapshot.
@@ -1844,11 +1936,15 @@ fn a_refused_backup_wait_waits_on_the_host() {
 
 /// Makes the stand-in refuse the next `n` cuStreamWaitEvent calls.
 fn set_failed_stream_waits(n: i32) {
+    set_driver_count(b"fake_cuda_fail_stream_waits", n)
+}
+
+/// Sets one of the stand-in driver's failure counters.
+fn set_driver_count(hook: &[u8], n: i32) {
     // SAFETY: the stand-in driver's hook sets a counter.
     unsafe {
         let lib = libloading::Library::new("libcuda.so").unwrap();
-        let f: libloading::Symbol<unsafe extern "C" fn(i32)> =
-            lib.get(b"fake_cuda_fail_stream_waits").unwrap();
+        let f: libloading::Symbol<unsafe extern "C" fn(i32)> = lib.get(hook).unwrap();
         f(n)
     }
 }
@@ -1995,7 +2091,7 @@ fn failed_load_orders_the_cache_stream_after_its_layers() {
             mode: DmaMode::Batched,
         }],
     ];
-    let err = ex.load_layers(&layers).unwrap_err();
+    let err = ex.load_layers(&layers, &[]).unwrap_err();
     assert!(matches!(err, ExecError::OutOfBounds { .. }), "{err}");
     // The rollback's poison on the cache's stream.
     ex.fill(dev, &[(0, 4096)], 0xA5).unwrap();

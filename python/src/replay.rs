@@ -38,6 +38,14 @@ fn parse(argv: &[String]) -> Result<Cli, (i32, String)> {
     let mut full = vec!["python -m cp_hicache.replay".to_string()];
     full.extend(argv.iter().cloned());
     let cli = Cli::try_parse_from(full).map_err(|e| (e.exit_code(), e.render().to_string()))?;
+    if cli.replay.processes {
+        return Err((
+            2,
+            "error: --processes is `cp-hicache replay`'s launcher; this one already runs each \
+             rank in a process of its own\n"
+                .to_string(),
+        ));
+    }
     if cli.ranks != cli.replay.cp {
         return Err((
             2,

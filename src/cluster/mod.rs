@@ -466,6 +466,12 @@ impl Cluster {
         });
     }
 
+    /// Whether every rank's loads in steps run layer by layer, their readers waiting for
+    /// each layer ([`RankCache::set_layer_waits`](crate::rank::RankCache::set_layer_waits)).
+    pub fn set_layer_waits(&mut self, on: bool) {
+        let _ = self.on_all("choosing layer waits", move |r| r.set_layer_waits(on));
+    }
+
     /// Per rank: a digest of the allocator and the tree (host slots excluded: they differ
     /// between ranks by design). Empty once a rank's thread is gone.
     pub fn replica_digests(&self) -> Vec<StateDigest> {

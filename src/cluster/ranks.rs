@@ -63,6 +63,10 @@ pub trait Ranks {
     /// Materialise and verify on the first `n` ranks only.
     fn set_verifying_ranks(&mut self, n: usize);
 
+    /// Whether loads in steps run layer by layer, their readers waiting for each layer
+    /// ([`RankCache::set_layer_waits`]).
+    fn set_layer_waits(&mut self, on: bool);
+
     /// How the group runs, for the report.
     fn group_info(&self) -> GroupInfo;
 
@@ -118,6 +122,10 @@ impl Ranks for Cluster {
 
     fn set_verifying_ranks(&mut self, n: usize) {
         Cluster::set_verifying_ranks(self, n);
+    }
+
+    fn set_layer_waits(&mut self, on: bool) {
+        Cluster::set_layer_waits(self, on);
     }
 
     fn group_info(&self) -> GroupInfo {
@@ -310,6 +318,10 @@ impl Ranks for RankCache {
 
     fn set_verifying_ranks(&mut self, n: usize) {
         RankCache::set_verifying_ranks(self, n);
+    }
+
+    fn set_layer_waits(&mut self, on: bool) {
+        RankCache::set_layer_waits(self, on);
     }
 
     fn group_info(&self) -> GroupInfo {

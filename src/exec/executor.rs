@@ -376,13 +376,26 @@ pub trait Executor: Send + Sync {
     /// kernels) run the layers there, so that layer `l + 1` copies while a consumer that
     /// waited for layer `l` reads it. The default, for executors that run work as it is
     /// enqueued, runs it in order and records [`Executor::record_event`] after each layer.
-    fn load_layers(&self, layers: &[Vec<LoadOp<'_>>]) -> Result<Vec<EventId>, ExecError> {
+    ///
+    /// `signals`, empty or one entry per step: this executor's interprocess events
+    /// ([`Executor::shared_event`]) to record right after that step's work, where it runs,
+    /// so that a peer process waiting on one waits for the load up to that step only (the
+    /// per-layer fence of `src/rank/fence.rs`). Executors without such events refuse
+    /// signals, as [`Executor::record_shared`] does.
+    fn load_layers(
+        &self,
+        layers: &[Vec<LoadOp<'_>>],
+        signals: &[&[EventId]],
+    ) -> Result<Vec<EventId>, ExecError> {
         let mut events = Vec::with_capacity(layers.len());
-        for ops in layers {
+        for (i, ops) in layers.iter().enumerate() {
             for op in ops {
                 op.run(self)?;
             }
             events.push(self.record_event()?);
+            for &signal in signals.get(i).copied().unwrap_or_default() {
+                self.record_shared(signal)?;
+            }
         }
         Ok(events)
     }

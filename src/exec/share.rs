@@ -162,8 +162,12 @@ impl Executor for RankView {
     fn record_event(&self) -> Result<EventId, ExecError> {
         self.counted(|e| e.record_event())
     }
-    fn load_layers(&self, layers: &[Vec<LoadOp<'_>>]) -> Result<Vec<EventId>, ExecError> {
-        self.counted(|e| e.load_layers(layers))
+    fn load_layers(
+        &self,
+        layers: &[Vec<LoadOp<'_>>],
+        signals: &[&[EventId]],
+    ) -> Result<Vec<EventId>, ExecError> {
+        self.counted(|e| e.load_layers(layers, signals))
     }
     fn backup(&self, ops: &[LoadOp<'_>]) -> Result<EventId, ExecError> {
         self.counted(|e| e.backup(ops))

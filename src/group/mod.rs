@@ -1,5 +1,5 @@
-//! How CP ranks agree: the [`Collective`] trait, and [`LocalGroup`], C ranks as threads of
-//! one process.
+//! How CP ranks agree: the [`Collective`] trait, [`LocalGroup`], C ranks as threads of one
+//! process, and [`FileGroup`], ranks in processes of one machine over a folder's files.
 //!
 //! Everything a rank decides from replicated state (matching, allocation, device eviction)
 //! it decides alone, and every rank comes out the same by construction; digests prove it.
@@ -25,8 +25,10 @@
 //!   [`GroupError::Aborted`], naming the rank and what it was doing. A rank never waits on a
 //!   peer that is gone.
 
+mod files;
 mod local;
 
+pub use files::FileGroup;
 pub use local::{LocalGroup, LocalMember, DEFAULT_TIMEOUT};
 
 use crate::layout::Rank;

@@ -14,6 +14,12 @@ use super::*;
 pub struct LoadHandle {
     exec: Arc<dyn Executor>,
     layers: Vec<EventId>,
+    /// Whether the load recorded this rank's per-layer interprocess fence
+    /// (`src/rank/fence.rs`).
+    pub(super) signalled: bool,
+    /// The peers' per-layer fences of the step that loaded this (their loads of the same
+    /// nodes), waited for with each layer: where peers read through executors of their own.
+    pub(super) peers: Option<super::fence::PeerLayerFence>,
 }
 
 impl LoadHandle {
@@ -22,10 +28,15 @@ impl LoadHandle {
         self.layers.len() as u32
     }
 
-    /// Makes work enqueued from now on wait until layer `layer` has loaded. A layer outside
-    /// the load is an error.
+    /// Makes work enqueued from now on wait until layer `layer` has loaded (in a group of
+    /// processes that fences per layer, on every rank). A layer outside the load is an
+    /// error.
     pub fn wait_layer(&self, layer: u32) -> Result<(), crate::exec::ExecError> {
-        self.exec.wait_event(self.event(layer)?)
+        self.exec.wait_event(self.event(layer)?)?;
+        match &self.peers {
+            Some(peers) => peers.wait(layer, None),
+            None => Ok(()),
+        }
     }
 
     /// [`LoadHandle::wait_layer`] for work the engine enqueues on its own `stream` (its
@@ -45,7 +56,11 @@ impl LoadHandle {
     ) -> Result<(), crate::exec::ExecError> {
         let event = self.event(layer)?;
         // SAFETY: the caller's contract, passed on.
-        unsafe { self.exec.wait_event_on(event, stream) }
+        unsafe { self.exec.wait_event_on(event, stream) }?;
+        match &self.peers {
+            Some(peers) => peers.wait(layer, Some(stream)),
+            None => Ok(()),
+        }
     }
 
     fn event(&self, layer: u32) -> Result<EventId, crate::exec::ExecError> {
@@ -89,12 +104,15 @@ impl RankCache {
     /// evicting as the compute path does on a shortage (lane-targeted, then LRU), then a
     /// miss. This rank copies the pages it owns; nothing is read back from the device.
     /// Returns the new pages, or `None` when the load degraded to a miss. SGLang:
-    /// `HiRadixCache.init_load_back` / `HiCacheController.load`.
+    /// `HiRadixCache.init_load_back` / `HiCacheController.load`. `signal`: a layer-wise
+    /// load records the per-layer fence for peers in other processes, where the group has
+    /// one (a step's loads, whose readers wait per layer).
     pub(super) fn load_back(
         &mut self,
         nodes: &[NodeId],
         stats: &mut RequestStats,
         layer_wise: bool,
+        signal: bool,
     ) -> Result<Option<(Vec<PageId>, LoadHandle)>, ClusterError> {
         let metas: Vec<&NodeMetadata> = nodes
             .iter()
@@ -162,9 +180,17 @@ impl RankCache {
         // followed by its event, so a layer's reader waits for that layer only; else one
         // transfer, one event for every layer.
         let layers = self.pools.geometry().layers;
+        // Where peers read through executors of their own and wait per layer, each layer
+        // also records this rank's per-layer fence (`src/rank/fence.rs`).
+        let signals = match (&self.fences, signal) {
+            (Some(fences), true) if layer_wise => fences.layer_signals(),
+            _ => Vec::new(),
+        };
         let mut handle = LoadHandle {
             exec: self.exec.clone(),
             layers: Vec::with_capacity(layers as usize),
+            signalled: !signals.is_empty(),
+            peers: None,
         };
         stats.bytes_h2d += self.transfer(
             Direction::HostToDevice,
@@ -172,7 +198,7 @@ impl RankCache {
             &dst,
             0..layers,
             if layer_wise {
-                On::LayerWise(&mut handle.layers)
+                On::LayerWise(&mut handle.layers, &signals)
             } else {
                 On::Cache(Some(&mut handle.layers))
             },

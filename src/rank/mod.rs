@@ -294,7 +294,7 @@ impl RankCache {
         // Interprocess events for the fence, where peers read this rank's pools through
         // executors of their own.
         let own_fences = if peer_access == PeerAccess::Mapped && group.size() > 1 {
-            fence::Fences::create(&exec).map_err(|e| refuse(e.into()))?
+            fence::Fences::create(&exec, pools.geometry().layers).map_err(|e| refuse(e.into()))?
         } else {
             None
         };

@@ -19,8 +19,9 @@ pub(super) enum On<'a> {
     /// A load with a reader per layer: a layer at a time on the executor's load stream
     /// ([`crate::exec::Executor::load_layers`]), or a few when the pages are few
     /// ([`crate::kernels::KernelSpec::layers_per_launch`]), each launch followed by its
-    /// event, pushed there once per layer it covers.
-    LayerWise(&'a mut Vec<EventId>),
+    /// event, pushed there once per layer it covers, and by the recordings of the given
+    /// interprocess events of its layers (one per layer, or none).
+    LayerWise(&'a mut Vec<EventId>, &'a [EventId]),
     /// A backup: on the executor's backup stream ([`crate::exec::Executor::backup`]); the
     /// event after it is put there.
     Backup(&'a mut Option<EventId>),
@@ -47,7 +48,7 @@ impl RankCache {
         if src.is_empty() {
             match on {
                 On::Cache(None) => {}
-                On::Cache(Some(events)) | On::LayerWise(events) => {
+                On::Cache(Some(events)) | On::LayerWise(events, _) => {
                     let all = self.exec.record_event()?;
                     events.extend(moved.map(|_| all));
                 }
@@ -64,7 +65,7 @@ impl RankCache {
         let dma = self.config.deployment.transfer_path.dma_mode();
         // Layer by layer when the load has a consumer that waits for each layer (on the
         // executor's load stream); otherwise one step for every layer.
-        let layer_wise = matches!(on, On::LayerWise(_));
+        let layer_wise = matches!(on, On::LayerWise(..));
         // The page ids of work on a stream of its own are its own, written first on that
         // stream; every other transfer's go through the cache's stream's scratch.
         let own_ids = (dma.is_none() && !matches!(on, On::Cache(_)))
@@ -196,9 +197,18 @@ impl RankCache {
             work.push(ops);
         }
         match on {
-            On::LayerWise(events) => {
-                // One event a step, given to each of its layers.
-                let done = self.exec.load_layers(&work)?;
+            On::LayerWise(events, shared) => {
+                // One event a step, given to each of its layers; each layer's interprocess
+                // event recorded after its step.
+                let signals: Vec<&[EventId]> = if shared.is_empty() {
+                    Vec::new()
+                } else {
+                    steps
+                        .iter()
+                        .map(|s| &shared[s.start as usize..s.end as usize])
+                        .collect()
+                };
+                let done = self.exec.load_layers(&work, &signals)?;
                 for (event, step) in done.into_iter().zip(&steps) {
                     events.extend(step.clone().map(|_| event));
                 }

@@ -177,7 +177,7 @@ impl RankCache {
             // Every rank's loaded and computed pages are in its pool before any peer reads
             // them.
             self.group.barrier(&format!("request {n} written"))?;
-            self.after_peer_fences(fence)?;
+            self.after_peer_fences(fence, None)?;
             if self.verifies {
                 self.materialise_and_verify(n_tokens as u32, (hash_buf, page_buf), words, load)?
             } else {

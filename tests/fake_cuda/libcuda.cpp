@@ -38,6 +38,7 @@
 #include <memory>
 #include <map>
 #include <mutex>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -461,6 +462,13 @@ IpcEventState* map_ipc_event(const std::string& name, bool create) {
   return (IpcEventState*)p;
 }
 std::atomic<unsigned long long> g_ipc_event_waits{0};
+// Host waits on another process's event (cuEventSynchronize): the fence's fallback.
+std::atomic<unsigned long long> g_ipc_event_syncs{0};
+// cuStreamWaitEvent calls on another process's event still to refuse
+// (fake_cuda_fail_ipc_waits), leaving this process's own waits alone.
+std::atomic<int> g_fail_ipc_waits{0};
+// The distinct interprocess events (as opened here) a stream has waited on, under g_mu.
+std::set<const void*> g_ipc_waited;
 
 CUresult cuEventCreate(CUevent* e, unsigned flags) {
   if (need_ctx()) return INVALID_CONTEXT;
@@ -569,7 +577,10 @@ void host_saw(CUevent e) {
 }
 CUresult cuEventSynchronize(CUevent e) {
   if (!e) return INVALID_HANDLE;
-  if (e->imported) return wait_ipc(e->ipc, e->ipc->recorded.load());
+  if (e->imported) {
+    g_ipc_event_syncs++;
+    return wait_ipc(e->ipc, e->ipc->recorded.load());
+  }
   CUresult r = g_sticky;
   if (e->id != 0) r = sched::drive({{e->slot, e->id}}, false, &g_sticky);
   host_saw(e);
@@ -583,9 +594,16 @@ CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned flags) {
     if (g_fail_waits.compare_exchange_weak(left, left - 1)) return NOT_SUPPORTED;
   }
   if (e->imported) {
+    for (int left = g_fail_ipc_waits.load(); left > 0;) {
+      if (g_fail_ipc_waits.compare_exchange_weak(left, left - 1)) return NOT_SUPPORTED;
+    }
     // Another process's event: work enqueued on `s` from now on runs after the owner's
     // recordings so far have run.
     g_ipc_event_waits++;
+    {
+      std::lock_guard<std::mutex> g(g_mu);
+      g_ipc_waited.insert(e->ipc);
+    }
     if ((uintptr_t)s > 2) s->waits++;
     IpcEventState* st = e->ipc;
     uint64_t target = st->recorded.load();
@@ -1053,6 +1071,15 @@ extern "C" unsigned long long fake_cuda_events_created(void) { return g_events_c
 extern "C" unsigned long long fake_cuda_ipc_event_waits(void) { return g_ipc_event_waits.load(); }
 // The next `n` cuStreamWaitEvent calls fail (NOT_SUPPORTED) and order nothing.
 extern "C" void fake_cuda_fail_stream_waits(int n) { g_fail_waits.store(n); }
+// The next `n` cuStreamWaitEvent calls on another process's event fail (NOT_SUPPORTED).
+extern "C" void fake_cuda_fail_ipc_waits(int n) { g_fail_ipc_waits.store(n); }
+// cuEventSynchronize calls on another process's event so far.
+extern "C" unsigned long long fake_cuda_ipc_event_syncs(void) { return g_ipc_event_syncs.load(); }
+// The distinct interprocess events of other processes that a stream has waited on so far.
+extern "C" unsigned long long fake_cuda_ipc_events_waited(void) {
+  std::lock_guard<std::mutex> g(g_mu);
+  return g_ipc_waited.size();
+}
 
 extern "C" int fake_cuda_live_allocations(void) {
   std::lock_guard<std::mutex> g(g_mu);

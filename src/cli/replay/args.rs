@@ -146,6 +146,22 @@ pub struct ReplayArgs {
     /// No progress bar.
     #[arg(long, short)]
     pub quiet: bool,
+    /// Run each CP rank in a process of its own, as engine processes run them: this binary
+    /// starts itself once per rank, the ranks agree through files in a fresh temporary
+    /// folder and map each other's pools (shared memory on the CPU; CUDA IPC, with
+    /// interprocess events as fences, on a GPU). Rank 0 prints the report; the exit status
+    /// is the ranks' (1, naming the rank, when one dies). A round waits at most
+    /// CP_HICACHE_GROUP_TIMEOUT seconds (default 300) for a peer. `python -m
+    /// cp_hicache.replay` does the same over torch.distributed.
+    #[arg(long)]
+    pub processes: bool,
+    /// Load layer by layer inside steps too (--batch, --chunk-tokens), on the load stream,
+    /// as where the engine's attention waits for each layer (`RankCache.layer_waits`): the
+    /// verification waits for each layer, and ranks in processes of their own fence each
+    /// layer with interprocess events instead of the whole load. Default: a step's loads
+    /// are one transfer on the cache's stream.
+    #[arg(long)]
+    pub layer_waits: bool,
     /// Materialise and verify each request on the first N ranks only (1..=--cp; default:
     /// every rank). Attention on every rank reads every page through that rank's own
     /// mappings of its peers' pools, so each rank verifies the whole sequence, which costs

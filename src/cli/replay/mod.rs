@@ -5,6 +5,7 @@
 mod args;
 mod drive;
 mod memory;
+mod processes;
 mod report;
 
 use crate::cluster::{Cluster, ClusterConfig, Fault, Ranks};
@@ -23,6 +24,12 @@ use std::sync::Arc;
 
 /// Runs the replay and prints the report; the exit status says whether it was correct.
 pub(super) fn run(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
+    if let Some(member) = processes::Member::from_env()? {
+        return member.run(args);
+    }
+    if args.processes {
+        return processes::launch(args);
+    }
     let plan = args.validate()?;
     args.check_files()?;
     let (workload, total) = args.workload()?;
@@ -266,6 +273,7 @@ fn drive(
     if let Some(n) = args.verify_ranks {
         cluster.set_verifying_ranks(usize::from(n));
     }
+    cluster.set_layer_waits(args.layer_waits);
     tracing::info!(
         kernels_ms = cluster.kernels().startup_ms,
         cache_hits = cluster.kernels().cache_hits,

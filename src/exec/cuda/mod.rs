@@ -572,13 +572,17 @@ impl Executor for CudaExecutor {
         self.record_on(&self.gpu)
     }
 
-    fn load_layers(&self, layers: &[Vec<LoadOp<'_>>]) -> Result<Vec<EventId>, ExecError> {
+    fn load_layers(
+        &self,
+        layers: &[Vec<LoadOp<'_>>],
+        signals: &[&[EventId]],
+    ) -> Result<Vec<EventId>, ExecError> {
         let steps: Vec<&[LoadOp<'_>]> = layers.iter().map(Vec::as_slice).collect();
-        self.run_on_lane(Lane::Load, "load_layers", &steps)
+        self.run_on_lane(Lane::Load, "load_layers", &steps, signals)
     }
 
     fn backup(&self, ops: &[LoadOp<'_>]) -> Result<EventId, ExecError> {
-        let mut events = self.run_on_lane(Lane::Backup, "backup", &[ops])?;
+        let mut events = self.run_on_lane(Lane::Backup, "backup", &[ops], &[])?;
         Ok(events.pop().expect("one step, one event"))
     }
 
@@ -631,20 +635,7 @@ impl Executor for CudaExecutor {
     }
 
     fn record_shared(&self, event: EventId) -> Result<(), ExecError> {
-        let pool = self.events();
-        match pool.shared.get(&event.0) {
-            Some(s) if s.own => self
-                .gpu
-                .record_ipc(&s.event)
-                .map_err(driver_err("record_shared")),
-            _ => Err(ExecError::Driver {
-                op: "record_shared",
-                message: format!(
-                    "{event:?} is not an interprocess event of this executor (a peer's opened \
-                     here is only waited on)"
-                ),
-            }),
-        }
+        self.record_shared_on(&self.gpu, event, "record_shared")
     }
 
     fn sync_event(&self, event: EventId) -> Result<(), ExecError> {
@@ -715,7 +706,8 @@ struct SharedEvent {
 }
 
 impl CudaExecutor {
-    /// Enqueues `steps` on `lane`'s stream, each followed by an event (returned): what
+    /// Enqueues `steps` on `lane`'s stream, each followed by an event (returned) and by the
+    /// recordings of its `signals` (interprocess events, one list per step or none): what
     /// [`Executor::load_layers`] and [`Executor::backup`] do. The steps' page tables are
     /// written on the cache's stream first, and the lane waits for the cache's stream once,
     /// at the start (the page lists, allocations and tables it reads). If a step fails, the
@@ -727,6 +719,7 @@ impl CudaExecutor {
         which: Lane,
         op_name: &'static str,
         steps: &[&[LoadOp<'_>]],
+        signals: &[&[EventId]],
     ) -> Result<Vec<EventId>, ExecError> {
         let lane = self.gpu.lane(which);
         let mut events = Vec::with_capacity(steps.len());
@@ -759,7 +752,7 @@ impl CudaExecutor {
             }
             // The lane reads what was enqueued before it (page lists, allocations, tables).
             self.ordered_by(op_name, |ev| lane.after(Lane::Main, ev))?;
-            for ops in steps {
+            for (i, ops) in steps.iter().enumerate() {
                 for op in ops.iter() {
                     started = true;
                     match op {
@@ -788,6 +781,9 @@ impl CudaExecutor {
                     }
                 }
                 events.push(self.record_on(&lane)?);
+                for &signal in signals.get(i).copied().unwrap_or_default() {
+                    self.record_shared_on(&lane, signal, op_name)?;
+                }
             }
             Ok(())
         })();
@@ -805,6 +801,26 @@ impl CudaExecutor {
                 }
                 Err(e)
             }
+        }
+    }
+
+    /// Records `event`, one of this executor's interprocess events, on `gpu`'s stream.
+    fn record_shared_on(
+        &self,
+        gpu: &driver::Gpu,
+        event: EventId,
+        op: &'static str,
+    ) -> Result<(), ExecError> {
+        let pool = self.events();
+        match pool.shared.get(&event.0) {
+            Some(s) if s.own => gpu.record_ipc(&s.event).map_err(driver_err(op)),
+            _ => Err(ExecError::Driver {
+                op,
+                message: format!(
+                    "{event:?} is not an interprocess event of this executor (a peer's opened \
+                     here is only waited on)"
+                ),
+            }),
         }
     }
 

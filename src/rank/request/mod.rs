@@ -494,7 +494,12 @@ impl RankCache {
             let before = self.exec.counters();
             // The serving cycle's reader is verification, which waits per layer; an engine's
             // readers do when it says so.
-            let loaded = self.load_back(&host_nodes, &mut stats, !fence || self.layer_waits)?;
+            let loaded = self.load_back(
+                &host_nodes,
+                &mut stats,
+                !fence || self.layer_waits,
+                fence && self.layer_waits,
+            )?;
             let c = self.exec.counters().since(&before);
             // Allocations and frees synchronise on CUDA (cuMemAlloc, cuMemFree), so they
             // count too.

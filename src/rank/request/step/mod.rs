@@ -11,6 +11,7 @@
 //! the next round's digest.
 
 use super::*;
+use crate::rank::fence::Fence;
 use crate::rank::storage::StorageRun;
 
 /// One scheduler step: the requests it ends, grows and admits, applied in that order (a
@@ -309,7 +310,12 @@ impl RankCache {
                 return Err(e);
             }
             // The peers' loads, before anything reads them.
-            self.after_peer_fences(fence)?;
+            let loads = pass
+                .begun
+                .iter_mut()
+                .flatten()
+                .filter_map(|r| r.load.as_mut());
+            self.after_peer_fences(fence, loads)?;
             // Every rank is past the round: no peer reads these pages any more.
             let release = std::mem::take(&mut pass.release);
             self.commit(&what, |me| me.release_pages(release))?;
@@ -320,15 +326,17 @@ impl RankCache {
 
     /// The fence of a step's loads where peers read this rank's pools through executors of
     /// their own ([`PeerAccess::Mapped`]: other processes on CUDA), which cannot wait on this
-    /// rank's ordinary events. With interprocess events (`src/rank/fence.rs`) the cache's
-    /// stream waits for every load of the step on the device and records this rank's
-    /// fence after them; the step waits for the peers' after the outcome round
-    /// (`Some(slot)`). Otherwise the host waits for the copies once, before the outcome
-    /// round lets anyone read, counted on the first request that loaded. Whether a step
+    /// rank's ordinary events. With interprocess events (`src/rank/fence.rs`): loads whose
+    /// readers wait per layer recorded this rank's per-layer fence as they were enqueued,
+    /// and after the outcome round their handles wait for the peers' layers with their
+    /// own; other loads are waited for by the cache's stream on the device, this rank's
+    /// fence recorded after them, and the step waits for the peers' after the outcome
+    /// round. Otherwise the host waits for the copies once, before the outcome round lets
+    /// anyone read, counted on the first request that loaded. Whether a step
     /// loaded is replicated (every rank loads its part of the same nodes), so every rank
     /// fences alike. A failure fails that admission (the round still comes, so the peers
     /// learn it).
-    fn fence_loads(&mut self, pass: &mut Pass, first_begin: usize) -> Option<usize> {
+    fn fence_loads(&mut self, pass: &mut Pass, first_begin: usize) -> Option<Fence> {
         if self.peer_access != PeerAccess::Mapped || self.group.size() < 2 {
             return None;
         }
@@ -336,11 +344,14 @@ impl RankCache {
             .begun
             .iter()
             .position(|r| r.as_ref().is_some_and(|r| r.load.is_some()))?;
-        let fenced =
-            self.fence_own_work(pass.begun.iter().flatten().filter_map(|r| r.load.as_ref()));
+        let loads = || pass.begun.iter().flatten().filter_map(|r| r.load.as_ref());
+        let fenced = match self.fence_layers(loads()) {
+            Some(fence) => Ok(Some(fence)),
+            None => self.fence_own_work(loads()),
+        };
         let req = pass.begun[i].as_mut().expect("found above");
         match fenced {
-            Ok(Some(slot)) => return Some(slot),
+            Ok(Some(fence)) => return Some(fence),
             Ok(None) => req.stats.fence_syncs += 1,
             Err(e) if pass.error.is_none() => {
                 let j = first_begin + i;

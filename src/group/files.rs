@@ -1,17 +1,21 @@
-//! A [`Collective`] for ranks in separate processes of one machine, over files in a shared
-//! folder: the test's stand-in for an engine's `torch.distributed` group. Round `k` of rank
-//! `r` is the file `<k>.<r>` (written to a temporary name, then renamed, so a reader never
-//! sees half of it); a rank's call returns once every rank's file of that round exists. An
-//! `abort` file ends the group for every rank. It keeps the trait's contract: steps are
-//! compared (divergence), a failure stands in for the round's call, no call waits longer
-//! than the timeout, and a failure is final.
+//! [`FileGroup`]: a [`Collective`] for ranks in separate processes of one machine, over
+//! files in a shared folder, with nothing else to install: `cp-hicache replay --processes`
+//! (where an engine would use its `torch.distributed` group) and the stand-in driver's
+//! multi-process tests. Round `k` of rank `r` is the file `<k>.<r>` (written to a temporary
+//! name, then renamed, so a reader never sees half of it); a rank's call returns once every
+//! rank's file of that round exists. An `abort` file ends the group for every rank. It
+//! keeps the trait's contract: steps are compared (divergence), a failure stands in for the
+//! round's call, no call waits longer than the timeout, and a failure is final. Polling
+//! files costs a millisecond or so a round: a control plane for a few ranks on one
+//! machine, not a transport for KV.
 
-use cp_hicache::group::{Collective, GroupError};
-use cp_hicache::layout::Rank;
+use super::{Collective, GroupError};
+use crate::layout::Rank;
 use std::cell::Cell;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+/// One rank's membership of a group over the files of one folder.
 pub struct FileGroup {
     dir: PathBuf,
     rank: u8,
@@ -22,6 +26,8 @@ pub struct FileGroup {
 }
 
 impl FileGroup {
+    /// Rank `rank` of `size`, over the files of `dir` (the same folder for every rank,
+    /// empty at the start); no call waits longer than `timeout` for a peer.
     pub fn new(dir: PathBuf, rank: u8, size: usize, timeout: Duration) -> FileGroup {
         FileGroup {
             dir,
@@ -141,6 +147,11 @@ impl Collective for FileGroup {
                 return Err(e);
             }
             std::thread::sleep(Duration::from_millis(1));
+        }
+        // Every rank wrote round `k` after reading all of round `k - 1`: nobody reads this
+        // rank's file of it any more.
+        if let Some(prev) = k.checked_sub(1) {
+            let _ = std::fs::remove_file(self.dir.join(format!("{prev}.{}", self.rank)));
         }
         let all: Vec<Contribution> = got.into_iter().flatten().collect();
         let failures: Vec<(u8, String)> = all
