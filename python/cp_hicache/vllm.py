@@ -102,8 +102,9 @@ different head split (its records hold other heads: another fingerprint, a miss)
 Requests with multimodal inputs, LoRA adapters or prompt embeddings are neither looked up
 nor saved (their KV is not a function of the token ids alone). Loads and saves are
 staged through host memory by threads of the worker (no CUDA stream yet). Device (GPU)
-tensors are refused by :meth:`register_kv_caches`. The host tier admits saved blocks,
-not blocks read from the store.
+tensors are refused by :meth:`register_kv_caches`. The host tier admits saved blocks
+and blocks read from the store by synchronous loads (``host_fills``), not those read by
+loads that span steps.
 """
 
 from __future__ import annotations
@@ -304,6 +305,11 @@ class CpHiCacheMetadata(KVConnectorMetadata):
     #: the worker copies its held copy of the block into the slot, which held the evicted
     #: block ("" for a free slot) until then.
     host_admits: Dict[int, List[Tuple[str, int, int, str, str]]] = field(default_factory=dict)
+    #: Host tier: blocks this step loads from the store that the workers then copy into
+    #: their pools, per request: block id -> ``(slot, block key, evicted key)``; made once
+    #: the step's loads have ended (after every load of the step, from any slot), from
+    #: the filled block, or failed (the slot then holds nothing servable: reported).
+    host_fills: Dict[str, Dict[int, Tuple[int, str, str]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -413,6 +419,9 @@ class _LoadTask:
         #: Blocks served from the host tier: block id -> slot, or (loads that span steps)
         #: the slot's bytes copied when the load started (None: the slot did not hold it).
         self.host: Dict[int, Any] = {}
+        #: Blocks loaded from the store to copy into host slots once every load of the
+        #: step has ended: block id -> ``(slot, block key, evicted key)``.
+        self.fills: Dict[int, Tuple[int, str, str]] = {}
 
     def fail_all(self, loads: Dict[str, List[Job]]) -> Set[int]:
         """Marks every block of ``loads`` not yet failed as failed (and every request);
@@ -706,8 +715,10 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                                "host_dropped": 0}
         #: Host-tier admissions decided since the last metadata (step -> admissions).
         self._host_admits: Dict[int, List[Tuple[str, int, int, str, str]]] = {}
-        #: Host-tier loads planned since the last metadata: request -> block id -> slot.
+        #: Host-tier loads planned since the last metadata: request -> block id -> slot;
+        #: and store loads to admit to the host tier once loaded (``host_fills``).
         self._pending_host: Dict[str, Dict[int, int]] = {}
+        self._pending_fills: Dict[str, Dict[int, Tuple[int, str, str]]] = {}
         # Worker side.
         self.dcp_rank = 0
         self.tp_rank = self.head_shard = self.copy = 0
@@ -1021,6 +1032,22 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             for k in range(first, first + n):
                 if int(block_ids[k]) in host:
                     self._host.touch(st.names[(k + 1) * self.dcp - 1])
+        if self._host is not None and not self.load_async:
+            # The blocks read from the store go into the host tier too, once loaded (loads
+            # that span steps are not admitted: their fills would outlive the step).
+            fills = {}
+            for k in range(first, first + n):
+                b = int(block_ids[k])
+                key = st.names[(k + 1) * self.dcp - 1]
+                if b in host or self._host.get(key) is not None:
+                    continue
+                slot, evicted = self._host.admit(key)
+                fills[b] = (slot, key, evicted)
+                self._planner_stats["host_admitted"] += 1
+                if evicted:
+                    self._planner_stats["host_evicted"] += 1
+            if fills:
+                self._pending_fills[request.request_id] = fills
         if self.load_async:
             # Not scheduled until its loads are in: a failed one is mapped back to the
             # request through these (its saves then start at the failed block).
@@ -1036,13 +1063,17 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         meta = CpHiCacheMetadata(loads=self._pending_loads, step=self._step,
                                  settled=self._settled, unreported=self._unreported,
                                  host_loads=self._pending_host,
-                                 host_admits=self._host_admits)
+                                 host_admits=self._host_admits,
+                                 host_fills=self._pending_fills)
         self._pending_loads, self._settled, self._unreported = {}, {}, set()
-        self._pending_host, self._host_admits = {}, {}
+        self._pending_host, self._host_admits, self._pending_fills = {}, {}, {}
         plan = _StepPlan()
         for rid, host in meta.host_loads.items():
             keys = {b: ns[-1] for ns, b in meta.loads.get(rid, ())}
             plan.host_loads.update({b: keys[b] for b in host if b in keys})
+        for rid, fills in meta.host_fills.items():
+            # A block that fails to load leaves the host index (as one loaded from it).
+            plan.host_loads.update({b: key for b, (_, key, _) in fills.items()})
         if not self.load_async:
             for rid, jobs in meta.loads.items():
                 st = self._reqs.get(rid)
@@ -1107,6 +1138,8 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         st = self._reqs.pop(rid, None)
         self._pending_loads.pop(rid, None)
         self._pending_host.pop(rid, None)
+        for b, (_, key, _) in (self._pending_fills.pop(rid, None) or {}).items():
+            self._host.drop(key)  # planned, never shipped: its slot goes back
         delay = st is not None and st.has_saves
         if delay and rid in self._loading:
             delay = False
@@ -1473,7 +1506,45 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             lost = task.fail_all({rid: jobs for rid, jobs in left.items() if jobs})
             self._count(load_errors=len(lost), loader_failures=1)
         finally:
+            if task.fills:
+                self._host_fill(task, filled)
             task.finish()
+
+    def _host_fill(self, task: "_LoadTask", filled: Set[int]) -> None:
+        """Copies the step's blocks loaded from the store that the planner admitted to the
+        host tier (``host_fills``) into their slots, from the filled blocks, after every
+        load of the step (one from a slot a fill replaces included) has ended. A block not
+        loaded here (failed, or after a failed one) leaves its slot holding nothing
+        servable, reported to the planner (``host_failed``)."""
+        import torch
+
+        for b, (slot, key, evicted) in task.fills.items():
+            ok = False
+            if (b in filled and b not in task.errors and self._host_pool is not None
+                    and 0 <= slot < self.host_slots):
+                try:
+                    lsz = self.layer_page_bytes
+                    row = self._host_pool[slot]
+                    for li, g in enumerate(self._layers):
+                        g.take(b, None, row[li * lsz:(li + 1) * lsz])
+                    ok = True
+                except Exception as e:  # the slot holds nothing servable: reported
+                    logger.warning("cp_hicache: copying loaded block %d into host slot %d "
+                                   "failed: %s", b, slot, e)
+            self._host_settle(slot, key, evicted, ok)
+
+    def _host_settle(self, slot: int, key: str, evicted: str, ok: bool) -> None:
+        """Records an admission into slot ``slot``: the slot holds ``key`` (``ok``) or
+        nothing servable (then reported to the planner); counts it."""
+        with self._stats_lock:
+            if 0 <= slot < self.host_slots:
+                if evicted and self._host_tags[slot] == evicted:
+                    self._stats["host_evictions"] = self._stats.get("host_evictions", 0) + 1
+                self._host_tags[slot] = key if ok else None
+            name = "host_admissions" if ok else "host_failures"
+            self._stats[name] = self._stats.get(name, 0) + 1
+            if not ok:
+                self._host_failed.add(key)
 
     def _fill(self, task: "_LoadTask", batch: List[Tuple[str, int, List[Any]]],
               filled: Set[int], last: bool) -> None:
@@ -1543,12 +1614,16 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                                   for b, slot in host.items()})
             else:
                 task.host.update({int(b): int(slot) for b, slot in host.items()})
+        for fills in (getattr(meta, "host_fills", None) or {}).values():
+            task.fills.update({int(b): f for b, f in fills.items()})
         try:
             self._loader.submit(self._run_load, task, loads)
         except Exception as e:  # no load runs: every block is a load error, no wait hangs
             logger.error("cp_hicache: the step's loads could not be started: %r", e)
             lost = task.fail_all(loads)
             self._count(load_errors=len(lost), loader_failures=1)
+            if task.fills:
+                self._host_fill(task, set())  # none made: reported
             task.finish()
         if self.load_async:
             # Nothing of this step waits for it: reported by get_finished once done.
@@ -1800,23 +1875,16 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                 except Exception as e:  # the slot holds nothing servable: reported
                     logger.warning("cp_hicache: copying block %d of %s into host slot %d "
                                    "failed: %s", b, rid, slot, e)
-            if 0 <= slot < self.host_slots:
-                if evicted and self._host_tags[slot] == evicted:
-                    self._count(host_evictions=1)
-                self._host_tags[slot] = key if ok else None
-            if ok:
-                self._count(host_admissions=1)
-            else:
-                self._host_failed.add(key)
-                self._count(host_failures=1)
+            self._host_settle(slot, key, evicted, ok)
 
     def build_connector_worker_meta(self) -> Optional[CpHiCacheWorkerMeta]:
         """The steps this worker ran since its last report (:class:`CpHiCacheWorkerMeta`),
         sent to the planner with the step's failed loads."""
-        if not self._ran and not self._host_failed:
+        with self._stats_lock:
+            failed, self._host_failed = self._host_failed, set()
+        if not self._ran and not failed:
             return None
         ran, self._ran = self._ran, set()
-        failed, self._host_failed = self._host_failed, set()
         return CpHiCacheWorkerMeta(steps={t: 1 for t in sorted(ran)}, host_failed=failed)
 
     def _owners(self, record: int) -> List[int]:

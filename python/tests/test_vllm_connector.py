@@ -2144,13 +2144,21 @@ def test_host_eviction_keeps_planner_and_workers_consistent(tmp_path, store):
     e.poison()
     e.sched.add_request(create_request(request_id=4, num_tokens=80, common_prefix_len=64,
                                        max_tokens=2, block_size=BS))
+    slot_a3 = e.connector.host_index()[a[3]]
     so = e.step()
     assert_host_consistent(e)
     if store:
-        # Blocks 0..2 from the store, block 3 from the host.
+        # Blocks 0..2 from the store, block 3 from the host. The three read go into the
+        # host tier, evicting the other three blocks, a[3] last: its slot takes block 2
+        # once the step's loads (block 3's from that slot) have ended.
         assert so.num_scheduled_tokens == {"id-4": 16}, so.num_scheduled_tokens
-        assert e.metas[-1].host_loads == {
-            "id-4": {e.metas[-1].loads["id-4"][3][1]: e.connector.host_index()[a[3]]}}
+        meta = e.metas[-1]
+        ids = [b for _, b in meta.loads["id-4"]]
+        assert meta.host_loads == {"id-4": {ids[3]: slot_a3}}
+        assert meta.host_fills["id-4"][ids[2]][0] == slot_a3
+        # (block 0 then goes for the block the step saved, once settled)
+        index = e.connector.host_index()
+        assert a[3] not in index and {a[1], a[2]} <= index.keys(), index
     else:
         # The run must start at block 0, which no tier holds: computed.
         assert so.num_scheduled_tokens == {"id-4": 64}, so.num_scheduled_tokens
@@ -2185,9 +2193,30 @@ def test_host_tier_under_tp_and_dcp(tmp_path, monkeypatch, kw):
     assert all(t == tags[0] for t in tags), tags
 
 
+def test_host_loads_that_span_steps_copy_their_slots_when_they_start(tmp_path,
+                                                                      monkeypatch):
+    """With ``load_async`` a load from the host tier copies its slots' bytes in the step
+    that plans it (a later admission may reuse a slot while the load runs); the prefix is
+    served byte for byte, at DCP 1 and with no store (where blocks read from a store would
+    not be admitted either: nothing outlives the step)."""
+    e = Engine(None, verify=True, extra={"host_bytes": 16 * PAGE, "load_async": True})
+    copies = []
+    real = e.worker._host_source
+
+    def noting(names, slot, clone=False):
+        copies.append(clone)
+        return real(names, slot, clone)
+
+    monkeypatch.setattr(e.worker, "_host_source", noting)
+    st, _ = _host_prefix_then_hit(e)
+    assert copies == [True] * 4, copies
+    assert st.get("host_hits") == 4 and not st.get("load_errors"), st
+
+
 def test_a_restart_has_an_empty_host_tier_and_reads_the_store(tmp_path):
     """A new engine (new connectors) over the same store: its host tier is empty, so the
-    prefix is read from the store; the host tier then fills from its own saves."""
+    prefix is read from the store, and the blocks read go into the host tier: the next
+    request sharing the prefix is served from it, with no store read."""
     a = Engine(tmp_path / "store", extra={"host_bytes": 16 * PAGE})
     a.sched.add_request(create_request(request_id=1, num_tokens=72, common_prefix_len=64,
                                        max_tokens=2, block_size=BS))
@@ -2204,6 +2233,22 @@ def test_a_restart_has_an_empty_host_tier_and_reads_the_store(tmp_path):
     assert_clean(b)
     st = b.stats()
     assert st.get("records_loaded") == 4 and not st.get("host_hits"), st
+    # The four blocks read (and request 2's fifth, saved) are in the host tier now.
+    assert st.get("host_admissions") == 5, st
+    assert b.connector.host_index().keys() >= set(block_names([1] * 64, BS))
+    assert b.sched.reset_prefix_cache()
+    b.outputs.clear()
+    b.poison()
+    reads = []
+    b.worker.store = _RecordingReads(b.worker.store, reads)
+    b.sched.add_request(create_request(request_id=3, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=BS))
+    so = b.step()
+    assert so.num_scheduled_tokens == {"id-3": 16}, so.num_scheduled_tokens
+    _run_checked(b)
+    assert_clean(b)
+    st = b.stats()
+    assert reads == [] and st.get("host_hits") == 4 and not st.get("records_loaded"), st
 
 
 @pytest.mark.parametrize("store", [True, False], ids=["with-store", "host-only"])
