@@ -719,6 +719,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         #: and store loads to admit to the host tier once loaded (``host_fills``).
         self._pending_host: Dict[str, Dict[int, int]] = {}
         self._pending_fills: Dict[str, Dict[int, Tuple[int, str, str]]] = {}
+        self._filling: Set[str] = set()  # the block keys of ``_pending_fills``
         # Worker side.
         self.dcp_rank = 0
         self.tp_rank = self.head_shard = self.copy = 0
@@ -965,7 +966,10 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         st.planned_host = {}
         # The run over host and store: each block from the host tier where it holds it
         # (every worker holds its bytes of the block), else from the store.
-        in_host = ([host.get(names[(k + 1) * d - 1]) for k in range(first, limit)]
+        # A block admitted from a load of this same step is not in any slot until the
+        # step's loads have ended: read from the store like the load admitting it.
+        in_host = ([None if names[(k + 1) * d - 1] in self._filling
+                    else host.get(names[(k + 1) * d - 1]) for k in range(first, limit)]
                    if host is not None else [None] * (limit - first))
         k = first
         while k < limit:
@@ -1043,6 +1047,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                     continue
                 slot, evicted = self._host.admit(key)
                 fills[b] = (slot, key, evicted)
+                self._filling.add(key)
                 self._planner_stats["host_admitted"] += 1
                 if evicted:
                     self._planner_stats["host_evicted"] += 1
@@ -1067,6 +1072,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                                  host_fills=self._pending_fills)
         self._pending_loads, self._settled, self._unreported = {}, {}, set()
         self._pending_host, self._host_admits, self._pending_fills = {}, {}, {}
+        self._filling = set()
         plan = _StepPlan()
         for rid, host in meta.host_loads.items():
             keys = {b: ns[-1] for ns, b in meta.loads.get(rid, ())}

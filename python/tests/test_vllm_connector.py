@@ -2346,3 +2346,26 @@ def test_a_load_planned_with_a_failing_admission_is_recomputed_never_served(tmp_
     # Block 2 fails to go in twice: request 1's copy, and request 2's recomputed one.
     assert st.get("load_errors") == 1 and st.get("host_failures") == 2, st
     assert names[2] not in e.connector.host_index()
+
+
+def test_a_block_admitted_by_a_load_is_not_offered_from_the_host_in_the_same_step(tmp_path):
+    """After a restart, two requests sharing a stored prefix are looked up in the same step
+    (vLLM's prefix cache off). The first's loads admit the prefix to the host tier, but its
+    slots are filled only once the step's loads end: the second is offered the prefix from
+    the store too, not from slots that do not hold it yet (a load error and a recompute)."""
+    _save_prefix(tmp_path / "store")
+    e = Engine(tmp_path / "store", verify=True, budget=128, prefix_caching=False,
+               extra={"host_bytes": 16 * PAGE})
+    e.poison()
+    for rid in (2, 3):
+        e.sched.add_request(create_request(request_id=rid, num_tokens=80,
+                                           common_prefix_len=64, max_tokens=2,
+                                           block_size=BS))
+    so = e.step()
+    assert so.num_scheduled_tokens == {"id-2": 16, "id-3": 16}, so.num_scheduled_tokens
+    meta = e.metas[-1]
+    assert meta.host_loads == {} and len(meta.host_fills["id-2"]) == 4, meta
+    _run_checked(e)
+    assert_clean(e)
+    st = e.stats()
+    assert st.get("records_loaded") == 8 and not st.get("load_errors"), st
