@@ -2023,6 +2023,17 @@ def test_host_memory_bounds_below_one_block_are_refused(tmp_path):
         with pytest.raises(ValueError, match=rf"{key}'\] = {page - 1}: less than one block"):
             CpHiCacheConnector(vllm_config(tmp_path / "store", **{key: page - 1}),
                                KVConnectorRole.SCHEDULER, kv_cache_config())
+    for path in (tmp_path / "store", None):
+        with pytest.raises(ValueError, match=rf"host_bytes'\] = {page - 1}: less than one"):
+            CpHiCacheConnector(vllm_config(path, host_bytes=page - 1),
+                               KVConnectorRole.SCHEDULER, kv_cache_config())
+    with pytest.raises(ValueError, match=r"host_bytes'\] = -1 is negative"):
+        CpHiCacheConnector(vllm_config(tmp_path / "store", host_bytes=-1),
+                           KVConnectorRole.SCHEDULER, kv_cache_config())
+    # Host only: no store anywhere.
+    c = CpHiCacheConnector(vllm_config(None, host_bytes=page), KVConnectorRole.SCHEDULER,
+                           kv_cache_config())
+    assert c.store is None and c.host_slots == 1 and c.store_stats() == {}
 
 
 # ------------------------------------------------------------------------------------------
