@@ -2224,42 +2224,56 @@ def test_host_loads_that_span_steps_copy_their_slots_when_they_start(tmp_path,
     assert st.get("host_hits") == 4 and not st.get("load_errors"), st
 
 
-def test_a_restart_has_an_empty_host_tier_and_reads_the_store(tmp_path):
+RESTART_RUNS = [dict(), dict(tp=2, shards=2), dict(dcp=2, interleave=1),
+                dict(dcp=2, interleave=BS)]
+
+
+@pytest.mark.parametrize("kw", RESTART_RUNS, ids=["dcp1", "tp2h2", "dcp2i1", "dcp2i16"])
+def test_a_restart_has_an_empty_host_tier_and_reads_the_store(tmp_path, monkeypatch, kw):
     """A new engine (new connectors) over the same store: its host tier is empty, so the
-    prefix is read from the store, and the blocks read go into the host tier: the next
-    request sharing the prefix is served from it, with no store read."""
-    a = Engine(tmp_path / "store", extra={"host_bytes": 16 * PAGE})
+    prefix is read from the store, and the blocks read go into the host tier (each worker
+    copies its filled block: its head shard's, its DCP rank's tokens): the next request
+    sharing the prefix is served from it, with no store read on any worker, every rank's
+    blocks checked after every step."""
+    kw = dict(kw, monkeypatch=monkeypatch, extra={"host_bytes": 16 * PAGE})
+    a = Engine(tmp_path / "store", **kw)
     a.sched.add_request(create_request(request_id=1, num_tokens=72, common_prefix_len=64,
-                                       max_tokens=2, block_size=BS))
+                                       max_tokens=2, block_size=a.sblock))
     _run_checked(a)
-    assert len(a.connector.host_index()) == 4
-    b = Engine(tmp_path / "store", verify=True, extra={"host_bytes": 16 * PAGE})
-    assert b.connector.host_index() == {} and all(t is None for t in b.worker._host_tags)
+    blocks = 64 // a.sblock
+    assert len(a.connector.host_index()) == blocks
+    b = Engine(tmp_path / "store", verify=True, **kw)
+    assert b.connector.host_index() == {}
+    assert all(t is None for w in b.workers for t in w._host_tags)
     b.poison()
-    b.sched.add_request(_prefix_hit())
+    b.sched.add_request(create_request(request_id=2, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=b.sblock))
     so = b.step()
     assert so.num_scheduled_tokens == {"id-2": 16}, so.num_scheduled_tokens
-    assert b.metas[-1].host_loads == {}
+    assert b.metas[-1].host_loads == {} and len(b.metas[-1].host_fills["id-2"]) == blocks
     _run_checked(b)
     assert_clean(b)
     st = b.stats()
-    assert st.get("records_loaded") == 4 and not st.get("host_hits"), st
-    # The four blocks read (and request 2's fifth, saved) are in the host tier now.
-    assert st.get("host_admissions") == 5, st
-    assert b.connector.host_index().keys() >= set(block_names([1] * 64, BS))
+    assert st.get("records_loaded") == b.tp * blocks and not st.get("host_hits"), st
+    # The blocks read are in the host tier now (and, at DCP 1, request 2's fifth, saved).
+    assert st.get("host_admissions") == b.tp * (blocks + (b.dcp == 1)), st
+    keys = block_names([1] * 64, BS)[b.dcp - 1::b.dcp]
+    assert b.connector.host_index().keys() >= set(keys)
     assert b.sched.reset_prefix_cache()
     b.outputs.clear()
     b.poison()
     reads = []
-    b.worker.store = _RecordingReads(b.worker.store, reads)
+    for w in b.workers:
+        w.store = _RecordingReads(w.store, reads)
     b.sched.add_request(create_request(request_id=3, num_tokens=80, common_prefix_len=64,
-                                       max_tokens=2, block_size=BS))
+                                       max_tokens=2, block_size=b.sblock))
     so = b.step()
     assert so.num_scheduled_tokens == {"id-3": 16}, so.num_scheduled_tokens
     _run_checked(b)
     assert_clean(b)
     st = b.stats()
-    assert reads == [] and st.get("host_hits") == 4 and not st.get("records_loaded"), st
+    assert reads == [] and st.get("host_hits") == b.tp * blocks, st
+    assert not st.get("records_loaded") and not st.get("load_errors"), st
 
 
 @pytest.mark.parametrize("store", [True, False], ids=["with-store", "host-only"])
