@@ -443,7 +443,7 @@ class _SaveBlock:
     in, and whether it went to the writer."""
 
     def __init__(self, rid: str, block_id: int, items: List[Any], layers: int,
-                 write: bool = True) -> None:
+                 write: bool = True, own: bool = True) -> None:
         self.rid, self.block_id, self.items = rid, block_id, items
         self.bufs = [np.empty(lsz * layers, dtype=np.uint8) for _, _, lsz, _ in items]
         self.have = [False] * layers
@@ -451,6 +451,9 @@ class _SaveBlock:
         #: Whether this rank writes it to the store (a copy rank's block, or any block
         #: without a store, is held for the host tier only).
         self.write = write
+        #: Whether this rank's copy is the one that counts (not a copy rank's): what
+        #: ``saves_dropped`` counts.
+        self.own = own
 
 
 #: Runs per layer up to which a block is read and written in place (more: gathered).
@@ -1660,7 +1663,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             logger.warning("cp_hicache: %d block(s) of step %s not saved: the step ended "
                            "without wait_for_save", len(self._saves),
                            getattr(self._saves_meta, "step", None))
-            self._count(saves_dropped=len(self._saves))
+            self._count(saves_dropped=sum(sb.own for sb in self._saves))
         self._saves_meta, self._saves, self._saves_done = meta, [], False
         if meta.saves and self._writer is None:
             raise RuntimeError(
@@ -1694,7 +1697,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                         owners = self._owners(k)
                         items.append((self._key(name), slots, g.heads * len(slots) * g.width,
                                       (owners.index(self.dcp_rank), len(owners), k)))
-                self._saves.append(_SaveBlock(rid, b, items, layers, write))
+                self._saves.append(_SaveBlock(rid, b, items, layers, write, not self.copy))
         return self._saves
 
     def _take_layer(self, sb: "_SaveBlock", li: int) -> None:
@@ -1842,7 +1845,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                 continue
             blocks = self._held.pop(t)
             keep = [sb for sb in blocks if sb.rid not in dropped]
-            lost = sum(sb.write for sb in blocks) - sum(sb.write for sb in keep)
+            lost = sum(sb.own for sb in blocks) - sum(sb.own for sb in keep)
             if lost:
                 logger.warning("cp_hicache: %d block(s) of step %d not saved: computed over "
                                "a block that failed to load", lost, t)
@@ -2009,7 +2012,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         self._load_errors |= self._join_load()
         for task, _ in self._async_loads:
             task.done.wait()
-        held = sum(len(blocks) for blocks in self._held.values())
+        held = sum(sb.own for blocks in self._held.values() for sb in blocks)
         if held:
             logger.warning("cp_hicache: shutdown: %d block(s) not saved: the planner's "
                            "verdict on their steps had not come", held)
