@@ -2093,10 +2093,14 @@ def _host_prefix_then_hit(e: Engine, before_hit=None):
     return e.stats(), so.num_scheduled_tokens
 
 
-def test_host_tier_alone_serves_a_prefix_byte_for_byte(tmp_path):
+@pytest.mark.parametrize("layout", ["blocks_first", "kv_first", "hbnc", "mla"])
+def test_host_tier_alone_serves_a_prefix_byte_for_byte(tmp_path, layout):
     """No store (no ``path``): request 1's saved blocks go into the workers' host pools,
-    and request 2's prefix comes from them, every block checked after every step."""
-    e = Engine(None, verify=True, extra={"host_bytes": 16 * PAGE})
+    and request 2's prefix comes from them, every block checked after every step: GQA's
+    K and V apart (gathered) or together, a block in pieces (``hbnc``: copied run by
+    run), MLA."""
+    e = Engine(None, verify=True, layout=layout, mla=layout == "mla",
+               extra={"host_bytes": 16 * PAGE})
     assert e.connector.store is None and e.worker.store is None
     st, first = _host_prefix_then_hit(e)
     assert first == {"id-2": 16}, first  # 64 tokens from the host tier
