@@ -7,10 +7,13 @@ request: ``get_num_new_matched_tokens``, ``update_state_after_alloc``, then
 ``build_connector_meta`` for a step that runs it (its prompt's saves planned),
 ``request_finished`` and ``update_connector_output`` with the workers' report of the step
 (its saves settled). Half the requests share a cached prefix (a hit of every whole block but
-the last); the others miss. Run in the vLLM environment::
+the last); the others miss. ``--host-bytes`` is each worker's host tier (the connector's
+``host_bytes``, default its default): the misses' saves are admitted to it once settled, so
+the planner's host accounting is in the timed loop (0: the store alone). Run in the vLLM
+environment::
 
     source "$(scripts/vllm-env.sh | tail -n1)"
-    python scripts/bench_vllm_planner.py --cached 1000 10000
+    python scripts/bench_vllm_planner.py --cached 1000 10000 [--host-bytes 0]
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import os
 import sys
 import tempfile
 import time
+from typing import Optional
 
 sys.path.insert(0, os.environ.get("CP_HICACHE_VLLM_TESTS", ""))
 
@@ -66,11 +70,15 @@ class _Out:
         self.preempted_req_ids = set()
 
 
-def bench(cached: int, timed: int, prompt_blocks: int, layers: int) -> dict:
+def bench(cached: int, timed: int, prompt_blocks: int, layers: int,
+          host_bytes: Optional[int]) -> dict:
     path = tempfile.mkdtemp(prefix="cp-hicache-planner-")
+    extra = {"path": path}
+    if host_bytes is not None:
+        extra["host_bytes"] = host_bytes
     cfg = create_vllm_config(block_size=BS, kv_connector="CpHiCacheConnector",
                              kv_connector_module_path="cp_hicache.vllm", kv_role="kv_both",
-                             kv_connector_extra_config={"path": path})
+                             kv_connector_extra_config=extra)
     kcc = KVCacheConfig(num_blocks=1 << 16, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec([f"l{i}" for i in range(layers)],
                          FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=64,
@@ -112,6 +120,7 @@ def bench(cached: int, timed: int, prompt_blocks: int, layers: int) -> dict:
     # Every step's saves settled (the last verdict waits for a next step's metadata).
     assert ps["saves_rejected"] == 0 and ps["unsettled"] <= 1, ps
     return {"cached_requests": cached, "records": cached * prompt_blocks,
+            "host_slots": c.host_slots, "host_admitted": ps["host_admitted"],
             "timed_requests": timed, "hits": hits, "fill_s": round(fill_s, 2),
             "us_per_request": round(dt / timed * 1e6, 1),
             "lookup_us_per_request": round(lookup / timed * 1e6, 1)}
@@ -123,9 +132,11 @@ def main() -> None:
     ap.add_argument("--timed", type=int, default=2000)
     ap.add_argument("--prompt-blocks", type=int, default=8)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--host-bytes", type=int, default=None,
+                    help="each worker's host tier (default: the connector's default)")
     a = ap.parse_args()
     for n in a.cached:
-        print(bench(n, a.timed, a.prompt_blocks, a.layers), flush=True)
+        print(bench(n, a.timed, a.prompt_blocks, a.layers, a.host_bytes), flush=True)
 
 
 if __name__ == "__main__":

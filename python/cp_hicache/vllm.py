@@ -1,4 +1,4 @@
-"""vLLM's KV connector over cp-hicache's page store: ``CpHiCacheConnector``.
+"""vLLM's KV connector over cp-hicache's host tier and page store: ``CpHiCacheConnector``.
 
 Loaded out of tree by vLLM's own connector factory, no fork::
 
@@ -6,7 +6,8 @@ Loaded out of tree by vLLM's own connector factory, no fork::
         "kv_connector_module_path": "cp_hicache.vllm", "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"path": "/shared/kv-store",
-                                      "capacity_bytes": 1099511627776}}'
+                                      "capacity_bytes": 1099511627776,
+                                      "host_bytes": 8589934592}}'
 
 What it does (issue 43; docs/ENGINES.md "vLLM" is the how-to):
 
@@ -23,6 +24,17 @@ What it does (issue 43; docs/ENGINES.md "vLLM" is the how-to):
 - **Executors, on the workers.** A worker moves records between the store and
   the blocks of vLLM's KV tensors (:meth:`register_kv_caches`): a record is a block's
   bytes in every layer, in the order of vLLM's KV cache groups.
+- **The host tier, decided by the planner.** Each worker allocates a pool of
+  ``host_bytes // page_bytes`` block slots once (pinned where CUDA is there). The planner
+  keeps the one index of them (:class:`_HostIndex`: block key -> slot, least recently used
+  first): every worker holds the same blocks in the same slots, each its own bytes of them
+  (its head shard's, its DCP rank's tokens). A lookup offers the run over host and store;
+  the metadata names the loads a slot serves (``host_loads``: no store read) and, with a
+  step's verdict, the admissions of its kept saves with their slots (``host_admits``: an
+  admission evicts the slot's block). Workers never decide: they check each slot's block
+  key on a load (a mismatch fails the load: reported, recomputed) and report the
+  admissions they could not make (``CpHiCacheWorkerMeta.host_failed``), which the planner
+  drops from its index. No group round.
 - **Layer-wise loads.** :meth:`start_load_kv` hands the step's loads to the worker's loader
   thread and returns. The loader reads the planned records into host memory first (each
   checked whole by the store: checksums and the fingerprint; at most
@@ -90,8 +102,9 @@ different head split (its records hold other heads: another fingerprint, a miss)
 Requests with multimodal inputs, LoRA adapters or prompt embeddings are neither looked up
 nor saved (their KV is not a function of the token ids alone). Loads and saves are
 staged through host memory by threads of the worker (no CUDA stream yet). Device (GPU)
-tensors are refused by :meth:`register_kv_caches`. The host
-tier (pinned pools per worker) is not built: every hit is read from the store.
+tensors are refused by :meth:`register_kv_caches`. The host tier admits saved blocks
+and blocks read from the store by synchronous loads (``host_fills``), not those read by
+loads that span steps.
 """
 
 from __future__ import annotations
@@ -101,6 +114,7 @@ import hashlib
 import logging
 import os
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -135,6 +149,13 @@ logger = logging.getLogger(__name__)
 
 #: The default capacity of the store, in bytes.
 DEFAULT_CAPACITY = 16 << 30
+
+#: The default host tier a worker (``host_bytes``): 4 GiB of pinned memory, allocated once
+#: when the worker registers its KV tensors. A node of 8 workers pins 32 GiB, a small share
+#: of a GPU server's memory, and a worker holds 2048 blocks of 2 MiB (a 16-token block of
+#: an 8B GQA model at TP 1: 32k tokens; more at higher TP, where a worker's block holds
+#: fewer heads). The least recently used blocks go first; 0 turns the tier off.
+DEFAULT_HOST_BYTES = 4 << 30
 
 #: The default bound on a worker's host memory for records read and not yet filled into
 #: their blocks (``load_buffer_bytes``), and for copied blocks handed to the writer and not
@@ -213,6 +234,45 @@ def extend_block_names(names: List[str], tokens: Sequence[int], block_size: int,
         names.append(prev.hex())
 
 
+class _HostIndex:
+    """The planner's accounting of the host tier of every worker: which scheduler blocks
+    (each named by its last record's name, a chain over every token up to the block's end)
+    every worker holds, in which slot of its pool, least recently used first. Every worker
+    holds the same blocks in the same slots (its own bytes of each: its head shard's, its
+    DCP rank's tokens), so one index serves all; the workers only execute what it decides
+    (admissions, each replacing the slot's previous block: its eviction)."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self.lru: "OrderedDict[str, int]" = OrderedDict()  # block key -> slot, LRU first
+        self.free: List[int] = list(range(slots - 1, -1, -1))
+
+    def get(self, key: str) -> Optional[int]:
+        return self.lru.get(key)
+
+    def touch(self, key: str) -> None:
+        if key in self.lru:
+            self.lru.move_to_end(key)
+
+    def admit(self, key: str) -> Tuple[int, str]:
+        """A slot for ``key`` (most recently used): a free one, else the least recently
+        used block's, which it evicts. Returns the slot and the evicted key ("" if none)."""
+        evicted = ""
+        if self.free:
+            slot = self.free.pop()
+        else:
+            evicted, slot = self.lru.popitem(last=False)
+        self.lru[key] = slot
+        return slot, evicted
+
+    def drop(self, key: str) -> bool:
+        slot = self.lru.pop(key, None)
+        if slot is None:
+            return False
+        self.free.append(slot)
+        return True
+
+
 @dataclass
 class CpHiCacheMetadata(KVConnectorMetadata):
     """One step's plan, built once by the scheduler-side connector and executed by every
@@ -237,6 +297,19 @@ class CpHiCacheMetadata(KVConnectorMetadata):
     #: load is reported ended): the workers report no ``finished_sending`` for them (vLLM
     #: would free the blocks a second time), their saves are written or dropped all the same.
     unreported: Set[str] = field(default_factory=set)
+    #: Host tier: the loads of this step served from the workers' host pools, per request:
+    #: block id -> slot (the block's records are not read from the store).
+    host_loads: Dict[str, Dict[int, int]] = field(default_factory=dict)
+    #: Host tier: the planner's admissions of settled saves, per step (applied with that
+    #: step's verdict in ``settled``): ``(request, block id, slot, block key, evicted key)``:
+    #: the worker copies its held copy of the block into the slot, which held the evicted
+    #: block ("" for a free slot) until then.
+    host_admits: Dict[int, List[Tuple[str, int, int, str, str]]] = field(default_factory=dict)
+    #: Host tier: blocks this step loads from the store that the workers then copy into
+    #: their pools, per request: block id -> ``(slot, block key, evicted key)``; made once
+    #: the step's loads have ended (after every load of the step, from any slot), from
+    #: the filled block, or failed (the slot then holds nothing servable: reported).
+    host_fills: Dict[str, Dict[int, Tuple[int, str, str]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -248,10 +321,14 @@ class CpHiCacheWorkerMeta(KVConnectorWorkerMetadata):
     worker has reported a step the planner has seen every rank's failed loads of it."""
 
     steps: Dict[int, int] = field(default_factory=dict)
+    #: Host tier: block keys whose admission this worker could not make (its copy of the
+    #: block was not held, or the copy failed): the planner stops offering them.
+    host_failed: Set[str] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "CpHiCacheWorkerMeta":
         for t, n in (getattr(other, "steps", None) or {}).items():
             self.steps[t] = self.steps.get(t, 0) + n
+        self.host_failed |= set(getattr(other, "host_failed", None) or ())
         return self
 
 
@@ -269,7 +346,11 @@ class CpHiCacheStats(KVConnectorStats):
     (blocks not saved: the planner rejected them, computed over a block that failed to
     load on some rank, or shutdown came before their verdict); ``save_waits`` (hand-overs
     to the writer that waited for room in its queue); ``loader_failures`` (the loader
-    thread failed a step's loads outright: a bug, its blocks reported as load errors)."""
+    thread failed a step's loads outright: a bug, its blocks reported as load errors).
+    Host tier: ``host_hits`` (blocks filled from the worker's host pool, not counted in
+    ``records_loaded``), ``host_admissions`` (blocks copied into the pool) and
+    ``host_evictions`` (blocks an admission replaced), all per worker and summed;
+    ``host_failures`` (admissions this worker could not make: reported to the planner)."""
 
     def aggregate(self, other: KVConnectorStats) -> "CpHiCacheStats":
         for k, v in (other.data or {}).items():
@@ -301,6 +382,8 @@ class _ReqState:
     load_cap: Optional[int] = None
     #: The first block of the loads planned last (``update_state_after_alloc``).
     planned_first: Optional[int] = None
+    #: Of the planned run, the blocks the host tier holds: block -> slot.
+    planned_host: Dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -312,6 +395,12 @@ class _StepPlan:
 
     saves: Dict[str, Tuple[int, List[int]]] = field(default_factory=dict)
     bad: Set[int] = field(default_factory=set)
+    #: The step's saves as host-tier admissions to make once it is settled: per request,
+    #: ``(block key, block id)`` of each block saved.
+    admits: Dict[str, List[Tuple[str, int]]] = field(default_factory=dict)
+    #: The step's loads from the host tier: block id -> block key (dropped from the host
+    #: index if the load fails on some worker).
+    host_loads: Dict[int, str] = field(default_factory=dict)
     #: The step's synchronous loads: per request, ``(its block, block id)``. A failed one
     #: is reported after the step, when vLLM's asynchronous scheduling may have preempted
     #: the request since (its block ids are gone then): mapped back through these.
@@ -327,6 +416,12 @@ class _LoadTask:
         self.done = threading.Event()
         self.errors: Set[int] = set()
         self.failed_reqs: Set[str] = set()  # requests with a block in ``errors``
+        #: Blocks served from the host tier: block id -> slot, or (loads that span steps)
+        #: the slot's bytes copied when the load started (None: the slot did not hold it).
+        self.host: Dict[int, Any] = {}
+        #: Blocks loaded from the store to copy into host slots once every load of the
+        #: step has ended: block id -> ``(slot, block key, evicted key)``.
+        self.fills: Dict[int, Tuple[int, str, str]] = {}
 
     def fail_all(self, loads: Dict[str, List[Job]]) -> Set[int]:
         """Marks every block of ``loads`` not yet failed as failed (and every request);
@@ -347,11 +442,18 @@ class _SaveBlock:
     layer, part)``), a host buffer per item its layers are copied into, which layers are
     in, and whether it went to the writer."""
 
-    def __init__(self, rid: str, block_id: int, items: List[Any], layers: int) -> None:
+    def __init__(self, rid: str, block_id: int, items: List[Any], layers: int,
+                 write: bool = True, own: bool = True) -> None:
         self.rid, self.block_id, self.items = rid, block_id, items
         self.bufs = [np.empty(lsz * layers, dtype=np.uint8) for _, _, lsz, _ in items]
         self.have = [False] * layers
         self.submitted = False
+        #: Whether this rank writes it to the store (a copy rank's block, or any block
+        #: without a store, is held for the host tier only).
+        self.write = write
+        #: Whether this rank's copy is the one that counts (not a copy rank's): what
+        #: ``saves_dropped`` counts.
+        self.own = own
 
 
 #: Runs per layer up to which a block is read and written in place (more: gathered).
@@ -479,7 +581,10 @@ class CpHiCacheConnector(KVConnectorBase_V1):
     """vLLM ``KVConnectorBase_V1`` over a ``cp_hicache`` page store (see the module
     documentation). Configured through ``kv_connector_extra_config``:
 
-    - ``path`` (required): the store's directory, shared by every worker and by later runs.
+    - ``path`` (required without a host tier): the store's directory, shared by every worker
+      and by later runs. Left out: a host-only deployment.
+    - ``host_bytes`` (default 4 GiB, :data:`DEFAULT_HOST_BYTES`): each worker's host tier,
+      in slots of one block of its KV; 0 turns it off. At least one block's bytes.
     - ``capacity_bytes`` (default 16 GiB): the store's byte budget; least recently used
       records go first.
     - ``load_buffer_bytes`` (default 256 MiB): the most bytes of records a worker's loader
@@ -500,11 +605,16 @@ class CpHiCacheConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        path = extra.get("path")
-        if not path:
+        path = extra.get("path") or None
+        host_bytes = int(extra.get("host_bytes", DEFAULT_HOST_BYTES))
+        if host_bytes < 0:
+            raise ValueError(f"kv_connector_extra_config['host_bytes'] = {host_bytes} is "
+                             "negative (0 turns the host tier off)")
+        if not path and host_bytes == 0:
             raise ValueError(
-                "CpHiCacheConnector needs kv_connector_extra_config['path']: the store's "
-                "directory, shared by every worker (a shared file system on a cluster)"
+                "CpHiCacheConnector needs kv_connector_extra_config['path'] (the store's "
+                "directory, shared by every worker: a shared file system on a cluster) or a "
+                "host tier (kv_connector_extra_config['host_bytes'] > 0): it has neither"
             )
         capacity = int(extra.get("capacity_bytes", DEFAULT_CAPACITY))
         #: Whether loads span steps (vLLM's ``load_kv_async``) instead of running ahead of
@@ -561,9 +671,27 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             f"page_bytes={self.page_bytes}",
         ] + ([f"kv_head_shards={self.head_shards}"] if self.head_shards > 1 else []))
         digest = hashlib.sha256(self.fingerprint.encode()).hexdigest()[:16]
-        self.path = str(path)
-        self.store_path = os.path.join(self.path, f"vllm-{digest}")
-        self.store = _native.PageStore(self.store_path, self.fingerprint, self.page_bytes, capacity)
+        #: The storage tier: a page store in ``path`` (None: a host-only deployment).
+        self.path = self.store_path = self.store = None
+        if path:
+            self.path = str(path)
+            self.store_path = os.path.join(self.path, f"vllm-{digest}")
+            self.store = _native.PageStore(self.store_path, self.fingerprint, self.page_bytes,
+                                           capacity)
+        #: The host tier: ``host_slots`` slots of one block of this worker's bytes each
+        #: (``page_bytes``: the same on every worker, whatever its head shard or DCP rank),
+        #: at most ``host_bytes`` a worker; 0 slots: off.
+        self.host_bytes = host_bytes
+        self.host_slots = host_bytes // self.page_bytes
+        if host_bytes and not self.host_slots:
+            raise ValueError(
+                f"kv_connector_extra_config['host_bytes'] = {host_bytes}: less than one "
+                f"block's {self.page_bytes} bytes (0 turns the host tier off)"
+            )
+        #: The planner's accounting of every worker's host tier (scheduler side only).
+        self._host: Optional[_HostIndex] = (
+            _HostIndex(self.host_slots)
+            if self.host_slots and role == KVConnectorRole.SCHEDULER else None)
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", None)
         if role == KVConnectorRole.SCHEDULER and policy != "recompute":
             logger.warning(
@@ -585,7 +713,16 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         self._reports: Dict[int, int] = {}  # step -> workers that reported it so far
         self._settled: Dict[int, Set[str]] = {}
         self._planner_stats = {"lookups": 0, "hit_tokens": 0, "finished_sending": 0,
-                               "invalid_blocks": 0, "saves_settled": 0, "saves_rejected": 0}
+                               "invalid_blocks": 0, "saves_settled": 0, "saves_rejected": 0,
+                               "host_hits": 0, "host_admitted": 0, "host_evicted": 0,
+                               "host_dropped": 0}
+        #: Host-tier admissions decided since the last metadata (step -> admissions).
+        self._host_admits: Dict[int, List[Tuple[str, int, int, str, str]]] = {}
+        #: Host-tier loads planned since the last metadata: request -> block id -> slot;
+        #: and store loads to admit to the host tier once loaded (``host_fills``).
+        self._pending_host: Dict[str, Dict[int, int]] = {}
+        self._pending_fills: Dict[str, Dict[int, Tuple[int, str, str]]] = {}
+        self._filling: Set[str] = set()  # the block keys of ``_pending_fills``
         # Worker side.
         self.dcp_rank = 0
         self.tp_rank = self.head_shard = self.copy = 0
@@ -650,6 +787,14 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         self._saving_reqs: Set[str] = set()
         self._finished_waiting: Set[str] = set()
         self._load_errors: Set[int] = set()
+        #: The host tier's pool (``host_slots`` blocks of ``page_bytes``, allocated once by
+        #: register_kv_caches: pinned where CUDA is there), the block key each slot holds
+        #: (None: nothing servable), the planner's admissions received for steps not yet
+        #: released, and the admissions that failed, to report.
+        self._host_pool: Any = None
+        self._host_tags: List[Optional[str]] = [None] * self.host_slots
+        self._admits: Dict[int, List[Tuple[str, int, int, str, str]]] = {}
+        self._host_failed: Set[str] = set()
         self._stats: Dict[str, int] = {}
         self._stats_lock = threading.Lock()
 
@@ -820,10 +965,35 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             return 0, False
         names = self._names(st, limit * d)
         h = self.head_shards
-        wanted = names[first * d:limit * d]
-        if h > 1:  # every head shard of every record of a block: one TP rank's each
-            wanted = [head_shard_key(n, s, h) for n in wanted for s in range(h)]
-        run = self.store.present_run(wanted) // (d * h)
+        host = self._host
+        st.planned_host = {}
+        # The run over host and store: each block from the host tier where it holds it
+        # (every worker holds its bytes of the block), else from the store.
+        # A block admitted from a load of this same step is not in any slot until the
+        # step's loads have ended: read from the store like the load admitting it.
+        in_host = ([None if names[(k + 1) * d - 1] in self._filling
+                    else host.get(names[(k + 1) * d - 1]) for k in range(first, limit)]
+                   if host is not None else [None] * (limit - first))
+        k = first
+        while k < limit:
+            slot = in_host[k - first]
+            if slot is not None:
+                st.planned_host[k] = slot
+                k += 1
+                continue
+            if self.store is None:
+                break
+            end = k + 1  # the store's part: up to the next block the host holds
+            while end < limit and in_host[end - first] is None:
+                end += 1
+            wanted = names[k * d:end * d]
+            if h > 1:  # every head shard of every record of a block: one TP rank's each
+                wanted = [head_shard_key(n, s, h) for n in wanted for s in range(h)]
+            got = self.store.present_run(wanted) // (d * h)
+            k += got
+            if k < end:
+                break
+        run = k - first
         if run == 0:
             return 0, False
         st.planned = (first, run)
@@ -860,6 +1030,32 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         self._pending_loads[request.request_id] = [
             (self._block_names(st, first + k), int(block_ids[first + k])) for k in range(n)
         ]
+        host = {int(block_ids[k]): slot for k, slot in st.planned_host.items()
+                if k < first + n}
+        st.planned_host = {}
+        if host:
+            self._pending_host[request.request_id] = host
+            self._planner_stats["host_hits"] += len(host)
+            for k in range(first, first + n):
+                if int(block_ids[k]) in host:
+                    self._host.touch(st.names[(k + 1) * self.dcp - 1])
+        if self._host is not None and not self.load_async:
+            # The blocks read from the store go into the host tier too, once loaded (loads
+            # that span steps are not admitted: their fills would outlive the step).
+            fills = {}
+            for k in range(first, first + n):
+                b = int(block_ids[k])
+                key = st.names[(k + 1) * self.dcp - 1]
+                if b in host or self._host.get(key) is not None:
+                    continue
+                slot, evicted = self._host.admit(key)
+                fills[b] = (slot, key, evicted)
+                self._filling.add(key)
+                self._planner_stats["host_admitted"] += 1
+                if evicted:
+                    self._planner_stats["host_evicted"] += 1
+            if fills:
+                self._pending_fills[request.request_id] = fills
         if self.load_async:
             # Not scheduled until its loads are in: a failed one is mapped back to the
             # request through these (its saves then start at the failed block).
@@ -873,9 +1069,20 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         step's forward completes (to save), the requests preempted since the last step."""
         self._step += 1
         meta = CpHiCacheMetadata(loads=self._pending_loads, step=self._step,
-                                 settled=self._settled, unreported=self._unreported)
+                                 settled=self._settled, unreported=self._unreported,
+                                 host_loads=self._pending_host,
+                                 host_admits=self._host_admits,
+                                 host_fills=self._pending_fills)
         self._pending_loads, self._settled, self._unreported = {}, {}, set()
+        self._pending_host, self._host_admits, self._pending_fills = {}, {}, {}
+        self._filling = set()
         plan = _StepPlan()
+        for rid, host in meta.host_loads.items():
+            keys = {b: ns[-1] for ns, b in meta.loads.get(rid, ())}
+            plan.host_loads.update({b: keys[b] for b in host if b in keys})
+        for rid, fills in meta.host_fills.items():
+            # A block that fails to load leaves the host index (as one loaded from it).
+            plan.host_loads.update({b: key for b, (_, key, _) in fills.items()})
         if not self.load_async:
             for rid, jobs in meta.loads.items():
                 st = self._reqs.get(rid)
@@ -918,10 +1125,12 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             jobs = [(self._block_names(st, k), int(st.block_ids[k]))
                     for k in range(st.saved_upto, full)]
             plan.saves[rid] = (st.saved_upto, st.block_ids)
+            if self._host is not None:
+                plan.admits[rid] = [(ns[-1], b) for ns, b in jobs]
             st.saved_upto = full
             meta.saves[rid] = jobs
             st.has_saves = True
-        if plan.saves or plan.loads:
+        if plan.saves or plan.loads or plan.host_loads:
             self._inflight[meta.step] = plan
         return meta
 
@@ -937,6 +1146,9 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         rid = request.request_id
         st = self._reqs.pop(rid, None)
         self._pending_loads.pop(rid, None)
+        self._pending_host.pop(rid, None)
+        for b, (_, key, _) in (self._pending_fills.pop(rid, None) or {}).items():
+            self._host.drop(key)  # planned, never shipped: its slot goes back
         delay = st is not None and st.has_saves
         if delay and rid in self._loading:
             delay = False
@@ -983,12 +1195,23 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                 st = self._reqs[rid]
                 st.saved_upto = min(st.saved_upto, k)
                 st.load_cap = k if st.load_cap is None else min(st.load_cap, k)
+            # A block the host tier failed to serve on some worker: not offered from it again.
+            if self._host is not None:
+                for plan in self._inflight.values():
+                    for b, key in plan.host_loads.items():
+                        if b in invalid and self._host.drop(key):
+                            self._planner_stats["host_dropped"] += 1
             # Every step in flight was planned before this report: its forward may have
             # read these blocks (vLLM's asynchronous scheduling plans the next step before
             # it sees this one's output).
             for plan in self._inflight.values():
                 plan.bad |= invalid
         meta = connector_output.kv_connector_worker_meta
+        if self._host is not None:
+            # Admissions some worker could not make: no longer offered from the host tier.
+            for key in getattr(meta, "host_failed", None) or ():
+                if self._host.drop(key):
+                    self._planner_stats["host_dropped"] += 1
         for t, n in (getattr(meta, "steps", None) or {}).items():
             self._reports[t] = self._reports.get(t, 0) + n
         # vLLM's executor runs every step on every worker (TP ranks; PP is refused).
@@ -1017,8 +1240,38 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                         st.saved_upto = min(st.saved_upto, first)
             if plan.saves:  # a step of loads only has no verdict to send
                 self._settled[t] = dropped
+            if self._host is not None:
+                self._admit(t, plan, dropped)
             self._planner_stats["saves_settled"] += len(plan.saves) - len(dropped)
             self._planner_stats["saves_rejected"] += len(dropped)
+
+    def _admit(self, step: int, plan: _StepPlan, dropped: Set[str]) -> None:
+        """The host tier's admissions of a settled step's saves (those not dropped): each
+        block not held yet gets a slot (evicting the least recently used block where none
+        is free), sent to the workers with the step's verdict; a block held already is
+        only made most recently used. The workers copy their held copies of the blocks in
+        (:meth:`_release`), or report the ones they could not (``host_failed``)."""
+        host = self._host
+        out = []
+        for rid, blocks in plan.admits.items():
+            if rid in dropped:
+                continue
+            for key, b in blocks:
+                if host.get(key) is not None:
+                    host.touch(key)
+                    continue
+                slot, evicted = host.admit(key)
+                out.append((rid, b, slot, key, evicted))
+                self._planner_stats["host_admitted"] += 1
+                if evicted:
+                    self._planner_stats["host_evicted"] += 1
+        if out:
+            self._host_admits[step] = out
+
+    def host_index(self) -> Dict[str, int]:
+        """The planner's host index: block key -> slot, least recently used first (empty
+        with the host tier off)."""
+        return dict(self._host.lru) if self._host is not None else {}
 
     def planner_stats(self) -> Dict[str, int]:
         """The scheduler side's counters: lookups, tokens offered, requests whose saves
@@ -1097,6 +1350,12 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             for ex in (self._loader, self._writer):
                 if ex is not None:
                     ex.shutdown(wait=True)
+        if self.host_slots and self._host_pool is None:
+            # Once per worker: fixed-size block slots, pinned where a CUDA device is there
+            # (its copies to and from device blocks then run asynchronously).
+            pin = bool(torch.cuda.is_available())
+            self._host_pool = torch.empty((self.host_slots, self.page_bytes),
+                                          dtype=torch.uint8, pin_memory=pin)
         self._kv_caches_kept = kv_caches  # the addresses stay valid while vLLM's tensors live
         self._layers = layers
         self._in_place = all(g.runs is not None for g in layers)
@@ -1126,6 +1385,32 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         so a preempted request's blocks are free for vLLM to reuse at once."""
         return
 
+    def _host_source(self, names: List[str], slot: int, clone: bool = False) -> Optional[Any]:
+        """This worker's bytes of the scheduler block named ``names`` in host slot ``slot``,
+        ``[layers, heads, tokens, width]`` as its block holds them; None where the slot does
+        not hold that block (its admission failed here: reported, recomputed). ``clone``:
+        a copy, for a load that outlives the step (a later admission may reuse the slot)."""
+        if (self._host_pool is None or not 0 <= slot < self.host_slots
+                or self._host_tags[slot] != names[-1]):
+            return None
+        g = self._layers[0]
+        src = self._host_pool[slot].view(len(self._layers), g.heads, self.block_size, g.width)
+        return src.clone() if clone else src
+
+    def _host_put(self, slot: int, sb: "_SaveBlock") -> None:
+        """Copies a held block's bytes (every layer copied) into host slot ``slot``, as the
+        block holds them: the record, or under DCP with a small interleave this rank's
+        tokens of several records, slot by slot."""
+        dst = self._host_pool[slot].numpy()
+        if len(sb.items) == 1 and sb.items[0][1] is None:
+            dst[:] = sb.bufs[0]
+            return
+        g = self._layers[0]
+        n = len(self._layers)
+        view = dst.reshape(n, g.heads, self.block_size, g.width)
+        for (_, slots, _, _), buf in zip(sb.items, sb.bufs):
+            view[:, :, slots, :] = buf.reshape(n, g.heads, len(slots), g.width)
+
     def _read_block(self, names: List[str], block_id: int
                     ) -> Optional[List[Tuple[Any, Optional[List[int]], Optional[List[int]]]]]:
         """Reads this rank's records of scheduler block ``block_id`` (of its head shard) into
@@ -1140,6 +1425,8 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         shape = (len(self._layers), g.heads, self.block_size, g.width)
 
         def read(key: str) -> Optional[Any]:
+            if self.store is None:  # host only: a block the host tier does not serve
+                return None
             rec = np.empty(self.page_bytes, dtype=np.uint8)
             if not self.store.get(key, [(int(rec.ctypes.data), rec.nbytes)]):
                 return None
@@ -1172,6 +1459,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         load errors, never as an exception in the engine's thread: every event is set and
         the task marked done on every path."""
         filled: Set[int] = set()  # blocks filled in every layer
+        host = task.host
         try:
             batch: List[Tuple[str, int, List[Any]]] = []
             held = 0
@@ -1184,12 +1472,22 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                     if batch and held + self._block_read_bytes > self.load_buffer_bytes:
                         self._fill(task, batch, filled, last=False)
                         batch, held = [], 0
-                    try:
-                        items = self._read_block(names, block_id)
-                    except (_native.UsageError, OSError, ValueError) as e:
-                        logger.warning("cp_hicache: loading block %d of %s failed: %s",
-                                       block_id, rid, e)
-                        items = None
+                    if block_id in host:  # from the host pool: no store read
+                        src = host[block_id]
+                        if isinstance(src, int):
+                            self._check_block(block_id)
+                            src = self._host_source(names, src)
+                        items = None if src is None else [(src, None, None)]
+                        if items is None:
+                            logger.warning("cp_hicache: block %d of %s is not in host slot "
+                                           "%s here", block_id, rid, host[block_id])
+                    else:
+                        try:
+                            items = self._read_block(names, block_id)
+                        except (_native.UsageError, OSError, ValueError) as e:
+                            logger.warning("cp_hicache: loading block %d of %s failed: %s",
+                                           block_id, rid, e)
+                            items = None
                     if items is None:
                         failed = True
                         task.errors.add(block_id)
@@ -1197,12 +1495,16 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                         self._count(load_errors=1)
                     else:
                         batch.append((rid, block_id, items))
-                        held += self._block_read_bytes
+                        if block_id not in host:
+                            held += self._block_read_bytes
                 if failed:
                     logger.warning("cp_hicache: request %s: a planned record could not be "
                                    "loaded; vLLM recomputes from its block", rid)
             self._fill(task, batch, filled, last=True)
-            self._count(records_loaded=len(filled), bytes_loaded=len(filled) * self.page_bytes)
+            hits = len(filled & host.keys())
+            stored = len(filled) - hits
+            self._count(records_loaded=stored, bytes_loaded=stored * self.page_bytes,
+                        host_hits=hits)
         except BaseException as e:  # a bug: fail every block not filled, loudly
             logger.error("cp_hicache: the loader failed: %r", e)
             # Every block of the step's loads not filled in every layer: those staged and
@@ -1213,7 +1515,45 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             lost = task.fail_all({rid: jobs for rid, jobs in left.items() if jobs})
             self._count(load_errors=len(lost), loader_failures=1)
         finally:
+            if task.fills:
+                self._host_fill(task, filled)
             task.finish()
+
+    def _host_fill(self, task: "_LoadTask", filled: Set[int]) -> None:
+        """Copies the step's blocks loaded from the store that the planner admitted to the
+        host tier (``host_fills``) into their slots, from the filled blocks, after every
+        load of the step (one from a slot a fill replaces included) has ended. A block not
+        loaded here (failed, or after a failed one) leaves its slot holding nothing
+        servable, reported to the planner (``host_failed``)."""
+        import torch
+
+        for b, (slot, key, evicted) in task.fills.items():
+            ok = False
+            if (b in filled and b not in task.errors and self._host_pool is not None
+                    and 0 <= slot < self.host_slots):
+                try:
+                    lsz = self.layer_page_bytes
+                    row = self._host_pool[slot]
+                    for li, g in enumerate(self._layers):
+                        g.take(b, None, row[li * lsz:(li + 1) * lsz])
+                    ok = True
+                except Exception as e:  # the slot holds nothing servable: reported
+                    logger.warning("cp_hicache: copying loaded block %d into host slot %d "
+                                   "failed: %s", b, slot, e)
+            self._host_settle(slot, key, evicted, ok)
+
+    def _host_settle(self, slot: int, key: str, evicted: str, ok: bool) -> None:
+        """Records an admission into slot ``slot``: the slot holds ``key`` (``ok``) or
+        nothing servable (then reported to the planner); counts it."""
+        with self._stats_lock:
+            if 0 <= slot < self.host_slots:
+                if evicted and self._host_tags[slot] == evicted:
+                    self._stats["host_evictions"] = self._stats.get("host_evictions", 0) + 1
+                self._host_tags[slot] = key if ok else None
+            name = "host_admissions" if ok else "host_failures"
+            self._stats[name] = self._stats.get(name, 0) + 1
+            if not ok:
+                self._host_failed.add(key)
 
     def _fill(self, task: "_LoadTask", batch: List[Tuple[str, int, List[Any]]],
               filled: Set[int], last: bool) -> None:
@@ -1272,12 +1612,27 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             )
         task = _LoadTask(len(self._layers))
         loads = {rid: list(jobs) for rid, jobs in meta.loads.items()}
+        for rid, host in (getattr(meta, "host_loads", None) or {}).items():
+            if self.load_async:
+                # The load outlives the step: a later step's admission may reuse the slot,
+                # so its bytes are copied now (the slot checked now).
+                names = {b: ns for ns, b in loads.get(rid, ())}
+                task.host.update({b: (self._host_source(names[b], slot, clone=True)
+                                      if b in names and self._host_pool is not None
+                                      else None)
+                                  for b, slot in host.items()})
+            else:
+                task.host.update({int(b): int(slot) for b, slot in host.items()})
+        for fills in (getattr(meta, "host_fills", None) or {}).values():
+            task.fills.update({int(b): f for b, f in fills.items()})
         try:
             self._loader.submit(self._run_load, task, loads)
         except Exception as e:  # no load runs: every block is a load error, no wait hangs
             logger.error("cp_hicache: the step's loads could not be started: %r", e)
             lost = task.fail_all(loads)
             self._count(load_errors=len(lost), loader_failures=1)
+            if task.fills:
+                self._host_fill(task, set())  # none made: reported
             task.finish()
         if self.load_async:
             # Nothing of this step waits for it: reported by get_finished once done.
@@ -1308,7 +1663,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             logger.warning("cp_hicache: %d block(s) of step %s not saved: the step ended "
                            "without wait_for_save", len(self._saves),
                            getattr(self._saves_meta, "step", None))
-            self._count(saves_dropped=len(self._saves))
+            self._count(saves_dropped=sum(sb.own for sb in self._saves))
         self._saves_meta, self._saves, self._saves_done = meta, [], False
         if meta.saves and self._writer is None:
             raise RuntimeError(
@@ -1319,9 +1674,11 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         layers = len(self._layers or ())
         for rid, jobs in meta.saves.items():
             self._saving_reqs.add(rid)  # reported by get_finished once its writes are done
-            if self.copy:
+            write = not self.copy and self.store is not None
+            if self.copy and not self.host_slots:
                 # This rank's KV is a copy of another DCP group's (TP ranks beyond the
-                # heads, or MLA's replicated latent KV): that group writes it.
+                # heads, or MLA's replicated latent KV): that group writes it (with the
+                # host tier on, the copy is held all the same: its pool holds the block).
                 continue
             g = self._layers[0]
             for names, b in jobs:
@@ -1340,7 +1697,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                         owners = self._owners(k)
                         items.append((self._key(name), slots, g.heads * len(slots) * g.width,
                                       (owners.index(self.dcp_rank), len(owners), k)))
-                self._saves.append(_SaveBlock(rid, b, items, layers))
+                self._saves.append(_SaveBlock(rid, b, items, layers, write, not self.copy))
         return self._saves
 
     def _take_layer(self, sb: "_SaveBlock", li: int) -> None:
@@ -1471,6 +1828,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         if step:
             self._ran.add(step)
         self._verdicts.update(getattr(connector_metadata, "settled", None) or {})
+        self._admits.update(getattr(connector_metadata, "host_admits", None) or {})
         for rid in getattr(connector_metadata, "unreported", None) or ():
             # vLLM frees its blocks itself (its load ended): nothing to report.
             self._saving_reqs.discard(rid)
@@ -1487,22 +1845,56 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                 continue
             blocks = self._held.pop(t)
             keep = [sb for sb in blocks if sb.rid not in dropped]
-            if len(keep) < len(blocks):
+            lost = sum(sb.own for sb in blocks) - sum(sb.own for sb in keep)
+            if lost:
                 logger.warning("cp_hicache: %d block(s) of step %d not saved: computed over "
-                               "a block that failed to load", len(blocks) - len(keep), t)
-                self._count(saves_dropped=len(blocks) - len(keep))
+                               "a block that failed to load", lost, t)
+                self._count(saves_dropped=lost)
+            admits = self._admits.pop(t, None)
+            if admits:
+                self._host_admit(admits, {(sb.rid, sb.block_id): sb for sb in keep})
+            keep = [sb for sb in keep if sb.write]
             if keep:
                 self._submit(keep)
         for t in [t for t in self._verdicts if t <= self._last_saved_step]:
             del self._verdicts[t]
+        for t in [t for t in self._admits if t <= self._last_saved_step]:
+            # Admissions of a step this worker holds no copies of (its saves were dropped
+            # here: the step ended without wait_for_save): none can be made.
+            self._host_admit(self._admits.pop(t), {})
+
+    def _host_admit(self, admits: List[Tuple[str, int, int, str, str]],
+                    blocks: Dict[Tuple[str, int], "_SaveBlock"]) -> None:
+        """Makes the planner's admissions: each block's held copy goes into its slot,
+        replacing (evicting) the slot's block. An admission that cannot be made (no whole
+        copy of the block held here, or the copy failed) leaves the slot holding nothing
+        servable and is reported to the planner (``host_failed``): its block is not
+        offered from the host tier again, and a load already planned from it fails here
+        (reported, recomputed), never served."""
+        # No load of this step may read a slot while it is replaced.
+        self._load_errors |= self._join_load()
+        for rid, b, slot, key, evicted in admits:
+            sb = blocks.get((rid, b))
+            ok = False
+            if (sb is not None and all(sb.have) and self._host_pool is not None
+                    and 0 <= slot < self.host_slots):
+                try:
+                    self._host_put(slot, sb)
+                    ok = True
+                except Exception as e:  # the slot holds nothing servable: reported
+                    logger.warning("cp_hicache: copying block %d of %s into host slot %d "
+                                   "failed: %s", b, rid, slot, e)
+            self._host_settle(slot, key, evicted, ok)
 
     def build_connector_worker_meta(self) -> Optional[CpHiCacheWorkerMeta]:
         """The steps this worker ran since its last report (:class:`CpHiCacheWorkerMeta`),
         sent to the planner with the step's failed loads."""
-        if not self._ran:
+        with self._stats_lock:
+            failed, self._host_failed = self._host_failed, set()
+        if not self._ran and not failed:
             return None
         ran, self._ran = self._ran, set()
-        return CpHiCacheWorkerMeta(steps={t: 1 for t in sorted(ran)})
+        return CpHiCacheWorkerMeta(steps={t: 1 for t in sorted(ran)}, host_failed=failed)
 
     def _owners(self, record: int) -> List[int]:
         """The ranks holding tokens of record ``record`` of a scheduler block, in order."""
@@ -1608,8 +2000,9 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         return CpHiCacheStats(data=dict(data)) if data is not None else CpHiCacheStats()
 
     def store_stats(self) -> Dict[str, Any]:
-        """What this process's store did (records written, read, refused by kind)."""
-        return self.store.stats()
+        """What this process's store did (records written, read, refused by kind); empty
+        without a store (a host-only deployment)."""
+        return self.store.stats() if self.store is not None else {}
 
     def shutdown(self) -> None:
         """Drains: waits for the step's loads and every write in flight, then stops the
@@ -1619,7 +2012,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         self._load_errors |= self._join_load()
         for task, _ in self._async_loads:
             task.done.wait()
-        held = sum(len(blocks) for blocks in self._held.values())
+        held = sum(sb.own for blocks in self._held.values() for sb in blocks)
         if held:
             logger.warning("cp_hicache: shutdown: %d block(s) not saved: the planner's "
                            "verdict on their steps had not come", held)

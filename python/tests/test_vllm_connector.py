@@ -127,15 +127,20 @@ def kv_cache_config(num_blocks: int = NUM_BLOCKS, heads: int = HEADS,
 
 
 def vllm_config(path, policy="recompute", budget=64, **extra):
-    """vLLM's config with the connector over a store in ``path``, ``extra`` its
-    ``kv_connector_extra_config`` keys, and ``budget`` tokens a step."""
+    """vLLM's config with the connector over a store in ``path`` (None: no store), ``extra``
+    its ``kv_connector_extra_config`` keys (the host tier off unless ``host_bytes`` is
+    given: the tests of the storage tier see every hit read from the store), and ``budget``
+    tokens a step."""
+    extra = {"host_bytes": 0, **extra}
+    if path is not None:
+        extra["path"] = str(path)
     return create_vllm_config(
         block_size=BS,
         max_num_batched_tokens=budget,
         kv_connector="CpHiCacheConnector",
         kv_connector_module_path="cp_hicache.vllm",
         kv_role="kv_both",
-        kv_connector_extra_config={"path": str(path), **extra},
+        kv_connector_extra_config=extra,
         kv_load_failure_policy=policy,
     )
 
@@ -179,9 +184,11 @@ class Engine:
     def __init__(self, path, policy="recompute", num_blocks=NUM_BLOCKS, verify=False,
                  dcp=1, interleave=1, ranks=None, monkeypatch=None, tp=None, shards=1,
                  heads=HEADS, layout="blocks_first", mla=False, tp_ranks=None,
-                 layerwise=True, budget=64, extra=None):
+                 layerwise=True, budget=64, extra=None, prefix_caching=True):
         self.layerwise = layerwise
         self.cfg = vllm_config(path, policy, budget, **(extra or {}))
+        # Off: a request sharing a running request's prefix asks the connector for it.
+        self.cfg.cache_config.enable_prefix_caching = prefix_caching
         tp = dcp if tp is None else tp
         if mla:
             heads, layout = 1, "mla"
@@ -1341,9 +1348,12 @@ def test_refuses_what_is_not_built(tmp_path):
     cfg.parallel_config.pipeline_parallel_size = 2
     with pytest.raises(ValueError, match="pipeline_parallel_size = 2 is not built"):
         CpHiCacheConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
+    # Neither a store nor a host tier.
     cfg = create_vllm_config(block_size=BS, kv_connector="CpHiCacheConnector",
-                             kv_connector_module_path="cp_hicache.vllm", kv_role="kv_both")
-    with pytest.raises(ValueError, match=r"needs kv_connector_extra_config\['path'\]"):
+                             kv_connector_module_path="cp_hicache.vllm", kv_role="kv_both",
+                             kv_connector_extra_config={"host_bytes": 0})
+    with pytest.raises(ValueError, match=r"needs kv_connector_extra_config\['path'\].*"
+                                         r"\['host_bytes'\] > 0\): it has neither"):
         CpHiCacheConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
 
 
@@ -2013,3 +2023,378 @@ def test_host_memory_bounds_below_one_block_are_refused(tmp_path):
         with pytest.raises(ValueError, match=rf"{key}'\] = {page - 1}: less than one block"):
             CpHiCacheConnector(vllm_config(tmp_path / "store", **{key: page - 1}),
                                KVConnectorRole.SCHEDULER, kv_cache_config())
+    for path in (tmp_path / "store", None):
+        with pytest.raises(ValueError, match=rf"host_bytes'\] = {page - 1}: less than one"):
+            CpHiCacheConnector(vllm_config(path, host_bytes=page - 1),
+                               KVConnectorRole.SCHEDULER, kv_cache_config())
+    with pytest.raises(ValueError, match=r"host_bytes'\] = -1 is negative"):
+        CpHiCacheConnector(vllm_config(tmp_path / "store", host_bytes=-1),
+                           KVConnectorRole.SCHEDULER, kv_cache_config())
+    # Host only: no store anywhere.
+    c = CpHiCacheConnector(vllm_config(None, host_bytes=page), KVConnectorRole.SCHEDULER,
+                           kv_cache_config())
+    assert c.store is None and c.host_slots == 1 and c.store_stats() == {}
+
+
+# ------------------------------------------------------------------------------------------
+# The host tier (host_bytes): pools per worker, accounted for by the planner
+# ------------------------------------------------------------------------------------------
+
+PAGE = len(LAYERS) * 2 * BS * SLOT_BYTES  # one block of one worker (HEADS heads)
+
+
+def assert_host_consistent(e: Engine) -> None:
+    """Every block the planner's host index says the workers hold is in that slot on every
+    worker (but slots of admissions decided and not yet shipped)."""
+    c = e.connector
+    pending = {slot for adm in c._host_admits.values() for _, _, slot, _, _ in adm}
+    for key, slot in c.host_index().items():
+        if slot in pending:
+            continue
+        for w, worker in enumerate(e.workers):
+            assert worker._host_tags[slot] == key, (
+                f"worker {w}'s host slot {slot} holds {worker._host_tags[slot]}, the "
+                f"planner says {key}")
+
+
+def _run_checked(e: Engine, timeout_s: float = 60.0) -> None:
+    """``Engine.run``, the host tier checked consistent after every step."""
+    deadline = time.monotonic() + timeout_s
+    while e.sched.requests:
+        assert time.monotonic() < deadline, list(e.sched.requests)
+        so = e.step()
+        assert_host_consistent(e)
+        if not so.num_scheduled_tokens:
+            time.sleep(0.01)
+    e.step()
+    assert_host_consistent(e)
+
+
+def _host_prefix_then_hit(e: Engine, before_hit=None):
+    """Request 1 computes a 64-token prefix (4 scheduler blocks' worth at DCP 1); then,
+    vLLM's own prefix cache reset and every block poisoned, request 2 shares it. Returns
+    the stats of request 2's part and request 2's scheduled tokens in its first step."""
+    a = create_request(request_id=1, num_tokens=72, common_prefix_len=64, max_tokens=2,
+                       block_size=e.sblock)
+    e.sched.add_request(a)
+    _run_checked(e)
+    assert_clean(e)
+    assert e.sched.reset_prefix_cache()
+    e.outputs.clear()
+    e.poison()
+    if before_hit is not None:
+        before_hit(e)
+    e.sched.add_request(create_request(request_id=2, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=e.sblock))
+    so = e.step()
+    assert_host_consistent(e)
+    _run_checked(e)
+    assert_clean(e)
+    return e.stats(), so.num_scheduled_tokens
+
+
+@pytest.mark.parametrize("layout", ["blocks_first", "kv_first", "hbnc", "mla"])
+def test_host_tier_alone_serves_a_prefix_byte_for_byte(tmp_path, layout):
+    """No store (no ``path``): request 1's saved blocks go into the workers' host pools,
+    and request 2's prefix comes from them, every block checked after every step: GQA's
+    K and V apart (gathered) or together, a block in pieces (``hbnc``: copied run by
+    run), MLA."""
+    e = Engine(None, verify=True, layout=layout, mla=layout == "mla",
+               extra={"host_bytes": 16 * PAGE})
+    assert e.connector.store is None and e.worker.store is None
+    st, first = _host_prefix_then_hit(e)
+    assert first == {"id-2": 16}, first  # 64 tokens from the host tier
+    assert st.get("host_hits") == 4 and not st.get("records_loaded"), st
+    assert not st.get("load_errors") and not st.get("records_saved"), st
+    assert e.connector.planner_stats()["host_hits"] == 4
+    # Request 1's four blocks and request 2's fifth were admitted.
+    assert len(e.connector.host_index()) == 5
+
+
+def test_a_host_hit_reads_nothing_from_the_store(tmp_path):
+    """With a store and a host tier: request 2's prefix is served from the host pool with
+    no store read (every read noted), even with the store's records removed."""
+    e = Engine(tmp_path / "store", verify=True, extra={"host_bytes": 16 * PAGE})
+    reads = []
+
+    def no_store(e):
+        names = block_names([1] * 64, BS)
+        for n in names:
+            os.remove(e.worker.store.path_of(n))
+        e.worker.store = _RecordingReads(e.worker.store, reads)
+
+    st, first = _host_prefix_then_hit(e, no_store)
+    assert first == {"id-2": 16}, first
+    assert reads == [], reads
+    assert st.get("host_hits") == 4 and not st.get("records_loaded"), st
+    assert not st.get("load_errors"), st
+    assert st.get("records_saved") == 1, st  # only request 2's new block
+
+
+@pytest.mark.parametrize("store", [True, False], ids=["with-store", "host-only"])
+def test_host_eviction_keeps_planner_and_workers_consistent(tmp_path, store):
+    """A host tier of 3 blocks: request 1's 4 saved blocks evict its first, request 3's
+    evict the rest. After every step the planner's index and every worker's slots agree.
+    Request 4, sharing request 1's prefix, then gets the blocks the host still holds from
+    it and the evicted ones from the store (or, host-only, recomputes them), byte for
+    byte: never a slot's other block."""
+    e = Engine(tmp_path / "store" if store else None, verify=True,
+               extra={"host_bytes": 3 * PAGE + PAGE // 2})
+    assert e.connector.host_slots == 3 and e.worker._host_pool.shape[0] == 3
+    e.sched.add_request(create_request(request_id=1, num_tokens=72, common_prefix_len=64,
+                                       max_tokens=2, block_size=BS))
+    _run_checked(e)
+    a = block_names([1] * 64, BS)
+    assert list(e.connector.host_index()) == a[1:4]
+    st = e.stats()
+    assert st.get("host_admissions") == 4 and st.get("host_evictions") == 1, st
+    # Request 3 (other tokens) saves 2 blocks: a[1] and a[2] go.
+    e.sched.add_request(create_request(request_id=3, num_tokens=40, max_tokens=2,
+                                       block_size=BS))
+    _run_checked(e)
+    assert list(e.connector.host_index())[0] == a[3]
+    assert e.connector.planner_stats()["host_evicted"] == 3
+    assert e.sched.reset_prefix_cache()
+    e.outputs.clear()
+    e.poison()
+    e.sched.add_request(create_request(request_id=4, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=BS))
+    slot_a3 = e.connector.host_index()[a[3]]
+    so = e.step()
+    assert_host_consistent(e)
+    if store:
+        # Blocks 0..2 from the store, block 3 from the host. The three read go into the
+        # host tier, evicting the other three blocks, a[3] last: its slot takes block 2
+        # once the step's loads (block 3's from that slot) have ended.
+        assert so.num_scheduled_tokens == {"id-4": 16}, so.num_scheduled_tokens
+        meta = e.metas[-1]
+        ids = [b for _, b in meta.loads["id-4"]]
+        assert meta.host_loads == {"id-4": {ids[3]: slot_a3}}
+        assert meta.host_fills["id-4"][ids[2]][0] == slot_a3
+        # (block 0 then goes for the block the step saved, once settled)
+        index = e.connector.host_index()
+        assert a[3] not in index and {a[1], a[2]} <= index.keys(), index
+    else:
+        # The run must start at block 0, which no tier holds: computed.
+        assert so.num_scheduled_tokens == {"id-4": 64}, so.num_scheduled_tokens
+    _run_checked(e)
+    assert_clean(e)
+    st = e.stats()
+    assert not st.get("load_errors"), st
+    assert st.get("host_hits", 0) == (1 if store else 0), st
+    assert st.get("records_loaded", 0) == (3 if store else 0), st
+
+
+HOST_PARALLEL = [dict(tp=2, shards=2), dict(dcp=2, interleave=1), dict(dcp=2, interleave=BS),
+                 dict(tp=2, mla=True), dict(tp=4, dcp=2, interleave=1, shards=2, heads=1)]
+
+
+@pytest.mark.parametrize("kw", HOST_PARALLEL,
+                         ids=["tp2h2", "dcp2i1", "dcp2i16", "tp2mla", "tp4dcp2i1h2"])
+def test_host_tier_under_tp_and_dcp(tmp_path, monkeypatch, kw):
+    """Head shards, DCP ranks (whole-block and token interleave) and TP copies (MLA): every
+    worker's pool holds its own bytes of each block in the planner's slot, and a prefix hit
+    from the host tier fills every rank's blocks with its own KV (checked after every step),
+    with no store."""
+    e = Engine(None, verify=True, monkeypatch=monkeypatch,
+               extra={"host_bytes": 16 * PAGE}, **kw)
+    st, first = _host_prefix_then_hit(e)
+    blocks = 64 // e.sblock
+    assert first == {"id-2": 80 - 64}, first
+    assert st.get("host_hits") == e.tp * blocks, st
+    assert not st.get("load_errors") and not st.get("records_loaded"), st
+    # Every worker holds the same blocks in the same slots.
+    tags = [w._host_tags for w in e.workers]
+    assert all(t == tags[0] for t in tags), tags
+
+
+def test_host_loads_that_span_steps_copy_their_slots_when_they_start(tmp_path,
+                                                                      monkeypatch):
+    """With ``load_async`` a load from the host tier copies its slots' bytes in the step
+    that plans it (a later admission may reuse a slot while the load runs); the prefix is
+    served byte for byte, at DCP 1 and with no store (where blocks read from a store would
+    not be admitted either: nothing outlives the step)."""
+    e = Engine(None, verify=True, extra={"host_bytes": 16 * PAGE, "load_async": True})
+    copies = []
+    real = e.worker._host_source
+
+    def noting(names, slot, clone=False):
+        copies.append(clone)
+        return real(names, slot, clone)
+
+    monkeypatch.setattr(e.worker, "_host_source", noting)
+    st, _ = _host_prefix_then_hit(e)
+    assert copies == [True] * 4, copies
+    assert st.get("host_hits") == 4 and not st.get("load_errors"), st
+
+
+RESTART_RUNS = [dict(), dict(tp=2, shards=2), dict(dcp=2, interleave=1),
+                dict(dcp=2, interleave=BS)]
+
+
+@pytest.mark.parametrize("kw", RESTART_RUNS, ids=["dcp1", "tp2h2", "dcp2i1", "dcp2i16"])
+def test_a_restart_has_an_empty_host_tier_and_reads_the_store(tmp_path, monkeypatch, kw):
+    """A new engine (new connectors) over the same store: its host tier is empty, so the
+    prefix is read from the store, and the blocks read go into the host tier (each worker
+    copies its filled block: its head shard's, its DCP rank's tokens): the next request
+    sharing the prefix is served from it, with no store read on any worker, every rank's
+    blocks checked after every step."""
+    kw = dict(kw, monkeypatch=monkeypatch, extra={"host_bytes": 16 * PAGE})
+    a = Engine(tmp_path / "store", **kw)
+    a.sched.add_request(create_request(request_id=1, num_tokens=72, common_prefix_len=64,
+                                       max_tokens=2, block_size=a.sblock))
+    _run_checked(a)
+    blocks = 64 // a.sblock
+    assert len(a.connector.host_index()) == blocks
+    b = Engine(tmp_path / "store", verify=True, **kw)
+    assert b.connector.host_index() == {}
+    assert all(t is None for w in b.workers for t in w._host_tags)
+    b.poison()
+    b.sched.add_request(create_request(request_id=2, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=b.sblock))
+    so = b.step()
+    assert so.num_scheduled_tokens == {"id-2": 16}, so.num_scheduled_tokens
+    assert b.metas[-1].host_loads == {} and len(b.metas[-1].host_fills["id-2"]) == blocks
+    _run_checked(b)
+    assert_clean(b)
+    st = b.stats()
+    assert st.get("records_loaded") == b.tp * blocks and not st.get("host_hits"), st
+    # The blocks read are in the host tier now (and, at DCP 1, request 2's fifth, saved).
+    assert st.get("host_admissions") == b.tp * (blocks + (b.dcp == 1)), st
+    keys = block_names([1] * 64, BS)[b.dcp - 1::b.dcp]
+    assert b.connector.host_index().keys() >= set(keys)
+    assert b.sched.reset_prefix_cache()
+    b.outputs.clear()
+    b.poison()
+    reads = []
+    for w in b.workers:
+        w.store = _RecordingReads(w.store, reads)
+    b.sched.add_request(create_request(request_id=3, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=b.sblock))
+    so = b.step()
+    assert so.num_scheduled_tokens == {"id-3": 16}, so.num_scheduled_tokens
+    _run_checked(b)
+    assert_clean(b)
+    st = b.stats()
+    assert reads == [] and st.get("host_hits") == b.tp * blocks, st
+    assert not st.get("records_loaded") and not st.get("load_errors"), st
+
+
+@pytest.mark.parametrize("store", [True, False], ids=["with-store", "host-only"])
+def test_a_failed_host_admission_is_not_offered_and_a_failed_host_load_is_recomputed(
+        tmp_path, monkeypatch, store):
+    """TP 2 over head shards. Worker 1 fails to copy block 2 into its pool: it reports it,
+    and the planner stops offering that block from the host tier (the store serves it, or
+    it is recomputed). Then worker 0's slot of block 1 is made to hold nothing the planner
+    knows of (as a lost copy would): the load from it fails on that rank, is reported and
+    recomputed, and the block is dropped from the index: never served."""
+    e = Engine(tmp_path / "store" if store else None, verify=True, monkeypatch=monkeypatch,
+               tp=2, shards=2, extra={"host_bytes": 16 * PAGE})
+    names = block_names([1] * 64, BS)
+    w1 = e.workers[1]
+    real_put = w1._host_put
+
+    def failing_put(slot, sb):
+        if sb.items[0][0] == head_shard_key(names[2], 1, 2):
+            raise OSError("no room")
+        real_put(slot, sb)
+
+    monkeypatch.setattr(w1, "_host_put", failing_put)
+    e.sched.add_request(create_request(request_id=1, num_tokens=72, common_prefix_len=64,
+                                       max_tokens=2, block_size=BS))
+    _run_checked(e)
+    assert_clean(e)
+    assert names[2] not in e.connector.host_index()
+    assert e.connector.planner_stats()["host_dropped"] == 1
+    assert e.stats().get("host_failures") == 1, e.stats()
+    assert e.sched.reset_prefix_cache()
+    e.outputs.clear()
+    e.poison()
+    # Worker 0 loses block 1's copy behind the planner's back.
+    e.workers[0]._host_tags[e.connector.host_index()[names[1]]] = None
+    e.sched.add_request(_prefix_hit())
+    e.verify = False  # rank 0's block 1 is not loaded in this step: recomputed after it
+    so = e.step()
+    e.verify = True
+    assert e.outputs[-1].invalid_block_ids, "the failed host load was not reported"
+    if store:
+        # Blocks 0, 1 and 3 from the host, 2 from the store; block 1 fails on rank 0.
+        assert so.num_scheduled_tokens == {"id-2": 16}, so.num_scheduled_tokens
+    else:
+        assert so.num_scheduled_tokens == {"id-2": 80 - 32}, so.num_scheduled_tokens
+    _run_checked(e)
+    assert_clean(e)
+    st = e.stats()
+    assert st.get("load_errors") == 1, st  # rank 0's block 1; its later blocks not loaded
+    # Dropped from the index by the failure (block 2's admission and block 1's load),
+    # admitted again from the recomputed saves: consistent on every worker.
+    assert e.connector.planner_stats()["host_dropped"] >= 2
+    assert names[1] in e.connector.host_index()
+    assert_host_consistent(e)
+
+
+def test_a_load_planned_with_a_failing_admission_is_recomputed_never_served(tmp_path,
+                                                                          monkeypatch):
+    """TP 2 over head shards, no store, vLLM's prefix cache off. Request 1's four blocks are
+    settled after step 1, and their admissions ship in step 2's metadata; request 2, looked
+    up in that same step, is offered them from the host tier. Worker 1 fails to copy block
+    2 into its slot: its load of block 2 from that slot (in the same step, before its
+    report reached the planner) is a load error, recomputed, never the slot's old bytes."""
+    e = Engine(None, monkeypatch=monkeypatch, tp=2, shards=2,
+               extra={"host_bytes": 16 * PAGE}, prefix_caching=False)
+    names = block_names([1] * 64, BS)
+    w1 = e.workers[1]
+    real_put = w1._host_put
+
+    def failing_put(slot, sb):
+        if sb.items[0][0] == head_shard_key(names[2], 1, 2):
+            raise OSError("no room")
+        real_put(slot, sb)
+
+    monkeypatch.setattr(w1, "_host_put", failing_put)
+    e.sched.add_request(create_request(request_id=1, num_tokens=72, common_prefix_len=64,
+                                       max_tokens=1, block_size=BS))
+    e.step()  # blocks 0..3 computed and saved; settled once the step's reports are in
+    assert list(e.connector.host_index()) == names[:4]
+    e.sched.add_request(_prefix_hit())
+    seen = {}
+
+    def ids(so, meta):
+        seen["b"] = list(e.sched.kv_cache_manager.get_block_ids("id-2")[0])
+
+    so = e.step(before_forward=ids)
+    assert so.num_scheduled_tokens.get("id-2") == 16, so.num_scheduled_tokens
+    assert e.metas[-1].host_admits and set(e.metas[-1].host_loads) == {"id-2"}
+    # Worker 1's blocks 2 and 3 (block 3: after a failed one) were not served.
+    assert e.outputs[-1].invalid_block_ids == set(seen["b"][2:4])
+    assert names[2] not in e.connector.host_index()
+    e.verify = True
+    _run_checked(e)
+    assert_clean(e)
+    st = e.stats()
+    # Block 2 fails to go in twice: request 1's copy, and request 2's recomputed one.
+    assert st.get("load_errors") == 1 and st.get("host_failures") == 2, st
+    assert names[2] not in e.connector.host_index()
+
+
+def test_a_block_admitted_by_a_load_is_not_offered_from_the_host_in_the_same_step(tmp_path):
+    """After a restart, two requests sharing a stored prefix are looked up in the same step
+    (vLLM's prefix cache off). The first's loads admit the prefix to the host tier, but its
+    slots are filled only once the step's loads end: the second is offered the prefix from
+    the store too, not from slots that do not hold it yet (a load error and a recompute)."""
+    _save_prefix(tmp_path / "store")
+    e = Engine(tmp_path / "store", verify=True, budget=128, prefix_caching=False,
+               extra={"host_bytes": 16 * PAGE})
+    e.poison()
+    for rid in (2, 3):
+        e.sched.add_request(create_request(request_id=rid, num_tokens=80,
+                                           common_prefix_len=64, max_tokens=2,
+                                           block_size=BS))
+    so = e.step()
+    assert so.num_scheduled_tokens == {"id-2": 16, "id-3": 16}, so.num_scheduled_tokens
+    meta = e.metas[-1]
+    assert meta.host_loads == {} and len(meta.host_fills["id-2"]) == 4, meta
+    _run_checked(e)
+    assert_clean(e)
+    st = e.stats()
+    assert st.get("records_loaded") == 8 and not st.get("load_errors"), st
