@@ -14,12 +14,11 @@ use super::{
 /// - All methods take `&self`; implementations are `Send + Sync` and serialise their own
 ///   state, so one executor may be shared by threads. Launches are stream-ordered: a launch,
 ///   upload or read observes every earlier call on the same executor.
-/// - One executor is one stream: launches, uploads, copies and fills run in the order they
-///   were called, never on several streams (a layer-wise load, [`Executor::load_layers`],
-///   and a backup, [`Executor::backup`], may run on streams of their own, ordered by their
-///   events); wrappers forward to one inner
-///   executor. Work on
-///   another executor is another stream, unordered with this one, and buffer and kernel
+/// - One executor has one stream for its calls: launches, uploads, copies and fills run in
+///   the order they were called (a layer-wise load, [`Executor::load_layers`], and a
+///   backup, [`Executor::backup`], may run on streams of their own, ordered by their
+///   events); wrappers forward to one inner executor. Work on another executor is another
+///   stream, unordered with this one, and buffer and kernel
 ///   handles of one executor are refused by every other ([`ExecError::UnknownBuffer`],
 ///   [`ExecError::UnknownKernel`]).
 /// - Allocator launches of one rank run on one stream. The select kernel reads and writes
