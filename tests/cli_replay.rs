@@ -122,6 +122,20 @@ fn unwritable_json_is_refused_before_the_run() {
     );
 }
 
+/// Two reports of the same workload served alike: the same tokens hit, loaded and
+/// computed, in the same group rounds.
+fn assert_same_requests(a: &serde_json::Value, b: &serde_json::Value, what: &str) {
+    for k in [
+        "prompt_tokens",
+        "device_hit_tokens",
+        "host_hit_tokens",
+        "computed_tokens",
+        "group_rounds",
+    ] {
+        assert_eq!(num(a, k), num(b, k), "{what}: {k}");
+    }
+}
+
 fn num(r: &serde_json::Value, k: &str) -> u64 {
     r[k].as_u64()
         .unwrap_or_else(|| panic!("{k} missing in {r}"))
@@ -331,15 +345,7 @@ fn gathered_peer_pools_serve_like_mapped_ones_and_catch_the_seed_bug() {
         let (out, gathered) = replay(&[extra, &["--peer-pools", "gathered"]].concat());
         assert_eq!(out.status.code(), Some(0), "{extra:?}: {}", stderr(&out));
         let gathered = gathered.unwrap();
-        for k in [
-            "prompt_tokens",
-            "device_hit_tokens",
-            "host_hit_tokens",
-            "computed_tokens",
-            "group_rounds",
-        ] {
-            assert_eq!(num(&mapped, k), num(&gathered, k), "{extra:?} {k}");
-        }
+        assert_same_requests(&mapped, &gathered, &format!("{extra:?}"));
         assert!(num(&gathered, "host_hit_tokens") > 0, "{gathered}");
         assert_eq!(num(&gathered, "mismatched_tokens"), 0, "{gathered}");
         assert_eq!(num(&mapped, "bytes_gathered"), 0);
@@ -1337,15 +1343,7 @@ fn ranks_as_processes_replay_like_threads_and_catch_the_seed_bug() {
     let (out, procs) = replay(&["--processes"]);
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     let procs = procs.unwrap();
-    for k in [
-        "prompt_tokens",
-        "device_hit_tokens",
-        "host_hit_tokens",
-        "computed_tokens",
-        "group_rounds",
-    ] {
-        assert_eq!(num(&threads, k), num(&procs, k), "{k}");
-    }
+    assert_same_requests(&threads, &procs, "threads against processes");
     assert!(num(&procs, "host_hit_tokens") > 0, "{procs}");
     assert_eq!(num(&procs, "mismatched_tokens"), 0, "{procs}");
     assert_eq!(procs["group"]["kind"], "files", "{procs}");
