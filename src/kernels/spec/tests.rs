@@ -48,13 +48,26 @@ fn impossible_gqa_shapes_are_refused() {
             "{err}"
         );
     }
-    // The smallest shapes are taken where their accesses are aligned.
-    assert!(BufferKind::GqaKv {
-        kv_heads: 1,
-        head_dim: 4
+    // The kernels' accesses stay aligned when heads × head dim is a multiple of 4, or 1 or
+    // 2; other shapes are refused as misaligned (docs/KERNELS.md "Buffer kinds").
+    for (kv_heads, head_dim, ok) in [
+        (1u16, 4u16, true),
+        (1, 1, true),
+        (2, 1, true),
+        (1, 3, false),
+        (3, 2, false),
+    ] {
+        let b = BufferKind::GqaKv { kv_heads, head_dim };
+        for ps in [1u32, 16] {
+            assert_eq!(b.check_access_alignment(ps).is_ok(), ok, "{b} ps{ps}");
+        }
+        let dep = super::super::Deployment::new(
+            super::super::ModelShape::Gqa { kv_heads, head_dim },
+            16,
+            2,
+        );
+        assert_eq!(dep.is_ok(), ok, "{b}");
     }
-    .check_access_alignment(1)
-    .is_ok());
 }
 
 #[test]
