@@ -135,7 +135,7 @@ impl<'a> IntoIterator for &'a Buffers {
 
 impl ModelShape {
     /// The default GQA shape of the command line and the Python package: 8 KV heads of 128
-    /// (e.g. Llama-3-70B's KV heads on one TP rank, or Llama-3-8B's at TP 1).
+    /// (Llama-3-8B's or Llama-3-70B's KV heads at TP 1; at TP 2 a rank holds 4 of them).
     pub const GQA_DEFAULT: ModelShape = ModelShape::Gqa {
         kv_heads: 8,
         head_dim: 128,
