@@ -1371,4 +1371,56 @@ fn ranks_as_processes_replay_like_threads_and_catch_the_seed_bug() {
         "{}",
         stderr(&out)
     );
+
+/// `replay --model gqa`: a GQA shard (4 KV heads of 32 per rank, page 64) replays verified
+/// under the four CP layouts, with host hits and 0 mismatched tokens, and its report names
+/// the shape; the seed's bug is caught on it; `--kv-heads` without `--model gqa` is a usage
+/// error, as is a shape with no heads.
+#[test]
+fn gqa_replays_verified_under_every_layout() {
+    let gqa: &[(&str, &str)] = &[("--model", "gqa")];
+    let shape = ["--kv-heads", "4", "--head-dim", "32"];
+    for layout in [
+        "zigzag",
+        "round-robin",
+        "page-interleave",
+        "token-interleave",
+    ] {
+        let (out, report) = replay_set(gqa, &[&shape[..], &["--layout", layout]].concat());
+        assert_eq!(out.status.code(), Some(0), "{layout}: {}", stderr(&out));
+        let r = report.unwrap();
+        assert_eq!(num(&r, "mismatched_tokens"), 0, "{layout}: {r}");
+        assert!(num(&r, "host_hit_tokens") > 0, "{layout}: {r}");
+        assert_eq!(r["replicas_agree"], true, "{layout}: {r}");
+        assert_eq!(r["model"], "gqa4x32", "{layout}: {r}");
+    }
+    let (out, report) = replay_set(
+        gqa,
+        &[&shape[..], &["--inject", "plain-alloc-on-load"]].concat(),
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(num(&report.unwrap(), "mismatched_tokens") > 0);
+    usage_error(
+        &["replay", "--model", "mla", "--kv-heads", "4"],
+        "give --model gqa",
+    );
+    usage_error(
+        &["replay", "--model", "gqa", "--kv-heads", "0"],
+        "--kv-heads",
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+        .args(["replay", "--help"])
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    for want in [
+        "gqa:",
+        "--kv-heads <KV_HEADS>",
+        "KV heads per rank",
+        "[default: 8]",
+        "--head-dim <HEAD_DIM>",
+        "[default: 128]",
+    ] {
+        assert!(help.contains(want), "{want} missing from\n{help}");
+    }
 }

@@ -420,3 +420,48 @@ fn batched_steps_read_the_store_and_agree_on_runs_that_differ() {
         "{torn}\n{clean}"
     );
 }
+
+/// A GQA deployment's K and V pages (4 KV heads of 32, page 64) go to the store in one run
+/// (CP 4) and come back in fresh processes at CP 2 and 1 and under token-interleave, with 0
+/// mismatched tokens; a store of one GQA shard shape is refused by a run of another (its
+/// fingerprint names the heads), before any work.
+#[test]
+fn gqa_pages_round_trip_through_the_store() {
+    const GQA: &[&str] = &["--model", "gqa", "--kv-heads", "4", "--head-dim", "32"];
+    let store = tempfile::tempdir().unwrap();
+    let (out, r) = replay(store.path(), &[GQA, &["--cp", "4"]].concat());
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let r = r.unwrap();
+    assert!(num(&r, "storage_records_written") > 0, "{r}");
+    assert_eq!(num(&r, "mismatched_tokens"), 0, "{r}");
+    assert_eq!(r["model"], "gqa4x32", "{r}");
+    for extra in [
+        &["--cp", "2"][..],
+        &["--cp", "1"],
+        &["--cp", "4", "--layout", "token-interleave"],
+    ] {
+        let (out, r) = replay(store.path(), &[GQA, extra].concat());
+        assert_eq!(out.status.code(), Some(0), "{extra:?}: {}", stderr(&out));
+        let r = r.unwrap();
+        assert!(num(&r, "storage_hit_tokens") > 0, "{extra:?}: {r}");
+        assert_eq!(num(&r, "storage_refused_checksum"), 0, "{extra:?}: {r}");
+        assert_eq!(num(&r, "mismatched_tokens"), 0, "{extra:?}: {r}");
+    }
+    let other = [
+        "--model",
+        "gqa",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "64",
+        "--cp",
+        "2",
+    ];
+    let (out, _) = replay(store.path(), &other);
+    assert_ne!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("gqa4x32") && stderr(&out).contains("gqa2x64"),
+        "{}",
+        stderr(&out)
+    );
+}

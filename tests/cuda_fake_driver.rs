@@ -1295,7 +1295,7 @@ fn read_through_views(me: &RankCache, req: &cp_hicache::rank::Request) -> Vec<Ve
     for &p in req.pages() {
         let owner = usize::from(me.layout().owner(p).0);
         let local = u64::from(me.layout().local(p).0);
-        for &kind in me.config().deployment.model.buffers() {
+        for kind in me.config().deployment.model.buffers() {
             let n = kind.page_bytes(me.layout().page_size());
             for layer in 0..u64::from(g.layers) {
                 let mut bytes = vec![0u8; n as usize];

@@ -80,7 +80,7 @@ fn forward(rc: &RankCache, req: &Request) {
         if rc.layout().owner(p) != rc.rank() {
             continue;
         }
-        for &kind in rc.config().deployment.model.buffers() {
+        for kind in rc.config().deployment.model.buffers() {
             for layer in 0..rc.pools().geometry().layers {
                 rc.executor()
                     .upload(
@@ -101,7 +101,7 @@ fn attention_mismatches(rc: &RankCache, req: &Request) -> usize {
     let mut wrong = 0;
     for (i, &p) in req.pages().iter().enumerate() {
         let owner = usize::from(rc.layout().owner(p).0);
-        for &kind in rc.config().deployment.model.buffers() {
+        for kind in rc.config().deployment.model.buffers() {
             for layer in 0..rc.pools().geometry().layers {
                 let want = forward_bytes(rc, kind, i, layer);
                 let mut got = vec![0u8; want.len()];

@@ -5,7 +5,7 @@
 mod hicache_support;
 
 use cp_hicache::cluster::{Cluster, Fault};
-use cp_hicache::hicache::decode::{check_dtypes, decode_step, KEY_DIM};
+use cp_hicache::hicache::decode::{check_dtypes, decode_step, query_len};
 use cp_hicache::kernels::{BufferKind, ModelShape};
 use hicache_support::{evict_all, serve_checked, tokens, Setup};
 
@@ -13,9 +13,10 @@ type Dense = Vec<(BufferKind, Vec<u8>)>;
 
 /// A query small enough that every token keeps a share of the softmax. With an amplitude of
 /// 4 the synthesised keys (bf16 up to 2^8) gave scores hundreds apart, so one token took all
-/// the weight and whether the bug changed the decode depended on which token that was.
-fn query() -> Vec<f32> {
-    (0..KEY_DIM)
+/// the weight and whether the bug changed the decode depended on which token that was. Its
+/// length is the buffer's (576 for MLA and NSA, `kv_heads × head_dim` for GQA).
+fn query(b: BufferKind) -> Vec<f32> {
+    (0..query_len(b).unwrap())
         .map(|i| ((i as f32) * 0.731).sin() * 0.01)
         .collect()
 }
@@ -24,13 +25,12 @@ fn query() -> Vec<f32> {
 fn decode_all(c: &Cluster, dense: &Dense, n_tokens: usize) -> Vec<Vec<f32>> {
     let ps = c.layout().page_size();
     let layers = c.config().layers;
-    let q = query();
     dense
         .iter()
         .filter(|(b, _)| *b != BufferKind::NsaIndexK)
         .flat_map(|(b, bytes)| {
-            let q = &q;
-            (0..layers).map(move |l| decode_step(*b, bytes, ps, layers, l, n_tokens, q).unwrap())
+            let q = query(*b);
+            (0..layers).map(move |l| decode_step(*b, bytes, ps, layers, l, n_tokens, &q).unwrap())
         })
         .collect()
 }
@@ -85,7 +85,16 @@ fn setups() -> Vec<Setup> {
     nsa.layers = 2;
     let mut mla = Setup::new(ModelShape::MlaBf16, 16, 2);
     mla.layers = 2;
-    vec![nsa, mla]
+    let mut gqa = Setup::new(
+        ModelShape::Gqa {
+            kv_heads: 4,
+            head_dim: 32,
+        },
+        16,
+        4,
+    );
+    gqa.layers = 2;
+    vec![nsa, mla, gqa]
 }
 
 #[test]

@@ -44,9 +44,12 @@ fn plain_alloc_on_load_mismatches_at_cp2_4_8() {
     }
     let m = mismatches_after_reload(ModelShape::Nsa, 64, 8);
     assert!(m > 0, "nsa cp 8: the seed's bug must show");
+    let m = mismatches_after_reload(ModelShape::GQA_DEFAULT, 16, 4);
+    assert!(m > 0, "gqa cp 4: the seed's bug must show");
 }
 
 #[test]
 fn plain_alloc_on_load_is_harmless_at_cp1() {
     assert_eq!(mismatches_after_reload(ModelShape::MlaBf16, 16, 1), 0);
+    assert_eq!(mismatches_after_reload(ModelShape::GQA_DEFAULT, 16, 1), 0);
 }

@@ -182,7 +182,16 @@ fn other_specs() -> Vec<KernelSpec> {
         }),
         KernelSpec::ReleasePages(ReleaseSpec { cp: 3, threads: 32 }),
     ]);
-    for buffer in [BufferKind::NsaKv, BufferKind::NsaIndexK, BufferKind::MlaKv] {
+    let gqa = BufferKind::GqaKv {
+        kv_heads: 2,
+        head_dim: 12,
+    };
+    for buffer in [
+        BufferKind::NsaKv,
+        BufferKind::NsaIndexK,
+        BufferKind::MlaKv,
+        gqa,
+    ] {
         v.push(KernelSpec::Synthesise(SynthSpec {
             buffer,
             cp: 2,

@@ -33,7 +33,19 @@ use support::{
 
 const CPS: [u8; 5] = [1, 2, 4, 8, 16];
 const PSS: [u32; 3] = [1, 16, 64];
-const BUFFERS: [BufferKind; 3] = [BufferKind::NsaKv, BufferKind::NsaIndexK, BufferKind::MlaKv];
+/// A small GQA shard (2 KV heads of 12: 6 draws per token in each of its key and value
+/// fields, page-organised) keeps the matrix cheap; the reference deployment's 8 × 128 runs
+/// through the whole cache in both block orders in tests/hicache_gqa.rs.
+const GQA: BufferKind = BufferKind::GqaKv {
+    kv_heads: 2,
+    head_dim: 12,
+};
+const BUFFERS: [BufferKind; 4] = [
+    BufferKind::NsaKv,
+    BufferKind::NsaIndexK,
+    BufferKind::MlaKv,
+    GQA,
+];
 /// Threads of the select / release block (the deployments' default).
 const ALLOC_THREADS: u32 = 256;
 /// Guard elements after every output array.
@@ -190,7 +202,7 @@ fn synth_takes(buffer: BufferKind, ps: u32) -> bool {
 fn synth_spec(ci: usize, pi: usize) -> KernelSpec {
     let ps = PSS[pi];
     let buffer = (0..3)
-        .map(|k| BUFFERS[(ci + pi + k) % 3])
+        .map(|k| BUFFERS[(ci + pi + k) % BUFFERS.len()])
         .find(|&b| synth_takes(b, ps))
         .expect("nsa kv and mla kv take every page size");
     synth_spec_of(buffer, CPS[ci], ps)
@@ -228,10 +240,11 @@ fn verify_spec_threads(buffer: BufferKind, ps: u32, threads: u32) -> KernelSpec 
 /// block size (one draw per phase, `lcm(threads, draws)` pairs a round), so each size runs
 /// its own mapping; mla's 144 draws per token make 9 phases at 32, 128 and 256 threads.
 const SYNTH_THREAD_SWEEP: [u32; 3] = [1, 32, 256];
-const SYNTH_SWEEP_SHAPES: [(BufferKind, u8, u32); 3] = [
+const SYNTH_SWEEP_SHAPES: [(BufferKind, u8, u32); 4] = [
     (BufferKind::NsaKv, 8, 64),
     (BufferKind::NsaIndexK, 3, 16),
     (BufferKind::MlaKv, 4, 16),
+    (GQA, 5, 16),
 ];
 
 fn all_specs() -> Vec<KernelSpec> {
@@ -278,7 +291,7 @@ fn odd_specs() -> Vec<KernelSpec> {
         v.push(select_spec(cp, ps, ALLOC_THREADS));
         v.push(release_spec(cp, ALLOC_THREADS));
         v.extend(materialise_specs(cp, ps));
-        v.push(synth_spec_of(BUFFERS[i % 3], cp, ps));
+        v.push(synth_spec_of(BUFFERS[i % BUFFERS.len()], cp, ps));
     }
     for (cp, ps) in ALLOC_SWEEP_SHAPES {
         for t in ALLOC_THREAD_SWEEP {
@@ -337,8 +350,10 @@ fn libs() -> &'static HashMap<KernelSpec, PathBuf> {
 #[test]
 fn spec_matrix_is_modest_and_valid() {
     let specs = all_specs();
-    // 15 of them are the selects without token locations the allocator tests load anyway.
-    assert!(specs.len() <= 130, "{} specs", specs.len());
+    // 15 of them are the selects without token locations the allocator tests load anyway;
+    // the GQA buffer kind added its verify kernels at three page sizes and an interleaved
+    // synthesise and verify (135 in all).
+    assert!(specs.len() <= 136, "{} specs", specs.len());
     assert!(specs.iter().all(|s| s.validate().is_ok()));
     // Every vector width of the copy loops is compiled, and each shape with both store forms.
     for w in ["_v1_", "_v4_", "_v16_"] {
@@ -998,7 +1013,11 @@ fn odd_cps_big_pages_and_alloc_block_sizes_match_reference() {
             check_select(&mut b, cp, ps, ALLOC_THREADS, order);
             check_release(&mut b, cp, ALLOC_THREADS, order);
             check_materialise(&mut b, cp, ps, order);
-            check_synthesise(&mut b, synth_spec_of(BUFFERS[i % 3], cp, ps), order);
+            check_synthesise(
+                &mut b,
+                synth_spec_of(BUFFERS[i % BUFFERS.len()], cp, ps),
+                order,
+            );
         }
         for (cp, ps) in ALLOC_SWEEP_SHAPES {
             for t in ALLOC_THREAD_SWEEP {
@@ -1929,7 +1948,8 @@ fn placement(order: TokenOrder, ps: u32) -> Placement {
 
 /// Token-interleaved shapes: (buffer, cp, page size, run), runs of one token up to half a
 /// page, odd and even CP degrees.
-const INTERLEAVED: [(BufferKind, u8, u32, u32); 4] = [
+const INTERLEAVED: [(BufferKind, u8, u32, u32); 5] = [
+    (GQA, 4, 16, 2),
     (BufferKind::MlaKv, 4, 16, 1),
     (BufferKind::MlaKv, 3, 16, 4),
     (BufferKind::NsaKv, 8, 64, 1),

@@ -194,3 +194,35 @@ fn snapshot_token_interleaved_synthesise_and_verify() {
     snap("synthesise_nsa_kv_ti1", ti.synth_spec(BufferKind::NsaKv));
     snap("verify_nsa_kv_ti1", ti.verify_spec(BufferKind::NsaKv));
 }
+
+/// Every kernel family of the GQA reference deployment (8 KV heads of 128 at page 16, CP 4):
+/// its synthesise and verify place a page's keys then its values (two bf16 fields,
+/// page-organised), and its copies move 4096-byte tokens.
+#[test]
+fn snapshot_gqa_every_family() {
+    let gqa = Deployment::by_name("gqa8x128_ps16_cp4").unwrap();
+    let b = gqa.model.buffers()[0];
+    assert_eq!(b.to_string(), "gqa8x128_kv");
+    snap(
+        "gqa_select_owner_pages",
+        gqa.select_spec(SelectOutput::PagesAndLocs),
+    );
+    snap(
+        "gqa_select_owner_pages_nolocs",
+        gqa.select_spec(SelectOutput::Pages),
+    );
+    snap("gqa_release_pages", gqa.release_spec());
+    snap(
+        "gqa_transfer_pages_d2h",
+        gqa.transfer_spec(Direction::DeviceToHost),
+    );
+    snap(
+        "gqa_transfer_pages_h2d",
+        gqa.transfer_spec(Direction::HostToDevice),
+    );
+    snap("gqa_materialise", gqa.materialise_spec(b));
+    snap("gqa_synthesise", gqa.synth_spec(b));
+    snap("gqa_verify", gqa.verify_spec(b));
+    // Those are all of its kernels.
+    assert_eq!(gqa.specs().len(), 8);
+}

@@ -125,7 +125,7 @@ fn every_tuning_candidate_compiles_for_sm90_without_spills_or_stack() {
         return;
     }
     let mut requests: Vec<JitRequest> = Vec::new();
-    for name in ["nsa_ps64_cp8", "mla_ps16_cp8"] {
+    for name in ["nsa_ps64_cp8", "mla_ps16_cp8", "gqa8x128_ps16_cp4"] {
         for spec in Deployment::by_name(name).unwrap().specs() {
             for cand in candidates_for(&spec, Backend::Cuda, false) {
                 let Candidate::Kernel(k) = cand else { continue };

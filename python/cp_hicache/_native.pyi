@@ -35,8 +35,14 @@ class Deployment:
         transfer: Optional[str] = None,
         layout: str = "zigzag",
         interleave_size: Optional[int] = None,
+        kv_heads: Optional[int] = None,
+        head_dim: Optional[int] = None,
     ) -> None:
-        """``layout``: ``"zigzag"``, ``"round-robin"``, ``"page-interleave"`` (SGLang's
+        """``model``: ``"nsa"``, ``"mla"`` or ``"gqa"`` (a GQA/MHA model's bf16 K and V of
+        one TP shard: ``kv_heads`` heads of ``head_dim`` per rank, 8 and 128 when not given;
+        only GQA takes them).
+
+        ``layout``: ``"zigzag"``, ``"round-robin"``, ``"page-interleave"`` (SGLang's
         logical pages) or ``"token-interleave"`` (vLLM decode CP: token ``t`` on rank
         ``(t // interleave_size) % cp``; ``interleave_size`` 1 when not given)."""
     @property
@@ -44,7 +50,13 @@ class Deployment:
         """The deployment's name, as ``cp-hicache compile`` prints it (``nsa_ps64_cp8``)."""
     @property
     def model(self) -> str:
-        """``"nsa"`` or ``"mla"``."""
+        """``"nsa"``, ``"mla"`` or ``"gqa"``."""
+    @property
+    def kv_heads(self) -> Optional[int]:
+        """KV heads per rank of a GQA model; ``None`` for the others."""
+    @property
+    def head_dim(self) -> Optional[int]:
+        """Elements per head of a GQA model; ``None`` for the others."""
     @property
     def page_size(self) -> int:
         """Tokens per page."""
@@ -56,8 +68,8 @@ class Deployment:
         """Layers per KV buffer."""
     @property
     def buffers(self) -> List[str]:
-        """The KV buffer kinds, one pool each: ``["mla_kv"]``, or ``["nsa_kv", "nsa_idx"]``
-        for NSA."""
+        """The KV buffer kinds, one pool each: ``["mla_kv"]``, ``["nsa_kv", "nsa_idx"]``
+        for NSA, ``["gqa8x128_kv"]`` for GQA with 8 KV heads of 128."""
     @property
     def layout(self) -> str:
         """The CP layout's name."""

@@ -40,8 +40,9 @@ impl Deployment {
     #[new]
     #[pyo3(signature = (
         model = "nsa", page_size = 64, cp = 8, layers = 61, transfer = None,
-        layout = "zigzag", interleave_size = None
+        layout = "zigzag", interleave_size = None, kv_heads = None, head_dim = None
     ))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         model: &str,
         page_size: u32,
@@ -50,17 +51,29 @@ impl Deployment {
         transfer: Option<&str>,
         layout: &str,
         interleave_size: Option<u32>,
+        kv_heads: Option<u16>,
+        head_dim: Option<u16>,
     ) -> PyResult<Self> {
         let shape = match model {
             "nsa" => ModelShape::Nsa,
             "mla" => ModelShape::MlaBf16,
+            "gqa" => ModelShape::Gqa {
+                kv_heads: kv_heads.unwrap_or(8),
+                head_dim: head_dim.unwrap_or(128),
+            },
             other => {
                 return Err(usage(format!(
-                    "unknown model `{other}` (expected `nsa`, DeepSeek-V3.2's nsa_kv + nsa_idx, or \
-                     `mla`, a bf16 MLA cache)"
+                    "unknown model `{other}` (expected `nsa`, DeepSeek-V3.2's nsa_kv + nsa_idx, \
+                     `mla`, a bf16 MLA cache, or `gqa`, a GQA/MHA model's bf16 K and V of one \
+                     TP shard with kv_heads (default 8) and head_dim (default 128))"
                 )))
             }
         };
+        if shape.family() != "gqa" && (kv_heads.is_some() || head_dim.is_some()) {
+            return Err(usage(format!(
+                "kv_heads and head_dim describe a GQA model: give model=\"gqa\" (not {model:?})"
+            )));
+        }
         if !(1..=256).contains(&layers) {
             return Err(usage(format!("layers {layers} is not in 1..=256")));
         }
@@ -82,12 +95,27 @@ impl Deployment {
         self.inner.name.clone()
     }
 
-    /// The model's buffer shapes (`nsa` or `mla`).
+    /// The model's buffer shapes (`nsa`, `mla` or `gqa`).
     #[getter]
     fn model(&self) -> &'static str {
+        self.inner.model.family()
+    }
+
+    /// KV heads per rank of a GQA model (`None` for the others).
+    #[getter]
+    fn kv_heads(&self) -> Option<u16> {
         match self.inner.model {
-            ModelShape::Nsa => "nsa",
-            ModelShape::MlaBf16 => "mla",
+            ModelShape::Gqa { kv_heads, .. } => Some(kv_heads),
+            _ => None,
+        }
+    }
+
+    /// Elements per head of a GQA model (`None` for the others).
+    #[getter]
+    fn head_dim(&self) -> Option<u16> {
+        match self.inner.model {
+            ModelShape::Gqa { head_dim, .. } => Some(head_dim),
+            _ => None,
         }
     }
 
@@ -142,8 +170,14 @@ impl Deployment {
     }
 
     fn __repr__(&self) -> String {
+        let shape = match self.inner.model {
+            ModelShape::Gqa { kv_heads, head_dim } => {
+                format!(", kv_heads={kv_heads}, head_dim={head_dim}")
+            }
+            _ => String::new(),
+        };
         format!(
-            "Deployment(model={:?}, page_size={}, cp={}, layers={}, transfer={:?}, layout={:?}{})",
+            "Deployment(model={:?}{shape}, page_size={}, cp={}, layers={}, transfer={:?}, layout={:?}{})",
             self.model(),
             self.inner.page_size,
             self.inner.cp,

@@ -1,5 +1,6 @@
 //! `cp-hicache info`: what this build is and what it found on this machine.
 
+use crate::kernels::{BufferKind, ModelShape};
 use crate::layout::CpLayout;
 use serde::Serialize;
 use std::path::PathBuf;
@@ -35,8 +36,31 @@ struct LayoutReport {
     local_pages_per_rank: u32,
     host_pages_per_rank: u32,
     layers: u32,
-    model: &'static str,
+    model: String,
     bytes_per_token: Vec<(&'static str, u32)>,
+}
+
+/// How `info` words a model, and its buffers' bytes per token by buffer name.
+fn describe(model: ModelShape) -> (String, Vec<(&'static str, u32)>) {
+    let name = match model {
+        ModelShape::Nsa => "DeepSeek-V3.2 NSA".to_string(),
+        ModelShape::MlaBf16 => "MLA bf16".to_string(),
+        ModelShape::Gqa { kv_heads, head_dim } => {
+            format!("GQA bf16, {kv_heads} KV heads of {head_dim} per rank")
+        }
+    };
+    let buffers = model
+        .buffers()
+        .iter()
+        .map(|b| {
+            let label = match b {
+                BufferKind::NsaIndexK => "index_k",
+                BufferKind::NsaKv | BufferKind::MlaKv | BufferKind::GqaKv { .. } => "kv",
+            };
+            (label, b.bytes_per_token())
+        })
+        .collect();
+    (name, buffers)
 }
 
 #[derive(Debug)]
@@ -78,14 +102,8 @@ pub(super) fn run(args: &InfoArgs) -> Result<ExitCode, crate::Error> {
             local_pages_per_rank: layout.local_pages_per_rank(),
             host_pages_per_rank: d.host_pages,
             layers: d.layers,
-            model: match d.model {
-                super::ModelArg::Nsa => "DeepSeek-V3.2 NSA",
-                super::ModelArg::Mla => "MLA bf16",
-            },
-            bytes_per_token: match d.model {
-                super::ModelArg::Nsa => vec![("kv", 656), ("index_k", 132)],
-                super::ModelArg::Mla => vec![("kv", 1152)],
-            },
+            model: describe(d.model_shape()).0,
+            bytes_per_token: describe(d.model_shape()).1,
         },
         cxx: probe_cxx(),
         nvrtc: probe_nvrtc(),

@@ -10,24 +10,51 @@
 //!   f32 scale of its group of 128, followed by its 64 bf16 RoPE values (576 dims); the
 //!   value is the dequantised latent (512 dims).
 //! - MLA `kv`: the key is all 576 bf16 values; the value is the first 512.
+//! - GQA `kv` (`kv_heads × head_dim` bf16 keys and values): one query head per KV head
+//!   (MHA; a GQA model's query heads that share a KV head attend to the same keys, so one
+//!   of them per group shows the same thing). Head `h` of the query attends over head `h`
+//!   of every token's keys, with its own softmax, and the output is the heads' weighted
+//!   values side by side (`kv_heads × head_dim` values).
 //!
 //! The dense buffer is `[layer][seq_page][page bytes]`, as the materialise kernel writes it.
 
 use crate::kernels::{BufferKind, Dtype};
 use half::bf16;
 
-/// Key dimensions of both supported buffers (latent + RoPE).
+/// Key dimensions of the MLA and NSA buffers (latent + RoPE).
 pub const KEY_DIM: usize = 576;
-/// Value dimensions (the latent).
+/// Value dimensions of the MLA and NSA buffers (the latent).
 pub const VALUE_DIM: usize = 512;
+
+/// The attention shape of `buffer`: `(heads, key dims per head, value dims per head)`.
+/// A query has `heads × key dims` values and the output `heads × value dims`.
+pub fn attention_shape(buffer: BufferKind) -> Result<(usize, usize, usize), DecodeError> {
+    match buffer {
+        BufferKind::NsaKv | BufferKind::MlaKv => Ok((1, KEY_DIM, VALUE_DIM)),
+        BufferKind::GqaKv { kv_heads, head_dim } => {
+            buffer
+                .check_shape()
+                .map_err(|_| DecodeError::Unsupported { buffer })?;
+            let (h, d) = (usize::from(kv_heads), usize::from(head_dim));
+            Ok((h, d, d))
+        }
+        BufferKind::NsaIndexK => Err(DecodeError::Unsupported { buffer }),
+    }
+}
+
+/// Values of a query of `buffer` ([`attention_shape`]).
+pub fn query_len(buffer: BufferKind) -> Result<usize, DecodeError> {
+    attention_shape(buffer).map(|(h, k, _)| h * k)
+}
 /// Latent values that share one NSA f32 scale.
 pub const SCALE_GROUP: usize = 128;
 
 /// Why a decode step or a dtype check refused its input.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum DecodeError {
-    /// The buffer kind holds no attention keys (the NSA indexer keys).
-    #[error("buffer {buffer} has no latent KV to decode from")]
+    /// The buffer kind holds no attention keys (the NSA indexer keys), or has an
+    /// impossible shape (a GQA buffer without heads).
+    #[error("buffer {buffer} has no KV to decode from")]
     Unsupported {
         /// The buffer kind.
         buffer: BufferKind,
@@ -56,10 +83,12 @@ pub enum DecodeError {
         layers: u32,
     },
     /// The query has the wrong length.
-    #[error("query of {got} values, expected {KEY_DIM}")]
+    #[error("query of {got} values, expected {expected}")]
     Query {
         /// Values given.
         got: usize,
+        /// Values the buffer's keys need ([`query_len`]).
+        expected: usize,
     },
     /// A query value is NaN or infinite: every output would be NaN.
     #[error("query value {index} is {value}, not a finite number")]
@@ -217,7 +246,8 @@ pub fn check_dtypes(
     Ok(())
 }
 
-/// The key (576 values) and value (512 values) of token `t` in `layer`.
+/// The key (576 values, or `kv_heads × head_dim` for GQA) and value (512 values, or
+/// `kv_heads × head_dim`) of token `t` in `layer`, heads side by side.
 fn token_kv(d: &Dense<'_>, layer: u32, t: usize) -> Result<(Vec<f32>, Vec<f32>), DecodeError> {
     let fields = d.buffer.field_layouts(d.page_size);
     let bad = |f: &crate::kernels::FieldLayout, e: u32, bits: u32| DecodeError::BadValue {
@@ -257,16 +287,28 @@ fn token_kv(d: &Dense<'_>, layer: u32, t: usize) -> Result<(Vec<f32>, Vec<f32>),
                 key.push(read(all, e)?);
             }
         }
+        BufferKind::GqaKv { .. } => {
+            let (k, v) = (&fields[0], &fields[1]);
+            for e in 0..k.count {
+                key.push(read(k, e)?);
+            }
+            let value = (0..v.count)
+                .map(|e| read(v, e))
+                .collect::<Result<Vec<f32>, _>>()?;
+            return Ok((key, value));
+        }
         BufferKind::NsaIndexK => return Err(DecodeError::Unsupported { buffer: d.buffer }),
     }
     let value = key[..VALUE_DIM].to_vec();
     Ok((key, value))
 }
 
-/// One decode step of `query` (576 finite values) over the `n_tokens` tokens of `layer` in
-/// `dense` (a materialised buffer of exactly `ceil(n_tokens / page_size)` pages per layer):
-/// scaled dot products with every key, a softmax, and the weighted sum of the values
-/// (512 values). Deterministic: the same bytes always give the same bits.
+/// One decode step of `query` ([`query_len`] finite values: 576 for MLA and NSA,
+/// `kv_heads × head_dim` for GQA) over the `n_tokens` tokens of `layer` in `dense` (a
+/// materialised buffer of exactly `ceil(n_tokens / page_size)` pages per layer): per head,
+/// scaled dot products with every key, a softmax, and the weighted sum of the values (512
+/// values for MLA and NSA, `kv_heads × head_dim` for GQA). Deterministic: the same bytes
+/// always give the same bits.
 ///
 /// Like an engine, it computes with whatever finite bytes it is given (a negative scale
 /// included) and refuses only values it cannot compute with: under the seed's bug the poison
@@ -281,11 +323,12 @@ pub fn decode_step(
     n_tokens: usize,
     query: &[f32],
 ) -> Result<Vec<f32>, DecodeError> {
-    if buffer == BufferKind::NsaIndexK {
-        return Err(DecodeError::Unsupported { buffer });
-    }
-    if query.len() != KEY_DIM {
-        return Err(DecodeError::Query { got: query.len() });
+    let (heads, key_dim, value_dim) = attention_shape(buffer)?;
+    if query.len() != heads * key_dim {
+        return Err(DecodeError::Query {
+            got: query.len(),
+            expected: heads * key_dim,
+        });
     }
     if let Some((index, &value)) = query.iter().enumerate().find(|(_, v)| !v.is_finite()) {
         return Err(DecodeError::QueryValue { index, value });
@@ -297,26 +340,32 @@ pub fn decode_step(
         return Err(DecodeError::Layer { layer, layers });
     }
     let d = Dense::new(buffer, dense, page_size, layers, n_tokens)?;
-    let scale = 1.0 / (KEY_DIM as f64).sqrt();
-    let mut scores = Vec::with_capacity(n_tokens);
+    let scale = 1.0 / (key_dim as f64).sqrt();
+    // scores[h][t]: head h's scaled dot product with token t's key.
+    let mut scores = vec![Vec::with_capacity(n_tokens); heads];
     let mut values = Vec::with_capacity(n_tokens);
     for t in 0..n_tokens {
         let (k, v) = token_kv(&d, layer, t)?;
-        let dot: f64 = k
-            .iter()
-            .zip(query)
-            .map(|(&a, &b)| f64::from(a) * f64::from(b))
-            .sum();
-        scores.push(dot * scale);
+        for (h, s) in scores.iter_mut().enumerate() {
+            let dot: f64 = k[h * key_dim..(h + 1) * key_dim]
+                .iter()
+                .zip(&query[h * key_dim..(h + 1) * key_dim])
+                .map(|(&a, &b)| f64::from(a) * f64::from(b))
+                .sum();
+            s.push(dot * scale);
+        }
         values.push(v);
     }
-    let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
-    let total: f64 = weights.iter().sum();
-    let mut out = vec![0f64; VALUE_DIM];
-    for (w, v) in weights.iter().zip(&values) {
-        for (o, &x) in out.iter_mut().zip(v) {
-            *o += w / total * f64::from(x);
+    let mut out = vec![0f64; heads * value_dim];
+    for (h, s) in scores.iter().enumerate() {
+        let max = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let weights: Vec<f64> = s.iter().map(|x| (x - max).exp()).collect();
+        let total: f64 = weights.iter().sum();
+        let o = &mut out[h * value_dim..(h + 1) * value_dim];
+        for (w, v) in weights.iter().zip(&values) {
+            for (o, &x) in o.iter_mut().zip(&v[h * value_dim..(h + 1) * value_dim]) {
+                *o += w / total * f64::from(x);
+            }
         }
     }
     Ok(out.into_iter().map(|x| x as f32).collect())
@@ -384,19 +433,36 @@ mod tests {
         out
     }
 
+    const GQA: BufferKind = BufferKind::GqaKv {
+        kv_heads: 4,
+        head_dim: 16,
+    };
+
     #[test]
     fn synthesised_kv_decodes_and_rejects_bad_input() {
         let tokens: Vec<u32> = (0..40).collect();
-        let q: Vec<f32> = (0..KEY_DIM).map(|i| (i as f32 * 0.37).sin()).collect();
-        for b in [BufferKind::NsaKv, BufferKind::MlaKv, BufferKind::NsaIndexK] {
+        for b in [
+            BufferKind::NsaKv,
+            BufferKind::MlaKv,
+            BufferKind::NsaIndexK,
+            GQA,
+        ] {
             let d = dense(b, 16, 2, &tokens);
             check_dtypes(b, &d, 16, 2, tokens.len()).unwrap();
             if b == BufferKind::NsaIndexK {
-                assert!(decode_step(b, &d, 16, 2, 0, 40, &q).is_err());
+                let q = vec![0.0; KEY_DIM];
+                assert!(matches!(
+                    decode_step(b, &d, 16, 2, 0, 40, &q),
+                    Err(DecodeError::Unsupported { .. })
+                ));
                 continue;
             }
+            let (heads, _, value_dim) = attention_shape(b).unwrap();
+            let q: Vec<f32> = (0..query_len(b).unwrap())
+                .map(|i| (i as f32 * 0.37).sin())
+                .collect();
             let out = decode_step(b, &d, 16, 2, 1, 40, &q).unwrap();
-            assert_eq!(out.len(), VALUE_DIM);
+            assert_eq!(out.len(), heads * value_dim);
             assert!(out.iter().all(|x| x.is_finite()));
             assert!(decode_step(b, &d, 16, 2, 2, 40, &q).is_err());
             assert!(decode_step(b, &d, 16, 2, 0, 40, &q[1..]).is_err());
@@ -417,5 +483,49 @@ mod tests {
                 Err(DecodeError::BadValue { token: 0, .. })
             ));
         }
+    }
+
+    /// GQA: each query head attends over its own KV head only, and the output's head `h` is
+    /// a mix of head `h`'s values (so changing another head's keys leaves it unchanged).
+    #[test]
+    fn gqa_heads_attend_separately() {
+        let tokens: Vec<u32> = (0..20).collect();
+        let d = dense(GQA, 8, 1, &tokens);
+        assert_eq!(query_len(GQA).unwrap(), 64);
+        let q: Vec<f32> = (0..64).map(|i| (i as f32 * 0.11).cos() * 0.05).collect();
+        let out = decode_step(GQA, &d, 8, 1, 0, 20, &q).unwrap();
+        assert_eq!(out.len(), 64);
+        // A single token: the output is exactly its values, head by head.
+        let one = decode_step(GQA, &d[..GQA.page_bytes(8) as usize], 8, 1, 0, 1, &q).unwrap();
+        let f = GQA.field_layouts(8);
+        let v0: Vec<f32> = (0..64)
+            .map(|e| {
+                let at = f[1].offset(0, e);
+                bf16::from_bits(u16::from_le_bytes([d[at], d[at + 1]])).to_f32()
+            })
+            .collect();
+        assert_eq!(one, v0);
+        // Head 3's keys of every token changed: heads 0..3 of the output stay the same.
+        let mut other = d.clone();
+        for page in 0..3usize {
+            for slot in 0..8u32 {
+                let at = page * GQA.page_bytes(8) as usize + f[0].offset(slot, 3 * 16);
+                other[at] ^= 0x01;
+            }
+        }
+        let changed = decode_step(GQA, &other, 8, 1, 0, 20, &q).unwrap();
+        assert_eq!(changed[..48], out[..48]);
+        assert_ne!(changed[48..], out[48..]);
+        assert!(matches!(
+            decode_step(GQA, &d, 8, 1, 0, 20, &q[..63]),
+            Err(DecodeError::Query { expected: 64, .. })
+        ));
+        assert!(matches!(
+            query_len(BufferKind::GqaKv {
+                kv_heads: 0,
+                head_dim: 128
+            }),
+            Err(DecodeError::Unsupported { .. })
+        ));
     }
 }

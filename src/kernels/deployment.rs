@@ -19,23 +19,146 @@ pub enum ModelShape {
     Nsa,
     /// Plain MLA with a bf16 cache: `kv` (1152 B/token, token-major).
     MlaBf16,
+    /// A GQA or MHA model's bf16 K and V of one TP shard ([`BufferKind::GqaKv`]:
+    /// `4 × kv_heads × head_dim` B/token, keys then values in a page). Named
+    /// `gqa{kv_heads}x{head_dim}`, so every name, kernel uri and storage fingerprint
+    /// carries the shard's shape.
+    Gqa {
+        /// KV heads per rank (the model's KV heads over the TP degree).
+        kv_heads: u16,
+        /// Elements per head.
+        head_dim: u16,
+    },
 }
 
 impl fmt::Display for ModelShape {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            ModelShape::Nsa => "nsa",
-            ModelShape::MlaBf16 => "mla",
-        })
+        match self {
+            ModelShape::Nsa => f.write_str("nsa"),
+            ModelShape::MlaBf16 => f.write_str("mla"),
+            ModelShape::Gqa { kv_heads, head_dim } => write!(f, "gqa{kv_heads}x{head_dim}"),
+        }
+    }
+}
+
+/// A model name that [`ModelShape`]'s `FromStr` does not know.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown model {given:?}: expected nsa, mla, gqa (8 KV heads of 128) or gqa<KV_HEADS>x<HEAD_DIM> (e.g. gqa4x64)")]
+pub struct UnknownModel {
+    /// The name given.
+    pub given: String,
+}
+
+impl std::str::FromStr for ModelShape {
+    type Err = UnknownModel;
+
+    /// `nsa`, `mla`, `gqa` ([`ModelShape::GQA_DEFAULT`]) or `gqa<KV_HEADS>x<HEAD_DIM>`, the
+    /// names [`ModelShape`]'s `Display` writes. The GQA shape is checked by
+    /// [`Deployment::new`], not here.
+    fn from_str(s: &str) -> Result<ModelShape, UnknownModel> {
+        let unknown = || UnknownModel {
+            given: s.to_string(),
+        };
+        match s {
+            "nsa" => Ok(ModelShape::Nsa),
+            "mla" => Ok(ModelShape::MlaBf16),
+            "gqa" => Ok(ModelShape::GQA_DEFAULT),
+            _ => {
+                let (h, d) = s
+                    .strip_prefix("gqa")
+                    .and_then(|r| r.split_once('x'))
+                    .ok_or_else(unknown)?;
+                let num = |x: &str| -> Result<u16, UnknownModel> {
+                    if x.is_empty() || !x.bytes().all(|c| c.is_ascii_digit()) {
+                        return Err(unknown());
+                    }
+                    x.parse().map_err(|_| unknown())
+                };
+                Ok(ModelShape::Gqa {
+                    kv_heads: num(h)?,
+                    head_dim: num(d)?,
+                })
+            }
+        }
+    }
+}
+
+/// The buffer kinds of a model, in the order the cache keeps them (one or two): a slice
+/// by [`Deref`](std::ops::Deref), and an iterator of kinds by value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Buffers {
+    kinds: [BufferKind; 2],
+    len: u8,
+}
+
+impl Buffers {
+    fn one(a: BufferKind) -> Buffers {
+        Buffers {
+            kinds: [a, a],
+            len: 1,
+        }
+    }
+
+    fn two(a: BufferKind, b: BufferKind) -> Buffers {
+        Buffers {
+            kinds: [a, b],
+            len: 2,
+        }
+    }
+}
+
+impl std::ops::Deref for Buffers {
+    type Target = [BufferKind];
+
+    fn deref(&self) -> &[BufferKind] {
+        &self.kinds[..usize::from(self.len)]
+    }
+}
+
+impl IntoIterator for Buffers {
+    type Item = BufferKind;
+    type IntoIter = std::iter::Take<std::array::IntoIter<BufferKind, 2>>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.kinds.into_iter().take(usize::from(self.len))
+    }
+}
+
+impl<'a> IntoIterator for &'a Buffers {
+    type Item = &'a BufferKind;
+    type IntoIter = std::slice::Iter<'a, BufferKind>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.iter()
     }
 }
 
 impl ModelShape {
+    /// The default GQA shape of the command line and the Python package: 8 KV heads of 128
+    /// (Llama-3-8B's or Llama-3-70B's KV heads at TP 1; at TP 2 a rank holds 4 of them).
+    pub const GQA_DEFAULT: ModelShape = ModelShape::Gqa {
+        kv_heads: 8,
+        head_dim: 128,
+    };
+
     /// The buffer kinds, in the order the cache keeps them.
-    pub fn buffers(self) -> &'static [BufferKind] {
+    pub fn buffers(self) -> Buffers {
         match self {
-            ModelShape::Nsa => &[BufferKind::NsaKv, BufferKind::NsaIndexK],
-            ModelShape::MlaBf16 => &[BufferKind::MlaKv],
+            ModelShape::Nsa => Buffers::two(BufferKind::NsaKv, BufferKind::NsaIndexK),
+            ModelShape::MlaBf16 => Buffers::one(BufferKind::MlaKv),
+            ModelShape::Gqa { kv_heads, head_dim } => {
+                Buffers::one(BufferKind::GqaKv { kv_heads, head_dim })
+            }
+        }
+    }
+
+    /// The model's family name without its shape: `nsa`, `mla` or `gqa` (what `--model`
+    /// and `Deployment(model=...)` take).
+    pub fn family(self) -> &'static str {
+        match self {
+            ModelShape::Nsa => "nsa",
+            ModelShape::MlaBf16 => "mla",
+            ModelShape::Gqa { .. } => "gqa",
         }
     }
 }
@@ -91,6 +214,7 @@ const REFERENCE: &[(ModelShape, u32, &[u8])] = &[
     (ModelShape::Nsa, 64, &[1, 2, 4, 8, 16]),
     (ModelShape::MlaBf16, 16, &[4, 8]),
     (ModelShape::MlaBf16, 64, &[4, 8]),
+    (ModelShape::GQA_DEFAULT, 16, &[4]),
 ];
 
 /// The reference deployments of layouts whose kernels differ: (model, page size, CP, layout).
@@ -98,15 +222,22 @@ const REFERENCE_LAYOUTS: &[(ModelShape, u32, u8, Layout)] =
     &[(ModelShape::Nsa, 64, 8, Layout::TokenInterleave { size: 1 })];
 
 impl Deployment {
-    /// A deployment with the default launch shapes, named `<model>_ps<page>_cp<cp>`. NSA
-    /// uses the page-first host layout, MLA the layer-first one, so the reference render
-    /// covers both. Validates every kernel spec it implies.
+    /// A deployment with the default launch shapes, named `<model>_ps<page>_cp<cp>`
+    /// (`gqa8x128_ps16_cp4`). NSA uses the page-first host layout, MLA and GQA the
+    /// layer-first one, so the reference render covers both. Validates every kernel spec it
+    /// implies.
     pub fn new(model: ModelShape, page_size: u32, cp: u8) -> Result<Deployment, KernelError> {
         let name = format!("{model}_ps{page_size}_cp{cp}");
         if model == ModelShape::Nsa && page_size != 64 {
             return Err(KernelError::InvalidDeployment {
                 name,
                 reason: format!("NSA requires page size 64, got {page_size}"),
+            });
+        }
+        if let Some(e) = model.buffers().iter().find_map(|b| b.check_shape().err()) {
+            return Err(KernelError::InvalidDeployment {
+                name,
+                reason: e.to_string(),
             });
         }
         let dep = Deployment {
@@ -118,7 +249,7 @@ impl Deployment {
             arch: Arch::default(),
             host_layout: match model {
                 ModelShape::Nsa => HostLayout::PageFirst,
-                ModelShape::MlaBf16 => HostLayout::LayerFirst,
+                ModelShape::MlaBf16 | ModelShape::Gqa { .. } => HostLayout::LayerFirst,
             },
             alloc_threads: 256,
             copy: CopyLaunch::default(),
@@ -170,7 +301,7 @@ impl Deployment {
     }
 
     /// Every reference deployment: NSA page 64 at CP 1, 2, 4, 8, 16; MLA bf16 at page 16
-    /// and 64, CP 4 and 8; then NSA page 64 at CP 8 token-interleaved one token at a time
+    /// and 64, CP 4 and 8; GQA 8 KV heads of 128 at page 16, CP 4; then NSA page 64 at CP 8 token-interleaved one token at a time
     /// (SGLang's NSA prefill split), whose synthesise and verify kernels differ.
     pub fn reference() -> Vec<Deployment> {
         REFERENCE
@@ -307,7 +438,7 @@ impl Deployment {
             self.transfer_spec(Direction::DeviceToHost),
             self.transfer_spec(Direction::HostToDevice),
         ];
-        for &b in self.model.buffers() {
+        for b in self.model.buffers() {
             for s in [
                 self.materialise_spec(b),
                 self.synth_spec(b),
@@ -344,6 +475,7 @@ mod tests {
                 "mla_ps16_cp8",
                 "mla_ps64_cp4",
                 "mla_ps64_cp8",
+                "gqa8x128_ps16_cp4",
                 "nsa_ps64_cp8_ti1"
             ]
         );
@@ -360,6 +492,38 @@ mod tests {
         );
     }
 
+    /// Model names round-trip through `Display` and `FromStr`; `gqa` alone is 8 × 128.
+    #[test]
+    fn model_names_parse_back() {
+        for m in [
+            ModelShape::Nsa,
+            ModelShape::MlaBf16,
+            ModelShape::Gqa {
+                kv_heads: 2,
+                head_dim: 64,
+            },
+            ModelShape::GQA_DEFAULT,
+        ] {
+            assert_eq!(m.to_string().parse::<ModelShape>(), Ok(m));
+        }
+        assert_eq!("gqa".parse::<ModelShape>(), Ok(ModelShape::GQA_DEFAULT));
+        for bad in [
+            "gqa8",
+            "gqax128",
+            "gqa8x",
+            "gqa-1x2",
+            "gqa8x128x1",
+            "gqa99999x1",
+            "mha",
+        ] {
+            assert!(bad.parse::<ModelShape>().is_err(), "{bad}");
+        }
+        let gqa = Deployment::new("gqa4x64".parse().unwrap(), 32, 2).unwrap();
+        assert_eq!(gqa.name, "gqa4x64_ps32_cp2");
+        assert_eq!(gqa.model.buffers().len(), 1);
+        assert_eq!(gqa.model.family(), "gqa");
+    }
+
     #[test]
     fn nsa_needs_page_64_and_cp_is_checked() {
         assert!(Deployment::new(ModelShape::Nsa, 16, 4).is_err());
@@ -374,6 +538,20 @@ mod tests {
         assert_eq!(nsa.specs().len(), 3 + 2 + 2 * 3);
         let mla = Deployment::by_name("mla_ps16_cp4").unwrap();
         assert_eq!(mla.specs().len(), 3 + 2 + 3);
+        let gqa = Deployment::by_name("gqa8x128_ps16_cp4").unwrap();
+        assert_eq!(gqa.specs().len(), 3 + 2 + 3);
+        assert_eq!(gqa.host_layout, HostLayout::LayerFirst);
+        let uris: Vec<String> = gqa.specs()[3..].iter().map(KernelSpec::uri).collect();
+        assert_eq!(
+            uris,
+            [
+                "transfer_pages_d2h_lf_ps16_b4096_t512_ppb1_v16_u8_g4",
+                "transfer_pages_h2d_lf_ps16_b4096_t512_ppb1_v16_u8_g4",
+                "materialise_cp4_ps16_b4096_t128_ppb1_v16_u4",
+                "synthesise_gqa8x128_kv_cp4_ps16_t128",
+                "verify_gqa8x128_kv_ps16_t128"
+            ]
+        );
         let uris: Vec<String> = mla.specs()[..2].iter().map(KernelSpec::uri).collect();
         assert_eq!(
             uris,

@@ -30,7 +30,7 @@ mod spec;
 mod table;
 
 pub use arch::Arch;
-pub use deployment::{Deployment, ModelShape};
+pub use deployment::{Buffers, Deployment, ModelShape, UnknownModel};
 pub use dma::{
     check_distinct_destinations, clamp_layer_range, layer_range_args, transfer_args,
     transfer_regions, transfer_regions_at, DuplicateDestination, PoolShape, TransferPath,
@@ -40,10 +40,10 @@ pub use spec::{
     AllocSpec, Arrangement, BufferKind, BusyKind, BusySpec, CopyLaunch, CopyMapping, Direction,
     Dtype, Family, FieldLayout, FieldMisalignment, HostLayout, InFlight, KernelParam,
     KernelSignature, KernelSpec, LaunchDims, MaterialiseSpec, Reach, ReachError, ReleaseSpec,
-    ReleaseStatus, SelectOutput, SelectStatus, Strided, SynthSpec, TableEntries, TokenOrder,
-    TransferSpec, VecWidth, VerifySpec, GPU_TRANSFER_BLOCKS, GPU_TRANSFER_THREADS,
-    GPU_TRANSFER_UNROLL, MAX_LAYERS_PER_LAUNCH, TRANSFER_GRID_CAPS, TRANSFER_STAMP_BYTES,
-    WARP_LANES,
+    ReleaseStatus, SelectOutput, SelectStatus, ShapeError, Strided, SynthSpec, TableEntries,
+    TokenOrder, TransferSpec, VecWidth, VerifySpec, GPU_TRANSFER_BLOCKS, GPU_TRANSFER_THREADS,
+    GPU_TRANSFER_UNROLL, GQA_MAX_HEAD_ELEMENTS, MAX_LAYERS_PER_LAUNCH, TRANSFER_GRID_CAPS,
+    TRANSFER_STAMP_BYTES, WARP_LANES,
 };
 // An SM's thread limit: `tune` sizes its busy companions by it.
 pub(crate) use spec::SM_MAX_THREADS;
@@ -105,6 +105,14 @@ pub enum KernelError {
         page_size: u32,
         /// Which access and why.
         misalignment: FieldMisalignment,
+    },
+    /// A buffer kind whose shape is refused (a GQA buffer with no heads, or too large).
+    #[error("{family}: {source}")]
+    InvalidShape {
+        /// Kernel family being specified.
+        family: Family,
+        /// What is wrong with the shape.
+        source: ShapeError,
     },
     /// A deployment whose model cannot use the requested page size.
     #[error("deployment {name}: {reason}")]

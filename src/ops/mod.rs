@@ -553,7 +553,7 @@ impl Ops {
         let buffers = self.deployment.model.buffers();
         let mut tables = Vec::new();
         let mut host_ids = Vec::new();
-        for ((d, h), &b) in device.iter().zip(host).zip(buffers) {
+        for ((d, h), b) in device.iter().zip(host).zip(buffers) {
             let pb = b.page_bytes(self.deployment.page_size);
             // SAFETY: the caller's contract.
             let ids = unsafe { held.tensors(d) }?;
@@ -588,7 +588,7 @@ impl Ops {
                 .zip(host)
                 .zip(&host_ids)
                 .zip(buffers)
-                .map(|(((t, h), ids), &b)| {
+                .map(|(((t, h), ids), b)| {
                     let pb = b.page_bytes(self.deployment.page_size);
                     (
                         t,

@@ -256,7 +256,7 @@ impl RankCache {
         }
         let layout = self.config.deployment.host_layout;
         let pages: Vec<u32> = pages.iter().map(|p| p.0).collect();
-        for &b in self.config.deployment.model.buffers() {
+        for b in self.config.deployment.model.buffers() {
             self.pools.poison_host_pages(b, layout, &pages)?;
         }
         Ok(())
@@ -280,7 +280,7 @@ impl RankCache {
             return Ok(());
         }
         let locals: Vec<u32> = locals.into_iter().collect();
-        for &b in self.config.deployment.model.buffers() {
+        for b in self.config.deployment.model.buffers() {
             self.pools.poison_device_pages(b, &locals)?;
         }
         Ok(())

@@ -102,7 +102,7 @@ impl DeploymentKernels {
             .iter()
             .map(|&d| deployment.transfer_spec(d))
             .collect();
-        for &b in buffers {
+        for b in buffers {
             specs.push(deployment.materialise_spec(b));
             specs.push(deployment.synth_spec(b));
             specs.push(deployment.verify_spec(b));
@@ -149,7 +149,7 @@ impl DeploymentKernels {
         for d in DIRECTIONS {
             k.transfer.insert(d, it.next().expect("one per spec"));
         }
-        for &b in buffers {
+        for b in buffers {
             k.materialise.insert(b, it.next().expect("one per spec"));
             k.synthesise.insert(b, it.next().expect("one per spec"));
             k.verify.insert(b, it.next().expect("one per spec"));

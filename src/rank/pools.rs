@@ -131,7 +131,7 @@ impl Pools {
         access: PeerAccess,
     ) -> Result<Pools, ExecError> {
         let mut pools = Pools::without_device(exec, dep, geometry, access)?;
-        for &b in dep.model.buffers() {
+        for b in dep.model.buffers() {
             let page = b.page_bytes(dep.page_size);
             let bytes = page as usize * geometry.layers as usize * geometry.local_pages as usize;
             let d = match access {
@@ -281,7 +281,7 @@ impl Pools {
         // A backup's own page ids, written on the backup stream (`backup_pairs`).
         pools.scratch("backup.src", max_pairs, 0)?;
         pools.scratch("backup.dst", max_pairs, 0)?;
-        for &b in dep.model.buffers() {
+        for b in dep.model.buffers() {
             let page = b.page_bytes(dep.page_size) as usize;
             let layers = geometry.layers as usize;
             // A zero-page host pool still gets a buffer so kernels have a valid pointer.
@@ -627,6 +627,7 @@ impl Pools {
             BufferKind::NsaKv => "dense.nsa_kv",
             BufferKind::NsaIndexK => "dense.nsa_idx",
             BufferKind::MlaKv => "dense.mla_kv",
+            BufferKind::GqaKv { .. } => "dense.gqa_kv",
         };
         let id = self.scratch(name, bytes, POISON)?;
         if poison {

@@ -383,7 +383,7 @@ impl RankCache {
         let g = self.pools.geometry();
         let host_layout = self.config.deployment.host_layout;
         let mut out = Vec::new();
-        for &b in self.config.deployment.model.buffers() {
+        for b in self.config.deployment.model.buffers() {
             let pb = b.page_bytes(self.layout.page_size());
             let at = |l| reference::host_offset(host_layout, page.0, l, g.layers, g.host_pages, pb);
             match host_layout {

@@ -118,7 +118,7 @@ impl RankCache {
         let kernel_ends: Vec<_> = tables
             .iter()
             .zip(buffers)
-            .map(|(t, &b)| (t, (self.pools.host(b), 0)))
+            .map(|(t, b)| (t, (self.pools.host(b), 0)))
             .collect();
         let mut bytes = 0;
         let mut work: Vec<Vec<LoadOp<'_>>> = Vec::with_capacity(steps.len());
@@ -139,7 +139,7 @@ impl RankCache {
             match pairs {
                 None => {
                     let mode = dma.unwrap_or_default();
-                    for ((d, end), (table, &b)) in spec
+                    for ((d, end), (table, b)) in spec
                         .descriptors()
                         .iter()
                         .zip(&ends)

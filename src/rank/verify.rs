@@ -73,7 +73,7 @@ impl RankCache {
         let (hash_buf, page_buf) =
             self.pools
                 .upload_sequence_tail(hashes, &page_ids, first_token, first_page)?;
-        for &b in self.config.deployment.model.buffers() {
+        for b in self.config.deployment.model.buffers() {
             let synth = self.kernels.synthesise(b);
             let table = self.pools.device_table(b);
             self.exec.launch(
@@ -337,7 +337,7 @@ impl RankCache {
         let k = share.len() as u32;
         let list = self.pools.upload_share(share)?;
         let owners = self.group.size();
-        for &b in self.config.deployment.model.buffers() {
+        for b in self.config.deployment.model.buffers() {
             let compact = self.pools.dense(b, k, false)?;
             let page_bytes = b.page_bytes(self.layout.page_size());
             self.materialise_layers(b, (list, k), compact, load, |pools, layer| {
@@ -368,7 +368,7 @@ impl RankCache {
         let mut captured = Vec::new();
         // Where each owner's share of the current buffer kind starts.
         let mut at = vec![0usize; owners.len()];
-        for &b in self.config.deployment.model.buffers() {
+        for b in self.config.deployment.model.buffers() {
             let pb = b.page_bytes(self.layout.page_size()) as usize;
             let mut dense = vec![0u8; pb * n_pages * layers];
             for (r, positions) in owners.iter().enumerate() {
@@ -406,7 +406,7 @@ impl RankCache {
         let n_pages = self.pages_holding(n_tokens);
         let bad_tokens = self.pools.zeroed_words(words)?;
         let mut captured = Vec::new();
-        for &b in self.config.deployment.model.buffers() {
+        for b in self.config.deployment.model.buffers() {
             let dense = self.pools.dense(b, n_pages, self.repoison)?;
             let rank = self.rank.0;
             self.materialise_layers(b, (page_buf, n_pages), dense, load, |pools, layer| {

@@ -22,7 +22,7 @@ impl Fingerprint {
     pub fn of(dep: &Deployment, layers: u32) -> Fingerprint {
         Self::from_parts(
             dep.model.to_string().as_str(),
-            dep.model.buffers(),
+            &dep.model.buffers(),
             layers,
             dep.page_size,
         )

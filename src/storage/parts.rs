@@ -25,7 +25,7 @@ impl PageSlots {
     pub fn new(dep: &Deployment, layers: u32, slots: u32) -> PageSlots {
         let mut fields = Vec::new();
         let mut at = 0usize;
-        for &b in dep.model.buffers() {
+        for b in dep.model.buffers() {
             let page = b.page_bytes(slots) as usize;
             for _ in 0..layers {
                 for f in b.field_layouts(slots) {
@@ -60,10 +60,15 @@ mod tests {
     use crate::kernels::ModelShape;
 
     /// Packing tokens into a smaller page and back gives the same bytes, for every buffer
-    /// arrangement (NSA's `index_k` keeps its scales apart from its values).
+    /// arrangement (NSA's `index_k` keeps its scales apart from its values, GQA its values apart
+    /// from its keys).
     #[test]
     fn tokens_move_between_pages_of_any_slot_count() {
-        for model in [ModelShape::MlaBf16, ModelShape::Nsa] {
+        for model in [
+            ModelShape::MlaBf16,
+            ModelShape::Nsa,
+            ModelShape::GQA_DEFAULT,
+        ] {
             let dep = Deployment::new(model, 64, 4).unwrap();
             let full = PageSlots::new(&dep, 2, 64);
             assert_eq!(full.bytes() as u64, super::super::payload_bytes(&dep, 2));

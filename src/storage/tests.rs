@@ -52,6 +52,25 @@ fn the_fingerprint_leaves_out_the_topology_but_not_the_bytes() {
         "{}",
         a.describe()
     );
+    // GQA shapes differ from each other even at the same bytes per token (8 × 128 and
+    // 16 × 64 heads both have 4096): a record of one shard shape is not another's.
+    let gqa = |kv_heads, head_dim| {
+        Fingerprint::of(
+            &Deployment::new(ModelShape::Gqa { kv_heads, head_dim }, 16, 4).unwrap(),
+            2,
+        )
+    };
+    assert_ne!(gqa(8, 128), gqa(16, 64));
+    assert_ne!(gqa(8, 128), gqa(4, 128));
+    assert_ne!(gqa(8, 128), a);
+    assert_eq!(gqa(8, 128), gqa(8, 128));
+    assert!(
+        gqa(8, 128)
+            .describe()
+            .contains("model=gqa8x128;layers=2;page_size=16;buffers=gqa8x128_kv:4096B/token:PageOrganised:bf16x1024+bf16x1024"),
+        "{}",
+        gqa(8, 128).describe()
+    );
 }
 
 #[test]

@@ -103,7 +103,7 @@ pub fn default_deployments() -> Result<Vec<Deployment>, KernelError> {
     .collect()
 }
 
-/// A deployment by name: a reference name, or any `<nsa|mla>_ps<N>_cp<C>[_ti<I>]` (`_ti<I>`:
+/// A deployment by name: a reference name, or any `<nsa|mla|gqa<H>x<D>>_ps<N>_cp<C>[_ti<I>]` (`_ti<I>`:
 /// token-interleaved `I` tokens at a time, the only layout whose kernels differ).
 pub fn deployment_by_name(name: &str) -> Result<Deployment, KernelError> {
     if let Ok(d) = Deployment::by_name(name) {
@@ -111,11 +111,7 @@ pub fn deployment_by_name(name: &str) -> Result<Deployment, KernelError> {
     }
     let parsed = (|| {
         let mut it = name.split('_');
-        let model = match it.next()? {
-            "nsa" => ModelShape::Nsa,
-            "mla" => ModelShape::MlaBf16,
-            _ => return None,
-        };
+        let model: ModelShape = it.next()?.parse().ok()?;
         let ps = it.next()?.strip_prefix("ps")?.parse().ok()?;
         let cp = it.next()?.strip_prefix("cp")?.parse().ok()?;
         let run = match it.next() {

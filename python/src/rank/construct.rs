@@ -165,7 +165,7 @@ impl RankCache {
         let layout = *core.layout();
         let geometry = core.pools().geometry();
         let mut pools = Vec::new();
-        for &kind in deployment.inner.model.buffers() {
+        for kind in deployment.inner.model.buffers() {
             let exec = core.executor();
             let addresses = core
                 .pools()

@@ -20,6 +20,9 @@ pub enum ModelArg {
     Nsa,
     /// Plain MLA with a bf16 cache: 1152 B/token.
     Mla,
+    /// GQA/MHA, one TP shard's bf16 K and V: 4 × kv-heads × head-dim B/token, a page's
+    /// keys then its values (shape: --kv-heads, --head-dim).
+    Gqa,
 }
 
 /// How a replay's ranks read each other's pages to verify (`--peer-pools`).
@@ -95,6 +98,13 @@ pub struct ReplayArgs {
     /// Model buffer shapes.
     #[arg(long, value_enum, default_value_t = ModelArg::Nsa)]
     pub model: ModelArg,
+    /// With `--model gqa`: KV heads per rank (the model's KV heads divided by the TP
+    /// degree; e.g. 8 for Llama-3-70B at TP 1). At most 65536 elements with --head-dim.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..))]
+    pub kv_heads: u16,
+    /// With `--model gqa`: elements per head (bf16), e.g. 128.
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u16).range(1..))]
+    pub head_dim: u16,
     /// Logical device pages across the CP group (each rank holds ceil(pages / cp)). A
     /// request whose pages do not fit, even after evicting everything unlocked, is skipped
     /// and counted; when every request is, nothing was verified: exit status 2.
@@ -432,11 +442,26 @@ pub(super) struct ReplayPlan {
 }
 
 impl ReplayArgs {
-    pub(super) fn validate(&self) -> Result<ReplayPlan, crate::Error> {
-        let model = match self.model {
+    /// The model `--model` (with `--kv-heads` and `--head-dim` for GQA) names.
+    pub fn model_shape(&self) -> ModelShape {
+        match self.model {
             ModelArg::Nsa => ModelShape::Nsa,
             ModelArg::Mla => ModelShape::MlaBf16,
-        };
+            ModelArg::Gqa => ModelShape::Gqa {
+                kv_heads: self.kv_heads,
+                head_dim: self.head_dim,
+            },
+        }
+    }
+
+    pub(super) fn validate(&self) -> Result<ReplayPlan, crate::Error> {
+        let model = self.model_shape();
+        if self.model != ModelArg::Gqa && (self.kv_heads != 8 || self.head_dim != 128) {
+            return Err(crate::Error::Usage(format!(
+                "--kv-heads and --head-dim describe a GQA model: give --model gqa (not {:?})",
+                self.model
+            )));
+        }
         let layout = Layout::parse(&self.layout, self.interleave_size)
             .map_err(|e| crate::Error::Usage(format!("--layout: {e}")))?;
         let deployment = Deployment::new(model, self.page_size, self.cp)

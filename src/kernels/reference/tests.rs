@@ -4,7 +4,15 @@
 use super::*;
 use half::bf16;
 
-const ALL: [BufferKind; 3] = [BufferKind::NsaKv, BufferKind::NsaIndexK, BufferKind::MlaKv];
+const ALL: [BufferKind; 4] = [
+    BufferKind::NsaKv,
+    BufferKind::NsaIndexK,
+    BufferKind::MlaKv,
+    BufferKind::GqaKv {
+        kv_heads: 2,
+        head_dim: 12,
+    },
+];
 
 /// e4m3 decoding (no infinities; NaN is S.1111.111).
 fn fp8_e4m3(c: u8) -> f32 {

@@ -72,6 +72,45 @@ pub enum BufferKind {
     NsaIndexK,
     /// Plain MLA KV: 576 bf16 per token, token-major.
     MlaKv,
+    /// GQA/MHA KV of one TP shard: per token `kv_heads × head_dim` bf16 keys, then as many
+    /// bf16 values, page-organised (the page's keys of every token, then its values, as
+    /// vLLM's separate K and V caches hold a block). Heads and head dim are at least 1, with
+    /// at most [`GQA_MAX_HEAD_ELEMENTS`] elements ([`BufferKind::check_shape`]).
+    GqaKv {
+        /// KV heads this rank holds (the model's KV heads divided by the TP degree).
+        kv_heads: u16,
+        /// Elements per head.
+        head_dim: u16,
+    },
+}
+
+/// The most elements `kv_heads × head_dim` of a GQA buffer (64 Ki bf16: 256 KiB of K and V
+/// per token and layer), so that every byte count of a page fits the kernels' `u32`s.
+pub const GQA_MAX_HEAD_ELEMENTS: u32 = 1 << 16;
+
+/// Why a GQA shape is refused ([`BufferKind::check_shape`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ShapeError {
+    /// A zero head count or head dimension.
+    #[error(
+        "GQA needs at least 1 KV head and a head dim of at least 1, got {kv_heads} × {head_dim}"
+    )]
+    Empty {
+        /// KV heads given.
+        kv_heads: u16,
+        /// Head dim given.
+        head_dim: u16,
+    },
+    /// More elements per token than the kernels' byte counts allow.
+    #[error("GQA {kv_heads} × {head_dim} = {elements} elements per token exceeds {GQA_MAX_HEAD_ELEMENTS}")]
+    TooLarge {
+        /// KV heads given.
+        kv_heads: u16,
+        /// Head dim given.
+        head_dim: u16,
+        /// Their product.
+        elements: u32,
+    },
 }
 
 impl fmt::Display for BufferKind {
@@ -80,6 +119,9 @@ impl fmt::Display for BufferKind {
             BufferKind::NsaKv => "nsa_kv",
             BufferKind::NsaIndexK => "nsa_idx",
             BufferKind::MlaKv => "mla_kv",
+            BufferKind::GqaKv { kv_heads, head_dim } => {
+                return write!(f, "gqa{kv_heads}x{head_dim}_kv");
+            }
         })
     }
 }
@@ -192,17 +234,43 @@ impl BufferKind {
     /// The buffer index `b` of the synthesis hash.
     pub fn id(self) -> u32 {
         match self {
-            BufferKind::NsaKv | BufferKind::MlaKv => 0,
+            BufferKind::NsaKv | BufferKind::MlaKv | BufferKind::GqaKv { .. } => 0,
             BufferKind::NsaIndexK => 1,
         }
     }
 
-    /// The per-token fields, in order.
-    pub fn fields(self) -> &'static [(Dtype, u32)] {
+    /// Checks a GQA shape (other kinds are fixed and always pass): at least one head of at
+    /// least one element, at most [`GQA_MAX_HEAD_ELEMENTS`] elements. (Whether the kernels'
+    /// accesses are aligned at a page size is [`BufferKind::check_access_alignment`]'s.)
+    pub fn check_shape(self) -> Result<(), ShapeError> {
+        let BufferKind::GqaKv { kv_heads, head_dim } = self else {
+            return Ok(());
+        };
+        let elements = u32::from(kv_heads) * u32::from(head_dim);
+        if elements == 0 {
+            Err(ShapeError::Empty { kv_heads, head_dim })
+        } else if elements > GQA_MAX_HEAD_ELEMENTS {
+            Err(ShapeError::TooLarge {
+                kv_heads,
+                head_dim,
+                elements,
+            })
+        } else {
+            Ok(())
+        }
+    }
+
+    /// The per-token fields, in order: `(dtype, elements)`. GQA's are its keys (field 0)
+    /// and its values (field 1), `kv_heads × head_dim` bf16 each, head-major.
+    pub fn fields(self) -> Vec<(Dtype, u32)> {
         match self {
-            BufferKind::NsaKv => &[(Dtype::Fp8E4m3, 512), (Dtype::F32, 4), (Dtype::Bf16, 64)],
-            BufferKind::NsaIndexK => &[(Dtype::Fp8E4m3, 128), (Dtype::F32, 1)],
-            BufferKind::MlaKv => &[(Dtype::Bf16, 576)],
+            BufferKind::NsaKv => vec![(Dtype::Fp8E4m3, 512), (Dtype::F32, 4), (Dtype::Bf16, 64)],
+            BufferKind::NsaIndexK => vec![(Dtype::Fp8E4m3, 128), (Dtype::F32, 1)],
+            BufferKind::MlaKv => vec![(Dtype::Bf16, 576)],
+            BufferKind::GqaKv { kv_heads, head_dim } => {
+                let n = u32::from(kv_heads) * u32::from(head_dim);
+                vec![(Dtype::Bf16, n), (Dtype::Bf16, n)]
+            }
         }
     }
 
@@ -210,11 +278,11 @@ impl BufferKind {
     pub fn arrangement(self) -> Arrangement {
         match self {
             BufferKind::NsaKv | BufferKind::MlaKv => Arrangement::TokenMajor,
-            BufferKind::NsaIndexK => Arrangement::PageOrganised,
+            BufferKind::NsaIndexK | BufferKind::GqaKv { .. } => Arrangement::PageOrganised,
         }
     }
 
-    /// Bytes per token (656, 132, 1152).
+    /// Bytes per token (656, 132, 1152; GQA `4 × kv_heads × head_dim`).
     pub fn bytes_per_token(self) -> u32 {
         self.fields().iter().map(|(d, c)| d.size() * c).sum()
     }
@@ -239,9 +307,9 @@ impl BufferKind {
         let bpt = self.bytes_per_token();
         let mut before = 0u32;
         self.fields()
-            .iter()
+            .into_iter()
             .enumerate()
-            .map(|(id, &(dtype, count))| {
+            .map(|(id, (dtype, count))| {
                 let field_bytes = dtype.size() * count;
                 let (base, tok_stride) = match self.arrangement() {
                     Arrangement::TokenMajor => (before, bpt),

@@ -13,7 +13,10 @@ mod launch;
 mod params;
 mod status;
 
-pub use buffer::{Arrangement, BufferKind, Dtype, FieldLayout, FieldMisalignment};
+pub use buffer::{
+    Arrangement, BufferKind, Dtype, FieldLayout, FieldMisalignment, ShapeError,
+    GQA_MAX_HEAD_ELEMENTS,
+};
 pub use families::{
     AllocSpec, BusyKind, BusySpec, Direction, HostLayout, MaterialiseSpec, ReleaseSpec,
     SelectOutput, SynthSpec, TokenOrder, TransferSpec, VerifySpec,
@@ -434,6 +437,12 @@ impl KernelSpec {
             }
         };
         let check_fields = |buffer: BufferKind, page_size: u32| {
+            buffer
+                .check_shape()
+                .map_err(|source| KernelError::InvalidShape {
+                    family: fam,
+                    source,
+                })?;
             buffer
                 .check_access_alignment(page_size)
                 .map_err(|misalignment| KernelError::FieldMisaligned {

@@ -6,11 +6,85 @@ fn buffer_sizes_match_the_design() {
     assert_eq!(BufferKind::NsaIndexK.bytes_per_token(), 132);
     assert_eq!(BufferKind::MlaKv.bytes_per_token(), 1152);
     assert_eq!(BufferKind::NsaIndexK.page_bytes(64), 8448);
+    let gqa = BufferKind::GqaKv {
+        kv_heads: 8,
+        head_dim: 128,
+    };
+    assert_eq!(gqa.bytes_per_token(), 4096);
+    assert_eq!(gqa.to_string(), "gqa8x128_kv");
+    // Keys of every slot, then values of every slot.
+    let f = gqa.field_layouts(16);
+    assert_eq!(
+        f.iter()
+            .map(|f| (f.id, f.dtype, f.count, f.base, f.tok_stride))
+            .collect::<Vec<_>>(),
+        [
+            (0, Dtype::Bf16, 1024, 0, 2048),
+            (1, Dtype::Bf16, 1024, 16 * 2048, 2048)
+        ]
+    );
+}
+
+/// A GQA shape with no heads, no head dim or more than `GQA_MAX_HEAD_ELEMENTS` elements
+/// is a typed refusal of the spec and of the deployment, never a render.
+#[test]
+fn impossible_gqa_shapes_are_refused() {
+    for (kv_heads, head_dim) in [(0u16, 128u16), (8, 0), (1024, 128)] {
+        let buffer = BufferKind::GqaKv { kv_heads, head_dim };
+        assert!(buffer.check_shape().is_err(), "{buffer}");
+        let spec = KernelSpec::Synthesise(SynthSpec {
+            buffer,
+            cp: 2,
+            page_size: 16,
+            threads: 128,
+            order: TokenOrder::Paged,
+        });
+        let err = spec.render().unwrap_err();
+        assert!(matches!(err, KernelError::InvalidShape { .. }), "{err}");
+        let model = super::super::ModelShape::Gqa { kv_heads, head_dim };
+        let err = super::super::Deployment::new(model, 16, 2).unwrap_err();
+        assert!(
+            matches!(&err, KernelError::InvalidDeployment { name, .. } if name.starts_with("gqa")),
+            "{err}"
+        );
+    }
+    // The kernels' accesses stay aligned when heads × head dim is a multiple of 4, or 1 or
+    // 2; other shapes are refused as misaligned (docs/KERNELS.md "Buffer kinds").
+    for (kv_heads, head_dim, ok) in [
+        (1u16, 4u16, true),
+        (1, 1, true),
+        (2, 1, true),
+        (1, 3, false),
+        (3, 2, false),
+    ] {
+        let b = BufferKind::GqaKv { kv_heads, head_dim };
+        for ps in [1u32, 16] {
+            assert_eq!(b.check_access_alignment(ps).is_ok(), ok, "{b} ps{ps}");
+        }
+        let dep = super::super::Deployment::new(
+            super::super::ModelShape::Gqa { kv_heads, head_dim },
+            16,
+            2,
+        );
+        assert_eq!(dep.is_ok(), ok, "{b}");
+    }
 }
 
 #[test]
 fn field_layouts_tile_the_page_exactly() {
-    for b in [BufferKind::NsaKv, BufferKind::NsaIndexK, BufferKind::MlaKv] {
+    for b in [
+        BufferKind::NsaKv,
+        BufferKind::NsaIndexK,
+        BufferKind::MlaKv,
+        BufferKind::GqaKv {
+            kv_heads: 8,
+            head_dim: 128,
+        },
+        BufferKind::GqaKv {
+            kv_heads: 2,
+            head_dim: 12,
+        },
+    ] {
         for ps in [1u32, 16, 64] {
             let mut covered = vec![0u8; b.page_bytes(ps) as usize];
             for f in b.field_layouts(ps) {
@@ -35,7 +109,16 @@ fn field_layouts_tile_the_page_exactly() {
 /// 132-byte pages, so it is refused with a typed error (NSA deployments use page size 64).
 #[test]
 fn every_synthesised_access_is_aligned_to_its_width() {
-    for b in [BufferKind::NsaKv, BufferKind::NsaIndexK, BufferKind::MlaKv] {
+    let gqa = BufferKind::GqaKv {
+        kv_heads: 8,
+        head_dim: 128,
+    };
+    for b in [
+        BufferKind::NsaKv,
+        BufferKind::NsaIndexK,
+        BufferKind::MlaKv,
+        gqa,
+    ] {
         for ps in (0..=10).map(|k| 1u32 << k) {
             let pb = b.page_bytes(ps);
             let got = b.check_access_alignment(ps);
@@ -63,7 +146,12 @@ fn every_synthesised_access_is_aligned_to_its_width() {
     }
     // The partial draws: only nsa index_k's scale, one f32 of a draw of two, a u32.
     let mut partial = Vec::new();
-    for b in [BufferKind::NsaKv, BufferKind::NsaIndexK, BufferKind::MlaKv] {
+    for b in [
+        BufferKind::NsaKv,
+        BufferKind::NsaIndexK,
+        BufferKind::MlaKv,
+        gqa,
+    ] {
         for f in b.field_layouts(64) {
             if !f.tail_accesses().is_empty() {
                 partial.push((b, f.id, f.tail_accesses()));
