@@ -593,6 +593,21 @@ impl RankCache {
                 break;
             }
         }
+        // What the read-ahead found and no request takes: counted as this request's own
+        // refusals and failed reads past its first miss are.
+        if let Some(u) = self.prefetcher.as_ref().map(|p| p.untaken()) {
+            stats.storage_refused_torn += u.torn;
+            stats.storage_refused_checksum += u.checksum;
+            stats.storage_refused_fingerprint += u.fingerprint;
+            if u.io_errors > 0 {
+                tracing::warn!(
+                    rank = self.rank.0,
+                    records = u.io_errors,
+                    "storage read ahead failed"
+                );
+                stats.storage_io_errors += u.io_errors;
+            }
+        }
         out
     }
 

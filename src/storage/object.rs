@@ -8,8 +8,10 @@
 //! record: a put of a name that is there already writes nothing (the backend's
 //! put-if-absent), so the first whole record stays. A record written in parts is assembled
 //! by the writer whose part completes the set (it sees every part present), without a
-//! shared lock: two writers that both see the set complete both assemble the same bytes,
-//! and the put-if-absent keeps one. Leases, eviction and capacity are the engine's.
+//! shared lock: of two writers that both see the set complete, the one whose removal of
+//! part 0 finds it assembles and puts the record, the other holds (the engine removes an
+//! object once), so a record is put and counted once. Leases, eviction and capacity are
+//! the engine's.
 
 use super::record::{self, HEADER_BYTES};
 use super::{
@@ -34,8 +36,11 @@ pub trait ObjectBackend: Send + Sync {
     fn get(&self, name: &str) -> Result<Option<Vec<u8>>, StorageError>;
     /// Whether each of `names` is there.
     fn exist(&self, names: &[String]) -> Result<Vec<bool>, StorageError>;
-    /// Removes object `name` (nothing when there is none).
-    fn remove(&self, name: &str) -> Result<(), StorageError>;
+    /// Removes object `name`: `true` when this call removed it, `false` when there was
+    /// none. Of callers removing one object at once, at most one may be answered `true`
+    /// (a writer of a record in parts claims its assembly so); a backend that cannot tell
+    /// answers `true`.
+    fn remove(&self, name: &str) -> Result<bool, StorageError>;
     /// Bytes the store holds, as far as this client can tell (0 when it cannot).
     fn usage(&self) -> Result<u64, StorageError> {
         Ok(0)
@@ -339,6 +344,12 @@ impl<B: ObjectBackend> PageStore for ObjectStore<B> {
                 Some(Ok(b)) => all.push(b),
             }
         }
+        // Claims the assembly: of the writers that read the whole set, the one whose
+        // removal of part 0 finds it puts the record (no shared lock; Mooncake removes an
+        // object once), so a record is put, and counted, by one writer.
+        if !self.backend.remove(&names[0])? {
+            return Ok(PartPut::Held);
+        }
         let Some(payload) = assemble(&all) else {
             let sizes: Vec<usize> = all.iter().map(Vec::len).collect();
             return Err(StorageError::Config(format!(
@@ -347,7 +358,7 @@ impl<B: ObjectBackend> PageStore for ObjectStore<B> {
             )));
         };
         let put = self.put(key, &payload)?;
-        for n in &names {
+        for n in &names[1..] {
             let _ = self.backend.remove(n);
         }
         Ok(match put {
@@ -525,9 +536,8 @@ mod tests {
             let m = self.0.lock().unwrap();
             Ok(names.iter().map(|n| m.contains_key(n)).collect())
         }
-        fn remove(&self, name: &str) -> Result<(), StorageError> {
-            self.0.lock().unwrap().remove(name);
-            Ok(())
+        fn remove(&self, name: &str) -> Result<bool, StorageError> {
+            Ok(self.0.lock().unwrap().remove(name).is_some())
         }
     }
 
@@ -576,6 +586,80 @@ mod tests {
         let st = s.stats();
         assert_eq!((st.refused_torn, st.refused_checksum), (1, 2));
         assert_eq!((st.records_written, st.records_read, st.misses), (1, 1, 1));
+    }
+
+    /// Two writers that see a record's parts complete at once, over an engine whose put
+    /// answers success for an object that is there (Mooncake Store's, its presence test
+    /// racing the other's put): one puts and counts the record, the other holds.
+    #[test]
+    fn two_writers_completing_a_record_at_once_count_it_once() {
+        struct Racing {
+            mem: Mem,
+            reads: std::sync::Barrier,
+        }
+        impl ObjectBackend for Racing {
+            fn put_if_absent(&self, name: &str, bytes: &[u8]) -> Result<bool, StorageError> {
+                self.mem.put_if_absent(name, bytes)?;
+                Ok(true)
+            }
+            fn get(&self, name: &str) -> Result<Option<Vec<u8>>, StorageError> {
+                // Both writers have read each part before either goes on.
+                let got = self.mem.get(name);
+                if name.contains("/part-") {
+                    self.reads.wait();
+                }
+                got
+            }
+            fn exist(&self, names: &[String]) -> Result<Vec<bool>, StorageError> {
+                self.mem.exist(names)
+            }
+            fn remove(&self, name: &str) -> Result<bool, StorageError> {
+                self.mem.remove(name)
+            }
+        }
+        let s = ObjectStore::new(
+            Racing {
+                mem: Mem::default(),
+                reads: std::sync::Barrier::new(2),
+            },
+            Fingerprint::named("test"),
+            8,
+        )
+        .unwrap();
+        let key = RecordKey::chain(s.fingerprint(), &[7, 7], 2)[0];
+        // Both parts there, as both writers put theirs before looking.
+        for (p, bytes) in [(0, b"abcd"), (1, b"efgh")] {
+            let part = record::encode(&s.fp, &s.part_key(&key, p, 2), bytes);
+            s.backend()
+                .mem
+                .put_if_absent(&part_name(&key, p, 2), &part)
+                .unwrap();
+        }
+        let puts: Vec<PartPut> = std::thread::scope(|t| {
+            let writers: Vec<_> = [(0u32, b"abcd"), (1, b"efgh")]
+                .into_iter()
+                .map(|(p, bytes)| {
+                    let s = &s;
+                    t.spawn(move || {
+                        let cat = |all: &[Vec<u8>]| Some(all.concat());
+                        s.put_part(&key, p, 2, bytes, &cat).unwrap()
+                    })
+                })
+                .collect();
+            writers.into_iter().map(|w| w.join().unwrap()).collect()
+        });
+        let completed = puts
+            .iter()
+            .filter(|p| matches!(p, PartPut::Completed { .. }))
+            .count();
+        assert_eq!(completed, 1, "{puts:?}");
+        assert_eq!(s.stats().records_written, 1);
+        assert_eq!(s.get(&key).unwrap(), Lookup::Hit(b"abcdefgh".to_vec()));
+        assert_eq!(
+            s.backend().mem.0.lock().unwrap().len(),
+            1,
+            "the parts are gone"
+        );
     }
 
     #[test]
