@@ -128,6 +128,10 @@ class MooncakeStore:
             )
         self.protocol = protocol
         self.zero_copy = protocol == "tcp" if zero_copy is None else bool(zero_copy)
+        # Whether put_objects_from moves an object's buffers as they are (the page store
+        # then puts a record as its header and the page in place, no copy): by address,
+        # batch_put_from_multi_buffers gathers them; the bytes path joins them (a copy).
+        self.gathers_puts = self.zero_copy
         self._lock = threading.Lock()
         # Bytes of each object this client put and has not seen go (for usage()).
         self._put_sizes: Dict[str, int] = {}

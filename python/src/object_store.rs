@@ -25,6 +25,10 @@
 //!   node's or a request's records, and one failed object must not take the others'
 //!   writes or hits with it); an exception raised fails the whole batch. A
 //!   `put_objects_from` that answers fewer objects than it was given fails them all.
+//! - optionally `gathers_puts: bool` (read once): true when `put_objects_from` moves an
+//!   object's several buffers as they are (no join); the page store then hands it each
+//!   record as two buffers, its header and the page in place, instead of copying the page
+//!   behind its header first.
 
 use cp_hicache::storage::{get_each_into, put_each, ObjectBackend, StorageError};
 use pyo3::exceptions::PyBaseException;
@@ -44,6 +48,8 @@ pub struct PyBackend {
     what: String,
     /// Whether it has [`BATCH_METHODS`].
     batched: bool,
+    /// Whether it is batched and says `gathers_puts`.
+    gathers: bool,
 }
 
 impl PyBackend {
@@ -69,10 +75,16 @@ impl PyBackend {
         let batched = BATCH_METHODS
             .iter()
             .all(|m| obj.hasattr(*m).unwrap_or(false));
+        let gathers = batched
+            && obj
+                .getattr("gathers_puts")
+                .and_then(|g| g.is_truthy())
+                .unwrap_or(false);
         Ok(PyBackend {
             obj: obj.clone().unbind(),
             what,
             batched,
+            gathers,
         })
     }
 
@@ -145,6 +157,10 @@ impl ObjectBackend for PyBackend {
 
     fn batches(&self) -> bool {
         self.batched
+    }
+
+    fn gathers(&self) -> bool {
+        self.gathers
     }
 
     fn put_many(&self, items: &[(String, Vec<&[u8]>)]) -> Vec<Result<bool, StorageError>> {

@@ -344,6 +344,47 @@ def test_batches_and_usage_counts_what_this_client_put(mooncake_master):
     store.close()
 
 
+def test_large_records_go_as_their_header_and_the_page_in_place(mooncake_master):
+    """Records of 512 KiB of payload or more are put as two buffers each, their header and
+    the page in place (`batch_put_from_multi_buffers`: nothing copied), and read back so
+    (`batch_get_into_multi_buffers`: the payload straight into the caller's memory,
+    checked there), byte for byte, in one buffer per page and in several; a damaged one is
+    refused. The stored bytes are a record built whole."""
+    from cp_hicache import _native
+    from cp_hicache.mooncake import MooncakeStore
+
+    store = MooncakeStore(mooncake_master.url, **mooncake_master.options)
+    assert store.gathers_puts is True
+    store._store = calls = _Calls(store._store)
+    page = 512 << 10
+    ps = _native.PageStore.over(store, "in-place", page)
+    rng = np.random.default_rng(11)
+    src = rng.integers(0, 256, size=4 * page, dtype=np.uint8)
+    dst = np.zeros_like(src)
+
+    def parts(a, i):  # pages 0-1 in one buffer, 2-3 in two
+        base = a.ctypes.data + i * page
+        return [(base, page)] if i < 2 else [(base, 1000), (base + 1000, page - 1000)]
+
+    names = [f"page-{i}" for i in range(4)]
+    assert ps.put_many(names, [parts(src, i) for i in range(4)]) == [True] * 4
+    assert ps.get_many(names, [parts(dst, i) for i in range(4)]) == [True] * 4
+    assert np.array_equal(src, dst)
+    used = set(calls.names)
+    assert {"batch_put_from_multi_buffers", "batch_get_into_multi_buffers"} <= used, used
+    assert not used & {"batch_put_from", "batch_get_into"}, used
+    # What is stored is the record whole: 64 bytes of header, then the page.
+    obj = next(iter(store._put_sizes))
+    raw = store.get_object(obj)
+    assert len(raw) == 64 + page and raw[:8] == b"CPHCPAGE"
+    bad = bytearray(raw)
+    bad[64 + 12345] ^= 1
+    store.damage(obj, bytes(bad))
+    assert ps.get_many(names, [parts(dst, i) for i in range(4)]).count(False) == 1
+    assert ps.stats()["refused_checksum"] == 1
+    store.close()
+
+
 def test_a_cp8_replay_writes_and_fresh_cp4_rank_processes_read_back(mooncake_master, tmp_path):
     """`python -m cp_hicache.replay --storage mooncake://...`: eight rank processes at CP 8
     write the records (contributing no memory: a holder client keeps them); four fresh

@@ -26,6 +26,14 @@ use std::sync::Mutex;
 /// records paid again (a third of a batch read's time for 200 KB records here).
 const SPARE_BYTES: usize = 128 << 20;
 
+/// Payloads of at least this many bytes go to an engine that
+/// [gathers](ObjectBackend::gathers) as their header and the caller's memory in place
+/// (no copy); smaller ones are built whole in one buffer. Measured against Mooncake
+/// Store's TCP transport (BENCHMARKS.md, "Mooncake Store throughput"): its batch put of
+/// two buffers per object costs more per object than a copy of 200 KB saves, and less
+/// than a copy of 512 KB or 1 MiB.
+pub const GATHER_BYTES: u64 = 512 << 10;
+
 /// What a store of objects must do for [`ObjectStore`]: put, get, test and remove whole
 /// objects by name. Every call may run beside other processes using the same store.
 pub trait ObjectBackend: Send + Sync {
@@ -48,6 +56,16 @@ pub trait ObjectBackend: Send + Sync {
     /// Whether [`put_many`](Self::put_many) and [`get_many_into`](Self::get_many_into) are
     /// one call of the engine (not the per-object defaults).
     fn batches(&self) -> bool {
+        false
+    }
+    /// Whether [`put_many`](Self::put_many) hands the engine an object's slices as they
+    /// are, and [`get_many_into`](Self::get_many_into) fills several slices in one
+    /// transfer (Mooncake Store's `batch_put_from_multi_buffers` and
+    /// `batch_get_into_multi_buffers`): a record of at least [`GATHER_BYTES`] of payload
+    /// then goes as its header and the caller's payload in place, and is read so, with
+    /// no copy; else the store builds each record in one buffer first, and reads it whole
+    /// into one.
+    fn gathers(&self) -> bool {
         false
     }
     /// [`put_if_absent`](Self::put_if_absent) of each `(name, slices)` (the object is the
@@ -182,6 +200,96 @@ impl<B: ObjectBackend> ObjectStore<B> {
         }
     }
 
+    /// Whether records go to the backend and come back as their header and the caller's
+    /// memory in place ([`GATHER_BYTES`]).
+    fn gathers(&self) -> bool {
+        self.backend.gathers() && self.payload_bytes >= GATHER_BYTES
+    }
+
+    /// [`PageStore::get_many_into`] where the records come as their header and the
+    /// caller's slices: each record's header into a buffer of its own, its payload
+    /// straight into the caller's memory (no copy), then checked there. A record refused
+    /// may so leave bytes in the caller's slices (served as a miss, as any refusal). An
+    /// object longer than a record is not read.
+    fn get_scattered(
+        &self,
+        keys: &[RecordKey],
+        names: &[String],
+        dsts: &mut [Vec<&mut [u8]>],
+    ) -> Vec<Result<Filled, StorageError>> {
+        let whole = HEADER_BYTES + self.payload_bytes as usize;
+        let mut heads = vec![[0u8; HEADER_BYTES]; keys.len()];
+        let answers = {
+            let mut bufs: Vec<Vec<&mut [u8]>> = heads
+                .iter_mut()
+                .zip(dsts.iter_mut())
+                .map(|(h, d)| {
+                    let mut b: Vec<&mut [u8]> = Vec::with_capacity(d.len() + 1);
+                    b.push(&mut h[..]);
+                    b.extend(d.iter_mut().map(|s| &mut **s));
+                    b
+                })
+                .collect();
+            self.backend.get_many_into(names, &mut bufs)
+        };
+        if answers.len() != keys.len() {
+            let why = format!(
+                "the backend answered {} of {} gets",
+                answers.len(),
+                keys.len()
+            );
+            return keys
+                .iter()
+                .map(|_| Err(StorageError::Backend(why.clone())))
+                .collect();
+        }
+        keys.iter()
+            .zip(names)
+            .zip(&heads)
+            .zip(dsts.iter())
+            .zip(answers)
+            .map(|((((key, name), head), dst), answer)| {
+                let Some(len) = answer? else {
+                    self.stats.misses.fetch_add(1, Ordering::Relaxed);
+                    return Ok(Filled::Miss);
+                };
+                let checked = if len > whole {
+                    // Longer than any record of this deployment: not read.
+                    Err(RecordError::Length {
+                        have: (len - HEADER_BYTES) as u64,
+                        want: self.payload_bytes,
+                    })
+                } else if len < HEADER_BYTES {
+                    Err(RecordError::Torn {
+                        have: len as u64,
+                        want: HEADER_BYTES as u64,
+                    })
+                } else {
+                    record::check_header(head, len as u64, &self.fp, key, self.payload_bytes)
+                        .and_then(|()| {
+                            let parts: Vec<&[u8]> = dst.iter().map(|s| &s[..]).collect();
+                            record::check_payload_parts(head, &parts)
+                        })
+                };
+                match checked {
+                    Ok(()) => {
+                        self.stats.records_read.fetch_add(1, Ordering::Relaxed);
+                        self.stats
+                            .bytes_read
+                            .fetch_add(len as u64, Ordering::Relaxed);
+                        Ok(Filled::Hit)
+                    }
+                    Err(why) => {
+                        self.refused(&why);
+                        // Removed, so the record can be written again.
+                        let _ = self.backend.remove(name);
+                        Ok(Filled::Refused(why))
+                    }
+                }
+            })
+            .collect()
+    }
+
     /// The backend.
     pub fn backend(&self) -> &B {
         &self.backend
@@ -251,33 +359,50 @@ impl<B: ObjectBackend> PageStore for ObjectStore<B> {
             .expect("one answer per item")
     }
 
-    /// One [`ObjectBackend::put_many`] of the records, each whole in one buffer (one copy
-    /// of the payload behind its header, its checksum taken in the same pass
-    /// ([`record::encode_into`]): an engine moves one buffer per object faster than
-    /// two, Mooncake Store's batch put by about 2× on records of 200 KB): the backend's
+    /// One [`ObjectBackend::put_many`] of the records. Where the backend
+    /// [gathers](ObjectBackend::gathers) an object's slices and a payload is at least
+    /// [`GATHER_BYTES`], each record is its header and
+    /// the caller's payload in place (the checksum reads the payload, nothing copies it);
+    /// else each is built whole in one buffer (one copy of the payload behind its header,
+    /// its checksum taken in the same pass: [`record::encode_into`]). The backend's
     /// put-if-absent says which were there (no test of presence first, which would cost
-    /// the engine a second call per batch).
+    /// the engine a second call per batch). A backend that answers fewer puts than it was
+    /// given fails every record of the batch: which ones it wrote is unknown.
     fn put_many(&self, items: &[(RecordKey, &[u8])]) -> Vec<Result<Put, StorageError>> {
         let mut out: Vec<Option<Result<Put, StorageError>>> = items.iter().map(|_| None).collect();
-        let mut records = self.take_buffers(items.len(), None);
         let mut at = Vec::with_capacity(items.len());
         for (i, (key, payload)) in items.iter().enumerate() {
             match super::check_payload(key, payload, self.payload_bytes) {
-                Ok(()) => {
-                    record::encode_into(&self.fp, key, payload, &mut records[at.len()]);
-                    at.push(i);
-                }
+                Ok(()) => at.push(i),
                 Err(e) => out[i] = Some(Err(e)),
             }
         }
-        let batch: Vec<(String, Vec<&[u8]>)> = at
-            .iter()
-            .zip(&records)
-            .map(|(&i, rec)| (object_name(&items[i].0), vec![&rec[..]]))
-            .collect();
-        let answers = self.backend.put_many(&batch);
-        drop(batch);
-        self.give_back(records);
+        let answers = if self.gathers() {
+            let heads: Vec<[u8; HEADER_BYTES]> = at
+                .iter()
+                .map(|&i| record::header(&self.fp, &items[i].0, items[i].1))
+                .collect();
+            let batch: Vec<(String, Vec<&[u8]>)> = at
+                .iter()
+                .zip(&heads)
+                .map(|(&i, head)| (object_name(&items[i].0), vec![&head[..], items[i].1]))
+                .collect();
+            self.backend.put_many(&batch)
+        } else {
+            let mut records = self.take_buffers(at.len(), None);
+            for (&i, rec) in at.iter().zip(records.iter_mut()) {
+                record::encode_into(&self.fp, &items[i].0, items[i].1, rec);
+            }
+            let batch: Vec<(String, Vec<&[u8]>)> = at
+                .iter()
+                .zip(&records)
+                .map(|(&i, rec)| (object_name(&items[i].0), vec![&rec[..]]))
+                .collect();
+            let answers = self.backend.put_many(&batch);
+            drop(batch);
+            self.give_back(records);
+            answers
+        };
         if answers.len() != at.len() {
             let why = format!(
                 "the backend answered {} of {} puts",
@@ -419,6 +544,9 @@ impl<B: ObjectBackend> PageStore for ObjectStore<B> {
                 .iter()
                 .map(|_| Err(StorageError::Config(why.clone())))
                 .collect();
+        }
+        if self.gathers() {
+            return self.get_scattered(keys, &names, dsts);
         }
         let mut bufs = self.take_buffers(keys.len(), Some(whole));
         let answers = {
@@ -586,6 +714,96 @@ mod tests {
         let st = s.stats();
         assert_eq!((st.refused_torn, st.refused_checksum), (1, 2));
         assert_eq!((st.records_written, st.records_read, st.misses), (1, 1, 1));
+    }
+
+    /// A backend that gathers an object's slices is handed each record as its header and
+    /// the caller's payload in place (nothing copied), and stores the bytes of a record
+    /// built whole.
+    #[test]
+    fn a_gathering_backend_gets_the_header_and_the_payload_in_place() {
+        #[derive(Default)]
+        struct Gathering {
+            mem: Mem,
+            slices: Mutex<Vec<(usize, usize)>>,
+        }
+        impl ObjectBackend for Gathering {
+            fn put_if_absent(&self, name: &str, bytes: &[u8]) -> Result<bool, StorageError> {
+                self.mem.put_if_absent(name, bytes)
+            }
+            fn get(&self, name: &str) -> Result<Option<Vec<u8>>, StorageError> {
+                self.mem.get(name)
+            }
+            fn exist(&self, names: &[String]) -> Result<Vec<bool>, StorageError> {
+                self.mem.exist(names)
+            }
+            fn remove(&self, name: &str) -> Result<bool, StorageError> {
+                self.mem.remove(name)
+            }
+            fn gathers(&self) -> bool {
+                true
+            }
+            fn put_many(&self, items: &[(String, Vec<&[u8]>)]) -> Vec<Result<bool, StorageError>> {
+                let mut seen = self.slices.lock().unwrap();
+                for (_, slices) in items {
+                    seen.extend(slices.iter().map(|s| (s.as_ptr() as usize, s.len())));
+                }
+                put_each(self, items)
+            }
+        }
+        let n = GATHER_BYTES as usize;
+        let s =
+            ObjectStore::new(Gathering::default(), Fingerprint::named("test"), n as u64).unwrap();
+        let keys = RecordKey::chain(s.fingerprint(), &[1, 2, 3, 4], 2);
+        let (a, b) = (vec![1u8; n], vec![2u8; n]);
+        let puts = s.put_many(&[(keys[0], &a[..]), (keys[1], &b[..])]);
+        assert!(
+            puts.iter().all(|p| matches!(p, Ok(Put::Written { .. }))),
+            "{puts:?}"
+        );
+        let seen = s.backend().slices.lock().unwrap().clone();
+        assert_eq!(seen.len(), 4, "a header and a payload per record");
+        assert_eq!(seen[1], (a.as_ptr() as usize, n), "the payload in place");
+        assert_eq!(seen[3], (b.as_ptr() as usize, n));
+        assert_eq!((seen[0].1, seen[2].1), (HEADER_BYTES, HEADER_BYTES));
+        let raw = s.backend().get(&object_name(&keys[1])).unwrap().unwrap();
+        assert_eq!(raw, record::encode(s.fingerprint(), &keys[1], &b));
+        // Read back into the caller's memory in two slices, checked there.
+        let mut out = vec![0u8; n];
+        let (lo, hi) = out.split_at_mut(1000);
+        let got = s.get_many_into(&keys[1..2], &mut [vec![lo, hi]]);
+        assert!(matches!(got[..], [Ok(Filled::Hit)]), "{got:?}");
+        assert_eq!(out, b);
+        // A damaged one, a short one and a long one are refused and counted.
+        let mut bad = record::encode(s.fingerprint(), &keys[0], &a);
+        bad[HEADER_BYTES + 5] ^= 1;
+        let m = &s.backend().mem.0;
+        m.lock().unwrap().insert(object_name(&keys[0]), bad);
+        m.lock()
+            .unwrap()
+            .insert(object_name(&keys[1]), raw[..n / 2].to_vec());
+        let long = [&raw[..], b"x"].concat();
+        let got = s.get_many(&keys[..2]);
+        assert!(
+            matches!(got[0], Ok(Lookup::Refused(RecordError::Checksum { .. }))),
+            "{:?}",
+            got[0]
+        );
+        assert!(
+            matches!(got[1], Ok(Lookup::Refused(RecordError::Torn { .. }))),
+            "{:?}",
+            got[1]
+        );
+        m.lock().unwrap().insert(object_name(&keys[1]), long);
+        let got = s.get(&keys[1]);
+        assert!(
+            matches!(got, Ok(Lookup::Refused(RecordError::Length { .. }))),
+            "{got:?}"
+        );
+        let st = s.stats();
+        assert_eq!(
+            (st.refused_checksum, st.refused_torn, st.records_read),
+            (2, 1, 1)
+        );
     }
 
     /// Two writers that see a record's parts complete at once, over an engine whose put
