@@ -15,8 +15,8 @@
 
 use super::record::{self, HEADER_BYTES};
 use super::{
-    Assemble, Filled, Fingerprint, Lookup, PageStore, PartPut, Put, RecordError, RecordKey,
-    Refusal, StorageError, StoreStats,
+    Assemble, Filled, Fingerprint, Lookup, PageStore, PartItem, PartPut, Put, RecordError,
+    RecordKey, Refusal, StorageError, StoreStats,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -290,6 +290,53 @@ impl<B: ObjectBackend> ObjectStore<B> {
             .collect()
     }
 
+    /// Completes `key`'s record, whose `parts` parts were all seen there: reads and checks
+    /// them, claims the assembly (the removal of part 0), assembles, puts the record and
+    /// removes the other parts.
+    fn complete(
+        &self,
+        key: &RecordKey,
+        parts: u32,
+        assemble: Assemble<'_>,
+    ) -> Result<PartPut, StorageError> {
+        let names: Vec<String> = (0..parts).map(|p| part_name(key, p, parts)).collect();
+        let mut all = Vec::with_capacity(parts as usize);
+        for p in 0..parts {
+            match self.read_part(key, p, parts)? {
+                // Taken meanwhile by another writer that assembled it.
+                None => return Ok(PartPut::Held),
+                Some(Err(why)) => {
+                    // A damaged part: removed, so the next writers start it again.
+                    self.refused(&why);
+                    let _ = self.backend.remove(&names[p as usize]);
+                    return Ok(PartPut::Held);
+                }
+                Some(Ok(b)) => all.push(b),
+            }
+        }
+        // Claims the assembly: of the writers that read the whole set, the one whose
+        // removal of part 0 finds it puts the record (no shared lock; Mooncake removes an
+        // object once), so a record is put, and counted, by one writer.
+        if !self.backend.remove(&names[0])? {
+            return Ok(PartPut::Held);
+        }
+        let Some(payload) = assemble(&all) else {
+            let sizes: Vec<usize> = all.iter().map(Vec::len).collect();
+            return Err(StorageError::Config(format!(
+                "the parts of record {key} ({sizes:?} bytes) are not of this layout's sizes: \
+                 two layouts write parts of one record"
+            )));
+        };
+        let put = self.put(key, &payload)?;
+        for n in &names[1..] {
+            let _ = self.backend.remove(n);
+        }
+        Ok(match put {
+            Put::Written { evicted } => PartPut::Completed { evicted },
+            Put::Present => PartPut::Present,
+        })
+    }
+
     /// The backend.
     pub fn backend(&self) -> &B {
         &self.backend
@@ -455,41 +502,137 @@ impl<B: ObjectBackend> PageStore for ObjectStore<B> {
         if self.backend.exist(&names)?.iter().any(|&e| !e) {
             return Ok(PartPut::Held);
         }
-        let mut all = Vec::with_capacity(parts as usize);
-        for p in 0..parts {
-            match self.read_part(key, p, parts)? {
-                // Taken meanwhile by another writer that assembled it.
-                None => return Ok(PartPut::Held),
-                Some(Err(why)) => {
-                    // A damaged part: removed, so the next writers start it again.
-                    self.refused(&why);
-                    let _ = self.backend.remove(&names[p as usize]);
-                    return Ok(PartPut::Held);
-                }
-                Some(Ok(b)) => all.push(b),
+        self.complete(key, parts, assemble)
+    }
+
+    /// One [`ObjectBackend::exist`] of the items' records, one
+    /// [`ObjectBackend::put_many`] of their parts (each not there already) and one
+    /// [`ObjectBackend::exist`] of every part of those records, where [`put_part`]
+    /// (PageStore::put_part) makes the three calls for each part; a record whose parts are
+    /// then all there is completed as `put_part` completes it.
+    fn put_parts(&self, items: &[PartItem<'_>]) -> Vec<Result<PartPut, StorageError>> {
+        let mut out: Vec<Option<Result<PartPut, StorageError>>> =
+            items.iter().map(|_| None).collect();
+        let mut live = Vec::with_capacity(items.len());
+        for (i, it) in items.iter().enumerate() {
+            match super::check_part(&it.key, it.part, it.parts, it.payload, self.payload_bytes) {
+                Ok(()) => live.push(i),
+                Err(e) => out[i] = Some(Err(e)),
             }
         }
-        // Claims the assembly: of the writers that read the whole set, the one whose
-        // removal of part 0 finds it puts the record (no shared lock; Mooncake removes an
-        // object once), so a record is put, and counted, by one writer.
-        if !self.backend.remove(&names[0])? {
-            return Ok(PartPut::Held);
+        // Every answer of a call that failed, or answered another count, is its error.
+        let fail_all =
+            |out: &mut Vec<Option<Result<PartPut, StorageError>>>, live: &[usize], why: String| {
+                for &i in live {
+                    out[i] = Some(Err(StorageError::Backend(why.clone())));
+                }
+            };
+        let wholes: Vec<String> = live.iter().map(|&i| object_name(&items[i].key)).collect();
+        match self.backend.exist(&wholes) {
+            Ok(there) if there.len() == live.len() => {
+                let mut kept = Vec::with_capacity(live.len());
+                for (&i, &t) in live.iter().zip(&there) {
+                    if t {
+                        self.stats.already_present.fetch_add(1, Ordering::Relaxed);
+                        out[i] = Some(Ok(PartPut::Present));
+                    } else {
+                        kept.push(i);
+                    }
+                }
+                live = kept;
+            }
+            Ok(there) => {
+                let why = format!(
+                    "the backend answered {} of {} names",
+                    there.len(),
+                    live.len()
+                );
+                fail_all(&mut out, &live, why);
+                live.clear();
+            }
+            Err(e) => {
+                fail_all(&mut out, &live, e.to_string());
+                live.clear();
+            }
         }
-        let Some(payload) = assemble(&all) else {
-            let sizes: Vec<usize> = all.iter().map(Vec::len).collect();
-            return Err(StorageError::Config(format!(
-                "the parts of record {key} ({sizes:?} bytes) are not of this layout's sizes: \
-                 two layouts write parts of one record"
-            )));
-        };
-        let put = self.put(key, &payload)?;
-        for n in &names[1..] {
-            let _ = self.backend.remove(n);
+        let encoded: Vec<Vec<u8>> = live
+            .iter()
+            .map(|&i| {
+                let it = &items[i];
+                record::encode(
+                    &self.fp,
+                    &self.part_key(&it.key, it.part, it.parts),
+                    it.payload,
+                )
+            })
+            .collect();
+        let batch: Vec<(String, Vec<&[u8]>)> = live
+            .iter()
+            .zip(&encoded)
+            .map(|(&i, b)| {
+                let it = &items[i];
+                (part_name(&it.key, it.part, it.parts), vec![&b[..]])
+            })
+            .collect();
+        if !batch.is_empty() {
+            let answers = self.backend.put_many(&batch);
+            if answers.len() != live.len() {
+                let why = format!(
+                    "the backend answered {} of {} puts",
+                    answers.len(),
+                    live.len()
+                );
+                fail_all(&mut out, &live, why);
+                live.clear();
+            } else {
+                let mut kept = Vec::with_capacity(live.len());
+                for (&i, answer) in live.iter().zip(answers) {
+                    match answer {
+                        Ok(_) => kept.push(i),
+                        Err(e) => out[i] = Some(Err(e)),
+                    }
+                }
+                live = kept;
+            }
         }
-        Ok(match put {
-            Put::Written { evicted } => PartPut::Completed { evicted },
-            Put::Present => PartPut::Present,
-        })
+        // Which records have every part there: one call for all.
+        let names: Vec<String> = live
+            .iter()
+            .flat_map(|&i| {
+                let it = &items[i];
+                (0..it.parts).map(move |p| part_name(&it.key, p, it.parts))
+            })
+            .collect();
+        if !names.is_empty() {
+            match self.backend.exist(&names) {
+                Ok(there) if there.len() == names.len() => {
+                    let mut at = 0;
+                    for &i in &live {
+                        let it = &items[i];
+                        let n = it.parts as usize;
+                        let whole = there[at..at + n].iter().all(|&e| e);
+                        at += n;
+                        out[i] = Some(if whole {
+                            self.complete(&it.key, it.parts, it.assemble)
+                        } else {
+                            Ok(PartPut::Held)
+                        });
+                    }
+                }
+                Ok(there) => {
+                    let why = format!(
+                        "the backend answered {} of {} names",
+                        there.len(),
+                        names.len()
+                    );
+                    fail_all(&mut out, &live, why);
+                }
+                Err(e) => fail_all(&mut out, &live, e.to_string()),
+            }
+        }
+        out.into_iter()
+            .map(|o| o.expect("every item answered"))
+            .collect()
     }
 
     fn get(&self, key: &RecordKey) -> Result<Lookup, StorageError> {
@@ -878,6 +1021,84 @@ mod tests {
             1,
             "the parts are gone"
         );
+    }
+
+    /// A batch of parts is three calls of the engine (the records' presence, the parts'
+    /// put, the parts' presence), where `put_part` of each makes three per part; the
+    /// batch that completes records assembles each.
+    #[test]
+    fn a_batch_of_parts_is_three_engine_calls() {
+        #[derive(Default)]
+        struct Counting {
+            mem: Mem,
+            calls: Mutex<Vec<&'static str>>,
+        }
+        impl ObjectBackend for Counting {
+            fn put_if_absent(&self, name: &str, bytes: &[u8]) -> Result<bool, StorageError> {
+                self.calls.lock().unwrap().push("put");
+                self.mem.put_if_absent(name, bytes)
+            }
+            fn get(&self, name: &str) -> Result<Option<Vec<u8>>, StorageError> {
+                self.calls.lock().unwrap().push("get");
+                self.mem.get(name)
+            }
+            fn exist(&self, names: &[String]) -> Result<Vec<bool>, StorageError> {
+                self.calls.lock().unwrap().push("exist");
+                self.mem.exist(names)
+            }
+            fn remove(&self, name: &str) -> Result<bool, StorageError> {
+                self.calls.lock().unwrap().push("remove");
+                self.mem.remove(name)
+            }
+            fn put_many(&self, items: &[(String, Vec<&[u8]>)]) -> Vec<Result<bool, StorageError>> {
+                self.calls.lock().unwrap().push("put_many");
+                items
+                    .iter()
+                    .map(|(n, s)| self.mem.put_if_absent(n, &s.concat()))
+                    .collect()
+            }
+        }
+        let s = ObjectStore::new(Counting::default(), Fingerprint::named("test"), 8).unwrap();
+        let keys = RecordKey::chain(s.fingerprint(), &[1, 2, 3, 4, 5, 6, 7, 8], 2);
+        let cat: Assemble<'_> = &|all: &[Vec<u8>]| Some(all.concat());
+        let items = |part: u32, bytes: &'static [u8; 4]| -> Vec<PartItem<'_>> {
+            keys.iter()
+                .map(|k| PartItem {
+                    key: *k,
+                    part,
+                    parts: 2,
+                    payload: bytes,
+                    assemble: cat,
+                })
+                .collect()
+        };
+        let held = s.put_parts(&items(1, b"efgh"));
+        assert!(
+            held.iter().all(|p| matches!(p, Ok(PartPut::Held))),
+            "{held:?}"
+        );
+        let calls = std::mem::take(&mut *s.backend().calls.lock().unwrap());
+        assert_eq!(calls, ["exist", "put_many", "exist"]);
+        let done = s.put_parts(&items(0, b"abcd"));
+        assert!(
+            done.iter()
+                .all(|p| matches!(p, Ok(PartPut::Completed { .. }))),
+            "{done:?}"
+        );
+        for k in &keys {
+            assert_eq!(s.get(k).unwrap(), Lookup::Hit(b"abcdefgh".to_vec()));
+        }
+        assert_eq!(s.stats().records_written, 4);
+        assert_eq!(
+            s.backend().mem.0.lock().unwrap().len(),
+            4,
+            "the parts are gone"
+        );
+        // A record there already: its part is not put.
+        assert!(matches!(
+            s.put_parts(&items(0, b"abcd"))[..],
+            [Ok(PartPut::Present), ..]
+        ));
     }
 
     #[test]
