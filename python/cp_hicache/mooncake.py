@@ -33,6 +33,8 @@ SCHEME = "mooncake"
 
 # Mooncake's error code for an object that is not there (a get, a remove).
 _OBJECT_NOT_FOUND = -704
+# Not one of Mooncake's codes: an object a batch call left unanswered.
+_SHORT = object()
 # Names per batch_is_exist when usage() checks what this client put.
 _USAGE_BATCH = 4096
 
@@ -73,6 +75,10 @@ _OPTIONS = {
 
 class MooncakeError(RuntimeError):
     """A Mooncake Store call failed (the master gone, the segment full)."""
+
+
+class _Unanswered(MooncakeError):
+    """A read failed and the master did not answer the object's size either."""
 
 
 class MooncakeStore:
@@ -122,6 +128,10 @@ class MooncakeStore:
             )
         self.protocol = protocol
         self.zero_copy = protocol == "tcp" if zero_copy is None else bool(zero_copy)
+        # Whether put_objects_from moves an object's buffers as they are (the page store
+        # then puts a record as its header and the page in place, no copy): by address,
+        # batch_put_from_multi_buffers gathers them; the bytes path joins them (a copy).
+        self.gathers_puts = self.zero_copy
         self._lock = threading.Lock()
         # Bytes of each object this client put and has not seen go (for usage()).
         self._put_sizes: Dict[str, int] = {}
@@ -178,9 +188,19 @@ class MooncakeStore:
                     )
                     for i in todo
                 ]
+            rcs = list(rcs)
+            if len(rcs) != len(todo):
+                # Which objects a short (or long) answer leaves out is unknown: none
+                # counts as written.
+                why = f"{len(rcs)} answers for {len(todo)} objects"
+                rcs = [_SHORT] * len(todo)
             written = []
             for i, k, rc in zip(todo, keys, rcs):
-                if rc < 0:
+                if rc is _SHORT:
+                    out[i] = MooncakeError(
+                        f"Mooncake Store: put {k} unanswered ({why}), master {self.master}"
+                    )
+                elif rc < 0:
                     # This object's put failed; the batch's others stand.
                     out[i] = self._error(f"put {k}", rc)
                 else:
@@ -189,13 +209,30 @@ class MooncakeStore:
         return out
 
     def get_object(self, name: str) -> Optional[bytes]:
-        """Object ``name``'s bytes, None when there is none."""
+        """Object ``name``'s bytes, None when there is none; raises :class:`MooncakeError`
+        when it is there but was not read."""
+        return self._get(name, ask=True)
+
+    def _get(self, name: str, ask: bool) -> Optional[bytes]:
+        """``get_object``; ``ask``: whether an empty reply may be explained by the object's
+        size (else it is a failed read: the master already left one unanswered)."""
         data = self._store.get(name)
-        # Mooncake's get answers b"" for a key it does not hold; a record is never empty.
-        if not data:
+        if data:
+            return bytes(data)
+        # Mooncake's get answers b"" both for a key it does not hold and for a read that
+        # failed (the master or the segment's holder unreachable), and it holds no empty
+        # object (a put of 0 bytes is refused): the object's size says which. One that is
+        # there but came back empty is a failed read, not a miss (a miss would hide the
+        # failure and have the record written again over a store that has it) nor a
+        # refusal (nothing was read to refuse, and a refusal removes the object).
+        size = self._store.get_size(name) if ask else -1
+        if size == _OBJECT_NOT_FOUND:
             self._gone([name])
             return None
-        return bytes(data)
+        what = f"get {name} (an empty reply"
+        if size < 0:
+            raise _Unanswered(self._error(f"{what}, and its size unanswered)", size).args[0])
+        raise self._error(f"{what} of an object of {size} bytes)", -1)
 
     def get_objects_into(
         self,
@@ -212,7 +249,17 @@ class MooncakeStore:
         if not names:
             return []
         if not self.zero_copy:
-            return [self._get_bytes_into(n, a, s) for n, a, s in zip(names, addrs, sizes)]
+            out = []
+            # As below: once the master left an object's size unanswered, the batch's
+            # other empty replies are failed reads without asking.
+            ask = True
+            for n, a, s in zip(names, addrs, sizes):
+                try:
+                    out.append(self._get_bytes_into(n, a, s, ask))
+                except MooncakeError as e:
+                    ask = ask and not isinstance(e, _Unanswered)
+                    out.append(e)
+            return out
         single = all(len(a) == 1 for a in addrs)
         if single:
             rcs = self._store.batch_get_into(
@@ -222,6 +269,16 @@ class MooncakeStore:
             rcs = self._store.batch_get_into_multi_buffers(
                 list(names), [list(a) for a in addrs], [list(s) for s in sizes]
             )
+        rcs = list(rcs)
+        if len(rcs) != len(names):
+            # Which objects were read is unknown: none is used.
+            return [
+                MooncakeError(
+                    f"Mooncake Store: get {n} unanswered ({len(rcs)} answers for "
+                    f"{len(names)} objects), master {self.master}"
+                )
+                for n in names
+            ]
         out: "List[Optional[int] | MooncakeError]" = []
         # Once the master did not answer an object's length, the batch's other failed
         # objects are not asked for theirs: each would wait out the same timeout (about 4 s
@@ -245,17 +302,20 @@ class MooncakeStore:
             elif size > sum(s):
                 out.append(size)  # longer than the buffers: not read
             elif size >= 0 and not single:
-                out.append(self._get_bytes_into(n, a, s))
+                try:
+                    out.append(self._get_bytes_into(n, a, s))
+                except MooncakeError as e:
+                    out.append(e)
             else:
                 # This object's read failed; the batch's others stand.
                 out.append(self._error(f"get {n}", rc if rc < 0 else -1))
         return out
 
     def _get_bytes_into(
-        self, name: str, addrs: Sequence[int], sizes: Sequence[int]
+        self, name: str, addrs: Sequence[int], sizes: Sequence[int], ask: bool = True
     ) -> Optional[int]:
         """``get_objects_into`` of one object through ``get`` (bytes)."""
-        data = self.get_object(name)
+        data = self._get(name, ask)
         if data is not None and len(data) <= sum(sizes):
             view = memoryview(data)
             at = 0
@@ -270,17 +330,25 @@ class MooncakeStore:
         """Whether each of ``names`` is there (``batch_is_exist``)."""
         if not names:
             return []
-        got = self._store.batch_is_exist(list(names))
+        got = list(self._store.batch_is_exist(list(names)))
+        if len(got) != len(names):
+            raise MooncakeError(
+                f"Mooncake Store: is_exist answered {len(got)} of {len(names)} names, "
+                f"master {self.master}"
+            )
         for n, r in zip(names, got):
             self._check(f"is_exist {n}", r)
         return [r == 1 for r in got]
 
-    def remove_object(self, name: str) -> None:
-        """Removes ``name`` (nothing when it is not there)."""
+    def remove_object(self, name: str) -> bool:
+        """Removes ``name``: True when this call removed it, False when it was not there
+        (the master removes an object once: of two clients removing it at once, one is
+        answered True)."""
         rc = self._store.remove(name, True)
         if rc != _OBJECT_NOT_FOUND:
             self._check(f"remove {name}", rc)
         self._gone([name])
+        return rc != _OBJECT_NOT_FOUND
 
     def usage(self) -> int:
         """Bytes of the objects this client put that the cluster still holds (one

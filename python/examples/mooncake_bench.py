@@ -9,15 +9,21 @@ host memory:
 - ``mooncake``: ``batch_put_from`` then ``batch_get_into`` of the pages, from and into a
   buffer registered with ``register_buffer`` (the zero-copy calls SGLang's Mooncake backend
   makes);
-- ``mooncake multi-buffer``: ``batch_put_from_multi_buffers`` then
-  ``batch_get_into_multi_buffers`` of each page as two buffers, a 64-byte header and the
-  page in place (what a record with no copy would be: whether Mooncake moves two buffers
-  per object as fast as one);
+- ``mooncake multi-buffer`` (``--multi-buffer-baseline``): ``batch_put_from_multi_buffers``
+  then ``batch_get_into_multi_buffers`` of each page as two buffers, a 64-byte header and
+  the page in place (whether Mooncake moves two buffers per object as fast as one);
 - ``page store put_many / get_many``: ``_native.PageStore.over(MooncakeStore)`` batches of
   the same pages from and into the same host memory (records: header, checksum, canonical
-  key; every read checked): one ``batch_put_from`` and one ``batch_get_into`` of the
-  records, from and into the page store's own buffers (no Python copies);
-- ``page store put / get, per page``: the same, one page per call (what the rank does);
+  key; every read checked): one ``batch_is_exist`` and one put, one get. Records of at
+  least 512 KiB of payload (``storage::object::GATHER_BYTES``) go as their header and the
+  page in place (``batch_put_from_multi_buffers``, nothing copied) and come back so
+  (``batch_get_into_multi_buffers``: the header into a buffer of its own, the payload
+  straight into the caller's memory, checked there); smaller ones are built whole in one
+  buffer (the page copied behind its header) for ``batch_put_from``, and read whole into
+  one by ``batch_get_into``, the payload then copied out;
+- ``..., records copied whole`` (``--copy-path``): the same store told not to gather
+  (``gathers_puts = False``), so every size goes the second way;
+- ``page store put / get, per page``: one page per call;
 - ``..., through bytes``: per page over the store's ``put_object``/``get_object`` only,
   copying each record through Python ``bytes`` (the page store's path before the batch
   calls).
@@ -26,17 +32,21 @@ By default another process holds the segment (``--holder process``), so the byte
 loopback TCP, as between machines; with ``--holder self`` Mooncake copies within this
 process.
 
-Each is repeated ``--repeat`` times on fresh keys (the objects of a repetition are removed
-after it: ``remove_all(force)``); the best repetition of each is reported, in GB/s of page
-bytes. Run::
+``--repeat`` rounds run every path in turn, on fresh keys (the objects of each path are
+removed after it: ``remove_all(force)``), the order reversed every other round, so that on
+a shared, noisy machine each path meets the same load as Mooncake's own call beside it. For
+each path: the median and range of its GB/s (of page bytes) over the rounds, and of its
+ratio to the same round's Mooncake baseline (its time over the baseline's). Run::
 
     scripts/python-dev.sh && scripts/mooncake-env.sh
-    nice -n 10 .venv/bin/python python/examples/mooncake_bench.py
+    nice -n 10 .venv/bin/python python/examples/mooncake_bench.py --repeat 9 --copy-path
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import sys
 import tempfile
 import time
@@ -78,6 +88,9 @@ class BytesOnly:
         return self.inner.remove_object(name)
 
 
+BASE = "mooncake batch_put_from / batch_get_into"
+
+
 def _timed(f) -> float:
     t = time.perf_counter()
     f()
@@ -89,7 +102,12 @@ def main(argv=None) -> int:
     ap.add_argument("--pages", type=int, default=64)
     ap.add_argument("--page-bytes", type=int, default=1 << 20)
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--no-per-page", action="store_true", help="skip the per-page path")
+    ap.add_argument("--no-per-page", action="store_true", help="skip the per-page paths")
+    ap.add_argument("--copy-path", action="store_true",
+                    help="also the page store building each record in one buffer (a copy of "
+                    "the page behind its header), as before the header and page went apart")
+    ap.add_argument("--multi-buffer-baseline", action="store_true",
+                    help="also Mooncake's own multi-buffer calls (a 64-byte header + the page)")
     ap.add_argument(
         "--holder", choices=["self", "process"], default="process",
         help="who contributes the segment: this client (Mooncake then copies within the "
@@ -127,101 +145,114 @@ def main(argv=None) -> int:
             ptrs_dst = [dst.ctypes.data + i * size for i in range(n)]
             parts_src = [[(p, size)] for p in ptrs_src]
             parts_dst = [[(p, size)] for p in ptrs_dst]
-            ps = _native.PageStore.over(store, "bench", size)
             # The same store without the batch calls: the page store then copies
             # each record through Python bytes (put_object/get_object), as before them.
             bytes_only = _native.PageStore.over(BytesOnly(store), "bench", size)
 
-            results = {}
+            # The copy path: the same store seen without `gathers_puts`, so the page store
+            # builds each record in one buffer (the payload copied behind its header).
+            store.gathers_puts = False
+            ps_copy = _native.PageStore.over(store, "bench", size)
+            store.gathers_puts = True
+            ps = _native.PageStore.over(store, "bench", size)
 
-            def record(name, put_s, get_s):
-                best = results.setdefault(name, [float("inf"), float("inf")])
-                best[0] = min(best[0], put_s)
-                best[1] = min(best[1], get_s)
-
-            for rep in range(a.repeat):
-                # Mooncake's own batch calls from and into registered memory.
-                keys = [f"raw-{rep}-{i}" for i in range(n)]
-                dst[:] = 0
-
-                def put_raw():
-                    rcs = raw.batch_put_from(keys, ptrs_src, [size] * n)
-                    assert all(r == 0 for r in rcs), rcs
-
-                def get_raw():
-                    rcs = raw.batch_get_into(keys, ptrs_dst, [size] * n)
-                    assert all(r == size for r in rcs), rcs
-
-                record("mooncake batch_put_from / batch_get_into", _timed(put_raw), _timed(get_raw))
+            def check():
                 assert np.array_equal(src, dst)
+                dst[:] = 0
                 raw.remove_all(True)
 
-                keys = [f"multi-{rep}-{i}" for i in range(n)]
-                dst[:] = 0
+            paths = []  # (name, put(tag), get(tag)): tag makes a round's keys fresh
+
+            def raw_put(tag):
+                rcs = raw.batch_put_from([f"raw-{tag}-{i}" for i in range(n)], ptrs_src,
+                                         [size] * n)
+                assert all(r == 0 for r in rcs), rcs
+
+            def raw_get(tag):
+                rcs = raw.batch_get_into([f"raw-{tag}-{i}" for i in range(n)], ptrs_dst,
+                                         [size] * n)
+                assert all(r == size for r in rcs), rcs
+
+            paths.append((BASE, raw_put, raw_get))
+            if a.multi_buffer_baseline:
                 two = [[heads.ctypes.data + i * 64, p] for i, p in enumerate(ptrs_src)]
                 two_dst = [[heads_dst.ctypes.data + i * 64, p] for i, p in enumerate(ptrs_dst)]
 
-                def put_multi():
-                    rcs = raw.batch_put_from_multi_buffers(keys, two, [[64, size]] * n)
+                def multi_put(tag):
+                    rcs = raw.batch_put_from_multi_buffers(
+                        [f"multi-{tag}-{i}" for i in range(n)], two, [[64, size]] * n)
                     assert all(r == 0 for r in rcs), rcs
 
-                def get_multi():
-                    rcs = raw.batch_get_into_multi_buffers(keys, two_dst, [[64, size]] * n)
+                def multi_get(tag):
+                    rcs = raw.batch_get_into_multi_buffers(
+                        [f"multi-{tag}-{i}" for i in range(n)], two_dst, [[64, size]] * n)
                     assert all(r == size + 64 for r in rcs), rcs
 
-                record("mooncake multi-buffer (64-byte header + page)", _timed(put_multi),
-                       _timed(get_multi))
-                assert np.array_equal(src, dst)
-                raw.remove_all(True)
+                paths.append(("mooncake multi-buffer (64-byte header + page)", multi_put,
+                              multi_get))
 
-                names = [f"b-{rep}-{i}" for i in range(n)]
-                dst[:] = 0
+            def batched(pstore, prefix):
+                def put(tag):
+                    assert all(pstore.put_many([f"{prefix}-{tag}-{i}" for i in range(n)],
+                                               parts_src))
 
-                def put_many():
-                    assert all(ps.put_many(names, parts_src))
+                def get(tag):
+                    assert all(pstore.get_many([f"{prefix}-{tag}-{i}" for i in range(n)],
+                                               parts_dst))
 
-                def get_many():
-                    assert all(ps.get_many(names, parts_dst))
+                return put, get
 
-                record("page store put_many / get_many", _timed(put_many), _timed(get_many))
-                assert np.array_equal(src, dst)
-                raw.remove_all(True)
-
-                for label, pstore in (
-                    ("page store put / get, per page", ps),
-                    ("page store put / get, per page, through bytes", bytes_only),
+            paths.append(("page store put_many / get_many", *batched(ps, "g")))
+            if a.copy_path:
+                paths.append(("page store put_many / get_many, records copied whole",
+                              *batched(ps_copy, "c")))
+            if not a.no_per_page:
+                for label, pstore, prefix in (
+                    ("page store put / get, per page", ps, "p"),
+                    ("page store put / get, per page, through bytes", bytes_only, "y"),
                 ):
-                    if a.no_per_page:
-                        break
-                    names = [f"p-{rep}-{i}" for i in range(n)]
-                    dst[:] = 0
+                    def put_each(tag, pstore=pstore, prefix=prefix):
+                        for i, p in enumerate(parts_src):
+                            assert pstore.put(f"{prefix}-{tag}-{i}", p)
 
-                    def put_each():
-                        for k, p in zip(names, parts_src):
-                            assert pstore.put(k, p)
+                    def get_each(tag, pstore=pstore, prefix=prefix):
+                        for i, p in enumerate(parts_dst):
+                            assert pstore.get(f"{prefix}-{tag}-{i}", p)
 
-                    def get_each():
-                        for k, p in zip(names, parts_dst):
-                            assert pstore.get(k, p)
+                    paths.append((label, put_each, get_each))
 
-                    record(label, _timed(put_each), _timed(get_each))
-                    assert np.array_equal(src, dst)
-                    raw.remove_all(True)
+            # Rounds of every path in turn, the order reversed every other round (so no path
+            # always runs first, or right after another); each round's ratio is to the
+            # baseline of the same round.
+            times = {name: ([], []) for name, _, _ in paths}
+            for rnd in range(a.repeat):
+                order = paths if rnd % 2 == 0 else paths[::-1]
+                for name, put, get in order:
+                    times[name][0].append(_timed(lambda: put(rnd)))
+                    times[name][1].append(_timed(lambda: get(rnd)))
+                    check()
 
             print(
-                f"{n} pages of {size} bytes ({total / 1e6:.1f} MB), best of {a.repeat}, "
+                f"{n} pages of {size} bytes ({total / 1e6:.1f} MB), {a.repeat} rounds, "
                 f"loopback TCP, segment held by "
                 f"{'another process' if holder else 'this client'}, "
-                f"cp_hicache {cp_hicache.__version__}"
+                f"cp_hicache {cp_hicache.__version__}, load average "
+                f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}"
             )
-            base = results["mooncake batch_put_from / batch_get_into"]
+            print("GB/s of page bytes: median (min–max); ratio: median (min–max) of each "
+                  "round's time of Mooncake's own call over the path's")
             print("| path | put GB/s | get GB/s | put vs Mooncake | get vs Mooncake |")
             print("|---|---|---|---|---|")
-            for name, (put_s, get_s) in results.items():
-                print(
-                    f"| {name} | {total / put_s / 1e9:.2f} | {total / get_s / 1e9:.2f} "
-                    f"| {base[0] / put_s:.2f}× | {base[1] / get_s:.2f}× |"
-                )
+            base = times[BASE]
+
+            def spread(xs):
+                return f"{statistics.median(xs):.2f} ({min(xs):.2f}–{max(xs):.2f})"
+
+            for name, (puts, gets) in times.items():
+                gbs = lambda ts: spread([total / t / 1e9 for t in ts])  # noqa: E731
+                rput = spread([b / t for b, t in zip(base[0], puts)])
+                rget = spread([b / t for b, t in zip(base[1], gets)])
+                print(f"| {name} | {gbs(puts)} | {gbs(gets)} | {rput}× | {rget}× |")
             print(f"store stats: {ps.stats()}")
             store.close()
             if holder is not None:

@@ -9,7 +9,10 @@
 //!   (True when written, False when it was there);
 //! - `get_object(name: str) -> bytes | None`;
 //! - `objects_exist(names: list[str]) -> list[bool]`;
-//! - `remove_object(name: str) -> None`;
+//! - `remove_object(name: str) -> bool | None`: True when this call removed the object,
+//!   False when there was none (None: cannot tell, read as True). Of callers removing one
+//!   object at once at most one may be answered True: a record in parts is put by the
+//!   writer whose removal of its part 0 is;
 //! - optionally `usage() -> int` (bytes the store holds);
 //! - optionally, both or neither, the batch calls that read and write this process's memory
 //!   at addresses given (no `bytes` made): `put_objects_from(names, addrs, sizes) -> list[bool]`
@@ -20,7 +23,12 @@
 //!   are valid for the call only. In either list an exception instance in place of an
 //!   answer says that object's call failed (the others' answers stand: a batch holds a
 //!   node's or a request's records, and one failed object must not take the others'
-//!   writes or hits with it); an exception raised fails the whole batch.
+//!   writes or hits with it); an exception raised fails the whole batch. A
+//!   `put_objects_from` that answers fewer objects than it was given fails them all.
+//! - optionally `gathers_puts: bool` (read once): true when `put_objects_from` moves an
+//!   object's several buffers as they are (no join); the page store then hands it each
+//!   record as two buffers, its header and the page in place, instead of copying the page
+//!   behind its header first.
 
 use cp_hicache::storage::{get_each_into, put_each, ObjectBackend, StorageError};
 use pyo3::exceptions::PyBaseException;
@@ -40,6 +48,8 @@ pub struct PyBackend {
     what: String,
     /// Whether it has [`BATCH_METHODS`].
     batched: bool,
+    /// Whether it is batched and says `gathers_puts`.
+    gathers: bool,
 }
 
 impl PyBackend {
@@ -65,10 +75,16 @@ impl PyBackend {
         let batched = BATCH_METHODS
             .iter()
             .all(|m| obj.hasattr(*m).unwrap_or(false));
+        let gathers = batched
+            && obj
+                .getattr("gathers_puts")
+                .and_then(|g| g.is_truthy())
+                .unwrap_or(false);
         Ok(PyBackend {
             obj: obj.clone().unbind(),
             what,
             batched,
+            gathers,
         })
     }
 
@@ -121,9 +137,11 @@ impl ObjectBackend for PyBackend {
         })
     }
 
-    fn remove(&self, name: &str) -> Result<(), StorageError> {
+    fn remove(&self, name: &str) -> Result<bool, StorageError> {
         self.call("remove_object", |o| {
-            o.call_method1("remove_object", (name,)).map(|_| ())
+            let got = o.call_method1("remove_object", (name,))?;
+            // None (an object that cannot tell) counts as removed.
+            Ok(got.is_none() || got.is_truthy()?)
         })
     }
 
@@ -139,6 +157,10 @@ impl ObjectBackend for PyBackend {
 
     fn batches(&self) -> bool {
         self.batched
+    }
+
+    fn gathers(&self) -> bool {
+        self.gathers
     }
 
     fn put_many(&self, items: &[(String, Vec<&[u8]>)]) -> Vec<Result<bool, StorageError>> {

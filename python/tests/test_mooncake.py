@@ -110,6 +110,87 @@ def test_one_failed_object_of_a_batch_fails_alone(mooncake_master):
     s.close()
 
 
+def test_a_put_answered_short_counts_the_unanswered_objects_failed(mooncake_master):
+    """An engine answering fewer put codes than objects: every object of the call is an
+    error (which of them it wrote is unknown), none counted as written."""
+    from cp_hicache import _native
+    from cp_hicache.mooncake import MooncakeError
+
+    s = _holder(mooncake_master)
+    real = s._store
+
+    class Short:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def batch_put_from(self, keys, addrs, sizes):
+            return list(real.batch_put_from(keys, addrs, sizes))[:1]
+
+        def batch_put_from_multi_buffers(self, keys, addrs, sizes):
+            return list(real.batch_put_from_multi_buffers(keys, addrs, sizes))[:1]
+
+    s._store = Short()
+    src = np.arange(300, dtype=np.uint8)
+    got = s.put_objects_from(["s0", "s1", "s2"], [[src.ctypes.data + 100 * i] for i in range(3)],
+                             [[100]] * 3)
+    # Which objects the answer leaves out is unknown: none counts as written.
+    assert all(isinstance(g, MooncakeError) for g in got), got
+    assert "unanswered" in str(got[1])
+    assert s._put_sizes == {}
+    # Through the page store: every record of the batch failed, none counted written.
+    page = 4096
+    buf = np.zeros(3 * page, dtype=np.uint8)
+    ps = _native.PageStore.over(s, "short-answers", page)
+    with pytest.raises(cp_hicache.UsageError, match="unanswered"):
+        ps.put_many([f"p{i}" for i in range(3)], [[(buf.ctypes.data + i * page, page)]
+                                                  for i in range(3)])
+    assert ps.stats()["records_written"] == 0
+    s._store = real
+    s.close()
+
+
+def test_an_empty_reply_of_an_object_that_is_there_is_a_failed_read(mooncake_master):
+    """On the bytes path Mooncake's `get` answers b"" both for a key it does not hold and
+    for a read that failed; it holds no empty object. An empty reply for an object that is
+    there is a failed read (an error in its place, the batch's others read), not a miss;
+    for one that is not there, a miss."""
+    from cp_hicache import _native
+    from cp_hicache.mooncake import MooncakeError, MooncakeStore
+
+    store = MooncakeStore(mooncake_master.url, **mooncake_master.options, zero_copy=False)
+    page = 4096
+    ps = _native.PageStore.over(store, "empty-reply", page)
+    src = np.random.default_rng(3).integers(0, 256, size=2 * page, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    at = lambda a, i: [(a.ctypes.data + i * page, page)]  # noqa: E731
+    assert ps.put_many(["a", "b"], [at(src, 0), at(src, 1)]) == [True, True]
+    objects = list(store._put_sizes)
+    real = store._store
+
+    class LosesB:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def get(self, name):
+            return b"" if name == objects[1] else real.get(name)
+
+    store._store = LosesB()
+    with pytest.raises(MooncakeError, match="empty reply"):
+        store.get_object(objects[1])
+    assert store.get_object("absent") is None
+    got = store.get_objects_into([objects[0], objects[1], "absent"],
+                                 [[dst.ctypes.data]] * 3, [[page + 64]] * 3)
+    assert got[0] == page + 64 and isinstance(got[1], MooncakeError) and got[2] is None, got
+    with pytest.raises(cp_hicache.UsageError, match="empty reply"):
+        ps.get_many(["a", "b"], [at(dst, 0), at(dst, 1)])
+    st = ps.stats()
+    assert st["misses"] == 0 and st["refused_torn"] == 0, st
+    store._store = real
+    assert ps.get_many(["a", "b"], [at(dst, 0), at(dst, 1)]) == [True, True]
+    assert np.array_equal(src, dst)
+    store.close()
+
+
 def _writer(rank: int, port: int, url: str, options: dict, out: str, layout: dict) -> None:
     import torch.distributed as dist
 
@@ -157,13 +238,9 @@ def test_cp2_rank_processes_write_and_a_fresh_cp1_cache_reads_back(
         for r in range(2)
         for s in json.loads((tmp_path / f"rank{r}.json").read_text())
     )
-    if not layout:
-        assert written == 30, written  # every page once, by its owner
-    else:
-        # Every record completed; two writers that see its parts complete at once both
-        # put it (the first object stays) and may both count it: Mooncake's put of a key
-        # that is there answers success.
-        assert 30 <= written <= 60, written
+    # Every page once: whole, by its owner; in parts, by the writer whose removal of the
+    # record's part 0 claims its assembly (two that see its parts complete at once).
+    assert written == 30, written
 
     dep = cp_hicache.Deployment(model="mla", page_size=PAGE, cp=1, layers=LAYERS)
     rc = cp_hicache.RankCache(dep, device_pages=64, host_pages=64, backend="host")
@@ -264,6 +341,47 @@ def test_batches_and_usage_counts_what_this_client_put(mooncake_master):
     assert st["refused_checksum"] == 1 and st["misses"] == 3, st
     assert other.objects_exist([objects[2]]) == [False]
     other.close()
+    store.close()
+
+
+def test_large_records_go_as_their_header_and_the_page_in_place(mooncake_master):
+    """Records of 512 KiB of payload or more are put as two buffers each, their header and
+    the page in place (`batch_put_from_multi_buffers`: nothing copied), and read back so
+    (`batch_get_into_multi_buffers`: the payload straight into the caller's memory,
+    checked there), byte for byte, in one buffer per page and in several; a damaged one is
+    refused. The stored bytes are a record built whole."""
+    from cp_hicache import _native
+    from cp_hicache.mooncake import MooncakeStore
+
+    store = MooncakeStore(mooncake_master.url, **mooncake_master.options)
+    assert store.gathers_puts is True
+    store._store = calls = _Calls(store._store)
+    page = 512 << 10
+    ps = _native.PageStore.over(store, "in-place", page)
+    rng = np.random.default_rng(11)
+    src = rng.integers(0, 256, size=4 * page, dtype=np.uint8)
+    dst = np.zeros_like(src)
+
+    def parts(a, i):  # pages 0-1 in one buffer, 2-3 in two
+        base = a.ctypes.data + i * page
+        return [(base, page)] if i < 2 else [(base, 1000), (base + 1000, page - 1000)]
+
+    names = [f"page-{i}" for i in range(4)]
+    assert ps.put_many(names, [parts(src, i) for i in range(4)]) == [True] * 4
+    assert ps.get_many(names, [parts(dst, i) for i in range(4)]) == [True] * 4
+    assert np.array_equal(src, dst)
+    used = set(calls.names)
+    assert {"batch_put_from_multi_buffers", "batch_get_into_multi_buffers"} <= used, used
+    assert not used & {"batch_put_from", "batch_get_into"}, used
+    # What is stored is the record whole: 64 bytes of header, then the page.
+    obj = next(iter(store._put_sizes))
+    raw = store.get_object(obj)
+    assert len(raw) == 64 + page and raw[:8] == b"CPHCPAGE"
+    bad = bytearray(raw)
+    bad[64 + 12345] ^= 1
+    store.damage(obj, bytes(bad))
+    assert ps.get_many(names, [parts(dst, i) for i in range(4)]).count(False) == 1
+    assert ps.stats()["refused_checksum"] == 1
     store.close()
 
 

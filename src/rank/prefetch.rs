@@ -10,7 +10,7 @@
 //! request never takes ages out of a bounded buffer. Local to the rank: no round.
 
 use super::{ClusterError, RankCache};
-use crate::storage::{Lookup, PageStore, RecordKey, StorageError};
+use crate::storage::{Lookup, PageStore, RecordKey, Refusal, StorageError};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -22,8 +22,36 @@ pub const PREFETCH_BYTES: u64 = 256 << 20;
 /// A read's outcome, kept until a request takes it.
 pub(super) type Read = Result<Lookup, StorageError>;
 
+/// Refused records and failed reads of the read-ahead that no request takes (past the
+/// first record of a batch that is not a hit, or aged out of the buffer): the store counted
+/// them, so the rank does too, in the next request that reads the store
+/// ([`Prefetcher::untaken`]), as it counts those past the first miss of its own batches.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct Untaken {
+    pub torn: u64,
+    pub checksum: u64,
+    pub fingerprint: u64,
+    pub io_errors: u64,
+}
+
+impl Untaken {
+    fn add(&mut self, read: &Read) {
+        match read {
+            Ok(Lookup::Refused(e)) => match e.refusal() {
+                Refusal::Torn => self.torn += 1,
+                Refusal::Checksum => self.checksum += 1,
+                Refusal::Fingerprint => self.fingerprint += 1,
+            },
+            Err(_) => self.io_errors += 1,
+            Ok(Lookup::Hit(_) | Lookup::Miss) => {}
+        }
+    }
+}
+
 #[derive(Default)]
 struct State {
+    /// What no request will take, not counted by a request yet.
+    untaken: Untaken,
     /// Records read, by key, and the order they came in (the oldest go first).
     done: HashMap<RecordKey, Read>,
     order: VecDeque<RecordKey>,
@@ -89,6 +117,9 @@ impl Prefetcher {
                                 ))
                             });
                             if !hit {
+                                // Not used, as past the first miss of a request's own
+                                // batch; a refusal or failure is still counted.
+                                st.untaken.add(&read);
                                 continue;
                             }
                             hit = matches!(read, Ok(Lookup::Hit(_)));
@@ -102,6 +133,7 @@ impl Prefetcher {
                                 };
                                 if let Some(r) = st.done.remove(&old) {
                                     st.bytes -= payload_len(&r);
+                                    st.untaken.add(&r);
                                 }
                             }
                         }
@@ -147,6 +179,11 @@ impl Prefetcher {
             }
         }
         n
+    }
+
+    /// The refusals and failed reads no request will take, since the last call.
+    pub(super) fn untaken(&self) -> Untaken {
+        std::mem::take(&mut lock(&self.shared).untaken)
     }
 
     /// The read of `key` if it was asked for: taken when read, waited for while being read;

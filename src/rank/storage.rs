@@ -23,8 +23,8 @@ use super::prefetch::Read;
 use super::*;
 use crate::kernels::HostLayout;
 use crate::storage::{
-    Fingerprint, Lookup, PageSlots, PageStore, PartPut, Put, RecordError, RecordKey, Refusal,
-    StorageError,
+    Fingerprint, Lookup, PageSlots, PageStore, PartItem, PartPut, Put, RecordError, RecordKey,
+    Refusal, StorageError,
 };
 use std::collections::HashMap;
 use std::fmt;
@@ -282,6 +282,13 @@ impl RankCache {
         let holder = |c: usize, slot: u32| -> usize {
             (pl.place(c as u64 * u64::from(ps) + u64::from(slot)).0 as usize) % cp
         };
+        let full = &full;
+        let holder = &holder;
+        // This rank's parts of the node's records, handed to the store in batches of at
+        // most BATCH_BYTES (a few engine calls each for a store that batches; a part at a
+        // time for one that does not), up to the first batch with a failed part.
+        let mut mine_all: Vec<OwnPart<'_>> = Vec::new();
+        let mut pending = 0u64;
         for (i, host) in meta.owned_pages() {
             let q = first + i;
             let payload = self.read_host_page(host)?;
@@ -310,7 +317,8 @@ impl RankCache {
                     .iter()
                     .position(|&r| r == usize::from(self.rank.0))
                     .expect("this rank holds tokens of the record");
-                let assemble = |parts: &[Vec<u8>]| -> Option<Vec<u8>> {
+                let parts = holders.len() as u32;
+                let assemble = move |parts: &[Vec<u8>]| -> Option<Vec<u8>> {
                     let slots: Vec<PageSlots> = holders
                         .iter()
                         .map(|&r| {
@@ -330,28 +338,75 @@ impl RankCache {
                     let mut next = vec![0u32; holders.len()];
                     for slot in 0..ps {
                         let h = holders.iter().position(|&r| r == holder(c, slot))?;
-                        slots[h].copy(&parts[h], next[h], &full, &mut out, slot);
+                        slots[h].copy(&parts[h], next[h], full, &mut out, slot);
                         next[h] += 1;
                     }
                     Some(out)
                 };
-                let (part_no, parts) = (me as u32, holders.len() as u32);
-                match store.put_part(key, part_no, parts, &part, &assemble) {
-                    Ok(PartPut::Completed { evicted }) => {
-                        stats.storage_records_written += 1;
-                        stats.storage_bytes_written += full.bytes() as u64;
-                        stats.storage_evictions += evicted;
-                    }
-                    Ok(PartPut::Held | PartPut::Present) => {}
-                    Err(e) => {
-                        tracing::warn!(rank = self.rank.0, error = %e, "storage part write failed");
-                        stats.storage_io_errors += 1;
+                pending += part.len() as u64;
+                mine_all.push((*key, me as u32, parts, part, Box::new(assemble)));
+                if pending >= BATCH_BYTES || !store.batches() {
+                    let ok =
+                        self.put_parts_batch(store.as_ref(), &mine_all, full.bytes() as u64, stats);
+                    mine_all.clear();
+                    pending = 0;
+                    if !ok {
                         return Ok(());
                     }
                 }
             }
         }
+        // What is left, in the batch the last page did not fill.
+        if !mine_all.is_empty() {
+            self.put_parts_batch(store.as_ref(), &mine_all, full.bytes() as u64, stats);
+        }
         Ok(())
+    }
+
+    /// Hands `parts` (key, part, parts, bytes, assemble) to the store in one
+    /// [`PageStore::put_parts`], counting what it did; `false` when a part failed (each
+    /// failed part counted: the node's later parts are not tried).
+    fn put_parts_batch(
+        &self,
+        store: &dyn PageStore,
+        parts: &[OwnPart<'_>],
+        record_bytes: u64,
+        stats: &mut RequestStats,
+    ) -> bool {
+        let items: Vec<PartItem<'_>> = parts
+            .iter()
+            .map(|(key, part, parts, bytes, assemble)| PartItem {
+                key: *key,
+                part: *part,
+                parts: *parts,
+                payload: bytes,
+                assemble: &**assemble,
+            })
+            .collect();
+        let mut puts = store.put_parts(&items).into_iter();
+        let (mut failed, mut why) = (0u64, None);
+        for _ in &items {
+            match puts.next().unwrap_or_else(unanswered) {
+                Ok(PartPut::Completed { evicted }) => {
+                    stats.storage_records_written += 1;
+                    stats.storage_bytes_written += record_bytes;
+                    stats.storage_evictions += evicted;
+                }
+                Ok(PartPut::Held | PartPut::Present) => {}
+                Err(e) => {
+                    failed += 1;
+                    why.get_or_insert(e);
+                }
+            }
+        }
+        match why {
+            Some(e) => {
+                tracing::warn!(rank = self.rank.0, parts = failed, error = %e, "storage part write failed");
+                stats.storage_io_errors += failed;
+                false
+            }
+            None => true,
+        }
     }
 
     /// A host page's record payload: every layer of every buffer kind, in the model's order.
@@ -593,6 +648,21 @@ impl RankCache {
                 break;
             }
         }
+        // What the read-ahead found and no request takes: counted as this request's own
+        // refusals and failed reads past its first miss are.
+        if let Some(u) = self.prefetcher.as_ref().map(|p| p.untaken()) {
+            stats.storage_refused_torn += u.torn;
+            stats.storage_refused_checksum += u.checksum;
+            stats.storage_refused_fingerprint += u.fingerprint;
+            if u.io_errors > 0 {
+                tracing::warn!(
+                    rank = self.rank.0,
+                    records = u.io_errors,
+                    "storage read ahead failed"
+                );
+                stats.storage_io_errors += u.io_errors;
+            }
+        }
         out
     }
 
@@ -679,6 +749,16 @@ pub(super) fn batch_records(store: &dyn PageStore) -> usize {
 pub const BATCH_BYTES: u64 = 64 << 20;
 
 /// The answer for an item a store left unanswered (it must answer each).
+/// One part of a record a rank writes: its key, its number, the record's part count, its
+/// bytes, and how the record is assembled from all of them.
+type OwnPart<'a> = (
+    RecordKey,
+    u32,
+    u32,
+    Vec<u8>,
+    Box<dyn Fn(&[Vec<u8>]) -> Option<Vec<u8>> + 'a>,
+);
+
 fn unanswered<T>() -> Result<T, StorageError> {
     Err(StorageError::Backend(
         "the store answered fewer items than it was given".into(),

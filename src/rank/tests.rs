@@ -635,9 +635,8 @@ impl crate::storage::ObjectBackend for BatchingObjects {
         let m = self.objects.lock().unwrap();
         Ok(names.iter().map(|n| m.contains_key(n)).collect())
     }
-    fn remove(&self, name: &str) -> Result<(), crate::storage::StorageError> {
-        self.objects.lock().unwrap().remove(name);
-        Ok(())
+    fn remove(&self, name: &str) -> Result<bool, crate::storage::StorageError> {
+        Ok(self.objects.lock().unwrap().remove(name).is_some())
     }
     fn batches(&self) -> bool {
         true
@@ -804,4 +803,28 @@ fn a_request_s_records_go_to_a_batching_store_in_one_call_each_way() {
         "{r:?}"
     );
     assert_eq!(r.mismatched_tokens, 0, "{r:?}");
+
+    // Read ahead past a miss: record 3 gone, record 5 damaged. The read-ahead's batch
+    // refuses 5 (the store counts it and removes it) past the miss, where the request
+    // takes nothing; the rank counts it as it counts a refusal past the first miss of its
+    // own batch.
+    objects.objects.lock().unwrap().remove(&names[3]);
+    let mut bytes = objects.objects.lock().unwrap()[&names[5]].clone();
+    bytes[100] ^= 1;
+    objects
+        .objects
+        .lock()
+        .unwrap()
+        .insert(names[5].clone(), bytes);
+    let before = store.stats().refused_checksum;
+    let mut rank = fresh();
+    assert_eq!(rank.prefetch(&prompt, 0).unwrap(), 8);
+    let r = rank.serve(&prompt).unwrap();
+    assert_eq!(store.stats().refused_checksum, before + 1);
+    assert_eq!(
+        (r.storage_records_read, r.storage_refused_checksum),
+        (3, 1),
+        "{r:?}"
+    );
+    assert_eq!((r.computed_tokens, r.mismatched_tokens), (80, 0), "{r:?}");
 }

@@ -148,6 +148,20 @@ pub enum PartPut {
 /// is not of the size its writer's layout gives it.
 pub type Assemble<'a> = &'a dyn Fn(&[Vec<u8>]) -> Option<Vec<u8>>;
 
+/// One part for [`PageStore::put_parts`]: the arguments of a [`PageStore::put_part`].
+pub struct PartItem<'a> {
+    /// The record's key.
+    pub key: RecordKey,
+    /// Which part this is, of `parts`.
+    pub part: u32,
+    /// How many parts the record has.
+    pub parts: u32,
+    /// The part's payload.
+    pub payload: &'a [u8],
+    /// Builds the record's payload from its parts', for the writer that completes it.
+    pub assemble: Assemble<'a>,
+}
+
 /// What [`PageStore::get`] found.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Lookup {
@@ -238,6 +252,16 @@ pub trait PageStore: Send + Sync {
         payload: &[u8],
         assemble: Assemble<'_>,
     ) -> Result<PartPut, StorageError>;
+
+    /// [`put_part`](Self::put_part) of each of `items`, in a few calls of an engine for
+    /// them all where the store batches (an [`ObjectStore`]): one answer per item, in
+    /// order.
+    fn put_parts(&self, items: &[PartItem<'_>]) -> Vec<Result<PartPut, StorageError>> {
+        items
+            .iter()
+            .map(|i| self.put_part(&i.key, i.part, i.parts, i.payload, i.assemble))
+            .collect()
+    }
 
     /// The record of `key`, checked.
     fn get(&self, key: &RecordKey) -> Result<Lookup, StorageError>;

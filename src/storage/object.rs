@@ -8,13 +8,15 @@
 //! record: a put of a name that is there already writes nothing (the backend's
 //! put-if-absent), so the first whole record stays. A record written in parts is assembled
 //! by the writer whose part completes the set (it sees every part present), without a
-//! shared lock: two writers that both see the set complete both assemble the same bytes,
-//! and the put-if-absent keeps one. Leases, eviction and capacity are the engine's.
+//! shared lock: of two writers that both see the set complete, the one whose removal of
+//! part 0 finds it assembles and puts the record, the other holds (the engine removes an
+//! object once), so a record is put and counted once. Leases, eviction and capacity are
+//! the engine's.
 
 use super::record::{self, HEADER_BYTES};
 use super::{
-    Assemble, Filled, Fingerprint, Lookup, PageStore, PartPut, Put, RecordError, RecordKey,
-    Refusal, StorageError, StoreStats,
+    Assemble, Filled, Fingerprint, Lookup, PageStore, PartItem, PartPut, Put, RecordError,
+    RecordKey, Refusal, StorageError, StoreStats,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -23,6 +25,14 @@ use std::sync::Mutex;
 /// the allocator costs a page fault per 4 KiB at its first touch, which every batch of
 /// records paid again (a third of a batch read's time for 200 KB records here).
 const SPARE_BYTES: usize = 128 << 20;
+
+/// Payloads of at least this many bytes go to an engine that
+/// [gathers](ObjectBackend::gathers) as their header and the caller's memory in place
+/// (no copy); smaller ones are built whole in one buffer. Measured against Mooncake
+/// Store's TCP transport (BENCHMARKS.md, "Mooncake Store throughput"): its batch put of
+/// two buffers per object costs more per object than a copy of 200 KB saves, and less
+/// than a copy of 512 KB or 1 MiB.
+pub const GATHER_BYTES: u64 = 512 << 10;
 
 /// What a store of objects must do for [`ObjectStore`]: put, get, test and remove whole
 /// objects by name. Every call may run beside other processes using the same store.
@@ -34,8 +44,11 @@ pub trait ObjectBackend: Send + Sync {
     fn get(&self, name: &str) -> Result<Option<Vec<u8>>, StorageError>;
     /// Whether each of `names` is there.
     fn exist(&self, names: &[String]) -> Result<Vec<bool>, StorageError>;
-    /// Removes object `name` (nothing when there is none).
-    fn remove(&self, name: &str) -> Result<(), StorageError>;
+    /// Removes object `name`: `true` when this call removed it, `false` when there was
+    /// none. Of callers removing one object at once, at most one may be answered `true`
+    /// (a writer of a record in parts claims its assembly so); a backend that cannot tell
+    /// answers `true`.
+    fn remove(&self, name: &str) -> Result<bool, StorageError>;
     /// Bytes the store holds, as far as this client can tell (0 when it cannot).
     fn usage(&self) -> Result<u64, StorageError> {
         Ok(0)
@@ -43,6 +56,16 @@ pub trait ObjectBackend: Send + Sync {
     /// Whether [`put_many`](Self::put_many) and [`get_many_into`](Self::get_many_into) are
     /// one call of the engine (not the per-object defaults).
     fn batches(&self) -> bool {
+        false
+    }
+    /// Whether [`put_many`](Self::put_many) hands the engine an object's slices as they
+    /// are, and [`get_many_into`](Self::get_many_into) fills several slices in one
+    /// transfer (Mooncake Store's `batch_put_from_multi_buffers` and
+    /// `batch_get_into_multi_buffers`): a record of at least [`GATHER_BYTES`] of payload
+    /// then goes as its header and the caller's payload in place, and is read so, with
+    /// no copy; else the store builds each record in one buffer first, and reads it whole
+    /// into one.
+    fn gathers(&self) -> bool {
         false
     }
     /// [`put_if_absent`](Self::put_if_absent) of each `(name, slices)` (the object is the
@@ -177,6 +200,143 @@ impl<B: ObjectBackend> ObjectStore<B> {
         }
     }
 
+    /// Whether records go to the backend and come back as their header and the caller's
+    /// memory in place ([`GATHER_BYTES`]).
+    fn gathers(&self) -> bool {
+        self.backend.gathers() && self.payload_bytes >= GATHER_BYTES
+    }
+
+    /// [`PageStore::get_many_into`] where the records come as their header and the
+    /// caller's slices: each record's header into a buffer of its own, its payload
+    /// straight into the caller's memory (no copy), then checked there. A record refused
+    /// may so leave bytes in the caller's slices (served as a miss, as any refusal). An
+    /// object longer than a record is not read.
+    fn get_scattered(
+        &self,
+        keys: &[RecordKey],
+        names: &[String],
+        dsts: &mut [Vec<&mut [u8]>],
+    ) -> Vec<Result<Filled, StorageError>> {
+        let whole = HEADER_BYTES + self.payload_bytes as usize;
+        let mut heads = vec![[0u8; HEADER_BYTES]; keys.len()];
+        let answers = {
+            let mut bufs: Vec<Vec<&mut [u8]>> = heads
+                .iter_mut()
+                .zip(dsts.iter_mut())
+                .map(|(h, d)| {
+                    let mut b: Vec<&mut [u8]> = Vec::with_capacity(d.len() + 1);
+                    b.push(&mut h[..]);
+                    b.extend(d.iter_mut().map(|s| &mut **s));
+                    b
+                })
+                .collect();
+            self.backend.get_many_into(names, &mut bufs)
+        };
+        if answers.len() != keys.len() {
+            let why = format!(
+                "the backend answered {} of {} gets",
+                answers.len(),
+                keys.len()
+            );
+            return keys
+                .iter()
+                .map(|_| Err(StorageError::Backend(why.clone())))
+                .collect();
+        }
+        keys.iter()
+            .zip(names)
+            .zip(&heads)
+            .zip(dsts.iter())
+            .zip(answers)
+            .map(|((((key, name), head), dst), answer)| {
+                let Some(len) = answer? else {
+                    self.stats.misses.fetch_add(1, Ordering::Relaxed);
+                    return Ok(Filled::Miss);
+                };
+                let checked = if len > whole {
+                    // Longer than any record of this deployment: not read.
+                    Err(RecordError::Length {
+                        have: (len - HEADER_BYTES) as u64,
+                        want: self.payload_bytes,
+                    })
+                } else if len < HEADER_BYTES {
+                    Err(RecordError::Torn {
+                        have: len as u64,
+                        want: HEADER_BYTES as u64,
+                    })
+                } else {
+                    record::check_header(head, len as u64, &self.fp, key, self.payload_bytes)
+                        .and_then(|()| {
+                            let parts: Vec<&[u8]> = dst.iter().map(|s| &s[..]).collect();
+                            record::check_payload_parts(head, &parts)
+                        })
+                };
+                match checked {
+                    Ok(()) => {
+                        self.stats.records_read.fetch_add(1, Ordering::Relaxed);
+                        self.stats
+                            .bytes_read
+                            .fetch_add(len as u64, Ordering::Relaxed);
+                        Ok(Filled::Hit)
+                    }
+                    Err(why) => {
+                        self.refused(&why);
+                        // Removed, so the record can be written again.
+                        let _ = self.backend.remove(name);
+                        Ok(Filled::Refused(why))
+                    }
+                }
+            })
+            .collect()
+    }
+
+    /// Completes `key`'s record, whose `parts` parts were all seen there: reads and checks
+    /// them, claims the assembly (the removal of part 0), assembles, puts the record and
+    /// removes the other parts.
+    fn complete(
+        &self,
+        key: &RecordKey,
+        parts: u32,
+        assemble: Assemble<'_>,
+    ) -> Result<PartPut, StorageError> {
+        let names: Vec<String> = (0..parts).map(|p| part_name(key, p, parts)).collect();
+        let mut all = Vec::with_capacity(parts as usize);
+        for p in 0..parts {
+            match self.read_part(key, p, parts)? {
+                // Taken meanwhile by another writer that assembled it.
+                None => return Ok(PartPut::Held),
+                Some(Err(why)) => {
+                    // A damaged part: removed, so the next writers start it again.
+                    self.refused(&why);
+                    let _ = self.backend.remove(&names[p as usize]);
+                    return Ok(PartPut::Held);
+                }
+                Some(Ok(b)) => all.push(b),
+            }
+        }
+        // Claims the assembly: of the writers that read the whole set, the one whose
+        // removal of part 0 finds it puts the record (no shared lock; Mooncake removes an
+        // object once), so a record is put, and counted, by one writer.
+        if !self.backend.remove(&names[0])? {
+            return Ok(PartPut::Held);
+        }
+        let Some(payload) = assemble(&all) else {
+            let sizes: Vec<usize> = all.iter().map(Vec::len).collect();
+            return Err(StorageError::Config(format!(
+                "the parts of record {key} ({sizes:?} bytes) are not of this layout's sizes: \
+                 two layouts write parts of one record"
+            )));
+        };
+        let put = self.put(key, &payload)?;
+        for n in &names[1..] {
+            let _ = self.backend.remove(n);
+        }
+        Ok(match put {
+            Put::Written { evicted } => PartPut::Completed { evicted },
+            Put::Present => PartPut::Present,
+        })
+    }
+
     /// The backend.
     pub fn backend(&self) -> &B {
         &self.backend
@@ -246,33 +406,50 @@ impl<B: ObjectBackend> PageStore for ObjectStore<B> {
             .expect("one answer per item")
     }
 
-    /// One [`ObjectBackend::put_many`] of the records, each whole in one buffer (one copy
-    /// of the payload behind its header, its checksum taken in the same pass
-    /// ([`record::encode_into`]): an engine moves one buffer per object faster than
-    /// two, Mooncake Store's batch put by about 2× on records of 200 KB): the backend's
+    /// One [`ObjectBackend::put_many`] of the records. Where the backend
+    /// [gathers](ObjectBackend::gathers) an object's slices and a payload is at least
+    /// [`GATHER_BYTES`], each record is its header and
+    /// the caller's payload in place (the checksum reads the payload, nothing copies it);
+    /// else each is built whole in one buffer (one copy of the payload behind its header,
+    /// its checksum taken in the same pass: [`record::encode_into`]). The backend's
     /// put-if-absent says which were there (no test of presence first, which would cost
-    /// the engine a second call per batch).
+    /// the engine a second call per batch). A backend that answers fewer puts than it was
+    /// given fails every record of the batch: which ones it wrote is unknown.
     fn put_many(&self, items: &[(RecordKey, &[u8])]) -> Vec<Result<Put, StorageError>> {
         let mut out: Vec<Option<Result<Put, StorageError>>> = items.iter().map(|_| None).collect();
-        let mut records = self.take_buffers(items.len(), None);
         let mut at = Vec::with_capacity(items.len());
         for (i, (key, payload)) in items.iter().enumerate() {
             match super::check_payload(key, payload, self.payload_bytes) {
-                Ok(()) => {
-                    record::encode_into(&self.fp, key, payload, &mut records[at.len()]);
-                    at.push(i);
-                }
+                Ok(()) => at.push(i),
                 Err(e) => out[i] = Some(Err(e)),
             }
         }
-        let batch: Vec<(String, Vec<&[u8]>)> = at
-            .iter()
-            .zip(&records)
-            .map(|(&i, rec)| (object_name(&items[i].0), vec![&rec[..]]))
-            .collect();
-        let answers = self.backend.put_many(&batch);
-        drop(batch);
-        self.give_back(records);
+        let answers = if self.gathers() {
+            let heads: Vec<[u8; HEADER_BYTES]> = at
+                .iter()
+                .map(|&i| record::header(&self.fp, &items[i].0, items[i].1))
+                .collect();
+            let batch: Vec<(String, Vec<&[u8]>)> = at
+                .iter()
+                .zip(&heads)
+                .map(|(&i, head)| (object_name(&items[i].0), vec![&head[..], items[i].1]))
+                .collect();
+            self.backend.put_many(&batch)
+        } else {
+            let mut records = self.take_buffers(at.len(), None);
+            for (&i, rec) in at.iter().zip(records.iter_mut()) {
+                record::encode_into(&self.fp, &items[i].0, items[i].1, rec);
+            }
+            let batch: Vec<(String, Vec<&[u8]>)> = at
+                .iter()
+                .zip(&records)
+                .map(|(&i, rec)| (object_name(&items[i].0), vec![&rec[..]]))
+                .collect();
+            let answers = self.backend.put_many(&batch);
+            drop(batch);
+            self.give_back(records);
+            answers
+        };
         if answers.len() != at.len() {
             let why = format!(
                 "the backend answered {} of {} puts",
@@ -325,35 +502,137 @@ impl<B: ObjectBackend> PageStore for ObjectStore<B> {
         if self.backend.exist(&names)?.iter().any(|&e| !e) {
             return Ok(PartPut::Held);
         }
-        let mut all = Vec::with_capacity(parts as usize);
-        for p in 0..parts {
-            match self.read_part(key, p, parts)? {
-                // Taken meanwhile by another writer that assembled it.
-                None => return Ok(PartPut::Held),
-                Some(Err(why)) => {
-                    // A damaged part: removed, so the next writers start it again.
-                    self.refused(&why);
-                    let _ = self.backend.remove(&names[p as usize]);
-                    return Ok(PartPut::Held);
-                }
-                Some(Ok(b)) => all.push(b),
+        self.complete(key, parts, assemble)
+    }
+
+    /// One [`ObjectBackend::exist`] of the items' records, one
+    /// [`ObjectBackend::put_many`] of their parts (each not there already) and one
+    /// [`ObjectBackend::exist`] of every part of those records, where [`put_part`]
+    /// (PageStore::put_part) makes the three calls for each part; a record whose parts are
+    /// then all there is completed as `put_part` completes it.
+    fn put_parts(&self, items: &[PartItem<'_>]) -> Vec<Result<PartPut, StorageError>> {
+        let mut out: Vec<Option<Result<PartPut, StorageError>>> =
+            items.iter().map(|_| None).collect();
+        let mut live = Vec::with_capacity(items.len());
+        for (i, it) in items.iter().enumerate() {
+            match super::check_part(&it.key, it.part, it.parts, it.payload, self.payload_bytes) {
+                Ok(()) => live.push(i),
+                Err(e) => out[i] = Some(Err(e)),
             }
         }
-        let Some(payload) = assemble(&all) else {
-            let sizes: Vec<usize> = all.iter().map(Vec::len).collect();
-            return Err(StorageError::Config(format!(
-                "the parts of record {key} ({sizes:?} bytes) are not of this layout's sizes: \
-                 two layouts write parts of one record"
-            )));
-        };
-        let put = self.put(key, &payload)?;
-        for n in &names {
-            let _ = self.backend.remove(n);
+        // Every answer of a call that failed, or answered another count, is its error.
+        let fail_all =
+            |out: &mut Vec<Option<Result<PartPut, StorageError>>>, live: &[usize], why: String| {
+                for &i in live {
+                    out[i] = Some(Err(StorageError::Backend(why.clone())));
+                }
+            };
+        let wholes: Vec<String> = live.iter().map(|&i| object_name(&items[i].key)).collect();
+        match self.backend.exist(&wholes) {
+            Ok(there) if there.len() == live.len() => {
+                let mut kept = Vec::with_capacity(live.len());
+                for (&i, &t) in live.iter().zip(&there) {
+                    if t {
+                        self.stats.already_present.fetch_add(1, Ordering::Relaxed);
+                        out[i] = Some(Ok(PartPut::Present));
+                    } else {
+                        kept.push(i);
+                    }
+                }
+                live = kept;
+            }
+            Ok(there) => {
+                let why = format!(
+                    "the backend answered {} of {} names",
+                    there.len(),
+                    live.len()
+                );
+                fail_all(&mut out, &live, why);
+                live.clear();
+            }
+            Err(e) => {
+                fail_all(&mut out, &live, e.to_string());
+                live.clear();
+            }
         }
-        Ok(match put {
-            Put::Written { evicted } => PartPut::Completed { evicted },
-            Put::Present => PartPut::Present,
-        })
+        let encoded: Vec<Vec<u8>> = live
+            .iter()
+            .map(|&i| {
+                let it = &items[i];
+                record::encode(
+                    &self.fp,
+                    &self.part_key(&it.key, it.part, it.parts),
+                    it.payload,
+                )
+            })
+            .collect();
+        let batch: Vec<(String, Vec<&[u8]>)> = live
+            .iter()
+            .zip(&encoded)
+            .map(|(&i, b)| {
+                let it = &items[i];
+                (part_name(&it.key, it.part, it.parts), vec![&b[..]])
+            })
+            .collect();
+        if !batch.is_empty() {
+            let answers = self.backend.put_many(&batch);
+            if answers.len() != live.len() {
+                let why = format!(
+                    "the backend answered {} of {} puts",
+                    answers.len(),
+                    live.len()
+                );
+                fail_all(&mut out, &live, why);
+                live.clear();
+            } else {
+                let mut kept = Vec::with_capacity(live.len());
+                for (&i, answer) in live.iter().zip(answers) {
+                    match answer {
+                        Ok(_) => kept.push(i),
+                        Err(e) => out[i] = Some(Err(e)),
+                    }
+                }
+                live = kept;
+            }
+        }
+        // Which records have every part there: one call for all.
+        let names: Vec<String> = live
+            .iter()
+            .flat_map(|&i| {
+                let it = &items[i];
+                (0..it.parts).map(move |p| part_name(&it.key, p, it.parts))
+            })
+            .collect();
+        if !names.is_empty() {
+            match self.backend.exist(&names) {
+                Ok(there) if there.len() == names.len() => {
+                    let mut at = 0;
+                    for &i in &live {
+                        let it = &items[i];
+                        let n = it.parts as usize;
+                        let whole = there[at..at + n].iter().all(|&e| e);
+                        at += n;
+                        out[i] = Some(if whole {
+                            self.complete(&it.key, it.parts, it.assemble)
+                        } else {
+                            Ok(PartPut::Held)
+                        });
+                    }
+                }
+                Ok(there) => {
+                    let why = format!(
+                        "the backend answered {} of {} names",
+                        there.len(),
+                        names.len()
+                    );
+                    fail_all(&mut out, &live, why);
+                }
+                Err(e) => fail_all(&mut out, &live, e.to_string()),
+            }
+        }
+        out.into_iter()
+            .map(|o| o.expect("every item answered"))
+            .collect()
     }
 
     fn get(&self, key: &RecordKey) -> Result<Lookup, StorageError> {
@@ -408,6 +687,9 @@ impl<B: ObjectBackend> PageStore for ObjectStore<B> {
                 .iter()
                 .map(|_| Err(StorageError::Config(why.clone())))
                 .collect();
+        }
+        if self.gathers() {
+            return self.get_scattered(keys, &names, dsts);
         }
         let mut bufs = self.take_buffers(keys.len(), Some(whole));
         let answers = {
@@ -525,9 +807,8 @@ mod tests {
             let m = self.0.lock().unwrap();
             Ok(names.iter().map(|n| m.contains_key(n)).collect())
         }
-        fn remove(&self, name: &str) -> Result<(), StorageError> {
-            self.0.lock().unwrap().remove(name);
-            Ok(())
+        fn remove(&self, name: &str) -> Result<bool, StorageError> {
+            Ok(self.0.lock().unwrap().remove(name).is_some())
         }
     }
 
@@ -576,6 +857,248 @@ mod tests {
         let st = s.stats();
         assert_eq!((st.refused_torn, st.refused_checksum), (1, 2));
         assert_eq!((st.records_written, st.records_read, st.misses), (1, 1, 1));
+    }
+
+    /// A backend that gathers an object's slices is handed each record as its header and
+    /// the caller's payload in place (nothing copied), and stores the bytes of a record
+    /// built whole.
+    #[test]
+    fn a_gathering_backend_gets_the_header_and_the_payload_in_place() {
+        #[derive(Default)]
+        struct Gathering {
+            mem: Mem,
+            slices: Mutex<Vec<(usize, usize)>>,
+        }
+        impl ObjectBackend for Gathering {
+            fn put_if_absent(&self, name: &str, bytes: &[u8]) -> Result<bool, StorageError> {
+                self.mem.put_if_absent(name, bytes)
+            }
+            fn get(&self, name: &str) -> Result<Option<Vec<u8>>, StorageError> {
+                self.mem.get(name)
+            }
+            fn exist(&self, names: &[String]) -> Result<Vec<bool>, StorageError> {
+                self.mem.exist(names)
+            }
+            fn remove(&self, name: &str) -> Result<bool, StorageError> {
+                self.mem.remove(name)
+            }
+            fn gathers(&self) -> bool {
+                true
+            }
+            fn put_many(&self, items: &[(String, Vec<&[u8]>)]) -> Vec<Result<bool, StorageError>> {
+                let mut seen = self.slices.lock().unwrap();
+                for (_, slices) in items {
+                    seen.extend(slices.iter().map(|s| (s.as_ptr() as usize, s.len())));
+                }
+                put_each(self, items)
+            }
+        }
+        let n = GATHER_BYTES as usize;
+        let s =
+            ObjectStore::new(Gathering::default(), Fingerprint::named("test"), n as u64).unwrap();
+        let keys = RecordKey::chain(s.fingerprint(), &[1, 2, 3, 4], 2);
+        let (a, b) = (vec![1u8; n], vec![2u8; n]);
+        let puts = s.put_many(&[(keys[0], &a[..]), (keys[1], &b[..])]);
+        assert!(
+            puts.iter().all(|p| matches!(p, Ok(Put::Written { .. }))),
+            "{puts:?}"
+        );
+        let seen = s.backend().slices.lock().unwrap().clone();
+        assert_eq!(seen.len(), 4, "a header and a payload per record");
+        assert_eq!(seen[1], (a.as_ptr() as usize, n), "the payload in place");
+        assert_eq!(seen[3], (b.as_ptr() as usize, n));
+        assert_eq!((seen[0].1, seen[2].1), (HEADER_BYTES, HEADER_BYTES));
+        let raw = s.backend().get(&object_name(&keys[1])).unwrap().unwrap();
+        assert_eq!(raw, record::encode(s.fingerprint(), &keys[1], &b));
+        // Read back into the caller's memory in two slices, checked there.
+        let mut out = vec![0u8; n];
+        let (lo, hi) = out.split_at_mut(1000);
+        let got = s.get_many_into(&keys[1..2], &mut [vec![lo, hi]]);
+        assert!(matches!(got[..], [Ok(Filled::Hit)]), "{got:?}");
+        assert_eq!(out, b);
+        // A damaged one, a short one and a long one are refused and counted.
+        let mut bad = record::encode(s.fingerprint(), &keys[0], &a);
+        bad[HEADER_BYTES + 5] ^= 1;
+        let m = &s.backend().mem.0;
+        m.lock().unwrap().insert(object_name(&keys[0]), bad);
+        m.lock()
+            .unwrap()
+            .insert(object_name(&keys[1]), raw[..n / 2].to_vec());
+        let long = [&raw[..], b"x"].concat();
+        let got = s.get_many(&keys[..2]);
+        assert!(
+            matches!(got[0], Ok(Lookup::Refused(RecordError::Checksum { .. }))),
+            "{:?}",
+            got[0]
+        );
+        assert!(
+            matches!(got[1], Ok(Lookup::Refused(RecordError::Torn { .. }))),
+            "{:?}",
+            got[1]
+        );
+        m.lock().unwrap().insert(object_name(&keys[1]), long);
+        let got = s.get(&keys[1]);
+        assert!(
+            matches!(got, Ok(Lookup::Refused(RecordError::Length { .. }))),
+            "{got:?}"
+        );
+        let st = s.stats();
+        assert_eq!(
+            (st.refused_checksum, st.refused_torn, st.records_read),
+            (2, 1, 1)
+        );
+    }
+
+    /// Two writers that see a record's parts complete at once, over an engine whose put
+    /// answers success for an object that is there (Mooncake Store's, its presence test
+    /// racing the other's put): one puts and counts the record, the other holds.
+    #[test]
+    fn two_writers_completing_a_record_at_once_count_it_once() {
+        struct Racing {
+            mem: Mem,
+            reads: std::sync::Barrier,
+        }
+        impl ObjectBackend for Racing {
+            fn put_if_absent(&self, name: &str, bytes: &[u8]) -> Result<bool, StorageError> {
+                self.mem.put_if_absent(name, bytes)?;
+                Ok(true)
+            }
+            fn get(&self, name: &str) -> Result<Option<Vec<u8>>, StorageError> {
+                // Both writers have read each part before either goes on.
+                let got = self.mem.get(name);
+                if name.contains("/part-") {
+                    self.reads.wait();
+                }
+                got
+            }
+            fn exist(&self, names: &[String]) -> Result<Vec<bool>, StorageError> {
+                self.mem.exist(names)
+            }
+            fn remove(&self, name: &str) -> Result<bool, StorageError> {
+                self.mem.remove(name)
+            }
+        }
+        let s = ObjectStore::new(
+            Racing {
+                mem: Mem::default(),
+                reads: std::sync::Barrier::new(2),
+            },
+            Fingerprint::named("test"),
+            8,
+        )
+        .unwrap();
+        let key = RecordKey::chain(s.fingerprint(), &[7, 7], 2)[0];
+        // Both parts there, as both writers put theirs before looking.
+        for (p, bytes) in [(0, b"abcd"), (1, b"efgh")] {
+            let part = record::encode(&s.fp, &s.part_key(&key, p, 2), bytes);
+            s.backend()
+                .mem
+                .put_if_absent(&part_name(&key, p, 2), &part)
+                .unwrap();
+        }
+        let puts: Vec<PartPut> = std::thread::scope(|t| {
+            let writers: Vec<_> = [(0u32, b"abcd"), (1, b"efgh")]
+                .into_iter()
+                .map(|(p, bytes)| {
+                    let s = &s;
+                    t.spawn(move || {
+                        let cat = |all: &[Vec<u8>]| Some(all.concat());
+                        s.put_part(&key, p, 2, bytes, &cat).unwrap()
+                    })
+                })
+                .collect();
+            writers.into_iter().map(|w| w.join().unwrap()).collect()
+        });
+        let completed = puts
+            .iter()
+            .filter(|p| matches!(p, PartPut::Completed { .. }))
+            .count();
+        assert_eq!(completed, 1, "{puts:?}");
+        assert_eq!(s.stats().records_written, 1);
+        assert_eq!(s.get(&key).unwrap(), Lookup::Hit(b"abcdefgh".to_vec()));
+        assert_eq!(
+            s.backend().mem.0.lock().unwrap().len(),
+            1,
+            "the parts are gone"
+        );
+    }
+
+    /// A batch of parts is three calls of the engine (the records' presence, the parts'
+    /// put, the parts' presence), where `put_part` of each makes three per part; the
+    /// batch that completes records assembles each.
+    #[test]
+    fn a_batch_of_parts_is_three_engine_calls() {
+        #[derive(Default)]
+        struct Counting {
+            mem: Mem,
+            calls: Mutex<Vec<&'static str>>,
+        }
+        impl ObjectBackend for Counting {
+            fn put_if_absent(&self, name: &str, bytes: &[u8]) -> Result<bool, StorageError> {
+                self.calls.lock().unwrap().push("put");
+                self.mem.put_if_absent(name, bytes)
+            }
+            fn get(&self, name: &str) -> Result<Option<Vec<u8>>, StorageError> {
+                self.calls.lock().unwrap().push("get");
+                self.mem.get(name)
+            }
+            fn exist(&self, names: &[String]) -> Result<Vec<bool>, StorageError> {
+                self.calls.lock().unwrap().push("exist");
+                self.mem.exist(names)
+            }
+            fn remove(&self, name: &str) -> Result<bool, StorageError> {
+                self.calls.lock().unwrap().push("remove");
+                self.mem.remove(name)
+            }
+            fn put_many(&self, items: &[(String, Vec<&[u8]>)]) -> Vec<Result<bool, StorageError>> {
+                self.calls.lock().unwrap().push("put_many");
+                items
+                    .iter()
+                    .map(|(n, s)| self.mem.put_if_absent(n, &s.concat()))
+                    .collect()
+            }
+        }
+        let s = ObjectStore::new(Counting::default(), Fingerprint::named("test"), 8).unwrap();
+        let keys = RecordKey::chain(s.fingerprint(), &[1, 2, 3, 4, 5, 6, 7, 8], 2);
+        let cat: Assemble<'_> = &|all: &[Vec<u8>]| Some(all.concat());
+        let items = |part: u32, bytes: &'static [u8; 4]| -> Vec<PartItem<'_>> {
+            keys.iter()
+                .map(|k| PartItem {
+                    key: *k,
+                    part,
+                    parts: 2,
+                    payload: bytes,
+                    assemble: cat,
+                })
+                .collect()
+        };
+        let held = s.put_parts(&items(1, b"efgh"));
+        assert!(
+            held.iter().all(|p| matches!(p, Ok(PartPut::Held))),
+            "{held:?}"
+        );
+        let calls = std::mem::take(&mut *s.backend().calls.lock().unwrap());
+        assert_eq!(calls, ["exist", "put_many", "exist"]);
+        let done = s.put_parts(&items(0, b"abcd"));
+        assert!(
+            done.iter()
+                .all(|p| matches!(p, Ok(PartPut::Completed { .. }))),
+            "{done:?}"
+        );
+        for k in &keys {
+            assert_eq!(s.get(k).unwrap(), Lookup::Hit(b"abcdefgh".to_vec()));
+        }
+        assert_eq!(s.stats().records_written, 4);
+        assert_eq!(
+            s.backend().mem.0.lock().unwrap().len(),
+            4,
+            "the parts are gone"
+        );
+        // A record there already: its part is not put.
+        assert!(matches!(
+            s.put_parts(&items(0, b"abcd"))[..],
+            [Ok(PartPut::Present), ..]
+        ));
     }
 
     #[test]

@@ -103,11 +103,18 @@ impl RecordError {
 /// The checksum of a record: over the header's bytes before the checksum field, then the
 /// payload, so a flipped bit anywhere but in the checksum itself changes it.
 pub(super) fn checksum(head: &[u8], payload: &[u8]) -> u64 {
+    checksum_parts(head, &[payload])
+}
+
+/// [`checksum`] of a payload held in `parts`, in order.
+fn checksum_parts(head: &[u8], parts: &[&[u8]]) -> u64 {
     // XXH3-64; this crate picks AVX2 at run time where the CPU has it, which a read of a
     // record from the page cache needs to keep up with the copy.
     let mut h = XxHash3_64::new();
     h.write(&head[..HEADER_BYTES - 8]);
-    h.write(payload);
+    for p in parts {
+        h.write(p);
+    }
     h.finish()
 }
 
@@ -240,12 +247,17 @@ pub fn check_header(
 
 /// Checks `payload` against the checksum of `head`, a header [`check_header`] accepted.
 pub fn check_payload(head: &[u8], payload: &[u8]) -> Result<(), RecordError> {
+    check_payload_parts(head, &[payload])
+}
+
+/// [`check_payload`] of a payload read into `parts`, in order.
+pub fn check_payload_parts(head: &[u8], parts: &[&[u8]]) -> Result<(), RecordError> {
     let head = head.get(..HEADER_BYTES).ok_or(RecordError::Torn {
         have: head.len() as u64,
         want: HEADER_BYTES as u64,
     })?;
     let want = u64::from_le_bytes(head[56..64].try_into().expect("8 bytes"));
-    let have = checksum(head, payload);
+    let have = checksum_parts(head, parts);
     if have != want {
         return Err(RecordError::Checksum { have, want });
     }
