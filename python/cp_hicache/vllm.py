@@ -723,6 +723,10 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         self._pending_host: Dict[str, Dict[int, int]] = {}
         self._pending_fills: Dict[str, Dict[int, Tuple[int, str, str]]] = {}
         self._filling: Set[str] = set()  # the block keys of ``_pending_fills``
+        #: Host-tier loads that span steps (``load_async``), until their requests are
+        #: reported received: request -> block id -> block key (their failures come after
+        #: the step that planned them may have been settled).
+        self._async_host: Dict[str, Dict[int, str]] = {}
         # Worker side.
         self.dcp_rank = 0
         self.tp_rank = self.head_shard = self.copy = 0
@@ -1080,6 +1084,8 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         for rid, host in meta.host_loads.items():
             keys = {b: ns[-1] for ns, b in meta.loads.get(rid, ())}
             plan.host_loads.update({b: keys[b] for b in host if b in keys})
+            if self.load_async:
+                self._async_host[rid] = {b: keys[b] for b in host if b in keys}
         for rid, fills in meta.host_fills.items():
             # A block that fails to load leaves the host index (as one loaded from it).
             plan.host_loads.update({b: key for b, (_, key, _) in fills.items()})
@@ -1197,8 +1203,10 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                 st.load_cap = k if st.load_cap is None else min(st.load_cap, k)
             # A block the host tier failed to serve on some worker: not offered from it again.
             if self._host is not None:
-                for plan in self._inflight.values():
-                    for b, key in plan.host_loads.items():
+                loaded = [plan.host_loads for plan in self._inflight.values()]
+                loaded += self._async_host.values()  # reported once received
+                for host_loads in loaded:
+                    for b, key in host_loads.items():
                         if b in invalid and self._host.drop(key):
                             self._planner_stats["host_dropped"] += 1
             # Every step in flight was planned before this report: its forward may have
@@ -1206,6 +1214,8 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             # it sees this one's output).
             for plan in self._inflight.values():
                 plan.bad |= invalid
+        for rid in connector_output.finished_recving or ():
+            self._async_host.pop(rid, None)  # its failed blocks came with it
         meta = connector_output.kv_connector_worker_meta
         if self._host is not None:
             # Admissions some worker could not make: no longer offered from the host tier.
