@@ -2208,23 +2208,28 @@ def test_host_tier_under_tp_and_dcp(tmp_path, monkeypatch, kw):
     assert all(t == tags[0] for t in tags), tags
 
 
-def test_host_loads_that_span_steps_copy_their_slots_when_they_start(tmp_path,
-                                                                      monkeypatch):
-    """With ``load_async`` a load from the host tier copies its slots' bytes in the step
-    that plans it (a later admission may reuse a slot while the load runs); the prefix is
-    served byte for byte, at DCP 1 and with no store (where blocks read from a store would
-    not be admitted either: nothing outlives the step)."""
+def test_host_loads_that_span_steps_hold_no_copy_of_their_slots(tmp_path, monkeypatch):
+    """With ``load_async`` a load from the host tier fills its blocks from the slots when it
+    starts, in the step that plans it (a later admission may reuse a slot while the load
+    runs; the request is out of the batch, so no forward reads its blocks): the load the
+    loader thread runs then holds no copy of a slot (before, each block's bytes were
+    cloned and held until the loader filled them: host memory past ``host_bytes`` and
+    ``load_buffer_bytes``, growing with the loads queued behind a slow store read). The
+    prefix is served byte for byte, with no store (where blocks read from a store would not
+    be admitted either: nothing outlives the step)."""
     e = Engine(None, verify=True, extra={"host_bytes": 16 * PAGE, "load_async": True})
-    copies = []
-    real = e.worker._host_source
+    held, started = [], []
+    real = e.worker._run_load
 
-    def noting(names, slot, clone=False):
-        copies.append(clone)
-        return real(names, slot, clone)
+    def noting(task, loads):
+        held.extend(v for v in task.host.values() if isinstance(v, torch.Tensor))
+        started.append(sorted(task.host))
+        real(task, loads)
 
-    monkeypatch.setattr(e.worker, "_host_source", noting)
+    monkeypatch.setattr(e.worker, "_run_load", noting)
     st, _ = _host_prefix_then_hit(e)
-    assert copies == [True] * 4, copies
+    assert len(started) == 1 and len(started[0]) == 4, started
+    assert held == [], f"{len(held)} copies of host slots held by the load"
     assert st.get("host_hits") == 4 and not st.get("load_errors"), st
 
 
