@@ -456,6 +456,9 @@ class _SaveBlock:
         self.own = own
 
 
+#: A block of a load that spans steps filled from its host slot when the load started.
+_HOST_FILLED = ()
+
 #: Runs per layer up to which a block is read and written in place (more: gathered).
 MAX_RUNS_IN_PLACE = 8
 
@@ -723,6 +726,10 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         self._pending_host: Dict[str, Dict[int, int]] = {}
         self._pending_fills: Dict[str, Dict[int, Tuple[int, str, str]]] = {}
         self._filling: Set[str] = set()  # the block keys of ``_pending_fills``
+        #: Host-tier loads that span steps (``load_async``), until their requests are
+        #: reported received: request -> block id -> block key (their failures come after
+        #: the step that planned them may have been settled).
+        self._async_host: Dict[str, Dict[int, str]] = {}
         # Worker side.
         self.dcp_rank = 0
         self.tp_rank = self.head_shard = self.copy = 0
@@ -1080,6 +1087,8 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         for rid, host in meta.host_loads.items():
             keys = {b: ns[-1] for ns, b in meta.loads.get(rid, ())}
             plan.host_loads.update({b: keys[b] for b in host if b in keys})
+            if self.load_async:
+                self._async_host[rid] = {b: keys[b] for b in host if b in keys}
         for rid, fills in meta.host_fills.items():
             # A block that fails to load leaves the host index (as one loaded from it).
             plan.host_loads.update({b: key for b, (_, key, _) in fills.items()})
@@ -1197,8 +1206,10 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                 st.load_cap = k if st.load_cap is None else min(st.load_cap, k)
             # A block the host tier failed to serve on some worker: not offered from it again.
             if self._host is not None:
-                for plan in self._inflight.values():
-                    for b, key in plan.host_loads.items():
+                loaded = [plan.host_loads for plan in self._inflight.values()]
+                loaded += self._async_host.values()  # reported once received
+                for host_loads in loaded:
+                    for b, key in host_loads.items():
                         if b in invalid and self._host.drop(key):
                             self._planner_stats["host_dropped"] += 1
             # Every step in flight was planned before this report: its forward may have
@@ -1206,6 +1217,8 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             # it sees this one's output).
             for plan in self._inflight.values():
                 plan.bad |= invalid
+        for rid in connector_output.finished_recving or ():
+            self._async_host.pop(rid, None)  # its failed blocks came with it
         meta = connector_output.kv_connector_worker_meta
         if self._host is not None:
             # Admissions some worker could not make: no longer offered from the host tier.
@@ -1385,17 +1398,32 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         so a preempted request's blocks are free for vLLM to reuse at once."""
         return
 
-    def _host_source(self, names: List[str], slot: int, clone: bool = False) -> Optional[Any]:
+    def _host_source(self, names: List[str], slot: int) -> Optional[Any]:
         """This worker's bytes of the scheduler block named ``names`` in host slot ``slot``,
         ``[layers, heads, tokens, width]`` as its block holds them; None where the slot does
-        not hold that block (its admission failed here: reported, recomputed). ``clone``:
-        a copy, for a load that outlives the step (a later admission may reuse the slot)."""
+        not hold that block (its admission failed here: reported, recomputed)."""
         if (self._host_pool is None or not 0 <= slot < self.host_slots
                 or self._host_tags[slot] != names[-1]):
             return None
         g = self._layers[0]
-        src = self._host_pool[slot].view(len(self._layers), g.heads, self.block_size, g.width)
-        return src.clone() if clone else src
+        return self._host_pool[slot].view(len(self._layers), g.heads, self.block_size, g.width)
+
+    def _host_fill_now(self, names: List[str], block_id: int, slot: int) -> bool:
+        """Fills block ``block_id`` from host slot ``slot`` at once (a load that spans
+        steps: a later admission may reuse the slot); False where the slot does not hold
+        that block here or the copy failed (a load error: reported, recomputed)."""
+        try:
+            self._check_block(block_id)
+            src = self._host_source(names, slot)
+            if src is None:
+                return False
+            for li, g in enumerate(self._layers):
+                g.fill(block_id, src[li], None)
+            return True
+        except Exception as e:
+            logger.warning("cp_hicache: filling block %d from host slot %d failed: %s",
+                           block_id, slot, e)
+            return False
 
     def _host_put(self, slot: int, sb: "_SaveBlock") -> None:
         """Copies a held block's bytes (every layer copied) into host slot ``slot``, as the
@@ -1477,7 +1505,8 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                         if isinstance(src, int):
                             self._check_block(block_id)
                             src = self._host_source(names, src)
-                        items = None if src is None else [(src, None, None)]
+                        items = (None if src is None else [] if src is _HOST_FILLED
+                                 else [(src, None, None)])
                         if items is None:
                             logger.warning("cp_hicache: block %d of %s is not in host slot "
                                            "%s here", block_id, rid, host[block_id])
@@ -1615,11 +1644,12 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         for rid, host in (getattr(meta, "host_loads", None) or {}).items():
             if self.load_async:
                 # The load outlives the step: a later step's admission may reuse the slot,
-                # so its bytes are copied now (the slot checked now).
+                # so its blocks are filled from the slots now (checked now), holding no
+                # copy of them; the loader only accounts for them (its request is out of
+                # the batch: no forward reads its blocks meanwhile).
                 names = {b: ns for ns, b in loads.get(rid, ())}
-                task.host.update({b: (self._host_source(names[b], slot, clone=True)
-                                      if b in names and self._host_pool is not None
-                                      else None)
+                task.host.update({b: (_HOST_FILLED if b in names
+                                      and self._host_fill_now(names[b], b, slot) else None)
                                   for b, slot in host.items()})
             else:
                 task.host.update({int(b): int(slot) for b, slot in host.items()})

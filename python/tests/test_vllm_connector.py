@@ -2208,23 +2208,28 @@ def test_host_tier_under_tp_and_dcp(tmp_path, monkeypatch, kw):
     assert all(t == tags[0] for t in tags), tags
 
 
-def test_host_loads_that_span_steps_copy_their_slots_when_they_start(tmp_path,
-                                                                      monkeypatch):
-    """With ``load_async`` a load from the host tier copies its slots' bytes in the step
-    that plans it (a later admission may reuse a slot while the load runs); the prefix is
-    served byte for byte, at DCP 1 and with no store (where blocks read from a store would
-    not be admitted either: nothing outlives the step)."""
+def test_host_loads_that_span_steps_hold_no_copy_of_their_slots(tmp_path, monkeypatch):
+    """With ``load_async`` a load from the host tier fills its blocks from the slots when it
+    starts, in the step that plans it (a later admission may reuse a slot while the load
+    runs; the request is out of the batch, so no forward reads its blocks): the load the
+    loader thread runs then holds no copy of a slot (before, each block's bytes were
+    cloned and held until the loader filled them: host memory past ``host_bytes`` and
+    ``load_buffer_bytes``, growing with the loads queued behind a slow store read). The
+    prefix is served byte for byte, with no store (where blocks read from a store would not
+    be admitted either: nothing outlives the step)."""
     e = Engine(None, verify=True, extra={"host_bytes": 16 * PAGE, "load_async": True})
-    copies = []
-    real = e.worker._host_source
+    held, started = [], []
+    real = e.worker._run_load
 
-    def noting(names, slot, clone=False):
-        copies.append(clone)
-        return real(names, slot, clone)
+    def noting(task, loads):
+        held.extend(v for v in task.host.values() if isinstance(v, torch.Tensor))
+        started.append(sorted(task.host))
+        real(task, loads)
 
-    monkeypatch.setattr(e.worker, "_host_source", noting)
+    monkeypatch.setattr(e.worker, "_run_load", noting)
     st, _ = _host_prefix_then_hit(e)
-    assert copies == [True] * 4, copies
+    assert len(started) == 1 and len(started[0]) == 4, started
+    assert held == [], f"{len(held)} copies of host slots held by the load"
     assert st.get("host_hits") == 4 and not st.get("load_errors"), st
 
 
@@ -2398,3 +2403,56 @@ def test_a_block_admitted_by_a_load_is_not_offered_from_the_host_in_the_same_ste
     assert_clean(e)
     st = e.stats()
     assert st.get("records_loaded") == 8 and not st.get("load_errors"), st
+
+
+def test_a_failed_host_load_spanning_steps_leaves_the_host_index(tmp_path, monkeypatch):
+    """With ``load_async``, the worker's slot of block 1 is made to hold nothing the
+    planner knows of (as a lost copy would). Request 2's load from it fails, is reported
+    with the request received (after the step that planned it was settled) and recomputed;
+    the block leaves the host index as a failed synchronous host load does (before, the
+    planner kept it: the recomputed block's admission only touched it, the worker's slot
+    stayed empty, and every later hit failed and was recomputed again)."""
+    e = Engine(None, verify=True, extra={"host_bytes": 16 * PAGE, "load_async": True})
+    names = block_names([1] * 64, BS)
+    e.sched.add_request(create_request(request_id=1, num_tokens=72, common_prefix_len=64,
+                                       max_tokens=2, block_size=BS))
+    _run_checked(e)
+    assert_clean(e)
+    assert e.sched.reset_prefix_cache()
+    e.outputs.clear()
+    e.poison()
+    e.worker._host_tags[e.connector.host_index()[names[1]]] = None
+    # The load ends only after the step that planned it has been reported and settled.
+    gate = threading.Event()
+    real = e.worker._run_load
+
+    def gated(task, loads):
+        gate.wait(30)
+        real(task, loads)
+
+    monkeypatch.setattr(e.worker, "_run_load", gated)
+    e.sched.add_request(_prefix_hit())
+    so = e.step()
+    assert not so.num_scheduled_tokens and e.metas[-1].host_loads, e.metas[-1]
+    e.step()
+    assert e.connector.planner_stats()["unsettled"] == 0
+    gate.set()
+    e.run()
+    assert_clean(e)
+    st = e.stats()
+    assert st.get("load_errors") == 1 and st.get("host_hits") == 1, st
+    # Blocks 1 to 3 (1 failed, the others after it) are dropped by the failure, and
+    # admitted again from request 2's recomputed blocks.
+    assert e.connector.planner_stats()["host_dropped"] == 3
+    assert names[1] in e.connector.host_index()
+    assert_host_consistent(e)
+    # Request 3 shares the prefix: served from the host tier, nothing fails.
+    assert e.sched.reset_prefix_cache()
+    e.outputs.clear()
+    e.poison()
+    e.sched.add_request(create_request(request_id=3, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=BS))
+    _run_checked(e)
+    assert_clean(e)
+    st = e.stats()
+    assert not st.get("load_errors") and st.get("host_hits") == 4, st
