@@ -1392,6 +1392,41 @@ def test_a_store_written_at_one_head_split_is_read_at_another(tmp_path, monkeypa
     assert st.get("records_saved") == min(read, 4), st  # block 4 only, once per shard
 
 
+# ((TP, DCP, interleave) writing, (TP, DCP, interleave) reading) over a 4-KV-head model: a DCP
+# group within one head shard's ranks (TP 8: 4 shards of 2 ranks each).
+RESHARD_DCP_RUNS = [((2, 1, 1), (8, 2, 1)), ((8, 2, BS), (2, 1, 1)), ((8, 2, 1), (1, 1, 1))]
+
+
+@pytest.mark.parametrize("write,read", RESHARD_DCP_RUNS,
+                         ids=[f"tp{w[0]}dcp{w[1]}i{w[2]}-to-tp{r[0]}dcp{r[1]}i{r[2]}"
+                              for w, r in RESHARD_DCP_RUNS])
+def test_head_splits_are_re_sharded_under_dcp(tmp_path, monkeypatch, write, read):
+    """Re-sharding under DCP: each rank reads the writers' records holding its heads and
+    takes its interleaved tokens out of them (or, writing, saves its tokens of its own
+    shard as parts); every rank's every block is checked after every step."""
+    def kw(tp, dcp, interleave):
+        return dict(_split_kw(tp, monkeypatch), dcp=dcp, interleave=interleave)
+
+    a = Engine(tmp_path / "store", **kw(*write))
+    a.sched.add_request(create_request(request_id=1, num_tokens=136, common_prefix_len=128,
+                                       max_tokens=2, block_size=a.sblock))
+    a.run()
+    assert_clean(a)
+    assert not a.stats().get("save_errors")
+    b = Engine(tmp_path / "store", **kw(*read))
+    b.poison()
+    b.sched.add_request(create_request(request_id=2, num_tokens=144, common_prefix_len=128,
+                                       max_tokens=2, block_size=b.sblock))
+    so = b.step()
+    assert so.num_scheduled_tokens == {"id-2": 16}, so.num_scheduled_tokens
+    assert set(so.kv_connector_metadata.load_splits["id-2"].values()) == {min(write[0], 4)}
+    b.run()
+    assert_clean(b)
+    st = b.stats()
+    assert st.get("records_loaded") == read[0] * 128 // b.sblock, st
+    assert not st.get("load_errors"), st
+
+
 def test_a_store_written_at_several_head_splits_is_read_block_by_block(tmp_path,
                                                                         monkeypatch):
     """Blocks 0 and 1 of a prefix are written at TP 2; a TP 4 run reads them (re-sharded)
