@@ -86,7 +86,11 @@ What it does (issue 43; docs/ENGINES.md "vLLM" is the how-to):
   share a key and each rank reads only its own; the planner counts a block as a hit only
   when every shard's record is there. MLA's latent KV is the same on every TP rank: its
   keys name no shard. Only the first DCP group of ranks holding a shard (or MLA's KV)
-  writes it; the copies load it and write nothing.
+  writes it; the copies load it and write nothing. Records are re-sharded on read: each
+  head split of a model has its own store (``path/vllm-<digest>``, its fingerprint naming
+  the split), and a rank reads the records of any split holding its heads, taking their
+  bytes out or putting several side by side (:meth:`CpHiCacheConnector._read_split`); the
+  planner offers a block when every shard of some split holds it.
 - **KV tensors.** A record holds each layer's block as ``[heads, tokens, bytes per token]``
   (vLLM 0.34's ``[B, H, N, C]`` view: a head's K then V, or MLA's latent entry), whatever
   the shape and strides of the tensors: GQA's ``[2, B, N, H, D]`` (K and V apart) and
@@ -97,8 +101,6 @@ or prefill-context parallelism, head splits vLLM does not make (a DCP group acro
 shards, a spec whose heads do not match the model's over TP), KV cache groups of more than
 one kind (hybrid models), windowed attention (sliding window, chunked local: vLLM gives
 the blocks out of the window the null block, which would be loaded into and saved from).
-A store written at one TP degree is not read at another with a
-different head split (its records hold other heads: another fingerprint, a miss).
 Requests with multimodal inputs, LoRA adapters or prompt embeddings are neither looked up
 nor saved (their KV is not a function of the token ids alone). Loads and saves are
 staged through host memory by threads of the worker (no CUDA stream yet). Device (GPU)
@@ -310,6 +312,11 @@ class CpHiCacheMetadata(KVConnectorMetadata):
     #: the step's loads have ended (after every load of the step, from any slot), from
     #: the filled block, or failed (the slot then holds nothing servable: reported).
     host_fills: Dict[str, Dict[int, Tuple[int, str, str]]] = field(default_factory=dict)
+    #: Re-sharding: the loads of this step whose records were written at another head
+    #: split, per request: block id -> the writers' number of KV head shards (each worker
+    #: reads the records of that split holding its heads and takes them out). A block not
+    #: named is read from this deployment's own split.
+    load_splits: Dict[str, Dict[int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -384,6 +391,9 @@ class _ReqState:
     planned_first: Optional[int] = None
     #: Of the planned run, the blocks the host tier holds: block -> slot.
     planned_host: Dict[int, int] = field(default_factory=dict)
+    #: Of the planned run, the blocks read from records of another head split: block ->
+    #: the writers' number of KV head shards.
+    planned_splits: Dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -422,6 +432,8 @@ class _LoadTask:
         #: Blocks loaded from the store to copy into host slots once every load of the
         #: step has ended: block id -> ``(slot, block key, evicted key)``.
         self.fills: Dict[int, Tuple[int, str, str]] = {}
+        #: Blocks read from the records of another head split: block id -> its shards.
+        self.splits: Dict[int, int] = {}
 
     def fail_all(self, loads: Dict[str, List[Job]]) -> Set[int]:
         """Marks every block of ``loads`` not yet failed as failed (and every request);
@@ -571,12 +583,19 @@ class _LayerBlocks:
         self.storage[self.base + block * self.stride + idx] = src
 
 
-def _spec_words(spec: Any) -> str:
-    """A KV cache spec's words for the fingerprint (its kind, shape and dtype)."""
+def _spec_words(spec: Any, heads: Optional[int] = None) -> str:
+    """A KV cache spec's words for the fingerprint (its kind, shape and dtype); with
+    ``heads``, those of the same spec holding ``heads`` KV heads a rank (another head
+    split of the same model: its page holds that many heads' bytes)."""
     words = [type(spec).__name__]
     for attr in ("block_size", "num_kv_heads", "head_size", "dtype", "page_size_bytes"):
         if hasattr(spec, attr):
-            words.append(f"{attr}={getattr(spec, attr)}")
+            value = getattr(spec, attr)
+            if heads is not None and attr == "num_kv_heads":
+                value = heads
+            elif heads is not None and attr == "page_size_bytes":
+                value = value // int(spec.num_kv_heads) * heads
+            words.append(f"{attr}={value}")
     return ",".join(words)
 
 
@@ -664,21 +683,23 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         self.layer_names: List[str] = [n for g in groups for n in g.layer_names]
         self.layer_page_bytes = int(spec.page_size_bytes)
         self.page_bytes = self.layer_page_bytes * len(self.layer_names)
-        model = getattr(getattr(vllm_config, "model_config", None), "model", None)
-        self.fingerprint = ";".join([
-            "vllm-kv-connector v2",
-            f"model={model}",
-            f"block_size={self.block_size}",
-            f"spec={_spec_words(spec)}",
-            f"layers={len(self.layer_names)}",
-            f"page_bytes={self.page_bytes}",
-        ] + ([f"kv_head_shards={self.head_shards}"] if self.head_shards > 1 else []))
-        digest = hashlib.sha256(self.fingerprint.encode()).hexdigest()[:16]
+        self._spec = spec
+        self._model = getattr(getattr(vllm_config, "model_config", None), "model", None)
+        #: The model's KV heads where they are split over the TP ranks (so a record of any
+        #: other head split of the same model is read here, re-sharded: ``_read_split``);
+        #: 0 where the KV is the same on every rank (MLA) or the split is not known.
+        self.kv_heads = self._total_kv_heads(vllm_config, spec, self.head_shards)
+        self.fingerprint = self._split_fingerprint(self.head_shards)
         #: The storage tier: a page store in ``path`` (None: a host-only deployment).
         self.path = self.store_path = self.store = None
+        self.capacity_bytes = capacity
+        #: The stores of the other head splits of this model (``_split_store``): shards ->
+        #: the store, opened once its directory is there.
+        self._split_stores: Dict[int, Any] = {}
+        self._split_lock = threading.Lock()
         if path:
             self.path = str(path)
-            self.store_path = os.path.join(self.path, f"vllm-{digest}")
+            self.store_path = self._split_path(self.head_shards)
             self.store = _native.PageStore(self.store_path, self.fingerprint, self.page_bytes,
                                            capacity)
         #: The host tier: ``host_slots`` slots of one block of this worker's bytes each
@@ -730,6 +751,9 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         #: reported received: request -> block id -> block key (their failures come after
         #: the step that planned them may have been settled).
         self._async_host: Dict[str, Dict[int, str]] = {}
+        #: Loads planned since the last metadata from another head split's records:
+        #: request -> block id -> the writers' shards (``load_splits``).
+        self._pending_splits: Dict[str, Dict[int, int]] = {}
         # Worker side.
         self.dcp_rank = 0
         self.tp_rank = self.head_shard = self.copy = 0
@@ -917,6 +941,97 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             )
         return shards
 
+    @staticmethod
+    def _total_kv_heads(vllm_config: Any, spec: Any, shards: int) -> int:
+        """The model's KV heads where vLLM splits them over the TP ranks as
+        ``_head_shards`` says (``shards`` shards of ``spec.num_kv_heads`` heads); 0 for
+        MLA, a spec declaring its KV the same on every rank, or a model config without
+        head counts: then records are never re-sharded."""
+        try:
+            from vllm.v1.kv_cache_interface import MLAAttentionSpec
+        except ImportError:  # pragma: no cover - depends on vLLM's version
+            MLAAttentionSpec = ()
+        declared = getattr(spec, "max_tp_shards", None)
+        if isinstance(spec, MLAAttentionSpec) or declared == 1:
+            return 0
+        per_rank = int(getattr(spec, "num_kv_heads", 0) or 0)
+        mc = getattr(vllm_config, "model_config", None)
+        try:
+            total = int(mc.get_total_num_kv_heads())
+        except Exception:  # no head counts: no re-sharding
+            return 0
+        return total if per_rank > 0 and per_rank * shards == total else 0
+
+    def _split_fingerprint(self, shards: int) -> str:
+        """The fingerprint of this model's records at a head split of ``shards`` KV head
+        shards: the model, block size, KV cache spec (kind, heads a shard, head size,
+        dtype), layers, a record's bytes, and the number of shards. Each head split's
+        records are in a store of their own (a store's records are all one size); every
+        other word is the model's, so no other model's or format's records are read."""
+        spec_words = _spec_words(self._spec) if shards == self.head_shards else \
+            _spec_words(self._spec, self.kv_heads // shards)
+        page_bytes = self._split_page_bytes(shards)
+        return ";".join([
+            "vllm-kv-connector v2",
+            f"model={self._model}",
+            f"block_size={self.block_size}",
+            f"spec={spec_words}",
+            f"layers={len(self.layer_names)}",
+            f"page_bytes={page_bytes}",
+        ] + ([f"kv_head_shards={shards}"] if shards > 1 else []))
+
+    def _split_page_bytes(self, shards: int) -> int:
+        """Bytes of a record of one head shard of ``shards``."""
+        if shards == self.head_shards:
+            return self.page_bytes
+        return self.page_bytes // (self.kv_heads // self.head_shards) * (self.kv_heads // shards)
+
+    def _split_path(self, shards: int) -> str:
+        digest = hashlib.sha256(self._split_fingerprint(shards).encode()).hexdigest()[:16]
+        return os.path.join(self.path, f"vllm-{digest}")
+
+    def _read_splits(self) -> List[int]:
+        """The head splits whose records this deployment reads: its own first, then (GQA
+        with a known split: ``kv_heads``) every other split of the model's KV heads, from
+        the finest down."""
+        own = self.head_shards
+        if not self.kv_heads or self.store is None:
+            return [own]
+        return [own] + [s for s in range(self.kv_heads, 0, -1)
+                        if self.kv_heads % s == 0 and s != own]
+
+    def _split_store(self, shards: int) -> Optional[Any]:
+        """The store of the records written at ``shards`` KV head shards (this
+        deployment's own, or another split's once its directory is there: opened then,
+        never created here); None where there is none."""
+        if shards == self.head_shards:
+            return self.store
+        store = self._split_stores.get(shards)
+        if store is not None or self.path is None:
+            return store
+        where = self._split_path(shards)
+        if not os.path.isdir(where):
+            return None
+        with self._split_lock:
+            store = self._split_stores.get(shards)
+            if store is None:
+                store = _native.PageStore(where, self._split_fingerprint(shards),
+                                          self._split_page_bytes(shards), self.capacity_bytes)
+                self._split_stores[shards] = store
+        return store
+
+    def _present_blocks(self, shards: int, names: List[str]) -> int:
+        """How many whole scheduler blocks of the records ``names`` (from a block's first)
+        the store of head split ``shards`` holds in a run: every head shard's record of
+        each, so that every worker of this deployment finds the records it needs."""
+        store = self._split_store(shards)
+        if store is None:
+            return 0
+        wanted = names
+        if shards > 1:
+            wanted = [head_shard_key(n, s, shards) for n in names for s in range(shards)]
+        return store.present_run(wanted) // (self.dcp * shards)
+
     # ======================================================================================
     # Scheduler side: the planner
     # ======================================================================================
@@ -971,9 +1086,10 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         if limit <= first:
             return 0, False
         names = self._names(st, limit * d)
-        h = self.head_shards
         host = self._host
         st.planned_host = {}
+        st.planned_splits = {}
+        splits = self._read_splits()
         # The run over host and store: each block from the host tier where it holds it
         # (every worker holds its bytes of the block), else from the store.
         # A block admitted from a load of this same step is not in any slot until the
@@ -993,11 +1109,21 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             end = k + 1  # the store's part: up to the next block the host holds
             while end < limit and in_host[end - first] is None:
                 end += 1
-            wanted = names[k * d:end * d]
-            if h > 1:  # every head shard of every record of a block: one TP rank's each
-                wanted = [head_shard_key(n, s, h) for n in wanted for s in range(h)]
-            got = self.store.present_run(wanted) // (d * h)
-            k += got
+            # Block by block over the head splits: the longest run of whole blocks any
+            # split holds from here (this deployment's own first), then on from its end.
+            while k < end:
+                got, split = 0, splits[0]
+                for s in splits:
+                    n = self._present_blocks(s, names[k * d:end * d])
+                    if n > got:
+                        got, split = n, s
+                    if got == end - k:
+                        break
+                if got == 0:
+                    break
+                if split != self.head_shards:
+                    st.planned_splits.update({b: split for b in range(k, k + got)})
+                k += got
             if k < end:
                 break
         run = k - first
@@ -1040,6 +1166,11 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         host = {int(block_ids[k]): slot for k, slot in st.planned_host.items()
                 if k < first + n}
         st.planned_host = {}
+        splits = {int(block_ids[k]): s for k, s in st.planned_splits.items()
+                  if k < first + n}
+        st.planned_splits = {}
+        if splits:
+            self._pending_splits[request.request_id] = splits
         if host:
             self._pending_host[request.request_id] = host
             self._planner_stats["host_hits"] += len(host)
@@ -1079,8 +1210,10 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                                  settled=self._settled, unreported=self._unreported,
                                  host_loads=self._pending_host,
                                  host_admits=self._host_admits,
-                                 host_fills=self._pending_fills)
+                                 host_fills=self._pending_fills,
+                                 load_splits=self._pending_splits)
         self._pending_loads, self._settled, self._unreported = {}, {}, set()
+        self._pending_splits = {}
         self._pending_host, self._host_admits, self._pending_fills = {}, {}, {}
         self._filling = set()
         plan = _StepPlan()
@@ -1439,29 +1572,59 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         for (_, slots, _, _), buf in zip(sb.items, sb.bufs):
             view[:, :, slots, :] = buf.reshape(n, g.heads, len(slots), g.width)
 
-    def _read_block(self, names: List[str], block_id: int
+    def _read_split(self, name: str, shards: int, rec: Any) -> bool:
+        """Re-sharding: fills ``rec`` (this rank's record of ``name``, ``page_bytes``) from
+        the records of ``name`` written at another head split of ``shards`` shards: each
+        writer shard holding some of this rank's heads is read whole and checked by its
+        store, and its bytes of those heads taken out of every layer (a record's layer is
+        ``[heads, tokens, width]``: a head's bytes are contiguous). False when one is
+        missing or refused."""
+        store = self._split_store(shards)
+        if store is None or not self.kv_heads:
+            return False
+        layers = len(self.layer_names)
+        mine = self.kv_heads // self.head_shards  # heads a shard here
+        theirs = self.kv_heads // shards  # heads a writer's shard
+        lo, hi = self.head_shard * mine, (self.head_shard + 1) * mine
+        head_bytes = self.layer_page_bytes // mine  # one head's bytes of a layer
+        out = rec.reshape(layers, mine, head_bytes)
+        src = np.empty(layers * theirs * head_bytes, dtype=np.uint8)
+        view = src.reshape(layers, theirs, head_bytes)
+        for w in range(lo // theirs, (hi - 1) // theirs + 1):
+            key = head_shard_key(name, w, shards)
+            if not store.get(key, [(int(src.ctypes.data), src.nbytes)]):
+                return False
+            a, b = max(lo, w * theirs), min(hi, (w + 1) * theirs)
+            out[:, a - lo:b - lo, :] = view[:, a - w * theirs:b - w * theirs, :]
+        return True
+
+    def _read_block(self, names: List[str], block_id: int, split: Optional[int] = None
                     ) -> Optional[List[Tuple[Any, Optional[List[int]], Optional[List[int]]]]]:
         """Reads this rank's records of scheduler block ``block_id`` (of its head shard) into
         host buffers, each checked whole by the store (checksums, fingerprint) before
         anything of it reaches a block: ``(record [layers, heads, tokens, width], slots,
         tokens)`` per record (slots and tokens None: the whole record, in order, into the
-        whole block); None when one is missing or refused."""
+        whole block); None when one is missing or refused. ``split``: the records were
+        written at that many KV head shards, not this deployment's (``_read_split``)."""
         import torch
 
         self._check_block(block_id)
         g = self._layers[0]
         shape = (len(self._layers), g.heads, self.block_size, g.width)
 
-        def read(key: str) -> Optional[Any]:
+        def read(name: str) -> Optional[Any]:
             if self.store is None:  # host only: a block the host tier does not serve
                 return None
             rec = np.empty(self.page_bytes, dtype=np.uint8)
-            if not self.store.get(key, [(int(rec.ctypes.data), rec.nbytes)]):
+            if split is not None and split != self.head_shards:
+                if not self._read_split(name, split, rec):
+                    return None
+            elif not self.store.get(self._key(name), [(int(rec.ctypes.data), rec.nbytes)]):
                 return None
             return torch.from_numpy(rec).view(shape)
 
         if self._direct():
-            rec = read(self._key(names[self.dcp_rank % len(names)]))
+            rec = read(names[self.dcp_rank % len(names)])
             return None if rec is None else [(rec, None, None)]
         by_record: Dict[int, Tuple[List[int], List[int]]] = {}
         for s, (k, tok) in enumerate(self._slots):
@@ -1470,7 +1633,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             toks.append(tok)
         out = []
         for k, (slots, toks) in sorted(by_record.items()):
-            rec = read(self._key(names[k]))
+            rec = read(names[k])
             if rec is None:
                 return None
             out.append((rec, slots, toks))
@@ -1512,7 +1675,8 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                                            "%s here", block_id, rid, host[block_id])
                     else:
                         try:
-                            items = self._read_block(names, block_id)
+                            items = self._read_block(names, block_id,
+                                                     task.splits.get(block_id))
                         except (_native.UsageError, OSError, ValueError) as e:
                             logger.warning("cp_hicache: loading block %d of %s failed: %s",
                                            block_id, rid, e)
@@ -1655,6 +1819,8 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                 task.host.update({int(b): int(slot) for b, slot in host.items()})
         for fills in (getattr(meta, "host_fills", None) or {}).values():
             task.fills.update({int(b): f for b, f in fills.items()})
+        for splits in (getattr(meta, "load_splits", None) or {}).values():
+            task.splits.update({int(b): int(s) for b, s in splits.items()})
         try:
             self._loader.submit(self._run_load, task, loads)
         except Exception as e:  # no load runs: every block is a load error, no wait hangs

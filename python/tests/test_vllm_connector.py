@@ -148,12 +148,17 @@ def vllm_config(path, policy="recompute", budget=64, **extra):
 def slot_bytes(tokens, pos: int, layer: int, kv: int, shard: int = 0,
                heads: int = HEADS) -> bytes:
     """What the stand-in forward writes for token ``pos`` of ``tokens`` in ``layer`` (K for
-    ``kv`` 0, V for 1) on a rank holding KV head shard ``shard`` (``heads`` heads): a
-    function of the prefix up to and including the token, and of the heads."""
-    h = hashlib.sha256(f"{layer}/{kv}/{shard}/".encode())
-    h.update(bytes(memoryview(torch.tensor(tokens[:pos + 1], dtype=torch.int64).numpy())))
-    n = heads * HEAD_SIZE * 2
-    return (h.digest() * (n // 32 + 1))[:n]
+    ``kv`` 0, V for 1) on a rank holding KV head shard ``shard`` (``heads`` heads, the
+    model's heads ``shard * heads`` on): a function of the prefix up to and including the
+    token, and of each head (so a head's KV is the same whatever the head split)."""
+    prefix = hashlib.sha256(
+        bytes(memoryview(torch.tensor(tokens[:pos + 1], dtype=torch.int64).numpy()))).digest()
+    n = HEAD_SIZE * 2
+    out = []
+    for head in range(shard * heads, (shard + 1) * heads):
+        h = hashlib.sha256(f"{layer}/{kv}/{head}/".encode() + prefix).digest()
+        out.append((h * (n // 32 + 1))[:n])
+    return b"".join(out)
 
 
 def rank_position(vblock: int, rank: int, slot: int, dcp: int, interleave: int) -> int:
@@ -184,7 +189,8 @@ class Engine:
     def __init__(self, path, policy="recompute", num_blocks=NUM_BLOCKS, verify=False,
                  dcp=1, interleave=1, ranks=None, monkeypatch=None, tp=None, shards=1,
                  heads=HEADS, layout="blocks_first", mla=False, tp_ranks=None,
-                 layerwise=True, budget=64, extra=None, prefix_caching=True):
+                 layerwise=True, budget=64, extra=None, prefix_caching=True,
+                 replicated=None):
         self.layerwise = layerwise
         self.cfg = vllm_config(path, policy, budget, **(extra or {}))
         # Off: a request sharing a running request's prefix asks the connector for it.
@@ -192,7 +198,11 @@ class Engine:
         tp = dcp if tp is None else tp
         if mla:
             heads, layout = 1, "mla"
-        self.kcc = kv_cache_config(num_blocks, heads, replicated=shards == 1, mla=mla)
+        # ``replicated``: the spec declares every TP rank's KV the same (by default with one
+        # shard); not with one shard: a GQA model's KV heads at TP 1, whose records are read
+        # at other head splits.
+        replicated = shards == 1 if replicated is None else replicated
+        self.kcc = kv_cache_config(num_blocks, heads, replicated=replicated, mla=mla)
         self.dcp, self.interleave, self.tp = dcp, interleave, tp
         self.heads, self.shards, self.layout = heads, shards, layout
         # The model's KV heads, as vLLM's model config gives them.
@@ -1319,6 +1329,182 @@ def test_loading_another_tp_ranks_heads_is_caught(tmp_path, monkeypatch):
                                        max_tokens=1, block_size=BS))
     with pytest.raises(AssertionError, match="holds other KV on rank 0"):
         b.step()
+
+
+#: The KV heads of the model the re-sharding tests run (vLLM splits them over ``min(TP, 4)``
+#: shards; at TP 8, neighbouring ranks hold copies).
+MODEL_KV_HEADS = 4
+
+
+def _split_kw(tp: int, monkeypatch, verify: bool = True):
+    """The engine of a ``MODEL_KV_HEADS``-KV-head GQA model at TP ``tp``: its heads split
+    over the TP ranks as vLLM splits them (at TP 1, one shard of every head, not declared
+    the same on every rank: a model whose KV other TP degrees split)."""
+    shards = min(tp, MODEL_KV_HEADS)
+    return dict(tp=tp, shards=shards, heads=MODEL_KV_HEADS // shards, replicated=False,
+                verify=verify, monkeypatch=monkeypatch)
+
+
+def _write_at(path, tp, monkeypatch, num_tokens=72, prefix=64):
+    """Runs one request at TP ``tp`` into the store ``path``; its token ids and the
+    engine."""
+    a = Engine(path, **_split_kw(tp, monkeypatch))
+    req = create_request(request_id=1, num_tokens=num_tokens, common_prefix_len=prefix,
+                         max_tokens=2, block_size=BS)
+    a.sched.add_request(req)
+    a.run()
+    assert_clean(a)
+    assert not a.stats().get("save_errors")
+    return list(req.all_token_ids), a
+
+
+# (TP degree writing the store, TP degree reading it) over a 4-KV-head model.
+RESHARD_RUNS = [(2, 1), (2, 4), (4, 2), (1, 4), (4, 1), (1, 2), (2, 8)]
+
+
+@pytest.mark.parametrize("write,read", RESHARD_RUNS,
+                         ids=[f"tp{w}-to-tp{r}" for w, r in RESHARD_RUNS])
+def test_a_store_written_at_one_head_split_is_read_at_another(tmp_path, monkeypatch, write,
+                                                              read):
+    """Request 1 runs at one TP degree (records per head shard of that split); after a
+    restart at another, request 2 shares its 64-token prefix and gets it from the
+    connector: each rank reads the records of the writers' split that hold its heads (one
+    record holding more heads than it has, or several records each holding some) and
+    fills its blocks, poisoned before, with its heads' KV byte for byte (every rank's
+    every block checked after every step). The reader writes none of them again."""
+    tokens, _ = _write_at(tmp_path / "store", write, monkeypatch)
+    b = Engine(tmp_path / "store", **_split_kw(read, monkeypatch))
+    b.poison()
+    b.sched.add_request(create_request(request_id=2, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=BS))
+    so = b.step()
+    assert so.num_scheduled_tokens == {"id-2": 16}, so.num_scheduled_tokens
+    assert set(so.kv_connector_metadata.load_splits["id-2"].values()) == {min(write, 4)}
+    b.run()
+    assert_clean(b)
+    st = b.stats()
+    assert st.get("records_loaded") == read * 4 and not st.get("load_errors"), st
+    # Writers write their own split: the loaded blocks are not written at the reader's.
+    own = b.worker.head_shards
+    names = block_names(tokens, BS)[:4]
+    assert b.worker.store.present_run(
+        [head_shard_key(n, s, own) for n in names for s in range(own)]) == 0
+    assert st.get("records_saved") == min(read, 4), st  # block 4 only, once per shard
+
+
+# ((TP, DCP, interleave) writing, (TP, DCP, interleave) reading) over a 4-KV-head model: a DCP
+# group within one head shard's ranks (TP 8: 4 shards of 2 ranks each).
+RESHARD_DCP_RUNS = [((2, 1, 1), (8, 2, 1)), ((8, 2, BS), (2, 1, 1)), ((8, 2, 1), (1, 1, 1))]
+
+
+@pytest.mark.parametrize("write,read", RESHARD_DCP_RUNS,
+                         ids=[f"tp{w[0]}dcp{w[1]}i{w[2]}-to-tp{r[0]}dcp{r[1]}i{r[2]}"
+                              for w, r in RESHARD_DCP_RUNS])
+def test_head_splits_are_re_sharded_under_dcp(tmp_path, monkeypatch, write, read):
+    """Re-sharding under DCP: each rank reads the writers' records holding its heads and
+    takes its interleaved tokens out of them (or, writing, saves its tokens of its own
+    shard as parts); every rank's every block is checked after every step."""
+    def kw(tp, dcp, interleave):
+        return dict(_split_kw(tp, monkeypatch), dcp=dcp, interleave=interleave)
+
+    a = Engine(tmp_path / "store", **kw(*write))
+    a.sched.add_request(create_request(request_id=1, num_tokens=136, common_prefix_len=128,
+                                       max_tokens=2, block_size=a.sblock))
+    a.run()
+    assert_clean(a)
+    assert not a.stats().get("save_errors")
+    b = Engine(tmp_path / "store", **kw(*read))
+    b.poison()
+    b.sched.add_request(create_request(request_id=2, num_tokens=144, common_prefix_len=128,
+                                       max_tokens=2, block_size=b.sblock))
+    so = b.step()
+    assert so.num_scheduled_tokens == {"id-2": 16}, so.num_scheduled_tokens
+    assert set(so.kv_connector_metadata.load_splits["id-2"].values()) == {min(write[0], 4)}
+    b.run()
+    assert_clean(b)
+    st = b.stats()
+    assert st.get("records_loaded") == read[0] * 128 // b.sblock, st
+    assert not st.get("load_errors"), st
+
+
+def test_a_store_written_at_several_head_splits_is_read_block_by_block(tmp_path,
+                                                                        monkeypatch):
+    """Blocks 0 and 1 of a prefix are written at TP 2; a TP 4 run reads them (re-sharded)
+    and writes blocks 2 and 3 at its own split; a TP 1 run then gets all four, each from
+    the split holding it, byte for byte into poisoned blocks."""
+    _write_at(tmp_path / "store", 2, monkeypatch, num_tokens=40, prefix=32)
+    b = Engine(tmp_path / "store", **_split_kw(4, monkeypatch))
+    b.sched.add_request(create_request(request_id=3, num_tokens=72, common_prefix_len=64,
+                                       max_tokens=2, block_size=BS))
+    so = b.step()
+    assert so.num_scheduled_tokens == {"id-3": 72 - 32}, so.num_scheduled_tokens
+    (bb,) = b.sched.kv_cache_manager.get_block_ids("id-3")
+    assert so.kv_connector_metadata.load_splits == {"id-3": {bb[0]: 2, bb[1]: 2}}
+    b.run()
+    assert_clean(b)
+    assert b.stats().get("records_saved") == 2 * 4, b.stats()  # blocks 2 and 3, 4 shards
+
+    c = Engine(tmp_path / "store", **_split_kw(1, monkeypatch))
+    c.poison()
+    c.sched.add_request(create_request(request_id=2, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=BS))
+    so = c.step()
+    assert so.num_scheduled_tokens == {"id-2": 16}, so.num_scheduled_tokens
+    (cb,) = c.sched.kv_cache_manager.get_block_ids("id-2")
+    assert so.kv_connector_metadata.load_splits == {
+        "id-2": {cb[0]: 2, cb[1]: 2, cb[2]: 4, cb[3]: 4}}
+    c.run()
+    assert_clean(c)
+    st = c.stats()
+    assert st.get("records_loaded") == 4 and not st.get("load_errors"), st
+
+
+def test_a_block_missing_a_record_of_the_writers_split_is_not_offered(tmp_path,
+                                                                      monkeypatch):
+    """Written at TP 4 (4 shards), read at TP 2: rank 1's heads of record 2 are in two
+    writer records; one of them gone, the planner offers the two blocks before it (rank 1
+    could not assemble its heads), and nothing fails to load."""
+    tokens, a = _write_at(tmp_path / "store", 4, monkeypatch)
+    names = block_names(tokens, BS)
+    os.remove(a.worker.store.path_of(head_shard_key(names[2], 3, 4)))
+    b = Engine(tmp_path / "store", **_split_kw(2, monkeypatch))
+    b.poison()
+    b.sched.add_request(create_request(request_id=2, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=BS))
+    so = b.step()
+    assert so.num_scheduled_tokens == {"id-2": 80 - 32}, so.num_scheduled_tokens
+    b.run()
+    assert_clean(b)
+    st = b.stats()
+    assert st.get("records_loaded") == 2 * 2 and not st.get("load_errors"), st
+
+
+def test_a_record_of_the_writers_split_that_fails_to_load_is_recomputed_never_served(
+        tmp_path, monkeypatch):
+    """Written at TP 4, read at TP 2: writer shard 3's record of block 2 (heads 3 of rank
+    1's 2 and 3) is damaged. The planner offers 4 blocks; rank 1's load of block 2 is
+    refused by the store's checksum, blocks 2 and 3 are reported and recomputed on every
+    rank, and every block of every rank ends with its heads' KV, never the damaged bytes."""
+    tokens, a = _write_at(tmp_path / "store", 4, monkeypatch)
+    names = block_names(tokens, BS)
+    _damage(str(a.worker.store.path_of(head_shard_key(names[2], 3, 4))))
+    b = Engine(tmp_path / "store", **_split_kw(2, monkeypatch, verify=False))
+    b.poison()
+    req = create_request(request_id=2, num_tokens=80, common_prefix_len=64, max_tokens=2,
+                         block_size=BS)
+    b.sched.add_request(req)
+    so = b.step()
+    assert so.num_scheduled_tokens == {"id-2": 16}, so.num_scheduled_tokens
+    (bb,) = b.sched.kv_cache_manager.get_block_ids("id-2")
+    assert b.outputs[-1].invalid_block_ids == set(bb[2:4])
+    so = b.step()
+    assert so.num_scheduled_tokens == {"id-2": 48}, so.num_scheduled_tokens
+    for i in range(5):
+        for r in range(2):
+            assert b.block(bb[i], r) == b.expected_block(list(req.all_token_ids), i, r), (i, r)
+    b.run()
+    assert_clean(b)
+    assert b.stats().get("load_errors") == 1
 
 
 def test_refuses_head_splits_vllm_does_not_make(tmp_path):
