@@ -1371,6 +1371,7 @@ fn ranks_as_processes_replay_like_threads_and_catch_the_seed_bug() {
         "{}",
         stderr(&out)
     );
+}
 
 /// `replay --model gqa`: a GQA shard (4 KV heads of 32 per rank, page 64) replays verified
 /// under the four CP layouts, with host hits and 0 mismatched tokens, and its report names
