@@ -61,7 +61,7 @@ pub trait ObjectBackend: Send + Sync {
     /// Whether [`put_many`](Self::put_many) hands the engine an object's slices as they
     /// are, and [`get_many_into`](Self::get_many_into) fills several slices in one
     /// transfer (Mooncake Store's `batch_put_from_multi_buffers` and
-    /// `batch_get_into_multi_buffers`): a record of at least [`GATHER_BYTES`] of payload
+    /// `batch_get_into_multi_buffers`): a record of at least `GATHER_BYTES` of payload
     /// then goes as its header and the caller's payload in place, and is read so, with
     /// no copy; else the store builds each record in one buffer first, and reads it whole
     /// into one.
@@ -201,7 +201,7 @@ impl<B: ObjectBackend> ObjectStore<B> {
     }
 
     /// Whether records go to the backend and come back as their header and the caller's
-    /// memory in place ([`GATHER_BYTES`]).
+    /// memory in place (`GATHER_BYTES`).
     fn gathers(&self) -> bool {
         self.backend.gathers() && self.payload_bytes >= GATHER_BYTES
     }
@@ -408,7 +408,7 @@ impl<B: ObjectBackend> PageStore for ObjectStore<B> {
 
     /// One [`ObjectBackend::put_many`] of the records. Where the backend
     /// [gathers](ObjectBackend::gathers) an object's slices and a payload is at least
-    /// [`GATHER_BYTES`], each record is its header and
+    /// `GATHER_BYTES`, each record is its header and
     /// the caller's payload in place (the checksum reads the payload, nothing copies it);
     /// else each is built whole in one buffer (one copy of the payload behind its header,
     /// its checksum taken in the same pass: [`record::encode_into`]). The backend's
@@ -507,8 +507,8 @@ impl<B: ObjectBackend> PageStore for ObjectStore<B> {
 
     /// One [`ObjectBackend::exist`] of the items' records, one
     /// [`ObjectBackend::put_many`] of their parts (each not there already) and one
-    /// [`ObjectBackend::exist`] of every part of those records, where [`put_part`]
-    /// (PageStore::put_part) makes the three calls for each part; a record whose parts are
+    /// [`ObjectBackend::exist`] of every part of those records, where `PageStore::put_part`
+    /// makes the three calls for each part; a record whose parts are
     /// then all there is completed as `put_part` completes it.
     fn put_parts(&self, items: &[PartItem<'_>]) -> Vec<Result<PartPut, StorageError>> {
         let mut out: Vec<Option<Result<PartPut, StorageError>>> =
