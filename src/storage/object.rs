@@ -217,7 +217,6 @@ impl<B: ObjectBackend> ObjectStore<B> {
         names: &[String],
         dsts: &mut [Vec<&mut [u8]>],
     ) -> Vec<Result<Filled, StorageError>> {
-        let whole = HEADER_BYTES + self.payload_bytes as usize;
         let mut heads = vec![[0u8; HEADER_BYTES]; keys.len()];
         let answers = {
             let mut bufs: Vec<Vec<&mut [u8]>> = heads
@@ -232,6 +231,32 @@ impl<B: ObjectBackend> ObjectStore<B> {
                 .collect();
             self.backend.get_many_into(names, &mut bufs)
         };
+        self.settle_gets(keys, names, answers, |i, key, len| {
+            let head = &heads[i];
+            if len < HEADER_BYTES {
+                return Err(RecordError::Torn {
+                    have: len as u64,
+                    want: HEADER_BYTES as u64,
+                });
+            }
+            record::check_header(head, len as u64, &self.fp, key, self.payload_bytes)?;
+            let parts: Vec<&[u8]> = dsts[i].iter().map(|s| &s[..]).collect();
+            record::check_payload_parts(head, &parts)
+        })
+    }
+
+    /// The answers of one [`ObjectBackend::get_many_into`] of `names` (one per key; a
+    /// backend that answers fewer fails every get) made into outcomes: a missing object a
+    /// counted miss; one longer than a record refused unread; otherwise `check(i, key,
+    /// len)` decides (checking the record where it landed, and placing its payload). A
+    /// refused record is removed, so that it can be written again.
+    fn settle_gets(
+        &self,
+        keys: &[RecordKey],
+        names: &[String],
+        answers: Vec<Result<Option<usize>, StorageError>>,
+        mut check: impl FnMut(usize, &RecordKey, usize) -> Result<(), RecordError>,
+    ) -> Vec<Result<Filled, StorageError>> {
         if answers.len() != keys.len() {
             let why = format!(
                 "the backend answered {} of {} gets",
@@ -243,12 +268,12 @@ impl<B: ObjectBackend> ObjectStore<B> {
                 .map(|_| Err(StorageError::Backend(why.clone())))
                 .collect();
         }
+        let whole = HEADER_BYTES + self.payload_bytes as usize;
         keys.iter()
             .zip(names)
-            .zip(&heads)
-            .zip(dsts.iter())
             .zip(answers)
-            .map(|((((key, name), head), dst), answer)| {
+            .enumerate()
+            .map(|(i, ((key, name), answer))| {
                 let Some(len) = answer? else {
                     self.stats.misses.fetch_add(1, Ordering::Relaxed);
                     return Ok(Filled::Miss);
@@ -259,17 +284,8 @@ impl<B: ObjectBackend> ObjectStore<B> {
                         have: (len - HEADER_BYTES) as u64,
                         want: self.payload_bytes,
                     })
-                } else if len < HEADER_BYTES {
-                    Err(RecordError::Torn {
-                        have: len as u64,
-                        want: HEADER_BYTES as u64,
-                    })
                 } else {
-                    record::check_header(head, len as u64, &self.fp, key, self.payload_bytes)
-                        .and_then(|()| {
-                            let parts: Vec<&[u8]> = dst.iter().map(|s| &s[..]).collect();
-                            record::check_payload_parts(head, &parts)
-                        })
+                    check(i, key, len)
                 };
                 match checked {
                     Ok(()) => {
@@ -697,55 +713,11 @@ impl<B: ObjectBackend> PageStore for ObjectStore<B> {
                 bufs.iter_mut().map(|b| vec![&mut b[..]]).collect();
             self.backend.get_many_into(&names, &mut whole_bufs)
         };
-        if answers.len() != keys.len() {
-            let why = format!(
-                "the backend answered {} of {} gets",
-                answers.len(),
-                keys.len()
-            );
-            return keys
-                .iter()
-                .map(|_| Err(StorageError::Backend(why.clone())))
-                .collect();
-        }
-        let out: Vec<Result<Filled, StorageError>> = keys
-            .iter()
-            .zip(&names)
-            .zip(&bufs)
-            .zip(dsts.iter_mut())
-            .zip(answers)
-            .map(|((((key, name), buf), dst), answer)| {
-                let Some(len) = answer? else {
-                    self.stats.misses.fetch_add(1, Ordering::Relaxed);
-                    return Ok(Filled::Miss);
-                };
-                let checked = if len > whole {
-                    // Longer than any record of this deployment: not read.
-                    Err(RecordError::Length {
-                        have: (len - HEADER_BYTES) as u64,
-                        want: self.payload_bytes,
-                    })
-                } else {
-                    record::decode(&buf[..len], &self.fp, key, self.payload_bytes)
-                };
-                match checked {
-                    Ok(payload) => {
-                        super::scatter(payload, dst);
-                        self.stats.records_read.fetch_add(1, Ordering::Relaxed);
-                        self.stats
-                            .bytes_read
-                            .fetch_add(len as u64, Ordering::Relaxed);
-                        Ok(Filled::Hit)
-                    }
-                    Err(why) => {
-                        self.refused(&why);
-                        // Removed, so the record can be written again.
-                        let _ = self.backend.remove(name);
-                        Ok(Filled::Refused(why))
-                    }
-                }
-            })
-            .collect();
+        let out = self.settle_gets(keys, &names, answers, |i, key, len| {
+            let payload = record::decode(&bufs[i][..len], &self.fp, key, self.payload_bytes)?;
+            super::scatter(payload, &mut dsts[i]);
+            Ok(())
+        });
         self.give_back(bufs);
         out
     }
