@@ -150,10 +150,11 @@ impl Fences {
             return Ok(None);
         };
         let layers = own.len() / FENCE_SLOTS - 1;
-        let split = |events: Vec<EventId>| -> Vec<Vec<EventId>> {
-            events.chunks(layers.max(1)).map(<[_]>::to_vec).collect()
-        };
-        let own_layers = split(own.split_off(FENCE_SLOTS));
+        let own_layers: Vec<Vec<EventId>> = own
+            .split_off(FENCE_SLOTS)
+            .chunks(layers.max(1))
+            .map(<[_]>::to_vec)
+            .collect();
         let mut fences = Fences {
             exec: exec.clone(),
             own,
@@ -169,41 +170,30 @@ impl Fences {
         if all.iter().any(|h| h.len() != FENCE_SLOTS * (1 + layers)) {
             return Ok(None);
         }
-        let mut peer_layers = vec![Vec::new(); all.len()];
+        // Each event goes where it is kept as soon as it is open, so that on a failure the
+        // drops of `fences` and its `PeerLayers` release what was opened.
+        let rings = Arc::get_mut(&mut fences.peer_layers).expect("not shared yet");
         for (r, handles) in all.iter().enumerate() {
             if r == me {
                 continue;
             }
-            let mut opened = Vec::with_capacity(handles.len());
-            for h in handles {
-                match exec.open_shared_event(h) {
-                    Ok(event) => opened.push(event),
-                    Err(e) => {
-                        // What was opened goes back with `fences` (its own and earlier
-                        // peers') and here (this peer's).
-                        for event in opened {
-                            exec.release_event(event);
-                        }
-                        fences.release_peer_layers(peer_layers);
-                        return Err((r, e));
-                    }
+            let open = |h: &Vec<u8>| exec.open_shared_event(h).map_err(|e| (r, e));
+            let (whole, per_layer) = handles.split_at(FENCE_SLOTS);
+            for h in whole {
+                fences.peers[r].push(open(h)?);
+            }
+            for slot in per_layer.chunks(layers.max(1)) {
+                rings.events[r].push(Vec::with_capacity(slot.len()));
+                for h in slot {
+                    let event = open(h)?;
+                    rings.events[r]
+                        .last_mut()
+                        .expect("pushed above")
+                        .push(event);
                 }
             }
-            let per_layer = opened.split_off(FENCE_SLOTS);
-            fences.peers[r] = opened;
-            peer_layers[r] = split(per_layer);
         }
-        fences.peer_layers = Arc::new(PeerLayers {
-            exec: exec.clone(),
-            events: peer_layers,
-        });
         Ok(Some(fences))
-    }
-
-    fn release_peer_layers(&self, rings: Vec<Vec<Vec<EventId>>>) {
-        for event in rings.into_iter().flatten().flatten() {
-            self.exec.release_event(event);
-        }
     }
 
     /// The per-layer events this step's layer-wise loads record, one per layer (the

@@ -170,14 +170,11 @@ fn stop(children: &mut [Child]) {
 /// The run's exit status from the ranks': theirs when they agree; 1, saying why, when a rank
 /// was killed or the ranks ended differently.
 fn conclude(codes: &[Option<ExitStatus>]) -> Result<ExitCode, crate::Error> {
-    let described: Vec<String> = codes
-        .iter()
-        .map(|c| match c.and_then(|s| s.code()) {
-            Some(code) => code.to_string(),
-            None => "killed".to_string(),
-        })
-        .collect();
     let statuses: Vec<Option<i32>> = codes.iter().map(|c| c.and_then(|s| s.code())).collect();
+    let described: Vec<String> = statuses
+        .iter()
+        .map(|s| s.map_or("killed".to_string(), |code| code.to_string()))
+        .collect();
     if let Some(r) = statuses.iter().position(Option::is_none) {
         eprintln!(
             "error: rank {r} was killed during the replay; the run is incomplete (exit \
