@@ -921,6 +921,63 @@ mod tests {
         );
     }
 
+    /// A backend that answers fewer gets than it was asked: every get of the call fails
+    /// (which answer is whose is unknown), on the copying path and the in-place one alike,
+    /// and nothing is counted read.
+    #[test]
+    fn gets_answered_short_fail_every_get_of_the_call() {
+        struct Short {
+            mem: Mem,
+            gathers: bool,
+        }
+        impl ObjectBackend for Short {
+            fn put_if_absent(&self, name: &str, bytes: &[u8]) -> Result<bool, StorageError> {
+                self.mem.put_if_absent(name, bytes)
+            }
+            fn get(&self, name: &str) -> Result<Option<Vec<u8>>, StorageError> {
+                self.mem.get(name)
+            }
+            fn exist(&self, names: &[String]) -> Result<Vec<bool>, StorageError> {
+                self.mem.exist(names)
+            }
+            fn remove(&self, name: &str) -> Result<bool, StorageError> {
+                self.mem.remove(name)
+            }
+            fn gathers(&self) -> bool {
+                self.gathers
+            }
+            fn get_many_into(
+                &self,
+                names: &[String],
+                dsts: &mut [Vec<&mut [u8]>],
+            ) -> Vec<Result<Option<usize>, StorageError>> {
+                let mut answers = get_each_into(self, names, dsts);
+                answers.pop();
+                answers
+            }
+        }
+        for gathers in [false, true] {
+            let n = GATHER_BYTES as usize;
+            let backend = Short {
+                mem: Mem::default(),
+                gathers,
+            };
+            let s = ObjectStore::new(backend, Fingerprint::named("test"), n as u64).unwrap();
+            let keys = RecordKey::chain(s.fingerprint(), &[1, 2, 3, 4], 2);
+            let (a, b) = (vec![1u8; n], vec![2u8; n]);
+            for (k, v) in [(keys[0], &a), (keys[1], &b)] {
+                assert!(matches!(s.put(&k, v), Ok(Put::Written { .. })));
+            }
+            let got = s.get_many(&keys[..2]);
+            assert!(
+                got.iter()
+                    .all(|g| matches!(g, Err(StorageError::Backend(w)) if w.contains("1 of 2"))),
+                "gathers {gathers}: {got:?}"
+            );
+            assert_eq!(s.stats().records_read, 0, "gathers {gathers}");
+        }
+    }
+
     /// Two writers that see a record's parts complete at once, over an engine whose put
     /// answers success for an object that is there (Mooncake Store's, its presence test
     /// racing the other's put): one puts and counts the record, the other holds.
