@@ -1425,3 +1425,74 @@ fn gqa_replays_verified_under_every_layout() {
         assert!(help.contains(want), "{want} missing from\n{help}");
     }
 }
+
+/// `replay --processes` with a rank killed while it runs: its peers fail within the group
+/// timeout, the launcher names the killed rank and exits 1, and the group's folder is
+/// removed.
+#[test]
+fn a_killed_rank_process_ends_the_run_naming_it() {
+    let launcher = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+        .args(SMALL)
+        .args(["--processes", "--requests", "400"])
+        .env("CP_HICACHE_GROUP_TIMEOUT", "5")
+        .env("CP_HICACHE_CACHE_DIR", cache_dir())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = launcher.id();
+    let children = format!("/proc/{pid}/task/{pid}/children");
+    let start = std::time::Instant::now();
+    let ranks: Vec<i32> = loop {
+        let listed: Vec<i32> = std::fs::read_to_string(&children)
+            .unwrap_or_default()
+            .split_whitespace()
+            .map(|p| p.parse().unwrap())
+            .collect();
+        if listed.len() == 4 {
+            break listed;
+        }
+        assert!(start.elapsed().as_secs() < 60, "the ranks never started");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    };
+    // The victim's rank, from the member variable the launcher gave it (once it runs the
+    // binary: until its exec, a child has the launcher's environment).
+    let victim = ranks[2];
+    let rank = loop {
+        let environ = std::fs::read(format!("/proc/{victim}/environ")).unwrap_or_default();
+        let member = environ
+            .split(|&b| b == 0)
+            .find_map(|v| v.strip_prefix(b"CP_HICACHE_REPLAY_MEMBER="))
+            .map(|m| {
+                String::from_utf8_lossy(m)
+                    .split(' ')
+                    .next()
+                    .unwrap()
+                    .to_string()
+            });
+        if let Some(rank) = member {
+            break rank;
+        }
+        assert!(
+            start.elapsed().as_secs() < 60,
+            "rank process {victim} never ran"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    };
+    // SAFETY: a plain kill(2) of a child this test's launcher started.
+    assert_eq!(unsafe { libc::kill(victim, libc::SIGKILL) }, 0);
+    let out = launcher.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains(&format!("rank {rank} was killed during the replay")),
+        "{}",
+        stderr(&out)
+    );
+    let prefix = format!("cp-hicache-group.{pid}.");
+    let left: Vec<_> = std::fs::read_dir(std::env::temp_dir())
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+        .collect();
+    assert!(left.is_empty(), "the group's folder is left: {left:?}");
+}
