@@ -275,6 +275,16 @@ class _HostIndex:
         return True
 
 
+def _kv_same_on_every_rank(spec: Any) -> bool:
+    """Whether a KV cache spec's KV is the same on every TP rank: MLA's latent KV
+    (``MLAAttentionSpec``), or a spec that declares ``max_tp_shards`` 1."""
+    try:
+        from vllm.v1.kv_cache_interface import MLAAttentionSpec
+    except ImportError:  # pragma: no cover - depends on vLLM's version
+        MLAAttentionSpec = ()
+    return isinstance(spec, MLAAttentionSpec) or getattr(spec, "max_tp_shards", None) == 1
+
+
 @dataclass
 class CpHiCacheMetadata(KVConnectorMetadata):
     """One step's plan, built once by the scheduler-side connector and executed by every
@@ -901,13 +911,9 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         neighbours hold copies when TP exceeds the heads). A DCP group (``dcp``
         consecutive TP ranks) must lie within one shard's ranks: they split one shard's
         tokens."""
-        try:
-            from vllm.v1.kv_cache_interface import MLAAttentionSpec
-        except ImportError:  # pragma: no cover - depends on vLLM's version
-            MLAAttentionSpec = ()
-        declared = getattr(spec, "max_tp_shards", None)
-        if isinstance(spec, MLAAttentionSpec) or declared == 1:
+        if _kv_same_on_every_rank(spec):
             return 1
+        declared = getattr(spec, "max_tp_shards", None)
         per_rank = int(getattr(spec, "num_kv_heads", 0) or 0)
         if declared is not None:
             shards = min(tp, int(declared))
@@ -947,12 +953,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         ``_head_shards`` says (``shards`` shards of ``spec.num_kv_heads`` heads); 0 for
         MLA, a spec declaring its KV the same on every rank, or a model config without
         head counts: then records are never re-sharded."""
-        try:
-            from vllm.v1.kv_cache_interface import MLAAttentionSpec
-        except ImportError:  # pragma: no cover - depends on vLLM's version
-            MLAAttentionSpec = ()
-        declared = getattr(spec, "max_tp_shards", None)
-        if isinstance(spec, MLAAttentionSpec) or declared == 1:
+        if _kv_same_on_every_rank(spec):
             return 0
         per_rank = int(getattr(spec, "num_kv_heads", 0) or 0)
         mc = getattr(vllm_config, "model_config", None)
