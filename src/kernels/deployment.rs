@@ -49,6 +49,109 @@ pub struct UnknownModel {
     pub given: String,
 }
 
+/// Which of a model's tensor-parallel head shards a deployment holds: shard `rank` of
+/// `size`. A GQA/MHA model splits its KV heads over the TP ranks, so two shards of one
+/// model have the same shape ([`ModelShape::Gqa`] names only the heads a rank holds) but
+/// different bytes; the shard goes into the storage fingerprint and the synthesised KV
+/// (when `size > 1`) so that one shard's records are never served to another. Where the
+/// TP degree exceeds the model's KV heads, ranks holding copies of the same heads name the
+/// same shard (`rank` = TP rank / copies, `size` = the number of distinct shards).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TpShard {
+    rank: u16,
+    size: u16,
+}
+
+/// A TP shard that cannot exist, or that a model cannot have.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TpShardError {
+    /// A TP size of 0.
+    #[error("TP size 0: a model is split over at least 1 rank (1 = not split)")]
+    ZeroSize,
+    /// A rank that is not below the size.
+    #[error("TP rank {rank} is not below the TP size {size} (ranks are 0..{size})")]
+    RankOutOfRange {
+        /// The rank given.
+        rank: u16,
+        /// The size given.
+        size: u16,
+    },
+    /// A split of a model whose KV is not split by heads: MLA's and NSA's latent KV is the
+    /// same on every TP rank, so every rank reads and writes the same records.
+    #[error(
+        "model {model} keeps the same latent KV on every TP rank (nothing is split by heads), \
+         so every TP rank shares its records: give no TP shard (TP size 1), not rank {rank} \
+         of {size}"
+    )]
+    Replicated {
+        /// The model.
+        model: ModelShape,
+        /// The rank given.
+        rank: u16,
+        /// The size given.
+        size: u16,
+    },
+}
+
+impl TpShard {
+    /// No split: the whole model's KV heads on one rank (or KV replicated on every rank).
+    /// Fingerprints and synthesised KV are those of a deployment without a TP shard.
+    pub const WHOLE: TpShard = TpShard { rank: 0, size: 1 };
+
+    /// Shard `rank` of `size`, refusing a size of 0 and a rank not below the size.
+    pub fn new(rank: u16, size: u16) -> Result<TpShard, TpShardError> {
+        if size == 0 {
+            return Err(TpShardError::ZeroSize);
+        }
+        if rank >= size {
+            return Err(TpShardError::RankOutOfRange { rank, size });
+        }
+        Ok(TpShard { rank, size })
+    }
+
+    /// The shard's index, `0..size`.
+    pub fn rank(self) -> u16 {
+        self.rank
+    }
+
+    /// The number of shards the model's KV heads are split into.
+    pub fn size(self) -> u16 {
+        self.size
+    }
+
+    /// Whether the model is split (`size > 1`): only then does the shard change the
+    /// fingerprint and the synthesised KV, so unsplit stores stay readable.
+    pub fn is_split(self) -> bool {
+        self.size > 1
+    }
+
+    /// The seed of the prefix-hash chain of synthesised KV (`h[-1]`, docs/KERNELS.md): the
+    /// usual seed unsplit, else one drawn from the shard, so that every token of one shard
+    /// synthesises other bytes than the same token of another and verification catches a
+    /// page of the wrong shard. Host-side: the kernels take the hashes as they are.
+    pub fn prefix_hash_seed(self) -> u64 {
+        use super::reference::{mix64, PREFIX_HASH_SEED};
+        if !self.is_split() {
+            return PREFIX_HASH_SEED;
+        }
+        let shard = (0x7470_u64 << 32) | (u64::from(self.size) << 16) | u64::from(self.rank);
+        mix64(PREFIX_HASH_SEED ^ mix64(shard))
+    }
+}
+
+impl Default for TpShard {
+    fn default() -> TpShard {
+        TpShard::WHOLE
+    }
+}
+
+/// `rank/size`, what `--tp` takes.
+impl fmt::Display for TpShard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.rank, self.size)
+    }
+}
+
 impl std::str::FromStr for ModelShape {
     type Err = UnknownModel;
 
@@ -198,6 +301,10 @@ pub struct Deployment {
     /// Whether host↔device page transfers run the transfer kernel or copy-engine DMA
     /// (tuning decides; the transfer kernels are compiled either way).
     pub transfer_path: TransferPath,
+    /// Which TP head shard this deployment holds ([`Deployment::with_tp`] sets it, checked
+    /// against the model). It changes no kernel and not the name, only the storage
+    /// fingerprint and the synthesised KV.
+    tp: TpShard,
 }
 
 /// `l` with its vector width narrowed to the widest that divides `page_bytes`, when its own
@@ -256,6 +363,7 @@ impl Deployment {
             transfer_copy: CopyLaunch::gpu_transfer(),
             synth_threads: 128,
             transfer_path: TransferPath::Kernel,
+            tp: TpShard::WHOLE,
         };
         dep.validate()?;
         Ok(dep)
@@ -281,6 +389,31 @@ impl Deployment {
         }
         self.validate()?;
         Ok(self)
+    }
+
+    /// This deployment holding TP head shard `tp`. Only a model whose KV heads are split
+    /// over the TP ranks (GQA/MHA) takes a split shard; MLA and NSA keep the same latent KV
+    /// on every TP rank, so a split of theirs is refused ([`TpShardError::Replicated`])
+    /// rather than silently giving each rank records of its own.
+    pub fn with_tp(mut self, tp: TpShard) -> Result<Deployment, KernelError> {
+        if tp.is_split() && !matches!(self.model, ModelShape::Gqa { .. }) {
+            return Err(KernelError::InvalidTpShard {
+                name: self.name,
+                source: TpShardError::Replicated {
+                    model: self.model,
+                    rank: tp.rank,
+                    size: tp.size,
+                },
+            });
+        }
+        self.tp = tp;
+        Ok(self)
+    }
+
+    /// The TP head shard this deployment holds ([`TpShard::WHOLE`] unless
+    /// [`Deployment::with_tp`] split it).
+    pub fn tp(&self) -> TpShard {
+        self.tp
     }
 
     /// How tokens fill the pages under this deployment's layout.
@@ -522,6 +655,64 @@ mod tests {
         assert_eq!(gqa.name, "gqa4x64_ps32_cp2");
         assert_eq!(gqa.model.buffers().len(), 1);
         assert_eq!(gqa.model.family(), "gqa");
+    }
+
+    /// A TP shard is refused with a typed error when it cannot exist (size 0, rank not
+    /// below the size) or when its model keeps the same KV on every TP rank (MLA, NSA);
+    /// a GQA deployment takes it without changing its name or a kernel.
+    #[test]
+    fn tp_shards_are_checked_and_change_no_kernel() {
+        assert_eq!(TpShard::new(0, 0), Err(TpShardError::ZeroSize));
+        assert_eq!(
+            TpShard::new(2, 2),
+            Err(TpShardError::RankOutOfRange { rank: 2, size: 2 })
+        );
+        assert_eq!(TpShard::default(), TpShard::WHOLE);
+        assert!(!TpShard::new(0, 1).unwrap().is_split());
+        let one = TpShard::new(1, 2).unwrap();
+        assert_eq!(
+            (one.rank(), one.size(), one.to_string()),
+            (1, 2, "1/2".into())
+        );
+        for model in [ModelShape::Nsa, ModelShape::MlaBf16] {
+            let dep = Deployment::new(model, 64, 4).unwrap();
+            match dep.clone().with_tp(one) {
+                Err(KernelError::InvalidTpShard {
+                    source:
+                        TpShardError::Replicated {
+                            rank: 1, size: 2, ..
+                        },
+                    ..
+                }) => {}
+                other => panic!("{model}: {other:?}"),
+            }
+            // Unsplit is every model's own state.
+            assert_eq!(dep.clone().with_tp(TpShard::WHOLE).unwrap(), dep);
+        }
+        let gqa = Deployment::by_name("gqa8x128_ps16_cp4").unwrap();
+        let split = gqa.clone().with_tp(one).unwrap();
+        assert_eq!((split.tp(), gqa.tp()), (one, TpShard::WHOLE));
+        assert_eq!(split.name, gqa.name);
+        assert_eq!(split.specs(), gqa.specs());
+        assert_ne!(split, gqa);
+    }
+
+    /// Unsplit, the prefix-hash chain keeps its seed (every existing store's bytes and the
+    /// committed renders stay as they were); each shard of a split seeds its own.
+    #[test]
+    fn each_tp_shard_seeds_its_own_prefix_hashes() {
+        use crate::kernels::reference::PREFIX_HASH_SEED;
+        assert_eq!(TpShard::WHOLE.prefix_hash_seed(), PREFIX_HASH_SEED);
+        let mut seeds = vec![PREFIX_HASH_SEED];
+        for size in 2..=8u16 {
+            for rank in 0..size {
+                seeds.push(TpShard::new(rank, size).unwrap().prefix_hash_seed());
+            }
+        }
+        let n = seeds.len();
+        seeds.sort_unstable();
+        seeds.dedup();
+        assert_eq!(seeds.len(), n, "two shards share a seed");
     }
 
     #[test]

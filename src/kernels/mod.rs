@@ -30,7 +30,7 @@ mod spec;
 mod table;
 
 pub use arch::Arch;
-pub use deployment::{Buffers, Deployment, ModelShape, UnknownModel};
+pub use deployment::{Buffers, Deployment, ModelShape, TpShard, TpShardError, UnknownModel};
 pub use dma::{
     check_distinct_destinations, clamp_layer_range, layer_range_args, transfer_args,
     transfer_regions, transfer_regions_at, DuplicateDestination, PoolShape, TransferPath,
@@ -121,6 +121,14 @@ pub enum KernelError {
         name: String,
         /// Why it is rejected.
         reason: String,
+    },
+    /// A TP shard the deployment cannot hold ([`Deployment::with_tp`]).
+    #[error("deployment {name}: {source}")]
+    InvalidTpShard {
+        /// The deployment name.
+        name: String,
+        /// What is wrong with the shard.
+        source: TpShardError,
     },
     /// `Deployment::by_name` with a name that is not a reference deployment.
     #[error("unknown deployment {name:?}; valid names: {}", valid.join(", "))]

@@ -176,6 +176,7 @@ impl StartUp {
         let fault = config.fault.map_or("none".to_string(), |f| f.to_string());
         [
             ("deployment", dep.name.clone()),
+            ("TP shard", dep.tp().to_string()),
             ("kernels", format!("{dep:?}")),
             ("layers", config.layers.to_string()),
             ("device pages", config.device_pages.to_string()),

@@ -7,9 +7,10 @@ use sha2::{Digest, Sha256};
 use std::fmt;
 
 /// The deployment a record's bytes belong to: the model's buffers (their fields, dtypes and
-/// arrangement in a page), the layers and the page size. Two deployments whose records could
-/// be exchanged byte for byte have the same fingerprint; the CP degree, the rank and the
-/// layout are left out, since a record holds a sequence page whoever owned it.
+/// arrangement in a page), the TP head shard of a split model, the layers and the page
+/// size. Two deployments whose records could be exchanged byte for byte have the same
+/// fingerprint; the CP degree, the CP rank and the layout are left out, since a record
+/// holds a sequence page whoever owned it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Fingerprint {
     /// What was hashed, for error messages and the store's marker file.
@@ -18,14 +19,18 @@ pub struct Fingerprint {
 }
 
 impl Fingerprint {
-    /// The fingerprint of `dep` with `layers` layers per buffer kind.
+    /// The fingerprint of `dep` with `layers` layers per buffer kind. A TP head shard of a
+    /// split model (`tp=1/2`) is part of the model's name: two shards' records have the
+    /// same shape but other heads. An unsplit deployment's model is named alone, so its
+    /// fingerprint is what it was before shards were named.
     pub fn of(dep: &Deployment, layers: u32) -> Fingerprint {
-        Self::from_parts(
-            dep.model.to_string().as_str(),
-            &dep.model.buffers(),
-            layers,
-            dep.page_size,
-        )
+        let tp = dep.tp();
+        let model = if tp.is_split() {
+            format!("{};tp={tp}", dep.model)
+        } else {
+            dep.model.to_string()
+        };
+        Self::from_parts(&model, &dep.model.buffers(), layers, dep.page_size)
     }
 
     /// The fingerprint of `buffers` (in the model's order) of model `model`.

@@ -73,6 +73,44 @@ fn the_fingerprint_leaves_out_the_topology_but_not_the_bytes() {
     );
 }
 
+/// A GQA deployment's TP head shard is in the fingerprint only when the model is split: an
+/// unsplit deployment's fingerprint is the one every store written before shards were
+/// named carries (its SHA-256 worked out apart from this code), and two shards of one
+/// split differ from each other and from the unsplit shape.
+#[test]
+fn the_fingerprint_names_the_tp_shard_of_a_split_model_only() {
+    use crate::kernels::TpShard;
+    let gqa = Deployment::new(ModelShape::GQA_DEFAULT, 16, 4).unwrap();
+    let shard = |rank, size| {
+        Fingerprint::of(
+            &gqa.clone()
+                .with_tp(TpShard::new(rank, size).unwrap())
+                .unwrap(),
+            2,
+        )
+    };
+    let whole = Fingerprint::of(&gqa, 2);
+    assert_eq!(whole.to_string(), "4bc286bb6c74ac01b78a254396f73217");
+    assert_eq!(shard(0, 1), whole);
+    assert_eq!(shard(1, 2).to_string(), "368bbcaa6758b215af53e6c0e8f19d7d");
+    assert!(
+        shard(1, 2)
+            .describe()
+            .starts_with("model=gqa8x128;tp=1/2;layers=2;"),
+        "{}",
+        shard(1, 2).describe()
+    );
+    assert_ne!(shard(0, 2), shard(1, 2));
+    assert_ne!(shard(0, 2), whole);
+    assert_ne!(shard(0, 2), shard(0, 4));
+    // Keys are salted with the fingerprint: the shards' records of one prompt never share
+    // a name.
+    let tokens: Vec<u32> = (0..64).collect();
+    let a = RecordKey::chain(&shard(0, 2), &tokens, 16);
+    let b = RecordKey::chain(&shard(1, 2), &tokens, 16);
+    assert!(a.iter().all(|k| !b.contains(k)));
+}
+
 #[test]
 fn a_store_round_trips_records_and_refuses_bad_ones_as_misses() {
     let dir = tempfile::tempdir().unwrap();

@@ -111,8 +111,14 @@ pub const PREFIX_HASH_SEED: u64 = 0x6a09_e667_f3bc_c908;
 
 /// `prefix_hash[t]` for every position: a hash of `tokens[0..=t]` (docs/KERNELS.md).
 pub fn prefix_hashes(tokens: &[u32]) -> Vec<u64> {
+    prefix_hashes_from(PREFIX_HASH_SEED, tokens)
+}
+
+/// [`prefix_hashes`] of a chain seeded with `seed` instead of [`PREFIX_HASH_SEED`] (a TP
+/// head shard's, [`TpShard::prefix_hash_seed`](super::TpShard::prefix_hash_seed)).
+pub fn prefix_hashes_from(seed: u64, tokens: &[u32]) -> Vec<u64> {
     let mut out = Vec::with_capacity(tokens.len());
-    extend_prefix_hashes(&mut out, tokens);
+    extend_prefix_hashes_from(&mut out, seed, tokens);
     out
 }
 
@@ -120,7 +126,13 @@ pub fn prefix_hashes(tokens: &[u32]) -> Vec<u64> {
 /// (a chain: each hash depends on the one before), so a growing request hashes each token
 /// once.
 pub fn extend_prefix_hashes(hashes: &mut Vec<u64>, tokens: &[u32]) {
-    let mut h = hashes.last().copied().unwrap_or(PREFIX_HASH_SEED);
+    extend_prefix_hashes_from(hashes, PREFIX_HASH_SEED, tokens)
+}
+
+/// [`extend_prefix_hashes`] of a chain seeded with `seed` (used only while `hashes` is
+/// empty).
+pub fn extend_prefix_hashes_from(hashes: &mut Vec<u64>, seed: u64, tokens: &[u32]) {
+    let mut h = hashes.last().copied().unwrap_or(seed);
     hashes.extend(tokens.iter().map(|&t| {
         h = mix64(h ^ u64::from(t).wrapping_mul(0x9e37_79b9_7f4a_7c15));
         h

@@ -536,7 +536,10 @@ impl RankCache {
         Ok(Request {
             n,
             tokens: tokens.to_vec(),
-            hashes: reference::prefix_hashes(tokens),
+            hashes: reference::prefix_hashes_from(
+                self.config.deployment.tp().prefix_hash_seed(),
+                tokens,
+            ),
             pages,
             cached,
             in_tree: cached,
@@ -576,7 +579,11 @@ impl RankCache {
         let (layout, cp) = (self.config.deployment.layout, self.layout.cp());
         let written = req.tokens.len();
         req.tokens.extend_from_slice(tokens);
-        reference::extend_prefix_hashes(&mut req.hashes, tokens);
+        reference::extend_prefix_hashes_from(
+            &mut req.hashes,
+            self.config.deployment.tp().prefix_hash_seed(),
+            tokens,
+        );
         let n_pages = layout.pages_for(cp, ps, req.tokens.len());
         let have = req.pages.len();
         if n_pages > have {
