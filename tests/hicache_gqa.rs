@@ -2,15 +2,24 @@
 //! orders: its K and V pages are synthesised on their owners, backed up to the host tier,
 //! loaded back on a hit and verified byte for byte (0 mismatched tokens), and under the
 //! seed's bug (a plain allocator on load) the owners' unwritten, poisoned slots are read and
-//! verification catches the wrong owner.
+//! verification catches the wrong owner. Two TP head shards of one model sharing a store
+//! are each served only their own records, and a record of the other shard is refused by
+//! its fingerprint and, were that bypassed, caught by verification.
 
 mod hicache_support;
 
-use cp_hicache::cluster::{Cluster, Fault, WritePolicy};
+use cp_hicache::cluster::{Cluster, ClusterConfig, Fault, RequestStats, WritePolicy};
 use cp_hicache::exec::BlockOrder;
-use cp_hicache::kernels::{BufferKind, Deployment, ModelShape, TransferPath};
-use hicache_support::{evict_all, host_executor, serve_checked, tokens, Setup};
-use std::sync::Arc;
+use cp_hicache::jit::Sanitize;
+use cp_hicache::kernels::{BufferKind, Deployment, ModelShape, TpShard, TransferPath};
+use cp_hicache::rank::StoragePolicy;
+use cp_hicache::storage::{
+    object_name, payload_bytes, record, DirStore, Fingerprint, ObjectBackend, ObjectStore,
+    PageStore, RecordKey, StorageError,
+};
+use hicache_support::{evict_all, host_executor, jit, serve_checked, tokens, Setup};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 const ORDERS: [BlockOrder; 2] = [BlockOrder::Forward, BlockOrder::Reverse];
 
@@ -86,4 +95,217 @@ fn a_wrong_owner_on_load_is_caught_for_gqa() {
         assert!(s.mismatched_tokens <= s.host_hit_tokens, "{order:?}: {s:?}");
         assert!(c.check_invariants().is_err(), "{order:?}");
     }
+}
+
+/// A shared in-memory object store (Mooncake Store's shape: one store for every rank of
+/// every TP shard, no directory of a shard's own).
+#[derive(Clone, Default)]
+struct SharedObjects(Arc<Mutex<HashMap<String, Vec<u8>>>>);
+
+impl ObjectBackend for SharedObjects {
+    fn put_if_absent(&self, name: &str, bytes: &[u8]) -> Result<bool, StorageError> {
+        let mut m = self.0.lock().unwrap();
+        if m.contains_key(name) {
+            return Ok(false);
+        }
+        m.insert(name.to_string(), bytes.to_vec());
+        Ok(true)
+    }
+    fn get(&self, name: &str) -> Result<Option<Vec<u8>>, StorageError> {
+        Ok(self.0.lock().unwrap().get(name).cloned())
+    }
+    fn exist(&self, names: &[String]) -> Result<Vec<bool>, StorageError> {
+        let m = self.0.lock().unwrap();
+        Ok(names.iter().map(|n| m.contains_key(n)).collect())
+    }
+    fn remove(&self, name: &str) -> Result<bool, StorageError> {
+        Ok(self.0.lock().unwrap().remove(name).is_some())
+    }
+}
+
+const TP_PAGE: u32 = 16;
+const TP_LAYERS: u32 = 2;
+
+/// GQA 2 × 64 at page 16, CP 2, holding TP head shard `rank` of 2.
+fn tp_deployment(rank: u16) -> Deployment {
+    Deployment::new(
+        ModelShape::Gqa {
+            kv_heads: 2,
+            head_dim: 64,
+        },
+        TP_PAGE,
+        2,
+    )
+    .unwrap()
+    .with_tp(TpShard::new(rank, 2).unwrap())
+    .unwrap()
+}
+
+/// A fresh CP group of TP shard `rank` over `store`, writing to it with every host backup.
+fn tp_cluster(rank: u16, store: Arc<dyn PageStore>) -> Cluster {
+    let config = ClusterConfig {
+        deployment: tp_deployment(rank),
+        layers: TP_LAYERS,
+        device_pages: 64,
+        host_pages: 64,
+        policy: WritePolicy::WriteThrough,
+        fault: None,
+        sanitize: Sanitize::None,
+    };
+    let mut c = Cluster::new(config, Arc::new(host_executor()), &jit()).unwrap();
+    c.attach_storage(store, StoragePolicy::WithHost).unwrap();
+    c
+}
+
+/// Serves `t` and checks what [`serve_checked`] does, with storage hits in the token
+/// accounting; mismatches are returned, not asserted.
+fn serve_from_store(c: &mut Cluster, t: &[u32]) -> RequestStats {
+    let s = c.serve(t).unwrap();
+    assert!(c.replicas_agree(), "replicas disagree after {s:?}");
+    c.check_invariants().unwrap();
+    assert_eq!(
+        s.device_hit_tokens + s.host_hit_tokens + s.storage_hit_tokens + s.computed_tokens,
+        s.prompt_tokens,
+        "{s:?}"
+    );
+    s
+}
+
+/// TP shard `rank`'s view of the shared objects.
+fn tp_store(objects: &SharedObjects, rank: u16) -> Arc<ObjectStore<SharedObjects>> {
+    let dep = tp_deployment(rank);
+    Arc::new(
+        ObjectStore::new(
+            objects.clone(),
+            Fingerprint::of(&dep, TP_LAYERS),
+            payload_bytes(&dep, TP_LAYERS),
+        )
+        .unwrap(),
+    )
+}
+
+/// Two TP shards of one GQA model (same shard shape, other heads) write one store: each
+/// is served only its own records, byte for byte. The second shard finds none of the
+/// first's (its keys are salted with a fingerprint naming its shard), computes and writes
+/// its own, and fresh groups of either shard then read back exactly their own pages with
+/// 0 mismatched tokens. Without the shard in the fingerprint the second shard would have
+/// been served the first's heads as a hit.
+#[test]
+fn two_tp_shards_sharing_a_store_each_read_back_only_their_own_records() {
+    let objects = SharedObjects::default();
+    let prompt = tokens(43, 8 * TP_PAGE as usize);
+    let pages = 8u64;
+    let s0 = serve_from_store(&mut tp_cluster(0, tp_store(&objects, 0)), &prompt);
+    assert_eq!(
+        (s0.storage_records_written, s0.mismatched_tokens),
+        (pages, 0),
+        "{s0:?}"
+    );
+    let s1 = serve_from_store(&mut tp_cluster(1, tp_store(&objects, 1)), &prompt);
+    assert_eq!(
+        (s1.storage_hit_tokens, s1.storage_records_read),
+        (0, 0),
+        "shard 1 was served shard 0's records: {s1:?}"
+    );
+    assert_eq!(
+        (s1.computed_tokens, s1.mismatched_tokens),
+        (prompt.len() as u64, 0),
+        "{s1:?}"
+    );
+    assert_eq!(s1.storage_records_written, pages, "{s1:?}");
+    assert_eq!(objects.0.lock().unwrap().len() as u64, 2 * pages);
+    for rank in [0, 1] {
+        let s = serve_from_store(&mut tp_cluster(rank, tp_store(&objects, rank)), &prompt);
+        assert_eq!(
+            s.storage_hit_tokens,
+            prompt.len() as u64,
+            "shard {rank}: {s:?}"
+        );
+        assert_eq!(s.storage_records_read, pages, "shard {rank}: {s:?}");
+        assert_eq!(s.storage_refused(), 0, "shard {rank}: {s:?}");
+        assert_eq!(s.mismatched_tokens, 0, "shard {rank}: {s:?}");
+    }
+}
+
+/// The synthesised KV names the TP shard too, so a page of the wrong shard is caught by
+/// verification and not only by the fingerprint: shard 0's records placed at shard 1's
+/// names are refused as another deployment's (counted), and the same payloads re-sealed
+/// under shard 1's fingerprint and keys (a fingerprint check bypassed) pass the store's
+/// checks but fail verification on every token they carry.
+#[test]
+fn a_record_of_the_other_tp_shard_is_refused_and_its_bytes_fail_verification() {
+    let objects = SharedObjects::default();
+    let prompt = tokens(44, 4 * TP_PAGE as usize);
+    let (store0, store1) = (tp_store(&objects, 0), tp_store(&objects, 1));
+    let s0 = serve_from_store(&mut tp_cluster(0, store0.clone()), &prompt);
+    assert_eq!(
+        (s0.storage_records_written, s0.mismatched_tokens),
+        (4, 0),
+        "{s0:?}"
+    );
+    let keys0 = RecordKey::chain(store0.fingerprint(), &prompt, TP_PAGE);
+    let keys1 = RecordKey::chain(store1.fingerprint(), &prompt, TP_PAGE);
+    let theirs: Vec<Vec<u8>> = keys0
+        .iter()
+        .map(|k| objects.0.lock().unwrap()[&object_name(k)].clone())
+        .collect();
+
+    // Copied as they are: refused by their fingerprint, counted, recomputed.
+    for (k1, bytes) in keys1.iter().zip(&theirs) {
+        objects
+            .0
+            .lock()
+            .unwrap()
+            .insert(object_name(k1), bytes.clone());
+    }
+    let s = serve_from_store(&mut tp_cluster(1, store1.clone()), &prompt);
+    assert_eq!(s.storage_hit_tokens, 0, "{s:?}");
+    assert!(s.storage_refused_fingerprint > 0, "{s:?}");
+    assert_eq!(s.mismatched_tokens, 0, "{s:?}");
+
+    // Re-sealed as shard 1's: served, and every token of them mismatches.
+    for ((k0, k1), bytes) in keys0.iter().zip(&keys1).zip(&theirs) {
+        let payload = record::decode(
+            bytes,
+            store0.fingerprint(),
+            k0,
+            payload_bytes(&tp_deployment(0), TP_LAYERS),
+        )
+        .unwrap();
+        objects.0.lock().unwrap().insert(
+            object_name(k1),
+            record::encode(store1.fingerprint(), k1, payload),
+        );
+    }
+    let s = serve_from_store(&mut tp_cluster(1, store1), &prompt);
+    assert_eq!(s.storage_hit_tokens, prompt.len() as u64, "{s:?}");
+    assert_eq!(s.storage_refused(), 0, "{s:?}");
+    assert_eq!(s.mismatched_tokens, prompt.len() as u64, "{s:?}");
+}
+
+/// A store directory holds one deployment's records: shard 1 opening shard 0's directory
+/// is refused, naming both shards (a shard that shared it would only share the byte
+/// budget, never a record), and shard 0 reads its records back from it.
+#[test]
+fn a_store_directory_of_one_tp_shard_is_refused_to_the_other() {
+    let dir = tempfile::tempdir().unwrap();
+    let open =
+        |rank| DirStore::for_deployment(dir.path(), &tp_deployment(rank), TP_LAYERS, 1 << 30);
+    let prompt = tokens(45, 4 * TP_PAGE as usize);
+    let s = serve_from_store(&mut tp_cluster(0, Arc::new(open(0).unwrap())), &prompt);
+    assert_eq!(
+        (s.storage_records_written, s.mismatched_tokens),
+        (4, 0),
+        "{s:?}"
+    );
+    match open(1) {
+        Err(StorageError::Config(why)) => {
+            assert!(why.contains("tp=0/2") && why.contains("tp=1/2"), "{why}")
+        }
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("shard 1 opened shard 0's store"),
+    }
+    let s = serve_from_store(&mut tp_cluster(0, Arc::new(open(0).unwrap())), &prompt);
+    assert_eq!(s.storage_hit_tokens, prompt.len() as u64, "{s:?}");
+    assert_eq!(s.mismatched_tokens, 0, "{s:?}");
 }
