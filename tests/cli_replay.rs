@@ -1426,6 +1426,87 @@ fn gqa_replays_verified_under_every_layout() {
     }
 }
 
+/// `replay --model gqa --tp-rank R --tp-size S`: a TP head shard replays verified into a
+/// store and its report names the shard; the model's other shard is refused that store
+/// (same shard shape, other heads: its records are not this shard's), naming both; a shard
+/// that cannot exist, or a split of a model whose KV every TP rank shares, is a usage
+/// error; `--help` says what the options do.
+#[test]
+fn gqa_tp_shards_replay_into_stores_of_their_own() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    let store = store.to_str().unwrap();
+    let shard = |rank: &str| {
+        replay_set(
+            &[("--model", "gqa")],
+            &[
+                "--kv-heads",
+                "4",
+                "--head-dim",
+                "32",
+                "--tp-rank",
+                rank,
+                "--tp-size",
+                "2",
+                "--storage",
+                store,
+            ],
+        )
+    };
+    let (out, report) = shard("0");
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let r = report.unwrap();
+    assert_eq!(r["tp_shard"], "0/2", "{r}");
+    assert_eq!(num(&r, "mismatched_tokens"), 0, "{r}");
+    assert!(num(&r, "storage_records_written") > 0, "{r}");
+    let (out, _) = shard("1");
+    assert_ne!(out.status.code(), Some(0), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(err.contains("tp=0/2") && err.contains("tp=1/2"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let (out, report) = replay_set(&[("--model", "gqa")], &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert_eq!(report.unwrap()["tp_shard"], serde_json::Value::Null);
+    usage_error(
+        &[
+            "replay",
+            "--model",
+            "gqa",
+            "--tp-rank",
+            "2",
+            "--tp-size",
+            "2",
+        ],
+        "TP rank 2 is not below the TP size 2",
+    );
+    usage_error(&["replay", "--model", "gqa", "--tp-size", "0"], "TP size 0");
+    usage_error(
+        &[
+            "replay",
+            "--model",
+            "mla",
+            "--tp-rank",
+            "1",
+            "--tp-size",
+            "2",
+        ],
+        "same latent KV on every TP rank",
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+        .args(["replay", "--help"])
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    for want in [
+        "--tp-rank <R>",
+        "--tp-size <S>",
+        "which TP head shard",
+        "[default: 1]",
+    ] {
+        assert!(help.contains(want), "{want} missing from\n{help}");
+    }
+}
+
 /// `replay --processes` with a rank killed while it runs: its peers fail within the group
 /// timeout, the launcher names the killed rank and exits 1, and the group's folder is
 /// removed.

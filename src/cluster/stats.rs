@@ -40,6 +40,8 @@ pub struct ReplayReport {
     pub page_size: u32,
     /// Model buffer shape.
     pub model: String,
+    /// The TP head shard of a split GQA model (`1/2`: shard 1 of 2); none unsplit.
+    pub tp_shard: Option<String>,
     /// Layers per buffer.
     pub layers: u32,
     /// Write policy.
@@ -112,8 +114,11 @@ impl ReplayReport {
         row(
             "deployment",
             format!(
-                "{} · CP {} · page {} · {} layers · {} · {} · {}",
+                "{}{} · CP {} · page {} · {} layers · {} · {} · {}",
                 self.model,
+                self.tp_shard
+                    .as_ref()
+                    .map_or(String::new(), |tp| format!(" · TP shard {tp}")),
                 self.cp,
                 self.page_size,
                 self.layers,
@@ -366,6 +371,7 @@ mod tests {
             cp: 8,
             page_size: 64,
             model: "nsa".into(),
+            tp_shard: None,
             layers: 4,
             policy: "write_through".into(),
             layout: "zigzag".into(),
@@ -453,9 +459,11 @@ mod tests {
             fault_fired: Some(false),
             fault_not_fired_because: Some("no load-back".into()),
             storage: Some("/tmp/store · with-host · 16.0 GiB".into()),
+            tp_shard: Some("1/2".into()),
             ..sample()
         };
         let table = r.to_table();
+        assert!(table.contains(" · TP shard 1/2 · CP "), "{table}");
         assert!(table.contains("requests skipped (no room)   2"), "{table}");
         assert!(
             table.contains("plain-alloc-on-load (NEVER FIRED: no load-back)"),

@@ -4,7 +4,7 @@
 use crate::cli::common::parse_backend;
 use crate::cluster::{Fault, WritePolicy};
 use crate::exec::Backend;
-use crate::kernels::{Deployment, ModelShape, TransferPath};
+use crate::kernels::{Deployment, ModelShape, TpShard, TransferPath};
 use crate::layout::Layout;
 use crate::rank::{LiveShape, StoragePolicy};
 use crate::workload::{
@@ -105,6 +105,19 @@ pub struct ReplayArgs {
     /// With `--model gqa`: elements per head (bf16), e.g. 128.
     #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u16).range(1..))]
     pub head_dim: u16,
+    /// With `--model gqa` and `--tp-size` above 1: which TP head shard this group holds,
+    /// 0..tp-size. Two shards of one model have the same shape but other heads: the shard
+    /// goes into the store's fingerprint (each shard reads and writes only its own
+    /// records, in a --storage directory of its own) and into the synthesised KV (a page of
+    /// another shard fails verification).
+    #[arg(long, default_value_t = 0, value_name = "R")]
+    pub tp_rank: u16,
+    /// With `--model gqa`: the number of TP head shards the model's KV heads are split into
+    /// (the TP degree, or the distinct shards where it exceeds the KV heads); 1: unsplit,
+    /// the records and KV of a deployment without a shard. NSA and MLA keep the same
+    /// latent KV on every TP rank, so they refuse a size above 1.
+    #[arg(long, default_value_t = 1, value_name = "S")]
+    pub tp_size: u16,
     /// Logical device pages across the CP group (each rank holds ceil(pages / cp)). A
     /// request whose pages do not fit, even after evicting everything unlocked, is skipped
     /// and counted; when every request is, nothing was verified: exit status 2.
@@ -464,8 +477,11 @@ impl ReplayArgs {
         }
         let layout = Layout::parse(&self.layout, self.interleave_size)
             .map_err(|e| crate::Error::Usage(format!("--layout: {e}")))?;
+        let tp = TpShard::new(self.tp_rank, self.tp_size)
+            .map_err(|e| crate::Error::Usage(format!("--tp-rank/--tp-size: {e}")))?;
         let deployment = Deployment::new(model, self.page_size, self.cp)
             .and_then(|d| d.with_layout(layout))
+            .and_then(|d| d.with_tp(tp))
             .map_err(|e| crate::Error::Usage(e.to_string()))?;
         if let Some(fault) = self.inject {
             fault

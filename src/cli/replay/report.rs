@@ -92,6 +92,10 @@ pub(super) fn conclude(
         cp: args.cp,
         page_size: args.page_size,
         model: deployment.model.to_string(),
+        tp_shard: deployment
+            .tp()
+            .is_split()
+            .then(|| deployment.tp().to_string()),
         layers: args.layers,
         policy: args.policy.to_string(),
         layout: deployment.layout.to_string(),
