@@ -37,10 +37,20 @@ class Deployment:
         interleave_size: Optional[int] = None,
         kv_heads: Optional[int] = None,
         head_dim: Optional[int] = None,
+        tp_rank: Optional[int] = None,
+        tp_size: Optional[int] = None,
     ) -> None:
         """``model``: ``"nsa"``, ``"mla"`` or ``"gqa"`` (a GQA/MHA model's bf16 K and V of
         one TP shard: ``kv_heads`` heads of ``head_dim`` per rank, 8 and 128 when not given;
         only GQA takes them).
+
+        ``tp_rank`` of ``tp_size``: which TP head shard a GQA deployment holds (0 of 1 when
+        not given: unsplit). Shards of one model have the same shape but other heads, so a
+        split shard (``tp_size > 1``) has a storage fingerprint and synthesised KV of its
+        own: it reads and writes only its own records. NSA and MLA keep the same latent KV
+        on every TP rank and refuse ``tp_size > 1`` (:class:`UsageError`), as do a
+        ``tp_rank`` not below ``tp_size``, ``tp_size`` 0 and a ``tp_rank`` without
+        ``tp_size``.
 
         ``layout``: ``"zigzag"``, ``"round-robin"``, ``"page-interleave"`` (SGLang's
         logical pages) or ``"token-interleave"`` (vLLM decode CP: token ``t`` on rank
@@ -57,6 +67,12 @@ class Deployment:
     @property
     def head_dim(self) -> Optional[int]:
         """Elements per head of a GQA model; ``None`` for the others."""
+    @property
+    def tp_rank(self) -> int:
+        """The TP head shard this deployment holds, ``0..tp_size`` (0 unsplit)."""
+    @property
+    def tp_size(self) -> int:
+        """The TP head shards the model's KV heads are split into (1: unsplit)."""
     @property
     def page_size(self) -> int:
         """Tokens per page."""

@@ -20,7 +20,7 @@ mod storage;
 use cp_hicache::exec::Backend;
 use cp_hicache::jit::open_executor;
 use cp_hicache::jit::{Jit, JitConfig, Sanitize};
-use cp_hicache::kernels::{Deployment as CoreDeployment, ModelShape, TransferPath};
+use cp_hicache::kernels::{Deployment as CoreDeployment, ModelShape, TpShard, TransferPath};
 use cp_hicache::rank::DeploymentKernels;
 use errors::{to_py, usage};
 use pyo3::prelude::*;
@@ -40,7 +40,8 @@ impl Deployment {
     #[new]
     #[pyo3(signature = (
         model = "nsa", page_size = 64, cp = 8, layers = 61, transfer = None,
-        layout = "zigzag", interleave_size = None, kv_heads = None, head_dim = None
+        layout = "zigzag", interleave_size = None, kv_heads = None, head_dim = None,
+        tp_rank = None, tp_size = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -53,6 +54,8 @@ impl Deployment {
         interleave_size: Option<u32>,
         kv_heads: Option<u16>,
         head_dim: Option<u16>,
+        tp_rank: Option<u16>,
+        tp_size: Option<u16>,
     ) -> PyResult<Self> {
         let shape = match model {
             "nsa" => ModelShape::Nsa,
@@ -65,7 +68,8 @@ impl Deployment {
                 return Err(usage(format!(
                     "unknown model `{other}` (expected `nsa`, DeepSeek-V3.2's nsa_kv + nsa_idx, \
                      `mla`, a bf16 MLA cache, or `gqa`, a GQA/MHA model's bf16 K and V of one \
-                     TP shard with kv_heads (default 8) and head_dim (default 128))"
+                     TP shard with kv_heads (default 8) and head_dim (default 128), shard \
+                     tp_rank of tp_size)"
                 )))
             }
         };
@@ -79,8 +83,16 @@ impl Deployment {
         }
         let layout = cp_hicache::layout::Layout::parse(layout, interleave_size)
             .map_err(|e| usage(format!("layout={layout:?}: {e}")))?;
+        if tp_rank.is_some() && tp_size.is_none() {
+            return Err(usage(
+                "tp_rank names a shard of tp_size: give tp_size too".to_string(),
+            ));
+        }
+        let tp = TpShard::new(tp_rank.unwrap_or(0), tp_size.unwrap_or(1))
+            .map_err(|e| usage(format!("tp_rank/tp_size: {e}")))?;
         let mut inner = CoreDeployment::new(shape, page_size, cp)
             .and_then(|d| d.with_layout(layout))
+            .and_then(|d| d.with_tp(tp))
             .map_err(|e| usage(e.to_string()))?;
         if let Some(t) = transfer {
             inner.transfer_path = t.parse::<TransferPath>().map_err(usage)?;
@@ -117,6 +129,18 @@ impl Deployment {
             ModelShape::Gqa { head_dim, .. } => Some(head_dim),
             _ => None,
         }
+    }
+
+    /// The TP head shard this deployment holds, `0..tp_size` (0 unsplit).
+    #[getter]
+    fn tp_rank(&self) -> u16 {
+        self.inner.tp().rank()
+    }
+
+    /// The TP head shards the model's KV heads are split into (1: unsplit).
+    #[getter]
+    fn tp_size(&self) -> u16 {
+        self.inner.tp().size()
     }
 
     /// Tokens per page.
@@ -170,12 +194,16 @@ impl Deployment {
     }
 
     fn __repr__(&self) -> String {
-        let shape = match self.inner.model {
+        let mut shape = match self.inner.model {
             ModelShape::Gqa { kv_heads, head_dim } => {
                 format!(", kv_heads={kv_heads}, head_dim={head_dim}")
             }
             _ => String::new(),
         };
+        let tp = self.inner.tp();
+        if tp.is_split() {
+            shape += &format!(", tp_rank={}, tp_size={}", tp.rank(), tp.size());
+        }
         format!(
             "Deployment(model={:?}{shape}, page_size={}, cp={}, layers={}, transfer={:?}, layout={:?}{})",
             self.model(),

@@ -66,3 +66,87 @@ rc.check_invariants()
         device_pages=64, host_pages=64, backend="host")
     with pytest.raises(ValueError, match="holds records of"):
         other.attach_storage(tmp_path / "store")
+
+
+def test_a_gqa_deployment_names_its_tp_shard():
+    dep = cp_hicache.Deployment(model="gqa", kv_heads=4, head_dim=32, page_size=16, cp=1,
+                                layers=2, tp_rank=1, tp_size=2)
+    assert (dep.tp_rank, dep.tp_size) == (1, 2)
+    assert dep.name == "gqa4x32_ps16_cp1"  # the kernels are the shard shape's
+    assert "kv_heads=4, head_dim=32, tp_rank=1, tp_size=2" in repr(dep)
+    whole = cp_hicache.Deployment(model="gqa", kv_heads=4, head_dim=32, page_size=16, cp=1,
+                                  layers=2)
+    assert (whole.tp_rank, whole.tp_size) == (0, 1)
+    assert "tp_" not in repr(whole)
+    for bad, match in [
+        (dict(tp_rank=2, tp_size=2), "TP rank 2 is not below the TP size 2"),
+        (dict(tp_size=0), "TP size 0"),
+        (dict(tp_rank=1), "give tp_size too"),
+    ]:
+        with pytest.raises(cp_hicache.UsageError, match=match):
+            cp_hicache.Deployment(model="gqa", page_size=16, cp=1, layers=1, **bad)
+    with pytest.raises(cp_hicache.UsageError, match="same latent KV on every TP rank"):
+        cp_hicache.Deployment(model="mla", page_size=16, cp=1, layers=1, tp_rank=1,
+                              tp_size=2)
+
+
+class _Objects:
+    """One object store for every TP shard (Mooncake Store's shape)."""
+
+    def __init__(self):
+        self.objects = {}
+
+    def put_object(self, name, data):
+        if name in self.objects:
+            return False
+        self.objects[name] = bytes(data)
+        return True
+
+    def get_object(self, name):
+        return self.objects.get(name)
+
+    def objects_exist(self, names):
+        return [n in self.objects for n in names]
+
+    def remove_object(self, name):
+        self.objects.pop(name, None)
+
+
+def _shard(rank):
+    dep = cp_hicache.Deployment(model="gqa", kv_heads=4, head_dim=32, page_size=16, cp=1,
+                                layers=2, tp_rank=rank, tp_size=2)
+    return cp_hicache.RankCache(dep, device_pages=64, host_pages=64, backend="host")
+
+
+def test_tp_shards_of_one_model_share_a_store_and_each_reads_back_only_its_own(tmp_path):
+    prompt = np.arange(160, dtype=np.uint32)  # 10 pages
+    store = _Objects()
+    zero = _shard(0)
+    zero.attach_storage(store)
+    s = zero.serve(prompt)
+    assert s["storage_records_written"] == 10 and s["mismatched_tokens"] == 0, s
+    zero.close()
+    # Shard 1 finds none of shard 0's records (other heads), computes and writes its own.
+    one = _shard(1)
+    one.attach_storage(store)
+    s = one.serve(prompt)
+    assert s["storage_hit_tokens"] == 0 and s["storage_records_read"] == 0, s
+    assert s["computed_tokens"] == 160 and s["mismatched_tokens"] == 0, s
+    assert s["storage_records_written"] == 10, s
+    one.close()
+    assert len(store.objects) == 20
+    for rank in (0, 1):
+        rc = _shard(rank)
+        rc.attach_storage(store)
+        s = rc.serve(prompt)
+        assert s["storage_hit_tokens"] == 160 and s["storage_records_read"] == 10, (rank, s)
+        assert s["mismatched_tokens"] == 0, (rank, s)
+        rc.check_invariants()
+        rc.close()
+    # A directory holds one deployment's records: shard 0's is refused to shard 1.
+    zero = _shard(0)
+    zero.attach_storage(tmp_path / "store")
+    assert zero.serve(prompt)["storage_records_written"] == 10
+    zero.close()
+    with pytest.raises(ValueError, match=r"holds records of .*tp=0/2.*tp=1/2"):
+        _shard(1).attach_storage(tmp_path / "store")
