@@ -284,15 +284,19 @@ fn a_record_of_the_other_tp_shard_is_refused_and_its_bytes_fail_verification() {
 }
 
 /// A store directory holds one deployment's records: shard 1 opening shard 0's directory
-/// is refused, naming both shards (a shard that shared it would only share the byte
-/// budget, never a record), and shard 0 reads its records back from it.
+/// is refused, naming both shards. The directory's marker is only informational (every
+/// record carries its own fingerprint): with it gone, shard 1 opens the directory too, the
+/// two shards' records lie side by side, and each shard is served only its own, byte for
+/// byte.
 #[test]
-fn a_store_directory_of_one_tp_shard_is_refused_to_the_other() {
+fn a_tp_shard_s_directory_is_refused_to_the_other_and_records_side_by_side_stay_apart() {
     let dir = tempfile::tempdir().unwrap();
-    let open =
-        |rank| DirStore::for_deployment(dir.path(), &tp_deployment(rank), TP_LAYERS, 1 << 30);
+    let open = |rank| {
+        DirStore::for_deployment(dir.path(), &tp_deployment(rank), TP_LAYERS, 1 << 30).map(Arc::new)
+    };
     let prompt = tokens(45, 4 * TP_PAGE as usize);
-    let s = serve_from_store(&mut tp_cluster(0, Arc::new(open(0).unwrap())), &prompt);
+    let store0 = open(0).unwrap();
+    let s = serve_from_store(&mut tp_cluster(0, store0.clone()), &prompt);
     assert_eq!(
         (s.storage_records_written, s.mismatched_tokens),
         (4, 0),
@@ -305,7 +309,49 @@ fn a_store_directory_of_one_tp_shard_is_refused_to_the_other() {
         Err(e) => panic!("{e}"),
         Ok(_) => panic!("shard 1 opened shard 0's store"),
     }
-    let s = serve_from_store(&mut tp_cluster(0, Arc::new(open(0).unwrap())), &prompt);
-    assert_eq!(s.storage_hit_tokens, prompt.len() as u64, "{s:?}");
-    assert_eq!(s.mismatched_tokens, 0, "{s:?}");
+
+    std::fs::remove_file(dir.path().join("FINGERPRINT")).unwrap();
+    let store1 = open(1).unwrap();
+    let s = serve_from_store(&mut tp_cluster(1, store1.clone()), &prompt);
+    assert_eq!(
+        (s.storage_hit_tokens, s.storage_records_read),
+        (0, 0),
+        "{s:?}"
+    );
+    assert_eq!(
+        (s.storage_records_written, s.mismatched_tokens),
+        (4, 0),
+        "{s:?}"
+    );
+    let records = walk(&dir.path().join("records"))
+        .filter(|p| p.extension().is_some_and(|e| e == "rec"))
+        .count();
+    assert_eq!(records, 8);
+    for (rank, store) in [(0, store0), (1, store1)] {
+        let s = serve_from_store(&mut tp_cluster(rank, store), &prompt);
+        assert_eq!(
+            s.storage_hit_tokens,
+            prompt.len() as u64,
+            "shard {rank}: {s:?}"
+        );
+        assert_eq!(s.storage_records_read, 4, "shard {rank}: {s:?}");
+        assert_eq!(s.storage_refused(), 0, "shard {rank}: {s:?}");
+        assert_eq!(s.mismatched_tokens, 0, "shard {rank}: {s:?}");
+    }
+}
+
+/// Every file below `dir`.
+fn walk(dir: &std::path::Path) -> impl Iterator<Item = std::path::PathBuf> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .flat_map(|e| {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                walk(&p).collect::<Vec<_>>()
+            } else {
+                vec![p]
+            }
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
 }
