@@ -149,6 +149,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: The keys of ``kv_connector_extra_config`` the connector knows; any other is refused.
+CONFIG_KEYS = ("path", "host_bytes", "capacity_bytes", "load_buffer_bytes",
+               "save_buffer_bytes", "load_async")
+
 #: The default capacity of the store, in bytes.
 DEFAULT_CAPACITY = 16 << 30
 
@@ -632,11 +636,24 @@ class CpHiCacheConnector(KVConnectorBase_V1):
       ``finished_recving`` once its blocks are in (with its failed blocks, if any, in the
       same step's ``invalid_block_ids``). Otherwise loads are synchronous, layer by layer
       ahead of the forward.
+
+    Any other key is refused (a ``ValueError`` naming it and the known keys,
+    :data:`CONFIG_KEYS`): a misspelled ``path`` would otherwise quietly give a host-only
+    deployment.
     """
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        unknown = sorted(str(k) for k in extra if k not in CONFIG_KEYS)
+        if unknown:
+            # A misspelled key would silently fall back to its default: a typo in ``path``
+            # with the default host tier would quietly make a host-only deployment.
+            raise ValueError(
+                "CpHiCacheConnector: unknown kv_connector_extra_config key"
+                f"{'s' if len(unknown) > 1 else ''} {', '.join(repr(k) for k in unknown)}; "
+                f"the known keys are {', '.join(CONFIG_KEYS)}"
+            )
         path = extra.get("path") or None
         host_bytes = int(extra.get("host_bytes", DEFAULT_HOST_BYTES))
         if host_bytes < 0:

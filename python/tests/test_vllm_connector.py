@@ -1543,6 +1543,27 @@ def test_refuses_what_is_not_built(tmp_path):
         CpHiCacheConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
 
 
+def test_unknown_config_keys_are_refused_naming_the_key_and_the_known_ones(tmp_path):
+    """A misspelled ``path`` with the default host tier used to give a host-only deployment
+    quietly (nothing outlived the process); every key the connector does not know is
+    refused, by the scheduler and by every worker alike (vLLM builds both from the same
+    config), naming the key and the known keys."""
+    for extra in ({"pth": str(tmp_path / "store")},
+                  {"path": str(tmp_path / "store"), "capacity": 1 << 30, "load_asycn": True}):
+        cfg = create_vllm_config(block_size=BS, kv_connector="CpHiCacheConnector",
+                                 kv_connector_module_path="cp_hicache.vllm",
+                                 kv_role="kv_both", kv_connector_extra_config=extra)
+        bad = sorted(set(extra) - {"path"})
+        for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+            with pytest.raises(ValueError) as err:
+                CpHiCacheConnector(cfg, role, kv_cache_config())
+            msg = str(err.value)
+            assert all(repr(k) in msg for k in bad), msg
+            assert "known keys are path, host_bytes, capacity_bytes, load_buffer_bytes, " \
+                   "save_buffer_bytes, load_async" in msg, msg
+    assert not (tmp_path / "store").exists()  # refused before anything was made
+
+
 @pytest.mark.parametrize("kind", ["sliding_window", "chunked_local", "full_with_window"])
 def test_refuses_windowed_attention(tmp_path, kind):
     """vLLM gives the blocks out of a sliding window (or an attention chunk) the null block
