@@ -1392,6 +1392,58 @@ def test_a_store_written_at_one_head_split_is_read_at_another(tmp_path, monkeypa
     assert st.get("records_saved") == min(read, 4), st  # block 4 only, once per shard
 
 
+RESHARD_TIERS = [(read, mode) for read in (1, 4) for mode in ("async", "host", "async-host")]
+
+
+@pytest.mark.parametrize("read,mode", RESHARD_TIERS,
+                         ids=[f"tp2-to-tp{r}-{m}" for r, m in RESHARD_TIERS])
+def test_re_sharding_with_loads_that_span_steps_and_with_the_host_tier(tmp_path, monkeypatch,
+                                                                       read, mode):
+    """A store written at TP 2 over a 4-KV-head model, read at TP 1 and TP 4 with loads
+    that span steps (``load_async``), with the host tier, and with both: every rank reads
+    the writers' records holding its heads into its poisoned blocks, byte for byte (every
+    rank's every block checked after every step). With the host tier the re-sharded
+    blocks go into every worker's pool (its own heads of them), and the next request of
+    the prefix is a host hit on every worker, byte for byte, reading nothing from the
+    store."""
+    tokens, _ = _write_at(tmp_path / "store", 2, monkeypatch)
+    host = "host" in mode
+    extra = {"host_bytes": 16 * PAGE if host else 0, "load_async": "async" in mode}
+    b = Engine(tmp_path / "store", extra=extra, **_split_kw(read, monkeypatch))
+    b.poison()
+    b.sched.add_request(create_request(request_id=2, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=BS))
+    so = b.step()
+    meta = b.metas[0]
+    assert so.num_scheduled_tokens == ({} if extra["load_async"] else {"id-2": 16}), so
+    assert set(meta.load_splits["id-2"].values()) == {2}, meta.load_splits
+    assert len(meta.host_fills.get("id-2", ())) == (4 if host else 0), meta.host_fills
+    _run_checked(b) if host else b.run()
+    assert_clean(b)
+    st = b.stats()
+    assert st.get("records_loaded") == read * 4 and not st.get("load_errors"), st
+    assert st.get("records_saved") == read, st  # block 4 only, once per shard
+    if not host:
+        return
+    assert st.get("host_admissions") == read * 5 and not st.get("host_failures"), st
+    assert b.sched.reset_prefix_cache()
+    b.outputs.clear()
+    b.poison()
+    reads = []
+    for w in b.workers:
+        w.store = _RecordingReads(w.store, reads)
+        w._split_stores = {s: _RecordingReads(st_, reads) for s, st_ in w._split_stores.items()}
+    b.sched.add_request(create_request(request_id=3, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=BS))
+    so = b.step()
+    assert b.metas[-1].load_splits == {} and len(b.metas[-1].host_loads["id-3"]) == 4
+    _run_checked(b)
+    assert_clean(b)
+    st = b.stats()
+    assert reads == [] and st.get("host_hits") == read * 4, st
+    assert not st.get("records_loaded") and not st.get("load_errors"), st
+
+
 # ((TP, DCP, interleave) writing, (TP, DCP, interleave) reading) over a 4-KV-head model: a DCP
 # group within one head shard's ranks (TP 8: 4 shards of 2 ranks each).
 RESHARD_DCP_RUNS = [((2, 1, 1), (8, 2, 1)), ((8, 2, BS), (2, 1, 1)), ((8, 2, 1), (1, 1, 1))]
@@ -2252,9 +2304,11 @@ PAGE = len(LAYERS) * 2 * BS * SLOT_BYTES  # one block of one worker (HEADS heads
 
 def assert_host_consistent(e: Engine) -> None:
     """Every block the planner's host index says the workers hold is in that slot on every
-    worker (but slots of admissions decided and not yet shipped)."""
+    worker (but slots of admissions decided and not yet shipped, and those a load that
+    spans steps is still filling)."""
     c = e.connector
-    pending = {slot for adm in c._host_admits.values() for _, _, slot, _, _ in adm}
+    pending = {a[2] for adm in c._host_admits.values() for a in adm}
+    pending |= set(c._host.pinned.values())
     for key, slot in c.host_index().items():
         if slot in pending:
             continue
@@ -2492,6 +2546,115 @@ def test_a_restart_has_an_empty_host_tier_and_reads_the_store(tmp_path, monkeypa
     assert not st.get("records_loaded") and not st.get("load_errors"), st
 
 
+def _gate_loads(e: Engine) -> threading.Event:
+    """Holds every worker's loader before its first fill until the event is set."""
+    gate = threading.Event()
+    for w in e.workers:
+        w._load_layer_hook = lambda li: gate.wait(30)
+    return gate
+
+
+@pytest.mark.parametrize("kw", RESTART_RUNS, ids=["dcp1", "tp2h2", "dcp2i1", "dcp2i16"])
+def test_blocks_a_load_spanning_steps_reads_from_the_store_go_into_the_host_tier(
+        tmp_path, monkeypatch, kw):
+    """With ``load_async`` the blocks a load reads from the store are admitted to the host
+    tier too (before, only synchronous loads' were: the next request of the prefix read
+    the store again). Their slots are filled when the load ends, steps after the one that
+    planned it: until it is reported received the planner neither offers them nor evicts
+    them (pinned). Then the next request sharing the prefix is a host hit on every worker
+    that reads nothing from the store, every rank's blocks checked after every step."""
+    write = dict(kw, monkeypatch=monkeypatch, extra={"host_bytes": 16 * PAGE})
+    a = Engine(tmp_path / "store", **write)
+    a.sched.add_request(create_request(request_id=1, num_tokens=72, common_prefix_len=64,
+                                       max_tokens=2, block_size=a.sblock))
+    _run_checked(a)
+    b = Engine(tmp_path / "store", verify=True, monkeypatch=monkeypatch,
+               extra={"host_bytes": 16 * PAGE, "load_async": True}, **kw)
+    blocks = 64 // b.sblock
+    keys = block_names([1] * 64, BS)[b.dcp - 1::b.dcp]
+    b.poison()
+    gate = _gate_loads(b)
+    b.sched.add_request(create_request(request_id=2, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=b.sblock))
+    try:
+        for _ in range(2):
+            so = b.step()
+            assert not so.num_scheduled_tokens, so.num_scheduled_tokens
+            assert_host_consistent(b)
+        meta = b.metas[0]
+        assert meta.host_loads == {} and len(meta.host_fills["id-2"]) == blocks, meta
+        # Admitted, but pinned while the load runs: not offered from the host tier.
+        assert b.connector.host_index().keys() == set(keys)
+        assert all(b.connector._host.servable(k) is None for k in keys)
+    finally:
+        gate.set()
+    _run_checked(b)
+    assert_clean(b)
+    assert b.connector._host.pinned == {}
+    assert all(b.connector._host.servable(k) is not None for k in keys)
+    st = b.stats()
+    assert st.get("records_loaded") == b.tp * blocks and not st.get("load_errors"), st
+    assert st.get("host_admissions") == b.tp * (blocks + (b.dcp == 1)), st
+    assert not st.get("host_failures"), st
+    assert b.sched.reset_prefix_cache()
+    b.outputs.clear()
+    b.poison()
+    reads = []
+    for w in b.workers:
+        w.store = _RecordingReads(w.store, reads)
+    b.sched.add_request(create_request(request_id=3, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=b.sblock))
+    _run_checked(b)
+    assert_clean(b)
+    st = b.stats()
+    assert reads == [] and st.get("host_hits") == b.tp * blocks, st
+    assert not st.get("records_loaded") and not st.get("load_errors"), st
+
+
+def test_slots_a_load_spanning_steps_fills_are_not_evicted_while_it_runs(tmp_path):
+    """A host tier of 4 slots, all admitted to request 2's load from the store, which spans
+    steps (held back here). Meanwhile request 5 computes and saves two blocks: their
+    admissions find every slot pinned and are not made (they would have evicted blocks
+    whose slots the load fills later: the planner's index and the workers' slots would
+    disagree). Once the load is received the slots hold request 2's prefix, consistent on
+    every step, and request 3 sharing it is served from them."""
+    _save_prefix(tmp_path / "store")
+    e = Engine(tmp_path / "store", verify=True,
+               extra={"host_bytes": 4 * PAGE, "load_async": True})
+    keys = block_names([1] * 64, BS)
+    e.poison()
+    gate = _gate_loads(e)
+    e.sched.add_request(_prefix_hit())
+    try:
+        e.step()
+        e.sched.add_request(create_request(request_id=5, num_tokens=40, max_tokens=1,
+                                           block_size=BS))
+        for _ in range(4):
+            e.step()
+            assert_host_consistent(e)
+        assert list(e.connector.host_index()) == keys[:4]
+        assert not any(m.host_admits for m in e.metas), [m.host_admits for m in e.metas]
+    finally:
+        gate.set()
+    _run_checked(e)
+    assert_clean(e)
+    assert e.connector._host.pinned == {}
+    # Request 2's fifth block, saved once it ran, took the least recently used slot.
+    assert e.connector.host_index().keys() >= set(keys[1:4])
+    assert e.sched.reset_prefix_cache()
+    e.outputs.clear()
+    e.poison()
+    e.sched.add_request(create_request(request_id=3, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=BS))
+    so = e.step()
+    assert not so.num_scheduled_tokens  # an asynchronous load, from the host tier
+    assert set(e.metas[-1].host_loads["id-3"].values()) <= set(range(4))
+    _run_checked(e)
+    assert_clean(e)
+    st = e.stats()
+    assert not st.get("load_errors") and st.get("host_hits", 0) >= 3, st
+
+
 @pytest.mark.parametrize("store", [True, False], ids=["with-store", "host-only"])
 def test_a_failed_host_admission_is_not_offered_and_a_failed_host_load_is_recomputed(
         tmp_path, monkeypatch, store):
@@ -2587,6 +2750,73 @@ def test_a_load_planned_with_a_failing_admission_is_recomputed_never_served(tmp_
     # Block 2 fails to go in twice: request 1's copy, and request 2's recomputed one.
     assert st.get("load_errors") == 1 and st.get("host_failures") == 2, st
     assert names[2] not in e.connector.host_index()
+
+
+def test_a_late_admission_failure_drops_no_newer_admission_of_the_same_block(tmp_path,
+                                                                              monkeypatch):
+    """A host tier of one slot, no store, vLLM's prefix cache off. Request 1's block K is
+    admitted after step 1 and the worker fails to copy it in step 2; its report arrives a
+    step late, as under vLLM's asynchronous scheduling (held back here). Meanwhile step 2's
+    saves are settled: request 3's block evicts K, and request 4's block, K again, is
+    admitted anew into the slot, which the worker fills in step 3. The late report names
+    the failed admission, not the block: the newer entry stays (before, it dropped K from
+    the index while every worker held it: the slot's block was lost, never offered)."""
+    e = Engine(None, verify=True, prefix_caching=False, extra={"host_bytes": PAGE})
+    k = block_names([1] * 16, BS)[0]
+    w = e.worker
+    real_put, fails = w._host_put, []
+
+    def failing_put(slot, sb):
+        if sb.items[0][0] == k and not fails:
+            fails.append(slot)
+            raise OSError("no room")
+        real_put(slot, sb)
+
+    monkeypatch.setattr(w, "_host_put", failing_put)
+    real_meta, late = w.build_connector_worker_meta, []
+
+    def late_report():
+        m = real_meta()
+        held = set(late.pop()) if late else set()
+        if m is not None and m.host_failed:
+            late.append(m.host_failed)
+            m.host_failed = set()
+        if held:
+            m = m or CpHiCacheWorkerMeta()
+            m.host_failed |= held
+        return m
+
+    monkeypatch.setattr(w, "build_connector_worker_meta", late_report)
+    e.sched.add_request(create_request(request_id=1, num_tokens=16, common_prefix_len=16,
+                                       max_tokens=1, block_size=BS))
+    e.step()
+    assert e.connector.host_index() == {k: 0}
+    for rid, prefix in ((3, 0), (4, 16)):
+        e.sched.add_request(create_request(request_id=rid, num_tokens=16,
+                                           common_prefix_len=prefix, max_tokens=1,
+                                           block_size=BS))
+    e.step()  # the admission of K fails here; its report is held back
+    assert fails == [0] and late, late
+    assert e.connector.host_index() == {k: 0}  # admitted again (request 4's K)
+    e.step()  # the worker makes it; the late report comes in
+    assert not late
+    assert w._host_tags[0] == k
+    assert e.connector.host_index() == {k: 0}, e.connector.host_index()
+    _run_checked(e)
+    assert_clean(e)
+    st = e.stats()
+    assert st.get("host_failures") == 1 and st.get("host_admissions") == 2, st
+    assert e.connector.planner_stats()["host_dropped"] == 0
+    # Request 5 shares K: served from the slot.
+    e.outputs.clear()
+    e.poison()
+    e.sched.add_request(create_request(request_id=5, num_tokens=32, common_prefix_len=16,
+                                       max_tokens=1, block_size=BS))
+    so = e.step()
+    assert so.num_scheduled_tokens == {"id-5": 16}, so.num_scheduled_tokens
+    _run_checked(e)
+    assert_clean(e)
+    assert e.stats().get("host_hits") == 1 and not e.stats().get("load_errors")
 
 
 def test_a_block_admitted_by_a_load_is_not_offered_from_the_host_in_the_same_step(tmp_path):
