@@ -671,7 +671,9 @@ class CpHiCacheConnector(KVConnectorBase_V1):
     - ``host_bytes`` (default 4 GiB, :data:`DEFAULT_HOST_BYTES`): each worker's host tier,
       in slots of one block of its KV; 0 turns it off. At least one block's bytes.
     - ``capacity_bytes`` (default 16 GiB): the store's byte budget; least recently used
-      records go first.
+      records go first. Under ``path`` each head split of a GQA/MHA model's KV has a
+      directory of its own (re-sharding), each keeping to an equal share of it, so the
+      store as a whole keeps to it.
     - ``load_buffer_bytes`` (default 256 MiB): the most bytes of records a worker's loader
       holds read and not yet filled into their blocks. A step's loads beyond it are read
       and filled in batches, in order; at least one block's reads.
@@ -769,6 +771,22 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         #: The storage tier: a page store in ``path`` (None: a host-only deployment).
         self.path = self.store_path = self.store = None
         self.capacity_bytes = capacity
+        #: The budget of each head split's directory: ``capacity_bytes`` shared equally by
+        #: every head split of the model (``_model_splits``: one for MLA, a spec declaring
+        #: its KV the same on every rank, or a split not known), so that all of the store's
+        #: directories together keep to ``capacity_bytes`` whichever TP degrees write them
+        #: (each directory is a store of its own, with its own LRU and byte count).
+        splits = self._model_splits()
+        self.split_capacity = capacity // len(splits)
+        if path:
+            small = [s for s in splits if self.split_capacity < self._split_page_bytes(s)]
+            if small:
+                raise ValueError(
+                    f"kv_connector_extra_config['capacity_bytes'] = {capacity}: shared by "
+                    f"the {len(splits)} head splits of the model's KV (a directory each: "
+                    f"{self.split_capacity} bytes a split), it holds no record of "
+                    f"{self._split_page_bytes(small[0])} bytes at {small[0]} head shards"
+                )
         #: The stores of the other head splits of this model (``_split_store``): shards ->
         #: the store, opened once its directory is there.
         self._split_stores: Dict[int, Any] = {}
@@ -777,7 +795,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             self.path = str(path)
             self.store_path = self._split_path(self.head_shards)
             self.store = _native.PageStore(self.store_path, self.fingerprint, self.page_bytes,
-                                           capacity)
+                                           self.split_capacity)
         #: The host tier: ``host_slots`` slots of one block of this worker's bytes each
         #: (``page_bytes``: the same on every worker, whatever its head shard or DCP rank),
         #: at most ``host_bytes`` a worker; 0 slots: off.
@@ -1063,15 +1081,20 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         digest = hashlib.sha256(self._split_fingerprint(shards).encode()).hexdigest()[:16]
         return os.path.join(self.path, f"vllm-{digest}")
 
-    def _read_splits(self) -> List[int]:
-        """The head splits whose records this deployment reads: its own first, then (GQA
-        with a known split: ``kv_heads``) every other split of the model's KV heads, from
-        the finest down."""
+    def _model_splits(self) -> List[int]:
+        """The head splits of the model's KV: this deployment's own first, then (GQA with
+        a known split: ``kv_heads``) every other split of the model's KV heads, from the
+        finest down."""
         own = self.head_shards
-        if not self.kv_heads or self.store is None:
+        if not self.kv_heads:
             return [own]
         return [own] + [s for s in range(self.kv_heads, 0, -1)
                         if self.kv_heads % s == 0 and s != own]
+
+    def _read_splits(self) -> List[int]:
+        """The head splits whose records this deployment reads (``_model_splits``; only
+        its own without a store)."""
+        return self._model_splits() if self.store is not None else [self.head_shards]
 
     def _split_store(self, shards: int) -> Optional[Any]:
         """The store of the records written at ``shards`` KV head shards (this
@@ -1089,7 +1112,8 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             store = self._split_stores.get(shards)
             if store is None:
                 store = _native.PageStore(where, self._split_fingerprint(shards),
-                                          self._split_page_bytes(shards), self.capacity_bytes)
+                                          self._split_page_bytes(shards),
+                                          self.split_capacity)
                 self._split_stores[shards] = store
         return store
 

@@ -1444,6 +1444,57 @@ def test_re_sharding_with_loads_that_span_steps_and_with_the_host_tier(tmp_path,
     assert not st.get("records_loaded") and not st.get("load_errors"), st
 
 
+def _split_dir_bytes(path) -> dict:
+    """Bytes of the records (and held parts) on disk in each head split's directory of the
+    store in ``path``: directory name -> bytes."""
+    out = {}
+    for d in sorted(os.listdir(path)):
+        total = 0
+        for sub in ("records", "parts"):
+            for root, _, files in os.walk(os.path.join(path, d, sub)):
+                total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+        out[d] = total
+    return out
+
+
+def test_capacity_bytes_bounds_the_whole_store_across_head_splits(tmp_path, monkeypatch):
+    """``capacity_bytes`` is one budget for the store, whichever head splits write it: a
+    4-KV-head model has 3 splits (1, 2 and 4 shards), each a directory of its own keeping
+    to a third of it (before, each kept to the whole of it: a store written at TP 2, then
+    TP 4, then TP 1 held up to three times the budget). Written at TP 2, TP 4 and TP 1 in
+    turn (8 records each, more than a third holds), the directories together stay within
+    the budget (and stay so with a reader at TP 2 running over them, which opens the other
+    splits' directories to re-shard from them). A budget whose share holds no record of
+    some split is refused, naming the key."""
+    cap = 3 * 4 * (PAGE + 64)  # a third holds 4 records of 2 heads
+    extra = {"capacity_bytes": cap}
+    for tp in (2, 4, 1):
+        e = Engine(tmp_path / "store", extra=extra, **_split_kw(tp, monkeypatch))
+        assert e.connector.split_capacity == cap // 3
+        e.sched.add_request(create_request(request_id=tp, num_tokens=72,
+                                           common_prefix_len=64, max_tokens=2,
+                                           block_size=BS))
+        e.run()
+        assert_clean(e)
+        assert not e.stats().get("save_errors"), e.stats()
+        sizes = _split_dir_bytes(tmp_path / "store")
+        assert all(n <= cap // 3 for n in sizes.values()), sizes
+        assert sum(sizes.values()) <= cap, sizes
+    assert len(sizes) == 3 and all(sizes.values()), sizes
+    b = Engine(tmp_path / "store", extra=extra, **_split_kw(2, monkeypatch))
+    b.poison()
+    b.sched.add_request(create_request(request_id=9, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=BS))
+    b.run()
+    assert_clean(b)
+    assert not b.stats().get("load_errors"), b.stats()
+    assert sum(_split_dir_bytes(tmp_path / "store").values()) <= cap
+    with pytest.raises(ValueError, match=r"capacity_bytes'\] = 1000: shared by the 3 head "
+                                         r"splits .* holds no record"):
+        Engine(tmp_path / "store", extra={"capacity_bytes": 1000},
+               **_split_kw(2, monkeypatch))
+
+
 # ((TP, DCP, interleave) writing, (TP, DCP, interleave) reading) over a 4-KV-head model: a DCP
 # group within one head shard's ranks (TP 8: 4 shards of 2 ranks each).
 RESHARD_DCP_RUNS = [((2, 1, 1), (8, 2, 1)), ((8, 2, BS), (2, 1, 1)), ((8, 2, 1), (1, 1, 1))]
