@@ -190,9 +190,15 @@ class Engine:
                  dcp=1, interleave=1, ranks=None, monkeypatch=None, tp=None, shards=1,
                  heads=HEADS, layout="blocks_first", mla=False, tp_ranks=None,
                  layerwise=True, budget=64, extra=None, prefix_caching=True,
-                 replicated=None):
+                 replicated=None, async_scheduling=False):
         self.layerwise = layerwise
         self.cfg = vllm_config(path, policy, budget, **(extra or {}))
+        # vLLM's AsyncScheduler (``create_scheduler`` picks it): each step is planned before
+        # the last one's output is seen (``step``).
+        self.async_scheduling = async_scheduling
+        self.cfg.scheduler_config.async_scheduling = async_scheduling
+        self._unseen = None  # (scheduler output, model runner output) not yet given back
+        assert dcp == 1 or not async_scheduling
         # Off: a request sharing a running request's prefix asks the connector for it.
         self.cfg.cache_config.enable_prefix_caching = prefix_caching
         tp = dcp if tp is None else tp
@@ -410,8 +416,12 @@ class Engine:
         ``get_block_ids_with_load_errors``, ``get_kv_connector_stats`` and
         ``build_connector_worker_meta``). The workers' outputs are merged by vLLM's own
         ``KVOutputAggregator``: a request's saves are done once every worker has said so.
-        Returns the scheduler output."""
+        Under ``async_scheduling`` a step's output goes back to the scheduler only once the
+        next step is planned (vLLM's engine core then overlaps the two), before that step
+        runs on the workers (which have the last step's sampled tokens). Returns the
+        scheduler output."""
         so = self.sched.schedule()
+        self.flush()
         meta = so.kv_connector_metadata
         assert isinstance(meta, CpHiCacheMetadata)
         self.metas.append(meta)
@@ -442,8 +452,19 @@ class Engine:
         reqs = [self.sched.requests[r] for r in so.num_scheduled_tokens]
         mro = create_model_runner_output(reqs)
         mro.kv_connector_output = out
-        self.sched.update_from_output(so, mro)
+        if self.async_scheduling:
+            self._unseen = (so, mro)
+        else:
+            self.sched.update_from_output(so, mro)
         return so
+
+    def flush(self) -> None:
+        """Gives the scheduler the last step's output if it has not seen it yet
+        (``async_scheduling``)."""
+        if self._unseen is not None:
+            so, mro = self._unseen
+            self._unseen = None
+            self.sched.update_from_output(so, mro)
 
     def run(self, timeout_s=60.0, on_loaded=None):
         """Steps until every request finished and every block is free (vLLM's engine core
@@ -457,8 +478,11 @@ class Engine:
             so = self.step(on_loaded)
             if not so.num_scheduled_tokens:
                 time.sleep(0.01)
+            if self.async_scheduling and not self.sched.requests:
+                self.flush()  # a request may still wait for its last output
         # One more (empty) step: the scheduler hands the last finished ids to the worker.
         self.step()
+        self.flush()
 
     def stats(self):
         total = {}
@@ -984,6 +1008,91 @@ def test_steps_in_flight_when_a_failure_is_reported_are_settled_by_it(tmp_path):
     assert p.build_connector_meta(_sched_output()).settled == {1: {"id-4"}}
     merged = CpHiCacheWorkerMeta(steps={5: 1}).aggregate(CpHiCacheWorkerMeta(steps={5: 1}))
     assert merged.steps == {5: 2}
+
+
+ASYNC_SCHED = [dict(), dict(load_async=True), dict(host_bytes=16 * len(LAYERS) * 2 * BS * SLOT_BYTES)]
+
+
+@pytest.mark.parametrize("extra", ASYNC_SCHED, ids=["sync-loads", "load-async", "host"])
+def test_vllm_async_scheduler_end_to_end(tmp_path, extra):
+    """vLLM's ``AsyncScheduler`` (``async_scheduling``), each step planned before the last
+    one's output is seen, with the connector over the store (synchronous loads, loads that
+    span steps, and the host tier): request 1 is a miss, computed and saved; then, vLLM's
+    prefix cache reset and every block poisoned, request 2 shares its prefix and gets it
+    loaded (from the host tier where it is on), while request 3, a miss, is computed in
+    the same steps. Every block of every scheduled request is checked after every step,
+    the records hold the forward's bytes, and once all have finished nothing is left
+    behind: no request tracked, no free delayed, no step unsettled, no save held."""
+    e = Engine(tmp_path / "store", verify=True, async_scheduling=True, extra=extra)
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    assert type(e.sched) is AsyncScheduler
+    a = create_request(request_id=1, num_tokens=72, common_prefix_len=64, max_tokens=3,
+                       block_size=BS)
+    e.sched.add_request(a)
+    e.step()
+    e.step()
+    # Step 2 was planned before step 1's output was seen: it carries no verdict on step 1's
+    # saves (under vLLM's synchronous scheduling it would).
+    assert e.metas[0].saves and e.metas[1].settled == {}, e.metas[1]
+    e.run()
+    assert_clean(e)
+    names = block_names(a.all_token_ids, BS)
+    tokens = list(a.all_token_ids)
+    for k in range(4):
+        assert _stored(e, names[k]) == e.expected_record(tokens, k), k
+    assert e.stats().get("records_saved") == 4 and not e.stats().get("save_errors")
+    assert e.sched.reset_prefix_cache()
+    e.outputs.clear()
+    e.poison()
+    b = create_request(request_id=2, num_tokens=80, common_prefix_len=64, max_tokens=3,
+                       block_size=BS)
+    c = create_request(request_id=3, num_tokens=40, max_tokens=3, block_size=BS)
+    e.sched.add_request(b)
+    e.sched.add_request(c)
+    e.run()
+    assert_clean(e)
+    st = e.stats()
+    host = bool(extra.get("host_bytes"))
+    assert st.get("host_hits", 0) == (4 if host else 0), st
+    assert st.get("records_loaded", 0) == (0 if host else 4), st
+    assert not st.get("load_errors") and not st.get("save_errors"), st
+    assert not st.get("saves_dropped"), st
+    if extra.get("load_async"):
+        assert [o.finished_recving for o in e.outputs if o.finished_recving] == [{"id-2"}]
+    # Request 2's fifth block and request 3's two were computed here and saved.
+    for req, k in ((b, 4), (c, 0), (c, 1)):
+        assert _stored(e, block_names(req.all_token_ids, BS)[k]) == e.expected_record(
+            list(req.all_token_ids), k), (req.request_id, k)
+    if host:
+        assert_host_consistent(e)
+
+
+@pytest.mark.parametrize("extra", ASYNC_SCHED[:2], ids=["sync-loads", "load-async"])
+def test_vllm_async_scheduler_recomputes_a_failed_load(tmp_path, extra):
+    """Under vLLM's ``AsyncScheduler`` request 2's block 2 record is damaged: its load
+    fails, is reported after the next step was planned, and is recomputed; every block is
+    checked after every step (but the synchronous load's own step, whose forward ran over
+    the failed block), every record ends with the forward's bytes, and nothing is left
+    behind."""
+    _save_prefix(tmp_path / "store")
+    b = _prefix_hit()
+    names = block_names(b.all_token_ids, BS)
+    e = Engine(tmp_path / "store", verify=True, async_scheduling=True, extra=extra)
+    _damage(str(e.worker.store.path_of(names[2])))
+    e.poison()
+    e.sched.add_request(b)
+    if not extra:
+        e.verify = False  # the forward of the failed load's step ran over its block
+        e.step()
+        e.verify = True
+    e.run()
+    assert_clean(e)
+    st = e.stats()
+    assert st.get("load_errors") == 1 and st.get("records_loaded") == 2, st
+    tokens = list(b.all_token_ids)
+    for k in range(5):
+        assert _stored(e, names[k]) == e.expected_record(tokens, k), k
 
 
 def test_a_failed_load_reported_after_its_request_was_preempted_still_caps_it(tmp_path):
