@@ -259,10 +259,10 @@ class _HostIndex:
         self.gens: Dict[str, int] = {}
         self._gen = 0
         #: Admissions being filled by loads that span steps (``load_async``), admission
-        #: number -> slot: neither offered (the slots are filled when the load ends) nor
-        #: evicted until the load is reported received; a slot whose entry was dropped
-        #: meanwhile stays taken until then (a worker may still be filling it).
-        self.pinned: Dict[int, int] = {}
+        #: number -> ``(slot, block key)``: neither offered (the slots are filled when the
+        #: load ends) nor evicted until the load is reported received; a slot whose entry
+        #: was dropped meanwhile stays taken until then (a worker may still be filling it).
+        self.pinned: Dict[int, Tuple[int, str]] = {}
 
     def get(self, key: str) -> Optional[int]:
         """The slot holding (or, pinned, being filled with) ``key``; None if none."""
@@ -299,14 +299,14 @@ class _HostIndex:
         self.lru[key] = slot
         self.gens[key] = self._gen
         if pin:
-            self.pinned[self._gen] = slot
+            self.pinned[self._gen] = (slot, key)
         return slot, evicted, self._gen
 
     def unpin(self, gen: int) -> None:
         """The load filling admission ``gen`` has ended on every worker: its entry (if not
         dropped meanwhile) may be offered and evicted; a dropped one's slot is free now."""
-        slot = self.pinned.pop(gen, None)
-        if slot is not None and gen not in self.gens.values():
+        slot, key = self.pinned.pop(gen, (None, ""))
+        if slot is not None and self.gens.get(key) != gen:
             self.free.append(slot)
 
     def drop(self, key: str, gen: Optional[int] = None) -> bool:
@@ -1556,7 +1556,8 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         requests, ``delayed`` frees and ``unsettled`` steps (planned saves without a
         verdict, or verdicts not yet sent; all 0 once every request has finished and been
         freed)."""
-        return dict(self._planner_stats, tracked=len(self._reqs) + len(self._loading),
+        return dict(self._planner_stats,
+                    tracked=len(self._reqs) + len(self._loading) + len(self._async_fills),
                     delayed=len(self._delayed),
                     unsettled=len(self._inflight) + len(self._settled))
 

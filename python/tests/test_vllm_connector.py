@@ -2468,7 +2468,7 @@ def assert_host_consistent(e: Engine) -> None:
     spans steps is still filling)."""
     c = e.connector
     pending = {a[2] for adm in c._host_admits.values() for a in adm}
-    pending |= set(c._host.pinned.values())
+    pending |= {slot for slot, _ in c._host.pinned.values()}
     for key, slot in c.host_index().items():
         if slot in pending:
             continue
@@ -2771,6 +2771,38 @@ def test_blocks_a_load_spanning_steps_reads_from_the_store_go_into_the_host_tier
     assert not st.get("records_loaded") and not st.get("load_errors"), st
 
 
+def test_a_failed_load_spanning_steps_admits_none_of_its_failed_blocks(tmp_path):
+    """With ``load_async`` and the host tier, block 2's record is damaged: the load fills
+    blocks 0 and 1 and their slots; blocks 2 and 3 fail, so their slots hold nothing and
+    the worker reports those admissions, which leave the index (their slots free once the
+    load is received). The recomputed blocks are admitted from their saves; the index and
+    the worker agree after every step, and the next request of the prefix is a host hit
+    on all four blocks, byte for byte."""
+    _save_prefix(tmp_path / "store")
+    b = _prefix_hit()
+    names = block_names(b.all_token_ids, BS)
+    e = Engine(tmp_path / "store", verify=True,
+               extra={"host_bytes": 16 * PAGE, "load_async": True})
+    _damage(str(e.worker.store.path_of(names[2])))
+    e.poison()
+    e.sched.add_request(b)
+    _run_checked(e)
+    assert_clean(e)
+    st = e.stats()
+    assert st.get("load_errors") == 1 and st.get("host_failures") == 2, st
+    assert e.connector._host.pinned == {}
+    assert set(e.connector.host_index()) == set(names[:5])
+    assert e.sched.reset_prefix_cache()
+    e.outputs.clear()
+    e.poison()
+    e.sched.add_request(create_request(request_id=3, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=BS))
+    _run_checked(e)
+    assert_clean(e)
+    st = e.stats()
+    assert st.get("host_hits") == 4 and not st.get("load_errors"), st
+
+
 def test_slots_a_load_spanning_steps_fills_are_not_evicted_while_it_runs(tmp_path):
     """A host tier of 4 slots, all admitted to request 2's load from the store, which spans
     steps (held back here). Meanwhile request 5 computes and saves two blocks: their
@@ -2910,6 +2942,31 @@ def test_a_load_planned_with_a_failing_admission_is_recomputed_never_served(tmp_
     # Block 2 fails to go in twice: request 1's copy, and request 2's recomputed one.
     assert st.get("load_errors") == 1 and st.get("host_failures") == 2, st
     assert names[2] not in e.connector.host_index()
+
+
+def test_the_host_index_pins_slots_being_filled_and_numbers_its_admissions():
+    """The planner's host index alone: a pinned admission (a load that spans steps fills
+    its slot) is neither offered nor evicted; with every slot pinned nothing is admitted;
+    a report naming an older admission of a key drops nothing; a pinned entry dropped
+    (its copy failed on some worker) keeps its slot taken until the load is received (a
+    worker may still be filling it), and only then is the slot free again."""
+    from cp_hicache.vllm import _HostIndex
+
+    h = _HostIndex(2)
+    assert h.admit("a", pin=True) == (0, "", 1)
+    assert h.admit("b") == (1, "", 2)
+    assert h.servable("a") is None and h.get("a") == 0 and h.servable("b") == 1
+    assert h.admit("c") == (1, "b", 3)  # b, not the pinned a (least recently used)
+    assert h.admit("d", pin=True) == (1, "c", 4)
+    assert h.admit("e") is None  # every slot is being filled
+    assert not h.drop("d", 3) and h.get("d") == 1  # an older admission's report
+    assert h.drop("a", 1) and h.get("a") is None
+    assert h.admit("e") is None  # a's slot stays taken while its load runs
+    h.unpin(1)
+    assert h.admit("e") == (0, "", 5)
+    h.unpin(4)
+    assert h.servable("d") == 1 and h.pinned == {}
+    assert h.admit("f") == (1, "d", 6)  # d is evictable again
 
 
 def test_a_late_admission_failure_drops_no_newer_admission_of_the_same_block(tmp_path,
