@@ -1010,11 +1010,15 @@ def test_steps_in_flight_when_a_failure_is_reported_are_settled_by_it(tmp_path):
     assert merged.steps == {5: 2}
 
 
-ASYNC_SCHED = [dict(), dict(load_async=True), dict(host_bytes=16 * len(LAYERS) * 2 * BS * SLOT_BYTES)]
+ASYNC_SCHED = [dict(), dict(load_async=True),
+               dict(host_bytes=16 * len(LAYERS) * 2 * BS * SLOT_BYTES)]
+ASYNC_SCHED_RUNS = [(extra, tp) for tp in (1, 2) for extra in ASYNC_SCHED]
 
 
-@pytest.mark.parametrize("extra", ASYNC_SCHED, ids=["sync-loads", "load-async", "host"])
-def test_vllm_async_scheduler_end_to_end(tmp_path, extra):
+@pytest.mark.parametrize("extra,tp", ASYNC_SCHED_RUNS,
+                         ids=[f"tp{tp}-{m}" for tp in (1, 2)
+                              for m in ("sync-loads", "load-async", "host")])
+def test_vllm_async_scheduler_end_to_end(tmp_path, monkeypatch, extra, tp):
     """vLLM's ``AsyncScheduler`` (``async_scheduling``), each step planned before the last
     one's output is seen, with the connector over the store (synchronous loads, loads that
     span steps, and the host tier): request 1 is a miss, computed and saved; then, vLLM's
@@ -1022,8 +1026,10 @@ def test_vllm_async_scheduler_end_to_end(tmp_path, extra):
     loaded (from the host tier where it is on), while request 3, a miss, is computed in
     the same steps. Every block of every scheduled request is checked after every step,
     the records hold the forward's bytes, and once all have finished nothing is left
-    behind: no request tracked, no free delayed, no step unsettled, no save held."""
-    e = Engine(tmp_path / "store", verify=True, async_scheduling=True, extra=extra)
+    behind: no request tracked, no free delayed, no step unsettled, no save held. At TP 2
+    over two head shards every worker does it with its own heads (and its own pool)."""
+    e = Engine(tmp_path / "store", verify=True, async_scheduling=True, extra=extra, tp=tp,
+               shards=tp, monkeypatch=monkeypatch)
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
     assert type(e.sched) is AsyncScheduler
@@ -1037,11 +1043,13 @@ def test_vllm_async_scheduler_end_to_end(tmp_path, extra):
     assert e.metas[0].saves and e.metas[1].settled == {}, e.metas[1]
     e.run()
     assert_clean(e)
-    names = block_names(a.all_token_ids, BS)
-    tokens = list(a.all_token_ids)
-    for k in range(4):
-        assert _stored(e, names[k]) == e.expected_record(tokens, k), k
-    assert e.stats().get("records_saved") == 4 and not e.stats().get("save_errors")
+    def stored_right(req, k):
+        name = block_names(req.all_token_ids, BS)[k]
+        return all(_stored(e, head_shard_key(name, s, tp)) == e.expected_record(
+            list(req.all_token_ids), k, s) for s in range(tp))
+
+    assert all(stored_right(a, k) for k in range(4))
+    assert e.stats().get("records_saved") == 4 * tp and not e.stats().get("save_errors")
     assert e.sched.reset_prefix_cache()
     e.outputs.clear()
     e.poison()
@@ -1054,16 +1062,15 @@ def test_vllm_async_scheduler_end_to_end(tmp_path, extra):
     assert_clean(e)
     st = e.stats()
     host = bool(extra.get("host_bytes"))
-    assert st.get("host_hits", 0) == (4 if host else 0), st
-    assert st.get("records_loaded", 0) == (0 if host else 4), st
+    assert st.get("host_hits", 0) == (4 * tp if host else 0), st
+    assert st.get("records_loaded", 0) == (0 if host else 4 * tp), st
     assert not st.get("load_errors") and not st.get("save_errors"), st
     assert not st.get("saves_dropped"), st
     if extra.get("load_async"):
         assert [o.finished_recving for o in e.outputs if o.finished_recving] == [{"id-2"}]
     # Request 2's fifth block and request 3's two were computed here and saved.
     for req, k in ((b, 4), (c, 0), (c, 1)):
-        assert _stored(e, block_names(req.all_token_ids, BS)[k]) == e.expected_record(
-            list(req.all_token_ids), k), (req.request_id, k)
+        assert stored_right(req, k), (req.request_id, k)
     if host:
         assert_host_consistent(e)
 
