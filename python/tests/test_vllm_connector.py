@@ -2643,8 +2643,9 @@ def test_host_loads_that_span_steps_hold_no_copy_of_their_slots(tmp_path, monkey
     loader thread runs then holds no copy of a slot (before, each block's bytes were
     cloned and held until the loader filled them: host memory past ``host_bytes`` and
     ``load_buffer_bytes``, growing with the loads queued behind a slow store read). The
-    prefix is served byte for byte, with no store (where blocks read from a store would not
-    be admitted either: nothing outlives the step)."""
+    prefix is served byte for byte, with no store (blocks a load that spans steps reads
+    from a store are admitted into slots the planner pins until the load is received:
+    ``test_blocks_a_load_spanning_steps_reads_from_the_store_go_into_the_host_tier``)."""
     e = Engine(None, verify=True, extra={"host_bytes": 16 * PAGE, "load_async": True})
     held, started = [], []
     real = e.worker._run_load
