@@ -105,8 +105,9 @@ Requests with multimodal inputs, LoRA adapters or prompt embeddings are neither 
 nor saved (their KV is not a function of the token ids alone). Loads and saves are
 staged through host memory by threads of the worker (no CUDA stream yet). Device (GPU)
 tensors are refused by :meth:`register_kv_caches`. The host tier admits saved blocks
-and blocks read from the store by synchronous loads (``host_fills``), not those read by
-loads that span steps.
+and blocks read from the store (``host_fills``); those a load that spans steps reads go
+into their slots when it ends, and the planner pins them (neither offered nor evicted)
+until the load is reported received.
 """
 
 from __future__ import annotations
@@ -148,6 +149,10 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: The keys of ``kv_connector_extra_config`` the connector knows; any other is refused.
+CONFIG_KEYS = ("path", "host_bytes", "capacity_bytes", "load_buffer_bytes",
+               "save_buffer_bytes", "load_async")
 
 #: The default capacity of the store, in bytes.
 DEFAULT_CAPACITY = 16 << 30
@@ -248,30 +253,71 @@ class _HostIndex:
         self.slots = slots
         self.lru: "OrderedDict[str, int]" = OrderedDict()  # block key -> slot, LRU first
         self.free: List[int] = list(range(slots - 1, -1, -1))
+        #: Each entry's admission number (its generation): a report about an admission (a
+        #: worker could not make it, a load from it failed) drops the entry only while it
+        #: is still that admission's, never a newer admission of the same key.
+        self.gens: Dict[str, int] = {}
+        self._gen = 0
+        #: Admissions being filled by loads that span steps (``load_async``), admission
+        #: number -> ``(slot, block key)``: neither offered (the slots are filled when the
+        #: load ends) nor evicted until the load is reported received; a slot whose entry
+        #: was dropped meanwhile stays taken until then (a worker may still be filling it).
+        self.pinned: Dict[int, Tuple[int, str]] = {}
 
     def get(self, key: str) -> Optional[int]:
+        """The slot holding (or, pinned, being filled with) ``key``; None if none."""
         return self.lru.get(key)
+
+    def servable(self, key: str) -> Optional[int]:
+        """The slot a load may read ``key`` from: None where no slot holds it, or its slot
+        is still being filled by a load that spans steps."""
+        slot = self.lru.get(key)
+        return None if slot is None or self.gens[key] in self.pinned else slot
+
+    def gen(self, key: str) -> int:
+        return self.gens.get(key, 0)
 
     def touch(self, key: str) -> None:
         if key in self.lru:
             self.lru.move_to_end(key)
 
-    def admit(self, key: str) -> Tuple[int, str]:
+    def admit(self, key: str, pin: bool = False) -> Optional[Tuple[int, str, int]]:
         """A slot for ``key`` (most recently used): a free one, else the least recently
-        used block's, which it evicts. Returns the slot and the evicted key ("" if none)."""
+        used unpinned block's, which it evicts. Returns the slot, the evicted key ("" if
+        none) and the admission's number; None where every slot is pinned. ``pin``: the
+        slot is filled by a load that spans steps (until :meth:`unpin`)."""
         evicted = ""
         if self.free:
             slot = self.free.pop()
         else:
-            evicted, slot = self.lru.popitem(last=False)
+            evicted = next((k for k in self.lru if self.gens[k] not in self.pinned), "")
+            if not evicted:
+                return None
+            slot = self.lru.pop(evicted)
+            del self.gens[evicted]
+        self._gen += 1
         self.lru[key] = slot
-        return slot, evicted
+        self.gens[key] = self._gen
+        if pin:
+            self.pinned[self._gen] = (slot, key)
+        return slot, evicted, self._gen
 
-    def drop(self, key: str) -> bool:
-        slot = self.lru.pop(key, None)
-        if slot is None:
+    def unpin(self, gen: int) -> None:
+        """The load filling admission ``gen`` has ended on every worker: its entry (if not
+        dropped meanwhile) may be offered and evicted; a dropped one's slot is free now."""
+        slot, key = self.pinned.pop(gen, (None, ""))
+        if slot is not None and self.gens.get(key) != gen:
+            self.free.append(slot)
+
+    def drop(self, key: str, gen: Optional[int] = None) -> bool:
+        """Drops ``key``'s entry (only admission ``gen``'s, where given: a later admission
+        of the same key stays). Its slot is free again, but while pinned (a worker may
+        still be filling it: freed by :meth:`unpin`)."""
+        if key not in self.lru or (gen is not None and self.gens[key] != gen):
             return False
-        self.free.append(slot)
+        slot = self.lru.pop(key)
+        if self.gens.pop(key) not in self.pinned:
+            self.free.append(slot)
         return True
 
 
@@ -313,15 +359,18 @@ class CpHiCacheMetadata(KVConnectorMetadata):
     #: block id -> slot (the block's records are not read from the store).
     host_loads: Dict[str, Dict[int, int]] = field(default_factory=dict)
     #: Host tier: the planner's admissions of settled saves, per step (applied with that
-    #: step's verdict in ``settled``): ``(request, block id, slot, block key, evicted key)``:
-    #: the worker copies its held copy of the block into the slot, which held the evicted
-    #: block ("" for a free slot) until then.
-    host_admits: Dict[int, List[Tuple[str, int, int, str, str]]] = field(default_factory=dict)
+    #: step's verdict in ``settled``): ``(request, block id, slot, block key, evicted key,
+    #: admission)``: the worker copies its held copy of the block into the slot, which
+    #: held the evicted block ("" for a free slot) until then. ``admission`` numbers the
+    #: planner's admissions: a worker that cannot make one reports it by that number.
+    host_admits: Dict[int, List[Tuple[str, int, int, str, str, int]]] = field(
+        default_factory=dict)
     #: Host tier: blocks this step loads from the store that the workers then copy into
-    #: their pools, per request: block id -> ``(slot, block key, evicted key)``; made once
-    #: the step's loads have ended (after every load of the step, from any slot), from
-    #: the filled block, or failed (the slot then holds nothing servable: reported).
-    host_fills: Dict[str, Dict[int, Tuple[int, str, str]]] = field(default_factory=dict)
+    #: their pools, per request: block id -> ``(slot, block key, evicted key, admission)``;
+    #: made once the step's loads have ended (after every load of the step, from any slot;
+    #: with ``load_async``, when the load that spans steps ends), from the filled block,
+    #: or failed (the slot then holds nothing servable: reported).
+    host_fills: Dict[str, Dict[int, Tuple[int, str, str, int]]] = field(default_factory=dict)
     #: Re-sharding: the loads of this step whose records were written at another head
     #: split, per request: block id -> the writers' number of KV head shards (each worker
     #: reads the records of that split holding its heads and takes them out). A block not
@@ -338,9 +387,11 @@ class CpHiCacheWorkerMeta(KVConnectorWorkerMetadata):
     worker has reported a step the planner has seen every rank's failed loads of it."""
 
     steps: Dict[int, int] = field(default_factory=dict)
-    #: Host tier: block keys whose admission this worker could not make (its copy of the
-    #: block was not held, or the copy failed): the planner stops offering them.
-    host_failed: Set[str] = field(default_factory=set)
+    #: Host tier: ``(block key, admission)`` of the admissions this worker could not make
+    #: (its copy of the block was not held, or the copy failed): the planner stops
+    #: offering them (the entry of that admission only: a later admission of the same key,
+    #: made since, stays).
+    host_failed: Set[Tuple[str, int]] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "CpHiCacheWorkerMeta":
         for t, n in (getattr(other, "steps", None) or {}).items():
@@ -418,9 +469,10 @@ class _StepPlan:
     #: The step's saves as host-tier admissions to make once it is settled: per request,
     #: ``(block key, block id)`` of each block saved.
     admits: Dict[str, List[Tuple[str, int]]] = field(default_factory=dict)
-    #: The step's loads from the host tier: block id -> block key (dropped from the host
-    #: index if the load fails on some worker).
-    host_loads: Dict[int, str] = field(default_factory=dict)
+    #: The step's loads from the host tier: block id -> ``(block key, admission)``
+    #: (dropped from the host index if the load fails on some worker, unless admitted
+    #: again since).
+    host_loads: Dict[int, Tuple[str, int]] = field(default_factory=dict)
     #: The step's synchronous loads: per request, ``(its block, block id)``. A failed one
     #: is reported after the step, when vLLM's asynchronous scheduling may have preempted
     #: the request since (its block ids are gone then): mapped back through these.
@@ -440,8 +492,9 @@ class _LoadTask:
         #: the slot's bytes copied when the load started (None: the slot did not hold it).
         self.host: Dict[int, Any] = {}
         #: Blocks loaded from the store to copy into host slots once every load of the
-        #: step has ended: block id -> ``(slot, block key, evicted key)``.
-        self.fills: Dict[int, Tuple[int, str, str]] = {}
+        #: step (or, spanning steps, the load) has ended: block id -> ``(slot, block key,
+        #: evicted key, admission)``.
+        self.fills: Dict[int, Tuple[int, str, str, int]] = {}
         #: Blocks read from the records of another head split: block id -> its shards.
         self.splits: Dict[int, int] = {}
 
@@ -618,7 +671,9 @@ class CpHiCacheConnector(KVConnectorBase_V1):
     - ``host_bytes`` (default 4 GiB, :data:`DEFAULT_HOST_BYTES`): each worker's host tier,
       in slots of one block of its KV; 0 turns it off. At least one block's bytes.
     - ``capacity_bytes`` (default 16 GiB): the store's byte budget; least recently used
-      records go first.
+      records go first. Under ``path`` each head split of a GQA/MHA model's KV has a
+      directory of its own (re-sharding), each keeping to an equal share of it, so the
+      store as a whole keeps to it.
     - ``load_buffer_bytes`` (default 256 MiB): the most bytes of records a worker's loader
       holds read and not yet filled into their blocks. A step's loads beyond it are read
       and filled in batches, in order; at least one block's reads.
@@ -632,11 +687,24 @@ class CpHiCacheConnector(KVConnectorBase_V1):
       ``finished_recving`` once its blocks are in (with its failed blocks, if any, in the
       same step's ``invalid_block_ids``). Otherwise loads are synchronous, layer by layer
       ahead of the forward.
+
+    Any other key is refused (a ``ValueError`` naming it and the known keys,
+    :data:`CONFIG_KEYS`): a misspelled ``path`` would otherwise quietly give a host-only
+    deployment.
     """
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        unknown = sorted(str(k) for k in extra if k not in CONFIG_KEYS)
+        if unknown:
+            # A misspelled key would silently fall back to its default: a typo in ``path``
+            # with the default host tier would quietly make a host-only deployment.
+            raise ValueError(
+                "CpHiCacheConnector: unknown kv_connector_extra_config key"
+                f"{'s' if len(unknown) > 1 else ''} {', '.join(repr(k) for k in unknown)}; "
+                f"the known keys are {', '.join(CONFIG_KEYS)}"
+            )
         path = extra.get("path") or None
         host_bytes = int(extra.get("host_bytes", DEFAULT_HOST_BYTES))
         if host_bytes < 0:
@@ -703,6 +771,22 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         #: The storage tier: a page store in ``path`` (None: a host-only deployment).
         self.path = self.store_path = self.store = None
         self.capacity_bytes = capacity
+        #: The budget of each head split's directory: ``capacity_bytes`` shared equally by
+        #: every head split of the model (``_model_splits``: one for MLA, a spec declaring
+        #: its KV the same on every rank, or a split not known), so that all of the store's
+        #: directories together keep to ``capacity_bytes`` whichever TP degrees write them
+        #: (each directory is a store of its own, with its own LRU and byte count).
+        splits = self._model_splits()
+        self.split_capacity = capacity // len(splits)
+        if path:
+            small = [s for s in splits if self.split_capacity < self._split_page_bytes(s)]
+            if small:
+                raise ValueError(
+                    f"kv_connector_extra_config['capacity_bytes'] = {capacity}: shared by "
+                    f"the {len(splits)} head splits of the model's KV (a directory each: "
+                    f"{self.split_capacity} bytes a split), it holds no record of "
+                    f"{self._split_page_bytes(small[0])} bytes at {small[0]} head shards"
+                )
         #: The stores of the other head splits of this model (``_split_store``): shards ->
         #: the store, opened once its directory is there.
         self._split_stores: Dict[int, Any] = {}
@@ -711,7 +795,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             self.path = str(path)
             self.store_path = self._split_path(self.head_shards)
             self.store = _native.PageStore(self.store_path, self.fingerprint, self.page_bytes,
-                                           capacity)
+                                           self.split_capacity)
         #: The host tier: ``host_slots`` slots of one block of this worker's bytes each
         #: (``page_bytes``: the same on every worker, whatever its head shard or DCP rank),
         #: at most ``host_bytes`` a worker; 0 slots: off.
@@ -751,16 +835,22 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                                "host_hits": 0, "host_admitted": 0, "host_evicted": 0,
                                "host_dropped": 0}
         #: Host-tier admissions decided since the last metadata (step -> admissions).
-        self._host_admits: Dict[int, List[Tuple[str, int, int, str, str]]] = {}
-        #: Host-tier loads planned since the last metadata: request -> block id -> slot;
-        #: and store loads to admit to the host tier once loaded (``host_fills``).
+        self._host_admits: Dict[int, List[Tuple[str, int, int, str, str, int]]] = {}
+        #: Host-tier loads planned since the last metadata: request -> block id -> slot
+        #: (and -> ``(block key, admission)``); and store loads to admit to the host tier
+        #: once loaded (``host_fills``).
         self._pending_host: Dict[str, Dict[int, int]] = {}
-        self._pending_fills: Dict[str, Dict[int, Tuple[int, str, str]]] = {}
+        self._pending_host_keys: Dict[str, Dict[int, Tuple[str, int]]] = {}
+        self._pending_fills: Dict[str, Dict[int, Tuple[int, str, str, int]]] = {}
         self._filling: Set[str] = set()  # the block keys of ``_pending_fills``
         #: Host-tier loads that span steps (``load_async``), until their requests are
-        #: reported received: request -> block id -> block key (their failures come after
-        #: the step that planned them may have been settled).
-        self._async_host: Dict[str, Dict[int, str]] = {}
+        #: reported received: request -> block id -> ``(block key, admission)`` (their
+        #: failures come after the step that planned them may have been settled).
+        self._async_host: Dict[str, Dict[int, Tuple[str, int]]] = {}
+        #: Admissions of blocks read by loads that span steps (``load_async``), pinned in
+        #: the host index until their requests are reported received: request -> their
+        #: admission numbers.
+        self._async_fills: Dict[str, List[int]] = {}
         #: Loads planned since the last metadata from another head split's records:
         #: request -> block id -> the writers' shards (``load_splits``).
         self._pending_splits: Dict[str, Dict[int, int]] = {}
@@ -834,8 +924,8 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         #: released, and the admissions that failed, to report.
         self._host_pool: Any = None
         self._host_tags: List[Optional[str]] = [None] * self.host_slots
-        self._admits: Dict[int, List[Tuple[str, int, int, str, str]]] = {}
-        self._host_failed: Set[str] = set()
+        self._admits: Dict[int, List[Tuple[str, int, int, str, str, int]]] = {}
+        self._host_failed: Set[Tuple[str, int]] = set()
         self._stats: Dict[str, int] = {}
         self._stats_lock = threading.Lock()
 
@@ -991,15 +1081,20 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         digest = hashlib.sha256(self._split_fingerprint(shards).encode()).hexdigest()[:16]
         return os.path.join(self.path, f"vllm-{digest}")
 
-    def _read_splits(self) -> List[int]:
-        """The head splits whose records this deployment reads: its own first, then (GQA
-        with a known split: ``kv_heads``) every other split of the model's KV heads, from
-        the finest down."""
+    def _model_splits(self) -> List[int]:
+        """The head splits of the model's KV: this deployment's own first, then (GQA with
+        a known split: ``kv_heads``) every other split of the model's KV heads, from the
+        finest down."""
         own = self.head_shards
-        if not self.kv_heads or self.store is None:
+        if not self.kv_heads:
             return [own]
         return [own] + [s for s in range(self.kv_heads, 0, -1)
                         if self.kv_heads % s == 0 and s != own]
+
+    def _read_splits(self) -> List[int]:
+        """The head splits whose records this deployment reads (``_model_splits``; only
+        its own without a store)."""
+        return self._model_splits() if self.store is not None else [self.head_shards]
 
     def _split_store(self, shards: int) -> Optional[Any]:
         """The store of the records written at ``shards`` KV head shards (this
@@ -1017,7 +1112,8 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             store = self._split_stores.get(shards)
             if store is None:
                 store = _native.PageStore(where, self._split_fingerprint(shards),
-                                          self._split_page_bytes(shards), self.capacity_bytes)
+                                          self._split_page_bytes(shards),
+                                          self.split_capacity)
                 self._split_stores[shards] = store
         return store
 
@@ -1095,8 +1191,9 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         # (every worker holds its bytes of the block), else from the store.
         # A block admitted from a load of this same step is not in any slot until the
         # step's loads have ended: read from the store like the load admitting it.
+        # So is a block a load that spans steps admits, until that load is received.
         in_host = ([None if names[(k + 1) * d - 1] in self._filling
-                    else host.get(names[(k + 1) * d - 1]) for k in range(first, limit)]
+                    else host.servable(names[(k + 1) * d - 1]) for k in range(first, limit)]
                    if host is not None else [None] * (limit - first))
         k = first
         while k < limit:
@@ -1174,22 +1271,32 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             self._pending_splits[request.request_id] = splits
         if host:
             self._pending_host[request.request_id] = host
+            keys = self._pending_host_keys.setdefault(request.request_id, {})
             self._planner_stats["host_hits"] += len(host)
             for k in range(first, first + n):
                 if int(block_ids[k]) in host:
-                    self._host.touch(st.names[(k + 1) * self.dcp - 1])
-        if self._host is not None and not self.load_async:
-            # The blocks read from the store go into the host tier too, once loaded (loads
-            # that span steps are not admitted: their fills would outlive the step).
+                    key = st.names[(k + 1) * self.dcp - 1]
+                    self._host.touch(key)
+                    keys[int(block_ids[k])] = (key, self._host.gen(key))
+        if self._host is not None:
+            # The blocks read from the store go into the host tier too, once loaded. A load
+            # that spans steps fills their slots when it ends, steps later: its admissions
+            # are pinned (neither offered nor evicted) until it is reported received.
             fills = {}
             for k in range(first, first + n):
                 b = int(block_ids[k])
                 key = st.names[(k + 1) * self.dcp - 1]
                 if b in host or self._host.get(key) is not None:
                     continue
-                slot, evicted = self._host.admit(key)
-                fills[b] = (slot, key, evicted)
-                self._filling.add(key)
+                got = self._host.admit(key, pin=self.load_async)
+                if got is None:  # every slot is being filled by loads that span steps
+                    continue
+                slot, evicted, gen = got
+                fills[b] = (slot, key, evicted, gen)
+                if self.load_async:
+                    self._async_fills.setdefault(request.request_id, []).append(gen)
+                else:
+                    self._filling.add(key)
                 self._planner_stats["host_admitted"] += 1
                 if evicted:
                     self._planner_stats["host_evicted"] += 1
@@ -1216,16 +1323,21 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         self._pending_loads, self._settled, self._unreported = {}, {}, set()
         self._pending_splits = {}
         self._pending_host, self._host_admits, self._pending_fills = {}, {}, {}
+        host_keys, self._pending_host_keys = self._pending_host_keys, {}
         self._filling = set()
         plan = _StepPlan()
         for rid, host in meta.host_loads.items():
-            keys = {b: ns[-1] for ns, b in meta.loads.get(rid, ())}
+            keys = host_keys.get(rid, {})
             plan.host_loads.update({b: keys[b] for b in host if b in keys})
             if self.load_async:
                 self._async_host[rid] = {b: keys[b] for b in host if b in keys}
-        for rid, fills in meta.host_fills.items():
-            # A block that fails to load leaves the host index (as one loaded from it).
-            plan.host_loads.update({b: key for b, (_, key, _) in fills.items()})
+        if not self.load_async:
+            for rid, fills in meta.host_fills.items():
+                # A block that fails to load leaves the host index (as one loaded from it).
+                # (One a load that spans steps fills is reported by the workers, whose
+                # copies fail with it: ``host_failed``.)
+                plan.host_loads.update({b: (key, gen)
+                                        for b, (_, key, _, gen) in fills.items()})
         if not self.load_async:
             for rid, jobs in meta.loads.items():
                 st = self._reqs.get(rid)
@@ -1290,8 +1402,16 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         st = self._reqs.pop(rid, None)
         self._pending_loads.pop(rid, None)
         self._pending_host.pop(rid, None)
-        for b, (_, key, _) in (self._pending_fills.pop(rid, None) or {}).items():
-            self._host.drop(key)  # planned, never shipped: its slot goes back
+        self._pending_host_keys.pop(rid, None)
+        unshipped = self._pending_fills.pop(rid, None) or {}
+        for b, (_, key, _, gen) in unshipped.items():
+            self._host.drop(key, gen)  # planned, never shipped: its slot goes back
+            self._host.unpin(gen)
+        if unshipped and rid in self._async_fills:
+            gone = {gen for _, _, _, gen in unshipped.values()}
+            self._async_fills[rid] = [g for g in self._async_fills[rid] if g not in gone]
+            if not self._async_fills[rid]:
+                del self._async_fills[rid]
         delay = st is not None and st.has_saves
         if delay and rid in self._loading:
             delay = False
@@ -1343,22 +1463,28 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                 loaded = [plan.host_loads for plan in self._inflight.values()]
                 loaded += self._async_host.values()  # reported once received
                 for host_loads in loaded:
-                    for b, key in host_loads.items():
-                        if b in invalid and self._host.drop(key):
+                    for b, (key, gen) in host_loads.items():
+                        if b in invalid and self._host.drop(key, gen):
                             self._planner_stats["host_dropped"] += 1
             # Every step in flight was planned before this report: its forward may have
             # read these blocks (vLLM's asynchronous scheduling plans the next step before
             # it sees this one's output).
             for plan in self._inflight.values():
                 plan.bad |= invalid
-        for rid in connector_output.finished_recving or ():
-            self._async_host.pop(rid, None)  # its failed blocks came with it
         meta = connector_output.kv_connector_worker_meta
         if self._host is not None:
-            # Admissions some worker could not make: no longer offered from the host tier.
-            for key in getattr(meta, "host_failed", None) or ():
-                if self._host.drop(key):
+            # Admissions some worker could not make: no longer offered from the host tier
+            # (the entry of that admission only: the key may have been evicted and admitted
+            # again since, under vLLM's asynchronous scheduling, and that entry stays).
+            for key, gen in getattr(meta, "host_failed", None) or ():
+                if self._host.drop(key, gen):
                     self._planner_stats["host_dropped"] += 1
+        for rid in connector_output.finished_recving or ():
+            self._async_host.pop(rid, None)  # its failed blocks came with it
+            # Its blocks read from the store are in their slots on every worker (or were
+            # reported failed above, with it): offered, and evictable, from now on.
+            for gen in self._async_fills.pop(rid, ()):
+                self._host.unpin(gen)
         for t, n in (getattr(meta, "steps", None) or {}).items():
             self._reports[t] = self._reports.get(t, 0) + n
         # vLLM's executor runs every step on every worker (TP ranks; PP is refused).
@@ -1407,8 +1533,11 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                 if host.get(key) is not None:
                     host.touch(key)
                     continue
-                slot, evicted = host.admit(key)
-                out.append((rid, b, slot, key, evicted))
+                got = host.admit(key)
+                if got is None:  # every slot is being filled by loads that span steps
+                    continue
+                slot, evicted, gen = got
+                out.append((rid, b, slot, key, evicted, gen))
                 self._planner_stats["host_admitted"] += 1
                 if evicted:
                     self._planner_stats["host_evicted"] += 1
@@ -1427,7 +1556,8 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         requests, ``delayed`` frees and ``unsettled`` steps (planned saves without a
         verdict, or verdicts not yet sent; all 0 once every request has finished and been
         freed)."""
-        return dict(self._planner_stats, tracked=len(self._reqs) + len(self._loading),
+        return dict(self._planner_stats,
+                    tracked=len(self._reqs) + len(self._loading) + len(self._async_fills),
                     delayed=len(self._delayed),
                     unsettled=len(self._inflight) + len(self._settled))
 
@@ -1721,7 +1851,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         servable, reported to the planner (``host_failed``)."""
         import torch
 
-        for b, (slot, key, evicted) in task.fills.items():
+        for b, (slot, key, evicted, gen) in task.fills.items():
             ok = False
             if (b in filled and b not in task.errors and self._host_pool is not None
                     and 0 <= slot < self.host_slots):
@@ -1734,10 +1864,10 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                 except Exception as e:  # the slot holds nothing servable: reported
                     logger.warning("cp_hicache: copying loaded block %d into host slot %d "
                                    "failed: %s", b, slot, e)
-            self._host_settle(slot, key, evicted, ok)
+            self._host_settle(slot, key, evicted, gen, ok)
 
-    def _host_settle(self, slot: int, key: str, evicted: str, ok: bool) -> None:
-        """Records an admission into slot ``slot``: the slot holds ``key`` (``ok``) or
+    def _host_settle(self, slot: int, key: str, evicted: str, gen: int, ok: bool) -> None:
+        """Records admission ``gen`` into slot ``slot``: the slot holds ``key`` (``ok``) or
         nothing servable (then reported to the planner); counts it."""
         with self._stats_lock:
             if 0 <= slot < self.host_slots:
@@ -1747,7 +1877,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             name = "host_admissions" if ok else "host_failures"
             self._stats[name] = self._stats.get(name, 0) + 1
             if not ok:
-                self._host_failed.add(key)
+                self._host_failed.add((key, gen))
 
     def _fill(self, task: "_LoadTask", batch: List[Tuple[str, int, List[Any]]],
               filled: Set[int], last: bool) -> None:
@@ -2060,7 +2190,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             # here: the step ended without wait_for_save): none can be made.
             self._host_admit(self._admits.pop(t), {})
 
-    def _host_admit(self, admits: List[Tuple[str, int, int, str, str]],
+    def _host_admit(self, admits: List[Tuple[str, int, int, str, str, int]],
                     blocks: Dict[Tuple[str, int], "_SaveBlock"]) -> None:
         """Makes the planner's admissions: each block's held copy goes into its slot,
         replacing (evicting) the slot's block. An admission that cannot be made (no whole
@@ -2070,7 +2200,12 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         (reported, recomputed), never served."""
         # No load of this step may read a slot while it is replaced.
         self._load_errors |= self._join_load()
-        for rid, b, slot, key, evicted in admits:
+        for rid, b, slot, key, evicted, gen in admits:
+            # Nor may a load that spans steps still fill it (the planner pins such slots
+            # until the load is received, so this never waits; kept for the bytes' sake).
+            for task, _ in self._async_loads:
+                if any(f[0] == slot for f in task.fills.values()):
+                    task.done.wait()
             sb = blocks.get((rid, b))
             ok = False
             if (sb is not None and all(sb.have) and self._host_pool is not None
@@ -2081,7 +2216,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                 except Exception as e:  # the slot holds nothing servable: reported
                     logger.warning("cp_hicache: copying block %d of %s into host slot %d "
                                    "failed: %s", b, rid, slot, e)
-            self._host_settle(slot, key, evicted, ok)
+            self._host_settle(slot, key, evicted, gen, ok)
 
     def build_connector_worker_meta(self) -> Optional[CpHiCacheWorkerMeta]:
         """The steps this worker ran since its last report (:class:`CpHiCacheWorkerMeta`),

@@ -194,9 +194,15 @@ class Engine:
                  dcp=1, interleave=1, ranks=None, monkeypatch=None, tp=None, shards=1,
                  heads=HEADS, layout="blocks_first", mla=False, tp_ranks=None,
                  layerwise=True, budget=64, extra=None, prefix_caching=True,
-                 replicated=None):
+                 replicated=None, async_scheduling=False):
         self.layerwise = layerwise
         self.cfg = vllm_config(path, policy, budget, **(extra or {}))
+        # vLLM's AsyncScheduler (``create_scheduler`` picks it): each step is planned before
+        # the last one's output is seen (``step``).
+        self.async_scheduling = async_scheduling
+        self.cfg.scheduler_config.async_scheduling = async_scheduling
+        self._unseen = None  # (scheduler output, model runner output) not yet given back
+        assert dcp == 1 or not async_scheduling
         # Off: a request sharing a running request's prefix asks the connector for it.
         self.cfg.cache_config.enable_prefix_caching = prefix_caching
         tp = dcp if tp is None else tp
@@ -414,8 +420,12 @@ class Engine:
         ``get_block_ids_with_load_errors``, ``get_kv_connector_stats`` and
         ``build_connector_worker_meta``). The workers' outputs are merged by vLLM's own
         ``KVOutputAggregator``: a request's saves are done once every worker has said so.
-        Returns the scheduler output."""
+        Under ``async_scheduling`` a step's output goes back to the scheduler only once the
+        next step is planned (vLLM's engine core then overlaps the two), before that step
+        runs on the workers (which have the last step's sampled tokens). Returns the
+        scheduler output."""
         so = self.sched.schedule()
+        self.flush()
         meta = so.kv_connector_metadata
         assert isinstance(meta, CpHiCacheMetadata)
         self.metas.append(meta)
@@ -446,8 +456,19 @@ class Engine:
         reqs = [self.sched.requests[r] for r in so.num_scheduled_tokens]
         mro = create_model_runner_output(reqs)
         mro.kv_connector_output = out
-        self.sched.update_from_output(so, mro)
+        if self.async_scheduling:
+            self._unseen = (so, mro)
+        else:
+            self.sched.update_from_output(so, mro)
         return so
+
+    def flush(self) -> None:
+        """Gives the scheduler the last step's output if it has not seen it yet
+        (``async_scheduling``)."""
+        if self._unseen is not None:
+            so, mro = self._unseen
+            self._unseen = None
+            self.sched.update_from_output(so, mro)
 
     def run(self, timeout_s=60.0, on_loaded=None):
         """Steps until every request finished and every block is free (vLLM's engine core
@@ -461,8 +482,11 @@ class Engine:
             so = self.step(on_loaded)
             if not so.num_scheduled_tokens:
                 time.sleep(0.01)
+            if self.async_scheduling and not self.sched.requests:
+                self.flush()  # a request may still wait for its last output
         # One more (empty) step: the scheduler hands the last finished ids to the worker.
         self.step()
+        self.flush()
 
     def stats(self):
         total = {}
@@ -990,6 +1014,98 @@ def test_steps_in_flight_when_a_failure_is_reported_are_settled_by_it(tmp_path):
     assert merged.steps == {5: 2}
 
 
+ASYNC_SCHED = [dict(), dict(load_async=True),
+               dict(host_bytes=16 * len(LAYERS) * 2 * BS * SLOT_BYTES)]
+ASYNC_SCHED_RUNS = [(extra, tp) for tp in (1, 2) for extra in ASYNC_SCHED]
+
+
+@pytest.mark.parametrize("extra,tp", ASYNC_SCHED_RUNS,
+                         ids=[f"tp{tp}-{m}" for tp in (1, 2)
+                              for m in ("sync-loads", "load-async", "host")])
+def test_vllm_async_scheduler_end_to_end(tmp_path, monkeypatch, extra, tp):
+    """vLLM's ``AsyncScheduler`` (``async_scheduling``), each step planned before the last
+    one's output is seen, with the connector over the store (synchronous loads, loads that
+    span steps, and the host tier): request 1 is a miss, computed and saved; then, vLLM's
+    prefix cache reset and every block poisoned, request 2 shares its prefix and gets it
+    loaded (from the host tier where it is on), while request 3, a miss, is computed in
+    the same steps. Every block of every scheduled request is checked after every step,
+    the records hold the forward's bytes, and once all have finished nothing is left
+    behind: no request tracked, no free delayed, no step unsettled, no save held. At TP 2
+    over two head shards every worker does it with its own heads (and its own pool)."""
+    e = Engine(tmp_path / "store", verify=True, async_scheduling=True, extra=extra, tp=tp,
+               shards=tp, monkeypatch=monkeypatch)
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    assert type(e.sched) is AsyncScheduler
+    a = create_request(request_id=1, num_tokens=72, common_prefix_len=64, max_tokens=3,
+                       block_size=BS)
+    e.sched.add_request(a)
+    e.step()
+    e.step()
+    # Step 2 was planned before step 1's output was seen: it carries no verdict on step 1's
+    # saves (under vLLM's synchronous scheduling it would).
+    assert e.metas[0].saves and e.metas[1].settled == {}, e.metas[1]
+    e.run()
+    assert_clean(e)
+    def stored_right(req, k):
+        name = block_names(req.all_token_ids, BS)[k]
+        return all(_stored(e, head_shard_key(name, s, tp)) == e.expected_record(
+            list(req.all_token_ids), k, s) for s in range(tp))
+
+    assert all(stored_right(a, k) for k in range(4))
+    assert e.stats().get("records_saved") == 4 * tp and not e.stats().get("save_errors")
+    assert e.sched.reset_prefix_cache()
+    e.outputs.clear()
+    e.poison()
+    b = create_request(request_id=2, num_tokens=80, common_prefix_len=64, max_tokens=3,
+                       block_size=BS)
+    c = create_request(request_id=3, num_tokens=40, max_tokens=3, block_size=BS)
+    e.sched.add_request(b)
+    e.sched.add_request(c)
+    e.run()
+    assert_clean(e)
+    st = e.stats()
+    host = bool(extra.get("host_bytes"))
+    assert st.get("host_hits", 0) == (4 * tp if host else 0), st
+    assert st.get("records_loaded", 0) == (0 if host else 4 * tp), st
+    assert not st.get("load_errors") and not st.get("save_errors"), st
+    assert not st.get("saves_dropped"), st
+    if extra.get("load_async"):
+        assert [o.finished_recving for o in e.outputs if o.finished_recving] == [{"id-2"}]
+    # Request 2's fifth block and request 3's two were computed here and saved.
+    for req, k in ((b, 4), (c, 0), (c, 1)):
+        assert stored_right(req, k), (req.request_id, k)
+    if host:
+        assert_host_consistent(e)
+
+
+@pytest.mark.parametrize("extra", ASYNC_SCHED[:2], ids=["sync-loads", "load-async"])
+def test_vllm_async_scheduler_recomputes_a_failed_load(tmp_path, extra):
+    """Under vLLM's ``AsyncScheduler`` request 2's block 2 record is damaged: its load
+    fails, is reported after the next step was planned, and is recomputed; every block is
+    checked after every step (but the synchronous load's own step, whose forward ran over
+    the failed block), every record ends with the forward's bytes, and nothing is left
+    behind."""
+    _save_prefix(tmp_path / "store")
+    b = _prefix_hit()
+    names = block_names(b.all_token_ids, BS)
+    e = Engine(tmp_path / "store", verify=True, async_scheduling=True, extra=extra)
+    _damage(str(e.worker.store.path_of(names[2])))
+    e.poison()
+    e.sched.add_request(b)
+    if not extra:
+        e.verify = False  # the forward of the failed load's step ran over its block
+        e.step()
+        e.verify = True
+    e.run()
+    assert_clean(e)
+    st = e.stats()
+    assert st.get("load_errors") == 1 and st.get("records_loaded") == 2, st
+    tokens = list(b.all_token_ids)
+    for k in range(5):
+        assert _stored(e, names[k]) == e.expected_record(tokens, k), k
+
+
 def test_a_failed_load_reported_after_its_request_was_preempted_still_caps_it(tmp_path):
     """vLLM's asynchronous scheduling plans step 2 (preempting request 2, whose block ids
     are then gone) before step 1's output reports request 2's loaded block 2 failed. The
@@ -1396,6 +1512,111 @@ def test_a_store_written_at_one_head_split_is_read_at_another(tmp_path, monkeypa
     assert st.get("records_saved") == min(read, 4), st  # block 4 only, once per shard
 
 
+RESHARD_TIERS = [(read, mode) for read in (1, 4) for mode in ("async", "host", "async-host")]
+RESHARD_TIERS.append((8, "async-host"))  # TP 8: copy ranks (two a shard) load and hold it
+
+
+@pytest.mark.parametrize("read,mode", RESHARD_TIERS,
+                         ids=[f"tp2-to-tp{r}-{m}" for r, m in RESHARD_TIERS])
+def test_re_sharding_with_loads_that_span_steps_and_with_the_host_tier(tmp_path, monkeypatch,
+                                                                       read, mode):
+    """A store written at TP 2 over a 4-KV-head model, read at TP 1 and TP 4 with loads
+    that span steps (``load_async``), with the host tier, and with both (and at TP 8, where
+    two ranks hold each shard, with both): every rank reads
+    the writers' records holding its heads into its poisoned blocks, byte for byte (every
+    rank's every block checked after every step). With the host tier the re-sharded
+    blocks go into every worker's pool (its own heads of them), and the next request of
+    the prefix is a host hit on every worker, byte for byte, reading nothing from the
+    store."""
+    tokens, _ = _write_at(tmp_path / "store", 2, monkeypatch)
+    host = "host" in mode
+    extra = {"host_bytes": 16 * PAGE if host else 0, "load_async": "async" in mode}
+    b = Engine(tmp_path / "store", extra=extra, **_split_kw(read, monkeypatch))
+    b.poison()
+    b.sched.add_request(create_request(request_id=2, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=BS))
+    so = b.step()
+    meta = b.metas[0]
+    assert so.num_scheduled_tokens == ({} if extra["load_async"] else {"id-2": 16}), so
+    assert set(meta.load_splits["id-2"].values()) == {2}, meta.load_splits
+    assert len(meta.host_fills.get("id-2", ())) == (4 if host else 0), meta.host_fills
+    _run_checked(b) if host else b.run()
+    assert_clean(b)
+    st = b.stats()
+    assert st.get("records_loaded") == read * 4 and not st.get("load_errors"), st
+    assert st.get("records_saved") == min(read, 4), st  # block 4 only, once per shard
+    if not host:
+        return
+    assert st.get("host_admissions") == read * 5 and not st.get("host_failures"), st
+    assert b.sched.reset_prefix_cache()
+    b.outputs.clear()
+    b.poison()
+    reads = []
+    for w in b.workers:
+        w.store = _RecordingReads(w.store, reads)
+        w._split_stores = {s: _RecordingReads(st_, reads) for s, st_ in w._split_stores.items()}
+    b.sched.add_request(create_request(request_id=3, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=BS))
+    so = b.step()
+    assert b.metas[-1].load_splits == {} and len(b.metas[-1].host_loads["id-3"]) == 4
+    _run_checked(b)
+    assert_clean(b)
+    st = b.stats()
+    assert reads == [] and st.get("host_hits") == read * 4, st
+    assert not st.get("records_loaded") and not st.get("load_errors"), st
+
+
+def _split_dir_bytes(path) -> dict:
+    """Bytes of the records (and held parts) on disk in each head split's directory of the
+    store in ``path``: directory name -> bytes."""
+    out = {}
+    for d in sorted(os.listdir(path)):
+        total = 0
+        for sub in ("records", "parts"):
+            for root, _, files in os.walk(os.path.join(path, d, sub)):
+                total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+        out[d] = total
+    return out
+
+
+def test_capacity_bytes_bounds_the_whole_store_across_head_splits(tmp_path, monkeypatch):
+    """``capacity_bytes`` is one budget for the store, whichever head splits write it: a
+    4-KV-head model has 3 splits (1, 2 and 4 shards), each a directory of its own keeping
+    to a third of it (before, each kept to the whole of it: a store written at TP 2, then
+    TP 4, then TP 1 held up to three times the budget). Written at TP 2, TP 4 and TP 1 in
+    turn (8 records each, more than a third holds), the directories together stay within
+    the budget (and stay so with a reader at TP 2 running over them, which opens the other
+    splits' directories to re-shard from them). A budget whose share holds no record of
+    some split is refused, naming the key."""
+    cap = 3 * 4 * (PAGE + 64)  # a third holds 4 records of 2 heads
+    extra = {"capacity_bytes": cap}
+    for tp in (2, 4, 1):
+        e = Engine(tmp_path / "store", extra=extra, **_split_kw(tp, monkeypatch))
+        assert e.connector.split_capacity == cap // 3
+        e.sched.add_request(create_request(request_id=tp, num_tokens=72,
+                                           common_prefix_len=64, max_tokens=2,
+                                           block_size=BS))
+        e.run()
+        assert_clean(e)
+        assert not e.stats().get("save_errors"), e.stats()
+        sizes = _split_dir_bytes(tmp_path / "store")
+        assert all(n <= cap // 3 for n in sizes.values()), sizes
+        assert sum(sizes.values()) <= cap, sizes
+    assert len(sizes) == 3 and all(sizes.values()), sizes
+    b = Engine(tmp_path / "store", extra=extra, **_split_kw(2, monkeypatch))
+    b.poison()
+    b.sched.add_request(create_request(request_id=9, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=BS))
+    b.run()
+    assert_clean(b)
+    assert not b.stats().get("load_errors"), b.stats()
+    assert sum(_split_dir_bytes(tmp_path / "store").values()) <= cap
+    with pytest.raises(ValueError, match=r"capacity_bytes'\] = 1000: shared by the 3 head "
+                                         r"splits .* holds no record"):
+        Engine(tmp_path / "store", extra={"capacity_bytes": 1000},
+               **_split_kw(2, monkeypatch))
+
+
 # ((TP, DCP, interleave) writing, (TP, DCP, interleave) reading) over a 4-KV-head model: a DCP
 # group within one head shard's ranks (TP 8: 4 shards of 2 ranks each).
 RESHARD_DCP_RUNS = [((2, 1, 1), (8, 2, 1)), ((8, 2, BS), (2, 1, 1)), ((8, 2, 1), (1, 1, 1))]
@@ -1545,6 +1766,27 @@ def test_refuses_what_is_not_built(tmp_path):
     with pytest.raises(ValueError, match=r"needs kv_connector_extra_config\['path'\].*"
                                          r"\['host_bytes'\] > 0\): it has neither"):
         CpHiCacheConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
+
+
+def test_unknown_config_keys_are_refused_naming_the_key_and_the_known_ones(tmp_path):
+    """A misspelled ``path`` with the default host tier used to give a host-only deployment
+    quietly (nothing outlived the process); every key the connector does not know is
+    refused, by the scheduler and by every worker alike (vLLM builds both from the same
+    config), naming the key and the known keys."""
+    for extra in ({"pth": str(tmp_path / "store")},
+                  {"path": str(tmp_path / "store"), "capacity": 1 << 30, "load_asycn": True}):
+        cfg = create_vllm_config(block_size=BS, kv_connector="CpHiCacheConnector",
+                                 kv_connector_module_path="cp_hicache.vllm",
+                                 kv_role="kv_both", kv_connector_extra_config=extra)
+        bad = sorted(set(extra) - {"path"})
+        for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+            with pytest.raises(ValueError) as err:
+                CpHiCacheConnector(cfg, role, kv_cache_config())
+            msg = str(err.value)
+            assert all(repr(k) in msg for k in bad), msg
+            assert "known keys are path, host_bytes, capacity_bytes, load_buffer_bytes, " \
+                   "save_buffer_bytes, load_async" in msg, msg
+    assert not (tmp_path / "store").exists()  # refused before anything was made
 
 
 @pytest.mark.parametrize("kind", ["sliding_window", "chunked_local", "full_with_window"])
@@ -2235,9 +2477,11 @@ PAGE = len(LAYERS) * 2 * BS * SLOT_BYTES  # one block of one worker (HEADS heads
 
 def assert_host_consistent(e: Engine) -> None:
     """Every block the planner's host index says the workers hold is in that slot on every
-    worker (but slots of admissions decided and not yet shipped)."""
+    worker (but slots of admissions decided and not yet shipped, and those a load that
+    spans steps is still filling)."""
     c = e.connector
-    pending = {slot for adm in c._host_admits.values() for _, _, slot, _, _ in adm}
+    pending = {a[2] for adm in c._host_admits.values() for a in adm}
+    pending |= {slot for slot, _ in c._host.pinned.values()}
     for key, slot in c.host_index().items():
         if slot in pending:
             continue
@@ -2405,8 +2649,9 @@ def test_host_loads_that_span_steps_hold_no_copy_of_their_slots(tmp_path, monkey
     loader thread runs then holds no copy of a slot (before, each block's bytes were
     cloned and held until the loader filled them: host memory past ``host_bytes`` and
     ``load_buffer_bytes``, growing with the loads queued behind a slow store read). The
-    prefix is served byte for byte, with no store (where blocks read from a store would not
-    be admitted either: nothing outlives the step)."""
+    prefix is served byte for byte, with no store (blocks a load that spans steps reads
+    from a store are admitted into slots the planner pins until the load is received:
+    ``test_blocks_a_load_spanning_steps_reads_from_the_store_go_into_the_host_tier``)."""
     e = Engine(None, verify=True, extra={"host_bytes": 16 * PAGE, "load_async": True})
     held, started = [], []
     real = e.worker._run_load
@@ -2473,6 +2718,147 @@ def test_a_restart_has_an_empty_host_tier_and_reads_the_store(tmp_path, monkeypa
     st = b.stats()
     assert reads == [] and st.get("host_hits") == b.tp * blocks, st
     assert not st.get("records_loaded") and not st.get("load_errors"), st
+
+
+def _gate_loads(e: Engine) -> threading.Event:
+    """Holds every worker's loader before its first fill until the event is set."""
+    gate = threading.Event()
+    for w in e.workers:
+        w._load_layer_hook = lambda li: gate.wait(30)
+    return gate
+
+
+@pytest.mark.parametrize("kw", RESTART_RUNS, ids=["dcp1", "tp2h2", "dcp2i1", "dcp2i16"])
+def test_blocks_a_load_spanning_steps_reads_from_the_store_go_into_the_host_tier(
+        tmp_path, monkeypatch, kw):
+    """With ``load_async`` the blocks a load reads from the store are admitted to the host
+    tier too (before, only synchronous loads' were: the next request of the prefix read
+    the store again). Their slots are filled when the load ends, steps after the one that
+    planned it: until it is reported received the planner neither offers them nor evicts
+    them (pinned). Then the next request sharing the prefix is a host hit on every worker
+    that reads nothing from the store, every rank's blocks checked after every step."""
+    write = dict(kw, monkeypatch=monkeypatch, extra={"host_bytes": 16 * PAGE})
+    a = Engine(tmp_path / "store", **write)
+    a.sched.add_request(create_request(request_id=1, num_tokens=72, common_prefix_len=64,
+                                       max_tokens=2, block_size=a.sblock))
+    _run_checked(a)
+    b = Engine(tmp_path / "store", verify=True, monkeypatch=monkeypatch,
+               extra={"host_bytes": 16 * PAGE, "load_async": True}, **kw)
+    blocks = 64 // b.sblock
+    keys = block_names([1] * 64, BS)[b.dcp - 1::b.dcp]
+    b.poison()
+    gate = _gate_loads(b)
+    b.sched.add_request(create_request(request_id=2, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=b.sblock))
+    try:
+        for _ in range(2):
+            so = b.step()
+            assert not so.num_scheduled_tokens, so.num_scheduled_tokens
+            assert_host_consistent(b)
+        meta = b.metas[0]
+        assert meta.host_loads == {} and len(meta.host_fills["id-2"]) == blocks, meta
+        # Admitted, but pinned while the load runs: not offered from the host tier.
+        assert b.connector.host_index().keys() == set(keys)
+        assert all(b.connector._host.servable(k) is None for k in keys)
+    finally:
+        gate.set()
+    _run_checked(b)
+    assert_clean(b)
+    assert b.connector._host.pinned == {}
+    assert all(b.connector._host.servable(k) is not None for k in keys)
+    st = b.stats()
+    assert st.get("records_loaded") == b.tp * blocks and not st.get("load_errors"), st
+    assert st.get("host_admissions") == b.tp * (blocks + (b.dcp == 1)), st
+    assert not st.get("host_failures"), st
+    assert b.sched.reset_prefix_cache()
+    b.outputs.clear()
+    b.poison()
+    reads = []
+    for w in b.workers:
+        w.store = _RecordingReads(w.store, reads)
+    b.sched.add_request(create_request(request_id=3, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=b.sblock))
+    _run_checked(b)
+    assert_clean(b)
+    st = b.stats()
+    assert reads == [] and st.get("host_hits") == b.tp * blocks, st
+    assert not st.get("records_loaded") and not st.get("load_errors"), st
+
+
+def test_a_failed_load_spanning_steps_admits_none_of_its_failed_blocks(tmp_path):
+    """With ``load_async`` and the host tier, block 2's record is damaged: the load fills
+    blocks 0 and 1 and their slots; blocks 2 and 3 fail, so their slots hold nothing and
+    the worker reports those admissions, which leave the index (their slots free once the
+    load is received). The recomputed blocks are admitted from their saves; the index and
+    the worker agree after every step, and the next request of the prefix is a host hit
+    on all four blocks, byte for byte."""
+    _save_prefix(tmp_path / "store")
+    b = _prefix_hit()
+    names = block_names(b.all_token_ids, BS)
+    e = Engine(tmp_path / "store", verify=True,
+               extra={"host_bytes": 16 * PAGE, "load_async": True})
+    _damage(str(e.worker.store.path_of(names[2])))
+    e.poison()
+    e.sched.add_request(b)
+    _run_checked(e)
+    assert_clean(e)
+    st = e.stats()
+    assert st.get("load_errors") == 1 and st.get("host_failures") == 2, st
+    assert e.connector._host.pinned == {}
+    assert set(e.connector.host_index()) == set(names[:5])
+    assert e.sched.reset_prefix_cache()
+    e.outputs.clear()
+    e.poison()
+    e.sched.add_request(create_request(request_id=3, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=BS))
+    _run_checked(e)
+    assert_clean(e)
+    st = e.stats()
+    assert st.get("host_hits") == 4 and not st.get("load_errors"), st
+
+
+def test_slots_a_load_spanning_steps_fills_are_not_evicted_while_it_runs(tmp_path):
+    """A host tier of 4 slots, all admitted to request 2's load from the store, which spans
+    steps (held back here). Meanwhile request 5 computes and saves two blocks: their
+    admissions find every slot pinned and are not made (they would have evicted blocks
+    whose slots the load fills later: the planner's index and the workers' slots would
+    disagree). Once the load is received the slots hold request 2's prefix, consistent on
+    every step, and request 3 sharing it is served from them."""
+    _save_prefix(tmp_path / "store")
+    e = Engine(tmp_path / "store", verify=True,
+               extra={"host_bytes": 4 * PAGE, "load_async": True})
+    keys = block_names([1] * 64, BS)
+    e.poison()
+    gate = _gate_loads(e)
+    e.sched.add_request(_prefix_hit())
+    try:
+        e.step()
+        e.sched.add_request(create_request(request_id=5, num_tokens=40, max_tokens=1,
+                                           block_size=BS))
+        for _ in range(4):
+            e.step()
+            assert_host_consistent(e)
+        assert list(e.connector.host_index()) == keys[:4]
+        assert not any(m.host_admits for m in e.metas), [m.host_admits for m in e.metas]
+    finally:
+        gate.set()
+    _run_checked(e)
+    assert_clean(e)
+    assert e.connector._host.pinned == {}
+    # Request 2's fifth block, saved once it ran, took the least recently used slot.
+    assert e.connector.host_index().keys() >= set(keys[1:4])
+    assert e.sched.reset_prefix_cache()
+    e.outputs.clear()
+    e.poison()
+    e.sched.add_request(create_request(request_id=3, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=BS))
+    so = e.step()
+    assert not so.num_scheduled_tokens  # an asynchronous load, from the host tier
+    assert set(e.metas[-1].host_loads["id-3"].values()) <= set(range(4))
+    _run_checked(e)
+    assert_clean(e)
+    st = e.stats()
+    assert not st.get("load_errors") and st.get("host_hits", 0) >= 3, st
 
 
 @pytest.mark.parametrize("store", [True, False], ids=["with-store", "host-only"])
@@ -2570,6 +2956,98 @@ def test_a_load_planned_with_a_failing_admission_is_recomputed_never_served(tmp_
     # Block 2 fails to go in twice: request 1's copy, and request 2's recomputed one.
     assert st.get("load_errors") == 1 and st.get("host_failures") == 2, st
     assert names[2] not in e.connector.host_index()
+
+
+def test_the_host_index_pins_slots_being_filled_and_numbers_its_admissions():
+    """The planner's host index alone: a pinned admission (a load that spans steps fills
+    its slot) is neither offered nor evicted; with every slot pinned nothing is admitted;
+    a report naming an older admission of a key drops nothing; a pinned entry dropped
+    (its copy failed on some worker) keeps its slot taken until the load is received (a
+    worker may still be filling it), and only then is the slot free again."""
+    from cp_hicache.vllm import _HostIndex
+
+    h = _HostIndex(2)
+    assert h.admit("a", pin=True) == (0, "", 1)
+    assert h.admit("b") == (1, "", 2)
+    assert h.servable("a") is None and h.get("a") == 0 and h.servable("b") == 1
+    assert h.admit("c") == (1, "b", 3)  # b, not the pinned a (least recently used)
+    assert h.admit("d", pin=True) == (1, "c", 4)
+    assert h.admit("e") is None  # every slot is being filled
+    assert not h.drop("d", 3) and h.get("d") == 1  # an older admission's report
+    assert h.drop("a", 1) and h.get("a") is None
+    assert h.admit("e") is None  # a's slot stays taken while its load runs
+    h.unpin(1)
+    assert h.admit("e") == (0, "", 5)
+    h.unpin(4)
+    assert h.servable("d") == 1 and h.pinned == {}
+    assert h.admit("f") == (1, "d", 6)  # d is evictable again
+
+
+def test_a_late_admission_failure_drops_no_newer_admission_of_the_same_block(tmp_path,
+                                                                              monkeypatch):
+    """A host tier of one slot, no store, vLLM's prefix cache off. Request 1's block K is
+    admitted after step 1 and the worker fails to copy it in step 2; its report arrives a
+    step late, as under vLLM's asynchronous scheduling (held back here). Meanwhile step 2's
+    saves are settled: request 3's block evicts K, and request 4's block, K again, is
+    admitted anew into the slot, which the worker fills in step 3. The late report names
+    the failed admission, not the block: the newer entry stays (before, it dropped K from
+    the index while every worker held it: the slot's block was lost, never offered)."""
+    e = Engine(None, verify=True, prefix_caching=False, extra={"host_bytes": PAGE})
+    k = block_names([1] * 16, BS)[0]
+    w = e.worker
+    real_put, fails = w._host_put, []
+
+    def failing_put(slot, sb):
+        if sb.items[0][0] == k and not fails:
+            fails.append(slot)
+            raise OSError("no room")
+        real_put(slot, sb)
+
+    monkeypatch.setattr(w, "_host_put", failing_put)
+    real_meta, late = w.build_connector_worker_meta, []
+
+    def late_report():
+        m = real_meta()
+        held = set(late.pop()) if late else set()
+        if m is not None and m.host_failed:
+            late.append(m.host_failed)
+            m.host_failed = set()
+        if held:
+            m = m or CpHiCacheWorkerMeta()
+            m.host_failed |= held
+        return m
+
+    monkeypatch.setattr(w, "build_connector_worker_meta", late_report)
+    e.sched.add_request(create_request(request_id=1, num_tokens=16, common_prefix_len=16,
+                                       max_tokens=1, block_size=BS))
+    e.step()
+    assert e.connector.host_index() == {k: 0}
+    for rid, prefix in ((3, 0), (4, 16)):
+        e.sched.add_request(create_request(request_id=rid, num_tokens=16,
+                                           common_prefix_len=prefix, max_tokens=1,
+                                           block_size=BS))
+    e.step()  # the admission of K fails here; its report is held back
+    assert fails == [0] and late, late
+    assert e.connector.host_index() == {k: 0}  # admitted again (request 4's K)
+    e.step()  # the worker makes it; the late report comes in
+    assert not late
+    assert w._host_tags[0] == k
+    assert e.connector.host_index() == {k: 0}, e.connector.host_index()
+    _run_checked(e)
+    assert_clean(e)
+    st = e.stats()
+    assert st.get("host_failures") == 1 and st.get("host_admissions") == 2, st
+    assert e.connector.planner_stats()["host_dropped"] == 0
+    # Request 5 shares K: served from the slot.
+    e.outputs.clear()
+    e.poison()
+    e.sched.add_request(create_request(request_id=5, num_tokens=32, common_prefix_len=16,
+                                       max_tokens=1, block_size=BS))
+    so = e.step()
+    assert so.num_scheduled_tokens == {"id-5": 16}, so.num_scheduled_tokens
+    _run_checked(e)
+    assert_clean(e)
+    assert e.stats().get("host_hits") == 1 and not e.stats().get("load_errors")
 
 
 def test_a_block_admitted_by_a_load_is_not_offered_from_the_host_in_the_same_step(tmp_path):
