@@ -1296,12 +1296,18 @@ const FENCE_OPEN_ENV: &str = "CP_HICACHE_FAKE_CUDA_FENCE_OPEN";
 /// destroyed again, and no rank leaves a shared-memory object behind. Once in the whole-load
 /// ring, once in the per-layer ring (a rank opens each peer's whole ring, then its per-layer
 /// one: with 2 layers, 6 events a peer, so rank 1's open 1 is rank 0's second whole slot,
-/// and its open 8 is rank 2's first per-layer event).
+/// and its open 8 is rank 2's first per-layer event). And a start-up that fails before any
+/// open (rank 1 with another write policy: `ConfigDiverged` on every rank) releases every
+/// rank's own events too (they were plain ids until the opens, and stayed alive).
 #[test]
 fn a_peer_fence_that_will_not_open_fails_start_up_naming_it() {
     let lib = build_fake_driver();
     let cp = 3;
-    for (open, peer, ring) in [(1, 0, "whole"), (8, 2, "per-layer")] {
+    for (open, peer, ring) in [
+        ("1", 0, "whole"),
+        ("8", 2, "per-layer"),
+        ("diverge", 0, "no"),
+    ] {
         let group = tempfile::tempdir().unwrap();
         let ranks: Vec<_> = (0..cp)
             .map(|r| {
@@ -1367,23 +1373,27 @@ fn assert_ended(what: &str, mut child: std::process::Child) {
 #[ignore = "run by a_peer_fence_that_will_not_open_fails_start_up_naming_it, one process per rank"]
 fn fence_open_rank_process() {
     let env = std::env::var(FENCE_OPEN_ENV).expect("run through the fence open test");
-    let mut parts = env.splitn(5, ' ');
-    let mut number = || -> usize { parts.next().unwrap().parse().unwrap() };
-    let (rank, cp, open, peer) = (number() as u8, number() as u8, number(), number() as u8);
-    let dir = PathBuf::from(parts.next().unwrap());
-    // Rank 1 cannot open its `open`th peer event.
+    let parts: Vec<&str> = env.splitn(5, ' ').collect();
+    let (rank, cp): (u8, u8) = (parts[0].parse().unwrap(), parts[1].parse().unwrap());
+    // Rank 1 cannot open its `open`th peer event (or, with `diverge`, starts with another
+    // write policy than its peers).
+    let (open, peer): (Option<i32>, u8) = (parts[2].parse().ok(), parts[3].parse().unwrap());
+    let dir = PathBuf::from(parts[4]);
     let failing = 1;
+    let mut config = rank_config(Deployment::new(ModelShape::MlaBf16, 16, cp).unwrap());
     if rank == failing {
-        set_driver_count(b"fake_cuda_fail_ipc_event_open_at", open as i32);
+        match open {
+            Some(k) => set_driver_count(b"fake_cuda_fail_ipc_event_open_at", k),
+            None => config.policy = WritePolicy::WriteBack,
+        }
     }
     let group =
         cp_hicache::group::FileGroup::new(dir, rank, usize::from(cp), Duration::from_secs(10));
     let gpu: Arc<dyn Executor> = Arc::new(StandInGpu {
         cuda: CudaExecutor::new(0).unwrap(),
     });
-    let deployment = Deployment::new(ModelShape::MlaBf16, 16, cp).unwrap();
     let err = match RankCache::new(
-        rank_config(deployment),
+        config,
         gpu.clone(),
         &jit(),
         Box::new(group),
@@ -1393,7 +1403,12 @@ fn fence_open_rank_process() {
         Err(e) => e,
     };
     let text = err.to_string();
-    if rank == failing {
+    if open.is_none() {
+        assert!(
+            matches!(&err, ClusterError::ConfigDiverged { .. }) && text.contains("write policy"),
+            "{err:?}"
+        );
+    } else if rank == failing {
         assert!(
             matches!(&err, ClusterError::PeerFence { rank: r, peer: p, .. }
                 if *r == failing && *p == peer),
