@@ -12,7 +12,9 @@ profile="${CP_HICACHE_WHEEL_PROFILE:-release}"
 if [ ! -x "$venv/bin/python" ]; then
   /usr/bin/python3 -m venv --system-site-packages "$venv"
 fi
-"$venv/bin/python" -m pip install -q "maturin>=1.9.4,<2" "numpy>=1.22" "pytest>=7"
+# numpy: never a later major than Debian's python3-torch was built against, even when this runs
+# before that is installed (scripts/numpy-requirement.sh says why and how).
+"$venv/bin/python" -m pip install -q "maturin>=1.9.4,<2" "$(scripts/numpy-requirement.sh)" "pytest>=7"
 # SGLang's published wheel, for its storage backend interface (its engine is not loaded, so
 # its dependencies are not installed).
 "$venv/bin/python" -m pip install -q --no-deps -r python/tests/requirements.txt

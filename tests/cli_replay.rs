@@ -1577,3 +1577,98 @@ fn a_killed_rank_process_ends_the_run_naming_it() {
         .collect();
     assert!(left.is_empty(), "the group's folder is left: {left:?}");
 }
+
+/// `replay --processes` under `CP_HICACHE_REPLAY_WRAPPER` (a command each rank starts
+/// under, `{rank}` its rank): here a script per rank that notes its process id and runs the
+/// rank in its place. Every rank under its wrapper serves the replay; then rank 2's wrapper
+/// is not executable, so its process cannot be started: the run exits 1 naming rank 2,
+/// ranks 0 and 1 (started before it) fail their first round naming it and end (their
+/// processes gone, nothing of theirs left in /dev/shm), rank 3 is never started, and the
+/// group's folder is removed.
+#[test]
+fn a_rank_that_cannot_be_started_ends_the_run_naming_it() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let wrap = |r: u8, mode: u32| {
+        let path = dir.path().join(format!("wrap-{r}"));
+        let pid = dir.path().join(format!("pid-{r}"));
+        std::fs::write(
+            &path,
+            format!("#!/bin/sh\necho $$ > '{}'\nexec \"$@\"\n", pid.display()),
+        )
+        .unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+    };
+    let run = || {
+        let child = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+            .args(SMALL)
+            .args(["--processes", "--requests", "8"])
+            .env(
+                "CP_HICACHE_REPLAY_WRAPPER",
+                format!("{}/wrap-{{rank}}", dir.path().display()),
+            )
+            .env("CP_HICACHE_GROUP_TIMEOUT", "30")
+            .env("CP_HICACHE_CACHE_DIR", cache_dir())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let launcher = child.id();
+        (launcher, child.wait_with_output().unwrap())
+    };
+    let pid = |r: u8| -> Option<i32> {
+        std::fs::read_to_string(dir.path().join(format!("pid-{r}")))
+            .ok()
+            .map(|t| t.trim().parse().unwrap())
+    };
+    for r in 0..4 {
+        wrap(r, 0o755);
+    }
+    let (_, out) = run();
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        (0..4).all(|r| pid(r).is_some()),
+        "a rank ran without its wrapper"
+    );
+    for r in 0..4 {
+        let _ = std::fs::remove_file(dir.path().join(format!("pid-{r}")));
+    }
+    wrap(2, 0o644);
+    let (launcher, out) = run();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("error: cannot start rank 2 (") && err.contains("wrap-2"),
+        "{err}"
+    );
+    assert!(
+        err.contains("the CP group was aborted by rank 2 while it was being started"),
+        "the started ranks did not name it: {err}"
+    );
+    assert_eq!(pid(3), None, "rank 3 was started after rank 2 could not be");
+    for r in 0..2 {
+        let p = pid(r).unwrap_or_else(|| panic!("rank {r} never ran: {err}"));
+        assert!(
+            !std::path::Path::new(&format!("/proc/{p}")).exists(),
+            "rank {r} (process {p}) is still there"
+        );
+        let prefix = format!("cp-hicache-{p}-");
+        let left: Vec<_> = std::fs::read_dir("/dev/shm")
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .filter(|n| n.starts_with(&prefix))
+                    .collect()
+            })
+            .unwrap_or_default();
+        assert!(left.is_empty(), "rank {r} left {left:?} in /dev/shm");
+    }
+    let prefix = format!("cp-hicache-group.{launcher}.");
+    let left: Vec<_> = std::fs::read_dir(std::env::temp_dir())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(&prefix))
+        .collect();
+    assert!(left.is_empty(), "the group's folder is left: {left:?}");
+}

@@ -14,6 +14,7 @@ use pyo3::prelude::*;
 use std::ffi::{c_void, CStr};
 use std::os::raw::c_int;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
 
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -71,7 +72,10 @@ struct Context {
 /// One rank's device pool of one buffer kind, as a DLPack producer.
 #[pyclass(module = "cp_hicache._native", frozen)]
 pub struct Pool {
-    pub(crate) owner: Py<PyAny>,
+    /// The cache, visible to the garbage collector (`__traverse__`) and let go by it
+    /// (`__clear__`) when this pool is part of a cycle no one reaches: a pool kept by the
+    /// engine object that is the cache's group, say. `None` once cleared.
+    pub(crate) owner: Mutex<Option<Py<PyAny>>>,
     /// Keeps a closed cache's memory while this object is alive.
     pub(crate) view: ViewToken,
     pub(crate) buffer: String,
@@ -95,7 +99,7 @@ impl Pool {
             cp_hicache::exec::AddressSpace::Cuda(ordinal) => (KDL_CUDA, ordinal),
         };
         Pool {
-            owner,
+            owner: Mutex::new(Some(owner)),
             view,
             buffer,
             ptr: address.ptr,
@@ -179,6 +183,27 @@ unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
 
 #[pymethods]
 impl Pool {
+    /// The garbage collector's view of the cache this pool holds.
+    fn __traverse__(&self, visit: pyo3::gc::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
+        // Never wait here: the lock is only held to clone or take the reference.
+        if let Ok(owner) = self.owner.try_lock() {
+            if let Some(owner) = owner.as_ref() {
+                visit.call(owner)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Breaks a cycle through the cache. The memory stays valid for the tensors taken from
+    /// this pool (each keeps its own view of it); a capsule asked for afterwards is refused.
+    fn __clear__(&self) {
+        let owner = match self.owner.lock() {
+            Ok(mut owner) => owner.take(),
+            Err(poisoned) => poisoned.into_inner().take(),
+        };
+        drop(owner);
+    }
+
     /// The buffer kind (`mla_kv`; NSA: `nsa_kv`, `nsa_idx`).
     #[getter]
     fn buffer(&self) -> &str {
@@ -228,13 +253,26 @@ impl Pool {
                 "a pool is exported in place only (copy=True is not supported)",
             ));
         }
+        let owner = self
+            .owner
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .as_ref()
+            .map(|o| o.clone_ref(py))
+            .ok_or_else(|| {
+                pyo3::exceptions::PyBufferError::new_err(format!(
+                    "the {} pool was let go of its cache by the garbage collector (a cycle \
+                     no one reached): take the pool from the cache again",
+                    self.buffer
+                ))
+            })?;
         let [_, pages, bytes] = self.shape;
         // The context is moved to the heap first, so that the shape and stride pointers
         // are taken from where they stay.
         let ctx = Box::into_raw(Box::new(Context {
             shape: self.shape,
             strides: [pages * bytes, bytes, 1],
-            _owner: self.owner.clone_ref(py),
+            _owner: owner,
             _view: self.view.another(),
         }));
         // SAFETY: `ctx` is a live allocation owned by the managed tensor until its deleter.

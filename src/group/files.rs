@@ -12,7 +12,7 @@
 use super::{Collective, GroupError};
 use crate::layout::Rank;
 use std::cell::Cell;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 /// One rank's membership of a group over the files of one folder.
@@ -57,10 +57,27 @@ impl FileGroup {
     }
 
     fn write_atomically(&self, name: &str, bytes: &[u8]) -> std::io::Result<()> {
-        let tmp = self.dir.join(format!(".{name}.{}.tmp", self.rank));
-        std::fs::write(&tmp, bytes)?;
-        std::fs::rename(tmp, self.dir.join(name))
+        write_atomically(&self.dir, self.rank, name, bytes)
     }
+
+    /// Ends the group over `dir` for every member, in the name of rank `rank`, which never
+    /// joined it (its process could not be started): each member's next call, or the one it
+    /// is waiting in, fails with [`GroupError::Aborted`] naming `rank`, at once instead of at
+    /// the timeout. Nothing happens where the group was aborted already.
+    pub fn abort_unstarted(dir: &Path, rank: u8, why: &str) -> std::io::Result<()> {
+        if dir.join("abort").exists() {
+            return Ok(());
+        }
+        let text = format!("{rank}\nbeing started\n{why}");
+        write_atomically(dir, rank, "abort", text.as_bytes())
+    }
+}
+
+/// Writes `name` in `dir` under a temporary name of `rank`'s, then renames it into place.
+fn write_atomically(dir: &Path, rank: u8, name: &str, bytes: &[u8]) -> std::io::Result<()> {
+    let tmp = dir.join(format!(".{name}.{rank}.tmp"));
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(tmp, dir.join(name))
 }
 
 /// One rank's round: its step, and its bytes or why it failed.

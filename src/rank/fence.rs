@@ -136,43 +136,52 @@ impl Fences {
         Ok(Some((own, handles)))
     }
 
-    /// Opens every peer's events from the start-up round's handles (`all[r]`, rank `r`'s;
-    /// `me` this rank). `None` (and this rank's events released) unless every rank offered
-    /// a full ring: then every rank fences on the host alike. `Err((peer, error))` names the
-    /// peer whose handle would not open.
-    pub(super) fn open(
-        exec: &Arc<dyn Executor>,
-        own: Option<Vec<EventId>>,
-        all: &[Vec<Vec<u8>>],
-        me: usize,
-    ) -> Result<Option<Fences>, (usize, ExecError)> {
-        let Some(mut own) = own else {
-            return Ok(None);
-        };
-        let layers = own.len() / FENCE_SLOTS - 1;
+    /// This rank's events (`own`, as [`Fences::create`] made them), kept here so that they
+    /// are released when this goes; no peer's yet ([`Fences::open_peers`]).
+    pub(super) fn new(exec: &Arc<dyn Executor>, mut own: Vec<EventId>) -> Fences {
+        let layers = (own.len() / FENCE_SLOTS).saturating_sub(1);
         let own_layers: Vec<Vec<EventId>> = own
-            .split_off(FENCE_SLOTS)
+            .split_off(FENCE_SLOTS.min(own.len()))
             .chunks(layers.max(1))
             .map(<[_]>::to_vec)
             .collect();
-        let mut fences = Fences {
+        Fences {
             exec: exec.clone(),
             own,
-            peers: vec![Vec::new(); all.len()],
+            peers: Vec::new(),
             next: 0,
             own_layers,
             peer_layers: Arc::new(PeerLayers {
                 exec: exec.clone(),
-                events: vec![Vec::new(); all.len()],
+                events: Vec::new(),
             }),
             layer_next: 0,
-        };
-        if all.iter().any(|h| h.len() != FENCE_SLOTS * (1 + layers)) {
-            return Ok(None);
         }
-        // Each event goes where it is kept as soon as it is open, so that on a failure the
-        // drops of `fences` and its `PeerLayers` release what was opened.
-        let rings = Arc::get_mut(&mut fences.peer_layers).expect("not shared yet");
+    }
+
+    /// Opens every peer's events from the start-up round's handles (`all[r]`, rank `r`'s;
+    /// `me` this rank). `Ok(false)`, opening nothing, unless every rank offered a full ring:
+    /// then every rank fences on the host alike (the caller drops this). `Err((peer, error))`
+    /// names the peer whose handle would not open; what was opened stays here, released
+    /// when this goes, which the caller delays until its peers are past the round in which
+    /// they open this rank's events (releasing its own events before would fail their
+    /// opens, and they would name this rank for a failure that is not theirs).
+    pub(super) fn open_peers(
+        &mut self,
+        all: &[Vec<Vec<u8>>],
+        me: usize,
+    ) -> Result<bool, (usize, ExecError)> {
+        let layers = self.own_layers.first().map_or(0, Vec::len);
+        let ring = FENCE_SLOTS + self.own_layers.len() * layers;
+        if all.iter().any(|h| h.len() != ring) {
+            return Ok(false);
+        }
+        let exec = self.exec.clone();
+        self.peers = vec![Vec::new(); all.len()];
+        // Each event goes where it is kept as soon as it is open, so that the drops of
+        // `self` and its `PeerLayers` release whatever was opened.
+        let rings = Arc::get_mut(&mut self.peer_layers).expect("not shared yet");
+        rings.events = vec![Vec::new(); all.len()];
         for (r, handles) in all.iter().enumerate() {
             if r == me {
                 continue;
@@ -180,7 +189,7 @@ impl Fences {
             let open = |h: &Vec<u8>| exec.open_shared_event(h).map_err(|e| (r, e));
             let (whole, per_layer) = handles.split_at(FENCE_SLOTS);
             for h in whole {
-                fences.peers[r].push(open(h)?);
+                self.peers[r].push(open(h)?);
             }
             for slot in per_layer.chunks(layers.max(1)) {
                 rings.events[r].push(Vec::with_capacity(slot.len()));
@@ -193,7 +202,7 @@ impl Fences {
                 }
             }
         }
-        Ok(Some(fences))
+        Ok(true)
     }
 
     /// The per-layer events this step's layer-wise loads record, one per layer (the

@@ -303,6 +303,10 @@ impl RankCache {
             Some((events, handles)) => (Some(events), handles),
             None => (None, Vec::new()),
         };
+        // This rank's fence events, released when this goes (a failed start-up round
+        // included); after a failure past that round, only once every peer has finished
+        // opening them (the *pools connected* round).
+        let mut fences = own_fences.map(|own| fence::Fences::new(&exec, own));
         let mine = StartUp {
             settings: StartUp::settings(&config, &layout, peer_access),
             host_pages: pools.geometry().host_pages,
@@ -333,7 +337,6 @@ impl RankCache {
         }
         let mut pools = pools;
         let fence_handles: Vec<Vec<Vec<u8>>> = all.iter().map(|s| s.fences.clone()).collect();
-        let mut fences = None;
         let connected = buffers.iter().enumerate().try_for_each(|(i, &b)| {
             let handles: Vec<Vec<u8>> = all
                 .iter()
@@ -348,30 +351,35 @@ impl RankCache {
                     source,
                 })
         });
-        // Every peer's fence events, opened (this rank's go back when that fails).
-        let connected = match connected {
-            Ok(()) => fence::Fences::open(&exec, own_fences, &fence_handles, usize::from(rank.0))
-                .map(|f| fences = f)
-                .map_err(|(peer, source)| ClusterError::PeerFence {
+        // Every peer's fence events, opened.
+        let connected = connected.and_then(|()| {
+            let Some(own) = fences.as_mut() else {
+                return Ok(());
+            };
+            match own.open_peers(&fence_handles, usize::from(rank.0)) {
+                Ok(true) => Ok(()),
+                // Not every rank offered a full ring: every rank fences on the host.
+                Ok(false) => {
+                    fences = None;
+                    Ok(())
+                }
+                Err((peer, source)) => Err(ClusterError::PeerFence {
                     rank: rank.0,
                     peer: peer as u8,
                     source,
                 }),
-            Err(e) => {
-                for event in own_fences.into_iter().flatten() {
-                    exec.release_event(event);
-                }
-                Err(e)
             }
-        };
+        });
         // Every rank has mapped every peer before any request makes a peer read them, and
-        // before any name is removed.
+        // before any name is removed. A rank that failed keeps its pools and events until
+        // this round, so that no peer's mapping or open fails for want of them.
         match connected {
             Ok(()) => group
                 .barrier("pools connected")
                 .map_err(|e| Self::start_error(rank, e))?,
             Err(e) => {
                 let _ = group.fail("pools connected", &format!("could not start: {e}"));
+                drop(fences);
                 return Err(e);
             }
         }

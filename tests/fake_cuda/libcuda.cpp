@@ -469,6 +469,12 @@ std::atomic<unsigned long long> g_ipc_event_syncs{0};
 std::atomic<int> g_fail_ipc_waits{0};
 // The distinct interprocess events (as opened here) a stream has waited on, under g_mu.
 std::set<const void*> g_ipc_waited;
+// Which cuIpcOpenEventHandle call from now is refused (fake_cuda_fail_ipc_event_open_at):
+// 0 the next one, -1 none. A peer's event that will not open, for start-up's failure path.
+std::atomic<int> g_fail_ipc_open_at{-1};
+// Interprocess events of this process (created here, or another process's opened here) not
+// yet destroyed: what a failed start-up must give back.
+std::atomic<long long> g_live_ipc_events{0};
 
 CUresult cuEventCreate(CUevent* e, unsigned flags) {
   if (need_ctx()) return INVALID_CONTEXT;
@@ -486,6 +492,7 @@ CUresult cuEventCreate(CUevent* e, unsigned flags) {
       delete ev;
       return OUT_OF_MEMORY;
     }
+    g_live_ipc_events++;
   }
   g_events_created++;
   *e = ev;
@@ -513,11 +520,19 @@ CUresult cuIpcOpenEventHandle(CUevent* e, CUipcEventHandle_st handle) {
   if (memcmp(h.magic, "FAKEEVT", 8) != 0) return INVALID_VALUE;
   // As for memory: a handle is for another process.
   if (h.pid == (uint64_t)getpid()) return INVALID_CONTEXT;
+  // A refusal the test asked for: as for a handle whose event is gone.
+  for (int k = g_fail_ipc_open_at.load(); k >= 0;) {
+    if (g_fail_ipc_open_at.compare_exchange_weak(k, k - 1)) {
+      if (k == 0) return INVALID_VALUE;
+      break;
+    }
+  }
   IpcEventState* st = map_ipc_event(ipc_event_name(h.pid, h.serial), false);
   if (!st) return INVALID_VALUE;
   auto* ev = new FakeEvent{0.0, false, nullptr};
   ev->ipc = st;
   ev->imported = true;
+  g_live_ipc_events++;
   *e = ev;
   return OK;
 }
@@ -643,6 +658,7 @@ CUresult cuEventDestroy_v2(CUevent e) {
   if (!e) return INVALID_HANDLE;
   flush();
   if (e->ipc) {
+    g_live_ipc_events--;
     munmap(e->ipc, sizeof(IpcEventState));
     if (!e->imported) shm_unlink(ipc_event_name((uint64_t)getpid(), e->ipc_serial).c_str());
   }
@@ -1073,6 +1089,11 @@ extern "C" unsigned long long fake_cuda_ipc_event_waits(void) { return g_ipc_eve
 extern "C" void fake_cuda_fail_stream_waits(int n) { g_fail_waits.store(n); }
 // The next `n` cuStreamWaitEvent calls on another process's event fail (NOT_SUPPORTED).
 extern "C" void fake_cuda_fail_ipc_waits(int n) { g_fail_ipc_waits.store(n); }
+// The `k`th cuIpcOpenEventHandle call from now (0: the next) fails (INVALID_VALUE); the
+// others open as usual. -1 refuses none.
+extern "C" void fake_cuda_fail_ipc_event_open_at(int k) { g_fail_ipc_open_at.store(k); }
+// Interprocess events created or opened in this process and not yet destroyed.
+extern "C" long long fake_cuda_live_ipc_events(void) { return g_live_ipc_events.load(); }
 // cuEventSynchronize calls on another process's event so far.
 extern "C" unsigned long long fake_cuda_ipc_event_syncs(void) { return g_ipc_event_syncs.load(); }
 // The distinct interprocess events of other processes that a stream has waited on so far.

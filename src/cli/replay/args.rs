@@ -174,8 +174,10 @@ pub struct ReplayArgs {
     /// folder and map each other's pools (shared memory on the CPU; CUDA IPC, with
     /// interprocess events as fences, on a GPU). Rank 0 prints the report; the exit status
     /// is the ranks' (1, naming the rank, when one dies). A round waits at most
-    /// CP_HICACHE_GROUP_TIMEOUT seconds (default 300) for a peer. `python -m
-    /// cp_hicache.replay` does the same over torch.distributed.
+    /// CP_HICACHE_GROUP_TIMEOUT seconds (default 300) for a peer. CP_HICACHE_REPLAY_WRAPPER
+    /// names a command each rank is started under, `{rank}` replaced by its rank (`numactl
+    /// --cpunodebind={rank}`); a rank that cannot be started ends the run naming it. `python
+    /// -m cp_hicache.replay` does the same over torch.distributed.
     #[arg(long)]
     pub processes: bool,
     /// Load layer by layer inside steps too (--batch, --chunk-tokens), on the load stream,

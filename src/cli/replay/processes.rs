@@ -17,6 +17,12 @@ pub const MEMBER_ENV: &str = "CP_HICACHE_REPLAY_MEMBER";
 /// Seconds a rank waits for its peers in any one round before the run fails.
 pub const TIMEOUT_ENV: &str = "CP_HICACHE_GROUP_TIMEOUT";
 
+/// A command every rank process is started under, split at whitespace, each `{rank}` in it
+/// replaced by the rank: `numactl --cpunodebind={rank} --membind={rank}`, `taskset -c
+/// {rank}`. It must run the rest of its command line in its own process (`exec`), as those
+/// do, so that stopping it stops the rank.
+pub const WRAPPER_ENV: &str = "CP_HICACHE_REPLAY_WRAPPER";
+
 /// How long the launcher lets the other ranks end on their own once one has died (they
 /// normally fail within a round: the dead rank's abort file, or its missing round).
 const GRACE: Duration = Duration::from_secs(30);
@@ -52,6 +58,33 @@ impl Member {
     }
 }
 
+/// The words of [`WRAPPER_ENV`], if it is set.
+fn wrapper() -> Result<Option<Vec<String>>, crate::Error> {
+    let Some(text) = std::env::var_os(WRAPPER_ENV) else {
+        return Ok(None);
+    };
+    let text = text.to_string_lossy();
+    let words: Vec<String> = text.split_whitespace().map(str::to_string).collect();
+    if words.is_empty() {
+        return Err(crate::Error::Usage(format!(
+            "{WRAPPER_ENV} is set but names no command"
+        )));
+    }
+    Ok(Some(words))
+}
+
+/// The program rank `rank`'s process starts with, and the arguments before this binary's:
+/// this binary itself, or the wrapper's first word with the rest of its words.
+fn member_command(exe: &std::path::Path, wrapper: Option<&[String]>, rank: u8) -> Command {
+    let Some(words) = wrapper else {
+        return Command::new(exe);
+    };
+    let mut words = words.iter().map(|w| w.replace("{rank}", &rank.to_string()));
+    let mut cmd = Command::new(words.next().expect("a wrapper has a word"));
+    cmd.args(words).arg(exe);
+    cmd
+}
+
 fn group_timeout() -> Result<Duration, crate::Error> {
     let Some(text) = std::env::var_os(TIMEOUT_ENV) else {
         return Ok(Duration::from_secs(300));
@@ -70,17 +103,22 @@ fn group_timeout() -> Result<Duration, crate::Error> {
 
 /// The launcher: checks the arguments once, starts `--cp` rank processes, waits for them
 /// and returns their common exit status (1, saying which rank, when one died or they
-/// ended differently).
+/// ended differently). A rank whose process cannot be started fails the run naming it,
+/// once the ranks started before it have ended: the group is aborted in its name, so they
+/// fail their first round, release what they made and exit (those still running after
+/// `GRACE` are killed).
 pub(super) fn launch(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
     check_replay_args(args)?;
     group_timeout()?;
+    let wrapper = wrapper()?;
     let exe = std::env::current_exe()
         .map_err(|e| io_error("cannot find this binary to start ranks", e))?;
     let dir = GroupDir::new()?;
     let argv: Vec<_> = std::env::args_os().skip(1).collect();
     let mut children: Vec<Child> = Vec::with_capacity(usize::from(args.cp));
     for r in 0..args.cp {
-        let spawned = Command::new(&exe)
+        let mut cmd = member_command(&exe, wrapper.as_deref(), r);
+        let spawned = cmd
             .args(&argv)
             .env(MEMBER_ENV, format!("{r} {} {}", args.cp, dir.0.display()))
             .stdin(Stdio::null())
@@ -93,12 +131,26 @@ pub(super) fn launch(args: &ReplayArgs) -> Result<ExitCode, crate::Error> {
         match spawned {
             Ok(child) => children.push(child),
             Err(e) => {
-                stop(&mut children);
-                return Err(io_error(&format!("cannot start rank {r}"), e));
+                let program = cmd.get_program().to_string_lossy().into_owned();
+                let why = format!("its process ({program}) could not be started: {e}");
+                if let Err(abort) = FileGroup::abort_unstarted(&dir.0, r, &why) {
+                    tracing::warn!("could not abort the group for the started ranks: {abort}");
+                    stop(&mut children);
+                }
+                let codes = wait_all(&mut children, Some(Instant::now()));
+                return Err(io_error(
+                    &format!(
+                        "cannot start rank {r} ({program}); the {} started before it ended \
+                         (exit statuses by rank: {})",
+                        children.len(),
+                        describe(&codes).join(", ")
+                    ),
+                    e,
+                ));
             }
         }
     }
-    let codes = wait_all(&mut children);
+    let codes = wait_all(&mut children, None);
     conclude(&codes)
 }
 
@@ -136,11 +188,11 @@ impl Drop for GroupDir {
     }
 }
 
-/// Waits for every rank; once one has died by a signal, the others get `GRACE` to end
-/// before they are killed.
-fn wait_all(children: &mut [Child]) -> Vec<Option<ExitStatus>> {
+/// Waits for every rank; once one has died by a signal (or since `died_at`, a rank that
+/// never started), the others get `GRACE` to end before they are killed.
+fn wait_all(children: &mut [Child], died_at: Option<Instant>) -> Vec<Option<ExitStatus>> {
     let mut codes: Vec<Option<ExitStatus>> = vec![None; children.len()];
-    let mut died_at: Option<Instant> = None;
+    let mut died_at = died_at;
     while codes.iter().any(Option::is_none) {
         for (child, code) in children.iter_mut().zip(codes.iter_mut()) {
             if code.is_none() {
@@ -171,10 +223,7 @@ fn stop(children: &mut [Child]) {
 /// was killed or the ranks ended differently.
 fn conclude(codes: &[Option<ExitStatus>]) -> Result<ExitCode, crate::Error> {
     let statuses: Vec<Option<i32>> = codes.iter().map(|c| c.and_then(|s| s.code())).collect();
-    let described: Vec<String> = statuses
-        .iter()
-        .map(|s| s.map_or("killed".to_string(), |code| code.to_string()))
-        .collect();
+    let described = describe(codes);
     if let Some(r) = statuses.iter().position(Option::is_none) {
         eprintln!(
             "error: rank {r} was killed during the replay; the run is incomplete (exit \
@@ -192,4 +241,15 @@ fn conclude(codes: &[Option<ExitStatus>]) -> Result<ExitCode, crate::Error> {
         described.join(", ")
     );
     Ok(ExitCode::FAILURE)
+}
+
+/// Each rank's exit status as the launcher reports it: its code, or `killed`.
+fn describe(codes: &[Option<ExitStatus>]) -> Vec<String> {
+    codes
+        .iter()
+        .map(|c| {
+            c.and_then(|s| s.code())
+                .map_or("killed".to_string(), |code| code.to_string())
+        })
+        .collect()
 }
