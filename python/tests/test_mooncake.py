@@ -385,31 +385,63 @@ def test_large_records_go_as_their_header_and_the_page_in_place(mooncake_master)
     store.close()
 
 
-def test_a_cp8_replay_writes_and_fresh_cp4_rank_processes_read_back(mooncake_master, tmp_path):
+CP8_ARGS = ["--model", "mla", "--page-size", "64", "--layers", "2", "--conversations", "6"]
+
+
+@pytest.fixture(scope="module")
+def cp8_records(tmp_path_factory):
     """`python -m cp_hicache.replay --storage mooncake://...`: eight rank processes at CP 8
-    write the records (contributing no memory: a holder client keeps them); four fresh
-    rank processes at CP 4 read them back with storage hits and 0 mismatches."""
+    write the records (contributing no memory: a holder client keeps them) into a master of
+    this module's, once, for the readers of other CP degrees. Yields the storage URL."""
     pytest.importorskip("torch")
     from conftest import launch
+    from mooncake_fixture import mooncake_master_binary, start_master, stop_master
 
-    holder = _holder(mooncake_master)
-    url = (f"{mooncake_master.url}?metadata_server="
-           f"{mooncake_master.options['metadata_server']}&segment_bytes=0&buffer_bytes=4194304")
-    args = ["--model", "mla", "--page-size", "64", "--layers", "2", "--conversations", "6"]
-    w = launch(["--ranks", "8", "--cp", "8", *args, "--storage", url,
-                "--json", str(tmp_path / "w.json")])
-    assert w.returncode == 0, w.stderr[-3000:]
-    wj = json.loads((tmp_path / "w.json").read_text())
-    assert wj["storage_records_written"] > 0 and wj["mismatched_tokens"] == 0, wj
-    r = launch(["--ranks", "4", "--cp", "4", *args, "--storage", url,
+    tmp = tmp_path_factory.mktemp("cp8")
+    proc, master = start_master(mooncake_master_binary(), tmp / "mooncake_master.log")
+    try:
+        holder = _holder(master)
+        url = (f"{master.url}?metadata_server="
+               f"{master.options['metadata_server']}&segment_bytes=0&buffer_bytes=4194304")
+        w = launch(["--ranks", "8", "--cp", "8", *CP8_ARGS, "--storage", url,
+                    "--json", str(tmp / "w.json")])
+        assert w.returncode == 0, w.stderr[-3000:]
+        wj = json.loads((tmp / "w.json").read_text())
+        assert wj["storage_records_written"] > 0 and wj["mismatched_tokens"] == 0, wj
+        yield url
+        holder.close()
+    finally:
+        stop_master(proc)
+
+
+def _read_back(url, tmp_path, ranks):
+    """A fresh `python -m cp_hicache.replay` of the same workload at CP `ranks`, one
+    process per rank, over the CP 8 records: storage hits, every one a whole record read
+    and verified, nothing refused, 0 mismatches."""
+    from conftest import launch
+
+    r = launch(["--ranks", str(ranks), "--cp", str(ranks), *CP8_ARGS, "--storage", url,
                 "--json", str(tmp_path / "r.json")])
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "4 processes, torch.distributed group" in r.stdout
+    assert f"{ranks} processes, torch.distributed group" in r.stdout, r.stdout
     rj = json.loads((tmp_path / "r.json").read_text())
     assert rj["storage_hit_tokens"] > 0 and rj["mismatched_tokens"] == 0, rj
     assert rj["storage_records_read"] * 64 == rj["storage_hit_tokens"], rj
     assert rj["storage_refused_checksum"] == 0 and rj["storage_refused_torn"] == 0, rj
-    holder.close()
+    assert rj["storage_refused_fingerprint"] == 0 and rj["storage_io_errors"] == 0, rj
+    return rj
+
+
+def test_a_cp8_replay_writes_and_fresh_cp4_rank_processes_read_back(cp8_records, tmp_path):
+    """Four fresh rank processes at CP 4 read the CP 8 records back with storage hits and
+    0 mismatches."""
+    _read_back(cp8_records, tmp_path, 4)
+
+
+def test_a_cp8_replay_writes_and_a_fresh_cp1_process_reads_back(cp8_records, tmp_path):
+    """One fresh rank process at CP 1 (the whole sequence on one rank) reads the CP 8
+    records back with storage hits and 0 mismatches."""
+    _read_back(cp8_records, tmp_path, 1)
 
 
 def test_the_rust_cli_replay_says_it_reaches_mooncake_only_through_python(tmp_path, binary):
