@@ -549,23 +549,35 @@ def test_the_master_restarted_under_a_running_client_is_used_again(mooncake_mast
         mooncake_master_binary(), mooncake_master, tmp_path / "mooncake_master.log"
     )
     try:
-        # The client finds the new master: a fresh prompt is written and read back.
+        # The same client, the same RankCache, unchanged (no new cache, no new attach),
+        # finds the new master: fresh prompts (each new to this cache, so each is looked up
+        # in and written to the store) until one is written whole.
+        fresh_prompts = (np.arange(50_000 + i * 1000, 50_000 + i * 1000 + 160, dtype=np.uint32)
+                         for i in range(1000))
         deadline = time.monotonic() + 60
         while True:
-            s = rc.serve(PROMPTS[2])
+            written = next(fresh_prompts)
+            s = rc.serve(written)
             if s["storage_records_written"] == 10 or time.monotonic() > deadline:
                 break
-            rc.close()
-            rc = cp_hicache.RankCache(dep, device_pages=64, host_pages=64, backend="host")
-            rc.attach_storage(store)
             time.sleep(1)
         assert s["storage_records_written"] == 10 and s["mismatched_tokens"] == 0, s
-        fresh = cp_hicache.RankCache(dep, device_pages=64, host_pages=64, backend="host")
-        fresh.attach_storage(store)
-        s = fresh.serve(PROMPTS[2])
+        # ...and reads: records another client wrote to the restarted master are storage
+        # hits of this same RankCache.
+        other_store = MooncakeStore(mooncake_master.url, **mooncake_master.options)
+        other = cp_hicache.RankCache(dep, device_pages=64, host_pages=64, backend="host")
+        other.attach_storage(other_store)
+        theirs = np.arange(90_000, 90_160, dtype=np.uint32)
+        assert other.serve(theirs)["storage_records_written"] == 10
+        s = rc.serve(theirs)
+        assert s["storage_hit_tokens"] == 160 and s["storage_records_read"] == 10, s
+        assert s["mismatched_tokens"] == 0 and s["storage_io_errors"] == 0, s
+        # What this RankCache wrote after the restart is read back by the other client.
+        s = other.serve(written)
         assert s["storage_hit_tokens"] == 160 and s["mismatched_tokens"] == 0, s
-        fresh.close()
+        other.close()
         rc.close()
+        other_store.close()
         store.close()
     finally:
         stop_master(proc)
