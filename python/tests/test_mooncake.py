@@ -661,3 +661,104 @@ def test_the_bytes_path_of_other_transports_round_trips_byte_for_byte(mooncake_m
     assert ps.get_many(names, [parts(dst, i) for i in range(6)]).count(False) == 1
     assert ps.stats()["refused_checksum"] == 1
     store.close()
+
+
+GROUP_TIMEOUT_S = 10
+
+
+def _rank_under_a_killed_master(rank: int, port: int, url: str, options: dict, out: str) -> None:
+    """One CP 2 rank process (gloo group, a short timeout): reads PROMPTS[0] from storage,
+    then, once the test has killed the master, serves PROMPTS[1] (its records are in the
+    store, never in this cache) and asks the store itself."""
+    import time
+
+    import torch.distributed as dist
+
+    from cp_hicache.mooncake import MooncakeError, MooncakeStore
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    dep = cp_hicache.Deployment(model="mla", page_size=PAGE, cp=2, layers=LAYERS)
+    rc = cp_hicache.RankCache(
+        dep, rank, dist.group.WORLD, device_pages=64, host_pages=64, backend="host"
+    )
+    store = MooncakeStore(url, **dict(options, segment_bytes=0))
+    rc.attach_storage(store)
+    before = rc.serve(PROMPTS[0])
+    dist.barrier()
+    if rank == 0:
+        open(os.path.join(out, "ready"), "w").close()
+    while not os.path.exists(os.path.join(out, "killed")):
+        time.sleep(0.05)
+    after = rc.serve(PROMPTS[1])
+    try:
+        store.objects_exist(["x"])
+        error = None
+    except MooncakeError as e:
+        error = str(e)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"before": before, "after": after, "error": error}, f)
+    dist.barrier()
+    rc.close()
+    # Without the store's teardown, which with the master gone waits out its retries.
+    os._exit(0)
+
+
+def test_the_master_killed_under_a_cp2_group_of_rank_processes_degrades_to_recompute(
+    mooncake_master, tmp_path
+):
+    """Two rank processes at CP 2 (gloo, a 10 s group timeout) read a prompt's records from
+    Mooncake; the master is killed; their next request, whose records are in the store, is
+    a storage miss on both ranks, computed and verified (counted I/O errors, nothing
+    written), with the group intact although the request's failing storage calls take
+    longer than the group timeout: no rank waits it out in a collective (one that did would
+    raise CpGroupError and fail its rank). The store's error names the master."""
+    pytest.importorskip("torch")
+    import signal
+    import time
+
+    import torch.multiprocessing as mp
+
+    # The records' segment is another process's (stopped by its pid at the end): a
+    # client closed with its master gone waits out the master's retries (about 20 s).
+    holder = spawn_segment_holder(mooncake_master.url, mooncake_master.options["metadata_server"],
+                                  64 << 20, buffer_bytes=4 << 20)
+    assert holder.stdout.readline().strip() == "ready"
+    dep = cp_hicache.Deployment(model="mla", page_size=PAGE, cp=1, layers=LAYERS)
+    w = cp_hicache.RankCache(dep, device_pages=64, host_pages=64, backend="host")
+    w.attach_storage(mooncake_master.url, options=dict(mooncake_master.options, segment_bytes=0))
+    assert sum(w.serve(p)["storage_records_written"] for p in PROMPTS[:2]) == 20
+    w.close()
+
+    ctx = mp.start_processes(
+        _rank_under_a_killed_master,
+        args=(_port(), mooncake_master.url, mooncake_master.options, str(tmp_path)),
+        nprocs=2, start_method="spawn", join=False,
+    )
+    try:
+        while not (tmp_path / "ready").exists():
+            assert all(p.is_alive() for p in ctx.processes), "a rank ended before the kill"
+            time.sleep(0.05)
+        os.kill(mooncake_master.pid, signal.SIGKILL)
+        (tmp_path / "killed").touch()
+        # Bounds a hang of the test itself; a rank stuck in a collective fails at the
+        # group timeout, well before.
+        deadline = time.monotonic() + 300
+        while not ctx.join(timeout=1):
+            assert time.monotonic() < deadline, "the rank processes hung"
+    finally:
+        holder.kill()
+        holder.wait()
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for g in got:
+        b, a = g["before"], g["after"]
+        assert b["storage_hit_tokens"] == 160 and b["mismatched_tokens"] == 0, b
+        assert a["storage_hit_tokens"] == 0 and a["computed_tokens"] == 160, a
+        assert a["mismatched_tokens"] == 0 and a["storage_records_written"] == 0, a
+        assert g["error"] and mooncake_master.url.split("//")[1] in g["error"], g
+    assert sum(g["after"]["storage_io_errors"] for g in got) >= 1, got
