@@ -385,31 +385,63 @@ def test_large_records_go_as_their_header_and_the_page_in_place(mooncake_master)
     store.close()
 
 
-def test_a_cp8_replay_writes_and_fresh_cp4_rank_processes_read_back(mooncake_master, tmp_path):
+CP8_ARGS = ["--model", "mla", "--page-size", "64", "--layers", "2", "--conversations", "6"]
+
+
+@pytest.fixture(scope="module")
+def cp8_records(tmp_path_factory):
     """`python -m cp_hicache.replay --storage mooncake://...`: eight rank processes at CP 8
-    write the records (contributing no memory: a holder client keeps them); four fresh
-    rank processes at CP 4 read them back with storage hits and 0 mismatches."""
+    write the records (contributing no memory: a holder client keeps them) into a master of
+    this module's, once, for the readers of other CP degrees. Yields the storage URL."""
     pytest.importorskip("torch")
     from conftest import launch
+    from mooncake_fixture import mooncake_master_binary, start_master, stop_master
 
-    holder = _holder(mooncake_master)
-    url = (f"{mooncake_master.url}?metadata_server="
-           f"{mooncake_master.options['metadata_server']}&segment_bytes=0&buffer_bytes=4194304")
-    args = ["--model", "mla", "--page-size", "64", "--layers", "2", "--conversations", "6"]
-    w = launch(["--ranks", "8", "--cp", "8", *args, "--storage", url,
-                "--json", str(tmp_path / "w.json")])
-    assert w.returncode == 0, w.stderr[-3000:]
-    wj = json.loads((tmp_path / "w.json").read_text())
-    assert wj["storage_records_written"] > 0 and wj["mismatched_tokens"] == 0, wj
-    r = launch(["--ranks", "4", "--cp", "4", *args, "--storage", url,
+    tmp = tmp_path_factory.mktemp("cp8")
+    proc, master = start_master(mooncake_master_binary(), tmp / "mooncake_master.log")
+    try:
+        holder = _holder(master)
+        url = (f"{master.url}?metadata_server="
+               f"{master.options['metadata_server']}&segment_bytes=0&buffer_bytes=4194304")
+        w = launch(["--ranks", "8", "--cp", "8", *CP8_ARGS, "--storage", url,
+                    "--json", str(tmp / "w.json")])
+        assert w.returncode == 0, w.stderr[-3000:]
+        wj = json.loads((tmp / "w.json").read_text())
+        assert wj["storage_records_written"] > 0 and wj["mismatched_tokens"] == 0, wj
+        yield url
+        holder.close()
+    finally:
+        stop_master(proc)
+
+
+def _read_back(url, tmp_path, ranks):
+    """A fresh `python -m cp_hicache.replay` of the same workload at CP `ranks`, one
+    process per rank, over the CP 8 records: storage hits, every one a whole record read
+    and verified, nothing refused, 0 mismatches."""
+    from conftest import launch
+
+    r = launch(["--ranks", str(ranks), "--cp", str(ranks), *CP8_ARGS, "--storage", url,
                 "--json", str(tmp_path / "r.json")])
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "4 processes, torch.distributed group" in r.stdout
+    assert f"{ranks} processes, torch.distributed group" in r.stdout, r.stdout
     rj = json.loads((tmp_path / "r.json").read_text())
     assert rj["storage_hit_tokens"] > 0 and rj["mismatched_tokens"] == 0, rj
     assert rj["storage_records_read"] * 64 == rj["storage_hit_tokens"], rj
     assert rj["storage_refused_checksum"] == 0 and rj["storage_refused_torn"] == 0, rj
-    holder.close()
+    assert rj["storage_refused_fingerprint"] == 0 and rj["storage_io_errors"] == 0, rj
+    return rj
+
+
+def test_a_cp8_replay_writes_and_fresh_cp4_rank_processes_read_back(cp8_records, tmp_path):
+    """Four fresh rank processes at CP 4 read the CP 8 records back with storage hits and
+    0 mismatches."""
+    _read_back(cp8_records, tmp_path, 4)
+
+
+def test_a_cp8_replay_writes_and_a_fresh_cp1_process_reads_back(cp8_records, tmp_path):
+    """One fresh rank process at CP 1 (the whole sequence on one rank) reads the CP 8
+    records back with storage hits and 0 mismatches."""
+    _read_back(cp8_records, tmp_path, 1)
 
 
 def test_the_rust_cli_replay_says_it_reaches_mooncake_only_through_python(tmp_path, binary):
@@ -517,23 +549,35 @@ def test_the_master_restarted_under_a_running_client_is_used_again(mooncake_mast
         mooncake_master_binary(), mooncake_master, tmp_path / "mooncake_master.log"
     )
     try:
-        # The client finds the new master: a fresh prompt is written and read back.
+        # The same client, the same RankCache, unchanged (no new cache, no new attach),
+        # finds the new master: fresh prompts (each new to this cache, so each is looked up
+        # in and written to the store) until one is written whole.
+        fresh_prompts = (np.arange(50_000 + i * 1000, 50_000 + i * 1000 + 160, dtype=np.uint32)
+                         for i in range(1000))
         deadline = time.monotonic() + 60
         while True:
-            s = rc.serve(PROMPTS[2])
+            written = next(fresh_prompts)
+            s = rc.serve(written)
             if s["storage_records_written"] == 10 or time.monotonic() > deadline:
                 break
-            rc.close()
-            rc = cp_hicache.RankCache(dep, device_pages=64, host_pages=64, backend="host")
-            rc.attach_storage(store)
             time.sleep(1)
         assert s["storage_records_written"] == 10 and s["mismatched_tokens"] == 0, s
-        fresh = cp_hicache.RankCache(dep, device_pages=64, host_pages=64, backend="host")
-        fresh.attach_storage(store)
-        s = fresh.serve(PROMPTS[2])
+        # ...and reads: records another client wrote to the restarted master are storage
+        # hits of this same RankCache.
+        other_store = MooncakeStore(mooncake_master.url, **mooncake_master.options)
+        other = cp_hicache.RankCache(dep, device_pages=64, host_pages=64, backend="host")
+        other.attach_storage(other_store)
+        theirs = np.arange(90_000, 90_160, dtype=np.uint32)
+        assert other.serve(theirs)["storage_records_written"] == 10
+        s = rc.serve(theirs)
+        assert s["storage_hit_tokens"] == 160 and s["storage_records_read"] == 10, s
+        assert s["mismatched_tokens"] == 0 and s["storage_io_errors"] == 0, s
+        # What this RankCache wrote after the restart is read back by the other client.
+        s = other.serve(written)
         assert s["storage_hit_tokens"] == 160 and s["mismatched_tokens"] == 0, s
-        fresh.close()
+        other.close()
         rc.close()
+        other_store.close()
         store.close()
     finally:
         stop_master(proc)
@@ -617,3 +661,104 @@ def test_the_bytes_path_of_other_transports_round_trips_byte_for_byte(mooncake_m
     assert ps.get_many(names, [parts(dst, i) for i in range(6)]).count(False) == 1
     assert ps.stats()["refused_checksum"] == 1
     store.close()
+
+
+GROUP_TIMEOUT_S = 10
+
+
+def _rank_under_a_killed_master(rank: int, port: int, url: str, options: dict, out: str) -> None:
+    """One CP 2 rank process (gloo group, a short timeout): reads PROMPTS[0] from storage,
+    then, once the test has killed the master, serves PROMPTS[1] (its records are in the
+    store, never in this cache) and asks the store itself."""
+    import time
+
+    import torch.distributed as dist
+
+    from cp_hicache.mooncake import MooncakeError, MooncakeStore
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    dep = cp_hicache.Deployment(model="mla", page_size=PAGE, cp=2, layers=LAYERS)
+    rc = cp_hicache.RankCache(
+        dep, rank, dist.group.WORLD, device_pages=64, host_pages=64, backend="host"
+    )
+    store = MooncakeStore(url, **dict(options, segment_bytes=0))
+    rc.attach_storage(store)
+    before = rc.serve(PROMPTS[0])
+    dist.barrier()
+    if rank == 0:
+        open(os.path.join(out, "ready"), "w").close()
+    while not os.path.exists(os.path.join(out, "killed")):
+        time.sleep(0.05)
+    after = rc.serve(PROMPTS[1])
+    try:
+        store.objects_exist(["x"])
+        error = None
+    except MooncakeError as e:
+        error = str(e)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"before": before, "after": after, "error": error}, f)
+    dist.barrier()
+    rc.close()
+    # Without the store's teardown, which with the master gone waits out its retries.
+    os._exit(0)
+
+
+def test_the_master_killed_under_a_cp2_group_of_rank_processes_degrades_to_recompute(
+    mooncake_master, tmp_path
+):
+    """Two rank processes at CP 2 (gloo, a 10 s group timeout) read a prompt's records from
+    Mooncake; the master is killed; their next request, whose records are in the store, is
+    a storage miss on both ranks, computed and verified (counted I/O errors, nothing
+    written), with the group intact although the request's failing storage calls take
+    longer than the group timeout: no rank waits it out in a collective (one that did would
+    raise CpGroupError and fail its rank). The store's error names the master."""
+    pytest.importorskip("torch")
+    import signal
+    import time
+
+    import torch.multiprocessing as mp
+
+    # The records' segment is another process's (stopped by its pid at the end): a
+    # client closed with its master gone waits out the master's retries (about 20 s).
+    holder = spawn_segment_holder(mooncake_master.url, mooncake_master.options["metadata_server"],
+                                  64 << 20, buffer_bytes=4 << 20)
+    assert holder.stdout.readline().strip() == "ready"
+    dep = cp_hicache.Deployment(model="mla", page_size=PAGE, cp=1, layers=LAYERS)
+    w = cp_hicache.RankCache(dep, device_pages=64, host_pages=64, backend="host")
+    w.attach_storage(mooncake_master.url, options=dict(mooncake_master.options, segment_bytes=0))
+    assert sum(w.serve(p)["storage_records_written"] for p in PROMPTS[:2]) == 20
+    w.close()
+
+    ctx = mp.start_processes(
+        _rank_under_a_killed_master,
+        args=(_port(), mooncake_master.url, mooncake_master.options, str(tmp_path)),
+        nprocs=2, start_method="spawn", join=False,
+    )
+    try:
+        while not (tmp_path / "ready").exists():
+            assert all(p.is_alive() for p in ctx.processes), "a rank ended before the kill"
+            time.sleep(0.05)
+        os.kill(mooncake_master.pid, signal.SIGKILL)
+        (tmp_path / "killed").touch()
+        # Bounds a hang of the test itself; a rank stuck in a collective fails at the
+        # group timeout, well before.
+        deadline = time.monotonic() + 300
+        while not ctx.join(timeout=1):
+            assert time.monotonic() < deadline, "the rank processes hung"
+    finally:
+        holder.kill()
+        holder.wait()
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for g in got:
+        b, a = g["before"], g["after"]
+        assert b["storage_hit_tokens"] == 160 and b["mismatched_tokens"] == 0, b
+        assert a["storage_hit_tokens"] == 0 and a["computed_tokens"] == 160, a
+        assert a["mismatched_tokens"] == 0 and a["storage_records_written"] == 0, a
+        assert g["error"] and mooncake_master.url.split("//")[1] in g["error"], g
+    assert sum(g["after"]["storage_io_errors"] for g in got) >= 1, got

@@ -281,3 +281,49 @@ def test_sglang_pages_in_mooncake_are_read_back_under_another_cp_degree(mooncake
         assert torch.equal(fresh.page(8 + i).view(torch.int16), pool.page(i).view(torch.int16))
     assert r.get_stats()["records_read"] == 8
     holder.close()
+
+
+def test_sglang_kv_and_indexer_pages_round_trip_through_mooncake(mooncake_master):
+    """`"path": "mooncake://HOST:PORT"`, DSA's two pools: SGLang's factory builds
+    `CpHiCacheStorage` over Mooncake Store; the writer (CP rank 0 of CP 2) backs up the
+    `indexer` pages (`batch_set_v2`) then their `kv` pages (`batch_set_v1`), one record each
+    in Mooncake; a fresh CP 1 backend, another process's pools, reads `kv`
+    (`batch_get_v1`) then `indexer` (`batch_get_v2`) back byte for byte."""
+    from cp_hicache.mooncake import MooncakeStore
+
+    PoolTransfer = hicache_storage.PoolTransfer
+    INDEXER = hicache_storage.PoolName.INDEXER
+    holder = MooncakeStore(mooncake_master.url, **mooncake_master.options)
+    opts = dict(mooncake_master.options, segment_bytes=0)
+
+    def rank(seed, **kw):
+        kv, idx = FlatHostPool(16, 64, seed=seed), FlatHostPool(16, 8, seed=seed + 100)
+        b = backend_factory.StorageBackendFactory.create_backend(
+            "dynamic", config(mooncake_master.url, mooncake=opts, **kw), kv)
+        b.register_mem_pool_host(kv)
+        b.register_mem_host_pool_v2(idx, INDEXER)
+        b.on_host_pools_registered()
+        assert type(b).__name__ == "CpHiCacheStorage"
+        return b, kv, idx
+
+    w, kv0, idx0 = rank(1, cp_rank=0, cp_size=2, tp_size=2)
+    assert w.is_writer()
+    src = indices(range(8))
+    assert w.batch_set_v2([PoolTransfer(name=INDEXER, host_indices=src, keys=KEYS)]) == {
+        "indexer": [True] * 8}
+    assert w.batch_set_v1(KEYS, src) == [True] * 8
+    assert w.get_stats()["records_written"] == 8
+
+    r, kv, idx = rank(7)
+    hit = r.batch_exists_v2(KEYS, [PoolTransfer(name=INDEXER, keys=KEYS)])
+    assert hit.kv_hit_pages == 8 and hit.extra_pool_hit_pages["indexer"] == 8
+    dst = indices(range(8, 16))
+    assert r.batch_get_v1(KEYS, dst) == [True] * 8
+    assert r.batch_get_v2([PoolTransfer(name=INDEXER, host_indices=dst, keys=KEYS)]) == {
+        "indexer": [True] * 8}
+    for i in range(8):
+        assert torch.equal(kv.page(8 + i).view(torch.int16), kv0.page(i).view(torch.int16))
+        assert torch.equal(idx.page(8 + i).view(torch.int16), idx0.page(i).view(torch.int16))
+    assert r.get_stats()["records_read"] == 8
+    assert r.get_stats()["refused_checksum"] == 0
+    holder.close()
