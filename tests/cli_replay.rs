@@ -1009,6 +1009,23 @@ fn help_lists_values_and_ranges() {
     ] {
         assert!(help.contains(want), "{want} missing from\n{help}");
     }
+    // `--storage` works under every layout (issue 44, finding 9): the text once said it was
+    // refused with token-interleave.
+    let storage = help
+        .split("--storage <DIR>")
+        .nth(1)
+        .and_then(|s| s.split("--storage-bytes").next())
+        .unwrap_or_else(|| panic!("--storage missing from\n{help}"));
+    assert!(
+        storage.contains("Under --layout token-interleave, where a sequence page is split"),
+        "{storage}"
+    );
+    for stale in ["Not with --layout", "not built yet", "refused"] {
+        assert!(
+            !storage.contains(stale),
+            "{stale:?} in --storage's help: {storage}"
+        );
+    }
     let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
         .arg("--help")
         .output()

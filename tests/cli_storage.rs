@@ -27,6 +27,17 @@ const BASE: &[&str] = &[
 /// [`BASE`] with `--storage store` and `extra` (option-value pairs; one that [`BASE`] has
 /// replaces its value there).
 fn replay(store: &Path, extra: &[&str]) -> (Output, Option<serde_json::Value>) {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("report.json");
+    let out = command(store, extra, &json).output().unwrap();
+    let report = std::fs::read_to_string(&json)
+        .ok()
+        .map(|t| serde_json::from_str(&t).unwrap());
+    (out, report)
+}
+
+/// The command [`replay`] runs, its JSON report written to `json`.
+fn command(store: &Path, extra: &[&str], json: &Path) -> Command {
     let mut base = BASE.to_vec();
     let mut rest = Vec::new();
     for pair in extra.chunks(2) {
@@ -35,23 +46,16 @@ fn replay(store: &Path, extra: &[&str]) -> (Output, Option<serde_json::Value>) {
             _ => rest.extend_from_slice(pair),
         }
     }
-    let dir = tempfile::tempdir().unwrap();
-    let json = dir.path().join("report.json");
-    let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
-        .args(&base)
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_cp-hicache"));
+    cmd.args(&base)
         .arg("--storage")
         .arg(store)
         .args(&rest)
         .arg("--json")
-        .arg(&json)
+        .arg(json)
         .env("CP_HICACHE_CACHE_DIR", cache_dir())
-        .env_remove("CP_HICACHE_JIT")
-        .output()
-        .unwrap();
-    let report = std::fs::read_to_string(&json)
-        .ok()
-        .map(|t| serde_json::from_str(&t).unwrap());
-    (out, report)
+        .env_remove("CP_HICACHE_JIT");
+    cmd
 }
 
 fn cache_dir() -> PathBuf {
@@ -464,4 +468,102 @@ fn gqa_pages_round_trip_through_the_store() {
         "{}",
         stderr(&out)
     );
+}
+
+/// Every file and folder below `dir` (and `dir`) given mode `dirs` or `files`.
+fn chmod_tree(dir: &Path, dirs: u32, files: u32) {
+    use std::os::unix::fs::PermissionsExt as _;
+    let meta = std::fs::symlink_metadata(dir).unwrap();
+    if meta.is_dir() {
+        // Opened first, so a folder made read-only is still listed.
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+        for e in std::fs::read_dir(dir).unwrap() {
+            chmod_tree(&e.unwrap().path(), dirs, files);
+        }
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(dirs)).unwrap();
+    } else if meta.is_file() {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(files)).unwrap();
+    }
+}
+
+/// Every entry below `dir`: its path, size, modification time and, for a file, its bytes.
+fn snapshot(dir: &Path, out: &mut Vec<(PathBuf, u64, std::time::SystemTime, Vec<u8>)>) {
+    let mut entries: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    entries.sort();
+    for path in entries {
+        let meta = std::fs::symlink_metadata(&path).unwrap();
+        let bytes = if meta.is_file() {
+            std::fs::read(&path).unwrap()
+        } else {
+            Vec::new()
+        };
+        out.push((path.clone(), meta.len(), meta.modified().unwrap(), bytes));
+        if meta.is_dir() {
+            snapshot(&path, out);
+        }
+    }
+}
+
+/// Issue 44, finding 5: a store this process may only read (here, one nobody may write:
+/// a run as root, whom permission bits do not bind, runs the replay as `nobody`) is
+/// read: the report says read-only, its records are served with 0 mismatches, and the
+/// ranks write nothing to it (where a writable copy of it gets records) and count no
+/// I/O error.
+#[test]
+fn a_read_only_store_is_read_and_never_written() {
+    use std::os::unix::fs::PermissionsExt as _;
+    use std::os::unix::process::CommandExt as _;
+    // Written by a run of fewer conversations: the read-back run has pages to write.
+    let store = tempfile::tempdir().unwrap();
+    let (out, r) = replay(store.path(), &["--cp", "8", "--conversations", "3"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(num(&r.unwrap(), "storage_records_written") > 0);
+    let run = ["--cp", "4"];
+    let writable = copy_of(store.path());
+    let (out, r) = replay(writable.path(), &run);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let r = r.unwrap();
+    assert!(
+        num(&r, "storage_records_written") > 0,
+        "nothing to write: {r}"
+    );
+    assert!(!r["storage"].as_str().unwrap().contains("read-only"), "{r}");
+
+    // Readable by all, writable by none.
+    chmod_tree(store.path(), 0o555, 0o444);
+    let mut before = Vec::new();
+    snapshot(store.path(), &mut before);
+    // The report and the JIT cache go where the run may write.
+    let scratch = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(scratch.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let json = scratch.path().join("report.json");
+    let mut cmd = command(store.path(), &run, &json);
+    cmd.env("CP_HICACHE_CACHE_DIR", scratch.path());
+    // SAFETY: no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        cmd.uid(65534).gid(65534);
+    }
+    let out = cmd.output().unwrap();
+    let mut after = Vec::new();
+    snapshot(store.path(), &mut after);
+    chmod_tree(store.path(), 0o755, 0o644);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert!(
+        r["storage"]
+            .as_str()
+            .unwrap()
+            .contains("read-only (records read, none written)"),
+        "{r}"
+    );
+    assert!(num(&r, "storage_hit_tokens") > 0, "{r}");
+    assert!(num(&r, "storage_records_read") > 0, "{r}");
+    assert_eq!(num(&r, "mismatched_tokens"), 0, "{r}");
+    assert_eq!(num(&r, "storage_records_written"), 0, "{r}");
+    assert_eq!(num(&r, "storage_io_errors"), 0, "{r}");
+    assert!(after == before, "the read-only store changed");
 }

@@ -541,3 +541,67 @@ def test_close_frees_the_pools_at_once_or_when_the_last_view_goes():
     out = subprocess.run([sys.executable, "-c", _CLOSE_FREES], capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+# --- A store this process may not write ----------------------------------------------------
+
+
+def test_a_store_nobody_may_write_is_read_and_says_so():
+    """Issue 44, finding 5: a page store this process may only read (another user's, a
+    read-only mount) opens for reading: `stats()['read_only']` says so, its records are
+    served, `put` returns False and nothing in it changes. Permission bits do not bind root,
+    so under root the reader runs as `nobody`."""
+    import shutil
+    import tempfile
+
+    fp, page = "test read-only v1", 64
+    top = tempfile.mkdtemp()
+    try:
+        os.chmod(top, 0o755)  # the reader must reach the store
+        root = os.path.join(top, "store")
+        s = cp_hicache._native.PageStore(root, fp, page, 1 << 20)
+        a = np.arange(page, dtype=np.uint8)
+        assert s.put("a", [(int(a.ctypes.data), page)])
+        assert s.stats()["read_only"] is False
+        del s
+        gc.collect()
+
+        def tree():
+            out = []
+            for d, dirs, files in os.walk(root):
+                for n in dirs + files:
+                    st = os.lstat(os.path.join(d, n))
+                    out.append((os.path.join(d, n), st.st_size, st.st_mtime_ns))
+            return sorted(out)
+
+        def chmod_tree(dirs: int, files: int):
+            for d, subdirs, names in os.walk(root):
+                for n in names:
+                    os.chmod(os.path.join(d, n), files)
+                for n in subdirs:
+                    os.chmod(os.path.join(d, n), dirs)
+            os.chmod(root, dirs)
+
+        chmod_tree(0o555, 0o444)  # readable by all, writable by none
+        before = tree()
+        code = f"""
+        s = cp_hicache._native.PageStore({root!r}, {fp!r}, {page}, 1 << 20)
+        out = np.zeros({page}, np.uint8)
+        hit = s.get("a", [(int(out.ctypes.data), {page})])
+        b = np.ones({page}, np.uint8)
+        put = s.put("b", [(int(b.ctypes.data), {page})])
+        st = s.stats()
+        print(json.dumps(dict(read_only=st["read_only"], hit=hit,
+                              same=out.tolist() == list(range({page})), put=put,
+                              written=st["records_written"])))
+        """
+        prelude = "import json, sys, numpy as np, cp_hicache\n"
+        as_nobody = dict(user=65534, group=65534, cwd="/") if os.geteuid() == 0 else {}
+        out = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)],
+                             capture_output=True, text=True, timeout=120, **as_nobody)
+        after = tree()
+        chmod_tree(0o755, 0o644)
+        assert verdict(out) == dict(read_only=True, hit=True, same=True, put=False, written=0)
+        assert after == before, "the read-only store changed"
+    finally:
+        shutil.rmtree(top, ignore_errors=True)

@@ -55,8 +55,9 @@ const MARKER_MAX_BYTES: u64 = 64 << 10;
 /// - `records/<first two hex digits>/<key>.rec`, one file per record;
 /// - `parts/<key>/<i>-of-<n>`, parts of a record written in parts, until the last comes;
 /// - `tmp/`, where records and parts are written before they are renamed into place;
-/// - `lock`, locked exclusively while the byte count (`usage`, 8 bytes: records and held
-///   parts) is updated, while records and parts are renamed into place, and while records
+/// - `lock`, locked exclusively while the byte count (`usage`, 8 bytes: records, held
+///   parts and records and parts in `tmp/`, so the budget bounds every file the store
+///   writes) is updated, while records and parts are renamed into place, and while records
 ///   are evicted;
 /// - `FINGERPRINT`, the deployment whose records these are, in words (a store holds one
 ///   deployment's records; a record of another is refused when read).
@@ -622,7 +623,8 @@ impl DirStore {
     }
 
     /// Every record file (a regular file of a record's name in a record folder) with its
-    /// last use and size, and the total size of them and of held parts. When `heal`, a
+    /// last use and size, and the total size of them, of held parts and of files aside in
+    /// `tmp/`. When `heal`, a
     /// record folder that is missing or not a folder is made one.
     fn scan(&self, heal: bool) -> Result<(Vec<Found>, u64), StorageError> {
         let mut out = Vec::new();
@@ -655,8 +657,30 @@ impl DirStore {
                 out.push((st.mtime, folder.clone(), name, st.len));
             }
         }
-        total += self.held_parts_bytes();
+        total += self.held_parts_bytes() + self.aside_bytes();
         Ok((out, total))
+    }
+
+    /// Bytes of the records and parts in `tmp/`: in flight (counted at their full length
+    /// from the moment they are made), or left by writers that died and not yet reclaimed.
+    fn aside_bytes(&self) -> u64 {
+        let Some(tmp) = &self.dirs.tmp else {
+            return 0;
+        };
+        let mut total = 0;
+        for name in tmp.names().unwrap_or_default() {
+            // A key's record or part; not `FINGERPRINT`'s, a few bytes renamed at once.
+            let ours = aside_writer(&name).is_some()
+                && !name.to_str().is_some_and(|n| n.starts_with("FINGERPRINT"));
+            if !ours {
+                continue;
+            }
+            match tmp.stat(&name) {
+                Ok(st) if st.kind == Kind::File => total += st.len,
+                _ => {}
+            }
+        }
+        total
     }
 
     /// Bytes of the parts held in `parts/`, waiting for their records' other parts.
@@ -769,48 +793,96 @@ impl DirStore {
     }
 
     /// Writes `bytes` (in pieces) to a new file in `tmp/`, named for `key` (and `part`),
-    /// returning its name; nothing is left on failure.
+    /// returning its name; nothing is left (or counted) on failure. `what` names the file's
+    /// destination, for errors.
+    ///
+    /// The file counts against the budget from the moment it is made: it is made, given
+    /// its full length and counted under the lock (evicting records if the store is over
+    /// budget), so a scan counts it as it will be; written outside the lock; and later
+    /// renamed into place, which changes no count, or removed and taken off the count.
     fn write_aside(
         &self,
         key: &RecordKey,
         part: Option<u32>,
         bytes: &[&[u8]],
-    ) -> std::io::Result<String> {
-        let tmp = self
-            .dirs
-            .tmp
-            .as_ref()
-            .ok_or_else(|| std::io::Error::from(ErrorKind::PermissionDenied))?;
+        what: &Path,
+    ) -> Result<String, StorageError> {
+        let io = |e: std::io::Error| StorageError::Io {
+            what: format!("write {}", what.display()),
+            source: e,
+        };
+        let tmp = self.tmp()?;
         let n = ASIDE_NONCE.fetch_add(1, Ordering::Relaxed);
         let pid = std::process::id();
         let name = match part {
             Some(p) => format!("{}.part{p}.{pid}.{n}", key.hex()),
             None => format!("{}.{pid}.{n}", key.hex()),
         };
-        let written = tmp.open_file(&name, Access::CreateNew).and_then(|mut f| {
+        let len: u64 = bytes.iter().map(|b| b.len() as u64).sum();
+        let file = self.locked(|s, f| {
+            let made = tmp.open_file(&name, Access::CreateNew).and_then(|file| {
+                // Sparse: the length only, no block is written here.
+                file.set_len(len)?;
+                Ok(file)
+            });
+            let counted = made.map_err(io).and_then(|file| {
+                let total = read_usage(f)?.saturating_add(len);
+                s.account(f, total, None).map(|_| file)
+            });
+            if counted.is_err() {
+                let _ = tmp.unlink(&name);
+            }
+            counted
+        })?;
+        let written = (|| {
+            let mut file = file;
             // Header and payload as they are: a copy of a page's size costs more than
             // the write.
             for b in bytes {
-                f.write_all(b)?;
+                file.write_all(b)?;
             }
             // A new file's time is the wall clock's already; a test's clock sets it.
             if !self.wall_clock {
-                f.set_modified((self.clock)())?;
+                file.set_modified((self.clock)())?;
             }
             Ok(())
-        });
+        })();
         match written {
             Ok(()) => Ok(name),
             Err(e) => {
-                let _ = tmp.unlink(&name);
-                Err(e)
+                self.release_aside(&name, len);
+                Err(io(e))
             }
         }
     }
 
+    /// Removes the file `name` written aside, of `bytes` bytes, and takes it off the count.
+    fn release_aside(&self, name: &str, bytes: u64) {
+        let Some(tmp) = &self.dirs.tmp else { return };
+        let released = self.locked(|s, f| s.drop_aside(f, name, bytes));
+        if released.is_err() {
+            // Left on the count (too high, never too low) until the store is next opened.
+            let _ = tmp.unlink(name);
+        }
+    }
+
+    /// Removes the file `name` written aside, of `bytes` bytes, and takes it off the count
+    /// (under the lock); if it is gone already, the count is left as it is.
+    fn drop_aside(&self, f: &mut File, name: &str, bytes: u64) -> Result<(), StorageError> {
+        let Some(tmp) = &self.dirs.tmp else {
+            return Ok(());
+        };
+        if tmp.unlink(name).is_ok() {
+            let total = read_usage(f)?.saturating_sub(bytes);
+            write_usage(f, total)?;
+        }
+        Ok(())
+    }
+
     /// Renames the record written aside as `aside` into place as `key`'s, unless a record
-    /// of `key` is there (another writer's: then the one aside goes), and counts it (under
-    /// the lock, so two writers of one record count it once). Anything at the record's name
+    /// of `key` is there (another writer's: then the one aside goes, and off the count),
+    /// under the lock, so two writers of one record count it once (each counted its file
+    /// aside when it made it; the rename changes no count). Anything at the record's name
     /// that is not a regular file is replaced. Whether it was renamed, and the records
     /// evicted.
     fn place(&self, key: &RecordKey, aside: &str, bytes: u64) -> Result<Option<u64>, StorageError> {
@@ -824,7 +896,9 @@ impl DirStore {
         let placed = self.locked(|s, f| {
             let dir = s.folder(&folder, true).map_err(io)?;
             match dir.stat(&name) {
-                Ok(st) if st.kind == Kind::File => return Ok(None),
+                Ok(st) if st.kind == Kind::File => {
+                    return s.drop_aside(f, aside, bytes).map(|()| None)
+                }
                 // A folder at its name would block the rename: it goes.
                 Ok(st) if st.kind == Kind::Dir => {
                     dir.remove_tree(&name);
@@ -835,11 +909,11 @@ impl DirStore {
             tmp.rename(aside, &dir, &name).map_err(io)?;
             // Parts of it a writer added after it was assembled are of no use now.
             let dropped = s.drop_parts(key);
-            let total = read_usage(f)?.saturating_add(bytes).saturating_sub(dropped);
+            let total = read_usage(f)?.saturating_sub(dropped);
             s.account(f, total, Some(key)).map(Some)
         });
-        if !matches!(placed, Ok(Some(_))) {
-            let _ = tmp.unlink(aside);
+        if placed.is_err() {
+            self.release_aside(aside, bytes);
         }
         placed
     }
@@ -894,12 +968,7 @@ impl PageStore for DirStore {
         }
         let head = record::header(&self.fp, key, payload);
         let bytes = (HEADER_BYTES + payload.len()) as u64;
-        let aside = self
-            .write_aside(key, None, &[&head, payload])
-            .map_err(|e| StorageError::Io {
-                what: format!("write {}", self.path_of(key).display()),
-                source: e,
-            })?;
+        let aside = self.write_aside(key, None, &[&head, payload], &self.path_of(key))?;
         match self.place(key, &aside, bytes)? {
             Some(evicted) => {
                 self.stats.records_written.fetch_add(1, Ordering::Relaxed);
@@ -950,12 +1019,12 @@ impl PageStore for DirStore {
         // parts folders are made and removed: a part is whole or absent, like a record,
         // and never renamed into a folder another writer is removing.
         let head = record::header(&self.fp, &self.part_key(key, part, parts), payload);
-        let aside = self
-            .write_aside(key, Some(part), &[&head, payload])
-            .map_err(io)?;
+        let part_bytes = HEADER_BYTES as u64 + payload.len() as u64;
+        let aside = self.write_aside(key, Some(part), &[&head, payload], &path)?;
         let tmp = self.tmp()?;
         let taken = self.locked(|s, f| {
             if s.has_record(key) {
+                s.drop_aside(f, &aside, part_bytes)?;
                 return present(s, f);
             }
             let all = s.dirs.parts.as_ref().ok_or_else(|| s.read_only_error())?;
@@ -981,10 +1050,9 @@ impl PageStore for DirStore {
                 }
                 _ => 0,
             };
+            // Counted when it was written aside: renamed, it counts as a held part.
             tmp.rename(&aside, &dir, &pname).map_err(io)?;
-            let mut total = read_usage(f)?
-                .saturating_add(HEADER_BYTES as u64 + payload.len() as u64)
-                .saturating_sub(replaced);
+            let mut total = read_usage(f)?.saturating_sub(replaced);
             let taken = s.take_parts(key, &dir, parts);
             if let Some((_, removed)) = &taken {
                 total = total.saturating_sub(*removed);
@@ -995,15 +1063,12 @@ impl PageStore for DirStore {
         let taken = match taken {
             Ok(t) => t,
             Err(e) => {
-                let _ = tmp.unlink(&aside);
+                self.release_aside(&aside, part_bytes);
                 return Err(e);
             }
         };
         match taken {
-            None => {
-                let _ = tmp.unlink(&aside);
-                Ok(PartPut::Present)
-            }
+            None => Ok(PartPut::Present),
             Some(None) => Ok(PartPut::Held),
             Some(Some((Err(why), _))) => {
                 // A damaged part: the record cannot be assembled; its parts are gone, so

@@ -340,9 +340,99 @@ fn leftovers_are_reclaimed_at_open_and_held_parts_counted() {
     assert!(s.parts_dir(&key(2)).exists(), "a held part was reclaimed");
     assert_eq!(
         s.usage().unwrap(),
-        REC + held_bytes,
-        "held parts are not counted"
+        REC + held_bytes + b"in flight".len() as u64,
+        "held parts or the live writer's file aside are not counted"
     );
+}
+
+/// Bytes of every regular file below `dir`.
+fn bytes_below(dir: &Path) -> u64 {
+    let mut total = 0;
+    for e in std::fs::read_dir(dir).unwrap() {
+        let e = e.unwrap();
+        let meta = std::fs::symlink_metadata(e.path()).unwrap();
+        if meta.is_dir() {
+            total += bytes_below(&e.path());
+        } else if meta.is_file() {
+            total += meta.len();
+        }
+    }
+    total
+}
+
+/// Finding 6: files in `tmp/` that are not reclaimed (a writer dead within the grace, whose
+/// id may be another host's) count against the budget, as do files in flight: eviction
+/// keeps every file the store holds within it, and a file renamed into place (a record, a
+/// part) is counted once.
+#[test]
+fn files_aside_count_against_the_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    drop(DirStore::open(dir.path(), fp(), N, 1 << 30).unwrap());
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let dead = child.id();
+    child.wait().unwrap();
+    let tmp = dir.path().join("tmp");
+    let leftover = tmp.join(format!("{}.{dead}.0", key(9).hex()));
+    std::fs::write(&leftover, vec![0u8; REC as usize]).unwrap();
+    std::fs::write(
+        tmp.join(format!("{}.part1.{dead}.1", key(9).hex())),
+        vec![0u8; REC as usize / 2],
+    )
+    .unwrap();
+    let left = REC + REC / 2;
+    // Room for four records, the leftovers taking one and a half of it.
+    let budget = 4 * REC;
+    let s = DirStore::open(dir.path(), fp(), N, budget).unwrap();
+    assert!(leftover.exists(), "a file within the grace was reclaimed");
+    assert_eq!(
+        s.usage().unwrap(),
+        left,
+        "leftovers in tmp/ are not counted"
+    );
+    let held = || {
+        bytes_below(&dir.path().join("records"))
+            + bytes_below(&dir.path().join("parts"))
+            + bytes_below(&tmp)
+    };
+    for b in 1..=6u8 {
+        assert!(matches!(
+            s.put(&key(b), &payload(b)).unwrap(),
+            Put::Written { .. }
+        ));
+        let on_disk = held();
+        assert!(
+            on_disk <= budget,
+            "{on_disk} bytes held, over the budget of {budget}"
+        );
+        assert_eq!(s.usage().unwrap(), on_disk, "after the record of key {b}");
+    }
+    assert_eq!(s.get(&key(6)).unwrap(), Lookup::Hit(payload(6)));
+    assert_eq!(
+        s.stats().evictions,
+        4,
+        "two records and the leftovers fill the budget"
+    );
+    // A record in parts: held, then assembled, each file counted once.
+    let join = |parts: &[Vec<u8>]| Some(parts.concat());
+    let half = N as usize / 2;
+    let p = payload(7);
+    assert_eq!(
+        s.put_part(&key(7), 0, 2, &p[..half], &join).unwrap(),
+        PartPut::Held
+    );
+    assert_eq!(s.usage().unwrap(), held());
+    assert!(matches!(
+        s.put_part(&key(7), 1, 2, &p[half..], &join).unwrap(),
+        PartPut::Completed { .. }
+    ));
+    assert_eq!(s.usage().unwrap(), held());
+    assert!(held() <= budget);
+    assert_eq!(s.get(&key(7)).unwrap(), Lookup::Hit(p));
+    // A second writer of a record already there: its file aside goes, and off the count.
+    let other = DirStore::open(dir.path(), fp(), N, budget).unwrap();
+    assert_eq!(other.usage().unwrap(), held(), "the count at open");
+    assert_eq!(s.put(&key(7), &payload(7)).unwrap(), Put::Present);
+    assert_eq!(s.usage().unwrap(), held());
 }
 
 /// Finding 7: writers of the parts of the same records, two runs at once, never lose a

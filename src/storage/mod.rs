@@ -317,7 +317,8 @@ pub trait PageStore: Send + Sync {
     /// This process's counts.
     fn stats(&self) -> StoreStats;
 
-    /// Bytes of records the store holds now, over every process.
+    /// Bytes of records the store holds now, over every process (for a [`DirStore`], with
+    /// the parts and files aside that count against its budget).
     fn usage(&self) -> Result<u64, StorageError>;
 }
 
