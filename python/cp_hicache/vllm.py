@@ -157,6 +157,14 @@ CONFIG_KEYS = ("path", "host_bytes", "capacity_bytes", "load_buffer_bytes",
 #: The default capacity of the store, in bytes.
 DEFAULT_CAPACITY = 16 << 30
 
+#: Bytes of a record's header in a directory store (``src/storage/record.rs``): a record
+#: of ``page_bytes`` takes ``page_bytes + RECORD_HEADER_BYTES`` of the store's budget.
+RECORD_HEADER_BYTES = 64
+
+#: The budget another head split's directory is opened with only to count its bytes: no
+#: record is evicted (a store evicts at open down to its budget).
+_NO_EVICTION = 1 << 62
+
 #: The default host tier a worker (``host_bytes``): 4 GiB of pinned memory, allocated once
 #: when the worker registers its KV tensors. A node of 8 workers pins 32 GiB, a small share
 #: of a GPU server's memory, and a worker holds 2048 blocks of 2 MiB (a 16-token block of
@@ -672,8 +680,9 @@ class CpHiCacheConnector(KVConnectorBase_V1):
       in slots of one block of its KV; 0 turns it off. At least one block's bytes.
     - ``capacity_bytes`` (default 16 GiB): the store's byte budget; least recently used
       records go first. Under ``path`` each head split of a GQA/MHA model's KV has a
-      directory of its own (re-sharding), each keeping to an equal share of it, so the
-      store as a whole keeps to it.
+      directory of its own (re-sharding): this deployment's split may use what the others
+      do not hold when it opens, and they are trimmed to half of it first where they
+      hold more (``_size_splits``), so the store as a whole keeps to it at open.
     - ``load_buffer_bytes`` (default 256 MiB): the most bytes of records a worker's loader
       holds read and not yet filled into their blocks. A step's loads beyond it are read
       and filled in batches, in order; at least one block's reads.
@@ -771,29 +780,26 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         #: The storage tier: a page store in ``path`` (None: a host-only deployment).
         self.path = self.store_path = self.store = None
         self.capacity_bytes = capacity
-        #: The budget of each head split's directory: ``capacity_bytes`` shared equally by
-        #: every head split of the model (``_model_splits``: one for MLA, a spec declaring
-        #: its KV the same on every rank, or a split not known), so that all of the store's
-        #: directories together keep to ``capacity_bytes`` whichever TP degrees write them
-        #: (each directory is a store of its own, with its own LRU and byte count).
-        splits = self._model_splits()
-        self.split_capacity = capacity // len(splits)
-        if path:
-            small = [s for s in splits if self.split_capacity < self._split_page_bytes(s)]
-            if small:
-                raise ValueError(
-                    f"kv_connector_extra_config['capacity_bytes'] = {capacity}: shared by "
-                    f"the {len(splits)} head splits of the model's KV (a directory each: "
-                    f"{self.split_capacity} bytes a split), it holds no record of "
-                    f"{self._split_page_bytes(small[0])} bytes at {small[0]} head shards"
-                )
+        #: The budget of this deployment's own head split's directory (the only one it
+        #: writes): ``capacity_bytes`` less what the other splits' directories hold when it
+        #: opens, those trimmed first where that would leave it less than half
+        #: (``_size_splits``). All of ``capacity_bytes`` without a store, or where the model
+        #: has one split (MLA, a spec declaring its KV the same on every rank).
+        self.split_capacity = capacity
         #: The stores of the other head splits of this model (``_split_store``): shards ->
-        #: the store, opened once its directory is there.
+        #: the store, opened at construction where its directory is there, else once it is.
         self._split_stores: Dict[int, Any] = {}
         self._split_lock = threading.Lock()
         if path:
             self.path = str(path)
             self.store_path = self._split_path(self.head_shards)
+            if capacity < self.page_bytes + RECORD_HEADER_BYTES:
+                raise ValueError(
+                    f"kv_connector_extra_config['capacity_bytes'] = {capacity} holds no "
+                    f"record of this deployment's head split ({self.page_bytes} bytes and a "
+                    f"{RECORD_HEADER_BYTES}-byte header)"
+                )
+            self.split_capacity = self._size_splits(capacity)
             self.store = _native.PageStore(self.store_path, self.fingerprint, self.page_bytes,
                                            self.split_capacity)
         #: The host tier: ``host_slots`` slots of one block of this worker's bytes each
@@ -1091,6 +1097,49 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         return [own] + [s for s in range(self.kv_heads, 0, -1)
                         if self.kv_heads % s == 0 and s != own]
 
+    def _size_splits(self, capacity: int) -> int:
+        """Shares ``capacity`` (``capacity_bytes``) between this deployment's own head
+        split and the other splits' directories there now, at open, and returns its own
+        split's budget. The other splits are opened (kept in ``_split_stores`` for
+        re-sharding reads) and their bytes counted. Where they hold more than half of
+        ``capacity``, each is trimmed (opened again with a smaller budget: the store evicts
+        its least recently used records down to it at open) to its proportional share of
+        half (at least one of its records: a store's budget holds one). The own split gets
+        what they then hold less than ``capacity`` (at least one record). So a single TP
+        degree's split gets the whole budget, and after a TP change the old split's
+        records stay to be re-sharded while yielding room to the new one. Another
+        deployment writing another split at the same time is not seen: each sees the
+        budget as it was when it opened."""
+        held: Dict[int, Tuple[Any, int]] = {}
+        for shards in self._model_splits()[1:]:
+            where = self._split_path(shards)
+            if not os.path.isdir(where):
+                continue
+            store = _native.PageStore(where, self._split_fingerprint(shards),
+                                      self._split_page_bytes(shards), _NO_EVICTION)
+            held[shards] = (store, int(store.stats()["usage_bytes"]))
+        others = sum(n for _, n in held.values())
+        half = capacity // 2
+        if others > capacity - half:
+            for shards, (store, n) in list(held.items()):
+                if not n:
+                    continue
+                target = max(n * half // others,
+                             self._split_page_bytes(shards) + RECORD_HEADER_BYTES)
+                if target >= n:
+                    continue
+                store = _native.PageStore(self._split_path(shards),
+                                          self._split_fingerprint(shards),
+                                          self._split_page_bytes(shards), target)
+                held[shards] = (store, int(store.stats()["usage_bytes"]))
+            logger.info("cp_hicache: the other head splits' directories held %d bytes of "
+                        "capacity_bytes %d; trimmed to %d", others, capacity,
+                        sum(n for _, n in held.values()))
+            others = sum(n for _, n in held.values())
+        for shards, (store, _) in held.items():
+            self._split_stores[shards] = store
+        return max(capacity - others, self.page_bytes + RECORD_HEADER_BYTES)
+
     def _read_splits(self) -> List[int]:
         """The head splits whose records this deployment reads (``_model_splits``; only
         its own without a store)."""
@@ -1111,9 +1160,14 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         with self._split_lock:
             store = self._split_stores.get(shards)
             if store is None:
+                # Its directory appeared since this deployment opened (another deployment
+                # writes it now): opened for reading with the whole budget (a reader never
+                # writes; its open trims nothing that deployment's own budget keeps).
                 store = _native.PageStore(where, self._split_fingerprint(shards),
                                           self._split_page_bytes(shards),
-                                          self.split_capacity)
+                                          max(self.capacity_bytes,
+                                              self._split_page_bytes(shards)
+                                              + RECORD_HEADER_BYTES))
                 self._split_stores[shards] = store
         return store
 

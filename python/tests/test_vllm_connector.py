@@ -1579,42 +1579,74 @@ def _split_dir_bytes(path) -> dict:
     return out
 
 
-def test_capacity_bytes_bounds_the_whole_store_across_head_splits(tmp_path, monkeypatch):
-    """``capacity_bytes`` is one budget for the store, whichever head splits write it: a
-    4-KV-head model has 3 splits (1, 2 and 4 shards), each a directory of its own keeping
-    to a third of it (before, each kept to the whole of it: a store written at TP 2, then
-    TP 4, then TP 1 held up to three times the budget). Written at TP 2, TP 4 and TP 1 in
-    turn (8 records each, more than a third holds), the directories together stay within
-    the budget (and stay so with a reader at TP 2 running over them, which opens the other
-    splits' directories to re-shard from them). A budget whose share holds no record of
-    some split is refused, naming the key."""
-    cap = 3 * 4 * (PAGE + 64)  # a third holds 4 records of 2 heads
+def test_capacity_bytes_is_one_budget_the_deployments_split_gets_whole(tmp_path,
+                                                                       monkeypatch):
+    """``capacity_bytes`` is one budget for the store. A single TP degree's head split
+    gets all of it (before, each of a 4-KV-head model's 3 splits kept to a third: a TP 2
+    deployment's store stopped at a third of its budget): 16 records of a budget of 16
+    are all kept. After a TP change (TP 2, then TP 4) the old split's directory, holding
+    the whole budget, is trimmed at open to half, its least recently used records first
+    (here the older request's), and the new split gets what is left: after the TP 4
+    deployment writes more than that, the directories together hold at most the budget,
+    and the TP 2 records kept are still re-sharded at TP 4 byte for byte. A budget that
+    holds no record of the deployment's split is refused, naming the key."""
+    store = tmp_path / "store"
+    rec2 = PAGE + 64  # a record at TP 2 (2 of the 4 heads) with its header
+    cap = 16 * rec2
     extra = {"capacity_bytes": cap}
-    for tp in (2, 4, 1):
-        e = Engine(tmp_path / "store", extra=extra, **_split_kw(tp, monkeypatch))
-        assert e.connector.split_capacity == cap // 3
-        e.sched.add_request(create_request(request_id=tp, num_tokens=72,
-                                           common_prefix_len=64, max_tokens=2,
-                                           block_size=BS))
-        e.run()
-        assert_clean(e)
-        assert not e.stats().get("save_errors"), e.stats()
-        sizes = _split_dir_bytes(tmp_path / "store")
-        assert all(n <= cap // 3 for n in sizes.values()), sizes
-        assert sum(sizes.values()) <= cap, sizes
-    assert len(sizes) == 3 and all(sizes.values()), sizes
-    b = Engine(tmp_path / "store", extra=extra, **_split_kw(2, monkeypatch))
+    a = Engine(store, extra=extra, **_split_kw(2, monkeypatch))
+    assert a.connector.split_capacity == cap
+    assert all(w.split_capacity == cap for w in a.workers)
+    reqs = {}
+    for rid in (3, 5):  # 4 blocks of 2 shards each, no prefix shared
+        reqs[rid] = create_request(request_id=rid, num_tokens=72, max_tokens=2,
+                                   block_size=BS)
+        a.sched.add_request(reqs[rid])
+        a.run()
+    assert_clean(a)
+    assert not a.stats().get("save_errors"), a.stats()
+    sizes = _split_dir_bytes(store)
+    assert list(sizes.values()) == [cap], sizes  # all 16 kept, none evicted
+    assert a.worker.store.stats()["evictions"] == 0
+    old_dir = os.path.basename(a.worker.store_path)
+    # Request 3's records are the least recently used.
+    long_ago = time.time() - 3600
+    names = {rid: block_names(list(r.all_token_ids), BS)[:4] for rid, r in reqs.items()}
+    for n in names[3]:
+        for s in range(2):
+            os.utime(a.worker.store.path_of(head_shard_key(n, s, 2)), (long_ago, long_ago))
+    b = Engine(store, extra=extra, **_split_kw(4, monkeypatch))
+    sizes = _split_dir_bytes(store)
+    # Trimmed to half: request 5's 8 records (the TP 4 directory is there, empty).
+    assert sizes[old_dir] == cap // 2 and sum(sizes.values()) == cap // 2, sizes
+    assert b.connector.split_capacity == cap - cap // 2
+    assert all(w.split_capacity == cap - cap // 2 for w in b.workers)
+    old = b.worker._split_stores[2]
+    assert old.present_run([head_shard_key(n, s, 2) for n in names[3][:1]
+                            for s in range(2)]) == 0
+    # Re-sharding reads what is left, byte for byte (the blocks are checked every step).
     b.poison()
-    b.sched.add_request(create_request(request_id=9, num_tokens=80, common_prefix_len=64,
-                                       max_tokens=2, block_size=BS))
+    b.sched.add_request(create_request(request_id=5, num_tokens=80, max_tokens=2,
+                                       block_size=BS))
+    so = b.step()
+    assert so.num_scheduled_tokens == {"id-5": 16}, so.num_scheduled_tokens
     b.run()
     assert_clean(b)
-    assert not b.stats().get("load_errors"), b.stats()
-    assert sum(_split_dir_bytes(tmp_path / "store").values()) <= cap
-    with pytest.raises(ValueError, match=r"capacity_bytes'\] = 1000: shared by the 3 head "
-                                         r"splits .* holds no record"):
-        Engine(tmp_path / "store", extra={"capacity_bytes": 1000},
-               **_split_kw(2, monkeypatch))
+    st = b.stats()
+    assert st.get("records_loaded") == 4 * 4 and not st.get("load_errors"), st
+    # TP 4 writes more than its share (8 blocks of 4 shards, 32 records): its own
+    # directory evicts, and the store keeps to the budget.
+    b.sched.add_request(create_request(request_id=7, num_tokens=136, max_tokens=2,
+                                       block_size=BS))
+    b.run()
+    assert_clean(b)
+    assert not b.stats().get("save_errors")
+    sizes = _split_dir_bytes(store)
+    assert len(sizes) == 2 and sizes[old_dir] <= cap // 2, sizes
+    assert sum(sizes.values()) <= cap, sizes
+    assert sum(w.store.stats()["evictions"] for w in b.workers) > 0
+    with pytest.raises(ValueError, match=r"capacity_bytes'\] = 1000 holds no record"):
+        Engine(store, extra={"capacity_bytes": 1000}, **_split_kw(2, monkeypatch))
 
 
 # ((TP, DCP, interleave) writing, (TP, DCP, interleave) reading) over a 4-KV-head model: a DCP
