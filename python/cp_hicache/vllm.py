@@ -152,7 +152,17 @@ logger = logging.getLogger(__name__)
 
 #: The keys of ``kv_connector_extra_config`` the connector knows; any other is refused.
 CONFIG_KEYS = ("path", "host_bytes", "capacity_bytes", "load_buffer_bytes",
-               "save_buffer_bytes", "load_async")
+               "save_buffer_bytes", "load_async", "write_policy")
+
+#: The values of ``kv_connector_extra_config['write_policy']``: ``write_through`` (the
+#: default: a computed block is saved to the host tier and the store) and ``write_back``
+#: (to the host tier only; written to the store when the host tier evicts it, and at
+#: ``shutdown``).
+WRITE_POLICIES = ("write_through", "write_back")
+
+#: The writer task name of a write-back flush (a host slot's block written to the store
+#: when the host tier evicts it): no request waits for it.
+_FLUSH = "\0host-flush"
 
 #: The default capacity of the store, in bytes.
 DEFAULT_CAPACITY = 16 << 30
@@ -271,6 +281,11 @@ class _HostIndex:
         #: load ends) nor evicted until the load is reported received; a slot whose entry
         #: was dropped meanwhile stays taken until then (a worker may still be filling it).
         self.pinned: Dict[int, Tuple[int, str]] = {}
+        #: ``write_back``: the blocks held only here, not yet in the store (an eviction of
+        #: one is a flush: the workers write the slot's bytes to the store before they
+        #: reuse it), and how many such evictions there were.
+        self.dirty: Set[str] = set()
+        self.flushes = 0
 
     def get(self, key: str) -> Optional[int]:
         """The slot holding (or, pinned, being filled with) ``key``; None if none."""
@@ -303,6 +318,9 @@ class _HostIndex:
                 return None
             slot = self.lru.pop(evicted)
             del self.gens[evicted]
+            if evicted in self.dirty:
+                self.dirty.discard(evicted)
+                self.flushes += 1
         self._gen += 1
         self.lru[key] = slot
         self.gens[key] = self._gen
@@ -324,6 +342,7 @@ class _HostIndex:
         if key not in self.lru or (gen is not None and self.gens[key] != gen):
             return False
         slot = self.lru.pop(key)
+        self.dirty.discard(key)
         if self.gens.pop(key) not in self.pinned:
             self.free.append(slot)
         return True
@@ -373,6 +392,12 @@ class CpHiCacheMetadata(KVConnectorMetadata):
     #: planner's admissions: a worker that cannot make one reports it by that number.
     host_admits: Dict[int, List[Tuple[str, int, int, str, str, int]]] = field(
         default_factory=dict)
+    #: ``write_back``: per step (applied with that step's verdict), the saves ``(request,
+    #: block id)`` the workers keep in the host tier only (admitted in ``host_admits``, or
+    #: held there already), not written to the store: each worker writes a slot's block to
+    #: the store when an admission replaces it (a flush) or at ``shutdown``. A kept save not
+    #: named (no slot for it) is written to the store at once, as under ``write_through``.
+    host_only: Dict[int, Set[Tuple[str, int]]] = field(default_factory=dict)
     #: Host tier: blocks this step loads from the store that the workers then copy into
     #: their pools, per request: block id -> ``(slot, block key, evicted key, admission)``;
     #: made once the step's loads have ended (after every load of the step, from any slot;
@@ -426,7 +451,11 @@ class CpHiCacheStats(KVConnectorStats):
     Host tier: ``host_hits`` (blocks filled from the worker's host pool, not counted in
     ``records_loaded``), ``host_admissions`` (blocks copied into the pool) and
     ``host_evictions`` (blocks an admission replaced), all per worker and summed;
-    ``host_failures`` (admissions this worker could not make: reported to the planner)."""
+    ``host_failures`` (admissions this worker could not make: reported to the planner).
+    ``write_back``: ``host_flushes`` (records, or DCP parts, a flush wrote to the store: a
+    host slot's block replaced by an admission, or at ``shutdown``; also counted in
+    ``records_saved``) and ``flush_errors`` (flushes that failed: that block is not in the
+    store; also counted in ``save_errors``)."""
 
     def aggregate(self, other: KVConnectorStats) -> "CpHiCacheStats":
         for k, v in (other.data or {}).items():
@@ -696,6 +725,12 @@ class CpHiCacheConnector(KVConnectorBase_V1):
       ``finished_recving`` once its blocks are in (with its failed blocks, if any, in the
       same step's ``invalid_block_ids``). Otherwise loads are synchronous, layer by layer
       ahead of the forward.
+    - ``write_policy`` (default ``write_through``, :data:`WRITE_POLICIES`):
+      ``write_through`` saves a computed block to the host tier and the store;
+      ``write_back`` to the host tier only, writing it to the store when the host tier
+      evicts it (each worker copies the slot's bytes out for its writer thread before the
+      admission that replaces it) and at ``shutdown``. ``write_back`` needs both a host
+      tier and ``path``.
 
     Any other key is refused (a ``ValueError`` naming it and the known keys,
     :data:`CONFIG_KEYS`): a misspelled ``path`` would otherwise quietly give a host-only
@@ -726,6 +761,23 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                 "host tier (kv_connector_extra_config['host_bytes'] > 0): it has neither"
             )
         capacity = int(extra.get("capacity_bytes", DEFAULT_CAPACITY))
+        policy = extra.get("write_policy", "write_through")
+        if policy not in WRITE_POLICIES:
+            raise ValueError(
+                f"kv_connector_extra_config['write_policy'] = {policy!r} is not known; "
+                f"the write policies are {', '.join(WRITE_POLICIES)}"
+            )
+        #: ``write_back``: a computed block is saved to the host tier only, and written to
+        #: the store when the host tier evicts it (and at ``shutdown``).
+        self.write_back = policy == "write_back"
+        if self.write_back and (not path or host_bytes == 0):
+            raise ValueError(
+                "kv_connector_extra_config['write_policy'] = 'write_back' writes blocks to "
+                "the store when the host tier evicts them: it needs both a host tier "
+                "(host_bytes > 0) and a store (path); this config has "
+                + ("neither" if not path and host_bytes == 0
+                   else "no store (path)" if not path else "no host tier (host_bytes is 0)")
+            )
         #: Whether loads span steps (vLLM's ``load_kv_async``) instead of running ahead of
         #: the forward of the step that plans them.
         self.load_async = bool(extra.get("load_async", False))
@@ -842,6 +894,8 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                                "host_dropped": 0}
         #: Host-tier admissions decided since the last metadata (step -> admissions).
         self._host_admits: Dict[int, List[Tuple[str, int, int, str, str, int]]] = {}
+        #: ``write_back``: the saves kept in the host tier only, per step (``host_only``).
+        self._host_only: Dict[int, Set[Tuple[str, int]]] = {}
         #: Host-tier loads planned since the last metadata: request -> block id -> slot
         #: (and -> ``(block key, admission)``); and store loads to admit to the host tier
         #: once loaded (``host_fills``).
@@ -932,6 +986,12 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         self._host_tags: List[Optional[str]] = [None] * self.host_slots
         self._admits: Dict[int, List[Tuple[str, int, int, str, str, int]]] = {}
         self._host_failed: Set[Tuple[str, int]] = set()
+        #: ``write_back``: the saves the planner keeps in the host tier only, per step
+        #: (``host_only``), and the slots holding such a block, not yet in the store: slot
+        #: -> ``(block key, what it writes: a save's items)``. A slot so marked is written
+        #: to the store (flushed) before anything replaces it, and at ``shutdown``.
+        self._only: Dict[int, Set[Tuple[str, int]]] = {}
+        self._host_dirty: Dict[int, Tuple[str, List[Any]]] = {}
         self._stats: Dict[str, int] = {}
         self._stats_lock = threading.Lock()
 
@@ -1372,11 +1432,13 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                                  settled=self._settled, unreported=self._unreported,
                                  host_loads=self._pending_host,
                                  host_admits=self._host_admits,
+                                 host_only=self._host_only,
                                  host_fills=self._pending_fills,
                                  load_splits=self._pending_splits)
         self._pending_loads, self._settled, self._unreported = {}, {}, set()
         self._pending_splits = {}
         self._pending_host, self._host_admits, self._pending_fills = {}, {}, {}
+        self._host_only = {}
         host_keys, self._pending_host_keys = self._pending_host_keys, {}
         self._filling = set()
         plan = _StepPlan()
@@ -1580,23 +1642,31 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         (:meth:`_release`), or report the ones they could not (``host_failed``)."""
         host = self._host
         out = []
+        only: Set[Tuple[str, int]] = set()
         for rid, blocks in plan.admits.items():
             if rid in dropped:
                 continue
             for key, b in blocks:
                 if host.get(key) is not None:
                     host.touch(key)
+                    if self.write_back:  # held there already (or in the store: a fill)
+                        only.add((rid, b))
                     continue
                 got = host.admit(key)
                 if got is None:  # every slot is being filled by loads that span steps
-                    continue
+                    continue  # (under write_back: written to the store at once)
                 slot, evicted, gen = got
                 out.append((rid, b, slot, key, evicted, gen))
+                if self.write_back:
+                    host.dirty.add(key)
+                    only.add((rid, b))
                 self._planner_stats["host_admitted"] += 1
                 if evicted:
                     self._planner_stats["host_evicted"] += 1
         if out:
             self._host_admits[step] = out
+        if only:
+            self._host_only[step] = only
 
     def host_index(self) -> Dict[str, int]:
         """The planner's host index: block key -> slot, least recently used first (empty
@@ -1611,6 +1681,8 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         verdict, or verdicts not yet sent; all 0 once every request has finished and been
         freed)."""
         return dict(self._planner_stats,
+                    host_flushes=self._host.flushes if self._host is not None else 0,
+                    host_dirty=len(self._host.dirty) if self._host is not None else 0,
                     tracked=len(self._reqs) + len(self._loading) + len(self._async_fills),
                     delayed=len(self._delayed),
                     unsettled=len(self._inflight) + len(self._settled))
@@ -1907,6 +1979,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
 
         for b, (slot, key, evicted, gen) in task.fills.items():
             ok = False
+            self._flush_slot(slot)
             if (b in filled and b not in task.errors and self._host_pool is not None
                     and 0 <= slot < self.host_slots):
                 try:
@@ -2132,7 +2205,8 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             return
         f.add_done_callback(lambda f, size=size: self._dequeue(size))
         f.add_done_callback(self._write_done)
-        self._writes.setdefault(rid, []).append(f)
+        if rid != _FLUSH:  # no request waits for a flush (and it may come from the loader)
+            self._writes.setdefault(rid, []).append(f)
 
     def _dequeue(self, size: int) -> None:
         """A writer task ended (written or not): its bytes leave the queue."""
@@ -2210,6 +2284,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             self._ran.add(step)
         self._verdicts.update(getattr(connector_metadata, "settled", None) or {})
         self._admits.update(getattr(connector_metadata, "host_admits", None) or {})
+        self._only.update(getattr(connector_metadata, "host_only", None) or {})
         for rid in getattr(connector_metadata, "unreported", None) or ():
             # vLLM frees its blocks itself (its load ended): nothing to report.
             self._saving_reqs.discard(rid)
@@ -2232,28 +2307,38 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                                "a block that failed to load", lost, t)
                 self._count(saves_dropped=lost)
             admits = self._admits.pop(t, None)
+            failed: Set[Tuple[str, int]] = set()
             if admits:
-                self._host_admit(admits, {(sb.rid, sb.block_id): sb for sb in keep})
-            keep = [sb for sb in keep if sb.write]
+                failed = self._host_admit(admits, {(sb.rid, sb.block_id): sb for sb in keep})
+            # Under write_back the blocks kept in the host tier only are written when it
+            # evicts them; one whose admission failed here is written now instead.
+            only = self._only.pop(t, set())
+            keep = [sb for sb in keep if sb.write and ((sb.rid, sb.block_id) not in only
+                                                       or (sb.rid, sb.block_id) in failed)]
             if keep:
                 self._submit(keep)
         for t in [t for t in self._verdicts if t <= self._last_saved_step]:
             del self._verdicts[t]
+        for t in [t for t in self._only if t <= self._last_saved_step]:
+            del self._only[t]
         for t in [t for t in self._admits if t <= self._last_saved_step]:
             # Admissions of a step this worker holds no copies of (its saves were dropped
             # here: the step ended without wait_for_save): none can be made.
             self._host_admit(self._admits.pop(t), {})
 
     def _host_admit(self, admits: List[Tuple[str, int, int, str, str, int]],
-                    blocks: Dict[Tuple[str, int], "_SaveBlock"]) -> None:
+                    blocks: Dict[Tuple[str, int], "_SaveBlock"]) -> Set[Tuple[str, int]]:
         """Makes the planner's admissions: each block's held copy goes into its slot,
         replacing (evicting) the slot's block. An admission that cannot be made (no whole
         copy of the block held here, or the copy failed) leaves the slot holding nothing
         servable and is reported to the planner (``host_failed``): its block is not
         offered from the host tier again, and a load already planned from it fails here
-        (reported, recomputed), never served."""
+        (reported, recomputed), never served. Under ``write_back`` a slot holding a block
+        not yet in the store is flushed first, and the admitted block's slot is marked so.
+        Returns the ``(request, block id)`` of the admissions not made."""
         # No load of this step may read a slot while it is replaced.
         self._load_errors |= self._join_load()
+        failed: Set[Tuple[str, int]] = set()
         for rid, b, slot, key, evicted, gen in admits:
             # Nor may a load that spans steps still fill it (the planner pins such slots
             # until the load is received, so this never waits; kept for the bytes' sake).
@@ -2262,6 +2347,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                     task.done.wait()
             sb = blocks.get((rid, b))
             ok = False
+            self._flush_slot(slot)
             if (sb is not None and all(sb.have) and self._host_pool is not None
                     and 0 <= slot < self.host_slots):
                 try:
@@ -2271,6 +2357,41 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                     logger.warning("cp_hicache: copying block %d of %s into host slot %d "
                                    "failed: %s", b, rid, slot, e)
             self._host_settle(slot, key, evicted, gen, ok)
+            if not ok:
+                failed.add((rid, b))
+            elif self.write_back and sb.write:
+                self._host_dirty[slot] = (key, sb.items)
+        return failed
+
+    def _flush_slot(self, slot: int) -> None:
+        """``write_back``: before host slot ``slot`` is replaced (the planner's admission
+        evicts its block) or at ``shutdown``, writes the block it holds, if not yet in the
+        store, to the store: the slot's bytes are copied out now (so the slot may be
+        reused at once) and written by the writer thread, as a save is (within
+        ``save_buffer_bytes``). A flush that fails leaves that block out of the store
+        (``flush_errors``), never a wrong record."""
+        ent = self._host_dirty.pop(slot, None)
+        if ent is None:
+            return
+        key, items = ent
+        try:
+            if self._writer is None or self._host_tags[slot] != key:
+                raise RuntimeError(f"host slot {slot} no longer holds block {key}")
+            sb = _SaveBlock(_FLUSH, -1, items, len(self._layers))
+            src = self._host_pool[slot].numpy()
+            if len(items) == 1 and items[0][1] is None:
+                sb.bufs[0][:] = src
+            else:
+                g = self._layers[0]
+                view = src.reshape(len(self._layers), g.heads, self.block_size, g.width)
+                for (_, slots, _, _), buf in zip(items, sb.bufs):
+                    buf[:] = view[:, :, slots, :].reshape(-1)
+        except Exception as e:
+            logger.warning("cp_hicache: flushing host slot %d to the store failed: %s",
+                           slot, e)
+            self._count(flush_errors=len(items))
+            return
+        self._enqueue(_FLUSH, [sb], sum(buf.nbytes for buf in sb.bufs))
 
     def build_connector_worker_meta(self) -> Optional[CpHiCacheWorkerMeta]:
         """The steps this worker ran since its last report (:class:`CpHiCacheWorkerMeta`),
@@ -2327,9 +2448,14 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                     self._count(saves_read_only=1)  # a read-only mount): never written
                 elif whole:
                     self._count(records_saved=1, bytes_saved=self.page_bytes)
+                if written and rid == _FLUSH:
+                    self._count(host_flushes=1)
             except Exception as e:  # a failed write is a later miss, counted and logged
-                logger.warning("cp_hicache: saving a block of %s failed: %s", rid, e)
+                logger.warning("cp_hicache: saving a block of %s failed: %s",
+                               "a host slot (flush)" if rid == _FLUSH else rid, e)
                 self._count(save_errors=1)
+                if rid == _FLUSH:
+                    self._count(flush_errors=1)
 
     def get_finished(self, finished_req_ids: Set[str]
                      ) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
@@ -2405,6 +2531,10 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             self._count(saves_dropped=held)
         self._held.clear()
         self._verdicts.clear()
+        # write_back: what only the host tier holds goes to the store before the writer
+        # stops (each worker its own bytes of every such slot).
+        for slot in sorted(self._host_dirty):
+            self._flush_slot(slot)
         for attr in ("_loader", "_writer"):
             ex = getattr(self, attr)
             if ex is not None:

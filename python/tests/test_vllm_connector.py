@@ -1817,7 +1817,7 @@ def test_unknown_config_keys_are_refused_naming_the_key_and_the_known_ones(tmp_p
             msg = str(err.value)
             assert all(repr(k) in msg for k in bad), msg
             assert "known keys are path, host_bytes, capacity_bytes, load_buffer_bytes, " \
-                   "save_buffer_bytes, load_async" in msg, msg
+                   "save_buffer_bytes, load_async, write_policy" in msg, msg
     assert not (tmp_path / "store").exists()  # refused before anything was made
 
 
@@ -2649,6 +2649,193 @@ def test_host_eviction_keeps_planner_and_workers_consistent(tmp_path, store):
     assert not st.get("load_errors"), st
     assert st.get("host_hits", 0) == (1 if store else 0), st
     assert st.get("records_loaded", 0) == (3 if store else 0), st
+
+
+def _in_store(e: Engine, names) -> list:
+    """Which of the records ``names`` (DCP 1, no head shards) the engine's store holds."""
+    return [n for n in names if e.worker.store.exists(n)]
+
+
+def test_write_back_saves_to_the_host_tier_and_flushes_on_eviction(tmp_path):
+    """``write_policy`` ``write_back`` with a host tier of 3 blocks: request 1's 4 saved
+    blocks go to the host tier only, and the first, evicted by the fourth, is the only one
+    written to the store (a flush: the worker writes the slot's bytes out before the
+    admission replaces them). Request 3's 2 blocks evict two more, flushed byte for byte.
+    Request 4, sharing request 1's prefix, gets blocks 0..2 from the store and block 3,
+    which only the host tier holds, from the host tier, byte for byte. After shutdown
+    (which flushes what only the host tier holds), a restart reads every block from the
+    store."""
+    e = Engine(tmp_path / "store", verify=True,
+               extra={"host_bytes": 3 * PAGE + PAGE // 2, "write_policy": "write_back"})
+    a = block_names([1] * 64, BS)
+    e.sched.add_request(create_request(request_id=1, num_tokens=72, common_prefix_len=64,
+                                       max_tokens=2, block_size=BS))
+    _run_checked(e)
+    assert_clean(e)
+    assert list(e.connector.host_index()) == a[1:4]
+    assert _in_store(e, a) == a[:1]
+    st = e.stats()
+    assert st.get("host_admissions") == 4 and st.get("host_flushes") == 1, st
+    assert st.get("records_saved") == 1 and not st.get("flush_errors"), st
+    ps = e.connector.planner_stats()
+    assert ps["host_flushes"] == 1 and ps["host_dirty"] == 3, ps
+    tokens1 = [1] * 64 + list(range(8))
+    assert _stored(e, a[0]) == e.expected_record(tokens1, 0)
+    e.sched.add_request(create_request(request_id=3, num_tokens=40, max_tokens=2,
+                                       block_size=BS))
+    _run_checked(e)
+    assert_clean(e)
+    assert _in_store(e, a) == a[:3]
+    for k in range(3):
+        assert _stored(e, a[k]) == e.expected_record(tokens1, k), k
+    assert e.connector.planner_stats()["host_flushes"] == 3
+    assert e.sched.reset_prefix_cache()
+    e.outputs.clear()
+    e.poison()
+    e.sched.add_request(create_request(request_id=4, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=BS))
+    so = e.step()
+    assert so.num_scheduled_tokens == {"id-4": 16}, so.num_scheduled_tokens
+    meta = e.metas[-1]
+    ids = [b for _, b in meta.loads["id-4"]]
+    assert list(meta.host_loads["id-4"]) == [ids[3]], meta.host_loads
+    _run_checked(e)
+    assert_clean(e)
+    st = e.stats()
+    assert st.get("host_hits") == 1 and st.get("records_loaded") == 3, st
+    assert not st.get("load_errors"), st
+    # The blocks read from the store went into the host tier, evicting a[3] last (after
+    # the step's load from its slot): flushed then, byte for byte.
+    assert _stored(e, a[3]) == e.expected_record(tokens1, 3)
+    # Request 4's fifth block is only in the host tier until shutdown flushes it.
+    tokens4 = [1] * 64 + [4 * i for i in range(16)]
+    b4 = block_names(tokens4, BS)[4]
+    assert e.connector.host_index().get(b4) is not None and not e.worker.store.exists(b4)
+    for w in e.workers:
+        w.shutdown()
+    assert _stored(e, b4) == e.expected_record(tokens4, 4)
+    b = Engine(tmp_path / "store", verify=True,
+               extra={"host_bytes": 3 * PAGE + PAGE // 2, "write_policy": "write_back"})
+    b.poison()
+    b.sched.add_request(create_request(request_id=4, num_tokens=96, common_prefix_len=64,
+                                       max_tokens=2, block_size=BS))
+    so = b.step()
+    assert so.num_scheduled_tokens == {"id-4": 16}, so.num_scheduled_tokens
+    _run_checked(b)
+    assert_clean(b)
+    st = b.stats()
+    assert st.get("records_loaded") == 5 and not st.get("host_hits"), st
+    assert not st.get("load_errors"), st
+
+
+WRITE_BACK_PARALLEL = [dict(), dict(tp=2, shards=2), dict(dcp=2, interleave=1)]
+
+
+@pytest.mark.parametrize("kw", WRITE_BACK_PARALLEL, ids=["dcp1", "tp2h2", "dcp2i1"])
+def test_write_back_flushes_what_only_the_host_tier_holds_at_shutdown(tmp_path, monkeypatch,
+                                                                     kw):
+    """``write_back`` with a host tier that evicts nothing: nothing is written to the
+    store while the engine runs; ``shutdown`` flushes every block only the host tier
+    holds (every worker its own bytes: its head shard's, its DCP rank's tokens, written
+    as parts), and a restart reads the whole prefix from the store, every rank's blocks
+    byte for byte."""
+    extra = {"host_bytes": 16 * PAGE, "write_policy": "write_back"}
+    e = Engine(tmp_path / "store", verify=True, extra=extra, monkeypatch=monkeypatch, **kw)
+    e.sched.add_request(create_request(request_id=1, num_tokens=72 * e.dcp,
+                                       common_prefix_len=64 * e.dcp, max_tokens=2,
+                                       block_size=e.sblock))
+    _run_checked(e)
+    assert_clean(e)
+    st = e.stats()
+    assert not st.get("records_saved") and not st.get("parts_saved"), st
+    assert not st.get("host_flushes"), st
+    for w in e.workers:
+        assert w.store.stats()["records_written"] == 0
+    for w in e.workers:
+        w.shutdown()
+    flushed = sum(w._stats.get("host_flushes", 0) for w in e.workers)
+    # 4 blocks, each worker its record of each (under DCP with a small interleave, its
+    # part of each of the block's records).
+    assert flushed == 4 * e.tp * (e.dcp if e.interleave < BS else 1), flushed
+    b = Engine(tmp_path / "store", verify=True, extra=extra, monkeypatch=monkeypatch, **kw)
+    b.poison()
+    b.sched.add_request(create_request(request_id=2, num_tokens=80 * e.dcp,
+                                       common_prefix_len=64 * e.dcp, max_tokens=2,
+                                       block_size=b.sblock))
+    so = b.step()
+    assert so.num_scheduled_tokens == {"id-2": 16 * e.dcp}, so.num_scheduled_tokens
+    _run_checked(b)
+    assert_clean(b)
+    st = b.stats()
+    assert not st.get("load_errors") and not st.get("host_hits"), st
+    assert st.get("records_loaded") == 4 * e.tp, st
+
+
+class _FailingPuts:
+    """A store whose writes raise (a full or failing disk); everything else passes."""
+
+    def __init__(self, store):
+        self._store = store
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def put(self, name, parts):
+        raise OSError("no space left on device")
+
+
+def test_a_failed_write_back_flush_is_counted_and_never_a_wrong_record(tmp_path):
+    """``write_back``: a flush whose write fails leaves its block out of the store
+    (``flush_errors``, ``save_errors``); the next request of the prefix computes it, and
+    the store holds no record of it (nor any wrong one)."""
+    extra = {"host_bytes": 3 * PAGE + PAGE // 2, "write_policy": "write_back"}
+    e = Engine(tmp_path / "store", verify=True, extra=extra)
+    store = e.worker.store
+    e.worker.store = _FailingPuts(store)
+    e.sched.add_request(create_request(request_id=1, num_tokens=72, common_prefix_len=64,
+                                       max_tokens=2, block_size=BS))
+    _run_checked(e)
+    assert_clean(e)
+    st = e.stats()
+    assert st.get("flush_errors") == 1 and st.get("save_errors") == 1, st
+    assert not st.get("host_flushes") and not st.get("records_saved"), st
+    a = block_names([1] * 64, BS)
+    assert not any(store.exists(n) for n in a)
+    e.worker.store = store
+    assert e.sched.reset_prefix_cache()
+    e.outputs.clear()
+    e.poison()
+    e.sched.add_request(create_request(request_id=2, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=BS))
+    so = e.step()
+    # Block 0 is in no tier: the run starts there, and is computed.
+    assert so.num_scheduled_tokens == {"id-2": 64}, so.num_scheduled_tokens
+    _run_checked(e)
+    assert_clean(e)
+    assert not e.stats().get("load_errors")
+
+
+def test_write_policy_values_are_checked(tmp_path):
+    """An unknown ``write_policy`` is refused, listing the known ones; ``write_back``
+    without a host tier or without a store is refused, saying which is missing; on the
+    scheduler and on the workers alike."""
+    cases = [({"path": str(tmp_path / "s"), "write_policy": "write_around"},
+              r"write_policy'\] = 'write_around' is not known; the write policies are "
+              r"write_through, write_back"),
+             ({"path": str(tmp_path / "s"), "host_bytes": 0, "write_policy": "write_back"},
+              r"needs both a host tier .* no host tier \(host_bytes is 0\)"),
+             ({"host_bytes": 16 * PAGE, "write_policy": "write_back"},
+              r"needs both .* this config has no store \(path\)")]
+    for extra, match in cases:
+        cfg = create_vllm_config(block_size=BS, kv_connector="CpHiCacheConnector",
+                                 kv_connector_module_path="cp_hicache.vllm",
+                                 kv_role="kv_both", kv_connector_extra_config=extra)
+        for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+            with pytest.raises(ValueError, match=match):
+                CpHiCacheConnector(cfg, role, kv_cache_config())
+    # write_through, the default, spelled out.
+    e = Engine(tmp_path / "store", extra={"write_policy": "write_through"})
+    assert not e.connector.write_back
 
 
 HOST_PARALLEL = [dict(tp=2, shards=2), dict(dcp=2, interleave=1), dict(dcp=2, interleave=BS),
