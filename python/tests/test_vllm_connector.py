@@ -1197,6 +1197,42 @@ def test_a_failed_load_at_dcp2_is_recomputed_on_every_rank(tmp_path, monkeypatch
     assert b.stats().get("load_errors") == (2 if interleave == 1 else 1)
 
 
+def test_a_failed_load_at_dcp4_is_recomputed_on_every_rank(tmp_path, monkeypatch):
+    """At DCP 4 (interleave 1: every rank holds a quarter of each record's tokens) a
+    damaged record of virtual block 1 fails its load on all four ranks; the block is
+    reported once, vLLM recomputes from it, and every rank's blocks end with the KV their
+    tokens give (checked after every step)."""
+    # The whole prompt in one step (the stand-in runner samples a token every step).
+    a = Engine(tmp_path / "store", dcp=4, interleave=1, monkeypatch=monkeypatch, budget=256)
+    req = create_request(request_id=1, num_tokens=136, common_prefix_len=128, max_tokens=1,
+                         block_size=a.sblock)
+    a.sched.add_request(req)
+    a.run()
+    names = block_names(req.all_token_ids, BS)
+    _damage(str(a.worker.store.path_of(names[4])))  # record 4: virtual block 1's first
+
+    b = Engine(tmp_path / "store", dcp=4, interleave=1, verify=True, monkeypatch=monkeypatch)
+    b.poison()
+    b.sched.add_request(create_request(request_id=2, num_tokens=144, common_prefix_len=128,
+                                       max_tokens=2, block_size=b.sblock))
+    seen = {}
+
+    def ids(so, meta):
+        if meta.loads:
+            seen["ids"] = list(b.sched.kv_cache_manager.get_block_ids("id-2")[0][:2])
+
+    b.verify = False  # the failed block is recomputed in the next step, not this one
+    so = b.step(ids)
+    assert so.num_scheduled_tokens == {"id-2": 16}
+    assert b.outputs[-1].invalid_block_ids == {seen["ids"][1]}
+    b.verify = True
+    so = b.step()
+    assert so.num_scheduled_tokens == {"id-2": 64}, so.num_scheduled_tokens  # from token 64
+    b.run()
+    assert_clean(b)
+    assert b.stats().get("load_errors") == 4  # every rank reads a part of record 4
+
+
 def test_abort_while_saving_leaves_nothing_behind(tmp_path):
     """An aborted request's blocks are freed only once its writes are reported done."""
     from vllm.v1.request import RequestStatus
@@ -1240,6 +1276,8 @@ DCP_RUNS = [
     ((4, 1), (2, 1)),
     ((4, 1), (2, BS)),
     ((2, 1), (4, 4)),
+    ((4, 1), (1, 1)),
+    ((4, BS), (4, BS)),
 ]
 
 
@@ -2839,11 +2877,12 @@ def test_write_policy_values_are_checked(tmp_path):
 
 
 HOST_PARALLEL = [dict(tp=2, shards=2), dict(dcp=2, interleave=1), dict(dcp=2, interleave=BS),
-                 dict(tp=2, mla=True), dict(tp=4, dcp=2, interleave=1, shards=2, heads=1)]
+                 dict(tp=2, mla=True), dict(tp=4, dcp=2, interleave=1, shards=2, heads=1),
+                 dict(dcp=4, interleave=1)]
 
 
 @pytest.mark.parametrize("kw", HOST_PARALLEL,
-                         ids=["tp2h2", "dcp2i1", "dcp2i16", "tp2mla", "tp4dcp2i1h2"])
+                         ids=["tp2h2", "dcp2i1", "dcp2i16", "tp2mla", "tp4dcp2i1h2", "dcp4i1"])
 def test_host_tier_under_tp_and_dcp(tmp_path, monkeypatch, kw):
     """Head shards, DCP ranks (whole-block and token interleave) and TP copies (MLA): every
     worker's pool holds its own bytes of each block in the planner's slot, and a prefix hit
