@@ -2766,6 +2766,48 @@ def test_write_back_saves_to_the_host_tier_and_flushes_on_eviction(tmp_path):
     assert not st.get("load_errors"), st
 
 
+@pytest.mark.parametrize("mode", ["load-async", "async-scheduler"])
+def test_write_back_flushes_slots_that_loads_from_the_store_refill(tmp_path, mode):
+    """``write_back`` with a 3-block host tier, with loads that span steps and under vLLM's
+    ``AsyncScheduler``: request 1's and request 3's blocks are only in the host tier
+    (but those evicted by later saves); request 4's hit reads request 1's evicted blocks
+    from the store, and their admissions evict the three blocks the host tier held, only
+    there, each flushed by every worker before the load's copy replaces it (on the loader
+    thread, steps later with ``load_async``). Every block is checked after every step, and
+    every flushed record holds the forward's bytes."""
+    extra = {"host_bytes": 3 * PAGE + PAGE // 2, "write_policy": "write_back",
+             "load_async": mode == "load-async"}
+    e = Engine(tmp_path / "store", verify=True, extra=extra,
+               async_scheduling=mode == "async-scheduler")
+    reqs = [create_request(request_id=1, num_tokens=72, common_prefix_len=64, max_tokens=2,
+                           block_size=BS),
+            create_request(request_id=3, num_tokens=40, max_tokens=2, block_size=BS)]
+    for r in reqs:
+        e.sched.add_request(r)
+        e.run()
+        assert_clean(e)
+    a = block_names(list(reqs[0].all_token_ids), BS)
+    c = block_names(list(reqs[1].all_token_ids), BS)
+    held = list(e.connector.host_index())
+    assert held == [a[3], c[0], c[1]], held
+    assert not any(e.worker.store.exists(n) for n in held)
+    assert e.sched.reset_prefix_cache()
+    e.outputs.clear()
+    e.poison()
+    e.sched.add_request(create_request(request_id=4, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=BS))
+    e.run()
+    assert_clean(e)
+    st = e.stats()
+    assert st.get("host_hits") == 1 and st.get("records_loaded") == 3, st
+    assert not st.get("load_errors") and not st.get("flush_errors"), st
+    # a[0], then a[1] and a[2] (saves), then a[3], c[0] and c[1] (the loads' admissions).
+    assert e.connector.planner_stats()["host_flushes"] == 6
+    for names, req in ((a, reqs[0]), (c, reqs[1])):
+        for k in range(2 if names is c else 4):
+            assert _stored(e, names[k]) == e.expected_record(list(req.all_token_ids), k), k
+
+
 WRITE_BACK_PARALLEL = [dict(), dict(tp=2, shards=2), dict(dcp=2, interleave=1)]
 
 
