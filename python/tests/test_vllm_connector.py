@@ -1626,8 +1626,9 @@ def test_capacity_bytes_is_one_budget_the_deployments_split_gets_whole(tmp_path,
     the whole budget, is trimmed at open to half, its least recently used records first
     (here the older request's), and the new split gets what is left: after the TP 4
     deployment writes more than that, the directories together hold at most the budget,
-    and the TP 2 records kept are still re-sharded at TP 4 byte for byte. A budget that
-    holds no record of the deployment's split is refused, naming the key."""
+    and the TP 2 records kept are still re-sharded at TP 4 byte for byte. A TP 1
+    deployment then trims both other splits, each to its proportional share of half. A
+    budget that holds no record of the deployment's split is refused, naming the key."""
     store = tmp_path / "store"
     rec2 = PAGE + 64  # a record at TP 2 (2 of the 4 heads) with its header
     cap = 16 * rec2
@@ -1683,6 +1684,14 @@ def test_capacity_bytes_is_one_budget_the_deployments_split_gets_whole(tmp_path,
     assert len(sizes) == 2 and sizes[old_dir] <= cap // 2, sizes
     assert sum(sizes.values()) <= cap, sizes
     assert sum(w.store.stats()["evictions"] for w in b.workers) > 0
+    # A TP 1 deployment next: the two other splits hold more than half, so each is
+    # trimmed to its proportional share of half (whole records: at most that).
+    before = _split_dir_bytes(store)
+    c = Engine(store, extra=extra, **_split_kw(1, monkeypatch))
+    after = _split_dir_bytes(store)
+    for d, n in before.items():
+        assert after[d] <= n * (cap // 2) // sum(before.values()), (before, after)
+    assert c.connector.split_capacity == cap - sum(after.values()) >= cap - cap // 2
     with pytest.raises(ValueError, match=r"capacity_bytes'\] = 1000 holds no record"):
         Engine(store, extra={"capacity_bytes": 1000}, **_split_kw(2, monkeypatch))
 
