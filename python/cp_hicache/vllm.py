@@ -152,10 +152,28 @@ logger = logging.getLogger(__name__)
 
 #: The keys of ``kv_connector_extra_config`` the connector knows; any other is refused.
 CONFIG_KEYS = ("path", "host_bytes", "capacity_bytes", "load_buffer_bytes",
-               "save_buffer_bytes", "load_async")
+               "save_buffer_bytes", "load_async", "write_policy")
+
+#: The values of ``kv_connector_extra_config['write_policy']``: ``write_through`` (the
+#: default: a computed block is saved to the host tier and the store) and ``write_back``
+#: (to the host tier only; written to the store when the host tier evicts it, and at
+#: ``shutdown``).
+WRITE_POLICIES = ("write_through", "write_back")
+
+#: The writer task name of a write-back flush (a host slot's block written to the store
+#: when the host tier evicts it): no request waits for it.
+_FLUSH = "\0host-flush"
 
 #: The default capacity of the store, in bytes.
 DEFAULT_CAPACITY = 16 << 30
+
+#: Bytes of a record's header in a directory store (``src/storage/record.rs``): a record
+#: of ``page_bytes`` takes ``page_bytes + RECORD_HEADER_BYTES`` of the store's budget.
+RECORD_HEADER_BYTES = 64
+
+#: The budget another head split's directory is opened with only to count its bytes: no
+#: record is evicted (a store evicts at open down to its budget).
+_NO_EVICTION = 1 << 62
 
 #: The default host tier a worker (``host_bytes``): 4 GiB of pinned memory, allocated once
 #: when the worker registers its KV tensors. A node of 8 workers pins 32 GiB, a small share
@@ -263,6 +281,11 @@ class _HostIndex:
         #: load ends) nor evicted until the load is reported received; a slot whose entry
         #: was dropped meanwhile stays taken until then (a worker may still be filling it).
         self.pinned: Dict[int, Tuple[int, str]] = {}
+        #: ``write_back``: the blocks held only here, not yet in the store (an eviction of
+        #: one is a flush: the workers write the slot's bytes to the store before they
+        #: reuse it), and how many such evictions there were.
+        self.dirty: Set[str] = set()
+        self.flushes = 0
 
     def get(self, key: str) -> Optional[int]:
         """The slot holding (or, pinned, being filled with) ``key``; None if none."""
@@ -295,6 +318,9 @@ class _HostIndex:
                 return None
             slot = self.lru.pop(evicted)
             del self.gens[evicted]
+            if evicted in self.dirty:
+                self.dirty.discard(evicted)
+                self.flushes += 1
         self._gen += 1
         self.lru[key] = slot
         self.gens[key] = self._gen
@@ -316,6 +342,7 @@ class _HostIndex:
         if key not in self.lru or (gen is not None and self.gens[key] != gen):
             return False
         slot = self.lru.pop(key)
+        self.dirty.discard(key)
         if self.gens.pop(key) not in self.pinned:
             self.free.append(slot)
         return True
@@ -365,6 +392,12 @@ class CpHiCacheMetadata(KVConnectorMetadata):
     #: planner's admissions: a worker that cannot make one reports it by that number.
     host_admits: Dict[int, List[Tuple[str, int, int, str, str, int]]] = field(
         default_factory=dict)
+    #: ``write_back``: per step (applied with that step's verdict), the saves ``(request,
+    #: block id)`` the workers keep in the host tier only (admitted in ``host_admits``, or
+    #: held there already), not written to the store: each worker writes a slot's block to
+    #: the store when an admission replaces it (a flush) or at ``shutdown``. A kept save not
+    #: named (no slot for it) is written to the store at once, as under ``write_through``.
+    host_only: Dict[int, Set[Tuple[str, int]]] = field(default_factory=dict)
     #: Host tier: blocks this step loads from the store that the workers then copy into
     #: their pools, per request: block id -> ``(slot, block key, evicted key, admission)``;
     #: made once the step's loads have ended (after every load of the step, from any slot;
@@ -418,7 +451,11 @@ class CpHiCacheStats(KVConnectorStats):
     Host tier: ``host_hits`` (blocks filled from the worker's host pool, not counted in
     ``records_loaded``), ``host_admissions`` (blocks copied into the pool) and
     ``host_evictions`` (blocks an admission replaced), all per worker and summed;
-    ``host_failures`` (admissions this worker could not make: reported to the planner)."""
+    ``host_failures`` (admissions this worker could not make: reported to the planner).
+    ``write_back``: ``host_flushes`` (records, or DCP parts, a flush wrote to the store: a
+    host slot's block replaced by an admission, or at ``shutdown``; also counted in
+    ``records_saved``) and ``flush_errors`` (flushes that failed: that block is not in the
+    store; also counted in ``save_errors``)."""
 
     def aggregate(self, other: KVConnectorStats) -> "CpHiCacheStats":
         for k, v in (other.data or {}).items():
@@ -672,8 +709,9 @@ class CpHiCacheConnector(KVConnectorBase_V1):
       in slots of one block of its KV; 0 turns it off. At least one block's bytes.
     - ``capacity_bytes`` (default 16 GiB): the store's byte budget; least recently used
       records go first. Under ``path`` each head split of a GQA/MHA model's KV has a
-      directory of its own (re-sharding), each keeping to an equal share of it, so the
-      store as a whole keeps to it.
+      directory of its own (re-sharding): this deployment's split may use what the others
+      do not hold when it opens, and they are trimmed to half of it first where they
+      hold more (``_size_splits``), so the store as a whole keeps to it at open.
     - ``load_buffer_bytes`` (default 256 MiB): the most bytes of records a worker's loader
       holds read and not yet filled into their blocks. A step's loads beyond it are read
       and filled in batches, in order; at least one block's reads.
@@ -687,6 +725,12 @@ class CpHiCacheConnector(KVConnectorBase_V1):
       ``finished_recving`` once its blocks are in (with its failed blocks, if any, in the
       same step's ``invalid_block_ids``). Otherwise loads are synchronous, layer by layer
       ahead of the forward.
+    - ``write_policy`` (default ``write_through``, :data:`WRITE_POLICIES`):
+      ``write_through`` saves a computed block to the host tier and the store;
+      ``write_back`` to the host tier only, writing it to the store when the host tier
+      evicts it (each worker copies the slot's bytes out for its writer thread before the
+      admission that replaces it) and at ``shutdown``. ``write_back`` needs both a host
+      tier and ``path``.
 
     Any other key is refused (a ``ValueError`` naming it and the known keys,
     :data:`CONFIG_KEYS`): a misspelled ``path`` would otherwise quietly give a host-only
@@ -717,6 +761,23 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                 "host tier (kv_connector_extra_config['host_bytes'] > 0): it has neither"
             )
         capacity = int(extra.get("capacity_bytes", DEFAULT_CAPACITY))
+        policy = extra.get("write_policy", "write_through")
+        if policy not in WRITE_POLICIES:
+            raise ValueError(
+                f"kv_connector_extra_config['write_policy'] = {policy!r} is not known; "
+                f"the write policies are {', '.join(WRITE_POLICIES)}"
+            )
+        #: ``write_back``: a computed block is saved to the host tier only, and written to
+        #: the store when the host tier evicts it (and at ``shutdown``).
+        self.write_back = policy == "write_back"
+        if self.write_back and (not path or host_bytes == 0):
+            raise ValueError(
+                "kv_connector_extra_config['write_policy'] = 'write_back' writes blocks to "
+                "the store when the host tier evicts them: it needs both a host tier "
+                "(host_bytes > 0) and a store (path); this config has "
+                + ("neither" if not path and host_bytes == 0
+                   else "no store (path)" if not path else "no host tier (host_bytes is 0)")
+            )
         #: Whether loads span steps (vLLM's ``load_kv_async``) instead of running ahead of
         #: the forward of the step that plans them.
         self.load_async = bool(extra.get("load_async", False))
@@ -771,29 +832,26 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         #: The storage tier: a page store in ``path`` (None: a host-only deployment).
         self.path = self.store_path = self.store = None
         self.capacity_bytes = capacity
-        #: The budget of each head split's directory: ``capacity_bytes`` shared equally by
-        #: every head split of the model (``_model_splits``: one for MLA, a spec declaring
-        #: its KV the same on every rank, or a split not known), so that all of the store's
-        #: directories together keep to ``capacity_bytes`` whichever TP degrees write them
-        #: (each directory is a store of its own, with its own LRU and byte count).
-        splits = self._model_splits()
-        self.split_capacity = capacity // len(splits)
-        if path:
-            small = [s for s in splits if self.split_capacity < self._split_page_bytes(s)]
-            if small:
-                raise ValueError(
-                    f"kv_connector_extra_config['capacity_bytes'] = {capacity}: shared by "
-                    f"the {len(splits)} head splits of the model's KV (a directory each: "
-                    f"{self.split_capacity} bytes a split), it holds no record of "
-                    f"{self._split_page_bytes(small[0])} bytes at {small[0]} head shards"
-                )
+        #: The budget of this deployment's own head split's directory (the only one it
+        #: writes): ``capacity_bytes`` less what the other splits' directories hold when it
+        #: opens, those trimmed first where that would leave it less than half
+        #: (``_size_splits``). All of ``capacity_bytes`` without a store, or where the model
+        #: has one split (MLA, a spec declaring its KV the same on every rank).
+        self.split_capacity = capacity
         #: The stores of the other head splits of this model (``_split_store``): shards ->
-        #: the store, opened once its directory is there.
+        #: the store, opened at construction where its directory is there, else once it is.
         self._split_stores: Dict[int, Any] = {}
         self._split_lock = threading.Lock()
         if path:
             self.path = str(path)
             self.store_path = self._split_path(self.head_shards)
+            if capacity < self.page_bytes + RECORD_HEADER_BYTES:
+                raise ValueError(
+                    f"kv_connector_extra_config['capacity_bytes'] = {capacity} holds no "
+                    f"record of this deployment's head split ({self.page_bytes} bytes and a "
+                    f"{RECORD_HEADER_BYTES}-byte header)"
+                )
+            self.split_capacity = self._size_splits(capacity)
             self.store = _native.PageStore(self.store_path, self.fingerprint, self.page_bytes,
                                            self.split_capacity)
         #: The host tier: ``host_slots`` slots of one block of this worker's bytes each
@@ -836,6 +894,8 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                                "host_dropped": 0}
         #: Host-tier admissions decided since the last metadata (step -> admissions).
         self._host_admits: Dict[int, List[Tuple[str, int, int, str, str, int]]] = {}
+        #: ``write_back``: the saves kept in the host tier only, per step (``host_only``).
+        self._host_only: Dict[int, Set[Tuple[str, int]]] = {}
         #: Host-tier loads planned since the last metadata: request -> block id -> slot
         #: (and -> ``(block key, admission)``); and store loads to admit to the host tier
         #: once loaded (``host_fills``).
@@ -926,6 +986,12 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         self._host_tags: List[Optional[str]] = [None] * self.host_slots
         self._admits: Dict[int, List[Tuple[str, int, int, str, str, int]]] = {}
         self._host_failed: Set[Tuple[str, int]] = set()
+        #: ``write_back``: the saves the planner keeps in the host tier only, per step
+        #: (``host_only``), and the slots holding such a block, not yet in the store: slot
+        #: -> ``(block key, what it writes: a save's items)``. A slot so marked is written
+        #: to the store (flushed) before anything replaces it, and at ``shutdown``.
+        self._only: Dict[int, Set[Tuple[str, int]]] = {}
+        self._host_dirty: Dict[int, Tuple[str, List[Any]]] = {}
         self._stats: Dict[str, int] = {}
         self._stats_lock = threading.Lock()
 
@@ -1091,6 +1157,49 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         return [own] + [s for s in range(self.kv_heads, 0, -1)
                         if self.kv_heads % s == 0 and s != own]
 
+    def _size_splits(self, capacity: int) -> int:
+        """Shares ``capacity`` (``capacity_bytes``) between this deployment's own head
+        split and the other splits' directories there now, at open, and returns its own
+        split's budget. The other splits are opened (kept in ``_split_stores`` for
+        re-sharding reads) and their bytes counted. Where they hold more than half of
+        ``capacity``, each is trimmed (opened again with a smaller budget: the store evicts
+        its least recently used records down to it at open) to its proportional share of
+        half (at least one of its records: a store's budget holds one). The own split gets
+        what they then hold less than ``capacity`` (at least one record). So a single TP
+        degree's split gets the whole budget, and after a TP change the old split's
+        records stay to be re-sharded while yielding room to the new one. Another
+        deployment writing another split at the same time is not seen: each sees the
+        budget as it was when it opened."""
+        held: Dict[int, Tuple[Any, int]] = {}
+        for shards in self._model_splits()[1:]:
+            where = self._split_path(shards)
+            if not os.path.isdir(where):
+                continue
+            store = _native.PageStore(where, self._split_fingerprint(shards),
+                                      self._split_page_bytes(shards), _NO_EVICTION)
+            held[shards] = (store, int(store.stats()["usage_bytes"]))
+        others = sum(n for _, n in held.values())
+        half = capacity // 2
+        if others > capacity - half:
+            for shards, (store, n) in list(held.items()):
+                if not n:
+                    continue
+                target = max(n * half // others,
+                             self._split_page_bytes(shards) + RECORD_HEADER_BYTES)
+                if target >= n:
+                    continue
+                store = _native.PageStore(self._split_path(shards),
+                                          self._split_fingerprint(shards),
+                                          self._split_page_bytes(shards), target)
+                held[shards] = (store, int(store.stats()["usage_bytes"]))
+            logger.info("cp_hicache: the other head splits' directories held %d bytes of "
+                        "capacity_bytes %d; trimmed to %d", others, capacity,
+                        sum(n for _, n in held.values()))
+            others = sum(n for _, n in held.values())
+        for shards, (store, _) in held.items():
+            self._split_stores[shards] = store
+        return max(capacity - others, self.page_bytes + RECORD_HEADER_BYTES)
+
     def _read_splits(self) -> List[int]:
         """The head splits whose records this deployment reads (``_model_splits``; only
         its own without a store)."""
@@ -1111,9 +1220,14 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         with self._split_lock:
             store = self._split_stores.get(shards)
             if store is None:
+                # Its directory appeared since this deployment opened (another deployment
+                # writes it now): opened for reading with the whole budget (a reader never
+                # writes; its open trims nothing that deployment's own budget keeps).
                 store = _native.PageStore(where, self._split_fingerprint(shards),
                                           self._split_page_bytes(shards),
-                                          self.split_capacity)
+                                          max(self.capacity_bytes,
+                                              self._split_page_bytes(shards)
+                                              + RECORD_HEADER_BYTES))
                 self._split_stores[shards] = store
         return store
 
@@ -1318,11 +1432,13 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                                  settled=self._settled, unreported=self._unreported,
                                  host_loads=self._pending_host,
                                  host_admits=self._host_admits,
+                                 host_only=self._host_only,
                                  host_fills=self._pending_fills,
                                  load_splits=self._pending_splits)
         self._pending_loads, self._settled, self._unreported = {}, {}, set()
         self._pending_splits = {}
         self._pending_host, self._host_admits, self._pending_fills = {}, {}, {}
+        self._host_only = {}
         host_keys, self._pending_host_keys = self._pending_host_keys, {}
         self._filling = set()
         plan = _StepPlan()
@@ -1526,23 +1642,31 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         (:meth:`_release`), or report the ones they could not (``host_failed``)."""
         host = self._host
         out = []
+        only: Set[Tuple[str, int]] = set()
         for rid, blocks in plan.admits.items():
             if rid in dropped:
                 continue
             for key, b in blocks:
                 if host.get(key) is not None:
                     host.touch(key)
+                    if self.write_back:  # held there already (or in the store: a fill)
+                        only.add((rid, b))
                     continue
                 got = host.admit(key)
                 if got is None:  # every slot is being filled by loads that span steps
-                    continue
+                    continue  # (under write_back: written to the store at once)
                 slot, evicted, gen = got
                 out.append((rid, b, slot, key, evicted, gen))
+                if self.write_back:
+                    host.dirty.add(key)
+                    only.add((rid, b))
                 self._planner_stats["host_admitted"] += 1
                 if evicted:
                     self._planner_stats["host_evicted"] += 1
         if out:
             self._host_admits[step] = out
+        if only:
+            self._host_only[step] = only
 
     def host_index(self) -> Dict[str, int]:
         """The planner's host index: block key -> slot, least recently used first (empty
@@ -1557,6 +1681,8 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         verdict, or verdicts not yet sent; all 0 once every request has finished and been
         freed)."""
         return dict(self._planner_stats,
+                    host_flushes=self._host.flushes if self._host is not None else 0,
+                    host_dirty=len(self._host.dirty) if self._host is not None else 0,
                     tracked=len(self._reqs) + len(self._loading) + len(self._async_fills),
                     delayed=len(self._delayed),
                     unsettled=len(self._inflight) + len(self._settled))
@@ -1853,6 +1979,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
 
         for b, (slot, key, evicted, gen) in task.fills.items():
             ok = False
+            self._flush_slot(slot)
             if (b in filled and b not in task.errors and self._host_pool is not None
                     and 0 <= slot < self.host_slots):
                 try:
@@ -2078,7 +2205,8 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             return
         f.add_done_callback(lambda f, size=size: self._dequeue(size))
         f.add_done_callback(self._write_done)
-        self._writes.setdefault(rid, []).append(f)
+        if rid != _FLUSH:  # no request waits for a flush (and it may come from the loader)
+            self._writes.setdefault(rid, []).append(f)
 
     def _dequeue(self, size: int) -> None:
         """A writer task ended (written or not): its bytes leave the queue."""
@@ -2156,6 +2284,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             self._ran.add(step)
         self._verdicts.update(getattr(connector_metadata, "settled", None) or {})
         self._admits.update(getattr(connector_metadata, "host_admits", None) or {})
+        self._only.update(getattr(connector_metadata, "host_only", None) or {})
         for rid in getattr(connector_metadata, "unreported", None) or ():
             # vLLM frees its blocks itself (its load ended): nothing to report.
             self._saving_reqs.discard(rid)
@@ -2178,28 +2307,38 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                                "a block that failed to load", lost, t)
                 self._count(saves_dropped=lost)
             admits = self._admits.pop(t, None)
+            failed: Set[Tuple[str, int]] = set()
             if admits:
-                self._host_admit(admits, {(sb.rid, sb.block_id): sb for sb in keep})
-            keep = [sb for sb in keep if sb.write]
+                failed = self._host_admit(admits, {(sb.rid, sb.block_id): sb for sb in keep})
+            # Under write_back the blocks kept in the host tier only are written when it
+            # evicts them; one whose admission failed here is written now instead.
+            only = self._only.pop(t, set())
+            keep = [sb for sb in keep if sb.write and ((sb.rid, sb.block_id) not in only
+                                                       or (sb.rid, sb.block_id) in failed)]
             if keep:
                 self._submit(keep)
         for t in [t for t in self._verdicts if t <= self._last_saved_step]:
             del self._verdicts[t]
+        for t in [t for t in self._only if t <= self._last_saved_step]:
+            del self._only[t]
         for t in [t for t in self._admits if t <= self._last_saved_step]:
             # Admissions of a step this worker holds no copies of (its saves were dropped
             # here: the step ended without wait_for_save): none can be made.
             self._host_admit(self._admits.pop(t), {})
 
     def _host_admit(self, admits: List[Tuple[str, int, int, str, str, int]],
-                    blocks: Dict[Tuple[str, int], "_SaveBlock"]) -> None:
+                    blocks: Dict[Tuple[str, int], "_SaveBlock"]) -> Set[Tuple[str, int]]:
         """Makes the planner's admissions: each block's held copy goes into its slot,
         replacing (evicting) the slot's block. An admission that cannot be made (no whole
         copy of the block held here, or the copy failed) leaves the slot holding nothing
         servable and is reported to the planner (``host_failed``): its block is not
         offered from the host tier again, and a load already planned from it fails here
-        (reported, recomputed), never served."""
+        (reported, recomputed), never served. Under ``write_back`` a slot holding a block
+        not yet in the store is flushed first, and the admitted block's slot is marked so.
+        Returns the ``(request, block id)`` of the admissions not made."""
         # No load of this step may read a slot while it is replaced.
         self._load_errors |= self._join_load()
+        failed: Set[Tuple[str, int]] = set()
         for rid, b, slot, key, evicted, gen in admits:
             # Nor may a load that spans steps still fill it (the planner pins such slots
             # until the load is received, so this never waits; kept for the bytes' sake).
@@ -2208,6 +2347,7 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                     task.done.wait()
             sb = blocks.get((rid, b))
             ok = False
+            self._flush_slot(slot)
             if (sb is not None and all(sb.have) and self._host_pool is not None
                     and 0 <= slot < self.host_slots):
                 try:
@@ -2217,6 +2357,41 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                     logger.warning("cp_hicache: copying block %d of %s into host slot %d "
                                    "failed: %s", b, rid, slot, e)
             self._host_settle(slot, key, evicted, gen, ok)
+            if not ok:
+                failed.add((rid, b))
+            elif self.write_back and sb.write:
+                self._host_dirty[slot] = (key, sb.items)
+        return failed
+
+    def _flush_slot(self, slot: int) -> None:
+        """``write_back``: before host slot ``slot`` is replaced (the planner's admission
+        evicts its block) or at ``shutdown``, writes the block it holds, if not yet in the
+        store, to the store: the slot's bytes are copied out now (so the slot may be
+        reused at once) and written by the writer thread, as a save is (within
+        ``save_buffer_bytes``). A flush that fails leaves that block out of the store
+        (``flush_errors``), never a wrong record."""
+        ent = self._host_dirty.pop(slot, None)
+        if ent is None:
+            return
+        key, items = ent
+        try:
+            if self._writer is None or self._host_tags[slot] != key:
+                raise RuntimeError(f"host slot {slot} no longer holds block {key}")
+            sb = _SaveBlock(_FLUSH, -1, items, len(self._layers))
+            src = self._host_pool[slot].numpy()
+            if len(items) == 1 and items[0][1] is None:
+                sb.bufs[0][:] = src
+            else:
+                g = self._layers[0]
+                view = src.reshape(len(self._layers), g.heads, self.block_size, g.width)
+                for (_, slots, _, _), buf in zip(items, sb.bufs):
+                    buf[:] = view[:, :, slots, :].reshape(-1)
+        except Exception as e:
+            logger.warning("cp_hicache: flushing host slot %d to the store failed: %s",
+                           slot, e)
+            self._count(flush_errors=len(items))
+            return
+        self._enqueue(_FLUSH, [sb], sum(buf.nbytes for buf in sb.bufs))
 
     def build_connector_worker_meta(self) -> Optional[CpHiCacheWorkerMeta]:
         """The steps this worker ran since its last report (:class:`CpHiCacheWorkerMeta`),
@@ -2273,9 +2448,14 @@ class CpHiCacheConnector(KVConnectorBase_V1):
                     self._count(saves_read_only=1)  # a read-only mount): never written
                 elif whole:
                     self._count(records_saved=1, bytes_saved=self.page_bytes)
+                if written and rid == _FLUSH:
+                    self._count(host_flushes=1)
             except Exception as e:  # a failed write is a later miss, counted and logged
-                logger.warning("cp_hicache: saving a block of %s failed: %s", rid, e)
+                logger.warning("cp_hicache: saving a block of %s failed: %s",
+                               "a host slot (flush)" if rid == _FLUSH else rid, e)
                 self._count(save_errors=1)
+                if rid == _FLUSH:
+                    self._count(flush_errors=1)
 
     def get_finished(self, finished_req_ids: Set[str]
                      ) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
@@ -2351,6 +2531,10 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             self._count(saves_dropped=held)
         self._held.clear()
         self._verdicts.clear()
+        # write_back: what only the host tier holds goes to the store before the writer
+        # stops (each worker its own bytes of every such slot).
+        for slot in sorted(self._host_dirty):
+            self._flush_slot(slot)
         for attr in ("_loader", "_writer"):
             ex = getattr(self, attr)
             if ex is not None:

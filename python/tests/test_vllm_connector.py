@@ -1197,6 +1197,42 @@ def test_a_failed_load_at_dcp2_is_recomputed_on_every_rank(tmp_path, monkeypatch
     assert b.stats().get("load_errors") == (2 if interleave == 1 else 1)
 
 
+def test_a_failed_load_at_dcp4_is_recomputed_on_every_rank(tmp_path, monkeypatch):
+    """At DCP 4 (interleave 1: every rank holds a quarter of each record's tokens) a
+    damaged record of virtual block 1 fails its load on all four ranks; the block is
+    reported once, vLLM recomputes from it, and every rank's blocks end with the KV their
+    tokens give (checked after every step)."""
+    # The whole prompt in one step (the stand-in runner samples a token every step).
+    a = Engine(tmp_path / "store", dcp=4, interleave=1, monkeypatch=monkeypatch, budget=256)
+    req = create_request(request_id=1, num_tokens=136, common_prefix_len=128, max_tokens=1,
+                         block_size=a.sblock)
+    a.sched.add_request(req)
+    a.run()
+    names = block_names(req.all_token_ids, BS)
+    _damage(str(a.worker.store.path_of(names[4])))  # record 4: virtual block 1's first
+
+    b = Engine(tmp_path / "store", dcp=4, interleave=1, verify=True, monkeypatch=monkeypatch)
+    b.poison()
+    b.sched.add_request(create_request(request_id=2, num_tokens=144, common_prefix_len=128,
+                                       max_tokens=2, block_size=b.sblock))
+    seen = {}
+
+    def ids(so, meta):
+        if meta.loads:
+            seen["ids"] = list(b.sched.kv_cache_manager.get_block_ids("id-2")[0][:2])
+
+    b.verify = False  # the failed block is recomputed in the next step, not this one
+    so = b.step(ids)
+    assert so.num_scheduled_tokens == {"id-2": 16}
+    assert b.outputs[-1].invalid_block_ids == {seen["ids"][1]}
+    b.verify = True
+    so = b.step()
+    assert so.num_scheduled_tokens == {"id-2": 64}, so.num_scheduled_tokens  # from token 64
+    b.run()
+    assert_clean(b)
+    assert b.stats().get("load_errors") == 4  # every rank reads a part of record 4
+
+
 def test_abort_while_saving_leaves_nothing_behind(tmp_path):
     """An aborted request's blocks are freed only once its writes are reported done."""
     from vllm.v1.request import RequestStatus
@@ -1240,6 +1276,8 @@ DCP_RUNS = [
     ((4, 1), (2, 1)),
     ((4, 1), (2, BS)),
     ((2, 1), (4, 4)),
+    ((4, 1), (1, 1)),
+    ((4, BS), (4, BS)),
 ]
 
 
@@ -1579,42 +1617,83 @@ def _split_dir_bytes(path) -> dict:
     return out
 
 
-def test_capacity_bytes_bounds_the_whole_store_across_head_splits(tmp_path, monkeypatch):
-    """``capacity_bytes`` is one budget for the store, whichever head splits write it: a
-    4-KV-head model has 3 splits (1, 2 and 4 shards), each a directory of its own keeping
-    to a third of it (before, each kept to the whole of it: a store written at TP 2, then
-    TP 4, then TP 1 held up to three times the budget). Written at TP 2, TP 4 and TP 1 in
-    turn (8 records each, more than a third holds), the directories together stay within
-    the budget (and stay so with a reader at TP 2 running over them, which opens the other
-    splits' directories to re-shard from them). A budget whose share holds no record of
-    some split is refused, naming the key."""
-    cap = 3 * 4 * (PAGE + 64)  # a third holds 4 records of 2 heads
+def test_capacity_bytes_is_one_budget_the_deployments_split_gets_whole(tmp_path,
+                                                                       monkeypatch):
+    """``capacity_bytes`` is one budget for the store. A single TP degree's head split
+    gets all of it (before, each of a 4-KV-head model's 3 splits kept to a third: a TP 2
+    deployment's store stopped at a third of its budget): 16 records of a budget of 16
+    are all kept. After a TP change (TP 2, then TP 4) the old split's directory, holding
+    the whole budget, is trimmed at open to half, its least recently used records first
+    (here the older request's), and the new split gets what is left: after the TP 4
+    deployment writes more than that, the directories together hold at most the budget,
+    and the TP 2 records kept are still re-sharded at TP 4 byte for byte. A TP 1
+    deployment then trims both other splits, each to its proportional share of half. A
+    budget that holds no record of the deployment's split is refused, naming the key."""
+    store = tmp_path / "store"
+    rec2 = PAGE + 64  # a record at TP 2 (2 of the 4 heads) with its header
+    cap = 16 * rec2
     extra = {"capacity_bytes": cap}
-    for tp in (2, 4, 1):
-        e = Engine(tmp_path / "store", extra=extra, **_split_kw(tp, monkeypatch))
-        assert e.connector.split_capacity == cap // 3
-        e.sched.add_request(create_request(request_id=tp, num_tokens=72,
-                                           common_prefix_len=64, max_tokens=2,
-                                           block_size=BS))
-        e.run()
-        assert_clean(e)
-        assert not e.stats().get("save_errors"), e.stats()
-        sizes = _split_dir_bytes(tmp_path / "store")
-        assert all(n <= cap // 3 for n in sizes.values()), sizes
-        assert sum(sizes.values()) <= cap, sizes
-    assert len(sizes) == 3 and all(sizes.values()), sizes
-    b = Engine(tmp_path / "store", extra=extra, **_split_kw(2, monkeypatch))
+    a = Engine(store, extra=extra, **_split_kw(2, monkeypatch))
+    assert a.connector.split_capacity == cap
+    assert all(w.split_capacity == cap for w in a.workers)
+    reqs = {}
+    for rid in (3, 5):  # 4 blocks of 2 shards each, no prefix shared
+        reqs[rid] = create_request(request_id=rid, num_tokens=72, max_tokens=2,
+                                   block_size=BS)
+        a.sched.add_request(reqs[rid])
+        a.run()
+    assert_clean(a)
+    assert not a.stats().get("save_errors"), a.stats()
+    sizes = _split_dir_bytes(store)
+    assert list(sizes.values()) == [cap], sizes  # all 16 kept, none evicted
+    assert a.worker.store.stats()["evictions"] == 0
+    old_dir = os.path.basename(a.worker.store_path)
+    # Request 3's records are the least recently used.
+    long_ago = time.time() - 3600
+    names = {rid: block_names(list(r.all_token_ids), BS)[:4] for rid, r in reqs.items()}
+    for n in names[3]:
+        for s in range(2):
+            os.utime(a.worker.store.path_of(head_shard_key(n, s, 2)), (long_ago, long_ago))
+    b = Engine(store, extra=extra, **_split_kw(4, monkeypatch))
+    sizes = _split_dir_bytes(store)
+    # Trimmed to half: request 5's 8 records (the TP 4 directory is there, empty).
+    assert sizes[old_dir] == cap // 2 and sum(sizes.values()) == cap // 2, sizes
+    assert b.connector.split_capacity == cap - cap // 2
+    assert all(w.split_capacity == cap - cap // 2 for w in b.workers)
+    old = b.worker._split_stores[2]
+    assert old.present_run([head_shard_key(n, s, 2) for n in names[3][:1]
+                            for s in range(2)]) == 0
+    # Re-sharding reads what is left, byte for byte (the blocks are checked every step).
     b.poison()
-    b.sched.add_request(create_request(request_id=9, num_tokens=80, common_prefix_len=64,
-                                       max_tokens=2, block_size=BS))
+    b.sched.add_request(create_request(request_id=5, num_tokens=80, max_tokens=2,
+                                       block_size=BS))
+    so = b.step()
+    assert so.num_scheduled_tokens == {"id-5": 16}, so.num_scheduled_tokens
     b.run()
     assert_clean(b)
-    assert not b.stats().get("load_errors"), b.stats()
-    assert sum(_split_dir_bytes(tmp_path / "store").values()) <= cap
-    with pytest.raises(ValueError, match=r"capacity_bytes'\] = 1000: shared by the 3 head "
-                                         r"splits .* holds no record"):
-        Engine(tmp_path / "store", extra={"capacity_bytes": 1000},
-               **_split_kw(2, monkeypatch))
+    st = b.stats()
+    assert st.get("records_loaded") == 4 * 4 and not st.get("load_errors"), st
+    # TP 4 writes more than its share (8 blocks of 4 shards, 32 records): its own
+    # directory evicts, and the store keeps to the budget.
+    b.sched.add_request(create_request(request_id=7, num_tokens=136, max_tokens=2,
+                                       block_size=BS))
+    b.run()
+    assert_clean(b)
+    assert not b.stats().get("save_errors")
+    sizes = _split_dir_bytes(store)
+    assert len(sizes) == 2 and sizes[old_dir] <= cap // 2, sizes
+    assert sum(sizes.values()) <= cap, sizes
+    assert sum(w.store.stats()["evictions"] for w in b.workers) > 0
+    # A TP 1 deployment next: the two other splits hold more than half, so each is
+    # trimmed to its proportional share of half (whole records: at most that).
+    before = _split_dir_bytes(store)
+    c = Engine(store, extra=extra, **_split_kw(1, monkeypatch))
+    after = _split_dir_bytes(store)
+    for d, n in before.items():
+        assert after[d] <= n * (cap // 2) // sum(before.values()), (before, after)
+    assert c.connector.split_capacity == cap - sum(after.values()) >= cap - cap // 2
+    with pytest.raises(ValueError, match=r"capacity_bytes'\] = 1000 holds no record"):
+        Engine(store, extra={"capacity_bytes": 1000}, **_split_kw(2, monkeypatch))
 
 
 # ((TP, DCP, interleave) writing, (TP, DCP, interleave) reading) over a 4-KV-head model: a DCP
@@ -1785,7 +1864,7 @@ def test_unknown_config_keys_are_refused_naming_the_key_and_the_known_ones(tmp_p
             msg = str(err.value)
             assert all(repr(k) in msg for k in bad), msg
             assert "known keys are path, host_bytes, capacity_bytes, load_buffer_bytes, " \
-                   "save_buffer_bytes, load_async" in msg, msg
+                   "save_buffer_bytes, load_async, write_policy" in msg, msg
     assert not (tmp_path / "store").exists()  # refused before anything was made
 
 
@@ -2619,12 +2698,242 @@ def test_host_eviction_keeps_planner_and_workers_consistent(tmp_path, store):
     assert st.get("records_loaded", 0) == (3 if store else 0), st
 
 
+def _in_store(e: Engine, names) -> list:
+    """Which of the records ``names`` (DCP 1, no head shards) the engine's store holds."""
+    return [n for n in names if e.worker.store.exists(n)]
+
+
+def test_write_back_saves_to_the_host_tier_and_flushes_on_eviction(tmp_path):
+    """``write_policy`` ``write_back`` with a host tier of 3 blocks: request 1's 4 saved
+    blocks go to the host tier only, and the first, evicted by the fourth, is the only one
+    written to the store (a flush: the worker writes the slot's bytes out before the
+    admission replaces them). Request 3's 2 blocks evict two more, flushed byte for byte.
+    Request 4, sharing request 1's prefix, gets blocks 0..2 from the store and block 3,
+    which only the host tier holds, from the host tier, byte for byte. After shutdown
+    (which flushes what only the host tier holds), a restart reads every block from the
+    store."""
+    e = Engine(tmp_path / "store", verify=True,
+               extra={"host_bytes": 3 * PAGE + PAGE // 2, "write_policy": "write_back"})
+    a = block_names([1] * 64, BS)
+    e.sched.add_request(create_request(request_id=1, num_tokens=72, common_prefix_len=64,
+                                       max_tokens=2, block_size=BS))
+    _run_checked(e)
+    assert_clean(e)
+    assert list(e.connector.host_index()) == a[1:4]
+    assert _in_store(e, a) == a[:1]
+    st = e.stats()
+    assert st.get("host_admissions") == 4 and st.get("host_flushes") == 1, st
+    assert st.get("records_saved") == 1 and not st.get("flush_errors"), st
+    ps = e.connector.planner_stats()
+    assert ps["host_flushes"] == 1 and ps["host_dirty"] == 3, ps
+    tokens1 = [1] * 64 + list(range(8))
+    assert _stored(e, a[0]) == e.expected_record(tokens1, 0)
+    e.sched.add_request(create_request(request_id=3, num_tokens=40, max_tokens=2,
+                                       block_size=BS))
+    _run_checked(e)
+    assert_clean(e)
+    assert _in_store(e, a) == a[:3]
+    for k in range(3):
+        assert _stored(e, a[k]) == e.expected_record(tokens1, k), k
+    assert e.connector.planner_stats()["host_flushes"] == 3
+    assert e.sched.reset_prefix_cache()
+    e.outputs.clear()
+    e.poison()
+    e.sched.add_request(create_request(request_id=4, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=BS))
+    so = e.step()
+    assert so.num_scheduled_tokens == {"id-4": 16}, so.num_scheduled_tokens
+    meta = e.metas[-1]
+    ids = [b for _, b in meta.loads["id-4"]]
+    assert list(meta.host_loads["id-4"]) == [ids[3]], meta.host_loads
+    _run_checked(e)
+    assert_clean(e)
+    st = e.stats()
+    assert st.get("host_hits") == 1 and st.get("records_loaded") == 3, st
+    assert not st.get("load_errors"), st
+    # The blocks read from the store went into the host tier, evicting a[3] last (after
+    # the step's load from its slot): flushed then, byte for byte.
+    assert _stored(e, a[3]) == e.expected_record(tokens1, 3)
+    # Request 4's fifth block is only in the host tier until shutdown flushes it.
+    tokens4 = [1] * 64 + [4 * i for i in range(16)]
+    b4 = block_names(tokens4, BS)[4]
+    assert e.connector.host_index().get(b4) is not None and not e.worker.store.exists(b4)
+    for w in e.workers:
+        w.shutdown()
+    assert _stored(e, b4) == e.expected_record(tokens4, 4)
+    b = Engine(tmp_path / "store", verify=True,
+               extra={"host_bytes": 3 * PAGE + PAGE // 2, "write_policy": "write_back"})
+    b.poison()
+    b.sched.add_request(create_request(request_id=4, num_tokens=96, common_prefix_len=64,
+                                       max_tokens=2, block_size=BS))
+    so = b.step()
+    assert so.num_scheduled_tokens == {"id-4": 16}, so.num_scheduled_tokens
+    _run_checked(b)
+    assert_clean(b)
+    st = b.stats()
+    assert st.get("records_loaded") == 5 and not st.get("host_hits"), st
+    assert not st.get("load_errors"), st
+
+
+@pytest.mark.parametrize("mode", ["load-async", "async-scheduler"])
+def test_write_back_flushes_slots_that_loads_from_the_store_refill(tmp_path, mode):
+    """``write_back`` with a 3-block host tier, with loads that span steps and under vLLM's
+    ``AsyncScheduler``: request 1's and request 3's blocks are only in the host tier
+    (but those evicted by later saves); request 4's hit reads request 1's evicted blocks
+    from the store, and their admissions evict the three blocks the host tier held, only
+    there, each flushed by every worker before the load's copy replaces it (on the loader
+    thread, steps later with ``load_async``). Every block is checked after every step, and
+    every flushed record holds the forward's bytes."""
+    extra = {"host_bytes": 3 * PAGE + PAGE // 2, "write_policy": "write_back",
+             "load_async": mode == "load-async"}
+    e = Engine(tmp_path / "store", verify=True, extra=extra,
+               async_scheduling=mode == "async-scheduler")
+    reqs = [create_request(request_id=1, num_tokens=72, common_prefix_len=64, max_tokens=2,
+                           block_size=BS),
+            create_request(request_id=3, num_tokens=40, max_tokens=2, block_size=BS)]
+    for r in reqs:
+        e.sched.add_request(r)
+        e.run()
+        assert_clean(e)
+    a = block_names(list(reqs[0].all_token_ids), BS)
+    c = block_names(list(reqs[1].all_token_ids), BS)
+    held = list(e.connector.host_index())
+    assert held == [a[3], c[0], c[1]], held
+    assert not any(e.worker.store.exists(n) for n in held)
+    assert e.sched.reset_prefix_cache()
+    e.outputs.clear()
+    e.poison()
+    e.sched.add_request(create_request(request_id=4, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=BS))
+    e.run()
+    assert_clean(e)
+    st = e.stats()
+    assert st.get("host_hits") == 1 and st.get("records_loaded") == 3, st
+    assert not st.get("load_errors") and not st.get("flush_errors"), st
+    # a[0], then a[1] and a[2] (saves), then a[3], c[0] and c[1] (the loads' admissions).
+    assert e.connector.planner_stats()["host_flushes"] == 6
+    for names, req in ((a, reqs[0]), (c, reqs[1])):
+        for k in range(2 if names is c else 4):
+            assert _stored(e, names[k]) == e.expected_record(list(req.all_token_ids), k), k
+
+
+WRITE_BACK_PARALLEL = [dict(), dict(tp=2, shards=2), dict(dcp=2, interleave=1)]
+
+
+@pytest.mark.parametrize("kw", WRITE_BACK_PARALLEL, ids=["dcp1", "tp2h2", "dcp2i1"])
+def test_write_back_flushes_what_only_the_host_tier_holds_at_shutdown(tmp_path, monkeypatch,
+                                                                     kw):
+    """``write_back`` with a host tier that evicts nothing: nothing is written to the
+    store while the engine runs; ``shutdown`` flushes every block only the host tier
+    holds (every worker its own bytes: its head shard's, its DCP rank's tokens, written
+    as parts), and a restart reads the whole prefix from the store, every rank's blocks
+    byte for byte."""
+    extra = {"host_bytes": 16 * PAGE, "write_policy": "write_back"}
+    e = Engine(tmp_path / "store", verify=True, extra=extra, monkeypatch=monkeypatch, **kw)
+    e.sched.add_request(create_request(request_id=1, num_tokens=72 * e.dcp,
+                                       common_prefix_len=64 * e.dcp, max_tokens=2,
+                                       block_size=e.sblock))
+    _run_checked(e)
+    assert_clean(e)
+    st = e.stats()
+    assert not st.get("records_saved") and not st.get("parts_saved"), st
+    assert not st.get("host_flushes"), st
+    for w in e.workers:
+        assert w.store.stats()["records_written"] == 0
+    for w in e.workers:
+        w.shutdown()
+    flushed = sum(w._stats.get("host_flushes", 0) for w in e.workers)
+    # 4 blocks, each worker its record of each (under DCP with a small interleave, its
+    # part of each of the block's records).
+    assert flushed == 4 * e.tp * (e.dcp if e.interleave < BS else 1), flushed
+    b = Engine(tmp_path / "store", verify=True, extra=extra, monkeypatch=monkeypatch, **kw)
+    b.poison()
+    b.sched.add_request(create_request(request_id=2, num_tokens=80 * e.dcp,
+                                       common_prefix_len=64 * e.dcp, max_tokens=2,
+                                       block_size=b.sblock))
+    so = b.step()
+    assert so.num_scheduled_tokens == {"id-2": 16 * e.dcp}, so.num_scheduled_tokens
+    _run_checked(b)
+    assert_clean(b)
+    st = b.stats()
+    assert not st.get("load_errors") and not st.get("host_hits"), st
+    assert st.get("records_loaded") == 4 * e.tp, st
+
+
+class _FailingPuts:
+    """A store whose writes raise (a full or failing disk); everything else passes."""
+
+    def __init__(self, store):
+        self._store = store
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def put(self, name, parts):
+        raise OSError("no space left on device")
+
+
+def test_a_failed_write_back_flush_is_counted_and_never_a_wrong_record(tmp_path):
+    """``write_back``: a flush whose write fails leaves its block out of the store
+    (``flush_errors``, ``save_errors``); the next request of the prefix computes it, and
+    the store holds no record of it (nor any wrong one)."""
+    extra = {"host_bytes": 3 * PAGE + PAGE // 2, "write_policy": "write_back"}
+    e = Engine(tmp_path / "store", verify=True, extra=extra)
+    store = e.worker.store
+    e.worker.store = _FailingPuts(store)
+    e.sched.add_request(create_request(request_id=1, num_tokens=72, common_prefix_len=64,
+                                       max_tokens=2, block_size=BS))
+    _run_checked(e)
+    assert_clean(e)
+    st = e.stats()
+    assert st.get("flush_errors") == 1 and st.get("save_errors") == 1, st
+    assert not st.get("host_flushes") and not st.get("records_saved"), st
+    a = block_names([1] * 64, BS)
+    assert not any(store.exists(n) for n in a)
+    e.worker.store = store
+    assert e.sched.reset_prefix_cache()
+    e.outputs.clear()
+    e.poison()
+    e.sched.add_request(create_request(request_id=2, num_tokens=80, common_prefix_len=64,
+                                       max_tokens=2, block_size=BS))
+    so = e.step()
+    # Block 0 is in no tier: the run starts there, and is computed.
+    assert so.num_scheduled_tokens == {"id-2": 64}, so.num_scheduled_tokens
+    _run_checked(e)
+    assert_clean(e)
+    assert not e.stats().get("load_errors")
+
+
+def test_write_policy_values_are_checked(tmp_path):
+    """An unknown ``write_policy`` is refused, listing the known ones; ``write_back``
+    without a host tier or without a store is refused, saying which is missing; on the
+    scheduler and on the workers alike."""
+    cases = [({"path": str(tmp_path / "s"), "write_policy": "write_around"},
+              r"write_policy'\] = 'write_around' is not known; the write policies are "
+              r"write_through, write_back"),
+             ({"path": str(tmp_path / "s"), "host_bytes": 0, "write_policy": "write_back"},
+              r"needs both a host tier .* no host tier \(host_bytes is 0\)"),
+             ({"host_bytes": 16 * PAGE, "write_policy": "write_back"},
+              r"needs both .* this config has no store \(path\)")]
+    for extra, match in cases:
+        cfg = create_vllm_config(block_size=BS, kv_connector="CpHiCacheConnector",
+                                 kv_connector_module_path="cp_hicache.vllm",
+                                 kv_role="kv_both", kv_connector_extra_config=extra)
+        for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+            with pytest.raises(ValueError, match=match):
+                CpHiCacheConnector(cfg, role, kv_cache_config())
+    # write_through, the default, spelled out.
+    e = Engine(tmp_path / "store", extra={"write_policy": "write_through"})
+    assert not e.connector.write_back
+
+
 HOST_PARALLEL = [dict(tp=2, shards=2), dict(dcp=2, interleave=1), dict(dcp=2, interleave=BS),
-                 dict(tp=2, mla=True), dict(tp=4, dcp=2, interleave=1, shards=2, heads=1)]
+                 dict(tp=2, mla=True), dict(tp=4, dcp=2, interleave=1, shards=2, heads=1),
+                 dict(dcp=4, interleave=1)]
 
 
 @pytest.mark.parametrize("kw", HOST_PARALLEL,
-                         ids=["tp2h2", "dcp2i1", "dcp2i16", "tp2mla", "tp4dcp2i1h2"])
+                         ids=["tp2h2", "dcp2i1", "dcp2i16", "tp2mla", "tp4dcp2i1h2", "dcp4i1"])
 def test_host_tier_under_tp_and_dcp(tmp_path, monkeypatch, kw):
     """Head shards, DCP ranks (whole-block and token interleave) and TP copies (MLA): every
     worker's pool holds its own bytes of each block in the planner's slot, and a prefix hit
