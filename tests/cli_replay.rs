@@ -567,6 +567,17 @@ fn a_rollback_that_drops_stale_entries_keeps_the_replicas_in_agreement() {
 
 /// Runs replay expecting a usage error: exit 2, one clear line, no panic.
 /// Runs `args`, expects exit status 2 naming `want`; returns stderr for further checks.
+/// The `--help` text of `command` (none: the binary's own), checked to exit 0.
+fn help_of(command: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
+        .args(command)
+        .arg("--help")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 fn usage_error(args: &[&str], want: &str) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
         .args(args)
@@ -990,12 +1001,7 @@ fn replay_options_work_without_the_command() {
 
 #[test]
 fn help_lists_values_and_ranges() {
-    let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
-        .args(["replay", "--help"])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(0));
-    let help = String::from_utf8_lossy(&out.stdout);
+    let help = help_of(&["replay"]);
     for want in [
         "write_through: back up every node",
         "write_back:    back up a node only when it is evicted",
@@ -1026,11 +1032,7 @@ fn help_lists_values_and_ranges() {
             "{stale:?} in --storage's help: {storage}"
         );
     }
-    let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
-        .arg("--help")
-        .output()
-        .unwrap();
-    let help = String::from_utf8_lossy(&out.stdout);
+    let help = help_of(&[]);
     assert!(
         help.contains("Replay options (without a command)"),
         "{help}"
@@ -1426,11 +1428,7 @@ fn gqa_replays_verified_under_every_layout() {
         &["replay", "--model", "gqa", "--kv-heads", "0"],
         "--kv-heads",
     );
-    let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
-        .args(["replay", "--help"])
-        .output()
-        .unwrap();
-    let help = String::from_utf8_lossy(&out.stdout);
+    let help = help_of(&["replay"]);
     for want in [
         "gqa:",
         "--kv-heads <KV_HEADS>",
@@ -1509,11 +1507,7 @@ fn gqa_tp_shards_replay_into_stores_of_their_own() {
         ],
         "same latent KV on every TP rank",
     );
-    let out = Command::new(env!("CARGO_BIN_EXE_cp-hicache"))
-        .args(["replay", "--help"])
-        .output()
-        .unwrap();
-    let help = String::from_utf8_lossy(&out.stdout);
+    let help = help_of(&["replay"]);
     for want in [
         "--tp-rank <R>",
         "--tp-size <S>",
