@@ -162,7 +162,10 @@ impl ObjectBackend for PyBackend {
             let got: Vec<Result<Option<bool>, StorageError>> =
                 self.answers("remove_objects", &got, names.len())?;
             // None (an object that cannot tell) counts as removed.
-            Ok(got.into_iter().map(|a| a.map(|r| r.unwrap_or(true))).collect())
+            Ok(got
+                .into_iter()
+                .map(|a| a.map(|r| r.unwrap_or(true)))
+                .collect())
         });
         spread(got, names.len())
     }

@@ -234,6 +234,19 @@ def _writer(
     rc.close()
 
 
+def _read_back(master, prompts) -> None:
+    """A fresh CP 1 cache reads every page of ``prompts`` back from the store, verified."""
+    pages = sum(len(p) for p in prompts) // PAGE
+    dep = cp_hicache.Deployment(model="mla", page_size=PAGE, cp=1, layers=LAYERS)
+    rc = cp_hicache.RankCache(dep, device_pages=2 * pages, host_pages=2 * pages, backend="host")
+    rc.attach_storage(master.url, options=dict(master.options, segment_bytes=0))
+    for p in prompts:
+        s = rc.serve(p)
+        assert s["storage_hit_tokens"] == len(p) and s["storage_records_read"] == len(p) // PAGE, s
+        assert s["mismatched_tokens"] == 0, s
+    rc.close()
+
+
 def _written(out, ranks=2):
     """The writers' stats, and the records they wrote, summed."""
     runs = [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
@@ -268,14 +281,7 @@ def test_cp2_rank_processes_write_and_a_fresh_cp1_cache_reads_back(
     # record's part 0 claims its assembly (two that see its parts complete at once).
     assert written == 30, written
 
-    dep = cp_hicache.Deployment(model="mla", page_size=PAGE, cp=1, layers=LAYERS)
-    rc = cp_hicache.RankCache(dep, device_pages=64, host_pages=64, backend="host")
-    rc.attach_storage(mooncake_master.url, options=dict(mooncake_master.options, segment_bytes=0))
-    for p in PROMPTS:
-        s = rc.serve(p)
-        assert s["storage_hit_tokens"] == 160 and s["storage_records_read"] == 10, s
-        assert s["mismatched_tokens"] == 0, s
-    rc.close()
+    _read_back(mooncake_master, PROMPTS)
     holder.close()
 
 
@@ -307,13 +313,7 @@ def test_records_in_parts_complete_in_one_batch_each_from_two_writers(
     assert all(len(run["removals"]) <= 2 * len(prompts) for run in runs), removals
     assert max(n for _, n in removals) >= 2, removals
 
-    dep = cp_hicache.Deployment(model="mla", page_size=PAGE, cp=1, layers=LAYERS)
-    rc = cp_hicache.RankCache(dep, device_pages=128, host_pages=128, backend="host")
-    rc.attach_storage(mooncake_master.url, options=dict(mooncake_master.options, segment_bytes=0))
-    for p in prompts:
-        s = rc.serve(p)
-        assert s["storage_records_read"] == 32 and s["mismatched_tokens"] == 0, s
-    rc.close()
+    _read_back(mooncake_master, prompts)
     holder.close()
 
 

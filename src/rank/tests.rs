@@ -808,14 +808,14 @@ fn a_request_s_records_go_to_a_batching_store_in_one_call_each_way() {
     // refuses 5 (the store counts it and removes it) past the miss, where the request
     // takes nothing; the rank counts it as it counts a refusal past the first miss of its
     // own batch.
-    objects.objects.lock().unwrap().remove(&names[3]);
-    let mut bytes = objects.objects.lock().unwrap()[&names[5]].clone();
-    bytes[100] ^= 1;
-    objects
-        .objects
-        .lock()
-        .unwrap()
-        .insert(names[5].clone(), bytes);
+    let miss_3_damage_5 = || {
+        let mut objs = objects.objects.lock().unwrap();
+        objs.remove(&names[3]);
+        let mut bytes = objs[&names[5]].clone();
+        bytes[100] ^= 1;
+        objs.insert(names[5].clone(), bytes);
+    };
+    miss_3_damage_5();
     let before = store.stats().refused_checksum;
     let mut rank = fresh();
     assert_eq!(rank.prefetch(&prompt, 0).unwrap(), 8);
@@ -834,14 +834,7 @@ fn a_request_s_records_go_to_a_batching_store_in_one_call_each_way() {
     let other: Vec<u32> = (0..4 * 16).map(|t| t * 5 + 1).collect();
     let mut rank = fresh();
     rank.serve(&other).unwrap();
-    objects.objects.lock().unwrap().remove(&names[3]);
-    let mut bytes = objects.objects.lock().unwrap()[&names[5]].clone();
-    bytes[100] ^= 1;
-    objects
-        .objects
-        .lock()
-        .unwrap()
-        .insert(names[5].clone(), bytes);
+    miss_3_damage_5();
     let before = store.stats().refused_checksum;
     assert_eq!(rank.prefetch(&prompt, 0).unwrap(), 8);
     // The read-ahead's one batch is done once its first record is (taken here).

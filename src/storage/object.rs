@@ -1087,117 +1087,48 @@ mod tests {
         }
     }
 
-    /// Two writers that see a record's parts complete at once, over an engine whose put
-    /// answers success for an object that is there (Mooncake Store's, its presence test
-    /// racing the other's put): one puts and counts the record, the other holds.
-    #[test]
-    fn two_writers_completing_a_record_at_once_count_it_once() {
-        struct Racing {
-            mem: Mem,
-            reads: std::sync::Barrier,
-        }
-        impl ObjectBackend for Racing {
-            fn put_if_absent(&self, name: &str, bytes: &[u8]) -> Result<bool, StorageError> {
-                self.mem.put_if_absent(name, bytes)?;
-                Ok(true)
-            }
-            fn get(&self, name: &str) -> Result<Option<Vec<u8>>, StorageError> {
-                // Both writers have read each part before either goes on.
-                let got = self.mem.get(name);
-                if name.contains("/part-") {
-                    self.reads.wait();
-                }
-                got
-            }
-            fn exist(&self, names: &[String]) -> Result<Vec<bool>, StorageError> {
-                self.mem.exist(names)
-            }
-            fn remove(&self, name: &str) -> Result<bool, StorageError> {
-                self.mem.remove(name)
-            }
-        }
-        let s = ObjectStore::new(
-            Racing {
-                mem: Mem::default(),
-                reads: std::sync::Barrier::new(2),
-            },
-            Fingerprint::named("test"),
-            8,
-        )
-        .unwrap();
-        let key = RecordKey::chain(s.fingerprint(), &[7, 7], 2)[0];
-        // Both parts there, as both writers put theirs before looking.
-        for (p, bytes) in [(0, b"abcd"), (1, b"efgh")] {
-            let part = record::encode(&s.fp, &s.part_key(&key, p, 2), bytes);
-            s.backend()
-                .mem
-                .put_if_absent(&part_name(&key, p, 2), &part)
-                .unwrap();
-        }
-        let puts: Vec<PartPut> = std::thread::scope(|t| {
-            let writers: Vec<_> = [(0u32, b"abcd"), (1, b"efgh")]
-                .into_iter()
-                .map(|(p, bytes)| {
-                    let s = &s;
-                    t.spawn(move || {
-                        let cat = |all: &[Vec<u8>]| Some(all.concat());
-                        s.put_part(&key, p, 2, bytes, &cat).unwrap()
-                    })
-                })
-                .collect();
-            writers.into_iter().map(|w| w.join().unwrap()).collect()
-        });
-        let completed = puts
-            .iter()
-            .filter(|p| matches!(p, PartPut::Completed { .. }))
-            .count();
-        assert_eq!(completed, 1, "{puts:?}");
-        assert_eq!(s.stats().records_written, 1);
-        assert_eq!(s.get(&key).unwrap(), Lookup::Hit(b"abcdefgh".to_vec()));
-        assert_eq!(
-            s.backend().mem.0.lock().unwrap().len(),
-            1,
-            "the parts are gone"
-        );
+    /// An engine whose put answers success for an object that is there (Mooncake Store's,
+    /// its presence test racing another's put), and whose reads of parts wait for a second
+    /// reader: two writers completing the same records both read every part before either
+    /// claims one.
+    struct Racing {
+        mem: Mem,
+        reads: std::sync::Barrier,
     }
 
-    /// Two writers whose batches of parts complete the same records at once, over an
-    /// engine whose put answers success for an object that is there: each record is put
-    /// and counted by one of them (the one whose batch removal of its part 0 found it),
-    /// whichever writer that is, record by record.
-    #[test]
-    fn two_writers_completing_records_in_one_batch_count_each_once() {
-        struct Racing {
-            mem: Mem,
-            reads: std::sync::Barrier,
+    impl ObjectBackend for Racing {
+        fn put_if_absent(&self, name: &str, bytes: &[u8]) -> Result<bool, StorageError> {
+            self.mem.put_if_absent(name, bytes)?;
+            Ok(true)
         }
-        impl ObjectBackend for Racing {
-            fn put_if_absent(&self, name: &str, bytes: &[u8]) -> Result<bool, StorageError> {
-                self.mem.put_if_absent(name, bytes)?;
-                Ok(true)
-            }
-            fn get(&self, name: &str) -> Result<Option<Vec<u8>>, StorageError> {
-                self.mem.get(name)
-            }
-            fn exist(&self, names: &[String]) -> Result<Vec<bool>, StorageError> {
-                self.mem.exist(names)
-            }
-            fn remove(&self, name: &str) -> Result<bool, StorageError> {
-                self.mem.remove(name)
-            }
-            fn get_many_into(
-                &self,
-                names: &[String],
-                dsts: &mut [Vec<&mut [u8]>],
-            ) -> Vec<Result<Option<usize>, StorageError>> {
-                // Both writers have read every part before either claims one.
-                let got = get_each_into(self, names, dsts);
-                if names.iter().any(|n| n.contains("/part-")) {
-                    self.reads.wait();
-                }
-                got
-            }
+        fn get(&self, name: &str) -> Result<Option<Vec<u8>>, StorageError> {
+            self.mem.get(name)
         }
+        fn exist(&self, names: &[String]) -> Result<Vec<bool>, StorageError> {
+            self.mem.exist(names)
+        }
+        fn remove(&self, name: &str) -> Result<bool, StorageError> {
+            self.mem.remove(name)
+        }
+        fn get_many_into(
+            &self,
+            names: &[String],
+            dsts: &mut [Vec<&mut [u8]>],
+        ) -> Vec<Result<Option<usize>, StorageError>> {
+            let got = get_each_into(self, names, dsts);
+            if names.iter().any(|n| n.contains("/part-")) {
+                self.reads.wait();
+            }
+            got
+        }
+    }
+
+    /// Two writers, one per part of `records` records in two parts whose parts are all
+    /// there (as both put theirs before looking), completing them at once: by `put_part`
+    /// of each (`batched` false, one record) or one `put_parts` of all. Each record is put
+    /// and counted by one of them (the one whose removal of its part 0 found it), and read
+    /// back whole; the parts are gone.
+    fn race(records: usize, batched: bool) {
         let s = ObjectStore::new(
             Racing {
                 mem: Mem::default(),
@@ -1207,8 +1138,8 @@ mod tests {
             8,
         )
         .unwrap();
-        let keys = RecordKey::chain(s.fingerprint(), &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 2);
-        // Every part there, as both writers put theirs before looking.
+        let tokens: Vec<u32> = (0..2 * records as u32).collect();
+        let keys = RecordKey::chain(s.fingerprint(), &tokens, 2);
         for key in &keys {
             for (p, bytes) in [(0, b"abcd"), (1, b"efgh")] {
                 let part = record::encode(&s.fp, &s.part_key(key, p, 2), bytes);
@@ -1225,6 +1156,9 @@ mod tests {
                     let (s, keys) = (&s, &keys);
                     t.spawn(move || {
                         let cat: Assemble<'_> = &|all: &[Vec<u8>]| Some(all.concat());
+                        if !batched {
+                            return vec![s.put_part(&keys[0], p, 2, bytes, cat).unwrap()];
+                        }
                         let items: Vec<PartItem<'_>> = keys
                             .iter()
                             .map(|k| PartItem {
@@ -1244,13 +1178,13 @@ mod tests {
                 .collect();
             writers.into_iter().map(|w| w.join().unwrap()).collect()
         });
-        for r in 0..keys.len() {
+        for (r, key) in keys.iter().enumerate() {
             let completed = puts
                 .iter()
                 .filter(|w| matches!(w[r], PartPut::Completed { .. }))
                 .count();
             assert_eq!(completed, 1, "record {r}: {puts:?}");
-            assert_eq!(s.get(&keys[r]).unwrap(), Lookup::Hit(b"abcdefgh".to_vec()));
+            assert_eq!(s.get(key).unwrap(), Lookup::Hit(b"abcdefgh".to_vec()));
         }
         assert_eq!(s.stats().records_written, keys.len() as u64);
         assert_eq!(
@@ -1258,6 +1192,21 @@ mod tests {
             keys.len(),
             "the parts are gone"
         );
+    }
+
+    /// Two writers that see a record's parts complete at once: one puts and counts the
+    /// record, the other holds.
+    #[test]
+    fn two_writers_completing_a_record_at_once_count_it_once() {
+        race(1, false);
+    }
+
+    /// Two writers whose batches of parts complete the same ten records at once: each
+    /// record is put and counted by one of them, whichever writer that is, record by
+    /// record.
+    #[test]
+    fn two_writers_completing_records_in_one_batch_count_each_once() {
+        race(10, true);
     }
 
     /// A batch of parts is three calls of the engine (the records' presence, the parts'
