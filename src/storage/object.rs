@@ -625,8 +625,10 @@ impl<B: ObjectBackend> PageStore for ObjectStore<B> {
     /// One [`ObjectBackend::exist`] of the items' records, one
     /// [`ObjectBackend::put_many`] of their parts (each not there already) and one
     /// [`ObjectBackend::exist`] of every part of those records, where `PageStore::put_part`
-    /// makes the three calls for each part; a record whose parts are
-    /// then all there is completed as `put_part` completes it.
+    /// makes the three calls for each part; the records whose parts are then all there
+    /// are completed together, in four more calls for all of them (a batch read of their
+    /// parts, a batch removal of their part 0s as the claims, a put of the records and a
+    /// batch removal of their other parts).
     fn put_parts(&self, items: &[PartItem<'_>]) -> Vec<Result<PartPut, StorageError>> {
         let mut out: Vec<Option<Result<PartPut, StorageError>>> =
             items.iter().map(|_| None).collect();
