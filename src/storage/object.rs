@@ -871,6 +871,21 @@ mod tests {
     use std::collections::HashMap;
     use std::sync::Mutex;
 
+    /// `get`, `exist` and `remove` of a test backend, as its field `mem`'s.
+    macro_rules! reads_from_mem {
+        () => {
+            fn get(&self, name: &str) -> Result<Option<Vec<u8>>, StorageError> {
+                self.mem.get(name)
+            }
+            fn exist(&self, names: &[String]) -> Result<Vec<bool>, StorageError> {
+                self.mem.exist(names)
+            }
+            fn remove(&self, name: &str) -> Result<bool, StorageError> {
+                self.mem.remove(name)
+            }
+        };
+    }
+
     #[derive(Default)]
     struct Mem(Mutex<HashMap<String, Vec<u8>>>);
 
@@ -956,15 +971,7 @@ mod tests {
             fn put_if_absent(&self, name: &str, bytes: &[u8]) -> Result<bool, StorageError> {
                 self.mem.put_if_absent(name, bytes)
             }
-            fn get(&self, name: &str) -> Result<Option<Vec<u8>>, StorageError> {
-                self.mem.get(name)
-            }
-            fn exist(&self, names: &[String]) -> Result<Vec<bool>, StorageError> {
-                self.mem.exist(names)
-            }
-            fn remove(&self, name: &str) -> Result<bool, StorageError> {
-                self.mem.remove(name)
-            }
+            reads_from_mem!();
             fn gathers(&self) -> bool {
                 true
             }
@@ -1045,15 +1052,7 @@ mod tests {
             fn put_if_absent(&self, name: &str, bytes: &[u8]) -> Result<bool, StorageError> {
                 self.mem.put_if_absent(name, bytes)
             }
-            fn get(&self, name: &str) -> Result<Option<Vec<u8>>, StorageError> {
-                self.mem.get(name)
-            }
-            fn exist(&self, names: &[String]) -> Result<Vec<bool>, StorageError> {
-                self.mem.exist(names)
-            }
-            fn remove(&self, name: &str) -> Result<bool, StorageError> {
-                self.mem.remove(name)
-            }
+            reads_from_mem!();
             fn gathers(&self) -> bool {
                 self.gathers
             }
@@ -1103,15 +1102,7 @@ mod tests {
             self.mem.put_if_absent(name, bytes)?;
             Ok(true)
         }
-        fn get(&self, name: &str) -> Result<Option<Vec<u8>>, StorageError> {
-            self.mem.get(name)
-        }
-        fn exist(&self, names: &[String]) -> Result<Vec<bool>, StorageError> {
-            self.mem.exist(names)
-        }
-        fn remove(&self, name: &str) -> Result<bool, StorageError> {
-            self.mem.remove(name)
-        }
+        reads_from_mem!();
         fn get_many_into(
             &self,
             names: &[String],
