@@ -350,6 +350,30 @@ class MooncakeStore:
         self._gone([name])
         return rc != _OBJECT_NOT_FOUND
 
+    def remove_objects(self, names: Sequence[str]) -> "List[bool | MooncakeError]":
+        """:meth:`remove_object` of each of ``names`` in one ``batch_remove``: whether this
+        call removed each (of two clients removing one object at once, one is answered
+        True), or the error of an object whose removal failed (the others' answers
+        stand)."""
+        if not names:
+            return []
+        rcs = list(self._store.batch_remove(list(names), True))
+        if len(rcs) != len(names):
+            raise MooncakeError(
+                f"Mooncake Store: batch_remove answered {len(rcs)} of {len(names)} names, "
+                f"master {self.master}"
+            )
+        out: "List[bool | MooncakeError]" = []
+        for n, rc in zip(names, rcs):
+            if rc == _OBJECT_NOT_FOUND:
+                out.append(False)
+            elif rc < 0:
+                out.append(self._error(f"remove {n}", rc))
+            else:
+                out.append(True)
+        self._gone(list(names))
+        return out
+
     def usage(self) -> int:
         """Bytes of the objects this client put that the cluster still holds (one
         ``batch_is_exist`` per 4,096 of them; those gone, evicted or removed by another

@@ -82,6 +82,10 @@ class Counting:
         self._n("remove_object", 1)
         return self._timed(self.inner.remove_object, name)
 
+    def remove_objects(self, names):
+        self._n("remove_objects", len(names))
+        return self._timed(self.inner.remove_objects, names)
+
     def put_objects_from(self, names, addrs, sizes):
         self._n("put_objects_from", len(names))
         return self._timed(self.inner.put_objects_from, names, addrs, sizes)

@@ -14,6 +14,10 @@
 //!   object at once at most one may be answered True: a record in parts is put by the
 //!   writer whose removal of its part 0 is;
 //! - optionally `usage() -> int` (bytes the store holds);
+//! - optionally `remove_objects(names: list[str]) -> list[bool | None]`: `remove_object`
+//!   of each in one call (each answer as `remove_object`'s; an exception instance in place
+//!   of one says that object's removal failed): a batch of records in parts claims and
+//!   clears their assembly in one call each;
 //! - optionally, both or neither, the batch calls that read and write this process's memory
 //!   at addresses given (no `bytes` made): `put_objects_from(names, addrs, sizes) -> list[bool]`
 //!   (object `names[i]` stored, unless there, as the bytes of the buffers `addrs[i][j]` of
@@ -50,6 +54,8 @@ pub struct PyBackend {
     batched: bool,
     /// Whether it is batched and says `gathers_puts`.
     gathers: bool,
+    /// Whether it has `remove_objects`.
+    removes_many: bool,
 }
 
 impl PyBackend {
@@ -80,11 +86,13 @@ impl PyBackend {
                 .getattr("gathers_puts")
                 .and_then(|g| g.is_truthy())
                 .unwrap_or(false);
+        let removes_many = obj.hasattr("remove_objects").unwrap_or(false);
         Ok(PyBackend {
             obj: obj.clone().unbind(),
             what,
             batched,
             gathers,
+            removes_many,
         })
     }
 
@@ -143,6 +151,23 @@ impl ObjectBackend for PyBackend {
             // None (an object that cannot tell) counts as removed.
             Ok(got.is_none() || got.is_truthy()?)
         })
+    }
+
+    fn remove_many(&self, names: &[String]) -> Vec<Result<bool, StorageError>> {
+        if !self.removes_many {
+            return names.iter().map(|n| self.remove(n)).collect();
+        }
+        let got = self.call("remove_objects", |o| {
+            let got = o.call_method1("remove_objects", (names.to_vec(),))?;
+            let got: Vec<Result<Option<bool>, StorageError>> =
+                self.answers("remove_objects", &got, names.len())?;
+            // None (an object that cannot tell) counts as removed.
+            Ok(got
+                .into_iter()
+                .map(|a| a.map(|r| r.unwrap_or(true)))
+                .collect())
+        });
+        spread(got, names.len())
     }
 
     fn usage(&self) -> Result<u64, StorageError> {

@@ -191,8 +191,32 @@ def test_an_empty_reply_of_an_object_that_is_there_is_a_failed_read(mooncake_mas
     store.close()
 
 
-def _writer(rank: int, port: int, url: str, options: dict, out: str, layout: dict) -> None:
+class Removals:
+    """A MooncakeStore that remembers its removals: ``("one", 1)`` per ``remove_object``,
+    ``("batch", len(names))`` per ``remove_objects``."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.calls = []
+
+    def remove_object(self, name):
+        self.calls.append(("one", 1))
+        return self.inner.remove_object(name)
+
+    def remove_objects(self, names):
+        self.calls.append(("batch", len(names)))
+        return self.inner.remove_objects(names)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _writer(
+    rank: int, port: int, url: str, options: dict, out: str, layout: dict, prompts=None
+) -> None:
     import torch.distributed as dist
+
+    from cp_hicache.mooncake import MooncakeStore
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
@@ -201,12 +225,34 @@ def _writer(rank: int, port: int, url: str, options: dict, out: str, layout: dic
         dep, rank, dist.group.WORLD, device_pages=64, host_pages=64, backend="host"
     )
     # Writers contribute no memory: the records go to the holder's segment.
-    rc.attach_storage(url, options=dict(options, segment_bytes=0))
-    stats = [rc.serve(p) for p in PROMPTS]
+    store = Removals(MooncakeStore(url, **dict(options, segment_bytes=0)))
+    rc.attach_storage(store)
+    stats = [rc.serve(p) for p in (PROMPTS if prompts is None else prompts)]
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(stats, f)
+        json.dump({"stats": stats, "removals": store.calls}, f)
     dist.barrier()
     rc.close()
+
+
+def _read_back(master, prompts) -> None:
+    """A fresh CP 1 cache reads every page of ``prompts`` back from the store, verified."""
+    pages = sum(len(p) for p in prompts) // PAGE
+    dep = cp_hicache.Deployment(model="mla", page_size=PAGE, cp=1, layers=LAYERS)
+    rc = cp_hicache.RankCache(dep, device_pages=2 * pages, host_pages=2 * pages, backend="host")
+    rc.attach_storage(master.url, options=dict(master.options, segment_bytes=0))
+    for p in prompts:
+        s = rc.serve(p)
+        assert s["storage_hit_tokens"] == len(p) and s["storage_records_read"] == len(p) // PAGE, s
+        assert s["mismatched_tokens"] == 0, s
+    rc.close()
+
+
+def _written(out, ranks=2):
+    """The writers' stats, and the records they wrote, summed."""
+    runs = [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+    for run in runs:
+        assert all(s["mismatched_tokens"] == 0 for s in run["stats"]), run
+    return runs, sum(s["storage_records_written"] for run in runs for s in run["stats"])
 
 
 @pytest.mark.parametrize("layout", [
@@ -230,26 +276,44 @@ def test_cp2_rank_processes_write_and_a_fresh_cp1_cache_reads_back(
         args=(_port(), mooncake_master.url, mooncake_master.options, str(tmp_path), layout),
         nprocs=2, start_method="spawn",
     )
-    for r in range(2):
-        stats = json.loads((tmp_path / f"rank{r}.json").read_text())
-        assert all(s["mismatched_tokens"] == 0 for s in stats), stats
-    written = sum(
-        s["storage_records_written"]
-        for r in range(2)
-        for s in json.loads((tmp_path / f"rank{r}.json").read_text())
-    )
+    _, written = _written(tmp_path)
     # Every page once: whole, by its owner; in parts, by the writer whose removal of the
     # record's part 0 claims its assembly (two that see its parts complete at once).
     assert written == 30, written
 
-    dep = cp_hicache.Deployment(model="mla", page_size=PAGE, cp=1, layers=LAYERS)
-    rc = cp_hicache.RankCache(dep, device_pages=64, host_pages=64, backend="host")
-    rc.attach_storage(mooncake_master.url, options=dict(mooncake_master.options, segment_bytes=0))
-    for p in PROMPTS:
-        s = rc.serve(p)
-        assert s["storage_hit_tokens"] == 160 and s["storage_records_read"] == 10, s
-        assert s["mismatched_tokens"] == 0, s
-    rc.close()
+    _read_back(mooncake_master, PROMPTS)
+    holder.close()
+
+
+def test_records_in_parts_complete_in_one_batch_each_from_two_writers(
+    mooncake_master, tmp_path
+):
+    """Token-interleave at CP 2, prompts of 32 pages: each rank writes its part of a
+    request's 32 records in one batch, and the batch that completes records claims them
+    all in one ``batch_remove`` of their part 0 (and clears their other parts in one more),
+    never one removal per record; the two writers racing for the same records, each
+    record is still put and counted once, and read back whole."""
+    pytest.importorskip("torch")
+    import torch.multiprocessing as mp
+
+    prompts = [np.arange(i * 5000, i * 5000 + 32 * PAGE, dtype=np.uint32) for i in range(2)]
+    holder = _holder(mooncake_master)
+    mp.start_processes(
+        _writer,
+        args=(_port(), mooncake_master.url, mooncake_master.options, str(tmp_path),
+              {"layout": "token-interleave", "interleave_size": 4}, prompts),
+        nprocs=2, start_method="spawn",
+    )
+    runs, written = _written(tmp_path)
+    assert written == 64, written
+    removals = [c for run in runs for c in run["removals"]]
+    assert ("one", 1) not in removals, removals
+    # Per request and writer at most two batches (the claims, the other parts); the
+    # records of a request complete together: some batch claims several.
+    assert all(len(run["removals"]) <= 2 * len(prompts) for run in runs), removals
+    assert max(n for _, n in removals) >= 2, removals
+
+    _read_back(mooncake_master, prompts)
     holder.close()
 
 

@@ -24,7 +24,7 @@ pub(super) type Read = Result<Lookup, StorageError>;
 
 /// Refused records and failed reads of the read-ahead that no request takes (past the
 /// first record of a batch that is not a hit, or aged out of the buffer): the store counted
-/// them, so the rank does too, in the next request that reads the store
+/// them, so the rank does too, as the request during which they happened ends
 /// ([`Prefetcher::untaken`]), as it counts those past the first miss of its own batches.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(super) struct Untaken {

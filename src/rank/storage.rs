@@ -648,22 +648,29 @@ impl RankCache {
                 break;
             }
         }
-        // What the read-ahead found and no request takes: counted as this request's own
-        // refusals and failed reads past its first miss are.
-        if let Some(u) = self.prefetcher.as_ref().map(|p| p.untaken()) {
-            stats.storage_refused_torn += u.torn;
-            stats.storage_refused_checksum += u.checksum;
-            stats.storage_refused_fingerprint += u.fingerprint;
-            if u.io_errors > 0 {
-                tracing::warn!(
-                    rank = self.rank.0,
-                    records = u.io_errors,
-                    "storage read ahead failed"
-                );
-                stats.storage_io_errors += u.io_errors;
-            }
-        }
         out
+    }
+
+    /// Counts into `stats` what the read-ahead refused or failed to read and no request
+    /// takes (past the first record of its batch that is not a hit, or aged out), since
+    /// the last count: as this request's own refusals and failed reads past its first miss
+    /// are. Called as every request ends (`finish_inner`), whether it read the
+    /// store or not, so a refusal is counted by the request during which it happened.
+    pub(super) fn count_untaken(&self, stats: &mut RequestStats) {
+        let Some(u) = self.prefetcher.as_ref().map(|p| p.untaken()) else {
+            return;
+        };
+        stats.storage_refused_torn += u.torn;
+        stats.storage_refused_checksum += u.checksum;
+        stats.storage_refused_fingerprint += u.fingerprint;
+        if u.io_errors > 0 {
+            tracing::warn!(
+                rank = self.rank.0,
+                records = u.io_errors,
+                "storage read ahead failed"
+            );
+            stats.storage_io_errors += u.io_errors;
+        }
     }
 
     /// The records this rank reads for the `n` pages of `keys` past the first `matched`,

@@ -688,7 +688,7 @@ impl crate::storage::ObjectBackend for BatchingObjects {
 /// records before it still serve, and what follows is recomputed and verified.
 #[test]
 fn a_request_s_records_go_to_a_batching_store_in_one_call_each_way() {
-    use crate::storage::{object_name, ObjectStore, PageStore as _, RecordKey};
+    use crate::storage::{object_name, Lookup, ObjectStore, PageStore as _, RecordKey};
     let exec = Arc::new(crate::exec::HostExecutor::new(Default::default()));
     let mut config = adopting_config(1, 2);
     config.host_pages = 32;
@@ -808,14 +808,14 @@ fn a_request_s_records_go_to_a_batching_store_in_one_call_each_way() {
     // refuses 5 (the store counts it and removes it) past the miss, where the request
     // takes nothing; the rank counts it as it counts a refusal past the first miss of its
     // own batch.
-    objects.objects.lock().unwrap().remove(&names[3]);
-    let mut bytes = objects.objects.lock().unwrap()[&names[5]].clone();
-    bytes[100] ^= 1;
-    objects
-        .objects
-        .lock()
-        .unwrap()
-        .insert(names[5].clone(), bytes);
+    let miss_3_damage_5 = || {
+        let mut objs = objects.objects.lock().unwrap();
+        objs.remove(&names[3]);
+        let mut bytes = objs[&names[5]].clone();
+        bytes[100] ^= 1;
+        objs.insert(names[5].clone(), bytes);
+    };
+    miss_3_damage_5();
     let before = store.stats().refused_checksum;
     let mut rank = fresh();
     assert_eq!(rank.prefetch(&prompt, 0).unwrap(), 8);
@@ -827,4 +827,24 @@ fn a_request_s_records_go_to_a_batching_store_in_one_call_each_way() {
         "{r:?}"
     );
     assert_eq!((r.computed_tokens, r.mismatched_tokens), (80, 0), "{r:?}");
+
+    // A refusal of the read-ahead is counted by the request during which it happened,
+    // at its end, even one that reads nothing from the store (here: a prompt the device
+    // holds), not left for the next request that reads the store.
+    let other: Vec<u32> = (0..4 * 16).map(|t| t * 5 + 1).collect();
+    let mut rank = fresh();
+    rank.serve(&other).unwrap();
+    miss_3_damage_5();
+    let before = store.stats().refused_checksum;
+    assert_eq!(rank.prefetch(&prompt, 0).unwrap(), 8);
+    // The read-ahead's one batch is done once its first record is (taken here).
+    let first = RecordKey::chain(store.fingerprint(), &prompt, 16)[0];
+    let ahead = rank.prefetcher.as_ref().unwrap().take(&first);
+    assert!(matches!(ahead, Some(Ok(Lookup::Hit(_)))), "{ahead:?}");
+    assert_eq!(store.stats().refused_checksum, before + 1);
+    objects.take_calls();
+    let r = rank.serve(&other).unwrap();
+    assert_eq!(objects.take_calls(), [], "a device hit reads no store");
+    assert_eq!(r.device_hit_tokens, 64, "{r:?}");
+    assert_eq!(r.storage_refused_checksum, 1, "{r:?}");
 }

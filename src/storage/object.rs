@@ -49,6 +49,12 @@ pub trait ObjectBackend: Send + Sync {
     /// (a writer of a record in parts claims its assembly so); a backend that cannot tell
     /// answers `true`.
     fn remove(&self, name: &str) -> Result<bool, StorageError>;
+    /// [`remove`](Self::remove) of each of `names`, in one call of the engine where it
+    /// has one: one answer per name, in order, each as `remove`'s (of callers removing
+    /// one object at once, at most one is answered `true`).
+    fn remove_many(&self, names: &[String]) -> Vec<Result<bool, StorageError>> {
+        names.iter().map(|n| self.remove(n)).collect()
+    }
     /// Bytes the store holds, as far as this client can tell (0 when it cannot).
     fn usage(&self) -> Result<u64, StorageError> {
         Ok(0)
@@ -306,51 +312,144 @@ impl<B: ObjectBackend> ObjectStore<B> {
             .collect()
     }
 
-    /// Completes `key`'s record, whose `parts` parts were all seen there: reads and checks
-    /// them, claims the assembly (the removal of part 0), assembles, puts the record and
-    /// removes the other parts.
-    fn complete(
+    /// Completes the records of `done` (key, parts, assembler), each of whose parts were
+    /// all seen there, in four calls of the engine for all of them: one
+    /// [`get_many_into`](ObjectBackend::get_many_into) of every part (each checked
+    /// against its own header), one [`remove_many`](ObjectBackend::remove_many) of the
+    /// part 0 of each record read whole (the claim: of the writers that read a record's
+    /// whole set, the one whose removal of its part 0 finds it assembles and puts it; no
+    /// shared lock, as the engine removes an object once, so a record is put, and counted,
+    /// by one writer), one [`put_many`](PageStore::put_many) of the records assembled, and
+    /// one `remove_many` of their other parts. One outcome per record, in order.
+    fn complete_many(
         &self,
-        key: &RecordKey,
-        parts: u32,
-        assemble: Assemble<'_>,
-    ) -> Result<PartPut, StorageError> {
-        let names: Vec<String> = (0..parts).map(|p| part_name(key, p, parts)).collect();
-        let mut all = Vec::with_capacity(parts as usize);
-        for p in 0..parts {
-            match self.read_part(key, p, parts)? {
-                // Taken meanwhile by another writer that assembled it.
-                None => return Ok(PartPut::Held),
-                Some(Err(why)) => {
-                    // A damaged part: removed, so the next writers start it again.
-                    self.refused(&why);
-                    let _ = self.backend.remove(&names[p as usize]);
-                    return Ok(PartPut::Held);
+        done: &[(RecordKey, u32, Assemble<'_>)],
+    ) -> Vec<Result<PartPut, StorageError>> {
+        if done.is_empty() {
+            return Vec::new();
+        }
+        let mut out: Vec<Option<Result<PartPut, StorageError>>> =
+            done.iter().map(|_| None).collect();
+        let names: Vec<Vec<String>> = done
+            .iter()
+            .map(|(key, parts, _)| (0..*parts).map(|p| part_name(key, p, *parts)).collect())
+            .collect();
+        let flat: Vec<String> = names.iter().flatten().cloned().collect();
+        // A part is at most a page: a buffer of a whole record holds any.
+        let mut bufs =
+            self.take_buffers(flat.len(), Some(HEADER_BYTES + self.payload_bytes as usize));
+        let answers = {
+            let mut dsts: Vec<Vec<&mut [u8]>> = bufs.iter_mut().map(|b| vec![&mut b[..]]).collect();
+            self.backend.get_many_into(&flat, &mut dsts)
+        };
+        let mut answers = if answers.len() == flat.len() {
+            answers
+        } else {
+            let why = format!(
+                "the backend answered {} of {} gets",
+                answers.len(),
+                flat.len()
+            );
+            flat.iter()
+                .map(|_| Err(StorageError::Backend(why.clone())))
+                .collect()
+        }
+        .into_iter();
+        // The parts of each record read whole, checked: its payloads, by record.
+        let mut read: Vec<(usize, Vec<Vec<u8>>)> = Vec::with_capacity(done.len());
+        let mut at = 0;
+        for (r, (key, parts, _)) in done.iter().enumerate() {
+            let n = *parts as usize;
+            let mine: Vec<Result<Option<usize>, StorageError>> = answers.by_ref().take(n).collect();
+            let mut all = Vec::with_capacity(n);
+            for (p, answer) in mine.into_iter().enumerate() {
+                if out[r].is_some() {
+                    break;
                 }
-                Some(Ok(b)) => all.push(b),
+                match answer {
+                    Err(e) => out[r] = Some(Err(e)),
+                    // Taken meanwhile by another writer that assembled it.
+                    Ok(None) => out[r] = Some(Ok(PartPut::Held)),
+                    Ok(Some(len)) => {
+                        match self.check_part(&bufs[at + p], len, key, p as u32, *parts) {
+                            Ok(payload) => all.push(payload.to_vec()),
+                            Err(why) => {
+                                // A damaged part: removed, so the next writers start it again.
+                                self.refused(&why);
+                                let _ = self.backend.remove(&names[r][p]);
+                                out[r] = Some(Ok(PartPut::Held));
+                            }
+                        }
+                    }
+                }
+            }
+            at += n;
+            if out[r].is_none() {
+                read.push((r, all));
             }
         }
-        // Claims the assembly: of the writers that read the whole set, the one whose
-        // removal of part 0 finds it puts the record (no shared lock; Mooncake removes an
-        // object once), so a record is put, and counted, by one writer.
-        if !self.backend.remove(&names[0])? {
-            return Ok(PartPut::Held);
-        }
-        let Some(payload) = assemble(&all) else {
-            let sizes: Vec<usize> = all.iter().map(Vec::len).collect();
-            return Err(StorageError::Config(format!(
-                "the parts of record {key} ({sizes:?} bytes) are not of this layout's sizes: \
-                 two layouts write parts of one record"
-            )));
+        self.give_back(bufs);
+        // The claims, one call for all.
+        let zeros: Vec<String> = read.iter().map(|(r, _)| names[*r][0].clone()).collect();
+        let claims = if zeros.is_empty() {
+            Vec::new()
+        } else {
+            self.backend.remove_many(&zeros)
         };
-        let put = self.put(key, &payload)?;
-        for n in &names[1..] {
-            let _ = self.backend.remove(n);
+        let claims = if claims.len() == zeros.len() {
+            claims
+        } else {
+            let why = format!(
+                "the backend answered {} of {} removals",
+                claims.len(),
+                zeros.len()
+            );
+            zeros
+                .iter()
+                .map(|_| Err(StorageError::Backend(why.clone())))
+                .collect()
+        };
+        let mut won: Vec<(usize, Vec<u8>)> = Vec::with_capacity(read.len());
+        for ((r, all), claim) in read.into_iter().zip(claims) {
+            let (key, _, assemble) = &done[r];
+            match claim {
+                Err(e) => out[r] = Some(Err(e)),
+                Ok(false) => out[r] = Some(Ok(PartPut::Held)),
+                Ok(true) => match assemble(&all) {
+                    Some(payload) => won.push((r, payload)),
+                    None => {
+                        let sizes: Vec<usize> = all.iter().map(Vec::len).collect();
+                        out[r] = Some(Err(StorageError::Config(format!(
+                            "the parts of record {key} ({sizes:?} bytes) are not of this \
+                             layout's sizes: two layouts write parts of one record"
+                        ))));
+                    }
+                },
+            }
         }
-        Ok(match put {
-            Put::Written { evicted } => PartPut::Completed { evicted },
-            Put::Present => PartPut::Present,
-        })
+        let records: Vec<(RecordKey, &[u8])> =
+            won.iter().map(|(r, p)| (done[*r].0, &p[..])).collect();
+        let puts = if records.is_empty() {
+            Vec::new()
+        } else {
+            self.put_many(&records)
+        };
+        let rest: Vec<String> = won
+            .iter()
+            .flat_map(|(r, _)| names[*r][1..].iter().cloned())
+            .collect();
+        for ((r, _), put) in won.iter().zip(puts) {
+            out[*r] = Some(put.map(|p| match p {
+                Put::Written { evicted } => PartPut::Completed { evicted },
+                Put::Present => PartPut::Present,
+            }));
+        }
+        if !rest.is_empty() {
+            let _ = self.backend.remove_many(&rest);
+        }
+        out.into_iter()
+            .map(|o| o.expect("every record answered"))
+            .collect()
     }
 
     /// The backend.
@@ -373,33 +472,33 @@ impl<B: ObjectBackend> ObjectStore<B> {
         c.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// A part's payload, checked against its header; `None` when missing.
-    fn read_part(
+    /// The payload of part `part` of `parts` of `key`'s record, read into `buf` (`len`
+    /// bytes long; a longer object was not read), checked against its own header.
+    fn check_part<'a>(
         &self,
+        buf: &'a [u8],
+        len: usize,
         key: &RecordKey,
         part: u32,
         parts: u32,
-    ) -> Result<Option<Result<Vec<u8>, RecordError>>, StorageError> {
-        let Some(bytes) = self.backend.get(&part_name(key, part, parts))? else {
-            return Ok(None);
-        };
-        let pk = self.part_key(key, part, parts);
+    ) -> Result<&'a [u8], RecordError> {
+        let bytes = buf.get(..len).ok_or(RecordError::Length {
+            have: len.saturating_sub(HEADER_BYTES) as u64,
+            want: self.payload_bytes,
+        })?;
         let head = bytes.get(..HEADER_BYTES).ok_or(RecordError::Torn {
             have: bytes.len() as u64,
             want: HEADER_BYTES as u64,
-        });
-        let checked = head.and_then(|head| {
-            // A part is at most a page: its header's length is checked against its own.
-            let len = u64::from_le_bytes(head[48..56].try_into().expect("8 bytes"));
-            if len == 0 || len > self.payload_bytes {
-                return Err(RecordError::Length {
-                    have: len,
-                    want: self.payload_bytes,
-                });
-            }
-            record::decode(&bytes, &self.fp, &pk, len).map(<[u8]>::to_vec)
-        });
-        Ok(Some(checked))
+        })?;
+        // A part is at most a page: its header's length is checked against its own.
+        let part_len = u64::from_le_bytes(head[48..56].try_into().expect("8 bytes"));
+        if part_len == 0 || part_len > self.payload_bytes {
+            return Err(RecordError::Length {
+                have: part_len,
+                want: self.payload_bytes,
+            });
+        }
+        record::decode(bytes, &self.fp, &self.part_key(key, part, parts), part_len)
     }
 }
 
@@ -518,14 +617,18 @@ impl<B: ObjectBackend> PageStore for ObjectStore<B> {
         if self.backend.exist(&names)?.iter().any(|&e| !e) {
             return Ok(PartPut::Held);
         }
-        self.complete(key, parts, assemble)
+        self.complete_many(&[(*key, parts, assemble)])
+            .pop()
+            .expect("one outcome per record")
     }
 
     /// One [`ObjectBackend::exist`] of the items' records, one
     /// [`ObjectBackend::put_many`] of their parts (each not there already) and one
     /// [`ObjectBackend::exist`] of every part of those records, where `PageStore::put_part`
-    /// makes the three calls for each part; a record whose parts are
-    /// then all there is completed as `put_part` completes it.
+    /// makes the three calls for each part; the records whose parts are then all there
+    /// are completed together, in four more calls for all of them (a batch read of their
+    /// parts, a batch removal of their part 0s as the claims, a put of the records and a
+    /// batch removal of their other parts).
     fn put_parts(&self, items: &[PartItem<'_>]) -> Vec<Result<PartPut, StorageError>> {
         let mut out: Vec<Option<Result<PartPut, StorageError>>> =
             items.iter().map(|_| None).collect();
@@ -623,16 +726,24 @@ impl<B: ObjectBackend> PageStore for ObjectStore<B> {
             match self.backend.exist(&names) {
                 Ok(there) if there.len() == names.len() => {
                     let mut at = 0;
+                    let mut whole = Vec::new();
                     for &i in &live {
                         let it = &items[i];
                         let n = it.parts as usize;
-                        let whole = there[at..at + n].iter().all(|&e| e);
-                        at += n;
-                        out[i] = Some(if whole {
-                            self.complete(&it.key, it.parts, it.assemble)
+                        if there[at..at + n].iter().all(|&e| e) {
+                            whole.push(i);
                         } else {
-                            Ok(PartPut::Held)
-                        });
+                            out[i] = Some(Ok(PartPut::Held));
+                        }
+                        at += n;
+                    }
+                    // The records whose parts are all there, completed together.
+                    let done: Vec<(RecordKey, u32, Assemble<'_>)> = whole
+                        .iter()
+                        .map(|&i| (items[i].key, items[i].parts, items[i].assemble))
+                        .collect();
+                    for (&i, put) in whole.iter().zip(self.complete_many(&done)) {
+                        out[i] = Some(put);
                     }
                 }
                 Ok(there) => {
@@ -760,6 +871,21 @@ mod tests {
     use std::collections::HashMap;
     use std::sync::Mutex;
 
+    /// `get`, `exist` and `remove` of a test backend, as its field `mem`'s.
+    macro_rules! reads_from_mem {
+        () => {
+            fn get(&self, name: &str) -> Result<Option<Vec<u8>>, StorageError> {
+                self.mem.get(name)
+            }
+            fn exist(&self, names: &[String]) -> Result<Vec<bool>, StorageError> {
+                self.mem.exist(names)
+            }
+            fn remove(&self, name: &str) -> Result<bool, StorageError> {
+                self.mem.remove(name)
+            }
+        };
+    }
+
     #[derive(Default)]
     struct Mem(Mutex<HashMap<String, Vec<u8>>>);
 
@@ -845,15 +971,7 @@ mod tests {
             fn put_if_absent(&self, name: &str, bytes: &[u8]) -> Result<bool, StorageError> {
                 self.mem.put_if_absent(name, bytes)
             }
-            fn get(&self, name: &str) -> Result<Option<Vec<u8>>, StorageError> {
-                self.mem.get(name)
-            }
-            fn exist(&self, names: &[String]) -> Result<Vec<bool>, StorageError> {
-                self.mem.exist(names)
-            }
-            fn remove(&self, name: &str) -> Result<bool, StorageError> {
-                self.mem.remove(name)
-            }
+            reads_from_mem!();
             fn gathers(&self) -> bool {
                 true
             }
@@ -934,15 +1052,7 @@ mod tests {
             fn put_if_absent(&self, name: &str, bytes: &[u8]) -> Result<bool, StorageError> {
                 self.mem.put_if_absent(name, bytes)
             }
-            fn get(&self, name: &str) -> Result<Option<Vec<u8>>, StorageError> {
-                self.mem.get(name)
-            }
-            fn exist(&self, names: &[String]) -> Result<Vec<bool>, StorageError> {
-                self.mem.exist(names)
-            }
-            fn remove(&self, name: &str) -> Result<bool, StorageError> {
-                self.mem.remove(name)
-            }
+            reads_from_mem!();
             fn gathers(&self) -> bool {
                 self.gathers
             }
@@ -978,35 +1088,40 @@ mod tests {
         }
     }
 
-    /// Two writers that see a record's parts complete at once, over an engine whose put
-    /// answers success for an object that is there (Mooncake Store's, its presence test
-    /// racing the other's put): one puts and counts the record, the other holds.
-    #[test]
-    fn two_writers_completing_a_record_at_once_count_it_once() {
-        struct Racing {
-            mem: Mem,
-            reads: std::sync::Barrier,
+    /// An engine whose put answers success for an object that is there (Mooncake Store's,
+    /// its presence test racing another's put), and whose reads of parts wait for a second
+    /// reader: two writers completing the same records both read every part before either
+    /// claims one.
+    struct Racing {
+        mem: Mem,
+        reads: std::sync::Barrier,
+    }
+
+    impl ObjectBackend for Racing {
+        fn put_if_absent(&self, name: &str, bytes: &[u8]) -> Result<bool, StorageError> {
+            self.mem.put_if_absent(name, bytes)?;
+            Ok(true)
         }
-        impl ObjectBackend for Racing {
-            fn put_if_absent(&self, name: &str, bytes: &[u8]) -> Result<bool, StorageError> {
-                self.mem.put_if_absent(name, bytes)?;
-                Ok(true)
+        reads_from_mem!();
+        fn get_many_into(
+            &self,
+            names: &[String],
+            dsts: &mut [Vec<&mut [u8]>],
+        ) -> Vec<Result<Option<usize>, StorageError>> {
+            let got = get_each_into(self, names, dsts);
+            if names.iter().any(|n| n.contains("/part-")) {
+                self.reads.wait();
             }
-            fn get(&self, name: &str) -> Result<Option<Vec<u8>>, StorageError> {
-                // Both writers have read each part before either goes on.
-                let got = self.mem.get(name);
-                if name.contains("/part-") {
-                    self.reads.wait();
-                }
-                got
-            }
-            fn exist(&self, names: &[String]) -> Result<Vec<bool>, StorageError> {
-                self.mem.exist(names)
-            }
-            fn remove(&self, name: &str) -> Result<bool, StorageError> {
-                self.mem.remove(name)
-            }
+            got
         }
+    }
+
+    /// Two writers, one per part of `records` records in two parts whose parts are all
+    /// there (as both put theirs before looking), completing them at once: by `put_part`
+    /// of each (`batched` false, one record) or one `put_parts` of all. Each record is put
+    /// and counted by one of them (the one whose removal of its part 0 found it), and read
+    /// back whole; the parts are gone.
+    fn race(records: usize, batched: bool) {
         let s = ObjectStore::new(
             Racing {
                 mem: Mem::default(),
@@ -1016,40 +1131,75 @@ mod tests {
             8,
         )
         .unwrap();
-        let key = RecordKey::chain(s.fingerprint(), &[7, 7], 2)[0];
-        // Both parts there, as both writers put theirs before looking.
-        for (p, bytes) in [(0, b"abcd"), (1, b"efgh")] {
-            let part = record::encode(&s.fp, &s.part_key(&key, p, 2), bytes);
-            s.backend()
-                .mem
-                .put_if_absent(&part_name(&key, p, 2), &part)
-                .unwrap();
+        let tokens: Vec<u32> = (0..2 * records as u32).collect();
+        let keys = RecordKey::chain(s.fingerprint(), &tokens, 2);
+        for key in &keys {
+            for (p, bytes) in [(0, b"abcd"), (1, b"efgh")] {
+                let part = record::encode(&s.fp, &s.part_key(key, p, 2), bytes);
+                s.backend()
+                    .mem
+                    .put_if_absent(&part_name(key, p, 2), &part)
+                    .unwrap();
+            }
         }
-        let puts: Vec<PartPut> = std::thread::scope(|t| {
+        let puts: Vec<Vec<PartPut>> = std::thread::scope(|t| {
             let writers: Vec<_> = [(0u32, b"abcd"), (1, b"efgh")]
                 .into_iter()
                 .map(|(p, bytes)| {
-                    let s = &s;
+                    let (s, keys) = (&s, &keys);
                     t.spawn(move || {
-                        let cat = |all: &[Vec<u8>]| Some(all.concat());
-                        s.put_part(&key, p, 2, bytes, &cat).unwrap()
+                        let cat: Assemble<'_> = &|all: &[Vec<u8>]| Some(all.concat());
+                        if !batched {
+                            return vec![s.put_part(&keys[0], p, 2, bytes, cat).unwrap()];
+                        }
+                        let items: Vec<PartItem<'_>> = keys
+                            .iter()
+                            .map(|k| PartItem {
+                                key: *k,
+                                part: p,
+                                parts: 2,
+                                payload: bytes,
+                                assemble: cat,
+                            })
+                            .collect();
+                        s.put_parts(&items)
+                            .into_iter()
+                            .map(Result::unwrap)
+                            .collect()
                     })
                 })
                 .collect();
             writers.into_iter().map(|w| w.join().unwrap()).collect()
         });
-        let completed = puts
-            .iter()
-            .filter(|p| matches!(p, PartPut::Completed { .. }))
-            .count();
-        assert_eq!(completed, 1, "{puts:?}");
-        assert_eq!(s.stats().records_written, 1);
-        assert_eq!(s.get(&key).unwrap(), Lookup::Hit(b"abcdefgh".to_vec()));
+        for (r, key) in keys.iter().enumerate() {
+            let completed = puts
+                .iter()
+                .filter(|w| matches!(w[r], PartPut::Completed { .. }))
+                .count();
+            assert_eq!(completed, 1, "record {r}: {puts:?}");
+            assert_eq!(s.get(key).unwrap(), Lookup::Hit(b"abcdefgh".to_vec()));
+        }
+        assert_eq!(s.stats().records_written, keys.len() as u64);
         assert_eq!(
             s.backend().mem.0.lock().unwrap().len(),
-            1,
+            keys.len(),
             "the parts are gone"
         );
+    }
+
+    /// Two writers that see a record's parts complete at once: one puts and counts the
+    /// record, the other holds.
+    #[test]
+    fn two_writers_completing_a_record_at_once_count_it_once() {
+        race(1, false);
+    }
+
+    /// Two writers whose batches of parts complete the same ten records at once: each
+    /// record is put and counted by one of them, whichever writer that is, record by
+    /// record.
+    #[test]
+    fn two_writers_completing_records_in_one_batch_count_each_once() {
+        race(10, true);
     }
 
     /// A batch of parts is three calls of the engine (the records' presence, the parts'
@@ -1086,6 +1236,18 @@ mod tests {
                     .map(|(n, s)| self.mem.put_if_absent(n, &s.concat()))
                     .collect()
             }
+            fn get_many_into(
+                &self,
+                names: &[String],
+                dsts: &mut [Vec<&mut [u8]>],
+            ) -> Vec<Result<Option<usize>, StorageError>> {
+                self.calls.lock().unwrap().push("get_many");
+                get_each_into(&self.mem, names, dsts)
+            }
+            fn remove_many(&self, names: &[String]) -> Vec<Result<bool, StorageError>> {
+                self.calls.lock().unwrap().push("remove_many");
+                self.mem.remove_many(names)
+            }
         }
         let s = ObjectStore::new(Counting::default(), Fingerprint::named("test"), 8).unwrap();
         let keys = RecordKey::chain(s.fingerprint(), &[1, 2, 3, 4, 5, 6, 7, 8], 2);
@@ -1113,6 +1275,21 @@ mod tests {
             done.iter()
                 .all(|p| matches!(p, Ok(PartPut::Completed { .. }))),
             "{done:?}"
+        );
+        // The four records completed together: one read of every part, one removal of
+        // each part 0 (the claims), one put of the records, one removal of the rest.
+        let calls = std::mem::take(&mut *s.backend().calls.lock().unwrap());
+        assert_eq!(
+            calls,
+            [
+                "exist",
+                "put_many",
+                "exist",
+                "get_many",
+                "remove_many",
+                "put_many",
+                "remove_many"
+            ]
         );
         for k in &keys {
             assert_eq!(s.get(k).unwrap(), Lookup::Hit(b"abcdefgh".to_vec()));

@@ -678,6 +678,8 @@ impl RankCache {
         to_free.extend_from_slice(&req.pages[req.in_tree..]);
         // 7. Release.
         self.unlock(req.locked)?;
+        // What the read-ahead refused meanwhile, this request counts.
+        self.count_untaken(&mut req.stats);
         Ok(to_free)
     }
 }
