@@ -14,12 +14,11 @@ use cp_hicache::jit::Sanitize;
 use cp_hicache::kernels::{BufferKind, Deployment, ModelShape, TpShard, TransferPath};
 use cp_hicache::rank::StoragePolicy;
 use cp_hicache::storage::{
-    object_name, payload_bytes, record, DirStore, Fingerprint, ObjectBackend, ObjectStore,
-    PageStore, RecordKey, StorageError,
+    object_name, payload_bytes, record, DirStore, Fingerprint, MemObjects, ObjectStore, PageStore,
+    RecordKey, StorageError,
 };
 use hicache_support::{evict_all, host_executor, jit, serve_checked, tokens, Setup};
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 const ORDERS: [BlockOrder; 2] = [BlockOrder::Forward, BlockOrder::Reverse];
 
@@ -99,29 +98,7 @@ fn a_wrong_owner_on_load_is_caught_for_gqa() {
 
 /// A shared in-memory object store (Mooncake Store's shape: one store for every rank of
 /// every TP shard, no directory of a shard's own).
-#[derive(Clone, Default)]
-struct SharedObjects(Arc<Mutex<HashMap<String, Vec<u8>>>>);
-
-impl ObjectBackend for SharedObjects {
-    fn put_if_absent(&self, name: &str, bytes: &[u8]) -> Result<bool, StorageError> {
-        let mut m = self.0.lock().unwrap();
-        if m.contains_key(name) {
-            return Ok(false);
-        }
-        m.insert(name.to_string(), bytes.to_vec());
-        Ok(true)
-    }
-    fn get(&self, name: &str) -> Result<Option<Vec<u8>>, StorageError> {
-        Ok(self.0.lock().unwrap().get(name).cloned())
-    }
-    fn exist(&self, names: &[String]) -> Result<Vec<bool>, StorageError> {
-        let m = self.0.lock().unwrap();
-        Ok(names.iter().map(|n| m.contains_key(n)).collect())
-    }
-    fn remove(&self, name: &str) -> Result<bool, StorageError> {
-        Ok(self.0.lock().unwrap().remove(name).is_some())
-    }
-}
+type SharedObjects = MemObjects;
 
 const TP_PAGE: u32 = 16;
 const TP_LAYERS: u32 = 2;
@@ -213,7 +190,7 @@ fn two_tp_shards_sharing_a_store_each_read_back_only_their_own_records() {
         "{s1:?}"
     );
     assert_eq!(s1.storage_records_written, pages, "{s1:?}");
-    assert_eq!(objects.0.lock().unwrap().len() as u64, 2 * pages);
+    assert_eq!(objects.objects().len() as u64, 2 * pages);
     for rank in [0, 1] {
         let s = serve_from_store(&mut tp_cluster(rank, tp_store(&objects, rank)), &prompt);
         assert_eq!(
@@ -247,16 +224,12 @@ fn a_record_of_the_other_tp_shard_is_refused_and_its_bytes_fail_verification() {
     let keys1 = RecordKey::chain(store1.fingerprint(), &prompt, TP_PAGE);
     let theirs: Vec<Vec<u8>> = keys0
         .iter()
-        .map(|k| objects.0.lock().unwrap()[&object_name(k)].clone())
+        .map(|k| objects.objects()[&object_name(k)].clone())
         .collect();
 
     // Copied as they are: refused by their fingerprint, counted, recomputed.
     for (k1, bytes) in keys1.iter().zip(&theirs) {
-        objects
-            .0
-            .lock()
-            .unwrap()
-            .insert(object_name(k1), bytes.clone());
+        objects.objects().insert(object_name(k1), bytes.clone());
     }
     let s = serve_from_store(&mut tp_cluster(1, store1.clone()), &prompt);
     assert_eq!(s.storage_hit_tokens, 0, "{s:?}");
@@ -272,7 +245,7 @@ fn a_record_of_the_other_tp_shard_is_refused_and_its_bytes_fail_verification() {
             payload_bytes(&tp_deployment(0), TP_LAYERS),
         )
         .unwrap();
-        objects.0.lock().unwrap().insert(
+        objects.objects().insert(
             object_name(k1),
             record::encode(store1.fingerprint(), k1, payload),
         );

@@ -27,7 +27,7 @@ pub use dir::{Clock, DirStore};
 
 pub use fault::{Damage, DamagingStore};
 pub use key::{Fingerprint, RecordKey};
-pub use object::{get_each_into, object_name, put_each, ObjectBackend, ObjectStore};
+pub use object::{get_each_into, object_name, put_each, MemObjects, ObjectBackend, ObjectStore};
 pub use parts::PageSlots;
 pub use record::{RecordError, Refusal};
 use serde::Serialize;

@@ -18,8 +18,9 @@ use super::{
     Assemble, Filled, Fingerprint, Lookup, PageStore, PartItem, PartPut, Put, RecordError,
     RecordKey, Refusal, StorageError, StoreStats,
 };
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Bytes of record buffers an [`ObjectStore`] keeps for its next batch: memory fresh from
 /// the allocator costs a page fault per 4 KiB at its first touch, which every batch of
@@ -90,6 +91,46 @@ pub trait ObjectBackend: Send + Sync {
         dsts: &mut [Vec<&mut [u8]>],
     ) -> Vec<Result<Option<usize>, StorageError>> {
         get_each_into(self, names, dsts)
+    }
+}
+
+/// An object store in this process's memory: each clone is another client of the same
+/// objects. For tests (of an engine's storage path, or of this crate's), where a real store
+/// would add a server and nothing to check; nothing is evicted and nothing survives the
+/// process.
+#[derive(Clone, Debug, Default)]
+pub struct MemObjects(Arc<Mutex<HashMap<String, Vec<u8>>>>);
+
+impl MemObjects {
+    /// The objects, to look at or to damage as a faulty store would.
+    pub fn objects(&self) -> MutexGuard<'_, HashMap<String, Vec<u8>>> {
+        // A panic while the lock was held left whole objects (every change is one map
+        // operation), so a poisoned lock is still consistent.
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl ObjectBackend for MemObjects {
+    fn put_if_absent(&self, name: &str, bytes: &[u8]) -> Result<bool, StorageError> {
+        let mut m = self.objects();
+        if m.contains_key(name) {
+            return Ok(false);
+        }
+        m.insert(name.to_string(), bytes.to_vec());
+        Ok(true)
+    }
+    fn get(&self, name: &str) -> Result<Option<Vec<u8>>, StorageError> {
+        Ok(self.objects().get(name).cloned())
+    }
+    fn exist(&self, names: &[String]) -> Result<Vec<bool>, StorageError> {
+        let m = self.objects();
+        Ok(names.iter().map(|n| m.contains_key(n)).collect())
+    }
+    fn remove(&self, name: &str) -> Result<bool, StorageError> {
+        Ok(self.objects().remove(name).is_some())
+    }
+    fn usage(&self) -> Result<u64, StorageError> {
+        Ok(self.objects().values().map(|v| v.len() as u64).sum())
     }
 }
 
@@ -868,7 +909,6 @@ impl<B: ObjectBackend> PageStore for ObjectStore<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::HashMap;
     use std::sync::Mutex;
 
     /// `get`, `exist` and `remove` of a test backend, as its field `mem`'s.
@@ -886,29 +926,7 @@ mod tests {
         };
     }
 
-    #[derive(Default)]
-    struct Mem(Mutex<HashMap<String, Vec<u8>>>);
-
-    impl ObjectBackend for Mem {
-        fn put_if_absent(&self, name: &str, bytes: &[u8]) -> Result<bool, StorageError> {
-            let mut m = self.0.lock().unwrap();
-            if m.contains_key(name) {
-                return Ok(false);
-            }
-            m.insert(name.to_string(), bytes.to_vec());
-            Ok(true)
-        }
-        fn get(&self, name: &str) -> Result<Option<Vec<u8>>, StorageError> {
-            Ok(self.0.lock().unwrap().get(name).cloned())
-        }
-        fn exist(&self, names: &[String]) -> Result<Vec<bool>, StorageError> {
-            let m = self.0.lock().unwrap();
-            Ok(names.iter().map(|n| m.contains_key(n)).collect())
-        }
-        fn remove(&self, name: &str) -> Result<bool, StorageError> {
-            Ok(self.0.lock().unwrap().remove(name).is_some())
-        }
-    }
+    type Mem = MemObjects;
 
     fn store() -> ObjectStore<Mem> {
         ObjectStore::new(Mem::default(), Fingerprint::named("test"), 8).unwrap()
@@ -1009,10 +1027,9 @@ mod tests {
         // A damaged one, a short one and a long one are refused and counted.
         let mut bad = record::encode(s.fingerprint(), &keys[0], &a);
         bad[HEADER_BYTES + 5] ^= 1;
-        let m = &s.backend().mem.0;
-        m.lock().unwrap().insert(object_name(&keys[0]), bad);
-        m.lock()
-            .unwrap()
+        let m = &s.backend().mem;
+        m.objects().insert(object_name(&keys[0]), bad);
+        m.objects()
             .insert(object_name(&keys[1]), raw[..n / 2].to_vec());
         let long = [&raw[..], b"x"].concat();
         let got = s.get_many(&keys[..2]);
@@ -1026,7 +1043,7 @@ mod tests {
             "{:?}",
             got[1]
         );
-        m.lock().unwrap().insert(object_name(&keys[1]), long);
+        m.objects().insert(object_name(&keys[1]), long);
         let got = s.get(&keys[1]);
         assert!(
             matches!(got, Ok(Lookup::Refused(RecordError::Length { .. }))),
@@ -1181,7 +1198,7 @@ mod tests {
         }
         assert_eq!(s.stats().records_written, keys.len() as u64);
         assert_eq!(
-            s.backend().mem.0.lock().unwrap().len(),
+            s.backend().mem.objects().len(),
             keys.len(),
             "the parts are gone"
         );
@@ -1295,11 +1312,7 @@ mod tests {
             assert_eq!(s.get(k).unwrap(), Lookup::Hit(b"abcdefgh".to_vec()));
         }
         assert_eq!(s.stats().records_written, 4);
-        assert_eq!(
-            s.backend().mem.0.lock().unwrap().len(),
-            4,
-            "the parts are gone"
-        );
+        assert_eq!(s.backend().mem.objects().len(), 4, "the parts are gone");
         // A record there already: its part is not put.
         assert!(matches!(
             s.put_parts(&items(0, b"abcd"))[..],
@@ -1319,7 +1332,7 @@ mod tests {
             PartPut::Completed { evicted: 0 }
         );
         assert_eq!(s.get(&key).unwrap(), Lookup::Hit(b"abcdefgh".to_vec()));
-        assert_eq!(s.backend().0.lock().unwrap().len(), 1, "the parts are gone");
+        assert_eq!(s.backend().objects().len(), 1, "the parts are gone");
         assert_eq!(
             s.put_part(&key, 0, 2, b"abcd", cat).unwrap(),
             PartPut::Present
