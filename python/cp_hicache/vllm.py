@@ -1649,7 +1649,10 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             for key, b in blocks:
                 if host.get(key) is not None:
                     host.touch(key)
-                    if self.write_back:  # held there already (or in the store: a fill)
+                    # Held there already: dirty, its slot's flush writes it; clean (a fill
+                    # from the store, perhaps another head split's records, whose read may
+                    # yet fail), written now (a record the store holds is answered present).
+                    if self.write_back and key in host.dirty:
                         only.add((rid, b))
                     continue
                 got = host.admit(key)
@@ -1965,9 +1968,13 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             lost = task.fail_all({rid: jobs for rid, jobs in left.items() if jobs})
             self._count(load_errors=len(lost), loader_failures=1)
         finally:
-            if task.fills:
-                self._host_fill(task, filled)
-            task.finish()
+            # The task finishes whatever the fills do (a writer's error while flushing a
+            # slot they replace included): _join_load waits for it.
+            try:
+                if task.fills:
+                    self._host_fill(task, filled)
+            finally:
+                task.finish()
 
     def _host_fill(self, task: "_LoadTask", filled: Set[int]) -> None:
         """Copies the step's blocks loaded from the store that the planner admitted to the
