@@ -1165,7 +1165,8 @@ class CpHiCacheConnector(KVConnectorBase_V1):
         ``capacity``, each is trimmed (opened again with a smaller budget: the store evicts
         its least recently used records down to it at open) to its proportional share of
         half (at least one of its records: a store's budget holds one). The own split gets
-        what they then hold less than ``capacity`` (at least one record). So a single TP
+        what they then hold less than ``capacity`` (at least one record; at least half of
+        it where they could not be trimmed, a store this process may only read). So a single TP
         degree's split gets the whole budget, and after a TP change the old split's
         records stay to be re-sharded while yielding room to the new one. Another
         deployment writing another split at the same time is not seen: each sees the
@@ -1198,7 +1199,15 @@ class CpHiCacheConnector(KVConnectorBase_V1):
             others = sum(n for _, n in held.values())
         for shards, (store, _) in held.items():
             self._split_stores[shards] = store
-        return max(capacity - others, self.page_bytes + RECORD_HEADER_BYTES)
+        own = capacity - others
+        if others > half:
+            # Not trimmed (a store this process may only read): the own split still gets
+            # half, rather than a store of one record.
+            logger.warning("cp_hicache: the other head splits' directories still hold %d "
+                           "bytes (not trimmed: read-only?); this split keeps %d bytes of "
+                           "capacity_bytes %d", others, capacity - half, capacity)
+            own = capacity - half
+        return max(own, self.page_bytes + RECORD_HEADER_BYTES)
 
     def _read_splits(self) -> List[int]:
         """The head splits whose records this deployment reads (``_model_splits``; only

@@ -1594,6 +1594,37 @@ def _split_dir_bytes(path) -> dict:
     return out
 
 
+def test_an_old_split_that_cannot_be_trimmed_leaves_the_new_one_half(tmp_path, monkeypatch):
+    """After a TP change, an old head split's directory that cannot be trimmed (a store
+    this process may only read: here its opens ignore the smaller budget) is not counted
+    against the new split beyond half: the new split keeps half of ``capacity_bytes``,
+    not a store of one record."""
+    import cp_hicache.vllm as cv
+
+    store = tmp_path / "store"
+    cap = 16 * (PAGE + 64)
+    extra = {"capacity_bytes": cap}
+    a = Engine(store, extra=extra, **_split_kw(2, monkeypatch))
+    for rid in (3, 5):
+        a.sched.add_request(create_request(request_id=rid, num_tokens=72, max_tokens=2,
+                                           block_size=BS))
+        a.run()
+    assert_clean(a)
+    assert sum(_split_dir_bytes(store).values()) == cap
+    real = cv._native.PageStore
+
+    def untrimmable(path, fingerprint, page_bytes, capacity):
+        if os.path.basename(path) == os.path.basename(a.worker.store_path):
+            capacity = cv._NO_EVICTION
+        return real(path, fingerprint, page_bytes, capacity)
+
+    monkeypatch.setattr(cv._native, "PageStore", untrimmable)
+    b = Engine(store, extra=extra, **_split_kw(4, monkeypatch))
+    assert _split_dir_bytes(store)[os.path.basename(a.worker.store_path)] == cap
+    assert b.connector.split_capacity == cap - cap // 2
+    assert all(w.split_capacity == cap - cap // 2 for w in b.workers)
+
+
 def test_capacity_bytes_is_one_budget_the_deployments_split_gets_whole(tmp_path,
                                                                        monkeypatch):
     """``capacity_bytes`` is one budget for the store. A single TP degree's head split
