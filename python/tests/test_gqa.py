@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import cp_hicache
+from test_object_store import DictStore
 
 
 def test_a_gqa_deployment_describes_its_shard():
@@ -90,28 +91,6 @@ def test_a_gqa_deployment_names_its_tp_shard():
                               tp_size=2)
 
 
-class _Objects:
-    """One object store for every TP shard (Mooncake Store's shape)."""
-
-    def __init__(self):
-        self.objects = {}
-
-    def put_object(self, name, data):
-        if name in self.objects:
-            return False
-        self.objects[name] = bytes(data)
-        return True
-
-    def get_object(self, name):
-        return self.objects.get(name)
-
-    def objects_exist(self, names):
-        return [n in self.objects for n in names]
-
-    def remove_object(self, name):
-        self.objects.pop(name, None)
-
-
 def _shard(rank):
     dep = cp_hicache.Deployment(model="gqa", kv_heads=4, head_dim=32, page_size=16, cp=1,
                                 layers=2, tp_rank=rank, tp_size=2)
@@ -120,7 +99,7 @@ def _shard(rank):
 
 def test_tp_shards_of_one_model_share_a_store_and_each_reads_back_only_its_own(tmp_path):
     prompt = np.arange(160, dtype=np.uint32)  # 10 pages
-    store = _Objects()
+    store = DictStore()  # one object store for every TP shard (Mooncake Store's shape)
     zero = _shard(0)
     zero.attach_storage(store)
     s = zero.serve(prompt)
