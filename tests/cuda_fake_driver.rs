@@ -1194,27 +1194,16 @@ const RANK_ENV: &str = "CP_HICACHE_FAKE_CUDA_RANK";
 /// rank only.
 #[test]
 fn ranks_in_separate_processes_share_pools_through_cuda_ipc() {
-    let lib = build_fake_driver();
+    let lib = build_fake_driver().to_str().unwrap().to_string();
     let group = tempfile::tempdir().unwrap();
     let cp = 4;
     let ranks: Vec<_> = (0..cp)
         .map(|r| {
-            let mut cmd = Command::new(std::env::current_exe().unwrap());
-            cmd.args([
-                "--ignored",
-                "--exact",
+            let at = format!("{r} {cp} {}", group.path().to_str().unwrap());
+            spawn_self(
                 "rank_process",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env("LD_LIBRARY_PATH", &lib)
-            .env(
-                RANK_ENV,
-                format!("{r} {cp} {}", group.path().to_str().unwrap()),
+                &[("LD_LIBRARY_PATH", lib.clone()), (RANK_ENV, at)],
             )
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped());
-            cmd.spawn().unwrap()
         })
         .collect();
     for (r, child) in ranks.into_iter().enumerate() {
@@ -1301,7 +1290,7 @@ const FENCE_OPEN_ENV: &str = "CP_HICACHE_FAKE_CUDA_FENCE_OPEN";
 /// rank's own events too (they were plain ids until the opens, and stayed alive).
 #[test]
 fn a_peer_fence_that_will_not_open_fails_start_up_naming_it() {
-    let lib = build_fake_driver();
+    let lib = build_fake_driver().to_str().unwrap().to_string();
     let cp = 3;
     for (open, peer, ring) in [
         ("1", 0, "whole"),
@@ -1311,22 +1300,11 @@ fn a_peer_fence_that_will_not_open_fails_start_up_naming_it() {
         let group = tempfile::tempdir().unwrap();
         let ranks: Vec<_> = (0..cp)
             .map(|r| {
-                let mut cmd = Command::new(std::env::current_exe().unwrap());
-                cmd.args([
-                    "--ignored",
-                    "--exact",
+                let at = format!("{r} {cp} {open} {peer} {}", group.path().to_str().unwrap());
+                spawn_self(
                     "fence_open_rank_process",
-                    "--nocapture",
-                    "--test-threads=1",
-                ])
-                .env("LD_LIBRARY_PATH", &lib)
-                .env(
-                    FENCE_OPEN_ENV,
-                    format!("{r} {cp} {open} {peer} {}", group.path().to_str().unwrap()),
+                    &[("LD_LIBRARY_PATH", lib.clone()), (FENCE_OPEN_ENV, at)],
                 )
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped());
-                cmd.spawn().unwrap()
             })
             .collect();
         let pids: Vec<u32> = ranks.iter().map(std::process::Child::id).collect();
